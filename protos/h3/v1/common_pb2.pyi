@@ -1,0 +1,137 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class RenderParams(_message.Message):
+    __slots__ = ("prompt", "width", "height", "frames", "steps", "seed", "sampler", "scheduler", "video_shift", "audio_shift")
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
+    WIDTH_FIELD_NUMBER: _ClassVar[int]
+    HEIGHT_FIELD_NUMBER: _ClassVar[int]
+    FRAMES_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    SAMPLER_FIELD_NUMBER: _ClassVar[int]
+    SCHEDULER_FIELD_NUMBER: _ClassVar[int]
+    VIDEO_SHIFT_FIELD_NUMBER: _ClassVar[int]
+    AUDIO_SHIFT_FIELD_NUMBER: _ClassVar[int]
+    prompt: str
+    width: int
+    height: int
+    frames: int
+    steps: int
+    seed: int
+    sampler: str
+    scheduler: str
+    video_shift: float
+    audio_shift: float
+    def __init__(self, prompt: _Optional[str] = ..., width: _Optional[int] = ..., height: _Optional[int] = ..., frames: _Optional[int] = ..., steps: _Optional[int] = ..., seed: _Optional[int] = ..., sampler: _Optional[str] = ..., scheduler: _Optional[str] = ..., video_shift: _Optional[float] = ..., audio_shift: _Optional[float] = ...) -> None: ...
+
+class Progress(_message.Message):
+    __slots__ = ("stage", "phase", "step", "total", "elapsed_s", "eta_s", "step_ms", "message")
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    PHASE_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_FIELD_NUMBER: _ClassVar[int]
+    ELAPSED_S_FIELD_NUMBER: _ClassVar[int]
+    ETA_S_FIELD_NUMBER: _ClassVar[int]
+    STEP_MS_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    stage: str
+    phase: str
+    step: int
+    total: int
+    elapsed_s: float
+    eta_s: float
+    step_ms: float
+    message: str
+    def __init__(self, stage: _Optional[str] = ..., phase: _Optional[str] = ..., step: _Optional[int] = ..., total: _Optional[int] = ..., elapsed_s: _Optional[float] = ..., eta_s: _Optional[float] = ..., step_ms: _Optional[float] = ..., message: _Optional[str] = ...) -> None: ...
+
+class Timing(_message.Message):
+    __slots__ = ("queue_s", "lease_wait_s", "load_s", "compute_s", "unload_s", "transfer_s")
+    QUEUE_S_FIELD_NUMBER: _ClassVar[int]
+    LEASE_WAIT_S_FIELD_NUMBER: _ClassVar[int]
+    LOAD_S_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
+    UNLOAD_S_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_S_FIELD_NUMBER: _ClassVar[int]
+    queue_s: float
+    lease_wait_s: float
+    load_s: float
+    compute_s: float
+    unload_s: float
+    transfer_s: float
+    def __init__(self, queue_s: _Optional[float] = ..., lease_wait_s: _Optional[float] = ..., load_s: _Optional[float] = ..., compute_s: _Optional[float] = ..., unload_s: _Optional[float] = ..., transfer_s: _Optional[float] = ...) -> None: ...
+
+class LoadRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class UnloadRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class WarmupRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class StatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class KernelChoice(_message.Message):
+    __slots__ = ("op", "kernel", "reason")
+    OP_FIELD_NUMBER: _ClassVar[int]
+    KERNEL_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    op: str
+    kernel: str
+    reason: str
+    def __init__(self, op: _Optional[str] = ..., kernel: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class LifecycleReply(_message.Message):
+    __slots__ = ("resident", "seconds", "message")
+    RESIDENT_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    resident: bool
+    seconds: float
+    message: str
+    def __init__(self, resident: _Optional[bool] = ..., seconds: _Optional[float] = ..., message: _Optional[str] = ...) -> None: ...
+
+class StageStatus(_message.Message):
+    __slots__ = ("stage", "health", "resident", "devices", "world_size", "weights", "variant", "memory_bytes", "queue_depth", "running", "lease_holder", "residency", "kernels", "embedded_model", "jobs_done")
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    HEALTH_FIELD_NUMBER: _ClassVar[int]
+    RESIDENT_FIELD_NUMBER: _ClassVar[int]
+    DEVICES_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_FIELD_NUMBER: _ClassVar[int]
+    VARIANT_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_DEPTH_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_FIELD_NUMBER: _ClassVar[int]
+    LEASE_HOLDER_FIELD_NUMBER: _ClassVar[int]
+    RESIDENCY_FIELD_NUMBER: _ClassVar[int]
+    KERNELS_FIELD_NUMBER: _ClassVar[int]
+    EMBEDDED_MODEL_FIELD_NUMBER: _ClassVar[int]
+    JOBS_DONE_FIELD_NUMBER: _ClassVar[int]
+    stage: str
+    health: str
+    resident: bool
+    devices: _containers.RepeatedScalarFieldContainer[str]
+    world_size: int
+    weights: str
+    variant: str
+    memory_bytes: int
+    queue_depth: int
+    running: int
+    lease_holder: str
+    residency: str
+    kernels: _containers.RepeatedCompositeFieldContainer[KernelChoice]
+    embedded_model: bool
+    jobs_done: int
+    def __init__(self, stage: _Optional[str] = ..., health: _Optional[str] = ..., resident: _Optional[bool] = ..., devices: _Optional[_Iterable[str]] = ..., world_size: _Optional[int] = ..., weights: _Optional[str] = ..., variant: _Optional[str] = ..., memory_bytes: _Optional[int] = ..., queue_depth: _Optional[int] = ..., running: _Optional[int] = ..., lease_holder: _Optional[str] = ..., residency: _Optional[str] = ..., kernels: _Optional[_Iterable[_Union[KernelChoice, _Mapping]]] = ..., embedded_model: _Optional[bool] = ..., jobs_done: _Optional[int] = ...) -> None: ...

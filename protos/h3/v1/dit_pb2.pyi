@@ -1,0 +1,44 @@
+from h3.v1 import common_pb2 as _common_pb2
+from h3.v1 import tensor_pb2 as _tensor_pb2
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class SampleRequest(_message.Message):
+    __slots__ = ("params", "job_id")
+    PARAMS_FIELD_NUMBER: _ClassVar[int]
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    params: _common_pb2.RenderParams
+    job_id: str
+    def __init__(self, params: _Optional[_Union[_common_pb2.RenderParams, _Mapping]] = ..., job_id: _Optional[str] = ...) -> None: ...
+
+class SampleInput(_message.Message):
+    __slots__ = ("request", "tensor")
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_FIELD_NUMBER: _ClassVar[int]
+    request: SampleRequest
+    tensor: _tensor_pb2.TensorChunk
+    def __init__(self, request: _Optional[_Union[SampleRequest, _Mapping]] = ..., tensor: _Optional[_Union[_tensor_pb2.TensorChunk, _Mapping]] = ...) -> None: ...
+
+class SampleDone(_message.Message):
+    __slots__ = ("timing", "ms_per_step", "world_size")
+    TIMING_FIELD_NUMBER: _ClassVar[int]
+    MS_PER_STEP_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    timing: _common_pb2.Timing
+    ms_per_step: float
+    world_size: int
+    def __init__(self, timing: _Optional[_Union[_common_pb2.Timing, _Mapping]] = ..., ms_per_step: _Optional[float] = ..., world_size: _Optional[int] = ...) -> None: ...
+
+class SampleEvent(_message.Message):
+    __slots__ = ("progress", "tensor", "done")
+    PROGRESS_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    progress: _common_pb2.Progress
+    tensor: _tensor_pb2.TensorChunk
+    done: SampleDone
+    def __init__(self, progress: _Optional[_Union[_common_pb2.Progress, _Mapping]] = ..., tensor: _Optional[_Union[_tensor_pb2.TensorChunk, _Mapping]] = ..., done: _Optional[_Union[SampleDone, _Mapping]] = ...) -> None: ...

@@ -1,0 +1,197 @@
+"""The one server bootstrap all stages share.
+
+`serve(...)` builds a grpc.server with health (grpc.health.v1), reflection,
+message-size limits, keepalive, optional TLS + bearer-token auth, registers the
+stage's servicer, and drains gracefully on SIGTERM: health flips to NOT_SERVING
+first, new work is refused, the running job finishes (or is cancelled, by
+flag), then the process exits.
+"""
+
+from __future__ import annotations
+
+import hmac
+import ipaddress
+import logging
+import signal
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent import futures
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from stagekit.errors import Unavailable, status_for
+from stagekit.runtime import Job, JobEvent, StageRuntime
+from stagekit.wire import MAX_CHUNK_BYTES
+
+log = logging.getLogger("stagekit.server")
+
+# Chunks are <= 2 MiB; 8 MiB leaves room for framing while still refusing abuse.
+MAX_MESSAGE_BYTES = 4 * MAX_CHUNK_BYTES
+GRPC_OPTIONS = [
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    # Long sampling streams: keep idle connections alive through NATs and proxies.
+    ("grpc.keepalive_time_ms", 30_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+    ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+]
+
+
+@dataclass
+class ServeConfig:
+    host: str = field(default="127.0.0.1", metadata={"help": "bind address; non-loopback needs TLS + token or --insecure"})
+    port: int = field(default=0, metadata={"help": "gRPC port (0 = pick a free one and print it)"})
+    max_workers: int = field(default=32, metadata={"help": "gRPC handler threads"})
+    tls_cert: str = field(default="", metadata={"help": "PEM server certificate"})
+    tls_key: str = field(default="", metadata={"help": "PEM server private key"})
+    token: str = field(default="", metadata={"help": "bearer token required in 'authorization' metadata"})
+    insecure: bool = field(default=False, metadata={"help": "allow a non-loopback bind without TLS/token"})
+    metrics_port: int = field(default=-1, metadata={"help": "Prometheus port (-1 off, 0 free port)"})
+    drain_s: float = field(default=30.0, metadata={"help": "SIGTERM: seconds to let the running job finish"})
+    cancel_on_term: bool = field(default=False, metadata={"help": "SIGTERM: cancel the running job instead of finishing it"})
+    port_file: str = field(default="", metadata={"help": "write the bound port here once serving (for scripts)"})
+
+
+def is_loopback(host: str) -> bool:
+    if host in ("localhost", ""):
+        return host == "localhost"
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        try:
+            return all(ipaddress.ip_address(a[4][0]).is_loopback for a in socket.getaddrinfo(host, None))
+        except OSError:
+            return False
+
+
+def check_exposure(cfg: ServeConfig) -> None:
+    """Refuse to expose a stage beyond loopback without TLS and a token, unless told to."""
+    if is_loopback(cfg.host) or cfg.insecure:
+        return
+    missing = [n for n, v in (("--tls-cert", cfg.tls_cert), ("--tls-key", cfg.tls_key), ("--token", cfg.token)) if not v]
+    if missing:
+        raise SystemExit(
+            f"refusing to bind {cfg.host}: a non-loopback address needs {', '.join(missing)} "
+            f"(or pass --insecure to accept the risk)")
+
+
+class TokenAuth(grpc.ServerInterceptor):
+    """Bearer-token check (constant-time compare); health checks stay open for probes."""
+
+    _OPEN = ("/grpc.health.v1.Health/",)
+
+    def __init__(self, token: str):
+        self._want = f"Bearer {token}".encode()
+
+        def deny(request, context):
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token in 'authorization' metadata")
+
+        self._deny = grpc.unary_unary_rpc_method_handler(deny)
+
+    def intercept_service(self, continuation, handler_call_details):
+        if handler_call_details.method.startswith(self._OPEN):
+            return continuation(handler_call_details)
+        got = dict(handler_call_details.invocation_metadata or ()).get("authorization", "")
+        if hmac.compare_digest(got.encode(), self._want):
+            return continuation(handler_call_details)
+        return self._deny
+
+
+class StageServer:
+    """A running gRPC server for one stage plus its health state."""
+
+    def __init__(self, cfg: ServeConfig, service_names: list[str],
+                 add_servicers: Callable[[grpc.Server], None]):
+        check_exposure(cfg)
+        self.cfg = cfg
+        interceptors = [TokenAuth(cfg.token)] if cfg.token else []
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=cfg.max_workers),
+                                  options=GRPC_OPTIONS, interceptors=interceptors)
+        add_servicers(self.server)
+        self.health = health.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        self.service_names = list(service_names)
+        reflection.enable_server_reflection(
+            self.service_names + [health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME],
+            self.server)
+        addr = f"{cfg.host}:{cfg.port}"
+        if cfg.tls_cert:
+            creds = grpc.ssl_server_credentials([(Path(cfg.tls_key).read_bytes(), Path(cfg.tls_cert).read_bytes())])
+            self.port = self.server.add_secure_port(addr, creds)
+        else:
+            self.port = self.server.add_insecure_port(addr)
+        if self.port == 0:
+            raise SystemExit(f"could not bind {addr}")
+        self.set_serving(False)
+
+    def set_serving(self, serving: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ["", *self.service_names]:
+            self.health.set(name, status)
+
+    def start(self) -> None:
+        self.server.start()
+        if self.cfg.port_file:
+            tmp = Path(self.cfg.port_file + ".tmp")
+            tmp.write_text(str(self.port))
+            tmp.replace(self.cfg.port_file)
+        log.info("serving %s on %s:%d", ",".join(self.service_names), self.cfg.host, self.port)
+
+    def run_until_terminated(self, runtime: StageRuntime) -> None:
+        """Block until SIGTERM/SIGINT, then drain: NOT_SERVING first, then finish/cancel, then stop."""
+        stop = threading.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: stop.set())
+        stop.wait()
+        log.info("draining: health NOT_SERVING, %s the running job", "cancelling" if self.cfg.cancel_on_term else "finishing")
+        self.health.enter_graceful_shutdown()
+        runtime.shutdown(cancel_running=self.cfg.cancel_on_term, grace_s=self.cfg.drain_s)
+        self.server.stop(grace=2.0).wait()
+
+
+def stream_job(runtime: StageRuntime, job: Job, context: grpc.ServicerContext,
+               on_event: Callable[[JobEvent], Iterator]) -> Iterator:
+    """Submit `job`, then turn its events into response messages until done or failed.
+
+    A client that disconnects or whose deadline passes cancels the job; the
+    runtime notices at the next step boundary on every rank.
+    """
+    remaining = context.time_remaining()
+    if remaining is not None and remaining < 1e8:
+        job.deadline = time.monotonic() + remaining
+    context.add_callback(job.cancel)
+    try:
+        runtime.submit(job)
+    except Exception as e:  # noqa: BLE001
+        code, msg = status_for(e)
+        context.abort(code, msg)
+    while True:
+        ev = job.events.get()
+        if ev.kind == "error":
+            code, msg = status_for(ev.payload)
+            context.abort(code, msg)
+        yield from on_event(ev)
+        if ev.kind == "done":
+            return
+
+
+def abort_on_error(context: grpc.ServicerContext, fn: Callable, *args):
+    """Run `fn`; a deliberate error becomes the RPC's status instead of a traceback."""
+    try:
+        return fn(*args)
+    except Exception as e:  # noqa: BLE001
+        code, msg = status_for(e)
+        context.abort(code, msg)
+
+
+def refuse_when_draining(runtime: StageRuntime) -> None:
+    if runtime._stop.is_set():  # noqa: SLF001 - the runtime's own shutdown flag
+        raise Unavailable("stage is draining; retry on another replica")

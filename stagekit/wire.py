@@ -1,0 +1,195 @@
+"""The one tensor wire codec shared by every stage.
+
+A tensor travels as a stream of `TensorChunk` messages: the first carries a
+`TensorHeader` (name, dtype, shape, byte count, CRC-32C), every chunk carries
+its byte offset, the final one is flagged `last` and carries the checksum (so a
+sender streams without a second pass over the data). The receiver preallocates the
+tensor, copies each chunk straight into place (one copy), and checks everything
+it was promised. Any mismatch raises `WireError`, which servers map to
+INVALID_ARGUMENT; nothing is handed on until the whole tensor has been checked.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Iterator
+
+import google_crc32c
+import torch
+
+from h3.v1 import tensor_pb2
+
+# gRPC's default message cap is 4 MiB; 2 MiB chunks leave ample room for framing.
+MAX_CHUNK_BYTES = 2 << 20
+
+# Wire names of the dtypes a stage may exchange. Explicit, so a new dtype is a
+# deliberate decision rather than whatever str(torch.dtype) happens to print.
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float64": torch.float64,
+    "int64": torch.int64,
+    "int32": torch.int32,
+    "int16": torch.int16,
+    "int8": torch.int8,
+    "uint8": torch.uint8,
+    "bool": torch.bool,
+}
+_NAMES = {v: k for k, v in DTYPES.items()}
+
+# Upper bound for one tensor (the decoded RGB of the largest canvas is ~1.1 GiB).
+MAX_TENSOR_BYTES = 4 << 30
+
+
+class WireError(ValueError):
+    """A tensor stream is malformed: wrong dtype/shape/size/checksum/order."""
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    try:
+        return _NAMES[dtype]
+    except KeyError:
+        raise WireError(f"dtype {dtype} cannot travel on the wire; supported: {sorted(DTYPES)}") from None
+
+
+def _crc32c(data: bytes, crc: int = 0) -> int:
+    return google_crc32c.extend(crc, data)
+
+
+def tensor_chunks(name: str, tensor: torch.Tensor, chunk_bytes: int = MAX_CHUNK_BYTES) -> Iterator[tensor_pb2.TensorChunk]:
+    """Encode `tensor` as chunk messages (CPU copy first if it lives on a device)."""
+    if not 0 < chunk_bytes <= MAX_CHUNK_BYTES:
+        raise ValueError(f"chunk_bytes must be in 1..{MAX_CHUNK_BYTES}, got {chunk_bytes}")
+    t = tensor.detach().to("cpu").contiguous()
+    header = tensor_pb2.TensorHeader(name=name, dtype=dtype_name(t.dtype), shape=list(t.shape))
+    nbytes = t.numel() * t.element_size()
+    header.nbytes = nbytes
+    if nbytes == 0:
+        yield tensor_pb2.TensorChunk(header=header, name=name, offset=0, data=b"", last=True, crc32c=0)
+        return
+    # A flat byte view of the storage: nothing is copied until a chunk is sliced out.
+    flat = t.reshape(-1).view(torch.uint8).numpy()
+    crc = 0
+    for off in range(0, nbytes, chunk_bytes):
+        piece = flat[off : off + chunk_bytes].tobytes()
+        crc = _crc32c(piece, crc)
+        last = off + chunk_bytes >= nbytes
+        msg = tensor_pb2.TensorChunk(name=name, offset=off, data=piece, last=last)
+        if off == 0:
+            msg.header.CopyFrom(header)
+        if last:
+            msg.crc32c = crc
+        yield msg
+
+
+class _Pending:
+    __slots__ = ("header", "buf", "view", "received", "crc")
+
+    def __init__(self, header: tensor_pb2.TensorHeader, max_bytes: int):
+        if header.dtype not in DTYPES:
+            raise WireError(f"tensor {header.name!r}: unknown dtype {header.dtype!r}; supported: {sorted(DTYPES)}")
+        if any(d < 0 for d in header.shape):
+            raise WireError(f"tensor {header.name!r}: negative dimension in shape {list(header.shape)}")
+        itemsize = torch.empty((), dtype=DTYPES[header.dtype]).element_size()
+        expect = math.prod(header.shape) * itemsize
+        if header.nbytes != expect:
+            raise WireError(
+                f"tensor {header.name!r}: header says {header.nbytes} bytes but shape {list(header.shape)} "
+                f"of {header.dtype} needs {expect}"
+            )
+        if expect > max_bytes:
+            raise WireError(f"tensor {header.name!r}: {expect} bytes exceeds the limit of {max_bytes}")
+        self.header = header
+        self.buf = torch.empty(expect, dtype=torch.uint8)
+        self.view = memoryview(self.buf.numpy()) if expect else None
+        self.received = 0
+        self.crc = 0
+
+
+class TensorAssembler:
+    """Reassembles tensors from chunks, validating as it goes.
+
+    `expect` optionally pins names to (dtype, shape) with None as a wildcard
+    dimension; a tensor that disagrees is rejected when its header arrives.
+    """
+
+    def __init__(
+        self,
+        expect: dict[str, tuple[str | None, tuple[int | None, ...] | None]] | None = None,
+        max_bytes: int = MAX_TENSOR_BYTES,
+        max_chunk_bytes: int = MAX_CHUNK_BYTES,
+    ):
+        self.expect = expect
+        self.max_bytes = max_bytes
+        self.max_chunk_bytes = max_chunk_bytes
+        self._pending: dict[str, _Pending] = {}
+        self.done: dict[str, torch.Tensor] = {}
+
+    def _check_expected(self, h: tensor_pb2.TensorHeader) -> None:
+        if self.expect is None:
+            return
+        if h.name not in self.expect:
+            raise WireError(f"unexpected tensor {h.name!r}; this call takes {sorted(self.expect)}")
+        dtype, shape = self.expect[h.name]
+        if dtype is not None and h.dtype != dtype:
+            raise WireError(f"tensor {h.name!r}: dtype {h.dtype} but {dtype} is required")
+        if shape is not None:
+            got = list(h.shape)
+            ok = len(got) == len(shape) and all(s is None or s == g for s, g in zip(shape, got))
+            if not ok:
+                want = ["*" if s is None else s for s in shape]
+                raise WireError(f"tensor {h.name!r}: shape {got} but {want} is required")
+
+    def feed(self, chunk: tensor_pb2.TensorChunk) -> tuple[str, torch.Tensor] | None:
+        """Take one chunk; returns (name, tensor) when a tensor is complete and verified."""
+        name = chunk.name
+        if len(chunk.data) > self.max_chunk_bytes:
+            raise WireError(f"tensor {name!r}: chunk of {len(chunk.data)} bytes exceeds {self.max_chunk_bytes}")
+        if chunk.HasField("header"):
+            if chunk.header.name != name:
+                raise WireError(f"chunk name {name!r} disagrees with its header name {chunk.header.name!r}")
+            if name in self._pending or name in self.done:
+                raise WireError(f"tensor {name!r} sent twice")
+            self._check_expected(chunk.header)
+            self._pending[name] = _Pending(chunk.header, self.max_bytes)
+        p = self._pending.get(name)
+        if p is None:
+            raise WireError(f"tensor {name!r}: chunk before its header (or after it completed)")
+        n = len(chunk.data)
+        if chunk.offset != p.received:
+            what = "duplicated" if chunk.offset < p.received else "missing"
+            raise WireError(f"tensor {name!r}: chunk at offset {chunk.offset}, expected {p.received} ({what} chunk)")
+        if p.received + n > p.header.nbytes:
+            raise WireError(f"tensor {name!r}: more data than the {p.header.nbytes} bytes declared")
+        if n:
+            p.view[p.received : p.received + n] = chunk.data
+            p.crc = _crc32c(chunk.data, p.crc)
+            p.received += n
+        if not chunk.last:
+            return None
+        if p.received != p.header.nbytes:
+            raise WireError(f"tensor {name!r}: stream ended after {p.received} of {p.header.nbytes} bytes")
+        if p.crc != chunk.crc32c:
+            raise WireError(f"tensor {name!r}: checksum mismatch (crc32c {p.crc:#010x} != {chunk.crc32c:#010x})")
+        del self._pending[name]
+        t = p.buf.view(DTYPES[p.header.dtype]).reshape(tuple(p.header.shape))
+        self.done[name] = t
+        return name, t
+
+    def finish(self, required: Iterable[str] = ()) -> dict[str, torch.Tensor]:
+        """Call when the stream ends: fails on truncated tensors or missing required ones."""
+        if self._pending:
+            names = ", ".join(f"{k!r} ({p.received}/{p.header.nbytes} bytes)" for k, p in self._pending.items())
+            raise WireError(f"stream ended with incomplete tensors: {names}")
+        missing = [r for r in required if r not in self.done]
+        if missing:
+            raise WireError(f"stream ended without required tensors: {missing}")
+        return self.done
+
+
+def check_finite(name: str, t: torch.Tensor) -> None:
+    """Reject NaN/Inf before a stage spends time on it."""
+    if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+        bad = int((~torch.isfinite(t)).sum())
+        raise WireError(f"tensor {name!r} contains {bad} NaN/Inf values")
