@@ -121,6 +121,7 @@ class StageRuntime:
         self.resident = False
         self.loading = False
         self.jobs_done = 0
+        self.last_lease_wait = 0.0
         self.running: Job | None = None
         self._q: "queue.Queue[Job | str]" = queue.Queue()
         self._pending = 0
@@ -177,6 +178,7 @@ class StageRuntime:
         try:
             if self.lease is not None and self.cfg.residency == "exclusive":
                 waited = self.lease.acquire(timeout_s=self.cfg.lease_timeout_s)
+            self.last_lease_wait = waited
             t1 = time.monotonic()
             self.group.broadcast_command((_LOAD, None))
             try:
@@ -268,8 +270,12 @@ class StageRuntime:
             if not self.resident:
                 job.events.put(JobEvent("progress", dict(stage=self.engine.name, phase="loading", step=0, total=0,
                                                          elapsed_s=0.0, eta_s=0.0, step_ms=0.0, message="")))
-            self._load()
-            job.timing["load_s"] = time.monotonic() - t0
+            if self.resident:
+                job.timing["load_s"] = 0.0
+            else:
+                self._load()
+                job.timing["lease_wait_s"] = self.last_lease_wait
+                job.timing["load_s"] = time.monotonic() - t0 - self.last_lease_wait
             t1 = time.monotonic()
             self.group.broadcast_command((_RUN, (job.spec, job.inputs)))
             result = self.engine.run(job.spec, job.inputs, JobContext(self.group, job, self.engine.name))

@@ -1,0 +1,188 @@
+"""h3-stages command line.
+
+    python -m client render --prompt "..." -o out.mp4 [--width 832 --height 480 --frames 124 --steps 8 ...]
+    python -m client render --prompts-file prompts.txt -o outdir/      (stage-batched)
+    python -m client status
+    python -m client loadtest --stage dit --concurrency 4 --requests 20
+
+Endpoints come from --encoder/--dit/--decoder, env H3_ENCODER/H3_DIT/H3_DECODER,
+or the endpoints file `scripts/up.sh` writes (run/endpoints.env). With none
+configured and none reachable, `render` starts an embedded local stack.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+import grpc
+
+from client.stubs import SERVICE_NAMES, STAGES, Endpoints, Security, StageClients, health_of
+from stagekit.errors import InvalidArgument
+from stagekit.models import EMBEDDED_NOTE
+from stagekit.render_params import (DEFAULT_FRAMES, DEFAULT_SIZE, DEFAULT_STEPS, SAMPLERS, SCHEDULERS, RenderSpec,
+                                    validate)
+
+DEFAULT_ENDPOINTS_FILE = Path("run/endpoints.env")
+
+
+def _read_endpoints_file(path: Path) -> dict[str, str]:
+    out = {}
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            if "=" in line and not line.lstrip().startswith("#"):
+                k, v = line.split("=", 1)
+                out[k.strip()] = v.strip()
+    return out
+
+
+def configured_endpoints(args) -> Endpoints | None:
+    file_vals = _read_endpoints_file(Path(args.endpoints_file))
+    vals = {}
+    for s in STAGES:
+        vals[s] = getattr(args, s) or os.environ.get(f"H3_{s.upper()}") or file_vals.get(f"H3_{s.upper()}")
+    if not any(vals.values()):
+        return None
+    missing = [s for s, v in vals.items() if not v]
+    if missing:
+        raise SystemExit(f"endpoints configured for some stages but not {missing}; give --{' --'.join(missing)}")
+    return Endpoints(**vals)
+
+
+def _reachable(ep: Endpoints, security: Security) -> bool:
+    with StageClients(ep, security) as c:
+        return all(health_of(c.channels[s], SERVICE_NAMES[s]) != "UNREACHABLE" for s in STAGES)
+
+
+def add_endpoint_args(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--encoder", help="text encoder endpoint host:port (or a list for round_robin)")
+    ap.add_argument("--dit", help="DiT sampler endpoint")
+    ap.add_argument("--decoder", help="decoder endpoint")
+    ap.add_argument("--endpoints-file", default=str(DEFAULT_ENDPOINTS_FILE), help="file written by scripts/up.sh")
+    ap.add_argument("--token", default=os.environ.get("H3_TOKEN", ""), help="bearer token for remote stages")
+    ap.add_argument("--tls-ca", default=os.environ.get("H3_TLS_CA", ""), help="CA certificate for TLS stages")
+
+
+def _spec(args, prompt: str) -> RenderSpec:
+    return RenderSpec(prompt=prompt, width=args.width, height=args.height, frames=args.frames, steps=args.steps,
+                      seed=args.seed, sampler=args.sampler, scheduler=args.scheduler,
+                      video_shift=args.video_shift, audio_shift=args.audio_shift)
+
+
+def cmd_render(args) -> int:
+    from client.embedded import EmbeddedStack, StackConfig
+    from client.progress import RenderProgress, print_summary
+    from client.pipeline import render, render_many
+
+    prompts = [args.prompt] if args.prompt else []
+    if args.prompts_file:
+        prompts += [p.strip() for p in Path(args.prompts_file).read_text(encoding="utf-8").splitlines() if p.strip()]
+    if not prompts:
+        raise SystemExit("give --prompt TEXT or --prompts-file FILE")
+    specs = [_spec(args, p) for p in prompts]
+    try:
+        for s in specs:
+            validate(s, need_prompt=True)
+    except InvalidArgument as e:
+        print(f"error: {e.message}", file=sys.stderr)
+        return 2
+    security = Security(args.token, args.tls_ca)
+    endpoints = configured_endpoints(args)
+    stack = None
+    if endpoints is None or not _reachable(endpoints, security):
+        if endpoints is not None:
+            print("configured endpoints are unreachable; starting an embedded local stack", file=sys.stderr)
+        stack = EmbeddedStack(StackConfig(models_dir=args.models_dir, devices=args.devices))
+        print("starting embedded stack (encoder, dit, decoder) on loopback ...", file=sys.stderr)
+        endpoints = stack.start()
+    if not args.models_dir and stack is not None:
+        print(EMBEDDED_NOTE, file=sys.stderr)
+    try:
+        with StageClients(endpoints, security) as clients, RenderProgress() as progress:
+            if len(specs) == 1:
+                out = Path(args.output)
+                results = [render(clients, specs[0], out, progress.update, crf=args.crf)]
+            else:
+                outdir = Path(args.output)
+                outdir.mkdir(parents=True, exist_ok=True)
+                jobs = [(s, outdir / f"{i:03d}.mp4") for i, s in enumerate(specs)]
+                results = render_many(clients, jobs, progress.update, crf=args.crf)
+        rc = 0
+        for r in results:
+            if isinstance(r, BaseException):
+                rc = 1
+                msg = r.details() if isinstance(r, grpc.RpcError) else str(r)
+                print(f"error: {msg}", file=sys.stderr)
+            else:
+                print_summary(r)
+        return rc
+    except grpc.RpcError as e:
+        print(f"error: {e.code().name}: {e.details()}", file=sys.stderr)
+        return 1
+    finally:
+        if stack is not None:
+            stack.stop()
+
+
+def cmd_status(args) -> int:
+    from client.progress import print_status
+    from h3.v1 import common_pb2
+
+    endpoints = configured_endpoints(args)
+    if endpoints is None:
+        print("no endpoints configured (start them with scripts/up.sh, or pass --encoder/--dit/--decoder)")
+        return 1
+    rows = []
+    with StageClients(endpoints, Security(args.token, args.tls_ca)) as c:
+        for s in STAGES:
+            health = health_of(c.channels[s], SERVICE_NAMES[s])
+            st = None
+            if health != "UNREACHABLE":
+                try:
+                    st = c.stub(s).Status(common_pb2.StatusRequest(), timeout=5, metadata=c.security.metadata())
+                except grpc.RpcError:
+                    pass
+            rows.append((s, endpoints.of(s), health, st))
+    print_status(rows)
+    return 0 if all(r[2] == "SERVING" for r in rows) else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m client", description="h3-stages client")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("render", help="prompt -> MP4 (video + audio)")
+    r.add_argument("--prompt", help="what to generate (describe picture and sound)")
+    r.add_argument("--prompts-file", help="one prompt per line; renders all, stage-batched, into -o DIR")
+    r.add_argument("-o", "--output", default="out.mp4", help="output MP4 (or directory with --prompts-file)")
+    r.add_argument("--width", type=int, default=DEFAULT_SIZE[0])
+    r.add_argument("--height", type=int, default=DEFAULT_SIZE[1])
+    r.add_argument("--frames", type=int, default=DEFAULT_FRAMES, help="17n+5 frames at 24 fps (124 = 5.2 s)")
+    r.add_argument("--steps", type=int, default=DEFAULT_STEPS)
+    r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--sampler", default="res_multistep", choices=SAMPLERS)
+    r.add_argument("--scheduler", default="simple", choices=SCHEDULERS)
+    r.add_argument("--video-shift", type=float, default=0.0, help="0 = model default (12)")
+    r.add_argument("--audio-shift", type=float, default=0.0, help="0 = model default (3)")
+    r.add_argument("--crf", type=int, default=0, help="H.264 quality (0 = default 18; lower is better)")
+    r.add_argument("--models-dir", default=os.environ.get("H3_MODELS_DIR", ""),
+                   help="real checkpoints for the embedded stack (default: tiny embedded model)")
+    r.add_argument("--devices", default="", help="devices for the embedded stack (e.g. cuda:0)")
+    add_endpoint_args(r)
+    r.set_defaults(fn=cmd_render)
+    s = sub.add_parser("status", help="health, residency, devices, kernels of each stage")
+    add_endpoint_args(s)
+    s.set_defaults(fn=cmd_status)
+    try:
+        from client.loadtest import add_parser as add_loadtest
+    except ImportError:
+        add_loadtest = None
+    if add_loadtest is not None:
+        add_loadtest(sub, add_endpoint_args)
+    args = ap.parse_args(argv)
+    return args.fn(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,140 @@
+"""A local stack of the three stage servers as subprocesses on free loopback ports.
+
+Used by `render` when no endpoints are configured and none are reachable, and
+by the tests. Multi-rank stages run under torchrun. Stopping sends SIGTERM to
+each process group (graceful drain), then SIGKILL after a grace period, so no
+orphan processes remain.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from client.stubs import SERVICE_NAMES, STAGES, Endpoints, health_of, open_channel
+
+MODULES = {"encoder": "encoder_svc", "dit": "dit_svc", "decoder": "decoder_svc"}
+
+
+@dataclass
+class StackConfig:
+    ranks: dict[str, int] = field(default_factory=lambda: {"encoder": 1, "dit": 1, "decoder": 1})
+    models_dir: str = ""
+    cache_dir: str = ""
+    run_dir: str = ""                 # logs + port files; default: a temp dir
+    lease_dir: str = ""               # default: <run_dir>/leases (isolated from other stacks)
+    residency: str = "exclusive"
+    devices: str = ""                 # e.g. "virt0" (CPU tests) or "cuda:0,cuda:1"
+    extra_args: dict[str, list[str]] = field(default_factory=dict)
+    env: dict[str, str] = field(default_factory=dict)
+    start_timeout_s: float = 180.0
+
+
+def stage_command(stage: str, ranks: int, args: list[str]) -> list[str]:
+    if ranks > 1:
+        return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks),
+                "--standalone", "--max-restarts", "3",
+                "-m", MODULES[stage], *args]
+    return [sys.executable, "-m", MODULES[stage], *args]
+
+
+class EmbeddedStack:
+    def __init__(self, cfg: StackConfig | None = None):
+        self.cfg = cfg or StackConfig()
+        self.run_dir = Path(self.cfg.run_dir or tempfile.mkdtemp(prefix="h3-stack-"))
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.lease_dir = Path(self.cfg.lease_dir or self.run_dir / "leases")
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.ports: dict[str, int] = {}
+
+    def _args(self, stage: str) -> list[str]:
+        c = self.cfg
+        args = ["--host", "127.0.0.1", "--port", "0", "--port-file", str(self.run_dir / f"{stage}.port"),
+                "--lease-dir", str(self.lease_dir), "--residency", c.residency]
+        if c.models_dir:
+            args += ["--models-dir", c.models_dir]
+        if c.cache_dir:
+            args += ["--cache-dir", c.cache_dir]
+        if c.devices:
+            args += ["--devices", c.devices]
+        return args + list(c.extra_args.get(stage, []))
+
+    def start_stage(self, stage: str) -> None:
+        port_file = self.run_dir / f"{stage}.port"
+        port_file.unlink(missing_ok=True)
+        log = open(self.run_dir / f"{stage}.log", "ab")
+        env = {**os.environ, **self.cfg.env, "PYTHONUNBUFFERED": "1"}
+        self.procs[stage] = subprocess.Popen(
+            stage_command(stage, self.cfg.ranks.get(stage, 1), self._args(stage)),
+            stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+    def start(self) -> Endpoints:
+        for stage in STAGES:
+            self.start_stage(stage)
+        try:
+            for stage in STAGES:
+                self.wait_ready(stage)
+        except BaseException:
+            self.stop()
+            raise
+        return self.endpoints()
+
+    def endpoints(self) -> Endpoints:
+        return Endpoints(**{s: f"127.0.0.1:{self.ports[s]}" for s in STAGES})
+
+    def wait_ready(self, stage: str, timeout_s: float | None = None) -> int:
+        deadline = time.monotonic() + (timeout_s or self.cfg.start_timeout_s)
+        port_file = self.run_dir / f"{stage}.port"
+        while time.monotonic() < deadline:
+            proc = self.procs[stage]
+            if proc.poll() is not None:
+                raise RuntimeError(f"{stage} exited with {proc.returncode}; log: {self.run_dir / (stage + '.log')}\n"
+                                   + self.tail(stage))
+            if port_file.exists():
+                port = int(port_file.read_text())
+                ch = open_channel(f"127.0.0.1:{port}")
+                try:
+                    if health_of(ch, SERVICE_NAMES[stage]) == "SERVING":
+                        self.ports[stage] = port
+                        return port
+                finally:
+                    ch.close()
+            time.sleep(0.1)
+        raise TimeoutError(f"{stage} not serving within the start timeout; log: {self.run_dir / (stage + '.log')}")
+
+    def tail(self, stage: str, n: int = 40) -> str:
+        try:
+            return "\n".join((self.run_dir / f"{stage}.log").read_text(errors="replace").splitlines()[-n:])
+        except FileNotFoundError:
+            return ""
+
+    def stop_stage(self, stage: str, grace_s: float = 20.0) -> None:
+        proc = self.procs.pop(stage, None)
+        if proc is None or proc.poll() is not None:
+            return
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(timeout=grace_s)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            pass
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # anything left in the group (ranks, children)
+        except ProcessLookupError:
+            pass
+        proc.wait()
+
+    def stop(self) -> None:
+        for stage in list(self.procs):
+            self.stop_stage(stage)
+
+    def __enter__(self) -> Endpoints:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

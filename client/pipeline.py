@@ -1,0 +1,198 @@
+"""Orchestration library: encode -> sample -> decode through the generated stubs.
+
+Each call streams the stage's progress to `on_progress(Progress)` and returns
+the stage's result plus its timing. `render_many` is stage-batched: all
+prompts are encoded, then all sampled, then all decoded, so each stage loads
+once for the whole batch on small cards.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import google_crc32c
+import torch
+
+from client.stubs import StageClients
+from h3.v1 import common_pb2, decoder_pb2, dit_pb2, encoder_pb2
+from stagekit.render_params import RenderSpec, spec_to_proto, validate
+from stagekit.wire import TensorAssembler, tensor_chunks
+
+ProgressFn = Callable[[common_pb2.Progress], None]
+# Per-stage RPC deadlines (seconds): generous, but a hung stage never hangs the client.
+DEADLINES = {"encoder": 1800.0, "dit": 4 * 3600.0, "decoder": 3600.0}
+
+
+def _noop(_p) -> None:
+    pass
+
+
+@dataclass
+class StageResult:
+    stage: str
+    wall_s: float
+    timing: common_pb2.Timing
+    extra: dict = field(default_factory=dict)
+
+
+@dataclass
+class RenderResult:
+    output: Path
+    stages: list[StageResult]
+
+    @property
+    def total_s(self) -> float:
+        return sum(s.wall_s for s in self.stages)
+
+
+def encode(clients: StageClients, prompt: str, job_id: str = "", on_progress: ProgressFn = _noop,
+           timeout_s: float | None = None) -> tuple[torch.Tensor, StageResult]:
+    t0 = time.monotonic()
+    asm = TensorAssembler()
+    done = None
+    stream = clients.encoder.Encode(encoder_pb2.EncodeRequest(prompt=prompt, job_id=job_id),
+                                    timeout=timeout_s or DEADLINES["encoder"], metadata=clients.security.metadata())
+    for ev in stream:
+        kind = ev.WhichOneof("event")
+        if kind == "progress":
+            on_progress(ev.progress)
+        elif kind == "tensor":
+            asm.feed(ev.tensor)
+        elif kind == "done":
+            done = ev.done
+    states = asm.finish(["text_states"])["text_states"]
+    if done is None:
+        raise RuntimeError("encoder stream ended without a done event")
+    return states, StageResult("encoder", time.monotonic() - t0, done.timing,
+                               {"tokens": done.tokens, "cache_hit": done.cache_hit})
+
+
+def _sample_inputs(spec: RenderSpec, job_id: str, text_states: torch.Tensor) -> Iterator[dit_pb2.SampleInput]:
+    req = dit_pb2.SampleRequest(job_id=job_id)
+    spec_to_proto(spec, req.params)
+    yield dit_pb2.SampleInput(request=req)
+    for chunk in tensor_chunks("text_states", text_states):
+        yield dit_pb2.SampleInput(tensor=chunk)
+
+
+def sample(clients: StageClients, spec: RenderSpec, text_states: torch.Tensor, job_id: str = "",
+           on_progress: ProgressFn = _noop, timeout_s: float | None = None
+           ) -> tuple[torch.Tensor, torch.Tensor, StageResult]:
+    t0 = time.monotonic()
+    asm = TensorAssembler()
+    done = None
+    for ev in clients.dit.Sample(_sample_inputs(spec, job_id, text_states), timeout=timeout_s or DEADLINES["dit"],
+                                 metadata=clients.security.metadata()):
+        kind = ev.WhichOneof("event")
+        if kind == "progress":
+            on_progress(ev.progress)
+        elif kind == "tensor":
+            asm.feed(ev.tensor)
+        elif kind == "done":
+            done = ev.done
+    out = asm.finish(["video_latents", "audio_latents"])
+    if done is None:
+        raise RuntimeError("DiT stream ended without a done event")
+    return out["video_latents"], out["audio_latents"], StageResult(
+        "dit", time.monotonic() - t0, done.timing, {"ms_per_step": done.ms_per_step, "ranks": done.world_size})
+
+
+def _decode_inputs(spec: RenderSpec, job_id: str, video: torch.Tensor, audio: torch.Tensor,
+                   fmt: int, crf: int) -> Iterator[decoder_pb2.DecodeInput]:
+    req = decoder_pb2.DecodeRequest(job_id=job_id, format=fmt, crf=crf)
+    spec_to_proto(spec, req.params)
+    yield decoder_pb2.DecodeInput(request=req)
+    for name, t in (("video_latents", video), ("audio_latents", audio)):
+        for chunk in tensor_chunks(name, t):
+            yield decoder_pb2.DecodeInput(tensor=chunk)
+
+
+def decode(clients: StageClients, spec: RenderSpec, video: torch.Tensor, audio: torch.Tensor, out_path: Path,
+           job_id: str = "", on_progress: ProgressFn = _noop, crf: int = 0, fmt: int = decoder_pb2.MP4,
+           timeout_s: float | None = None) -> StageResult:
+    """Stream the decoded file into `out_path` (written beside it, renamed only once complete and verified)."""
+    t0 = time.monotonic()
+    out_path = Path(out_path)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{out_path.name}.", dir=out_path.parent)
+    done = None
+    try:
+        crc, size, finished = 0, 0, False
+        with os.fdopen(fd, "wb") as f:
+            stream = clients.decoder.Decode(_decode_inputs(spec, job_id, video, audio, fmt, crf),
+                                            timeout=timeout_s or DEADLINES["decoder"], metadata=clients.security.metadata())
+            for ev in stream:
+                kind = ev.WhichOneof("event")
+                if kind == "progress":
+                    on_progress(ev.progress)
+                elif kind == "file":
+                    fc = ev.file
+                    if fc.offset != size:
+                        raise RuntimeError(f"decoder sent file bytes at offset {fc.offset}, expected {size}")
+                    f.write(fc.data)
+                    crc = google_crc32c.extend(crc, fc.data)
+                    size += len(fc.data)
+                    if fc.last:
+                        if fc.total_bytes != size or fc.crc32c != crc:
+                            raise RuntimeError("decoded file failed its size/checksum check; retry the decode")
+                        finished = True
+                elif kind == "done":
+                    done = ev.done
+        if not finished or done is None:
+            raise RuntimeError("decoder stream ended before the file was complete; retry the decode")
+        os.replace(tmp_name, out_path)
+    finally:
+        if os.path.exists(tmp_name):
+            os.unlink(tmp_name)
+    return StageResult("decoder", time.monotonic() - t0, done.timing,
+                       {"frames": done.frames, "audio_samples": done.audio_samples, "ranks": done.world_size})
+
+
+def render(clients: StageClients, spec: RenderSpec, out_path: Path, on_progress: ProgressFn = _noop,
+           job_id: str = "", crf: int = 0) -> RenderResult:
+    validate(spec, need_prompt=True)
+    states, r_enc = encode(clients, spec.prompt, job_id, on_progress)
+    video, audio, r_dit = sample(clients, spec, states, job_id, on_progress)
+    r_dec = decode(clients, spec, video, audio, out_path, job_id, on_progress, crf=crf)
+    return RenderResult(Path(out_path), [r_enc, r_dit, r_dec])
+
+
+def render_many(clients: StageClients, jobs: list[tuple[RenderSpec, Path]], on_progress: ProgressFn = _noop,
+                concurrency: int = 4, crf: int = 0) -> list[RenderResult | BaseException]:
+    """Stage-batched: every prompt is encoded, then every job sampled, then every job decoded.
+
+    Submitting a whole stage's work together lets each stage serve the batch in
+    one residency (one weight swap per stage instead of one per job).
+    """
+    for spec, _ in jobs:
+        validate(spec, need_prompt=True)
+    results: list[list[StageResult] | BaseException] = [[] for _ in jobs]
+
+    def stage_all(fn):
+        with ThreadPoolExecutor(max_workers=concurrency) as pool:
+            futs = {i: pool.submit(fn, i) for i, r in enumerate(results) if not isinstance(r, BaseException)}
+            out = {}
+            for i, fut in futs.items():
+                try:
+                    out[i] = fut.result()
+                except BaseException as e:  # noqa: BLE001 - recorded per job
+                    results[i] = e
+            return out
+
+    enc = stage_all(lambda i: encode(clients, jobs[i][0].prompt, f"job{i}", on_progress))
+    for i, (_, r) in enc.items():
+        results[i].append(r)
+    smp = stage_all(lambda i: sample(clients, jobs[i][0], enc[i][0], f"job{i}", on_progress))
+    for i, (_, _, r) in smp.items():
+        results[i].append(r)
+    dec = stage_all(lambda i: decode(clients, jobs[i][0], smp[i][0], smp[i][1], jobs[i][1], f"job{i}", on_progress,
+                                     crf=crf))
+    for i, r in dec.items():
+        results[i].append(r)
+    return [r if isinstance(r, BaseException) else RenderResult(Path(jobs[i][1]), r) for i, r in enumerate(results)]

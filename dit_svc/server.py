@@ -1,0 +1,100 @@
+"""DiT sampler service: `python -m dit_svc` (or under torchrun for N tensor-parallel ranks)."""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass, field
+
+from dit_svc.engine import DiTEngine, DiTEngineConfig
+from h3.v1 import dit_pb2, dit_pb2_grpc, common_pb2
+from stagekit.config import parse_config
+from stagekit.errors import InvalidArgument
+from stagekit.render_params import spec_from_proto
+from stagekit.runtime import Job
+from stagekit.server import abort_on_error, stream_job
+from stagekit.servicer import LifecycleMixin
+from stagekit.stage import CommonConfig, run_stage
+from stagekit.wire import TensorAssembler, check_finite, tensor_chunks
+
+SERVICE = "h3.v1.DiTSampler"
+# Text states are [L, text_dim] of a float dtype; L is bounded by the encoder's max tokens.
+MAX_TEXT_BYTES = 64 << 20
+
+
+@dataclass
+class DiTConfigArgs(CommonConfig):
+    port: int = field(default=50052, metadata={"help": "gRPC port"})
+    int8_mode: str = field(default="kernel", metadata={"help": "int8 linears: kernel (comfy-kitchen) | dequant"})
+    chunk_rows: int = field(default=4096, metadata={"help": "MLP token chunk (memory vs speed)"})
+
+
+def timing_pb(t: dict) -> common_pb2.Timing:
+    return common_pb2.Timing(**{k: v for k, v in t.items() if k in common_pb2.Timing.DESCRIPTOR.fields_by_name})
+
+
+class DiTServicer(LifecycleMixin, dit_pb2_grpc.DiTSamplerServicer):
+    def __init__(self, runtime):
+        self.runtime = runtime
+        self.engine: DiTEngine = runtime.engine
+
+    def describe(self) -> dict:
+        return self.engine.describe()
+
+    def _read_request(self, request_iterator):
+        first = next(request_iterator, None)
+        if first is None or first.WhichOneof("input") != "request":
+            raise InvalidArgument("the first SampleInput must carry the SampleRequest")
+        req = first.request
+        spec = spec_from_proto(req.params)
+        asm = TensorAssembler(expect={"text_states": (None, (None, self.engine.model_cfg.text_dim))},
+                              max_bytes=MAX_TEXT_BYTES)
+        for msg in request_iterator:
+            if msg.WhichOneof("input") != "tensor":
+                raise InvalidArgument("only tensor chunks may follow the SampleRequest")
+            asm.feed(msg.tensor)
+        text = asm.finish(["text_states"])["text_states"]
+        check_finite("text_states", text)
+        self.engine.check_request(spec, text)  # all validation before any rank starts work
+        return req, spec, text
+
+    def Sample(self, request_iterator, context):
+        req, spec, text = abort_on_error(context, self._read_request, request_iterator)
+        job = Job(spec=spec, inputs={"text_states": text})
+        job.job_id = req.job_id or job.job_id
+        steps = {"n": 0, "ms": 0.0}
+
+        def on_event(ev):
+            if ev.kind == "progress":
+                p = ev.payload
+                if p["step"]:
+                    steps["n"], steps["ms"] = p["step"], steps["ms"] + p["step_ms"]
+                yield dit_pb2.SampleEvent(progress=common_pb2.Progress(**p))
+            elif ev.kind == "done":
+                t0 = time.monotonic()
+                for name in ("video_latents", "audio_latents"):
+                    for chunk in tensor_chunks(name, ev.payload[name]):
+                        yield dit_pb2.SampleEvent(tensor=chunk)
+                job.timing["transfer_s"] = time.monotonic() - t0
+                yield dit_pb2.SampleEvent(done=dit_pb2.SampleDone(
+                    timing=timing_pb(job.timing), ms_per_step=steps["ms"] / max(1, steps["n"]),
+                    world_size=self.runtime.group.world_size))
+
+        yield from stream_job(self.runtime, job, context, on_event)
+
+
+def make_engine(cfg: DiTConfigArgs, info, group) -> DiTEngine:
+    device = cfg.device_for_rank(info)
+    return DiTEngine(DiTEngineConfig(weights=cfg.weights, models_dir=cfg.models_dir, cache_dir=cfg.resolved_cache_dir(),
+                                     device=device, compute_dtype=cfg.compute_dtype(device), int8_mode=cfg.int8_mode,
+                                     chunk_rows=cfg.chunk_rows), group)
+
+
+def main(argv: list[str] | None = None) -> None:
+    cfg = parse_config(DiTConfigArgs, argv, env_prefix="H3_DIT_", description="MiniMax-H3 DiT sampler stage")
+    run_stage(cfg, "dit", make_engine, SERVICE,
+              lambda server, runtime: dit_pb2_grpc.add_DiTSamplerServicer_to_server(DiTServicer(runtime), server))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,77 @@
+#!/usr/bin/env bash
+# Start the three h3-stages servers, wait until each is SERVING, print endpoints.
+# Idempotent: a stage whose pid file points at a live process is left alone.
+#
+#   scripts/up.sh [--run-dir run] [--models-dir DIR] [--devices cuda:0,cuda:1]
+#                 [--encoder-ranks 1] [--dit-ranks 2] [--decoder-ranks 2]
+#                 [--encoder-port 50051] [--dit-port 50052] [--decoder-port 50053]
+#                 [--residency exclusive|shared] [--host 127.0.0.1] [-- extra args for every stage]
+# Env H3_* settings (e.g. H3_IDLE_UNLOAD_S) pass through to the stages.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY="${PYTHON:-python}"
+run_dir=run; models_dir=""; devices=""; residency=exclusive; host=127.0.0.1
+declare -A ranks=([encoder]=1 [dit]=1 [decoder]=1)
+declare -A ports=([encoder]=50051 [dit]=50052 [decoder]=50053)
+declare -A module=([encoder]=encoder_svc [dit]=dit_svc [decoder]=decoder_svc)
+extra=()
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    --run-dir) run_dir="$2"; shift 2;;
+    --models-dir) models_dir="$2"; shift 2;;
+    --devices) devices="$2"; shift 2;;
+    --residency) residency="$2"; shift 2;;
+    --host) host="$2"; shift 2;;
+    --encoder-ranks|--dit-ranks|--decoder-ranks) s="${1#--}"; ranks[${s%-ranks}]="$2"; shift 2;;
+    --encoder-port|--dit-port|--decoder-port) s="${1#--}"; ports[${s%-port}]="$2"; shift 2;;
+    --) shift; extra=("$@"); break;;
+    -h|--help) sed -n '2,12p' "$0"; exit 0;;
+    *) echo "up.sh: unknown option $1" >&2; exit 2;;
+  esac
+done
+mkdir -p "$run_dir"
+run_dir="$(cd "$run_dir" && pwd)"
+alive() { [[ -f "$1" ]] && kill -0 "$(cat "$1")" 2>/dev/null; }
+
+for stage in encoder dit decoder; do
+  pidf="$run_dir/$stage.pid"
+  if alive "$pidf"; then echo "$stage already running (pid $(cat "$pidf"))"; continue; fi
+  args=(--host "$host" --port "${ports[$stage]}" --port-file "$run_dir/$stage.port"
+        --lease-dir "$run_dir/leases" --residency "$residency")
+  [[ -n "$models_dir" ]] && args+=(--models-dir "$models_dir")
+  [[ -n "$devices" ]] && args+=(--devices "$devices")
+  rm -f "$run_dir/$stage.port"
+  if [[ "${ranks[$stage]}" -gt 1 ]]; then
+    cmd=("$PY" -m torch.distributed.run --standalone --nproc-per-node "${ranks[$stage]}" --max-restarts 3
+         -m "${module[$stage]}" "${args[@]}" "${extra[@]}")
+  else
+    cmd=("$PY" -m "${module[$stage]}" "${args[@]}" "${extra[@]}")
+  fi
+  setsid "${cmd[@]}" >>"$run_dir/$stage.log" 2>&1 < /dev/null &
+  echo $! > "$pidf"
+  echo "started $stage (pid $!, ranks ${ranks[$stage]}), log $run_dir/$stage.log"
+done
+
+"$PY" - "$run_dir" <<'PYEOF'
+import sys, time
+from pathlib import Path
+from client.stubs import SERVICE_NAMES, health_of, open_channel
+run = Path(sys.argv[1]); deadline = time.time() + 600; lines = []
+for stage in ("encoder", "dit", "decoder"):
+    while True:
+        pf, pid = run / f"{stage}.port", run / f"{stage}.pid"
+        if pf.exists():
+            ch = open_channel(f"127.0.0.1:{pf.read_text().strip()}")
+            if health_of(ch, SERVICE_NAMES[stage]) == "SERVING":
+                lines.append(f"H3_{stage.upper()}=127.0.0.1:{pf.read_text().strip()}"); break
+        try:
+            import os; os.kill(int(pid.read_text()), 0)
+        except (OSError, ValueError):
+            sys.exit(f"{stage} died while starting; see {run / (stage + '.log')}")
+        if time.time() > deadline:
+            sys.exit(f"{stage} not SERVING after 600 s; see {run / (stage + '.log')}")
+        time.sleep(0.2)
+(run / "endpoints.env").write_text("\n".join(lines) + "\n")
+print("\n".join(lines))
+PYEOF
+echo "endpoints written to $run_dir/endpoints.env (python -m client reads run/endpoints.env by default)"

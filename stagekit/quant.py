@@ -1,0 +1,298 @@
+"""Int8 ConvRot weights as shipped in the ComfyUI / comfy-kitchen checkpoints (h3_architecture.md §8.2).
+
+Storage, per quantized linear `P` (out features N, in features K):
+  `P.weight`        int8 [N, K]  -- W rotated group-wise on the input side by H_g, then row-wise int8
+  `P.weight_scale`  fp32 [N, 1]  -- absmax(W_rot[row]) / 127
+  `P.comfy_quant`   uint8 [n]    -- UTF-8 JSON: {"format": "int8_tensorwise", "convrot": true, "convrot_groupsize": 256}
+                                    (fields possibly nested under "params")
+
+Because H_g is symmetric and orthonormal (H_g @ H_g = I), the same group-wise right-multiplication both rotates
+and un-rotates, and x_rot @ W_rot^T == x @ W^T -- which is why the int8 kernel only has to rotate activations.
+
+This module is shared by the DiT and the text encoder: it has no model knowledge.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+INT8_QMAX = 127  # symmetric int8 grid used by comfy-kitchen: scale = absmax / 127, values clamped to [-128, 127]
+SCALE_FLOOR = 1e-30  # comfy-kitchen clamps the row scale so all-zero rows do not divide by zero
+DEFAULT_CONVROT_GROUPSIZE = 256  # DiT block linears; the unpruned AdaLN uses 64 (2688 = 42 * 64)
+COMFY_INT8_FORMAT = "int8_tensorwise"  # ComfyUI's name for the int8 family, per-row scale included
+
+# comfy-kitchen's torch.ops int8_linear takes an output dtype code instead of a dtype.
+_CK_DTYPE_CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+
+Int8Mode = Literal["kernel", "dequant"]
+
+
+class QuantFormatError(ValueError):
+    """A comfy_quant descriptor or an int8 tensor pair that this code cannot interpret."""
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Hadamard rotation
+# ----------------------------------------------------------------------------------------------------------------
+
+_H4 = ((1, 1, 1, -1), (1, 1, -1, 1), (1, -1, 1, 1), (-1, 1, 1, 1))  # the "regular" symmetric Hadamard of order 4
+
+
+def is_power_of_4(n: int) -> bool:
+    return n >= 4 and (n & (n - 1)) == 0 and (n.bit_length() - 1) % 2 == 0
+
+
+def hadamard(groupsize: int, dtype: torch.dtype = torch.float32, device: torch.device | str | None = None) -> torch.Tensor:
+    """H_g = H4^{(x) log4 g} / sqrt(g): symmetric, orthonormal, hence an involution."""
+    if not is_power_of_4(groupsize):
+        raise QuantFormatError(f"ConvRot group size must be a power of 4 (4, 16, 64, 256, 1024), got {groupsize}")
+    h4 = torch.tensor(_H4, dtype=torch.float64)
+    h = h4
+    while h.shape[0] < groupsize:
+        h = torch.kron(h, h4)
+    return (h / groupsize**0.5).to(dtype=dtype, device=device)
+
+
+def rotate_groups(w: torch.Tensor, groupsize: int) -> torch.Tensor:
+    """Right-multiply every contiguous group of `groupsize` input columns by H_g (= H_g^T). Computed in fp32."""
+    n_out, n_in = w.shape
+    if n_in % groupsize != 0:
+        raise QuantFormatError(f"in_features {n_in} is not a multiple of the ConvRot group size {groupsize}")
+    h = hadamard(groupsize, dtype=torch.float32, device=w.device)
+    return (w.float().reshape(n_out, n_in // groupsize, groupsize) @ h).reshape(n_out, n_in)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Quantize / dequantize
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def quantize_convrot(w: torch.Tensor, groupsize: int | None = DEFAULT_CONVROT_GROUPSIZE) -> tuple[torch.Tensor, torch.Tensor]:
+    """W [N, K] -> (int8 [N, K], fp32 scale [N, 1]). groupsize None = plain row-wise int8 without rotation.
+
+    Used to build test / random checkpoints; matches comfy-kitchen's `quantize_int8_convrot_weight`
+    (round half to even, scale floor 1e-30).
+    """
+    if w.ndim != 2:
+        raise QuantFormatError(f"expected a 2-D weight, got shape {tuple(w.shape)}")
+    w_rot = rotate_groups(w, groupsize) if groupsize else w.float()
+    scale = (w_rot.abs().amax(dim=1, keepdim=True) / INT8_QMAX).clamp(min=SCALE_FLOOR)
+    q = torch.round(w_rot / scale).clamp(-128, 127).to(torch.int8)
+    return q, scale
+
+
+def dequantize_convrot(
+    q: torch.Tensor, scale: torch.Tensor, groupsize: int | None, dtype: torch.dtype = torch.bfloat16
+) -> torch.Tensor:
+    """(int8 [N, K], fp32 [N, 1] or [N]) -> W [N, K] in `dtype`, un-rotated when groupsize is set."""
+    if q.dtype != torch.int8 or q.ndim != 2:
+        raise QuantFormatError(f"expected an int8 [N, K] weight, got {q.dtype} {tuple(q.shape)}")
+    scale = scale.float().reshape(-1, 1) if scale.numel() > 1 else scale.float()
+    if scale.numel() not in (1, q.shape[0]):
+        raise QuantFormatError(f"weight_scale has {scale.numel()} values for {q.shape[0]} rows")
+    w = q.float() * scale
+    if groupsize:
+        w = rotate_groups(w, groupsize)
+    return w.to(dtype)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# comfy_quant descriptor
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class QuantSpec:
+    """What a `comfy_quant` tensor says about one weight."""
+
+    format: str
+    convrot: bool
+    convrot_groupsize: int | None  # None when convrot is False
+
+    @property
+    def groupsize(self) -> int | None:
+        return self.convrot_groupsize if self.convrot else None
+
+
+def parse_comfy_quant(blob: torch.Tensor | bytes | str | dict) -> QuantSpec:
+    """Parse the U8 JSON tensor. Accepts flat `{"format":..,"convrot":..}` and `{"format":..,"params":{..}}`."""
+    if isinstance(blob, torch.Tensor):
+        blob = bytes(blob.to(torch.uint8).flatten().tolist())
+    if isinstance(blob, (bytes, bytearray)):
+        try:
+            blob = blob.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise QuantFormatError(f"comfy_quant tensor is not UTF-8 text: {e}") from e
+    if isinstance(blob, str):
+        try:
+            blob = json.loads(blob.rstrip("\x00"))
+        except json.JSONDecodeError as e:
+            raise QuantFormatError(f"comfy_quant tensor is not valid JSON: {e}") from e
+    if not isinstance(blob, dict):
+        raise QuantFormatError(f"comfy_quant must be a JSON object, got {type(blob).__name__}")
+    fields = dict(blob.get("params") or {})
+    fields.update({k: v for k, v in blob.items() if k != "params"})  # top-level wins on conflicts
+    fmt = fields.get("format")
+    if fmt != COMFY_INT8_FORMAT:
+        raise QuantFormatError(f"unsupported comfy_quant format {fmt!r}; only {COMFY_INT8_FORMAT!r} is supported")
+    convrot = bool(fields.get("convrot", False))
+    groupsize = int(fields.get("convrot_groupsize", DEFAULT_CONVROT_GROUPSIZE)) if convrot else None
+    if convrot and not is_power_of_4(groupsize):
+        raise QuantFormatError(f"comfy_quant convrot_groupsize {groupsize} is not a power of 4")
+    return QuantSpec(format=fmt, convrot=convrot, convrot_groupsize=groupsize)
+
+
+def encode_comfy_quant(groupsize: int | None, nested: bool = False) -> torch.Tensor:
+    """The U8 tensor ComfyUI stores next to an int8 weight (used when writing test checkpoints)."""
+    params = {"convrot": True, "convrot_groupsize": groupsize} if groupsize else {}
+    doc = {"format": COMFY_INT8_FORMAT, "params": params} if nested else {"format": COMFY_INT8_FORMAT, **params}
+    return torch.tensor(list(json.dumps(doc).encode("utf-8")), dtype=torch.uint8)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# A loaded int8 weight
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class QuantizedWeight:
+    """int8 weight + fp32 per-row scale + ConvRot group size, as read from a checkpoint (possibly a TP slice)."""
+
+    qdata: torch.Tensor  # int8 [N, K]
+    scale: torch.Tensor  # fp32 [N, 1]
+    groupsize: int | None
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.qdata.shape
+
+    def dequantize(self, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        return dequantize_convrot(self.qdata, self.scale, self.groupsize, dtype)
+
+    def to(self, device: torch.device | str) -> "QuantizedWeight":
+        return QuantizedWeight(self.qdata.to(device), self.scale.to(device), self.groupsize)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# nn.Module
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _comfy_kitchen_int8_op():
+    """torch.ops.comfy_kitchen.int8_linear (compile-friendly; dispatches cuda -> triton -> eager by registry)."""
+    try:
+        import comfy_kitchen  # noqa: F401  (registers torch.ops.comfy_kitchen)
+    except ImportError as e:
+        raise RuntimeError("mode='kernel' needs the comfy-kitchen package; install it or use mode='dequant'") from e
+    return torch.ops.comfy_kitchen.int8_linear
+
+
+class Int8ConvRotLinear(nn.Module):
+    """Linear layer holding a ConvRot int8 weight (`weight` int8 [N, K], `weight_scale` fp32 [N, 1]).
+
+    mode="kernel":  comfy-kitchen int8 GEMM; activations are rotated and quantized per token on the fly.
+    mode="dequant": the weight is dequantised once (first forward or `materialize()`) to `compute_dtype` and the
+                    layer runs as a dense F.linear -- exact same math as a bf16 checkpoint, 2x the weight memory.
+    State-dict keys are `weight`, `weight_scale` (and `bias` if present), i.e. the ComfyUI names; a `comfy_quant`
+    entry in a loaded state dict is checked against this layer's group size and otherwise ignored.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = False,
+        groupsize: int | None = DEFAULT_CONVROT_GROUPSIZE,
+        mode: Int8Mode = "kernel",
+        compute_dtype: torch.dtype = torch.bfloat16,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__()
+        if mode not in ("kernel", "dequant"):
+            raise ValueError(f"mode must be 'kernel' or 'dequant', got {mode!r}")
+        if groupsize and in_features % groupsize != 0:
+            raise ValueError(f"in_features {in_features} is not a multiple of the ConvRot group size {groupsize}")
+        self.in_features, self.out_features = in_features, out_features
+        self.groupsize = groupsize
+        self.mode = mode
+        self.compute_dtype = compute_dtype
+        self.register_buffer("weight", torch.zeros(out_features, in_features, dtype=torch.int8, device=device))
+        self.register_buffer("weight_scale", torch.ones(out_features, 1, dtype=torch.float32, device=device))
+        self.bias = nn.Parameter(torch.zeros(out_features, device=device), requires_grad=False) if bias else None
+        self._dense: torch.Tensor | None = None  # dequant-mode cache, not part of the state dict
+        if mode == "kernel":
+            self._int8_linear = _comfy_kitchen_int8_op()
+
+    @classmethod
+    def from_quantized(cls, qw: QuantizedWeight, bias: torch.Tensor | None = None, **kwargs) -> "Int8ConvRotLinear":
+        n_out, n_in = qw.qdata.shape
+        layer = cls(n_in, n_out, bias=bias is not None, groupsize=qw.groupsize, device=qw.qdata.device, **kwargs)
+        layer.weight.copy_(qw.qdata)
+        layer.weight_scale.copy_(qw.scale.reshape(n_out, 1))
+        if bias is not None:
+            layer.bias.data.copy_(bias)
+        return layer
+
+    @classmethod
+    def from_float(cls, w: torch.Tensor, bias: torch.Tensor | None = None, groupsize: int | None = DEFAULT_CONVROT_GROUPSIZE, **kwargs):
+        q, s = quantize_convrot(w, groupsize)
+        return cls.from_quantized(QuantizedWeight(q, s, groupsize), bias, **kwargs)
+
+    def materialize(self) -> torch.Tensor:
+        """Dequantise once and cache (dequant mode)."""
+        if self._dense is None:
+            self._dense = dequantize_convrot(self.weight, self.weight_scale, self.groupsize, self.compute_dtype)
+        return self._dense
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
+        blob = state_dict.pop(prefix + "comfy_quant", None)
+        if blob is not None:
+            spec = parse_comfy_quant(blob)
+            if spec.groupsize != self.groupsize:
+                error_msgs.append(f"{prefix}comfy_quant group size {spec.groupsize} != layer group size {self.groupsize}")
+        self._dense = None  # new weights invalidate the dequantised copy
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
+
+    def _apply(self, fn, recurse=True):
+        self._dense = None  # .to()/.cuda() would leave a stale cache on the old device
+        return super()._apply(fn, recurse)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.mode == "dequant":
+            w = self.materialize()
+            bias = None if self.bias is None else self.bias.to(w.dtype)
+            return nn.functional.linear(x.to(w.dtype), w, bias)
+        out_dtype = x.dtype if x.dtype in _CK_DTYPE_CODE else self.compute_dtype
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features)  # the CUDA backend wants >= 2-D
+        bias = None if self.bias is None else self.bias.to(out_dtype)
+        y = self._int8_linear(
+            x2, self.weight, self.weight_scale, bias, _CK_DTYPE_CODE[out_dtype],
+            convrot=bool(self.groupsize), convrot_groupsize=self.groupsize or DEFAULT_CONVROT_GROUPSIZE,
+        )
+        return y.reshape(*lead, self.out_features)
+
+    def kernel_backend(self, x: torch.Tensor) -> str:
+        """The comfy-kitchen backend ("cuda", "triton", "eager", ...) that a kernel-mode call on `x` would use.
+        Passing the full kwargs matters: without them the registry skips its device/dtype validation."""
+        from comfy_kitchen.registry import registry
+
+        out_dtype = x.dtype if x.dtype in _CK_DTYPE_CODE else self.compute_dtype
+        kwargs = dict(
+            x=x.reshape(-1, self.in_features), weight=self.weight, weight_scale=self.weight_scale, bias=self.bias,
+            out_dtype=out_dtype, convrot=bool(self.groupsize),
+            convrot_groupsize=self.groupsize or DEFAULT_CONVROT_GROUPSIZE, input_act=None, input_act_weight=None,
+            input_act_eps=0.0, residual=None, residual_scale=None,
+        )
+        return registry.get_capable_backend("int8_linear", kwargs=kwargs)
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, groupsize={self.groupsize}, mode={self.mode}"

@@ -1,0 +1,47 @@
+"""Lifecycle RPCs (Load, Unload, Warmup, Status) shared by every stage's servicer."""
+
+from __future__ import annotations
+
+import time
+
+from h3.v1 import common_pb2
+from stagekit.server import abort_on_error
+from stagekit.runtime import StageRuntime
+
+
+class LifecycleMixin:
+    """Mixed into each generated servicer class; needs `self.runtime` and `self.describe()`."""
+
+    runtime: StageRuntime
+
+    def describe(self) -> dict:
+        """Stage-specific Status fields (devices, weights, variant, kernels, embedded_model)."""
+        return {}
+
+    def Load(self, request, context):
+        secs = abort_on_error(context, self.runtime.request, "load")
+        return common_pb2.LifecycleReply(resident=self.runtime.resident, seconds=secs, message="loaded")
+
+    def Unload(self, request, context):
+        secs = abort_on_error(context, self.runtime.request, "unload")
+        return common_pb2.LifecycleReply(resident=self.runtime.resident, seconds=secs, message="unloaded")
+
+    def Warmup(self, request, context):
+        t0 = time.monotonic()
+        abort_on_error(context, self.runtime.request, "load")
+        warm = getattr(self.runtime.engine, "warmup", None)
+        if warm is not None and self.runtime.group.world_size == 1:
+            abort_on_error(context, warm)
+        return common_pb2.LifecycleReply(resident=self.runtime.resident, seconds=time.monotonic() - t0,
+                                         message="warm")
+
+    def Status(self, request, context):
+        rt = self.runtime
+        d = self.describe()
+        kernels = [common_pb2.KernelChoice(op=op, kernel=k, reason=why) for op, k, why in d.pop("kernels", [])]
+        holder = rt.lease.holders() if rt.lease is not None else ""
+        return common_pb2.StageStatus(
+            stage=rt.engine.name, health="NOT_SERVING" if rt.loading else "SERVING", resident=rt.resident,
+            world_size=rt.group.world_size, memory_bytes=rt.engine.resident_bytes() if rt.resident else 0,
+            queue_depth=rt.queue_depth, running=1 if rt.running is not None else 0, lease_holder=holder,
+            residency=rt.cfg.residency, kernels=kernels, jobs_done=rt.jobs_done, **d)

@@ -1,0 +1,111 @@
+"""Process entry shared by all stages: ranks, lease, runtime, gRPC server, drain.
+
+    python -m dit_svc --port 50052                         # one rank
+    torchrun --nproc-per-node 2 -m dit_svc --port 50052    # rank 0 serves, rank 1 follows
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+
+from stagekit.dist import RankGroup, RankInfo, rank_info_from_env
+from stagekit.lease import DeviceLease, LeaseConfig
+from stagekit.runtime import Engine, RuntimeConfig, StageRuntime, follower_loop
+from stagekit.server import ServeConfig, StageServer
+
+log = logging.getLogger("stagekit.stage")
+
+
+@dataclass
+class CommonConfig(ServeConfig):
+    """Settings every stage has (stage configs subclass this)."""
+
+    devices: list[str] = field(default_factory=list, metadata={
+        "help": "devices per rank, comma-separated ('cuda:0,cuda:1', or virtual 'virt0' on CPU); default: cuda:LOCAL_RANK or cpu"})
+    models_dir: str = field(default="", metadata={"help": "directory with real checkpoints (default: embedded tiny model)"})
+    weights: str = field(default="", metadata={"help": "explicit checkpoint path (overrides --models-dir)"})
+    cache_dir: str = field(default="", metadata={"help": "where the embedded model is written (default ~/.cache/h3-stages)"})
+    lease_dir: str = field(default="/tmp/h3-stages-leases", metadata={"help": "host-wide device lease directory"})
+    residency: str = field(default="exclusive", metadata={"help": "exclusive (take turns on the GPU) | shared (stay resident)"})
+    idle_unload_s: float = field(default=30.0, metadata={"help": "unload after this long idle in exclusive mode (<0: never)"})
+    max_queue: int = field(default=16, metadata={"help": "queued jobs beyond this get RESOURCE_EXHAUSTED"})
+    collective_timeout_s: float = field(default=60.0, metadata={"help": "a dead rank fails the job after this long"})
+    dtype: str = field(default="", metadata={"help": "compute dtype: bfloat16 | float16 | float32 (default: bf16 on GPU, fp32 on CPU)"})
+    log_level: str = field(default="INFO", metadata={"help": "logging level"})
+
+    def device_for_rank(self, info: RankInfo) -> str:
+        """The torch device this rank computes on (virtual lease names like 'virt0' compute on the CPU)."""
+        if self.devices:
+            name = self.devices[info.local_rank % len(self.devices)]
+            return name if name.startswith("cuda") or name == "cpu" else "cpu"
+        import torch
+
+        return f"cuda:{info.local_rank}" if torch.cuda.is_available() else "cpu"
+
+    def group_devices(self, info: RankInfo) -> list[str]:
+        """All devices the rank group uses (the lease covers all of them)."""
+        if self.devices:
+            return list(self.devices)
+        import torch
+
+        if torch.cuda.is_available():
+            return [f"cuda:{i}" for i in range(info.world_size)]
+        return ["cpu"]
+
+    def compute_dtype(self, device: str):
+        import torch
+
+        if self.dtype:
+            names = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
+                     "fp16": torch.float16, "float32": torch.float32, "fp32": torch.float32}
+            if self.dtype not in names:
+                raise SystemExit(f"--dtype {self.dtype!r}: use one of bfloat16, float16, float32")
+            return names[self.dtype]
+        return torch.bfloat16 if device.startswith("cuda") else torch.float32
+
+    def resolved_cache_dir(self) -> Path:
+        from stagekit.models import default_cache_dir
+
+        return Path(self.cache_dir).expanduser() if self.cache_dir else default_cache_dir()
+
+
+def run_stage(cfg: CommonConfig, stage: str, make_engine: Callable[[CommonConfig, RankInfo, RankGroup], Engine],
+              service_name: str, add_servicer: Callable[[grpc.Server, StageRuntime], None],
+              metrics_factory: Callable[[StageRuntime], object] | None = None) -> None:
+    logging.basicConfig(level=cfg.log_level.upper(), format=f"%(asctime)s {stage}[%(process)d] %(levelname)s %(message)s")
+    info = rank_info_from_env()
+    device = cfg.device_for_rank(info)
+    if device.startswith("cuda"):
+        import torch
+
+        torch.cuda.set_device(device)
+    backend = "nccl" if device.startswith("cuda") else "gloo"
+    group = RankGroup(info, backend, cfg.collective_timeout_s)
+    engine = make_engine(cfg, info, group)
+    if not info.is_leader:
+        follower_loop(engine, group)
+        group.close()
+        return
+    lease = None
+    if cfg.residency == "exclusive":
+        lease = DeviceLease(cfg.group_devices(info), LeaseConfig(Path(cfg.lease_dir), f"{stage}@pid{os.getpid()}"))
+    holder: dict[str, StageServer] = {}
+    runtime = StageRuntime(engine, group, lease,
+                           RuntimeConfig(max_queue=cfg.max_queue, idle_unload_s=cfg.idle_unload_s,
+                                         residency=cfg.residency),
+                           on_health=lambda serving: holder["server"].set_serving(serving) if "server" in holder else None)
+    server = StageServer(cfg, [service_name], lambda s: add_servicer(s, runtime))
+    holder["server"] = server
+    if metrics_factory is not None:
+        runtime.metrics = metrics_factory(runtime)
+    server.start()
+    server.set_serving(True)
+    print(f"{stage} serving on {cfg.host}:{server.port} (ranks={info.world_size}, device={device})", flush=True)
+    server.run_until_terminated(runtime)
+    group.close()
