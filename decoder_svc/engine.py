@@ -1,0 +1,176 @@
+"""The decoder stage's engine: video VAE decode sharded over ranks, audio VAE decode, MP4 mux on rank 0.
+
+The video decode is split into independent tile x chunk work units
+(`plan_decode`); rank r decodes units r, r+N, r+2N, ... and rank 0 gathers
+and blends them (bitwise the same as a one-rank decode). The audio goes to the
+rank with the fewest video units, so it overlaps the video work elsewhere.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from decoder_svc.audio_vae import AudioVAEConfig, load_audio_vae, write_tiny_audio_vae
+from decoder_svc.mux import frames_to_uint8, write_mp4, write_wav
+from decoder_svc.video_tiling import StreamingAssembler, plan_decode
+from decoder_svc.video_vae import VideoVAEConfig, decode_unit, load_video_vae, write_tiny_video_vae
+from stagekit.dist import RankGroup
+from stagekit.errors import FailedPrecondition, InvalidArgument
+from stagekit.models import ensure_embedded, find_checkpoint
+from stagekit.render_params import RenderSpec, validate
+from stagekit.wire import check_finite
+
+log = logging.getLogger("decoder_svc")
+
+VIDEO_PATTERNS = ["*minimax_h3*video*vae*.safetensors", "*minimax*h3*vae*.safetensors", "video_vae"]
+AUDIO_PATTERNS = ["*minimax_h3*audio*vae*.safetensors", "*minimax*h3*audio*.safetensors", "audio_vae"]
+EMBEDDED_VIDEO, EMBEDDED_AUDIO, EMBEDDED_SEED = "video_vae_tiny_fp16.safetensors", "audio_vae_tiny.safetensors", 0
+AUDIO_RATE = 32000
+VIDEO_LATENT_CHANNELS, AUDIO_LATENT_CHANNELS, STEREO = 24, 32, 2
+DEFAULT_CRF = 18
+
+
+@dataclass
+class DecoderEngineConfig:
+    video_weights: str
+    audio_weights: str
+    models_dir: str
+    cache_dir: Path
+    device: str
+    autocast_dtype: torch.dtype | None   # fp16/bf16 autocast on GPUs (the reference decodes in fp16)
+    preset: str = "veryfast"             # x264 speed/size trade-off
+    out_dir: Path = Path(tempfile.gettempdir())
+
+
+def resolve_weights(cfg: DecoderEngineConfig) -> tuple[Path, Path, bool]:
+    if cfg.video_weights or cfg.audio_weights:
+        if not (cfg.video_weights and cfg.audio_weights):
+            raise FailedPrecondition("give both --video-weights and --audio-weights (or --models-dir)")
+        v, a = Path(cfg.video_weights).expanduser(), Path(cfg.audio_weights).expanduser()
+        for p in (v, a):
+            if not p.exists():
+                raise FailedPrecondition(f"decoder weights {p} do not exist")
+        return v, a, False
+    if cfg.models_dir:
+        return (find_checkpoint(cfg.models_dir, VIDEO_PATTERNS, "MiniMax-H3 video VAE"),
+                find_checkpoint(cfg.models_dir, AUDIO_PATTERNS, "MiniMax-H3 audio VAE"), False)
+    v = ensure_embedded(cfg.cache_dir, EMBEDDED_VIDEO,
+                        lambda tmp: write_tiny_video_vae(str(tmp), VideoVAEConfig.tiny(), EMBEDDED_SEED))
+    a = ensure_embedded(cfg.cache_dir, EMBEDDED_AUDIO,
+                        lambda tmp: write_tiny_audio_vae(tmp, AudioVAEConfig.tiny(), EMBEDDED_SEED))
+    return v, a, True
+
+
+def expected_shapes(spec: RenderSpec) -> dict[str, tuple[int, ...]]:
+    return {"video_latents": (VIDEO_LATENT_CHANNELS, spec.latent_frames, spec.height // 16, spec.width // 16),
+            "audio_latents": (STEREO, AUDIO_LATENT_CHANNELS, spec.audio_latents)}
+
+
+def check_latents(spec: RenderSpec, inputs: dict) -> None:
+    """Shapes must agree with the declared frames/size; NaN/Inf rejected. Raises InvalidArgument."""
+    validate(spec)
+    for name, want in expected_shapes(spec).items():
+        t = inputs.get(name)
+        if t is None:
+            raise InvalidArgument(f"missing tensor {name!r}")
+        if tuple(t.shape) != want:
+            raise InvalidArgument(
+                f"{name} has shape {list(t.shape)} but {spec.width}x{spec.height}x{spec.frames} needs {list(want)}")
+        if not t.is_floating_point():
+            raise InvalidArgument(f"{name} must be a float tensor, got {t.dtype}")
+        check_finite(name, t)
+
+
+class DecoderEngine:
+    name = "decoder"
+
+    def __init__(self, cfg: DecoderEngineConfig, group: RankGroup):
+        self.cfg = cfg
+        self.group = group
+        self.video_path, self.audio_path, self.embedded = resolve_weights(cfg)
+        self.video = None
+        self.audio = None
+
+    def load(self) -> None:
+        if self.video is not None:
+            return
+        dev = self.cfg.device
+        wdtype = torch.float16 if dev.startswith("cuda") else torch.float32
+        self.video = load_video_vae(str(self.video_path), None, wdtype, device=dev, parts="decoder")
+        self.audio = load_audio_vae(self.audio_path, device=dev, with_encoder=False)  # audio stays fp32
+
+    def unload(self) -> None:
+        self.video = self.audio = None
+        gc.collect()
+        if self.cfg.device.startswith("cuda"):
+            torch.cuda.empty_cache()
+
+    def resident_bytes(self) -> int:
+        mods = [m for m in (self.video, self.audio) if m is not None]
+        return sum(p.numel() * p.element_size() for m in mods for p in m.parameters())
+
+    def _audio_rank(self, n_units: int) -> int:
+        n = self.group.world_size
+        counts = [len(range(r, n_units, n)) for r in range(n)]
+        return min(range(n), key=lambda r: (counts[r], -r))  # fewest units; prefer a non-leader on ties
+
+    @torch.inference_mode()
+    def run(self, job, inputs: dict, ctx) -> dict:
+        spec: RenderSpec = job["spec"]
+        if self.video is None:
+            raise FailedPrecondition("decoder not loaded")
+        video_lat = inputs["video_latents"].float()
+        plan = plan_decode(self.video.cfg, *video_lat.shape[1:])
+        n, rank = self.group.world_size, self.group.info.rank
+        audio_rank = self._audio_rank(len(plan))
+        rounds = -(-len(plan) // n)
+        results = []
+        for k in range(rounds):  # every rank passes the same number of step boundaries
+            ctx.check_cancel()
+            idx = k * n + rank
+            if idx < len(plan):
+                out = decode_unit(self.video, video_lat, plan[idx], autocast_dtype=self.cfg.autocast_dtype,
+                                  validate=k == 0)
+                results.append((idx, out.cpu()))
+            ctx.progress(k + 1, rounds, message=f"video tiles x chunks ({len(plan)} units on {n} ranks)")
+        audio = None
+        if self.group.info.rank == audio_rank:
+            audio = self.audio.decode_rows(self.audio.batch_to_rows(inputs["audio_latents"].float())).cpu()
+        gathered = self.group.gather_objects((results, audio))
+        if not self.group.info.is_leader:
+            return {}
+        asm = StreamingAssembler(plan)
+        for rank_results, rank_audio in gathered:
+            for idx, out in rank_results:
+                asm.add(plan[idx], out)
+            if rank_audio is not None:
+                audio = rank_audio
+        frames = asm.finish()  # [3, F, H, W] RGB in [0, 1]
+        return self._output(job, frames, audio)
+
+    def _output(self, job, frames: torch.Tensor, audio: torch.Tensor) -> dict:
+        fmt, name = job["format"], job["output_name"]
+        if fmt == "raw":
+            return {"frames": torch.from_numpy(frames_to_uint8(frames)), "audio": audio.float()}
+        suffix = ".wav" if fmt == "wav" else ".mp4"
+        fd, tmp = tempfile.mkstemp(prefix="h3dec-", suffix=suffix, dir=self.cfg.out_dir)
+        os.close(fd)
+        t0 = time.monotonic()
+        if fmt == "wav":
+            write_wav(tmp, audio)
+        else:
+            write_mp4(tmp, frames, audio, crf=job["crf"] or DEFAULT_CRF, preset=self.cfg.preset)
+        log.info("muxed %s in %.2f s", name, time.monotonic() - t0)
+        return {"file": Path(tmp), "name": name, "frames": frames.shape[1], "audio_samples": audio.shape[-1]}
+
+    def describe(self) -> dict:
+        return {"weights": f"{self.video_path} + {self.audio_path}", "variant": "video fp16 / audio fp32",
+                "embedded_model": self.embedded, "devices": [self.cfg.device]}

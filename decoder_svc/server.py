@@ -1,0 +1,141 @@
+"""Decoder service: `python -m decoder_svc` (or torchrun for a decode sharded over N ranks)."""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass, field
+
+import google_crc32c
+import torch
+
+from decoder_svc.engine import DecoderEngine, DecoderEngineConfig, check_latents, expected_shapes
+from h3.v1 import common_pb2, decoder_pb2, decoder_pb2_grpc, tensor_pb2
+from stagekit.config import parse_config
+from stagekit.errors import InvalidArgument
+from stagekit.models import safe_name
+from stagekit.render_params import spec_from_proto
+from stagekit.runtime import Job
+from stagekit.server import abort_on_error, stream_job
+from stagekit.servicer import LifecycleMixin
+from stagekit.stage import CommonConfig, run_stage
+from stagekit.wire import MAX_CHUNK_BYTES, TensorAssembler, tensor_chunks
+
+SERVICE = "h3.v1.Decoder"
+FORMATS = {decoder_pb2.MP4: "mp4", decoder_pb2.RAW: "raw", decoder_pb2.WAV: "wav"}
+MAX_CRF = 51  # H.264's quality scale
+
+
+@dataclass
+class DecoderConfigArgs(CommonConfig):
+    port: int = field(default=50053, metadata={"help": "gRPC port"})
+    video_weights: str = field(default="", metadata={"help": "video VAE file (overrides --models-dir)"})
+    audio_weights: str = field(default="", metadata={"help": "audio VAE file (overrides --models-dir)"})
+    preset: str = field(default="veryfast", metadata={"help": "x264 preset (ultrafast..veryslow)"})
+
+
+def timing_pb(t: dict) -> common_pb2.Timing:
+    return common_pb2.Timing(**{k: v for k, v in t.items() if k in common_pb2.Timing.DESCRIPTOR.fields_by_name})
+
+
+def file_chunks(path, name: str, mime: str):
+    """Stream a finished file as FileChunks; the last one carries the size and CRC-32C."""
+    crc, off = 0, 0
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        while True:
+            data = f.read(MAX_CHUNK_BYTES)
+            last = off + len(data) >= size
+            crc = google_crc32c.extend(crc, data)
+            chunk = tensor_pb2.FileChunk(name=name, mime=mime if off == 0 else "", offset=off, data=data, last=last)
+            if last:
+                chunk.total_bytes, chunk.crc32c = size, crc
+            off += len(data)
+            yield decoder_pb2.DecodeEvent(file=chunk)
+            if last:
+                return
+
+
+class DecoderServicer(LifecycleMixin, decoder_pb2_grpc.DecoderServicer):
+    def __init__(self, runtime):
+        self.runtime = runtime
+        self.engine: DecoderEngine = runtime.engine
+
+    def describe(self) -> dict:
+        return self.engine.describe()
+
+    def _read_request(self, request_iterator):
+        first = next(request_iterator, None)
+        if first is None or first.WhichOneof("input") != "request":
+            raise InvalidArgument("the first DecodeInput must carry the DecodeRequest")
+        req = first.request
+        spec = spec_from_proto(req.params)
+        if req.format not in FORMATS:
+            raise InvalidArgument(f"unknown output format {req.format}; use MP4, RAW or WAV")
+        if req.crf > MAX_CRF:
+            raise InvalidArgument(f"crf={req.crf} is not valid: use 0 (default 18) .. {MAX_CRF}")
+        fmt = FORMATS[req.format]
+        default_name = f"{req.job_id or 'render'}.{ 'wav' if fmt == 'wav' else 'mp4'}"
+        name = safe_name(req.output_name, safe_name(default_name, "render.mp4"))
+        try:
+            shapes = expected_shapes(spec)
+        except (ValueError, ZeroDivisionError) as e:
+            raise InvalidArgument(str(e)) from None
+        asm = TensorAssembler(expect={n: (None, s) for n, s in shapes.items()})
+        for msg in request_iterator:
+            if msg.WhichOneof("input") != "tensor":
+                raise InvalidArgument("only tensor chunks may follow the DecodeRequest")
+            asm.feed(msg.tensor)
+        inputs = asm.finish(list(shapes))
+        check_latents(spec, inputs)
+        return req, {"spec": spec, "format": fmt, "crf": req.crf, "output_name": name}, inputs
+
+    def Decode(self, request_iterator, context):
+        req, job_spec, inputs = abort_on_error(context, self._read_request, request_iterator)
+        job = Job(spec=job_spec, inputs=inputs)
+        job.job_id = req.job_id or job.job_id
+
+        def on_event(ev):
+            if ev.kind == "progress":
+                yield decoder_pb2.DecodeEvent(progress=common_pb2.Progress(**ev.payload))
+                return
+            out = ev.payload
+            t0 = time.monotonic()
+            if "file" in out:
+                try:
+                    mime = "audio/wav" if job_spec["format"] == "wav" else "video/mp4"
+                    yield from file_chunks(out["file"], out["name"], mime)
+                finally:
+                    out["file"].unlink(missing_ok=True)
+                frames, samples = out["frames"], out["audio_samples"]
+            else:
+                for name in ("frames", "audio"):
+                    for chunk in tensor_chunks(name, out[name]):
+                        yield decoder_pb2.DecodeEvent(tensor=chunk)
+                frames, samples = out["frames"].shape[0], out["audio"].shape[-1]
+            job.timing["transfer_s"] = time.monotonic() - t0
+            yield decoder_pb2.DecodeEvent(done=decoder_pb2.DecodeDone(
+                timing=timing_pb(job.timing), frames=frames, audio_samples=samples,
+                world_size=self.runtime.group.world_size))
+
+        yield from stream_job(self.runtime, job, context, on_event)
+
+
+def make_engine(cfg: DecoderConfigArgs, info, group) -> DecoderEngine:
+    device = cfg.device_for_rank(info)
+    autocast = cfg.compute_dtype(device) if device.startswith("cuda") else None
+    if autocast == torch.float32:
+        autocast = None
+    return DecoderEngine(DecoderEngineConfig(
+        video_weights=cfg.video_weights, audio_weights=cfg.audio_weights, models_dir=cfg.models_dir,
+        cache_dir=cfg.resolved_cache_dir(), device=device, autocast_dtype=autocast, preset=cfg.preset), group)
+
+
+def main(argv: list[str] | None = None) -> None:
+    cfg = parse_config(DecoderConfigArgs, argv, env_prefix="H3_DECODER_", description="MiniMax-H3 VAE decoder stage")
+    run_stage(cfg, "decoder", make_engine, SERVICE,
+              lambda server, runtime: decoder_pb2_grpc.add_DecoderServicer_to_server(DecoderServicer(runtime), server))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
