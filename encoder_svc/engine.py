@@ -1,0 +1,111 @@
+"""The text-encoder stage's engine: Qwen3-VL conditioner -> layer-50 states, with a prompt cache.
+
+The tokenizer and the checkpoint identity are read at start-up (no weights), so
+a prompt is validated and a cache hit is answered without ever loading the
+25 GB encoder.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from encoder_svc.cache import CacheKey, TextStateCache
+from encoder_svc.checkpoint import TextEncoderCheckpoint
+from encoder_svc.conditioner import Conditioner, ConditionerConfig, _resolve_tokenizer
+from encoder_svc.tiny import write_tiny_model
+from encoder_svc.tokenizer import validate_prompt
+from stagekit.dist import RankGroup
+from stagekit.errors import FailedPrecondition
+from stagekit.models import EMBEDDED_VERSION, find_checkpoint
+
+log = logging.getLogger("encoder_svc")
+
+CHECKPOINT_PATTERNS = ["*qwen3vl*minimax_h3*.safetensors", "*qwen3*vl*32b*.safetensors", "text_encoder"]
+
+
+@dataclass
+class EncoderEngineConfig:
+    weights: str
+    models_dir: str
+    cache_dir: Path
+    device: str
+    dtype: torch.dtype
+    mode: str = "resident"            # "resident" | "stream" (layer streaming for small cards)
+    max_prompt_tokens: int = 1024
+    cache_bytes: int = 256 << 20      # prompt -> states cache (bf16 states are 10 KB/token at full size)
+
+
+def resolve_weights(cfg: EncoderEngineConfig) -> tuple[Path, bool]:
+    if cfg.weights:
+        p = Path(cfg.weights).expanduser()
+        if not p.exists():
+            raise FailedPrecondition(f"text encoder weights {p} do not exist")
+        return p, False
+    if cfg.models_dir:
+        return find_checkpoint(cfg.models_dir, CHECKPOINT_PATTERNS, "Qwen3-VL text encoder for MiniMax-H3"), False
+    return write_tiny_model(Path(cfg.cache_dir) / EMBEDDED_VERSION / "text_encoder", variant="bf16"), True
+
+
+class EncoderEngine:
+    name = "encoder"
+
+    def __init__(self, cfg: EncoderEngineConfig, group: RankGroup):
+        self.cfg = cfg
+        self.group = group
+        self.path, self.embedded = resolve_weights(cfg)
+        self.model_cfg = ConditionerConfig.tiny() if self.embedded else ConditionerConfig.full()
+        header = TextEncoderCheckpoint(self.path, self.model_cfg)  # validates keys/shapes from the header
+        self.variant = header.info.variant
+        self.fingerprint = header.info.fingerprint
+        header.close()
+        self.tokenizer = _resolve_tokenizer(None, self.path)
+        if self.tokenizer is None:
+            raise FailedPrecondition(f"no tokenizer.json next to {self.path}; copy the model's tokenizer.json there")
+        self.model_id = f"{self.fingerprint[:16]}:{self.tokenizer.fingerprint[:16]}:L{self.model_cfg.num_layers}"
+        self.cache = TextStateCache(cfg.cache_bytes)
+        self.model: Conditioner | None = None
+
+    def load(self) -> None:
+        if self.model is None:
+            self.model = Conditioner.load(self.path, self.model_cfg, tokenizer=self.tokenizer, device=self.cfg.device,
+                                          dtype=self.cfg.dtype, mode=self.cfg.mode,
+                                          max_prompt_tokens=self.cfg.max_prompt_tokens)
+
+    def unload(self) -> None:
+        if self.model is not None:
+            self.model.close()
+        self.model = None
+        gc.collect()
+        if self.cfg.device.startswith("cuda"):
+            torch.cuda.empty_cache()
+
+    def resident_bytes(self) -> int:
+        if self.model is None:
+            return 0
+        return sum(p.numel() * p.element_size() for p in self.model.parameters() if p.device.type != "meta")
+
+    def check_prompt(self, prompt: str | bytes) -> tuple[str, list[int]]:
+        """Raises PromptError (INVALID_ARGUMENT) naming the token count and the limit."""
+        return validate_prompt(prompt, self.cfg.max_prompt_tokens, self.tokenizer)
+
+    def cache_key(self, text: str) -> CacheKey:
+        return CacheKey.make(text, self.model_id, self.cfg.dtype)
+
+    @torch.inference_mode()
+    def run(self, spec: dict, inputs: dict, ctx) -> dict:
+        if self.model is None:
+            raise FailedPrecondition("text encoder not loaded")
+        ctx.progress(0, 1)
+        states = self.model.encode_ids(spec["ids"]).cpu()
+        self.cache.put(self.cache_key(spec["text"]), states)
+        ctx.progress(1, 1)
+        return {"text_states": states, "tokens": len(spec["ids"])}
+
+    def describe(self) -> dict:
+        return {"weights": str(self.path), "variant": f"{self.variant} ({self.cfg.mode})",
+                "embedded_model": self.embedded, "devices": [self.cfg.device]}
