@@ -45,27 +45,30 @@ class RenderProgress:
 
 def print_summary(r: RenderResult) -> None:
     t = Table(title=f"wrote {r.output}", show_lines=False)
-    for col in ("stage", "wall s", "queue", "lease wait", "load", "compute", "unload", "transfer", "notes"):
-        t.add_column(col, justify="right" if col not in ("stage", "notes") else "left")
+    for col in ("stage", "wall", "queue", "lease", "load", "compute", "xfer"):
+        t.add_column(col, justify="left" if col == "stage" else "right")
     for s in r.stages:
         tm = s.timing
-        notes = ", ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}" for k, v in s.extra.items())
         t.add_row(s.stage, f"{s.wall_s:.2f}", f"{tm.queue_s:.2f}", f"{tm.lease_wait_s:.2f}", f"{tm.load_s:.2f}",
-                  f"{tm.compute_s:.2f}", f"{tm.unload_s:.2f}", f"{tm.transfer_s:.2f}", notes)
-    t.add_row("total", f"{r.total_s:.2f}", "", "", "", "", "", "", "")
+                  f"{tm.compute_s:.2f}", f"{tm.transfer_s:.2f}")
+    t.add_row("total", f"{r.total_s:.2f}", "", "", "", "", "")
     console.print(t)
+    for s in r.stages:
+        notes = ", ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}" for k, v in s.extra.items())
+        console.print(f"  {s.stage}: {notes}")
 
 
 def print_status(rows) -> None:
-    t = Table(title="h3-stages")
-    for col in ("stage", "endpoint", "health", "resident", "devices", "ranks", "weights", "queue", "lease", "kernels"):
-        t.add_column(col)
+    """One block per stage: readable in any terminal width and easy to grep."""
     for stage, ep, health, st in rows:
+        print(f"{stage:<8} {ep}  {health}")
         if st is None:
-            t.add_row(stage, ep, health, "", "", "", "", "", "", "")
             continue
-        kernels = ", ".join(f"{k.op}={k.kernel}" for k in st.kernels)
-        weights = ("embedded tiny (noise)" if st.embedded_model else st.weights) + (f" [{st.variant}]" if st.variant else "")
-        t.add_row(stage, ep, health, "yes" if st.resident else "no", ",".join(st.devices), str(st.world_size),
-                  weights, str(st.queue_depth), st.lease_holder or "-", kernels)
-    Console().print(t)
+        weights = ("embedded tiny model (output is noise)" if st.embedded_model else st.weights)
+        print(f"         resident={'yes' if st.resident else 'no'}  residency={st.residency}  "
+              f"devices={','.join(st.devices) or '-'}  ranks={st.world_size}  queue={st.queue_depth}  "
+              f"running={st.running}  jobs_done={st.jobs_done}  memory={st.memory_bytes / 2**20:.1f} MiB")
+        print(f"         weights: {weights} [{st.variant}]")
+        print(f"         lease holder: {st.lease_holder or '-'}")
+        if st.kernels:
+            print("         kernels: " + ", ".join(f"{k.op}={k.kernel} ({k.reason})" for k in st.kernels))

@@ -96,13 +96,16 @@ def validate(spec: RenderSpec, need_prompt: bool = False) -> RenderSpec:
 
 
 def spec_from_proto(p) -> RenderSpec:
-    """RenderParams message -> RenderSpec (proto3 zeros mean 'default')."""
+    """RenderParams message -> RenderSpec (unset optional fields mean 'default')."""
+    def get(name: str, default: int) -> int:
+        return getattr(p, name) if p.HasField(name) else default
+
     return RenderSpec(
         prompt=p.prompt,
-        width=p.width or DEFAULT_SIZE[0],
-        height=p.height or DEFAULT_SIZE[1],
-        frames=p.frames or DEFAULT_FRAMES,
-        steps=p.steps or DEFAULT_STEPS,
+        width=get("width", DEFAULT_SIZE[0]),
+        height=get("height", DEFAULT_SIZE[1]),
+        frames=get("frames", DEFAULT_FRAMES),
+        steps=get("steps", DEFAULT_STEPS),
         seed=p.seed,
         sampler=p.sampler or "res_multistep",
         scheduler=p.scheduler or "simple",

@@ -1,0 +1,38 @@
+"""Shared fixtures: one embedded stack (real server processes on loopback) per test session."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from client.embedded import EmbeddedStack, StackConfig
+from client.stubs import StageClients
+
+# Keep each server process from grabbing every core: tests run three of them at once on 2 cores.
+SERVER_ENV = {"OMP_NUM_THREADS": "2", "MKL_NUM_THREADS": "2"}
+
+
+@pytest.fixture(scope="session")
+def model_cache(tmp_path_factory) -> Path:
+    """Embedded tiny models, written once per session (the servers' real first-use path)."""
+    return tmp_path_factory.mktemp("h3-cache")
+
+
+@pytest.fixture(scope="session")
+def stack(tmp_path_factory, model_cache):
+    """The three stages as real processes (exclusive residency on one virtual device)."""
+    run_dir = tmp_path_factory.mktemp("stack")
+    s = EmbeddedStack(StackConfig(cache_dir=str(model_cache), run_dir=str(run_dir), devices="virt0",
+                                  env=SERVER_ENV, extra_args={s: ["--idle-unload-s", "5"] for s in ("encoder", "dit", "decoder")}))
+    endpoints = s.start()
+    yield s, endpoints
+    s.stop()
+
+
+@pytest.fixture()
+def clients(stack):
+    _, endpoints = stack
+    with StageClients(endpoints) as c:
+        yield c
