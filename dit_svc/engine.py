@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from dit_svc.checkpoint import inspect_checkpoint, load_dit_weights
+from dit_svc.checkpoint import inspect_checkpoint, load_dit_weights, tp_rule
 from dit_svc.config import DiTConfig
 from dit_svc.layout import build_layout, latent_shape, patchify_audio, patchify_video, unpatchify_audio, unpatchify_video
 from dit_svc.model import H3DiT
@@ -34,6 +34,14 @@ log = logging.getLogger("dit_svc")
 CHECKPOINT_PATTERNS = ["*minimax_h3*int8_convrot*.safetensors", "*minimax_h3*.safetensors", "transformer"]
 EMBEDDED_FILE = "dit_tiny_bf16.safetensors"
 EMBEDDED_SEED = 0
+
+
+def embedded_config() -> DiTConfig:
+    """The embedded default: tiny dims, one block and two heads so an 832x480x124 render stays quick on a
+    2-core CPU (attention over ~15k rows dominates). Tests use DiTConfig.tiny() for the multi-block paths."""
+    return DiTConfig.tiny(num_layers=1, num_heads=2)
+# Text length assumed by estimates made before the text states are known (the encoder's usual prompt budget).
+DEFAULT_TEXT_LEN = 512
 
 
 @dataclass
@@ -57,7 +65,7 @@ def resolve_weights(cfg: DiTEngineConfig) -> tuple[Path, bool]:
     if cfg.models_dir:
         return find_checkpoint(cfg.models_dir, CHECKPOINT_PATTERNS, "MiniMax-H3 DiT checkpoint"), False
     path = ensure_embedded(cfg.cache_dir, EMBEDDED_FILE,
-                           lambda tmp: write_tiny_checkpoint(DiTConfig.tiny(), tmp, "bf16", seed=EMBEDDED_SEED))
+                           lambda tmp: write_tiny_checkpoint(embedded_config(), tmp, "bf16", seed=EMBEDDED_SEED))
     return path, True
 
 
@@ -71,6 +79,7 @@ class DiTEngine:
         info = inspect_checkpoint(self.path)  # header only: config + variant for validation and Status
         self.model_cfg: DiTConfig = info.config
         self.variant = info.variant.name
+        self._header_shapes = info.shapes  # for weight-size estimates before loading
         validate_tp(self.model_cfg, group.world_size)
         self.model: H3DiT | None = None
 
@@ -114,6 +123,59 @@ class DiTEngine:
         if self.model is None:
             return 0
         return sum(t.numel() * t.element_size() for t in (*self.model.parameters(), *self.model.buffers()))
+
+    # ---- memory estimates (admission + shared-residency budget) -----------------------------------------------------
+    def weight_bytes(self) -> int:
+        """This rank's weight bytes once loaded, from the checkpoint header (no tensor data read).
+
+        int8 weights stay 1 byte in `kernel` mode; everything float is held in the compute dtype; tensor-parallel
+        tensors are split across ranks, replicated ones are not."""
+        elem = torch.empty((), dtype=self.cfg.compute_dtype).element_size()
+        world = self.group.world_size
+        total = 0
+        for key, entry in self._header_shapes.items():
+            n = 1
+            for d in entry.shape:
+                n *= d
+            size = 1 if entry.dtype == "I8" and self.cfg.int8_mode == "kernel" else elem
+            if entry.dtype in ("F32",) and key.startswith("final_layer."):
+                size = 4
+            total += n * size // (world if tp_rule(key) != "replicate" else 1)
+        return total
+
+    def activation_bytes(self, spec: RenderSpec, text_len: int) -> int:
+        """Peak activation bytes of one job on one rank: per packed row of this resolution / frame count.
+
+        Per row: the fp32 residual stream and its normalised / updated copies (3 x hidden x 4 B), qkv and the
+        roped q/k copies (5 x heads x head_dim / tp, compute dtype), the attention output and the all-reduced
+        fp32 projection, RoPE cos/sin, and the sampler's fp32 latent state (~8 copies of a patch row). Plus the
+        MLP's token chunk [min(rows, chunk_rows), 3 x ffn / tp] in the compute dtype. Attention itself is a
+        memory-efficient SDPA (O(rows)). The sum is padded by 25 % for allocator slack; it is an estimate to
+        budget with, checked against measured peaks in docs/residency.md, not a promise.
+        """
+        m = self.model_cfg
+        world = self.group.world_size
+        e = torch.empty((), dtype=self.cfg.compute_dtype).element_size()
+        shp = latent_shape(m, spec.frames, spec.height, spec.width)
+        _, ph, pw = m.patch
+        video_rows = shp.latent_frames * (shp.latent_height // ph) * (shp.latent_width // pw)
+        audio_rows = 2 * shp.audio_latents
+        rows = text_len + video_rows + audio_rows
+        inner = m.num_heads * m.head_dim // world
+        per_row = (3 * m.hidden * 4 + 5 * inner * e + inner * e + m.hidden * 4 + 2 * m.head_dim * 4
+                   + 8 * max(m.video_patch_dim, m.audio_in_channels) * 4)
+        mlp = min(rows, self.cfg.chunk_rows) * 3 * (m.ffn // world) * e
+        return int((rows * per_row + mlp) * 1.25)
+
+    def estimate_bytes(self, spec: RenderSpec | None, text_len: int = DEFAULT_TEXT_LEN) -> int:
+        """Per-rank peak bytes of a job (weights + activations); `spec=None`: weights alone."""
+        w = self.weight_bytes()
+        return w if spec is None else w + self.activation_bytes(spec, text_len)
+
+    def estimate_peak_bytes(self, spec: RenderSpec | None, inputs: dict) -> int:
+        """The runtime's hook (stagekit.runtime.Engine)."""
+        text = inputs.get("text_states")
+        return self.estimate_bytes(spec, int(text.shape[0]) if text is not None else DEFAULT_TEXT_LEN)
 
     # ---- validation (rank 0, before any rank starts work) ---------------------------------------------------------
     def check_request(self, spec: RenderSpec, text_states: torch.Tensor) -> None:

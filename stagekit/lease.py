@@ -6,8 +6,14 @@ exclusive `flock`, which the kernel drops the instant the holder dies — no sta
 locks after `kill -9`. On CPU a virtual device name ("virt0") plays the UUID.
 
 Holders write who they are into the lock file; waiters leave a marker file so
-an idle holder knows to step aside. Every acquire/release is appended to an
-event log (JSON lines) that tests and benchmarks read to prove the invariant.
+an idle holder knows to step aside. Markers carry a ticket (the time the wait
+began) and the waiter's pid: waiters take the lock in ticket order (FIFO across
+stages, so a holder that yields cannot grab the devices straight back), and a
+marker whose process died is ignored and removed.
+
+Every acquire/release, and the runtime's load/unload and the memory budget's
+reservations, are appended to one event log (JSON lines, `events.jsonl`) that
+tests and benchmarks read to prove the residency invariants.
 """
 
 from __future__ import annotations
@@ -22,6 +28,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 _SAFE = re.compile(r"[^A-Za-z0-9._-]")
+EVENTS_FILE = "events.jsonl"
+
+
+def safe_name(s: str) -> str:
+    return _SAFE.sub("_", s)
 
 
 def device_ids(devices: list[str]) -> list[str]:
@@ -38,6 +49,33 @@ def device_ids(devices: list[str]) -> list[str]:
     return ids
 
 
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's live process
+        return True
+    return True
+
+
+class EventLog:
+    """Append-only JSON-lines log shared by every stage on the host (one line per `write`, O_APPEND)."""
+
+    def __init__(self, lease_dir: Path, holder: str):
+        self.path = Path(lease_dir) / EVENTS_FILE
+        self.holder = holder
+
+    def write(self, event: str, **extra) -> None:
+        rec = {"t": time.time(), "event": event, "holder": self.holder, "pid": os.getpid(), **extra}
+        line = (json.dumps(rec) + "\n").encode()
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, line)
+        finally:
+            os.close(fd)
+
+
 @dataclass
 class LeaseConfig:
     lease_dir: Path
@@ -45,40 +83,81 @@ class LeaseConfig:
 
 
 class DeviceLease:
-    """Exclusive host-wide lease on a set of devices (acquired in sorted order: no deadlock)."""
+    """Exclusive host-wide lease on a set of devices (acquired in sorted order, FIFO by ticket: no deadlock)."""
 
     def __init__(self, device_names: list[str], cfg: LeaseConfig):
         self.cfg = cfg
         self.ids = sorted(set(device_ids(device_names)))
         cfg.lease_dir.mkdir(parents=True, exist_ok=True)
+        self.events = EventLog(cfg.lease_dir, cfg.holder)
         self._fds: list[int] = []
         self._lock = threading.Lock()
+        self._markers: list[Path] = []
         self.acquired_at: float | None = None
 
     def _path(self, dev: str, suffix: str = "lock") -> Path:
-        return self.cfg.lease_dir / f"{_SAFE.sub('_', dev)}.{suffix}"
+        return self.cfg.lease_dir / f"{safe_name(dev)}.{suffix}"
 
     def _log(self, event: str, **extra) -> None:
-        rec = {"t": time.time(), "event": event, "holder": self.cfg.holder, "devices": self.ids, **extra}
-        with open(self.cfg.lease_dir / "events.jsonl", "a") as f:
-            f.write(json.dumps(rec) + "\n")
+        self.events.write(event, devices=self.ids, **extra)
+
+    def log_event(self, event: str, **extra) -> None:
+        """Record a residency event (load/unload, ...) for this holder in the shared log."""
+        self._log(event, **extra)
 
     @property
     def held(self) -> bool:
         return bool(self._fds)
 
-    def _waiter_marker(self, dev: str) -> Path:
-        return self._path(dev, f"wait.{_SAFE.sub('_', self.cfg.holder)}")
+    # ---- waiter markers: "<dev>.wait.<ticket_ns>.<pid>.<holder>" ---------------------------------------------------
+    def _post_markers(self) -> int:
+        ticket = time.time_ns()
+        self._markers = []
+        for dev in self.ids:
+            p = self._path(dev, f"wait.{ticket}.{os.getpid()}.{safe_name(self.cfg.holder)}")
+            p.touch()
+            self._markers.append(p)
+        return ticket
+
+    def _clear_markers(self) -> None:
+        for p in self._markers:
+            p.unlink(missing_ok=True)
+        self._markers = []
+
+    def _waiters(self, dev: str) -> list[tuple[int, int, Path]]:
+        """Live waiters on `dev` as (ticket, pid, marker), oldest first; dead waiters' markers are removed."""
+        out = []
+        for p in self.cfg.lease_dir.glob(f"{safe_name(dev)}.wait.*"):
+            parts = p.name[len(safe_name(dev)) + len(".wait."):].split(".", 2)
+            try:
+                ticket, pid = int(parts[0]), int(parts[1])
+            except (ValueError, IndexError):
+                continue
+            if not pid_alive(pid):
+                p.unlink(missing_ok=True)
+                continue
+            out.append((ticket, pid, p))
+        return sorted(out)
+
+    def _older_waiter(self, ticket: int) -> bool:
+        mine = set(self._markers)
+        return any(t < ticket and p not in mine for dev in self.ids for t, _, p in self._waiters(dev))
 
     def acquire(self, timeout_s: float | None = None, poll_s: float = 0.05) -> float:
-        """Block until all devices are ours; returns seconds waited. TimeoutError if not in time."""
+        """Block until all devices are ours; returns seconds waited. TimeoutError if not in time.
+
+        Waiters are served in ticket order: while an older live waiter wants one of our devices we do not
+        even try the lock, so a stage that just yielded queues behind the stage it yielded to.
+        """
         with self._lock:
             if self._fds:
                 return 0.0
             t0 = time.monotonic()
-            for dev in self.ids:
-                self._waiter_marker(dev).touch()
+            ticket = self._post_markers()
             try:
+                while self._older_waiter(ticket):
+                    self._check_timeout(t0, timeout_s, self.ids[0])
+                    time.sleep(poll_s)
                 for dev in self.ids:
                     fd = os.open(self._path(dev), os.O_RDWR | os.O_CREAT, 0o644)
                     while True:
@@ -86,12 +165,11 @@ class DeviceLease:
                             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                             break
                         except BlockingIOError:
-                            if timeout_s is not None and time.monotonic() - t0 > timeout_s:
+                            try:
+                                self._check_timeout(t0, timeout_s, dev)
+                            except TimeoutError:
                                 os.close(fd)
-                                raise TimeoutError(
-                                    f"device {dev} is held by {self.holder_of(dev) or 'another stage'} "
-                                    f"for longer than {timeout_s:.0f} s"
-                                ) from None
+                                raise
                             time.sleep(poll_s)
                     os.ftruncate(fd, 0)
                     os.pwrite(fd, f"{self.cfg.holder} pid={os.getpid()}\n".encode(), 0)
@@ -100,11 +178,16 @@ class DeviceLease:
                 self._release_fds()
                 raise
             finally:
-                for dev in self.ids:
-                    self._waiter_marker(dev).unlink(missing_ok=True)
+                self._clear_markers()
             self.acquired_at = time.time()
-            self._log("acquire", waited_s=time.monotonic() - t0)
-            return time.monotonic() - t0
+            waited = time.monotonic() - t0
+            self._log("acquire", waited_s=waited)
+            return waited
+
+    def _check_timeout(self, t0: float, timeout_s: float | None, dev: str) -> None:
+        if timeout_s is not None and time.monotonic() - t0 > timeout_s:
+            raise TimeoutError(f"device {dev} is held by {self.holder_of(dev) or 'another stage'} "
+                               f"for longer than {timeout_s:.0f} s")
 
     def _release_fds(self) -> None:
         for fd in self._fds:
@@ -119,32 +202,42 @@ class DeviceLease:
         with self._lock:
             if not self._fds:
                 return
-            self._log("release")
+            held_s = time.time() - self.acquired_at if self.acquired_at else 0.0
+            self._log("release", held_s=held_s)
             self._release_fds()
             self.acquired_at = None
 
     def others_waiting(self) -> bool:
-        """True when another stage has asked for one of our devices."""
-        mine = {self._waiter_marker(d).name for d in self.ids}
-        for dev in self.ids:
-            prefix = f"{_SAFE.sub('_', dev)}.wait."
-            for p in self.cfg.lease_dir.glob(prefix + "*"):
-                if p.name not in mine:
-                    return True
-        return False
+        """True when another live stage has asked for one of our devices."""
+        mine = set(self._markers)
+        return any(p not in mine for dev in self.ids for _, _, p in self._waiters(dev))
 
     def holder_of(self, dev: str) -> str:
+        """Who holds `dev` now ("" when free; a dead holder's leftover name is not reported)."""
+        path = self._path(dev)
+        if dev in self.ids and self._fds:
+            return f"{self.cfg.holder} pid={os.getpid()}"
         try:
-            return self._path(dev).read_text().strip()
+            fd = os.open(path, os.O_RDONLY)
         except FileNotFoundError:
             return ""
+        try:
+            try:
+                # A probe on our own open file: succeeds only when nobody holds the lease.
+                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                fcntl.flock(fd, fcntl.LOCK_UN)
+                return ""
+            except BlockingIOError:
+                return os.pread(fd, 4096, 0).decode(errors="replace").strip() or "another stage"
+        finally:
+            os.close(fd)
 
     def holders(self) -> str:
         return ", ".join(h for h in (self.holder_of(d) for d in self.ids) if h)
 
 
 def read_events(lease_dir: Path) -> list[dict]:
-    p = Path(lease_dir) / "events.jsonl"
+    p = Path(lease_dir) / EVENTS_FILE
     if not p.exists():
         return []
     return [json.loads(line) for line in p.read_text().splitlines() if line.strip()]

@@ -31,16 +31,20 @@ def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def _pair_lut(hi_first: bool, device: torch.device) -> torch.Tensor:
+    """[256, 2] fp32: byte -> its two E2M1 values in element order (one gather per byte, no int64 codes)."""
+    v = torch.tensor(E2M1_VALUES, dtype=torch.float32)
+    b = torch.arange(256)
+    hi, lo = v[b >> 4], v[b & 0x0F]
+    return (torch.stack((hi, lo), -1) if hi_first else torch.stack((lo, hi), -1)).to(device)
+
+
 def unpack_e2m1(packed: torch.Tensor, hi_first: bool = True) -> torch.Tensor:
     """U8 [..., n] -> fp32 [..., 2n] E2M1 values."""
     if packed.dtype != torch.uint8:
         raise ValueError(f"NVFP4 packed weight must be uint8, got {packed.dtype}")
-    lut = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=packed.device)
-    hi = (packed >> 4).long()
-    lo = (packed & 0x0F).long()
-    pair = (hi, lo) if hi_first else (lo, hi)
-    codes = torch.stack(pair, dim=-1).reshape(*packed.shape[:-1], packed.shape[-1] * 2)
-    return lut[codes]
+    pairs = torch.nn.functional.embedding(packed.int(), _pair_lut(hi_first, packed.device))
+    return pairs.reshape(*packed.shape[:-1], packed.shape[-1] * 2)
 
 
 def unswizzle_block_scales(swizzled: torch.Tensor, rows: int, blocks_per_row: int) -> torch.Tensor:

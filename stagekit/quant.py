@@ -50,7 +50,9 @@ def is_power_of_4(n: int) -> bool:
     return n >= 4 and (n & (n - 1)) == 0 and (n.bit_length() - 1) % 2 == 0
 
 
-def hadamard(groupsize: int, dtype: torch.dtype = torch.float32, device: torch.device | str | None = None) -> torch.Tensor:
+def hadamard(
+    groupsize: int, dtype: torch.dtype = torch.float32, device: torch.device | str | None = None
+) -> torch.Tensor:
     """H_g = H4^{(x) log4 g} / sqrt(g): symmetric, orthonormal, hence an involution."""
     if not is_power_of_4(groupsize):
         raise QuantFormatError(f"ConvRot group size must be a power of 4 (4, 16, 64, 256, 1024), got {groupsize}")
@@ -75,7 +77,9 @@ def rotate_groups(w: torch.Tensor, groupsize: int) -> torch.Tensor:
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def quantize_convrot(w: torch.Tensor, groupsize: int | None = DEFAULT_CONVROT_GROUPSIZE) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_convrot(
+    w: torch.Tensor, groupsize: int | None = DEFAULT_CONVROT_GROUPSIZE
+) -> tuple[torch.Tensor, torch.Tensor]:
     """W [N, K] -> (int8 [N, K], fp32 scale [N, 1]). groupsize None = plain row-wise int8 without rotation.
 
     Used to build test / random checkpoints; matches comfy-kitchen's `quantize_int8_convrot_weight`
@@ -200,7 +204,9 @@ class Int8ConvRotLinear(nn.Module):
 
     mode="kernel":  comfy-kitchen int8 GEMM; activations are rotated and quantized per token on the fly.
     mode="dequant": the weight is dequantised once (first forward or `materialize()`) to `compute_dtype` and the
-                    layer runs as a dense F.linear -- exact same math as a bf16 checkpoint, 2x the weight memory.
+                    layer runs as a dense F.linear -- same math as a bf16 checkpoint. The int8 copy stays (state_dict),
+                    so this holds 1 + 2 bytes per weight; where memory matters, dequantise at load instead
+                    (dit_svc.checkpoint.load_dit_weights(quant_mode="dequant")) and use a plain linear.
     State-dict keys are `weight`, `weight_scale` (and `bias` if present), i.e. the ComfyUI names; a `comfy_quant`
     entry in a loaded state dict is checked against this layer's group size and otherwise ignored.
     """
@@ -242,7 +248,10 @@ class Int8ConvRotLinear(nn.Module):
         return layer
 
     @classmethod
-    def from_float(cls, w: torch.Tensor, bias: torch.Tensor | None = None, groupsize: int | None = DEFAULT_CONVROT_GROUPSIZE, **kwargs):
+    def from_float(
+        cls, w: torch.Tensor, bias: torch.Tensor | None = None,
+        groupsize: int | None = DEFAULT_CONVROT_GROUPSIZE, **kwargs,
+    ) -> "Int8ConvRotLinear":
         q, s = quantize_convrot(w, groupsize)
         return cls.from_quantized(QuantizedWeight(q, s, groupsize), bias, **kwargs)
 
@@ -252,14 +261,17 @@ class Int8ConvRotLinear(nn.Module):
             self._dense = dequantize_convrot(self.weight, self.weight_scale, self.groupsize, self.compute_dtype)
         return self._dense
 
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
+    def _load_from_state_dict(self, state_dict, prefix, *args) -> None:
+        error_msgs = args[-1]  # (local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
         blob = state_dict.pop(prefix + "comfy_quant", None)
         if blob is not None:
             spec = parse_comfy_quant(blob)
             if spec.groupsize != self.groupsize:
-                error_msgs.append(f"{prefix}comfy_quant group size {spec.groupsize} != layer group size {self.groupsize}")
+                error_msgs.append(
+                    f"{prefix}comfy_quant group size {spec.groupsize} != layer group size {self.groupsize}"
+                )
         self._dense = None  # new weights invalidate the dequantised copy
-        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
+        super()._load_from_state_dict(state_dict, prefix, *args)
 
     def _apply(self, fn, recurse=True):
         self._dense = None  # .to()/.cuda() would leave a stale cache on the old device

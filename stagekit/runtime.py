@@ -20,11 +20,14 @@ import traceback
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from stagekit.dist import RankGroup
 from stagekit.errors import Cancelled, ResourceExhausted, Unavailable, status_for
 from stagekit.lease import DeviceLease
+
+if TYPE_CHECKING:
+    from stagekit.budget import MemoryBudget
 
 log = logging.getLogger("stagekit.runtime")
 
@@ -42,13 +45,24 @@ class Engine(Protocol):
 
     def resident_bytes(self) -> int: ...
 
+    # Optional hook: per-device peak bytes (weights + activations) of a job; spec=None means weights alone.
+    # The runtime uses it for admission (RESOURCE_EXHAUSTED at submit) and shared-mode budget reservations.
+    # def estimate_peak_bytes(self, spec: Any, inputs: dict) -> int: ...
+
 
 @dataclass
 class RuntimeConfig:
     max_queue: int = 16             # jobs waiting beyond this are refused with RESOURCE_EXHAUSTED
     idle_unload_s: float = 30.0     # unload after this long idle (exclusive mode); <0 = never
     residency: str = "exclusive"    # "exclusive" | "shared"
-    lease_timeout_s: float = 600.0  # give up waiting for the devices after this long
+    lease_timeout_s: float = 600.0  # give up waiting for the devices (lease or budget room) after this long
+    max_batch_before_yield: int = 8  # with another stage waiting, serve at most this many queued jobs, then yield
+
+    def validate(self) -> None:
+        if self.residency not in ("exclusive", "shared"):
+            raise ValueError(f"residency must be 'exclusive' or 'shared', got {self.residency!r}")
+        if self.max_batch_before_yield < 1:
+            raise ValueError(f"max_batch_before_yield must be >= 1, got {self.max_batch_before_yield}")
 
 
 @dataclass
@@ -67,6 +81,7 @@ class Job:
     events: "queue.Queue[JobEvent]" = field(default_factory=queue.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
     timing: dict = field(default_factory=dict)
+    estimate_bytes: int = 0                   # per-device peak (weights + activations), set at submit
 
     def cancel(self) -> None:
         self.cancelled.set()
@@ -108,21 +123,39 @@ _LOAD, _UNLOAD, _RUN, _EXIT = "load", "unload", "run", "exit"
 
 
 class StageRuntime:
-    """Leader-side scheduler. Thread-safe `submit`; one worker thread does the work."""
+    """Leader-side scheduler. Thread-safe `submit`; one worker thread does the work.
+
+    Residency, per `cfg.residency`:
+    - exclusive: the device lease is taken before `engine.load` and given back after `engine.unload`; the
+      stage unloads when idle for `idle_unload_s`, when it runs dry while another stage waits, or after
+      `max_batch_before_yield` jobs in a row while another stage waits (so no job starves).
+    - shared: no lease; before loading, the stage reserves weights + peak activations in the per-device
+      memory budget (`budget`) and releases the reservation after unloading. It stays resident until a
+      stage waiting for budget room needs it to step aside (same batch / yield rules as above).
+    Every load/unload is written to the host-wide event log (`load_start`, `loaded`, `unload_start`,
+    `unloaded`, `yield`) next to the lease's acquire/release and the budget's reservations.
+    """
 
     def __init__(self, engine: Engine, group: RankGroup, lease: DeviceLease | None, cfg: RuntimeConfig,
-                 on_health: Callable[[bool], None] = lambda serving: None, metrics: Any = None):
+                 on_health: Callable[[bool], None] = lambda serving: None, metrics: Any = None,
+                 budget: "MemoryBudget | None" = None):
+        cfg.validate()
         self.engine = engine
         self.group = group
         self.lease = lease
         self.cfg = cfg
         self.on_health = on_health
         self.metrics = metrics
+        self.budget = budget
+        self.events = lease.events if lease is not None else (budget.events if budget is not None else None)
         self.resident = False
         self.loading = False
         self.jobs_done = 0
+        self.loads = 0                 # residencies so far (each one is a swap-in)
         self.last_lease_wait = 0.0
         self.running: Job | None = None
+        self._served = 0               # jobs served in the current residency
+        self._measured = 0             # resident bytes seen at the last load (engines without an estimate hook)
         self._q: "queue.Queue[Job | str]" = queue.Queue()
         self._pending = 0
         self._lock = threading.Lock()
@@ -136,6 +169,17 @@ class StageRuntime:
     def queue_depth(self) -> int:
         return self._pending
 
+    @property
+    def exclusive(self) -> bool:
+        return self.cfg.residency == "exclusive"
+
+    def estimate_bytes(self, spec: Any, inputs: dict | None = None) -> int:
+        """Per-device peak bytes of a job (weights + activations) from the engine's hook; 0 if it has none.
+
+        `spec=None` asks for the weights alone (an operator's Load before any job)."""
+        fn = getattr(self.engine, "estimate_peak_bytes", None)
+        return int(fn(spec, inputs or {})) if fn is not None else 0
+
     def submit(self, job: Job) -> Job:
         with self._lock:
             if self._stop.is_set():
@@ -143,10 +187,16 @@ class StageRuntime:
             if self._pending >= self.cfg.max_queue:
                 raise ResourceExhausted(
                     f"{self.engine.name} queue is full ({self._pending} jobs waiting, limit {self.cfg.max_queue}); retry later")
+        # Admission by memory: a job that could never fit the device is refused now, not after a swap.
+        job.estimate_bytes = self.estimate_bytes(job.spec, job.inputs)
+        if self.budget is not None:
+            self.budget.check_fits(job.estimate_bytes, f"{self.engine.name} job {job.job_id}")
+        with self._lock:
             self._pending += 1
+            depth = self._pending
         job.events.put(JobEvent("progress", dict(stage=self.engine.name, phase="queued", step=0, total=0,
                                                  elapsed_s=0.0, eta_s=0.0, step_ms=0.0,
-                                                 message=f"{self._pending} in queue")))
+                                                 message=f"{depth} in queue")))
         self._q.put(job)
         return job
 
@@ -168,17 +218,27 @@ class StageRuntime:
         self._thread.join(timeout=grace_s)
 
     # ---- worker thread ------------------------------------------------------------------------
-    def _load(self) -> float:
+    def _log(self, event: str, **extra) -> None:
+        if self.events is not None:
+            ids = self.lease.ids if self.lease is not None else self.budget.ids
+            self.events.write(event, stage=self.engine.name, devices=ids, residency=self.cfg.residency, **extra)
+
+    def _load(self, need_bytes: int = 0) -> float:
+        """Take the devices (lease, or budget room in shared mode), then load. Returns seconds taken."""
         if self.resident:
             return 0.0
         t0 = time.monotonic()
         waited = 0.0
-        self.loading = True
-        self.on_health(False)
         try:
-            if self.lease is not None and self.cfg.residency == "exclusive":
+            if self.exclusive and self.lease is not None:
                 waited = self.lease.acquire(timeout_s=self.cfg.lease_timeout_s)
+            elif not self.exclusive and self.budget is not None:
+                waited = self.budget.reserve(self._reservation(need_bytes), timeout_s=self.cfg.lease_timeout_s)
             self.last_lease_wait = waited
+            # Health is NOT_SERVING only while weights are actually loading (not while waiting in line).
+            self.loading = True
+            self.on_health(False)
+            self._log("load_start", waited_s=waited)
             t1 = time.monotonic()
             self.group.broadcast_command((_LOAD, None))
             try:
@@ -187,38 +247,81 @@ class StageRuntime:
                 self._unload_locked()
                 raise
             self.resident = True
+            if not self.exclusive and self.budget is not None and not self._has_estimate:
+                # No estimate hook: the first load reserved the worst case; keep what was actually loaded.
+                self._measured = self.engine.resident_bytes()
+                self.budget.shrink(self._measured)
+            self.loads += 1
+            self._served = 0
+            load_s = time.monotonic() - t1
+            self._log("loaded", load_s=load_s, bytes=self.engine.resident_bytes(),
+                      reserved=self.budget.reserved if self.budget is not None else 0)
             if self.metrics is not None:
-                self.metrics.observe_load(time.monotonic() - t1, waited)
-            log.info("%s loaded in %.2f s (waited %.2f s for the lease)", self.engine.name, time.monotonic() - t1, waited)
+                self.metrics.observe_load(load_s, waited)
+            log.info("%s loaded in %.2f s (waited %.2f s for the devices)", self.engine.name, load_s, waited)
+        except BaseException:
+            if not self.resident:
+                self._give_back()
+            raise
         finally:
             self.loading = False
             self.on_health(True)
         return time.monotonic() - t0
 
+    @property
+    def _has_estimate(self) -> bool:
+        return getattr(self.engine, "estimate_peak_bytes", None) is not None
+
+    def _reservation(self, need_bytes: int) -> int:
+        """Bytes to reserve before loading in shared mode.
+
+        With the engine's estimate: the job's peak (or the weights alone for an operator's Load). Without one
+        the size is unknown until the first load, so that load reserves the whole budget (it waits until it
+        would fit alone) and later loads reserve the measured resident bytes."""
+        if self._has_estimate:
+            return max(need_bytes, self.estimate_bytes(None))
+        return self._measured or self.budget.cfg.budget_bytes
+
+    def _give_back(self) -> None:
+        if self.lease is not None:
+            self.lease.release()
+        if self.budget is not None:
+            self.budget.release()
+
     def _unload_locked(self) -> float:
         t0 = time.monotonic()
+        self._log("unload_start", served=self._served)
         self.group.broadcast_command((_UNLOAD, None))
         self.engine.unload()
         self.resident = False
-        if self.lease is not None:
-            self.lease.release()
+        unload_s = time.monotonic() - t0
+        self._log("unloaded", unload_s=unload_s, served=self._served)
+        # Held until after the weights are gone: the next holder never overlaps us.
+        self._give_back()
         if self.metrics is not None:
-            self.metrics.observe_unload(time.monotonic() - t0)
-        return time.monotonic() - t0
+            self.metrics.observe_unload(unload_s)
+        return unload_s
 
     def _unload(self) -> float:
         if not self.resident:
-            if self.lease is not None:
-                self.lease.release()
+            self._give_back()
             return 0.0
         return self._unload_locked()
 
+    def _others_waiting(self) -> bool:
+        """Another stage wants our devices: the lease (exclusive) or budget room (shared)."""
+        if self.exclusive:
+            return self.lease is not None and self.lease.others_waiting()
+        return self.budget is not None and self.budget.others_waiting()
+
     def _should_step_aside(self) -> bool:
-        if not self.resident or self.cfg.residency != "exclusive":
+        """Idle (queue empty): give the devices back when someone waits, or after the idle timeout (exclusive)."""
+        if not self.resident:
             return False
-        if self.lease is not None and self.lease.others_waiting():
+        if self._others_waiting():
             return True
-        return self.cfg.idle_unload_s >= 0 and time.monotonic() - self._idle_since > self.cfg.idle_unload_s
+        return self.exclusive and self.cfg.idle_unload_s >= 0 \
+            and time.monotonic() - self._idle_since > self.cfg.idle_unload_s
 
     def _loop(self) -> None:
         while True:
@@ -240,12 +343,18 @@ class StageRuntime:
                     done.put((secs, None))
                 except BaseException as e:  # noqa: BLE001 - handed back to the caller
                     done.put((0.0, e))
+                self._idle_since = time.monotonic()
                 continue
             self._run_job(item)
             self._idle_since = time.monotonic()
-            # Stage-batched fairness: with others waiting and nothing queued, give the devices back now.
-            if self._q.empty() and self.lease is not None and self.lease.others_waiting():
-                self._unload()
+            # Stage-batched with FIFO fairness: keep serving our queue in this residency, but when another
+            # stage waits, give the devices back once we run dry or have served max_batch_before_yield jobs.
+            if self.resident and self._others_waiting():
+                if self._pending == 0:
+                    self._unload()
+                elif self._served >= self.cfg.max_batch_before_yield:
+                    self._log("yield", served=self._served, queued=self._pending)
+                    self._unload()
 
     def _drain_queue(self) -> None:
         while True:
@@ -257,6 +366,20 @@ class StageRuntime:
                 with self._lock:
                     self._pending -= 1
                 item.events.put(JobEvent("error", Unavailable(f"{self.engine.name} shut down before the job ran")))
+            elif isinstance(item, tuple):
+                item[1].put((0.0, Unavailable(f"{self.engine.name} shut down before the request ran")))
+
+    def _ensure_room(self, job: Job) -> None:
+        """Shared mode: a job needing more activation room than reserved grows the reservation, or re-loads.
+
+        Growing never waits (we hold weights); if it does not fit now we unload and reserve afresh while
+        holding nothing, so two resident stages can never wait on each other.
+        """
+        if self.exclusive or self.budget is None or not self.resident:
+            return
+        if self.budget.try_grow(job.estimate_bytes):
+            return
+        self._unload()
 
     def _run_job(self, job: Job) -> None:
         with self._lock:
@@ -267,20 +390,25 @@ class StageRuntime:
             if job.should_cancel():
                 raise Cancelled(f"{self.engine.name}: job cancelled before it started")
             t0 = time.monotonic()
-            if not self.resident:
-                job.events.put(JobEvent("progress", dict(stage=self.engine.name, phase="loading", step=0, total=0,
-                                                         elapsed_s=0.0, eta_s=0.0, step_ms=0.0, message="")))
+            self._ensure_room(job)
             if self.resident:
                 job.timing["load_s"] = 0.0
             else:
-                self._load()
+                job.events.put(JobEvent("progress", dict(stage=self.engine.name, phase="loading", step=0, total=0,
+                                                         elapsed_s=0.0, eta_s=0.0, step_ms=0.0, message="")))
+                self._load(job.estimate_bytes)
                 job.timing["lease_wait_s"] = self.last_lease_wait
                 job.timing["load_s"] = time.monotonic() - t0 - self.last_lease_wait
             t1 = time.monotonic()
+            self._log("job_start", job=job.job_id)
             self.group.broadcast_command((_RUN, (job.spec, job.inputs)))
-            result = self.engine.run(job.spec, job.inputs, JobContext(self.group, job, self.engine.name))
+            try:
+                result = self.engine.run(job.spec, job.inputs, JobContext(self.group, job, self.engine.name))
+            finally:
+                self._served += 1
             job.timing["compute_s"] = time.monotonic() - t1
             self.jobs_done += 1
+            self._log("job_done", job=job.job_id)
             job.events.put(JobEvent("done", result))
         except BaseException as e:  # noqa: BLE001 - every failure becomes the job's status
             code, msg = status_for(e)

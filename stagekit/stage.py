@@ -14,6 +14,7 @@ from pathlib import Path
 
 import grpc
 
+from stagekit.budget import BudgetConfig, MemoryBudget, resolve_budget_bytes
 from stagekit.dist import RankGroup, RankInfo, rank_info_from_env
 from stagekit.lease import DeviceLease, LeaseConfig
 from stagekit.runtime import Engine, RuntimeConfig, StageRuntime, follower_loop
@@ -35,6 +36,15 @@ class CommonConfig(ServeConfig):
     residency: str = field(default="exclusive", metadata={"help": "exclusive (take turns on the GPU) | shared (stay resident)"})
     idle_unload_s: float = field(default=30.0, metadata={"help": "unload after this long idle in exclusive mode (<0: never)"})
     max_queue: int = field(default=16, metadata={"help": "queued jobs beyond this get RESOURCE_EXHAUSTED"})
+    max_batch_before_yield: int = field(default=8, metadata={
+        "help": "with another stage waiting for the devices, serve at most this many queued jobs before yielding"})
+    lease_timeout_s: float = field(default=600.0, metadata={
+        "help": "a job waiting longer than this for the device lease / budget room fails"})
+    memory_budget_gb: float = field(default=0.0, metadata={
+        "help": "per-device memory budget shared by all stages (GiB); 0 = device memory minus --reserve-gb on CUDA, "
+                "unlimited on virtual devices. Jobs whose estimate exceeds it get RESOURCE_EXHAUSTED"})
+    reserve_gb: float = field(default=1.0, metadata={
+        "help": "GiB of each GPU kept out of the automatic budget (CUDA context, workspaces, other processes)"})
     collective_timeout_s: float = field(default=60.0, metadata={"help": "a dead rank fails the job after this long"})
     dtype: str = field(default="", metadata={"help": "compute dtype: bfloat16 | float16 | float32 (default: bf16 on GPU, fp32 on CPU)"})
     log_level: str = field(default="INFO", metadata={"help": "logging level"})
@@ -92,14 +102,25 @@ def run_stage(cfg: CommonConfig, stage: str, make_engine: Callable[[CommonConfig
         follower_loop(engine, group)
         group.close()
         return
-    lease = None
-    if cfg.residency == "exclusive":
-        lease = DeviceLease(cfg.group_devices(info), LeaseConfig(Path(cfg.lease_dir), f"{stage}@pid{os.getpid()}"))
+    # The lease object always exists (its event log records residency in both modes); only exclusive mode
+    # takes it. The memory budget gates admission in both modes and reservations in shared mode.
+    who = f"{stage}@pid{os.getpid()}"
+    lease = DeviceLease(cfg.group_devices(info), LeaseConfig(Path(cfg.lease_dir), who))
+    budget_bytes = resolve_budget_bytes(cfg.group_devices(info), cfg.memory_budget_gb, cfg.reserve_gb)
+    budget = None
+    if cfg.residency == "shared" or budget_bytes > 0:
+        budget = MemoryBudget(lease.ids, BudgetConfig(Path(cfg.lease_dir), who, budget_bytes, cfg.lease_timeout_s),
+                              lease.events)
+    rcfg = RuntimeConfig(max_queue=cfg.max_queue, idle_unload_s=cfg.idle_unload_s, residency=cfg.residency,
+                         lease_timeout_s=cfg.lease_timeout_s, max_batch_before_yield=cfg.max_batch_before_yield)
+    try:
+        rcfg.validate()
+    except ValueError as e:
+        raise SystemExit(f"{stage}: {e}") from None
     holder: dict[str, StageServer] = {}
-    runtime = StageRuntime(engine, group, lease,
-                           RuntimeConfig(max_queue=cfg.max_queue, idle_unload_s=cfg.idle_unload_s,
-                                         residency=cfg.residency),
-                           on_health=lambda serving: holder["server"].set_serving(serving) if "server" in holder else None)
+    runtime = StageRuntime(engine, group, lease, rcfg,
+                           on_health=lambda serving: holder["server"].set_serving(serving) if "server" in holder else None,
+                           budget=budget)
     server = StageServer(cfg, [service_name], lambda s: add_servicer(s, runtime))
     holder["server"] = server
     if metrics_factory is not None:

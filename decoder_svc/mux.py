@@ -1,0 +1,370 @@
+"""MP4 / WAV output for the decoder stage: H.264 (yuv420p) + AAC 32 kHz stereo, via PyAV.
+
+Contract (tested in tests/test_mux.py):
+* video has exactly F frames at `fps` (24) with constant frame duration;
+* audio is 32000 Hz, 2 channels; it is trimmed / zero-padded to round(F * 32000 / fps) samples so the
+  two streams have the same nominal duration (AAC priming is hidden by the MP4 edit list);
+* outputs are never half-written: we encode into a temp file next to the target and `os.replace` it.
+
+Speed: the decoder stage shares a few CPU cores, so the default x264 preset is "veryfast" (see the
+measurements in the decoder report); `preset` / `crf` are parameters, not constants in the code.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from fractions import Fraction
+from pathlib import Path
+from typing import IO, Iterator, Union
+
+import numpy as np
+
+AUDIO_SAMPLE_RATE = 32000
+AUDIO_CHANNELS = 2
+DEFAULT_FPS = 24
+DEFAULT_CRF = 20
+DEFAULT_PRESET = "veryfast"
+DEFAULT_AUDIO_BITRATE = 128_000
+DEFAULT_CHUNK_BYTES = 1 << 20
+
+_X264_PRESETS = (
+    "ultrafast", "superfast", "veryfast", "faster", "fast", "medium", "slow", "slower", "veryslow", "placebo",
+)
+
+PathOrFile = Union[str, os.PathLike, IO[bytes]]
+
+
+@dataclass(frozen=True)
+class MuxInfo:
+    num_frames: int
+    width: int
+    height: int
+    fps: int
+    audio_samples: int  # per channel, after trim/pad
+    sample_rate: int
+    num_bytes: int
+    encode_seconds: float
+
+
+def _to_numpy(x) -> np.ndarray:
+    if isinstance(x, np.ndarray):
+        return x
+    try:
+        import torch
+
+        if isinstance(x, torch.Tensor):
+            x = x.detach().cpu()
+            if x.dtype in (torch.bfloat16, torch.float16):
+                x = x.float()
+            return x.numpy()
+    except ImportError:  # pragma: no cover - torch is always present in this repo
+        pass
+    raise ValueError(f"expected a numpy array or torch tensor, got {type(x).__name__}")
+
+
+class _FrameSource:
+    """Validated view over the input video that converts one frame at a time to uint8 [H, W, 3].
+
+    Converting per frame (inside the encode loop) keeps the working set at a few MB instead of a
+    second full copy of the clip (124 x 832 x 480 x 3 floats = 600 MB) and is ~8 ms/frame.
+    """
+
+    def __init__(self, frames, value_range: tuple[float, float] = (0.0, 1.0)):
+        a = _to_numpy(frames)
+        if a.dtype == np.uint8:
+            if a.ndim != 4 or a.shape[-1] != 3:
+                raise ValueError(f"uint8 frames must have shape [F, H, W, 3], got {a.shape}")
+            self.num_frames, self.height, self.width = a.shape[:3]
+            self._float = False
+        elif np.issubdtype(a.dtype, np.floating):
+            if a.ndim == 5 and a.shape[0] == 1:
+                a = a[0]
+            if a.ndim != 4 or a.shape[0] != 3:
+                raise ValueError(f"float frames must have shape [3, F, H, W] (or [1, 3, F, H, W]), got {a.shape}")
+            lo, hi = float(value_range[0]), float(value_range[1])
+            if not hi > lo:
+                raise ValueError(f"value_range must be increasing, got {value_range}")
+            self._lo, self._scale = lo, 255.0 / (hi - lo)
+            self.num_frames, self.height, self.width = a.shape[1:]
+            self._float = True
+            self._buf = np.empty((3, self.height, self.width), np.float32)
+        else:
+            raise ValueError(f"frames must be uint8 [F,H,W,3] or float [3,F,H,W], got dtype {a.dtype}")
+        if self.num_frames < 1 or self.height < 2 or self.width < 2:
+            raise ValueError(f"need at least 1 frame of 2x2 pixels, got {a.shape}")
+        self._a = a
+
+    def __len__(self) -> int:
+        return self.num_frames
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        if not self._float:
+            return np.ascontiguousarray(self._a[i])
+        f = self._buf
+        np.subtract(self._a[:, i], self._lo, out=f, casting="unsafe")
+        if not np.isfinite(f).all():
+            raise ValueError(f"float frames contain NaN or Inf (frame {i})")
+        f *= self._scale
+        f += 0.5  # round half up, then truncate in the uint8 cast
+        np.clip(f, 0.0, 255.0, out=f)
+        return np.ascontiguousarray(f.astype(np.uint8).transpose(1, 2, 0))
+
+
+def frames_to_uint8(frames, value_range: tuple[float, float] = (0.0, 1.0)) -> np.ndarray:
+    """Video -> contiguous uint8 `[F, H, W, 3]`.
+
+    Accepts uint8 `[F, H, W, 3]` (returned as is when contiguous) or floating `[3, F, H, W]` /
+    `[1, 3, F, H, W]` (VAE layout) in `value_range` (default [0, 1]); floats are clipped and rounded.
+    """
+    src = _FrameSource(frames, value_range)
+    if not src._float:
+        return np.ascontiguousarray(src._a)
+    out = np.empty((src.num_frames, src.height, src.width, 3), np.uint8)
+    for i in range(src.num_frames):
+        out[i] = src[i]
+    return out
+
+
+def _prepare_audio(audio, num_samples: int | None) -> np.ndarray:
+    a = _to_numpy(audio)
+    if not np.issubdtype(a.dtype, np.floating):
+        raise ValueError(f"audio must be floating point in [-1, 1], got dtype {a.dtype}")
+    if a.ndim != 2 or a.shape[0] != AUDIO_CHANNELS:
+        raise ValueError(f"audio must have shape [2, samples] (stereo, channel-first), got {a.shape}")
+    if not np.isfinite(a).all():
+        raise ValueError("audio contains NaN or Inf")
+    a = np.clip(a.astype(np.float32), -1.0, 1.0)
+    if num_samples is not None:
+        if a.shape[1] >= num_samples:
+            a = a[:, :num_samples]
+        else:
+            a = np.pad(a, ((0, 0), (0, num_samples - a.shape[1])))
+    return np.ascontiguousarray(a)
+
+
+def _encode(
+    target,
+    video: _FrameSource,
+    audio: np.ndarray | None,
+    fps: int,
+    crf: int,
+    preset: str,
+    audio_bitrate: int,
+    threads: int,
+    faststart: bool,
+) -> None:
+    import av
+
+    f, h, w = video.num_frames, video.height, video.width
+    options = {"movflags": "+faststart"} if faststart else {}
+    with av.open(target, mode="w", format="mp4", options=options) as container:
+        vs = container.add_stream("libx264", rate=Fraction(fps, 1))
+        vs.width, vs.height, vs.pix_fmt = w, h, "yuv420p"
+        vs.codec_context.time_base = Fraction(1, fps)
+        vs.options = {"crf": str(crf), "preset": preset}
+        if threads > 0:
+            vs.codec_context.thread_count = threads
+        astream = None
+        if audio is not None:
+            astream = container.add_stream("aac", rate=AUDIO_SAMPLE_RATE, layout="stereo")
+            astream.bit_rate = audio_bitrate
+
+        # Interleave: after each video frame, feed the audio up to that frame's end time, so the
+        # muxer never has to buffer a whole stream. PyAV re-chunks to AAC's 1024-sample frames.
+        sent = 0
+        for i in range(f):
+            frame = av.VideoFrame.from_ndarray(video[i], format="rgb24")
+            frame.pts = i
+            frame.time_base = Fraction(1, fps)
+            container.mux(vs.encode(frame))
+            if astream is not None:
+                upto = audio.shape[1] if i == f - 1 else min(audio.shape[1], (i + 1) * AUDIO_SAMPLE_RATE // fps)
+                if upto > sent:
+                    aframe = av.AudioFrame.from_ndarray(
+                        np.ascontiguousarray(audio[:, sent:upto]), format="fltp", layout="stereo"
+                    )
+                    aframe.sample_rate = AUDIO_SAMPLE_RATE
+                    aframe.pts = sent
+                    aframe.time_base = Fraction(1, AUDIO_SAMPLE_RATE)
+                    container.mux(astream.encode(aframe))
+                    sent = upto
+        container.mux(vs.encode(None))
+        if astream is not None:
+            container.mux(astream.encode(None))
+
+
+def _check_args(fps: int, crf: int, preset: str) -> None:
+    if not isinstance(fps, int) or fps < 1:
+        raise ValueError(f"fps must be a positive integer, got {fps!r}")
+    if not 0 <= crf <= 51:
+        raise ValueError(f"crf must be in [0, 51] (x264), got {crf}")
+    if preset not in _X264_PRESETS:
+        raise ValueError(f"unknown x264 preset {preset!r}; choose one of {_X264_PRESETS}")
+
+
+def _encode_to_temp(
+    frames, audio, fps, crf, preset, audio_bitrate, threads, faststart, tmp_dir, match_audio, value_range
+):
+    video = _FrameSource(frames, value_range)
+    f, h, w = video.num_frames, video.height, video.width
+    if h % 2 or w % 2:
+        raise ValueError(f"yuv420p needs even width and height, got {w}x{h}")
+    n_audio = round(f * AUDIO_SAMPLE_RATE / fps) if match_audio else None
+    pcm = None if audio is None else _prepare_audio(audio, n_audio)
+    fd, tmp = tempfile.mkstemp(prefix=".mux-", suffix=".mp4.tmp", dir=tmp_dir)
+    os.close(fd)
+    t0 = time.perf_counter()
+    try:
+        _encode(tmp, video, pcm, fps, crf, preset, audio_bitrate, threads, faststart)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    info = MuxInfo(
+        num_frames=f,
+        width=w,
+        height=h,
+        fps=fps,
+        audio_samples=0 if pcm is None else pcm.shape[1],
+        sample_rate=AUDIO_SAMPLE_RATE,
+        num_bytes=os.path.getsize(tmp),
+        encode_seconds=time.perf_counter() - t0,
+    )
+    return tmp, info
+
+
+def write_mp4(
+    path_or_file: PathOrFile,
+    frames,
+    audio=None,
+    *,
+    fps: int = DEFAULT_FPS,
+    crf: int = DEFAULT_CRF,
+    preset: str = DEFAULT_PRESET,
+    audio_bitrate: int = DEFAULT_AUDIO_BITRATE,
+    threads: int = 0,
+    faststart: bool = True,
+    match_audio_to_video: bool = True,
+    value_range: tuple[float, float] = (0.0, 1.0),
+) -> MuxInfo:
+    """Encode frames (+ optional stereo 32 kHz audio) as H.264 yuv420p / AAC in MP4.
+
+    `frames`: uint8 `[F, H, W, 3]` or float `[3, F, H, W]` in [0, 1]; `audio`: float `[2, N]` at 32000 Hz.
+    `path_or_file`: a path (temp file in the same directory + atomic rename) or a writable binary
+    file object (receives the finished bytes only after encoding succeeded). `threads=0` lets x264
+    pick (all cores). `match_audio_to_video` trims / zero-pads the audio to round(F * 32000 / fps)
+    samples. `value_range` applies to float frames only. Returns a `MuxInfo`.
+    """
+    _check_args(fps, crf, preset)
+    is_path = isinstance(path_or_file, (str, os.PathLike))
+    if is_path:
+        dest = Path(path_or_file)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        tmp_dir = dest.parent
+    else:
+        if not hasattr(path_or_file, "write"):
+            raise ValueError("path_or_file must be a path or a writable binary file object")
+        tmp_dir = None
+    tmp, info = _encode_to_temp(
+        frames, audio, fps, crf, preset, audio_bitrate, threads, faststart, tmp_dir, match_audio_to_video, value_range
+    )
+    try:
+        if is_path:
+            with open(tmp, "rb") as fh:
+                os.fsync(fh.fileno())
+            os.replace(tmp, dest)
+        else:
+            with open(tmp, "rb") as fh:
+                shutil.copyfileobj(fh, path_or_file, DEFAULT_CHUNK_BYTES)
+    finally:
+        Path(tmp).unlink(missing_ok=True)
+    return info
+
+
+def iter_mp4_bytes(
+    frames,
+    audio=None,
+    *,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    fps: int = DEFAULT_FPS,
+    crf: int = DEFAULT_CRF,
+    preset: str = DEFAULT_PRESET,
+    audio_bitrate: int = DEFAULT_AUDIO_BITRATE,
+    threads: int = 0,
+    faststart: bool = True,
+    match_audio_to_video: bool = True,
+    value_range: tuple[float, float] = (0.0, 1.0),
+    tmp_dir: str | os.PathLike | None = None,
+) -> Iterator[bytes]:
+    """Encode like `write_mp4`, then yield the finished file in `chunk_bytes` pieces (for gRPC streaming).
+
+    MP4 needs a seekable output (the moov box is written last, faststart moves it to the front), so
+    the file is fully encoded into a temp file first; a failed encode raises before any byte is yielded.
+    The temp file is removed when the generator finishes or is closed.
+    """
+    if chunk_bytes < 1:
+        raise ValueError("chunk_bytes must be positive")
+    _check_args(fps, crf, preset)
+    tmp, _info = _encode_to_temp(
+        frames, audio, fps, crf, preset, audio_bitrate, threads, faststart, tmp_dir, match_audio_to_video, value_range
+    )
+    try:
+        with open(tmp, "rb") as fh:
+            while chunk := fh.read(chunk_bytes):
+                yield chunk
+    finally:
+        Path(tmp).unlink(missing_ok=True)
+
+
+def encode_mp4_bytes(frames, audio=None, **kwargs) -> bytes:
+    """Whole MP4 as bytes (small outputs / tests)."""
+    buf = io.BytesIO()
+    write_mp4(buf, frames, audio, **kwargs)
+    return buf.getvalue()
+
+
+def write_wav(
+    path: str | os.PathLike,
+    audio,
+    sample_rate: int = AUDIO_SAMPLE_RATE,
+    subtype: str = "PCM_16",
+) -> Path:
+    """Stereo float `[2, N]` in [-1, 1] -> WAV via soundfile (temp file + atomic rename)."""
+    import soundfile as sf
+
+    pcm = _prepare_audio(audio, None)
+    dest = Path(path)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{dest.name}.", suffix=".tmp", dir=dest.parent)
+    os.close(fd)
+    try:
+        sf.write(tmp, pcm.T, sample_rate, subtype=subtype, format="WAV")
+        os.replace(tmp, dest)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return dest
+
+
+def expected_audio_samples(num_frames: int, fps: int = DEFAULT_FPS, sample_rate: int = AUDIO_SAMPLE_RATE) -> int:
+    """Samples per channel matching F video frames (what `write_mp4` trims/pads audio to)."""
+    return round(num_frames * sample_rate / fps)
+
+
+__all__ = [
+    "AUDIO_SAMPLE_RATE",
+    "DEFAULT_CRF",
+    "DEFAULT_FPS",
+    "DEFAULT_PRESET",
+    "MuxInfo",
+    "encode_mp4_bytes",
+    "expected_audio_samples",
+    "frames_to_uint8",
+    "iter_mp4_bytes",
+    "write_mp4",
+    "write_wav",
+]

@@ -1,0 +1,469 @@
+"""MiniMax-H3 DiT (33B joint video+audio single-stream transformer), one file, release/ComfyUI parameter names.
+
+Facts: shared reference h3_architecture.md §2 (forward, block, refiner, AdaLN table, RoPE) and §2.10 (curve AdaLN).
+
+Precision: the residual stream is fp32 everywhere (embeddings are scattered into an fp32 buffer, blocks add fp32
+updates). `compute_dtype` (bf16/fp16/fp32) is used only inside the block/refiner linears and attention. The release
+fp32 islands (patch projections, time embedder, output heads) and the curve-form AdaLN always run in fp32.
+
+Tensor parallel: pass `tp_group` (None = single rank). Block/refiner attention and MLP are Megatron
+column->row parallel with a visible fp32 `dist.all_reduce`; the AdaLN projections are column-parallel with a visible
+`dist.all_gather` of their tiny [M, out/n] outputs. See dit_svc/tp.py for the shard layout.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .config import NUM_MODALITIES, DiTConfig
+from .layout import COND_VIDEO_T, NUM_KINDS, REF_AUDIO_T, PackedLayout
+from .tp import ColumnParallelLinear, Linear, RowParallelLinear, group_rank_size, validate_tp
+
+# Parameters that the release ships (and we always run) in fp32.
+FP32_PARAM_PREFIXES = (
+    "video_patch_proj.",
+    "audio_patch_proj.",
+    "time_embedder.",
+    "final_layer.video_out.",
+    "final_layer.audio_out.",
+    "adaln_t_table",
+)
+TIMESTEP_MAX_PERIOD = 10000.0  # sinusoid base; t is used unscaled in [0, 1]
+
+# (name, in_features, out_features, bias, parallel) -> module; parallel in {"column", "row", "replicated"}.
+LinearFactory = Callable[[str, int, int, bool, str], nn.Module]
+# (q, k, v) [1, heads, S, head_dim] in compute dtype -> o, same shape: full non-causal attention, scale 1/sqrt(d).
+# stagekit.kernels picks one per GPU architecture (cuDNN / flash SDPA, comfy-kitchen int8, ...).
+AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Default: torch SDPA with its own backend choice (never materialises the S x S matrix on GPU)."""
+    return F.scaled_dot_product_attention(q, k, v, dropout_p=0.0, is_causal=False)
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) * weight, computed in fp32 (weight is a plain gain, not 1 + w)."""
+
+    def __init__(self, dim: int, eps: float, device=None, dtype=None):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim, device=device, dtype=dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.float()
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight.float()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Split-half (rotate_half) RoPE on the first cos.shape[-1] channels of every head; x [S, heads, d] fp32."""
+    r = cos.shape[-1]
+    xr, xp = x[..., :r], x[..., r:]
+    x1, x2 = xr.chunk(2, dim=-1)
+    rotated = xr * cos[:, None] + torch.cat((-x2, x1), dim=-1) * sin[:, None]
+    return torch.cat((rotated, xp), dim=-1)
+
+
+class _Ctx:
+    """Per-model constants handed to submodules (no global state)."""
+
+    def __init__(self, cfg: DiTConfig, compute_dtype: torch.dtype, chunk_rows: int, group, tp_size: int,
+                 factory: LinearFactory, attention_fn: AttentionFn = sdpa_attention):
+        self.cfg, self.compute_dtype, self.chunk_rows = cfg, compute_dtype, chunk_rows
+        self.group, self.tp_size, self.factory = group, tp_size, factory
+        self.attention_fn = attention_fn
+
+
+class Attention(nn.Module):
+    def __init__(self, ctx: _Ctx, name: str):
+        super().__init__()
+        cfg = ctx.cfg
+        self.group = ctx.group
+        self.compute_dtype = ctx.compute_dtype
+        self.attention_fn = ctx.attention_fn
+        self.local_heads = cfg.num_heads // ctx.tp_size
+        self.head_dim = cfg.head_dim
+        # qkv rows: [q_all; k_all; v_all] (head-major inside each third); local shard keeps that order.
+        self.qkv_proj = ctx.factory(f"{name}.qkv_proj", cfg.hidden, 3 * cfg.attn_inner, False, "column")
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.eps)
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.eps)
+        self.out_proj = ctx.factory(f"{name}.out_proj", cfg.attn_inner, cfg.hidden, False, "row")
+
+    def forward(self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+        """h [S, hidden] (compute dtype) -> fp32 [S, hidden], summed over TP ranks."""
+        s = h.shape[0]
+        q, k, v = self.qkv_proj(h).reshape(s, 3, self.local_heads, self.head_dim).unbind(1)
+        q, k = self.q_norm(q), self.k_norm(k)  # fp32
+        if rope is not None:
+            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        cd = self.compute_dtype
+        # [1, heads, S, d]; SDPA never materialises the S x S matrix (flash / memory-efficient kernels).
+        q, k, v = (t.to(cd).transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+        o = self.attention_fn(q, k, v)
+        o = o[0].transpose(0, 1).reshape(s, self.local_heads * self.head_dim)
+        out = self.out_proj(o).float()
+        if self.group is not None:
+            dist.all_reduce(out, group=self.group)  # fp32 partial sums of the row-parallel out_proj
+        return out
+
+
+class MLP(nn.Module):
+    """SwiGLU: fc2(silu(gate) * value), fc1 rows [gate; value]; token-chunked so the [rows, 2*ffn] activation stays
+    bounded by chunk_rows."""
+
+    def __init__(self, ctx: _Ctx, name: str):
+        super().__init__()
+        cfg = ctx.cfg
+        self.group = ctx.group
+        self.chunk_rows = ctx.chunk_rows
+        self.hidden = cfg.hidden
+        self.fc1 = ctx.factory(f"{name}.fc1", cfg.hidden, 2 * cfg.ffn, False, "column")
+        self.fc2 = ctx.factory(f"{name}.fc2", cfg.ffn, cfg.hidden, False, "row")
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        """h [S, hidden] (compute dtype) -> fp32 [S, hidden], summed over TP ranks."""
+        out = torch.empty(h.shape[0], self.hidden, dtype=torch.float32, device=h.device)
+        for s in range(0, h.shape[0], self.chunk_rows):
+            gate, value = self.fc1(h[s:s + self.chunk_rows]).chunk(2, dim=-1)
+            out[s:s + self.chunk_rows] = self.fc2(F.silu(gate) * value).float()
+        if self.group is not None:
+            dist.all_reduce(out, group=self.group)  # fp32 partial sums of the row-parallel fc2
+        return out
+
+
+class AdaLNProj(nn.Module):
+    """`adaln_proj.linear`: column-parallel over its output features; outputs are all-gathered (only [M, out])."""
+
+    def __init__(self, ctx: _Ctx, name: str, out_features: int):
+        super().__init__()
+        self.group = ctx.group
+        self.tp_size = ctx.tp_size
+        self.linear = ctx.factory(f"{name}.linear", ctx.cfg.adaln_in, out_features, True, "column")
+
+    def forward(self, ada_in: torch.Tensor) -> torch.Tensor:
+        """ada_in [M, adaln_in] fp32 -> [M, out] fp32 (full width on every rank)."""
+        local = self.linear(ada_in).float().contiguous()
+        if self.group is None:
+            return local
+        parts = [torch.empty_like(local) for _ in range(self.tp_size)]
+        dist.all_gather(parts, local, group=self.group)  # contiguous output row ranges, rank order
+        return torch.cat(parts, dim=-1)
+
+
+class RefinerBlock(nn.Module):
+    """token_refiner block: plain pre-norm transformer block, no AdaLN, no RoPE."""
+
+    def __init__(self, ctx: _Ctx, name: str):
+        super().__init__()
+        self.compute_dtype = ctx.compute_dtype
+        self.norm1 = RMSNorm(ctx.cfg.hidden, ctx.cfg.eps)
+        self.attn = Attention(ctx, f"{name}.attn")
+        self.norm2 = RMSNorm(ctx.cfg.hidden, ctx.cfg.eps)
+        self.mlp = MLP(ctx, f"{name}.mlp")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x).to(self.compute_dtype), None)
+        return x + self.mlp(self.norm2(x).to(self.compute_dtype))
+
+
+class TokenRefiner(nn.Module):
+    def __init__(self, ctx: _Ctx):
+        super().__init__()
+        self.blocks = nn.ModuleList(RefinerBlock(ctx, f"token_refiner.blocks.{i}")
+                                    for i in range(ctx.cfg.num_refiner_layers))
+        self.final_norm = RMSNorm(ctx.cfg.hidden, ctx.cfg.eps)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for blk in self.blocks:
+            x = blk(x)
+        return self.final_norm(x)
+
+
+class Block(nn.Module):
+    def __init__(self, ctx: _Ctx, name: str):
+        super().__init__()
+        self.compute_dtype = ctx.compute_dtype
+        self.chunk_rows = ctx.chunk_rows
+        self.norm1 = RMSNorm(ctx.cfg.hidden, ctx.cfg.eps)
+        self.attn = Attention(ctx, f"{name}.attn")
+        self.norm2 = RMSNorm(ctx.cfg.hidden, ctx.cfg.eps)
+        self.mlp = MLP(ctx, f"{name}.mlp")
+        self.adaln_proj = AdaLNProj(ctx, f"{name}.adaln_proj", ctx.cfg.adaln_out)
+
+    def _modulate(self, x, norm, shift, scale, rows):
+        # norm(x) * (1 + scale[r]) + shift[r] in fp32, chunked, emitted in compute dtype for the next linear.
+        h = torch.empty(x.shape, dtype=self.compute_dtype, device=x.device)
+        for s in range(0, x.shape[0], self.chunk_rows):
+            r = rows[s:s + self.chunk_rows]
+            h[s:s + self.chunk_rows] = norm(x[s:s + self.chunk_rows]) * (1.0 + scale.index_select(0, r)) \
+                + shift.index_select(0, r)
+        return h
+
+    def _gated_add_(self, x, gate, update, rows):
+        for s in range(0, x.shape[0], self.chunk_rows):
+            x[s:s + self.chunk_rows] += gate.index_select(0, rows[s:s + self.chunk_rows]) * update[s:s + self.chunk_rows]
+
+    def forward(self, x: torch.Tensor, ada_in: torch.Tensor, rows: torch.Tensor,
+                rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """x [S, hidden] fp32 residual (updated in place and returned); rows [S] = timestep_index*3 + tag."""
+        m = ada_in.shape[0]
+        mod = self.adaln_proj(ada_in).view(m * NUM_MODALITIES, -1)  # row m*3+tag, modality-major
+        shift1, scale1, gate1, shift2, scale2, gate2 = mod.chunk(6, dim=-1)
+        self._gated_add_(x, gate1, self.attn(self._modulate(x, self.norm1, shift1, scale1, rows), rope), rows)
+        self._gated_add_(x, gate2, self.mlp(self._modulate(x, self.norm2, shift2, scale2, rows)), rows)
+        return x
+
+
+class FinalLayer(nn.Module):
+    def __init__(self, ctx: _Ctx):
+        super().__init__()
+        cfg = ctx.cfg
+        self.norm = RMSNorm(cfg.hidden, cfg.eps)
+        self.adaln_proj = AdaLNProj(ctx, "final_layer.adaln_proj", cfg.final_adaln_out)
+        self.video_out = ctx.factory("final_layer.video_out", cfg.hidden, cfg.video_patch_dim, True, "replicated")
+        self.audio_out = ctx.factory("final_layer.audio_out", cfg.hidden, cfg.audio_in_channels, True, "replicated")
+
+    def forward(self, x, ada_in, row_ti, video_idx, audio_idx):
+        # Modulated per *timestep* only (no modality split); heads run only on their own rows.
+        shift, scale = self.adaln_proj(ada_in).chunk(2, dim=-1)
+
+        def head(idx, proj):
+            ti = row_ti.index_select(0, idx)
+            y = self.norm(x.index_select(0, idx)) * (1.0 + scale.index_select(0, ti)) + shift.index_select(0, ti)
+            return proj(y).float()
+
+        return head(video_idx, self.video_out), head(audio_idx, self.audio_out)
+
+
+class TimeEmbedder(nn.Module):
+    def __init__(self, ctx: _Ctx):
+        super().__init__()
+        cfg = ctx.cfg
+        self.proj_in = ctx.factory("time_embedder.proj_in", cfg.freq_dim, cfg.time_embed_hidden, True, "replicated")
+        self.proj_out = ctx.factory("time_embedder.proj_out", cfg.time_embed_hidden, cfg.time_embed_dim, True,
+                                    "replicated")
+
+    def forward(self, e: torch.Tensor) -> torch.Tensor:
+        return self.proj_out(F.silu(self.proj_in(e).float())).float()
+
+
+class RoPE(nn.Module):
+    def __init__(self, cfg: DiTConfig):
+        super().__init__()
+        self.rope_freq_dim = cfg.rope_freq_dim
+        k = torch.arange(0, 2 * cfg.rope_freq_dim, 2, dtype=torch.float32)
+        self.register_buffer("inv_freq", 1.0 / cfg.rope_theta ** (k / (2 * cfg.rope_freq_dim)), persistent=False)
+
+    def forward(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """pos [S, 3] -> cos, sin [S, 6*rope_freq_dim] fp32: angles [t | h | w] duplicated (rotate_half)."""
+        ang = (pos.float()[:, :, None] * self.inv_freq.to(pos.device)).reshape(pos.shape[0], -1)
+        ang = torch.cat((ang, ang), dim=-1)
+        return ang.cos(), ang.sin()
+
+
+def timestep_sinusoid(t: torch.Tensor, dim: int) -> torch.Tensor:
+    """[M] -> [M, dim] = [cos(t f_k), sin(t f_k)], f_k = exp(-ln(10000) k / (dim/2)); t unscaled, fp32."""
+    half = dim // 2
+    freqs = torch.exp(-math.log(TIMESTEP_MAX_PERIOD) * torch.arange(half, dtype=torch.float32, device=t.device) / half)
+    arg = t.float()[:, None] * freqs[None]
+    return torch.cat((arg.cos(), arg.sin()), dim=-1)
+
+
+class H3DiT(nn.Module):
+    """The DiT. state_dict() keys == release / ComfyUI keys (minus the recomputed `rope.inv_freq` buffer).
+
+    Args:
+        cfg: DiTConfig (adaln_form selects release "mlp" or Comfy pruned "curve").
+        compute_dtype: dtype of the block/refiner linears and attention.
+        chunk_rows: token chunk of the MLP / modulation loops (bounds [chunk, 2*ffn/tp] activations).
+        tp_group: torch.distributed group for tensor parallelism, None = single rank.
+        linear_factory: optional (name, in, out, bias, parallel) -> module; default = tp.Linear variants.
+        device / dtype: parameter storage (use device="meta" + load_state_dict(assign=True) for full size).
+        attention_fn: (q, k, v) -> o attention kernel (default torch SDPA); see stagekit.kernels.
+    """
+
+    def __init__(self, cfg: DiTConfig, compute_dtype: torch.dtype = torch.bfloat16, chunk_rows: int = 4096,
+                 tp_group: dist.ProcessGroup | None = None, linear_factory: LinearFactory | None = None,
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None,
+                 attention_fn: AttentionFn | None = None):
+        super().__init__()
+        if chunk_rows <= 0:
+            raise ValueError(f"chunk_rows must be > 0, got {chunk_rows}")
+        self.cfg = cfg
+        self.compute_dtype = compute_dtype
+        self.tp_group = tp_group
+        self.tp_rank, self.tp_size = group_rank_size(tp_group)
+        validate_tp(cfg, self.tp_size)
+        factory = linear_factory or self._default_factory(cfg, compute_dtype, self.tp_size, device, dtype)
+        ctx = _Ctx(cfg, compute_dtype, chunk_rows, tp_group, self.tp_size, factory, attention_fn or sdpa_attention)
+
+        self.video_patch_proj = factory("video_patch_proj", cfg.video_patch_dim, cfg.hidden, True, "replicated")
+        self.audio_patch_proj = factory("audio_patch_proj", cfg.audio_in_channels, cfg.hidden, True, "replicated")
+        self.condition_proj = factory("condition_proj", cfg.text_dim, cfg.hidden, True, "replicated")
+        if cfg.adaln_form == "mlp":
+            self.time_embedder = TimeEmbedder(ctx)
+        else:
+            # Comfy "pruned" curve: rank-r coordinates of silu(temb(t)) on a uniform t grid (h3_architecture §2.10).
+            self.adaln_t_table = nn.Parameter(torch.zeros(cfg.adaln_curve_grid, cfg.adaln_curve_rank,
+                                                          device=device, dtype=torch.float32), requires_grad=False)
+        self.rope = RoPE(cfg)
+        self.token_refiner = TokenRefiner(ctx)
+        self.blocks = nn.ModuleList(Block(ctx, f"blocks.{i}") for i in range(cfg.num_layers))
+        self.final_layer = FinalLayer(ctx)
+        for mod in self.modules():  # norms are created without device/dtype above
+            if isinstance(mod, RMSNorm) and (device is not None or dtype is not None):
+                mod.to(device=device, dtype=dtype)
+
+    # ---- construction helpers -------------------------------------------------------------------------------------
+    @staticmethod
+    def _default_factory(cfg, compute_dtype, tp_size, device, dtype) -> LinearFactory:
+        def make(name: str, fin: int, fout: int, bias: bool, parallel: str) -> nn.Module:
+            kw = dict(device=device, dtype=dtype)
+            if (name + ".").startswith(FP32_PARAM_PREFIXES):  # release fp32 islands
+                return Linear(fin, fout, bias, compute_dtype=torch.float32, **kw)
+            if parallel == "column":
+                # Curve-form AdaLN runs in fp32 (its [.., 8] weights are tiny); release AdaLN in compute dtype.
+                curve = cfg.adaln_form == "curve" and name.endswith(".adaln_proj.linear")
+                cd = torch.float32 if curve else compute_dtype
+                return ColumnParallelLinear(fin, fout, tp_size, bias, compute_dtype=cd, **kw)
+            if parallel == "row":
+                return RowParallelLinear(fin, fout, tp_size, bias, compute_dtype=compute_dtype, **kw)
+            return Linear(fin, fout, bias, compute_dtype=compute_dtype, **kw)
+
+        return make
+
+    def linear_names(self) -> list[str]:
+        """Qualified names of every linear module (swap targets)."""
+        return [n for n, m in self.named_modules()
+                if isinstance(m, (Linear, nn.Linear)) or n.rsplit(".", 1)[-1] in _LINEAR_LEAF_NAMES]
+
+    def swap_linear(self, name: str, module: nn.Module) -> None:
+        """Replace linear `name` (e.g. "blocks.3.attn.qkv_proj") with any module computing y = x W^T (+ b)."""
+        if name not in self.linear_names():
+            raise KeyError(f"{name!r} is not a linear of this model; see H3DiT.linear_names()")
+        self.set_submodule(name, module)
+
+    def set_attention_fn(self, fn: AttentionFn) -> None:
+        """Use attention kernel `fn` in every block and refiner block (e.g. after a stagekit.kernels probe)."""
+        for mod in self.modules():
+            if isinstance(mod, Attention):
+                mod.attention_fn = fn
+
+    def cast_release_dtypes(self, dtype: torch.dtype = torch.bfloat16) -> "H3DiT":
+        """Store params like the release: fp32 islands stay fp32, everything else in `dtype`."""
+        for name, p in self.named_parameters():
+            p.data = p.data.float() if name.startswith(FP32_PARAM_PREFIXES) else p.data.to(dtype)
+        return self
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        # `rope.inv_freq` is in release/Comfy files; it is a deterministic function of the config, so check & drop.
+        sd = dict(state_dict)
+        inv = sd.pop("rope.inv_freq", None)
+        if inv is not None and inv.numel() != self.cfg.rope_freq_dim:
+            raise ValueError(f"checkpoint rope.inv_freq has {inv.numel()} entries, config rope_freq_dim is "
+                             f"{self.cfg.rope_freq_dim}")
+        return super().load_state_dict(sd, strict=strict, assign=assign)
+
+    # ---- forward pieces -------------------------------------------------------------------------------------------
+    def timestep_table(self, t_video, t_audio, layout: PackedLayout) -> tuple[torch.Tensor, torch.Tensor]:
+        """Distinct timesteps [M] (sorted ascending, fp32) and each row's index into them [S]."""
+        dev = layout.kind.device
+        tv = torch.as_tensor(t_video, dtype=torch.float32, device=dev).reshape(())
+        ta = torch.as_tensor(t_audio, dtype=torch.float32, device=dev).reshape(())
+        per_kind = torch.stack([tv, torch.clamp(tv, min=COND_VIDEO_T), ta, torch.clamp(ta, min=REF_AUDIO_T)])
+        kinds = torch.tensor(layout.kinds, dtype=torch.long, device=dev)
+        uniq, inv = torch.unique(per_kind.index_select(0, kinds), sorted=True, return_inverse=True)
+        kind_to_ti = torch.zeros(NUM_KINDS, dtype=torch.long, device=dev).index_copy(0, kinds, inv)
+        return uniq, kind_to_ti.index_select(0, layout.kind)
+
+    def adaln_input(self, ts: torch.Tensor) -> torch.Tensor:
+        """[M] timesteps -> [M, adaln_in] fp32 input of every AdaLN projection."""
+        cfg = self.cfg
+        if cfg.adaln_form == "mlp":
+            return F.silu(self.time_embedder(timestep_sinusoid(ts, cfg.freq_dim)))
+        table = self.adaln_t_table.float()
+        last = cfg.adaln_curve_grid - 1
+        pos = ts.float().clamp(0.0, 1.0) * last
+        i0 = pos.floor().long().clamp(max=last - 1)
+        frac = (pos - i0.float())[:, None]
+        return torch.lerp(table.index_select(0, i0), table.index_select(0, i0 + 1), frac)
+
+    def forward(self, video_rows: torch.Tensor, audio_rows: torch.Tensor, text_states: torch.Tensor,
+                t_video: torch.Tensor | float, t_audio: torch.Tensor | float,
+                layout: PackedLayout) -> tuple[torch.Tensor, torch.Tensor]:
+        """One denoising evaluation.
+
+        video_rows [Nv, 96] (conditioning rows first, then target rows), audio_rows [Na, 32] (channel-major),
+        text_states [L, text_dim], t_video / t_audio scalars (t = 1 - sigma, 1 = clean).
+        Returns data-ward velocities (x0 - noise) (video [Nv, 96], audio [Na, 32]) in fp32, conditioning rows included.
+        """
+        cfg = self.cfg
+        if video_rows.shape != (layout.num_video_rows, cfg.video_patch_dim):
+            raise ValueError(f"video_rows must be [{layout.num_video_rows}, {cfg.video_patch_dim}], "
+                             f"got {tuple(video_rows.shape)}")
+        if audio_rows.shape != (layout.num_audio_rows, cfg.audio_in_channels):
+            raise ValueError(f"audio_rows must be [{layout.num_audio_rows}, {cfg.audio_in_channels}], "
+                             f"got {tuple(audio_rows.shape)}")
+        if text_states.shape != (layout.text_len, cfg.text_dim):
+            raise ValueError(f"text_states must be [{layout.text_len}, {cfg.text_dim}], got {tuple(text_states.shape)}")
+
+        ts, row_ti = self.timestep_table(t_video, t_audio, layout)
+        ada_in = self.adaln_input(ts)
+        rows = row_ti * NUM_MODALITIES + layout.tag  # AdaLN table row of each sequence row
+        rope = self.rope(layout.position_ids)
+
+        x = torch.zeros(layout.seq_len, cfg.hidden, dtype=torch.float32, device=video_rows.device)
+        text = self.token_refiner(self.condition_proj(text_states.to(self.compute_dtype)).float())
+        x.index_copy_(0, layout.text_idx, text)
+        x.index_copy_(0, layout.video_idx, self.video_patch_proj(video_rows.float()).float())
+        x.index_copy_(0, layout.audio_idx, self.audio_patch_proj(audio_rows.float()).float())
+
+        for blk in self.blocks:
+            x = blk(x, ada_in, rows, rope)
+        return self.final_layer(x, ada_in, row_ti, layout.video_idx, layout.audio_idx)
+
+
+_LINEAR_LEAF_NAMES = ("qkv_proj", "out_proj", "fc1", "fc2", "linear", "video_out", "audio_out", "proj_in",
+                      "proj_out", "video_patch_proj", "audio_patch_proj", "condition_proj")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Curve-form AdaLN construction from an unpruned (mlp-form) state dict
+# ---------------------------------------------------------------------------------------------------------------------
+@torch.no_grad()
+def curve_state_dict_from_mlp(full_sd: dict[str, torch.Tensor], cfg: DiTConfig) -> tuple[dict[str, torch.Tensor],
+                                                                                         DiTConfig]:
+    """Build the Comfy "pruned" curve-form checkpoint from a release one (h3_architecture §2.10 item 3):
+    curve c(t_k) = silu(temb(t_k)), t_k = k/(G-1); table = U_r S_r of the rank-r SVD of (c - mean);
+    W' = W V_r, b' = b + W mean for every AdaLN projection. Exact when rank(c - mean) <= r at grid points."""
+    if cfg.adaln_form != "mlp":
+        raise ValueError("curve_state_dict_from_mlp expects an mlp-form config")
+    ccfg = cfg.replace(adaln_form="curve")
+    grid = torch.linspace(0.0, 1.0, cfg.adaln_curve_grid, dtype=torch.float64)
+    w1, b1 = full_sd["time_embedder.proj_in.weight"].double(), full_sd["time_embedder.proj_in.bias"].double()
+    w2, b2 = full_sd["time_embedder.proj_out.weight"].double(), full_sd["time_embedder.proj_out.bias"].double()
+    e = timestep_sinusoid(grid.float(), cfg.freq_dim).double()
+    curve = F.silu(F.silu(e @ w1.T + b1) @ w2.T + b2)  # [G, time_embed_dim]
+    mean = curve.mean(0)
+    u, s, vh = torch.linalg.svd(curve - mean, full_matrices=False)
+    r = cfg.adaln_curve_rank
+    basis = vh[:r].T  # [time_embed_dim, r] (zero-padded if rank r exceeds the width)
+    table = u[:, :r] * s[:r]
+    if basis.shape[1] < r:
+        basis = F.pad(basis, (0, r - basis.shape[1]))
+        table = F.pad(table, (0, r - table.shape[1]))
+    out = {k: v for k, v in full_sd.items() if not k.startswith("time_embedder.")}
+    out["adaln_t_table"] = table.float()
+    for k in list(out):
+        if k.endswith("adaln_proj.linear.weight"):
+            w = full_sd[k].double()
+            b = full_sd[k[:-len("weight")] + "bias"].double()
+            out[k] = (w @ basis).to(full_sd[k].dtype)
+            out[k[:-len("weight")] + "bias"] = (b + w @ mean).to(full_sd[k].dtype)
+    return out, ccfg

@@ -1,0 +1,338 @@
+"""Deterministic synthetic DiT checkpoints as real safetensors files (ComfyUI layout, our key names).
+
+* `write_tiny_checkpoint(cfg, path, variant)`: bf16 / int8_convrot / int8_convrot_pruned single files.
+* `write_tiny_diffusers_dir`, `write_tiny_release_dir`: the same weights in the diffusers directory layout and in
+  the raw release shard layout (per-head interleaved qkv), for loader tests.
+* `iter_random_int8_convrot_weights(cfg)`: full-size random weights in the int8-convrot layout, one tensor at a
+  time (a generator, so a 33B model never sits in host RAM twice), and `write_random_int8_convrot_checkpoint`,
+  which streams them into one Comfy-layout file.
+
+Every tensor is drawn from its own generator seeded by (seed, key name), so values do not depend on iteration
+order and the bf16 / int8 / pruned variants of one seed are derived from the same dense weights.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+import zlib
+from pathlib import Path
+from typing import Iterator, Literal
+
+import torch
+
+from dit_svc.checkpoint import (
+    BF16,
+    INT8_CONVROT,
+    INT8_CONVROT_PRUNED,
+    FC1_SECTIONS,
+    QKV_SECTIONS,
+    Variant,
+    expected_specs,
+    to_diffusers_name,
+)
+from dit_svc.config import DiTConfig
+from stagekit.quant import encode_comfy_quant, is_power_of_4, quantize_convrot
+
+TinyVariant = Literal["bf16", "int8_convrot", "int8_convrot_pruned"]
+VARIANTS: dict[str, Variant] = {"bf16": BF16, "int8_convrot": INT8_CONVROT, "int8_convrot_pruned": INT8_CONVROT_PRUNED}
+
+LINEAR_GROUPSIZE_CAP = 256  # the release uses 256 for block linears ...
+ADALN_GROUPSIZE_CAP = 64  # ... and 64 for the unpruned AdaLN (2688 = 42 * 64)
+INT8_UNIFORM_STD = 73.3  # std of integers uniform on [-127, 127]
+BLOCK_LINEARS = ("attn.qkv_proj", "attn.out_proj", "mlp.fc1", "mlp.fc2")
+_ST_DTYPE = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "I8": torch.int8, "U8": torch.uint8}
+_ST_NAME = {v: k for k, v in _ST_DTYPE.items()}
+
+
+# ================================================================================================================
+# Group sizes and per-key random tensors
+# ================================================================================================================
+
+
+def convrot_groupsize(*in_features: int, cap: int) -> int:
+    """Largest power of 4 <= cap dividing every in_features (256 / 64 for the full model, 64 / 16 for tiny)."""
+    g = cap
+    while g >= 4:
+        if is_power_of_4(g) and all(k % g == 0 for k in in_features):
+            return g
+        g //= 2
+    raise ValueError(f"no ConvRot group size (power of 4, >= 4) divides in_features {in_features}")
+
+
+def linear_groupsize(cfg: DiTConfig) -> int:
+    return convrot_groupsize(cfg.hidden, cfg.attn_inner, cfg.ffn, cap=LINEAR_GROUPSIZE_CAP)
+
+
+def adaln_groupsize(cfg: DiTConfig) -> int:
+    return convrot_groupsize(cfg.time_embed_dim, cap=ADALN_GROUPSIZE_CAP)
+
+
+def _generator(seed: int, key: str, device: torch.device | str) -> torch.Generator:
+    gen = torch.Generator(device=device)
+    gen.manual_seed((seed * 1_000_003 + zlib.crc32(key.encode())) % 2**63)
+    return gen
+
+
+def random_tensor(key: str, shape: tuple[int, ...], cfg: DiTConfig, seed: int, device="cpu") -> torch.Tensor:
+    """fp32 value of one dense tensor: norms ~1, weights ~N(0, 1/fan_in), biases small; rope.inv_freq exact."""
+    if key == "rope.inv_freq":
+        f = cfg.rope_freq_dim
+        exponents = torch.arange(0, 2 * f, 2, dtype=torch.float64, device=device) / (2 * f)
+        return (1.0 / cfg.rope_theta**exponents).float()
+    x = torch.randn(shape, generator=_generator(seed, key, device), device=device)
+    if "norm" in key:
+        return 1.0 + 0.1 * x
+    if key.endswith(".bias"):
+        return 0.02 * x
+    return x / math.sqrt(shape[-1])
+
+
+# ================================================================================================================
+# Tiny state dicts (in memory)
+# ================================================================================================================
+
+
+def dense_state_dict(cfg: DiTConfig, seed: int = 0) -> dict[str, torch.Tensor]:
+    """The bf16-release-layout weights (fp32 islands fp32, the rest bf16)."""
+    specs = expected_specs(cfg, BF16)
+    return {k: random_tensor(k, s.shape, cfg, seed).to(_ST_DTYPE[s.dtype]) for k, s in specs.items()}
+
+
+def _quantize_into(sd: dict, prefix: str, w: torch.Tensor, groupsize: int) -> None:
+    q, scale = quantize_convrot(w.float(), groupsize)
+    sd[f"{prefix}.weight"] = q
+    sd[f"{prefix}.weight_scale"] = scale
+    sd[f"{prefix}.comfy_quant"] = encode_comfy_quant(groupsize)
+
+
+def int8_state_dict(dense: dict[str, torch.Tensor], cfg: DiTConfig) -> dict[str, torch.Tensor]:
+    """Unpruned Comfy int8_convrot: block linears ConvRot (linear group), block AdaLN ConvRot (AdaLN group)."""
+    g_lin, g_ada = linear_groupsize(cfg), adaln_groupsize(cfg)
+    out: dict[str, torch.Tensor] = {}
+    for key in expected_specs(cfg, INT8_CONVROT):  # file order of the int8 layout
+        if key.endswith((".weight_scale", ".comfy_quant")):
+            continue
+        prefix = key[: -len(".weight")]
+        if key.startswith("blocks.") and prefix.split(".", 2)[2] in BLOCK_LINEARS:
+            _quantize_into(out, prefix, dense[key], g_lin)
+        elif key.startswith("blocks.") and key.endswith(".adaln_proj.linear.weight"):
+            _quantize_into(out, prefix, dense[key], g_ada)
+        else:
+            out[key] = dense[key]
+    return out
+
+
+def _sinusoid(t: torch.Tensor, freq_dim: int) -> torch.Tensor:
+    """[cos(t f), sin(t f)], f_k = exp(-ln(10000) k / (freq_dim/2)); t in [0, 1], not scaled by 1000 (§2.3)."""
+    half = freq_dim // 2
+    f = torch.exp(-math.log(10000.0) * torch.arange(half, dtype=torch.float64) / half)
+    args = t.double()[:, None] * f[None]
+    return torch.cat([torch.cos(args), torch.sin(args)], dim=-1)
+
+
+def adaln_curve(dense: dict[str, torch.Tensor], cfg: DiTConfig) -> torch.Tensor:
+    """silu(temb(t)) at t = k/(grid-1), k = 0..grid-1: [grid, time_embed_dim] fp64."""
+    t = torch.linspace(0.0, 1.0, cfg.adaln_curve_grid, dtype=torch.float64)
+    w1, b1 = dense["time_embedder.proj_in.weight"].double(), dense["time_embedder.proj_in.bias"].double()
+    w2, b2 = dense["time_embedder.proj_out.weight"].double(), dense["time_embedder.proj_out.bias"].double()
+    temb = torch.nn.functional.silu(_sinusoid(t, cfg.freq_dim) @ w1.T + b1) @ w2.T + b2
+    return torch.nn.functional.silu(temb)
+
+
+def pruned_state_dict(int8_sd: dict, dense: dict[str, torch.Tensor], cfg: DiTConfig) -> dict[str, torch.Tensor]:
+    """Curve-form AdaLN (§2.10 item 3): table = U S of the rank-r SVD of the mean-centred curve; every AdaLN
+    projection becomes W V_r [out, r] with the curve mean folded into its bias; time_embedder removed."""
+    curve_cfg = cfg.replace(adaln_form="curve")
+    curve = adaln_curve(dense, cfg)
+    mean = curve.mean(dim=0)
+    u, s, vh = torch.linalg.svd(curve - mean, full_matrices=False)
+    r = cfg.adaln_curve_rank
+    table, basis = (u[:, :r] * s[:r]).float(), vh[:r].T  # basis [time_embed_dim, r]
+    out: dict[str, torch.Tensor] = {}
+    for key, spec in expected_specs(curve_cfg, INT8_CONVROT_PRUNED).items():
+        if key == "adaln_t_table":
+            out[key] = table
+        elif ".adaln_proj.linear." in key:
+            w = dense[key.replace(".bias", ".weight")].double()
+            value = w @ basis if key.endswith(".weight") else dense[key].double() + w @ mean
+            out[key] = value.to(_ST_DTYPE[spec.dtype])
+        else:
+            out[key] = int8_sd[key]
+    return out
+
+
+def tiny_state_dict(cfg: DiTConfig, variant: TinyVariant, seed: int = 0) -> dict[str, torch.Tensor]:
+    if variant not in VARIANTS:
+        raise ValueError(f"variant must be one of {sorted(VARIANTS)}, got {variant!r}")
+    dense = dense_state_dict(cfg.replace(adaln_form="mlp"), seed)
+    if variant == "bf16":
+        return dense
+    int8 = int8_state_dict(dense, cfg.replace(adaln_form="mlp"))
+    return int8 if variant == "int8_convrot" else pruned_state_dict(int8, dense, cfg)
+
+
+# ================================================================================================================
+# Writing files
+# ================================================================================================================
+
+
+def write_safetensors_streaming(
+    path: str | Path, plan: list[tuple[str, tuple[int, ...], str]], items: Iterator[tuple[str, torch.Tensor]]
+) -> Path:
+    """Write a safetensors file whose header is known up front (`plan`: key, shape, dtype), consuming `items`
+    ((key, tensor) in plan order) one at a time, so no more than one tensor is held in host memory."""
+    header, offset = {}, 0
+    for key, shape, dtype in plan:
+        n = math.prod(shape) * _ST_DTYPE[dtype].itemsize
+        header[key] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + n]}
+        offset += n
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)  # data section 8-byte aligned, as safetensors writes it
+    path = Path(path)
+    with open(path, "wb") as fh:
+        fh.write(struct.pack("<Q", len(blob)))
+        fh.write(blob)
+        for (key, shape, dtype), (got_key, tensor) in zip(plan, items, strict=True):
+            if got_key != key or tuple(tensor.shape) != tuple(shape) or _ST_NAME[tensor.dtype] != dtype:
+                raise ValueError(
+                    f"stream item {got_key} {tensor.dtype}{list(tensor.shape)} != plan {key} {dtype}{list(shape)}"
+                )
+            fh.write(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().data)
+    return path
+
+
+def save_state_dict(sd: dict[str, torch.Tensor], path: str | Path) -> Path:
+    plan = [(k, tuple(t.shape), _ST_NAME[t.dtype]) for k, t in sd.items()]
+    return write_safetensors_streaming(path, plan, iter(sd.items()))
+
+
+def write_tiny_checkpoint(cfg: DiTConfig, path: str | Path, variant: TinyVariant = "bf16", seed: int = 0) -> Path:
+    """One ComfyUI-layout single file of the given variant."""
+    return save_state_dict(tiny_state_dict(cfg, variant, seed), path)
+
+
+def _write_sharded(sd: dict[str, torch.Tensor], out_dir: Path, stem: str, n_shards: int, config: dict) -> Path:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    keys = list(sd)
+    per = -(-len(keys) // n_shards)
+    weight_map = {}
+    for i in range(n_shards):
+        name = f"{stem}-{i + 1:05d}-of-{n_shards:05d}.safetensors"
+        chunk = {k: sd[k] for k in keys[i * per : (i + 1) * per]}
+        save_state_dict(chunk, out_dir / name)
+        weight_map.update({k: name for k in chunk})
+    total = sum(t.numel() * t.element_size() for t in sd.values())
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (out_dir / f"{stem}.safetensors.index.json").write_text(json.dumps(index, indent=1))
+    (out_dir / "config.json").write_text(json.dumps(config, indent=1))
+    return out_dir
+
+
+def to_diffusers_state_dict(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Our names -> diffusers names: qkv split into to_q/to_k/to_v, fc1 halves swapped to [value; gate]."""
+    out = {}
+    for key, t in sd.items():
+        if key == "rope.inv_freq":
+            continue  # diffusers recomputes it
+        name = to_diffusers_name(key)
+        if key.endswith(".attn.qkv_proj.weight"):
+            for part, chunk in zip(("to_q", "to_k", "to_v"), t.chunk(QKV_SECTIONS)):
+                out[name.replace(".to_q.", f".{part}.")] = chunk.clone()
+        elif key.endswith(".mlp.fc1.weight"):
+            gate, value = t.chunk(FC1_SECTIONS)
+            out[name] = torch.cat([value, gate])
+        else:
+            out[name] = t
+    return out
+
+
+def diffusers_config(cfg: DiTConfig) -> dict:
+    return {
+        "_class_name": "MiniMaxH3Transformer3DModel", "num_attention_heads": cfg.num_heads,
+        "attention_head_dim": cfg.head_dim, "hidden_size": cfg.hidden, "num_layers": cfg.num_layers,
+        "num_refiner_layers": cfg.num_refiner_layers, "ffn_dim": cfg.ffn, "in_channels": cfg.in_channels,
+        "audio_in_channels": cfg.audio_in_channels, "patch_size": list(cfg.patch), "text_dim": cfg.text_dim,
+        "freq_dim": cfg.freq_dim, "time_embed_hidden_dim": cfg.time_embed_hidden, "time_embed_dim": cfg.time_embed_dim,
+        "rope_freq_dim": cfg.rope_freq_dim, "rope_theta": cfg.rope_theta, "norm_eps": cfg.eps,
+        "qk_norm_eps": cfg.eps, "final_norm_eps": cfg.eps,
+    }
+
+
+def write_tiny_diffusers_dir(cfg: DiTConfig, root: str | Path, seed: int = 0, n_shards: int = 2) -> Path:
+    """`root/transformer/` with diffusers-named bf16 shards, index json and config.json; returns root."""
+    sd = to_diffusers_state_dict(tiny_state_dict(cfg, "bf16", seed))
+    _write_sharded(sd, Path(root) / "transformer", "diffusion_pytorch_model", n_shards, diffusers_config(cfg))
+    return Path(root)
+
+
+def interleave_qkv(w: torch.Tensor, num_heads: int, head_dim: int) -> torch.Tensor:
+    """[q_all; k_all; v_all] -> release per-head order [h0: q k v, h1: q k v, ...]."""
+    return w.view(QKV_SECTIONS, num_heads, head_dim, -1).transpose(0, 1).reshape(w.shape)
+
+
+def write_tiny_release_dir(cfg: DiTConfig, root: str | Path, seed: int = 0, n_shards: int = 2) -> Path:
+    """`root/transformer/` as the raw release shards: our names, qkv rows per-head interleaved."""
+    sd = tiny_state_dict(cfg, "bf16", seed)
+    sd = {k: interleave_qkv(t, cfg.num_heads, cfg.head_dim) if k.endswith(".attn.qkv_proj.weight") else t
+          for k, t in sd.items()}
+    config = {"num_attention_heads": cfg.num_heads, "attention_head_dim": cfg.head_dim, "hidden_size": cfg.hidden,
+              "patch_size": list(cfg.patch), "latents_dim": cfg.in_channels, "rope_theta": cfg.rope_theta}
+    _write_sharded(sd, Path(root) / "transformer", "model", n_shards, config)
+    return Path(root)
+
+
+# ================================================================================================================
+# Full-size random int8-convrot weights (GPU benchmark)
+# ================================================================================================================
+
+
+def _int8_plan(cfg: DiTConfig) -> list[tuple[str, tuple[int, ...], str]]:
+    """(key, shape, dtype) of the int8_convrot layout with the comfy_quant blob lengths filled in."""
+    g_lin, g_ada = linear_groupsize(cfg), adaln_groupsize(cfg)
+    plan = []
+    for key, spec in expected_specs(cfg.replace(adaln_form="mlp"), INT8_CONVROT).items():
+        shape = spec.shape
+        if key.endswith(".comfy_quant"):
+            shape = (encode_comfy_quant(g_ada if ".adaln_proj." in key else g_lin).numel(),)
+        plan.append((key, shape, spec.dtype))
+    return plan
+
+
+def iter_random_int8_convrot_weights(
+    cfg: DiTConfig, seed: int = 0, device: torch.device | str = "cpu", quantize: bool = True
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (key, tensor) of a random int8_convrot checkpoint in file order, one tensor at a time, on `device`.
+
+    quantize=True draws Gaussian weights and ConvRot-quantizes them (realistic, needs a GPU to be quick at full
+    size); quantize=False draws the int8 codes directly with scale chosen so the dequantised std is 1/sqrt(K).
+    """
+    g_lin, g_ada = linear_groupsize(cfg), adaln_groupsize(cfg)
+    pending: dict[str, torch.Tensor] = {}  # weight_scale / comfy_quant follow their weight in file order
+    for key, shape, dtype in _int8_plan(cfg):
+        if key in pending:
+            yield key, pending.pop(key)
+            continue
+        if dtype != "I8":
+            yield key, random_tensor(key, shape, cfg, seed, device).to(_ST_DTYPE[dtype])
+            continue
+        prefix = key[: -len(".weight")]
+        g = g_ada if ".adaln_proj." in key else g_lin
+        if quantize:
+            q, scale = quantize_convrot(random_tensor(key, shape, cfg, seed, device), g)
+        else:
+            gen = _generator(seed, key, device)
+            q = torch.randint(-127, 128, shape, generator=gen, device=device, dtype=torch.int8)
+            scale = torch.full((shape[0], 1), 1.0 / (INT8_UNIFORM_STD * math.sqrt(shape[1])), device=device)
+        pending[f"{prefix}.weight_scale"] = scale
+        pending[f"{prefix}.comfy_quant"] = encode_comfy_quant(g).to(device)
+        yield key, q
+
+
+def write_random_int8_convrot_checkpoint(
+    cfg: DiTConfig, path: str | Path, seed: int = 0, device: torch.device | str = "cpu", quantize: bool = True
+) -> Path:
+    """Stream a full-size random int8_convrot checkpoint to one Comfy-layout file (about 34 GB at full size)."""
+    items = iter_random_int8_convrot_weights(cfg, seed, device, quantize)
+    return write_safetensors_streaming(path, _int8_plan(cfg), items)

@@ -1,0 +1,558 @@
+"""Full-size MiniMax-H3 DiT on one GPU: s/step of several kernel variants vs diffusers, and TP2 per-rank memory.
+
+    python scripts/bench_dit.py --json out.json                       # the table (variants a-d, two shapes)
+    python scripts/bench_dit.py --memory --json mem.json              # TP2 rank peak memory under a 22 GiB cap
+    python scripts/bench_dit.py --layers 2 --shapes 832x480x22 ...    # smoke run (same code, fewer blocks)
+
+Table mode builds the 50-block DiT from random weights in the real int8-ConvRot checkpoint layout, generated on the
+GPU one tensor at a time (dit_svc.tiny_checkpoint.iter_random_int8_convrot_weights): the int8 block linears are
+kept once as the "master" copy and every variant's linears are built from it and swapped in
+(H3DiT.swap_linear), so at most one derived copy exists next to the master:
+  (a) int8   comfy-kitchen int8 ConvRot GEMMs            + SDPA cuDNN
+  (b) fp8    e4m3 row-wise torch._scaled_mm (from int8)   + SDPA cuDNN
+  (c) bf16   dense cuBLAS on the dequantised int8 weights + SDPA cuDNN
+  (d) diffusers MiniMaxH3Transformer3DModel, bf16, the same dequantised weights (built after ours is freed)
+One step = one forward (t2va, L = 38 text rows). FLOPs = 2*385,351,680*S*layers + 4*S^2*7168*layers. Peak rates
+(bf16 GEMM, fp8 _scaled_mm, int8 _int_mm, SDPA cuDNN at the real S) are measured in the same run; "floor" = linear
+FLOPs at the best linear rate (fp8) + attention FLOPs at the cuDNN rate. Also per variant: the time its kernels
+alone take at the real shapes (linears + attention, x layers); step minus that is framework / elementwise overhead.
+The run fails (exit 1, after printing the table) on NaN/Inf or a velocity error vs diffusers above its bound.
+
+Memory mode builds one TP2 rank (half the heads / ffn, AdaLN column-sharded, int8 block linears, Comfy "pruned"
+curve AdaLN as in the ~19.5 GiB checkpoint) with the collectives replaced by local no-ops, caps the process at
+22 GiB (torch.cuda.set_per_process_memory_fraction) and runs the refiner + `--memory-blocks` blocks + final layer
+(all 50 blocks' weights stay resident; every block has the same activation peak). On OOM under the cap it reruns
+uncapped to report the real peak.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import re
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from dit_svc.config import DiTConfig  # noqa: E402
+from dit_svc.layout import build_layout  # noqa: E402
+from dit_svc.model import FP32_PARAM_PREFIXES, H3DiT  # noqa: E402
+from dit_svc.tiny_checkpoint import convrot_groupsize, iter_random_int8_convrot_weights  # noqa: E402
+from stagekit.kernels import (  # noqa: E402
+    KernelConfig,
+    default_attention_candidates,
+    default_linear_candidates,
+    quantize_fp8_rowwise,
+    rel_err,
+    select_kernels,
+)
+from stagekit.quant import Int8ConvRotLinear, QuantizedWeight, parse_comfy_quant  # noqa: E402
+
+TEXT_LEN = 38  # t2va prompt length behind the reference S = 14,882 at 832x480x124
+CORE_PARAMS_PER_BLOCK = 385_351_680  # qkv + out + fc1 + fc2 of one block (h3_architecture.md §9.1)
+T_VIDEO, T_AUDIO = 0.4, 0.55  # any mid-schedule noise levels
+MEMORY_CAP_GIB = 22.0
+GIB = 2**30
+BLOCK_LINEAR = re.compile(r"^blocks\.\d+\.(attn\.qkv_proj|attn\.out_proj|mlp\.fc1|mlp\.fc2)$")
+VARIANTS = {  # name -> (linear kernel, attention kernel, label)
+    "int8": ("int8", "cudnn", "(a) int8 comfy-kitchen + cuDNN SDPA"),
+    "fp8": ("fp8", "cudnn", "(b) fp8 row-wise _scaled_mm + cuDNN SDPA"),
+    "bf16": ("bf16", "cudnn", "(c) bf16 dense (dequantised) + cuDNN SDPA"),
+}
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def parse_shape(s: str) -> tuple[int, int, int]:
+    w, h, f = (int(v) for v in s.lower().split("x"))
+    return w, h, f
+
+
+def step_flops(s: int, layers: int, cfg: DiTConfig) -> tuple[float, float]:
+    return 2.0 * CORE_PARAMS_PER_BLOCK * s * layers, 4.0 * s * s * cfg.attn_inner * layers
+
+
+def time_ms(fn, iters: int, warmup: int = 1) -> float:
+    """Median ms of fn() over iters calls, CUDA events, after warm-up."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        ts.append(a.elapsed_time(b))
+    return statistics.median(ts)
+
+
+def inputs_for(cfg: DiTConfig, shape: tuple[int, int, int], device, seed: int = 1):
+    w, h, f = shape
+    lay = build_layout(cfg, TEXT_LEN, f, h, w).to(device)
+    g = torch.Generator(device=device).manual_seed(seed)
+    video = torch.randn(lay.num_video_rows, cfg.video_patch_dim, generator=g, device=device)
+    audio = torch.randn(lay.num_audio_rows, cfg.audio_in_channels, generator=g, device=device)
+    text = torch.randn(lay.text_len, cfg.text_dim, generator=g, device=device).to(torch.bfloat16)
+    return lay, video, audio, text
+
+
+# =====================================================================================================================
+# Weights
+# =====================================================================================================================
+
+
+def iter_checkpoint(cfg: DiTConfig, seed: int, device):
+    """(key, tensor | QuantizedWeight) in file order: int8 triplets (weight, weight_scale, comfy_quant) merged."""
+    held: dict[str, dict] = {}
+    for key, t in iter_random_int8_convrot_weights(cfg, seed, device=device, quantize=True):
+        m = re.match(r"^(.*)\.(weight|weight_scale|comfy_quant)$", key)
+        if m and (t.dtype == torch.int8 or m.group(1) in held):
+            part = held.setdefault(m.group(1), {})
+            part[m.group(2)] = t
+            if len(part) == 3:
+                del held[m.group(1)]
+                g = parse_comfy_quant(part["comfy_quant"].cpu()).groupsize
+                yield m.group(1), QuantizedWeight(part["weight"], part["weight_scale"], g)
+            continue
+        yield key, t
+    if held:
+        raise RuntimeError(f"incomplete int8 triplets: {sorted(held)[:5]}")
+
+
+def build_ours(cfg: DiTConfig, seed: int, device, chunk_rows: int) -> tuple[H3DiT, dict[str, QuantizedWeight]]:
+    """Our model with dense params loaded (AdaLN dequantised to bf16) and the int8 block linears as the master."""
+    model = H3DiT(cfg, torch.bfloat16, chunk_rows, device="meta")
+    master: dict[str, QuantizedWeight] = {}
+    pending: dict[str, torch.Tensor] = {}
+    nbytes = 0
+    for key, t in iter_checkpoint(cfg, seed, device):
+        if isinstance(t, QuantizedWeight):
+            if BLOCK_LINEAR.match(key):
+                master[key] = t
+                continue
+            t, key = t.dequantize(torch.bfloat16), key + ".weight"  # block AdaLN (ConvRot group 64)
+        pending[key] = t
+        nbytes += t.numel() * t.element_size()
+        if nbytes > 4 * GIB:
+            model.load_state_dict(pending, strict=False, assign=True)
+            pending, nbytes = {}, 0
+    model.load_state_dict(pending, strict=False, assign=True)
+    model.rope.to(device)
+    return model, master
+
+
+def install_linears(model: H3DiT, master: dict[str, QuantizedWeight], kernel: str) -> None:
+    build = default_linear_candidates()[kernel].build
+    for name, qw in master.items():
+        model.swap_linear(name, build(qw, None, torch.bfloat16))
+    gc.collect()
+    torch.cuda.empty_cache()
+    meta = [n for n, p in [*model.named_parameters(), *model.named_buffers()] if p.is_meta]
+    if meta:
+        raise RuntimeError(f"parameters left on meta: {meta[:5]}")
+
+
+def build_diffusers(cfg: DiTConfig, seed: int, device):
+    """diffusers' model on the same random weights (every int8 tensor dequantised to bf16), loaded block by block."""
+    from diffusers import MiniMaxH3Transformer3DModel
+    from diffusers.models.transformers.transformer_minimax_h3 import MiniMaxH3RotaryPosEmbed
+
+    from dit_svc.convert_diffusers import to_diffusers
+
+    with torch.device("meta"):
+        dm = MiniMaxH3Transformer3DModel(
+            num_attention_heads=cfg.num_heads, attention_head_dim=cfg.head_dim, hidden_size=cfg.hidden,
+            num_layers=cfg.num_layers, num_refiner_layers=cfg.num_refiner_layers, ffn_dim=cfg.ffn,
+            in_channels=cfg.in_channels, audio_in_channels=cfg.audio_in_channels, patch_size=cfg.patch,
+            text_dim=cfg.text_dim, freq_dim=cfg.freq_dim, time_embed_hidden_dim=cfg.time_embed_hidden,
+            time_embed_dim=cfg.time_embed_dim, rope_freq_dim=cfg.rope_freq_dim, rope_theta=cfg.rope_theta,
+            norm_eps=cfg.eps, qk_norm_eps=cfg.eps, final_norm_eps=cfg.eps)
+    dm.rope = MiniMaxH3RotaryPosEmbed(cfg.rope_freq_dim, cfg.rope_theta).to(device)
+    pending, nbytes = {}, 0
+    for key, t in iter_checkpoint(cfg, seed, device):
+        if isinstance(t, QuantizedWeight):
+            t, key = t.dequantize(torch.bfloat16), key + ".weight"
+        pending[key] = t
+        nbytes += t.numel() * t.element_size()
+        if nbytes > 4 * GIB:
+            dm.load_state_dict(to_diffusers(pending), strict=False, assign=True)
+            pending, nbytes = {}, 0
+    dm.load_state_dict(to_diffusers(pending), strict=False, assign=True)
+    meta = [n for n, p in [*dm.named_parameters(), *dm.named_buffers()] if p.is_meta]
+    if meta:
+        raise RuntimeError(f"diffusers parameters left on meta: {meta[:5]}")
+    return dm.eval()
+
+
+# =====================================================================================================================
+# Rates and kernel-only times
+# =====================================================================================================================
+
+
+def peak_rates(iters: int) -> dict:
+    m, k, n = 16384, 5376, 21504
+    a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+    fl = 2.0 * m * k * n
+    out = {"gemm_shape": [m, k, n]}
+    out["bf16_tflops"] = fl / time_ms(lambda: F.linear(a, b), iters) / 1e9
+    aq, as_ = quantize_fp8_rowwise(a)
+    bq, bs = quantize_fp8_rowwise(b)
+    out["fp8_rowwise_tflops"] = fl / time_ms(
+        lambda: torch._scaled_mm(aq, bq.t(), scale_a=as_, scale_b=bs.t(), out_dtype=torch.bfloat16), iters) / 1e9
+    ai = torch.randint(-127, 128, (m, k), device="cuda", dtype=torch.int8)
+    bi = torch.randint(-127, 128, (n, k), device="cuda", dtype=torch.int8)
+    out["int8_int_mm_tops"] = fl / time_ms(lambda: torch._int_mm(ai, bi.t()), iters) / 1e9
+    return out
+
+
+def sdpa_rate(s: int, cfg: DiTConfig, fn, iters: int) -> float:
+    q, k, v = (torch.randn(1, cfg.num_heads, s, cfg.head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    return 4.0 * s * s * cfg.attn_inner / time_ms(lambda: fn(q, k, v), iters) / 1e9
+
+
+def kernel_only_ms(model: H3DiT, s: int, cfg: DiTConfig, chunk_rows: int, iters: int) -> dict:
+    """ms per block of the block-0 linears at their real M (MLP token-chunked like the model) and of attention."""
+    blk = model.blocks[0]
+    x = torch.randn(s, cfg.hidden, device="cuda", dtype=torch.bfloat16)
+    o = torch.randn(s, cfg.attn_inner, device="cuda", dtype=torch.bfloat16)
+    g = torch.randn(min(s, chunk_rows), cfg.ffn, device="cuda", dtype=torch.bfloat16)
+    chunks = [(i, min(s, i + chunk_rows)) for i in range(0, s, chunk_rows)]
+    q, k, v = (torch.randn(1, cfg.num_heads, s, cfg.head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    res = {
+        "qkv": time_ms(lambda: blk.attn.qkv_proj(x), iters),
+        "out": time_ms(lambda: blk.attn.out_proj(o), iters),
+        "fc1": time_ms(lambda: [blk.mlp.fc1(x[a:b]) for a, b in chunks], iters),
+        "fc2": time_ms(lambda: [blk.mlp.fc2(g[: b - a]) for a, b in chunks], iters),
+        "attention": time_ms(lambda: blk.attn.attention_fn(q, k, v), iters),
+    }
+    res["total"] = sum(res.values())
+    return res
+
+
+# =====================================================================================================================
+# Table mode
+# =====================================================================================================================
+
+
+def run_table(args) -> int:
+    dev = torch.device("cuda")
+    cfg = DiTConfig.full(num_layers=args.layers)
+    shapes = [parse_shape(s) for s in args.shapes.split(",")]
+    variants = [v for v in args.variants.split(",") if v]
+    result: dict = {"mode": "table", "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                    "cudnn": torch.backends.cudnn.version(), "layers": cfg.num_layers, "text_len": TEXT_LEN,
+                    "iters": args.iters, "warmup": args.warmup, "chunk_rows": args.chunk_rows, "shapes": {},
+                    "variants": {}, "failures": []}
+
+    def save():
+        if args.json:
+            Path(args.json).write_text(json.dumps(result, indent=1, default=str))
+
+    t0 = time.time()
+    sel = select_kernels(dev, KernelConfig())
+    result["kernel_probe"] = {"choices": sel.status_rows(),
+                              "probes": {op: [r.__dict__ for r in rs] for op, rs in sel.probes.items()}}
+    for op, kern, why in sel.status_rows():
+        log(f"probe: {op} -> {kern}: {why}")
+    result["rates"] = peak_rates(args.rate_iters)
+    cudnn = default_attention_candidates()["cudnn"].make_fn()
+    for shape in shapes:
+        lay = build_layout(cfg, TEXT_LEN, shape[2], shape[1], shape[0])
+        s = lay.seq_len
+        lin_fl, att_fl = step_flops(s, cfg.num_layers, cfg)
+        rate = sdpa_rate(s, cfg, cudnn, args.rate_iters)
+        r = result["rates"]
+        result["shapes"]["x".join(map(str, shape))] = {
+            "S": s, "linear_pflop": lin_fl / 1e15, "attention_pflop": att_fl / 1e15, "sdpa_cudnn_tflops": rate,
+            "floor_s": lin_fl / (r["fp8_rowwise_tflops"] * 1e12) + att_fl / (rate * 1e12),
+            "floor_bf16_s": lin_fl / (r["bf16_tflops"] * 1e12) + att_fl / (rate * 1e12),
+            "floor_int8_s": lin_fl / (r["int8_int_mm_tops"] * 1e12) + att_fl / (rate * 1e12)}
+    log(f"rates {json.dumps({k: round(v, 1) for k, v in result['rates'].items() if isinstance(v, float)})}; "
+        f"shapes {json.dumps(result['shapes'])}")
+    save()
+
+    outputs: dict[tuple[str, str], tuple[torch.Tensor, torch.Tensor]] = {}
+    ours = [v for v in variants if v in VARIANTS]
+    if ours:
+        t1 = time.time()
+        model, master = build_ours(cfg, args.seed, dev, args.chunk_rows)
+        log(f"built ours in {time.time() - t1:.1f} s; allocated {torch.cuda.memory_allocated() / GIB:.1f} GiB")
+        for name in ours:
+            lin_k, att_k, label = VARIANTS[name]
+            t1 = time.time()
+            install_linears(model, master, lin_k)
+            model.set_attention_fn(default_attention_candidates()[att_k].make_fn())
+            log(f"{name}: linears installed in {time.time() - t1:.1f} s; allocated "
+                f"{torch.cuda.memory_allocated() / GIB:.1f} GiB")
+            vres = result["variants"].setdefault(name, {"label": label, "shapes": {}})
+            for shape in shapes:
+                key = "x".join(map(str, shape))
+                lay, video, audio, text = inputs_for(cfg, shape, dev)
+                torch.cuda.reset_peak_memory_stats()
+                with torch.inference_mode():
+                    ms = time_ms(lambda: outputs.__setitem__(
+                        (name, key), model(video, audio, text, T_VIDEO, T_AUDIO, lay)), args.iters, args.warmup)
+                    peak = torch.cuda.max_memory_allocated() / GIB
+                    kern = kernel_only_ms(model, lay.seq_len, cfg, args.chunk_rows, args.kernel_iters)
+                v, a = outputs[(name, key)]
+                outputs[(name, key)] = (v.float().cpu(), a.float().cpu())
+                finite = bool(torch.isfinite(v).all() and torch.isfinite(a).all())
+                vres["shapes"][key] = _row(result, key, ms, peak, finite, kern, cfg)
+                if not finite:
+                    result["failures"].append(f"{name} {key}: non-finite velocity")
+                log(f"{name} {key}: {ms / 1e3:.3f} s/step, kernels {kern['total'] * cfg.num_layers / 1e3:.3f} s, "
+                    f"peak {peak:.1f} GiB, finite {finite}")
+                save()
+        del model, master
+        gc.collect()
+        torch.cuda.empty_cache()
+    # Our variants against our most precise one (bf16 dense) -- isolates the linear kernels' error.
+    for name in ours:
+        for key, row in result["variants"][name]["shapes"].items():
+            if ("bf16", key) in outputs:
+                row["rel_err_vs_bf16"] = rel_err(outputs[(name, key)][0], outputs[("bf16", key)][0])
+
+    if "diffusers" in variants:
+        t1 = time.time()
+        dm = build_diffusers(cfg, args.seed, dev)
+        log(f"built diffusers in {time.time() - t1:.1f} s; allocated {torch.cuda.memory_allocated() / GIB:.1f} GiB")
+        helper = H3DiT(cfg.replace(num_layers=1), device="meta")  # only for the distinct-timestep table
+        vres = result["variants"].setdefault("diffusers", {"label": "(d) diffusers bf16 (default SDPA)",
+                                                          "shapes": {}})
+        for shape in shapes:
+            key = "x".join(map(str, shape))
+            lay, video, audio, text = inputs_for(cfg, shape, dev)
+            ts, ti = helper.timestep_table(T_VIDEO, T_AUDIO, lay)
+            torch.cuda.reset_peak_memory_stats()
+            box = {}
+            with torch.inference_mode():
+                ms = time_ms(lambda: box.__setitem__("o", dm(
+                    video[None], audio[None], text[None], ts, ti, lay.tag, lay.position_ids, lay.video_idx,
+                    lay.audio_idx, lay.text_idx, return_dict=False)), args.iters, args.warmup)
+            peak = torch.cuda.max_memory_allocated() / GIB
+            v, a = (t[0].float().cpu() for t in box["o"])
+            finite = bool(torch.isfinite(v).all() and torch.isfinite(a).all())
+            vres["shapes"][key] = _row(result, key, ms, peak, finite, None, cfg)
+            if not finite:
+                result["failures"].append(f"diffusers {key}: non-finite velocity")
+            for name in ours:
+                if (name, key) not in outputs:
+                    continue
+                ov, oa = outputs[(name, key)]
+                row = result["variants"][name]["shapes"][key]
+                row["rel_err_vs_diffusers"] = rel_err(ov, v)
+                row["rel_err_audio_vs_diffusers"] = rel_err(oa, a)
+                row["speedup_vs_diffusers"] = ms / row["ms"]
+                bound = args.max_err_bf16 if name == "bf16" else args.max_err_quant
+                if not row["rel_err_vs_diffusers"] <= bound:
+                    result["failures"].append(f"{name} {key}: velocity rel err vs diffusers "
+                                              f"{row['rel_err_vs_diffusers']:.3e} > bound {bound}")
+            log(f"diffusers {key}: {ms / 1e3:.3f} s/step, peak {peak:.1f} GiB")
+            save()
+        del dm
+    result["wall_s"] = time.time() - t0
+    save()
+    print_table(result)
+    if result["failures"]:
+        print("FAILURES:\n  " + "\n  ".join(result["failures"]), flush=True)
+        return 1
+    return 0
+
+
+def _row(result, key, ms, peak, finite, kern, cfg) -> dict:
+    sh = result["shapes"][key]
+    s = sh["S"]
+    fl = (sh["linear_pflop"] + sh["attention_pflop"]) * 1e15
+    row = {"S": s, "ms": ms, "s_per_step": ms / 1e3, "tflops": fl / (ms / 1e3) / 1e12, "peak_gib": peak,
+           "finite": finite, "x_floor": (ms / 1e3) / sh["floor_s"]}
+    if kern is not None:
+        row["kernel_ms_per_block"] = kern
+        row["kernels_s"] = kern["total"] * cfg.num_layers / 1e3
+        row["overhead_s"] = ms / 1e3 - row["kernels_s"]
+    return row
+
+
+def print_table(result) -> None:
+    print("\n| variant | shape | S | s/step | TFLOP/s | x floor | kernels s | overhead s | peak GiB | "
+          "err vs diffusers | err vs bf16 | speed vs diffusers |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    f = lambda v, fmt: "" if v is None else format(v, fmt)  # noqa: E731
+    for name, vres in result["variants"].items():
+        for key, r in vres["shapes"].items():
+            print(f"| {vres['label']} | {key} | {r['S']} | {r['s_per_step']:.3f} | {r['tflops']:.0f} | "
+                  f"{r['x_floor']:.2f} | {f(r.get('kernels_s'), '.3f')} | {f(r.get('overhead_s'), '.3f')} | "
+                  f"{r['peak_gib']:.1f} | {f(r.get('rel_err_vs_diffusers'), '.2e')} | "
+                  f"{f(r.get('rel_err_vs_bf16'), '.2e')} | {f(r.get('speedup_vs_diffusers'), '.2f')} |")
+    r = result["rates"]
+    print(f"\nrates: bf16 GEMM {r['bf16_tflops']:.0f} TFLOP/s, fp8 row-wise {r['fp8_rowwise_tflops']:.0f}, "
+          f"int8 _int_mm {r['int8_int_mm_tops']:.0f} TOPS")
+    for key, sh in result["shapes"].items():
+        print(f"{key}: S={sh['S']}, SDPA cuDNN {sh['sdpa_cudnn_tflops']:.0f} TFLOP/s, floor {sh['floor_s']:.3f} s "
+              f"(fp8 linears), {sh['floor_bf16_s']:.3f} s (bf16 linears)")
+    for op, kern, why in result["kernel_probe"]["choices"]:
+        print(f"probe {op} -> {kern}: {why}")
+
+
+# =====================================================================================================================
+# Memory mode (one TP2 rank)
+# =====================================================================================================================
+
+
+class _LocalCollectives:
+    """Stands in for torch.distributed inside dit_svc.model: a single rank of a TP group, communication elided."""
+
+    @staticmethod
+    def all_reduce(t, group=None):
+        return None
+
+    @staticmethod
+    def all_gather(parts, t, group=None):
+        for p in parts:
+            p.copy_(t)
+
+
+def build_tp_rank(cfg: DiTConfig, tp: int, device, chunk_rows: int, seed: int) -> H3DiT:
+    import dit_svc.model as model_mod
+
+    model_mod.dist = _LocalCollectives  # collectives -> local no-ops (this process only)
+    model_mod.group_rank_size = lambda group: (0, tp)
+    model = H3DiT(cfg, torch.bfloat16, chunk_rows, tp_group=object(), device="meta")
+    gen = torch.Generator(device=device).manual_seed(seed)
+    for name in [n for n in model.linear_names() if BLOCK_LINEAR.match(n)]:
+        mod = model.get_submodule(name)
+        n_out, n_in = mod.weight.shape
+        layer = Int8ConvRotLinear(n_in, n_out, groupsize=convrot_groupsize(n_in, cap=256), mode="kernel", device="meta")
+        layer.weight = torch.randint(-127, 128, (n_out, n_in), generator=gen, device=device, dtype=torch.int8)
+        full_in = n_in * (tp if name.endswith(("out_proj", "fc2")) else 1)
+        layer.weight_scale = torch.full((n_out, 1), 1.0 / (73.3 * math.sqrt(full_in)), device=device)
+        model.swap_linear(name, layer)
+    for mname, mod in model.named_modules():
+        for pname, p in list(mod._parameters.items()):
+            if p is None or not p.is_meta:
+                continue
+            full = f"{mname}.{pname}" if mname else pname
+            if full.startswith(FP32_PARAM_PREFIXES):
+                dt = torch.float32
+            elif ".adaln_proj.linear." in full:
+                dt = torch.float16  # the pruned file's [out, 8] curve projections
+            else:
+                dt = torch.bfloat16
+            t = torch.randn(p.shape, generator=gen, device=device)
+            if "norm" in pname or "norm" in mname:
+                t = 1.0 + 0.1 * t
+            elif pname == "bias":
+                t = 0.02 * t
+            elif t.ndim == 2:
+                t = t / math.sqrt(t.shape[1])
+            mod._parameters[pname] = nn.Parameter(t.to(dt), requires_grad=False)
+    model.rope.to(device)
+    return model.eval()
+
+
+def run_memory(args) -> int:
+    dev = torch.device("cuda")
+    tp = args.tp
+    cfg = DiTConfig.full(num_layers=args.layers, adaln_form="curve")
+    shapes = [parse_shape(s) for s in args.memory_shapes.split(",")]
+    result = {"mode": "memory", "device": torch.cuda.get_device_name(), "tp": tp, "cap_gib": args.cap_gib,
+              "layers": cfg.num_layers, "blocks_run": args.memory_blocks, "adaln_form": "curve (pruned int8 file)",
+              "linears": "int8 comfy-kitchen", "attention": "cudnn", "chunk_rows": args.chunk_rows, "shapes": {}}
+    model = build_tp_rank(cfg, tp, dev, args.chunk_rows, args.seed)
+    model.set_attention_fn(default_attention_candidates()["cudnn"].make_fn())
+    all_blocks = list(model.blocks)
+    model.blocks = nn.ModuleList(all_blocks[: args.memory_blocks])  # all 50 stay resident via all_blocks
+    gc.collect()
+    torch.cuda.empty_cache()
+    weights_gib = torch.cuda.memory_allocated() / GIB
+    result["weights_gib"] = weights_gib
+    log(f"TP{tp} rank built: {weights_gib:.2f} GiB resident")
+    total = torch.cuda.get_device_properties(dev).total_memory
+
+    def attempt(lay, video, audio, text, cap_gib):
+        gc.collect()
+        torch.cuda.empty_cache()
+        torch.cuda.set_per_process_memory_fraction(min(1.0, cap_gib * GIB / total) if cap_gib else 1.0)
+        torch.cuda.reset_peak_memory_stats()
+        t0 = time.time()
+        with torch.inference_mode():
+            v, a = model(video, audio, text, T_VIDEO, T_AUDIO, lay)
+        torch.cuda.synchronize()
+        finite = bool(torch.isfinite(v).all() and torch.isfinite(a).all())
+        return (torch.cuda.max_memory_allocated() / GIB, torch.cuda.max_memory_reserved() / GIB, finite,
+                time.time() - t0)
+
+    for shape in shapes:
+        key = "x".join(map(str, shape))
+        lay, video, audio, text = inputs_for(cfg, shape, dev)
+        row = {"S": lay.seq_len}
+        try:
+            alloc, reserved, finite, secs = attempt(lay, video, audio, text, args.cap_gib)
+            row.update(fits=True, peak_alloc_gib=alloc, peak_reserved_gib=reserved, finite=finite, secs=secs)
+        except torch.OutOfMemoryError as e:
+            row.update(fits=False, oom=str(e).splitlines()[0][:200])
+            try:
+                alloc, reserved, finite, secs = attempt(lay, video, audio, text, None)
+                row.update(peak_alloc_gib=alloc, peak_reserved_gib=reserved, finite=finite, secs=secs)
+            except torch.OutOfMemoryError as e2:
+                row.update(uncapped_oom=str(e2).splitlines()[0][:200])
+        torch.cuda.set_per_process_memory_fraction(1.0)
+        result["shapes"][key] = row
+        log(f"memory {key}: {json.dumps(row)}")
+        if args.json:
+            Path(args.json).write_text(json.dumps(result, indent=1))
+        del lay, video, audio, text
+    print(f"\nTP{tp} rank, cap {args.cap_gib} GiB, weights resident {weights_gib:.2f} GiB "
+          f"(curve AdaLN; the unpruned int8 AdaLN would add ~{13.01e9 / tp / GIB:.2f} GiB)")
+    print("| shape | S | peak allocated GiB | peak reserved GiB | fits in cap |")
+    print("|---|---|---|---|---|")
+    for key, r in result["shapes"].items():
+        pa = r.get("peak_alloc_gib")
+        pr = r.get("peak_reserved_gib")
+        print(f"| {key} | {r['S']} | {'' if pa is None else f'{pa:.2f}'} | {'' if pr is None else f'{pr:.2f}'} | "
+              f"{'yes' if r['fits'] else 'no'} |")
+    bad = [k for k, r in result["shapes"].items() if r.get("finite") is False]
+    return 1 if bad else 0
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shapes", default="832x480x124,1344x768x124", help="WxHxF list (pixels, frames), t2va")
+    ap.add_argument("--variants", default="int8,fp8,bf16,diffusers")
+    ap.add_argument("--layers", type=int, default=50, help="DiT blocks (50 = full model; fewer for a smoke run)")
+    ap.add_argument("--iters", type=int, default=2, help="timed forwards per variant and shape (median)")
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--rate-iters", type=int, default=10)
+    ap.add_argument("--kernel-iters", type=int, default=3)
+    ap.add_argument("--chunk-rows", type=int, default=4096)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--max-err-bf16", type=float, default=0.05, help="bound: bf16 variant velocity vs diffusers")
+    ap.add_argument("--max-err-quant", type=float, default=0.25, help="bound: int8/fp8 variants vs diffusers")
+    ap.add_argument("--memory", action="store_true", help="TP rank peak-memory mode instead of the table")
+    ap.add_argument("--memory-shapes", default="1600x896x124,1920x1088x124,1920x1088x362")
+    ap.add_argument("--memory-blocks", type=int, default=2)
+    ap.add_argument("--tp", type=int, default=2)
+    ap.add_argument("--cap-gib", type=float, default=MEMORY_CAP_GIB)
+    ap.add_argument("--json", default="", help="write results here")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("bench_dit.py needs a CUDA GPU", file=sys.stderr)
+        return 2
+    return run_memory(args) if args.memory else run_table(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,592 @@
+"""Kernel registry per GPU architecture, with a short measured start-up probe.
+
+Two ops are dispatched here: the block *linears* (weights come from the int8 ConvRot checkpoint, or a dense one)
+and *attention* (q, k, v [B, heads, S, head_dim] in the compute dtype).
+
+Candidates (name -> what runs):
+  linear     fp32 / bf16 / fp16  dense cuBLAS (F.linear) on the dequantised weight
+             int8                comfy-kitchen int8 ConvRot GEMM (stagekit.quant.Int8ConvRotLinear, mode="kernel")
+             fp8                 float8 e4m3 row-wise scaled matmul (torch._scaled_mm, sm_89+): weight quantised per
+                                 output row from the dequantised int8, activations per row (Fp8RowwiseLinear below)
+  attention  cudnn / flash / efficient / math   torch SDPA pinned to one backend
+             int8                comfy-kitchen int8 (SageAttention-style) kernel, when its API and CUDA ext exist
+
+Which candidates are *considered* depends on the device's architecture (ARCH table below: e.g. no fp8 before
+sm_89, no bf16 GEMMs on Turing, only the dense / math fallbacks on CPU). `select_kernels` then runs every considered
+candidate once on representative shapes, rejects any whose relative error against an fp32 reference exceeds its
+bound (or that raises / returns non-finite values), and picks the fastest survivor per op. A config override
+(`linear_kernel="fp8"`, `attention_kernel="cudnn"`, ...) skips the race but still checks availability and parity,
+so a forced kernel that is broken on this machine fails at start-up, not mid-request.
+
+The result (`KernelSelection`) carries (op, kernel, reason) rows for the Status RPC, a factory for linear modules
+and the attention callable to hand to the model (`H3DiT(attention_fn=...)` / `H3DiT.set_attention_fn`).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .quant import DEFAULT_CONVROT_GROUPSIZE, Int8ConvRotLinear, QuantizedWeight, is_power_of_4, quantize_convrot
+
+log = logging.getLogger(__name__)
+
+AUTO = "auto"
+LINEAR_OP = "linear"
+ATTENTION_OP = "attention"
+
+FP8_E4M3_MAX = 448.0  # largest finite float8_e4m3fn value
+FP8_SCALE_FLOOR = 1e-12  # an all-zero row would otherwise divide by zero
+FP8_MIN_CAPABILITY = (8, 9)  # Ada / Hopper / Blackwell have fp8 tensor cores
+FP8_ALIGN = 16  # torch._scaled_mm needs K and N multiples of 16
+
+# Relative error bounds ||y - ref|| / ||ref|| vs an fp32 reference on the *same* (dequantised) weights.
+# bf16 operands land at 2-4e-3; 8-bit activations (int8 per token after ConvRot, fp8 e4m3 per row) at 1-3e-2
+# (shared reference comfy_kitchen.md §4); the bounds leave ~3x headroom, a broken kernel is far above them.
+REL_ERR_BOUND = {
+    "fp32": 1e-3,  # allows tf32 if a user enabled it
+    "bf16": 1.5e-2,
+    "fp16": 1e-2,
+    "int8": 6e-2,
+    "fp8": 8e-2,
+    "cudnn": 1.5e-2,
+    "flash": 1.5e-2,
+    "efficient": 1.5e-2,
+    "math": 1.5e-2,
+    "int8_attention": 6e-2,  # upstream's own test threshold is NRMSE < 0.03 vs SDPA
+}
+
+
+class KernelError(ValueError):
+    """A kernel setting that cannot be honoured on this machine (unknown name, unavailable, fails parity)."""
+
+
+class Fp8Unavailable(RuntimeError):
+    """fp8 row-wise matmul was asked for on a device without fp8 tensor cores."""
+
+
+# =====================================================================================================================
+# fp8 row-wise linear
+# =====================================================================================================================
+
+
+def quantize_fp8_rowwise(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[R, C] -> (float8_e4m3fn [R, C], fp32 scale [R, 1]) with scale = absmax(row) / 448 (round to nearest)."""
+    if t.ndim != 2:
+        raise ValueError(f"expected a 2-D tensor, got shape {tuple(t.shape)}")
+    t32 = t.float()
+    scale = (t32.abs().amax(dim=1, keepdim=True) / FP8_E4M3_MAX).clamp(min=FP8_SCALE_FLOOR)
+    q = (t32 / scale).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
+    return q, scale
+
+
+def fp8_rowwise_reference(x: torch.Tensor, weight_fp8: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
+    """Exact math of the fp8 row-wise GEMM, emulated in fp32 (any device): (q_x s_x) @ (q_w s_w)^T."""
+    xq, xs = quantize_fp8_rowwise(x)
+    return (xq.float() * xs) @ (weight_fp8.float() * weight_scale.float()).T
+
+
+def fp8_supported(device: torch.device | str) -> str | None:
+    """None if torch._scaled_mm row-wise fp8 can run on `device`, else the reason it cannot."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return f"fp8 row-wise matmul needs a CUDA GPU (device is {device.type})"
+    if not hasattr(torch, "_scaled_mm") or not hasattr(torch, "float8_e4m3fn"):
+        return f"this torch ({torch.__version__}) has no torch._scaled_mm / float8_e4m3fn"
+    cap = torch.cuda.get_device_capability(device)
+    if cap < FP8_MIN_CAPABILITY:
+        return f"fp8 tensor cores need compute capability >= 8.9, this GPU is sm_{cap[0]}{cap[1]}"
+    return None
+
+
+class Fp8RowwiseLinear(nn.Module):
+    """y = x W^T (+ b) with W stored float8 e4m3 + fp32 per-output-row scale; activations quantised per row.
+
+    Build from a dense weight (`from_dense`) or an int8 ConvRot checkpoint weight (`from_quantized`: dequantised,
+    un-rotated, then re-quantised per row -- the int8 rounding is kept, fp8 rounding is added on top).
+    On CUDA sm_89+ the GEMM is torch._scaled_mm (bf16/fp16 out). Elsewhere it raises Fp8Unavailable, unless
+    `emulate=True`, which runs the same quantisation math in fp32 (slow; for tests and CPU parity checks).
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False,
+                 out_dtype: torch.dtype = torch.bfloat16, emulate: bool = False, device=None) -> None:
+        super().__init__()
+        if in_features % FP8_ALIGN or out_features % FP8_ALIGN:
+            raise ValueError(f"fp8 row-wise matmul needs in/out features divisible by {FP8_ALIGN}, "
+                             f"got {in_features}/{out_features}; use a dense kernel for this layer")
+        if out_dtype not in (torch.bfloat16, torch.float16, torch.float32):
+            raise ValueError(f"out_dtype must be bf16, fp16 or fp32, got {out_dtype}")
+        self.in_features, self.out_features = in_features, out_features
+        self.out_dtype = out_dtype
+        self.emulate = emulate
+        self.register_buffer("weight", torch.zeros(out_features, in_features, dtype=torch.float8_e4m3fn,
+                                                   device=device))
+        self.register_buffer("weight_scale", torch.ones(out_features, 1, dtype=torch.float32, device=device))
+        self.bias = nn.Parameter(torch.zeros(out_features, device=device), requires_grad=False) if bias else None
+
+    @classmethod
+    def from_dense(cls, w: torch.Tensor, bias: torch.Tensor | None = None, **kw) -> "Fp8RowwiseLinear":
+        n_out, n_in = w.shape
+        layer = cls(n_in, n_out, bias=bias is not None, device="meta", **kw)
+        q, s = quantize_fp8_rowwise(w)
+        layer.weight, layer.weight_scale = q, s  # registered buffers: plain assignment replaces them
+        if bias is not None:
+            layer.bias = nn.Parameter(bias.detach().float().clone(), requires_grad=False)
+        return layer
+
+    @classmethod
+    def from_quantized(cls, qw: QuantizedWeight, bias: torch.Tensor | None = None, **kw) -> "Fp8RowwiseLinear":
+        return cls.from_dense(qw.dequantize(torch.float32), bias, **kw)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features)
+        if x2.is_cuda and not self.emulate:
+            reason = fp8_supported(x2.device)
+            if reason:
+                raise Fp8Unavailable(f"{reason}; use linear_kernel='bf16' or 'int8' on this GPU")
+            xq, xs = quantize_fp8_rowwise(x2)
+            # row-wise scaling: scale_a [M, 1], scale_b [1, N] fp32; W^T is the column-major view of the [N, K] weight.
+            out_dtype = self.out_dtype if self.out_dtype != torch.float32 else torch.bfloat16
+            y = torch._scaled_mm(xq, self.weight.t(), scale_a=xs, scale_b=self.weight_scale.t(), out_dtype=out_dtype)
+        elif self.emulate:
+            y = fp8_rowwise_reference(x2, self.weight, self.weight_scale)
+        else:
+            raise Fp8Unavailable(f"Fp8RowwiseLinear has no {x2.device.type} kernel (fp8 tensor cores are CUDA sm_89+); "
+                                 "use linear_kernel='bf16'/'fp32' here, or emulate=True for a slow exact emulation")
+        if self.bias is not None:
+            y = y + self.bias.to(y.dtype)
+        return y.to(self.out_dtype).reshape(*lead, self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, out_dtype={self.out_dtype}, emulate={self.emulate}"
+
+
+class DenseLinear(nn.Module):
+    """Plain F.linear in one dtype (cuBLAS on GPU); weight stored in that dtype."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.dtype = dtype
+        self.weight = nn.Parameter(weight.to(dtype), requires_grad=False)
+        self.bias = None if bias is None else nn.Parameter(bias.to(dtype), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x.to(self.dtype), self.weight, self.bias)
+
+
+# =====================================================================================================================
+# Candidates
+# =====================================================================================================================
+
+WeightSource = torch.Tensor | QuantizedWeight
+
+
+def _dense_weight(w: WeightSource, dtype: torch.dtype) -> torch.Tensor:
+    return w.dequantize(dtype) if isinstance(w, QuantizedWeight) else w.to(dtype)
+
+
+def _int8_weight(w: WeightSource) -> QuantizedWeight:
+    if isinstance(w, QuantizedWeight):
+        return w
+    k = w.shape[1]
+    g = DEFAULT_CONVROT_GROUPSIZE
+    while g >= 4 and (k % g or not is_power_of_4(g)):
+        g //= 2
+    q, s = quantize_convrot(w.float(), g if g >= 4 else None)
+    return QuantizedWeight(q, s, g if g >= 4 else None)
+
+
+def _build_int8(w: WeightSource, bias: torch.Tensor | None, compute_dtype: torch.dtype) -> nn.Module:
+    qw = _int8_weight(w)
+    n_out, n_in = qw.qdata.shape
+    layer = Int8ConvRotLinear(n_in, n_out, bias=bias is not None, groupsize=qw.groupsize, mode="kernel",
+                              compute_dtype=compute_dtype, device="meta")
+    layer.weight, layer.weight_scale = qw.qdata, qw.scale.float().reshape(n_out, 1).contiguous()  # no copy
+    if bias is not None:
+        layer.bias = nn.Parameter(bias.detach().float().clone(), requires_grad=False)
+    return layer
+
+
+def _build_fp8(w: WeightSource, bias: torch.Tensor | None, compute_dtype: torch.dtype) -> nn.Module:
+    out = compute_dtype if compute_dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
+    if isinstance(w, QuantizedWeight):
+        return Fp8RowwiseLinear.from_quantized(w, bias, out_dtype=out)
+    return Fp8RowwiseLinear.from_dense(w, bias, out_dtype=out)
+
+
+def _dense_builder(dtype: torch.dtype):
+    def build(w: WeightSource, bias: torch.Tensor | None, compute_dtype: torch.dtype) -> nn.Module:
+        return DenseLinear(_dense_weight(w, dtype), bias, dtype)
+    return build
+
+
+def _cuda_only(device: torch.device) -> str | None:
+    return None if device.type == "cuda" else f"needs a CUDA GPU (device is {device.type})"
+
+
+def _int8_available(device: torch.device) -> str | None:
+    if device.type != "cuda":
+        return "comfy-kitchen int8 on CPU is its eager fallback (slower than dense); GPU only here"
+    try:
+        from comfy_kitchen.backends import cuda as ck_cuda  # noqa: F401
+    except ImportError as e:
+        return f"comfy-kitchen is not importable ({e})"
+    if not getattr(ck_cuda, "_CUBLASLT_AVAILABLE", True):
+        return "comfy-kitchen CUDA int8_linear is not registered (no cuBLASLt 13): it would run on triton/eager"
+    return None
+
+
+def _sdpa_fn(backend) -> Callable:
+    from torch.nn.attention import sdpa_kernel
+
+    def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        with sdpa_kernel([backend]):
+            return F.scaled_dot_product_attention(q, k, v, dropout_p=0.0, is_causal=False)
+
+    attention.__name__ = f"sdpa_{backend.name.lower()}"
+    return attention
+
+
+def _int8_attention_fn() -> Callable:
+    import comfy_kitchen  # noqa: F401  (registers torch.ops.comfy_kitchen)
+
+    op = torch.ops.comfy_kitchen.int8_attention
+
+    def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return op(q, k, v, None)
+
+    return attention
+
+
+def _int8_attention_available(device: torch.device) -> str | None:
+    if device.type != "cuda":
+        return "comfy-kitchen int8 attention has no CPU path"
+    if torch.version.cuda is None or int(torch.version.cuda.split(".")[0]) < 13:
+        return f"comfy-kitchen CUDA kernels need a CUDA 13 torch (this one: {torch.version.cuda})"
+    try:
+        import comfy_kitchen as ck
+    except ImportError as e:
+        return f"comfy-kitchen is not importable ({e})"
+    if not hasattr(ck, "int8_attention_is_available") or not hasattr(torch.ops.comfy_kitchen, "int8_attention"):
+        return "this comfy-kitchen has no int8_attention"
+    if not ck.int8_attention_is_available(device):
+        return "comfy-kitchen int8 attention is not available on this GPU (needs sm_75+ and its CUDA extension)"
+    return None
+
+
+def _sdpa_available(backend_name: str):
+    def check(device: torch.device) -> str | None:
+        if backend_name == "math":
+            return None
+        if device.type != "cuda":
+            return f"SDPA {backend_name} backend is CUDA-only"
+        if backend_name == "flash" and torch.cuda.get_device_capability(device) < (8, 0):
+            return "SDPA flash needs sm_80+"
+        if backend_name == "cudnn" and torch.cuda.get_device_capability(device) < (8, 0):
+            return "SDPA cuDNN attention needs sm_80+"
+        return None
+    return check
+
+
+@dataclass(frozen=True)
+class LinearCandidate:
+    name: str
+    build: Callable[[WeightSource, torch.Tensor | None, torch.dtype], nn.Module]
+    rel_err_bound: float
+    unavailable: Callable[[torch.device], str | None] = lambda d: None  # None = usable, else why not
+    archs: tuple[str, ...] | None = None  # auto-candidate on these arch keys (None = all)
+
+
+@dataclass(frozen=True)
+class AttentionCandidate:
+    name: str
+    make_fn: Callable[[], Callable]  # -> fn(q, k, v) on [B, heads, S, d]
+    rel_err_bound: float
+    unavailable: Callable[[torch.device], str | None] = lambda d: None
+    archs: tuple[str, ...] | None = None
+
+
+GPU_ARCHS = ("sm_75", "sm_80", "sm_86", "sm_89", "sm_90", "sm_100", "sm_120")
+_FROM_80 = ("sm_80", "sm_86", "sm_89", "sm_90", "sm_100", "sm_120")
+_FP8_ARCHS = ("sm_89", "sm_90", "sm_100", "sm_120")
+
+
+def default_linear_candidates() -> dict[str, LinearCandidate]:
+    return {
+        "fp32": LinearCandidate("fp32", _dense_builder(torch.float32), REL_ERR_BOUND["fp32"], archs=("cpu",)),
+        # bf16 GEMMs are emulated (slow) on Turing: not a candidate there; CPU runs them natively on AVX512-BF16.
+        "bf16": LinearCandidate("bf16", _dense_builder(torch.bfloat16), REL_ERR_BOUND["bf16"],
+                                archs=("cpu",) + _FROM_80),
+        "fp16": LinearCandidate("fp16", _dense_builder(torch.float16), REL_ERR_BOUND["fp16"],
+                                unavailable=_cuda_only, archs=("sm_75",)),
+        "int8": LinearCandidate("int8", _build_int8, REL_ERR_BOUND["int8"], unavailable=_int8_available,
+                                archs=GPU_ARCHS),
+        "fp8": LinearCandidate("fp8", _build_fp8, REL_ERR_BOUND["fp8"], unavailable=fp8_supported,
+                               archs=_FP8_ARCHS),
+    }
+
+
+def default_attention_candidates() -> dict[str, AttentionCandidate]:
+    from torch.nn.attention import SDPBackend
+
+    return {
+        "cudnn": AttentionCandidate("cudnn", lambda: _sdpa_fn(SDPBackend.CUDNN_ATTENTION), REL_ERR_BOUND["cudnn"],
+                                    _sdpa_available("cudnn"), archs=_FROM_80),
+        "flash": AttentionCandidate("flash", lambda: _sdpa_fn(SDPBackend.FLASH_ATTENTION), REL_ERR_BOUND["flash"],
+                                    _sdpa_available("flash"), archs=_FROM_80),
+        "efficient": AttentionCandidate("efficient", lambda: _sdpa_fn(SDPBackend.EFFICIENT_ATTENTION),
+                                        REL_ERR_BOUND["efficient"], _sdpa_available("efficient"), archs=GPU_ARCHS),
+        # math materialises the S x S scores: only the CPU fallback (still selectable by override on GPU).
+        "math": AttentionCandidate("math", lambda: _sdpa_fn(SDPBackend.MATH), REL_ERR_BOUND["math"],
+                                   _sdpa_available("math"), archs=("cpu",)),
+        "int8": AttentionCandidate("int8", _int8_attention_fn, REL_ERR_BOUND["int8_attention"],
+                                   _int8_attention_available, archs=GPU_ARCHS),
+    }
+
+
+def arch_key(device: torch.device | str) -> str:
+    """"cpu" or the nearest GPU_ARCHS entry at or below the device's compute capability (e.g. sm_90 for H100/H200)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return "cpu"
+    major, minor = torch.cuda.get_device_capability(device)
+    cc = major * 10 + minor
+    best = "sm_75"
+    for a in GPU_ARCHS:
+        if int(a[3:]) <= cc:
+            best = a
+    return best
+
+
+# =====================================================================================================================
+# Probe + selection
+# =====================================================================================================================
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """Kernel settings of a stage (flags --linear-kernel / --attention-kernel map here)."""
+
+    linear_kernel: str = AUTO  # auto | fp32 | bf16 | fp16 | int8 | fp8
+    attention_kernel: str = AUTO  # auto | cudnn | flash | efficient | math | int8
+    compute_dtype: torch.dtype = torch.bfloat16
+    # Representative probe shapes: (tokens, in, out) GEMMs (DiT qkv-like and fc2-like) and one attention
+    # [1, heads, seq, head_dim]. Small enough to take well under a second per candidate on a datacenter GPU.
+    linear_shapes: tuple[tuple[int, int, int], ...] = ((4096, 5376, 21504), (4096, 14336, 5376))
+    attention_shape: tuple[int, int, int, int] = (1, 56, 4096, 128)
+    probe_iters: int = 5
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class KernelChoice:
+    op: str
+    kernel: str
+    reason: str
+
+    def as_tuple(self) -> tuple[str, str, str]:
+        return (self.op, self.kernel, self.reason)
+
+
+@dataclass
+class ProbeResult:
+    kernel: str
+    ok: bool
+    ms: float | None = None
+    rel_err: float | None = None
+    bound: float | None = None
+    why: str = ""
+
+    def summary(self) -> str:
+        if self.ok:
+            return f"{self.kernel} {self.ms:.3f} ms (err {self.rel_err:.1e})"
+        return f"{self.kernel} rejected ({self.why})"
+
+
+@dataclass
+class KernelSelection:
+    device: torch.device
+    arch: str
+    linear: str
+    attention: str
+    choices: list[KernelChoice]
+    probes: dict[str, list[ProbeResult]] = field(default_factory=dict)
+    _linear_cands: dict[str, LinearCandidate] = field(default_factory=dict, repr=False)
+    _attention_cands: dict[str, AttentionCandidate] = field(default_factory=dict, repr=False)
+    compute_dtype: torch.dtype = torch.bfloat16
+
+    def status_rows(self) -> list[tuple[str, str, str]]:
+        """(op, kernel, reason) for the Status RPC."""
+        return [c.as_tuple() for c in self.choices]
+
+    def make_linear(self, weight: WeightSource, bias: torch.Tensor | None = None) -> nn.Module:
+        return self._linear_cands[self.linear].build(weight, bias, self.compute_dtype)
+
+    def attention_fn(self) -> Callable:
+        return self._attention_cands[self.attention].make_fn()
+
+
+def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((y.double() - ref.double()).norm() / ref.double().norm().clamp(min=1e-30))
+
+
+def _time_ms(fn: Callable[[], object], device: torch.device, iters: int) -> float:
+    """Median ms per call after one warm-up (CUDA events on GPU, perf_counter on CPU)."""
+    fn()
+    times = []
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        for _ in range(iters):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b))
+    else:
+        for _ in range(iters):
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def _check(name: str, bound: float, outs: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[float, str]:
+    """Worst relative error over the probe outputs and a rejection reason ("" when within bound)."""
+    worst = 0.0
+    for y, ref in outs:
+        if y.shape != ref.shape:
+            return math.inf, f"wrong output shape {tuple(y.shape)} != {tuple(ref.shape)}"
+        if not torch.isfinite(y).all():
+            return math.inf, "non-finite output"
+        worst = max(worst, rel_err(y, ref))
+    if worst > bound:
+        return worst, f"parity: rel err {worst:.2e} > bound {bound:.0e}"
+    return worst, ""
+
+
+def _probe_linear(cands: Sequence[LinearCandidate], device: torch.device, cfg: KernelConfig) -> list[ProbeResult]:
+    gen = torch.Generator(device=device).manual_seed(cfg.seed)
+    cases = []
+    for m, k, n in cfg.linear_shapes:
+        w = torch.randn(n, k, generator=gen, device=device) / math.sqrt(k)
+        qw = _int8_weight(w)  # the service's weights are int8 ConvRot: every kernel starts from the same codes
+        w_ref = qw.dequantize(torch.float32)
+        x = torch.randn(m, k, generator=gen, device=device)
+        # DiT-like activations: a few outlier channels (what ConvRot is for).
+        x[:, torch.randperm(k, generator=gen, device=device)[:8]] *= 8.0
+        x = x.to(cfg.compute_dtype)
+        ref = F.linear(x.float(), w_ref)
+        cases.append((qw, x, ref))
+    results = []
+    for c in cands:
+        try:
+            mods = [c.build(qw, None, cfg.compute_dtype) for qw, _, _ in cases]
+            with torch.inference_mode():
+                outs = [(mod(x), ref) for mod, (_, x, ref) in zip(mods, cases)]
+                err, why = _check(c.name, c.rel_err_bound, outs)
+                if why:
+                    results.append(ProbeResult(c.name, False, rel_err=err, bound=c.rel_err_bound, why=why))
+                    continue
+                ms = sum(_time_ms(lambda m=mod, xx=x: m(xx), device, cfg.probe_iters)
+                         for mod, (_, x, _) in zip(mods, cases))
+            results.append(ProbeResult(c.name, True, ms=ms, rel_err=err, bound=c.rel_err_bound))
+        except Exception as e:  # a kernel that raises on this machine is rejected, with the error as its reason
+            results.append(ProbeResult(c.name, False, why=f"error: {type(e).__name__}: {str(e)[:200]}"))
+        finally:
+            mods = outs = None
+    return results
+
+
+def _probe_attention(cands: Sequence[AttentionCandidate], device: torch.device,
+                     cfg: KernelConfig) -> list[ProbeResult]:
+    gen = torch.Generator(device=device).manual_seed(cfg.seed + 1)
+    b, h, s, d = cfg.attention_shape
+    q, k, v = (torch.randn(b, h, s, d, generator=gen, device=device).to(cfg.compute_dtype) for _ in range(3))
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel([SDPBackend.MATH]), torch.inference_mode():
+        ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float())
+    results = []
+    for c in cands:
+        try:
+            fn = c.make_fn()
+            with torch.inference_mode():
+                err, why = _check(c.name, c.rel_err_bound, [(fn(q, k, v), ref)])
+                if why:
+                    results.append(ProbeResult(c.name, False, rel_err=err, bound=c.rel_err_bound, why=why))
+                    continue
+                ms = _time_ms(lambda: fn(q, k, v), device, cfg.probe_iters)
+            results.append(ProbeResult(c.name, True, ms=ms, rel_err=err, bound=c.rel_err_bound))
+        except Exception as e:
+            results.append(ProbeResult(c.name, False, why=f"error: {type(e).__name__}: {str(e)[:200]}"))
+    return results
+
+
+def _decide(op: str, setting: str, cands: dict, arch: str, device: torch.device, cfg: KernelConfig,
+            probe) -> tuple[str, str, list[ProbeResult]]:
+    if setting != AUTO:
+        if setting not in cands:
+            raise KernelError(f"unknown {op} kernel {setting!r}; choose one of {[AUTO, *sorted(cands)]}")
+        why_not = cands[setting].unavailable(device)
+        if why_not:
+            raise KernelError(f"{op}_kernel={setting!r} cannot run on {device} ({arch}): {why_not}; "
+                              f"use {op}_kernel='auto'")
+        res = probe([cands[setting]], device, cfg)
+        if not res[0].ok:
+            raise KernelError(f"{op}_kernel={setting!r} failed its start-up check on {device}: {res[0].why}; "
+                              f"use {op}_kernel='auto'")
+        return setting, f"forced by config ({op}_kernel={setting!r}); {res[0].summary()}", res
+    considered = [c for c in cands.values() if c.archs is None or arch in c.archs]
+    skipped = {}
+    usable = []
+    for c in considered:
+        why_not = c.unavailable(device)
+        if why_not:
+            skipped[c.name] = why_not
+        else:
+            usable.append(c)
+    if not usable:
+        raise KernelError(f"no {op} kernel is available on {device} ({arch}); skipped: {skipped}")
+    res = probe(usable, device, cfg)
+    ok = [r for r in res if r.ok]
+    if not ok:
+        raise KernelError(f"every {op} kernel failed its start-up check on {device}: "
+                          + "; ".join(r.summary() for r in res))
+    best = min(ok, key=lambda r: r.ms)
+    others = [r.summary() for r in res if r is not best] + [f"{n} skipped ({w})" for n, w in skipped.items()]
+    reason = (f"fastest valid on {arch}: {best.summary()}"
+              + (f"; others: {', '.join(others)}" if others else ""))
+    return best.kernel, reason, res
+
+
+def select_kernels(device: torch.device | str, config: KernelConfig | None = None,
+                   linear_candidates: dict[str, LinearCandidate] | None = None,
+                   attention_candidates: dict[str, AttentionCandidate] | None = None) -> KernelSelection:
+    """Pick one linear and one attention kernel for `device` (see module docstring). Logs each choice."""
+    cfg = config or KernelConfig()
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    arch = arch_key(device)
+    lin = linear_candidates if linear_candidates is not None else default_linear_candidates()
+    att = attention_candidates if attention_candidates is not None else default_attention_candidates()
+    l_name, l_reason, l_res = _decide(LINEAR_OP, cfg.linear_kernel, lin, arch, device, cfg, _probe_linear)
+    a_name, a_reason, a_res = _decide(ATTENTION_OP, cfg.attention_kernel, att, arch, device, cfg, _probe_attention)
+    choices = [KernelChoice(LINEAR_OP, l_name, l_reason), KernelChoice(ATTENTION_OP, a_name, a_reason)]
+    for c in choices:
+        log.info("kernel %s -> %s: %s", c.op, c.kernel, c.reason)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return KernelSelection(device, arch, l_name, a_name, choices, {LINEAR_OP: l_res, ATTENTION_OP: a_res},
+                           lin, att, cfg.compute_dtype)

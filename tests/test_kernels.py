@@ -1,0 +1,164 @@
+"""Kernel registry (stagekit/kernels.py) on CPU: arch table, probe picks, overrides, parity rejection, fp8 math."""
+
+import math
+
+import pytest
+import torch
+
+from dit_svc.config import DiTConfig
+from dit_svc.layout import build_layout
+from dit_svc.model import H3DiT
+from stagekit.kernels import (
+    FP8_E4M3_MAX,
+    Fp8RowwiseLinear,
+    Fp8Unavailable,
+    KernelConfig,
+    KernelError,
+    LinearCandidate,
+    arch_key,
+    default_attention_candidates,
+    default_linear_candidates,
+    fp8_rowwise_reference,
+    quantize_fp8_rowwise,
+    rel_err,
+    select_kernels,
+)
+from stagekit.quant import QuantizedWeight, quantize_convrot
+
+# Tiny probe so the whole file runs in a few seconds on 2 cores.
+SMALL = KernelConfig(linear_shapes=((64, 256, 128),), attention_shape=(1, 2, 64, 32), probe_iters=2,
+                     compute_dtype=torch.float32)
+
+
+def test_cpu_arch_considers_only_fallbacks():
+    assert arch_key("cpu") == "cpu"
+    lin = [n for n, c in default_linear_candidates().items() if "cpu" in c.archs]
+    att = [n for n, c in default_attention_candidates().items() if "cpu" in c.archs]
+    assert sorted(lin) == ["bf16", "fp32"]
+    assert att == ["math"]
+
+
+def test_auto_picks_a_fallback_and_reports_reasons():
+    sel = select_kernels("cpu", SMALL)
+    assert sel.linear in ("fp32", "bf16") and sel.attention == "math"
+    rows = sel.status_rows()
+    assert [r[0] for r in rows] == ["linear", "attention"]
+    assert all(isinstance(r[2], str) and "fastest valid on cpu" in r[2] for r in rows)
+    # Both CPU linears pass parity; the losing one is listed with its time.
+    assert {r.kernel for r in sel.probes["linear"] if r.ok} == {"fp32", "bf16"}
+    # The chosen pieces work: a linear built from an int8 ConvRot weight and the attention callable.
+    q, s = quantize_convrot(torch.randn(32, 64) / 8, 64)
+    lin = sel.make_linear(QuantizedWeight(q, s, 64))
+    assert lin(torch.randn(3, 64)).shape == (3, 32)
+    qkv = torch.randn(3, 1, 2, 8, 16)
+    assert sel.attention_fn()(*qkv).shape == (1, 2, 8, 16)
+
+
+def test_override_is_honoured_and_checked():
+    sel = select_kernels("cpu", KernelConfig(**{**SMALL.__dict__, "linear_kernel": "bf16"}))
+    assert sel.linear == "bf16" and "forced by config" in sel.status_rows()[0][2]
+    with pytest.raises(KernelError, match="unknown linear kernel"):
+        select_kernels("cpu", KernelConfig(**{**SMALL.__dict__, "linear_kernel": "int4"}))
+    with pytest.raises(KernelError, match="cannot run on cpu"):
+        select_kernels("cpu", KernelConfig(**{**SMALL.__dict__, "linear_kernel": "fp8"}))
+    with pytest.raises(KernelError, match="cannot run on cpu"):
+        select_kernels("cpu", KernelConfig(**{**SMALL.__dict__, "attention_kernel": "cudnn"}))
+
+
+class _Broken(torch.nn.Module):
+    """Fast but wrong: what a miscompiled / mis-dispatched kernel looks like."""
+
+    def __init__(self, n_out):
+        super().__init__()
+        self.n_out = n_out
+
+    def forward(self, x):
+        return torch.zeros(*x.shape[:-1], self.n_out, dtype=x.dtype) + 1e-3
+
+
+def _broken_build(w, bias, dtype):
+    return _Broken(w.shape[0])
+
+
+def test_parity_rejects_a_broken_fast_kernel():
+    cands = default_linear_candidates()
+    cands["broken"] = LinearCandidate("broken", _broken_build, rel_err_bound=1e-2, archs=("cpu",))
+    sel = select_kernels("cpu", SMALL, linear_candidates=cands)
+    assert sel.linear in ("fp32", "bf16")
+    broken = next(r for r in sel.probes["linear"] if r.kernel == "broken")
+    assert not broken.ok and broken.why.startswith("parity")
+    assert "broken rejected (parity" in sel.status_rows()[0][2]
+    # Forcing it fails loudly at start-up.
+    with pytest.raises(KernelError, match="failed its start-up check"):
+        select_kernels("cpu", KernelConfig(**{**SMALL.__dict__, "linear_kernel": "broken"}), linear_candidates=cands)
+
+
+def test_raising_kernel_is_rejected_and_all_failing_is_an_error():
+    def boom(w, bias, dtype):
+        raise RuntimeError("no kernel image for this device")
+
+    cands = {"boom": LinearCandidate("boom", boom, 1e-2, archs=("cpu",)),
+             "broken": LinearCandidate("broken", _broken_build, 1e-2, archs=("cpu",))}
+    with pytest.raises(KernelError, match="every linear kernel failed"):
+        select_kernels("cpu", SMALL, linear_candidates=cands)
+
+
+def test_fp8_rowwise_quantisation_math():
+    g = torch.Generator().manual_seed(0)
+    t = torch.randn(16, 64, generator=g) * torch.logspace(-3, 2, 16)[:, None]
+    q, s = quantize_fp8_rowwise(t)
+    assert q.dtype == torch.float8_e4m3fn and s.shape == (16, 1)
+    assert torch.allclose(q.float().abs().amax(1), torch.full((16,), FP8_E4M3_MAX))  # row absmax hits 448
+    deq = q.float() * s
+    # e4m3: 3 mantissa bits -> round-to-nearest relative error <= 2^-4 in the normal range, plus the subnormal step.
+    assert ((deq - t).abs() <= t.abs() * 2**-4 + s * 2**-9).all()
+
+    w = torch.randn(48, 64, generator=g) / 8
+    x = torch.randn(10, 64, generator=g)
+    x[:, 3] *= 20  # an outlier channel
+    ref = x @ w.T
+    lin = Fp8RowwiseLinear.from_dense(w, out_dtype=torch.float32, emulate=True)
+    y = lin(x)
+    assert y.dtype == torch.float32
+    err = rel_err(y, ref)
+    assert 1e-3 < err < 8e-2  # quantised (not exact), but within the fp8 bound
+    assert torch.allclose(y, fp8_rowwise_reference(x, lin.weight, lin.weight_scale))
+
+
+def test_fp8_from_int8_weight_and_cpu_error():
+    w = torch.randn(32, 256) / 16
+    q, s = quantize_convrot(w, 256)
+    qw = QuantizedWeight(q, s, 256)
+    lin = Fp8RowwiseLinear.from_quantized(qw, bias=torch.ones(32), emulate=True, out_dtype=torch.float32)
+    x = torch.randn(5, 256)
+    ref = x @ qw.dequantize(torch.float32).T + 1
+    assert rel_err(lin(x), ref) < 8e-2
+    plain = Fp8RowwiseLinear.from_quantized(qw)
+    with pytest.raises(Fp8Unavailable, match="bf16"):
+        plain(x)
+    with pytest.raises(ValueError, match="divisible by 16"):
+        Fp8RowwiseLinear(250, 32)
+
+
+def test_model_uses_the_selected_attention_fn():
+    cfg = DiTConfig.tiny()
+    lay = build_layout(cfg, 3, 22, 64, 64)
+    g = torch.Generator().manual_seed(0)
+    v = torch.randn(lay.num_video_rows, cfg.video_patch_dim, generator=g)
+    a = torch.randn(lay.num_audio_rows, cfg.audio_in_channels, generator=g)
+    t = torch.randn(lay.text_len, cfg.text_dim, generator=g)
+    model = H3DiT(cfg, compute_dtype=torch.float32).eval()
+    calls = []
+
+    def counting(q, k, v_):
+        calls.append(q.shape)
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v_)
+
+    with torch.no_grad():
+        base = model(v, a, t, 0.3, 0.5, lay)
+        model.set_attention_fn(select_kernels("cpu", SMALL).attention_fn())
+        same = model(v, a, t, 0.3, 0.5, lay)
+        model.set_attention_fn(counting)
+        model(v, a, t, 0.3, 0.5, lay)
+    assert len(calls) == cfg.num_layers + cfg.num_refiner_layers
+    assert all(math.isclose(rel_err(x, y), 0.0, abs_tol=1e-6) for x, y in zip(same, base))

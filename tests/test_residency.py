@@ -1,0 +1,536 @@
+"""Residency: who holds a device, proven from the host-wide event log (stagekit/lease.py `events.jsonl`).
+
+Unit level (in-process, fake engines): the lease is dropped by the OS when its holder is `kill -9`ed, the
+memory budget ledger refuses what does not fit and forgets dead reservations, health is NOT_SERVING only
+while weights load, and stage batching yields to a waiting stage after `max_batch_before_yield` jobs.
+
+Process level (real stage servers on loopback, CPU, virtual device 'virt0', tiny model at 256x256x22):
+- exclusive: 3 concurrent clients x 3 jobs through 3 stages: no two stages' lease / load..unload intervals
+  overlap, every job runs exactly once per stage;
+- shared: stages are resident at the same time, jobs of different clients run on different stages at the
+  same time, and replaying every budget reservation never exceeds the budget;
+- `kill -9` of the lease holder mid-job: the waiting stage takes the lease within 2 s, the client of the
+  killed job gets UNAVAILABLE, nothing of the killed stage is left running;
+- lifecycle RPCs through the generated stubs, idle unload, admission by memory estimate.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+
+from client.embedded import EmbeddedStack, StackConfig
+from client.pipeline import decode, encode, sample
+from client.stubs import Security, StageClients, health_of, open_channel
+from h3.v1 import common_pb2, dit_pb2_grpc
+from stagekit.budget import BudgetConfig, MemoryBudget
+from stagekit.dist import RankGroup, RankInfo
+from stagekit.errors import ResourceExhausted
+from stagekit.lease import DeviceLease, LeaseConfig, read_events
+from stagekit.render_params import RenderSpec
+from stagekit.runtime import Job, RuntimeConfig, StageRuntime
+
+ROOT = Path(__file__).resolve().parents[1]
+SERVER_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+TINY = RenderSpec(prompt="x", width=256, height=256, frames=22, steps=1, seed=1)
+TEXT = torch.randn(8, 64)  # tiny DiT text_dim = 64
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Event-log checks (used by every process test)
+# ---------------------------------------------------------------------------------------------------------------------
+def lease_intervals(events: list[dict], dead_pids: set[int] = frozenset()) -> list[tuple[str, float, float]]:
+    """(holder, acquire t, release t) per residency, checking in *log order* that no two holders hold at once.
+
+    The log is appended while the lease is held, so its order is the order of the lock; a holder killed while
+    holding (pid in dead_pids) never logs its release — the next acquire closes its interval."""
+    out, cur = [], None
+    for e in events:
+        if e["event"] == "acquire":
+            if cur is not None:
+                assert cur[2] in dead_pids, f"{e['holder']} acquired while {cur[0]} still held the lease"
+                out.append((cur[0], cur[1], e["t"]))
+            cur = (e["holder"], e["t"], e["pid"])
+        elif e["event"] == "release":
+            assert cur is not None and cur[0] == e["holder"], f"release by {e['holder']} without holding"
+            out.append((cur[0], cur[1], e["t"]))
+            cur = None
+    if cur is not None:
+        out.append((cur[0], cur[1], float("inf")))
+    return out
+
+
+def load_intervals(events: list[dict]) -> list[tuple[str, float, float]]:
+    """(holder, load_start t, unloaded t) per residency."""
+    out, start = [], {}
+    for e in events:
+        if e["event"] == "load_start":
+            start[e["holder"]] = e["t"]
+        elif e["event"] == "unloaded" and e["holder"] in start:
+            out.append((e["holder"], start.pop(e["holder"]), e["t"]))
+    out += [(h, t, float("inf")) for h, t in start.items()]
+    return out
+
+
+def job_intervals(events: list[dict]) -> list[tuple[str, str, float, float]]:
+    start, out = {}, []
+    for e in events:
+        if e["event"] == "job_start":
+            start[(e["holder"], e["job"])] = e["t"]
+        elif e["event"] == "job_done":
+            out.append((e["holder"], e["job"], start.pop((e["holder"], e["job"])), e["t"]))
+    return out
+
+
+def overlapping(intervals) -> list[tuple]:
+    """Pairs of intervals of different holders that overlap in time."""
+    iv = sorted(intervals, key=lambda x: x[-2])
+    return [(a, b) for i, a in enumerate(iv) for b in iv[i + 1:] if a[0] != b[0] and b[-2] < a[-1]]
+
+
+def replay_budget(events: list[dict]) -> int:
+    """Replay every reservation change per device; return the peak total (asserting the log is consistent)."""
+    held: dict[str, dict[str, int]] = {}
+    peak = 0
+    for e in events:
+        if e["event"] in ("budget_reserve", "budget_grow", "budget_shrink"):
+            for d in e["devices"]:
+                held.setdefault(d, {})[e["holder"]] = e["bytes"]
+        elif e["event"] == "budget_release":
+            for d in e["devices"]:
+                held.setdefault(d, {}).pop(e["holder"], None)
+        elif e["event"] == "budget_drop_dead":
+            held.setdefault(e["device"], {}).pop(e["dead_holder"], None)
+        else:
+            continue
+        for d in e["devices"] if "devices" in e else [e["device"]]:
+            total = sum(held[d].values())
+            if "totals" in e:
+                assert e["totals"][d] == total, f"ledger total {e['totals'][d]} != replayed {total} at {e}"
+            peak = max(peak, total)
+    return peak
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Unit level: lease, budget, runtime scheduling (in-process, fake engines)
+# ---------------------------------------------------------------------------------------------------------------------
+_HOLD_LEASE = """
+import sys, time
+from pathlib import Path
+sys.path.insert(0, {root!r})
+from stagekit.lease import DeviceLease, LeaseConfig
+from stagekit.budget import BudgetConfig, MemoryBudget
+l = DeviceLease(["virt0"], LeaseConfig(Path({d!r}), "victim"))
+l.acquire()
+MemoryBudget(["virt0"], BudgetConfig(Path({d!r}), "victim", 100)).reserve(70)
+print("held", flush=True)
+time.sleep(60)
+"""
+
+
+def test_lease_and_budget_released_by_the_os_on_kill(tmp_path):
+    p = subprocess.Popen([sys.executable, "-c", _HOLD_LEASE.format(root=str(ROOT), d=str(tmp_path))],
+                         stdout=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout.readline().strip() == "held"
+        mine = DeviceLease(["virt0"], LeaseConfig(tmp_path, "survivor"))
+        assert "victim" in mine.holder_of("virt0")
+        with pytest.raises(TimeoutError, match="held by victim"):
+            mine.acquire(timeout_s=0.2)
+        budget = MemoryBudget(["virt0"], BudgetConfig(tmp_path, "survivor", 100))
+        with pytest.raises(ResourceExhausted, match="did not fit"):
+            budget.reserve(50, timeout_s=0.2)
+        os.kill(p.pid, signal.SIGKILL)
+        p.wait()
+        t0 = time.monotonic()
+        mine.acquire(timeout_s=2.0)
+        assert time.monotonic() - t0 < 2.0
+        assert mine.holder_of("virt0").startswith("survivor")
+        budget.reserve(50, timeout_s=2.0)  # the dead stage's 70 bytes were dropped
+        assert budget.usage() == {"virt0": 50}
+        mine.release()
+        budget.release()
+        assert mine.holder_of("virt0") == ""
+    finally:
+        p.kill()
+        p.wait()
+    ev = read_events(tmp_path)
+    assert any(e["event"] == "budget_drop_dead" and e["dead_holder"] == "victim" for e in ev)
+    assert replay_budget(ev) <= 100
+
+
+def test_budget_waits_in_line_and_admission_names_numbers(tmp_path):
+    a = MemoryBudget(["virt0"], BudgetConfig(tmp_path, "a", 100))
+    b = MemoryBudget(["virt0"], BudgetConfig(tmp_path, "b", 100))
+    a.reserve(60)
+    with pytest.raises(ResourceExhausted, match=r"needs an estimated 0\.2 KiB .* budget is 0\.1 KiB"):
+        b.check_fits(200, "dit job j1")
+    got = []
+    t = threading.Thread(target=lambda: got.append(b.reserve(60, timeout_s=5)))
+    t.start()
+    time.sleep(0.3)
+    assert a.others_waiting() and not got
+    assert not a.try_grow(50) or a.reserved == 60  # growing never waits
+    a.release()
+    t.join(5)
+    assert got and got[0] >= 0.2
+    assert b.usage() == {"virt0": 60}
+    assert a.try_grow(40) and a.reserved == 40  # 60 + 40 fits exactly
+    assert not a.try_grow(41)
+    b.release()
+    a.release()
+    assert replay_budget(read_events(tmp_path)) <= 100
+
+
+class FakeEngine:
+    """Load takes `load_s`; each job takes `run_s`; records what ran."""
+
+    name = "fake"
+
+    def __init__(self, load_s=0.0, run_s=0.0, est=0):
+        self.load_s, self.run_s, self.est = load_s, run_s, est
+        self.loaded = False
+        self.ran: list[str] = []
+
+    def load(self):
+        time.sleep(self.load_s)
+        self.loaded = True
+
+    def unload(self):
+        self.loaded = False
+
+    def resident_bytes(self):
+        return 10 if self.loaded else 0
+
+    def estimate_peak_bytes(self, spec, inputs):
+        return self.est if spec is not None else 10
+
+    def run(self, spec, inputs, ctx):
+        time.sleep(self.run_s)
+        self.ran.append(spec)
+        return {"spec": spec}
+
+
+def _runtime(tmp_path, holder, engine, **cfg):
+    group = RankGroup(RankInfo(0, 1, 0), "gloo", 10)
+    lease = DeviceLease(["virt0"], LeaseConfig(tmp_path, holder))
+    health = []
+    rt = StageRuntime(engine, group, lease, RuntimeConfig(**cfg), on_health=health.append)
+    return rt, health
+
+
+def _wait(job: Job, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        ev = job.events.get(timeout=timeout)
+        if ev.kind in ("done", "error"):
+            return ev
+    raise TimeoutError
+
+
+def test_health_not_serving_only_while_loading(tmp_path):
+    eng = FakeEngine(load_s=0.4)
+    rt, health = _runtime(tmp_path, "h", eng, idle_unload_s=-1)
+    try:
+        th = threading.Thread(target=rt.request, args=("load",))
+        th.start()
+        time.sleep(0.2)
+        assert rt.loading and health == [False]
+        th.join()
+        assert rt.resident and health == [False, True]
+        rt.request("unload")
+        assert not rt.resident and health == [False, True]  # unloaded-and-able is still SERVING
+    finally:
+        rt.shutdown(False, 2)
+
+
+def test_stage_batching_yields_after_max_batch(tmp_path):
+    """A has 6 queued jobs; B wants the device: B runs after at most max_batch_before_yield of A's jobs, then A
+    resumes; FIFO order within each stage is preserved and each job runs exactly once."""
+    ea, eb = FakeEngine(run_s=0.1), FakeEngine(run_s=0.05)
+    ra, _ = _runtime(tmp_path, "a", ea, idle_unload_s=-1, max_batch_before_yield=2)
+    rb, _ = _runtime(tmp_path, "b", eb, idle_unload_s=-1, max_batch_before_yield=2)
+    try:
+        ja = [ra.submit(Job(spec=f"a{i}", inputs={})) for i in range(6)]
+        time.sleep(0.05)
+        jb = [rb.submit(Job(spec=f"b{i}", inputs={})) for i in range(2)]
+        assert all(_wait(j).kind == "done" for j in ja + jb)
+        assert ea.ran == [f"a{i}" for i in range(6)] and eb.ran == ["b0", "b1"]
+        ev = read_events(tmp_path)
+        order = [e["holder"] for e in ev if e["event"] == "job_start"]
+        assert order[:2] == ["a", "a"] and order[2:4] == ["b", "b"], order
+        assert any(e["event"] == "yield" and e["holder"] == "a" and e["served"] == 2 for e in ev)
+        lease_intervals(ev)
+    finally:
+        ra.shutdown(False, 2)
+        rb.shutdown(False, 2)
+
+
+def test_idle_unload_and_step_aside_when_other_waits(tmp_path):
+    ea, eb = FakeEngine(), FakeEngine()
+    ra, _ = _runtime(tmp_path, "a", ea, idle_unload_s=0.3)
+    rb, _ = _runtime(tmp_path, "b", eb, idle_unload_s=-1)  # never unloads on its own
+    try:
+        assert _wait(ra.submit(Job(spec="a0", inputs={}))).kind == "done"
+        time.sleep(0.8)
+        assert not ra.resident  # idle timeout
+        assert _wait(rb.submit(Job(spec="b0", inputs={}))).kind == "done"
+        assert rb.resident
+        t0 = time.monotonic()
+        assert _wait(ra.submit(Job(spec="a1", inputs={}))).kind == "done"  # b is idle: steps aside at once
+        assert time.monotonic() - t0 < 1.0 and not rb.resident
+        lease_intervals(read_events(tmp_path))
+    finally:
+        ra.shutdown(False, 2)
+        rb.shutdown(False, 2)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Process level: real stage servers
+# ---------------------------------------------------------------------------------------------------------------------
+class Stage:
+    """One DiT server process standing in for a pipeline stage (own pid = own lease holder)."""
+
+    def __init__(self, name: str, run_dir: Path, cache: Path, lease_dir: Path, args: list[str]):
+        self.name = name
+        self.port_file = run_dir / f"{name}.port"
+        self.log = run_dir / f"{name}.log"
+        cmd = [sys.executable, "-m", "dit_svc", "--port", "0", "--port-file", str(self.port_file),
+               "--lease-dir", str(lease_dir), "--devices", "virt0", "--cache-dir", str(cache), *args]
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=open(self.log, "wb"), stderr=subprocess.STDOUT,
+                                     env={**os.environ, **SERVER_ENV}, start_new_session=True)
+        self.channel = None
+        self.stub = None
+
+    def wait_ready(self, timeout_s=90.0) -> "Stage":
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, f"{self.name} exited:\n{self.log.read_text()[-3000:]}"
+            if self.port_file.exists():
+                self.channel = open_channel(f"127.0.0.1:{self.port_file.read_text()}")
+                if health_of(self.channel, "h3.v1.DiTSampler") == "SERVING":
+                    self.stub = dit_pb2_grpc.DiTSamplerStub(self.channel)
+                    return self
+                self.channel.close()
+            time.sleep(0.1)
+        raise TimeoutError(f"{self.name} not serving:\n{self.log.read_text()[-3000:]}")
+
+    @property
+    def clients(self):
+        class _C:  # what client.pipeline.sample needs
+            pass
+
+        c = _C()
+        c.dit, c.security = self.stub, Security()
+        return c
+
+    def run(self, spec: RenderSpec, job_id: str):
+        return sample(self.clients, spec, TEXT, job_id=job_id, timeout_s=120)
+
+    def stop(self):
+        if self.channel is not None:
+            self.channel.close()
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    from dit_svc.engine import DiTEngineConfig, resolve_weights
+
+    d = tmp_path_factory.mktemp("h3-cache")
+    resolve_weights(DiTEngineConfig("", "", d, "cpu", torch.float32))  # write the tiny model once
+    return d
+
+
+def start_stages(names, tmp_path, cache, args) -> tuple[list[Stage], Path]:
+    lease_dir = tmp_path / "leases"
+    stages = [Stage(n, tmp_path, cache, lease_dir, args) for n in names]
+    try:
+        for s in stages:
+            s.wait_ready()
+    except BaseException:
+        for s in stages:
+            s.stop()
+        raise
+    return stages, lease_dir
+
+
+STAGE_NAMES = ("encoder", "dit", "decoder")
+
+
+@pytest.fixture()
+def stack_factory(tmp_path, cache):
+    """Start the real three stages (EmbeddedStack) on virtual device virt0 with the given residency flags."""
+    started = []
+
+    def start(residency="exclusive", args=()):
+        s = EmbeddedStack(StackConfig(cache_dir=str(cache), run_dir=str(tmp_path / f"stack{len(started)}"),
+                                      devices="virt0", residency=residency, env=SERVER_ENV,
+                                      extra_args={n: list(args) for n in STAGE_NAMES}))
+        started.append(s)
+        return s, s.start()
+
+    yield start
+    for s in started:
+        s.stop()
+
+
+def run_clients(endpoints, out_dir: Path, clients=3, jobs=2) -> dict[str, list[str]]:
+    """`clients` concurrent clients, each rendering `jobs` jobs encode -> sample -> decode (distinct prompts, so
+    no encoder cache hits); returns job id -> stages completed, in order."""
+    done: dict[str, list[str]] = {}
+    lock = threading.Lock()
+
+    def client(c):
+        with StageClients(endpoints) as cl:
+            for k in range(jobs):
+                jid = f"c{c}j{k}"
+                spec = RenderSpec(**{**TINY.__dict__, "prompt": f"client {c} job {k}: waves", "seed": c * 10 + k})
+                states, _ = encode(cl, spec.prompt, jid, timeout_s=120)
+                video, audio, _ = sample(cl, spec, states, jid, timeout_s=120)
+                decode(cl, spec, video, audio, out_dir / f"{jid}.mp4", jid, timeout_s=120)
+                with lock:
+                    done[jid] = ["encoder", "dit", "decoder"]
+
+    with ThreadPoolExecutor(clients) as pool:
+        for f in [pool.submit(client, c) for c in range(clients)]:
+            f.result()
+    return done
+
+
+def test_exclusive_three_clients_never_overlap(stack_factory, tmp_path):
+    stack, endpoints = stack_factory("exclusive", ["--idle-unload-s", "5"])
+    done = run_clients(endpoints, tmp_path)
+    stack.stop()
+    assert sorted(done) == sorted(f"c{c}j{k}" for c in range(3) for k in range(2))
+    assert all((tmp_path / f"{j}.mp4").stat().st_size > 0 for j in done)
+    ev = read_events(stack.lease_dir)
+    leases = lease_intervals(ev)  # asserts one holder at a time, in lock order
+    assert not overlapping(leases), overlapping(leases)
+    loads = load_intervals(ev)
+    assert not overlapping(loads), overlapping(loads)
+    for h, t0, t1 in loads:  # weights only while the lease is held
+        assert any(lh == h and la <= t0 and t1 <= lr for lh, la, lr in leases), (h, t0, t1)
+    jobs = [(e["stage"], e["job"]) for e in ev if e["event"] == "job_done"]
+    assert len(jobs) == len(set(jobs)) == 18, jobs  # every job exactly once per stage
+    assert {s for s, _ in jobs} == set(STAGE_NAMES)
+
+
+def test_shared_pipelines_within_budget(stack_factory, tmp_path, cache):
+    from dit_svc.engine import DiTEngine, DiTEngineConfig
+
+    eng = DiTEngine(DiTEngineConfig("", "", cache, "cpu", torch.float32), RankGroup(RankInfo(0, 1, 0), "gloo", 10))
+    # Room for the DiT's estimate plus about as much again: stages overlap, and some wait for room.
+    budget = int(2.0 * eng.estimate_bytes(TINY, 16))
+    stack, endpoints = stack_factory("shared", ["--memory-budget-gb", str(budget / 2**30)])
+    with StageClients(endpoints) as cl:
+        assert cl.dit.Status(common_pb2.StatusRequest()).residency == "shared"
+    done = run_clients(endpoints, tmp_path)
+    stack.stop()
+    assert len(done) == 6
+    ev = read_events(stack.lease_dir)
+    assert not any(e["event"] == "acquire" for e in ev)  # shared mode never takes the exclusive lease
+    peak = replay_budget(ev)
+    assert 0 < peak <= budget, (peak, budget)
+    assert all(t <= budget for e in ev if "totals" in e for t in e["totals"].values())
+    assert overlapping(load_intervals(ev)), "stages should be resident at the same time"
+    assert overlapping(job_intervals(ev)), "jobs should run on different stages at the same time"
+    resident = {e["holder"] for e in ev if e["event"] == "loaded"}
+    assert len(resident) == 3
+
+
+def test_kill_holder_mid_job(stack_factory, tmp_path):
+    stack, endpoints = stack_factory("exclusive", ["--idle-unload-s", "30"])
+    dit = stack.procs["dit"]
+    err, result = [], []
+    started = threading.Event()
+    with StageClients(endpoints) as cl:
+        states, _ = encode(cl, "warm the encoder", "w0", timeout_s=60)
+        long = RenderSpec(**{**TINY.__dict__, "steps": 200})
+
+        def run_victim():
+            try:
+                sample(cl, long, states, "doomed", on_progress=lambda p: p.step >= 1 and started.set(), timeout_s=120)
+            except grpc.RpcError as e:
+                err.append(e)
+
+        tv = threading.Thread(target=run_victim)
+        tv.start()
+        assert started.wait(60), stack.tail("dit")
+        tn = threading.Thread(target=lambda: result.append(encode(cl, "a fresh prompt", "next", timeout_s=60)))
+        tn.start()
+        deadline = time.monotonic() + 10
+        while not list(stack.lease_dir.glob("virt0.wait.*")) and time.monotonic() < deadline:
+            time.sleep(0.05)  # until the encoder is waiting for the lease the DiT holds
+        t_kill = time.time()
+        os.killpg(dit.pid, signal.SIGKILL)
+        dit.wait()
+        tv.join(30)
+        tn.join(60)
+    assert err and err[0].code() == grpc.StatusCode.UNAVAILABLE, err
+    assert result and result[0][0].ndim == 2, stack.tail("encoder")
+    ev = read_events(stack.lease_dir)
+    acq = [e for e in ev if e["event"] == "acquire" and e["holder"].startswith("encoder@")
+           and e["t"] > t_kill - 1]
+    assert acq and acq[0]["t"] - t_kill < 2.0, (acq, t_kill)
+    lease_intervals(ev, dead_pids={dit.pid})
+    with pytest.raises(ProcessLookupError):  # nothing of the killed stage's process group is left
+        os.killpg(dit.pid, 0)
+    procs = dict(stack.procs)
+    stack.stop()
+    for p in procs.values():  # the survivors drained and exited; their process groups are gone
+        assert p.poll() is not None
+        with pytest.raises(ProcessLookupError):
+            os.killpg(p.pid, 0)
+
+
+def test_lifecycle_rpcs_idle_unload_and_admission(tmp_path, cache):
+    from dit_svc.engine import DiTEngine, DiTEngineConfig
+
+    eng = DiTEngine(DiTEngineConfig("", "", cache, "cpu", torch.float32), RankGroup(RankInfo(0, 1, 0), "gloo", 10))
+    need = eng.estimate_bytes(TINY, TEXT.shape[0])
+    budget = int(need * 1.5)
+    (s,), lease_dir = start_stages(["op"], tmp_path, cache,
+                                   ["--idle-unload-s", "1", "--memory-budget-gb", str(budget / 2**30)])
+    try:
+        st = s.stub.Status(common_pb2.StatusRequest())
+        assert not st.resident and st.health == "SERVING" and st.lease_holder == "" and st.queue_depth == 0
+        r = s.stub.Load(common_pb2.LoadRequest())
+        assert r.resident
+        st = s.stub.Status(common_pb2.StatusRequest())
+        assert st.resident and st.memory_bytes == eng.weight_bytes() and st.lease_holder.startswith("dit@pid")
+        assert st.weights.endswith(".safetensors") and st.devices and st.residency == "exclusive"
+        r = s.stub.Unload(common_pb2.UnloadRequest())
+        assert not r.resident
+        assert s.stub.Status(common_pb2.StatusRequest()).lease_holder == ""
+        assert s.stub.Warmup(common_pb2.WarmupRequest()).resident
+        s.run(TINY, "fits")
+        big = RenderSpec(**{**TINY.__dict__, "width": 512, "height": 512})
+        with pytest.raises(grpc.RpcError) as ei:
+            s.run(big, "too-big")
+        assert ei.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "needs an estimated" in ei.value.details() and "memory budget is" in ei.value.details()
+        time.sleep(2.0)  # idle unload after 1 s
+        st = s.stub.Status(common_pb2.StatusRequest())
+        assert not st.resident and st.jobs_done == 1 and st.lease_holder == ""
+    finally:
+        s.stop()
+    ev = read_events(lease_dir)
+    assert [e["event"] for e in ev if e["event"] in ("loaded", "unloaded")] == ["loaded", "unloaded"] * 2  # Load+Unload, Warmup..idle
+    assert not any(e.get("job") == "too-big" for e in ev)
