@@ -655,7 +655,8 @@ def load_comfy_state_dict(model: AudioVAE, sd: Mapping[str, torch.Tensor], *, fi
     * encoder-only keys are skipped when the model has no encoder;
     * Kaiser filter buffers in the file are compared with the formula (|diff| <= filter_atol) and then used;
       absent filters / `zero_k_bias` are rebuilt;
-    * `latents_mean/std` in the file override the config; if both are absent, decoding raises later.
+    * `latents_mean/std` come from the file, else from the config (both present and different -> error);
+      if both are absent, decoding raises later.
     Missing / unexpected / misshapen keys raise `AudioVAECheckpointError` listing them.
     """
     own = model.state_dict()
@@ -692,6 +693,13 @@ def load_comfy_state_dict(model: AudioVAE, sd: Mapping[str, torch.Tensor], *, fi
             "stored Kaiser-sinc filters differ from the §5.4 formula (kernel 12, cutoff 0.25, half-width 0.3): "
             + ", ".join(bad_filters[:10])
         )
+    for k in ("latents_mean", "latents_std"):
+        given = getattr(model.cfg, k)
+        if k in sd and given is not None and not torch.allclose(sd[k].float(), torch.tensor(given), atol=1e-6):
+            raise AudioVAECheckpointError(
+                f"`{k}` stored in the checkpoint differs from AudioVAEConfig.{k}; pass a config without "
+                "latent statistics to use the file's, or fix the config"
+            )
     non_finite = sorted(k for k, t in sd.items() if t.is_floating_point() and not torch.isfinite(t).all())
     if non_finite:
         raise AudioVAECheckpointError(f"non-finite values in checkpoint tensors: {non_finite[:20]}")

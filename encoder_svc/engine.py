@@ -16,7 +16,7 @@ import torch
 
 from encoder_svc.cache import CacheKey, TextStateCache
 from encoder_svc.checkpoint import TextEncoderCheckpoint
-from encoder_svc.conditioner import Conditioner, ConditionerConfig, _resolve_tokenizer
+from encoder_svc.conditioner import Conditioner, ConditionerConfig, resolve_tokenizer
 from encoder_svc.tiny import write_tiny_model
 from encoder_svc.tokenizer import validate_prompt
 from stagekit.dist import RankGroup
@@ -35,7 +35,8 @@ class EncoderEngineConfig:
     cache_dir: Path
     device: str
     dtype: torch.dtype
-    mode: str = "resident"            # "resident" | "stream" (layer streaming for small cards)
+    mode: str = "resident"            # "resident" | "stream" (host weights, layers streamed) | "compact" (stored
+                                      # int8/nvfp4 on the device, dequantised per layer)
     max_prompt_tokens: int = 1024
     cache_bytes: int = 256 << 20      # prompt -> states cache (bf16 states are 10 KB/token at full size)
 
@@ -63,7 +64,7 @@ class EncoderEngine:
         self.variant = header.info.variant
         self.fingerprint = header.info.fingerprint
         header.close()
-        self.tokenizer = _resolve_tokenizer(None, self.path)
+        self.tokenizer = resolve_tokenizer(None, self.path)
         if self.tokenizer is None:
             raise FailedPrecondition(f"no tokenizer.json next to {self.path}; copy the model's tokenizer.json there")
         self.model_id = f"{self.fingerprint[:16]}:{self.tokenizer.fingerprint[:16]}:L{self.model_cfg.num_layers}"
@@ -87,7 +88,7 @@ class EncoderEngine:
     def resident_bytes(self) -> int:
         if self.model is None:
             return 0
-        return sum(p.numel() * p.element_size() for p in self.model.parameters() if p.device.type != "meta")
+        return self.model.device_bytes()
 
     def check_prompt(self, prompt: str | bytes) -> tuple[str, list[int]]:
         """Raises PromptError (INVALID_ARGUMENT) naming the token count and the limit."""

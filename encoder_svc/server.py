@@ -23,7 +23,7 @@ MAX_PROMPT_BYTES = 64 << 10  # far above any prompt that fits max_prompt_tokens;
 @dataclass
 class EncoderConfigArgs(CommonConfig):
     port: int = field(default=50051, metadata={"help": "gRPC port"})
-    mode: str = field(default="resident", metadata={"help": "resident | stream (layer streaming for small cards)"})
+    mode: str = field(default="resident", metadata={"help": "resident | stream (weights on host, layers streamed) | compact (quantised on device)"})
     max_prompt_tokens: int = field(default=1024, metadata={"help": "longest prompt accepted, in tokens"})
     cache_mb: int = field(default=256, metadata={"help": "prompt -> states cache size (0 disables)"})
 
@@ -75,8 +75,8 @@ class EncoderServicer(LifecycleMixin, encoder_pb2_grpc.TextEncoderServicer):
 
 def make_engine(cfg: EncoderConfigArgs, info, group) -> EncoderEngine:
     device = cfg.device_for_rank(info)
-    if cfg.mode not in ("resident", "stream"):
-        raise SystemExit(f"--mode {cfg.mode!r}: use resident or stream")
+    if cfg.mode not in ("resident", "stream", "compact"):
+        raise SystemExit(f"--mode {cfg.mode!r}: use resident, stream or compact")
     return EncoderEngine(EncoderEngineConfig(
         weights=cfg.weights, models_dir=cfg.models_dir, cache_dir=cfg.resolved_cache_dir(), device=device,
         dtype=cfg.compute_dtype(device), mode=cfg.mode, max_prompt_tokens=cfg.max_prompt_tokens,

@@ -391,3 +391,11 @@ def test_config_inferred_from_shapes_without_metadata(tmp_path, latents):
     dec = load_audio_vae(_save(tmp_path, {k: v for k, v in sd.items() if not k.startswith(
         ("encoder.", "pre_block.", "mean_proj.", "logs_proj."))}, "dec.safetensors"))
     assert dec.cfg.with_encoder is False
+
+
+def test_stats_from_file_and_config_must_agree(comfy_file, stats):
+    same = AudioVAEConfig.tiny(latents_mean=stats[0], latents_std=stats[1])
+    assert torch.equal(load_audio_vae(comfy_file, same).latents_mean, load_audio_vae(comfy_file).latents_mean)
+    other = AudioVAEConfig.tiny(latents_mean=(0.0,) * 32, latents_std=(1.0,) * 32)
+    with pytest.raises(AudioVAECheckpointError, match="latents_mean"):
+        load_audio_vae(comfy_file, other)

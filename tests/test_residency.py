@@ -432,12 +432,28 @@ def test_exclusive_three_clients_never_overlap(stack_factory, tmp_path):
     assert {s for s, _ in jobs} == set(STAGE_NAMES)
 
 
-def test_shared_pipelines_within_budget(stack_factory, tmp_path, cache):
-    from dit_svc.engine import DiTEngine, DiTEngineConfig
+def resident_bytes_of(module: str, cls: str, cache: Path) -> tuple[int, object]:
+    """Load a stage's engine in-process as its server would (tiny model on CPU); its resident bytes + engine."""
+    import importlib
 
-    eng = DiTEngine(DiTEngineConfig("", "", cache, "cpu", torch.float32), RankGroup(RankInfo(0, 1, 0), "gloo", 10))
-    # Room for the DiT's estimate plus about as much again: stages overlap, and some wait for room.
-    budget = int(2.0 * eng.estimate_bytes(TINY, 16))
+    from stagekit.config import parse_config
+
+    m = importlib.import_module(f"{module}.server")
+    cfg = parse_config(getattr(m, cls), ["--cache-dir", str(cache), "--devices", "virt0"])
+    eng = m.make_engine(cfg, RankInfo(0, 1, 0), RankGroup(RankInfo(0, 1, 0), "gloo", 10))
+    eng.load()
+    n = eng.resident_bytes()
+    eng.unload()
+    return n, eng
+
+
+def test_shared_pipelines_within_budget(stack_factory, tmp_path, cache):
+    dec_bytes, _ = resident_bytes_of("decoder_svc", "DecoderConfigArgs", cache)
+    _, dit = resident_bytes_of("dit_svc", "DiTConfigArgs", cache)
+    dit_need = dit.estimate_bytes(TINY, 16)
+    # The decoder fits beside the (small) encoder, the DiT beside the encoder, but the DiT and the decoder do
+    # not fit together: so stages overlap *and* some reservations must wait for room.
+    budget = dec_bytes + dit_need // 2
     stack, endpoints = stack_factory("shared", ["--memory-budget-gb", str(budget / 2**30)])
     with StageClients(endpoints) as cl:
         assert cl.dit.Status(common_pb2.StatusRequest()).residency == "shared"
