@@ -45,7 +45,7 @@ class DecoderEngineConfig:
     models_dir: str
     cache_dir: Path
     device: str
-    autocast_dtype: torch.dtype | None   # fp16/bf16 autocast on GPUs (the reference decodes in fp16)
+    weight_dtype: torch.dtype            # video VAE weights: fp16 on GPUs (as the ComfyUI file), fp32 on CPU
     preset: str = "veryfast"             # x264 speed/size trade-off
     out_dir: Path = Path(tempfile.gettempdir())
 
@@ -103,8 +103,7 @@ class DecoderEngine:
         if self.video is not None:
             return
         dev = self.cfg.device
-        wdtype = torch.float16 if dev.startswith("cuda") else torch.float32
-        self.video = load_video_vae(str(self.video_path), None, wdtype, device=dev, parts="decoder")
+        self.video = load_video_vae(str(self.video_path), None, self.cfg.weight_dtype, device=dev, parts="decoder")
         self.audio = load_audio_vae(self.audio_path, device=dev, with_encoder=False)  # audio stays fp32
 
     def unload(self) -> None:
@@ -137,8 +136,7 @@ class DecoderEngine:
             ctx.check_cancel()
             idx = k * n + rank
             if idx < len(plan):
-                out = decode_unit(self.video, video_lat, plan[idx], autocast_dtype=self.cfg.autocast_dtype,
-                                  validate=k == 0)
+                out = decode_unit(self.video, video_lat, plan[idx], validate=k == 0)
                 results.append((idx, out.cpu()))
             ctx.progress(k + 1, rounds, message=f"video tiles x chunks ({len(plan)} units on {n} ranks)")
         audio = None

@@ -123,12 +123,12 @@ class DecoderServicer(LifecycleMixin, decoder_pb2_grpc.DecoderServicer):
 
 def make_engine(cfg: DecoderConfigArgs, info, group) -> DecoderEngine:
     device = cfg.device_for_rank(info)
-    autocast = cfg.compute_dtype(device) if device.startswith("cuda") else None
-    if autocast == torch.float32:
-        autocast = None
+    # The reference decodes in fp16; fp16 weights compute in fp16 directly (autocast over fp32 weights would
+    # re-cast 4.8 GB of weights on every unit). --dtype float32 keeps everything fp32.
+    wdtype = torch.float32 if cfg.dtype in ("float32", "fp32") or not device.startswith("cuda") else torch.float16
     return DecoderEngine(DecoderEngineConfig(
         video_weights=cfg.video_weights, audio_weights=cfg.audio_weights, models_dir=cfg.models_dir,
-        cache_dir=cfg.resolved_cache_dir(), device=device, autocast_dtype=autocast, preset=cfg.preset), group)
+        cache_dir=cfg.resolved_cache_dir(), device=device, weight_dtype=wdtype, preset=cfg.preset), group)
 
 
 def main(argv: list[str] | None = None) -> None:
