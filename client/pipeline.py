@@ -52,12 +52,16 @@ class RenderResult:
 
 
 def encode(clients: StageClients, prompt: str, job_id: str = "", on_progress: ProgressFn = _noop,
-           timeout_s: float | None = None) -> tuple[torch.Tensor, StageResult]:
+           timeout_s: float | None = None, keyframes: list[bytes] | None = None, width: int = 0, height: int = 0,
+           with_tags: bool = False):
+    """Prompt (+ fl2va keyframe image bytes, in packed order, fitted to width x height) -> text_states.
+    `with_tags=True` returns (states, text_tags, result); the tags are all-text when the encoder sends none."""
     t0 = time.monotonic()
     asm = TensorAssembler()
     done = None
-    stream = clients.encoder.Encode(encoder_pb2.EncodeRequest(prompt=prompt, job_id=job_id),
-                                    timeout=timeout_s or DEADLINES["encoder"], metadata=clients.security.metadata())
+    req = encoder_pb2.EncodeRequest(prompt=prompt, job_id=job_id, keyframes=list(keyframes or []),
+                                    width=width if keyframes else 0, height=height if keyframes else 0)
+    stream = clients.encoder.Encode(req, timeout=timeout_s or DEADLINES["encoder"], metadata=clients.security.metadata())
     for ev in stream:
         kind = ev.WhichOneof("event")
         if kind == "progress":
@@ -66,28 +70,61 @@ def encode(clients: StageClients, prompt: str, job_id: str = "", on_progress: Pr
             asm.feed(ev.tensor)
         elif kind == "done":
             done = ev.done
-    states = asm.finish(["text_states"])["text_states"]
+    out = asm.finish(["text_states"])
+    states = out["text_states"]
     if done is None:
         raise RuntimeError("encoder stream ended without a done event")
-    return states, StageResult("encoder", time.monotonic() - t0, done.timing,
-                               {"tokens": done.tokens, "cache_hit": done.cache_hit})
+    result = StageResult("encoder", time.monotonic() - t0, done.timing,
+                         {"tokens": done.tokens, "cache_hit": done.cache_hit})
+    if with_tags:
+        tags = out.get("text_tags")
+        if tags is None:
+            tags = torch.ones(states.shape[0], dtype=torch.int64)
+        return states, tags, result
+    return states, result
 
 
-def _sample_inputs(spec: RenderSpec, job_id: str, text_states: torch.Tensor) -> Iterator[dit_pb2.SampleInput]:
-    req = dit_pb2.SampleRequest(job_id=job_id)
-    spec_to_proto(spec, req.params)
-    yield dit_pb2.SampleInput(request=req)
-    for chunk in tensor_chunks("text_states", text_states):
-        yield dit_pb2.SampleInput(tensor=chunk)
-
-
-def sample(clients: StageClients, spec: RenderSpec, text_states: torch.Tensor, job_id: str = "",
-           on_progress: ProgressFn = _noop, timeout_s: float | None = None
-           ) -> tuple[torch.Tensor, torch.Tensor, StageResult]:
+def encode_image(clients: StageClients, image: bytes, width: int, height: int, job_id: str = "",
+                 on_progress: ProgressFn = _noop, timeout_s: float | None = None) -> tuple[torch.Tensor, StageResult]:
+    """Keyframe image bytes -> its normalised VAE latent [24, 1, height/16, width/16] (decoder stage, fl2va)."""
     t0 = time.monotonic()
     asm = TensorAssembler()
     done = None
-    for ev in clients.dit.Sample(_sample_inputs(spec, job_id, text_states), timeout=timeout_s or DEADLINES["dit"],
+    stream = clients.decoder.EncodeImage(
+        decoder_pb2.EncodeImageRequest(image=image, width=width, height=height, job_id=job_id),
+        timeout=timeout_s or DEADLINES["decoder"], metadata=clients.security.metadata())
+    for ev in stream:
+        kind = ev.WhichOneof("event")
+        if kind == "progress":
+            on_progress(ev.progress)
+        elif kind == "tensor":
+            asm.feed(ev.tensor)
+        elif kind == "done":
+            done = ev.done
+    latents = asm.finish(["latents"])["latents"]
+    if done is None:
+        raise RuntimeError("decoder EncodeImage stream ended without a done event")
+    return latents, StageResult("decoder", time.monotonic() - t0, done.timing, {"op": "encode_image"})
+
+
+def _sample_inputs(spec: RenderSpec, job_id: str, text_states: torch.Tensor,
+                   extra: dict[str, torch.Tensor] | None = None) -> Iterator[dit_pb2.SampleInput]:
+    req = dit_pb2.SampleRequest(job_id=job_id)
+    spec_to_proto(spec, req.params)
+    yield dit_pb2.SampleInput(request=req)
+    for name, t in (("text_states", text_states), *(extra or {}).items()):
+        for chunk in tensor_chunks(name, t):
+            yield dit_pb2.SampleInput(tensor=chunk)
+
+
+def sample(clients: StageClients, spec: RenderSpec, text_states: torch.Tensor, job_id: str = "",
+           on_progress: ProgressFn = _noop, timeout_s: float | None = None,
+           extra: dict[str, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor, StageResult]:
+    """`extra`: fl2va tensors ("keyframe_first" / "keyframe_last" latents, "text_tags")."""
+    t0 = time.monotonic()
+    asm = TensorAssembler()
+    done = None
+    for ev in clients.dit.Sample(_sample_inputs(spec, job_id, text_states, extra), timeout=timeout_s or DEADLINES["dit"],
                                  metadata=clients.security.metadata()):
         kind = ev.WhichOneof("event")
         if kind == "progress":
@@ -154,13 +191,54 @@ def decode(clients: StageClients, spec: RenderSpec, video: torch.Tensor, audio: 
                        {"frames": done.frames, "audio_samples": done.audio_samples, "ranks": done.world_size})
 
 
+def decode_raw(clients: StageClients, spec: RenderSpec, video: torch.Tensor, audio: torch.Tensor, job_id: str = "",
+               on_progress: ProgressFn = _noop, timeout_s: float | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor, StageResult]:
+    """Decode without muxing: uint8 frames [F, H, W, 3] and float32 stereo audio [2, N] at 32 kHz."""
+    t0 = time.monotonic()
+    asm = TensorAssembler()
+    done = None
+    stream = clients.decoder.Decode(_decode_inputs(spec, job_id, video, audio, decoder_pb2.RAW, 0),
+                                    timeout=timeout_s or DEADLINES["decoder"], metadata=clients.security.metadata())
+    for ev in stream:
+        kind = ev.WhichOneof("event")
+        if kind == "progress":
+            on_progress(ev.progress)
+        elif kind == "tensor":
+            asm.feed(ev.tensor)
+        elif kind == "done":
+            done = ev.done
+    out = asm.finish(["frames", "audio"])
+    if done is None:
+        raise RuntimeError("decoder stream ended without a done event")
+    return out["frames"], out["audio"], StageResult(
+        "decoder", time.monotonic() - t0, done.timing,
+        {"frames": done.frames, "audio_samples": done.audio_samples, "ranks": done.world_size})
+
+
 def render(clients: StageClients, spec: RenderSpec, out_path: Path, on_progress: ProgressFn = _noop,
-           job_id: str = "", crf: int = 0) -> RenderResult:
+           job_id: str = "", crf: int = 0, first_frame: bytes | None = None,
+           last_frame: bytes | None = None) -> RenderResult:
+    """t2va, or fl2va with `first_frame` and/or `last_frame` (PNG/JPEG bytes): the decoder VAE-encodes each keyframe
+    at the render size, the encoder shows them to the vision tower, the DiT conditions on both."""
     validate(spec, need_prompt=True)
-    states, r_enc = encode(clients, spec.prompt, job_id, on_progress)
-    video, audio, r_dit = sample(clients, spec, states, job_id, on_progress)
+    anchors = [(a, img) for a, img in (("first", first_frame), ("last", last_frame)) if img is not None]
+    if not anchors:
+        states, r_enc = encode(clients, spec.prompt, job_id, on_progress)
+        video, audio, r_dit = sample(clients, spec, states, job_id, on_progress)
+        r_dec = decode(clients, spec, video, audio, out_path, job_id, on_progress, crf=crf)
+        return RenderResult(Path(out_path), [r_enc, r_dit, r_dec])
+    extra, stages = {}, []
+    for anchor, img in anchors:
+        lat, r_img = encode_image(clients, img, spec.width, spec.height, job_id, on_progress)
+        extra[f"keyframe_{anchor}"] = lat
+        stages.append(r_img)
+    states, tags, r_enc = encode(clients, spec.prompt, job_id, on_progress, keyframes=[img for _, img in anchors],
+                                 width=spec.width, height=spec.height, with_tags=True)
+    extra["text_tags"] = tags
+    video, audio, r_dit = sample(clients, spec, states, job_id, on_progress, extra=extra)
     r_dec = decode(clients, spec, video, audio, out_path, job_id, on_progress, crf=crf)
-    return RenderResult(Path(out_path), [r_enc, r_dit, r_dec])
+    return RenderResult(Path(out_path), [*stages, r_enc, r_dit, r_dec])
 
 
 def render_many(clients: StageClients, jobs: list[tuple[RenderSpec, Path]], on_progress: ProgressFn = _noop,

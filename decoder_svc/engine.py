@@ -19,7 +19,6 @@ from pathlib import Path
 import torch
 
 from decoder_svc.audio_vae import AudioVAEConfig, load_audio_vae, write_tiny_audio_vae
-from decoder_svc.mux import frames_to_uint8, write_mp4, write_wav
 from decoder_svc.video_tiling import StreamingAssembler, plan_decode
 from decoder_svc.video_vae import VideoVAEConfig, decode_unit, load_video_vae, write_tiny_video_vae
 from stagekit.dist import RankGroup
@@ -98,6 +97,7 @@ class DecoderEngine:
         self.video_path, self.audio_path, self.embedded = resolve_weights(cfg)
         self.video = None
         self.audio = None
+        self.video_encoder = None  # VAE encoder half, loaded on the first EncodeImage (fl2va keyframes), rank 0 only
 
     def load(self) -> None:
         if self.video is not None:
@@ -107,13 +107,13 @@ class DecoderEngine:
         self.audio = load_audio_vae(self.audio_path, device=dev, with_encoder=False)  # audio stays fp32
 
     def unload(self) -> None:
-        self.video = self.audio = None
+        self.video = self.audio = self.video_encoder = None
         gc.collect()
         if self.cfg.device.startswith("cuda"):
             torch.cuda.empty_cache()
 
     def resident_bytes(self) -> int:
-        mods = [m for m in (self.video, self.audio) if m is not None]
+        mods = [m for m in (self.video, self.audio, self.video_encoder) if m is not None]
         return sum(p.numel() * p.element_size() for m in mods for p in m.parameters())
 
     def _audio_rank(self, n_units: int) -> int:
@@ -122,7 +122,26 @@ class DecoderEngine:
         return min(range(n), key=lambda r: (counts[r], -r))  # fewest units; prefer a non-leader on ties
 
     @torch.inference_mode()
+    def encode_image(self, image: torch.Tensor, ctx) -> dict:
+        """Canvas-sized uint8 [H, W, 3] keyframe -> {"latents": [24, 1, H/16, W/16] float32}: the normalised posterior
+        mean (ComfyUI's keyframe recipe, §3.3). The encoder half is loaded on first use and kept while resident."""
+        if not self.group.info.is_leader:
+            return {}  # a single image is one small unit of work: rank 0 does it alone
+        if self.video_encoder is None:
+            ctx.progress(0, 1, phase="loading", message="video VAE encoder")
+            self.video_encoder = load_video_vae(str(self.video_path), None, self.cfg.weight_dtype,
+                                                device=self.cfg.device, parts="encoder")
+        ctx.progress(0, 1)
+        pixels = image.permute(2, 0, 1).contiguous()  # [3, H, W] uint8; encode() scales to [0, 1]
+        autocast = None if self.cfg.weight_dtype == torch.float32 else self.cfg.weight_dtype
+        latents = self.video_encoder.encode(pixels.to(self.cfg.device), autocast_dtype=autocast).float().cpu()
+        ctx.progress(1, 1)
+        return {"latents": latents}
+
+    @torch.inference_mode()
     def run(self, job, inputs: dict, ctx) -> dict:
+        if job.get("op") == "encode_image":
+            return self.encode_image(inputs["image"], ctx)
         spec: RenderSpec = job["spec"]
         if self.video is None:
             raise FailedPrecondition("decoder not loaded")
@@ -155,6 +174,9 @@ class DecoderEngine:
         return self._output(job, frames, audio)
 
     def _output(self, job, frames: torch.Tensor, audio: torch.Tensor) -> dict:
+        # Imported here: PyAV/soundfile are needed only to mux, not to decode (RAW output runs without them).
+        from decoder_svc.mux import frames_to_uint8, write_mp4, write_wav
+
         fmt, name = job["format"], job["output_name"]
         if fmt == "raw":
             return {"frames": torch.from_numpy(frames_to_uint8(frames)), "audio": audio.float()}

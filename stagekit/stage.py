@@ -48,6 +48,8 @@ class CommonConfig(ServeConfig):
     collective_timeout_s: float = field(default=60.0, metadata={"help": "a dead rank fails the job after this long"})
     dtype: str = field(default="", metadata={"help": "compute dtype: bfloat16 | float16 | float32 (default: bf16 on GPU, fp32 on CPU)"})
     log_level: str = field(default="INFO", metadata={"help": "logging level"})
+    gpu_memory_cap_gb: float = field(default=0.0, metadata={
+        "help": "hard per-process cap on CUDA memory (GiB), e.g. 22 to prove a 22 GB card suffices; 0 = none"})
 
     def device_for_rank(self, info: RankInfo) -> str:
         """The torch device this rank computes on (virtual lease names like 'virt0' compute on the CPU)."""
@@ -95,6 +97,9 @@ def run_stage(cfg: CommonConfig, stage: str, make_engine: Callable[[CommonConfig
         import torch
 
         torch.cuda.set_device(device)
+        if cfg.gpu_memory_cap_gb > 0:
+            total = torch.cuda.get_device_properties(device).total_memory
+            torch.cuda.set_per_process_memory_fraction(min(1.0, cfg.gpu_memory_cap_gb * 2**30 / total), device)
     backend = "nccl" if device.startswith("cuda") else "gloo"
     group = RankGroup(info, backend, cfg.collective_timeout_s)
     engine = make_engine(cfg, info, group)
@@ -121,12 +126,25 @@ def run_stage(cfg: CommonConfig, stage: str, make_engine: Callable[[CommonConfig
     runtime = StageRuntime(engine, group, lease, rcfg,
                            on_health=lambda serving: holder["server"].set_serving(serving) if "server" in holder else None,
                            budget=budget)
-    server = StageServer(cfg, [service_name], lambda s: add_servicer(s, runtime))
+    metrics = None
+    interceptors = []
+    if cfg.metrics_port >= 0:
+        from stagekit.metrics import StageMetrics
+
+        metrics = StageMetrics(stage, device)
+        metrics.attach(runtime)
+        interceptors.append(metrics.interceptor())
+    server = StageServer(cfg, [service_name], lambda s: add_servicer(s, runtime), interceptors=interceptors)
     holder["server"] = server
     if metrics_factory is not None:
         runtime.metrics = metrics_factory(runtime)
+    if metrics is not None:
+        port = metrics.serve(cfg.host, cfg.metrics_port, cfg.port_file)
+        print(f"{stage} metrics on http://{cfg.host}:{port}/metrics", flush=True)
     server.start()
     server.set_serving(True)
     print(f"{stage} serving on {cfg.host}:{server.port} (ranks={info.world_size}, device={device})", flush=True)
     server.run_until_terminated(runtime)
+    if metrics is not None:
+        metrics.close()
     group.close()
