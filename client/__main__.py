@@ -71,6 +71,17 @@ def _spec(args, prompt: str) -> RenderSpec:
                       video_shift=args.video_shift, audio_shift=args.audio_shift)
 
 
+def parse_lora_arg(text: str) -> tuple[str, float]:
+    """`name.safetensors:0.8` -> (name, 0.8); without a `:STRENGTH` suffix the strength is 1.0."""
+    name, sep, tail = text.rpartition(":")
+    if sep:
+        try:
+            return name, float(tail)
+        except ValueError:
+            pass
+    return text, 1.0
+
+
 def cmd_render(args) -> int:
     from client.embedded import EmbeddedStack, StackConfig
     from client.progress import RenderProgress, print_summary
@@ -81,7 +92,19 @@ def cmd_render(args) -> int:
         prompts += [p.strip() for p in Path(args.prompts_file).read_text(encoding="utf-8").splitlines() if p.strip()]
     if not prompts:
         raise SystemExit("give --prompt TEXT or --prompts-file FILE")
+    keyframes = {}
+    for anchor in ("first", "last"):
+        path = getattr(args, f"{anchor}_frame")
+        if path:
+            try:
+                keyframes[f"{anchor}_frame"] = Path(path).read_bytes()
+            except OSError as e:
+                print(f"error: cannot read --{anchor}-frame {path}: {e}", file=sys.stderr)
+                return 2
+    if keyframes and len(prompts) != 1:
+        raise SystemExit("--first-frame/--last-frame take a single --prompt (not --prompts-file)")
     specs = [_spec(args, p) for p in prompts]
+    loras = [parse_lora_arg(x) for x in args.lora or ()]
     try:
         for s in specs:
             validate(s, need_prompt=True)
@@ -103,12 +126,12 @@ def cmd_render(args) -> int:
         with StageClients(endpoints, security) as clients, RenderProgress() as progress:
             if len(specs) == 1:
                 out = Path(args.output)
-                results = [render(clients, specs[0], out, progress.update, crf=args.crf)]
+                results = [render(clients, specs[0], out, progress.update, crf=args.crf, loras=loras, **keyframes)]
             else:
                 outdir = Path(args.output)
                 outdir.mkdir(parents=True, exist_ok=True)
                 jobs = [(s, outdir / f"{i:03d}.mp4") for i, s in enumerate(specs)]
-                results = render_many(clients, jobs, progress.update, crf=args.crf)
+                results = render_many(clients, jobs, progress.update, crf=args.crf, loras=loras)
         rc = 0
         for r in results:
             if isinstance(r, BaseException):
@@ -166,6 +189,10 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--video-shift", type=float, default=0.0, help="0 = model default (12)")
     r.add_argument("--audio-shift", type=float, default=0.0, help="0 = model default (3)")
     r.add_argument("--crf", type=int, default=0, help="H.264 quality (0 = default 18; lower is better)")
+    r.add_argument("--first-frame", help="fl2va: PNG/JPEG the video starts from (fitted to --width x --height)")
+    r.add_argument("--last-frame", help="fl2va: PNG/JPEG the video ends on (fitted to --width x --height)")
+    r.add_argument("--lora", action="append", metavar="NAME[:STRENGTH]",
+                   help="LoRA file name in the DiT server's <models_dir>/loras (repeatable; strength default 1.0)")
     r.add_argument("--models-dir", default=os.environ.get("H3_MODELS_DIR", ""),
                    help="real checkpoints for the embedded stack (default: tiny embedded model)")
     r.add_argument("--devices", default="", help="devices for the embedded stack (e.g. cuda:0)")

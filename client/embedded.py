@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from client.stubs import SERVICE_NAMES, STAGES, Endpoints, health_of, open_channel
+from client.stubs import SERVICE_NAMES, STAGES, Endpoints, Security, health_of, open_channel
 
 MODULES = {"encoder": "encoder_svc", "dit": "dit_svc", "decoder": "decoder_svc"}
 
@@ -34,6 +34,7 @@ class StackConfig:
     extra_args: dict[str, list[str]] = field(default_factory=dict)
     env: dict[str, str] = field(default_factory=dict)
     start_timeout_s: float = 180.0
+    security: Security = field(default_factory=Security)  # how to reach stages started with --tls-cert/--token
 
 
 def stage_command(stage: str, ranks: int, args: list[str]) -> list[str]:
@@ -98,7 +99,7 @@ class EmbeddedStack:
                                    + self.tail(stage))
             if port_file.exists():
                 port = int(port_file.read_text())
-                ch = open_channel(f"127.0.0.1:{port}")
+                ch = open_channel(f"127.0.0.1:{port}", self.cfg.security)
                 try:
                     if health_of(ch, SERVICE_NAMES[stage]) == "SERVING":
                         self.ports[stage] = port

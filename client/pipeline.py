@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -108,8 +108,9 @@ def encode_image(clients: StageClients, image: bytes, width: int, height: int, j
 
 
 def _sample_inputs(spec: RenderSpec, job_id: str, text_states: torch.Tensor,
-                   extra: dict[str, torch.Tensor] | None = None) -> Iterator[dit_pb2.SampleInput]:
-    req = dit_pb2.SampleRequest(job_id=job_id)
+                   extra: dict[str, torch.Tensor] | None = None,
+                   loras: Sequence[tuple[str, float]] = ()) -> Iterator[dit_pb2.SampleInput]:
+    req = dit_pb2.SampleRequest(job_id=job_id, loras=[dit_pb2.LoraSpec(name=n, strength=s) for n, s in loras])
     spec_to_proto(spec, req.params)
     yield dit_pb2.SampleInput(request=req)
     for name, t in (("text_states", text_states), *(extra or {}).items()):
@@ -119,12 +120,15 @@ def _sample_inputs(spec: RenderSpec, job_id: str, text_states: torch.Tensor,
 
 def sample(clients: StageClients, spec: RenderSpec, text_states: torch.Tensor, job_id: str = "",
            on_progress: ProgressFn = _noop, timeout_s: float | None = None,
-           extra: dict[str, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor, StageResult]:
-    """`extra`: fl2va tensors ("keyframe_first" / "keyframe_last" latents, "text_tags")."""
+           extra: dict[str, torch.Tensor] | None = None,
+           loras: Sequence[tuple[str, float]] = ()) -> tuple[torch.Tensor, torch.Tensor, StageResult]:
+    """`extra`: fl2va tensors ("keyframe_first" / "keyframe_last" latents, "text_tags"). `loras`: (file name in
+    the DiT server's loras dir, strength) pairs applied for this request."""
     t0 = time.monotonic()
     asm = TensorAssembler()
     done = None
-    for ev in clients.dit.Sample(_sample_inputs(spec, job_id, text_states, extra), timeout=timeout_s or DEADLINES["dit"],
+    for ev in clients.dit.Sample(_sample_inputs(spec, job_id, text_states, extra, loras),
+                                 timeout=timeout_s or DEADLINES["dit"],
                                  metadata=clients.security.metadata()):
         kind = ev.WhichOneof("event")
         if kind == "progress":
@@ -218,14 +222,14 @@ def decode_raw(clients: StageClients, spec: RenderSpec, video: torch.Tensor, aud
 
 def render(clients: StageClients, spec: RenderSpec, out_path: Path, on_progress: ProgressFn = _noop,
            job_id: str = "", crf: int = 0, first_frame: bytes | None = None,
-           last_frame: bytes | None = None) -> RenderResult:
+           last_frame: bytes | None = None, loras: Sequence[tuple[str, float]] = ()) -> RenderResult:
     """t2va, or fl2va with `first_frame` and/or `last_frame` (PNG/JPEG bytes): the decoder VAE-encodes each keyframe
     at the render size, the encoder shows them to the vision tower, the DiT conditions on both."""
     validate(spec, need_prompt=True)
     anchors = [(a, img) for a, img in (("first", first_frame), ("last", last_frame)) if img is not None]
     if not anchors:
         states, r_enc = encode(clients, spec.prompt, job_id, on_progress)
-        video, audio, r_dit = sample(clients, spec, states, job_id, on_progress)
+        video, audio, r_dit = sample(clients, spec, states, job_id, on_progress, loras=loras)
         r_dec = decode(clients, spec, video, audio, out_path, job_id, on_progress, crf=crf)
         return RenderResult(Path(out_path), [r_enc, r_dit, r_dec])
     extra, stages = {}, []
@@ -236,13 +240,14 @@ def render(clients: StageClients, spec: RenderSpec, out_path: Path, on_progress:
     states, tags, r_enc = encode(clients, spec.prompt, job_id, on_progress, keyframes=[img for _, img in anchors],
                                  width=spec.width, height=spec.height, with_tags=True)
     extra["text_tags"] = tags
-    video, audio, r_dit = sample(clients, spec, states, job_id, on_progress, extra=extra)
+    video, audio, r_dit = sample(clients, spec, states, job_id, on_progress, extra=extra, loras=loras)
     r_dec = decode(clients, spec, video, audio, out_path, job_id, on_progress, crf=crf)
     return RenderResult(Path(out_path), [*stages, r_enc, r_dit, r_dec])
 
 
 def render_many(clients: StageClients, jobs: list[tuple[RenderSpec, Path]], on_progress: ProgressFn = _noop,
-                concurrency: int = 4, crf: int = 0) -> list[RenderResult | BaseException]:
+                concurrency: int = 4, crf: int = 0,
+                loras: Sequence[tuple[str, float]] = ()) -> list[RenderResult | BaseException]:
     """Stage-batched: every prompt is encoded, then every job sampled, then every job decoded.
 
     Submitting a whole stage's work together lets each stage serve the batch in
@@ -266,7 +271,7 @@ def render_many(clients: StageClients, jobs: list[tuple[RenderSpec, Path]], on_p
     enc = stage_all(lambda i: encode(clients, jobs[i][0].prompt, f"job{i}", on_progress))
     for i, (_, r) in enc.items():
         results[i].append(r)
-    smp = stage_all(lambda i: sample(clients, jobs[i][0], enc[i][0], f"job{i}", on_progress))
+    smp = stage_all(lambda i: sample(clients, jobs[i][0], enc[i][0], f"job{i}", on_progress, loras=loras))
     for i, (_, _, r) in smp.items():
         results[i].append(r)
     dec = stage_all(lambda i: decode(clients, jobs[i][0], smp[i][0], smp[i][1], jobs[i][1], f"job{i}", on_progress,

@@ -19,7 +19,7 @@ import json
 import math
 import os
 import tempfile
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Iterable, Mapping
 
@@ -160,12 +160,15 @@ def kaiser_sinc_filter(cutoff: float, half_width: float, kernel_size: int) -> to
         beta = 0.5842 * (attenuation - 21.0) ** 0.4 + 0.07886 * (attenuation - 21.0)
     else:
         beta = 0.0
-    window = torch.kaiser_window(kernel_size, periodic=False, beta=beta, dtype=torch.float64)
+    # Explicit CPU device: the taps are constants, and building them under a meta-device context
+    # (how `load_audio_vae` skips weight init) would otherwise cost ~4 ms each through the meta dispatcher.
+    cpu = torch.device("cpu")
+    window = torch.kaiser_window(kernel_size, periodic=False, beta=beta, dtype=torch.float64, device=cpu)
     if kernel_size % 2 == 0:
         # Even length: taps sit half-way between samples so the filter is symmetric about 0.
-        t = torch.arange(kernel_size, dtype=torch.float64) - half + 0.5
+        t = torch.arange(kernel_size, dtype=torch.float64, device=cpu) - half + 0.5
     else:
-        t = torch.arange(kernel_size, dtype=torch.float64) - half
+        t = torch.arange(kernel_size, dtype=torch.float64, device=cpu) - half
     taps = 2.0 * cutoff * window * torch.sinc(2.0 * cutoff * t)
     taps = taps / taps.sum()  # unit DC gain: a constant input passes unchanged
     return taps.to(torch.float32).view(1, 1, kernel_size)

@@ -13,10 +13,12 @@ from decoder_svc.engine import DecoderEngine, DecoderEngineConfig, check_latents
 from h3.v1 import common_pb2, decoder_pb2, decoder_pb2_grpc, tensor_pb2
 from stagekit.config import parse_config
 from stagekit.errors import InvalidArgument
+from stagekit.images import check_canvas, load_keyframe
+from stagekit.metrics import observed
 from stagekit.models import safe_name
 from stagekit.render_params import spec_from_proto
 from stagekit.runtime import Job
-from stagekit.server import abort_on_error, stream_job
+from stagekit.server import abort_on_error, startup_errors, stream_job
 from stagekit.servicer import LifecycleMixin
 from stagekit.stage import CommonConfig, run_stage
 from stagekit.wire import MAX_CHUNK_BYTES, TensorAssembler, tensor_chunks
@@ -91,7 +93,9 @@ class DecoderServicer(LifecycleMixin, decoder_pb2_grpc.DecoderServicer):
         return req, {"spec": spec, "format": fmt, "crf": req.crf, "output_name": name}, inputs
 
     def Decode(self, request_iterator, context):
+        t_recv = time.monotonic()
         req, job_spec, inputs = abort_on_error(context, self._read_request, request_iterator)
+        recv_s = time.monotonic() - t_recv  # the latent upload is part of the job's transfer time
         job = Job(spec=job_spec, inputs=inputs)
         job.job_id = req.job_id or job.job_id
 
@@ -113,12 +117,47 @@ class DecoderServicer(LifecycleMixin, decoder_pb2_grpc.DecoderServicer):
                     for chunk in tensor_chunks(name, out[name]):
                         yield decoder_pb2.DecodeEvent(tensor=chunk)
                 frames, samples = out["frames"].shape[0], out["audio"].shape[-1]
-            job.timing["transfer_s"] = time.monotonic() - t0
+            job.timing["transfer_s"] = recv_s + time.monotonic() - t0
             yield decoder_pb2.DecodeEvent(done=decoder_pb2.DecodeDone(
                 timing=timing_pb(job.timing), frames=frames, audio_samples=samples,
                 world_size=self.runtime.group.world_size))
 
-        yield from stream_job(self.runtime, job, context, on_event)
+        yield from stream_job(self.runtime, job, context, observed(self.runtime, job, on_event))
+
+
+    def _read_image(self, request):
+        """EncodeImageRequest -> the canvas-sized uint8 [H, W, 3] keyframe; every bad input is INVALID_ARGUMENT."""
+        check_canvas(request.width, request.height)
+        src = request.WhichOneof("source")
+        if src == "image":
+            return load_keyframe(request.image, request.width, request.height)
+        if src == "pixels":
+            px = request.pixels
+            if px.width <= 0 or px.height <= 0 or len(px.rgb) != px.width * px.height * 3:
+                raise InvalidArgument(f"raw keyframe pixels: {len(px.rgb)} bytes do not make a {px.width}x{px.height} "
+                                      "RGB image (need width*height*3 uint8, row-major)")
+            rgb = torch.frombuffer(bytearray(px.rgb), dtype=torch.uint8).reshape(px.height, px.width, 3)
+            return load_keyframe(rgb, request.width, request.height)
+        raise InvalidArgument("EncodeImageRequest needs `image` (PNG/JPEG bytes) or `pixels` (raw RGB)")
+
+    def EncodeImage(self, request, context):
+        image = abort_on_error(context, self._read_image, request)
+        job = Job(spec={"op": "encode_image", "width": request.width, "height": request.height},
+                  inputs={"image": image})
+        job.job_id = request.job_id or job.job_id
+
+        def on_event(ev):
+            if ev.kind == "progress":
+                yield decoder_pb2.EncodeImageEvent(progress=common_pb2.Progress(**ev.payload))
+                return
+            t0 = time.monotonic()
+            for chunk in tensor_chunks("latents", ev.payload["latents"]):
+                yield decoder_pb2.EncodeImageEvent(tensor=chunk)
+            job.timing["transfer_s"] = time.monotonic() - t0
+            yield decoder_pb2.EncodeImageEvent(done=decoder_pb2.EncodeImageDone(
+                timing=timing_pb(job.timing), width=request.width, height=request.height))
+
+        yield from stream_job(self.runtime, job, context, observed(self.runtime, job, on_event))
 
 
 def make_engine(cfg: DecoderConfigArgs, info, group) -> DecoderEngine:
@@ -133,8 +172,9 @@ def make_engine(cfg: DecoderConfigArgs, info, group) -> DecoderEngine:
 
 def main(argv: list[str] | None = None) -> None:
     cfg = parse_config(DecoderConfigArgs, argv, env_prefix="H3_DECODER_", description="MiniMax-H3 VAE decoder stage")
-    run_stage(cfg, "decoder", make_engine, SERVICE,
-              lambda server, runtime: decoder_pb2_grpc.add_DecoderServicer_to_server(DecoderServicer(runtime), server))
+    with startup_errors("decoder"):
+        run_stage(cfg, "decoder", make_engine, SERVICE,
+                  lambda server, runtime: decoder_pb2_grpc.add_DecoderServicer_to_server(DecoderServicer(runtime), server))
 
 
 if __name__ == "__main__":

@@ -39,8 +39,8 @@ from decoder_svc.video_tiling import (
 
 __all__ = [
     "LATENTS_MEAN", "LATENTS_STD", "IMAGENET_MEAN", "IMAGENET_STD", "CheckpointError", "VideoVAEConfig", "VideoVAE",
-    "DecodeUnit", "StreamingAssembler", "plan_decode", "decode_unit", "assemble", "num_decoded_frames", "load_video_vae",
-    "write_tiny_video_vae", "comfy_to_diffusers_state_dict", "diffusers_to_comfy_state_dict", "detect_layout",
+    "DecodeUnit", "StreamingAssembler", "plan_decode", "decode_unit", "assemble", "num_decoded_frames",
+    "load_video_vae", "write_tiny_video_vae", "comfy_to_diffusers_state_dict", "diffusers_to_comfy_state_dict", "detect_layout",
     "infer_config",
 ]
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,10 +17,13 @@ from pathlib import Path
 import torch
 
 from dit_svc.checkpoint import inspect_checkpoint, load_dit_weights, tp_rule
-from dit_svc.config import DiTConfig
+from dit_svc.config import TAG_TEXT, TAG_VIDEO, DiTConfig
+from dit_svc.keyframes import (KEYFRAME_TENSORS, TEXT_TAGS_TENSOR, check_keyframe, check_text_tags, condition_rows,
+                               conditioned_denoise, draw_noise, keyframe_anchors)
 from dit_svc.layout import build_layout, latent_shape, patchify_audio, patchify_video, unpatchify_audio, unpatchify_video
+from dit_svc.lora import LoRAError, LoRAManager, check_lora_file, config_targets, resolve_lora_path
 from dit_svc.model import H3DiT
-from dit_svc.sampling import SamplerConfig, initial_noise, sample
+from dit_svc.sampling import SamplerConfig, sample
 from dit_svc.tiny_checkpoint import write_tiny_checkpoint
 from dit_svc.tp import validate_tp
 from stagekit.dist import RankGroup
@@ -42,6 +46,8 @@ def embedded_config() -> DiTConfig:
     return DiTConfig.tiny(num_layers=1, num_heads=2)
 # Text length assumed by estimates made before the text states are known (the encoder's usual prompt budget).
 DEFAULT_TEXT_LEN = 512
+# cuBLAS / cuDNN workspaces live in PyTorch's caching allocator (measured ~20-30 MiB on an H200 at tiny sizes).
+CUDA_WORKSPACE_BYTES = 32 << 20
 
 
 @dataclass
@@ -53,6 +59,8 @@ class DiTEngineConfig:
     compute_dtype: torch.dtype
     int8_mode: str = "kernel"    # "kernel" (comfy-kitchen) | "dequant" (dequantise once at load)
     chunk_rows: int = 4096       # MLP token chunk: bounds the [rows, 2*ffn] activation
+    loras_dir: str = ""          # request LoRAs by bare file name from here ("" = LoRAs by name disabled)
+    allow_lora_paths: bool = False  # also accept absolute LoRA paths in requests (trusted clients only)
 
 
 def resolve_weights(cfg: DiTEngineConfig) -> tuple[Path, bool]:
@@ -82,6 +90,8 @@ class DiTEngine:
         self._header_shapes = info.shapes  # for weight-size estimates before loading
         validate_tp(self.model_cfg, group.world_size)
         self.model: H3DiT | None = None
+        self.loras: LoRAManager | None = None  # per-rank LoRA cache; lives as long as the loaded model
+        self._lora_targets = None  # full-size linear shapes for header-only LoRA validation (rank 0)
 
     # ---- lifecycle ------------------------------------------------------------------------------------------------
     def load(self) -> None:
@@ -110,11 +120,13 @@ class DiTEngine:
             raise FailedPrecondition(f"DiT weights do not fit the model: missing {missing[:10]}, unexpected {unexpected[:10]}")
         model.rope.to(cfg.device)
         self.model = model.eval()
+        self.loras = LoRAManager(self.model)
         log.info("rank %d loaded %s (%s) in %.2f s", self.group.info.rank, self.path.name, self.variant,
                  time.monotonic() - t0)
 
     def unload(self) -> None:
         self.model = None
+        self.loras = None
         gc.collect()
         if self.cfg.device.startswith("cuda"):
             torch.cuda.empty_cache()
@@ -128,8 +140,8 @@ class DiTEngine:
     def weight_bytes(self) -> int:
         """This rank's weight bytes once loaded, from the checkpoint header (no tensor data read).
 
-        int8 weights stay 1 byte in `kernel` mode; everything float is held in the compute dtype; tensor-parallel
-        tensors are split across ranks, replicated ones are not."""
+        int8 weights stay 1 byte in `kernel` mode, stored fp32 tensors stay fp32, other floats are held in the
+        compute dtype; tensor-parallel tensors are split across ranks, replicated ones are not."""
         elem = torch.empty((), dtype=self.cfg.compute_dtype).element_size()
         world = self.group.world_size
         total = 0
@@ -138,7 +150,7 @@ class DiTEngine:
             for d in entry.shape:
                 n *= d
             size = 1 if entry.dtype == "I8" and self.cfg.int8_mode == "kernel" else elem
-            if entry.dtype in ("F32",) and key.startswith("final_layer."):
+            if entry.dtype == "F32":  # stored fp32 (output heads, tables) stays fp32
                 size = 4
             total += n * size // (world if tp_rule(key) != "replicate" else 1)
         return total
@@ -150,8 +162,9 @@ class DiTEngine:
         roped q/k copies (5 x heads x head_dim / tp, compute dtype), the attention output and the all-reduced
         fp32 projection, RoPE cos/sin, and the sampler's fp32 latent state (~8 copies of a patch row). Plus the
         MLP's token chunk [min(rows, chunk_rows), 3 x ffn / tp] in the compute dtype. Attention itself is a
-        memory-efficient SDPA (O(rows)). The sum is padded by 25 % for allocator slack; it is an estimate to
-        budget with, checked against measured peaks in docs/residency.md, not a promise.
+        memory-efficient SDPA (O(rows)). The sum is padded by 25 % for allocator slack, plus the cuBLAS / cuDNN
+        workspaces on CUDA. An estimate to budget with, compared with measured peaks in docs/residency.md
+        (H200: 1.0-1.2x the measured peak at chunk_rows 4096), not a promise.
         """
         m = self.model_cfg
         world = self.group.world_size
@@ -165,7 +178,8 @@ class DiTEngine:
         per_row = (3 * m.hidden * 4 + 5 * inner * e + inner * e + m.hidden * 4 + 2 * m.head_dim * 4
                    + 8 * max(m.video_patch_dim, m.audio_in_channels) * 4)
         mlp = min(rows, self.cfg.chunk_rows) * 3 * (m.ffn // world) * e
-        return int((rows * per_row + mlp) * 1.25)
+        fixed = CUDA_WORKSPACE_BYTES if self.cfg.device.startswith("cuda") else 0
+        return int((rows * per_row + mlp) * 1.25) + fixed
 
     def estimate_bytes(self, spec: RenderSpec | None, text_len: int = DEFAULT_TEXT_LEN) -> int:
         """Per-rank peak bytes of a job (weights + activations); `spec=None`: weights alone."""
@@ -175,7 +189,11 @@ class DiTEngine:
     def estimate_peak_bytes(self, spec: RenderSpec | None, inputs: dict) -> int:
         """The runtime's hook (stagekit.runtime.Engine)."""
         text = inputs.get("text_states")
-        return self.estimate_bytes(spec, int(text.shape[0]) if text is not None else DEFAULT_TEXT_LEN)
+        rows = int(text.shape[0]) if text is not None else DEFAULT_TEXT_LEN
+        if spec is not None:  # keyframe rows cost like text rows; count them with the text
+            _, ph, pw = self.model_cfg.patch
+            rows += len(keyframe_anchors(inputs)) * (spec.height // 16 // ph) * (spec.width // 16 // pw)
+        return self.estimate_bytes(spec, rows)
 
     # ---- validation (rank 0, before any rank starts work) ---------------------------------------------------------
     def check_request(self, spec: RenderSpec, text_states: torch.Tensor) -> None:
@@ -189,26 +207,64 @@ class DiTEngine:
         if text_states.dtype not in (torch.bfloat16, torch.float16, torch.float32):
             raise InvalidArgument(f"text_states must be a float tensor, got {text_states.dtype}")
 
+    def check_conditioning(self, spec: RenderSpec, text_states: torch.Tensor, inputs: dict) -> dict:
+        """fl2va extras: optional "keyframe_first"/"keyframe_last" latents [24,1,H/16,W/16] and "text_tags" [L].
+        Returns the validated tensors (tags as int64); raises InvalidArgument."""
+        out = {}
+        shp = latent_shape(self.model_cfg, spec.frames, spec.height, spec.width)
+        try:
+            for anchor in keyframe_anchors(inputs):
+                name = KEYFRAME_TENSORS[anchor]
+                check_keyframe(name, inputs[name], self.model_cfg.in_channels, shp.latent_height, shp.latent_width)
+                out[name] = inputs[name].float()
+            if TEXT_TAGS_TENSOR in inputs:
+                out[TEXT_TAGS_TENSOR] = check_text_tags(inputs[TEXT_TAGS_TENSOR], text_states.shape[0], TAG_TEXT,
+                                                        TAG_VIDEO)
+        except ValueError as e:
+            raise InvalidArgument(str(e)) from None
+        return out
+
+    def check_loras(self, loras: list[tuple[str, float]]) -> list[tuple[str, float]]:
+        """Request LoRAs (name or path, strength) -> [(resolved path, strength)], checked against this DiT from the
+        file headers (dit_svc/lora.py); raises InvalidArgument. Names resolve only inside `loras_dir`."""
+        out = []
+        try:
+            for name, strength in loras:
+                if not math.isfinite(strength):
+                    raise LoRAError(f"LoRA {name!r}: strength must be finite, got {strength}")
+                path = resolve_lora_path(name, self.cfg.loras_dir or None, self.cfg.allow_lora_paths)
+                if self._lora_targets is None:
+                    self._lora_targets = config_targets(self.model_cfg)
+                check_lora_file(path, self._lora_targets, self.model_cfg.adaln_form)
+                out.append((str(path), float(strength)))
+        except LoRAError as e:
+            raise InvalidArgument(str(e)) from None
+        return out
+
     # ---- the job --------------------------------------------------------------------------------------------------
     @torch.inference_mode()
     def run(self, spec: RenderSpec, inputs: dict, ctx) -> dict:
         if self.model is None:
             raise FailedPrecondition("DiT not loaded")
         cfg, mcfg, dev = self.cfg, self.model_cfg, self.cfg.device
+        self.loras.activate(inputs.get("loras", ()))  # unmerged, cached per rank; [] restores the base model
         text = inputs["text_states"].to(dev)
         shape = latent_shape(mcfg, spec.frames, spec.height, spec.width)
-        layout = build_layout(mcfg, text.shape[0], spec.frames, spec.height, spec.width).to(dev)
+        anchors = keyframe_anchors(inputs)  # fl2va: keyframe latents (validated on rank 0 before the job ran)
+        tags = inputs.get(TEXT_TAGS_TENSOR)
+        layout = build_layout(mcfg, text.shape[0], spec.frames, spec.height, spec.width, keyframes=anchors,
+                              text_tags=tags).to(dev)
         sampler_cfg = SamplerConfig.from_params(spec)
         # Noise is drawn on the CPU from the seed: identical bits on every rank and every device.
         video_shape = (mcfg.in_channels, shape.latent_frames, shape.latent_height, shape.latent_width)
-        v_noise, a_noise = initial_noise(spec.seed, video_shape, (2, mcfg.audio_in_channels, shape.audio_latents))
+        keyframes = [inputs[KEYFRAME_TENSORS[a]] for a in anchors]
+        c_noise, v_noise, a_noise = draw_noise(spec.seed, [k.shape for k in keyframes], video_shape,
+                                               (2, mcfg.audio_in_channels, shape.audio_latents))
         v_rows = patchify_video(v_noise, mcfg.patch).to(dev)
         a_rows = patchify_audio(a_noise).to(dev)
-        model = self.model
+        cond = condition_rows(keyframes, c_noise, mcfg.patch)  # fixed for the whole run; never sampled
         step_t = [time.monotonic()]
-
-        def denoise(xv, xa, tv, ta):
-            return model(xv, xa, text, tv, ta, layout)
+        denoise = conditioned_denoise(self.model, text, layout, None if cond is None else cond.to(dev))
 
         def on_step(i, n):
             now = time.monotonic()

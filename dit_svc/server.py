@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from dataclasses import dataclass, field
 
 from dit_svc.engine import DiTEngine, DiTEngineConfig
+from dit_svc.keyframes import KEYFRAME_TENSORS, TEXT_TAGS_TENSOR
 from h3.v1 import dit_pb2, dit_pb2_grpc, common_pb2
 from stagekit.config import parse_config
 from stagekit.errors import InvalidArgument
+from stagekit.metrics import observed
 from stagekit.render_params import spec_from_proto
 from stagekit.runtime import Job
-from stagekit.server import abort_on_error, stream_job
+from stagekit.server import abort_on_error, startup_errors, stream_job
 from stagekit.servicer import LifecycleMixin
 from stagekit.stage import CommonConfig, run_stage
 from stagekit.wire import TensorAssembler, check_finite, tensor_chunks
@@ -27,6 +30,8 @@ class DiTConfigArgs(CommonConfig):
     port: int = field(default=50052, metadata={"help": "gRPC port"})
     int8_mode: str = field(default="kernel", metadata={"help": "int8 linears: kernel (comfy-kitchen) | dequant"})
     chunk_rows: int = field(default=4096, metadata={"help": "MLP token chunk (memory vs speed)"})
+    loras_dir: str = field(default="", metadata={"help": "LoRAs requested by file name (default <models_dir>/loras)"})
+    allow_lora_paths: bool = field(default=False, metadata={"help": "also accept absolute LoRA paths in requests"})
 
 
 def timing_pb(t: dict) -> common_pb2.Timing:
@@ -47,20 +52,31 @@ class DiTServicer(LifecycleMixin, dit_pb2_grpc.DiTSamplerServicer):
             raise InvalidArgument("the first SampleInput must carry the SampleRequest")
         req = first.request
         spec = spec_from_proto(req.params)
-        asm = TensorAssembler(expect={"text_states": (None, (None, self.engine.model_cfg.text_dim))},
+        # fl2va extras (optional): keyframe latents [24,1,H/16,W/16] by anchor, per-token DiT tags [L] int64.
+        latent = (None, (self.engine.model_cfg.in_channels, 1, None, None))
+        asm = TensorAssembler(expect={"text_states": (None, (None, self.engine.model_cfg.text_dim)),
+                                      **{n: latent for n in KEYFRAME_TENSORS.values()},
+                                      TEXT_TAGS_TENSOR: (None, (None,))},
                               max_bytes=MAX_TEXT_BYTES)
         for msg in request_iterator:
             if msg.WhichOneof("input") != "tensor":
                 raise InvalidArgument("only tensor chunks may follow the SampleRequest")
             asm.feed(msg.tensor)
-        text = asm.finish(["text_states"])["text_states"]
+        tensors = asm.finish(["text_states"])
+        text = tensors["text_states"]
         check_finite("text_states", text)
         self.engine.check_request(spec, text)  # all validation before any rank starts work
-        return req, spec, text
+        extras = self.engine.check_conditioning(spec, text, tensors)
+        loras = self.engine.check_loras([(x.name, x.strength if x.HasField("strength") else 1.0) for x in req.loras])
+        if loras:
+            extras["loras"] = loras  # [(resolved path, strength)], applied by every rank in DiTEngine.run
+        return req, spec, text, extras
 
     def Sample(self, request_iterator, context):
-        req, spec, text = abort_on_error(context, self._read_request, request_iterator)
-        job = Job(spec=spec, inputs={"text_states": text})
+        t_recv = time.monotonic()
+        req, spec, text, extras = abort_on_error(context, self._read_request, request_iterator)
+        recv_s = time.monotonic() - t_recv  # the upload is part of the job's transfer time
+        job = Job(spec=spec, inputs={"text_states": text, **extras})
         job.job_id = req.job_id or job.job_id
         steps = {"n": 0, "ms": 0.0}
 
@@ -75,25 +91,28 @@ class DiTServicer(LifecycleMixin, dit_pb2_grpc.DiTSamplerServicer):
                 for name in ("video_latents", "audio_latents"):
                     for chunk in tensor_chunks(name, ev.payload[name]):
                         yield dit_pb2.SampleEvent(tensor=chunk)
-                job.timing["transfer_s"] = time.monotonic() - t0
+                job.timing["transfer_s"] = recv_s + time.monotonic() - t0
                 yield dit_pb2.SampleEvent(done=dit_pb2.SampleDone(
                     timing=timing_pb(job.timing), ms_per_step=steps["ms"] / max(1, steps["n"]),
                     world_size=self.runtime.group.world_size))
 
-        yield from stream_job(self.runtime, job, context, on_event)
+        yield from stream_job(self.runtime, job, context, observed(self.runtime, job, on_event))
 
 
 def make_engine(cfg: DiTConfigArgs, info, group) -> DiTEngine:
     device = cfg.device_for_rank(info)
     return DiTEngine(DiTEngineConfig(weights=cfg.weights, models_dir=cfg.models_dir, cache_dir=cfg.resolved_cache_dir(),
                                      device=device, compute_dtype=cfg.compute_dtype(device), int8_mode=cfg.int8_mode,
-                                     chunk_rows=cfg.chunk_rows), group)
+                                     chunk_rows=cfg.chunk_rows, allow_lora_paths=cfg.allow_lora_paths,
+                                     loras_dir=cfg.loras_dir or (os.path.join(cfg.models_dir, "loras")
+                                                                 if cfg.models_dir else "")), group)
 
 
 def main(argv: list[str] | None = None) -> None:
     cfg = parse_config(DiTConfigArgs, argv, env_prefix="H3_DIT_", description="MiniMax-H3 DiT sampler stage")
-    run_stage(cfg, "dit", make_engine, SERVICE,
-              lambda server, runtime: dit_pb2_grpc.add_DiTSamplerServicer_to_server(DiTServicer(runtime), server))
+    with startup_errors("dit"):
+        run_stage(cfg, "dit", make_engine, SERVICE,
+                  lambda server, runtime: dit_pb2_grpc.add_DiTSamplerServicer_to_server(DiTServicer(runtime), server))
 
 
 if __name__ == "__main__":

@@ -397,6 +397,36 @@ class TextEncoderCheckpoint:
             )
         return {f"{n}.weight": self.read(f"layers.{i}.{n}.weight") for n in (*LINEARS, *NORMS)}
 
+    # ------------------------------------------------------------------ vision tower (fl2va / ref2va)
+    def _visual_prefix(self) -> str | None:
+        for pre in (("model.visual.",) if self.info.layout == "release" else ("visual.", "model.visual.")):
+            if any(k.startswith(pre) for k in self._header):
+                return pre
+        return None
+
+    def visual_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Shapes of the vision tower's tensors by module-relative name (``blocks.0.attn.qkv.weight``); {} if absent."""
+        pre = self._visual_prefix()
+        if pre is None:
+            return {}
+        return {k[len(pre):]: self._header[k][1] for k in self._header if k.startswith(pre)}
+
+    def read_visual(self) -> dict[str, torch.Tensor]:
+        """The vision tower's tensors (dense float, as stored) by module-relative name. Raises CheckpointError if the
+        file has no vision tower or stores it quantised (not read by this loader)."""
+        pre = self._visual_prefix()
+        if pre is None:
+            raise CheckpointError(f"{self._files[0]} has no vision tower (no 'visual.*' tensors); keyframe (fl2va) "
+                                  "conditioning needs the full Qwen3-VL text encoder file")
+        out = {}
+        for k, (dt, _) in self._header.items():
+            if not k.startswith(pre):
+                continue
+            if dt not in _FLOAT_DTYPES:
+                raise CheckpointError(f"{k} is stored as {dt}; only a dense (bf16/fp16/fp32) vision tower is supported")
+            out[k[len(pre):]] = self._get(k)
+        return out
+
     def close(self) -> None:
         self._handles = []
 

@@ -39,6 +39,8 @@ from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLTextModel, Qwe
 
 from encoder_svc.checkpoint import CheckpointInfo, RawParam, TextEncoderCheckpoint, densify
 from encoder_svc.tokenizer import TextTokenizer, validate_prompt
+from encoder_svc.vision import (PICTURE_LABEL, Presentation, VisionConfig, build_presentation, image_token_count,
+                                infer_vision_config, preprocess_image)
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +66,7 @@ class ConditionerConfig:
     mrope_section: tuple[int, int, int] = (24, 20, 20)  # interleaved M-RoPE (t, h, w), sums to head_dim / 2
     rope_theta: float = 5_000_000.0
     max_position_embeddings: int = 262144
+    vision: VisionConfig = VisionConfig()  # keyframe vision tower (dims re-read from the file when it has one)
 
     @classmethod
     def full(cls) -> "ConditionerConfig":
@@ -86,6 +89,7 @@ class ConditionerConfig:
             vocab_size=vocab_size,
             mrope_section=(4, 2, 2),  # head_dim 16 -> 8 rotary frequencies
             max_position_embeddings=4096,
+            vision=VisionConfig.tiny(out_hidden_size=64),
         )
 
     def __post_init__(self):
@@ -154,7 +158,9 @@ class Conditioner(nn.Module):
         self.model.norm = nn.Identity()  # the conditioning is the residual *before* the final norm
         # Rotary buffers are non-persistent: rebuild them for real (they were created on meta).
         self.model.rotary_emb = Qwen3VLTextRotaryEmbedding(hf_cfg).to(self.device)
-        self.visual = None  # seam: Qwen3-VL vision tower for fl2va / ref2va (not needed for t2va)
+        self.visual: nn.Module | None = None  # Qwen3-VL vision tower (fl2va keyframes); None if the file has none
+        self.vision_cfg: VisionConfig | None = None
+        self._visual_src: Path | None = None  # checkpoint holding `visual.*`, read on first use
         self.tokenizer: TextTokenizer | None = None
         self.info: CheckpointInfo | None = None
         self.max_prompt_tokens = DEFAULT_MAX_PROMPT_TOKENS
@@ -205,6 +211,8 @@ class Conditioner(nn.Module):
             "text encoder %s: layout=%s variant=%s layers used %d of %d in file, mode=%s dtype=%s device=%s",
             path, ckpt.info.layout, ckpt.info.variant, cfg.num_layers, ckpt.info.layers_in_file, mode, self.dtype, self.device,
         )
+        # The vision tower is loaded on the first keyframe request (t2va never pays for it).
+        self._visual_src = path if ckpt.visual_shapes() else None
         if mode == "resident":
             sd = {"embed_tokens.weight": ckpt.read_embed().to(self.device).dense(self.dtype)}
             for i in range(cfg.num_layers):
@@ -230,6 +238,53 @@ class Conditioner(nn.Module):
         return self
 
     @property
+    def has_vision(self) -> bool:
+        return self.visual is not None or self._visual_src is not None
+
+    def _ensure_visual(self) -> None:
+        if self.visual is not None:
+            return
+        if self._closed:
+            raise RuntimeError("conditioner weights were released (close() called); load it again")
+        if self._visual_src is None:
+            raise ValueError("this text encoder has no vision tower (the checkpoint carries no 'visual.*' weights); "
+                             "keyframe renders need the full Qwen3-VL encoder file")
+        ckpt = TextEncoderCheckpoint(self._visual_src, self.cfg)
+        try:
+            self._load_visual(ckpt, ckpt.visual_shapes())
+        finally:
+            ckpt.close()
+
+    def _load_visual(self, ckpt: TextEncoderCheckpoint, shapes: dict[str, tuple[int, ...]]) -> None:
+        """Build transformers' Qwen3VLVisionModel with the file's dims and load its weights (resident, dense, in the
+        compute dtype: ~0.8 GB at full size, small next to the LM)."""
+        from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel
+
+        from encoder_svc.checkpoint import CheckpointError
+
+        try:
+            vcfg = infer_vision_config(shapes, self.cfg.vision)
+        except KeyError as e:
+            raise CheckpointError(f"vision tower in {ckpt.info.files[0]} lacks {e}; cannot infer its dims") from None
+        if vcfg.out_hidden_size != self.cfg.hidden_size:
+            raise CheckpointError(f"vision tower outputs {vcfg.out_hidden_size}-d features but the LM is "
+                                  f"{self.cfg.hidden_size}-d")
+        hf = vcfg.hf_config()
+        with torch.device("meta"):
+            visual = Qwen3VLVisionModel(hf)
+        sd = {k: v.to(self.device, self.dtype) for k, v in ckpt.read_visual().items()}
+        try:
+            visual.load_state_dict(sd, strict=True, assign=True)
+        except RuntimeError as e:
+            raise CheckpointError(f"vision tower weights do not match Qwen3-VL's vision model: {e}") from None
+        # Rotary inv_freq buffers are non-persistent: rebuild them for real (they were created on meta).
+        from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionRotaryEmbedding
+
+        visual.rotary_pos_emb = Qwen3VLVisionRotaryEmbedding(hf).to(self.device)
+        self.visual = visual.eval().requires_grad_(False)
+        self.vision_cfg = vcfg
+
+    @property
     def model_id(self) -> str:
         """Identity of the loaded weights (+ tokenizer) for cache keys."""
         fp = self.info.fingerprint if self.info else "unloaded"
@@ -249,6 +304,7 @@ class Conditioner(nn.Module):
         even while other references to this object linger. The conditioner is unusable afterwards."""
         self._closed = True
         self.model.to("meta")
+        self.visual = None
         self._host_layers = None
         self._dev_layers = None
         self._host_embed = None
@@ -274,6 +330,44 @@ class Conditioner(nn.Module):
         if lo < 0 or hi >= self.cfg.vocab_size:
             raise ValueError(f"token ids must be in [0, {self.cfg.vocab_size}), got range [{lo}, {hi}]")
         return self.forward(ids).to(self.out_dtype)
+
+    @torch.inference_mode()
+    def encode_presentation(self, prompt_ids: list[int], images: list[torch.Tensor]
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
+        """fl2va: ``"<Picture i>: " + vision block`` per keyframe image (uint8 [H, W, 3], canvas-sized, packed
+        order), then the prompt ids -> (states [L, hidden] ``out_dtype``, DiT tags [L] int64 on the CPU)."""
+        pres, feats, deepstack = self.vision_inputs(prompt_ids, images)
+        h = self._embed(pres.ids)
+        mask = pres.image_mask.to(h.device)
+        h = h.clone()
+        h[mask] = feats.to(h.device, h.dtype)
+        states = self.forward(inputs_embeds=h, position_ids=pres.position_ids, visual_pos_mask=mask,
+                              deepstack_embeds=deepstack)
+        return states.to(self.out_dtype), pres.tags
+
+    def vision_inputs(self, prompt_ids: list[int], images: list[torch.Tensor]
+                      ) -> tuple[Presentation, torch.Tensor, list[torch.Tensor]]:
+        """The presentation plus the vision tower's merged features [n_pads, hidden] and DeepStack features."""
+        self._ensure_visual()
+        if self.tokenizer is None:
+            raise ValueError("no tokenizer loaded: keyframe presentations need one")
+        if not images:
+            raise ValueError("vision_inputs needs at least one image")
+        tok = self.tokenizer
+        vcfg = self.vision_cfg
+        pixels, grids = zip(*(preprocess_image(img, vcfg) for img in images))
+        grid_thw = torch.stack(grids)
+        out = self.visual(torch.cat(pixels).to(self.device, self.dtype), grid_thw=grid_thw.to(self.device),
+                          return_dict=True)
+        labels = [tok.encode(PICTURE_LABEL.format(i=i + 1)) for i in range(len(images))]
+        pres = build_presentation(labels, list(prompt_ids), list(grids), tok.token_id("<|vision_start|>"),
+                                  tok.token_id("<|vision_end|>"), tok.token_id("<|image_pad|>"), vcfg)
+        n = sum(image_token_count(g, vcfg) for g in grids)
+        if out.pooler_output.shape[0] != n or int(pres.image_mask.sum()) != n:
+            raise RuntimeError(f"vision tower produced {out.pooler_output.shape[0]} tokens for {n} image pads")
+        if len(out.deepstack_features) > self.cfg.num_layers:
+            raise ValueError(f"{len(out.deepstack_features)} DeepStack levels but only {self.cfg.num_layers} LM layers")
+        return pres, out.pooler_output, list(out.deepstack_features)
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
         if self.mode == "resident":
@@ -321,7 +415,9 @@ class Conditioner(nn.Module):
             else:
                 h = torch.func.functional_call(layer, params, (h,), kwargs)
                 del params
-            if deepstack_embeds is not None and i < len(deepstack_embeds):
+            # DeepStack: transformers adds level i after layer i, but records hidden_states[i + 1] *before* that add;
+            # the conditioning is hidden_states[num_layers], so the last layer's add (tiny configs only) is skipped.
+            if deepstack_embeds is not None and i < len(deepstack_embeds) and i + 1 < self.cfg.num_layers:
                 mask = visual_pos_mask.to(self.device).view(1, n)
                 h = h.clone()
                 h[mask] = h[mask] + deepstack_embeds[i].to(h.device, h.dtype)

@@ -63,6 +63,7 @@ class EncoderEngine:
         header = TextEncoderCheckpoint(self.path, self.model_cfg)  # validates keys/shapes from the header
         self.variant = header.info.variant
         self.fingerprint = header.info.fingerprint
+        self.has_vision = header.info.has_visual  # keyframe (fl2va) presentations need the vision tower
         header.close()
         self.tokenizer = resolve_tokenizer(None, self.path)
         if self.tokenizer is None:
@@ -102,10 +103,19 @@ class EncoderEngine:
         if self.model is None:
             raise FailedPrecondition("text encoder not loaded")
         ctx.progress(0, 1)
-        states = self.model.encode_ids(spec["ids"]).cpu()
-        self.cache.put(self.cache_key(spec["text"]), states)
+        images = inputs.get("keyframes") or []
+        if images:  # fl2va: "<Picture i>: " + vision block per keyframe, then the prompt (not cached)
+            try:
+                states, tags = self.model.encode_presentation(spec["ids"], images)
+            except ValueError as e:
+                raise FailedPrecondition(str(e)) from None
+            states = states.cpu()
+        else:
+            states = self.model.encode_ids(spec["ids"]).cpu()
+            self.cache.put(self.cache_key(spec["text"]), states)
+            tags = torch.ones(states.shape[0], dtype=torch.int64)
         ctx.progress(1, 1)
-        return {"text_states": states, "tokens": len(spec["ids"])}
+        return {"text_states": states, "text_tags": tags, "tokens": int(states.shape[0])}
 
     def describe(self) -> dict:
         return {"weights": str(self.path), "variant": f"{self.variant} ({self.cfg.mode})",

@@ -6,17 +6,22 @@ import sys
 import time
 from dataclasses import dataclass, field
 
+import torch
+
 from encoder_svc.engine import EncoderEngine, EncoderEngineConfig
 from h3.v1 import common_pb2, encoder_pb2, encoder_pb2_grpc
 from stagekit.config import parse_config
-from stagekit.errors import InvalidArgument
+from stagekit.errors import FailedPrecondition, InvalidArgument
+from stagekit.images import check_canvas, load_keyframe
+from stagekit.metrics import observed
 from stagekit.runtime import Job
-from stagekit.server import abort_on_error, stream_job
+from stagekit.server import abort_on_error, startup_errors, stream_job
 from stagekit.servicer import LifecycleMixin
 from stagekit.stage import CommonConfig, run_stage
 from stagekit.wire import tensor_chunks
 
 SERVICE = "h3.v1.TextEncoder"
+MAX_KEYFRAMES = 2  # fl2va: first and/or last frame
 MAX_PROMPT_BYTES = 64 << 10  # far above any prompt that fits max_prompt_tokens; refuses abuse before tokenizing
 
 
@@ -47,9 +52,26 @@ class EncoderServicer(LifecycleMixin, encoder_pb2_grpc.TextEncoderServicer):
                                   f"({self.engine.cfg.max_prompt_tokens} tokens)")
         return self.engine.check_prompt(raw)
 
-    def _send(self, states, tokens: int, cache_hit: bool, timing: dict):
+    def _keyframes(self, request) -> list:
+        """fl2va keyframe images -> canvas-sized uint8 [H, W, 3] (INVALID_ARGUMENT for bad images / sizes)."""
+        if not request.keyframes:
+            return []
+        if len(request.keyframes) > MAX_KEYFRAMES:
+            raise InvalidArgument(f"{len(request.keyframes)} keyframes given; fl2va takes at most {MAX_KEYFRAMES} "
+                                  "(first, last)")
+        if not self.engine.has_vision:
+            raise FailedPrecondition(f"the text encoder {self.engine.path.name} has no vision tower ('visual.*'); "
+                                     "keyframe renders need the full Qwen3-VL encoder file")
+        check_canvas(request.width, request.height)
+        return [load_keyframe(img, request.width, request.height) for img in request.keyframes]
+
+    def _send(self, states, tokens: int, cache_hit: bool, timing: dict, tags=None):
         t0 = time.monotonic()
+        if tags is None:  # t2va: every row is text
+            tags = torch.ones(states.shape[0], dtype=torch.int64)
         for chunk in tensor_chunks("text_states", states):
+            yield encoder_pb2.EncodeEvent(tensor=chunk)
+        for chunk in tensor_chunks("text_tags", tags):
             yield encoder_pb2.EncodeEvent(tensor=chunk)
         timing["transfer_s"] = time.monotonic() - t0
         yield encoder_pb2.EncodeEvent(done=encoder_pb2.EncodeDone(
@@ -57,20 +79,26 @@ class EncoderServicer(LifecycleMixin, encoder_pb2_grpc.TextEncoderServicer):
 
     def Encode(self, request, context):
         text, ids = abort_on_error(context, self._prompt, request)
-        cached = self.engine.cache.get(self.engine.cache_key(text))
+        keyframes = abort_on_error(context, self._keyframes, request)
+        cached = None if keyframes else self.engine.cache.get(self.engine.cache_key(text))
         if cached is not None:  # re-renders never load the encoder
-            yield from self._send(cached, len(ids), True, {})
+            timing: dict = {}
+            yield from self._send(cached, len(ids), True, timing)
+            m = self.runtime.metrics
+            if m is not None:
+                m.observe_timing(timing)
             return
-        job = Job(spec={"text": text, "ids": ids}, inputs={})
+        job = Job(spec={"text": text, "ids": ids}, inputs={"keyframes": keyframes} if keyframes else {})
         job.job_id = request.job_id or job.job_id
 
         def on_event(ev):
             if ev.kind == "progress":
                 yield encoder_pb2.EncodeEvent(progress=common_pb2.Progress(**ev.payload))
             else:
-                yield from self._send(ev.payload["text_states"], ev.payload["tokens"], False, job.timing)
+                yield from self._send(ev.payload["text_states"], ev.payload["tokens"], False, job.timing,
+                                      ev.payload.get("text_tags"))
 
-        yield from stream_job(self.runtime, job, context, on_event)
+        yield from stream_job(self.runtime, job, context, observed(self.runtime, job, on_event))
 
 
 def make_engine(cfg: EncoderConfigArgs, info, group) -> EncoderEngine:
@@ -85,8 +113,9 @@ def make_engine(cfg: EncoderConfigArgs, info, group) -> EncoderEngine:
 
 def main(argv: list[str] | None = None) -> None:
     cfg = parse_config(EncoderConfigArgs, argv, env_prefix="H3_ENCODER_", description="MiniMax-H3 text encoder stage")
-    run_stage(cfg, "encoder", make_engine, SERVICE,
-              lambda server, runtime: encoder_pb2_grpc.add_TextEncoderServicer_to_server(EncoderServicer(runtime), server))
+    with startup_errors("encoder"):
+        run_stage(cfg, "encoder", make_engine, SERVICE,
+                  lambda server, runtime: encoder_pb2_grpc.add_TextEncoderServicer_to_server(EncoderServicer(runtime), server))
 
 
 if __name__ == "__main__":

@@ -80,6 +80,35 @@ def tiny_weights(cfg=None, seed: int = TINY_SEED, num_layers: int | None = None)
     return out
 
 
+def tiny_visual_weights(vcfg=None, seed: int = TINY_SEED) -> dict[str, torch.Tensor]:
+    """fp32 vision-tower weights by module-relative name (``blocks.0.attn.qkv.weight``, ``deepstack_merger_list.*``),
+    deterministic; shapes from transformers' Qwen3VLVisionModel for the tiny vision config."""
+    from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel
+
+    from encoder_svc.vision import VisionConfig
+
+    vcfg = vcfg or VisionConfig.tiny()
+    with torch.device("meta"):
+        shapes = {k: tuple(v.shape) for k, v in Qwen3VLVisionModel(vcfg.hf_config()).state_dict().items()}
+    g = torch.Generator().manual_seed(seed + 7)
+    out = {}
+    for name in sorted(shapes):
+        shape = shapes[name]
+        r = torch.randn(shape, generator=g)
+        if name.endswith(".bias"):
+            out[name] = 0.05 * r
+        elif len(shape) == 1:  # LayerNorm gains around 1
+            out[name] = 1.0 + 0.1 * r
+        elif name.startswith("pos_embed"):
+            out[name] = 0.5 * r
+        else:  # ~unit-variance outputs
+            fan_in = 1
+            for d in shape[1:]:
+                fan_in *= d
+            out[name] = r / fan_in ** 0.5
+    return out
+
+
 def _quantize_int8_tensorwise(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scale = (w.abs().amax() / 127).clamp(min=1e-30).float()
     return torch.round(w / scale).clamp(-128, 127).to(torch.int8), scale
@@ -112,10 +141,12 @@ def tiny_file_tensors(
     seed: int = TINY_SEED,
     awq: bool = True,
     extra_full_model: bool = False,
+    visual: dict[str, torch.Tensor] | None = None,
 ) -> dict[str, torch.Tensor]:
     """File tensors for ``weights`` in a given variant/layout.
 
     ``extra_full_model`` adds the parts of a full language model the conditioner ignores (final norm, lm_head).
+    ``visual``: vision-tower weights, stored dense (``visual.*`` / ``model.visual.*``) in every variant.
     """
     if variant not in VARIANTS:
         raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
@@ -142,6 +173,9 @@ def tiny_file_tensors(
             out[f"{base}.comfy_quant"] = encode_comfy_quant(TINY_CONVROT_GROUPSIZE)
         else:
             out.update(_nvfp4_entries(base, w, g, awq))
+    vprefix = "visual." if layout == "comfy" else "model.visual."
+    for name, w in (visual or {}).items():
+        out[vprefix + name] = w.to(torch.float32 if variant == "fp32" else torch.bfloat16).contiguous()
     if extra_full_model:
         h = weights["embed_tokens.weight"].shape[1]
         out[prefix + "norm.weight"] = torch.ones(h, dtype=torch.bfloat16)
@@ -159,6 +193,7 @@ def write_tiny_model(
     awq: bool = True,
     extra_full_model: bool = False,
     overwrite: bool = False,
+    with_visual: bool = True,
 ) -> Path:
     """Write ``tokenizer.json`` + the tiny checkpoint into ``out_dir``; returns the checkpoint path.
 
@@ -173,11 +208,13 @@ def write_tiny_model(
         build_tiny_tokenizer().save(str(tok_path))
     name = TINY_CHECKPOINT.format(variant=variant if layout == "comfy" else f"{variant}_release")
     path = out_dir / name
-    if path.exists() and not overwrite:
-        return path
+    if path.exists() and not overwrite and (not with_visual or _has_visual(path)):
+        return path  # (a file cached before the vision tower existed is rewritten)
     cfg = ConditionerConfig.tiny()
     weights = tiny_weights(cfg, seed=seed, num_layers=num_layers)
-    tensors = tiny_file_tensors(weights, variant=variant, layout=layout, seed=seed, awq=awq, extra_full_model=extra_full_model)
+    visual = tiny_visual_weights(cfg.vision, seed=seed) if with_visual else None
+    tensors = tiny_file_tensors(weights, variant=variant, layout=layout, seed=seed, awq=awq,
+                                extra_full_model=extra_full_model, visual=visual)
     meta = {
         "minimax_h3_te": json.dumps({"num_hidden_layers": cfg.num_layers, "output": f"unnormalized_hidden_after_layer_{cfg.num_layers}"}),
         "h3_tiny": json.dumps({"seed": seed, "variant": variant, "layout": layout, "note": "random weights; output is noise"}),
@@ -186,6 +223,16 @@ def write_tiny_model(
     save_file(tensors, str(tmp), metadata=meta)
     tmp.replace(path)  # atomic: a concurrent reader never sees half a file
     return path
+
+
+def _has_visual(path: Path) -> bool:
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return any(k.startswith(("visual.", "model.visual.")) for k in f.keys())
+    except Exception:  # noqa: BLE001 - unreadable cache file: rewrite it
+        return False
 
 
 def ensure_tiny_model(out_dir: str | Path) -> Path:

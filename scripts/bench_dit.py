@@ -336,30 +336,35 @@ def run_table(args) -> int:
             log(f"{name}: linears installed in {time.time() - t1:.1f} s; allocated "
                 f"{torch.cuda.memory_allocated() / GIB:.1f} GiB")
             vres = result["variants"].setdefault(name, {"label": label, "shapes": {}})
-            for shape in shapes:
-                key = "x".join(map(str, shape))
-                lay, video, audio, text = inputs_for(cfg, shape, dev)
-                torch.cuda.reset_peak_memory_stats()
-                with torch.inference_mode():
-                    t1 = time.time()
-                    for _ in range(args.warmup):  # includes compilation for compiled variants
-                        model(video, audio, text, T_VIDEO, T_AUDIO, lay)
-                    torch.cuda.synchronize()
-                    warm_s = time.time() - t1
-                    ms = time_ms(lambda: outputs.__setitem__(
-                        (name, key), model(video, audio, text, T_VIDEO, T_AUDIO, lay)), args.iters, 0)
-                    peak = torch.cuda.max_memory_allocated() / GIB
-                    kern = kernel_only_ms(model, lay.seq_len, cfg, args.chunk_rows, args.kernel_iters)
-                v, a = outputs[(name, key)]
-                outputs[(name, key)] = (v.float().cpu(), a.float().cpu())
-                finite = bool(torch.isfinite(v).all() and torch.isfinite(a).all())
-                row = vres["shapes"][key] = _row(result, key, ms, peak, finite, kern, cfg)
-                row["warmup_s"] = warm_s
-                if not finite:
-                    result["failures"].append(f"{name} {key}: non-finite velocity")
-                _compare(result, outputs, name, key, args, record=False)
-                log(f"{name} {key}: {ms / 1e3:.3f} s/step, kernels {kern['total'] * cfg.num_layers / 1e3:.3f} s, "
-                    f"peak {peak:.1f} GiB, finite {finite}, warm-up {warm_s:.1f} s")
+            try:
+                for shape in shapes:
+                    key = "x".join(map(str, shape))
+                    lay, video, audio, text = inputs_for(cfg, shape, dev)
+                    torch.cuda.reset_peak_memory_stats()
+                    with torch.inference_mode():
+                        t1 = time.time()
+                        for _ in range(args.warmup):  # includes compilation for compiled variants
+                            model(video, audio, text, T_VIDEO, T_AUDIO, lay)
+                        torch.cuda.synchronize()
+                        warm_s = time.time() - t1
+                        ms = time_ms(lambda: outputs.__setitem__(
+                            (name, key), model(video, audio, text, T_VIDEO, T_AUDIO, lay)), args.iters, 0)
+                        peak = torch.cuda.max_memory_allocated() / GIB
+                        kern = kernel_only_ms(model, lay.seq_len, cfg, args.chunk_rows, args.kernel_iters)
+                    v, a = outputs[(name, key)]
+                    outputs[(name, key)] = (v.float().cpu(), a.float().cpu())
+                    finite = bool(torch.isfinite(v).all() and torch.isfinite(a).all())
+                    row = vres["shapes"][key] = _row(result, key, ms, peak, finite, kern, cfg)
+                    row["warmup_s"] = warm_s
+                    if not finite:
+                        result["failures"].append(f"{name} {key}: non-finite velocity")
+                    _compare(result, outputs, name, key, args, record=False)
+                    log(f"{name} {key}: {ms / 1e3:.3f} s/step, kernels {kern['total'] * cfg.num_layers / 1e3:.3f} s, "
+                        f"peak {peak:.1f} GiB, finite {finite}, warm-up {warm_s:.1f} s")
+                    save()
+            except Exception as e:  # a variant that breaks (e.g. compilation) must not cost the others' numbers
+                result["failures"].append(f"{name}: {type(e).__name__}: {str(e)[:300]}")
+                log(f"{name} FAILED: {type(e).__name__}: {e}")
                 save()
     for name in ours:  # final comparisons (bf16 may have run after int8 / fp8), bounds enforced here
         for key in result["variants"].get(name, {}).get("shapes", {}):

@@ -2,12 +2,14 @@
 
 A stage supplies an `Engine` (load / unload / run on every rank). The leader's
 `StageRuntime` owns one worker thread that takes jobs FIFO from a bounded queue,
-makes the engine resident (taking the device lease first), broadcasts the job to
-the follower ranks, runs it, and streams progress back to the waiting RPC. When
-the queue runs dry the stage stays resident until it has been idle for
-`idle_unload_s`, or steps aside at once if another stage is waiting for the
-devices — so a batch of queued jobs is served in one residency (stage-batched
-scheduling) and nobody starves.
+makes the engine resident (taking the device lease first in exclusive mode, or
+reserving room in the per-device memory budget in shared mode), broadcasts the
+job to the follower ranks, runs it, and streams progress back to the waiting
+RPC. Queued jobs are served in one residency (stage-batched scheduling); when
+another stage waits for the devices the stage gives them back as soon as its
+queue runs dry, or after `max_batch_before_yield` jobs, so nobody starves. An
+idle exclusive stage also unloads after `idle_unload_s`. Jobs whose memory
+estimate can never fit the budget are refused at submit (RESOURCE_EXHAUSTED).
 """
 
 from __future__ import annotations

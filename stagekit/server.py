@@ -18,6 +18,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent import futures
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -25,7 +26,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from stagekit.errors import Unavailable, status_for
+from stagekit.errors import StageError, Unavailable, status_for
 from stagekit.runtime import Job, JobEvent, StageRuntime
 from stagekit.wire import MAX_CHUNK_BYTES
 
@@ -109,10 +110,11 @@ class StageServer:
     """A running gRPC server for one stage plus its health state."""
 
     def __init__(self, cfg: ServeConfig, service_names: list[str],
-                 add_servicers: Callable[[grpc.Server], None]):
+                 add_servicers: Callable[[grpc.Server], None], interceptors: list | None = None):
         check_exposure(cfg)
         self.cfg = cfg
-        interceptors = [TokenAuth(cfg.token)] if cfg.token else []
+        # `interceptors` run outside the auth check (metrics count refused calls too).
+        interceptors = list(interceptors or []) + ([TokenAuth(cfg.token)] if cfg.token else [])
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=cfg.max_workers),
                                   options=GRPC_OPTIONS, interceptors=interceptors)
         add_servicers(self.server)
@@ -150,7 +152,10 @@ class StageServer:
         stop = threading.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: stop.set())
-        stop.wait()
+        # Poll: the kernel may deliver SIGTERM to any thread (gRPC's, torch's), and Python runs the handler only
+        # when the main thread wakes; an untimed wait could sleep through the signal until something else woke it.
+        while not stop.wait(0.2):
+            pass
         log.info("draining: health NOT_SERVING, %s the running job", "cancelling" if self.cfg.cancel_on_term else "finishing")
         self.health.enter_graceful_shutdown()
         runtime.shutdown(cancel_running=self.cfg.cancel_on_term, grace_s=self.cfg.drain_s)
@@ -176,11 +181,33 @@ def stream_job(runtime: StageRuntime, job: Job, context: grpc.ServicerContext,
     while True:
         ev = job.events.get()
         if ev.kind == "error":
-            code, msg = status_for(ev.payload)
+            code, msg = job_status(runtime, ev.payload)
             context.abort(code, msg)
         yield from on_event(ev)
         if ev.kind == "done":
             return
+
+
+def job_status(runtime: StageRuntime, exc: BaseException) -> tuple[grpc.StatusCode, str]:
+    """The status of a failed job. On a multi-rank stage an unexpected error is a broken rank group (a dead or
+    stuck rank, a failed collective): the runtime exits so torchrun restarts the group, so the caller sees
+    UNAVAILABLE (retryable) rather than INTERNAL."""
+    code, msg = status_for(exc)
+    if runtime.group.world_size > 1 and code == grpc.StatusCode.INTERNAL:
+        return grpc.StatusCode.UNAVAILABLE, (
+            f"{runtime.engine.name}: rank group failed ({msg}); the stage is restarting its ranks, retry the job")
+    return code, msg
+
+
+@contextmanager
+def startup_errors(stage: str):
+    """Turn a deliberate startup failure (bad weights, missing model dir, bad flag) into one clear line and a
+    non-zero exit instead of a traceback."""
+    try:
+        yield
+    except (StageError, ValueError, OSError) as e:
+        msg = e.message if isinstance(e, StageError) else str(e)
+        raise SystemExit(f"{stage}: cannot start: {msg}") from None
 
 
 def abort_on_error(context: grpc.ServicerContext, fn: Callable, *args):

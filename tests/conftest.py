@@ -25,7 +25,8 @@ def stack(tmp_path_factory, model_cache):
     """The three stages as real processes (exclusive residency on one virtual device)."""
     run_dir = tmp_path_factory.mktemp("stack")
     s = EmbeddedStack(StackConfig(cache_dir=str(model_cache), run_dir=str(run_dir), devices="virt0",
-                                  env=SERVER_ENV, extra_args={s: ["--idle-unload-s", "5"] for s in ("encoder", "dit", "decoder")}))
+                                  env=SERVER_ENV, extra_args={s: ["--idle-unload-s", "5", "--metrics-port", "0"]
+                                                                 for s in ("encoder", "dit", "decoder")}))
     endpoints = s.start()
     yield s, endpoints
     s.stop()

@@ -27,8 +27,9 @@ FULL_LAYERS = 4  # the oracle runs more layers than the conditioner uses (tiny: 
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
     d = tmp_path_factory.mktemp("tiny_te")
-    write_tiny_model(d, variant="fp32", num_layers=FULL_LAYERS)
-    write_tiny_model(d, variant="bf16")
+    # text-only files (the vision tower has its own tests in test_vision.py): keys/bytes here are the LM's alone
+    write_tiny_model(d, variant="fp32", num_layers=FULL_LAYERS, with_visual=False)
+    write_tiny_model(d, variant="bf16", with_visual=False)
     return d
 
 

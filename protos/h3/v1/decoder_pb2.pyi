@@ -62,3 +62,47 @@ class DecodeEvent(_message.Message):
     tensor: _tensor_pb2.TensorChunk
     done: DecodeDone
     def __init__(self, progress: _Optional[_Union[_common_pb2.Progress, _Mapping]] = ..., file: _Optional[_Union[_tensor_pb2.FileChunk, _Mapping]] = ..., tensor: _Optional[_Union[_tensor_pb2.TensorChunk, _Mapping]] = ..., done: _Optional[_Union[DecodeDone, _Mapping]] = ...) -> None: ...
+
+class RawImage(_message.Message):
+    __slots__ = ("width", "height", "rgb")
+    WIDTH_FIELD_NUMBER: _ClassVar[int]
+    HEIGHT_FIELD_NUMBER: _ClassVar[int]
+    RGB_FIELD_NUMBER: _ClassVar[int]
+    width: int
+    height: int
+    rgb: bytes
+    def __init__(self, width: _Optional[int] = ..., height: _Optional[int] = ..., rgb: _Optional[bytes] = ...) -> None: ...
+
+class EncodeImageRequest(_message.Message):
+    __slots__ = ("image", "pixels", "width", "height", "job_id")
+    IMAGE_FIELD_NUMBER: _ClassVar[int]
+    PIXELS_FIELD_NUMBER: _ClassVar[int]
+    WIDTH_FIELD_NUMBER: _ClassVar[int]
+    HEIGHT_FIELD_NUMBER: _ClassVar[int]
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    image: bytes
+    pixels: RawImage
+    width: int
+    height: int
+    job_id: str
+    def __init__(self, image: _Optional[bytes] = ..., pixels: _Optional[_Union[RawImage, _Mapping]] = ..., width: _Optional[int] = ..., height: _Optional[int] = ..., job_id: _Optional[str] = ...) -> None: ...
+
+class EncodeImageDone(_message.Message):
+    __slots__ = ("timing", "width", "height")
+    TIMING_FIELD_NUMBER: _ClassVar[int]
+    WIDTH_FIELD_NUMBER: _ClassVar[int]
+    HEIGHT_FIELD_NUMBER: _ClassVar[int]
+    timing: _common_pb2.Timing
+    width: int
+    height: int
+    def __init__(self, timing: _Optional[_Union[_common_pb2.Timing, _Mapping]] = ..., width: _Optional[int] = ..., height: _Optional[int] = ...) -> None: ...
+
+class EncodeImageEvent(_message.Message):
+    __slots__ = ("progress", "tensor", "done")
+    PROGRESS_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    progress: _common_pb2.Progress
+    tensor: _tensor_pb2.TensorChunk
+    done: EncodeImageDone
+    def __init__(self, progress: _Optional[_Union[_common_pb2.Progress, _Mapping]] = ..., tensor: _Optional[_Union[_tensor_pb2.TensorChunk, _Mapping]] = ..., done: _Optional[_Union[EncodeImageDone, _Mapping]] = ...) -> None: ...

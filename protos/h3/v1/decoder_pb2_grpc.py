@@ -41,6 +41,11 @@ class DecoderStub:
                 request_serializer=h3_dot_v1_dot_decoder__pb2.DecodeInput.SerializeToString,
                 response_deserializer=h3_dot_v1_dot_decoder__pb2.DecodeEvent.FromString,
                 _registered_method=True)
+        self.EncodeImage = channel.unary_stream(
+                '/h3.v1.Decoder/EncodeImage',
+                request_serializer=h3_dot_v1_dot_decoder__pb2.EncodeImageRequest.SerializeToString,
+                response_deserializer=h3_dot_v1_dot_decoder__pb2.EncodeImageEvent.FromString,
+                _registered_method=True)
         self.Load = channel.unary_unary(
                 '/h3.v1.Decoder/Load',
                 request_serializer=h3_dot_v1_dot_common__pb2.LoadRequest.SerializeToString,
@@ -71,6 +76,15 @@ class DecoderServicer:
         """Client stream: DecodeInput{request}, then "video_latents" and
         "audio_latents" chunks. Server stream: progress, then the file chunks
         (MP4, or raw tensors when requested), then done.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def EncodeImage(self, request, context):
+        """fl2va keyframe: an image (PNG/JPEG bytes or raw RGB) -> cover-resized and center-cropped to width x height,
+        VAE-encoded (posterior mean, normalised). Server stream: progress, the "latents" tensor [24,1,H/16,W/16]
+        float32, then done. A non-image or a bad size is INVALID_ARGUMENT.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -107,6 +121,11 @@ def add_DecoderServicer_to_server(servicer, server):
                     servicer.Decode,
                     request_deserializer=h3_dot_v1_dot_decoder__pb2.DecodeInput.FromString,
                     response_serializer=h3_dot_v1_dot_decoder__pb2.DecodeEvent.SerializeToString,
+            ),
+            'EncodeImage': grpc.unary_stream_rpc_method_handler(
+                    servicer.EncodeImage,
+                    request_deserializer=h3_dot_v1_dot_decoder__pb2.EncodeImageRequest.FromString,
+                    response_serializer=h3_dot_v1_dot_decoder__pb2.EncodeImageEvent.SerializeToString,
             ),
             'Load': grpc.unary_unary_rpc_method_handler(
                     servicer.Load,
@@ -157,6 +176,33 @@ class Decoder:
             '/h3.v1.Decoder/Decode',
             h3_dot_v1_dot_decoder__pb2.DecodeInput.SerializeToString,
             h3_dot_v1_dot_decoder__pb2.DecodeEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def EncodeImage(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/h3.v1.Decoder/EncodeImage',
+            h3_dot_v1_dot_decoder__pb2.EncodeImageRequest.SerializeToString,
+            h3_dot_v1_dot_decoder__pb2.EncodeImageEvent.FromString,
             options,
             channel_credentials,
             insecure,

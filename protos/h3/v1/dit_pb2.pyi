@@ -1,19 +1,30 @@
 from h3.v1 import common_pb2 as _common_pb2
 from h3.v1 import tensor_pb2 as _tensor_pb2
+from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from collections.abc import Mapping as _Mapping
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class SampleRequest(_message.Message):
-    __slots__ = ("params", "job_id")
+    __slots__ = ("params", "job_id", "loras")
     PARAMS_FIELD_NUMBER: _ClassVar[int]
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    LORAS_FIELD_NUMBER: _ClassVar[int]
     params: _common_pb2.RenderParams
     job_id: str
-    def __init__(self, params: _Optional[_Union[_common_pb2.RenderParams, _Mapping]] = ..., job_id: _Optional[str] = ...) -> None: ...
+    loras: _containers.RepeatedCompositeFieldContainer[LoraSpec]
+    def __init__(self, params: _Optional[_Union[_common_pb2.RenderParams, _Mapping]] = ..., job_id: _Optional[str] = ..., loras: _Optional[_Iterable[_Union[LoraSpec, _Mapping]]] = ...) -> None: ...
+
+class LoraSpec(_message.Message):
+    __slots__ = ("name", "strength")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    STRENGTH_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    strength: float
+    def __init__(self, name: _Optional[str] = ..., strength: _Optional[float] = ...) -> None: ...
 
 class SampleInput(_message.Message):
     __slots__ = ("request", "tensor")

@@ -1,21 +1,28 @@
 from h3.v1 import common_pb2 as _common_pb2
 from h3.v1 import tensor_pb2 as _tensor_pb2
+from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from collections.abc import Mapping as _Mapping
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class EncodeRequest(_message.Message):
-    __slots__ = ("prompt", "prompt_bytes", "job_id")
+    __slots__ = ("prompt", "prompt_bytes", "job_id", "keyframes", "width", "height")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_BYTES_FIELD_NUMBER: _ClassVar[int]
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    KEYFRAMES_FIELD_NUMBER: _ClassVar[int]
+    WIDTH_FIELD_NUMBER: _ClassVar[int]
+    HEIGHT_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     prompt_bytes: bytes
     job_id: str
-    def __init__(self, prompt: _Optional[str] = ..., prompt_bytes: _Optional[bytes] = ..., job_id: _Optional[str] = ...) -> None: ...
+    keyframes: _containers.RepeatedScalarFieldContainer[bytes]
+    width: int
+    height: int
+    def __init__(self, prompt: _Optional[str] = ..., prompt_bytes: _Optional[bytes] = ..., job_id: _Optional[str] = ..., keyframes: _Optional[_Iterable[bytes]] = ..., width: _Optional[int] = ..., height: _Optional[int] = ...) -> None: ...
 
 class EncodeDone(_message.Message):
     __slots__ = ("tokens", "cache_hit", "timing", "model")

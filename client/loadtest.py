@@ -1,0 +1,814 @@
+"""Load test one stage (or the whole pipeline) through the generated stubs.
+
+    python -m client loadtest --stage dit --concurrency 4 --requests 20 --width 256 --height 256 --frames 22 --steps 1
+    python -m client loadtest --stage encoder --concurrency 8 --duration 30 --rps 5 --json
+    python -m client loadtest --stage pipeline --concurrency 2 --requests 6 --report out.html
+
+Inputs are synthetic but valid: distinct prompts for the encoder (so its prompt cache misses; `--cache-hits`
+measures the cached path), random text states [L, text_dim] for the DiT (text_dim and dtype from one Encode
+call, or `--text-dim`), random latents of the contract's shapes for the decoder. `--inject-invalid K` makes
+every K-th request deliberately invalid (INVALID_ARGUMENT) to exercise error accounting and alerts.
+
+Reports p50/p90/p99 latency, throughput, errors by status code, and queue wait (queue + lease wait) vs service
+time (load + compute + transfer) from the Timing every stage returns. With no endpoints configured it starts an
+embedded stack (with `--metrics-port 0`) and adds the stages' own request counters to the report.
+"""
+
+from __future__ import annotations
+
+import html
+import io
+import json
+import math
+import sys
+import threading
+import time
+import uuid
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import grpc
+import torch
+
+from client.stubs import SERVICE_NAMES, STAGES, StageClients
+from h3.v1 import common_pb2, decoder_pb2, dit_pb2, encoder_pb2
+from stagekit.render_params import RenderSpec, spec_to_proto
+from stagekit.wire import TensorAssembler, tensor_chunks
+
+# The stage contract's latent shapes (dit.proto): video [24, T, H/16, W/16], audio [2, 32, Ta].
+VIDEO_LATENT_CHANNELS, AUDIO_CHANNELS, AUDIO_LATENT_CHANNELS = 24, 2, 32
+METHODS = {"encoder": ["/h3.v1.TextEncoder/Encode"], "dit": ["/h3.v1.DiTSampler/Sample"],
+           "decoder": ["/h3.v1.Decoder/Decode"]}
+METHODS["pipeline"] = METHODS["encoder"] + METHODS["dit"] + METHODS["decoder"]
+PHASES = ("queue_s", "lease_wait_s", "load_s", "compute_s", "unload_s", "transfer_s")
+INVALID_WIDTH = 250  # not a multiple of 32: every stage rejects it with INVALID_ARGUMENT
+
+
+@dataclass
+class LoadConfig:
+    stage: str = "dit"                # encoder | dit | decoder | pipeline
+    concurrency: int = 1
+    requests: int = 0                 # total requests (0: use duration_s)
+    duration_s: float = 0.0           # issue requests for this long
+    rps: float = 0.0                  # start at most this many requests per second (0: as fast as concurrency allows)
+    width: int = 256
+    height: int = 256
+    frames: int = 22
+    steps: int = 1
+    cache_hits: bool = False          # encoder: one prompt for all requests (the cached path)
+    inject_invalid: int = 0           # every K-th request deliberately invalid (0: never)
+    text_dim: int = 0                 # DiT: text state width (0: discover with one Encode call)
+    text_len: int = 0                 # DiT: text state length (0: as the discovery Encode returned, else 32)
+    decode_format: str = "mp4"        # decoder: mp4 | raw
+    timeout_s: float = 600.0          # per-RPC deadline
+    seed: int = 0
+
+    def validate(self) -> None:
+        if self.stage not in ("encoder", "dit", "decoder", "pipeline"):
+            raise ValueError(f"--stage {self.stage!r}: use encoder, dit, decoder or pipeline")
+        if self.concurrency < 1:
+            raise ValueError(f"--concurrency must be >= 1, got {self.concurrency}")
+        if (self.requests > 0) == (self.duration_s > 0):
+            raise ValueError("give exactly one of --requests N or --duration S (both positive)")
+        if self.rps < 0 or self.inject_invalid < 0:
+            raise ValueError("--rps and --inject-invalid must be >= 0")
+        if self.decode_format not in ("mp4", "raw"):
+            raise ValueError(f"--format {self.decode_format!r}: use mp4 or raw")
+
+
+@dataclass
+class StageTiming:
+    stage: str
+    offset_s: float                   # start of this stage's RPC, relative to the request's start
+    wall_s: float                     # client-side duration of the RPC
+    timing: dict                      # the stage's Timing (queue_s, lease_wait_s, load_s, compute_s, transfer_s)
+
+
+@dataclass
+class RequestRecord:
+    index: int
+    invalid: bool
+    start_s: float                    # relative to the run's start
+    end_s: float = 0.0
+    code: str = "OK"                  # gRPC status name, or CLIENT_<ExceptionName> for client-side failures
+    detail: str = ""
+    stages: list[StageTiming] = field(default_factory=list)
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    step_ms: list[float] = field(default_factory=list)
+    cache_hit: bool | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.code == "OK"
+
+    @property
+    def latency_s(self) -> float:
+        return self.end_s - self.start_s
+
+    def phase(self, name: str) -> float:
+        return sum(s.timing.get(name, 0.0) for s in self.stages)
+
+    @property
+    def queue_wait_s(self) -> float:
+        return self.phase("queue_s") + self.phase("lease_wait_s")
+
+    @property
+    def service_s(self) -> float:
+        return self.phase("load_s") + self.phase("compute_s") + self.phase("transfer_s")
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Linear-interpolated percentile (numpy's default); 0.0 for no values."""
+    if not values:
+        return 0.0
+    v = sorted(values)
+    pos = (len(v) - 1) * q / 100.0
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return v[lo] + (v[hi] - v[lo]) * (pos - lo)
+
+
+def _dist(values: list[float]) -> dict:
+    return {"n": len(values), "mean": sum(values) / len(values) if values else 0.0, "p50": percentile(values, 50),
+            "p90": percentile(values, 90), "p99": percentile(values, 99), "max": max(values) if values else 0.0}
+
+
+def _timing_dict(t: common_pb2.Timing) -> dict:
+    return {k: getattr(t, k) for k in PHASES}
+
+
+# ---- one request per stage ------------------------------------------------------------------------------------
+
+
+class _Inputs:
+    """Synthetic, valid inputs per request (deterministic in the request index)."""
+
+    def __init__(self, cfg: LoadConfig, run_id: str, text_shape: tuple[int, int], text_dtype: torch.dtype):
+        self.cfg = cfg
+        self.run_id = run_id
+        self.text_shape = text_shape
+        self.text_dtype = text_dtype
+
+    def spec(self, i: int, invalid: bool) -> RenderSpec:
+        c = self.cfg
+        return RenderSpec(prompt=self.prompt(i, False), width=INVALID_WIDTH if invalid else c.width, height=c.height,
+                          frames=c.frames, steps=c.steps, seed=c.seed + i)
+
+    def prompt(self, i: int, invalid: bool) -> str:
+        if invalid:
+            return ""  # empty prompt: INVALID_ARGUMENT
+        if self.cfg.cache_hits:
+            return "loadtest: a red kite over a windy beach, waves and gulls"
+        return f"loadtest {self.run_id} #{i}: a red kite over a windy beach, waves and gulls, take {i}"
+
+    def _gen(self, i: int) -> torch.Generator:
+        return torch.Generator().manual_seed(self.cfg.seed * 1_000_003 + i)
+
+    def text_states(self, i: int) -> torch.Tensor:
+        return torch.randn(self.text_shape, generator=self._gen(i)).to(self.text_dtype)
+
+    def latents(self, i: int, spec: RenderSpec) -> tuple[torch.Tensor, torch.Tensor]:
+        g = self._gen(i)
+        # For an invalid spec, latents of the *valid* shape: the server must reject the declared size.
+        ok = RenderSpec(width=self.cfg.width, height=self.cfg.height, frames=spec.frames)
+        video = torch.randn((VIDEO_LATENT_CHANNELS, ok.latent_frames, ok.height // 16, ok.width // 16), generator=g)
+        audio = torch.randn((AUDIO_CHANNELS, AUDIO_LATENT_CHANNELS, ok.audio_latents), generator=g)
+        return video, audio
+
+
+def _counted(it: Iterator, rec: RequestRecord, kind: str) -> Iterator:
+    for msg in it:
+        if msg.WhichOneof("input") == kind:
+            rec.bytes_sent += len(getattr(msg, kind).data)
+        yield msg
+
+
+def _encode(clients: StageClients, prompt: str, job_id: str, rec: RequestRecord, timeout_s: float,
+            t_req: float) -> torch.Tensor:
+    t0 = time.monotonic()
+    asm, done = TensorAssembler(), None
+    for ev in clients.encoder.Encode(encoder_pb2.EncodeRequest(prompt=prompt, job_id=job_id), timeout=timeout_s,
+                                     metadata=clients.security.metadata()):
+        kind = ev.WhichOneof("event")
+        if kind == "tensor":
+            rec.bytes_received += len(ev.tensor.data)
+            asm.feed(ev.tensor)
+        elif kind == "done":
+            done = ev.done
+    states = asm.finish(["text_states"])["text_states"]
+    if done is None:
+        raise RuntimeError("encoder stream ended without a done event")
+    rec.cache_hit = done.cache_hit
+    rec.stages.append(StageTiming("encoder", t0 - t_req, time.monotonic() - t0, _timing_dict(done.timing)))
+    return states
+
+
+def _sample(clients: StageClients, spec: RenderSpec, text: torch.Tensor, job_id: str, rec: RequestRecord,
+            timeout_s: float, t_req: float) -> tuple[torch.Tensor, torch.Tensor]:
+    def inputs():
+        req = dit_pb2.SampleRequest(job_id=job_id)
+        spec_to_proto(spec, req.params)
+        yield dit_pb2.SampleInput(request=req)
+        for chunk in tensor_chunks("text_states", text):
+            yield dit_pb2.SampleInput(tensor=chunk)
+
+    t0 = time.monotonic()
+    asm, done = TensorAssembler(), None
+    for ev in clients.dit.Sample(_counted(inputs(), rec, "tensor"), timeout=timeout_s,
+                                 metadata=clients.security.metadata()):
+        kind = ev.WhichOneof("event")
+        if kind == "progress":
+            if ev.progress.step and ev.progress.step_ms:
+                rec.step_ms.append(ev.progress.step_ms)
+        elif kind == "tensor":
+            rec.bytes_received += len(ev.tensor.data)
+            asm.feed(ev.tensor)
+        elif kind == "done":
+            done = ev.done
+    out = asm.finish(["video_latents", "audio_latents"])
+    if done is None:
+        raise RuntimeError("DiT stream ended without a done event")
+    rec.stages.append(StageTiming("dit", t0 - t_req, time.monotonic() - t0, _timing_dict(done.timing)))
+    return out["video_latents"], out["audio_latents"]
+
+
+def _decode(clients: StageClients, spec: RenderSpec, video: torch.Tensor, audio: torch.Tensor, job_id: str,
+            rec: RequestRecord, fmt: str, timeout_s: float, t_req: float) -> None:
+    def inputs():
+        req = decoder_pb2.DecodeRequest(job_id=job_id, format=decoder_pb2.RAW if fmt == "raw" else decoder_pb2.MP4)
+        spec_to_proto(spec, req.params)
+        yield decoder_pb2.DecodeInput(request=req)
+        for name, t in (("video_latents", video), ("audio_latents", audio)):
+            for chunk in tensor_chunks(name, t):
+                yield decoder_pb2.DecodeInput(tensor=chunk)
+
+    t0 = time.monotonic()
+    done = None
+    for ev in clients.decoder.Decode(_counted(inputs(), rec, "tensor"), timeout=timeout_s,
+                                     metadata=clients.security.metadata()):
+        kind = ev.WhichOneof("event")
+        if kind == "file":
+            rec.bytes_received += len(ev.file.data)
+        elif kind == "tensor":
+            rec.bytes_received += len(ev.tensor.data)
+        elif kind == "done":
+            done = ev.done
+    if done is None:
+        raise RuntimeError("decoder stream ended without a done event")
+    rec.stages.append(StageTiming("decoder", t0 - t_req, time.monotonic() - t0, _timing_dict(done.timing)))
+
+
+def _one(clients: StageClients, cfg: LoadConfig, inp: _Inputs, rec: RequestRecord, t_req: float) -> None:
+    i, bad = rec.index, rec.invalid
+    job_id = f"lt-{inp.run_id}-{i}"
+    if cfg.stage == "encoder":
+        _encode(clients, inp.prompt(i, bad), job_id, rec, cfg.timeout_s, t_req)
+    elif cfg.stage == "dit":
+        _sample(clients, inp.spec(i, bad), inp.text_states(i), job_id, rec, cfg.timeout_s, t_req)
+    elif cfg.stage == "decoder":
+        spec = inp.spec(i, bad)
+        video, audio = inp.latents(i, spec)
+        _decode(clients, spec, video, audio, job_id, rec, cfg.decode_format, cfg.timeout_s, t_req)
+    else:
+        spec = inp.spec(i, False)
+        states = _encode(clients, inp.prompt(i, bad), job_id, rec, cfg.timeout_s, t_req)
+        video, audio = _sample(clients, spec, states, job_id, rec, cfg.timeout_s, t_req)
+        _decode(clients, spec, video, audio, job_id, rec, cfg.decode_format, cfg.timeout_s, t_req)
+
+
+def _discover_text(clients: StageClients, cfg: LoadConfig) -> tuple[tuple[int, int], torch.dtype]:
+    """[L, text_dim] and dtype of the text states the DiT takes: from the flags, or one Encode call."""
+    if cfg.stage != "dit":
+        return (0, 0), torch.float32
+    if cfg.text_dim:
+        return (cfg.text_len or 32, cfg.text_dim), torch.float32
+    probe = RequestRecord(-1, False, 0.0)
+    states = _encode(clients, "loadtest: text state shape probe", "lt-probe", probe, cfg.timeout_s, time.monotonic())
+    return (cfg.text_len or states.shape[0], states.shape[1]), states.dtype
+
+
+# ---- the run ----------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class LoadReport:
+    config: dict
+    started_unix: float
+    wall_s: float
+    records: list[RequestRecord]
+    server: dict = field(default_factory=dict)   # stage -> {method -> {code -> count}} (metrics delta), if scraped
+
+    def summary(self) -> dict:
+        ok = [r for r in self.records if r.ok]
+        errors = Counter(r.code for r in self.records if not r.ok)
+        lat = [r.latency_s for r in ok]
+        phases = {p: _dist([r.phase(p) for r in ok]) for p in PHASES}
+        per_stage = {}
+        for st in ("encoder", "dit", "decoder"):
+            walls = [s.wall_s for r in ok for s in r.stages if s.stage == st]
+            if walls:
+                per_stage[st] = _dist(walls)
+        steps = [ms for r in ok for ms in r.step_ms]
+        return {
+            "stage": self.config["stage"], "concurrency": self.config["concurrency"],
+            "sent": len(self.records), "ok": len(ok), "errors": dict(sorted(errors.items())),
+            "wall_s": self.wall_s, "throughput_rps": len(ok) / self.wall_s if self.wall_s > 0 else 0.0,
+            "latency_s": _dist(lat),
+            "queue_wait_s": _dist([r.queue_wait_s for r in ok]),
+            "service_s": _dist([r.service_s for r in ok]),
+            "phases_s": phases, "stage_wall_s": per_stage,
+            "step_ms": _dist(steps) if steps else None,
+            "cache_hits": sum(1 for r in ok if r.cache_hit) if self.config["stage"] in ("encoder", "pipeline") else None,
+            "bytes_sent": sum(r.bytes_sent for r in self.records),
+            "bytes_received": sum(r.bytes_received for r in self.records),
+            "server_counts": self.server or None,
+        }
+
+    def to_json(self) -> dict:
+        return {"summary": self.summary(), "config": self.config, "started_unix": self.started_unix,
+                "requests": [{**asdict(r), "latency_s": r.latency_s, "queue_wait_s": r.queue_wait_s,
+                              "service_s": r.service_s} for r in self.records]}
+
+
+def run_loadtest(clients: StageClients, cfg: LoadConfig, on_done: Callable[[RequestRecord], None] | None = None,
+                 on_start: Callable[[], None] | None = None) -> LoadReport:
+    """Drive `cfg.concurrency` workers until `cfg.requests` were sent or `cfg.duration_s` passed.
+
+    `on_start` runs after the setup calls (text-shape probe, cache priming), right before the first request:
+    the place to snapshot server-side counters."""
+    cfg.validate()
+    run_id = uuid.uuid4().hex[:8]
+    shape, dtype = _discover_text(clients, cfg)
+    inp = _Inputs(cfg, run_id, shape, dtype)
+    if cfg.stage == "encoder" and cfg.cache_hits:  # prime the cache: every measured request is a hit
+        _encode(clients, inp.prompt(0, False), f"lt-{run_id}-prime", RequestRecord(-1, False, 0.0), cfg.timeout_s,
+                time.monotonic())
+    if on_start is not None:
+        on_start()
+    records: list[RequestRecord] = []
+    lock = threading.Lock()
+    issued = [0]
+    started_unix = time.time()
+    t0 = time.monotonic()
+
+    def next_index() -> int | None:
+        with lock:
+            i = issued[0]
+            if cfg.requests and i >= cfg.requests:
+                return None
+            if cfg.duration_s and time.monotonic() - t0 >= cfg.duration_s:
+                return None
+            if cfg.duration_s and cfg.rps and i / cfg.rps >= cfg.duration_s:
+                return None  # its start slot lies beyond the run
+            issued[0] += 1
+            return i
+
+    def worker():
+        while (i := next_index()) is not None:
+            if cfg.rps:
+                wait = t0 + i / cfg.rps - time.monotonic()
+                if wait > 0:
+                    time.sleep(wait)
+            bad = bool(cfg.inject_invalid) and (i + 1) % cfg.inject_invalid == 0
+            t_req = time.monotonic()
+            rec = RequestRecord(i, bad, t_req - t0)
+            try:
+                _one(clients, cfg, inp, rec, t_req)
+            except grpc.RpcError as e:
+                rec.code, rec.detail = e.code().name, e.details() or ""
+            except Exception as e:  # noqa: BLE001 - a client-side failure is one error of its own kind
+                rec.code, rec.detail = f"CLIENT_{type(e).__name__}", str(e)
+            rec.end_s = time.monotonic() - t0
+            with lock:
+                records.append(rec)
+            if on_done is not None:
+                on_done(rec)
+
+    threads = [threading.Thread(target=worker, name=f"loadtest-{k}", daemon=True) for k in range(cfg.concurrency)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    records.sort(key=lambda r: r.index)
+    return LoadReport(asdict(cfg), started_unix, time.monotonic() - t0, records)
+
+
+# ---- Prometheus scrape (the stages' own view) ------------------------------------------------------------------
+
+
+def scrape_request_counts(url: str, timeout_s: float = 5.0) -> dict[str, dict[str, float]]:
+    """{method: {code: count}} from a stage's /metrics (h3_grpc_requests_total)."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = urllib.request.urlopen(url, timeout=timeout_s).read().decode()
+    out: dict[str, dict[str, float]] = {}
+    for fam in text_string_to_metric_families(text):
+        if fam.name != "h3_grpc_requests":
+            continue
+        for s in fam.samples:
+            if s.name == "h3_grpc_requests_total":
+                out.setdefault(s.labels["method"], {})[s.labels["code"]] = s.value
+    return out
+
+
+def count_delta(before: dict, after: dict, methods: list[str]) -> dict[str, dict[str, int]]:
+    out = {}
+    for m in methods:
+        codes = set(after.get(m, {})) | set(before.get(m, {}))
+        d = {c: int(after.get(m, {}).get(c, 0) - before.get(m, {}).get(c, 0)) for c in sorted(codes)}
+        out[m] = {c: n for c, n in d.items() if n}
+    return out
+
+
+# ---- text / HTML / PNG reports -------------------------------------------------------------------------------
+
+
+def format_text(rep: LoadReport) -> str:
+    s = rep.summary()
+    lines = [f"loadtest {s['stage']}: {s['sent']} sent, {s['ok']} ok, errors {s['errors'] or '{}'}, "
+             f"concurrency {s['concurrency']}, {s['wall_s']:.2f} s, {s['throughput_rps']:.3f} req/s"]
+    lines.append(f"{'':<18}{'mean':>9}{'p50':>9}{'p90':>9}{'p99':>9}{'max':>9}")
+
+    def row(name, d, scale=1.0, unit="s"):
+        lines.append(f"{name + ' (' + unit + ')':<18}" + "".join(f"{d[k] * scale:>9.3f}" for k in ("mean", "p50", "p90", "p99", "max")))
+
+    row("latency", s["latency_s"])
+    row("queue wait", s["queue_wait_s"])
+    row("service", s["service_s"])
+    for p in PHASES:
+        if s["phases_s"][p]["max"] > 0:
+            row(f" {p[:-2]}", s["phases_s"][p])
+    for st, d in s["stage_wall_s"].items():
+        if len(s["stage_wall_s"]) > 1:
+            row(f" {st} wall", d)
+    if s["step_ms"]:
+        row("step", s["step_ms"], unit="ms")
+    if s["cache_hits"] is not None:
+        lines.append(f"encoder cache hits: {s['cache_hits']}/{s['ok']}")
+    lines.append(f"bytes sent {s['bytes_sent']:,}  received {s['bytes_received']:,}")
+    if s["server_counts"]:
+        for stage, methods in s["server_counts"].items():
+            for m, codes in methods.items():
+                lines.append(f"server {stage} {m}: {codes}")
+    return "\n".join(lines)
+
+
+COLORS = {"queue_s": "#f0a030", "lease_wait_s": "#d04040", "load_s": "#8060c0", "compute_s": "#3070c0",
+          "transfer_s": "#40a060", "other": "#b0b0b0", "error": "#e03030", "hist": "#3070c0"}
+LEGEND = [("queue", "queue_s"), ("lease wait", "lease_wait_s"), ("load", "load_s"), ("compute", "compute_s"),
+          ("transfer", "transfer_s"), ("client/network", "other"), ("failed", "error")]
+
+
+class _Canvas:
+    """Rectangles, lines and text; rendered as SVG or (with Pillow) PNG. Enough for a histogram and a Gantt."""
+
+    def __init__(self, w: int, h: int):
+        self.w, self.h = w, h
+        self.items: list[tuple] = []
+
+    def rect(self, x, y, w, h, fill, title=""):
+        self.items.append(("rect", x, y, max(w, 0.5), h, fill, title))
+
+    def line(self, x1, y1, x2, y2, color="#444"):
+        self.items.append(("line", x1, y1, x2, y2, color))
+
+    def text(self, x, y, s, anchor="start", size=11):
+        self.items.append(("text", x, y, s, anchor, size))
+
+    def svg(self) -> str:
+        out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{self.w}" height="{self.h}" '
+               f'font-family="sans-serif" viewBox="0 0 {self.w} {self.h}">',
+               f'<rect x="0" y="0" width="{self.w}" height="{self.h}" fill="white"/>']
+        for it in self.items:
+            if it[0] == "rect":
+                _, x, y, w, h, fill, title = it
+                t = f"<title>{html.escape(title)}</title>" if title else ""
+                out.append(f'<rect x="{x:.1f}" y="{y:.1f}" width="{w:.1f}" height="{h:.1f}" fill="{fill}">{t}</rect>')
+            elif it[0] == "line":
+                _, x1, y1, x2, y2, c = it
+                out.append(f'<line x1="{x1:.1f}" y1="{y1:.1f}" x2="{x2:.1f}" y2="{y2:.1f}" stroke="{c}"/>')
+            else:
+                _, x, y, s, anchor, size = it
+                out.append(f'<text x="{x:.1f}" y="{y:.1f}" font-size="{size}" text-anchor="{anchor}">'
+                           f'{html.escape(s)}</text>')
+        out.append("</svg>")
+        return "\n".join(out)
+
+    def png(self) -> bytes:
+        from PIL import Image, ImageDraw
+
+        img = Image.new("RGB", (self.w, self.h), "white")
+        d = ImageDraw.Draw(img)
+        for it in self.items:
+            if it[0] == "rect":
+                _, x, y, w, h, fill, _ = it
+                d.rectangle([x, y, x + max(w, 1), y + h], fill=fill)
+            elif it[0] == "line":
+                _, x1, y1, x2, y2, c = it
+                d.line([x1, y1, x2, y2], fill=c)
+            else:
+                _, x, y, s, anchor, _ = it
+                tw = d.textlength(s)
+                x = x - tw if anchor == "end" else (x - tw / 2 if anchor == "middle" else x)
+                d.text((x, y - 10), s, fill="black")
+        buf = io.BytesIO()
+        img.save(buf, format="PNG")
+        return buf.getvalue()
+
+
+def _nice_ticks(hi: float, n: int = 5) -> list[float]:
+    if hi <= 0:
+        return [0.0]
+    raw = hi / n
+    mag = 10 ** math.floor(math.log10(raw))
+    step = next(m * mag for m in (1, 2, 2.5, 5, 10) if m * mag >= raw)
+    return [k * step for k in range(int(hi / step) + 1)]
+
+
+def histogram_canvas(rep: LoadReport, w: int = 760, h: int = 260) -> _Canvas:
+    c = _Canvas(w, h)
+    lat = [r.latency_s for r in rep.records if r.ok]
+    left, right, top, bottom = 50, 20, 25, 40
+    c.text(w / 2, 16, f"latency of {len(lat)} successful requests (s)", anchor="middle", size=13)
+    if not lat:
+        c.text(w / 2, h / 2, "no successful requests", anchor="middle")
+        return c
+    lo, hi = min(lat), max(lat)
+    if hi - lo < 1e-9:
+        lo, hi = lo * 0.9, hi * 1.1 + 1e-6
+    nb = max(5, min(30, int(math.sqrt(len(lat))) * 2))
+    width = (hi - lo) / nb
+    counts = [0] * nb
+    for v in lat:
+        counts[min(nb - 1, int((v - lo) / width))] += 1
+    pw, ph = w - left - right, h - top - bottom
+    cmax = max(counts)
+    for k, n in enumerate(counts):
+        bh = ph * n / cmax
+        c.rect(left + pw * k / nb + 1, top + ph - bh, pw / nb - 2, bh, COLORS["hist"],
+               f"{lo + k * width:.3f}-{lo + (k + 1) * width:.3f} s: {n}")
+    c.line(left, top + ph, left + pw, top + ph)
+    c.line(left, top, left, top + ph)
+    for t in (t for t in _nice_ticks(cmax, 4) if t == int(t)):
+        y = top + ph - ph * t / cmax
+        c.text(left - 5, y + 4, f"{t:g}", anchor="end")
+    for k in range(0, nb + 1, max(1, nb // 6)):
+        c.text(left + pw * k / nb, top + ph + 15, f"{lo + k * width:.3g}", anchor="middle")
+    for q, col in ((50, "#222"), (90, "#a0a"), (99, "#c00")):
+        v = percentile(lat, q)
+        x = left + pw * (v - lo) / (hi - lo)
+        c.line(x, top, x, top + ph, col)
+        c.text(x + 3, top + 10 + (q % 7) * 2, f"p{q} {v:.3f}")
+    c.text(w / 2, h - 8, "seconds", anchor="middle")
+    return c
+
+
+def timeline_canvas(rep: LoadReport, w: int = 760, max_rows: int = 200) -> _Canvas:
+    """A Gantt row per request: each stage's server-side phases laid out from the RPC's start, in order
+    (queue, lease wait, load, compute, transfer); the rest of the RPC's client-side wall time is grey."""
+    recs = rep.records[:max_rows]
+    row_h = 14 if len(recs) <= 60 else 6
+    left, right, top = 60, 20, 30
+    h = top + row_h * len(recs) + 70
+    c = _Canvas(w, h)
+    c.text(w / 2, 16, f"per-request timeline ({len(recs)} of {len(rep.records)} requests)", anchor="middle", size=13)
+    end = max((r.end_s for r in recs), default=1.0) or 1.0
+    pw = w - left - right
+    sx = pw / end
+    for k, r in enumerate(recs):
+        y = top + k * row_h
+        if row_h >= 10:
+            c.text(left - 5, y + row_h - 3, f"#{r.index}", anchor="end", size=9)
+        if not r.ok:
+            c.rect(left + r.start_s * sx, y + 1, (r.end_s - r.start_s) * sx, row_h - 2, COLORS["error"],
+                   f"#{r.index} {r.code}: {r.detail[:120]}")
+            continue
+        c.rect(left + r.start_s * sx, y + 1, (r.end_s - r.start_s) * sx, row_h - 2, COLORS["other"],
+               f"#{r.index} {r.latency_s:.3f} s")
+        for st in r.stages:
+            x = left + (r.start_s + st.offset_s) * sx
+            for p in ("queue_s", "lease_wait_s", "load_s", "compute_s", "transfer_s"):
+                d = st.timing.get(p, 0.0)
+                if d > 0:
+                    c.rect(x, y + 1, d * sx, row_h - 2, COLORS[p], f"#{r.index} {st.stage} {p[:-2]} {d:.3f} s")
+                    x += d * sx
+    base = top + row_h * len(recs)
+    c.line(left, base + 2, left + pw, base + 2)
+    for t in _nice_ticks(end, 6):
+        c.text(left + t * sx, base + 16, f"{t:g}", anchor="middle")
+    c.text(w / 2, base + 32, "seconds since the run started", anchor="middle")
+    x = left
+    for label, key in LEGEND:
+        c.rect(x, base + 44, 10, 10, COLORS[key])
+        c.text(x + 14, base + 53, label, size=10)
+        x += 18 + 7 * len(label)
+    return c
+
+
+def html_report(rep: LoadReport) -> str:
+    s = rep.summary()
+    esc = html.escape
+
+    def dist_row(name, d, unit="s"):
+        return (f"<tr><td>{esc(name)} ({unit})</td>" + "".join(f"<td>{d[k]:.4f}</td>" for k in
+                                                                ("mean", "p50", "p90", "p99", "max")) + "</tr>")
+
+    rows = [dist_row("latency", s["latency_s"]), dist_row("queue wait", s["queue_wait_s"]),
+            dist_row("service", s["service_s"])]
+    rows += [dist_row(p[:-2], s["phases_s"][p]) for p in PHASES]
+    rows += [dist_row(f"{st} wall", d) for st, d in s["stage_wall_s"].items()]
+    if s["step_ms"]:
+        rows.append(dist_row("step", s["step_ms"], "ms"))
+    errs = "".join(f"<tr><td>{esc(k)}</td><td>{v}</td></tr>" for k, v in s["errors"].items()) or \
+        "<tr><td colspan=2>none</td></tr>"
+    server = ""
+    if s["server_counts"]:
+        server = "<h2>Stage metrics (h3_grpc_requests_total delta)</h2><pre>" + esc(
+            json.dumps(s["server_counts"], indent=2)) + "</pre>"
+    cfg = esc(json.dumps(rep.config))
+    return f"""<!doctype html><html><head><meta charset="utf-8"><title>h3 loadtest {esc(s['stage'])}</title>
+<style>body{{font-family:sans-serif;margin:20px;max-width:820px}}table{{border-collapse:collapse}}
+td,th{{border:1px solid #ccc;padding:3px 8px;text-align:right}}td:first-child{{text-align:left}}</style></head><body>
+<h1>h3-stages load test: {esc(s['stage'])}</h1>
+<p>{time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime(rep.started_unix))} &middot; {s['sent']} requests sent,
+{s['ok']} ok, concurrency {s['concurrency']}, {s['wall_s']:.2f} s, <b>{s['throughput_rps']:.3f} req/s</b>,
+{s['bytes_sent']:,} bytes sent / {s['bytes_received']:,} received</p>
+<p><small>config: {cfg}</small></p>
+<h2>Latency and time breakdown (successful requests)</h2>
+<table><tr><th></th><th>mean</th><th>p50</th><th>p90</th><th>p99</th><th>max</th></tr>{''.join(rows)}</table>
+<p><small>queue wait = queue + lease wait; service = load + compute + transfer (upload + download), from the
+Timing each stage returns.</small></p>
+<h2>Errors by status code</h2><table>{errs}</table>
+{server}
+<h2>Latency histogram</h2>{histogram_canvas(rep).svg()}
+<h2>Timeline</h2>{timeline_canvas(rep).svg()}
+</body></html>
+"""
+
+
+def png_report(rep: LoadReport) -> bytes:
+    """Histogram above timeline, one PNG (needs Pillow)."""
+    from PIL import Image
+
+    a, b = histogram_canvas(rep).png(), timeline_canvas(rep).png()
+    ia, ib = Image.open(io.BytesIO(a)), Image.open(io.BytesIO(b))
+    img = Image.new("RGB", (max(ia.width, ib.width), ia.height + ib.height), "white")
+    img.paste(ia, (0, 0))
+    img.paste(ib, (0, ia.height))
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def write_report(rep: LoadReport, path: Path) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.suffix.lower() == ".png":
+        path.write_bytes(png_report(rep))
+    else:
+        path.write_text(html_report(rep), encoding="utf-8")
+
+
+# ---- request messages for grpcurl / ghz ---------------------------------------------------------------------------
+
+
+def request_messages(cfg: LoadConfig, index: int = 0, text_shape: tuple[int, int] = (0, 0)) -> list[dict]:
+    """One valid request of `cfg.stage` as the JSON messages grpcurl (`-d @`, one object per message) and ghz
+    (`-D file`, a JSON array) send: the request, then the tensor chunks (bytes base64, CRC-32C included)."""
+    from google.protobuf.json_format import MessageToDict
+
+    inp = _Inputs(cfg, "grpcurl", text_shape, torch.float32)
+    if cfg.stage == "encoder":
+        return [MessageToDict(encoder_pb2.EncodeRequest(prompt=inp.prompt(index, False)))]
+    spec = inp.spec(index, False)
+    if cfg.stage == "dit":
+        if not text_shape[1]:
+            raise ValueError("--stage dit needs --text-dim to write messages (5120 for the release model, "
+                             "64 for the embedded tiny one)")
+        req = dit_pb2.SampleRequest(job_id=f"grpcurl-{index}")
+        spec_to_proto(spec, req.params)
+        msgs = [dit_pb2.SampleInput(request=req)]
+        msgs += [dit_pb2.SampleInput(tensor=c) for c in tensor_chunks("text_states", inp.text_states(index))]
+    elif cfg.stage == "decoder":
+        req = decoder_pb2.DecodeRequest(job_id=f"grpcurl-{index}",
+                                        format=decoder_pb2.RAW if cfg.decode_format == "raw" else decoder_pb2.MP4)
+        spec_to_proto(spec, req.params)
+        msgs = [decoder_pb2.DecodeInput(request=req)]
+        for name, t in zip(("video_latents", "audio_latents"), inp.latents(index, spec)):
+            msgs += [decoder_pb2.DecodeInput(tensor=c) for c in tensor_chunks(name, t)]
+    else:
+        raise ValueError("messages are per stage: use --stage encoder, dit or decoder")
+    return [MessageToDict(m) for m in msgs]
+
+
+# ---- CLI ----------------------------------------------------------------------------------------------------------
+
+
+def cmd_loadtest(args) -> int:
+    from client.__main__ import _reachable, configured_endpoints
+    from client.embedded import EmbeddedStack, StackConfig
+    from client.stubs import Security
+
+    cfg = LoadConfig(stage=args.stage, concurrency=args.concurrency, requests=args.requests or 0,
+                     duration_s=args.duration or 0.0, rps=args.rps, width=args.width, height=args.height,
+                     frames=args.frames, steps=args.steps, cache_hits=args.cache_hits,
+                     inject_invalid=args.inject_invalid, text_dim=args.text_dim, text_len=args.text_len,
+                     decode_format=args.format, timeout_s=args.timeout, seed=args.seed)
+    try:
+        if args.emit_messages:
+            text_shape = (args.text_len or 32, args.text_dim)
+            print(json.dumps(request_messages(cfg, 0, text_shape)))
+            return 0
+        cfg.validate()
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    security = Security(args.token, args.tls_ca)
+    endpoints = configured_endpoints(args)
+    stack = None
+    metrics_urls: dict[str, str] = {}
+    if args.metrics:
+        stage = "dit" if cfg.stage == "pipeline" else cfg.stage
+        metrics_urls[stage] = args.metrics if "://" in args.metrics else f"http://{args.metrics}/metrics"
+    if endpoints is None or not _reachable(endpoints, security):
+        if endpoints is not None:
+            print("configured endpoints are unreachable; starting an embedded local stack", file=sys.stderr)
+        stack = EmbeddedStack(StackConfig(models_dir=args.models_dir, devices=args.devices,
+                                          extra_args={s: ["--metrics-port", "0"] for s in STAGES}))
+        print("starting embedded stack (encoder, dit, decoder) on loopback ...", file=sys.stderr)
+        endpoints = stack.start()
+        for s in STAGES:
+            mf = stack.run_dir / f"{s}.port.metrics"
+            if mf.exists():
+                metrics_urls[s] = f"http://127.0.0.1:{mf.read_text().strip()}/metrics"
+    try:
+        wanted = STAGES if cfg.stage == "pipeline" else (cfg.stage,)
+        urls = {s: u for s, u in metrics_urls.items() if s in wanted}
+        before: dict = {}
+
+        def snapshot() -> None:
+            before.update({s: scrape_request_counts(u) for s, u in urls.items()})
+        progress = None
+        if not args.json and not args.quiet:
+            def progress(r: RequestRecord) -> None:
+                print(f"  #{r.index:<4} {r.code:<20} {r.latency_s:8.3f} s", file=sys.stderr)
+        with StageClients(endpoints, security) as clients:
+            rep = run_loadtest(clients, cfg, progress, snapshot)
+        if urls:
+            time.sleep(0.2)  # a cancelled RPC is recorded by a termination callback, a moment after the client sees it
+            rep.server = {s: count_delta(before[s], scrape_request_counts(u),
+                                         [m for m in METHODS[cfg.stage] if m.startswith(f"/{SERVICE_NAMES[s]}/")])
+                          for s, u in urls.items()}
+        if args.report:
+            write_report(rep, Path(args.report))
+            print(f"report written to {args.report}", file=sys.stderr)
+        print(json.dumps(rep.to_json() if args.json_requests else rep.summary(), indent=2) if args.json
+              else format_text(rep))
+        return 0 if rep.summary()["ok"] == len(rep.records) or cfg.inject_invalid else 1
+    except grpc.RpcError as e:
+        print(f"error: {e.code().name}: {e.details()}", file=sys.stderr)
+        return 1
+    finally:
+        if stack is not None:
+            stack.stop()
+
+
+def add_parser(subparsers, add_endpoint_args) -> None:
+    import os
+
+    p = subparsers.add_parser("loadtest", help="load-test a stage or the pipeline (latency, throughput, errors)")
+    p.add_argument("--stage", required=True, choices=("encoder", "dit", "decoder", "pipeline"))
+    p.add_argument("--concurrency", type=int, default=1, help="requests in flight at once")
+    p.add_argument("--requests", type=int, help="total requests to send")
+    p.add_argument("--duration", type=float, help="send requests for this many seconds")
+    p.add_argument("--rps", type=float, default=0.0, help="start at most this many requests per second")
+    p.add_argument("--width", type=int, default=256)
+    p.add_argument("--height", type=int, default=256)
+    p.add_argument("--frames", type=int, default=22)
+    p.add_argument("--steps", type=int, default=1)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--cache-hits", action="store_true", help="encoder: repeat one prompt (measures the cached path)")
+    p.add_argument("--inject-invalid", type=int, default=0, metavar="K",
+                   help="make every K-th request deliberately invalid (INVALID_ARGUMENT)")
+    p.add_argument("--text-dim", type=int, default=0, help="DiT: text state width (default: ask the encoder once)")
+    p.add_argument("--text-len", type=int, default=0, help="DiT: text state length (default: the probe's)")
+    p.add_argument("--format", default="mp4", choices=("mp4", "raw"), help="decoder output format")
+    p.add_argument("--timeout", type=float, default=600.0, help="per-RPC deadline in seconds")
+    p.add_argument("--metrics", default="", help="host:port (or URL) of the tested stage's /metrics, to add the "
+                                                 "stage's own request counts to the report")
+    p.add_argument("--emit-messages", action="store_true",
+                   help="print one valid request of --stage as a JSON array of messages (for ghz -D / grpcurl) "
+                        "and exit")
+    p.add_argument("--json", action="store_true", help="print the summary as JSON")
+    p.add_argument("--json-requests", action="store_true", help="with --json: include every request's record")
+    p.add_argument("--report", help="write a self-contained report: out.html (inline SVG) or out.png")
+    p.add_argument("-q", "--quiet", action="store_true", help="no per-request lines")
+    p.add_argument("--models-dir", default=os.environ.get("H3_MODELS_DIR", ""),
+                   help="real checkpoints for the embedded stack (default: tiny embedded model)")
+    p.add_argument("--devices", default="", help="devices for the embedded stack (e.g. cuda:0)")
+    add_endpoint_args(p)
+    p.set_defaults(fn=cmd_loadtest)

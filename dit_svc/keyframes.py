@@ -1,0 +1,100 @@
+"""fl2va keyframe conditioning for the DiT stage (h3_architecture.md §2.6-2.8, §3.3).
+
+A keyframe is one normalised VAE latent frame [24, 1, H/16, W/16] of the target canvas, anchored to the first or
+the last frame of the video. It is noised once to ``0.999·z + 0.001·ε`` and packed as conditioning rows right after
+the text (video tag, t pinned at max(t_video, 0.999), RoPE time L for "first" and L + 5/3·(F−1) for "last"; the
+layout does the packing). The sampler never sees these rows: it integrates the target rows only and the denoise
+closure built here prepends the fixed conditioning rows to every model call and strips them from the result.
+
+Noise draw order follows diffusers' fl2va pipeline on one CPU generator seeded with the request seed: one draw per
+keyframe in packed order, then the target video noise, then the target audio noise. Without keyframes this is
+exactly `sampling.initial_noise`, so t2va renders keep their bits.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Mapping, Sequence
+
+import torch
+
+from .layout import KEYFRAME_ANCHORS, PackedLayout, patchify_video
+
+# Conditioning-noise level of keyframe latents: diffusers' `keyframe_noise_aug`, ComfyUI's 0.999 mix.
+KEYFRAME_NOISE_AUG = 0.001
+# Wire names of the keyframe tensors in a Sample request, by anchor.
+KEYFRAME_TENSORS = {"first": "keyframe_first", "last": "keyframe_last"}
+TEXT_TAGS_TENSOR = "text_tags"
+
+
+def keyframe_anchors(inputs: Mapping[str, torch.Tensor]) -> tuple[str, ...]:
+    """Anchors present in a request's tensors, in packed order (first before last)."""
+    return tuple(a for a in KEYFRAME_ANCHORS if KEYFRAME_TENSORS[a] in inputs)
+
+
+def check_keyframe(name: str, t: torch.Tensor, channels: int, latent_h: int, latent_w: int) -> None:
+    """Raises ValueError naming the expected shape (the servers map it to INVALID_ARGUMENT)."""
+    want = (channels, 1, latent_h, latent_w)
+    if tuple(t.shape) != want:
+        raise ValueError(f"{name} has shape {list(t.shape)}, but this render's canvas needs {list(want)} (one "
+                         f"normalised VAE latent frame of the {latent_w * 16}x{latent_h * 16} canvas; encode the image "
+                         "with the decoder's EncodeImage at the render size)")
+    if not t.is_floating_point():
+        raise ValueError(f"{name} must be a float tensor, got {t.dtype}")
+    if not torch.isfinite(t).all():
+        raise ValueError(f"{name} contains NaN/Inf")
+
+
+def check_text_tags(tags: torch.Tensor, text_len: int, text_tag: int, video_tag: int) -> torch.Tensor:
+    """[L] integer tags, each the text or the video tag. Returns them as int64."""
+    if tuple(tags.shape) != (text_len,):
+        raise ValueError(f"text_tags has shape {list(tags.shape)}, expected [{text_len}] (one tag per text_states row)")
+    if tags.is_floating_point() or tags.dtype == torch.bool:
+        raise ValueError(f"text_tags must be an integer tensor, got {tags.dtype}")
+    tags = tags.to(torch.int64)
+    bad = ~((tags == text_tag) | (tags == video_tag))
+    if bad.any():
+        raise ValueError(f"text_tags may only hold {text_tag} (text) or {video_tag} (vision block); "
+                         f"found {sorted(set(tags[bad].tolist()))[:5]}")
+    return tags
+
+
+def draw_noise(seed: int, cond_shapes: Sequence[Sequence[int]], video_shape: Sequence[int],
+               audio_shape: Sequence[int]) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
+    """(per-keyframe noises, video noise, audio noise), fp32 standard normal from one CPU generator (see module doc).
+    CPU-drawn so every rank and every device gets the same bits."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    conds = [torch.randn(tuple(s), generator=gen, dtype=torch.float32) for s in cond_shapes]
+    video = torch.randn(tuple(video_shape), generator=gen, dtype=torch.float32)
+    audio = torch.randn(tuple(audio_shape), generator=gen, dtype=torch.float32)
+    return conds, video, audio
+
+
+def condition_rows(latents: Sequence[torch.Tensor], noises: Sequence[torch.Tensor],
+                   patch: Sequence[int]) -> torch.Tensor | None:
+    """Noised (0.999·z + 0.001·ε) and patchified conditioning rows of the keyframes, in packed order; None if none."""
+    if not latents:
+        return None
+    rows = [patchify_video((1.0 - KEYFRAME_NOISE_AUG) * z.float() + KEYFRAME_NOISE_AUG * e, patch)
+            for z, e in zip(latents, noises)]
+    return torch.cat(rows)
+
+
+def conditioned_denoise(model: Callable, text: torch.Tensor, layout: PackedLayout,
+                        cond: torch.Tensor | None) -> Callable:
+    """The sampler's denoise closure: the model sees [cond rows | target rows], the sampler gets target rows back.
+    The conditioning rows are the same tensor at every step (never updated)."""
+    n_cond = layout.num_cond_rows
+    if (0 if cond is None else cond.shape[0]) != n_cond:
+        raise ValueError(f"layout reserves {n_cond} conditioning rows but {0 if cond is None else cond.shape[0]} "
+                         "were given")
+
+    if cond is None:
+        def denoise(xv, xa, tv, ta):
+            return model(xv, xa, text, tv, ta, layout)
+        return denoise
+
+    def denoise(xv, xa, tv, ta):
+        v, a = model(torch.cat([cond.to(xv.dtype), xv]), xa, text, tv, ta, layout)
+        return v[n_cond:], a
+
+    return denoise

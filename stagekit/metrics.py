@@ -1,0 +1,297 @@
+"""Prometheus metrics for one stage process (`--metrics-port`).
+
+Everything lives in the stage's own `CollectorRegistry` (never the library's
+global default registry), so two stages in one process (tests) or a re-created
+server never collide. What is exported, all prefixed `h3_`:
+
+    h3_grpc_requests_total{method,code}        every finished RPC with its real status code (aborts included)
+    h3_grpc_request_seconds{method}            handler time per RPC (stream RPCs: until the last message)
+    h3_grpc_inflight{method}                   RPCs being handled now
+    h3_bytes_total{direction,method}           tensor / file chunk payload bytes received ("in") and sent ("out")
+    h3_job_phase_seconds{phase}                per-job breakdown from the job timing: queue, lease_wait, load,
+                                               compute, transfer (the same numbers the RPC's Timing returns)
+    h3_step_seconds                            per-step time from progress events that carry step_ms (DiT steps)
+    h3_weight_load_seconds / h3_weight_unload_seconds / h3_lease_wait_seconds   residency swaps
+    h3_queue_depth, h3_running, h3_resident, h3_jobs_done   read from the runtime at scrape time
+    h3_device_memory_bytes{kind}               torch.cuda.memory_allocated (kind="cuda_allocated") on CUDA,
+                                               else the engine's resident bytes (kind="engine_resident")
+    h3_stage_info{stage,residency,world_size,device}   constant 1
+
+The HTTP endpoint binds the stage's `--host` (the same exposure decision as the gRPC port) on `--metrics-port`
+(0 = a free port); the bound port is printed and written to `<port_file>.metrics` when a port file is used.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.core import GaugeMetricFamily
+
+log = logging.getLogger("stagekit.metrics")
+
+# Seconds, from a cached prompt (ms) to a long render on a small card (an hour).
+STAGE_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0,
+                 1800.0, 3600.0)
+STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+PHASES = ("queue", "lease_wait", "load", "compute", "transfer")
+
+
+def chunk_bytes(msg: Any) -> int:
+    """Payload bytes of the TensorChunk / FileChunk a stage message carries (0 for anything else)."""
+    list_fields = getattr(msg, "ListFields", None)
+    if list_fields is None:
+        return 0
+    n = 0
+    for fd, value in list_fields():
+        if fd.message_type is not None and fd.message_type.name in ("TensorChunk", "FileChunk"):
+            n += len(value.data)
+    return n
+
+
+class _RuntimeCollector:
+    """Values read from the runtime at scrape time (no background thread, never stale)."""
+
+    def __init__(self, metrics: "StageMetrics"):
+        self.m = metrics
+
+    def collect(self):
+        rt = self.m.runtime
+        if rt is None:
+            return
+        for name, doc, value in (
+                ("h3_queue_depth", "jobs waiting in the stage queue", rt.queue_depth),
+                ("h3_running", "1 while a job runs", 1 if rt.running is not None else 0),
+                ("h3_resident", "1 while the weights are loaded", 1 if rt.resident else 0),
+                ("h3_jobs_done", "jobs finished since start", rt.jobs_done)):
+            yield GaugeMetricFamily(name, doc, value=float(value))
+        mem = GaugeMetricFamily("h3_device_memory_bytes",
+                                "torch.cuda.memory_allocated on CUDA, else the engine's resident weight bytes",
+                                labels=["kind"])
+        kind, value = self.m.memory_bytes()
+        mem.add_metric([kind], float(value))
+        yield mem
+
+
+class StageMetrics:
+    """The metrics of one stage process; `runtime.metrics` points here (observe_load / observe_unload)."""
+
+    def __init__(self, stage: str, device: str = "cpu", runtime: Any = None):
+        self.stage = stage
+        self.device = device
+        self.runtime = runtime
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter("h3_grpc_requests", "finished RPCs by method and status code",
+                                ["method", "code"], registry=r)
+        self.request_seconds = Histogram("h3_grpc_request_seconds", "RPC handling time", ["method"],
+                                         buckets=STAGE_BUCKETS, registry=r)
+        self.inflight = Gauge("h3_grpc_inflight", "RPCs being handled", ["method"], registry=r)
+        self.bytes = Counter("h3_bytes", "tensor/file chunk payload bytes", ["direction", "method"], registry=r)
+        self.phase_seconds = Histogram("h3_job_phase_seconds", "per-job time by phase (from the job timing)",
+                                       ["phase"], buckets=STAGE_BUCKETS, registry=r)
+        self.step_seconds = Histogram("h3_step_seconds", "time per sampling step (progress step_ms)",
+                                      buckets=STEP_BUCKETS, registry=r)
+        self.load_seconds = Histogram("h3_weight_load_seconds", "weight load time", buckets=STAGE_BUCKETS, registry=r)
+        self.unload_seconds = Histogram("h3_weight_unload_seconds", "weight unload time", buckets=STAGE_BUCKETS,
+                                        registry=r)
+        self.lease_wait_seconds = Histogram("h3_lease_wait_seconds", "wait for the device lease / budget room before a load",
+                                            buckets=STAGE_BUCKETS, registry=r)
+        self.info = Gauge("h3_stage_info", "constant 1, labelled with what this process serves",
+                          ["stage", "residency", "world_size", "device"], registry=r)
+        r.register(_RuntimeCollector(self))
+        self.port = 0
+        self._httpd = None
+
+    # ---- wiring -------------------------------------------------------------------------------
+    def attach(self, runtime: Any) -> None:
+        self.runtime = runtime
+        runtime.metrics = self
+        self.info.labels(self.stage, runtime.cfg.residency, str(runtime.group.world_size), self.device).set(1)
+
+    def interceptor(self) -> "MetricsInterceptor":
+        return MetricsInterceptor(self)
+
+    def serve(self, host: str, port: int, port_file: str = "") -> int:
+        """Start the HTTP endpoint; returns the bound port (written to `<port_file>.metrics`)."""
+        addr = "" if host in ("0.0.0.0", "::") else host
+        self._httpd, _ = start_http_server(port, addr=addr or "0.0.0.0", registry=self.registry)
+        self.port = self._httpd.server_address[1]
+        if port_file:
+            tmp = Path(port_file + ".metrics.tmp")
+            tmp.write_text(str(self.port))
+            tmp.replace(port_file + ".metrics")
+        return self.port
+
+    def close(self) -> None:
+        if self._httpd is not None:
+            self._httpd.shutdown()
+            self._httpd.server_close()
+            self._httpd = None
+
+    # ---- observations -------------------------------------------------------------------------
+    def observe_load(self, seconds: float, lease_wait: float) -> None:
+        self.load_seconds.observe(seconds)
+        self.lease_wait_seconds.observe(lease_wait)
+
+    def observe_unload(self, seconds: float) -> None:
+        self.unload_seconds.observe(seconds)
+
+    def observe_timing(self, timing: dict) -> None:
+        """One finished job's breakdown (the dict behind the RPC's Timing); an absent phase took 0 s (e.g. no
+        load when resident, no queue for a cached prompt), so every phase counts every job."""
+        for phase in PHASES:
+            self.phase_seconds.labels(phase).observe(float(timing.get(f"{phase}_s", 0.0)))
+
+    def observe_progress(self, payload: dict) -> None:
+        step_ms = payload.get("step_ms") or 0.0
+        if step_ms > 0:
+            self.step_seconds.observe(step_ms / 1000.0)
+
+    def memory_bytes(self) -> tuple[str, int]:
+        if self.device.startswith("cuda"):
+            import torch
+
+            return "cuda_allocated", int(torch.cuda.memory_allocated(self.device))
+        rt = self.runtime
+        try:  # the worker thread may be swapping the weights right now
+            return "engine_resident", int(rt.engine.resident_bytes()) if rt is not None and rt.resident else 0
+        except Exception:  # noqa: BLE001 - a scrape never fails because of a concurrent unload
+            return "engine_resident", 0
+
+
+def observed(runtime: Any, job: Any, on_event: Callable[[Any], Iterator]) -> Callable[[Any], Iterator]:
+    """Wrap a servicer's `on_event` so progress steps and the finished job's timing reach the metrics."""
+
+    def wrapped(ev):
+        m = getattr(runtime, "metrics", None)
+        if m is None or ev.kind != "done":
+            if m is not None and ev.kind == "progress":
+                m.observe_progress(ev.payload)
+            yield from on_event(ev)
+            return
+        # Hold back the last message (the done event, which carries the finished Timing) until the timing is
+        # observed: a client that has its result can scrape and find the job counted.
+        last = held = object()
+        for msg in on_event(ev):
+            if last is not held:
+                yield last
+            last = msg
+        m.observe_timing(job.timing)
+        if last is not held:
+            yield last
+
+    return wrapped
+
+
+class MetricsInterceptor(grpc.ServerInterceptor):
+    """Counts every RPC with the status code the caller really gets.
+
+    `context.abort(code, ...)` records the code on the context before raising, so the wrapper reads it back
+    (`context.code()`); an exception without one is UNKNOWN (what grpc sends), a response stream the client
+    walked away from is CANCELLED. Put it first in the interceptor list so refused calls (auth) count too.
+    """
+
+    def __init__(self, metrics: StageMetrics):
+        self.m = metrics
+
+    def intercept_service(self, continuation, handler_call_details):
+        handler = continuation(handler_call_details)
+        if handler is None:
+            return None
+        method = handler_call_details.method
+        m = self.m
+
+        class _Call:
+            """Records one RPC exactly once."""
+
+            def __init__(self):
+                self.t0 = time.monotonic()
+                self.lock = threading.Lock()
+                self.done = False
+                m.inflight.labels(method).inc()
+
+            def finish(self, code: grpc.StatusCode | None, context) -> None:
+                with self.lock:
+                    if self.done:
+                        return
+                    self.done = True
+                got = context.code() if context is not None else None
+                code = got if got is not None else (code or grpc.StatusCode.OK)
+                m.inflight.labels(method).dec()
+                m.requests.labels(method, code.name).inc()
+                m.request_seconds.labels(method).observe(time.monotonic() - self.t0)
+
+        def count_in(request_iterator):
+            for msg in request_iterator:
+                n = chunk_bytes(msg)
+                if n:
+                    m.bytes.labels("in", method).inc(n)
+                yield msg
+
+        def count_out(msg):
+            n = chunk_bytes(msg)
+            if n:
+                m.bytes.labels("out", method).inc(n)
+            return msg
+
+        def unary_response(behavior, streaming_in: bool):
+            def run(request, context):
+                call = _Call()
+                if streaming_in:
+                    request = count_in(request)
+                try:
+                    resp = behavior(request, context)
+                except Exception:
+                    call.finish(grpc.StatusCode.UNKNOWN, context)
+                    raise
+                call.finish(None, context)
+                return count_out(resp)
+            return run
+
+        def stream_response(behavior, streaming_in: bool):
+            def run(request, context):
+                call = _Call()
+
+                def on_termination():
+                    # A client that cancels (or whose deadline passes) while the handler is blocked: grpc stops
+                    # pulling the generator, so record it here. A normal end has recorded already (no-op).
+                    if context.code() is None:
+                        expired = context.time_remaining() <= 0
+                        call.finish(grpc.StatusCode.DEADLINE_EXCEEDED if expired else grpc.StatusCode.CANCELLED, None)
+
+                context.add_callback(on_termination)
+                if streaming_in:
+                    request = count_in(request)
+                try:
+                    for resp in behavior(request, context):
+                        yield count_out(resp)
+                except GeneratorExit:
+                    call.finish(grpc.StatusCode.CANCELLED, context)
+                    raise
+                except Exception:
+                    call.finish(grpc.StatusCode.UNKNOWN, context)
+                    raise
+                call.finish(None, context)
+            return run
+
+        if handler.request_streaming and handler.response_streaming:
+            fn, make = handler.stream_stream, grpc.stream_stream_rpc_method_handler
+            wrapped = stream_response(fn, True)
+        elif handler.response_streaming:
+            fn, make = handler.unary_stream, grpc.unary_stream_rpc_method_handler
+            wrapped = stream_response(fn, False)
+        elif handler.request_streaming:
+            fn, make = handler.stream_unary, grpc.stream_unary_rpc_method_handler
+            wrapped = unary_response(fn, True)
+        else:
+            fn, make = handler.unary_unary, grpc.unary_unary_rpc_method_handler
+            wrapped = unary_response(fn, False)
+        return make(wrapped, request_deserializer=handler.request_deserializer,
+                    response_serializer=handler.response_serializer)

@@ -1,0 +1,484 @@
+"""LoRA (dit_svc/lora.py): dialect parsing, unmerged application on dense and int8 bases, TP2 over gloo in real
+spawned processes == TP1 with the LoRAs merged into fp32 weights, caching without touching base weights, errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from safetensors.torch import save_file
+
+from dit_svc.config import DiTConfig
+from dit_svc.convert_diffusers import from_diffusers, to_diffusers
+from dit_svc.layout import build_layout
+from dit_svc.lora import (LoRAError, LoRALinear, LoRAManager, LocalAdapter, check_lora_file, config_targets,
+                          load_lora_file, merge_loras, model_targets, parse_lora_state_dict, resolve_lora_path)
+from dit_svc.model import H3DiT, curve_state_dict_from_mlp
+from dit_svc.tp import Linear, shard_state_dict
+from stagekit.quant import Int8ConvRotLinear, dequantize_convrot
+
+TP_RTOL = 1e-5
+T_VIDEO, T_AUDIO = 0.37, 0.58
+STRENGTHS = (0.7, -0.3)
+INT8_RTOL = 3e-2  # int8 activations in kernel mode (test_quant measures ~1.1e-2 per linear on CPU)
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rel(a, b) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def _cfg() -> DiTConfig:
+    return DiTConfig.tiny(num_layers=2, num_refiner_layers=1)
+
+
+def _case(cfg: DiTConfig | None = None):
+    cfg = cfg or _cfg()
+    torch.manual_seed(0)
+    model = H3DiT(cfg, compute_dtype=torch.float32)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    sd = model.state_dict()
+    lay = build_layout(cfg, 5, 22, 64, 96, ("first",))
+    g = torch.Generator().manual_seed(1)
+    x = (torch.randn(lay.num_video_rows, cfg.video_patch_dim, generator=g),
+         torch.randn(lay.num_audio_rows, cfg.audio_in_channels, generator=g),
+         torch.randn(lay.text_len, cfg.text_dim, generator=g))
+    return cfg, sd, lay, x
+
+
+def _ab(g, r, n_in, n_out, amp=0.2):
+    return torch.randn(r, n_in, generator=g) * amp, torch.randn(n_out, r, generator=g) * amp
+
+
+def _comfy_lora(cfg: DiTConfig) -> dict[str, torch.Tensor]:
+    """LoRA 1: ComfyUI dialect (`diffusion_model.` prefix, lora_A/lora_B, alpha) on every kind of linear,
+    column-parallel, row-parallel, AdaLN (sharded rows) and replicated ones (incl. the time embedder)."""
+    g = torch.Generator().manual_seed(10)
+    r, alpha = 4, 2.0
+    shapes = {"condition_proj": (cfg.text_dim, cfg.hidden), "time_embedder.proj_in": (cfg.freq_dim,
+              cfg.time_embed_hidden), "final_layer.adaln_proj.linear": (cfg.adaln_in, cfg.final_adaln_out),
+              "final_layer.video_out": (cfg.hidden, cfg.video_patch_dim)}
+    for blk in ("blocks.0", "blocks.1", "token_refiner.blocks.0"):
+        shapes[f"{blk}.attn.qkv_proj"] = (cfg.hidden, 3 * cfg.attn_inner)
+        shapes[f"{blk}.attn.out_proj"] = (cfg.attn_inner, cfg.hidden)
+        shapes[f"{blk}.mlp.fc1"] = (cfg.hidden, 2 * cfg.ffn)
+        shapes[f"{blk}.mlp.fc2"] = (cfg.ffn, cfg.hidden)
+    shapes["blocks.1.adaln_proj.linear"] = (cfg.adaln_in, cfg.adaln_out)
+    sd = {}
+    for name, (n_in, n_out) in shapes.items():
+        a, b = _ab(g, r, n_in, n_out)
+        sd[f"diffusion_model.{name}.lora_A.weight"] = a
+        sd[f"diffusion_model.{name}.lora_B.weight"] = b
+        sd[f"diffusion_model.{name}.alpha"] = torch.tensor(alpha)
+    return sd
+
+
+def _diffusers_lora(cfg: DiTConfig) -> dict[str, torch.Tensor]:
+    """LoRA 2: PEFT dialect on diffusers names: separate to_q/to_k/to_v, to_out.0, ff.net.0.proj ([value; gate]
+    rows), ff.net.2, the final AdaLN (norm_out.linear) and a refiner block; no alpha (scale 1)."""
+    g = torch.Generator().manual_seed(20)
+    r = 3
+    shapes = {"norm_out.linear": (cfg.adaln_in, cfg.final_adaln_out), "proj_in": (cfg.video_patch_dim, cfg.hidden)}
+    for blk in ("transformer_blocks.0", "transformer_blocks.1", "token_refiner.refiner_blocks.0"):
+        for part in ("to_q", "to_k", "to_v"):
+            shapes[f"{blk}.attn.{part}"] = (cfg.hidden, cfg.attn_inner)
+        shapes[f"{blk}.attn.to_out.0"] = (cfg.attn_inner, cfg.hidden)
+        shapes[f"{blk}.ff.net.0.proj"] = (cfg.hidden, 2 * cfg.ffn)
+        shapes[f"{blk}.ff.net.2"] = (cfg.ffn, cfg.hidden)
+    del shapes["transformer_blocks.1.attn.to_k"]  # a partial q/k/v LoRA (only to_q and to_v) must work too
+    sd = {}
+    for name, (n_in, n_out) in shapes.items():
+        a, b = _ab(g, r, n_in, n_out)
+        sd[f"base_model.model.{name}.lora_A.default.weight"] = a
+        sd[f"base_model.model.{name}.lora_B.default.weight"] = b
+    return sd
+
+
+def _write(d: str, name: str, sd: dict) -> str:
+    path = os.path.join(d, name)
+    save_file({k: v.contiguous() for k, v in sd.items()}, path)
+    return path
+
+
+def _run(model, lay, x):
+    with torch.no_grad():
+        return model(*x, torch.tensor(T_VIDEO), torch.tensor(T_AUDIO), lay)
+
+
+# ---- TP2 over gloo (real processes) == TP1 merged ------------------------------------------------------------------
+def _worker(rank: int, world: int, port: int, d: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        group = dist.new_group(list(range(world)))
+        cfg, sd, lay, x = _case()
+        model = H3DiT(cfg, compute_dtype=torch.float32, chunk_rows=16, tp_group=group).eval()
+        model.load_state_dict(shard_state_dict(sd, cfg, rank, world))
+        ptrs = {k: (v.data_ptr(), id(v)) for k, v in model.state_dict(keep_vars=True).items()}
+        keys = list(model.state_dict())
+        base = _run(model, lay, x)
+        mgr = LoRAManager(model)
+        p1, p2 = os.path.join(d, "a.safetensors"), os.path.join(d, "b.safetensors")
+        both = [(p1, STRENGTHS[0]), (p2, STRENGTHS[1])]
+        mgr.activate(both)
+        out = _run(model, lay, x)
+        wrapped_keys = list(model.state_dict())
+        mgr.activate([(p1, 1.0)])  # another set: cached file, no disk read, no base reload
+        other = _run(model, lay, x)
+        mgr.activate(both)
+        again = _run(model, lay, x)
+        loads = mgr.loads
+        mgr.clear()
+        cleared = _run(model, lay, x)
+        ptrs_after = {k: (v.data_ptr(), id(v)) for k, v in model.state_dict(keep_vars=True).items()}
+        torch.save(dict(base=base, out=out, other=other, again=again, cleared=cleared, loads=loads,
+                        same_ptrs=ptrs == ptrs_after, same_keys=keys == wrapped_keys),
+                   os.path.join(d, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_tp2_unmerged_equals_tp1_merged():
+    cfg, sd, lay, x = _case()
+    with tempfile.TemporaryDirectory() as d:
+        p1 = _write(d, "a.safetensors", _comfy_lora(cfg))
+        p2 = _write(d, "b.safetensors", _diffusers_lora(cfg))
+        mp.start_processes(_worker, args=(2, _free_port(), d), nprocs=2, join=True, start_method="spawn")
+        outs = [torch.load(os.path.join(d, f"rank{r}.pt")) for r in range(2)]
+        ref = H3DiT(cfg, compute_dtype=torch.float32, chunk_rows=16).eval()
+        targets = model_targets(ref)
+        loras = [(load_lora_file(p1, targets), STRENGTHS[0]), (load_lora_file(p2, targets), STRENGTHS[1])]
+        ref.load_state_dict(merge_loras(sd, targets, loras))
+        rv, ra = _run(ref, lay, x)
+        ref.load_state_dict(merge_loras(sd, targets, [(loras[0][0], 1.0)]))
+        ov, oa = _run(ref, lay, x)
+    o = outs[0]
+    for other in outs[1:]:  # every rank holds bitwise the same result
+        assert all(torch.equal(a, b) for a, b in zip(other["out"], o["out"]))
+    ev, ea = _rel(o["out"][0], rv), _rel(o["out"][1], ra)
+    effect = _rel(o["base"][0], rv)
+    print(f"TP2 unmerged vs TP1 merged (0.7, -0.3): video rel {ev:.3e}, audio rel {ea:.3e}; "
+          f"LoRA effect on video {effect:.3e}")
+    assert effect > 1e-2  # the LoRAs really change the output
+    assert ev <= TP_RTOL and ea <= TP_RTOL
+    assert _rel(o["other"][0], ov) <= TP_RTOL and _rel(o["other"][1], oa) <= TP_RTOL
+    assert all(torch.equal(a, b) for a, b in zip(o["again"], o["out"]))
+    assert all(torch.equal(a, b) for a, b in zip(o["cleared"], o["base"]))
+    assert o["loads"] == 2  # both files read once; switching sets reused the per-rank cache
+    assert o["same_ptrs"] and o["same_keys"]  # base tensors untouched, state-dict keys unchanged while wrapped
+
+
+# ---- dialects -------------------------------------------------------------------------------------------------------
+def _ours_lora(cfg, g):
+    out = {}
+    for name, (n_in, n_out) in {"blocks.0.attn.qkv_proj": (cfg.hidden, 3 * cfg.attn_inner),
+                                "blocks.1.mlp.fc2": (cfg.ffn, cfg.hidden),
+                                "token_refiner.blocks.0.mlp.fc1": (cfg.hidden, 2 * cfg.ffn),
+                                "final_layer.audio_out": (cfg.hidden, cfg.audio_in_channels)}.items():
+        out[name] = _ab(g, 2, n_in, n_out)
+    return out
+
+
+def _deltas(lw, targets):
+    return {n: lw.delta(targets[n]) for n in lw.parts}
+
+
+def test_dialects_parse_to_the_same_deltas(tmp_path):
+    cfg = _cfg()
+    targets = config_targets(cfg)
+    base = _ours_lora(cfg, torch.Generator().manual_seed(3))
+    alpha = 1.0  # rank 2 -> scale 0.5
+
+    def fmt(prefix, a_suf, b_suf, kohya=False, with_alpha=True):
+        sd = {}
+        for name, (a, b) in base.items():
+            mod = prefix + (name.replace(".", "_") if kohya else name)
+            sd[mod + a_suf], sd[mod + b_suf] = a, b
+            if with_alpha:
+                sd[mod + ".alpha"] = torch.tensor(alpha)
+        return sd
+
+    dialects = {
+        "comfy": fmt("diffusion_model.", ".lora_A.weight", ".lora_B.weight"),
+        "comfy_full_prefix_down_up": fmt("model.diffusion_model.", ".lora_down.weight", ".lora_up.weight"),
+        "kohya": fmt("lora_unet_", ".lora_down.weight", ".lora_up.weight", kohya=True),
+        "unprefixed": fmt("", ".lora_A.weight", ".lora_B.weight"),
+    }
+    ref = None
+    for name, sd in dialects.items():
+        lw = parse_lora_state_dict(sd, targets, source=name)
+        d = _deltas(lw, targets)
+        assert set(d) == set(base), name
+        ref = ref or d
+        for k in base:
+            torch.testing.assert_close(d[k], ref[k], rtol=0, atol=0)
+    a, b = base["blocks.1.mlp.fc2"]
+    torch.testing.assert_close(ref["blocks.1.mlp.fc2"], 0.5 * b @ a)
+    # PEFT (alpha from adapter_config.json next to adapter_model.safetensors), with and without the adapter name
+    for suffix in (".default.weight", ".weight"):
+        d = tmp_path / suffix.strip(".")
+        d.mkdir()
+        sd = fmt("base_model.model.", ".lora_A" + suffix, ".lora_B" + suffix, with_alpha=False)
+        path = _write(str(d), "adapter_model.safetensors", sd)
+        no_cfg = _deltas(load_lora_file(path, targets), targets)
+        torch.testing.assert_close(no_cfg["blocks.1.mlp.fc2"], b @ a)  # no alpha anywhere -> scale 1
+        (d / "adapter_config.json").write_text(json.dumps({"lora_alpha": 1, "r": 2}))
+        with_cfg = _deltas(load_lora_file(path, targets), targets)
+        for k in base:
+            torch.testing.assert_close(with_cfg[k], ref[k], rtol=0, atol=0)
+        assert check_lora_file(path, targets) == len(base)
+        (d / "adapter_config.json").write_text(json.dumps({"lora_alpha": 1, "r": 2, "use_rslora": True}))
+        rs = _deltas(load_lora_file(path, targets), targets)
+        torch.testing.assert_close(rs["blocks.1.mlp.fc2"], b @ a / 2 ** 0.5)  # rsLoRA: alpha / sqrt(rank)
+
+
+def test_diffusers_names_match_the_converter(tmp_path):
+    """Oracle: add B A to the diffusers-named weights and convert back with dit_svc/convert_diffusers.py; our
+    merge of the same LoRA (to_q/to_k/to_v -> qkv thirds, ff.net.0.proj -> fc1 halves swapped) must agree."""
+    cfg, sd, _, _ = _case()
+    targets = config_targets(cfg)
+    lora = _diffusers_lora(cfg)
+    lora["base_model.model.transformer_blocks.1.attn.to_qkv.lora_A.default.weight"] = torch.randn(2, cfg.hidden)
+    lora["base_model.model.transformer_blocks.1.attn.to_qkv.lora_B.default.weight"] = torch.randn(
+        3 * cfg.attn_inner, 2)
+    dsd = {k: v.clone() for k, v in to_diffusers(sd).items()}
+    dsd["transformer_blocks.1.attn.to_qkv.weight"] = torch.zeros(3 * cfg.attn_inner, cfg.hidden)
+    strength = -0.45
+    for key in lora:
+        if ".lora_A." in key:
+            mod = key[len("base_model.model."):-len(".lora_A.default.weight")]
+            b = lora[key.replace(".lora_A.", ".lora_B.")]
+            dsd[mod + ".weight"] = dsd[mod + ".weight"] + strength * b @ lora[key]
+    fused = dsd.pop("transformer_blocks.1.attn.to_qkv.weight")
+    for i, part in enumerate(("to_q", "to_k", "to_v")):  # fold the fused-qkv LoRA back into the split weights
+        dsd[f"transformer_blocks.1.attn.{part}.weight"] += fused.chunk(3)[i]
+    want = from_diffusers(dsd)
+    got = merge_loras(sd, targets, [(parse_lora_state_dict(lora, targets), strength)])
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-6, atol=1e-6)
+    changed = [k for k in want if not torch.equal(want[k], sd[k])]
+    assert "blocks.0.mlp.fc1.weight" in changed and "blocks.1.attn.qkv_proj.weight" in changed
+    assert "final_layer.adaln_proj.linear.weight" in changed and "video_patch_proj.weight" in changed
+
+
+def test_errors_list_the_offending_keys(tmp_path):
+    cfg = _cfg()
+    targets = config_targets(cfg)
+    a, b = torch.randn(2, cfg.hidden), torch.randn(3 * cfg.attn_inner, 2)
+    sd = {"diffusion_model.blocks.7.attn.qkv_proj.lora_A.weight": a,  # tiny has 2 blocks
+          "diffusion_model.blocks.7.attn.qkv_proj.lora_B.weight": b,
+          "diffusion_model.vae.conv.lora_A.weight": a, "diffusion_model.vae.conv.lora_B.weight": b,
+          "diffusion_model.blocks.0.attn.qkv_proj.lora_A.weight": a,
+          "diffusion_model.blocks.0.attn.qkv_proj.lora_B.weight": b}
+    with pytest.raises(LoRAError, match=r"2 module\(s\) match no linear.*blocks\.7\.attn\.qkv_proj.*vae\.conv"):
+        parse_lora_state_dict(sd, targets)
+    with pytest.raises(LoRAError, match=r"not LoRA A/B/alpha.*dora_scale"):
+        parse_lora_state_dict({"blocks.0.attn.qkv_proj.dora_scale": torch.ones(1)}, targets)
+    with pytest.raises(LoRAError, match=r"lack their A \(down\) or B \(up\).*blocks\.0\.mlp\.fc2"):
+        parse_lora_state_dict({"blocks.0.mlp.fc2.lora_down.weight": torch.randn(2, cfg.ffn)}, targets)
+    with pytest.raises(LoRAError, match=r"shapes that do not fit.*blocks\.0\.mlp\.fc2"):
+        parse_lora_state_dict({"blocks.0.mlp.fc2.lora_A.weight": torch.randn(2, cfg.hidden),
+                               "blocks.0.mlp.fc2.lora_B.weight": torch.randn(cfg.hidden, 2)}, targets)
+    bad = tmp_path / "x.safetensors"
+    bad.write_bytes(b"not a safetensors file")
+    with pytest.raises(LoRAError, match="not a readable safetensors"):
+        check_lora_file(bad, targets)
+
+
+def test_curve_form_rejects_timestep_modulation_loras():
+    cfg, sd, lay, x = _case()
+    csd, ccfg = curve_state_dict_from_mlp(sd, cfg)
+    model = H3DiT(ccfg, compute_dtype=torch.float32).eval()
+    model.load_state_dict(csd)
+    targets = model_targets(model)
+    g = torch.Generator().manual_seed(5)
+    qkv = dict(zip(("diffusion_model.blocks.0.attn.qkv_proj.lora_A.weight",
+                    "diffusion_model.blocks.0.attn.qkv_proj.lora_B.weight"), _ab(g, 2, cfg.hidden, 3 * cfg.attn_inner)))
+    for extra in ({"diffusion_model.blocks.1.adaln_proj.linear.lora_A.weight": torch.randn(2, cfg.time_embed_dim),
+                   "diffusion_model.blocks.1.adaln_proj.linear.lora_B.weight": torch.randn(cfg.adaln_out, 2)},
+                  {"lora_unet_time_embedder_proj_in.lora_down.weight": torch.randn(2, cfg.freq_dim),
+                   "lora_unet_time_embedder_proj_in.lora_up.weight": torch.randn(cfg.time_embed_hidden, 2)},
+                  {"transformer.norm_out.linear.lora_A.weight": torch.randn(2, cfg.time_embed_dim),
+                   "transformer.norm_out.linear.lora_B.weight": torch.randn(cfg.final_adaln_out, 2)}):
+        with pytest.raises(LoRAError, match=r"timestep modulation.*curve-form.*unpruned checkpoint"):
+            parse_lora_state_dict({**qkv, **extra}, targets, adaln_form=ccfg.adaln_form)
+    # the same LoRA without the modulation part is fine on the curve model
+    lw = parse_lora_state_dict(qkv, targets, adaln_form="curve")
+    with tempfile.TemporaryDirectory() as d:
+        p = _write(d, "q.safetensors", qkv)
+        mgr = LoRAManager(model)
+        mgr.activate([(p, 0.5)])
+        out = _run(model, lay, x)
+    model2 = H3DiT(ccfg, compute_dtype=torch.float32).eval()
+    model2.load_state_dict(merge_loras(csd, targets, [(lw, 0.5)]))
+    ref = _run(model2, lay, x)
+    assert _rel(out[0], ref[0]) <= TP_RTOL and _rel(out[1], ref[1]) <= TP_RTOL
+
+
+# ---- int8 bases -----------------------------------------------------------------------------------------------------
+def test_int8_base_plus_lora_equals_dequantised_base_plus_lora():
+    torch.manual_seed(0)
+    n_in, n_out, g = 256, 96, 64
+    w = torch.randn(n_out, n_in) * 0.05
+    x = torch.randn(40, n_in)
+    a, b = torch.randn(4, n_in) * 0.1, torch.randn(n_out, 4) * 0.1
+    adapters = [LocalAdapter(a, b, 0.8, 0, n_out), LocalAdapter(a.flip(0), b[:32], -0.3, 32, 64)]
+    for mode in ("dequant", "kernel"):
+        q = Int8ConvRotLinear.from_float(w, None, groupsize=g, mode=mode, compute_dtype=torch.float32)
+        dense = Linear(n_in, n_out, bias=False, compute_dtype=torch.float32)
+        with torch.no_grad():
+            dense.weight.copy_(dequantize_convrot(q.weight, q.weight_scale, g, torch.float32))
+        ptr = q.weight.data_ptr()
+        wq, wd = LoRALinear(q, adapters), LoRALinear(dense, adapters)
+        with torch.no_grad():
+            yq, yd, base_q = wq(x), wd(x), q(x)
+        lora_only = 0.8 * (x @ a.T) @ b.T
+        lora_only[:, 32:64] += -0.3 * (x @ a.flip(0).T) @ b[:32].T
+        err, delta_err = _rel(yq, yd), _rel(yq - base_q, lora_only)
+        print(f"int8 {mode}: (int8 + LoRA) vs (dequantised + LoRA) rel {err:.3e}; LoRA term rel {delta_err:.3e}")
+        assert err <= (1e-6 if mode == "dequant" else INT8_RTOL)
+        assert delta_err <= 1e-6  # the LoRA term itself is exact on top of the int8 GEMM
+        assert q.weight.data_ptr() == ptr and q.weight.dtype == torch.int8
+        assert set(wq.state_dict()) == {"weight", "weight_scale"}
+
+
+def test_int8_model_with_lora_manager():
+    """Block linears as int8 ConvRot (g64) modules in a tiny model; LoRAs via the manager == merged dequantised."""
+    cfg, sd, lay, x = _case()
+    model = H3DiT(cfg, compute_dtype=torch.float32).eval()
+    model.load_state_dict(sd)
+    dq = dict(sd)
+    for name in model_targets(model):
+        if name.startswith("blocks.") and not name.endswith("adaln_proj.linear"):
+            layer = Int8ConvRotLinear.from_float(sd[name + ".weight"], None, groupsize=64, mode="dequant",
+                                                 compute_dtype=torch.float32)
+            model.swap_linear(name, layer)
+            dq[name + ".weight"] = dequantize_convrot(layer.weight, layer.weight_scale, 64, torch.float32)
+    with tempfile.TemporaryDirectory() as d:
+        p1 = _write(d, "a.safetensors", _comfy_lora(cfg))
+        p2 = _write(d, "b.safetensors", _diffusers_lora(cfg))
+        targets = model_targets(model)
+        loras = [(load_lora_file(p1, targets), STRENGTHS[0]), (load_lora_file(p2, targets), STRENGTHS[1])]
+        LoRAManager(model).activate([(p1, STRENGTHS[0]), (p2, STRENGTHS[1])])
+        out = _run(model, lay, x)
+    ref = H3DiT(cfg, compute_dtype=torch.float32).eval()
+    ref.load_state_dict(merge_loras(dq, targets, loras))
+    rv, ra = _run(ref, lay, x)
+    ev, ea = _rel(out[0], rv), _rel(out[1], ra)
+    print(f"int8(dequant mode) model + 2 LoRAs vs merged dequantised: video {ev:.3e}, audio {ea:.3e}")
+    assert ev <= TP_RTOL and ea <= TP_RTOL
+
+
+# ---- wrapper housekeeping, request paths ----------------------------------------------------------------------------
+def test_wrapper_state_dict_round_trip():
+    base = Linear(8, 6, bias=True, compute_dtype=torch.float32)
+    w = LoRALinear(base, [LocalAdapter(torch.randn(2, 8), torch.randn(6, 2), 1.0, 0, 6)])
+    assert set(w.state_dict()) == {"weight", "bias"}
+    new = {"weight": torch.randn(6, 8), "bias": torch.randn(6)}
+    w.load_state_dict(new)
+    assert torch.equal(base.weight, new["weight"]) and torch.equal(base.bias, new["bias"])
+    assert set(dict(w.named_buffers())) == {"lora_down", "lora_up_0"}  # follow .to(), not in the state dict
+    w.clear()
+    x = torch.randn(3, 8)
+    assert torch.equal(w(x), base(x)) and not w.active
+
+
+def test_resolve_lora_path(tmp_path):
+    loras = tmp_path / "loras"
+    loras.mkdir()
+    (loras / "style.safetensors").write_bytes(b"x")
+    outside = tmp_path / "secret.safetensors"
+    outside.write_bytes(b"x")
+    assert resolve_lora_path("style.safetensors", loras) == loras / "style.safetensors"
+    assert resolve_lora_path("style", loras) == loras / "style.safetensors"
+    for bad in ("../secret.safetensors", "sub/style.safetensors", "..", ".hidden", "a\\b"):
+        with pytest.raises(LoRAError, match="bare file name"):
+            resolve_lora_path(bad, loras)
+    with pytest.raises(LoRAError, match="allow-lora-paths"):
+        resolve_lora_path(str(outside), loras)
+    assert resolve_lora_path(str(outside), loras, allow_paths=True) == outside
+    with pytest.raises(LoRAError, match="not found"):
+        resolve_lora_path("missing", loras)
+    with pytest.raises(LoRAError, match="no loras directory"):
+        resolve_lora_path("style", None)
+
+
+# ---- service wiring: engine + servicer request parsing (in process, single rank) ------------------------------------
+def test_engine_and_servicer_apply_request_loras(tmp_path):
+    from types import SimpleNamespace
+
+    from dit_svc.engine import DiTEngine, DiTEngineConfig
+    from dit_svc.server import DiTServicer
+    from h3.v1 import dit_pb2
+    from stagekit.dist import RankGroup, RankInfo
+    from stagekit.errors import InvalidArgument
+    from stagekit.render_params import RenderSpec, spec_to_proto
+    from stagekit.runtime import JobContext
+    from stagekit.wire import tensor_chunks
+
+    loras_dir = tmp_path / "loras"
+    loras_dir.mkdir()
+    group = RankGroup(RankInfo(0, 1, 0), "gloo", 10)
+    eng = DiTEngine(DiTEngineConfig("", "", tmp_path / "cache", "cpu", torch.float32, loras_dir=str(loras_dir)),
+                    group)
+    cfg = eng.model_cfg
+    g = torch.Generator().manual_seed(7)
+    lora = {}
+    for name, (n_in, n_out) in {"blocks.0.attn.qkv_proj": (cfg.hidden, 3 * cfg.attn_inner),
+                                "blocks.0.mlp.fc2": (cfg.ffn, cfg.hidden)}.items():
+        lora[f"lora_unet_{name.replace('.', '_')}.lora_down.weight"], \
+            lora[f"lora_unet_{name.replace('.', '_')}.lora_up.weight"] = _ab(g, 2, n_in, n_out, amp=0.5)
+    _write(str(loras_dir), "style.safetensors", lora)
+    _write(str(loras_dir), "wrong.safetensors", {"diffusion_model.blocks.9.mlp.fc2.lora_A.weight": torch.ones(2, 4),
+                                                 "diffusion_model.blocks.9.mlp.fc2.lora_B.weight": torch.ones(4, 2)})
+    outside = _write(str(tmp_path), "outside.safetensors", lora)
+
+    spec = RenderSpec(prompt="x", width=256, height=256, frames=22, steps=2, seed=1)
+    text = torch.randn(8, cfg.text_dim, generator=g)
+
+    def request(*loras):
+        req = dit_pb2.SampleRequest(job_id="j", loras=[dit_pb2.LoraSpec(**kw) for kw in loras])
+        spec_to_proto(spec, req.params)
+        yield dit_pb2.SampleInput(request=req)
+        for chunk in tensor_chunks("text_states", text):
+            yield dit_pb2.SampleInput(tensor=chunk)
+
+    servicer = DiTServicer(SimpleNamespace(engine=eng))
+    *_, extras = servicer._read_request(request({"name": "style", "strength": 0.8}, {"name": "style.safetensors"}))
+    assert extras["loras"] == [(str(loras_dir / "style.safetensors"), 0.8), (str(loras_dir / "style.safetensors"), 1.0)]
+    *_, extras = servicer._read_request(request())
+    assert "loras" not in extras
+    for bad, msg in (({"name": "../outside.safetensors"}, "bare file name"), ({"name": outside}, "allow-lora-paths"),
+                     ({"name": "wrong"}, r"match no linear.*blocks\.9\.mlp\.fc2"), ({"name": "nope"}, "not found"),
+                     ({"name": "style", "strength": float("nan")}, "finite")):
+        with pytest.raises(InvalidArgument, match=msg):
+            servicer._read_request(request(bad))
+
+    eng.load()
+    ptrs = {k: v.data_ptr() for k, v in eng.model.state_dict().items()}
+    ctx = JobContext(group, None, "dit")
+    run = lambda loras: eng.run(spec, {"text_states": text, **({"loras": loras} if loras else {})}, ctx)  # noqa
+    base = run(None)
+    styled = run([(str(loras_dir / "style.safetensors"), 0.8)])
+    again = run([(str(loras_dir / "style.safetensors"), 0.8)])
+    plain = run(None)
+    effect = _rel(styled["video_latents"], base["video_latents"])
+    print(f"engine: LoRA effect on video latents {effect:.3e}")
+    assert effect > 1e-3
+    assert torch.equal(styled["video_latents"], again["video_latents"])
+    assert torch.equal(plain["video_latents"], base["video_latents"])
+    assert eng.loras.loads == 1
+    assert ptrs == {k: v.data_ptr() for k, v in eng.model.state_dict().items()}
