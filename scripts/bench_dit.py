@@ -8,10 +8,11 @@ Table mode builds the 50-block DiT from random weights in the real int8-ConvRot 
 GPU one tensor at a time (dit_svc.tiny_checkpoint.iter_random_int8_convrot_weights): the int8 block linears are
 kept once as the "master" copy and every variant's linears are built from it and swapped in
 (H3DiT.swap_linear), so at most one derived copy exists next to the master:
+  (d) diffusers MiniMaxH3Transformer3DModel, bf16, the same dequantised weights (built, timed and freed first)
   (a) int8   comfy-kitchen int8 ConvRot GEMMs            + SDPA cuDNN
   (b) fp8    e4m3 row-wise torch._scaled_mm (from int8)   + SDPA cuDNN
   (c) bf16   dense cuBLAS on the dequantised int8 weights + SDPA cuDNN
-  (d) diffusers MiniMaxH3Transformer3DModel, bf16, the same dequantised weights (built after ours is freed)
+  (b+)/(a+) fp8c / int8c: (b)/(a) with every Block torch.compile'd in place (regional compilation), run last
 One step = one forward (t2va, L = 38 text rows). FLOPs = 2*385,351,680*S*layers + 4*S^2*7168*layers. Peak rates
 (bf16 GEMM, fp8 _scaled_mm, int8 _int_mm, SDPA cuDNN at the real S) are measured in the same run; "floor" = linear
 FLOPs at the best linear rate (fp8) + attention FLOPs at the cuDNN rate. Also per variant: the time its kernels

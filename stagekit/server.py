@@ -12,6 +12,7 @@ from __future__ import annotations
 import hmac
 import ipaddress
 import logging
+import os
 import signal
 import socket
 import threading
@@ -197,6 +198,15 @@ def job_status(runtime: StageRuntime, exc: BaseException) -> tuple[grpc.StatusCo
         return grpc.StatusCode.UNAVAILABLE, (
             f"{runtime.engine.name}: rank group failed ({msg}); the stage is restarting its ranks, retry the job")
     return code, msg
+
+
+def followers_ignore_term() -> None:
+    """Ranks > 0 ignore SIGTERM/SIGINT. torchrun forwards a SIGTERM to every rank, but only rank 0 decides when
+    the group stops: it drains (finishes or cancels the running job), then broadcasts exit to the followers. A
+    follower dying on the signal first would break the in-flight job's collectives."""
+    if int(os.environ.get("RANK", "0")) > 0:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, signal.SIG_IGN)
 
 
 @contextmanager

@@ -147,6 +147,36 @@ def test_conditioned_step_matches_diffusers_transformer(tiny_dit):
     assert rel(ours_v, ref_v[n:]) < 1e-5 and rel(ours_a, ref_a) < 1e-5
 
 
+@pytest.mark.parametrize("keyframes", [("first",), ("first", "last")])
+def test_fl2va_sampling_loop_matches_diffusers(tiny_dit, keyframes):
+    """The whole conditioned loop (euler, diffusers grid) vs a diffusers-style loop: diffusers' transformer over
+    [cond | target] rows and MiniMaxH3Scheduler.step on the target rows only (the cond rows are never stepped)."""
+    from diffusers.schedulers.scheduling_minimax_h3 import MiniMaxH3Scheduler
+
+    from tests.test_dit_model import diffusers_forward, rel
+
+    cfg, m, dm = tiny_dit
+    lat, lay, c_noise, v_noise, a_noise, _ = _setup(cfg, keyframes)
+    cond = condition_rows(lat, c_noise, cfg.patch)
+    text = torch.randn(7, cfg.text_dim, generator=torch.Generator().manual_seed(2))
+    v_rows, a_rows = patchify_video(v_noise, cfg.patch), patchify_audio(a_noise)
+    steps = 3
+    with torch.no_grad():
+        ov, oa = sample(conditioned_denoise(m, text, lay, cond), v_rows, a_rows,
+                        SamplerConfig("euler", "diffusers", steps=steps))
+    sv, sa = MiniMaxH3Scheduler(shift=12.0), MiniMaxH3Scheduler(shift=3.0)
+    sv.set_timesteps(steps + 1)
+    sa.set_timesteps(steps + 1)
+    n = lay.num_cond_rows
+    latents, audio = torch.cat([cond, v_rows]), a_rows.clone()
+    for tv, ta in zip(sv.timesteps, sa.timesteps):
+        v, a = diffusers_forward(dm, lay, latents, audio, text, float(tv), float(ta))
+        latents[n:] = sv.step(v[n:], tv, latents[n:], return_dict=False)[0]
+        audio = sa.step(a, ta, audio, return_dict=False)[0]
+    assert torch.equal(latents[:n], cond)
+    assert rel(ov, latents[n:]) < 1e-5 and rel(oa, audio) < 1e-5
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Services (real processes)
 # ---------------------------------------------------------------------------------------------------------------
@@ -157,6 +187,18 @@ def test_decoder_encode_image(clients):
     assert lat.shape == (24, 1, H // 16, W // 16) and lat.dtype == torch.float32 and torch.isfinite(lat).all()
     lat2, _ = encode_image(clients, _png(300, 200, 1), W, H)
     assert torch.equal(lat, lat2)  # posterior mean: deterministic
+    # Raw RGB pixels at the canvas size == the same pixels as a (lossless) PNG.
+    png = _png(W, H, 9)
+    rgb = np.asarray(Image.open(io.BytesIO(png)).convert("RGB"))
+    req = decoder_pb2.EncodeImageRequest(pixels=decoder_pb2.RawImage(width=W, height=H, rgb=rgb.tobytes()),
+                                         width=W, height=H)
+    from stagekit.wire import TensorAssembler
+
+    asm = TensorAssembler()
+    for ev in clients.decoder.EncodeImage(req, timeout=60):
+        if ev.WhichOneof("event") == "tensor":
+            asm.feed(ev.tensor)
+    assert torch.equal(asm.finish(["latents"])["latents"], encode_image(clients, png, W, H)[0])
 
 
 @pytest.mark.parametrize("req,needle", [
