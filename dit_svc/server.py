@@ -28,7 +28,11 @@ MAX_TEXT_BYTES = 64 << 20
 @dataclass
 class DiTConfigArgs(CommonConfig):
     port: int = field(default=50052, metadata={"help": "gRPC port"})
-    int8_mode: str = field(default="kernel", metadata={"help": "int8 linears: kernel (comfy-kitchen) | dequant"})
+    int8_mode: str = field(default="kernel", metadata={"help": "CPU int8 linears: kernel (comfy-kitchen eager) | dequant"})
+    linear_kernel: str = field(default="auto", metadata={
+        "help": "GPU block linears: auto (measured start-up probe) | int8 | fp8 | bf16 | fp16 | fp32"})
+    attention_kernel: str = field(default="auto", metadata={"help": "GPU attention: auto | cudnn | flash | efficient | math | int8"})
+    compile_blocks: bool = field(default=False, metadata={"help": "torch.compile each DiT block (GPU; compiles per shape)"})
     chunk_rows: int = field(default=4096, metadata={"help": "MLP token chunk (memory vs speed)"})
     loras_dir: str = field(default="", metadata={"help": "LoRAs requested by file name (default <models_dir>/loras)"})
     allow_lora_paths: bool = field(default=False, metadata={"help": "also accept absolute LoRA paths in requests"})
@@ -103,6 +107,8 @@ def make_engine(cfg: DiTConfigArgs, info, group) -> DiTEngine:
     device = cfg.device_for_rank(info)
     return DiTEngine(DiTEngineConfig(weights=cfg.weights, models_dir=cfg.models_dir, cache_dir=cfg.resolved_cache_dir(),
                                      device=device, compute_dtype=cfg.compute_dtype(device), int8_mode=cfg.int8_mode,
+                                     linear_kernel=cfg.linear_kernel, attention_kernel=cfg.attention_kernel,
+                                     compile_blocks=cfg.compile_blocks,
                                      chunk_rows=cfg.chunk_rows, allow_lora_paths=cfg.allow_lora_paths,
                                      loras_dir=cfg.loras_dir or (os.path.join(cfg.models_dir, "loras")
                                                                  if cfg.models_dir else "")), group)

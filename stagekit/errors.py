@@ -51,6 +51,8 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
         return exc.code, exc.message
     if isinstance(exc, ValueError):  # includes stagekit.wire.WireError
         return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
+    if type(exc).__name__ == "SafetensorError":  # safetensors' own (not a ValueError): an unreadable checkpoint
+        return grpc.StatusCode.FAILED_PRECONDITION, f"checkpoint cannot be read: {exc}"
     if isinstance(exc, FileNotFoundError):
         return grpc.StatusCode.FAILED_PRECONDITION, f"file not found: {exc}"
     if isinstance(exc, MemoryError) or "out of memory" in str(exc).lower():

@@ -491,6 +491,23 @@ def test_dit_startup_fails_fast_on_broken_weights(broken_files, tmp_path, name, 
     assert took < 30
 
 
+@pytest.mark.xfail(reason="the decoder opens its VAE files only at first load (decoder_svc/engine.py)", strict=True)
+def test_decoder_startup_fails_fast_on_truncated_vae(broken_files, tmp_path, model_cache):
+    from decoder_svc.audio_vae import AudioVAEConfig, write_tiny_audio_vae
+
+    data = (broken_files / "vae.safetensors").read_bytes()
+    (tmp_path / "v.safetensors").write_bytes(data[: len(data) // 2])
+    write_tiny_audio_vae(tmp_path / "a.safetensors", AudioVAEConfig.tiny(), 0)
+    try:
+        r = subprocess.run([sys.executable, "-m", "decoder_svc", "--video-weights", str(tmp_path / "v.safetensors"),
+                            "--audio-weights", str(tmp_path / "a.safetensors"), "--port", "0", "--devices", "virt0",
+                            "--lease-dir", str(tmp_path / "leases")], cwd=ROOT, capture_output=True, text=True,
+                           timeout=20, env={**os.environ, **SERVER_ENV})
+    except subprocess.TimeoutExpired:
+        pytest.fail("decoder started serving with a truncated video VAE (its first Decode fails instead)")
+    assert r.returncode != 0 and "cannot start" in r.stderr
+
+
 # ---- 5. fuzzing request validation (briefly here; scripts/fuzz.py runs it longer) ---------------------------------
 def render_params_strategy():
     from h3.v1 import common_pb2 as c
