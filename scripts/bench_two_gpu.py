@@ -21,6 +21,7 @@ import threading
 import time
 from pathlib import Path
 
+import grpc
 import torch
 
 from client.embedded import EmbeddedStack, StackConfig
@@ -31,9 +32,7 @@ from stagekit.render_params import RenderSpec
 TEXT_LEN, TEXT_DIM = 38, 5120
 
 
-def write_weights(models: Path) -> None:
-    from dataclasses import replace
-
+def write_weights(models: Path, tiny: bool) -> None:
     from decoder_svc.audio_vae import AudioVAEConfig, write_tiny_audio_vae
     from decoder_svc.video_vae import VideoVAEConfig, write_tiny_video_vae
     from dit_svc.config import DiTConfig
@@ -43,14 +42,15 @@ def write_weights(models: Path) -> None:
     t0 = time.monotonic()
     dit = models / "minimax_h3_random_int8_convrot.safetensors"
     if not dit.exists():
-        write_random_int8_convrot_checkpoint(DiTConfig.full(), dit, device="cuda", quantize=False)
+        dcfg = DiTConfig.tiny(text_dim=TEXT_DIM) if tiny else DiTConfig.full()
+        write_random_int8_convrot_checkpoint(dcfg, dit, device="cpu" if tiny else "cuda", quantize=False)
     vae = models / "minimax_h3_video_vae_random_fp16.safetensors"
     if not vae.exists():
-        write_tiny_video_vae(str(vae), VideoVAEConfig.full(), 0)
+        write_tiny_video_vae(str(vae), VideoVAEConfig.tiny() if tiny else VideoVAEConfig.full(), 0)
     avae = models / "minimax_h3_audio_vae_random_fp32.safetensors"
     if not avae.exists():
-        cfg = replace(AudioVAEConfig.full(), latents_mean=(0.0,) * 32, latents_std=(1.0,) * 32)
-        write_tiny_audio_vae(avae, cfg, 0)
+        acfg = AudioVAEConfig.tiny() if tiny else AudioVAEConfig.full()
+        write_tiny_audio_vae(avae, acfg, 0)
     print(f"weights written in {time.monotonic() - t0:.1f} s: " +
           ", ".join(f"{p.name} {p.stat().st_size / 2**30:.1f} GiB" for p in sorted(models.iterdir())), flush=True)
 
@@ -61,6 +61,10 @@ class MemorySampler(threading.Thread):
     def __init__(self, period: float = 0.5):
         super().__init__(daemon=True)
         self.period, self.samples, self.stop_evt = period, [], threading.Event()
+        self.gpu_of = {}
+        if not torch.cuda.is_available():
+            self.stop_evt.set()
+            return
         uuids = subprocess.run(["nvidia-smi", "--query-gpu=index,uuid", "--format=csv,noheader"],
                                capture_output=True, text=True).stdout.strip().splitlines()
         self.gpu_of = {u.split(",")[1].strip(): int(u.split(",")[0]) for u in uuids}
@@ -106,11 +110,15 @@ def step_stats(events) -> float:
     return statistics.median(ms[1:] if len(ms) > 1 else ms) / 1000 if ms else float("nan")
 
 
-def time_dit(ep: str, spec: RenderSpec, text: torch.Tensor) -> tuple[float, torch.Tensor]:
+def time_dit(ep: str, spec: RenderSpec, text: torch.Tensor) -> float | str:
+    """Median s/step, or the error a caller would have seen (e.g. RESOURCE_EXHAUSTED under the memory cap)."""
     events = []
-    with StageClients(Endpoints(encoder=ep, dit=ep, decoder=ep)) as c:
-        v, a, r = sample(c, spec, text, on_progress=events.append)
-    return step_stats(events), v
+    try:
+        with StageClients(Endpoints(encoder=ep, dit=ep, decoder=ep)) as c:
+            sample(c, spec, text, on_progress=events.append)
+    except grpc.RpcError as e:
+        return f"{e.code().name}: {e.details()[:120]}"
+    return step_stats(events)
 
 
 def allreduce_share(s_rows: int, reps: int = 20) -> float:
@@ -143,16 +151,19 @@ def main():
     ap.add_argument("--out", default=".")
     ap.add_argument("--cap-gb", type=float, default=22.0)
     ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--tiny", action="store_true", help="CPU dry run of this script with tiny weights")
+    ap.add_argument("--skip-big", action="store_true", help="time only 832x480x124")
     args = ap.parse_args()
+    devices = "virt0,virt1" if args.tiny else "cuda:0,cuda:1"
     out = Path(args.out)
     models = Path(args.models_dir)
-    write_weights(models)
+    write_weights(models, args.tiny)
     result = {}
     text = torch.randn(TEXT_LEN, TEXT_DIM, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
-    cap = ["--gpu-memory-cap-gb", str(args.cap_gb)]
+    cap = [] if args.tiny else ["--gpu-memory-cap-gb", str(args.cap_gb)]
     sampler = MemorySampler()
     sampler.start()
-    stack = EmbeddedStack(StackConfig(ranks={"dit": 2, "decoder": 2}, models_dir=str(models), devices="cuda:0,cuda:1",
+    stack = EmbeddedStack(StackConfig(ranks={"dit": 2, "decoder": 2}, models_dir=str(models), devices=devices,
                                       run_dir=str(out / "run2"), start_timeout_s=600,
                                       extra_args={"dit": cap, "decoder": cap}))
     try:
@@ -164,6 +175,8 @@ def main():
         result["startup_s"] = time.monotonic() - t0
         ep = {s: f"127.0.0.1:{stack.ports[s]}" for s in ("dit", "decoder")}
         spec = RenderSpec(prompt="random", width=832, height=480, frames=124, steps=args.steps, seed=1)
+        if args.tiny:
+            spec = RenderSpec(prompt="random", width=256, height=256, frames=22, steps=2, seed=1)
         events = []
         with StageClients(Endpoints(encoder=ep["dit"], dit=ep["dit"], decoder=ep["decoder"])) as c:
             v, a, r_dit = sample(c, spec, text, on_progress=events.append)
@@ -178,22 +191,30 @@ def main():
         print("render:", json.dumps(result["render"]), flush=True)
         big = RenderSpec(prompt="random", width=1344, height=768, frames=124, steps=3, seed=1)
         small = RenderSpec(prompt="random", width=832, height=480, frames=124, steps=3, seed=1)
-        result["tp2"] = {"832x480x124": time_dit(ep["dit"], small, text)[0],
-                         "1344x768x124": time_dit(ep["dit"], big, text)[0]}
+        if args.tiny:
+            big = small = RenderSpec(prompt="random", width=256, height=256, frames=22, steps=2, seed=1)
+        result["tp2"] = {"832x480x124": time_dit(ep["dit"], small, text)}
+        if not args.skip_big:
+            result["tp2"]["1344x768x124"] = time_dit(ep["dit"], big, text)
         print("tp2 s/step:", result["tp2"], flush=True)
         stack.stop()
         sampler.stop_evt.set()
         result["memory"] = sampler.summary()
-        one = EmbeddedStack(StackConfig(ranks={"dit": 1}, models_dir=str(models), devices="cuda:0",
+        one = EmbeddedStack(StackConfig(ranks={"dit": 1}, models_dir=str(models), devices=devices.split(",")[0],
                                         run_dir=str(out / "run1"), start_timeout_s=600))
         one.start_stage("dit")
         one.wait_ready("dit")
         ep1 = f"127.0.0.1:{one.ports['dit']}"
-        result["tp1"] = {"832x480x124": time_dit(ep1, small, text)[0], "1344x768x124": time_dit(ep1, big, text)[0]}
+        result["tp1"] = {"832x480x124": time_dit(ep1, small, text)}
+        if not args.skip_big:
+            result["tp1"]["1344x768x124"] = time_dit(ep1, big, text)
         one.stop()
         print("tp1 s/step:", result["tp1"], flush=True)
-        result["scaling_efficiency"] = {k: result["tp1"][k] / (2 * result["tp2"][k]) for k in result["tp1"]}
-        result["allreduce_s_per_step"] = {"832x480x124": allreduce_share(14882), "1344x768x124": allreduce_share(37748)}
+        result["scaling_efficiency"] = {k: result["tp1"][k] / (2 * result["tp2"][k]) for k in result["tp1"]
+                                        if isinstance(result["tp1"][k], float) and isinstance(result["tp2"].get(k), float)}
+        if not args.tiny:
+            result["allreduce_s_per_step"] = {"832x480x124": allreduce_share(14882),
+                                              "1344x768x124": allreduce_share(37748)}
     finally:
         stack.stop()
         sampler.stop_evt.set()

@@ -96,9 +96,14 @@ def main(argv: list[str] | None = None) -> int:
         atheris.Setup([sys.argv[0], f"-runs={args.examples}"], one)
         atheris.Fuzz()
         return 0
+    failed = []
     for target in TARGETS if args.target == "all" else (args.target,):
-        run(target, args.examples)
-    return 0
+        try:
+            run(target, args.examples)
+        except Exception as e:  # noqa: BLE001 - report every target's counterexample, then fail
+            print(f"{target}: FAILED ({type(e).__name__}: {e}); the shrunk example is printed above", flush=True)
+            failed.append(target)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -438,13 +438,15 @@ def follower_loop(engine: Engine, group: RankGroup) -> None:
         command, payload = group.broadcast_command()
         if command == _EXIT:
             return
-        if command == _LOAD:
-            engine.load()
-        elif command == _UNLOAD:
-            engine.unload()
-        elif command == _RUN:
-            spec, inputs = payload
-            try:
+        # Rank 0 reports every failure to the caller (a bad file fails the same way on every rank); followers log
+        # it and stay in step. A broken group (a dead peer) is torchrun's to restart.
+        try:
+            if command == _LOAD:
+                engine.load()
+            elif command == _UNLOAD:
+                engine.unload()
+            elif command == _RUN:
+                spec, inputs = payload
                 engine.run(spec, inputs, JobContext(group, None, engine.name))
-            except Exception:  # noqa: BLE001 - rank 0 reports the job's error; a broken group is torchrun's to restart
-                log.warning("rank %d: job failed:\n%s", group.info.rank, traceback.format_exc())
+        except Exception:  # noqa: BLE001
+            log.warning("rank %d: %s failed:\n%s", group.info.rank, command, traceback.format_exc())
