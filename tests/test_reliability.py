@@ -9,6 +9,7 @@ fuzzing of request validation. Results are tabled in docs/reliability.md.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -137,8 +138,9 @@ def dit2(tmp_path_factory, model_cache):
                                                 "--idle-unload-s", "1"])
     assert s.ports["dit"] == port
     yield s
+    root = s.procs["dit"].pid
     s.stop()
-    assert not descendants(s.procs["dit"].pid) if "dit" in s.procs else True
+    assert not [p for p in descendants(root) if alive(p)], "no orphan ranks after stop"
 
 
 def test_client_cancel_mid_sample_stops_all_ranks_and_releases(dit2):
@@ -174,15 +176,16 @@ def test_client_cancel_mid_sample_stops_all_ranks_and_releases(dit2):
         assert "job_done" not in kinds[start_i:], "a cancelled job must not be recorded as done"
         # Rank 1 left the sampler at the same step boundary (its log records the agreed cancellation).
         log = (dit2.run_dir / "dit.log").read_text(errors="replace")
-        assert "rank 1: job failed" in log and "cancelled" in log
+        assert re.search(r"rank 1: (job|run) failed", log) and "cancelled" in log
         # The group is still in step: the next job runs.
         v, a, r = sample(c, GOOD, TEXT, timeout_s=120)
         assert r.extra["ranks"] == 2 and torch.isfinite(v).all()
 
 
-# Known bug (docs/reliability.md, "F2"): under torchrun restarts, `dist.init_process_group` re-reads the first
-# attempt's gloo rendezvous keys from the agent's store, so every restarted group fails in connectFullMesh
-# (Connect timeout) and torchrun gives up after --max-restarts. Fix: a per-attempt PrefixStore in stagekit/dist.py.
+# Known bug (docs/reliability.md, "F2"): under torchrun restarts, `dist.init_process_group` can read the previous
+# attempt's gloo rendezvous keys from the agent's store (same keys every attempt), so a restarted group often fails
+# in connectFullMesh (Connect timeout, ~55 s) and torchrun may give up after --max-restarts. Intermittent, hence
+# non-strict. Fix: a per-attempt PrefixStore in stagekit/dist.py; then drop this xfail.
 @pytest.mark.xfail(reason="restarted gloo group fails in connectFullMesh: stale rendezvous keys (stagekit/dist.py)",
                    strict=False)
 def test_kill_rank1_mid_sample_fails_job_then_group_restarts_on_same_port(dit2):
