@@ -21,6 +21,7 @@ import torch
 from decoder_svc.audio_vae import AudioVAEConfig, load_audio_vae, write_tiny_audio_vae
 from decoder_svc.video_tiling import StreamingAssembler, plan_decode
 from decoder_svc.video_vae import VideoVAEConfig, decode_unit, load_video_vae, write_tiny_video_vae
+from stagekit.checkpoints import read_header
 from stagekit.dist import RankGroup
 from stagekit.errors import FailedPrecondition, InvalidArgument
 from stagekit.models import ensure_embedded, find_checkpoint
@@ -68,6 +69,14 @@ def resolve_weights(cfg: DecoderEngineConfig) -> tuple[Path, Path, bool]:
     return v, a, True
 
 
+def check_headers(video: Path, audio: Path) -> None:
+    """Read both safetensors headers (no tensor data): a damaged or truncated file fails here, at start-up."""
+    for path in (video, audio):
+        files = sorted(path.rglob("*.safetensors")) if path.is_dir() else [path]
+        for f in files:
+            read_header(f)
+
+
 def expected_shapes(spec: RenderSpec) -> dict[str, tuple[int, ...]]:
     return {"video_latents": (VIDEO_LATENT_CHANNELS, spec.latent_frames, spec.height // 16, spec.width // 16),
             "audio_latents": (STEREO, AUDIO_LATENT_CHANNELS, spec.audio_latents)}
@@ -95,6 +104,7 @@ class DecoderEngine:
         self.cfg = cfg
         self.group = group
         self.video_path, self.audio_path, self.embedded = resolve_weights(cfg)
+        check_headers(self.video_path, self.audio_path)  # a damaged file fails at start-up, not at the first job
         self.video = None
         self.audio = None
         self.video_encoder = None  # VAE encoder half, loaded on the first EncodeImage (fl2va keyframes), rank 0 only

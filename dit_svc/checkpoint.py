@@ -26,7 +26,6 @@ import json
 import logging
 import math
 import re
-import struct
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Iterable, Literal
@@ -35,7 +34,7 @@ import torch
 from safetensors import safe_open
 
 from dit_svc.config import DiTConfig
-from stagekit.errors import FailedPrecondition
+from stagekit.checkpoints import CheckpointError, HeaderEntry, read_header
 from stagekit.quant import QuantFormatError, QuantizedWeight, dequantize_convrot, parse_comfy_quant
 
 log = logging.getLogger(__name__)
@@ -44,8 +43,6 @@ MAX_NAMED = 10  # keys listed per category in a CheckpointError
 QKV_SECTIONS = 3  # q, k, v
 FC1_SECTIONS = 2  # gate, value
 COMFY_MODEL_PREFIX = "model.diffusion_model."  # DiT tensors inside a ComfyUI all-in-one checkpoint
-HEADER_LEN_BYTES = 8  # safetensors: little-endian u64 header length, then JSON header, then data
-MAX_HEADER_BYTES = 100 * 1024 * 1024
 
 QuantMode = Literal["kernel", "dequant"]
 Layout = Literal["comfy", "release", "diffusers"]
@@ -54,9 +51,6 @@ TPRule = Literal["qkv", "fc1", "cols", "rows", "replicate"]
 _FLOAT_DTYPES = {"F64", "F32", "F16", "BF16"}
 _TORCH_DTYPE = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "I8": torch.int8, "U8": torch.uint8}
 
-
-class CheckpointError(FailedPrecondition, ValueError):
-    """The checkpoint on disk cannot be used with this config (corrupt, wrong variant, missing/extra/misshapen keys)."""
 
 
 # ================================================================================================================
@@ -176,45 +170,6 @@ def tp_rule(key: str) -> TPRule:
 # ================================================================================================================
 # Files and headers (no tensor data read here)
 # ================================================================================================================
-
-
-@dataclass(frozen=True)
-class HeaderEntry:
-    file: Path
-    shape: tuple[int, ...]
-    dtype: str  # safetensors dtype string, e.g. "BF16", "I8"
-    disk_key: str = ""  # name inside the file when it differs from the dict key (prefix stripped)
-
-
-def read_header(file: Path) -> dict[str, HeaderEntry]:
-    """Parse one safetensors header and check that the file is long enough for every tensor it declares."""
-    try:
-        size = file.stat().st_size
-        with open(file, "rb") as fh:
-            raw_len = fh.read(HEADER_LEN_BYTES)
-            if len(raw_len) != HEADER_LEN_BYTES:
-                raise CheckpointError(f"{file}: truncated safetensors file ({size} bytes, no header)")
-            (n,) = struct.unpack("<Q", raw_len)
-            if n > min(MAX_HEADER_BYTES, size - HEADER_LEN_BYTES):
-                raise CheckpointError(f"{file}: corrupt safetensors header length {n} (file has {size} bytes)")
-            header = json.loads(fh.read(n))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{file}: unreadable safetensors header: {e}") from e
-    header.pop("__metadata__", None)
-    data_bytes = size - HEADER_LEN_BYTES - n
-    entries = {}
-    for key, info in header.items():
-        try:
-            start, end = info["data_offsets"]
-            entries[key] = HeaderEntry(file, tuple(int(d) for d in info["shape"]), str(info["dtype"]))
-        except (KeyError, TypeError, ValueError) as e:
-            raise CheckpointError(f"{file}: corrupt header entry for {key!r}: {e}") from e
-        if end > data_bytes:
-            raise CheckpointError(
-                f"{file}: truncated: tensor {key!r} ends at byte {end} of the data section, "
-                f"which has only {data_bytes} bytes"
-            )
-    return entries
 
 
 def _resolve_files(path: Path) -> tuple[list[Path], Path | None]:

@@ -50,7 +50,10 @@ def parse_config(cls, argv: list[str] | None = None, env_prefix: str = "H3_", de
         help_ = f.metadata.get("help", "")
         default = f.default if f.default is not dataclasses.MISSING else (
             f.default_factory() if f.default_factory is not dataclasses.MISSING else None)  # type: ignore[misc]
-        ap.add_argument(flag, dest=f.name, default=None, help=f"{help_} (default: {default!r}; env {env_prefix}{f.name.upper()})")
+        # Booleans work as bare switches (--insecure) and with a value (--insecure false).
+        bool_kw = dict(nargs="?", const="true") if hints[f.name] is bool else {}
+        ap.add_argument(flag, dest=f.name, default=None, **bool_kw,
+                        help=f"{help_} (default: {default!r}; env {env_prefix}{f.name.upper()})")
     ns = ap.parse_args(argv)
     values: dict[str, object] = {}
     if ns.config is not None:

@@ -27,6 +27,12 @@ class RankInfo:
     rank: int
     world_size: int
     local_rank: int
+    # torchrun's rendezvous (TCPStore address, launch id, restart count); unused for a single rank.
+    master_addr: str = "127.0.0.1"
+    master_port: int = 0
+    run_id: str = "run"
+    restart_count: int = 0
+    agent_store: bool = False  # torchrun's agent hosts the store; workers only connect
 
     @property
     def is_leader(self) -> bool:
@@ -34,9 +40,25 @@ class RankInfo:
 
 
 def rank_info_from_env(environ: dict[str, str] | None = None) -> RankInfo:
-    """torchrun sets RANK/WORLD_SIZE/LOCAL_RANK; a plain `python -m` run is rank 0 of 1."""
+    """torchrun sets RANK/WORLD_SIZE/LOCAL_RANK and the rendezvous; a plain `python -m` run is rank 0 of 1."""
     env = os.environ if environ is None else environ
-    return RankInfo(int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1)), int(env.get("LOCAL_RANK", 0)))
+    return RankInfo(int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1)), int(env.get("LOCAL_RANK", 0)),
+                    master_addr=env.get("MASTER_ADDR", "127.0.0.1"), master_port=int(env.get("MASTER_PORT", 0)),
+                    run_id=env.get("TORCHELASTIC_RUN_ID", "run"),
+                    restart_count=int(env.get("TORCHELASTIC_RESTART_COUNT", 0)),
+                    agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE") == "True")
+
+
+def attempt_store(info: RankInfo, timeout: datetime.timedelta) -> dist.Store:
+    """The rendezvous store of this launch attempt.
+
+    Under torchrun the workers share the agent's TCPStore across restarts and init_process_group's keys do not
+    change between attempts, so a restarted group can read the dead group's gloo addresses and fail in
+    connectFullMesh. A prefix per (run id, restart count) gives every attempt fresh keys.
+    """
+    base = dist.TCPStore(info.master_addr, info.master_port, world_size=info.world_size,
+                         is_master=info.is_leader and not info.agent_store, timeout=timeout)
+    return dist.PrefixStore(f"h3/{info.run_id}/attempt{info.restart_count}", base)
 
 
 class RankGroup:
@@ -47,7 +69,9 @@ class RankGroup:
         self.compute = None
         self.control = None
         if info.world_size > 1:
-            dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=collective_timeout_s))
+            timeout = datetime.timedelta(seconds=collective_timeout_s)
+            dist.init_process_group(backend=backend, timeout=timeout, store=attempt_store(info, timeout),
+                                    rank=info.rank, world_size=info.world_size)
             self.compute = dist.group.WORLD
             # gloo for control: it carries pickled objects on the CPU whatever the compute backend.
             self.control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)

@@ -57,6 +57,16 @@ def _crc32c(data: bytes, crc: int = 0) -> int:
     return google_crc32c.extend(crc, data)
 
 
+def header_crc(header: tensor_pb2.TensorHeader) -> int:
+    """Seed of a tensor's checksum: the CRC-32C of "name|dtype|d0,d1,...|nbytes".
+
+    The data CRC continues from it, so a header edit that keeps the byte count (a reshape, fp16 <-> bf16) is
+    caught as surely as a flipped data byte.
+    """
+    text = f"{header.name}|{header.dtype}|{','.join(str(d) for d in header.shape)}|{header.nbytes}"
+    return _crc32c(text.encode())
+
+
 def tensor_chunks(name: str, tensor: torch.Tensor, chunk_bytes: int = MAX_CHUNK_BYTES) -> Iterator[tensor_pb2.TensorChunk]:
     """Encode `tensor` as chunk messages (CPU copy first if it lives on a device)."""
     if not 0 < chunk_bytes <= MAX_CHUNK_BYTES:
@@ -65,12 +75,12 @@ def tensor_chunks(name: str, tensor: torch.Tensor, chunk_bytes: int = MAX_CHUNK_
     header = tensor_pb2.TensorHeader(name=name, dtype=dtype_name(t.dtype), shape=list(t.shape))
     nbytes = t.numel() * t.element_size()
     header.nbytes = nbytes
+    crc = header_crc(header)
     if nbytes == 0:
-        yield tensor_pb2.TensorChunk(header=header, name=name, offset=0, data=b"", last=True, crc32c=0)
+        yield tensor_pb2.TensorChunk(header=header, name=name, offset=0, data=b"", last=True, crc32c=crc)
         return
     # A flat byte view of the storage: nothing is copied until a chunk is sliced out.
     flat = t.reshape(-1).view(torch.uint8).numpy()
-    crc = 0
     for off in range(0, nbytes, chunk_bytes):
         piece = flat[off : off + chunk_bytes].tobytes()
         crc = _crc32c(piece, crc)
@@ -104,7 +114,7 @@ class _Pending:
         self.buf = torch.empty(expect, dtype=torch.uint8)
         self.view = memoryview(self.buf.numpy()) if expect else None
         self.received = 0
-        self.crc = 0
+        self.crc = header_crc(header)
 
 
 class TensorAssembler:

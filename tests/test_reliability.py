@@ -182,12 +182,8 @@ def test_client_cancel_mid_sample_stops_all_ranks_and_releases(dit2):
         assert r.extra["ranks"] == 2 and torch.isfinite(v).all()
 
 
-# Known bug (docs/reliability.md, "F2"): under torchrun restarts, `dist.init_process_group` can read the previous
-# attempt's gloo rendezvous keys from the agent's store (same keys every attempt), so a restarted group often fails
-# in connectFullMesh (Connect timeout, ~55 s) and torchrun may give up after --max-restarts. Intermittent, hence
-# non-strict. Fix: a per-attempt PrefixStore in stagekit/dist.py; then drop this xfail.
-@pytest.mark.xfail(reason="restarted gloo group fails in connectFullMesh: stale rendezvous keys (stagekit/dist.py)",
-                   strict=False)
+# Regression (docs/reliability.md, "F2"): restarted groups used to read the previous attempt's rendezvous keys;
+# stagekit.dist.attempt_store now gives every torchrun attempt its own key prefix.
 def test_kill_rank1_mid_sample_fails_job_then_group_restarts_on_same_port(dit2):
     port = dit2.ports["dit"]
     root = dit2.procs["dit"].pid
@@ -496,7 +492,6 @@ def test_dit_startup_fails_fast_on_broken_weights(broken_files, tmp_path, name, 
     assert took < 30
 
 
-@pytest.mark.xfail(reason="the decoder opens its VAE files only at first load (decoder_svc/engine.py)", strict=True)
 def test_decoder_startup_fails_fast_on_truncated_vae(broken_files, tmp_path, model_cache):
     from decoder_svc.audio_vae import AudioVAEConfig, write_tiny_audio_vae
 
@@ -530,7 +525,6 @@ def test_unreadable_checkpoint_maps_to_failed_precondition(broken_files):
     assert code == grpc.StatusCode.FAILED_PRECONDITION and "checkpoint cannot be read" in msg
 
 
-@pytest.mark.xfail(reason="the CRC-32C covers the data only, not the header (stagekit/wire.py)", strict=True)
 @pytest.mark.parametrize("edit", ["shape [40] -> [1, 40]", "dtype float16 -> bfloat16"])
 def test_header_tampering_with_same_size_is_detected(edit):
     """Found by scripts/fuzz.py (wire-edits): a header edit that keeps the byte count passes every check, so the

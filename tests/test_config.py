@@ -1,0 +1,41 @@
+"""Stage settings come from flags > env > config file > defaults."""
+
+import json
+from dataclasses import dataclass, field
+
+import pytest
+
+from stagekit.config import parse_config
+
+
+@dataclass
+class Cfg:
+    port: int = 1
+    insecure: bool = False
+    devices: list[str] = field(default_factory=list)
+    ratio: float = 0.5
+
+
+def test_precedence_flags_env_file(tmp_path, monkeypatch):
+    f = tmp_path / "c.json"
+    f.write_text(json.dumps({"port": 3, "ratio": 0.25}))
+    monkeypatch.setenv("T_PORT", "4")
+    c = parse_config(Cfg, ["--config", str(f)], env_prefix="T_")
+    assert c.port == 4 and c.ratio == 0.25
+    c = parse_config(Cfg, ["--config", str(f), "--port", "5", "--devices", "cuda:0,cuda:1"], env_prefix="T_")
+    assert c.port == 5 and c.devices == ["cuda:0", "cuda:1"]
+
+
+def test_bool_switch_with_and_without_value():
+    assert parse_config(Cfg, ["--insecure"], env_prefix="T_").insecure is True
+    assert parse_config(Cfg, ["--insecure", "false"], env_prefix="T_").insecure is False
+    assert parse_config(Cfg, [], env_prefix="T_").insecure is False
+
+
+def test_bad_values_and_unknown_file_keys_exit_with_a_message(tmp_path):
+    with pytest.raises(SystemExit, match="port"):
+        parse_config(Cfg, ["--port", "x"], env_prefix="T_")
+    f = tmp_path / "c.yaml"
+    f.write_text("prot: 3\n")
+    with pytest.raises(SystemExit, match="unknown settings"):
+        parse_config(Cfg, ["--config", str(f)], env_prefix="T_")
