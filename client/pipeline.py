@@ -51,17 +51,10 @@ class RenderResult:
         return sum(s.wall_s for s in self.stages)
 
 
-def encode(clients: StageClients, prompt: str, job_id: str = "", on_progress: ProgressFn = _noop,
-           timeout_s: float | None = None, keyframes: list[bytes] | None = None, width: int = 0, height: int = 0,
-           with_tags: bool = False):
-    """Prompt (+ fl2va keyframe image bytes, in packed order, fitted to width x height) -> text_states.
-    `with_tags=True` returns (states, text_tags, result); the tags are all-text when the encoder sends none."""
-    t0 = time.monotonic()
+def _drain(stream, on_progress: ProgressFn, required: list[str], what: str) -> tuple[dict[str, torch.Tensor], object]:
+    """Consume a stage's event stream: progress to the callback, tensors reassembled and verified, the done event."""
     asm = TensorAssembler()
     done = None
-    req = encoder_pb2.EncodeRequest(prompt=prompt, job_id=job_id, keyframes=list(keyframes or []),
-                                    width=width if keyframes else 0, height=height if keyframes else 0)
-    stream = clients.encoder.Encode(req, timeout=timeout_s or DEADLINES["encoder"], metadata=clients.security.metadata())
     for ev in stream:
         kind = ev.WhichOneof("event")
         if kind == "progress":
@@ -70,10 +63,23 @@ def encode(clients: StageClients, prompt: str, job_id: str = "", on_progress: Pr
             asm.feed(ev.tensor)
         elif kind == "done":
             done = ev.done
-    out = asm.finish(["text_states"])
-    states = out["text_states"]
+    out = asm.finish(required)
     if done is None:
-        raise RuntimeError("encoder stream ended without a done event")
+        raise RuntimeError(f"{what} stream ended without a done event")
+    return out, done
+
+
+def encode(clients: StageClients, prompt: str, job_id: str = "", on_progress: ProgressFn = _noop,
+           timeout_s: float | None = None, keyframes: list[bytes] | None = None, width: int = 0, height: int = 0,
+           with_tags: bool = False):
+    """Prompt (+ fl2va keyframe image bytes, in packed order, fitted to width x height) -> text_states.
+    `with_tags=True` returns (states, text_tags, result); the tags are all-text when the encoder sends none."""
+    t0 = time.monotonic()
+    req = encoder_pb2.EncodeRequest(prompt=prompt, job_id=job_id, keyframes=list(keyframes or []),
+                                    width=width if keyframes else 0, height=height if keyframes else 0)
+    stream = clients.encoder.Encode(req, timeout=timeout_s or DEADLINES["encoder"], metadata=clients.security.metadata())
+    out, done = _drain(stream, on_progress, ["text_states"], "encoder")
+    states = out["text_states"]
     result = StageResult("encoder", time.monotonic() - t0, done.timing,
                          {"tokens": done.tokens, "cache_hit": done.cache_hit})
     if with_tags:
@@ -88,22 +94,11 @@ def encode_image(clients: StageClients, image: bytes, width: int, height: int, j
                  on_progress: ProgressFn = _noop, timeout_s: float | None = None) -> tuple[torch.Tensor, StageResult]:
     """Keyframe image bytes -> its normalised VAE latent [24, 1, height/16, width/16] (decoder stage, fl2va)."""
     t0 = time.monotonic()
-    asm = TensorAssembler()
-    done = None
     stream = clients.decoder.EncodeImage(
         decoder_pb2.EncodeImageRequest(image=image, width=width, height=height, job_id=job_id),
         timeout=timeout_s or DEADLINES["decoder"], metadata=clients.security.metadata())
-    for ev in stream:
-        kind = ev.WhichOneof("event")
-        if kind == "progress":
-            on_progress(ev.progress)
-        elif kind == "tensor":
-            asm.feed(ev.tensor)
-        elif kind == "done":
-            done = ev.done
-    latents = asm.finish(["latents"])["latents"]
-    if done is None:
-        raise RuntimeError("decoder EncodeImage stream ended without a done event")
+    out, done = _drain(stream, on_progress, ["latents"], "decoder EncodeImage")
+    latents = out["latents"]
     return latents, StageResult("decoder", time.monotonic() - t0, done.timing, {"op": "encode_image"})
 
 
@@ -125,21 +120,9 @@ def sample(clients: StageClients, spec: RenderSpec, text_states: torch.Tensor, j
     """`extra`: fl2va tensors ("keyframe_first" / "keyframe_last" latents, "text_tags"). `loras`: (file name in
     the DiT server's loras dir, strength) pairs applied for this request."""
     t0 = time.monotonic()
-    asm = TensorAssembler()
-    done = None
-    for ev in clients.dit.Sample(_sample_inputs(spec, job_id, text_states, extra, loras),
-                                 timeout=timeout_s or DEADLINES["dit"],
-                                 metadata=clients.security.metadata()):
-        kind = ev.WhichOneof("event")
-        if kind == "progress":
-            on_progress(ev.progress)
-        elif kind == "tensor":
-            asm.feed(ev.tensor)
-        elif kind == "done":
-            done = ev.done
-    out = asm.finish(["video_latents", "audio_latents"])
-    if done is None:
-        raise RuntimeError("DiT stream ended without a done event")
+    stream = clients.dit.Sample(_sample_inputs(spec, job_id, text_states, extra, loras),
+                                timeout=timeout_s or DEADLINES["dit"], metadata=clients.security.metadata())
+    out, done = _drain(stream, on_progress, ["video_latents", "audio_latents"], "DiT")
     return out["video_latents"], out["audio_latents"], StageResult(
         "dit", time.monotonic() - t0, done.timing, {"ms_per_step": done.ms_per_step, "ranks": done.world_size})
 
@@ -200,21 +183,9 @@ def decode_raw(clients: StageClients, spec: RenderSpec, video: torch.Tensor, aud
                ) -> tuple[torch.Tensor, torch.Tensor, StageResult]:
     """Decode without muxing: uint8 frames [F, H, W, 3] and float32 stereo audio [2, N] at 32 kHz."""
     t0 = time.monotonic()
-    asm = TensorAssembler()
-    done = None
     stream = clients.decoder.Decode(_decode_inputs(spec, job_id, video, audio, decoder_pb2.RAW, 0),
                                     timeout=timeout_s or DEADLINES["decoder"], metadata=clients.security.metadata())
-    for ev in stream:
-        kind = ev.WhichOneof("event")
-        if kind == "progress":
-            on_progress(ev.progress)
-        elif kind == "tensor":
-            asm.feed(ev.tensor)
-        elif kind == "done":
-            done = ev.done
-    out = asm.finish(["frames", "audio"])
-    if done is None:
-        raise RuntimeError("decoder stream ended without a done event")
+    out, done = _drain(stream, on_progress, ["frames", "audio"], "decoder")
     return out["frames"], out["audio"], StageResult(
         "decoder", time.monotonic() - t0, done.timing,
         {"frames": done.frames, "audio_samples": done.audio_samples, "ranks": done.world_size})

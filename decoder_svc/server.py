@@ -19,7 +19,7 @@ from stagekit.models import safe_name
 from stagekit.render_params import spec_from_proto
 from stagekit.runtime import Job
 from stagekit.server import abort_on_error, followers_ignore_term, startup_errors, stream_job
-from stagekit.servicer import LifecycleMixin
+from stagekit.servicer import LifecycleMixin, timing_pb
 from stagekit.stage import CommonConfig, run_stage
 from stagekit.wire import MAX_CHUNK_BYTES, TensorAssembler, tensor_chunks
 
@@ -34,10 +34,6 @@ class DecoderConfigArgs(CommonConfig):
     video_weights: str = field(default="", metadata={"help": "video VAE file (overrides --models-dir)"})
     audio_weights: str = field(default="", metadata={"help": "audio VAE file (overrides --models-dir)"})
     preset: str = field(default="veryfast", metadata={"help": "x264 preset (ultrafast..veryslow)"})
-
-
-def timing_pb(t: dict) -> common_pb2.Timing:
-    return common_pb2.Timing(**{k: v for k, v in t.items() if k in common_pb2.Timing.DESCRIPTOR.fields_by_name})
 
 
 def file_chunks(path, name: str, mime: str):

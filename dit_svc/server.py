@@ -16,7 +16,7 @@ from stagekit.metrics import observed
 from stagekit.render_params import spec_from_proto
 from stagekit.runtime import Job
 from stagekit.server import abort_on_error, followers_ignore_term, startup_errors, stream_job
-from stagekit.servicer import LifecycleMixin
+from stagekit.servicer import LifecycleMixin, timing_pb
 from stagekit.stage import CommonConfig, run_stage
 from stagekit.wire import TensorAssembler, check_finite, tensor_chunks
 
@@ -36,10 +36,6 @@ class DiTConfigArgs(CommonConfig):
     chunk_rows: int = field(default=4096, metadata={"help": "MLP token chunk (memory vs speed)"})
     loras_dir: str = field(default="", metadata={"help": "LoRAs requested by file name (default <models_dir>/loras)"})
     allow_lora_paths: bool = field(default=False, metadata={"help": "also accept absolute LoRA paths in requests"})
-
-
-def timing_pb(t: dict) -> common_pb2.Timing:
-    return common_pb2.Timing(**{k: v for k, v in t.items() if k in common_pb2.Timing.DESCRIPTOR.fields_by_name})
 
 
 class DiTServicer(LifecycleMixin, dit_pb2_grpc.DiTSamplerServicer):

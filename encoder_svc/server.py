@@ -16,7 +16,7 @@ from stagekit.images import check_canvas, load_keyframe
 from stagekit.metrics import observed
 from stagekit.runtime import Job
 from stagekit.server import abort_on_error, followers_ignore_term, startup_errors, stream_job
-from stagekit.servicer import LifecycleMixin
+from stagekit.servicer import LifecycleMixin, timing_pb
 from stagekit.stage import CommonConfig, run_stage
 from stagekit.wire import tensor_chunks
 
@@ -31,10 +31,6 @@ class EncoderConfigArgs(CommonConfig):
     mode: str = field(default="resident", metadata={"help": "resident | stream (weights on host, layers streamed) | compact (quantised on device)"})
     max_prompt_tokens: int = field(default=1024, metadata={"help": "longest prompt accepted, in tokens"})
     cache_mb: int = field(default=256, metadata={"help": "prompt -> states cache size (0 disables)"})
-
-
-def timing_pb(t: dict) -> common_pb2.Timing:
-    return common_pb2.Timing(**{k: v for k, v in t.items() if k in common_pb2.Timing.DESCRIPTOR.fields_by_name})
 
 
 class EncoderServicer(LifecycleMixin, encoder_pb2_grpc.TextEncoderServicer):

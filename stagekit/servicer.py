@@ -9,6 +9,11 @@ from stagekit.server import abort_on_error
 from stagekit.runtime import StageRuntime
 
 
+def timing_pb(t: dict) -> common_pb2.Timing:
+    """A job's timing dict (queue_s, load_s, ...) as the Timing message every work RPC returns."""
+    return common_pb2.Timing(**{k: v for k, v in t.items() if k in common_pb2.Timing.DESCRIPTOR.fields_by_name})
+
+
 class LifecycleMixin:
     """Mixed into each generated servicer class; needs `self.runtime` and `self.describe()`."""
 

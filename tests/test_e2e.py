@@ -147,3 +147,16 @@ def test_decoder_rejects_mismatched_and_nan_latents(clients, tmp_path):
         decode(clients, spec, bad, good_a, tmp_path / "b.mp4")
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "NaN" in e.value.details()
     assert not list(tmp_path.iterdir()), "nothing may be written for a rejected request"
+
+
+def test_decode_raw_frames_and_audio(clients):
+    import torch
+
+    from client.pipeline import decode_raw
+
+    spec = RenderSpec(prompt="x", width=256, height=256, frames=22)
+    frames, audio, r = decode_raw(clients, spec, torch.randn(24, spec.latent_frames, 16, 16),
+                                  torch.randn(2, 32, spec.audio_latents))
+    assert frames.dtype == torch.uint8 and tuple(frames.shape) == (22, 256, 256, 3)
+    assert audio.shape[0] == 2 and abs(audio.shape[1] - 22 / 24 * 32000) <= 800
+    assert r.extra["frames"] == 22
