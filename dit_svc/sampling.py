@@ -33,24 +33,18 @@ from typing import Callable, Literal
 import torch
 
 from stagekit.errors import Cancelled as _StageCancelled
+from stagekit.render_params import DEFAULT_STEPS, MAX_SEED, MAX_STEPS, MIN_STEPS, SAMPLERS, SCHEDULERS
 
 # ---- model-defined constants --------------------------------------------------------------------------------------
 VIDEO_SHIFT = 12.0  # sigma_shift_video of the release (§7.2)
 AUDIO_SHIFT = 3.0  # sigma_shift_audio of the release (§7.2)
-DEFAULT_STEPS = 8  # model evaluations in the stock ComfyUI template (res_multistep + simple)
-MIN_STEPS = 1
-MAX_STEPS = 200  # service limit (common.proto RenderParams.steps)
 
 # ComfyUI's ModelSamplingDiscreteFlow keeps a table of 1000 sigmas, sigma(k / 1000) for k = 1..1000; the `simple`
 # scheduler picks evenly spaced entries from it (§7.2).
 FLOW_TABLE_SIZE = 1000
 
-SAMPLERS = ("res_multistep", "euler")
-SCHEDULERS = ("simple", "diffusers")
 SamplerName = Literal["res_multistep", "euler"]
 SchedulerName = Literal["simple", "diffusers"]
-
-MAX_SEED = 2**63 - 1  # common.proto RenderParams.seed
 
 # denoise(x_video, x_audio, t_video, t_audio) -> (v_video, v_audio), data-ward velocities of the TARGET rows.
 DenoiseFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]

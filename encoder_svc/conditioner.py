@@ -485,4 +485,3 @@ def resolve_tokenizer(tokenizer, ckpt_path: Path) -> TextTokenizer | None:
     return None
 
 
-_resolve_tokenizer = resolve_tokenizer  # old private name, kept for callers that imported it

@@ -25,7 +25,7 @@ MIN_STEPS, MAX_STEPS = 1, 200
 MAX_SEED = 2**63 - 1
 SAMPLERS = ("res_multistep", "euler")
 SCHEDULERS = ("simple", "diffusers")
-DEFAULT_STEPS = 8
+DEFAULT_STEPS = 8          # model calls in the stock ComfyUI template (res_multistep + simple)
 DEFAULT_SIZE = (832, 480)
 DEFAULT_FRAMES = 124
 
