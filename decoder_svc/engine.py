@@ -24,7 +24,7 @@ from decoder_svc.video_vae import VideoVAEConfig, decode_unit, load_video_vae, w
 from stagekit.checkpoints import read_header
 from stagekit.dist import RankGroup
 from stagekit.errors import FailedPrecondition, InvalidArgument
-from stagekit.models import ensure_embedded, find_checkpoint
+from stagekit.models import ensure_embedded, resolve_checkpoint
 from stagekit.render_params import RenderSpec, validate
 from stagekit.wire import check_finite
 
@@ -51,22 +51,16 @@ class DecoderEngineConfig:
 
 
 def resolve_weights(cfg: DecoderEngineConfig) -> tuple[Path, Path, bool]:
-    if cfg.video_weights or cfg.audio_weights:
-        if not (cfg.video_weights and cfg.audio_weights):
-            raise FailedPrecondition("give both --video-weights and --audio-weights (or --models-dir)")
-        v, a = Path(cfg.video_weights).expanduser(), Path(cfg.audio_weights).expanduser()
-        for p in (v, a):
-            if not p.exists():
-                raise FailedPrecondition(f"decoder weights {p} do not exist")
-        return v, a, False
-    if cfg.models_dir:
-        return (find_checkpoint(cfg.models_dir, VIDEO_PATTERNS, "MiniMax-H3 video VAE"),
-                find_checkpoint(cfg.models_dir, AUDIO_PATTERNS, "MiniMax-H3 audio VAE"), False)
-    v = ensure_embedded(cfg.cache_dir, EMBEDDED_VIDEO,
-                        lambda tmp: write_tiny_video_vae(str(tmp), VideoVAEConfig.tiny(), EMBEDDED_SEED))
-    a = ensure_embedded(cfg.cache_dir, EMBEDDED_AUDIO,
-                        lambda tmp: write_tiny_audio_vae(tmp, AudioVAEConfig.tiny(), EMBEDDED_SEED))
-    return v, a, True
+    """(video VAE, audio VAE, is_embedded): both explicit, both from --models-dir, or both embedded."""
+    if bool(cfg.video_weights) != bool(cfg.audio_weights):
+        raise FailedPrecondition("give both --video-weights and --audio-weights (or --models-dir)")
+    v, embedded = resolve_checkpoint(cfg.video_weights, cfg.models_dir, VIDEO_PATTERNS, "MiniMax-H3 video VAE",
+                                     lambda: ensure_embedded(cfg.cache_dir, EMBEDDED_VIDEO, lambda tmp: write_tiny_video_vae(
+                                         str(tmp), VideoVAEConfig.tiny(), EMBEDDED_SEED)))
+    a, _ = resolve_checkpoint(cfg.audio_weights, cfg.models_dir, AUDIO_PATTERNS, "MiniMax-H3 audio VAE",
+                              lambda: ensure_embedded(cfg.cache_dir, EMBEDDED_AUDIO, lambda tmp: write_tiny_audio_vae(
+                                  tmp, AudioVAEConfig.tiny(), EMBEDDED_SEED)))
+    return v, a, embedded
 
 
 def check_headers(video: Path, audio: Path) -> None:

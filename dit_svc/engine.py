@@ -29,7 +29,7 @@ from dit_svc.tp import validate_tp
 from stagekit.dist import RankGroup
 from stagekit.errors import FailedPrecondition, InvalidArgument
 from stagekit.kernels import AUTO, KernelConfig, KernelSelection, select_kernels
-from stagekit.models import ensure_embedded, find_checkpoint
+from stagekit.models import ensure_embedded, resolve_checkpoint
 from stagekit.quant import Int8ConvRotLinear, QuantizedWeight
 from stagekit.render_params import RenderSpec, validate
 
@@ -69,16 +69,9 @@ class DiTEngineConfig:
 
 def resolve_weights(cfg: DiTEngineConfig) -> tuple[Path, bool]:
     """(checkpoint path, is_embedded)."""
-    if cfg.weights:
-        p = Path(cfg.weights).expanduser()
-        if not p.exists():
-            raise FailedPrecondition(f"DiT weights {p} do not exist")
-        return p, False
-    if cfg.models_dir:
-        return find_checkpoint(cfg.models_dir, CHECKPOINT_PATTERNS, "MiniMax-H3 DiT checkpoint"), False
-    path = ensure_embedded(cfg.cache_dir, EMBEDDED_FILE,
-                           lambda tmp: write_tiny_checkpoint(embedded_config(), tmp, "bf16", seed=EMBEDDED_SEED))
-    return path, True
+    return resolve_checkpoint(cfg.weights, cfg.models_dir, CHECKPOINT_PATTERNS, "MiniMax-H3 DiT checkpoint",
+                              lambda: ensure_embedded(cfg.cache_dir, EMBEDDED_FILE, lambda tmp: write_tiny_checkpoint(
+                                  embedded_config(), tmp, "bf16", seed=EMBEDDED_SEED)))
 
 
 class DiTEngine:

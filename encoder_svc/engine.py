@@ -21,7 +21,7 @@ from encoder_svc.tiny import write_tiny_model
 from encoder_svc.tokenizer import validate_prompt
 from stagekit.dist import RankGroup
 from stagekit.errors import FailedPrecondition
-from stagekit.models import EMBEDDED_VERSION, find_checkpoint
+from stagekit.models import EMBEDDED_VERSION, resolve_checkpoint
 
 log = logging.getLogger("encoder_svc")
 
@@ -42,14 +42,10 @@ class EncoderEngineConfig:
 
 
 def resolve_weights(cfg: EncoderEngineConfig) -> tuple[Path, bool]:
-    if cfg.weights:
-        p = Path(cfg.weights).expanduser()
-        if not p.exists():
-            raise FailedPrecondition(f"text encoder weights {p} do not exist")
-        return p, False
-    if cfg.models_dir:
-        return find_checkpoint(cfg.models_dir, CHECKPOINT_PATTERNS, "Qwen3-VL text encoder for MiniMax-H3"), False
-    return write_tiny_model(Path(cfg.cache_dir) / EMBEDDED_VERSION / "text_encoder", variant="bf16"), True
+    """(checkpoint path, is_embedded); the embedded tiny model comes with its own tokenizer.json."""
+    return resolve_checkpoint(cfg.weights, cfg.models_dir, CHECKPOINT_PATTERNS, "Qwen3-VL text encoder for MiniMax-H3",
+                              lambda: write_tiny_model(Path(cfg.cache_dir) / EMBEDDED_VERSION / "text_encoder",
+                                                       variant="bf16"))
 
 
 class EncoderEngine:

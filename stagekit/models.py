@@ -53,6 +53,19 @@ def find_checkpoint(models_dir: str | Path, patterns: list[str], what: str) -> P
         f"no {what} found under {root}: looked for {', '.join(patterns)}; pass the file explicitly with --weights")
 
 
+def resolve_checkpoint(explicit: str, models_dir: str, patterns: list[str], what: str,
+                       embedded: Callable[[], Path]) -> tuple[Path, bool]:
+    """(path, is_embedded): an explicit --weights path, else a match under --models-dir, else the embedded model."""
+    if explicit:
+        p = Path(explicit).expanduser()
+        if not p.exists():
+            raise FailedPrecondition(f"{what} weights {p} do not exist")
+        return p, False
+    if models_dir:
+        return find_checkpoint(models_dir, patterns, what), False
+    return embedded(), True
+
+
 def safe_name(name: str, default: str) -> str:
     """A bare file name for outputs: no directories, no traversal, no hidden files."""
     base = os.path.basename(name or "")
