@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -106,7 +107,7 @@ def run_stage(cfg: CommonConfig, stage: str, make_engine: Callable[[CommonConfig
     if not info.is_leader:
         follower_loop(engine, group)
         group.close()
-        return
+        _exit_cleanly()
     # The lease object always exists (its event log records residency in both modes); only exclusive mode
     # takes it. The memory budget gates admission in both modes and reservations in shared mode.
     who = f"{stage}@pid{os.getpid()}"
@@ -148,3 +149,13 @@ def run_stage(cfg: CommonConfig, stage: str, make_engine: Callable[[CommonConfig
     if metrics is not None:
         metrics.close()
     group.close()
+    _exit_cleanly()
+
+
+def _exit_cleanly() -> None:
+    """Exit 0 once the drain is done, without interpreter finalisation: gRPC's and torch's native threads can
+    abort the process (SIGABRT) while Python tears down modules under them, turning a clean drain into a crash."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
