@@ -33,7 +33,6 @@ log = logging.getLogger("decoder_svc")
 VIDEO_PATTERNS = ["*minimax_h3*video*vae*.safetensors", "*minimax*h3*vae*.safetensors", "video_vae"]
 AUDIO_PATTERNS = ["*minimax_h3*audio*vae*.safetensors", "*minimax*h3*audio*.safetensors", "audio_vae"]
 EMBEDDED_VIDEO, EMBEDDED_AUDIO, EMBEDDED_SEED = "video_vae_tiny_fp16.safetensors", "audio_vae_tiny.safetensors", 0
-AUDIO_RATE = 32000
 VIDEO_LATENT_CHANNELS, AUDIO_LATENT_CHANNELS, STEREO = 24, 32, 2
 DEFAULT_CRF = 18
 
@@ -146,7 +145,6 @@ class DecoderEngine:
     def run(self, job, inputs: dict, ctx) -> dict:
         if job.get("op") == "encode_image":
             return self.encode_image(inputs["image"], ctx)
-        spec: RenderSpec = job["spec"]
         if self.video is None:
             raise FailedPrecondition("decoder not loaded")
         video_lat = inputs["video_latents"].float()

@@ -19,11 +19,11 @@ import torch
 from dit_svc.checkpoint import inspect_checkpoint, load_dit_weights, tp_rule
 from dit_svc.config import TAG_TEXT, TAG_VIDEO, DiTConfig
 from dit_svc.keyframes import (KEYFRAME_TENSORS, TEXT_TAGS_TENSOR, check_keyframe, check_text_tags, condition_rows,
-                               conditioned_denoise, draw_noise, keyframe_anchors)
+                               conditioned_denoise, keyframe_anchors)
 from dit_svc.layout import build_layout, latent_shape, patchify_audio, patchify_video, unpatchify_audio, unpatchify_video
 from dit_svc.lora import LoRAError, LoRAManager, check_lora_file, config_targets, resolve_lora_path
 from dit_svc.model import H3DiT
-from dit_svc.sampling import SamplerConfig, sample
+from dit_svc.sampling import SamplerConfig, draw_noise, sample
 from dit_svc.tiny_checkpoint import write_tiny_checkpoint
 from dit_svc.tp import validate_tp
 from stagekit.dist import RankGroup
@@ -281,7 +281,7 @@ class DiTEngine:
     def run(self, spec: RenderSpec, inputs: dict, ctx) -> dict:
         if self.model is None:
             raise FailedPrecondition("DiT not loaded")
-        cfg, mcfg, dev = self.cfg, self.model_cfg, self.cfg.device
+        mcfg, dev = self.model_cfg, self.cfg.device
         self.loras.activate(inputs.get("loras", ()))  # unmerged, cached per rank; [] restores the base model
         text = inputs["text_states"].to(dev)
         shape = latent_shape(mcfg, spec.frames, spec.height, spec.width)

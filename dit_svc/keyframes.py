@@ -58,17 +58,6 @@ def check_text_tags(tags: torch.Tensor, text_len: int, text_tag: int, video_tag:
     return tags
 
 
-def draw_noise(seed: int, cond_shapes: Sequence[Sequence[int]], video_shape: Sequence[int],
-               audio_shape: Sequence[int]) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
-    """(per-keyframe noises, video noise, audio noise), fp32 standard normal from one CPU generator (see module doc).
-    CPU-drawn so every rank and every device gets the same bits."""
-    gen = torch.Generator(device="cpu").manual_seed(seed)
-    conds = [torch.randn(tuple(s), generator=gen, dtype=torch.float32) for s in cond_shapes]
-    video = torch.randn(tuple(video_shape), generator=gen, dtype=torch.float32)
-    audio = torch.randn(tuple(audio_shape), generator=gen, dtype=torch.float32)
-    return conds, video, audio
-
-
 def condition_rows(latents: Sequence[torch.Tensor], noises: Sequence[torch.Tensor],
                    patch: Sequence[int]) -> torch.Tensor | None:
     """Noised (0.999·z + 0.001·ε) and patchified conditioning rows of the keyframes, in packed order; None if none."""

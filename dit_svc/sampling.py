@@ -235,16 +235,26 @@ def _check_shape(shape, name: str) -> tuple[int, ...]:
     return shape
 
 
-def initial_noise(seed: int, video_shape, audio_shape, device: torch.device | str | None = None
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Standard-normal fp32 (video, audio) noise for `seed`, drawn on a CPU generator (video first, then audio) and
-    only then moved to `device`, so every device and every TP rank gets the same bits."""
+def draw_noise(seed: int, cond_shapes, video_shape, audio_shape
+               ) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
+    """(per-keyframe noises, video noise, audio noise): standard-normal fp32 from one CPU generator, keyframes first,
+    then video, then audio (diffusers' draw order). CPU-drawn so every device and every TP rank gets the same bits;
+    without keyframes the video/audio bits are those of `initial_noise`."""
     _check_int(seed, "seed", 0, MAX_SEED)
+    shapes = [_check_shape(s, f"cond_shapes[{i}]") for i, s in enumerate(cond_shapes)]
     video_shape = _check_shape(video_shape, "video_shape")
     audio_shape = _check_shape(audio_shape, "audio_shape")
     gen = torch.Generator(device="cpu").manual_seed(seed)
-    video = torch.randn(video_shape, generator=gen, dtype=torch.float32, device="cpu")
-    audio = torch.randn(audio_shape, generator=gen, dtype=torch.float32, device="cpu")
+    conds = [torch.randn(s, generator=gen, dtype=torch.float32) for s in shapes]
+    video = torch.randn(video_shape, generator=gen, dtype=torch.float32)
+    audio = torch.randn(audio_shape, generator=gen, dtype=torch.float32)
+    return conds, video, audio
+
+
+def initial_noise(seed: int, video_shape, audio_shape, device: torch.device | str | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """t2va noise (video, audio) for `seed` (see `draw_noise`), moved to `device` after drawing."""
+    _, video, audio = draw_noise(seed, (), video_shape, audio_shape)
     if device is not None:
         video, audio = video.to(device), audio.to(device)
     return video, audio

@@ -20,7 +20,7 @@ import torch
 
 from decoder_svc.audio_vae import AudioVAE, AudioVAEConfig, random_init_
 from decoder_svc.video_tiling import StreamingAssembler, plan_decode
-from decoder_svc.video_vae import VideoVAE, VideoVAEConfig, decode_unit, tiny_state_dict
+from decoder_svc.video_vae import VideoVAE, VideoVAEConfig, decode_unit
 from stagekit.render_params import RenderSpec
 
 GIB = 2**30

@@ -21,7 +21,8 @@ import torch
 from PIL import Image
 
 from dit_svc.config import DiTConfig
-from dit_svc.keyframes import KEYFRAME_NOISE_AUG, condition_rows, conditioned_denoise, draw_noise
+from dit_svc.keyframes import KEYFRAME_NOISE_AUG, condition_rows, conditioned_denoise
+from dit_svc.sampling import draw_noise
 from dit_svc.layout import build_layout, patchify_audio, patchify_video
 from dit_svc.model import H3DiT
 from dit_svc.sampling import SamplerConfig, initial_noise, sample
