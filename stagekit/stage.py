@@ -89,8 +89,7 @@ class CommonConfig(ServeConfig):
 
 
 def run_stage(cfg: CommonConfig, stage: str, make_engine: Callable[[CommonConfig, RankInfo, RankGroup], Engine],
-              service_name: str, add_servicer: Callable[[grpc.Server, StageRuntime], None],
-              metrics_factory: Callable[[StageRuntime], object] | None = None) -> None:
+              service_name: str, add_servicer: Callable[[grpc.Server, StageRuntime], None]) -> None:
     logging.basicConfig(level=cfg.log_level.upper(), format=f"%(asctime)s {stage}[%(process)d] %(levelname)s %(message)s")
     info = rank_info_from_env()
     device = cfg.device_for_rank(info)
@@ -137,8 +136,6 @@ def run_stage(cfg: CommonConfig, stage: str, make_engine: Callable[[CommonConfig
         interceptors.append(metrics.interceptor())
     server = StageServer(cfg, [service_name], lambda s: add_servicer(s, runtime), interceptors=interceptors)
     holder["server"] = server
-    if metrics_factory is not None:
-        runtime.metrics = metrics_factory(runtime)
     if metrics is not None:
         port = metrics.serve(cfg.host, cfg.metrics_port, cfg.port_file)
         print(f"{stage} metrics on http://{cfg.host}:{port}/metrics", flush=True)
