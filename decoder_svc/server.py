@@ -73,7 +73,7 @@ class DecoderServicer(LifecycleMixin, decoder_pb2_grpc.DecoderServicer):
         if req.crf > MAX_CRF:
             raise InvalidArgument(f"crf={req.crf} is not valid: use 0 (default 18) .. {MAX_CRF}")
         fmt = FORMATS[req.format]
-        default_name = f"{req.job_id or 'render'}.{ 'wav' if fmt == 'wav' else 'mp4'}"
+        default_name = f"{req.job_id or 'render'}.{'wav' if fmt == 'wav' else 'mp4'}"
         name = safe_name(req.output_name, safe_name(default_name, "render.mp4"))
         try:
             shapes = expected_shapes(spec)
@@ -119,7 +119,6 @@ class DecoderServicer(LifecycleMixin, decoder_pb2_grpc.DecoderServicer):
                 world_size=self.runtime.group.world_size))
 
         yield from stream_job(self.runtime, job, context, observed(self.runtime, job, on_event))
-
 
     def _read_image(self, request):
         """EncodeImageRequest -> the canvas-sized uint8 [H, W, 3] keyframe; every bad input is INVALID_ARGUMENT."""

@@ -414,7 +414,7 @@ def print_table(result) -> None:
           "err vs diffusers | err vs bf16 | speed vs diffusers |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     f = lambda v, fmt: "" if v is None else format(v, fmt)  # noqa: E731
-    for name, vres in result["variants"].items():
+    for vres in result["variants"].values():
         for key, r in vres["shapes"].items():
             print(f"| {vres['label']} | {key} | {r['S']} | {r['s_per_step']:.3f} | {r['tflops']:.0f} | "
                   f"{r['x_floor']:.2f} | {f(r.get('kernels_s'), '.3f')} | {f(r.get('overhead_s'), '.3f')} | "

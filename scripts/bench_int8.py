@@ -90,7 +90,7 @@ def main() -> None:
             rows.append((label, p, rel_err(outs[p], ref), extra, ms))
 
     tflop = 2 * args.m * args.k * args.n / 1e12
-    print(f"\n| activations | path | rel err vs fp32 | kernel vs dequant | ms/call | TFLOP/s |")
+    print("\n| activations | path | rel err vs fp32 | kernel vs dequant | ms/call | TFLOP/s |")
     print("|---|---|---|---|---|---|")
     for label, p, err, kd, ms in rows:
         kd_s = "" if kd != kd else f"{kd:.2e}"

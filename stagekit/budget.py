@@ -171,7 +171,7 @@ class MemoryBudget:
                       for dev, b in books.items()}
             if budget > 0 and any(o + nbytes > budget for o in others.values()):
                 return False, others
-            for dev, book in books.items():
+            for book in books.values():
                 book["reservations"][self.cfg.holder] = {"bytes": nbytes, "pid": os.getpid(), "t": time.time()}
             # Logged inside the ledger lock: the log's order is the ledger's order.
             self.events.write(event, devices=self.ids, bytes=nbytes, budget=budget,
