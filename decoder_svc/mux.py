@@ -12,7 +12,6 @@ measurements in the decoder report); `preset` / `crf` are parameters, not consta
 
 from __future__ import annotations
 
-import io
 import os
 import shutil
 import tempfile
@@ -20,7 +19,7 @@ import time
 from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
-from typing import IO, Iterator, Union
+from typing import IO, Union
 
 import numpy as np
 
@@ -285,48 +284,6 @@ def write_mp4(
     return info
 
 
-def iter_mp4_bytes(
-    frames,
-    audio=None,
-    *,
-    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-    fps: int = DEFAULT_FPS,
-    crf: int = DEFAULT_CRF,
-    preset: str = DEFAULT_PRESET,
-    audio_bitrate: int = DEFAULT_AUDIO_BITRATE,
-    threads: int = 0,
-    faststart: bool = True,
-    match_audio_to_video: bool = True,
-    value_range: tuple[float, float] = (0.0, 1.0),
-    tmp_dir: str | os.PathLike | None = None,
-) -> Iterator[bytes]:
-    """Encode like `write_mp4`, then yield the finished file in `chunk_bytes` pieces (for gRPC streaming).
-
-    MP4 needs a seekable output (the moov box is written last, faststart moves it to the front), so
-    the file is fully encoded into a temp file first; a failed encode raises before any byte is yielded.
-    The temp file is removed when the generator finishes or is closed.
-    """
-    if chunk_bytes < 1:
-        raise ValueError("chunk_bytes must be positive")
-    _check_args(fps, crf, preset)
-    tmp, _info = _encode_to_temp(
-        frames, audio, fps, crf, preset, audio_bitrate, threads, faststart, tmp_dir, match_audio_to_video, value_range
-    )
-    try:
-        with open(tmp, "rb") as fh:
-            while chunk := fh.read(chunk_bytes):
-                yield chunk
-    finally:
-        Path(tmp).unlink(missing_ok=True)
-
-
-def encode_mp4_bytes(frames, audio=None, **kwargs) -> bytes:
-    """Whole MP4 as bytes (small outputs / tests)."""
-    buf = io.BytesIO()
-    write_mp4(buf, frames, audio, **kwargs)
-    return buf.getvalue()
-
-
 def write_wav(
     path: str | os.PathLike,
     audio,
@@ -361,10 +318,8 @@ __all__ = [
     "DEFAULT_FPS",
     "DEFAULT_PRESET",
     "MuxInfo",
-    "encode_mp4_bytes",
     "expected_audio_samples",
     "frames_to_uint8",
-    "iter_mp4_bytes",
     "write_mp4",
     "write_wav",
 ]

@@ -14,10 +14,8 @@ import torch
 import decoder_svc.mux as mux
 from decoder_svc.mux import (
     AUDIO_SAMPLE_RATE,
-    encode_mp4_bytes,
     expected_audio_samples,
     frames_to_uint8,
-    iter_mp4_bytes,
     write_mp4,
     write_wav,
 )
@@ -129,28 +127,17 @@ def test_decoded_content_is_close(tmp_path):
     assert np.abs(got.astype(np.int16) - frames).mean() < 6.0  # lossy, but the right frames in order
 
 
-def test_streaming_bytes_and_filelike(tmp_path):
+def test_filelike_output_is_faststart(tmp_path):
+    """The service streams the finished file as it is written: the index (moov) must come before the media."""
     frames, audio = _frames_uint8(), _audio(expected_audio_samples(F))
     before = set(tmp_path.iterdir())
-    chunks = list(iter_mp4_bytes(frames, audio, chunk_bytes=4096, tmp_dir=tmp_path))
-    assert len(chunks) > 1 and all(0 < len(c) <= 4096 for c in chunks)
-    assert set(tmp_path.iterdir()) == before  # temp file removed after streaming
-    data = b"".join(chunks)
+    buf = io.BytesIO()
+    write_mp4(buf, frames, audio)
+    assert set(tmp_path.iterdir()) == before
+    data = buf.getvalue()
     assert data[4:8] == b"ftyp"
     assert data.find(b"moov") < data.find(b"mdat")  # faststart: playable while streaming
     _assert_contract(_probe(data))
-    buf = io.BytesIO()
-    write_mp4(buf, frames, audio)
-    _assert_contract(_probe(buf.getvalue()))
-    assert len(encode_mp4_bytes(frames, audio)) > 0
-
-
-def test_streaming_closed_early_removes_temp(tmp_path):
-    gen = iter_mp4_bytes(_frames_uint8(), _audio(1000), chunk_bytes=1024, tmp_dir=tmp_path)
-    next(gen)
-    assert any(p.name.endswith(".tmp") for p in tmp_path.iterdir())
-    gen.close()
-    assert not list(tmp_path.iterdir())
 
 
 def test_atomic_write_on_mid_encode_failure(tmp_path):
