@@ -18,7 +18,7 @@ from stagekit.metrics import observed
 from stagekit.models import safe_name
 from stagekit.render_params import spec_from_proto
 from stagekit.runtime import Job
-from stagekit.server import abort_on_error, followers_ignore_term, startup_errors, stream_job
+from stagekit.server import abort_on_error, stream_job
 from stagekit.servicer import LifecycleMixin, timing_pb
 from stagekit.stage import CommonConfig, run_stage
 from stagekit.wire import MAX_CHUNK_BYTES, TensorAssembler, tensor_chunks
@@ -167,10 +167,8 @@ def make_engine(cfg: DecoderConfigArgs, info, group) -> DecoderEngine:
 
 def main(argv: list[str] | None = None) -> None:
     cfg = parse_config(DecoderConfigArgs, argv, env_prefix="H3_DECODER_", description="MiniMax-H3 VAE decoder stage")
-    followers_ignore_term()
-    with startup_errors("decoder"):
-        run_stage(cfg, "decoder", make_engine, SERVICE,
-                  lambda server, runtime: decoder_pb2_grpc.add_DecoderServicer_to_server(DecoderServicer(runtime), server))
+    run_stage(cfg, "decoder", make_engine, SERVICE,
+              lambda server, runtime: decoder_pb2_grpc.add_DecoderServicer_to_server(DecoderServicer(runtime), server))
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ from stagekit.errors import InvalidArgument
 from stagekit.metrics import observed
 from stagekit.render_params import spec_from_proto
 from stagekit.runtime import Job
-from stagekit.server import abort_on_error, followers_ignore_term, startup_errors, stream_job
+from stagekit.server import abort_on_error, stream_job
 from stagekit.servicer import LifecycleMixin, timing_pb
 from stagekit.stage import CommonConfig, run_stage
 from stagekit.wire import TensorAssembler, check_finite, tensor_chunks
@@ -112,10 +112,8 @@ def make_engine(cfg: DiTConfigArgs, info, group) -> DiTEngine:
 
 def main(argv: list[str] | None = None) -> None:
     cfg = parse_config(DiTConfigArgs, argv, env_prefix="H3_DIT_", description="MiniMax-H3 DiT sampler stage")
-    followers_ignore_term()
-    with startup_errors("dit"):
-        run_stage(cfg, "dit", make_engine, SERVICE,
-                  lambda server, runtime: dit_pb2_grpc.add_DiTSamplerServicer_to_server(DiTServicer(runtime), server))
+    run_stage(cfg, "dit", make_engine, SERVICE,
+              lambda server, runtime: dit_pb2_grpc.add_DiTSamplerServicer_to_server(DiTServicer(runtime), server))
 
 
 if __name__ == "__main__":

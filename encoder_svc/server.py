@@ -15,7 +15,7 @@ from stagekit.errors import FailedPrecondition, InvalidArgument
 from stagekit.images import check_canvas, load_keyframe
 from stagekit.metrics import observed
 from stagekit.runtime import Job
-from stagekit.server import abort_on_error, followers_ignore_term, startup_errors, stream_job
+from stagekit.server import abort_on_error, stream_job
 from stagekit.servicer import LifecycleMixin, timing_pb
 from stagekit.stage import CommonConfig, run_stage
 from stagekit.wire import tensor_chunks
@@ -109,10 +109,8 @@ def make_engine(cfg: EncoderConfigArgs, info, group) -> EncoderEngine:
 
 def main(argv: list[str] | None = None) -> None:
     cfg = parse_config(EncoderConfigArgs, argv, env_prefix="H3_ENCODER_", description="MiniMax-H3 text encoder stage")
-    followers_ignore_term()
-    with startup_errors("encoder"):
-        run_stage(cfg, "encoder", make_engine, SERVICE,
-                  lambda server, runtime: encoder_pb2_grpc.add_TextEncoderServicer_to_server(EncoderServicer(runtime), server))
+    run_stage(cfg, "encoder", make_engine, SERVICE,
+              lambda server, runtime: encoder_pb2_grpc.add_TextEncoderServicer_to_server(EncoderServicer(runtime), server))
 
 
 if __name__ == "__main__":

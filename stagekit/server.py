@@ -12,7 +12,6 @@ from __future__ import annotations
 import hmac
 import ipaddress
 import logging
-import os
 import signal
 import socket
 import threading
@@ -27,7 +26,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from stagekit.errors import StageError, Unavailable, status_for
+from stagekit.errors import StageError, status_for
 from stagekit.runtime import Job, JobEvent, StageRuntime
 from stagekit.wire import MAX_CHUNK_BYTES
 
@@ -200,11 +199,11 @@ def job_status(runtime: StageRuntime, exc: BaseException) -> tuple[grpc.StatusCo
     return code, msg
 
 
-def followers_ignore_term() -> None:
+def followers_ignore_term(is_leader: bool) -> None:
     """Ranks > 0 ignore SIGTERM/SIGINT. torchrun forwards a SIGTERM to every rank, but only rank 0 decides when
     the group stops: it drains (finishes or cancels the running job), then broadcasts exit to the followers. A
     follower dying on the signal first would break the in-flight job's collectives."""
-    if int(os.environ.get("RANK", "0")) > 0:
+    if not is_leader:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, signal.SIG_IGN)
 
@@ -227,8 +226,3 @@ def abort_on_error(context: grpc.ServicerContext, fn: Callable, *args):
     except Exception as e:  # noqa: BLE001
         code, msg = status_for(e)
         context.abort(code, msg)
-
-
-def refuse_when_draining(runtime: StageRuntime) -> None:
-    if runtime._stop.is_set():  # noqa: SLF001 - the runtime's own shutdown flag
-        raise Unavailable("stage is draining; retry on another replica")

@@ -19,7 +19,7 @@ from stagekit.budget import BudgetConfig, MemoryBudget, resolve_budget_bytes
 from stagekit.dist import RankGroup, RankInfo, rank_info_from_env
 from stagekit.lease import DeviceLease, LeaseConfig
 from stagekit.runtime import Engine, RuntimeConfig, StageRuntime, follower_loop
-from stagekit.server import ServeConfig, StageServer
+from stagekit.server import ServeConfig, StageServer, followers_ignore_term, startup_errors
 
 log = logging.getLogger("stagekit.stage")
 
@@ -92,6 +92,31 @@ def run_stage(cfg: CommonConfig, stage: str, make_engine: Callable[[CommonConfig
               service_name: str, add_servicer: Callable[[grpc.Server, StageRuntime], None]) -> None:
     logging.basicConfig(level=cfg.log_level.upper(), format=f"%(asctime)s {stage}[%(process)d] %(levelname)s %(message)s")
     info = rank_info_from_env()
+    followers_ignore_term(info.is_leader)
+    with startup_errors(stage):
+        up = _start(cfg, stage, info, make_engine, service_name, add_servicer)
+    if up.server is None:
+        follower_loop(up.engine, up.group)
+    else:
+        up.server.run_until_terminated(up.runtime)
+        if up.metrics is not None:
+            up.metrics.close()
+    up.group.close()
+    _exit_cleanly()
+
+
+@dataclass
+class _Started:
+    group: RankGroup
+    engine: Engine
+    runtime: StageRuntime | None = None  # leader only
+    server: StageServer | None = None
+    metrics: object | None = None
+
+
+def _start(cfg: CommonConfig, stage: str, info: RankInfo, make_engine, service_name: str, add_servicer):
+    """Everything up to serving: device, rank group, engine, lease, budget, runtime, metrics, gRPC server
+    (followers stop after the engine: rank 0 drives them)."""
     device = cfg.device_for_rank(info)
     if device.startswith("cuda"):
         import torch
@@ -104,9 +129,7 @@ def run_stage(cfg: CommonConfig, stage: str, make_engine: Callable[[CommonConfig
     group = RankGroup(info, backend, cfg.collective_timeout_s)
     engine = make_engine(cfg, info, group)
     if not info.is_leader:
-        follower_loop(engine, group)
-        group.close()
-        _exit_cleanly()
+        return _Started(group, engine)
     # The lease object always exists (its event log records residency in both modes); only exclusive mode
     # takes it. The memory budget gates admission in both modes and reservations in shared mode.
     who = f"{stage}@pid{os.getpid()}"
@@ -142,11 +165,7 @@ def run_stage(cfg: CommonConfig, stage: str, make_engine: Callable[[CommonConfig
     server.start()
     server.set_serving(True)
     print(f"{stage} serving on {cfg.host}:{server.port} (ranks={info.world_size}, device={device})", flush=True)
-    server.run_until_terminated(runtime)
-    if metrics is not None:
-        metrics.close()
-    group.close()
-    _exit_cleanly()
+    return _Started(group, engine, runtime, server, metrics)
 
 
 def _exit_cleanly() -> None:
