@@ -56,6 +56,20 @@ def _reachable(ep: Endpoints, security: Security) -> bool:
         return all(health_of(c.channels[s], SERVICE_NAMES[s]) != "UNREACHABLE" for s in STAGES)
 
 
+def connect_or_start(args, security: Security, extra_args: dict[str, list[str]] | None = None):
+    """(endpoints, stack): the configured stages if reachable, else an embedded local stack (stop it after)."""
+    from client.embedded import EmbeddedStack, StackConfig
+
+    endpoints = configured_endpoints(args)
+    if endpoints is not None and _reachable(endpoints, security):
+        return endpoints, None
+    if endpoints is not None:
+        print("configured endpoints are unreachable; starting an embedded local stack", file=sys.stderr)
+    stack = EmbeddedStack(StackConfig(models_dir=args.models_dir, devices=args.devices, extra_args=extra_args or {}))
+    print("starting embedded stack (encoder, dit, decoder) on loopback ...", file=sys.stderr)
+    return stack.start(), stack
+
+
 def add_endpoint_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--encoder", help="text encoder endpoint host:port (or a list for round_robin)")
     ap.add_argument("--dit", help="DiT sampler endpoint")
@@ -83,7 +97,6 @@ def parse_lora_arg(text: str) -> tuple[str, float]:
 
 
 def cmd_render(args) -> int:
-    from client.embedded import EmbeddedStack, StackConfig
     from client.progress import RenderProgress, print_summary
     from client.pipeline import render, render_many
 
@@ -112,14 +125,7 @@ def cmd_render(args) -> int:
         print(f"error: {e.message}", file=sys.stderr)
         return 2
     security = Security(args.token, args.tls_ca)
-    endpoints = configured_endpoints(args)
-    stack = None
-    if endpoints is None or not _reachable(endpoints, security):
-        if endpoints is not None:
-            print("configured endpoints are unreachable; starting an embedded local stack", file=sys.stderr)
-        stack = EmbeddedStack(StackConfig(models_dir=args.models_dir, devices=args.devices))
-        print("starting embedded stack (encoder, dit, decoder) on loopback ...", file=sys.stderr)
-        endpoints = stack.start()
+    endpoints, stack = connect_or_start(args, security)
     if not args.models_dir and stack is not None:
         print(EMBEDDED_NOTE, file=sys.stderr)
     try:

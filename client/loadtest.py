@@ -709,8 +709,7 @@ def request_messages(cfg: LoadConfig, index: int = 0, text_shape: tuple[int, int
 
 
 def cmd_loadtest(args) -> int:
-    from client.__main__ import _reachable, configured_endpoints
-    from client.embedded import EmbeddedStack, StackConfig
+    from client.__main__ import connect_or_start
     from client.stubs import Security
 
     cfg = LoadConfig(stage=args.stage, concurrency=args.concurrency, requests=args.requests or 0,
@@ -728,19 +727,12 @@ def cmd_loadtest(args) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     security = Security(args.token, args.tls_ca)
-    endpoints = configured_endpoints(args)
-    stack = None
     metrics_urls: dict[str, str] = {}
     if args.metrics:
         stage = "dit" if cfg.stage == "pipeline" else cfg.stage
         metrics_urls[stage] = args.metrics if "://" in args.metrics else f"http://{args.metrics}/metrics"
-    if endpoints is None or not _reachable(endpoints, security):
-        if endpoints is not None:
-            print("configured endpoints are unreachable; starting an embedded local stack", file=sys.stderr)
-        stack = EmbeddedStack(StackConfig(models_dir=args.models_dir, devices=args.devices,
-                                          extra_args={s: ["--metrics-port", "0"] for s in STAGES}))
-        print("starting embedded stack (encoder, dit, decoder) on loopback ...", file=sys.stderr)
-        endpoints = stack.start()
+    endpoints, stack = connect_or_start(args, security, {s: ["--metrics-port", "0"] for s in STAGES})
+    if stack is not None:
         for s in STAGES:
             mf = stack.run_dir / f"{s}.port.metrics"
             if mf.exists():
@@ -752,10 +744,11 @@ def cmd_loadtest(args) -> int:
 
         def snapshot() -> None:
             before.update({s: scrape_request_counts(u) for s, u in urls.items()})
-        progress = None
-        if not args.json and not args.quiet:
-            def progress(r: RequestRecord) -> None:
-                print(f"  #{r.index:<4} {r.code:<20} {r.latency_s:8.3f} s", file=sys.stderr)
+
+        def print_request(r: RequestRecord) -> None:
+            print(f"  #{r.index:<4} {r.code:<20} {r.latency_s:8.3f} s", file=sys.stderr)
+
+        progress = None if args.json or args.quiet else print_request
         with StageClients(endpoints, security) as clients:
             rep = run_loadtest(clients, cfg, progress, snapshot)
         if urls:

@@ -8,7 +8,6 @@ rank with the fewest video units, so it overlaps the video work elsewhere.
 
 from __future__ import annotations
 
-import gc
 import logging
 import os
 import tempfile
@@ -23,6 +22,7 @@ from decoder_svc.video_tiling import StreamingAssembler, plan_decode
 from decoder_svc.video_vae import VideoVAEConfig, decode_unit, load_video_vae, write_tiny_video_vae
 from stagekit.checkpoints import read_header
 from stagekit.dist import RankGroup
+from stagekit.runtime import release_device_memory
 from stagekit.errors import FailedPrecondition, InvalidArgument
 from stagekit.models import ensure_embedded, resolve_checkpoint
 from stagekit.render_params import RenderSpec, validate
@@ -111,9 +111,7 @@ class DecoderEngine:
 
     def unload(self) -> None:
         self.video = self.audio = self.video_encoder = None
-        gc.collect()
-        if self.cfg.device.startswith("cuda"):
-            torch.cuda.empty_cache()
+        release_device_memory(self.cfg.device)
 
     def resident_bytes(self) -> int:
         mods = [m for m in (self.video, self.audio, self.video_encoder) if m is not None]

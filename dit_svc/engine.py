@@ -7,7 +7,6 @@ all ranks agree on cancellation at each step boundary.
 
 from __future__ import annotations
 
-import gc
 import logging
 import math
 import time
@@ -27,6 +26,7 @@ from dit_svc.sampling import SamplerConfig, draw_noise, sample
 from dit_svc.tiny_checkpoint import write_tiny_checkpoint
 from dit_svc.tp import validate_tp
 from stagekit.dist import RankGroup
+from stagekit.runtime import release_device_memory
 from stagekit.errors import FailedPrecondition, InvalidArgument
 from stagekit.kernels import AUTO, KernelConfig, KernelSelection, select_kernels
 from stagekit.models import ensure_embedded, resolve_checkpoint
@@ -162,9 +162,7 @@ class DiTEngine:
     def unload(self) -> None:
         self.model = None
         self.loras = None
-        gc.collect()
-        if self.cfg.device.startswith("cuda"):
-            torch.cuda.empty_cache()
+        release_device_memory(self.cfg.device)
 
     def resident_bytes(self) -> int:
         if self.model is None:

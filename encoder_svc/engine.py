@@ -7,7 +7,6 @@ a prompt is validated and a cache hit is answered without ever loading the
 
 from __future__ import annotations
 
-import gc
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +19,7 @@ from encoder_svc.conditioner import Conditioner, ConditionerConfig, resolve_toke
 from encoder_svc.tiny import write_tiny_model
 from encoder_svc.tokenizer import validate_prompt
 from stagekit.dist import RankGroup
+from stagekit.runtime import release_device_memory
 from stagekit.errors import FailedPrecondition
 from stagekit.models import EMBEDDED_VERSION, resolve_checkpoint
 
@@ -78,9 +78,7 @@ class EncoderEngine:
         if self.model is not None:
             self.model.close()
         self.model = None
-        gc.collect()
-        if self.cfg.device.startswith("cuda"):
-            torch.cuda.empty_cache()
+        release_device_memory(self.cfg.device)
 
     def resident_bytes(self) -> int:
         if self.model is None:

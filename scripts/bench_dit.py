@@ -33,7 +33,6 @@ import gc
 import json
 import math
 import re
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -55,6 +54,7 @@ from stagekit.kernels import (  # noqa: E402
     quantize_fp8_rowwise,
     rel_err,
     select_kernels,
+    time_ms,
 )
 from stagekit.quant import Int8ConvRotLinear, QuantizedWeight, parse_comfy_quant  # noqa: E402
 
@@ -85,24 +85,11 @@ def parse_shape(s: str) -> tuple[int, int, int]:
     return w, h, f
 
 
+CUDA = torch.device("cuda")  # every timing in this script runs on the GPU
+
+
 def step_flops(s: int, layers: int, cfg: DiTConfig) -> tuple[float, float]:
     return 2.0 * CORE_PARAMS_PER_BLOCK * s * layers, 4.0 * s * s * cfg.attn_inner * layers
-
-
-def time_ms(fn, iters: int, warmup: int = 1) -> float:
-    """Median ms of fn() over iters calls, CUDA events, after warm-up."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b))
-    return statistics.median(ts)
 
 
 def inputs_for(cfg: DiTConfig, shape: tuple[int, int, int], device, seed: int = 1):
@@ -214,20 +201,20 @@ def peak_rates(iters: int) -> dict:
     b = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
     fl = 2.0 * m * k * n
     out = {"gemm_shape": [m, k, n]}
-    out["bf16_tflops"] = fl / time_ms(lambda: F.linear(a, b), iters) / 1e9
+    out["bf16_tflops"] = fl / time_ms(lambda: F.linear(a, b), CUDA, iters) / 1e9
     aq, as_ = quantize_fp8_rowwise(a)
     bq, bs = quantize_fp8_rowwise(b)
     out["fp8_rowwise_tflops"] = fl / time_ms(
-        lambda: torch._scaled_mm(aq, bq.t(), scale_a=as_, scale_b=bs.t(), out_dtype=torch.bfloat16), iters) / 1e9
+        lambda: torch._scaled_mm(aq, bq.t(), scale_a=as_, scale_b=bs.t(), out_dtype=torch.bfloat16), CUDA, iters) / 1e9
     ai = torch.randint(-127, 128, (m, k), device="cuda", dtype=torch.int8)
     bi = torch.randint(-127, 128, (n, k), device="cuda", dtype=torch.int8)
-    out["int8_int_mm_tops"] = fl / time_ms(lambda: torch._int_mm(ai, bi.t()), iters) / 1e9
+    out["int8_int_mm_tops"] = fl / time_ms(lambda: torch._int_mm(ai, bi.t()), CUDA, iters) / 1e9
     return out
 
 
 def sdpa_rate(s: int, cfg: DiTConfig, fn, iters: int) -> float:
     q, k, v = (torch.randn(1, cfg.num_heads, s, cfg.head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-    return 4.0 * s * s * cfg.attn_inner / time_ms(lambda: fn(q, k, v), iters) / 1e9
+    return 4.0 * s * s * cfg.attn_inner / time_ms(lambda: fn(q, k, v), CUDA, iters) / 1e9
 
 
 def kernel_only_ms(model: H3DiT, s: int, cfg: DiTConfig, chunk_rows: int, iters: int) -> dict:
@@ -239,11 +226,11 @@ def kernel_only_ms(model: H3DiT, s: int, cfg: DiTConfig, chunk_rows: int, iters:
     chunks = [(i, min(s, i + chunk_rows)) for i in range(0, s, chunk_rows)]
     q, k, v = (torch.randn(1, cfg.num_heads, s, cfg.head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     res = {
-        "qkv": time_ms(lambda: blk.attn.qkv_proj(x), iters),
-        "out": time_ms(lambda: blk.attn.out_proj(o), iters),
-        "fc1": time_ms(lambda: [blk.mlp.fc1(x[a:b]) for a, b in chunks], iters),
-        "fc2": time_ms(lambda: [blk.mlp.fc2(g[: b - a]) for a, b in chunks], iters),
-        "attention": time_ms(lambda: blk.attn.attention_fn(q, k, v), iters),
+        "qkv": time_ms(lambda: blk.attn.qkv_proj(x), CUDA, iters),
+        "out": time_ms(lambda: blk.attn.out_proj(o), CUDA, iters),
+        "fc1": time_ms(lambda: [blk.mlp.fc1(x[a:b]) for a, b in chunks], CUDA, iters),
+        "fc2": time_ms(lambda: [blk.mlp.fc2(g[: b - a]) for a, b in chunks], CUDA, iters),
+        "attention": time_ms(lambda: blk.attn.attention_fn(q, k, v), CUDA, iters),
     }
     res["total"] = sum(res.values())
     return res
@@ -309,7 +296,7 @@ def run_table(args) -> int:
             with torch.inference_mode():
                 ms = time_ms(lambda: box.__setitem__("o", dm(
                     video[None], audio[None], text[None], ts, ti, lay.tag, lay.position_ids, lay.video_idx,
-                    lay.audio_idx, lay.text_idx, return_dict=False)), args.iters, args.warmup)
+                    lay.audio_idx, lay.text_idx, return_dict=False)), CUDA, args.iters, args.warmup)
             peak = torch.cuda.max_memory_allocated() / GIB
             v, a = (t[0].float().cpu() for t in box["o"])
             outputs[("diffusers", key)] = (v, a)
@@ -349,7 +336,7 @@ def run_table(args) -> int:
                         torch.cuda.synchronize()
                         warm_s = time.time() - t1
                         ms = time_ms(lambda: outputs.__setitem__(
-                            (name, key), model(video, audio, text, T_VIDEO, T_AUDIO, lay)), args.iters, 0)
+                            (name, key), model(video, audio, text, T_VIDEO, T_AUDIO, lay)), CUDA, args.iters, 0)
                         peak = torch.cuda.max_memory_allocated() / GIB
                         kern = kernel_only_ms(model, lay.seq_len, cfg, args.chunk_rows, args.kernel_iters)
                     v, a = outputs[(name, key)]

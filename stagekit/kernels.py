@@ -448,9 +448,10 @@ def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
     return float((y.double() - ref.double()).norm() / ref.double().norm().clamp(min=1e-30))
 
 
-def _time_ms(fn: Callable[[], object], device: torch.device, iters: int) -> float:
-    """Median ms per call after one warm-up (CUDA events on GPU, perf_counter on CPU)."""
-    fn()
+def time_ms(fn: Callable[[], object], device: torch.device, iters: int, warmup: int = 1) -> float:
+    """Median ms per call after `warmup` calls (CUDA events on GPU, perf_counter on CPU)."""
+    for _ in range(warmup):
+        fn()
     times = []
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -506,7 +507,7 @@ def _probe_linear(cands: Sequence[LinearCandidate], device: torch.device, cfg: K
                 if why:
                     results.append(ProbeResult(c.name, False, rel_err=err, bound=c.rel_err_bound, why=why))
                     continue
-                ms = sum(_time_ms(lambda m=mod, xx=x: m(xx), device, cfg.probe_iters)
+                ms = sum(time_ms(lambda m=mod, xx=x: m(xx), device, cfg.probe_iters)
                          for mod, (_, x, _) in zip(mods, cases))
             results.append(ProbeResult(c.name, True, ms=ms, rel_err=err, bound=c.rel_err_bound))
         except Exception as e:  # a kernel that raises on this machine is rejected, with the error as its reason
@@ -534,7 +535,7 @@ def _probe_attention(cands: Sequence[AttentionCandidate], device: torch.device,
                 if why:
                     results.append(ProbeResult(c.name, False, rel_err=err, bound=c.rel_err_bound, why=why))
                     continue
-                ms = _time_ms(lambda: fn(q, k, v), device, cfg.probe_iters)
+                ms = time_ms(lambda: fn(q, k, v), device, cfg.probe_iters)
             results.append(ProbeResult(c.name, True, ms=ms, rel_err=err, bound=c.rel_err_bound))
         except Exception as e:
             results.append(ProbeResult(c.name, False, why=f"error: {type(e).__name__}: {str(e)[:200]}"))

@@ -52,6 +52,18 @@ class Engine(Protocol):
     # def estimate_peak_bytes(self, spec: Any, inputs: dict) -> int: ...
 
 
+def release_device_memory(device: str) -> None:
+    """After an engine drops its weights: collect them now and return cached CUDA blocks, so the next stage on this
+    GPU (which waits on the lease for exactly this) finds the memory free."""
+    import gc
+
+    gc.collect()
+    if device.startswith("cuda"):
+        import torch
+
+        torch.cuda.empty_cache()
+
+
 @dataclass
 class RuntimeConfig:
     max_queue: int = 16             # jobs waiting beyond this are refused with RESOURCE_EXHAUSTED
