@@ -15,14 +15,17 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
 
+from client.checks import CheckError, check_for_local_stack, output_paths, read_keyframe, read_prompts
 from client.stubs import SERVICE_NAMES, STAGES, Endpoints, Security, StageClients, health_of
 from stagekit.errors import InvalidArgument
 from stagekit.models import EMBEDDED_NOTE
-from stagekit.render_params import (DEFAULT_FRAMES, DEFAULT_SIZE, DEFAULT_STEPS, SAMPLERS, SCHEDULERS, RenderSpec,
+from stagekit.render_params import (DEFAULT_FRAMES, DEFAULT_SIZE, DEFAULT_STEPS, MAX_FRAMES, MAX_SIDE, MAX_STEPS,
+                                    MIN_FRAMES, MIN_SIDE, MIN_STEPS, SAMPLERS, SCHEDULERS, SIZE_MULTIPLE, RenderSpec,
                                     validate)
 
 DEFAULT_ENDPOINTS_FILE = Path("run/endpoints.env")
@@ -56,13 +59,17 @@ def _reachable(ep: Endpoints, security: Security) -> bool:
         return all(health_of(c.channels[s], SERVICE_NAMES[s]) != "UNREACHABLE" for s in STAGES)
 
 
-def connect_or_start(args, security: Security, extra_args: dict[str, list[str]] | None = None):
-    """(endpoints, stack): the configured stages if reachable, else an embedded local stack (stop it after)."""
+def connect_or_start(args, security: Security, extra_args: dict[str, list[str]] | None = None,
+                     before_start: Callable[[], None] | None = None):
+    """(endpoints, stack): the configured stages if reachable, else an embedded local stack (stop it after).
+    `before_start` runs first when a stack is to be started (checks that would otherwise cost a start-up)."""
     from client.embedded import EmbeddedStack, StackConfig
 
     endpoints = configured_endpoints(args)
     if endpoints is not None and _reachable(endpoints, security):
         return endpoints, None
+    if before_start is not None:
+        before_start()
     if endpoints is not None:
         print("configured endpoints are unreachable; starting an embedded local stack", file=sys.stderr)
     stack = EmbeddedStack(StackConfig(models_dir=args.models_dir, devices=args.devices, extra_args=extra_args or {}))
@@ -96,48 +103,52 @@ def parse_lora_arg(text: str) -> tuple[str, float]:
     return text, 1.0
 
 
+def render_inputs(args):
+    """(prompts, output paths, keyframe bytes, LoRAs) from the render flags, or CheckError: everything that can be
+    refused without a stage (client/checks.py)."""
+    prompts = read_prompts(args.prompt, args.prompts_file)
+    keyframes = {f"{a}_frame": read_keyframe(getattr(args, f"{a}_frame"), f"--{a}-frame")
+                 for a in ("first", "last") if getattr(args, f"{a}_frame")}
+    if keyframes and len(prompts) != 1:
+        raise CheckError("--first-frame/--last-frame take a single --prompt (not --prompts-file)")
+    try:
+        for p in prompts:
+            validate(_spec(args, p), need_prompt=True)
+    except InvalidArgument as e:
+        raise CheckError(e.message) from None
+    loras = [parse_lora_arg(x) for x in args.lora or ()]
+    outs = output_paths(args.output, len(prompts))
+    for o in outs:
+        o.parent.mkdir(parents=True, exist_ok=True)
+    return prompts, outs, keyframes, loras
+
+
 def cmd_render(args) -> int:
     from client.progress import RenderProgress, print_summary
     from client.pipeline import render, render_many
 
-    prompts = [args.prompt] if args.prompt else []
-    if args.prompts_file:
-        prompts += [p.strip() for p in Path(args.prompts_file).read_text(encoding="utf-8").splitlines() if p.strip()]
-    if not prompts:
-        raise SystemExit("give --prompt TEXT or --prompts-file FILE")
-    keyframes = {}
-    for anchor in ("first", "last"):
-        path = getattr(args, f"{anchor}_frame")
-        if path:
-            try:
-                keyframes[f"{anchor}_frame"] = Path(path).read_bytes()
-            except OSError as e:
-                print(f"error: cannot read --{anchor}-frame {path}: {e}", file=sys.stderr)
-                return 2
-    if keyframes and len(prompts) != 1:
-        raise SystemExit("--first-frame/--last-frame take a single --prompt (not --prompts-file)")
-    specs = [_spec(args, p) for p in prompts]
-    loras = [parse_lora_arg(x) for x in args.lora or ()]
     try:
-        for s in specs:
-            validate(s, need_prompt=True)
-    except InvalidArgument as e:
-        print(f"error: {e.message}", file=sys.stderr)
+        prompts, outs, keyframes, loras = render_inputs(args)
+    except CheckError as e:
+        print(f"error: {e}", file=sys.stderr)
         return 2
+    specs = [_spec(args, p) for p in prompts]
     security = Security(args.token, args.tls_ca)
-    endpoints, stack = connect_or_start(args, security)
+    try:
+        endpoints, stack = connect_or_start(
+            args, security, before_start=lambda: check_for_local_stack(prompts, loras, args.models_dir))
+    except CheckError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     if not args.models_dir and stack is not None:
         print(EMBEDDED_NOTE, file=sys.stderr)
     try:
         with StageClients(endpoints, security) as clients, RenderProgress() as progress:
             if len(specs) == 1:
-                out = Path(args.output)
-                results = [render(clients, specs[0], out, progress.update, crf=args.crf, loras=loras, **keyframes)]
+                results = [render(clients, specs[0], outs[0], progress.update, crf=args.crf, loras=loras,
+                                  **keyframes)]
             else:
-                outdir = Path(args.output)
-                outdir.mkdir(parents=True, exist_ok=True)
-                jobs = [(s, outdir / f"{i:03d}.mp4") for i, s in enumerate(specs)]
-                results = render_many(clients, jobs, progress.update, crf=args.crf, loras=loras)
+                results = render_many(clients, list(zip(specs, outs)), progress.update, crf=args.crf, loras=loras)
         rc = 0
         for r in results:
             if isinstance(r, BaseException):
@@ -183,18 +194,23 @@ def main(argv: list[str] | None = None) -> int:
     sub = ap.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("render", help="prompt -> MP4 (video + audio)")
     r.add_argument("--prompt", help="what to generate (describe picture and sound)")
-    r.add_argument("--prompts-file", help="one prompt per line; renders all, stage-batched, into -o DIR")
-    r.add_argument("-o", "--output", default="out.mp4", help="output MP4 (or directory with --prompts-file)")
-    r.add_argument("--width", type=int, default=DEFAULT_SIZE[0])
-    r.add_argument("--height", type=int, default=DEFAULT_SIZE[1])
-    r.add_argument("--frames", type=int, default=DEFAULT_FRAMES, help="17n+5 frames at 24 fps (124 = 5.2 s)")
-    r.add_argument("--steps", type=int, default=DEFAULT_STEPS)
-    r.add_argument("--seed", type=int, default=0)
-    r.add_argument("--sampler", default="res_multistep", choices=SAMPLERS)
-    r.add_argument("--scheduler", default="simple", choices=SCHEDULERS)
+    r.add_argument("--prompts-file", help="one prompt per line; renders all, stage-batched, into the -o folder")
+    r.add_argument("-o", "--output", default="out.mp4",
+                   help="output MP4 (default: out.mp4); a folder (a trailing / or an existing directory) gets "
+                        "000.mp4, 001.mp4, ... in prompt order, as does any -o with several prompts")
+    size_rule = f"a multiple of {SIZE_MULTIPLE}, {MIN_SIDE}..{MAX_SIDE}; width x height at most 1920x1088 pixels"
+    r.add_argument("--width", type=int, default=DEFAULT_SIZE[0], help=f"{size_rule} (default: {DEFAULT_SIZE[0]})")
+    r.add_argument("--height", type=int, default=DEFAULT_SIZE[1], help=f"{size_rule} (default: {DEFAULT_SIZE[1]})")
+    r.add_argument("--frames", type=int, default=DEFAULT_FRAMES,
+                   help=f"17n+5, {MIN_FRAMES}..{MAX_FRAMES}, at 24 fps (default: {DEFAULT_FRAMES} = 5.2 s)")
+    r.add_argument("--steps", type=int, default=DEFAULT_STEPS,
+                   help=f"sampling steps, {MIN_STEPS}..{MAX_STEPS} (default: {DEFAULT_STEPS})")
+    r.add_argument("--seed", type=int, default=0, help="0..2^63-1; the same seed renders the same video (default: 0)")
+    r.add_argument("--sampler", default="res_multistep", choices=SAMPLERS, help="(default: res_multistep)")
+    r.add_argument("--scheduler", default="simple", choices=SCHEDULERS, help="(default: simple)")
     r.add_argument("--video-shift", type=float, default=0.0, help="0 = model default (12)")
     r.add_argument("--audio-shift", type=float, default=0.0, help="0 = model default (3)")
-    r.add_argument("--crf", type=int, default=0, help="H.264 quality (0 = default 18; lower is better)")
+    r.add_argument("--crf", type=int, default=0, help="H.264 quality 1..51, lower is better (default: 0 = 18)")
     r.add_argument("--first-frame", help="fl2va: PNG/JPEG the video starts from (fitted to --width x --height)")
     r.add_argument("--last-frame", help="fl2va: PNG/JPEG the video ends on (fitted to --width x --height)")
     r.add_argument("--lora", action="append", metavar="NAME[:STRENGTH]",

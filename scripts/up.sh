@@ -6,13 +6,15 @@
 #                 [--encoder-ranks 1] [--dit-ranks 2] [--decoder-ranks 2]
 #                 [--encoder-port 50051] [--dit-port 50052] [--decoder-port 50053]
 #                 [--residency exclusive|shared] [--host 127.0.0.1] [-- extra args for every stage]
-# Env H3_* settings (e.g. H3_IDLE_UNLOAD_S) pass through to the stages.
+# Env H3_* settings (e.g. H3_DIT_IDLE_UNLOAD_S) pass through to the stages; H3_<STAGE>_PORT (0: a free port) also sets
+# the default ports.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PY="${PYTHON:-python}"
+PY="${PYTHON:-.venv/bin/python}"  # the project's venv (scripts/setup.sh); PYTHON=... for another interpreter
+command -v "$PY" >/dev/null || { echo "up.sh: no $PY: run scripts/setup.sh first (or set PYTHON)" >&2; exit 1; }
 run_dir=run; models_dir=""; devices=""; residency=exclusive; host=127.0.0.1
 declare -A ranks=([encoder]=1 [dit]=1 [decoder]=1)
-declare -A ports=([encoder]=50051 [dit]=50052 [decoder]=50053)
+declare -A ports=([encoder]=${H3_ENCODER_PORT:-50051} [dit]=${H3_DIT_PORT:-50052} [decoder]=${H3_DECODER_PORT:-50053})
 declare -A module=([encoder]=encoder_svc [dit]=dit_svc [decoder]=decoder_svc)
 extra=()
 while [[ $# -gt 0 ]]; do
@@ -25,7 +27,7 @@ while [[ $# -gt 0 ]]; do
     --encoder-ranks|--dit-ranks|--decoder-ranks) s="${1#--}"; ranks[${s%-ranks}]="$2"; shift 2;;
     --encoder-port|--dit-port|--decoder-port) s="${1#--}"; ports[${s%-port}]="$2"; shift 2;;
     --) shift; extra=("$@"); break;;
-    -h|--help) sed -n '2,12p' "$0"; exit 0;;
+    -h|--help) sed -n '2,10p' "$0"; exit 0;;
     *) echo "up.sh: unknown option $1" >&2; exit 2;;
   esac
 done
@@ -74,4 +76,4 @@ for stage in ("encoder", "dit", "decoder"):
 (run / "endpoints.env").write_text("\n".join(lines) + "\n")
 print("\n".join(lines))
 PYEOF
-echo "endpoints written to $run_dir/endpoints.env (python -m client reads run/endpoints.env by default)"
+echo "endpoints written to $run_dir/endpoints.env (.venv/bin/python -m client reads run/endpoints.env by default)"

@@ -11,19 +11,22 @@ either one (an image already at the canvas size is untouched in both recipes).
 from __future__ import annotations
 
 import io
-
-import numpy as np
-import torch
+from typing import TYPE_CHECKING
 
 from stagekit.errors import InvalidArgument
+
+if TYPE_CHECKING:  # numpy and torch are imported where pixels are made: the client checks files with PIL alone
+    import torch
+    from PIL import Image
 
 MAX_IMAGE_BYTES = 6 << 20          # one gRPC message (8 MiB limit) with room for the rest of the request
 MAX_IMAGE_PIXELS = 64 << 20        # refuse decompression bombs before decoding them
 CANVAS_MULTIPLE = 32               # H3 canvases (VAE /16, DiT patch 2)
 
 
-def decode_image(data: bytes) -> torch.Tensor:
-    """PNG/JPEG/WebP bytes -> uint8 [H, W, 3] RGB (alpha dropped over black, palette/greyscale expanded)."""
+def open_image(data: bytes) -> "Image.Image":
+    """PNG/JPEG/WebP/BMP bytes -> an RGB PIL image (alpha dropped over black, palette/greyscale expanded), or
+    InvalidArgument saying why not. Needs only PIL (the client checks a keyframe file with it before a render)."""
     from PIL import Image, UnidentifiedImageError
 
     if not data:
@@ -37,12 +40,21 @@ def decode_image(data: bytes) -> torch.Tensor:
             if im.format not in ("PNG", "JPEG", "WEBP", "BMP"):
                 raise InvalidArgument(f"keyframe image format {im.format} is not supported; use PNG or JPEG")
             im.load()
-            rgb = im.convert("RGB")
+            return im.convert("RGB")
     except InvalidArgument:
         raise
-    except (UnidentifiedImageError, OSError, ValueError, SyntaxError, Image.DecompressionBombError) as e:
+    except UnidentifiedImageError:  # its message names the in-memory buffer, which tells the user nothing
+        raise InvalidArgument("keyframe is not a readable PNG/JPEG image (not an image format PIL knows)") from None
+    except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as e:
         raise InvalidArgument(f"keyframe is not a readable PNG/JPEG image ({type(e).__name__}: {e})") from None
-    return torch.from_numpy(np.asarray(rgb, dtype=np.uint8).copy())
+
+
+def decode_image(data: bytes) -> "torch.Tensor":
+    """PNG/JPEG/WebP/BMP bytes -> uint8 [H, W, 3] RGB (see `open_image`)."""
+    import numpy as np
+    import torch
+
+    return torch.from_numpy(np.asarray(open_image(data), dtype=np.uint8).copy())
 
 
 def check_canvas(width: int, height: int) -> None:
@@ -52,8 +64,10 @@ def check_canvas(width: int, height: int) -> None:
                                   "(the render size)")
 
 
-def fit_to_canvas(image: torch.Tensor, width: int, height: int) -> torch.Tensor:
+def fit_to_canvas(image: "torch.Tensor", width: int, height: int) -> "torch.Tensor":
     """uint8 [H, W, 3] -> uint8 [height, width, 3]: cover-resize (LANCZOS) + center crop; identity at the size."""
+    import numpy as np
+    import torch
     from PIL import Image
 
     check_canvas(width, height)
@@ -72,7 +86,9 @@ def fit_to_canvas(image: torch.Tensor, width: int, height: int) -> torch.Tensor:
     return torch.from_numpy(np.asarray(im, dtype=np.uint8).copy())
 
 
-def load_keyframe(data: bytes | torch.Tensor, width: int, height: int) -> torch.Tensor:
+def load_keyframe(data: "bytes | torch.Tensor", width: int, height: int) -> "torch.Tensor":
     """File bytes (or uint8 [H, W, 3] pixels) -> the canvas-sized uint8 [height, width, 3] keyframe."""
+    import torch
+
     img = data if isinstance(data, torch.Tensor) else decode_image(bytes(data))
     return fit_to_canvas(img, width, height)
