@@ -19,7 +19,8 @@ from dit_svc.checkpoint import check_checkpoint, load_dit_weights
 from dit_svc.config import TAG_TEXT, TAG_VIDEO, DiTConfig
 from dit_svc.keyframes import (KEYFRAME_TENSORS, TEXT_TAGS_TENSOR, check_keyframe, check_text_tags, condition_rows,
                                conditioned_denoise, keyframe_anchors)
-from dit_svc.layout import build_layout, latent_shape, patchify_audio, patchify_video, unpatchify_audio, unpatchify_video
+from dit_svc.layout import (AUDIO_CHANNELS, build_layout, latent_shape, patchify_video, unpatchify_audio,
+                            unpatchify_video)
 from dit_svc.lora import LoRAError, LoRAManager, check_lora_file, config_targets, resolve_lora_path
 from dit_svc.model import H3DiT
 from dit_svc.sampling import SamplerConfig, draw_noise, sample
@@ -292,13 +293,14 @@ class DiTEngine:
         layout = build_layout(mcfg, text.shape[0], spec.frames, spec.height, spec.width, keyframes=anchors,
                               text_tags=tags).to(dev)
         sampler_cfg = SamplerConfig.from_params(spec)
-        # Noise is drawn on the CPU from the seed: identical bits on every rank and every device.
+        # Noise is drawn on the CPU from the seed, exactly as diffusers draws it (docs/checkpoints.md "Seeds"):
+        # identical bits on every rank and every device, and the same starting latents as diffusers for a seed.
         video_shape = (mcfg.in_channels, shape.latent_frames, shape.latent_height, shape.latent_width)
         keyframes = [inputs[KEYFRAME_TENSORS[a]] for a in anchors]
-        c_noise, v_noise, a_noise = draw_noise(spec.seed, [k.shape for k in keyframes], video_shape,
-                                               (2, mcfg.audio_in_channels, shape.audio_latents))
+        c_noise, v_noise, a_rows = draw_noise(spec.seed, [k.shape for k in keyframes], video_shape,
+                                              (AUDIO_CHANNELS * shape.audio_latents, mcfg.audio_in_channels))
         v_rows = patchify_video(v_noise, mcfg.patch).to(dev)
-        a_rows = patchify_audio(a_noise).to(dev)
+        a_rows = a_rows.to(dev)  # drawn in row layout, as diffusers draws it
         cond = condition_rows(keyframes, c_noise, mcfg.patch)  # fixed for the whole run; never sampled
         step_t = [time.monotonic()]
         denoise = conditioned_denoise(self.model, text, layout, None if cond is None else cond.to(dev))
