@@ -57,6 +57,7 @@ class CheckpointError(FailedPrecondition):
     def __init__(self, file: str | Path, problem: str, key: str | None = None):
         self.file = str(file)
         self.key = key
+        self.problem = problem
         super().__init__(f"{file}: " + (f"{key}: " if key else "") + problem)
 
 
