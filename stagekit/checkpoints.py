@@ -271,6 +271,12 @@ class KeyReport:
         raise CheckpointError(file or source, "\n  ".join(parts), key)
 
 
+def tensor_entries(sd: Mapping[str, torch.Tensor], source: str | Path) -> dict[str, HeaderEntry]:
+    """Header entries for tensors already in memory (a converted state dict), so they go through the same report."""
+    names = {v: k for k, v in TORCH_DTYPE.items()}
+    return {k: HeaderEntry(Path(source), tuple(t.shape), names.get(t.dtype, str(t.dtype))) for k, t in sd.items()}
+
+
 def named(keys: list[str]) -> str:
     more = f" ... (+{len(keys) - MAX_NAMED} more)" if len(keys) > MAX_NAMED else ""
     return ", ".join(keys[:MAX_NAMED]) + more
