@@ -314,17 +314,25 @@ class CheckpointInfo:
         return sorted({e.file for e in self.entries.values()})
 
 
+def _first_block(shapes: dict[str, HeaderEntry]) -> str:
+    """`blocks.{i}.` of the lowest block present: variant and dims are read there (a dropped block 0 is then a
+    missing key, not "not a DiT")."""
+    ids = [int(m.group(1)) for k in shapes if (m := re.match(r"blocks\.(\d+)\.attn\.qkv_proj\.weight$", k))]
+    return f"blocks.{min(ids) if ids else 0}."
+
+
 def _detect_variant(path: Path, shapes: dict[str, HeaderEntry], layout: Layout) -> Variant:
-    qkv = shapes.get("blocks.0.attn.qkv_proj.weight")
-    adaln = shapes.get("blocks.0.adaln_proj.linear.weight")
+    b = _first_block(shapes)
+    qkv = shapes.get(b + "attn.qkv_proj.weight")
+    adaln = shapes.get(b + "adaln_proj.linear.weight")
     if qkv is None or adaln is None:
         raise CheckpointError(
-            path, "not a MiniMax-H3 DiT checkpoint: no `blocks.0.attn.qkv_proj.weight` / "
-                  f"`blocks.0.adaln_proj.linear.weight` (first keys: {sorted(shapes)[:10]})")
+            path, "not a MiniMax-H3 DiT checkpoint: no `blocks.N.attn.qkv_proj.weight` / "
+                  f"`blocks.N.adaln_proj.linear.weight` (first keys: {sorted(shapes)[:10]})")
     linears = "int8" if qkv.dtype == "I8" else _DENSE_NAME.get(qkv.dtype)
     if linears is None:
         raise CheckpointError(qkv.file, f"stored as {qkv.dtype}; a DiT weight is bf16 / fp16 / fp32 or int8 with "
-                                        "comfy_quant", "blocks.0.attn.qkv_proj.weight")
+                                        "comfy_quant", b + "attn.qkv_proj.weight")
     if "adaln_t_table" in shapes:
         adaln_kind = "curve"
     else:
@@ -360,14 +368,15 @@ def infer_config(path: Path, shapes: dict[str, HeaderEntry], variant: Variant, b
     fallback = base or known
     g = json_cfg.get
     patch = tuple(g("patch_size", fallback.patch))
-    head_dim = _dim(shapes, "blocks.0.attn.q_norm.weight", 0, fallback.head_dim)
+    b = _first_block(shapes)
+    head_dim = _dim(shapes, b + "attn.q_norm.weight", 0, fallback.head_dim)
     vpd = _dim(shapes, "video_patch_proj.weight", 1, fallback.video_patch_dim)
     dims = dict(
         hidden=_dim(shapes, "condition_proj.weight", 0, fallback.hidden),
         head_dim=head_dim,
-        num_heads=_dim(shapes, "blocks.0.attn.qkv_proj.weight", 0, QKV_SECTIONS * fallback.attn_inner)
+        num_heads=_dim(shapes, b + "attn.qkv_proj.weight", 0, QKV_SECTIONS * fallback.attn_inner)
         // (QKV_SECTIONS * head_dim),
-        ffn=_dim(shapes, "blocks.0.mlp.fc2.weight", 1, fallback.ffn),
+        ffn=_dim(shapes, b + "mlp.fc2.weight", 1, fallback.ffn),
         patch=patch,
         in_channels=vpd // math.prod(patch) if vpd % math.prod(patch) == 0 else vpd,
         audio_in_channels=_dim(shapes, "audio_patch_proj.weight", 1, fallback.audio_in_channels),
@@ -387,7 +396,7 @@ def infer_config(path: Path, shapes: dict[str, HeaderEntry], variant: Variant, b
         dims["adaln_curve_grid"] = _dim(shapes, "adaln_t_table", 0, fallback.adaln_curve_grid)
         dims["adaln_curve_rank"] = _dim(shapes, "adaln_t_table", 1, fallback.adaln_curve_rank)
     else:
-        dims["time_embed_dim"] = _dim(shapes, "blocks.0.adaln_proj.linear.weight", 1, dims["time_embed_dim"])
+        dims["time_embed_dim"] = _dim(shapes, b + "adaln_proj.linear.weight", 1, dims["time_embed_dim"])
     refiner = g("num_refiner_layers", g("token_refiner_num_layers"))
     if g("num_layers") is not None and refiner is not None:
         counts, source = dict(num_layers=int(g("num_layers")), num_refiner_layers=int(refiner)), "config.json"

@@ -35,6 +35,7 @@ from dit_svc.checkpoint import (
 )
 from dit_svc.config import DiTConfig
 from dit_svc.convert_diffusers import QKV_SECTIONS, to_diffusers
+from stagekit.checkpoints import DTYPE_BYTES, TORCH_DTYPE
 from stagekit.quant import encode_comfy_quant, is_power_of_4, quantize_convrot
 
 TinyVariant = Literal["bf16", "int8_convrot", "int8_convrot_pruned"]
@@ -44,7 +45,7 @@ LINEAR_GROUPSIZE_CAP = 256  # the release uses 256 for block linears ...
 ADALN_GROUPSIZE_CAP = 64  # ... and 64 for the unpruned AdaLN (2688 = 42 * 64)
 INT8_UNIFORM_STD = 73.3  # std of integers uniform on [-127, 127]
 BLOCK_LINEARS = ("attn.qkv_proj", "attn.out_proj", "mlp.fc1", "mlp.fc2")
-_ST_DTYPE = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "I8": torch.int8, "U8": torch.uint8}
+_ST_DTYPE = TORCH_DTYPE  # safetensors dtype name -> torch dtype (stagekit's table)
 _ST_NAME = {v: k for k, v in _ST_DTYPE.items()}
 
 
@@ -189,7 +190,7 @@ def write_safetensors_streaming(
     header: dict = {"__metadata__": dict(metadata)} if metadata else {}
     offset = 0
     for key, shape, dtype in plan:
-        n = math.prod(shape) * _ST_DTYPE[dtype].itemsize
+        n = math.prod(shape) * DTYPE_BYTES[dtype]
         header[key] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + n]}
         offset += n
     blob = json.dumps(header, separators=(",", ":")).encode()

@@ -259,7 +259,7 @@ class KeyReport:
         return not (self.missing or self.unexpected or self.misshapen or self.wrong_dtype)
 
     def raise_if_bad(self, source: str | Path, what: str) -> None:
-        """One CheckpointError naming the file and the first offending key, then every problem by kind."""
+        """One CheckpointError (one line) naming the file and the first offending key, then every problem by kind."""
         if self.ok:
             return
         key, file = self.first
@@ -268,7 +268,7 @@ class KeyReport:
                              ("misshapen key(s)", self.misshapen), ("key(s) with a wrong dtype", self.wrong_dtype)):
             if items:
                 parts.append(f"{len(items)} {label}: {named(items)}")
-        raise CheckpointError(file or source, "\n  ".join(parts), key)
+        raise CheckpointError(file or source, "; ".join(parts), key)
 
 
 def tensor_entries(sd: Mapping[str, torch.Tensor], source: str | Path) -> dict[str, HeaderEntry]:
