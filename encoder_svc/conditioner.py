@@ -42,6 +42,7 @@ from encoder_svc.config import DEFAULT_MAX_PROMPT_TOKENS, H3_CONDITIONING_LAYER,
 from encoder_svc.tokenizer import TextTokenizer, validate_prompt
 from encoder_svc.vision import (PICTURE_LABEL, Presentation, VisionConfig, build_presentation, image_token_count,
                                 preprocess_image)
+from stagekit.checkpoints import CheckpointError
 
 log = logging.getLogger(__name__)
 
@@ -128,9 +129,8 @@ class Conditioner(nn.Module):
         self.max_prompt_tokens = max_prompt_tokens
         self.tokenizer = resolve_tokenizer(tokenizer, path)
         if self.tokenizer is not None and self.tokenizer.vocab_size > cfg.vocab_size:
-            raise ValueError(
-                f"tokenizer has {self.tokenizer.vocab_size} ids but the embedding only {cfg.vocab_size} rows"
-            )
+            raise CheckpointError(path, f"its tokenizer has {self.tokenizer.vocab_size} ids but the embedding only "
+                                        f"{cfg.vocab_size} rows: not this model's tokenizer.json")
         log.info(
             "text encoder %s: layout=%s variant=%s layers used %d of %d in file, mode=%s dtype=%s device=%s",
             path, ckpt.info.layout, ckpt.info.variant, cfg.num_layers, ckpt.info.layers_in_file, mode, self.dtype, self.device,
