@@ -29,7 +29,6 @@ Keyframes (fl2va): transformers' Qwen3-VL vision tower (loaded on the first keyf
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
@@ -38,7 +37,7 @@ from torch import nn
 from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLTextModel, Qwen3VLTextRotaryEmbedding
 
 from encoder_svc.checkpoint import CheckpointInfo, RawParam, TextEncoderCheckpoint, densify
-from encoder_svc.config import DEFAULT_MAX_PROMPT_TOKENS, H3_CONDITIONING_LAYER, ConditionerConfig  # noqa: F401
+from encoder_svc.config import DEFAULT_MAX_PROMPT_TOKENS, ConditionerConfig
 from encoder_svc.tokenizer import TextTokenizer, validate_prompt
 from encoder_svc.vision import (PICTURE_LABEL, Presentation, VisionConfig, build_presentation, image_token_count,
                                 preprocess_image)

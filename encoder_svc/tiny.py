@@ -16,7 +16,7 @@ from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
 
 from encoder_svc.checkpoint import LINEARS, expected_shapes
-from encoder_svc.config import N_BYTES, TINY_SPECIAL_TOKENS, TINY_VOCAB_SIZE, ConditionerConfig  # noqa: F401
+from encoder_svc.config import N_BYTES, TINY_SPECIAL_TOKENS, TINY_VOCAB_SIZE, ConditionerConfig
 from stagekit.checkpoints import CheckpointError, read_header
 from stagekit.quant import encode_comfy_quant, quantize_convrot
 
