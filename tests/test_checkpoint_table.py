@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -340,3 +341,35 @@ def test_dit_file_that_goes_bad_while_serving_fails_the_job_with_failed_precondi
             channel.close()
         proc.terminate()
         proc.wait(30)
+
+
+def test_decoder_engine_serves_the_geometry_of_vae_folders(tmp_path):
+    """video_vae/ and audio_vae/ folders as diffusers saves them (config.json beside the weights): validated at
+    engine start-up with the folders' configs, which set the latent geometry the decoder accepts."""
+    diffusers = pytest.importorskip("diffusers")
+    from decoder_svc.audio_vae import AudioVAEConfig
+    from decoder_svc.engine import DecoderEngine, DecoderEngineConfig, LatentGeometry
+    from decoder_svc.video_vae import LATENTS_MEAN, LATENTS_STD, VideoVAEConfig
+    from stagekit.dist import RankGroup, RankInfo
+
+    v, a = VideoVAEConfig.tiny(), AudioVAEConfig.tiny()
+    torch.manual_seed(0)
+    diffusers.AutoencoderKLMiniMaxH3(
+        latent_channels=v.latent_channels, block_out_channels=v.block_channels, layers_per_block=v.num_res_blocks,
+        norm_num_groups=v.norm_groups, decoder_num_layers=v.dec_layers, decoder_num_attention_heads=v.dec_heads,
+        decoder_attention_head_dim=v.dec_head_dim, decoder_num_register_tokens=v.dec_registers,
+        latents_mean=LATENTS_MEAN, latents_std=LATENTS_STD).save_pretrained(str(tmp_path / "video_vae"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # torch's legacy weight_norm, inside diffusers
+        diffusers.AutoencoderKLMiniMaxH3Audio(
+            encoder_dim=a.encoder_dim, latent_dim=a.latent_dim, num_attention_heads=a.num_attention_heads,
+            decoder_dim=a.decoder_dim, latents_mean=[0.0] * 32, latents_std=[1.0] * 32).save_pretrained(
+            str(tmp_path / "audio_vae"))
+    eng = DecoderEngine(DecoderEngineConfig(str(tmp_path / "video_vae"), str(tmp_path / "audio_vae"), "",
+                                            tmp_path / "cache", "cpu", torch.float32),
+                        RankGroup(RankInfo(0, 1, 0), "gloo", 10))
+    assert eng.video_info.config_source == eng.audio_info.config_source == "config.json"
+    assert eng.video_info.cfg.dec_heads == v.dec_heads and eng.audio_info.cfg.decoder_dim == a.decoder_dim
+    assert eng.geometry == LatentGeometry(24, 16, 32)
+    eng.load()
+    assert eng.video.cfg.dec_heads == v.dec_heads and eng.audio.latents_std.tolist() == [1.0] * 32
