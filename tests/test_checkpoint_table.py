@@ -14,7 +14,6 @@ import os
 import subprocess
 import sys
 import time
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -344,27 +343,30 @@ def test_dit_file_that_goes_bad_while_serving_fails_the_job_with_failed_precondi
 
 
 def test_decoder_engine_serves_the_geometry_of_vae_folders(tmp_path):
-    """video_vae/ and audio_vae/ folders as diffusers saves them (config.json beside the weights): validated at
-    engine start-up with the folders' configs, which set the latent geometry the decoder accepts."""
-    diffusers = pytest.importorskip("diffusers")
-    from decoder_svc.audio_vae import AudioVAEConfig
+    """video_vae/ and audio_vae/ folders in the diffusers layout (config.json beside diffusers-named weights; the
+    loaders' own tests check real `save_pretrained` folders): validated at engine start-up with the folders'
+    configs, which set the latent geometry the decoder accepts."""
+    from safetensors.torch import save_file
+
+    from decoder_svc.audio_vae import AudioVAE, AudioVAEConfig, random_init_, unfold_weight_norm_state_dict
     from decoder_svc.engine import DecoderEngine, DecoderEngineConfig, LatentGeometry
-    from decoder_svc.video_vae import LATENTS_MEAN, LATENTS_STD, VideoVAEConfig
+    from decoder_svc.video_vae import VideoVAEConfig, comfy_to_diffusers_state_dict
+    from decoder_svc.video_vae import tiny_state_dict as video_state_dict
     from stagekit.dist import RankGroup, RankInfo
 
     v, a = VideoVAEConfig.tiny(), AudioVAEConfig.tiny()
-    torch.manual_seed(0)
-    diffusers.AutoencoderKLMiniMaxH3(
-        latent_channels=v.latent_channels, block_out_channels=v.block_channels, layers_per_block=v.num_res_blocks,
-        norm_num_groups=v.norm_groups, decoder_num_layers=v.dec_layers, decoder_num_attention_heads=v.dec_heads,
-        decoder_attention_head_dim=v.dec_head_dim, decoder_num_register_tokens=v.dec_registers,
-        latents_mean=LATENTS_MEAN, latents_std=LATENTS_STD).save_pretrained(str(tmp_path / "video_vae"))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)  # torch's legacy weight_norm, inside diffusers
-        diffusers.AutoencoderKLMiniMaxH3Audio(
-            encoder_dim=a.encoder_dim, latent_dim=a.latent_dim, num_attention_heads=a.num_attention_heads,
-            decoder_dim=a.decoder_dim, latents_mean=[0.0] * 32, latents_std=[1.0] * 32).save_pretrained(
-            str(tmp_path / "audio_vae"))
+    for name, sd, config in (
+        ("video_vae", comfy_to_diffusers_state_dict(video_state_dict(v, 0), v),
+         {"latent_channels": v.latent_channels, "block_out_channels": list(v.block_channels),
+          "layers_per_block": v.num_res_blocks, "norm_num_groups": v.norm_groups, "decoder_num_layers": v.dec_layers,
+          "decoder_num_attention_heads": v.dec_heads, "decoder_attention_head_dim": v.dec_head_dim}),
+        ("audio_vae", unfold_weight_norm_state_dict((m := random_init_(AudioVAE(a), 0)).state_dict(), m),
+         {"encoder_dim": a.encoder_dim, "latent_dim": a.latent_dim, "num_attention_heads": a.num_attention_heads,
+          "decoder_dim": a.decoder_dim, "sampling_rate": 32000}),
+    ):
+        (tmp_path / name).mkdir()
+        save_file({k: t.contiguous() for k, t in sd.items()}, str(tmp_path / name / "diffusion_pytorch_model.safetensors"))
+        (tmp_path / name / "config.json").write_text(json.dumps(config))
     eng = DecoderEngine(DecoderEngineConfig(str(tmp_path / "video_vae"), str(tmp_path / "audio_vae"), "",
                                             tmp_path / "cache", "cpu", torch.float32),
                         RankGroup(RankInfo(0, 1, 0), "gloo", 10))
@@ -372,4 +374,4 @@ def test_decoder_engine_serves_the_geometry_of_vae_folders(tmp_path):
     assert eng.video_info.cfg.dec_heads == v.dec_heads and eng.audio_info.cfg.decoder_dim == a.decoder_dim
     assert eng.geometry == LatentGeometry(24, 16, 32)
     eng.load()
-    assert eng.video.cfg.dec_heads == v.dec_heads and eng.audio.latents_std.tolist() == [1.0] * 32
+    assert eng.video.cfg.dec_heads == v.dec_heads and eng.audio.cfg.num_attention_heads == a.num_attention_heads
