@@ -76,7 +76,7 @@ class DecoderServicer(LifecycleMixin, decoder_pb2_grpc.DecoderServicer):
         default_name = f"{req.job_id or 'render'}.{'wav' if fmt == 'wav' else 'mp4'}"
         name = safe_name(req.output_name, safe_name(default_name, "render.mp4"))
         try:
-            shapes = expected_shapes(spec)
+            shapes = expected_shapes(spec, self.engine.geometry)
         except (ValueError, ZeroDivisionError) as e:
             raise InvalidArgument(str(e)) from None
         asm = TensorAssembler(expect={n: (None, s) for n, s in shapes.items()})
@@ -85,7 +85,7 @@ class DecoderServicer(LifecycleMixin, decoder_pb2_grpc.DecoderServicer):
                 raise InvalidArgument("only tensor chunks may follow the DecodeRequest")
             asm.feed(msg.tensor)
         inputs = asm.finish(list(shapes))
-        check_latents(spec, inputs)
+        check_latents(spec, inputs, self.engine.geometry)
         return req, {"spec": spec, "format": fmt, "crf": req.crf, "output_name": name}, inputs
 
     def Decode(self, request_iterator, context):

@@ -36,6 +36,9 @@ class DiTConfigArgs(CommonConfig):
     chunk_rows: int = field(default=4096, metadata={"help": "row chunk of all but attention itself (memory vs speed)"})
     loras_dir: str = field(default="", metadata={"help": "LoRAs requested by file name (default <models_dir>/loras)"})
     allow_lora_paths: bool = field(default=False, metadata={"help": "also accept absolute LoRA paths in requests"})
+    qkv_layout: str = field(default="", metadata={
+        "help": "q/k/v row order of the weights when the files do not show it: stacked (ComfyUI repacks) | "
+                "interleaved (MiniMax release shards); default: decided from the files, refused if they cannot tell"})
 
 
 class DiTServicer(LifecycleMixin, dit_pb2_grpc.DiTSamplerServicer):
@@ -106,6 +109,7 @@ def make_engine(cfg: DiTConfigArgs, info, group) -> DiTEngine:
                                      linear_kernel=cfg.linear_kernel, attention_kernel=cfg.attention_kernel,
                                      compile_blocks=cfg.compile_blocks,
                                      chunk_rows=cfg.chunk_rows, allow_lora_paths=cfg.allow_lora_paths,
+                                     qkv_layout=cfg.qkv_layout,
                                      loras_dir=cfg.loras_dir or (os.path.join(cfg.models_dir, "loras")
                                                                  if cfg.models_dir else "")), group)
 

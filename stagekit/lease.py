@@ -101,10 +101,6 @@ class DeviceLease:
     def _log(self, event: str, **extra) -> None:
         self.events.write(event, devices=self.ids, **extra)
 
-    def log_event(self, event: str, **extra) -> None:
-        """Record a residency event (load/unload, ...) for this holder in the shared log."""
-        self._log(event, **extra)
-
     @property
     def held(self) -> bool:
         return bool(self._fds)

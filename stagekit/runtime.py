@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from stagekit.dist import RankGroup
-from stagekit.errors import Cancelled, ResourceExhausted, Unavailable, status_for
+from stagekit.errors import Cancelled, ResourceExhausted, StageError, Unavailable, status_for
 from stagekit.lease import DeviceLease
 
 if TYPE_CHECKING:
@@ -429,7 +429,7 @@ class StageRuntime:
             if code.name == "INTERNAL":
                 log.error("%s job %s failed:\n%s", self.engine.name, job.job_id, traceback.format_exc())
             job.events.put(JobEvent("error", e))
-            if self.group.world_size > 1 and not isinstance(e, (Cancelled, ValueError)):
+            if self.group.world_size > 1 and not isinstance(e, (StageError, ValueError)):
                 # A collective failed: the rank group is broken. Exit so torchrun restarts it.
                 log.error("rank group failure (%s); exiting for torchrun to restart the group", msg)
                 self.on_health(False)

@@ -1,10 +1,10 @@
-"""The one server bootstrap all stages share.
+"""The one gRPC server all stages share (stagekit/stage.py's `run_stage` builds and runs it).
 
-`serve(...)` builds a grpc.server with health (grpc.health.v1), reflection,
-message-size limits, keepalive, optional TLS + bearer-token auth, registers the
-stage's servicer, and drains gracefully on SIGTERM: health flips to NOT_SERVING
-first, new work is refused, the running job finishes (or is cancelled, by
-flag), then the process exits.
+`StageServer` is a grpc.server with health (grpc.health.v1), reflection, message-size limits, keepalive, optional
+TLS + bearer-token auth and the stage's servicer; `run_until_terminated` drains gracefully on SIGTERM: health flips
+to NOT_SERVING first, new work is refused, the running job finishes (or is cancelled, by flag), then the process
+exits. `stream_job` / `abort_on_error` / `job_status` turn a job's events and errors into the RPC's stream and
+status.
 """
 
 from __future__ import annotations
