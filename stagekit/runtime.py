@@ -179,6 +179,13 @@ class JobContext:
                 raise self.job.cancel_reason
             raise Cancelled(f"{self.stage}: job cancelled (client cancel, disconnect or deadline)")
 
+    def check_cancel_local(self) -> None:
+        """For work rank 0 does alone, outside any collective (the decoder's mux after the gather): raise if the job
+        was cancelled. Followers (no job) never raise."""
+        if self.job is not None and self.job.should_cancel():
+            raise self.job.cancel_reason or Cancelled(f"{self.stage}: job cancelled (client cancel, disconnect or "
+                                                      "deadline)")
+
     def progress(self, step: int, total: int, phase: str = "running", message: str = "", step_ms: float = 0.0) -> None:
         if self.job is None:  # followers report nothing
             return

@@ -124,7 +124,8 @@ class TensorAssembler:
 
     `expect` optionally pins names to (dtype, shape): the dtype is a wire name, a tuple of accepted names, or
     None for any; the shape may use None as a wildcard dimension. A tensor that disagrees is rejected when its
-    header arrives, before any of its data is accepted. `discard()` frees every buffer of an abandoned stream.
+    header arrives, before any of its data is accepted; `hints` adds a per-name sentence to a shape mismatch (what
+    the shape follows from). `discard()` frees every buffer of an abandoned stream.
     """
 
     def __init__(
@@ -132,8 +133,10 @@ class TensorAssembler:
         expect: dict[str, tuple[str | tuple[str, ...] | None, tuple[int | None, ...] | None]] | None = None,
         max_bytes: int = MAX_TENSOR_BYTES,
         max_chunk_bytes: int = MAX_CHUNK_BYTES,
+        hints: dict[str, str] | None = None,
     ):
         self.expect = expect
+        self.hints = hints or {}
         self.max_bytes = max_bytes
         self.max_chunk_bytes = max_chunk_bytes
         self._pending: dict[str, _Pending] = {}
@@ -147,14 +150,15 @@ class TensorAssembler:
         dtype, shape = self.expect[h.name]
         accepted = (dtype,) if isinstance(dtype, str) else dtype
         if accepted is not None and h.dtype not in accepted:
-            raise WireError(f"tensor {h.name!r}: dtype {h.dtype} is not accepted here; send "
-                            f"{' or '.join(accepted)}")
+            raise WireError(f"tensor {h.name!r}: dtype {h.dtype} but {', '.join(accepted[:-1])}"
+                            f"{' or ' if len(accepted) > 1 else ''}{accepted[-1]} is required")
         if shape is not None:
             got = list(h.shape)
             ok = len(got) == len(shape) and all(s is None or s == g for s, g in zip(shape, got))
             if not ok:
                 want = ["*" if s is None else s for s in shape]
-                raise WireError(f"tensor {h.name!r}: shape {got} but {want} is required")
+                hint = f": {self.hints[h.name]}" if h.name in self.hints else ""
+                raise WireError(f"tensor {h.name!r}: shape {got} but {want} is required{hint}")
 
     def feed(self, chunk: tensor_pb2.TensorChunk) -> tuple[str, torch.Tensor] | None:
         """Take one chunk; returns (name, tensor) when a tensor is complete and verified."""
