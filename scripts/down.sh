@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
 # Stop the stages started by scripts/up.sh: SIGTERM (graceful drain), then SIGKILL after a grace period.
+# Each stage's whole process group is stopped (found by its pid file), even when its launcher is already gone.
 #   scripts/down.sh [--run-dir run] [--grace 30]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -11,16 +12,17 @@ while [[ $# -gt 0 ]]; do
     *) echo "down.sh: unknown option $1" >&2; exit 2;;
   esac
 done
+# shellcheck source=scripts/procs.sh
+source scripts/procs.sh
 for stage in encoder dit decoder; do
   pidf="$run_dir/$stage.pid"
   [[ -f "$pidf" ]] || continue
   pid="$(cat "$pidf")"
-  if kill -0 "$pid" 2>/dev/null; then
-    kill -TERM -- "-$pid" 2>/dev/null || kill -TERM "$pid"
-    for _ in $(seq 1 $((grace * 10))); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
-    kill -KILL -- "-$pid" 2>/dev/null || true
-    echo "stopped $stage (pid $pid)"
+  if group_alive "$pid"; then
+    stop_group "$pid" "$grace"
+    echo "stopped $stage (process group $pid)"
   fi
   rm -f "$pidf" "$run_dir/$stage.port"
+  rm -rf "$run_dir/tmp/$stage"
 done
 rm -f "$run_dir/endpoints.env"
