@@ -381,13 +381,13 @@ class StageServer:
     """A running gRPC server for one stage plus its health state."""
 
     def __init__(self, cfg: ServeConfig, service_names: list[str],
-                 add_servicers: Callable[[grpc.Server], None], interceptors: list | None = None):
+                 add_servicers: Callable[[grpc.Server], None], interceptors: list | None = None, label: str = ""):
         check_exposure(cfg)
         if not 1 <= cfg.max_uploads <= cfg.max_workers:
             raise SystemExit(f"--max-uploads {cfg.max_uploads} must be between 1 and --max-workers ({cfg.max_workers})")
         self.cfg = cfg
         token = cfg.resolved_token()
-        self.admission = Admission(cfg, service_names[0].rsplit(".", 1)[-1])
+        self.admission = Admission(cfg, label or service_names[0].rsplit(".", 1)[-1])
         # `interceptors` run outside the auth check (metrics count refused calls too); admission runs after auth,
         # so unauthenticated calls never take a slot.
         interceptors = list(interceptors or []) + ([TokenAuth(token)] if token else []) + [self.admission]

@@ -274,7 +274,8 @@ def _start(cfg: CommonConfig, stage: str, info: RankInfo, make_engine, service_n
         metrics = StageMetrics(stage, device)
         metrics.attach(runtime)
         interceptors.append(metrics.interceptor())
-    server = StageServer(cfg, [service_name], lambda s: add_servicer(s, runtime), interceptors=interceptors)
+    server = StageServer(cfg, [service_name], lambda s: add_servicer(s, runtime), interceptors=interceptors,
+                         label=stage)
     holder["server"] = server
     if metrics is not None:
         port = metrics.serve(cfg.metrics_host, cfg.metrics_port, cfg.port_file)
