@@ -11,7 +11,6 @@ from __future__ import annotations
 import io
 import threading
 import time
-from pathlib import Path
 
 import grpc
 import numpy as np
@@ -19,12 +18,13 @@ import pytest
 import torch
 
 from client.embedded import EmbeddedStack, StackConfig
-from client.pipeline import _sample_inputs, decode, sample
-from client.stubs import SERVICE_NAMES, Endpoints, StageClients, health_of, open_channel
+from client.pipeline import decode, sample
+from client.stubs import SERVICE_NAMES, StageClients, health_of, open_channel
 from h3.v1 import common_pb2, decoder_pb2, dit_pb2, encoder_pb2, tensor_pb2
 from stagekit.render_params import RenderSpec, spec_to_proto
 from stagekit.wire import tensor_chunks
 from tests.conftest import SERVER_ENV
+from tests.procs import mem_kib
 
 GOOD = RenderSpec(prompt="x", width=256, height=256, frames=22, steps=1, seed=5)
 TEXT = torch.randn(9, 64, generator=torch.Generator().manual_seed(0))
@@ -52,13 +52,6 @@ def stack(tmp_path_factory, model_cache):
 def clients(stack):
     with StageClients(stack.endpoints()) as c:
         yield c
-
-
-def mem_kib(pid: int, field: str) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise KeyError(field)
 
 
 def status(c: StageClients, stage: str) -> common_pb2.StageStatus:

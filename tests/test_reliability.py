@@ -33,6 +33,7 @@ from stagekit.lease import read_events
 from stagekit.render_params import RenderSpec, spec_from_proto, spec_to_proto, validate
 from stagekit.wire import MAX_CHUNK_BYTES, tensor_chunks
 from tests.conftest import SERVER_ENV
+from tests.procs import alive, descendants, rank_pids
 
 ROOT = Path(__file__).resolve().parents[1]
 GOOD = RenderSpec(prompt="x", width=256, height=256, frames=22, steps=1, seed=5)
@@ -61,46 +62,6 @@ def start(stage, ranks, run_dir, cache, extra=(), lease_dir="") -> EmbeddedStack
 
 def clients_for(port: int) -> StageClients:
     return StageClients(Endpoints(**{s: f"127.0.0.1:{port}" for s in ("encoder", "dit", "decoder")}))
-
-
-def descendants(pid: int) -> list[int]:
-    """All live descendants of `pid` (from /proc; no psutil needed)."""
-    children: dict[int, list[int]] = {}
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(d.name))
-    out, todo = [], [pid]
-    while todo:
-        for c in children.get(todo.pop(), []):
-            out.append(c)
-            todo.append(c)
-    return out
-
-
-def rank_pids(root: int) -> dict[int, int]:
-    """rank -> pid of the torchrun workers under `root` (RANK from each worker's environment)."""
-    out = {}
-    for pid in descendants(root):
-        try:
-            env = dict(kv.split("=", 1) for kv in (Path(f"/proc/{pid}/environ").read_bytes().decode(errors="replace")
-                                                 .split("\0")) if "=" in kv)
-        except OSError:
-            continue
-        if "RANK" in env and "TORCHELASTIC_RUN_ID" in env:
-            out[int(env["RANK"])] = pid
-    return out
-
-
-def alive(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
 def status(c: StageClients, stage="dit") -> common_pb2.StageStatus:
