@@ -531,6 +531,9 @@ class StageRuntime:
             self._log("job_done", job=job.job_id)
             job.deliver(JobEvent("done", result))
         except BaseException as e:  # noqa: BLE001 - every failure becomes the job's status
+            reason = job.cancel_reason
+            if reason is not None and isinstance(e, Cancelled):  # an engine's own cancellation: report why it was
+                e = type(reason)(f"{reason.message} ({e.message})")
             code, msg = status_for(e)
             if code.name == "INTERNAL":
                 log.error("%s job %s failed:\n%s", self.engine.name, job.job_id, traceback.format_exc())
