@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Stop the stages started by scripts/up.sh: SIGTERM (graceful drain), then SIGKILL after a grace period.
-# Each stage's whole process group is stopped (found by its pid file), even when its launcher is already gone.
+# Everything a stage started is stopped (its process group from the pid file, and every process with its TMPDIR,
+# torchrun's ranks included), even when its launcher is already gone.
 #   scripts/down.sh [--run-dir run] [--grace 30]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -12,15 +13,16 @@ while [[ $# -gt 0 ]]; do
     *) echo "down.sh: unknown option $1" >&2; exit 2;;
   esac
 done
+[[ -d "$run_dir" ]] && run_dir="$(cd "$run_dir" && pwd)"  # the stages' TMPDIR is absolute
 # shellcheck source=scripts/procs.sh
 source scripts/procs.sh
 for stage in encoder dit decoder; do
   pidf="$run_dir/$stage.pid"
   [[ -f "$pidf" ]] || continue
   pid="$(cat "$pidf")"
-  if group_alive "$pid"; then
-    stop_group "$pid" "$grace"
-    echo "stopped $stage (process group $pid)"
+  if [[ -n "$(stage_pids "$pid" "$run_dir/tmp/$stage")" ]]; then
+    stop_stage "$pid" "$run_dir/tmp/$stage" "$grace"
+    echo "stopped $stage (pid $pid and every process it started)"
   fi
   rm -f "$pidf" "$run_dir/$stage.port"
   rm -rf "$run_dir/tmp/$stage"

@@ -33,18 +33,18 @@ while [[ $# -gt 0 ]]; do
 done
 mkdir -p "$run_dir"
 run_dir="$(cd "$run_dir" && pwd)"
-alive() { [[ -f "$1" ]] && kill -0 "$(cat "$1")" 2>/dev/null; }
 # shellcheck source=scripts/procs.sh
 source scripts/procs.sh
+alive() { [[ -f "$1" ]] && pid_alive "$(cat "$1")"; }
 
 for stage in encoder dit decoder; do
   pidf="$run_dir/$stage.pid"
   if alive "$pidf"; then echo "$stage already running (pid $(cat "$pidf"))"; continue; fi
-  if [[ -f "$pidf" ]] && group_alive "$(cat "$pidf")"; then
-    echo "$stage: its launcher (pid $(cat "$pidf")) is gone but processes of its group remain; stopping them"
-    stop_group "$(cat "$pidf")" 10
+  stage_tmp="$run_dir/tmp/$stage"  # the stage's temp files and torchrun's torchelastic_* dirs
+  if [[ -f "$pidf" && -n "$(stage_pids "$(cat "$pidf")" "$stage_tmp")" ]]; then
+    echo "$stage: its launcher (pid $(cat "$pidf")) is gone but processes it started remain; stopping them"
+    stop_stage "$(cat "$pidf")" "$stage_tmp" 10
   fi
-  stage_tmp="$run_dir/tmp/$stage"  # the stage's temp files and torchrun's torchelastic_* dirs; nothing runs there now
   rm -rf "$stage_tmp"; mkdir -p "$stage_tmp"
   args=(--host "$host" --port "${ports[$stage]}" --port-file "$run_dir/$stage.port"
         --lease-dir "$run_dir/leases" --residency "$residency")
