@@ -238,7 +238,7 @@ def _header(name, dtype, shape, itemsize):
 BIG = RenderSpec(prompt="x", width=1920, height=1088, frames=515, steps=1)
 FIRST_MESSAGE_CASES = {
     # Decoder: params that imply a 3 GiB latent, and a header that fits them, are refused before any data.
-    "decoder: frames=100000 with a matching 3 GiB header": (
+    "decoder: frames=99982 with a matching 3 GiB header": (
         "decoder", RenderSpec(prompt="x", width=1920, height=1088, frames=17 * 5881 + 5),
         _header("video_latents", "float32", [24, 5881 * 5 + 2, 68, 120], 4), "frames="),
     "decoder: float64 latents": ("decoder", GOOD, _header("video_latents", "float64", [24, 7, 16, 16], 8),
@@ -268,6 +268,7 @@ def test_uploads_are_judged_from_their_first_message(clients, stack, case):
     assert needle in err.details(), err.details()
     assert took < IDLE_S * 0.9, "answered from the first message, not after waiting for data"
     assert mem_kib(pid, "VmRSS") - rss0 < 64 * 1024, "nothing allocated for the declared tensor"
+    print(f"\n{case}: {err.code().name} in {took * 1000:.0f} ms: {err.details()[:150]}")
 
 
 def test_float64_text_states_name_the_accepted_dtypes(clients):
