@@ -219,9 +219,9 @@ class DecoderEngine:
             return {}
         audio = next(a for a in gathered if a is not None)
         frames = asm.finish()  # [3, F, H, W] RGB in [0, 1]
-        return self._output(job, frames, audio)
+        return self._output(job, frames, audio, ctx.check_cancel_local)
 
-    def _output(self, job, frames: torch.Tensor, audio: torch.Tensor) -> dict:
+    def _output(self, job, frames: torch.Tensor, audio: torch.Tensor, check_cancel=None) -> dict:
         # Imported here: PyAV/soundfile are needed only to mux, not to decode (RAW output runs without them).
         from decoder_svc.mux import frames_to_uint8, write_mp4, write_wav
 
@@ -232,10 +232,16 @@ class DecoderEngine:
         fd, tmp = tempfile.mkstemp(prefix="h3dec-", suffix=suffix, dir=self.cfg.out_dir)
         os.close(fd)
         t0 = time.monotonic()
-        if fmt == "wav":
-            write_wav(tmp, audio)
-        else:
-            write_mp4(tmp, frames, audio, crf=job["crf"] or DEFAULT_CRF, preset=self.cfg.preset)
+        try:
+            if fmt == "wav":
+                write_wav(tmp, audio)
+            else:  # cancellable frame by frame: a client that left stops the mux (docs/reliability.md)
+                write_mp4(tmp, frames, audio, crf=job["crf"] or DEFAULT_CRF, preset=self.cfg.preset,
+                          check_cancel=check_cancel)
+        except BaseException as e:
+            Path(tmp).unlink(missing_ok=True)  # a failed or cancelled mux leaves nothing behind
+            log.info("mux of %s abandoned after %.2f s (%s)", name, time.monotonic() - t0, type(e).__name__)
+            raise
         log.info("muxed %s in %.2f s", name, time.monotonic() - t0)
         return {"file": Path(tmp), "name": name, "frames": frames.shape[1], "audio_samples": audio.shape[-1]}
 

@@ -245,7 +245,7 @@ class DiTEngine:
                 f"text_states must be [L, {want}] for this DiT (L >= 1), got {list(text_states.shape)}; "
                 f"was it produced by a matching text encoder?")
         if text_states.dtype not in (torch.bfloat16, torch.float16, torch.float32):
-            raise InvalidArgument(f"text_states must be a float tensor, got {text_states.dtype}")
+            raise InvalidArgument(f"text_states must be float32, bfloat16 or float16, got {text_states.dtype}")
 
     def check_conditioning(self, spec: RenderSpec, text_states: torch.Tensor, inputs: dict) -> dict:
         """fl2va extras: optional "keyframe_first"/"keyframe_last" latents [24,1,H/16,W/16] and "text_tags" [L].
