@@ -468,7 +468,7 @@ class Bench:
     def save(self) -> None:
         path = self.out / f"two_gpu_{self.part}.json"
         tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(self.results, indent=1, default=str))
+        tmp.write_text(json.dumps(self.results, indent=1, default=str, ensure_ascii=False))
         tmp.replace(path)
 
     def left_s(self) -> float:
@@ -498,7 +498,7 @@ class Bench:
             self.log(traceback.format_exc())
         r["item_s"] = round(time.monotonic() - t0, 1)
         self.results["items"][name] = r
-        self.log(f"=== {name}: {json.dumps(r, default=str)[:1500]}")
+        self.log(f"=== {name}: {json.dumps(r, default=str, ensure_ascii=False)[:1500]}")
         self.save()
         return r
 
@@ -809,17 +809,18 @@ class Bench:
         return res
 
     def keyframes(self, label: str) -> list[str]:
+        """`--first-frame A.png --last-frame B.png` at the render size (two different gradients)."""
         from PIL import Image
 
         w, h, _ = self.size(label)
-        paths = []
+        args = []
         for i, name in enumerate(("first", "last")):
             p = self.work / f"{name}_{w}x{h}.png"
             img = Image.new("RGB", (w, h))
             img.putdata([((x * 255) // w, (y * 255) // h, 80 + 120 * i) for y in range(h) for x in range(w)])
             img.save(p)
-            paths.append(str(p))
-        return paths
+            args += [f"--{name}-frame", str(p)]
+        return args
 
     # ---- parts ----------------------------------------------------------------------------------------------------
     def run_part(self) -> None:
@@ -839,9 +840,7 @@ class Bench:
             self.item("tp2-steps", EST["tp2-steps"], lambda: self.do_steps(2))
             self.item("tp1-steps", EST["tp1-steps"], lambda: self.do_steps(1))
             self.item("allreduce", EST["allreduce"], self.do_allreduce, needs_stack=False)
-            self.item("fl2va", EST["fl2va"], lambda: self.do_render(
-                f"{first}-fl2va", first, ["--first-frame", *self.keyframes(first)[:1],
-                                          "--last-frame", *self.keyframes(first)[1:]]))
+            self.item("fl2va", EST["fl2va"], lambda: self.do_render(f"{first}-fl2va", first, self.keyframes(first)))
             self.item("lora", EST["lora"], lambda: self.do_render(
                 f"{first}-lora", first, ["--lora", f"{Path(FILES['lora']).name}:0.8"]))
             for label, _, _ in MATRIX[1:]:

@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # Pack the Python packages the GPU host's image lacks (or has in versions our generated code refuses) into ONE
 # xz tar of an unpacked site dir, small enough to travel beside the repo (the device carry limit is 64 MiB for
-# the working tree and carried paths together; this script fails above --max-mib, default 55).
+# the working tree and carried paths together, and the repo is ~2 MiB; this script fails above --max-mib, default
+# 60). Only the tar is left in --out (downloads and the unpacked site are built under $TMPDIR), so `carry` can name
+# the folder.
 #
-#   bash scripts/pack_device_wheels.sh [--out .devpkgs] [--max-mib 55] [--with-cudnn-frontend]
+#   bash scripts/pack_device_wheels.sh [--out .devpkgs] [--max-mib 60] [--with-cudnn-frontend]
 #
 # On the device (from the repo root, with .devpkgs carried):
 #   mkdir -p /tmp/site && tar -xJf .devpkgs/site.tar.xz -C /tmp/site && export PYTHONPATH=/tmp/site:$PWD:$PWD/protos
@@ -17,10 +19,12 @@
 #   --with-cudnn-frontend adds nvidia-cudnn-frontend 1.32.0 (+5 MiB; nothing imports it yet).
 # Not carried: transformers (the image's 5.17 runs the encoder's Qwen3-VL path; only a test oracle API differs),
 # torch, numpy, safetensors, tokenizers, pillow, rich, pyyaml, prometheus-client, psutil, nvidia-ml-py, matplotlib.
-# Compressed sizes (xz -9e): comfy-kitchen's CUDA library ~32 MiB, PyAV's FFmpeg libraries ~18 MiB, grpcio ~5 MiB.
+# Compressed sizes (xz -9e): comfy-kitchen's CUDA library ~32 MiB (a fat binary for sm_75..sm_120), PyAV's FFmpeg
+# libraries ~18 MiB (libavcodec links x265 and SVT-AV1, 27 MiB unpacked, so they cannot be left out), grpcio ~5 MiB;
+# 57 MiB in all.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-out=.devpkgs; max_mib=55; extra_pkgs=()
+out=.devpkgs; max_mib=60; extra_pkgs=()
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --out) out="$2"; shift 2;;
@@ -41,26 +45,27 @@ PLATFORMS=(manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_24_x86_64 man
 plat_args=(); for p in "${PLATFORMS[@]}"; do plat_args+=(--platform "$p"); done
 target=(--python-version 3.12 --implementation cp --abi cp312 --abi abi3 --abi none --only-binary=:all: "${plat_args[@]}")
 
-mkdir -p "$out/wheels"
-rm -rf "$out/site" "$out/site.tar.xz"
-"$PY" -m pip download -q --no-deps "${target[@]}" -d "$out/wheels" "${PKGS[@]}"
+build="${TMPDIR:-/tmp}/h3-devpkgs-build"
+mkdir -p "$out" "$build/wheels"
+rm -rf "$build/site" "$out/site.tar.xz"
+"$PY" -m pip download -q --no-deps "${target[@]}" -d "$build/wheels" "${PKGS[@]}"
 # Keep exactly one wheel per package (an older download of another version would make two).
-"$PY" -m pip install -q --no-deps --no-index --no-compile --target "$out/site" "${target[@]}" \
-  $(for spec in "${PKGS[@]}"; do n="${spec%%==*}"; v="${spec##*==}"; ls "$out/wheels/"*.whl \
+"$PY" -m pip install -q --no-deps --no-index --no-compile --target "$build/site" "${target[@]}" \
+  $(for spec in "${PKGS[@]}"; do n="${spec%%==*}"; v="${spec##*==}"; ls "$build/wheels/"*.whl \
       | grep -i -E "/${n//-/[-_]}-${v}-" | head -1; done)
 
 # Strip: AMD (HIP) kernels, caches, tests, type stubs, the pip-generated bin/ and debug symbols.
-rm -f "$out/site/comfy_kitchen/backends/hip/"*.so
-rm -rf "$out/site/bin"
-find "$out/site" -name __pycache__ -type d -prune -exec rm -rf {} +
-find "$out/site" -type d \( -name tests -o -name test \) -path "*/site/*/*" -prune -exec rm -rf {} +
-find "$out/site" -name "*.pyi" -delete
-find "$out/site" -name "*.so*" -type f -exec strip --strip-unneeded {} + 2>/dev/null || true
+rm -f "$build/site/comfy_kitchen/backends/hip/"*.so
+rm -rf "$build/site/bin"
+find "$build/site" -name __pycache__ -type d -prune -exec rm -rf {} +
+find "$build/site" -type d \( -name tests -o -name test \) -path "*/site/*/*" -prune -exec rm -rf {} +
+find "$build/site" -name "*.pyi" -delete
+find "$build/site" -name "*.so*" -type f -exec strip --strip-unneeded {} + 2>/dev/null || true
 
-XZ_OPT="-9e -T0" tar -cJf "$out/site.tar.xz" -C "$out/site" .
+XZ_OPT="-9e -T0" tar -cJf "$out/site.tar.xz" -C "$build/site" .
 size=$(stat -c %s "$out/site.tar.xz")
-echo "wrote $out/site.tar.xz: $((size / 1048576)) MiB ($(du -sh "$out/site" | cut -f1) unpacked)"
-du -sh "$out/site/"* 2>/dev/null | sort -h | tail -8
+echo "wrote $out/site.tar.xz: $((size / 1048576)) MiB ($(du -sh "$build/site" | cut -f1) unpacked)"
+du -sh "$build/site/"* 2>/dev/null | sort -h | tail -8
 if (( size > max_mib * 1048576 )); then
   echo "pack_device_wheels.sh: $((size / 1048576)) MiB is over --max-mib $max_mib" >&2
   exit 1

@@ -287,14 +287,23 @@ class TraceCheck:
     co_resident_count: int
     holders_seen: dict[int, list[str]]
     turns: dict[int, int]                       # holder changes per GPU
+    max_device_used: dict[int, int] = field(default_factory=dict)  # what the device reported, over rule phases
+
+    @property
+    def attribution_ok(self) -> bool:
+        """Per-process numbers account for the device's use (NVML can report processes without their memory)."""
+        return all(self.max_sum.get(g, 0) >= used // 2 for g, used in self.max_device_used.items() if used > GIB)
 
     @property
     def ok(self) -> bool:
-        return self.over_cap_count == 0 and self.co_resident_count == 0 and self.rule_samples > 0
+        return (self.over_cap_count == 0 and self.co_resident_count == 0 and self.rule_samples > 0
+                and self.attribution_ok)
 
     def to_json(self) -> dict:
         d = asdict(self)
         d["ok"] = self.ok
+        d["attribution_ok"] = self.attribution_ok
+        d["max_device_used_gib"] = {g: round(b / GIB, 3) for g, b in self.max_device_used.items()}
         d["cap_gib"] = self.cap_bytes / GIB
         d["max_sum_gib"] = {g: round(b / GIB, 3) for g, b in self.max_sum.items()}
         d["max_sum_any_phase_gib"] = {g: round(b / GIB, 3) for g, b in self.max_sum_any_phase.items()}
@@ -317,6 +326,7 @@ def check_trace(samples: list[Sample], cap_bytes: int, hold: HoldRule | None = N
     max_sum: dict[int, int] = {}
     max_at: dict[int, dict] = {}
     max_any: dict[int, int] = {}
+    max_used: dict[int, int] = {}
     over, co = [], []
     n_over = n_co = n_rule = 0
     seen: dict[int, set[str]] = {}
@@ -329,6 +339,7 @@ def check_trace(samples: list[Sample], cap_bytes: int, hold: HoldRule | None = N
             total = s.gpu_sum(g)
             max_any[g] = max(max_any.get(g, 0), total)
             if in_rule:
+                max_used[g] = max(max_used.get(g, 0), s.device_used.get(g, 0))
                 if total > max_sum.get(g, -1):
                     max_sum[g] = total
                     max_at[g] = {"t": s.t, "phase": s.phase, "procs_gib": _procs_gib(s, g)}
@@ -349,7 +360,7 @@ def check_trace(samples: list[Sample], cap_bytes: int, hold: HoldRule | None = N
                 turns[g] = turns.get(g, 0) + 1
             last[g] = key
     return TraceCheck(cap_bytes, len(samples), n_rule, max_sum, max_at, max_any, over, co, n_over, n_co,
-                      {g: sorted(r) for g, r in seen.items()}, turns)
+                      {g: sorted(r) for g, r in seen.items()}, turns, max_used)
 
 
 def residency_intervals(events: Iterable[Mapping]) -> list[dict]:

@@ -74,6 +74,14 @@ def test_hold_rule_uses_measured_idle_footprint():
     assert c.co_resident_count == 0 and c.over_cap_count == 1
 
 
+def test_processes_without_memory_numbers_are_not_a_pass():
+    # NVML may list processes but not their memory (usedGpuMemory None -> 0): the device's own number exposes it.
+    s = sample(1.0, "rule:x", {0: [(2, "dit", 0.0)]}, device_used={0: 20 * GIB})
+    check = check_trace([s], CAP)
+    assert not check.attribution_ok and not check.ok
+    assert check.to_json()["max_device_used_gib"] == {0: 20.0}
+
+
 def test_no_rule_samples_is_not_a_pass():
     assert not check_trace([sample(0.0, "setup", {0: []})], CAP).ok
 
