@@ -147,9 +147,12 @@ def nvml_reader() -> Callable[[], GpuReading]:
     def read() -> GpuReading:
         procs, used = {}, {}
         for i, h in enumerate(handles):
-            seen = {}
-            for p in pynvml.nvmlDeviceGetComputeRunningProcesses(h):
-                seen[p.pid] = seen.get(p.pid, 0) + int(p.usedGpuMemory or 0)
+            seen: dict[int, int] = {}
+            try:
+                for p in pynvml.nvmlDeviceGetComputeRunningProcesses(h):
+                    seen[p.pid] = seen.get(p.pid, 0) + int(p.usedGpuMemory or 0)
+            except pynvml.NVMLError:
+                pass  # no per-process numbers here: the device's total still comes back (check_trace flags it)
             procs[i] = sorted(seen.items())
             used[i] = int(pynvml.nvmlDeviceGetMemoryInfo(h).used)
         return procs, used
@@ -425,7 +428,8 @@ def summarize(samples: list[Sample]) -> dict[str, dict]:
 
 
 def plot_trace(samples: list[Sample], path: Path, cap_bytes: int, title: str = "",
-               hold: HoldRule | None = None, turns: list[tuple[float, str]] | None = None) -> Path:
+               hold: HoldRule | None = None, turns: list[tuple[float, str]] | None = None,
+               rule_phase: Callable[[str], bool] = is_rule_phase) -> Path:
     """PNG: one panel per GPU, memory (GiB) over time stacked by role and coloured by stage, the cap as a red line,
     rule phases shaded, and stage turns (holder changes, or the given (time, label) marks) as dotted lines."""
     import matplotlib
@@ -462,7 +466,7 @@ def plot_trace(samples: list[Sample], path: Path, cap_bytes: int, title: str = "
                 if start is not None:
                     ax.axvspan(start, ts[i], color="#eeeeee", zorder=0)
                     start = None
-                if is_rule_phase(s.phase):
+                if rule_phase(s.phase):
                     start = ts[i]
                 ax.annotate(s.phase.removeprefix("rule:"), (ts[i], 1.0), xycoords=("data", "axes fraction"),
                             fontsize=6, rotation=90, va="top", ha="right", color="#555555")

@@ -48,8 +48,9 @@ def test_random_nvfp4_text_encoder_reads_back(bench, tmp_path):
     from encoder_svc.conditioner import ConditionerConfig
 
     cfg = ConditionerConfig.tiny(vocab_size=512)
-    plan, items = bench.te_random_plan(cfg, "cpu")
-    path = write_safetensors_streaming(tmp_path / "qwen3vl_32b_minimax_h3_nvfp4_awq.safetensors", plan, items)
+    plan, makers = bench.te_random_plan(cfg, "cpu")
+    path = write_safetensors_streaming(tmp_path / "qwen3vl_32b_minimax_h3_nvfp4_awq.safetensors", plan,
+                                       ((k, make()) for k, make in makers))
     ckpt = TextEncoderCheckpoint(path, cfg)
     assert ckpt.info.variant == "nvfp4_awq" and ckpt.info.has_visual
     w = ckpt.read_layer(0)["mlp.down_proj.weight"].dense(torch.float32)
