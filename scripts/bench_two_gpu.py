@@ -13,17 +13,18 @@ Parts (items in this order; every result is written to the JSON as soon as it ex
 inside the budget is skipped and listed, with a ready `--only` value to run it later):
   rule   full-size random weights in the users' files; `scripts/up.sh ... --gpu-memory-cap-gb 22 --residency
          exclusive` with Turing numerics (DiT --linear-kernel int8 --dtype float16, fp16 encoder and decoder; the
-         fp32 residual stream is the model's own); 8-step renders 832x480, 1920x1088,
-         1600x896, 1344x768 (x124) through `python -m client render`, each MP4 checked with PyAV; decode 1 rank vs
-         2 ranks at 1344x768x124; the 832x480 render repeated with the same seed (byte-identical MP4, TP ranks'
-         final-latent hashes equal).
+         fp32 residual stream is the model's own); 8-step renders 832x480, 1920x1088, 1600x896, 1344x768 (x124)
+         through `python -m client render`, each MP4 checked with PyAV; decode 1 rank vs 2 ranks at 1344x768x124;
+         the 832x480 render repeated with the same seed (byte-identical MP4, TP ranks' final-latent hashes equal).
   scale  the same stack with `auto` kernels: 832x480 render, DiT TP2 vs TP1 s/step at 832x480x124 and 1344x768x124
          (TP1 on one H200 with no cap: one rank's 19.5 GiB of weights would not fit a 22 GB card), the all-reduce share
          of a TP2 step (NCCL microbench at the same shapes), fl2va (first + last frame) and --lora renders, then the
          other three resolutions.
-All the while an NVML sampler (0.25 s) records each process's memory on each GPU (stagekit/memtrace.py); rule
-phases are held to the cap, every phase to "one stage holds weights per GPU". Outputs in --out: two_gpu_<part>.json,
-trace_<part>.jsonl.gz, memtrace_<part>.png, bench_<part>.log, stage_logs_<part>.tar.gz.
+All the while an NVML sampler (0.25 s) records each process's memory on each GPU (stagekit/memtrace.py). Every
+phase of the users' path (start-up, idle, renders, stage-level runs) is held to the cap; writing the weights and the
+`free:` phases (TP1, the NCCL microbench) are not; every phase is held to "one stage holds weights per GPU". Outputs
+in --out: two_gpu_<part>.json, trace_<part>.jsonl.gz, memtrace_<part>.png, bench_<part>.log,
+stage_logs_<part>.tar.gz.
 
 --tiny runs every code path on the CPU: tiny weights in the same file formats, virtual devices virt0/virt1, the
 same up.sh / CLI / loadtest commands at small sizes, and GPU memory synthesised from the stages' event log (no NVML).

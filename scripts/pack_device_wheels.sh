@@ -54,13 +54,13 @@ rm -rf "$build/site" "$out/site.tar.xz"
   $(for spec in "${PKGS[@]}"; do n="${spec%%==*}"; v="${spec##*==}"; ls "$build/wheels/"*.whl \
       | grep -i -E "/${n//-/[-_]}-${v}-" | head -1; done)
 
-# Strip: AMD (HIP) kernels, caches, tests, type stubs, the pip-generated bin/ and debug symbols.
+# Leave out: AMD (HIP) kernels, caches, tests, type stubs, the pip-generated bin/. (No `strip` of the shared
+# libraries: auditwheel patched them with patchelf, strip can break such files, and it would save < 1 MiB.)
 rm -f "$build/site/comfy_kitchen/backends/hip/"*.so
 rm -rf "$build/site/bin"
 find "$build/site" -name __pycache__ -type d -prune -exec rm -rf {} +
 find "$build/site" -type d \( -name tests -o -name test \) -path "*/site/*/*" -prune -exec rm -rf {} +
 find "$build/site" -name "*.pyi" -delete
-find "$build/site" -name "*.so*" -type f -exec strip --strip-unneeded {} + 2>/dev/null || true
 
 XZ_OPT="-9e -T0" tar -cJf "$out/site.tar.xz" -C "$build/site" .
 size=$(stat -c %s "$out/site.tar.xz")
