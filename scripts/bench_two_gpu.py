@@ -464,7 +464,7 @@ class Bench:
         self.devices = "virt0,virt1" if self.tiny else "cuda:0,cuda:1"
         self.steps = args.steps or (2 if self.tiny else 8)
         self.cap = int(args.cap_gb * GIB)
-        self.budget = args.budget_s
+        self.budget = args.budget_s or (3600.0 if self.tiny else 530.0)
         self.speed = 1.0  # measured / estimated seconds, from the renders so far
         self._ratios: list[float] = []
         self.stack_up = False
@@ -522,7 +522,7 @@ class Bench:
         why = ""
         if needs_stack and not self.stack_up:
             why = "the stack is not up"
-        elif not self.tiny and est > self.left_s():
+        elif est > self.left_s():
             why = f"needs ~{est:.0f} s, {self.left_s():.0f} s left in the budget"
         if why:
             self.results["skipped"].append({"item": name, "why": why})
@@ -725,10 +725,10 @@ class Bench:
     def do_down(self) -> None:
         for name in list(self.extra):
             self.stop_proc(name)
-        if self.stack_up:
+        if any(self.run.glob("*.pid")):  # also after a failed or timed-out up.sh: its stages may be running
             self.run_cmd(["bash", str(ROOT / "scripts/down.sh"), "--run-dir", self.run, "--grace", "20"], 120,
                          "down", env=self.env())
-            self.stack_up = False
+        self.stack_up = False
 
     def do_render(self, key: str, label: str, extra: list[str] | None = None, seed: int = SEED) -> dict:
         w, h, f = self.size(label)
@@ -802,7 +802,9 @@ class Bench:
 
     def do_parity(self, first_key: str) -> dict:
         first = self.results["items"].get(f"render:{self.profile}:{first_key}")
-        if not first or "mp4_sha256" not in first:
+        if not first:  # run with --only parity: render the first one here
+            first = self.results["items"][f"render:{self.profile}:{first_key}"] = self.do_render(first_key, first_key)
+        if "mp4_sha256" not in first:
             raise RuntimeError(f"the first {first_key} render did not produce an MP4 to compare with")
         again = self.do_render(f"{first_key}-repeat", first_key)
         jobs = first["latents"]["jobs"] + again["latents"]["jobs"]
@@ -1026,7 +1028,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="out/two_gpu")
     ap.add_argument("--work-dir", default="", help="run dirs, MP4s, logs (default /tmp/h3bench[-tiny])")
     ap.add_argument("--tiny", action="store_true", help="CPU dry run: tiny weights, virtual devices")
-    ap.add_argument("--budget-s", type=float, default=530.0, help="stop starting items past this (seconds)")
+    ap.add_argument("--budget-s", type=float, default=0.0,
+                    help="start no item that would end past this many seconds (default 530; 3600 with --tiny)")
     ap.add_argument("--cap-gb", type=float, default=22.0, help="per-GPU memory cap (GiB), all our processes together")
     ap.add_argument("--steps", type=int, default=0, help="sampling steps (default 8; 2 with --tiny)")
     ap.add_argument("--only", default="", help="comma-separated item names to run (the stack starts as needed)")
