@@ -7,6 +7,7 @@ all ranks agree on cancellation at each step boundary.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 import time
@@ -316,8 +317,16 @@ class DiTEngine:
         v0, a0 = sample(denoise, v_rows, a_rows, sampler_cfg, on_step=on_step, should_stop=ctx.should_stop)
         video = unpatchify_video(v0, mcfg.patch, *video_shape).cpu()
         audio = unpatchify_audio(a0).cpu()
+        # Seed parity (docs/two_cards.md): each rank logs a hash of its final latents; tensor-parallel ranks must
+        # agree bit for bit, and a render repeated with the same seed must log the same hashes.
+        log.info("final latents rank=%d %dx%dx%d seed=%d video_sha256=%s audio_sha256=%s", self.group.info.rank,
+                 spec.width, spec.height, spec.frames, spec.seed, _sha256(video), _sha256(audio))
         return {"video_latents": video, "audio_latents": audio}
 
     def describe(self) -> dict:
         return {"weights": str(self.path), "variant": self.variant, "embedded_model": self.embedded,
                 "devices": [self.cfg.device], "kernels": self.kernel_rows()}
+
+
+def _sha256(t: torch.Tensor) -> str:
+    return hashlib.sha256(t.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()

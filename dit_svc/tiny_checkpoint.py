@@ -4,8 +4,8 @@
   config and q/k/v order stated in the safetensors metadata (or without, like a ComfyUI repack).
 * `write_tiny_diffusers_dir`, `write_tiny_release_dir`: the same weights in the diffusers directory layout and in
   the raw release shard layout (per-head interleaved qkv), for loader tests.
-* `iter_random_int8_convrot_weights(cfg)`: full-size random weights in the int8-convrot layout, one tensor at a
-  time (a generator, so a 33B model never sits in host RAM twice), and `write_random_int8_convrot_checkpoint`,
+* `iter_random_int8_convrot_weights(cfg)`: full-size random weights in the int8-convrot layout (or its pruned
+  curve form), one tensor at a time (a generator, so a 33B model never sits in host RAM twice), and `write_random_int8_convrot_checkpoint`,
   which streams them into one Comfy-layout file.
 
 Every tensor is drawn from its own generator seeded by (seed, key name), so values do not depend on iteration
@@ -286,11 +286,13 @@ def write_tiny_release_dir(cfg: DiTConfig, root: str | Path, seed: int = 0, n_sh
 # ================================================================================================================
 
 
-def _int8_plan(cfg: DiTConfig) -> list[tuple[str, tuple[int, ...], str]]:
-    """(key, shape, dtype) of the int8_convrot layout with the comfy_quant blob lengths filled in."""
+def _int8_plan(cfg: DiTConfig, pruned: bool = False) -> list[tuple[str, tuple[int, ...], str]]:
+    """(key, shape, dtype) of the int8_convrot layout (`pruned`: the curve-form AdaLN variant, ≈19.5 GiB at full
+    size) with the comfy_quant blob lengths filled in."""
     g_lin, g_ada = linear_groupsize(cfg), adaln_groupsize(cfg)
+    layout = cfg.replace(adaln_form="curve") if pruned else cfg.replace(adaln_form="mlp")
     plan = []
-    for key, spec in expected_specs(cfg.replace(adaln_form="mlp"), INT8_CONVROT).items():
+    for key, spec in expected_specs(layout, INT8_CONVROT_PRUNED if pruned else INT8_CONVROT).items():
         shape = spec.shape
         if key.endswith(".comfy_quant"):
             shape = (encode_comfy_quant(g_ada if ".adaln_proj." in key else g_lin).numel(),)
@@ -299,16 +301,18 @@ def _int8_plan(cfg: DiTConfig) -> list[tuple[str, tuple[int, ...], str]]:
 
 
 def iter_random_int8_convrot_weights(
-    cfg: DiTConfig, seed: int = 0, device: torch.device | str = "cpu", quantize: bool = True
+    cfg: DiTConfig, seed: int = 0, device: torch.device | str = "cpu", quantize: bool = True, pruned: bool = False
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (key, tensor) of a random int8_convrot checkpoint in file order, one tensor at a time, on `device`.
 
     quantize=True draws Gaussian weights and ConvRot-quantizes them (realistic, needs a GPU to be quick at full
     size); quantize=False draws the int8 codes directly with scale chosen so the dequantised std is 1/sqrt(K).
+    pruned=True gives the curve-form ("pruned") variant: random `adaln_t_table` and rank-r fp16 AdaLN projections
+    in place of the time embedder and the int8 AdaLN (random, not an SVD of a real curve: a benchmark file).
     """
     g_lin, g_ada = linear_groupsize(cfg), adaln_groupsize(cfg)
     pending: dict[str, torch.Tensor] = {}  # weight_scale / comfy_quant follow their weight in file order
-    for key, shape, dtype in _int8_plan(cfg):
+    for key, shape, dtype in _int8_plan(cfg, pruned):
         if key in pending:
             yield key, pending.pop(key)
             continue
@@ -329,8 +333,11 @@ def iter_random_int8_convrot_weights(
 
 
 def write_random_int8_convrot_checkpoint(
-    cfg: DiTConfig, path: str | Path, seed: int = 0, device: torch.device | str = "cpu", quantize: bool = True
+    cfg: DiTConfig, path: str | Path, seed: int = 0, device: torch.device | str = "cpu", quantize: bool = True,
+    pruned: bool = False,
 ) -> Path:
-    """Stream a full-size random int8_convrot checkpoint to one Comfy-layout file (about 34 GB at full size)."""
-    items = iter_random_int8_convrot_weights(cfg, seed, device, quantize)
-    return write_safetensors_streaming(path, _int8_plan(cfg), items, file_metadata(cfg.replace(adaln_form="mlp")))
+    """Stream a full-size random int8_convrot checkpoint to one Comfy-layout file (about 34 GB at full size; the
+    `pruned` curve-form variant ≈19.5 GiB, the file the 22 GB-card users run)."""
+    items = iter_random_int8_convrot_weights(cfg, seed, device, quantize, pruned)
+    return write_safetensors_streaming(path, _int8_plan(cfg, pruned), items,
+                                      file_metadata(cfg.replace(adaln_form="curve" if pruned else "mlp")))
