@@ -35,6 +35,10 @@ class Cancelled(StageError):
     code = grpc.StatusCode.CANCELLED
 
 
+class DeadlineExceeded(StageError):
+    code = grpc.StatusCode.DEADLINE_EXCEEDED
+
+
 class Unavailable(StageError):
     code = grpc.StatusCode.UNAVAILABLE
 
