@@ -1,6 +1,6 @@
 """What `render` refuses by itself, before asking any stage (or starting an embedded stack, ~10 s).
 
-The rules are the stages' own, from the same code (`stagekit.render_params.validate`, `stagekit.images.open_image`,
+The rules are the stages' own, from the same code (`stagekit.render_params.validate`, `stagekit.images.admit_keyframe`,
 the encoder's `validate_prompt`, the DiT's `resolve_lora_path`); the messages add what only the client knows: the
 file name and the flag it came from. Every refusal is a `CheckError`, which the CLI prints as `error: ...` and
 exits 2, whatever the input (an empty `--prompt ""` and a blank one alike).
@@ -49,16 +49,17 @@ def output_paths(output: str, count: int) -> list[Path]:
     return [out]
 
 
-def read_keyframe(path: str, flag: str) -> bytes:
-    """The bytes of a PNG/JPEG keyframe file, checked as the stages will check them."""
-    from stagekit.images import open_image
+def read_keyframe(path: str, flag: str, width: int, height: int) -> bytes:
+    """The bytes of a PNG/JPEG keyframe file for a `width` x `height` render, admitted as the stages admit it
+    (format and size from the header; nothing decoded)."""
+    from stagekit.images import admit_keyframe
 
     try:
         data = Path(path).read_bytes()
     except OSError as e:
         raise CheckError(f"cannot read {flag} {path}: {e.strerror or e}") from None
     try:
-        open_image(data)
+        admit_keyframe(data, width, height)
     except InvalidArgument as e:
         raise CheckError(f"{flag} {path}: {e.message}") from None
     return data
