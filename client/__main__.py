@@ -49,15 +49,15 @@ def render_inputs(args):
     """(prompts, output paths, keyframe bytes, LoRAs) from the render flags, or CheckError: everything that can be
     refused without a stage (client/checks.py)."""
     prompts = read_prompts(args.prompt, args.prompts_file)
-    keyframes = {f"{a}_frame": read_keyframe(getattr(args, f"{a}_frame"), f"--{a}-frame")
-                 for a in ("first", "last") if getattr(args, f"{a}_frame")}
-    if keyframes and len(prompts) != 1:
-        raise CheckError("--first-frame/--last-frame take a single --prompt (not --prompts-file)")
     try:
         for p in prompts:
             validate(_spec(args, p), need_prompt=True)
     except InvalidArgument as e:
         raise CheckError(e.message) from None
+    keyframes = {f"{a}_frame": read_keyframe(getattr(args, f"{a}_frame"), f"--{a}-frame", args.width, args.height)
+                 for a in ("first", "last") if getattr(args, f"{a}_frame")}
+    if keyframes and len(prompts) != 1:
+        raise CheckError("--first-frame/--last-frame take a single --prompt (not --prompts-file)")
     loras = [parse_lora_arg(x) for x in args.lora or ()]
     outs = output_paths(args.output, len(prompts))
     for o in outs:
