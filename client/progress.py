@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from rich.console import Console
-from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import BarColumn, Progress, TextColumn
 from rich.table import Table
 
 from client.pipeline import RenderResult
@@ -18,7 +18,7 @@ class RenderProgress:
     def __init__(self):
         self.progress = Progress(
             TextColumn("[bold]{task.fields[stage]:>8}"), BarColumn(), TextColumn("{task.fields[info]}"),
-            TimeElapsedColumn(), console=console, transient=False)
+            console=console, transient=False)
         self.tasks: dict[str, int] = {}
         self.done: set[str] = set()
 
