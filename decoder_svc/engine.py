@@ -187,7 +187,7 @@ class DecoderEngine:
         if fmt == "wav":
             write_wav(tmp, audio)
         else:
-            write_mp4(tmp, frames, audio, crf=job["crf"] or DEFAULT_CRF, preset=self.cfg.preset)
+            write_mp4(tmp, frames, audio, crf=job["crf"] or DEFAULT_CRF, preset=self.cfg.preset, size=job.get("size"))
         log.info("muxed %s in %.2f s", name, time.monotonic() - t0)
         return {"file": Path(tmp), "name": name, "frames": frames.shape[1], "audio_samples": audio.shape[-1]}
 
