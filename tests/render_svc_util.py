@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import av
@@ -14,7 +15,7 @@ from client.embedded import EmbeddedStack, StackConfig
 from client.render_client import render_request
 from client.stubs import Endpoints, open_channel
 from h3.v1 import render_pb2, render_pb2_grpc
-from stagekit.lease import read_events
+from stagekit.lease import DeviceLease, LeaseConfig, read_events
 from stagekit.render_params import RenderSpec
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -92,3 +93,15 @@ def swaps(lease_dir: Path, t0: float, t1: float) -> dict[str, int]:
             stage = e["holder"].split("@", 1)[0]
             out[stage] = out.get(stage, 0) + 1
     return out
+
+
+@contextmanager
+def holding_the_device(lease_dir: Path, device: str = "virt0"):
+    """Hold the stages' device lease (as a waiting stage would): every stage call blocks in the stage until it is
+    released, so a job stays exactly where it is (deterministic mid-stage cancels and kills)."""
+    lease = DeviceLease([device], LeaseConfig(Path(lease_dir), f"test@pid{os.getpid()}"))
+    lease.acquire(timeout_s=120)
+    try:
+        yield lease
+    finally:
+        lease.release()
