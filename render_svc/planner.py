@@ -11,8 +11,9 @@ Choosing the batch (docs/render_service.md, "Stage batching"):
   chunk of a stage's queue). Staying is allowed only if every other task can still run in time after it
   (earliest-deadline-first: sorted slacks s_k >= k + 1); otherwise the task with the least slack runs now
   (ties: the later stage first, finishing work in flight).
-The bound holds whenever any order could meet it (e.g. `max_wait` >= the number of stages with waiting work when
-each stage's queue fits one batch); under heavier overload the least-slack task still goes first.
+The bound holds while the work fits the batches: when what arrives at a stage during `max_wait` batches fits
+one batch (tests/test_render_svc_batching.py simulates such loads). Beyond that the service is overloaded and no
+order can keep it; the least-slack task still goes first, so waits stay ordered by age.
 """
 
 from __future__ import annotations
