@@ -76,7 +76,8 @@ class RenderService:
         self.outputs.mkdir(parents=True, exist_ok=True)
         self.planner = BatchPlanner(cfg.max_batch, cfg.max_wait_batches)
         self.works: dict[str, Work] = {}         # jobs in flight (queued or between / in stages)
-        self.batch: Batch | None = None          # the batch running now
+        self.batch: Batch | None = None          # the batch running now, since batch_t0
+        self.batch_t0 = 0.0
         self.batch_log: deque[dict] = deque(maxlen=200)  # recent batches (the web page draws them)
         self.started_unix = time.time()
         self._lock = threading.Condition()
@@ -164,7 +165,7 @@ class RenderService:
                     self._lock.wait(0.5)
                     continue
                 works = [self.works[j] for j in batch.job_ids]
-                self.batch = batch
+                self.batch, self.batch_t0 = batch, time.time()
             try:
                 self._run_batch(batch, works)
             except Unavailable:
@@ -272,7 +273,7 @@ class RenderService:
         with self._lock:
             pos = {r.id: self.planner.position(r.id) for r in active}
             batch = None if self.batch is None else {"number": self.batch.number, "stage": self.batch.stage,
-                                                     "jobs": list(self.batch.job_ids)}
+                                                     "jobs": list(self.batch.job_ids), "t0": self.batch_t0}
             batches = list(self.batch_log)[-40:]
         return {"jobs": [r.info(pos.get(r.id, 0)) for r in active + recent], "batch": batch, "batches": batches,
                 "batches_total": self.planner.batches}
