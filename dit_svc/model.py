@@ -117,19 +117,21 @@ class Attention(nn.Module):
             out[i, 0].copy_(t.transpose(0, 1))  # [heads, rows, d], cast to the compute dtype
 
     def project_out(self, o: torch.Tensor) -> torch.Tensor:
-        """o [1, local_heads, rows, head_dim] (compute dtype) -> fp32 [rows, hidden], summed over TP ranks."""
+        """o [1, local_heads, rows, head_dim] (compute dtype) -> fp32 [rows, hidden]: this rank's partial sum of the
+        row-parallel out_proj (the caller all-reduces it)."""
         rows = o.shape[2]
-        out = self.out_proj(o[0].transpose(0, 1).reshape(rows, self.local_heads * self.head_dim)).float()
-        if self.group is not None:
-            dist.all_reduce(out, group=self.group)  # fp32 partial sums of the row-parallel out_proj
-        return out
+        return self.out_proj(o[0].transpose(0, 1).reshape(rows, self.local_heads * self.head_dim)).float()
 
     def forward(self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
-        """Unchunked (the token refiner's short text): h [S, hidden] (compute dtype) -> fp32 [S, hidden]."""
+        """Unchunked (the token refiner's short text): h [S, hidden] (compute dtype) -> fp32 [S, hidden], summed
+        over TP ranks."""
         qkv = self.empty_qkv(h.shape[0], h.device)
         self.project_qkv(h, rope, qkv)
         # [1, heads, S, d]; SDPA never materialises the S x S matrix (flash / memory-efficient kernels).
-        return self.project_out(self.attention_fn(qkv[0], qkv[1], qkv[2]))
+        out = self.project_out(self.attention_fn(qkv[0], qkv[1], qkv[2]))
+        if self.group is not None:
+            dist.all_reduce(out, group=self.group)  # fp32 partial sums of the row-parallel out_proj
+        return out
 
 
 class MLP(nn.Module):
@@ -143,10 +145,14 @@ class MLP(nn.Module):
         self.fc1 = ctx.factory(f"{name}.fc1", cfg.hidden, 2 * cfg.ffn, False, "column")
         self.fc2 = ctx.factory(f"{name}.fc2", cfg.ffn, cfg.hidden, False, "row")
 
+    def partial(self, h: torch.Tensor) -> torch.Tensor:
+        """h [rows, hidden] (compute dtype) -> fp32 [rows, hidden]: this rank's partial sum of the row-parallel fc2."""
+        gate, value = self.fc1(h).chunk(2, dim=-1)
+        return self.fc2(F.silu(gate) * value).float()
+
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         """h [rows, hidden] (compute dtype) -> fp32 [rows, hidden], summed over TP ranks."""
-        gate, value = self.fc1(h).chunk(2, dim=-1)
-        out = self.fc2(F.silu(gate) * value).float()
+        out = self.partial(h)
         if self.group is not None:
             dist.all_reduce(out, group=self.group)  # fp32 partial sums of the row-parallel fc2
         return out
@@ -235,15 +241,32 @@ class Block(nn.Module):
         # 2. attention over all rows.
         o = self.attn.attention_fn(qkv[0], qkv[1], qkv[2])
         del qkv
-        # 3. output projection (all-reduced per chunk) and gated residual add.
-        for s, e in chunks:
-            x[s:e] += gate1.index_select(0, rows[s:e]) * self.attn.project_out(o[:, :, s:e])
+        # 3. output projection and gated residual add, a row chunk at a time.
+        self._reduce_add(x, gate1, rows, chunks, lambda s, e: self.attn.project_out(o[:, :, s:e]))
         del o
-        # 4. MLP, a row chunk at a time.
-        for s, e in chunks:
-            h = self._modulate(x[s:e], self.norm2, shift2, scale2, rows[s:e])
-            x[s:e] += gate2.index_select(0, rows[s:e]) * self.mlp(h)
+        # 4. MLP and gated residual add, a row chunk at a time (chunk i's input is untouched by chunk i-1's add).
+        self._reduce_add(x, gate2, rows, chunks, lambda s, e: self.mlp.partial(
+            self._modulate(x[s:e], self.norm2, shift2, scale2, rows[s:e])))
         return x
+
+    def _reduce_add(self, x, gate, rows, chunks, partial) -> None:
+        """x[s:e] += gate[rows[s:e]] * all_reduce(partial(s, e)) for every chunk. Each chunk's fp32 all-reduce runs
+        on NCCL's stream while the next chunk's partial sum is computed; it is waited for just before its add."""
+        group = self.attn.group
+        pending = None  # the previous chunk: (s, e, partial sum, its all-reduce)
+
+        def add(s, e, part, work):
+            if work is not None:
+                work.wait()
+            x[s:e] += gate.index_select(0, rows[s:e]) * part
+
+        for s, e in chunks:
+            part = partial(s, e)
+            work = dist.all_reduce(part, group=group, async_op=True) if group is not None else None
+            if pending is not None:
+                add(*pending)
+            pending = (s, e, part, work)
+        add(*pending)
 
 
 class FinalLayer(nn.Module):
