@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Stop the stages started by scripts/up.sh: SIGTERM (graceful drain), then SIGKILL after a grace period.
+# Stop what scripts/up.sh started (the render service first, then the stages): SIGTERM (graceful drain), then
+# SIGKILL after a grace period.
 #   scripts/down.sh [--run-dir run] [--grace 30]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -11,7 +12,7 @@ while [[ $# -gt 0 ]]; do
     *) echo "down.sh: unknown option $1" >&2; exit 2;;
   esac
 done
-for stage in encoder dit decoder; do
+for stage in render encoder dit decoder; do
   pidf="$run_dir/$stage.pid"
   [[ -f "$pidf" ]] || continue
   pid="$(cat "$pidf")"
@@ -21,6 +22,6 @@ for stage in encoder dit decoder; do
     kill -KILL -- "-$pid" 2>/dev/null || true
     echo "stopped $stage (pid $pid)"
   fi
-  rm -f "$pidf" "$run_dir/$stage.port"
+  rm -f "$pidf" "$run_dir/$stage.port" "$run_dir/$stage.port.http"
 done
 rm -f "$run_dir/endpoints.env"
