@@ -7,20 +7,28 @@ loopback, tiny embedded model) with a `python -m render_svc` process beside it.
 - jobs: Submit (idempotency key), Get, Watch (resumed from an index gives the same tail), List, Fetch;
 - bad requests are INVALID_ARGUMENT at submit and store nothing; unknown ids NOT_FOUND; fetch before the end
   FAILED_PRECONDITION;
-- --upscale: the MP4 comes out at the asked size (libswscale Lanczos in the decoder's mux).
+- --upscale: the MP4 comes out at the asked size (libswscale Lanczos in the decoder's mux);
+- fl2va: the keyframe images travel once (in the request); the keyframes batch makes the decoder resident with its
+  VAE encoder alone (the residency's loaded bytes are the encoder's), the decode batch with the decode path.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import subprocess
 import sys
+import time
 
 import grpc
+import numpy as np
 import pytest
+import torch
+from PIL import Image
 
 from h3.v1 import common_pb2, render_pb2
 from stagekit.transport import FileReceiver
+from stagekit.lease import read_events
 from tests.render_svc_util import ROOT, TERMINAL, RenderService, probe, tiny_request
 
 
@@ -144,3 +152,35 @@ def test_jobs_cli(svc, tmp_path):
     st = svc.stub.Status(common_pb2.StatusRequest(), timeout=30)
     assert st.succeeded >= 1 and [s.health for s in st.stages] == ["SERVING"] * 3
     assert all(j.state in TERMINAL for j in svc.stub.List(render_pb2.ListRequest(), timeout=30).jobs)
+
+
+def _png(seed: int) -> bytes:
+    buf = io.BytesIO()
+    Image.fromarray(np.random.default_rng(seed).integers(0, 256, (200, 300, 3), dtype=np.uint8)).save(buf, "PNG")
+    return buf.getvalue()
+
+
+def test_fl2va_keyframes_load_only_the_vae_encoder(stack, svc, tmp_path, model_cache):
+    from decoder_svc.engine import EMBEDDED_VIDEO
+    from decoder_svc.video_vae import load_video_vae
+    from stagekit.models import EMBEDDED_VERSION
+
+    stage_stack, _ = stack
+    t0 = time.time()
+    req = tiny_request("the sun sets over the sea", first_frame=_png(1), last_frame=_png(2))
+    out = tmp_path / "fl2va.mp4"
+    with FileReceiver(out) as recv:
+        for ev in svc.stub.Render(req, timeout=300):
+            if ev.WhichOneof("event") == "file":
+                recv.feed(ev.file)
+            elif ev.WhichOneof("event") == "job":
+                info = ev.job
+        recv.finish()
+    assert [r.stage for r in info.stages] == ["keyframes", "encoder", "dit", "decoder"]
+    assert probe(out)["frames"] == 22
+    loaded = [e["bytes"] for e in read_events(stage_stack.lease_dir)
+              if e["event"] == "loaded" and e["holder"].startswith("decoder@") and e["t"] >= t0]
+    vae = str(model_cache / EMBEDDED_VERSION / EMBEDDED_VIDEO)
+    encoder_bytes = sum(p.numel() * p.element_size()
+                        for p in load_video_vae(vae, None, torch.float32, device="cpu", parts="encoder").parameters())
+    assert loaded[0] == encoder_bytes and loaded[-1] > encoder_bytes, loaded  # keyframes: the encoder half alone
