@@ -185,9 +185,8 @@ class RenderService:
             if w.cancelled.is_set():
                 self._finish(w, CANCELLED, "CANCELLED", f"cancelled while waiting for the {batch.stage} stage")
                 continue
-            if self.store.get(w.job_id).state == QUEUED and not self.store.start(w.job_id):
+            if self.store.get(w.job_id).state == QUEUED and not self.store.start(w.job_id, batch.stage):
                 continue  # finished in between
-            self.store.set_stage(w.job_id, batch.stage)
             live.append(w)
         if not live:
             return

@@ -230,12 +230,12 @@ class JobStore:
             self.changed.notify_all()
             return self.get(job_id), True
 
-    def start(self, job_id: str) -> bool:
-        """QUEUED -> RUNNING (one more attempt). False if the job is not queued (cancelled meanwhile)."""
+    def start(self, job_id: str, stage: str) -> bool:
+        """QUEUED -> RUNNING in `stage` (one more attempt). False if the job is not queued (finished meanwhile)."""
         with self.changed:
             with self.db:
-                cur = self.db.execute("UPDATE jobs SET state = ?, attempts = attempts + 1, started = ? "
-                                      "WHERE id = ? AND state = ?", (RUNNING, time.time(), job_id, QUEUED))
+                cur = self.db.execute("UPDATE jobs SET state = ?, stage = ?, attempts = attempts + 1, started = ? "
+                                      "WHERE id = ? AND state = ?", (RUNNING, stage, time.time(), job_id, QUEUED))
                 if cur.rowcount != 1:
                     return False
                 self._log_info(job_id)

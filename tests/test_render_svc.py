@@ -26,6 +26,7 @@ import pytest
 import torch
 from PIL import Image
 
+from client.stubs import StageClients
 from h3.v1 import common_pb2, render_pb2
 from stagekit.transport import FileReceiver
 from stagekit.lease import read_events
@@ -165,7 +166,9 @@ def test_fl2va_keyframes_load_only_the_vae_encoder(stack, svc, tmp_path, model_c
     from decoder_svc.video_vae import load_video_vae
     from stagekit.models import EMBEDDED_VERSION
 
-    stage_stack, _ = stack
+    stage_stack, endpoints = stack
+    with StageClients(endpoints) as c:  # start from an unloaded decoder (an earlier test's decode may be resident)
+        c.decoder.Unload(common_pb2.UnloadRequest(), timeout=120)
     t0 = time.time()
     req = tiny_request("the sun sets over the sea", first_frame=_png(1), last_frame=_png(2))
     out = tmp_path / "fl2va.mp4"
