@@ -169,7 +169,7 @@ def _render_requests(args, prompts: list[str], keyframes: dict[str, bytes]):
 
 def cmd_render(args) -> int:
     from client.progress import RenderProgress, print_summary
-    from client.render_client import RenderClient
+    from client.render_client import TERMINAL, RenderClient
 
     prompts = [args.prompt] if args.prompt else []
     if args.prompts_file:
@@ -210,31 +210,48 @@ def cmd_render(args) -> int:
                     print(f"job {info.job_id} {state_name(info.state)}")
                 return 0
             with RenderProgress() as progress:
-                def on_event(i):
+                def queued(i: int, job_id: str) -> None:
+                    job_ids[i] = job_id
+                    hint = "" if stack is not None else (
+                        f"; if this client stops, fetch it with: python -m client jobs fetch {job_id} -o {outs[i]}")
+                    progress.progress.console.print(f"job {job_id} queued{hint}")
+
+                def on_event(i: int):
                     def fn(ev):
                         if ev.WhichOneof("event") == "progress":
                             progress.update(ev.progress)
                         elif i not in job_ids:
-                            job_ids[i] = ev.job_id
-                            hint = "" if stack is not None else (
-                                f"; if this client stops, fetch it with: python -m client jobs fetch {ev.job_id} "
-                                f"-o {outs[i]}")
-                            progress.progress.console.print(f"job {ev.job_id} queued{hint}")
+                            queued(i, ev.job_id)
                     return fn
 
-                def one(i):
+                def outcome(i: int, call):
                     try:
-                        return rc.render(reqs[i], outs[i], on_event(i))
+                        info = call()
                     except grpc.RpcError as e:
-                        return e
+                        return f"{e.code().name}: {e.details()}"
+                    if info is None or info.state not in TERMINAL:
+                        return "the job's event stream ended before the job did; follow it with `jobs watch`"
+                    return info if info.state == render_pb2.JOB_SUCCEEDED else f"{info.error_code}: {info.error}"
 
-                with ThreadPoolExecutor(max_workers=min(16, len(reqs))) as pool:
-                    results = list(pool.map(one, range(len(reqs))))
+                if len(reqs) == 1:  # one call
+                    results = [outcome(0, lambda: rc.render(reqs[0], outs[0], on_event(0)))]
+                else:  # every prompt queued at once (the service batches them with everyone's), then followed
+                    results = [None] * len(reqs)
+                    for i, req in enumerate(reqs):
+                        try:
+                            queued(i, rc.submit(req).job_id)
+                        except grpc.RpcError as e:
+                            results[i] = f"{e.code().name}: {e.details()}"
+                    todo = [i for i in job_ids]
+                    with ThreadPoolExecutor(max_workers=min(16, len(todo) or 1)) as pool:
+                        for i, r in zip(todo, pool.map(
+                                lambda i: outcome(i, lambda: rc.follow(job_ids[i], outs[i], on_event(i))), todo)):
+                            results[i] = r
         rc_code = 0
         for i, r in enumerate(results):
-            if isinstance(r, grpc.RpcError):
+            if isinstance(r, str):
                 rc_code = 1
-                print(f"error: job {job_ids.get(i, '-')}: {r.code().name}: {r.details()}", file=sys.stderr)
+                print(f"error: job {job_ids.get(i, '-')}: {r}", file=sys.stderr)
             else:
                 print_summary(outs[i], r.stages)
         return rc_code

@@ -77,6 +77,19 @@ class RenderClient:
         yield from self.stub.Watch(render_pb2.WatchRequest(job_id=job_id, from_index=from_index), timeout=timeout_s,
                                    metadata=self._md())
 
+    def follow(self, job_id: str, out_path: Path, on_event: EventFn = lambda ev: None,
+               timeout_s: float = RENDER_DEADLINE_S) -> render_pb2.JobInfo:
+        """Watch a submitted job to its end (events to `on_event`); fetch its MP4 if it succeeded. Returns its final
+        info."""
+        last = None
+        for ev in self.watch(job_id, 0, timeout_s):
+            if ev.WhichOneof("event") == "job":
+                last = ev.job
+            on_event(ev)
+        if last is not None and last.state == render_pb2.JOB_SUCCEEDED:
+            self.fetch(job_id, out_path)
+        return last
+
     def fetch(self, job_id: str, out_path: Path, timeout_s: float = 3600.0) -> Path:
         with FileReceiver(Path(out_path)) as recv:
             for chunk in self.stub.Fetch(render_pb2.FetchRequest(job_id=job_id), timeout=timeout_s, metadata=self._md()):
