@@ -1,9 +1,10 @@
-"""Orchestration library: encode -> sample -> decode through the generated stubs.
+"""The stage-level library: encode -> sample -> decode through the generated stage stubs.
 
-Each call streams the stage's progress to `on_progress(Progress)` and returns
-the stage's result plus its timing. `render_many` is stage-batched: all
-prompts are encoded, then all sampled, then all decoded, so each stage loads
-once for the whole batch on small cards.
+The render service (render_svc/) drives the stages with these calls; tools that want stage-level control use them
+directly (the user's `python -m client render` talks to the render service instead and needs no torch).
+Each call streams the stage's progress to `on_progress(Progress)`, hands the call to `on_call` (so another thread
+can cancel it) and returns the stage's result plus its timing. `render_many` is stage-batched: all prompts are
+encoded, then all sampled, then all decoded, so each stage loads once for the whole batch on small cards.
 """
 
 from __future__ import annotations

@@ -114,6 +114,8 @@ class RenderServicer(render_pb2_grpc.RendererServicer):
     def Render(self, request, context):
         info = abort_on_error(context, self.svc.submit, request)
         yield from self._follow(info.job_id, 0, context)
+        if not context.is_active():
+            return  # the caller left; the job goes on (Watch / Fetch it by id)
         rec = self.svc.store.get(info.job_id)
         if rec.state == SUCCEEDED:
             try:
