@@ -88,15 +88,20 @@ def connect_render(args, security: Security):
     if target:
         print(f"render service {target} is unreachable", file=sys.stderr)
     stack = EmbeddedStack(StackConfig(models_dir=args.models_dir, devices=args.devices, security=security,
-                                      with_render=True))
+                                      with_render=True, extra_args={"render": ["--http-port", "0"]}))
     endpoints = configured_endpoints(args)
     if endpoints is not None and _reachable(endpoints, security):
         print("starting a render service over the configured stages ...", file=sys.stderr)
-        return stack.start_render(endpoints), stack
-    if endpoints is not None:
-        print("configured endpoints are unreachable", file=sys.stderr)
-    print("starting embedded stack (encoder, dit, decoder, render service) on loopback ...", file=sys.stderr)
-    return stack.start().render, stack
+        target = stack.start_render(endpoints)
+    else:
+        if endpoints is not None:
+            print("configured endpoints are unreachable", file=sys.stderr)
+        print("starting embedded stack (encoder, dit, decoder, render service) on loopback ...", file=sys.stderr)
+        target = stack.start().render
+    web = stack.run_dir / "render.port.http"
+    if web.exists():
+        print(f"render service web page: http://127.0.0.1:{web.read_text().strip()}/", file=sys.stderr)
+    return target, stack
 
 
 def connect_or_start(args, security: Security, extra_args: dict[str, list[str]] | None = None):
