@@ -1,4 +1,10 @@
-"""Render service jobs survive (issue 19), through real processes (session stage stack + render_svc processes):
+"""Render service jobs survive (issue 19).
+
+The job store alone (render_svc/store.py, in process): a job finishes once, a restart requeues running jobs until
+their attempts are used up, then fails them; an idempotency key names one job; another process cannot open the run
+dir while a service holds it.
+
+Through real processes (session stage stack + render_svc processes):
 
 - a client killed mid-render (SIGKILL) loses nothing: the job finishes and `python -m client jobs fetch` gets it;
 - the render service killed (SIGKILL) with jobs running and queued, then restarted on the same run dir: every job
@@ -16,10 +22,37 @@ import grpc
 import pytest
 
 from h3.v1 import render_pb2
+from render_svc.store import JobStore
+from stagekit.errors import AlreadyExists, FailedPrecondition
 from tests.render_svc_util import (ROOT, TERMINAL, RenderService, holding_the_device, probe, tiny_request,
                                    wait_for)
 
 SUCCEEDED = render_pb2.JOB_SUCCEEDED
+
+
+def test_store_finishes_once_and_recovers_within_attempts(tmp_path):
+    store = JobStore(tmp_path)
+    a, created = store.submit(tiny_request("a", idempotency_key="key-a"))
+    assert created and store.submit(tiny_request("a", idempotency_key="key-a")) == (store.get(a.id), False)
+    with pytest.raises(AlreadyExists):
+        store.submit(tiny_request("b", idempotency_key="key-a"))
+    assert store.start(a.id, "encoder") and not store.start(a.id, "encoder")  # QUEUED -> RUNNING once
+    assert store.finish(a.id, render_pb2.JOB_CANCELLED, "CANCELLED", "x")
+    assert not store.finish(a.id, SUCCEEDED), "a job finishes exactly once"
+    b, _ = store.submit(tiny_request("b"))
+    store.start(b.id, "dit")
+    assert store.recover(max_attempts=2) == ([b.id], [])  # attempt 1 of 2 was running: retried
+    store.start(b.id, "encoder")
+    assert store.recover(max_attempts=2) == ([], [b.id])  # attempt 2 of 2: failed, not run a third time
+    rec = store.get(b.id)
+    assert rec.state == render_pb2.JOB_FAILED and rec.error_code == "UNAVAILABLE" and "2 attempts" in rec.error
+    with pytest.raises(FailedPrecondition):  # one service per run dir
+        JobStore(tmp_path)
+    store.close()
+    again = JobStore(tmp_path)  # the records outlive the process that wrote them
+    terminal = [e for e in again.events(b.id, 0) if e.WhichOneof("event") == "job" and e.job.state in TERMINAL]
+    assert len(terminal) == 1 and again.get(a.id).state == render_pb2.JOB_CANCELLED
+    again.close()
 
 
 def test_client_killed_mid_render_then_fetch(stack, tmp_path):
