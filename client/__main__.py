@@ -118,14 +118,15 @@ def connect_or_start(args, security: Security, extra_args: dict[str, list[str]] 
     return stack.start(), stack
 
 
-def add_endpoint_args(ap: argparse.ArgumentParser, render: bool = False) -> None:
+def add_endpoint_args(ap: argparse.ArgumentParser, render: bool = False, stages: bool = True) -> None:
     if render:
         ap.add_argument("--render", help="render service endpoint host:port (default: H3_RENDER or the endpoints file)")
-    ap.add_argument("--encoder", help="text encoder endpoint host:port (or a list for round_robin)")
-    ap.add_argument("--dit", help="DiT sampler endpoint")
-    ap.add_argument("--decoder", help="decoder endpoint")
+    if stages:
+        ap.add_argument("--encoder", help="text encoder endpoint host:port (or a list for round_robin)")
+        ap.add_argument("--dit", help="DiT sampler endpoint")
+        ap.add_argument("--decoder", help="decoder endpoint")
     ap.add_argument("--endpoints-file", default=str(DEFAULT_ENDPOINTS_FILE), help="file written by scripts/up.sh")
-    ap.add_argument("--token", default=os.environ.get("H3_TOKEN", ""), help="bearer token for remote stages")
+    ap.add_argument("--token", default=os.environ.get("H3_TOKEN", ""), help="bearer token for remote services")
     ap.add_argument("--tls-ca", default=os.environ.get("H3_TLS_CA", ""), help="CA certificate for TLS stages")
 
 
@@ -412,7 +413,7 @@ def main(argv: list[str] | None = None) -> int:
     j.add_argument("--state", action="append", choices=("queued", "running", "succeeded", "failed", "cancelled"),
                    help="list: only jobs in this state (repeatable)")
     j.add_argument("--limit", type=int, default=50, help="list: newest N jobs")
-    add_endpoint_args(j, render=True)
+    add_endpoint_args(j, render=True, stages=False)
     j.set_defaults(fn=cmd_jobs)
     s = sub.add_parser("status", help="health, residency, devices, kernels of each stage (and the render service)")
     add_endpoint_args(s, render=True)
