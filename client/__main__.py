@@ -23,111 +23,17 @@ from pathlib import Path
 
 import grpc
 
+from client.endpoints import add_endpoint_args, configured_endpoints, configured_render, connect_render
 from client.render_client import state_name
-from client.stubs import SERVICE_NAMES, STAGES, Endpoints, Security, StageClients, health_of, open_channel
+from client.stubs import SERVICE_NAMES, STAGES, Security, StageClients, health_of
 from h3.v1 import render_pb2
 from stagekit.errors import InvalidArgument
 from stagekit.models import EMBEDDED_NOTE
-from stagekit.transport import MAX_MESSAGE_BYTES
 from stagekit.render_params import (DEFAULT_FRAMES, DEFAULT_SIZE, DEFAULT_STEPS, SAMPLERS, SCHEDULERS, RenderSpec,
                                     validate)
+from stagekit.transport import MAX_MESSAGE_BYTES
 
-DEFAULT_ENDPOINTS_FILE = Path("run/endpoints.env")
 MAX_REQUEST_BYTES = MAX_MESSAGE_BYTES - (64 << 10)  # a RenderRequest (keyframes included) is one gRPC message
-
-
-def _read_endpoints_file(path: Path) -> dict[str, str]:
-    out = {}
-    if path.is_file():
-        for line in path.read_text().splitlines():
-            if "=" in line and not line.lstrip().startswith("#"):
-                k, v = line.split("=", 1)
-                out[k.strip()] = v.strip()
-    return out
-
-
-def configured_endpoints(args) -> Endpoints | None:
-    file_vals = _read_endpoints_file(Path(args.endpoints_file))
-    vals = {}
-    for s in STAGES:
-        vals[s] = getattr(args, s) or os.environ.get(f"H3_{s.upper()}") or file_vals.get(f"H3_{s.upper()}")
-    if not any(vals.values()):
-        return None
-    missing = [s for s, v in vals.items() if not v]
-    if missing:
-        raise SystemExit(f"endpoints configured for some stages but not {missing}; give --{' --'.join(missing)}")
-    return Endpoints(**vals)
-
-
-def _reachable(ep: Endpoints, security: Security) -> bool:
-    with StageClients(ep, security) as c:
-        return all(health_of(c.channels[s], SERVICE_NAMES[s]) != "UNREACHABLE" for s in STAGES)
-
-
-def configured_render(args) -> str:
-    return (args.render or os.environ.get("H3_RENDER")
-            or _read_endpoints_file(Path(args.endpoints_file)).get("H3_RENDER", ""))
-
-
-def _render_reachable(target: str, security: Security) -> bool:
-    ch = open_channel(target, security)
-    try:
-        return health_of(ch, SERVICE_NAMES["render"]) != "UNREACHABLE"
-    finally:
-        ch.close()
-
-
-def connect_render(args, security: Security):
-    """(render service address, stack): the configured render service if reachable; else one started here over the
-    configured stages, else an embedded local stack with its own render service (stop the stack after)."""
-    from client.embedded import EmbeddedStack, StackConfig
-
-    target = configured_render(args)
-    if target and _render_reachable(target, security):
-        return target, None
-    if target:
-        print(f"render service {target} is unreachable", file=sys.stderr)
-    stack = EmbeddedStack(StackConfig(models_dir=args.models_dir, devices=args.devices, security=security,
-                                      with_render=True, extra_args={"render": ["--http-port", "0"]}))
-    endpoints = configured_endpoints(args)
-    if endpoints is not None and _reachable(endpoints, security):
-        print("starting a render service over the configured stages ...", file=sys.stderr)
-        target = stack.start_render(endpoints)
-    else:
-        if endpoints is not None:
-            print("configured endpoints are unreachable", file=sys.stderr)
-        print("starting embedded stack (encoder, dit, decoder, render service) on loopback ...", file=sys.stderr)
-        target = stack.start().render
-    web = stack.run_dir / "render.port.http"
-    if web.exists():
-        print(f"render service web page: http://127.0.0.1:{web.read_text().strip()}/", file=sys.stderr)
-    return target, stack
-
-
-def connect_or_start(args, security: Security, extra_args: dict[str, list[str]] | None = None):
-    """(endpoints, stack): the configured stages if reachable, else an embedded local stack (stop it after)."""
-    from client.embedded import EmbeddedStack, StackConfig
-
-    endpoints = configured_endpoints(args)
-    if endpoints is not None and _reachable(endpoints, security):
-        return endpoints, None
-    if endpoints is not None:
-        print("configured endpoints are unreachable; starting an embedded local stack", file=sys.stderr)
-    stack = EmbeddedStack(StackConfig(models_dir=args.models_dir, devices=args.devices, extra_args=extra_args or {}))
-    print("starting embedded stack (encoder, dit, decoder) on loopback ...", file=sys.stderr)
-    return stack.start(), stack
-
-
-def add_endpoint_args(ap: argparse.ArgumentParser, render: bool = False, stages: bool = True) -> None:
-    if render:
-        ap.add_argument("--render", help="render service endpoint host:port (default: H3_RENDER or the endpoints file)")
-    if stages:
-        ap.add_argument("--encoder", help="text encoder endpoint host:port (or a list for round_robin)")
-        ap.add_argument("--dit", help="DiT sampler endpoint")
-        ap.add_argument("--decoder", help="decoder endpoint")
-    ap.add_argument("--endpoints-file", default=str(DEFAULT_ENDPOINTS_FILE), help="file written by scripts/up.sh")
-    ap.add_argument("--token", default=os.environ.get("H3_TOKEN", ""), help="bearer token for remote services")
-    ap.add_argument("--tls-ca", default=os.environ.get("H3_TLS_CA", ""), help="CA certificate for TLS stages")
 
 
 def _spec(args, prompt: str) -> RenderSpec:

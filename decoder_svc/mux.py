@@ -4,7 +4,8 @@ Contract (tested in tests/test_mux.py):
 * video has exactly F frames at `fps` (24) with constant frame duration;
 * audio is 32000 Hz, 2 channels; it is trimmed / zero-padded to round(F * 32000 / fps) samples so the
   two streams have the same nominal duration (AAC priming is hidden by the MP4 edit list);
-* outputs are never half-written: we encode into a temp file next to the target and `os.replace` it.
+* outputs are never half-written: we encode into a temp file next to the target and `os.replace` it; the
+  temp file is removed on every failure, cancellation included (`check_cancel`, called once per frame).
 
 Upscaled output (`size=(W, H)` differing from the frames'): every frame is scaled in the mux by a *resizer* from
 `RESIZERS` — by default libswscale's Lanczos through PyAV (`VideoFrame.reformat(..., interpolation="LANCZOS")`),
@@ -196,6 +197,7 @@ def _encode(
     faststart: bool,
     size: tuple[int, int],
     resizer: str,
+    check_cancel: Callable[[], None] | None = None,
 ) -> None:
     import av
 
@@ -214,7 +216,13 @@ def _encode(
             astream = container.add_stream("aac", rate=AUDIO_SAMPLE_RATE, layout="stereo")
             astream.bit_rate = audio_bitrate
 
-        frames = (av.VideoFrame.from_ndarray(video[i], format="rgb24") for i in range(f))
+        def source():
+            for i in range(f):
+                if check_cancel is not None:
+                    check_cancel()  # e.g. the client left: stop encoding now (the caller removes the temp file)
+                yield av.VideoFrame.from_ndarray(video[i], format="rgb24")
+
+        frames = source()
         if (w, h) != (video.width, video.height):
             frames = RESIZERS[resizer](frames, w, h)
         # Interleave: after each video frame, feed the audio up to that frame's end time, so the
@@ -256,7 +264,7 @@ def _check_args(fps: int, crf: int, preset: str) -> None:
 
 def _encode_to_temp(
     frames, audio, fps, crf, preset, audio_bitrate, threads, faststart, tmp_dir, match_audio, value_range, size,
-    resizer,
+    resizer, check_cancel=None,
 ):
     video = _FrameSource(frames, value_range)
     f = video.num_frames
@@ -271,7 +279,7 @@ def _encode_to_temp(
     os.close(fd)
     t0 = time.perf_counter()
     try:
-        _encode(tmp, video, pcm, fps, crf, preset, audio_bitrate, threads, faststart, (w, h), resizer)
+        _encode(tmp, video, pcm, fps, crf, preset, audio_bitrate, threads, faststart, (w, h), resizer, check_cancel)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
@@ -303,6 +311,7 @@ def write_mp4(
     value_range: tuple[float, float] = (0.0, 1.0),
     size: tuple[int, int] | None = None,
     resizer: str = "lanczos",
+    check_cancel: Callable[[], None] | None = None,
 ) -> MuxInfo:
     """Encode frames (+ optional stereo 32 kHz audio) as H.264 yuv420p / AAC in MP4.
 
@@ -311,7 +320,8 @@ def write_mp4(
     file object (receives the finished bytes only after encoding succeeded). `threads=0` lets x264
     pick (all cores). `match_audio_to_video` trims / zero-pads the audio to round(F * 32000 / fps)
     samples. `value_range` applies to float frames only. `size` (width, height): the output size when it differs
-    from the frames' (scaled by `RESIZERS[resizer]`, see the module notes). Returns a `MuxInfo`.
+    from the frames' (scaled by `RESIZERS[resizer]`, see the module notes). `check_cancel` is called before each
+    frame and may raise to abandon the encode (nothing is left behind). Returns a `MuxInfo`.
     """
     _check_args(fps, crf, preset)
     is_path = isinstance(path_or_file, (str, os.PathLike))
@@ -325,7 +335,7 @@ def write_mp4(
         tmp_dir = None
     tmp, info = _encode_to_temp(
         frames, audio, fps, crf, preset, audio_bitrate, threads, faststart, tmp_dir, match_audio_to_video, value_range,
-        size, resizer,
+        size, resizer, check_cancel,
     )
     try:
         if is_path:

@@ -42,7 +42,7 @@ class RenderConfig(CommonConfig):
     encoder: str = field(default="", metadata={"help": "text encoder endpoint (host:port, or a list for round_robin)"})
     dit: str = field(default="", metadata={"help": "DiT sampler endpoint"})
     decoder: str = field(default="", metadata={"help": "decoder endpoint"})
-    stage_token: str = field(default="", metadata={"help": "bearer token for the stages (default: --token)"})
+    stage_token: str = field(default="", metadata={"help": "bearer token for the stages (default: this service's token)"})
     stage_tls_ca: str = field(default="", metadata={"help": "CA certificate of TLS stages"})
     run_dir: str = field(default="run", metadata={"help": "job database (render.sqlite3) and finished MP4s (outputs/)"})
     http_port: int = field(default=-1, metadata={
@@ -92,7 +92,7 @@ class RenderConfig(CommonConfig):
         return Endpoints(self.encoder, self.dit, self.decoder)
 
     def stage_security(self) -> Security:
-        return Security(self.stage_token or self.token, self.stage_tls_ca)
+        return Security(self.stage_token or self.resolved_token(), self.stage_tls_ca)
 
 
 class RenderServicer(render_pb2_grpc.RendererServicer):

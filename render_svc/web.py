@@ -115,7 +115,7 @@ class WebPage:
 
     def start(self) -> str:
         page = self
-        token = self.cfg.token
+        token = self.cfg.resolved_token()
 
         class Handler(BaseHTTPRequestHandler):
             server_version = "h3-render"

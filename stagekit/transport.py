@@ -57,14 +57,49 @@ def file_chunks(path: Path, name: str, mime: str, offset: int = 0) -> Iterator[t
                 return
 
 
+def _partial_file(out_path: Path) -> tuple[int, str | None]:
+    """A file for the bytes of `out_path` as they arrive: without a name until it is complete (Linux O_TMPFILE in
+    the target's directory), so a receiver killed mid-download leaves nothing behind; where the filesystem cannot,
+    a hidden named temp file beside it. Returns (fd, temp name or None)."""
+    flag = getattr(os, "O_TMPFILE", 0)
+    if flag:
+        try:
+            return os.open(out_path.parent, flag | os.O_RDWR, 0o644), None
+        except OSError:
+            pass
+    return tempfile.mkstemp(prefix=f".{out_path.name}.", dir=out_path.parent)
+
+
+def _publish(fd: int, tmp_name: str | None, out_path: Path) -> None:
+    """Give the complete partial file its name, atomically (never a half-written `out_path`)."""
+    if tmp_name is not None:
+        os.replace(tmp_name, out_path)
+        return
+    named = str(out_path.parent / f".{out_path.name}.{os.getpid()}.done")
+    try:
+        os.link(f"/proc/self/fd/{fd}", named)  # name the unnamed file (needs /proc), then move it over the target
+    except OSError:  # no /proc: copy it into a named temp file instead
+        copy_fd, named = tempfile.mkstemp(prefix=f".{out_path.name}.", dir=out_path.parent)
+        with os.fdopen(copy_fd, "wb") as dst, os.fdopen(os.dup(fd), "rb") as src:
+            src.seek(0)
+            while chunk := src.read(1 << 20):
+                dst.write(chunk)
+    try:
+        os.replace(named, out_path)
+    except BaseException:
+        os.unlink(named)
+        raise
+
+
 class FileReceiver:
-    """Writes FileChunks into a temp file beside `out_path`; `finish()` checks size and CRC-32C and renames it into
-    place. Nothing is left behind on failure (use as a context manager)."""
+    """Writes FileChunks into a file that has no name until `finish()` has checked size and CRC-32C, then gives it
+    `out_path` atomically. Nothing is left behind on failure (use as a context manager), nor when the receiving
+    process is killed mid-download."""
 
     def __init__(self, out_path: Path):
         self.out_path = Path(out_path)
         self.out_path.parent.mkdir(parents=True, exist_ok=True)
-        fd, self.tmp = tempfile.mkstemp(prefix=f".{self.out_path.name}.", dir=self.out_path.parent)
+        fd, self.tmp = _partial_file(self.out_path)
         self.f = os.fdopen(fd, "wb")
         self.size, self.crc, self.complete = 0, 0, False
 
@@ -80,10 +115,12 @@ class FileReceiver:
             self.complete = True
 
     def finish(self) -> Path:
-        self.f.close()
         if not self.complete:
             raise RuntimeError("the stream ended before the file was complete; retry")
-        os.replace(self.tmp, self.out_path)
+        self.f.flush()
+        _publish(self.f.fileno(), self.tmp, self.out_path)
+        self.tmp = None
+        self.f.close()
         return self.out_path
 
     def __enter__(self) -> "FileReceiver":
@@ -92,5 +129,5 @@ class FileReceiver:
     def __exit__(self, *exc) -> None:
         if not self.f.closed:
             self.f.close()
-        if os.path.exists(self.tmp):
+        if self.tmp is not None and os.path.exists(self.tmp):
             os.unlink(self.tmp)
