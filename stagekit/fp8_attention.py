@@ -327,7 +327,9 @@ class Fp8Attention:
         if q.shape[2] < self.options.min_seq:
             return F.scaled_dot_product_attention(q, k, v, dropout_p=0.0, is_causal=False)
         rows = [t[0].transpose(0, 1) for t in (q, k, v)]  # [S, H, D] views of the model's rows
-        p = self._quantize(*rows, self.options)
+        tracing = torch.compiler.is_compiling()  # inside a compiled block: trace the plain ops and fuse them there
+        p = (quantize_qkv if tracing else self._quantize)(*rows, self.options)
         kernel = sdpa_fp8_emulated if self.emulate else sdpa_fp8
         o8 = kernel(p.q8, p.k8, p.v8, p.descale_q, p.descale_k)
-        return self._dequantize(o8, p.o_scale, p.o_shift, q.dtype).transpose(0, 1).unsqueeze(0)
+        o = (dequantize_o if tracing else self._dequantize)(o8, p.o_scale, p.o_shift, q.dtype)
+        return o.transpose(0, 1).unsqueeze(0)
