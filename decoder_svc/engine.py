@@ -1,8 +1,9 @@
 """The decoder stage's engine: video VAE decode sharded over ranks, audio VAE decode, MP4 mux on rank 0.
 
 The video decode is split into independent tile x chunk work units
-(`plan_decode`); rank r decodes units r, r+N, r+2N, ... and rank 0 gathers
-and blends them (bitwise the same as a one-rank decode). The audio goes to the
+(`plan_decode`); rank r decodes units r, r+N, r+2N, ... and rank 0 receives
+them round by round as tensors over the compute group (NCCL device to device on
+GPUs, gloo on CPU) and blends them (bitwise the same as a one-rank decode). The audio goes to the
 rank with the fewest video units, so it overlaps the video work elsewhere.
 """
 
@@ -150,26 +151,32 @@ class DecoderEngine:
         n, rank = self.group.world_size, self.group.info.rank
         audio_rank = self._audio_rank(len(plan))
         rounds = -(-len(plan) // n)
-        results = []
+        leader = self.group.info.is_leader
+        asm = StreamingAssembler(plan) if leader else None
         for k in range(rounds):  # every rank passes the same number of step boundaries
             ctx.check_cancel()
             idx = k * n + rank
-            if idx < len(plan):
-                out = decode_unit(self.video, video_lat, plan[idx], validate=k == 0)
-                results.append((idx, out.cpu()))
+            out = decode_unit(self.video, video_lat, plan[idx], validate=k == 0) if idx < len(plan) else None
+            # Rank 0 takes this round's units from the other ranks as tensors over the compute group (NCCL on GPUs).
+            if leader:
+                if out is not None:
+                    asm.add(plan[idx], out.cpu())
+                for src in range(1, n):
+                    j = k * n + src
+                    if j < len(plan):
+                        asm.add(plan[j], self.group.recv_tensor(src, plan[j].output_shape()).cpu())
+            elif out is not None:
+                self.group.send_tensor(out, 0)
+            del out
             ctx.progress(k + 1, rounds, message=f"video tiles x chunks ({len(plan)} units on {n} ranks)")
         audio = None
         if self.group.info.rank == audio_rank:
             audio = self.audio.decode_rows(self.audio.batch_to_rows(inputs["audio_latents"].float())).cpu()
-        gathered = self.group.gather_objects((results, audio))
-        if not self.group.info.is_leader:
+        # The audio is small ([2, samples]): it travels as a pickled object over the control group.
+        gathered = self.group.gather_objects(audio)
+        if not leader:
             return {}
-        asm = StreamingAssembler(plan)
-        for rank_results, rank_audio in gathered:
-            for idx, out in rank_results:
-                asm.add(plan[idx], out)
-            if rank_audio is not None:
-                audio = rank_audio
+        audio = next(a for a in gathered if a is not None)
         frames = asm.finish()  # [3, F, H, W] RGB in [0, 1]
         return self._output(job, frames, audio)
 

@@ -59,7 +59,7 @@ class DiTEngineConfig:
     device: str
     compute_dtype: torch.dtype
     int8_mode: str = "kernel"    # CPU only: "kernel" (comfy-kitchen eager) | "dequant" (dequantise once at load)
-    chunk_rows: int = 4096       # MLP token chunk: bounds the [rows, 2*ffn] activation
+    chunk_rows: int = 4096       # row chunk of all but attention: bounds the qkv / MLP / norm temporaries
     linear_kernel: str = "auto"  # GPU block linears: auto (measured probe) | int8 | fp8 | bf16 | fp16 | fp32
     attention_kernel: str = "auto"  # GPU attention: auto | cudnn | flash | efficient | math | int8
     compile_blocks: bool = False    # torch.compile each block on the GPU (~1.4x faster step; compiles per shape)
@@ -189,15 +189,15 @@ class DiTEngine:
         return total
 
     def activation_bytes(self, spec: RenderSpec, text_len: int) -> int:
-        """Peak activation bytes of one job on one rank: per packed row of this resolution / frame count.
+        """Peak activation bytes of one job on one rank (docs/memory.md).
 
-        Per row: the fp32 residual stream and its normalised / updated copies (3 x hidden x 4 B), qkv and the
-        roped q/k copies (5 x heads x head_dim / tp, compute dtype), the attention output and the all-reduced
-        fp32 projection, RoPE cos/sin, and the sampler's fp32 latent state (~8 copies of a patch row). Plus the
-        MLP's token chunk [min(rows, chunk_rows), 3 x ffn / tp] in the compute dtype. Attention itself is a
-        memory-efficient SDPA (O(rows)). The sum is padded by 25 % for allocator slack, plus the cuBLAS / cuDNN
-        workspaces on CUDA. An estimate to budget with, compared with measured peaks in docs/residency.md
-        (H200: 1.0-1.2x the measured peak at chunk_rows 4096), not a promise.
+        Whole-sequence tensors, per packed row: the fp32 residual stream (hidden x 4 B); q, k, v and the attention
+        output (4 x local inner x compute-dtype bytes: attention needs them whole); RoPE cos/sin (fp32); the
+        sampler's fp32 latent state (~8 copies of a patch row). Everything else lives one row chunk at a time
+        (dit_svc/model.py Block): the larger of the qkv step (projection, fp32 norm/RoPE temporaries, the fp32
+        modulated input) and the MLP step ([chunk, 3 x ffn / tp] in the compute dtype). Padded by 15 % for allocator
+        slack, plus the cuBLAS / cuDNN workspaces on CUDA. An estimate to budget with (measured peaks:
+        docs/memory.md), not a promise.
         """
         m = self.model_cfg
         world = self.group.world_size
@@ -208,11 +208,13 @@ class DiTEngine:
         audio_rows = 2 * shp.audio_latents
         rows = text_len + video_rows + audio_rows
         inner = m.num_heads * m.head_dim // world
-        per_row = (3 * m.hidden * 4 + 5 * inner * e + inner * e + m.hidden * 4 + 2 * m.head_dim * 4
+        per_row = (m.hidden * 4 + 4 * inner * e + 2 * m.rope_dim * 4
                    + 8 * max(m.video_patch_dim, m.audio_in_channels) * 4)
-        mlp = min(rows, self.cfg.chunk_rows) * 3 * (m.ffn // world) * e
+        qkv_step = 3 * inner * e + 6 * inner * 4 + 2 * m.hidden * 4 + m.hidden * e
+        mlp_step = 3 * (m.ffn // world) * e + 3 * m.hidden * 4 + m.hidden * e
+        chunk = min(rows, self.cfg.chunk_rows) * max(qkv_step, mlp_step)
         fixed = CUDA_WORKSPACE_BYTES if self.cfg.device.startswith("cuda") else 0
-        return int((rows * per_row + mlp) * 1.25) + fixed
+        return int((rows * per_row + chunk) * 1.15) + fixed
 
     def estimate_bytes(self, spec: RenderSpec | None, text_len: int = DEFAULT_TEXT_LEN) -> int:
         """Per-rank peak bytes of a job (weights + activations); `spec=None`: weights alone."""

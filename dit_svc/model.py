@@ -81,6 +81,11 @@ class _Ctx:
 
 
 class Attention(nn.Module):
+    """Self-attention over all S rows, in three steps that a caller may run row chunk by row chunk:
+    `project_qkv` (rows -> this rank's q, k, v heads, RMS-normed and roped), `attention_fn` over all rows,
+    `project_out` (rows of the output -> fp32 [rows, hidden], all-reduced over TP ranks). Chunking bounds the fp32
+    norm/RoPE temporaries and the [rows, 3 * inner] projection to `chunk_rows` (docs/memory.md)."""
+
     def __init__(self, ctx: _Ctx, name: str):
         super().__init__()
         cfg = ctx.cfg
@@ -95,43 +100,59 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(cfg.head_dim, cfg.eps)
         self.out_proj = ctx.factory(f"{name}.out_proj", cfg.attn_inner, cfg.hidden, False, "row")
 
-    def forward(self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
-        """h [S, hidden] (compute dtype) -> fp32 [S, hidden], summed over TP ranks."""
-        s = h.shape[0]
-        q, k, v = self.qkv_proj(h).reshape(s, 3, self.local_heads, self.head_dim).unbind(1)
+    def empty_qkv(self, s: int, device: torch.device) -> torch.Tensor:
+        """Uninitialised [3, 1, local_heads, S, head_dim] (compute dtype): q, k, v in the attention kernel's layout."""
+        return torch.empty(3, 1, self.local_heads, s, self.head_dim, dtype=self.compute_dtype, device=device)
+
+    def project_qkv(self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
+                    out: torch.Tensor) -> None:
+        """h [rows, hidden] (compute dtype), rope (cos, sin) [rows, rope_dim] fp32 or None -> written into
+        out [3, 1, local_heads, rows, head_dim] (a row slice of `empty_qkv`)."""
+        rows = h.shape[0]
+        q, k, v = self.qkv_proj(h).reshape(rows, 3, self.local_heads, self.head_dim).unbind(1)
         q, k = self.q_norm(q), self.k_norm(k)  # fp32
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        cd = self.compute_dtype
+        for i, t in enumerate((q, k, v)):
+            out[i, 0].copy_(t.transpose(0, 1))  # [heads, rows, d], cast to the compute dtype
+
+    def project_out(self, o: torch.Tensor) -> torch.Tensor:
+        """o [1, local_heads, rows, head_dim] (compute dtype) -> fp32 [rows, hidden]: this rank's partial sum of the
+        row-parallel out_proj (the caller all-reduces it)."""
+        rows = o.shape[2]
+        return self.out_proj(o[0].transpose(0, 1).reshape(rows, self.local_heads * self.head_dim)).float()
+
+    def forward(self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+        """Unchunked (the token refiner's short text): h [S, hidden] (compute dtype) -> fp32 [S, hidden], summed
+        over TP ranks."""
+        qkv = self.empty_qkv(h.shape[0], h.device)
+        self.project_qkv(h, rope, qkv)
         # [1, heads, S, d]; SDPA never materialises the S x S matrix (flash / memory-efficient kernels).
-        q, k, v = (t.to(cd).transpose(0, 1).unsqueeze(0) for t in (q, k, v))
-        o = self.attention_fn(q, k, v)
-        o = o[0].transpose(0, 1).reshape(s, self.local_heads * self.head_dim)
-        out = self.out_proj(o).float()
+        out = self.project_out(self.attention_fn(qkv[0], qkv[1], qkv[2]))
         if self.group is not None:
             dist.all_reduce(out, group=self.group)  # fp32 partial sums of the row-parallel out_proj
         return out
 
 
 class MLP(nn.Module):
-    """SwiGLU: fc2(silu(gate) * value), fc1 rows [gate; value]; token-chunked so the [rows, 2*ffn] activation stays
-    bounded by chunk_rows."""
+    """SwiGLU: fc2(silu(gate) * value), fc1 rows [gate; value]. Callers pass at most `chunk_rows` rows at a time
+    (Block) or a short sequence (token refiner), which bounds the [rows, 2 * ffn / tp] activation."""
 
     def __init__(self, ctx: _Ctx, name: str):
         super().__init__()
         cfg = ctx.cfg
         self.group = ctx.group
-        self.chunk_rows = ctx.chunk_rows
-        self.hidden = cfg.hidden
         self.fc1 = ctx.factory(f"{name}.fc1", cfg.hidden, 2 * cfg.ffn, False, "column")
         self.fc2 = ctx.factory(f"{name}.fc2", cfg.ffn, cfg.hidden, False, "row")
 
+    def partial(self, h: torch.Tensor) -> torch.Tensor:
+        """h [rows, hidden] (compute dtype) -> fp32 [rows, hidden]: this rank's partial sum of the row-parallel fc2."""
+        gate, value = self.fc1(h).chunk(2, dim=-1)
+        return self.fc2(F.silu(gate) * value).float()
+
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        """h [S, hidden] (compute dtype) -> fp32 [S, hidden], summed over TP ranks."""
-        out = torch.empty(h.shape[0], self.hidden, dtype=torch.float32, device=h.device)
-        for s in range(0, h.shape[0], self.chunk_rows):
-            gate, value = self.fc1(h[s:s + self.chunk_rows]).chunk(2, dim=-1)
-            out[s:s + self.chunk_rows] = self.fc2(F.silu(gate) * value).float()
+        """h [rows, hidden] (compute dtype) -> fp32 [rows, hidden], summed over TP ranks."""
+        out = self.partial(h)
         if self.group is not None:
             dist.all_reduce(out, group=self.group)  # fp32 partial sums of the row-parallel fc2
         return out
@@ -186,6 +207,9 @@ class TokenRefiner(nn.Module):
 
 
 class Block(nn.Module):
+    """AdaLN-modulated block. The residual stream x stays fp32; every other activation lives one row chunk at a
+    time except q, k, v and the attention output, which attention needs whole (docs/memory.md: per-row peak)."""
+
     def __init__(self, ctx: _Ctx, name: str):
         super().__init__()
         self.compute_dtype = ctx.compute_dtype
@@ -196,47 +220,78 @@ class Block(nn.Module):
         self.mlp = MLP(ctx, f"{name}.mlp")
         self.adaln_proj = AdaLNProj(ctx, f"{name}.adaln_proj", ctx.cfg.adaln_out)
 
-    def _modulate(self, x, norm, shift, scale, rows):
-        # norm(x) * (1 + scale[r]) + shift[r] in fp32, chunked, emitted in compute dtype for the next linear.
-        h = torch.empty(x.shape, dtype=self.compute_dtype, device=x.device)
-        for s in range(0, x.shape[0], self.chunk_rows):
-            r = rows[s:s + self.chunk_rows]
-            h[s:s + self.chunk_rows] = norm(x[s:s + self.chunk_rows]) * (1.0 + scale.index_select(0, r)) \
-                + shift.index_select(0, r)
-        return h
-
-    def _gated_add_(self, x, gate, update, rows):
-        for s in range(0, x.shape[0], self.chunk_rows):
-            x[s:s + self.chunk_rows] += gate.index_select(0, rows[s:s + self.chunk_rows]) * update[s:s + self.chunk_rows]
+    def _modulate(self, x, norm, shift, scale, r):
+        """norm(x) * (1 + scale[r]) + shift[r] in fp32, emitted in the compute dtype for the next linear."""
+        return (norm(x) * (1.0 + scale.index_select(0, r)) + shift.index_select(0, r)).to(self.compute_dtype)
 
     def forward(self, x: torch.Tensor, ada_in: torch.Tensor, rows: torch.Tensor,
                 rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        """x [S, hidden] fp32 residual (updated in place and returned); rows [S] = timestep_index*3 + tag."""
-        m = ada_in.shape[0]
+        """x [S, hidden] fp32 residual (updated in place and returned); ada_in [M, adaln_in] fp32;
+        rows [S] = timestep_index * 3 + tag (AdaLN table row); rope (cos, sin) [S, rope_dim] fp32."""
+        m, n = ada_in.shape[0], self.chunk_rows
         mod = self.adaln_proj(ada_in).view(m * NUM_MODALITIES, -1)  # row m*3+tag, modality-major
         shift1, scale1, gate1, shift2, scale2, gate2 = mod.chunk(6, dim=-1)
-        self._gated_add_(x, gate1, self.attn(self._modulate(x, self.norm1, shift1, scale1, rows), rope), rows)
-        self._gated_add_(x, gate2, self.mlp(self._modulate(x, self.norm2, shift2, scale2, rows)), rows)
+        chunks = [(s, min(s + n, x.shape[0])) for s in range(0, x.shape[0], n)]
+        cos, sin = rope
+        # 1. q, k, v of every row, a row chunk at a time.
+        qkv = self.attn.empty_qkv(x.shape[0], x.device)
+        for s, e in chunks:
+            h = self._modulate(x[s:e], self.norm1, shift1, scale1, rows[s:e])
+            self.attn.project_qkv(h, (cos[s:e], sin[s:e]), qkv[:, :, :, s:e])
+        # 2. attention over all rows.
+        o = self.attn.attention_fn(qkv[0], qkv[1], qkv[2])
+        del qkv
+        # 3. output projection and gated residual add, a row chunk at a time.
+        self._reduce_add(x, gate1, rows, chunks, lambda s, e: self.attn.project_out(o[:, :, s:e]))
+        del o
+        # 4. MLP and gated residual add, a row chunk at a time (chunk i's input is untouched by chunk i-1's add).
+        self._reduce_add(x, gate2, rows, chunks, lambda s, e: self.mlp.partial(
+            self._modulate(x[s:e], self.norm2, shift2, scale2, rows[s:e])))
         return x
+
+    def _reduce_add(self, x, gate, rows, chunks, partial) -> None:
+        """x[s:e] += gate[rows[s:e]] * all_reduce(partial(s, e)) for every chunk. Each chunk's fp32 all-reduce runs
+        on NCCL's stream while the next chunk's partial sum is computed; it is waited for just before its add."""
+        group = self.attn.group
+        pending = None  # the previous chunk: (s, e, partial sum, its all-reduce)
+
+        def add(s, e, part, work):
+            if work is not None:
+                work.wait()
+            x[s:e] += gate.index_select(0, rows[s:e]) * part
+
+        for s, e in chunks:
+            part = partial(s, e)
+            work = dist.all_reduce(part, group=group, async_op=True) if group is not None else None
+            if pending is not None:
+                add(*pending)
+            pending = (s, e, part, work)
+        add(*pending)
 
 
 class FinalLayer(nn.Module):
     def __init__(self, ctx: _Ctx):
         super().__init__()
         cfg = ctx.cfg
+        self.chunk_rows = ctx.chunk_rows
         self.norm = RMSNorm(cfg.hidden, cfg.eps)
         self.adaln_proj = AdaLNProj(ctx, "final_layer.adaln_proj", cfg.final_adaln_out)
         self.video_out = ctx.factory("final_layer.video_out", cfg.hidden, cfg.video_patch_dim, True, "replicated")
         self.audio_out = ctx.factory("final_layer.audio_out", cfg.hidden, cfg.audio_in_channels, True, "replicated")
 
     def forward(self, x, ada_in, row_ti, video_idx, audio_idx):
-        # Modulated per *timestep* only (no modality split); heads run only on their own rows.
+        """x [S, hidden] fp32, ada_in [M, adaln_in], row_ti [S] timestep index, video_idx [Nv] / audio_idx [Na] row
+        indices -> (video [Nv, video_patch_dim], audio [Na, audio_in_channels]) fp32."""
+        # Modulated per *timestep* only (no modality split); heads run only on their own rows, a chunk at a time.
         shift, scale = self.adaln_proj(ada_in).chunk(2, dim=-1)
 
         def head(idx, proj):
-            ti = row_ti.index_select(0, idx)
-            y = self.norm(x.index_select(0, idx)) * (1.0 + scale.index_select(0, ti)) + shift.index_select(0, ti)
-            return proj(y).float()
+            outs = []
+            for i in idx.split(self.chunk_rows):
+                ti = row_ti.index_select(0, i)
+                y = self.norm(x.index_select(0, i)) * (1.0 + scale.index_select(0, ti)) + shift.index_select(0, ti)
+                outs.append(proj(y).float())
+            return torch.cat(outs) if outs else x.new_empty(0, proj(x[:0]).shape[-1])
 
         return head(video_idx, self.video_out), head(audio_idx, self.audio_out)
 
@@ -281,7 +336,7 @@ class H3DiT(nn.Module):
     Args:
         cfg: DiTConfig (adaln_form selects release "mlp" or Comfy pruned "curve").
         compute_dtype: dtype of the block/refiner linears and attention.
-        chunk_rows: token chunk of the MLP / modulation loops (bounds [chunk, 2*ffn/tp] activations).
+        chunk_rows: row chunk of everything but attention itself (bounds the qkv / MLP / fp32 norm temporaries).
         tp_group: torch.distributed group for tensor parallelism, None = single rank.
         linear_factory: optional (name, in, out, bias, parallel) -> module; default = tp.Linear variants.
         device / dtype: parameter storage (use device="meta" + load_state_dict(assign=True) for full size).
@@ -297,6 +352,7 @@ class H3DiT(nn.Module):
             raise ValueError(f"chunk_rows must be > 0, got {chunk_rows}")
         self.cfg = cfg
         self.compute_dtype = compute_dtype
+        self.chunk_rows = chunk_rows
         self.tp_group = tp_group
         self.tp_rank, self.tp_size = group_rank_size(tp_group)
         validate_tp(cfg, self.tp_size)
@@ -421,8 +477,10 @@ class H3DiT(nn.Module):
         x = torch.zeros(layout.seq_len, cfg.hidden, dtype=torch.float32, device=video_rows.device)
         text = self.token_refiner(self.condition_proj(text_states.to(self.compute_dtype)).float())
         x.index_copy_(0, layout.text_idx, text)
-        x.index_copy_(0, layout.video_idx, self.video_patch_proj(video_rows.float()).float())
-        x.index_copy_(0, layout.audio_idx, self.audio_patch_proj(audio_rows.float()).float())
+        for idx, inp, proj in ((layout.video_idx, video_rows, self.video_patch_proj),
+                               (layout.audio_idx, audio_rows, self.audio_patch_proj)):
+            for i, r in zip(idx.split(self.chunk_rows), inp.split(self.chunk_rows)):  # bounds the fp32 [rows, hidden]
+                x.index_copy_(0, i, proj(r.float()).float())
 
         for blk in self.blocks:
             x = blk(x, ada_in, rows, rope)

@@ -33,7 +33,7 @@ class DiTConfigArgs(CommonConfig):
         "help": "GPU block linears: auto (measured start-up probe) | int8 | fp8 | bf16 | fp16 | fp32"})
     attention_kernel: str = field(default="auto", metadata={"help": "GPU attention: auto | cudnn | flash | efficient | math | int8"})
     compile_blocks: bool = field(default=False, metadata={"help": "torch.compile each DiT block (GPU; compiles per shape)"})
-    chunk_rows: int = field(default=4096, metadata={"help": "MLP token chunk (memory vs speed)"})
+    chunk_rows: int = field(default=4096, metadata={"help": "row chunk of all but attention itself (memory vs speed)"})
     loras_dir: str = field(default="", metadata={"help": "LoRAs requested by file name (default <models_dir>/loras)"})
     allow_lora_paths: bool = field(default=False, metadata={"help": "also accept absolute LoRA paths in requests"})
 

@@ -429,7 +429,7 @@ class _LocalCollectives:
     """Stands in for torch.distributed inside dit_svc.model: a single rank of a TP group, communication elided."""
 
     @staticmethod
-    def all_reduce(t, group=None):
+    def all_reduce(t, group=None, async_op=False):
         return None
 
     @staticmethod

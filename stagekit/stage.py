@@ -119,6 +119,9 @@ def _start(cfg: CommonConfig, stage: str, info: RankInfo, make_engine, service_n
     (followers stop after the engine: rank 0 drives them)."""
     device = cfg.device_for_rank(info)
     if device.startswith("cuda"):
+        # Before the first CUDA allocation: expandable segments keep reserved ~= allocated as activation sizes change
+        # between jobs, so a stage under a card's memory cap does not lose GiBs to fragmentation (docs/memory.md).
+        os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
         import torch
 
         torch.cuda.set_device(device)
