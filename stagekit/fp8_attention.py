@@ -17,9 +17,9 @@ adds around it (docs/performance.md, "8-bit attention"):
    one common descale per head pair, which the kernel does not take, and after the per-head RMSNorm (which
    normalises every head vector to unit RMS) their heads share one range anyway.
 
-Layout: the model hands attention [1, H, S, D] views of [S, H, D] rows. The quantiser writes [S, H, D] contiguous
-e4m3 tensors and cuDNN reads them as BHSD through strides (no transposes); O comes back in the same layout, so
-the out-projection reads [S, H*D] without a copy.
+Layout: the quantiser keeps the memory layout of its input (elementwise ops preserve strides): BHSD-contiguous q
+from dit_svc/model.py's blocks gives BHSD e4m3 tensors, a [S, H, D]-backed view gives [S, H, D]-backed ones. cuDNN
+reads any of them as BHSD through their strides (the plan is keyed by them), and O is allocated like q.
 
 Everything except the cuDNN call has a CPU path: `emulate=True` replaces the kernel by an fp32 emulation of the
 same arithmetic (e4m3 P and O included), for tests and for checking the quantisation math without a GPU.
@@ -82,8 +82,9 @@ DEFAULT_OPTIONS = OPTIONS["head+kv"]
 
 
 class Fp8QKV(NamedTuple):
-    """Quantised attention inputs. q8/k8/v8 [S, H, D] e4m3 contiguous; descale_q/descale_k [1] fp32 (value =
-    descale x e4m3); o_scale [H, 1] fp32 and o_shift [H, D] fp32 (or None) turn the kernel's e4m3 O back into O."""
+    """Quantised attention inputs. q8/k8/v8 [H, S, D] e4m3 (the input's memory layout); descale_q/descale_k [1]
+    fp32 (value = descale x e4m3); o_scale [H, 1, 1] and o_shift [H, 1, D] fp32 (or None) turn the kernel's e4m3 O
+    back into O."""
 
     q8: torch.Tensor
     k8: torch.Tensor
@@ -95,40 +96,40 @@ class Fp8QKV(NamedTuple):
 
 
 def _to_e4m3(x: torch.Tensor, mult: torch.Tensor) -> torch.Tensor:
-    return (x * mult).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3).contiguous()
+    return (x * mult).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
 
 
 def _centered_amax(x: torch.Tensor, smooth: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Per-(head, channel) absmax of x [S, H, D] after subtracting its per-channel mean over tokens (if `smooth`),
-    as [H, D], and the mean [H, D] (or None). One pass of three reductions (max, min, mean), so the amax of the
-    centred tensor costs no extra pass: fp32 subtraction is monotone, so max_j(x_j - m) == max_j(x_j) - m."""
-    hi, lo = x.amax(0), x.amin(0)
+    """Per-(head, channel) absmax of x [H, S, D] after subtracting its per-channel mean over tokens (if `smooth`),
+    as [H, 1, D], and the mean [H, 1, D] (or None). One pass of three reductions (max, min, mean), so the amax of
+    the centred tensor costs no extra pass: fp32 subtraction is monotone, so max_j(x_j - m) == max_j(x_j) - m."""
+    hi, lo = x.amax(1, keepdim=True), x.amin(1, keepdim=True)
     if not smooth:
         return torch.maximum(hi, -lo), None
-    mean = x.mean(0)
+    mean = x.mean(1, keepdim=True)
     return torch.maximum(hi - mean, mean - lo), mean
 
 
 def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: Fp8AttentionOptions) -> Fp8QKV:
-    """q, k, v [S, H, D] (any float dtype, any strides) -> Fp8QKV. Pure torch (compiles and fuses)."""
+    """q, k, v [H, S, D] (any float dtype, any strides) -> Fp8QKV. Pure torch (compiles and fuses)."""
     qf, kf, vf = q.float(), k.float(), v.float()
     aq = qf.abs().amax().clamp(min=AMAX_FLOOR)
     amk, mk = _centered_amax(kf, options.smooth_k)
     ak = amk.amax().clamp(min=AMAX_FLOOR)
     amv, mv = _centered_amax(vf, options.smooth_v)
-    av = amv.amax(1) if options.v_scale == "head" else amv.amax().expand(amv.shape[0])  # [H]
-    av = av.clamp(min=AMAX_FLOOR)
+    av = amv.amax(dim=(1, 2), keepdim=True) if options.v_scale == "head" else amv.amax().expand(amv.shape[0], 1, 1)
+    av = av.clamp(min=AMAX_FLOOR)  # [H, 1, 1]
     q8 = _to_e4m3(qf, E4M3_MAX / aq)
     k8 = _to_e4m3(kf if mk is None else kf - mk, E4M3_MAX / ak)
-    v8 = _to_e4m3(vf if mv is None else vf - mv, (E4M3_MAX / av)[:, None])
+    v8 = _to_e4m3(vf if mv is None else vf - mv, E4M3_MAX / av)
     # The kernel sees V in quantised units (descale_v = 1) and writes O * OUTPUT_SCALE in those units.
-    o_scale = (av / (E4M3_MAX * OUTPUT_SCALE))[:, None]
+    o_scale = av / (E4M3_MAX * OUTPUT_SCALE)
     return Fp8QKV(q8, k8, v8, (aq / E4M3_MAX).reshape(1), (ak / E4M3_MAX).reshape(1), o_scale, mv)
 
 
 def dequantize_o(o8: torch.Tensor, o_scale: torch.Tensor, o_shift: torch.Tensor | None,
                  dtype: torch.dtype) -> torch.Tensor:
-    """e4m3 O [S, H, D] from the kernel -> O [S, H, D] in `dtype`."""
+    """e4m3 O [H, S, D] from the kernel -> O [H, S, D] in `dtype` (same memory layout)."""
     o = o8.float() * o_scale
     if o_shift is not None:
         o = o + o_shift
@@ -137,20 +138,19 @@ def dequantize_o(o8: torch.Tensor, o_scale: torch.Tensor, o_shift: torch.Tensor 
 
 def sdpa_fp8_emulated(q8: torch.Tensor, k8: torch.Tensor, v8: torch.Tensor, descale_q: torch.Tensor,
                       descale_k: torch.Tensor) -> torch.Tensor:
-    """fp32 emulation of the kernel on [S, H, D] e4m3 inputs (descale_v = 1, scale_o = OUTPUT_SCALE): softmax
-    numerator quantised to e4m3 with SOFTMAX_SCALE, normalised by its fp32 row sum, O written as e4m3. The kernel
-    takes the row max blockwise (flash attention), so its P~ rounding differs slightly; the error is the same kind.
-    Materialises the [H, S, S] scores: tests and small shapes only."""
+    """fp32 emulation of the kernel on [H, S, D] e4m3 inputs (descale_v = 1, scale_o = OUTPUT_SCALE): softmax
+    numerator quantised to e4m3 with SOFTMAX_SCALE, normalised by its fp32 row sum, O written as e4m3 [H, S, D].
+    The kernel takes the row max blockwise (flash attention), so its P~ rounding differs slightly; the error is the
+    same kind. Materialises the [H, S, S] scores: tests and small shapes only."""
     d = q8.shape[-1]
-    q = q8.float().transpose(0, 1) * descale_q.float()
-    k = k8.float().transpose(0, 1) * descale_k.float()
-    v = v8.float().transpose(0, 1)
+    q = q8.float() * descale_q.float()
+    k = k8.float() * descale_k.float()
     s = (q @ k.transpose(-1, -2)) * (1.0 / math.sqrt(d))
     p = torch.exp(s - s.amax(-1, keepdim=True))
     denom = p.sum(-1, keepdim=True)
     p8 = (p * SOFTMAX_SCALE).to(E4M3).float() * (1.0 / SOFTMAX_SCALE)
-    o = (p8 @ v) / denom
-    return (o * OUTPUT_SCALE).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3).transpose(0, 1).contiguous()
+    o = (p8 @ v8.float()) / denom
+    return (o * OUTPUT_SCALE).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
 
 
 # =====================================================================================================================
@@ -184,7 +184,7 @@ class _GraphEntry(NamedTuple):
 
 
 class CudnnFp8Sdpa:
-    """cuDNN fp8 SDPA plans, built on first use per (device, heads, rows, head_dim, descale shape) and kept (LRU).
+    """cuDNN fp8 SDPA plans, built on first use per (device, shape, strides, descale shape) and kept (LRU).
 
     One handle per device; calls are serialised by a lock (a cuDNN handle must not be used concurrently) and run
     on the caller's current CUDA stream."""
@@ -212,14 +212,16 @@ class CudnnFp8Sdpa:
                                           "descale_s": scalar(1.0 / SOFTMAX_SCALE), "scale_o": scalar(OUTPUT_SCALE)}
         return self._consts[device.index]
 
-    def _build(self, device: torch.device, h: int, s: int, d: int, head_descales: bool) -> _GraphEntry:
+    def _build(self, device: torch.device, h: int, s: int, d: int, strides: tuple, head_descales: bool) -> _GraphEntry:
         import cudnn
 
         e4m3, fp32 = cudnn.data_type.FP8_E4M3, cudnn.data_type.FLOAT
         graph = cudnn.pygraph(io_data_type=e4m3, intermediate_data_type=fp32, compute_data_type=fp32,
                               handle=self._handle(device))
-        dims, strides = [1, h, s, d], [s * h * d, d, h * d, 1]  # BHSD dims over [S, H, D] memory
-        t = {n: graph.tensor(name=n, dim=dims, stride=strides, data_type=e4m3) for n in ("q", "k", "v")}
+        dims = [1, h, s, d]
+        # BHSD dims over each tensor's own [H, S, D] strides (batch stride: the whole tensor).
+        t = {n: graph.tensor(name=n, dim=dims, stride=[h * s * d, *st], data_type=e4m3)
+             for n, st in zip(("q", "k", "v"), strides)}
         qk_dims = ([1, h, 1, 1], [h, 1, 1, 1]) if head_descales else ([1, 1, 1, 1], [1, 1, 1, 1])
         for n in ("descale_q", "descale_k"):
             t[n] = graph.tensor(name=n, dim=qk_dims[0], stride=qk_dims[1], data_type=fp32)
@@ -232,8 +234,8 @@ class CudnnFp8Sdpa:
             o, _, amax_s, amax_o = graph.sdpa_fp8(generate_stats=False, **kw)
         except TypeError:  # frontends before 1.13 name it is_inference (the negation)
             o, _, amax_s, amax_o = graph.sdpa_fp8(is_inference=True, **kw)
-        # Hopper writes O in e4m3 (a bf16 O is Blackwell-only), in the same [S, H, D] memory layout.
-        o.set_output(True).set_dim(dims).set_stride(strides).set_data_type(e4m3)
+        # Hopper writes O in e4m3 (a bf16 O is Blackwell-only), laid out like q.
+        o.set_output(True).set_dim(dims).set_stride([h * s * d, *strides[3]]).set_data_type(e4m3)
         for a in (amax_s, amax_o):
             a.set_output(True).set_dim([1, 1, 1, 1]).set_stride([1, 1, 1, 1]).set_data_type(fp32)
         t.update(o=o, amax_s=amax_s, amax_o=amax_o)
@@ -245,11 +247,11 @@ class CudnnFp8Sdpa:
         amax = torch.empty(2, 1, 1, 1, 1, dtype=torch.float32, device=device)
         return _GraphEntry(graph, t, graph.get_workspace_size(), amax)
 
-    def _entry(self, device: torch.device, h: int, s: int, d: int, head_descales: bool) -> _GraphEntry:
-        key = (device.index, h, s, d, head_descales)
+    def _entry(self, device: torch.device, h: int, s: int, d: int, strides: tuple, head_descales: bool) -> _GraphEntry:
+        key = (device.index, h, s, d, strides, head_descales)
         entry = self._graphs.get(key)
         if entry is None:
-            entry = self._graphs[key] = self._build(device, h, s, d, head_descales)
+            entry = self._graphs[key] = self._build(device, h, s, d, strides, head_descales)
             log.info("built cuDNN fp8 SDPA plan for heads=%d rows=%d head_dim=%d (%d B workspace)", h, s, d,
                      entry.workspace_bytes)
             while len(self._graphs) > self._cache_size:
@@ -260,18 +262,20 @@ class CudnnFp8Sdpa:
 
     def __call__(self, q8: torch.Tensor, k8: torch.Tensor, v8: torch.Tensor, descale_q: torch.Tensor,
                  descale_k: torch.Tensor) -> torch.Tensor:
-        """[S, H, D] e4m3 q8/k8/v8 (V in quantised units: descale_v = 1), descales [1] fp32 (or [H] for per-head
-        descales, if this cuDNN accepts them) -> e4m3 O [S, H, D] = softmax(q k^T / sqrt(D)) v * OUTPUT_SCALE."""
+        """[H, S, D] e4m3 q8/k8/v8 (any layout with a unit stride on D; V in quantised units: descale_v = 1),
+        descales [1] fp32 (or [H]: per-head descales, if this cuDNN accepts them) -> e4m3 O [H, S, D], laid out
+        like q8, = softmax(q k^T / sqrt(D)) v * OUTPUT_SCALE."""
         import cudnn
 
-        s, h, d = q8.shape
+        h, s, d = q8.shape
         device = q8.device
-        q8, k8, v8 = (x if x.is_contiguous() else x.contiguous() for x in (q8, k8, v8))
+        q8, k8, v8 = (x if x.stride(-1) == 1 and _dense(x) else x.contiguous() for x in (q8, k8, v8))
+        out = torch.empty_like(q8)  # keeps q8's (dense) layout, as the fake implementation does
+        strides = tuple(tuple(x.stride()) for x in (q8, k8, v8, out))
         head_descales = descale_q.numel() > 1
         c = self._const(device)
         with self._lock:
-            e = self._entry(device, h, s, d, head_descales)
-            out = torch.empty_like(q8)
+            e = self._entry(device, h, s, d, strides, head_descales)
             ws = torch.empty(e.workspace_bytes, dtype=torch.uint8, device=device)
             shape = (1, h, 1, 1) if head_descales else (1, 1, 1, 1)
             t = e.tensors
@@ -283,6 +287,17 @@ class CudnnFp8Sdpa:
             cudnn.set_stream(handle=handle, stream=torch.cuda.current_stream(device).cuda_stream)
             e.graph.execute(pack, ws, handle=handle)
         return out
+
+
+def _dense(x: torch.Tensor) -> bool:
+    """Non-overlapping and dense (some permutation of a contiguous tensor): what empty_like keeps as is."""
+    order = sorted(range(x.dim()), key=lambda i: x.stride(i))
+    expect = 1
+    for i in order:
+        if x.size(i) != 1 and x.stride(i) != expect:
+            return False
+        expect *= x.size(i)
+    return True
 
 
 # One plan cache per process: the custom op below cannot carry Python state, and plans are per device/shape.
@@ -298,7 +313,7 @@ def sdpa_fp8(q8: torch.Tensor, k8: torch.Tensor, v8: torch.Tensor, descale_q: to
 
 @sdpa_fp8.register_fake
 def _(q8, k8, v8, descale_q, descale_k):
-    return torch.empty_like(q8, memory_format=torch.contiguous_format)
+    return torch.empty_like(q8 if q8.stride(-1) == 1 and _dense(q8) else q8.contiguous())
 
 
 # =====================================================================================================================
@@ -326,10 +341,8 @@ class Fp8Attention:
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         if q.shape[2] < self.options.min_seq:
             return F.scaled_dot_product_attention(q, k, v, dropout_p=0.0, is_causal=False)
-        rows = [t[0].transpose(0, 1) for t in (q, k, v)]  # [S, H, D] views of the model's rows
         tracing = torch.compiler.is_compiling()  # inside a compiled block: trace the plain ops and fuse them there
-        p = (quantize_qkv if tracing else self._quantize)(*rows, self.options)
+        p = (quantize_qkv if tracing else self._quantize)(q[0], k[0], v[0], self.options)
         kernel = sdpa_fp8_emulated if self.emulate else sdpa_fp8
         o8 = kernel(p.q8, p.k8, p.v8, p.descale_q, p.descale_k)
-        o = (dequantize_o if tracing else self._dequantize)(o8, p.o_scale, p.o_shift, q.dtype)
-        return o.transpose(0, 1).unsqueeze(0)
+        return (dequantize_o if tracing else self._dequantize)(o8, p.o_scale, p.o_shift, q.dtype).unsqueeze(0)

@@ -52,22 +52,22 @@ def _emulated(options, **kw):
 
 
 def test_quantize_layout_scales_and_roundtrip():
-    q, k, v = (t[0].transpose(0, 1) for t in _qkv(h=3, s=200, d=32))  # [S, H, D] strided views, like the model's
-    v = v * torch.tensor([1e-2, 1.0, 30.0])[None, :, None] + 2.0
+    q, k, v = (t[0] for t in _qkv(h=3, s=200, d=32))  # [H, S, D]
+    v = v * torch.tensor([1e-2, 1.0, 30.0])[:, None, None] + 2.0
     p = quantize_qkv(q, k, v, DEFAULT_OPTIONS)
     for t in (p.q8, p.k8, p.v8):
-        assert t.dtype == E4M3 and t.shape == (200, 3, 32) and t.is_contiguous()
+        assert t.dtype == E4M3 and t.shape == (3, 200, 32) and t.is_contiguous()
     # q, k per tensor: the absmax lands on 448; v per head: every head reaches 448 after its mean is removed.
     assert p.q8.float().abs().max() == E4M3_MAX and p.k8.float().abs().max() == E4M3_MAX
-    assert torch.equal(p.v8.float().abs().amax(dim=(0, 2)), torch.full((3,), E4M3_MAX))
+    assert torch.equal(p.v8.float().abs().amax(dim=(1, 2)), torch.full((3,), E4M3_MAX))
     # Dequantised q and centred k / v are within e4m3 rounding (2^-4 relative, plus the subnormal step).
-    k_c = k - k.mean(0)
+    k_c = k - k.mean(1, keepdim=True)
     assert ((p.q8.float() * p.descale_q - q).abs() <= q.abs() * 2**-4 + p.descale_q * 2**-9).all()
     assert ((p.k8.float() * p.descale_k - k_c).abs() <= k_c.abs() * 2**-4 + p.descale_k * 2**-9).all()
     v_back = p.v8.float() * (p.o_scale * OUTPUT_SCALE) + p.o_shift  # o_scale carries 1 / OUTPUT_SCALE
     assert rel_err(v_back, v) < 3e-2
     # The O dequantisation applies the per-head scale and adds the V mean back.
-    o8 = (torch.ones(200, 3, 32) * 96).to(E4M3)  # 96 is exact in e4m3
+    o8 = (torch.ones(3, 200, 32) * 96).to(E4M3)  # 96 is exact in e4m3
     o = dequantize_o(o8, p.o_scale, p.o_shift, torch.float32)
     assert torch.allclose(o, 96 * p.o_scale + p.o_shift)
 
@@ -118,24 +118,26 @@ def test_cudnn_path_traces_with_fake_tensors():
     """The GPU path (quantise -> cuDNN op -> dequantise) has the right shapes, dtypes and layout: checked through
     the op's fake implementation, as torch.compile sees it."""
     with FakeTensorMode():
-        q = torch.empty(1, 6, 2048, 64, dtype=torch.bfloat16)
+        q = torch.empty(1, 6, 2048, 64, dtype=torch.bfloat16)  # BHSD, as the model's blocks lay it out
         o = Fp8Attention(DEFAULT_OPTIONS)(q, q, q)
-        assert o.shape == q.shape and o.dtype == torch.bfloat16
-        assert o[0].transpose(0, 1).is_contiguous()  # [S, H, D] memory: the out-projection reads it as is
+        assert o.shape == q.shape and o.dtype == torch.bfloat16 and o.is_contiguous()
+        rows = torch.empty(2048, 6, 64, dtype=torch.bfloat16).transpose(0, 1).unsqueeze(0)  # [S, H, D] memory
+        o = Fp8Attention(DEFAULT_OPTIONS)(rows, rows, rows)
+        assert o.shape == rows.shape and o.stride() == rows.stride()  # the layout is kept, no transposes
 
 
 def test_emulated_kernel_matches_exact_attention_without_rounding_loss():
     # Quantised inputs that are exactly representable and a one-hot softmax: the emulation is exact.
-    s, h, d = 8, 1, 16
-    q8 = torch.zeros(s, h, d)
-    q8[:, 0, 0] = 64.0
-    k8 = torch.zeros(s, h, d)
-    k8[:, 0, 0] = 64.0 * torch.arange(s).float() / s
-    v8 = torch.arange(s * d).float().reshape(s, h, d) % 16
+    h, s, d = 1, 8, 16
+    q8 = torch.zeros(h, s, d)
+    q8[0, :, 0] = 64.0
+    k8 = torch.zeros(h, s, d)
+    k8[0, :, 0] = 64.0 * torch.arange(s).float() / s
+    v8 = torch.arange(s * d).float().reshape(h, s, d) % 16
     one = torch.ones(1)
     o8 = sdpa_fp8_emulated(q8.to(E4M3), k8.to(E4M3), v8.to(E4M3), one, one)
-    ref = F.scaled_dot_product_attention(*(t.transpose(0, 1)[None].double() for t in (q8, k8, v8)))
-    assert rel_err(o8.float() / OUTPUT_SCALE, ref[0].transpose(0, 1)) < 4e-2
+    ref = F.scaled_dot_product_attention(*(t[None].double() for t in (q8, k8, v8)))
+    assert rel_err(o8.float() / OUTPUT_SCALE, ref[0]) < 4e-2
 
 
 def test_registry_falls_back_without_the_package(monkeypatch):
@@ -199,15 +201,21 @@ def test_cudnn_kernel_matches_the_emulation_gpu():
     h, s, d = 8, 2048, 128
     q, k, v = (torch.randn(1, h, s, d, generator=g, device="cuda").to(torch.bfloat16) for _ in range(3))
     v = v + 2.0
-    p = quantize_qkv(*(t[0].transpose(0, 1) for t in (q, k, v)), DEFAULT_OPTIONS)
+    p = quantize_qkv(q[0], k[0], v[0], DEFAULT_OPTIONS)
     o8 = torch.ops.h3stages.sdpa_fp8(p.q8, p.k8, p.v8, p.descale_q, p.descale_k)
-    assert o8.dtype == E4M3 and o8.shape == (s, h, d) and o8.is_contiguous()
+    assert o8.dtype == E4M3 and o8.shape == (h, s, d) and o8.is_contiguous()
     emu = sdpa_fp8_emulated(p.q8, p.k8, p.v8, p.descale_q, p.descale_k)
     assert rel_err(o8.float(), emu.float()) < 3e-2  # same math; P~ is rounded against a blockwise row max
     ref = _ref(q, k, v)
+    outs = []
     for compile_quant in (False, True):
         o = Fp8Attention(DEFAULT_OPTIONS, compile_quant=compile_quant)(q, k, v)
         assert o.dtype == torch.bfloat16 and torch.isfinite(o).all()
         assert rel_err(o, ref) < REL_ERR_BOUND["fp8_attention"]
+        outs.append(o)
+    # [S, H, D]-backed inputs (another plan, strided over the same values) give the same attention.
+    rows = [t[0].transpose(0, 1).contiguous().transpose(0, 1).unsqueeze(0) for t in (q, k, v)]
+    o = Fp8Attention(DEFAULT_OPTIONS)(*rows)
+    assert o.stride() == rows[0].stride() and rel_err(o, outs[0]) < 1e-2
     sel = select_kernels("cuda", KernelConfig(attention_kernel="fp8", linear_kernel="bf16"))
     assert sel.attention == "fp8"
