@@ -251,10 +251,12 @@ class Block(nn.Module):
         #    rows of every local head for every row of 1/sp of them; another brings the output rows back.
         if shards is None:
             o = self.attn.attention_fn(qkv[0], qkv[1], qkv[2])
+            del qkv
         else:
             hs, d = self.attn.local_heads // shards.n, self.attn.head_dim
             sends, recvs = sp.qkv_splits(shards, hs, d)
             send = sp.qkv_send(qkv, shards.n)
+            del qkv
             recv = send.new_empty(sum(recvs))
             dist.all_to_all_single(recv, send, recvs, sends, group=self.sp_group)
             o = self.attn.attention_fn(*sp.qkv_received(recv, shards, hs, d))
@@ -265,7 +267,6 @@ class Block(nn.Module):
             dist.all_to_all_single(recv, send, recvs, sends, group=self.sp_group)
             o = sp.o_received(recv, shards, hs, d)
             del send, recv
-        del qkv
         # 3. output projection and gated residual add, a row chunk at a time.
         self._reduce_add(x, gate1, rows, chunks, lambda s, e: self.attn.project_out(o[:, :, s:e]))
         del o

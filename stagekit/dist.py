@@ -66,10 +66,11 @@ class RankGroup:
 
     def __init__(self, info: RankInfo, backend: str, collective_timeout_s: float):
         self.info = info
+        self.collective_timeout = datetime.timedelta(seconds=collective_timeout_s)  # also for subgroups of compute
         self.compute = None
         self.control = None
         if info.world_size > 1:
-            timeout = datetime.timedelta(seconds=collective_timeout_s)
+            timeout = self.collective_timeout
             dist.init_process_group(backend=backend, timeout=timeout, store=attempt_store(info, timeout),
                                     rank=info.rank, world_size=info.world_size)
             self.compute = dist.group.WORLD
