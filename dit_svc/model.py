@@ -459,15 +459,14 @@ class H3DiT(nn.Module):
 
     # ---- forward pieces -------------------------------------------------------------------------------------------
     def timestep_table(self, t_video, t_audio, layout: PackedLayout) -> tuple[torch.Tensor, torch.Tensor]:
-        """Distinct timesteps [M] (sorted ascending, fp32) and each row's index into them [S]."""
+        """The timestep of every kind [NUM_KINDS] (fp32; kinds absent from the layout included: AdaLN rows are
+        cheap) and each row's index into it [S], which is its kind. Device ops only: no host sync per step (a
+        dedupe with torch.unique would wait for the GPU to learn its output size)."""
         dev = layout.kind.device
         tv = torch.as_tensor(t_video, dtype=torch.float32, device=dev).reshape(())
         ta = torch.as_tensor(t_audio, dtype=torch.float32, device=dev).reshape(())
         per_kind = torch.stack([tv, torch.clamp(tv, min=COND_VIDEO_T), ta, torch.clamp(ta, min=REF_AUDIO_T)])
-        kinds = torch.tensor(layout.kinds, dtype=torch.long, device=dev)
-        uniq, inv = torch.unique(per_kind.index_select(0, kinds), sorted=True, return_inverse=True)
-        kind_to_ti = torch.zeros(NUM_KINDS, dtype=torch.long, device=dev).index_copy(0, kinds, inv)
-        return uniq, kind_to_ti.index_select(0, layout.kind)
+        return per_kind, layout.kind
 
     def adaln_input(self, ts: torch.Tensor) -> torch.Tensor:
         """[M] timesteps -> [M, adaln_in] fp32 input of every AdaLN projection."""
