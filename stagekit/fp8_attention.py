@@ -163,7 +163,7 @@ def unavailable(device: torch.device | str) -> str | None:
     device = torch.device(device)
     try:
         import cudnn
-    except (ImportError, OSError) as e:
+    except Exception as e:  # ImportError, or a library that fails to load (OSError / RuntimeError)
         return f"nvidia-cudnn-frontend is not importable ({type(e).__name__}: {e}); pip install nvidia-cudnn-frontend"
     if device.type != "cuda":
         return f"cuDNN fp8 attention needs a CUDA GPU (device is {device.type})"
@@ -334,8 +334,9 @@ class Fp8Attention:
         self.emulate = emulate
         self._quantize, self._dequantize = quantize_qkv, dequantize_o
         if compile_quant:
-            self._quantize = torch.compile(quantize_qkv, fullgraph=True)
-            self._dequantize = torch.compile(dequantize_o, fullgraph=True)
+            # Dynamic shapes from the start: the start-up probe's sequence length is not a job's.
+            self._quantize = torch.compile(quantize_qkv, dynamic=True)
+            self._dequantize = torch.compile(dequantize_o, dynamic=True)
         self.__name__ = f"fp8_attention[{options.label}{', emulated' if emulate else ''}]"
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
