@@ -279,10 +279,12 @@ class CudnnFp8Sdpa:
             ws = torch.empty(e.workspace_bytes, dtype=torch.uint8, device=device)
             shape = (1, h, 1, 1) if head_descales else (1, 1, 1, 1)
             t = e.tensors
-            pack = {t["q"]: q8, t["k"]: k8, t["v"]: v8,
+            # 4-D views with exactly the declared BHSD geometry (batch stride: the whole tensor).
+            q4, k4, v4, o4 = (torch.as_strided(x, (1, h, s, d), (h * s * d, *x.stride())) for x in (q8, k8, v8, out))
+            pack = {t["q"]: q4, t["k"]: k4, t["v"]: v4,
                     t["descale_q"]: descale_q.float().reshape(shape), t["descale_k"]: descale_k.float().reshape(shape),
                     t["descale_v"]: c["one"], t["descale_s"]: c["descale_s"], t["scale_s"]: c["scale_s"],
-                    t["scale_o"]: c["scale_o"], t["o"]: out, t["amax_s"]: e.amax[0], t["amax_o"]: e.amax[1]}
+                    t["scale_o"]: c["scale_o"], t["o"]: o4, t["amax_s"]: e.amax[0], t["amax_o"]: e.amax[1]}
             handle = self._handle(device)
             cudnn.set_stream(handle=handle, stream=torch.cuda.current_stream(device).cuda_stream)
             e.graph.execute(pack, ws, handle=handle)
