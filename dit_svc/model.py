@@ -26,7 +26,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .config import NUM_MODALITIES, DiTConfig
-from .layout import COND_VIDEO_T, NUM_KINDS, REF_AUDIO_T, PackedLayout
+from .layout import COND_VIDEO_T, REF_AUDIO_T, PackedLayout
 from . import sp
 from .sp import SeqShards, validate_parallel
 from .tp import ColumnParallelLinear, Linear, RowParallelLinear, group_rank_size
