@@ -41,12 +41,14 @@ def enable_compile_cache(root: Path, device: torch.device | str) -> Path:
     returns that directory. Call before the first compilation of the process."""
     from torch._functorch import config as functorch_config
     from torch._inductor import config as inductor_config
-    from torch._inductor.utils import clear_caches
+    from torch._inductor import utils as inductor_utils
 
     path = Path(root).expanduser() / cache_key(device)
     path.mkdir(parents=True, exist_ok=True)
     os.environ[INDUCTOR_DIR_ENV] = str(path)
-    inductor_config.fx_graph_cache = True
-    functorch_config.enable_autograd_cache = True
-    clear_caches()  # drop lookups memoised against the previous location
+    inductor_config.fx_graph_cache = True  # on by default; a user's env may have turned it off
+    if hasattr(functorch_config, "enable_autograd_cache"):  # torch >= 2.6
+        functorch_config.enable_autograd_cache = True
+    if hasattr(inductor_utils, "clear_caches"):
+        inductor_utils.clear_caches()  # drop lookups memoised against the previous location
     return path
