@@ -141,3 +141,55 @@ def test_bad_degrees():
     with pytest.raises(ValueError, match="cannot be split"):
         SeqShards.split(3, 0, 4)
     assert SeqShards.split(10, 2, 3).rows() == slice(7, 10)
+
+
+# ---- GPU only: NCCL, release head_dim/rope, bf16 --------------------------------------------------------------------
+def _gpu_case():
+    cfg = DiTConfig.full(num_layers=2, num_refiner_layers=1, hidden=1024, num_heads=8, ffn=2048, text_dim=512,
+                         time_embed_hidden=512, time_embed_dim=256)
+    torch.manual_seed(0)
+    sd = H3DiT(cfg, compute_dtype=torch.float32).state_dict()
+    lay = build_layout(cfg, 21, 56, 256, 448, ("first",))
+    g = torch.Generator().manual_seed(1)
+    x = (torch.randn(lay.num_video_rows, 96, generator=g), torch.randn(lay.num_audio_rows, 32, generator=g),
+         torch.randn(lay.text_len, cfg.text_dim, generator=g))
+    return cfg, sd, lay, x
+
+
+def _gpu_worker(rank: int, world: int, port: int, outdir: str) -> None:
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        cfg, sd, lay, x = _gpu_case()
+        res = {}
+        for cd in (torch.float32, torch.bfloat16):
+            m = H3DiT(cfg, compute_dtype=cd, sp_group=dist.group.WORLD).eval()
+            m.load_state_dict(sd)
+            m.cuda()
+            with torch.no_grad():
+                v, a = m(*(t.cuda() for t in x), 0.3, 0.6, lay.to("cuda"))
+            res[str(cd)] = (v.cpu(), a.cpu())
+        torch.save(res, os.path.join(outdir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_sp2_nccl_gpu():
+    torch.backends.cuda.matmul.allow_tf32 = False
+    cfg, sd, lay, x = _gpu_case()
+    with tempfile.TemporaryDirectory() as d:
+        mp.start_processes(_gpu_worker, args=(2, _free_port(), d), nprocs=2, join=True, start_method="spawn")
+        outs = [torch.load(os.path.join(d, f"rank{r}.pt")) for r in range(2)]
+    for cd, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
+        ref = H3DiT(cfg, compute_dtype=cd).eval()
+        ref.load_state_dict(sd)
+        ref.cuda()
+        with torch.no_grad():
+            rv, ra = ref(*(t.cuda() for t in x), 0.3, 0.6, lay.to("cuda"))
+        v0, a0 = outs[0][str(cd)]
+        assert torch.equal(outs[1][str(cd)][0], v0) and torch.equal(outs[1][str(cd)][1], a0)
+        ev, ea = _rel(v0, rv.cpu()), _rel(a0, ra.cpu())
+        print(f"NCCL SP2 {cd}: video rel {ev:.3e}, audio rel {ea:.3e}")
+        assert ev <= tol and ea <= tol
