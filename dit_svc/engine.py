@@ -7,6 +7,7 @@ all ranks agree on cancellation at each step boundary.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 import time
@@ -15,16 +16,18 @@ from pathlib import Path
 
 import torch
 
-from dit_svc.checkpoint import inspect_checkpoint, load_dit_weights, tp_rule
+from dit_svc.checkpoint import check_checkpoint, load_dit_weights
 from dit_svc.config import TAG_TEXT, TAG_VIDEO, DiTConfig
 from dit_svc.keyframes import (KEYFRAME_TENSORS, TEXT_TAGS_TENSOR, check_keyframe, check_text_tags, condition_rows,
                                conditioned_denoise, keyframe_anchors)
-from dit_svc.layout import build_layout, latent_shape, patchify_audio, patchify_video, unpatchify_audio, unpatchify_video
+from dit_svc.layout import (AUDIO_CHANNELS, build_layout, latent_shape, patchify_video, unpatchify_audio,
+                            unpatchify_video)
 from dit_svc.lora import LoRAError, LoRAManager, check_lora_file, config_targets, resolve_lora_path
 from dit_svc.model import H3DiT
 from dit_svc.sampling import SamplerConfig, draw_noise, sample
 from dit_svc.tiny_checkpoint import write_tiny_checkpoint
 from dit_svc.sp import ParallelGroups, make_groups, validate_parallel
+from dit_svc.tp import param_style
 from stagekit.compile_cache import enable_compile_cache
 from stagekit.dist import RankGroup
 from stagekit.runtime import release_device_memory
@@ -68,6 +71,8 @@ class DiTEngineConfig:
     sp_degree: int = 1           # sequence-parallel degree (dit_svc/sp.py); TP degree = ranks / sp_degree
     loras_dir: str = ""          # request LoRAs by bare file name from here ("" = LoRAs by name disabled)
     allow_lora_paths: bool = False  # also accept absolute LoRA paths in requests (trusted clients only)
+    qkv_layout: str = ""         # "stacked" | "interleaved": q/k/v row order of a file that does not show it ("" =
+                                 # decide from evidence, refuse when there is none; docs/checkpoints.md)
 
 
 def resolve_weights(cfg: DiTEngineConfig) -> tuple[Path, bool]:
@@ -84,7 +89,9 @@ class DiTEngine:
         self.cfg = cfg
         self.group = group
         self.path, self.embedded = resolve_weights(cfg)
-        info = inspect_checkpoint(self.path)  # header only: config + variant for validation and Status
+        # The whole checkpoint is validated here, from its headers, before the stage reports SERVING: a bad file
+        # fails start-up naming file and key (stagekit.checkpoints.CheckpointError), never the first job.
+        info = check_checkpoint(self.path, qkv_layout=cfg.qkv_layout or None)
         self.model_cfg: DiTConfig = info.config
         self.variant = info.variant.name
         self._header_shapes = info.shapes  # for weight-size estimates before loading
@@ -137,7 +144,7 @@ class DiTEngine:
         quant_mode = "kernel" if self.kernels is not None else cfg.int8_mode  # GPU: the registry decides per linear
         par = self.parallel
         weights = load_dit_weights(self.path, self.model_cfg, par.tp_rank, par.tp_size,
-                                   quant_mode=quant_mode, dtype=cfg.compute_dtype)
+                                   quant_mode=quant_mode, dtype=cfg.compute_dtype, qkv_layout=cfg.qkv_layout or None)
         model = H3DiT(self.model_cfg, cfg.compute_dtype, cfg.chunk_rows, tp_group=par.tp_group,
                       sp_group=par.sp_group, device="meta")
         served = self._block_linears() if self.kernels is not None else set()
@@ -198,7 +205,7 @@ class DiTEngine:
             size = 1 if entry.dtype == "I8" and self.cfg.int8_mode == "kernel" else elem
             if entry.dtype == "F32":  # stored fp32 (output heads, tables) stays fp32
                 size = 4
-            total += n * size // (tp if tp_rule(key) != "replicate" else 1)
+            total += n * size // (tp if param_style(H3DiT._tp_plan, key) is not None else 1)
         return total
 
     def activation_bytes(self, spec: RenderSpec, text_len: int) -> int:
@@ -256,7 +263,7 @@ class DiTEngine:
                 f"text_states must be [L, {want}] for this DiT (L >= 1), got {list(text_states.shape)}; "
                 f"was it produced by a matching text encoder?")
         if text_states.dtype not in (torch.bfloat16, torch.float16, torch.float32):
-            raise InvalidArgument(f"text_states must be a float tensor, got {text_states.dtype}")
+            raise InvalidArgument(f"text_states must be float32, bfloat16 or float16, got {text_states.dtype}")
 
     def check_conditioning(self, spec: RenderSpec, text_states: torch.Tensor, inputs: dict) -> dict:
         """fl2va extras: optional "keyframe_first"/"keyframe_last" latents [24,1,H/16,W/16] and "text_tags" [L].
@@ -306,13 +313,14 @@ class DiTEngine:
         layout = build_layout(mcfg, text.shape[0], spec.frames, spec.height, spec.width, keyframes=anchors,
                               text_tags=tags).to(dev)
         sampler_cfg = SamplerConfig.from_params(spec)
-        # Noise is drawn on the CPU from the seed: identical bits on every rank and every device.
+        # Noise is drawn on the CPU from the seed, exactly as diffusers draws it (docs/checkpoints.md "Seeds"):
+        # identical bits on every rank and every device, and the same starting latents as diffusers for a seed.
         video_shape = (mcfg.in_channels, shape.latent_frames, shape.latent_height, shape.latent_width)
         keyframes = [inputs[KEYFRAME_TENSORS[a]] for a in anchors]
-        c_noise, v_noise, a_noise = draw_noise(spec.seed, [k.shape for k in keyframes], video_shape,
-                                               (2, mcfg.audio_in_channels, shape.audio_latents))
+        c_noise, v_noise, a_rows = draw_noise(spec.seed, [k.shape for k in keyframes], video_shape,
+                                              (AUDIO_CHANNELS * shape.audio_latents, mcfg.audio_in_channels))
         v_rows = patchify_video(v_noise, mcfg.patch).to(dev)
-        a_rows = patchify_audio(a_noise).to(dev)
+        a_rows = a_rows.to(dev)  # drawn in row layout, as diffusers draws it
         cond = condition_rows(keyframes, c_noise, mcfg.patch)  # fixed for the whole run; never sampled
         step_t = [time.monotonic()]
         denoise = conditioned_denoise(self.model, text, layout, None if cond is None else cond.to(dev))
@@ -326,8 +334,16 @@ class DiTEngine:
         v0, a0 = sample(denoise, v_rows, a_rows, sampler_cfg, on_step=on_step, should_stop=ctx.should_stop)
         video = unpatchify_video(v0, mcfg.patch, *video_shape).cpu()
         audio = unpatchify_audio(a0).cpu()
+        # Seed parity (docs/two_cards.md): each rank logs a hash of its final latents; tensor-parallel ranks must
+        # agree bit for bit, and a render repeated with the same seed must log the same hashes.
+        log.info("final latents rank=%d %dx%dx%d seed=%d video_sha256=%s audio_sha256=%s", self.group.info.rank,
+                 spec.width, spec.height, spec.frames, spec.seed, _sha256(video), _sha256(audio))
         return {"video_latents": video, "audio_latents": audio}
 
     def describe(self) -> dict:
         return {"weights": str(self.path), "variant": self.variant, "embedded_model": self.embedded,
                 "devices": [self.cfg.device], "kernels": self.kernel_rows()}
+
+
+def _sha256(t: torch.Tensor) -> str:
+    return hashlib.sha256(t.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()

@@ -1,16 +1,19 @@
 #!/usr/bin/env bash
 # Start the three h3-stages servers, wait until each is SERVING, print endpoints.
-# Idempotent: a stage whose pid file points at a live process is left alone.
+# Idempotent: a stage whose pid file points at a live process is left alone; leftovers of a stage whose
+# launcher died (its process group, e.g. ranks of a killed torchrun agent) are stopped before it is started again.
+# Each stage runs in its own process group (pid file = group id) with TMPDIR=<run-dir>/tmp/<stage>.
 #
 #   scripts/up.sh [--run-dir run] [--models-dir DIR] [--devices cuda:0,cuda:1]
 #                 [--encoder-ranks 1] [--dit-ranks 2] [--decoder-ranks 2]
 #                 [--encoder-port 50051] [--dit-port 50052] [--decoder-port 50053]
-#                 [--residency exclusive|shared] [--host 127.0.0.1] [-- extra args for every stage]
+#                 [--residency exclusive|shared] [--host 127.0.0.1] [--gpu-memory-cap-gb 22]
+#                 [-- extra args for every stage]
 # Env H3_* settings (e.g. H3_IDLE_UNLOAD_S) pass through to the stages.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-python}"
-run_dir=run; models_dir=""; devices=""; residency=exclusive; host=127.0.0.1
+run_dir=run; models_dir=""; devices=""; residency=exclusive; host=127.0.0.1; gpu_cap=""
 declare -A ranks=([encoder]=1 [dit]=1 [decoder]=1)
 declare -A ports=([encoder]=50051 [dit]=50052 [decoder]=50053)
 declare -A module=([encoder]=encoder_svc [dit]=dit_svc [decoder]=decoder_svc)
@@ -22,24 +25,34 @@ while [[ $# -gt 0 ]]; do
     --devices) devices="$2"; shift 2;;
     --residency) residency="$2"; shift 2;;
     --host) host="$2"; shift 2;;
+    --gpu-memory-cap-gb) gpu_cap="$2"; shift 2;;   # every stage process's CUDA cap (prove a 22 GB card suffices)
     --encoder-ranks|--dit-ranks|--decoder-ranks) s="${1#--}"; ranks[${s%-ranks}]="$2"; shift 2;;
     --encoder-port|--dit-port|--decoder-port) s="${1#--}"; ports[${s%-port}]="$2"; shift 2;;
     --) shift; extra=("$@"); break;;
-    -h|--help) sed -n '2,12p' "$0"; exit 0;;
+    -h|--help) sed -n '2,13p' "$0"; exit 0;;
     *) echo "up.sh: unknown option $1" >&2; exit 2;;
   esac
 done
 mkdir -p "$run_dir"
 run_dir="$(cd "$run_dir" && pwd)"
-alive() { [[ -f "$1" ]] && kill -0 "$(cat "$1")" 2>/dev/null; }
+# shellcheck source=scripts/procs.sh
+source scripts/procs.sh
+alive() { [[ -f "$1" ]] && pid_alive "$(cat "$1")"; }
 
 for stage in encoder dit decoder; do
   pidf="$run_dir/$stage.pid"
   if alive "$pidf"; then echo "$stage already running (pid $(cat "$pidf"))"; continue; fi
+  stage_tmp="$run_dir/tmp/$stage"  # the stage's temp files and torchrun's torchelastic_* dirs
+  if [[ -f "$pidf" && -n "$(stage_pids "$(cat "$pidf")" "$stage_tmp")" ]]; then
+    echo "$stage: its launcher (pid $(cat "$pidf")) is gone but processes it started remain; stopping them"
+    stop_stage "$(cat "$pidf")" "$stage_tmp" 10
+  fi
+  rm -rf "$stage_tmp"; mkdir -p "$stage_tmp"
   args=(--host "$host" --port "${ports[$stage]}" --port-file "$run_dir/$stage.port"
         --lease-dir "$run_dir/leases" --residency "$residency")
   [[ -n "$models_dir" ]] && args+=(--models-dir "$models_dir")
   [[ -n "$devices" ]] && args+=(--devices "$devices")
+  [[ -n "$gpu_cap" ]] && args+=(--gpu-memory-cap-gb "$gpu_cap")
   rm -f "$run_dir/$stage.port"
   if [[ "${ranks[$stage]}" -gt 1 ]]; then
     cmd=("$PY" -m torch.distributed.run --standalone --nproc-per-node "${ranks[$stage]}" --max-restarts 3
@@ -47,7 +60,7 @@ for stage in encoder dit decoder; do
   else
     cmd=("$PY" -m "${module[$stage]}" "${args[@]}" "${extra[@]}")
   fi
-  setsid "${cmd[@]}" >>"$run_dir/$stage.log" 2>&1 < /dev/null &
+  TMPDIR="$stage_tmp" setsid "${cmd[@]}" >>"$run_dir/$stage.log" 2>&1 < /dev/null &
   echo $! > "$pidf"
   echo "started $stage (pid $!, ranks ${ranks[$stage]}), log $run_dir/$stage.log"
 done

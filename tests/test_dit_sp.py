@@ -65,7 +65,7 @@ def _worker(rank: int, world: int, port: int, outdir: str) -> None:
             g = make_groups(rank, world, sp_degree)
             model = H3DiT(cfg, compute_dtype=torch.float32, chunk_rows=16, tp_group=g.tp_group,
                           sp_group=g.sp_group).eval()
-            model.load_state_dict(shard_state_dict(sd, cfg, g.tp_rank, g.tp_size))
+            model.load_state_dict(shard_state_dict(sd, cfg, g.tp_rank, g.tp_size, H3DiT._tp_plan))
             with torch.no_grad():
                 result[sp_degree] = model(video, audio, text, torch.tensor(T_VIDEO), torch.tensor(T_AUDIO), lay)
         torch.save(result, os.path.join(outdir, f"rank{rank}.pt"))

@@ -1,0 +1,73 @@
+#!/usr/bin/env bash
+# Pack the Python packages the GPU host's image lacks (or has in versions our generated code refuses) into ONE
+# xz tar of an unpacked site dir, small enough to travel beside the repo (the device carry limit is 64 MiB for
+# the working tree and carried paths together, and the repo is ~2 MiB; this script fails above --max-mib, default
+# 60). Only the tar is left in --out (downloads and the unpacked site are built under $TMPDIR), so `carry` can name
+# the folder.
+#
+#   bash scripts/pack_device_wheels.sh [--out .devpkgs] [--max-mib 60] [--with-cudnn-frontend]
+#
+# On the device (from the repo root, with .devpkgs carried):
+#   mkdir -p /tmp/site && tar -xJf .devpkgs/site.tar.xz -C /tmp/site && export PYTHONPATH=/tmp/site:$PWD:$PWD/protos
+#
+# What goes in and why (the device image's package list is in the workplace's KINDS.md):
+#   grpcio 1.85.1, grpcio-health-checking/-reflection 1.85.1: protos/h3/v1/*_pb2_grpc.py refuse an older grpcio, and
+#       the image's grpcio version is not documented.
+#   protobuf 7.x: the generated *_pb2.py files validate a 7.x runtime.
+#   comfy-kitchen 0.2.40 (without backends/hip/*.so: AMD-only, and most of the wheel), av 18.1.0 (PyAV: the MP4 mux
+#       and the run's MP4 checks), soundfile + cffi (+ pycparser), google-crc32c: not in the image.
+#   --with-cudnn-frontend adds nvidia-cudnn-frontend 1.32.0 (+5 MiB; nothing imports it yet).
+# Not carried: transformers (the image's 5.17 runs the encoder's Qwen3-VL path; only a test oracle API differs),
+# torch, numpy, safetensors, tokenizers, pillow, rich, pyyaml, prometheus-client, psutil, nvidia-ml-py, matplotlib.
+# Compressed sizes (xz -9e): comfy-kitchen's CUDA library ~32 MiB (a fat binary for sm_75..sm_120), PyAV's FFmpeg
+# libraries ~18 MiB (libavcodec links x265 and SVT-AV1, 27 MiB unpacked, so they cannot be left out), grpcio ~5 MiB;
+# 57 MiB in all.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+out=.devpkgs; max_mib=60; extra_pkgs=()
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    --out) out="$2"; shift 2;;
+    --max-mib) max_mib="$2"; shift 2;;
+    --with-cudnn-frontend) extra_pkgs+=(nvidia-cudnn-frontend==1.32.0); shift;;
+    -h|--help) sed -n '2,22p' "$0"; exit 0;;
+    *) echo "pack_device_wheels.sh: unknown option $1" >&2; exit 2;;
+  esac
+done
+PY="${PYTHON:-python3}"
+PKGS=(
+  grpcio==1.85.1 grpcio-health-checking==1.85.1 grpcio-reflection==1.85.1 protobuf==7.36.2
+  comfy-kitchen==0.2.40 av==18.1.0 soundfile==0.14.0 cffi==2.1.1 pycparser==3.12 google-crc32c==1.9.0
+  "${extra_pkgs[@]}"
+)
+PLATFORMS=(manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_24_x86_64 manylinux_2_17_x86_64
+           manylinux2014_x86_64 manylinux1_x86_64 any)
+plat_args=(); for p in "${PLATFORMS[@]}"; do plat_args+=(--platform "$p"); done
+target=(--python-version 3.12 --implementation cp --abi cp312 --abi abi3 --abi none --only-binary=:all: "${plat_args[@]}")
+
+build="${TMPDIR:-/tmp}/h3-devpkgs-build"
+mkdir -p "$out" "$build/wheels"
+rm -rf "$build/site" "$out/site.tar.xz"
+"$PY" -m pip download -q --no-deps "${target[@]}" -d "$build/wheels" "${PKGS[@]}"
+# Keep exactly one wheel per package (an older download of another version would make two).
+"$PY" -m pip install -q --no-deps --no-index --no-compile --target "$build/site" "${target[@]}" \
+  $(for spec in "${PKGS[@]}"; do n="${spec%%==*}"; v="${spec##*==}"; ls "$build/wheels/"*.whl \
+      | grep -i -E "/${n//-/[-_]}-${v}-" | head -1; done)
+
+# Leave out: AMD (HIP) kernels, caches, tests, type stubs, the pip-generated bin/. (No `strip` of the shared
+# libraries: auditwheel patched them with patchelf, strip can break such files, and it would save < 1 MiB.)
+rm -f "$build/site/comfy_kitchen/backends/hip/"*.so
+rm -rf "$build/site/bin"
+find "$build/site" -name __pycache__ -type d -prune -exec rm -rf {} +
+find "$build/site" -type d \( -name tests -o -name test \) -path "*/site/*/*" -prune -exec rm -rf {} +
+find "$build/site" -name "*.pyi" -delete
+
+XZ_OPT="-9e -T0" tar -cJf "$out/site.tar.xz" -C "$build/site" .
+size=$(stat -c %s "$out/site.tar.xz")
+echo "wrote $out/site.tar.xz: $((size / 1048576)) MiB ($(du -sh "$build/site" | cut -f1) unpacked)"
+du -sh "$build/site/"* 2>/dev/null | sort -h | tail -8
+if (( size > max_mib * 1048576 )); then
+  echo "pack_device_wheels.sh: $((size / 1048576)) MiB is over --max-mib $max_mib" >&2
+  exit 1
+fi
+echo "device: mkdir -p /tmp/site && tar -xJf $out/site.tar.xz -C /tmp/site && export PYTHONPATH=/tmp/site:\$PWD:\$PWD/protos"
