@@ -1,4 +1,4 @@
-"""README.md's "Running the stages" commands, parsed from the file (not copied here) and run as printed from a copy of
+"""README.md's "Running it" commands, parsed from the file (not copied here) and run as printed from a copy of
 the checkout, in a clean environment whose PATH has no project venv: `scripts/up.sh`, `... -m client status`, a
 render, the load test and `scripts/down.sh` each exit 0 and do what the README says."""
 
@@ -36,7 +36,7 @@ def find(cmds: list[list[str]], *head: str, exact: bool = False) -> list[str]:
 
 
 def test_readme_commands_run_as_printed(tmp_path, model_cache):
-    cmds = readme_commands("Running the stages")
+    cmds = readme_commands("Running it")
     up, down = find(cmds, "scripts/up.sh", exact=True), find(cmds, "scripts/down.sh", exact=True)
     status = find(cmds, ".venv/bin/python", "-m", "client", "status")
     render = find(cmds, ".venv/bin/python", "-m", "client", "render", "--prompt")
@@ -53,6 +53,7 @@ def test_readme_commands_run_as_printed(tmp_path, model_cache):
     for stage in ("ENCODER", "DIT", "DECODER"):
         env[f"H3_{stage}_CACHE_DIR"] = str(model_cache)  # the session's tiny models, not written again
         env[f"H3_{stage}_PORT"] = "0"  # up.sh's default ports, chosen by the OS here (README: H3_<STAGE>_PORT)
+    env["H3_RENDER_PORT"] = env["H3_RENDER_HTTP_PORT"] = "0"
 
     def run(argv: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
         # umask 022 as on most desktops: the MP4 must come out 0644
@@ -63,12 +64,14 @@ def test_readme_commands_run_as_printed(tmp_path, model_cache):
 
     try:
         r = run(up)
-        endpoints = (checkout / "run" / "endpoints.env").read_text().split()
-        assert [e.split("=")[0] for e in endpoints] == ["H3_ENCODER", "H3_DIT", "H3_DECODER"], endpoints
-        assert all(e in r.stdout for e in endpoints)
+        endpoints = dict(e.split("=", 1) for e in (checkout / "run" / "endpoints.env").read_text().split())
+        assert {"H3_ENCODER", "H3_DIT", "H3_DECODER", "H3_RENDER"} <= set(endpoints), endpoints
+        assert all(f"{k}={v}" in r.stdout for k, v in endpoints.items())
 
-        r = run(status, timeout=60)
-        assert r.stdout.count("SERVING") == 3 and "embedded tiny model" in r.stdout, r.stdout
+        r = run(status, timeout=60)  # exit 0: every stage and the render service answer SERVING
+        for name in ("render", "encoder", "dit", "decoder"):
+            assert re.search(rf"^{name}\s+\S+\s+SERVING", r.stdout, flags=re.M), r.stdout
+        assert "embedded tiny model" in r.stdout, r.stdout
 
         r = run(render)
         out = checkout / render[render.index("-o") + 1]
@@ -85,7 +88,7 @@ def test_readme_commands_run_as_printed(tmp_path, model_cache):
         assert re.search(rf"\b{n} sent\b.*\b{n} ok\b", r.stdout), r.stdout
     finally:
         r = subprocess.run(down, cwd=checkout, env=env, capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0 and r.stdout.count("stopped") == 3, r.stdout + r.stderr
+    assert r.returncode == 0 and r.stdout.count("stopped") == 4, r.stdout + r.stderr  # 3 stages + render service
     assert not (checkout / "run" / "endpoints.env").exists()
     assert not list(tmp.glob("h3-stack-*")), "no embedded stack was asked for, none may be left"
     assert not [p for p in os.listdir(checkout) if p.endswith(".mp4") and p != out.name]
