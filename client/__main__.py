@@ -81,6 +81,14 @@ def _render_requests(args, prompts: list[str], keyframes: dict[str, bytes]):
     return reqs
 
 
+def self_command() -> str:
+    """How to run this client again, as the user can type it here: `.venv/bin/python -m client` from the checkout
+    (no activated venv needed), else the interpreter's full path."""
+    exe = os.path.abspath(sys.executable)
+    rel = os.path.relpath(exe)
+    return f"{rel if not rel.startswith('..') else exe} -m client"
+
+
 def render_inputs(args):
     """(prompts, requests, output paths, LoRAs) from the render flags, or CheckError: everything that can be refused
     without a stage (client/checks.py)."""
@@ -130,7 +138,7 @@ def cmd_render(args) -> int:
                 def queued(i: int, job_id: str) -> None:
                     job_ids[i] = job_id
                     hint = "" if stack is not None else (
-                        f"; if this client stops, fetch it with: python -m client jobs fetch {job_id} -o {outs[i]}")
+                        f"; if this client stops, fetch it with: {self_command()} jobs fetch {job_id} -o {outs[i]}")
                     progress.progress.console.print(f"job {job_id} queued{hint}")
 
                 def on_event(i: int):
@@ -178,7 +186,7 @@ def cmd_render(args) -> int:
     except KeyboardInterrupt:
         if stack is None and job_ids:
             print(f"interrupted; the render service keeps the job(s) {' '.join(job_ids.values())}: "
-                  "python -m client jobs watch|fetch|cancel ID", file=sys.stderr)
+                  f"{self_command()} jobs watch|fetch|cancel ID", file=sys.stderr)
         return 130
     finally:
         if stack is not None:
