@@ -958,6 +958,7 @@ class Bench:
         if renders:
             v["renders_ok"] = {k: bool(r.get("mp4", {}).get("ok")) for k, r in renders.items()}
         trace = self.results.get("trace", {})
+        v["trace_ok"] = bool(trace.get("ok"))  # under the cap, one holder per GPU, NVML attribution complete
         v["trace_under_cap"] = trace.get("over_cap_count") == 0 and trace.get("rule_samples", 0) > 0
         v["one_holder_per_gpu"] = trace.get("co_resident_count") == 0 and not trace.get("event_log_overlaps")
         if "decode-1v2" in items and items["decode-1v2"].get("speedup") is not None:
@@ -1045,6 +1046,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     for k, v in NCCL_SAFE.items():
         os.environ.setdefault(k, v)
+    # A SIGTERM (a time limit) still stops the stages and writes the trace, plot and verdicts.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     bench = Bench(args)
     try:
         bench.run_part()

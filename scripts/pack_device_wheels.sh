@@ -54,13 +54,15 @@ rm -rf "$build/site" "$out/site.tar.xz"
   $(for spec in "${PKGS[@]}"; do n="${spec%%==*}"; v="${spec##*==}"; ls "$build/wheels/"*.whl \
       | grep -i -E "/${n//-/[-_]}-${v}-" | head -1; done)
 
-# Leave out: AMD (HIP) kernels, caches, tests, type stubs, the pip-generated bin/. (No `strip` of the shared
-# libraries: auditwheel patched them with patchelf, strip can break such files, and it would save < 1 MiB.)
+# Leave out: AMD (HIP) kernels, caches, tests, type stubs, the pip-generated bin/. PyAV's Cython modules ship with
+# debug symbols (31 MiB -> 5 MiB stripped; checked: the stripped modules import and encode/decode H.264 + AAC). The
+# bundled libraries (av.libs, grpc, comfy-kitchen) are already stripped and were patched by auditwheel: left as is.
 rm -f "$build/site/comfy_kitchen/backends/hip/"*.so
 rm -rf "$build/site/bin"
 find "$build/site" -name __pycache__ -type d -prune -exec rm -rf {} +
 find "$build/site" -type d \( -name tests -o -name test \) -path "*/site/*/*" -prune -exec rm -rf {} +
 find "$build/site" -name "*.pyi" -delete
+find "$build/site/av" -name "*.so" -type f -exec strip --strip-unneeded {} +
 
 XZ_OPT="-9e -T0" tar -cJf "$out/site.tar.xz" -C "$build/site" .
 size=$(stat -c %s "$out/site.tar.xz")
