@@ -9,6 +9,7 @@ orphan processes remain.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -66,11 +67,17 @@ class EmbeddedStack:
             args += ["--devices", c.devices]
         return args + list(c.extra_args.get(stage, []))
 
+    def temp_dir(self, stage: str) -> Path:
+        """The stage's TMPDIR: its temp files and torchrun's torchelastic_* dirs (emptied at start and stop)."""
+        return self.run_dir / "tmp" / stage
+
     def start_stage(self, stage: str) -> None:
         port_file = self.run_dir / f"{stage}.port"
         port_file.unlink(missing_ok=True)
         log = open(self.run_dir / f"{stage}.log", "ab")
-        env = {**os.environ, **self.cfg.env, "PYTHONUNBUFFERED": "1"}
+        shutil.rmtree(self.temp_dir(stage), ignore_errors=True)
+        self.temp_dir(stage).mkdir(parents=True)
+        env = {**os.environ, **self.cfg.env, "PYTHONUNBUFFERED": "1", "TMPDIR": str(self.temp_dir(stage))}
         self.procs[stage] = subprocess.Popen(
             stage_command(stage, self.cfg.ranks.get(stage, 1), self._args(stage)),
             stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
@@ -117,18 +124,20 @@ class EmbeddedStack:
 
     def stop_stage(self, stage: str, grace_s: float = 20.0) -> None:
         proc = self.procs.pop(stage, None)
-        if proc is None or proc.poll() is not None:
+        if proc is None:
             return
-        try:
-            os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(timeout=grace_s)
-        except (ProcessLookupError, subprocess.TimeoutExpired):
-            pass
-        try:
+        if proc.poll() is None:
+            try:
+                os.killpg(proc.pid, signal.SIGTERM)
+                proc.wait(timeout=grace_s)
+            except (ProcessLookupError, subprocess.TimeoutExpired):
+                pass
+        try:  # even when the launcher is gone already: its group may still hold ranks
             os.killpg(proc.pid, signal.SIGKILL)  # anything left in the group (ranks, children)
         except ProcessLookupError:
             pass
         proc.wait()
+        shutil.rmtree(self.temp_dir(stage), ignore_errors=True)
 
     def stop(self) -> None:
         for stage in list(self.procs):

@@ -709,7 +709,7 @@ def request_messages(cfg: LoadConfig, index: int = 0, text_shape: tuple[int, int
 
 
 def cmd_loadtest(args) -> int:
-    from client.__main__ import connect_or_start
+    from client.endpoints import connect_or_start
     from client.stubs import Security
 
     cfg = LoadConfig(stage=args.stage, concurrency=args.concurrency, requests=args.requests or 0,

@@ -137,6 +137,40 @@ def _decode_inputs(spec: RenderSpec, job_id: str, video: torch.Tensor, audio: to
             yield decoder_pb2.DecodeInput(tensor=chunk)
 
 
+def _partial_file(out_path: Path) -> tuple[int, str | None]:
+    """A file for the bytes of `out_path` as they arrive: without a name until it is complete (Linux O_TMPFILE in
+    the target's directory), so a client killed mid-download leaves nothing behind; where the filesystem cannot,
+    a hidden named temp file beside it. Returns (fd, temp name or None)."""
+    flag = getattr(os, "O_TMPFILE", 0)
+    if flag:
+        try:
+            return os.open(out_path.parent, flag | os.O_RDWR, 0o644), None
+        except OSError:
+            pass
+    return tempfile.mkstemp(prefix=f".{out_path.name}.", dir=out_path.parent)
+
+
+def _publish(fd: int, tmp_name: str | None, out_path: Path) -> None:
+    """Give the complete partial file its name, atomically (never a half-written `out_path`)."""
+    if tmp_name is not None:
+        os.replace(tmp_name, out_path)
+        return
+    named = str(out_path.parent / f".{out_path.name}.{os.getpid()}.done")
+    try:
+        os.link(f"/proc/self/fd/{fd}", named)  # name the unnamed file (needs /proc), then move it over the target
+    except OSError:  # no /proc: copy it into a named temp file instead
+        copy_fd, named = tempfile.mkstemp(prefix=f".{out_path.name}.", dir=out_path.parent)
+        with os.fdopen(copy_fd, "wb") as dst, os.fdopen(os.dup(fd), "rb") as src:
+            src.seek(0)
+            while chunk := src.read(1 << 20):
+                dst.write(chunk)
+    try:
+        os.replace(named, out_path)
+    except BaseException:
+        os.unlink(named)
+        raise
+
+
 def decode(clients: StageClients, spec: RenderSpec, video: torch.Tensor, audio: torch.Tensor, out_path: Path,
            job_id: str = "", on_progress: ProgressFn = _noop, crf: int = 0, fmt: int = decoder_pb2.MP4,
            timeout_s: float | None = None) -> StageResult:
@@ -144,7 +178,7 @@ def decode(clients: StageClients, spec: RenderSpec, video: torch.Tensor, audio: 
     t0 = time.monotonic()
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{out_path.name}.", dir=out_path.parent)
+    fd, tmp_name = _partial_file(out_path)
     done = None
     try:
         crc, size, finished = 0, 0, False
@@ -168,11 +202,13 @@ def decode(clients: StageClients, spec: RenderSpec, video: torch.Tensor, audio: 
                         finished = True
                 elif kind == "done":
                     done = ev.done
-        if not finished or done is None:
-            raise RuntimeError("decoder stream ended before the file was complete; retry the decode")
-        os.replace(tmp_name, out_path)
+            if not finished or done is None:
+                raise RuntimeError("decoder stream ended before the file was complete; retry the decode")
+            f.flush()
+            _publish(f.fileno(), tmp_name, out_path)
+            tmp_name = None
     finally:
-        if os.path.exists(tmp_name):
+        if tmp_name is not None and os.path.exists(tmp_name):
             os.unlink(tmp_name)
     return StageResult("decoder", time.monotonic() - t0, done.timing,
                        {"frames": done.frames, "audio_samples": done.audio_samples, "ranks": done.world_size})

@@ -15,17 +15,21 @@ Facts: docs `h3_architecture.md` §3.2 (latent layout), §5 (module tree), §9.1
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
 import tempfile
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Iterable, Mapping
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from stagekit.checkpoints import (FLOAT, IDENTITY, Checkpoint, CheckpointError, HeaderEntry, NameMap, TensorReader,
+                                  TensorSpec, key_report, open_checkpoint, tensor_entries)
 
 # --------------------------------------------------------------------------------------------
 # Constants named where the model defines them
@@ -565,18 +569,18 @@ LAYOUT_PARAMETRIZED = "parametrized"  # torch.nn.utils.parametrizations spelling
 
 _WG, _WV = ".weight_g", ".weight_v"
 _PG, _PV = ".parametrizations.weight.original0", ".parametrizations.weight.original1"
+_NORM_SUFFIXES = {LAYOUT_RELEASE: (_WG, _WV), LAYOUT_PARAMETRIZED: (_PG, _PV)}
+# diffusers' AutoencoderKLMiniMaxH3Audio config.json names that differ from AudioVAEConfig's.
+_DIFFUSERS_CONFIG_NAMES = {"sampling_rate": "sample_rate"}
 
 
-class AudioVAECheckpointError(ValueError):
-    """The file does not match the expected audio-VAE layout (names the offending keys)."""
-
-
-def _strip_prefix(keys: Iterable[str]) -> str:
+def _source_names(keys: Iterable[str]) -> NameMap:
+    """Our names <-> the file's: some single-file repacks put a prefix in front of every key."""
     keys = list(keys)
     for p in _KNOWN_PREFIXES:
         if keys and all(k.startswith(p) for k in keys):
-            return p
-    return ""
+            return NameMap.prefix(p)
+    return IDENTITY
 
 
 def detect_layout(keys: Iterable[str]) -> str:
@@ -588,10 +592,9 @@ def detect_layout(keys: Iterable[str]) -> str:
         return LAYOUT_PARAMETRIZED
     if any(k.endswith("decoder.conv_pre.weight") for k in keys):
         return LAYOUT_COMFY
-    raise AudioVAECheckpointError(
-        "not a MiniMax-H3 audio VAE file: found no `decoder.conv_pre.weight` (ComfyUI) nor weight-norm "
-        "`*.weight_g`/`*.weight_v` keys (release). First keys: " + ", ".join(sorted(keys)[:5])
-    )
+    raise CheckpointError("<audio VAE>", "not a MiniMax-H3 audio VAE file: found no `decoder.conv_pre.weight` "
+                                         "(ComfyUI) nor weight-norm `*.weight_g`/`*.weight_v` keys (release). "
+                                         f"First keys: {', '.join(sorted(keys)[:5])}")
 
 
 def fold_weight_norm(g: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -607,31 +610,29 @@ def fold_weight_norm(g: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     return (v64 * (g.double().view_as(norm) / norm)).to(torch.float32)
 
 
+def _folded_names(keys: Iterable[str], layout: str) -> dict[str, tuple[str, ...]]:
+    """Our (ComfyUI) name -> the source key(s) it is made of: (g, v) for a weight-norm pair, else itself. A g
+    without its v (or v without g) keeps its own name, so the key report names it as unexpected."""
+    keys = set(keys)
+    if layout == LAYOUT_COMFY:
+        return {k: (k,) for k in keys}
+    g_suf, v_suf = _NORM_SUFFIXES[layout]
+    out: dict[str, tuple[str, ...]] = {}
+    for k in sorted(keys):
+        if k.endswith(g_suf) and k[: -len(g_suf)] + v_suf in keys:
+            out[k[: -len(g_suf)] + ".weight"] = (k, k[: -len(g_suf)] + v_suf)
+        elif not (k.endswith(v_suf) and k[: -len(v_suf)] + g_suf in keys):
+            out[k] = (k,)
+    return out
+
+
 def to_comfy_layout(sd: Mapping[str, torch.Tensor], layout: str | None = None) -> dict[str, torch.Tensor]:
     """Any supported layout -> ComfyUI keys (weight norm folded). Prefixes are stripped."""
-    prefix = _strip_prefix(sd.keys())
-    sd = {k[len(prefix) :]: v for k, v in sd.items()}
+    names = _source_names(sd.keys())
+    sd = {names.from_source(k): v for k, v in sd.items()}
     layout = layout or detect_layout(sd.keys())
-    if layout == LAYOUT_COMFY:
-        return dict(sd)
-    g_suf, v_suf = (_WG, _WV) if layout == LAYOUT_RELEASE else (_PG, _PV)
-    out: dict[str, torch.Tensor] = {}
-    orphans: list[str] = []
-    for k, t in sd.items():
-        if k.endswith(g_suf):
-            base = k[: -len(g_suf)]
-            if base + v_suf not in sd:
-                orphans.append(k)
-                continue
-            out[base + ".weight"] = fold_weight_norm(t, sd[base + v_suf])
-        elif k.endswith(v_suf):
-            if k[: -len(v_suf)] + g_suf not in sd:
-                orphans.append(k)
-        else:
-            out[k] = t
-    if orphans:
-        raise AudioVAECheckpointError(f"weight-norm pairs incomplete (g without v or v without g): {sorted(orphans)}")
-    return out
+    return {ours: fold_weight_norm(sd[src[0]], sd[src[1]]) if len(src) == 2 else sd[src[0]]
+            for ours, src in _folded_names(sd, layout).items()}
 
 
 # Keys a file may lack; they are then rebuilt (filters, zero_k_bias) or taken from the config (stats).
@@ -646,13 +647,32 @@ def _fill_value(key: str, like: torch.Tensor, cfg: AudioVAEConfig) -> torch.Tens
     return None
 
 
+def _rebuilt(key: str) -> bool:
+    return key.endswith((".filter", "zero_k_bias")) or key in ("latents_mean", "latents_std")
+
+
 def _aa_filter() -> torch.Tensor:
     # Every anti-aliased activation in the release uses ratio 2 / kernel 12 for both directions,
     # so one filter (cutoff 0.25, half-width 0.3) serves all `...upsample.filter` / `...lowpass.filter`.
     return kaiser_sinc_filter(0.5 / AA_RATIO, 0.6 / AA_RATIO, AA_KERNEL_SIZE)
 
 
-def load_comfy_state_dict(model: AudioVAE, sd: Mapping[str, torch.Tensor], *, filter_atol: float = 1e-6) -> None:
+def _expected(cfg: AudioVAEConfig) -> dict[str, TensorSpec]:
+    with torch.device("meta"):
+        own = AudioVAE(cfg).state_dict()
+    return {k: TensorSpec(tuple(v.shape), FLOAT) for k, v in own.items()}
+
+
+def _describe(cfg: AudioVAEConfig, source: str) -> str:
+    what = (f"the H3 audio VAE (config from the {source}: decoder_dim={cfg.decoder_dim}, latent_dim={cfg.latent_dim}, "
+            f"latent_channels={cfg.latent_channels}, encoder_dim={cfg.encoder_dim}, with_encoder={cfg.with_encoder}")
+    if source == "H3 release geometry":
+        what += "; for another geometry pass a folder with its diffusers config.json"
+    return what + ")"
+
+
+def load_comfy_state_dict(model: AudioVAE, sd: Mapping[str, torch.Tensor], *, filter_atol: float = 1e-6,
+                          source: str = "<state dict>") -> None:
     """Strictly load a ComfyUI-layout state dict into `model` (which may live on the meta device).
 
     * encoder-only keys are skipped when the model has no encoder;
@@ -660,77 +680,106 @@ def load_comfy_state_dict(model: AudioVAE, sd: Mapping[str, torch.Tensor], *, fi
       absent filters / `zero_k_bias` are rebuilt;
     * `latents_mean/std` come from the file, else from the config (both present and different -> error);
       if both are absent, decoding raises later.
-    Missing / unexpected / misshapen keys raise `AudioVAECheckpointError` listing them.
+    Missing / unexpected / misshapen / non-float keys raise CheckpointError naming them (stagekit's key report).
     """
     own = model.state_dict()
     if not model.cfg.with_encoder:
         sd = {k: v for k, v in sd.items() if not k.startswith(_ENCODER_PREFIXES)}
-    unexpected = sorted(k for k in sd if k not in own)
-    missing = sorted(k for k in own if k not in sd and _fill_value(k, own[k], model.cfg) is None)
-    misshapen = sorted(
-        f"{k}: file {tuple(sd[k].shape)} vs model {tuple(own[k].shape)}"
-        for k in sd
-        if k in own and tuple(sd[k].shape) != tuple(own[k].shape)
-    )
-
-    def listed(kind: str, items: list[str]) -> str:
-        return f"{kind} ({len(items)}): {items[:20]}{' ...' if len(items) > 20 else ''}"
-
-    problems = [listed(n, x) for n, x in (("missing keys", missing), ("unexpected keys", unexpected),
-                                          ("shape mismatches", misshapen)) if x]
-    if problems:
-        raise AudioVAECheckpointError(
-            "audio VAE checkpoint does not match AudioVAEConfig"
-            f"(decoder_dim={model.cfg.decoder_dim}, latent_dim={model.cfg.latent_dim}, "
-            f"encoder_dim={model.cfg.encoder_dim}): " + "; ".join(problems)
-        )
+    want = {k: TensorSpec(tuple(v.shape), FLOAT) for k, v in own.items()}
+    key_report(tensor_entries(sd, source), want, optional=[k for k in own if _rebuilt(k)]).raise_if_bad(
+        source, _describe(model.cfg, "given config"))
     reference = _aa_filter()
-    bad_filters = []
     for k, t in sd.items():
         if k.endswith(".filter"):
             diff = (t.float() - reference).abs().max().item()
             if not diff <= filter_atol:
-                bad_filters.append(f"{k} (max |diff| {diff:.3g})")
-    if bad_filters:
-        raise AudioVAECheckpointError(
-            "stored Kaiser-sinc filters differ from the §5.4 formula (kernel 12, cutoff 0.25, half-width 0.3): "
-            + ", ".join(bad_filters[:10])
-        )
+                raise CheckpointError(source, f"stored Kaiser-sinc filter differs from the formula (kernel 12, cutoff "
+                                              f"0.25, half-width 0.3; max |diff| {diff:.3g})", k)
     for k in ("latents_mean", "latents_std"):
         given = getattr(model.cfg, k)
         if k in sd and given is not None and not torch.allclose(sd[k].float(), torch.tensor(given), atol=1e-6):
-            raise AudioVAECheckpointError(
-                f"`{k}` stored in the checkpoint differs from AudioVAEConfig.{k}; pass a config without "
-                "latent statistics to use the file's, or fix the config"
-            )
-    non_finite = sorted(k for k, t in sd.items() if t.is_floating_point() and not torch.isfinite(t).all())
-    if non_finite:
-        raise AudioVAECheckpointError(f"non-finite values in checkpoint tensors: {non_finite[:20]}")
+            raise CheckpointError(source, f"differs from AudioVAEConfig.{k}; pass a config without latent statistics "
+                                          "to use the file's, or fix the config", k)
+    for k, t in sd.items():
+        if t.is_floating_point() and not torch.isfinite(t).all():
+            raise CheckpointError(source, "non-finite values", k)
     merged = {k: (sd[k] if k in sd else _fill_value(k, own[k], model.cfg)).to(torch.float32) for k in own}
     on_meta = any(t.is_meta for t in own.values())
     # A meta-built model takes the file tensors as they are (no default init, no second copy).
     model.load_state_dict(merged, strict=True, assign=on_meta)
 
 
-def _infer_config(shapes: Mapping[str, tuple[int, ...]], with_encoder: bool | None) -> AudioVAEConfig:
-    """Config for a file without our metadata: release rates/kernels, widths read from the shapes."""
+def _config_from_diffusers(d: dict, with_encoder: bool) -> AudioVAEConfig:
+    fields = {f.name for f in dataclasses.fields(AudioVAEConfig)}
+    kw = {_DIFFUSERS_CONFIG_NAMES.get(k, k): v for k, v in d.items()}
+    return AudioVAEConfig(**{k: v for k, v in kw.items() if k in fields}, with_encoder=with_encoder)
 
-    def shape(*names: str) -> tuple[int, ...]:
-        for n in names:
-            if n in shapes:
-                return shapes[n]
-        raise AudioVAECheckpointError(f"cannot infer the config: none of {names} in the file")
 
-    dec_in = shape("dec_in_proj.weight")
-    conv_pre = shape("decoder.conv_pre.weight", "decoder.conv_pre.weight_v", "decoder.conv_pre" + _PV)
-    has_enc = any(k.startswith("encoder.") for k in shapes)
-    kw: dict = dict(latent_channels=dec_in[1], latent_dim=dec_in[0], decoder_dim=conv_pre[0])
-    if has_enc:
-        kw["encoder_dim"] = shape("encoder.block.0.weight", "encoder.block.0.weight_v", "encoder.block.0" + _PV)[0]
-    kw["with_encoder"] = has_enc if with_encoder is None else with_encoder
-    if kw["with_encoder"] and not has_enc:
-        raise AudioVAECheckpointError("with_encoder=True but the file has no `encoder.*` keys")
-    return AudioVAEConfig(**kw)
+@dataclass
+class AudioVAEInfo:
+    """An audio VAE checkpoint as validated from its headers (no tensor data read)."""
+
+    path: Path
+    layout: str  # comfy | release | parametrized
+    cfg: AudioVAEConfig
+    config_source: str  # "given config" | "config.json" | "metadata" | "H3 release geometry"
+    ckpt: Checkpoint
+    entries: dict[str, HeaderEntry]  # the file's tensors, prefix stripped (disk_key: the name in the file)
+    sources: dict[str, tuple[str, ...]]  # our name -> entries key(s) ((g, v) for a weight-norm pair)
+
+    @property
+    def has_stats(self) -> bool:
+        """Latent statistics available (in the file or the config): decoding needs them."""
+        return ("latents_mean" in self.sources and "latents_std" in self.sources) or \
+            (self.cfg.latents_mean is not None and self.cfg.latents_std is not None)
+
+
+def inspect_audio_vae(path: str | os.PathLike, cfg: AudioVAEConfig | None = None, *,
+                      with_encoder: bool | None = None) -> AudioVAEInfo:
+    """Layout, config and a check of every tensor (keys, shapes, float dtypes; weight-norm pairs complete), from
+    the headers. A file or a diffusers folder (config.json + safetensors) is accepted.
+
+    `cfg=None`: a folder's config.json, else the config our writer stores in the metadata, else the H3 release
+    geometry -- never widths guessed from shapes (they cannot show the attention head count). `with_encoder`
+    overrides the config's flag (False = decoder-only: encoder tensors are ignored). Raises CheckpointError naming
+    the file and the first offending key."""
+    ckpt = open_checkpoint(path)
+    names = _source_names(ckpt.tensors)
+    entries = {names.from_source(k): replace(e, disk_key=k) for k, e in ckpt.tensors.items()}
+    try:
+        layout = detect_layout(entries)
+    except CheckpointError as e:
+        raise CheckpointError(ckpt.files[0], e.problem) from None
+    has_enc = any(k.startswith("encoder.") for k in entries)
+    flag = has_enc if with_encoder is None else with_encoder
+    source = "given config"
+    if cfg is None:
+        try:
+            if ckpt.config:
+                cfg, source = _config_from_diffusers(ckpt.config, flag), "config.json"
+            elif CONFIG_METADATA_KEY in ckpt.metadata:
+                cfg, source = AudioVAEConfig.from_json(ckpt.metadata[CONFIG_METADATA_KEY]), "metadata"
+            else:
+                cfg, source = AudioVAEConfig.full(with_encoder=flag), "H3 release geometry"
+        except (TypeError, ValueError) as e:
+            raise CheckpointError(ckpt.config_file or ckpt.files[0], f"not an audio VAE config: {e}") from e
+    if with_encoder is not None and with_encoder != cfg.with_encoder:
+        cfg = AudioVAEConfig(**{**asdict(cfg), "with_encoder": with_encoder})
+    sources = _folded_names(entries, layout)
+    ours: dict[str, HeaderEntry] = {}
+    for k, src in sources.items():
+        e = entries[src[-1]]  # the folded weight has v's shape
+        if len(src) == 2:
+            g = entries[src[0]]
+            if g.numel != e.shape[0] or g.shape[0] != e.shape[0]:
+                e = replace(e, shape=(-1,))  # reported as misshapen
+        ours[k] = e
+    ignored = set() if cfg.with_encoder else {k for k in ours if k.startswith(_ENCODER_PREFIXES)}
+    want = _expected(cfg)
+    key_report(ours, want, optional=[k for k in want if _rebuilt(k)], ignored=ignored).raise_if_bad(
+        path, _describe(cfg, source))
+    return AudioVAEInfo(Path(path), layout, cfg, source, ckpt, entries,
+                        {k: v for k, v in sources.items() if k not in ignored})
 
 
 def load_audio_vae(
@@ -740,36 +789,22 @@ def load_audio_vae(
     device: str | torch.device = "cpu",
     with_encoder: bool | None = None,
 ) -> AudioVAE:
-    """Load a ComfyUI / release / parametrized-weight-norm safetensors file into an fp32 `AudioVAE`.
+    """Load a ComfyUI / release / parametrized-weight-norm file, or a diffusers folder, into an fp32 `AudioVAE`,
+    after `inspect_audio_vae` validated it (again: a file changed since start-up fails here with a CheckpointError).
 
-    `cfg=None`: use the config stored by `write_tiny_audio_vae` (metadata) if present, otherwise the
-    release config with widths read from tensor shapes. `with_encoder` overrides the config's flag
-    (False = decoder-only: encoder tensors are not kept). Latent statistics: file buffers if present,
-    else `cfg.latents_mean/std` (the release keeps them in audio_vae/config.json).
+    Latent statistics: file buffers if present, else `cfg.latents_mean/std` (the release keeps them in
+    audio_vae/config.json).
     """
-    from safetensors import safe_open
-    from safetensors.torch import load_file
-
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"audio VAE checkpoint not found: {path}")
-    with safe_open(str(path), framework="pt") as f:
-        keys = list(f.keys())
-        metadata = f.metadata() or {}
-        prefix = _strip_prefix(keys)
-        shapes = {k[len(prefix) :]: tuple(f.get_slice(k).get_shape()) for k in keys}
-    layout = detect_layout(shapes.keys())
-    if cfg is None:
-        if CONFIG_METADATA_KEY in metadata:
-            cfg = AudioVAEConfig.from_json(metadata[CONFIG_METADATA_KEY])
-        else:
-            cfg = _infer_config(shapes, with_encoder)
-    if with_encoder is not None and with_encoder != cfg.with_encoder:
-        cfg = AudioVAEConfig(**{**asdict(cfg), "with_encoder": with_encoder})
-    sd = to_comfy_layout(load_file(str(path)), layout)
+    info = inspect_audio_vae(path, cfg, with_encoder=with_encoder)
+    reader = TensorReader(info.entries)
+    sd = {}
+    for ours, src in info.sources.items():
+        parts = [reader.whole(k) for k in src]
+        sd[ours] = fold_weight_norm(*parts) if len(parts) == 2 else parts[0]
+    reader.close()
     with torch.device("meta"):  # skip the default random init of ~151 M parameters
-        model = AudioVAE(cfg)
-    load_comfy_state_dict(model, sd)
+        model = AudioVAE(info.cfg)
+    load_comfy_state_dict(model, sd, source=str(info.ckpt.files[0]))
     return model.to(device).eval().requires_grad_(False)
 
 
@@ -861,13 +896,13 @@ def unfold_weight_norm_state_dict(sd: Mapping[str, torch.Tensor], model: AudioVA
 
 __all__ = [
     "AudioVAE",
-    "AudioVAECheckpointError",
     "AudioVAEConfig",
     "HOP_LENGTH",
     "SAMPLE_RATE",
     "detect_layout",
     "fold_weight_norm",
     "kaiser_sinc_filter",
+    "inspect_audio_vae",
     "load_audio_vae",
     "load_comfy_state_dict",
     "to_comfy_layout",

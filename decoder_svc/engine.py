@@ -18,10 +18,11 @@ from pathlib import Path
 
 import torch
 
-from decoder_svc.audio_vae import AudioVAEConfig, load_audio_vae, write_tiny_audio_vae
+from decoder_svc.audio_vae import (HOP_LENGTH, SAMPLE_RATE, AudioVAEConfig, inspect_audio_vae, load_audio_vae,
+                                   write_tiny_audio_vae)
 from decoder_svc.video_tiling import StreamingAssembler, plan_decode
-from decoder_svc.video_vae import VideoVAEConfig, decode_unit, load_video_vae, write_tiny_video_vae
-from stagekit.checkpoints import read_header
+from decoder_svc.video_vae import VideoVAEConfig, decode_unit, inspect_video_vae, load_video_vae, write_tiny_video_vae
+from stagekit.checkpoints import CheckpointError
 from stagekit.dist import RankGroup
 from stagekit.runtime import release_device_memory
 from stagekit.errors import FailedPrecondition, InvalidArgument
@@ -34,8 +35,23 @@ log = logging.getLogger("decoder_svc")
 VIDEO_PATTERNS = ["*minimax_h3*video*vae*.safetensors", "*minimax*h3*vae*.safetensors", "video_vae"]
 AUDIO_PATTERNS = ["*minimax_h3*audio*vae*.safetensors", "*minimax*h3*audio*.safetensors", "audio_vae"]
 EMBEDDED_VIDEO, EMBEDDED_AUDIO, EMBEDDED_SEED = "video_vae_tiny_fp16.safetensors", "audio_vae_tiny.safetensors", 0
-VIDEO_LATENT_CHANNELS, AUDIO_LATENT_CHANNELS, STEREO = 24, 32, 2
+STEREO = 2
 DEFAULT_CRF = 18
+
+
+@dataclass(frozen=True)
+class LatentGeometry:
+    """The latents a decoder takes, from the configs of the VAEs it serves (H3: 24 channels at 1/16 of the pixels,
+    stereo audio rows of 32 channels)."""
+
+    video_channels: int = 24
+    spatial_ratio: int = 16
+    audio_channels: int = 32
+
+
+H3_GEOMETRY = LatentGeometry()
+# The latent clock a render spec counts in (frames 17n+5 -> 5n+2 latent frames; 40 audio latents/s at 32 kHz).
+H3_VIDEO_CLOCK = VideoVAEConfig.full()
 
 
 @dataclass
@@ -63,23 +79,16 @@ def resolve_weights(cfg: DecoderEngineConfig) -> tuple[Path, Path, bool]:
     return v, a, embedded
 
 
-def check_headers(video: Path, audio: Path) -> None:
-    """Read both safetensors headers (no tensor data): a damaged or truncated file fails here, at start-up."""
-    for path in (video, audio):
-        files = sorted(path.rglob("*.safetensors")) if path.is_dir() else [path]
-        for f in files:
-            read_header(f)
+def expected_shapes(spec: RenderSpec, geometry: LatentGeometry = H3_GEOMETRY) -> dict[str, tuple[int, ...]]:
+    r = geometry.spatial_ratio
+    return {"video_latents": (geometry.video_channels, spec.latent_frames, spec.height // r, spec.width // r),
+            "audio_latents": (STEREO, geometry.audio_channels, spec.audio_latents)}
 
 
-def expected_shapes(spec: RenderSpec) -> dict[str, tuple[int, ...]]:
-    return {"video_latents": (VIDEO_LATENT_CHANNELS, spec.latent_frames, spec.height // 16, spec.width // 16),
-            "audio_latents": (STEREO, AUDIO_LATENT_CHANNELS, spec.audio_latents)}
-
-
-def check_latents(spec: RenderSpec, inputs: dict) -> None:
+def check_latents(spec: RenderSpec, inputs: dict, geometry: LatentGeometry = H3_GEOMETRY) -> None:
     """Shapes must agree with the declared frames/size; NaN/Inf rejected. Raises InvalidArgument."""
     validate(spec)
-    for name, want in expected_shapes(spec).items():
+    for name, want in expected_shapes(spec, geometry).items():
         t = inputs.get(name)
         if t is None:
             raise InvalidArgument(f"missing tensor {name!r}")
@@ -98,17 +107,46 @@ class DecoderEngine:
         self.cfg = cfg
         self.group = group
         self.video_path, self.audio_path, self.embedded = resolve_weights(cfg)
-        check_headers(self.video_path, self.audio_path)  # a damaged file fails at start-up, not at the first job
+        # Both checkpoints are validated whole from their headers here, before the stage reports SERVING: a bad
+        # file fails start-up naming file and key (stagekit.checkpoints.CheckpointError), never the first job.
+        self.video_info = inspect_video_vae(str(self.video_path), parts="decoder")
+        self.has_video_encoder = any(k.startswith(("encoder.", "quant_conv.")) for k in self.video_info.ckpt.tensors)
+        if self.has_video_encoder:  # keyframe encoding (fl2va) loads this half on first use: check it now too
+            inspect_video_vae(str(self.video_path), self.video_info.cfg, parts="encoder")
+        self.audio_info = inspect_audio_vae(self.audio_path, with_encoder=False)
+        self.geometry = self._check_geometry()
         self.video = None
         self.audio = None
         self.video_encoder = None  # VAE encoder half, loaded on the first EncodeImage (fl2va keyframes), rank 0 only
+
+    def _check_geometry(self) -> LatentGeometry:
+        """The latent geometry this decoder serves, from the VAEs' configs. A render spec counts latents on the H3
+        clock, so a VAE on another clock is refused at start-up rather than at the first job."""
+        v, a = self.video_info.cfg, self.audio_info.cfg
+        clock = ("temporal_ratio", "clip_length", "token_drop")
+        if any(getattr(v, f) != getattr(H3_VIDEO_CLOCK, f) for f in clock):
+            raise CheckpointError(self.video_path, f"video VAE config ({self.video_info.config_source}) has another "
+                                                   f"latent clock than H3's ({', '.join(clock)}); this decoder "
+                                                   "serves latents counted on the H3 clock")
+        if (a.hop_length, a.sample_rate) != (HOP_LENGTH, SAMPLE_RATE):
+            raise CheckpointError(self.audio_path, f"audio VAE config ({self.audio_info.config_source}) has hop "
+                                                   f"{a.hop_length} at {a.sample_rate} Hz; H3 latents are hop "
+                                                   f"{HOP_LENGTH} at {SAMPLE_RATE} Hz")
+        if not self.audio_info.has_stats:
+            raise CheckpointError(self.audio_path, "no latents_mean / latents_std in the file and no config giving "
+                                                   "them: decoding needs them; pass the audio_vae folder with its "
+                                                   "config.json")
+        return LatentGeometry(v.latent_channels, v.spatial_ratio, a.latent_channels)
 
     def load(self) -> None:
         if self.video is not None:
             return
         dev = self.cfg.device
-        self.video = load_video_vae(str(self.video_path), None, self.cfg.weight_dtype, device=dev, parts="decoder")
-        self.audio = load_audio_vae(self.audio_path, device=dev, with_encoder=False)  # audio stays fp32
+        # Validated again (a file replaced since start-up fails with a CheckpointError: FAILED_PRECONDITION), against
+        # the configs the stage started with.
+        self.video = load_video_vae(str(self.video_path), self.video_info.cfg, self.cfg.weight_dtype, device=dev,
+                                    parts="decoder")
+        self.audio = load_audio_vae(self.audio_path, self.audio_info.cfg, device=dev, with_encoder=False)  # fp32
 
     def unload(self) -> None:
         self.video = self.audio = self.video_encoder = None
@@ -130,8 +168,11 @@ class DecoderEngine:
         if not self.group.info.is_leader:
             return {}  # a single image is one small unit of work: rank 0 does it alone
         if self.video_encoder is None:
+            if not self.has_video_encoder:
+                raise FailedPrecondition(f"{self.video_path} holds only the video VAE decoder; keyframe renders need "
+                                         "the full video VAE (encoder included)")
             ctx.progress(0, 1, phase="loading", message="video VAE encoder")
-            self.video_encoder = load_video_vae(str(self.video_path), None, self.cfg.weight_dtype,
+            self.video_encoder = load_video_vae(str(self.video_path), self.video_info.cfg, self.cfg.weight_dtype,
                                                 device=self.cfg.device, parts="encoder")
         ctx.progress(0, 1)
         pixels = image.permute(2, 0, 1).contiguous()  # [3, H, W] uint8; encode() scales to [0, 1]
@@ -178,9 +219,9 @@ class DecoderEngine:
             return {}
         audio = next(a for a in gathered if a is not None)
         frames = asm.finish()  # [3, F, H, W] RGB in [0, 1]
-        return self._output(job, frames, audio)
+        return self._output(job, frames, audio, ctx.check_cancel_local)
 
-    def _output(self, job, frames: torch.Tensor, audio: torch.Tensor) -> dict:
+    def _output(self, job, frames: torch.Tensor, audio: torch.Tensor, check_cancel=None) -> dict:
         # Imported here: PyAV/soundfile are needed only to mux, not to decode (RAW output runs without them).
         from decoder_svc.mux import frames_to_uint8, write_mp4, write_wav
 
@@ -191,13 +232,22 @@ class DecoderEngine:
         fd, tmp = tempfile.mkstemp(prefix="h3dec-", suffix=suffix, dir=self.cfg.out_dir)
         os.close(fd)
         t0 = time.monotonic()
-        if fmt == "wav":
-            write_wav(tmp, audio)
-        else:
-            write_mp4(tmp, frames, audio, crf=job["crf"] or DEFAULT_CRF, preset=self.cfg.preset)
+        try:
+            if fmt == "wav":
+                write_wav(tmp, audio)
+            else:  # cancellable frame by frame: a client that left stops the mux (docs/reliability.md)
+                write_mp4(tmp, frames, audio, crf=job["crf"] or DEFAULT_CRF, preset=self.cfg.preset,
+                          check_cancel=check_cancel)
+        except BaseException as e:
+            Path(tmp).unlink(missing_ok=True)  # a failed or cancelled mux leaves nothing behind
+            log.info("mux of %s abandoned after %.2f s (%s)", name, time.monotonic() - t0, type(e).__name__)
+            raise
         log.info("muxed %s in %.2f s", name, time.monotonic() - t0)
         return {"file": Path(tmp), "name": name, "frames": frames.shape[1], "audio_samples": audio.shape[-1]}
 
     def describe(self) -> dict:
-        return {"weights": f"{self.video_path} + {self.audio_path}", "variant": "video fp16 / audio fp32",
+        v, a = self.video_info, self.audio_info
+        variant = (f"video {v.layout} {str(self.cfg.weight_dtype).replace('torch.', '')} (config: {v.config_source}) / "
+                   f"audio {a.layout} fp32 (config: {a.config_source})")
+        return {"weights": f"{self.video_path} + {self.audio_path}", "variant": variant,
                 "embedded_model": self.embedded, "devices": [self.cfg.device]}

@@ -4,7 +4,8 @@ Contract (tested in tests/test_mux.py):
 * video has exactly F frames at `fps` (24) with constant frame duration;
 * audio is 32000 Hz, 2 channels; it is trimmed / zero-padded to round(F * 32000 / fps) samples so the
   two streams have the same nominal duration (AAC priming is hidden by the MP4 edit list);
-* outputs are never half-written: we encode into a temp file next to the target and `os.replace` it.
+* outputs are never half-written: we encode into a temp file next to the target and `os.replace` it; the
+  temp file is removed on every failure, cancellation included (`check_cancel`, called once per frame).
 
 Speed: the decoder stage shares a few CPU cores, so the default x264 preset is "veryfast" (see the
 measurements in the decoder report); `preset` / `crf` are parameters, not constants in the code.
@@ -19,7 +20,7 @@ import time
 from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
-from typing import IO, Union
+from typing import IO, Callable, Union
 
 import numpy as np
 
@@ -156,6 +157,7 @@ def _encode(
     audio_bitrate: int,
     threads: int,
     faststart: bool,
+    check_cancel: Callable[[], None] | None = None,
 ) -> None:
     import av
 
@@ -177,6 +179,8 @@ def _encode(
         # muxer never has to buffer a whole stream. PyAV re-chunks to AAC's 1024-sample frames.
         sent = 0
         for i in range(f):
+            if check_cancel is not None:
+                check_cancel()  # e.g. the client left: stop encoding now (the caller removes the temp file)
             frame = av.VideoFrame.from_ndarray(video[i], format="rgb24")
             frame.pts = i
             frame.time_base = Fraction(1, fps)
@@ -207,7 +211,8 @@ def _check_args(fps: int, crf: int, preset: str) -> None:
 
 
 def _encode_to_temp(
-    frames, audio, fps, crf, preset, audio_bitrate, threads, faststart, tmp_dir, match_audio, value_range
+    frames, audio, fps, crf, preset, audio_bitrate, threads, faststart, tmp_dir, match_audio, value_range,
+    check_cancel=None,
 ):
     video = _FrameSource(frames, value_range)
     f, h, w = video.num_frames, video.height, video.width
@@ -219,7 +224,7 @@ def _encode_to_temp(
     os.close(fd)
     t0 = time.perf_counter()
     try:
-        _encode(tmp, video, pcm, fps, crf, preset, audio_bitrate, threads, faststart)
+        _encode(tmp, video, pcm, fps, crf, preset, audio_bitrate, threads, faststart, check_cancel)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
@@ -249,6 +254,7 @@ def write_mp4(
     faststart: bool = True,
     match_audio_to_video: bool = True,
     value_range: tuple[float, float] = (0.0, 1.0),
+    check_cancel: Callable[[], None] | None = None,
 ) -> MuxInfo:
     """Encode frames (+ optional stereo 32 kHz audio) as H.264 yuv420p / AAC in MP4.
 
@@ -256,7 +262,8 @@ def write_mp4(
     `path_or_file`: a path (temp file in the same directory + atomic rename) or a writable binary
     file object (receives the finished bytes only after encoding succeeded). `threads=0` lets x264
     pick (all cores). `match_audio_to_video` trims / zero-pads the audio to round(F * 32000 / fps)
-    samples. `value_range` applies to float frames only. Returns a `MuxInfo`.
+    samples. `value_range` applies to float frames only. `check_cancel` is called before each frame and may raise
+    to abandon the encode (nothing is left behind). Returns a `MuxInfo`.
     """
     _check_args(fps, crf, preset)
     is_path = isinstance(path_or_file, (str, os.PathLike))
@@ -269,7 +276,8 @@ def write_mp4(
             raise ValueError("path_or_file must be a path or a writable binary file object")
         tmp_dir = None
     tmp, info = _encode_to_temp(
-        frames, audio, fps, crf, preset, audio_bitrate, threads, faststart, tmp_dir, match_audio_to_video, value_range
+        frames, audio, fps, crf, preset, audio_bitrate, threads, faststart, tmp_dir, match_audio_to_video, value_range,
+        check_cancel,
     )
     try:
         if is_path:

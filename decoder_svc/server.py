@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import math
 import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import google_crc32c
 import torch
@@ -13,15 +15,15 @@ from decoder_svc.engine import DecoderEngine, DecoderEngineConfig, check_latents
 from h3.v1 import common_pb2, decoder_pb2, decoder_pb2_grpc, tensor_pb2
 from stagekit.config import parse_config
 from stagekit.errors import InvalidArgument
-from stagekit.images import check_canvas, load_keyframe
+from stagekit.images import Keyframe, admit_keyframe, check_canvas
 from stagekit.metrics import observed
 from stagekit.models import safe_name
-from stagekit.render_params import spec_from_proto
+from stagekit.render_params import spec_from_proto, validate
 from stagekit.runtime import Job
 from stagekit.server import abort_on_error, stream_job
 from stagekit.servicer import LifecycleMixin, timing_pb
 from stagekit.stage import CommonConfig, run_stage
-from stagekit.wire import MAX_CHUNK_BYTES, TensorAssembler, tensor_chunks
+from stagekit.wire import FLOAT_DTYPES, MAX_CHUNK_BYTES, TensorAssembler, tensor_chunks
 
 SERVICE = "h3.v1.Decoder"
 FORMATS = {decoder_pb2.MP4: "mp4", decoder_pb2.RAW: "raw", decoder_pb2.WAV: "wav"}
@@ -67,7 +69,9 @@ class DecoderServicer(LifecycleMixin, decoder_pb2_grpc.DecoderServicer):
         if first is None or first.WhichOneof("input") != "request":
             raise InvalidArgument("the first DecodeInput must carry the DecodeRequest")
         req = first.request
-        spec = spec_from_proto(req.params)
+        # Admission from the first message, before any tensor data is accepted (docs/reliability.md, "Uploads"):
+        # the render params, then exactly the shapes they imply, in a float dtype (at most 4 bytes an element).
+        spec = validate(spec_from_proto(req.params))
         if req.format not in FORMATS:
             raise InvalidArgument(f"unknown output format {req.format}; use MP4, RAW or WAV")
         if req.crf > MAX_CRF:
@@ -76,23 +80,29 @@ class DecoderServicer(LifecycleMixin, decoder_pb2_grpc.DecoderServicer):
         default_name = f"{req.job_id or 'render'}.{'wav' if fmt == 'wav' else 'mp4'}"
         name = safe_name(req.output_name, safe_name(default_name, "render.mp4"))
         try:
-            shapes = expected_shapes(spec)
+            shapes = expected_shapes(spec, self.engine.geometry)
         except (ValueError, ZeroDivisionError) as e:
             raise InvalidArgument(str(e)) from None
-        asm = TensorAssembler(expect={n: (None, s) for n, s in shapes.items()})
-        for msg in request_iterator:
-            if msg.WhichOneof("input") != "tensor":
-                raise InvalidArgument("only tensor chunks may follow the DecodeRequest")
-            asm.feed(msg.tensor)
-        inputs = asm.finish(list(shapes))
-        check_latents(spec, inputs)
+        asm = TensorAssembler(expect={n: (FLOAT_DTYPES, s) for n, s in shapes.items()},
+                              max_bytes=4 * max(math.prod(s) for s in shapes.values()),
+                              hints={n: f"a {spec.width}x{spec.height}x{spec.frames} render needs it" for n in shapes})
+        try:
+            for msg in request_iterator:
+                if msg.WhichOneof("input") != "tensor":
+                    raise InvalidArgument("only tensor chunks may follow the DecodeRequest")
+                asm.feed(msg.tensor)
+            inputs = asm.finish(list(shapes))
+            check_latents(spec, inputs, self.engine.geometry)
+        except BaseException:
+            asm.discard()  # an abandoned or rejected upload frees its buffers now
+            raise
         return req, {"spec": spec, "format": fmt, "crf": req.crf, "output_name": name}, inputs
 
     def Decode(self, request_iterator, context):
         t_recv = time.monotonic()
         req, job_spec, inputs = abort_on_error(context, self._read_request, request_iterator)
         recv_s = time.monotonic() - t_recv  # the latent upload is part of the job's transfer time
-        job = Job(spec=job_spec, inputs=inputs)
+        job = Job(spec=job_spec, inputs=inputs, cleanup=_remove_file)
         job.job_id = req.job_id or job.job_id
 
         def on_event(ev):
@@ -120,25 +130,26 @@ class DecoderServicer(LifecycleMixin, decoder_pb2_grpc.DecoderServicer):
 
         yield from stream_job(self.runtime, job, context, observed(self.runtime, job, on_event))
 
-    def _read_image(self, request):
-        """EncodeImageRequest -> the canvas-sized uint8 [H, W, 3] keyframe; every bad input is INVALID_ARGUMENT."""
+    def _read_image(self, request) -> Keyframe:
+        """EncodeImageRequest -> the keyframe, admitted from its header (docs/reliability.md, "Image bombs"); every
+        bad input is INVALID_ARGUMENT. It is decoded as part of the job."""
         check_canvas(request.width, request.height)
         src = request.WhichOneof("source")
         if src == "image":
-            return load_keyframe(request.image, request.width, request.height)
+            return admit_keyframe(request.image, request.width, request.height)
         if src == "pixels":
             px = request.pixels
             if px.width <= 0 or px.height <= 0 or len(px.rgb) != px.width * px.height * 3:
                 raise InvalidArgument(f"raw keyframe pixels: {len(px.rgb)} bytes do not make a {px.width}x{px.height} "
                                       "RGB image (need width*height*3 uint8, row-major)")
             rgb = torch.frombuffer(bytearray(px.rgb), dtype=torch.uint8).reshape(px.height, px.width, 3)
-            return load_keyframe(rgb, request.width, request.height)
+            return admit_keyframe(rgb, request.width, request.height)
         raise InvalidArgument("EncodeImageRequest needs `image` (PNG/JPEG bytes) or `pixels` (raw RGB)")
 
     def EncodeImage(self, request, context):
-        image = abort_on_error(context, self._read_image, request)
-        job = Job(spec={"op": "encode_image", "width": request.width, "height": request.height},
-                  inputs={"image": image})
+        keyframe = abort_on_error(context, self._read_image, request)
+        job = Job(spec={"op": "encode_image", "width": request.width, "height": request.height}, inputs={},
+                  prepare=lambda: {"image": keyframe.load()}, input_bytes=keyframe.decode_bytes)
         job.job_id = request.job_id or job.job_id
 
         def on_event(ev):
@@ -155,6 +166,12 @@ class DecoderServicer(LifecycleMixin, decoder_pb2_grpc.DecoderServicer):
         yield from stream_job(self.runtime, job, context, observed(self.runtime, job, on_event))
 
 
+def _remove_file(result: dict) -> None:
+    """A finished MP4/WAV that no client will read (it left before the result was streamed)."""
+    if "file" in result:
+        result["file"].unlink(missing_ok=True)
+
+
 def make_engine(cfg: DecoderConfigArgs, info, group) -> DecoderEngine:
     device = cfg.device_for_rank(info)
     # The reference decodes in fp16; fp16 weights compute in fp16 directly (autocast over fp32 weights would
@@ -162,7 +179,8 @@ def make_engine(cfg: DecoderConfigArgs, info, group) -> DecoderEngine:
     wdtype = torch.float32 if cfg.dtype in ("float32", "fp32") or not device.startswith("cuda") else torch.float16
     return DecoderEngine(DecoderEngineConfig(
         video_weights=cfg.video_weights, audio_weights=cfg.audio_weights, models_dir=cfg.models_dir,
-        cache_dir=cfg.resolved_cache_dir(), device=device, weight_dtype=wdtype, preset=cfg.preset), group)
+        cache_dir=cfg.resolved_cache_dir(), device=device, weight_dtype=wdtype, preset=cfg.preset,
+        **({"out_dir": Path(cfg.run_temp_dir)} if cfg.run_temp_dir else {})), group)
 
 
 def main(argv: list[str] | None = None) -> None:

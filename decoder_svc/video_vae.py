@@ -16,10 +16,8 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import os
 import re
 from dataclasses import asdict, dataclass, replace
-from typing import Iterable
 
 import torch
 import torch.nn as nn
@@ -36,12 +34,14 @@ from decoder_svc.video_tiling import (
     stitch_tiles,
     tile_splits,
 )
+from stagekit.checkpoints import (FLOAT, Checkpoint, CheckpointError, HeaderEntry, NameMap, TensorReader, TensorSpec,
+                                  key_report, open_checkpoint)
 
 __all__ = [
     "LATENTS_MEAN", "LATENTS_STD", "IMAGENET_MEAN", "IMAGENET_STD", "CheckpointError", "VideoVAEConfig", "VideoVAE",
     "DecodeUnit", "StreamingAssembler", "plan_decode", "decode_unit", "assemble", "num_decoded_frames",
-    "load_video_vae", "write_tiny_video_vae", "comfy_to_diffusers_state_dict", "diffusers_to_comfy_state_dict", "detect_layout",
-    "infer_config",
+    "load_video_vae", "inspect_video_vae", "write_tiny_video_vae", "comfy_to_diffusers_state_dict",
+    "diffusers_to_comfy_state_dict", "detect_layout",
 ]
 
 # Per-channel latent statistics (§3.1; `latents_mean/std` of the release `video_vae/config.json`, digits as ComfyUI
@@ -65,10 +65,6 @@ LATENTS_STD = (
 
 # Key of the safetensors `__metadata__` entry where `write_tiny_video_vae` stores the config (not in shipped files).
 CONFIG_METADATA_KEY = "h3_video_vae_config"
-
-
-class CheckpointError(ValueError):
-    """The checkpoint does not match the expected H3 video VAE layout (missing / unexpected / misshapen keys)."""
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -593,147 +589,74 @@ def decode_unit(model: VideoVAE, latents: torch.Tensor, unit: DecodeUnit, *,
 _FP32_PARAM = re.compile(r"(norm1|norm2|norm_out)\.(weight|bias)$|scale[12]$")
 
 
-def _expected_keys(cfg: VideoVAEConfig, parts: str) -> dict[str, tuple[int, ...]]:
+def _expected(cfg: VideoVAEConfig, parts: str) -> dict[str, TensorSpec]:
     with torch.device("meta"):
         model = VideoVAE(cfg, parts)
-    return {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    return {k: TensorSpec(tuple(v.shape), FLOAT) for k, v in model.state_dict().items()}
 
 
-def _raw_header(path: str) -> dict:
-    """The JSON header of a safetensors file (no tensor data read)."""
-    try:
-        with open(path, "rb") as f:
-            n = int.from_bytes(f.read(8), "little")
-            if n <= 0 or n > 512 * 2**20:
-                raise CheckpointError(f"{path}: not a safetensors file (header length {n})")
-            hdr = json.loads(f.read(n))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{path}: cannot read safetensors header: {e}") from e
-    if not isinstance(hdr, dict):
-        raise CheckpointError(f"{path}: malformed safetensors header")
-    return hdr
+# Our (release / ComfyUI) names <-> diffusers' AutoencoderKLMiniMaxH3, beyond which two tensors change form: the fused
+# per-head interleaved `attn.to_qkv` [h: q k v] is diffusers' separate to_q / to_k / to_v, and `ff.w1` rows
+# [gate; up] are diffusers' `ff.net.0.proj` rows [up; gate] (docs/checkpoints.md).
+DIFFUSERS_NAMES = NameMap((
+    ("^decoder.x_embedder.", "^decoder.proj_in."),
+    ("^encoder.down.#.block.#.", "^encoder.down_blocks.#.resnets.#."),
+    ("^encoder.down.#.downsample.conv.", "^encoder.down_blocks.#.downsamplers.0.conv."),
+    (".nin_shortcut.", ".conv_shortcut."),
+    (".attn.to_out.", ".attn.to_out.0."),
+    (".ff.w2.", ".ff.net.2."),
+    (".ff.w1.", ".ff.net.0.proj."),
+    (".attn.to_qkv.", ".attn.to_q."),
+))
+_QKV_PARTS = ("to_q", "to_k", "to_v")
 
 
-def _header(path: str) -> tuple[dict[str, tuple[int, ...]], dict[str, str]]:
-    """Keys -> shapes and the metadata of a safetensors file."""
-    hdr = dict(_raw_header(path))
-    meta = hdr.pop("__metadata__", None) or {}
-    return {k: tuple(v["shape"]) for k, v in hdr.items()}, meta
+def _qkv_parts(diffusers_q_key: str) -> list[str]:
+    return [diffusers_q_key.replace(".attn.to_q.", f".attn.{p}.") for p in _QKV_PARTS]
 
 
-def _count(keys: Iterable[str], pattern: str) -> int:
-    rx = re.compile(pattern)
-    return len({int(m.group(1)) for k in keys if (m := rx.match(k))})
-
-
-def infer_config(shapes: dict[str, tuple[int, ...]]) -> VideoVAEConfig:
-    """Infer a config from native (release/ComfyUI) key shapes. Head count, GroupNorm groups and the per-level
-    strides are not visible in shapes: the release values are assumed (head dim 64, 32 groups, /16 x /4 in 6 levels)
-    and checked for consistency."""
-    base = VideoVAEConfig.full()
-    kw: dict = {}
-    if "decoder.x_embedder.weight" in shapes:
-        dim, lc = shapes["decoder.x_embedder.weight"]
-        kw.update(latent_channels=lc, dec_layers=_count(shapes, r"decoder\.transformer_blocks\.(\d+)\."),
-                  dec_registers=shapes.get("decoder.register_tokens", (1, base.dec_registers, dim))[1])
-        if dim % base.dec_head_dim:
-            raise CheckpointError(f"decoder width {dim} is not a multiple of the release head dim 64; pass a config")
-        kw.update(dec_heads=dim // base.dec_head_dim)
-        w1 = shapes.get("decoder.transformer_blocks.0.ff.w1.weight")
-        if w1:
-            kw.update(dec_ffn_mult=w1[0] // (2 * dim))
-    if "encoder.conv_in.weight" in shapes:
-        ch = shapes["encoder.conv_in.weight"][0]
-        n_lev = _count(shapes, r"encoder\.down\.(\d+)\.")
-        outs = [shapes.get(f"encoder.down.{l}.block.0.conv1.weight", (0,))[0] for l in range(n_lev)]
-        kw.update(ch=ch, ch_mult=tuple(o // ch for o in outs),
-                  num_res_blocks=_count(shapes, r"encoder\.down\.0\.block\.(\d+)\."),
-                  latent_channels=shapes["encoder.conv_out.weight"][0] // 2)
-        has_down = [f"encoder.down.{l}.downsample.conv.weight" in shapes for l in range(n_lev)]
-        expect = [s * t > 1 for s, t in zip(base.space_down, base.time_down)]
-        if has_down != expect:
-            raise CheckpointError(f"encoder downsample layout {has_down} differs from the release {expect}; "
-                                  "pass an explicit config")
-        if any(c % base.norm_groups for c in (ch * m for m in kw["ch_mult"])):
-            raise CheckpointError(f"encoder widths {[o for o in outs]} are not divisible by 32 GroupNorm groups; "
-                                  "pass an explicit config")
-    if not kw:
-        raise CheckpointError("no H3 video VAE keys found (neither encoder.conv_in nor decoder.x_embedder)")
-    return replace(base, **kw)
-
-
-def _diffusers_name_map(cfg: VideoVAEConfig) -> dict[str, str]:
-    """native key -> diffusers key, for every key that is a 1:1 rename (fused qkv / ff.w1 handled separately)."""
-    m: dict[str, str] = {}
-    for p in ("weight", "bias"):
-        for k in ("quant_conv", "post_quant_conv", "encoder.conv_in", "encoder.norm_out", "encoder.conv_out",
-                  "decoder.norm_out", "decoder.proj_out"):
-            m[f"{k}.{p}"] = f"{k}.{p}"
-        m[f"decoder.x_embedder.{p}"] = f"decoder.proj_in.{p}"
-        for l in range(len(cfg.ch_mult)):
-            for j in range(cfg.num_res_blocks):
-                for sub in ("norm1", "conv1", "norm2", "conv2"):
-                    m[f"encoder.down.{l}.block.{j}.{sub}.{p}"] = f"encoder.down_blocks.{l}.resnets.{j}.{sub}.{p}"
-                m[f"encoder.down.{l}.block.{j}.nin_shortcut.{p}"] = \
-                    f"encoder.down_blocks.{l}.resnets.{j}.conv_shortcut.{p}"
-            m[f"encoder.down.{l}.downsample.conv.{p}"] = f"encoder.down_blocks.{l}.downsamplers.0.conv.{p}"
-        for i in range(cfg.dec_layers):
-            b = f"decoder.transformer_blocks.{i}"
-            m[f"{b}.attn.to_out.{p}"] = f"{b}.attn.to_out.0.{p}"
-            m[f"{b}.ff.w2.{p}"] = f"{b}.ff.net.2.{p}"
-    m["decoder.register_tokens"] = "decoder.register_tokens"
-    for i in range(cfg.dec_layers):
-        b = f"decoder.transformer_blocks.{i}"
-        for k in ("norm1.weight", "norm2.weight", "scale1", "scale2"):
-            m[f"{b}.{k}"] = f"{b}.{k}"
-    return m
-
-
-_QKV = re.compile(r"^(decoder\.transformer_blocks\.\d+\.attn)\.to_qkv\.(weight|bias)$")
-_W1 = re.compile(r"^(decoder\.transformer_blocks\.\d+\.ff)\.w1\.(weight|bias)$")
+def _swap_halves(t: torch.Tensor) -> torch.Tensor:
+    a, b = t.chunk(2, dim=0)
+    return torch.cat([b, a], dim=0)
 
 
 def comfy_to_diffusers_state_dict(sd: dict[str, torch.Tensor], cfg: VideoVAEConfig) -> dict[str, torch.Tensor]:
     """Native (release/ComfyUI) state dict -> `AutoencoderKLMiniMaxH3` state dict. Extra buffers are dropped."""
-    names = _diffusers_name_map(cfg)
+    known = set(_expected(cfg, "all"))
     out: dict[str, torch.Tensor] = {}
     for k, v in sd.items():
-        if (mq := _QKV.match(k)):
-            # per-head interleaved [h: q k v] -> separate to_q / to_k / to_v
+        if k not in known:
+            continue
+        name = DIFFUSERS_NAMES.to_source(k)
+        if ".attn.to_qkv." in k:  # per-head interleaved [h: q k v] -> separate to_q / to_k / to_v
             t = v.reshape(cfg.dec_heads, 3, cfg.dec_head_dim, *v.shape[1:])
-            for n, name in enumerate(("to_q", "to_k", "to_v")):
-                out[f"{mq.group(1)}.{name}.{mq.group(2)}"] = t[:, n].reshape(cfg.dec_dim, *v.shape[1:]).clone()
-        elif (mw := _W1.match(k)):
-            gate, up = v.chunk(2, dim=0)  # native [gate; up], diffusers SwiGLU [up; gate]
-            out[f"{mw.group(1)}.net.0.proj.{mw.group(2)}"] = torch.cat([up, gate], dim=0)
-        elif k in names:
-            out[names[k]] = v
+            for n, part in enumerate(_qkv_parts(name)):
+                out[part] = t[:, n].reshape(cfg.dec_dim, *v.shape[1:]).clone()
+        else:
+            out[name] = _swap_halves(v) if ".ff.w1." in k else v  # native [gate; up], diffusers [up; gate]
     return out
 
 
 def diffusers_to_comfy_state_dict(sd: dict[str, torch.Tensor], cfg: VideoVAEConfig) -> dict[str, torch.Tensor]:
     """`AutoencoderKLMiniMaxH3` state dict -> native keys. Unknown keys are kept under their diffusers name so the
-    strict key check reports them."""
-    inv = {v: k for k, v in _diffusers_name_map(cfg).items()}
+    key check reports them."""
     out: dict[str, torch.Tensor] = {}
-    qkv: dict[tuple[str, str], dict[str, torch.Tensor]] = {}
-    rx_q = re.compile(r"^(decoder\.transformer_blocks\.\d+\.attn)\.(to_q|to_k|to_v)\.(weight|bias)$")
-    rx_ff = re.compile(r"^(decoder\.transformer_blocks\.\d+\.ff)\.net\.0\.proj\.(weight|bias)$")
     for k, v in sd.items():
-        if (m := rx_q.match(k)):
-            qkv.setdefault((m.group(1), m.group(3)), {})[m.group(2)] = v
-        elif (m := rx_ff.match(k)):
-            up, gate = v.chunk(2, dim=0)
-            out[f"{m.group(1)}.w1.{m.group(2)}"] = torch.cat([gate, up], dim=0)
+        if ".attn.to_k." in k or ".attn.to_v." in k:
+            if k.replace(".to_k.", ".to_q.").replace(".to_v.", ".to_q.") not in sd:
+                out[k] = v  # without its to_q: reported as unexpected
+            continue
+        ours = DIFFUSERS_NAMES.from_source(k)
+        if ".attn.to_q." in k:
+            parts = _qkv_parts(k)
+            missing = [p for p in parts if p not in sd]
+            if missing:
+                raise CheckpointError("<state dict>", f"incomplete q/k/v set: missing {missing}", k)
+            rest = v.shape[1:]
+            t = torch.stack([sd[p].reshape(cfg.dec_heads, cfg.dec_head_dim, *rest) for p in parts], dim=1)
+            out[ours] = t.reshape(3 * cfg.dec_dim, *rest)
         else:
-            out[inv.get(k, k)] = v
-    for (prefix, p), parts in qkv.items():
-        if set(parts) != {"to_q", "to_k", "to_v"}:
-            raise CheckpointError(f"{prefix}: incomplete q/k/v set {sorted(parts)} for {p}")
-        rest = parts["to_q"].shape[1:]
-        t = torch.stack([parts[n].reshape(cfg.dec_heads, cfg.dec_head_dim, *rest) for n in ("to_q", "to_k", "to_v")],
-                        dim=1)
-        out[f"{prefix}.to_qkv.{p}"] = t.reshape(3 * cfg.dec_dim, *rest)
+            out[ours] = _swap_halves(v) if ".ff.w1." in ours else v
     return out
 
 
@@ -758,126 +681,134 @@ def _config_from_diffusers(d: dict) -> tuple[VideoVAEConfig, tuple | None, tuple
     return cfg, (tuple(lm) if lm else None), (tuple(ls) if ls else None)
 
 
-def _diffusers_files(path: str) -> list[str]:
-    idx = [f for f in os.listdir(path) if f.endswith(".safetensors.index.json")]
-    if idx:
-        with open(os.path.join(path, idx[0])) as f:
-            return sorted({os.path.join(path, v) for v in json.load(f)["weight_map"].values()})
-    files = sorted(os.path.join(path, f) for f in os.listdir(path) if f.endswith(".safetensors"))
-    if not files:
-        raise CheckpointError(f"{path}: diffusers directory without a .safetensors file")
-    return files
-
-
-def _read_tensors(files: list[str], keys: Iterable[str] | None = None) -> dict[str, torch.Tensor]:
-    from safetensors import safe_open
-
-    out: dict[str, torch.Tensor] = {}
-    for fn in files:
-        with safe_open(fn, framework="pt") as f:
-            for k in f.keys():
-                if keys is None or k in keys:
-                    out[k] = f.get_tensor(k)
-    return out
-
-
 _TOLERATED_EXTRA = ("decoder.mask_token", "latents_mean", "latents_std")
 
 
 def detect_layout(path: str) -> str:
-    """'diffusers' (dir or file with `decoder.proj_in`), 'release' (fp32 native keys) or 'comfy' (native, fp16/bf16)."""
-    if os.path.isdir(path):
+    """'diffusers' (diffusers names, e.g. `decoder.proj_in`), 'release' (fp32 native keys) or 'comfy' (native,
+    fp16/bf16); a folder is judged by the files in it."""
+    return _layout(open_checkpoint(path).tensors)
+
+
+def _layout(tensors: dict[str, HeaderEntry]) -> str:
+    if "decoder.proj_in.weight" in tensors or any(k.startswith("encoder.down_blocks.") for k in tensors):
         return "diffusers"
-    hdr = _raw_header(path)
-    if "decoder.proj_in.weight" in hdr or any(k.startswith("encoder.down_blocks.") for k in hdr):
-        return "diffusers"
-    dtypes = {v["dtype"] for k, v in hdr.items() if k != "__metadata__" and not k.startswith("latents_")}
+    dtypes = {e.dtype for k, e in tensors.items() if not k.startswith("latents_")}
     return "release" if dtypes == {"F32"} else "comfy"
+
+
+@dataclass
+class VideoVAEInfo:
+    """A video VAE checkpoint as validated from its headers (no tensor data read)."""
+
+    path: str
+    layout: str  # "comfy" | "release" | "diffusers"
+    cfg: VideoVAEConfig
+    config_source: str  # "given config" | "config.json" | "metadata" | "H3 release geometry"
+    ckpt: Checkpoint
+    latents_mean: tuple[float, ...] | None = None  # from a diffusers config.json
+    latents_std: tuple[float, ...] | None = None
+
+
+def inspect_video_vae(path: str, cfg: VideoVAEConfig | None = None, parts: str = "all") -> VideoVAEInfo:
+    """Layout, config and a check of every tensor `parts` needs (keys, shapes, float dtypes), from the headers.
+
+    The config is, in order: `cfg`; a diffusers folder's config.json; the file's config metadata (our writer); else
+    the H3 release geometry -- never inferred from shapes, which cannot show the decoder's head count. Raises
+    CheckpointError naming the file and the first offending key."""
+    ckpt = open_checkpoint(path)
+    layout = _layout(ckpt.tensors)
+    lat_mean = lat_std = None
+    source = "given config"
+    if ckpt.config:
+        try:
+            folder_cfg, lat_mean, lat_std = _config_from_diffusers(ckpt.config)
+        except (TypeError, ValueError) as e:
+            raise CheckpointError(ckpt.config_file, f"not a video VAE config: {e}") from e
+    if cfg is None:
+        if ckpt.config:
+            cfg, source = folder_cfg, "config.json"
+        elif CONFIG_METADATA_KEY in ckpt.metadata:
+            try:
+                cfg = VideoVAEConfig.from_json(ckpt.metadata[CONFIG_METADATA_KEY])
+            except (TypeError, ValueError) as e:
+                raise CheckpointError(ckpt.files[0], f"metadata {CONFIG_METADATA_KEY} is not a video VAE config: {e}") \
+                    from e
+            source = "metadata"
+        else:
+            cfg, source = VideoVAEConfig.full(), "H3 release geometry"
+    info = VideoVAEInfo(str(path), layout, cfg, source, ckpt, lat_mean, lat_std)
+    expected = _expected(cfg, parts)
+    other = set(_expected(cfg, "all")) - set(expected)  # the half a stage does not load may be in the file
+    shapes = _our_entries(info)
+    what = f"the H3 video VAE ({parts}; config from the {source}"
+    if source == "H3 release geometry":
+        what += "; for another geometry pass a folder with its diffusers config.json"
+    key_report(shapes, expected, ignored=other | set(_TOLERATED_EXTRA)).raise_if_bad(path, what + ")")
+    for k in ("latents_mean", "latents_std"):
+        e = shapes.get(k)
+        if e is not None and (e.numel != cfg.latent_channels or e.dtype not in FLOAT):
+            raise CheckpointError(e.file, f"{e.dtype}{list(e.shape)}: expected {cfg.latent_channels} float values", k)
+    return info
+
+
+def _our_entries(info: VideoVAEInfo) -> dict[str, HeaderEntry]:
+    """Header entries under our names (diffusers q/k/v parts assembled into to_qkv's shape)."""
+    if info.layout != "diffusers":
+        return dict(info.ckpt.tensors)
+    src = info.ckpt.tensors
+    out: dict[str, HeaderEntry] = {}
+    for k, e in src.items():
+        if ".attn.to_k." in k or ".attn.to_v." in k:
+            if k.replace(".to_k.", ".to_q.").replace(".to_v.", ".to_q.") not in src:
+                out[k] = e
+            continue
+        ours = DIFFUSERS_NAMES.from_source(k)
+        if ".attn.to_q." in k:
+            parts = [src.get(p) for p in _qkv_parts(k)]
+            ok = all(p is not None and p.shape == e.shape for p in parts)
+            e = replace(e, shape=(3 * e.shape[0], *e.shape[1:]) if ok else (-1,))
+        out[ours] = replace(e, disk_key=k)
+    return out
 
 
 def load_video_vae(path: str, cfg: VideoVAEConfig | None = None, dtype: torch.dtype = torch.float32, *,
                    device: torch.device | str = "cpu", parts: str = "all") -> VideoVAE:
-    """Load the H3 video VAE from a ComfyUI single file (fp16), the release file (fp32) or a diffusers directory
-    (config.json + safetensors). The layout is detected from the safetensors header; `cfg=None` infers the dims
-    (from the diffusers config.json, the file's config metadata, or the tensor shapes).
+    """Load the H3 video VAE from a ComfyUI single file (fp16), the release file (fp32) or a diffusers folder
+    (config.json + safetensors), after `inspect_video_vae` validated it (again: a file changed since start-up fails
+    here with a CheckpointError). Only the tensors of `parts` are read, one at a time.
 
     Matmul weights are cast to `dtype`; norm weights and residual scales stay fp32 (cheap, and the reference
-    computes those in fp32). Raises `CheckpointError` naming missing / unexpected / misshapen keys."""
-    if not os.path.exists(path):
-        raise CheckpointError(f"{path}: no such file or directory")
-    layout = detect_layout(path)
-    lat_mean = lat_std = None
-    if layout == "diffusers":
-        if os.path.isdir(path):
-            cpath = os.path.join(path, "config.json")
-            if not os.path.exists(cpath):
-                raise CheckpointError(f"{path}: diffusers directory without config.json")
-            with open(cpath) as f:
-                dcfg, lat_mean, lat_std = _config_from_diffusers(json.load(f))
-            files = _diffusers_files(path)
-        else:
-            dcfg, files = None, [path]
-        if cfg is None:
-            if dcfg is None:
-                raise CheckpointError(f"{path}: single diffusers-layout file; pass a VideoVAEConfig")
-            cfg = dcfg
-        raw = _read_tensors(files)
-        sd = diffusers_to_comfy_state_dict(raw, cfg)
-        del raw
-        shapes = {k: tuple(v.shape) for k, v in sd.items()}
-    else:
-        shapes, meta = _header(path)
-        if cfg is None:
-            cfg = (VideoVAEConfig.from_json(meta[CONFIG_METADATA_KEY]) if CONFIG_METADATA_KEY in meta
-                   else infer_config(shapes))
-        sd = None
+    computes those in fp32)."""
+    info = inspect_video_vae(path, cfg, parts)
+    cfg = info.cfg
+    expected = _expected(cfg, parts)
+    entries = _our_entries(info)
+    reader = TensorReader(info.ckpt.tensors)
 
-    expected = _expected_keys(cfg, parts)
-    # Keys of the part not requested are fine (a stage loads only its half of the full file).
-    other = set(_expected_keys(cfg, "all")) - set(expected)
-    missing = sorted(set(expected) - set(shapes))
-    unexpected = sorted(k for k in shapes if k not in expected and k not in other and k not in _TOLERATED_EXTRA)
-    bad_shape = sorted(f"{k}: file {shapes[k]} vs model {expected[k]}" for k in expected
-                       if k in shapes and shapes[k] != expected[k])
-    if missing or unexpected or bad_shape:
-        msg = [f"{path} ({layout} layout) does not match the H3 video VAE config"]
-        for name, lst in (("missing", missing), ("unexpected", unexpected), ("misshapen", bad_shape)):
-            if lst:
-                msg.append(f"{name} ({len(lst)}): " + ", ".join(lst[:12]) + (" ..." if len(lst) > 12 else ""))
-        raise CheckpointError("; ".join(msg))
-
-    if sd is None:
-        # Native layout: only the small statistics buffers now; weights stream tensor by tensor below so peak host
-        # memory is one tensor, not the whole (9.7 GiB fp32) file.
-        sd = _read_tensors([path], {"latents_mean", "latents_std"})
-    for name, attr in (("latents_mean", "lat_mean"), ("latents_std", "lat_std")):
-        if name in sd:
-            t = sd.pop(name)
-            if t.numel() != cfg.latent_channels:
-                raise CheckpointError(f"{path}: {name} has {t.numel()} values, expected {cfg.latent_channels}")
-            if attr == "lat_mean":
-                lat_mean = tuple(t.float().tolist())
-            else:
-                lat_std = tuple(t.float().tolist())
+    def read(k: str) -> torch.Tensor:
+        e = entries[k]
+        disk = e.disk_key or k
+        if info.layout == "diffusers" and ".attn.to_q." in disk:
+            rest = e.shape[1:]
+            t = torch.stack([reader.whole(p).reshape(cfg.dec_heads, cfg.dec_head_dim, *rest) for p in _qkv_parts(disk)],
+                            dim=1)
+            return t.reshape(3 * cfg.dec_dim, *rest)
+        t = reader.whole(disk)
+        return _swap_halves(t) if info.layout == "diffusers" and ".ff.w1." in k else t
 
     with torch.device("meta"):
         model = VideoVAE(cfg, parts)
-
-    def convert(k: str, t: torch.Tensor) -> torch.Tensor:
-        return t.to(device=device, dtype=torch.float32 if _FP32_PARAM.search(k) else dtype)
-
-    if layout == "diffusers":
-        state = {k: convert(k, sd.pop(k)) for k in expected}
-    else:
-        from safetensors import safe_open
-
-        with safe_open(path, framework="pt") as f:
-            state = {k: convert(k, f.get_tensor(k)) for k in expected}
+    state = {k: read(k).to(device=device, dtype=torch.float32 if _FP32_PARAM.search(k) else dtype) for k in expected}
     model.load_state_dict(state, strict=True, assign=True)
+    stats = {k: tuple(read(k).float().tolist()) for k in ("latents_mean", "latents_std") if k in entries}
+    lat_mean = stats.get("latents_mean", info.latents_mean)
+    lat_std = stats.get("latents_std", info.latents_std)
     if lat_mean is not None:
         model.latents_mean = lat_mean
     if lat_std is not None:
         model.latents_std = lat_std
+    reader.close()
     return model.eval().requires_grad_(False)
 
 

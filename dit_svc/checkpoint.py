@@ -1,56 +1,63 @@
-"""Loading MiniMax-H3 DiT checkpoints, one tensor-parallel rank at a time.
+"""Loading MiniMax-H3 DiT checkpoints, one tensor-parallel rank at a time (docs/checkpoints.md).
 
-Supported inputs (h3_architecture.md §2.2, §2.10, §8):
-  * ComfyUI single files: bf16; `*_int8_convrot` (block linears int8 ConvRot g256, block AdaLN int8 g64);
-    "pruned" curve-form int8 (`adaln_t_table` [1025, 8], AdaLN weights [., 8], no time_embedder).
-  * diffusers directory (`transformer/` with sharded safetensors + index + config.json): diffusers names,
-    separate to_q/to_k/to_v, fc1 halves stored [value; gate].
-  * raw release shards (release names, qkv rows per-head interleaved [h0: q k v, h1: q k v, ...]).
+Supported inputs:
+  * ComfyUI single files: bf16 (or fp16 / fp32); `*_int8_convrot` (block linears int8 ConvRot g256, block AdaLN
+    int8 g64); "pruned" curve-form (`adaln_t_table` [1025, 8], AdaLN weights [., 8], no time_embedder);
+  * a diffusers directory (`transformer/` with shards + index + config.json): diffusers names, separate
+    to_q/to_k/to_v, fc1 halves stored [value; gate];
+  * the raw release shards (our names, qkv rows per-head interleaved [h0: q k v, h1: q k v, ...]).
 
 Everything is expressed in *our* key names (= ComfyUI names, qkv [q_all; k_all; v_all], fc1 [gate; value]).
-Detection, config inference and validation use the safetensors headers only; tensor data is read afterwards, and
-for tensor-parallel keys only this rank's rows/columns are read (safetensors `get_slice`).
 
-TP layout for size n, rank r (must match dit_svc/tp.py):
-  attn.qkv_proj   -> rows [q of heads r*h/n..(r+1)*h/n ; k of those heads ; v of those heads]  (+ weight_scale rows)
-  attn.out_proj   -> columns of those heads                                                    (weight_scale whole)
-  mlp.fc1         -> rows [gate r*F/n..(r+1)*F/n ; value same rows]                            (+ weight_scale rows)
-  mlp.fc2         -> columns r*F/n..(r+1)*F/n                                                   (weight_scale whole)
-  *.adaln_proj.linear weight/bias -> n contiguous equal row ranges
-  everything else -> replicated
+Files with our names do not show their q/k/v row order in the data, so it is decided from evidence
+(`decide_qkv_layout`): our metadata, ComfyUI-only markers, the release's sharding and config.json, or
+`--qkv-layout`; with none of them the checkpoint is refused, naming that flag. The block count comes from the
+metadata, config.json or the known H3 configuration, never from the highest block present, so a dropped tail block
+is a missing key. `check_checkpoint` validates everything from the headers (plus the tiny comfy_quant descriptors)
+before a stage reports SERVING; `load_dit_weights` validates again and reads only this rank's rows / columns
+(safetensors `get_slice`), as `H3DiT._tp_plan` slices them.
 """
 
 from __future__ import annotations
 
-import json
+import dataclasses
 import logging
 import math
 import re
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Iterable, Literal
 
 import torch
-from safetensors import safe_open
 
 from dit_svc.config import DiTConfig
-from stagekit.checkpoints import CheckpointError, HeaderEntry, read_header
-from stagekit.quant import QuantFormatError, QuantizedWeight, dequantize_convrot, parse_comfy_quant
+from dit_svc.convert_diffusers import (DIFFUSERS_NAMES, DIFFUSERS_QKV, FC1_SECTIONS, NOT_IN_DIFFUSERS, QKV_SECTIONS,
+                                       is_qkv_part, qkv_part_keys)
+from dit_svc.model import H3DiT
+from dit_svc.tp import ColumnParallel, RowParallel, column_range, param_style, section_ranges, validate_tp
+from stagekit.checkpoints import (FLOAT, Checkpoint, CheckpointError, HeaderEntry, TensorReader, TensorSpec,
+                                  key_report, metadata_json, named, open_checkpoint, read_quant_spec)
+from stagekit.quant import QuantizedWeight, dequantize_convrot
 
 log = logging.getLogger(__name__)
 
-MAX_NAMED = 10  # keys listed per category in a CheckpointError
-QKV_SECTIONS = 3  # q, k, v
-FC1_SECTIONS = 2  # gate, value
 COMFY_MODEL_PREFIX = "model.diffusion_model."  # DiT tensors inside a ComfyUI all-in-one checkpoint
+DIFFUSERS_SUBDIR = "transformer"  # the DiT's folder inside a diffusers / release pipeline folder
+METADATA_CONFIG = "h3_dit_config"  # safetensors metadata our writers add: the DiTConfig as JSON
+METADATA_QKV = "h3_qkv_layout"  # ... and the q/k/v row order: "stacked" | "interleaved"
+COMFY_FILE_NAME = re.compile(r"minimax_h3[^/]*\.safetensors$")  # how the ComfyUI repacks are named
+# config.json fields only the release's transformer/config.json uses (diffusers renamed them).
+RELEASE_CONFIG_FIELDS = ("ffn_hidden_size", "latents_dim", "token_refiner_num_layers", "timestep_input_dim")
 
 QuantMode = Literal["kernel", "dequant"]
 Layout = Literal["comfy", "release", "diffusers"]
-TPRule = Literal["qkv", "fc1", "cols", "rows", "replicate"]
+QKVLayout = Literal["stacked", "interleaved"]
+QKV_LAYOUTS = ("stacked", "interleaved")
+QKV_FLAG = "--qkv-layout"
 
-_FLOAT_DTYPES = {"F64", "F32", "F16", "BF16"}
-_TORCH_DTYPE = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "I8": torch.int8, "U8": torch.uint8}
-
+PLAN = H3DiT._tp_plan
 
 
 # ================================================================================================================
@@ -61,19 +68,23 @@ _TORCH_DTYPE = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat
 @dataclass(frozen=True)
 class Variant:
     layout: Layout  # key naming / qkv order of the source
-    linears: Literal["bf16", "int8"]  # block attention/MLP linears
+    linears: Literal["bf16", "fp16", "fp32", "int8"]  # block attention/MLP linears (dense: their storage dtype)
     adaln: Literal["dense", "int8", "curve"]  # block AdaLN projections
 
     @property
     def name(self) -> str:
-        known = {("bf16", "dense"): "bf16", ("int8", "int8"): "int8_convrot", ("int8", "curve"): "int8_convrot_pruned"}
-        base = known.get((self.linears, self.adaln), f"{self.linears}_adaln-{self.adaln}")
+        if self.linears == "int8":
+            base = {"int8": "int8_convrot", "curve": "int8_convrot_pruned"}.get(self.adaln, "int8_adaln-dense")
+        else:
+            base = {"dense": self.linears, "curve": f"{self.linears}_pruned"}.get(self.adaln,
+                                                                                  f"{self.linears}_adaln-int8")
         return base if self.layout == "comfy" else f"{self.layout}_{base}"
 
 
 BF16 = Variant("comfy", "bf16", "dense")
 INT8_CONVROT = Variant("comfy", "int8", "int8")
 INT8_CONVROT_PRUNED = Variant("comfy", "int8", "curve")
+_DENSE_NAME = {"BF16": "bf16", "F16": "fp16", "F32": "fp32"}
 
 
 # ================================================================================================================
@@ -82,21 +93,24 @@ INT8_CONVROT_PRUNED = Variant("comfy", "int8", "curve")
 
 
 @dataclass(frozen=True)
-class TensorSpec:
-    shape: tuple[int, ...]  # () for the variable-length comfy_quant blob: shape not checked
-    dtype: str  # safetensors dtype used when *writing* (validation only checks the class: float / I8 / U8)
+class DiTSpec(TensorSpec):
+    store: str = "BF16"  # the dtype the release / ComfyUI files store it in (what the tiny writers write)
 
 
-def _linear(specs: dict, prefix: str, n_out: int, n_in: int, dtype: str, bias: bool) -> None:
-    specs[f"{prefix}.weight"] = TensorSpec((n_out, n_in), dtype)
+def _dense(specs: dict, key: str, shape: tuple[int, ...], store: str) -> None:
+    specs[key] = DiTSpec(shape, FLOAT, store)
+
+
+def _linear(specs: dict, prefix: str, n_out: int, n_in: int, store: str, bias: bool) -> None:
+    _dense(specs, f"{prefix}.weight", (n_out, n_in), store)
     if bias:
-        specs[f"{prefix}.bias"] = TensorSpec((n_out,), dtype)
+        _dense(specs, f"{prefix}.bias", (n_out,), store)
 
 
 def _int8_linear(specs: dict, prefix: str, n_out: int, n_in: int) -> None:
-    specs[f"{prefix}.weight"] = TensorSpec((n_out, n_in), "I8")
-    specs[f"{prefix}.weight_scale"] = TensorSpec((n_out, 1), "F32")
-    specs[f"{prefix}.comfy_quant"] = TensorSpec((), "U8")
+    specs[f"{prefix}.weight"] = DiTSpec((n_out, n_in), frozenset({"I8"}), "I8")
+    specs[f"{prefix}.weight_scale"] = DiTSpec((n_out, 1), FLOAT, "F32")
+    specs[f"{prefix}.comfy_quant"] = DiTSpec(None, frozenset({"U8"}), "U8")  # JSON bytes, any length
 
 
 def _attn_mlp_specs(specs: dict, prefix: str, cfg: DiTConfig, int8: bool) -> None:
@@ -112,89 +126,59 @@ def _attn_mlp_specs(specs: dict, prefix: str, cfg: DiTConfig, int8: bool) -> Non
         else:
             _linear(specs, f"{prefix}.{name}", n_out, n_in, "BF16", bias=False)
     for norm in ("norm1", "norm2"):
-        specs[f"{prefix}.{norm}.weight"] = TensorSpec((cfg.hidden,), "BF16")
+        _dense(specs, f"{prefix}.{norm}.weight", (cfg.hidden,), "BF16")
     for norm in ("q_norm", "k_norm"):
-        specs[f"{prefix}.attn.{norm}.weight"] = TensorSpec((cfg.head_dim,), "BF16")
+        _dense(specs, f"{prefix}.attn.{norm}.weight", (cfg.head_dim,), "BF16")
 
 
-def expected_specs(cfg: DiTConfig, variant: Variant) -> dict[str, TensorSpec]:
+def expected_specs(cfg: DiTConfig, variant: Variant) -> dict[str, DiTSpec]:
     """All tensors of a checkpoint of this config and variant, in our (ComfyUI) key names, file order."""
     curve = variant.adaln == "curve"
     adaln_in = cfg.adaln_curve_rank if curve else cfg.time_embed_dim
-    adaln_dtype = "F16" if curve else "BF16"  # the pruned file stores the rank-8 projections in fp16 (§2.10)
-    s: dict[str, TensorSpec] = {}
+    adaln_store = "F16" if curve else "BF16"  # the pruned file stores the rank-8 projections in fp16
+    s: dict[str, DiTSpec] = {}
     _linear(s, "video_patch_proj", cfg.hidden, cfg.video_patch_dim, "F32", bias=True)
     _linear(s, "audio_patch_proj", cfg.hidden, cfg.audio_in_channels, "F32", bias=True)
     _linear(s, "condition_proj", cfg.hidden, cfg.text_dim, "BF16", bias=True)
     if curve:
-        s["adaln_t_table"] = TensorSpec((cfg.adaln_curve_grid, cfg.adaln_curve_rank), "F32")
+        _dense(s, "adaln_t_table", (cfg.adaln_curve_grid, cfg.adaln_curve_rank), "F32")
     else:
         _linear(s, "time_embedder.proj_in", cfg.time_embed_hidden, cfg.freq_dim, "F32", bias=True)
         _linear(s, "time_embedder.proj_out", cfg.time_embed_dim, cfg.time_embed_hidden, "F32", bias=True)
-    s["rope.inv_freq"] = TensorSpec((cfg.rope_freq_dim,), "F32")
+    _dense(s, "rope.inv_freq", (cfg.rope_freq_dim,), "F32")
     for i in range(cfg.num_refiner_layers):
-        _attn_mlp_specs(s, f"token_refiner.blocks.{i}", cfg, int8=False)  # refiner stays bf16 in every variant
+        _attn_mlp_specs(s, f"token_refiner.blocks.{i}", cfg, int8=False)  # refiner stays dense in every variant
     if cfg.num_refiner_layers:
-        s["token_refiner.final_norm.weight"] = TensorSpec((cfg.hidden,), "BF16")
+        _dense(s, "token_refiner.final_norm.weight", (cfg.hidden,), "BF16")
     for i in range(cfg.num_layers):
         p = f"blocks.{i}"
         _attn_mlp_specs(s, p, cfg, int8=variant.linears == "int8")
         if variant.adaln == "int8":
             _int8_linear(s, f"{p}.adaln_proj.linear", cfg.adaln_out, adaln_in)
-            s[f"{p}.adaln_proj.linear.bias"] = TensorSpec((cfg.adaln_out,), "BF16")
+            _dense(s, f"{p}.adaln_proj.linear.bias", (cfg.adaln_out,), "BF16")
         else:
-            _linear(s, f"{p}.adaln_proj.linear", cfg.adaln_out, adaln_in, adaln_dtype, bias=True)
-    s["final_layer.norm.weight"] = TensorSpec((cfg.hidden,), "BF16")
-    _linear(s, "final_layer.adaln_proj.linear", cfg.final_adaln_out, adaln_in, adaln_dtype, bias=True)
+            _linear(s, f"{p}.adaln_proj.linear", cfg.adaln_out, adaln_in, adaln_store, bias=True)
+    _dense(s, "final_layer.norm.weight", (cfg.hidden,), "BF16")
+    _linear(s, "final_layer.adaln_proj.linear", cfg.final_adaln_out, adaln_in, adaln_store, bias=True)
     _linear(s, "final_layer.video_out", cfg.video_patch_dim, cfg.hidden, "F32", bias=True)
     _linear(s, "final_layer.audio_out", cfg.audio_in_channels, cfg.hidden, "F32", bias=True)
     return s
 
 
-OPTIONAL_KEYS = ("rope.inv_freq",)  # diffusers drops it; recomputed bit-identically from the config
-
-
-def tp_rule(key: str) -> TPRule:
-    """How a key of our layout is split across tensor-parallel ranks (see module docstring)."""
-    if key.endswith((".attn.qkv_proj.weight", ".attn.qkv_proj.weight_scale")):
-        return "qkv"
-    if key.endswith((".mlp.fc1.weight", ".mlp.fc1.weight_scale")):
-        return "fc1"
-    if key.endswith((".attn.out_proj.weight", ".mlp.fc2.weight")):
-        return "cols"
-    if ".adaln_proj.linear." in key and not key.endswith(".comfy_quant"):
-        return "rows"
-    return "replicate"
+OPTIONAL_KEYS = NOT_IN_DIFFUSERS  # rope.inv_freq: diffusers drops it; recomputed bit-identically from the config
 
 
 # ================================================================================================================
-# Files and headers (no tensor data read here)
+# Source layouts -> our names
 # ================================================================================================================
 
 
-def _resolve_files(path: Path) -> tuple[list[Path], Path | None]:
-    """Return the safetensors files of a checkpoint and the directory holding config.json (None for a single file)."""
-    if path.is_file():
-        return [path], None
-    if not path.is_dir():
-        raise CheckpointError(f"checkpoint {path} does not exist")
-    if (path / "transformer").is_dir():
-        path = path / "transformer"
-    indexes = sorted(path.glob("*.safetensors.index.json"))
-    if indexes:
-        try:
-            weight_map = json.loads(indexes[0].read_text())["weight_map"]
-        except (OSError, KeyError, json.JSONDecodeError) as e:
-            raise CheckpointError(f"{indexes[0]}: unreadable index: {e}") from e
-        files = [path / name for name in sorted(set(weight_map.values()))]
-        absent = [str(f) for f in files if not f.is_file()]
-        if absent:
-            raise CheckpointError(f"{indexes[0]} lists {len(absent)} missing shard(s): {absent[:MAX_NAMED]}")
-        return files, path
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise CheckpointError(f"no *.safetensors files in {path}")
-    return files, path
+@dataclass(frozen=True)
+class Source:
+    """Where one of our tensors lives and how its rows are arranged in the source."""
+
+    keys: tuple[str, ...]  # source key(s); three for diffusers qkv (q, k, v)
+    arrangement: Literal["same", "qkv_split", "qkv_interleaved", "fc1_swapped"] = "same"
 
 
 def _strip_model_prefix(entries: dict[str, HeaderEntry]) -> dict[str, HeaderEntry]:
@@ -208,82 +192,12 @@ def _strip_model_prefix(entries: dict[str, HeaderEntry]) -> dict[str, HeaderEntr
     return kept
 
 
-def read_headers(path: str | Path) -> tuple[dict[str, HeaderEntry], Path | None, bool]:
-    """All tensors of a checkpoint (source names) -> (entries, config dir, is_directory)."""
-    files, cfg_dir = _resolve_files(Path(path))
-    merged: dict[str, HeaderEntry] = {}
-    for f in files:
-        for key, entry in read_header(f).items():
-            if key in merged:
-                raise CheckpointError(f"tensor {key!r} appears in both {merged[key].file} and {f}")
-            merged[key] = entry
-    return _strip_model_prefix(merged), cfg_dir, cfg_dir is not None
+def _is_diffusers(keys: Iterable[str]) -> bool:
+    return any(k.startswith(("transformer_blocks.", "proj_in.")) for k in keys)
 
 
-# ================================================================================================================
-# Source layouts -> our names
-# ================================================================================================================
-
-# Our name -> diffusers name (h3_architecture.md §2.2). Prefix renames apply to the start of a key only (an
-# unanchored "proj_in." would also hit "audio_proj_in."); infix renames apply anywhere.
-DIFFUSERS_PREFIX_RENAMES = (
-    ("blocks.", "transformer_blocks."),
-    ("token_refiner.blocks.", "token_refiner.refiner_blocks."),
-    ("time_embedder.proj_in.", "time_embedder.linear_1."),
-    ("time_embedder.proj_out.", "time_embedder.linear_2."),
-    ("video_patch_proj.", "proj_in."),
-    ("audio_patch_proj.", "audio_proj_in."),
-    ("condition_proj.", "context_embedder."),
-    ("final_layer.norm.", "norm_out.norm."),
-    ("final_layer.adaln_proj.linear.", "norm_out.linear."),
-    ("final_layer.video_out.", "proj_out."),
-    ("final_layer.audio_out.", "audio_proj_out."),
-)
-DIFFUSERS_INFIX_RENAMES = (
-    (".attn.q_norm.", ".attn.norm_q."),
-    (".attn.k_norm.", ".attn.norm_k."),
-    (".attn.out_proj.", ".attn.to_out.0."),
-    (".mlp.fc1.", ".ff.net.0.proj."),
-    (".mlp.fc2.", ".ff.net.2."),
-)
-
-
-def _rename(key: str, pairs_prefix, pairs_infix) -> str:
-    for old, new in pairs_prefix:
-        if key.startswith(old):
-            key = new + key[len(old):]
-            break
-    for old, new in pairs_infix:
-        key = key.replace(old, new)
-    return key
-
-
-def to_diffusers_name(key: str) -> str:
-    """Our (ComfyUI) name -> diffusers name. qkv maps to the `to_q` name; callers split it themselves."""
-    key = _rename(key, DIFFUSERS_PREFIX_RENAMES, DIFFUSERS_INFIX_RENAMES)
-    return key.replace(".attn.qkv_proj.", ".attn.to_q.")
-
-
-def from_diffusers_name(key: str) -> str:
-    swap = lambda pairs: tuple((b, a) for a, b in pairs)  # noqa: E731
-    return _rename(key, swap(DIFFUSERS_PREFIX_RENAMES), swap(DIFFUSERS_INFIX_RENAMES))
-
-
-@dataclass(frozen=True)
-class Source:
-    """Where one of our tensors lives and how its rows are arranged in the source."""
-
-    keys: tuple[str, ...]  # source key(s); three for diffusers qkv (q, k, v)
-    arrangement: Literal["same", "qkv_split", "qkv_interleaved", "fc1_swapped"] = "same"
-
-
-def _detect_layout(src_keys: Iterable[str], is_directory: bool) -> Layout:
-    src_keys = list(src_keys)
-    if any(k.startswith("transformer_blocks.") or k.startswith("proj_in.") for k in src_keys):
-        return "diffusers"
-    # Raw release shards and the Comfy single file share names and shapes; only the qkv row order differs, and it
-    # cannot be seen in the data. The release ships sharded directories; every published single file is stacked.
-    return "release" if is_directory else "comfy"
+def _is_qkv_rows(key: str) -> bool:
+    return key.endswith((".attn.qkv_proj.weight", ".attn.qkv_proj.weight_scale"))
 
 
 def map_sources(entries: dict[str, HeaderEntry], layout: Layout) -> dict[str, Source]:
@@ -291,23 +205,21 @@ def map_sources(entries: dict[str, HeaderEntry], layout: Layout) -> dict[str, So
     if layout == "comfy":
         return {k: Source((k,)) for k in entries}
     if layout == "release":
-        return {k: Source((k,), "qkv_interleaved" if k.endswith(".attn.qkv_proj.weight") else "same") for k in entries}
+        return {k: Source((k,), "qkv_interleaved" if _is_qkv_rows(k) else "same") for k in entries}
     out: dict[str, Source] = {}
     for k in entries:
-        if ".attn.to_k." in k or ".attn.to_v." in k:
+        if is_qkv_part(k):
             continue  # folded into the to_q entry
-        ours = from_diffusers_name(k)
-        if ".attn.to_q." in k:
-            ours = ours.replace(".attn.to_q.", ".attn.qkv_proj.")
-            out[ours] = Source((k, k.replace(".to_q.", ".to_k."), k.replace(".to_q.", ".to_v.")), "qkv_split")
+        ours = DIFFUSERS_NAMES.from_source(k)
+        if DIFFUSERS_QKV in k:
+            out[ours] = Source(qkv_part_keys(k), "qkv_split")
         elif ours.endswith(".mlp.fc1.weight"):
             out[ours] = Source((k,), "fc1_swapped")
         else:
             out[ours] = Source((k,))
-    orphans = [k for k in entries if (".attn.to_k." in k or ".attn.to_v." in k)
-               and k.replace(".to_k.", ".to_q.").replace(".to_v.", ".to_q.") not in entries]
-    for k in orphans:  # a to_k/to_v without its to_q: keep it visible so validation names it as unexpected
-        out[k] = Source((k,))
+    for k in entries:  # a to_k/to_v without its to_q: keep it visible so validation names it as unexpected
+        if is_qkv_part(k) and k.replace(".to_k.", ".to_q.").replace(".to_v.", ".to_q.") not in entries:
+            out[k] = Source((k,))
     return out
 
 
@@ -320,8 +232,67 @@ def _virtual_entry(entries: dict[str, HeaderEntry], src: Source) -> HeaderEntry:
     if any(p is None for p in parts):
         return HeaderEntry(first.file, (-1,), first.dtype)  # reported as misshapen
     rows = sum(p.shape[0] for p in parts)
-    same_cols = len({p.shape[1:] for p in parts}) == 1
-    return HeaderEntry(first.file, (rows, *first.shape[1:]) if same_cols else (-1,), first.dtype)
+    same = len({(p.shape[1:], p.dtype) for p in parts}) == 1
+    return HeaderEntry(first.file, (rows, *first.shape[1:]) if same else (-1,), first.dtype)
+
+
+# ================================================================================================================
+# q/k/v row order: decided from evidence, or stated
+# ================================================================================================================
+
+
+@dataclass(frozen=True)
+class QKVDecision:
+    layout: QKVLayout | None  # None: no evidence either way
+    evidence: str
+
+
+def decide_qkv_layout(ckpt: Checkpoint, entries: dict[str, HeaderEntry], declared: QKVLayout | None) -> QKVDecision:
+    """The q/k/v row order of a checkpoint with our (fused qkv_proj) names. The rows look the same either way, so
+    the order is taken from (1) our metadata, (2) `declared` (--qkv-layout), (3) markers only a ComfyUI repack has
+    (stacked) or only the release shards have (interleaved); see docs/checkpoints.md."""
+    stated = ckpt.metadata.get(METADATA_QKV)
+    if stated is not None:
+        if stated not in QKV_LAYOUTS:
+            raise CheckpointError(ckpt.files[0], f"metadata {METADATA_QKV}={stated!r}: expected one of {QKV_LAYOUTS}")
+        if declared is not None and declared != stated:
+            raise CheckpointError(ckpt.files[0], f"{QKV_FLAG} {declared} contradicts the file's metadata "
+                                                 f"{METADATA_QKV}={stated}; drop the flag")
+        return QKVDecision(stated, f"safetensors metadata {METADATA_QKV}")
+    comfy, release = [], []
+    if any(k.endswith(".comfy_quant") for k in entries):
+        comfy.append("ComfyUI quantisation descriptors (*.comfy_quant)")
+    if any(e.disk_key.startswith(COMFY_MODEL_PREFIX) for e in entries.values()):
+        comfy.append(f"the ComfyUI all-in-one prefix {COMFY_MODEL_PREFIX!r}")
+    if "adaln_t_table" in entries:
+        comfy.append("the ComfyUI curve-form AdaLN table (adaln_t_table)")
+    if len(ckpt.files) == 1 and not ckpt.sharded and COMFY_FILE_NAME.search(ckpt.files[0].name):
+        comfy.append(f"the ComfyUI repack file name {ckpt.files[0].name!r}")
+    if ckpt.sharded:
+        release.append("release-style sharding (an index / -NNNNN-of-NNNNN shard names; ComfyUI repacks are single "
+                       "files)")
+    if any(f in ckpt.config for f in RELEASE_CONFIG_FIELDS):
+        release.append("the release's config.json field names")
+    if declared is not None:
+        against = release if declared == "stacked" else comfy
+        if against:
+            log.warning("%s %s overrides the evidence for the other order: %s", QKV_FLAG, declared, "; ".join(against))
+        return QKVDecision(declared, QKV_FLAG)
+    if comfy and release:
+        return QKVDecision(None, f"contradicting evidence: {'; '.join(comfy)} vs {'; '.join(release)}")
+    if comfy:
+        return QKVDecision("stacked", "; ".join(comfy))
+    if release:
+        return QKVDecision("interleaved", "; ".join(release))
+    return QKVDecision(None, "no metadata, no ComfyUI markers, no release sharding or config.json")
+
+
+def _qkv_undecided(path: Path, decision: QKVDecision) -> CheckpointError:
+    return CheckpointError(
+        path, f"cannot tell the q/k/v row order of this checkpoint ({decision.evidence}); a wrong guess loads without "
+              f"error and gives wrong video. Start the DiT with {QKV_FLAG} stacked (ComfyUI repacks: [q_all; k_all; "
+              f"v_all]) or {QKV_FLAG} interleaved (MiniMax release shards: [h0: q k v, h1: q k v, ...])",
+        "blocks.0.attn.qkv_proj.weight")
 
 
 # ================================================================================================================
@@ -333,7 +304,9 @@ def _virtual_entry(entries: dict[str, HeaderEntry], src: Source) -> HeaderEntry:
 class CheckpointInfo:
     path: Path
     variant: Variant
-    config: DiTConfig  # inferred from shapes (patch split and rope_theta/eps from config.json or the base config)
+    config: DiTConfig  # dims from shapes; block counts and non-shape fields from metadata / config.json / known H3
+    config_source: str  # where the block count came from
+    qkv: QKVDecision | None  # None for diffusers names (separate to_q / to_k / to_v: nothing to decide)
     entries: dict[str, HeaderEntry]  # source names
     sources: dict[str, Source]  # our names
     shapes: dict[str, HeaderEntry] = field(default_factory=dict)  # our names, assembled shape
@@ -343,15 +316,25 @@ class CheckpointInfo:
         return sorted({e.file for e in self.entries.values()})
 
 
-def _detect_variant(shapes: dict[str, HeaderEntry], layout: Layout) -> Variant:
-    qkv = shapes.get("blocks.0.attn.qkv_proj.weight")
-    adaln = shapes.get("blocks.0.adaln_proj.linear.weight")
+def _first_block(shapes: dict[str, HeaderEntry]) -> str:
+    """`blocks.{i}.` of the lowest block present: variant and dims are read there (a dropped block 0 is then a
+    missing key, not "not a DiT")."""
+    ids = [int(m.group(1)) for k in shapes if (m := re.match(r"blocks\.(\d+)\.attn\.qkv_proj\.weight$", k))]
+    return f"blocks.{min(ids) if ids else 0}."
+
+
+def _detect_variant(path: Path, shapes: dict[str, HeaderEntry], layout: Layout) -> Variant:
+    b = _first_block(shapes)
+    qkv = shapes.get(b + "attn.qkv_proj.weight")
+    adaln = shapes.get(b + "adaln_proj.linear.weight")
     if qkv is None or adaln is None:
         raise CheckpointError(
-            "not a MiniMax-H3 DiT checkpoint: no `blocks.0.attn.qkv_proj.weight` / `blocks.0.adaln_proj.linear.weight` "
-            f"(first keys: {sorted(shapes)[:MAX_NAMED]})"
-        )
-    linears = "int8" if qkv.dtype == "I8" else "bf16"
+            path, "not a MiniMax-H3 DiT checkpoint: no `blocks.N.attn.qkv_proj.weight` / "
+                  f"`blocks.N.adaln_proj.linear.weight` (first keys: {sorted(shapes)[:10]})")
+    linears = "int8" if qkv.dtype == "I8" else _DENSE_NAME.get(qkv.dtype)
+    if linears is None:
+        raise CheckpointError(qkv.file, f"stored as {qkv.dtype}; a DiT weight is bf16 / fp16 / fp32 or int8 with "
+                                        "comfy_quant", b + "attn.qkv_proj.weight")
     if "adaln_t_table" in shapes:
         adaln_kind = "curve"
     else:
@@ -359,119 +342,134 @@ def _detect_variant(shapes: dict[str, HeaderEntry], layout: Layout) -> Variant:
     return Variant(layout, linears, adaln_kind)
 
 
-def _count_indexed(shapes: dict[str, HeaderEntry], prefix: str) -> int:
-    """Number of `prefix{i}.` blocks (highest index + 1, so a block missing in the middle shows up as missing keys)."""
-    pattern = re.compile(re.escape(prefix) + r"(\d+)\.")
-    idx = {int(m.group(1)) for k in shapes if (m := pattern.match(k))}
-    return max(idx) + 1 if idx else 0
-
-
-def _read_json_config(cfg_dir: Path | None) -> dict:
-    if cfg_dir is None or not (cfg_dir / "config.json").is_file():
-        return {}
-    try:
-        return json.loads((cfg_dir / "config.json").read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{cfg_dir / 'config.json'}: unreadable: {e}") from e
-
-
 def _dim(shapes: dict[str, HeaderEntry], key: str, axis: int, default: int) -> int:
     e = shapes.get(key)
     return e.shape[axis] if e is not None and len(e.shape) > axis else default
 
 
-def infer_config(shapes: dict[str, HeaderEntry], variant: Variant, base: DiTConfig, json_cfg: dict) -> DiTConfig:
-    """DiTConfig dims from header shapes; what shapes cannot tell comes from config.json, then from `base`."""
+def _count_indexed(shapes: dict[str, HeaderEntry], prefix: str) -> int:
+    pattern = re.compile(re.escape(prefix) + r"(\d+)\.")
+    idx = {int(m.group(1)) for k in shapes if (m := pattern.match(k))}
+    return max(idx) + 1 if idx else 0
+
+
+def infer_config(path: Path, shapes: dict[str, HeaderEntry], variant: Variant, base: DiTConfig | None,
+                 json_cfg: dict, meta_cfg: dict | None) -> tuple[DiTConfig, str]:
+    """(config, where its block counts came from). Metadata written by our tools states the whole config. Otherwise
+    the dims come from the shapes and the block counts from config.json, the given `base`, or the known H3
+    configuration; with none of those the checkpoint is refused (the last block present is no evidence)."""
+    curve = variant.adaln == "curve"
+    if meta_cfg is not None:
+        try:
+            fields = {f.name for f in dataclasses.fields(DiTConfig)}
+            doc = {k: (tuple(v) if isinstance(v, list) else v) for k, v in meta_cfg.items() if k in fields}
+            return DiTConfig(**doc), "metadata"
+        except (TypeError, ValueError) as e:
+            raise CheckpointError(path, f"metadata {METADATA_CONFIG} is not a valid DiT config: {e}") from e
+    known = DiTConfig.full()
+    fallback = base or known
     g = json_cfg.get
-    patch = tuple(g("patch_size", base.patch))
-    head_dim = _dim(shapes, "blocks.0.attn.q_norm.weight", 0, base.head_dim)
-    hidden = _dim(shapes, "condition_proj.weight", 0, base.hidden)
-    vpd = _dim(shapes, "video_patch_proj.weight", 1, base.video_patch_dim)
-    changes = dict(
-        hidden=hidden,
+    patch = tuple(g("patch_size", fallback.patch))
+    b = _first_block(shapes)
+    head_dim = _dim(shapes, b + "attn.q_norm.weight", 0, fallback.head_dim)
+    vpd = _dim(shapes, "video_patch_proj.weight", 1, fallback.video_patch_dim)
+    dims = dict(
+        hidden=_dim(shapes, "condition_proj.weight", 0, fallback.hidden),
         head_dim=head_dim,
-        num_heads=_dim(shapes, "blocks.0.attn.qkv_proj.weight", 0, QKV_SECTIONS * base.attn_inner)
+        num_heads=_dim(shapes, b + "attn.qkv_proj.weight", 0, QKV_SECTIONS * fallback.attn_inner)
         // (QKV_SECTIONS * head_dim),
-        num_layers=_count_indexed(shapes, "blocks."),
-        num_refiner_layers=_count_indexed(shapes, "token_refiner.blocks."),
-        ffn=_dim(shapes, "blocks.0.mlp.fc2.weight", 1, base.ffn),
+        ffn=_dim(shapes, b + "mlp.fc2.weight", 1, fallback.ffn),
         patch=patch,
         in_channels=vpd // math.prod(patch) if vpd % math.prod(patch) == 0 else vpd,
-        audio_in_channels=_dim(shapes, "audio_patch_proj.weight", 1, base.audio_in_channels),
-        text_dim=_dim(shapes, "condition_proj.weight", 1, base.text_dim),
-        freq_dim=_dim(shapes, "time_embedder.proj_in.weight", 1, g("freq_dim", g("timestep_input_dim", base.freq_dim))),
-        time_embed_hidden=_dim(shapes, "time_embedder.proj_in.weight", 0, base.time_embed_hidden),
-        time_embed_dim=_dim(shapes, "time_embedder.proj_out.weight", 0, g("time_embed_dim", base.time_embed_dim)),
-        rope_freq_dim=_dim(shapes, "rope.inv_freq", 0, g("rope_freq_dim", g("rope_inv_freq_len", base.rope_freq_dim))),
-        rope_theta=float(g("rope_theta", base.rope_theta)),
-        eps=float(g("norm_eps", base.eps)),
-        adaln_form="curve" if variant.adaln == "curve" else "mlp",
+        audio_in_channels=_dim(shapes, "audio_patch_proj.weight", 1, fallback.audio_in_channels),
+        text_dim=_dim(shapes, "condition_proj.weight", 1, fallback.text_dim),
+        freq_dim=_dim(shapes, "time_embedder.proj_in.weight", 1,
+                      g("freq_dim", g("timestep_input_dim", fallback.freq_dim))),
+        time_embed_hidden=_dim(shapes, "time_embedder.proj_in.weight", 0,
+                               g("time_embed_hidden_dim", g("time_embed_hidden_size", fallback.time_embed_hidden))),
+        time_embed_dim=_dim(shapes, "time_embedder.proj_out.weight", 0, g("time_embed_dim", fallback.time_embed_dim)),
+        rope_freq_dim=_dim(shapes, "rope.inv_freq", 0,
+                           g("rope_freq_dim", g("rope_inv_freq_len", fallback.rope_freq_dim))),
+        rope_theta=float(g("rope_theta", fallback.rope_theta)),
+        eps=float(g("norm_eps", fallback.eps)),
+        adaln_form="curve" if curve else "mlp",
     )
-    if variant.adaln == "curve":
-        changes["adaln_curve_grid"] = _dim(shapes, "adaln_t_table", 0, base.adaln_curve_grid)
-        changes["adaln_curve_rank"] = _dim(shapes, "adaln_t_table", 1, base.adaln_curve_rank)
+    if curve:
+        dims["adaln_curve_grid"] = _dim(shapes, "adaln_t_table", 0, fallback.adaln_curve_grid)
+        dims["adaln_curve_rank"] = _dim(shapes, "adaln_t_table", 1, fallback.adaln_curve_rank)
     else:
-        changes["time_embed_dim"] = _dim(shapes, "blocks.0.adaln_proj.linear.weight", 1, changes["time_embed_dim"])
+        dims["time_embed_dim"] = _dim(shapes, b + "adaln_proj.linear.weight", 1, dims["time_embed_dim"])
+    refiner = g("num_refiner_layers", g("token_refiner_num_layers"))
+    if g("num_layers") is not None and refiner is not None:
+        counts, source = dict(num_layers=int(g("num_layers")), num_refiner_layers=int(refiner)), "config.json"
+    elif base is not None:
+        counts, source = dict(num_layers=base.num_layers, num_refiner_layers=base.num_refiner_layers), "given config"
+    elif all(dims[k] == getattr(known, k) for k in ("hidden", "head_dim", "num_heads", "ffn", "text_dim")):
+        counts, source = dict(num_layers=known.num_layers, num_refiner_layers=known.num_refiner_layers), "H3 release"
+    else:
+        raise CheckpointError(
+            path, f"cannot tell how many blocks this DiT has: its dims (hidden {dims['hidden']}, {dims['num_heads']} "
+                  f"heads) are not the H3 release's and neither safetensors metadata {METADATA_CONFIG!r} nor a "
+                  f"config.json states num_layers (found blocks up to {_count_indexed(shapes, 'blocks.') - 1}; a "
+                  "dropped tail block could not be noticed). Pass the folder holding the weights and "
+                  "their config.json")
     try:
-        return base.replace(**changes)
+        return fallback.replace(**dims, **counts), source
     except ValueError as e:
-        raise CheckpointError(f"checkpoint shapes give an invalid DiT config: {e}") from e
+        raise CheckpointError(path, f"checkpoint shapes give an invalid DiT config: {e}") from e
 
 
-def inspect_checkpoint(
-    path: str | Path, base: DiTConfig | None = None, qkv_layout: Layout | None = None
-) -> CheckpointInfo:
-    """Variant + inferred config from the safetensors header(s) only. `qkv_layout` overrides the comfy/release
-    guess for files whose qkv order cannot be detected (a hand-merged single file of release shards)."""
-    entries, cfg_dir, is_dir = read_headers(path)
-    layout = _detect_layout(entries, is_dir)
-    if qkv_layout is not None and layout != "diffusers":
-        layout = qkv_layout
+def inspect_checkpoint(path: str | Path, base: DiTConfig | None = None,
+                       qkv_layout: QKVLayout | None = None) -> CheckpointInfo:
+    """Variant, config and q/k/v order from the safetensors header(s) only (no tensor read). `base`: a config the
+    caller states (its block counts are used when the checkpoint declares none). `qkv_layout`: --qkv-layout."""
+    if qkv_layout is not None and qkv_layout not in QKV_LAYOUTS:
+        raise ValueError(f"{QKV_FLAG} must be one of {', '.join(QKV_LAYOUTS)}, got {qkv_layout!r}")
+    path = Path(path)
+    ckpt = open_checkpoint(path, DIFFUSERS_SUBDIR)
+    entries = _strip_model_prefix(ckpt.tensors)
+    qkv = None
+    if _is_diffusers(entries):
+        layout: Layout = "diffusers"
+    else:
+        qkv = decide_qkv_layout(ckpt, entries, qkv_layout)
+        layout = "release" if qkv.layout == "interleaved" else "comfy"
     sources = map_sources(entries, layout)
     shapes = {ours: _virtual_entry(entries, src) for ours, src in sources.items()}
-    variant = _detect_variant(shapes, layout)
-    config = infer_config(shapes, variant, base or DiTConfig.full(), _read_json_config(cfg_dir))
-    return CheckpointInfo(Path(path), variant, config, entries, sources, shapes)
+    variant = _detect_variant(path, shapes, layout)
+    config, source = infer_config(path, shapes, variant, base, ckpt.config, metadata_json(ckpt, METADATA_CONFIG))
+    return CheckpointInfo(path, variant, config, source, qkv, entries, sources, shapes)
 
 
-def _dtype_class(dtype: str) -> str:
-    return "float" if dtype in _FLOAT_DTYPES else dtype
-
-
-def _named(keys: list[str]) -> str:
-    more = f" ... (+{len(keys) - MAX_NAMED} more)" if len(keys) > MAX_NAMED else ""
-    return ", ".join(keys[:MAX_NAMED]) + more
-
-
-def validate(info: CheckpointInfo, cfg: DiTConfig) -> None:
-    """Compare the checkpoint's keys/shapes/dtype classes with what `cfg` needs; raise naming every problem kind."""
+def validate(info: CheckpointInfo, cfg: DiTConfig, reader: TensorReader | None = None) -> None:
+    """Everything a load would trip over, before any weight is read: the AdaLN form, every key / shape / dtype
+    (integers only where a comfy_quant descriptor says so), each descriptor's JSON and ConvRot group against its
+    weight, and the q/k/v order. Raises CheckpointError naming the file and the first offending key."""
     file_form = "curve" if info.variant.adaln == "curve" else "mlp"
     if file_form != cfg.adaln_form:
         raise CheckpointError(
-            f"{info.path} is a {info.variant.name} checkpoint (AdaLN {info.variant.adaln}) but the config has "
-            f"adaln_form={cfg.adaln_form!r}; use cfg.replace(adaln_form={file_form!r})"
-        )
+            info.path, f"a {info.variant.name} checkpoint (AdaLN {info.variant.adaln}) but the config has "
+                       f"adaln_form={cfg.adaln_form!r}; use cfg.replace(adaln_form={file_form!r})")
     want = expected_specs(cfg, info.variant)
-    have = info.shapes
-    missing = [k for k in want if k not in have and k not in OPTIONAL_KEYS]
-    unexpected = [k for k in have if k not in want]
-    bad = []
-    for k, spec in want.items():
-        e = have.get(k)
-        if e is None:
-            continue
-        shape_ok = spec.shape == () or e.shape == spec.shape
-        if not shape_ok or _dtype_class(e.dtype) != _dtype_class(spec.dtype):
-            bad.append(f"{k} {e.dtype}{list(e.shape)} (expected {spec.dtype}{list(spec.shape)})")
-    if missing or unexpected or bad:
-        parts = [f"{info.path} ({info.variant.name}) does not match the DiT config:"]
-        if missing:
-            parts.append(f"{len(missing)} missing key(s): {_named(missing)}")
-        if unexpected:
-            parts.append(f"{len(unexpected)} unexpected key(s): {_named(unexpected)}")
-        if bad:
-            parts.append(f"{len(bad)} misshapen key(s): {_named(bad)}")
-        raise CheckpointError("\n  ".join(parts))
+    key_report(info.shapes, want, optional=OPTIONAL_KEYS).raise_if_bad(
+        info.path, f"a {info.variant.name} MiniMax-H3 DiT with {cfg.num_layers} blocks, {cfg.num_refiner_layers} "
+                   f"refiner blocks, hidden {cfg.hidden} (block count from the {info.config_source})")
+    reader = reader or TensorReader(info.entries)
+    for key, spec in want.items():
+        if spec.dtypes == {"I8"}:
+            read_quant_spec(reader, info.entries, info.sources[key].keys[0])
+    if info.qkv is not None and info.qkv.layout is None:
+        raise _qkv_undecided(info.path, info.qkv)
+
+
+def check_checkpoint(path: str | Path, cfg: DiTConfig | None = None,
+                     qkv_layout: QKVLayout | None = None) -> CheckpointInfo:
+    """Inspect and validate a checkpoint from its headers: what a stage runs at start-up, before SERVING."""
+    info = inspect_checkpoint(path, base=cfg, qkv_layout=qkv_layout)
+    validate(info, cfg or info.config)
+    if info.qkv is not None:
+        log.info("%s: q/k/v rows %s (%s)", info.path, info.qkv.layout, info.qkv.evidence)
+    return info
 
 
 # ================================================================================================================
@@ -479,74 +477,11 @@ def validate(info: CheckpointInfo, cfg: DiTConfig) -> None:
 # ================================================================================================================
 
 
-class _Reader:
-    """Open safetensors handles, one per file; every read goes through get_slice unless it is a whole tensor."""
-
-    def __init__(self, entries: dict[str, HeaderEntry]) -> None:
-        self._entries = entries
-        self._handles: dict[Path, object] = {}
-
-    def _disk(self, key: str) -> str:
-        return self._entries[key].disk_key or key
-
-    def _handle(self, key: str):
-        file = self._entries[key].file
-        if file not in self._handles:
-            try:
-                self._handles[file] = safe_open(str(file), framework="pt", device="cpu")
-            except Exception as e:  # safetensors raises its own SafetensorError
-                raise CheckpointError(f"{file}: cannot open: {e}") from e
-        return self._handles[file]
-
-    def whole(self, key: str) -> torch.Tensor:
-        return self._handle(key).get_tensor(self._disk(key))
-
-    def rows(self, key: str, lo: int, hi: int) -> torch.Tensor:
-        return self._handle(key).get_slice(self._disk(key))[lo:hi]
-
-    def cols(self, key: str, lo: int, hi: int) -> torch.Tensor:
-        return self._handle(key).get_slice(self._disk(key))[:, lo:hi]
-
-
-def _read_section_rows(
-    reader: _Reader, src: Source, n_sections: int, section_rows: int, lo: int, hi: int, head_dim: int
-) -> torch.Tensor:
-    """Rows [lo, hi) of every section (q/k/v or gate/value) of our tensor, concatenated in our section order."""
-    if src.arrangement == "qkv_split":
-        return torch.cat([reader.rows(k, lo, hi) for k in src.keys])
-    if src.arrangement == "fc1_swapped":  # diffusers stores [value; gate]
-        gate = reader.rows(src.keys[0], section_rows + lo, section_rows + hi)
-        return torch.cat([gate, reader.rows(src.keys[0], lo, hi)])
-    if src.arrangement == "qkv_interleaved":
-        return _read_interleaved_qkv(reader, src.keys[0], head_dim, lo, hi)
-    key = src.keys[0]
-    return torch.cat([reader.rows(key, s * section_rows + lo, s * section_rows + hi) for s in range(n_sections)])
-
-
-def _read_interleaved_qkv(reader: _Reader, key: str, head_dim: int, lo: int, hi: int) -> torch.Tensor:
-    """Release rows are [head0: q k v, head1: q k v, ...]; the heads of [lo, hi) form one contiguous row block,
-    read once and reordered to [q of those heads; k; v]."""
-    h0, h1 = lo // head_dim, hi // head_dim
-    block = reader.rows(key, h0 * QKV_SECTIONS * head_dim, h1 * QKV_SECTIONS * head_dim)
-    n_in = block.shape[1]
-    return block.view(h1 - h0, QKV_SECTIONS, head_dim, n_in).transpose(0, 1).reshape(-1, n_in)
-
-
-def _rank_range(total: int, tp_rank: int, tp_size: int, what: str) -> tuple[int, int]:
-    if total % tp_size:
-        raise ValueError(f"{what} = {total} is not divisible by tensor-parallel size {tp_size}")
-    step = total // tp_size
-    return tp_rank * step, (tp_rank + 1) * step
-
-
 def _check_tp(cfg: DiTConfig, tp_rank: int, tp_size: int) -> None:
     """Fail before reading anything if this TP degree cannot shard the config."""
     if tp_size < 1 or not 0 <= tp_rank < tp_size:
         raise ValueError(f"need 0 <= tp_rank < tp_size, got tp_rank={tp_rank}, tp_size={tp_size}")
-    sharded = {"num_heads": cfg.num_heads, "ffn": cfg.ffn, "block AdaLN rows": cfg.adaln_out,
-               "final AdaLN rows": cfg.final_adaln_out}
-    for what, total in sharded.items():
-        _rank_range(total, tp_rank, tp_size, what)
+    validate_tp(cfg, tp_size)
 
 
 class DiTWeights(dict):
@@ -564,63 +499,66 @@ class DiTWeights(dict):
 
 
 class _RankReader:
-    """Reads this rank's part of one of our tensors, following `tp_rule`."""
+    """Reads this rank's part of one of our tensors, as the model's tensor-parallel plan slices it."""
 
-    def __init__(self, info: CheckpointInfo, cfg: DiTConfig, tp_rank: int, tp_size: int) -> None:
+    def __init__(self, info: CheckpointInfo, cfg: DiTConfig, tp_rank: int, tp_size: int, reader: TensorReader):
         self.info, self.cfg, self.rank, self.size = info, cfg, tp_rank, tp_size
-        self.reader = _Reader(info.entries)
+        self.reader = reader
+
+    def _rows(self, key: str, ranges: list[tuple[int, int]], per: int) -> torch.Tensor:
+        """Rows `ranges` (one per section, in our row numbering) of our tensor, read from its source(s)."""
+        src, r = self.info.sources[key], self.reader
+        if src.arrangement == "qkv_interleaved":
+            # Release rows are [head0: q k v, head1: q k v, ...]: the heads of this rank form one contiguous row
+            # block, read once and reordered to [q of those heads; k; v].
+            hd = self.cfg.head_dim
+            h0, h1 = ranges[0][0] // hd, ranges[0][1] // hd
+            block = r.rows(src.keys[0], h0 * QKV_SECTIONS * hd, h1 * QKV_SECTIONS * hd)
+            return block.view(h1 - h0, QKV_SECTIONS, hd, *block.shape[1:]).transpose(0, 1).reshape(-1, *block.shape[1:])
+        parts = []
+        for s, (lo, hi) in enumerate(ranges):
+            a, b = lo - s * per, hi - s * per  # rows inside section s
+            if src.arrangement == "qkv_split":
+                parts.append(r.rows(src.keys[s], a, b))
+            elif src.arrangement == "fc1_swapped":  # diffusers stores [value; gate]
+                other = (1 - s) * per
+                parts.append(r.rows(src.keys[0], other + a, other + b))
+            else:
+                parts.append(r.rows(src.keys[0], lo, hi))
+        return torch.cat(parts)
 
     def read(self, key: str) -> torch.Tensor:
-        src, shape = self.info.sources[key], self.info.shapes[key].shape
-        rule = tp_rule(key)
-        if rule == "qkv":
-            h0, h1 = _rank_range(self.cfg.num_heads, self.rank, self.size, "num_heads")
-            hd = self.cfg.head_dim
-            return _read_section_rows(self.reader, src, QKV_SECTIONS, self.cfg.attn_inner, h0 * hd, h1 * hd, hd)
-        if rule == "fc1":
-            lo, hi = _rank_range(self.cfg.ffn, self.rank, self.size, "ffn")
-            return _read_section_rows(self.reader, src, FC1_SECTIONS, self.cfg.ffn, lo, hi, self.cfg.head_dim)
-        if rule == "rows":
-            lo, hi = _rank_range(shape[0], self.rank, self.size, f"{key} rows")
-            return _read_section_rows(self.reader, src, 1, shape[0], lo, hi, self.cfg.head_dim)
-        if rule == "cols":
-            lo, hi = self.col_range(key)
-            return self.reader.cols(src.keys[0], lo, hi)
-        return self.reader.whole(src.keys[0])
-
-    def col_range(self, key: str) -> tuple[int, int]:
-        return _rank_range(self.info.shapes[key].shape[1], self.rank, self.size, f"{key} columns")
-
-    def whole(self, key: str) -> torch.Tensor:
+        style = param_style(PLAN, key)
+        shape = self.info.shapes[key].shape
+        if isinstance(style, ColumnParallel):
+            return self._rows(key, section_ranges(style, shape[0], self.rank, self.size), shape[0] // style.sections)
+        if isinstance(style, RowParallel) and key.endswith(".weight"):
+            return self.reader.cols(self.info.sources[key].keys[0], *column_range(shape[1], self.rank, self.size))
         return self.reader.whole(self.info.sources[key].keys[0])
 
     def read_int8(self, key: str) -> tuple[QuantizedWeight | torch.Tensor, bool]:
         """(this rank's int8 weight, or a dense fp32 tensor when it had to be dequantised; was-dequantised)."""
         prefix = key[: -len(".weight")]
-        try:
-            spec = parse_comfy_quant(self.whole(f"{prefix}.comfy_quant"))
-        except QuantFormatError as e:
-            raise CheckpointError(f"{prefix}.comfy_quant: {e}") from e
-        g = spec.groupsize
-        if tp_rule(key) != "cols":
+        disk = self.info.sources[key].keys[0]
+        g = read_quant_spec(self.reader, self.info.entries, disk).groupsize
+        if not isinstance(param_style(PLAN, key), RowParallel):
             return QuantizedWeight(self.read(key), self.read(f"{prefix}.weight_scale").float(), g), False
         # Row-parallel (column-sliced) weight: every rank needs the whole per-row scale (rows are not split).
-        scale = self.whole(f"{prefix}.weight_scale").float()
-        lo, hi = self.col_range(key)
+        scale = self.read(f"{prefix}.weight_scale").float()
+        lo, hi = column_range(self.info.shapes[key].shape[1], self.rank, self.size)
         if not g or (lo % g == 0 and hi % g == 0):
-            return QuantizedWeight(self.reader.cols(self.info.sources[key].keys[0], lo, hi), scale, g), False
+            return QuantizedWeight(self.reader.cols(disk, lo, hi), scale, g), False
         # The ConvRot rotation mixes all g input columns of a group, so a slice that cuts through a group can neither
         # be un-rotated nor fed to the int8 kernel (whose online activation rotation works on whole groups). Read the
         # group-aligned superset, dequantise it, and cut the dense result (e.g. out_proj at TP8: 896 = 3.5 x 256).
         a, b = (lo // g) * g, -(-hi // g) * g
-        superset = self.reader.cols(self.info.sources[key].keys[0], a, b)
-        dense = dequantize_convrot(superset, scale, g, torch.float32)[:, lo - a : hi - a]
+        dense = dequantize_convrot(self.reader.cols(disk, a, b), scale, g, torch.float32)[:, lo - a: hi - a]
         log.info("%s: TP slice [%d:%d] is not aligned to ConvRot group %d; dequantised at load", key, lo, hi, g)
         return dense.contiguous(), True
 
 
 def _out_dtype(key: str, stored: str, variant: Variant, dtype: torch.dtype) -> torch.dtype:
-    """Precision contract (§2.9): fp32 islands stay fp32; the curve-form AdaLN runs in fp32; the rest -> dtype."""
+    """Precision contract: fp32 islands stay fp32; the curve-form AdaLN runs in fp32; the rest -> dtype."""
     if stored == "F32":
         return torch.float32
     if variant.adaln == "curve" and ".adaln_proj.linear." in key:
@@ -637,7 +575,7 @@ def _wanted_keys(info: CheckpointInfo, cfg: DiTConfig, keys: Iterable[str] | Non
     keys = set(keys)
     unknown = sorted(keys - set(names))
     if unknown:
-        raise ValueError(f"requested keys not in a {info.variant.name} checkpoint: {_named(unknown)}")
+        raise ValueError(f"requested keys not in a {info.variant.name} checkpoint: {named(unknown)}")
     return [k for k in names if k in keys]
 
 
@@ -656,11 +594,18 @@ def load_dit_weights(
     dtype: torch.dtype = torch.bfloat16,
     *,
     keys: Iterable[str] | None = None,
-    qkv_layout: Layout | None = None,
+    qkv_layout: QKVLayout | None = None,
+    device: torch.device | str = "cpu",
+    workers: int = 1,
 ) -> DiTWeights:
-    """This rank's DiT weights, in our key names, after validating the checkpoint against `cfg`.
+    """This rank's DiT weights, in our key names, after validating the checkpoint against `cfg` (again: a file
+    replaced since start-up fails here with a CheckpointError, FAILED_PRECONDITION).
 
-    cfg None: use the config inferred from the header. quant_mode "kernel": int8 weights stay QuantizedWeight
+    Each tensor is read (this rank's slices only) and moved to `device` on one of `workers` threads, each with
+    its own file handles: the page-cache reads and host-to-device copies of different tensors overlap (a swap-in
+    is bound by them, docs/memory.md). The result does not depend on `workers`.
+
+    cfg None: the config the checkpoint declares. quant_mode "kernel": int8 weights stay QuantizedWeight
     (except unaligned row-parallel slices); "dequant": every int8 weight is dequantised to `dtype`.
     `keys` restricts the load to a subset of our weight names (e.g. one block's AdaLN).
     """
@@ -669,24 +614,36 @@ def load_dit_weights(
     info = inspect_checkpoint(path, base=cfg, qkv_layout=qkv_layout)
     cfg = cfg or info.config
     _check_tp(cfg, tp_rank, tp_size)
-    validate(info, cfg)
-    rr = _RankReader(info, cfg, tp_rank, tp_size)
+    reader = TensorReader(info.entries)
+    validate(info, cfg, reader)
+    reader.close()
     out = DiTWeights(info.variant, cfg)
-    for key in _wanted_keys(info, cfg, keys):
+    local = threading.local()  # one TensorReader (safetensors handles) per worker thread
+
+    def read(key: str) -> tuple[torch.Tensor | QuantizedWeight, bool]:
         if key not in info.shapes:  # optional key absent (rope.inv_freq in diffusers files)
-            out[key] = _default_inv_freq(cfg)
-            continue
+            return _default_inv_freq(cfg).to(device), False
+        if not hasattr(local, "rr"):
+            local.reader = TensorReader(info.entries)
+            local.rr = _RankReader(info, cfg, tp_rank, tp_size, local.reader)
         stored = info.shapes[key].dtype
+        was_dequantized = False
         if stored == "I8":
-            value, was_dequantized = rr.read_int8(key)
+            value, was_dequantized = local.rr.read_int8(key)
             if quant_mode == "dequant" and isinstance(value, QuantizedWeight):
                 value, was_dequantized = value.dequantize(dtype), True
             if was_dequantized:
                 value = value.to(dtype)
-                out.dequantized.append(key)
-            out[key] = value
         else:
-            out[key] = rr.read(key).to(_out_dtype(key, stored, info.variant, dtype))
+            value = local.rr.read(key).to(_out_dtype(key, stored, info.variant, dtype))
+        return value.to(device), was_dequantized
+
+    wanted = _wanted_keys(info, cfg, keys)
+    with ThreadPoolExecutor(max(1, workers), thread_name_prefix="dit-load") as pool:
+        for key, (value, was_dequantized) in zip(wanted, pool.map(read, wanted)):
+            out[key] = value
+            if was_dequantized:
+                out.dequantized.append(key)
     return out
 
 

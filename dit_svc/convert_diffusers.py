@@ -1,54 +1,64 @@
-"""State-dict conversion between our (release / ComfyUI) DiT names and diffusers' MiniMaxH3Transformer3DModel.
+"""Our (release / ComfyUI) DiT names <-> diffusers' MiniMaxH3Transformer3DModel, declared once.
 
-Differences (h3_architecture.md §2.2, verified against diffusers 0.42.1 key names):
-  * renames: video_patch_proj <-> proj_in, audio_patch_proj <-> audio_proj_in, condition_proj <-> context_embedder,
-    time_embedder.proj_in/proj_out <-> time_embedder.linear_1/linear_2, token_refiner.blocks <->
-    token_refiner.refiner_blocks, blocks <-> transformer_blocks, attn.q_norm/k_norm <-> attn.norm_q/norm_k,
-    attn.out_proj <-> attn.to_out.0, mlp.fc1 <-> ff.net.0.proj, mlp.fc2 <-> ff.net.2, final_layer.norm <->
-    norm_out.norm, final_layer.adaln_proj.linear <-> norm_out.linear, final_layer.video_out/audio_out <->
-    proj_out/audio_proj_out;
-  * fused qkv_proj [q_all; k_all; v_all] <-> separate to_q / to_k / to_v;
+`DIFFUSERS_NAMES` is the rename table (a stagekit.checkpoints.NameMap, used both ways); the checkpoint loader maps
+a diffusers directory's header with it, LoRA resolves diffusers-named targets with it, and `to_diffusers` /
+`from_diffusers` below convert whole state dicts (tests, benchmarks, the tiny diffusers writer). Beyond renames
+(docs/checkpoints.md, checked against diffusers 0.42.1):
+  * fused qkv_proj [q_all; k_all; v_all] <-> separate to_q / to_k / to_v (or diffusers' fused `to_qkv`, same order);
   * fc1 rows [gate; value] (ours) <-> [value; gate] (diffusers' SwiGLU reads value first);
-  * rope.inv_freq: a non-persistent buffer in diffusers, dropped;
+  * rope.inv_freq: a non-persistent buffer in diffusers, dropped (recomputed bit-identically from the config);
   * curve-form AdaLN (adaln_t_table) has no diffusers equivalent.
 """
 
 from __future__ import annotations
 
-import re
 from typing import Mapping
 
 import torch
 
-_GLOBAL_RENAMES = {  # ours -> diffusers (exact key prefixes)
-    "video_patch_proj.": "proj_in.",
-    "audio_patch_proj.": "audio_proj_in.",
-    "condition_proj.": "context_embedder.",
-    "time_embedder.proj_in.": "time_embedder.linear_1.",
-    "time_embedder.proj_out.": "time_embedder.linear_2.",
-    "token_refiner.final_norm.": "token_refiner.final_norm.",
-    "final_layer.norm.": "norm_out.norm.",
-    "final_layer.adaln_proj.linear.": "norm_out.linear.",
-    "final_layer.video_out.": "proj_out.",
-    "final_layer.audio_out.": "audio_proj_out.",
-}
-_BLOCK_RENAMES = {  # inside a block, ours -> diffusers (qkv and fc1 handled separately)
-    "norm1.weight": "norm1.weight",
-    "norm2.weight": "norm2.weight",
-    "attn.q_norm.weight": "attn.norm_q.weight",
-    "attn.k_norm.weight": "attn.norm_k.weight",
-    "attn.out_proj.weight": "attn.to_out.0.weight",
-    "mlp.fc2.weight": "ff.net.2.weight",
-    "adaln_proj.linear.weight": "adaln_proj.linear.weight",
-    "adaln_proj.linear.bias": "adaln_proj.linear.bias",
-}
-_OUR_BLOCK = re.compile(r"^(blocks|token_refiner\.blocks)\.(\d+)\.(.+)$")
-_DIFF_BLOCK = re.compile(r"^(transformer_blocks|token_refiner\.refiner_blocks)\.(\d+)\.(.+)$")
-_BLOCK_PREFIX = {"blocks": "transformer_blocks", "token_refiner.blocks": "token_refiner.refiner_blocks"}
+from stagekit.checkpoints import NameMap
+
+QKV_SECTIONS = 3  # q, k, v
+FC1_SECTIONS = 2  # gate, value
+QKV_PARTS = ("to_q", "to_k", "to_v")
+DIFFUSERS_QKV = ".attn.to_q."  # the name our fused qkv_proj maps to; to_k / to_v are its siblings
+FUSED_QKV = ".attn.to_qkv."  # diffusers after `fuse_qkv_projections()`: [q; k; v] in one tensor
+
+DIFFUSERS_NAMES = NameMap((
+    ("^blocks.", "^transformer_blocks."),
+    ("^token_refiner.blocks.", "^token_refiner.refiner_blocks."),
+    ("^time_embedder.proj_in.", "^time_embedder.linear_1."),
+    ("^time_embedder.proj_out.", "^time_embedder.linear_2."),
+    ("^video_patch_proj.", "^proj_in."),
+    ("^audio_patch_proj.", "^audio_proj_in."),
+    ("^condition_proj.", "^context_embedder."),
+    ("^final_layer.norm.", "^norm_out.norm."),
+    ("^final_layer.adaln_proj.linear.", "^norm_out.linear."),
+    ("^final_layer.video_out.", "^proj_out."),
+    ("^final_layer.audio_out.", "^audio_proj_out."),
+    (".attn.qkv_proj.", DIFFUSERS_QKV),
+    (".attn.q_norm.", ".attn.norm_q."),
+    (".attn.k_norm.", ".attn.norm_k."),
+    (".attn.out_proj.", ".attn.to_out.0."),
+    (".mlp.fc1.", ".ff.net.0.proj."),
+    (".mlp.fc2.", ".ff.net.2."),
+))
+NOT_IN_DIFFUSERS = ("rope.inv_freq",)
 
 
-def _swap_halves(t: torch.Tensor) -> torch.Tensor:
-    a, b = t.chunk(2, dim=0)
+def is_qkv_part(diffusers_key: str) -> bool:
+    """A diffusers `to_k` / `to_v` tensor: folded into the `to_q` entry that maps to our qkv_proj."""
+    return ".attn.to_k." in diffusers_key or ".attn.to_v." in diffusers_key
+
+
+def qkv_part_keys(diffusers_q_key: str) -> tuple[str, str, str]:
+    """The to_q / to_k / to_v keys (in our [q; k; v] order) of a `to_q` key."""
+    return tuple(diffusers_q_key.replace(DIFFUSERS_QKV, f".attn.{p}.") for p in QKV_PARTS)
+
+
+def swap_halves(t: torch.Tensor) -> torch.Tensor:
+    """[gate; value] <-> [value; gate] (the same swap both ways)."""
+    a, b = t.chunk(FC1_SECTIONS, dim=0)
     return torch.cat([b, a], dim=0)
 
 
@@ -56,68 +66,38 @@ def to_diffusers(sd: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Our state dict (release/Comfy names, mlp-form AdaLN) -> diffusers MiniMaxH3Transformer3DModel state dict."""
     out: dict[str, torch.Tensor] = {}
     for key, t in sd.items():
-        if key == "rope.inv_freq":
+        if key in NOT_IN_DIFFUSERS:
             continue
         if key == "adaln_t_table":
             raise ValueError("curve-form (pruned) AdaLN has no diffusers equivalent; convert an unpruned checkpoint")
-        m = _OUR_BLOCK.match(key)
-        if m:
-            prefix = f"{_BLOCK_PREFIX[m.group(1)]}.{m.group(2)}."
-            rest = m.group(3)
-            if rest == "attn.qkv_proj.weight":
-                q, k, v = t.chunk(3, dim=0)
-                out[prefix + "attn.to_q.weight"] = q
-                out[prefix + "attn.to_k.weight"] = k
-                out[prefix + "attn.to_v.weight"] = v
-            elif rest == "mlp.fc1.weight":
-                out[prefix + "ff.net.0.proj.weight"] = _swap_halves(t)
-            elif rest in _BLOCK_RENAMES:
-                out[prefix + _BLOCK_RENAMES[rest]] = t
-            else:
-                raise KeyError(f"unexpected block key {key!r}")
-            continue
-        for ours, theirs in _GLOBAL_RENAMES.items():
-            if key.startswith(ours):
-                out[theirs + key[len(ours):]] = t
-                break
+        name = DIFFUSERS_NAMES.to_source(key)
+        if DIFFUSERS_QKV in name:
+            for part_key, chunk in zip(qkv_part_keys(name), t.chunk(QKV_SECTIONS, dim=0)):
+                out[part_key] = chunk.clone()
+        elif key.endswith(".mlp.fc1.weight"):
+            out[name] = swap_halves(t)
         else:
-            raise KeyError(f"unexpected key {key!r}")
+            out[name] = t
     return out
 
 
 def from_diffusers(sd: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """diffusers MiniMaxH3Transformer3DModel state dict -> our (release/Comfy-named) state dict."""
-    inv_global = {v: k for k, v in _GLOBAL_RENAMES.items()}
-    inv_block = {v: k for k, v in _BLOCK_RENAMES.items()}
-    inv_prefix = {v: k for k, v in _BLOCK_PREFIX.items()}
     out: dict[str, torch.Tensor] = {}
-    qkv: dict[str, dict[str, torch.Tensor]] = {}
     for key, t in sd.items():
-        if key == "rope.inv_freq":
+        if is_qkv_part(key) or key in NOT_IN_DIFFUSERS:
             continue
-        m = _DIFF_BLOCK.match(key)
-        if m:
-            prefix = f"{inv_prefix[m.group(1)]}.{m.group(2)}."
-            rest = m.group(3)
-            if rest in ("attn.to_q.weight", "attn.to_k.weight", "attn.to_v.weight"):
-                qkv.setdefault(prefix, {})[rest[8]] = t
-            elif rest == "attn.to_qkv.weight":  # diffusers' fused-projection mode, same [q; k; v] order
-                out[prefix + "attn.qkv_proj.weight"] = t
-            elif rest == "ff.net.0.proj.weight":
-                out[prefix + "mlp.fc1.weight"] = _swap_halves(t)
-            elif rest in inv_block:
-                out[prefix + inv_block[rest]] = t
-            else:
-                raise KeyError(f"unexpected diffusers block key {key!r}")
-            continue
-        for theirs, ours in inv_global.items():
-            if key.startswith(theirs):
-                out[ours + key[len(theirs):]] = t
-                break
-        else:
-            raise KeyError(f"unexpected diffusers key {key!r}")
-    for prefix, parts in qkv.items():
-        if set(parts) != {"q", "k", "v"}:
-            raise KeyError(f"{prefix}attn: need to_q, to_k and to_v, got {sorted(parts)}")
-        out[prefix + "attn.qkv_proj.weight"] = torch.cat([parts["q"], parts["k"], parts["v"]], dim=0)
+        if DIFFUSERS_QKV in key:
+            parts = qkv_part_keys(key)
+            missing = [p for p in parts if p not in sd]
+            if missing:
+                raise KeyError(f"{key}: need to_q, to_k and to_v; missing {missing}")
+            t = torch.cat([sd[p] for p in parts], dim=0)
+        elif FUSED_QKV in key:
+            key = key.replace(FUSED_QKV, DIFFUSERS_QKV)
+        ours = DIFFUSERS_NAMES.from_source(key)
+        out[ours] = swap_halves(t) if ours.endswith(".mlp.fc1.weight") else t
+    orphans = [k for k in sd if is_qkv_part(k) and k.replace(".to_k.", ".to_q.").replace(".to_v.", ".to_q.") not in sd]
+    if orphans:
+        raise KeyError(f"to_k / to_v without their to_q: {orphans}")
     return out

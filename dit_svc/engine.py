@@ -16,16 +16,17 @@ from pathlib import Path
 
 import torch
 
-from dit_svc.checkpoint import inspect_checkpoint, load_dit_weights, tp_rule
+from dit_svc.checkpoint import check_checkpoint, load_dit_weights
 from dit_svc.config import TAG_TEXT, TAG_VIDEO, DiTConfig
 from dit_svc.keyframes import (KEYFRAME_TENSORS, TEXT_TAGS_TENSOR, check_keyframe, check_text_tags, condition_rows,
                                conditioned_denoise, keyframe_anchors)
-from dit_svc.layout import build_layout, latent_shape, patchify_audio, patchify_video, unpatchify_audio, unpatchify_video
+from dit_svc.layout import (AUDIO_CHANNELS, build_layout, latent_shape, patchify_video, unpatchify_audio,
+                            unpatchify_video)
 from dit_svc.lora import LoRAError, LoRAManager, check_lora_file, config_targets, resolve_lora_path
 from dit_svc.model import H3DiT
 from dit_svc.sampling import SamplerConfig, draw_noise, sample
 from dit_svc.tiny_checkpoint import write_tiny_checkpoint
-from dit_svc.tp import validate_tp
+from dit_svc.tp import param_style, validate_tp
 from stagekit.dist import RankGroup
 from stagekit.runtime import release_device_memory
 from stagekit.errors import FailedPrecondition, InvalidArgument
@@ -48,6 +49,8 @@ def embedded_config() -> DiTConfig:
     return DiTConfig.tiny(num_layers=1, num_heads=2)
 # Text length assumed by estimates made before the text states are known (the encoder's usual prompt budget).
 DEFAULT_TEXT_LEN = 512
+# Threads that read this rank's tensors and copy them to the GPU concurrently (docs/memory.md: swap-in speed).
+LOAD_WORKERS = 8
 # cuBLAS / cuDNN workspaces live in PyTorch's caching allocator (measured ~20-30 MiB on an H200 at tiny sizes).
 CUDA_WORKSPACE_BYTES = 32 << 20
 
@@ -66,6 +69,8 @@ class DiTEngineConfig:
     compile_blocks: bool = False    # torch.compile each block on the GPU (~1.4x faster step; compiles per shape)
     loras_dir: str = ""          # request LoRAs by bare file name from here ("" = LoRAs by name disabled)
     allow_lora_paths: bool = False  # also accept absolute LoRA paths in requests (trusted clients only)
+    qkv_layout: str = ""         # "stacked" | "interleaved": q/k/v row order of a file that does not show it ("" =
+                                 # decide from evidence, refuse when there is none; docs/checkpoints.md)
 
 
 def resolve_weights(cfg: DiTEngineConfig) -> tuple[Path, bool]:
@@ -82,7 +87,9 @@ class DiTEngine:
         self.cfg = cfg
         self.group = group
         self.path, self.embedded = resolve_weights(cfg)
-        info = inspect_checkpoint(self.path)  # header only: config + variant for validation and Status
+        # The whole checkpoint is validated here, from its headers, before the stage reports SERVING: a bad file
+        # fails start-up naming file and key (stagekit.checkpoints.CheckpointError), never the first job.
+        info = check_checkpoint(self.path, qkv_layout=cfg.qkv_layout or None)
         self.model_cfg: DiTConfig = info.config
         self.variant = info.variant.name
         self._header_shapes = info.shapes  # for weight-size estimates before loading
@@ -126,7 +133,8 @@ class DiTEngine:
         cfg, dev = self.cfg, self.cfg.device
         quant_mode = "kernel" if self.kernels is not None else cfg.int8_mode  # GPU: the registry decides per linear
         weights = load_dit_weights(self.path, self.model_cfg, self.group.info.rank, self.group.world_size,
-                                   quant_mode=quant_mode, dtype=cfg.compute_dtype)
+                                   quant_mode=quant_mode, dtype=cfg.compute_dtype, qkv_layout=cfg.qkv_layout or None,
+                                   device=dev, workers=LOAD_WORKERS if dev.startswith("cuda") else 1)
         model = H3DiT(self.model_cfg, cfg.compute_dtype, cfg.chunk_rows, tp_group=self.group.compute, device="meta")
         served = self._block_linears() if self.kernels is not None else set()
         swapped = set()
@@ -186,7 +194,7 @@ class DiTEngine:
             size = 1 if entry.dtype == "I8" and self.cfg.int8_mode == "kernel" else elem
             if entry.dtype == "F32":  # stored fp32 (output heads, tables) stays fp32
                 size = 4
-            total += n * size // (world if tp_rule(key) != "replicate" else 1)
+            total += n * size // (world if param_style(H3DiT._tp_plan, key) is not None else 1)
         return total
 
     def activation_bytes(self, spec: RenderSpec, text_len: int) -> int:
@@ -241,7 +249,7 @@ class DiTEngine:
                 f"text_states must be [L, {want}] for this DiT (L >= 1), got {list(text_states.shape)}; "
                 f"was it produced by a matching text encoder?")
         if text_states.dtype not in (torch.bfloat16, torch.float16, torch.float32):
-            raise InvalidArgument(f"text_states must be a float tensor, got {text_states.dtype}")
+            raise InvalidArgument(f"text_states must be float32, bfloat16 or float16, got {text_states.dtype}")
 
     def check_conditioning(self, spec: RenderSpec, text_states: torch.Tensor, inputs: dict) -> dict:
         """fl2va extras: optional "keyframe_first"/"keyframe_last" latents [24,1,H/16,W/16] and "text_tags" [L].
@@ -291,13 +299,14 @@ class DiTEngine:
         layout = build_layout(mcfg, text.shape[0], spec.frames, spec.height, spec.width, keyframes=anchors,
                               text_tags=tags).to(dev)
         sampler_cfg = SamplerConfig.from_params(spec)
-        # Noise is drawn on the CPU from the seed: identical bits on every rank and every device.
+        # Noise is drawn on the CPU from the seed, exactly as diffusers draws it (docs/checkpoints.md "Seeds"):
+        # identical bits on every rank and every device, and the same starting latents as diffusers for a seed.
         video_shape = (mcfg.in_channels, shape.latent_frames, shape.latent_height, shape.latent_width)
         keyframes = [inputs[KEYFRAME_TENSORS[a]] for a in anchors]
-        c_noise, v_noise, a_noise = draw_noise(spec.seed, [k.shape for k in keyframes], video_shape,
-                                               (2, mcfg.audio_in_channels, shape.audio_latents))
+        c_noise, v_noise, a_rows = draw_noise(spec.seed, [k.shape for k in keyframes], video_shape,
+                                              (AUDIO_CHANNELS * shape.audio_latents, mcfg.audio_in_channels))
         v_rows = patchify_video(v_noise, mcfg.patch).to(dev)
-        a_rows = patchify_audio(a_noise).to(dev)
+        a_rows = a_rows.to(dev)  # drawn in row layout, as diffusers draws it
         cond = condition_rows(keyframes, c_noise, mcfg.patch)  # fixed for the whole run; never sampled
         step_t = [time.monotonic()]
         denoise = conditioned_denoise(self.model, text, layout, None if cond is None else cond.to(dev))

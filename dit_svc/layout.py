@@ -59,10 +59,6 @@ class LatentShape:
     latent_width: int  # width / 16
     audio_latents: int  # Ta per channel
 
-    @property
-    def video_latent_shape(self) -> tuple[int, int, int, int]:
-        return (-1, self.latent_frames, self.latent_height, self.latent_width)
-
 
 def snap_frames(frames: int) -> int:
     """Smallest valid frame count (17n + 5) >= frames."""

@@ -16,14 +16,14 @@ Key dialects understood (all map onto our / ComfyUI linear names, h3_architectur
                         fused qkv_proj rows, `to_qkv` = all of it), `attn.to_out.0` -> out_proj,
                         `ff.net.0.proj` -> fc1 (B rows [value; gate] swapped to our [gate; value]), `ff.net.2` ->
                         fc2, `token_refiner.refiner_blocks`, `proj_in`, `context_embedder`, `norm_out.linear`, ...
-                        (the rename table of dit_svc/checkpoint.py).
+                        (the rename table of dit_svc/convert_diffusers.py).
   Scale: alpha / rank when an alpha tensor is given; else PEFT's lora_alpha / rank (or / sqrt(rank) with
   use_rslora) from adapter_config.json; else 1 (the diffusers default for alpha == rank).
 
-Tensor parallel (the slicing follows dit_svc/tp.py for the base weight): for a column-parallel linear (qkv by this
-rank's heads inside each of the q/k/v thirds, fc1 by this rank's range inside each of the gate/value halves,
-AdaLN by row range) B's rows are sliced and A is whole; for a row-parallel one (out_proj, fc2) A's columns are
-sliced and B is whole, so the LoRA term is a partial sum that rides on the existing fp32 all-reduce of the block
+Tensor parallel (by the model's plan, `H3DiT._tp_plan`, exactly like the base weight): for a column-parallel linear
+(qkv by this rank's heads inside each of the q/k/v thirds, fc1 by this rank's range inside each of the gate/value
+halves, AdaLN by row range) B's rows are sliced and A is whole; for a row-parallel one (out_proj, fc2) A's columns
+are sliced and B is whole, so the LoRA term is a partial sum that rides on the existing fp32 all-reduce of the block
 (no extra collective). Replicated linears keep both whole.
 
 Not supported (rejected with a clear error rather than silently ignored): DoRA (`dora_scale`), LoCon/LoHa/LoKr
@@ -46,10 +46,13 @@ from typing import Iterable, Mapping, Sequence
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from safetensors import safe_open
 
-from .checkpoint import TPRule, to_diffusers_name, tp_rule
+from stagekit.checkpoints import CheckpointError, HeaderEntry, TensorReader, read_header
+
 from .config import DiTConfig
+from .convert_diffusers import DIFFUSERS_NAMES
+from .model import H3DiT
+from .tp import ColumnParallel, RowParallel, TPStyle, column_range, section_ranges, tp_style
 
 log = logging.getLogger(__name__)
 
@@ -61,8 +64,6 @@ DEFAULT_FILE_CACHE = 4  # parsed + sharded LoRA files kept per rank (device memo
 WRAPPER_PREFIXES = ("base_model.model.",)  # PEFT
 MODEL_PREFIXES = ("model.diffusion_model.", "diffusion_model.", "transformer.")  # ComfyUI, diffusers pipelines
 KOHYA_PREFIXES = ("lora_unet_", "lora_transformer_")  # module path joined with "_"
-# Sections of the fused output rows (q/k/v thirds, gate/value halves) a column-parallel rule slices separately.
-RULE_SECTIONS = {"qkv": 3, "fc1": 2, "rows": 1}
 # Anything under these names feeds the AdaLN modulation (ours, diffusers' final `norm_out.linear`, kohya forms).
 TIMESTEP_MODULES = ("adaln_proj", "time_embedder", "norm_out.linear", "norm_out_linear")
 
@@ -89,7 +90,7 @@ class LoRATarget:
     name: str  # our linear name, e.g. "blocks.3.attn.qkv_proj"
     in_features: int  # full, unsharded
     out_features: int  # full, unsharded
-    rule: TPRule  # dit_svc.checkpoint.tp_rule of its weight
+    style: TPStyle | None  # its tensor-parallel style in H3DiT._tp_plan (None = replicated)
 
 
 def _unwrapped_linears(model: nn.Module) -> dict[str, nn.Module]:
@@ -109,20 +110,18 @@ def model_targets(model: nn.Module) -> dict[str, LoRATarget]:
     n = getattr(model, "tp_size", 1)
     out = {}
     for name, mod in _unwrapped_linears(model).items():
-        rule = tp_rule(name + ".weight")
+        style = tp_style(model._tp_plan, name)
         fin, fout = mod.in_features, mod.out_features
-        if rule == "cols":
+        if isinstance(style, RowParallel):
             fin *= n
-        elif rule in RULE_SECTIONS:
+        elif isinstance(style, ColumnParallel):
             fout *= n
-        out[name] = LoRATarget(name, fin, fout, rule)
+        out[name] = LoRATarget(name, fin, fout, style)
     return out
 
 
 def config_targets(cfg: DiTConfig) -> dict[str, LoRATarget]:
     """The same targets from a config alone (a meta-device model: no memory), for request-time validation."""
-    from .model import H3DiT  # local import: model.py does not depend on this module
-
     return model_targets(H3DiT(cfg, compute_dtype=torch.float32, device="meta"))
 
 
@@ -138,7 +137,7 @@ def _alias_table(targets: Iterable[str]) -> tuple[dict[str, _Alias], dict[str, _
     dotted: dict[str, _Alias] = {}
     for name in targets:
         dotted[name] = _Alias(name)
-        diff = to_diffusers_name(name + ".weight")[: -len(".weight")]
+        diff = DIFFUSERS_NAMES.to_source(name + ".weight")[: -len(".weight")]
         if name.endswith(".attn.qkv_proj"):
             attn = diff[: -len("to_q")]
             for s, part in enumerate(("to_q", "to_k", "to_v")):
@@ -353,26 +352,27 @@ def parse_lora_state_dict(sd: Mapping[str, torch.Tensor], targets: Mapping[str, 
     return _build(planned, sd.__getitem__, source, peft)
 
 
-def _header_shapes(path: Path) -> dict[str, tuple[int, ...]]:
+def _header(path: Path) -> dict[str, HeaderEntry]:
+    """The LoRA file's header (stagekit's reader). The client chose this file, so an unreadable one is reported
+    to it as a LoRA problem."""
     try:
-        with safe_open(str(path), framework="pt", device="cpu") as f:
-            return {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
-    except Exception as e:  # safetensors raises its own error type
-        raise LoRAError(f"{path}: not a readable safetensors file: {e}") from e
+        return read_header(path).tensors
+    except CheckpointError as e:
+        raise LoRAError(f"{path}: not a readable safetensors file: {e.message}") from None
 
 
 def check_lora_file(path: str | Path, targets: Mapping[str, LoRATarget], adaln_form: str = "mlp") -> int:
     """Validate a LoRA file against the model from its header only (request time); returns the module count."""
     path = Path(path)
-    return len(_plan(_header_shapes(path), targets, adaln_form, str(path)))
+    return len(_plan({k: e.shape for k, e in _header(path).items()}, targets, adaln_form, str(path)))
 
 
 def load_lora_file(path: str | Path, targets: Mapping[str, LoRATarget], adaln_form: str = "mlp") -> LoRAWeights:
     """Read and parse one LoRA safetensors file (CPU, fp32 factors)."""
     path = Path(path)
-    planned = _plan(_header_shapes(path), targets, adaln_form, str(path))
-    with safe_open(str(path), framework="pt", device="cpu") as f:
-        return _build(planned, f.get_tensor, str(path), _peft_alpha(path))
+    entries = _header(path)
+    planned = _plan({k: e.shape for k, e in entries.items()}, targets, adaln_form, str(path))
+    return _build(planned, TensorReader(entries).whole, str(path), _peft_alpha(path))
 
 
 def merge_loras(sd: Mapping[str, torch.Tensor], targets: Mapping[str, LoRATarget],
@@ -402,22 +402,22 @@ class LocalAdapter:
 
 
 def shard_part(part: LoRAPart, target: LoRATarget, tp_rank: int, tp_size: int) -> LocalAdapter:
-    """Slice one part exactly like the base weight (dit_svc/tp.py): column-parallel -> B rows of this rank inside
+    """Slice one part exactly like the base weight (H3DiT._tp_plan): column-parallel -> B rows of this rank inside
     every section; row-parallel -> A columns; replicated -> whole."""
     n, r = tp_size, tp_rank
-    rule = target.rule
-    if rule == "cols":
-        k = target.in_features // n
-        return LocalAdapter(part.down[:, r * k:(r + 1) * k].contiguous(), part.up, part.scale, 0, target.out_features)
-    if rule in RULE_SECTIONS:
-        sections = RULE_SECTIONS[rule]
-        local = target.out_features // n // sections  # rows of one section on this rank
+    style = target.style
+    if isinstance(style, RowParallel):
+        lo, hi = column_range(target.in_features, r, n)
+        return LocalAdapter(part.down[:, lo:hi].contiguous(), part.up, part.scale, 0, target.out_features)
+    if isinstance(style, ColumnParallel):
+        local = target.out_features // n // style.sections  # rows of one section on this rank
         if part.section is None:
-            up = part.up.reshape(sections, local * n, part.rank)[:, r * local:(r + 1) * local]
-            return LocalAdapter(part.down, up.reshape(sections * local, part.rank).contiguous(), part.scale,
-                                0, sections * local)
-        up = part.up[r * local:(r + 1) * local].contiguous()
-        return LocalAdapter(part.down, up, part.scale, part.section * local, (part.section + 1) * local)
+            ranges = section_ranges(style, target.out_features, r, n)
+            up = torch.cat([part.up[lo:hi] for lo, hi in ranges]).contiguous()
+            return LocalAdapter(part.down, up, part.scale, 0, style.sections * local)
+        lo, hi = section_ranges(ColumnParallel(), target.out_features // style.sections, r, n)[0]
+        return LocalAdapter(part.down, part.up[lo:hi].contiguous(), part.scale, part.section * local,
+                            (part.section + 1) * local)
     if part.section is not None:
         raise LoRAError(f"{target.name}: a sectioned LoRA part only exists for qkv_proj")
     return LocalAdapter(part.down, part.up, part.scale, 0, target.out_features)

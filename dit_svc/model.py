@@ -6,9 +6,10 @@ Precision: the residual stream is fp32 everywhere (embeddings are scattered into
 updates). `compute_dtype` (bf16/fp16/fp32) is used only inside the block/refiner linears and attention. The release
 fp32 islands (patch projections, time embedder, output heads) and the curve-form AdaLN always run in fp32.
 
-Tensor parallel: pass `tp_group` (None = single rank). Block/refiner attention and MLP are Megatron
-column->row parallel with a visible fp32 `dist.all_reduce`; the AdaLN projections are column-parallel with a visible
-`dist.all_gather` of their tiny [M, out/n] outputs. See dit_svc/tp.py for the shard layout.
+Tensor parallel: pass `tp_group` (None = single rank). `H3DiT._tp_plan` declares which linear is column- or
+row-parallel (dit_svc/tp.py): block/refiner attention and MLP are Megatron column->row parallel with a visible fp32
+`dist.all_reduce`; the AdaLN projections are column-parallel with a visible `dist.all_gather` of their tiny
+[M, out/n] outputs. The checkpoint loader, the LoRA code and the tests slice weights by the same plan.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ import torch.nn.functional as F
 
 from .config import NUM_MODALITIES, DiTConfig
 from .layout import COND_VIDEO_T, NUM_KINDS, REF_AUDIO_T, PackedLayout
-from .tp import ColumnParallelLinear, Linear, RowParallelLinear, group_rank_size, validate_tp
+from .tp import (ColumnParallel, ColumnParallelLinear, Linear, RowParallel, RowParallelLinear, TPStyle, group_rank_size,
+                 tp_style, validate_tp)
 
 # Parameters that the release ships (and we always run) in fp32.
 FP32_PARAM_PREFIXES = (
@@ -36,8 +38,8 @@ FP32_PARAM_PREFIXES = (
 )
 TIMESTEP_MAX_PERIOD = 10000.0  # sinusoid base; t is used unscaled in [0, 1]
 
-# (name, in_features, out_features, bias, parallel) -> module; parallel in {"column", "row", "replicated"}.
-LinearFactory = Callable[[str, int, int, bool, str], nn.Module]
+# (name, in_features, out_features, bias, tp style from H3DiT._tp_plan, None = replicated) -> module.
+LinearFactory = Callable[[str, int, int, bool, "TPStyle | None"], nn.Module]
 # (q, k, v) [1, heads, S, head_dim] in compute dtype -> o, same shape: full non-causal attention, scale 1/sqrt(d).
 # stagekit.kernels picks one per GPU architecture (cuDNN / flash SDPA, comfy-kitchen int8, ...).
 AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -74,10 +76,14 @@ class _Ctx:
     """Per-model constants handed to submodules (no global state)."""
 
     def __init__(self, cfg: DiTConfig, compute_dtype: torch.dtype, chunk_rows: int, group, tp_size: int,
-                 factory: LinearFactory, attention_fn: AttentionFn = sdpa_attention):
+                 factory: LinearFactory, plan: dict[str, TPStyle], attention_fn: AttentionFn = sdpa_attention):
         self.cfg, self.compute_dtype, self.chunk_rows = cfg, compute_dtype, chunk_rows
-        self.group, self.tp_size, self.factory = group, tp_size, factory
+        self.group, self.tp_size, self.factory, self.plan = group, tp_size, factory, plan
         self.attention_fn = attention_fn
+
+    def linear(self, name: str, fin: int, fout: int, bias: bool) -> nn.Module:
+        """Linear `name`, column- / row-parallel / replicated as the model's tensor-parallel plan says."""
+        return self.factory(name, fin, fout, bias, tp_style(self.plan, name))
 
 
 class Attention(nn.Module):
@@ -95,10 +101,10 @@ class Attention(nn.Module):
         self.local_heads = cfg.num_heads // ctx.tp_size
         self.head_dim = cfg.head_dim
         # qkv rows: [q_all; k_all; v_all] (head-major inside each third); local shard keeps that order.
-        self.qkv_proj = ctx.factory(f"{name}.qkv_proj", cfg.hidden, 3 * cfg.attn_inner, False, "column")
+        self.qkv_proj = ctx.linear(f"{name}.qkv_proj", cfg.hidden, 3 * cfg.attn_inner, False)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.eps)
         self.k_norm = RMSNorm(cfg.head_dim, cfg.eps)
-        self.out_proj = ctx.factory(f"{name}.out_proj", cfg.attn_inner, cfg.hidden, False, "row")
+        self.out_proj = ctx.linear(f"{name}.out_proj", cfg.attn_inner, cfg.hidden, False)
 
     def empty_qkv(self, s: int, device: torch.device) -> torch.Tensor:
         """Uninitialised [3, 1, local_heads, S, head_dim] (compute dtype): q, k, v in the attention kernel's layout."""
@@ -142,8 +148,8 @@ class MLP(nn.Module):
         super().__init__()
         cfg = ctx.cfg
         self.group = ctx.group
-        self.fc1 = ctx.factory(f"{name}.fc1", cfg.hidden, 2 * cfg.ffn, False, "column")
-        self.fc2 = ctx.factory(f"{name}.fc2", cfg.ffn, cfg.hidden, False, "row")
+        self.fc1 = ctx.linear(f"{name}.fc1", cfg.hidden, 2 * cfg.ffn, False)
+        self.fc2 = ctx.linear(f"{name}.fc2", cfg.ffn, cfg.hidden, False)
 
     def partial(self, h: torch.Tensor) -> torch.Tensor:
         """h [rows, hidden] (compute dtype) -> fp32 [rows, hidden]: this rank's partial sum of the row-parallel fc2."""
@@ -165,7 +171,7 @@ class AdaLNProj(nn.Module):
         super().__init__()
         self.group = ctx.group
         self.tp_size = ctx.tp_size
-        self.linear = ctx.factory(f"{name}.linear", ctx.cfg.adaln_in, out_features, True, "column")
+        self.linear = ctx.linear(f"{name}.linear", ctx.cfg.adaln_in, out_features, True)
 
     def forward(self, ada_in: torch.Tensor) -> torch.Tensor:
         """ada_in [M, adaln_in] fp32 -> [M, out] fp32 (full width on every rank)."""
@@ -276,8 +282,8 @@ class FinalLayer(nn.Module):
         self.chunk_rows = ctx.chunk_rows
         self.norm = RMSNorm(cfg.hidden, cfg.eps)
         self.adaln_proj = AdaLNProj(ctx, "final_layer.adaln_proj", cfg.final_adaln_out)
-        self.video_out = ctx.factory("final_layer.video_out", cfg.hidden, cfg.video_patch_dim, True, "replicated")
-        self.audio_out = ctx.factory("final_layer.audio_out", cfg.hidden, cfg.audio_in_channels, True, "replicated")
+        self.video_out = ctx.linear("final_layer.video_out", cfg.hidden, cfg.video_patch_dim, True)
+        self.audio_out = ctx.linear("final_layer.audio_out", cfg.hidden, cfg.audio_in_channels, True)
 
     def forward(self, x, ada_in, row_ti, video_idx, audio_idx):
         """x [S, hidden] fp32, ada_in [M, adaln_in], row_ti [S] timestep index, video_idx [Nv] / audio_idx [Na] row
@@ -300,9 +306,8 @@ class TimeEmbedder(nn.Module):
     def __init__(self, ctx: _Ctx):
         super().__init__()
         cfg = ctx.cfg
-        self.proj_in = ctx.factory("time_embedder.proj_in", cfg.freq_dim, cfg.time_embed_hidden, True, "replicated")
-        self.proj_out = ctx.factory("time_embedder.proj_out", cfg.time_embed_hidden, cfg.time_embed_dim, True,
-                                    "replicated")
+        self.proj_in = ctx.linear("time_embedder.proj_in", cfg.freq_dim, cfg.time_embed_hidden, True)
+        self.proj_out = ctx.linear("time_embedder.proj_out", cfg.time_embed_hidden, cfg.time_embed_dim, True)
 
     def forward(self, e: torch.Tensor) -> torch.Tensor:
         return self.proj_out(F.silu(self.proj_in(e).float())).float()
@@ -338,10 +343,22 @@ class H3DiT(nn.Module):
         compute_dtype: dtype of the block/refiner linears and attention.
         chunk_rows: row chunk of everything but attention itself (bounds the qkv / MLP / fp32 norm temporaries).
         tp_group: torch.distributed group for tensor parallelism, None = single rank.
-        linear_factory: optional (name, in, out, bias, parallel) -> module; default = tp.Linear variants.
+        linear_factory: optional (name, in, out, bias, tp style) -> module; default = tp.Linear variants.
         device / dtype: parameter storage (use device="meta" + load_state_dict(assign=True) for full size).
         attention_fn: (q, k, v) -> o attention kernel (default torch SDPA); see stagekit.kernels.
     """
+
+    # Tensor-parallel plan (Megatron vocabulary), by module-name suffix; linears not listed are replicated. The one
+    # declaration of how every weight is sliced across ranks: read here (which module each linear becomes), by the
+    # checkpoint loader (which rows / columns of a file a rank reads), by LoRA (which factor is sliced) and by the
+    # reference slicer the tests use (dit_svc/tp.py shard_state_dict).
+    _tp_plan: dict[str, TPStyle] = {
+        "attn.qkv_proj": ColumnParallel(sections=3),  # rows [q; k; v], each cut by heads
+        "attn.out_proj": RowParallel(),  # input columns of those heads; fp32 all-reduce after it
+        "mlp.fc1": ColumnParallel(sections=2),  # rows [gate; value], each cut alike
+        "mlp.fc2": RowParallel(),  # fp32 all-reduce after it
+        "adaln_proj.linear": ColumnParallel(),  # blocks and final layer; outputs all-gathered
+    }
 
     def __init__(self, cfg: DiTConfig, compute_dtype: torch.dtype = torch.bfloat16, chunk_rows: int = 4096,
                  tp_group: dist.ProcessGroup | None = None, linear_factory: LinearFactory | None = None,
@@ -357,11 +374,12 @@ class H3DiT(nn.Module):
         self.tp_rank, self.tp_size = group_rank_size(tp_group)
         validate_tp(cfg, self.tp_size)
         factory = linear_factory or self._default_factory(cfg, compute_dtype, self.tp_size, device, dtype)
-        ctx = _Ctx(cfg, compute_dtype, chunk_rows, tp_group, self.tp_size, factory, attention_fn or sdpa_attention)
+        ctx = _Ctx(cfg, compute_dtype, chunk_rows, tp_group, self.tp_size, factory, self._tp_plan,
+                   attention_fn or sdpa_attention)
 
-        self.video_patch_proj = factory("video_patch_proj", cfg.video_patch_dim, cfg.hidden, True, "replicated")
-        self.audio_patch_proj = factory("audio_patch_proj", cfg.audio_in_channels, cfg.hidden, True, "replicated")
-        self.condition_proj = factory("condition_proj", cfg.text_dim, cfg.hidden, True, "replicated")
+        self.video_patch_proj = ctx.linear("video_patch_proj", cfg.video_patch_dim, cfg.hidden, True)
+        self.audio_patch_proj = ctx.linear("audio_patch_proj", cfg.audio_in_channels, cfg.hidden, True)
+        self.condition_proj = ctx.linear("condition_proj", cfg.text_dim, cfg.hidden, True)
         if cfg.adaln_form == "mlp":
             self.time_embedder = TimeEmbedder(ctx)
         else:
@@ -379,16 +397,16 @@ class H3DiT(nn.Module):
     # ---- construction helpers -------------------------------------------------------------------------------------
     @staticmethod
     def _default_factory(cfg, compute_dtype, tp_size, device, dtype) -> LinearFactory:
-        def make(name: str, fin: int, fout: int, bias: bool, parallel: str) -> nn.Module:
+        def make(name: str, fin: int, fout: int, bias: bool, style: TPStyle | None) -> nn.Module:
             kw = dict(device=device, dtype=dtype)
             if (name + ".").startswith(FP32_PARAM_PREFIXES):  # release fp32 islands
                 return Linear(fin, fout, bias, compute_dtype=torch.float32, **kw)
-            if parallel == "column":
+            if isinstance(style, ColumnParallel):
                 # Curve-form AdaLN runs in fp32 (its [.., 8] weights are tiny); release AdaLN in compute dtype.
                 curve = cfg.adaln_form == "curve" and name.endswith(".adaln_proj.linear")
                 cd = torch.float32 if curve else compute_dtype
                 return ColumnParallelLinear(fin, fout, tp_size, bias, compute_dtype=cd, **kw)
-            if parallel == "row":
+            if isinstance(style, RowParallel):
                 return RowParallelLinear(fin, fout, tp_size, bias, compute_dtype=compute_dtype, **kw)
             return Linear(fin, fout, bias, compute_dtype=compute_dtype, **kw)
 

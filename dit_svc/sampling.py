@@ -235,26 +235,34 @@ def _check_shape(shape, name: str) -> tuple[int, ...]:
     return shape
 
 
-def draw_noise(seed: int, cond_shapes, video_shape, audio_shape
+def draw_noise(seed: int, cond_shapes, video_shape, audio_rows_shape
                ) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
-    """(per-keyframe noises, video noise, audio noise): standard-normal fp32 from one CPU generator, keyframes first,
-    then video, then audio (diffusers' draw order). CPU-drawn so every device and every TP rank gets the same bits;
-    without keyframes the video/audio bits are those of `initial_noise`."""
+    """(per-keyframe noises, video noise, audio noise rows): standard-normal fp32 drawn exactly as diffusers' MiniMax-H3
+    pipeline draws them (docs/checkpoints.md, "Seeds"), so a seed gives the same starting latents in both:
+
+      one CPU generator seeded with `seed`; first one draw per keyframe in packed order (its latent shape
+      [24, 1, H/16, W/16]), then the video noise as a latent [24, T, H/16, W/16] (patchified into rows afterwards),
+      then the audio noise directly in row layout `audio_rows_shape` = [2 * Ta, 32] (channel-major rows, the
+      first Ta rows the left channel) -- not [2, 32, Ta]: the same random stream in another arrangement would give
+      other audio.
+
+    CPU-drawn so every device and every TP rank gets the same bits; without keyframes the video/audio bits are those
+    of `initial_noise`."""
     _check_int(seed, "seed", 0, MAX_SEED)
     shapes = [_check_shape(s, f"cond_shapes[{i}]") for i, s in enumerate(cond_shapes)]
     video_shape = _check_shape(video_shape, "video_shape")
-    audio_shape = _check_shape(audio_shape, "audio_shape")
+    audio_rows_shape = _check_shape(audio_rows_shape, "audio_rows_shape")
     gen = torch.Generator(device="cpu").manual_seed(seed)
     conds = [torch.randn(s, generator=gen, dtype=torch.float32) for s in shapes]
     video = torch.randn(video_shape, generator=gen, dtype=torch.float32)
-    audio = torch.randn(audio_shape, generator=gen, dtype=torch.float32)
-    return conds, video, audio
+    audio_rows = torch.randn(audio_rows_shape, generator=gen, dtype=torch.float32)
+    return conds, video, audio_rows
 
 
-def initial_noise(seed: int, video_shape, audio_shape, device: torch.device | str | None = None
+def initial_noise(seed: int, video_shape, audio_rows_shape, device: torch.device | str | None = None
                   ) -> tuple[torch.Tensor, torch.Tensor]:
-    """t2va noise (video, audio) for `seed` (see `draw_noise`), moved to `device` after drawing."""
-    _, video, audio = draw_noise(seed, (), video_shape, audio_shape)
+    """t2va noise (video latent, audio rows) for `seed` (see `draw_noise`), moved to `device` after drawing."""
+    _, video, audio = draw_noise(seed, (), video_shape, audio_rows_shape)
     if device is not None:
         video, audio = video.to(device), audio.to(device)
     return video, audio

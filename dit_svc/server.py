@@ -13,16 +13,17 @@ from h3.v1 import dit_pb2, dit_pb2_grpc, common_pb2
 from stagekit.config import parse_config
 from stagekit.errors import InvalidArgument
 from stagekit.metrics import observed
-from stagekit.render_params import spec_from_proto
+from stagekit.render_params import spec_from_proto, validate
 from stagekit.runtime import Job
 from stagekit.server import abort_on_error, stream_job
 from stagekit.servicer import LifecycleMixin, timing_pb
 from stagekit.stage import CommonConfig, run_stage
-from stagekit.wire import TensorAssembler, check_finite, tensor_chunks
+from stagekit.wire import FLOAT_DTYPES, TensorAssembler, check_finite, tensor_chunks
 
 SERVICE = "h3.v1.DiTSampler"
 # Text states are [L, text_dim] of a float dtype; L is bounded by the encoder's max tokens.
 MAX_TEXT_BYTES = 64 << 20
+INT_DTYPES = ("int64", "int32", "int16", "int8", "uint8")
 
 
 @dataclass
@@ -36,6 +37,9 @@ class DiTConfigArgs(CommonConfig):
     chunk_rows: int = field(default=4096, metadata={"help": "row chunk of all but attention itself (memory vs speed)"})
     loras_dir: str = field(default="", metadata={"help": "LoRAs requested by file name (default <models_dir>/loras)"})
     allow_lora_paths: bool = field(default=False, metadata={"help": "also accept absolute LoRA paths in requests"})
+    qkv_layout: str = field(default="", metadata={
+        "help": "q/k/v row order of the weights when the files do not show it: stacked (ComfyUI repacks) | "
+                "interleaved (MiniMax release shards); default: decided from the files, refused if they cannot tell"})
 
 
 class DiTServicer(LifecycleMixin, dit_pb2_grpc.DiTSamplerServicer):
@@ -51,23 +55,32 @@ class DiTServicer(LifecycleMixin, dit_pb2_grpc.DiTSamplerServicer):
         if first is None or first.WhichOneof("input") != "request":
             raise InvalidArgument("the first SampleInput must carry the SampleRequest")
         req = first.request
-        spec = spec_from_proto(req.params)
-        # fl2va extras (optional): keyframe latents [24,1,H/16,W/16] by anchor, per-token DiT tags [L] int64.
-        latent = (None, (self.engine.model_cfg.in_channels, 1, None, None))
-        asm = TensorAssembler(expect={"text_states": (None, (None, self.engine.model_cfg.text_dim)),
-                                      **{n: latent for n in KEYFRAME_TENSORS.values()},
-                                      TEXT_TAGS_TENSOR: (None, (None,))},
-                              max_bytes=MAX_TEXT_BYTES)
-        for msg in request_iterator:
-            if msg.WhichOneof("input") != "tensor":
-                raise InvalidArgument("only tensor chunks may follow the SampleRequest")
-            asm.feed(msg.tensor)
-        tensors = asm.finish(["text_states"])
-        text = tensors["text_states"]
-        check_finite("text_states", text)
-        self.engine.check_request(spec, text)  # all validation before any rank starts work
-        extras = self.engine.check_conditioning(spec, text, tensors)
+        # Admission from the first message, before any tensor data is accepted (docs/reliability.md, "Uploads"):
+        # the render params, the LoRAs, and the dtype/shape of every tensor they imply.
+        spec = validate(spec_from_proto(req.params))
         loras = self.engine.check_loras([(x.name, x.strength if x.HasField("strength") else 1.0) for x in req.loras])
+        # fl2va extras (optional): keyframe latents [24, 1, H/16, W/16] by anchor, per-token DiT tags [L] integers.
+        latent = (FLOAT_DTYPES, (self.engine.model_cfg.in_channels, 1, spec.height // 16, spec.width // 16))
+        asm = TensorAssembler(expect={"text_states": (FLOAT_DTYPES, (None, self.engine.model_cfg.text_dim)),
+                                      **{n: latent for n in KEYFRAME_TENSORS.values()},
+                                      TEXT_TAGS_TENSOR: (INT_DTYPES, (None,))},
+                              max_bytes=MAX_TEXT_BYTES,
+                              hints={n: f"this render's canvas needs one normalised VAE latent frame of "
+                                        f"{spec.width}x{spec.height} (encode the image with the decoder's EncodeImage "
+                                        "at the render size)" for n in KEYFRAME_TENSORS.values()})
+        try:
+            for msg in request_iterator:
+                if msg.WhichOneof("input") != "tensor":
+                    raise InvalidArgument("only tensor chunks may follow the SampleRequest")
+                asm.feed(msg.tensor)
+            tensors = asm.finish(["text_states"])
+            text = tensors["text_states"]
+            check_finite("text_states", text)
+            self.engine.check_request(spec, text)  # all validation before any rank starts work
+            extras = self.engine.check_conditioning(spec, text, tensors)
+        except BaseException:
+            asm.discard()  # an abandoned or rejected upload frees its buffers now
+            raise
         if loras:
             extras["loras"] = loras  # [(resolved path, strength)], applied by every rank in DiTEngine.run
         return req, spec, text, extras
@@ -106,6 +119,7 @@ def make_engine(cfg: DiTConfigArgs, info, group) -> DiTEngine:
                                      linear_kernel=cfg.linear_kernel, attention_kernel=cfg.attention_kernel,
                                      compile_blocks=cfg.compile_blocks,
                                      chunk_rows=cfg.chunk_rows, allow_lora_paths=cfg.allow_lora_paths,
+                                     qkv_layout=cfg.qkv_layout,
                                      loras_dir=cfg.loras_dir or (os.path.join(cfg.models_dir, "loras")
                                                                  if cfg.models_dir else "")), group)
 

@@ -1,6 +1,7 @@
 """Deterministic synthetic DiT checkpoints as real safetensors files (ComfyUI layout, our key names).
 
-* `write_tiny_checkpoint(cfg, path, variant)`: bf16 / int8_convrot / int8_convrot_pruned single files.
+* `write_tiny_checkpoint(cfg, path, variant)`: bf16 / int8_convrot / int8_convrot_pruned single files, with the
+  config and q/k/v order stated in the safetensors metadata (or without, like a ComfyUI repack).
 * `write_tiny_diffusers_dir`, `write_tiny_release_dir`: the same weights in the diffusers directory layout and in
   the raw release shard layout (per-head interleaved qkv), for loader tests.
 * `iter_random_int8_convrot_weights(cfg)`: full-size random weights in the int8-convrot layout (or its pruned
@@ -13,6 +14,7 @@ order and the bf16 / int8 / pruned variants of one seed are derived from the sam
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import struct
@@ -26,13 +28,14 @@ from dit_svc.checkpoint import (
     BF16,
     INT8_CONVROT,
     INT8_CONVROT_PRUNED,
-    FC1_SECTIONS,
-    QKV_SECTIONS,
+    METADATA_CONFIG,
+    METADATA_QKV,
     Variant,
     expected_specs,
-    to_diffusers_name,
 )
 from dit_svc.config import DiTConfig
+from dit_svc.convert_diffusers import QKV_SECTIONS, to_diffusers
+from stagekit.checkpoints import DTYPE_BYTES, TORCH_DTYPE
 from stagekit.quant import encode_comfy_quant, is_power_of_4, quantize_convrot
 
 TinyVariant = Literal["bf16", "int8_convrot", "int8_convrot_pruned"]
@@ -42,8 +45,7 @@ LINEAR_GROUPSIZE_CAP = 256  # the release uses 256 for block linears ...
 ADALN_GROUPSIZE_CAP = 64  # ... and 64 for the unpruned AdaLN (2688 = 42 * 64)
 INT8_UNIFORM_STD = 73.3  # std of integers uniform on [-127, 127]
 BLOCK_LINEARS = ("attn.qkv_proj", "attn.out_proj", "mlp.fc1", "mlp.fc2")
-_ST_DTYPE = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "I8": torch.int8, "U8": torch.uint8,
-             "F8_E4M3": torch.float8_e4m3fn}
+_ST_DTYPE = TORCH_DTYPE  # safetensors dtype name -> torch dtype (stagekit's table)
 _ST_NAME = {v: k for k, v in _ST_DTYPE.items()}
 
 
@@ -98,7 +100,7 @@ def random_tensor(key: str, shape: tuple[int, ...], cfg: DiTConfig, seed: int, d
 def dense_state_dict(cfg: DiTConfig, seed: int = 0) -> dict[str, torch.Tensor]:
     """The bf16-release-layout weights (fp32 islands fp32, the rest bf16)."""
     specs = expected_specs(cfg, BF16)
-    return {k: random_tensor(k, s.shape, cfg, seed).to(_ST_DTYPE[s.dtype]) for k, s in specs.items()}
+    return {k: random_tensor(k, s.shape, cfg, seed).to(_ST_DTYPE[s.store]) for k, s in specs.items()}
 
 
 def _quantize_into(sd: dict, prefix: str, w: torch.Tensor, groupsize: int) -> None:
@@ -158,7 +160,7 @@ def pruned_state_dict(int8_sd: dict, dense: dict[str, torch.Tensor], cfg: DiTCon
         elif ".adaln_proj.linear." in key:
             w = dense[key.replace(".bias", ".weight")].double()
             value = w @ basis if key.endswith(".weight") else dense[key].double() + w @ mean
-            out[key] = value.to(_ST_DTYPE[spec.dtype])
+            out[key] = value.to(_ST_DTYPE[spec.store])
         else:
             out[key] = int8_sd[key]
     return out
@@ -180,13 +182,15 @@ def tiny_state_dict(cfg: DiTConfig, variant: TinyVariant, seed: int = 0) -> dict
 
 
 def write_safetensors_streaming(
-    path: str | Path, plan: list[tuple[str, tuple[int, ...], str]], items: Iterator[tuple[str, torch.Tensor]]
+    path: str | Path, plan: list[tuple[str, tuple[int, ...], str]], items: Iterator[tuple[str, torch.Tensor]],
+    metadata: dict[str, str] | None = None,
 ) -> Path:
     """Write a safetensors file whose header is known up front (`plan`: key, shape, dtype), consuming `items`
     ((key, tensor) in plan order) one at a time, so no more than one tensor is held in host memory."""
-    header, offset = {}, 0
+    header: dict = {"__metadata__": dict(metadata)} if metadata else {}
+    offset = 0
     for key, shape, dtype in plan:
-        n = math.prod(shape) * _ST_DTYPE[dtype].itemsize
+        n = math.prod(shape) * DTYPE_BYTES[dtype]
         header[key] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + n]}
         offset += n
     blob = json.dumps(header, separators=(",", ":")).encode()
@@ -204,14 +208,23 @@ def write_safetensors_streaming(
     return path
 
 
-def save_state_dict(sd: dict[str, torch.Tensor], path: str | Path) -> Path:
+def save_state_dict(sd: dict[str, torch.Tensor], path: str | Path, metadata: dict[str, str] | None = None) -> Path:
     plan = [(k, tuple(t.shape), _ST_NAME[t.dtype]) for k, t in sd.items()]
-    return write_safetensors_streaming(path, plan, iter(sd.items()))
+    return write_safetensors_streaming(path, plan, iter(sd.items()), metadata)
 
 
-def write_tiny_checkpoint(cfg: DiTConfig, path: str | Path, variant: TinyVariant = "bf16", seed: int = 0) -> Path:
-    """One ComfyUI-layout single file of the given variant."""
-    return save_state_dict(tiny_state_dict(cfg, variant, seed), path)
+def file_metadata(cfg: DiTConfig, qkv_layout: str = "stacked") -> dict[str, str]:
+    """What our writers state in a file: the whole config (so the block count is declared, not guessed from the
+    blocks present) and the q/k/v row order (docs/checkpoints.md)."""
+    return {METADATA_CONFIG: json.dumps(dataclasses.asdict(cfg), separators=(",", ":")), METADATA_QKV: qkv_layout}
+
+
+def write_tiny_checkpoint(cfg: DiTConfig, path: str | Path, variant: TinyVariant = "bf16", seed: int = 0,
+                          metadata: bool = True) -> Path:
+    """One ComfyUI-layout single file of the given variant. `metadata=False` writes what a ComfyUI repack holds:
+    the tensors and nothing that states the config or the q/k/v order."""
+    file_cfg = cfg.replace(adaln_form="curve" if variant == "int8_convrot_pruned" else "mlp")
+    return save_state_dict(tiny_state_dict(cfg, variant, seed), path, file_metadata(file_cfg) if metadata else None)
 
 
 def _write_sharded(sd: dict[str, torch.Tensor], out_dir: Path, stem: str, n_shards: int, config: dict) -> Path:
@@ -231,24 +244,6 @@ def _write_sharded(sd: dict[str, torch.Tensor], out_dir: Path, stem: str, n_shar
     return out_dir
 
 
-def to_diffusers_state_dict(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Our names -> diffusers names: qkv split into to_q/to_k/to_v, fc1 halves swapped to [value; gate]."""
-    out = {}
-    for key, t in sd.items():
-        if key == "rope.inv_freq":
-            continue  # diffusers recomputes it
-        name = to_diffusers_name(key)
-        if key.endswith(".attn.qkv_proj.weight"):
-            for part, chunk in zip(("to_q", "to_k", "to_v"), t.chunk(QKV_SECTIONS)):
-                out[name.replace(".to_q.", f".{part}.")] = chunk.clone()
-        elif key.endswith(".mlp.fc1.weight"):
-            gate, value = t.chunk(FC1_SECTIONS)
-            out[name] = torch.cat([value, gate])
-        else:
-            out[name] = t
-    return out
-
-
 def diffusers_config(cfg: DiTConfig) -> dict:
     return {
         "_class_name": "MiniMaxH3Transformer3DModel", "num_attention_heads": cfg.num_heads,
@@ -263,7 +258,7 @@ def diffusers_config(cfg: DiTConfig) -> dict:
 
 def write_tiny_diffusers_dir(cfg: DiTConfig, root: str | Path, seed: int = 0, n_shards: int = 2) -> Path:
     """`root/transformer/` with diffusers-named bf16 shards, index json and config.json; returns root."""
-    sd = to_diffusers_state_dict(tiny_state_dict(cfg, "bf16", seed))
+    sd = to_diffusers(tiny_state_dict(cfg, "bf16", seed))
     _write_sharded(sd, Path(root) / "transformer", "diffusion_pytorch_model", n_shards, diffusers_config(cfg))
     return Path(root)
 
@@ -279,7 +274,9 @@ def write_tiny_release_dir(cfg: DiTConfig, root: str | Path, seed: int = 0, n_sh
     sd = {k: interleave_qkv(t, cfg.num_heads, cfg.head_dim) if k.endswith(".attn.qkv_proj.weight") else t
           for k, t in sd.items()}
     config = {"num_attention_heads": cfg.num_heads, "attention_head_dim": cfg.head_dim, "hidden_size": cfg.hidden,
-              "patch_size": list(cfg.patch), "latents_dim": cfg.in_channels, "rope_theta": cfg.rope_theta}
+              "num_layers": cfg.num_layers, "token_refiner_num_layers": cfg.num_refiner_layers,
+              "ffn_hidden_size": cfg.ffn, "patch_size": list(cfg.patch), "latents_dim": cfg.in_channels,
+              "rope_theta": cfg.rope_theta}
     _write_sharded(sd, Path(root) / "transformer", "model", n_shards, config)
     return Path(root)
 
@@ -299,7 +296,7 @@ def _int8_plan(cfg: DiTConfig, pruned: bool = False) -> list[tuple[str, tuple[in
         shape = spec.shape
         if key.endswith(".comfy_quant"):
             shape = (encode_comfy_quant(g_ada if ".adaln_proj." in key else g_lin).numel(),)
-        plan.append((key, shape, spec.dtype))
+        plan.append((key, shape, spec.store))
     return plan
 
 
@@ -342,4 +339,5 @@ def write_random_int8_convrot_checkpoint(
     """Stream a full-size random int8_convrot checkpoint to one Comfy-layout file (about 34 GB at full size; the
     `pruned` curve-form variant ≈19.5 GiB, the file the 22 GB-card users run)."""
     items = iter_random_int8_convrot_weights(cfg, seed, device, quantize, pruned)
-    return write_safetensors_streaming(path, _int8_plan(cfg, pruned), items)
+    return write_safetensors_streaming(path, _int8_plan(cfg, pruned), items,
+                                      file_metadata(cfg.replace(adaln_form="curve" if pruned else "mlp")))

@@ -3,23 +3,27 @@
 The linear classes here hold only the *local* shard and never communicate; the reductions are visible
 `dist.all_reduce` / `dist.all_gather` calls in the attention / MLP / AdaLN forwards of dit_svc/model.py.
 
-Shard layout for TP size n, rank r (the checkpoint loader slices files exactly like `shard_state_dict` below):
+Which linear is column- or row-parallel is declared once, as `H3DiT._tp_plan` (module-name suffix -> style); the
+model builds its linears from it, the checkpoint loader reads each rank's part of a file from it, and
+`shard_state_dict` below (the reference slicer of the tests) and the LoRA code slice with it. For TP size n, rank r:
 
-  attn.qkv_proj.weight        rows [q rows of heads r*h/n..(r+1)*h/n ; k rows of those heads ; v rows of those heads]
-  attn.out_proj.weight        the input columns of those heads
-  mlp.fc1.weight              rows [gate rows r*F/n..(r+1)*F/n ; value rows of the same range]
-  mlp.fc2.weight              input columns r*F/n..(r+1)*F/n
-  *.adaln_proj.linear.{weight,bias}  (blocks and final layer) output rows r*O/n..(r+1)*O/n, outputs all-gathered
-  everything else (norms incl. q_norm/k_norm, projections, heads, time embedder, curve table) replicated.
+  ColumnParallel(sections=k)  output features (weight rows) split: the rows form k equal sections (q/k/v of
+                              attn.qkv_proj, gate/value of mlp.fc1, one for the AdaLN projections), each cut into n
+                              contiguous parts; rank r keeps part r of every section, in section order. For qkv a
+                              part is whole heads (num_heads % n == 0). Bias and an int8 per-row weight_scale follow
+                              the rows.
+  RowParallel()               input features (weight columns) split into n contiguous parts; the output is a partial
+                              sum all-reduced in fp32 in forward; an int8 per-row weight_scale is replicated.
+  (not in the plan)           replicated: norms incl. q_norm/k_norm, patch/condition projections, output heads, time
+                              embedder, curve table.
 
 token_refiner blocks are sharded like DiT blocks. The AdaLN projections are sharded (not replicated) because the
-unpruned ones total 13B params and cannot be replicated on 22 GB cards. For int8 checkpoints the per-output-row
-`weight_scale` [out, 1] follows the weight's rows for column-parallel linears and is replicated for row-parallel ones.
+unpruned ones total 13B params and cannot be replicated on 22 GB cards.
 """
 
 from __future__ import annotations
 
-import re
+from dataclasses import dataclass
 from typing import Mapping
 
 import torch
@@ -124,52 +128,74 @@ def validate_tp(cfg: DiTConfig, n: int) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Reference slicing (tests and docs; the checkpoint loader must produce exactly these tensors)
+# The plan's vocabulary and the slicing it implies
 # ---------------------------------------------------------------------------------------------------------------------
-_BLOCK = r"(?:blocks|token_refiner\.blocks)\.\d+"
-_QKV = re.compile(rf"^{_BLOCK}\.attn\.qkv_proj\.(weight|weight_scale)$")
-_OUT = re.compile(rf"^{_BLOCK}\.attn\.out_proj\.weight$")
-_FC1 = re.compile(rf"^{_BLOCK}\.mlp\.fc1\.(weight|weight_scale)$")
-_FC2 = re.compile(rf"^{_BLOCK}\.mlp\.fc2\.weight$")
-_ADALN = re.compile(r"^(?:blocks\.\d+|final_layer)\.adaln_proj\.linear\.(weight|bias|weight_scale)$")
+@dataclass(frozen=True)
+class ColumnParallel:
+    """Output features split; `sections` equal row blocks are each split (see the module docstring)."""
+
+    sections: int = 1
 
 
-def shard_qkv_rows(t: torch.Tensor, cfg: DiTConfig, rank: int, n: int) -> torch.Tensor:
-    hl = cfg.num_heads // n
-    x = t.reshape(3, cfg.num_heads, cfg.head_dim, *t.shape[1:])
-    return x[:, rank * hl:(rank + 1) * hl].reshape(3 * hl * cfg.head_dim, *t.shape[1:])
+@dataclass(frozen=True)
+class RowParallel:
+    """Input features split; the output is a partial sum."""
 
 
-def shard_fc1_rows(t: torch.Tensor, cfg: DiTConfig, rank: int, n: int) -> torch.Tensor:
-    fl = cfg.ffn // n
-    x = t.reshape(2, cfg.ffn, *t.shape[1:])
-    return x[:, rank * fl:(rank + 1) * fl].reshape(2 * fl, *t.shape[1:])
+TPStyle = ColumnParallel | RowParallel
+TPPlan = Mapping[str, TPStyle]  # module-name suffix ("attn.qkv_proj") -> style
+QUANT_SIDECARS = ("weight_scale",)  # per-row tensors that travel with an int8 weight
 
 
-def shard_state_dict(full_sd: Mapping[str, torch.Tensor], cfg: DiTConfig, rank: int, n: int) -> dict[str, torch.Tensor]:
-    """Slice a full (release-named, qkv [q;k;v], fc1 [gate;value]) state dict to TP rank `rank` of `n`."""
+def tp_style(plan: TPPlan, module: str) -> TPStyle | None:
+    """The style of linear `module` ("blocks.3.attn.qkv_proj"), None = replicated."""
+    for suffix, style in plan.items():
+        if module == suffix or module.endswith("." + suffix):
+            return style
+    return None
+
+
+def param_style(plan: TPPlan, key: str) -> TPStyle | None:
+    """The style a parameter ("blocks.3.attn.qkv_proj.weight") is sliced by (its module's); None = replicated."""
+    module, _, _ = key.rpartition(".")
+    return tp_style(plan, module) if module else None
+
+
+def section_ranges(style: ColumnParallel, rows: int, rank: int, n: int) -> list[tuple[int, int]]:
+    """Row ranges [lo, hi) of a column-parallel tensor with `rows` rows that rank `rank` of `n` keeps."""
+    per = rows // style.sections
+    part = per // n
+    if per * style.sections != rows or part * n != per:
+        raise TPConfigError(f"{rows} rows do not split into {style.sections} section(s) x {n} ranks")
+    return [(s * per + rank * part, s * per + (rank + 1) * part) for s in range(style.sections)]
+
+
+def column_range(cols: int, rank: int, n: int) -> tuple[int, int]:
+    """Column range [lo, hi) of a row-parallel weight with `cols` input features that rank `rank` of `n` keeps."""
+    if cols % n:
+        raise TPConfigError(f"{cols} input features do not split over {n} ranks")
+    return rank * (cols // n), (rank + 1) * (cols // n)
+
+
+def shard_tensor(t: torch.Tensor, style: TPStyle | None, param: str, rank: int, n: int) -> torch.Tensor:
+    """This rank's part of full tensor `t`, parameter `param` ("weight", "bias", "weight_scale") of a linear."""
+    if isinstance(style, ColumnParallel):
+        return torch.cat([t[lo:hi] for lo, hi in section_ranges(style, t.shape[0], rank, n)])
+    if isinstance(style, RowParallel) and param == "weight":
+        lo, hi = column_range(t.shape[1], rank, n)
+        return t[:, lo:hi]
+    return t  # replicated, or the bias / per-row scale of a row-parallel linear
+
+
+def shard_state_dict(full_sd: Mapping[str, torch.Tensor], cfg: DiTConfig, rank: int, n: int,
+                     plan: TPPlan) -> dict[str, torch.Tensor]:
+    """Slice a full (release-named, qkv [q;k;v], fc1 [gate;value]) state dict to TP rank `rank` of `n` by `plan`
+    (the reference the checkpoint loader's per-rank reads are tested against)."""
     validate_tp(cfg, n)
     if not 0 <= rank < n:
         raise TPConfigError(f"rank {rank} out of range for TP size {n}")
-    if n == 1:
-        return dict(full_sd)
-    hd_lo = rank * (cfg.num_heads // n) * cfg.head_dim
-    hd_hi = hd_lo + (cfg.num_heads // n) * cfg.head_dim
-    f_lo, f_hi = rank * (cfg.ffn // n), (rank + 1) * (cfg.ffn // n)
     out: dict[str, torch.Tensor] = {}
     for key, t in full_sd.items():
-        if _QKV.match(key):
-            s = shard_qkv_rows(t, cfg, rank, n)
-        elif _OUT.match(key):
-            s = t[:, hd_lo:hd_hi]
-        elif _FC1.match(key):
-            s = shard_fc1_rows(t, cfg, rank, n)
-        elif _FC2.match(key):
-            s = t[:, f_lo:f_hi]
-        elif _ADALN.match(key):
-            rows = t.shape[0] // n
-            s = t[rank * rows:(rank + 1) * rows]
-        else:
-            s = t
+        s = shard_tensor(t, param_style(plan, key), key.rpartition(".")[2], rank, n) if n > 1 else t
         out[key] = s.contiguous().clone() if s is not t else t
     return out

@@ -19,8 +19,10 @@ The embedding may also be int8 tensor-wise (one scalar scale; seen in the nvfp4 
 Layers at or beyond ``cfg.num_layers`` (the release has 64) are never read; the final norm and
 lm_head are skipped on purpose (the conditioning is the *pre-norm* residual after layer 50).
 
-Reading is lazy: :class:`TextEncoderCheckpoint` opens the file(s) with safetensors (mmap) and
-validates the header only; tensors are read layer by layer.
+Reading is lazy: :class:`TextEncoderCheckpoint` reads the header(s) with the stage toolkit
+(stagekit.checkpoints) and validates the whole checkpoint from them -- every used layer, the comfy_quant
+descriptors, and the vision tower when the file has one -- before the stage serves; tensors are read layer by
+layer. Every problem is a CheckpointError naming the file and the first offending tensor.
 """
 
 from __future__ import annotations
@@ -30,16 +32,15 @@ import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
-from safetensors import safe_open
 
+from encoder_svc.config import ConditionerConfig
+from encoder_svc.vision import VisionConfig, infer_vision_config
 from stagekit import nvfp4
+from stagekit.checkpoints import (FLOAT, CheckpointError, HeaderEntry, KeyReport, NameMap, TensorReader, TensorSpec,
+                                  key_report, open_checkpoint)
 from stagekit.quant import dequantize_convrot, parse_comfy_quant
-
-if TYPE_CHECKING:  # pragma: no cover
-    from encoder_svc.conditioner import ConditionerConfig
 
 # Module-relative parameter names of one decoder layer (== ComfyUI / transformers names).
 LINEARS = (
@@ -54,8 +55,8 @@ LINEARS = (
 NORMS = ("input_layernorm", "post_attention_layernorm", "self_attn.q_norm", "self_attn.k_norm")
 EMBED = "embed_tokens"
 
-# File-name prefixes of the language model, by layout.
-LAYOUT_PREFIX = {"comfy": "model.", "release": "model.language_model."}
+# Where the language model sits in a file, by layout: our module-relative names <-> file names.
+LAYOUT_NAMES = {"comfy": NameMap.prefix("model."), "release": NameMap.prefix("model.language_model.")}
 VISUAL_PREFIXES = ("visual.", "model.visual.")
 # Tensors of a full language model that the conditioner does not use: it stops before the final norm.
 UNUSED_EXACT = ("lm_head.weight", "model.norm.weight", "model.language_model.norm.weight")
@@ -65,21 +66,10 @@ QUANT_SUFFIXES = ("weight_scale", "weight_scale_2", "input_scale", "pre_quant_sc
 _FLOAT_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
 _DENSE_LABEL = {"BF16": "bf16", "F16": "fp16", "F32": "fp32"}
 _LAYER_RE = re.compile(r"^layers\.(\d+)\.(.+)$")
-_MAX_NAMES_IN_ERROR = 12
 H3_TE_METADATA = "minimax_h3_te"  # safetensors metadata: {"num_hidden_layers": 50, "output": "unnormalized_hidden_after_layer_50"}
 
 
-class CheckpointError(ValueError):
-    """The checkpoint does not match the expected text-encoder layout (message names the keys)."""
-
-
-def _names(keys, limit: int = _MAX_NAMES_IN_ERROR) -> str:
-    keys = sorted(keys)
-    more = f" ... (+{len(keys) - limit} more)" if len(keys) > limit else ""
-    return ", ".join(keys[:limit]) + more
-
-
-def expected_shapes(cfg: "ConditionerConfig") -> dict[str, tuple[int, ...]]:
+def expected_shapes(cfg: ConditionerConfig) -> dict[str, tuple[int, ...]]:
     """Dense shape of every used parameter, by module-relative name (``embed_tokens.weight``, ``layers.i.*``)."""
     h, d = cfg.hidden_size, cfg.head_dim
     q, kv, mlp = cfg.num_heads * d, cfg.num_kv_heads * d, cfg.intermediate_size
@@ -139,7 +129,7 @@ class RawParam:
                 pre_quant_scale=t.get("pre_quant_scale"),
                 dtype=dtype,
             )
-        raise CheckpointError(f"unknown weight format {self.format!r}")
+        raise ValueError(f"unknown weight format {self.format!r}")
 
     def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Embedding lookup without densifying the whole table (dense or row/tensor-wise int8 only)."""
@@ -166,78 +156,73 @@ class CheckpointInfo:
     has_visual: bool
     metadata: dict[str, str]
     fingerprint: str  # sha256 over the sorted (name, dtype, shape) inventory + file sizes: a cheap model id
+    vision: VisionConfig | None = None  # the vision tower's dims (validated against the file), None without one
 
 
 class TextEncoderCheckpoint:
     """Lazily readable, header-validated text-encoder checkpoint (one file, a shard directory, or an index)."""
 
-    def __init__(self, path: str | Path, cfg: "ConditionerConfig"):
+    def __init__(self, path: str | Path, cfg: ConditionerConfig):
         self.cfg = cfg
-        self._files = _resolve_files(Path(path))
-        self._handles = [safe_open(str(f), framework="pt", device="cpu") for f in self._files]
-        self._where: dict[str, int] = {}
-        self._header: dict[str, tuple[str, tuple[int, ...]]] = {}
-        metadata: dict[str, str] = {}
-        for n, h in enumerate(self._handles):
-            metadata.update(h.metadata() or {})
-            for k in h.keys():
-                sl = h.get_slice(k)
-                self._where[k] = n
-                self._header[k] = (sl.get_dtype(), tuple(sl.get_shape()))
+        self.path = Path(path)
+        ckpt = open_checkpoint(path)
+        self._files = ckpt.files
+        self._entries: dict[str, HeaderEntry] = ckpt.tensors
+        self._header: dict[str, tuple[str, tuple[int, ...]]] = {k: (e.dtype, e.shape) for k, e in ckpt.tensors.items()}
+        self._reader = TensorReader(ckpt.tensors)
         self._plan: dict[str, tuple[str, str, tuple[int, ...], int | None]] = {}
-        self.info = self._validate(metadata)
+        self.info = self._validate(ckpt.metadata)
+
+    def _error(self, problem: str, key: str | None = None) -> CheckpointError:
+        file = self._entries[key].file if key in self._entries else self.path
+        return CheckpointError(file, problem, key)
 
     # ------------------------------------------------------------------ header validation
     def _validate(self, metadata: dict[str, str]) -> CheckpointInfo:
         cfg = self.cfg
         keys = set(self._header)
-        if any(k.startswith(LAYOUT_PREFIX["release"]) for k in keys):
+        release, comfy = LAYOUT_NAMES["release"], LAYOUT_NAMES["comfy"]
+        if any(release.from_source(k) != k for k in keys):
             layout = "release"
-        elif any(k.startswith(LAYOUT_PREFIX["comfy"] + "layers.") or k == "model.embed_tokens.weight" for k in keys):
+        elif any(comfy.from_source(k).startswith("layers.") or k == comfy.to_source(f"{EMBED}.weight") for k in keys):
             layout = "comfy"
         else:
             raise CheckpointError(
-                f"{self._files[0]}: no Qwen3-VL language-model tensors found (expected 'model.layers.*' "
-                f"(ComfyUI) or 'model.language_model.layers.*' (release)); first keys: {_names(keys)}"
-            )
-        prefix = LAYOUT_PREFIX[layout]
-        expected = expected_shapes(cfg)
+                self._files[0], "no Qwen3-VL language-model tensors found (expected 'model.layers.*' (ComfyUI) or "
+                                f"'model.language_model.layers.*' (release)); first keys: {sorted(keys)[:10]}")
+        names = LAYOUT_NAMES[layout]
+        prefix = names.to_source("")
+        report = KeyReport()
         claimed: set[str] = set()
         ignored: list[str] = []
-        unexpected: list[str] = []
         layer_ids: set[int] = set()
-        for k in keys:
+        for k in sorted(keys):
             if k.startswith(VISUAL_PREFIXES) and not k.startswith(prefix + "layers."):
-                claimed.add(k)  # vision tower: kept for the fl2va/ref2va seam, not read for t2va
-                continue
-            if k in UNUSED_EXACT:
+                claimed.add(k)  # vision tower: validated below, read on the first keyframe request
+            elif k in UNUSED_EXACT:
                 ignored.append(k)
-                continue
-            if not k.startswith(prefix):
-                unexpected.append(k)
-                continue
-            m = _LAYER_RE.match(k[len(prefix):])
-            if m:
+            elif (m := _LAYER_RE.match(names.from_source(k))) and k.startswith(prefix):
                 layer_ids.add(int(m.group(1)))
                 if int(m.group(1)) >= cfg.num_layers:
                     ignored.append(k)
 
-        missing: list[str] = []
-        misshapen: list[str] = []
         formats: dict[str, int] = {}
-        for name, shape in expected.items():
+        for name, shape in expected_shapes(cfg).items():
             base = name[: -len(".weight")]
-            wkey = prefix + name
+            wkey = names.to_source(name)
             if wkey not in self._header:
-                missing.append(wkey)
+                report.missing.append(wkey)
+                report.first = report.first or (wkey, None)
                 continue
             try:
-                fmt, gs = self._classify(prefix + base, shape)
+                fmt, gs = self._classify(names.to_source(base), shape)
             except CheckpointError as e:
-                misshapen.append(str(e))
+                report.misshapen.append(f"{e.key}: {e.problem}")
+                report.first = report.first or (e.key, self._entries[wkey].file)
                 continue
-            self._plan[name] = (fmt, prefix + base, shape, gs)
-            claimed.update(k for k in (wkey, *(f"{prefix}{base}.{s}" for s in QUANT_SUFFIXES)) if k in self._header)
+            self._plan[name] = (fmt, names.to_source(base), shape, gs)
+            claimed.update(k for k in (wkey, *(f"{names.to_source(base)}.{s}" for s in QUANT_SUFFIXES))
+                           if k in self._header)
             if name.startswith("layers.") and base.endswith(LINEARS):
                 if fmt == "dense":
                     label = _DENSE_LABEL[self._header[wkey][0]]
@@ -246,23 +231,11 @@ class TextEncoderCheckpoint:
                 else:  # nvfp4; ComfyUI calls the file "nvfp4_awq" whether or not pre_quant_scale is stored
                     label = "nvfp4_awq"
                 formats[label] = formats.get(label, 0) + 1
-        for k in keys:
-            if k in claimed or k in ignored or k in unexpected:
-                continue
-            unexpected.append(k)
-
-        problems = []
-        if missing:
-            problems.append(f"missing {len(missing)} tensor(s): {_names(missing)}")
-        if unexpected:
-            problems.append(f"unexpected {len(unexpected)} tensor(s): {_names(unexpected)}")
-        if misshapen:
-            problems.append(f"{len(misshapen)} tensor(s) with wrong dtype/shape: {'; '.join(misshapen[:_MAX_NAMES_IN_ERROR])}")
-        if problems:
-            raise CheckpointError(
-                f"{self._files[0]} is not a Qwen3-VL text encoder with hidden {cfg.hidden_size} and >= "
-                f"{cfg.num_layers} layers ({layout} layout): " + " | ".join(problems)
-            )
+        for k in sorted(keys - claimed - set(ignored)):
+            report.unexpected.append(k)
+            report.first = report.first or (k, self._entries[k].file)
+        report.raise_if_bad(self.path, f"a Qwen3-VL text encoder with hidden {cfg.hidden_size} and >= "
+                                       f"{cfg.num_layers} layers ({layout} layout)")
         # ComfyUI's H3 text-encoder files state the conditioning layer in the header; trust but verify.
         te_meta = metadata.get(H3_TE_METADATA)
         if te_meta is not None:
@@ -272,21 +245,42 @@ class TextEncoderCheckpoint:
                 declared = None
             if declared is not None and declared != cfg.num_layers:
                 raise CheckpointError(
-                    f"{self._files[0]}: header metadata {H3_TE_METADATA}={te_meta} declares the conditioning after "
-                    f"layer {declared}, but the conditioner is configured for layer {cfg.num_layers}"
-                )
-        layers_in_file = max(layer_ids) + 1 if layer_ids else 0
+                    self._files[0], f"header metadata {H3_TE_METADATA}={te_meta} declares the conditioning after "
+                                    f"layer {declared}, but the conditioner is configured for layer {cfg.num_layers}")
+        has_visual = any(k.startswith(VISUAL_PREFIXES) and not k.startswith(prefix + "layers.") for k in keys)
         return CheckpointInfo(
             files=tuple(self._files),
             layout=layout,
             variant=_variant(formats),
             formats=formats,
-            layers_in_file=layers_in_file,
+            layers_in_file=max(layer_ids) + 1 if layer_ids else 0,
             ignored=tuple(sorted(ignored)),
-            has_visual=any(k.startswith(VISUAL_PREFIXES) and not k.startswith(prefix + "layers.") for k in keys),
+            has_visual=has_visual,
             metadata=metadata,
             fingerprint=self._fingerprint(),
+            vision=self._validate_visual(layout) if has_visual else None,
         )
+
+    def _validate_visual(self, layout: str) -> VisionConfig:
+        """The vision tower's dims, and every one of its tensors checked against Qwen3-VL's vision model of those
+        dims (a meta-device build: no memory), so a broken tower fails at start-up, not at the first keyframe."""
+        from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel
+
+        pre = self._visual_prefix(layout)
+        shapes = {k[len(pre):]: e for k, e in self._entries.items() if k.startswith(pre)}
+        try:
+            vcfg = infer_vision_config({k: e.shape for k, e in shapes.items()}, self.cfg.vision)
+        except KeyError as e:
+            raise CheckpointError(self._files[0], "missing: the vision tower's dims cannot be read without it",
+                                  f"{pre}{e.args[0]}") from None
+        if vcfg.out_hidden_size != self.cfg.hidden_size:
+            raise CheckpointError(self._files[0], f"vision tower outputs {vcfg.out_hidden_size}-d features but the LM "
+                                                  f"is {self.cfg.hidden_size}-d", f"{pre}merger.linear_fc2.weight")
+        with torch.device("meta"):
+            want = {k: TensorSpec(tuple(v.shape), FLOAT) for k, v in Qwen3VLVisionModel(vcfg.hf_config()).state_dict().items()}
+        key_report(shapes, want).raise_if_bad(self.path, f"Qwen3-VL's vision tower (depth {vcfg.depth}, hidden "
+                                                         f"{vcfg.hidden_size}; names under {pre!r})")
+        return vcfg
 
     def _classify(self, base: str, shape: tuple[int, ...]) -> tuple[str, int | None]:
         """Format of one weight from its header entries; raises CheckpointError naming the tensor."""
@@ -295,67 +289,67 @@ class TextEncoderCheckpoint:
         has = {s for s in QUANT_SUFFIXES if f"{base}.{s}" in h}
         qdoc = self._comfy_quant(base) if "comfy_quant" in has else None
         qfmt = str((qdoc or {}).get("format", "")).lower()
+        err = self._error
         if dtype in _FLOAT_DTYPES and qdoc is None:
             if wshape != shape:
-                raise CheckpointError(f"{base}.weight is {dtype}{list(wshape)}, expected {list(shape)}")
+                raise err(f"{dtype}{list(wshape)}, expected {list(shape)}", base + ".weight")
             return "dense", None
         if dtype == "I8" or qfmt.startswith("int8"):
             if dtype != "I8" or wshape != shape:
-                raise CheckpointError(f"{base}.weight is {dtype}{list(wshape)}, expected I8{list(shape)}")
+                raise err(f"{dtype}{list(wshape)}, expected I8{list(shape)}", base + ".weight")
             if "weight_scale" not in has:
-                raise CheckpointError(f"{base}.weight_scale is missing for an int8 weight")
+                raise err("missing for an int8 weight", base + ".weight_scale")
             sdt, sshape = h[base + ".weight_scale"]
             n_scale = 1
-            for s in sshape:
-                n_scale *= s
+            for d in sshape:
+                n_scale *= d
             if sdt not in _FLOAT_DTYPES or n_scale not in (1, shape[0]):
-                raise CheckpointError(f"{base}.weight_scale is {sdt}{list(sshape)}, expected F32 [{shape[0]}, 1] or scalar")
+                raise err(f"{sdt}{list(sshape)}, expected F32 [{shape[0]}, 1] or scalar", base + ".weight_scale")
             if qdoc is None:
-                raise CheckpointError(
-                    f"{base}.comfy_quant is missing: cannot tell whether the int8 weight is ConvRot-rotated"
-                )
+                raise err("missing: cannot tell whether the int8 weight is ConvRot-rotated", base + ".comfy_quant")
             try:
                 spec = parse_comfy_quant(qdoc)
             except ValueError as e:
-                raise CheckpointError(f"{base}.comfy_quant: {e}") from e
+                raise err(str(e), base + ".comfy_quant") from e
             if spec.groupsize and shape[-1] % spec.groupsize:
-                raise CheckpointError(f"{base}: in_features {shape[-1]} not a multiple of ConvRot group {spec.groupsize}")
+                raise err(f"ConvRot group size {spec.groupsize} does not divide the weight's in_features {shape[-1]}",
+                          base + ".comfy_quant")
             return "int8", spec.groupsize
         if dtype == "U8" or "nvfp4" in qfmt:
             rows, cols = shape
             if dtype != "U8" or len(wshape) != 2 or not (rows <= wshape[0] <= rows + 15) or wshape[1] * 2 < cols:
-                raise CheckpointError(f"{base}.weight is {dtype}{list(wshape)}, expected U8[{rows}, {cols // 2}] (nvfp4)")
+                raise err(f"{dtype}{list(wshape)}, expected U8[{rows}, {cols // 2}] (nvfp4)", base + ".weight")
             for s in ("weight_scale", "weight_scale_2"):
                 if s not in has:
-                    raise CheckpointError(f"{base}.{s} is missing for an nvfp4 weight")
+                    raise err("missing for an nvfp4 weight", f"{base}.{s}")
             sdt, sshape = h[base + ".weight_scale"]
             if sdt != "F8_E4M3":
-                raise CheckpointError(f"{base}.weight_scale is {sdt}, expected F8_E4M3 block scales")
+                raise err(f"{sdt}, expected F8_E4M3 block scales", base + ".weight_scale")
             try:
                 nvfp4.block_scales_are_swizzled(sshape, wshape[0], wshape[1] * 2 // nvfp4.BLOCK_SIZE)
             except ValueError:
                 try:
                     nvfp4.block_scales_are_swizzled(sshape, rows, cols // nvfp4.BLOCK_SIZE)
                 except ValueError as e:
-                    raise CheckpointError(f"{base}.weight_scale: {e}") from e
+                    raise err(str(e), base + ".weight_scale") from e
             if "pre_quant_scale" in has:
                 pdt, pshape = h[base + ".pre_quant_scale"]
                 n = 1
-                for s in pshape:
-                    n *= s
+                for d in pshape:
+                    n *= d
                 if n != cols:
-                    raise CheckpointError(f"{base}.pre_quant_scale is {pdt}{list(pshape)}, expected [{cols}]")
+                    raise err(f"{pdt}{list(pshape)}, expected [{cols}]", base + ".pre_quant_scale")
             return "nvfp4", None
-        raise CheckpointError(f"{base}.weight has dtype {dtype} / comfy_quant format {qfmt!r}, which this loader does not read")
+        raise err(f"dtype {dtype} / comfy_quant format {qfmt!r}, which this loader does not read", base + ".weight")
 
     def _comfy_quant(self, base: str) -> dict:
         raw = self._get(base + ".comfy_quant")
         try:
             doc = json.loads(bytes(raw.to(torch.uint8).flatten().tolist()).decode("utf-8").rstrip("\x00"))
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise CheckpointError(f"{base}.comfy_quant is not UTF-8 JSON: {e}") from e
+            raise self._error(f"not UTF-8 JSON: {e}", base + ".comfy_quant") from e
         if not isinstance(doc, dict):
-            raise CheckpointError(f"{base}.comfy_quant is not a JSON object")
+            raise self._error("not a JSON object", base + ".comfy_quant")
         merged = dict(doc.get("params") or {})
         merged.update({k: v for k, v in doc.items() if k != "params"})
         return merged
@@ -370,14 +364,15 @@ class TextEncoderCheckpoint:
 
     # ------------------------------------------------------------------ reading
     def _get(self, key: str) -> torch.Tensor:
-        return self._handles[self._where[key]].get_tensor(key)
+        return self._reader.whole(key)
 
     def read(self, name: str) -> RawParam:
         """One used parameter by module-relative name, as stored (CPU tensors)."""
         try:
             fmt, base, shape, gs = self._plan[name]
         except KeyError:
-            raise CheckpointError(f"{name!r} is not a parameter of the {self.cfg.num_layers}-layer text encoder") from None
+            raise CheckpointError(self.path, f"not a parameter of the {self.cfg.num_layers}-layer text encoder",
+                                  name) from None
         tensors = {"weight": self._get(base + ".weight")}
         if fmt != "dense":
             for s in QUANT_SUFFIXES:
@@ -391,15 +386,16 @@ class TextEncoderCheckpoint:
     def read_layer(self, i: int) -> dict[str, RawParam]:
         """Layer ``i``'s parameters keyed by their name inside the decoder layer (``self_attn.q_proj.weight``)."""
         if not 0 <= i < self.cfg.num_layers:
-            raise CheckpointError(
+            raise ValueError(
                 f"layer {i} is outside the conditioner's {self.cfg.num_layers} used layers "
                 f"(the conditioning is the residual after layer {self.cfg.num_layers})"
             )
         return {f"{n}.weight": self.read(f"layers.{i}.{n}.weight") for n in (*LINEARS, *NORMS)}
 
     # ------------------------------------------------------------------ vision tower (fl2va / ref2va)
-    def _visual_prefix(self) -> str | None:
-        for pre in (("model.visual.",) if self.info.layout == "release" else ("visual.", "model.visual.")):
+    def _visual_prefix(self, layout: str | None = None) -> str | None:
+        layout = layout or self.info.layout
+        for pre in (("model.visual.",) if layout == "release" else ("visual.", "model.visual.")):
             if any(k.startswith(pre) for k in self._header):
                 return pre
         return None
@@ -412,23 +408,16 @@ class TextEncoderCheckpoint:
         return {k[len(pre):]: self._header[k][1] for k in self._header if k.startswith(pre)}
 
     def read_visual(self) -> dict[str, torch.Tensor]:
-        """The vision tower's tensors (dense float, as stored) by module-relative name. Raises CheckpointError if the
-        file has no vision tower or stores it quantised (not read by this loader)."""
+        """The vision tower's tensors (dense float, as stored; validated at open) by module-relative name. Raises
+        CheckpointError if the file has no vision tower."""
         pre = self._visual_prefix()
         if pre is None:
-            raise CheckpointError(f"{self._files[0]} has no vision tower (no 'visual.*' tensors); keyframe (fl2va) "
-                                  "conditioning needs the full Qwen3-VL text encoder file")
-        out = {}
-        for k, (dt, _) in self._header.items():
-            if not k.startswith(pre):
-                continue
-            if dt not in _FLOAT_DTYPES:
-                raise CheckpointError(f"{k} is stored as {dt}; only a dense (bf16/fp16/fp32) vision tower is supported")
-            out[k[len(pre):]] = self._get(k)
-        return out
+            raise CheckpointError(self._files[0], "no vision tower (no 'visual.*' tensors); keyframe (fl2va) "
+                                                  "conditioning needs the full Qwen3-VL text encoder file")
+        return {k[len(pre):]: self._get(k) for k in self._header if k.startswith(pre)}
 
     def close(self) -> None:
-        self._handles = []
+        self._reader.close()
 
 
 def densify(raw: dict[str, RawParam], dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -441,23 +430,3 @@ def _variant(formats: dict[str, int]) -> str:
         return "mixed" if formats else "empty"
     (fmt,) = formats
     return fmt
-
-
-def _resolve_files(path: Path) -> list[Path]:
-    if not path.exists():
-        raise FileNotFoundError(f"text encoder checkpoint not found: {path}")
-    if path.is_file() and path.name.endswith(".index.json"):
-        idx = json.loads(path.read_text())
-        names = sorted(set(idx.get("weight_map", {}).values()))
-        if not names:
-            raise CheckpointError(f"{path}: index has no weight_map")
-        return [path.parent / n for n in names]
-    if path.is_dir():
-        idx = sorted(path.glob("*.safetensors.index.json"))
-        if idx:
-            return _resolve_files(idx[0])
-        files = sorted(path.glob("*.safetensors"))
-        if not files:
-            raise FileNotFoundError(f"no .safetensors files in {path}")
-        return files
-    return [path]

@@ -21,108 +21,32 @@ We build ``Qwen3VLTextModel`` with ``num_hidden_layers = 50`` but do NOT call it
   All three modes run the same kernels on the same dense weights: outputs are bitwise equal.
 
 Parity with the untruncated transformers model (its ``hidden_states[k]``) is tested on a tiny config.
-Vision (fl2va / ref2va) is not implemented yet; the seam is ``inputs_embeds`` + 3-row M-RoPE
-``position_ids`` + ``deepstack_embeds``/``visual_pos_mask`` in :meth:`Conditioner.forward`.
+Keyframes (fl2va): transformers' Qwen3-VL vision tower (loaded on the first keyframe request) encodes each image;
+:meth:`Conditioner.encode_presentation` places its features in the prompt (``inputs_embeds``, 3-row M-RoPE
+``position_ids``, DeepStack ``deepstack_embeds`` at ``visual_pos_mask``) and runs the same layer loop.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
 import torch
 from torch import nn
-from transformers import Qwen3VLTextConfig
 from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLTextModel, Qwen3VLTextRotaryEmbedding
 
 from encoder_svc.checkpoint import CheckpointInfo, RawParam, TextEncoderCheckpoint, densify
+from encoder_svc.config import DEFAULT_MAX_PROMPT_TOKENS, ConditionerConfig
 from encoder_svc.tokenizer import TextTokenizer, validate_prompt
 from encoder_svc.vision import (PICTURE_LABEL, Presentation, VisionConfig, build_presentation, image_token_count,
-                                infer_vision_config, preprocess_image)
+                                preprocess_image)
+from stagekit.checkpoints import CheckpointError
 
 log = logging.getLogger(__name__)
 
 Mode = Literal["resident", "stream", "compact"]
 MODES = ("resident", "stream", "compact")
-
-# The H3 conditioning layer: hidden_states[50] of the 64-layer Qwen3-VL-32B language model.
-H3_CONDITIONING_LAYER = 50
-DEFAULT_MAX_PROMPT_TOKENS = 2048  # generous: §6 says "no fixed max length"; the server may pass its own
-
-
-@dataclass(frozen=True)
-class ConditionerConfig:
-    hidden_size: int = 5120
-    num_heads: int = 64
-    num_kv_heads: int = 8
-    head_dim: int = 128
-    intermediate_size: int = 25600
-    num_layers: int = H3_CONDITIONING_LAYER  # layers run (and read); output = residual after the last one
-    total_layers: int = 64  # layers in the released model (oracle / documentation only)
-    rms_norm_eps: float = 1e-6
-    vocab_size: int = 151936
-    mrope_section: tuple[int, int, int] = (24, 20, 20)  # interleaved M-RoPE (t, h, w), sums to head_dim / 2
-    rope_theta: float = 5_000_000.0
-    max_position_embeddings: int = 262144
-    vision: VisionConfig = VisionConfig()  # keyframe vision tower (dims re-read from the file when it has one)
-
-    @classmethod
-    def full(cls) -> "ConditionerConfig":
-        return cls()
-
-    @classmethod
-    def tiny(cls, vocab_size: int | None = None) -> "ConditionerConfig":
-        if vocab_size is None:
-            from encoder_svc.tiny import TINY_VOCAB_SIZE
-
-            vocab_size = TINY_VOCAB_SIZE
-        return cls(
-            hidden_size=64,
-            num_heads=4,
-            num_kv_heads=2,
-            head_dim=16,
-            intermediate_size=128,
-            num_layers=2,
-            total_layers=4,
-            vocab_size=vocab_size,
-            mrope_section=(4, 2, 2),  # head_dim 16 -> 8 rotary frequencies
-            max_position_embeddings=4096,
-            vision=VisionConfig.tiny(out_hidden_size=64),
-        )
-
-    def __post_init__(self):
-        if sum(self.mrope_section) != self.head_dim // 2:
-            raise ValueError(f"mrope_section {self.mrope_section} must sum to head_dim/2 = {self.head_dim // 2}")
-        if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
-        if not 1 <= self.num_layers <= self.total_layers:
-            raise ValueError(f"num_layers {self.num_layers} must be in [1, total_layers={self.total_layers}]")
-
-    def hf_text_config(self, num_layers: int | None = None, attn_implementation: str = "sdpa") -> Qwen3VLTextConfig:
-        """The transformers config of the language model (``num_layers`` defaults to the used count)."""
-        c = Qwen3VLTextConfig(
-            vocab_size=self.vocab_size,
-            hidden_size=self.hidden_size,
-            intermediate_size=self.intermediate_size,
-            num_hidden_layers=num_layers or self.num_layers,
-            num_attention_heads=self.num_heads,
-            num_key_value_heads=self.num_kv_heads,
-            head_dim=self.head_dim,
-            hidden_act="silu",
-            max_position_embeddings=self.max_position_embeddings,
-            rms_norm_eps=self.rms_norm_eps,
-            attention_bias=False,
-            rope_parameters={
-                "rope_type": "default",
-                "rope_theta": self.rope_theta,
-                "mrope_section": list(self.mrope_section),
-                "mrope_interleaved": True,
-            },
-        )
-        c._attn_implementation = attn_implementation
-        return c
 
 
 class Conditioner(nn.Module):
@@ -204,15 +128,14 @@ class Conditioner(nn.Module):
         self.max_prompt_tokens = max_prompt_tokens
         self.tokenizer = resolve_tokenizer(tokenizer, path)
         if self.tokenizer is not None and self.tokenizer.vocab_size > cfg.vocab_size:
-            raise ValueError(
-                f"tokenizer has {self.tokenizer.vocab_size} ids but the embedding only {cfg.vocab_size} rows"
-            )
+            raise CheckpointError(path, f"its tokenizer has {self.tokenizer.vocab_size} ids but the embedding only "
+                                        f"{cfg.vocab_size} rows: not this model's tokenizer.json")
         log.info(
             "text encoder %s: layout=%s variant=%s layers used %d of %d in file, mode=%s dtype=%s device=%s",
             path, ckpt.info.layout, ckpt.info.variant, cfg.num_layers, ckpt.info.layers_in_file, mode, self.dtype, self.device,
         )
         # The vision tower is loaded on the first keyframe request (t2va never pays for it).
-        self._visual_src = path if ckpt.visual_shapes() else None
+        self._visual_src = path if ckpt.info.has_visual else None
         if mode == "resident":
             sd = {"embed_tokens.weight": ckpt.read_embed().to(self.device).dense(self.dtype)}
             for i in range(cfg.num_layers):
@@ -249,37 +172,24 @@ class Conditioner(nn.Module):
         if self._visual_src is None:
             raise ValueError("this text encoder has no vision tower (the checkpoint carries no 'visual.*' weights); "
                              "keyframe renders need the full Qwen3-VL encoder file")
-        ckpt = TextEncoderCheckpoint(self._visual_src, self.cfg)
+        ckpt = TextEncoderCheckpoint(self._visual_src, self.cfg)  # validated again: the file may have changed
         try:
-            self._load_visual(ckpt, ckpt.visual_shapes())
+            self._load_visual(ckpt)
         finally:
             ckpt.close()
 
-    def _load_visual(self, ckpt: TextEncoderCheckpoint, shapes: dict[str, tuple[int, ...]]) -> None:
-        """Build transformers' Qwen3VLVisionModel with the file's dims and load its weights (resident, dense, in the
-        compute dtype: ~0.8 GB at full size, small next to the LM)."""
-        from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel
+    def _load_visual(self, ckpt: TextEncoderCheckpoint) -> None:
+        """Build transformers' Qwen3VLVisionModel with the file's dims (validated when the checkpoint was opened) and
+        load its weights (resident, dense, in the compute dtype: ~0.8 GB at full size, small next to the LM)."""
+        from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel, Qwen3VLVisionRotaryEmbedding
 
-        from encoder_svc.checkpoint import CheckpointError
-
-        try:
-            vcfg = infer_vision_config(shapes, self.cfg.vision)
-        except KeyError as e:
-            raise CheckpointError(f"vision tower in {ckpt.info.files[0]} lacks {e}; cannot infer its dims") from None
-        if vcfg.out_hidden_size != self.cfg.hidden_size:
-            raise CheckpointError(f"vision tower outputs {vcfg.out_hidden_size}-d features but the LM is "
-                                  f"{self.cfg.hidden_size}-d")
+        vcfg = ckpt.info.vision
         hf = vcfg.hf_config()
         with torch.device("meta"):
             visual = Qwen3VLVisionModel(hf)
-        sd = {k: v.to(self.device, self.dtype) for k, v in ckpt.read_visual().items()}
-        try:
-            visual.load_state_dict(sd, strict=True, assign=True)
-        except RuntimeError as e:
-            raise CheckpointError(f"vision tower weights do not match Qwen3-VL's vision model: {e}") from None
+        visual.load_state_dict({k: v.to(self.device, self.dtype) for k, v in ckpt.read_visual().items()},
+                               strict=True, assign=True)
         # Rotary inv_freq buffers are non-persistent: rebuild them for real (they were created on meta).
-        from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionRotaryEmbedding
-
         visual.rotary_pos_emb = Qwen3VLVisionRotaryEmbedding(hf).to(self.device)
         self.visual = visual.eval().requires_grad_(False)
         self.vision_cfg = vcfg

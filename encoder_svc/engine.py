@@ -20,6 +20,7 @@ from encoder_svc.tiny import write_tiny_model
 from encoder_svc.tokenizer import validate_prompt
 from stagekit.dist import RankGroup
 from stagekit.runtime import release_device_memory
+from stagekit.checkpoints import CheckpointError
 from stagekit.errors import FailedPrecondition
 from stagekit.models import EMBEDDED_VERSION, resolve_checkpoint
 
@@ -64,6 +65,9 @@ class EncoderEngine:
         self.tokenizer = resolve_tokenizer(None, self.path)
         if self.tokenizer is None:
             raise FailedPrecondition(f"no tokenizer.json next to {self.path}; copy the model's tokenizer.json there")
+        if self.tokenizer.vocab_size > self.model_cfg.vocab_size:
+            raise CheckpointError(self.path, f"its tokenizer has {self.tokenizer.vocab_size} ids but the embedding "
+                                             f"only {self.model_cfg.vocab_size} rows: not this model's tokenizer.json")
         self.model_id = f"{self.fingerprint[:16]}:{self.tokenizer.fingerprint[:16]}:L{self.model_cfg.num_layers}"
         self.cache = TextStateCache(cfg.cache_bytes)
         self.model: Conditioner | None = None

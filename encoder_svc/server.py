@@ -12,7 +12,7 @@ from encoder_svc.engine import EncoderEngine, EncoderEngineConfig
 from h3.v1 import common_pb2, encoder_pb2, encoder_pb2_grpc
 from stagekit.config import parse_config
 from stagekit.errors import FailedPrecondition, InvalidArgument
-from stagekit.images import check_canvas, load_keyframe
+from stagekit.images import admit_keyframe
 from stagekit.metrics import observed
 from stagekit.runtime import Job
 from stagekit.server import abort_on_error, stream_job
@@ -49,7 +49,8 @@ class EncoderServicer(LifecycleMixin, encoder_pb2_grpc.TextEncoderServicer):
         return self.engine.check_prompt(raw)
 
     def _keyframes(self, request) -> list:
-        """fl2va keyframe images -> canvas-sized uint8 [H, W, 3] (INVALID_ARGUMENT for bad images / sizes)."""
+        """fl2va keyframe images, admitted from their headers (INVALID_ARGUMENT for bad images / sizes); they are
+        decoded as part of the job (docs/reliability.md, "Image bombs")."""
         if not request.keyframes:
             return []
         if len(request.keyframes) > MAX_KEYFRAMES:
@@ -58,8 +59,7 @@ class EncoderServicer(LifecycleMixin, encoder_pb2_grpc.TextEncoderServicer):
         if not self.engine.has_vision:
             raise FailedPrecondition(f"the text encoder {self.engine.path.name} has no vision tower ('visual.*'); "
                                      "keyframe renders need the full Qwen3-VL encoder file")
-        check_canvas(request.width, request.height)
-        return [load_keyframe(img, request.width, request.height) for img in request.keyframes]
+        return [admit_keyframe(img, request.width, request.height) for img in request.keyframes]
 
     def _send(self, states, tokens: int, cache_hit: bool, timing: dict, tags=None):
         t0 = time.monotonic()
@@ -84,8 +84,11 @@ class EncoderServicer(LifecycleMixin, encoder_pb2_grpc.TextEncoderServicer):
             if m is not None:
                 m.observe_timing(timing)
             return
-        job = Job(spec={"text": text, "ids": ids}, inputs={"keyframes": keyframes} if keyframes else {})
+        job = Job(spec={"text": text, "ids": ids}, inputs={})
         job.job_id = request.job_id or job.job_id
+        if keyframes:  # canvas-sized uint8 [H, W, 3] each, decoded on the worker thread
+            job.prepare = lambda: {"keyframes": [k.load() for k in keyframes]}
+            job.input_bytes = sum(k.decode_bytes for k in keyframes)
 
         def on_event(ev):
             if ev.kind == "progress":

@@ -16,28 +16,10 @@ from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
 
 from encoder_svc.checkpoint import LINEARS, expected_shapes
+from encoder_svc.config import N_BYTES, TINY_SPECIAL_TOKENS, TINY_VOCAB_SIZE, ConditionerConfig
+from stagekit.checkpoints import CheckpointError, read_header
 from stagekit.quant import encode_comfy_quant, quantize_convrot
 
-# Special tokens of the tiny tokenizer, in id order after the 256 byte tokens (same names as the release).
-TINY_SPECIAL_TOKENS = (
-    "<|endoftext|>",
-    "<|im_start|>",
-    "<|im_end|>",
-    "<|vision_start|>",
-    "<|vision_end|>",
-    "<|vision_pad|>",
-    "<|image_pad|>",
-    "<|video_pad|>",
-    "<d>",
-    "</d>",
-    "<|cutoff|>",
-    "<|lyrics_start|>",
-    "<|lyrics_end|>",
-    "<|caption_start|>",
-    "<|caption_end|>",
-)
-N_BYTES = 256
-TINY_VOCAB_SIZE = N_BYTES + len(TINY_SPECIAL_TOKENS)
 TINY_SEED = 20261130
 TINY_CHECKPOINT = "qwen3vl_tiny_minimax_h3_{variant}.safetensors"
 TINY_CONVROT_GROUPSIZE = 16  # power of 4 dividing the tiny in_features (64, 128)
@@ -63,8 +45,6 @@ def build_tiny_tokenizer() -> Tokenizer:
 
 def tiny_weights(cfg=None, seed: int = TINY_SEED, num_layers: int | None = None) -> dict[str, torch.Tensor]:
     """fp32 weights by module-relative name (``embed_tokens.weight``, ``layers.{i}.*``), deterministic."""
-    from encoder_svc.conditioner import ConditionerConfig
-
     cfg = cfg or ConditionerConfig.tiny()
     n = num_layers or cfg.num_layers
     shapes = expected_shapes(ConditionerConfig(**{**cfg.__dict__, "num_layers": n, "total_layers": max(n, cfg.total_layers)}))
@@ -199,8 +179,6 @@ def write_tiny_model(
 
     ``num_layers`` > the tiny config's used layers writes extra layers (a "full" model the loader truncates).
     """
-    from encoder_svc.conditioner import ConditionerConfig
-
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     tok_path = out_dir / "tokenizer.json"
@@ -226,12 +204,9 @@ def write_tiny_model(
 
 
 def _has_visual(path: Path) -> bool:
-    from safetensors import safe_open
-
     try:
-        with safe_open(str(path), framework="pt") as f:
-            return any(k.startswith(("visual.", "model.visual.")) for k in f.keys())
-    except Exception:  # noqa: BLE001 - unreadable cache file: rewrite it
+        return any(k.startswith(("visual.", "model.visual.")) for k in read_header(path).tensors)
+    except CheckpointError:  # unreadable cache file: rewrite it
         return False
 
 

@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
 # Stop the stages started by scripts/up.sh: SIGTERM (graceful drain), then SIGKILL after a grace period.
+# Everything a stage started is stopped (its process group from the pid file, and every process with its TMPDIR,
+# torchrun's ranks included), even when its launcher is already gone.
 #   scripts/down.sh [--run-dir run] [--grace 30]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -11,16 +13,18 @@ while [[ $# -gt 0 ]]; do
     *) echo "down.sh: unknown option $1" >&2; exit 2;;
   esac
 done
+[[ -d "$run_dir" ]] && run_dir="$(cd "$run_dir" && pwd)"  # the stages' TMPDIR is absolute
+# shellcheck source=scripts/procs.sh
+source scripts/procs.sh
 for stage in encoder dit decoder; do
   pidf="$run_dir/$stage.pid"
   [[ -f "$pidf" ]] || continue
   pid="$(cat "$pidf")"
-  if kill -0 "$pid" 2>/dev/null; then
-    kill -TERM -- "-$pid" 2>/dev/null || kill -TERM "$pid"
-    for _ in $(seq 1 $((grace * 10))); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
-    kill -KILL -- "-$pid" 2>/dev/null || true
-    echo "stopped $stage (pid $pid)"
+  if [[ -n "$(stage_pids "$pid" "$run_dir/tmp/$stage")" ]]; then
+    stop_stage "$pid" "$run_dir/tmp/$stage" "$grace"
+    echo "stopped $stage (pid $pid and every process it started)"
   fi
   rm -f "$pidf" "$run_dir/$stage.port"
+  rm -rf "$run_dir/tmp/$stage"
 done
 rm -f "$run_dir/endpoints.env"

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Start the three h3-stages servers, wait until each is SERVING, print endpoints.
-# Idempotent: a stage whose pid file points at a live process is left alone.
+# Idempotent: a stage whose pid file points at a live process is left alone; leftovers of a stage whose
+# launcher died (its process group, e.g. ranks of a killed torchrun agent) are stopped before it is started again.
+# Each stage runs in its own process group (pid file = group id) with TMPDIR=<run-dir>/tmp/<stage>.
 #
 #   scripts/up.sh [--run-dir run] [--models-dir DIR] [--devices cuda:0,cuda:1]
 #                 [--encoder-ranks 1] [--dit-ranks 2] [--decoder-ranks 2]
@@ -33,11 +35,19 @@ while [[ $# -gt 0 ]]; do
 done
 mkdir -p "$run_dir"
 run_dir="$(cd "$run_dir" && pwd)"
-alive() { [[ -f "$1" ]] && kill -0 "$(cat "$1")" 2>/dev/null; }
+# shellcheck source=scripts/procs.sh
+source scripts/procs.sh
+alive() { [[ -f "$1" ]] && pid_alive "$(cat "$1")"; }
 
 for stage in encoder dit decoder; do
   pidf="$run_dir/$stage.pid"
   if alive "$pidf"; then echo "$stage already running (pid $(cat "$pidf"))"; continue; fi
+  stage_tmp="$run_dir/tmp/$stage"  # the stage's temp files and torchrun's torchelastic_* dirs
+  if [[ -f "$pidf" && -n "$(stage_pids "$(cat "$pidf")" "$stage_tmp")" ]]; then
+    echo "$stage: its launcher (pid $(cat "$pidf")) is gone but processes it started remain; stopping them"
+    stop_stage "$(cat "$pidf")" "$stage_tmp" 10
+  fi
+  rm -rf "$stage_tmp"; mkdir -p "$stage_tmp"
   args=(--host "$host" --port "${ports[$stage]}" --port-file "$run_dir/$stage.port"
         --lease-dir "$run_dir/leases" --residency "$residency")
   [[ -n "$models_dir" ]] && args+=(--models-dir "$models_dir")
@@ -50,7 +60,7 @@ for stage in encoder dit decoder; do
   else
     cmd=("$PY" -m "${module[$stage]}" "${args[@]}" "${extra[@]}")
   fi
-  setsid "${cmd[@]}" >>"$run_dir/$stage.log" 2>&1 < /dev/null &
+  TMPDIR="$stage_tmp" setsid "${cmd[@]}" >>"$run_dir/$stage.log" 2>&1 < /dev/null &
   echo $! > "$pidf"
   echo "started $stage (pid $!, ranks ${ranks[$stage]}), log $run_dir/$stage.log"
 done

@@ -1,60 +1,439 @@
-"""Safetensors checkpoints, common to every stage: the header reader and the error a bad file raises.
+"""The one checkpoint toolkit every stage loads its weights with (docs/checkpoints.md).
 
-Only the JSON header is read (never tensor data), and the file is checked to be long enough for every tensor the
-header declares, so a truncated download fails at start-up with the file and tensor named.
+* `read_header(file)`: the safetensors header of one file (tensor names, shapes, dtypes, metadata), checked
+  against the file size and the format's rules, without reading tensor data;
+* `open_checkpoint(path)`: a single file, a directory of shards (with or without an index) or an index file ->
+  all tensors' header entries, the metadata, the `config.json` beside the shards, and whether it is sharded;
+* `key_report(have, want)`: missing / unexpected / misshapen / wrong-dtype keys against what an architecture
+  expects, raised as one `CheckpointError` that names the file and the first offending key;
+* `NameMap`: our parameter names <-> a source's names (diffusers, release prefixes), one rule table per source,
+  used in both directions;
+* `TensorReader`: reads whole tensors or row / column slices through safetensors, turning any read failure of a
+  file that went bad after start-up into a `CheckpointError` (FAILED_PRECONDITION) naming file and tensor;
+* `read_quant_spec`: a `comfy_quant` descriptor, checked against the weight it describes.
+
+`CheckpointError` is the only error a bad checkpoint raises. It is a FailedPrecondition: the server's files are
+wrong, never the client's request.
 """
 
 from __future__ import annotations
 
 import json
+import math
+import re
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Iterable, Mapping
+
+import torch
+from safetensors import safe_open
 
 from stagekit.errors import FailedPrecondition
+from stagekit.quant import QuantFormatError, QuantSpec, parse_comfy_quant
 
 HEADER_LEN_BYTES = 8  # safetensors: little-endian u64 header length, then JSON header, then data
 MAX_HEADER_BYTES = 100 * 1024 * 1024
+MAX_NAMED = 10  # keys listed per category in a key report
+INDEX_SUFFIX = ".safetensors.index.json"
+CONFIG_JSON = "config.json"
+SHARD_NAME = re.compile(r"-\d+-of-\d+\.safetensors$")  # `model-00001-of-00014.safetensors`
+
+# Bytes per element of every safetensors dtype.
+DTYPE_BYTES = {
+    "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
+    "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8,
+}
+FLOAT = frozenset({"F64", "F32", "F16", "BF16"})  # dense float storage: loaders cast it to the compute dtype
+TORCH_DTYPE = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+               "I8": torch.int8, "U8": torch.uint8, "I32": torch.int32, "I64": torch.int64}
 
 
-class CheckpointError(FailedPrecondition, ValueError):
-    """The checkpoint on disk cannot be used with this config (corrupt, wrong variant, missing/extra/misshapen keys)."""
+class CheckpointError(FailedPrecondition):
+    """A checkpoint on disk that cannot be used: unreadable, truncated, a wrong variant, or keys that do not fit
+    the architecture. `file` is the file (or checkpoint directory) and `key` the first offending tensor, when
+    there is one; both lead the message."""
+
+    def __init__(self, file: str | Path, problem: str, key: str | None = None):
+        self.file = str(file)
+        self.key = key
+        self.problem = problem
+        super().__init__(f"{file}: " + (f"{key}: " if key else "") + problem)
 
 
+# =====================================================================================================================
+# Headers
+# =====================================================================================================================
 @dataclass(frozen=True)
 class HeaderEntry:
     file: Path
     shape: tuple[int, ...]
     dtype: str  # safetensors dtype string, e.g. "BF16", "I8"
-    disk_key: str = ""  # name inside the file when it differs from the dict key (prefix stripped)
+    disk_key: str = ""  # name inside the file when it differs from the dict key (renamed / prefix stripped)
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
 
 
-def read_header(file: Path) -> dict[str, HeaderEntry]:
-    """Parse one safetensors header and check that the file is long enough for every tensor it declares."""
+@dataclass(frozen=True)
+class FileHeader:
+    file: Path
+    tensors: dict[str, HeaderEntry]
+    metadata: dict[str, str]
+
+
+def read_header(file: str | Path) -> FileHeader:
+    """Parse one safetensors header and check it against the file: every dtype known, every tensor's byte range as
+    long as its shape and dtype say, the ranges tiling the data section without holes, the file long enough."""
+    file = Path(file)
     try:
         size = file.stat().st_size
         with open(file, "rb") as fh:
             raw_len = fh.read(HEADER_LEN_BYTES)
             if len(raw_len) != HEADER_LEN_BYTES:
-                raise CheckpointError(f"{file}: truncated safetensors file ({size} bytes, no header)")
+                raise CheckpointError(file, f"truncated safetensors file ({size} bytes, no header)")
             (n,) = struct.unpack("<Q", raw_len)
             if n > min(MAX_HEADER_BYTES, size - HEADER_LEN_BYTES):
-                raise CheckpointError(f"{file}: corrupt safetensors header length {n} (file has {size} bytes)")
+                raise CheckpointError(file, f"corrupt safetensors header length {n} (file has {size} bytes)")
             header = json.loads(fh.read(n))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{file}: unreadable safetensors header: {e}") from e
-    header.pop("__metadata__", None)
+        raise CheckpointError(file, f"unreadable safetensors header: {e}") from e
+    if not isinstance(header, dict):
+        raise CheckpointError(file, "unreadable safetensors header: not a JSON object")
+    metadata = header.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise CheckpointError(file, "corrupt safetensors header: __metadata__ must map names to strings")
     data_bytes = size - HEADER_LEN_BYTES - n
-    entries = {}
+    entries, spans = {}, []
     for key, info in header.items():
         try:
-            start, end = info["data_offsets"]
-            entries[key] = HeaderEntry(file, tuple(int(d) for d in info["shape"]), str(info["dtype"]))
+            start, end = (int(x) for x in info["data_offsets"])
+            shape = tuple(int(d) for d in info["shape"])
+            dtype = str(info["dtype"])
         except (KeyError, TypeError, ValueError) as e:
-            raise CheckpointError(f"{file}: corrupt header entry for {key!r}: {e}") from e
+            raise CheckpointError(file, f"corrupt header entry: {e!r}", key) from e
+        if dtype not in DTYPE_BYTES:
+            raise CheckpointError(file, f"corrupt header entry: unknown dtype {dtype!r}", key)
+        if any(d < 0 for d in shape) or not 0 <= start <= end:
+            raise CheckpointError(file, f"corrupt header entry: shape {list(shape)}, offsets [{start}, {end}]", key)
+        if end - start != math.prod(shape) * DTYPE_BYTES[dtype]:
+            raise CheckpointError(file, f"corrupt header entry: {dtype}{list(shape)} needs "
+                                        f"{math.prod(shape) * DTYPE_BYTES[dtype]} bytes, the offsets give {end - start}",
+                                  key)
+        entries[key] = HeaderEntry(file, shape, dtype)
+        spans.append((start, end, key))
+    cursor = 0
+    for start, end, key in sorted(spans):
+        if start != cursor:
+            raise CheckpointError(file, f"corrupt header: tensor data starts at byte {start}, expected {cursor} "
+                                        f"(overlapping or missing tensor bytes)", key)
         if end > data_bytes:
-            raise CheckpointError(
-                f"{file}: truncated: tensor {key!r} ends at byte {end} of the data section, "
-                f"which has only {data_bytes} bytes"
-            )
-    return entries
+            raise CheckpointError(file, f"truncated: the tensor ends at byte {end} of the data section, which has "
+                                        f"only {data_bytes} bytes", key)
+        cursor = end
+    if cursor != data_bytes:
+        raise CheckpointError(file, f"corrupt: {data_bytes - cursor} bytes after the last tensor")
+    return FileHeader(file, entries, {str(k): v for k, v in metadata.items()})
+
+
+@dataclass
+class Checkpoint:
+    """All header entries of a checkpoint (one file, or the shards of a directory), nothing read yet."""
+
+    path: Path  # as given
+    files: list[Path]
+    root: Path | None  # the directory holding the shards (None for a single file)
+    sharded: bool  # an index file or `-NNNNN-of-NNNNN` shard names: the layout of a release / diffusers save
+    tensors: dict[str, HeaderEntry]
+    metadata: dict[str, str]  # every file's `__metadata__`, merged
+    config: dict = field(default_factory=dict)  # `config.json` beside the shards ({} if none)
+
+    @property
+    def config_file(self) -> Path | None:
+        return None if self.root is None else self.root / CONFIG_JSON
+
+
+def _index_files(index: Path) -> list[Path]:
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+        names = sorted(set(weight_map.values()))
+    except (OSError, KeyError, TypeError, AttributeError, json.JSONDecodeError) as e:
+        raise CheckpointError(index, f"unreadable index: {e!r}") from e
+    if not names:
+        raise CheckpointError(index, "index lists no shards")
+    files = [index.parent / n for n in names]
+    absent = [f.name for f in files if not f.is_file()]
+    if absent:
+        raise CheckpointError(index, f"lists {len(absent)} missing shard(s): {absent[:MAX_NAMED]}")
+    return files
+
+
+def resolve_files(path: str | Path, subdir: str | None = None) -> tuple[list[Path], Path | None, bool]:
+    """(safetensors files, directory they live in or None for a single file, sharded?). `subdir` is looked for
+    inside a directory first (`transformer/` of a diffusers pipeline folder)."""
+    path = Path(path)
+    if path.is_file():
+        if path.name.endswith(INDEX_SUFFIX):
+            return _index_files(path), path.parent, True
+        return [path], None, False
+    if not path.is_dir():
+        raise CheckpointError(path, "does not exist")
+    if subdir and (path / subdir).is_dir():
+        path = path / subdir
+    indexes = sorted(path.glob("*" + INDEX_SUFFIX))
+    if len(indexes) > 1:
+        raise CheckpointError(path, f"holds {len(indexes)} index files ({[p.name for p in indexes]}); keep one")
+    if indexes:
+        return _index_files(indexes[0]), path, True
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(path, "no *.safetensors files in this directory")
+    return files, path, any(SHARD_NAME.search(f.name) for f in files)
+
+
+def open_checkpoint(path: str | Path, subdir: str | None = None) -> Checkpoint:
+    """Read every header of a checkpoint (no tensor data): merged entries, metadata and config.json."""
+    files, root, sharded = resolve_files(path, subdir)
+    tensors: dict[str, HeaderEntry] = {}
+    metadata: dict[str, str] = {}
+    for f in files:
+        head = read_header(f)
+        for key, entry in head.tensors.items():
+            if key in tensors:
+                raise CheckpointError(f, f"tensor also appears in {tensors[key].file}", key)
+            tensors[key] = entry
+        metadata.update(head.metadata)
+    config = {}
+    if root is not None and (root / CONFIG_JSON).is_file():
+        try:
+            config = json.loads((root / CONFIG_JSON).read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise CheckpointError(root / CONFIG_JSON, f"unreadable: {e}") from e
+        if not isinstance(config, dict):
+            raise CheckpointError(root / CONFIG_JSON, "must hold a JSON object")
+    return Checkpoint(Path(path), files, root, sharded, tensors, metadata, config)
+
+
+def metadata_json(ckpt: Checkpoint, key: str) -> dict | None:
+    """A JSON object stored under `key` in the safetensors metadata (None when absent)."""
+    text = ckpt.metadata.get(key)
+    if text is None:
+        return None
+    try:
+        doc = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise CheckpointError(ckpt.files[0], f"metadata {key!r} is not JSON: {e}") from e
+    if not isinstance(doc, dict):
+        raise CheckpointError(ckpt.files[0], f"metadata {key!r} must be a JSON object")
+    return doc
+
+
+# =====================================================================================================================
+# Key report
+# =====================================================================================================================
+@dataclass(frozen=True)
+class TensorSpec:
+    """What one tensor of an architecture must look like: its shape (None: any) and the dtypes allowed."""
+
+    shape: tuple[int, ...] | None
+    dtypes: frozenset[str] = FLOAT
+
+
+def describe_dtypes(dtypes: frozenset[str]) -> str:
+    return "a float dtype" if dtypes == FLOAT else " or ".join(sorted(dtypes))
+
+
+@dataclass
+class KeyReport:
+    """How a checkpoint's tensors differ from an architecture's (keys in our names)."""
+
+    missing: list[str] = field(default_factory=list)
+    unexpected: list[str] = field(default_factory=list)
+    misshapen: list[str] = field(default_factory=list)  # "key DTYPE[shape] (expected [shape])"
+    wrong_dtype: list[str] = field(default_factory=list)  # "key DTYPE[shape] (expected ...)"
+    first: tuple[str, Path | None] | None = None  # (key, file) of the first problem in architecture order
+
+    @property
+    def ok(self) -> bool:
+        return not (self.missing or self.unexpected or self.misshapen or self.wrong_dtype)
+
+    def raise_if_bad(self, source: str | Path, what: str) -> None:
+        """One CheckpointError (one line) naming the file and the first offending key, then every problem by kind."""
+        if self.ok:
+            return
+        key, file = self.first
+        parts = [f"does not match {what}; first offending key: {key}"]
+        for label, items in (("missing key(s)", self.missing), ("unexpected key(s)", self.unexpected),
+                             ("misshapen key(s)", self.misshapen), ("key(s) with a wrong dtype", self.wrong_dtype)):
+            if items:
+                parts.append(f"{len(items)} {label}: {named(items)}")
+        raise CheckpointError(file or source, "; ".join(parts), key)
+
+
+def tensor_entries(sd: Mapping[str, torch.Tensor], source: str | Path) -> dict[str, HeaderEntry]:
+    """Header entries for tensors already in memory (a converted state dict), so they go through the same report."""
+    names = {v: k for k, v in TORCH_DTYPE.items()}
+    return {k: HeaderEntry(Path(source), tuple(t.shape), names.get(t.dtype, str(t.dtype))) for k, t in sd.items()}
+
+
+def named(keys: list[str]) -> str:
+    more = f" ... (+{len(keys) - MAX_NAMED} more)" if len(keys) > MAX_NAMED else ""
+    return ", ".join(keys[:MAX_NAMED]) + more
+
+
+def key_report(have: Mapping[str, HeaderEntry], want: Mapping[str, TensorSpec], *, optional: Iterable[str] = (),
+               ignored: Iterable[str] = ()) -> KeyReport:
+    """Compare a checkpoint's entries (our names) with an architecture's specs. `optional` keys may be absent;
+    `ignored` keys may be present and are not checked."""
+    optional, ignored = set(optional), set(ignored)
+    report = KeyReport()
+    for k, spec in want.items():
+        e = have.get(k)
+        if e is None:
+            if k not in optional:
+                report.missing.append(k)
+                report.first = report.first or (k, None)
+            continue
+        got = f"{k} {e.dtype}{list(e.shape)}"
+        if spec.shape is not None and e.shape != spec.shape:
+            report.misshapen.append(f"{got} (expected {list(spec.shape)})")
+        elif e.dtype not in spec.dtypes:
+            report.wrong_dtype.append(f"{got} (expected {describe_dtypes(spec.dtypes)})")
+        else:
+            continue
+        report.first = report.first or (k, e.file)
+    for k, e in have.items():
+        if k not in want and k not in ignored:
+            report.unexpected.append(k)
+            report.first = report.first or (k, e.file)
+    return report
+
+
+# =====================================================================================================================
+# Name mapping
+# =====================================================================================================================
+def _compile(pattern: str) -> re.Pattern:
+    anchored = pattern.startswith("^")
+    body = re.escape(pattern[1:] if anchored else pattern).replace(r"\#", r"(\d+)")
+    return re.compile(("^" if anchored else "") + body)
+
+
+def _template(pattern: str) -> str:
+    """Replacement string: each `#` becomes the next captured index."""
+    parts = (pattern[1:] if pattern.startswith("^") else pattern).replace("\\", "\\\\").split("#")
+    return parts[0] + "".join(f"\\g<{n}>{p}" for n, p in enumerate(parts[1:], 1))
+
+
+@dataclass(frozen=True)
+class NameMap:
+    """Renames between our parameter names and a source's, from one table of `(ours, theirs)` rules.
+
+    A rule starting with `^` applies at the start of a key (the first such rule that matches, once; `("^", "^x.")`
+    adds or strips the prefix `x.`); any other rule applies wherever it occurs. `#` stands for a block index and
+    is carried over. The same table maps both ways, so a name map is written once per source.
+    """
+
+    rules: tuple[tuple[str, str], ...]
+    _fwd: tuple = field(init=False, repr=False, compare=False)
+    _back: tuple = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        for ours, theirs in self.rules:
+            if ours.startswith("^") != theirs.startswith("^") or ours.count("#") != theirs.count("#"):
+                raise ValueError(f"name rule ({ours!r}, {theirs!r}): both sides must agree on '^' and '#'")
+        compiled = lambda src, dst: (src.startswith("^"), _compile(src), _template(dst))  # noqa: E731
+        object.__setattr__(self, "_fwd", tuple(compiled(o, t) for o, t in self.rules))
+        object.__setattr__(self, "_back", tuple(compiled(t, o) for o, t in self.rules))
+
+    @classmethod
+    def prefix(cls, theirs: str) -> "NameMap":
+        """The source puts `theirs` in front of our names."""
+        return cls((("^", "^" + theirs),))
+
+    @staticmethod
+    def _apply(rules, key: str) -> str:
+        anchored_done = False
+        for anchored, rx, repl in rules:
+            if anchored:
+                if not anchored_done and rx.match(key):
+                    key, anchored_done = rx.sub(repl, key, count=1), True
+            else:
+                key = rx.sub(repl, key)
+        return key
+
+    def to_source(self, key: str) -> str:
+        return self._apply(self._fwd, key)
+
+    def from_source(self, key: str) -> str:
+        return self._apply(self._back, key)
+
+
+IDENTITY = NameMap(())
+
+
+# =====================================================================================================================
+# Reading tensors
+# =====================================================================================================================
+class TensorReader:
+    """Reads tensors by header entry, one safetensors handle per file; whole tensors or row / column ranges
+    (`get_slice`, so a tensor-parallel rank never reads more than its part). Any failure becomes a CheckpointError
+    naming file and tensor (a file replaced or truncated after start-up)."""
+
+    def __init__(self, entries: Mapping[str, HeaderEntry]) -> None:
+        self._entries = entries
+        self._handles: dict[Path, object] = {}
+
+    def _open(self, key: str):
+        e = self._entries[key]
+        if e.file not in self._handles:
+            try:
+                self._handles[e.file] = safe_open(str(e.file), framework="pt", device="cpu")
+            except Exception as exc:  # noqa: BLE001 - safetensors raises its own SafetensorError, or OSError
+                raise CheckpointError(e.file, f"cannot open: {exc}", key) from exc
+        return self._handles[e.file], e.disk_key or key
+
+    def _read(self, key: str, index) -> torch.Tensor:
+        handle, disk = self._open(key)
+        e = self._entries[key]
+        try:
+            t = handle.get_tensor(disk) if index is None else handle.get_slice(disk)[index]
+        except Exception as exc:  # noqa: BLE001
+            raise CheckpointError(e.file, f"cannot read the tensor (file changed since start-up?): {exc}", key) \
+                from exc
+        if index is None and (tuple(t.shape) != e.shape or TORCH_DTYPE.get(e.dtype, t.dtype) != t.dtype):
+            raise CheckpointError(e.file, f"reads as {t.dtype}{list(t.shape)}, its header said "
+                                          f"{e.dtype}{list(e.shape)} (file changed since start-up?)", key)
+        return t
+
+    def whole(self, key: str) -> torch.Tensor:
+        return self._read(key, None)
+
+    def rows(self, key: str, lo: int, hi: int) -> torch.Tensor:
+        return self._read(key, slice(lo, hi))
+
+    def cols(self, key: str, lo: int, hi: int) -> torch.Tensor:
+        return self._read(key, (slice(None), slice(lo, hi)))
+
+    def close(self) -> None:
+        self._handles.clear()
+
+
+def read_quant_spec(reader: TensorReader, entries: Mapping[str, HeaderEntry], weight_key: str) -> QuantSpec:
+    """The `comfy_quant` descriptor of an int8 weight, checked against the weight: valid JSON of a known format,
+    and a ConvRot group that divides the weight's in_features. Raises CheckpointError naming file and tensor."""
+    prefix = weight_key[: -len(".weight")]
+    qkey = f"{prefix}.comfy_quant"
+    e = entries.get(qkey)
+    if e is None:
+        raise CheckpointError(entries[weight_key].file, "int8 weight without its comfy_quant descriptor: cannot "
+                                                        "tell whether it is ConvRot-rotated", qkey)
+    try:
+        spec = parse_comfy_quant(reader.whole(qkey))
+    except QuantFormatError as exc:
+        raise CheckpointError(e.file, str(exc), qkey) from exc
+    in_features = entries[weight_key].shape[-1]
+    if spec.groupsize and in_features % spec.groupsize:
+        raise CheckpointError(e.file, f"ConvRot group size {spec.groupsize} does not divide the weight's "
+                                      f"in_features {in_features}", qkey)
+    return spec

@@ -1,7 +1,9 @@
 """Errors a stage raises on purpose, each bound to the gRPC status a caller sees.
 
-Model and loader code raises plain `ValueError` for bad input; the server maps
-it to INVALID_ARGUMENT. Everything else that is deliberate uses these classes.
+A plain `ValueError` from request validation is the caller's fault (INVALID_ARGUMENT). Server-side
+problems use a class here, never a bare ValueError: a bad checkpoint raises
+`stagekit.checkpoints.CheckpointError` (a FailedPrecondition), so a client is never told that a broken
+file on the server was its mistake.
 """
 
 from __future__ import annotations
@@ -39,10 +41,6 @@ class DeadlineExceeded(StageError):
 
 class Unavailable(StageError):
     code = grpc.StatusCode.UNAVAILABLE
-
-
-class NotFound(StageError):
-    code = grpc.StatusCode.NOT_FOUND
 
 
 def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:

@@ -5,6 +5,13 @@ remaps cannot make two stages think they use different cards). The lease is an
 exclusive `flock`, which the kernel drops the instant the holder dies — no stale
 locks after `kill -9`. On CPU a virtual device name ("virt0") plays the UUID.
 
+The lease is taken by a stage's rank 0 for all the group's devices; in addition
+every rank that holds weights on a device keeps a rank hold there
+(`RankHold`: `<dev>.rank.<pid>`, its own exclusive flock). A new holder, once
+it has the lease, waits until no rank of another process still holds its
+devices, so a follower that outlives its rank 0 (hung, or slow to exit) keeps
+the device taken until it is gone too.
+
 Holders write who they are into the lock file; waiters leave a marker file so
 an idle holder knows to step aside. Markers carry a ticket (the time the wait
 began) and the waiter's pid: waiters take the lock in ticket order (FIFO across
@@ -101,10 +108,6 @@ class DeviceLease:
     def _log(self, event: str, **extra) -> None:
         self.events.write(event, devices=self.ids, **extra)
 
-    def log_event(self, event: str, **extra) -> None:
-        """Record a residency event (load/unload, ...) for this holder in the shared log."""
-        self._log(event, **extra)
-
     @property
     def held(self) -> bool:
         return bool(self._fds)
@@ -174,6 +177,7 @@ class DeviceLease:
                     os.ftruncate(fd, 0)
                     os.pwrite(fd, f"{self.cfg.holder} pid={os.getpid()}\n".encode(), 0)
                     self._fds.append(fd)
+                self._wait_for_ranks(t0, timeout_s, poll_s)
             except BaseException:
                 self._release_fds()
                 raise
@@ -183,6 +187,22 @@ class DeviceLease:
             waited = time.monotonic() - t0
             self._log("acquire", waited_s=waited)
             return waited
+
+    def _wait_for_ranks(self, t0: float, timeout_s: float | None, poll_s: float) -> None:
+        """With the lease taken: wait until no rank of another process holds weights on our devices."""
+        logged = False
+        while True:
+            busy = [(dev, who) for dev in self.ids for who in rank_holders(self.cfg.lease_dir, dev)]
+            if not busy:
+                return
+            if not logged:
+                self._log("wait_ranks", holders=[who for _, who in busy])
+                logged = True
+            if timeout_s is not None and time.monotonic() - t0 > timeout_s:
+                dev, who = busy[0]
+                raise TimeoutError(f"device {dev} still holds the weights of {who} after {timeout_s:.0f} s (its rank "
+                                   "group lost its leader); stop that process")
+            time.sleep(poll_s)
 
     def _check_timeout(self, t0: float, timeout_s: float | None, dev: str) -> None:
         if timeout_s is not None and time.monotonic() - t0 > timeout_s:
@@ -213,27 +233,111 @@ class DeviceLease:
         return any(p not in mine for dev in self.ids for _, _, p in self._waiters(dev))
 
     def holder_of(self, dev: str) -> str:
-        """Who holds `dev` now ("" when free; a dead holder's leftover name is not reported)."""
+        """Who holds `dev` now ("" when free; a dead holder's leftover name is not reported). Without a lease
+        holder, ranks still holding weights there (a group whose leader is gone) are reported."""
         path = self._path(dev)
         if dev in self.ids and self._fds:
             return f"{self.cfg.holder} pid={os.getpid()}"
         try:
             fd = os.open(path, os.O_RDONLY)
         except FileNotFoundError:
-            return ""
-        try:
+            fd = None
+        if fd is not None:
             try:
-                # A probe on our own open file: succeeds only when nobody holds the lease.
-                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-                fcntl.flock(fd, fcntl.LOCK_UN)
-                return ""
-            except BlockingIOError:
-                return os.pread(fd, 4096, 0).decode(errors="replace").strip() or "another stage"
-        finally:
-            os.close(fd)
+                try:
+                    # A probe on our own open file: succeeds only when nobody holds the lease.
+                    fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                    fcntl.flock(fd, fcntl.LOCK_UN)
+                except BlockingIOError:
+                    return os.pread(fd, 4096, 0).decode(errors="replace").strip() or "another stage"
+            finally:
+                os.close(fd)
+        return ", ".join(f"{who} (leader gone)" for who in rank_holders(self.cfg.lease_dir, dev, os.getpid()))
 
     def holders(self) -> str:
         return ", ".join(h for h in (self.holder_of(d) for d in self.ids) if h)
+
+
+class RankHold:
+    """One rank's claim on its own device while it holds weights there: an exclusive flock on
+    `<dev>.rank.<pid>` (the kernel drops it if the rank dies). Ranks of one group on one device (virtual devices in
+    tests) each hold their own file, so they never block each other; another stage's new lease waits for all."""
+
+    def __init__(self, device_name: str, lease_dir: Path, who: str):
+        self.lease_dir = Path(lease_dir)
+        self.lease_dir.mkdir(parents=True, exist_ok=True)
+        self.id = device_ids([device_name])[0]
+        self.who = who
+        self.path = self.lease_dir / f"{safe_name(self.id)}.rank.{os.getpid()}"
+        self.events = EventLog(self.lease_dir, who)
+        self._fd: int | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def held(self) -> bool:
+        return self._fd is not None
+
+    def take(self) -> None:
+        with self._lock:
+            if self._fd is not None:
+                return
+            while True:
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+                fcntl.flock(fd, fcntl.LOCK_EX)  # our own file: at most a prober's brief shared lock on it
+                try:
+                    if os.stat(self.path).st_ino == os.fstat(fd).st_ino:
+                        break
+                except FileNotFoundError:
+                    pass
+                os.close(fd)  # a prober removed it as stale between our open and our lock: make it again
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{self.who} pid={os.getpid()}\n".encode(), 0)
+            self._fd = fd
+            self.events.write("rank_hold", devices=[self.id])
+
+    def release(self) -> None:
+        with self._lock:
+            if self._fd is None:
+                return
+            fd, self._fd = self._fd, None
+            self.path.unlink(missing_ok=True)
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            os.close(fd)
+            self.events.write("rank_release", devices=[self.id])
+
+
+def rank_holders(lease_dir: Path, dev: str, skip_pid: int | None = None) -> list[str]:
+    """Ranks of live processes (other than `skip_pid`, default ours) holding weights on `dev`; files left by dead
+    ranks are removed."""
+    skip_pid = os.getpid() if skip_pid is None else skip_pid
+    out = []
+    for p in Path(lease_dir).glob(f"{safe_name(dev)}.rank.*"):
+        try:
+            pid = int(p.name.rsplit(".", 1)[1])
+        except ValueError:
+            continue
+        if pid == skip_pid:
+            continue
+        try:
+            fd = os.open(p, os.O_RDONLY)
+        except FileNotFoundError:
+            continue
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except BlockingIOError:
+                out.append(os.pread(fd, 4096, 0).decode(errors="replace").strip() or f"pid {pid}")
+                continue
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            # Free: its rank died without releasing. Remove it unless the path now names a newer file.
+            try:
+                if os.stat(p).st_ino == os.fstat(fd).st_ino:
+                    p.unlink(missing_ok=True)
+            except FileNotFoundError:
+                pass
+        finally:
+            os.close(fd)
+    return sorted(out)
 
 
 def read_events(lease_dir: Path) -> list[dict]:

@@ -17,8 +17,8 @@ server never collide. What is exported, all prefixed `h3_`:
                                                else the engine's resident bytes (kind="engine_resident")
     h3_stage_info{stage,residency,world_size,device}   constant 1
 
-The HTTP endpoint binds the stage's `--host` (the same exposure decision as the gRPC port) on `--metrics-port`
-(0 = a free port); the bound port is printed and written to `<port_file>.metrics` when a port file is used.
+The HTTP endpoint (plain, no auth) binds `--metrics-host` (loopback unless asked) on `--metrics-port` (0 = a free
+port); the bound port is printed and written to `<port_file>.metrics` when a port file is used.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from stagekit.errors import FailedPrecondition
 
-EMBEDDED_VERSION = "embedded-v2"
+EMBEDDED_VERSION = "embedded-v3"
 EMBEDDED_NOTE = ("using the embedded tiny model: its output is noise. For real video, download the MiniMax-H3 "
                  "files and pass --models-dir DIR (see README 'Real checkpoints').")
 

@@ -15,7 +15,9 @@ estimate can never fit the budget are refused at submit (RESOURCE_EXHAUSTED).
 from __future__ import annotations
 
 import logging
+import os
 import queue
+import signal
 import threading
 import time
 import traceback
@@ -25,8 +27,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from stagekit.dist import RankGroup
-from stagekit.errors import Cancelled, ResourceExhausted, Unavailable, status_for
-from stagekit.lease import DeviceLease
+from stagekit.errors import Cancelled, ResourceExhausted, StageError, Unavailable, status_for
+from stagekit.lease import DeviceLease, RankHold
 
 if TYPE_CHECKING:
     from stagekit.budget import MemoryBudget
@@ -85,6 +87,10 @@ class JobEvent:
     payload: Any = None
 
 
+class ShutdownCancel(Unavailable):
+    """A job the stage cancelled because it is shutting down (SIGTERM): UNAVAILABLE, retryable elsewhere."""
+
+
 @dataclass
 class Job:
     spec: Any
@@ -96,12 +102,61 @@ class Job:
     cancelled: threading.Event = field(default_factory=threading.Event)
     timing: dict = field(default_factory=dict)
     estimate_bytes: int = 0                   # per-device peak (weights + activations), set at submit
+    # Runs on the worker thread (rank 0) just before the job, and its dict joins `inputs`: work that must wait for
+    # admission, e.g. decoding keyframe images (one at a time, counted in `input_bytes`, never in a handler thread).
+    prepare: Callable[[], dict] | None = None
+    input_bytes: int = 0                      # bytes `prepare` will hold, added to the job's memory estimate
+    cleanup: Callable[[Any], None] | None = None  # frees a result nobody will read (the decoder's temp file)
+    cancel_reason: StageError | None = None   # raised at the next step boundary instead of a plain Cancelled
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    _closed: bool = False                     # the RPC is over: nobody reads events any more
+    _started: bool = False
 
-    def cancel(self) -> None:
+    def cancel(self, reason: StageError | None = None) -> None:
+        if reason is not None and self.cancel_reason is None:
+            self.cancel_reason = reason
         self.cancelled.set()
 
     def should_cancel(self) -> bool:
         return self.cancelled.is_set() or (self.deadline is not None and time.monotonic() > self.deadline)
+
+    def close(self) -> None:
+        """The RPC is over (done, failed, or the client left): cancel; a job that has not started drops its inputs
+        now (a queued upload's memory is not kept until the worker reaches it); a result already delivered but
+        never read is cleaned up."""
+        with self._lock:
+            self._closed = True
+            self.cancelled.set()
+            if not self._started:
+                self.inputs, self.prepare = {}, None
+            unread = []
+            while True:
+                try:
+                    unread.append(self.events.get_nowait())
+                except queue.Empty:
+                    break
+        for ev in unread:
+            self._discard(ev)
+
+    def begin(self) -> bool:
+        """The worker takes the job; False when its RPC is already over (nothing to run)."""
+        with self._lock:
+            if self._closed:
+                return False
+            self._started = True
+            return True
+
+    def deliver(self, ev: JobEvent) -> None:
+        """Hand the job's outcome to its RPC, or clean it up when the RPC is gone."""
+        with self._lock:
+            if not self._closed:
+                self.events.put(ev)
+                return
+        self._discard(ev)
+
+    def _discard(self, ev: JobEvent) -> None:
+        if ev.kind == "done" and self.cleanup is not None:
+            self.cleanup(ev.payload)
 
 
 class JobContext:
@@ -120,7 +175,16 @@ class JobContext:
 
     def check_cancel(self) -> None:
         if self.should_stop():
+            if self.job is not None and self.job.cancel_reason is not None:
+                raise self.job.cancel_reason
             raise Cancelled(f"{self.stage}: job cancelled (client cancel, disconnect or deadline)")
+
+    def check_cancel_local(self) -> None:
+        """For work rank 0 does alone, outside any collective (the decoder's mux after the gather): raise if the job
+        was cancelled. Followers (no job) never raise."""
+        if self.job is not None and self.job.should_cancel():
+            raise self.job.cancel_reason or Cancelled(f"{self.stage}: job cancelled (client cancel, disconnect or "
+                                                      "deadline)")
 
     def progress(self, step: int, total: int, phase: str = "running", message: str = "", step_ms: float = 0.0) -> None:
         if self.job is None:  # followers report nothing
@@ -148,13 +212,21 @@ class StageRuntime:
       stage waiting for budget room needs it to step aside (same batch / yield rules as above).
     Every load/unload is written to the host-wide event log (`load_start`, `loaded`, `unload_start`,
     `unloaded`, `yield`) next to the lease's acquire/release and the budget's reservations.
+
+    `hold` is rank 0's own claim on its device while it holds weights (exclusive mode; every follower takes its
+    own, see `follower_loop`), so a device is free only once every rank on it has let go. `follower_pids` are the
+    follower ranks on this host: when the group breaks they are killed at once, so torchrun restarts the group
+    without waiting out its 30 s stop grace on a hung (or SIGTERM-ignoring) rank.
     """
 
     def __init__(self, engine: Engine, group: RankGroup, lease: DeviceLease | None, cfg: RuntimeConfig,
                  on_health: Callable[[bool], None] = lambda serving: None, metrics: Any = None,
-                 budget: "MemoryBudget | None" = None):
+                 budget: "MemoryBudget | None" = None, hold: RankHold | None = None,
+                 follower_pids: tuple[int, ...] = ()):
         cfg.validate()
         self.engine = engine
+        self.hold = hold
+        self.follower_pids = tuple(follower_pids)
         self.group = group
         self.lease = lease
         self.cfg = cfg
@@ -194,24 +266,29 @@ class StageRuntime:
         fn = getattr(self.engine, "estimate_peak_bytes", None)
         return int(fn(spec, inputs or {})) if fn is not None else 0
 
+    def _refuse_if_closed(self) -> None:
+        if self._stop.is_set():
+            raise Unavailable(f"{self.engine.name} is shutting down; retry on another replica")
+        if self._pending >= self.cfg.max_queue:
+            raise ResourceExhausted(
+                f"{self.engine.name} queue is full ({self._pending} jobs waiting, limit {self.cfg.max_queue}); retry later")
+
     def submit(self, job: Job) -> Job:
         with self._lock:
-            if self._stop.is_set():
-                raise Unavailable(f"{self.engine.name} is shutting down; retry on another replica")
-            if self._pending >= self.cfg.max_queue:
-                raise ResourceExhausted(
-                    f"{self.engine.name} queue is full ({self._pending} jobs waiting, limit {self.cfg.max_queue}); retry later")
-        # Admission by memory: a job that could never fit the device is refused now, not after a swap.
-        job.estimate_bytes = self.estimate_bytes(job.spec, job.inputs)
+            self._refuse_if_closed()
+        # Admission by memory: a job that could never fit the device is refused now, not after a swap. Inputs the
+        # job decodes once admitted (keyframe images) count too.
+        job.estimate_bytes = self.estimate_bytes(job.spec, job.inputs) + job.input_bytes
         if self.budget is not None:
             self.budget.check_fits(job.estimate_bytes, f"{self.engine.name} job {job.job_id}")
-        with self._lock:
+        with self._lock:  # checked again: a shutdown may have begun meanwhile, and must not miss this job
+            self._refuse_if_closed()
             self._pending += 1
             depth = self._pending
-        job.events.put(JobEvent("progress", dict(stage=self.engine.name, phase="queued", step=0, total=0,
-                                                 elapsed_s=0.0, eta_s=0.0, step_ms=0.0,
-                                                 message=f"{depth} in queue")))
-        self._q.put(job)
+            job.events.put(JobEvent("progress", dict(stage=self.engine.name, phase="queued", step=0, total=0,
+                                                     elapsed_s=0.0, eta_s=0.0, step_ms=0.0,
+                                                     message=f"{depth} in queue")))
+            self._q.put(job)
         return job
 
     def request(self, command: str, timeout_s: float = 3600.0) -> float:
@@ -223,13 +300,27 @@ class StageRuntime:
             raise err
         return secs
 
-    def shutdown(self, cancel_running: bool, grace_s: float) -> None:
-        """Stop taking jobs; finish or cancel the running one; fail queued ones; unload."""
-        self._stop.set()
-        if cancel_running and self.running is not None:
-            self.running.cancel()
+    def shutdown(self, cancel_running: bool, grace_s: float, cancel_wait_s: float = 15.0) -> None:
+        """SIGTERM (docs/reliability.md, "SIGTERM"): stop taking jobs; fail the queued ones now with UNAVAILABLE
+        (they never started, so a retry elsewhere is safe); let the running one finish within `grace_s` (or
+        cancel it now), then cancel it at its next step boundary, also UNAVAILABLE; unload; release followers."""
+        name = self.engine.name
+        with self._lock:
+            self._stop.set()
+        self._drain_queue(f"{name} is shutting down (SIGTERM): the job was queued and never started; retry it on "
+                          "another replica or once the stage is back")
         self._q.put(_EXIT)
+        job = self.running
+        if cancel_running and job is not None:
+            job.cancel(ShutdownCancel(f"{name} is shutting down (SIGTERM, --cancel-on-term): the running job was "
+                                      "cancelled; retry it on another replica or once the stage is back"))
         self._thread.join(timeout=grace_s)
+        job = self.running
+        if self._thread.is_alive() and job is not None:
+            job.cancel(ShutdownCancel(f"{name} is shutting down (SIGTERM): the job did not finish within the "
+                                      f"{grace_s:g} s drain (--drain-s) and was cancelled; retry it on another "
+                                      "replica or once the stage is back"))
+            self._thread.join(timeout=cancel_wait_s)
 
     # ---- worker thread ------------------------------------------------------------------------
     def _log(self, event: str, **extra) -> None:
@@ -254,6 +345,8 @@ class StageRuntime:
             self.on_health(False)
             self._log("load_start", waited_s=waited)
             t1 = time.monotonic()
+            if self.exclusive and self.hold is not None:
+                self.hold.take()
             self.group.broadcast_command((_LOAD, None))
             try:
                 self.engine.load()
@@ -297,6 +390,8 @@ class StageRuntime:
         return self._measured or self.budget.cfg.budget_bytes
 
     def _give_back(self) -> None:
+        if self.hold is not None:
+            self.hold.release()
         if self.lease is not None:
             self.lease.release()
         if self.budget is not None:
@@ -346,7 +441,7 @@ class StageRuntime:
                     self._unload()
                 continue
             if item == _EXIT:
-                self._drain_queue()
+                self._drain_queue(f"{self.engine.name} shut down before the job ran")
                 self._unload()
                 self.group.broadcast_command((_EXIT, None))
                 return
@@ -370,18 +465,24 @@ class StageRuntime:
                     self._log("yield", served=self._served, queued=self._pending)
                     self._unload()
 
-    def _drain_queue(self) -> None:
+    def _drain_queue(self, why: str) -> None:
+        """Fail everything queued (jobs and Load/Unload requests) with UNAVAILABLE `why`; keeps an _EXIT."""
+        keep = []
         while True:
             try:
                 item = self._q.get_nowait()
             except queue.Empty:
-                return
+                break
             if isinstance(item, Job):
                 with self._lock:
                     self._pending -= 1
-                item.events.put(JobEvent("error", Unavailable(f"{self.engine.name} shut down before the job ran")))
+                item.deliver(JobEvent("error", Unavailable(why)))
             elif isinstance(item, tuple):
-                item[1].put((0.0, Unavailable(f"{self.engine.name} shut down before the request ran")))
+                item[1].put((0.0, Unavailable(why)))
+            else:
+                keep.append(item)
+        for item in keep:
+            self._q.put(item)
 
     def _ensure_room(self, job: Job) -> None:
         """Shared mode: a job needing more activation room than reserved grows the reservation, or re-loads.
@@ -398,11 +499,16 @@ class StageRuntime:
     def _run_job(self, job: Job) -> None:
         with self._lock:
             self._pending -= 1
+        if not job.begin():  # its RPC is over: nobody waits for it
+            return
         job.timing["queue_s"] = time.monotonic() - job.submitted
         self.running = job
         try:
             if job.should_cancel():
-                raise Cancelled(f"{self.engine.name}: job cancelled before it started")
+                raise job.cancel_reason or Cancelled(f"{self.engine.name}: job cancelled before it started")
+            if job.prepare is not None:
+                job.inputs.update(job.prepare())
+                job.prepare = None
             t0 = time.monotonic()
             self._ensure_room(job)
             if self.resident:
@@ -423,40 +529,63 @@ class StageRuntime:
             job.timing["compute_s"] = time.monotonic() - t1
             self.jobs_done += 1
             self._log("job_done", job=job.job_id)
-            job.events.put(JobEvent("done", result))
+            job.deliver(JobEvent("done", result))
         except BaseException as e:  # noqa: BLE001 - every failure becomes the job's status
+            reason = job.cancel_reason
+            if reason is not None and isinstance(e, Cancelled):  # an engine's own cancellation: report why it was
+                e = type(reason)(f"{reason.message} ({e.message})")
             code, msg = status_for(e)
             if code.name == "INTERNAL":
                 log.error("%s job %s failed:\n%s", self.engine.name, job.job_id, traceback.format_exc())
-            job.events.put(JobEvent("error", e))
-            if self.group.world_size > 1 and not isinstance(e, (Cancelled, ValueError)):
+            job.deliver(JobEvent("error", e))
+            if self.group.world_size > 1 and not isinstance(e, (StageError, ValueError)):
                 # A collective failed: the rank group is broken. Exit so torchrun restarts it.
                 log.error("rank group failure (%s); exiting for torchrun to restart the group", msg)
                 self.on_health(False)
+                self._kill_followers()
                 threading.Timer(0.5, _hard_exit).start()
         finally:
             self.running = None
+            job.inputs = {}
+
+    def _kill_followers(self) -> None:
+        """SIGKILL this host's follower ranks: a hung one would hold the restart for torchrun's whole stop grace
+        (followers ignore SIGTERM so that rank 0 alone decides how a drain ends)."""
+        for pid in self.follower_pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        if self.follower_pids:
+            log.error("killed follower ranks %s so the group restarts now", list(self.follower_pids))
 
 
 def _hard_exit() -> None:
-    import os
-
     os._exit(70)
 
 
-def follower_loop(engine: Engine, group: RankGroup) -> None:
-    """Ranks > 0: execute whatever rank 0 broadcasts until told to exit."""
+def follower_loop(engine: Engine, group: RankGroup, hold: RankHold | None = None) -> None:
+    """Ranks > 0: execute whatever rank 0 broadcasts until told to exit. `hold` (exclusive mode) is this rank's
+    claim on its own device, taken before its weights load and given back after they are gone."""
     while True:
         command, payload = group.broadcast_command()
         if command == _EXIT:
+            if hold is not None:
+                hold.release()
             return
         # Rank 0 reports every failure to the caller (a bad file fails the same way on every rank); followers log
         # it and stay in step. A broken group (a dead peer) is torchrun's to restart.
         try:
             if command == _LOAD:
+                if hold is not None:
+                    hold.take()
                 engine.load()
             elif command == _UNLOAD:
-                engine.unload()
+                try:
+                    engine.unload()
+                finally:
+                    if hold is not None:
+                        hold.release()
             elif command == _RUN:
                 spec, inputs = payload
                 engine.run(spec, inputs, JobContext(group, None, engine.name))

@@ -1,10 +1,20 @@
-"""The one server bootstrap all stages share.
+"""The one gRPC server all stages share (stagekit/stage.py's `run_stage` builds and runs it).
 
-`serve(...)` builds a grpc.server with health (grpc.health.v1), reflection,
-message-size limits, keepalive, optional TLS + bearer-token auth, registers the
-stage's servicer, and drains gracefully on SIGTERM: health flips to NOT_SERVING
-first, new work is refused, the running job finishes (or is cancelled, by
-flag), then the process exits.
+`StageServer` is a grpc.server with health (grpc.health.v1), reflection,
+message-size limits, keepalive, optional TLS + bearer-token auth and the
+stage's servicer; it and drains gracefully on SIGTERM (docs/reliability.md,
+"SIGTERM"): health flips to NOT_SERVING first, new work is refused, queued jobs
+fail at once with UNAVAILABLE, the running job gets `--drain-s` to finish (or
+is cancelled at once, by flag), then the process exits.
+
+Admission (docs/reliability.md, "Stalled and flooding clients"): every call is
+sorted, before it takes a handler thread, into probes (health Check), control
+(Status, health Watch, reflection) and work (everything else); each class has
+its own bounded number of slots and its own threads, so no number of stalled or
+flooding work calls can starve health or Status. Calls over a bound are refused
+at once with RESOURCE_EXHAUSTED. Every request message is read with an idle and
+a total deadline (a stalled upload gets DEADLINE_EXCEEDED), and uploads
+(request-streaming work calls) have a tighter bound of their own.
 """
 
 from __future__ import annotations
@@ -12,6 +22,7 @@ from __future__ import annotations
 import hmac
 import ipaddress
 import logging
+import queue
 import signal
 import socket
 import threading
@@ -26,7 +37,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from stagekit.errors import StageError, status_for
+from stagekit.errors import Cancelled, DeadlineExceeded, InvalidArgument, StageError, status_for
 from stagekit.runtime import Job, JobEvent, StageRuntime
 from stagekit.wire import MAX_CHUNK_BYTES
 
@@ -44,21 +55,58 @@ GRPC_OPTIONS = [
     ("grpc.http2.max_pings_without_data", 0),
     ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
 ]
+# Servers only: one listener per port. gRPC's default SO_REUSEPORT lets a second stage bind a port another stage
+# serves, and the two then split the calls; without it the second one fails to start (docs/reliability.md).
+SERVER_OPTIONS = GRPC_OPTIONS + [("grpc.so_reuseport", 0)]
+
+# Slots (and threads) reserved for each class of call besides work; see `Admission`.
+PROBE_SLOTS = 4      # health Check
+CONTROL_SLOTS = 4    # Status, health Watch, reflection
+SPARE_THREADS = 4    # answer refusals even when every slot is taken
+PROBE_METHODS = ("/grpc.health.v1.Health/Check",)
+CONTROL_METHODS = ("/grpc.health.v1.Health/Watch", "/grpc.reflection.")
 
 
 @dataclass
 class ServeConfig:
     host: str = field(default="127.0.0.1", metadata={"help": "bind address; non-loopback needs TLS + token or --insecure"})
     port: int = field(default=0, metadata={"help": "gRPC port (0 = pick a free one and print it)"})
-    max_workers: int = field(default=32, metadata={"help": "gRPC handler threads"})
+    max_workers: int = field(default=32, metadata={
+        "help": "work calls (Encode/Sample/Decode/EncodeImage/Load/Unload/Warmup) handled at once; more are refused "
+                "with RESOURCE_EXHAUSTED. Health and Status have threads of their own"})
+    max_uploads: int = field(default=8, metadata={
+        "help": "request uploads (Sample/Decode tensor streams) received at once, at most --max-workers; more are "
+                "refused with RESOURCE_EXHAUSTED"})
+    upload_idle_s: float = field(default=30.0, metadata={
+        "help": "a call whose next request message does not arrive within this long fails with DEADLINE_EXCEEDED"})
+    upload_total_s: float = field(default=600.0, metadata={
+        "help": "a call's whole request (an upload) must arrive within this long, or it fails with DEADLINE_EXCEEDED"})
     tls_cert: str = field(default="", metadata={"help": "PEM server certificate"})
     tls_key: str = field(default="", metadata={"help": "PEM server private key"})
-    token: str = field(default="", metadata={"help": "bearer token required in 'authorization' metadata"})
+    token_file: str = field(default="", metadata={
+        "help": "file holding the bearer token required in 'authorization' metadata (preferred: a --token on the "
+                "command line is readable by every local user in /proc/<pid>/cmdline; or set the env variable)"})
+    token: str = field(default="", metadata={"help": "bearer token (prefer --token-file or the env variable)"})
     insecure: bool = field(default=False, metadata={"help": "allow a non-loopback bind without TLS/token"})
     metrics_port: int = field(default=-1, metadata={"help": "Prometheus port (-1 off, 0 free port)"})
-    drain_s: float = field(default=30.0, metadata={"help": "SIGTERM: seconds to let the running job finish"})
+    metrics_host: str = field(default="127.0.0.1", metadata={
+        "help": "address /metrics binds (plain HTTP, no auth): loopback unless you ask for more"})
+    drain_s: float = field(default=30.0, metadata={
+        "help": "SIGTERM: seconds the running job may take to finish before it is cancelled (queued jobs fail at once)"})
     cancel_on_term: bool = field(default=False, metadata={"help": "SIGTERM: cancel the running job instead of finishing it"})
     port_file: str = field(default="", metadata={"help": "write the bound port here once serving (for scripts)"})
+
+    def resolved_token(self) -> str:
+        """The bearer token: --token-file's contents (stripped), else --token / the env variable."""
+        if self.token_file:
+            try:
+                token = Path(self.token_file).read_text().strip()
+            except OSError as e:
+                raise SystemExit(f"--token-file {self.token_file}: cannot read it ({e.strerror})") from None
+            if not token:
+                raise SystemExit(f"--token-file {self.token_file} is empty")
+            return token
+        return self.token
 
 
 def is_loopback(host: str) -> bool:
@@ -77,7 +125,8 @@ def check_exposure(cfg: ServeConfig) -> None:
     """Refuse to expose a stage beyond loopback without TLS and a token, unless told to."""
     if is_loopback(cfg.host) or cfg.insecure:
         return
-    missing = [n for n, v in (("--tls-cert", cfg.tls_cert), ("--tls-key", cfg.tls_key), ("--token", cfg.token)) if not v]
+    token = cfg.token or cfg.token_file
+    missing = [n for n, v in (("--tls-cert", cfg.tls_cert), ("--tls-key", cfg.tls_key), ("--token", token)) if not v]
     if missing:
         raise SystemExit(
             f"refusing to bind {cfg.host}: a non-loopback address needs {', '.join(missing)} "
@@ -92,10 +141,7 @@ class TokenAuth(grpc.ServerInterceptor):
     def __init__(self, token: str):
         self._want = f"Bearer {token}".encode()
 
-        def deny(request, context):
-            context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token in 'authorization' metadata")
-
-        self._deny = grpc.unary_unary_rpc_method_handler(deny)
+        self._deny = refusal(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token in 'authorization' metadata")
 
     def intercept_service(self, continuation, handler_call_details):
         if handler_call_details.method.startswith(self._OPEN):
@@ -106,17 +152,247 @@ class TokenAuth(grpc.ServerInterceptor):
         return self._deny
 
 
+def refusal(code: grpc.StatusCode, message: str) -> grpc.RpcMethodHandler:
+    """A handler that fails a call without reading its request: declared request-streaming whatever the method is,
+    so gRPC does not wait for a request message (a stalled client cannot hold the refusing thread)."""
+
+    def refuse(request_iterator, context):
+        context.abort(code, message)
+
+    return grpc.stream_stream_rpc_method_handler(refuse)
+
+
+class _Slots:
+    """A counted bound; `take` never blocks."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.used = 0
+        self._lock = threading.Lock()
+
+    def take(self) -> bool:
+        with self._lock:
+            if self.used >= self.limit:
+                return False
+            self.used += 1
+            return True
+
+    def give(self) -> None:
+        with self._lock:
+            self.used -= 1
+
+
+class _Hold:
+    """One call's slot: given back exactly once (when the call ends, or earlier, e.g. an upload's end)."""
+
+    def __init__(self, slots: _Slots):
+        self._slots: _Slots | None = slots
+        self._lock = threading.Lock()
+
+    def release(self) -> None:
+        with self._lock:
+            slots, self._slots = self._slots, None
+        if slots is not None:
+            slots.give()
+
+
+class TimedRequests:
+    """A call's request messages with an idle and a total deadline (the handler cannot time out gRPC's blocking
+    request iterator, so a helper thread reads it and hands messages over through a two-message queue; that also
+    keeps flow control: an upload is not read ahead of the handler).
+
+    Raises DeadlineExceeded when the next message is late (`idle_s`) or the whole request is (`total_s`),
+    Cancelled when the client goes away mid-request. `on_end` runs once the request is over (fully read, failed,
+    or abandoned by `close`)."""
+
+    def __init__(self, request_iterator, idle_s: float, total_s: float, what: str, on_end: Callable[[], None]):
+        self._it = request_iterator
+        self.idle_s, self.what = idle_s, what
+        self._deadline = time.monotonic() + total_s
+        self.total_s = total_s
+        self._on_end: Callable[[], None] | None = on_end
+        self._q: "queue.Queue[tuple[str, object]]" = queue.Queue(maxsize=2)
+        self._stop = threading.Event()
+        self._over = False
+        threading.Thread(target=self._pump, name="request-reader", daemon=True).start()
+
+    def _pump(self) -> None:
+        try:
+            for msg in self._it:
+                if not self._put(("msg", msg)):
+                    return
+            self._put(("end", None))
+        except Exception as e:  # noqa: BLE001 - grpc.RpcError when the call ends under us
+            self._put(("error", e))
+
+    def _put(self, item) -> bool:
+        while not self._stop.is_set():
+            try:
+                self._q.put(item, timeout=0.2)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def _end(self) -> None:
+        self._over = True
+        self._stop.set()
+        on_end, self._on_end = self._on_end, None
+        if on_end is not None:
+            on_end()
+
+    def close(self) -> None:
+        """The handler is done with the request (read or not): stop the reader, give the upload slot back."""
+        self._end()
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if self._over:
+            raise StopIteration
+        left = self._deadline - time.monotonic()
+        try:
+            if left <= 0:
+                raise queue.Empty
+            kind, value = self._q.get(timeout=min(self.idle_s, left))
+        except queue.Empty:
+            self._end()
+            if time.monotonic() >= self._deadline:
+                raise DeadlineExceeded(f"{self.what}: the request did not arrive within {self.total_s:g} s "
+                                       "(--upload-total-s); send it faster or split the work") from None
+            raise DeadlineExceeded(f"{self.what}: no request message for {self.idle_s:g} s (--upload-idle-s); "
+                                   "the stalled call was closed") from None
+        if kind == "msg":
+            return value
+        self._end()
+        if kind == "end":
+            raise StopIteration
+        raise Cancelled(f"{self.what}: the client went away during the request")
+
+
+class Admission(grpc.ServerInterceptor):
+    """Bounds on calls in progress per class, checked on gRPC's serving thread before a call takes a handler
+    thread: probes (health Check), control (Status, health Watch, reflection) and work (the rest; those that
+    stream their request are uploads and also take an upload slot until their request is in). The thread pool
+    has room for every slot plus spares, so health and Status always find a thread, and a refusal is immediate.
+
+    Every request (unary ones included: a stalled client can hold back a single message too) is read through
+    `TimedRequests`, so each call's handler is re-declared request-streaming; the wire protocol is unchanged."""
+
+    def __init__(self, cfg: "ServeConfig", label: str):
+        self.cfg, self.label = cfg, label
+        self.probes, self.control = _Slots(PROBE_SLOTS), _Slots(CONTROL_SLOTS)
+        self.work, self.uploads = _Slots(cfg.max_workers), _Slots(cfg.max_uploads)
+
+    @property
+    def threads(self) -> int:
+        return self.cfg.max_workers + PROBE_SLOTS + CONTROL_SLOTS + SPARE_THREADS
+
+    def _class(self, method: str) -> tuple[_Slots, str]:
+        if method in PROBE_METHODS:
+            return self.probes, "health checks"
+        if method.startswith(CONTROL_METHODS) or method.endswith("/Status"):
+            return self.control, "status calls"
+        return self.work, "work calls (--max-workers)"
+
+    def intercept_service(self, continuation, handler_call_details):
+        handler = continuation(handler_call_details)
+        if handler is None:
+            return None
+        method = handler_call_details.method
+        slots, what = self._class(method)
+        upload = slots is self.work and handler.request_streaming
+        if not slots.take():
+            return refusal(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                           f"{self.label}: {slots.limit} {what} in progress already; retry later")
+        hold = _Hold(slots)
+        up_hold = None
+        if upload:
+            if not self.uploads.take():
+                hold.release()
+                return refusal(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                               f"{self.label}: {self.uploads.limit} uploads in progress already (--max-uploads); "
+                               "retry later")
+            up_hold = _Hold(self.uploads)
+        return self._wrap(handler, method, hold, up_hold)
+
+    def _wrap(self, handler: grpc.RpcMethodHandler, method: str, hold: _Hold, up_hold: _Hold | None):
+        cfg = self.cfg
+        name = method.rsplit("/", 1)[-1]
+        label = f"{self.label} {name}"
+
+        def release_all() -> None:
+            if up_hold is not None:
+                up_hold.release()
+            hold.release()
+
+        def open_requests(request_iterator, context) -> TimedRequests:
+            if not context.add_callback(release_all):  # the call already ended
+                release_all()
+            return TimedRequests(request_iterator, cfg.upload_idle_s, cfg.upload_total_s, label,
+                                 up_hold.release if up_hold is not None else (lambda: None))
+
+        def first_request(requests: TimedRequests, context):
+            """The one message of a unary-request call (or a status that says why there is none)."""
+            try:
+                for msg in requests:
+                    return msg
+                raise InvalidArgument(f"{label}: the call carried no request message")
+            except StageError as e:
+                context.abort(e.code, e.message)
+            finally:
+                requests.close()
+
+        if handler.request_streaming:
+            inner = handler.stream_stream if handler.response_streaming else handler.stream_unary
+        else:
+            inner = handler.unary_stream if handler.response_streaming else handler.unary_unary
+
+        if handler.response_streaming:
+            def behavior(request_iterator, context):
+                requests = open_requests(request_iterator, context)
+                arg = requests if handler.request_streaming else first_request(requests, context)
+                try:
+                    yield from inner(arg, context)
+                finally:
+                    requests.close()
+                    release_all()
+
+            return grpc.stream_stream_rpc_method_handler(
+                behavior, request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer)
+
+        def unary_behavior(request_iterator, context):
+            requests = open_requests(request_iterator, context)
+            try:
+                arg = requests if handler.request_streaming else first_request(requests, context)
+                return inner(arg, context)
+            finally:
+                requests.close()
+                release_all()
+
+        return grpc.stream_unary_rpc_method_handler(
+            unary_behavior, request_deserializer=handler.request_deserializer,
+            response_serializer=handler.response_serializer)
+
+
 class StageServer:
     """A running gRPC server for one stage plus its health state."""
 
     def __init__(self, cfg: ServeConfig, service_names: list[str],
-                 add_servicers: Callable[[grpc.Server], None], interceptors: list | None = None):
+                 add_servicers: Callable[[grpc.Server], None], interceptors: list | None = None, label: str = ""):
         check_exposure(cfg)
+        if not 1 <= cfg.max_uploads <= cfg.max_workers:
+            raise SystemExit(f"--max-uploads {cfg.max_uploads} must be between 1 and --max-workers ({cfg.max_workers})")
         self.cfg = cfg
-        # `interceptors` run outside the auth check (metrics count refused calls too).
-        interceptors = list(interceptors or []) + ([TokenAuth(cfg.token)] if cfg.token else [])
-        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=cfg.max_workers),
-                                  options=GRPC_OPTIONS, interceptors=interceptors)
+        token = cfg.resolved_token()
+        self.admission = Admission(cfg, label or service_names[0].rsplit(".", 1)[-1])
+        # `interceptors` run outside the auth check (metrics count refused calls too); admission runs after auth,
+        # so unauthenticated calls never take a slot.
+        interceptors = list(interceptors or []) + ([TokenAuth(token)] if token else []) + [self.admission]
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=self.admission.threads),
+                                  options=SERVER_OPTIONS, interceptors=interceptors)
         add_servicers(self.server)
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
@@ -125,13 +401,17 @@ class StageServer:
             self.service_names + [health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME],
             self.server)
         addr = f"{cfg.host}:{cfg.port}"
-        if cfg.tls_cert:
-            creds = grpc.ssl_server_credentials([(Path(cfg.tls_key).read_bytes(), Path(cfg.tls_cert).read_bytes())])
-            self.port = self.server.add_secure_port(addr, creds)
-        else:
-            self.port = self.server.add_insecure_port(addr)
+        try:
+            if cfg.tls_cert:
+                creds = grpc.ssl_server_credentials([(Path(cfg.tls_key).read_bytes(), Path(cfg.tls_cert).read_bytes())])
+                self.port = self.server.add_secure_port(addr, creds)
+            else:
+                self.port = self.server.add_insecure_port(addr)
+        except RuntimeError:  # grpc >= 1.60 raises where older versions returned 0
+            self.port = 0
         if self.port == 0:
-            raise SystemExit(f"could not bind {addr}")
+            raise OSError(f"cannot listen on {addr}: the port is in use (another stage already serves it?) or the "
+                             "address is not on this host; stop the other server or pick another --port")
         self.set_serving(False)
 
     def set_serving(self, serving: bool) -> None:
@@ -148,7 +428,8 @@ class StageServer:
         log.info("serving %s on %s:%d", ",".join(self.service_names), self.cfg.host, self.port)
 
     def run_until_terminated(self, runtime: StageRuntime) -> None:
-        """Block until SIGTERM/SIGINT, then drain: NOT_SERVING first, then finish/cancel, then stop."""
+        """Block until SIGTERM/SIGINT, then drain (docs/reliability.md, "SIGTERM"): NOT_SERVING first, queued jobs
+        fail at once with UNAVAILABLE, the running job finishes within --drain-s (or is cancelled), then stop."""
         stop = threading.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: stop.set())
@@ -159,33 +440,38 @@ class StageServer:
         log.info("draining: health NOT_SERVING, %s the running job", "cancelling" if self.cfg.cancel_on_term else "finishing")
         self.health.enter_graceful_shutdown()
         runtime.shutdown(cancel_running=self.cfg.cancel_on_term, grace_s=self.cfg.drain_s)
-        self.server.stop(grace=2.0).wait()
+        # Handlers of failed/cancelled jobs now hold their status; give them a moment to send it.
+        self.server.stop(grace=5.0).wait()
 
 
 def stream_job(runtime: StageRuntime, job: Job, context: grpc.ServicerContext,
                on_event: Callable[[JobEvent], Iterator]) -> Iterator:
     """Submit `job`, then turn its events into response messages until done or failed.
 
-    A client that disconnects or whose deadline passes cancels the job; the
-    runtime notices at the next step boundary on every rank.
+    A client that disconnects or whose deadline passes cancels the job; the runtime notices at the next step
+    boundary on every rank. When the call ends for any reason the job is closed: a queued job drops its inputs at
+    once, and a result nobody will read is cleaned up (`Job.cleanup`).
     """
     remaining = context.time_remaining()
     if remaining is not None and remaining < 1e8:
         job.deadline = time.monotonic() + remaining
-    context.add_callback(job.cancel)
+    context.add_callback(job.close)
     try:
-        runtime.submit(job)
-    except Exception as e:  # noqa: BLE001
-        code, msg = status_for(e)
-        context.abort(code, msg)
-    while True:
-        ev = job.events.get()
-        if ev.kind == "error":
-            code, msg = job_status(runtime, ev.payload)
+        try:
+            runtime.submit(job)
+        except Exception as e:  # noqa: BLE001
+            code, msg = status_for(e)
             context.abort(code, msg)
-        yield from on_event(ev)
-        if ev.kind == "done":
-            return
+        while True:
+            ev = job.events.get()
+            if ev.kind == "error":
+                code, msg = job_status(runtime, ev.payload)
+                context.abort(code, msg)
+            yield from on_event(ev)
+            if ev.kind == "done":
+                return
+    finally:
+        job.close()
 
 
 def job_status(runtime: StageRuntime, exc: BaseException) -> tuple[grpc.StatusCode, str]:

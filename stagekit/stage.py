@@ -6,9 +6,15 @@
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
+import re
+import shutil
+import signal
+import socket
 import sys
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,9 +23,9 @@ import grpc
 
 from stagekit.budget import BudgetConfig, MemoryBudget, resolve_budget_bytes
 from stagekit.dist import RankGroup, RankInfo, rank_info_from_env
-from stagekit.lease import DeviceLease, LeaseConfig
+from stagekit.lease import DeviceLease, LeaseConfig, RankHold
 from stagekit.runtime import Engine, RuntimeConfig, StageRuntime, follower_loop
-from stagekit.server import ServeConfig, StageServer, followers_ignore_term, startup_errors
+from stagekit.server import ServeConfig, StageServer, followers_ignore_term, is_loopback, startup_errors
 
 log = logging.getLogger("stagekit.stage")
 
@@ -33,6 +39,9 @@ class CommonConfig(ServeConfig):
     models_dir: str = field(default="", metadata={"help": "directory with real checkpoints (default: embedded tiny model)"})
     weights: str = field(default="", metadata={"help": "explicit checkpoint path (overrides --models-dir)"})
     cache_dir: str = field(default="", metadata={"help": "where the embedded model is written (default ~/.cache/h3-stages)"})
+    temp_dir: str = field(default="", metadata={
+        "help": "where the stage keeps temp files (default $TMPDIR): in its own h3-<stage>-<pid> subdirectory, removed "
+                "at exit; subdirectories of stages no longer running are removed at start"})
     lease_dir: str = field(default="/tmp/h3-stages-leases", metadata={"help": "host-wide device lease directory"})
     residency: str = field(default="exclusive", metadata={"help": "exclusive (take turns on the GPU) | shared (stay resident)"})
     idle_unload_s: float = field(default=30.0, metadata={"help": "unload after this long idle in exclusive mode (<0: never)"})
@@ -51,6 +60,8 @@ class CommonConfig(ServeConfig):
     log_level: str = field(default="INFO", metadata={"help": "logging level"})
     gpu_memory_cap_gb: float = field(default=0.0, metadata={
         "help": "hard per-process cap on CUDA memory (GiB), e.g. 22 to prove a 22 GB card suffices; 0 = none"})
+    # Set by run_stage (rank 0): this process's own temp directory (see StageTempDir); not a flag.
+    run_temp_dir: str = field(default="", init=False)
 
     def device_for_rank(self, info: RankInfo) -> str:
         """The torch device this rank computes on (virtual lease names like 'virt0' compute on the CPU)."""
@@ -60,6 +71,12 @@ class CommonConfig(ServeConfig):
         import torch
 
         return f"cuda:{info.local_rank}" if torch.cuda.is_available() else "cpu"
+
+    def lease_device_for_rank(self, info: RankInfo) -> str:
+        """The device this rank holds weights on, by its lease name ('virt0', 'cuda:1', 'cpu')."""
+        if self.devices:
+            return self.devices[info.local_rank % len(self.devices)]
+        return self.device_for_rank(info)
 
     def group_devices(self, info: RankInfo) -> list[str]:
         """All devices the rank group uses (the lease covers all of them)."""
@@ -92,17 +109,106 @@ def run_stage(cfg: CommonConfig, stage: str, make_engine: Callable[[CommonConfig
               service_name: str, add_servicer: Callable[[grpc.Server, StageRuntime], None]) -> None:
     logging.basicConfig(level=cfg.log_level.upper(), format=f"%(asctime)s {stage}[%(process)d] %(levelname)s %(message)s")
     info = rank_info_from_env()
+    if "TORCHELASTIC_RUN_ID" in os.environ:  # launched by a torchrun agent
+        die_with_parent()
     followers_ignore_term(info.is_leader)
-    with startup_errors(stage):
-        up = _start(cfg, stage, info, make_engine, service_name, add_servicer)
+    temp = None
+    if info.is_leader:
+        with startup_errors(stage):
+            temp = StageTempDir(Path(cfg.temp_dir or tempfile.gettempdir()), stage)
+        cfg.run_temp_dir = str(temp.path)
+    try:
+        with startup_errors(stage):
+            up = _start(cfg, stage, info, make_engine, service_name, add_servicer)
+    except BaseException:
+        if temp is not None:
+            temp.remove()
+        raise
     if up.server is None:
-        follower_loop(up.engine, up.group)
+        follower_loop(up.engine, up.group, up.hold)
     else:
         up.server.run_until_terminated(up.runtime)
         if up.metrics is not None:
             up.metrics.close()
     up.group.close()
+    if temp is not None:
+        temp.remove()
     _exit_cleanly()
+
+
+def die_with_parent() -> None:
+    """Ranks die with their torchrun agent (docs/reliability.md, "Orphan ranks"): the kernel SIGKILLs this
+    process when its parent exits (Linux prctl PR_SET_PDEATHSIG), so a `kill -9` of the agent cannot leave ranks
+    serving on their own. The agent starts its workers from its main thread, whose exit is what the kernel tracks."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    parent = os.getppid()
+    pr_set_pdeathsig = 1
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(pr_set_pdeathsig, int(signal.SIGKILL), 0, 0, 0) != 0:
+        log.warning("prctl(PR_SET_PDEATHSIG) failed (errno %d): this rank may outlive its agent", ctypes.get_errno())
+    if os.getppid() != parent:  # the agent died before the request took effect
+        os._exit(70)
+
+
+class StageTempDir:
+    """This process's own temp directory, `<root>/h3-<stage>-<pid>` (docs/reliability.md, "Temp files").
+
+    The directory holds a `.owner` file locked by this process for its lifetime; at start, directories of stages
+    whose lock is free (dead: crashed, killed -9) are removed, whatever the stage, so no temp file outlives the
+    next start. A clean exit removes its own directory."""
+
+    PATTERN = re.compile(r"h3-[a-z]+-(\d+)$")
+
+    def __init__(self, root: Path, stage: str):
+        root.mkdir(parents=True, exist_ok=True)
+        self.swept = self.sweep(root)
+        self.path = root / f"h3-{stage}-{os.getpid()}"
+        shutil.rmtree(self.path, ignore_errors=True)  # a dead process's dir under our recycled pid
+        self.path.mkdir()
+        self._fd = os.open(self.path / ".owner", os.O_RDWR | os.O_CREAT, 0o644)
+        fcntl.flock(self._fd, fcntl.LOCK_EX)
+        if self.swept:
+            log.info("removed temp dirs of stopped stages: %s", ", ".join(self.swept))
+
+    @classmethod
+    def sweep(cls, root: Path) -> list[str]:
+        removed = []
+        for d in root.iterdir():
+            m = cls.PATTERN.match(d.name)
+            if not m or not d.is_dir() or int(m.group(1)) == os.getpid():
+                continue
+            try:
+                fd = os.open(d / ".owner", os.O_RDONLY)
+            except FileNotFoundError:
+                if _pid_alive(int(m.group(1))):  # still being set up by a starting stage
+                    continue
+            else:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    continue  # a live stage's
+                finally:
+                    os.close(fd)
+            shutil.rmtree(d, ignore_errors=True)
+            removed.append(d.name)
+        return removed
+
+    def remove(self) -> None:
+        shutil.rmtree(self.path, ignore_errors=True)
+        os.close(self._fd)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 @dataclass
@@ -112,6 +218,7 @@ class _Started:
     runtime: StageRuntime | None = None  # leader only
     server: StageServer | None = None
     metrics: object | None = None
+    hold: RankHold | None = None         # followers: their claim on their own device (exclusive mode)
 
 
 def _start(cfg: CommonConfig, stage: str, info: RankInfo, make_engine, service_name: str, add_servicer):
@@ -130,12 +237,17 @@ def _start(cfg: CommonConfig, stage: str, info: RankInfo, make_engine, service_n
             torch.cuda.set_per_process_memory_fraction(min(1.0, cfg.gpu_memory_cap_gb * 2**30 / total), device)
     backend = "nccl" if device.startswith("cuda") else "gloo"
     group = RankGroup(info, backend, cfg.collective_timeout_s)
+    # Rank 0 learns which ranks share its host: it kills them when the group breaks (StageRuntime.follower_pids).
+    ranks = group.gather_objects((socket.gethostname(), os.getpid()))
+    who = f"{stage}@pid{os.getpid()}"
+    hold = None
+    if cfg.residency == "exclusive":
+        hold = RankHold(cfg.lease_device_for_rank(info), Path(cfg.lease_dir), f"{stage} rank {info.rank}")
     engine = make_engine(cfg, info, group)
     if not info.is_leader:
-        return _Started(group, engine)
+        return _Started(group, engine, hold=hold)
     # The lease object always exists (its event log records residency in both modes); only exclusive mode
     # takes it. The memory budget gates admission in both modes and reservations in shared mode.
-    who = f"{stage}@pid{os.getpid()}"
     lease = DeviceLease(cfg.group_devices(info), LeaseConfig(Path(cfg.lease_dir), who))
     budget_bytes = resolve_budget_bytes(cfg.group_devices(info), cfg.memory_budget_gb, cfg.reserve_gb)
     budget = None
@@ -149,9 +261,11 @@ def _start(cfg: CommonConfig, stage: str, info: RankInfo, make_engine, service_n
     except ValueError as e:
         raise SystemExit(f"{stage}: {e}") from None
     holder: dict[str, StageServer] = {}
+    host = socket.gethostname()
     runtime = StageRuntime(engine, group, lease, rcfg,
                            on_health=lambda serving: holder["server"].set_serving(serving) if "server" in holder else None,
-                           budget=budget)
+                           budget=budget, hold=hold,
+                           follower_pids=tuple(pid for h, pid in ranks[1:] if h == host))
     metrics = None
     interceptors = []
     if cfg.metrics_port >= 0:
@@ -160,11 +274,13 @@ def _start(cfg: CommonConfig, stage: str, info: RankInfo, make_engine, service_n
         metrics = StageMetrics(stage, device)
         metrics.attach(runtime)
         interceptors.append(metrics.interceptor())
-    server = StageServer(cfg, [service_name], lambda s: add_servicer(s, runtime), interceptors=interceptors)
+    server = StageServer(cfg, [service_name], lambda s: add_servicer(s, runtime), interceptors=interceptors,
+                         label=stage)
     holder["server"] = server
     if metrics is not None:
-        port = metrics.serve(cfg.host, cfg.metrics_port, cfg.port_file)
-        print(f"{stage} metrics on http://{cfg.host}:{port}/metrics", flush=True)
+        port = metrics.serve(cfg.metrics_host, cfg.metrics_port, cfg.port_file)
+        scope = "loopback only; --metrics-host to expose" if is_loopback(cfg.metrics_host) else "plain HTTP, no auth"
+        print(f"{stage} metrics on http://{cfg.metrics_host}:{port}/metrics ({scope})", flush=True)
     server.start()
     server.set_serving(True)
     print(f"{stage} serving on {cfg.host}:{server.port} (ranks={info.world_size}, device={device})", flush=True)

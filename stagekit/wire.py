@@ -37,6 +37,8 @@ DTYPES: dict[str, torch.dtype] = {
     "bool": torch.bool,
 }
 _NAMES = {v: k for k, v in DTYPES.items()}
+# The float dtypes a stage accepts for activations and latents (float64 is refused: no stage computes in it).
+FLOAT_DTYPES = ("float32", "bfloat16", "float16")
 
 # Upper bound for one tensor (the decoded RGB of the largest canvas is ~1.1 GiB).
 MAX_TENSOR_BYTES = 4 << 30
@@ -120,17 +122,21 @@ class _Pending:
 class TensorAssembler:
     """Reassembles tensors from chunks, validating as it goes.
 
-    `expect` optionally pins names to (dtype, shape) with None as a wildcard
-    dimension; a tensor that disagrees is rejected when its header arrives.
+    `expect` optionally pins names to (dtype, shape): the dtype is a wire name, a tuple of accepted names, or
+    None for any; the shape may use None as a wildcard dimension. A tensor that disagrees is rejected when its
+    header arrives, before any of its data is accepted; `hints` adds a per-name sentence to a shape mismatch (what
+    the shape follows from). `discard()` frees every buffer of an abandoned stream.
     """
 
     def __init__(
         self,
-        expect: dict[str, tuple[str | None, tuple[int | None, ...] | None]] | None = None,
+        expect: dict[str, tuple[str | tuple[str, ...] | None, tuple[int | None, ...] | None]] | None = None,
         max_bytes: int = MAX_TENSOR_BYTES,
         max_chunk_bytes: int = MAX_CHUNK_BYTES,
+        hints: dict[str, str] | None = None,
     ):
         self.expect = expect
+        self.hints = hints or {}
         self.max_bytes = max_bytes
         self.max_chunk_bytes = max_chunk_bytes
         self._pending: dict[str, _Pending] = {}
@@ -142,14 +148,17 @@ class TensorAssembler:
         if h.name not in self.expect:
             raise WireError(f"unexpected tensor {h.name!r}; this call takes {sorted(self.expect)}")
         dtype, shape = self.expect[h.name]
-        if dtype is not None and h.dtype != dtype:
-            raise WireError(f"tensor {h.name!r}: dtype {h.dtype} but {dtype} is required")
+        accepted = (dtype,) if isinstance(dtype, str) else dtype
+        if accepted is not None and h.dtype not in accepted:
+            raise WireError(f"tensor {h.name!r}: dtype {h.dtype} but {', '.join(accepted[:-1])}"
+                            f"{' or ' if len(accepted) > 1 else ''}{accepted[-1]} is required")
         if shape is not None:
             got = list(h.shape)
             ok = len(got) == len(shape) and all(s is None or s == g for s, g in zip(shape, got))
             if not ok:
                 want = ["*" if s is None else s for s in shape]
-                raise WireError(f"tensor {h.name!r}: shape {got} but {want} is required")
+                hint = f": {self.hints[h.name]}" if h.name in self.hints else ""
+                raise WireError(f"tensor {h.name!r}: shape {got} but {want} is required{hint}")
 
     def feed(self, chunk: tensor_pb2.TensorChunk) -> tuple[str, torch.Tensor] | None:
         """Take one chunk; returns (name, tensor) when a tensor is complete and verified."""
@@ -186,6 +195,16 @@ class TensorAssembler:
         t = p.buf.view(DTYPES[p.header.dtype]).reshape(tuple(p.header.shape))
         self.done[name] = t
         return name, t
+
+    def discard(self) -> None:
+        """Free every buffer now (an abandoned or rejected upload), not when the garbage collector next runs:
+        a frame kept alive by the failure's traceback still holds this object, but no longer its memory."""
+        for p in self._pending.values():
+            if p.view is not None:
+                p.view.release()
+            p.buf = p.view = None
+        self._pending.clear()
+        self.done.clear()
 
     def finish(self, required: Iterable[str] = ()) -> dict[str, torch.Tensor]:
         """Call when the stream ends: fails on truncated tensors or missing required ones."""

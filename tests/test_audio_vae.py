@@ -12,7 +12,6 @@ from safetensors.torch import load_file, save_file
 from decoder_svc.audio_vae import (
     HOP_LENGTH,
     AudioVAE,
-    AudioVAECheckpointError,
     AudioVAEConfig,
     detect_layout,
     kaiser_sinc_filter,
@@ -20,6 +19,7 @@ from decoder_svc.audio_vae import (
     unfold_weight_norm_state_dict,
     write_tiny_audio_vae,
 )
+from stagekit.checkpoints import CheckpointError
 
 diffusers = pytest.importorskip("diffusers")
 from diffusers import AutoencoderKLMiniMaxH3Audio  # noqa: E402
@@ -152,7 +152,7 @@ def test_layout_detection(comfy_sd, release_sd):
     param = {k.replace(".weight_g", ".parametrizations.weight.original0").replace(
         ".weight_v", ".parametrizations.weight.original1"): v for k, v in release_sd.items()}
     assert detect_layout(param) == "parametrized"
-    with pytest.raises(AudioVAECheckpointError, match="not a MiniMax-H3 audio VAE"):
+    with pytest.raises(CheckpointError, match="not a MiniMax-H3 audio VAE"):
         detect_layout({"foo.weight": torch.zeros(1)})
 
 
@@ -323,23 +323,23 @@ def test_missing_unexpected_and_misshapen_keys(tmp_path, comfy_sd, cfg):
     sd.pop("decoder.conv_post.weight")
     sd["decoder.extra.weight"] = torch.zeros(3)
     sd["dec_in_proj.bias"] = torch.zeros(7)
-    with pytest.raises(AudioVAECheckpointError) as e:
+    with pytest.raises(CheckpointError) as e:
         load_audio_vae(_save(tmp_path, sd), cfg)
     msg = str(e.value)
     assert "decoder.conv_post.weight" in msg and "missing" in msg
     assert "decoder.extra.weight" in msg and "unexpected" in msg
-    assert "dec_in_proj.bias" in msg and "(7,)" in msg
+    assert "dec_in_proj.bias F32[7] (expected [256])" in msg and "misshapen" in msg
 
 
 def test_wrong_config_is_reported(comfy_file):
-    with pytest.raises(AudioVAECheckpointError, match="shape mismatches"):
+    with pytest.raises(CheckpointError, match="misshapen"):
         load_audio_vae(comfy_file, AudioVAEConfig.tiny(decoder_dim=128))
 
 
 def test_incomplete_weight_norm_pair(tmp_path, release_sd, cfg):
     sd = dict(release_sd)
     sd.pop("decoder.conv_pre.weight_v")
-    with pytest.raises(AudioVAECheckpointError, match="decoder.conv_pre.weight_g"):
+    with pytest.raises(CheckpointError, match="decoder.conv_pre.weight_g"):
         load_audio_vae(_save(tmp_path, sd), cfg)
 
 
@@ -347,8 +347,8 @@ def test_tampered_filter_is_rejected(tmp_path, comfy_sd):
     sd = dict(comfy_sd)
     k = "decoder.activation_post.upsample.filter"
     sd[k] = sd[k].exp()  # e.g. a build that stores/applies the filter in another space
-    with pytest.raises(AudioVAECheckpointError, match="activation_post.upsample.filter"):
-        load_audio_vae(_save(tmp_path, sd))
+    with pytest.raises(CheckpointError, match="activation_post.upsample.filter"):
+        load_audio_vae(_save(tmp_path, sd), AudioVAEConfig.tiny())
 
 
 def test_prefixed_keys_and_missing_buffers_are_accepted(tmp_path, comfy_sd, comfy_file, latents):
@@ -378,24 +378,44 @@ def test_bad_config_values():
     assert math.prod(AudioVAEConfig.full().decoder_rates) == 800
 
 
-def test_config_inferred_from_shapes_without_metadata(tmp_path, latents):
-    """Files without our metadata (release / ComfyUI downloads) get the release config, widths from shapes."""
-    cfg8 = AudioVAEConfig.tiny(num_attention_heads=8)  # release head count: shapes cannot tell heads apart
-    src = write_tiny_audio_vae(tmp_path / "m.safetensors", cfg8, seed=4)
-    sd = load_file(str(src))
-    bare = _save(tmp_path, sd, "bare.safetensors")  # same tensors, no metadata
-    m = load_audio_vae(bare)
-    assert m.cfg == AudioVAEConfig.tiny(num_attention_heads=8)
+def test_file_without_config_is_read_with_the_h3_geometry(tmp_path, latents):
+    """Files without a config (release / ComfyUI downloads) are checked against the H3 release geometry at once,
+    never given widths guessed from shapes (the attention head count cannot be seen in them): a tiny file fails
+    naming its first misshapen key; with its config it loads."""
+    cfg = AudioVAEConfig.tiny()
+    src = write_tiny_audio_vae(tmp_path / "m.safetensors", cfg, seed=4)
+    bare = _save(tmp_path, load_file(str(src)), "bare.safetensors")  # same tensors, no metadata
+    with pytest.raises(CheckpointError, match=r"bare.safetensors: \S+: does not match the H3 audio VAE \(config from "
+                                              r"the H3 release geometry.*config\.json"):
+        load_audio_vae(bare)
     with torch.no_grad():
-        assert torch.equal(m.decode(latents), load_audio_vae(src).decode(latents))
-    dec = load_audio_vae(_save(tmp_path, {k: v for k, v in sd.items() if not k.startswith(
-        ("encoder.", "pre_block.", "mean_proj.", "logs_proj."))}, "dec.safetensors"))
-    assert dec.cfg.with_encoder is False
+        assert torch.equal(load_audio_vae(bare, cfg).decode(latents), load_audio_vae(src).decode(latents))
+
+
+def test_reversed_shape_is_named(tmp_path, comfy_sd):
+    sd = dict(comfy_sd)
+    sd["dec_in_proj.weight"] = sd["dec_in_proj.weight"].transpose(0, 1).contiguous()  # [32, 256, 1]
+    p = tmp_path / "rev.safetensors"
+    save_file(sd, str(p), metadata={"h3_audio_vae_config": AudioVAEConfig.tiny().to_json()})
+    with pytest.raises(CheckpointError, match=r"(?s)rev.safetensors: dec_in_proj.weight: .*F32\[32, 256, 1\] \(expected "
+                                              r"\[256, 32, 1\]\)"):
+        load_audio_vae(p)
+
+
+def test_diffusers_folder_with_config_json(tmp_path, cfg, stats, latents):
+    """A diffusers `audio_vae/` folder (config.json + weights, as save_pretrained writes it) serves that geometry."""
+    ref = _oracle(AudioVAEConfig.tiny(latents_mean=stats[0], latents_std=stats[1]))
+    ref.register_to_config(latents_mean=list(stats[0]), latents_std=list(stats[1]))
+    ref.save_pretrained(str(tmp_path / "audio_vae"))
+    m = load_audio_vae(tmp_path / "audio_vae", with_encoder=False)
+    assert m.cfg.decoder_dim == cfg.decoder_dim and m.cfg.num_attention_heads == cfg.num_attention_heads
+    with torch.no_grad():
+        assert _rel(m.decode(latents), ref.decode(latents).sample) <= REL_TOL
 
 
 def test_stats_from_file_and_config_must_agree(comfy_file, stats):
     same = AudioVAEConfig.tiny(latents_mean=stats[0], latents_std=stats[1])
     assert torch.equal(load_audio_vae(comfy_file, same).latents_mean, load_audio_vae(comfy_file).latents_mean)
     other = AudioVAEConfig.tiny(latents_mean=(0.0,) * 32, latents_std=(1.0,) * 32)
-    with pytest.raises(AudioVAECheckpointError, match="latents_mean"):
+    with pytest.raises(CheckpointError, match="latents_mean"):
         load_audio_vae(comfy_file, other)

@@ -8,14 +8,18 @@ import pytest
 import torch
 
 import dit_svc.checkpoint as ck
+import dit_svc.tp as tp
+import stagekit.checkpoints as toolkit
 from dit_svc.checkpoint import CheckpointError, inspect_checkpoint, load_adaln, load_dit_weights
 from dit_svc.config import DiTConfig
+from dit_svc.convert_diffusers import DIFFUSERS_NAMES, to_diffusers
+from dit_svc.model import H3DiT
 from dit_svc.tiny_checkpoint import (
     adaln_curve,
     dense_state_dict,
+    file_metadata,
     save_state_dict,
     tiny_state_dict,
-    to_diffusers_state_dict,
     write_random_int8_convrot_checkpoint,
     write_tiny_checkpoint,
     write_tiny_diffusers_dir,
@@ -50,7 +54,7 @@ def ckpts(tmp_path_factory) -> dict[str, Path]:
      ("diffusers", "diffusers_bf16"), ("release", "release_bf16")],
 )
 def test_detect_variant_and_infer_config(ckpts, name, variant, monkeypatch):
-    monkeypatch.setattr(ck, "safe_open", None)  # detection must not open tensors at all
+    monkeypatch.setattr(toolkit, "safe_open", None)  # detection must not open tensors at all
     info = inspect_checkpoint(ckpts[name], base=CFG)
     assert info.variant.name == variant
     assert info.config == cfg_for(name)
@@ -67,7 +71,7 @@ def test_diffusers_writer_matches_diffusers_converter():
     sd = tiny_state_dict(CFG, "bf16", seed=7)
     config = {"num_attention_heads": CFG.num_heads, "attention_head_dim": CFG.head_dim}
     oracle = utils.convert_minimax_h3_transformer_checkpoint_to_diffusers(dict(sd), config)
-    ours = to_diffusers_state_dict(sd)
+    ours = to_diffusers(sd)
     assert set(ours) == set(oracle)
     assert all(torch.equal(ours[k], oracle[k]) for k in ours)
 
@@ -102,19 +106,16 @@ def test_pruned_curve_reproduces_mlp_adaln():
 # ---- per-rank slices ---------------------------------------------------------------------------------------------
 
 
+def style(key: str):
+    return tp.param_style(H3DiT._tp_plan, key)
+
+
 def reference_slice(key: str, full: torch.Tensor, cfg: DiTConfig, r: int, n: int) -> torch.Tensor:
-    """The TP layout written out independently of the loader."""
-    rule = ck.tp_rule(key)
-    if rule == "qkv":
-        h = cfg.num_heads // n
-        return full.reshape(3, cfg.num_heads, cfg.head_dim, -1)[:, r * h : (r + 1) * h].reshape(-1, full.shape[-1])
-    if rule == "fc1":
-        f = cfg.ffn // n
-        return full.reshape(2, cfg.ffn, -1)[:, r * f : (r + 1) * f].reshape(-1, full.shape[-1])
-    if rule == "rows":
-        m = full.shape[0] // n
-        return full[r * m : (r + 1) * m]
-    if rule == "cols":
+    """The TP layout written out independently of the loader, from the model's plan."""
+    s = style(key)
+    if isinstance(s, tp.ColumnParallel):  # each section (q/k/v, gate/value, or all rows) cut into n parts
+        return full.reshape(s.sections, n, -1, *full.shape[1:])[:, r].reshape(-1, *full.shape[1:])
+    if isinstance(s, tp.RowParallel) and key.endswith(".weight"):
         m = full.shape[1] // n
         return full[:, r * m : (r + 1) * m]
     return full
@@ -132,10 +133,10 @@ def test_rank_slices_equal_slicing_the_full_tensor(ckpts, variant, n):
             f = full[key]
             if isinstance(value, QuantizedWeight):
                 assert torch.equal(value.qdata, reference_slice(key, f.qdata, cfg, r, n)), key
-                scale = f.scale if ck.tp_rule(key) == "cols" else reference_slice(key, f.scale, cfg, r, n)
+                scale = f.scale if isinstance(style(key), tp.RowParallel) else reference_slice(key, f.scale, cfg, r, n)
                 assert torch.equal(value.scale, scale), key
             elif isinstance(f, QuantizedWeight):  # unaligned row-parallel slice: dequantised at load
-                assert key in part.dequantized and ck.tp_rule(key) == "cols"
+                assert key in part.dequantized and isinstance(style(key), tp.RowParallel)
                 want = reference_slice(key, f.dequantize(torch.float32), cfg, r, n)
                 assert torch.allclose(value, want, atol=1e-6), key
             else:
@@ -182,11 +183,11 @@ class _SpySafeOpen:
 
 @pytest.mark.parametrize("variant", ["int8_convrot", "diffusers", "release"])
 def test_only_rank_slices_are_read(ckpts, variant, monkeypatch):
-    spy = _SpySafeOpen(ck.safe_open)
-    monkeypatch.setattr(ck, "safe_open", spy)
+    spy = _SpySafeOpen(toolkit.safe_open)
+    monkeypatch.setattr(toolkit, "safe_open", spy)
     n = 4
     load_dit_weights(ckpts[variant], cfg_for(variant), 3, n)
-    sharded = [k for k in spy.whole if ck.tp_rule(ck.from_diffusers_name(k)) != "replicate"
+    sharded = [k for k in spy.whole if k.endswith(".weight") and style(DIFFUSERS_NAMES.from_source(k)) is not None
                or ".attn.to_" in k or ".ff.net." in k]
     assert sharded == [], f"whole-tensor reads of sharded keys: {sharded}"
     assert spy.sliced
@@ -294,7 +295,7 @@ def test_missing_comfy_quant_and_bad_tp(ckpts, tmp_path):
                    lambda sd: sd.pop("blocks.0.mlp.fc1.comfy_quant"))
     with pytest.raises(CheckpointError, match="blocks.0.mlp.fc1.comfy_quant"):
         load_dit_weights(bad, CFG)
-    with pytest.raises(ValueError, match="num_heads = 4 is not divisible"):
+    with pytest.raises(ValueError, match="TP degree 3 does not divide num_heads=4"):
         load_dit_weights(ckpts["bf16"], CFG, 0, 3)
     with pytest.raises(ValueError, match="tp_rank"):
         load_dit_weights(ckpts["bf16"], CFG, 2, 2)
@@ -334,7 +335,7 @@ def test_comfy_all_in_one_prefix_is_stripped(ckpts, tmp_path):
     sd = {f"model.diffusion_model.{k}": v for k, v in tiny_state_dict(CFG, "int8_convrot", seed=7).items()}
     sd["first_stage_model.decoder.conv_in.weight"] = torch.zeros(4, 4)  # a VAE tensor in the same file
     p = save_state_dict(sd, tmp_path / "aio.safetensors")
-    assert inspect_checkpoint(p).variant.name == "int8_convrot"
+    assert inspect_checkpoint(p, CFG).variant.name == "int8_convrot"
     got, ref = load_dit_weights(p, CFG, 1, 2), load_dit_weights(ckpts["int8_convrot"], CFG, 1, 2)
     assert set(got) == set(ref)
     for k, v in ref.items():
@@ -345,16 +346,33 @@ def test_comfy_all_in_one_prefix_is_stripped(ckpts, tmp_path):
 @pytest.mark.parametrize("variant", ["bf16", "int8_convrot", "int8_convrot_pruned"])
 def test_rank_slices_match_dit_tp_reference(ckpts, variant):
     """Cross-check against the model side's reference slicer (dit_svc/tp.py shard_state_dict)."""
-    tp = pytest.importorskip("dit_svc.tp")
     cfg, n = cfg_for(variant), 2
     full = ck.flatten_state_dict(load_dit_weights(ckpts[variant], cfg, dtype=torch.float32))
     for r in range(n):
         part = load_dit_weights(ckpts[variant], cfg, r, n, dtype=torch.float32)
-        ref = tp.shard_state_dict(full, cfg, r, n)
+        ref = tp.shard_state_dict(full, cfg, r, n, H3DiT._tp_plan)
         for key, value in ck.flatten_state_dict(part).items():
             if key in part.dequantized:  # unaligned int8 column slice: compare with the dequantised reference
                 prefix = key[: -len(".weight")]
                 dense = QuantizedWeight(full[key], full[f"{prefix}.weight_scale"], 64).dequantize(torch.float32)
-                assert torch.allclose(value, tp.shard_state_dict({key: dense}, cfg, r, n)[key], atol=1e-6), key
+                want = tp.shard_state_dict({key: dense}, cfg, r, n, H3DiT._tp_plan)[key]
+                assert torch.allclose(value, want, atol=1e-6), key
             else:
                 assert torch.equal(value, ref[key]), key
+
+
+def test_parallel_load_equals_serial(tmp_path):
+    """Reading a rank's tensors on several threads (the GPU swap-in path) gives exactly the serial result."""
+    from dit_svc.tiny_checkpoint import write_tiny_checkpoint
+    from stagekit.quant import QuantizedWeight
+
+    path = write_tiny_checkpoint(DiTConfig.tiny(), tmp_path / "dit.safetensors", "int8_convrot_pruned")
+    serial = load_dit_weights(path, None, 1, 2, workers=1)
+    parallel = load_dit_weights(path, None, 1, 2, workers=4)
+    assert list(parallel) == list(serial)
+    for key, a in serial.items():
+        b = parallel[key]
+        if isinstance(a, QuantizedWeight):
+            assert torch.equal(a.qdata, b.qdata) and torch.equal(a.scale, b.scale) and a.groupsize == b.groupsize
+        else:
+            assert a.dtype == b.dtype and torch.equal(a, b), key

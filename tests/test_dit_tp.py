@@ -58,7 +58,7 @@ def _worker(rank: int, world: int, port: int, outdir: str) -> None:
         for form in FORMS:  # one process launch serves both AdaLN forms (process start-up dominates test time)
             cfg, sd, lay, (video, audio, text) = _case(form)
             model = H3DiT(cfg, compute_dtype=torch.float32, chunk_rows=16, tp_group=group).eval()
-            model.load_state_dict(shard_state_dict(sd, cfg, rank, world))
+            model.load_state_dict(shard_state_dict(sd, cfg, rank, world, H3DiT._tp_plan))
             with torch.no_grad():
                 result[form] = model(video, audio, text, torch.tensor(T_VIDEO), torch.tensor(T_AUDIO), lay)
         torch.save(result, os.path.join(outdir, f"rank{rank}.pt"))
@@ -103,11 +103,11 @@ def test_shard_layout_and_bad_degrees():
     with pytest.raises(TPConfigError):
         validate_tp(cfg, 0)
     with pytest.raises(TPConfigError):
-        shard_state_dict({}, cfg, 2, 2)
+        shard_state_dict({}, cfg, 2, 2, H3DiT._tp_plan)
     # reference slicing: qkv/fc1 keep [q;k;v] / [gate;value] blocks of this rank's heads / ffn range
     full = H3DiT(cfg, compute_dtype=torch.float32).state_dict()
     n, r = 2, 1
-    sh = shard_state_dict(full, cfg, r, n)
+    sh = shard_state_dict(full, cfg, r, n, H3DiT._tp_plan)
     hd, hl, fl = cfg.head_dim, cfg.num_heads // n, cfg.ffn // n
     qkv = full["blocks.0.attn.qkv_proj.weight"]
     inner = cfg.attn_inner
@@ -152,7 +152,7 @@ def _gpu_worker(rank: int, world: int, port: int, outdir: str) -> None:
         res = {}
         for cd in (torch.float32, torch.bfloat16):
             m = H3DiT(cfg, compute_dtype=cd, tp_group=dist.group.WORLD).eval()
-            m.load_state_dict(shard_state_dict(sd, cfg, rank, world))
+            m.load_state_dict(shard_state_dict(sd, cfg, rank, world, H3DiT._tp_plan))
             m.cuda()
             with torch.no_grad():
                 v, a = m(*(t.cuda() for t in x), 0.3, 0.6, lay.to("cuda"))

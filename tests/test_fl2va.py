@@ -23,7 +23,7 @@ from PIL import Image
 from dit_svc.config import DiTConfig
 from dit_svc.keyframes import KEYFRAME_NOISE_AUG, condition_rows, conditioned_denoise
 from dit_svc.sampling import draw_noise
-from dit_svc.layout import build_layout, patchify_audio, patchify_video
+from dit_svc.layout import build_layout, patchify_video
 from dit_svc.model import H3DiT
 from dit_svc.sampling import SamplerConfig, initial_noise, sample
 from h3.v1 import decoder_pb2, encoder_pb2
@@ -75,9 +75,9 @@ def _setup(cfg, keyframes, seed=5, L=7):
            for i in range(len(keyframes))]
     lay = build_layout(cfg, L, frames, h, w, keyframes, text_tags=torch.tensor([1, 1, 0, 0, 0, 1, 1]))
     vshape = (cfg.in_channels, lay.shape.latent_frames, h // 16, w // 16)
-    c_noise, v_noise, a_noise = draw_noise(seed, [z.shape for z in lat], vshape,
-                                           (2, cfg.audio_in_channels, lay.shape.audio_latents))
-    return lat, lay, c_noise, v_noise, a_noise, frames
+    c_noise, v_noise, a_rows = draw_noise(seed, [z.shape for z in lat], vshape,
+                                          (2 * lay.shape.audio_latents, cfg.audio_in_channels))
+    return lat, lay, c_noise, v_noise, a_rows, frames
 
 
 @pytest.mark.parametrize("keyframes", [("first",), ("last",), ("first", "last")])
@@ -90,7 +90,7 @@ def test_conditioning_rows_fixed_and_only_targets_sampled(tiny_dit, keyframes):
     spy = Spy(m)
     text = torch.randn(7, cfg.text_dim)
     denoise = conditioned_denoise(spy, text, lay, cond)
-    v_rows, a_rows = patchify_video(v_noise, cfg.patch), patchify_audio(a_noise)
+    v_rows, a_rows = patchify_video(v_noise, cfg.patch), a_noise
     with torch.no_grad():
         v0, a0 = sample(denoise, v_rows, a_rows, SamplerConfig(steps=3))
     assert v0.shape == v_rows.shape and a0.shape == a_rows.shape  # the sampler holds target rows only
@@ -111,16 +111,28 @@ def test_conditioning_rows_fixed_and_only_targets_sampled(tiny_dit, keyframes):
 
 
 def test_noise_draw_order_matches_diffusers_and_t2va():
-    from diffusers.utils.torch_utils import randn_tensor
+    """diffusers' own pipeline blocks draw the oracle: the condition step (one draw per keyframe, then noised) and
+    the prepare-latents step (video latent, then audio directly as rows [2*Ta, 32]) off one generator."""
+    from diffusers.modular_pipelines.minimax_h3.before_denoise import (MiniMaxH3PrepareConditionLatentsStep,
+                                                                        MiniMaxH3PrepareLatentsStep)
+    from diffusers.modular_pipelines.modular_pipeline import SequentialPipelineBlocks
+    from diffusers.schedulers.scheduling_minimax_h3 import MiniMaxH3Scheduler
 
-    conds, v, a = draw_noise(11, [(24, 1, 4, 6), (24, 1, 4, 6)], (24, 2, 4, 6), (2, 32, 37))
-    g = torch.Generator().manual_seed(11)  # diffusers: condition noises first, then video, then audio
-    ref = [randn_tensor((24, 1, 4, 6), generator=g, dtype=torch.float32) for _ in range(2)]
-    ref_v = randn_tensor((24, 2, 4, 6), generator=g, dtype=torch.float32)
-    ref_a = randn_tensor((2, 32, 37), generator=g, dtype=torch.float32)
-    assert all(torch.equal(x, y) for x, y in zip(conds, ref)) and torch.equal(v, ref_v) and torch.equal(a, ref_a)
-    _, v2, a2 = draw_noise(11, [], (24, 2, 4, 6), (2, 32, 37))
-    v3, a3 = initial_noise(11, (24, 2, 4, 6), (2, 32, 37))
+    lat = [torch.randn(24, 1, 4, 6, generator=torch.Generator().manual_seed(3 + i)) for i in range(2)]
+    conds, v, a = draw_noise(11, [z.shape for z in lat], (24, 2, 4, 6), (2 * 37, 32))
+    blocks = SequentialPipelineBlocks.from_blocks_dict({"cond": MiniMaxH3PrepareConditionLatentsStep(),
+                                                        "latents": MiniMaxH3PrepareLatentsStep()})
+    pipe = blocks.init_pipeline()
+    pipe.update_components(scheduler=MiniMaxH3Scheduler())
+    ref = pipe(condition_latents=[z[None] for z in lat], num_condition_video_rows=2 * 6, num_latent_frames=2,
+               latent_height=4, latent_width=6, num_audio_latents=37, generator=torch.Generator().manual_seed(11),
+               output=["condition_rows", "latents", "audio_latents"])
+    # The keyframe mix 0.999 z + 0.001 e is computed another way there (last-ulp differences); the noise is the same,
+    # and the video / audio draws after it are bit for bit diffusers' (so the keyframe draws consumed the same stream).
+    torch.testing.assert_close(condition_rows(lat, conds, (1, 2, 2)), ref["condition_rows"], rtol=0, atol=1e-6)
+    assert torch.equal(patchify_video(v, (1, 2, 2)), ref["latents"]) and torch.equal(a, ref["audio_latents"])
+    _, v2, a2 = draw_noise(11, [], (24, 2, 4, 6), (2 * 37, 32))
+    v3, a3 = initial_noise(11, (24, 2, 4, 6), (2 * 37, 32))
     assert torch.equal(v2, v3) and torch.equal(a2, a3)  # t2va bits unchanged
 
 
@@ -139,7 +151,7 @@ def test_conditioned_step_matches_diffusers_transformer(tiny_dit):
     cond = condition_rows(lat, c_noise, cfg.patch)
     torch.testing.assert_close(cond, ref_cond, rtol=0, atol=1e-6)
     text = torch.randn(7, cfg.text_dim)
-    v_rows, a_rows = patchify_video(v_noise, cfg.patch), patchify_audio(a_noise)
+    v_rows, a_rows = patchify_video(v_noise, cfg.patch), a_noise
     with torch.no_grad():
         ours_v, ours_a = conditioned_denoise(m, text, lay, cond)(v_rows, a_rows, torch.tensor(0.3), torch.tensor(0.5))
     ref_v, ref_a = diffusers_forward(dm, lay, torch.cat([ref_cond, v_rows]), a_rows, text, 0.3, 0.5)
@@ -160,7 +172,7 @@ def test_fl2va_sampling_loop_matches_diffusers(tiny_dit, keyframes):
     lat, lay, c_noise, v_noise, a_noise, _ = _setup(cfg, keyframes)
     cond = condition_rows(lat, c_noise, cfg.patch)
     text = torch.randn(7, cfg.text_dim, generator=torch.Generator().manual_seed(2))
-    v_rows, a_rows = patchify_video(v_noise, cfg.patch), patchify_audio(a_noise)
+    v_rows, a_rows = patchify_video(v_noise, cfg.patch), a_noise
     steps = 3
     with torch.no_grad():
         ov, oa = sample(conditioned_denoise(m, text, lay, cond), v_rows, a_rows,

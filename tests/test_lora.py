@@ -126,7 +126,7 @@ def _worker(rank: int, world: int, port: int, d: str) -> None:
         group = dist.new_group(list(range(world)))
         cfg, sd, lay, x = _case()
         model = H3DiT(cfg, compute_dtype=torch.float32, chunk_rows=16, tp_group=group).eval()
-        model.load_state_dict(shard_state_dict(sd, cfg, rank, world))
+        model.load_state_dict(shard_state_dict(sd, cfg, rank, world, H3DiT._tp_plan))
         ptrs = {k: (v.data_ptr(), id(v)) for k, v in model.state_dict(keep_vars=True).items()}
         keys = list(model.state_dict())
         base = _run(model, lay, x)

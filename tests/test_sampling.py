@@ -192,7 +192,7 @@ def test_initial_noise():
             initial_noise(bad, (1,), (1,))
     with pytest.raises(ValueError, match="video_shape"):
         initial_noise(0, (0, 3), (1,))
-    with pytest.raises(ValueError, match="audio_shape"):
+    with pytest.raises(ValueError, match="audio_rows_shape"):
         initial_noise(0, (1,), "ab")
 
 

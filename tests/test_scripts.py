@@ -1,9 +1,14 @@
-"""scripts/up.sh and scripts/down.sh: start all stages, wait for health, idempotent, clean stop."""
+"""scripts/up.sh and scripts/down.sh: start all stages, wait for health, idempotent, clean stop; ranks die with
+their torchrun agent and down.sh stops whatever up.sh started (docs/reliability.md, "Orphan ranks")."""
 
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
+
+from tests.procs import alive, rank_pids
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -12,12 +17,19 @@ def run(cmd, env, timeout=300):
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-        return True
-    except ProcessLookupError:
-        return False
+def started_by(run_dir: Path) -> list[int]:
+    """Live processes up.sh started for this run dir: each stage and all it started inherit TMPDIR=<run>/tmp/<stage>
+    (torchrun's ranks too, though they run in sessions of their own)."""
+    out = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit() and alive(int(d.name)):
+            try:
+                env = (d / "environ").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if any(e.startswith(f"TMPDIR={run_dir}/tmp/".encode()) for e in env):
+                out.append(int(d.name))
+    return out
 
 
 def test_up_status_down(tmp_path, model_cache):
@@ -25,8 +37,9 @@ def test_up_status_down(tmp_path, model_cache):
            "H3_DIT_CACHE_DIR": str(model_cache), "H3_DECODER_CACHE_DIR": str(model_cache),
            "OMP_NUM_THREADS": "1"}
     run_dir = tmp_path / "run"
-    up = ["bash", "scripts/up.sh", "--run-dir", str(run_dir), "--devices", "virt0",
+    up = ["bash", "scripts/up.sh", "--run-dir", str(run_dir), "--devices", "virt0", "--dit-ranks", "2",
           "--encoder-port", "0", "--dit-port", "0", "--decoder-port", "0"]
+    ranks: dict = {}
     try:
         r = run(up, env)
         assert r.returncode == 0, r.stdout + r.stderr
@@ -39,8 +52,31 @@ def test_up_status_down(tmp_path, model_cache):
         r = run([sys.executable, "-m", "client", "status", "--endpoints-file", str(run_dir / "endpoints.env")], env,
                 timeout=60)
         assert r.returncode == 0 and r.stdout.count("SERVING") == 3, r.stdout + r.stderr
+        # torchrun keeps its own temp dirs in the stage's TMPDIR, inside the run dir.
+        elastic = list((run_dir / "tmp" / "dit").glob("torchelastic_*"))
+        assert elastic, list((run_dir / "tmp" / "dit").iterdir())
+
+        # kill -9 of the torchrun agent: its ranks die with it (they used to keep serving on their own).
+        ranks = rank_pids(pids["dit"])
+        assert set(ranks) == {0, 1}, ranks
+        t0 = time.monotonic()
+        os.kill(pids["dit"], signal.SIGKILL)
+        while any(alive(p) for p in ranks.values()):
+            assert time.monotonic() - t0 < 10, f"ranks {ranks} outlived their agent"
+            time.sleep(0.05)
+        orphan_s = time.monotonic() - t0
+        # up.sh starts the dead stage again (and only it), on a fresh temp dir.
+        r = run(up, env)
+        assert r.returncode == 0 and r.stdout.count("already running") == 2 and "started dit" in r.stdout, r.stdout
+        assert not any(p.exists() for p in elastic), "the dead agent's temp dir was removed before the restart"
+        assert set(rank_pids(int((run_dir / "dit.pid").read_text()))) == {0, 1}
+        running = started_by(run_dir)
+        assert len(running) == 5, running  # encoder, decoder, the torchrun agent and its 2 ranks, nothing else
     finally:
         r = run(["bash", "scripts/down.sh", "--run-dir", str(run_dir), "--grace", "20"], env)
     assert r.returncode == 0, r.stderr
-    assert not any(alive(p) for p in pids.values()), "down.sh left a stage running"
+    assert not started_by(run_dir), f"down.sh left processes running: {started_by(run_dir)}"
     assert not (run_dir / "endpoints.env").exists()
+    assert not [p for p in (run_dir / "tmp").rglob("*")], "down.sh leaves no temp files"
+    print(f"\nup/down: dit ranks died {orphan_s:.2f}s after kill -9 of their agent; down.sh stopped {len(running)} "
+          "processes")

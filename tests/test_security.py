@@ -65,9 +65,13 @@ def tls_dit(tmp_path_factory, model_cache):
                     "-days", "1", "-subj", "/CN=localhost", "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost"],
                    check=True, capture_output=True, timeout=60)
     sec = Security(token=TOKEN, tls_ca=str(cert))
+    token_file = d / "token"
+    token_file.write_text(TOKEN + "\n")
+    token_file.chmod(0o600)
     s = EmbeddedStack(StackConfig(ranks={"dit": 1}, cache_dir=str(model_cache), run_dir=str(d / "run"), devices="virt0",
                                   env=SERVER_ENV, security=sec,
-                                  extra_args={"dit": ["--tls-cert", str(cert), "--tls-key", str(key), "--token", TOKEN]}))
+                                  extra_args={"dit": ["--tls-cert", str(cert), "--tls-key", str(key),
+                                                      "--token-file", str(token_file)]}))
     s.start_stage("dit")
     s.wait_ready("dit")
     yield s, sec
@@ -80,6 +84,8 @@ def _clients(port: int, sec: Security) -> StageClients:
 
 def test_tls_with_token_works(tls_dit):
     s, sec = tls_dit
+    # The token came from --token-file: no other local user can read it from the process's command line.
+    assert TOKEN.encode() not in Path(f"/proc/{s.procs['dit'].pid}/cmdline").read_bytes()
     with _clients(s.ports["dit"], sec) as c:
         v, a, r = sample(c, GOOD, TEXT, timeout_s=120)
         assert torch.isfinite(v).all()
@@ -110,6 +116,53 @@ def test_plaintext_client_cannot_talk_to_tls_stage(tls_dit):
         assert e.value.code() == grpc.StatusCode.UNAVAILABLE
     finally:
         ch.close()
+
+
+def _listeners(port: int) -> set[str]:
+    """Local addresses (hex, as /proc/net/tcp* show them) with a listening socket on `port`."""
+    out = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            f = line.split()
+            addr, p = f[1].rsplit(":", 1)
+            if int(p, 16) == port and f[3] == "0A":
+                out.add(addr)
+    return out
+
+
+def test_metrics_stay_on_loopback_when_the_stage_binds_all_interfaces(tmp_path, model_cache):
+    """A stage exposed on 0.0.0.0 (here --insecure, token from the environment) serves /metrics, which is plain
+    HTTP without auth, on loopback only unless --metrics-host says otherwise; the token never shows in the command
+    line."""
+    env = {**os.environ, **SERVER_ENV, "H3_DIT_TOKEN": TOKEN}
+    port_file = tmp_path / "port"
+    proc = subprocess.Popen([sys.executable, "-m", "dit_svc", "--host", "0.0.0.0", "--insecure", "true", "--port", "0",
+                             "--port-file", str(port_file), "--metrics-port", "0", "--devices", "virt0",
+                             "--cache-dir", str(model_cache), "--lease-dir", str(tmp_path / "leases")],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        lines = []
+        for line in proc.stdout:
+            lines.append(line)
+            if "serving on" in line:
+                break
+        banner = next((x for x in lines if "metrics on" in x), "")
+        assert "metrics on http://127.0.0.1:" in banner and "loopback only" in banner, "".join(lines)[-3000:]
+        mport = int((tmp_path / "port.metrics").read_text())
+        assert _listeners(mport) == {"0100007F"}, f"/metrics listens on {_listeners(mport)}"
+        from urllib.request import urlopen
+
+        assert b"h3_stage_info" in urlopen(f"http://127.0.0.1:{mport}/metrics", timeout=10).read()
+        assert TOKEN.encode() not in Path(f"/proc/{proc.pid}/cmdline").read_bytes()
+        with _clients(int(port_file.read_text()), Security()) as c:
+            with pytest.raises(grpc.RpcError) as e:
+                c.dit.Status(common_pb2.StatusRequest(), timeout=10)
+            assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            assert c.dit.Status(common_pb2.StatusRequest(), timeout=10, metadata=Security(TOKEN).metadata()).stage
+    finally:
+        proc.terminate()
+        proc.wait(60)
+        proc.stdout.close()
 
 
 # ---- no path traversal through names -------------------------------------------------------------------------------

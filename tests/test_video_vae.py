@@ -14,6 +14,7 @@ import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
 
 from decoder_svc.video_tiling import num_decoded_frames, split_tiles
+from tests.safetensors_files import write_sparse_safetensors
 from decoder_svc.video_vae import (
     IMAGENET_MEAN,
     IMAGENET_STD,
@@ -26,7 +27,7 @@ from decoder_svc.video_vae import (
     comfy_to_diffusers_state_dict,
     decode_unit,
     detect_layout,
-    infer_config,
+    inspect_video_vae,
     load_video_vae,
     plan_decode,
     write_tiny_video_vae,
@@ -294,22 +295,28 @@ def test_checkpoint_errors(tmp_path, tiny_file):
     shaped["decoder.register_tokens"] = torch.zeros(1, 3, TINY.dec_dim)
     with pytest.raises(CheckpointError, match=r"misshapen.*register_tokens"):
         load_video_vae(write("shape.safetensors", shaped))
-    # without the config metadata, the tiny dims cannot be inferred (head count / groups): clear error, cfg works
+    # without the config metadata the file is read with the H3 geometry: the tiny file contradicts it, and the error
+    # names the file and its first misshapen key (not a wrong head count, as a shape-based guess would); cfg works
     bare = write("bare.safetensors", sd, metadata=None)
-    with pytest.raises(CheckpointError, match="pass"):
-        load_video_vae(bare)
+    with pytest.raises(CheckpointError, match=r"bare.safetensors: decoder\.\S+: does not match .*H3 release geometry.*config\.json"):
+        load_video_vae(bare, parts="decoder")
     load_video_vae(bare, TINY)
     with pytest.raises(CheckpointError):
         load_video_vae(str(tmp_path / "nope.safetensors"))
 
 
-def test_infer_full_config_from_shapes():
+def test_h3_geometry_without_config(tmp_path):
+    """A file without config.json or metadata is read with the H3 release geometry, checked from its header (the
+    full-size inventory is a sparse file: a header and holes)."""
     with torch.device("meta"):
         shapes = {k: tuple(v.shape) for k, v in VideoVAE(VideoVAEConfig.full()).state_dict().items()}
-    assert infer_config(shapes) == VideoVAEConfig.full()
     assert shapes["decoder.proj_out.weight"] == (3072, 2048)
     assert shapes["encoder.conv_out.weight"] == (48, 1024, 3, 3, 3)
     assert shapes["decoder.transformer_blocks.0.attn.to_qkv.weight"] == (6144, 2048)
     assert shapes["decoder.transformer_blocks.0.ff.w1.weight"] == (16384, 2048)
+    full = write_sparse_safetensors(tmp_path / "minimax_h3_video_vae_fp16.safetensors",
+                                    {k: ("F16", shp) for k, shp in shapes.items()})
+    info = inspect_video_vae(str(full), parts="decoder")
+    assert info.cfg == VideoVAEConfig.full() and info.config_source == "H3 release geometry"
     assert json.loads(VideoVAEConfig.full().to_json())["tile_px"] == 256
     assert VideoVAEConfig.from_json(TINY.to_json()) == TINY
