@@ -209,7 +209,7 @@ def write_weights(models: Path, tiny: bool) -> dict:
     from decoder_svc.video_vae import VideoVAEConfig, write_tiny_video_vae
     from dit_svc.config import DiTConfig
     from dit_svc.tiny_checkpoint import write_random_int8_convrot_checkpoint, write_safetensors_streaming, write_tiny_checkpoint
-    from encoder_svc.conditioner import ConditionerConfig
+    from encoder_svc.config import ConditionerConfig
     from encoder_svc.tiny import build_tiny_tokenizer, write_tiny_model
 
     models.mkdir(parents=True, exist_ok=True)
