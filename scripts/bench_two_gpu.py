@@ -705,7 +705,8 @@ class Bench:
         cmd = ["bash", str(ROOT / "scripts/up.sh"), "--run-dir", self.run, *models,
                "--devices", self.devices, "--dit-ranks", "2", "--decoder-ranks", "2",
                "--gpu-memory-cap-gb", self.args.cap_gb, "--residency", "exclusive",
-               "--encoder-port", "0", "--dit-port", "0", "--decoder-port", "0"]
+               "--encoder-port", "0", "--dit-port", "0", "--decoder-port", "0", "--render-port", "0",
+               "--web-port", "-1"]
         t0 = time.monotonic()
         rc, out, err = self.run_cmd(cmd, timeout_s=min(620.0, max(60.0, self.left_s())), name=f"up-{profile}",
                                     env=env)

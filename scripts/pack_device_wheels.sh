@@ -16,7 +16,9 @@
 #   protobuf 7.x: the generated *_pb2.py files validate a 7.x runtime.
 #   comfy-kitchen 0.2.40 (without backends/hip/*.so: AMD-only, and most of the wheel), av 18.1.0 (PyAV: the MP4 mux
 #       and the run's MP4 checks), soundfile + cffi (+ pycparser), google-crc32c: not in the image.
-#   --with-cudnn-frontend adds nvidia-cudnn-frontend 1.32.0 (+5 MiB; nothing imports it yet).
+#   --with-cudnn-frontend adds nvidia-cudnn-frontend 1.32.0 (+5 MiB: the cuDNN fp8 attention candidate of
+#       stagekit/fp8_attention.py; without it that candidate is skipped). With it the tar (~62 MiB) plus the repo
+#       (~2 MiB) no longer fits the 64 MiB carry.
 # Not carried: transformers (the image's 5.17 runs the encoder's Qwen3-VL path; only a test oracle API differs),
 # torch, numpy, safetensors, tokenizers, pillow, rich, pyyaml, prometheus-client, psutil, nvidia-ml-py, matplotlib.
 # Compressed sizes (xz -9e): comfy-kitchen's CUDA library ~32 MiB (a fat binary for sm_75..sm_120), PyAV's FFmpeg
