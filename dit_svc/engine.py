@@ -26,7 +26,9 @@ from dit_svc.lora import LoRAError, LoRAManager, check_lora_file, config_targets
 from dit_svc.model import H3DiT
 from dit_svc.sampling import SamplerConfig, draw_noise, sample
 from dit_svc.tiny_checkpoint import write_tiny_checkpoint
-from dit_svc.tp import param_style, validate_tp
+from dit_svc.sp import ParallelGroups, make_groups, validate_parallel
+from dit_svc.tp import param_style
+from stagekit.compile_cache import enable_compile_cache
 from stagekit.dist import RankGroup
 from stagekit.runtime import release_device_memory
 from stagekit.errors import FailedPrecondition, InvalidArgument
@@ -49,6 +51,8 @@ def embedded_config() -> DiTConfig:
     return DiTConfig.tiny(num_layers=1, num_heads=2)
 # Text length assumed by estimates made before the text states are known (the encoder's usual prompt budget).
 DEFAULT_TEXT_LEN = 512
+# Threads that read this rank's tensors and copy them to the GPU concurrently (docs/memory.md: swap-in speed).
+LOAD_WORKERS = 8
 # cuBLAS / cuDNN workspaces live in PyTorch's caching allocator (measured ~20-30 MiB on an H200 at tiny sizes).
 CUDA_WORKSPACE_BYTES = 32 << 20
 
@@ -63,8 +67,10 @@ class DiTEngineConfig:
     int8_mode: str = "kernel"    # CPU only: "kernel" (comfy-kitchen eager) | "dequant" (dequantise once at load)
     chunk_rows: int = 4096       # row chunk of all but attention: bounds the qkv / MLP / norm temporaries
     linear_kernel: str = "auto"  # GPU block linears: auto (measured probe) | int8 | fp8 | bf16 | fp16 | fp32
-    attention_kernel: str = "auto"  # GPU attention: auto | cudnn | flash | efficient | math | int8
+    attention_kernel: str = "auto"  # GPU attention: auto | cudnn | flash | efficient | math | int8 | fp8
     compile_blocks: bool = False    # torch.compile each block on the GPU (~1.4x faster step; compiles per shape)
+    compile_cache_dir: Path | None = None  # persistent torch.compile cache root (stagekit/compile_cache.py)
+    sp_degree: int = 1           # sequence-parallel degree (dit_svc/sp.py); TP degree = ranks / sp_degree
     loras_dir: str = ""          # request LoRAs by bare file name from here ("" = LoRAs by name disabled)
     allow_lora_paths: bool = False  # also accept absolute LoRA paths in requests (trusted clients only)
     qkv_layout: str = ""         # "stacked" | "interleaved": q/k/v row order of a file that does not show it ("" =
@@ -91,7 +97,15 @@ class DiTEngine:
         self.model_cfg: DiTConfig = info.config
         self.variant = info.variant.name
         self._header_shapes = info.shapes  # for weight-size estimates before loading
-        validate_tp(self.model_cfg, group.world_size)
+        if group.world_size % cfg.sp_degree:
+            raise FailedPrecondition(f"--sp-degree {cfg.sp_degree} does not divide the {group.world_size} DiT ranks")
+        validate_parallel(self.model_cfg, group.world_size // cfg.sp_degree, cfg.sp_degree)
+        # TP x SP groups of the compute group's ranks (every rank builds them, in the same order).
+        self.parallel: ParallelGroups = make_groups(group.info.rank, group.world_size, cfg.sp_degree,
+                                                    group.collective_timeout)
+        if cfg.compile_cache_dir is not None and cfg.device.startswith("cuda"):
+            # Before the kernel probe: fp8 attention compiles its quantisation there.
+            log.info("torch.compile cache: %s", enable_compile_cache(cfg.compile_cache_dir, cfg.device))
         self.kernels = self._select_kernels()  # measured at start-up, before any job, so Status shows it
         self.model: H3DiT | None = None
         self.loras: LoRAManager | None = None  # per-rank LoRA cache; lives as long as the loaded model
@@ -130,9 +144,12 @@ class DiTEngine:
         t0 = time.monotonic()
         cfg, dev = self.cfg, self.cfg.device
         quant_mode = "kernel" if self.kernels is not None else cfg.int8_mode  # GPU: the registry decides per linear
-        weights = load_dit_weights(self.path, self.model_cfg, self.group.info.rank, self.group.world_size,
-                                   quant_mode=quant_mode, dtype=cfg.compute_dtype, qkv_layout=cfg.qkv_layout or None)
-        model = H3DiT(self.model_cfg, cfg.compute_dtype, cfg.chunk_rows, tp_group=self.group.compute, device="meta")
+        par = self.parallel
+        weights = load_dit_weights(self.path, self.model_cfg, par.tp_rank, par.tp_size,
+                                   quant_mode=quant_mode, dtype=cfg.compute_dtype, qkv_layout=cfg.qkv_layout or None,
+                                   device=dev, workers=LOAD_WORKERS if dev.startswith("cuda") else 1)
+        model = H3DiT(self.model_cfg, cfg.compute_dtype, cfg.chunk_rows, tp_group=par.tp_group,
+                      sp_group=par.sp_group, device="meta")
         served = self._block_linears() if self.kernels is not None else set()
         swapped = set()
         for key, value in weights.items():
@@ -180,9 +197,9 @@ class DiTEngine:
         """This rank's weight bytes once loaded, from the checkpoint header (no tensor data read).
 
         int8 weights stay 1 byte in `kernel` mode, stored fp32 tensors stay fp32, other floats are held in the
-        compute dtype; tensor-parallel tensors are split across ranks, replicated ones are not."""
+        compute dtype; tensor-parallel tensors are split across the TP ranks, replicated ones are not."""
         elem = torch.empty((), dtype=self.cfg.compute_dtype).element_size()
-        world = self.group.world_size
+        tp = self.parallel.tp_size
         total = 0
         for key, entry in self._header_shapes.items():
             n = 1
@@ -191,7 +208,7 @@ class DiTEngine:
             size = 1 if entry.dtype == "I8" and self.cfg.int8_mode == "kernel" else elem
             if entry.dtype == "F32":  # stored fp32 (output heads, tables) stays fp32
                 size = 4
-            total += n * size // (world if param_style(H3DiT._tp_plan, key) is not None else 1)
+            total += n * size // (tp if param_style(H3DiT._tp_plan, key) is not None else 1)
         return total
 
     def activation_bytes(self, spec: RenderSpec, text_len: int) -> int:
@@ -203,24 +220,27 @@ class DiTEngine:
         (dit_svc/model.py Block): the larger of the qkv step (projection, fp32 norm/RoPE temporaries, the fp32
         modulated input) and the MLP step ([chunk, 3 x ffn / tp] in the compute dtype). Padded by 15 % for allocator
         slack, plus the cuBLAS / cuDNN workspaces on CUDA. An estimate to budget with (measured peaks:
-        docs/memory.md), not a promise.
+        docs/memory.md), not a promise. Sequence parallel (dit_svc/sp.py): the whole-sequence tensors shrink to this
+        rank's rows, plus the all-to-all buffers held while attention runs (~5 x local inner per row); the sampler
+        state stays whole.
         """
         m = self.model_cfg
-        world = self.group.world_size
+        tp, sp = self.parallel.tp_size, self.parallel.sp_size
         e = torch.empty((), dtype=self.cfg.compute_dtype).element_size()
         shp = latent_shape(m, spec.frames, spec.height, spec.width)
         _, ph, pw = m.patch
         video_rows = shp.latent_frames * (shp.latent_height // ph) * (shp.latent_width // pw)
         audio_rows = 2 * shp.audio_latents
         rows = text_len + video_rows + audio_rows
-        inner = m.num_heads * m.head_dim // world
-        per_row = (m.hidden * 4 + 4 * inner * e + 2 * m.rope_dim * 4
-                   + 8 * max(m.video_patch_dim, m.audio_in_channels) * 4)
+        inner = m.num_heads * m.head_dim // tp
+        local = -(-rows // sp)
+        per_local_row = m.hidden * 4 + (4 + (5 if sp > 1 else 0)) * inner * e + 2 * m.rope_dim * 4
+        per_row = 8 * max(m.video_patch_dim, m.audio_in_channels) * 4
         qkv_step = 3 * inner * e + 6 * inner * 4 + 2 * m.hidden * 4 + m.hidden * e
-        mlp_step = 3 * (m.ffn // world) * e + 3 * m.hidden * 4 + m.hidden * e
-        chunk = min(rows, self.cfg.chunk_rows) * max(qkv_step, mlp_step)
+        mlp_step = 3 * (m.ffn // tp) * e + 3 * m.hidden * 4 + m.hidden * e
+        chunk = min(local, self.cfg.chunk_rows) * max(qkv_step, mlp_step)
         fixed = CUDA_WORKSPACE_BYTES if self.cfg.device.startswith("cuda") else 0
-        return int((rows * per_row + chunk) * 1.15) + fixed
+        return int((local * per_local_row + rows * per_row + chunk) * 1.15) + fixed
 
     def estimate_bytes(self, spec: RenderSpec | None, text_len: int = DEFAULT_TEXT_LEN) -> int:
         """Per-rank peak bytes of a job (weights + activations); `spec=None`: weights alone."""

@@ -10,6 +10,10 @@ Tensor parallel: pass `tp_group` (None = single rank). `H3DiT._tp_plan` declares
 row-parallel (dit_svc/tp.py): block/refiner attention and MLP are Megatron column->row parallel with a visible fp32
 `dist.all_reduce`; the AdaLN projections are column-parallel with a visible `dist.all_gather` of their tiny
 [M, out/n] outputs. The checkpoint loader, the LoRA code and the tests slice weights by the same plan.
+
+Sequence parallel (Ulysses): pass `sp_group` too (alone or with `tp_group`). The blocks run on this rank's share of
+the rows; attention swaps rows for heads with two visible `dist.all_to_all_single` calls, and the rows are
+all-gathered before the output heads. See dit_svc/sp.py.
 """
 
 from __future__ import annotations
@@ -23,9 +27,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .config import NUM_MODALITIES, DiTConfig
-from .layout import COND_VIDEO_T, NUM_KINDS, REF_AUDIO_T, PackedLayout
+from .layout import COND_VIDEO_T, REF_AUDIO_T, PackedLayout
+from . import sp
+from .sp import SeqShards, validate_parallel
 from .tp import (ColumnParallel, ColumnParallelLinear, Linear, RowParallel, RowParallelLinear, TPStyle, group_rank_size,
-                 tp_style, validate_tp)
+                 tp_style)
 
 # Parameters that the release ships (and we always run) in fp32.
 FP32_PARAM_PREFIXES = (
@@ -76,10 +82,12 @@ class _Ctx:
     """Per-model constants handed to submodules (no global state)."""
 
     def __init__(self, cfg: DiTConfig, compute_dtype: torch.dtype, chunk_rows: int, group, tp_size: int,
-                 factory: LinearFactory, plan: dict[str, TPStyle], attention_fn: AttentionFn = sdpa_attention):
+                 factory: LinearFactory, plan: dict[str, TPStyle], attention_fn: AttentionFn = sdpa_attention,
+                 sp_group=None):
         self.cfg, self.compute_dtype, self.chunk_rows = cfg, compute_dtype, chunk_rows
         self.group, self.tp_size, self.factory, self.plan = group, tp_size, factory, plan
         self.attention_fn = attention_fn
+        self.sp_group = sp_group
 
     def linear(self, name: str, fin: int, fout: int, bias: bool) -> nn.Module:
         """Linear `name`, column- / row-parallel / replicated as the model's tensor-parallel plan says."""
@@ -220,6 +228,7 @@ class Block(nn.Module):
         super().__init__()
         self.compute_dtype = ctx.compute_dtype
         self.chunk_rows = ctx.chunk_rows
+        self.sp_group = ctx.sp_group
         self.norm1 = RMSNorm(ctx.cfg.hidden, ctx.cfg.eps)
         self.attn = Attention(ctx, f"{name}.attn")
         self.norm2 = RMSNorm(ctx.cfg.hidden, ctx.cfg.eps)
@@ -231,9 +240,10 @@ class Block(nn.Module):
         return (norm(x) * (1.0 + scale.index_select(0, r)) + shift.index_select(0, r)).to(self.compute_dtype)
 
     def forward(self, x: torch.Tensor, ada_in: torch.Tensor, rows: torch.Tensor,
-                rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+                rope: tuple[torch.Tensor, torch.Tensor], shards: SeqShards | None = None) -> torch.Tensor:
         """x [S, hidden] fp32 residual (updated in place and returned); ada_in [M, adaln_in] fp32;
-        rows [S] = timestep_index * 3 + tag (AdaLN table row); rope (cos, sin) [S, rope_dim] fp32."""
+        rows [S] = timestep_index * 3 + tag (AdaLN table row); rope (cos, sin) [S, rope_dim] fp32.
+        Sequence parallel: S is this rank's share `shards.local` of the sequence (dit_svc/sp.py)."""
         m, n = ada_in.shape[0], self.chunk_rows
         mod = self.adaln_proj(ada_in).view(m * NUM_MODALITIES, -1)  # row m*3+tag, modality-major
         shift1, scale1, gate1, shift2, scale2, gate2 = mod.chunk(6, dim=-1)
@@ -244,9 +254,26 @@ class Block(nn.Module):
         for s, e in chunks:
             h = self._modulate(x[s:e], self.norm1, shift1, scale1, rows[s:e])
             self.attn.project_qkv(h, (cos[s:e], sin[s:e]), qkv[:, :, :, s:e])
-        # 2. attention over all rows.
-        o = self.attn.attention_fn(qkv[0], qkv[1], qkv[2])
-        del qkv
+        # 2. attention over all rows. Sequence parallel (Ulysses, dit_svc/sp.py): an all-to-all trades this rank's
+        #    rows of every local head for every row of 1/sp of them; another brings the output rows back.
+        if shards is None:
+            o = self.attn.attention_fn(qkv[0], qkv[1], qkv[2])
+            del qkv
+        else:
+            hs, d = self.attn.local_heads // shards.n, self.attn.head_dim
+            sends, recvs = sp.qkv_splits(shards, hs, d)
+            send = sp.qkv_send(qkv, shards.n)
+            del qkv
+            recv = send.new_empty(sum(recvs))
+            dist.all_to_all_single(recv, send, recvs, sends, group=self.sp_group)
+            o = self.attn.attention_fn(*sp.qkv_received(recv, shards, hs, d))
+            del send, recv
+            sends, recvs = sp.o_splits(shards, hs, d)
+            send = sp.o_send(o, shards)
+            recv = send.new_empty(sum(recvs))
+            dist.all_to_all_single(recv, send, recvs, sends, group=self.sp_group)
+            o = sp.o_received(recv, shards, hs, d)
+            del send, recv
         # 3. output projection and gated residual add, a row chunk at a time.
         self._reduce_add(x, gate1, rows, chunks, lambda s, e: self.attn.project_out(o[:, :, s:e]))
         del o
@@ -343,6 +370,8 @@ class H3DiT(nn.Module):
         compute_dtype: dtype of the block/refiner linears and attention.
         chunk_rows: row chunk of everything but attention itself (bounds the qkv / MLP / fp32 norm temporaries).
         tp_group: torch.distributed group for tensor parallelism, None = single rank.
+        sp_group: torch.distributed group for sequence parallelism (Ulysses, dit_svc/sp.py), None = off; ranks of
+            one SP group hold the same TP shard.
         linear_factory: optional (name, in, out, bias, tp style) -> module; default = tp.Linear variants.
         device / dtype: parameter storage (use device="meta" + load_state_dict(assign=True) for full size).
         attention_fn: (q, k, v) -> o attention kernel (default torch SDPA); see stagekit.kernels.
@@ -363,7 +392,7 @@ class H3DiT(nn.Module):
     def __init__(self, cfg: DiTConfig, compute_dtype: torch.dtype = torch.bfloat16, chunk_rows: int = 4096,
                  tp_group: dist.ProcessGroup | None = None, linear_factory: LinearFactory | None = None,
                  device: torch.device | str | None = None, dtype: torch.dtype | None = None,
-                 attention_fn: AttentionFn | None = None):
+                 attention_fn: AttentionFn | None = None, sp_group: dist.ProcessGroup | None = None):
         super().__init__()
         if chunk_rows <= 0:
             raise ValueError(f"chunk_rows must be > 0, got {chunk_rows}")
@@ -372,10 +401,12 @@ class H3DiT(nn.Module):
         self.chunk_rows = chunk_rows
         self.tp_group = tp_group
         self.tp_rank, self.tp_size = group_rank_size(tp_group)
-        validate_tp(cfg, self.tp_size)
+        self.sp_group = sp_group
+        self.sp_rank, self.sp_size = group_rank_size(sp_group)
+        validate_parallel(cfg, self.tp_size, self.sp_size)
         factory = linear_factory or self._default_factory(cfg, compute_dtype, self.tp_size, device, dtype)
         ctx = _Ctx(cfg, compute_dtype, chunk_rows, tp_group, self.tp_size, factory, self._tp_plan,
-                   attention_fn or sdpa_attention)
+                   attention_fn or sdpa_attention, sp_group)
 
         self.video_patch_proj = ctx.linear("video_patch_proj", cfg.video_patch_dim, cfg.hidden, True)
         self.audio_patch_proj = ctx.linear("audio_patch_proj", cfg.audio_in_channels, cfg.hidden, True)
@@ -446,15 +477,14 @@ class H3DiT(nn.Module):
 
     # ---- forward pieces -------------------------------------------------------------------------------------------
     def timestep_table(self, t_video, t_audio, layout: PackedLayout) -> tuple[torch.Tensor, torch.Tensor]:
-        """Distinct timesteps [M] (sorted ascending, fp32) and each row's index into them [S]."""
+        """The timestep of every kind [NUM_KINDS] (fp32; kinds absent from the layout included: AdaLN rows are
+        cheap) and each row's index into it [S], which is its kind. Device ops only: no host sync per step (a
+        dedupe with torch.unique would wait for the GPU to learn its output size)."""
         dev = layout.kind.device
         tv = torch.as_tensor(t_video, dtype=torch.float32, device=dev).reshape(())
         ta = torch.as_tensor(t_audio, dtype=torch.float32, device=dev).reshape(())
         per_kind = torch.stack([tv, torch.clamp(tv, min=COND_VIDEO_T), ta, torch.clamp(ta, min=REF_AUDIO_T)])
-        kinds = torch.tensor(layout.kinds, dtype=torch.long, device=dev)
-        uniq, inv = torch.unique(per_kind.index_select(0, kinds), sorted=True, return_inverse=True)
-        kind_to_ti = torch.zeros(NUM_KINDS, dtype=torch.long, device=dev).index_copy(0, kinds, inv)
-        return uniq, kind_to_ti.index_select(0, layout.kind)
+        return per_kind, layout.kind
 
     def adaln_input(self, ts: torch.Tensor) -> torch.Tensor:
         """[M] timesteps -> [M, adaln_in] fp32 input of every AdaLN projection."""
@@ -500,8 +530,22 @@ class H3DiT(nn.Module):
             for i, r in zip(idx.split(self.chunk_rows), inp.split(self.chunk_rows)):  # bounds the fp32 [rows, hidden]
                 x.index_copy_(0, i, proj(r.float()).float())
 
+        shards = None
+        if self.sp_group is not None:
+            # Sequence parallel: the blocks run on this rank's contiguous share of the rows (dit_svc/sp.py).
+            shards = SeqShards.split(layout.seq_len, self.sp_rank, self.sp_size)
+            part = shards.rows()
+            x, rows, rope = x[part].clone(), rows[part], (rope[0][part], rope[1][part])
         for blk in self.blocks:
-            x = blk(x, ada_in, rows, rope)
+            x = blk(x, ada_in, rows, rope, shards)
+        if shards is not None:
+            # Every rank's rows in rank (= row) order, padded to one size for the all-gather: all ranks then run
+            # the output heads on the same bits.
+            padded = x.new_zeros(max(shards.sizes), x.shape[1])
+            padded[: shards.local] = x
+            parts = [torch.empty_like(padded) for _ in range(shards.n)]
+            dist.all_gather(parts, padded, group=self.sp_group)
+            x = torch.cat([p[:n] for p, n in zip(parts, shards.sizes)])
         return self.final_layer(x, ada_in, row_ti, layout.video_idx, layout.audio_idx)
 
 

@@ -32,8 +32,13 @@ class DiTConfigArgs(CommonConfig):
     int8_mode: str = field(default="kernel", metadata={"help": "CPU int8 linears: kernel (comfy-kitchen eager) | dequant"})
     linear_kernel: str = field(default="auto", metadata={
         "help": "GPU block linears: auto (measured start-up probe) | int8 | fp8 | bf16 | fp16 | fp32"})
-    attention_kernel: str = field(default="auto", metadata={"help": "GPU attention: auto | cudnn | flash | efficient | math | int8"})
+    attention_kernel: str = field(default="auto", metadata={
+        "help": "GPU attention: auto | cudnn | flash | efficient | math | int8 | fp8 (cuDNN fp8, nvidia-cudnn-frontend)"})
     compile_blocks: bool = field(default=False, metadata={"help": "torch.compile each DiT block (GPU; compiles per shape)"})
+    compile_cache: bool = field(default=True, metadata={
+        "help": "keep torch.compile results under <cache_dir>/compile, so a restart at a known shape skips compiling"})
+    sp_degree: int = field(default=1, metadata={
+        "help": "sequence-parallel (Ulysses) degree; the ranks split into TP groups of ranks/sp_degree (1 = pure TP)"})
     chunk_rows: int = field(default=4096, metadata={"help": "row chunk of all but attention itself (memory vs speed)"})
     loras_dir: str = field(default="", metadata={"help": "LoRAs requested by file name (default <models_dir>/loras)"})
     allow_lora_paths: bool = field(default=False, metadata={"help": "also accept absolute LoRA paths in requests"})
@@ -117,7 +122,8 @@ def make_engine(cfg: DiTConfigArgs, info, group) -> DiTEngine:
     return DiTEngine(DiTEngineConfig(weights=cfg.weights, models_dir=cfg.models_dir, cache_dir=cfg.resolved_cache_dir(),
                                      device=device, compute_dtype=cfg.compute_dtype(device), int8_mode=cfg.int8_mode,
                                      linear_kernel=cfg.linear_kernel, attention_kernel=cfg.attention_kernel,
-                                     compile_blocks=cfg.compile_blocks,
+                                     compile_blocks=cfg.compile_blocks, sp_degree=cfg.sp_degree,
+                                     compile_cache_dir=cfg.resolved_cache_dir() / "compile" if cfg.compile_cache else None,
                                      chunk_rows=cfg.chunk_rows, allow_lora_paths=cfg.allow_lora_paths,
                                      qkv_layout=cfg.qkv_layout,
                                      loras_dir=cfg.loras_dir or (os.path.join(cfg.models_dir, "loras")

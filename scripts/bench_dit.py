@@ -73,6 +73,9 @@ VARIANTS = {  # name -> (linear kernel, attention kernel, torch.compile the bloc
     # compiled blocks stay compiled.
     "fp8c": ("fp8", "cudnn", True, "(b+) fp8 + cuDNN SDPA + torch.compile(blocks)"),
     "int8c": ("int8", "cudnn", True, "(a+) int8 + cuDNN SDPA + torch.compile(blocks)"),
+    # 8-bit attention (cuDNN fp8 SDPA via nvidia-cudnn-frontend, stagekit/fp8_attention.py, default options).
+    "fp8a": ("fp8", "fp8", False, "(e) fp8 + cuDNN fp8 attention"),
+    "fp8ca": ("fp8", "fp8", True, "(e+) fp8 + cuDNN fp8 attention + torch.compile(blocks)"),
 }
 
 

@@ -3,6 +3,7 @@
 
     torchrun --standalone --nproc-per-node 2 scripts/bench_tp.py --weights dit.safetensors --out tp2.json
     torchrun --standalone --nproc-per-node 1 scripts/bench_tp.py --weights dit.safetensors --out tp1.json
+    torchrun --standalone --nproc-per-node 2 scripts/bench_tp.py --weights dit.safetensors --sp-degree 2 --out sp2.json
     python scripts/bench_tp.py --tiny --out tp.json          # CPU dry run (embedded tiny model, gloo)
 
 Every rank builds `dit_svc.engine.DiTEngine` exactly as the DiT service does (the real checkpoint loader reading
@@ -71,6 +72,8 @@ def main() -> int:
     ap.add_argument("--attention-kernel", default="auto")
     ap.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
     ap.add_argument("--chunk-rows", type=int, default=4096)
+    ap.add_argument("--sp-degree", type=int, default=1, help="sequence-parallel degree (TP = ranks / this)")
+    ap.add_argument("--compile-blocks", action="store_true")
     ap.add_argument("--iters", type=int, default=3)
     ap.add_argument("--text-len", type=int, default=38)
     ap.add_argument("--profile", action="store_true", help="also profile one step for the NCCL share")
@@ -85,9 +88,11 @@ def main() -> int:
     group = RankGroup(info, "gloo" if args.tiny else "nccl", 120.0)
     cfg = DiTEngineConfig(weights=args.weights, models_dir="", cache_dir=Path(tempfile.gettempdir()) / "h3-bench-tp",
                           device=device, compute_dtype=DTYPES[args.dtype], linear_kernel=args.linear_kernel,
-                          attention_kernel=args.attention_kernel, chunk_rows=args.chunk_rows)
+                          attention_kernel=args.attention_kernel, chunk_rows=args.chunk_rows,
+                          sp_degree=args.sp_degree, compile_blocks=args.compile_blocks)
     engine = DiTEngine(cfg, group)
-    res: dict = {"rank": info.rank, "tp": info.world_size, "device": device, "kernels": engine.kernel_rows(),
+    res: dict = {"rank": info.rank, "tp": engine.parallel.tp_size, "sp": engine.parallel.sp_size, "device": device,
+                 "kernels": engine.kernel_rows(), "compile_blocks": args.compile_blocks,
                  "dtype": args.dtype, "chunk_rows": args.chunk_rows, "shapes": {}}
 
     # 1. load, unload, reload
@@ -148,7 +153,7 @@ def main() -> int:
 
     ranks = group.gather_objects(res)
     if info.is_leader:
-        out = {"tp": info.world_size, "ranks": ranks}
+        out = {"tp": engine.parallel.tp_size, "sp": engine.parallel.sp_size, "ranks": ranks}
         for key in res["shapes"]:
             hashes = {r["shapes"][key].get("sha256") for r in ranks}
             out.setdefault("ranks_bitwise_equal", {})[key] = len(hashes) == 1

@@ -66,10 +66,11 @@ class RankGroup:
 
     def __init__(self, info: RankInfo, backend: str, collective_timeout_s: float):
         self.info = info
+        self.collective_timeout = datetime.timedelta(seconds=collective_timeout_s)  # also for subgroups of compute
         self.compute = None
         self.control = None
         if info.world_size > 1:
-            timeout = datetime.timedelta(seconds=collective_timeout_s)
+            timeout = self.collective_timeout
             dist.init_process_group(backend=backend, timeout=timeout, store=attempt_store(info, timeout),
                                     rank=info.rank, world_size=info.world_size)
             self.compute = dist.group.WORLD
@@ -92,9 +93,10 @@ class RankGroup:
         """True on every rank if any rank raised the flag (used for agreed cancellation)."""
         if self.compute is None:
             return local
-        t = torch.tensor([1 if local else 0], dtype=torch.int32)
-        if dist.get_backend(self.compute) == "nccl":
-            t = t.cuda()
+        # Filled on the device (no host-to-device copy, which would wait for the queued GPU work); the one wait per
+        # call is reading the agreed flag back.
+        device = "cuda" if dist.get_backend(self.compute) == "nccl" else "cpu"
+        t = torch.full((1,), 1 if local else 0, dtype=torch.int32, device=device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.compute)
         return bool(t.item())
 

@@ -10,6 +10,8 @@ Candidates (name -> what runs):
                                  output row from the dequantised int8, activations per row (Fp8RowwiseLinear below)
   attention  cudnn / flash / efficient / math   torch SDPA pinned to one backend
              int8                comfy-kitchen int8 (SageAttention-style) kernel, when its API and CUDA ext exist
+             fp8                 cuDNN fp8 SDPA via nvidia-cudnn-frontend (optional package, sm_90+), with fused
+                                 q/k/v quantisation, K/V smoothing and per-head V scales (stagekit/fp8_attention.py)
 
 Which candidates are *considered* depends on the device's architecture (ARCH table below: e.g. no fp8 before
 sm_89, no bf16 GEMMs on Turing, only the dense / math fallbacks on CPU). `select_kernels` then runs every considered
@@ -62,6 +64,11 @@ REL_ERR_BOUND = {
     "efficient": 1.5e-2,
     "math": 1.5e-2,
     "int8_attention": 6e-2,  # upstream's own test threshold is NRMSE < 0.03 vs SDPA
+    # e4m3 q, k, v, softmax numerator and O (Hopper's fp8 SDPA writes fp8 O): 6-8e-2 on the probe's random
+    # Gaussian data (flat softmax, small-norm outputs: the worst case, docs/performance.md "8-bit attention");
+    # a broken kernel lands near 1. Whether that error is acceptable for the model is the velocity error that
+    # scripts/bench_attention.py reports, not this bound.
+    "fp8_attention": 0.15,
 }
 
 
@@ -292,6 +299,19 @@ def _int8_attention_available(device: torch.device) -> str | None:
     return None
 
 
+def _fp8_attention_fn() -> Callable:
+    from .fp8_attention import DEFAULT_OPTIONS, Fp8Attention
+
+    # Eager models get the quantisation compiled on its own; compiled blocks trace through it and fuse it anyway.
+    return Fp8Attention(DEFAULT_OPTIONS, compile_quant=True)
+
+
+def _fp8_attention_available(device: torch.device) -> str | None:
+    from .fp8_attention import unavailable
+
+    return unavailable(device)
+
+
 def _sdpa_available(backend_name: str):
     def check(device: torch.device) -> str | None:
         if backend_name == "math":
@@ -327,6 +347,7 @@ class AttentionCandidate:
 GPU_ARCHS = ("sm_75", "sm_80", "sm_86", "sm_89", "sm_90", "sm_100", "sm_120")
 _FROM_80 = ("sm_80", "sm_86", "sm_89", "sm_90", "sm_100", "sm_120")
 _FP8_ARCHS = ("sm_89", "sm_90", "sm_100", "sm_120")
+_FP8_ATTENTION_ARCHS = ("sm_90", "sm_100", "sm_120")  # cuDNN's fp8 SDPA starts at Hopper
 
 
 def default_linear_candidates() -> dict[str, LinearCandidate]:
@@ -359,6 +380,8 @@ def default_attention_candidates() -> dict[str, AttentionCandidate]:
                                    _sdpa_available("math"), archs=("cpu",)),
         "int8": AttentionCandidate("int8", _int8_attention_fn, REL_ERR_BOUND["int8_attention"],
                                    _int8_attention_available, archs=GPU_ARCHS),
+        "fp8": AttentionCandidate("fp8", _fp8_attention_fn, REL_ERR_BOUND["fp8_attention"],
+                                  _fp8_attention_available, archs=_FP8_ATTENTION_ARCHS),
     }
 
 
@@ -386,7 +409,7 @@ class KernelConfig:
     """Kernel settings of a stage (flags --linear-kernel / --attention-kernel map here)."""
 
     linear_kernel: str = AUTO  # auto | fp32 | bf16 | fp16 | int8 | fp8
-    attention_kernel: str = AUTO  # auto | cudnn | flash | efficient | math | int8
+    attention_kernel: str = AUTO  # auto | cudnn | flash | efficient | math | int8 | fp8
     compute_dtype: torch.dtype = torch.bfloat16
     # Representative probe shapes: (tokens, in, out) GEMMs (DiT qkv-like and fc2-like) and one attention
     # [1, heads, seq, head_dim]. Small enough to take well under a second per candidate on a datacenter GPU.

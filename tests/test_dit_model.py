@@ -178,11 +178,14 @@ def test_parity_with_diffusers(tiny, keyframes, tv, ta):
 def test_timestep_table(tiny):
     cfg, _, ours = tiny
     lay = build_layout(cfg, 3, 22, 64, 96, ("first",))
+    # One timestep per kind (video, cond, audio, ref audio); every row indexes its kind's (no device sync).
     ts, ti = ours.timestep_table(torch.tensor(0.2), torch.tensor(0.2), lay)
-    assert ts.tolist() == pytest.approx([0.2, 0.999]) and ti[lay.cond[0]].item() == 1
+    assert ts.tolist() == pytest.approx([0.2, 0.999, 0.2, 1.0])
+    row_t = ts.index_select(0, ti)
+    assert row_t[lay.cond[0]].item() == pytest.approx(0.999) and row_t[0].item() == pytest.approx(0.2)
     ts, ti = ours.timestep_table(1.0, 0.5, lay)  # cond row t = max(t_video, 0.999) = 1 = t_video
-    assert ts.tolist() == [0.5, 1.0]
-    assert ti[0].item() == 1 and ti[lay.audio[0]].item() == 0 and ti[lay.cond[0]].item() == 1
+    row_t = ts.index_select(0, ti)
+    assert row_t[0].item() == 1.0 and row_t[lay.audio[0]].item() == 0.5 and row_t[lay.cond[0]].item() == 1.0
 
 
 # ---- curve-form AdaLN -----------------------------------------------------------------------------------------------

@@ -1,0 +1,49 @@
+"""The DiT stage with `--sp-degree 2` as a real torchrun process group (gloo on CPU) behind gRPC: its Sample equals
+the same job run by a one-rank engine in this process."""
+
+import torch
+
+from client.embedded import EmbeddedStack, StackConfig
+from client.pipeline import sample
+from client.stubs import Endpoints, StageClients
+from dit_svc.engine import DiTEngine, DiTEngineConfig
+from stagekit.dist import RankGroup, RankInfo
+from stagekit.render_params import RenderSpec
+from tests.conftest import SERVER_ENV
+
+SPEC = RenderSpec(prompt="x", width=256, height=256, frames=22, steps=3, seed=11)
+
+
+class _Ctx:
+    """The engine's view of a job context: progress sink and the (never raised) stop flag."""
+
+    def progress(self, *args, **kwargs):
+        pass
+
+    def should_stop(self) -> bool:
+        return False
+
+
+def rel(a, b):
+    return float((a - b).norm() / b.norm())
+
+
+def test_dit_sp2_service_equals_one_rank(tmp_path, model_cache):
+    text = torch.randn(9, 64, generator=torch.Generator().manual_seed(0))
+    stack = EmbeddedStack(StackConfig(ranks={"dit": 2}, cache_dir=str(model_cache), run_dir=str(tmp_path / "sp2"),
+                                      devices="virt0", env=SERVER_ENV,
+                                      extra_args={"dit": ["--sp-degree", "2", "--collective-timeout-s", "20"]}))
+    stack.start_stage("dit")
+    try:
+        stack.wait_ready("dit")
+        ep = f"127.0.0.1:{stack.ports['dit']}"
+        with StageClients(Endpoints(encoder=ep, dit=ep, decoder=ep)) as c:
+            v2, a2, r2 = sample(c, SPEC, text)
+    finally:
+        stack.stop()
+    assert r2.extra["ranks"] == 2
+    eng = DiTEngine(DiTEngineConfig("", "", model_cache, "cpu", torch.float32), RankGroup(RankInfo(0, 1, 0), "gloo", 10))
+    eng.load()
+    out = eng.run(SPEC, {"text_states": text}, _Ctx())
+    v1, a1 = out["video_latents"], out["audio_latents"]
+    assert rel(v2, v1) <= 1e-5 and rel(a2, a1) <= 1e-5, (rel(v2, v1), rel(a2, a1))

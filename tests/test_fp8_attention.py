@@ -1,0 +1,221 @@
+"""fp8 attention (stagekit/fp8_attention.py): quantisation math, K/V smoothing and per-head V scales on CPU through
+the kernel's fp32 emulation, the registry's fallback without nvidia-cudnn-frontend, and (GPU only) cuDNN's kernel
+against the emulation."""
+
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from dit_svc.config import DiTConfig
+from dit_svc.layout import build_layout
+from dit_svc.model import H3DiT
+from stagekit.fp8_attention import (
+    DEFAULT_OPTIONS,
+    E4M3,
+    E4M3_MAX,
+    OPTIONS,
+    OUTPUT_SCALE,
+    Fp8Attention,
+    Fp8AttentionOptions,
+    dequantize_o,
+    quantize_qkv,
+    sdpa_fp8_emulated,
+    unavailable,
+)
+from stagekit.kernels import (
+    REL_ERR_BOUND,
+    AttentionCandidate,
+    KernelConfig,
+    KernelError,
+    default_attention_candidates,
+    rel_err,
+    select_kernels,
+)
+
+ALL_ROWS = Fp8AttentionOptions(min_seq=0)  # the default options, also on the short test sequences
+
+
+def _ref(q, k, v):
+    return F.scaled_dot_product_attention(q.double(), k.double(), v.double())
+
+
+def _qkv(h=4, s=512, d=64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(1, h, s, d, generator=g) for _ in range(3)]
+
+
+def _emulated(options, **kw):
+    return Fp8Attention(Fp8AttentionOptions(**{**options.__dict__, "min_seq": 0, **kw}), emulate=True)
+
+
+def test_quantize_layout_scales_and_roundtrip():
+    q, k, v = (t[0] for t in _qkv(h=3, s=200, d=32))  # [H, S, D]
+    v = v * torch.tensor([1e-2, 1.0, 30.0])[:, None, None] + 2.0
+    p = quantize_qkv(q, k, v, DEFAULT_OPTIONS)
+    for t in (p.q8, p.k8, p.v8):
+        assert t.dtype == E4M3 and t.shape == (3, 200, 32) and t.is_contiguous()
+    # q, k per tensor: the absmax lands on 448; v per head: every head reaches 448 after its mean is removed.
+    assert p.q8.float().abs().max() == E4M3_MAX and p.k8.float().abs().max() == E4M3_MAX
+    assert torch.equal(p.v8.float().abs().amax(dim=(1, 2)), torch.full((3,), E4M3_MAX))
+    # Dequantised q and centred k / v are within e4m3 rounding (2^-4 relative, plus the subnormal step).
+    k_c = k - k.mean(1, keepdim=True)
+    assert ((p.q8.float() * p.descale_q - q).abs() <= q.abs() * 2**-4 + p.descale_q * 2**-9).all()
+    assert ((p.k8.float() * p.descale_k - k_c).abs() <= k_c.abs() * 2**-4 + p.descale_k * 2**-9).all()
+    v_back = p.v8.float() * (p.o_scale * OUTPUT_SCALE) + p.o_shift  # o_scale carries 1 / OUTPUT_SCALE
+    assert rel_err(v_back, v) < 3e-2
+    # The O dequantisation applies the per-head scale and adds the V mean back.
+    o8 = (torch.ones(3, 200, 32) * 96).to(E4M3)  # 96 is exact in e4m3
+    o = dequantize_o(o8, p.o_scale, p.o_shift, torch.float32)
+    assert torch.allclose(o, 96 * p.o_scale + p.o_shift)
+
+
+def test_error_within_the_registry_bound_on_random_data():
+    q, k, v = _qkv()
+    for name, opt in OPTIONS.items():
+        o = _emulated(opt)(q, k, v)
+        assert o.shape == q.shape and o.dtype == q.dtype
+        err = rel_err(o, _ref(q, k, v))
+        assert 1e-3 < err < REL_ERR_BOUND["fp8_attention"], name  # quantised, but within the bound
+
+
+def test_k_smoothing_removes_the_shared_key_offset():
+    q, k, v = _qkv(seed=1)
+    offset = 6.0 * torch.randn(1, 4, 1, 64, generator=torch.Generator().manual_seed(2))
+    k = 0.5 * k + offset  # a per-channel key offset: constant along every softmax row, so exactly removable
+    ref = _ref(q, k, v)
+    plain = rel_err(_emulated(OPTIONS["head"])(q, k, v), ref)
+    smooth = rel_err(_emulated(OPTIONS["head+k"])(q, k, v), ref)
+    assert smooth < 0.5 * plain
+
+
+def test_v_smoothing_and_per_head_v_scales():
+    q, k, v = _qkv(seed=3)
+    mean = 4.0 * torch.randn(1, 4, 1, 64, generator=torch.Generator().manual_seed(4))
+    v = (v + mean) * torch.tensor([1e-4, 1e-3, 1.0, 10.0]).view(1, 4, 1, 1)
+    ref = _ref(q, k, v)
+
+    def head_errs(name):
+        o = _emulated(OPTIONS[name])(q, k, v)
+        return [rel_err(o[:, h], ref[:, h]) for h in range(4)]
+
+    naive, head, head_kv = head_errs("naive"), head_errs("head"), head_errs("head+kv")
+    # One V scale for all heads pushes the quiet heads into e4m3's subnormals; per-head scales fix that.
+    assert naive[0] > 0.2 and head[0] < 0.1
+    # Removing V's mean leaves O only the deviation to round: a large gain when V has an offset.
+    assert all(hk < 0.5 * h for hk, h in zip(head_kv, head))
+
+
+def test_short_sequences_run_plain_sdpa():
+    q, k, v = _qkv(s=64)
+    o = Fp8Attention(DEFAULT_OPTIONS, emulate=True)(q, k, v)  # default min_seq 1024 > 64
+    assert torch.equal(o, F.scaled_dot_product_attention(q, k, v))
+
+
+def test_cudnn_path_traces_with_fake_tensors():
+    """The GPU path (quantise -> cuDNN op -> dequantise) has the right shapes, dtypes and layout: checked through
+    the op's fake implementation, as torch.compile sees it."""
+    with FakeTensorMode():
+        q = torch.empty(1, 6, 2048, 64, dtype=torch.bfloat16)  # BHSD, as the model's blocks lay it out
+        o = Fp8Attention(DEFAULT_OPTIONS)(q, q, q)
+        assert o.shape == q.shape and o.dtype == torch.bfloat16 and o.is_contiguous()
+        rows = torch.empty(2048, 6, 64, dtype=torch.bfloat16).transpose(0, 1).unsqueeze(0)  # [S, H, D] memory
+        o = Fp8Attention(DEFAULT_OPTIONS)(rows, rows, rows)
+        assert o.shape == rows.shape and o.stride() == rows.stride()  # the layout is kept, no transposes
+
+
+def test_emulated_kernel_matches_exact_attention_without_rounding_loss():
+    # Quantised inputs that are exactly representable and a one-hot softmax: the emulation is exact.
+    h, s, d = 1, 8, 16
+    q8 = torch.zeros(h, s, d)
+    q8[0, :, 0] = 64.0
+    k8 = torch.zeros(h, s, d)
+    k8[0, :, 0] = 64.0 * torch.arange(s).float() / s
+    v8 = torch.arange(s * d).float().reshape(h, s, d) % 16
+    one = torch.ones(1)
+    o8 = sdpa_fp8_emulated(q8.to(E4M3), k8.to(E4M3), v8.to(E4M3), one, one)
+    ref = F.scaled_dot_product_attention(*(t[None].double() for t in (q8, k8, v8)))
+    assert rel_err(o8.float() / OUTPUT_SCALE, ref[0]) < 4e-2
+
+
+def test_registry_falls_back_without_the_package(monkeypatch):
+    monkeypatch.setitem(sys.modules, "cudnn", None)  # import cudnn -> ImportError
+    why = unavailable("cpu")
+    assert "nvidia-cudnn-frontend is not importable" in why
+    cands = default_attention_candidates()
+    fp8 = cands["fp8"]
+    assert fp8.archs is not None and "sm_90" in fp8.archs and "sm_80" not in fp8.archs and "cpu" not in fp8.archs
+    # Consider it on this (CPU) machine too: it is skipped with its reason and the fallback wins.
+    cands["fp8"] = AttentionCandidate("fp8", fp8.make_fn, fp8.rel_err_bound, fp8.unavailable, archs=("cpu",))
+    small = KernelConfig(linear_shapes=((64, 256, 128),), attention_shape=(1, 2, 64, 32), probe_iters=2,
+                         compute_dtype=torch.float32)
+    sel = select_kernels("cpu", small, attention_candidates=cands)
+    assert sel.attention == "math"
+    assert "fp8 skipped (nvidia-cudnn-frontend is not importable" in sel.status_rows()[1][2]
+    with pytest.raises(KernelError, match="nvidia-cudnn-frontend"):
+        select_kernels("cpu", KernelConfig(**{**small.__dict__, "attention_kernel": "fp8"}))
+
+
+def test_emulated_fp8_passes_the_registry_probe():
+    cands = {"math": default_attention_candidates()["math"],
+             "fp8emu": AttentionCandidate("fp8emu", lambda: Fp8Attention(ALL_ROWS, emulate=True),
+                                          REL_ERR_BOUND["fp8_attention"], archs=("cpu",))}
+    small = KernelConfig(linear_shapes=((64, 256, 128),), attention_shape=(1, 4, 256, 64), probe_iters=1,
+                         compute_dtype=torch.float32)
+    sel = select_kernels("cpu", small, attention_candidates=cands)
+    res = {r.kernel: r for r in sel.probes["attention"]}
+    assert res["fp8emu"].ok and 1e-3 < res["fp8emu"].rel_err < REL_ERR_BOUND["fp8_attention"]
+
+
+def test_model_velocity_with_fp8_attention():
+    cfg = DiTConfig.tiny()
+    lay = build_layout(cfg, 3, 22, 64, 64)
+    g = torch.Generator().manual_seed(0)
+    v = torch.randn(lay.num_video_rows, cfg.video_patch_dim, generator=g)
+    a = torch.randn(lay.num_audio_rows, cfg.audio_in_channels, generator=g)
+    t = torch.randn(lay.text_len, cfg.text_dim, generator=g)
+    model = H3DiT(cfg, compute_dtype=torch.float32).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+        ref = model(v, a, t, 0.3, 0.5, lay)
+        model.set_attention_fn(Fp8Attention(ALL_ROWS, emulate=True))
+        out = model(v, a, t, 0.3, 0.5, lay)
+    for x, y in zip(out, ref):
+        assert torch.isfinite(x).all()
+        assert 1e-5 < rel_err(x, y) < 5e-2
+
+
+# ---- GPU only: cuDNN's kernel (needs nvidia-cudnn-frontend and sm_90+) -------------------------------------------
+def _cuda_fp8_reason() -> str | None:
+    if not torch.cuda.is_available():
+        return "needs CUDA"
+    return unavailable("cuda")
+
+
+@pytest.mark.skipif(_cuda_fp8_reason() is not None, reason=str(_cuda_fp8_reason()))
+def test_cudnn_kernel_matches_the_emulation_gpu():
+    g = torch.Generator(device="cuda").manual_seed(0)
+    h, s, d = 8, 2048, 128
+    q, k, v = (torch.randn(1, h, s, d, generator=g, device="cuda").to(torch.bfloat16) for _ in range(3))
+    v = v + 2.0
+    p = quantize_qkv(q[0], k[0], v[0], DEFAULT_OPTIONS)
+    o8 = torch.ops.h3stages.sdpa_fp8(p.q8, p.k8, p.v8, p.descale_q, p.descale_k)
+    assert o8.dtype == E4M3 and o8.shape == (h, s, d) and o8.is_contiguous()
+    emu = sdpa_fp8_emulated(p.q8, p.k8, p.v8, p.descale_q, p.descale_k)
+    assert rel_err(o8.float(), emu.float()) < 3e-2  # same math; P~ is rounded against a blockwise row max
+    ref = _ref(q, k, v)
+    outs = []
+    for compile_quant in (False, True):
+        o = Fp8Attention(DEFAULT_OPTIONS, compile_quant=compile_quant)(q, k, v)
+        assert o.dtype == torch.bfloat16 and torch.isfinite(o).all()
+        assert rel_err(o, ref) < REL_ERR_BOUND["fp8_attention"]
+        outs.append(o)
+    # [S, H, D]-backed inputs (another plan, strided over the same values) give the same attention.
+    rows = [t[0].transpose(0, 1).contiguous().transpose(0, 1).unsqueeze(0) for t in (q, k, v)]
+    o = Fp8Attention(DEFAULT_OPTIONS)(*rows)
+    assert o.stride() == rows[0].stride() and rel_err(o, outs[0]) < 1e-2
+    sel = select_kernels("cuda", KernelConfig(attention_kernel="fp8", linear_kernel="bf16"))
+    assert sel.attention == "fp8"
