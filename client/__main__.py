@@ -23,13 +23,15 @@ from pathlib import Path
 
 import grpc
 
+from client.checks import CheckError, check_for_local_stack, output_paths, read_keyframe, read_prompts
 from client.endpoints import add_endpoint_args, configured_endpoints, configured_render, connect_render
 from client.render_client import state_name
 from client.stubs import SERVICE_NAMES, STAGES, Security, StageClients, health_of
 from h3.v1 import render_pb2
 from stagekit.errors import InvalidArgument
 from stagekit.models import EMBEDDED_NOTE
-from stagekit.render_params import (DEFAULT_FRAMES, DEFAULT_SIZE, DEFAULT_STEPS, SAMPLERS, SCHEDULERS, RenderSpec,
+from stagekit.render_params import (DEFAULT_FRAMES, DEFAULT_SIZE, DEFAULT_STEPS, MAX_FRAMES, MAX_SIDE, MAX_STEPS,
+                                    MIN_FRAMES, MIN_SIDE, MIN_STEPS, SAMPLERS, SCHEDULERS, SIZE_MULTIPLE, RenderSpec,
                                     validate)
 from stagekit.transport import MAX_MESSAGE_BYTES
 
@@ -79,40 +81,51 @@ def _render_requests(args, prompts: list[str], keyframes: dict[str, bytes]):
     return reqs
 
 
+def self_command() -> str:
+    """How to run this client again, as the user can type it here: `.venv/bin/python -m client` from the checkout
+    (no activated venv needed), else the interpreter's full path."""
+    exe = os.path.abspath(sys.executable)
+    rel = os.path.relpath(exe)
+    return f"{rel if not rel.startswith('..') else exe} -m client"
+
+
+def render_inputs(args):
+    """(prompts, requests, output paths, LoRAs) from the render flags, or CheckError: everything that can be refused
+    without a stage (client/checks.py)."""
+    prompts = read_prompts(args.prompt, args.prompts_file)
+    try:
+        for p in prompts:
+            validate(_spec(args, p), need_prompt=True)
+    except InvalidArgument as e:
+        raise CheckError(e.message) from None
+    keyframes = {f"{a}_frame": read_keyframe(getattr(args, f"{a}_frame"), f"--{a}-frame", args.width, args.height)
+                 for a in ("first", "last") if getattr(args, f"{a}_frame")}
+    if keyframes and len(prompts) != 1:
+        raise CheckError("--first-frame/--last-frame take a single --prompt (not --prompts-file)")
+    try:
+        reqs = _render_requests(args, prompts, keyframes)
+    except ValueError as e:  # InvalidArgument included
+        raise CheckError(getattr(e, "message", None) or str(e)) from None
+    outs = output_paths(args.output, len(reqs))
+    for o in outs:
+        o.parent.mkdir(parents=True, exist_ok=True)
+    return prompts, reqs, outs, [parse_lora_arg(x) for x in args.lora or ()]
+
+
 def cmd_render(args) -> int:
     from client.progress import RenderProgress, print_summary
     from client.render_client import TERMINAL, RenderClient
 
-    prompts = [args.prompt] if args.prompt else []
-    if args.prompts_file:
-        prompts += [p.strip() for p in Path(args.prompts_file).read_text(encoding="utf-8").splitlines() if p.strip()]
-    if not prompts:
-        raise SystemExit("give --prompt TEXT or --prompts-file FILE")
-    keyframes = {}
-    for anchor in ("first", "last"):
-        path = getattr(args, f"{anchor}_frame")
-        if path:
-            try:
-                keyframes[f"{anchor}_frame"] = Path(path).read_bytes()
-            except OSError as e:
-                print(f"error: cannot read --{anchor}-frame {path}: {e}", file=sys.stderr)
-                return 2
-    if keyframes and len(prompts) != 1:
-        raise SystemExit("--first-frame/--last-frame take a single --prompt (not --prompts-file)")
+    security = Security(args.token, args.tls_ca)
     try:
-        reqs = _render_requests(args, prompts, keyframes)
-    except InvalidArgument as e:
-        print(f"error: {e.message}", file=sys.stderr)
-        return 2
-    except ValueError as e:
+        prompts, reqs, outs, loras = render_inputs(args)
+        target, stack = connect_render(
+            args, security, before_embedded=lambda: check_for_local_stack(prompts, loras, args.models_dir))
+    except CheckError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    security = Security(args.token, args.tls_ca)
-    target, stack = connect_render(args, security)
     if not args.models_dir and stack is not None and stack.procs.keys() >= set(STAGES):
         print(EMBEDDED_NOTE, file=sys.stderr)
-    out = Path(args.output)
-    outs = [out] if len(reqs) == 1 else [out / f"{i:03d}.mp4" for i in range(len(reqs))]
     job_ids: dict[int, str] = {}
     try:
         with RenderClient(target, security) as rc:
@@ -125,7 +138,7 @@ def cmd_render(args) -> int:
                 def queued(i: int, job_id: str) -> None:
                     job_ids[i] = job_id
                     hint = "" if stack is not None else (
-                        f"; if this client stops, fetch it with: python -m client jobs fetch {job_id} -o {outs[i]}")
+                        f"; if this client stops, fetch it with: {self_command()} jobs fetch {job_id} -o {outs[i]}")
                     progress.progress.console.print(f"job {job_id} queued{hint}")
 
                 def on_event(i: int):
@@ -173,7 +186,7 @@ def cmd_render(args) -> int:
     except KeyboardInterrupt:
         if stack is None and job_ids:
             print(f"interrupted; the render service keeps the job(s) {' '.join(job_ids.values())}: "
-                  "python -m client jobs watch|fetch|cancel ID", file=sys.stderr)
+                  f"{self_command()} jobs watch|fetch|cancel ID", file=sys.stderr)
         return 130
     finally:
         if stack is not None:
@@ -285,18 +298,23 @@ def main(argv: list[str] | None = None) -> int:
     sub = ap.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("render", help="prompt -> MP4 (video + audio)")
     r.add_argument("--prompt", help="what to generate (describe picture and sound)")
-    r.add_argument("--prompts-file", help="one prompt per line; renders all, stage-batched, into -o DIR")
-    r.add_argument("-o", "--output", default="out.mp4", help="output MP4 (or directory with --prompts-file)")
-    r.add_argument("--width", type=int, default=DEFAULT_SIZE[0])
-    r.add_argument("--height", type=int, default=DEFAULT_SIZE[1])
-    r.add_argument("--frames", type=int, default=DEFAULT_FRAMES, help="17n+5 frames at 24 fps (124 = 5.2 s)")
-    r.add_argument("--steps", type=int, default=DEFAULT_STEPS)
-    r.add_argument("--seed", type=int, default=0)
-    r.add_argument("--sampler", default="res_multistep", choices=SAMPLERS)
-    r.add_argument("--scheduler", default="simple", choices=SCHEDULERS)
+    r.add_argument("--prompts-file", help="one prompt per line; renders all, stage-batched, into the -o folder")
+    r.add_argument("-o", "--output", default="out.mp4",
+                   help="output MP4 (default: out.mp4); a folder (a trailing / or an existing directory) gets "
+                        "000.mp4, 001.mp4, ... in prompt order, as does any -o with several prompts")
+    size_rule = f"a multiple of {SIZE_MULTIPLE}, {MIN_SIDE}..{MAX_SIDE}; width x height at most 1920x1088 pixels"
+    r.add_argument("--width", type=int, default=DEFAULT_SIZE[0], help=f"{size_rule} (default: {DEFAULT_SIZE[0]})")
+    r.add_argument("--height", type=int, default=DEFAULT_SIZE[1], help=f"{size_rule} (default: {DEFAULT_SIZE[1]})")
+    r.add_argument("--frames", type=int, default=DEFAULT_FRAMES,
+                   help=f"17n+5, {MIN_FRAMES}..{MAX_FRAMES}, at 24 fps (default: {DEFAULT_FRAMES} = 5.2 s)")
+    r.add_argument("--steps", type=int, default=DEFAULT_STEPS,
+                   help=f"sampling steps, {MIN_STEPS}..{MAX_STEPS} (default: {DEFAULT_STEPS})")
+    r.add_argument("--seed", type=int, default=0, help="0..2^63-1; the same seed renders the same video (default: 0)")
+    r.add_argument("--sampler", default="res_multistep", choices=SAMPLERS, help="(default: res_multistep)")
+    r.add_argument("--scheduler", default="simple", choices=SCHEDULERS, help="(default: simple)")
     r.add_argument("--video-shift", type=float, default=0.0, help="0 = model default (12)")
     r.add_argument("--audio-shift", type=float, default=0.0, help="0 = model default (3)")
-    r.add_argument("--crf", type=int, default=0, help="H.264 quality (0 = default 18; lower is better)")
+    r.add_argument("--crf", type=int, default=0, help="H.264 quality 1..51, lower is better (default: 0 = 18)")
     r.add_argument("--first-frame", help="fl2va: PNG/JPEG the video starts from (fitted to --width x --height)")
     r.add_argument("--last-frame", help="fl2va: PNG/JPEG the video ends on (fitted to --width x --height)")
     r.add_argument("--lora", action="append", metavar="NAME[:STRENGTH]",

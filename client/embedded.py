@@ -50,6 +50,8 @@ def stage_command(stage: str, ranks: int, args: list[str]) -> list[str]:
 class EmbeddedStack:
     def __init__(self, cfg: StackConfig | None = None):
         self.cfg = cfg or StackConfig()
+        # A run dir of our own (a temp dir) goes when the stack stops; a start that failed keeps it for its logs.
+        self.own_run_dir = not self.cfg.run_dir
         self.run_dir = Path(self.cfg.run_dir or tempfile.mkdtemp(prefix="h3-stack-"))
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.lease_dir = Path(self.cfg.lease_dir or self.run_dir / "leases")
@@ -93,7 +95,7 @@ class EmbeddedStack:
             if self.cfg.with_render:
                 self.start_render(self.endpoints())
         except BaseException:
-            self.stop()
+            self.stop(keep_run_dir=True)  # the error names a log in it
             raise
         return self.endpoints()
 
@@ -165,9 +167,11 @@ class EmbeddedStack:
         proc.wait()
         shutil.rmtree(self.temp_dir(stage), ignore_errors=True)
 
-    def stop(self) -> None:
+    def stop(self, keep_run_dir: bool = False) -> None:
         for stage in sorted(self.procs, key=lambda s: s != "render"):  # the render service first: it drives the rest
             self.stop_stage(stage)
+        if self.own_run_dir and not keep_run_dir:
+            shutil.rmtree(self.run_dir, ignore_errors=True)
 
     def __enter__(self) -> Endpoints:
         return self.start()

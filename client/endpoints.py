@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from client.stubs import SERVICE_NAMES, STAGES, Endpoints, Security, StageClients, health_of, open_channel
@@ -59,9 +60,11 @@ def _render_reachable(target: str, security: Security) -> bool:
         ch.close()
 
 
-def connect_render(args, security: Security):
+def connect_render(args, security: Security, before_embedded: Callable[[], None] | None = None):
     """(render service address, stack): the configured render service if reachable; else one started here over the
-    configured stages, else an embedded local stack with its own render service (stop the stack after)."""
+    configured stages, else an embedded local stack with its own render service (stop the stack after).
+    `before_embedded` runs first when the embedded stack is to be started (checks that would otherwise cost its
+    start-up)."""
     from client.embedded import EmbeddedStack, StackConfig
 
     target = configured_render(args)
@@ -69,10 +72,13 @@ def connect_render(args, security: Security):
         return target, None
     if target:
         print(f"render service {target} is unreachable", file=sys.stderr)
+    endpoints = configured_endpoints(args)
+    over_stages = endpoints is not None and _reachable(endpoints, security)
+    if not over_stages and before_embedded is not None:
+        before_embedded()
     stack = EmbeddedStack(StackConfig(models_dir=args.models_dir, devices=args.devices, security=security,
                                       with_render=True, extra_args={"render": ["--http-port", "0"]}))
-    endpoints = configured_endpoints(args)
-    if endpoints is not None and _reachable(endpoints, security):
+    if over_stages:
         print("starting a render service over the configured stages ...", file=sys.stderr)
         target = stack.start_render(endpoints)
     else:

@@ -414,21 +414,30 @@ def run_loadtest(clients: StageClients, cfg: LoadConfig, on_done: Callable[[Requ
 # ---- Prometheus scrape (the stages' own view) ------------------------------------------------------------------
 
 
-def scrape_request_counts(url: str, timeout_s: float = 5.0) -> dict[str, dict[str, float]]:
-    """{method: {code: count}} from a stage's /metrics (h3_grpc_requests_total)."""
+def scrape_request_counts(url: str, timeout_s: float = 5.0, settle_s: float = 0.0,
+                          methods: tuple[str, ...] = ()) -> dict[str, dict[str, float]]:
+    """{method: {code: count}} from a stage's /metrics (h3_grpc_requests_total).
+
+    A stage counts a call once it is over, a moment after its client has the status; with `settle_s`, first wait
+    (up to that long) until none of `methods` is in flight (h3_grpc_inflight), so calls just finished are in."""
     import urllib.request
 
     from prometheus_client.parser import text_string_to_metric_families
 
-    text = urllib.request.urlopen(url, timeout=timeout_s).read().decode()
-    out: dict[str, dict[str, float]] = {}
-    for fam in text_string_to_metric_families(text):
-        if fam.name != "h3_grpc_requests":
-            continue
-        for s in fam.samples:
-            if s.name == "h3_grpc_requests_total":
-                out.setdefault(s.labels["method"], {})[s.labels["code"]] = s.value
-    return out
+    deadline = time.monotonic() + settle_s
+    while True:
+        text = urllib.request.urlopen(url, timeout=timeout_s).read().decode()
+        out: dict[str, dict[str, float]] = {}
+        inflight = 0.0
+        for fam in text_string_to_metric_families(text):
+            for s in fam.samples:
+                if s.name == "h3_grpc_requests_total":
+                    out.setdefault(s.labels["method"], {})[s.labels["code"]] = s.value
+                elif s.name == "h3_grpc_inflight" and s.labels["method"] in methods:
+                    inflight += s.value
+        if inflight == 0 or time.monotonic() >= deadline:
+            return out
+        time.sleep(0.05)
 
 
 def count_delta(before: dict, after: dict, methods: list[str]) -> dict[str, dict[str, int]]:
@@ -771,10 +780,11 @@ def cmd_loadtest(args) -> int:
         with StageClients(endpoints, security) as clients:
             rep = run_loadtest(clients, cfg, progress, snapshot)
         if urls:
-            time.sleep(0.2)  # a cancelled RPC is recorded by a termination callback, a moment after the client sees it
-            rep.server = {s: count_delta(before[s], scrape_request_counts(u),
-                                         [m for m in METHODS[cfg.stage] if m.startswith(f"/{SERVICE_NAMES[s]}/")])
-                          for s, u in urls.items()}
+            rep.server = {}
+            for s, u in urls.items():
+                methods = [m for m in METHODS[cfg.stage] if m.startswith(f"/{SERVICE_NAMES[s]}/")]
+                after = scrape_request_counts(u, settle_s=10.0, methods=tuple(methods))
+                rep.server[s] = count_delta(before[s], after, methods)
         if args.report:
             write_report(rep, Path(args.report))
             print(f"report written to {args.report}", file=sys.stderr)

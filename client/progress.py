@@ -3,32 +3,51 @@
 from __future__ import annotations
 
 from rich.console import Console
-from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import BarColumn, Progress, TextColumn
 from rich.table import Table
 
 console = Console(stderr=True)
 
 
 class RenderProgress:
-    """One bar per stage; the DiT bar advances per step and shows ms/step and ETA."""
+    """One bar per stage run; the DiT bar advances per step and shows s/step and ETA. A stage reads `done in N s`
+    once the next stage has started (the pipeline runs them in turn), and every one does at a clean end."""
 
     def __init__(self):
         self.progress = Progress(
             TextColumn("[bold]{task.fields[stage]:>8}"), BarColumn(), TextColumn("{task.fields[info]}"),
-            TimeElapsedColumn(), console=console, transient=False)
+            console=console, transient=False)
         self.tasks: dict[str, int] = {}
+        self.done: set[str] = set()
 
     def __enter__(self) -> "RenderProgress":
         self.progress.__enter__()
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.progress.__exit__(*exc)
+    def __exit__(self, exc_type, *exc) -> None:
+        if exc_type is None:
+            for stage in self.tasks:
+                self.finish(stage)
+        self.progress.__exit__(exc_type, *exc)
+
+    def finish(self, stage: str) -> None:
+        """Mark `stage` done: full bar, `done in N s`, its clock stopped."""
+        if stage in self.done or stage not in self.tasks:
+            return
+        self.done.add(stage)
+        tid = self.tasks[stage]
+        task = self.progress.tasks[tid]
+        total = task.total or 1
+        self.progress.update(tid, total=total, completed=total, info=f"done in {task.elapsed or 0.0:.1f} s")
+        self.progress.stop_task(tid)
 
     def update(self, p) -> None:
         stage = p.stage or "?"
-        if stage not in self.tasks:
+        if stage not in self.tasks or stage in self.done:  # a stage starts (again: fl2va's decoder runs twice)
+            for other in self.tasks:  # ... so the ones before it have finished
+                self.finish(other)
             self.tasks[stage] = self.progress.add_task("", total=None, stage=stage, info="")
+            self.done.discard(stage)
         tid = self.tasks[stage]
         if p.total:
             info = f"{p.phase} {p.step}/{p.total}"

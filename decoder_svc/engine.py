@@ -15,13 +15,14 @@ import math
 import os
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
 from decoder_svc.audio_vae import (HOP_LENGTH, SAMPLE_RATE, AudioVAEConfig, inspect_audio_vae, load_audio_vae,
                                    write_tiny_audio_vae)
+from decoder_svc.mux import DEFAULT_PRESET
 from decoder_svc.video_tiling import StreamingAssembler, plan_decode
 from decoder_svc.video_vae import VideoVAEConfig, decode_unit, inspect_video_vae, load_video_vae, write_tiny_video_vae
 from stagekit.checkpoints import CheckpointError
@@ -36,7 +37,13 @@ log = logging.getLogger("decoder_svc")
 
 VIDEO_PATTERNS = ["*minimax_h3*video*vae*.safetensors", "*minimax*h3*vae*.safetensors", "video_vae"]
 AUDIO_PATTERNS = ["*minimax_h3*audio*vae*.safetensors", "*minimax*h3*audio*.safetensors", "audio_vae"]
-EMBEDDED_VIDEO, EMBEDDED_AUDIO, EMBEDDED_SEED = "video_vae_tiny_fp16.safetensors", "audio_vae_tiny.safetensors", 0
+# The embedded model's output is noise, so its decode is made cheap where that changes no key: the video VAE
+# decodes whole frames (no spatial tiles, whose overlaps cost 4-6x the decode time on a CPU) and the audio VAE's
+# decoder is half as wide (128: the last of its seven halvings has one channel). The names say so, so a cache
+# written before keeps its own files. Measurements: docs/performance.md.
+EMBEDDED_VIDEO, EMBEDDED_AUDIO = "video_vae_tiny_untiled_fp16.safetensors", "audio_vae_tiny_d128.safetensors"
+EMBEDDED_SEED = 0
+EMBEDDED_PRESET = "ultrafast"  # x264 on noise: the slower presets spend their time on detail nobody watches
 STEREO = 2
 DEFAULT_CRF = 18
 
@@ -64,7 +71,7 @@ class DecoderEngineConfig:
     cache_dir: Path
     device: str
     weight_dtype: torch.dtype            # video VAE weights: fp16 on GPUs (as the ComfyUI file), fp32 on CPU
-    preset: str = "veryfast"             # x264 speed/size trade-off
+    preset: str = ""                     # x264 speed/size trade-off ("": veryfast, ultrafast for the embedded model)
     out_dir: Path = Path(tempfile.gettempdir())
 
 
@@ -74,10 +81,10 @@ def resolve_weights(cfg: DecoderEngineConfig) -> tuple[Path, Path, bool]:
         raise FailedPrecondition("give both --video-weights and --audio-weights (or --models-dir)")
     v, embedded = resolve_checkpoint(cfg.video_weights, cfg.models_dir, VIDEO_PATTERNS, "MiniMax-H3 video VAE",
                                      lambda: ensure_embedded(cfg.cache_dir, EMBEDDED_VIDEO, lambda tmp: write_tiny_video_vae(
-                                         str(tmp), VideoVAEConfig.tiny(), EMBEDDED_SEED)))
+                                         str(tmp), replace(VideoVAEConfig.tiny(), tiling=False), EMBEDDED_SEED)))
     a, _ = resolve_checkpoint(cfg.audio_weights, cfg.models_dir, AUDIO_PATTERNS, "MiniMax-H3 audio VAE",
                               lambda: ensure_embedded(cfg.cache_dir, EMBEDDED_AUDIO, lambda tmp: write_tiny_audio_vae(
-                                  tmp, AudioVAEConfig.tiny(), EMBEDDED_SEED)))
+                                  tmp, AudioVAEConfig.tiny(decoder_dim=128), EMBEDDED_SEED)))
     return v, a, embedded
 
 
@@ -120,6 +127,7 @@ class DecoderEngine:
         self.video = None
         self.audio = None
         self.video_encoder = None  # VAE encoder half, for EncodeImage (fl2va keyframes), rank 0 only
+        self.preset = cfg.preset or (EMBEDDED_PRESET if self.embedded else DEFAULT_PRESET)
 
     def _check_geometry(self) -> LatentGeometry:
         """The latent geometry this decoder serves, from the VAEs' configs. A render spec counts latents on the H3
@@ -262,7 +270,7 @@ class DecoderEngine:
             if fmt == "wav":
                 write_wav(tmp, audio)
             else:  # cancellable frame by frame: a client that left stops the mux (docs/reliability.md)
-                write_mp4(tmp, frames, audio, crf=job["crf"] or DEFAULT_CRF, preset=self.cfg.preset,
+                write_mp4(tmp, frames, audio, crf=job["crf"] or DEFAULT_CRF, preset=self.preset,
                           size=job.get("size"), check_cancel=check_cancel)
         except BaseException as e:
             Path(tmp).unlink(missing_ok=True)  # a failed or cancelled mux leaves nothing behind

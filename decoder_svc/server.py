@@ -36,7 +36,8 @@ class DecoderConfigArgs(CommonConfig):
     port: int = field(default=50053, metadata={"help": "gRPC port"})
     video_weights: str = field(default="", metadata={"help": "video VAE file (overrides --models-dir)"})
     audio_weights: str = field(default="", metadata={"help": "audio VAE file (overrides --models-dir)"})
-    preset: str = field(default="veryfast", metadata={"help": "x264 preset (ultrafast..veryslow)"})
+    preset: str = field(default="", metadata={"help": "x264 preset, ultrafast..veryslow (default: veryfast; "
+                                                        "ultrafast for the embedded model, whose output is noise)"})
 
 
 class DecoderServicer(LifecycleMixin, decoder_pb2_grpc.DecoderServicer):

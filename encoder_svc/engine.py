@@ -17,7 +17,7 @@ from encoder_svc.cache import CacheKey, TextStateCache
 from encoder_svc.checkpoint import TextEncoderCheckpoint
 from encoder_svc.conditioner import Conditioner, ConditionerConfig, resolve_tokenizer
 from encoder_svc.tiny import write_tiny_model
-from encoder_svc.tokenizer import validate_prompt
+from encoder_svc.tokenizer import MAX_PROMPT_TOKENS, validate_prompt
 from stagekit.dist import RankGroup
 from stagekit.runtime import release_device_memory
 from stagekit.checkpoints import CheckpointError
@@ -38,7 +38,7 @@ class EncoderEngineConfig:
     dtype: torch.dtype
     mode: str = "resident"            # "resident" | "stream" (host weights, layers streamed) | "compact" (stored
                                       # int8/nvfp4 on the device, dequantised per layer)
-    max_prompt_tokens: int = 1024
+    max_prompt_tokens: int = MAX_PROMPT_TOKENS
     cache_bytes: int = 256 << 20      # prompt -> states cache (bf16 states are 10 KB/token at full size)
 
 

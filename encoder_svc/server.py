@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from encoder_svc.engine import EncoderEngine, EncoderEngineConfig
+from encoder_svc.tokenizer import MAX_PROMPT_TOKENS
 from h3.v1 import common_pb2, encoder_pb2, encoder_pb2_grpc
 from stagekit.config import parse_config
 from stagekit.errors import FailedPrecondition, InvalidArgument
@@ -29,7 +30,7 @@ MAX_PROMPT_BYTES = 64 << 10  # far above any prompt that fits max_prompt_tokens;
 class EncoderConfigArgs(CommonConfig):
     port: int = field(default=50051, metadata={"help": "gRPC port"})
     mode: str = field(default="resident", metadata={"help": "resident | stream (weights on host, layers streamed) | compact (quantised on device)"})
-    max_prompt_tokens: int = field(default=1024, metadata={"help": "longest prompt accepted, in tokens"})
+    max_prompt_tokens: int = field(default=MAX_PROMPT_TOKENS, metadata={"help": "longest prompt accepted, in tokens"})
     cache_mb: int = field(default=256, metadata={"help": "prompt -> states cache size (0 disables)"})
 
 
@@ -65,7 +66,9 @@ class EncoderServicer(LifecycleMixin, encoder_pb2_grpc.TextEncoderServicer):
         t0 = time.monotonic()
         if tags is None:  # t2va: every row is text
             tags = torch.ones(states.shape[0], dtype=torch.int64)
-        for chunk in tensor_chunks("text_states", states):
+        # On the wire text states are bf16 whatever the compute dtype (the release encoder's output; half of fp32's
+        # bytes, 10 KB per token at full size): a CPU stage computing in fp32 sends what a GPU stage sends.
+        for chunk in tensor_chunks("text_states", states.to(torch.bfloat16)):
             yield encoder_pb2.EncodeEvent(tensor=chunk)
         for chunk in tensor_chunks("text_tags", tags):
             yield encoder_pb2.EncodeEvent(tensor=chunk)

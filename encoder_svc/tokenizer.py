@@ -35,6 +35,7 @@ SPECIAL_TOKENS: dict[str, int] = {
     "<|caption_start|>": 151674,
     "<|caption_end|>": 151675,
 }
+MAX_PROMPT_TOKENS = 1024  # the encoder stage's default --max-prompt-tokens (the client checks against it too)
 VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>")
 # Chat-template markers: H3 uses none, so a prompt carrying them was built for another model.
 CHAT_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")

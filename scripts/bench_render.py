@@ -1,13 +1,21 @@
 #!/usr/bin/env python
-"""Time a whole render per stage through real servers (the embedded stack unless endpoints are given).
+"""Time a whole render per stage through real servers (the embedded stack).
 
-    python scripts/bench_render.py [--width 832 --height 480 --frames 124 --steps 8] [--repeats 1] [--json out.json]
+    .venv/bin/python scripts/bench_render.py [--width 832 --height 480 --frames 124 --steps 8] [--repeats 1]
+                                             [--hogs N] [--cli] [--json out.json]
 
-Reports stack start-up, then per stage: wall, queue, lease wait, load, compute, transfer.
+Reports stack start-up, then per stage: wall, queue, lease wait, load, compute, transfer. `--cli` also times what a
+user sees: the README's first command (`python -m client render --prompt ... -o out.mp4`: stack start, render, stop)
+from start to exit. `--hogs N` keeps N CPU hogs running meanwhile (stress-ng if installed, else busy loops): the
+"loaded" condition. The load average at the start is printed, so a "quiet" run can be told from a busy one.
 """
 
 import argparse
 import json
+import os
+import shutil
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -25,8 +33,43 @@ def main():
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--out", default="/tmp/bench_render.mp4")
+    ap.add_argument("--hogs", type=int, default=0, help="CPU hogs beside the render (the loaded condition)")
+    ap.add_argument("--cli", action="store_true", help="also time the README's render command, start to exit")
     ap.add_argument("--json")
     args = ap.parse_args()
+    print(f"cores {os.cpu_count()}, load average {os.getloadavg()[0]:.2f} (1 min) before the run, {args.hogs} hog(s)")
+    hogs = start_hogs(args.hogs)
+    try:
+        result = run(args)
+    finally:
+        for h in hogs:
+            h.terminate()
+            h.wait()
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2))
+
+
+def start_hogs(n: int) -> list[subprocess.Popen]:
+    if n <= 0:
+        return []
+    if shutil.which("stress-ng"):
+        return [subprocess.Popen(["stress-ng", "--cpu", str(n), "--timeout", "0", "--quiet"])]
+    return [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
+
+
+def run(args) -> dict:
+    cli = []
+    if args.cli:  # first: a cold start, as the user's first command
+        for i in range(args.repeats):
+            out = Path(args.out)
+            t = time.monotonic()
+            subprocess.run([sys.executable, "-m", "client", "render", "--prompt", f"a cat playing the piano, take {i}",
+                            "-o", str(out), "--width", str(args.width), "--height", str(args.height),
+                            "--frames", str(args.frames), "--steps", str(args.steps), "--seed", str(i),
+                            "--endpoints-file", os.devnull], check=True, capture_output=True,
+                           cwd=Path(__file__).resolve().parents[1])
+            cli.append(time.monotonic() - t)
+            print(f"cli {i}: python -m client render, start to exit: {cli[-1]:.1f} s")
     t0 = time.monotonic()
     stack = EmbeddedStack(StackConfig())
     endpoints = stack.start()
@@ -52,8 +95,7 @@ def main():
             print(f"{i:>3} {stage:>8} {s['wall']:>7.2f} {s['queue']:>6.2f} {s['lease']:>6.2f} {s['load']:>6.2f} "
                   f"{s['compute']:>8.2f} {s['transfer']:>6.2f}")
         print(f"{i:>3} {'total':>8} {row['total']:>7.2f}")
-    if args.json:
-        Path(args.json).write_text(json.dumps({"startup_s": startup, "runs": rows}, indent=2))
+    return {"startup_s": startup, "runs": rows, "cli_s": cli, "hogs": args.hogs}
 
 
 if __name__ == "__main__":

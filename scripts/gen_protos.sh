@@ -5,6 +5,6 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 out="${1:-protos}"
 mkdir -p "$out"
-python -m grpc_tools.protoc -I protos \
+"${PYTHON:-.venv/bin/python}" -m grpc_tools.protoc -I protos \
   --python_out="$out" --pyi_out="$out" --grpc_python_out="$out" \
   protos/h3/v1/*.proto

@@ -10,15 +10,18 @@
 #                 [--render-port 50054] [--web-port 8054 (-1: no web page)]
 #                 [--residency exclusive|shared] [--host 127.0.0.1] [--gpu-memory-cap-gb 22]
 #                 [-- extra args for every stage]
-# Env H3_* settings (e.g. H3_IDLE_UNLOAD_S) pass through to the stages; H3_RENDER_* to the render service
+# Env H3_* settings (e.g. H3_DIT_IDLE_UNLOAD_S) pass through to the stages; H3_RENDER_* to the render service
 # (e.g. H3_RENDER_TOKEN, H3_RENDER_KEEP_JOBS). Its job database and MP4s live in <run-dir>/render.
+# H3_<STAGE>_PORT, H3_RENDER_PORT and H3_RENDER_HTTP_PORT (0: a free port) also set the default ports.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PY="${PYTHON:-python}"
-run_dir=run; models_dir=""; devices=""; residency=exclusive; host=127.0.0.1; gpu_cap=""; render_port=50054
-web_port=8054
+PY="${PYTHON:-.venv/bin/python}"  # the project's venv (scripts/setup.sh); PYTHON=... for another interpreter
+command -v "$PY" >/dev/null || { echo "up.sh: no $PY: run scripts/setup.sh first (or set PYTHON)" >&2; exit 1; }
+run_dir=run; models_dir=""; devices=""; residency=exclusive; host=127.0.0.1; gpu_cap=""
+render_port=${H3_RENDER_PORT:-50054}
+web_port=${H3_RENDER_HTTP_PORT:-8054}
 declare -A ranks=([encoder]=1 [dit]=1 [decoder]=1)
-declare -A ports=([encoder]=50051 [dit]=50052 [decoder]=50053)
+declare -A ports=([encoder]=${H3_ENCODER_PORT:-50051} [dit]=${H3_DIT_PORT:-50052} [decoder]=${H3_DECODER_PORT:-50053})
 declare -A module=([encoder]=encoder_svc [dit]=dit_svc [decoder]=decoder_svc)
 extra=()
 while [[ $# -gt 0 ]]; do
@@ -34,7 +37,7 @@ while [[ $# -gt 0 ]]; do
     --render-port) render_port="$2"; shift 2;;
     --web-port) web_port="$2"; shift 2;;
     --) shift; extra=("$@"); break;;
-    -h|--help) sed -n '2,16p' "$0"; exit 0;;
+    -h|--help) sed -n '2,15p' "$0"; exit 0;;
     *) echo "up.sh: unknown option $1" >&2; exit 2;;
   esac
 done
@@ -94,7 +97,7 @@ print("\n".join(lines))
 PYEOF
 
 # The render service: after the stages, whose endpoints it is given (and restarted when they moved: a stage started
-# again on another port). Users call it (python -m client render).
+# again on another port). Users call it (.venv/bin/python -m client render).
 pidf="$run_dir/render.pid"; render_tmp="$run_dir/tmp/render"; stages_now="$(cat "$run_dir/endpoints.env")"
 if alive "$pidf" && [[ "$(cat "$run_dir/render.stages" 2>/dev/null)" == "$stages_now" ]]; then
   echo "render already running (pid $(cat "$pidf"))"
@@ -135,4 +138,4 @@ with open(run / "endpoints.env", "a") as f:
     f.write("\n".join(lines) + "\n")
 print("\n".join(lines))
 PYEOF
-echo "endpoints written to $run_dir/endpoints.env (python -m client reads run/endpoints.env by default)"
+echo "endpoints written to $run_dir/endpoints.env (.venv/bin/python -m client reads run/endpoints.env by default)"

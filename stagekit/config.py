@@ -39,22 +39,65 @@ def _converter(tp):
     return tp
 
 
+def _shown_default(value) -> str:
+    """A default as a user would type it: on/off, comma lists, bare strings; "" when there is none to show."""
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if isinstance(value, (list, tuple)):
+        return ",".join(str(v) for v in value)
+    return "" if value is None else str(value)
+
+
+def _switch_values(argv: list[str], switches: set[str]) -> list[str]:
+    """`--flag true|false` and `--flag=false` -> `--flag` / `--no-flag`: on/off settings are switches on the command
+    line, and the spelling env vars and config files use (true/false, on/off, yes/no, 1/0) works there too."""
+    out: list[str] = []
+    i = 0
+    while i < len(argv):
+        a = argv[i]
+        name, eq, val = a.partition("=")
+        if name in switches:
+            if not eq and i + 1 < len(argv):
+                try:
+                    val, eq = str(_bool(argv[i + 1])), "="
+                    i += 1
+                except ValueError:
+                    pass
+            if eq:
+                try:
+                    a = name if _bool(val) else "--no-" + name[2:]
+                except ValueError as e:
+                    raise SystemExit(f"{name}: {e}; use {name} or --no-{name[2:]}") from None
+        out.append(a)
+        i += 1
+    return out
+
+
 def parse_config(cls, argv: list[str] | None = None, env_prefix: str = "H3_", description: str = ""):
     """Build `cls` from CLI flags, then `<env_prefix><FIELD>` env vars, then `--config` YAML/JSON."""
+    import sys
+
     hints = typing.get_type_hints(cls)
     fields = [f for f in dataclasses.fields(cls) if f.init]
-    ap = argparse.ArgumentParser(description=description)
+    # The stage's package is what a user runs: `python -m dit_svc`, whatever file holds the config class.
+    ap = argparse.ArgumentParser(prog=f"python -m {cls.__module__.split('.')[0]}", description=description)
     ap.add_argument("--config", type=Path, help="YAML or JSON file with any of the settings below")
+    switches = set()
     for f in fields:
         flag = "--" + f.name.replace("_", "-")
         help_ = f.metadata.get("help", "")
         default = f.default if f.default is not dataclasses.MISSING else (
             f.default_factory() if f.default_factory is not dataclasses.MISSING else None)  # type: ignore[misc]
-        # Booleans work as bare switches (--insecure) and with a value (--insecure false).
-        bool_kw = dict(nargs="?", const="true") if hints[f.name] is bool else {}
-        ap.add_argument(flag, dest=f.name, default=None, **bool_kw,
-                        help=f"{help_} (default: {default!r}; env {env_prefix}{f.name.upper()})")
-    ns = ap.parse_args(argv)
+        shown = _shown_default(default)
+        # A help text that explains its own default keeps it; an empty default is not worth a line.
+        note = f"default: {shown}; " if shown and "default" not in help_.lower() else ""
+        kw: dict = {"metavar": f.name.upper()}
+        if hints[f.name] is bool:  # on/off: --insecure / --no-insecure
+            switches.add(flag)
+            kw = {"action": argparse.BooleanOptionalAction}
+        ap.add_argument(flag, dest=f.name, default=None, help=f"{help_} ({note}env {env_prefix}{f.name.upper()})", **kw)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    ns = ap.parse_args(_switch_values(argv, switches))
     values: dict[str, object] = {}
     if ns.config is not None:
         text = ns.config.read_text()

@@ -17,11 +17,12 @@ from __future__ import annotations
 import io
 import math
 from dataclasses import dataclass
-
-import numpy as np
-import torch
+from typing import TYPE_CHECKING
 
 from stagekit.errors import InvalidArgument
+
+if TYPE_CHECKING:  # imported where pixels are made: the client admits a keyframe file with PIL alone
+    import torch
 
 MAX_IMAGE_BYTES = 6 << 20          # one gRPC message (8 MiB limit) with room for the rest of the request
 CANVAS_MULTIPLE = 32               # H3 canvases (VAE /16, DiT patch 2)
@@ -64,7 +65,7 @@ class Keyframe:
 
     def load(self) -> torch.Tensor:
         """-> the canvas-sized uint8 [height, width, 3] keyframe."""
-        if isinstance(self.data, torch.Tensor):
+        if not isinstance(self.data, (bytes, bytearray)):
             return fit_to_canvas(self.data, self.width, self.height)
         return fit_to_canvas(_decode(self.data, self.width, self.height, self.draft), self.width, self.height)
 
@@ -73,7 +74,7 @@ def admit_keyframe(data: bytes | torch.Tensor, width: int, height: int) -> Keyfr
     """Check a keyframe from its header only (format, size against the canvas); raises InvalidArgument."""
     check_canvas(width, height)
     cap = keyframe_pixel_cap(width, height)
-    if isinstance(data, torch.Tensor):
+    if not isinstance(data, (bytes, bytearray, memoryview)):  # uint8 [H, W, 3] pixels
         h, w = int(data.shape[0]), int(data.shape[1])
         _check_pixels(w, h, width, height, cap)
         return Keyframe(data, width, height, (w, h))
@@ -109,7 +110,9 @@ def _open(data: bytes):
         raise InvalidArgument(f"keyframe image is {len(data)} bytes; the limit is {MAX_IMAGE_BYTES} bytes")
     try:
         im = Image.open(io.BytesIO(data))
-    except (UnidentifiedImageError, OSError, ValueError, SyntaxError, Image.DecompressionBombError) as e:
+    except UnidentifiedImageError:  # its message names the in-memory buffer, which tells the user nothing
+        raise InvalidArgument("keyframe is not a readable PNG/JPEG image (not an image format PIL knows)") from None
+    except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as e:
         raise InvalidArgument(f"keyframe is not a readable PNG/JPEG image ({type(e).__name__}: {e})") from None
     if im.format not in ("PNG", "JPEG", "WEBP", "BMP"):
         im.close()
@@ -119,6 +122,8 @@ def _open(data: bytes):
 
 def _decode(data: bytes, width: int, height: int, draft: bool) -> torch.Tensor:
     """PNG/JPEG/WebP bytes -> uint8 [H, W, 3] RGB (alpha dropped over black, palette/greyscale expanded)."""
+    import numpy as np
+    import torch
     from PIL import Image
 
     with _open(data) as im:
@@ -135,6 +140,8 @@ def _decode(data: bytes, width: int, height: int, draft: bool) -> torch.Tensor:
 
 def fit_to_canvas(image: torch.Tensor, width: int, height: int) -> torch.Tensor:
     """uint8 [H, W, 3] -> uint8 [height, width, 3]: cover-resize (LANCZOS) + center crop; identity at the size."""
+    import numpy as np
+    import torch
     from PIL import Image
 
     for name, v in (("width", width), ("height", height)):

@@ -4,9 +4,10 @@ Everything lives in the stage's own `CollectorRegistry` (never the library's
 global default registry), so two stages in one process (tests) or a re-created
 server never collide. What is exported, all prefixed `h3_`:
 
-    h3_grpc_requests_total{method,code}        every finished RPC with its real status code (aborts included)
+    h3_grpc_requests_total{method,code}        every finished RPC with the status code its client got (aborts,
+                                               cancels, deadlines included); counted when the call is over
     h3_grpc_request_seconds{method}            handler time per RPC (stream RPCs: until the last message)
-    h3_grpc_inflight{method}                   RPCs being handled now
+    h3_grpc_inflight{method}                   RPCs started and not yet counted (0: every call is counted)
     h3_bytes_total{direction,method}           tensor / file chunk payload bytes received ("in") and sent ("out")
     h3_job_phase_seconds{phase}                per-job breakdown from the job timing: queue, lease_wait, load,
                                                compute, transfer (the same numbers the RPC's Timing returns)
@@ -31,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+from grpc import _server as grpc_server
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.core import GaugeMetricFamily
 
@@ -190,12 +192,40 @@ def observed(runtime: Any, job: Any, on_event: Callable[[Any], Iterator]) -> Cal
     return wrapped
 
 
-class MetricsInterceptor(grpc.ServerInterceptor):
-    """Counts every RPC with the status code the caller really gets.
+# A client's deadline timer and the server's copy of the deadline (taken from the grpc-timeout header when the
+# request arrived) differ by the request's transit time, so a client's deadline can reach the server a moment before
+# the server's own copy expires: a call the client leaves this close to its deadline counts as DEADLINE_EXCEEDED.
+DEADLINE_SLACK_S = 0.5
 
-    `context.abort(code, ...)` records the code on the context before raising, so the wrapper reads it back
-    (`context.code()`); an exception without one is UNKNOWN (what grpc sends), a response stream the client
-    walked away from is CANCELLED. Put it first in the interceptor list so refused calls (auth) count too.
+
+def client_left(context: grpc.ServicerContext) -> bool:
+    """Whether the client cancelled, passed its deadline or disconnected before it had the server's status.
+
+    While the handler runs this is `not context.is_active()`. Once the status is sent, `is_active()` is False
+    either way, and grpc's sync server keeps the answer only on the call state that `is_active()` reads (set
+    from the call's close event, which tells a clean end from a cancelled one); read it there. A cancel can look
+    like a clean end of the request stream to the handler and be known only at close, hence the late read."""
+    state = getattr(context, "_state", None)
+    if state is not None and hasattr(state, "client"):
+        return state.client == grpc_server._CANCELLED  # noqa: SLF001 - grpc has no public accessor (see above)
+    return not context.is_active()
+
+
+def left_code(context: grpc.ServicerContext) -> grpc.StatusCode:
+    """What a client that left saw: DEADLINE_EXCEEDED when its deadline had come, else CANCELLED."""
+    expired = context.time_remaining() <= DEADLINE_SLACK_S
+    return grpc.StatusCode.DEADLINE_EXCEEDED if expired else grpc.StatusCode.CANCELLED
+
+
+class MetricsInterceptor(grpc.ServerInterceptor):
+    """Counts every RPC with the status code its client really got.
+
+    A call is counted once it is over: grpc's termination callback, a moment after the client has its status
+    (`h3_grpc_inflight` drops then too, so "inflight 0" means "all counted"). The code is the handler's own
+    (`context.abort`/`set_code`; UNKNOWN for an exception, what grpc sends; else OK) unless the client left first
+    (`client_left`): then CANCELLED or DEADLINE_EXCEEDED, however late the handler noticed — by an exception from
+    the request stream, a response generator closed under it, a clean-looking end of the request stream, or not
+    at all. Put it first in the interceptor list so refused calls (auth) count too.
     """
 
     def __init__(self, metrics: StageMetrics):
@@ -209,24 +239,43 @@ class MetricsInterceptor(grpc.ServerInterceptor):
         m = self.m
 
         class _Call:
-            """Records one RPC exactly once."""
+            """One RPC: its handler time is observed when the handler ends, its code counted once the call is over."""
 
-            def __init__(self):
+            def __init__(self, context: grpc.ServicerContext):
+                self.context = context
                 self.t0 = time.monotonic()
                 self.lock = threading.Lock()
-                self.done = False
+                self.outcome: grpc.StatusCode | None = None  # the handler's own end, once it has ended
+                self.timed = self.counted = False
                 m.inflight.labels(method).inc()
+                # False: the call is over already (the client left before the handler started).
+                self.deferred = context.add_callback(self.terminated)
 
-            def finish(self, code: grpc.StatusCode | None, context) -> None:
-                with self.lock:
-                    if self.done:
-                        return
-                    self.done = True
-                got = context.code() if context is not None else None
-                code = got if got is not None else (code or grpc.StatusCode.OK)
-                m.inflight.labels(method).dec()
+            def _observe_time(self) -> None:
+                if not self.timed:
+                    self.timed = True
+                    m.request_seconds.labels(method).observe(time.monotonic() - self.t0)
+
+            def _count(self) -> None:
+                if self.counted:
+                    return
+                self.counted = True
+                ctx = self.context
+                code = left_code(ctx) if client_left(ctx) else (self.outcome or grpc.StatusCode.CANCELLED)
                 m.requests.labels(method, code.name).inc()
-                m.request_seconds.labels(method).observe(time.monotonic() - self.t0)
+                m.inflight.labels(method).dec()
+
+            def handler_ended(self, fallback: grpc.StatusCode) -> None:
+                with self.lock:
+                    self._observe_time()
+                    self.outcome = self.context.code() or fallback
+                    if not self.deferred or client_left(self.context):
+                        self._count()
+
+            def terminated(self) -> None:
+                with self.lock:  # a handler still blocked here is one whose client left: it is timed until now
+                    self._observe_time()
+                    self._count()
 
         def count_in(request_iterator):
             for msg in request_iterator:
@@ -243,42 +292,33 @@ class MetricsInterceptor(grpc.ServerInterceptor):
 
         def unary_response(behavior, streaming_in: bool):
             def run(request, context):
-                call = _Call()
+                call = _Call(context)
                 if streaming_in:
                     request = count_in(request)
                 try:
                     resp = behavior(request, context)
                 except Exception:
-                    call.finish(grpc.StatusCode.UNKNOWN, context)
+                    call.handler_ended(grpc.StatusCode.UNKNOWN)
                     raise
-                call.finish(None, context)
+                call.handler_ended(grpc.StatusCode.OK)
                 return count_out(resp)
             return run
 
         def stream_response(behavior, streaming_in: bool):
             def run(request, context):
-                call = _Call()
-
-                def on_termination():
-                    # A client that cancels (or whose deadline passes) while the handler is blocked: grpc stops
-                    # pulling the generator, so record it here. A normal end has recorded already (no-op).
-                    if context.code() is None:
-                        expired = context.time_remaining() <= 0
-                        call.finish(grpc.StatusCode.DEADLINE_EXCEEDED if expired else grpc.StatusCode.CANCELLED, None)
-
-                context.add_callback(on_termination)
+                call = _Call(context)
                 if streaming_in:
                     request = count_in(request)
                 try:
                     for resp in behavior(request, context):
                         yield count_out(resp)
-                except GeneratorExit:
-                    call.finish(grpc.StatusCode.CANCELLED, context)
+                except GeneratorExit:  # grpc stopped pulling: the client left
+                    call.handler_ended(grpc.StatusCode.CANCELLED)
                     raise
                 except Exception:
-                    call.finish(grpc.StatusCode.UNKNOWN, context)
+                    call.handler_ended(grpc.StatusCode.UNKNOWN)
                     raise
-                call.finish(None, context)
+                call.handler_ended(grpc.StatusCode.OK)
             return run
 
         if handler.request_streaming and handler.response_streaming:

@@ -57,17 +57,32 @@ def file_chunks(path: Path, name: str, mime: str, offset: int = 0) -> Iterator[t
                 return
 
 
+def _umask() -> int:
+    try:  # Linux reports it without changing it
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def _partial_file(out_path: Path) -> tuple[int, str | None]:
     """A file for the bytes of `out_path` as they arrive: without a name until it is complete (Linux O_TMPFILE in
     the target's directory), so a receiver killed mid-download leaves nothing behind; where the filesystem cannot,
-    a hidden named temp file beside it. Returns (fd, temp name or None)."""
+    a hidden named temp file beside it. Either way with the mode any new file gets (0666 less the umask), not a
+    temp file's 0600. Returns (fd, temp name or None)."""
     flag = getattr(os, "O_TMPFILE", 0)
     if flag:
         try:
-            return os.open(out_path.parent, flag | os.O_RDWR, 0o644), None
+            return os.open(out_path.parent, flag | os.O_RDWR, 0o666), None  # the kernel applies the umask
         except OSError:
             pass
-    return tempfile.mkstemp(prefix=f".{out_path.name}.", dir=out_path.parent)
+    fd, name = tempfile.mkstemp(prefix=f".{out_path.name}.", dir=out_path.parent)
+    os.fchmod(fd, 0o666 & ~_umask())
+    return fd, name
 
 
 def _publish(fd: int, tmp_name: str | None, out_path: Path) -> None:
@@ -80,6 +95,7 @@ def _publish(fd: int, tmp_name: str | None, out_path: Path) -> None:
         os.link(f"/proc/self/fd/{fd}", named)  # name the unnamed file (needs /proc), then move it over the target
     except OSError:  # no /proc: copy it into a named temp file instead
         copy_fd, named = tempfile.mkstemp(prefix=f".{out_path.name}.", dir=out_path.parent)
+        os.fchmod(copy_fd, 0o666 & ~_umask())
         with os.fdopen(copy_fd, "wb") as dst, os.fdopen(os.dup(fd), "rb") as src:
             src.seek(0)
             while chunk := src.read(1 << 20):

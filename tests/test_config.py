@@ -26,10 +26,28 @@ def test_precedence_flags_env_file(tmp_path, monkeypatch):
     assert c.port == 5 and c.devices == ["cuda:0", "cuda:1"]
 
 
-def test_bool_switch_with_and_without_value():
+def test_bool_switch_with_and_without_value(monkeypatch):
     assert parse_config(Cfg, ["--insecure"], env_prefix="T_").insecure is True
     assert parse_config(Cfg, ["--insecure", "false"], env_prefix="T_").insecure is False
+    assert parse_config(Cfg, ["--insecure=off", "--port", "2"], env_prefix="T_").insecure is False
     assert parse_config(Cfg, [], env_prefix="T_").insecure is False
+    monkeypatch.setenv("T_INSECURE", "true")
+    assert parse_config(Cfg, [], env_prefix="T_").insecure is True
+    assert parse_config(Cfg, ["--no-insecure"], env_prefix="T_").insecure is False  # the flag beats the env
+
+
+def test_help_names_the_module_and_shows_each_default_once(capsys):
+    from dit_svc.server import DiTConfigArgs
+
+    with pytest.raises(SystemExit) as e:
+        parse_config(DiTConfigArgs, ["--help"], env_prefix="H3_DIT_")
+    assert e.value.code == 0
+    out = " ".join(capsys.readouterr().out.split())  # argparse wraps lines at the terminal width
+    assert out.startswith("usage: python -m dit_svc ")
+    assert "[--insecure | --no-insecure]" in out and "[INSECURE]" not in out
+    assert "default: []" not in out and "default: ''" not in out
+    assert "(default ~/.cache/h3-stages) (env H3_DIT_CACHE_DIR)" in out  # its own default, not a second one
+    assert "(default: 50052; env H3_DIT_PORT)" in out and "(default: off; env H3_DIT_INSECURE)" in out
 
 
 def test_bad_values_and_unknown_file_keys_exit_with_a_message(tmp_path):

@@ -4,7 +4,6 @@ ranks bitwise identical; bad TP degrees fail with a clear error."""
 from __future__ import annotations
 
 import os
-import socket
 import tempfile
 
 import pytest
@@ -19,12 +18,6 @@ from dit_svc.tp import ColumnParallelLinear, RowParallelLinear, TPConfigError, s
 
 TP_RTOL = 1e-5
 T_VIDEO, T_AUDIO = 0.37, 0.58
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _case(form: str):
@@ -49,9 +42,10 @@ def _case(form: str):
 FORMS = ("mlp", "curve")
 
 
-def _worker(rank: int, world: int, port: int, outdir: str) -> None:
+def _worker(rank: int, world: int, outdir: str) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    # A file rendezvous in the test's own folder: no port to pick, so none another process can take meanwhile.
+    dist.init_process_group("gloo", init_method=f"file://{outdir}/store", rank=rank, world_size=world)
     try:
         group = dist.new_group(list(range(world)))  # an explicit group, not the default one
         result = {}
@@ -68,7 +62,7 @@ def _worker(rank: int, world: int, port: int, outdir: str) -> None:
 
 def _run_tp(world: int):
     with tempfile.TemporaryDirectory() as d:
-        mp.start_processes(_worker, args=(world, _free_port(), d), nprocs=world, join=True, start_method="spawn")
+        mp.start_processes(_worker, args=(world, d), nprocs=world, join=True, start_method="spawn")
         return [torch.load(os.path.join(d, f"rank{r}.pt")) for r in range(world)]
 
 
@@ -143,10 +137,10 @@ def _gpu_case():
     return cfg, sd, lay, x
 
 
-def _gpu_worker(rank: int, world: int, port: int, outdir: str) -> None:
+def _gpu_worker(rank: int, world: int, outdir: str) -> None:
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    dist.init_process_group("nccl", init_method=f"file://{outdir}/store", rank=rank, world_size=world)
     try:
         cfg, sd, lay, x = _gpu_case()
         res = {}
@@ -167,7 +161,7 @@ def test_tp2_nccl_gpu():
     torch.backends.cuda.matmul.allow_tf32 = False
     cfg, sd, lay, x = _gpu_case()
     with tempfile.TemporaryDirectory() as d:
-        mp.start_processes(_gpu_worker, args=(2, _free_port(), d), nprocs=2, join=True, start_method="spawn")
+        mp.start_processes(_gpu_worker, args=(2, d), nprocs=2, join=True, start_method="spawn")
         outs = [torch.load(os.path.join(d, f"rank{r}.pt")) for r in range(2)]
     for cd, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
         ref = H3DiT(cfg, compute_dtype=cd).eval()

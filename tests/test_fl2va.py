@@ -300,4 +300,5 @@ def test_cli_first_last_frame(stack, tmp_path):
     r = subprocess.run([sys.executable, "-m", "client", "render", "--prompt", "birds", "--first-frame", str(bad),
                         "-o", str(tmp_path / "x.mp4"), "--width", str(W), "--height", str(H), "--frames", str(F),
                         "--steps", "1", *args], cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert r.returncode != 0 and "INVALID_ARGUMENT" in r.stderr and "not a readable" in r.stderr
+    # refused by the client itself, naming the file (the stages' own refusal is tested above)
+    assert r.returncode == 2 and f"error: --first-frame {bad}: keyframe is not a readable" in r.stderr, r.stderr

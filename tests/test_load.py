@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import threading
-import time
 import uuid
 from concurrent import futures
 from concurrent.futures import ThreadPoolExecutor
@@ -19,6 +18,7 @@ from client.stubs import Security, StageClients
 from stagekit.lease import read_events
 from stagekit.render_params import RenderSpec
 from stagekit.server import GRPC_OPTIONS
+from tests.waits import wait_until
 from tests.test_reliability import SLOW, TEXT, clients_for, start, start_sample_stream, status
 
 N_CLIENTS = 8
@@ -69,9 +69,7 @@ def test_full_queue_is_resource_exhausted(tmp_path, model_cache):
             call1, _, stepped, box1, t1 = start_sample_stream(c, SLOW)  # running
             assert stepped.wait(60) and "error" not in box1
             call2, _, _, box2, t2 = start_sample_stream(c, SLOW)        # queued (the one slot)
-            deadline = time.monotonic() + 10
-            while status(c).queue_depth < 1 and time.monotonic() < deadline:
-                time.sleep(0.05)
+            wait_until(lambda: status(c).queue_depth >= 1, what="the second job to be queued")
             assert status(c).queue_depth == 1
             with pytest.raises(grpc.RpcError) as e:                     # refused
                 sample(c, SPEC, TEXT, timeout_s=30)
@@ -80,9 +78,7 @@ def test_full_queue_is_resource_exhausted(tmp_path, model_cache):
             call1.cancel()
             t1.join(30)
             t2.join(30)
-            deadline = time.monotonic() + 30
-            while (status(c).running or status(c).queue_depth) and time.monotonic() < deadline:
-                time.sleep(0.1)
+            wait_until(lambda: not (status(c).running or status(c).queue_depth), what="both cancelled jobs to go")
             v, a, r = sample(c, SPEC, TEXT, timeout_s=120)  # room again: served
             assert torch.isfinite(v).all()
     finally:

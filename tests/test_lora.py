@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import tempfile
 
 import pytest
@@ -27,12 +26,6 @@ TP_RTOL = 1e-5
 T_VIDEO, T_AUDIO = 0.37, 0.58
 STRENGTHS = (0.7, -0.3)
 INT8_RTOL = 3e-2  # int8 activations in kernel mode (test_quant measures ~1.1e-2 per linear on CPU)
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _rel(a, b) -> float:
@@ -119,9 +112,9 @@ def _run(model, lay, x):
 
 
 # ---- TP2 over gloo (real processes) == TP1 merged ------------------------------------------------------------------
-def _worker(rank: int, world: int, port: int, d: str) -> None:
+def _worker(rank: int, world: int, d: str) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    dist.init_process_group("gloo", init_method=f"file://{d}/store", rank=rank, world_size=world)  # no port to pick
     try:
         group = dist.new_group(list(range(world)))
         cfg, sd, lay, x = _case()
@@ -156,7 +149,7 @@ def test_tp2_unmerged_equals_tp1_merged():
     with tempfile.TemporaryDirectory() as d:
         p1 = _write(d, "a.safetensors", _comfy_lora(cfg))
         p2 = _write(d, "b.safetensors", _diffusers_lora(cfg))
-        mp.start_processes(_worker, args=(2, _free_port(), d), nprocs=2, join=True, start_method="spawn")
+        mp.start_processes(_worker, args=(2, d), nprocs=2, join=True, start_method="spawn")
         outs = [torch.load(os.path.join(d, f"rank{r}.pt")) for r in range(2)]
         ref = H3DiT(cfg, compute_dtype=torch.float32, chunk_rows=16).eval()
         targets = model_targets(ref)

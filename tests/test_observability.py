@@ -4,7 +4,6 @@ with the client's accounting; the metrics interceptor's status codes; server ref
 from __future__ import annotations
 
 import json
-import time
 import urllib.request
 from concurrent import futures
 
@@ -19,6 +18,7 @@ from client.__main__ import main as client_main
 from client.loadtest import LoadConfig, run_loadtest, scrape_request_counts
 from client.stubs import SERVICE_NAMES, STAGES, open_channel
 from stagekit.metrics import StageMetrics
+from tests.waits import wait_until
 
 SAMPLE = "/h3.v1.DiTSampler/Sample"
 
@@ -40,6 +40,13 @@ def scrape(url: str) -> dict[tuple, float]:
     return out
 
 
+def settled(url: str, method: str) -> dict | None:
+    """The scrape once no `method` call is in flight (a stage counts a call a moment after its client has the
+    status), else None."""
+    got = scrape(url)
+    return got if got.get(("h3_grpc_inflight", (("method", method),))) == 0 else None
+
+
 def delta(before: dict, after: dict, name: str, **labels) -> float:
     key = (name, tuple(sorted(labels.items())))
     return after.get(key, 0.0) - before.get(key, 0.0)
@@ -51,7 +58,8 @@ def test_loadtest_accounting_matches_stage_metrics(stack, clients):
     cfg = LoadConfig(stage="dit", concurrency=3, requests=6, width=256, height=256, frames=22, steps=1,
                      inject_invalid=3, timeout_s=120)
     rep = run_loadtest(clients, cfg)
-    after = scrape(url)
+    # A stage counts a call once it is over, a moment after the client has its status: wait until none is left.
+    after = wait_until(lambda: settled(url, SAMPLE), what="every Sample call to be counted")
     s = rep.summary()
 
     # Client accounting: every request sent is a success or an error with its status code.
@@ -69,7 +77,6 @@ def test_loadtest_accounting_matches_stage_metrics(stack, clients):
     assert delta(before, after, "h3_grpc_requests_total", method=SAMPLE, code="INVALID_ARGUMENT") == 2
     assert sum(v for (n, lab), v in after.items() if n == "h3_grpc_requests_total" and ("method", SAMPLE) in lab) \
         - sum(v for (n, lab), v in before.items() if n == "h3_grpc_requests_total" and ("method", SAMPLE) in lab) == 6
-    assert after[("h3_grpc_inflight", (("method", SAMPLE),))] == 0
     # Job phases: one observation per successful job; one DiT step per job; bytes as the client counted them.
     for phase in ("queue", "lease_wait", "load", "compute", "transfer"):
         assert delta(before, after, "h3_job_phase_seconds_count", phase=phase) == s["ok"]
@@ -119,7 +126,9 @@ def test_reflection_lists_and_resolves_services(stack):
 
 
 class _Echo:
-    """Handlers that end in every way an RPC can: OK, abort, an unexpected exception, abort mid-stream."""
+    """Handlers that end in every way an RPC can: OK, abort, an unexpected exception, abort mid-stream, and a long
+    job the client leaves (cancel or deadline), noticed by the handler only afterwards, in each way it can notice:
+    reading the request stream (grpc raises), yielding a response nobody takes, or never again (grpc's callback)."""
 
     @staticmethod
     def unary(req, ctx):
@@ -134,47 +143,57 @@ class _Echo:
         for req in req_iter:
             if req == b"abort":
                 ctx.abort(grpc.StatusCode.FAILED_PRECONDITION, "no weights")
-            if req == b"slow":  # a long job: the client cancels or its deadline passes meanwhile
-                time.sleep(1.0)
+            if req.startswith(b"slow"):  # a long job: runs until the client has gone, however long that takes
+                wait_until(lambda: not ctx.is_active(), what="the client to leave")
+                if req == b"slow-then-stop":
+                    return
             yield req
+
+
+LATE_NOTICE = (b"slow-then-read", b"slow-then-yield", b"slow-then-stop")
 
 
 def test_interceptor_counts_real_status_codes():
     m = StageMetrics("test")
     handlers = {"U": grpc.unary_unary_rpc_method_handler(_Echo.unary),
                 "S": grpc.stream_stream_rpc_method_handler(_Echo.stream)}
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), interceptors=[m.interceptor()])
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), interceptors=[m.interceptor()])
     server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler("t.Echo", handlers)])
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
+    m.serve("127.0.0.1", 0)
+    url = f"http://127.0.0.1:{m.port}/metrics"
     try:
         with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
             u, st = ch.unary_unary("/t.Echo/U"), ch.stream_stream("/t.Echo/S")
-            assert u(b"hi", timeout=5) == b"hi"
+            assert u(b"hi", timeout=30) == b"hi"
             for payload, code in ((b"abort", grpc.StatusCode.RESOURCE_EXHAUSTED), (b"boom", grpc.StatusCode.UNKNOWN)):
                 with pytest.raises(grpc.RpcError) as e:
-                    u(payload, timeout=5)
+                    u(payload, timeout=30)
                 assert e.value.code() == code
-            assert list(st(iter([b"a", b"b"]), timeout=5)) == [b"a", b"b"]
+            assert list(st(iter([b"a", b"b"]), timeout=30)) == [b"a", b"b"]
             with pytest.raises(grpc.RpcError) as e:
-                list(st(iter([b"a", b"abort", b"c"]), timeout=5))
+                list(st(iter([b"a", b"abort", b"c"]), timeout=30))
             assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-            with pytest.raises(grpc.RpcError) as e:
-                list(st(iter([b"slow"]), timeout=0.3))
-            assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-            call = st(iter([b"a", b"slow", b"b"]), timeout=5)
-            assert next(call) == b"a"
-            call.cancel()
-        m.serve("127.0.0.1", 0)
-        want = {"OK": 1, "FAILED_PRECONDITION": 1, "DEADLINE_EXCEEDED": 1, "CANCELLED": 1}
-        for _ in range(30):  # the two abandoned calls are recorded when the server notices them
-            got = scrape_request_counts(f"http://127.0.0.1:{m.port}/metrics")
-            if got.get("/t.Echo/S") == want:
-                break
-            time.sleep(0.1)
+            for slow in LATE_NOTICE:
+                with pytest.raises(grpc.RpcError) as e:  # the deadline passes while the job runs
+                    list(st(iter([slow, b"b"]), timeout=1.0))
+                assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+                call = st(iter([b"a", slow, b"b"]), timeout=60)  # the client cancels while the job runs
+                assert next(call) == b"a"
+                call.cancel()
+                with pytest.raises(grpc.RpcError) as e:
+                    next(call)
+                assert e.value.code() == grpc.StatusCode.CANCELLED
+        n = len(LATE_NOTICE)
+        want = {"OK": 1, "FAILED_PRECONDITION": 1, "DEADLINE_EXCEEDED": n, "CANCELLED": n}
+        # A call is counted once it is over (the abandoned ones when the server notices): wait until none is left.
+        wait_until(lambda: m.registry.get_sample_value("h3_grpc_inflight", {"method": "/t.Echo/S"}) == 0
+                   and m.registry.get_sample_value("h3_grpc_inflight", {"method": "/t.Echo/U"}) == 0,
+                   what="every call to be counted")
+        got = scrape_request_counts(url)
         assert got["/t.Echo/U"] == {"OK": 1, "RESOURCE_EXHAUSTED": 1, "UNKNOWN": 1}
         assert got["/t.Echo/S"] == want
-        assert m.registry.get_sample_value("h3_grpc_inflight", {"method": "/t.Echo/S"}) == 0
     finally:
         server.stop(0)
         m.close()

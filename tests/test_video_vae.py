@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import random
-import socket
 from dataclasses import replace
 
 import pytest
@@ -150,8 +149,8 @@ def test_units_any_order_bitwise(vae):
         assemble(plan, {k: v for k, v in gathered.items() if k != 3})
 
 
-def _rank_main(rank: int, port: int, path: str, out_path: str) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+def _rank_main(rank: int, store: str, path: str, out_path: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)  # no port to pick
     try:
         torch.set_num_threads(1)
         cfg = SMALL_TILES
@@ -169,11 +168,8 @@ def _rank_main(rank: int, port: int, path: str, out_path: str) -> None:
 
 
 def test_units_two_gloo_ranks(tiny_file, tmp_path):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     out_path = str(tmp_path / "frames.pt")
-    mp.spawn(_rank_main, args=(port, tiny_file, out_path), nprocs=2, join=True)
+    mp.spawn(_rank_main, args=(str(tmp_path / "store"), tiny_file, out_path), nprocs=2, join=True)
     model = load_video_vae(tiny_file, SMALL_TILES, torch.float32)
     ref = model.decode(torch.randn(24, 8, 6, 5, generator=torch.Generator().manual_seed(1)))
     assert torch.equal(torch.load(out_path), ref)

@@ -1,0 +1,105 @@
+"""What `render` refuses by itself, before asking any stage (or starting an embedded stack, ~10 s).
+
+The rules are the stages' own, from the same code (`stagekit.render_params.validate`, `stagekit.images.admit_keyframe`,
+the encoder's `validate_prompt`, the DiT's `resolve_lora_path`); the messages add what only the client knows: the
+file name and the flag it came from. Every refusal is a `CheckError`, which the CLI prints as `error: ...` and
+exits 2, whatever the input (an empty `--prompt ""` and a blank one alike).
+
+Light by design: PIL for images; the tokenizer and LoRA checks import stage code only when they have something to
+check (a prompt that may be over the limit, a `--lora`) and a local stack is about to start.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from stagekit.errors import InvalidArgument
+
+
+class CheckError(Exception):
+    """An input the client refuses; `str(e)` is the message for the user."""
+
+
+def read_prompts(prompt: str | None, prompts_file: str | None) -> list[str]:
+    """`--prompt` (as given, even empty: `validate` names the problem) then the non-blank lines of the file."""
+    if prompt is None and not prompts_file:
+        raise CheckError("give --prompt TEXT or --prompts-file FILE")
+    prompts = [] if prompt is None else [prompt]
+    if prompts_file:
+        try:
+            lines = Path(prompts_file).read_text(encoding="utf-8").splitlines()
+        except (OSError, UnicodeDecodeError) as e:
+            raise CheckError(f"cannot read --prompts-file {prompts_file}: {getattr(e, 'strerror', None) or e}") from None
+        found = [p.strip() for p in lines if p.strip()]
+        if not found:
+            raise CheckError(f"--prompts-file {prompts_file} has no prompts (one per line)")
+        prompts += found
+    return prompts
+
+
+def output_paths(output: str, count: int) -> list[Path]:
+    """Where `count` renders go. A trailing slash or an existing directory means "into this folder" (000.mp4,
+    001.mp4, ... in prompt order), and so do several renders; otherwise one render goes to the file named."""
+    out = Path(output)
+    if output.endswith(("/", os.sep)) or out.is_dir() or count > 1:
+        if out.exists() and not out.is_dir():
+            raise CheckError(f"-o {output}: {count} renders go into a folder, but {output} is a file")
+        return [out / f"{i:03d}.mp4" for i in range(count)]
+    return [out]
+
+
+def read_keyframe(path: str, flag: str, width: int, height: int) -> bytes:
+    """The bytes of a PNG/JPEG keyframe file for a `width` x `height` render, admitted as the stages admit it
+    (format and size from the header; nothing decoded)."""
+    from stagekit.images import admit_keyframe
+
+    try:
+        data = Path(path).read_bytes()
+    except OSError as e:
+        raise CheckError(f"cannot read {flag} {path}: {e.strerror or e}") from None
+    try:
+        admit_keyframe(data, width, height)
+    except InvalidArgument as e:
+        raise CheckError(f"{flag} {path}: {e.message}") from None
+    return data
+
+
+def check_for_local_stack(prompts: list[str], loras: list[tuple[str, float]], models_dir: str) -> None:
+    """What the stack we are about to start would refuse, refused now: prompts over its encoder's token limit
+    (the embedded model's tokenizer; real checkpoints' tokenizers are checked by the stage) and LoRA names it
+    cannot find. Settings come from the same H3_<STAGE>_* env vars the stack's processes will read."""
+    if not models_dir:
+        _check_embedded_prompt_tokens(prompts)
+    if not loras:
+        return
+    loras_dir = os.environ.get("H3_DIT_LORAS_DIR") or (os.path.join(models_dir, "loras") if models_dir else "")
+    if not loras_dir:
+        raise CheckError(f"--lora {loras[0][0]}: the embedded model takes no LoRAs; pass --models-dir DIR "
+                         "(LoRA files in DIR/loras)")
+    from dit_svc.lora import resolve_lora_path  # stage code (imports torch): only when LoRAs are asked for
+
+    for name, _ in loras:
+        try:
+            resolve_lora_path(name, loras_dir)
+        except ValueError as e:  # LoRAError: not found, not a bare file name, absolute path refused
+            raise CheckError(f"--lora {name}: {e}") from None
+
+
+def _check_embedded_prompt_tokens(prompts: list[str]) -> None:
+    from encoder_svc.tokenizer import MAX_PROMPT_TOKENS
+
+    limit = int(os.environ.get("H3_ENCODER_MAX_PROMPT_TOKENS") or MAX_PROMPT_TOKENS)
+    # A token covers at least one UTF-8 byte, so only a prompt longer in bytes than the limit can be over it.
+    long = [p for p in prompts if len(p.encode("utf-8", "surrogatepass")) > limit]
+    if not long:
+        return
+    from encoder_svc.tiny import build_tiny_tokenizer  # the embedded encoder's tokenizer (imports torch)
+    from encoder_svc.tokenizer import TextTokenizer, validate_prompt
+
+    tok = TextTokenizer(build_tiny_tokenizer(), fingerprint="embedded", check_release_ids=False)
+    for p in long:
+        try:
+            validate_prompt(p, limit, tok)
+        except InvalidArgument as e:
+            raise CheckError(f"{e.message} (the embedded encoder's --max-prompt-tokens)") from None
