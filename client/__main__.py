@@ -1,13 +1,15 @@
 """h3-stages command line.
 
     python -m client render --prompt "..." -o out.mp4 [--width 832 --height 480 --frames 124 --steps 8 ...]
-    python -m client render --prompts-file prompts.txt -o outdir/      (stage-batched)
+    python -m client render --prompts-file prompts.txt -o outdir/      (stage-batched by the render service)
+    python -m client jobs list | get ID | watch ID | fetch ID -o out.mp4 | cancel ID
     python -m client status
     python -m client loadtest --stage dit --concurrency 4 --requests 20
 
-Endpoints come from --encoder/--dit/--decoder, env H3_ENCODER/H3_DIT/H3_DECODER,
-or the endpoints file `scripts/up.sh` writes (run/endpoints.env). With none
-configured and none reachable, `render` starts an embedded local stack.
+`render` and `jobs` talk to the render service only (thin: this process never imports torch or numpy). It is found
+from --render, env H3_RENDER or the endpoints file `scripts/up.sh` writes (run/endpoints.env). With none reachable,
+`render` starts one: over the configured stages (--encoder/--dit/--decoder, env H3_ENCODER/H3_DIT/H3_DECODER or the
+endpoints file), else in an embedded local stack.
 """
 
 from __future__ import annotations
@@ -15,16 +17,24 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
 
-from client.endpoints import add_endpoint_args, configured_endpoints, connect_or_start
+from client.endpoints import add_endpoint_args, configured_endpoints, configured_render, connect_render
+from client.render_client import state_name
 from client.stubs import SERVICE_NAMES, STAGES, Security, StageClients, health_of
+from h3.v1 import render_pb2
 from stagekit.errors import InvalidArgument
 from stagekit.models import EMBEDDED_NOTE
 from stagekit.render_params import (DEFAULT_FRAMES, DEFAULT_SIZE, DEFAULT_STEPS, SAMPLERS, SCHEDULERS, RenderSpec,
                                     validate)
+from stagekit.transport import MAX_MESSAGE_BYTES
+
+MAX_REQUEST_BYTES = MAX_MESSAGE_BYTES - (64 << 10)  # a RenderRequest (keyframes included) is one gRPC message
+
 
 def _spec(args, prompt: str) -> RenderSpec:
     return RenderSpec(prompt=prompt, width=args.width, height=args.height, frames=args.frames, steps=args.steps,
@@ -43,9 +53,35 @@ def parse_lora_arg(text: str) -> tuple[str, float]:
     return text, 1.0
 
 
+def parse_size(text: str) -> tuple[int, int]:
+    """'1920x1080' -> (1920, 1080)."""
+    w, sep, h = text.lower().partition("x")
+    if not sep or not w.isdigit() or not h.isdigit():
+        raise ValueError(f"--upscale {text!r}: give WIDTHxHEIGHT, e.g. 1920x1080")
+    return int(w), int(h)
+
+
+def _render_requests(args, prompts: list[str], keyframes: dict[str, bytes]):
+    from client.render_client import render_request
+
+    loras = [parse_lora_arg(x) for x in args.lora or ()]
+    upscale = parse_size(args.upscale) if args.upscale else (0, 0)
+    reqs = []
+    for i, p in enumerate(prompts):
+        spec = _spec(args, p)
+        validate(spec, need_prompt=True)
+        key = f"{args.idempotency_key}-{i}" if args.idempotency_key and len(prompts) > 1 else args.idempotency_key
+        reqs.append(render_request(spec, crf=args.crf, loras=loras, upscale=upscale, idempotency_key=key or "",
+                                   label=args.label, **keyframes))
+    if reqs and reqs[0].ByteSize() > MAX_REQUEST_BYTES:
+        raise ValueError(f"the keyframe images are {reqs[0].ByteSize()} bytes together; one request carries at most "
+                         f"{MAX_REQUEST_BYTES} bytes: send smaller PNG/JPEG files")
+    return reqs
+
+
 def cmd_render(args) -> int:
     from client.progress import RenderProgress, print_summary
-    from client.pipeline import render, render_many
+    from client.render_client import TERMINAL, RenderClient
 
     prompts = [args.prompt] if args.prompt else []
     if args.prompts_file:
@@ -63,43 +99,145 @@ def cmd_render(args) -> int:
                 return 2
     if keyframes and len(prompts) != 1:
         raise SystemExit("--first-frame/--last-frame take a single --prompt (not --prompts-file)")
-    specs = [_spec(args, p) for p in prompts]
-    loras = [parse_lora_arg(x) for x in args.lora or ()]
     try:
-        for s in specs:
-            validate(s, need_prompt=True)
+        reqs = _render_requests(args, prompts, keyframes)
     except InvalidArgument as e:
         print(f"error: {e.message}", file=sys.stderr)
         return 2
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     security = Security(args.token, args.tls_ca)
-    endpoints, stack = connect_or_start(args, security)
-    if not args.models_dir and stack is not None:
+    target, stack = connect_render(args, security)
+    if not args.models_dir and stack is not None and stack.procs.keys() >= set(STAGES):
         print(EMBEDDED_NOTE, file=sys.stderr)
+    out = Path(args.output)
+    outs = [out] if len(reqs) == 1 else [out / f"{i:03d}.mp4" for i in range(len(reqs))]
+    job_ids: dict[int, str] = {}
     try:
-        with StageClients(endpoints, security) as clients, RenderProgress() as progress:
-            if len(specs) == 1:
-                out = Path(args.output)
-                results = [render(clients, specs[0], out, progress.update, crf=args.crf, loras=loras, **keyframes)]
+        with RenderClient(target, security) as rc:
+            if args.detach:
+                for req in reqs:
+                    info = rc.submit(req)
+                    print(f"job {info.job_id} {state_name(info.state)}")
+                return 0
+            with RenderProgress() as progress:
+                def queued(i: int, job_id: str) -> None:
+                    job_ids[i] = job_id
+                    hint = "" if stack is not None else (
+                        f"; if this client stops, fetch it with: python -m client jobs fetch {job_id} -o {outs[i]}")
+                    progress.progress.console.print(f"job {job_id} queued{hint}")
+
+                def on_event(i: int):
+                    def fn(ev):
+                        if ev.WhichOneof("event") == "progress":
+                            progress.update(ev.progress)
+                        elif i not in job_ids:
+                            queued(i, ev.job_id)
+                    return fn
+
+                def outcome(i: int, call):
+                    try:
+                        info = call()
+                    except grpc.RpcError as e:
+                        return f"{e.code().name}: {e.details()}"
+                    if info is None or info.state not in TERMINAL:
+                        return "the job's event stream ended before the job did; follow it with `jobs watch`"
+                    return info if info.state == render_pb2.JOB_SUCCEEDED else f"{info.error_code}: {info.error}"
+
+                if len(reqs) == 1:  # one call
+                    results = [outcome(0, lambda: rc.render(reqs[0], outs[0], on_event(0)))]
+                else:  # every prompt queued at once (the service batches them with everyone's), then followed
+                    results = [None] * len(reqs)
+                    for i, req in enumerate(reqs):
+                        try:
+                            queued(i, rc.submit(req).job_id)
+                        except grpc.RpcError as e:
+                            results[i] = f"{e.code().name}: {e.details()}"
+                    todo = [i for i in job_ids]
+                    with ThreadPoolExecutor(max_workers=min(16, len(todo) or 1)) as pool:
+                        for i, r in zip(todo, pool.map(
+                                lambda i: outcome(i, lambda: rc.follow(job_ids[i], outs[i], on_event(i))), todo)):
+                            results[i] = r
+        rc_code = 0
+        for i, r in enumerate(results):
+            if isinstance(r, str):
+                rc_code = 1
+                print(f"error: job {job_ids.get(i, '-')}: {r}", file=sys.stderr)
             else:
-                outdir = Path(args.output)
-                outdir.mkdir(parents=True, exist_ok=True)
-                jobs = [(s, outdir / f"{i:03d}.mp4") for i, s in enumerate(specs)]
-                results = render_many(clients, jobs, progress.update, crf=args.crf, loras=loras)
-        rc = 0
-        for r in results:
-            if isinstance(r, BaseException):
-                rc = 1
-                msg = r.details() if isinstance(r, grpc.RpcError) else str(r)
-                print(f"error: {msg}", file=sys.stderr)
-            else:
-                print_summary(r)
-        return rc
+                print_summary(outs[i], r.stages)
+        return rc_code
     except grpc.RpcError as e:
         print(f"error: {e.code().name}: {e.details()}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        if stack is None and job_ids:
+            print(f"interrupted; the render service keeps the job(s) {' '.join(job_ids.values())}: "
+                  "python -m client jobs watch|fetch|cancel ID", file=sys.stderr)
+        return 130
     finally:
         if stack is not None:
             stack.stop()
+
+
+def _print_job(info) -> None:
+    p = info.progress
+    where = f"{info.stage}" + (f" {p.phase} {p.step}/{p.total}" if p.total else f" {p.phase}" if p.phase else "")
+    size = f"{info.output_bytes / 2**20:.1f} MiB" if info.output_bytes else "-"
+    print(f"{info.job_id}  {state_name(info.state):<9}  {where.strip() or '-':<24}  {info.width}x{info.height}x"
+          f"{info.params.frames}  {size:>9}  {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(info.created_unix))}"
+          f"  {info.label or info.params.prompt[:40]!r}" + ("  (output expired)" if info.output_expired else "")
+          + (f"  {info.error_code}: {info.error}" if info.error_code else ""))
+
+
+def cmd_jobs(args) -> int:
+    from client.render_client import TERMINAL, RenderClient
+
+    target = configured_render(args)
+    if not target:
+        print("no render service configured: start one with scripts/up.sh, or pass --render HOST:PORT",
+              file=sys.stderr)
+        return 1
+    security = Security(args.token, args.tls_ca)
+    try:
+        with RenderClient(target, security) as rc:
+            if args.action == "list":
+                states = [render_pb2.JobState.Value(f"JOB_{s.upper()}") for s in args.state or ()]
+                for info in rc.list(states, args.limit):
+                    _print_job(info)
+                return 0
+            if not args.job_id:
+                print(f"error: jobs {args.action} needs a JOB_ID", file=sys.stderr)
+                return 2
+            if args.action == "get":
+                info = rc.get(args.job_id)
+                _print_job(info)
+                for s in info.stages:
+                    print(f"  {s.stage:<9} {s.wall_s:8.2f} s  batch {s.batch} ({s.batch_size} jobs, waited "
+                          f"{s.waited_batches})")
+                return 0
+            if args.action == "cancel":
+                info = rc.cancel(args.job_id)
+                _print_job(info)
+                return 0 if info.state in TERMINAL else 1
+            if args.action == "fetch":
+                out = Path(args.output or f"{args.job_id}.mp4")
+                rc.fetch(args.job_id, out)
+                print(f"wrote {out}")
+                return 0
+            last = None  # watch
+            for ev in rc.watch(args.job_id, args.from_index):
+                kind = ev.WhichOneof("event")
+                if kind == "progress":
+                    p = ev.progress
+                    print(f"[{ev.index}] {p.stage} {p.phase} {p.step}/{p.total} {p.message}".rstrip())
+                else:
+                    last = ev.job
+                    print(f"[{ev.index}] {state_name(ev.job.state)} {ev.job.stage}".rstrip())
+            return 0 if last is not None and last.state == render_pb2.JOB_SUCCEEDED else 1
+    except grpc.RpcError as e:
+        print(f"error: {e.code().name}: {e.details()}", file=sys.stderr)
+        return 1
 
 
 def cmd_status(args) -> int:
@@ -107,11 +245,28 @@ def cmd_status(args) -> int:
     from h3.v1 import common_pb2
 
     endpoints = configured_endpoints(args)
-    if endpoints is None:
-        print("no endpoints configured (start them with scripts/up.sh, or pass --encoder/--dit/--decoder)")
+    render = configured_render(args)
+    if endpoints is None and not render:
+        print("no endpoints configured (start them with scripts/up.sh, or pass --render / --encoder/--dit/--decoder)")
         return 1
+    security = Security(args.token, args.tls_ca)
+    ok = True
+    if render:
+        from client.render_client import RenderClient
+
+        with RenderClient(render, security) as rc:
+            try:
+                st = rc.status()
+                print(f"render   {render}  {st.health}  queued={st.queued}  running={st.running}  "
+                      f"succeeded={st.succeeded}  failed={st.failed}  cancelled={st.cancelled}  batches={st.batches}"
+                      + (f"  web={st.web_url}" if st.web_url else ""))
+            except grpc.RpcError as e:
+                ok = False
+                print(f"render   {render}  UNREACHABLE ({e.code().name})")
+    if endpoints is None:
+        return 0 if ok else 1
     rows = []
-    with StageClients(endpoints, Security(args.token, args.tls_ca)) as c:
+    with StageClients(endpoints, security) as c:
         for s in STAGES:
             health = health_of(c.channels[s], SERVICE_NAMES[s])
             st = None
@@ -122,7 +277,7 @@ def cmd_status(args) -> int:
                     pass
             rows.append((s, endpoints.of(s), health, st))
     print_status(rows)
-    return 0 if all(r[2] == "SERVING" for r in rows) else 1
+    return 0 if ok and all(r[2] == "SERVING" for r in rows) else 1
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -146,13 +301,28 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--last-frame", help="fl2va: PNG/JPEG the video ends on (fitted to --width x --height)")
     r.add_argument("--lora", action="append", metavar="NAME[:STRENGTH]",
                    help="LoRA file name in the DiT server's <models_dir>/loras (repeatable; strength default 1.0)")
+    r.add_argument("--upscale", metavar="WxH", help="MP4 size, e.g. 1920x1080: every frame scaled in the mux "
+                                                    "(libswscale Lanczos)")
+    r.add_argument("--label", default="", help="free text shown by `jobs list` and the web page")
+    r.add_argument("--idempotency-key", default="", help="a retried render with the same key returns the same job")
+    r.add_argument("--detach", action="store_true", help="submit the job(s), print the ids and return")
     r.add_argument("--models-dir", default=os.environ.get("H3_MODELS_DIR", ""),
                    help="real checkpoints for the embedded stack (default: tiny embedded model)")
     r.add_argument("--devices", default="", help="devices for the embedded stack (e.g. cuda:0)")
-    add_endpoint_args(r)
+    add_endpoint_args(r, render=True)
     r.set_defaults(fn=cmd_render)
-    s = sub.add_parser("status", help="health, residency, devices, kernels of each stage")
-    add_endpoint_args(s)
+    j = sub.add_parser("jobs", help="the render service's jobs: list | get | watch | fetch | cancel")
+    j.add_argument("action", choices=("list", "get", "watch", "fetch", "cancel"))
+    j.add_argument("job_id", nargs="?", help="job id (all actions but list)")
+    j.add_argument("-o", "--output", help="fetch: where to write the MP4 (default JOB_ID.mp4)")
+    j.add_argument("--from", dest="from_index", type=int, default=0, help="watch: first event index (resume)")
+    j.add_argument("--state", action="append", choices=("queued", "running", "succeeded", "failed", "cancelled"),
+                   help="list: only jobs in this state (repeatable)")
+    j.add_argument("--limit", type=int, default=50, help="list: newest N jobs")
+    add_endpoint_args(j, render=True, stages=False)
+    j.set_defaults(fn=cmd_jobs)
+    s = sub.add_parser("status", help="health, residency, devices, kernels of each stage (and the render service)")
+    add_endpoint_args(s, render=True)
     s.set_defaults(fn=cmd_status)
     try:
         from client.loadtest import add_parser as add_loadtest

@@ -1,7 +1,7 @@
-"""A local stack of the three stage servers as subprocesses on free loopback ports.
+"""A local stack of the three stage servers (and, when asked, the render service) as subprocesses on free loopback
+ports.
 
-Used by `render` when no endpoints are configured and none are reachable, and
-by the tests. Multi-rank stages run under torchrun. Stopping sends SIGTERM to
+Used by `render` when no render service is configured and reachable, and by the tests. Multi-rank stages run under torchrun. Stopping sends SIGTERM to
 each process group (graceful drain), then SIGKILL after a grace period, so no
 orphan processes remain.
 """
@@ -20,7 +20,7 @@ from pathlib import Path
 
 from client.stubs import SERVICE_NAMES, STAGES, Endpoints, Security, health_of, open_channel
 
-MODULES = {"encoder": "encoder_svc", "dit": "dit_svc", "decoder": "decoder_svc"}
+MODULES = {"encoder": "encoder_svc", "dit": "dit_svc", "decoder": "decoder_svc", "render": "render_svc"}
 
 
 @dataclass
@@ -36,6 +36,7 @@ class StackConfig:
     env: dict[str, str] = field(default_factory=dict)
     start_timeout_s: float = 180.0
     security: Security = field(default_factory=Security)  # how to reach stages started with --tls-cert/--token
+    with_render: bool = False         # also start the render service (its job database in <run_dir>/render)
 
 
 def stage_command(stage: str, ranks: int, args: list[str]) -> list[str]:
@@ -54,6 +55,7 @@ class EmbeddedStack:
         self.lease_dir = Path(self.cfg.lease_dir or self.run_dir / "leases")
         self.procs: dict[str, subprocess.Popen] = {}
         self.ports: dict[str, int] = {}
+        self.stage_endpoints: Endpoints | None = None
 
     def _args(self, stage: str) -> list[str]:
         c = self.cfg
@@ -88,13 +90,37 @@ class EmbeddedStack:
         try:
             for stage in STAGES:
                 self.wait_ready(stage)
+            if self.cfg.with_render:
+                self.start_render(self.endpoints())
         except BaseException:
             self.stop()
             raise
         return self.endpoints()
 
+    def render_args(self, stages: Endpoints) -> list[str]:
+        return ["--host", "127.0.0.1", "--port", "0", "--port-file", str(self.run_dir / "render.port"),
+                "--run-dir", str(self.run_dir / "render"), "--encoder", stages.encoder, "--dit", stages.dit,
+                "--decoder", stages.decoder, *self.cfg.extra_args.get("render", [])]
+
+    def start_render(self, stages: Endpoints) -> str:
+        """Start the render service over `stages` (this stack's, or stages running elsewhere); returns its address."""
+        self.stage_endpoints = stages
+        (self.run_dir / "render.port").unlink(missing_ok=True)
+        log = open(self.run_dir / "render.log", "ab")
+        shutil.rmtree(self.temp_dir("render"), ignore_errors=True)
+        self.temp_dir("render").mkdir(parents=True)
+        env = {**os.environ, **self.cfg.env, "PYTHONUNBUFFERED": "1", "TMPDIR": str(self.temp_dir("render"))}
+        self.procs["render"] = subprocess.Popen([sys.executable, "-m", MODULES["render"], *self.render_args(stages)],
+                                                stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        self.wait_ready("render")
+        return f"127.0.0.1:{self.ports['render']}"
+
     def endpoints(self) -> Endpoints:
-        return Endpoints(**{s: f"127.0.0.1:{self.ports[s]}" for s in STAGES})
+        stages = {s: f"127.0.0.1:{self.ports[s]}" for s in STAGES if s in self.ports}
+        if len(stages) < len(STAGES):  # a render service over stages running elsewhere
+            stages = {s: self.stage_endpoints.of(s) for s in STAGES}
+        render = f"127.0.0.1:{self.ports['render']}" if "render" in self.ports else ""
+        return Endpoints(**stages, render=render)
 
     def wait_ready(self, stage: str, timeout_s: float | None = None) -> int:
         deadline = time.monotonic() + (timeout_s or self.cfg.start_timeout_s)
@@ -140,7 +166,7 @@ class EmbeddedStack:
         shutil.rmtree(self.temp_dir(stage), ignore_errors=True)
 
     def stop(self) -> None:
-        for stage in list(self.procs):
+        for stage in sorted(self.procs, key=lambda s: s != "render"):  # the render service first: it drives the rest
             self.stop_stage(stage)
 
     def __enter__(self) -> Endpoints:

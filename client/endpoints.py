@@ -1,7 +1,9 @@
-"""Where the stages are: --encoder/--dit/--decoder, env H3_ENCODER/H3_DIT/H3_DECODER, or the endpoints file
-`scripts/up.sh` writes (run/endpoints.env); with none configured and reachable, an embedded local stack.
+"""Where the services are. The render service: --render, env H3_RENDER, or the endpoints file `scripts/up.sh`
+writes (run/endpoints.env). The stages: --encoder/--dit/--decoder, env H3_ENCODER/H3_DIT/H3_DECODER, or the same
+file. With none configured and reachable, an embedded local stack (for `render`, with its own render service).
 
-Its own module so every command (render, status, loadtest) shares it without importing the CLI entry point.
+Its own module so every command (render, jobs, status, loadtest) shares it without importing the CLI entry point.
+Torch-free: the thin client imports it.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import os
 import sys
 from pathlib import Path
 
-from client.stubs import SERVICE_NAMES, STAGES, Endpoints, Security, StageClients, health_of
+from client.stubs import SERVICE_NAMES, STAGES, Endpoints, Security, StageClients, health_of, open_channel
 
 DEFAULT_ENDPOINTS_FILE = Path("run/endpoints.env")
 
@@ -44,6 +46,46 @@ def _reachable(ep: Endpoints, security: Security) -> bool:
         return all(health_of(c.channels[s], SERVICE_NAMES[s]) != "UNREACHABLE" for s in STAGES)
 
 
+def configured_render(args) -> str:
+    return (args.render or os.environ.get("H3_RENDER")
+            or _read_endpoints_file(Path(args.endpoints_file)).get("H3_RENDER", ""))
+
+
+def _render_reachable(target: str, security: Security) -> bool:
+    ch = open_channel(target, security)
+    try:
+        return health_of(ch, SERVICE_NAMES["render"]) != "UNREACHABLE"
+    finally:
+        ch.close()
+
+
+def connect_render(args, security: Security):
+    """(render service address, stack): the configured render service if reachable; else one started here over the
+    configured stages, else an embedded local stack with its own render service (stop the stack after)."""
+    from client.embedded import EmbeddedStack, StackConfig
+
+    target = configured_render(args)
+    if target and _render_reachable(target, security):
+        return target, None
+    if target:
+        print(f"render service {target} is unreachable", file=sys.stderr)
+    stack = EmbeddedStack(StackConfig(models_dir=args.models_dir, devices=args.devices, security=security,
+                                      with_render=True, extra_args={"render": ["--http-port", "0"]}))
+    endpoints = configured_endpoints(args)
+    if endpoints is not None and _reachable(endpoints, security):
+        print("starting a render service over the configured stages ...", file=sys.stderr)
+        target = stack.start_render(endpoints)
+    else:
+        if endpoints is not None:
+            print("configured endpoints are unreachable", file=sys.stderr)
+        print("starting embedded stack (encoder, dit, decoder, render service) on loopback ...", file=sys.stderr)
+        target = stack.start().render
+    web = stack.run_dir / "render.port.http"
+    if web.exists():
+        print(f"render service web page: http://127.0.0.1:{web.read_text().strip()}/", file=sys.stderr)
+    return target, stack
+
+
 def connect_or_start(args, security: Security, extra_args: dict[str, list[str]] | None = None):
     """(endpoints, stack): the configured stages if reachable, else an embedded local stack (stop it after)."""
     from client.embedded import EmbeddedStack, StackConfig
@@ -58,10 +100,13 @@ def connect_or_start(args, security: Security, extra_args: dict[str, list[str]] 
     return stack.start(), stack
 
 
-def add_endpoint_args(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--encoder", help="text encoder endpoint host:port (or a list for round_robin)")
-    ap.add_argument("--dit", help="DiT sampler endpoint")
-    ap.add_argument("--decoder", help="decoder endpoint")
+def add_endpoint_args(ap: argparse.ArgumentParser, render: bool = False, stages: bool = True) -> None:
+    if render:
+        ap.add_argument("--render", help="render service endpoint host:port (default: H3_RENDER or the endpoints file)")
+    if stages:
+        ap.add_argument("--encoder", help="text encoder endpoint host:port (or a list for round_robin)")
+        ap.add_argument("--dit", help="DiT sampler endpoint")
+        ap.add_argument("--decoder", help="decoder endpoint")
     ap.add_argument("--endpoints-file", default=str(DEFAULT_ENDPOINTS_FILE), help="file written by scripts/up.sh")
-    ap.add_argument("--token", default=os.environ.get("H3_TOKEN", ""), help="bearer token for remote stages")
+    ap.add_argument("--token", default=os.environ.get("H3_TOKEN", ""), help="bearer token for remote services")
     ap.add_argument("--tls-ca", default=os.environ.get("H3_TLS_CA", ""), help="CA certificate for TLS stages")

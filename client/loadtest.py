@@ -27,15 +27,17 @@ import uuid
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING
 from pathlib import Path
 
 import grpc
-import torch
 
 from client.stubs import SERVICE_NAMES, STAGES, StageClients
 from h3.v1 import common_pb2, decoder_pb2, dit_pb2, encoder_pb2
 from stagekit.render_params import RenderSpec, spec_to_proto
-from stagekit.wire import TensorAssembler, tensor_chunks
+
+if TYPE_CHECKING:  # torch is imported where tensors are made: the CLI that registers this command stays torch-free
+    import torch
 
 # The stage contract's latent shapes (dit.proto): video [24, T, H/16, W/16], audio [2, 32, Ta].
 VIDEO_LATENT_CHANNELS, AUDIO_CHANNELS, AUDIO_LATENT_CHANNELS = 24, 2, 32
@@ -164,12 +166,18 @@ class _Inputs:
         return f"loadtest {self.run_id} #{i}: a red kite over a windy beach, waves and gulls, take {i}"
 
     def _gen(self, i: int) -> torch.Generator:
+        import torch
+
         return torch.Generator().manual_seed(self.cfg.seed * 1_000_003 + i)
 
     def text_states(self, i: int) -> torch.Tensor:
+        import torch
+
         return torch.randn(self.text_shape, generator=self._gen(i)).to(self.text_dtype)
 
     def latents(self, i: int, spec: RenderSpec) -> tuple[torch.Tensor, torch.Tensor]:
+        import torch
+
         g = self._gen(i)
         # For an invalid spec, latents of the *valid* shape: the server must reject the declared size.
         ok = RenderSpec(width=self.cfg.width, height=self.cfg.height, frames=spec.frames)
@@ -187,6 +195,8 @@ def _counted(it: Iterator, rec: RequestRecord, kind: str) -> Iterator:
 
 def _encode(clients: StageClients, prompt: str, job_id: str, rec: RequestRecord, timeout_s: float,
             t_req: float) -> torch.Tensor:
+    from stagekit.wire import TensorAssembler
+
     t0 = time.monotonic()
     asm, done = TensorAssembler(), None
     for ev in clients.encoder.Encode(encoder_pb2.EncodeRequest(prompt=prompt, job_id=job_id), timeout=timeout_s,
@@ -207,6 +217,8 @@ def _encode(clients: StageClients, prompt: str, job_id: str, rec: RequestRecord,
 
 def _sample(clients: StageClients, spec: RenderSpec, text: torch.Tensor, job_id: str, rec: RequestRecord,
             timeout_s: float, t_req: float) -> tuple[torch.Tensor, torch.Tensor]:
+    from stagekit.wire import TensorAssembler, tensor_chunks
+
     def inputs():
         req = dit_pb2.SampleRequest(job_id=job_id)
         spec_to_proto(spec, req.params)
@@ -236,6 +248,8 @@ def _sample(clients: StageClients, spec: RenderSpec, text: torch.Tensor, job_id:
 
 def _decode(clients: StageClients, spec: RenderSpec, video: torch.Tensor, audio: torch.Tensor, job_id: str,
             rec: RequestRecord, fmt: str, timeout_s: float, t_req: float) -> None:
+    from stagekit.wire import tensor_chunks
+
     def inputs():
         req = decoder_pb2.DecodeRequest(job_id=job_id, format=decoder_pb2.RAW if fmt == "raw" else decoder_pb2.MP4)
         spec_to_proto(spec, req.params)
@@ -280,6 +294,8 @@ def _one(clients: StageClients, cfg: LoadConfig, inp: _Inputs, rec: RequestRecor
 
 def _discover_text(clients: StageClients, cfg: LoadConfig) -> tuple[tuple[int, int], torch.dtype]:
     """[L, text_dim] and dtype of the text states the DiT takes: from the flags, or one Encode call."""
+    import torch
+
     if cfg.stage != "dit":
         return (0, 0), torch.float32
     if cfg.text_dim:
@@ -679,7 +695,10 @@ def write_report(rep: LoadReport, path: Path) -> None:
 def request_messages(cfg: LoadConfig, index: int = 0, text_shape: tuple[int, int] = (0, 0)) -> list[dict]:
     """One valid request of `cfg.stage` as the JSON messages grpcurl (`-d @`, one object per message) and ghz
     (`-D file`, a JSON array) send: the request, then the tensor chunks (bytes base64, CRC-32C included)."""
+    import torch
     from google.protobuf.json_format import MessageToDict
+
+    from stagekit.wire import tensor_chunks
 
     inp = _Inputs(cfg, "grpcurl", text_shape, torch.float32)
     if cfg.stage == "encoder":

@@ -1,30 +1,31 @@
-"""Orchestration library: encode -> sample -> decode through the generated stubs.
+"""The stage-level library: encode -> sample -> decode through the generated stage stubs.
 
-Each call streams the stage's progress to `on_progress(Progress)` and returns
-the stage's result plus its timing. `render_many` is stage-batched: all
-prompts are encoded, then all sampled, then all decoded, so each stage loads
-once for the whole batch on small cards.
+The render service (render_svc/) drives the stages with these calls; tools that want stage-level control use them
+directly (the user's `python -m client render` talks to the render service instead and needs no torch).
+Each call streams the stage's progress to `on_progress(Progress)`, hands the call to `on_call` (so another thread
+can cancel it) and returns the stage's result plus its timing. `render_many` is stage-batched: all prompts are
+encoded, then all sampled, then all decoded, so each stage loads once for the whole batch on small cards.
 """
 
 from __future__ import annotations
 
-import os
-import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import google_crc32c
 import torch
 
 from client.stubs import StageClients
 from h3.v1 import common_pb2, decoder_pb2, dit_pb2, encoder_pb2
 from stagekit.render_params import RenderSpec, spec_to_proto, validate
+from stagekit.transport import FileReceiver
 from stagekit.wire import TensorAssembler, tensor_chunks
 
 ProgressFn = Callable[[common_pb2.Progress], None]
+# Receives each stage call as it starts (a grpc.Call): a caller that keeps it can cancel the call from another thread.
+CallFn = Callable[[object], None]
 # Per-stage RPC deadlines (seconds): generous, but a hung stage never hangs the client.
 DEADLINES = {"encoder": 1800.0, "dit": 4 * 3600.0, "decoder": 3600.0}
 
@@ -71,13 +72,14 @@ def _drain(stream, on_progress: ProgressFn, required: list[str], what: str) -> t
 
 def encode(clients: StageClients, prompt: str, job_id: str = "", on_progress: ProgressFn = _noop,
            timeout_s: float | None = None, keyframes: list[bytes] | None = None, width: int = 0, height: int = 0,
-           with_tags: bool = False):
+           with_tags: bool = False, on_call: CallFn = _noop):
     """Prompt (+ fl2va keyframe image bytes, in packed order, fitted to width x height) -> text_states.
     `with_tags=True` returns (states, text_tags, result); the tags are all-text when the encoder sends none."""
     t0 = time.monotonic()
     req = encoder_pb2.EncodeRequest(prompt=prompt, job_id=job_id, keyframes=list(keyframes or []),
                                     width=width if keyframes else 0, height=height if keyframes else 0)
     stream = clients.encoder.Encode(req, timeout=timeout_s or DEADLINES["encoder"], metadata=clients.security.metadata())
+    on_call(stream)
     out, done = _drain(stream, on_progress, ["text_states"], "encoder")
     states = out["text_states"]
     result = StageResult("encoder", time.monotonic() - t0, done.timing,
@@ -91,12 +93,14 @@ def encode(clients: StageClients, prompt: str, job_id: str = "", on_progress: Pr
 
 
 def encode_image(clients: StageClients, image: bytes, width: int, height: int, job_id: str = "",
-                 on_progress: ProgressFn = _noop, timeout_s: float | None = None) -> tuple[torch.Tensor, StageResult]:
+                 on_progress: ProgressFn = _noop, timeout_s: float | None = None,
+                 on_call: CallFn = _noop) -> tuple[torch.Tensor, StageResult]:
     """Keyframe image bytes -> its normalised VAE latent [24, 1, height/16, width/16] (decoder stage, fl2va)."""
     t0 = time.monotonic()
     stream = clients.decoder.EncodeImage(
         decoder_pb2.EncodeImageRequest(image=image, width=width, height=height, job_id=job_id),
         timeout=timeout_s or DEADLINES["decoder"], metadata=clients.security.metadata())
+    on_call(stream)
     out, done = _drain(stream, on_progress, ["latents"], "decoder EncodeImage")
     latents = out["latents"]
     return latents, StageResult("decoder", time.monotonic() - t0, done.timing, {"op": "encode_image"})
@@ -116,20 +120,23 @@ def _sample_inputs(spec: RenderSpec, job_id: str, text_states: torch.Tensor,
 def sample(clients: StageClients, spec: RenderSpec, text_states: torch.Tensor, job_id: str = "",
            on_progress: ProgressFn = _noop, timeout_s: float | None = None,
            extra: dict[str, torch.Tensor] | None = None,
-           loras: Sequence[tuple[str, float]] = ()) -> tuple[torch.Tensor, torch.Tensor, StageResult]:
+           loras: Sequence[tuple[str, float]] = (), on_call: CallFn = _noop
+           ) -> tuple[torch.Tensor, torch.Tensor, StageResult]:
     """`extra`: fl2va tensors ("keyframe_first" / "keyframe_last" latents, "text_tags"). `loras`: (file name in
     the DiT server's loras dir, strength) pairs applied for this request."""
     t0 = time.monotonic()
     stream = clients.dit.Sample(_sample_inputs(spec, job_id, text_states, extra, loras),
                                 timeout=timeout_s or DEADLINES["dit"], metadata=clients.security.metadata())
+    on_call(stream)
     out, done = _drain(stream, on_progress, ["video_latents", "audio_latents"], "DiT")
     return out["video_latents"], out["audio_latents"], StageResult(
         "dit", time.monotonic() - t0, done.timing, {"ms_per_step": done.ms_per_step, "ranks": done.world_size})
 
 
 def _decode_inputs(spec: RenderSpec, job_id: str, video: torch.Tensor, audio: torch.Tensor,
-                   fmt: int, crf: int) -> Iterator[decoder_pb2.DecodeInput]:
-    req = decoder_pb2.DecodeRequest(job_id=job_id, format=fmt, crf=crf)
+                   fmt: int, crf: int, upscale: tuple[int, int] = (0, 0)) -> Iterator[decoder_pb2.DecodeInput]:
+    req = decoder_pb2.DecodeRequest(job_id=job_id, format=fmt, crf=crf, upscale_width=upscale[0],
+                                    upscale_height=upscale[1])
     spec_to_proto(spec, req.params)
     yield decoder_pb2.DecodeInput(request=req)
     for name, t in (("video_latents", video), ("audio_latents", audio)):
@@ -137,79 +144,28 @@ def _decode_inputs(spec: RenderSpec, job_id: str, video: torch.Tensor, audio: to
             yield decoder_pb2.DecodeInput(tensor=chunk)
 
 
-def _partial_file(out_path: Path) -> tuple[int, str | None]:
-    """A file for the bytes of `out_path` as they arrive: without a name until it is complete (Linux O_TMPFILE in
-    the target's directory), so a client killed mid-download leaves nothing behind; where the filesystem cannot,
-    a hidden named temp file beside it. Returns (fd, temp name or None)."""
-    flag = getattr(os, "O_TMPFILE", 0)
-    if flag:
-        try:
-            return os.open(out_path.parent, flag | os.O_RDWR, 0o644), None
-        except OSError:
-            pass
-    return tempfile.mkstemp(prefix=f".{out_path.name}.", dir=out_path.parent)
-
-
-def _publish(fd: int, tmp_name: str | None, out_path: Path) -> None:
-    """Give the complete partial file its name, atomically (never a half-written `out_path`)."""
-    if tmp_name is not None:
-        os.replace(tmp_name, out_path)
-        return
-    named = str(out_path.parent / f".{out_path.name}.{os.getpid()}.done")
-    try:
-        os.link(f"/proc/self/fd/{fd}", named)  # name the unnamed file (needs /proc), then move it over the target
-    except OSError:  # no /proc: copy it into a named temp file instead
-        copy_fd, named = tempfile.mkstemp(prefix=f".{out_path.name}.", dir=out_path.parent)
-        with os.fdopen(copy_fd, "wb") as dst, os.fdopen(os.dup(fd), "rb") as src:
-            src.seek(0)
-            while chunk := src.read(1 << 20):
-                dst.write(chunk)
-    try:
-        os.replace(named, out_path)
-    except BaseException:
-        os.unlink(named)
-        raise
-
-
 def decode(clients: StageClients, spec: RenderSpec, video: torch.Tensor, audio: torch.Tensor, out_path: Path,
            job_id: str = "", on_progress: ProgressFn = _noop, crf: int = 0, fmt: int = decoder_pb2.MP4,
-           timeout_s: float | None = None) -> StageResult:
-    """Stream the decoded file into `out_path` (written beside it, renamed only once complete and verified)."""
+           timeout_s: float | None = None, upscale: tuple[int, int] = (0, 0), on_call: CallFn = _noop) -> StageResult:
+    """Stream the decoded file into `out_path` (written beside it, renamed only once complete and verified).
+    `upscale` (width, height): the MP4's size when it differs from the render's (scaled in the decoder's mux)."""
     t0 = time.monotonic()
-    out_path = Path(out_path)
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = _partial_file(out_path)
     done = None
-    try:
-        crc, size, finished = 0, 0, False
-        with os.fdopen(fd, "wb") as f:
-            stream = clients.decoder.Decode(_decode_inputs(spec, job_id, video, audio, fmt, crf),
-                                            timeout=timeout_s or DEADLINES["decoder"], metadata=clients.security.metadata())
-            for ev in stream:
-                kind = ev.WhichOneof("event")
-                if kind == "progress":
-                    on_progress(ev.progress)
-                elif kind == "file":
-                    fc = ev.file
-                    if fc.offset != size:
-                        raise RuntimeError(f"decoder sent file bytes at offset {fc.offset}, expected {size}")
-                    f.write(fc.data)
-                    crc = google_crc32c.extend(crc, fc.data)
-                    size += len(fc.data)
-                    if fc.last:
-                        if fc.total_bytes != size or fc.crc32c != crc:
-                            raise RuntimeError("decoded file failed its size/checksum check; retry the decode")
-                        finished = True
-                elif kind == "done":
-                    done = ev.done
-            if not finished or done is None:
-                raise RuntimeError("decoder stream ended before the file was complete; retry the decode")
-            f.flush()
-            _publish(f.fileno(), tmp_name, out_path)
-            tmp_name = None
-    finally:
-        if tmp_name is not None and os.path.exists(tmp_name):
-            os.unlink(tmp_name)
+    with FileReceiver(Path(out_path)) as recv:
+        stream = clients.decoder.Decode(_decode_inputs(spec, job_id, video, audio, fmt, crf, upscale),
+                                        timeout=timeout_s or DEADLINES["decoder"], metadata=clients.security.metadata())
+        on_call(stream)
+        for ev in stream:
+            kind = ev.WhichOneof("event")
+            if kind == "progress":
+                on_progress(ev.progress)
+            elif kind == "file":
+                recv.feed(ev.file)
+            elif kind == "done":
+                done = ev.done
+        if done is None:
+            raise RuntimeError("decoder stream ended before the file was complete; retry the decode")
+        recv.finish()
     return StageResult("decoder", time.monotonic() - t0, done.timing,
                        {"frames": done.frames, "audio_samples": done.audio_samples, "ranks": done.world_size})
 

@@ -1,12 +1,10 @@
-"""Terminal rendering of progress, timing summaries and status (rich)."""
+"""Terminal rendering of progress, timing summaries and status (rich; torch-free, the thin client imports it)."""
 
 from __future__ import annotations
 
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
-
-from client.pipeline import RenderResult
 
 console = Console(stderr=True)
 
@@ -43,18 +41,30 @@ class RenderProgress:
             self.progress.update(tid, info=f"{p.phase} {p.message}".strip())
 
 
-def print_summary(r: RenderResult) -> None:
-    t = Table(title=f"wrote {r.output}", show_lines=False)
+def _extra(s) -> dict:
+    """Notes per stage: a StageResult's extras (stage-level library), or where a render job's stage ran (StageRun)."""
+    extra = getattr(s, "extra", None)
+    if extra is not None:
+        return extra
+    return {"batch": s.batch, "batch_size": s.batch_size, "waited_batches": s.waited_batches}
+
+
+def print_summary(output, stages) -> None:
+    """`stages`: the StageResults of a stage-level render, or the StageRuns of a render job (both have stage, wall_s
+    and the stage's Timing)."""
+    t = Table(title=f"wrote {output}", show_lines=False)
     for col in ("stage", "wall", "queue", "lease", "load", "compute", "xfer"):
         t.add_column(col, justify="left" if col == "stage" else "right")
-    for s in r.stages:
+    total = 0.0
+    for s in stages:
         tm = s.timing
+        total += s.wall_s
         t.add_row(s.stage, f"{s.wall_s:.2f}", f"{tm.queue_s:.2f}", f"{tm.lease_wait_s:.2f}", f"{tm.load_s:.2f}",
                   f"{tm.compute_s:.2f}", f"{tm.transfer_s:.2f}")
-    t.add_row("total", f"{r.total_s:.2f}", "", "", "", "", "")
+    t.add_row("total", f"{total:.2f}", "", "", "", "", "")
     console.print(t)
-    for s in r.stages:
-        notes = ", ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}" for k, v in s.extra.items())
+    for s in stages:
+        notes = ", ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}" for k, v in _extra(s).items())
         console.print(f"  {s.stage}: {notes}")
 
 

@@ -1,4 +1,4 @@
-"""Channels and stubs for the three stages.
+"""Channels and stubs for the three stages and the render service (torch-free: the thin client imports this).
 
 An endpoint is a gRPC target: "127.0.0.1:50051", or several replicas
 "ipv4:10.0.0.1:50051,10.0.0.2:50051", or "dns:///encoder.internal:50051".
@@ -13,10 +13,11 @@ from pathlib import Path
 import grpc
 
 from h3.v1 import decoder_pb2_grpc, dit_pb2_grpc, encoder_pb2_grpc
-from stagekit.server import GRPC_OPTIONS
+from stagekit.transport import GRPC_OPTIONS
 
 STAGES = ("encoder", "dit", "decoder")
-SERVICE_NAMES = {"encoder": "h3.v1.TextEncoder", "dit": "h3.v1.DiTSampler", "decoder": "h3.v1.Decoder"}
+SERVICE_NAMES = {"encoder": "h3.v1.TextEncoder", "dit": "h3.v1.DiTSampler", "decoder": "h3.v1.Decoder",
+                 "render": "h3.v1.Renderer"}
 _STUBS = {"encoder": encoder_pb2_grpc.TextEncoderStub, "dit": dit_pb2_grpc.DiTSamplerStub,
           "decoder": decoder_pb2_grpc.DecoderStub}
 
@@ -26,6 +27,7 @@ class Endpoints:
     encoder: str
     dit: str
     decoder: str
+    render: str = ""  # the render service beside them, when one runs
 
     def of(self, stage: str) -> str:
         return getattr(self, stage)

@@ -117,7 +117,7 @@ class DecoderEngine:
         self.geometry = self._check_geometry()
         self.video = None
         self.audio = None
-        self.video_encoder = None  # VAE encoder half, loaded on the first EncodeImage (fl2va keyframes), rank 0 only
+        self.video_encoder = None  # VAE encoder half, for EncodeImage (fl2va keyframes), rank 0 only
 
     def _check_geometry(self) -> LatentGeometry:
         """The latent geometry this decoder serves, from the VAEs' configs. A render spec counts latents on the H3
@@ -139,6 +139,7 @@ class DecoderEngine:
         return LatentGeometry(v.latent_channels, v.spatial_ratio, a.latent_channels)
 
     def load(self) -> None:
+        """The decode path: the video VAE's decoder half and the audio VAE decoder (operators' Load, shared mode)."""
         if self.video is not None:
             return
         dev = self.cfg.device
@@ -147,6 +148,23 @@ class DecoderEngine:
         self.video = load_video_vae(str(self.video_path), self.video_info.cfg, self.cfg.weight_dtype, device=dev,
                                     parts="decoder")
         self.audio = load_audio_vae(self.audio_path, self.audio_info.cfg, device=dev, with_encoder=False)  # fp32
+
+    def load_for(self, job: dict) -> None:
+        """Exclusive residency loads what the job needs: a keyframe encode only the video VAE's encoder half (rank 0),
+        so fl2va keyframes never swap the whole decoder in (docs/render_service.md)."""
+        if job.get("op") == "encode_image":
+            self._load_encoder()
+        else:
+            self.load()
+
+    def _load_encoder(self) -> None:
+        if not self.group.info.is_leader or self.video_encoder is not None:
+            return
+        if not self.has_video_encoder:
+            raise FailedPrecondition(f"{self.video_path} holds only the video VAE decoder; keyframe renders need "
+                                     "the full video VAE (encoder included)")
+        self.video_encoder = load_video_vae(str(self.video_path), self.video_info.cfg, self.cfg.weight_dtype,
+                                            device=self.cfg.device, parts="encoder")
 
     def unload(self) -> None:
         self.video = self.audio = self.video_encoder = None
@@ -167,13 +185,9 @@ class DecoderEngine:
         mean (ComfyUI's keyframe recipe, §3.3). The encoder half is loaded on first use and kept while resident."""
         if not self.group.info.is_leader:
             return {}  # a single image is one small unit of work: rank 0 does it alone
-        if self.video_encoder is None:
-            if not self.has_video_encoder:
-                raise FailedPrecondition(f"{self.video_path} holds only the video VAE decoder; keyframe renders need "
-                                         "the full video VAE (encoder included)")
+        if self.video_encoder is None:  # resident for decodes: add the encoder half
             ctx.progress(0, 1, phase="loading", message="video VAE encoder")
-            self.video_encoder = load_video_vae(str(self.video_path), self.video_info.cfg, self.cfg.weight_dtype,
-                                                device=self.cfg.device, parts="encoder")
+            self._load_encoder()
         ctx.progress(0, 1)
         pixels = image.permute(2, 0, 1).contiguous()  # [3, H, W] uint8; encode() scales to [0, 1]
         autocast = None if self.cfg.weight_dtype == torch.float32 else self.cfg.weight_dtype
@@ -185,8 +199,9 @@ class DecoderEngine:
     def run(self, job, inputs: dict, ctx) -> dict:
         if job.get("op") == "encode_image":
             return self.encode_image(inputs["image"], ctx)
-        if self.video is None:
-            raise FailedPrecondition("decoder not loaded")
+        if self.video is None:  # resident for keyframe encodes only: add the decode path
+            ctx.progress(0, 1, phase="loading", message="video + audio VAE decoders")
+            self.load()
         video_lat = inputs["video_latents"].float()
         plan = plan_decode(self.video.cfg, *video_lat.shape[1:])
         n, rank = self.group.world_size, self.group.info.rank
@@ -237,7 +252,7 @@ class DecoderEngine:
                 write_wav(tmp, audio)
             else:  # cancellable frame by frame: a client that left stops the mux (docs/reliability.md)
                 write_mp4(tmp, frames, audio, crf=job["crf"] or DEFAULT_CRF, preset=self.cfg.preset,
-                          check_cancel=check_cancel)
+                          size=job.get("size"), check_cancel=check_cancel)
         except BaseException as e:
             Path(tmp).unlink(missing_ok=True)  # a failed or cancelled mux leaves nothing behind
             log.info("mux of %s abandoned after %.2f s (%s)", name, time.monotonic() - t0, type(e).__name__)

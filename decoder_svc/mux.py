@@ -7,6 +7,11 @@ Contract (tested in tests/test_mux.py):
 * outputs are never half-written: we encode into a temp file next to the target and `os.replace` it; the
   temp file is removed on every failure, cancellation included (`check_cancel`, called once per frame).
 
+Upscaled output (`size=(W, H)` differing from the frames'): every frame is scaled in the mux by a *resizer* from
+`RESIZERS` — by default libswscale's Lanczos through PyAV (`VideoFrame.reformat(..., interpolation="LANCZOS")`),
+which converts to yuv420p in the same pass. A resizer takes the clip's frames in order and yields one frame of the
+output size per input frame, so a learned (temporal) upscaler plugs in as one more entry (docs/render_service.md).
+
 Speed: the decoder stage shares a few CPU cores, so the default x264 preset is "veryfast" (see the
 measurements in the decoder report); `preset` / `crf` are parameters, not constants in the code.
 """
@@ -20,7 +25,8 @@ import time
 from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
-from typing import IO, Callable, Union
+from collections.abc import Callable, Iterator
+from typing import IO, Union
 
 import numpy as np
 
@@ -37,6 +43,38 @@ _X264_PRESETS = (
 )
 
 PathOrFile = Union[str, os.PathLike, IO[bytes]]
+
+MAX_OUTPUT_SIDE = 4096
+MAX_OUTPUT_AREA = 3840 * 2160      # UHD
+MAX_ASPECT_CHANGE = 0.10           # an upscale may stretch the picture by at most 10 % (832x480 -> 1920x1080: 2.5 %)
+
+
+def lanczos(frames: Iterator, width: int, height: int) -> Iterator:
+    """libswscale Lanczos (PyAV), scaling and converting to yuv420p in one pass."""
+    for frame in frames:
+        yield frame.reformat(width=width, height=height, format="yuv420p", interpolation="LANCZOS")
+
+
+# The resize hook: name -> fn(frames: Iterator[av.VideoFrame], width, height) -> Iterator[av.VideoFrame], one output
+# frame per input frame, in order. A learned upscaler (e.g. a video super-resolution model) is one more entry.
+RESIZERS: dict[str, Callable[[Iterator, int, int], Iterator]] = {"lanczos": lanczos}
+
+
+def check_upscale(width: int, height: int, out_width: int, out_height: int) -> None:
+    """An output size for a `width` x `height` render: even sides (yuv420p), at most UHD, near the render's aspect.
+    Raises ValueError with the rule broken."""
+    if out_width <= 0 or out_height <= 0:
+        raise ValueError(f"upscale {out_width}x{out_height}: give both width and height (e.g. 1920x1080)")
+    if out_width % 2 or out_height % 2:
+        raise ValueError(f"upscale {out_width}x{out_height}: H.264 yuv420p needs even width and height")
+    if max(out_width, out_height) > MAX_OUTPUT_SIDE or out_width * out_height > MAX_OUTPUT_AREA:
+        raise ValueError(f"upscale {out_width}x{out_height} is beyond the largest output "
+                         f"({MAX_OUTPUT_SIDE} per side, {MAX_OUTPUT_AREA} pixels, e.g. 3840x2160)")
+    change = abs((out_width / out_height) / (width / height) - 1)
+    if change > MAX_ASPECT_CHANGE:
+        near = round(out_height * width / height / 2) * 2
+        raise ValueError(f"upscale {out_width}x{out_height} changes the {width}x{height} render's aspect by "
+                         f"{change:.0%} (at most {MAX_ASPECT_CHANGE:.0%}); e.g. {near}x{out_height}")
 
 
 @dataclass(frozen=True)
@@ -157,11 +195,14 @@ def _encode(
     audio_bitrate: int,
     threads: int,
     faststart: bool,
+    size: tuple[int, int],
+    resizer: str,
     check_cancel: Callable[[], None] | None = None,
 ) -> None:
     import av
 
-    f, h, w = video.num_frames, video.height, video.width
+    f = video.num_frames
+    w, h = size
     options = {"movflags": "+faststart"} if faststart else {}
     with av.open(target, mode="w", format="mp4", options=options) as container:
         vs = container.add_stream("libx264", rate=Fraction(fps, 1))
@@ -175,16 +216,25 @@ def _encode(
             astream = container.add_stream("aac", rate=AUDIO_SAMPLE_RATE, layout="stereo")
             astream.bit_rate = audio_bitrate
 
+        def source():
+            for i in range(f):
+                if check_cancel is not None:
+                    check_cancel()  # e.g. the client left: stop encoding now (the caller removes the temp file)
+                yield av.VideoFrame.from_ndarray(video[i], format="rgb24")
+
+        frames = source()
+        if (w, h) != (video.width, video.height):
+            frames = RESIZERS[resizer](frames, w, h)
         # Interleave: after each video frame, feed the audio up to that frame's end time, so the
         # muxer never has to buffer a whole stream. PyAV re-chunks to AAC's 1024-sample frames.
-        sent = 0
-        for i in range(f):
-            if check_cancel is not None:
-                check_cancel()  # e.g. the client left: stop encoding now (the caller removes the temp file)
-            frame = av.VideoFrame.from_ndarray(video[i], format="rgb24")
+        sent, n = 0, 0
+        for i, frame in enumerate(frames):
+            if (frame.width, frame.height) != (w, h):
+                raise RuntimeError(f"resizer {resizer!r} gave a {frame.width}x{frame.height} frame, not {w}x{h}")
             frame.pts = i
             frame.time_base = Fraction(1, fps)
             container.mux(vs.encode(frame))
+            n = i + 1
             if astream is not None:
                 upto = audio.shape[1] if i == f - 1 else min(audio.shape[1], (i + 1) * AUDIO_SAMPLE_RATE // fps)
                 if upto > sent:
@@ -196,6 +246,8 @@ def _encode(
                     aframe.time_base = Fraction(1, AUDIO_SAMPLE_RATE)
                     container.mux(astream.encode(aframe))
                     sent = upto
+        if n != f:
+            raise RuntimeError(f"resizer {resizer!r} gave {n} frames for {f}")
         container.mux(vs.encode(None))
         if astream is not None:
             container.mux(astream.encode(None))
@@ -211,20 +263,23 @@ def _check_args(fps: int, crf: int, preset: str) -> None:
 
 
 def _encode_to_temp(
-    frames, audio, fps, crf, preset, audio_bitrate, threads, faststart, tmp_dir, match_audio, value_range,
-    check_cancel=None,
+    frames, audio, fps, crf, preset, audio_bitrate, threads, faststart, tmp_dir, match_audio, value_range, size,
+    resizer, check_cancel=None,
 ):
     video = _FrameSource(frames, value_range)
-    f, h, w = video.num_frames, video.height, video.width
+    f = video.num_frames
+    w, h = size or (video.width, video.height)
     if h % 2 or w % 2:
         raise ValueError(f"yuv420p needs even width and height, got {w}x{h}")
+    if resizer not in RESIZERS:
+        raise ValueError(f"unknown resizer {resizer!r}; one of {sorted(RESIZERS)}")
     n_audio = round(f * AUDIO_SAMPLE_RATE / fps) if match_audio else None
     pcm = None if audio is None else _prepare_audio(audio, n_audio)
     fd, tmp = tempfile.mkstemp(prefix=".mux-", suffix=".mp4.tmp", dir=tmp_dir)
     os.close(fd)
     t0 = time.perf_counter()
     try:
-        _encode(tmp, video, pcm, fps, crf, preset, audio_bitrate, threads, faststart, check_cancel)
+        _encode(tmp, video, pcm, fps, crf, preset, audio_bitrate, threads, faststart, (w, h), resizer, check_cancel)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
@@ -254,6 +309,8 @@ def write_mp4(
     faststart: bool = True,
     match_audio_to_video: bool = True,
     value_range: tuple[float, float] = (0.0, 1.0),
+    size: tuple[int, int] | None = None,
+    resizer: str = "lanczos",
     check_cancel: Callable[[], None] | None = None,
 ) -> MuxInfo:
     """Encode frames (+ optional stereo 32 kHz audio) as H.264 yuv420p / AAC in MP4.
@@ -262,8 +319,9 @@ def write_mp4(
     `path_or_file`: a path (temp file in the same directory + atomic rename) or a writable binary
     file object (receives the finished bytes only after encoding succeeded). `threads=0` lets x264
     pick (all cores). `match_audio_to_video` trims / zero-pads the audio to round(F * 32000 / fps)
-    samples. `value_range` applies to float frames only. `check_cancel` is called before each frame and may raise
-    to abandon the encode (nothing is left behind). Returns a `MuxInfo`.
+    samples. `value_range` applies to float frames only. `size` (width, height): the output size when it differs
+    from the frames' (scaled by `RESIZERS[resizer]`, see the module notes). `check_cancel` is called before each
+    frame and may raise to abandon the encode (nothing is left behind). Returns a `MuxInfo`.
     """
     _check_args(fps, crf, preset)
     is_path = isinstance(path_or_file, (str, os.PathLike))
@@ -277,7 +335,7 @@ def write_mp4(
         tmp_dir = None
     tmp, info = _encode_to_temp(
         frames, audio, fps, crf, preset, audio_bitrate, threads, faststart, tmp_dir, match_audio_to_video, value_range,
-        check_cancel,
+        size, resizer, check_cancel,
     )
     try:
         if is_path:
@@ -326,6 +384,8 @@ __all__ = [
     "DEFAULT_FPS",
     "DEFAULT_PRESET",
     "MuxInfo",
+    "RESIZERS",
+    "check_upscale",
     "expected_audio_samples",
     "frames_to_uint8",
     "write_mp4",

@@ -8,11 +8,11 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import google_crc32c
 import torch
 
 from decoder_svc.engine import DecoderEngine, DecoderEngineConfig, check_latents, expected_shapes
-from h3.v1 import common_pb2, decoder_pb2, decoder_pb2_grpc, tensor_pb2
+from decoder_svc.mux import check_upscale
+from h3.v1 import common_pb2, decoder_pb2, decoder_pb2_grpc
 from stagekit.config import parse_config
 from stagekit.errors import InvalidArgument
 from stagekit.images import Keyframe, admit_keyframe, check_canvas
@@ -23,7 +23,8 @@ from stagekit.runtime import Job
 from stagekit.server import abort_on_error, stream_job
 from stagekit.servicer import LifecycleMixin, timing_pb
 from stagekit.stage import CommonConfig, run_stage
-from stagekit.wire import FLOAT_DTYPES, MAX_CHUNK_BYTES, TensorAssembler, tensor_chunks
+from stagekit.transport import file_chunks
+from stagekit.wire import FLOAT_DTYPES, TensorAssembler, tensor_chunks
 
 SERVICE = "h3.v1.Decoder"
 FORMATS = {decoder_pb2.MP4: "mp4", decoder_pb2.RAW: "raw", decoder_pb2.WAV: "wav"}
@@ -36,24 +37,6 @@ class DecoderConfigArgs(CommonConfig):
     video_weights: str = field(default="", metadata={"help": "video VAE file (overrides --models-dir)"})
     audio_weights: str = field(default="", metadata={"help": "audio VAE file (overrides --models-dir)"})
     preset: str = field(default="veryfast", metadata={"help": "x264 preset (ultrafast..veryslow)"})
-
-
-def file_chunks(path, name: str, mime: str):
-    """Stream a finished file as FileChunks; the last one carries the size and CRC-32C."""
-    crc, off = 0, 0
-    size = path.stat().st_size
-    with open(path, "rb") as f:
-        while True:
-            data = f.read(MAX_CHUNK_BYTES)
-            last = off + len(data) >= size
-            crc = google_crc32c.extend(crc, data)
-            chunk = tensor_pb2.FileChunk(name=name, mime=mime if off == 0 else "", offset=off, data=data, last=last)
-            if last:
-                chunk.total_bytes, chunk.crc32c = size, crc
-            off += len(data)
-            yield decoder_pb2.DecodeEvent(file=chunk)
-            if last:
-                return
 
 
 class DecoderServicer(LifecycleMixin, decoder_pb2_grpc.DecoderServicer):
@@ -77,6 +60,15 @@ class DecoderServicer(LifecycleMixin, decoder_pb2_grpc.DecoderServicer):
         if req.crf > MAX_CRF:
             raise InvalidArgument(f"crf={req.crf} is not valid: use 0 (default 18) .. {MAX_CRF}")
         fmt = FORMATS[req.format]
+        size = None
+        if req.upscale_width or req.upscale_height:
+            if fmt != "mp4":
+                raise InvalidArgument("upscale_width/upscale_height apply to MP4 output only")
+            try:
+                check_upscale(spec.width, spec.height, req.upscale_width, req.upscale_height)
+            except ValueError as e:
+                raise InvalidArgument(str(e)) from None
+            size = (req.upscale_width, req.upscale_height)
         default_name = f"{req.job_id or 'render'}.{'wav' if fmt == 'wav' else 'mp4'}"
         name = safe_name(req.output_name, safe_name(default_name, "render.mp4"))
         try:
@@ -96,7 +88,7 @@ class DecoderServicer(LifecycleMixin, decoder_pb2_grpc.DecoderServicer):
         except BaseException:
             asm.discard()  # an abandoned or rejected upload frees its buffers now
             raise
-        return req, {"spec": spec, "format": fmt, "crf": req.crf, "output_name": name}, inputs
+        return req, {"spec": spec, "format": fmt, "crf": req.crf, "output_name": name, "size": size}, inputs
 
     def Decode(self, request_iterator, context):
         t_recv = time.monotonic()
@@ -114,7 +106,7 @@ class DecoderServicer(LifecycleMixin, decoder_pb2_grpc.DecoderServicer):
             if "file" in out:
                 try:
                     mime = "audio/wav" if job_spec["format"] == "wav" else "video/mp4"
-                    yield from file_chunks(out["file"], out["name"], mime)
+                    yield from (decoder_pb2.DecodeEvent(file=c) for c in file_chunks(out["file"], out["name"], mime))
                 finally:
                     out["file"].unlink(missing_ok=True)
                 frames, samples = out["frames"], out["audio_samples"]

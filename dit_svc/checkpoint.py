@@ -24,6 +24,8 @@ import dataclasses
 import logging
 import math
 import re
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Iterable, Literal
@@ -593,9 +595,15 @@ def load_dit_weights(
     *,
     keys: Iterable[str] | None = None,
     qkv_layout: QKVLayout | None = None,
+    device: torch.device | str = "cpu",
+    workers: int = 1,
 ) -> DiTWeights:
     """This rank's DiT weights, in our key names, after validating the checkpoint against `cfg` (again: a file
     replaced since start-up fails here with a CheckpointError, FAILED_PRECONDITION).
+
+    Each tensor is read (this rank's slices only) and moved to `device` on one of `workers` threads, each with
+    its own file handles: the page-cache reads and host-to-device copies of different tensors overlap (a swap-in
+    is bound by them, docs/memory.md). The result does not depend on `workers`.
 
     cfg None: the config the checkpoint declares. quant_mode "kernel": int8 weights stay QuantizedWeight
     (except unaligned row-parallel slices); "dequant": every int8 weight is dequantised to `dtype`.
@@ -608,24 +616,34 @@ def load_dit_weights(
     _check_tp(cfg, tp_rank, tp_size)
     reader = TensorReader(info.entries)
     validate(info, cfg, reader)
-    rr = _RankReader(info, cfg, tp_rank, tp_size, reader)
+    reader.close()
     out = DiTWeights(info.variant, cfg)
-    for key in _wanted_keys(info, cfg, keys):
+    local = threading.local()  # one TensorReader (safetensors handles) per worker thread
+
+    def read(key: str) -> tuple[torch.Tensor | QuantizedWeight, bool]:
         if key not in info.shapes:  # optional key absent (rope.inv_freq in diffusers files)
-            out[key] = _default_inv_freq(cfg)
-            continue
+            return _default_inv_freq(cfg).to(device), False
+        if not hasattr(local, "rr"):
+            local.reader = TensorReader(info.entries)
+            local.rr = _RankReader(info, cfg, tp_rank, tp_size, local.reader)
         stored = info.shapes[key].dtype
+        was_dequantized = False
         if stored == "I8":
-            value, was_dequantized = rr.read_int8(key)
+            value, was_dequantized = local.rr.read_int8(key)
             if quant_mode == "dequant" and isinstance(value, QuantizedWeight):
                 value, was_dequantized = value.dequantize(dtype), True
             if was_dequantized:
                 value = value.to(dtype)
-                out.dequantized.append(key)
-            out[key] = value
         else:
-            out[key] = rr.read(key).to(_out_dtype(key, stored, info.variant, dtype))
-    reader.close()
+            value = local.rr.read(key).to(_out_dtype(key, stored, info.variant, dtype))
+        return value.to(device), was_dequantized
+
+    wanted = _wanted_keys(info, cfg, keys)
+    with ThreadPoolExecutor(max(1, workers), thread_name_prefix="dit-load") as pool:
+        for key, (value, was_dequantized) in zip(wanted, pool.map(read, wanted)):
+            out[key] = value
+            if was_dequantized:
+                out.dequantized.append(key)
     return out
 
 

@@ -51,6 +51,8 @@ def embedded_config() -> DiTConfig:
     return DiTConfig.tiny(num_layers=1, num_heads=2)
 # Text length assumed by estimates made before the text states are known (the encoder's usual prompt budget).
 DEFAULT_TEXT_LEN = 512
+# Threads that read this rank's tensors and copy them to the GPU concurrently (docs/memory.md: swap-in speed).
+LOAD_WORKERS = 8
 # cuBLAS / cuDNN workspaces live in PyTorch's caching allocator (measured ~20-30 MiB on an H200 at tiny sizes).
 CUDA_WORKSPACE_BYTES = 32 << 20
 
@@ -144,7 +146,8 @@ class DiTEngine:
         quant_mode = "kernel" if self.kernels is not None else cfg.int8_mode  # GPU: the registry decides per linear
         par = self.parallel
         weights = load_dit_weights(self.path, self.model_cfg, par.tp_rank, par.tp_size,
-                                   quant_mode=quant_mode, dtype=cfg.compute_dtype, qkv_layout=cfg.qkv_layout or None)
+                                   quant_mode=quant_mode, dtype=cfg.compute_dtype, qkv_layout=cfg.qkv_layout or None,
+                                   device=dev, workers=LOAD_WORKERS if dev.startswith("cuda") else 1)
         model = H3DiT(self.model_cfg, cfg.compute_dtype, cfg.chunk_rows, tp_group=par.tp_group,
                       sp_group=par.sp_group, device="meta")
         served = self._block_linears() if self.kernels is not None else set()

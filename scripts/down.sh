@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Stop the stages started by scripts/up.sh: SIGTERM (graceful drain), then SIGKILL after a grace period.
+# Stop what scripts/up.sh started (the render service first, then the stages): SIGTERM (graceful drain), then
+# SIGKILL after a grace period.
 # Everything a stage started is stopped (its process group from the pid file, and every process with its TMPDIR,
 # torchrun's ranks included), even when its launcher is already gone.
 #   scripts/down.sh [--run-dir run] [--grace 30]
@@ -16,7 +17,7 @@ done
 [[ -d "$run_dir" ]] && run_dir="$(cd "$run_dir" && pwd)"  # the stages' TMPDIR is absolute
 # shellcheck source=scripts/procs.sh
 source scripts/procs.sh
-for stage in encoder dit decoder; do
+for stage in render encoder dit decoder; do
   pidf="$run_dir/$stage.pid"
   [[ -f "$pidf" ]] || continue
   pid="$(cat "$pidf")"
@@ -24,7 +25,7 @@ for stage in encoder dit decoder; do
     stop_stage "$pid" "$run_dir/tmp/$stage" "$grace"
     echo "stopped $stage (pid $pid and every process it started)"
   fi
-  rm -f "$pidf" "$run_dir/$stage.port"
+  rm -f "$pidf" "$run_dir/$stage.port" "$run_dir/$stage.port.http"
   rm -rf "$run_dir/tmp/$stage"
 done
-rm -f "$run_dir/endpoints.env"
+rm -f "$run_dir/endpoints.env" "$run_dir/render.stages"

@@ -1,19 +1,22 @@
 #!/usr/bin/env bash
-# Start the three h3-stages servers, wait until each is SERVING, print endpoints.
-# Idempotent: a stage whose pid file points at a live process is left alone; leftovers of a stage whose
+# Start the three h3-stages servers and the render service beside them, wait until each is SERVING, print endpoints.
+# Idempotent: a server whose pid file points at a live process is left alone; leftovers of a stage whose
 # launcher died (its process group, e.g. ranks of a killed torchrun agent) are stopped before it is started again.
 # Each stage runs in its own process group (pid file = group id) with TMPDIR=<run-dir>/tmp/<stage>.
 #
 #   scripts/up.sh [--run-dir run] [--models-dir DIR] [--devices cuda:0,cuda:1]
 #                 [--encoder-ranks 1] [--dit-ranks 2] [--decoder-ranks 2]
 #                 [--encoder-port 50051] [--dit-port 50052] [--decoder-port 50053]
+#                 [--render-port 50054] [--web-port 8054 (-1: no web page)]
 #                 [--residency exclusive|shared] [--host 127.0.0.1] [--gpu-memory-cap-gb 22]
 #                 [-- extra args for every stage]
-# Env H3_* settings (e.g. H3_IDLE_UNLOAD_S) pass through to the stages.
+# Env H3_* settings (e.g. H3_IDLE_UNLOAD_S) pass through to the stages; H3_RENDER_* to the render service
+# (e.g. H3_RENDER_TOKEN, H3_RENDER_KEEP_JOBS). Its job database and MP4s live in <run-dir>/render.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-python}"
-run_dir=run; models_dir=""; devices=""; residency=exclusive; host=127.0.0.1; gpu_cap=""
+run_dir=run; models_dir=""; devices=""; residency=exclusive; host=127.0.0.1; gpu_cap=""; render_port=50054
+web_port=8054
 declare -A ranks=([encoder]=1 [dit]=1 [decoder]=1)
 declare -A ports=([encoder]=50051 [dit]=50052 [decoder]=50053)
 declare -A module=([encoder]=encoder_svc [dit]=dit_svc [decoder]=decoder_svc)
@@ -28,8 +31,10 @@ while [[ $# -gt 0 ]]; do
     --gpu-memory-cap-gb) gpu_cap="$2"; shift 2;;   # every stage process's CUDA cap (prove a 22 GB card suffices)
     --encoder-ranks|--dit-ranks|--decoder-ranks) s="${1#--}"; ranks[${s%-ranks}]="$2"; shift 2;;
     --encoder-port|--dit-port|--decoder-port) s="${1#--}"; ports[${s%-port}]="$2"; shift 2;;
+    --render-port) render_port="$2"; shift 2;;
+    --web-port) web_port="$2"; shift 2;;
     --) shift; extra=("$@"); break;;
-    -h|--help) sed -n '2,13p' "$0"; exit 0;;
+    -h|--help) sed -n '2,16p' "$0"; exit 0;;
     *) echo "up.sh: unknown option $1" >&2; exit 2;;
   esac
 done
@@ -85,6 +90,49 @@ for stage in ("encoder", "dit", "decoder"):
             sys.exit(f"{stage} not SERVING after 600 s; see {run / (stage + '.log')}")
         time.sleep(0.2)
 (run / "endpoints.env").write_text("\n".join(lines) + "\n")
+print("\n".join(lines))
+PYEOF
+
+# The render service: after the stages, whose endpoints it is given (and restarted when they moved: a stage started
+# again on another port). Users call it (python -m client render).
+pidf="$run_dir/render.pid"; render_tmp="$run_dir/tmp/render"; stages_now="$(cat "$run_dir/endpoints.env")"
+if alive "$pidf" && [[ "$(cat "$run_dir/render.stages" 2>/dev/null)" == "$stages_now" ]]; then
+  echo "render already running (pid $(cat "$pidf"))"
+else
+  if alive "$pidf"; then echo "render: the stages moved; restarting it"; fi
+  if [[ -f "$pidf" && -n "$(stage_pids "$(cat "$pidf")" "$render_tmp")" ]]; then
+    stop_stage "$(cat "$pidf")" "$render_tmp" 30
+  fi
+  rm -rf "$render_tmp"; mkdir -p "$render_tmp"
+  ep() { sed -n "s/^H3_$1=//p" "$run_dir/endpoints.env"; }
+  rm -f "$run_dir/render.port" "$run_dir/render.port.http"
+  TMPDIR="$render_tmp" setsid "$PY" -m render_svc --host "$host" --port "$render_port" \
+    --port-file "$run_dir/render.port" --run-dir "$run_dir/render" --http-port "$web_port" \
+    --encoder "$(ep ENCODER)" --dit "$(ep DIT)" --decoder "$(ep DECODER)" >>"$run_dir/render.log" 2>&1 < /dev/null &
+  echo $! > "$pidf"
+  echo "$stages_now" > "$run_dir/render.stages"
+  echo "started render (pid $!), log $run_dir/render.log"
+fi
+"$PY" - "$run_dir" <<'PYEOF'
+import os, sys, time
+from pathlib import Path
+from client.stubs import SERVICE_NAMES, health_of, open_channel
+run = Path(sys.argv[1]); deadline = time.time() + 300
+pf, pid = run / "render.port", run / "render.pid"
+while not (pf.exists() and health_of(open_channel(f"127.0.0.1:{pf.read_text().strip()}"), SERVICE_NAMES["render"]) == "SERVING"):
+    try:
+        os.kill(int(pid.read_text()), 0)
+    except (OSError, ValueError):
+        sys.exit(f"render died while starting; see {run / 'render.log'}")
+    if time.time() > deadline:
+        sys.exit(f"render not SERVING after 300 s; see {run / 'render.log'}")
+    time.sleep(0.2)
+lines = [f"H3_RENDER=127.0.0.1:{pf.read_text().strip()}"]
+web = run / "render.port.http"
+if web.exists():
+    lines.append(f"H3_RENDER_WEB=http://127.0.0.1:{web.read_text().strip()}/")
+with open(run / "endpoints.env", "a") as f:
+    f.write("\n".join(lines) + "\n")
 print("\n".join(lines))
 PYEOF
 echo "endpoints written to $run_dir/endpoints.env (python -m client reads run/endpoints.env by default)"

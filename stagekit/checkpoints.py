@@ -46,7 +46,8 @@ DTYPE_BYTES = {
 }
 FLOAT = frozenset({"F64", "F32", "F16", "BF16"})  # dense float storage: loaders cast it to the compute dtype
 TORCH_DTYPE = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-               "I8": torch.int8, "U8": torch.uint8, "I32": torch.int32, "I64": torch.int64}
+               "I8": torch.int8, "U8": torch.uint8, "I32": torch.int32, "I64": torch.int64,
+               "F8_E4M3": torch.float8_e4m3fn}  # nvfp4 block scales
 
 
 class CheckpointError(FailedPrecondition):

@@ -43,6 +43,14 @@ class Unavailable(StageError):
     code = grpc.StatusCode.UNAVAILABLE
 
 
+class NotFound(StageError):
+    code = grpc.StatusCode.NOT_FOUND
+
+
+class AlreadyExists(StageError):
+    code = grpc.StatusCode.ALREADY_EXISTS
+
+
 def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     """The gRPC status and message a caller should see for `exc`."""
     if isinstance(exc, StageError):

@@ -49,6 +49,10 @@ class Engine(Protocol):
 
     def resident_bytes(self) -> int: ...
 
+    # Optional hook: load only what one job needs (exclusive residency loads for the job at hand; operators' Load and
+    # shared residency load everything). The decoder's keyframe encode loads the VAE encoder alone.
+    # def load_for(self, spec: Any) -> None: ...
+
     # Optional hook: per-device peak bytes (weights + activations) of a job; spec=None means weights alone.
     # The runtime uses it for admission (RESOURCE_EXHAUSTED at submit) and shared-mode budget reservations.
     # def estimate_peak_bytes(self, spec: Any, inputs: dict) -> int: ...
@@ -328,8 +332,9 @@ class StageRuntime:
             ids = self.lease.ids if self.lease is not None else self.budget.ids
             self.events.write(event, stage=self.engine.name, devices=ids, residency=self.cfg.residency, **extra)
 
-    def _load(self, need_bytes: int = 0) -> float:
-        """Take the devices (lease, or budget room in shared mode), then load. Returns seconds taken."""
+    def _load(self, need_bytes: int = 0, spec: Any = None) -> float:
+        """Take the devices (lease, or budget room in shared mode), then load (for the job `spec` when given).
+        Returns seconds taken."""
         if self.resident:
             return 0.0
         t0 = time.monotonic()
@@ -347,9 +352,9 @@ class StageRuntime:
             t1 = time.monotonic()
             if self.exclusive and self.hold is not None:
                 self.hold.take()
-            self.group.broadcast_command((_LOAD, None))
+            self.group.broadcast_command((_LOAD, spec))
             try:
-                self.engine.load()
+                load_engine(self.engine, spec)
             except BaseException:
                 self._unload_locked()
                 raise
@@ -516,7 +521,7 @@ class StageRuntime:
             else:
                 job.events.put(JobEvent("progress", dict(stage=self.engine.name, phase="loading", step=0, total=0,
                                                          elapsed_s=0.0, eta_s=0.0, step_ms=0.0, message="")))
-                self._load(job.estimate_bytes)
+                self._load(job.estimate_bytes, job.spec if self.exclusive else None)
                 job.timing["lease_wait_s"] = self.last_lease_wait
                 job.timing["load_s"] = time.monotonic() - t0 - self.last_lease_wait
             t1 = time.monotonic()
@@ -560,6 +565,15 @@ class StageRuntime:
             log.error("killed follower ranks %s so the group restarts now", list(self.follower_pids))
 
 
+def load_engine(engine: Engine, spec: Any = None) -> None:
+    """Everything, or only what the job `spec` needs when the engine has the `load_for` hook."""
+    load_for = getattr(engine, "load_for", None)
+    if spec is not None and load_for is not None:
+        load_for(spec)
+    else:
+        engine.load()
+
+
 def _hard_exit() -> None:
     os._exit(70)
 
@@ -579,7 +593,7 @@ def follower_loop(engine: Engine, group: RankGroup, hold: RankHold | None = None
             if command == _LOAD:
                 if hold is not None:
                     hold.take()
-                engine.load()
+                load_engine(engine, payload)
             elif command == _UNLOAD:
                 try:
                     engine.unload()

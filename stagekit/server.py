@@ -39,22 +39,10 @@ from grpc_reflection.v1alpha import reflection
 
 from stagekit.errors import Cancelled, DeadlineExceeded, InvalidArgument, StageError, status_for
 from stagekit.runtime import Job, JobEvent, StageRuntime
-from stagekit.wire import MAX_CHUNK_BYTES
+from stagekit.transport import GRPC_OPTIONS, MAX_MESSAGE_BYTES  # noqa: F401 - one definition, shared with clients
 
 log = logging.getLogger("stagekit.server")
 
-# Chunks are <= 2 MiB; 8 MiB leaves room for framing while still refusing abuse.
-MAX_MESSAGE_BYTES = 4 * MAX_CHUNK_BYTES
-GRPC_OPTIONS = [
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    # Long sampling streams: keep idle connections alive through NATs and proxies.
-    ("grpc.keepalive_time_ms", 30_000),
-    ("grpc.keepalive_timeout_ms", 10_000),
-    ("grpc.keepalive_permit_without_calls", 1),
-    ("grpc.http2.max_pings_without_data", 0),
-    ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
-]
 # Servers only: one listener per port. gRPC's default SO_REUSEPORT lets a second stage bind a port another stage
 # serves, and the two then split the calls; without it the second one fails to start (docs/reliability.md).
 SERVER_OPTIONS = GRPC_OPTIONS + [("grpc.so_reuseport", 0)]

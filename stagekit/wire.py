@@ -18,9 +18,7 @@ import google_crc32c
 import torch
 
 from h3.v1 import tensor_pb2
-
-# gRPC's default message cap is 4 MiB; 2 MiB chunks leave ample room for framing.
-MAX_CHUNK_BYTES = 2 << 20
+from stagekit.transport import MAX_CHUNK_BYTES
 
 # Wire names of the dtypes a stage may exchange. Explicit, so a new dtype is a
 # deliberate decision rather than whatever str(torch.dtype) happens to print.

@@ -359,3 +359,20 @@ def test_rank_slices_match_dit_tp_reference(ckpts, variant):
                 assert torch.allclose(value, want, atol=1e-6), key
             else:
                 assert torch.equal(value, ref[key]), key
+
+
+def test_parallel_load_equals_serial(tmp_path):
+    """Reading a rank's tensors on several threads (the GPU swap-in path) gives exactly the serial result."""
+    from dit_svc.tiny_checkpoint import write_tiny_checkpoint
+    from stagekit.quant import QuantizedWeight
+
+    path = write_tiny_checkpoint(DiTConfig.tiny(), tmp_path / "dit.safetensors", "int8_convrot_pruned")
+    serial = load_dit_weights(path, None, 1, 2, workers=1)
+    parallel = load_dit_weights(path, None, 1, 2, workers=4)
+    assert list(parallel) == list(serial)
+    for key, a in serial.items():
+        b = parallel[key]
+        if isinstance(a, QuantizedWeight):
+            assert torch.equal(a.qdata, b.qdata) and torch.equal(a.scale, b.scale) and a.groupsize == b.groupsize
+        else:
+            assert a.dtype == b.dtype and torch.equal(a, b), key

@@ -1,5 +1,6 @@
-"""scripts/up.sh and scripts/down.sh: start all stages, wait for health, idempotent, clean stop; ranks die with
-their torchrun agent and down.sh stops whatever up.sh started (docs/reliability.md, "Orphan ranks")."""
+"""scripts/up.sh and scripts/down.sh: start all stages and the render service, wait for health, idempotent, clean
+stop; ranks die with their torchrun agent, a stage started again on another port restarts the render service over
+it, and down.sh stops whatever up.sh started (docs/reliability.md, "Orphan ranks")."""
 
 import os
 import signal
@@ -38,20 +39,20 @@ def test_up_status_down(tmp_path, model_cache):
            "OMP_NUM_THREADS": "1"}
     run_dir = tmp_path / "run"
     up = ["bash", "scripts/up.sh", "--run-dir", str(run_dir), "--devices", "virt0", "--dit-ranks", "2",
-          "--encoder-port", "0", "--dit-port", "0", "--decoder-port", "0"]
+          "--encoder-port", "0", "--dit-port", "0", "--decoder-port", "0", "--render-port", "0", "--web-port", "0"]
     ranks: dict = {}
     try:
         r = run(up, env)
         assert r.returncode == 0, r.stdout + r.stderr
         endpoints = (run_dir / "endpoints.env").read_text()
-        assert endpoints.count("=127.0.0.1:") == 3
-        pids = {s: int((run_dir / f"{s}.pid").read_text()) for s in ("encoder", "dit", "decoder")}
+        assert endpoints.count("=127.0.0.1:") == 4 and "H3_RENDER_WEB=http://127.0.0.1:" in endpoints
+        pids = {s: int((run_dir / f"{s}.pid").read_text()) for s in ("encoder", "dit", "decoder", "render")}
         r = run(up, env)  # idempotent: nothing new started
-        assert r.returncode == 0 and r.stdout.count("already running") == 3, r.stdout
+        assert r.returncode == 0 and r.stdout.count("already running") == 4, r.stdout
         assert {s: int((run_dir / f"{s}.pid").read_text()) for s in pids} == pids
         r = run([sys.executable, "-m", "client", "status", "--endpoints-file", str(run_dir / "endpoints.env")], env,
                 timeout=60)
-        assert r.returncode == 0 and r.stdout.count("SERVING") == 3, r.stdout + r.stderr
+        assert r.returncode == 0 and r.stdout.count("SERVING") == 4, r.stdout + r.stderr  # 3 stages + render
         # torchrun keeps its own temp dirs in the stage's TMPDIR, inside the run dir.
         elastic = list((run_dir / "tmp" / "dit").glob("torchelastic_*"))
         assert elastic, list((run_dir / "tmp" / "dit").iterdir())
@@ -65,13 +66,15 @@ def test_up_status_down(tmp_path, model_cache):
             assert time.monotonic() - t0 < 10, f"ranks {ranks} outlived their agent"
             time.sleep(0.05)
         orphan_s = time.monotonic() - t0
-        # up.sh starts the dead stage again (and only it), on a fresh temp dir.
+        # up.sh starts the dead stage again (and only it), on a fresh temp dir; its new port restarts the render
+        # service over it.
         r = run(up, env)
         assert r.returncode == 0 and r.stdout.count("already running") == 2 and "started dit" in r.stdout, r.stdout
+        assert "started render" in r.stdout and (run_dir / "endpoints.env").read_text().count("=127.0.0.1:") == 4
         assert not any(p.exists() for p in elastic), "the dead agent's temp dir was removed before the restart"
         assert set(rank_pids(int((run_dir / "dit.pid").read_text()))) == {0, 1}
         running = started_by(run_dir)
-        assert len(running) == 5, running  # encoder, decoder, the torchrun agent and its 2 ranks, nothing else
+        assert len(running) == 6, running  # encoder, decoder, the torchrun agent and its 2 ranks, render
     finally:
         r = run(["bash", "scripts/down.sh", "--run-dir", str(run_dir), "--grace", "20"], env)
     assert r.returncode == 0, r.stderr

@@ -18,18 +18,22 @@ RAW: OutputFormat
 WAV: OutputFormat
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("params", "job_id", "format", "crf", "output_name")
+    __slots__ = ("params", "job_id", "format", "crf", "output_name", "upscale_width", "upscale_height")
     PARAMS_FIELD_NUMBER: _ClassVar[int]
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     FORMAT_FIELD_NUMBER: _ClassVar[int]
     CRF_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_NAME_FIELD_NUMBER: _ClassVar[int]
+    UPSCALE_WIDTH_FIELD_NUMBER: _ClassVar[int]
+    UPSCALE_HEIGHT_FIELD_NUMBER: _ClassVar[int]
     params: _common_pb2.RenderParams
     job_id: str
     format: OutputFormat
     crf: int
     output_name: str
-    def __init__(self, params: _Optional[_Union[_common_pb2.RenderParams, _Mapping]] = ..., job_id: _Optional[str] = ..., format: _Optional[_Union[OutputFormat, str]] = ..., crf: _Optional[int] = ..., output_name: _Optional[str] = ...) -> None: ...
+    upscale_width: int
+    upscale_height: int
+    def __init__(self, params: _Optional[_Union[_common_pb2.RenderParams, _Mapping]] = ..., job_id: _Optional[str] = ..., format: _Optional[_Union[OutputFormat, str]] = ..., crf: _Optional[int] = ..., output_name: _Optional[str] = ..., upscale_width: _Optional[int] = ..., upscale_height: _Optional[int] = ...) -> None: ...
 
 class DecodeInput(_message.Message):
     __slots__ = ("request", "tensor")

@@ -1,0 +1,202 @@
+"""Render service: `python -m render_svc --encoder HOST:PORT --dit HOST:PORT --decoder HOST:PORT [--run-dir run]`.
+
+Built with the same bootstrap as the stages (`stagekit.stage.run_stage`: flags/env/config file, health, reflection,
+TLS + token, metrics, graceful drain on SIGTERM). It holds no weights and takes no device lease: its runtime's
+"device" is a virtual name and each runtime job is one stage batch (render_svc/engine.py).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+
+from client.stubs import SERVICE_NAMES, STAGES, Endpoints, Security, StageClients, health_of
+from h3.v1 import render_pb2, render_pb2_grpc
+from render_svc.engine import RenderEngine
+from render_svc.service import RenderService, SchedulerConfig
+from render_svc.store import CANCELLED, FAILED, QUEUED, RUNNING, SUCCEEDED
+from stagekit.config import parse_config
+from stagekit.errors import FailedPrecondition, NotFound
+from stagekit.server import abort_on_error
+from stagekit.stage import CommonConfig, run_stage
+from stagekit.transport import file_chunks
+
+SERVICE = "h3.v1.Renderer"
+GIB = 1 << 30
+
+
+def _fixed(default, **kw):
+    """A CommonConfig setting that means nothing for the render service (no weights, no devices): not a flag."""
+    return field(default_factory=lambda: default, init=False, **kw) if isinstance(default, list) \
+        else field(default=default, init=False, **kw)
+
+
+@dataclass
+class RenderConfig(CommonConfig):
+    port: int = field(default=50054, metadata={"help": "gRPC port"})
+    max_workers: int = field(default=64, metadata={"help": "gRPC handler threads (each Render/Watch stream holds one)"})
+    encoder: str = field(default="", metadata={"help": "text encoder endpoint (host:port, or a list for round_robin)"})
+    dit: str = field(default="", metadata={"help": "DiT sampler endpoint"})
+    decoder: str = field(default="", metadata={"help": "decoder endpoint"})
+    stage_token: str = field(default="", metadata={"help": "bearer token for the stages (default: this service's token)"})
+    stage_tls_ca: str = field(default="", metadata={"help": "CA certificate of TLS stages"})
+    run_dir: str = field(default="run", metadata={"help": "job database (render.sqlite3) and finished MP4s (outputs/)"})
+    http_port: int = field(default=-1, metadata={
+        "help": "read-only web page (queue, live progress, residency, videos): -1 off, 0 a free port; same host, "
+                "TLS and token as the gRPC port"})
+    max_batch: int = field(default=8, metadata={
+        "help": "jobs sent to a stage in one batch (keep it <= the stages' --max-queue)"})
+    max_wait_batches: int = field(default=4, metadata={
+        "help": "fairness bound: a job ready for a stage waits at most this many batches of other work"})
+    max_attempts: int = field(default=2, metadata={
+        "help": "runs of a job: a restart during a run retries it while attempts remain, else it fails"})
+    stage_retries: int = field(default=3, metadata={"help": "UNAVAILABLE answers from a stage retried per job"})
+    max_jobs_queued: int = field(default=256, metadata={"help": "queued jobs beyond this get RESOURCE_EXHAUSTED"})
+    keep_jobs: int = field(default=100, metadata={"help": "retention: newest finished MP4s kept (0 = no count limit)"})
+    keep_bytes_gb: float = field(default=10.0, metadata={"help": "retention: GiB of finished MP4s kept (0 = no limit)"})
+    keep_age_s: float = field(default=7 * 86400.0, metadata={"help": "retention: seconds a finished MP4 is kept (0 = no limit)"})
+    # Stage settings with no meaning here.
+    devices: list[str] = _fixed(["render"])
+    models_dir: str = _fixed("")
+    weights: str = _fixed("")
+    cache_dir: str = _fixed("")
+    lease_dir: str = _fixed("")
+    residency: str = _fixed("shared")
+    idle_unload_s: float = _fixed(-1.0)
+    max_queue: int = _fixed(4)
+    max_batch_before_yield: int = _fixed(8)
+    lease_timeout_s: float = _fixed(600.0)
+    memory_budget_gb: float = _fixed(0.0)
+    reserve_gb: float = _fixed(0.0)
+    collective_timeout_s: float = _fixed(60.0)
+    dtype: str = _fixed("")
+    gpu_memory_cap_gb: float = _fixed(0.0)
+
+    def __post_init__(self) -> None:
+        self.lease_dir = str(Path(self.run_dir) / "leases")  # the runtime's (empty) budget ledger stays private
+
+    def scheduler(self) -> SchedulerConfig:
+        return SchedulerConfig(
+            run_dir=Path(self.run_dir), max_batch=self.max_batch, max_wait_batches=self.max_wait_batches,
+            max_attempts=self.max_attempts, stage_retries=self.stage_retries, max_jobs_queued=self.max_jobs_queued,
+            keep_jobs=self.keep_jobs, keep_bytes=int(self.keep_bytes_gb * GIB), keep_age_s=self.keep_age_s)
+
+    def endpoints(self) -> Endpoints:
+        missing = [s for s in STAGES if not getattr(self, s)]
+        if missing:
+            raise ValueError(f"give the stage endpoints --{' --'.join(missing)} (scripts/up.sh passes them)")
+        return Endpoints(self.encoder, self.dit, self.decoder)
+
+    def stage_security(self) -> Security:
+        return Security(self.stage_token or self.resolved_token(), self.stage_tls_ca)
+
+
+class RenderServicer(render_pb2_grpc.RendererServicer):
+    def __init__(self, svc: RenderService, clients: StageClients, web_url: str = ""):
+        self.svc = svc
+        self.clients = clients
+        self.web_url = web_url
+
+    def _follow(self, job_id: str, from_index: int, context):
+        """The job's event log from `from_index` until its terminal state (or the caller leaves)."""
+        idx = from_index
+        while context.is_active():
+            for ev in self.svc.store.wait_events(job_id, idx, timeout_s=1.0):
+                yield ev
+                idx = ev.index + 1
+                if ev.WhichOneof("event") == "job" and ev.job.state in (SUCCEEDED, FAILED, CANCELLED):
+                    return
+
+    def Render(self, request, context):
+        info = abort_on_error(context, self.svc.submit, request)
+        yield from self._follow(info.job_id, 0, context)
+        if not context.is_active():
+            return  # the caller left; the job goes on (Watch / Fetch it by id)
+        rec = self.svc.store.get(info.job_id)
+        if rec.state == SUCCEEDED:
+            try:
+                for chunk in file_chunks(Path(rec.output), f"{rec.id}.mp4", "video/mp4"):
+                    yield render_pb2.RenderEvent(job_id=rec.id, time_unix=time.time(), file=chunk)
+            except FileNotFoundError:
+                context.abort(grpc.StatusCode.NOT_FOUND, f"job {rec.id}: the MP4 was removed by the retention limits")
+        elif rec.terminal:
+            context.abort(getattr(grpc.StatusCode, rec.error_code, grpc.StatusCode.UNKNOWN),
+                          f"job {rec.id}: {rec.error}")
+
+    def Submit(self, request, context):
+        return abort_on_error(context, self.svc.submit, request)
+
+    def Get(self, request, context):
+        return abort_on_error(context, self.svc.info, request.job_id)
+
+    def Watch(self, request, context):
+        abort_on_error(context, self.svc.store.get, request.job_id)  # NOT_FOUND before streaming
+        yield from self._follow(request.job_id, request.from_index, context)
+
+    def Cancel(self, request, context):
+        return abort_on_error(context, self.svc.cancel, request.job_id)
+
+    def List(self, request, context):
+        recs = self.svc.store.list(list(request.states), request.limit or 100)
+        return render_pb2.ListReply(jobs=[self.svc.info(r.id, r) for r in recs])
+
+    def _output(self, job_id: str) -> Path:
+        rec = self.svc.store.get(job_id)
+        if rec.state != SUCCEEDED:
+            state = render_pb2.JobState.Name(rec.state)
+            raise FailedPrecondition(f"job {job_id} is {state}, there is no MP4 to fetch"
+                                     + (" yet; Watch it, then Fetch" if not rec.terminal else f" ({rec.error})"))
+        path = Path(rec.output)
+        if rec.expired or not path.exists():
+            raise NotFound(f"job {job_id}: the MP4 was removed by the retention limits "
+                           "(--keep-jobs / --keep-bytes-gb / --keep-age-s)")
+        return path
+
+    def Fetch(self, request, context):
+        path = abort_on_error(context, self._output, request.job_id)
+        size = path.stat().st_size
+        if request.offset > size:
+            context.abort(grpc.StatusCode.OUT_OF_RANGE, f"offset {request.offset} is past the end ({size} bytes)")
+        yield from file_chunks(path, f"{request.job_id}.mp4", "video/mp4", request.offset)
+
+    def Status(self, request, context):
+        counts = self.svc.counts()
+        stages = [render_pb2.StageEndpoint(stage=s, endpoint=self.clients.endpoints.of(s),
+                                           health=health_of(self.clients.channels[s], SERVICE_NAMES[s], 2.0))
+                  for s in STAGES]
+        cfg = self.svc.cfg
+        return render_pb2.RenderStatus(
+            health="SERVING", queued=counts.get(QUEUED, 0), running=counts.get(RUNNING, 0),
+            succeeded=counts.get(SUCCEEDED, 0), failed=counts.get(FAILED, 0), cancelled=counts.get(CANCELLED, 0),
+            batches=self.svc.planner.batches, stages=stages, web_url=self.web_url, max_batch=cfg.max_batch,
+            max_wait_batches=cfg.max_wait_batches)
+
+
+def main(argv: list[str] | None = None) -> None:
+    cfg = parse_config(RenderConfig, argv, env_prefix="H3_RENDER_",
+                       description="MiniMax-H3 render service: one-call renders and durable jobs over the stages")
+
+    def make_engine(cfg: RenderConfig, info, group) -> RenderEngine:
+        return RenderEngine(StageClients(cfg.endpoints(), cfg.stage_security()))
+
+    def add_servicer(server, runtime) -> None:
+        svc = RenderService(cfg.scheduler(), runtime)
+        web_url = ""
+        if cfg.http_port >= 0:
+            from render_svc.web import WebPage
+
+            web = WebPage(cfg, svc, runtime.engine.clients)
+            web_url = web.start()
+            print(f"render web page on {web_url}", flush=True)
+        svc.start()
+        render_pb2_grpc.add_RendererServicer_to_server(RenderServicer(svc, runtime.engine.clients, web_url), server)
+
+    run_stage(cfg, "render", make_engine, SERVICE, add_servicer)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,278 @@
+"""The render service's scheduler: durable jobs in, stage batches out.
+
+`submit` validates a request, records the job (SQLite, `store.JobStore`) and queues it for its first stage. One
+scheduler thread asks the planner (`planner.BatchPlanner`) for the next stage batch, hands it to the runtime (one
+runtime job = one batch, run by `engine.RenderEngine`), and moves each job on: to its next stage's queue, to
+SUCCEEDED with its MP4, or to FAILED / CANCELLED. A stage answering UNAVAILABLE (restarting its ranks, draining) is
+retried by queueing the job for the same stage again. Cancel takes a waiting job out of the queue at once and
+stops a running one's stage call.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+
+from h3.v1 import common_pb2, render_pb2
+from render_svc.engine import Outcome, Work
+from render_svc.planner import Batch, BatchPlanner, first_stage, next_stage
+from render_svc.store import CANCELLED, FAILED, QUEUED, RUNNING, SUCCEEDED, JobRecord, JobStore
+from stagekit.errors import Cancelled, InvalidArgument, ResourceExhausted, Unavailable
+from stagekit.render_params import spec_from_proto, validate
+from stagekit.runtime import Job
+
+log = logging.getLogger("render_svc")
+
+MAX_LABEL_CHARS = 200
+MAX_CRF = 51
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    run_dir: Path
+    max_batch: int = 8               # jobs per stage batch (keep <= the stages' --max-queue)
+    max_wait_batches: int = 4        # fairness bound: batches a ready job may wait
+    max_attempts: int = 2            # runs of a job (a restart during a run retries it while attempts remain)
+    stage_retries: int = 3           # UNAVAILABLE answers from a stage tolerated per job
+    max_jobs_queued: int = 256       # QUEUED jobs beyond this: RESOURCE_EXHAUSTED
+    keep_jobs: int = 100             # retention of finished outputs (0 = no limit on that axis)
+    keep_bytes: int = 10 << 30
+    keep_age_s: float = 7 * 86400.0
+
+
+def check_request(req: render_pb2.RenderRequest) -> None:
+    """Everything about a request that can be checked before it is queued; InvalidArgument with the reason."""
+    from decoder_svc.mux import check_upscale
+    from stagekit.images import load_keyframe
+
+    spec = validate(spec_from_proto(req.params), need_prompt=True)
+    if req.crf > MAX_CRF:
+        raise InvalidArgument(f"crf={req.crf} is not valid: use 0 (default 18) .. {MAX_CRF}")
+    if len(req.label) > MAX_LABEL_CHARS or len(req.idempotency_key) > MAX_LABEL_CHARS:
+        raise InvalidArgument(f"label and idempotency_key are limited to {MAX_LABEL_CHARS} characters")
+    if req.upscale_width or req.upscale_height:
+        check_upscale(spec.width, spec.height, req.upscale_width, req.upscale_height)
+    for anchor, img in (("first_frame", req.first_frame), ("last_frame", req.last_frame)):
+        if img:
+            try:
+                load_keyframe(img, spec.width, spec.height)
+            except InvalidArgument as e:
+                raise InvalidArgument(f"{anchor}: {e.message}") from None
+    for lo in req.loras:
+        if not lo.name.strip():
+            raise InvalidArgument("a LoRA needs a file name (a file in the DiT server's loras dir)")
+
+
+class RenderService:
+    def __init__(self, cfg: SchedulerConfig, runtime):
+        self.cfg = cfg
+        self.runtime = runtime
+        self.store = JobStore(cfg.run_dir)
+        self.outputs = Path(cfg.run_dir) / "outputs"
+        self.outputs.mkdir(parents=True, exist_ok=True)
+        self.planner = BatchPlanner(cfg.max_batch, cfg.max_wait_batches)
+        self.works: dict[str, Work] = {}         # jobs in flight (queued or between / in stages)
+        self.batch: Batch | None = None          # the batch running now, since batch_t0
+        self.batch_t0 = 0.0
+        self.batch_log: deque[dict] = deque(maxlen=200)  # recent batches (the web page draws them)
+        self.started_unix = time.time()
+        self._lock = threading.Condition()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="render-scheduler", daemon=True)
+
+    # ---- lifecycle ----------------------------------------------------------------------------------------------
+    def start(self) -> None:
+        for stray in self.outputs.glob(".*"):  # half-received MP4s of a run that died
+            stray.unlink(missing_ok=True)
+        requeued, failed = self.store.recover(self.cfg.max_attempts)
+        if requeued or failed:
+            log.warning("recovered after restart: %d running job(s) requeued, %d failed (attempts used up)",
+                        len(requeued), len(failed))
+        with self._lock:
+            for rec in self.store.list([QUEUED], limit=1 << 30, oldest_first=True):
+                self._enqueue(rec)
+        self._expire()
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        with self._lock:
+            self._lock.notify_all()
+
+    # ---- API ----------------------------------------------------------------------------------------------------
+    def submit(self, req: render_pb2.RenderRequest) -> render_pb2.JobInfo:
+        check_request(req)
+        if self._stop.is_set():
+            raise Unavailable("the render service is shutting down; retry on another replica or after its restart")
+        queued = self.store.counts().get(QUEUED, 0)
+        if queued >= self.cfg.max_jobs_queued and not self.store.has_key(req.idempotency_key):
+            raise ResourceExhausted(f"{queued} jobs are queued (limit {self.cfg.max_jobs_queued}); retry later")
+        with self._lock:
+            rec, created = self.store.submit(req)
+            if created:
+                self._enqueue(rec)
+                self._lock.notify_all()
+        return self.info(rec.id)
+
+    def info(self, job_id: str, rec: JobRecord | None = None) -> render_pb2.JobInfo:
+        rec = rec or self.store.get(job_id)
+        with self._lock:
+            pos = self.planner.position(job_id)
+        return rec.info(pos)
+
+    def cancel(self, job_id: str) -> render_pb2.JobInfo:
+        rec = self.store.get(job_id)
+        if rec.terminal:
+            return self.info(job_id, rec)
+        with self._lock:
+            waiting_for = self.planner.remove(job_id)
+            work = self.works.get(job_id)
+            if waiting_for is not None:  # not in a batch: it ends now
+                self.works.pop(job_id, None)
+                self.store.finish(job_id, CANCELLED, "CANCELLED", f"cancelled while waiting for the {waiting_for} stage")
+            elif work is not None:       # in the running batch: its stage call stops at the next step boundary
+                work.cancel()
+        if waiting_for is None and work is not None:
+            self._wait_terminal(job_id, timeout_s=30.0)
+        return self.info(job_id)
+
+    def _wait_terminal(self, job_id: str, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        with self.store.changed:
+            while not self.store.get(job_id).terminal and time.monotonic() < deadline:
+                self.store.changed.wait(0.2)
+
+    # ---- scheduling ---------------------------------------------------------------------------------------------
+    def _enqueue(self, rec: JobRecord) -> None:
+        """Under the lock: a queued job's in-flight state, waiting for its first stage."""
+        spec = spec_from_proto(rec.request.params)
+        w = Work(rec.id, rec.request, spec, self.outputs / f"{rec.id}.mp4")
+        self.works[rec.id] = w
+        self.planner.add(rec.id, first_stage(bool(w.keyframes())))
+
+    def _progress(self, job_id: str, p: common_pb2.Progress) -> None:
+        self.store.progress(job_id, p)
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            with self._lock:
+                batch = self.planner.next_batch()
+                if batch is None:
+                    self._lock.wait(0.5)
+                    continue
+                works = [self.works[j] for j in batch.job_ids]
+                self.batch, self.batch_t0 = batch, time.time()
+            try:
+                self._run_batch(batch, works)
+            except Unavailable:
+                log.info("runtime shutting down: leaving batch %d (%s) to the next start", batch.number, batch.stage)
+                return
+            except Exception:  # noqa: BLE001 - a scheduler bug must not strand the jobs silently
+                log.exception("batch %d (%s) failed", batch.number, batch.stage)
+                for w in works:
+                    self._finish(w, FAILED, "INTERNAL", f"render service error in the {batch.stage} batch; see its log")
+            finally:
+                with self._lock:
+                    self.batch = None
+
+    def _run_batch(self, batch: Batch, works: list[Work]) -> None:
+        live = []
+        for w in works:
+            if w.cancelled.is_set():
+                self._finish(w, CANCELLED, "CANCELLED", f"cancelled while waiting for the {batch.stage} stage")
+                continue
+            if self.store.get(w.job_id).state == QUEUED and not self.store.start(w.job_id, batch.stage):
+                continue  # finished in between
+            live.append(w)
+        if not live:
+            return
+        t0 = time.time()
+        log.info("batch %d: %s x %d (waited %s)", batch.number, batch.stage, len(live),
+                 sorted(batch.waited.values()))
+        job = Job(spec=batch.stage, inputs={"works": live, "progress": self._progress})
+        job.job_id = f"batch{batch.number}-{batch.stage}"
+        self.runtime.submit(job)  # Unavailable when the service is draining
+        while True:
+            ev = job.events.get()
+            if ev.kind == "done":
+                outcomes = ev.payload["outcomes"]
+                break
+            if ev.kind == "error":
+                if isinstance(ev.payload, (Cancelled, Unavailable)):  # the runtime is draining
+                    raise Unavailable("draining")
+                raise ev.payload
+        self.batch_log.append({"number": batch.number, "stage": batch.stage, "jobs": [w.job_id for w in live],
+                               "t0": t0, "t1": time.time()})
+        unavailable = 0
+        for w in live:
+            o: Outcome = outcomes[w.job_id]
+            unavailable += not o.ok and o.code == "UNAVAILABLE"
+            self._advance(w, batch, o)
+        if unavailable == len(live):
+            self._stop.wait(min(5.0, 1.0 * max(w.unavailable for w in live)))  # the stage is down: back off
+
+    def _advance(self, w: Work, batch: Batch, o: Outcome) -> None:
+        stage = batch.stage
+        if w.cancelled.is_set():
+            self._finish(w, CANCELLED, "CANCELLED", f"cancelled during the {stage} stage")
+            return
+        if o.ok:
+            r = o.result
+            self.store.add_run(w.job_id, render_pb2.StageRun(
+                stage=stage, wall_s=r.wall_s, timing=r.timing, batch=batch.number, batch_size=len(batch.job_ids),
+                waited_batches=batch.waited.get(w.job_id, 0)))
+            nxt = next_stage(stage)
+            if nxt is None:
+                size = w.output.stat().st_size
+                self._finish(w, SUCCEEDED, output=str(w.output), output_bytes=size)
+                self._expire()
+                return
+            with self._lock:
+                self.planner.add(w.job_id, nxt)
+            self.store.set_stage(w.job_id, nxt)
+            return
+        if o.code == "UNAVAILABLE" and w.unavailable < self.cfg.stage_retries:
+            w.unavailable += 1
+            self.store.progress(w.job_id, common_pb2.Progress(
+                stage=stage, phase="retrying",
+                message=f"the {stage} stage is unavailable ({o.message}); retry {w.unavailable} of "
+                        f"{self.cfg.stage_retries}"))
+            with self._lock:
+                self.planner.add(w.job_id, stage)
+            return
+        self._finish(w, FAILED, o.code, o.message)
+
+    def _finish(self, w: Work, state: int, code: str = "", message: str = "", output: str = "",
+                output_bytes: int = 0) -> None:
+        with self._lock:
+            self.works.pop(w.job_id, None)
+            self.planner.remove(w.job_id)
+        if self.store.finish(w.job_id, state, code, message, output, output_bytes):
+            log.info("job %s %s%s", w.job_id, render_pb2.JobState.Name(state), f": {code} {message}" if code else "")
+        if state != SUCCEEDED:
+            w.output.unlink(missing_ok=True)
+
+    def _expire(self) -> None:
+        c = self.cfg
+        for path in self.store.expire(c.keep_jobs, c.keep_bytes, c.keep_age_s):
+            Path(path).unlink(missing_ok=True)
+
+    # ---- views --------------------------------------------------------------------------------------------------
+    def counts(self) -> dict[int, int]:
+        return self.store.counts()
+
+    def snapshot(self) -> dict:
+        """What the web page shows: jobs (queued, running, recent finished) and the recent batches."""
+        active = self.store.list([QUEUED, RUNNING], limit=500, oldest_first=True)
+        recent = self.store.list([SUCCEEDED, FAILED, CANCELLED], limit=50)
+        with self._lock:
+            pos = {r.id: self.planner.position(r.id) for r in active}
+            batch = None if self.batch is None else {"number": self.batch.number, "stage": self.batch.stage,
+                                                     "jobs": list(self.batch.job_ids), "t0": self.batch_t0}
+            batches = list(self.batch_log)[-40:]
+        return {"jobs": [r.info(pos.get(r.id, 0)) for r in active + recent], "batch": batch, "batches": batches,
+                "batches_total": self.planner.batches}

@@ -1,0 +1,231 @@
+"""The render service's read-only web page (stdlib `http.server`; no framework).
+
+    GET /                   the page (render_svc/page.html): queue and running jobs with live progress, each
+                            stage's residency over time, the recent stage batches, finished videos playable
+    GET /api/state          what the page polls (JSON)
+    GET /video/<job>.mp4    a finished job's MP4 (HTTP Range requests, so a <video> element can seek)
+
+Same exposure rules as the gRPC port (stagekit/server.py): loopback by default; the same TLS certificate; with
+`--token` every request needs it — `Authorization: Bearer <token>`, or once `?token=<token>` in the URL, which sets
+a cookie (HttpOnly, SameSite=Strict) so the page's own requests and its <video> elements carry it. Nothing on the
+page changes a job. Residency comes from polling each stage's Status every half second while the page is served.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import re
+import ssl
+import threading
+import time
+from http.cookies import SimpleCookie
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from urllib.parse import parse_qs, urlsplit
+
+import grpc
+from google.protobuf.json_format import MessageToDict
+
+from client.stubs import STAGES, StageClients
+from h3.v1 import common_pb2
+from render_svc.store import SUCCEEDED
+
+log = logging.getLogger("render_svc.web")
+
+PAGE = Path(__file__).with_name("page.html")
+RESIDENCY_POLL_S = 0.5
+RESIDENCY_KEEP_S = 900.0
+_VIDEO = re.compile(r"^/video/([0-9a-f]{1,64})\.mp4$")
+_RANGE = re.compile(r"^bytes=(\d*)-(\d*)$")
+COOKIE = "h3_token"
+
+
+class Residency:
+    """Each stage's state over time from its Status RPC: [t0, t1, state] spans per stage, state one of resident,
+    loading, unloaded, unreachable."""
+
+    def __init__(self, clients: StageClients):
+        self.clients = clients
+        self.spans: dict[str, list[list]] = {s: [] for s in STAGES}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="residency", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _state(self, stage: str) -> str:
+        c = self.clients
+        try:
+            st = c.stub(stage).Status(common_pb2.StatusRequest(), timeout=2, metadata=c.security.metadata())
+        except grpc.RpcError:
+            return "unreachable"
+        if st.health == "NOT_SERVING":
+            return "loading"
+        return "resident" if st.resident else "unloaded"
+
+    def _loop(self) -> None:
+        while not self._stop.wait(RESIDENCY_POLL_S):
+            now = time.time()
+            states = {s: self._state(s) for s in STAGES}
+            with self._lock:
+                for s, state in states.items():
+                    spans = self.spans[s]
+                    if spans and spans[-1][2] == state:
+                        spans[-1][1] = now
+                    else:
+                        if spans:
+                            spans[-1][1] = now
+                        spans.append([now, now, state])
+                    while spans and spans[0][1] < now - RESIDENCY_KEEP_S:
+                        spans.pop(0)
+
+    def snapshot(self) -> dict[str, list[list]]:
+        with self._lock:
+            return {s: [list(x) for x in v] for s, v in self.spans.items()}
+
+
+class WebPage:
+    def __init__(self, cfg, svc, clients: StageClients):
+        self.cfg = cfg
+        self.svc = svc
+        self.residency = Residency(clients)
+        self.page = PAGE.read_bytes()
+
+    def state(self) -> dict:
+        snap = self.svc.snapshot()
+        jobs = [MessageToDict(j, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+                for j in snap.pop("jobs")]
+        return {"now": time.time(), "started": self.svc.started_unix, "jobs": jobs, **snap,
+                "residency": self.residency.snapshot(),
+                "scheduling": {"max_batch": self.svc.cfg.max_batch, "max_wait_batches": self.svc.cfg.max_wait_batches}}
+
+    def video(self, job_id: str) -> Path | None:
+        try:
+            rec = self.svc.store.get(job_id)
+        except Exception:  # noqa: BLE001 - unknown id: 404
+            return None
+        path = Path(rec.output)
+        return path if rec.state == SUCCEEDED and not rec.expired and path.exists() else None
+
+    def start(self) -> str:
+        page = self
+        token = self.cfg.resolved_token()
+
+        class Handler(BaseHTTPRequestHandler):
+            server_version = "h3-render"
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, fmt, *args):  # noqa: A003 - http.server's name
+                log.debug("%s " + fmt, self.address_string(), *args)
+
+            def _authorized(self, query: dict) -> tuple[bool, bool]:
+                """(ok, set the cookie): the token from the header, the cookie or the URL."""
+                if not token:
+                    return True, False
+                want = token.encode()
+                header = self.headers.get("Authorization", "")
+                if header.startswith("Bearer ") and hmac.compare_digest(header[7:].encode(), want):
+                    return True, False
+                jar = SimpleCookie(self.headers.get("Cookie", ""))
+                if COOKIE in jar and hmac.compare_digest(jar[COOKIE].value.encode(), want):
+                    return True, False
+                given = query.get("token", [""])[0]
+                if given and hmac.compare_digest(given.encode(), want):
+                    return True, True
+                return False, False
+
+            def _send(self, code: int, body: bytes, ctype: str, extra: dict | None = None) -> None:
+                self.send_response(code)
+                self.send_header("Content-Type", ctype)
+                self.send_header("Content-Length", str(len(body)))
+                self.send_header("Cache-Control", "no-store")
+                for k, v in (extra or {}).items():
+                    self.send_header(k, v)
+                self.end_headers()
+                if self.command != "HEAD":
+                    self.wfile.write(body)
+
+            def do_HEAD(self):  # noqa: N802 - http.server's name
+                self.do_GET()
+
+            def do_GET(self):  # noqa: N802
+                url = urlsplit(self.path)
+                ok, set_cookie = self._authorized(parse_qs(url.query))
+                if not ok:
+                    self._send(401, b"missing or wrong token: open the page as /?token=<the service's --token>\n",
+                               "text/plain; charset=utf-8")
+                    return
+                if set_cookie:  # drop the token from the address bar once the cookie holds it
+                    self._send(303, b"", "text/plain", {
+                        "Location": url.path or "/",
+                        "Set-Cookie": f"{COOKIE}={token}; HttpOnly; SameSite=Strict; Path=/"
+                                      + ("; Secure" if page.cfg.tls_cert else "")})
+                    return
+                if url.path in ("/", "/index.html"):
+                    self._send(200, page.page, "text/html; charset=utf-8")
+                elif url.path == "/api/state":
+                    self._send(200, json.dumps(page.state()).encode(), "application/json")
+                elif (m := _VIDEO.match(url.path)) is not None:
+                    self._video(m.group(1))
+                else:
+                    self._send(404, b"not found\n", "text/plain")
+
+            def _video(self, job_id: str) -> None:
+                path = page.video(job_id)
+                if path is None:
+                    self._send(404, b"no finished video for this job (unknown, not done, or expired)\n", "text/plain")
+                    return
+                size = path.stat().st_size
+                start, end, code = 0, size - 1, 200
+                m = _RANGE.match(self.headers.get("Range", ""))
+                if m and (m.group(1) or m.group(2)):
+                    if m.group(1):
+                        start, end = int(m.group(1)), min(int(m.group(2) or size - 1), size - 1)
+                    else:  # suffix range: the last N bytes
+                        start = max(0, size - int(m.group(2)))
+                    if start > end:
+                        self._send(416, b"", "text/plain", {"Content-Range": f"bytes */{size}"})
+                        return
+                    code = 206
+                self.send_response(code)
+                self.send_header("Content-Type", "video/mp4")
+                self.send_header("Accept-Ranges", "bytes")
+                self.send_header("Content-Length", str(end - start + 1))
+                if code == 206:
+                    self.send_header("Content-Range", f"bytes {start}-{end}/{size}")
+                self.end_headers()
+                if self.command == "HEAD":
+                    return
+                with open(path, "rb") as f:
+                    f.seek(start)
+                    left = end - start + 1
+                    while left > 0:
+                        data = f.read(min(1 << 20, left))
+                        if not data:
+                            break
+                        self.wfile.write(data)
+                        left -= len(data)
+
+        httpd = ThreadingHTTPServer((self.cfg.host, self.cfg.http_port), Handler)
+        httpd.daemon_threads = True
+        scheme = "http"
+        if self.cfg.tls_cert:
+            ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+            ctx.load_cert_chain(self.cfg.tls_cert, self.cfg.tls_key)
+            httpd.socket = ctx.wrap_socket(httpd.socket, server_side=True)
+            scheme = "https"
+        port = httpd.server_address[1]
+        threading.Thread(target=httpd.serve_forever, name="web", daemon=True).start()
+        self.residency.start()
+        if self.cfg.port_file:
+            tmp = Path(self.cfg.port_file + ".http.tmp")
+            tmp.write_text(str(port))
+            tmp.replace(self.cfg.port_file + ".http")
+        host = f"[{self.cfg.host}]" if ":" in self.cfg.host else self.cfg.host
+        return f"{scheme}://{host}:{port}/"

@@ -1,0 +1,133 @@
+"""gRPC transport settings and the one way a file travels, shared by servers and clients.
+
+Torch-free on purpose: the thin client (`python -m client render`) imports this and nothing that pulls in torch or
+numpy. Tensors travel with `stagekit.wire`; files (the MP4) travel as `FileChunk`s: every chunk carries its byte
+offset, the last one the file's size and CRC-32C, and a receiver keeps nothing that failed a check.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import google_crc32c
+
+from h3.v1 import tensor_pb2
+
+# gRPC's default message cap is 4 MiB; 2 MiB chunks leave ample room for framing.
+MAX_CHUNK_BYTES = 2 << 20
+# Chunks are <= 2 MiB; 8 MiB leaves room for framing while still refusing abuse.
+MAX_MESSAGE_BYTES = 4 * MAX_CHUNK_BYTES
+GRPC_OPTIONS = [
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    # Long sampling streams: keep idle connections alive through NATs and proxies.
+    ("grpc.keepalive_time_ms", 30_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+    ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+]
+
+
+def file_chunks(path: Path, name: str, mime: str, offset: int = 0) -> Iterator[tensor_pb2.FileChunk]:
+    """Stream a finished file from `offset` as FileChunks; the last one carries the size and the CRC-32C of the
+    whole file (computed over the skipped head too, so a resumed download is checked end to end)."""
+    path = Path(path)
+    size = path.stat().st_size
+    if not 0 <= offset <= size:
+        raise ValueError(f"offset {offset} is outside the file ({size} bytes)")
+    crc = 0
+    with open(path, "rb") as f:
+        while f.tell() < offset:  # checksum the part the receiver already holds
+            crc = google_crc32c.extend(crc, f.read(min(MAX_CHUNK_BYTES, offset - f.tell())))
+        off = offset
+        while True:
+            data = f.read(MAX_CHUNK_BYTES)
+            last = off + len(data) >= size
+            crc = google_crc32c.extend(crc, data)
+            chunk = tensor_pb2.FileChunk(name=name, mime=mime if off == 0 else "", offset=off, data=data, last=last)
+            if last:
+                chunk.total_bytes, chunk.crc32c = size, crc
+            off += len(data)
+            yield chunk
+            if last:
+                return
+
+
+def _partial_file(out_path: Path) -> tuple[int, str | None]:
+    """A file for the bytes of `out_path` as they arrive: without a name until it is complete (Linux O_TMPFILE in
+    the target's directory), so a receiver killed mid-download leaves nothing behind; where the filesystem cannot,
+    a hidden named temp file beside it. Returns (fd, temp name or None)."""
+    flag = getattr(os, "O_TMPFILE", 0)
+    if flag:
+        try:
+            return os.open(out_path.parent, flag | os.O_RDWR, 0o644), None
+        except OSError:
+            pass
+    return tempfile.mkstemp(prefix=f".{out_path.name}.", dir=out_path.parent)
+
+
+def _publish(fd: int, tmp_name: str | None, out_path: Path) -> None:
+    """Give the complete partial file its name, atomically (never a half-written `out_path`)."""
+    if tmp_name is not None:
+        os.replace(tmp_name, out_path)
+        return
+    named = str(out_path.parent / f".{out_path.name}.{os.getpid()}.done")
+    try:
+        os.link(f"/proc/self/fd/{fd}", named)  # name the unnamed file (needs /proc), then move it over the target
+    except OSError:  # no /proc: copy it into a named temp file instead
+        copy_fd, named = tempfile.mkstemp(prefix=f".{out_path.name}.", dir=out_path.parent)
+        with os.fdopen(copy_fd, "wb") as dst, os.fdopen(os.dup(fd), "rb") as src:
+            src.seek(0)
+            while chunk := src.read(1 << 20):
+                dst.write(chunk)
+    try:
+        os.replace(named, out_path)
+    except BaseException:
+        os.unlink(named)
+        raise
+
+
+class FileReceiver:
+    """Writes FileChunks into a file that has no name until `finish()` has checked size and CRC-32C, then gives it
+    `out_path` atomically. Nothing is left behind on failure (use as a context manager), nor when the receiving
+    process is killed mid-download."""
+
+    def __init__(self, out_path: Path):
+        self.out_path = Path(out_path)
+        self.out_path.parent.mkdir(parents=True, exist_ok=True)
+        fd, self.tmp = _partial_file(self.out_path)
+        self.f = os.fdopen(fd, "wb")
+        self.size, self.crc, self.complete = 0, 0, False
+
+    def feed(self, fc: tensor_pb2.FileChunk) -> None:
+        if fc.offset != self.size:
+            raise RuntimeError(f"file bytes arrived at offset {fc.offset}, expected {self.size}; retry")
+        self.f.write(fc.data)
+        self.crc = google_crc32c.extend(self.crc, fc.data)
+        self.size += len(fc.data)
+        if fc.last:
+            if fc.total_bytes != self.size or fc.crc32c != self.crc:
+                raise RuntimeError("the file failed its size/checksum check; retry")
+            self.complete = True
+
+    def finish(self) -> Path:
+        if not self.complete:
+            raise RuntimeError("the stream ended before the file was complete; retry")
+        self.f.flush()
+        _publish(self.f.fileno(), self.tmp, self.out_path)
+        self.tmp = None
+        self.f.close()
+        return self.out_path
+
+    def __enter__(self) -> "FileReceiver":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if not self.f.closed:
+            self.f.close()
+        if self.tmp is not None and os.path.exists(self.tmp):
+            os.unlink(self.tmp)
