@@ -324,7 +324,7 @@ class FinalLayer(nn.Module):
                 ti = row_ti.index_select(0, i)
                 y = self.norm(x.index_select(0, i)) * (1.0 + scale.index_select(0, ti)) + shift.index_select(0, ti)
                 outs.append(proj(y).float())
-            return torch.cat(outs) if outs else x.new_empty(0, proj(x[:0]).shape[-1])
+            return torch.cat(outs)  # every layout has video and audio rows
 
         return head(video_idx, self.video_out), head(audio_idx, self.audio_out)
 
