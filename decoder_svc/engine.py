@@ -192,7 +192,8 @@ class DecoderEngine:
     @torch.inference_mode()
     def encode_image(self, image: torch.Tensor, ctx) -> dict:
         """Canvas-sized uint8 [H, W, 3] keyframe -> {"latents": [24, 1, H/16, W/16] float32}: the normalised posterior
-        mean (ComfyUI's keyframe recipe, §3.3). The encoder half is loaded on first use and kept while resident."""
+        mean (ComfyUI's keyframe recipe, docs/model.md §3.3). The encoder half is loaded on first use and kept while
+        resident."""
         if not self.group.info.is_leader:
             return {}  # a single image is one small unit of work: rank 0 does it alone
         if self.video_encoder is None:  # resident for decodes: add the encoder half
