@@ -1,6 +1,6 @@
 """MiniMax-H3 audio VAE: DAC encoder + causal-attention bottleneck + BigVGAN decoder (mono, 32 kHz).
 
-Facts: docs `h3_architecture.md` §3.2 (latent layout), §5 (module tree), §9.1 (sizes).
+Facts: docs/model.md §3.2 (latent layout), §5 (module tree), §9.1 (sizes).
 
 * Mono model. Stereo is carried as two independent batch items: the DiT emits audio rows
   `[2*Ta, 32]` channel-major (first Ta rows = left channel), which we view as `[2, 32, Ta]`.

@@ -2,14 +2,16 @@
 
 The video decode is split into independent tile x chunk work units
 (`plan_decode`); rank r decodes units r, r+N, r+2N, ... and rank 0 receives
-them round by round as tensors over the compute group (NCCL device to device on
-GPUs, gloo on CPU) and blends them (bitwise the same as a one-rank decode). The audio goes to the
-rank with the fewest video units, so it overlaps the video work elsewhere.
+them round by round with an all-gather over the compute group (NCCL device to
+device on GPUs, gloo on CPU) and blends them on its device (bitwise the same as
+a one-rank decode). The audio goes to the rank with the fewest video units, so
+it overlaps the video work elsewhere.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import os
 import tempfile
 import time
@@ -190,7 +192,8 @@ class DecoderEngine:
     @torch.inference_mode()
     def encode_image(self, image: torch.Tensor, ctx) -> dict:
         """Canvas-sized uint8 [H, W, 3] keyframe -> {"latents": [24, 1, H/16, W/16] float32}: the normalised posterior
-        mean (ComfyUI's keyframe recipe, §3.3). The encoder half is loaded on first use and kept while resident."""
+        mean (ComfyUI's keyframe recipe, docs/model.md §3.3). The encoder half is loaded on first use and kept while
+        resident."""
         if not self.group.info.is_leader:
             return {}  # a single image is one small unit of work: rank 0 does it alone
         if self.video_encoder is None:  # resident for decodes: add the encoder half
@@ -216,21 +219,30 @@ class DecoderEngine:
         audio_rank = self._audio_rank(len(plan))
         rounds = -(-len(plan) // n)
         leader = self.group.info.is_leader
-        asm = StreamingAssembler(plan) if leader else None
+        dev = self.cfg.device
+        # Rank 0 blends on its device: only the finished frames cross to the host (for the mux).
+        asm = StreamingAssembler(plan, device=dev) if leader else None
         for k in range(rounds):  # every rank passes the same number of step boundaries
             ctx.check_cancel()
+            units = [j for j in range(k * n, (k + 1) * n) if j < len(plan)]  # this round's unit of each rank
             idx = k * n + rank
             out = decode_unit(self.video, video_lat, plan[idx], validate=k == 0) if idx < len(plan) else None
-            # Rank 0 takes this round's units from the other ranks as tensors over the compute group (NCCL on GPUs).
-            if leader:
+            if self.group.compute is None:
+                asm.add(plan[idx], out)
+            else:
+                # Every rank's unit reaches rank 0 device to device over the compute group's own communicator
+                # (NCCL all-gather on GPUs, gloo on CPU), padded to the round's largest unit; fp32 holds any
+                # unit dtype exactly.
+                size = max(math.prod(plan[j].output_shape()) for j in units)
+                flat = torch.zeros(size, dtype=torch.float32, device=dev)
                 if out is not None:
-                    asm.add(plan[idx], out.cpu())
-                for src in range(1, n):
-                    j = k * n + src
-                    if j < len(plan):
-                        asm.add(plan[j], self.group.recv_tensor(src, plan[j].output_shape()).cpu())
-            elif out is not None:
-                self.group.send_tensor(out, 0)
+                    flat[: out.numel()] = out.reshape(-1)
+                parts = self.group.all_gather(flat)
+                if leader:
+                    for j in units:
+                        shape = plan[j].output_shape()
+                        asm.add(plan[j], parts[j - k * n][: math.prod(shape)].view(shape))
+                del flat, parts
             del out
             ctx.progress(k + 1, rounds, message=f"video tiles x chunks ({len(plan)} units on {n} ranks)")
         audio = None
@@ -241,7 +253,7 @@ class DecoderEngine:
         if not leader:
             return {}
         audio = next(a for a in gathered if a is not None)
-        frames = asm.finish()  # [3, F, H, W] RGB in [0, 1]
+        frames = asm.finish().cpu()  # [3, F, H, W] RGB in [0, 1]
         return self._output(job, frames, audio, ctx.check_cancel_local)
 
     def _output(self, job, frames: torch.Tensor, audio: torch.Tensor, check_cancel=None) -> dict:

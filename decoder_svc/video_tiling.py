@@ -1,5 +1,5 @@
 """Work-unit geometry of the MiniMax-H3 video VAE: temporal chunking, spatial tiling and the blending that stitches
-unit outputs back together (architecture notes §4.2/§4.3).
+unit outputs back together (docs/model.md §4.2/§4.3).
 
 Kept free of model code so the decoder stage can plan, scatter and assemble without touching weights:
 

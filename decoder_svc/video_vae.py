@@ -1,4 +1,4 @@
-"""MiniMax-H3 video VAE: causal 3D CNN encoder + non-causal ViT3D decoder (architecture notes §3.1, §4).
+"""MiniMax-H3 video VAE: causal 3D CNN encoder + non-causal ViT3D decoder (docs/model.md §3.1, §4).
 
 Parameter names are the release / ComfyUI single-file keys (§4.4), so `VideoVAE.state_dict()` keys equal that file's
 keys (the file may additionally carry the unused `decoder.mask_token` and the `latents_mean/std` buffers).

@@ -1,7 +1,7 @@
 """Configuration of the MiniMax-H3 DiT (release `transformer/config.json`, diffusers names in comments).
 
 Field names follow the diffusers port where one exists; the release (sglang) name is noted next to each field.
-Facts: docs/h3_architecture.md §2.1 (shared reference).
+Facts: docs/model.md §2.1.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ class DiTConfig:
     eps: float = 1e-5  # norm_eps == qk_norm_eps == final_norm_eps in the release
     # "mlp": release form, AdaLN input = silu(time_embedder(sinusoid(t))).
     # "curve": Comfy "pruned" form, AdaLN input = lerp of a [adaln_curve_grid, adaln_curve_rank] table, no silu,
-    #          no time_embedder (h3_architecture.md §2.10 item 3).
+    #          no time_embedder (docs/model.md §2.10 item 3).
     adaln_form: Literal["mlp", "curve"] = "mlp"
     adaln_curve_grid: int = 1025
     adaln_curve_rank: int = 8

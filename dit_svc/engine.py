@@ -152,11 +152,13 @@ class DiTEngine:
                       sp_group=par.sp_group, device="meta")
         served = self._block_linears() if self.kernels is not None else set()
         swapped = set()
-        for key, value in weights.items():
+        for key in list(weights):
             name = key[: -len(".weight")]
-            if not key.endswith(".weight") or not (name in served or isinstance(value, QuantizedWeight)):
+            if not key.endswith(".weight") or not (name in served or isinstance(weights[key], QuantizedWeight)):
                 continue
-            bias = weights.get(name + ".bias")
+            # Popped: a weight converted by the registry (int8 -> fp8) never sits on the GPU beside its source.
+            value = weights.pop(key)
+            bias = weights.pop(name + ".bias", None)
             bias = None if bias is None else bias.to(dev)
             src = value.to(dev)
             if name in served:
@@ -165,6 +167,7 @@ class DiTEngine:
                 layer = Int8ConvRotLinear.from_quantized(src, bias, mode=quant_mode, compute_dtype=cfg.compute_dtype)
             model.swap_linear(name, layer)
             swapped.add(name)
+            del value, src
         dense = {k: v.to(dev) for k, v in weights.items()
                  if not isinstance(v, QuantizedWeight) and k.rsplit(".", 1)[0] not in swapped}
         missing, unexpected = model.load_state_dict(dense, strict=False, assign=True)
@@ -179,6 +182,8 @@ class DiTEngine:
                 blk.compile()
         self.model = model.eval()
         self.loras = LoRAManager(self.model)
+        del weights, dense
+        release_device_memory(dev)  # blocks of converted sources go back to the card, not to this process's cache
         log.info("rank %d loaded %s (%s) in %.2f s", self.group.info.rank, self.path.name, self.variant,
                  time.monotonic() - t0)
 

@@ -1,4 +1,4 @@
-"""fl2va keyframe conditioning for the DiT stage (h3_architecture.md §2.6-2.8, §3.3).
+"""fl2va keyframe conditioning for the DiT stage (docs/model.md §2.6-2.8, §3.3).
 
 A keyframe is one normalised VAE latent frame [24, 1, H/16, W/16] of the target canvas, anchored to the first or
 the last frame of the video. It is noised once to ``0.999·z + 0.001·ε`` and packed as conditioning rows right after

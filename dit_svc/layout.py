@@ -1,6 +1,6 @@
 """Packed-sequence layout of a MiniMax-H3 t2va / fl2va request, and latent <-> row packing.
 
-One DiT forward runs over a single packed sequence (h3_architecture.md §2.7):
+One DiT forward runs over a single packed sequence (docs/model.md §2.7):
 
     [ text (L) | keyframe rows (0, 1 or 2 latent frames) | target audio (2*Ta) | target video (T*rows_per_frame) ]
 
@@ -20,7 +20,7 @@ import torch
 
 from .config import TAG_AUDIO, TAG_TEXT, TAG_VIDEO, DiTConfig
 
-# ---- request geometry constants (h3_architecture.md §3) ----------------------------------------------------------
+# ---- request geometry constants (docs/model.md §3) -------------------------------------------------------------
 VAE_SPATIAL = 16  # pixels per latent on each spatial axis
 VAE_FRAMES_PER_CHUNK = 17  # pixel frames per causal VAE clip
 VAE_LATENTS_PER_CHUNK = 5  # latent frames kept per clip; valid counts are F = 17n + 5 -> T = 5n + 2
@@ -28,7 +28,7 @@ FPS = 24
 AUDIO_LATENTS_PER_SECOND = 40  # 32 kHz, hop 800
 AUDIO_CHANNELS = 2  # stereo = two channel-major blocks of rows
 
-# ---- RoPE clock (h3_architecture.md §2.8) --------------------------------------------------------------------------
+# ---- RoPE clock (docs/model.md §2.8) -----------------------------------------------------------------------------
 # 1 time unit = 1 audio latent = 5/3 video frames at 24 fps; latent frame k covers (1,4,4,4,4)[k % 5] pixel frames.
 ROPE_FRAME_RESCALE = 5.0 / 3.0
 ROPE_FRAMES_PER_LATENT = (1.0, 4.0, 4.0, 4.0, 4.0)

@@ -5,7 +5,7 @@ A_i = `lora_down` / `lora_A` [r_i, in], B_i = `lora_up` / `lora_B` [out, r_i]. T
 so one resident model (dense or int8 ConvRot) serves any LoRA set, and switching sets costs only the low-rank
 factors: `LoRALinear` wraps the base linear (swapped in via `H3DiT.swap_linear`) and holds this rank's A/B slices.
 
-Key dialects understood (all map onto our / ComfyUI linear names, h3_architecture.md §2.2):
+Key dialects understood (all map onto our / ComfyUI linear names, docs/model.md §2.2):
   * ComfyUI / musubi:   `diffusion_model.blocks.0.attn.qkv_proj.lora_A.weight` (also `model.diffusion_model.`,
                         `lora_down` / `lora_up` and a `.alpha` scalar);
   * PEFT:               `base_model.model.<name>.lora_A.default.weight` / `.lora_B.default.weight` (or no adapter

@@ -1,6 +1,6 @@
 """MiniMax-H3 DiT (33B joint video+audio single-stream transformer), one file, release/ComfyUI parameter names.
 
-Facts: shared reference h3_architecture.md §2 (forward, block, refiner, AdaLN table, RoPE) and §2.10 (curve AdaLN).
+Facts: docs/model.md §2 (forward, block, refiner, AdaLN table, RoPE) and §2.10 (curve AdaLN).
 
 Precision: the residual stream is fp32 everywhere (embeddings are scattered into an fp32 buffer, blocks add fp32
 updates). `compute_dtype` (bf16/fp16/fp32) is used only inside the block/refiner linears and attention. The release
@@ -324,7 +324,7 @@ class FinalLayer(nn.Module):
                 ti = row_ti.index_select(0, i)
                 y = self.norm(x.index_select(0, i)) * (1.0 + scale.index_select(0, ti)) + shift.index_select(0, ti)
                 outs.append(proj(y).float())
-            return torch.cat(outs) if outs else x.new_empty(0, proj(x[:0]).shape[-1])
+            return torch.cat(outs)  # every layout has video and audio rows
 
         return head(video_idx, self.video_out), head(audio_idx, self.audio_out)
 
@@ -414,7 +414,7 @@ class H3DiT(nn.Module):
         if cfg.adaln_form == "mlp":
             self.time_embedder = TimeEmbedder(ctx)
         else:
-            # Comfy "pruned" curve: rank-r coordinates of silu(temb(t)) on a uniform t grid (h3_architecture §2.10).
+            # Comfy "pruned" curve: rank-r coordinates of silu(temb(t)) on a uniform t grid (docs/model.md §2.10).
             self.adaln_t_table = nn.Parameter(torch.zeros(cfg.adaln_curve_grid, cfg.adaln_curve_rank,
                                                           device=device, dtype=torch.float32), requires_grad=False)
         self.rope = RoPE(cfg)
@@ -559,7 +559,7 @@ _LINEAR_LEAF_NAMES = ("qkv_proj", "out_proj", "fc1", "fc2", "linear", "video_out
 @torch.no_grad()
 def curve_state_dict_from_mlp(full_sd: dict[str, torch.Tensor], cfg: DiTConfig) -> tuple[dict[str, torch.Tensor],
                                                                                          DiTConfig]:
-    """Build the Comfy "pruned" curve-form checkpoint from a release one (h3_architecture §2.10 item 3):
+    """Build the Comfy "pruned" curve-form checkpoint from a release one (docs/model.md §2.10 item 3):
     curve c(t_k) = silu(temb(t_k)), t_k = k/(G-1); table = U_r S_r of the rank-r SVD of (c - mean);
     W' = W V_r, b' = b + W mean for every AdaLN projection. Exact when rank(c - mean) <= r at grid points."""
     if cfg.adaln_form != "mlp":

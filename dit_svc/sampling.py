@@ -1,6 +1,6 @@
 """Sigma schedules and the denoising loop of MiniMax-H3 (rectified flow, video + audio on one sampler clock).
 
-Facts: h3_architecture.md §7 (sampling), §2.6 (per-row t), §10 item 3/6, §11 items 1/3/4 (shared reference).
+Facts: docs/model.md §7 (sampling), §2.6 (per-row t), §10 items 3/6, §11 items 1/3/4.
 
 Conventions used throughout (§7.1):
   x_σ = (1 − σ)·x0 + σ·ε,   t = 1 − σ (t = 1 is clean),   the DiT returns the *data-ward* velocity v = x0 − ε,

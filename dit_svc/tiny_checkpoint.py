@@ -128,7 +128,8 @@ def int8_state_dict(dense: dict[str, torch.Tensor], cfg: DiTConfig) -> dict[str,
 
 
 def _sinusoid(t: torch.Tensor, freq_dim: int) -> torch.Tensor:
-    """[cos(t f), sin(t f)], f_k = exp(-ln(10000) k / (freq_dim/2)); t in [0, 1], not scaled by 1000 (§2.3)."""
+    """[cos(t f), sin(t f)], f_k = exp(-ln(10000) k / (freq_dim/2)); t in [0, 1], not scaled by 1000
+    (docs/model.md §2.3)."""
     half = freq_dim // 2
     f = torch.exp(-math.log(10000.0) * torch.arange(half, dtype=torch.float64) / half)
     args = t.double()[:, None] * f[None]
@@ -145,8 +146,8 @@ def adaln_curve(dense: dict[str, torch.Tensor], cfg: DiTConfig) -> torch.Tensor:
 
 
 def pruned_state_dict(int8_sd: dict, dense: dict[str, torch.Tensor], cfg: DiTConfig) -> dict[str, torch.Tensor]:
-    """Curve-form AdaLN (§2.10 item 3): table = U S of the rank-r SVD of the mean-centred curve; every AdaLN
-    projection becomes W V_r [out, r] with the curve mean folded into its bias; time_embedder removed."""
+    """Curve-form AdaLN (docs/model.md §2.10 item 3): table = U S of the rank-r SVD of the mean-centred curve;
+    every AdaLN projection becomes W V_r [out, r] with the curve mean folded into its bias; time_embedder removed."""
     curve_cfg = cfg.replace(adaln_form="curve")
     curve = adaln_curve(dense, cfg)
     mean = curve.mean(dim=0)

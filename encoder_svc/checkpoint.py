@@ -1,6 +1,6 @@
 """Text-encoder (Qwen3-VL-32B language model, truncated to 50 layers) checkpoint reading.
 
-Layouts (names relative to the language model; reference/h3_architecture.md §6):
+Layouts (names relative to the language model; docs/model.md §6):
 
 - ComfyUI single file ``qwen3vl_32b_minimax_h3_{bf16,int8_convrot,nvfp4_awq}.safetensors``:
   ``model.embed_tokens.weight``, ``model.layers.{0..49}.*``, ``visual.*``; no final norm / lm_head.

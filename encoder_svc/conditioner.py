@@ -1,6 +1,6 @@
 """H3 text conditioner: Qwen3-VL-32B's language model run to the residual stream after decoder layer 50.
 
-Facts (reference/h3_architecture.md §6): the DiT is conditioned on ``hidden_states[50]`` of
+Facts (docs/model.md §6): the DiT is conditioned on ``hidden_states[50]`` of
 ``Qwen3VLForConditionalGeneration`` -- the residual stream *after* decoder layer 50 (index 49) and
 *before* the final RMSNorm, 5120-d, batch 1, no chat template, no special tokens, no padding.
 

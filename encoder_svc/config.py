@@ -36,7 +36,7 @@ TINY_VOCAB_SIZE = N_BYTES + len(TINY_SPECIAL_TOKENS)
 
 # The H3 conditioning layer: hidden_states[50] of the 64-layer Qwen3-VL-32B language model.
 H3_CONDITIONING_LAYER = 50
-DEFAULT_MAX_PROMPT_TOKENS = 2048  # generous: §6 says "no fixed max length"; the server may pass its own
+DEFAULT_MAX_PROMPT_TOKENS = 2048  # generous: docs/model.md §6 sets no length limit; the server may pass its own
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """Prompt tokenization for the H3 text conditioner (Qwen3-VL tokenizer, `tokenizers` package).
 
 H3 uses no chat template and no special tokens (``add_special_tokens=False``, no BOS/EOS, no padding;
-reference/h3_architecture.md §6). The release tokenizer adds dialogue/lyrics/caption markers that users
+docs/model.md §6). The release tokenizer adds dialogue/lyrics/caption markers that users
 type into prompts (``<d>…</d>`` wraps dialogue), so *added* tokens in the prompt text are honoured;
 vision markers, however, are only valid when the server builds a vision block itself, so a plain
 text prompt containing them is rejected by :func:`validate_prompt`.

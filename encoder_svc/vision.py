@@ -1,6 +1,6 @@
 """Qwen3-VL vision tower for fl2va keyframes: config, image preprocessing, presentation, M-RoPE positions.
 
-Facts (reference/h3_architecture.md §6): the keyframes are shown to the conditioner as
+Facts (docs/model.md §6): the keyframes are shown to the conditioner as
 ``"<Picture 1>: " + <|vision_start|> + image pads + <|vision_end|> [+ "<Picture 2>: " + block] + prompt``; an image
 is resized to multiples of 32 (patch 16 x spatial merge 2; min/max pixel bounds), normalised with mean = std = 0.5,
 cut into 16x16 patches repeated over the temporal patch of 2, and yields (H/16)(W/16)/4 merged tokens. Its features

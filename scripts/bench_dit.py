@@ -59,7 +59,7 @@ from stagekit.kernels import (  # noqa: E402
 from stagekit.quant import Int8ConvRotLinear, QuantizedWeight, parse_comfy_quant  # noqa: E402
 
 TEXT_LEN = 38  # t2va prompt length behind the reference S = 14,882 at 832x480x124
-CORE_PARAMS_PER_BLOCK = 385_351_680  # qkv + out + fc1 + fc2 of one block (h3_architecture.md §9.1)
+CORE_PARAMS_PER_BLOCK = 385_351_680  # qkv + out + fc1 + fc2 of one block (docs/model.md §9.1)
 T_VIDEO, T_AUDIO = 0.4, 0.55  # any mid-schedule noise levels
 MEMORY_CAP_GIB = 22.0
 GIB = 2**30

@@ -209,7 +209,7 @@ def write_weights(models: Path, tiny: bool) -> dict:
     from decoder_svc.video_vae import VideoVAEConfig, write_tiny_video_vae
     from dit_svc.config import DiTConfig
     from dit_svc.tiny_checkpoint import write_random_int8_convrot_checkpoint, write_safetensors_streaming, write_tiny_checkpoint
-    from encoder_svc.conditioner import ConditionerConfig
+    from encoder_svc.config import ConditionerConfig
     from encoder_svc.tiny import build_tiny_tokenizer, write_tiny_model
 
     models.mkdir(parents=True, exist_ok=True)
@@ -705,7 +705,8 @@ class Bench:
         cmd = ["bash", str(ROOT / "scripts/up.sh"), "--run-dir", self.run, *models,
                "--devices", self.devices, "--dit-ranks", "2", "--decoder-ranks", "2",
                "--gpu-memory-cap-gb", self.args.cap_gb, "--residency", "exclusive",
-               "--encoder-port", "0", "--dit-port", "0", "--decoder-port", "0"]
+               "--encoder-port", "0", "--dit-port", "0", "--decoder-port", "0", "--render-port", "0",
+               "--web-port", "-1"]
         t0 = time.monotonic()
         rc, out, err = self.run_cmd(cmd, timeout_s=min(620.0, max(60.0, self.left_s())), name=f"up-{profile}",
                                     env=env)
@@ -958,6 +959,7 @@ class Bench:
         if renders:
             v["renders_ok"] = {k: bool(r.get("mp4", {}).get("ok")) for k, r in renders.items()}
         trace = self.results.get("trace", {})
+        v["trace_ok"] = bool(trace.get("ok"))  # under the cap, one holder per GPU, NVML attribution complete
         v["trace_under_cap"] = trace.get("over_cap_count") == 0 and trace.get("rule_samples", 0) > 0
         v["one_holder_per_gpu"] = trace.get("co_resident_count") == 0 and not trace.get("event_log_overlaps")
         if "decode-1v2" in items and items["decode-1v2"].get("speedup") is not None:
@@ -1045,6 +1047,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     for k, v in NCCL_SAFE.items():
         os.environ.setdefault(k, v)
+    # A SIGTERM (a time limit) still stops the stages and writes the trace, plot and verdicts.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     bench = Bench(args)
     try:
         bench.run_part()

@@ -16,7 +16,9 @@
 #   protobuf 7.x: the generated *_pb2.py files validate a 7.x runtime.
 #   comfy-kitchen 0.2.40 (without backends/hip/*.so: AMD-only, and most of the wheel), av 18.1.0 (PyAV: the MP4 mux
 #       and the run's MP4 checks), soundfile + cffi (+ pycparser), google-crc32c: not in the image.
-#   --with-cudnn-frontend adds nvidia-cudnn-frontend 1.32.0 (+5 MiB; nothing imports it yet).
+#   --with-cudnn-frontend adds nvidia-cudnn-frontend 1.32.0 (+5 MiB: the cuDNN fp8 attention candidate of
+#       stagekit/fp8_attention.py; without it that candidate is skipped). With it the tar (~62 MiB) plus the repo
+#       (~2 MiB) no longer fits the 64 MiB carry.
 # Not carried: transformers (the image's 5.17 runs the encoder's Qwen3-VL path; only a test oracle API differs),
 # torch, numpy, safetensors, tokenizers, pillow, rich, pyyaml, prometheus-client, psutil, nvidia-ml-py, matplotlib.
 # Compressed sizes (xz -9e): comfy-kitchen's CUDA library ~32 MiB (a fat binary for sm_75..sm_120), PyAV's FFmpeg
@@ -54,13 +56,15 @@ rm -rf "$build/site" "$out/site.tar.xz"
   $(for spec in "${PKGS[@]}"; do n="${spec%%==*}"; v="${spec##*==}"; ls "$build/wheels/"*.whl \
       | grep -i -E "/${n//-/[-_]}-${v}-" | head -1; done)
 
-# Leave out: AMD (HIP) kernels, caches, tests, type stubs, the pip-generated bin/. (No `strip` of the shared
-# libraries: auditwheel patched them with patchelf, strip can break such files, and it would save < 1 MiB.)
+# Leave out: AMD (HIP) kernels, caches, tests, type stubs, the pip-generated bin/. PyAV's Cython modules ship with
+# debug symbols (31 MiB -> 5 MiB stripped; checked: the stripped modules import and encode/decode H.264 + AAC). The
+# bundled libraries (av.libs, grpc, comfy-kitchen) are already stripped and were patched by auditwheel: left as is.
 rm -f "$build/site/comfy_kitchen/backends/hip/"*.so
 rm -rf "$build/site/bin"
 find "$build/site" -name __pycache__ -type d -prune -exec rm -rf {} +
 find "$build/site" -type d \( -name tests -o -name test \) -path "*/site/*/*" -prune -exec rm -rf {} +
 find "$build/site" -name "*.pyi" -delete
+find "$build/site/av" -name "*.so" -type f -exec strip --strip-unneeded {} +
 
 XZ_OPT="-9e -T0" tar -cJf "$out/site.tar.xz" -C "$build/site" .
 size=$(stat -c %s "$out/site.tar.xz")

@@ -345,7 +345,20 @@ class Fp8Attention:
         if q.shape[2] < self.options.min_seq:
             return F.scaled_dot_product_attention(q, k, v, dropout_p=0.0, is_causal=False)
         tracing = torch.compiler.is_compiling()  # inside a compiled block: trace the plain ops and fuse them there
-        p = (quantize_qkv if tracing else self._quantize)(q[0], k[0], v[0], self.options)
+        p = self._run(quantize_qkv if tracing else self._quantize, quantize_qkv, q[0], k[0], v[0], self.options)
         kernel = sdpa_fp8_emulated if self.emulate else sdpa_fp8
         o8 = kernel(p.q8, p.k8, p.v8, p.descale_q, p.descale_k)
-        return (dequantize_o if tracing else self._dequantize)(o8, p.o_scale, p.o_shift, q.dtype).unsqueeze(0)
+        o = self._run(dequantize_o if tracing else self._dequantize, dequantize_o, o8, p.o_scale, p.o_shift, q.dtype)
+        return o.unsqueeze(0)
+
+    def _run(self, fn, eager, *args):
+        """fn(*args); if a standalone compilation fails, warn once and stay eager (same math, unfused)."""
+        if fn is eager:
+            return fn(*args)
+        try:
+            return fn(*args)
+        except Exception as e:  # a compiler failure on this machine must not take attention down
+            log.warning("fp8 attention: compiling the q/k/v quantisation failed (%s: %s); running it eagerly",
+                        type(e).__name__, str(e)[:300])
+            self._quantize, self._dequantize = quantize_qkv, dequantize_o
+            return eager(*args)

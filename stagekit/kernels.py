@@ -52,7 +52,7 @@ FP8_ALIGN = 16  # torch._scaled_mm needs K and N multiples of 16
 
 # Relative error bounds ||y - ref|| / ||ref|| vs an fp32 reference on the *same* (dequantised) weights.
 # bf16 operands land at 2-4e-3; 8-bit activations (int8 per token after ConvRot, fp8 e4m3 per row) at 1-3e-2
-# (shared reference comfy_kitchen.md §4); the bounds leave ~3x headroom, a broken kernel is far above them.
+# (docs/model.md §8.2); the bounds leave ~3x headroom, a broken kernel is far above them.
 REL_ERR_BOUND = {
     "fp32": 1e-3,  # allows tf32 if a user enabled it
     "bf16": 1.5e-2,

@@ -1,6 +1,6 @@
 """NVFP4 (E2M1 + F8-E4M3 block scales) weight dequantisation, ComfyUI / comfy-kitchen layout.
 
-Format (reference/h3_architecture.md §8.4, comfy-kitchen ``TensorCoreNVFP4Layout``):
+Format (docs/model.md §8.4, comfy-kitchen ``TensorCoreNVFP4Layout``):
 
 - ``weight``          U8  [rows_p, cols_p/2]  two E2M1 codes per byte, rows/cols padded to 16.
                           comfy-kitchen packs element 2j into the HIGH nibble (``hi_first=True``).

@@ -1,4 +1,4 @@
-"""Int8 ConvRot weights as shipped in the ComfyUI / comfy-kitchen checkpoints (h3_architecture.md §8.2).
+"""Int8 ConvRot weights as shipped in the ComfyUI / comfy-kitchen checkpoints (docs/model.md §8.2).
 
 Storage, per quantized linear `P` (out features N, in features K):
   `P.weight`        int8 [N, K]  -- W rotated group-wise on the input side by H_g, then row-wise int8

@@ -121,7 +121,7 @@ def latents():
 def test_full_config_param_count_and_hop():
     with torch.device("meta"):
         full = AudioVAE(AudioVAEConfig.full())
-    assert sum(p.numel() for p in full.parameters()) == 151_282_160  # §9.1 (WN folded)
+    assert sum(p.numel() for p in full.parameters()) == 151_282_160  # docs/model.md §9.1 (WN folded)
     assert full.cfg.hop_length == HOP_LENGTH == 800
     assert full.cfg.decoder_kernel_sizes == (9, 9, 4, 4, 4, 4, 4)
     assert AudioVAEConfig.tiny().hop_length == 800

@@ -45,7 +45,7 @@ def test_pruned_random_dit_checkpoint_loads_as_curve_form(tmp_path):
 def test_random_nvfp4_text_encoder_reads_back(bench, tmp_path):
     from dit_svc.tiny_checkpoint import write_safetensors_streaming
     from encoder_svc.checkpoint import TextEncoderCheckpoint
-    from encoder_svc.conditioner import ConditionerConfig
+    from encoder_svc.config import ConditionerConfig
 
     cfg = ConditionerConfig.tiny(vocab_size=512)
     plan, makers = bench.te_random_plan(cfg, "cpu")

