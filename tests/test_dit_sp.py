@@ -4,7 +4,6 @@ TP2 x SP2 match one rank (1e-5 relative), every rank bitwise identical; the all-
 from __future__ import annotations
 
 import os
-import socket
 import tempfile
 
 import pytest
@@ -34,12 +33,6 @@ WORLD = 4
 DEGREES = (4, 2)  # SP degrees run in the one launch: SP4 (TP1), then TP2 x SP2
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _case():
     cfg = DiTConfig.tiny(num_layers=2, num_refiner_layers=1)
     torch.manual_seed(0)
@@ -55,9 +48,10 @@ def _case():
     return cfg, model.state_dict(), lay, (video, audio, text)
 
 
-def _worker(rank: int, world: int, port: int, outdir: str) -> None:
+def _worker(rank: int, world: int, outdir: str) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    # Rendezvous through a file in the test's folder: no port to guess (docs/testing.md).
+    dist.init_process_group("gloo", init_method=f"file://{outdir}/store", rank=rank, world_size=world)
     try:
         cfg, sd, lay, (video, audio, text) = _case()
         result = {}
@@ -81,7 +75,7 @@ def test_sp_and_tp_sp_match_single_rank():
     cfg, sd, lay, (video, audio, text) = _case()
     assert len(set(SeqShards.split(lay.seq_len, 0, 4).sizes)) == 2  # uneven shards are exercised
     with tempfile.TemporaryDirectory() as d:
-        mp.start_processes(_worker, args=(WORLD, _free_port(), d), nprocs=WORLD, join=True, start_method="spawn")
+        mp.start_processes(_worker, args=(WORLD, d), nprocs=WORLD, join=True, start_method="spawn")
         outs = [torch.load(os.path.join(d, f"rank{r}.pt")) for r in range(WORLD)]
     ref = H3DiT(cfg, compute_dtype=torch.float32, chunk_rows=16).eval()
     ref.load_state_dict(sd)
@@ -156,10 +150,10 @@ def _gpu_case():
     return cfg, sd, lay, x
 
 
-def _gpu_worker(rank: int, world: int, port: int, outdir: str) -> None:
+def _gpu_worker(rank: int, world: int, outdir: str) -> None:
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    dist.init_process_group("nccl", init_method=f"file://{outdir}/store", rank=rank, world_size=world)
     try:
         cfg, sd, lay, x = _gpu_case()
         res = {}
@@ -180,7 +174,7 @@ def test_sp2_nccl_gpu():
     torch.backends.cuda.matmul.allow_tf32 = False
     cfg, sd, lay, x = _gpu_case()
     with tempfile.TemporaryDirectory() as d:
-        mp.start_processes(_gpu_worker, args=(2, _free_port(), d), nprocs=2, join=True, start_method="spawn")
+        mp.start_processes(_gpu_worker, args=(2, d), nprocs=2, join=True, start_method="spawn")
         outs = [torch.load(os.path.join(d, f"rank{r}.pt")) for r in range(2)]
     for cd, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
         ref = H3DiT(cfg, compute_dtype=cd).eval()
