@@ -407,11 +407,14 @@ class StageRuntime:
         self._log("unload_start", served=self._served)
         self.group.broadcast_command((_UNLOAD, None))
         self.engine.unload()
-        self.resident = False
         unload_s = time.monotonic() - t0
         self._log("unloaded", unload_s=unload_s, served=self._served)
-        # Held until after the weights are gone: the next holder never overlaps us.
-        self._give_back()
+        # Held until after the weights are gone: the next holder never overlaps us. `resident` turns false
+        # only after the lease is back, so Status never shows "not resident" beside a lease holder.
+        try:
+            self._give_back()
+        finally:
+            self.resident = False
         if self.metrics is not None:
             self.metrics.observe_unload(unload_s)
         return unload_s

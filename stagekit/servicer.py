@@ -44,9 +44,10 @@ class LifecycleMixin:
         rt = self.runtime
         d = self.describe()
         kernels = [common_pb2.KernelChoice(op=op, kernel=k, reason=why) for op, k, why in d.pop("kernels", [])]
+        resident = rt.resident  # read before the lease: the runtime releases the lease before clearing it
         holder = rt.lease.holders() if rt.lease is not None else ""
         return common_pb2.StageStatus(
-            stage=rt.engine.name, health="NOT_SERVING" if rt.loading else "SERVING", resident=rt.resident,
-            world_size=rt.group.world_size, memory_bytes=rt.engine.resident_bytes() if rt.resident else 0,
+            stage=rt.engine.name, health="NOT_SERVING" if rt.loading else "SERVING", resident=resident,
+            world_size=rt.group.world_size, memory_bytes=rt.engine.resident_bytes() if resident else 0,
             queue_depth=rt.queue_depth, running=1 if rt.running is not None else 0, lease_holder=holder,
             residency=rt.cfg.residency, kernels=kernels, jobs_done=rt.jobs_done, **d)
