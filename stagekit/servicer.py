@@ -44,10 +44,9 @@ class LifecycleMixin:
         rt = self.runtime
         d = self.describe()
         kernels = [common_pb2.KernelChoice(op=op, kernel=k, reason=why) for op, k, why in d.pop("kernels", [])]
-        resident = rt.resident  # read before the lease: the runtime releases the lease before clearing it
-        holder = rt.lease.holders() if rt.lease is not None else ""
+        snap = rt.snapshot()  # one moment: resident, lease holder, queue and running agree with each other
         return common_pb2.StageStatus(
-            stage=rt.engine.name, health="NOT_SERVING" if rt.loading else "SERVING", resident=resident,
-            world_size=rt.group.world_size, memory_bytes=rt.engine.resident_bytes() if resident else 0,
-            queue_depth=rt.queue_depth, running=1 if rt.running is not None else 0, lease_holder=holder,
-            residency=rt.cfg.residency, kernels=kernels, jobs_done=rt.jobs_done, **d)
+            stage=rt.engine.name, health="NOT_SERVING" if snap.loading else "SERVING", resident=snap.resident,
+            world_size=rt.group.world_size, memory_bytes=rt.engine.resident_bytes() if snap.resident else 0,
+            queue_depth=snap.queue_depth, running=int(snap.running), lease_holder=snap.lease_holder,
+            residency=rt.cfg.residency, kernels=kernels, jobs_done=snap.jobs_done, **d)

@@ -304,6 +304,21 @@ def test_idle_unload_and_step_aside_when_other_waits(tmp_path):
         rb.shutdown(False, 2)
 
 
+def test_snapshot_agrees_with_what_clients_saw(tmp_path):
+    """Status is one moment (docs/testing.md): once a client has its job's outcome the runtime shows the job done and
+    nothing running; once it shows "not resident" its lease is back. Checked after every job and every unload."""
+    rt, _ = _runtime(tmp_path, "s", FakeEngine(), idle_unload_s=0)
+    try:
+        for i in range(10):
+            assert _wait(rt.submit(Job(spec=f"j{i}", inputs={}))).kind == "done"
+            snap = rt.snapshot()
+            assert not snap.running and snap.queue_depth == 0 and snap.jobs_done == i + 1, snap
+            snap = wait_until(lambda: next((x for x in [rt.snapshot()] if not x.resident), None), what="idle unload")
+            assert snap.lease_holder == "", snap
+    finally:
+        rt.shutdown(False, 2)
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # Process level: real stage servers
 # ---------------------------------------------------------------------------------------------------------------------
