@@ -354,9 +354,10 @@ class StageRuntime:
             ids = self.lease.ids if self.lease is not None else self.budget.ids
             self.events.write(event, stage=self.engine.name, devices=ids, residency=self.cfg.residency, **extra)
 
-    def _load(self, need_bytes: int = 0, spec: Any = None) -> float:
-        """Take the devices (lease, or budget room in shared mode), then load (for the job `spec` when given).
-        Returns seconds taken."""
+    def _load(self, need_bytes: int = 0, spec: Any = None, cancelled: Callable[[], bool] | None = None) -> float:
+        """Take the devices (lease, or budget room in shared mode), then load (for the job `spec` when given) unless
+        `cancelled()` says the job's client left while we waited: then the devices go back unloaded (raises
+        Cancelled). Returns seconds taken."""
         if self.resident:
             return 0.0
         t0 = time.monotonic()
@@ -367,6 +368,8 @@ class StageRuntime:
             elif not self.exclusive and self.budget is not None:
                 waited = self.budget.reserve(self._reservation(need_bytes), timeout_s=self.cfg.lease_timeout_s)
             self.last_lease_wait = waited
+            if cancelled is not None and cancelled():  # no weights (and no swap) for a client that is gone
+                raise Cancelled(f"{self.engine.name}: job cancelled while it waited for the devices")
             # Health is NOT_SERVING only while weights are actually loading (not while waiting in line).
             self.loading = True
             self.on_health(False)
@@ -399,8 +402,9 @@ class StageRuntime:
                 self._give_back()
             raise
         finally:
-            self.loading = False
-            self.on_health(True)
+            if self.loading:  # (never set when we gave up waiting in line: health never left SERVING)
+                self.loading = False
+                self.on_health(True)
         return time.monotonic() - t0
 
     @property
@@ -549,7 +553,7 @@ class StageRuntime:
             else:
                 job.events.put(JobEvent("progress", dict(stage=self.engine.name, phase="loading", step=0, total=0,
                                                          elapsed_s=0.0, eta_s=0.0, step_ms=0.0, message="")))
-                self._load(job.estimate_bytes, job.spec if self.exclusive else None)
+                self._load(job.estimate_bytes, job.spec if self.exclusive else None, job.should_cancel)
                 job.timing["lease_wait_s"] = self.last_lease_wait
                 job.timing["load_s"] = time.monotonic() - t0 - self.last_lease_wait
             t1 = time.monotonic()

@@ -319,6 +319,25 @@ def test_snapshot_agrees_with_what_clients_saw(tmp_path):
         rt.shutdown(False, 2)
 
 
+def test_a_job_cancelled_while_waiting_for_the_devices_loads_nothing(tmp_path):
+    """Its client left while the stage waited in line: once the devices are free the stage gives them straight back,
+    without loading weights for nobody (health never leaves SERVING, nobody is evicted for it)."""
+    other = DeviceLease(["virt0"], LeaseConfig(tmp_path, "other"))
+    other.acquire()
+    eng = FakeEngine()
+    rt, health = _runtime(tmp_path, "s", eng, idle_unload_s=-1)
+    try:
+        job = rt.submit(Job(spec="gone", inputs={}))
+        wait_until(other.others_waiting, what="the stage to wait for the lease")
+        job.close()  # what the RPC does when its client leaves
+        other.release()
+        wait_until(lambda: not rt.snapshot().running, what="the stage to drop the job")
+        assert not any(e["event"] == "load_start" for e in read_events(tmp_path))
+        assert eng.started == [] and not eng.loaded and health == [] and rt.snapshot().lease_holder == ""
+    finally:
+        rt.shutdown(False, 2)
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # Process level: real stage servers
 # ---------------------------------------------------------------------------------------------------------------------
