@@ -23,13 +23,15 @@ class LifecycleMixin:
         """Stage-specific Status fields (devices, weights, variant, kernels, embedded_model)."""
         return {}
 
+    # `resident` in a lifecycle reply is the state the request left (a load that returned is resident, an unload
+    # that returned is not), not a second read of the runtime, which an idle unload may have changed meanwhile.
     def Load(self, request, context):
         secs = abort_on_error(context, self.runtime.request, "load")
-        return common_pb2.LifecycleReply(resident=self.runtime.resident, seconds=secs, message="loaded")
+        return common_pb2.LifecycleReply(resident=True, seconds=secs, message="loaded")
 
     def Unload(self, request, context):
         secs = abort_on_error(context, self.runtime.request, "unload")
-        return common_pb2.LifecycleReply(resident=self.runtime.resident, seconds=secs, message="unloaded")
+        return common_pb2.LifecycleReply(resident=False, seconds=secs, message="unloaded")
 
     def Warmup(self, request, context):
         t0 = time.monotonic()
@@ -37,7 +39,7 @@ class LifecycleMixin:
         warm = getattr(self.runtime.engine, "warmup", None)
         if warm is not None and self.runtime.group.world_size == 1:
             abort_on_error(context, warm)
-        return common_pb2.LifecycleReply(resident=self.runtime.resident, seconds=time.monotonic() - t0,
+        return common_pb2.LifecycleReply(resident=True, seconds=time.monotonic() - t0,
                                          message="warm")
 
     def Status(self, request, context):

@@ -542,7 +542,7 @@ def test_kill_holder_mid_job(tmp_path, cache):
         os.killpg(victim.proc.pid, signal.SIGKILL)
         victim.proc.wait()
         tv.join(30)
-        tn.join(60)
+        tn.join(120)  # (its sample has a 120 s deadline)
         assert err and err[0].code() == grpc.StatusCode.UNAVAILABLE, err
         assert result, nxt.log.read_text()[-2000:]
         ev = read_events(lease_dir)
@@ -592,5 +592,8 @@ def test_lifecycle_rpcs_idle_unload_and_admission(tmp_path, cache):
     finally:
         s.stop()
     ev = read_events(lease_dir)
-    assert [e["event"] for e in ev if e["event"] in ("loaded", "unloaded")] == ["loaded", "unloaded"] * 2  # Load+Unload, Warmup..idle
+    # Load+Unload, then Warmup..idle: two residencies, or three when the 1 s idle unload came between the Warmup and
+    # the job (a loaded machine can take that long to send it); each load ends in its unload.
+    swaps = [e["event"] for e in ev if e["event"] in ("loaded", "unloaded")]
+    assert swaps in (["loaded", "unloaded"] * 2, ["loaded", "unloaded"] * 3), swaps
     assert not any(e.get("job") == "too-big" for e in ev)
