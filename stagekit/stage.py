@@ -23,7 +23,7 @@ import grpc
 
 from stagekit.budget import BudgetConfig, MemoryBudget, resolve_budget_bytes
 from stagekit.dist import RankGroup, RankInfo, rank_info_from_env
-from stagekit.lease import DeviceLease, LeaseConfig, RankHold
+from stagekit.lease import DeviceLease, LeaseConfig, RankHold, pid_alive
 from stagekit.runtime import Engine, RuntimeConfig, StageRuntime, follower_loop
 from stagekit.server import ServeConfig, StageServer, followers_ignore_term, is_loopback, startup_errors
 
@@ -183,7 +183,7 @@ class StageTempDir:
             try:
                 fd = os.open(d / ".owner", os.O_RDONLY)
             except FileNotFoundError:
-                if _pid_alive(int(m.group(1))):  # still being set up by a starting stage
+                if pid_alive(int(m.group(1))):  # still being set up by a starting stage
                     continue
             else:
                 try:
@@ -199,16 +199,6 @@ class StageTempDir:
     def remove(self) -> None:
         shutil.rmtree(self.path, ignore_errors=True)
         os.close(self._fd)
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 @dataclass
