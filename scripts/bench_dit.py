@@ -53,7 +53,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from dit_svc.config import DiTConfig  # noqa: E402
 from dit_svc.layout import build_layout  # noqa: E402
 from dit_svc.model import FP32_PARAM_PREFIXES, H3DiT  # noqa: E402
-from dit_svc.tiny_checkpoint import convrot_groupsize, iter_random_int8_convrot_weights  # noqa: E402
+from dit_svc.tiny_checkpoint import convrot_groupsize, diffusers_config, iter_random_int8_convrot_weights  # noqa: E402
 from stagekit.fp8_attention import DEFAULT_OPTIONS, Fp8Attention, Fp8AttentionOptions  # noqa: E402
 from stagekit.kernels import (  # noqa: E402
     Fp8RowwiseLinear,
@@ -223,13 +223,7 @@ def build_diffusers(cfg: DiTConfig, seed: int, device):
     from dit_svc.convert_diffusers import to_diffusers
 
     with torch.device("meta"):
-        dm = MiniMaxH3Transformer3DModel(
-            num_attention_heads=cfg.num_heads, attention_head_dim=cfg.head_dim, hidden_size=cfg.hidden,
-            num_layers=cfg.num_layers, num_refiner_layers=cfg.num_refiner_layers, ffn_dim=cfg.ffn,
-            in_channels=cfg.in_channels, audio_in_channels=cfg.audio_in_channels, patch_size=cfg.patch,
-            text_dim=cfg.text_dim, freq_dim=cfg.freq_dim, time_embed_hidden_dim=cfg.time_embed_hidden,
-            time_embed_dim=cfg.time_embed_dim, rope_freq_dim=cfg.rope_freq_dim, rope_theta=cfg.rope_theta,
-            norm_eps=cfg.eps, qk_norm_eps=cfg.eps, final_norm_eps=cfg.eps)
+        dm = MiniMaxH3Transformer3DModel.from_config(diffusers_config(cfg))
     dm.rope = MiniMaxH3RotaryPosEmbed(cfg.rope_freq_dim, cfg.rope_theta).to(device)
     pending, nbytes = {}, 0
     for key, t in iter_checkpoint(cfg, seed, device):
