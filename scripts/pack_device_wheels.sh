@@ -6,9 +6,10 @@
 # the folder.
 #
 #   bash scripts/pack_device_wheels.sh [--out .devpkgs] [--max-mib 60] [--with-cudnn-frontend]
-#   bash scripts/pack_device_wheels.sh --fast-dit      # the bundle of scripts/bench_fast_dit.py (issue 18)
+#   bash scripts/pack_device_wheels.sh --fast-dit      # .devpkgs/fast_dit.tar.xz: scripts/bench_fast_dit.py (issue 18)
 #
-# On the device (from the repo root, with .devpkgs carried):
+# The two bundles have their own names (both do not fit one carry: carry the one file the run needs). On the device
+# (from the repo root, with .devpkgs/site.tar.xz carried):
 #   mkdir -p /tmp/site && tar -xJf .devpkgs/site.tar.xz -C /tmp/site && export PYTHONPATH=/tmp/site:$PWD:$PWD/protos
 #
 # What goes in and why (the device image's package list is in the workplace's KINDS.md):
@@ -44,7 +45,9 @@ while [[ $# -gt 0 ]]; do
 done
 PY="${PYTHON:-python3}"
 GRPC=(grpcio==1.85.1 grpcio-health-checking==1.85.1 grpcio-reflection==1.85.1 protobuf==7.36.2)
+name=site.tar.xz
 if (( fast_dit )); then
+  name=fast_dit.tar.xz
   PKGS=("${GRPC[@]}" comfy-kitchen==0.2.40 google-crc32c==1.9.0 nvidia-cudnn-frontend==1.32.0 diffusers==0.42.1)
 else
   PKGS=("${GRPC[@]}" comfy-kitchen==0.2.40 av==18.1.0 soundfile==0.14.0 cffi==2.1.1 pycparser==3.12
@@ -57,7 +60,7 @@ target=(--python-version 3.12 --implementation cp --abi cp312 --abi abi3 --abi n
 
 build="${TMPDIR:-/tmp}/h3-devpkgs-build"
 mkdir -p "$out" "$build/wheels"
-rm -rf "$build/site" "$out/site.tar.xz"
+rm -rf "$build/site" "$out/$name"
 "$PY" -m pip download -q --no-deps "${target[@]}" -d "$build/wheels" "${PKGS[@]}"
 # Keep exactly one wheel per package (an older download of another version would make two).
 "$PY" -m pip install -q --no-deps --no-index --no-compile --target "$build/site" "${target[@]}" \
@@ -79,12 +82,12 @@ if [[ -d "$build/site/diffusers" ]]; then  # only the transformer is used: drop 
 fi
 printf '%s\n' "${PKGS[@]}" > "$build/site/H3_BUNDLE.txt"  # what this bundle holds (the driver records it)
 
-XZ_OPT="-9e -T0" tar -cJf "$out/site.tar.xz" -C "$build/site" .
-size=$(stat -c %s "$out/site.tar.xz")
-echo "wrote $out/site.tar.xz: $((size / 1048576)) MiB ($(du -sh "$build/site" | cut -f1) unpacked)"
+XZ_OPT="-9e -T0" tar -cJf "$out/$name" -C "$build/site" .
+size=$(stat -c %s "$out/$name")
+echo "wrote $out/$name: $((size / 1048576)) MiB ($(du -sh "$build/site" | cut -f1) unpacked)"
 du -sh "$build/site/"* 2>/dev/null | sort -h | tail -8
 if (( size > max_mib * 1048576 )); then
   echo "pack_device_wheels.sh: $((size / 1048576)) MiB is over --max-mib $max_mib" >&2
   exit 1
 fi
-echo "device: mkdir -p /tmp/site && tar -xJf $out/site.tar.xz -C /tmp/site && export PYTHONPATH=/tmp/site:\$PWD:\$PWD/protos"
+echo "device: mkdir -p /tmp/site && tar -xJf $out/$name -C /tmp/site && export PYTHONPATH=/tmp/site:\$PWD:\$PWD/protos"
