@@ -33,8 +33,8 @@ from pathlib import Path
 import grpc
 
 from client.stubs import SERVICE_NAMES, STAGES, StageClients
-from h3.v1 import common_pb2, decoder_pb2, dit_pb2, encoder_pb2
-from stagekit.render_params import RenderSpec, spec_to_proto
+from h3.v1 import common_pb2, decoder_pb2, encoder_pb2
+from stagekit.render_params import RenderSpec
 
 if TYPE_CHECKING:  # torch is imported where tensors are made: the CLI that registers this command stays torch-free
     import torch
@@ -193,23 +193,27 @@ def _counted(it: Iterator, rec: RequestRecord, kind: str) -> Iterator:
         yield msg
 
 
+def _received(rec: RequestRecord, feed: Callable[[object], None] = lambda chunk: None) -> Callable[[object], None]:
+    """A stage_events feed that counts each payload chunk's bytes into `rec`, then hands the chunk to `feed`."""
+
+    def count(chunk) -> None:
+        rec.bytes_received += len(chunk.data)
+        feed(chunk)
+
+    return count
+
+
 def _encode(clients: StageClients, prompt: str, job_id: str, rec: RequestRecord, timeout_s: float,
             t_req: float) -> torch.Tensor:
+    from client.pipeline import stage_events
     from stagekit.wire import TensorAssembler
 
     t0 = time.monotonic()
-    asm, done = TensorAssembler(), None
-    for ev in clients.encoder.Encode(encoder_pb2.EncodeRequest(prompt=prompt, job_id=job_id), timeout=timeout_s,
-                                     metadata=clients.security.metadata()):
-        kind = ev.WhichOneof("event")
-        if kind == "tensor":
-            rec.bytes_received += len(ev.tensor.data)
-            asm.feed(ev.tensor)
-        elif kind == "done":
-            done = ev.done
+    asm = TensorAssembler()
+    done = stage_events(clients.encoder.Encode(encoder_pb2.EncodeRequest(prompt=prompt, job_id=job_id),
+                                               timeout=timeout_s, metadata=clients.security.metadata()),
+                        "encoder", tensor=_received(rec, asm.feed))
     states = asm.finish(["text_states"])["text_states"]
-    if done is None:
-        raise RuntimeError("encoder stream ended without a done event")
     rec.cache_hit = done.cache_hit
     rec.stages.append(StageTiming("encoder", t0 - t_req, time.monotonic() - t0, _timing_dict(done.timing)))
     return states
@@ -217,60 +221,32 @@ def _encode(clients: StageClients, prompt: str, job_id: str, rec: RequestRecord,
 
 def _sample(clients: StageClients, spec: RenderSpec, text: torch.Tensor, job_id: str, rec: RequestRecord,
             timeout_s: float, t_req: float) -> tuple[torch.Tensor, torch.Tensor]:
-    from stagekit.wire import TensorAssembler, tensor_chunks
+    from client.pipeline import _sample_inputs, stage_events
+    from stagekit.wire import TensorAssembler
 
-    def inputs():
-        req = dit_pb2.SampleRequest(job_id=job_id)
-        spec_to_proto(spec, req.params)
-        yield dit_pb2.SampleInput(request=req)
-        for chunk in tensor_chunks("text_states", text):
-            yield dit_pb2.SampleInput(tensor=chunk)
+    def progress(p: common_pb2.Progress) -> None:
+        if p.step and p.step_ms:
+            rec.step_ms.append(p.step_ms)
 
     t0 = time.monotonic()
-    asm, done = TensorAssembler(), None
-    for ev in clients.dit.Sample(_counted(inputs(), rec, "tensor"), timeout=timeout_s,
-                                 metadata=clients.security.metadata()):
-        kind = ev.WhichOneof("event")
-        if kind == "progress":
-            if ev.progress.step and ev.progress.step_ms:
-                rec.step_ms.append(ev.progress.step_ms)
-        elif kind == "tensor":
-            rec.bytes_received += len(ev.tensor.data)
-            asm.feed(ev.tensor)
-        elif kind == "done":
-            done = ev.done
+    asm = TensorAssembler()
+    done = stage_events(clients.dit.Sample(_counted(_sample_inputs(spec, job_id, text), rec, "tensor"),
+                                           timeout=timeout_s, metadata=clients.security.metadata()),
+                        "DiT", progress, tensor=_received(rec, asm.feed))
     out = asm.finish(["video_latents", "audio_latents"])
-    if done is None:
-        raise RuntimeError("DiT stream ended without a done event")
     rec.stages.append(StageTiming("dit", t0 - t_req, time.monotonic() - t0, _timing_dict(done.timing)))
     return out["video_latents"], out["audio_latents"]
 
 
 def _decode(clients: StageClients, spec: RenderSpec, video: torch.Tensor, audio: torch.Tensor, job_id: str,
             rec: RequestRecord, fmt: str, timeout_s: float, t_req: float) -> None:
-    from stagekit.wire import tensor_chunks
-
-    def inputs():
-        req = decoder_pb2.DecodeRequest(job_id=job_id, format=decoder_pb2.RAW if fmt == "raw" else decoder_pb2.MP4)
-        spec_to_proto(spec, req.params)
-        yield decoder_pb2.DecodeInput(request=req)
-        for name, t in (("video_latents", video), ("audio_latents", audio)):
-            for chunk in tensor_chunks(name, t):
-                yield decoder_pb2.DecodeInput(tensor=chunk)
+    from client.pipeline import _decode_inputs, stage_events
 
     t0 = time.monotonic()
-    done = None
-    for ev in clients.decoder.Decode(_counted(inputs(), rec, "tensor"), timeout=timeout_s,
-                                     metadata=clients.security.metadata()):
-        kind = ev.WhichOneof("event")
-        if kind == "file":
-            rec.bytes_received += len(ev.file.data)
-        elif kind == "tensor":
-            rec.bytes_received += len(ev.tensor.data)
-        elif kind == "done":
-            done = ev.done
-    if done is None:
-        raise RuntimeError("decoder stream ended without a done event")
+    inputs = _decode_inputs(spec, job_id, video, audio, decoder_pb2.RAW if fmt == "raw" else decoder_pb2.MP4, 0)
+    done = stage_events(clients.decoder.Decode(_counted(inputs, rec, "tensor"), timeout=timeout_s,
+                                               metadata=clients.security.metadata()),
+                        "decoder", file=_received(rec), tensor=_received(rec))
     rec.stages.append(StageTiming("decoder", t0 - t_req, time.monotonic() - t0, _timing_dict(done.timing)))
 
 
@@ -707,7 +683,7 @@ def request_messages(cfg: LoadConfig, index: int = 0, text_shape: tuple[int, int
     import torch
     from google.protobuf.json_format import MessageToDict
 
-    from stagekit.wire import tensor_chunks
+    from client.pipeline import _decode_inputs, _sample_inputs
 
     inp = _Inputs(cfg, "grpcurl", text_shape, torch.float32)
     if cfg.stage == "encoder":
@@ -717,17 +693,10 @@ def request_messages(cfg: LoadConfig, index: int = 0, text_shape: tuple[int, int
         if not text_shape[1]:
             raise ValueError("--stage dit needs --text-dim to write messages (5120 for the release model, "
                              "64 for the embedded tiny one)")
-        req = dit_pb2.SampleRequest(job_id=f"grpcurl-{index}")
-        spec_to_proto(spec, req.params)
-        msgs = [dit_pb2.SampleInput(request=req)]
-        msgs += [dit_pb2.SampleInput(tensor=c) for c in tensor_chunks("text_states", inp.text_states(index))]
+        msgs = list(_sample_inputs(spec, f"grpcurl-{index}", inp.text_states(index)))
     elif cfg.stage == "decoder":
-        req = decoder_pb2.DecodeRequest(job_id=f"grpcurl-{index}",
-                                        format=decoder_pb2.RAW if cfg.decode_format == "raw" else decoder_pb2.MP4)
-        spec_to_proto(spec, req.params)
-        msgs = [decoder_pb2.DecodeInput(request=req)]
-        for name, t in zip(("video_latents", "audio_latents"), inp.latents(index, spec)):
-            msgs += [decoder_pb2.DecodeInput(tensor=c) for c in tensor_chunks(name, t)]
+        msgs = list(_decode_inputs(spec, f"grpcurl-{index}", *inp.latents(index, spec),
+                                   decoder_pb2.RAW if cfg.decode_format == "raw" else decoder_pb2.MP4, 0))
     else:
         raise ValueError("messages are per stage: use --stage encoder, dit or decoder")
     return [MessageToDict(m) for m in msgs]

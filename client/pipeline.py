@@ -52,22 +52,28 @@ class RenderResult:
         return sum(s.wall_s for s in self.stages)
 
 
-def _drain(stream, on_progress: ProgressFn, required: list[str], what: str) -> tuple[dict[str, torch.Tensor], object]:
-    """Consume a stage's event stream: progress to the callback, tensors reassembled and verified, the done event."""
-    asm = TensorAssembler()
+def stage_events(stream, what: str, on_progress: ProgressFn = _noop, **feeds: Callable[[object], None]):
+    """Consume a stage's event stream: progress messages to `on_progress`, each payload message to the feed named
+    by its kind (`tensor=`, `file=`); returns the done event (a stream that ends without one raises)."""
     done = None
     for ev in stream:
         kind = ev.WhichOneof("event")
         if kind == "progress":
             on_progress(ev.progress)
-        elif kind == "tensor":
-            asm.feed(ev.tensor)
         elif kind == "done":
             done = ev.done
-    out = asm.finish(required)
+        elif kind in feeds:
+            feeds[kind](getattr(ev, kind))
     if done is None:
-        raise RuntimeError(f"{what} stream ended without a done event")
-    return out, done
+        raise RuntimeError(f"{what} stream ended without a done event (the stage stopped mid-call?); retry")
+    return done
+
+
+def _drain(stream, on_progress: ProgressFn, required: list[str], what: str) -> tuple[dict[str, torch.Tensor], object]:
+    """A stage's event stream whose result is tensors: reassembled and verified, with the done event."""
+    asm = TensorAssembler()
+    done = stage_events(stream, what, on_progress, tensor=asm.feed)
+    return asm.finish(required), done
 
 
 def encode(clients: StageClients, prompt: str, job_id: str = "", on_progress: ProgressFn = _noop,
@@ -150,21 +156,11 @@ def decode(clients: StageClients, spec: RenderSpec, video: torch.Tensor, audio: 
     """Stream the decoded file into `out_path` (written beside it, renamed only once complete and verified).
     `upscale` (width, height): the MP4's size when it differs from the render's (scaled in the decoder's mux)."""
     t0 = time.monotonic()
-    done = None
     with FileReceiver(Path(out_path)) as recv:
         stream = clients.decoder.Decode(_decode_inputs(spec, job_id, video, audio, fmt, crf, upscale),
                                         timeout=timeout_s or DEADLINES["decoder"], metadata=clients.security.metadata())
         on_call(stream)
-        for ev in stream:
-            kind = ev.WhichOneof("event")
-            if kind == "progress":
-                on_progress(ev.progress)
-            elif kind == "file":
-                recv.feed(ev.file)
-            elif kind == "done":
-                done = ev.done
-        if done is None:
-            raise RuntimeError("decoder stream ended before the file was complete; retry the decode")
+        done = stage_events(stream, "decoder", on_progress, file=recv.feed)
         recv.finish()
     return StageResult("decoder", time.monotonic() - t0, done.timing,
                        {"frames": done.frames, "audio_samples": done.audio_samples, "ranks": done.world_size})

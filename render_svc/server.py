@@ -184,13 +184,15 @@ def main(argv: list[str] | None = None) -> None:
         return RenderEngine(StageClients(cfg.endpoints(), cfg.stage_security()))
 
     def add_servicer(server, runtime) -> None:
-        svc = RenderService(cfg.scheduler(), runtime)
-        web_url = ""
-        if cfg.http_port >= 0:
+        web = None
+        if cfg.http_port >= 0:  # bound before the job database is opened: a taken port refuses the start first
             from render_svc.web import WebPage
 
-            web = WebPage(cfg, svc, runtime.engine.clients)
-            web_url = web.start()
+            web = WebPage(cfg, runtime.engine.clients)
+        svc = RenderService(cfg.scheduler(), runtime)
+        web_url = ""
+        if web is not None:
+            web_url = web.start(svc)
             print(f"render web page on {web_url}", flush=True)
         svc.start()
         render_pb2_grpc.add_RendererServicer_to_server(RenderServicer(svc, runtime.engine.clients, web_url), server)

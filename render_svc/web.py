@@ -31,6 +31,7 @@ from google.protobuf.json_format import MessageToDict
 from client.stubs import STAGES, StageClients
 from h3.v1 import common_pb2
 from render_svc.store import SUCCEEDED
+from stagekit.server import cannot_listen
 
 log = logging.getLogger("render_svc.web")
 
@@ -91,11 +92,15 @@ class Residency:
 
 
 class WebPage:
-    def __init__(self, cfg, svc, clients: StageClients):
+    """The page's HTTP server: bound (and its port held) at construction, served from `start` once the job service
+    exists, so a taken --http-port refuses the start before the job database is opened (docs/reliability.md)."""
+
+    def __init__(self, cfg, clients: StageClients):
         self.cfg = cfg
-        self.svc = svc
+        self.svc = None  # the RenderService, given to `start`
         self.residency = Residency(clients)
         self.page = PAGE.read_bytes()
+        self._httpd, self.url = self._bind()
 
     def state(self) -> dict:
         snap = self.svc.snapshot()
@@ -113,7 +118,18 @@ class WebPage:
         path = Path(rec.output)
         return path if rec.state == SUCCEEDED and not rec.expired and path.exists() else None
 
-    def start(self) -> str:
+    def start(self, svc) -> str:
+        """Serve the page over `svc` (a RenderService); returns its URL."""
+        self.svc = svc
+        threading.Thread(target=self._httpd.serve_forever, name="web", daemon=True).start()
+        self.residency.start()
+        if self.cfg.port_file:
+            tmp = Path(self.cfg.port_file + ".http.tmp")
+            tmp.write_text(str(self._httpd.server_address[1]))
+            tmp.replace(self.cfg.port_file + ".http")
+        return self.url
+
+    def _bind(self) -> tuple[ThreadingHTTPServer, str]:
         page = self
         token = self.cfg.resolved_token()
 
@@ -212,7 +228,10 @@ class WebPage:
                         self.wfile.write(data)
                         left -= len(data)
 
-        httpd = ThreadingHTTPServer((self.cfg.host, self.cfg.http_port), Handler)
+        try:
+            httpd = ThreadingHTTPServer((self.cfg.host, self.cfg.http_port), Handler)
+        except OSError as e:
+            raise cannot_listen(f"{self.cfg.host}:{self.cfg.http_port}", "--http-port", e.strerror or str(e)) from None
         httpd.daemon_threads = True
         scheme = "http"
         if self.cfg.tls_cert:
@@ -221,11 +240,5 @@ class WebPage:
             httpd.socket = ctx.wrap_socket(httpd.socket, server_side=True)
             scheme = "https"
         port = httpd.server_address[1]
-        threading.Thread(target=httpd.serve_forever, name="web", daemon=True).start()
-        self.residency.start()
-        if self.cfg.port_file:
-            tmp = Path(self.cfg.port_file + ".http.tmp")
-            tmp.write_text(str(port))
-            tmp.replace(self.cfg.port_file + ".http")
         host = f"[{self.cfg.host}]" if ":" in self.cfg.host else self.cfg.host
-        return f"{scheme}://{host}:{port}/"
+        return httpd, f"{scheme}://{host}:{port}/"

@@ -3,6 +3,7 @@
     python scripts/bench_attention.py --out $OUT                 # full run (one H200: a few minutes)
     python scripts/bench_attention.py --check --out $OUT         # GPU self-check only (< 1 min), exit 1 on failure
     python scripts/bench_attention.py --layers 2 --out $OUT      # smoke (same code, 2 blocks)
+    python scripts/bench_attention.py --tiny --out /tmp/att      # CPU dry run (tiny model; the kernel emulated)
 
 Options compared (stagekit/fp8_attention.py): `naive` (q, k, v per tensor), `head` (V / O per head), `head+k`
 (+ K mean subtraction), `head+kv` (+ V mean subtraction; the registry's default). Every option feeds the same cuDNN
@@ -19,7 +20,10 @@ fp8 SDPA kernel (e4m3 q/k/v/P/O on Hopper).
    "model": q/k/v captured from step 2): rel. error vs an fp32 reference and ms of bf16 cuDNN SDPA, of the fp8
    kernel alone, and of each option including its quantisation (eager, and compiled for `naive` / `head+kv`).
 
-Writes <out>/attention.json (or check.json) and prints tables. Exit 1 if a self-check fails.
+Writes <out>/attention.json (or check.json) after every stage and prints tables. A step that raises is recorded
+under "failures" (with its error) and the rest still runs. Exit 1 if anything failed.
+--tiny: the same steps on the CPU with the tiny model and small shapes, cuDNN's kernel replaced by its fp32
+emulation (so the kernel-vs-emulation check is trivially 0): it checks the script, not the kernel.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import gc
 import json
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -52,15 +57,69 @@ from stagekit.fp8_attention import (  # noqa: E402
     sdpa_fp8_emulated,
     unavailable,
 )
-from stagekit.kernels import KernelConfig, default_attention_candidates, rel_err, select_kernels, time_ms  # noqa: E402
+from stagekit.kernels import (  # noqa: E402
+    REL_ERR_BOUND,
+    AttentionCandidate,
+    KernelConfig,
+    default_attention_candidates,
+    rel_err,
+    select_kernels,
+    time_ms,
+)
 
-CUDA = torch.device("cuda")
+DEV = torch.device("cuda")  # --tiny: the CPU
+TINY_SHAPES = "64x64x22,96x64x22"
 COMPILED_OPTIONS = ("naive", "head+kv")
 CHECK_MAX_KERNEL_VS_EMULATION = 3e-2  # same arithmetic; P~ rounds against a blockwise row max in the kernel
 
 
 def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def on_gpu() -> bool:
+    return DEV.type == "cuda"
+
+
+def sync() -> None:
+    if on_gpu():
+        torch.cuda.synchronize()
+
+
+def empty_cache() -> None:
+    gc.collect()
+    if on_gpu():
+        torch.cuda.empty_cache()
+
+
+def guarded(failures: list[str], what: str, fn, *args):
+    """fn(*args), or None after recording `what` failed (with its error) in `failures`: one broken step must not
+    cost the numbers of the others."""
+    try:
+        return fn(*args)
+    except Exception as e:
+        failures.append(f"{what}: {type(e).__name__}: {str(e)[:500]}")
+        log(f"{what} FAILED: {type(e).__name__}: {e}")
+        empty_cache()
+        return None
+
+
+def fp8_attention(opt, compile_quant: bool = False) -> Fp8Attention:
+    """The registry's fp8 attention with these options; on the CPU (--tiny) its emulation, on every sequence."""
+    if on_gpu():
+        return Fp8Attention(opt, compile_quant=compile_quant)
+    return Fp8Attention(replace(opt, min_seq=0), emulate=True)
+
+
+def fp8_kernel(p):
+    """The bare kernel on quantised inputs (cuDNN; on the CPU its emulation) -> e4m3 O [H, S, D]."""
+    kernel = sdpa_fp8 if on_gpu() else sdpa_fp8_emulated
+    return kernel(p.q8, p.k8, p.v8, p.descale_q, p.descale_k)
+
+
+def bf16_attention():
+    """bf16 cuDNN SDPA (the baseline); on the CPU the math kernel."""
+    return default_attention_candidates()["cudnn" if on_gpu() else "math"].make_fn()
 
 
 def fp32_reference(q, k, v) -> torch.Tensor:
@@ -77,17 +136,17 @@ def fp32_reference(q, k, v) -> torch.Tensor:
 
 
 def random_data(s: int, h: int, d: int, seed: int):
-    g = torch.Generator(device=CUDA).manual_seed(seed)
-    return [torch.randn(1, h, s, d, generator=g, device=CUDA).to(torch.bfloat16) for _ in range(3)]
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    return [torch.randn(1, h, s, d, generator=g, device=DEV).to(torch.bfloat16) for _ in range(3)]
 
 
 def synthetic_data(s: int, h: int, d: int, seed: int):
     """DiT-shaped (not real) activations: RMSNorm'd q/k with a gain and a component shared across tokens (peaked
     attention), a per-(head, channel) key offset; V with channel means and head scales spanning 100x."""
-    g = torch.Generator(device=CUDA).manual_seed(seed)
+    g = torch.Generator(device=DEV).manual_seed(seed)
 
     def n(*shape):
-        return torch.randn(*shape, generator=g, device=CUDA)
+        return torch.randn(*shape, generator=g, device=DEV)
 
     def rms(x):
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
@@ -96,12 +155,14 @@ def synthetic_data(s: int, h: int, d: int, seed: int):
     shared = n(1, 1, s, d)
     q = rms(n(1, h, s, d) + 1.5 * shared) * gain * 2.0
     k = rms(n(1, h, s, d) + 1.5 * shared + 2.0 * n(1, h, 1, d)) * gain * 2.0
-    v = (n(1, h, s, d) + 3.0 * n(1, h, 1, d)) * torch.logspace(-1, 1, h, device=CUDA).view(1, h, 1, 1)
+    v = (n(1, h, s, d) + 3.0 * n(1, h, 1, d)) * torch.logspace(-1, 1, h, device=DEV).view(1, h, 1, 1)
     return [t.to(torch.bfloat16) for t in (q, k, v)]
 
 
 def per_head_descale_probe(q, k, v, ref) -> dict:
     """Does cuDNN accept (and honour) per-head Q/K descales? q/k quantised per head, descales [H]."""
+    if not on_gpu():
+        return {"supported": None, "skipped": "needs cuDNN (GPU)"}
     qs, ks = q[0].float(), k[0].float()  # [H, S, D]
     aq = qs.abs().amax(dim=(1, 2)).clamp(min=1e-12)
     ak = ks.abs().amax(dim=(1, 2)).clamp(min=1e-12)
@@ -126,27 +187,43 @@ def self_check(s: int, h: int, d: int, failures: list[str]) -> dict:
     out: dict = {}
     q, k, v = random_data(s, h, d, seed=10)
     v = v + 1.0
-    p = quantize_qkv(q[0], k[0], v[0], DEFAULT_OPTIONS)
-    o8 = sdpa_fp8(p.q8, p.k8, p.v8, p.descale_q, p.descale_k)
-    heads = slice(0, 2)  # the emulation materialises [heads, S, S] fp32
-    emu = sdpa_fp8_emulated(p.q8[heads], p.k8[heads], p.v8[heads], p.descale_q, p.descale_k)
-    out["kernel_vs_emulation_rel_err"] = rel_err(o8[heads].float(), emu.float())
-    out["o8_finite"] = bool(torch.isfinite(o8.float()).all())
     ref = fp32_reference(q, k, v)
-    o = Fp8Attention(DEFAULT_OPTIONS)(q, k, v)
-    out["default_vs_fp32_rel_err"] = rel_err(o, ref)
-    if not out["o8_finite"] or not out["kernel_vs_emulation_rel_err"] <= CHECK_MAX_KERNEL_VS_EMULATION:
-        failures.append(f"cuDNN fp8 kernel vs emulation: {out['kernel_vs_emulation_rel_err']:.3e} "
-                        f"(bound {CHECK_MAX_KERNEL_VS_EMULATION}); finite {out['o8_finite']}")
-    try:
-        sel = select_kernels(CUDA, KernelConfig(linear_kernel="bf16", attention_kernel="fp8"))
+
+    def kernel_vs_emulation():
+        p = quantize_qkv(q[0], k[0], v[0], DEFAULT_OPTIONS)
+        o8 = fp8_kernel(p)
+        heads = slice(0, 2)  # the emulation materialises [heads, S, S] fp32
+        emu = sdpa_fp8_emulated(p.q8[heads], p.k8[heads], p.v8[heads], p.descale_q, p.descale_k)
+        out["kernel_vs_emulation_rel_err"] = rel_err(o8[heads].float(), emu.float())
+        out["o8_finite"] = bool(torch.isfinite(o8.float()).all())
+        if not out["o8_finite"] or not out["kernel_vs_emulation_rel_err"] <= CHECK_MAX_KERNEL_VS_EMULATION:
+            failures.append(f"cuDNN fp8 kernel vs emulation: {out['kernel_vs_emulation_rel_err']:.3e} "
+                            f"(bound {CHECK_MAX_KERNEL_VS_EMULATION}); finite {out['o8_finite']}")
+
+    def default_vs_fp32():
+        out["default_vs_fp32_rel_err"] = rel_err(fp8_attention(DEFAULT_OPTIONS)(q, k, v), ref)
+
+    def probes():
+        if on_gpu():
+            cands, small = None, {}
+        else:  # the registry's probe over the CPU's math kernel and the emulated fp8 candidate
+            cands = {"math": default_attention_candidates()["math"],
+                     "fp8": AttentionCandidate("fp8", lambda: fp8_attention(DEFAULT_OPTIONS),
+                                               REL_ERR_BOUND["fp8_attention"], archs=("cpu",))}
+            small = dict(linear_shapes=((64, 256, 128),), attention_shape=(1, h, 128, d), probe_iters=1,
+                         compute_dtype=torch.float32)
+        sel = select_kernels(DEV, KernelConfig(linear_kernel="bf16", attention_kernel="fp8", **small),
+                             attention_candidates=cands)
         out["forced_probe"] = sel.status_rows()[1]
-    except Exception as e:
-        out["forced_probe"] = f"{type(e).__name__}: {e}"
-        failures.append(f"forced fp8 probe failed: {e}")
-    auto = select_kernels(CUDA, KernelConfig(linear_kernel="bf16"))
-    out["auto_probe"] = auto.status_rows()[1]
-    out["per_head_descales"] = per_head_descale_probe(q, k, v, ref)
+        auto = select_kernels(DEV, KernelConfig(linear_kernel="bf16", **small), attention_candidates=cands)
+        out["auto_probe"] = auto.status_rows()[1]
+        out["auto_probe_results"] = [r.__dict__ for r in auto.probes["attention"]]
+
+    guarded(failures, "self-check: kernel vs emulation", kernel_vs_emulation)
+    guarded(failures, "self-check: default options vs fp32", default_vs_fp32)
+    guarded(failures, "self-check: registry probes (forced fp8, auto)", probes)
+    out["per_head_descales"] = guarded(failures, "self-check: per-head descales", per_head_descale_probe, q, k, v,
+                                       ref)
     log(f"self-check: {json.dumps(out, default=str)}")
     return out
 
@@ -169,55 +246,57 @@ class Recorder:
         return self.fn(q, k, v)
 
 
-def full_forward(args, cfg: DiTConfig, shapes, result: dict) -> dict:
+def full_forward(args, cfg: DiTConfig, shapes, result: dict, failures: list[str]) -> dict:
     """Velocity error of each option vs bf16 cuDNN attention on the same model; returns captured q/k/v by shape."""
-    model, master = build_ours(cfg, args.seed, CUDA, args.chunk_rows)
-    install_linears(model, master, "fp8")
+    model, master = build_ours(cfg, args.seed, DEV, args.chunk_rows)
+    install_linears(model, master, "fp8", DEV)
     del master
-    gc.collect()
-    torch.cuda.empty_cache()
+    empty_cache()
     model.eval()
-    cudnn_fn = default_attention_candidates()["cudnn"].make_fn()
+    base_fn = bf16_attention()
     captured = {}
     first_block = cfg.num_refiner_layers
     keep = {first_block, first_block + cfg.num_layers // 2}
     for shape in shapes:
         key = "x".join(map(str, shape))
-        lay, video, audio, text = inputs_for(cfg, shape, CUDA)
-        tv, ta = (torch.tensor(t, device=CUDA) for t in (T_VIDEO, T_AUDIO))
-        row = result.setdefault(key, {"S": lay.seq_len, "forward": {}})
+        lay, video, audio, text = inputs_for(cfg, shape, DEV)
+        tv, ta = (torch.tensor(t, device=DEV) for t in (T_VIDEO, T_AUDIO))
+        row = result.setdefault(key, {"S": lay.seq_len})
+        fwd = row.setdefault("forward", {})
 
         def run(fn, iters=1):
             model.set_attention_fn(fn)
             box = {}
             with torch.inference_mode():
                 model(video, audio, text, tv, ta, lay)  # warm-up (plans, compiles)
-                ms = time_ms(lambda: box.__setitem__("o", model(video, audio, text, tv, ta, lay)), CUDA, iters, 0)
+                ms = time_ms(lambda: box.__setitem__("o", model(video, audio, text, tv, ta, lay)), DEV, iters, 0)
             return ms, box["o"]
 
-        rec = Recorder(cudnn_fn, keep)
+        rec = Recorder(base_fn, keep)
         model.set_attention_fn(rec)
         with torch.inference_mode():
             model(video, audio, text, tv, ta, lay)
         captured[key] = [rec.saved[i] for i in sorted(rec.saved)]
-        ms, (rv, ra) = run(cudnn_fn)
-        row["forward"]["cudnn_bf16"] = {"ms": ms}
+        ms, (rv, ra) = run(base_fn)
+        fwd["cudnn_bf16"] = {"ms": ms}
         log(f"{key}: forward with bf16 cuDNN attention {ms / 1e3:.3f} s/step (eager)")
-        for name, opt in OPTIONS.items():
-            ms, (ov, oa) = run(Fp8Attention(opt, compile_quant=True))
+
+        def option(name, opt):
+            ms, (ov, oa) = run(fp8_attention(opt, compile_quant=True))
             ok = bool(torch.isfinite(ov).all() and torch.isfinite(oa).all())
-            row["forward"][name] = {"ms": ms, "finite": ok, "velocity_rel_err_video": rel_err(ov, rv),
-                                    "velocity_rel_err_audio": rel_err(oa, ra)}
+            r = fwd[name] = {"ms": ms, "finite": ok, "velocity_rel_err_video": rel_err(ov, rv),
+                             "velocity_rel_err_audio": rel_err(oa, ra)}
             log(f"{key}: forward fp8 {name}: {ms / 1e3:.3f} s/step, velocity err video "
-                f"{row['forward'][name]['velocity_rel_err_video']:.3e} audio "
-                f"{row['forward'][name]['velocity_rel_err_audio']:.3e}")
+                f"{r['velocity_rel_err_video']:.3e} audio {r['velocity_rel_err_audio']:.3e}")
             if not ok:
-                result.setdefault("failures", []).append(f"{key} forward fp8 {name}: non-finite velocity")
-        del lay, video, audio, text, rv, ra, ov, oa
-        torch.cuda.empty_cache()
+                failures.append(f"{key} forward fp8 {name}: non-finite velocity")
+
+        for name, opt in OPTIONS.items():
+            guarded(failures, f"{key} forward fp8 {name}", option, name, opt)
+        del lay, video, audio, text, rv, ra
+        empty_cache()
     del model
-    gc.collect()
-    torch.cuda.empty_cache()
+    empty_cache()
     return captured
 
 
@@ -226,50 +305,65 @@ def full_forward(args, cfg: DiTConfig, shapes, result: dict) -> dict:
 # =====================================================================================================================
 
 
-def op_level(args, data_sets: dict, row: dict) -> None:
-    cudnn_fn = default_attention_candidates()["cudnn"].make_fn()
-    compiled = {n: Fp8Attention(OPTIONS[n], compile_quant=True) for n in COMPILED_OPTIONS}
+def op_level(args, data_sets: dict, row: dict, failures: list[str]) -> None:
+    base_fn = bf16_attention()
+    compiled = {n: fp8_attention(OPTIONS[n], compile_quant=True) for n in COMPILED_OPTIONS}
     for data_name, (q, k, v) in data_sets.items():
         s = q.shape[2]
         flops = 4.0 * s * s * q.shape[1] * q.shape[3]
         ref = fp32_reference(q, k, v)
         res = row.setdefault("op", {}).setdefault(data_name, {})
-        ms = time_ms(lambda: cudnn_fn(q, k, v), CUDA, args.iters)
-        res["cudnn_bf16"] = {"ms": ms, "tflops": flops / ms / 1e9, "rel_err": rel_err(cudnn_fn(q, k, v), ref)}
-        p = quantize_qkv(q[0], k[0], v[0], DEFAULT_OPTIONS)
-        ms = time_ms(lambda: sdpa_fp8(p.q8, p.k8, p.v8, p.descale_q, p.descale_k), CUDA, args.iters)
-        res["fp8_kernel_only"] = {"ms": ms, "tflops": flops / ms / 1e9}
-        for name, opt in OPTIONS.items():
-            fn = Fp8Attention(opt)
-            r = res[name] = {"rel_err": rel_err(fn(q, k, v), ref), "ms_eager_quant": time_ms(lambda: fn(q, k, v),
-                                                                                              CUDA, args.iters)}
+        what = f"S={s} {data_name}"
+
+        def baseline():
+            ms = time_ms(lambda: base_fn(q, k, v), DEV, args.iters)
+            res["cudnn_bf16"] = {"ms": ms, "tflops": flops / ms / 1e9, "rel_err": rel_err(base_fn(q, k, v), ref)}
+
+        def kernel_only():
+            p = quantize_qkv(q[0], k[0], v[0], DEFAULT_OPTIONS)
+            ms = time_ms(lambda: fp8_kernel(p), DEV, args.iters)
+            res["fp8_kernel_only"] = {"ms": ms, "tflops": flops / ms / 1e9}
+
+        def option(name, opt):
+            fn = fp8_attention(opt)
+            r = res[name] = {"rel_err": rel_err(fn(q, k, v), ref),
+                             "ms_eager_quant": time_ms(lambda: fn(q, k, v), DEV, args.iters)}
             if name in compiled:
                 cfn = compiled[name]
                 o = cfn(q, k, v)  # compiles (first shape) / recompiles dynamic (second)
                 r["compiled_vs_eager_rel_diff"] = rel_err(o, fn(q, k, v))
-                r["ms_compiled_quant"] = time_ms(lambda: cfn(q, k, v), CUDA, args.iters)
-        res["per_head_descales"] = per_head_descale_probe(q, k, v, ref)
-        log(f"S={s} {data_name}: " + json.dumps({n: {kk: (round(vv, 4) if isinstance(vv, float) else vv)
-                                                     for kk, vv in r.items()} for n, r in res.items()}, default=str))
-        del ref, p
-        torch.cuda.empty_cache()
+                r["ms_compiled_quant"] = time_ms(lambda: cfn(q, k, v), DEV, args.iters)
+
+        guarded(failures, f"{what} bf16 attention", baseline)
+        guarded(failures, f"{what} fp8 kernel", kernel_only)
+        for name, opt in OPTIONS.items():
+            guarded(failures, f"{what} fp8 {name}", option, name, opt)
+        res["per_head_descales"] = guarded(failures, f"{what} per-head descales", per_head_descale_probe, q, k, v,
+                                           ref)
+        log(f"{what}: " + json.dumps({n: ({kk: (round(vv, 4) if isinstance(vv, float) else vv)
+                                           for kk, vv in r.items()} if isinstance(r, dict) else r)
+                                      for n, r in res.items()}, default=str))
+        del ref
+        empty_cache()
 
 
 def print_tables(result: dict) -> None:
+    def cell(r, fmt_keys):
+        return " / ".join("-" if r.get(k) is None else format(r[k], f) for k, f in fmt_keys) if r else "failed"
+
     for key, row in result["shapes"].items():
-        print(f"\n{key} (S={row['S']}): op level, [1, 56, S, 128]")
-        print("| data | bf16 cuDNN ms (err) | fp8 kernel ms | " + " | ".join(
+        print(f"\n{key} (S={row['S']}): op level, [1, heads, S, head_dim]")
+        print("| data | bf16 cuDNN ms / err | fp8 kernel ms | " + " | ".join(
             f"{n} err / ms eager{' / ms compiled' if n in COMPILED_OPTIONS else ''}" for n in OPTIONS) + " |")
         print("|---" * (3 + len(OPTIONS)) + "|")
         for data, res in row.get("op", {}).items():
-            cells = [f"{res['cudnn_bf16']['ms']:.2f} ({res['cudnn_bf16']['rel_err']:.1e})",
-                     f"{res['fp8_kernel_only']['ms']:.2f}"]
+            cells = [cell(res.get("cudnn_bf16"), [("ms", ".2f"), ("rel_err", ".1e")]),
+                     cell(res.get("fp8_kernel_only"), [("ms", ".2f")])]
             for n in OPTIONS:
-                r = res[n]
-                c = f"{r['rel_err']:.2e} / {r['ms_eager_quant']:.2f}"
-                if "ms_compiled_quant" in r:
-                    c += f" / {r['ms_compiled_quant']:.2f}"
-                cells.append(c)
+                keys = [("rel_err", ".2e"), ("ms_eager_quant", ".2f")]
+                if n in COMPILED_OPTIONS:
+                    keys.append(("ms_compiled_quant", ".2f"))
+                cells.append(cell(res.get(n), keys))
             print(f"| {data} | " + " | ".join(cells) + " |")
         if row.get("forward"):
             print(f"\n{key}: full forward (eager, fp8 linears), velocity rel err vs bf16 cuDNN attention")
@@ -281,6 +375,7 @@ def print_tables(result: dict) -> None:
 
 
 def main() -> int:
+    global DEV
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True, help="directory for the JSON results")
     ap.add_argument("--shapes", default="832x480x124,1344x768x124", help="WxHxF list (t2va, L = 38)")
@@ -289,26 +384,38 @@ def main() -> int:
     ap.add_argument("--chunk-rows", type=int, default=16384)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--check", action="store_true", help="only the self-check (< 1 min)")
+    ap.add_argument("--tiny", action="store_true", help="CPU dry run: tiny model, small shapes, emulated kernel")
     args = ap.parse_args()
-    if not torch.cuda.is_available():
-        print("bench_attention.py needs a CUDA GPU", file=sys.stderr)
-        return 2
-    why = unavailable(CUDA)
-    if why:
-        print(f"fp8 attention is unavailable here: {why}", file=sys.stderr)
-        return 2
-    import cudnn
+    versions: dict = {}
+    if args.tiny:
+        DEV = torch.device("cpu")
+        if args.shapes == ap.get_default("shapes"):
+            args.shapes = TINY_SHAPES
+        args.iters = min(args.iters, 2)
+        cfg = DiTConfig.tiny()
+    else:
+        if not torch.cuda.is_available():
+            print("bench_attention.py needs a CUDA GPU (or --tiny)", file=sys.stderr)
+            return 2
+        why = unavailable(DEV)
+        if why:
+            print(f"fp8 attention is unavailable here: {why}", file=sys.stderr)
+            return 2
+        import cudnn
 
+        versions = {"cudnn_backend": cudnn.backend_version(), "cudnn_frontend": cudnn.__version__,
+                    "cudnn_torch": torch.backends.cudnn.version()}
+        cfg = DiTConfig.full(num_layers=max(1, args.layers))
     # Every option x shape is its own compiled quantiser; the default limit (8) would silently fall back to eager.
-    torch._dynamo.config.cache_size_limit = 64
+    torch._dynamo.config.cache_size_limit = max(64, torch._dynamo.config.cache_size_limit)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    cfg = DiTConfig.full(num_layers=max(1, args.layers))
     shapes = [parse_shape(s) for s in args.shapes.split(",")]
-    result: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                    "cudnn_backend": cudnn.backend_version(), "cudnn_frontend": getattr(cudnn, "__version__", "?"),
-                    "options": {n: o.__dict__ for n, o in OPTIONS.items()}, "default": DEFAULT_OPTIONS.label,
+    result: dict = {"device": torch.cuda.get_device_name() if on_gpu() else "cpu (--tiny)", "torch": torch.__version__,
+                    **versions, "options": {n: o.__dict__ for n, o in OPTIONS.items()},
+                    "default": DEFAULT_OPTIONS.label,
                     "layers": args.layers, "failures": [], "shapes": {}}
+    failures = result["failures"]
     path = out / ("check.json" if args.check else "attention.json")
 
     def save():
@@ -316,12 +423,13 @@ def main() -> int:
 
     t0 = time.time()
     s_small = build_layout(cfg, TEXT_LEN, shapes[0][2], shapes[0][1], shapes[0][0]).seq_len
-    result["self_check"] = self_check(s_small, cfg.num_heads, cfg.head_dim, result["failures"])
+    result["self_check"] = self_check(s_small, cfg.num_heads, cfg.head_dim, failures)
     save()
     if not args.check:
         captured = {}
         if args.layers > 0:
-            captured = full_forward(args, cfg, shapes, result["shapes"])
+            captured = guarded(failures, "full forward", full_forward, args, cfg, shapes, result["shapes"],
+                               failures) or {}
             save()
         for i, shape in enumerate(shapes):
             key = "x".join(map(str, shape))
@@ -331,16 +439,16 @@ def main() -> int:
                     "synthetic": synthetic_data(s, cfg.num_heads, cfg.head_dim, seed=2 + i)}
             for j, qkv in enumerate(captured.get(key, [])):
                 data[f"model_block{j}"] = qkv
-            op_level(args, data, row)
+            guarded(failures, f"{key} op level", op_level, args, data, row, failures)
             del data
             captured.pop(key, None)
-            torch.cuda.empty_cache()
+            empty_cache()
             save()
     result["wall_s"] = time.time() - t0
     save()
-    print_tables(result)
-    if result["failures"]:
-        print("FAILURES:\n  " + "\n  ".join(result["failures"]), flush=True)
+    guarded(failures, "printing the tables", print_tables, result)
+    if failures:
+        print("FAILURES:\n  " + "\n  ".join(failures), flush=True)
         return 1
     return 0
 

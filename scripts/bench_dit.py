@@ -3,6 +3,7 @@
     python scripts/bench_dit.py --json out.json                       # the table (variants a-d, two shapes)
     python scripts/bench_dit.py --memory --json mem.json              # TP2 rank peak memory under a 22 GiB cap
     python scripts/bench_dit.py --layers 2 --shapes 832x480x22 ...    # smoke run (same code, fewer blocks)
+    python scripts/bench_dit.py --tiny --json out.json                # CPU dry run: tiny model, emulated fp8
 
 Table mode builds the 50-block DiT from random weights in the real int8-ConvRot checkpoint layout, generated on the
 GPU one tensor at a time (dit_svc.tiny_checkpoint.iter_random_int8_convrot_weights): the int8 block linears are
@@ -13,11 +14,17 @@ kept once as the "master" copy and every variant's linears are built from it and
   (b) fp8    e4m3 row-wise torch._scaled_mm (from int8)   + SDPA cuDNN
   (c) bf16   dense cuBLAS on the dequantised int8 weights + SDPA cuDNN
   (b+)/(a+) fp8c / int8c: (b)/(a) with every Block torch.compile'd in place (regional compilation), run last
+  (e)/(e+) fp8a / fp8ca: (b)/(b+) with cuDNN fp8 attention; their velocity error vs (b)/(b+) (same linears, bf16
+      attention) is the full-forward error of 8-bit attention ("rel_err_vs_bf16_attention")
 One step = one forward (t2va, L = 38 text rows). FLOPs = 2*385,351,680*S*layers + 4*S^2*7168*layers. Peak rates
 (bf16 GEMM, fp8 _scaled_mm, int8 _int_mm, SDPA cuDNN at the real S) are measured in the same run; "floor" = linear
 FLOPs at the best linear rate (fp8) + attention FLOPs at the cuDNN rate. Also per variant: the time its kernels
 alone take at the real shapes (linears + attention, x layers); step minus that is framework / elementwise overhead.
-The run fails (exit 1, after printing the table) on NaN/Inf or a velocity error vs diffusers above its bound.
+The run fails (exit 1, after printing the table) on NaN/Inf or a velocity error vs diffusers above its bound; a
+variant that raises is recorded under "failures" and the others still run.
+
+--tiny runs table mode on the CPU with the tiny model (DiTConfig.tiny(), small shapes): fp8 linears and fp8 attention
+as their fp32 emulations, every SDPA as the math kernel. It checks the script, not the speed.
 
 Memory mode builds one TP2 rank (half the heads / ffn, AdaLN column-sharded, int8 block linears, Comfy "pruned"
 curve AdaLN as in the ~19.5 GiB checkpoint) with the collectives replaced by local no-ops, caps the process at
@@ -46,8 +53,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from dit_svc.config import DiTConfig  # noqa: E402
 from dit_svc.layout import build_layout  # noqa: E402
 from dit_svc.model import FP32_PARAM_PREFIXES, H3DiT  # noqa: E402
-from dit_svc.tiny_checkpoint import convrot_groupsize, iter_random_int8_convrot_weights  # noqa: E402
+from dit_svc.tiny_checkpoint import convrot_groupsize, diffusers_config, iter_random_int8_convrot_weights  # noqa: E402
+from stagekit.fp8_attention import DEFAULT_OPTIONS, Fp8Attention, Fp8AttentionOptions  # noqa: E402
 from stagekit.kernels import (  # noqa: E402
+    Fp8RowwiseLinear,
     KernelConfig,
     default_attention_candidates,
     default_linear_candidates,
@@ -88,7 +97,52 @@ def parse_shape(s: str) -> tuple[int, int, int]:
     return w, h, f
 
 
-CUDA = torch.device("cuda")  # every timing in this script runs on the GPU
+DEV = torch.device("cuda")  # where everything runs: the GPU (--tiny: the CPU)
+SHAPES = "832x480x124,1344x768x124"
+TINY_SHAPES = "64x64x22,96x64x22"
+TINY_PROBE = KernelConfig(linear_shapes=((64, 256, 128),), attention_shape=(1, 2, 64, 32), probe_iters=1,
+                          compute_dtype=torch.float32)
+# Variants whose velocity differs from another only by the attention kernel: the full-forward error of fp8 attention.
+ATTENTION_BASELINE = {"fp8a": "fp8", "fp8ca": "fp8c"}
+
+
+def on_gpu() -> bool:
+    return DEV.type == "cuda"
+
+
+def sync() -> None:
+    if on_gpu():
+        torch.cuda.synchronize()
+
+
+def reset_peak() -> None:
+    if on_gpu():
+        torch.cuda.reset_peak_memory_stats()
+
+
+def peak_gib() -> float:
+    return torch.cuda.max_memory_allocated() / GIB if on_gpu() else 0.0
+
+
+def allocated_gib() -> float:
+    return torch.cuda.memory_allocated() / GIB if on_gpu() else 0.0
+
+
+def linear_builder(kernel: str, device: torch.device):
+    """The registry's builder for `kernel`; on the CPU (--tiny) fp8 runs as its fp32 emulation."""
+    if kernel == "fp8" and device.type != "cuda":
+        return lambda w, bias, dtype: Fp8RowwiseLinear.from_quantized(w, bias, out_dtype=torch.bfloat16, emulate=True)
+    return default_linear_candidates()[kernel].build
+
+
+def attention_fn(kernel: str, device: torch.device):
+    """The registry's attention callable for `kernel`; on the CPU (--tiny) fp8 is its emulation (on every
+    sequence: the tiny ones are shorter than min_seq) and the SDPA kernels are the math one."""
+    if device.type == "cuda":
+        return default_attention_candidates()[kernel].make_fn()
+    if kernel == "fp8":
+        return Fp8Attention(Fp8AttentionOptions(**{**DEFAULT_OPTIONS.__dict__, "min_seq": 0}), emulate=True)
+    return default_attention_candidates()["math"].make_fn()
 
 
 def step_flops(s: int, layers: int, cfg: DiTConfig) -> tuple[float, float]:
@@ -150,8 +204,8 @@ def build_ours(cfg: DiTConfig, seed: int, device, chunk_rows: int) -> tuple[H3Di
     return model, master
 
 
-def install_linears(model: H3DiT, master: dict[str, QuantizedWeight], kernel: str) -> None:
-    build = default_linear_candidates()[kernel].build
+def install_linears(model: H3DiT, master: dict[str, QuantizedWeight], kernel: str, device: torch.device) -> None:
+    build = linear_builder(kernel, device)
     for name, qw in master.items():
         model.swap_linear(name, build(qw, None, torch.bfloat16))
     gc.collect()
@@ -169,13 +223,7 @@ def build_diffusers(cfg: DiTConfig, seed: int, device):
     from dit_svc.convert_diffusers import to_diffusers
 
     with torch.device("meta"):
-        dm = MiniMaxH3Transformer3DModel(
-            num_attention_heads=cfg.num_heads, attention_head_dim=cfg.head_dim, hidden_size=cfg.hidden,
-            num_layers=cfg.num_layers, num_refiner_layers=cfg.num_refiner_layers, ffn_dim=cfg.ffn,
-            in_channels=cfg.in_channels, audio_in_channels=cfg.audio_in_channels, patch_size=cfg.patch,
-            text_dim=cfg.text_dim, freq_dim=cfg.freq_dim, time_embed_hidden_dim=cfg.time_embed_hidden,
-            time_embed_dim=cfg.time_embed_dim, rope_freq_dim=cfg.rope_freq_dim, rope_theta=cfg.rope_theta,
-            norm_eps=cfg.eps, qk_norm_eps=cfg.eps, final_norm_eps=cfg.eps)
+        dm = MiniMaxH3Transformer3DModel.from_config(diffusers_config(cfg))
     dm.rope = MiniMaxH3RotaryPosEmbed(cfg.rope_freq_dim, cfg.rope_theta).to(device)
     pending, nbytes = {}, 0
     for key, t in iter_checkpoint(cfg, seed, device):
@@ -199,41 +247,47 @@ def build_diffusers(cfg: DiTConfig, seed: int, device):
 
 
 def peak_rates(iters: int) -> dict:
-    m, k, n = 16384, 5376, 21504
-    a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+    """GEMM rates (TFLOP/s) at a DiT fc1-like shape; a rate this machine cannot measure is the bf16 one (noted)."""
+    m, k, n = (16384, 5376, 21504) if on_gpu() else (256, 256, 256)
+    a = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
+    b = torch.randn(n, k, device=DEV, dtype=torch.bfloat16)
     fl = 2.0 * m * k * n
     out = {"gemm_shape": [m, k, n]}
-    out["bf16_tflops"] = fl / time_ms(lambda: F.linear(a, b), CUDA, iters) / 1e9
+    out["bf16_tflops"] = fl / time_ms(lambda: F.linear(a, b), DEV, iters) / 1e9
     aq, as_ = quantize_fp8_rowwise(a)
     bq, bs = quantize_fp8_rowwise(b)
-    out["fp8_rowwise_tflops"] = fl / time_ms(
-        lambda: torch._scaled_mm(aq, bq.t(), scale_a=as_, scale_b=bs.t(), out_dtype=torch.bfloat16), CUDA, iters) / 1e9
-    ai = torch.randint(-127, 128, (m, k), device="cuda", dtype=torch.int8)
-    bi = torch.randint(-127, 128, (n, k), device="cuda", dtype=torch.int8)
-    out["int8_int_mm_tops"] = fl / time_ms(lambda: torch._int_mm(ai, bi.t()), CUDA, iters) / 1e9
+    ai = torch.randint(-127, 128, (m, k), device=DEV, dtype=torch.int8)
+    bi = torch.randint(-127, 128, (n, k), device=DEV, dtype=torch.int8)
+    for name, fn in (("fp8_rowwise_tflops", lambda: torch._scaled_mm(aq, bq.t(), scale_a=as_, scale_b=bs.t(),
+                                                                      out_dtype=torch.bfloat16)),
+                     ("int8_int_mm_tops", lambda: torch._int_mm(ai, bi.t()))):
+        try:
+            out[name] = fl / time_ms(fn, DEV, iters) / 1e9
+        except Exception as e:  # e.g. no fp8 / int8 GEMM on this device
+            out[name] = out["bf16_tflops"]
+            out[f"{name}_error"] = f"{type(e).__name__}: {str(e)[:200]} (bf16 rate used)"
     return out
 
 
 def sdpa_rate(s: int, cfg: DiTConfig, fn, iters: int) -> float:
-    q, k, v = (torch.randn(1, cfg.num_heads, s, cfg.head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-    return 4.0 * s * s * cfg.attn_inner / time_ms(lambda: fn(q, k, v), CUDA, iters) / 1e9
+    q, k, v = (torch.randn(1, cfg.num_heads, s, cfg.head_dim, device=DEV, dtype=torch.bfloat16) for _ in range(3))
+    return 4.0 * s * s * cfg.attn_inner / time_ms(lambda: fn(q, k, v), DEV, iters) / 1e9
 
 
 def kernel_only_ms(model: H3DiT, s: int, cfg: DiTConfig, chunk_rows: int, iters: int) -> dict:
     """ms per block of the block-0 linears at their real M (MLP token-chunked like the model) and of attention."""
     blk = model.blocks[0]
-    x = torch.randn(s, cfg.hidden, device="cuda", dtype=torch.bfloat16)
-    o = torch.randn(s, cfg.attn_inner, device="cuda", dtype=torch.bfloat16)
-    g = torch.randn(min(s, chunk_rows), cfg.ffn, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(s, cfg.hidden, device=DEV, dtype=torch.bfloat16)
+    o = torch.randn(s, cfg.attn_inner, device=DEV, dtype=torch.bfloat16)
+    g = torch.randn(min(s, chunk_rows), cfg.ffn, device=DEV, dtype=torch.bfloat16)
     chunks = [(i, min(s, i + chunk_rows)) for i in range(0, s, chunk_rows)]
-    q, k, v = (torch.randn(1, cfg.num_heads, s, cfg.head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    q, k, v = (torch.randn(1, cfg.num_heads, s, cfg.head_dim, device=DEV, dtype=torch.bfloat16) for _ in range(3))
     res = {
-        "qkv": time_ms(lambda: blk.attn.qkv_proj(x), CUDA, iters),
-        "out": time_ms(lambda: blk.attn.out_proj(o), CUDA, iters),
-        "fc1": time_ms(lambda: [blk.mlp.fc1(x[a:b]) for a, b in chunks], CUDA, iters),
-        "fc2": time_ms(lambda: [blk.mlp.fc2(g[: b - a]) for a, b in chunks], CUDA, iters),
-        "attention": time_ms(lambda: blk.attn.attention_fn(q, k, v), CUDA, iters),
+        "qkv": time_ms(lambda: blk.attn.qkv_proj(x), DEV, iters),
+        "out": time_ms(lambda: blk.attn.out_proj(o), DEV, iters),
+        "fc1": time_ms(lambda: [blk.mlp.fc1(x[a:b]) for a, b in chunks], DEV, iters),
+        "fc2": time_ms(lambda: [blk.mlp.fc2(g[: b - a]) for a, b in chunks], DEV, iters),
+        "attention": time_ms(lambda: blk.attn.attention_fn(q, k, v), DEV, iters),
     }
     res["total"] = sum(res.values())
     return res
@@ -245,11 +299,19 @@ def kernel_only_ms(model: H3DiT, s: int, cfg: DiTConfig, chunk_rows: int, iters:
 
 
 def run_table(args) -> int:
-    dev = torch.device("cuda")
-    cfg = DiTConfig.full(num_layers=args.layers)
+    dev = DEV
+    cfg = DiTConfig.tiny() if args.tiny else DiTConfig.full(num_layers=args.layers)
     shapes = [parse_shape(s) for s in args.shapes.split(",")]
     variants = [v for v in args.variants.split(",") if v]
-    result: dict = {"mode": "table", "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+    unknown = [v for v in variants if v not in VARIANTS and v != "diffusers"]
+    if unknown:
+        raise SystemExit(f"unknown variants {unknown}; choose from diffusers, {', '.join(VARIANTS)}")
+    if any(VARIANTS[v][2] for v in variants if v in VARIANTS):
+        # Every (variant, shape) is a compiled graph of Block.forward: the default limit (8) would silently leave
+        # later ones eager.
+        torch._dynamo.config.cache_size_limit = max(64, torch._dynamo.config.cache_size_limit)
+    result: dict = {"mode": "table", "device": torch.cuda.get_device_name() if on_gpu() else "cpu (--tiny)",
+                    "torch": torch.__version__,
                     "cudnn": torch.backends.cudnn.version(), "layers": cfg.num_layers, "text_len": TEXT_LEN,
                     "iters": args.iters, "warmup": args.warmup, "chunk_rows": args.chunk_rows, "shapes": {},
                     "variants": {}, "failures": []}
@@ -259,13 +321,17 @@ def run_table(args) -> int:
             Path(args.json).write_text(json.dumps(result, indent=1, default=str))
 
     t0 = time.time()
-    sel = select_kernels(dev, KernelConfig())
-    result["kernel_probe"] = {"choices": sel.status_rows(),
-                              "probes": {op: [r.__dict__ for r in rs] for op, rs in sel.probes.items()}}
-    for op, kern, why in sel.status_rows():
-        log(f"probe: {op} -> {kern}: {why}")
+    try:  # the registry's own start-up choice on this machine (informational: the variants name their kernels)
+        sel = select_kernels(dev, KernelConfig() if on_gpu() else TINY_PROBE)
+        result["kernel_probe"] = {"choices": sel.status_rows(),
+                                  "probes": {op: [r.__dict__ for r in rs] for op, rs in sel.probes.items()}}
+        for op, kern, why in sel.status_rows():
+            log(f"probe: {op} -> {kern}: {why}")
+    except Exception as e:
+        result["kernel_probe"] = {"choices": [], "error": f"{type(e).__name__}: {e}"}
+        result["failures"].append(f"kernel probe: {type(e).__name__}: {str(e)[:300]}")
     result["rates"] = peak_rates(args.rate_iters)
-    cudnn = default_attention_candidates()["cudnn"].make_fn()
+    cudnn = attention_fn("cudnn", dev)
     for shape in shapes:
         lay = build_layout(cfg, TEXT_LEN, shape[2], shape[1], shape[0])
         s = lay.seq_len
@@ -284,79 +350,32 @@ def run_table(args) -> int:
     outputs: dict[tuple[str, str], tuple[torch.Tensor, torch.Tensor]] = {}
     ours = [v for v in variants if v in VARIANTS]
     if "diffusers" in variants:  # first: it needs its own full bf16 copy, built while ours does not exist yet
-        t1 = time.time()
-        dm = build_diffusers(cfg, args.seed, dev)
-        log(f"built diffusers in {time.time() - t1:.1f} s; allocated {torch.cuda.memory_allocated() / GIB:.1f} GiB")
-        helper = H3DiT(cfg.replace(num_layers=1), device="meta")  # only for the distinct-timestep table
-        vres = result["variants"].setdefault("diffusers", {"label": "(d) diffusers bf16 (default SDPA)",
-                                                          "shapes": {}})
-        for shape in shapes:
-            key = "x".join(map(str, shape))
-            lay, video, audio, text = inputs_for(cfg, shape, dev)
-            ts, ti = helper.timestep_table(T_VIDEO, T_AUDIO, lay)
-            torch.cuda.reset_peak_memory_stats()
-            box = {}
-            with torch.inference_mode():
-                ms = time_ms(lambda: box.__setitem__("o", dm(
-                    video[None], audio[None], text[None], ts, ti, lay.tag, lay.position_ids, lay.video_idx,
-                    lay.audio_idx, lay.text_idx, return_dict=False)), CUDA, args.iters, args.warmup)
-            peak = torch.cuda.max_memory_allocated() / GIB
-            v, a = (t[0].float().cpu() for t in box["o"])
-            outputs[("diffusers", key)] = (v, a)
-            finite = bool(torch.isfinite(v).all() and torch.isfinite(a).all())
-            vres["shapes"][key] = _row(result, key, ms, peak, finite, None, cfg)
-            if not finite:
-                result["failures"].append(f"diffusers {key}: non-finite velocity")
-            log(f"diffusers {key}: {ms / 1e3:.3f} s/step, peak {peak:.1f} GiB")
+        try:
+            run_diffusers(args, cfg, shapes, dev, result, outputs, save)
+        except Exception as e:  # recorded; ours still run
+            result["failures"].append(f"diffusers: {type(e).__name__}: {str(e)[:300]}")
+            log(f"diffusers FAILED: {type(e).__name__}: {e}")
             save()
-        del dm, box
         gc.collect()
-        torch.cuda.empty_cache()
+        if on_gpu():
+            torch.cuda.empty_cache()
     if ours:
         t1 = time.time()
         model, master = build_ours(cfg, args.seed, dev, args.chunk_rows)
-        log(f"built ours in {time.time() - t1:.1f} s; allocated {torch.cuda.memory_allocated() / GIB:.1f} GiB")
+        log(f"built ours in {time.time() - t1:.1f} s; allocated {allocated_gib():.1f} GiB")
         for name in sorted(ours, key=lambda n: VARIANTS[n][2]):  # compiled variants last
-            lin_k, att_k, compiled, label = VARIANTS[name]
-            t1 = time.time()
-            install_linears(model, master, lin_k)
-            model.set_attention_fn(default_attention_candidates()[att_k].make_fn())
-            if compiled:
-                for blk in model.blocks:
-                    blk.compile(dynamic=False)
-            log(f"{name}: linears installed in {time.time() - t1:.1f} s; allocated "
-                f"{torch.cuda.memory_allocated() / GIB:.1f} GiB")
+            label = VARIANTS[name][3]
             vres = result["variants"].setdefault(name, {"label": label, "shapes": {}})
             try:
-                for shape in shapes:
-                    key = "x".join(map(str, shape))
-                    lay, video, audio, text = inputs_for(cfg, shape, dev)
-                    torch.cuda.reset_peak_memory_stats()
-                    with torch.inference_mode():
-                        t1 = time.time()
-                        for _ in range(args.warmup):  # includes compilation for compiled variants
-                            model(video, audio, text, T_VIDEO, T_AUDIO, lay)
-                        torch.cuda.synchronize()
-                        warm_s = time.time() - t1
-                        ms = time_ms(lambda: outputs.__setitem__(
-                            (name, key), model(video, audio, text, T_VIDEO, T_AUDIO, lay)), CUDA, args.iters, 0)
-                        peak = torch.cuda.max_memory_allocated() / GIB
-                        kern = kernel_only_ms(model, lay.seq_len, cfg, args.chunk_rows, args.kernel_iters)
-                    v, a = outputs[(name, key)]
-                    outputs[(name, key)] = (v.float().cpu(), a.float().cpu())
-                    finite = bool(torch.isfinite(v).all() and torch.isfinite(a).all())
-                    row = vres["shapes"][key] = _row(result, key, ms, peak, finite, kern, cfg)
-                    row["warmup_s"] = warm_s
-                    if not finite:
-                        result["failures"].append(f"{name} {key}: non-finite velocity")
-                    _compare(result, outputs, name, key, args, record=False)
-                    log(f"{name} {key}: {ms / 1e3:.3f} s/step, kernels {kern['total'] * cfg.num_layers / 1e3:.3f} s, "
-                        f"peak {peak:.1f} GiB, finite {finite}, warm-up {warm_s:.1f} s")
-                    save()
+                run_variant(args, cfg, shapes, dev, name, model, master, result, outputs, save)
             except Exception as e:  # a variant that breaks (e.g. compilation) must not cost the others' numbers
                 result["failures"].append(f"{name}: {type(e).__name__}: {str(e)[:300]}")
+                vres["error"] = f"{type(e).__name__}: {e}"
                 log(f"{name} FAILED: {type(e).__name__}: {e}")
                 save()
+            gc.collect()
+            if on_gpu():
+                torch.cuda.empty_cache()
     for name in ours:  # final comparisons (bf16 may have run after int8 / fp8), bounds enforced here
         for key in result["variants"].get(name, {}).get("shapes", {}):
             _compare(result, outputs, name, key, args, record=True)
@@ -369,12 +388,83 @@ def run_table(args) -> int:
     return 0
 
 
+def run_diffusers(args, cfg, shapes, dev, result, outputs, save) -> None:
+    t1 = time.time()
+    dm = build_diffusers(cfg, args.seed, dev)
+    log(f"built diffusers in {time.time() - t1:.1f} s; allocated {allocated_gib():.1f} GiB")
+    helper = H3DiT(cfg.replace(num_layers=1), device="meta")  # only for the distinct-timestep table
+    vres = result["variants"].setdefault("diffusers", {"label": "(d) diffusers bf16 (default SDPA)", "shapes": {}})
+    for shape in shapes:
+        key = "x".join(map(str, shape))
+        lay, video, audio, text = inputs_for(cfg, shape, dev)
+        ts, ti = helper.timestep_table(T_VIDEO, T_AUDIO, lay)
+        reset_peak()
+        box = {}
+        with torch.inference_mode():
+            ms = time_ms(lambda: box.__setitem__("o", dm(
+                video[None], audio[None], text[None], ts, ti, lay.tag, lay.position_ids, lay.video_idx,
+                lay.audio_idx, lay.text_idx, return_dict=False)), dev, args.iters, args.warmup)
+        peak = peak_gib()
+        v, a = (t[0].float().cpu() for t in box["o"])
+        outputs[("diffusers", key)] = (v, a)
+        finite = bool(torch.isfinite(v).all() and torch.isfinite(a).all())
+        vres["shapes"][key] = _row(result, key, ms, peak, finite, None, cfg)
+        if not finite:
+            result["failures"].append(f"diffusers {key}: non-finite velocity")
+        log(f"diffusers {key}: {ms / 1e3:.3f} s/step, peak {peak:.1f} GiB")
+        save()
+
+
+def run_variant(args, cfg, shapes, dev, name, model, master, result, outputs, save) -> None:
+    """Install the variant's kernels into `model` (compiling its blocks if it says so) and time it per shape."""
+    lin_k, att_k, compiled, label = VARIANTS[name]
+    t1 = time.time()
+    install_linears(model, master, lin_k, dev)
+    model.set_attention_fn(attention_fn(att_k, dev))
+    if compiled:
+        for blk in model.blocks:
+            blk.compile(dynamic=False)
+    log(f"{name}: linears installed in {time.time() - t1:.1f} s; allocated {allocated_gib():.1f} GiB")
+    vres = result["variants"][name]
+    for shape in shapes:
+        key = "x".join(map(str, shape))
+        lay, video, audio, text = inputs_for(cfg, shape, dev)
+        reset_peak()
+        with torch.inference_mode():
+            t1 = time.time()
+            for _ in range(args.warmup):  # includes compilation for compiled variants
+                model(video, audio, text, T_VIDEO, T_AUDIO, lay)
+            sync()
+            warm_s = time.time() - t1
+            ms = time_ms(lambda: outputs.__setitem__(
+                (name, key), model(video, audio, text, T_VIDEO, T_AUDIO, lay)), dev, args.iters, 0)
+            peak = peak_gib()
+            kern = kernel_only_ms(model, lay.seq_len, cfg, args.chunk_rows, args.kernel_iters)
+        v, a = outputs[(name, key)]
+        outputs[(name, key)] = (v.float().cpu(), a.float().cpu())
+        finite = bool(torch.isfinite(v).all() and torch.isfinite(a).all())
+        row = vres["shapes"][key] = _row(result, key, ms, peak, finite, kern, cfg)
+        row["warmup_s"] = warm_s
+        if not finite:
+            result["failures"].append(f"{name} {key}: non-finite velocity")
+        _compare(result, outputs, name, key, args, record=False)
+        log(f"{name} {key}: {ms / 1e3:.3f} s/step, kernels {kern['total'] * cfg.num_layers / 1e3:.3f} s, "
+            f"peak {peak:.1f} GiB, finite {finite}, warm-up {warm_s:.1f} s")
+        save()
+
+
 def _compare(result, outputs, name, key, args, record: bool) -> None:
-    """Velocity error of variant `name` vs diffusers (bounded) and vs our bf16 variant (informational)."""
+    """Velocity error of variant `name` vs diffusers (bounded), vs our bf16 variant and, for fp8 attention, vs the
+    same linears with bf16 cuDNN attention (informational)."""
     row = result["variants"][name]["shapes"][key]
     ov, oa = outputs[(name, key)]
     if ("bf16", key) in outputs:
         row["rel_err_vs_bf16"] = rel_err(ov, outputs[("bf16", key)][0])
+    base = ATTENTION_BASELINE.get(name)
+    if (base, key) in outputs:
+        bv, ba = outputs[(base, key)]
+        row["rel_err_vs_bf16_attention"] = rel_err(ov, bv)
+        row["rel_err_audio_vs_bf16_attention"] = rel_err(oa, ba)
     if ("diffusers", key) in outputs:
         dv, da = outputs[("diffusers", key)]
         row["rel_err_vs_diffusers"] = rel_err(ov, dv)
@@ -401,15 +491,16 @@ def _row(result, key, ms, peak, finite, kern, cfg) -> dict:
 
 def print_table(result) -> None:
     print("\n| variant | shape | S | s/step | TFLOP/s | x floor | kernels s | overhead s | peak GiB | "
-          "err vs diffusers | err vs bf16 | speed vs diffusers |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "err vs diffusers | err vs bf16 | err vs bf16 attention | speed vs diffusers |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     f = lambda v, fmt: "" if v is None else format(v, fmt)  # noqa: E731
     for vres in result["variants"].values():
         for key, r in vres["shapes"].items():
             print(f"| {vres['label']} | {key} | {r['S']} | {r['s_per_step']:.3f} | {r['tflops']:.0f} | "
                   f"{r['x_floor']:.2f} | {f(r.get('kernels_s'), '.3f')} | {f(r.get('overhead_s'), '.3f')} | "
                   f"{r['peak_gib']:.1f} | {f(r.get('rel_err_vs_diffusers'), '.2e')} | "
-                  f"{f(r.get('rel_err_vs_bf16'), '.2e')} | {f(r.get('speedup_vs_diffusers'), '.2f')} |")
+                  f"{f(r.get('rel_err_vs_bf16'), '.2e')} | {f(r.get('rel_err_vs_bf16_attention'), '.2e')} | "
+                  f"{f(r.get('speedup_vs_diffusers'), '.2f')} |")
     r = result["rates"]
     print(f"\nrates: bf16 GEMM {r['bf16_tflops']:.0f} TFLOP/s, fp8 row-wise {r['fp8_rowwise_tflops']:.0f}, "
           f"int8 _int_mm {r['int8_int_mm_tops']:.0f} TOPS")
@@ -543,7 +634,7 @@ def run_memory(args) -> int:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--shapes", default="832x480x124,1344x768x124", help="WxHxF list (pixels, frames), t2va")
+    ap.add_argument("--shapes", default=SHAPES, help="WxHxF list (pixels, frames), t2va")
     ap.add_argument("--variants", default="int8,fp8,bf16,diffusers")
     ap.add_argument("--layers", type=int, default=50, help="DiT blocks (50 = full model; fewer for a smoke run)")
     ap.add_argument("--iters", type=int, default=2, help="timed forwards per variant and shape (median)")
@@ -562,9 +653,19 @@ def main() -> int:
     ap.add_argument("--tp", type=int, default=2)
     ap.add_argument("--cap-gib", type=float, default=MEMORY_CAP_GIB)
     ap.add_argument("--json", default="", help="write results here")
+    ap.add_argument("--tiny", action="store_true", help="CPU dry run of table mode (tiny model, emulated fp8)")
     args = ap.parse_args()
-    if not torch.cuda.is_available():
-        print("bench_dit.py needs a CUDA GPU", file=sys.stderr)
+    global DEV
+    if args.tiny:
+        if args.memory:
+            print("--tiny covers table mode only", file=sys.stderr)
+            return 2
+        DEV = torch.device("cpu")
+        if args.shapes == SHAPES:
+            args.shapes = TINY_SHAPES
+        args.rate_iters = args.kernel_iters = 1
+    elif not torch.cuda.is_available():
+        print("bench_dit.py needs a CUDA GPU (or --tiny)", file=sys.stderr)
         return 2
     if args.chunk_rows is None:
         args.chunk_rows = 4096 if args.memory else 16384

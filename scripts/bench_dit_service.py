@@ -4,10 +4,11 @@ and a second start (persistent torch.compile cache).
 
     python scripts/bench_dit_service.py --models-dir /tmp/h3svc --out $OUT --layers 16 \\
         --linear-kernel fp8 --attention-kernel cudnn --compile-blocks            # one H200, a few minutes
+    python scripts/bench_dit_service.py --weights W --out $OUT ...               # an existing checkpoint W
     python scripts/bench_dit_service.py --tiny --out /tmp/svc                    # CPU dry run (embedded model)
 
 1. Writes a random checkpoint in the real int8-ConvRot layout with `--layers` blocks (full width; the service
-   reads the block count from the file) unless it exists.
+   reads the block count from the file) unless it exists or `--weights` names one.
 2. Bench: builds `dit_svc.engine.DiTEngine` in this process with the given kernels / compile / chunk settings
    (the service's own load path) and times the bare forward per shape: median of `--iters` after one warm-up
    (CUDA-synchronised wall time, one step = one DiT evaluation). Its compile cache is a folder of its own.
@@ -16,7 +17,8 @@ and a second start (persistent torch.compile cache).
    new shape) and the median of the others (the service's s/step), plus SampleDone's ms_per_step.
 4. Service, second start: stops it, starts it again on the same compile cache, and repeats 3.
 Reports per shape: bench s/step, service s/step (both starts), their ratio (target <= 1.05), and the warm-up
-(first step minus a steady step) of each start. Writes <out>/dit_service.json.
+(first step minus a steady step) of each start. Writes <out>/dit_service.json after every phase; a phase or shape
+that fails is recorded under "failures" (with its error) and the rest still runs (exit 1 then).
 """
 
 from __future__ import annotations
@@ -122,26 +124,35 @@ def service_run(args, weights: str, devices: str, shapes, out: Path, start: int)
         text = torch.randn(TEXT_LEN, args.text_dim, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
         with StageClients(Endpoints(encoder=ep, dit=ep, decoder=ep)) as c:
             for w, h, f in shapes:
-                events = []
-                spec = RenderSpec(prompt="bench", width=w, height=h, frames=f, steps=args.steps, seed=1)
-                t1 = time.monotonic()
-                _, _, r = sample(c, spec, text, on_progress=events.append)
-                steps = [e.step_ms / 1e3 for e in events if e.stage == "dit" and e.step > 0]
-                steady = statistics.median(steps[1:]) if len(steps) > 1 else float("nan")
-                key = f"{w}x{h}x{f}"
-                res[key] = {"wall_s": time.monotonic() - t1, "load_s": r.timing.load_s, "step_s": steps,
-                            "first_step_s": steps[0] if steps else float("nan"), "s_per_step": steady,
-                            "warmup_s": steps[0] - steady if steps else float("nan"),
-                            "done_ms_per_step": r.extra["ms_per_step"]}
-                log(f"service start {start} {key}: {json.dumps({k: v for k, v in res[key].items() if k != 'step_s'})}")
+                try:
+                    res[f"{w}x{h}x{f}"] = _sample_once(c, args, text, w, h, f, start)
+                except Exception as e:  # recorded; the next shape still runs
+                    res[f"{w}x{h}x{f}"] = {"error": f"{type(e).__name__}: {e}"}
+                    log(f"service start {start} {w}x{h}x{f} FAILED: {type(e).__name__}: {e}")
     finally:
         stack.stop()
     return res
 
 
+def _sample_once(c, args, text, w: int, h: int, f: int, start: int) -> dict:
+    """One `--steps`-step Sample through the stubs; step times from its progress events."""
+    events = []
+    spec = RenderSpec(prompt="bench", width=w, height=h, frames=f, steps=args.steps, seed=1)
+    t1 = time.monotonic()
+    _, _, r = sample(c, spec, text, on_progress=events.append)
+    steps = [e.step_ms / 1e3 for e in events if e.stage == "dit" and e.step > 0]
+    steady = statistics.median(steps[1:]) if len(steps) > 1 else float("nan")
+    row = {"wall_s": time.monotonic() - t1, "load_s": r.timing.load_s, "step_s": steps,
+           "first_step_s": steps[0] if steps else float("nan"), "s_per_step": steady,
+           "warmup_s": steps[0] - steady if steps else float("nan"), "done_ms_per_step": r.extra["ms_per_step"]}
+    log(f"service start {start} {w}x{h}x{f}: {json.dumps({k: v for k, v in row.items() if k != 'step_s'})}")
+    return row
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True, help="directory for results, run logs and the compile caches")
+    ap.add_argument("--weights", default="", help="an existing DiT checkpoint (instead of --models-dir / --layers)")
     ap.add_argument("--models-dir", default="/tmp/h3svc", help="where the random checkpoint is written / found")
     ap.add_argument("--layers", type=int, default=16, help="DiT blocks of the random checkpoint (50 = full size)")
     ap.add_argument("--shapes", default="832x480x124", help="WxHxF list")
@@ -156,9 +167,9 @@ def main() -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.tiny:
-        device, devices, weights = "cpu", "virt0", ""
+        device, devices, weights = "cpu", "virt0", args.weights  # '': the embedded tiny model
         shapes = [(256, 256, 22)]
-        args.text_dim = 64
+        args.text_dim = DiTConfig.tiny().text_dim
     else:
         if not torch.cuda.is_available():
             print("bench_dit_service.py needs a CUDA GPU (or --tiny)", file=sys.stderr)
@@ -167,16 +178,23 @@ def main() -> int:
         shapes = [tuple(int(v) for v in s.lower().split("x")) for s in args.shapes.split(",")]
         cfg = DiTConfig.full(num_layers=args.layers)
         args.text_dim = cfg.text_dim
-        weights_path = Path(args.models_dir) / f"minimax_h3_random_{args.layers}l_int8_convrot.safetensors"
+        default_path = Path(args.models_dir) / f"minimax_h3_random_{args.layers}l_int8_convrot.safetensors"
+        weights_path = Path(args.weights) if args.weights else default_path
+        if args.weights and not weights_path.is_file():
+            print(f"--weights {args.weights}: no such file", file=sys.stderr)
+            return 2
         if not weights_path.exists():
             from dit_svc.tiny_checkpoint import write_random_int8_convrot_checkpoint
 
             weights_path.parent.mkdir(parents=True, exist_ok=True)
             t0 = time.monotonic()
-            write_random_int8_convrot_checkpoint(cfg, weights_path, device="cuda", quantize=False)
-            log(f"wrote {weights_path} ({weights_path.stat().st_size / 2**30:.1f} GiB) in {time.monotonic() - t0:.0f} s")
+            partial = weights_path.with_name(weights_path.name + ".partial")  # never a half-written file in place
+            write_random_int8_convrot_checkpoint(cfg, partial, device="cuda", quantize=False)
+            partial.replace(weights_path)
+            log(f"wrote {weights_path} ({weights_path.stat().st_size / 2**30:.1f} GiB) in "
+                f"{time.monotonic() - t0:.0f} s")
         weights = str(weights_path)
-    result: dict = {"settings": {k: v for k, v in vars(args).items()}, "shapes": {}}
+    result: dict = {"settings": {k: v for k, v in vars(args).items()}, "shapes": {}, "failures": []}
     if device.startswith("cuda"):
         result["device"] = torch.cuda.get_device_name()
     result["torch"] = torch.__version__
@@ -184,31 +202,53 @@ def main() -> int:
     def save():
         (out / "dit_service.json").write_text(json.dumps(result, indent=1, default=str))
 
-    result["bench"] = bench_engine(args, weights, device, shapes, out)
-    save()
+    def phase(name, fn, *fargs) -> dict:
+        """fn(*fargs) into result[name]; a phase that raises is recorded and the next one still runs."""
+        try:
+            result[name] = fn(*fargs)
+        except Exception as e:
+            result[name] = {"error": f"{type(e).__name__}: {e}"}
+            log(f"{name} FAILED: {type(e).__name__}: {e}")
+        for key, row in result[name].items():
+            if isinstance(row, dict) and "error" in row:
+                result["failures"].append(f"{name} {key}: {row['error'][:300]}")
+        if "error" in result[name]:
+            result["failures"].append(f"{name}: {result[name]['error'][:300]}")
+        save()
+        return result[name]
+
+    phase("bench", bench_engine, args, weights, device, shapes, out)
+    gc.collect()
     if device.startswith("cuda"):
         torch.cuda.empty_cache()
     for start in (1, 2):
-        result[f"service_start{start}"] = service_run(args, weights, devices, shapes, out, start)
-        save()
+        phase(f"service_start{start}", service_run, args, weights, devices, shapes, out, start)
     for w, h, f in shapes:
         key = f"{w}x{h}x{f}"
-        b = result["bench"][key]["s_per_step"]
-        s1, s2 = result["service_start1"][key], result["service_start2"][key]
+        b, s1, s2 = (result[n].get(key, {}) for n in ("bench", "service_start1", "service_start2"))
+        bs = b.get("s_per_step")
         result["shapes"][key] = {
-            "S": result["bench"][key]["S"], "bench_s_per_step": b,
-            "service_s_per_step": [s1["s_per_step"], s2["s_per_step"]],
-            "service_over_bench": [s1["s_per_step"] / b, s2["s_per_step"] / b],
-            "warmup_first_start_s": s1["warmup_s"], "warmup_second_start_s": s2["warmup_s"],
-            "startup_s": [result["service_start1"]["startup_s"], result["service_start2"]["startup_s"]]}
+            "S": b.get("S"), "bench_s_per_step": bs,
+            "service_s_per_step": [s1.get("s_per_step"), s2.get("s_per_step")],
+            "service_over_bench": [x.get("s_per_step") / bs if bs and x.get("s_per_step") else None for x in (s1, s2)],
+            "service_done_ms_per_step": [s1.get("done_ms_per_step"), s2.get("done_ms_per_step")],
+            "warmup_first_start_s": s1.get("warmup_s"), "warmup_second_start_s": s2.get("warmup_s"),
+            "startup_s": [result[n].get("startup_s") for n in ("service_start1", "service_start2")]}
     save()
+
+    def f(v, fmt=".3f"):
+        return "-" if v is None else format(v, fmt)
+
     print("\n| shape | S | bench s/step | service s/step (start 1 / 2) | service / bench | warm-up start 1 | "
           "warm-up start 2 |")
     print("|---|---|---|---|---|---|---|")
     for key, r in result["shapes"].items():
-        print(f"| {key} | {r['S']} | {r['bench_s_per_step']:.3f} | {r['service_s_per_step'][0]:.3f} / "
-              f"{r['service_s_per_step'][1]:.3f} | {r['service_over_bench'][0]:.3f} / {r['service_over_bench'][1]:.3f} "
-              f"| {r['warmup_first_start_s']:.1f} s | {r['warmup_second_start_s']:.1f} s |")
+        print(f"| {key} | {r['S']} | {f(r['bench_s_per_step'])} | {f(r['service_s_per_step'][0])} / "
+              f"{f(r['service_s_per_step'][1])} | {f(r['service_over_bench'][0])} / {f(r['service_over_bench'][1])} "
+              f"| {f(r['warmup_first_start_s'], '.1f')} s | {f(r['warmup_second_start_s'], '.1f')} s |")
+    if result["failures"]:
+        print("FAILURES:\n  " + "\n  ".join(result["failures"]), flush=True)
+        return 1
     return 0
 
 

@@ -31,17 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from client.embedded import EmbeddedStack, StackConfig  # noqa: E402
 from client.render_client import RenderClient, render_request  # noqa: E402
-from stagekit.lease import read_events  # noqa: E402
+from stagekit.lease import events_per_stage, read_events  # noqa: E402
 from stagekit.render_params import RenderSpec  # noqa: E402
-
-
-def count(lease_dir: Path, t0: float, t1: float, kind: str = "acquire") -> dict[str, int]:
-    out: dict[str, int] = {}
-    for e in read_events(lease_dir):
-        if e["event"] == kind and t0 <= e["t"] <= t1:
-            stage = e["holder"].split("@", 1)[0]
-            out[stage] = out.get(stage, 0) + 1
-    return out
 
 
 def run_jobs(target: str, specs: list[RenderSpec], concurrent: bool, out_dir: Path) -> tuple[float, list[float], list]:
@@ -120,7 +111,7 @@ def main() -> None:
         for name in ("one_at_a_time", "concurrent"):
             t0 = time.time()
             wall, lat, infos = run_jobs(ep.render, specs(name), name == "concurrent", tmp / name)
-            out[name] = summary(wall, lat, infos, count(stack.lease_dir, t0, time.time()), jobs)
+            out[name] = summary(wall, lat, infos, events_per_stage(read_events(stack.lease_dir), t0, time.time()), jobs)
             print(name, json.dumps(out[name]), flush=True)
         out["fl2va"] = fl2va_bytes(ep.render, ep.decoder, stack.lease_dir, specs("fl2va")[0], tmp / "fl2va.mp4")
         print("fl2va", json.dumps(out["fl2va"]))

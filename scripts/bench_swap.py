@@ -27,15 +27,6 @@ from pathlib import Path
 from stagekit.render_params import RenderSpec
 
 
-def count(events: list[dict], t0: float, t1: float, kind: str = "acquire") -> dict[str, int]:
-    out: dict[str, int] = {}
-    for e in events:
-        if e["event"] == kind and t0 <= e["t"] <= t1:
-            stage = e["holder"].split("@", 1)[0]
-            out[stage] = out.get(stage, 0) + 1
-    return out
-
-
 def swap_cost(clients, repeats: int) -> dict[str, dict[str, float]]:
     from client.stubs import STAGES
     from h3.v1 import common_pb2
@@ -131,7 +122,7 @@ def main() -> None:
     from client.embedded import EmbeddedStack, StackConfig
     from client.pipeline import render, render_many
     from client.stubs import STAGES, StageClients
-    from stagekit.lease import read_events
+    from stagekit.lease import events_per_stage, read_events
 
     w, h, f = (int(x) for x in args.size.split("x"))
     run_dir = Path(tempfile.mkdtemp(prefix="bench-swap-"))
@@ -171,9 +162,9 @@ def main() -> None:
         events = read_events(stack.lease_dir)
         results["scenarios"] = {}
         for name, (a, b) in scenarios.items():
-            acq = count(events, a, b)
+            acq = events_per_stage(events, a, b)
             results["scenarios"][name] = {"acquires": acq, "swaps": sum(acq.values()), "wall_s": b - a,
-                                          "yields": sum(count(events, a, b, "yield").values())}
+                                          "yields": sum(events_per_stage(events, a, b, "yield").values())}
     finally:
         stack.stop()
     print(json.dumps(results, indent=2))

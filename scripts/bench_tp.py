@@ -14,7 +14,8 @@ only this rank's slices, the kernel registry, the Megatron TP model), so the num
    allocated / reserved GiB on the rank, and from torch.profiler over one step the NCCL kernel time (the
    all-reduces of attention and MLP, the AdaLN all-gathers) as a share of the step;
 3. rank 0 writes the JSON (`--out`), with every rank's numbers and the SHA-256 of every rank's output, which
-   must agree (ranks bitwise identical).
+   must agree (ranks bitwise identical); after each shape it writes its own numbers so far ("partial": true).
+   A shape that fails (out of memory, a kernel error) is recorded with its error and the next shape still runs.
 """
 
 from __future__ import annotations
@@ -77,6 +78,7 @@ def main() -> int:
     ap.add_argument("--iters", type=int, default=3)
     ap.add_argument("--text-len", type=int, default=38)
     ap.add_argument("--profile", action="store_true", help="also profile one step for the NCCL share")
+    ap.add_argument("--no-reload", action="store_true", help="skip the unload + reload timing (saves a load)")
     ap.add_argument("--tiny", action="store_true", help="CPU dry run with the embedded tiny model")
     ap.add_argument("--out", default="", help="JSON file (rank 0)")
     args = ap.parse_args()
@@ -96,7 +98,7 @@ def main() -> int:
                  "dtype": args.dtype, "chunk_rows": args.chunk_rows, "shapes": {}}
 
     # 1. load, unload, reload
-    for phase in ("load_s", "reload_s"):
+    for phase in ("load_s",) if args.no_reload else ("load_s", "reload_s"):
         if phase == "reload_s":
             t0 = time.monotonic()
             engine.unload()
@@ -108,7 +110,7 @@ def main() -> int:
         sync(device)
         res[phase] = time.monotonic() - t0
     res["resident_gib"] = engine.resident_bytes() / GIB
-    res["load_gb_per_s"] = engine.resident_bytes() / 1e9 / res["reload_s"]
+    res["load_gb_per_s"] = engine.resident_bytes() / 1e9 / res.get("reload_s", res["load_s"])
 
     model, mcfg = engine.model, engine.model_cfg
     for key in args.shapes.split(","):
@@ -146,10 +148,16 @@ def main() -> int:
                     if args.profile:
                         row.update(nccl_share(model, inputs, device))
                         row["nccl_share"] = row["nccl_ms"] / 1000 / row["s_per_step"]
-            except torch.OutOfMemoryError as e:
-                row["error"] = str(e).splitlines()[0][:200]
+            except Exception as e:  # recorded; the next shape still runs
+                row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+                v = a = None
+                if device.startswith("cuda"):
+                    torch.cuda.empty_cache()
         res["shapes"][key] = row
         print(f"rank {info.rank}: {key} {json.dumps(row)}", flush=True)
+        if info.is_leader and args.out:  # rank 0's numbers so far, should a later shape not finish
+            Path(args.out).write_text(json.dumps({"partial": True, "tp": res["tp"], "sp": res["sp"], "ranks": [res]},
+                                                 indent=1))
 
     ranks = group.gather_objects(res)
     if info.is_leader:

@@ -6,8 +6,10 @@
 # the folder.
 #
 #   bash scripts/pack_device_wheels.sh [--out .devpkgs] [--max-mib 60] [--with-cudnn-frontend]
+#   bash scripts/pack_device_wheels.sh --fast-dit      # .devpkgs/fast_dit.tar.xz: scripts/bench_fast_dit.py (issue 18)
 #
-# On the device (from the repo root, with .devpkgs carried):
+# The two bundles have their own names (both do not fit one carry: carry the one file the run needs). On the device
+# (from the repo root, with .devpkgs/site.tar.xz carried):
 #   mkdir -p /tmp/site && tar -xJf .devpkgs/site.tar.xz -C /tmp/site && export PYTHONPATH=/tmp/site:$PWD:$PWD/protos
 #
 # What goes in and why (the device image's package list is in the workplace's KINDS.md):
@@ -19,6 +21,10 @@
 #   --with-cudnn-frontend adds nvidia-cudnn-frontend 1.32.0 (+5 MiB: the cuDNN fp8 attention candidate of
 #       stagekit/fp8_attention.py; without it that candidate is skipped). With it the tar (~62 MiB) plus the repo
 #       (~2 MiB) no longer fits the 64 MiB carry.
+#   --fast-dit packs what the DiT benchmarks of issue 18 need and nothing of the decoder: the gRPC wheels,
+#       comfy-kitchen, google-crc32c, nvidia-cudnn-frontend 1.32.0 (--no-deps: its CuTe DSL / TVM FFI extras serve
+#       Blackwell-only engines; cuda-bindings, which it uses when present, is in the image) and diffusers 0.42.1 (the
+#       baseline of scripts/bench_dit.py; pure Python, without its pipelines). No PyAV / soundfile. 43 MiB.
 # Not carried: transformers (the image's 5.17 runs the encoder's Qwen3-VL path; only a test oracle API differs),
 # torch, numpy, safetensors, tokenizers, pillow, rich, pyyaml, prometheus-client, psutil, nvidia-ml-py, matplotlib.
 # Compressed sizes (xz -9e): comfy-kitchen's CUDA library ~32 MiB (a fat binary for sm_75..sm_120), PyAV's FFmpeg
@@ -26,22 +32,27 @@
 # 57 MiB in all.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-out=.devpkgs; max_mib=60; extra_pkgs=()
+out=.devpkgs; max_mib=60; extra_pkgs=(); fast_dit=0
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --out) out="$2"; shift 2;;
     --max-mib) max_mib="$2"; shift 2;;
     --with-cudnn-frontend) extra_pkgs+=(nvidia-cudnn-frontend==1.32.0); shift;;
-    -h|--help) sed -n '2,22p' "$0"; exit 0;;
+    --fast-dit) fast_dit=1; shift;;
+    -h|--help) sed -n '2,/^set -euo/p' "$0" | sed '$d'; exit 0;;
     *) echo "pack_device_wheels.sh: unknown option $1" >&2; exit 2;;
   esac
 done
 PY="${PYTHON:-python3}"
-PKGS=(
-  grpcio==1.85.1 grpcio-health-checking==1.85.1 grpcio-reflection==1.85.1 protobuf==7.36.2
-  comfy-kitchen==0.2.40 av==18.1.0 soundfile==0.14.0 cffi==2.1.1 pycparser==3.12 google-crc32c==1.9.0
-  "${extra_pkgs[@]}"
-)
+GRPC=(grpcio==1.85.1 grpcio-health-checking==1.85.1 grpcio-reflection==1.85.1 protobuf==7.36.2)
+name=site.tar.xz
+if (( fast_dit )); then
+  name=fast_dit.tar.xz
+  PKGS=("${GRPC[@]}" comfy-kitchen==0.2.40 google-crc32c==1.9.0 nvidia-cudnn-frontend==1.32.0 diffusers==0.42.1)
+else
+  PKGS=("${GRPC[@]}" comfy-kitchen==0.2.40 av==18.1.0 soundfile==0.14.0 cffi==2.1.1 pycparser==3.12
+        google-crc32c==1.9.0 "${extra_pkgs[@]}")
+fi
 PLATFORMS=(manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_24_x86_64 manylinux_2_17_x86_64
            manylinux2014_x86_64 manylinux1_x86_64 any)
 plat_args=(); for p in "${PLATFORMS[@]}"; do plat_args+=(--platform "$p"); done
@@ -49,7 +60,7 @@ target=(--python-version 3.12 --implementation cp --abi cp312 --abi abi3 --abi n
 
 build="${TMPDIR:-/tmp}/h3-devpkgs-build"
 mkdir -p "$out" "$build/wheels"
-rm -rf "$build/site" "$out/site.tar.xz"
+rm -rf "$build/site" "$out/$name"
 "$PY" -m pip download -q --no-deps "${target[@]}" -d "$build/wheels" "${PKGS[@]}"
 # Keep exactly one wheel per package (an older download of another version would make two).
 "$PY" -m pip install -q --no-deps --no-index --no-compile --target "$build/site" "${target[@]}" \
@@ -60,18 +71,23 @@ rm -rf "$build/site" "$out/site.tar.xz"
 # debug symbols (31 MiB -> 5 MiB stripped; checked: the stripped modules import and encode/decode H.264 + AAC). The
 # bundled libraries (av.libs, grpc, comfy-kitchen) are already stripped and were patched by auditwheel: left as is.
 rm -f "$build/site/comfy_kitchen/backends/hip/"*.so
-rm -rf "$build/site/bin"
+rm -rf "$build/site/bin" "$build/site/include"  # console scripts; cudnn-frontend's C++ headers
 find "$build/site" -name __pycache__ -type d -prune -exec rm -rf {} +
 find "$build/site" -type d \( -name tests -o -name test \) -path "*/site/*/*" -prune -exec rm -rf {} +
 find "$build/site" -name "*.pyi" -delete
-find "$build/site/av" -name "*.so" -type f -exec strip --strip-unneeded {} +
+if [[ -d "$build/site/av" ]]; then find "$build/site/av" -name "*.so" -type f -exec strip --strip-unneeded {} +; fi
+if [[ -d "$build/site/diffusers" ]]; then  # only the transformer is used: drop every pipeline (lazily imported)
+  find "$build/site/diffusers/pipelines" -mindepth 1 -maxdepth 1 -type d -exec rm -rf {} +
+  find "$build/site/diffusers/modular_pipelines" -mindepth 1 -maxdepth 1 -type d ! -name minimax_h3 -exec rm -rf {} +
+fi
+printf '%s\n' "${PKGS[@]}" > "$build/site/H3_BUNDLE.txt"  # what this bundle holds (the driver records it)
 
-XZ_OPT="-9e -T0" tar -cJf "$out/site.tar.xz" -C "$build/site" .
-size=$(stat -c %s "$out/site.tar.xz")
-echo "wrote $out/site.tar.xz: $((size / 1048576)) MiB ($(du -sh "$build/site" | cut -f1) unpacked)"
+XZ_OPT="-9e -T0" tar -cJf "$out/$name" -C "$build/site" .
+size=$(stat -c %s "$out/$name")
+echo "wrote $out/$name: $((size / 1048576)) MiB ($(du -sh "$build/site" | cut -f1) unpacked)"
 du -sh "$build/site/"* 2>/dev/null | sort -h | tail -8
 if (( size > max_mib * 1048576 )); then
   echo "pack_device_wheels.sh: $((size / 1048576)) MiB is over --max-mib $max_mib" >&2
   exit 1
 fi
-echo "device: mkdir -p /tmp/site && tar -xJf $out/site.tar.xz -C /tmp/site && export PYTHONPATH=/tmp/site:\$PWD:\$PWD/protos"
+echo "device: mkdir -p /tmp/site && tar -xJf $out/$name -C /tmp/site && export PYTHONPATH=/tmp/site:\$PWD:\$PWD/protos"

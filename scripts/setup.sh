@@ -31,6 +31,9 @@ step "updating pip" .venv/bin/python -m pip install --upgrade pip
 # torch first and pinned: an unpinned torch pulls a multi-GB CUDA build where a CPU build is at hand.
 step "installing ${TORCH_SPEC:-torch==2.13.0} (the largest download)" .venv/bin/python -m pip install "${TORCH_SPEC:-torch==2.13.0}"
 step "installing h3-stages (editable) and its test tools" .venv/bin/python -m pip install -e ".[test]"
-step "checking the imports" .venv/bin/python -c "import torch, grpc, av, comfy_kitchen"
+# fp8 attention's graph API (stagekit/fp8_attention.py; tests check our graph against it on CPU). --no-deps: its
+# declared extras (CuTe DSL, TVM FFI) serve the frontend's own Blackwell kernels, never imported on our path.
+step "installing nvidia-cudnn-frontend 1.32.0 (no deps)" .venv/bin/python -m pip install --no-deps "nvidia-cudnn-frontend==1.32.0"
+step "checking the imports" .venv/bin/python -c "import torch, grpc, av, comfy_kitchen, cudnn"
 echo "h3-stages ready in $((SECONDS - t_all)) s: torch $(.venv/bin/python -c 'import torch; print(torch.__version__)')," \
      "log in $log. Next: .venv/bin/python -m client render --prompt \"...\" -o out.mp4"

@@ -50,7 +50,7 @@ SOFTMAX_SCALE = 256.0
 OUTPUT_SCALE = 0.5
 MIN_CAPABILITY = (9, 0)  # cuDNN's fp8 SDPA: Hopper and newer
 MIN_CUDNN_BACKEND = 90100  # 9.1.0 introduced the fp8 SDPA forward
-GRAPH_CACHE_SIZE = 16  # cuDNN plans kept (one per (device, heads, rows, head_dim)); a job uses one or two
+GRAPH_CACHE_SIZE = 16  # cuDNN plans kept (one per plan_key); a job uses one or two
 
 
 @dataclass(frozen=True)
@@ -159,7 +159,8 @@ def sdpa_fp8_emulated(q8: torch.Tensor, k8: torch.Tensor, v8: torch.Tensor, desc
 
 
 def unavailable(device: torch.device | str) -> str | None:
-    """None if cuDNN fp8 SDPA can run on `device`, else why not (missing package, GPU too old, ...)."""
+    """None if cuDNN fp8 SDPA can run on `device`, else why not (missing package, GPU too old, ...). Never raises:
+    the registry's start-up probe calls it for every candidate."""
     device = torch.device(device)
     try:
         import cudnn
@@ -170,27 +171,94 @@ def unavailable(device: torch.device | str) -> str | None:
     cap = torch.cuda.get_device_capability(device)
     if cap < MIN_CAPABILITY:
         return f"cuDNN fp8 attention needs compute capability >= 9.0 (Hopper), this GPU is sm_{cap[0]}{cap[1]}"
-    version = cudnn.backend_version()
+    try:
+        # The frontend loads libcudnn itself (LD_LIBRARY_PATH, then the nvidia-cudnn wheel torch uses); without one
+        # every backend call raises RuntimeError ("Unable to find symbol cudnnGetVersion").
+        version = cudnn.backend_version()
+    except Exception as e:
+        return f"nvidia-cudnn-frontend found no cuDNN library ({type(e).__name__}: {e})"
     if version < MIN_CUDNN_BACKEND:
         return f"cuDNN backend {version} has no fp8 SDPA (needs >= 9.1.0)"
     return None
 
 
-class _GraphEntry(NamedTuple):
+class _Plan(NamedTuple):
     graph: object
-    tensors: dict
+    tensors: dict  # port name -> the graph's tensor (inputs, scales, O, amax_s, amax_o)
     workspace_bytes: int
-    amax: torch.Tensor  # [2, 1, 1, 1, 1] fp32 scratch for the kernel's amax_s / amax_o outputs
+    amax: torch.Tensor  # [2, 1, 1, 1, 1] fp32 scratch for the kernel's amax_s / amax_o outputs (never read)
+
+
+def plan_key(device: torch.device, q8: torch.Tensor, k8: torch.Tensor, v8: torch.Tensor, o8: torch.Tensor,
+             head_descales: bool) -> tuple:
+    """What a plan is built for: device, heads, rows, head_dim, the four [H, S, D] stride triples, descale shape.
+    A new sequence length or memory layout gets its own plan (built in ~1 s, kept; docs/performance.md)."""
+    h, s, d = q8.shape
+    return (device.index, h, s, d, tuple(tuple(x.stride()) for x in (q8, k8, v8, o8)), head_descales)
+
+
+def declare_graph(cudnn, handle, h: int, s: int, d: int, strides: tuple, head_descales: bool = False):
+    """The fp8 SDPA graph in nvidia-cudnn-frontend's graph IR, validated by the frontend, not yet built
+    (no GPU needed up to here). strides: the [H, S, D] strides of q, k, v and O. Returns (graph, tensors by port).
+
+    Facts of nvidia-cudnn-frontend 1.32.0 this relies on (its `pygraph.sdpa_fp8` and backend binding docstrings):
+    every input port is required: q, k, v (dims [B, H, S, D], last stride 1), descale_q/k/v/s and scale_s/o
+    (fp32 device tensors [1, 1, 1, 1]); `generate_stats=False` is inference (no softmax stats output); the call
+    returns [O, Stats (None here), Amax_S, Amax_O]. O is declared e4m3 (Hopper's kernel writes fp8 O; bf16 O is
+    Blackwell-only) with q's layout, and both amaxes as fp32 [1, 1, 1, 1] outputs, as cuDNN's fp8 forward graphs
+    have always declared them (the backend serves such a graph; we never read them)."""
+    e4m3, fp32 = cudnn.data_type.FP8_E4M3, cudnn.data_type.FLOAT
+    graph = cudnn.pygraph(io_data_type=e4m3, intermediate_data_type=fp32, compute_data_type=fp32, handle=handle)
+    dims = [1, h, s, d]
+    # BHSD dims over each tensor's own [H, S, D] strides (batch stride: the whole tensor).
+    t = {n: graph.tensor(name=n, dim=dims, stride=[h * s * d, *st], data_type=e4m3)
+         for n, st in zip(("q", "k", "v"), strides)}
+    qk_dims = ([1, h, 1, 1], [h, 1, 1, 1]) if head_descales else ([1, 1, 1, 1], [1, 1, 1, 1])
+    for n in ("descale_q", "descale_k"):
+        t[n] = graph.tensor(name=n, dim=qk_dims[0], stride=qk_dims[1], data_type=fp32)
+    for n in ("descale_v", "descale_s", "scale_s", "scale_o"):
+        t[n] = graph.tensor(name=n, dim=[1, 1, 1, 1], stride=[1, 1, 1, 1], data_type=fp32)
+    o, _, amax_s, amax_o = graph.sdpa_fp8(
+        q=t["q"], k=t["k"], v=t["v"], descale_q=t["descale_q"], descale_k=t["descale_k"], descale_v=t["descale_v"],
+        descale_s=t["descale_s"], scale_s=t["scale_s"], scale_o=t["scale_o"], attn_scale=1.0 / math.sqrt(d),
+        generate_stats=False, name="sdpa_fp8")
+    o.set_output(True).set_dim(dims).set_stride([h * s * d, *strides[3]]).set_data_type(e4m3)
+    for a in (amax_s, amax_o):
+        a.set_output(True).set_dim([1, 1, 1, 1]).set_stride([1, 1, 1, 1]).set_data_type(fp32)
+    t.update(o=o, amax_s=amax_s, amax_o=amax_o)
+    graph.validate()
+    return graph, t
+
+
+def variant_pack(tensors: dict, q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, o4: torch.Tensor,
+                 descale_q: torch.Tensor, descale_k: torch.Tensor, consts: dict[str, torch.Tensor],
+                 amax: torch.Tensor) -> dict:
+    """Graph tensor -> buffer for every port of `declare_graph`'s graph (a missing one fails the execute).
+    q4/k4/v4/o4 [1, H, S, D] e4m3 views with the declared geometry; descales [1, 1, 1, 1] or [1, H, 1, 1] fp32."""
+    t = tensors
+    return {t["q"]: q4, t["k"]: k4, t["v"]: v4, t["o"]: o4, t["descale_q"]: descale_q, t["descale_k"]: descale_k,
+            t["descale_v"]: consts["one"], t["descale_s"]: consts["descale_s"], t["scale_s"]: consts["scale_s"],
+            t["scale_o"]: consts["scale_o"], t["amax_s"]: amax[0], t["amax_o"]: amax[1]}
+
+
+def scale_constants(device: torch.device | str) -> dict[str, torch.Tensor]:
+    """The fixed scale tensors ([1, 1, 1, 1] fp32 on `device`): descale_v = 1 (V arrives in quantised units), the
+    softmax numerator's scale_s / descale_s and O's scale_o (module constants above)."""
+    def scalar(v):
+        return torch.full((1, 1, 1, 1), v, dtype=torch.float32, device=device)
+    return {"one": scalar(1.0), "scale_s": scalar(SOFTMAX_SCALE), "descale_s": scalar(1.0 / SOFTMAX_SCALE),
+            "scale_o": scalar(OUTPUT_SCALE)}
 
 
 class CudnnFp8Sdpa:
-    """cuDNN fp8 SDPA plans, built on first use per (device, shape, strides, descale shape) and kept (LRU).
+    """cuDNN fp8 SDPA plans, built on first use per `plan_key` and kept (LRU).
 
-    One handle per device; calls are serialised by a lock (a cuDNN handle must not be used concurrently) and run
-    on the caller's current CUDA stream."""
+    One cuDNN handle per device, created on that device. Calls are serialised by a lock (a cuDNN handle must not
+    be driven from two threads at once); each call points the handle at the caller's current CUDA stream first
+    (`cudnn.set_stream`, a no-op when unchanged), so the kernel runs in stream order with the ops around it."""
 
     def __init__(self, cache_size: int = GRAPH_CACHE_SIZE):
-        self._graphs: OrderedDict[tuple, _GraphEntry] = OrderedDict()
+        self._plans: OrderedDict[tuple, _Plan] = OrderedDict()
         self._handles: dict[int, object] = {}
         self._consts: dict[int, dict[str, torch.Tensor]] = {}
         self._lock = threading.Lock()
@@ -204,61 +272,35 @@ class CudnnFp8Sdpa:
                 self._handles[device.index] = cudnn.create_handle()
         return self._handles[device.index]
 
-    def _const(self, device: torch.device) -> dict[str, torch.Tensor]:
-        if device.index not in self._consts:
-            def scalar(v):
-                return torch.full((1, 1, 1, 1), v, dtype=torch.float32, device=device)
-            self._consts[device.index] = {"one": scalar(1.0), "scale_s": scalar(SOFTMAX_SCALE),
-                                          "descale_s": scalar(1.0 / SOFTMAX_SCALE), "scale_o": scalar(OUTPUT_SCALE)}
-        return self._consts[device.index]
-
-    def _build(self, device: torch.device, h: int, s: int, d: int, strides: tuple, head_descales: bool) -> _GraphEntry:
+    def _build(self, device: torch.device, key: tuple) -> _Plan:
         import cudnn
 
-        e4m3, fp32 = cudnn.data_type.FP8_E4M3, cudnn.data_type.FLOAT
-        graph = cudnn.pygraph(io_data_type=e4m3, intermediate_data_type=fp32, compute_data_type=fp32,
-                              handle=self._handle(device))
-        dims = [1, h, s, d]
-        # BHSD dims over each tensor's own [H, S, D] strides (batch stride: the whole tensor).
-        t = {n: graph.tensor(name=n, dim=dims, stride=[h * s * d, *st], data_type=e4m3)
-             for n, st in zip(("q", "k", "v"), strides)}
-        qk_dims = ([1, h, 1, 1], [h, 1, 1, 1]) if head_descales else ([1, 1, 1, 1], [1, 1, 1, 1])
-        for n in ("descale_q", "descale_k"):
-            t[n] = graph.tensor(name=n, dim=qk_dims[0], stride=qk_dims[1], data_type=fp32)
-        for n in ("descale_v", "descale_s", "scale_s", "scale_o"):
-            t[n] = graph.tensor(name=n, dim=[1, 1, 1, 1], stride=[1, 1, 1, 1], data_type=fp32)
-        kw = dict(q=t["q"], k=t["k"], v=t["v"], descale_q=t["descale_q"], descale_k=t["descale_k"],
-                  descale_v=t["descale_v"], descale_s=t["descale_s"], scale_s=t["scale_s"], scale_o=t["scale_o"],
-                  attn_scale=1.0 / math.sqrt(d), use_causal_mask=False, name="sdpa_fp8")
+        _, h, s, d, strides, head_descales = key
         try:
-            o, _, amax_s, amax_o = graph.sdpa_fp8(generate_stats=False, **kw)
-        except TypeError:  # frontends before 1.13 name it is_inference (the negation)
-            o, _, amax_s, amax_o = graph.sdpa_fp8(is_inference=True, **kw)
-        # Hopper writes O in e4m3 (a bf16 O is Blackwell-only), laid out like q.
-        o.set_output(True).set_dim(dims).set_stride([h * s * d, *strides[3]]).set_data_type(e4m3)
-        for a in (amax_s, amax_o):
-            a.set_output(True).set_dim([1, 1, 1, 1]).set_stride([1, 1, 1, 1]).set_data_type(fp32)
-        t.update(o=o, amax_s=amax_s, amax_o=amax_o)
-        graph.validate()
-        graph.build_operation_graph()
-        graph.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
-        graph.check_support()
-        graph.build_plans()
-        amax = torch.empty(2, 1, 1, 1, 1, dtype=torch.float32, device=device)
-        return _GraphEntry(graph, t, graph.get_workspace_size(), amax)
+            graph, tensors = declare_graph(cudnn, self._handle(device), h, s, d, strides, head_descales)
+            graph.build_operation_graph()
+            graph.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
+            graph.check_support()
+            graph.build_plans()
+            workspace = graph.get_workspace_size()
+        except Exception as e:
+            msg = (f"cuDNN {cudnn.backend_version_string()} (frontend {cudnn.__version__}) has no fp8 SDPA plan for "
+                   f"heads={h} rows={s} head_dim={d} strides={strides}: {type(e).__name__}: {e}")
+            log.warning("%s", msg)
+            raise RuntimeError(msg) from e
+        log.info("built cuDNN fp8 SDPA plan for heads=%d rows=%d head_dim=%d (%d B workspace)", h, s, d, workspace)
+        # At least one byte: a zero-size buffer has no address to hand over.
+        return _Plan(graph, tensors, max(1, workspace), torch.empty(2, 1, 1, 1, 1, dtype=torch.float32, device=device))
 
-    def _entry(self, device: torch.device, h: int, s: int, d: int, strides: tuple, head_descales: bool) -> _GraphEntry:
-        key = (device.index, h, s, d, strides, head_descales)
-        entry = self._graphs.get(key)
-        if entry is None:
-            entry = self._graphs[key] = self._build(device, h, s, d, strides, head_descales)
-            log.info("built cuDNN fp8 SDPA plan for heads=%d rows=%d head_dim=%d (%d B workspace)", h, s, d,
-                     entry.workspace_bytes)
-            while len(self._graphs) > self._cache_size:
-                self._graphs.popitem(last=False)
+    def _plan(self, device: torch.device, key: tuple) -> _Plan:
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._plans[key] = self._build(device, key)
+            while len(self._plans) > self._cache_size:
+                self._plans.popitem(last=False)
         else:
-            self._graphs.move_to_end(key)
-        return entry
+            self._plans.move_to_end(key)
+        return plan
 
     def __call__(self, q8: torch.Tensor, k8: torch.Tensor, v8: torch.Tensor, descale_q: torch.Tensor,
                  descale_k: torch.Tensor) -> torch.Tensor:
@@ -271,23 +313,21 @@ class CudnnFp8Sdpa:
         device = q8.device
         q8, k8, v8 = (x if x.stride(-1) == 1 and _dense(x) else x.contiguous() for x in (q8, k8, v8))
         out = torch.empty_like(q8)  # keeps q8's (dense) layout, as the fake implementation does
-        strides = tuple(tuple(x.stride()) for x in (q8, k8, v8, out))
         head_descales = descale_q.numel() > 1
-        c = self._const(device)
+        key = plan_key(device, q8, k8, v8, out, head_descales)
+        shape = (1, h, 1, 1) if head_descales else (1, 1, 1, 1)
         with self._lock:
-            e = self._entry(device, h, s, d, strides, head_descales)
-            ws = torch.empty(e.workspace_bytes, dtype=torch.uint8, device=device)
-            shape = (1, h, 1, 1) if head_descales else (1, 1, 1, 1)
-            t = e.tensors
+            if device.index not in self._consts:
+                self._consts[device.index] = scale_constants(device)
+            plan = self._plan(device, key)
+            ws = torch.empty(plan.workspace_bytes, dtype=torch.uint8, device=device)
             # 4-D views with exactly the declared BHSD geometry (batch stride: the whole tensor).
             q4, k4, v4, o4 = (torch.as_strided(x, (1, h, s, d), (h * s * d, *x.stride())) for x in (q8, k8, v8, out))
-            pack = {t["q"]: q4, t["k"]: k4, t["v"]: v4,
-                    t["descale_q"]: descale_q.float().reshape(shape), t["descale_k"]: descale_k.float().reshape(shape),
-                    t["descale_v"]: c["one"], t["descale_s"]: c["descale_s"], t["scale_s"]: c["scale_s"],
-                    t["scale_o"]: c["scale_o"], t["o"]: o4, t["amax_s"]: e.amax[0], t["amax_o"]: e.amax[1]}
+            pack = variant_pack(plan.tensors, q4, k4, v4, o4, descale_q.float().reshape(shape),
+                                descale_k.float().reshape(shape), self._consts[device.index], plan.amax)
             handle = self._handle(device)
             cudnn.set_stream(handle=handle, stream=torch.cuda.current_stream(device).cuda_stream)
-            e.graph.execute(pack, ws, handle=handle)
+            plan.graph.execute(pack, ws, handle=handle)
         return out
 
 

@@ -49,6 +49,7 @@ FP8_E4M3_MAX = 448.0  # largest finite float8_e4m3fn value
 FP8_SCALE_FLOOR = 1e-12  # an all-zero row would otherwise divide by zero
 FP8_MIN_CAPABILITY = (8, 9)  # Ada / Hopper / Blackwell have fp8 tensor cores
 FP8_ALIGN = 16  # torch._scaled_mm needs K and N multiples of 16
+PROBE_ERROR_CHARS = 500  # of a rejected candidate's error kept for Status (cuDNN's reasons come at the end)
 
 # Relative error bounds ||y - ref|| / ||ref|| vs an fp32 reference on the *same* (dequantised) weights.
 # bf16 operands land at 2-4e-3; 8-bit activations (int8 per token after ConvRot, fp8 e4m3 per row) at 1-3e-2
@@ -534,7 +535,7 @@ def _probe_linear(cands: Sequence[LinearCandidate], device: torch.device, cfg: K
                          for mod, (_, x, _) in zip(mods, cases))
             results.append(ProbeResult(c.name, True, ms=ms, rel_err=err, bound=c.rel_err_bound))
         except Exception as e:  # a kernel that raises on this machine is rejected, with the error as its reason
-            results.append(ProbeResult(c.name, False, why=f"error: {type(e).__name__}: {str(e)[:200]}"))
+            results.append(ProbeResult(c.name, False, why=f"error: {type(e).__name__}: {str(e)[:PROBE_ERROR_CHARS]}"))
         finally:
             mods = outs = None
     return results
@@ -561,8 +562,17 @@ def _probe_attention(cands: Sequence[AttentionCandidate], device: torch.device,
                 ms = time_ms(lambda: fn(q, k, v), device, cfg.probe_iters)
             results.append(ProbeResult(c.name, True, ms=ms, rel_err=err, bound=c.rel_err_bound))
         except Exception as e:
-            results.append(ProbeResult(c.name, False, why=f"error: {type(e).__name__}: {str(e)[:200]}"))
+            results.append(ProbeResult(c.name, False, why=f"error: {type(e).__name__}: {str(e)[:PROBE_ERROR_CHARS]}"))
     return results
+
+
+def _why_unavailable(cand, device: torch.device) -> str | None:
+    """The candidate's own availability answer; an availability check that raises (a broken optional package)
+    makes the candidate unavailable with that error as the reason, never the stage's start-up."""
+    try:
+        return cand.unavailable(device)
+    except Exception as e:
+        return f"availability check failed: {type(e).__name__}: {str(e)[:PROBE_ERROR_CHARS]}"
 
 
 def _decide(op: str, setting: str, cands: dict, arch: str, device: torch.device, cfg: KernelConfig,
@@ -570,7 +580,7 @@ def _decide(op: str, setting: str, cands: dict, arch: str, device: torch.device,
     if setting != AUTO:
         if setting not in cands:
             raise KernelError(f"unknown {op} kernel {setting!r}; choose one of {[AUTO, *sorted(cands)]}")
-        why_not = cands[setting].unavailable(device)
+        why_not = _why_unavailable(cands[setting], device)
         if why_not:
             raise KernelError(f"{op}_kernel={setting!r} cannot run on {device} ({arch}): {why_not}; "
                               f"use {op}_kernel='auto'")
@@ -583,7 +593,7 @@ def _decide(op: str, setting: str, cands: dict, arch: str, device: torch.device,
     skipped = {}
     usable = []
     for c in considered:
-        why_not = c.unavailable(device)
+        why_not = _why_unavailable(c, device)
         if why_not:
             skipped[c.name] = why_not
         else:

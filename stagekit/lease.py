@@ -345,3 +345,14 @@ def read_events(lease_dir: Path) -> list[dict]:
     if not p.exists():
         return []
     return [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
+
+
+def events_per_stage(events: list[dict], t0: float, t1: float, kind: str = "acquire") -> dict[str, int]:
+    """How many `kind` events (e.g. "acquire": a weight swap in exclusive residency) each stage logged between t0
+    and t1 (unix seconds); the stage is the holder name's part before "@" ("dit@pid1234" -> "dit")."""
+    out: dict[str, int] = {}
+    for e in events:
+        if e["event"] == kind and t0 <= e["t"] <= t1:
+            stage = e["holder"].split("@", 1)[0]
+            out[stage] = out.get(stage, 0) + 1
+    return out

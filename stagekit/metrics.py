@@ -36,6 +36,8 @@ from grpc import _server as grpc_server
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.core import GaugeMetricFamily
 
+from stagekit.server import cannot_listen
+
 log = logging.getLogger("stagekit.metrics")
 
 # Seconds, from a cached prompt (ms) to a long render on a small card (an hour).
@@ -124,7 +126,10 @@ class StageMetrics:
     def serve(self, host: str, port: int, port_file: str = "") -> int:
         """Start the HTTP endpoint; returns the bound port (written to `<port_file>.metrics`)."""
         addr = "" if host in ("0.0.0.0", "::") else host
-        self._httpd, _ = start_http_server(port, addr=addr or "0.0.0.0", registry=self.registry)
+        try:
+            self._httpd, _ = start_http_server(port, addr=addr or "0.0.0.0", registry=self.registry)
+        except OSError as e:
+            raise cannot_listen(f"{host}:{port}", "--metrics-port", e.strerror or str(e)) from None
         self.port = self._httpd.server_address[1]
         if port_file:
             tmp = Path(port_file + ".metrics.tmp")

@@ -365,11 +365,21 @@ class Admission(grpc.ServerInterceptor):
             response_serializer=handler.response_serializer)
 
 
-class StageServer:
-    """A running gRPC server for one stage plus its health state."""
+def cannot_listen(addr: str, flag: str, why: str = "") -> OSError:
+    """The one start-up error for a port this process cannot bind (gRPC, /metrics, the web page)."""
+    why = why or "the port is in use (another server already serves it?) or the address is not on this host"
+    return OSError(f"cannot listen on {addr}: {why}; stop the other server or pick another {flag}")
 
-    def __init__(self, cfg: ServeConfig, service_names: list[str],
-                 add_servicers: Callable[[grpc.Server], None], interceptors: list | None = None, label: str = ""):
+
+class StageServer:
+    """A gRPC server for one stage plus its health state.
+
+    The constructor binds the port and holds it; `start` adds the stage's servicer and serves. `run_stage` builds
+    it before anything expensive (docs/reliability.md, "One listener per port"), so a taken port refuses the start
+    at once, and no other server can take the port while the engine is built. Calls that arrive in between wait
+    in the listen queue until `start` (their deadline permitting)."""
+
+    def __init__(self, cfg: ServeConfig, service_names: list[str], interceptors: list | None = None, label: str = ""):
         check_exposure(cfg)
         if not 1 <= cfg.max_uploads <= cfg.max_workers:
             raise SystemExit(f"--max-uploads {cfg.max_uploads} must be between 1 and --max-workers ({cfg.max_workers})")
@@ -381,7 +391,6 @@ class StageServer:
         interceptors = list(interceptors or []) + ([TokenAuth(token)] if token else []) + [self.admission]
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=self.admission.threads),
                                   options=SERVER_OPTIONS, interceptors=interceptors)
-        add_servicers(self.server)
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.service_names = list(service_names)
@@ -398,8 +407,7 @@ class StageServer:
         except RuntimeError:  # grpc >= 1.60 raises where older versions returned 0
             self.port = 0
         if self.port == 0:
-            raise OSError(f"cannot listen on {addr}: the port is in use (another stage already serves it?) or the "
-                             "address is not on this host; stop the other server or pick another --port")
+            raise cannot_listen(addr, "--port")
         self.set_serving(False)
 
     def set_serving(self, serving: bool) -> None:
@@ -407,7 +415,9 @@ class StageServer:
         for name in ["", *self.service_names]:
             self.health.set(name, status)
 
-    def start(self) -> None:
+    def start(self, add_servicers: Callable[[grpc.Server], None]) -> None:
+        """Add the stage's servicer(s) and serve on the port bound at construction."""
+        add_servicers(self.server)
         self.server.start()
         if self.cfg.port_file:
             tmp = Path(self.cfg.port_file + ".tmp")

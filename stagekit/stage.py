@@ -23,7 +23,7 @@ import grpc
 
 from stagekit.budget import BudgetConfig, MemoryBudget, resolve_budget_bytes
 from stagekit.dist import RankGroup, RankInfo, rank_info_from_env
-from stagekit.lease import DeviceLease, LeaseConfig, RankHold
+from stagekit.lease import DeviceLease, LeaseConfig, RankHold, pid_alive
 from stagekit.runtime import Engine, RuntimeConfig, StageRuntime, follower_loop
 from stagekit.server import ServeConfig, StageServer, followers_ignore_term, is_loopback, startup_errors
 
@@ -183,7 +183,7 @@ class StageTempDir:
             try:
                 fd = os.open(d / ".owner", os.O_RDONLY)
             except FileNotFoundError:
-                if _pid_alive(int(m.group(1))):  # still being set up by a starting stage
+                if pid_alive(int(m.group(1))):  # still being set up by a starting stage
                     continue
             else:
                 try:
@@ -201,16 +201,6 @@ class StageTempDir:
         os.close(self._fd)
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 @dataclass
 class _Started:
     group: RankGroup
@@ -222,9 +212,25 @@ class _Started:
 
 
 def _start(cfg: CommonConfig, stage: str, info: RankInfo, make_engine, service_name: str, add_servicer):
-    """Everything up to serving: device, rank group, engine, lease, budget, runtime, metrics, gRPC server
+    """Everything up to serving: listeners (rank 0), device, rank group, engine, lease, budget, runtime, serving
     (followers stop after the engine: rank 0 drives them)."""
     device = cfg.device_for_rank(info)
+    # 1. Rank 0 binds its ports first (docs/reliability.md, "One listener per port"): a taken port refuses the start
+    #    before any device, rank-group or engine work, and the bound gRPC port is held until it serves.
+    server = metrics = None
+    if info.is_leader:
+        interceptors = []
+        if cfg.metrics_port >= 0:
+            from stagekit.metrics import StageMetrics
+
+            metrics = StageMetrics(stage, device)
+            interceptors.append(metrics.interceptor())
+        server = StageServer(cfg, [service_name], interceptors=interceptors, label=stage)
+        if metrics is not None:
+            port = metrics.serve(cfg.metrics_host, cfg.metrics_port, cfg.port_file)
+            scope = "loopback only; --metrics-host to expose" if is_loopback(cfg.metrics_host) else "plain HTTP, no auth"
+            print(f"{stage} metrics on http://{cfg.metrics_host}:{port}/metrics ({scope})", flush=True)
+    # 2. Device and rank group.
     if device.startswith("cuda"):
         # Before the first CUDA allocation: expandable segments keep reserved ~= allocated as activation sizes change
         # between jobs, so a stage under a card's memory cap does not lose GiBs to fragmentation (docs/memory.md).
@@ -240,14 +246,16 @@ def _start(cfg: CommonConfig, stage: str, info: RankInfo, make_engine, service_n
     # Rank 0 learns which ranks share its host: it kills them when the group breaks (StageRuntime.follower_pids).
     ranks = group.gather_objects((socket.gethostname(), os.getpid()))
     who = f"{stage}@pid{os.getpid()}"
+    # 3. This rank's device hold and its engine.
     hold = None
     if cfg.residency == "exclusive":
         hold = RankHold(cfg.lease_device_for_rank(info), Path(cfg.lease_dir), f"{stage} rank {info.rank}")
     engine = make_engine(cfg, info, group)
     if not info.is_leader:
         return _Started(group, engine, hold=hold)
-    # The lease object always exists (its event log records residency in both modes); only exclusive mode
-    # takes it. The memory budget gates admission in both modes and reservations in shared mode.
+    # 4. Rank 0: lease, budget and runtime. The lease object always exists (its event log records residency in both
+    #    modes); only exclusive mode takes it. The memory budget gates admission in both modes and reservations in
+    #    shared mode.
     lease = DeviceLease(cfg.group_devices(info), LeaseConfig(Path(cfg.lease_dir), who))
     budget_bytes = resolve_budget_bytes(cfg.group_devices(info), cfg.memory_budget_gb, cfg.reserve_gb)
     budget = None
@@ -260,28 +268,13 @@ def _start(cfg: CommonConfig, stage: str, info: RankInfo, make_engine, service_n
         rcfg.validate()
     except ValueError as e:
         raise SystemExit(f"{stage}: {e}") from None
-    holder: dict[str, StageServer] = {}
     host = socket.gethostname()
-    runtime = StageRuntime(engine, group, lease, rcfg,
-                           on_health=lambda serving: holder["server"].set_serving(serving) if "server" in holder else None,
-                           budget=budget, hold=hold,
+    runtime = StageRuntime(engine, group, lease, rcfg, on_health=server.set_serving, budget=budget, hold=hold,
                            follower_pids=tuple(pid for h, pid in ranks[1:] if h == host))
-    metrics = None
-    interceptors = []
-    if cfg.metrics_port >= 0:
-        from stagekit.metrics import StageMetrics
-
-        metrics = StageMetrics(stage, device)
-        metrics.attach(runtime)
-        interceptors.append(metrics.interceptor())
-    server = StageServer(cfg, [service_name], lambda s: add_servicer(s, runtime), interceptors=interceptors,
-                         label=stage)
-    holder["server"] = server
     if metrics is not None:
-        port = metrics.serve(cfg.metrics_host, cfg.metrics_port, cfg.port_file)
-        scope = "loopback only; --metrics-host to expose" if is_loopback(cfg.metrics_host) else "plain HTTP, no auth"
-        print(f"{stage} metrics on http://{cfg.metrics_host}:{port}/metrics ({scope})", flush=True)
-    server.start()
+        metrics.attach(runtime)
+    # 5. Serve.
+    server.start(lambda s: add_servicer(s, runtime))
     server.set_serving(True)
     print(f"{stage} serving on {cfg.host}:{server.port} (ranks={info.world_size}, device={device})", flush=True)
     return _Started(group, engine, runtime, server, metrics)

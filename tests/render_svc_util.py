@@ -15,7 +15,7 @@ from client.embedded import EmbeddedStack, StackConfig
 from client.render_client import render_request
 from client.stubs import Endpoints, open_channel
 from h3.v1 import render_pb2, render_pb2_grpc
-from stagekit.lease import DeviceLease, LeaseConfig, read_events
+from stagekit.lease import DeviceLease, LeaseConfig, events_per_stage, read_events
 from stagekit.render_params import RenderSpec
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -87,12 +87,7 @@ def probe(path: Path) -> dict:
 
 def swaps(lease_dir: Path, t0: float, t1: float) -> dict[str, int]:
     """Lease acquisitions (= weight swaps in exclusive residency) per stage between t0 and t1."""
-    out: dict[str, int] = {}
-    for e in read_events(Path(lease_dir)):
-        if e["event"] == "acquire" and t0 <= e["t"] <= t1:
-            stage = e["holder"].split("@", 1)[0]
-            out[stage] = out.get(stage, 0) + 1
-    return out
+    return events_per_stage(read_events(Path(lease_dir)), t0, t1)
 
 
 @contextmanager

@@ -21,6 +21,7 @@ from dit_svc.layout import (
     video_latent_frames,
 )
 from dit_svc.model import H3DiT, curve_state_dict_from_mlp
+from dit_svc.tiny_checkpoint import diffusers_config
 
 try:  # oracle only; the GPU machine has no diffusers, its GPU test below does not need it
     from diffusers import MiniMaxH3Transformer3DModel
@@ -42,14 +43,7 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def diffusers_model(cfg: DiTConfig, seed: int = 0) -> MiniMaxH3Transformer3DModel:
     torch.manual_seed(seed)
-    m = MiniMaxH3Transformer3DModel(
-        num_attention_heads=cfg.num_heads, attention_head_dim=cfg.head_dim, hidden_size=cfg.hidden,
-        num_layers=cfg.num_layers, num_refiner_layers=cfg.num_refiner_layers, ffn_dim=cfg.ffn,
-        in_channels=cfg.in_channels, audio_in_channels=cfg.audio_in_channels, patch_size=cfg.patch,
-        text_dim=cfg.text_dim, freq_dim=cfg.freq_dim, time_embed_hidden_dim=cfg.time_embed_hidden,
-        time_embed_dim=cfg.time_embed_dim, rope_freq_dim=cfg.rope_freq_dim, rope_theta=cfg.rope_theta,
-        norm_eps=cfg.eps, qk_norm_eps=cfg.eps, final_norm_eps=cfg.eps,
-    ).eval()
+    m = MiniMaxH3Transformer3DModel.from_config(diffusers_config(cfg)).eval()
     with torch.no_grad():  # default init leaves norms at 1: perturb everything so every weight matters
         for p in m.parameters():
             p.add_(torch.randn_like(p) * 0.05)

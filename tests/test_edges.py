@@ -76,20 +76,39 @@ def restart_decoder(s: EmbeddedStack) -> None:
 
 
 # ---- 4. one listener per port -------------------------------------------------------------------------------------
-def test_a_second_stage_on_a_taken_port_refuses_to_start(stack, tmp_path):
+# A second server on a taken port refuses to start, and before any expensive work: its ports are bound first
+# (stagekit/stage.py `_start`, step 1), so it writes nothing it would write while building its engine (the embedded
+# model into --cache-dir, its device hold into --lease-dir) or starting its job service (the render job database).
+TAKEN = {  # case -> (module, flags; {taken} is a port the stack serves, {d} this case's folder), flag named, untouched
+    "grpc": ("decoder_svc", ["--port", "{taken}"], "--port", ["cache", "leases"]),
+    "metrics": ("decoder_svc", ["--port", "0", "--metrics-port", "{taken}"], "--metrics-port", ["cache", "leases"]),
+    "render grpc": ("render_svc", ["--port", "{taken}", "--run-dir", "{d}/run"], "--port", ["run"]),
+    "render web": ("render_svc", ["--port", "0", "--http-port", "{taken}", "--run-dir", "{d}/run"], "--http-port",
+                   ["run/render.sqlite3"]),
+}
+
+
+@pytest.mark.parametrize("case", TAKEN)
+def test_a_second_server_on_a_taken_port_refuses_before_any_work(stack, tmp_path, case):
+    module, flags, flag, untouched = TAKEN[case]
     port = stack.ports["decoder"]
+    common = {"decoder_svc": ["--devices", "virt0", "--cache-dir", f"{tmp_path}/cache", "--lease-dir",
+                              f"{tmp_path}/leases", "--temp-dir", str(tmp_path)],
+              "render_svc": ["--encoder", "127.0.0.1:1", "--dit", "127.0.0.1:1", "--decoder", "127.0.0.1:1",
+                             "--temp-dir", str(tmp_path)]}[module]
     t0 = time.monotonic()
-    r = subprocess.run([sys.executable, "-m", "decoder_svc", "--port", str(port), "--devices", "virt0",
-                        "--cache-dir", stack.cfg.cache_dir, "--lease-dir", str(tmp_path / "leases"),
-                        "--temp-dir", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=120,
-                       env={**os.environ, **SERVER_ENV})
+    r = subprocess.run([sys.executable, "-m", module, *common, *(f.format(taken=port, d=tmp_path) for f in flags)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=120, env={**os.environ, **SERVER_ENV})
+    took = time.monotonic() - t0
     last = r.stderr.strip().splitlines()[-1] if r.stderr.strip() else ""
+    stage = module.split("_")[0]
     assert r.returncode != 0 and "serving on" not in r.stdout, r.stdout + r.stderr[-2000:]
-    assert last.startswith("decoder: cannot start: cannot listen on 127.0.0.1:") and "in use" in last, last
-    assert "Traceback" not in r.stderr
+    assert last.startswith(f"{stage}: cannot start: cannot listen on 127.0.0.1:{port}: ") and "in use" in last, last
+    assert last.endswith(f"pick another {flag}") and "Traceback" not in r.stderr, last
+    assert not [u for u in untouched if (tmp_path / u).exists()], f"{case}: work done before the refusal"
     with clients_of(stack) as c:  # the first one still serves every call
         assert c.decoder.Status(common_pb2.StatusRequest(), timeout=10).stage == "decoder"
-    print(f"\nsecond listener: exit {r.returncode} after {time.monotonic() - t0:.1f}s: {last}")
+    print(f"\nsecond listener ({case}): exit {r.returncode} after {took:.1f}s: {last}")
 
 
 # ---- 7. temp files -----------------------------------------------------------------------------------------------

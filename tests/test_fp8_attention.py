@@ -2,7 +2,9 @@
 the kernel's fp32 emulation, the registry's fallback without nvidia-cudnn-frontend, and (GPU only) cuDNN's kernel
 against the emulation."""
 
+import re
 import sys
+import types
 
 import pytest
 import torch
@@ -18,12 +20,17 @@ from stagekit.fp8_attention import (
     E4M3_MAX,
     OPTIONS,
     OUTPUT_SCALE,
+    SOFTMAX_SCALE,
     Fp8Attention,
     Fp8AttentionOptions,
+    declare_graph,
     dequantize_o,
+    plan_key,
     quantize_qkv,
+    scale_constants,
     sdpa_fp8_emulated,
     unavailable,
+    variant_pack,
 )
 from stagekit.kernels import (
     REL_ERR_BOUND,
@@ -232,3 +239,110 @@ def test_a_failing_quantiser_compile_falls_back_to_eager():
     o = fn(q, k, v)
     assert torch.equal(o, Fp8Attention(ALL_ROWS, emulate=True)(q, k, v))
     assert fn._quantize is quantize_qkv and fn._dequantize is dequantize_o
+
+
+# ---- CPU checks of the cuDNN path: everything up to the GPU ----------------------------------------------------------
+def test_unavailable_never_raises(monkeypatch):
+    """A package that imports but finds no cuDNN library (backend calls raise RuntimeError) is a reason, not a crash:
+    the registry probe calls this for every candidate at start-up."""
+    def no_library():
+        raise RuntimeError("Unable to find symbol cudnnGetVersion")
+
+    monkeypatch.setitem(sys.modules, "cudnn", types.SimpleNamespace(backend_version=no_library))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    why = unavailable(torch.device("cuda", 0))
+    assert why.startswith("nvidia-cudnn-frontend found no cuDNN library") and "cudnnGetVersion" in why
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    assert "compute capability >= 9.0" in unavailable(torch.device("cuda", 0))
+    monkeypatch.setitem(sys.modules, "cudnn", types.SimpleNamespace(backend_version=lambda: 90000))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    assert "has no fp8 SDPA" in unavailable(torch.device("cuda", 0))
+
+
+def test_a_raising_availability_check_rejects_only_that_candidate():
+    def broken(device):
+        raise OSError("libcudnn.so.9: cannot open shared object file")
+
+    cands = {"math": default_attention_candidates()["math"],
+             "fp8": AttentionCandidate("fp8", lambda: None, REL_ERR_BOUND["fp8_attention"], broken, archs=("cpu",))}
+    small = KernelConfig(linear_shapes=((64, 256, 128),), attention_shape=(1, 2, 64, 32), probe_iters=1,
+                         compute_dtype=torch.float32)
+    sel = select_kernels("cpu", small, attention_candidates=cands)
+    assert sel.attention == "math"
+    assert "fp8 skipped (availability check failed: OSError: libcudnn.so.9" in sel.status_rows()[1][2]
+    with pytest.raises(KernelError, match="availability check failed: OSError"):
+        select_kernels("cpu", KernelConfig(**{**small.__dict__, "attention_kernel": "fp8"}), attention_candidates=cands)
+
+
+def test_plan_key_and_scale_constants():
+    dev = torch.device("cpu")
+    bhsd = torch.empty(4, 300, 64, dtype=E4M3)
+    rows = torch.empty(300, 4, 64, dtype=E4M3).transpose(0, 1)  # [S, H, D] memory
+    key = plan_key(dev, bhsd, bhsd, bhsd, bhsd, False)
+    assert key == (None, 4, 300, 64, ((19200, 64, 1),) * 4, False)
+    assert key == plan_key(dev, *[torch.empty_like(bhsd)] * 4, False)  # same geometry, same plan
+    assert key != plan_key(dev, rows, rows, rows, rows, False)  # the layout is part of the plan
+    assert key != plan_key(dev, *[torch.empty(4, 301, 64, dtype=E4M3)] * 4, False)
+    assert key != plan_key(dev, bhsd, bhsd, bhsd, bhsd, True)
+    c = scale_constants("cpu")
+    for t in c.values():
+        assert t.shape == (1, 1, 1, 1) and t.dtype == torch.float32
+    assert c["one"].item() == 1.0 and c["scale_o"].item() == OUTPUT_SCALE
+    assert c["scale_s"].item() * c["descale_s"].item() == 1.0  # a power of two: exact both ways
+    # P~ <= 1 scaled by scale_s and |O| <= 448 scaled by scale_o stay finite in e4m3 (no NaN from overflow).
+    assert SOFTMAX_SCALE <= E4M3_MAX and torch.tensor(SOFTMAX_SCALE).to(E4M3).float().item() == SOFTMAX_SCALE
+    assert torch.tensor(E4M3_MAX * OUTPUT_SCALE).to(E4M3).float().item() == E4M3_MAX * OUTPUT_SCALE
+
+
+def _frontend():
+    try:
+        import cudnn
+    except Exception as e:  # not installed (it is optional): nothing to check against
+        pytest.skip(f"nvidia-cudnn-frontend is not importable: {e}")
+    return cudnn
+
+
+def _binding_params(cudnn) -> set[str]:
+    """Keyword names of the backend's sdpa_fp8 binding, from its signature line."""
+    first = cudnn._pybind_module.backend_graph.sdpa_fp8.__doc__.splitlines()[0]
+    return set(re.findall(r"(\w+): ", first.split("(", 1)[1]))
+
+
+@pytest.mark.parametrize("layout", ["bhsd", "rows"])
+@pytest.mark.parametrize("heads,seq", [(56, 14882), (28, 37748), (14, 1024)])  # TP1, TP2 / SP2, TP4 x SP
+def test_graph_declares_what_the_frontend_accepts(layout, heads, seq):
+    """Our fp8 SDPA graph against nvidia-cudnn-frontend's own graph IR and validator (no GPU needed): ports, dims,
+    strides, dtypes; every argument we pass is one the backend binding takes; the variant pack fills every port."""
+    cudnn = _frontend()
+    d = 128
+    if layout == "bhsd":
+        st = (seq * d, d, 1)
+    else:
+        st = (d, heads * d, 1)
+    graph, t = declare_graph(cudnn, None, heads, seq, d, (st,) * 4)
+    e4m3, fp32 = cudnn.data_type.FP8_E4M3, cudnn.data_type.FLOAT
+    for n in ("q", "k", "v", "o"):
+        assert list(t[n].dim) == [1, heads, seq, d] and list(t[n].stride) == [heads * seq * d, *st]
+        assert t[n].data_type == e4m3
+    assert not t["o"].is_virtual and not t["amax_s"].is_virtual and not t["amax_o"].is_virtual
+    for n in ("descale_q", "descale_k", "descale_v", "descale_s", "scale_s", "scale_o", "amax_s", "amax_o"):
+        assert list(t[n].dim) == [1, 1, 1, 1] and t[n].data_type == fp32
+    (node,) = graph.nodes
+    assert node.node_type.name == "SDPA_FP8"
+    assert node.params["generate_stats"] is False and "Stats" not in node.outputs  # inference: no stats output
+    assert node.params["attn_scale"] == pytest.approx(d ** -0.5)
+    # What lowering hands the backend: the node's ports and params by keyword, plus name and compute type.
+    passed = set(node.inputs) | set(node.params) | {"name", "compute_data_type"}
+    assert passed <= _binding_params(cudnn), passed - _binding_params(cudnn)
+    # Every port of the node gets a buffer, and nothing else is in the pack.
+    bufs = {n: torch.empty(1) for n in ("q", "k", "v", "o")}
+    pack = variant_pack(t, bufs["q"], bufs["k"], bufs["v"], bufs["o"], torch.ones(1, 1, 1, 1),
+                        torch.ones(1, 1, 1, 1), scale_constants("cpu"), torch.zeros(2, 1, 1, 1, 1))
+    ports = {x.uid for x in [*node.inputs.values(), *node.outputs.values()] if x is not None}
+    assert {x.uid for x in pack} == ports and len(pack) == len(ports) == 12
+
+
+def test_per_head_descale_graph_declares():
+    cudnn = _frontend()
+    graph, t = declare_graph(cudnn, None, 8, 2048, 128, ((2048 * 128, 128, 1),) * 4, head_descales=True)
+    assert list(t["descale_q"].dim) == [1, 8, 1, 1] and list(t["descale_q"].stride) == [8, 1, 1, 1]

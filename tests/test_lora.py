@@ -10,46 +10,25 @@ import tempfile
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from safetensors.torch import save_file
 
 from dit_svc.config import DiTConfig
 from dit_svc.convert_diffusers import from_diffusers, to_diffusers
-from dit_svc.layout import build_layout
 from dit_svc.lora import (LoRAError, LoRALinear, LoRAManager, LocalAdapter, check_lora_file, config_targets,
                           load_lora_file, merge_loras, model_targets, parse_lora_state_dict, resolve_lora_path)
 from dit_svc.model import H3DiT, curve_state_dict_from_mlp
 from dit_svc.tp import Linear, shard_state_dict
 from stagekit.quant import Int8ConvRotLinear, dequantize_convrot
+from tests.dit_ranks import assert_matches_one_rank, forward, rel, tiny_case
+from tests.ranks import run_ranks
 
 TP_RTOL = 1e-5
-T_VIDEO, T_AUDIO = 0.37, 0.58
 STRENGTHS = (0.7, -0.3)
 INT8_RTOL = 3e-2  # int8 activations in kernel mode (test_quant measures ~1.1e-2 per linear on CPU)
 
 
-def _rel(a, b) -> float:
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
-
-
 def _cfg() -> DiTConfig:
     return DiTConfig.tiny(num_layers=2, num_refiner_layers=1)
-
-
-def _case(cfg: DiTConfig | None = None):
-    cfg = cfg or _cfg()
-    torch.manual_seed(0)
-    model = H3DiT(cfg, compute_dtype=torch.float32)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
-    sd = model.state_dict()
-    lay = build_layout(cfg, 5, 22, 64, 96, ("first",))
-    g = torch.Generator().manual_seed(1)
-    x = (torch.randn(lay.num_video_rows, cfg.video_patch_dim, generator=g),
-         torch.randn(lay.num_audio_rows, cfg.audio_in_channels, generator=g),
-         torch.randn(lay.text_len, cfg.text_dim, generator=g))
-    return cfg, sd, lay, x
 
 
 def _ab(g, r, n_in, n_out, amp=0.2):
@@ -106,68 +85,51 @@ def _write(d: str, name: str, sd: dict) -> str:
     return path
 
 
-def _run(model, lay, x):
-    with torch.no_grad():
-        return model(*x, torch.tensor(T_VIDEO), torch.tensor(T_AUDIO), lay)
-
-
 # ---- TP2 over gloo (real processes) == TP1 merged ------------------------------------------------------------------
-def _worker(rank: int, world: int, d: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{d}/store", rank=rank, world_size=world)  # no port to pick
-    try:
-        group = dist.new_group(list(range(world)))
-        cfg, sd, lay, x = _case()
-        model = H3DiT(cfg, compute_dtype=torch.float32, chunk_rows=16, tp_group=group).eval()
-        model.load_state_dict(shard_state_dict(sd, cfg, rank, world, H3DiT._tp_plan))
-        ptrs = {k: (v.data_ptr(), id(v)) for k, v in model.state_dict(keep_vars=True).items()}
-        keys = list(model.state_dict())
-        base = _run(model, lay, x)
-        mgr = LoRAManager(model)
-        p1, p2 = os.path.join(d, "a.safetensors"), os.path.join(d, "b.safetensors")
-        both = [(p1, STRENGTHS[0]), (p2, STRENGTHS[1])]
-        mgr.activate(both)
-        out = _run(model, lay, x)
-        wrapped_keys = list(model.state_dict())
-        mgr.activate([(p1, 1.0)])  # another set: cached file, no disk read, no base reload
-        other = _run(model, lay, x)
-        mgr.activate(both)
-        again = _run(model, lay, x)
-        loads = mgr.loads
-        mgr.clear()
-        cleared = _run(model, lay, x)
-        ptrs_after = {k: (v.data_ptr(), id(v)) for k, v in model.state_dict(keep_vars=True).items()}
-        torch.save(dict(base=base, out=out, other=other, again=again, cleared=cleared, loads=loads,
-                        same_ptrs=ptrs == ptrs_after, same_keys=keys == wrapped_keys),
-                   os.path.join(d, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
+def _lora_rank(rank: int, world: int, d: str) -> dict:
+    group = dist.new_group(list(range(world)))
+    cfg, sd, lay, x = tiny_case()
+    model = H3DiT(cfg, compute_dtype=torch.float32, chunk_rows=16, tp_group=group).eval()
+    model.load_state_dict(shard_state_dict(sd, cfg, rank, world, H3DiT._tp_plan))
+    ptrs = {k: (v.data_ptr(), id(v)) for k, v in model.state_dict(keep_vars=True).items()}
+    keys = list(model.state_dict())
+    base = forward(model, lay, x)
+    mgr = LoRAManager(model)
+    p1, p2 = os.path.join(d, "a.safetensors"), os.path.join(d, "b.safetensors")
+    both = [(p1, STRENGTHS[0]), (p2, STRENGTHS[1])]
+    mgr.activate(both)
+    out = forward(model, lay, x)
+    wrapped_keys = list(model.state_dict())
+    mgr.activate([(p1, 1.0)])  # another set: cached file, no disk read, no base reload
+    other = forward(model, lay, x)
+    mgr.activate(both)
+    again = forward(model, lay, x)
+    loads = mgr.loads
+    mgr.clear()
+    cleared = forward(model, lay, x)
+    ptrs_after = {k: (v.data_ptr(), id(v)) for k, v in model.state_dict(keep_vars=True).items()}
+    return dict(base=base, out=out, other=other, again=again, cleared=cleared, loads=loads,
+                same_ptrs=ptrs == ptrs_after, same_keys=keys == wrapped_keys)
 
 
-def test_tp2_unmerged_equals_tp1_merged():
-    cfg, sd, lay, x = _case()
-    with tempfile.TemporaryDirectory() as d:
-        p1 = _write(d, "a.safetensors", _comfy_lora(cfg))
-        p2 = _write(d, "b.safetensors", _diffusers_lora(cfg))
-        mp.start_processes(_worker, args=(2, d), nprocs=2, join=True, start_method="spawn")
-        outs = [torch.load(os.path.join(d, f"rank{r}.pt")) for r in range(2)]
-        ref = H3DiT(cfg, compute_dtype=torch.float32, chunk_rows=16).eval()
-        targets = model_targets(ref)
-        loras = [(load_lora_file(p1, targets), STRENGTHS[0]), (load_lora_file(p2, targets), STRENGTHS[1])]
-        ref.load_state_dict(merge_loras(sd, targets, loras))
-        rv, ra = _run(ref, lay, x)
-        ref.load_state_dict(merge_loras(sd, targets, [(loras[0][0], 1.0)]))
-        ov, oa = _run(ref, lay, x)
+def test_tp2_unmerged_equals_tp1_merged(tmp_path):
+    cfg, sd, lay, x = tiny_case()
+    p1 = _write(str(tmp_path), "a.safetensors", _comfy_lora(cfg))
+    p2 = _write(str(tmp_path), "b.safetensors", _diffusers_lora(cfg))
+    outs = run_ranks(_lora_rank, 2, str(tmp_path))
+    ref = H3DiT(cfg, compute_dtype=torch.float32, chunk_rows=16).eval()
+    targets = model_targets(ref)
+    loras = [(load_lora_file(p1, targets), STRENGTHS[0]), (load_lora_file(p2, targets), STRENGTHS[1])]
+    ref.load_state_dict(merge_loras(sd, targets, loras))
+    rv, ra = forward(ref, lay, x)
+    ref.load_state_dict(merge_loras(sd, targets, [(loras[0][0], 1.0)]))
+    ov, oa = forward(ref, lay, x)
     o = outs[0]
-    for other in outs[1:]:  # every rank holds bitwise the same result
-        assert all(torch.equal(a, b) for a, b in zip(other["out"], o["out"]))
-    ev, ea = _rel(o["out"][0], rv), _rel(o["out"][1], ra)
-    effect = _rel(o["base"][0], rv)
-    print(f"TP2 unmerged vs TP1 merged (0.7, -0.3): video rel {ev:.3e}, audio rel {ea:.3e}; "
-          f"LoRA effect on video {effect:.3e}")
+    assert_matches_one_rank([r["out"] for r in outs], (rv, ra), TP_RTOL, "TP2 unmerged vs TP1 merged (0.7, -0.3)")
+    effect = rel(o["base"][0], rv)
+    print(f"LoRA effect on video {effect:.3e}")
     assert effect > 1e-2  # the LoRAs really change the output
-    assert ev <= TP_RTOL and ea <= TP_RTOL
-    assert _rel(o["other"][0], ov) <= TP_RTOL and _rel(o["other"][1], oa) <= TP_RTOL
+    assert rel(o["other"][0], ov) <= TP_RTOL and rel(o["other"][1], oa) <= TP_RTOL
     assert all(torch.equal(a, b) for a, b in zip(o["again"], o["out"]))
     assert all(torch.equal(a, b) for a, b in zip(o["cleared"], o["base"]))
     assert o["loads"] == 2  # both files read once; switching sets reused the per-rank cache
@@ -241,7 +203,7 @@ def test_dialects_parse_to_the_same_deltas(tmp_path):
 def test_diffusers_names_match_the_converter(tmp_path):
     """Oracle: add B A to the diffusers-named weights and convert back with dit_svc/convert_diffusers.py; our
     merge of the same LoRA (to_q/to_k/to_v -> qkv thirds, ff.net.0.proj -> fc1 halves swapped) must agree."""
-    cfg, sd, _, _ = _case()
+    cfg, sd, _, _ = tiny_case()
     targets = config_targets(cfg)
     lora = _diffusers_lora(cfg)
     lora["base_model.model.transformer_blocks.1.attn.to_qkv.lora_A.default.weight"] = torch.randn(2, cfg.hidden)
@@ -292,7 +254,7 @@ def test_errors_list_the_offending_keys(tmp_path):
 
 
 def test_curve_form_rejects_timestep_modulation_loras():
-    cfg, sd, lay, x = _case()
+    cfg, sd, lay, x = tiny_case()
     csd, ccfg = curve_state_dict_from_mlp(sd, cfg)
     model = H3DiT(ccfg, compute_dtype=torch.float32).eval()
     model.load_state_dict(csd)
@@ -314,11 +276,11 @@ def test_curve_form_rejects_timestep_modulation_loras():
         p = _write(d, "q.safetensors", qkv)
         mgr = LoRAManager(model)
         mgr.activate([(p, 0.5)])
-        out = _run(model, lay, x)
+        out = forward(model, lay, x)
     model2 = H3DiT(ccfg, compute_dtype=torch.float32).eval()
     model2.load_state_dict(merge_loras(csd, targets, [(lw, 0.5)]))
-    ref = _run(model2, lay, x)
-    assert _rel(out[0], ref[0]) <= TP_RTOL and _rel(out[1], ref[1]) <= TP_RTOL
+    ref = forward(model2, lay, x)
+    assert rel(out[0], ref[0]) <= TP_RTOL and rel(out[1], ref[1]) <= TP_RTOL
 
 
 # ---- int8 bases -----------------------------------------------------------------------------------------------------
@@ -340,7 +302,7 @@ def test_int8_base_plus_lora_equals_dequantised_base_plus_lora():
             yq, yd, base_q = wq(x), wd(x), q(x)
         lora_only = 0.8 * (x @ a.T) @ b.T
         lora_only[:, 32:64] += -0.3 * (x @ a.flip(0).T) @ b[:32].T
-        err, delta_err = _rel(yq, yd), _rel(yq - base_q, lora_only)
+        err, delta_err = rel(yq, yd), rel(yq - base_q, lora_only)
         print(f"int8 {mode}: (int8 + LoRA) vs (dequantised + LoRA) rel {err:.3e}; LoRA term rel {delta_err:.3e}")
         assert err <= (1e-6 if mode == "dequant" else INT8_RTOL)
         assert delta_err <= 1e-6  # the LoRA term itself is exact on top of the int8 GEMM
@@ -350,7 +312,7 @@ def test_int8_base_plus_lora_equals_dequantised_base_plus_lora():
 
 def test_int8_model_with_lora_manager():
     """Block linears as int8 ConvRot (g64) modules in a tiny model; LoRAs via the manager == merged dequantised."""
-    cfg, sd, lay, x = _case()
+    cfg, sd, lay, x = tiny_case()
     model = H3DiT(cfg, compute_dtype=torch.float32).eval()
     model.load_state_dict(sd)
     dq = dict(sd)
@@ -366,11 +328,11 @@ def test_int8_model_with_lora_manager():
         targets = model_targets(model)
         loras = [(load_lora_file(p1, targets), STRENGTHS[0]), (load_lora_file(p2, targets), STRENGTHS[1])]
         LoRAManager(model).activate([(p1, STRENGTHS[0]), (p2, STRENGTHS[1])])
-        out = _run(model, lay, x)
+        out = forward(model, lay, x)
     ref = H3DiT(cfg, compute_dtype=torch.float32).eval()
     ref.load_state_dict(merge_loras(dq, targets, loras))
-    rv, ra = _run(ref, lay, x)
-    ev, ea = _rel(out[0], rv), _rel(out[1], ra)
+    rv, ra = forward(ref, lay, x)
+    ev, ea = rel(out[0], rv), rel(out[1], ra)
     print(f"int8(dequant mode) model + 2 LoRAs vs merged dequantised: video {ev:.3e}, audio {ea:.3e}")
     assert ev <= TP_RTOL and ea <= TP_RTOL
 
@@ -468,7 +430,7 @@ def test_engine_and_servicer_apply_request_loras(tmp_path):
     styled = run([(str(loras_dir / "style.safetensors"), 0.8)])
     again = run([(str(loras_dir / "style.safetensors"), 0.8)])
     plain = run(None)
-    effect = _rel(styled["video_latents"], base["video_latents"])
+    effect = rel(styled["video_latents"], base["video_latents"])
     print(f"engine: LoRA effect on video latents {effect:.3e}")
     assert effect > 1e-3
     assert torch.equal(styled["video_latents"], again["video_latents"])

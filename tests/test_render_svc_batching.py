@@ -105,7 +105,9 @@ def test_eight_clients_three_jobs_each_share_stage_batches(stack, svc, tmp_path)
             assert probe(tmp_path / f"out{c}" / f"{k:03d}.mp4")["frames"] == 22
     jobs = [j for j in svc.stub.List(render_pb2.ListRequest(limit=100), timeout=30).jobs
             if j.label.startswith("client")]
-    assert len(jobs) == clients * per_client and all(j.state == render_pb2.JOB_SUCCEEDED for j in jobs)
+    assert len(jobs) == clients * per_client and all(j.state == render_pb2.JOB_SUCCEEDED for j in jobs), \
+        [(j.label, render_pb2.JobState.Name(j.state), j.error_code, j.error) for j in jobs
+         if j.state != render_pb2.JOB_SUCCEEDED] or len(jobs)
     n = swaps(stage_stack.lease_dir, t0, t1)
     total = sum(n.values())
     print(f"weight swaps for {len(jobs)} jobs x 3 stages: {n} (total {total})")

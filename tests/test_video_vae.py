@@ -9,10 +9,10 @@ from dataclasses import replace
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
 
 from decoder_svc.video_tiling import num_decoded_frames, split_tiles
+from tests.ranks import run_ranks
 from tests.safetensors_files import write_sparse_safetensors
 from decoder_svc.video_vae import (
     IMAGENET_MEAN,
@@ -149,30 +149,25 @@ def test_units_any_order_bitwise(vae):
         assemble(plan, {k: v for k, v in gathered.items() if k != 3})
 
 
-def _rank_main(rank: int, store: str, path: str, out_path: str) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)  # no port to pick
-    try:
-        torch.set_num_threads(1)
-        cfg = SMALL_TILES
-        model = load_video_vae(path, cfg, torch.float32)
-        z = torch.randn(24, 8, 6, 5, generator=torch.Generator().manual_seed(1))
-        plan = plan_decode(cfg, 8, 6, 5)
-        mine = {u.index: decode_unit(model, z, u) for u in reversed(plan) if u.index % 2 == rank}
-        gathered = [None, None] if rank == 0 else None
-        dist.gather_object(mine, gathered, dst=0)
-        if rank == 0:
-            results = {k: v for part in gathered for k, v in part.items()}
-            torch.save(assemble(plan, results), out_path)
-    finally:
-        dist.destroy_process_group()
+def _decode_share(rank: int, world: int, path: str):
+    """Each rank decodes its interleaved share of the units (in reverse order); rank 0 gathers and assembles."""
+    cfg = SMALL_TILES
+    model = load_video_vae(path, cfg, torch.float32)
+    z = torch.randn(24, 8, 6, 5, generator=torch.Generator().manual_seed(1))
+    plan = plan_decode(cfg, 8, 6, 5)
+    mine = {u.index: decode_unit(model, z, u) for u in reversed(plan) if u.index % world == rank}
+    gathered = [None] * world if rank == 0 else None
+    dist.gather_object(mine, gathered, dst=0)
+    if rank == 0:
+        return assemble(plan, {k: v for part in gathered for k, v in part.items()})
+    return None
 
 
-def test_units_two_gloo_ranks(tiny_file, tmp_path):
-    out_path = str(tmp_path / "frames.pt")
-    mp.spawn(_rank_main, args=(str(tmp_path / "store"), tiny_file, out_path), nprocs=2, join=True)
+def test_units_two_gloo_ranks(tiny_file):
+    frames = run_ranks(_decode_share, 2, tiny_file)[0]
     model = load_video_vae(tiny_file, SMALL_TILES, torch.float32)
     ref = model.decode(torch.randn(24, 8, 6, 5, generator=torch.Generator().manual_seed(1)))
-    assert torch.equal(torch.load(out_path), ref)
+    assert torch.equal(frames, ref)
 
 
 def test_bad_latents(vae):
