@@ -737,10 +737,12 @@ def cmd_loadtest(args) -> int:
     try:
         wanted = STAGES if cfg.stage == "pipeline" else (cfg.stage,)
         urls = {s: u for s, u in metrics_urls.items() if s in wanted}
+        methods = {s: [m for m in METHODS[cfg.stage] if m.startswith(f"/{SERVICE_NAMES[s]}/")] for s in urls}
         before: dict = {}
 
-        def snapshot() -> None:
-            before.update({s: scrape_request_counts(u) for s, u in urls.items()})
+        def snapshot() -> None:  # settled too: a call just finished (the probe, a prime) is counted before, not after
+            before.update({s: scrape_request_counts(u, settle_s=10.0, methods=tuple(methods[s]))
+                           for s, u in urls.items()})
 
         def print_request(r: RequestRecord) -> None:
             print(f"  #{r.index:<4} {r.code:<20} {r.latency_s:8.3f} s", file=sys.stderr)
@@ -751,9 +753,8 @@ def cmd_loadtest(args) -> int:
         if urls:
             rep.server = {}
             for s, u in urls.items():
-                methods = [m for m in METHODS[cfg.stage] if m.startswith(f"/{SERVICE_NAMES[s]}/")]
-                after = scrape_request_counts(u, settle_s=10.0, methods=tuple(methods))
-                rep.server[s] = count_delta(before[s], after, methods)
+                after = scrape_request_counts(u, settle_s=10.0, methods=tuple(methods[s]))
+                rep.server[s] = count_delta(before[s], after, methods[s])
         if args.report:
             write_report(rep, Path(args.report))
             print(f"report written to {args.report}", file=sys.stderr)

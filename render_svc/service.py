@@ -229,7 +229,6 @@ class RenderService:
             if nxt is None:
                 size = w.output.stat().st_size
                 self._finish(w, SUCCEEDED, output=str(w.output), output_bytes=size)
-                self._expire()
                 return
             with self._lock:
                 self.planner.add(w.job_id, nxt)
@@ -251,10 +250,17 @@ class RenderService:
         with self._lock:
             self.works.pop(w.job_id, None)
             self.planner.remove(w.job_id)
-        if self.store.finish(w.job_id, state, code, message, output, output_bytes):
+        # The end and what it does to the files are one step for every reader (the store's lock): whoever sees this
+        # job succeeded also sees the older outputs it pushed past the retention limits expired and gone; whoever
+        # sees it failed or cancelled finds no MP4 of it. A job that had already ended keeps its output.
+        with self.store.changed:
+            finished = self.store.finish(w.job_id, state, code, message, output, output_bytes)
+            if finished and state == SUCCEEDED:
+                self._expire()
+            elif state != SUCCEEDED and self.store.get(w.job_id).state != SUCCEEDED:
+                w.output.unlink(missing_ok=True)
+        if finished:
             log.info("job %s %s%s", w.job_id, render_pb2.JobState.Name(state), f": {code} {message}" if code else "")
-        if state != SUCCEEDED:
-            w.output.unlink(missing_ok=True)
 
     def _expire(self) -> None:
         c = self.cfg

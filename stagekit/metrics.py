@@ -69,11 +69,12 @@ class _RuntimeCollector:
         rt = self.m.runtime
         if rt is None:
             return
+        snap = rt.snapshot()  # one moment, as Status reports it
         for name, doc, value in (
-                ("h3_queue_depth", "jobs waiting in the stage queue", rt.queue_depth),
-                ("h3_running", "1 while a job runs", 1 if rt.running is not None else 0),
-                ("h3_resident", "1 while the weights are loaded", 1 if rt.resident else 0),
-                ("h3_jobs_done", "jobs finished since start", rt.jobs_done)):
+                ("h3_queue_depth", "jobs waiting in the stage queue", snap.queue_depth),
+                ("h3_running", "1 while a job runs", int(snap.running)),
+                ("h3_resident", "1 while the weights are loaded", int(snap.resident)),
+                ("h3_jobs_done", "jobs finished since start", snap.jobs_done)):
             yield GaugeMetricFamily(name, doc, value=float(value))
         mem = GaugeMetricFamily("h3_device_memory_bytes",
                                 "torch.cuda.memory_allocated on CUDA, else the engine's resident weight bytes",

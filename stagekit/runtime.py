@@ -91,6 +91,18 @@ class JobEvent:
     payload: Any = None
 
 
+@dataclass(frozen=True)
+class RuntimeSnapshot:
+    """The runtime's state at one moment, as Status and /metrics report it (`StageRuntime.snapshot`)."""
+
+    resident: bool
+    loading: bool
+    queue_depth: int
+    running: bool
+    jobs_done: int
+    lease_holder: str  # who holds our devices' lease ("" when free, or no lease in shared residency)
+
+
 class ShutdownCancel(Unavailable):
     """A job the stage cancelled because it is shutting down (SIGTERM): UNAVAILABLE, retryable elsewhere."""
 
@@ -248,7 +260,9 @@ class StageRuntime:
         self._measured = 0             # resident bytes seen at the last load (engines without an estimate hook)
         self._q: "queue.Queue[Job | str]" = queue.Queue()
         self._pending = 0
-        self._lock = threading.Lock()
+        # Guards the queue count and every change of the state `snapshot` reports (a job taken / finished,
+        # resident, the lease given back), so a snapshot never mixes the moments before and after one change.
+        self._lock = threading.RLock()
         self._stop = threading.Event()
         self._idle_since = time.monotonic()
         self._thread = threading.Thread(target=self._loop, name=f"{engine.name}-runtime", daemon=True)
@@ -262,6 +276,14 @@ class StageRuntime:
     @property
     def exclusive(self) -> bool:
         return self.cfg.residency == "exclusive"
+
+    def snapshot(self) -> RuntimeSnapshot:
+        """One consistent view: never "not resident" beside our own lease, a job delivered but still running, or a
+        job taken from the queue but not yet running (docs/testing.md, "Status is one moment")."""
+        with self._lock:
+            return RuntimeSnapshot(resident=self.resident, loading=self.loading, queue_depth=self._pending,
+                                   running=self.running is not None, jobs_done=self.jobs_done,
+                                   lease_holder=self.lease.holders() if self.lease is not None else "")
 
     def estimate_bytes(self, spec: Any, inputs: dict | None = None) -> int:
         """Per-device peak bytes of a job (weights + activations) from the engine's hook; 0 if it has none.
@@ -332,9 +354,10 @@ class StageRuntime:
             ids = self.lease.ids if self.lease is not None else self.budget.ids
             self.events.write(event, stage=self.engine.name, devices=ids, residency=self.cfg.residency, **extra)
 
-    def _load(self, need_bytes: int = 0, spec: Any = None) -> float:
-        """Take the devices (lease, or budget room in shared mode), then load (for the job `spec` when given).
-        Returns seconds taken."""
+    def _load(self, need_bytes: int = 0, spec: Any = None, cancelled: Callable[[], bool] | None = None) -> float:
+        """Take the devices (lease, or budget room in shared mode), then load (for the job `spec` when given) unless
+        `cancelled()` says the job's client left while we waited: then the devices go back unloaded (raises
+        Cancelled). Returns seconds taken."""
         if self.resident:
             return 0.0
         t0 = time.monotonic()
@@ -345,6 +368,8 @@ class StageRuntime:
             elif not self.exclusive and self.budget is not None:
                 waited = self.budget.reserve(self._reservation(need_bytes), timeout_s=self.cfg.lease_timeout_s)
             self.last_lease_wait = waited
+            if cancelled is not None and cancelled():  # no weights (and no swap) for a client that is gone
+                raise Cancelled(f"{self.engine.name}: job cancelled while it waited for the devices")
             # Health is NOT_SERVING only while weights are actually loading (not while waiting in line).
             self.loading = True
             self.on_health(False)
@@ -358,7 +383,8 @@ class StageRuntime:
             except BaseException:
                 self._unload_locked()
                 raise
-            self.resident = True
+            with self._lock:
+                self.resident = True
             if not self.exclusive and self.budget is not None and not self._has_estimate:
                 # No estimate hook: the first load reserved the worst case; keep what was actually loaded.
                 self._measured = self.engine.resident_bytes()
@@ -376,8 +402,9 @@ class StageRuntime:
                 self._give_back()
             raise
         finally:
-            self.loading = False
-            self.on_health(True)
+            if self.loading:  # (never set when we gave up waiting in line: health never left SERVING)
+                self.loading = False
+                self.on_health(True)
         return time.monotonic() - t0
 
     @property
@@ -395,12 +422,13 @@ class StageRuntime:
         return self._measured or self.budget.cfg.budget_bytes
 
     def _give_back(self) -> None:
-        if self.hold is not None:
-            self.hold.release()
-        if self.lease is not None:
-            self.lease.release()
-        if self.budget is not None:
-            self.budget.release()
+        with self._lock:  # one change for `snapshot`, together with `resident` turning false (_unload_locked)
+            if self.hold is not None:
+                self.hold.release()
+            if self.lease is not None:
+                self.lease.release()
+            if self.budget is not None:
+                self.budget.release()
 
     def _unload_locked(self) -> float:
         t0 = time.monotonic()
@@ -409,14 +437,14 @@ class StageRuntime:
         self.engine.unload()
         unload_s = time.monotonic() - t0
         self._log("unloaded", unload_s=unload_s, served=self._served)
-        # Held until after the weights are gone: the next holder never overlaps us. `resident` turns false
-        # only after the lease is back, so Status never shows "not resident" beside a lease holder.
-        try:
-            self._give_back()
-        finally:
-            self.resident = False
         if self.metrics is not None:
             self.metrics.observe_unload(unload_s)
+        # Held until after the weights are gone: the next holder never overlaps us. "Not resident" and the lease
+        # given back are one change under the lock (`snapshot` never shows one without the other), and `resident`
+        # is false before the next holder can take the lease.
+        with self._lock:
+            self.resident = False
+            self._give_back()
         return unload_s
 
     def _unload(self) -> float:
@@ -505,12 +533,13 @@ class StageRuntime:
         self._unload()
 
     def _run_job(self, job: Job) -> None:
-        with self._lock:
+        with self._lock:  # taken from the queue and running: one change for `snapshot`
             self._pending -= 1
-        if not job.begin():  # its RPC is over: nobody waits for it
-            return
+            if not job.begin():  # its RPC is over: nobody waits for it
+                return
+            self.running = job
         job.timing["queue_s"] = time.monotonic() - job.submitted
-        self.running = job
+        broken_group: str | None = None  # why the rank group broke, when it did
         try:
             if job.should_cancel():
                 raise job.cancel_reason or Cancelled(f"{self.engine.name}: job cancelled before it started")
@@ -524,7 +553,7 @@ class StageRuntime:
             else:
                 job.events.put(JobEvent("progress", dict(stage=self.engine.name, phase="loading", step=0, total=0,
                                                          elapsed_s=0.0, eta_s=0.0, step_ms=0.0, message="")))
-                self._load(job.estimate_bytes, job.spec if self.exclusive else None)
+                self._load(job.estimate_bytes, job.spec if self.exclusive else None, job.should_cancel)
                 job.timing["lease_wait_s"] = self.last_lease_wait
                 job.timing["load_s"] = time.monotonic() - t0 - self.last_lease_wait
             t1 = time.monotonic()
@@ -535,9 +564,8 @@ class StageRuntime:
             finally:
                 self._served += 1
             job.timing["compute_s"] = time.monotonic() - t1
-            self.jobs_done += 1
             self._log("job_done", job=job.job_id)
-            job.deliver(JobEvent("done", result))
+            outcome = JobEvent("done", result)
         except BaseException as e:  # noqa: BLE001 - every failure becomes the job's status
             reason = job.cancel_reason
             if reason is not None and isinstance(e, Cancelled):  # an engine's own cancellation: report why it was
@@ -545,16 +573,21 @@ class StageRuntime:
             code, msg = status_for(e)
             if code.name == "INTERNAL":
                 log.error("%s job %s failed:\n%s", self.engine.name, job.job_id, traceback.format_exc())
-            job.deliver(JobEvent("error", e))
+            outcome = JobEvent("error", e)
             if self.group.world_size > 1 and not isinstance(e, (StageError, ValueError)):
-                # A collective failed: the rank group is broken. Exit so torchrun restarts it.
-                log.error("rank group failure (%s); exiting for torchrun to restart the group", msg)
-                self.on_health(False)
-                self._kill_followers()
-                threading.Timer(0.5, _hard_exit).start()
-        finally:
+                broken_group = msg  # a collective failed: exit (below) so torchrun restarts the group
+        # The job is over for the runtime before its client hears so: a client holding the outcome never sees it
+        # still running in Status, nor jobs_done without it.
+        with self._lock:
             self.running = None
-            job.inputs = {}
+            self.jobs_done += outcome.kind == "done"
+        job.inputs = {}
+        job.deliver(outcome)
+        if broken_group is not None:
+            log.error("rank group failure (%s); exiting for torchrun to restart the group", broken_group)
+            self.on_health(False)
+            self._kill_followers()
+            threading.Timer(0.5, _hard_exit).start()
 
     def _kill_followers(self) -> None:
         """SIGKILL this host's follower ranks: a hung one would hold the restart for torchrun's whole stop grace

@@ -23,13 +23,15 @@ class LifecycleMixin:
         """Stage-specific Status fields (devices, weights, variant, kernels, embedded_model)."""
         return {}
 
+    # `resident` in a lifecycle reply is the state the request left (a load that returned is resident, an unload
+    # that returned is not), not a second read of the runtime, which an idle unload may have changed meanwhile.
     def Load(self, request, context):
         secs = abort_on_error(context, self.runtime.request, "load")
-        return common_pb2.LifecycleReply(resident=self.runtime.resident, seconds=secs, message="loaded")
+        return common_pb2.LifecycleReply(resident=True, seconds=secs, message="loaded")
 
     def Unload(self, request, context):
         secs = abort_on_error(context, self.runtime.request, "unload")
-        return common_pb2.LifecycleReply(resident=self.runtime.resident, seconds=secs, message="unloaded")
+        return common_pb2.LifecycleReply(resident=False, seconds=secs, message="unloaded")
 
     def Warmup(self, request, context):
         t0 = time.monotonic()
@@ -37,17 +39,16 @@ class LifecycleMixin:
         warm = getattr(self.runtime.engine, "warmup", None)
         if warm is not None and self.runtime.group.world_size == 1:
             abort_on_error(context, warm)
-        return common_pb2.LifecycleReply(resident=self.runtime.resident, seconds=time.monotonic() - t0,
+        return common_pb2.LifecycleReply(resident=True, seconds=time.monotonic() - t0,
                                          message="warm")
 
     def Status(self, request, context):
         rt = self.runtime
         d = self.describe()
         kernels = [common_pb2.KernelChoice(op=op, kernel=k, reason=why) for op, k, why in d.pop("kernels", [])]
-        resident = rt.resident  # read before the lease: the runtime releases the lease before clearing it
-        holder = rt.lease.holders() if rt.lease is not None else ""
+        snap = rt.snapshot()  # one moment: resident, lease holder, queue and running agree with each other
         return common_pb2.StageStatus(
-            stage=rt.engine.name, health="NOT_SERVING" if rt.loading else "SERVING", resident=resident,
-            world_size=rt.group.world_size, memory_bytes=rt.engine.resident_bytes() if resident else 0,
-            queue_depth=rt.queue_depth, running=1 if rt.running is not None else 0, lease_holder=holder,
-            residency=rt.cfg.residency, kernels=kernels, jobs_done=rt.jobs_done, **d)
+            stage=rt.engine.name, health="NOT_SERVING" if snap.loading else "SERVING", resident=snap.resident,
+            world_size=rt.group.world_size, memory_bytes=rt.engine.resident_bytes() if snap.resident else 0,
+            queue_depth=snap.queue_depth, running=int(snap.running), lease_holder=snap.lease_holder,
+            residency=rt.cfg.residency, kernels=kernels, jobs_done=snap.jobs_done, **d)

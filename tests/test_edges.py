@@ -27,6 +27,7 @@ from stagekit.lease import read_events
 from stagekit.render_params import RenderSpec
 from tests.conftest import SERVER_ENV
 from tests.procs import alive, open_paths, rank_pids
+from tests.waits import wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = RenderSpec(prompt="x", width=256, height=256, frames=22)
@@ -145,7 +146,9 @@ def test_mux_is_cancelled_when_the_client_leaves(stack, tmp_path):
         r = decode(c, SMALL, *latents(SMALL), tmp_path / "next.mp4", timeout_s=120)
         assert r.extra["frames"] == 22
     line = next(x for x in tail.splitlines() if "abandoned" in x)
-    assert stopped_s < 5, f"the decoder was busy {stopped_s:.2f}s after the client left"
+    # The log above proves the mux stopped short of the file; this bound only catches a wedged one (how long the
+    # stop takes depends on the machine's load).
+    assert stopped_s < 30, f"the decoder was busy {stopped_s:.2f}s after the client left"
     print(f"\nmux cancel: decoder idle {stopped_s:.2f}s after the client left; log: {line.split('INFO ')[-1]}")
 
 
@@ -233,11 +236,10 @@ def test_a_follower_outliving_rank_0_keeps_the_device_leased(stack):
         c.dit.Load(common_pb2.LoadRequest(), timeout=120)
         ranks = rank_pids(stack.procs["dit"].pid)
         assert set(ranks) == {0, 1}, ranks
-        deadline = time.monotonic() + 30  # rank 1 takes its hold as it loads, just after rank 0 answered
-        while not {"dit rank 0", "dit rank 1"} <= {e["holder"] for e in read_events(lease_dir)
-                                                   if e["event"] == "rank_hold"}:
-            assert time.monotonic() < deadline, "both ranks must hold virt0 once loaded"
-            time.sleep(0.05)
+        # rank 1 takes its hold as it loads, just after rank 0 answered
+        wait_until(lambda: {"dit rank 0", "dit rank 1"} <= {e["holder"] for e in read_events(lease_dir)
+                                                            if e["event"] == "rank_hold"},
+                   what="both ranks to hold virt0 once loaded")
         os.kill(ranks[1], signal.SIGSTOP)
         os.kill(ranks[0], signal.SIGKILL)
         t_kill0 = time.time()
@@ -252,15 +254,17 @@ def test_a_follower_outliving_rank_0_keeps_the_device_leased(stack):
 
         t = threading.Thread(target=load, daemon=True)
         t.start()
-        t.join(3.0)
+        # The decoder has the lease (rank 0 is dead) and waits for rank 1, however long it took to get there ...
+        waits = wait_until(lambda: [e for e in read_events(lease_dir) if e["event"] == "wait_ranks"
+                                    and e["holder"].startswith("decoder")], what="the decoder to wait for rank 1")
+        assert any("dit rank 1" in h for h in waits[-1]["holders"]), waits
+        # ... and does not load while rank 1 lives
         assert not box, f"the decoder loaded {box.get('t', 0) - t_kill0:.2f}s after rank 0 died, rank 1 still holding"
-        waits = [e for e in read_events(lease_dir) if e["event"] == "wait_ranks" and e["holder"].startswith("decoder")]
-        assert waits and any("dit rank 1" in h for h in waits[-1]["holders"]), waits
         os.kill(ranks[1], signal.SIGKILL)
         t_kill1 = time.time()
-        t.join(30)
+        t.join(120)
         assert "t" in box, box
-        assert box["t"] >= t_kill1 and box["t"] - t_kill1 < 20, (box["t"] - t_kill1)  # lease, then a load
+        assert box["t"] >= t_kill1 and box["t"] - t_kill1 < 60, (box["t"] - t_kill1)  # lease, then a load
     assert not alive(ranks[0]) and not alive(ranks[1])
     acquired = [e["t"] for e in read_events(lease_dir) if e["event"] == "acquire" and e["holder"].startswith("decoder")]
     assert acquired[-1] >= t_kill1

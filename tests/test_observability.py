@@ -42,9 +42,9 @@ def scrape(url: str) -> dict[tuple, float]:
 
 def settled(url: str, method: str) -> dict | None:
     """The scrape once no `method` call is in flight (a stage counts a call a moment after its client has the
-    status), else None."""
+    status), else None. A method never called yet has no inflight sample: settled too."""
     got = scrape(url)
-    return got if got.get(("h3_grpc_inflight", (("method", method),))) == 0 else None
+    return got if got.get(("h3_grpc_inflight", (("method", method),)), 0) == 0 else None
 
 
 def delta(before: dict, after: dict, name: str, **labels) -> float:
@@ -54,7 +54,9 @@ def delta(before: dict, after: dict, name: str, **labels) -> float:
 
 def test_loadtest_accounting_matches_stage_metrics(stack, clients):
     url = metrics_url(stack, "dit")
-    before = scrape(url)
+    # Settled on both sides: a Sample an earlier test just finished is counted a moment after its client had the
+    # status, so an unsettled "before" could miss it and "after" count it as ours.
+    before = wait_until(lambda: settled(url, SAMPLE), what="earlier Sample calls to be counted")
     cfg = LoadConfig(stage="dit", concurrency=3, requests=6, width=256, height=256, frames=22, steps=1,
                      inject_invalid=3, timeout_s=120)
     rep = run_loadtest(clients, cfg)

@@ -304,6 +304,40 @@ def test_idle_unload_and_step_aside_when_other_waits(tmp_path):
         rb.shutdown(False, 2)
 
 
+def test_snapshot_agrees_with_what_clients_saw(tmp_path):
+    """Status is one moment (docs/testing.md): once a client has its job's outcome the runtime shows the job done and
+    nothing running; once it shows "not resident" its lease is back. Checked after every job and every unload."""
+    rt, _ = _runtime(tmp_path, "s", FakeEngine(), idle_unload_s=0)
+    try:
+        for i in range(10):
+            assert _wait(rt.submit(Job(spec=f"j{i}", inputs={}))).kind == "done"
+            snap = rt.snapshot()
+            assert not snap.running and snap.queue_depth == 0 and snap.jobs_done == i + 1, snap
+            snap = wait_until(lambda: next((x for x in [rt.snapshot()] if not x.resident), None), what="idle unload")
+            assert snap.lease_holder == "", snap
+    finally:
+        rt.shutdown(False, 2)
+
+
+def test_a_job_cancelled_while_waiting_for_the_devices_loads_nothing(tmp_path):
+    """Its client left while the stage waited in line: once the devices are free the stage gives them straight back,
+    without loading weights for nobody (health never leaves SERVING, nobody is evicted for it)."""
+    other = DeviceLease(["virt0"], LeaseConfig(tmp_path, "other"))
+    other.acquire()
+    eng = FakeEngine()
+    rt, health = _runtime(tmp_path, "s", eng, idle_unload_s=-1)
+    try:
+        job = rt.submit(Job(spec="gone", inputs={}))
+        wait_until(other.others_waiting, what="the stage to wait for the lease")
+        job.close()  # what the RPC does when its client leaves
+        other.release()
+        wait_until(lambda: not rt.snapshot().running, what="the stage to drop the job")
+        assert not any(e["event"] == "load_start" for e in read_events(tmp_path))
+        assert eng.started == [] and not eng.loaded and health == [] and rt.snapshot().lease_holder == ""
+    finally:
+        rt.shutdown(False, 2)
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # Process level: real stage servers
 # ---------------------------------------------------------------------------------------------------------------------
@@ -508,7 +542,7 @@ def test_kill_holder_mid_job(tmp_path, cache):
         os.killpg(victim.proc.pid, signal.SIGKILL)
         victim.proc.wait()
         tv.join(30)
-        tn.join(60)
+        tn.join(120)  # (its sample has a 120 s deadline)
         assert err and err[0].code() == grpc.StatusCode.UNAVAILABLE, err
         assert result, nxt.log.read_text()[-2000:]
         ev = read_events(lease_dir)
@@ -558,5 +592,8 @@ def test_lifecycle_rpcs_idle_unload_and_admission(tmp_path, cache):
     finally:
         s.stop()
     ev = read_events(lease_dir)
-    assert [e["event"] for e in ev if e["event"] in ("loaded", "unloaded")] == ["loaded", "unloaded"] * 2  # Load+Unload, Warmup..idle
+    # Load+Unload, then Warmup..idle: two residencies, or three when the 1 s idle unload came between the Warmup and
+    # the job (a loaded machine can take that long to send it); each load ends in its unload.
+    swaps = [e["event"] for e in ev if e["event"] in ("loaded", "unloaded")]
+    assert swaps in (["loaded", "unloaded"] * 2, ["loaded", "unloaded"] * 3), swaps
     assert not any(e.get("job") == "too-big" for e in ev)

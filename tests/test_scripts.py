@@ -63,7 +63,7 @@ def test_up_status_down(tmp_path, model_cache):
         t0 = time.monotonic()
         os.kill(pids["dit"], signal.SIGKILL)
         while any(alive(p) for p in ranks.values()):
-            assert time.monotonic() - t0 < 10, f"ranks {ranks} outlived their agent"
+            assert time.monotonic() - t0 < 30, f"ranks {ranks} outlived their agent"  # (the kernel kills them at once)
             time.sleep(0.05)
         orphan_s = time.monotonic() - t0
         # up.sh starts the dead stage again (and only it), on a fresh temp dir; its new port restarts the render
