@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 
 from h3.v1 import common_pb2
 from stagekit.server import abort_on_error
@@ -34,13 +33,9 @@ class LifecycleMixin:
         return common_pb2.LifecycleReply(resident=False, seconds=secs, message="unloaded")
 
     def Warmup(self, request, context):
-        t0 = time.monotonic()
-        abort_on_error(context, self.runtime.request, "load")
-        warm = getattr(self.runtime.engine, "warmup", None)
-        if warm is not None and self.runtime.group.world_size == 1:
-            abort_on_error(context, warm)
-        return common_pb2.LifecycleReply(resident=True, seconds=time.monotonic() - t0,
-                                         message="warm")
+        """Load, through the worker thread like every lifecycle request (no engine has warm-up work of its own)."""
+        secs = abort_on_error(context, self.runtime.request, "load")
+        return common_pb2.LifecycleReply(resident=True, seconds=secs, message="warm")
 
     def Status(self, request, context):
         rt = self.runtime

@@ -29,7 +29,8 @@ from tests.waits import wait_until
 
 GOOD = RenderSpec(prompt="x", width=256, height=256, frames=22, steps=1, seed=5)
 TEXT = torch.randn(9, 64, generator=torch.Generator().manual_seed(0))
-IDLE_S = 2.0          # --upload-idle-s for these stages
+IDLE_S = 5.0          # --upload-idle-s for these stages; "at once" below means before this deadline (a loaded
+                      # 2-core CI box can take a second or two to start 40 calls, so it is not 2 s)
 STALLED = 40          # above the default --max-workers (32) and --max-uploads (8)
 MiB = 1 << 20
 
@@ -139,17 +140,17 @@ def test_stalled_uploads_never_take_the_stage_down(stack, clients, stage):
         calls = Calls(STALLED, call)
         wait_until(lambda: sum(r is not None for r in calls.results) >= STALLED - 8, what="the refusals")
         slowest = served_while_stalled(clients, stage)
-        assert slowest < 2.0, f"health/Status took {slowest:.2f}s with {STALLED} stalled uploads"
+        assert slowest < IDLE_S, f"health/Status took {slowest:.2f}s with {STALLED} stalled uploads"
         got = calls.wait(IDLE_S + 30)
         elapsed = time.monotonic() - t0
         codes = [r[0] for r in got]
         assert codes.count("DEADLINE_EXCEEDED") == 8 and codes.count("RESOURCE_EXHAUSTED") == STALLED - 8, codes
         late = [r for r in got if r[0] == "DEADLINE_EXCEEDED"]
-        assert all("no request message for 2 s" in r[1] and "--upload-idle-s" in r[1] for r in late), late[0]
+        assert all(f"no request message for {IDLE_S:g} s" in r[1] and "--upload-idle-s" in r[1] for r in late), late[0]
         assert all(r[2] >= IDLE_S - 0.1 for r in late), [r[2] for r in late]  # (their message names the idle deadline)
         refused = [r for r in got if r[0] == "RESOURCE_EXHAUSTED"]
         assert all("8 uploads in progress" in r[1] for r in refused), refused[0]
-        assert max(r[2] for r in refused) < 2.0
+        assert max(r[2] for r in refused) < IDLE_S
         st = status(clients, stage)
         assert st.running == 0 and st.queue_depth == 0
         if stage == "dit":
@@ -188,7 +189,7 @@ def test_stalled_unary_calls_and_a_flood(stack, clients):
         codes = [r[0] for r in got]
         assert codes.count("DEADLINE_EXCEEDED") == 32 and codes.count("RESOURCE_EXHAUSTED") == STALLED - 32, codes
         assert all("32 work calls" in r[1] for r in got if r[0] == "RESOURCE_EXHAUSTED")
-        assert slowest < 2.0
+        assert slowest < IDLE_S
         v, a, _ = sample(clients, GOOD, TEXT, timeout_s=120)
         assert torch.isfinite(v).all()
     finally:
