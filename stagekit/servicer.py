@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 from h3.v1 import common_pb2
 from stagekit.server import abort_on_error
 from stagekit.runtime import StageRuntime
