@@ -1,5 +1,5 @@
 """Multi-rank DiT checks, shared by tests/test_dit_tp.py, test_dit_sp.py and test_lora.py (ranks launched by
-tests/ranks.py): `tiny_case` / `gpu_case` build the model and inputs every process rebuilds identically;
+tests/ranks.py): `tiny_case` / `gpu_case` build the model and inputs (`random_inputs`) every process rebuilds identically;
 `assert_matches_one_rank` is the check every parallel layout must pass: all ranks hold bitwise the same output, within
 a relative tolerance of one rank's."""
 
@@ -31,11 +31,16 @@ def tiny_case(form: str = "mlp", keyframes: tuple[str, ...] = ("first",)):
     if form == "curve":
         sd, cfg = curve_state_dict_from_mlp(sd, cfg)
     lay = build_layout(cfg, 5, 22, 64, 96, keyframes)
-    g = torch.Generator().manual_seed(1)
-    x = (torch.randn(lay.num_video_rows, cfg.video_patch_dim, generator=g),
-         torch.randn(lay.num_audio_rows, cfg.audio_in_channels, generator=g),
-         torch.randn(lay.text_len, cfg.text_dim, generator=g))
-    return cfg, sd, lay, x
+    return cfg, sd, lay, random_inputs(cfg, lay, seed=1)
+
+
+def random_inputs(cfg: DiTConfig, lay, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Seeded model inputs for `lay`: (video rows [Nv, video_patch_dim], audio rows [Na, audio_in_channels], text
+    states [L, text_dim])."""
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(lay.num_video_rows, cfg.video_patch_dim, generator=g),
+            torch.randn(lay.num_audio_rows, cfg.audio_in_channels, generator=g),
+            torch.randn(lay.text_len, cfg.text_dim, generator=g))
 
 
 def forward(model: H3DiT, lay, x) -> tuple[torch.Tensor, torch.Tensor]:

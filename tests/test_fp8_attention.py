@@ -41,6 +41,7 @@ from stagekit.kernels import (
     rel_err,
     select_kernels,
 )
+from tests.dit_ranks import random_inputs
 
 ALL_ROWS = Fp8AttentionOptions(min_seq=0)  # the default options, also on the short test sequences
 
@@ -179,10 +180,7 @@ def test_emulated_fp8_passes_the_registry_probe():
 def test_model_velocity_with_fp8_attention():
     cfg = DiTConfig.tiny()
     lay = build_layout(cfg, 3, 22, 64, 64)
-    g = torch.Generator().manual_seed(0)
-    v = torch.randn(lay.num_video_rows, cfg.video_patch_dim, generator=g)
-    a = torch.randn(lay.num_audio_rows, cfg.audio_in_channels, generator=g)
-    t = torch.randn(lay.text_len, cfg.text_dim, generator=g)
+    v, a, t = random_inputs(cfg, lay, seed=0)
     model = H3DiT(cfg, compute_dtype=torch.float32).eval()
     with torch.no_grad():
         for p in model.parameters():

@@ -24,6 +24,7 @@ from stagekit.kernels import (
     select_kernels,
 )
 from stagekit.quant import QuantizedWeight, quantize_convrot
+from tests.dit_ranks import random_inputs
 
 # Tiny probe so the whole file runs in a few seconds on 2 cores.
 SMALL = KernelConfig(linear_shapes=((64, 256, 128),), attention_shape=(1, 2, 64, 32), probe_iters=2,
@@ -143,10 +144,7 @@ def test_fp8_from_int8_weight_and_cpu_error():
 def test_model_uses_the_selected_attention_fn():
     cfg = DiTConfig.tiny()
     lay = build_layout(cfg, 3, 22, 64, 64)
-    g = torch.Generator().manual_seed(0)
-    v = torch.randn(lay.num_video_rows, cfg.video_patch_dim, generator=g)
-    a = torch.randn(lay.num_audio_rows, cfg.audio_in_channels, generator=g)
-    t = torch.randn(lay.text_len, cfg.text_dim, generator=g)
+    v, a, t = random_inputs(cfg, lay, seed=0)
     model = H3DiT(cfg, compute_dtype=torch.float32).eval()
     calls = []
 
