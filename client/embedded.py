@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -19,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from client.stubs import SERVICE_NAMES, STAGES, Endpoints, Security, health_of, open_channel
+from stagekit.procs import stop_group
 
 MODULES = {"encoder": "encoder_svc", "dit": "dit_svc", "decoder": "decoder_svc", "render": "render_svc"}
 
@@ -154,17 +154,7 @@ class EmbeddedStack:
         proc = self.procs.pop(stage, None)
         if proc is None:
             return
-        if proc.poll() is None:
-            try:
-                os.killpg(proc.pid, signal.SIGTERM)
-                proc.wait(timeout=grace_s)
-            except (ProcessLookupError, subprocess.TimeoutExpired):
-                pass
-        try:  # even when the launcher is gone already: its group may still hold ranks
-            os.killpg(proc.pid, signal.SIGKILL)  # anything left in the group (ranks, children)
-        except ProcessLookupError:
-            pass
-        proc.wait()
+        stop_group(proc, grace_s)  # SIGTERM, then SIGKILL to what is left in the group (ranks, children)
         shutil.rmtree(self.temp_dir(stage), ignore_errors=True)
 
     def stop(self, keep_run_dir: bool = False) -> None:

@@ -49,6 +49,10 @@ from importlib import metadata
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from stagekit.procs import stop_group  # noqa: E402  (stdlib only)
+
 SCRIPTS = REPO / "scripts"
 SHAPES = "832x480x124,1344x768x124"
 SERVICE_SHAPE = "832x480x124"
@@ -186,16 +190,10 @@ class Driver:
         """SIGINT to the item's process group (Python unwinds: the service stops its stage, torchrun its ranks),
         then SIGKILL after a grace period."""
         self.say(f"{name}: out of time: SIGINT to its process group")
-        for sig, wait_s in ((signal.SIGINT, KILL_GRACE_S), (signal.SIGKILL, 10.0)):
-            try:
-                os.killpg(proc.pid, sig)
-            except ProcessLookupError:
-                pass
-            try:
-                return proc.wait(timeout=wait_s)
-            except subprocess.TimeoutExpired:
-                self.say(f"{name}: still running after {sig.name}")
-        return -9
+        rc = stop_group(proc, KILL_GRACE_S, first=signal.SIGINT, kill_wait_s=10.0)
+        if rc is None:
+            self.say(f"{name}: still running after SIGKILL")
+        return -9 if rc is None else rc
 
     def _end_leftovers(self, name: str, item_dir: Path) -> None:
         """Processes that name a path in this item's work folder on their command line are the stage servers it

@@ -57,6 +57,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from stagekit import memtrace  # noqa: E402  (light: no torch)
+from stagekit.procs import stop_group  # noqa: E402
 
 GIB = 2**30
 PROMPT = "A red fox trots through fresh snow at dawn; wind hisses through the pines and a crow calls twice."
@@ -571,23 +572,10 @@ class Bench:
             try:
                 rc = p.wait(timeout=max(5.0, timeout_s))
             except subprocess.TimeoutExpired:
-                self._kill_group(p)
+                stop_group(p, 20.0)
                 rc = 124
         stderr = err_p.read_text(errors="replace")
         return rc, out_p.read_text(errors="replace"), stderr[-3000:]
-
-    @staticmethod
-    def _kill_group(p: subprocess.Popen, grace_s: float = 20.0) -> None:
-        try:
-            os.killpg(p.pid, signal.SIGTERM)
-            p.wait(timeout=grace_s)
-        except (ProcessLookupError, subprocess.TimeoutExpired):
-            pass
-        try:
-            os.killpg(p.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        p.wait()
 
     def _stop_leftovers(self) -> None:
         """A part killed at its time limit leaves its stages (own sessions) running on a warm machine: stop them."""
@@ -667,7 +655,7 @@ class Bench:
     def stop_proc(self, name: str) -> None:
         proc = self.extra.pop(name, None)
         if proc is not None and proc.popen.poll() is None:
-            self._kill_group(proc.popen)
+            stop_group(proc.popen, 20.0)
         (self.run / f"{name}.pid").unlink(missing_ok=True)
 
     @staticmethod

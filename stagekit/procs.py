@@ -1,0 +1,32 @@
+"""Stopping a process group: a polite signal, a grace period, then SIGKILL (stdlib only: the thin client uses it).
+
+Stages, torchrun agents and benchmark items are started with `start_new_session=True`, so their process group
+holds everything they started (ranks, workers); signalling the group, not the pid, leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+
+
+def stop_group(proc: subprocess.Popen, grace_s: float, first: int = signal.SIGTERM,
+               kill_wait_s: float | None = None) -> int | None:
+    """Send `first` to `proc`'s process group (only while `proc` still runs) and wait up to `grace_s`; then SIGKILL
+    whatever is left in the group (a launcher that exited may leave ranks in it) and wait up to `kill_wait_s` (None:
+    until it exits). Returns `proc`'s exit code, None if it is still running."""
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, first)
+            proc.wait(timeout=grace_s)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    try:
+        return proc.wait(timeout=kill_wait_s)
+    except subprocess.TimeoutExpired:
+        return None
