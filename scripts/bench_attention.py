@@ -37,7 +37,6 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -60,6 +59,7 @@ from stagekit.fp8_attention import (  # noqa: E402
 from stagekit.kernels import (  # noqa: E402
     REL_ERR_BOUND,
     AttentionCandidate,
+    attention_reference,
     KernelConfig,
     default_attention_candidates,
     rel_err,
@@ -70,7 +70,10 @@ from stagekit.kernels import (  # noqa: E402
 DEV = torch.device("cuda")  # --tiny: the CPU
 TINY_SHAPES = "64x64x22,96x64x22"
 COMPILED_OPTIONS = ("naive", "head+kv")
-CHECK_MAX_KERNEL_VS_EMULATION = 3e-2  # same arithmetic; P~ rounds against a blockwise row max in the kernel
+# Self-check: the kernel's error vs fp32 may exceed the emulation's (same arithmetic, P~ rounded against a
+# blockwise row max) by this factor plus this slack; a broken kernel (wrong scale, layout) is off by 10x or more.
+CHECK_KERNEL_ERR_FACTOR = 1.5
+CHECK_KERNEL_ERR_SLACK = 2e-3
 
 
 def log(msg: str) -> None:
@@ -120,19 +123,6 @@ def fp8_kernel(p):
 def bf16_attention():
     """bf16 cuDNN SDPA (the baseline); on the CPU the math kernel."""
     return default_attention_candidates()["cudnn" if on_gpu() else "math"].make_fn()
-
-
-def fp32_reference(q, k, v) -> torch.Tensor:
-    """fp32 attention without the S x S matrix (memory-efficient SDPA in fp32; math per head as a fallback)."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    qf, kf, vf = q.float(), k.float(), v.float()
-    try:
-        with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION]):
-            return F.scaled_dot_product_attention(qf, kf, vf)
-    except RuntimeError:
-        return torch.cat([F.scaled_dot_product_attention(qf[:, h:h + 1], kf[:, h:h + 1], vf[:, h:h + 1])
-                          for h in range(q.shape[1])], dim=1)
 
 
 def random_data(s: int, h: int, d: int, seed: int):
@@ -187,18 +177,28 @@ def self_check(s: int, h: int, d: int, failures: list[str]) -> dict:
     out: dict = {}
     q, k, v = random_data(s, h, d, seed=10)
     v = v + 1.0
-    ref = fp32_reference(q, k, v)
+    ref = attention_reference(q, k, v)
 
     def kernel_vs_emulation():
+        # The kernel rounds the softmax numerator against a blockwise running row max, the emulation against the
+        # final one: each P~ element rounds differently, so their raw e4m3 O differ by about e4m3's own step on
+        # random data (measured 4.5e-2). What must agree is the error each makes against the fp32 reference.
         p = quantize_qkv(q[0], k[0], v[0], DEFAULT_OPTIONS)
         o8 = fp8_kernel(p)
         heads = slice(0, 2)  # the emulation materialises [heads, S, S] fp32
         emu = sdpa_fp8_emulated(p.q8[heads], p.k8[heads], p.v8[heads], p.descale_q, p.descale_k)
-        out["kernel_vs_emulation_rel_err"] = rel_err(o8[heads].float(), emu.float())
+        shift = None if p.o_shift is None else p.o_shift[heads]
+        o_kernel = dequantize_o(o8[heads], p.o_scale[heads], shift, torch.float32)
+        o_emu = dequantize_o(emu, p.o_scale[heads], shift, torch.float32)
+        out["kernel_vs_emulation_raw_o8_rel_diff"] = rel_err(o8[heads].float(), emu.float())
+        out["kernel_err_vs_fp32"] = rel_err(o_kernel, ref[0, heads].float())
+        out["emulation_err_vs_fp32"] = rel_err(o_emu, ref[0, heads].float())
         out["o8_finite"] = bool(torch.isfinite(o8.float()).all())
-        if not out["o8_finite"] or not out["kernel_vs_emulation_rel_err"] <= CHECK_MAX_KERNEL_VS_EMULATION:
-            failures.append(f"cuDNN fp8 kernel vs emulation: {out['kernel_vs_emulation_rel_err']:.3e} "
-                            f"(bound {CHECK_MAX_KERNEL_VS_EMULATION}); finite {out['o8_finite']}")
+        bound = CHECK_KERNEL_ERR_FACTOR * out["emulation_err_vs_fp32"] + CHECK_KERNEL_ERR_SLACK
+        if not out["o8_finite"] or not out["kernel_err_vs_fp32"] <= bound:
+            failures.append(f"cuDNN fp8 kernel vs emulation: kernel error {out['kernel_err_vs_fp32']:.3e} vs fp32, "
+                            f"emulation {out['emulation_err_vs_fp32']:.3e} (bound {bound:.3e}); "
+                            f"finite {out['o8_finite']}")
 
     def default_vs_fp32():
         out["default_vs_fp32_rel_err"] = rel_err(fp8_attention(DEFAULT_OPTIONS)(q, k, v), ref)
@@ -311,7 +311,7 @@ def op_level(args, data_sets: dict, row: dict, failures: list[str]) -> None:
     for data_name, (q, k, v) in data_sets.items():
         s = q.shape[2]
         flops = 4.0 * s * s * q.shape[1] * q.shape[3]
-        ref = fp32_reference(q, k, v)
+        ref = attention_reference(q, k, v)
         res = row.setdefault("op", {}).setdefault(data_name, {})
         what = f"S={s} {data_name}"
 

@@ -293,6 +293,37 @@ def kernel_only_ms(model: H3DiT, s: int, cfg: DiTConfig, chunk_rows: int, iters:
     return res
 
 
+# Kernel kinds of a profile, first match wins (lower-cased kernel names of cuBLAS / CUTLASS / cuDNN / Inductor).
+KERNEL_KINDS = (("nccl", ("nccl",)),
+                ("attention", ("fmha", "flash", "sdpa", "attention", "cudnn_generated")),
+                ("gemm", ("gemm", "cutlass", "sm90_xmma", "nvjet", "scaled_mm", "matmul")),
+                ("fused (inductor)", ("triton_",)),
+                ("copy / cast", ("copy", "cast", "convert")))
+
+
+def kernel_profile(fn, top: int = 25) -> dict:
+    """fn() once under torch.profiler (CUDA kernels; CPU ops with --tiny): GPU ms by kind (KERNEL_KINDS, else "other") and the `top`
+    kernels by total time, [name, ms, calls]."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA if on_gpu() else ProfilerActivity.CPU]) as prof:
+        fn()
+        sync()
+    rows = []
+    for ev in prof.key_averages():
+        t = ev.self_device_time_total if on_gpu() else ev.self_cpu_time_total
+        if t > 0:
+            rows.append((ev.key, t / 1000, ev.count))
+    kinds: dict[str, float] = {}
+    for name, ms, _ in rows:
+        low = name.lower()
+        kind = next((k for k, keys in KERNEL_KINDS if any(key in low for key in keys)), "other")
+        kinds[kind] = kinds.get(kind, 0.0) + ms
+    rows.sort(key=lambda r: -r[1])
+    return {"gpu_ms": round(sum(r[1] for r in rows), 2), "by_kind_ms": {k: round(v, 2) for k, v in kinds.items()},
+            "top": [[n[:160], round(ms, 3), c] for n, ms, c in rows[:top]]}
+
+
 # =====================================================================================================================
 # Table mode
 # =====================================================================================================================
@@ -445,6 +476,12 @@ def run_variant(args, cfg, shapes, dev, name, model, master, result, outputs, sa
         finite = bool(torch.isfinite(v).all() and torch.isfinite(a).all())
         row = vres["shapes"][key] = _row(result, key, ms, peak, finite, kern, cfg)
         row["warmup_s"] = warm_s
+        if args.profile:
+            with torch.inference_mode():
+                prof = row["profile"] = kernel_profile(lambda: model(video, audio, text, T_VIDEO, T_AUDIO, lay))
+            log(f"{name} {key} profile: {prof['gpu_ms']:.1f} ms of kernels: {json.dumps(prof['by_kind_ms'])}")
+            for kernel, kernel_ms, calls in prof["top"][:15]:
+                log(f"    {kernel_ms:9.2f} ms {calls:5d}x  {kernel[:120]}")
         if not finite:
             result["failures"].append(f"{name} {key}: non-finite velocity")
         _compare(result, outputs, name, key, args, record=False)
@@ -652,6 +689,8 @@ def main() -> int:
     ap.add_argument("--memory-blocks", type=int, default=2)
     ap.add_argument("--tp", type=int, default=2)
     ap.add_argument("--cap-gib", type=float, default=MEMORY_CAP_GIB)
+    ap.add_argument("--profile", action="store_true",
+                    help="table mode: one more forward per variant and shape under torch.profiler (kernel breakdown)")
     ap.add_argument("--json", default="", help="write results here")
     ap.add_argument("--tiny", action="store_true", help="CPU dry run of table mode (tiny model, emulated fp8)")
     args = ap.parse_args()

@@ -405,8 +405,9 @@ def main() -> int:
     items = build_items(args, out, work, ckpt)
     if len(gpu_names) >= 2:
         lanes = [["ckpt", "dit", "tp1"], ["attention", "service"]]
-    else:  # one GPU: one lane, and the two-GPU items are skipped
-        lanes = [["ckpt", "dit", "attention", "service"]]
+    else:  # one GPU: one lane (the self-check first: it gates the engine items), the two-GPU items skipped
+        lanes = [["attention", "ckpt", "dit", "service"]]
+        args.phase1_s = args.total_s  # no second lane to wait for
     driver = Driver(args, out, work)
     driver.summary["work"] = str(work)
     driver.summary["gpus"] = gpu_names

@@ -413,9 +413,12 @@ class KernelConfig:
     attention_kernel: str = AUTO  # auto | cudnn | flash | efficient | math | int8 | fp8
     compute_dtype: torch.dtype = torch.bfloat16
     # Representative probe shapes: (tokens, in, out) GEMMs (DiT qkv-like and fc2-like) and one attention
-    # [1, heads, seq, head_dim]. Small enough to take well under a second per candidate on a datacenter GPU.
+    # [1, heads, seq, head_dim]. The attention row count is a served one: the smallest seed shape, 832x480x124,
+    # has S = 14,882, and an 8-bit kernel's per-row quantisation cost only pays off against the S^2 work at such
+    # lengths (docs/performance.md, "8-bit attention": at S = 4,096 fp8 loses to cuDNN bf16, at 14,882 it wins).
+    # Well under a second per candidate on a datacenter GPU.
     linear_shapes: tuple[tuple[int, int, int], ...] = ((4096, 5376, 21504), (4096, 14336, 5376))
-    attention_shape: tuple[int, int, int, int] = (1, 56, 4096, 128)
+    attention_shape: tuple[int, int, int, int] = (1, 56, 16384, 128)
     probe_iters: int = 5
     seed: int = 0
 
@@ -541,15 +544,30 @@ def _probe_linear(cands: Sequence[LinearCandidate], device: torch.device, cfg: K
     return results
 
 
+def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """fp32 attention of [B, H, S, D] q, k, v that never holds the S x S scores of all heads: PyTorch's
+    memory-efficient kernel in fp32 where it runs (CUDA), else the math kernel one head at a time."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    qf, kf, vf = q.float(), k.float(), v.float()
+    if q.is_cuda:
+        try:
+            with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION]):
+                return F.scaled_dot_product_attention(qf, kf, vf)
+        except RuntimeError:  # this build / GPU has no fp32 memory-efficient kernel
+            pass
+    with sdpa_kernel([SDPBackend.MATH]):
+        return torch.cat([F.scaled_dot_product_attention(qf[:, i:i + 1], kf[:, i:i + 1], vf[:, i:i + 1])
+                          for i in range(q.shape[1])], dim=1)
+
+
 def _probe_attention(cands: Sequence[AttentionCandidate], device: torch.device,
                      cfg: KernelConfig) -> list[ProbeResult]:
     gen = torch.Generator(device=device).manual_seed(cfg.seed + 1)
     b, h, s, d = cfg.attention_shape
     q, k, v = (torch.randn(b, h, s, d, generator=gen, device=device).to(cfg.compute_dtype) for _ in range(3))
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    with sdpa_kernel([SDPBackend.MATH]), torch.inference_mode():
-        ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float())
+    with torch.inference_mode():
+        ref = attention_reference(q, k, v)
     results = []
     for c in cands:
         try:
