@@ -59,8 +59,8 @@ from stagekit.fp8_attention import (  # noqa: E402
 from stagekit.kernels import (  # noqa: E402
     REL_ERR_BOUND,
     AttentionCandidate,
-    attention_reference,
     KernelConfig,
+    attention_reference,
     default_attention_candidates,
     rel_err,
     select_kernels,

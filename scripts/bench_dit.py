@@ -294,10 +294,13 @@ def kernel_only_ms(model: H3DiT, s: int, cfg: DiTConfig, chunk_rows: int, iters:
 
 
 # Kernel kinds of a profile, first match wins (lower-cased kernel names of cuBLAS / CUTLASS / cuDNN / Inductor).
+# Inductor names a fused kernel after the ops it fused ("triton_red_fused__scaled_mm_..._rsqrt" is the activation
+# quantisation feeding a GEMM), so its prefixes go first; "triton_tem" is one of its GEMM templates.
 KERNEL_KINDS = (("nccl", ("nccl",)),
+                ("gemm", ("triton_tem",)),
+                ("fused (inductor)", ("triton_",)),
                 ("attention", ("fmha", "flash", "sdpa", "attention", "cudnn_generated")),
                 ("gemm", ("gemm", "cutlass", "sm90_xmma", "nvjet", "scaled_mm", "matmul")),
-                ("fused (inductor)", ("triton_",)),
                 ("copy / cast", ("copy", "cast", "convert")))
 
 

@@ -57,3 +57,17 @@ def test_bad_values_and_unknown_file_keys_exit_with_a_message(tmp_path):
     f.write_text("prot: 3\n")
     with pytest.raises(SystemExit, match="unknown settings"):
         parse_config(Cfg, ["--config", str(f)], env_prefix="T_")
+
+
+def test_dit_row_chunk_default_per_mode():
+    """--chunk-rows 0 (the default) resolves per mode; a set value is kept; a negative one is refused at start-up."""
+    from dit_svc.engine import resolve_chunk_rows
+    from stagekit.errors import FailedPrecondition
+
+    assert resolve_chunk_rows(0, compile_blocks=False, tp_size=1) == 4096  # eager: bounds the fp32 temporaries
+    assert resolve_chunk_rows(0, compile_blocks=False, tp_size=2) == 4096
+    assert resolve_chunk_rows(0, compile_blocks=True, tp_size=1) == 65536
+    assert resolve_chunk_rows(0, compile_blocks=True, tp_size=2) == 16384
+    assert resolve_chunk_rows(8192, compile_blocks=True, tp_size=1) == 8192
+    with pytest.raises(FailedPrecondition, match="--chunk-rows must be a positive row count"):
+        resolve_chunk_rows(-1, compile_blocks=False, tp_size=1)
