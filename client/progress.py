@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn
 from rich.table import Table
@@ -19,6 +21,9 @@ class RenderProgress:
             console=console, transient=False)
         self.tasks: dict[str, int] = {}
         self.done: set[str] = set()
+        # A prompts file's jobs are followed by one thread each, all reporting here: one update at a time (an
+        # update that starts a stage walks `tasks` while another may add to it).
+        self._lock = threading.RLock()
 
     def __enter__(self) -> "RenderProgress":
         self.progress.__enter__()
@@ -26,38 +31,41 @@ class RenderProgress:
 
     def __exit__(self, exc_type, *exc) -> None:
         if exc_type is None:
-            for stage in self.tasks:
-                self.finish(stage)
+            with self._lock:
+                for stage in self.tasks:
+                    self.finish(stage)
         self.progress.__exit__(exc_type, *exc)
 
     def finish(self, stage: str) -> None:
         """Mark `stage` done: full bar, `done in N s`, its clock stopped."""
-        if stage in self.done or stage not in self.tasks:
-            return
-        self.done.add(stage)
-        tid = self.tasks[stage]
-        task = self.progress.tasks[tid]
-        total = task.total or 1
-        self.progress.update(tid, total=total, completed=total, info=f"done in {task.elapsed or 0.0:.1f} s")
-        self.progress.stop_task(tid)
+        with self._lock:
+            if stage in self.done or stage not in self.tasks:
+                return
+            self.done.add(stage)
+            tid = self.tasks[stage]
+            task = self.progress.tasks[tid]
+            total = task.total or 1
+            self.progress.update(tid, total=total, completed=total, info=f"done in {task.elapsed or 0.0:.1f} s")
+            self.progress.stop_task(tid)
 
     def update(self, p) -> None:
         stage = p.stage or "?"
-        if stage not in self.tasks or stage in self.done:  # a stage starts (again: fl2va's decoder runs twice)
-            for other in self.tasks:  # ... so the ones before it have finished
-                self.finish(other)
-            self.tasks[stage] = self.progress.add_task("", total=None, stage=stage, info="")
-            self.done.discard(stage)
-        tid = self.tasks[stage]
-        if p.total:
-            info = f"{p.phase} {p.step}/{p.total}"
-            if p.step_ms:
-                info += f"  {p.step_ms / 1000:.2f} s/step"
-            if p.step and p.step < p.total:
-                info += f"  ETA {p.eta_s:.1f} s"
-            self.progress.update(tid, total=p.total, completed=p.step, info=info)
-        else:
-            self.progress.update(tid, info=f"{p.phase} {p.message}".strip())
+        with self._lock:
+            if stage not in self.tasks or stage in self.done:  # a stage starts (again: fl2va's decoder runs twice)
+                for other in self.tasks:  # ... so the ones before it have finished
+                    self.finish(other)
+                self.tasks[stage] = self.progress.add_task("", total=None, stage=stage, info="")
+                self.done.discard(stage)
+            tid = self.tasks[stage]
+            if p.total:
+                info = f"{p.phase} {p.step}/{p.total}"
+                if p.step_ms:
+                    info += f"  {p.step_ms / 1000:.2f} s/step"
+                if p.step and p.step < p.total:
+                    info += f"  ETA {p.eta_s:.1f} s"
+                self.progress.update(tid, total=p.total, completed=p.step, info=info)
+            else:
+                self.progress.update(tid, info=f"{p.phase} {p.message}".strip())
 
 
 def _extra(s) -> dict:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,17 @@ from client.stubs import StageClients
 # MKL may otherwise pick fewer threads than asked for a GEMM on its own, which changes float summation order, and the
 # bitwise checks (2-rank decode == 1-rank decode) compare results of separate processes (docs/testing.md, round 3).
 SERVER_ENV = {"OMP_NUM_THREADS": "2", "MKL_NUM_THREADS": "2", "MKL_DYNAMIC": "FALSE"}
+
+
+def pytest_configure(config):
+    """An xdist worker (pyproject's `-n 2`) computes on one thread: two workers share the CI's 2 cores, and two
+    threads each there mostly spin in OpenMP barriers (docs/testing.md, "Suite time"). Child processes inherit it;
+    the stages get SERVER_ENV's counts."""
+    if hasattr(config, "workerinput"):
+        import torch
+
+        os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = "1"
+        torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")

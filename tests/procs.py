@@ -62,3 +62,17 @@ def open_paths(pid: int) -> list[str]:
         except OSError:
             continue
     return out
+
+
+def big_mappings(pid: int, min_kib: int) -> list[tuple[int, int]]:
+    """(size, resident) in KiB of each memory mapping of `pid` of at least `min_kib` (from /proc/<pid>/smaps). A large
+    allocation is a mapping of its own, so its resident part is how much of the buffer has been written."""
+    out, size = [], None
+    for line in Path(f"/proc/{pid}/smaps").read_text().splitlines():
+        if line.startswith("Size:"):
+            size = int(line.split()[1])
+        elif line.startswith("Rss:") and size is not None:
+            if size >= min_kib:
+                out.append((size, int(line.split()[1])))
+            size = None
+    return out

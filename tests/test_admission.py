@@ -22,9 +22,9 @@ from client.pipeline import decode, sample
 from client.stubs import SERVICE_NAMES, StageClients, health_of, open_channel
 from h3.v1 import common_pb2, decoder_pb2, dit_pb2, encoder_pb2, tensor_pb2
 from stagekit.render_params import RenderSpec, spec_to_proto
-from stagekit.wire import tensor_chunks
+from stagekit.wire import MAX_CHUNK_BYTES, tensor_chunks
 from tests.conftest import SERVER_ENV
-from tests.procs import mem_kib
+from tests.procs import big_mappings, mem_kib
 from tests.waits import wait_until
 
 GOOD = RenderSpec(prompt="x", width=256, height=256, frames=22, steps=1, seed=5)
@@ -345,6 +345,7 @@ def test_abandoned_uploads_free_their_buffers(stack, clients):
     the decoder's resident memory is back near where it started within seconds, with no Load/Unload or GC."""
     pid = stack.procs["decoder"].pid
     lat = torch.zeros(24, BIG.latent_frames, BIG.height // 16, BIG.width // 16)
+    buf_kib = lat.numel() * lat.element_size() // 1024
     rss0 = mem_kib(pid, "VmRSS")
     held, after = [], []
     done = threading.Event()
@@ -364,9 +365,12 @@ def test_abandoned_uploads_free_their_buffers(stack, clients):
 
         call = clients.decoder.Decode(gen(), timeout=120)
         assert sent.wait(60)
-        deadline = time.monotonic() + 60
-        while mem_kib(pid, "VmRSS") - rss0 < 80 * 1024 and time.monotonic() < deadline:
-            time.sleep(0.05)
+        # Wait until the decoder has written all 96 MiB into the upload's buffer (a mapping of its own, the declared
+        # size), not just until its RSS grew by 80 MiB: on a busy machine part of it can still wait in grpc's
+        # queue then, and the cancel would free less than 80 MiB of buffer (docs/testing.md, "Suite time").
+        wait_until(lambda: any(buf_kib <= size < buf_kib + 1024 and rss >= 48 * MAX_CHUNK_BYTES // 1024
+                               for size, rss in big_mappings(pid, buf_kib)),
+                   what="the decoder to hold the 96 MiB sent in its upload buffer")
         held.append((mem_kib(pid, "VmRSS") - rss0) / 1024)
         call.cancel()
         # The 96 MiB buffer goes back to the system with the cancel (a big allocation is its own mapping); what is
