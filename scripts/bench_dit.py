@@ -305,8 +305,8 @@ KERNEL_KINDS = (("nccl", ("nccl",)),
 
 
 def kernel_profile(fn, top: int = 25) -> dict:
-    """fn() once under torch.profiler (CUDA kernels; CPU ops with --tiny): GPU ms by kind (KERNEL_KINDS, else "other") and the `top`
-    kernels by total time, [name, ms, calls]."""
+    """fn() once under torch.profiler (CUDA kernels; CPU ops with --tiny): GPU ms by kind (KERNEL_KINDS, else
+    "other") and the `top` kernels by total time, [name, ms, calls]."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA if on_gpu() else ProfilerActivity.CPU]) as prof:
