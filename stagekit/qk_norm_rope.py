@@ -127,9 +127,9 @@ def launch(y: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, eps:
     cos_t, sin_t = (cos, sin) if cos is not None else (q_weight, q_weight)  # unread placeholders
     cos_strides = (cos_t.stride(0), cos_t.stride(1)) if cos is not None else (0, 0)
     sin_strides = (sin_t.stride(0), sin_t.stride(1)) if cos is not None else (0, 0)
-    grid = (triton.cdiv(rows, block_rows), heads, SECTIONS)
+    grid = (triton.cdiv(rows, block_rows) * SECTIONS * heads,)
     _qk_norm_rope_kernel[grid](
-        y, q_weight, k_weight, cos_t, sin_t, out, rows, eps,
+        y, q_weight, k_weight, cos_t, sin_t, out, rows, heads, eps,
         *y.stride(), out.stride(0), out.stride(2), out.stride(3), out.stride(4), *cos_strides, *sin_strides,
         D=d, R=r, HAS_ROPE=cos is not None, BLOCK_R=block_rows, num_warps=num_warps,
         enable_fp_fusion=False,  # no FMA contraction: products rounded as the reference's separate ops are
@@ -150,14 +150,17 @@ def _interpreting() -> bool:
 if triton is not None:
 
     @triton.jit
-    def _qk_norm_rope_kernel(y_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, out_ptr, rows, eps,
+    def _qk_norm_rope_kernel(y_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, out_ptr, rows, heads, eps,
                              y_s_row, y_s_sec, y_s_head, y_s_d, o_s_sec, o_s_head, o_s_row, o_s_d,
                              c_s_row, c_s_d, s_s_row, s_s_d,
                              D: tl.constexpr, R: tl.constexpr, HAS_ROPE: tl.constexpr, BLOCK_R: tl.constexpr):
-        """One program: BLOCK_R rows of one head of one section (0 q, 1 k, 2 v)."""
-        head = tl.program_id(1).to(tl.int64)
-        sec = tl.program_id(2)
-        row = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+        """One program: BLOCK_R rows of one head of one section (0 q, 1 k, 2 v). Consecutive programs take the
+        sections and heads of the same rows in y's order, so the programs in flight read one band of y."""
+        pid = tl.program_id(0)
+        band = pid // (3 * heads)
+        sec = (pid // heads) % 3
+        head = (pid % heads).to(tl.int64)
+        row = band * BLOCK_R + tl.arange(0, BLOCK_R)
         ch = tl.arange(0, D)
         mask = (row < rows)[:, None]
         row = row.to(tl.int64)[:, None]  # int64 offsets: out spans 3 * heads * S * D elements
