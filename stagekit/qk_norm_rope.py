@@ -176,7 +176,7 @@ if triton is not None:
             if HAS_ROPE:
                 # rotate_half on channels [0, R): out_j = n_j cos_j + n_p sin_j * (-1 if j < R/2 else 1), with the
                 # partner p = j +- R/2 normalised by the same row's rstd; channels >= R pass through.
-                half: tl.constexpr = R // 2
+                half = R // 2
                 in_rope = ch < R
                 partner = tl.where(ch < half, ch + half, tl.where(in_rope, ch - half, ch))
                 xp = tl.load(y_row + partner[None, :] * y_s_d, mask=mask, other=0.0).to(tl.float32)
