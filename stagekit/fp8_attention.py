@@ -30,6 +30,7 @@ same arithmetic (e4m3 P and O included), for tests and for checking the quantisa
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import threading
@@ -295,7 +296,16 @@ def _quantize_qkv_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, v_head:
     if lp.stats_rows % lp.stats_block_r:
         raise ValueError(f"stats_rows {lp.stats_rows} is not a multiple of stats_block_r {lp.stats_block_r}")
     options = Fp8AttentionOptions(v_scale="head" if v_head else "tensor", smooth_k=smooth_k, smooth_v=smooth_v)
+    # Triton launches on the current device: make that q's.
+    with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
+        return _triton_quantize(q, k, v, options, lp)
+
+
+def _triton_quantize(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: Fp8AttentionOptions,
+                     lp: TritonQuantLaunch) -> tuple[torch.Tensor, ...]:
+    """The op's body: statistics pass, scales, quantise pass."""
     h, s, d = q.shape
+    smooth_k, smooth_v = options.smooth_k, options.smooth_v
     f32 = dict(dtype=torch.float32, device=q.device)
     strides = (*_heads_strides(q), *_heads_strides(k), *_heads_strides(v))
     # 1. Statistics pass, then the partials' row-block axis reduced by torch (fixed order: deterministic).
@@ -310,10 +320,11 @@ def _quantize_qkv_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, v_head:
 
     # 2. The scales, by the same code as the torch quantiser.
     sc = fp8_scales(torch.maximum(hi[0], -lo[0]).amax(), stats(1, smooth_k), stats(2, smooth_v), options)
-    mult = torch.stack([sc.mult_q.expand(h), sc.mult_k.expand(h), sc.mult_v.reshape(h)]).contiguous()  # [3, H]
+    mult = torch.stack([sc.mult_q.expand(h), sc.mult_k.expand(h), sc.mult_v.reshape(h)])  # [3, H]
     zeros = torch.zeros(h, 1, d, **f32)
-    o_shift = zeros if sc.shift_v is None else sc.shift_v
-    shift = torch.stack([zeros, zeros if sc.shift_k is None else sc.shift_k, o_shift]).contiguous()  # [3, H, 1, D]
+    # A tensor of its own (not a view into `mean`): what the fake implementation promises.
+    o_shift = zeros if sc.shift_v is None else sc.shift_v.clone()
+    shift = torch.stack([zeros, zeros if sc.shift_k is None else sc.shift_k, o_shift])  # [3, H, 1, D]
     # 3. Quantise pass into e4m3 tensors laid out like the inputs.
     outs = [torch.empty_like(x, dtype=E4M3) for x in (q, k, v)]
     out_strides = [st for x in outs for st in _heads_strides(x)]
@@ -338,6 +349,15 @@ def quantize_qkv_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, optio
     (CUDA; the CPU under TRITON_INTERPRET=1, for tests)."""
     p = _quantize_qkv_fp8(q, k, v, options.v_scale == "head", options.smooth_k, options.smooth_v, list(launch))
     return Fp8QKV(*p[:6], p[6] if options.smooth_v else None)
+
+
+def e4m3_steps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """How many e4m3 steps apart two e4m3 tensors are, elementwise (int32): the bit patterns (sign-magnitude) read
+    as integers that count steps, +0 and -0 both 0. For comparing quantisers (tests, scripts/bench_attention.py)."""
+    def order(x):
+        bits = x.view(torch.uint8).int()
+        return torch.where(bits >= 128, 128 - bits, bits)
+    return (order(a) - order(b)).abs()
 
 
 def dequantize_o(o8: torch.Tensor, o_scale: torch.Tensor, o_shift: torch.Tensor | None,

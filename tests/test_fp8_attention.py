@@ -29,6 +29,7 @@ from stagekit.fp8_attention import (
     TritonQuantLaunch,
     declare_graph,
     dequantize_o,
+    e4m3_steps,
     plan_key,
     quantize_qkv,
     quantize_qkv_triton,
@@ -360,12 +361,6 @@ def test_per_head_descale_graph_declares():
 SMALL_LAUNCH = TritonQuantLaunch(stats_rows=64, stats_block_r=16, stats_warps=4, quant_block_r=32, quant_warps=4)
 
 
-def _e4m3_order(x: torch.Tensor) -> torch.Tensor:
-    """e4m3 bit patterns as integers that count e4m3 steps (sign-magnitude -> two's complement; +-0 -> 0)."""
-    b = x.view(torch.uint8).int()
-    return torch.where(b >= 128, 128 - b, b)
-
-
 def compare_triton_quantiser(device: str, heads: int, seq: int, dim: int, interpreter: bool = False,
                              launch: TritonQuantLaunch = TritonQuantLaunch()) -> None:
     """quantize_qkv_triton vs quantize_qkv on bf16 q, k, v [H, S, D]: views of one [3, 1, H, S, D] buffer (the model's
@@ -396,7 +391,7 @@ def compare_triton_quantiser(device: str, heads: int, seq: int, dim: int, interp
                     assert (af == bf).float().mean() > 0.9, what
                     assert ((af - bf).abs() <= 0.5 * af.abs() + 2**-9).all(), what
                 else:
-                    steps = (_e4m3_order(a) - _e4m3_order(b)).abs()
+                    steps = e4m3_steps(a, b)
                     assert steps.max() <= 1 and (steps == 0).float().mean() >= 0.999, what
 
 
@@ -412,6 +407,12 @@ def test_triton_quantiser_under_the_interpreter():
     env = {**os.environ, "TRITON_INTERPRET": "1", "TRITON_DEFAULT_FP_FUSION": "1"}
     r = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
+
+
+def test_e4m3_steps():
+    x = torch.tensor([0.0, -0.0, 2**-9, -(2**-9), 1.0, 1.125, -1.0, 448.0]).to(E4M3)
+    y = torch.tensor([-0.0, 2**-9, -(2**-9), 2**-9, 1.125, 1.0, -1.25, 416.0]).to(E4M3)
+    assert e4m3_steps(x, y).tolist() == [0, 1, 2, 2, 1, 1, 2, 1]
 
 
 def test_triton_op_fake_keeps_the_layout():
