@@ -521,7 +521,8 @@ class CudnnFp8Sdpa:
                    f"heads={h} rows={s} head_dim={d} strides={strides}: {type(e).__name__}: {e}")
             log.warning("%s", msg)
             raise RuntimeError(msg) from e
-        log.info("built cuDNN fp8 SDPA plan for heads=%d rows=%d head_dim=%d (%d B workspace)", h, s, d, workspace)
+        log.info("built cuDNN fp8 SDPA plan for heads=%d rows=%d head_dim=%d strides=%s (%d B workspace)", h, s, d,
+                 strides, workspace)
         # At least one byte: a zero-size buffer has no address to hand over.
         return _Plan(graph, tensors, max(1, workspace), torch.empty(2, 1, 1, 1, 1, dtype=torch.float32, device=device))
 
