@@ -4,6 +4,7 @@
     python scripts/bench_attention.py --check --out $OUT         # GPU self-check only (< 1 min), exit 1 on failure
     python scripts/bench_attention.py --layers 2 --out $OUT      # smoke (same code, 2 blocks)
     python scripts/bench_attention.py --tiny --out /tmp/att      # CPU dry run (tiny model; the kernel emulated)
+    python scripts/bench_attention.py --quant --out $OUT         # only the q/k/v quantisers (step 4, < 2 min)
 
 Options compared (stagekit/fp8_attention.py): `naive` (q, k, v per tensor), `head` (V / O per head), `head+k`
 (+ K mean subtraction), `head+kv` (+ V mean subtraction; the registry's default). Every option feeds the same cuDNN
@@ -19,11 +20,18 @@ fp8 SDPA kernel (e4m3 q/k/v/P/O on Hopper).
    "synthetic": RMSNorm'd q/k with a shared component and key offsets, V with channel means and per-head scales;
    "model": q/k/v captured from step 2): rel. error vs an fp32 reference and ms of bf16 cuDNN SDPA, of the fp8
    kernel alone, and of each option including its quantisation (eager, and compiled for `naive` / `head+kv`).
+   Where Triton runs, the quantisation is its two-pass op in both; "compiled" then compiles the O dequantisation.
+4. `--quant`: the q/k/v quantisation alone at the real [H, S, D] (views of one [3, 1, H, S, D] bf16 buffer, the
+   blocks' layout; DiT-shaped synthetic data), for `naive` and `head+kv`: torch eager, torch compiled on its own,
+   and the two-pass Triton op under a few launch configurations: ms and effective TB/s (the two-pass minimum
+   traffic: q, k, v read twice, e4m3 written once, over the time), and how far Triton's output is from
+   `quantize_qkv` (e4m3 steps, share of differing elements, scale deviation). No cuDNN needed.
 
-Writes <out>/attention.json (or check.json) after every stage and prints tables. A step that raises is recorded
-under "failures" (with its error) and the rest still runs. Exit 1 if anything failed.
+Writes <out>/attention.json (or check.json, quant.json) after every stage and prints tables. A step that raises is
+recorded under "failures" (with its error) and the rest still runs. Exit 1 if anything failed.
 --tiny: the same steps on the CPU with the tiny model and small shapes, cuDNN's kernel replaced by its fp32
-emulation (so the kernel-vs-emulation check is trivially 0): it checks the script, not the kernel.
+emulation (so the kernel-vs-emulation check is trivially 0): it checks the script, not the kernel. With --quant
+it skips compiling (minutes on the CPU) and runs Triton only under TRITON_INTERPRET=1 (its CPU interpreter).
 """
 
 from __future__ import annotations
@@ -31,6 +39,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import sys
 import time
 from dataclasses import replace
@@ -50,10 +59,14 @@ from stagekit.fp8_attention import (  # noqa: E402
     E4M3_MAX,
     OPTIONS,
     Fp8Attention,
+    TritonQuantLaunch,
     dequantize_o,
+    e4m3_steps,
     quantize_qkv,
+    quantize_qkv_triton,
     sdpa_fp8,
     sdpa_fp8_emulated,
+    triton_unsupported,
     unavailable,
 )
 from stagekit.kernels import (  # noqa: E402
@@ -347,11 +360,96 @@ def op_level(args, data_sets: dict, row: dict, failures: list[str]) -> None:
         empty_cache()
 
 
+# =====================================================================================================================
+# 4. The quantisers alone (--quant)
+# =====================================================================================================================
+
+# Triton launch configurations compared (stats_rows, stats_block_r, stats_warps, quant_block_r, quant_warps); the
+# first is the module's default.
+QUANT_LAUNCHES = (TritonQuantLaunch(), TritonQuantLaunch(1024, 64, 8, 128, 8), TritonQuantLaunch(256, 16, 4, 32, 4))
+
+
+def triton_interpreted() -> bool:
+    """Triton kernels run in its CPU interpreter (TRITON_INTERPRET=1, read by Triton when the kernels are defined)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def quant_label(lp: TritonQuantLaunch) -> str:
+    return "triton " + "/".join(map(str, lp))
+
+
+def quantizers(args, cfg: DiTConfig, shapes, result: dict, failures: list[str]) -> None:
+    compiled = torch.compile(quantize_qkv, dynamic=True)  # as Fp8Attention(compile_quant=True) compiles it
+    h, d = cfg.num_heads, cfg.head_dim
+    for i, shape in enumerate(shapes):
+        key = "x".join(map(str, shape))
+        s = build_layout(cfg, TEXT_LEN, shape[2], shape[1], shape[0]).seq_len
+        row = result.setdefault(key, {"S": s}).setdefault("quant", {})
+        buf = torch.stack(synthetic_data(s, h, d, seed=3 + i))  # [3, 1, H, S, D]
+        q, k, v = buf[:, 0]
+        ideal_bytes = 3 * q.numel() * (2 * q.element_size() + 1)
+
+        def timed(fn) -> dict:
+            ms = time_ms(fn, DEV, args.iters)
+            return {"ms": ms, "effective_tbps": ideal_bytes / ms / 1e9}
+
+        for name in COMPILED_OPTIONS:
+            opt, res = OPTIONS[name], row.setdefault(name, {})
+            what = f"S={s} quantiser {name}"
+            ref = quantize_qkv(q, k, v, opt)
+
+            def eager():
+                res["torch_eager"] = timed(lambda: quantize_qkv(q, k, v, opt))
+
+            def torch_compiled():
+                res["torch_compiled"] = timed(lambda: compiled(q, k, v, opt))
+
+            def triton_op(lp):
+                got = quantize_qkv_triton(q, k, v, opt, lp)
+                steps = [e4m3_steps(a, b) for a, b in zip(ref[:3], got[:3])]
+                scales = [(a - b).abs().max().item() / a.abs().max().item()
+                          for a, b in zip(ref[3:], got[3:]) if a is not None]
+                res[quant_label(lp)] = {**timed(lambda: quantize_qkv_triton(q, k, v, opt, lp)),
+                                        "max_e4m3_steps": max(int(t.max()) for t in steps),
+                                        "share_differing": sum(int((t > 0).sum()) for t in steps) / (3 * q.numel()),
+                                        "max_scale_rel_diff": max(scales)}
+
+            guarded(failures, f"{what} torch eager", eager)
+            if on_gpu():  # the CPU dry run checks the script; compiling there needs a C++ toolchain and minutes
+                guarded(failures, f"{what} torch compiled", torch_compiled)
+            why = triton_unsupported(q, k, v)
+            if why and not on_gpu() and triton_interpreted():  # --tiny under TRITON_INTERPRET=1: the script's path
+                why = None
+            if why:
+                res["triton"] = {"skipped": why}
+            for lp in QUANT_LAUNCHES if not why else ():
+                guarded(failures, f"{what} {quant_label(lp)}", triton_op, lp)
+            log(f"{what}: {json.dumps(res, default=str)}")
+        del buf, q, k, v
+        empty_cache()
+
+
 def print_tables(result: dict) -> None:
     def cell(r, fmt_keys):
         return " / ".join("-" if r.get(k) is None else format(r[k], f) for k, f in fmt_keys) if r else "failed"
 
     for key, row in result["shapes"].items():
+        if row.get("quant"):
+            print(f"\n{key} (S={row['S']}): the q/k/v quantisation alone, ms / effective TB/s (Triton: launch "
+                  "stats_rows/stats_block_r/stats_warps/quant_block_r/quant_warps; max e4m3 steps and share of "
+                  "elements differing from quantize_qkv)")
+            print("| option | quantiser | ms | TB/s | max steps | share differing | scale rel diff |")
+            print("|---|---|---|---|---|---|---|")
+            for name, res in row["quant"].items():
+                for impl, r in res.items():
+                    if "ms" not in r:
+                        print(f"| {name} | {impl} | {r} | | | | |")
+                        continue
+                    dev = ([str(r["max_e4m3_steps"]), f"{r['share_differing']:.1e}", f"{r['max_scale_rel_diff']:.1e}"]
+                           if "max_e4m3_steps" in r else ["", "", ""])
+                    print(f"| {name} | {impl} | {r['ms']:.3f} | {r['effective_tbps']:.2f} | " + " | ".join(dev) + " |")
+        if "op" not in row and "forward" not in row:
+            continue
         print(f"\n{key} (S={row['S']}): op level, [1, heads, S, head_dim]")
         print("| data | bf16 cuDNN ms / err | fp8 kernel ms | " + " | ".join(
             f"{n} err / ms eager{' / ms compiled' if n in COMPILED_OPTIONS else ''}" for n in OPTIONS) + " |")
@@ -384,6 +482,7 @@ def main() -> int:
     ap.add_argument("--chunk-rows", type=int, default=16384)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--check", action="store_true", help="only the self-check (< 1 min)")
+    ap.add_argument("--quant", action="store_true", help="only the q/k/v quantisers (step 4; no cuDNN needed)")
     ap.add_argument("--tiny", action="store_true", help="CPU dry run: tiny model, small shapes, emulated kernel")
     args = ap.parse_args()
     versions: dict = {}
@@ -397,14 +496,15 @@ def main() -> int:
         if not torch.cuda.is_available():
             print("bench_attention.py needs a CUDA GPU (or --tiny)", file=sys.stderr)
             return 2
-        why = unavailable(DEV)
+        why = None if args.quant else unavailable(DEV)
         if why:
             print(f"fp8 attention is unavailable here: {why}", file=sys.stderr)
             return 2
-        import cudnn
+        if not args.quant:
+            import cudnn
 
-        versions = {"cudnn_backend": cudnn.backend_version(), "cudnn_frontend": cudnn.__version__,
-                    "cudnn_torch": torch.backends.cudnn.version()}
+            versions = {"cudnn_backend": cudnn.backend_version(), "cudnn_frontend": cudnn.__version__,
+                        "cudnn_torch": torch.backends.cudnn.version()}
         cfg = DiTConfig.full(num_layers=max(1, args.layers))
     # Every option x shape is its own compiled quantiser; the default limit (8) would silently fall back to eager.
     torch._dynamo.config.cache_size_limit = max(64, torch._dynamo.config.cache_size_limit)
@@ -416,34 +516,37 @@ def main() -> int:
                     "default": DEFAULT_OPTIONS.label,
                     "layers": args.layers, "failures": [], "shapes": {}}
     failures = result["failures"]
-    path = out / ("check.json" if args.check else "attention.json")
+    path = out / ("check.json" if args.check else "quant.json" if args.quant else "attention.json")
 
     def save():
         path.write_text(json.dumps(result, indent=1, default=str))
 
     t0 = time.time()
-    s_small = build_layout(cfg, TEXT_LEN, shapes[0][2], shapes[0][1], shapes[0][0]).seq_len
-    result["self_check"] = self_check(s_small, cfg.num_heads, cfg.head_dim, failures)
-    save()
-    if not args.check:
-        captured = {}
-        if args.layers > 0:
-            captured = guarded(failures, "full forward", full_forward, args, cfg, shapes, result["shapes"],
-                               failures) or {}
-            save()
-        for i, shape in enumerate(shapes):
-            key = "x".join(map(str, shape))
-            s = build_layout(cfg, TEXT_LEN, shape[2], shape[1], shape[0]).seq_len
-            row = result["shapes"].setdefault(key, {"S": s})
-            data = {"random": random_data(s, cfg.num_heads, cfg.head_dim, seed=1 + i),
-                    "synthetic": synthetic_data(s, cfg.num_heads, cfg.head_dim, seed=2 + i)}
-            for j, qkv in enumerate(captured.get(key, [])):
-                data[f"model_block{j}"] = qkv
-            guarded(failures, f"{key} op level", op_level, args, data, row, failures)
-            del data
-            captured.pop(key, None)
-            empty_cache()
-            save()
+    if args.quant:
+        guarded(failures, "quantisers", quantizers, args, cfg, shapes, result["shapes"], failures)
+    else:
+        s_small = build_layout(cfg, TEXT_LEN, shapes[0][2], shapes[0][1], shapes[0][0]).seq_len
+        result["self_check"] = self_check(s_small, cfg.num_heads, cfg.head_dim, failures)
+        save()
+        if not args.check:
+            captured = {}
+            if args.layers > 0:
+                captured = guarded(failures, "full forward", full_forward, args, cfg, shapes, result["shapes"],
+                                   failures) or {}
+                save()
+            for i, shape in enumerate(shapes):
+                key = "x".join(map(str, shape))
+                s = build_layout(cfg, TEXT_LEN, shape[2], shape[1], shape[0]).seq_len
+                row = result["shapes"].setdefault(key, {"S": s})
+                data = {"random": random_data(s, cfg.num_heads, cfg.head_dim, seed=1 + i),
+                        "synthetic": synthetic_data(s, cfg.num_heads, cfg.head_dim, seed=2 + i)}
+                for j, qkv in enumerate(captured.get(key, [])):
+                    data[f"model_block{j}"] = qkv
+                guarded(failures, f"{key} op level", op_level, args, data, row, failures)
+                del data
+                captured.pop(key, None)
+                empty_cache()
+                save()
     result["wall_s"] = time.time() - t0
     save()
     guarded(failures, "printing the tables", print_tables, result)

@@ -4,8 +4,10 @@ The kernel (Hopper and newer) takes e4m3 Q, K, V with per-tensor fp32 descales, 
 P~ = exp(s - rowmax) to e4m3 with `scale_s`, and on Hopper writes an e4m3 O scaled by `scale_o`. What this module
 adds around it (docs/performance.md, "8-bit attention"):
 
-1. Quantisation of q, k, v from the attention input (after RMSNorm + RoPE), written as plain torch ops so that a
-   compiled block fuses it into the op producing q/k/v (`torch.compile`), and compiled on its own otherwise.
+1. Quantisation of q, k, v from the attention input (after RMSNorm + RoPE). On CUDA it runs as two Triton passes
+   (per-channel statistics of q, k, v in one read, then the e4m3 write), one custom op that torch.compile leaves
+   opaque; elsewhere (and when Triton is missing) as plain torch ops, which a compiled block traces and fuses, and
+   which are compiled on their own otherwise. Both share the scale formulas (`fp8_scales`).
 2. K smoothing (SageAttention): K minus its per-channel mean over tokens. Exact under softmax: q.(k_j - m) =
    q.k_j - q.m, and the q.m term is constant along a softmax row. It removes the shared offset that would
    otherwise spend the 3-bit mantissa of every key.
@@ -17,7 +19,8 @@ adds around it (docs/performance.md, "8-bit attention"):
    one common descale per head pair, which the kernel does not take, and after the per-head RMSNorm (which
    normalises every head vector to unit RMS) their heads share one range anyway.
 
-Layout: the quantiser keeps the memory layout of its input (elementwise ops preserve strides): BHSD-contiguous q
+Layout: the quantiser keeps the memory layout of its input (elementwise ops preserve strides, the Triton op
+allocates like its input): BHSD-contiguous q
 from dit_svc/model.py's blocks gives BHSD e4m3 tensors, a [S, H, D]-backed view gives [S, H, D]-backed ones. cuDNN
 reads any of them as BHSD through their strides (the plan is keyed by them), and O is allocated like q.
 
@@ -27,6 +30,7 @@ same arithmetic (e4m3 P and O included), for tests and for checking the quantisa
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import threading
@@ -95,36 +99,265 @@ class Fp8QKV(NamedTuple):
     o_shift: torch.Tensor | None
 
 
-def _to_e4m3(x: torch.Tensor, mult: torch.Tensor) -> torch.Tensor:
+# =====================================================================================================================
+# Quantisation: statistics -> scales (shared) -> e4m3. Plain torch (any device) and two Triton passes (CUDA)
+# =====================================================================================================================
+
+
+class ChannelStats(NamedTuple):
+    """Per-(head, channel) statistics over the tokens of one [H, S, D] tensor, fp32 [H, 1, D] each: max, min and
+    mean (None when that tensor is not smoothed)."""
+
+    hi: torch.Tensor
+    lo: torch.Tensor
+    mean: torch.Tensor | None
+
+
+class Fp8Scales(NamedTuple):
+    """What quantisation applies: e4m3 = clamp((x - shift) * mult, +-448). mult_q / mult_k [] fp32, mult_v
+    [H, 1, 1]; shift_k / shift_v [H, 1, D] (None: not smoothed); the kernel's descale_q / descale_k [1] and the O
+    dequantisation's o_scale [H, 1, 1] (its o_shift is shift_v)."""
+
+    mult_q: torch.Tensor
+    mult_k: torch.Tensor
+    mult_v: torch.Tensor
+    shift_k: torch.Tensor | None
+    shift_v: torch.Tensor | None
+    descale_q: torch.Tensor
+    descale_k: torch.Tensor
+    o_scale: torch.Tensor
+
+
+def _centered_amax(st: ChannelStats) -> torch.Tensor:
+    """[H, 1, D] absmax after subtracting the mean (if any). Costs no pass of its own: fp32 subtraction is
+    monotone, so max_j(x_j - m) == max_j(x_j) - m, and likewise for the min."""
+    if st.mean is None:
+        return torch.maximum(st.hi, -st.lo)
+    return torch.maximum(st.hi - st.mean, st.mean - st.lo)
+
+
+def fp8_scales(q_amax: torch.Tensor, k: ChannelStats, v: ChannelStats, options: Fp8AttentionOptions) -> Fp8Scales:
+    """The scales from the statistics (q_amax: q's absmax, [] fp32): the one place these formulas live, used by
+    both quantisers. A few tiny ops on [H, 1, D] tensors."""
+    aq = q_amax.clamp(min=AMAX_FLOOR)
+    ak = _centered_amax(k).amax().clamp(min=AMAX_FLOOR)
+    amv = _centered_amax(v)
+    av = amv.amax(dim=(1, 2), keepdim=True) if options.v_scale == "head" else amv.amax().expand(amv.shape[0], 1, 1)
+    av = av.clamp(min=AMAX_FLOOR)  # [H, 1, 1]
+    # The kernel sees V in quantised units (descale_v = 1) and writes O * OUTPUT_SCALE in those units.
+    o_scale = av / (E4M3_MAX * OUTPUT_SCALE)
+    return Fp8Scales(E4M3_MAX / aq, E4M3_MAX / ak, E4M3_MAX / av, k.mean, v.mean, (aq / E4M3_MAX).reshape(1),
+                     (ak / E4M3_MAX).reshape(1), o_scale)
+
+
+def _to_e4m3(x: torch.Tensor, shift: torch.Tensor | None, mult: torch.Tensor) -> torch.Tensor:
+    if shift is not None:
+        x = x - shift
     return (x * mult).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
 
 
-def _centered_amax(x: torch.Tensor, smooth: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Per-(head, channel) absmax of x [H, S, D] after subtracting its per-channel mean over tokens (if `smooth`),
-    as [H, 1, D], and the mean [H, 1, D] (or None). One pass of three reductions (max, min, mean), so the amax of
-    the centred tensor costs no extra pass: fp32 subtraction is monotone, so max_j(x_j - m) == max_j(x_j) - m."""
-    hi, lo = x.amax(1, keepdim=True), x.amin(1, keepdim=True)
-    if not smooth:
-        return torch.maximum(hi, -lo), None
-    mean = x.mean(1, keepdim=True)
-    return torch.maximum(hi - mean, mean - lo), mean
+def _channel_stats(x: torch.Tensor, smooth: bool) -> ChannelStats:
+    """One pass of three reductions over the tokens of x [H, S, D] (fp32)."""
+    return ChannelStats(x.amax(1, keepdim=True), x.amin(1, keepdim=True), x.mean(1, keepdim=True) if smooth else None)
 
 
 def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: Fp8AttentionOptions) -> Fp8QKV:
-    """q, k, v [H, S, D] (any float dtype, any strides) -> Fp8QKV. Pure torch (compiles and fuses)."""
+    """q, k, v [H, S, D] (any float dtype, any strides) -> Fp8QKV. Pure torch (compiles and fuses); the reference
+    for `quantize_qkv_triton`."""
     qf, kf, vf = q.float(), k.float(), v.float()
-    aq = qf.abs().amax().clamp(min=AMAX_FLOOR)
-    amk, mk = _centered_amax(kf, options.smooth_k)
-    ak = amk.amax().clamp(min=AMAX_FLOOR)
-    amv, mv = _centered_amax(vf, options.smooth_v)
-    av = amv.amax(dim=(1, 2), keepdim=True) if options.v_scale == "head" else amv.amax().expand(amv.shape[0], 1, 1)
-    av = av.clamp(min=AMAX_FLOOR)  # [H, 1, 1]
-    q8 = _to_e4m3(qf, E4M3_MAX / aq)
-    k8 = _to_e4m3(kf if mk is None else kf - mk, E4M3_MAX / ak)
-    v8 = _to_e4m3(vf if mv is None else vf - mv, E4M3_MAX / av)
-    # The kernel sees V in quantised units (descale_v = 1) and writes O * OUTPUT_SCALE in those units.
-    o_scale = av / (E4M3_MAX * OUTPUT_SCALE)
-    return Fp8QKV(q8, k8, v8, (aq / E4M3_MAX).reshape(1), (ak / E4M3_MAX).reshape(1), o_scale, mv)
+    sc = fp8_scales(qf.abs().amax(), _channel_stats(kf, options.smooth_k), _channel_stats(vf, options.smooth_v),
+                    options)
+    return Fp8QKV(_to_e4m3(qf, None, sc.mult_q), _to_e4m3(kf, sc.shift_k, sc.mult_k),
+                  _to_e4m3(vf, sc.shift_v, sc.mult_v), sc.descale_q, sc.descale_k, sc.o_scale, sc.shift_v)
+
+
+# ---- The Triton quantiser: one statistics pass and one quantise pass over q, k, v ---------------------------------
+# Both kernels run on a grid of (row block, head, section), section 0/1/2 = q/k/v, each program on [rows, D] tiles
+# of one head (D contiguous: coalesced loads), fp32 math. The statistics are reduced in two deterministic stages
+# rather than with float atomics: each program writes its per-channel max / min / sum over `stats_rows` rows to a
+# partials buffer [3 stats, 3 sections, row blocks, H, D], and torch reduces its (short) row-block axis. With a few
+# hundred to a thousand rows per program the partials are ~1 % of the input's bytes, so the second stage costs
+# next to nothing, and the result does not depend on the order programs finish in (atomic_add's would).
+
+
+class TritonQuantLaunch(NamedTuple):
+    """Launch parameters of the two passes (scripts/bench_attention.py sweeps them)."""
+
+    stats_rows: int = 512  # rows each statistics program reduces (a multiple of stats_block_r)
+    stats_block_r: int = 32  # rows per loaded tile in the statistics pass
+    stats_warps: int = 4
+    quant_block_r: int = 64  # rows per program in the quantise pass
+    quant_warps: int = 4
+
+
+TRITON_LAUNCH = TritonQuantLaunch()
+
+try:
+    import triton
+    import triton.language as tl
+except Exception:  # ImportError, or a broken install: the torch quantiser serves
+    triton = None
+
+if triton is not None:
+
+    @triton.jit
+    def _section(sec, q, q_sh, q_ss, k, k_sh, k_ss, v, v_sh, v_ss):
+        """Pointer, head stride and row stride (both int64) of section `sec` (0 q, 1 k, 2 v)."""
+        ptr, sh, ss = v, v_sh.to(tl.int64), v_ss.to(tl.int64)
+        if sec == 0:
+            ptr, sh, ss = q, q_sh.to(tl.int64), q_ss.to(tl.int64)
+        elif sec == 1:
+            ptr, sh, ss = k, k_sh.to(tl.int64), k_ss.to(tl.int64)
+        return ptr, sh, ss
+
+    @triton.jit
+    def _qkv_stats_kernel(q, k, v, part, S, q_sh, q_ss, k_sh, k_ss, v_sh, v_ss,
+                          D: tl.constexpr, ROWS: tl.constexpr, BLOCK_R: tl.constexpr):
+        """part[stat, sec, blk, h, :] = per-channel max / min / sum over rows [blk * ROWS, (blk + 1) * ROWS)."""
+        blk, h, sec = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        nblk, nh = tl.num_programs(0), tl.num_programs(1)
+        ptr, sh, ss = _section(sec, q, q_sh, q_ss, k, k_sh, k_ss, v, v_sh, v_ss)
+        ptr += h.to(tl.int64) * sh
+        cols = tl.arange(0, D)
+        # Elementwise accumulators over the tiles, reduced over rows once at the end.
+        hi = tl.full([BLOCK_R, D], float("-inf"), tl.float32)
+        lo = tl.full([BLOCK_R, D], float("inf"), tl.float32)
+        acc = tl.zeros([BLOCK_R, D], tl.float32)
+        for r in range(0, ROWS, BLOCK_R):
+            rows = blk * ROWS + r + tl.arange(0, BLOCK_R)
+            mask = (rows < S)[:, None]
+            x = tl.load(ptr + rows.to(tl.int64)[:, None] * ss + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            hi = tl.maximum(hi, tl.where(mask, x, float("-inf")))
+            lo = tl.minimum(lo, tl.where(mask, x, float("inf")))
+            acc += x
+        out = part + ((sec * nblk + blk) * nh + h).to(tl.int64) * D + cols
+        stat = 3 * nblk.to(tl.int64) * nh * D  # stride of the partials' first axis
+        tl.store(out, tl.max(hi, 0))
+        tl.store(out + stat, tl.min(lo, 0))
+        tl.store(out + 2 * stat, tl.sum(acc, 0))
+
+    @triton.jit
+    def _qkv_quantize_kernel(q, k, v, q8, k8, v8, mult, shift, S, q_sh, q_ss, k_sh, k_ss, v_sh, v_ss,
+                             q8_sh, q8_ss, k8_sh, k8_ss, v8_sh, v8_ss,
+                             D: tl.constexpr, BLOCK_R: tl.constexpr, HAS_SHIFT: tl.constexpr,
+                             FP8_MAX: tl.constexpr):
+        """out[h, rows] = e4m3(clamp((x[h, rows] - shift[sec, h]) * mult[sec, h], +-FP8_MAX))."""
+        blk, h, sec = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        nh = tl.num_programs(1)
+        src, sh, ss = _section(sec, q, q_sh, q_ss, k, k_sh, k_ss, v, v_sh, v_ss)
+        dst, dh, ds = _section(sec, q8, q8_sh, q8_ss, k8, k8_sh, k8_ss, v8, v8_sh, v8_ss)
+        cols = tl.arange(0, D)
+        rows = (blk * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
+        mask = (rows < S)[:, None]
+        hh = h.to(tl.int64)
+        x = tl.load(src + hh * sh + rows[:, None] * ss + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        if HAS_SHIFT:  # zero rows for the sections that are not smoothed: x - 0 is x
+            x = x - tl.load(shift + (sec * nh + h) * D + cols)[None, :]
+        x = x * tl.load(mult + sec * nh + h)
+        x = tl.minimum(tl.maximum(x, -FP8_MAX), FP8_MAX)
+        tl.store(dst + hh * dh + rows[:, None] * ds + cols[None, :], x.to(tl.float8e4nv), mask=mask)
+
+
+def triton_unsupported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | None:
+    """None if `quantize_qkv_triton` takes these [H, S, D] tensors on this machine, else why not."""
+    if triton is None:
+        return "triton is not importable"
+    if q.device.type != "cuda":
+        return f"the Triton quantiser runs on CUDA (device is {q.device.type})"
+    d = q.shape[-1]
+    if d & (d - 1) or d > 256:
+        return f"head_dim {d} is not a power of two <= 256"
+    if not (q.shape == k.shape == v.shape and q.dtype == k.dtype == v.dtype):
+        return "q, k, v differ in shape or dtype"
+    if q.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        return f"dtype {q.dtype} is not bf16 / fp16 / fp32"
+    if any(x.stride(-1) != 1 for x in (q, k, v)):
+        return "head_dim is not the unit-stride dimension"
+    return None
+
+
+def _heads_strides(x: torch.Tensor) -> tuple[int, int]:
+    """Head and row strides of x [H, S, D] for the kernels. Triton specialises an int argument on divisibility by
+    16 (what lets it vectorise the loads) and turns a 1 into a constant; a size-1 dimension's stride is never used,
+    so it is passed as 0 (an int, and divisible)."""
+    return tuple(x.stride(i) if x.size(i) > 1 else 0 for i in (0, 1))
+
+
+@torch.library.custom_op("h3stages::quantize_qkv_fp8", mutates_args=())
+def _quantize_qkv_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, v_head: bool, smooth_k: bool,
+                      smooth_v: bool, launch: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                                  torch.Tensor, torch.Tensor, torch.Tensor,
+                                                                  torch.Tensor]:
+    """The Triton quantiser as one torch op (opaque to torch.compile). Returns q8, k8, v8, descale_q, descale_k,
+    o_scale, o_shift (zeros [H, 1, D] when V is not smoothed: an op returns tensors)."""
+    if triton is None:
+        raise RuntimeError("the Triton fp8 quantiser needs triton (pip install triton)")
+    lp = TritonQuantLaunch(*launch)
+    if lp.stats_rows % lp.stats_block_r:
+        raise ValueError(f"stats_rows {lp.stats_rows} is not a multiple of stats_block_r {lp.stats_block_r}")
+    options = Fp8AttentionOptions(v_scale="head" if v_head else "tensor", smooth_k=smooth_k, smooth_v=smooth_v)
+    # Triton launches on the current device: make that q's.
+    with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
+        return _triton_quantize(q, k, v, options, lp)
+
+
+def _triton_quantize(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: Fp8AttentionOptions,
+                     lp: TritonQuantLaunch) -> tuple[torch.Tensor, ...]:
+    """The op's body: statistics pass, scales, quantise pass."""
+    h, s, d = q.shape
+    smooth_k, smooth_v = options.smooth_k, options.smooth_v
+    f32 = dict(dtype=torch.float32, device=q.device)
+    strides = (*_heads_strides(q), *_heads_strides(k), *_heads_strides(v))
+    # 1. Statistics pass, then the partials' row-block axis reduced by torch (fixed order: deterministic).
+    nblk = triton.cdiv(s, lp.stats_rows)
+    part = torch.empty(3, 3, nblk, h, d, **f32)  # [max | min | sum, q | k | v, row block, head, channel]
+    _qkv_stats_kernel[(nblk, h, 3)](q, k, v, part, s, *strides, D=d, ROWS=lp.stats_rows, BLOCK_R=lp.stats_block_r,
+                                    num_warps=lp.stats_warps)
+    hi, lo, mean = part[0].amax(1), part[1].amin(1), part[2].sum(1) / s  # [3, H, D] each
+
+    def stats(i: int, smooth: bool) -> ChannelStats:
+        return ChannelStats(hi[i, :, None], lo[i, :, None], mean[i, :, None] if smooth else None)
+
+    # 2. The scales, by the same code as the torch quantiser.
+    sc = fp8_scales(torch.maximum(hi[0], -lo[0]).amax(), stats(1, smooth_k), stats(2, smooth_v), options)
+    mult = torch.stack([sc.mult_q.expand(h), sc.mult_k.expand(h), sc.mult_v.reshape(h)])  # [3, H]
+    zeros = torch.zeros(h, 1, d, **f32)
+    # A tensor of its own (not a view into `mean`): what the fake implementation promises.
+    o_shift = zeros if sc.shift_v is None else sc.shift_v.clone()
+    shift = torch.stack([zeros, zeros if sc.shift_k is None else sc.shift_k, o_shift])  # [3, H, 1, D]
+    # 3. Quantise pass into e4m3 tensors laid out like the inputs.
+    outs = [torch.empty_like(x, dtype=E4M3) for x in (q, k, v)]
+    out_strides = [st for x in outs for st in _heads_strides(x)]
+    _qkv_quantize_kernel[(triton.cdiv(s, lp.quant_block_r), h, 3)](
+        q, k, v, *outs, mult, shift, s, *strides, *out_strides, D=d, BLOCK_R=lp.quant_block_r,
+        HAS_SHIFT=smooth_k or smooth_v, FP8_MAX=E4M3_MAX, num_warps=lp.quant_warps)
+    return (*outs, sc.descale_q, sc.descale_k, sc.o_scale, o_shift)
+
+
+@_quantize_qkv_fp8.register_fake
+def _(q, k, v, v_head, smooth_k, smooth_v, launch):
+    h, _, d = q.shape
+    return (*(torch.empty_like(x, dtype=E4M3) for x in (q, k, v)), q.new_empty(1, dtype=torch.float32),
+            q.new_empty(1, dtype=torch.float32), q.new_empty(h, 1, 1, dtype=torch.float32),
+            q.new_empty(h, 1, d, dtype=torch.float32))
+
+
+def quantize_qkv_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: Fp8AttentionOptions,
+                        launch: TritonQuantLaunch = TRITON_LAUNCH) -> Fp8QKV:
+    """`quantize_qkv` in two Triton passes (q, k, v [H, S, D] with a unit stride on D; see `triton_unsupported`):
+    the same scales and, up to the summation order of the means, the same e4m3 values. Any device Triton runs on
+    (CUDA; the CPU under TRITON_INTERPRET=1, for tests)."""
+    p = _quantize_qkv_fp8(q, k, v, options.v_scale == "head", options.smooth_k, options.smooth_v, list(launch))
+    return Fp8QKV(*p[:6], p[6] if options.smooth_v else None)
+
+
+def e4m3_steps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """How many e4m3 steps apart two e4m3 tensors are, elementwise (int32): the bit patterns (sign-magnitude) read
+    as integers that count steps, +0 and -0 both 0. For comparing quantisers (tests, scripts/bench_attention.py)."""
+    def order(x):
+        bits = x.view(torch.uint8).int()
+        return torch.where(bits >= 128, 128 - bits, bits)
+    return (order(a) - order(b)).abs()
 
 
 def dequantize_o(o8: torch.Tensor, o_scale: torch.Tensor, o_shift: torch.Tensor | None,
@@ -288,7 +521,8 @@ class CudnnFp8Sdpa:
                    f"heads={h} rows={s} head_dim={d} strides={strides}: {type(e).__name__}: {e}")
             log.warning("%s", msg)
             raise RuntimeError(msg) from e
-        log.info("built cuDNN fp8 SDPA plan for heads=%d rows=%d head_dim=%d (%d B workspace)", h, s, d, workspace)
+        log.info("built cuDNN fp8 SDPA plan for heads=%d rows=%d head_dim=%d strides=%s (%d B workspace)", h, s, d,
+                 strides, workspace)
         # At least one byte: a zero-size buffer has no address to hand over.
         return _Plan(graph, tensors, max(1, workspace), torch.empty(2, 1, 1, 1, 1, dtype=torch.float32, device=device))
 
@@ -366,9 +600,10 @@ def _(q8, k8, v8, descale_q, descale_k):
 class Fp8Attention:
     """AttentionFn (dit_svc/model.py): (q, k, v) [1, H, S, D] -> o [1, H, S, D] in q's dtype, non-causal, 1/sqrt(D).
 
-    `emulate=True` runs the fp32 emulation of the kernel (any device). `compile_quant=True` compiles the
-    quantisation and dequantisation on their own (for eager models; inside a compiled block they are traced and
-    fused with the surrounding ops anyway)."""
+    On CUDA with Triton the quantisation is the two-pass Triton op (`quantize_qkv_triton`; one opaque op inside a
+    compiled block too). Otherwise, and with `emulate=True` (the fp32 emulation of the kernel, any device), it is
+    `quantize_qkv`. `compile_quant=True` compiles the torch quantisation (when used) and the dequantisation on
+    their own (for eager models; inside a compiled block they are traced and fused with the surrounding ops)."""
 
     def __init__(self, options: Fp8AttentionOptions = DEFAULT_OPTIONS, emulate: bool = False,
                  compile_quant: bool = False):
@@ -385,7 +620,11 @@ class Fp8Attention:
         if q.shape[2] < self.options.min_seq:
             return F.scaled_dot_product_attention(q, k, v, dropout_p=0.0, is_causal=False)
         tracing = torch.compiler.is_compiling()  # inside a compiled block: trace the plain ops and fuse them there
-        p = self._run(quantize_qkv if tracing else self._quantize, quantize_qkv, q[0], k[0], v[0], self.options)
+        q0, k0, v0 = q[0], k[0], v[0]
+        if not self.emulate and triton_unsupported(q0, k0, v0) is None:
+            p = quantize_qkv_triton(q0, k0, v0, self.options)
+        else:
+            p = self._run(quantize_qkv if tracing else self._quantize, quantize_qkv, q0, k0, v0, self.options)
         kernel = sdpa_fp8_emulated if self.emulate else sdpa_fp8
         o8 = kernel(p.q8, p.k8, p.v8, p.descale_q, p.descale_k)
         o = self._run(dequantize_o if tracing else self._dequantize, dequantize_o, o8, p.o_scale, p.o_shift, q.dtype)

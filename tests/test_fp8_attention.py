@@ -2,9 +2,12 @@
 the kernel's fp32 emulation, the registry's fallback without nvidia-cudnn-frontend, and (GPU only) cuDNN's kernel
 against the emulation."""
 
+import os
 import re
+import subprocess
 import sys
 import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -23,12 +26,16 @@ from stagekit.fp8_attention import (
     SOFTMAX_SCALE,
     Fp8Attention,
     Fp8AttentionOptions,
+    TritonQuantLaunch,
     declare_graph,
     dequantize_o,
+    e4m3_steps,
     plan_key,
     quantize_qkv,
+    quantize_qkv_triton,
     scale_constants,
     sdpa_fp8_emulated,
+    triton,
     unavailable,
     variant_pack,
 )
@@ -347,3 +354,106 @@ def test_per_head_descale_graph_declares():
     cudnn = _frontend()
     graph, t = declare_graph(cudnn, None, 8, 2048, 128, ((2048 * 128, 128, 1),) * 4, head_descales=True)
     assert list(t["descale_q"].dim) == [1, 8, 1, 1] and list(t["descale_q"].stride) == [8, 1, 1, 1]
+
+
+# ---- The Triton quantiser against quantize_qkv ----------------------------------------------------------------------
+# Small launch blocks so that the interpreter run covers several row blocks per program and a ragged last block.
+SMALL_LAUNCH = TritonQuantLaunch(stats_rows=64, stats_block_r=16, stats_warps=4, quant_block_r=32, quant_warps=4)
+
+
+def compare_triton_quantiser(device: str, heads: int, seq: int, dim: int, interpreter: bool = False,
+                             launch: TritonQuantLaunch = TritonQuantLaunch()) -> None:
+    """quantize_qkv_triton vs quantize_qkv on bf16 q, k, v [H, S, D]: views of one [3, 1, H, S, D] buffer (the model's
+    layout) and [S, H, D]-backed views. Scales within 1e-6; e4m3 values equal in >= 99.9 % of elements and at
+    most one e4m3 step apart (the means' summation order differs). Triton's interpreter rounds fp32 -> e4m3 its own
+    way (it can drop the carry into the exponent, halving a value): there the check is that values agree up to
+    that, which still catches any indexing, masking or reduction error (those scramble most elements)."""
+    g = torch.Generator(device=device).manual_seed(heads + seq)
+    buf = torch.randn(3, 1, heads, seq, dim, generator=g, device=device)
+    buf[1] += 3.0 * torch.randn(heads, 1, dim, generator=g, device=device)  # key offsets: smoothing has work to do
+    buf[2] = (buf[2] + 2.0) * torch.logspace(-2, 1, heads, device=device)[:, None, None]
+    buf = buf.to(torch.bfloat16)
+    rows = buf[:, 0].permute(0, 2, 1, 3).contiguous().permute(0, 2, 1, 3)  # [3, H, S, D] over [S, H, D] memory
+    for qkv in (buf[:, 0], rows):
+        for name in ("naive", "head+kv"):
+            ref = quantize_qkv(*qkv, OPTIONS[name])
+            got = quantize_qkv_triton(*qkv, OPTIONS[name], launch)
+            for field, a, b in zip(ref._fields, ref, got):
+                what = f"{name} {field} {tuple(qkv[0].stride())}"
+                if a is None:
+                    assert b is None, what
+                    continue
+                assert b.shape == a.shape and b.dtype == a.dtype and b.stride() == a.stride(), what
+                if a.dtype != E4M3:
+                    assert (a - b).abs().max() <= 1e-6 * a.abs().max(), what
+                elif interpreter:
+                    af, bf = a.float(), b.float()
+                    assert (af == bf).float().mean() > 0.9, what
+                    assert ((af - bf).abs() <= 0.5 * af.abs() + 2**-9).all(), what
+                else:
+                    steps = e4m3_steps(a, b)
+                    assert steps.max() <= 1 and (steps == 0).float().mean() >= 0.999, what
+
+
+@pytest.mark.skipif(triton is None, reason="triton is not importable (CUDA builds of torch ship it)")
+def test_triton_quantiser_under_the_interpreter():
+    """The Triton kernels' indexing, masking and reductions on the CPU through Triton's interpreter, in a fresh
+    process (TRITON_INTERPRET is read when the kernels are defined, i.e. at import). Without a GPU, run it after
+    `.venv/bin/pip install --no-deps triton` (a CUDA torch already has it):
+    .venv/bin/python -m pytest tests/test_fp8_attention.py -k interpreter"""
+    code = ("from tests.test_fp8_attention import SMALL_LAUNCH, compare_triton_quantiser as c; "
+            "c('cpu', 3, 300, 32, interpreter=True, launch=SMALL_LAUNCH)")
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "TRITON_INTERPRET": "1", "TRITON_DEFAULT_FP_FUSION": "1"}
+    r = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+
+
+def test_e4m3_steps():
+    x = torch.tensor([0.0, -0.0, 2**-9, -(2**-9), 1.0, 1.125, -1.0, 448.0]).to(E4M3)
+    y = torch.tensor([-0.0, 2**-9, -(2**-9), 2**-9, 1.125, 1.0, -1.25, 416.0]).to(E4M3)
+    assert e4m3_steps(x, y).tolist() == [0, 1, 2, 2, 1, 1, 2, 1]
+
+
+def test_triton_op_fake_keeps_the_layout():
+    """What torch.compile sees of the Triton op (its fake implementation): e4m3 tensors laid out like the inputs,
+    [1] descales, [H, 1, 1] o_scale, [H, 1, D] o_shift (None without V smoothing)."""
+    with FakeTensorMode():
+        buf = torch.empty(3, 1, 6, 2048, 64, dtype=torch.bfloat16)
+        rows = torch.empty(3, 2048, 6, 64, dtype=torch.bfloat16).transpose(1, 2)
+        for q, k, v in (buf[:, 0], rows):
+            p = quantize_qkv_triton(q, k, v, DEFAULT_OPTIONS)
+            assert all(t.dtype == E4M3 and t.stride() == x.stride() for t, x in zip(p[:3], (q, k, v)))
+            assert p.descale_q.shape == p.descale_k.shape == (1,)
+            assert p.o_scale.shape == (6, 1, 1) and p.o_shift.shape == (6, 1, 64)
+        assert quantize_qkv_triton(q, k, v, OPTIONS["naive"]).o_shift is None
+
+
+def _cuda_triton_reason() -> str | None:
+    if not torch.cuda.is_available():
+        return "needs CUDA"
+    if triton is None:
+        return "needs triton"
+    if torch.cuda.get_device_capability() < (8, 9):
+        return "Triton's e4m3 conversion needs sm_89+"
+    return None
+
+
+@pytest.mark.skipif(_cuda_triton_reason() is not None, reason=str(_cuda_triton_reason()))
+@pytest.mark.parametrize("heads,seq", [(56, 4099), (28, 1000)])
+def test_triton_quantiser_matches_torch_gpu(heads, seq):
+    compare_triton_quantiser("cuda", heads, seq, 128)
+
+
+@pytest.mark.skipif(_cuda_triton_reason() is not None, reason=str(_cuda_triton_reason()))
+def test_triton_quantiser_inside_torch_compile_gpu():
+    """Inside a compiled function the op stays one opaque call (fullgraph: no graph break) and gives the eager
+    result bit for bit (both passes are deterministic)."""
+    q, k, v = (torch.randn(8, 2048, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+
+    def fn(q, k, v):
+        return quantize_qkv_triton(q * 2, k + 1, v, DEFAULT_OPTIONS)
+
+    eager, compiled = fn(q, k, v), torch.compile(fn, fullgraph=True)(q, k, v)
+    for a, b in zip(eager, compiled):
+        assert torch.equal(a.view(torch.uint8) if a.dtype == E4M3 else a, b.view(torch.uint8) if b.dtype == E4M3 else b)
