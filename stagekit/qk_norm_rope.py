@@ -17,6 +17,7 @@ in a thousand differ by one unit in the last place of the compute dtype (tests/t
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 
@@ -25,7 +26,7 @@ import torch
 try:
     import triton
     import triton.language as tl
-except ImportError:  # the CPU build of torch ships without triton: the reference runs
+except Exception:  # ImportError (the CPU build of torch ships without triton) or a broken install: the reference
     triton = None
 
 log = logging.getLogger(__name__)
@@ -128,12 +129,13 @@ def launch(y: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, eps:
     cos_strides = (cos_t.stride(0), cos_t.stride(1)) if cos is not None else (0, 0)
     sin_strides = (sin_t.stride(0), sin_t.stride(1)) if cos is not None else (0, 0)
     grid = (triton.cdiv(rows, block_rows) * SECTIONS * heads,)
-    _qk_norm_rope_kernel[grid](
-        y, q_weight, k_weight, cos_t, sin_t, out, rows, heads, eps,
-        *y.stride(), out.stride(0), out.stride(2), out.stride(3), out.stride(4), *cos_strides, *sin_strides,
-        D=d, R=r, HAS_ROPE=cos is not None, BLOCK_R=block_rows, num_warps=num_warps,
-        enable_fp_fusion=False,  # no FMA contraction: products rounded as the reference's separate ops are
-    )
+    with torch.cuda.device(y.device) if y.is_cuda else contextlib.nullcontext():  # Triton uses the current device
+        _qk_norm_rope_kernel[grid](
+            y, q_weight, k_weight, cos_t, sin_t, out, rows, heads, eps,
+            *y.stride(), out.stride(0), out.stride(2), out.stride(3), out.stride(4), *cos_strides, *sin_strides,
+            D=d, R=r, HAS_ROPE=cos is not None, BLOCK_R=block_rows, num_warps=num_warps,
+            enable_fp_fusion=False,  # no FMA contraction: products rounded as the reference's separate ops are
+        )
 
 
 @functools.cache
