@@ -121,7 +121,7 @@ def launch(y: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, eps:
     if reason is not None:
         raise ValueError(f"the Triton q/k RMSNorm + RoPE kernel does not serve this call: {reason}")
     rows, _, heads, d = y.shape
-    if rows == 0:
+    if rows == 0 or heads == 0:
         return
     _log_once(f"q/k RMSNorm + RoPE: Triton kernel ({block_rows} rows x {num_warps} warps per program)")
     r = cos.shape[-1] if cos is not None else 0
