@@ -26,6 +26,8 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from stagekit.qk_norm_rope import qk_norm_rope
+
 from .config import NUM_MODALITIES, DiTConfig
 from .layout import COND_VIDEO_T, REF_AUDIO_T, PackedLayout
 from . import sp
@@ -65,8 +67,13 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim, device=device, dtype=dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x.float()
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight.float()
+        return rms_norm(x, self.weight, self.eps)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / rms(x) * weight over the last dim, in fp32."""
+    x = x.float()
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -122,13 +129,9 @@ class Attention(nn.Module):
                     out: torch.Tensor) -> None:
         """h [rows, hidden] (compute dtype), rope (cos, sin) [rows, rope_dim] fp32 or None -> written into
         out [3, 1, local_heads, rows, head_dim] (a row slice of `empty_qkv`)."""
-        rows = h.shape[0]
-        q, k, v = self.qkv_proj(h).reshape(rows, 3, self.local_heads, self.head_dim).unbind(1)
-        q, k = self.q_norm(q), self.k_norm(k)  # fp32
-        if rope is not None:
-            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        for i, t in enumerate((q, k, v)):
-            out[i, 0].copy_(t.transpose(0, 1))  # [heads, rows, d], cast to the compute dtype
+        y = self.qkv_proj(h).reshape(h.shape[0], 3, self.local_heads, self.head_dim)
+        # fp32 RMSNorm of q, k, RoPE, layout write (one Triton kernel on CUDA; stagekit/qk_norm_rope.py)
+        qk_norm_rope(y, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, rope, out)
 
     def project_out(self, o: torch.Tensor) -> torch.Tensor:
         """o [1, local_heads, rows, head_dim] (compute dtype) -> fp32 [rows, hidden]: this rank's partial sum of the

@@ -1,0 +1,126 @@
+"""Op level: the DiT attention's q/k RMSNorm + RoPE + layout write, plain torch against the Triton kernel.
+
+    python scripts/bench_qk_norm_rope.py --out $OUT               # one GPU: S = 14,882 and 37,748, H = 56 (< 1 min)
+    python scripts/bench_qk_norm_rope.py --tiny --out /tmp/qk     # CPU dry run: small shapes, reference only, plus
+                                                                  # the kernel in triton's interpreter if installed
+
+For each S (y = the qkv projection's output [S, 3 * H * D], bf16; gains [D] bf16; cos/sin [S, r] fp32; out
+[3, 1, H, S, D] bf16), CUDA events, median of --iters calls after a warm-up:
+- `reference eager`: stagekit.qk_norm_rope.qk_norm_rope_reference (the model's math, op by op);
+- `reference compiled`: the same under torch.compile (what a compiled block did before the kernel, on its own);
+- `triton BxW`: the kernel (torch op h3stages::qk_norm_rope_) with B rows per program and W warps, for each of
+  --configs.
+Reported: ms, effective TB/s (bytes of y, cos and sin read once plus out written once, over the time), and the
+kernel's error against the eager reference (max abs, max in units of the value's ulp, fraction bitwise equal).
+Writes <out>/qk_norm_rope.json; exit 1 if a kernel's output is off by more than one ulp.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from stagekit.kernels import time_ms  # noqa: E402
+
+SHAPES = (14882, 37748)  # rows of 832x480x124 and 1344x768x124 (docs/performance.md)
+HEADS, HEAD_DIM, ROPE_DIM = 56, 128, 96
+EPS = 1e-5  # the model's (docs/model.md §2)
+CONFIGS = "32x4,64x8,16x4"  # rows per program x warps
+TINY = dict(shapes=(37, 100), heads=3, head_dim=32, rope_dim=24)
+
+
+def inputs(s: int, heads: int, d: int, r: int, device: torch.device):
+    g = torch.Generator(device=device).manual_seed(s)
+    y = torch.randn(s, 3 * heads * d, generator=g, device=device).to(torch.bfloat16).view(s, 3, heads, d)
+    gains = [(torch.randn(d, generator=g, device=device) * 0.3 + 1).to(torch.bfloat16) for _ in range(2)]
+    angles = torch.rand(s, r // 2, generator=g, device=device) * 6.3
+    rope = (torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1))
+    out = torch.empty(3, 1, heads, s, d, dtype=torch.bfloat16, device=device)
+    return y, gains, rope, out
+
+
+def errors(got: torch.Tensor, want: torch.Tensor) -> dict:
+    """Max abs error, max error in units of the value's bf16 ulp (2^-7 |value|), fraction bitwise equal."""
+    got, want = got.float(), want.float()
+    diff = (got - want).abs()
+    ulps = diff / (want.abs() * torch.finfo(torch.bfloat16).eps).clamp_min(1e-30)
+    return {"max_abs": diff.max().item(), "max_ulps": ulps[diff > 0].max().item() if (diff > 0).any() else 0.0,
+            "exact_fraction": (diff == 0).float().mean().item()}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True, help="directory for qk_norm_rope.json")
+    ap.add_argument("--iters", type=int, default=20, help="timed calls per variant (median)")
+    ap.add_argument("--configs", default=CONFIGS, help="Triton launch configs: ROWSxWARPS,...")
+    ap.add_argument("--tiny", action="store_true", help="CPU dry run (small shapes; the kernel interpreted)")
+    args = ap.parse_args()
+    if args.tiny:
+        # Before stagekit.qk_norm_rope is imported: its kernel is then built for triton's CPU interpreter.
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+        device, shapes, heads, d, r = torch.device("cpu"), TINY["shapes"], TINY["heads"], TINY["head_dim"], \
+            TINY["rope_dim"]
+        args.iters = min(args.iters, 2)
+    elif torch.cuda.is_available():
+        device, shapes, heads, d, r = torch.device("cuda"), SHAPES, HEADS, HEAD_DIM, ROPE_DIM
+    else:
+        print("bench_qk_norm_rope.py needs a CUDA GPU (or --tiny)", file=sys.stderr)
+        return 2
+    from stagekit import qk_norm_rope as qk
+
+    configs = [tuple(int(v) for v in c.split("x")) for c in args.configs.split(",")]
+    # --tiny without triton (CI): the reference only. Compiling on the CPU would time a C++ build, not the op.
+    run_triton = qk.triton is not None
+    result: dict = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu (--tiny)",
+                    "torch": torch.__version__, "triton": qk.triton.__version__ if run_triton else None,
+                    "heads": heads, "head_dim": d, "rope_dim": r, "dtype": "bfloat16", "iters": args.iters,
+                    "shapes": []}
+    worst_ulps = 0.0
+    for s in shapes:
+        y, (qw, kw), rope, out = inputs(s, heads, d, r, device)
+        moved = 2 * y.numel() * y.element_size() + sum(t.numel() * t.element_size() for t in rope)
+        ref = torch.empty_like(out)
+        qk.qk_norm_rope_reference(y, qw, kw, EPS, rope, ref)
+        variants = {"reference eager": lambda: qk.qk_norm_rope_reference(y, qw, kw, EPS, rope, out)}
+        if device.type == "cuda":
+            compiled = torch.compile(qk.qk_norm_rope_reference, dynamic=False)
+            variants["reference compiled"] = lambda: compiled(y, qw, kw, EPS, rope, out)
+        errs = {}
+        if run_triton:
+            for b, w in configs:
+                name = f"triton {b}x{w}"
+                variants[name] = lambda b=b, w=w: qk.qk_norm_rope_op(y, qw, kw, EPS, *rope, out, b, w)
+                out.fill_(float("nan"))
+                variants[name]()
+                errs[name] = errors(out, ref)
+                worst_ulps = max(worst_ulps, errs[name]["max_ulps"])
+        row = {"rows": s, "bytes": moved, "variants": {}, "errors": errs}
+        for name, fn in variants.items():
+            ms = time_ms(fn, device, args.iters, warmup=1 if args.tiny else 3)
+            row["variants"][name] = {"ms": ms, "tb_s": moved / ms / 1e9}
+            err = f"  max |err| {errs[name]['max_abs']:.2e} ({errs[name]['max_ulps']:.2f} ulp), " \
+                  f"{errs[name]['exact_fraction']:.5f} bitwise equal" if name in errs else ""
+            print(f"S={s:6d} {name:20s} {ms:9.3f} ms {moved / ms / 1e9:7.3f} TB/s{err}", flush=True)
+        result["shapes"].append(row)
+        del y, out, ref
+    path = Path(args.out)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "qk_norm_rope.json").write_text(json.dumps(result, indent=1))
+    print(f"wrote {path / 'qk_norm_rope.json'}")
+    # One ulp is the bound on the GPU; the interpreter casts to bf16 toward zero, which can add another.
+    bound = 1.0 if device.type == "cuda" else 2.0
+    if worst_ulps > bound:
+        print(f"FAIL: the kernel is {worst_ulps:.2f} ulp off the reference (bound {bound})", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

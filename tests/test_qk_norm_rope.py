@@ -1,0 +1,169 @@
+"""stagekit/qk_norm_rope.py: the plain-torch reference equals the model's previous project_qkv arithmetic bit for bit
+(CPU); the Triton kernel matches the reference on real DiT shapes (GPU; the lead runs these on an H200) and, on
+small shapes, in triton's CPU interpreter (indexing and masking; needs triton in the venv, which CI's CPU torch
+lacks: `.venv/bin/pip install --no-deps triton`, then `.venv/bin/python -m pytest tests/test_qk_norm_rope.py -k
+interpreter -p no:randomly`)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from dit_svc.model import RMSNorm, apply_rope
+from stagekit.qk_norm_rope import qk_norm_rope, qk_norm_rope_reference
+
+try:
+    import triton  # noqa: F401
+except ImportError:
+    triton = None
+
+REPO = Path(__file__).resolve().parents[1]
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+EPS = 1e-5  # the model's (docs/model.md §2)
+EXACT_FRACTION = 0.999  # outputs bitwise equal to the reference (the kernel sums squares in another order)
+
+
+def make_inputs(rows: int, heads: int, d: int, r: int, dtype: torch.dtype, device: str, seed: int = 0):
+    """y as a strided view ([rows, 3, heads, d] of wider rows), gains, rope [rows, r] or None (r = 0), and out as a
+    row slice of a NaN-filled [3, 1, heads, rows + 7, d] buffer."""
+    g = torch.Generator().manual_seed(seed)
+    wide = (torch.randn(rows, 3 * heads * d + 64, generator=g) * 2).to(dtype)
+    q_weight, k_weight = (torch.randn(d, generator=g) * 0.3 + 1 for _ in range(2))
+    rope = None
+    if r:
+        angles = torch.randn(rows, r // 2, generator=g) * 3
+        rope = (torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1))
+    buf = torch.full((3, 1, heads, rows + 7, d), float("nan"), dtype=dtype)
+    to = lambda t: t.to(device) if t is not None else None  # noqa: E731
+    rope = tuple(to(t) for t in rope) if rope else None
+    y = to(wide)[:, 8:8 + 3 * heads * d].view(rows, 3, heads, d)
+    return y, to(q_weight), to(k_weight), rope, to(buf)
+
+
+def previous_project_qkv(y, q_norm, k_norm, rope, out):
+    """dit_svc/model.py Attention.project_qkv before the kernel (after the qkv projection), the oracle."""
+    q, k, v = y.unbind(1)
+    q, k = q_norm(q), k_norm(k)
+    if rope is not None:
+        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+    for i, t in enumerate((q, k, v)):
+        out[i, 0].copy_(t.transpose(0, 1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("r", [0, 12])
+def test_reference_is_the_previous_math_bit_for_bit(dtype, r):
+    y, qw, kw, rope, buf = make_inputs(rows=21, heads=3, d=16, r=r, dtype=dtype, device="cpu")
+    q_norm, k_norm = RMSNorm(16, EPS), RMSNorm(16, EPS)
+    with torch.no_grad():
+        q_norm.weight.copy_(qw)
+        k_norm.weight.copy_(kw)
+        expected = buf.clone()
+        previous_project_qkv(y, q_norm, k_norm, rope, expected[:, :, :, 5:26])
+        qk_norm_rope_reference(y, qw, kw, EPS, rope, buf[:, :, :, 5:26])
+        assert torch.equal(buf.nan_to_num(7.0), expected.nan_to_num(7.0))
+        qk_norm_rope(y, qw, kw, EPS, rope, buf[:, :, :, 5:26])  # the dispatcher on the CPU: the reference
+        assert torch.equal(buf.nan_to_num(7.0), expected.nan_to_num(7.0))
+
+
+def check_kernel(rows: int, heads: int, d: int, r: int, dtype: torch.dtype, device: str,
+                 block_rows: int = 32, num_warps: int = 4, exact_fraction: float = EXACT_FRACTION) -> None:
+    """Triton (stagekit.qk_norm_rope.launch) vs the reference: within one ulp of the value, mostly bitwise equal,
+    nothing written outside out's rows."""
+    from stagekit.qk_norm_rope import launch
+
+    y, qw, kw, rope, buf = make_inputs(rows, heads, d, r, dtype, device)
+    ref = buf.clone()
+    qk_norm_rope_reference(y, qw, kw, EPS, rope, ref[:, :, :, 3:3 + rows])
+    cos, sin = rope if rope else (None, None)
+    launch(y, qw, kw, EPS, cos, sin, buf[:, :, :, 3:3 + rows], block_rows, num_warps)
+    assert buf[:, :, :, :3].isnan().all() and buf[:, :, :, 3 + rows:].isnan().all(), "wrote outside out"
+    got, want = buf[:, :, :, 3:3 + rows].float(), ref[:, :, :, 3:3 + rows].float()
+    ulp = torch.finfo(dtype).eps
+    excess = (got - want).abs() - ulp * want.abs() - 1e-6
+    assert excess.max().item() <= 0, f"max abs error {(got - want).abs().max().item():.3e} exceeds one ulp"
+    exact = (got == want).float().mean().item()
+    assert exact >= exact_fraction, f"only {exact:.5f} of the outputs are bitwise equal"
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows,heads", [(1000, 56), (4099, 28)])
+@pytest.mark.parametrize("r", [96, 0])
+def test_triton_matches_reference_on_gpu(rows, heads, r, dtype):
+    check_kernel(rows, heads, 128, r, dtype, "cuda")
+
+
+@needs_cuda
+@pytest.mark.parametrize("block_rows,num_warps", [(16, 2), (64, 8)])
+def test_triton_launch_configs_on_gpu(block_rows, num_warps):
+    check_kernel(1000, 8, 128, 96, torch.bfloat16, "cuda", block_rows, num_warps)
+
+
+@needs_cuda
+def test_dispatcher_under_torch_compile_matches_eager():
+    y, qw, kw, rope, buf = make_inputs(4099, 28, 128, 96, torch.bfloat16, "cuda")
+
+    def step(y, qw, kw, cos, sin):
+        out = torch.empty(3, 1, 28, y.shape[0], 128, dtype=y.dtype, device=y.device)
+        qk_norm_rope(y * 2, qw, kw, EPS, (cos, sin), out)
+        return out.float().sum(-1)  # something after the op, so Inductor fuses around it
+
+    eager = step(y, qw, kw, *rope)
+    compiled = torch.compile(step, fullgraph=True)(y, qw, kw, *rope)
+    assert torch.equal(eager, compiled)
+
+
+def interpreter_main() -> None:
+    """The kernel's indexing and masking in triton's CPU interpreter (TRITON_INTERPRET=1 set before triton is
+    imported; run by the test below in a child process). The interpreter computes in numpy and casts to bf16
+    toward zero, so only the one-ulp bound is checked here, not the bitwise-equal fraction."""
+    for rows, heads, d, r, dtype, block_rows in [(37, 3, 32, 24, torch.bfloat16, 16), (5, 2, 16, 16, torch.float16, 8),
+                                                 (19, 2, 32, 0, torch.bfloat16, 32)]:
+        check_kernel(rows, heads, d, r, dtype, "cpu", block_rows, exact_fraction=0.0)
+    # The custom op through torch.compile's graph capture (aot_eager: no C++ compile on the CPU).
+    y, qw, kw, (cos, sin), buf = make_inputs(9, 2, 16, 8, torch.bfloat16, "cpu")
+
+    def step(y):
+        out = torch.zeros(3, 1, 2, 9, 16, dtype=y.dtype)
+        torch.ops.h3stages.qk_norm_rope_(y, qw, kw, EPS, cos, sin, out)
+        return out * 2
+
+    assert torch.equal(step(y), torch.compile(step, backend="aot_eager", fullgraph=True)(y))
+    print("interpreter ok")
+
+
+@pytest.mark.skipif(triton is None, reason="triton is not installed (CI's CPU torch has none)")
+def test_triton_kernel_in_the_interpreter():
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    run = subprocess.run([sys.executable, "-c", "from tests.test_qk_norm_rope import interpreter_main as m; m()"],
+                         cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0 and "interpreter ok" in run.stdout, run.stdout + run.stderr
+
+
+def test_bench_tiny_runs_on_the_cpu(tmp_path):
+    """scripts/bench_qk_norm_rope.py --tiny: the dry run writes its JSON (the kernel too where triton is installed)."""
+    run = subprocess.run([sys.executable, "scripts/bench_qk_norm_rope.py", "--tiny", "--out", str(tmp_path)],
+                         cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stdout + run.stderr
+    result = json.loads((tmp_path / "qk_norm_rope.json").read_text())
+    assert [s["rows"] for s in result["shapes"]] == [37, 100]
+    assert all("reference eager" in s["variants"] for s in result["shapes"])
+
+
+def test_dispatcher_traces_whole_on_the_cpu():
+    """torch.compile of a block calls the dispatcher: on the CPU it traces the reference without a graph break."""
+    y, qw, kw, rope, _ = make_inputs(9, 2, 16, 8, torch.bfloat16, "cpu")
+
+    def step(y, cos, sin):
+        out = torch.empty(3, 1, 2, 9, 16, dtype=y.dtype)
+        qk_norm_rope(y, qw, kw, EPS, (cos, sin), out)
+        return out * 2
+
+    assert torch.equal(step(y, *rope), torch.compile(step, backend="aot_eager", fullgraph=True)(y, *rope))
