@@ -26,7 +26,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from stagekit.qk_norm_rope import qk_norm_rope
+from stagekit.qk_norm_rope import qk_norm_rope, rms_norm
 
 from .config import NUM_MODALITIES, DiTConfig
 from .layout import COND_VIDEO_T, REF_AUDIO_T, PackedLayout
@@ -68,21 +68,6 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, self.weight, self.eps)
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x / rms(x) * weight over the last dim, in fp32."""
-    x = x.float()
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Split-half (rotate_half) RoPE on the first cos.shape[-1] channels of every head; x [S, heads, d] fp32."""
-    r = cos.shape[-1]
-    xr, xp = x[..., :r], x[..., r:]
-    x1, x2 = xr.chunk(2, dim=-1)
-    rotated = xr * cos[:, None] + torch.cat((-x2, x1), dim=-1) * sin[:, None]
-    return torch.cat((rotated, xp), dim=-1)
 
 
 class _Ctx:

@@ -10,7 +10,8 @@ writes out once. docs/performance.md ("Fused q/k RMSNorm + RoPE (Triton)") has h
 
 `qk_norm_rope` dispatches: the Triton kernel (the torch custom op `h3stages::qk_norm_rope_`, opaque to
 torch.compile) when y is on a CUDA device, triton imports and the shapes are ones it serves; otherwise
-`qk_norm_rope_reference`, which is exactly the model's own math (dit_svc/model.py `rms_norm`, `apply_rope`).
+`qk_norm_rope_reference`, which is exactly the model's own math (`rms_norm`, `apply_rope` below; dit_svc/model.py
+uses them).
 The kernel's fp32 arithmetic matches the reference's except for the order of the sum of squares, so a few outputs
 in a thousand differ by one unit in the last place of the compute dtype (tests/test_qk_norm_rope.py).
 """
@@ -36,13 +37,25 @@ DEFAULT_NUM_WARPS = 4
 SECTIONS = 3  # q, k, v
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / rms(x) * weight over the last dim, in fp32."""
+    x = x.float()
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Split-half (rotate_half) RoPE on the first cos.shape[-1] channels of every head; x [S, heads, d] fp32."""
+    r = cos.shape[-1]
+    xr, xp = x[..., :r], x[..., r:]
+    x1, x2 = xr.chunk(2, dim=-1)
+    rotated = xr * cos[:, None] + torch.cat((-x2, x1), dim=-1) * sin[:, None]
+    return torch.cat((rotated, xp), dim=-1)
+
+
 def qk_norm_rope_reference(y: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float,
                            rope: tuple[torch.Tensor, torch.Tensor] | None, out: torch.Tensor) -> None:
     """y [rows, 3, heads, head_dim] (compute dtype), gains [head_dim], rope (cos, sin) [rows, r] fp32 or None ->
     written into out [3, 1, heads, rows, head_dim] (out's dtype). The model's own math, in plain torch."""
-    # Deferred: dit_svc/model.py imports this module; the math stays there, written once.
-    from dit_svc.model import apply_rope, rms_norm
-
     q, k, v = y.unbind(1)
     q, k = rms_norm(q, q_weight, eps), rms_norm(k, k_weight, eps)  # fp32
     if rope is not None:
@@ -171,7 +184,7 @@ if triton is not None:
         if sec == 2:
             res = x  # v: layout and cast only
         else:
-            # RMSNorm in fp32 over head_dim: x * rsqrt(mean(x^2) + eps) * gain (dit_svc/model.py rms_norm).
+            # RMSNorm in fp32 over head_dim: x * rsqrt(mean(x^2) + eps) * gain (`rms_norm` above).
             gain = tl.where(sec == 0, tl.load(qw_ptr + ch).to(tl.float32), tl.load(kw_ptr + ch).to(tl.float32))
             rstd = tl.math.rsqrt(tl.sum(x * x, axis=1) / D + eps)[:, None]
             res = x * rstd * gain[None, :]

@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from dit_svc.model import RMSNorm, apply_rope
+from dit_svc.model import RMSNorm
+from stagekit.qk_norm_rope import apply_rope
 from stagekit.qk_norm_rope import qk_norm_rope, qk_norm_rope_reference
 
 try:
