@@ -57,6 +57,8 @@ from stagekit.fp8_attention import (  # noqa: E402
     _CUDNN,
     DEFAULT_OPTIONS,
     E4M3_MAX,
+    KERNEL_VS_EMULATION_FACTOR,
+    KERNEL_VS_EMULATION_SLACK,
     OPTIONS,
     Fp8Attention,
     TritonQuantLaunch,
@@ -83,10 +85,6 @@ from stagekit.kernels import (  # noqa: E402
 DEV = torch.device("cuda")  # --tiny: the CPU
 TINY_SHAPES = "64x64x22,96x64x22"
 COMPILED_OPTIONS = ("naive", "head+kv")
-# Self-check: the kernel's error vs fp32 may exceed the emulation's (same arithmetic, P~ rounded against a
-# blockwise row max) by this factor plus this slack; a broken kernel (wrong scale, layout) is off by 10x or more.
-CHECK_KERNEL_ERR_FACTOR = 1.5
-CHECK_KERNEL_ERR_SLACK = 2e-3
 
 
 def log(msg: str) -> None:
@@ -207,7 +205,7 @@ def self_check(s: int, h: int, d: int, failures: list[str]) -> dict:
         out["kernel_err_vs_fp32"] = rel_err(o_kernel, ref[0, heads].float())
         out["emulation_err_vs_fp32"] = rel_err(o_emu, ref[0, heads].float())
         out["o8_finite"] = bool(torch.isfinite(o8.float()).all())
-        bound = CHECK_KERNEL_ERR_FACTOR * out["emulation_err_vs_fp32"] + CHECK_KERNEL_ERR_SLACK
+        bound = KERNEL_VS_EMULATION_FACTOR * out["emulation_err_vs_fp32"] + KERNEL_VS_EMULATION_SLACK
         if not out["o8_finite"] or not out["kernel_err_vs_fp32"] <= bound:
             failures.append(f"cuDNN fp8 kernel vs emulation: kernel error {out['kernel_err_vs_fp32']:.3e} vs fp32, "
                             f"emulation {out['emulation_err_vs_fp32']:.3e} (bound {bound:.3e}); "

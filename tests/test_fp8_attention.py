@@ -21,6 +21,8 @@ from stagekit.fp8_attention import (
     DEFAULT_OPTIONS,
     E4M3,
     E4M3_MAX,
+    KERNEL_VS_EMULATION_FACTOR,
+    KERNEL_VS_EMULATION_SLACK,
     OPTIONS,
     OUTPUT_SCALE,
     SOFTMAX_SCALE,
@@ -218,8 +220,12 @@ def test_cudnn_kernel_matches_the_emulation_gpu():
     o8 = torch.ops.h3stages.sdpa_fp8(p.q8, p.k8, p.v8, p.descale_q, p.descale_k)
     assert o8.dtype == E4M3 and o8.shape == (h, s, d) and o8.is_contiguous()
     emu = sdpa_fp8_emulated(p.q8, p.k8, p.v8, p.descale_q, p.descale_k)
-    assert rel_err(o8.float(), emu.float()) < 3e-2  # same math; P~ is rounded against a blockwise row max
     ref = _ref(q, k, v)
+    # Same arithmetic, but P~ rounds against a blockwise row max in the kernel: compare what each gets wrong.
+    err_kernel = rel_err(dequantize_o(o8, p.o_scale, p.o_shift, torch.float32), ref[0])
+    err_emulation = rel_err(dequantize_o(emu, p.o_scale, p.o_shift, torch.float32), ref[0])
+    assert err_kernel <= KERNEL_VS_EMULATION_FACTOR * err_emulation + KERNEL_VS_EMULATION_SLACK, \
+        (err_kernel, err_emulation)
     outs = []
     for compile_quant in (False, True):
         o = Fp8Attention(DEFAULT_OPTIONS, compile_quant=compile_quant)(q, k, v)
