@@ -51,6 +51,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dit_svc.config import DiTConfig  # noqa: E402
+from dit_svc.engine import CHUNK_ROWS_COMPILED_ONE, CHUNK_ROWS_EAGER  # noqa: E402
 from dit_svc.layout import build_layout  # noqa: E402
 from dit_svc.model import FP32_PARAM_PREFIXES, H3DiT  # noqa: E402
 from dit_svc.tiny_checkpoint import convrot_groupsize, diffusers_config, iter_random_int8_convrot_weights  # noqa: E402
@@ -682,8 +683,8 @@ def main() -> int:
     ap.add_argument("--rate-iters", type=int, default=10)
     ap.add_argument("--kernel-iters", type=int, default=3)
     ap.add_argument("--chunk-rows", type=int, default=None,
-                    help="MLP/modulation token chunk (default 16384 in table mode: one H200 has the memory; "
-                         "4096 in memory mode, the engine default)")
+                    help="row chunk of everything but attention (default: the engine's, 65536 in table mode "
+                         "as for compiled blocks on one rank; 4096 in memory mode, as for eager blocks)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--max-err-bf16", type=float, default=0.05, help="bound: bf16 variant velocity vs diffusers")
     ap.add_argument("--max-err-quant", type=float, default=0.25, help="bound: int8/fp8 variants vs diffusers")
@@ -709,8 +710,8 @@ def main() -> int:
     elif not torch.cuda.is_available():
         print("bench_dit.py needs a CUDA GPU (or --tiny)", file=sys.stderr)
         return 2
-    if args.chunk_rows is None:
-        args.chunk_rows = 4096 if args.memory else 16384
+    if args.chunk_rows is None:  # the DiT engine's defaults (dit_svc/engine.py resolve_chunk_rows)
+        args.chunk_rows = CHUNK_ROWS_EAGER if args.memory else CHUNK_ROWS_COMPILED_ONE
     return run_memory(args) if args.memory else run_table(args)
 
 
