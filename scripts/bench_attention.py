@@ -364,9 +364,9 @@ def op_level(args, data_sets: dict, row: dict, failures: list[str]) -> None:
 
 # Triton launch configurations compared (stats_rows, stats_block_r, stats_warps, quant_block_r, quant_warps); the
 # first is the module's default.
-QUANT_LAUNCHES = (TritonQuantLaunch(), TritonQuantLaunch(1024, 64, 8, 128, 8), TritonQuantLaunch(256, 16, 4, 32, 4),
-                  TritonQuantLaunch(256, 64, 8, 32, 4), TritonQuantLaunch(128, 128, 8, 32, 2),
-                  TritonQuantLaunch(512, 16, 2, 16, 2))
+QUANT_LAUNCHES = (TritonQuantLaunch(), TritonQuantLaunch(512, 32, 4, 64, 4), TritonQuantLaunch(1024, 64, 8, 128, 8),
+                  TritonQuantLaunch(256, 16, 4, 32, 4), TritonQuantLaunch(128, 128, 8, 32, 2),
+                  TritonQuantLaunch(1024, 16, 2, 16, 2), TritonQuantLaunch(512, 16, 1, 8, 1))
 
 
 def triton_interpreted() -> bool:

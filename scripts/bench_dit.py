@@ -86,7 +86,11 @@ VARIANTS = {  # name -> (linear kernel, attention kernel, torch.compile the bloc
     # 8-bit attention (cuDNN fp8 SDPA via nvidia-cudnn-frontend, stagekit/fp8_attention.py, default options).
     "fp8a": ("fp8", "fp8", False, "(e) fp8 + cuDNN fp8 attention"),
     "fp8ca": ("fp8", "fp8", True, "(e+) fp8 + cuDNN fp8 attention + torch.compile(blocks)"),
+    # The same with the fp8 GEMMs' fast (reduced-precision) accumulation (stagekit/kernels.FP8_FAST_ACCUM).
+    "fp8caf": ("fp8", "fp8", True, "(e+f) fp8 fast-accumulation GEMMs + cuDNN fp8 attention + torch.compile(blocks)"),
 }
+# fp8 variants that run their GEMMs with fast accumulation; every other fp8 variant runs without it.
+FAST_ACCUM_VARIANTS = {"fp8caf"}
 
 
 def log(msg: str) -> None:
@@ -455,6 +459,9 @@ def run_variant(args, cfg, shapes, dev, name, model, master, result, outputs, sa
     lin_k, att_k, compiled, label = VARIANTS[name]
     t1 = time.time()
     install_linears(model, master, lin_k, dev)
+    for m in model.modules():
+        if isinstance(m, Fp8RowwiseLinear):
+            m.fast_accum = name in FAST_ACCUM_VARIANTS
     model.set_attention_fn(attention_fn(att_k, dev))
     if compiled:
         for blk in model.blocks:

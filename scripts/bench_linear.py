@@ -11,6 +11,8 @@ For every block linear (qkv, out, fc1, fc2 of docs/model.md; one GPU, no tensor 
   rowwise         what `--linear-kernel fp8` runs (stagekit/kernels.Fp8RowwiseLinear): the activation quantised
                   per row, then torch._scaled_mm with row-wise scales (eager: quantisation kernels + GEMM)
   rowwise_gemm    the GEMM alone (activation already quantised)
+  rowwise_gemm_fast_accum  the same with use_fast_accum=True (the tensor cores' reduced-precision accumulation,
+                  no periodic fp32 promotion: stagekit/kernels.FP8_FAST_ACCUM)
   tensorwise_gemm the same fp8 operands through torch._scaled_mm with scalar scales (cuBLAS's fp8 path), the row
                   and column scales left out (what a scale epilogue would have to add back)
   tensorwise_epilogue_compiled  quantisation, the scalar-scale GEMM and the row x column scales applied to its
@@ -79,6 +81,9 @@ def main() -> int:
                 forms["rowwise_gemm"] = lambda: torch._scaled_mm(xq, lin.weight.t(), scale_a=xs,
                                                                  scale_b=lin.weight_scale.t(),
                                                                  out_dtype=torch.bfloat16)
+                forms["rowwise_gemm_fast_accum"] = lambda: torch._scaled_mm(
+                    xq, lin.weight.t(), scale_a=xs, scale_b=lin.weight_scale.t(), out_dtype=torch.bfloat16,
+                    use_fast_accum=True)
                 forms["tensorwise_gemm"] = lambda: torch._scaled_mm(xq, lin.weight.t(), scale_a=one, scale_b=one,
                                                                     out_dtype=torch.bfloat16)
 

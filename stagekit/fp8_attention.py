@@ -188,11 +188,13 @@ def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: Fp8
 class TritonQuantLaunch(NamedTuple):
     """Launch parameters of the two passes (scripts/bench_attention.py sweeps them)."""
 
+    # Defaults: the fastest of scripts/bench_attention.py --quant's sweep on an H200 (docs/performance.md, issue 18:
+    # 0.78 / 1.55 ms at S = 14,882 / 37,748 against 1.01 / 2.16 ms for 512/32/4/64/4).
     stats_rows: int = 512  # rows each statistics program reduces (a multiple of stats_block_r)
-    stats_block_r: int = 32  # rows per loaded tile in the statistics pass
-    stats_warps: int = 4
-    quant_block_r: int = 64  # rows per program in the quantise pass
-    quant_warps: int = 4
+    stats_block_r: int = 16  # rows per loaded tile in the statistics pass
+    stats_warps: int = 2
+    quant_block_r: int = 16  # rows per program in the quantise pass
+    quant_warps: int = 2
 
 
 TRITON_LAUNCH = TritonQuantLaunch()

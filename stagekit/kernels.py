@@ -49,6 +49,9 @@ FP8_E4M3_MAX = 448.0  # largest finite float8_e4m3fn value
 FP8_SCALE_FLOOR = 1e-12  # an all-zero row would otherwise divide by zero
 FP8_MIN_CAPABILITY = (8, 9)  # Ada / Hopper / Blackwell have fp8 tensor cores
 FP8_ALIGN = 16  # torch._scaled_mm needs K and N multiples of 16
+# Hopper's fp8 tensor cores accumulate in reduced precision; without "fast accumulation" cuBLAS promotes the partial
+# sums to fp32 every few K steps (slower, more exact). The CPU emulation is exact either way.
+FP8_FAST_ACCUM = False
 PROBE_ERROR_CHARS = 500  # of a rejected candidate's error kept for Status (cuDNN's reasons come at the end)
 
 # Relative error bounds ||y - ref|| / ||ref|| vs an fp32 reference on the *same* (dequantised) weights.
@@ -132,7 +135,8 @@ class Fp8RowwiseLinear(nn.Module):
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False,
-                 out_dtype: torch.dtype = torch.bfloat16, emulate: bool = False, device=None) -> None:
+                 out_dtype: torch.dtype = torch.bfloat16, emulate: bool = False, device=None,
+                 fast_accum: bool = FP8_FAST_ACCUM) -> None:
         super().__init__()
         if in_features % FP8_ALIGN or out_features % FP8_ALIGN:
             raise ValueError(f"fp8 row-wise matmul needs in/out features divisible by {FP8_ALIGN}, "
@@ -142,6 +146,7 @@ class Fp8RowwiseLinear(nn.Module):
         self.in_features, self.out_features = in_features, out_features
         self.out_dtype = out_dtype
         self.emulate = emulate
+        self.fast_accum = fast_accum
         self.register_buffer("weight", torch.zeros(out_features, in_features, dtype=torch.float8_e4m3fn,
                                                    device=device))
         self.register_buffer("weight_scale", torch.ones(out_features, 1, dtype=torch.float32, device=device))
@@ -172,7 +177,8 @@ class Fp8RowwiseLinear(nn.Module):
             xq, xs = quantize_fp8_rowwise(x2)
             # row-wise scaling: scale_a [M, 1], scale_b [1, N] fp32; W^T is the column-major view of the [N, K] weight.
             out_dtype = self.out_dtype if self.out_dtype != torch.float32 else torch.bfloat16
-            y = torch._scaled_mm(xq, self.weight.t(), scale_a=xs, scale_b=self.weight_scale.t(), out_dtype=out_dtype)
+            y = torch._scaled_mm(xq, self.weight.t(), scale_a=xs, scale_b=self.weight_scale.t(), out_dtype=out_dtype,
+                                 use_fast_accum=self.fast_accum)
         elif self.emulate:
             y = fp8_rowwise_reference(x2, self.weight, self.weight_scale)
         else:
