@@ -51,7 +51,7 @@ FP8_MIN_CAPABILITY = (8, 9)  # Ada / Hopper / Blackwell have fp8 tensor cores
 FP8_ALIGN = 16  # torch._scaled_mm needs K and N multiples of 16
 # Hopper's fp8 tensor cores accumulate in reduced precision; without "fast accumulation" cuBLAS promotes the partial
 # sums to fp32 every few K steps (slower, more exact). The CPU emulation is exact either way.
-FP8_FAST_ACCUM = False
+FP8_FAST_ACCUM = True  # measured: docs/performance.md, issue 18 (GEMMs 6-11 % faster, velocity error unchanged)
 PROBE_ERROR_CHARS = 500  # of a rejected candidate's error kept for Status (cuDNN's reasons come at the end)
 
 # Relative error bounds ||y - ref|| / ||ref|| vs an fp32 reference on the *same* (dequantised) weights.
