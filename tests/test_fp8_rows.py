@@ -118,6 +118,41 @@ def test_dispatcher_under_torch_compile_matches_eager():
     assert torch.equal(eager, compiled)
 
 
+@needs_cuda
+def test_block_feeds_fp8_rows_to_fp8_linears():
+    """A tiny DiT with fp8 qkv_proj / fc1 on the GPU: Block._modulate hands them Fp8Rows, and the output equals the
+    one where those linears quantise the bf16 rows themselves (`accepts_fp8_rows` switched off per instance)."""
+    from dit_svc.config import DiTConfig
+    from dit_svc.layout import build_layout
+    from dit_svc.model import H3DiT
+
+    cfg = DiTConfig.tiny()
+    torch.manual_seed(0)
+    model = H3DiT(cfg, compute_dtype=torch.bfloat16).eval()
+    fp8 = [n for n in model.linear_names() if n.startswith("blocks.") and n.endswith(("qkv_proj", "fc1"))]
+    for name in fp8:
+        model.swap_linear(name, Fp8RowwiseLinear.from_dense(model.get_submodule(name).weight.detach().float()))
+    model.cuda()
+    seen = []
+    for name in fp8:
+        model.get_submodule(name).register_forward_pre_hook(lambda mod, args: seen.append(type(args[0])))
+    lay = build_layout(cfg, 6, 22, 64, 96, ("last",)).to("cuda")
+    g = torch.Generator().manual_seed(1)
+    video, audio, text = (torch.randn(n, d, generator=g).cuda() for n, d in (
+        (lay.num_video_rows, cfg.video_patch_dim), (lay.num_audio_rows, cfg.audio_in_channels),
+        (lay.text_len, cfg.text_dim)))
+    with torch.no_grad():
+        fused = model(video, audio, text, 0.3, 0.5, lay)
+        assert seen and all(t is Fp8Rows for t in seen)
+        for name in fp8:
+            model.get_submodule(name).accepts_fp8_rows = False
+        seen.clear()
+        plain = model(video, audio, text, 0.3, 0.5, lay)
+        assert seen and all(t is torch.Tensor for t in seen)
+    for a, b in zip(fused, plain):
+        assert (a - b).norm() <= 1e-2 * b.norm()
+
+
 def interpreter_main() -> None:
     """The kernel's indexing and masking in triton's CPU interpreter (TRITON_INTERPRET=1 set before triton is
     imported; run by the test below in a child process). The interpreter computes in numpy, and its bf16 / e4m3
