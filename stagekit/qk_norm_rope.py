@@ -137,13 +137,23 @@ def qk_norm_rope(y: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor
     if stats is not None and row0 % STATS_ROWS:
         raise ValueError(f"row0 must be a multiple of {STATS_ROWS} when statistics are collected, got {row0}")
     reason = unsupported(y, q_weight, k_weight, rope, out) if y.is_cuda else "y is not on a CUDA device"
+    if reason is None and y.device in _FAILED:
+        reason = _FAILED[y.device]
     if reason is None:
         cos, sin = rope if rope is not None else (None, None)
         # A mutated op argument cannot be None: an empty tensor says "no statistics".
         none = y.new_empty(0, dtype=torch.float32)
-        torch.ops.h3stages.qk_norm_rope_(y, q_weight, k_weight, eps, cos, sin, out,
-                                         none if stats is None else stats, row0)
-        return
+        try:
+            torch.ops.h3stages.qk_norm_rope_(y, q_weight, k_weight, eps, cos, sin, out,
+                                             none if stats is None else stats, row0)
+            return
+        except torch.OutOfMemoryError:
+            raise
+        except Exception as e:  # Triton cannot build the kernel for this GPU: the exact same math, unfused
+            if torch.compiler.is_compiling():
+                raise
+            _FAILED[y.device] = reason = f"the Triton kernel failed on {y.device}: {type(e).__name__}: {str(e)[:300]}"
+            log.warning("q/k RMSNorm + RoPE: %s; running the plain-torch reference from now on", reason)
     if y.is_cuda and not torch.compiler.is_compiling():
         _log_once(f"q/k RMSNorm + RoPE: plain torch ({reason})")
     qk_norm_rope_reference(y, q_weight, k_weight, eps, rope, out)
@@ -205,6 +215,9 @@ def launch(y: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, eps:
             num_warps=num_warps,
             enable_fp_fusion=False,  # no FMA contraction: products rounded as the reference's separate ops are
         )
+
+
+_FAILED: dict[torch.device, str] = {}  # devices the kernel failed to build or run on, and why
 
 
 @functools.cache
