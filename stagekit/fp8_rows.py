@@ -39,7 +39,7 @@ except Exception:  # ImportError (the CPU build of torch ships without triton) o
 log = logging.getLogger(__name__)
 
 DEFAULT_BLOCK_ROWS = 1  # rows per program; the whole row (C channels, padded to a power of two) sits in registers
-DEFAULT_NUM_WARPS = 8
+DEFAULT_NUM_WARPS = 16  # 8192 padded channels / 512 threads: 16 fp32 per thread and tensor (bench_fp8_rows.py sweeps)
 MAX_CHANNELS = 16384  # a wider row would spill registers
 
 
