@@ -14,9 +14,9 @@ input instead of a tensor).
 torch.compile) when x is on a CUDA device, triton imports and the arguments are ones it serves; otherwise
 `modulate_fp8_reference`, which is exactly the model's previous math (`modulate` below, which dit_svc/model.py
 uses for its bf16 rows, then `quantize_fp8_rowwise`). The kernel's fp32 arithmetic matches the reference's
-operation for operation (bf16 rounding of the modulated row, the multiply by the bf16 reciprocal rounded to bf16,
-then e4m3) except for the order of the sum of squares, so a rare element lands one e4m3 step away
-(tests/test_fp8_rows.py).
+operation for operation as torch runs them on CUDA (bf16 rounding of the modulated row, the multiply by the bf16
+reciprocal rounded to bf16, then e4m3) except for the order of the sum of squares, so a rare element lands one
+e4m3 step away (tests/test_fp8_rows.py).
 """
 
 from __future__ import annotations
@@ -128,7 +128,7 @@ def launch(x: torch.Tensor, weight: torch.Tensor, eps: float, shift: torch.Tenso
         _modulate_fp8_kernel[(triton.cdiv(rows, block_rows),)](
             x, weight, shift, scale, r, q, q_scale, rows, c, 1.0 / c, eps,
             *x.stride(), weight.stride(0), *shift.stride(), *scale.stride(), r.stride(0),
-            FP8_MAX=FP8_E4M3_MAX, SCALE_FLOOR=FP8_SCALE_FLOOR, BLOCK_R=block_rows,
+            FP8_MAX=FP8_E4M3_MAX, INV_FP8_MAX=1.0 / FP8_E4M3_MAX, SCALE_FLOOR=FP8_SCALE_FLOOR, BLOCK_R=block_rows,
             BLOCK_C=triton.next_power_of_2(c), num_warps=num_warps,
             enable_fp_fusion=False,  # no FMA contraction: products rounded as the reference's separate ops are
         )
@@ -151,8 +151,8 @@ if triton is not None:
     @triton.jit
     def _modulate_fp8_kernel(x_ptr, w_ptr, shift_ptr, scale_ptr, r_ptr, q_ptr, qs_ptr, rows, C, inv_c, eps,
                              x_s_row, x_s_c, w_s, sh_s_row, sh_s_c, sc_s_row, sc_s_c, r_s,
-                             FP8_MAX: tl.constexpr, SCALE_FLOOR: tl.constexpr, BLOCK_R: tl.constexpr,
-                             BLOCK_C: tl.constexpr):
+                             FP8_MAX: tl.constexpr, INV_FP8_MAX: tl.constexpr, SCALE_FLOOR: tl.constexpr,
+                             BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
         """One program: BLOCK_R whole rows. Every step is one op of `modulate_fp8_reference`, in its order."""
         row = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
         ch = tl.arange(0, BLOCK_C)
@@ -169,10 +169,11 @@ if triton is not None:
         #    takes it, sum * fp32(1 / C)), then the modulation, rounded to bf16 as the reference emits it.
         rstd = tl.math.rsqrt(tl.sum(x * x, axis=1) * inv_c + eps)[:, None]
         y = (x * rstd * gain * (1.0 + scale) + shift).to(tl.bfloat16).to(tl.float32)
-        # 2. Row scale = max(amax / 448, floor) (`quantize_fp8_rowwise`), with IEEE divisions as torch's.
+        # 2. Row scale = max(amax / 448, floor) (`quantize_fp8_rowwise`; torch's CUDA division by a Python number
+        #    multiplies by its fp32 reciprocal).
         amax = tl.max(tl.where(mask, tl.abs(y), 0.0), axis=1)
-        q_scale = tl.maximum(tl.math.div_rn(amax, FP8_MAX), SCALE_FLOOR)
-        # 3. q = e4m3(clamp(bf16(y * bf16(1 / scale)))): the reference multiplies two bf16 tensors.
+        q_scale = tl.maximum(amax * INV_FP8_MAX, SCALE_FLOOR)
+        # 3. q = e4m3(clamp(bf16(y * bf16(1 / scale)))): an IEEE reciprocal, then the product of two bf16 values.
         inv = tl.math.div_rn(tl.full(q_scale.shape, 1.0, tl.float32), q_scale).to(tl.bfloat16).to(tl.float32)
         p = (y * inv[:, None]).to(tl.bfloat16).to(tl.float32)
         p = tl.minimum(tl.maximum(p, -FP8_MAX), FP8_MAX)
