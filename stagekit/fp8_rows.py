@@ -85,8 +85,19 @@ def modulate_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float, shift: torch
     """x [rows, C] fp32, norm gain [C], shift / scale [M * 3, C] fp32, r [rows] -> Fp8Rows (q [rows, C] e4m3,
     scale [rows, 1] fp32): the Triton kernel on CUDA where it serves the arguments, else the reference."""
     reason = unsupported(x, weight, shift, scale, r) if x.is_cuda else "x is not on a CUDA device"
+    if reason is None and x.device in _FAILED:
+        reason = _FAILED[x.device]
     if reason is None:
-        return Fp8Rows(*torch.ops.h3stages.modulate_fp8_rows(x, weight, eps, shift, scale, r))
+        try:
+            return Fp8Rows(*torch.ops.h3stages.modulate_fp8_rows(x, weight, eps, shift, scale, r))
+        except torch.OutOfMemoryError:
+            raise
+        except Exception as e:  # Triton cannot build the kernel for this GPU: the exact same math, unfused
+            if torch.compiler.is_compiling():
+                raise
+            _FAILED[x.device] = reason = f"the Triton kernel failed on {x.device}: {type(e).__name__}: {str(e)[:300]}"
+            log.warning("modulation + fp8 row quantisation: %s; running the plain-torch reference from now on",
+                        reason)
     if x.is_cuda and not torch.compiler.is_compiling():
         _log_once(f"modulation + fp8 row quantisation: plain torch ({reason})")
     return modulate_fp8_reference(x, weight, eps, shift, scale, r)
@@ -133,6 +144,9 @@ def launch(x: torch.Tensor, weight: torch.Tensor, eps: float, shift: torch.Tenso
             enable_fp_fusion=False,  # no FMA contraction: products rounded as the reference's separate ops are
         )
     return q, q_scale
+
+
+_FAILED: dict[torch.device, str] = {}  # devices the kernel failed to build or run on, and why
 
 
 @functools.cache
