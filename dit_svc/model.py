@@ -26,6 +26,8 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from stagekit import fp8_rows
+from stagekit.kernels import Fp8Rows
 from stagekit.qk_norm_rope import STATS_ROWS, empty_stats, qk_norm_rope, rms_norm
 
 from .config import NUM_MODALITIES, DiTConfig
@@ -116,12 +118,14 @@ class Attention(nn.Module):
         """Uninitialised statistics partials of q, k, v over S rows (stagekit/qk_norm_rope.py `empty_stats`)."""
         return empty_stats(s, self.local_heads, self.head_dim, device)
 
-    def project_qkv(self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
+    def project_qkv(self, h: torch.Tensor | Fp8Rows, rope: tuple[torch.Tensor, torch.Tensor] | None,
                     out: torch.Tensor, stats: torch.Tensor | None = None, row0: int = 0) -> None:
-        """h [rows, hidden] (compute dtype), rope (cos, sin) [rows, rope_dim] fp32 or None -> written into
-        out [3, 1, local_heads, rows, head_dim] (a row slice of `empty_qkv`) and, if given, the statistics
-        partials of these rows into `stats` (`empty_stats`; the rows start at sequence row `row0`)."""
-        y = self.qkv_proj(h).reshape(h.shape[0], 3, self.local_heads, self.head_dim)
+        """h [rows, hidden] (compute dtype), or Fp8Rows when qkv_proj takes them (Block._modulate); rope (cos, sin)
+        [rows, rope_dim] fp32 or None -> written into out [3, 1, local_heads, rows, head_dim] (a row slice of
+        `empty_qkv`) and, if given, the statistics partials of these rows into `stats` (`empty_stats`; the rows
+        start at sequence row `row0`)."""
+        rows = (h.q if isinstance(h, Fp8Rows) else h).shape[0]
+        y = self.qkv_proj(h).reshape(rows, 3, self.local_heads, self.head_dim)
         # fp32 RMSNorm of q, k, RoPE, layout write (one Triton kernel on CUDA; stagekit/qk_norm_rope.py)
         qk_norm_rope(y, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, rope, out, stats, row0)
 
@@ -154,8 +158,9 @@ class MLP(nn.Module):
         self.fc1 = ctx.linear(f"{name}.fc1", cfg.hidden, 2 * cfg.ffn, False)
         self.fc2 = ctx.linear(f"{name}.fc2", cfg.ffn, cfg.hidden, False)
 
-    def partial(self, h: torch.Tensor) -> torch.Tensor:
-        """h [rows, hidden] (compute dtype) -> fp32 [rows, hidden]: this rank's partial sum of the row-parallel fc2."""
+    def partial(self, h: torch.Tensor | Fp8Rows) -> torch.Tensor:
+        """h [rows, hidden] (compute dtype), or Fp8Rows when fc1 takes them (Block._modulate) -> fp32 [rows, hidden]:
+        this rank's partial sum of the row-parallel fc2."""
         gate, value = self.fc1(h).chunk(2, dim=-1)
         return self.fc2(F.silu(gate) * value).float()
 
@@ -230,9 +235,13 @@ class Block(nn.Module):
         self.mlp = MLP(ctx, f"{name}.mlp")
         self.adaln_proj = AdaLNProj(ctx, f"{name}.adaln_proj", ctx.cfg.adaln_out)
 
-    def _modulate(self, x, norm, shift, scale, r):
-        """norm(x) * (1 + scale[r]) + shift[r] in fp32, emitted in the compute dtype for the next linear."""
-        return (norm(x) * (1.0 + scale.index_select(0, r)) + shift.index_select(0, r)).to(self.compute_dtype)
+    def _modulate(self, x, norm, shift, scale, r, into: nn.Module) -> torch.Tensor | Fp8Rows:
+        """norm(x) * (1 + scale[r]) + shift[r] in fp32, emitted for the next linear `into`: in the compute dtype, or,
+        when `into` takes fp8 rows (an fp8 linear) on a GPU, as Fp8Rows from one fused Triton kernel
+        (stagekit/fp8_rows.py: the same math as the linear quantising the bf16 rows itself)."""
+        if getattr(into, "accepts_fp8_rows", False) and x.is_cuda and self.compute_dtype == torch.bfloat16:
+            return fp8_rows.modulate_fp8(x, norm.weight, norm.eps, shift, scale, r)
+        return fp8_rows.modulate(x, norm.weight, norm.eps, shift, scale, r, self.compute_dtype)
 
     def forward(self, x: torch.Tensor, ada_in: torch.Tensor, rows: torch.Tensor,
                 rope: tuple[torch.Tensor, torch.Tensor], shards: SeqShards | None = None) -> torch.Tensor:
@@ -250,7 +259,7 @@ class Block(nn.Module):
         want_stats = getattr(self.attn.attention_fn, "wants_qkv_stats", False) and shards is None
         stats = self.attn.empty_stats(x.shape[0], x.device) if want_stats and n % STATS_ROWS == 0 else None
         for s, e in chunks:
-            h = self._modulate(x[s:e], self.norm1, shift1, scale1, rows[s:e])
+            h = self._modulate(x[s:e], self.norm1, shift1, scale1, rows[s:e], into=self.attn.qkv_proj)
             self.attn.project_qkv(h, (cos[s:e], sin[s:e]), qkv[:, :, :, s:e], stats, s)
         # 2. attention over all rows. Sequence parallel (Ulysses, dit_svc/sp.py): an all-to-all trades this rank's
         #    rows of every local head for every row of 1/sp of them; another brings the output rows back.
@@ -280,7 +289,7 @@ class Block(nn.Module):
         del o
         # 4. MLP and gated residual add, a row chunk at a time (chunk i's input is untouched by chunk i-1's add).
         self._reduce_add(x, gate2, rows, chunks, lambda s, e: self.mlp.partial(
-            self._modulate(x[s:e], self.norm2, shift2, scale2, rows[s:e])))
+            self._modulate(x[s:e], self.norm2, shift2, scale2, rows[s:e], into=self.mlp.fc1)))
         return x
 
     def _reduce_add(self, x, gate, rows, chunks, partial) -> None:

@@ -31,7 +31,7 @@ import math
 import statistics
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -89,6 +89,14 @@ class Fp8Unavailable(RuntimeError):
 # =====================================================================================================================
 
 
+class Fp8Rows(NamedTuple):
+    """Activation rows already quantised for an fp8 linear (as `quantize_fp8_rowwise` returns them): q [rows, K]
+    float8 e4m3, scale [rows, 1] fp32, row i = q[i] * scale[i]. Made by stagekit/fp8_rows.py's fused
+    modulation kernel; linears whose class has `accepts_fp8_rows = True` take it in place of a tensor."""
+    q: torch.Tensor
+    scale: torch.Tensor
+
+
 def quantize_fp8_rowwise(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """[R, C] -> (float8_e4m3fn [R, C], fp32 scale [R, 1]) with scale = absmax(row) / 448 (round to nearest).
 
@@ -106,9 +114,11 @@ def quantize_fp8_rowwise(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale
 
 
-def fp8_rowwise_reference(x: torch.Tensor, weight_fp8: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
-    """Exact math of the fp8 row-wise GEMM, emulated in fp32 (any device): (q_x s_x) @ (q_w s_w)^T."""
-    xq, xs = quantize_fp8_rowwise(x)
+def fp8_rowwise_reference(x: torch.Tensor | Fp8Rows, weight_fp8: torch.Tensor,
+                          weight_scale: torch.Tensor) -> torch.Tensor:
+    """Exact math of the fp8 row-wise GEMM, emulated in fp32 (any device): (q_x s_x) @ (q_w s_w)^T; x is quantised
+    here unless it comes as Fp8Rows."""
+    xq, xs = x if isinstance(x, Fp8Rows) else quantize_fp8_rowwise(x)
     return (xq.float() * xs) @ (weight_fp8.float() * weight_scale.float()).T
 
 
@@ -132,7 +142,10 @@ class Fp8RowwiseLinear(nn.Module):
     un-rotated, then re-quantised per row -- the int8 rounding is kept, fp8 rounding is added on top).
     On CUDA sm_89+ the GEMM is torch._scaled_mm (bf16/fp16 out). Elsewhere it raises Fp8Unavailable, unless
     `emulate=True`, which runs the same quantisation math in fp32 (slow; for tests and CPU parity checks).
+    The input is a tensor [..., in] (quantised here) or Fp8Rows [rows, in] quantised upstream (`accepts_fp8_rows`).
     """
+
+    accepts_fp8_rows = True  # forward takes Fp8Rows too (dit_svc/model.py Block._modulate checks this)
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False,
                  out_dtype: torch.dtype = torch.bfloat16, emulate: bool = False, device=None,
@@ -166,15 +179,24 @@ class Fp8RowwiseLinear(nn.Module):
     def from_quantized(cls, qw: QuantizedWeight, bias: torch.Tensor | None = None, **kw) -> "Fp8RowwiseLinear":
         return cls.from_dense(qw.dequantize(torch.float32), bias, **kw)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        lead = x.shape[:-1]
-        x2 = x.reshape(-1, self.in_features)
-        if x2.is_cuda and not self.emulate:
+    def forward(self, x: torch.Tensor | Fp8Rows) -> torch.Tensor:
+        """x [..., in] (compute dtype) or Fp8Rows (q [rows, in] e4m3, scale [rows, 1]) -> [..., out] out_dtype."""
+        if isinstance(x, Fp8Rows):
+            if x.q.ndim != 2 or x.q.shape[1] != self.in_features or tuple(x.scale.shape) != (x.q.shape[0], 1):
+                raise ValueError(f"Fp8Rows must be q [rows, {self.in_features}] and scale [rows, 1], got "
+                                 f"{list(x.q.shape)} and {list(x.scale.shape)}")
+            lead, x2 = x.q.shape[:-1], x
+            device = x.q.device
+        else:
+            lead = x.shape[:-1]
+            x2 = x.reshape(-1, self.in_features)
+            device = x2.device
+        if device.type == "cuda" and not self.emulate:
             if not torch.compiler.is_compiling():  # a device query would only break a compiled graph
-                reason = fp8_supported(x2.device)
+                reason = fp8_supported(device)
                 if reason:
                     raise Fp8Unavailable(f"{reason}; use linear_kernel='bf16' or 'int8' on this GPU")
-            xq, xs = quantize_fp8_rowwise(x2)
+            xq, xs = x2 if isinstance(x2, Fp8Rows) else quantize_fp8_rowwise(x2)
             # row-wise scaling: scale_a [M, 1], scale_b [1, N] fp32; W^T is the column-major view of the [N, K] weight.
             out_dtype = self.out_dtype if self.out_dtype != torch.float32 else torch.bfloat16
             y = torch._scaled_mm(xq, self.weight.t(), scale_a=xs, scale_b=self.weight_scale.t(), out_dtype=out_dtype,
@@ -182,7 +204,7 @@ class Fp8RowwiseLinear(nn.Module):
         elif self.emulate:
             y = fp8_rowwise_reference(x2, self.weight, self.weight_scale)
         else:
-            raise Fp8Unavailable(f"Fp8RowwiseLinear has no {x2.device.type} kernel (fp8 tensor cores are CUDA sm_89+); "
+            raise Fp8Unavailable(f"Fp8RowwiseLinear has no {device.type} kernel (fp8 tensor cores are CUDA sm_89+); "
                                  "use linear_kernel='bf16'/'fp32' here, or emulate=True for a slow exact emulation")
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)

@@ -1,0 +1,195 @@
+"""The DiT block's RMSNorm + AdaLN modulation + fp8 row quantisation as one Triton kernel (GPU), with a plain-torch
+reference.
+
+What it fuses: before the qkv projection and fc1, every block turns the fp32 residual rows x [rows, C] into
+`modulate(x) = (rms_norm(x, w) * (1 + scale[r]) + shift[r]).to(compute dtype)` (shift / scale: the AdaLN rows
+[M * 3, C] fp32 gathered by each row's table index r). An fp8 linear (stagekit/kernels.Fp8RowwiseLinear) then
+quantises those rows per row (`quantize_fp8_rowwise`: scale = amax / 448, q = e4m3(row * bf16(1 / scale))). Why:
+inside a compiled block Inductor runs the two as one reduction kernel at about half the memory bandwidth
+(docs/performance.md, "Fused modulation + fp8 row quantisation (Triton)"); this kernel reads x and the gathered
+AdaLN rows once and writes e4m3 rows plus one fp32 scale per row (`Fp8Rows`, which the fp8 linear takes as its
+input instead of a tensor).
+
+`modulate_fp8` dispatches: the Triton kernel (the torch custom op `h3stages::modulate_fp8_rows`, opaque to
+torch.compile) when x is on a CUDA device, triton imports and the arguments are ones it serves; otherwise
+`modulate_fp8_reference`, which is exactly the model's previous math (`modulate` below, which dit_svc/model.py
+uses for its bf16 rows, then `quantize_fp8_rowwise`). The kernel's fp32 arithmetic matches the reference's
+operation for operation as torch runs them on CUDA (bf16 rounding of the modulated row, the multiply by the bf16
+reciprocal rounded to bf16, then e4m3) except for the order of the sum of squares, so a rare element lands one
+e4m3 step away (tests/test_fp8_rows.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+
+import torch
+
+from .kernels import FP8_E4M3_MAX, FP8_SCALE_FLOOR, Fp8Rows, quantize_fp8_rowwise
+from .qk_norm_rope import rms_norm
+
+try:
+    import triton
+    import triton.language as tl
+except Exception:  # ImportError (the CPU build of torch ships without triton) or a broken install: the reference
+    triton = None
+
+log = logging.getLogger(__name__)
+
+DEFAULT_BLOCK_ROWS = 1  # rows per program; the whole row (C channels, padded to a power of two) sits in registers
+DEFAULT_NUM_WARPS = 16  # 8192 padded channels / 512 threads: 16 fp32 per thread and tensor (bench_fp8_rows.py sweeps)
+MAX_CHANNELS = 16384  # a wider row would spill registers
+
+
+def modulate(x: torch.Tensor, weight: torch.Tensor, eps: float, shift: torch.Tensor, scale: torch.Tensor,
+             r: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x [rows, C] fp32, norm gain [C], shift / scale [M * 3, C] fp32, r [rows] (int) ->
+    rms_norm(x) * (1 + scale[r]) + shift[r] in fp32, emitted in `dtype` (the model's AdaLN modulation)."""
+    return (rms_norm(x, weight, eps) * (1.0 + scale.index_select(0, r)) + shift.index_select(0, r)).to(dtype)
+
+
+def modulate_fp8_reference(x: torch.Tensor, weight: torch.Tensor, eps: float, shift: torch.Tensor,
+                           scale: torch.Tensor, r: torch.Tensor) -> Fp8Rows:
+    """`modulate` in bf16, then `quantize_fp8_rowwise`: the previous two steps, in plain torch (any device)."""
+    return Fp8Rows(*quantize_fp8_rowwise(modulate(x, weight, eps, shift, scale, r, torch.bfloat16)))
+
+
+def unsupported(x: torch.Tensor, weight: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor,
+                r: torch.Tensor) -> str | None:
+    """Why the Triton kernel does not serve these arguments, or None when it does (shapes, dtypes, devices)."""
+    if triton is None:
+        return "triton is not installed"
+    if x.dim() != 2 or x.dtype != torch.float32:
+        return f"x must be fp32 [rows, C], got {x.dtype} {list(x.shape)}"
+    rows, c = x.shape
+    if not 16 <= c <= MAX_CHANNELS:
+        return f"C must be in 16..{MAX_CHANNELS}, got {c}"
+    if tuple(weight.shape) != (c,) or weight.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return f"the norm gain must be [{c}] fp32/bf16/fp16, got {weight.dtype} {list(weight.shape)}"
+    for name, t in (("shift", shift), ("scale", scale)):
+        if t.dim() != 2 or t.shape[1] != c or t.dtype != torch.float32:
+            return f"{name} must be fp32 [M * 3, {c}], got {t.dtype} {list(t.shape)}"
+    if tuple(r.shape) != (rows,) or r.dtype not in (torch.int32, torch.int64):
+        return f"r must be int32/int64 [{rows}], got {r.dtype} {list(r.shape)}"
+    if any(t.device != x.device for t in (weight, shift, scale, r)):
+        return "all tensors must be on x's device"
+    if x.device.type != "cuda" and not _interpreting():
+        return f"the kernel runs on CUDA devices (x is on {x.device})"
+    return None
+
+
+def modulate_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float, shift: torch.Tensor, scale: torch.Tensor,
+                 r: torch.Tensor) -> Fp8Rows:
+    """x [rows, C] fp32, norm gain [C], shift / scale [M * 3, C] fp32, r [rows] -> Fp8Rows (q [rows, C] e4m3,
+    scale [rows, 1] fp32): the Triton kernel on CUDA where it serves the arguments, else the reference."""
+    reason = unsupported(x, weight, shift, scale, r) if x.is_cuda else "x is not on a CUDA device"
+    if reason is None and x.device in _FAILED:
+        reason = _FAILED[x.device]
+    if reason is None:
+        try:
+            return Fp8Rows(*torch.ops.h3stages.modulate_fp8_rows(x, weight, eps, shift, scale, r))
+        except torch.OutOfMemoryError:
+            raise
+        except Exception as e:  # Triton cannot build the kernel for this GPU: the exact same math, unfused
+            if torch.compiler.is_compiling():
+                raise
+            _FAILED[x.device] = reason = f"the Triton kernel failed on {x.device}: {type(e).__name__}: {str(e)[:300]}"
+            log.warning("modulation + fp8 row quantisation: %s; running the plain-torch reference from now on",
+                        reason)
+    if x.is_cuda and not torch.compiler.is_compiling():
+        _log_once(f"modulation + fp8 row quantisation: plain torch ({reason})")
+    return modulate_fp8_reference(x, weight, eps, shift, scale, r)
+
+
+@torch.library.custom_op("h3stages::modulate_fp8_rows", mutates_args=())
+def modulate_fp8_rows_op(x: torch.Tensor, weight: torch.Tensor, eps: float, shift: torch.Tensor,
+                         scale: torch.Tensor, r: torch.Tensor, block_rows: int = DEFAULT_BLOCK_ROWS,
+                         num_warps: int = DEFAULT_NUM_WARPS) -> tuple[torch.Tensor, torch.Tensor]:
+    """The Triton kernel as a torch op (opaque to torch.compile): arguments as `launch`, returns (q, scale)."""
+    return launch(x, weight, eps, shift, scale, r, block_rows, num_warps)
+
+
+@modulate_fp8_rows_op.register_fake
+def _(x, weight, eps, shift, scale, r, block_rows=DEFAULT_BLOCK_ROWS, num_warps=DEFAULT_NUM_WARPS):
+    return (x.new_empty(x.shape, dtype=torch.float8_e4m3fn),
+            x.new_empty((x.shape[0], 1), dtype=torch.float32))
+
+
+def launch(x: torch.Tensor, weight: torch.Tensor, eps: float, shift: torch.Tensor, scale: torch.Tensor,
+           r: torch.Tensor, block_rows: int = DEFAULT_BLOCK_ROWS,
+           num_warps: int = DEFAULT_NUM_WARPS) -> tuple[torch.Tensor, torch.Tensor]:
+    """Runs the kernel: x [rows, C] fp32 (any strides), gain [C], shift / scale [M * 3, C] fp32 (any strides, e.g.
+    column chunks of the AdaLN output), r [rows] -> (q [rows, C] e4m3, scale [rows, 1] fp32), both new and
+    contiguous. Raises ValueError for arguments it does not serve (`unsupported`); block_rows (a power of two) and
+    num_warps tune the launch."""
+    if block_rows < 1 or block_rows & (block_rows - 1):
+        raise ValueError(f"block_rows must be a power of two, got {block_rows}")
+    reason = unsupported(x, weight, shift, scale, r)
+    if reason is not None:
+        raise ValueError(f"the Triton modulation + fp8 quantisation kernel does not serve this call: {reason}")
+    rows, c = x.shape
+    q = torch.empty(rows, c, dtype=torch.float8_e4m3fn, device=x.device)
+    q_scale = torch.empty(rows, 1, dtype=torch.float32, device=x.device)
+    if rows == 0:
+        return q, q_scale
+    _log_once(f"modulation + fp8 row quantisation: Triton kernel ({block_rows} rows x {num_warps} warps per program)")
+    with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():  # Triton uses the current device
+        _modulate_fp8_kernel[(triton.cdiv(rows, block_rows),)](
+            x, weight, shift, scale, r, q, q_scale, rows, c, 1.0 / c, eps,
+            *x.stride(), weight.stride(0), *shift.stride(), *scale.stride(), r.stride(0),
+            FP8_MAX=FP8_E4M3_MAX, INV_FP8_MAX=1.0 / FP8_E4M3_MAX, SCALE_FLOOR=FP8_SCALE_FLOOR, BLOCK_R=block_rows,
+            BLOCK_C=triton.next_power_of_2(c), num_warps=num_warps,
+            enable_fp_fusion=False,  # no FMA contraction: products rounded as the reference's separate ops are
+        )
+    return q, q_scale
+
+
+_FAILED: dict[torch.device, str] = {}  # devices the kernel failed to build or run on, and why
+
+
+@functools.cache
+def _log_once(msg: str) -> None:
+    log.info(msg)
+
+
+def _interpreting() -> bool:
+    """Whether triton runs kernels in its CPU interpreter (set by the caller's TRITON_INTERPRET=1 before import;
+    tests/test_fp8_rows.py uses it to check the indexing on the CPU)."""
+    return triton is not None and not isinstance(_modulate_fp8_kernel, triton.runtime.JITFunction)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _modulate_fp8_kernel(x_ptr, w_ptr, shift_ptr, scale_ptr, r_ptr, q_ptr, qs_ptr, rows, C, inv_c, eps,
+                             x_s_row, x_s_c, w_s, sh_s_row, sh_s_c, sc_s_row, sc_s_c, r_s,
+                             FP8_MAX: tl.constexpr, INV_FP8_MAX: tl.constexpr, SCALE_FLOOR: tl.constexpr,
+                             BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+        """One program: BLOCK_R whole rows. Every step is one op of `modulate_fp8_reference`, in its order."""
+        row = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+        ch = tl.arange(0, BLOCK_C)
+        row_ok = row < rows
+        c_ok = ch < C
+        mask = row_ok[:, None] & c_ok[None, :]
+        row = row.to(tl.int64)
+        ada = tl.load(r_ptr + row * r_s, mask=row_ok, other=0).to(tl.int64)[:, None]  # AdaLN table row
+        x = tl.load(x_ptr + row[:, None] * x_s_row + ch[None, :] * x_s_c, mask=mask, other=0.0)
+        gain = tl.load(w_ptr + ch * w_s, mask=c_ok, other=0.0).to(tl.float32)[None, :]
+        shift = tl.load(shift_ptr + ada * sh_s_row + ch[None, :] * sh_s_c, mask=mask, other=0.0)
+        scale = tl.load(scale_ptr + ada * sc_s_row + ch[None, :] * sc_s_c, mask=mask, other=0.0)
+        # 1. RMSNorm in fp32 (`rms_norm`: x * rsqrt(mean(x^2) + eps) * gain; the mean as torch's CUDA reduction
+        #    takes it, sum * fp32(1 / C)), then the modulation, rounded to bf16 as the reference emits it.
+        rstd = tl.math.rsqrt(tl.sum(x * x, axis=1) * inv_c + eps)[:, None]
+        y = (x * rstd * gain * (1.0 + scale) + shift).to(tl.bfloat16).to(tl.float32)
+        # 2. Row scale = max(amax / 448, floor) (`quantize_fp8_rowwise`; torch's CUDA division by a Python number
+        #    multiplies by its fp32 reciprocal).
+        amax = tl.max(tl.where(mask, tl.abs(y), 0.0), axis=1)
+        q_scale = tl.maximum(amax * INV_FP8_MAX, SCALE_FLOOR)
+        # 3. q = e4m3(clamp(bf16(y * bf16(1 / scale)))): an IEEE reciprocal, then the product of two bf16 values.
+        inv = tl.math.div_rn(tl.full(q_scale.shape, 1.0, tl.float32), q_scale).to(tl.bfloat16).to(tl.float32)
+        p = (y * inv[:, None]).to(tl.bfloat16).to(tl.float32)
+        p = tl.minimum(tl.maximum(p, -FP8_MAX), FP8_MAX)
+        tl.store(q_ptr + row[:, None] * C + ch[None, :], p.to(tl.float8e4nv), mask=mask)
+        tl.store(qs_ptr + row, q_scale, mask=row_ok)
