@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from stagekit import fp8_rows
 from stagekit.kernels import Fp8Rows
-from stagekit.qk_norm_rope import STATS_ROWS, empty_stats, qk_norm_rope, rms_norm
+from stagekit.qk_norm_rope import qk_norm_rope, rms_norm
 
 from .config import NUM_MODALITIES, DiTConfig
 from .layout import COND_VIDEO_T, REF_AUDIO_T, PackedLayout
@@ -51,9 +51,7 @@ TIMESTEP_MAX_PERIOD = 10000.0  # sinusoid base; t is used unscaled in [0, 1]
 # (name, in_features, out_features, bias, tp style from H3DiT._tp_plan, None = replicated) -> module.
 LinearFactory = Callable[[str, int, int, bool, "TPStyle | None"], nn.Module]
 # (q, k, v) [1, heads, S, head_dim] in compute dtype -> o, same shape: full non-causal attention, scale 1/sqrt(d).
-# stagekit.kernels picks one per GPU architecture (cuDNN / flash SDPA, comfy-kitchen int8, ...). One whose
-# `wants_qkv_stats` attribute is true (8-bit attention) also takes `stats=`: per-channel statistics of q, k, v that
-# the q/k/v write collected on the way (stagekit/qk_norm_rope.py), so it need not read them once more.
+# stagekit.kernels picks one per GPU architecture (cuDNN / flash SDPA, comfy-kitchen int8, ...).
 AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
@@ -114,20 +112,15 @@ class Attention(nn.Module):
         """Uninitialised [3, 1, local_heads, S, head_dim] (compute dtype): q, k, v in the attention kernel's layout."""
         return torch.empty(3, 1, self.local_heads, s, self.head_dim, dtype=self.compute_dtype, device=device)
 
-    def empty_stats(self, s: int, device: torch.device) -> torch.Tensor:
-        """Uninitialised statistics partials of q, k, v over S rows (stagekit/qk_norm_rope.py `empty_stats`)."""
-        return empty_stats(s, self.local_heads, self.head_dim, device)
-
     def project_qkv(self, h: torch.Tensor | Fp8Rows, rope: tuple[torch.Tensor, torch.Tensor] | None,
-                    out: torch.Tensor, stats: torch.Tensor | None = None, row0: int = 0) -> None:
+                    out: torch.Tensor) -> None:
         """h [rows, hidden] (compute dtype), or Fp8Rows when qkv_proj takes them (Block._modulate); rope (cos, sin)
         [rows, rope_dim] fp32 or None -> written into out [3, 1, local_heads, rows, head_dim] (a row slice of
-        `empty_qkv`) and, if given, the statistics partials of these rows into `stats` (`empty_stats`; the rows
-        start at sequence row `row0`)."""
+        `empty_qkv`)."""
         rows = (h.q if isinstance(h, Fp8Rows) else h).shape[0]
         y = self.qkv_proj(h).reshape(rows, 3, self.local_heads, self.head_dim)
         # fp32 RMSNorm of q, k, RoPE, layout write (one Triton kernel on CUDA; stagekit/qk_norm_rope.py)
-        qk_norm_rope(y, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, rope, out, stats, row0)
+        qk_norm_rope(y, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, rope, out)
 
     def project_out(self, o: torch.Tensor) -> torch.Tensor:
         """o [1, local_heads, rows, head_dim] (compute dtype) -> fp32 [rows, hidden]: this rank's partial sum of the
@@ -255,22 +248,16 @@ class Block(nn.Module):
         shift1, scale1, gate1, shift2, scale2, gate2 = mod.chunk(6, dim=-1)
         chunks = [(s, min(s + n, x.shape[0])) for s in range(0, x.shape[0], n)]
         cos, sin = rope
-        # 1. q, k, v of every row, a row chunk at a time; the statistics 8-bit attention wants, on the way (chunk
-        #    starts must then fall on statistics blocks).
+        # 1. q, k, v of every row, a row chunk at a time.
         qkv = self.attn.empty_qkv(x.shape[0], x.device)
-        want_stats = getattr(self.attn.attention_fn, "wants_qkv_stats", False) and shards is None
-        stats = self.attn.empty_stats(x.shape[0], x.device) if want_stats and n % STATS_ROWS == 0 else None
         for s, e in chunks:
             h = self._modulate(x[s:e], self.norm1, shift1, scale1, rows[s:e], into=self.attn.qkv_proj)
-            self.attn.project_qkv(h, (cos[s:e], sin[s:e]), qkv[:, :, :, s:e], stats, s)
+            self.attn.project_qkv(h, (cos[s:e], sin[s:e]), qkv[:, :, :, s:e])
         # 2. attention over all rows. Sequence parallel (Ulysses, dit_svc/sp.py): an all-to-all trades this rank's
         #    rows of every local head for every row of 1/sp of them; another brings the output rows back.
         if shards is None:
-            if stats is None:
-                o = self.attn.attention_fn(qkv[0], qkv[1], qkv[2])
-            else:
-                o = self.attn.attention_fn(qkv[0], qkv[1], qkv[2], stats=stats)
-            del qkv, stats
+            o = self.attn.attention_fn(qkv[0], qkv[1], qkv[2])
+            del qkv
         else:
             hs, d = self.attn.local_heads // shards.n, self.attn.head_dim
             sends, recvs = sp.qkv_splits(shards, hs, d)

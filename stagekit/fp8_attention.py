@@ -292,14 +292,11 @@ def _heads_strides(x: torch.Tensor) -> tuple[int, int]:
 
 @torch.library.custom_op("h3stages::quantize_qkv_fp8", mutates_args=())
 def _quantize_qkv_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, v_head: bool, smooth_k: bool,
-                      smooth_v: bool, launch: list[int], part: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor,
-                                                                                      torch.Tensor, torch.Tensor,
-                                                                                      torch.Tensor, torch.Tensor,
-                                                                                      torch.Tensor]:
-    """The Triton quantiser as one torch op (opaque to torch.compile). `part`: the statistics partials if the
-    producer of q, k, v wrote them (stagekit/qk_norm_rope.py), else an empty tensor (then the statistics pass
-    runs here). Returns q8, k8, v8, descale_q, descale_k, o_scale, o_shift (zeros [H, 1, D] when V is not smoothed:
-    an op returns tensors)."""
+                      smooth_v: bool, launch: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                                  torch.Tensor, torch.Tensor, torch.Tensor,
+                                                                  torch.Tensor]:
+    """The Triton quantiser as one torch op (opaque to torch.compile). Returns q8, k8, v8, descale_q, descale_k,
+    o_scale, o_shift (zeros [H, 1, D] when V is not smoothed: an op returns tensors)."""
     if triton is None:
         raise RuntimeError("the Triton fp8 quantiser needs triton (pip install triton)")
     lp = TritonQuantLaunch(*launch)
@@ -308,24 +305,21 @@ def _quantize_qkv_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, v_head:
     options = Fp8AttentionOptions(v_scale="head" if v_head else "tensor", smooth_k=smooth_k, smooth_v=smooth_v)
     # Triton launches on the current device: make that q's.
     with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
-        return _triton_quantize(q, k, v, options, lp, part if part.numel() else None)
+        return _triton_quantize(q, k, v, options, lp)
 
 
 def _triton_quantize(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: Fp8AttentionOptions,
-                     lp: TritonQuantLaunch, part: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
-    """The op's body: statistics pass (unless `part` has them), scales, quantise pass."""
+                     lp: TritonQuantLaunch) -> tuple[torch.Tensor, ...]:
+    """The op's body: statistics pass, scales, quantise pass."""
     h, s, d = q.shape
     smooth_k, smooth_v = options.smooth_k, options.smooth_v
     f32 = dict(dtype=torch.float32, device=q.device)
     strides = (*_heads_strides(q), *_heads_strides(k), *_heads_strides(v))
     # 1. Statistics pass, then the partials' row-block axis reduced by torch (fixed order: deterministic).
-    if part is None:
-        nblk = triton.cdiv(s, lp.stats_rows)
-        part = torch.empty(3, 3, nblk, h, d, **f32)  # [max | min | sum, q | k | v, row block, head, channel]
-        _qkv_stats_kernel[(nblk, h, 3)](q, k, v, part, s, *strides, D=d, ROWS=lp.stats_rows,
-                                        BLOCK_R=lp.stats_block_r, num_warps=lp.stats_warps)
-    elif part.dim() != 5 or tuple(part.shape[:2]) != (3, 3) or tuple(part.shape[3:]) != (h, d):
-        raise ValueError(f"statistics partials must be [3, 3, row blocks, {h}, {d}], got {list(part.shape)}")
+    nblk = triton.cdiv(s, lp.stats_rows)
+    part = torch.empty(3, 3, nblk, h, d, **f32)  # [max | min | sum, q | k | v, row block, head, channel]
+    _qkv_stats_kernel[(nblk, h, 3)](q, k, v, part, s, *strides, D=d, ROWS=lp.stats_rows, BLOCK_R=lp.stats_block_r,
+                                    num_warps=lp.stats_warps)
     hi, lo, mean = part[0].amax(1), part[1].amin(1), part[2].sum(1) / s  # [3, H, D] each
 
     def stats(i: int, smooth: bool) -> ChannelStats:
@@ -348,7 +342,7 @@ def _triton_quantize(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options:
 
 
 @_quantize_qkv_fp8.register_fake
-def _(q, k, v, v_head, smooth_k, smooth_v, launch, part):
+def _(q, k, v, v_head, smooth_k, smooth_v, launch):
     h, _, d = q.shape
     return (*(torch.empty_like(x, dtype=E4M3) for x in (q, k, v)), q.new_empty(1, dtype=torch.float32),
             q.new_empty(1, dtype=torch.float32), q.new_empty(h, 1, 1, dtype=torch.float32),
@@ -356,15 +350,11 @@ def _(q, k, v, v_head, smooth_k, smooth_v, launch, part):
 
 
 def quantize_qkv_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: Fp8AttentionOptions,
-                        launch: TritonQuantLaunch = TRITON_LAUNCH, stats: torch.Tensor | None = None) -> Fp8QKV:
+                        launch: TritonQuantLaunch = TRITON_LAUNCH) -> Fp8QKV:
     """`quantize_qkv` in two Triton passes (q, k, v [H, S, D] with a unit stride on D; see `triton_unsupported`):
     the same scales and, up to the summation order of the means, the same e4m3 values. Any device Triton runs on
-    (CUDA; the CPU under TRITON_INTERPRET=1, for tests). `stats`: per-channel max / min / sum partials of q, k, v
-    [3, 3, row blocks, H, D] written by their producer (stagekit/qk_norm_rope.py); then only the quantise pass
-    runs."""
-    part = q.new_empty(0, dtype=torch.float32) if stats is None else stats
-    p = _quantize_qkv_fp8(q, k, v, options.v_scale == "head", options.smooth_k, options.smooth_v, list(launch),
-                          part)
+    (CUDA; the CPU under TRITON_INTERPRET=1, for tests)."""
+    p = _quantize_qkv_fp8(q, k, v, options.v_scale == "head", options.smooth_k, options.smooth_v, list(launch))
     return Fp8QKV(*p[:6], p[6] if options.smooth_v else None)
 
 
@@ -632,20 +622,14 @@ class Fp8Attention:
             self._quantize = torch.compile(quantize_qkv, dynamic=True)
             self._dequantize = torch.compile(dequantize_o, dynamic=True)
         self.__name__ = f"fp8_attention[{options.label}{', emulated' if emulate else ''}]"
-        # The model hands the statistics its q/k/v producer wrote (`stats=`, dit_svc/model.py Block) only to an
-        # attention fn that says it reads them: here the Triton quantiser, which then skips its statistics pass.
-        self.wants_qkv_stats = not emulate and triton is not None
 
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 stats: torch.Tensor | None = None) -> torch.Tensor:
-        """q, k, v [1, H, S, D]; stats: None or the per-channel max / min / sum partials of exactly these q, k, v
-        ([3, 3, row blocks, H, D] fp32, stagekit/qk_norm_rope.py); read by the Triton quantiser, else unused."""
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         if q.shape[2] < self.options.min_seq:
             return F.scaled_dot_product_attention(q, k, v, dropout_p=0.0, is_causal=False)
         tracing = torch.compiler.is_compiling()  # inside a compiled block: trace the plain ops and fuse them there
         q0, k0, v0 = q[0], k[0], v[0]
         if not self.emulate and triton_unsupported(q0, k0, v0) is None:
-            p = quantize_qkv_triton(q0, k0, v0, self.options, stats=stats)
+            p = quantize_qkv_triton(q0, k0, v0, self.options)
         else:
             p = self._run(quantize_qkv if tracing else self._quantize, quantize_qkv, q0, k0, v0, self.options)
         kernel = sdpa_fp8_emulated if self.emulate else sdpa_fp8

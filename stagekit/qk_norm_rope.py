@@ -14,11 +14,6 @@ torch.compile) when y is on a CUDA device, triton imports and the shapes are one
 uses them).
 The kernel's fp32 arithmetic matches the reference's except for the order of the sum of squares, so a few outputs
 in a thousand differ by one unit in the last place of the compute dtype (tests/test_qk_norm_rope.py).
-
-Statistics for 8-bit attention: given `stats` (from `empty_stats`), the same pass also reduces what it writes to
-per-channel max / min / sum partials per STATS_ROWS rows, the layout stagekit/fp8_attention.py's quantiser reduces,
-so that quantiser skips its own statistics pass over q, k, v (docs/performance.md, issue 18). The reference path
-fills them too (`stats_reference`), so a caller never gets partials that were not written.
 """
 
 from __future__ import annotations
@@ -40,9 +35,6 @@ log = logging.getLogger(__name__)
 DEFAULT_BLOCK_ROWS = 32  # rows per program: a [32, 128] tile is 8 KiB of bf16, read in 256-byte rows
 DEFAULT_NUM_WARPS = 4
 SECTIONS = 3  # q, k, v
-# With statistics (`stats`), each program covers STATS_ROWS rows (STATS_ROWS / block_rows tiles) and writes one
-# partial per STATS_ROWS rows: [3 stats, 3 sections, row blocks, heads, head_dim] fp32 is then ~1 % of out's bytes.
-STATS_ROWS = 256
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -70,29 +62,6 @@ def qk_norm_rope_reference(y: torch.Tensor, q_weight: torch.Tensor, k_weight: to
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
     for i, t in enumerate((q, k, v)):
         out[i, 0].copy_(t.transpose(0, 1))  # [heads, rows, d], cast to out's dtype
-
-
-def empty_stats(rows: int, heads: int, d: int, device: torch.device | str) -> torch.Tensor:
-    """Uninitialised partials for `rows` rows of q, k, v: [3 (max | min | sum), 3 (q | k | v), row blocks of
-    STATS_ROWS, heads, head_dim] fp32. Every block is written by the `qk_norm_rope` calls that cover its rows."""
-    return torch.empty(3, SECTIONS, _cdiv(rows, STATS_ROWS), heads, d, dtype=torch.float32, device=device)
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def stats_reference(out: torch.Tensor, stats: torch.Tensor, row0: int) -> None:
-    """Partials of out [3, 1, heads, rows, D] (the values as written, in out's dtype) into the row blocks of `stats`
-    from row0 // STATS_ROWS on (row0 a multiple of STATS_ROWS). Plain torch."""
-    x = out[:, 0].float()  # [3, heads, rows, D]
-    rows = x.shape[2]
-    nb = _cdiv(rows, STATS_ROWS)
-    pad = nb * STATS_ROWS - rows
-    b0 = row0 // STATS_ROWS
-    for i, (fill, reduce) in enumerate(((float("-inf"), torch.amax), (float("inf"), torch.amin), (0.0, torch.sum))):
-        xp = torch.nn.functional.pad(x, (0, 0, 0, pad), value=fill).unflatten(2, (nb, STATS_ROWS))
-        stats[i, :, b0:b0 + nb] = reduce(xp, dim=3).transpose(1, 2)  # [3, nb, heads, D]
 
 
 def unsupported(y: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
@@ -128,24 +97,17 @@ def unsupported(y: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
 
 
 def qk_norm_rope(y: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float,
-                 rope: tuple[torch.Tensor, torch.Tensor] | None, out: torch.Tensor,
-                 stats: torch.Tensor | None = None, row0: int = 0) -> None:
+                 rope: tuple[torch.Tensor, torch.Tensor] | None, out: torch.Tensor) -> None:
     """y [rows, 3, heads, head_dim] (compute dtype), q/k gains [head_dim], rope (cos, sin) [rows, r] fp32 or None
     -> written into out [3, 1, heads, rows, head_dim]: the Triton kernel on CUDA where it serves the shapes, else
-    the reference (see the module docstring). `stats` (`empty_stats` of the whole sequence) also receives the
-    partials of these rows, which start at sequence row `row0` (a multiple of STATS_ROWS)."""
-    if stats is not None and row0 % STATS_ROWS:
-        raise ValueError(f"row0 must be a multiple of {STATS_ROWS} when statistics are collected, got {row0}")
+    the reference (see the module docstring)."""
     reason = unsupported(y, q_weight, k_weight, rope, out) if y.is_cuda else "y is not on a CUDA device"
     if reason is None and y.device in _FAILED:
         reason = _FAILED[y.device]
     if reason is None:
         cos, sin = rope if rope is not None else (None, None)
-        # A mutated op argument cannot be None: an empty tensor says "no statistics".
-        none = y.new_empty(0, dtype=torch.float32)
         try:
-            torch.ops.h3stages.qk_norm_rope_(y, q_weight, k_weight, eps, cos, sin, out,
-                                             none if stats is None else stats, row0)
+            torch.ops.h3stages.qk_norm_rope_(y, q_weight, k_weight, eps, cos, sin, out)
             return
         except torch.OutOfMemoryError:
             raise
@@ -157,46 +119,31 @@ def qk_norm_rope(y: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor
     if y.is_cuda and not torch.compiler.is_compiling():
         _log_once(f"q/k RMSNorm + RoPE: plain torch ({reason})")
     qk_norm_rope_reference(y, q_weight, k_weight, eps, rope, out)
-    if stats is not None:
-        stats_reference(out, stats, row0)
 
 
-
-@torch.library.custom_op("h3stages::qk_norm_rope_", mutates_args=("out", "stats"))
+@torch.library.custom_op("h3stages::qk_norm_rope_", mutates_args=("out",))
 def qk_norm_rope_op(y: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float,
-                    cos: torch.Tensor | None, sin: torch.Tensor | None, out: torch.Tensor, stats: torch.Tensor,
-                    row0: int = 0, block_rows: int = DEFAULT_BLOCK_ROWS, num_warps: int = DEFAULT_NUM_WARPS) -> None:
-    """The Triton kernel as a torch op that writes `out` and, unless it is empty, `stats` (opaque to
-    torch.compile); arguments as `launch`."""
-    launch(y, q_weight, k_weight, eps, cos, sin, out, block_rows, num_warps,
-           stats=stats if stats.numel() else None, row0=row0)
+                    cos: torch.Tensor | None, sin: torch.Tensor | None, out: torch.Tensor,
+                    block_rows: int = DEFAULT_BLOCK_ROWS, num_warps: int = DEFAULT_NUM_WARPS) -> None:
+    """The Triton kernel as a torch op that writes `out` (opaque to torch.compile); arguments as `launch`."""
+    launch(y, q_weight, k_weight, eps, cos, sin, out, block_rows, num_warps)
 
 
 def launch(y: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float, cos: torch.Tensor | None,
            sin: torch.Tensor | None, out: torch.Tensor, block_rows: int = DEFAULT_BLOCK_ROWS,
-           num_warps: int = DEFAULT_NUM_WARPS, stats: torch.Tensor | None = None, row0: int = 0) -> None:
+           num_warps: int = DEFAULT_NUM_WARPS) -> None:
     """Runs the kernel: y [rows, 3, heads, D] (any strides), gains [D], cos/sin [rows, r] fp32 or both None,
-    out [3, 1, heads, rows, D] (any strides, e.g. a row slice of a bigger buffer), stats None or contiguous
-    `empty_stats` partials (these rows start at sequence row row0, a multiple of STATS_ROWS). Raises ValueError for
-    arguments it does not serve (`unsupported`). block_rows (a power of two dividing STATS_ROWS) and num_warps
-    tune the launch."""
+    out [3, 1, heads, rows, D] (any strides, e.g. a row slice of a bigger buffer). Raises ValueError for arguments
+    it does not serve (`unsupported`). block_rows (a power of two) and num_warps tune the launch."""
     rope = (cos, sin) if cos is not None else None
     if (cos is None) != (sin is None):
         raise ValueError("pass both cos and sin, or neither")
-    if block_rows < 1 or block_rows & (block_rows - 1) or STATS_ROWS % block_rows:
-        raise ValueError(f"block_rows must be a power of two dividing {STATS_ROWS}, got {block_rows}")
+    if block_rows < 1 or block_rows & (block_rows - 1):
+        raise ValueError(f"block_rows must be a power of two, got {block_rows}")
     reason = unsupported(y, q_weight, k_weight, rope, out)
     if reason is not None:
         raise ValueError(f"the Triton q/k RMSNorm + RoPE kernel does not serve this call: {reason}")
     rows, _, heads, d = y.shape
-    if stats is not None:
-        first = row0 // STATS_ROWS
-        if (row0 % STATS_ROWS or stats.dim() != 5 or tuple(stats.shape[:2]) != (3, SECTIONS)
-                or tuple(stats.shape[3:]) != (heads, d) or stats.shape[2] < first + triton.cdiv(rows, STATS_ROWS)
-                or not stats.is_contiguous() or stats.dtype != torch.float32 or stats.device != y.device):
-            raise ValueError(f"stats must be contiguous fp32 [3, 3, >= {first + triton.cdiv(rows, STATS_ROWS)}, "
-                             f"{heads}, {d}] on y's device with row0 a multiple of {STATS_ROWS}; got "
-                             f"{list(stats.shape)} {stats.dtype} at row0 {row0}")
     if rows == 0 or heads == 0:
         return
     _log_once(f"q/k RMSNorm + RoPE: Triton kernel ({block_rows} rows x {num_warps} warps per program)")
@@ -204,15 +151,12 @@ def launch(y: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, eps:
     cos_t, sin_t = (cos, sin) if cos is not None else (q_weight, q_weight)  # unread placeholders
     cos_strides = (cos_t.stride(0), cos_t.stride(1)) if cos is not None else (0, 0)
     sin_strides = (sin_t.stride(0), sin_t.stride(1)) if cos is not None else (0, 0)
-    tiles = STATS_ROWS // block_rows if stats is not None else 1
-    grid = (triton.cdiv(rows, block_rows * tiles) * SECTIONS * heads,)
-    part, nblk = (stats, stats.shape[2]) if stats is not None else (out, 0)  # `out` stands in: never written
+    grid = (triton.cdiv(rows, block_rows) * SECTIONS * heads,)
     with torch.cuda.device(y.device) if y.is_cuda else contextlib.nullcontext():  # Triton uses the current device
         _qk_norm_rope_kernel[grid](
-            y, q_weight, k_weight, cos_t, sin_t, out, part, rows, heads, eps, nblk, row0 // STATS_ROWS,
+            y, q_weight, k_weight, cos_t, sin_t, out, rows, heads, eps,
             *y.stride(), out.stride(0), out.stride(2), out.stride(3), out.stride(4), *cos_strides, *sin_strides,
-            D=d, R=r, HAS_ROPE=cos is not None, BLOCK_R=block_rows, TILES=tiles, STATS=stats is not None,
-            num_warps=num_warps,
+            D=d, R=r, HAS_ROPE=cos is not None, BLOCK_R=block_rows, num_warps=num_warps,
             enable_fp_fusion=False,  # no FMA contraction: products rounded as the reference's separate ops are
         )
 
@@ -234,49 +178,20 @@ def _interpreting() -> bool:
 if triton is not None:
 
     @triton.jit
-    def _qk_norm_rope_kernel(y_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, out_ptr, part_ptr, rows, heads, eps,
-                             nblk, blk0, y_s_row, y_s_sec, y_s_head, y_s_d, o_s_sec, o_s_head, o_s_row, o_s_d,
+    def _qk_norm_rope_kernel(y_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, out_ptr, rows, heads, eps,
+                             y_s_row, y_s_sec, y_s_head, y_s_d, o_s_sec, o_s_head, o_s_row, o_s_d,
                              c_s_row, c_s_d, s_s_row, s_s_d,
-                             D: tl.constexpr, R: tl.constexpr, HAS_ROPE: tl.constexpr, BLOCK_R: tl.constexpr,
-                             TILES: tl.constexpr, STATS: tl.constexpr):
-        """One program: TILES tiles of BLOCK_R rows of one head of one section (0 q, 1 k, 2 v). Consecutive
-        programs take the sections and heads of the same rows in y's order, so the programs in flight read one
-        band of y. STATS: the tiles' per-channel max / min / sum of what is written go to partial blk0 + band."""
+                             D: tl.constexpr, R: tl.constexpr, HAS_ROPE: tl.constexpr, BLOCK_R: tl.constexpr):
+        """One program: BLOCK_R rows of one head of one section (0 q, 1 k, 2 v). Consecutive programs take the
+        sections and heads of the same rows in y's order, so the programs in flight read one band of y."""
         pid = tl.program_id(0)
         band = pid // (3 * heads)
         sec = (pid // heads) % 3
         head = (pid % heads).to(tl.int64)
+        row = band * BLOCK_R + tl.arange(0, BLOCK_R)
         ch = tl.arange(0, D)
-        hi = tl.full([BLOCK_R, D], float("-inf"), tl.float32)
-        lo = tl.full([BLOCK_R, D], float("inf"), tl.float32)
-        acc = tl.zeros([BLOCK_R, D], tl.float32)
-        for t in range(TILES):
-            row = (band * TILES + t) * BLOCK_R + tl.arange(0, BLOCK_R)
-            mask = (row < rows)[:, None]
-            row = row.to(tl.int64)[:, None]  # int64 offsets: out spans 3 * heads * S * D elements
-            res = _norm_rope_tile(y_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, row, mask, ch, sec, head, eps,
-                                  y_s_row, y_s_sec, y_s_head, y_s_d, c_s_row, c_s_d, s_s_row, s_s_d, D, R, HAS_ROPE)
-            val = res.to(out_ptr.dtype.element_ty)
-            out = out_ptr + sec.to(tl.int64) * o_s_sec + head * o_s_head + row * o_s_row + ch[None, :] * o_s_d
-            tl.store(out, val, mask=mask)
-            if STATS:
-                v = val.to(tl.float32)
-                hi = tl.maximum(hi, tl.where(mask, v, float("-inf")))
-                lo = tl.minimum(lo, tl.where(mask, v, float("inf")))
-                acc += tl.where(mask, v, 0.0)
-        if STATS:
-            # part[stat, sec, blk, head, :], stat 0 max, 1 min, 2 sum (stagekit/fp8_attention.py reduces blk)
-            stat = 3 * nblk.to(tl.int64) * heads * D
-            p = part_ptr + ((sec * nblk + blk0 + band).to(tl.int64) * heads + head) * D + ch
-            tl.store(p, tl.max(hi, 0))
-            tl.store(p + stat, tl.min(lo, 0))
-            tl.store(p + 2 * stat, tl.sum(acc, 0))
-
-    @triton.jit
-    def _norm_rope_tile(y_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, row, mask, ch, sec, head, eps,
-                        y_s_row, y_s_sec, y_s_head, y_s_d, c_s_row, c_s_d, s_s_row, s_s_d,
-                        D: tl.constexpr, R: tl.constexpr, HAS_ROPE: tl.constexpr):
-        """One [BLOCK_R, D] tile (rows `row` [BLOCK_R, 1] int64) of section `sec`, head `head`, in fp32."""
+        mask = (row < rows)[:, None]
+        row = row.to(tl.int64)[:, None]  # int64 offsets: out spans 3 * heads * S * D elements
         y_row = y_ptr + sec.to(tl.int64) * y_s_sec + head * y_s_head + row * y_s_row
         x = tl.load(y_row + ch[None, :] * y_s_d, mask=mask, other=0.0).to(tl.float32)
         if sec == 2:
@@ -301,4 +216,5 @@ if triton is not None:
                 c = tl.load(cos_ptr + row * c_s_row + ch[None, :] * c_s_d, mask=cmask, other=0.0)
                 s = tl.load(sin_ptr + row * s_s_row + ch[None, :] * s_s_d, mask=cmask, other=0.0)
                 res = tl.where(in_rope[None, :], res * c + rot * s, res)
-        return res
+        out = out_ptr + sec.to(tl.int64) * o_s_sec + head * o_s_head + row * o_s_row + ch[None, :] * o_s_d
+        tl.store(out, res.to(out_ptr.dtype.element_ty), mask=mask)

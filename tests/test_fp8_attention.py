@@ -463,35 +463,3 @@ def test_triton_quantiser_inside_torch_compile_gpu():
     eager, compiled = fn(q, k, v), torch.compile(fn, fullgraph=True)(q, k, v)
     for a, b in zip(eager, compiled):
         assert torch.equal(a.view(torch.uint8) if a.dtype == E4M3 else a, b.view(torch.uint8) if b.dtype == E4M3 else b)
-
-
-@pytest.mark.skipif(_cuda_triton_reason() is not None, reason=str(_cuda_triton_reason()))
-def test_triton_quantiser_takes_the_producers_statistics_gpu():
-    """q, k, v written by the q/k RMSNorm + RoPE kernel with statistics (stagekit/qk_norm_rope.py, as a DiT block
-    does): quantising with those partials gives the scales and e4m3 values of the quantiser's own statistics pass
-    (up to the summation order of the means), and fp8 attention the same output."""
-    from stagekit.qk_norm_rope import STATS_ROWS, empty_stats, qk_norm_rope
-
-    g = torch.Generator(device="cuda").manual_seed(0)
-    rows, heads, d = 4 * STATS_ROWS + 99, 8, 128
-    y = torch.randn(rows, 3, heads, d, generator=g, device="cuda").to(torch.bfloat16) + 0.5
-    qw, kw = (torch.rand(d, generator=g, device="cuda") + 0.5 for _ in range(2))
-    angles = torch.randn(rows, 48, generator=g, device="cuda")
-    rope = (torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1))
-    qkv = torch.empty(3, 1, heads, rows, d, device="cuda", dtype=torch.bfloat16)
-    stats = empty_stats(rows, heads, d, "cuda")
-    for s in range(0, rows, 2 * STATS_ROWS):  # two chunks, as a block's row chunks
-        e = min(rows, s + 2 * STATS_ROWS)
-        qk_norm_rope(y[s:e], qw, kw, 1e-5, tuple(t[s:e] for t in rope), qkv[:, :, :, s:e], stats, s)
-    q, k, v = qkv[0, 0], qkv[1, 0], qkv[2, 0]
-    own, given = quantize_qkv_triton(q, k, v, DEFAULT_OPTIONS), quantize_qkv_triton(q, k, v, DEFAULT_OPTIONS,
-                                                                                      stats=stats)
-    for a, b in zip(own[3:6], given[3:6]):  # descale_q, descale_k, o_scale: maxima, exact
-        assert torch.equal(a, b)
-    torch.testing.assert_close(own.o_shift, given.o_shift, rtol=1e-5, atol=1e-6)
-    for a, b in zip(own[:3], given[:3]):
-        steps = e4m3_steps(a, b)
-        assert steps.max().item() <= 1 and (steps > 0).float().mean().item() < 1e-3
-    attn = Fp8Attention(Fp8AttentionOptions(min_seq=0))
-    o_own, o_given = attn(qkv[0], qkv[1], qkv[2]), attn(qkv[0], qkv[1], qkv[2], stats=stats)
-    assert rel_err(o_given, o_own) < 1e-3

@@ -17,7 +17,7 @@ import torch
 
 from dit_svc.model import RMSNorm
 from stagekit.qk_norm_rope import apply_rope
-from stagekit.qk_norm_rope import STATS_ROWS, empty_stats, qk_norm_rope, qk_norm_rope_reference, stats_reference
+from stagekit.qk_norm_rope import qk_norm_rope, qk_norm_rope_reference
 
 try:
     import triton  # noqa: F401
@@ -73,61 +73,6 @@ def test_reference_is_the_previous_math_bit_for_bit(dtype, r):
         assert torch.equal(buf.nan_to_num(7.0), expected.nan_to_num(7.0))
 
 
-def reduce_partials(stats: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """What the fp8 quantiser makes of the partials: per-(section, head, channel) max, min, mean [3, heads, D]."""
-    return stats[0].amax(1), stats[1].amin(1), stats[2].sum(1) / rows
-
-
-def test_statistics_partials_by_chunk_on_the_cpu():
-    """Statistics collected chunk by chunk (chunks on STATS_ROWS boundaries, a ragged last one) reduce to the
-    max / min / mean of what was written, over the whole sequence."""
-    rows, heads, d = 2 * STATS_ROWS + 37, 2, 16
-    y, qw, kw, rope, _ = make_inputs(rows, heads, d, 8, torch.bfloat16, "cpu")
-    out = torch.empty(3, 1, heads, rows, d, dtype=torch.bfloat16)
-    stats = empty_stats(rows, heads, d, "cpu")
-    for s in range(0, rows, STATS_ROWS):
-        e = min(rows, s + STATS_ROWS)
-        qk_norm_rope(y[s:e], qw, kw, EPS, tuple(t[s:e] for t in rope), out[:, :, :, s:e], stats, s)
-    hi, lo, mean = reduce_partials(stats, rows)
-    x = out[:, 0].float()  # [3, heads, rows, D]
-    assert torch.equal(hi, x.amax(2)) and torch.equal(lo, x.amin(2))
-    torch.testing.assert_close(mean, x.mean(2), rtol=1e-6, atol=1e-6)
-    with pytest.raises(ValueError, match="multiple of"):
-        qk_norm_rope(y[:8], qw, kw, EPS, tuple(t[:8] for t in rope), out[:, :, :, 8:16], stats, 8)
-
-
-def test_block_hands_statistics_to_an_attention_fn_that_wants_them():
-    """dit_svc/model.py Block: an attention fn with `wants_qkv_stats` gets `stats=` partials that describe exactly
-    the q, k, v it is called with (row chunks of STATS_ROWS rows here); one without it is called as before."""
-    from dit_svc.config import DiTConfig
-    from dit_svc.layout import build_layout
-    from dit_svc.model import H3DiT
-    from tests.dit_ranks import forward, random_inputs
-
-    cfg = DiTConfig.tiny()
-    seen = []
-
-    class Recording:
-        wants_qkv_stats = True
-
-        def __call__(self, q, k, v, stats=None):
-            seen.append((q.clone(), k.clone(), v.clone(), None if stats is None else stats.clone()))
-            return torch.nn.functional.scaled_dot_product_attention(q, k, v)
-
-    torch.manual_seed(0)
-    model = H3DiT(cfg, torch.float32, chunk_rows=STATS_ROWS, attention_fn=Recording()).eval()
-    lay = build_layout(cfg, 5, 39, 96, 128)
-    assert lay.seq_len > STATS_ROWS  # two chunks, the second ragged
-    forward(model, lay, random_inputs(cfg, lay, 0))
-    blocks = [c for c in seen if c[0].shape[2] == lay.seq_len]  # the token refiner's short text gets none
-    assert len(blocks) == cfg.num_layers and all(st is not None for *_, st in blocks)
-    q, k, v, st = blocks[0]
-    hi, lo, mean = reduce_partials(st, q.shape[2])
-    x = torch.stack([q[0], k[0], v[0]])  # [3, heads, S, D]
-    assert torch.equal(hi, x.amax(2)) and torch.equal(lo, x.amin(2))
-    torch.testing.assert_close(mean, x.mean(2), rtol=1e-5, atol=1e-6)
-
-
 def check_kernel(rows: int, heads: int, d: int, r: int, dtype: torch.dtype, device: str,
                  block_rows: int = 32, num_warps: int = 4, exact_fraction: float = EXACT_FRACTION) -> None:
     """Triton (stagekit.qk_norm_rope.launch) vs the reference: within one ulp of the value, mostly bitwise equal,
@@ -140,15 +85,6 @@ def check_kernel(rows: int, heads: int, d: int, r: int, dtype: torch.dtype, devi
     cos, sin = rope if rope else (None, None)
     launch(y, qw, kw, EPS, cos, sin, buf[:, :, :, 3:3 + rows], block_rows, num_warps)
     assert buf[:, :, :, :3].isnan().all() and buf[:, :, :, 3 + rows:].isnan().all(), "wrote outside out"
-    # With statistics (the rows start at sequence row STATS_ROWS): the same values, and the partials of them.
-    out2 = torch.full_like(buf, float("nan"))
-    stats, want = (torch.full_like(empty_stats(STATS_ROWS + rows, heads, d, device), float("nan")) for _ in range(2))
-    launch(y, qw, kw, EPS, cos, sin, out2[:, :, :, 3:3 + rows], block_rows, num_warps, stats=stats, row0=STATS_ROWS)
-    stats_reference(out2[:, :, :, 3:3 + rows], want, STATS_ROWS)
-    assert torch.equal(out2.nan_to_num(7.0), buf.nan_to_num(7.0)), "statistics changed the written values"
-    assert stats[:, :, 0].isnan().all(), "wrote partials of rows before row0"
-    assert torch.equal(stats[:2, :, 1:], want[:2, :, 1:])
-    torch.testing.assert_close(stats[2, :, 1:], want[2, :, 1:], rtol=1e-5, atol=1e-4)
     got, want = buf[:, :, :, 3:3 + rows].float(), ref[:, :, :, 3:3 + rows].float()
     ulp = torch.finfo(dtype).eps
     excess = (got - want).abs() - ulp * want.abs() - 1e-6
@@ -197,7 +133,7 @@ def interpreter_main() -> None:
 
     def step(y):
         out = torch.zeros(3, 1, 2, 9, 16, dtype=y.dtype)
-        torch.ops.h3stages.qk_norm_rope_(y, qw, kw, EPS, cos, sin, out, torch.empty(0))
+        torch.ops.h3stages.qk_norm_rope_(y, qw, kw, EPS, cos, sin, out)
         return out * 2
 
     assert torch.equal(step(y), torch.compile(step, backend="aot_eager", fullgraph=True)(y))
