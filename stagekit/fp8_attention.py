@@ -41,6 +41,8 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from .triton_kernels import tl, triton  # None without Triton: the torch quantiser serves
+
 log = logging.getLogger(__name__)
 
 E4M3 = torch.float8_e4m3fn
@@ -199,11 +201,6 @@ class TritonQuantLaunch(NamedTuple):
 
 TRITON_LAUNCH = TritonQuantLaunch()
 
-try:
-    import triton
-    import triton.language as tl
-except Exception:  # ImportError, or a broken install: the torch quantiser serves
-    triton = None
 
 if triton is not None:
 

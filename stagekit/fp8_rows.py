@@ -23,21 +23,16 @@ e4m3 step away (tests/test_fp8_rows.py).
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 
 import torch
 
 from .kernels import FP8_E4M3_MAX, FP8_SCALE_FLOOR, Fp8Rows, quantize_fp8_rowwise
 from .qk_norm_rope import rms_norm
-
-try:
-    import triton
-    import triton.language as tl
-except Exception:  # ImportError (the CPU build of torch ships without triton) or a broken install: the reference
-    triton = None
+from .triton_kernels import KernelFallback, interpreting, log_once, tl, triton
 
 log = logging.getLogger(__name__)
+_FALLBACK = KernelFallback("modulation + fp8 row quantisation", log)
 
 DEFAULT_BLOCK_ROWS = 1  # rows per program; the whole row (C channels, padded to a power of two) sits in registers
 # The fastest of scripts/bench_fp8_rows.py's sweep on an H200 (1x8: 0.347 / 0.680 ms at 14,882 / 37,748 rows;
@@ -78,7 +73,7 @@ def unsupported(x: torch.Tensor, weight: torch.Tensor, shift: torch.Tensor, scal
         return f"r must be int32/int64 [{rows}], got {r.dtype} {list(r.shape)}"
     if any(t.device != x.device for t in (weight, shift, scale, r)):
         return "all tensors must be on x's device"
-    if x.device.type != "cuda" and not _interpreting():
+    if x.device.type != "cuda" and not interpreting(_modulate_fp8_kernel):
         return f"the kernel runs on CUDA devices (x is on {x.device})"
     return None
 
@@ -88,21 +83,16 @@ def modulate_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float, shift: torch
     """x [rows, C] fp32, norm gain [C], shift / scale [M * 3, C] fp32, r [rows] -> Fp8Rows (q [rows, C] e4m3,
     scale [rows, 1] fp32): the Triton kernel on CUDA where it serves the arguments, else the reference."""
     reason = unsupported(x, weight, shift, scale, r) if x.is_cuda else "x is not on a CUDA device"
-    if reason is None and x.device in _FAILED:
-        reason = _FAILED[x.device]
     if reason is None:
-        try:
-            return Fp8Rows(*torch.ops.h3stages.modulate_fp8_rows(x, weight, eps, shift, scale, r))
-        except torch.OutOfMemoryError:
-            raise
-        except Exception as e:  # Triton cannot build the kernel for this GPU: the exact same math, unfused
-            if torch.compiler.is_compiling():
-                raise
-            _FAILED[x.device] = reason = f"the Triton kernel failed on {x.device}: {type(e).__name__}: {str(e)[:300]}"
-            log.warning("modulation + fp8 row quantisation: %s; running the plain-torch reference from now on",
-                        reason)
+        reason = _FALLBACK.reason(x.device)
+    if reason is None:
+        ok, result = _FALLBACK.run(x.device, lambda: Fp8Rows(*torch.ops.h3stages.modulate_fp8_rows(
+            x, weight, eps, shift, scale, r)))
+        if ok:
+            return result
+        reason = result
     if x.is_cuda and not torch.compiler.is_compiling():
-        _log_once(f"modulation + fp8 row quantisation: plain torch ({reason})")
+        log_once(log, f"modulation + fp8 row quantisation: plain torch ({reason})")
     return modulate_fp8_reference(x, weight, eps, shift, scale, r)
 
 
@@ -137,7 +127,8 @@ def launch(x: torch.Tensor, weight: torch.Tensor, eps: float, shift: torch.Tenso
     q_scale = torch.empty(rows, 1, dtype=torch.float32, device=x.device)
     if rows == 0:
         return q, q_scale
-    _log_once(f"modulation + fp8 row quantisation: Triton kernel ({block_rows} rows x {num_warps} warps per program)")
+    log_once(log, f"modulation + fp8 row quantisation: Triton kernel ({block_rows} rows x {num_warps} warps per "
+                  "program)")
     with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():  # Triton uses the current device
         _modulate_fp8_kernel[(triton.cdiv(rows, block_rows),)](
             x, weight, shift, scale, r, q, q_scale, rows, c, 1.0 / c, eps,
@@ -149,18 +140,6 @@ def launch(x: torch.Tensor, weight: torch.Tensor, eps: float, shift: torch.Tenso
     return q, q_scale
 
 
-_FAILED: dict[torch.device, str] = {}  # devices the kernel failed to build or run on, and why
-
-
-@functools.cache
-def _log_once(msg: str) -> None:
-    log.info(msg)
-
-
-def _interpreting() -> bool:
-    """Whether triton runs kernels in its CPU interpreter (set by the caller's TRITON_INTERPRET=1 before import;
-    tests/test_fp8_rows.py uses it to check the indexing on the CPU)."""
-    return triton is not None and not isinstance(_modulate_fp8_kernel, triton.runtime.JITFunction)
 
 
 if triton is not None:

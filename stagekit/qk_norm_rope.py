@@ -19,18 +19,14 @@ in a thousand differ by one unit in the last place of the compute dtype (tests/t
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-except Exception:  # ImportError (the CPU build of torch ships without triton) or a broken install: the reference
-    triton = None
+from .triton_kernels import KernelFallback, interpreting, log_once, tl, triton
 
 log = logging.getLogger(__name__)
+_FALLBACK = KernelFallback("q/k RMSNorm + RoPE", log)
 
 DEFAULT_BLOCK_ROWS = 32  # rows per program: a [32, 128] tile is 8 KiB of bf16, read in 256-byte rows
 DEFAULT_NUM_WARPS = 4
@@ -91,7 +87,7 @@ def unsupported(y: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
         tensors += [cos, sin]
     if any(t.device != y.device for t in tensors):
         return "all tensors must be on y's device"
-    if y.device.type != "cuda" and not _interpreting():
+    if y.device.type != "cuda" and not interpreting(_qk_norm_rope_kernel):
         return f"the kernel runs on CUDA devices (y is on {y.device})"
     return None
 
@@ -102,22 +98,17 @@ def qk_norm_rope(y: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor
     -> written into out [3, 1, heads, rows, head_dim]: the Triton kernel on CUDA where it serves the shapes, else
     the reference (see the module docstring)."""
     reason = unsupported(y, q_weight, k_weight, rope, out) if y.is_cuda else "y is not on a CUDA device"
-    if reason is None and y.device in _FAILED:
-        reason = _FAILED[y.device]
+    if reason is None:
+        reason = _FALLBACK.reason(y.device)
     if reason is None:
         cos, sin = rope if rope is not None else (None, None)
-        try:
-            torch.ops.h3stages.qk_norm_rope_(y, q_weight, k_weight, eps, cos, sin, out)
+        ok, result = _FALLBACK.run(y.device, lambda: torch.ops.h3stages.qk_norm_rope_(y, q_weight, k_weight, eps,
+                                                                                       cos, sin, out))
+        if ok:
             return
-        except torch.OutOfMemoryError:
-            raise
-        except Exception as e:  # Triton cannot build the kernel for this GPU: the exact same math, unfused
-            if torch.compiler.is_compiling():
-                raise
-            _FAILED[y.device] = reason = f"the Triton kernel failed on {y.device}: {type(e).__name__}: {str(e)[:300]}"
-            log.warning("q/k RMSNorm + RoPE: %s; running the plain-torch reference from now on", reason)
+        reason = result
     if y.is_cuda and not torch.compiler.is_compiling():
-        _log_once(f"q/k RMSNorm + RoPE: plain torch ({reason})")
+        log_once(log, f"q/k RMSNorm + RoPE: plain torch ({reason})")
     qk_norm_rope_reference(y, q_weight, k_weight, eps, rope, out)
 
 
@@ -146,7 +137,7 @@ def launch(y: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, eps:
     rows, _, heads, d = y.shape
     if rows == 0 or heads == 0:
         return
-    _log_once(f"q/k RMSNorm + RoPE: Triton kernel ({block_rows} rows x {num_warps} warps per program)")
+    log_once(log, f"q/k RMSNorm + RoPE: Triton kernel ({block_rows} rows x {num_warps} warps per program)")
     r = cos.shape[-1] if cos is not None else 0
     cos_t, sin_t = (cos, sin) if cos is not None else (q_weight, q_weight)  # unread placeholders
     cos_strides = (cos_t.stride(0), cos_t.stride(1)) if cos is not None else (0, 0)
@@ -161,18 +152,6 @@ def launch(y: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, eps:
         )
 
 
-_FAILED: dict[torch.device, str] = {}  # devices the kernel failed to build or run on, and why
-
-
-@functools.cache
-def _log_once(msg: str) -> None:
-    log.info(msg)
-
-
-def _interpreting() -> bool:
-    """Whether triton runs kernels in its CPU interpreter (set by the caller's TRITON_INTERPRET=1 before import;
-    tests/test_qk_norm_rope.py uses it to check the indexing on the CPU)."""
-    return triton is not None and not isinstance(_qk_norm_rope_kernel, triton.runtime.JITFunction)
 
 
 if triton is not None:

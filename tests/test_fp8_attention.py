@@ -2,12 +2,9 @@
 the kernel's fp32 emulation, the registry's fallback without nvidia-cudnn-frontend, and (GPU only) cuDNN's kernel
 against the emulation."""
 
-import os
 import re
-import subprocess
 import sys
 import types
-from pathlib import Path
 
 import pytest
 import torch
@@ -51,6 +48,7 @@ from stagekit.kernels import (
     select_kernels,
 )
 from tests.dit_ranks import random_inputs
+from tests.triton_interp import needs_triton, run_in_interpreter
 
 ALL_ROWS = Fp8AttentionOptions(min_seq=0)  # the default options, also on the short test sequences
 # The registry probe at CPU-test size (the selection logic, not the speed, is what these tests check).
@@ -401,18 +399,12 @@ def compare_triton_quantiser(device: str, heads: int, seq: int, dim: int, interp
                     assert steps.max() <= 1 and (steps == 0).float().mean() >= 0.999, what
 
 
-@pytest.mark.skipif(triton is None, reason="triton is not importable (CUDA builds of torch ship it)")
+@needs_triton
 def test_triton_quantiser_under_the_interpreter():
-    """The Triton kernels' indexing, masking and reductions on the CPU through Triton's interpreter, in a fresh
-    process (TRITON_INTERPRET is read when the kernels are defined, i.e. at import). Without a GPU, run it after
-    `.venv/bin/pip install --no-deps triton` (a CUDA torch already has it):
-    .venv/bin/python -m pytest tests/test_fp8_attention.py -k interpreter"""
-    code = ("from tests.test_fp8_attention import SMALL_LAUNCH, compare_triton_quantiser as c; "
-            "c('cpu', 3, 300, 32, interpreter=True, launch=SMALL_LAUNCH)")
-    root = Path(__file__).resolve().parents[1]
-    env = {**os.environ, "TRITON_INTERPRET": "1", "TRITON_DEFAULT_FP_FUSION": "1"}
-    r = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-3000:]
+    """The Triton kernels' indexing, masking and reductions on the CPU through Triton's interpreter
+    (tests/triton_interp.py says how to run it without a GPU)."""
+    run_in_interpreter("from tests.test_fp8_attention import SMALL_LAUNCH, compare_triton_quantiser as c; "
+                       "c('cpu', 3, 300, 32, interpreter=True, launch=SMALL_LAUNCH)")
 
 
 def test_e4m3_steps():

@@ -1,16 +1,14 @@
 """stagekit/fp8_rows.py: the plain-torch reference equals the previous Block._modulate + quantize_fp8_rowwise bit for
 bit, and an fp8 linear gives the same output from Fp8Rows as from the bf16 rows (CPU); the Triton kernel matches
-the reference on DiT widths (GPU; the lead runs these on an H200) and, on small shapes, in triton's CPU interpreter
+the reference on DiT widths (GPU) and, on small shapes, in triton's CPU interpreter
 (indexing, masking, scales; needs triton in the venv, which CI's CPU torch lacks: `.venv/bin/pip install --no-deps
 triton`, then `.venv/bin/python -m pytest tests/test_fp8_rows.py -k interpreter -p no:randomly`)."""
 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -20,12 +18,8 @@ from stagekit.fp8_attention import e4m3_steps
 from stagekit.fp8_rows import modulate, modulate_fp8, modulate_fp8_reference
 from stagekit.kernels import FP8_SCALE_FLOOR, Fp8RowwiseLinear, Fp8Rows, quantize_fp8_rowwise
 
-try:
-    import triton  # noqa: F401
-except ImportError:
-    triton = None
+from tests.triton_interp import REPO, needs_triton, run_in_interpreter
 
-REPO = Path(__file__).resolve().parents[1]
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 EPS = 1e-6
 EXACT_FRACTION = 0.999  # e4m3 values bitwise equal to the reference (the kernel sums squares in another order)
@@ -170,12 +164,10 @@ def interpreter_main() -> None:
     print("interpreter ok")
 
 
-@pytest.mark.skipif(triton is None, reason="triton is not installed (CI's CPU torch has none)")
+@needs_triton
 def test_triton_kernel_in_the_interpreter():
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    run = subprocess.run([sys.executable, "-c", "from tests.test_fp8_rows import interpreter_main as m; m()"],
-                         cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0 and "interpreter ok" in run.stdout, run.stdout + run.stderr
+    """interpreter_main in Triton's CPU interpreter (tests/triton_interp.py says how to run it without a GPU)."""
+    run_in_interpreter("from tests.test_fp8_rows import interpreter_main as m; m()", expect="interpreter ok")
 
 
 def test_bench_tiny_runs_on_the_cpu(tmp_path):

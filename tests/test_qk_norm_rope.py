@@ -7,24 +7,17 @@ interpreter -p no:randomly`)."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from dit_svc.model import RMSNorm
-from stagekit.qk_norm_rope import apply_rope
-from stagekit.qk_norm_rope import qk_norm_rope, qk_norm_rope_reference
+from stagekit.qk_norm_rope import apply_rope, qk_norm_rope, qk_norm_rope_reference
 
-try:
-    import triton  # noqa: F401
-except ImportError:
-    triton = None
+from tests.triton_interp import REPO, needs_triton, run_in_interpreter
 
-REPO = Path(__file__).resolve().parents[1]
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 EPS = 1e-5  # the model's (docs/model.md §2)
 EXACT_FRACTION = 0.999  # outputs bitwise equal to the reference (the kernel sums squares in another order)
@@ -140,12 +133,10 @@ def interpreter_main() -> None:
     print("interpreter ok")
 
 
-@pytest.mark.skipif(triton is None, reason="triton is not installed (CI's CPU torch has none)")
+@needs_triton
 def test_triton_kernel_in_the_interpreter():
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    run = subprocess.run([sys.executable, "-c", "from tests.test_qk_norm_rope import interpreter_main as m; m()"],
-                         cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0 and "interpreter ok" in run.stdout, run.stdout + run.stderr
+    """interpreter_main in Triton's CPU interpreter (tests/triton_interp.py says how to run it without a GPU)."""
+    run_in_interpreter("from tests.test_qk_norm_rope import interpreter_main as m; m()", expect="interpreter ok")
 
 
 def test_bench_tiny_runs_on_the_cpu(tmp_path):
