@@ -35,6 +35,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from stagekit.fp8_attention import declare_graph, scale_constants, variant_pack  # noqa: E402
+from stagekit.kernels import time_ms  # noqa: E402
 
 HEADS, HEAD_DIM = 56, 128
 HIDDEN, FFN = 5376, 14336  # DiT block linear shapes (docs/model.md §2)
@@ -43,23 +44,14 @@ SHAPES = {"832x480x124": 14882, "1344x768x124": 37748}
 
 def events_ms(fn, iters: int) -> tuple[float, float]:
     """(median ms of synchronised single calls, mean ms of `iters` back-to-back calls)."""
-    fn()
-    torch.cuda.synchronize()
-    single = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        single.append(a.elapsed_time(b))
+    single = time_ms(fn, torch.device("cuda"), iters)
     a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     a.record()
     for _ in range(iters):
         fn()
     b.record()
     b.synchronize()
-    return statistics.median(single), a.elapsed_time(b) / iters
+    return single, a.elapsed_time(b) / iters
 
 
 def tflops(s: int, ms: float) -> float:

@@ -6,9 +6,6 @@ triton`, then `.venv/bin/python -m pytest tests/test_fp8_rows.py -k interpreter 
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -18,7 +15,7 @@ from stagekit.fp8_attention import e4m3_steps
 from stagekit.fp8_rows import modulate, modulate_fp8, modulate_fp8_reference
 from stagekit.kernels import FP8_SCALE_FLOOR, Fp8RowwiseLinear, Fp8Rows, quantize_fp8_rowwise
 
-from tests.triton_interp import REPO, needs_triton, run_in_interpreter
+from tests.triton_interp import needs_triton, run_bench_tiny, run_in_interpreter
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 EPS = 1e-6
@@ -172,9 +169,6 @@ def test_triton_kernel_in_the_interpreter():
 
 def test_bench_tiny_runs_on_the_cpu(tmp_path):
     """scripts/bench_fp8_rows.py --tiny: the dry run writes its JSON (the kernel too where triton is installed)."""
-    run = subprocess.run([sys.executable, "scripts/bench_fp8_rows.py", "--tiny", "--out", str(tmp_path)],
-                         cwd=REPO, capture_output=True, text=True, timeout=120)
-    assert run.returncode == 0, run.stdout + run.stderr
-    result = json.loads((tmp_path / "fp8_rows.json").read_text())
+    result = run_bench_tiny("bench_fp8_rows.py", tmp_path)
     assert [s["rows"] for s in result["shapes"]] == [37, 100]
     assert all("reference eager" in s["variants"] for s in result["shapes"])

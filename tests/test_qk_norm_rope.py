@@ -6,9 +6,6 @@ interpreter -p no:randomly`)."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -16,7 +13,7 @@ import torch
 from dit_svc.model import RMSNorm
 from stagekit.qk_norm_rope import apply_rope, qk_norm_rope, qk_norm_rope_reference
 
-from tests.triton_interp import REPO, needs_triton, run_in_interpreter
+from tests.triton_interp import needs_triton, run_bench_tiny, run_in_interpreter
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 EPS = 1e-5  # the model's (docs/model.md §2)
@@ -141,10 +138,7 @@ def test_triton_kernel_in_the_interpreter():
 
 def test_bench_tiny_runs_on_the_cpu(tmp_path):
     """scripts/bench_qk_norm_rope.py --tiny: the dry run writes its JSON (the kernel too where triton is installed)."""
-    run = subprocess.run([sys.executable, "scripts/bench_qk_norm_rope.py", "--tiny", "--out", str(tmp_path)],
-                         cwd=REPO, capture_output=True, text=True, timeout=120)
-    assert run.returncode == 0, run.stdout + run.stderr
-    result = json.loads((tmp_path / "qk_norm_rope.json").read_text())
+    result = run_bench_tiny("bench_qk_norm_rope.py", tmp_path)
     assert [s["rows"] for s in result["shapes"]] == [37, 100]
     assert all("reference eager" in s["variants"] for s in result["shapes"])
 

@@ -24,3 +24,13 @@ def run_in_interpreter(code: str, expect: str = "") -> None:
     env = {**os.environ, "TRITON_INTERPRET": "1", "TRITON_DEFAULT_FP_FUSION": "1"}
     run = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0 and expect in run.stdout, (run.stdout + run.stderr)[-3000:]
+
+
+def run_bench_tiny(script: str, out: Path) -> dict:
+    """`python scripts/<script> --tiny --out <out>` (a GPU benchmark's CPU dry run) must exit 0; its JSON."""
+    import json
+
+    run = subprocess.run([sys.executable, f"scripts/{script}", "--tiny", "--out", str(out)], cwd=REPO,
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stdout + run.stderr
+    return json.loads(next(out.glob("*.json")).read_text())
