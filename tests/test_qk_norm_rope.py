@@ -1,5 +1,5 @@
 """stagekit/qk_norm_rope.py: the plain-torch reference equals the model's previous project_qkv arithmetic bit for bit
-(CPU); the Triton kernel matches the reference on real DiT shapes (GPU; the lead runs these on an H200) and, on
+(CPU); the Triton kernel matches the reference on real DiT shapes (GPU) and, on
 small shapes, in triton's CPU interpreter (indexing and masking; needs triton in the venv, which CI's CPU torch
 lacks: `.venv/bin/pip install --no-deps triton`, then `.venv/bin/python -m pytest tests/test_qk_norm_rope.py -k
 interpreter -p no:randomly`)."""
