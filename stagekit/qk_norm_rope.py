@@ -138,15 +138,15 @@ def launch(y: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, eps:
     if rows == 0 or heads == 0:
         return
     log_once(log, f"q/k RMSNorm + RoPE: Triton kernel ({block_rows} rows x {num_warps} warps per program)")
-    r = cos.shape[-1] if cos is not None else 0
-    cos_t, sin_t = (cos, sin) if cos is not None else (q_weight, q_weight)  # unread placeholders
-    cos_strides = (cos_t.stride(0), cos_t.stride(1)) if cos is not None else (0, 0)
-    sin_strides = (sin_t.stride(0), sin_t.stride(1)) if cos is not None else (0, 0)
+    if cos is not None:
+        r, cos_t, sin_t, rope_strides = cos.shape[-1], cos, sin, (*cos.stride(), *sin.stride())
+    else:  # HAS_ROPE=False compiles the table loads out; the pointer arguments still need a tensor
+        r, cos_t, sin_t, rope_strides = 0, q_weight, q_weight, (0, 0, 0, 0)
     grid = (triton.cdiv(rows, block_rows) * SECTIONS * heads,)
     with torch.cuda.device(y.device) if y.is_cuda else contextlib.nullcontext():  # Triton uses the current device
         _qk_norm_rope_kernel[grid](
             y, q_weight, k_weight, cos_t, sin_t, out, rows, heads, eps,
-            *y.stride(), out.stride(0), out.stride(2), out.stride(3), out.stride(4), *cos_strides, *sin_strides,
+            *y.stride(), out.stride(0), out.stride(2), out.stride(3), out.stride(4), *rope_strides,
             D=d, R=r, HAS_ROPE=cos is not None, BLOCK_R=block_rows, num_warps=num_warps,
             enable_fp_fusion=False,  # no FMA contraction: products rounded as the reference's separate ops are
         )
