@@ -20,16 +20,16 @@ off the reference (8 in the interpreter, which can miss a carry when it rounds t
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from stagekit.kernels import time_ms  # noqa: E402
+from kernel_bench import time_variants, write_result  # noqa: E402
 
 SHAPES = (14882, 37748)  # rows of 832x480x124 and 1344x768x124 (docs/performance.md)
 HIDDEN = 5376
@@ -99,20 +99,12 @@ def main() -> int:
                 variants[name] = lambda b=b, nw=nw: fr.modulate_fp8_rows_op(x, w, EPS, shift, scale, r, b, nw)
                 devs[name] = deviation(variants[name](), ref)
                 worst_steps = max(worst_steps, devs[name]["max_steps"])
-        row = {"rows": rows, "bytes": moved, "variants": {}, "deviation": devs}
-        for name, fn in variants.items():
-            ms = time_ms(fn, device, args.iters, warmup=1 if args.tiny else 3)
-            row["variants"][name] = {"ms": ms, "tb_s": moved / ms / 1e9}
-            d = devs.get(name)
-            dev = f"  scale rel {d['max_scale_rel']:.1e}, max {d['max_steps']} e4m3 steps, " \
-                  f"{d['exact_fraction']:.5f} bitwise equal" if d else ""
-            print(f"rows={rows:6d} {name:20s} {ms:9.3f} ms {moved / ms / 1e9:7.3f} TB/s{dev}", flush=True)
-        result["shapes"].append(row)
+        notes = {name: f"  scale rel {d['max_scale_rel']:.1e}, max {d['max_steps']} e4m3 steps, "
+                       f"{d['exact_fraction']:.5f} bitwise equal" for name, d in devs.items()}
+        result["shapes"].append({"rows": rows, "bytes": moved, "deviation": devs, "variants": time_variants(
+            variants, device, args.iters, args.tiny, moved, f"rows={rows:6d}", notes)})
         del x, ref
-    path = Path(args.out)
-    path.mkdir(parents=True, exist_ok=True)
-    (path / "fp8_rows.json").write_text(json.dumps(result, indent=1))
-    print(f"wrote {path / 'fp8_rows.json'}")
+    write_result(args.out, "fp8_rows.json", result)
     # The interpreter can miss the carry into the next power of two when it rounds to e4m3 (tests/test_fp8_rows.py).
     bound = 1 if device.type == "cuda" else 8
     if worst_steps > bound:

@@ -18,16 +18,16 @@ Writes <out>/qk_norm_rope.json; exit 1 if a kernel's output is off by more than 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from stagekit.kernels import time_ms  # noqa: E402
+from kernel_bench import time_variants, write_result  # noqa: E402
 
 SHAPES = (14882, 37748)  # rows of 832x480x124 and 1344x768x124 (docs/performance.md)
 HEADS, HEAD_DIM, ROPE_DIM = 56, 128, 96
@@ -106,19 +106,12 @@ def main() -> int:
                 variants[name]()
                 errs[name] = errors(out, ref)
                 worst_ulps = max(worst_ulps, errs[name]["max_ulps"])
-        row = {"rows": s, "bytes": moved, "variants": {}, "errors": errs}
-        for name, fn in variants.items():
-            ms = time_ms(fn, device, args.iters, warmup=1 if args.tiny else 3)
-            row["variants"][name] = {"ms": ms, "tb_s": moved / ms / 1e9}
-            err = f"  max |err| {errs[name]['max_abs']:.2e} ({errs[name]['max_ulps']:.2f} ulp), " \
-                  f"{errs[name]['exact_fraction']:.5f} bitwise equal" if name in errs else ""
-            print(f"S={s:6d} {name:20s} {ms:9.3f} ms {moved / ms / 1e9:7.3f} TB/s{err}", flush=True)
-        result["shapes"].append(row)
+        notes = {name: f"  max |err| {e['max_abs']:.2e} ({e['max_ulps']:.2f} ulp), {e['exact_fraction']:.5f} "
+                       "bitwise equal" for name, e in errs.items()}
+        result["shapes"].append({"rows": s, "bytes": moved, "errors": errs, "variants": time_variants(
+            variants, device, args.iters, args.tiny, moved, f"S={s:6d}", notes)})
         del y, out, ref
-    path = Path(args.out)
-    path.mkdir(parents=True, exist_ok=True)
-    (path / "qk_norm_rope.json").write_text(json.dumps(result, indent=1))
-    print(f"wrote {path / 'qk_norm_rope.json'}")
+    write_result(args.out, "qk_norm_rope.json", result)
     # One ulp is the bound on the GPU; the interpreter casts to bf16 toward zero, which can add another.
     bound = 1.0 if device.type == "cuda" else 2.0
     if worst_ulps > bound:

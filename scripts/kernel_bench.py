@@ -1,0 +1,34 @@
+"""What the op-level benchmarks of the Triton kernels share (scripts/bench_qk_norm_rope.py, scripts/bench_fp8_rows.py):
+timing each variant of one op at one size, and writing the result file."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from stagekit.kernels import time_ms  # noqa: E402
+
+
+def time_variants(variants: dict[str, Callable[[], object]], device: torch.device, iters: int, tiny: bool,
+                  moved: int, label: str, notes: dict[str, str]) -> dict[str, dict]:
+    """Median ms of each no-arg variant (`iters` calls after a warm-up) and the effective TB/s for `moved` bytes;
+    prints one line per variant, `label` first and the variant's note (its error, say) last."""
+    timed = {}
+    for name, fn in variants.items():
+        ms = time_ms(fn, device, iters, warmup=1 if tiny else 3)
+        timed[name] = {"ms": ms, "tb_s": moved / ms / 1e9}
+        print(f"{label} {name:20s} {ms:9.3f} ms {moved / ms / 1e9:7.3f} TB/s{notes.get(name, '')}", flush=True)
+    return timed
+
+
+def write_result(out: str, filename: str, result: dict) -> None:
+    path = Path(out)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / filename).write_text(json.dumps(result, indent=1))
+    print(f"wrote {path / filename}")
