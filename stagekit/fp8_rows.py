@@ -26,10 +26,11 @@ import contextlib
 import logging
 
 import torch
+import torch.nn.functional as F
 
 from .kernels import FP8_E4M3_MAX, FP8_SCALE_FLOOR, Fp8Rows, quantize_fp8_rowwise
 from .qk_norm_rope import rms_norm
-from .triton_kernels import KernelFallback, interpreting, log_once, tl, triton
+from .triton_kernels import KernelFallback, interpreting, libdevice, log_once, tl, triton
 
 log = logging.getLogger(__name__)
 _FALLBACK = KernelFallback("modulation + fp8 row quantisation", log)
@@ -140,9 +141,118 @@ def launch(x: torch.Tensor, weight: torch.Tensor, eps: float, shift: torch.Tenso
     return q, q_scale
 
 
+# --- SwiGLU + fp8 row quantisation: the MLP's silu(gate) * value, handed to an fp8 fc2 -----------------------------
+
+# Whether dit_svc/model.py's MLP uses the kernel inside torch.compile'd blocks too (eager blocks always do, where
+# fc2 takes fp8 rows). The lead sets it from scripts/bench_fp8_rows.py --ops swiglu on an H200: True only where the
+# kernel beats Inductor's own fusion of the same ops (`reference compiled`).
+SWIGLU_IN_COMPILED_BLOCKS = True
+# Rows per program x warps (the whole row, 2 x F channels with F padded to a power of two, sits in registers); the
+# lead sets them from the same benchmark's sweep.
+SWIGLU_BLOCK_ROWS = 1
+SWIGLU_NUM_WARPS = 16
+_SWIGLU_FALLBACK = KernelFallback("SwiGLU + fp8 row quantisation", log)
+
+
+def swiglu(y: torch.Tensor) -> torch.Tensor:
+    """y [rows, 2F] = [gate | value] -> silu(gate) * value [rows, F] in y's dtype (the model's MLP activation)."""
+    gate, value = y.chunk(2, dim=-1)
+    return F.silu(gate) * value
+
+
+def swiglu_fp8_reference(y: torch.Tensor) -> Fp8Rows:
+    """`swiglu` in y's dtype (bf16), then `quantize_fp8_rowwise`: the previous two steps, in plain torch."""
+    return Fp8Rows(*quantize_fp8_rowwise(swiglu(y)))
+
+
+def swiglu_unsupported(y: torch.Tensor) -> str | None:
+    """Why the Triton SwiGLU kernel does not serve y, or None when it does (shape, dtype, strides, device)."""
+    if triton is None:
+        return "triton is not installed"
+    if y.dim() != 2 or y.dtype != torch.bfloat16 or y.shape[1] % 2:
+        return f"y must be bf16 [rows, 2F], got {y.dtype} {list(y.shape)}"
+    if not 16 <= y.shape[1] // 2 <= MAX_CHANNELS:
+        return f"F must be in 16..{MAX_CHANNELS}, got {y.shape[1] // 2}"
+    if y.stride(1) != 1 and y.shape[1] > 1:
+        return f"y's columns must be contiguous (column stride 1), got strides {list(y.stride())}"
+    if y.device.type != "cuda" and not interpreting(_swiglu_fp8_kernel):
+        return f"the kernel runs on CUDA devices (y is on {y.device})"
+    return None
+
+
+def swiglu_fp8(y: torch.Tensor) -> Fp8Rows:
+    """y [rows, 2F] bf16 = [gate | value] -> Fp8Rows of silu(gate) * value (q [rows, F] e4m3, scale [rows, 1]
+    fp32): the Triton kernel on CUDA where it serves y, else the reference."""
+    reason = swiglu_unsupported(y) if y.is_cuda else "y is not on a CUDA device"
+    if reason is None:
+        reason = _SWIGLU_FALLBACK.reason(y.device)
+    if reason is None:
+        ok, result = _SWIGLU_FALLBACK.run(y.device, lambda: Fp8Rows(*torch.ops.h3stages.swiglu_fp8_rows(y)))
+        if ok:
+            return result
+        reason = result
+    if y.is_cuda and not torch.compiler.is_compiling():
+        log_once(log, f"SwiGLU + fp8 row quantisation: plain torch ({reason})")
+    return swiglu_fp8_reference(y)
+
+
+@torch.library.custom_op("h3stages::swiglu_fp8_rows", mutates_args=())
+def swiglu_fp8_rows_op(y: torch.Tensor, block_rows: int = SWIGLU_BLOCK_ROWS,
+                       num_warps: int = SWIGLU_NUM_WARPS) -> tuple[torch.Tensor, torch.Tensor]:
+    """The Triton SwiGLU kernel as a torch op (opaque to torch.compile): arguments as `swiglu_launch`."""
+    return swiglu_launch(y, block_rows, num_warps)
+
+
+@swiglu_fp8_rows_op.register_fake
+def _(y, block_rows=SWIGLU_BLOCK_ROWS, num_warps=SWIGLU_NUM_WARPS):
+    return (y.new_empty((y.shape[0], y.shape[1] // 2), dtype=torch.float8_e4m3fn),
+            y.new_empty((y.shape[0], 1), dtype=torch.float32))
+
+
+def swiglu_launch(y: torch.Tensor, block_rows: int = SWIGLU_BLOCK_ROWS,
+                  num_warps: int = SWIGLU_NUM_WARPS) -> tuple[torch.Tensor, torch.Tensor]:
+    """Runs the kernel: y [rows, 2F] bf16 (any row stride, e.g. a view; contiguous columns) -> (q [rows, F] e4m3,
+    scale [rows, 1] fp32), both new and contiguous. Raises ValueError for arguments it does not serve
+    (`swiglu_unsupported`); block_rows (a power of two) and num_warps tune the launch."""
+    if block_rows < 1 or block_rows & (block_rows - 1):
+        raise ValueError(f"block_rows must be a power of two, got {block_rows}")
+    reason = swiglu_unsupported(y)
+    if reason is not None:
+        raise ValueError(f"the Triton SwiGLU + fp8 quantisation kernel does not serve this call: {reason}")
+    rows, f = y.shape[0], y.shape[1] // 2
+    q = torch.empty(rows, f, dtype=torch.float8_e4m3fn, device=y.device)
+    q_scale = torch.empty(rows, 1, dtype=torch.float32, device=y.device)
+    if rows == 0:
+        return q, q_scale
+    log_once(log, f"SwiGLU + fp8 row quantisation: Triton kernel ({block_rows} rows x {num_warps} warps per program)")
+    with torch.cuda.device(y.device) if y.is_cuda else contextlib.nullcontext():  # Triton uses the current device
+        _swiglu_fp8_kernel[(triton.cdiv(rows, block_rows),)](
+            y, q, q_scale, rows, f, y.stride(0),
+            FP8_MAX=FP8_E4M3_MAX, INV_FP8_MAX=1.0 / FP8_E4M3_MAX, SCALE_FLOOR=FP8_SCALE_FLOOR, BLOCK_R=block_rows,
+            BLOCK_C=triton.next_power_of_2(f), LIBDEVICE=not interpreting(_swiglu_fp8_kernel), num_warps=num_warps,
+            enable_fp_fusion=False,  # no FMA contraction: products rounded as the reference's separate ops are
+        )
+    return q, q_scale
 
 
 if triton is not None:
+
+    @triton.jit
+    def _store_fp8_rows(y, mask, row, row_ok, ch, C, q_ptr, qs_ptr, FP8_MAX: tl.constexpr,
+                        INV_FP8_MAX: tl.constexpr, SCALE_FLOOR: tl.constexpr):
+        """The epilogue both kernels share, `quantize_fp8_rowwise` of bf16 rows op for op: y [BLOCK_R, BLOCK_C] fp32
+        holding bf16 values (0 where masked), row / row_ok [BLOCK_R] (int64 row indices), ch [BLOCK_C] -> e4m3 rows
+        q [rows, C] (contiguous) and their fp32 scales qs [rows]."""
+        # 1. Row scale = max(amax / 448, floor) (torch's CUDA division by a Python number multiplies by its fp32
+        #    reciprocal).
+        amax = tl.max(tl.where(mask, tl.abs(y), 0.0), axis=1)
+        q_scale = tl.maximum(amax * INV_FP8_MAX, SCALE_FLOOR)
+        # 2. q = e4m3(clamp(bf16(y * bf16(1 / scale)))): an IEEE reciprocal, then the product of two bf16 values.
+        inv = tl.math.div_rn(tl.full(q_scale.shape, 1.0, tl.float32), q_scale).to(tl.bfloat16).to(tl.float32)
+        p = (y * inv[:, None]).to(tl.bfloat16).to(tl.float32)
+        p = tl.minimum(tl.maximum(p, -FP8_MAX), FP8_MAX)
+        tl.store(q_ptr + row[:, None] * C + ch[None, :], p.to(tl.float8e4nv), mask=mask)
+        tl.store(qs_ptr + row, q_scale, mask=row_ok)
 
     @triton.jit
     def _modulate_fp8_kernel(x_ptr, w_ptr, shift_ptr, scale_ptr, r_ptr, q_ptr, qs_ptr, rows, C, inv_c, eps,
@@ -165,13 +275,31 @@ if triton is not None:
         #    takes it, sum * fp32(1 / C)), then the modulation, rounded to bf16 as the reference emits it.
         rstd = tl.math.rsqrt(tl.sum(x * x, axis=1) * inv_c + eps)[:, None]
         y = (x * rstd * gain * (1.0 + scale) + shift).to(tl.bfloat16).to(tl.float32)
-        # 2. Row scale = max(amax / 448, floor) (`quantize_fp8_rowwise`; torch's CUDA division by a Python number
-        #    multiplies by its fp32 reciprocal).
-        amax = tl.max(tl.where(mask, tl.abs(y), 0.0), axis=1)
-        q_scale = tl.maximum(amax * INV_FP8_MAX, SCALE_FLOOR)
-        # 3. q = e4m3(clamp(bf16(y * bf16(1 / scale)))): an IEEE reciprocal, then the product of two bf16 values.
-        inv = tl.math.div_rn(tl.full(q_scale.shape, 1.0, tl.float32), q_scale).to(tl.bfloat16).to(tl.float32)
-        p = (y * inv[:, None]).to(tl.bfloat16).to(tl.float32)
-        p = tl.minimum(tl.maximum(p, -FP8_MAX), FP8_MAX)
-        tl.store(q_ptr + row[:, None] * C + ch[None, :], p.to(tl.float8e4nv), mask=mask)
-        tl.store(qs_ptr + row, q_scale, mask=row_ok)
+        # 2. The row quantisation.
+        _store_fp8_rows(y, mask, row, row_ok, ch, C, q_ptr, qs_ptr, FP8_MAX, INV_FP8_MAX, SCALE_FLOOR)
+
+    @triton.jit
+    def _swiglu_fp8_kernel(y_ptr, q_ptr, qs_ptr, rows, C, y_s_row, FP8_MAX: tl.constexpr,
+                           INV_FP8_MAX: tl.constexpr, SCALE_FLOOR: tl.constexpr, BLOCK_R: tl.constexpr,
+                           BLOCK_C: tl.constexpr, LIBDEVICE: tl.constexpr):
+        """One program: BLOCK_R whole rows of y = [gate | value] (C = F channels each), each element read once.
+        Every step is one op of `swiglu_fp8_reference` as torch runs it on CUDA, in its order."""
+        row = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+        ch = tl.arange(0, BLOCK_C)
+        row_ok = row < rows
+        mask = row_ok[:, None] & (ch < C)[None, :]
+        row = row.to(tl.int64)
+        at = y_ptr + row[:, None] * y_s_row + ch[None, :]
+        gate = tl.load(at, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+        value = tl.load(at + C, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+        # 1. F.silu on bf16: x / (1 + exp(-x)) in fp32 (CUDA's expf, as libdevice has it; tl.exp would be the
+        #    approximate ex2 instruction; the CPU interpreter has no libdevice), an IEEE division, rounded to bf16;
+        #    then the product of two bf16 values, rounded to bf16.
+        if LIBDEVICE:
+            e = libdevice.exp(-gate)
+        else:
+            e = tl.exp(-gate)
+        silu = tl.math.div_rn(gate, 1.0 + e).to(tl.bfloat16).to(tl.float32)
+        y = (silu * value).to(tl.bfloat16).to(tl.float32)
+        # 2. The row quantisation.
+        _store_fp8_rows(y, mask, row, row_ok, ch, C, q_ptr, qs_ptr, FP8_MAX, INV_FP8_MAX, SCALE_FLOOR)
