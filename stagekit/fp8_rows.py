@@ -1,15 +1,15 @@
-"""The DiT block's RMSNorm + AdaLN modulation + fp8 row quantisation as one Triton kernel (GPU), with a plain-torch
-reference.
+"""The DiT block's fused "something + fp8 row quantisation" Triton kernels (GPU), each with a plain-torch reference:
+RMSNorm + AdaLN modulation before the qkv projection and fc1, and the MLP's SwiGLU before fc2.
 
-What it fuses: before the qkv projection and fc1, every block turns the fp32 residual rows x [rows, C] into
-`modulate(x) = (rms_norm(x, w) * (1 + scale[r]) + shift[r]).to(compute dtype)` (shift / scale: the AdaLN rows
-[M * 3, C] fp32 gathered by each row's table index r). An fp8 linear (stagekit/kernels.Fp8RowwiseLinear) then
-quantises those rows per row (`quantize_fp8_rowwise`: scale = amax / 448, q = e4m3(row * bf16(1 / scale))). This
-kernel reads x and the gathered AdaLN rows once and writes e4m3 rows plus one fp32 scale per row (`Fp8Rows`, which
-the fp8 linear takes as its input instead of a tensor). Where it pays (measured on an H200, docs/performance.md,
-issue 18): in eager blocks, 7x faster than the separate torch ops (0.68 vs 5.0 ms at 37,748 rows). Inside a
-compiled block Inductor's own fusion of the same math is as fast or faster (0.645 ms), so dit_svc/model.py uses
-the kernel only outside torch.compile.
+What the modulation kernel fuses: before the qkv projection and fc1, every block turns the fp32 residual rows
+x [rows, C] into `modulate(x) = (rms_norm(x, w) * (1 + scale[r]) + shift[r]).to(compute dtype)` (shift / scale: the
+AdaLN rows [M * 3, C] fp32 gathered by each row's table index r). An fp8 linear (stagekit/kernels.Fp8RowwiseLinear)
+then quantises those rows per row (`quantize_fp8_rowwise`: scale = amax / 448, q = e4m3(row * bf16(1 / scale))).
+This kernel reads x and the gathered AdaLN rows once and writes e4m3 rows plus one fp32 scale per row (`Fp8Rows`,
+which the fp8 linear takes as its input instead of a tensor). Where it pays (measured on an H200,
+docs/performance.md, issue 18): in eager blocks, 7x faster than the separate torch ops (0.68 vs 5.0 ms at 37,748
+rows). Inside a compiled block Inductor's own fusion of the same math is as fast or faster (0.645 ms), so
+dit_svc/model.py uses the kernel only outside torch.compile.
 
 `modulate_fp8` dispatches: the Triton kernel (the torch custom op `h3stages::modulate_fp8_rows`, opaque to
 torch.compile) when x is on a CUDA device, triton imports and the arguments are ones it serves; otherwise
@@ -18,6 +18,17 @@ uses for its bf16 rows, then `quantize_fp8_rowwise`). The kernel's fp32 arithmet
 operation for operation as torch runs them on CUDA (bf16 rounding of the modulated row, the multiply by the bf16
 reciprocal rounded to bf16, then e4m3) except for the order of the sum of squares, so a rare element lands one
 e4m3 step away (tests/test_fp8_rows.py).
+
+The SwiGLU kernel: the MLP computes fc2(silu(gate) * value) from fc1's bf16 output y [rows, 2F] = [gate | value];
+when fc2 is an fp8 linear it quantises that bf16 product per row. `swiglu_fp8` (custom op
+`h3stages::swiglu_fp8_rows`, dispatched as `modulate_fp8`; reference `swiglu_fp8_reference` = `swiglu` then
+`quantize_fp8_rowwise`) reads each element of y once, a whole row per program in registers, and writes `Fp8Rows`.
+Its arithmetic is the reference's as torch runs it on CUDA: silu = x / (1 + exp(-x)) in fp32 (CUDA's expf, an IEEE
+division) rounded to bf16, the bf16 product rounded to bf16, then the same row quantisation as the modulation
+kernel (`_store_fp8_rows`, shared). No reduction order enters the values (a max is exact), so a difference can only
+come from libdevice's expf against the one torch is built with; tests/test_fp8_rows.py bounds it as the modulation
+kernel's. dit_svc/model.py's MLP uses it in
+eager blocks and, while `SWIGLU_IN_COMPILED_BLOCKS` says so, in compiled ones.
 """
 
 from __future__ import annotations
@@ -173,7 +184,7 @@ def swiglu_unsupported(y: torch.Tensor) -> str | None:
         return f"y must be bf16 [rows, 2F], got {y.dtype} {list(y.shape)}"
     if not 16 <= y.shape[1] // 2 <= MAX_CHANNELS:
         return f"F must be in 16..{MAX_CHANNELS}, got {y.shape[1] // 2}"
-    if y.stride(1) != 1 and y.shape[1] > 1:
+    if y.stride(1) != 1:
         return f"y's columns must be contiguous (column stride 1), got strides {list(y.stride())}"
     if y.device.type != "cuda" and not interpreting(_swiglu_fp8_kernel):
         return f"the kernel runs on CUDA devices (y is on {y.device})"
