@@ -82,6 +82,14 @@ OPS = {
 }
 
 
+def parse_config(cfg: str) -> tuple[str, int, int, int]:
+    """"BxW" (B rows per program, W warps, a program per block of rows) or "BxWpP" (P persistent programs per SM,
+    each looping over blocks of rows) -> (name, B, W, P)."""
+    rows, rest = cfg.split("x")
+    warps, _, per_sm = rest.partition("p")
+    return cfg, int(rows), int(warps), int(per_sm or 0)
+
+
 def deviation(got, want) -> dict:
     from stagekit.fp8_attention import e4m3_steps
 
@@ -111,9 +119,9 @@ def bench_op(fr, name: str, op: Op, device: torch.device, shapes, width: int, co
             variants["reference compiled"] = lambda: compiled(*inputs)
             devs["reference compiled"] = deviation(variants["reference compiled"](), ref)
         if run_triton:
-            for b, nw in configs:
-                variant = f"triton {b}x{nw}"
-                variants[variant] = lambda b=b, nw=nw: kernel(*inputs, b, nw)
+            for cfg, b, nw, per_sm in configs:
+                variant = f"triton {cfg}"
+                variants[variant] = lambda b=b, nw=nw, per_sm=per_sm: kernel(*inputs, b, nw, per_sm)
                 devs[variant] = deviation(variants[variant](), ref)
                 worst_steps = max(worst_steps, devs[variant]["max_steps"])
         notes = {v: f"  scale rel {d['max_scale_rel']:.1e}, max {d['max_steps']} e4m3 steps, "
@@ -131,7 +139,8 @@ def main() -> int:
     ap.add_argument("--ops", default="modulate,swiglu", help=f"comma-separated, of {', '.join(OPS)}")
     ap.add_argument("--iters", type=int, default=20, help="timed calls per variant (median)")
     ap.add_argument("--configs", default=None,
-                    help="Triton launch configs ROWSxWARPS,... for every op (default: each op's own list)")
+                    help="Triton launch configs ROWSxWARPS[pPROGRAMS_PER_SM],... for every op (default: each op's own "
+                         "list); the p suffix launches a persistent grid")
     ap.add_argument("--tiny", action="store_true", help="CPU dry run (small shapes; the kernels interpreted)")
     args = ap.parse_args()
     ops = args.ops.split(",")
@@ -155,7 +164,7 @@ def main() -> int:
     worst_steps = 0
     for name in ops:
         op = OPS[name]
-        configs = [tuple(int(v) for v in cfg.split("x")) for cfg in (args.configs or op.configs).split(",")]
+        configs = [parse_config(cfg) for cfg in (args.configs or op.configs).split(",")]
         if args.tiny:
             configs = configs[:tiny_configs]
         width = op.tiny_width if args.tiny else op.width

@@ -1,8 +1,9 @@
 """stagekit/fp8_rows.py: the plain-torch references equal the previous Block._modulate + quantize_fp8_rowwise and
 MLP silu(gate) * value + quantize_fp8_rowwise bit for bit, and an fp8 linear gives the same output from Fp8Rows as
 from the bf16 rows (CPU); the Triton kernels match their references on DiT widths (GPU) and, on small shapes, in
-triton's CPU interpreter (indexing, masking, scales; needs triton in the venv, which CI's CPU torch lacks: `.venv/bin/pip install --no-deps
-triton`, then `.venv/bin/python -m pytest tests/test_fp8_rows.py -k interpreter -p no:randomly`)."""
+triton's CPU interpreter (indexing, masking, scales; needs triton in the venv, which CI's CPU torch lacks:
+`.venv/bin/pip install --no-deps triton`, then
+`.venv/bin/python -m pytest tests/test_fp8_rows.py -k interpreter -p no:randomly`)."""
 
 from __future__ import annotations
 
@@ -62,7 +63,7 @@ def test_fp8_linear_takes_fp8_rows():
 
 
 def check_kernel(rows: int, c: int, m: int, device: str, block_rows: int = 1, num_warps: int = 8,
-                 interpreted: bool = False) -> None:
+                 interpreted: bool = False, programs_per_sm: int = 0) -> None:
     """Triton (stagekit.fp8_rows.launch) vs the reference: scales within 1e-6 relative, e4m3 values never more
     than one step apart and mostly bitwise equal. `interpreted`: triton's CPU interpreter casts to bf16 toward
     zero (a scale one bf16 ulp off) and can miss the carry into the next power of two when it rounds to e4m3
@@ -72,7 +73,7 @@ def check_kernel(rows: int, c: int, m: int, device: str, block_rows: int = 1, nu
 
     x, w, shift, scale, r = make_inputs(rows, c, m, device)
     want = modulate_fp8_reference(x, w, EPS, shift, scale, r)
-    q, s = launch(x, w, EPS, shift, scale, r, block_rows, num_warps)
+    q, s = launch(x, w, EPS, shift, scale, r, block_rows, num_warps, programs_per_sm)
     assert q.shape == want.q.shape and q.dtype == torch.float8_e4m3fn and s.shape == (rows, 1)
     rel = ((s - want.scale).abs() / want.scale).max().item()
     assert rel <= scale_rtol, f"row scales differ by {rel:.2e} relative"
@@ -92,9 +93,9 @@ def test_triton_matches_reference_on_gpu(rows, c):
 
 
 @needs_cuda
-@pytest.mark.parametrize("block_rows,num_warps", [(2, 8), (1, 16), (1, 4)])
-def test_triton_launch_configs_on_gpu(block_rows, num_warps):
-    check_kernel(1000, 5376, 1, "cuda", block_rows, num_warps)
+@pytest.mark.parametrize("block_rows,num_warps,programs_per_sm", [(2, 8, 0), (1, 16, 0), (1, 4, 0), (1, 8, 4)])
+def test_triton_launch_configs_on_gpu(block_rows, num_warps, programs_per_sm):
+    check_kernel(1000, 5376, 1, "cuda", block_rows, num_warps, programs_per_sm=programs_per_sm)
 
 
 @needs_cuda
@@ -168,7 +169,7 @@ def test_swiglu_reference_is_the_previous_math_bit_for_bit():
 
 
 def check_swiglu_kernel(rows: int, f: int, device: str, block_rows: int = 1, num_warps: int = 16,
-                        interpreted: bool = False) -> None:
+                        interpreted: bool = False, programs_per_sm: int = 0) -> None:
     """Triton (stagekit.fp8_rows.swiglu_launch) vs the reference, bounds as `check_kernel`; in the interpreter
     both bf16 roundings (silu, then the product) truncate, so a scale may be up to two bf16 ulps off."""
     scale_rtol, max_steps, exact_fraction = (2.0 ** -6, 8, 0.8) if interpreted else (1e-6, 1, EXACT_FRACTION)
@@ -176,7 +177,7 @@ def check_swiglu_kernel(rows: int, f: int, device: str, block_rows: int = 1, num
 
     y = make_swiglu_input(rows, f, device)
     want = swiglu_fp8_reference(y)
-    q, s = swiglu_launch(y, block_rows, num_warps)
+    q, s = swiglu_launch(y, block_rows, num_warps, programs_per_sm)
     assert q.shape == want.q.shape == (rows, f) and q.dtype == torch.float8_e4m3fn and s.shape == (rows, 1)
     rel = ((s - want.scale).abs() / want.scale).max().item()
     assert rel <= scale_rtol, f"row scales differ by {rel:.2e} relative"
@@ -196,9 +197,9 @@ def test_swiglu_triton_matches_reference_on_gpu(rows, f):
 
 
 @needs_cuda
-@pytest.mark.parametrize("block_rows,num_warps", [(1, 8), (1, 32), (2, 16), (4, 16)])
-def test_swiglu_triton_launch_configs_on_gpu(block_rows, num_warps):
-    check_swiglu_kernel(1000, 14336, "cuda", block_rows, num_warps)
+@pytest.mark.parametrize("block_rows,num_warps,programs_per_sm", [(1, 8, 0), (1, 32, 0), (2, 16, 0), (1, 16, 2)])
+def test_swiglu_triton_launch_configs_on_gpu(block_rows, num_warps, programs_per_sm):
+    check_swiglu_kernel(1000, 14336, "cuda", block_rows, num_warps, programs_per_sm=programs_per_sm)
 
 
 @needs_cuda
@@ -216,8 +217,10 @@ def interpreter_main() -> None:
     """The kernel's indexing and masking in triton's CPU interpreter (TRITON_INTERPRET=1 set before triton is
     imported; run by the test below in a child process). The interpreter computes in numpy, and its bf16 / e4m3
     casts round differently (see check_kernel)."""
-    for rows, c, m, block_rows in [(13, 96, 2, 1), (9, 40, 1, 4), (6, 64, 3, 2)]:
-        check_kernel(rows, c, m, "cpu", block_rows, interpreted=True)
+    # (programs_per_sm > 0: a persistent grid; the interpreter counts one SM, so 2 programs loop over the blocks)
+    for rows, c, m, block_rows, programs_per_sm in [(13, 96, 2, 1, 0), (9, 40, 1, 4, 0), (6, 64, 3, 2, 0),
+                                                    (9, 40, 1, 2, 2)]:
+        check_kernel(rows, c, m, "cpu", block_rows, interpreted=True, programs_per_sm=programs_per_sm)
     # The custom op through torch.compile's graph capture (aot_eager: no C++ compile on the CPU).
     x, w, shift, scale, r = make_inputs(9, 40, 1, "cpu")
 
@@ -227,8 +230,9 @@ def interpreter_main() -> None:
 
     assert torch.equal(step(x), torch.compile(step, backend="aot_eager", fullgraph=True)(x))
     # SwiGLU: odd row counts, power-of-two and other F, strided views (make_swiglu_input), several rows per program.
-    for rows, f, block_rows in [(13, 96, 1), (9, 40, 4), (6, 64, 2), (1, 16, 1)]:
-        check_swiglu_kernel(rows, f, "cpu", block_rows, 4, interpreted=True)
+    for rows, f, block_rows, programs_per_sm in [(13, 96, 1, 0), (9, 40, 4, 0), (6, 64, 2, 0), (1, 16, 1, 0),
+                                                 (9, 40, 2, 2)]:
+        check_swiglu_kernel(rows, f, "cpu", block_rows, 4, interpreted=True, programs_per_sm=programs_per_sm)
     y = make_swiglu_input(9, 40, "cpu")
 
     def swiglu_step(y):
