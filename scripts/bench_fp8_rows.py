@@ -1,7 +1,7 @@
 """Op level: the DiT block's fused "something + fp8 row quantisation" kernels (stagekit/fp8_rows.py), plain torch
 against Triton, for each of --ops:
 
-    python scripts/bench_fp8_rows.py --out $OUT               # one GPU, both ops: rows = 14,882 and 37,748 (< 1 min)
+    python scripts/bench_fp8_rows.py --out $OUT               # one GPU, both ops: rows = 14,882 and 37,748
     python scripts/bench_fp8_rows.py --ops swiglu --out $OUT  # one op
     python scripts/bench_fp8_rows.py --tiny --out /tmp/fr     # CPU dry run: small shapes, reference only, plus the
                                                               # kernels in triton's interpreter if installed
@@ -18,7 +18,8 @@ For each row count, CUDA events, median of --iters calls after a warm-up:
 - `reference compiled`: the same under torch.compile (Inductor's fusion: what a compiled block runs without the
   kernel, on its own; the number the kernel must beat to be used inside compiled blocks);
 - `triton BxW`: the kernel (its torch op) with B rows per program and W warps, for each of --configs (default: the
-  op's own list, its first entry the op's default launch).
+  op's own list, its first entry the op's default launch); `triton BxWpP`: the same on a persistent grid, P programs
+  per SM each looping over blocks of rows with the next block's loads in flight.
 Reported: ms, effective TB/s (the bytes above over the time), and the deviation from the eager reference (max
 relative scale difference, max e4m3 steps apart, fraction of e4m3 values bitwise equal). Exit 1 if a kernel is
 more than one e4m3 step off the reference (8 in the interpreter, which can miss a carry when it rounds to e4m3).
@@ -75,9 +76,9 @@ def swiglu_inputs(rows: int, f: int, device: torch.device) -> tuple[tuple, int]:
 
 
 OPS = {
-    "modulate": Op("fp8_rows.json", 5376, 96, "1x8,1x16,1x4,2x8,2x16", modulate_inputs,
+    "modulate": Op("fp8_rows.json", 5376, 96, "1x8,1x16,1x4,2x8,2x16,1x8p2,1x8p4", modulate_inputs,
                    "modulate_fp8_reference", "modulate_fp8_rows_op"),
-    "swiglu": Op("swiglu_fp8.json", 14336, 96, "1x16,1x8,1x32,2x16,2x32,4x32", swiglu_inputs,
+    "swiglu": Op("swiglu_fp8.json", 14336, 96, "1x16,1x8,1x32,2x16,2x32,4x32,1x16p2,1x8p4", swiglu_inputs,
                  "swiglu_fp8_reference", "swiglu_fp8_rows_op"),
 }
 
