@@ -24,11 +24,11 @@ when fc2 is an fp8 linear it quantises that bf16 product per row. `swiglu_fp8` (
 `h3stages::swiglu_fp8_rows`, dispatched as `modulate_fp8`; reference `swiglu_fp8_reference` = `swiglu` then
 `quantize_fp8_rowwise`) reads each element of y once, a whole row per program in registers, and writes `Fp8Rows`.
 Its arithmetic is the reference's as torch runs it on CUDA: silu = x / (1 + exp(-x)) in fp32 (CUDA's expf, an IEEE
-division) rounded to bf16, the bf16 product rounded to bf16, then the same row quantisation as the modulation
-kernel (`_store_fp8_rows`, shared). No reduction order enters the values (a max is exact), so a difference can only
-come from libdevice's expf against the one torch is built with; tests/test_fp8_rows.py bounds it as the modulation
-kernel's. dit_svc/model.py's MLP uses it in
-eager blocks and, while `SWIGLU_IN_COMPILED_BLOCKS` says so, in compiled ones.
+division as `_div_rn` writes it out) rounded to bf16, the bf16 product rounded to bf16, then the same row
+quantisation as the modulation kernel (`_store_fp8_rows`, shared). No reduction order enters the values (a max is
+exact), so a difference can only come from libdevice's expf against the one torch is built with;
+tests/test_fp8_rows.py bounds it as the modulation kernel's. dit_svc/model.py's MLP uses it in eager blocks and,
+while `SWIGLU_IN_COMPILED_BLOCKS` says so, in compiled ones.
 """
 
 from __future__ import annotations
@@ -253,7 +253,7 @@ def swiglu_launch(y: torch.Tensor, block_rows: int = SWIGLU_BLOCK_ROWS, num_warp
         _swiglu_fp8_kernel[grid](
             y, q, q_scale, rows, f, y.stride(0),
             FP8_MAX=FP8_E4M3_MAX, INV_FP8_MAX=1.0 / FP8_E4M3_MAX, SCALE_FLOOR=FP8_SCALE_FLOOR, BLOCK_R=block_rows,
-            BLOCK_C=triton.next_power_of_2(f), LIBDEVICE=not interpreting(_swiglu_fp8_kernel), PERSISTENT=persistent,
+            BLOCK_C=triton.next_power_of_2(f), CUDA=not interpreting(_swiglu_fp8_kernel), PERSISTENT=persistent,
             num_warps=num_warps,
             enable_fp_fusion=False,  # no FMA contraction: products rounded as the reference's separate ops are
         )
@@ -261,6 +261,25 @@ def swiglu_launch(y: torch.Tensor, block_rows: int = SWIGLU_BLOCK_ROWS, num_warp
 
 
 if triton is not None:
+
+    @triton.jit
+    def _div_rn(a, b, CUDA: tl.constexpr):
+        """a / b as torch's CUDA kernels divide (IEEE, round to nearest even), for b in [1, 2^126) and a finite,
+        nonzero a (callers handle the rest). On CUDA: the instruction sequence of the fast path that IEEE division
+        (`div.rn`) compiles to (approximate reciprocal, one Newton step, the quotient and one correction, all FMAs)
+        without the range check and slow-path call around it, which operands in that range never take. That call,
+        one per element, took the SwiGLU kernel from 40 to 96 registers per thread at 1x16 (ptxas for sm_90): one
+        row in flight per SM instead of three. tests/test_fp8_rows.py checks the sequence against IEEE division
+        over that range. In the CPU interpreter (CUDA False): div_rn."""
+        if CUDA:
+            r = tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=r,r", [b], dtype=tl.float32,
+                                          is_pure=True, pack=1)
+            r = tl.fma(tl.fma(-b, r, 1.0), r, r)
+            q = a * r
+            q = tl.fma(tl.fma(-b, q, a), r, q)
+        else:
+            q = tl.math.div_rn(a, b)
+        return q
 
     @triton.jit
     def _store_fp8_rows(y, mask, row, row_ok, ch, C, q_ptr, qs_ptr, FP8_MAX: tl.constexpr,
@@ -322,20 +341,20 @@ if triton is not None:
     @triton.jit
     def _swiglu_fp8_kernel(y_ptr, q_ptr, qs_ptr, rows, C, y_s_row, FP8_MAX: tl.constexpr,
                            INV_FP8_MAX: tl.constexpr, SCALE_FLOOR: tl.constexpr, BLOCK_R: tl.constexpr,
-                           BLOCK_C: tl.constexpr, LIBDEVICE: tl.constexpr, PERSISTENT: tl.constexpr):
+                           BLOCK_C: tl.constexpr, CUDA: tl.constexpr, PERSISTENT: tl.constexpr):
         """One program: BLOCK_R whole rows, or (PERSISTENT) every num_programs-th block of them."""
         if PERSISTENT:
             for blk in tl.range(tl.program_id(0), tl.cdiv(rows, BLOCK_R), tl.num_programs(0), num_stages=2):
                 _swiglu_rows(blk, y_ptr, q_ptr, qs_ptr, rows, C, y_s_row, FP8_MAX, INV_FP8_MAX, SCALE_FLOOR, BLOCK_R,
-                             BLOCK_C, LIBDEVICE)
+                             BLOCK_C, CUDA)
         else:
             _swiglu_rows(tl.program_id(0), y_ptr, q_ptr, qs_ptr, rows, C, y_s_row, FP8_MAX, INV_FP8_MAX, SCALE_FLOOR,
-                         BLOCK_R, BLOCK_C, LIBDEVICE)
+                         BLOCK_R, BLOCK_C, CUDA)
 
     @triton.jit
     def _swiglu_rows(blk, y_ptr, q_ptr, qs_ptr, rows, C, y_s_row, FP8_MAX: tl.constexpr, INV_FP8_MAX: tl.constexpr,
                      SCALE_FLOOR: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
-                     LIBDEVICE: tl.constexpr):
+                     CUDA: tl.constexpr):
         """Block `blk` of BLOCK_R whole rows of y = [gate | value] (C = F channels each), each element read once.
         Every step is one op of `swiglu_fp8_reference` as torch runs it on CUDA, in its order."""
         row = blk * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -348,12 +367,18 @@ if triton is not None:
         value = tl.load(at + C, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
         # 1. F.silu on bf16: x / (1 + exp(-x)) in fp32 (CUDA's expf, as libdevice has it; tl.exp would be the
         #    approximate ex2 instruction; the CPU interpreter has no libdevice), an IEEE division, rounded to bf16;
-        #    then the product of two bf16 values, rounded to bf16.
-        if LIBDEVICE:
+        #    then the product of two bf16 values, rounded to bf16. The division outside `_div_rn`'s range: for
+        #    x < -87.3, 1 + exp(-x) >= 2^126 (both sides scaled by 1/4: the same quotient) or inf (x / inf = -0);
+        #    x = 0 or +inf gives x.
+        if CUDA:
             e = libdevice.exp(-gate)
         else:
             e = tl.exp(-gate)
-        silu = tl.math.div_rn(gate, 1.0 + e).to(tl.bfloat16).to(tl.float32)
+        d = 1.0 + e
+        big = d >= 8.507059173023462e37  # 2^126
+        silu = _div_rn(tl.where(big, gate * 0.25, gate), tl.where(big, d * 0.25, d), CUDA)
+        silu = tl.where(d == float("inf"), gate * 0.0, silu)
+        silu = tl.where((gate == 0.0) | (gate == float("inf")), gate, silu).to(tl.bfloat16).to(tl.float32)
         y = (silu * value).to(tl.bfloat16)
         # 2. The row quantisation.
         _store_fp8_rows(y, mask, row, row_ok, ch, C, q_ptr, qs_ptr, FP8_MAX, INV_FP8_MAX, SCALE_FLOOR)

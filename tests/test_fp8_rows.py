@@ -168,6 +168,43 @@ def test_swiglu_reference_is_the_previous_math_bit_for_bit():
         assert torch.equal(got.q.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(got.scale, want_s)
 
 
+def test_swiglu_division_sequence_is_ieee():
+    """The SwiGLU kernel's division on CUDA (stagekit/fp8_rows._div_rn: approximate reciprocal, a Newton step, the
+    quotient and one correction, all FMAs; the fast path nvcc emits for IEEE division) emulated here, for every
+    bf16 gate over its 1 + exp(-gate) and for random bf16 numerators over b in [1, 2^126): from the correctly
+    rounded reciprocal, the IEEE fp32 quotient; from one up to 2 ulps off (the hardware's approximation), a quotient
+    whose bf16 rounding (all the kernel keeps) is still the IEEE one's."""
+    def fma(x, y, z):
+        """fp32 fma: the product is exact in fp64; the sum is rounded to odd in fp64 (its error from TwoSum), which
+        the rounding to fp32 then turns into the correctly rounded result (no double rounding)."""
+        p, z = x.double() * y.double(), z.double()
+        s = p + z
+        v = s - p
+        err = (p - (s - v)) + (z - v)
+        bits = s.view(torch.int64)
+        fix = (err != 0) & (bits % 2 == 0)
+        bits = bits + torch.where(fix, torch.where((err > 0) == (s > 0), 1, -1), 0)
+        return bits.view(torch.float64).float()
+
+    def div(a, b, ulps):
+        r = ((1 / b).view(torch.int32) + ulps).view(torch.float32)
+        r = fma(fma(-b, r, torch.ones_like(b)), r, r)
+        q = a * r
+        return fma(fma(-b, q, a), r, q)
+
+    gate = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).float()
+    b = 1 + torch.exp(-gate)
+    keep = gate.isfinite() & (gate != 0) & (b < 2.0 ** 126)
+    g = torch.Generator().manual_seed(0)
+    a = (torch.randn(200_000, generator=g) * torch.exp(torch.rand(200_000, generator=g) * 40 - 20)).bfloat16().float()
+    rand_b = torch.exp2(torch.rand(200_000, generator=g) * 125.9)
+    a, b = torch.cat([gate[keep], a[a != 0]]), torch.cat([b[keep], rand_b[a != 0]])
+    want = a / b
+    assert torch.equal(div(a, b, 0).view(torch.int32), want.view(torch.int32))
+    for ulps in (-2, -1, 1, 2):
+        assert torch.equal(div(a, b, ulps).bfloat16().view(torch.int16), want.bfloat16().view(torch.int16)), ulps
+
+
 def check_swiglu_kernel(rows: int, f: int, device: str, block_rows: int = 1, num_warps: int = 16,
                         interpreted: bool = False, programs_per_sm: int = 0) -> None:
     """Triton (stagekit.fp8_rows.swiglu_launch) vs the reference, bounds as `check_kernel`; in the interpreter
