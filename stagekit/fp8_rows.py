@@ -27,8 +27,9 @@ Its arithmetic is the reference's as torch runs it on CUDA: silu = x / (1 + exp(
 division as `_div_rn` writes it out) rounded to bf16, the bf16 product rounded to bf16, then the same row
 quantisation as the modulation kernel (`_store_fp8_rows`, shared). No reduction order enters the values (a max is
 exact), so a difference can only come from libdevice's expf against the one torch is built with (and from gates
-below -87.3, `_swiglu_rows` says why not in practice); tests/test_fp8_rows.py bounds it as the modulation kernel's. dit_svc/model.py's MLP uses it in eager blocks and,
-while `SWIGLU_IN_COMPILED_BLOCKS` says so, in compiled ones.
+below -87.3, `_swiglu_rows` says why not in practice); tests/test_fp8_rows.py bounds it as the modulation
+kernel's. dit_svc/model.py's MLP uses it in eager blocks and, while `SWIGLU_IN_COMPILED_BLOCKS` says so, in
+compiled ones.
 """
 
 from __future__ import annotations
