@@ -27,6 +27,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from stagekit import fp8_rows
+from stagekit.fp8_attention import Fp8QKInput, static_qk_mult
 from stagekit.kernels import Fp8Rows
 from stagekit.qk_norm_rope import qk_norm_rope, rms_norm
 
@@ -51,8 +52,20 @@ TIMESTEP_MAX_PERIOD = 10000.0  # sinusoid base; t is used unscaled in [0, 1]
 # (name, in_features, out_features, bias, tp style from H3DiT._tp_plan, None = replicated) -> module.
 LinearFactory = Callable[[str, int, int, bool, "TPStyle | None"], nn.Module]
 # (q, k, v) [1, heads, S, head_dim] in compute dtype -> o, same shape: full non-causal attention, scale 1/sqrt(d).
-# stagekit.kernels picks one per GPU architecture (cuDNN / flash SDPA, comfy-kitchen int8, ...).
+# stagekit.kernels picks one per GPU architecture (cuDNN / flash SDPA, comfy-kitchen int8, ...). One that also has
+# `takes_fp8_qk(rows)` and `attend_fp8_qk(Fp8QKInput)` (stagekit.fp8_attention.Fp8Attention) gets q and k in e4m3
+# straight from the q/k norm kernel where that returns True (Attention.empty_qkv).
 AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+# One block's attention input as Attention.project_qkv writes it: [3, 1, heads, S, head_dim] in compute dtype, or
+# q and k already in e4m3 for an fp8 attention kernel (Fp8QKInput).
+QKVBuffer = torch.Tensor | Fp8QKInput
+
+
+def qkv_rows(qkv: QKVBuffer, start: int, end: int) -> QKVBuffer:
+    """The rows [start, end) of an attention input buffer (views), where one row chunk's project_qkv writes."""
+    if isinstance(qkv, torch.Tensor):
+        return qkv[:, :, :, start:end]
+    return Fp8QKInput(qkv.qk8[:, :, :, start:end], qkv.v[:, :, start:end], qkv.qk_mult)
 
 
 def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -108,19 +121,36 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(cfg.head_dim, cfg.eps)
         self.out_proj = ctx.linear(f"{name}.out_proj", cfg.attn_inner, cfg.hidden, False)
 
-    def empty_qkv(self, s: int, device: torch.device) -> torch.Tensor:
-        """Uninitialised [3, 1, local_heads, S, head_dim] (compute dtype): q, k, v in the attention kernel's layout."""
-        return torch.empty(3, 1, self.local_heads, s, self.head_dim, dtype=self.compute_dtype, device=device)
+    def empty_qkv(self, s: int, device: torch.device, fp8_qk: bool = True) -> QKVBuffer:
+        """Uninitialised attention input for S rows: [3, 1, local_heads, S, head_dim] (compute dtype), q, k, v in the
+        attention kernel's layout; or, when fp8_qk and the attention function takes them for S rows, Fp8QKInput
+        (q, k e4m3 with static scales from this layer's norm gains, v in compute dtype)."""
+        takes = getattr(self.attention_fn, "takes_fp8_qk", None)
+        shape = (1, self.local_heads, s, self.head_dim)
+        if fp8_qk and takes is not None and takes(s):
+            return Fp8QKInput(torch.empty(2, *shape, dtype=torch.float8_e4m3fn, device=device),
+                              torch.empty(shape, dtype=self.compute_dtype, device=device),
+                              static_qk_mult(self.q_norm.weight, self.k_norm.weight))
+        return torch.empty(3, *shape, dtype=self.compute_dtype, device=device)
 
     def project_qkv(self, h: torch.Tensor | Fp8Rows, rope: tuple[torch.Tensor, torch.Tensor] | None,
-                    out: torch.Tensor) -> None:
+                    out: QKVBuffer) -> None:
         """h [rows, hidden] (compute dtype), or Fp8Rows when qkv_proj takes them (Block._modulate); rope (cos, sin)
-        [rows, rope_dim] fp32 or None -> written into out [3, 1, local_heads, rows, head_dim] (a row slice of
-        `empty_qkv`)."""
+        [rows, rope_dim] fp32 or None -> written into out (the rows of an `empty_qkv` buffer, `qkv_rows`)."""
         rows = (h.q if isinstance(h, Fp8Rows) else h).shape[0]
         y = self.qkv_proj(h).reshape(rows, 3, self.local_heads, self.head_dim)
         # fp32 RMSNorm of q, k, RoPE, layout write (one Triton kernel on CUDA; stagekit/qk_norm_rope.py)
-        qk_norm_rope(y, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, rope, out)
+        qw, kw, eps = self.q_norm.weight, self.k_norm.weight, self.q_norm.eps
+        if isinstance(out, Fp8QKInput):
+            qk_norm_rope(y, qw, kw, eps, rope, out.qk8, out.v, out.qk_mult)
+        else:
+            qk_norm_rope(y, qw, kw, eps, rope, out[:2], out[2])
+
+    def attend(self, qkv: QKVBuffer) -> torch.Tensor:
+        """Attention over all rows of an `empty_qkv` buffer -> o [1, local_heads, S, head_dim] (compute dtype)."""
+        if isinstance(qkv, Fp8QKInput):
+            return self.attention_fn.attend_fp8_qk(qkv)
+        return self.attention_fn(qkv[0], qkv[1], qkv[2])
 
     def project_out(self, o: torch.Tensor) -> torch.Tensor:
         """o [1, local_heads, rows, head_dim] (compute dtype) -> fp32 [rows, hidden]: this rank's partial sum of the
@@ -134,7 +164,7 @@ class Attention(nn.Module):
         qkv = self.empty_qkv(h.shape[0], h.device)
         self.project_qkv(h, rope, qkv)
         # [1, heads, S, d]; SDPA never materialises the S x S matrix (flash / memory-efficient kernels).
-        out = self.project_out(self.attention_fn(qkv[0], qkv[1], qkv[2]))
+        out = self.project_out(self.attend(qkv))
         if self.group is not None:
             dist.all_reduce(out, group=self.group)  # fp32 partial sums of the row-parallel out_proj
         return out
@@ -254,15 +284,15 @@ class Block(nn.Module):
         shift1, scale1, gate1, shift2, scale2, gate2 = mod.chunk(6, dim=-1)
         chunks = [(s, min(s + n, x.shape[0])) for s in range(0, x.shape[0], n)]
         cos, sin = rope
-        # 1. q, k, v of every row, a row chunk at a time.
-        qkv = self.attn.empty_qkv(x.shape[0], x.device)
+        # 1. q, k, v of every row, a row chunk at a time (sequence parallel: in compute dtype, for the all-to-all).
+        qkv = self.attn.empty_qkv(x.shape[0], x.device, fp8_qk=shards is None)
         for s, e in chunks:
             h = self._modulate(x[s:e], self.norm1, shift1, scale1, rows[s:e], into=self.attn.qkv_proj)
-            self.attn.project_qkv(h, (cos[s:e], sin[s:e]), qkv[:, :, :, s:e])
+            self.attn.project_qkv(h, (cos[s:e], sin[s:e]), qkv_rows(qkv, s, e))
         # 2. attention over all rows. Sequence parallel (Ulysses, dit_svc/sp.py): an all-to-all trades this rank's
         #    rows of every local head for every row of 1/sp of them; another brings the output rows back.
         if shards is None:
-            o = self.attn.attention_fn(qkv[0], qkv[1], qkv[2])
+            o = self.attn.attend(qkv)
             del qkv
         else:
             hs, d = self.attn.local_heads // shards.n, self.attn.head_dim

@@ -16,6 +16,8 @@ kept once as the "master" copy and every variant's linears are built from it and
   (b+)/(a+) fp8c / int8c: (b)/(a) with every Block torch.compile'd in place (regional compilation), run last
   (e)/(e+) fp8a / fp8ca: (b)/(b+) with cuDNN fp8 attention; their velocity error vs (b)/(b+) (same linears, bf16
       attention) is the full-forward error of 8-bit attention ("rel_err_vs_bf16_attention")
+  (e+f) fp8caf: (e+) with fast-accumulation fp8 GEMMs, what the engine runs; fp8caf-mqk: the same with q/k
+      quantised by the attention's own statistics pass instead of with static scales by the q/k norm kernel
 One step = one forward (t2va, L = 38 text rows). FLOPs = 2*385,351,680*S*layers + 4*S^2*7168*layers. Peak rates
 (bf16 GEMM, fp8 _scaled_mm, int8 _int_mm, SDPA cuDNN at the real S) are measured in the same run; "floor" = linear
 FLOPs at the best linear rate (fp8) + attention FLOPs at the cuDNN rate. Also per variant: the time its kernels
@@ -55,7 +57,7 @@ from dit_svc.engine import CHUNK_ROWS_COMPILED_ONE, CHUNK_ROWS_EAGER  # noqa: E4
 from dit_svc.layout import build_layout  # noqa: E402
 from dit_svc.model import FP32_PARAM_PREFIXES, H3DiT  # noqa: E402
 from dit_svc.tiny_checkpoint import convrot_groupsize, diffusers_config, iter_random_int8_convrot_weights  # noqa: E402
-from stagekit.fp8_attention import DEFAULT_OPTIONS, Fp8Attention, Fp8AttentionOptions  # noqa: E402
+from stagekit.fp8_attention import DEFAULT_OPTIONS, OPTIONS, Fp8Attention, Fp8AttentionOptions  # noqa: E402
 from stagekit.kernels import (  # noqa: E402
     Fp8RowwiseLinear,
     KernelConfig,
@@ -88,6 +90,9 @@ VARIANTS = {  # name -> (linear kernel, attention kernel, torch.compile the bloc
     "fp8ca": ("fp8", "fp8", True, "(e+) fp8 + cuDNN fp8 attention + torch.compile(blocks)"),
     # The same with the fp8 GEMMs' fast (reduced-precision) accumulation (stagekit/kernels.FP8_FAST_ACCUM).
     "fp8caf": ("fp8", "fp8", True, "(e+f) fp8 fast-accumulation GEMMs + cuDNN fp8 attention + torch.compile(blocks)"),
+    # The same with q/k quantised by the attention's own statistics pass (fp8 attention option head+kv), instead of
+    # by the q/k norm kernel with static scales (the default, stagekit/fp8_attention.py "static q/k scales").
+    "fp8caf-mqk": ("fp8", "fp8-measured-qk", True, "(e+f) with q/k scales measured by the attention's own pass"),
 }
 # fp8 variants that run their GEMMs with fast accumulation; every other fp8 variant runs without it.
 FAST_ACCUM_VARIANTS = {"fp8caf"}
@@ -143,6 +148,11 @@ def linear_builder(kernel: str, device: torch.device):
 def attention_fn(kernel: str, device: torch.device):
     """The registry's attention callable for `kernel`; on the CPU (--tiny) fp8 is its emulation (on every
     sequence: the tiny ones are shorter than min_seq) and the SDPA kernels are the math one."""
+    if kernel == "fp8-measured-qk":  # not a registry kernel: fp8 attention with its previous default options
+        options = OPTIONS["head+kv"]
+        if device.type == "cuda":
+            return Fp8Attention(options, compile_quant=True)  # as the registry makes its fp8 candidate
+        return Fp8Attention(Fp8AttentionOptions(**{**options.__dict__, "min_seq": 0}), emulate=True)
     if device.type == "cuda":
         return default_attention_candidates()[kernel].make_fn()
     if kernel == "fp8":

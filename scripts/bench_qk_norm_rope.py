@@ -9,10 +9,13 @@ For each S (y = the qkv projection's output [S, 3 * H * D], bf16; gains [D] bf16
 - `reference eager`: stagekit.qk_norm_rope.qk_norm_rope_reference (the model's math, op by op);
 - `reference compiled`: the same under torch.compile (what a compiled block did before the kernel, on its own);
 - `triton BxW`: the kernel (torch op h3stages::qk_norm_rope_) with B rows per program and W warps, for each of
-  --configs.
-Reported: ms, effective TB/s (bytes of y, cos and sin read once plus out written once, over the time), and the
-kernel's error against the eager reference (max abs, max in units of the value's ulp, fraction bitwise equal).
-Writes <out>/qk_norm_rope.json; exit 1 if a kernel's output is off by more than one ulp.
+  --configs;
+- `triton BxW e4m3 q/k`: the kernel writing q and k in e4m3 with the static scales of fp8 attention
+  (stagekit/fp8_attention.py `static_qk_mult`), for each of --configs (what the DiT blocks run with fp8 attention).
+Reported: ms, effective TB/s (bytes of y, cos and sin read once plus the outputs written once, over the time; the
+e4m3 variants write a quarter less), and the kernel's error against the eager reference (bf16 out: max abs, max in
+units of the value's ulp, fraction bitwise equal; e4m3 q/k: max e4m3 steps from the reference's e4m3, fraction
+equal). Writes <out>/qk_norm_rope.json; exit 1 if a kernel's output is off by more than one ulp or one e4m3 step.
 """
 
 from __future__ import annotations
@@ -44,6 +47,13 @@ def inputs(s: int, heads: int, d: int, r: int, device: torch.device):
     rope = (torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1))
     out = torch.empty(3, 1, heads, s, d, dtype=torch.bfloat16, device=device)
     return y, gains, rope, out
+
+
+def e4m3_errors(got: torch.Tensor, want: torch.Tensor) -> dict:
+    from stagekit.fp8_attention import e4m3_steps
+
+    steps = e4m3_steps(got, want)
+    return {"max_steps": steps.max().item(), "exact_fraction": (steps == 0).float().mean().item()}
 
 
 ABS_FLOOR = 1e-6  # absolute error allowed on top of one ulp (see errors())
@@ -79,6 +89,7 @@ def main() -> int:
         print("bench_qk_norm_rope.py needs a CUDA GPU (or --tiny)", file=sys.stderr)
         return 2
     from stagekit import qk_norm_rope as qk
+    from stagekit.fp8_attention import static_qk_mult
 
     configs = [tuple(int(v) for v in c.split("x")) for c in args.configs.split(",")]
     # --tiny without triton (CI): the reference only. Compiling on the CPU would time a C++ build, not the op.
@@ -87,35 +98,55 @@ def main() -> int:
                     "torch": torch.__version__, "triton": qk.triton.__version__ if run_triton else None,
                     "heads": heads, "head_dim": d, "rope_dim": r, "dtype": "bfloat16", "iters": args.iters,
                     "shapes": []}
-    worst_ulps = 0.0
+    worst_ulps, worst_steps = 0.0, 0
     for s in shapes:
         y, (qw, kw), rope, out = inputs(s, heads, d, r, device)
+        qk8 = torch.empty(2, 1, heads, s, d, dtype=torch.float8_e4m3fn, device=device)
+        mult = static_qk_mult(qw, kw)
         moved = 2 * y.numel() * y.element_size() + sum(t.numel() * t.element_size() for t in rope)
-        ref = torch.empty_like(out)
-        qk.qk_norm_rope_reference(y, qw, kw, EPS, rope, ref)
-        variants = {"reference eager": lambda: qk.qk_norm_rope_reference(y, qw, kw, EPS, rope, out)}
+        moved8 = moved - qk8.numel() * (y.element_size() - 1)
+        ref, ref8 = torch.empty_like(out), torch.empty_like(qk8)
+        qk.qk_norm_rope_reference(y, qw, kw, EPS, rope, ref[:2], ref[2])
+        qk.qk_norm_rope_reference(y, qw, kw, EPS, rope, ref8, ref[2], mult)
+        variants = {"reference eager": lambda: qk.qk_norm_rope_reference(y, qw, kw, EPS, rope, out[:2], out[2])}
         if device.type == "cuda":
             compiled = torch.compile(qk.qk_norm_rope_reference, dynamic=False)
-            variants["reference compiled"] = lambda: compiled(y, qw, kw, EPS, rope, out)
-        errs = {}
+            variants["reference compiled"] = lambda: compiled(y, qw, kw, EPS, rope, out[:2], out[2])
+        errs, variants8 = {}, {}
         if run_triton:
             for b, w in configs:
                 name = f"triton {b}x{w}"
-                variants[name] = lambda b=b, w=w: qk.qk_norm_rope_op(y, qw, kw, EPS, *rope, out, b, w)
+                variants[name] = lambda b=b, w=w: qk.qk_norm_rope_op(y, qw, kw, EPS, *rope, out[:2], out[2], None,
+                                                                     b, w)
                 out.fill_(float("nan"))
                 variants[name]()
                 errs[name] = errors(out, ref)
                 worst_ulps = max(worst_ulps, errs[name]["max_ulps"])
-        notes = {name: f"  max |err| {e['max_abs']:.2e} ({e['max_ulps']:.2f} ulp), {e['exact_fraction']:.5f} "
-                       "bitwise equal" for name, e in errs.items()}
-        result["shapes"].append({"rows": s, "bytes": moved, "errors": errs, "variants": time_variants(
-            variants, device, args.iters, args.tiny, moved, f"S={s:6d}", notes)})
-        del y, out, ref
+                name8 = f"{name} e4m3 q/k"
+                variants8[name8] = lambda b=b, w=w: qk.qk_norm_rope_op(y, qw, kw, EPS, *rope, qk8, out[2], mult,
+                                                                       b, w)
+                variants8[name8]()
+                errs[name8] = e4m3_errors(qk8, ref8)
+                worst_steps = max(worst_steps, errs[name8]["max_steps"])
+        notes = {name: (f"  max |err| {e['max_abs']:.2e} ({e['max_ulps']:.2f} ulp), {e['exact_fraction']:.5f} "
+                        "bitwise equal" if "max_ulps" in e else
+                        f"  max {e['max_steps']} e4m3 steps, {e['exact_fraction']:.5f} equal")
+                 for name, e in errs.items()}
+        timed = time_variants(variants, device, args.iters, args.tiny, moved, f"S={s:6d}", notes)
+        timed.update(time_variants(variants8, device, args.iters, args.tiny, moved8, f"S={s:6d}", notes))
+        result["shapes"].append({"rows": s, "bytes": moved, "bytes_e4m3_qk": moved8, "errors": errs,
+                                 "variants": timed})
+        del y, out, ref, qk8, ref8
     write_result(args.out, "qk_norm_rope.json", result)
     # One ulp is the bound on the GPU; the interpreter casts to bf16 toward zero, which can add another.
     bound = 1.0 if device.type == "cuda" else 2.0
     if worst_ulps > bound:
         print(f"FAIL: the kernel is {worst_ulps:.2f} ulp off the reference (bound {bound})", file=sys.stderr)
+        return 1
+    # The interpreter can also miss the carry when it rounds to e4m3 (tests/test_fp8_rows.py).
+    bound8 = 1 if device.type == "cuda" else 8
+    if worst_steps > bound8:
+        print(f"FAIL: the e4m3 q/k are {worst_steps} steps off the reference (bound {bound8})", file=sys.stderr)
         return 1
     return 0
 

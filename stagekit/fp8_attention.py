@@ -13,7 +13,14 @@ adds around it (docs/performance.md, "8-bit attention"):
    otherwise spend the 3-bit mantissa of every key.
 3. V smoothing: V minus its per-channel mean, added back to O. Exact because softmax rows sum to one; the fp8 O
    then carries only the deviation, so its rounding error shrinks with it.
-4. Per-head V (and O) scales. The kernel's descales are scalars, but O is linear in V: each head's V is scaled to
+4. Static q/k scales (`static_qk`). Where the q/k RMSNorm kernel writes q and k (stagekit/qk_norm_rope.py, in
+   dit_svc/model.py's blocks), it writes them in e4m3 right away, with scales that need no statistics: after an
+   RMSNorm over D channels every |x_i| <= sqrt(D) (the squares sum to at most D), times its gain, and RoPE rotates
+   channel pairs, which keeps a pair's norm; so |q_i| <= sqrt(D) * max|gain| (`static_qk_mult`). e4m3's relative
+   step is the same over its normal range, so a loose bound costs only values ~2^-14 of the largest, which the
+   attention sums cannot see. The quantisation pass then reads only V. K is not smoothed there (it would need K's
+   mean first); measured, smoothing K changed nothing (docs/performance.md, "8-bit attention").
+5. Per-head V (and O) scales. The kernel's descales are scalars, but O is linear in V: each head's V is scaled to
    the full e4m3 range by its own factor, the kernel is told descale_v = 1, and each head's O is divided by that
    factor afterwards. Exact, and needs nothing from cuDNN. Q and K stay per tensor: their softmax logits need
    one common descale per head pair, which the kernel does not take, and after the per-head RMSNorm (which
@@ -72,6 +79,9 @@ class Fp8AttentionOptions:
     smooth_k: bool = True  # subtract K's per-channel mean over tokens
     smooth_v: bool = True  # subtract V's per-channel mean over tokens, add it back to O
     min_seq: int = 1024  # shorter sequences (e.g. the text refiner) run the compute-dtype SDPA instead
+    # q and k arrive in e4m3 from the q/k norm kernel where the model can do that (`takes_fp8_qk`; not under
+    # sequence parallelism, whose all-to-all moves compute-dtype q, k, v); elsewhere quantised as above.
+    static_qk: bool = False
 
     def __post_init__(self) -> None:
         if self.v_scale not in ("tensor", "head"):
@@ -79,7 +89,8 @@ class Fp8AttentionOptions:
 
     @property
     def label(self) -> str:
-        return f"{self.v_scale}{'+k' if self.smooth_k else ''}{'+v' if self.smooth_v else ''}"
+        return (f"{self.v_scale}{'+k' if self.smooth_k else ''}{'+v' if self.smooth_v else ''}"
+                f"{'+static-qk' if self.static_qk else ''}")
 
 
 # The options the benchmark compares (scripts/bench_attention.py); DEFAULT is what the registry runs.
@@ -88,8 +99,9 @@ OPTIONS = {
     "head": Fp8AttentionOptions(v_scale="head", smooth_k=False, smooth_v=False),
     "head+k": Fp8AttentionOptions(v_scale="head", smooth_k=True, smooth_v=False),
     "head+kv": Fp8AttentionOptions(v_scale="head", smooth_k=True, smooth_v=True),
+    "head+kv+static-qk": Fp8AttentionOptions(v_scale="head", smooth_k=True, smooth_v=True, static_qk=True),
 }
-DEFAULT_OPTIONS = OPTIONS["head+kv"]
+DEFAULT_OPTIONS = OPTIONS["head+kv+static-qk"]
 
 
 class Fp8QKV(NamedTuple):
@@ -148,13 +160,35 @@ def fp8_scales(q_amax: torch.Tensor, k: ChannelStats, v: ChannelStats, options: 
     both quantisers. A few tiny ops on [H, 1, D] tensors."""
     aq = q_amax.clamp(min=AMAX_FLOOR)
     ak = _centered_amax(k).amax().clamp(min=AMAX_FLOOR)
+    mult_v, o_scale = v_scales(v, options)
+    return Fp8Scales(E4M3_MAX / aq, E4M3_MAX / ak, mult_v, k.mean, v.mean, (aq / E4M3_MAX).reshape(1),
+                     (ak / E4M3_MAX).reshape(1), o_scale)
+
+
+def v_scales(v: ChannelStats, options: Fp8AttentionOptions) -> tuple[torch.Tensor, torch.Tensor]:
+    """V's e4m3 multiplier and O's dequantisation scale, both [H, 1, 1] fp32, from V's statistics."""
     amv = _centered_amax(v)
     av = amv.amax(dim=(1, 2), keepdim=True) if options.v_scale == "head" else amv.amax().expand(amv.shape[0], 1, 1)
     av = av.clamp(min=AMAX_FLOOR)  # [H, 1, 1]
     # The kernel sees V in quantised units (descale_v = 1) and writes O * OUTPUT_SCALE in those units.
-    o_scale = av / (E4M3_MAX * OUTPUT_SCALE)
-    return Fp8Scales(E4M3_MAX / aq, E4M3_MAX / ak, E4M3_MAX / av, k.mean, v.mean, (aq / E4M3_MAX).reshape(1),
-                     (ak / E4M3_MAX).reshape(1), o_scale)
+    return E4M3_MAX / av, av / (E4M3_MAX * OUTPUT_SCALE)
+
+
+def static_qk_mult(q_weight: torch.Tensor, k_weight: torch.Tensor) -> torch.Tensor:
+    """[2] fp32 e4m3 multipliers of q and k after RMSNorm (+ RoPE) with these gains [D] (module docstring, 4):
+    448 / (sqrt(D) * max|gain|)."""
+    bound = torch.stack([q_weight.float().abs().amax(), k_weight.float().abs().amax()]) * math.sqrt(q_weight.shape[0])
+    return E4M3_MAX / bound.clamp(min=AMAX_FLOOR)
+
+
+class Fp8QKInput(NamedTuple):
+    """One block's attention input with q and k already in e4m3 (what `Fp8Attention.attend_fp8_qk` takes; the q/k
+    norm kernel writes it): qk8 [2, 1, H, S, D] e4m3 = clamp(x * qk_mult[i], +-448) for q (i = 0) and k (i = 1),
+    v [1, H, S, D] compute dtype, qk_mult [2] fp32 (`static_qk_mult`)."""
+
+    qk8: torch.Tensor
+    v: torch.Tensor
+    qk_mult: torch.Tensor
 
 
 def _to_e4m3(x: torch.Tensor, shift: torch.Tensor | None, mult: torch.Tensor) -> torch.Tensor:
@@ -176,6 +210,16 @@ def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: Fp8
                     options)
     return Fp8QKV(_to_e4m3(qf, None, sc.mult_q), _to_e4m3(kf, sc.shift_k, sc.mult_k),
                   _to_e4m3(vf, sc.shift_v, sc.mult_v), sc.descale_q, sc.descale_k, sc.o_scale, sc.shift_v)
+
+
+def quantize_v(v: torch.Tensor, options: Fp8AttentionOptions) -> tuple[torch.Tensor, torch.Tensor,
+                                                                        torch.Tensor | None]:
+    """V alone, as `quantize_qkv` quantises it: v [H, S, D] -> (v8 [H, S, D] e4m3, o_scale [H, 1, 1], o_shift
+    [H, 1, D] or None). Pure torch; the reference for `quantize_v_triton`."""
+    vf = v.float()
+    st = _channel_stats(vf, options.smooth_v)
+    mult_v, o_scale = v_scales(st, options)
+    return _to_e4m3(vf, st.mean, mult_v), o_scale, st.mean
 
 
 # ---- The Triton quantiser: one statistics pass and one quantise pass over q, k, v ---------------------------------
@@ -217,7 +261,8 @@ if triton is not None:
     @triton.jit
     def _qkv_stats_kernel(q, k, v, part, S, q_sh, q_ss, k_sh, k_ss, v_sh, v_ss,
                           D: tl.constexpr, ROWS: tl.constexpr, BLOCK_R: tl.constexpr):
-        """part[stat, sec, blk, h, :] = per-channel max / min / sum over rows [blk * ROWS, (blk + 1) * ROWS)."""
+        """part[stat, sec, blk, h, :] = per-channel max / min / sum over rows [blk * ROWS, (blk + 1) * ROWS). A grid of
+        one section (V alone) passes V as q."""
         blk, h, sec = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         nblk, nh = tl.num_programs(0), tl.num_programs(1)
         ptr, sh, ss = _section(sec, q, q_sh, q_ss, k, k_sh, k_ss, v, v_sh, v_ss)
@@ -235,7 +280,7 @@ if triton is not None:
             lo = tl.minimum(lo, tl.where(mask, x, float("inf")))
             acc += x
         out = part + ((sec * nblk + blk) * nh + h).to(tl.int64) * D + cols
-        stat = 3 * nblk.to(tl.int64) * nh * D  # stride of the partials' first axis
+        stat = tl.num_programs(2) * nblk.to(tl.int64) * nh * D  # stride of the partials' first axis
         tl.store(out, tl.max(hi, 0))
         tl.store(out + stat, tl.min(lo, 0))
         tl.store(out + 2 * stat, tl.sum(acc, 0))
@@ -353,6 +398,51 @@ def quantize_qkv_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, optio
     (CUDA; the CPU under TRITON_INTERPRET=1, for tests)."""
     p = _quantize_qkv_fp8(q, k, v, options.v_scale == "head", options.smooth_k, options.smooth_v, list(launch))
     return Fp8QKV(*p[:6], p[6] if options.smooth_v else None)
+
+
+@torch.library.custom_op("h3stages::quantize_v_fp8", mutates_args=())
+def _quantize_v_fp8(v: torch.Tensor, v_head: bool, smooth_v: bool,
+                    launch: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """V alone through the two Triton passes (a grid of one section) as one torch op, opaque to torch.compile.
+    Returns v8, o_scale, o_shift (zeros [H, 1, D] when V is not smoothed)."""
+    if triton is None:
+        raise RuntimeError("the Triton fp8 quantiser needs triton (pip install triton)")
+    lp = TritonQuantLaunch(*launch)
+    if lp.stats_rows % lp.stats_block_r:
+        raise ValueError(f"stats_rows {lp.stats_rows} is not a multiple of stats_block_r {lp.stats_block_r}")
+    options = Fp8AttentionOptions(v_scale="head" if v_head else "tensor", smooth_v=smooth_v)
+    h, s, d = v.shape
+    f32 = dict(dtype=torch.float32, device=v.device)
+    strides = _heads_strides(v) * 3  # the kernels' q, k, v arguments: V three times, section 0 read
+    with torch.cuda.device(v.device) if v.is_cuda else contextlib.nullcontext():
+        nblk = triton.cdiv(s, lp.stats_rows)
+        part = torch.empty(3, 1, nblk, h, d, **f32)  # [max | min | sum, V, row block, head, channel]
+        _qkv_stats_kernel[(nblk, h, 1)](v, v, v, part, s, *strides, D=d, ROWS=lp.stats_rows,
+                                        BLOCK_R=lp.stats_block_r, num_warps=lp.stats_warps)
+        mean = part[2, 0].sum(0)[:, None] / s
+        st = ChannelStats(part[0, 0].amax(0)[:, None], part[1, 0].amin(0)[:, None], mean if smooth_v else None)
+        mult_v, o_scale = v_scales(st, options)
+        o_shift = mean if smooth_v else torch.zeros(h, 1, d, **f32)
+        v8 = torch.empty_like(v, dtype=E4M3)
+        _qkv_quantize_kernel[(triton.cdiv(s, lp.quant_block_r), h, 1)](
+            v, v, v, v8, v8, v8, mult_v.reshape(1, h), o_shift, s, *strides, *(_heads_strides(v8) * 3), D=d,
+            BLOCK_R=lp.quant_block_r, HAS_SHIFT=smooth_v, FP8_MAX=E4M3_MAX, num_warps=lp.quant_warps)
+    return v8, o_scale, o_shift
+
+
+@_quantize_v_fp8.register_fake
+def _(v, v_head, smooth_v, launch):
+    h, _, d = v.shape
+    return (torch.empty_like(v, dtype=E4M3), v.new_empty(h, 1, 1, dtype=torch.float32),
+            v.new_empty(h, 1, d, dtype=torch.float32))
+
+
+def quantize_v_triton(v: torch.Tensor, options: Fp8AttentionOptions,
+                      launch: TritonQuantLaunch = TRITON_LAUNCH) -> tuple[torch.Tensor, torch.Tensor,
+                                                                         torch.Tensor | None]:
+    """`quantize_v` in two Triton passes (v [H, S, D] with a unit stride on D), as `quantize_qkv_triton` does V."""
+    v8, o_scale, o_shift = _quantize_v_fp8(v, options.v_scale == "head", options.smooth_v, list(launch))
+    return v8, o_scale, o_shift if options.smooth_v else None
 
 
 def e4m3_steps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -607,16 +697,20 @@ class Fp8Attention:
     On CUDA with Triton the quantisation is the two-pass Triton op (`quantize_qkv_triton`; one opaque op inside a
     compiled block too). Otherwise, and with `emulate=True` (the fp32 emulation of the kernel, any device), it is
     `quantize_qkv`. `compile_quant=True` compiles the torch quantisation (when used) and the dequantisation on
-    their own (for eager models; inside a compiled block they are traced and fused with the surrounding ops)."""
+    their own (for eager models; inside a compiled block they are traced and fused with the surrounding ops).
+
+    With `options.static_qk` the model may instead hand over q and k already in e4m3 (`takes_fp8_qk`,
+    `attend_fp8_qk`); then only V is quantised here (module docstring, 4)."""
 
     def __init__(self, options: Fp8AttentionOptions = DEFAULT_OPTIONS, emulate: bool = False,
                  compile_quant: bool = False):
         self.options = options
         self.emulate = emulate
-        self._quantize, self._dequantize = quantize_qkv, dequantize_o
+        self._quantize, self._quantize_v, self._dequantize = quantize_qkv, quantize_v, dequantize_o
         if compile_quant:
             # Dynamic shapes from the start: the start-up probe's sequence length is not a job's.
             self._quantize = torch.compile(quantize_qkv, dynamic=True)
+            self._quantize_v = torch.compile(quantize_v, dynamic=True)
             self._dequantize = torch.compile(dequantize_o, dynamic=True)
         self.__name__ = f"fp8_attention[{options.label}{', emulated' if emulate else ''}]"
 
@@ -629,10 +723,30 @@ class Fp8Attention:
             p = quantize_qkv_triton(q0, k0, v0, self.options)
         else:
             p = self._run(quantize_qkv if tracing else self._quantize, quantize_qkv, q0, k0, v0, self.options)
+        return self._attend(p, q.dtype)
+
+    def takes_fp8_qk(self, rows: int) -> bool:
+        """Whether a sequence of `rows` rows may come as `Fp8QKInput` (to `attend_fp8_qk`)."""
+        return self.options.static_qk and rows >= self.options.min_seq
+
+    def attend_fp8_qk(self, x: Fp8QKInput) -> torch.Tensor:
+        """x: q, k in e4m3 with static multipliers, v [1, H, S, D] (compute dtype) -> o [1, H, S, D] in v's dtype."""
+        v0 = x.v[0]
+        if not self.emulate and triton_unsupported(v0, v0, v0) is None:
+            v8, o_scale, o_shift = quantize_v_triton(v0, self.options)
+        else:
+            fn = quantize_v if torch.compiler.is_compiling() else self._quantize_v
+            v8, o_scale, o_shift = self._run(fn, quantize_v, v0, self.options)
+        descale = (1.0 / x.qk_mult).reshape(2, 1)
+        p = Fp8QKV(x.qk8[0, 0], x.qk8[1, 0], v8, descale[0], descale[1], o_scale, o_shift)
+        return self._attend(p, x.v.dtype)
+
+    def _attend(self, p: Fp8QKV, dtype: torch.dtype) -> torch.Tensor:
+        """The kernel (or its emulation) on quantised inputs, then O back to `dtype`, [1, H, S, D]."""
         kernel = sdpa_fp8_emulated if self.emulate else sdpa_fp8
         o8 = kernel(p.q8, p.k8, p.v8, p.descale_q, p.descale_k)
-        o = self._run(dequantize_o if tracing else self._dequantize, dequantize_o, o8, p.o_scale, p.o_shift, q.dtype)
-        return o.unsqueeze(0)
+        fn = dequantize_o if torch.compiler.is_compiling() else self._dequantize
+        return self._run(fn, dequantize_o, o8, p.o_scale, p.o_shift, dtype).unsqueeze(0)
 
     def _run(self, fn, eager, *args):
         """fn(*args); if a standalone compilation fails, warn once and stay eager (same math, unfused)."""
@@ -643,5 +757,5 @@ class Fp8Attention:
         except Exception as e:  # a compiler failure on this machine must not take attention down
             log.warning("fp8 attention: compiling the q/k/v quantisation failed (%s: %s); running it eagerly",
                         type(e).__name__, str(e)[:300])
-            self._quantize, self._dequantize = quantize_qkv, dequantize_o
+            self._quantize, self._quantize_v, self._dequantize = quantize_qkv, quantize_v, dequantize_o
             return eager(*args)

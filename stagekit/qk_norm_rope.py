@@ -1,9 +1,12 @@
 """The DiT attention's q/k RMSNorm + RoPE + layout write as one Triton kernel (GPU), with a plain-torch reference.
 
 What it fuses: after the qkv projection, y [rows, 3, heads, head_dim] (compute dtype) becomes q, k, v in the
-attention kernel's layout out [3, 1, heads, rows, head_dim]: q and k are RMS-normalised over head_dim in fp32 with
+attention kernel's layout ([heads, rows, head_dim] each): q and k are RMS-normalised over head_dim in fp32 with
 their gains, then split-half (rotate_half) RoPE turns the first r channels of every head (r = cos.shape[-1]; the
-rest pass through), v is copied; all three are cast to out's dtype. Why: inside a compiled block Inductor splits
+rest pass through), v is copied. q and k go to qk_out [2, 1, heads, rows, head_dim], v to v_out [1, heads, rows,
+head_dim], each cast to its buffer's dtype; with `qk_mult` (fp8 attention, stagekit/fp8_attention.py "static q/k
+scales") qk_out is float8 e4m3 and holds clamp(x * qk_mult[i], +-448) for q (i = 0) and k (i = 1), so the
+attention's own quantisation pass no longer reads q and k. Why: inside a compiled block Inductor splits
 this into two RMS-statistics reductions running far below the memory bandwidth plus a pointwise pass, the largest of
 the fused-kernel costs that docs/performance.md ("Where a step goes", issue 18) lists; one kernel reads y once and
 writes out once. docs/performance.md ("Fused q/k RMSNorm + RoPE (Triton)") has how it is measured.
@@ -23,6 +26,7 @@ import logging
 
 import torch
 
+from .kernels import FP8_E4M3_MAX
 from .triton_kernels import KernelFallback, interpreting, log_once, tl, triton
 
 log = logging.getLogger(__name__)
@@ -31,6 +35,7 @@ _FALLBACK = KernelFallback("q/k RMSNorm + RoPE", log)
 DEFAULT_BLOCK_ROWS = 32  # rows per program: a [32, 128] tile is 8 KiB of bf16, read in 256-byte rows
 DEFAULT_NUM_WARPS = 4
 SECTIONS = 3  # q, k, v
+E4M3 = torch.float8_e4m3fn
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -49,19 +54,26 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 def qk_norm_rope_reference(y: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float,
-                           rope: tuple[torch.Tensor, torch.Tensor] | None, out: torch.Tensor) -> None:
+                           rope: tuple[torch.Tensor, torch.Tensor] | None, qk_out: torch.Tensor, v_out: torch.Tensor,
+                           qk_mult: torch.Tensor | None = None) -> None:
     """y [rows, 3, heads, head_dim] (compute dtype), gains [head_dim], rope (cos, sin) [rows, r] fp32 or None ->
-    written into out [3, 1, heads, rows, head_dim] (out's dtype). The model's own math, in plain torch."""
+    q, k written into qk_out [2, 1, heads, rows, head_dim] and v into v_out [1, heads, rows, head_dim] (each in its
+    buffer's dtype; with qk_mult [2] fp32, qk_out is e4m3 and gets clamp(x * qk_mult[i], +-448)). The model's own
+    math, in plain torch."""
     q, k, v = y.unbind(1)
     q, k = rms_norm(q, q_weight, eps), rms_norm(k, k_weight, eps)  # fp32
     if rope is not None:
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-    for i, t in enumerate((q, k, v)):
-        out[i, 0].copy_(t.transpose(0, 1))  # [heads, rows, d], cast to out's dtype
+    for i, t in enumerate((q, k)):
+        if qk_mult is not None:
+            t = (t * qk_mult[i]).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX)
+        qk_out[i, 0].copy_(t.transpose(0, 1))  # [heads, rows, d], cast to the buffer's dtype
+    v_out[0].copy_(v.transpose(0, 1))
 
 
 def unsupported(y: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
-                rope: tuple[torch.Tensor, torch.Tensor] | None, out: torch.Tensor) -> str | None:
+                rope: tuple[torch.Tensor, torch.Tensor] | None, qk_out: torch.Tensor, v_out: torch.Tensor,
+                qk_mult: torch.Tensor | None = None) -> str | None:
     """Why the Triton kernel does not serve these arguments, or None when it does (shapes, dtypes, devices)."""
     if triton is None:
         return "triton is not installed"
@@ -70,14 +82,22 @@ def unsupported(y: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
     rows, _, heads, d = y.shape
     if d < 16 or d & (d - 1):
         return f"head_dim must be a power of two >= 16, got {d}"
-    if tuple(out.shape) != (SECTIONS, 1, heads, rows, d):
-        return f"out must be [3, 1, {heads}, {rows}, {d}] for y {list(y.shape)}, got {list(out.shape)}"
+    if tuple(qk_out.shape) != (2, 1, heads, rows, d) or tuple(v_out.shape) != (1, heads, rows, d):
+        return (f"qk_out must be [2, 1, {heads}, {rows}, {d}] and v_out [1, {heads}, {rows}, {d}] for y "
+                f"{list(y.shape)}, got {list(qk_out.shape)} and {list(v_out.shape)}")
     if tuple(q_weight.shape) != (d,) or tuple(k_weight.shape) != (d,):
         return f"the q/k norm gains must be [{d}], got {list(q_weight.shape)} and {list(k_weight.shape)}"
     floats = (torch.float32, torch.bfloat16, torch.float16)
-    if y.dtype not in floats or out.dtype not in floats:
-        return f"y and out must be fp32/bf16/fp16, got {y.dtype} and {out.dtype}"
-    tensors = [y, q_weight, k_weight, out]
+    qk_dtypes = (E4M3,) if qk_mult is not None else floats
+    if y.dtype not in floats or qk_out.dtype not in qk_dtypes or v_out.dtype not in floats:
+        want = "e4m3 (qk_mult given)" if qk_mult is not None else "fp32/bf16/fp16"
+        return (f"y and v_out must be fp32/bf16/fp16 and qk_out {want}, got {y.dtype}, {v_out.dtype} and "
+                f"{qk_out.dtype}")
+    tensors = [y, q_weight, k_weight, qk_out, v_out]
+    if qk_mult is not None:
+        if tuple(qk_mult.shape) != (2,) or qk_mult.dtype != torch.float32:
+            return f"qk_mult must be fp32 [2], got {qk_mult.dtype} {list(qk_mult.shape)}"
+        tensors.append(qk_mult)
     if rope is not None:
         cos, sin = rope
         r = cos.shape[-1]
@@ -93,74 +113,98 @@ def unsupported(y: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
 
 
 def qk_norm_rope(y: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float,
-                 rope: tuple[torch.Tensor, torch.Tensor] | None, out: torch.Tensor) -> None:
+                 rope: tuple[torch.Tensor, torch.Tensor] | None, qk_out: torch.Tensor, v_out: torch.Tensor,
+                 qk_mult: torch.Tensor | None = None) -> None:
     """y [rows, 3, heads, head_dim] (compute dtype), q/k gains [head_dim], rope (cos, sin) [rows, r] fp32 or None
-    -> written into out [3, 1, heads, rows, head_dim]: the Triton kernel on CUDA where it serves the shapes, else
-    the reference (see the module docstring)."""
-    reason = unsupported(y, q_weight, k_weight, rope, out) if y.is_cuda else "y is not on a CUDA device"
+    -> q, k into qk_out [2, 1, heads, rows, head_dim] (e4m3 scaled by qk_mult [2] when given), v into v_out
+    [1, heads, rows, head_dim]: the Triton kernel on CUDA where it serves the shapes, else the reference (see the
+    module docstring)."""
+    reason = (unsupported(y, q_weight, k_weight, rope, qk_out, v_out, qk_mult) if y.is_cuda
+              else "y is not on a CUDA device")
     if reason is None:
         reason = _FALLBACK.reason(y.device)
     if reason is None:
         cos, sin = rope if rope is not None else (None, None)
-        ok, result = _FALLBACK.run(y.device, lambda: torch.ops.h3stages.qk_norm_rope_(y, q_weight, k_weight, eps,
-                                                                                       cos, sin, out))
+        ok, result = _FALLBACK.run(y.device, lambda: torch.ops.h3stages.qk_norm_rope_(
+            y, q_weight, k_weight, eps, cos, sin, qk_out, v_out, qk_mult))
         if ok:
             return
         reason = result
     if y.is_cuda and not torch.compiler.is_compiling():
         log_once(log, f"q/k RMSNorm + RoPE: plain torch ({reason})")
-    qk_norm_rope_reference(y, q_weight, k_weight, eps, rope, out)
+    if qk_mult is not None and torch.compiler.is_compiling():
+        cos, sin = rope if rope is not None else (None, None)
+        torch.ops.h3stages.qk_norm_rope_reference_(y, q_weight, k_weight, eps, cos, sin, qk_out, v_out, qk_mult)
+    else:
+        qk_norm_rope_reference(y, q_weight, k_weight, eps, rope, qk_out, v_out, qk_mult)
 
 
-@torch.library.custom_op("h3stages::qk_norm_rope_", mutates_args=("out",))
+@torch.library.custom_op("h3stages::qk_norm_rope_reference_", mutates_args=("qk_out", "v_out"))
+def _reference_op(y: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float,
+                  cos: torch.Tensor | None, sin: torch.Tensor | None, qk_out: torch.Tensor, v_out: torch.Tensor,
+                  qk_mult: torch.Tensor | None) -> None:
+    """The reference as one op, opaque to torch.compile: what a compiled block calls for e4m3 q/k without the
+    kernel. Inductor (torch 2.11-2.13) cannot compile a write into a row slice of a float8 tensor (it fails to
+    promote the slice's mask with float8), which is what the reference's e4m3 write is in a row chunk."""
+    qk_norm_rope_reference(y, q_weight, k_weight, eps, (cos, sin) if cos is not None else None, qk_out, v_out,
+                           qk_mult)
+
+
+@torch.library.custom_op("h3stages::qk_norm_rope_", mutates_args=("qk_out", "v_out"))
 def qk_norm_rope_op(y: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float,
-                    cos: torch.Tensor | None, sin: torch.Tensor | None, out: torch.Tensor,
-                    block_rows: int = DEFAULT_BLOCK_ROWS, num_warps: int = DEFAULT_NUM_WARPS) -> None:
-    """The Triton kernel as a torch op that writes `out` (opaque to torch.compile); arguments as `launch`."""
-    launch(y, q_weight, k_weight, eps, cos, sin, out, block_rows, num_warps)
+                    cos: torch.Tensor | None, sin: torch.Tensor | None, qk_out: torch.Tensor, v_out: torch.Tensor,
+                    qk_mult: torch.Tensor | None = None, block_rows: int = DEFAULT_BLOCK_ROWS,
+                    num_warps: int = DEFAULT_NUM_WARPS) -> None:
+    """The Triton kernel as a torch op that writes `qk_out` and `v_out` (opaque to torch.compile); arguments as
+    `launch`."""
+    launch(y, q_weight, k_weight, eps, cos, sin, qk_out, v_out, qk_mult, block_rows, num_warps)
 
 
 def launch(y: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float, cos: torch.Tensor | None,
-           sin: torch.Tensor | None, out: torch.Tensor, block_rows: int = DEFAULT_BLOCK_ROWS,
-           num_warps: int = DEFAULT_NUM_WARPS) -> None:
+           sin: torch.Tensor | None, qk_out: torch.Tensor, v_out: torch.Tensor, qk_mult: torch.Tensor | None = None,
+           block_rows: int = DEFAULT_BLOCK_ROWS, num_warps: int = DEFAULT_NUM_WARPS) -> None:
     """Runs the kernel: y [rows, 3, heads, D] (any strides), gains [D], cos/sin [rows, r] fp32 or both None,
-    out [3, 1, heads, rows, D] (any strides, e.g. a row slice of a bigger buffer). Raises ValueError for arguments
-    it does not serve (`unsupported`). block_rows (a power of two) and num_warps tune the launch."""
+    qk_out [2, 1, heads, rows, D] and v_out [1, heads, rows, D] (any strides, e.g. row slices of bigger buffers),
+    qk_mult [2] fp32 with an e4m3 qk_out, or None. Raises ValueError for arguments it does not serve
+    (`unsupported`). block_rows (a power of two) and num_warps tune the launch."""
     rope = (cos, sin) if cos is not None else None
     if (cos is None) != (sin is None):
         raise ValueError("pass both cos and sin, or neither")
     if block_rows < 1 or block_rows & (block_rows - 1):
         raise ValueError(f"block_rows must be a power of two, got {block_rows}")
-    reason = unsupported(y, q_weight, k_weight, rope, out)
+    reason = unsupported(y, q_weight, k_weight, rope, qk_out, v_out, qk_mult)
     if reason is not None:
         raise ValueError(f"the Triton q/k RMSNorm + RoPE kernel does not serve this call: {reason}")
     rows, _, heads, d = y.shape
     if rows == 0 or heads == 0:
         return
-    log_once(log, f"q/k RMSNorm + RoPE: Triton kernel ({block_rows} rows x {num_warps} warps per program)")
+    log_once(log, f"q/k RMSNorm + RoPE: Triton kernel ({block_rows} rows x {num_warps} warps per program"
+                  f"{', e4m3 q/k' if qk_mult is not None else ''})")
     if cos is not None:
         r, cos_t, sin_t, rope_strides = cos.shape[-1], cos, sin, (*cos.stride(), *sin.stride())
     else:  # HAS_ROPE=False compiles the table loads out; the pointer arguments still need a tensor
         r, cos_t, sin_t, rope_strides = 0, q_weight, q_weight, (0, 0, 0, 0)
+    mult = qk_mult if qk_mult is not None else q_weight  # QK_FP8=False compiles its loads out
     grid = (triton.cdiv(rows, block_rows) * SECTIONS * heads,)
     with torch.cuda.device(y.device) if y.is_cuda else contextlib.nullcontext():  # Triton uses the current device
         _qk_norm_rope_kernel[grid](
-            y, q_weight, k_weight, cos_t, sin_t, out, rows, heads, eps,
-            *y.stride(), out.stride(0), out.stride(2), out.stride(3), out.stride(4), *rope_strides,
-            D=d, R=r, HAS_ROPE=cos is not None, BLOCK_R=block_rows, num_warps=num_warps,
+            y, q_weight, k_weight, cos_t, sin_t, qk_out, v_out, mult, rows, heads, eps,
+            *y.stride(), qk_out.stride(0), qk_out.stride(2), qk_out.stride(3), qk_out.stride(4),
+            v_out.stride(1), v_out.stride(2), v_out.stride(3), *rope_strides,
+            D=d, R=r, HAS_ROPE=cos is not None, QK_FP8=qk_mult is not None, FP8_MAX=FP8_E4M3_MAX,
+            BLOCK_R=block_rows, num_warps=num_warps,
             enable_fp_fusion=False,  # no FMA contraction: products rounded as the reference's separate ops are
         )
-
-
 
 
 if triton is not None:
 
     @triton.jit
-    def _qk_norm_rope_kernel(y_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, out_ptr, rows, heads, eps,
+    def _qk_norm_rope_kernel(y_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, qk_ptr, v_ptr, mult_ptr, rows, heads, eps,
                              y_s_row, y_s_sec, y_s_head, y_s_d, o_s_sec, o_s_head, o_s_row, o_s_d,
-                             c_s_row, c_s_d, s_s_row, s_s_d,
-                             D: tl.constexpr, R: tl.constexpr, HAS_ROPE: tl.constexpr, BLOCK_R: tl.constexpr):
+                             v_s_head, v_s_row, v_s_d, c_s_row, c_s_d, s_s_row, s_s_d,
+                             D: tl.constexpr, R: tl.constexpr, HAS_ROPE: tl.constexpr, QK_FP8: tl.constexpr,
+                             FP8_MAX: tl.constexpr, BLOCK_R: tl.constexpr):
         """One program: BLOCK_R rows of one head of one section (0 q, 1 k, 2 v). Consecutive programs take the
         sections and heads of the same rows in y's order, so the programs in flight read one band of y."""
         pid = tl.program_id(0)
@@ -173,8 +217,9 @@ if triton is not None:
         row = row.to(tl.int64)[:, None]  # int64 offsets: out spans 3 * heads * S * D elements
         y_row = y_ptr + sec.to(tl.int64) * y_s_sec + head * y_s_head + row * y_s_row
         x = tl.load(y_row + ch[None, :] * y_s_d, mask=mask, other=0.0).to(tl.float32)
-        if sec == 2:
-            res = x  # v: layout and cast only
+        if sec == 2:  # v: layout and cast only
+            v_out = v_ptr + head * v_s_head + row * v_s_row + ch[None, :] * v_s_d
+            tl.store(v_out, x.to(v_ptr.dtype.element_ty), mask=mask)
         else:
             # RMSNorm in fp32 over head_dim: x * rsqrt(mean(x^2) + eps) * gain (`rms_norm` above).
             gain = tl.where(sec == 0, tl.load(qw_ptr + ch).to(tl.float32), tl.load(kw_ptr + ch).to(tl.float32))
@@ -195,5 +240,7 @@ if triton is not None:
                 c = tl.load(cos_ptr + row * c_s_row + ch[None, :] * c_s_d, mask=cmask, other=0.0)
                 s = tl.load(sin_ptr + row * s_s_row + ch[None, :] * s_s_d, mask=cmask, other=0.0)
                 res = tl.where(in_rope[None, :], res * c + rot * s, res)
-        out = out_ptr + sec.to(tl.int64) * o_s_sec + head * o_s_head + row * o_s_row + ch[None, :] * o_s_d
-        tl.store(out, res.to(out_ptr.dtype.element_ty), mask=mask)
+            if QK_FP8:  # the static e4m3 scale of q or k (`qk_mult`), then e4m3's range
+                res = tl.minimum(tl.maximum(res * tl.load(mult_ptr + sec), -FP8_MAX), FP8_MAX)
+            out = qk_ptr + sec.to(tl.int64) * o_s_sec + head * o_s_head + row * o_s_row + ch[None, :] * o_s_d
+            tl.store(out, res.to(qk_ptr.dtype.element_ty), mask=mask)

@@ -25,6 +25,7 @@ from stagekit.fp8_attention import (
     SOFTMAX_SCALE,
     Fp8Attention,
     Fp8AttentionOptions,
+    Fp8QKInput,
     TritonQuantLaunch,
     declare_graph,
     dequantize_o,
@@ -32,12 +33,16 @@ from stagekit.fp8_attention import (
     plan_key,
     quantize_qkv,
     quantize_qkv_triton,
+    quantize_v,
+    quantize_v_triton,
     scale_constants,
     sdpa_fp8_emulated,
+    static_qk_mult,
     triton,
     unavailable,
     variant_pack,
 )
+from stagekit.qk_norm_rope import qk_norm_rope_reference
 from stagekit.kernels import (
     REL_ERR_BOUND,
     AttentionCandidate,
@@ -126,6 +131,47 @@ def test_v_smoothing_and_per_head_v_scales():
     assert all(hk < 0.5 * h for hk, h in zip(head_kv, head))
 
 
+def test_quantize_v_is_what_quantize_qkv_does_to_v():
+    q, k, v = (t[0] for t in _qkv(h=3, s=300, d=32, seed=5))
+    v = (v + 2.0) * torch.tensor([1e-2, 1.0, 30.0])[:, None, None]
+    for name in ("naive", "head+kv"):
+        p = quantize_qkv(q, k, v, OPTIONS[name])
+        v8, o_scale, o_shift = quantize_v(v, OPTIONS[name])
+        assert torch.equal(v8.view(torch.uint8), p.v8.view(torch.uint8)) and torch.equal(o_scale, p.o_scale)
+        assert (o_shift is None and p.o_shift is None) or torch.equal(o_shift, p.o_shift)
+
+
+def _normed_qkv(h=4, s=512, d=64, r=32, seed=6):
+    """q, k as the model's blocks make them (RMSNorm with gains, RoPE) and v, [1, H, S, D] fp32 each, plus the
+    gains: what the static q/k scales are for."""
+    g = torch.Generator().manual_seed(seed)
+    y = torch.randn(s, 3, h, d, generator=g) * 2
+    y[:, 1] += 3.0 * torch.randn(1, h, d, generator=g)  # a key offset, as real keys have
+    gains = [torch.rand(d, generator=g) * 1.5 + 0.25 for _ in range(2)]
+    angles = torch.rand(s, r // 2, generator=g) * 6.3
+    rope = (torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1))
+    qk, v = torch.empty(2, 1, h, s, d), torch.empty(1, h, s, d)
+    qk_norm_rope_reference(y, *gains, 1e-5, rope, qk, v)
+    return qk[0], qk[1], v, gains
+
+
+def test_static_qk_scales_lose_nothing_measurable():
+    """Fp8Attention.attend_fp8_qk (q, k in e4m3 with the static scales the q/k norm kernel applies; V quantised
+    here) against the same attention on q/k/v quantised with measured scales: both within the registry bound of
+    exact attention, and the static scales' error no more than a tenth above (K unsmoothed, a looser q/k range)."""
+    q, k, v, gains = _normed_qkv()
+    ref = _ref(q, k, v)
+    fn = _emulated(DEFAULT_OPTIONS)
+    mult = static_qk_mult(*gains)
+    qk8 = (torch.stack([q, k]) * mult.view(2, 1, 1, 1, 1)).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
+    static = fn.attend_fp8_qk(Fp8QKInput(qk8, v, mult))
+    measured = fn(q, k, v)
+    assert static.shape == q.shape and static.dtype == v.dtype
+    err_static, err_measured = rel_err(static, ref), rel_err(measured, ref)
+    assert 1e-3 < err_static < REL_ERR_BOUND["fp8_attention"]
+    assert err_static <= 1.1 * err_measured, (err_static, err_measured)
+
+
 def test_short_sequences_run_plain_sdpa():
     q, k, v = _qkv(s=64)
     o = Fp8Attention(DEFAULT_OPTIONS, emulate=True)(q, k, v)  # default min_seq 1024 > 64
@@ -186,6 +232,8 @@ def test_emulated_fp8_passes_the_registry_probe():
 
 
 def test_model_velocity_with_fp8_attention():
+    """The blocks with fp8 attention, q/k quantised by the q/k norm kernel with static scales (the default) or by the
+    attention's own pass (static_qk off): both near the exact model, and not the same (the static path was taken)."""
     cfg = DiTConfig.tiny()
     lay = build_layout(cfg, 3, 22, 64, 64)
     v, a, t = random_inputs(cfg, lay, seed=0)
@@ -194,11 +242,16 @@ def test_model_velocity_with_fp8_attention():
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.05)
         ref = model(v, a, t, 0.3, 0.5, lay)
-        model.set_attention_fn(Fp8Attention(ALL_ROWS, emulate=True))
-        out = model(v, a, t, 0.3, 0.5, lay)
-    for x, y in zip(out, ref):
-        assert torch.isfinite(x).all()
-        assert 1e-5 < rel_err(x, y) < 5e-2
+        outs = {}
+        for static_qk in (True, False):
+            options = Fp8AttentionOptions(**{**ALL_ROWS.__dict__, "static_qk": static_qk})
+            model.set_attention_fn(Fp8Attention(options, emulate=True))
+            outs[static_qk] = model(v, a, t, 0.3, 0.5, lay)
+    for out in outs.values():
+        for x, y in zip(out, ref):
+            assert torch.isfinite(x).all()
+            assert 1e-5 < rel_err(x, y) < 5e-2
+    assert not torch.equal(outs[True][0], outs[False][0])
 
 
 # ---- GPU only: cuDNN's kernel (needs nvidia-cudnn-frontend and sm_90+) -------------------------------------------
@@ -397,6 +450,19 @@ def compare_triton_quantiser(device: str, heads: int, seq: int, dim: int, interp
                 else:
                     steps = e4m3_steps(a, b)
                     assert steps.max() <= 1 and (steps == 0).float().mean() >= 0.999, what
+        # V alone (the static q/k path): the same V, scales and shift as the three-tensor pass.
+        v = qkv[2]
+        ref = quantize_v(v, OPTIONS["head+kv"])
+        got = quantize_v_triton(v, OPTIONS["head+kv"], launch)
+        assert got[0].stride() == v.stride()
+        for a, b in zip(ref[1:], got[1:]):
+            assert (a - b).abs().max() <= 1e-6 * a.abs().max()
+        af, bf = ref[0].float(), got[0].float()
+        if interpreter:
+            assert (af == bf).float().mean() > 0.9 and ((af - bf).abs() <= 0.5 * af.abs() + 2**-9).all()
+        else:
+            steps = e4m3_steps(ref[0], got[0])
+            assert steps.max() <= 1 and (steps == 0).float().mean() >= 0.999
 
 
 @needs_triton
