@@ -7,6 +7,8 @@ triton's CPU interpreter (indexing, masking, scales; needs triton in the venv, w
 
 from __future__ import annotations
 
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -17,7 +19,7 @@ from stagekit.fp8_attention import e4m3_steps
 from stagekit.fp8_rows import modulate, modulate_fp8, modulate_fp8_reference, swiglu_fp8, swiglu_fp8_reference
 from stagekit.kernels import FP8_SCALE_FLOOR, Fp8RowwiseLinear, Fp8Rows, quantize_fp8_rowwise
 
-from tests.triton_interp import needs_triton, run_bench_tiny, run_in_interpreter
+from tests.triton_interp import REPO, needs_triton, run_bench_tiny, run_in_interpreter
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 EPS = 1e-6
@@ -284,6 +286,15 @@ def interpreter_main() -> None:
 def test_triton_kernel_in_the_interpreter():
     """interpreter_main in Triton's CPU interpreter (tests/triton_interp.py says how to run it without a GPU)."""
     run_in_interpreter("from tests.test_fp8_rows import interpreter_main as m; m()", expect="interpreter ok")
+
+
+@needs_triton
+def test_kernel_registers_compiles_for_sm90():
+    """scripts/kernel_registers.py: the SwiGLU kernel at its default launch compiles for sm_90 on the CPU and does
+    not spill (a per-element slow-path division, say, would show here)."""
+    run = subprocess.run([sys.executable, "scripts/kernel_registers.py", "--ops", "swiglu", "--configs", "1x16"],
+                         cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0 and " 0 B spilled" in run.stdout, run.stdout + run.stderr
 
 
 def test_bench_tiny_runs_on_the_cpu(tmp_path):
