@@ -270,8 +270,8 @@ if triton is not None:
         (`div.rn`) compiles to (approximate reciprocal, one Newton step, the quotient and one correction, all FMAs)
         without the range check and slow-path call around it, which operands in that range never take. That call,
         one per element, took the SwiGLU kernel from 32 to 96 registers per thread at 1x16 (sm_90,
-        scripts/kernel_registers.py): one row in flight per SM instead of four. tests/test_fp8_rows.py checks the sequence against IEEE division
-        over that range. In the CPU interpreter (CUDA False): div_rn."""
+        scripts/kernel_registers.py): one row in flight per SM instead of four. tests/test_fp8_rows.py checks the
+        sequence against IEEE division over that range. In the CPU interpreter (CUDA False): div_rn."""
         if CUDA:
             r = tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=r,r", [b], dtype=tl.float32,
                                           is_pure=True, pack=1)
