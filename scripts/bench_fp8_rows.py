@@ -79,8 +79,7 @@ OPS = {
     "modulate": Op("fp8_rows.json", 5376, 96, "1x8,1x16,1x4,2x8,2x16,1x16p1,1x32p1", modulate_inputs,
                    "modulate_fp8_reference", "modulate_fp8_rows_op"),
     "swiglu": Op("swiglu_fp8.json", 14336, 96, "1x16,1x8,1x32,2x16,4x16,1x4,1x16p2,1x16p3,1x32p1",
-                 swiglu_inputs,
-                 "swiglu_fp8_reference", "swiglu_fp8_rows_op"),
+                 swiglu_inputs, "swiglu_fp8_reference", "swiglu_fp8_rows_op"),
 }
 
 
