@@ -95,7 +95,7 @@ VARIANTS = {  # name -> (linear kernel, attention kernel, torch.compile the bloc
     "fp8caf-mqk": ("fp8", "fp8-measured-qk", True, "(e+f) with q/k scales measured by the attention's own pass"),
 }
 # fp8 variants that run their GEMMs with fast accumulation; every other fp8 variant runs without it.
-FAST_ACCUM_VARIANTS = {"fp8caf"}
+FAST_ACCUM_VARIANTS = {"fp8caf", "fp8caf-mqk"}
 
 
 def log(msg: str) -> None:

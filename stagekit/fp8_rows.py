@@ -24,11 +24,12 @@ when fc2 is an fp8 linear it quantises that bf16 product per row. `swiglu_fp8` (
 `h3stages::swiglu_fp8_rows`, dispatched as `modulate_fp8`; reference `swiglu_fp8_reference` = `swiglu` then
 `quantize_fp8_rowwise`) reads each element of y once, a whole row per program in registers, and writes `Fp8Rows`.
 Its arithmetic is the reference's as torch runs it on CUDA: silu = x / (1 + exp(-x)) in fp32 (CUDA's expf, an IEEE
-division) rounded to bf16, the bf16 product rounded to bf16, then the same row quantisation as the modulation
-kernel (`_store_fp8_rows`, shared). No reduction order enters the values (a max is exact), so a difference can only
-come from libdevice's expf against the one torch is built with; tests/test_fp8_rows.py bounds it as the modulation
-kernel's. dit_svc/model.py's MLP uses it in
-eager blocks and, while `SWIGLU_IN_COMPILED_BLOCKS` says so, in compiled ones.
+division as `_div_rn` writes it out) rounded to bf16, the bf16 product rounded to bf16, then the same row
+quantisation as the modulation kernel (`_store_fp8_rows`, shared). No reduction order enters the values (a max is
+exact), so a difference can only come from libdevice's expf against the one torch is built with (and from gates
+below -87.3, `_swiglu_rows` says why not in practice); tests/test_fp8_rows.py bounds it as the modulation
+kernel's. dit_svc/model.py's MLP uses it in eager blocks and, while `SWIGLU_IN_COMPILED_BLOCKS` says so, in
+compiled ones.
 """
 
 from __future__ import annotations
@@ -53,8 +54,10 @@ DEFAULT_NUM_WARPS = 8
 # 0: one program per block of DEFAULT_BLOCK_ROWS rows (the launch measured above). R > 0 (a power of two, a multiple
 # of the block): a program runs over R consecutive rows a block at a time, loading the norm gain once and, where
 # all R rows share one AdaLN table row (the packed layout's rows come in long runs of one modality and timestep),
-# the shift and 1 + scale rows once too (`_modulate_run`). To be set from the same benchmark's sweep on an H200.
+# the shift and 1 + scale rows once too (`_modulate_run`); its loop keeps RUN_STAGES - 1 blocks of x loading (into
+# shared memory, not registers) while it computes one. To be set from the same benchmark's sweep on an H200.
 DEFAULT_ROWS_PER_PROGRAM = 0
+DEFAULT_RUN_STAGES = 2
 MAX_CHANNELS = 16384  # a wider row would spill registers
 
 
@@ -117,27 +120,30 @@ def modulate_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float, shift: torch
 def modulate_fp8_rows_op(x: torch.Tensor, weight: torch.Tensor, eps: float, shift: torch.Tensor,
                          scale: torch.Tensor, r: torch.Tensor, block_rows: int = DEFAULT_BLOCK_ROWS,
                          num_warps: int = DEFAULT_NUM_WARPS, programs_per_sm: int = 0,
-                         rows_per_program: int = DEFAULT_ROWS_PER_PROGRAM) -> tuple[torch.Tensor, torch.Tensor]:
+                         rows_per_program: int = DEFAULT_ROWS_PER_PROGRAM,
+                         run_stages: int = DEFAULT_RUN_STAGES) -> tuple[torch.Tensor, torch.Tensor]:
     """The Triton kernel as a torch op (opaque to torch.compile): arguments as `launch`, returns (q, scale)."""
-    return launch(x, weight, eps, shift, scale, r, block_rows, num_warps, programs_per_sm, rows_per_program)
+    return launch(x, weight, eps, shift, scale, r, block_rows, num_warps, programs_per_sm, rows_per_program,
+                  run_stages)
 
 
 @modulate_fp8_rows_op.register_fake
 def _(x, weight, eps, shift, scale, r, block_rows=DEFAULT_BLOCK_ROWS, num_warps=DEFAULT_NUM_WARPS, programs_per_sm=0,
-      rows_per_program=DEFAULT_ROWS_PER_PROGRAM):
+      rows_per_program=DEFAULT_ROWS_PER_PROGRAM, run_stages=DEFAULT_RUN_STAGES):
     return (x.new_empty(x.shape, dtype=torch.float8_e4m3fn),
             x.new_empty((x.shape[0], 1), dtype=torch.float32))
 
 
 def launch(x: torch.Tensor, weight: torch.Tensor, eps: float, shift: torch.Tensor, scale: torch.Tensor,
            r: torch.Tensor, block_rows: int = DEFAULT_BLOCK_ROWS, num_warps: int = DEFAULT_NUM_WARPS,
-           programs_per_sm: int = 0,
-           rows_per_program: int = DEFAULT_ROWS_PER_PROGRAM) -> tuple[torch.Tensor, torch.Tensor]:
+           programs_per_sm: int = 0, rows_per_program: int = DEFAULT_ROWS_PER_PROGRAM,
+           run_stages: int = DEFAULT_RUN_STAGES) -> tuple[torch.Tensor, torch.Tensor]:
     """Runs the kernel: x [rows, C] fp32 (any strides), gain [C], shift / scale [M * 3, C] fp32 (any strides, e.g.
     column chunks of the AdaLN output), r [rows] -> (q [rows, C] e4m3, scale [rows, 1] fp32), both new and
     contiguous. Raises ValueError for arguments it does not serve (`unsupported`); block_rows, num_warps and
     programs_per_sm tune the launch (`_grid`); rows_per_program > 0 (a power of two, a multiple of block_rows; not
-    with programs_per_sm) gives each program that many consecutive rows (`DEFAULT_ROWS_PER_PROGRAM` says why)."""
+    with programs_per_sm) gives each program that many consecutive rows, run_stages (>= 1) the depth of its loop's
+    pipeline (`DEFAULT_ROWS_PER_PROGRAM` says why)."""
     reason = unsupported(x, weight, shift, scale, r)
     if reason is not None:
         raise ValueError(f"the Triton modulation + fp8 quantisation kernel does not serve this call: {reason}")
@@ -151,16 +157,19 @@ def launch(x: torch.Tensor, weight: torch.Tensor, eps: float, shift: torch.Tenso
         if persistent or rows_per_program < block_rows or rows_per_program & (rows_per_program - 1):
             raise ValueError(f"rows_per_program must be a power of two >= block_rows ({block_rows}) and 0 with "
                              f"programs_per_sm > 0, got {rows_per_program} (programs_per_sm {programs_per_sm})")
+        if run_stages < 1:
+            raise ValueError(f"run_stages must be >= 1, got {run_stages}")
         grid = (triton.cdiv(rows, rows_per_program),)
     log_once(log, f"modulation + fp8 row quantisation: Triton kernel ({block_rows} rows x {num_warps} warps per "
                   f"program{f', {programs_per_sm} persistent programs per SM' if persistent else ''}"
-                  f"{f', runs of {rows_per_program} rows' if rows_per_program else ''})")
+                  f"{f', runs of {rows_per_program} rows, {run_stages} stages' if rows_per_program else ''})")
     with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():  # Triton uses the current device
         _modulate_fp8_kernel[grid](
             x, weight, shift, scale, r, q, q_scale, rows, c, 1.0 / c, eps,
             *x.stride(), weight.stride(0), *shift.stride(), *scale.stride(), r.stride(0),
             FP8_MAX=FP8_E4M3_MAX, INV_FP8_MAX=1.0 / FP8_E4M3_MAX, SCALE_FLOOR=FP8_SCALE_FLOOR, BLOCK_R=block_rows,
-            BLOCK_C=triton.next_power_of_2(c), PERSISTENT=persistent, RUN=rows_per_program, num_warps=num_warps,
+            BLOCK_C=triton.next_power_of_2(c), PERSISTENT=persistent, RUN=rows_per_program,
+            STAGES=run_stages, num_warps=num_warps,
             enable_fp_fusion=False,  # no FMA contraction: products rounded as the reference's separate ops are
         )
     return q, q_scale
@@ -267,7 +276,7 @@ def swiglu_launch(y: torch.Tensor, block_rows: int = SWIGLU_BLOCK_ROWS, num_warp
         _swiglu_fp8_kernel[grid](
             y, q, q_scale, rows, f, y.stride(0),
             FP8_MAX=FP8_E4M3_MAX, INV_FP8_MAX=1.0 / FP8_E4M3_MAX, SCALE_FLOOR=FP8_SCALE_FLOOR, BLOCK_R=block_rows,
-            BLOCK_C=triton.next_power_of_2(f), LIBDEVICE=not interpreting(_swiglu_fp8_kernel), PERSISTENT=persistent,
+            BLOCK_C=triton.next_power_of_2(f), CUDA=not interpreting(_swiglu_fp8_kernel), PERSISTENT=persistent,
             num_warps=num_warps,
             enable_fp_fusion=False,  # no FMA contraction: products rounded as the reference's separate ops are
         )
@@ -275,6 +284,25 @@ def swiglu_launch(y: torch.Tensor, block_rows: int = SWIGLU_BLOCK_ROWS, num_warp
 
 
 if triton is not None:
+
+    @triton.jit
+    def _div_rn(a, b, CUDA: tl.constexpr):
+        """a / b as torch's CUDA kernels divide (IEEE, round to nearest even), for b in [1, 2^126) and a finite,
+        nonzero a (callers handle the rest). On CUDA: the instruction sequence of the fast path that IEEE division
+        (`div.rn`) compiles to (approximate reciprocal, one Newton step, the quotient and one correction, all FMAs)
+        without the range check and slow-path call around it, which operands in that range never take. That call,
+        one per element, took the SwiGLU kernel from 32 to 96 registers per thread at 1x16 (sm_90,
+        scripts/kernel_registers.py): one row in flight per SM instead of four. tests/test_fp8_rows.py checks the
+        sequence against IEEE division over that range. In the CPU interpreter (CUDA False): div_rn."""
+        if CUDA:
+            r = tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=r,r", [b], dtype=tl.float32,
+                                          is_pure=True, pack=1)
+            r = tl.fma(tl.fma(-b, r, 1.0), r, r)
+            q = a * r
+            q = tl.fma(tl.fma(-b, q, a), r, q)
+        else:
+            q = tl.math.div_rn(a, b)
+        return q
 
     @triton.jit
     def _store_fp8_rows(y, mask, row, row_ok, ch, C, q_ptr, qs_ptr, FP8_MAX: tl.constexpr,
@@ -298,13 +326,13 @@ if triton is not None:
                              x_s_row, x_s_c, w_s, sh_s_row, sh_s_c, sc_s_row, sc_s_c, r_s,
                              FP8_MAX: tl.constexpr, INV_FP8_MAX: tl.constexpr, SCALE_FLOOR: tl.constexpr,
                              BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, PERSISTENT: tl.constexpr,
-                             RUN: tl.constexpr):
+                             RUN: tl.constexpr, STAGES: tl.constexpr):
         """One program: BLOCK_R whole rows, or (PERSISTENT) every num_programs-th block of them, or (RUN > 0) RUN
         consecutive rows (`_modulate_run`)."""
         if RUN > 0:
             _modulate_run(x_ptr, w_ptr, shift_ptr, scale_ptr, r_ptr, q_ptr, qs_ptr, rows, C, inv_c, eps, x_s_row,
                           x_s_c, w_s, sh_s_row, sh_s_c, sc_s_row, sc_s_c, r_s, FP8_MAX, INV_FP8_MAX, SCALE_FLOOR,
-                          BLOCK_R, BLOCK_C, RUN)
+                          BLOCK_R, BLOCK_C, RUN, STAGES)
         elif PERSISTENT:
             for blk in tl.range(tl.program_id(0), tl.cdiv(rows, BLOCK_R), tl.num_programs(0), num_stages=2):
                 _modulate_rows(blk, x_ptr, w_ptr, shift_ptr, scale_ptr, r_ptr, q_ptr, qs_ptr, rows, C, inv_c, eps,
@@ -339,11 +367,11 @@ if triton is not None:
     def _modulate_run(x_ptr, w_ptr, shift_ptr, scale_ptr, r_ptr, q_ptr, qs_ptr, rows, C, inv_c, eps,
                       x_s_row, x_s_c, w_s, sh_s_row, sh_s_c, sc_s_row, sc_s_c, r_s, FP8_MAX: tl.constexpr,
                       INV_FP8_MAX: tl.constexpr, SCALE_FLOOR: tl.constexpr, BLOCK_R: tl.constexpr,
-                      BLOCK_C: tl.constexpr, RUN: tl.constexpr):
-        """This program's RUN consecutive rows, BLOCK_R at a time with the next block's x in flight, the norm gain
-        loaded once. When all RUN rows have one AdaLN table row (the common case: the packed layout's rows come in
-        long runs of one modality and timestep), its shift and 1 + scale are loaded once too; otherwise every block
-        gathers its own. Both paths compute the same values."""
+                      BLOCK_C: tl.constexpr, RUN: tl.constexpr, STAGES: tl.constexpr):
+        """This program's RUN consecutive rows, BLOCK_R at a time with the next STAGES - 1 blocks' x in flight, the
+        norm gain loaded once. When all RUN rows have one AdaLN table row (the common case: the packed layout's rows
+        come in long runs of one modality and timestep), its shift and 1 + scale are loaded once too; otherwise
+        every block gathers its own. Both paths compute the same values."""
         first = tl.program_id(0) * RUN
         run = first + tl.arange(0, RUN)
         run_ok = run < rows
@@ -359,7 +387,7 @@ if triton is not None:
         shift = tl.load(shift_ptr + ada * sh_s_row + ch[None, :] * sh_s_c, mask=c_ok[None, :], other=0.0)
         one_plus_scale = 1.0 + tl.load(scale_ptr + ada * sc_s_row + ch[None, :] * sc_s_c, mask=c_ok[None, :],
                                        other=0.0)
-        for b in tl.range(0, tl.cdiv(tl.minimum(rows - first, RUN), BLOCK_R), num_stages=2):
+        for b in tl.range(0, tl.cdiv(tl.minimum(rows - first, RUN), BLOCK_R), num_stages=STAGES):
             row = first + b * BLOCK_R + tl.arange(0, BLOCK_R)
             row_ok = row < rows
             mask = row_ok[:, None] & c_ok[None, :]
@@ -388,20 +416,20 @@ if triton is not None:
     @triton.jit
     def _swiglu_fp8_kernel(y_ptr, q_ptr, qs_ptr, rows, C, y_s_row, FP8_MAX: tl.constexpr,
                            INV_FP8_MAX: tl.constexpr, SCALE_FLOOR: tl.constexpr, BLOCK_R: tl.constexpr,
-                           BLOCK_C: tl.constexpr, LIBDEVICE: tl.constexpr, PERSISTENT: tl.constexpr):
+                           BLOCK_C: tl.constexpr, CUDA: tl.constexpr, PERSISTENT: tl.constexpr):
         """One program: BLOCK_R whole rows, or (PERSISTENT) every num_programs-th block of them."""
         if PERSISTENT:
             for blk in tl.range(tl.program_id(0), tl.cdiv(rows, BLOCK_R), tl.num_programs(0), num_stages=2):
                 _swiglu_rows(blk, y_ptr, q_ptr, qs_ptr, rows, C, y_s_row, FP8_MAX, INV_FP8_MAX, SCALE_FLOOR, BLOCK_R,
-                             BLOCK_C, LIBDEVICE)
+                             BLOCK_C, CUDA)
         else:
             _swiglu_rows(tl.program_id(0), y_ptr, q_ptr, qs_ptr, rows, C, y_s_row, FP8_MAX, INV_FP8_MAX, SCALE_FLOOR,
-                         BLOCK_R, BLOCK_C, LIBDEVICE)
+                         BLOCK_R, BLOCK_C, CUDA)
 
     @triton.jit
     def _swiglu_rows(blk, y_ptr, q_ptr, qs_ptr, rows, C, y_s_row, FP8_MAX: tl.constexpr, INV_FP8_MAX: tl.constexpr,
                      SCALE_FLOOR: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
-                     LIBDEVICE: tl.constexpr):
+                     CUDA: tl.constexpr):
         """Block `blk` of BLOCK_R whole rows of y = [gate | value] (C = F channels each), each element read once.
         Every step is one op of `swiglu_fp8_reference` as torch runs it on CUDA, in its order."""
         row = blk * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -414,12 +442,17 @@ if triton is not None:
         value = tl.load(at + C, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
         # 1. F.silu on bf16: x / (1 + exp(-x)) in fp32 (CUDA's expf, as libdevice has it; tl.exp would be the
         #    approximate ex2 instruction; the CPU interpreter has no libdevice), an IEEE division, rounded to bf16;
-        #    then the product of two bf16 values, rounded to bf16.
-        if LIBDEVICE:
+        #    then the product of two bf16 values, rounded to bf16. Outside `_div_rn`'s range, x * 0 (a zero of x's
+        #    sign): exact for x = +-0; for x < -87.3 (1 + exp(-x) >= 2^126) torch's silu is below 1.2e-36 in
+        #    magnitude, whose product quantises to an e4m3 zero of the same sign unless its value exceeds 1e20.
+        #    (Handling those exactly cost 8 registers per thread and 16 % more instructions.)
+        if CUDA:
             e = libdevice.exp(-gate)
         else:
             e = tl.exp(-gate)
-        silu = tl.math.div_rn(gate, 1.0 + e).to(tl.bfloat16).to(tl.float32)
+        d = 1.0 + e
+        silu = tl.where((d < 8.507059173023462e37) & (gate != 0.0), _div_rn(gate, d, CUDA), gate * 0.0)
+        silu = silu.to(tl.bfloat16).to(tl.float32)
         y = (silu * value).to(tl.bfloat16)
         # 2. The row quantisation.
         _store_fp8_rows(y, mask, row, row_ok, ch, C, q_ptr, qs_ptr, FP8_MAX, INV_FP8_MAX, SCALE_FLOOR)

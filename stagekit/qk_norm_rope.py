@@ -32,7 +32,10 @@ from .triton_kernels import KernelFallback, interpreting, log_once, tl, triton
 log = logging.getLogger(__name__)
 _FALLBACK = KernelFallback("q/k RMSNorm + RoPE", log)
 
-DEFAULT_BLOCK_ROWS = 32  # rows per program: a [32, 128] tile is 8 KiB of bf16, read in 256-byte rows
+# Rows per program x warps: the fastest of scripts/bench_qk_norm_rope.py's sweep on an H200 (third session: 16x4
+# 0.564 / 1.292 ms at S = 14,882 / 37,748 with bf16 out, 0.489 / 1.185 ms with e4m3 q/k; 32x4 0.590 / 1.471 and
+# 0.533 / 1.237; 64x8 slower still). A [16, 128] tile is 4 KiB of bf16, read in 256-byte rows.
+DEFAULT_BLOCK_ROWS = 16
 DEFAULT_NUM_WARPS = 4
 SECTIONS = 3  # q, k, v
 E4M3 = torch.float8_e4m3fn

@@ -8,6 +8,8 @@ triton's CPU interpreter (indexing, masking, scales; needs triton in the venv, w
 from __future__ import annotations
 
 import itertools
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -18,7 +20,7 @@ from stagekit.fp8_attention import e4m3_steps
 from stagekit.fp8_rows import modulate, modulate_fp8, modulate_fp8_reference, swiglu_fp8, swiglu_fp8_reference
 from stagekit.kernels import FP8_SCALE_FLOOR, Fp8RowwiseLinear, Fp8Rows, quantize_fp8_rowwise
 
-from tests.triton_interp import needs_triton, run_bench_tiny, run_in_interpreter
+from tests.triton_interp import REPO, needs_triton, run_bench_tiny, run_in_interpreter
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 EPS = 1e-6
@@ -69,17 +71,18 @@ def test_fp8_linear_takes_fp8_rows():
 
 def check_kernel(rows: int, c: int, m: int, device: str, block_rows: int = 1, num_warps: int = 8,
                  interpreted: bool = False, programs_per_sm: int = 0, rows_per_program: int = 0,
-                 runs: tuple[int, ...] | None = None) -> None:
+                 run_stages: int = 2, runs: tuple[int, ...] | None = None) -> None:
     """Triton (stagekit.fp8_rows.launch) vs the reference: scales within 1e-6 relative, e4m3 values never more
-    than one step apart and mostly bitwise equal (`runs`: r as make_inputs builds it). `interpreted`: triton's CPU interpreter casts to bf16 toward
-    zero (a scale one bf16 ulp off) and can miss the carry into the next power of two when it rounds to e4m3
-    (a value half the reference's, 8 steps): bounds loose enough for that, tight enough for a wrong index."""
+    than one step apart and mostly bitwise equal (`runs`: r as make_inputs builds it). `interpreted`: triton's CPU
+    interpreter casts to bf16 toward zero (a scale one bf16 ulp off) and can miss the carry into the next power of
+    two when it rounds to e4m3 (a value half the reference's, 8 steps): bounds loose enough for that, tight enough
+    for a wrong index."""
     scale_rtol, max_steps, exact_fraction = (2.0 ** -7, 8, 0.8) if interpreted else (1e-6, 1, EXACT_FRACTION)
     from stagekit.fp8_rows import launch
 
     x, w, shift, scale, r = make_inputs(rows, c, m, device, runs=runs)
     want = modulate_fp8_reference(x, w, EPS, shift, scale, r)
-    q, s = launch(x, w, EPS, shift, scale, r, block_rows, num_warps, programs_per_sm, rows_per_program)
+    q, s = launch(x, w, EPS, shift, scale, r, block_rows, num_warps, programs_per_sm, rows_per_program, run_stages)
     assert q.shape == want.q.shape and q.dtype == torch.float8_e4m3fn and s.shape == (rows, 1)
     rel = ((s - want.scale).abs() / want.scale).max().item()
     assert rel <= scale_rtol, f"row scales differ by {rel:.2e} relative"
@@ -105,12 +108,13 @@ def test_triton_launch_configs_on_gpu(block_rows, num_warps, programs_per_sm):
 
 
 @needs_cuda
-@pytest.mark.parametrize("block_rows,num_warps,rows_per_program", [(1, 8, 16), (1, 16, 32), (2, 8, 8)])
-def test_triton_runs_of_rows_on_gpu(block_rows, num_warps, rows_per_program):
+@pytest.mark.parametrize("block_rows,num_warps,rows_per_program,run_stages", [(1, 8, 16, 2), (1, 16, 32, 3),
+                                                                             (2, 8, 8, 2)])
+def test_triton_runs_of_rows_on_gpu(block_rows, num_warps, rows_per_program, run_stages):
     """rows_per_program at DiT width on rows laid out as a packed sequence's (38 text, 414 audio, then video
     rows: most programs take the one-table-row path, those across a boundary gather per block)."""
     check_kernel(4099, 5376, 1, "cuda", block_rows, num_warps, rows_per_program=rows_per_program,
-                 runs=(38, 414))
+                 run_stages=run_stages, runs=(38, 414))
 
 
 @needs_cuda
@@ -183,6 +187,43 @@ def test_swiglu_reference_is_the_previous_math_bit_for_bit():
         assert torch.equal(got.q.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(got.scale, want_s)
 
 
+def test_swiglu_division_sequence_is_ieee():
+    """The SwiGLU kernel's division on CUDA (stagekit/fp8_rows._div_rn: approximate reciprocal, a Newton step, the
+    quotient and one correction, all FMAs; the fast path nvcc emits for IEEE division) emulated here, for every
+    bf16 gate over its 1 + exp(-gate) and for random bf16 numerators over b in [1, 2^126): from the correctly
+    rounded reciprocal, the IEEE fp32 quotient; from one up to 2 ulps off (the hardware's approximation), a quotient
+    whose bf16 rounding (all the kernel keeps) is still the IEEE one's."""
+    def fma(x, y, z):
+        """fp32 fma: the product is exact in fp64; the sum is rounded to odd in fp64 (its error from TwoSum), which
+        the rounding to fp32 then turns into the correctly rounded result (no double rounding)."""
+        p, z = x.double() * y.double(), z.double()
+        s = p + z
+        v = s - p
+        err = (p - (s - v)) + (z - v)
+        bits = s.view(torch.int64)
+        fix = (err != 0) & (bits % 2 == 0)
+        bits = bits + torch.where(fix, torch.where((err > 0) == (s > 0), 1, -1), 0)
+        return bits.view(torch.float64).float()
+
+    def div(a, b, ulps):
+        r = ((1 / b).view(torch.int32) + ulps).view(torch.float32)
+        r = fma(fma(-b, r, torch.ones_like(b)), r, r)
+        q = a * r
+        return fma(fma(-b, q, a), r, q)
+
+    gate = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).float()
+    b = 1 + torch.exp(-gate)
+    keep = gate.isfinite() & (gate != 0) & (b < 2.0 ** 126)
+    g = torch.Generator().manual_seed(0)
+    a = (torch.randn(200_000, generator=g) * torch.exp(torch.rand(200_000, generator=g) * 40 - 20)).bfloat16().float()
+    rand_b = torch.exp2(torch.rand(200_000, generator=g) * 125.9)
+    a, b = torch.cat([gate[keep], a[a != 0]]), torch.cat([b[keep], rand_b[a != 0]])
+    want = a / b
+    assert torch.equal(div(a, b, 0).view(torch.int32), want.view(torch.int32))
+    for ulps in (-2, -1, 1, 2):
+        assert torch.equal(div(a, b, ulps).bfloat16().view(torch.int16), want.bfloat16().view(torch.int16)), ulps
+
+
 def check_swiglu_kernel(rows: int, f: int, device: str, block_rows: int = 1, num_warps: int = 16,
                         interpreted: bool = False, programs_per_sm: int = 0) -> None:
     """Triton (stagekit.fp8_rows.swiglu_launch) vs the reference, bounds as `check_kernel`; in the interpreter
@@ -246,11 +287,12 @@ def interpreter_main() -> None:
     x, w, shift, scale, r = make_inputs(21, 40, 1, "cpu", runs=(8, 5))
     want = launch(x, w, EPS, shift, scale, r)
     x_cols = x.t().contiguous().t()  # column stride 21: the same rows
-    for got in (launch(x, w, EPS, shift, scale, r, 1, 8, 0, 8), launch(x_cols, w, EPS, shift, scale, r, 1, 8, 0, 8)):
-        assert torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8)) and torch.equal(got[1], want[1])
+    for xs, stages in ((x, 2), (x_cols, 3)):  # (the interpreter runs the loop unpipelined either way)
+        q, s = launch(xs, w, EPS, shift, scale, r, rows_per_program=8, run_stages=stages)
+        assert torch.equal(q.view(torch.uint8), want[0].view(torch.uint8)) and torch.equal(s, want[1])
     for bad in (dict(rows_per_program=6), dict(rows_per_program=2, block_rows=4),
-                dict(rows_per_program=8, programs_per_sm=1)):
-        with pytest.raises(ValueError, match="rows_per_program must be"):
+                dict(rows_per_program=8, programs_per_sm=1), dict(rows_per_program=8, run_stages=0)):
+        with pytest.raises(ValueError, match="(rows_per_program|run_stages) must be"):
             launch(x, w, EPS, shift, scale, r, **bad)
     # The custom op through torch.compile's graph capture (aot_eager: no C++ compile on the CPU).
     x, w, shift, scale, r = make_inputs(9, 40, 1, "cpu")
@@ -278,6 +320,15 @@ def interpreter_main() -> None:
 def test_triton_kernel_in_the_interpreter():
     """interpreter_main in Triton's CPU interpreter (tests/triton_interp.py says how to run it without a GPU)."""
     run_in_interpreter("from tests.test_fp8_rows import interpreter_main as m; m()", expect="interpreter ok")
+
+
+@needs_triton
+def test_kernel_registers_compiles_for_sm90():
+    """scripts/kernel_registers.py: the SwiGLU kernel at its default launch compiles for sm_90 on the CPU and does
+    not spill (a per-element slow-path division, say, would show here)."""
+    run = subprocess.run([sys.executable, "scripts/kernel_registers.py", "--ops", "swiglu", "--configs", "1x16"],
+                         cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0 and " 0 B spilled" in run.stdout, run.stdout + run.stderr
 
 
 def test_bench_tiny_runs_on_the_cpu(tmp_path):
