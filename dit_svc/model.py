@@ -183,9 +183,15 @@ class MLP(nn.Module):
 
     def partial(self, h: torch.Tensor | Fp8Rows) -> torch.Tensor:
         """h [rows, hidden] (compute dtype), or Fp8Rows when fc1 takes them (Block._modulate) -> fp32 [rows, hidden]:
-        this rank's partial sum of the row-parallel fc2."""
-        gate, value = self.fc1(h).chunk(2, dim=-1)
-        return self.fc2(F.silu(gate) * value).float()
+        this rank's partial sum of the row-parallel fc2. When fc2 takes fp8 rows (an fp8 linear) and y is bf16 on a
+        GPU, silu(gate) * value comes as Fp8Rows from one fused Triton kernel (stagekit/fp8_rows.py: the same math
+        as fc2 quantising the bf16 product itself), in compiled blocks too where `SWIGLU_IN_COMPILED_BLOCKS` says
+        it beats Inductor's fusion (docs/performance.md)."""
+        y = self.fc1(h)  # [rows, 2 * ffn / tp] = [gate | value]
+        if (getattr(self.fc2, "accepts_fp8_rows", False) and y.is_cuda and y.dtype == torch.bfloat16
+                and (fp8_rows.SWIGLU_IN_COMPILED_BLOCKS or not torch.compiler.is_compiling())):
+            return self.fc2(fp8_rows.swiglu_fp8(y)).float()
+        return self.fc2(fp8_rows.swiglu(y)).float()
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         """h [rows, hidden] (compute dtype) -> fp32 [rows, hidden], summed over TP ranks."""

@@ -1,20 +1,28 @@
-"""Op level: the DiT block's RMSNorm + AdaLN modulation + fp8 row quantisation, plain torch against the Triton kernel.
+"""Op level: the DiT block's fused "something + fp8 row quantisation" kernels (stagekit/fp8_rows.py), plain torch
+against Triton, for each of --ops:
 
-    python scripts/bench_fp8_rows.py --out $OUT               # one GPU: rows = 14,882 and 37,748, C = 5376 (< 1 min)
+    python scripts/bench_fp8_rows.py --out $OUT               # one GPU, both ops: rows = 14,882 and 37,748
+    python scripts/bench_fp8_rows.py --ops swiglu --out $OUT  # one op
     python scripts/bench_fp8_rows.py --tiny --out /tmp/fr     # CPU dry run: small shapes, reference only, plus the
-                                                              # kernel in triton's interpreter if installed
+                                                              # kernels in triton's interpreter if installed
 
-For each row count (x = the fp32 residual [rows, C]; norm gain [C] bf16; shift / scale = column chunks of one AdaLN
-output [M * 3, 6 * C] fp32 with M = 1 timestep; r [rows] in 0..2), CUDA events, median of --iters calls after a
-warm-up:
-- `reference eager`: stagekit.fp8_rows.modulate_fp8_reference (Block._modulate in bf16, then quantize_fp8_rowwise);
-- `reference compiled`: the same under torch.compile (what a compiled block runs without the kernel, on its own);
-- `triton BxW`: the kernel (torch op h3stages::modulate_fp8_rows) with B rows per program and W warps, for each of
-  --configs.
-Reported: ms, effective TB/s (bytes of x read and of q + scales written once, over the time; the three AdaLN rows
-stay in cache), and the deviation from the eager reference (max relative scale difference, max e4m3 steps apart,
-fraction of e4m3 values bitwise equal). Writes <out>/fp8_rows.json; exit 1 if a kernel is more than one e4m3 step
-off the reference (8 in the interpreter, which can miss a carry when it rounds to e4m3).
+- `modulate`: RMSNorm + AdaLN modulation + fp8 row quantisation (x = the fp32 residual [rows, C], C = 5376; norm
+  gain [C] bf16; shift / scale = column chunks of one AdaLN output [M * 3, 6 * C] fp32 with M = 1 timestep; r [rows]
+  in 0..2). Bytes moved: x read (fp32), q + scales written once (the three AdaLN rows stay in cache).
+  Writes <out>/fp8_rows.json.
+- `swiglu`: the MLP's silu(gate) * value + fp8 row quantisation (y = fc1's bf16 output [rows, 2F] = [gate | value],
+  F = 14336). Bytes moved: y read (bf16), q + scales written once. Writes <out>/swiglu_fp8.json.
+
+For each row count, CUDA events, median of --iters calls after a warm-up:
+- `reference eager`: the plain-torch reference (the model's previous math, then quantize_fp8_rowwise);
+- `reference compiled`: the same under torch.compile (Inductor's fusion: what a compiled block runs without the
+  kernel, on its own; the number the kernel must beat to be used inside compiled blocks);
+- `triton BxW`: the kernel (its torch op) with B rows per program and W warps, for each of --configs (default: the
+  op's own list, its first entry the op's default launch); `triton BxWpP`: the same on a persistent grid, P programs
+  per SM each looping over blocks of rows with the next block's loads in flight.
+Reported: ms, effective TB/s (the bytes above over the time), and the deviation from the eager reference (max
+relative scale difference, max e4m3 steps apart, fraction of e4m3 values bitwise equal). Exit 1 if a kernel is
+more than one e4m3 step off the reference (8 in the interpreter, which can miss a carry when it rounds to e4m3).
 """
 
 from __future__ import annotations
@@ -22,7 +30,9 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -32,20 +42,53 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kernel_bench import time_variants, write_result  # noqa: E402
 
 SHAPES = (14882, 37748)  # rows of 832x480x124 and 1344x768x124 (docs/performance.md)
-HIDDEN = 5376
+TINY_SHAPES = (37, 100)
 M = 1  # timesteps: AdaLN table rows 0..2
 EPS = 1e-6
-CONFIGS = "1x8,1x16,1x4,2x8,2x16"  # rows per program x warps (the first is the default)
-TINY = dict(shapes=(37, 100), hidden=96)
+
+@dataclass(frozen=True)
+class Op:
+    """One kernel under test: its output file, width (C or F) on the GPU and in --tiny, default launch configs
+    (rows per program x warps, the first the op's default), its inputs, and its reference / kernel in
+    stagekit.fp8_rows (the kernel takes the inputs, then block_rows, num_warps)."""
+    json: str
+    width: int
+    tiny_width: int
+    configs: str
+    inputs: Callable[[int, int, torch.device], tuple[tuple, int]]  # (rows, width, device) -> (args, bytes moved)
+    reference: str
+    kernel: str
 
 
-def inputs(rows: int, c: int, device: torch.device):
+def modulate_inputs(rows: int, c: int, device: torch.device) -> tuple[tuple, int]:
     g = torch.Generator(device=device).manual_seed(rows)
     x = torch.randn(rows, c, generator=g, device=device) * 3
     weight = (torch.randn(c, generator=g, device=device) * 0.2 + 1).to(torch.bfloat16)
     shift, scale = (torch.randn(M * 3, 6 * c, generator=g, device=device) * 0.5).chunk(6, dim=-1)[:2]
     r = torch.randint(0, M * 3, (rows,), generator=g, device=device)
-    return x, weight, shift, scale, r
+    return (x, weight, EPS, shift, scale, r), x.numel() * 4 + x.numel() + rows * 4  # fp32 x in, e4m3 + scales out
+
+
+def swiglu_inputs(rows: int, f: int, device: torch.device) -> tuple[tuple, int]:
+    g = torch.Generator(device=device).manual_seed(rows)
+    y = (torch.randn(rows, 2 * f, generator=g, device=device) * 2).to(torch.bfloat16)
+    return (y,), y.numel() * 2 + rows * f + rows * 4  # bf16 y in, e4m3 q + fp32 scales out
+
+
+OPS = {
+    "modulate": Op("fp8_rows.json", 5376, 96, "1x8,1x16,1x4,2x8,2x16,1x16p1,1x32p1", modulate_inputs,
+                   "modulate_fp8_reference", "modulate_fp8_rows_op"),
+    "swiglu": Op("swiglu_fp8.json", 14336, 96, "1x16,1x8,1x32,2x16,4x16,1x4,1x16p2,1x16p3,1x32p1",
+                 swiglu_inputs, "swiglu_fp8_reference", "swiglu_fp8_rows_op"),
+}
+
+
+def parse_config(cfg: str) -> tuple[str, int, int, int]:
+    """"BxW" (B rows per program, W warps, a program per block of rows) or "BxWpP" (P persistent programs per SM,
+    each looping over blocks of rows) -> (name, B, W, P)."""
+    rows, rest = cfg.split("x")
+    warps, _, per_sm = rest.partition("p")
+    return cfg, int(rows), int(warps), int(per_sm or 0)
 
 
 def deviation(got, want) -> dict:
@@ -56,59 +99,82 @@ def deviation(got, want) -> dict:
             "max_steps": steps.max().item(), "exact_fraction": (steps == 0).float().mean().item()}
 
 
+def bench_op(fr, name: str, op: Op, device: torch.device, shapes, width: int, configs, args) -> tuple[dict, int]:
+    """One op at each row count: its result dict and the worst e4m3 steps of any kernel launch."""
+    # --tiny without triton (CI): the reference only. Compiling on the CPU would time a C++ build, not the op.
+    run_triton = fr.triton is not None
+    result: dict = {"op": name, "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu (--tiny)",
+                    "torch": torch.__version__, "triton": fr.triton.__version__ if run_triton else None,
+                    "width": width, "iters": args.iters, "shapes": []}
+    if name == "modulate":
+        result["timesteps"] = M
+    worst_steps = 0
+    reference, kernel = getattr(fr, op.reference), getattr(fr, op.kernel)
+    compiled = torch.compile(reference, dynamic=False) if device.type == "cuda" else None
+    for rows in shapes:
+        inputs, moved = op.inputs(rows, width, device)
+        ref = reference(*inputs)
+        variants = {"reference eager": lambda: reference(*inputs)}
+        devs = {}
+        if compiled is not None:
+            variants["reference compiled"] = lambda: compiled(*inputs)
+            devs["reference compiled"] = deviation(variants["reference compiled"](), ref)
+        if run_triton:
+            for cfg, b, nw, per_sm in configs:
+                variant = f"triton {cfg}"
+                variants[variant] = lambda b=b, nw=nw, per_sm=per_sm: kernel(*inputs, b, nw, per_sm)
+                devs[variant] = deviation(variants[variant](), ref)
+                worst_steps = max(worst_steps, devs[variant]["max_steps"])
+        notes = {v: f"  scale rel {d['max_scale_rel']:.1e}, max {d['max_steps']} e4m3 steps, "
+                    f"{d['exact_fraction']:.5f} bitwise equal" for v, d in devs.items()}
+        result["shapes"].append({"rows": rows, "bytes": moved, "deviation": devs, "variants": time_variants(
+            variants, device, args.iters, args.tiny, moved, f"{name:8s} rows={rows:6d}", notes)})
+        del inputs, ref, variants
+    write_result(args.out, op.json, result)
+    return result, worst_steps
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", required=True, help="directory for fp8_rows.json")
+    ap.add_argument("--out", required=True, help="directory for the JSON files (one per op)")
+    ap.add_argument("--ops", default="modulate,swiglu", help=f"comma-separated, of {', '.join(OPS)}")
     ap.add_argument("--iters", type=int, default=20, help="timed calls per variant (median)")
-    ap.add_argument("--configs", default=CONFIGS, help="Triton launch configs: ROWSxWARPS,...")
-    ap.add_argument("--tiny", action="store_true", help="CPU dry run (small shapes; the kernel interpreted)")
+    ap.add_argument("--configs", default=None,
+                    help="Triton launch configs ROWSxWARPS[pPROGRAMS_PER_SM],... for every op (default: each op's own "
+                         "list); the p suffix launches a persistent grid")
+    ap.add_argument("--tiny", action="store_true", help="CPU dry run (small shapes; the kernels interpreted)")
     args = ap.parse_args()
+    ops = args.ops.split(",")
+    unknown = [o for o in ops if o not in OPS]
+    if unknown:
+        print(f"unknown --ops {unknown}; choose from {list(OPS)}", file=sys.stderr)
+        return 2
     if args.tiny:
-        # Before stagekit.fp8_rows is imported: its kernel is then built for triton's CPU interpreter.
+        # Before stagekit.fp8_rows is imported: its kernels are then built for triton's CPU interpreter.
         os.environ.setdefault("TRITON_INTERPRET", "1")
-        device, shapes, c = torch.device("cpu"), TINY["shapes"], TINY["hidden"]
+        device, shapes = torch.device("cpu"), TINY_SHAPES
         args.iters = min(args.iters, 2)
+        tiny_configs = 2  # the interpreter's timings mean nothing and it is slow: two launches check the plumbing
     elif torch.cuda.is_available():
-        device, shapes, c = torch.device("cuda"), SHAPES, HIDDEN
+        device, shapes = torch.device("cuda"), SHAPES
     else:
         print("bench_fp8_rows.py needs a CUDA GPU (or --tiny)", file=sys.stderr)
         return 2
     from stagekit import fp8_rows as fr
 
-    configs = [tuple(int(v) for v in cfg.split("x")) for cfg in args.configs.split(",")]
-    # --tiny without triton (CI): the reference only. Compiling on the CPU would time a C++ build, not the op.
-    run_triton = fr.triton is not None
-    result: dict = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu (--tiny)",
-                    "torch": torch.__version__, "triton": fr.triton.__version__ if run_triton else None,
-                    "hidden": c, "timesteps": M, "iters": args.iters, "shapes": []}
     worst_steps = 0
-    for rows in shapes:
-        x, w, shift, scale, r = inputs(rows, c, device)
-        moved = x.numel() * 4 + x.numel() + rows * 4  # fp32 x in, e4m3 q + fp32 scale out
-        ref = fr.modulate_fp8_reference(x, w, EPS, shift, scale, r)
-        variants = {"reference eager": lambda: fr.modulate_fp8_reference(x, w, EPS, shift, scale, r)}
-        if device.type == "cuda":
-            compiled = torch.compile(fr.modulate_fp8_reference, dynamic=False)
-            variants["reference compiled"] = lambda: compiled(x, w, EPS, shift, scale, r)
-        devs = {}
-        if device.type == "cuda":
-            devs["reference compiled"] = deviation(variants["reference compiled"](), ref)
-        if run_triton:
-            for b, nw in configs:
-                name = f"triton {b}x{nw}"
-                variants[name] = lambda b=b, nw=nw: fr.modulate_fp8_rows_op(x, w, EPS, shift, scale, r, b, nw)
-                devs[name] = deviation(variants[name](), ref)
-                worst_steps = max(worst_steps, devs[name]["max_steps"])
-        notes = {name: f"  scale rel {d['max_scale_rel']:.1e}, max {d['max_steps']} e4m3 steps, "
-                       f"{d['exact_fraction']:.5f} bitwise equal" for name, d in devs.items()}
-        result["shapes"].append({"rows": rows, "bytes": moved, "deviation": devs, "variants": time_variants(
-            variants, device, args.iters, args.tiny, moved, f"rows={rows:6d}", notes)})
-        del x, ref
-    write_result(args.out, "fp8_rows.json", result)
+    for name in ops:
+        op = OPS[name]
+        configs = [parse_config(cfg) for cfg in (args.configs or op.configs).split(",")]
+        if args.tiny:
+            configs = configs[:tiny_configs]
+        width = op.tiny_width if args.tiny else op.width
+        _, steps = bench_op(fr, name, op, device, shapes, width, configs, args)
+        worst_steps = max(worst_steps, steps)
     # The interpreter can miss the carry into the next power of two when it rounds to e4m3 (tests/test_fp8_rows.py).
     bound = 1 if device.type == "cuda" else 8
     if worst_steps > bound:
-        print(f"FAIL: the kernel is {worst_steps} e4m3 steps off the reference (bound {bound})", file=sys.stderr)
+        print(f"FAIL: a kernel is {worst_steps} e4m3 steps off its reference (bound {bound})", file=sys.stderr)
         return 1
     return 0
 

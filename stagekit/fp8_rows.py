@@ -1,15 +1,15 @@
-"""The DiT block's RMSNorm + AdaLN modulation + fp8 row quantisation as one Triton kernel (GPU), with a plain-torch
-reference.
+"""The DiT block's fused "something + fp8 row quantisation" Triton kernels (GPU), each with a plain-torch reference:
+RMSNorm + AdaLN modulation before the qkv projection and fc1, and the MLP's SwiGLU before fc2.
 
-What it fuses: before the qkv projection and fc1, every block turns the fp32 residual rows x [rows, C] into
-`modulate(x) = (rms_norm(x, w) * (1 + scale[r]) + shift[r]).to(compute dtype)` (shift / scale: the AdaLN rows
-[M * 3, C] fp32 gathered by each row's table index r). An fp8 linear (stagekit/kernels.Fp8RowwiseLinear) then
-quantises those rows per row (`quantize_fp8_rowwise`: scale = amax / 448, q = e4m3(row * bf16(1 / scale))). This
-kernel reads x and the gathered AdaLN rows once and writes e4m3 rows plus one fp32 scale per row (`Fp8Rows`, which
-the fp8 linear takes as its input instead of a tensor). Where it pays (measured on an H200, docs/performance.md,
-issue 18): in eager blocks, 7x faster than the separate torch ops (0.68 vs 5.0 ms at 37,748 rows). Inside a
-compiled block Inductor's own fusion of the same math is as fast or faster (0.645 ms), so dit_svc/model.py uses
-the kernel only outside torch.compile.
+What the modulation kernel fuses: before the qkv projection and fc1, every block turns the fp32 residual rows
+x [rows, C] into `modulate(x) = (rms_norm(x, w) * (1 + scale[r]) + shift[r]).to(compute dtype)` (shift / scale: the
+AdaLN rows [M * 3, C] fp32 gathered by each row's table index r). An fp8 linear (stagekit/kernels.Fp8RowwiseLinear)
+then quantises those rows per row (`quantize_fp8_rowwise`: scale = amax / 448, q = e4m3(row * bf16(1 / scale))).
+This kernel reads x and the gathered AdaLN rows once and writes e4m3 rows plus one fp32 scale per row (`Fp8Rows`,
+which the fp8 linear takes as its input instead of a tensor). Where it pays (measured on an H200,
+docs/performance.md, issue 18): in eager blocks, 7x faster than the separate torch ops (0.68 vs 5.0 ms at 37,748
+rows). Inside a compiled block Inductor's own fusion of the same math is as fast or faster (0.645 ms), so
+dit_svc/model.py uses the kernel only outside torch.compile.
 
 `modulate_fp8` dispatches: the Triton kernel (the torch custom op `h3stages::modulate_fp8_rows`, opaque to
 torch.compile) when x is on a CUDA device, triton imports and the arguments are ones it serves; otherwise
@@ -18,6 +18,18 @@ uses for its bf16 rows, then `quantize_fp8_rowwise`). The kernel's fp32 arithmet
 operation for operation as torch runs them on CUDA (bf16 rounding of the modulated row, the multiply by the bf16
 reciprocal rounded to bf16, then e4m3) except for the order of the sum of squares, so a rare element lands one
 e4m3 step away (tests/test_fp8_rows.py).
+
+The SwiGLU kernel: the MLP computes fc2(silu(gate) * value) from fc1's bf16 output y [rows, 2F] = [gate | value];
+when fc2 is an fp8 linear it quantises that bf16 product per row. `swiglu_fp8` (custom op
+`h3stages::swiglu_fp8_rows`, dispatched as `modulate_fp8`; reference `swiglu_fp8_reference` = `swiglu` then
+`quantize_fp8_rowwise`) reads each element of y once, a whole row per program in registers, and writes `Fp8Rows`.
+Its arithmetic is the reference's as torch runs it on CUDA: silu = x / (1 + exp(-x)) in fp32 (CUDA's expf, an IEEE
+division as `_div_rn` writes it out) rounded to bf16, the bf16 product rounded to bf16, then the same row
+quantisation as the modulation kernel (`_store_fp8_rows`, shared). No reduction order enters the values (a max is
+exact), so a difference can only come from libdevice's expf against the one torch is built with (and from gates
+below -87.3, `_swiglu_rows` says why not in practice); tests/test_fp8_rows.py bounds it as the modulation
+kernel's. dit_svc/model.py's MLP uses it in eager blocks and, while `SWIGLU_IN_COMPILED_BLOCKS` says so, in
+compiled ones.
 """
 
 from __future__ import annotations
@@ -26,10 +38,11 @@ import contextlib
 import logging
 
 import torch
+import torch.nn.functional as F
 
 from .kernels import FP8_E4M3_MAX, FP8_SCALE_FLOOR, Fp8Rows, quantize_fp8_rowwise
 from .qk_norm_rope import rms_norm
-from .triton_kernels import KernelFallback, interpreting, log_once, tl, triton
+from .triton_kernels import KernelFallback, interpreting, libdevice, log_once, tl, triton
 
 log = logging.getLogger(__name__)
 _FALLBACK = KernelFallback("modulation + fp8 row quantisation", log)
@@ -99,26 +112,25 @@ def modulate_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float, shift: torch
 @torch.library.custom_op("h3stages::modulate_fp8_rows", mutates_args=())
 def modulate_fp8_rows_op(x: torch.Tensor, weight: torch.Tensor, eps: float, shift: torch.Tensor,
                          scale: torch.Tensor, r: torch.Tensor, block_rows: int = DEFAULT_BLOCK_ROWS,
-                         num_warps: int = DEFAULT_NUM_WARPS) -> tuple[torch.Tensor, torch.Tensor]:
+                         num_warps: int = DEFAULT_NUM_WARPS,
+                         programs_per_sm: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """The Triton kernel as a torch op (opaque to torch.compile): arguments as `launch`, returns (q, scale)."""
-    return launch(x, weight, eps, shift, scale, r, block_rows, num_warps)
+    return launch(x, weight, eps, shift, scale, r, block_rows, num_warps, programs_per_sm)
 
 
 @modulate_fp8_rows_op.register_fake
-def _(x, weight, eps, shift, scale, r, block_rows=DEFAULT_BLOCK_ROWS, num_warps=DEFAULT_NUM_WARPS):
+def _(x, weight, eps, shift, scale, r, block_rows=DEFAULT_BLOCK_ROWS, num_warps=DEFAULT_NUM_WARPS, programs_per_sm=0):
     return (x.new_empty(x.shape, dtype=torch.float8_e4m3fn),
             x.new_empty((x.shape[0], 1), dtype=torch.float32))
 
 
 def launch(x: torch.Tensor, weight: torch.Tensor, eps: float, shift: torch.Tensor, scale: torch.Tensor,
-           r: torch.Tensor, block_rows: int = DEFAULT_BLOCK_ROWS,
-           num_warps: int = DEFAULT_NUM_WARPS) -> tuple[torch.Tensor, torch.Tensor]:
+           r: torch.Tensor, block_rows: int = DEFAULT_BLOCK_ROWS, num_warps: int = DEFAULT_NUM_WARPS,
+           programs_per_sm: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Runs the kernel: x [rows, C] fp32 (any strides), gain [C], shift / scale [M * 3, C] fp32 (any strides, e.g.
     column chunks of the AdaLN output), r [rows] -> (q [rows, C] e4m3, scale [rows, 1] fp32), both new and
-    contiguous. Raises ValueError for arguments it does not serve (`unsupported`); block_rows (a power of two) and
-    num_warps tune the launch."""
-    if block_rows < 1 or block_rows & (block_rows - 1):
-        raise ValueError(f"block_rows must be a power of two, got {block_rows}")
+    contiguous. Raises ValueError for arguments it does not serve (`unsupported`); block_rows, num_warps and
+    programs_per_sm tune the launch (`_grid`)."""
     reason = unsupported(x, weight, shift, scale, r)
     if reason is not None:
         raise ValueError(f"the Triton modulation + fp8 quantisation kernel does not serve this call: {reason}")
@@ -127,30 +139,189 @@ def launch(x: torch.Tensor, weight: torch.Tensor, eps: float, shift: torch.Tenso
     q_scale = torch.empty(rows, 1, dtype=torch.float32, device=x.device)
     if rows == 0:
         return q, q_scale
+    grid, persistent = _grid(rows, block_rows, programs_per_sm, x.device)
     log_once(log, f"modulation + fp8 row quantisation: Triton kernel ({block_rows} rows x {num_warps} warps per "
-                  "program)")
+                  f"program{f', {programs_per_sm} persistent programs per SM' if persistent else ''})")
     with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():  # Triton uses the current device
-        _modulate_fp8_kernel[(triton.cdiv(rows, block_rows),)](
+        _modulate_fp8_kernel[grid](
             x, weight, shift, scale, r, q, q_scale, rows, c, 1.0 / c, eps,
             *x.stride(), weight.stride(0), *shift.stride(), *scale.stride(), r.stride(0),
             FP8_MAX=FP8_E4M3_MAX, INV_FP8_MAX=1.0 / FP8_E4M3_MAX, SCALE_FLOOR=FP8_SCALE_FLOOR, BLOCK_R=block_rows,
-            BLOCK_C=triton.next_power_of_2(c), num_warps=num_warps,
+            BLOCK_C=triton.next_power_of_2(c), PERSISTENT=persistent, num_warps=num_warps,
             enable_fp_fusion=False,  # no FMA contraction: products rounded as the reference's separate ops are
         )
     return q, q_scale
 
 
+def _grid(rows: int, block_rows: int, programs_per_sm: int, device: torch.device) -> tuple[tuple[int], bool]:
+    """Both kernels' launch grid and whether it is persistent: one program per block of `block_rows` rows (a power
+    of two), or, with programs_per_sm > 0, that many programs per SM (one SM on the CPU interpreter), each looping
+    over blocks of rows with the next block's loads in flight (`tl.range(..., num_stages=2)`)."""
+    if block_rows < 1 or block_rows & (block_rows - 1):
+        raise ValueError(f"block_rows must be a power of two, got {block_rows}")
+    blocks = triton.cdiv(rows, block_rows)
+    if programs_per_sm <= 0:
+        return (blocks,), False
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+    return (min(blocks, programs_per_sm * sms),), True
+
+
+# --- SwiGLU + fp8 row quantisation: the MLP's silu(gate) * value, handed to an fp8 fc2 -----------------------------
+
+# Whether dit_svc/model.py's MLP uses the kernel inside torch.compile'd blocks too (eager blocks always do, where
+# fc2 takes fp8 rows). The lead sets it from scripts/bench_fp8_rows.py --ops swiglu on an H200: True only where the
+# kernel beats Inductor's own fusion of the same ops (`reference compiled`).
+SWIGLU_IN_COMPILED_BLOCKS = True
+# Rows per program x warps (the whole row, 2 x F channels with F padded to a power of two, sits in registers); the
+# lead sets them from the same benchmark's sweep.
+SWIGLU_BLOCK_ROWS = 1
+SWIGLU_NUM_WARPS = 16
+_SWIGLU_FALLBACK = KernelFallback("SwiGLU + fp8 row quantisation", log)
+
+
+def swiglu(y: torch.Tensor) -> torch.Tensor:
+    """y [rows, 2F] = [gate | value] -> silu(gate) * value [rows, F] in y's dtype (the model's MLP activation)."""
+    gate, value = y.chunk(2, dim=-1)
+    return F.silu(gate) * value
+
+
+def swiglu_fp8_reference(y: torch.Tensor) -> Fp8Rows:
+    """`swiglu` in y's dtype (bf16), then `quantize_fp8_rowwise`: the previous two steps, in plain torch."""
+    return Fp8Rows(*quantize_fp8_rowwise(swiglu(y)))
+
+
+def swiglu_unsupported(y: torch.Tensor) -> str | None:
+    """Why the Triton SwiGLU kernel does not serve y, or None when it does (shape, dtype, strides, device)."""
+    if triton is None:
+        return "triton is not installed"
+    if y.dim() != 2 or y.dtype != torch.bfloat16 or y.shape[1] % 2:
+        return f"y must be bf16 [rows, 2F], got {y.dtype} {list(y.shape)}"
+    if not 16 <= y.shape[1] // 2 <= MAX_CHANNELS:
+        return f"F must be in 16..{MAX_CHANNELS}, got {y.shape[1] // 2}"
+    if y.stride(1) != 1:
+        return f"y's columns must be contiguous (column stride 1), got strides {list(y.stride())}"
+    if y.device.type != "cuda" and not interpreting(_swiglu_fp8_kernel):
+        return f"the kernel runs on CUDA devices (y is on {y.device})"
+    return None
+
+
+def swiglu_fp8(y: torch.Tensor) -> Fp8Rows:
+    """y [rows, 2F] bf16 = [gate | value] -> Fp8Rows of silu(gate) * value (q [rows, F] e4m3, scale [rows, 1]
+    fp32): the Triton kernel on CUDA where it serves y, else the reference."""
+    reason = swiglu_unsupported(y) if y.is_cuda else "y is not on a CUDA device"
+    if reason is None:
+        reason = _SWIGLU_FALLBACK.reason(y.device)
+    if reason is None:
+        ok, result = _SWIGLU_FALLBACK.run(y.device, lambda: Fp8Rows(*torch.ops.h3stages.swiglu_fp8_rows(y)))
+        if ok:
+            return result
+        reason = result
+    if y.is_cuda and not torch.compiler.is_compiling():
+        log_once(log, f"SwiGLU + fp8 row quantisation: plain torch ({reason})")
+    return swiglu_fp8_reference(y)
+
+
+@torch.library.custom_op("h3stages::swiglu_fp8_rows", mutates_args=())
+def swiglu_fp8_rows_op(y: torch.Tensor, block_rows: int = SWIGLU_BLOCK_ROWS, num_warps: int = SWIGLU_NUM_WARPS,
+                       programs_per_sm: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """The Triton SwiGLU kernel as a torch op (opaque to torch.compile): arguments as `swiglu_launch`."""
+    return swiglu_launch(y, block_rows, num_warps, programs_per_sm)
+
+
+@swiglu_fp8_rows_op.register_fake
+def _(y, block_rows=SWIGLU_BLOCK_ROWS, num_warps=SWIGLU_NUM_WARPS, programs_per_sm=0):
+    return (y.new_empty((y.shape[0], y.shape[1] // 2), dtype=torch.float8_e4m3fn),
+            y.new_empty((y.shape[0], 1), dtype=torch.float32))
+
+
+def swiglu_launch(y: torch.Tensor, block_rows: int = SWIGLU_BLOCK_ROWS, num_warps: int = SWIGLU_NUM_WARPS,
+                  programs_per_sm: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Runs the kernel: y [rows, 2F] bf16 (any row stride, e.g. a view; contiguous columns) -> (q [rows, F] e4m3,
+    scale [rows, 1] fp32), both new and contiguous. Raises ValueError for arguments it does not serve
+    (`swiglu_unsupported`); block_rows, num_warps and programs_per_sm tune the launch (`_grid`)."""
+    reason = swiglu_unsupported(y)
+    if reason is not None:
+        raise ValueError(f"the Triton SwiGLU + fp8 quantisation kernel does not serve this call: {reason}")
+    rows, f = y.shape[0], y.shape[1] // 2
+    q = torch.empty(rows, f, dtype=torch.float8_e4m3fn, device=y.device)
+    q_scale = torch.empty(rows, 1, dtype=torch.float32, device=y.device)
+    if rows == 0:
+        return q, q_scale
+    grid, persistent = _grid(rows, block_rows, programs_per_sm, y.device)
+    log_once(log, f"SwiGLU + fp8 row quantisation: Triton kernel ({block_rows} rows x {num_warps} warps per program"
+                  f"{f', {programs_per_sm} persistent programs per SM' if persistent else ''})")
+    with torch.cuda.device(y.device) if y.is_cuda else contextlib.nullcontext():  # Triton uses the current device
+        _swiglu_fp8_kernel[grid](
+            y, q, q_scale, rows, f, y.stride(0),
+            FP8_MAX=FP8_E4M3_MAX, INV_FP8_MAX=1.0 / FP8_E4M3_MAX, SCALE_FLOOR=FP8_SCALE_FLOOR, BLOCK_R=block_rows,
+            BLOCK_C=triton.next_power_of_2(f), CUDA=not interpreting(_swiglu_fp8_kernel), PERSISTENT=persistent,
+            num_warps=num_warps,
+            enable_fp_fusion=False,  # no FMA contraction: products rounded as the reference's separate ops are
+        )
+    return q, q_scale
 
 
 if triton is not None:
 
     @triton.jit
+    def _div_rn(a, b, CUDA: tl.constexpr):
+        """a / b as torch's CUDA kernels divide (IEEE, round to nearest even), for b in [1, 2^126) and a finite,
+        nonzero a (callers handle the rest). On CUDA: the instruction sequence of the fast path that IEEE division
+        (`div.rn`) compiles to (approximate reciprocal, one Newton step, the quotient and one correction, all FMAs)
+        without the range check and slow-path call around it, which operands in that range never take. That call,
+        one per element, took the SwiGLU kernel from 32 to 96 registers per thread at 1x16 (sm_90,
+        scripts/kernel_registers.py): one row in flight per SM instead of four. tests/test_fp8_rows.py checks the
+        sequence against IEEE division over that range. In the CPU interpreter (CUDA False): div_rn."""
+        if CUDA:
+            r = tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=r,r", [b], dtype=tl.float32,
+                                          is_pure=True, pack=1)
+            r = tl.fma(tl.fma(-b, r, 1.0), r, r)
+            q = a * r
+            q = tl.fma(tl.fma(-b, q, a), r, q)
+        else:
+            q = tl.math.div_rn(a, b)
+        return q
+
+    @triton.jit
+    def _store_fp8_rows(y, mask, row, row_ok, ch, C, q_ptr, qs_ptr, FP8_MAX: tl.constexpr,
+                        INV_FP8_MAX: tl.constexpr, SCALE_FLOOR: tl.constexpr):
+        """The epilogue both kernels share, `quantize_fp8_rowwise` of bf16 rows op for op: y [BLOCK_R, BLOCK_C] bf16
+        (kept in bf16 until here: half the registers of fp32 across the row reduction), row / row_ok [BLOCK_R]
+        (int64 row indices), ch [BLOCK_C] -> e4m3 rows q [rows, C] (contiguous) and their fp32 scales qs [rows]."""
+        # 1. Row scale = max(amax / 448, floor) (the bf16 max is exact; torch's CUDA division by a Python number
+        #    multiplies by its fp32 reciprocal).
+        amax = tl.max(tl.where(mask, tl.abs(y), 0.0), axis=1).to(tl.float32)
+        q_scale = tl.maximum(amax * INV_FP8_MAX, SCALE_FLOOR)
+        # 2. q = e4m3(clamp(bf16(y * bf16(1 / scale)))): an IEEE reciprocal, then the product of two bf16 values.
+        inv = tl.math.div_rn(tl.full(q_scale.shape, 1.0, tl.float32), q_scale).to(tl.bfloat16).to(tl.float32)
+        p = (y.to(tl.float32) * inv[:, None]).to(tl.bfloat16).to(tl.float32)
+        p = tl.minimum(tl.maximum(p, -FP8_MAX), FP8_MAX)
+        tl.store(q_ptr + row[:, None] * C + ch[None, :], p.to(tl.float8e4nv), mask=mask)
+        tl.store(qs_ptr + row, q_scale, mask=row_ok)
+
+    @triton.jit
     def _modulate_fp8_kernel(x_ptr, w_ptr, shift_ptr, scale_ptr, r_ptr, q_ptr, qs_ptr, rows, C, inv_c, eps,
                              x_s_row, x_s_c, w_s, sh_s_row, sh_s_c, sc_s_row, sc_s_c, r_s,
                              FP8_MAX: tl.constexpr, INV_FP8_MAX: tl.constexpr, SCALE_FLOOR: tl.constexpr,
-                             BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-        """One program: BLOCK_R whole rows. Every step is one op of `modulate_fp8_reference`, in its order."""
-        row = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+                             BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, PERSISTENT: tl.constexpr):
+        """One program: BLOCK_R whole rows, or (PERSISTENT) every num_programs-th block of them."""
+        if PERSISTENT:
+            for blk in tl.range(tl.program_id(0), tl.cdiv(rows, BLOCK_R), tl.num_programs(0), num_stages=2):
+                _modulate_rows(blk, x_ptr, w_ptr, shift_ptr, scale_ptr, r_ptr, q_ptr, qs_ptr, rows, C, inv_c, eps,
+                               x_s_row, x_s_c, w_s, sh_s_row, sh_s_c, sc_s_row, sc_s_c, r_s, FP8_MAX, INV_FP8_MAX,
+                               SCALE_FLOOR, BLOCK_R, BLOCK_C)
+        else:
+            _modulate_rows(tl.program_id(0), x_ptr, w_ptr, shift_ptr, scale_ptr, r_ptr, q_ptr, qs_ptr, rows, C, inv_c,
+                           eps, x_s_row, x_s_c, w_s, sh_s_row, sh_s_c, sc_s_row, sc_s_c, r_s, FP8_MAX, INV_FP8_MAX,
+                           SCALE_FLOOR, BLOCK_R, BLOCK_C)
+
+    @triton.jit
+    def _modulate_rows(blk, x_ptr, w_ptr, shift_ptr, scale_ptr, r_ptr, q_ptr, qs_ptr, rows, C, inv_c, eps,
+                       x_s_row, x_s_c, w_s, sh_s_row, sh_s_c, sc_s_row, sc_s_c, r_s, FP8_MAX: tl.constexpr,
+                       INV_FP8_MAX: tl.constexpr, SCALE_FLOOR: tl.constexpr, BLOCK_R: tl.constexpr,
+                       BLOCK_C: tl.constexpr):
+        """Block `blk` of BLOCK_R whole rows. Every step is one op of `modulate_fp8_reference`, in its order."""
+        row = blk * BLOCK_R + tl.arange(0, BLOCK_R)
         ch = tl.arange(0, BLOCK_C)
         row_ok = row < rows
         c_ok = ch < C
@@ -164,14 +335,50 @@ if triton is not None:
         # 1. RMSNorm in fp32 (`rms_norm`: x * rsqrt(mean(x^2) + eps) * gain; the mean as torch's CUDA reduction
         #    takes it, sum * fp32(1 / C)), then the modulation, rounded to bf16 as the reference emits it.
         rstd = tl.math.rsqrt(tl.sum(x * x, axis=1) * inv_c + eps)[:, None]
-        y = (x * rstd * gain * (1.0 + scale) + shift).to(tl.bfloat16).to(tl.float32)
-        # 2. Row scale = max(amax / 448, floor) (`quantize_fp8_rowwise`; torch's CUDA division by a Python number
-        #    multiplies by its fp32 reciprocal).
-        amax = tl.max(tl.where(mask, tl.abs(y), 0.0), axis=1)
-        q_scale = tl.maximum(amax * INV_FP8_MAX, SCALE_FLOOR)
-        # 3. q = e4m3(clamp(bf16(y * bf16(1 / scale)))): an IEEE reciprocal, then the product of two bf16 values.
-        inv = tl.math.div_rn(tl.full(q_scale.shape, 1.0, tl.float32), q_scale).to(tl.bfloat16).to(tl.float32)
-        p = (y * inv[:, None]).to(tl.bfloat16).to(tl.float32)
-        p = tl.minimum(tl.maximum(p, -FP8_MAX), FP8_MAX)
-        tl.store(q_ptr + row[:, None] * C + ch[None, :], p.to(tl.float8e4nv), mask=mask)
-        tl.store(qs_ptr + row, q_scale, mask=row_ok)
+        y = (x * rstd * gain * (1.0 + scale) + shift).to(tl.bfloat16)
+        # 2. The row quantisation.
+        _store_fp8_rows(y, mask, row, row_ok, ch, C, q_ptr, qs_ptr, FP8_MAX, INV_FP8_MAX, SCALE_FLOOR)
+
+    @triton.jit
+    def _swiglu_fp8_kernel(y_ptr, q_ptr, qs_ptr, rows, C, y_s_row, FP8_MAX: tl.constexpr,
+                           INV_FP8_MAX: tl.constexpr, SCALE_FLOOR: tl.constexpr, BLOCK_R: tl.constexpr,
+                           BLOCK_C: tl.constexpr, CUDA: tl.constexpr, PERSISTENT: tl.constexpr):
+        """One program: BLOCK_R whole rows, or (PERSISTENT) every num_programs-th block of them."""
+        if PERSISTENT:
+            for blk in tl.range(tl.program_id(0), tl.cdiv(rows, BLOCK_R), tl.num_programs(0), num_stages=2):
+                _swiglu_rows(blk, y_ptr, q_ptr, qs_ptr, rows, C, y_s_row, FP8_MAX, INV_FP8_MAX, SCALE_FLOOR, BLOCK_R,
+                             BLOCK_C, CUDA)
+        else:
+            _swiglu_rows(tl.program_id(0), y_ptr, q_ptr, qs_ptr, rows, C, y_s_row, FP8_MAX, INV_FP8_MAX, SCALE_FLOOR,
+                         BLOCK_R, BLOCK_C, CUDA)
+
+    @triton.jit
+    def _swiglu_rows(blk, y_ptr, q_ptr, qs_ptr, rows, C, y_s_row, FP8_MAX: tl.constexpr, INV_FP8_MAX: tl.constexpr,
+                     SCALE_FLOOR: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+                     CUDA: tl.constexpr):
+        """Block `blk` of BLOCK_R whole rows of y = [gate | value] (C = F channels each), each element read once.
+        Every step is one op of `swiglu_fp8_reference` as torch runs it on CUDA, in its order."""
+        row = blk * BLOCK_R + tl.arange(0, BLOCK_R)
+        ch = tl.arange(0, BLOCK_C)
+        row_ok = row < rows
+        mask = row_ok[:, None] & (ch < C)[None, :]
+        row = row.to(tl.int64)
+        at = y_ptr + row[:, None] * y_s_row + ch[None, :]
+        gate = tl.load(at, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+        value = tl.load(at + C, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+        # 1. F.silu on bf16: x / (1 + exp(-x)) in fp32 (CUDA's expf, as libdevice has it; tl.exp would be the
+        #    approximate ex2 instruction; the CPU interpreter has no libdevice), an IEEE division, rounded to bf16;
+        #    then the product of two bf16 values, rounded to bf16. Outside `_div_rn`'s range, x * 0 (a zero of x's
+        #    sign): exact for x = +-0; for x < -87.3 (1 + exp(-x) >= 2^126) torch's silu is below 1.2e-36 in
+        #    magnitude, whose product quantises to an e4m3 zero of the same sign unless its value exceeds 1e20.
+        #    (Handling those exactly cost 8 registers per thread and 16 % more instructions.)
+        if CUDA:
+            e = libdevice.exp(-gate)
+        else:
+            e = tl.exp(-gate)
+        d = 1.0 + e
+        silu = tl.where((d < 8.507059173023462e37) & (gate != 0.0), _div_rn(gate, d, CUDA), gate * 0.0)
+        silu = silu.to(tl.bfloat16).to(tl.float32)
+        y = (silu * value).to(tl.bfloat16)
+        # 2. The row quantisation.
+        _store_fp8_rows(y, mask, row, row_ok, ch, C, q_ptr, qs_ptr, FP8_MAX, INV_FP8_MAX, SCALE_FLOOR)

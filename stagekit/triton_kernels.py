@@ -1,8 +1,8 @@
 """What the project's Triton kernels share (stagekit/qk_norm_rope.py, stagekit/fp8_rows.py, the quantiser of
 stagekit/fp8_attention.py): the optional import, the CPU-interpreter check, and a GPU kernel's fallback.
 
-- `triton` / `tl` are None where Triton does not import (the CPU build of torch ships without it; a broken install
-  counts as missing): every kernel then has its plain-torch reference.
+- `triton` / `tl` / `libdevice` are None where Triton does not import (the CPU build of torch ships without it; a
+  broken install counts as missing): every kernel then has its plain-torch reference.
 - `interpreting(kernel)`: Triton's CPU interpreter (TRITON_INTERPRET=1 before the import) replaces @triton.jit
   functions by interpreted ones; the tests use it to check a kernel's indexing and masking without a GPU.
 - `KernelFallback`: a kernel that fails to build or run on a GPU (an architecture Triton cannot target, a
@@ -22,8 +22,9 @@ import torch
 try:
     import triton
     import triton.language as tl
+    from triton.language.extra import libdevice  # CUDA's libm (e.g. expf as torch's CUDA kernels call it)
 except Exception:  # ImportError, or a broken install: the references serve
-    triton = tl = None
+    triton = tl = libdevice = None
 
 T = TypeVar("T")
 

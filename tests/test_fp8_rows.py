@@ -1,21 +1,25 @@
-"""stagekit/fp8_rows.py: the plain-torch reference equals the previous Block._modulate + quantize_fp8_rowwise bit for
-bit, and an fp8 linear gives the same output from Fp8Rows as from the bf16 rows (CPU); the Triton kernel matches
-the reference on DiT widths (GPU) and, on small shapes, in triton's CPU interpreter
-(indexing, masking, scales; needs triton in the venv, which CI's CPU torch lacks: `.venv/bin/pip install --no-deps
-triton`, then `.venv/bin/python -m pytest tests/test_fp8_rows.py -k interpreter -p no:randomly`)."""
+"""stagekit/fp8_rows.py: the plain-torch references equal the previous Block._modulate + quantize_fp8_rowwise and
+MLP silu(gate) * value + quantize_fp8_rowwise bit for bit, and an fp8 linear gives the same output from Fp8Rows as
+from the bf16 rows (CPU); the Triton kernels match their references on DiT widths (GPU) and, on small shapes, in
+triton's CPU interpreter (indexing, masking, scales; needs triton in the venv, which CI's CPU torch lacks:
+`.venv/bin/pip install --no-deps triton`, then
+`.venv/bin/python -m pytest tests/test_fp8_rows.py -k interpreter -p no:randomly`)."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from dit_svc.model import RMSNorm
 from stagekit.fp8_attention import e4m3_steps
-from stagekit.fp8_rows import modulate, modulate_fp8, modulate_fp8_reference
+from stagekit.fp8_rows import modulate, modulate_fp8, modulate_fp8_reference, swiglu_fp8, swiglu_fp8_reference
 from stagekit.kernels import FP8_SCALE_FLOOR, Fp8RowwiseLinear, Fp8Rows, quantize_fp8_rowwise
 
-from tests.triton_interp import needs_triton, run_bench_tiny, run_in_interpreter
+from tests.triton_interp import REPO, needs_triton, run_bench_tiny, run_in_interpreter
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 EPS = 1e-6
@@ -61,7 +65,7 @@ def test_fp8_linear_takes_fp8_rows():
 
 
 def check_kernel(rows: int, c: int, m: int, device: str, block_rows: int = 1, num_warps: int = 8,
-                 interpreted: bool = False) -> None:
+                 interpreted: bool = False, programs_per_sm: int = 0) -> None:
     """Triton (stagekit.fp8_rows.launch) vs the reference: scales within 1e-6 relative, e4m3 values never more
     than one step apart and mostly bitwise equal. `interpreted`: triton's CPU interpreter casts to bf16 toward
     zero (a scale one bf16 ulp off) and can miss the carry into the next power of two when it rounds to e4m3
@@ -71,7 +75,7 @@ def check_kernel(rows: int, c: int, m: int, device: str, block_rows: int = 1, nu
 
     x, w, shift, scale, r = make_inputs(rows, c, m, device)
     want = modulate_fp8_reference(x, w, EPS, shift, scale, r)
-    q, s = launch(x, w, EPS, shift, scale, r, block_rows, num_warps)
+    q, s = launch(x, w, EPS, shift, scale, r, block_rows, num_warps, programs_per_sm)
     assert q.shape == want.q.shape and q.dtype == torch.float8_e4m3fn and s.shape == (rows, 1)
     rel = ((s - want.scale).abs() / want.scale).max().item()
     assert rel <= scale_rtol, f"row scales differ by {rel:.2e} relative"
@@ -91,9 +95,9 @@ def test_triton_matches_reference_on_gpu(rows, c):
 
 
 @needs_cuda
-@pytest.mark.parametrize("block_rows,num_warps", [(2, 8), (1, 16), (1, 4)])
-def test_triton_launch_configs_on_gpu(block_rows, num_warps):
-    check_kernel(1000, 5376, 1, "cuda", block_rows, num_warps)
+@pytest.mark.parametrize("block_rows,num_warps,programs_per_sm", [(2, 8, 0), (1, 16, 0), (1, 4, 0), (1, 16, 1)])
+def test_triton_launch_configs_on_gpu(block_rows, num_warps, programs_per_sm):
+    check_kernel(1000, 5376, 1, "cuda", block_rows, num_warps, programs_per_sm=programs_per_sm)
 
 
 @needs_cuda
@@ -111,8 +115,9 @@ def test_dispatcher_under_torch_compile_matches_eager():
 
 @needs_cuda
 def test_block_feeds_fp8_rows_to_fp8_linears():
-    """A tiny DiT with fp8 qkv_proj / fc1 on the GPU: Block._modulate hands them Fp8Rows, and the output equals the
-    one where those linears quantise the bf16 rows themselves (`accepts_fp8_rows` switched off per instance)."""
+    """A tiny DiT with fp8 qkv_proj / fc1 / fc2 on the GPU: Block._modulate hands qkv_proj / fc1 Fp8Rows and
+    MLP.partial (swiglu_fp8) hands them to fc2, and the output equals the one where those linears quantise the bf16
+    rows themselves (`accepts_fp8_rows` switched off per instance)."""
     from dit_svc.config import DiTConfig
     from dit_svc.layout import build_layout
     from dit_svc.model import H3DiT
@@ -120,7 +125,7 @@ def test_block_feeds_fp8_rows_to_fp8_linears():
     cfg = DiTConfig.tiny()
     torch.manual_seed(0)
     model = H3DiT(cfg, compute_dtype=torch.bfloat16).eval()
-    fp8 = [n for n in model.linear_names() if n.startswith("blocks.") and n.endswith(("qkv_proj", "fc1"))]
+    fp8 = [n for n in model.linear_names() if n.startswith("blocks.") and n.endswith(("qkv_proj", "fc1", "fc2"))]
     for name in fp8:
         model.swap_linear(name, Fp8RowwiseLinear.from_dense(model.get_submodule(name).weight.detach().float()))
     model.cuda()
@@ -134,22 +139,127 @@ def test_block_feeds_fp8_rows_to_fp8_linears():
         (lay.text_len, cfg.text_dim)))
     with torch.no_grad():
         fused = model(video, audio, text, 0.3, 0.5, lay)
-        assert seen and all(t is Fp8Rows for t in seen)
+        assert len(seen) == len(fp8) and all(t is Fp8Rows for t in seen)
         for name in fp8:
             model.get_submodule(name).accepts_fp8_rows = False
         seen.clear()
         plain = model(video, audio, text, 0.3, 0.5, lay)
-        assert seen and all(t is torch.Tensor for t in seen)
+        assert len(seen) == len(fp8) and all(t is torch.Tensor for t in seen)
     for a, b in zip(fused, plain):
         assert (a - b).norm() <= 1e-2 * b.norm()
+
+
+# --- SwiGLU + fp8 row quantisation ------------------------------------------------------------------------------
+
+
+def make_swiglu_input(rows: int, f: int, device: str, seed: int = 0) -> torch.Tensor:
+    """y [rows, 2F] bf16 = [gate | value] as a view inside a wider, taller fc1 output (row stride 2F + 10), gates
+    wide enough to saturate exp both ways; row 5 (when there is one) is all zeros: the scale floor."""
+    g = torch.Generator().manual_seed(seed)
+    full = torch.randn(rows + 3, 2 * f + 10, generator=g) * 3
+    full[:, 4:4 + f] *= torch.rand(rows + 3, 1, generator=g) * 12  # some rows' gates reach |x| ~ 100
+    full[6:7] = 0.0
+    return full.to(device=device, dtype=torch.bfloat16)[1:1 + rows, 4:4 + 2 * f]
+
+
+def test_swiglu_reference_is_the_previous_math_bit_for_bit():
+    y = make_swiglu_input(37, 96, "cpu")
+    gate, value = y.chunk(2, dim=-1)
+    want_q, want_s = quantize_fp8_rowwise(F.silu(gate) * value)  # MLP.partial before the kernel, then fc2's quantiser
+    for got in (swiglu_fp8_reference(y), swiglu_fp8(y)):
+        assert torch.equal(got.q.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(got.scale, want_s)
+
+
+def test_swiglu_division_sequence_is_ieee():
+    """The SwiGLU kernel's division on CUDA (stagekit/fp8_rows._div_rn: approximate reciprocal, a Newton step, the
+    quotient and one correction, all FMAs; the fast path nvcc emits for IEEE division) emulated here, for every
+    bf16 gate over its 1 + exp(-gate) and for random bf16 numerators over b in [1, 2^126): from the correctly
+    rounded reciprocal, the IEEE fp32 quotient; from one up to 2 ulps off (the hardware's approximation), a quotient
+    whose bf16 rounding (all the kernel keeps) is still the IEEE one's."""
+    def fma(x, y, z):
+        """fp32 fma: the product is exact in fp64; the sum is rounded to odd in fp64 (its error from TwoSum), which
+        the rounding to fp32 then turns into the correctly rounded result (no double rounding)."""
+        p, z = x.double() * y.double(), z.double()
+        s = p + z
+        v = s - p
+        err = (p - (s - v)) + (z - v)
+        bits = s.view(torch.int64)
+        fix = (err != 0) & (bits % 2 == 0)
+        bits = bits + torch.where(fix, torch.where((err > 0) == (s > 0), 1, -1), 0)
+        return bits.view(torch.float64).float()
+
+    def div(a, b, ulps):
+        r = ((1 / b).view(torch.int32) + ulps).view(torch.float32)
+        r = fma(fma(-b, r, torch.ones_like(b)), r, r)
+        q = a * r
+        return fma(fma(-b, q, a), r, q)
+
+    gate = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).float()
+    b = 1 + torch.exp(-gate)
+    keep = gate.isfinite() & (gate != 0) & (b < 2.0 ** 126)
+    g = torch.Generator().manual_seed(0)
+    a = (torch.randn(200_000, generator=g) * torch.exp(torch.rand(200_000, generator=g) * 40 - 20)).bfloat16().float()
+    rand_b = torch.exp2(torch.rand(200_000, generator=g) * 125.9)
+    a, b = torch.cat([gate[keep], a[a != 0]]), torch.cat([b[keep], rand_b[a != 0]])
+    want = a / b
+    assert torch.equal(div(a, b, 0).view(torch.int32), want.view(torch.int32))
+    for ulps in (-2, -1, 1, 2):
+        assert torch.equal(div(a, b, ulps).bfloat16().view(torch.int16), want.bfloat16().view(torch.int16)), ulps
+
+
+def check_swiglu_kernel(rows: int, f: int, device: str, block_rows: int = 1, num_warps: int = 16,
+                        interpreted: bool = False, programs_per_sm: int = 0) -> None:
+    """Triton (stagekit.fp8_rows.swiglu_launch) vs the reference, bounds as `check_kernel`; in the interpreter
+    both bf16 roundings (silu, then the product) truncate, so a scale may be up to two bf16 ulps off."""
+    scale_rtol, max_steps, exact_fraction = (2.0 ** -6, 8, 0.8) if interpreted else (1e-6, 1, EXACT_FRACTION)
+    from stagekit.fp8_rows import swiglu_launch
+
+    y = make_swiglu_input(rows, f, device)
+    want = swiglu_fp8_reference(y)
+    q, s = swiglu_launch(y, block_rows, num_warps, programs_per_sm)
+    assert q.shape == want.q.shape == (rows, f) and q.dtype == torch.float8_e4m3fn and s.shape == (rows, 1)
+    rel = ((s - want.scale).abs() / want.scale).max().item()
+    assert rel <= scale_rtol, f"row scales differ by {rel:.2e} relative"
+    if rows > 5:
+        floor = torch.tensor(FP8_SCALE_FLOOR, dtype=torch.float32).item()
+        assert s[5].item() == want.scale[5].item() == floor and not q[5].float().any(), "a zero row: the floor"
+    steps = e4m3_steps(q, want.q)
+    assert steps.max().item() <= max_steps, f"e4m3 values up to {steps.max().item()} steps apart"
+    exact = (steps == 0).float().mean().item()
+    assert exact >= exact_fraction, f"only {exact:.5f} of the e4m3 values are bitwise equal"
+
+
+@needs_cuda
+@pytest.mark.parametrize("rows,f", [(4099, 14336), (1001, 1792), (37, 640)])
+def test_swiglu_triton_matches_reference_on_gpu(rows, f):
+    check_swiglu_kernel(rows, f, "cuda")
+
+
+@needs_cuda
+@pytest.mark.parametrize("block_rows,num_warps,programs_per_sm", [(1, 8, 0), (1, 32, 0), (2, 16, 0), (1, 16, 1)])
+def test_swiglu_triton_launch_configs_on_gpu(block_rows, num_warps, programs_per_sm):
+    check_swiglu_kernel(1000, 14336, "cuda", block_rows, num_warps, programs_per_sm=programs_per_sm)
+
+
+@needs_cuda
+def test_swiglu_dispatcher_under_torch_compile_matches_eager():
+    y = make_swiglu_input(4099, 14336, "cuda")
+
+    def step(y):
+        q, s = swiglu_fp8(y * 2)  # ops before and after (exact ones)
+        return q.float() * s * 0.5
+
+    assert torch.equal(step(y), torch.compile(step, fullgraph=True)(y))
 
 
 def interpreter_main() -> None:
     """The kernel's indexing and masking in triton's CPU interpreter (TRITON_INTERPRET=1 set before triton is
     imported; run by the test below in a child process). The interpreter computes in numpy, and its bf16 / e4m3
     casts round differently (see check_kernel)."""
-    for rows, c, m, block_rows in [(13, 96, 2, 1), (9, 40, 1, 4), (6, 64, 3, 2)]:
-        check_kernel(rows, c, m, "cpu", block_rows, interpreted=True)
+    # (programs_per_sm > 0: a persistent grid; the interpreter counts one SM, so 2 programs loop over the blocks)
+    for rows, c, m, block_rows, programs_per_sm in [(13, 96, 2, 1, 0), (9, 40, 1, 4, 0), (6, 64, 3, 2, 0),
+                                                    (9, 40, 1, 2, 2)]:
+        check_kernel(rows, c, m, "cpu", block_rows, interpreted=True, programs_per_sm=programs_per_sm)
     # The custom op through torch.compile's graph capture (aot_eager: no C++ compile on the CPU).
     x, w, shift, scale, r = make_inputs(9, 40, 1, "cpu")
 
@@ -158,6 +268,17 @@ def interpreter_main() -> None:
         return q.float() * s
 
     assert torch.equal(step(x), torch.compile(step, backend="aot_eager", fullgraph=True)(x))
+    # SwiGLU: odd row counts, power-of-two and other F, strided views (make_swiglu_input), several rows per program.
+    for rows, f, block_rows, programs_per_sm in [(13, 96, 1, 0), (9, 40, 4, 0), (6, 64, 2, 0), (1, 16, 1, 0),
+                                                 (9, 40, 2, 2)]:
+        check_swiglu_kernel(rows, f, "cpu", block_rows, 4, interpreted=True, programs_per_sm=programs_per_sm)
+    y = make_swiglu_input(9, 40, "cpu")
+
+    def swiglu_step(y):
+        q, s = torch.ops.h3stages.swiglu_fp8_rows(y)
+        return q.float() * s
+
+    assert torch.equal(swiglu_step(y), torch.compile(swiglu_step, backend="aot_eager", fullgraph=True)(y))
     print("interpreter ok")
 
 
@@ -167,8 +288,20 @@ def test_triton_kernel_in_the_interpreter():
     run_in_interpreter("from tests.test_fp8_rows import interpreter_main as m; m()", expect="interpreter ok")
 
 
+@needs_triton
+def test_kernel_registers_compiles_for_sm90():
+    """scripts/kernel_registers.py: the SwiGLU kernel at its default launch compiles for sm_90 on the CPU and does
+    not spill (a per-element slow-path division, say, would show here)."""
+    run = subprocess.run([sys.executable, "scripts/kernel_registers.py", "--ops", "swiglu", "--configs", "1x16"],
+                         cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0 and " 0 B spilled" in run.stdout, run.stdout + run.stderr
+
+
 def test_bench_tiny_runs_on_the_cpu(tmp_path):
-    """scripts/bench_fp8_rows.py --tiny: the dry run writes its JSON (the kernel too where triton is installed)."""
-    result = run_bench_tiny("bench_fp8_rows.py", tmp_path)
-    assert [s["rows"] for s in result["shapes"]] == [37, 100]
-    assert all("reference eager" in s["variants"] for s in result["shapes"])
+    """scripts/bench_fp8_rows.py --tiny: the dry run writes one JSON per op (the kernels too where triton is
+    installed)."""
+    results = run_bench_tiny("bench_fp8_rows.py", tmp_path)
+    assert sorted(results) == ["fp8_rows.json", "swiglu_fp8.json"]
+    for result in results.values():
+        assert [s["rows"] for s in result["shapes"]] == [37, 100]
+        assert all("reference eager" in s["variants"] for s in result["shapes"])
