@@ -8,7 +8,8 @@ against Triton, for each of --ops:
 
 - `modulate`: RMSNorm + AdaLN modulation + fp8 row quantisation (x = the fp32 residual [rows, C], C = 5376; norm
   gain [C] bf16; shift / scale = column chunks of one AdaLN output [M * 3, 6 * C] fp32 with M = 1 timestep; r [rows]
-  in 0..2). Bytes moved: x read (fp32), q + scales written once (the three AdaLN rows stay in cache).
+  as a t2va packed sequence has it: 38 text rows, 414 audio rows, then video rows, each block one table row).
+  Bytes moved: x read (fp32), q + scales written once (the three AdaLN rows stay in cache).
   Writes <out>/fp8_rows.json.
 - `swiglu`: the MLP's silu(gate) * value + fp8 row quantisation (y = fc1's bf16 output [rows, 2F] = [gate | value],
   F = 14336). Bytes moved: y read (bf16), q + scales written once. Writes <out>/swiglu_fp8.json.
@@ -19,7 +20,9 @@ For each row count, CUDA events, median of --iters calls after a warm-up:
   kernel, on its own; the number the kernel must beat to be used inside compiled blocks);
 - `triton BxW`: the kernel (its torch op) with B rows per program and W warps, for each of --configs (default: the
   op's own list, its first entry the op's default launch); `triton BxWpP`: the same on a persistent grid, P programs
-  per SM each looping over blocks of rows with the next block's loads in flight.
+  per SM each looping over blocks of rows with the next block's loads in flight; `triton BxWrR[sS]` (modulate
+  only): R consecutive rows per program, B at a time, the AdaLN rows loaded once where all R share one, with S - 1
+  blocks of x in flight (S = 2 unless given).
 Reported: ms, effective TB/s (the bytes above over the time), and the deviation from the eager reference (max
 relative scale difference, max e4m3 steps apart, fraction of e4m3 values bitwise equal). Exit 1 if a kernel is
 more than one e4m3 step off the reference (8 in the interpreter, which can miss a carry when it rounds to e4m3).
@@ -39,11 +42,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from dit_svc.config import TAG_AUDIO, TAG_TEXT, TAG_VIDEO  # noqa: E402
 from kernel_bench import time_variants, write_result  # noqa: E402
 
 SHAPES = (14882, 37748)  # rows of 832x480x124 and 1344x768x124 (docs/performance.md)
 TINY_SHAPES = (37, 100)
 M = 1  # timesteps: AdaLN table rows 0..2
+TEXT_ROWS, AUDIO_ROWS = 38, 414  # t2va at 124 frames: the first rows of both SHAPES, then video (docs/performance.md)
 EPS = 1e-6
 
 @dataclass(frozen=True)
@@ -65,7 +70,9 @@ def modulate_inputs(rows: int, c: int, device: torch.device) -> tuple[tuple, int
     x = torch.randn(rows, c, generator=g, device=device) * 3
     weight = (torch.randn(c, generator=g, device=device) * 0.2 + 1).to(torch.bfloat16)
     shift, scale = (torch.randn(M * 3, 6 * c, generator=g, device=device) * 0.5).chunk(6, dim=-1)[:2]
-    r = torch.randint(0, M * 3, (rows,), generator=g, device=device)
+    r = torch.full((rows,), TAG_VIDEO, device=device)  # table row = timestep index (0) * 3 + modality tag
+    r[:TEXT_ROWS + AUDIO_ROWS] = TAG_AUDIO
+    r[:TEXT_ROWS] = TAG_TEXT
     return (x, weight, EPS, shift, scale, r), x.numel() * 4 + x.numel() + rows * 4  # fp32 x in, e4m3 + scales out
 
 
@@ -76,19 +83,26 @@ def swiglu_inputs(rows: int, f: int, device: torch.device) -> tuple[tuple, int]:
 
 
 OPS = {
-    "modulate": Op("fp8_rows.json", 5376, 96, "1x8,1x16,1x4,2x8,2x16,1x16p1,1x32p1", modulate_inputs,
+    "modulate": Op("fp8_rows.json", 5376, 96, "1x8,1x16,1x4,2x8,2x16,1x16p1,1x32p1,1x8r8,1x8r16,1x8r32,1x16r16,"
+                   "1x16r32,1x32r32,1x8r16s3,1x16r16s3,1x16r32s4,1x32r32s3", modulate_inputs,
                    "modulate_fp8_reference", "modulate_fp8_rows_op"),
     "swiglu": Op("swiglu_fp8.json", 14336, 96, "1x16,1x8,1x32,2x16,4x16,1x4,1x16p2,1x16p3,1x32p1",
                  swiglu_inputs, "swiglu_fp8_reference", "swiglu_fp8_rows_op"),
 }
 
 
-def parse_config(cfg: str) -> tuple[str, int, int, int]:
-    """"BxW" (B rows per program, W warps, a program per block of rows) or "BxWpP" (P persistent programs per SM,
-    each looping over blocks of rows) -> (name, B, W, P)."""
+def parse_config(cfg: str) -> tuple[str, int, int, int, dict]:
+    """"BxW" (B rows per program, W warps, a program per block of rows), "BxWpP" (P persistent programs per SM,
+    each looping over blocks of rows) or "BxWrR[sS]" (R consecutive rows per program, B at a time, S pipeline
+    stages) -> (name, B, W, P, the modulation kernel's run options as keyword arguments)."""
     rows, rest = cfg.split("x")
+    rest, _, run = rest.partition("r")
     warps, _, per_sm = rest.partition("p")
-    return cfg, int(rows), int(warps), int(per_sm or 0)
+    run, _, stages = run.partition("s")
+    runs = {"rows_per_program": int(run)} if run else {}
+    if stages:
+        runs["run_stages"] = int(stages)
+    return cfg, int(rows), int(warps), int(per_sm or 0), runs
 
 
 def deviation(got, want) -> dict:
@@ -120,9 +134,10 @@ def bench_op(fr, name: str, op: Op, device: torch.device, shapes, width: int, co
             variants["reference compiled"] = lambda: compiled(*inputs)
             devs["reference compiled"] = deviation(variants["reference compiled"](), ref)
         if run_triton:
-            for cfg, b, nw, per_sm in configs:
+            for cfg, b, nw, per_sm, runs in configs:
                 variant = f"triton {cfg}"
-                variants[variant] = lambda b=b, nw=nw, per_sm=per_sm: kernel(*inputs, b, nw, per_sm)
+                variants[variant] = lambda b=b, nw=nw, per_sm=per_sm, runs=runs: kernel(*inputs, b, nw, per_sm,
+                                                                                        **runs)
                 devs[variant] = deviation(variants[variant](), ref)
                 worst_steps = max(worst_steps, devs[variant]["max_steps"])
         notes = {v: f"  scale rel {d['max_scale_rel']:.1e}, max {d['max_steps']} e4m3 steps, "
@@ -140,8 +155,9 @@ def main() -> int:
     ap.add_argument("--ops", default="modulate,swiglu", help=f"comma-separated, of {', '.join(OPS)}")
     ap.add_argument("--iters", type=int, default=20, help="timed calls per variant (median)")
     ap.add_argument("--configs", default=None,
-                    help="Triton launch configs ROWSxWARPS[pPROGRAMS_PER_SM],... for every op (default: each op's own "
-                         "list); the p suffix launches a persistent grid")
+                    help="Triton launch configs ROWSxWARPS[pPROGRAMS_PER_SM|rROWS_PER_PROGRAM[sSTAGES]],... for every "
+                         "op (default: each op's own list); the p suffix launches a persistent grid, the r suffix "
+                         "(modulate only) runs of consecutive rows per program")
     ap.add_argument("--tiny", action="store_true", help="CPU dry run (small shapes; the kernels interpreted)")
     args = ap.parse_args()
     ops = args.ops.split(",")
@@ -166,8 +182,11 @@ def main() -> int:
     for name in ops:
         op = OPS[name]
         configs = [parse_config(cfg) for cfg in (args.configs or op.configs).split(",")]
-        if args.tiny:
-            configs = configs[:tiny_configs]
+        if name != "modulate" and any(runs for *_, runs in configs):
+            print(f"--configs: the r suffix is the modulation kernel's option; {name} has none", file=sys.stderr)
+            return 2
+        if args.tiny:  # and the first with runs of rows, if any
+            configs = configs[:tiny_configs] + [cfg for cfg in configs[tiny_configs:] if cfg[4]][:1]
         width = op.tiny_width if args.tiny else op.width
         _, steps = bench_op(fr, name, op, device, shapes, width, configs, args)
         worst_steps = max(worst_steps, steps)

@@ -51,6 +51,13 @@ DEFAULT_BLOCK_ROWS = 1  # rows per program; the whole row (C channels, padded to
 # The fastest of scripts/bench_fp8_rows.py's sweep on an H200 (1x8: 0.347 / 0.680 ms at 14,882 / 37,748 rows;
 # 1x4 0.351 / 0.694, 2x8 0.388 / 0.767, 1x16 0.451 / 0.948).
 DEFAULT_NUM_WARPS = 8
+# 0: one program per block of DEFAULT_BLOCK_ROWS rows (the launch measured above). R > 0 (a power of two, a multiple
+# of the block): a program runs over R consecutive rows a block at a time, loading the norm gain once and, where
+# all R rows share one AdaLN table row (the packed layout's rows come in long runs of one modality and timestep),
+# the shift and 1 + scale rows once too (`_modulate_run`); its loop keeps RUN_STAGES - 1 blocks of x loading (into
+# shared memory, not registers) while it computes one. To be set from the same benchmark's sweep on an H200.
+DEFAULT_ROWS_PER_PROGRAM = 0
+DEFAULT_RUN_STAGES = 2
 MAX_CHANNELS = 16384  # a wider row would spill registers
 
 
@@ -112,25 +119,31 @@ def modulate_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float, shift: torch
 @torch.library.custom_op("h3stages::modulate_fp8_rows", mutates_args=())
 def modulate_fp8_rows_op(x: torch.Tensor, weight: torch.Tensor, eps: float, shift: torch.Tensor,
                          scale: torch.Tensor, r: torch.Tensor, block_rows: int = DEFAULT_BLOCK_ROWS,
-                         num_warps: int = DEFAULT_NUM_WARPS,
-                         programs_per_sm: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+                         num_warps: int = DEFAULT_NUM_WARPS, programs_per_sm: int = 0,
+                         rows_per_program: int = DEFAULT_ROWS_PER_PROGRAM,
+                         run_stages: int = DEFAULT_RUN_STAGES) -> tuple[torch.Tensor, torch.Tensor]:
     """The Triton kernel as a torch op (opaque to torch.compile): arguments as `launch`, returns (q, scale)."""
-    return launch(x, weight, eps, shift, scale, r, block_rows, num_warps, programs_per_sm)
+    return launch(x, weight, eps, shift, scale, r, block_rows, num_warps, programs_per_sm, rows_per_program,
+                  run_stages)
 
 
 @modulate_fp8_rows_op.register_fake
-def _(x, weight, eps, shift, scale, r, block_rows=DEFAULT_BLOCK_ROWS, num_warps=DEFAULT_NUM_WARPS, programs_per_sm=0):
+def _(x, weight, eps, shift, scale, r, block_rows=DEFAULT_BLOCK_ROWS, num_warps=DEFAULT_NUM_WARPS, programs_per_sm=0,
+      rows_per_program=DEFAULT_ROWS_PER_PROGRAM, run_stages=DEFAULT_RUN_STAGES):
     return (x.new_empty(x.shape, dtype=torch.float8_e4m3fn),
             x.new_empty((x.shape[0], 1), dtype=torch.float32))
 
 
 def launch(x: torch.Tensor, weight: torch.Tensor, eps: float, shift: torch.Tensor, scale: torch.Tensor,
            r: torch.Tensor, block_rows: int = DEFAULT_BLOCK_ROWS, num_warps: int = DEFAULT_NUM_WARPS,
-           programs_per_sm: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+           programs_per_sm: int = 0, rows_per_program: int = DEFAULT_ROWS_PER_PROGRAM,
+           run_stages: int = DEFAULT_RUN_STAGES) -> tuple[torch.Tensor, torch.Tensor]:
     """Runs the kernel: x [rows, C] fp32 (any strides), gain [C], shift / scale [M * 3, C] fp32 (any strides, e.g.
     column chunks of the AdaLN output), r [rows] -> (q [rows, C] e4m3, scale [rows, 1] fp32), both new and
     contiguous. Raises ValueError for arguments it does not serve (`unsupported`); block_rows, num_warps and
-    programs_per_sm tune the launch (`_grid`)."""
+    programs_per_sm tune the launch (`_grid`); rows_per_program > 0 (a power of two, a multiple of block_rows; not
+    with programs_per_sm) gives each program that many consecutive rows, run_stages (>= 1) the depth of its loop's
+    pipeline (`DEFAULT_ROWS_PER_PROGRAM` says why)."""
     reason = unsupported(x, weight, shift, scale, r)
     if reason is not None:
         raise ValueError(f"the Triton modulation + fp8 quantisation kernel does not serve this call: {reason}")
@@ -140,14 +153,23 @@ def launch(x: torch.Tensor, weight: torch.Tensor, eps: float, shift: torch.Tenso
     if rows == 0:
         return q, q_scale
     grid, persistent = _grid(rows, block_rows, programs_per_sm, x.device)
+    if rows_per_program:
+        if persistent or rows_per_program < block_rows or rows_per_program & (rows_per_program - 1):
+            raise ValueError(f"rows_per_program must be a power of two >= block_rows ({block_rows}) and 0 with "
+                             f"programs_per_sm > 0, got {rows_per_program} (programs_per_sm {programs_per_sm})")
+        if run_stages < 1:
+            raise ValueError(f"run_stages must be >= 1, got {run_stages}")
+        grid = (triton.cdiv(rows, rows_per_program),)
     log_once(log, f"modulation + fp8 row quantisation: Triton kernel ({block_rows} rows x {num_warps} warps per "
-                  f"program{f', {programs_per_sm} persistent programs per SM' if persistent else ''})")
+                  f"program{f', {programs_per_sm} persistent programs per SM' if persistent else ''}"
+                  f"{f', runs of {rows_per_program} rows, {run_stages} stages' if rows_per_program else ''})")
     with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():  # Triton uses the current device
         _modulate_fp8_kernel[grid](
             x, weight, shift, scale, r, q, q_scale, rows, c, 1.0 / c, eps,
             *x.stride(), weight.stride(0), *shift.stride(), *scale.stride(), r.stride(0),
             FP8_MAX=FP8_E4M3_MAX, INV_FP8_MAX=1.0 / FP8_E4M3_MAX, SCALE_FLOOR=FP8_SCALE_FLOOR, BLOCK_R=block_rows,
-            BLOCK_C=triton.next_power_of_2(c), PERSISTENT=persistent, num_warps=num_warps,
+            BLOCK_C=triton.next_power_of_2(c), PERSISTENT=persistent, RUN=rows_per_program,
+            STAGES=run_stages, num_warps=num_warps,
             enable_fp_fusion=False,  # no FMA contraction: products rounded as the reference's separate ops are
         )
     return q, q_scale
@@ -303,9 +325,15 @@ if triton is not None:
     def _modulate_fp8_kernel(x_ptr, w_ptr, shift_ptr, scale_ptr, r_ptr, q_ptr, qs_ptr, rows, C, inv_c, eps,
                              x_s_row, x_s_c, w_s, sh_s_row, sh_s_c, sc_s_row, sc_s_c, r_s,
                              FP8_MAX: tl.constexpr, INV_FP8_MAX: tl.constexpr, SCALE_FLOOR: tl.constexpr,
-                             BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, PERSISTENT: tl.constexpr):
-        """One program: BLOCK_R whole rows, or (PERSISTENT) every num_programs-th block of them."""
-        if PERSISTENT:
+                             BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, PERSISTENT: tl.constexpr,
+                             RUN: tl.constexpr, STAGES: tl.constexpr):
+        """One program: BLOCK_R whole rows, or (PERSISTENT) every num_programs-th block of them, or (RUN > 0) RUN
+        consecutive rows (`_modulate_run`)."""
+        if RUN > 0:
+            _modulate_run(x_ptr, w_ptr, shift_ptr, scale_ptr, r_ptr, q_ptr, qs_ptr, rows, C, inv_c, eps, x_s_row,
+                          x_s_c, w_s, sh_s_row, sh_s_c, sc_s_row, sc_s_c, r_s, FP8_MAX, INV_FP8_MAX, SCALE_FLOOR,
+                          BLOCK_R, BLOCK_C, RUN, STAGES)
+        elif PERSISTENT:
             for blk in tl.range(tl.program_id(0), tl.cdiv(rows, BLOCK_R), tl.num_programs(0), num_stages=2):
                 _modulate_rows(blk, x_ptr, w_ptr, shift_ptr, scale_ptr, r_ptr, q_ptr, qs_ptr, rows, C, inv_c, eps,
                                x_s_row, x_s_c, w_s, sh_s_row, sh_s_c, sc_s_row, sc_s_c, r_s, FP8_MAX, INV_FP8_MAX,
@@ -320,7 +348,7 @@ if triton is not None:
                        x_s_row, x_s_c, w_s, sh_s_row, sh_s_c, sc_s_row, sc_s_c, r_s, FP8_MAX: tl.constexpr,
                        INV_FP8_MAX: tl.constexpr, SCALE_FLOOR: tl.constexpr, BLOCK_R: tl.constexpr,
                        BLOCK_C: tl.constexpr):
-        """Block `blk` of BLOCK_R whole rows. Every step is one op of `modulate_fp8_reference`, in its order."""
+        """Block `blk` of BLOCK_R whole rows, each with its own AdaLN rows (gathered by r)."""
         row = blk * BLOCK_R + tl.arange(0, BLOCK_R)
         ch = tl.arange(0, BLOCK_C)
         row_ok = row < rows
@@ -332,10 +360,56 @@ if triton is not None:
         gain = tl.load(w_ptr + ch * w_s, mask=c_ok, other=0.0).to(tl.float32)[None, :]
         shift = tl.load(shift_ptr + ada * sh_s_row + ch[None, :] * sh_s_c, mask=mask, other=0.0)
         scale = tl.load(scale_ptr + ada * sc_s_row + ch[None, :] * sc_s_c, mask=mask, other=0.0)
+        _modulate_store(x, gain, shift, 1.0 + scale, mask, row, row_ok, ch, C, inv_c, eps, q_ptr, qs_ptr, FP8_MAX,
+                        INV_FP8_MAX, SCALE_FLOOR)
+
+    @triton.jit
+    def _modulate_run(x_ptr, w_ptr, shift_ptr, scale_ptr, r_ptr, q_ptr, qs_ptr, rows, C, inv_c, eps,
+                      x_s_row, x_s_c, w_s, sh_s_row, sh_s_c, sc_s_row, sc_s_c, r_s, FP8_MAX: tl.constexpr,
+                      INV_FP8_MAX: tl.constexpr, SCALE_FLOOR: tl.constexpr, BLOCK_R: tl.constexpr,
+                      BLOCK_C: tl.constexpr, RUN: tl.constexpr, STAGES: tl.constexpr):
+        """This program's RUN consecutive rows, BLOCK_R at a time with the next STAGES - 1 blocks' x in flight, the
+        norm gain loaded once. When all RUN rows have one AdaLN table row (the common case: the packed layout's rows
+        come in long runs of one modality and timestep), its shift and 1 + scale are loaded once too; otherwise
+        every block gathers its own. Both paths compute the same values."""
+        first = tl.program_id(0) * RUN
+        run = first + tl.arange(0, RUN)
+        run_ok = run < rows
+        ada = tl.load(r_ptr + run.to(tl.int64) * r_s, mask=run_ok, other=0)
+        ada = tl.where(run_ok, ada, tl.load(r_ptr + first.to(tl.int64) * r_s))  # rows past the end: as the first
+        lo = tl.min(ada, axis=0)
+        uniform = lo == tl.max(ada, axis=0)
+        ch = tl.arange(0, BLOCK_C)
+        c_ok = ch < C
+        gain = tl.load(w_ptr + ch * w_s, mask=c_ok, other=0.0).to(tl.float32)[None, :]
+        # The AdaLN rows for every block when uniform (table row `lo` in each of the BLOCK_R rows).
+        ada = lo.to(tl.int64) + tl.zeros([BLOCK_R, 1], dtype=tl.int64)
+        shift = tl.load(shift_ptr + ada * sh_s_row + ch[None, :] * sh_s_c, mask=c_ok[None, :], other=0.0)
+        one_plus_scale = 1.0 + tl.load(scale_ptr + ada * sc_s_row + ch[None, :] * sc_s_c, mask=c_ok[None, :],
+                                       other=0.0)
+        for b in tl.range(0, tl.cdiv(tl.minimum(rows - first, RUN), BLOCK_R), num_stages=STAGES):
+            row = first + b * BLOCK_R + tl.arange(0, BLOCK_R)
+            row_ok = row < rows
+            mask = row_ok[:, None] & c_ok[None, :]
+            row = row.to(tl.int64)
+            if not uniform:  # the block's own AdaLN rows
+                ada = tl.load(r_ptr + row * r_s, mask=row_ok, other=0).to(tl.int64)[:, None]
+                shift = tl.load(shift_ptr + ada * sh_s_row + ch[None, :] * sh_s_c, mask=mask, other=0.0)
+                one_plus_scale = 1.0 + tl.load(scale_ptr + ada * sc_s_row + ch[None, :] * sc_s_c, mask=mask,
+                                               other=0.0)
+            x = tl.load(x_ptr + row[:, None] * x_s_row + ch[None, :] * x_s_c, mask=mask, other=0.0)
+            _modulate_store(x, gain, shift, one_plus_scale, mask, row, row_ok, ch, C, inv_c, eps, q_ptr, qs_ptr,
+                            FP8_MAX, INV_FP8_MAX, SCALE_FLOOR)
+
+    @triton.jit
+    def _modulate_store(x, gain, shift, one_plus_scale, mask, row, row_ok, ch, C, inv_c, eps, q_ptr, qs_ptr,
+                        FP8_MAX: tl.constexpr, INV_FP8_MAX: tl.constexpr, SCALE_FLOOR: tl.constexpr):
+        """x [BLOCK_R, BLOCK_C] fp32 rows, gain / shift / 1 + scale [BLOCK_R or 1, BLOCK_C] fp32 -> e4m3 rows and
+        scales (`_store_fp8_rows`). Every step is one op of `modulate_fp8_reference`, in its order."""
         # 1. RMSNorm in fp32 (`rms_norm`: x * rsqrt(mean(x^2) + eps) * gain; the mean as torch's CUDA reduction
         #    takes it, sum * fp32(1 / C)), then the modulation, rounded to bf16 as the reference emits it.
         rstd = tl.math.rsqrt(tl.sum(x * x, axis=1) * inv_c + eps)[:, None]
-        y = (x * rstd * gain * (1.0 + scale) + shift).to(tl.bfloat16)
+        y = (x * rstd * gain * one_plus_scale + shift).to(tl.bfloat16)
         # 2. The row quantisation.
         _store_fp8_rows(y, mask, row, row_ok, ch, C, q_ptr, qs_ptr, FP8_MAX, INV_FP8_MAX, SCALE_FLOOR)
 

@@ -7,6 +7,7 @@ triton's CPU interpreter (indexing, masking, scales; needs triton in the venv, w
 
 from __future__ import annotations
 
+import itertools
 import subprocess
 import sys
 
@@ -26,14 +27,18 @@ EPS = 1e-6
 EXACT_FRACTION = 0.999  # e4m3 values bitwise equal to the reference (the kernel sums squares in another order)
 
 
-def make_inputs(rows: int, c: int, m: int, device: str, seed: int = 0):
+def make_inputs(rows: int, c: int, m: int, device: str, seed: int = 0, runs: tuple[int, ...] | None = None):
     """x as a row slice of a bigger residual, the norm gain (bf16, as the release stores it), shift / scale as
-    column chunks of one AdaLN output [M * 3, 6 * C] (the model's layout), r with repeats over all M * 3 rows."""
+    column chunks of one AdaLN output [M * 3, 6 * C] (the model's layout), r with repeats over all M * 3 rows:
+    random, or (`runs`) runs of those lengths of table rows 0, 1, 2, ... in turn (the packed layout's modality
+    blocks), the last run to the end."""
     g = torch.Generator().manual_seed(seed)
     resid = torch.randn(rows + 5, c, generator=g) * 3
     weight = (torch.randn(c, generator=g) * 0.2 + 1).to(torch.bfloat16)
     mod = torch.randn(m * 3, 6 * c, generator=g) * 0.5
     r = torch.randint(0, m * 3, (rows,), generator=g)
+    for i, start in enumerate((0, *itertools.accumulate(runs)) if runs else ()):
+        r[start:] = i % (m * 3)
     resid[7], mod[0, :c], r[5] = 0.0, 0.0, 0  # row 5 modulates to all zeros: the scale floor
     to = lambda t: t.to(device)  # noqa: E731
     shift, scale = to(mod).chunk(6, dim=-1)[:2]
@@ -65,17 +70,19 @@ def test_fp8_linear_takes_fp8_rows():
 
 
 def check_kernel(rows: int, c: int, m: int, device: str, block_rows: int = 1, num_warps: int = 8,
-                 interpreted: bool = False, programs_per_sm: int = 0) -> None:
+                 interpreted: bool = False, programs_per_sm: int = 0, rows_per_program: int = 0,
+                 run_stages: int = 2, runs: tuple[int, ...] | None = None) -> None:
     """Triton (stagekit.fp8_rows.launch) vs the reference: scales within 1e-6 relative, e4m3 values never more
-    than one step apart and mostly bitwise equal. `interpreted`: triton's CPU interpreter casts to bf16 toward
-    zero (a scale one bf16 ulp off) and can miss the carry into the next power of two when it rounds to e4m3
-    (a value half the reference's, 8 steps): bounds loose enough for that, tight enough for a wrong index."""
+    than one step apart and mostly bitwise equal (`runs`: r as make_inputs builds it). `interpreted`: triton's CPU
+    interpreter casts to bf16 toward zero (a scale one bf16 ulp off) and can miss the carry into the next power of
+    two when it rounds to e4m3 (a value half the reference's, 8 steps): bounds loose enough for that, tight enough
+    for a wrong index."""
     scale_rtol, max_steps, exact_fraction = (2.0 ** -7, 8, 0.8) if interpreted else (1e-6, 1, EXACT_FRACTION)
     from stagekit.fp8_rows import launch
 
-    x, w, shift, scale, r = make_inputs(rows, c, m, device)
+    x, w, shift, scale, r = make_inputs(rows, c, m, device, runs=runs)
     want = modulate_fp8_reference(x, w, EPS, shift, scale, r)
-    q, s = launch(x, w, EPS, shift, scale, r, block_rows, num_warps, programs_per_sm)
+    q, s = launch(x, w, EPS, shift, scale, r, block_rows, num_warps, programs_per_sm, rows_per_program, run_stages)
     assert q.shape == want.q.shape and q.dtype == torch.float8_e4m3fn and s.shape == (rows, 1)
     rel = ((s - want.scale).abs() / want.scale).max().item()
     assert rel <= scale_rtol, f"row scales differ by {rel:.2e} relative"
@@ -98,6 +105,16 @@ def test_triton_matches_reference_on_gpu(rows, c):
 @pytest.mark.parametrize("block_rows,num_warps,programs_per_sm", [(2, 8, 0), (1, 16, 0), (1, 4, 0), (1, 16, 1)])
 def test_triton_launch_configs_on_gpu(block_rows, num_warps, programs_per_sm):
     check_kernel(1000, 5376, 1, "cuda", block_rows, num_warps, programs_per_sm=programs_per_sm)
+
+
+@needs_cuda
+@pytest.mark.parametrize("block_rows,num_warps,rows_per_program,run_stages", [(1, 8, 16, 2), (1, 16, 32, 3),
+                                                                             (2, 8, 8, 2)])
+def test_triton_runs_of_rows_on_gpu(block_rows, num_warps, rows_per_program, run_stages):
+    """rows_per_program at DiT width on rows laid out as a packed sequence's (38 text, 414 audio, then video
+    rows: most programs take the one-table-row path, those across a boundary gather per block)."""
+    check_kernel(4099, 5376, 1, "cuda", block_rows, num_warps, rows_per_program=rows_per_program,
+                 run_stages=run_stages, runs=(38, 414))
 
 
 @needs_cuda
@@ -260,6 +277,23 @@ def interpreter_main() -> None:
     for rows, c, m, block_rows, programs_per_sm in [(13, 96, 2, 1, 0), (9, 40, 1, 4, 0), (6, 64, 3, 2, 0),
                                                     (9, 40, 1, 2, 2)]:
         check_kernel(rows, c, m, "cpu", block_rows, interpreted=True, programs_per_sm=programs_per_sm)
+    # rows_per_program: runs of rows with one table row (programs on the one-table-row path) and programs across
+    # a run boundary or with random r (gathered per block), odd row counts (a short last program).
+    for rows, c, m, block_rows, rows_per_program, runs in [(37, 96, 2, 1, 8, (16, 3)), (13, 40, 1, 2, 4, (6,)),
+                                                           (9, 40, 1, 1, 16, None)]:
+        check_kernel(rows, c, m, "cpu", block_rows, interpreted=True, rows_per_program=rows_per_program, runs=runs)
+    from stagekit.fp8_rows import launch
+
+    x, w, shift, scale, r = make_inputs(21, 40, 1, "cpu", runs=(8, 5))
+    want = launch(x, w, EPS, shift, scale, r)
+    x_cols = x.t().contiguous().t()  # column stride 21: the same rows
+    for xs, stages in ((x, 2), (x_cols, 3)):  # (the interpreter runs the loop unpipelined either way)
+        q, s = launch(xs, w, EPS, shift, scale, r, rows_per_program=8, run_stages=stages)
+        assert torch.equal(q.view(torch.uint8), want[0].view(torch.uint8)) and torch.equal(s, want[1])
+    for bad in (dict(rows_per_program=6), dict(rows_per_program=2, block_rows=4),
+                dict(rows_per_program=8, programs_per_sm=1), dict(rows_per_program=8, run_stages=0)):
+        with pytest.raises(ValueError, match="(rows_per_program|run_stages) must be"):
+            launch(x, w, EPS, shift, scale, r, **bad)
     # The custom op through torch.compile's graph capture (aot_eager: no C++ compile on the CPU).
     x, w, shift, scale, r = make_inputs(9, 40, 1, "cpu")
 
