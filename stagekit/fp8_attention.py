@@ -711,7 +711,8 @@ class Fp8Attention:
     their own (for eager models; inside a compiled block they are traced and fused with the surrounding ops).
 
     With `options.static_qk` the model may instead hand over q and k already in e4m3 (`takes_fp8_qk`,
-    `attend_fp8_qk`); then only V is quantised here (module docstring, 4)."""
+    `attend_fp8_qk`); then only V is quantised here (module docstring, 4), and O may come back still in e4m3
+    (`Fp8O`) for an fp8 out_proj to take its rows from (stagekit/fp8_rows.py `o_rows_fp8`)."""
 
     def __init__(self, options: Fp8AttentionOptions = DEFAULT_OPTIONS, emulate: bool = False,
                  compile_quant: bool = False):

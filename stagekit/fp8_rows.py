@@ -30,6 +30,18 @@ exact), so a difference can only come from libdevice's expf against the one torc
 below -87.3, `_swiglu_rows` says why not in practice); tests/test_fp8_rows.py bounds it as the modulation
 kernel's. dit_svc/model.py's MLP uses it in eager blocks and, while `SWIGLU_IN_COMPILED_BLOCKS` says so, in
 compiled ones.
+
+The O-rows kernel: fp8 attention (stagekit/fp8_attention.py) writes an e4m3 O [H, S, D] with a per-head scale and
+the V-smoothing shift; the model dequantised it to bf16 O = (o8 * o_scale + o_shift) in fp32, rounded to bf16, and
+the fp8 out_proj quantised its rows [rows, H * D] (heads side by side) per row: two passes over a bf16 O, one of
+them transposing. `o_rows_fp8` (custom op `h3stages::o_rows_fp8`, dispatched as `modulate_fp8`; reference
+`o_rows_fp8_reference` = `dequantize_o`, the rows, then `quantize_fp8_rowwise`) reads each e4m3 element of O once,
+a whole output row (all heads) per program, and writes `Fp8Rows`; O may be a row slice of the whole O (any row and
+head strides). Its arithmetic is the reference's as torch runs it on CUDA (the fp32 multiply and add, each rounded,
+the bf16 rounding, then `_store_fp8_rows`), with no reduction order or library function in it: on a GPU it is
+expected to match bit for bit, and tests/test_fp8_rows.py bounds it as the other kernels. dit_svc/model.py's
+attention hands O over in e4m3 to an fp8 out_proj (`Attention.attend` / `project_out`) in eager blocks and, while
+`O_ROWS_IN_COMPILED_BLOCKS` says so, in compiled ones.
 """
 
 from __future__ import annotations
@@ -466,9 +478,11 @@ if triton is not None:
 # an H200: True only where the kernel beats Inductor's own fusion of the same ops (`reference compiled`).
 O_ROWS_IN_COMPILED_BLOCKS = True
 # Rows per program x warps (the whole row, H x D channels padded to a power of two, sits in registers); to be set
-# from the same benchmark's sweep on an H200.
+# from the same benchmark's sweep on an H200. Picked until then by registers (scripts/kernel_registers.py, sm_90,
+# 56 heads x 128): 1x8 56 registers per thread, 4 rows in flight per SM; 1x16 40, 3; 1x4 96, 5. With more rows per
+# program the compiler moves O through shared memory to the layout of the scale and shift loads (2x16: 8 KiB).
 O_ROWS_BLOCK_ROWS = 1
-O_ROWS_NUM_WARPS = 16
+O_ROWS_NUM_WARPS = 8
 _O_ROWS_FALLBACK = KernelFallback("O dequantisation + fp8 row quantisation", log)
 
 
@@ -585,16 +599,19 @@ if triton is not None:
         c_ok = ch < C
         mask = row_ok[:, None] & c_ok[None, :]
         row = row.to(tl.int64)
-        head = (ch // D).to(tl.int64)  # output column ch = head * D + d
-        d = ch % D
+        # Output column ch = head * D + d. The scale and shift are loaded as [1, BLOCK_C] tiles, in the layout of
+        # the rows they serve (loaded as vectors, each took a layout conversion through shared memory).
+        head = (ch // D).to(tl.int64)[None, :]
+        d = (ch % D)[None, :]
+        c_ok = c_ok[None, :]
         # 1. `dequantize_o`: e4m3 -> fp32 (exact), times the head's scale (fp32), plus the shift (fp32), each
         #    rounded on its own, then rounded to bf16. The per-head scale and shift rows serve all BLOCK_R rows.
-        o_scale = tl.load(sc_ptr + head * sc_s_h, mask=c_ok, other=0.0)[None, :]
-        o8 = tl.load(o8_ptr + head[None, :] * o_s_h + row[:, None] * o_s_row + d[None, :], mask=mask, other=0.0,
+        o_scale = tl.load(sc_ptr + head * sc_s_h, mask=c_ok, other=0.0)
+        o8 = tl.load(o8_ptr + head * o_s_h + row[:, None] * o_s_row + d, mask=mask, other=0.0,
                      eviction_policy="evict_first")
         o = o8.to(tl.float32) * o_scale
         if HAS_SHIFT:
-            o = o + tl.load(sh_ptr + head * sh_s_h + d * sh_s_d, mask=c_ok, other=0.0)[None, :]
+            o = o + tl.load(sh_ptr + head * sh_s_h + d * sh_s_d, mask=c_ok, other=0.0)
         # 2. The row quantisation.
         _store_fp8_rows(o.to(tl.bfloat16), mask, row, row_ok, ch, C, q_ptr, qs_ptr, FP8_MAX, INV_FP8_MAX,
                         SCALE_FLOOR)

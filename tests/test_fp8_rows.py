@@ -284,7 +284,7 @@ def make_o_input(h: int, rows: int, d: int, device: str, layout: str = "hsd", sh
 
     g = torch.Generator().manual_seed(seed)
     full = (torch.randn(rows + 5, h, d, generator=g) * 150).clamp(-448, 448)
-    full[7] = 0.0
+    full[7:8] = 0.0
     full = full.to(torch.float8_e4m3fn)
     o8 = full.permute(1, 0, 2) if layout == "shd" else full.permute(1, 0, 2).contiguous()
     o_scale = torch.exp(torch.rand(h, 1, 1, generator=g) * -4.6) * 1e-2
@@ -485,11 +485,15 @@ def test_triton_kernel_in_the_interpreter():
 
 @needs_triton
 def test_kernel_registers_compiles_for_sm90():
-    """scripts/kernel_registers.py: the SwiGLU kernel at its default launch compiles for sm_90 on the CPU and does
-    not spill (a per-element slow-path division, say, would show here)."""
-    run = subprocess.run([sys.executable, "scripts/kernel_registers.py", "--ops", "swiglu", "--configs", "1x16"],
-                         cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0 and " 0 B spilled" in run.stdout, run.stdout + run.stderr
+    """scripts/kernel_registers.py: the SwiGLU and O-rows kernels at their default launches compile for sm_90 on the
+    CPU and do not spill (a per-element slow-path division, say, would show here)."""
+    from stagekit.fp8_rows import O_ROWS_BLOCK_ROWS, O_ROWS_NUM_WARPS, SWIGLU_BLOCK_ROWS, SWIGLU_NUM_WARPS
+
+    for op, config in (("swiglu", f"{SWIGLU_BLOCK_ROWS}x{SWIGLU_NUM_WARPS}"),
+                       ("orows", f"{O_ROWS_BLOCK_ROWS}x{O_ROWS_NUM_WARPS}")):
+        run = subprocess.run([sys.executable, "scripts/kernel_registers.py", "--ops", op, "--configs", config],
+                             cwd=REPO, capture_output=True, text=True, timeout=300)
+        assert run.returncode == 0 and " 0 B spilled" in run.stdout, run.stdout + run.stderr
 
 
 def test_bench_tiny_runs_on_the_cpu(tmp_path):
