@@ -69,7 +69,8 @@ def qkv_rows(qkv: QKVBuffer, start: int, end: int) -> QKVBuffer:
     """The rows [start, end) of an attention input buffer (views), where one row chunk's project_qkv writes."""
     if isinstance(qkv, torch.Tensor):
         return qkv[:, :, :, start:end]
-    return Fp8QKInput(qkv.qk8[:, :, :, start:end], qkv.v[:, :, start:end], qkv.qk_mult)
+    v = qkv.v[:, :, start:end] if qkv.v is not None else None
+    return Fp8QKInput(qkv.qk8[:, :, :, start:end], v, qkv.qk_mult)
 
 
 def o_rows(o: AttnOutput, start: int, end: int) -> AttnOutput:
@@ -132,22 +133,25 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(cfg.head_dim, cfg.eps)
         self.out_proj = ctx.linear(f"{name}.out_proj", cfg.attn_inner, cfg.hidden, False)
 
-    def empty_qkv(self, s: int, device: torch.device, fp8_qk: bool = True) -> QKVBuffer:
+    def empty_qkv(self, s: int, device: torch.device, fp8_qk: bool = True, v_in_projection: bool = False
+                  ) -> QKVBuffer:
         """Uninitialised attention input for S rows: [3, 1, local_heads, S, head_dim] (compute dtype), q, k, v in the
         attention kernel's layout; or, when fp8_qk and the attention function takes them for S rows, Fp8QKInput
-        (q, k e4m3 with static scales from this layer's norm gains, v in compute dtype)."""
+        (q, k e4m3 with static scales from this layer's norm gains, v in compute dtype: a buffer, or, with
+        v_in_projection, None: the caller then sets it to a view of the projection, see Block.forward)."""
         takes = getattr(self.attention_fn, "takes_fp8_qk", None)
         shape = (1, self.local_heads, s, self.head_dim)
         if fp8_qk and takes is not None and takes(s):
-            return Fp8QKInput(torch.empty(2, *shape, dtype=torch.float8_e4m3fn, device=device),
-                              torch.empty(shape, dtype=self.compute_dtype, device=device),
+            v = None if v_in_projection else torch.empty(shape, dtype=self.compute_dtype, device=device)
+            return Fp8QKInput(torch.empty(2, *shape, dtype=torch.float8_e4m3fn, device=device), v,
                               static_qk_mult(self.q_norm.weight, self.k_norm.weight))
         return torch.empty(3, *shape, dtype=self.compute_dtype, device=device)
 
     def project_qkv(self, h: torch.Tensor | Fp8Rows, rope: tuple[torch.Tensor, torch.Tensor] | None,
-                    out: QKVBuffer) -> None:
+                    out: QKVBuffer) -> torch.Tensor:
         """h [rows, hidden] (compute dtype), or Fp8Rows when qkv_proj takes them (Block._modulate); rope (cos, sin)
-        [rows, rope_dim] fp32 or None -> written into out (the rows of an `empty_qkv` buffer, `qkv_rows`)."""
+        [rows, rope_dim] fp32 or None -> written into out (the rows of an `empty_qkv` buffer, `qkv_rows`). Returns
+        the projection y [rows, 3, local_heads, head_dim] (v = y[:, 2], unnormed)."""
         rows = (h.q if isinstance(h, Fp8Rows) else h).shape[0]
         y = self.qkv_proj(h).reshape(rows, 3, self.local_heads, self.head_dim)
         # fp32 RMSNorm of q, k, RoPE, layout write (one Triton kernel on CUDA; stagekit/qk_norm_rope.py)
@@ -156,6 +160,7 @@ class Attention(nn.Module):
             qk_norm_rope(y, qw, kw, eps, rope, out.qk8, out.v, out.qk_mult)
         else:
             qk_norm_rope(y, qw, kw, eps, rope, out[:2], out[2])
+        return y
 
     def attend(self, qkv: QKVBuffer) -> AttnOutput:
         """Attention over all rows of an `empty_qkv` buffer -> o [1, local_heads, S, head_dim] (compute dtype), or,
@@ -308,10 +313,15 @@ class Block(nn.Module):
         chunks = [(s, min(s + n, x.shape[0])) for s in range(0, x.shape[0], n)]
         cos, sin = rope
         # 1. q, k, v of every row, a row chunk at a time (sequence parallel: in compute dtype, for the all-to-all).
-        qkv = self.attn.empty_qkv(x.shape[0], x.device, fp8_qk=shards is None)
+        #    fp8 attention with one chunk: v stays in the projection's output (the attention quantises it from
+        #    there; the projection's q and k then live until attention too, on GPUs with memory to spare).
+        qkv = self.attn.empty_qkv(x.shape[0], x.device, fp8_qk=shards is None, v_in_projection=len(chunks) == 1)
         for s, e in chunks:
             h = self._modulate(x[s:e], self.norm1, shift1, scale1, rows[s:e], into=self.attn.qkv_proj)
-            self.attn.project_qkv(h, (cos[s:e], sin[s:e]), qkv_rows(qkv, s, e))
+            y = self.attn.project_qkv(h, (cos[s:e], sin[s:e]), qkv_rows(qkv, s, e))
+        if isinstance(qkv, Fp8QKInput) and qkv.v is None:
+            qkv = qkv._replace(v=y[:, 2].transpose(0, 1).unsqueeze(0))  # [1, local_heads, S, head_dim] view
+        del y
         # 2. attention over all rows. Sequence parallel (Ulysses, dit_svc/sp.py): an all-to-all trades this rank's
         #    rows of every local head for every row of 1/sp of them; another brings the output rows back.
         if shards is None:

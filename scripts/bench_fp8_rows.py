@@ -22,10 +22,7 @@ For each row count, CUDA events, median of --iters calls after a warm-up:
 - `reference compiled`: the same under torch.compile (Inductor's fusion: what a compiled block runs without the
   kernel, on its own; the number the kernel must beat to be used inside compiled blocks);
 - `triton BxW`: the kernel (its torch op) with B rows per program and W warps, for each of --configs (default: the
-  op's own list, its first entry the op's default launch); `triton BxWpP`: the same on a persistent grid, P programs
-  per SM each looping over blocks of rows with the next block's loads in flight; `triton BxWrR[sS]` (modulate
-  only): R consecutive rows per program, B at a time, the AdaLN rows loaded once where all R share one, with S - 1
-  blocks of x in flight (S = 2 unless given).
+  op's own list, its first entry the op's default launch).
 Reported: ms, effective TB/s (the bytes above over the time), and the deviation from the eager reference (max
 relative scale difference, max e4m3 steps apart, fraction of e4m3 values bitwise equal). Exit 1 if a kernel is
 more than one e4m3 step off the reference (8 in the interpreter, which can miss a carry when it rounds to e4m3).
@@ -96,28 +93,19 @@ def swiglu_inputs(rows: int, f: int, device: torch.device) -> tuple[tuple, int]:
 
 
 OPS = {
-    "modulate": Op("fp8_rows.json", 5376, 96, "1x8,1x16,1x4,2x8,2x16,1x16p1,1x32p1,1x8r8,1x8r16,1x8r32,1x16r16,"
-                   "1x16r32,1x32r32,1x8r16s3,1x16r16s3,1x16r32s4,1x32r32s3", modulate_inputs,
-                   "modulate_fp8_reference", "modulate_fp8_rows_op"),
-    "swiglu": Op("swiglu_fp8.json", 14336, 96, "1x16,1x8,1x32,2x16,4x16,1x4,1x16p2,1x16p3,1x32p1",
-                 swiglu_inputs, "swiglu_fp8_reference", "swiglu_fp8_rows_op"),
+    "modulate": Op("fp8_rows.json", 5376, 96, "1x8,1x4,2x8,2x16,1x16", modulate_inputs, "modulate_fp8_reference",
+                   "modulate_fp8_rows_op"),
+    "swiglu": Op("swiglu_fp8.json", 14336, 96, "1x32,1x16,2x16,4x16,2x32", swiglu_inputs, "swiglu_fp8_reference",
+                 "swiglu_fp8_rows_op"),
     "orows": Op("o_rows_fp8.json", 56 * O_HEAD_DIM, 3 * O_HEAD_DIM, "1x8,1x16,1x4,1x32,2x16,4x16,2x32,4x32",
                 o_rows_inputs, "o_rows_fp8_reference", "o_rows_fp8_op"),
 }
 
 
-def parse_config(cfg: str) -> tuple[str, int, int, int, dict]:
-    """"BxW" (B rows per program, W warps, a program per block of rows), "BxWpP" (P persistent programs per SM,
-    each looping over blocks of rows) or "BxWrR[sS]" (R consecutive rows per program, B at a time, S pipeline
-    stages) -> (name, B, W, P, the modulation kernel's run options as keyword arguments)."""
-    rows, rest = cfg.split("x")
-    rest, _, run = rest.partition("r")
-    warps, _, per_sm = rest.partition("p")
-    run, _, stages = run.partition("s")
-    runs = {"rows_per_program": int(run)} if run else {}
-    if stages:
-        runs["run_stages"] = int(stages)
-    return cfg, int(rows), int(warps), int(per_sm or 0), runs
+def parse_config(cfg: str) -> tuple[str, int, int]:
+    """"BxW" (B rows per program, W warps, a program per block of rows) -> (name, B, W)."""
+    rows, warps = cfg.split("x")
+    return cfg, int(rows), int(warps)
 
 
 def deviation(got, want) -> dict:
@@ -151,10 +139,9 @@ def bench_op(fr, name: str, op: Op, device: torch.device, shapes, width: int, co
             variants["reference compiled"] = lambda: compiled(*inputs)
             devs["reference compiled"] = deviation(variants["reference compiled"](), ref)
         if run_triton:
-            for cfg, b, nw, per_sm, runs in configs:
+            for cfg, b, nw in configs:
                 variant = f"triton {cfg}"
-                variants[variant] = lambda b=b, nw=nw, per_sm=per_sm, runs=runs: kernel(
-                    *inputs, b, nw, *([per_sm] if per_sm else []), **runs)  # (orows: no persistent grid)
+                variants[variant] = lambda b=b, nw=nw: kernel(*inputs, b, nw)
                 devs[variant] = deviation(variants[variant](), ref)
                 worst_steps = max(worst_steps, devs[variant]["max_steps"])
         notes = {v: f"  scale rel {d['max_scale_rel']:.1e}, max {d['max_steps']} e4m3 steps, "
@@ -172,9 +159,7 @@ def main() -> int:
     ap.add_argument("--ops", default="modulate,swiglu,orows", help=f"comma-separated, of {', '.join(OPS)}")
     ap.add_argument("--iters", type=int, default=20, help="timed calls per variant (median)")
     ap.add_argument("--configs", default=None,
-                    help="Triton launch configs ROWSxWARPS[pPROGRAMS_PER_SM|rROWS_PER_PROGRAM[sSTAGES]],... for every "
-                         "op (default: each op's own list); the p suffix launches a persistent grid, the r suffix "
-                         "(modulate only) runs of consecutive rows per program")
+                    help="Triton launch configs ROWSxWARPS,... for every op (default: each op's own list)")
     ap.add_argument("--tiny", action="store_true", help="CPU dry run (small shapes; the kernels interpreted)")
     args = ap.parse_args()
     ops = args.ops.split(",")
@@ -199,14 +184,8 @@ def main() -> int:
     for name in ops:
         op = OPS[name]
         configs = [parse_config(cfg) for cfg in (args.configs or op.configs).split(",")]
-        if name != "modulate" and any(runs for *_, runs in configs):
-            print(f"--configs: the r suffix is the modulation kernel's option; {name} has none", file=sys.stderr)
-            return 2
-        if name == "orows" and any(per_sm for *_, per_sm, _ in configs):
-            print("--configs: the O-rows kernel has no persistent grid (p suffix)", file=sys.stderr)
-            return 2
-        if args.tiny:  # and the first with runs of rows, if any
-            configs = configs[:tiny_configs] + [cfg for cfg in configs[tiny_configs:] if cfg[4]][:1]
+        if args.tiny:
+            configs = configs[:tiny_configs]
         width = op.tiny_width if args.tiny else op.width
         _, steps = bench_op(fr, name, op, device, shapes, width, configs, args)
         worst_steps = max(worst_steps, steps)

@@ -3,12 +3,11 @@ GPU architecture without one (Triton compiles on the CPU; ptxas and cuobjdump sh
 these whole-row-in-registers kernels is set by registers per thread: it says how many rows an SM keeps in flight.
 
     python scripts/kernel_registers.py                      # all ops, each op's default sweep, sm_90 (H100/H200)
-    python scripts/kernel_registers.py --ops swiglu --configs 1x16,1x8p2 --arch 90
+    python scripts/kernel_registers.py --ops swiglu --configs 1x32,1x16 --arch 90
 
-Configs as scripts/bench_fp8_rows.py's (ROWSxWARPS, `pP` = persistent, P programs per SM, `rR` = runs of R rows
-per program, `sS` = S pipeline stages; modulate only). Integer arguments are
-compiled as a real launch specialises them at the DiT's widths (pointers, row strides and widths divisible by 16:
-vectorised loads; unit strides constant). Prints one line per config: registers per thread, local-memory stack
+Configs as scripts/bench_fp8_rows.py's (ROWSxWARPS). Integer arguments are compiled as a real launch specialises
+them at the DiT's widths (pointers, row strides and widths divisible by 16: vectorised loads; unit strides
+constant). Prints one line per config: registers per thread, local-memory stack
 bytes (spills), dynamic shared memory, and the CTAs (and rows) an SM holds at once by registers, threads and
 shared memory (sm_90's limits).
 """
@@ -32,16 +31,14 @@ MAX_THREADS_PER_SM = 2048
 SHARED_PER_SM = 228 * 1024  # sm_90; each CTA also reserves 1 KiB
 
 
-def kernel_spec(fr, op: str, width: int, block_rows: int, persistent: bool, runs: dict):
+def kernel_spec(fr, op: str, width: int, block_rows: int):
     """(kernel, signature, constexpr values) of one op's kernel as its launch calls it."""
     common = {"FP8_MAX": fr.FP8_E4M3_MAX, "INV_FP8_MAX": 1.0 / fr.FP8_E4M3_MAX, "SCALE_FLOOR": fr.FP8_SCALE_FLOOR,
-              "BLOCK_R": block_rows, "BLOCK_C": fr.triton.next_power_of_2(width), "PERSISTENT": persistent}
+              "BLOCK_R": block_rows, "BLOCK_C": fr.triton.next_power_of_2(width)}
     if op == "orows":  # [H, S, D] O (row stride D, head stride S x D), scales [H, 1, 1], shift [H, 1, D]
         sig = {"o8_ptr": "*fp8e4nv", "sc_ptr": "*fp32", "sh_ptr": "*fp32", "q_ptr": "*fp8e4nv", "qs_ptr": "*fp32",
                "rows": "i32", "C": "i32", "o_s_h": "i32", "o_s_row": "i32", "sh_s_h": "i32"}
-        consts = {k: v for k, v in common.items() if k != "PERSISTENT"}
-        return fr._o_rows_fp8_kernel, sig, {**consts, "sc_s_h": 1, "sh_s_d": 1, "D": O_HEAD_DIM,
-                                            "HAS_SHIFT": True}
+        return fr._o_rows_fp8_kernel, sig, {**common, "sc_s_h": 1, "sh_s_d": 1, "D": O_HEAD_DIM, "HAS_SHIFT": True}
     if op == "swiglu":
         sig = {"y_ptr": "*bf16", "q_ptr": "*fp8e4nv", "qs_ptr": "*fp32", "rows": "i32", "C": "i32", "y_s_row": "i32"}
         return fr._swiglu_fp8_kernel, sig, {**common, "CUDA": True}
@@ -49,8 +46,7 @@ def kernel_spec(fr, op: str, width: int, block_rows: int, persistent: bool, runs
            "q_ptr": "*fp8e4nv", "qs_ptr": "*fp32", "rows": "i32", "C": "i32", "inv_c": "fp32", "eps": "fp32",
            "x_s_row": "i32", "sh_s_row": "i32", "sc_s_row": "i32"}
     unit_strides = dict.fromkeys(("x_s_c", "w_s", "sh_s_c", "sc_s_c", "r_s"), 1)  # a launch specialises 1s away
-    run = {"RUN": runs.get("rows_per_program", 0), "STAGES": runs.get("run_stages", fr.DEFAULT_RUN_STAGES)}
-    return fr._modulate_fp8_kernel, sig, {**common, **unit_strides, **run}
+    return fr._modulate_fp8_kernel, sig, {**common, **unit_strides}
 
 
 def compile_one(fr, kernel, sig: dict, consts: dict, num_warps: int, arch: int) -> dict:
@@ -78,7 +74,7 @@ def compile_one(fr, kernel, sig: dict, consts: dict, num_warps: int, arch: int) 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ops", default="modulate,swiglu,orows", help=f"comma-separated, of {', '.join(OPS)}")
-    ap.add_argument("--configs", default=None, help="ROWSxWARPS[pP|rR[sS]],... (default: each op's benchmark sweep)")
+    ap.add_argument("--configs", default=None, help="ROWSxWARPS,... (default: each op's benchmark sweep)")
     ap.add_argument("--arch", type=int, default=90, help="CUDA compute capability x 10 (90: H100 / H200)")
     args = ap.parse_args()
     from stagekit import fp8_rows as fr
@@ -88,8 +84,8 @@ def main() -> int:
         return 2
     for op in args.ops.split(","):
         spec = OPS[op]
-        for cfg, block_rows, num_warps, per_sm, runs in map(parse_config, (args.configs or spec.configs).split(",")):
-            kernel, sig, consts = kernel_spec(fr, op, spec.width, block_rows, per_sm > 0, runs)
+        for cfg, block_rows, num_warps in map(parse_config, (args.configs or spec.configs).split(",")):
+            kernel, sig, consts = kernel_spec(fr, op, spec.width, block_rows)
             r = compile_one(fr, kernel, sig, consts, num_warps, args.arch)
             threads = 32 * num_warps
             per_warp = -(-r["registers"] * 32 // 256) * 256  # registers are allocated per warp in units of 256

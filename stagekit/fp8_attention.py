@@ -195,10 +195,11 @@ def static_qk_mult(q_weight: torch.Tensor, k_weight: torch.Tensor) -> torch.Tens
 class Fp8QKInput(NamedTuple):
     """One block's attention input with q and k already in e4m3 (what `Fp8Attention.attend_fp8_qk` takes; the q/k
     norm kernel writes it): qk8 [2, 1, H, S, D] e4m3 = clamp(x * qk_mult[i], +-448) for q (i = 0) and k (i = 1),
-    v [1, H, S, D] compute dtype, qk_mult [2] fp32 (`static_qk_mult`)."""
+    v [1, H, S, D] compute dtype (any strides: a buffer of its own, or a view of the qkv projection's output; None
+    until the model sets it), qk_mult [2] fp32 (`static_qk_mult`)."""
 
     qk8: torch.Tensor
-    v: torch.Tensor
+    v: torch.Tensor | None
     qk_mult: torch.Tensor
 
 

@@ -27,7 +27,7 @@ Its arithmetic is the reference's as torch runs it on CUDA: silu = x / (1 + exp(
 division as `_div_rn` writes it out) rounded to bf16, the bf16 product rounded to bf16, then the same row
 quantisation as the modulation kernel (`_store_fp8_rows`, shared). No reduction order enters the values (a max is
 exact), so a difference can only come from libdevice's expf against the one torch is built with (and from gates
-below -87.3, `_swiglu_rows` says why not in practice); tests/test_fp8_rows.py bounds it as the modulation
+below -87.3, `_swiglu_fp8_kernel` says why not in practice); tests/test_fp8_rows.py bounds it as the modulation
 kernel's. dit_svc/model.py's MLP uses it in eager blocks and, while `SWIGLU_IN_COMPILED_BLOCKS` says so, in
 compiled ones.
 
@@ -61,16 +61,10 @@ log = logging.getLogger(__name__)
 _FALLBACK = KernelFallback("modulation + fp8 row quantisation", log)
 
 DEFAULT_BLOCK_ROWS = 1  # rows per program; the whole row (C channels, padded to a power of two) sits in registers
-# The fastest of scripts/bench_fp8_rows.py's sweep on an H200 (1x8: 0.347 / 0.680 ms at 14,882 / 37,748 rows;
-# 1x4 0.351 / 0.694, 2x8 0.388 / 0.767, 1x16 0.451 / 0.948).
+# Among the fastest of scripts/bench_fp8_rows.py's sweep on an H200 (1x8: 0.347 / 0.680 ms at 14,882 / 37,748 rows;
+# 1x4 0.351 / 0.694, 2x8 0.388 / 0.767, 1x16 0.451 / 0.948; third session 1x8 0.336 / 0.886, 1x4 0.327 / 0.816).
+# None beats Inductor's fusion (0.295 / 0.749 ms in the third session): eager blocks only (docs/performance.md).
 DEFAULT_NUM_WARPS = 8
-# 0: one program per block of DEFAULT_BLOCK_ROWS rows (the launch measured above). R > 0 (a power of two, a multiple
-# of the block): a program runs over R consecutive rows a block at a time, loading the norm gain once and, where
-# all R rows share one AdaLN table row (the packed layout's rows come in long runs of one modality and timestep),
-# the shift and 1 + scale rows once too (`_modulate_run`); its loop keeps RUN_STAGES - 1 blocks of x loading (into
-# shared memory, not registers) while it computes one. To be set from the same benchmark's sweep on an H200.
-DEFAULT_ROWS_PER_PROGRAM = 0
-DEFAULT_RUN_STAGES = 2
 MAX_CHANNELS = 16384  # a wider row would spill registers
 
 
@@ -132,31 +126,24 @@ def modulate_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float, shift: torch
 @torch.library.custom_op("h3stages::modulate_fp8_rows", mutates_args=())
 def modulate_fp8_rows_op(x: torch.Tensor, weight: torch.Tensor, eps: float, shift: torch.Tensor,
                          scale: torch.Tensor, r: torch.Tensor, block_rows: int = DEFAULT_BLOCK_ROWS,
-                         num_warps: int = DEFAULT_NUM_WARPS, programs_per_sm: int = 0,
-                         rows_per_program: int = DEFAULT_ROWS_PER_PROGRAM,
-                         run_stages: int = DEFAULT_RUN_STAGES) -> tuple[torch.Tensor, torch.Tensor]:
+                         num_warps: int = DEFAULT_NUM_WARPS) -> tuple[torch.Tensor, torch.Tensor]:
     """The Triton kernel as a torch op (opaque to torch.compile): arguments as `launch`, returns (q, scale)."""
-    return launch(x, weight, eps, shift, scale, r, block_rows, num_warps, programs_per_sm, rows_per_program,
-                  run_stages)
+    return launch(x, weight, eps, shift, scale, r, block_rows, num_warps)
 
 
 @modulate_fp8_rows_op.register_fake
-def _(x, weight, eps, shift, scale, r, block_rows=DEFAULT_BLOCK_ROWS, num_warps=DEFAULT_NUM_WARPS, programs_per_sm=0,
-      rows_per_program=DEFAULT_ROWS_PER_PROGRAM, run_stages=DEFAULT_RUN_STAGES):
+def _(x, weight, eps, shift, scale, r, block_rows=DEFAULT_BLOCK_ROWS, num_warps=DEFAULT_NUM_WARPS):
     return (x.new_empty(x.shape, dtype=torch.float8_e4m3fn),
             x.new_empty((x.shape[0], 1), dtype=torch.float32))
 
 
 def launch(x: torch.Tensor, weight: torch.Tensor, eps: float, shift: torch.Tensor, scale: torch.Tensor,
-           r: torch.Tensor, block_rows: int = DEFAULT_BLOCK_ROWS, num_warps: int = DEFAULT_NUM_WARPS,
-           programs_per_sm: int = 0, rows_per_program: int = DEFAULT_ROWS_PER_PROGRAM,
-           run_stages: int = DEFAULT_RUN_STAGES) -> tuple[torch.Tensor, torch.Tensor]:
+           r: torch.Tensor, block_rows: int = DEFAULT_BLOCK_ROWS,
+           num_warps: int = DEFAULT_NUM_WARPS) -> tuple[torch.Tensor, torch.Tensor]:
     """Runs the kernel: x [rows, C] fp32 (any strides), gain [C], shift / scale [M * 3, C] fp32 (any strides, e.g.
     column chunks of the AdaLN output), r [rows] -> (q [rows, C] e4m3, scale [rows, 1] fp32), both new and
-    contiguous. Raises ValueError for arguments it does not serve (`unsupported`); block_rows, num_warps and
-    programs_per_sm tune the launch (`_grid`); rows_per_program > 0 (a power of two, a multiple of block_rows; not
-    with programs_per_sm) gives each program that many consecutive rows, run_stages (>= 1) the depth of its loop's
-    pipeline (`DEFAULT_ROWS_PER_PROGRAM` says why)."""
+    contiguous. Raises ValueError for arguments it does not serve (`unsupported`); block_rows (rows per program, a
+    power of two) and num_warps tune the launch (`_grid`)."""
     reason = unsupported(x, weight, shift, scale, r)
     if reason is not None:
         raise ValueError(f"the Triton modulation + fp8 quantisation kernel does not serve this call: {reason}")
@@ -165,40 +152,25 @@ def launch(x: torch.Tensor, weight: torch.Tensor, eps: float, shift: torch.Tenso
     q_scale = torch.empty(rows, 1, dtype=torch.float32, device=x.device)
     if rows == 0:
         return q, q_scale
-    grid, persistent = _grid(rows, block_rows, programs_per_sm, x.device)
-    if rows_per_program:
-        if persistent or rows_per_program < block_rows or rows_per_program & (rows_per_program - 1):
-            raise ValueError(f"rows_per_program must be a power of two >= block_rows ({block_rows}) and 0 with "
-                             f"programs_per_sm > 0, got {rows_per_program} (programs_per_sm {programs_per_sm})")
-        if run_stages < 1:
-            raise ValueError(f"run_stages must be >= 1, got {run_stages}")
-        grid = (triton.cdiv(rows, rows_per_program),)
+    grid = _grid(rows, block_rows)
     log_once(log, f"modulation + fp8 row quantisation: Triton kernel ({block_rows} rows x {num_warps} warps per "
-                  f"program{f', {programs_per_sm} persistent programs per SM' if persistent else ''}"
-                  f"{f', runs of {rows_per_program} rows, {run_stages} stages' if rows_per_program else ''})")
+                  f"program)")
     with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():  # Triton uses the current device
         _modulate_fp8_kernel[grid](
             x, weight, shift, scale, r, q, q_scale, rows, c, 1.0 / c, eps,
             *x.stride(), weight.stride(0), *shift.stride(), *scale.stride(), r.stride(0),
             FP8_MAX=FP8_E4M3_MAX, INV_FP8_MAX=1.0 / FP8_E4M3_MAX, SCALE_FLOOR=FP8_SCALE_FLOOR, BLOCK_R=block_rows,
-            BLOCK_C=triton.next_power_of_2(c), PERSISTENT=persistent, RUN=rows_per_program,
-            STAGES=run_stages, num_warps=num_warps,
+            BLOCK_C=triton.next_power_of_2(c), num_warps=num_warps,
             enable_fp_fusion=False,  # no FMA contraction: products rounded as the reference's separate ops are
         )
     return q, q_scale
 
 
-def _grid(rows: int, block_rows: int, programs_per_sm: int, device: torch.device) -> tuple[tuple[int], bool]:
-    """Both kernels' launch grid and whether it is persistent: one program per block of `block_rows` rows (a power
-    of two), or, with programs_per_sm > 0, that many programs per SM (one SM on the CPU interpreter), each looping
-    over blocks of rows with the next block's loads in flight (`tl.range(..., num_stages=2)`)."""
+def _grid(rows: int, block_rows: int) -> tuple[int]:
+    """The kernels' launch grid: one program per block of `block_rows` rows (a power of two)."""
     if block_rows < 1 or block_rows & (block_rows - 1):
         raise ValueError(f"block_rows must be a power of two, got {block_rows}")
-    blocks = triton.cdiv(rows, block_rows)
-    if programs_per_sm <= 0:
-        return (blocks,), False
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
-    return (min(blocks, programs_per_sm * sms),), True
+    return (triton.cdiv(rows, block_rows),)
 
 
 # --- SwiGLU + fp8 row quantisation: the MLP's silu(gate) * value, handed to an fp8 fc2 -----------------------------
@@ -207,10 +179,13 @@ def _grid(rows: int, block_rows: int, programs_per_sm: int, device: torch.device
 # fc2 takes fp8 rows). The lead sets it from scripts/bench_fp8_rows.py --ops swiglu on an H200: True only where the
 # kernel beats Inductor's own fusion of the same ops (`reference compiled`).
 SWIGLU_IN_COMPILED_BLOCKS = True
-# Rows per program x warps (the whole row, 2 x F channels with F padded to a power of two, sits in registers); the
-# lead sets them from the same benchmark's sweep.
+# Rows per program x warps (the whole row, 2 x F channels with F padded to a power of two, sits in registers): the
+# fastest of the same benchmark's sweep on an H200 (third session, F = 14,336, ms at 14,882 / 37,748 rows): 1x32
+# 0.525 / 0.985 against Inductor's 0.634 / 1.431; 1x16 0.712 / 1.487, 2x16 0.683 / 1.362, 4x16 0.689 / 1.334,
+# 1x8 0.828 / 1.752, 1x4 0.770 / 1.587. sm_90: 1x32 takes 32 registers per thread, no spills, with Triton 3.6 (the
+# GPU image's) and 3.9; 3.6 gives 1x16 78 and spills at 2x16 / 4x16 (scripts/kernel_registers.py).
 SWIGLU_BLOCK_ROWS = 1
-SWIGLU_NUM_WARPS = 16
+SWIGLU_NUM_WARPS = 32
 _SWIGLU_FALLBACK = KernelFallback("SwiGLU + fp8 row quantisation", log)
 
 
@@ -257,23 +232,23 @@ def swiglu_fp8(y: torch.Tensor) -> Fp8Rows:
 
 
 @torch.library.custom_op("h3stages::swiglu_fp8_rows", mutates_args=())
-def swiglu_fp8_rows_op(y: torch.Tensor, block_rows: int = SWIGLU_BLOCK_ROWS, num_warps: int = SWIGLU_NUM_WARPS,
-                       programs_per_sm: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+def swiglu_fp8_rows_op(y: torch.Tensor, block_rows: int = SWIGLU_BLOCK_ROWS,
+                       num_warps: int = SWIGLU_NUM_WARPS) -> tuple[torch.Tensor, torch.Tensor]:
     """The Triton SwiGLU kernel as a torch op (opaque to torch.compile): arguments as `swiglu_launch`."""
-    return swiglu_launch(y, block_rows, num_warps, programs_per_sm)
+    return swiglu_launch(y, block_rows, num_warps)
 
 
 @swiglu_fp8_rows_op.register_fake
-def _(y, block_rows=SWIGLU_BLOCK_ROWS, num_warps=SWIGLU_NUM_WARPS, programs_per_sm=0):
+def _(y, block_rows=SWIGLU_BLOCK_ROWS, num_warps=SWIGLU_NUM_WARPS):
     return (y.new_empty((y.shape[0], y.shape[1] // 2), dtype=torch.float8_e4m3fn),
             y.new_empty((y.shape[0], 1), dtype=torch.float32))
 
 
-def swiglu_launch(y: torch.Tensor, block_rows: int = SWIGLU_BLOCK_ROWS, num_warps: int = SWIGLU_NUM_WARPS,
-                  programs_per_sm: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+def swiglu_launch(y: torch.Tensor, block_rows: int = SWIGLU_BLOCK_ROWS,
+                  num_warps: int = SWIGLU_NUM_WARPS) -> tuple[torch.Tensor, torch.Tensor]:
     """Runs the kernel: y [rows, 2F] bf16 (any row stride, e.g. a view; contiguous columns) -> (q [rows, F] e4m3,
     scale [rows, 1] fp32), both new and contiguous. Raises ValueError for arguments it does not serve
-    (`swiglu_unsupported`); block_rows, num_warps and programs_per_sm tune the launch (`_grid`)."""
+    (`swiglu_unsupported`); block_rows and num_warps tune the launch (`_grid`)."""
     reason = swiglu_unsupported(y)
     if reason is not None:
         raise ValueError(f"the Triton SwiGLU + fp8 quantisation kernel does not serve this call: {reason}")
@@ -282,15 +257,14 @@ def swiglu_launch(y: torch.Tensor, block_rows: int = SWIGLU_BLOCK_ROWS, num_warp
     q_scale = torch.empty(rows, 1, dtype=torch.float32, device=y.device)
     if rows == 0:
         return q, q_scale
-    grid, persistent = _grid(rows, block_rows, programs_per_sm, y.device)
-    log_once(log, f"SwiGLU + fp8 row quantisation: Triton kernel ({block_rows} rows x {num_warps} warps per program"
-                  f"{f', {programs_per_sm} persistent programs per SM' if persistent else ''})")
+    grid = _grid(rows, block_rows)
+    log_once(log, f"SwiGLU + fp8 row quantisation: Triton kernel ({block_rows} rows x {num_warps} warps per "
+                  f"program)")
     with torch.cuda.device(y.device) if y.is_cuda else contextlib.nullcontext():  # Triton uses the current device
         _swiglu_fp8_kernel[grid](
             y, q, q_scale, rows, f, y.stride(0),
             FP8_MAX=FP8_E4M3_MAX, INV_FP8_MAX=1.0 / FP8_E4M3_MAX, SCALE_FLOOR=FP8_SCALE_FLOOR, BLOCK_R=block_rows,
-            BLOCK_C=triton.next_power_of_2(f), CUDA=not interpreting(_swiglu_fp8_kernel), PERSISTENT=persistent,
-            num_warps=num_warps,
+            BLOCK_C=triton.next_power_of_2(f), CUDA=not interpreting(_swiglu_fp8_kernel), num_warps=num_warps,
             enable_fp_fusion=False,  # no FMA contraction: products rounded as the reference's separate ops are
         )
     return q, q_scale
@@ -338,31 +312,9 @@ if triton is not None:
     def _modulate_fp8_kernel(x_ptr, w_ptr, shift_ptr, scale_ptr, r_ptr, q_ptr, qs_ptr, rows, C, inv_c, eps,
                              x_s_row, x_s_c, w_s, sh_s_row, sh_s_c, sc_s_row, sc_s_c, r_s,
                              FP8_MAX: tl.constexpr, INV_FP8_MAX: tl.constexpr, SCALE_FLOOR: tl.constexpr,
-                             BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, PERSISTENT: tl.constexpr,
-                             RUN: tl.constexpr, STAGES: tl.constexpr):
-        """One program: BLOCK_R whole rows, or (PERSISTENT) every num_programs-th block of them, or (RUN > 0) RUN
-        consecutive rows (`_modulate_run`)."""
-        if RUN > 0:
-            _modulate_run(x_ptr, w_ptr, shift_ptr, scale_ptr, r_ptr, q_ptr, qs_ptr, rows, C, inv_c, eps, x_s_row,
-                          x_s_c, w_s, sh_s_row, sh_s_c, sc_s_row, sc_s_c, r_s, FP8_MAX, INV_FP8_MAX, SCALE_FLOOR,
-                          BLOCK_R, BLOCK_C, RUN, STAGES)
-        elif PERSISTENT:
-            for blk in tl.range(tl.program_id(0), tl.cdiv(rows, BLOCK_R), tl.num_programs(0), num_stages=2):
-                _modulate_rows(blk, x_ptr, w_ptr, shift_ptr, scale_ptr, r_ptr, q_ptr, qs_ptr, rows, C, inv_c, eps,
-                               x_s_row, x_s_c, w_s, sh_s_row, sh_s_c, sc_s_row, sc_s_c, r_s, FP8_MAX, INV_FP8_MAX,
-                               SCALE_FLOOR, BLOCK_R, BLOCK_C)
-        else:
-            _modulate_rows(tl.program_id(0), x_ptr, w_ptr, shift_ptr, scale_ptr, r_ptr, q_ptr, qs_ptr, rows, C, inv_c,
-                           eps, x_s_row, x_s_c, w_s, sh_s_row, sh_s_c, sc_s_row, sc_s_c, r_s, FP8_MAX, INV_FP8_MAX,
-                           SCALE_FLOOR, BLOCK_R, BLOCK_C)
-
-    @triton.jit
-    def _modulate_rows(blk, x_ptr, w_ptr, shift_ptr, scale_ptr, r_ptr, q_ptr, qs_ptr, rows, C, inv_c, eps,
-                       x_s_row, x_s_c, w_s, sh_s_row, sh_s_c, sc_s_row, sc_s_c, r_s, FP8_MAX: tl.constexpr,
-                       INV_FP8_MAX: tl.constexpr, SCALE_FLOOR: tl.constexpr, BLOCK_R: tl.constexpr,
-                       BLOCK_C: tl.constexpr):
-        """Block `blk` of BLOCK_R whole rows, each with its own AdaLN rows (gathered by r)."""
-        row = blk * BLOCK_R + tl.arange(0, BLOCK_R)
+                             BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+        """One program: BLOCK_R whole rows, each with its own AdaLN rows (gathered by r)."""
+        row = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
         ch = tl.arange(0, BLOCK_C)
         row_ok = row < rows
         c_ok = ch < C
@@ -375,44 +327,6 @@ if triton is not None:
         scale = tl.load(scale_ptr + ada * sc_s_row + ch[None, :] * sc_s_c, mask=mask, other=0.0)
         _modulate_store(x, gain, shift, 1.0 + scale, mask, row, row_ok, ch, C, inv_c, eps, q_ptr, qs_ptr, FP8_MAX,
                         INV_FP8_MAX, SCALE_FLOOR)
-
-    @triton.jit
-    def _modulate_run(x_ptr, w_ptr, shift_ptr, scale_ptr, r_ptr, q_ptr, qs_ptr, rows, C, inv_c, eps,
-                      x_s_row, x_s_c, w_s, sh_s_row, sh_s_c, sc_s_row, sc_s_c, r_s, FP8_MAX: tl.constexpr,
-                      INV_FP8_MAX: tl.constexpr, SCALE_FLOOR: tl.constexpr, BLOCK_R: tl.constexpr,
-                      BLOCK_C: tl.constexpr, RUN: tl.constexpr, STAGES: tl.constexpr):
-        """This program's RUN consecutive rows, BLOCK_R at a time with the next STAGES - 1 blocks' x in flight, the
-        norm gain loaded once. When all RUN rows have one AdaLN table row (the common case: the packed layout's rows
-        come in long runs of one modality and timestep), its shift and 1 + scale are loaded once too; otherwise
-        every block gathers its own. Both paths compute the same values."""
-        first = tl.program_id(0) * RUN
-        run = first + tl.arange(0, RUN)
-        run_ok = run < rows
-        ada = tl.load(r_ptr + run.to(tl.int64) * r_s, mask=run_ok, other=0)
-        ada = tl.where(run_ok, ada, tl.load(r_ptr + first.to(tl.int64) * r_s))  # rows past the end: as the first
-        lo = tl.min(ada, axis=0)
-        uniform = lo == tl.max(ada, axis=0)
-        ch = tl.arange(0, BLOCK_C)
-        c_ok = ch < C
-        gain = tl.load(w_ptr + ch * w_s, mask=c_ok, other=0.0).to(tl.float32)[None, :]
-        # The AdaLN rows for every block when uniform (table row `lo` in each of the BLOCK_R rows).
-        ada = lo.to(tl.int64) + tl.zeros([BLOCK_R, 1], dtype=tl.int64)
-        shift = tl.load(shift_ptr + ada * sh_s_row + ch[None, :] * sh_s_c, mask=c_ok[None, :], other=0.0)
-        one_plus_scale = 1.0 + tl.load(scale_ptr + ada * sc_s_row + ch[None, :] * sc_s_c, mask=c_ok[None, :],
-                                       other=0.0)
-        for b in tl.range(0, tl.cdiv(tl.minimum(rows - first, RUN), BLOCK_R), num_stages=STAGES):
-            row = first + b * BLOCK_R + tl.arange(0, BLOCK_R)
-            row_ok = row < rows
-            mask = row_ok[:, None] & c_ok[None, :]
-            row = row.to(tl.int64)
-            if not uniform:  # the block's own AdaLN rows
-                ada = tl.load(r_ptr + row * r_s, mask=row_ok, other=0).to(tl.int64)[:, None]
-                shift = tl.load(shift_ptr + ada * sh_s_row + ch[None, :] * sh_s_c, mask=mask, other=0.0)
-                one_plus_scale = 1.0 + tl.load(scale_ptr + ada * sc_s_row + ch[None, :] * sc_s_c, mask=mask,
-                                               other=0.0)
-            x = tl.load(x_ptr + row[:, None] * x_s_row + ch[None, :] * x_s_c, mask=mask, other=0.0)
-            _modulate_store(x, gain, shift, one_plus_scale, mask, row, row_ok, ch, C, inv_c, eps, q_ptr, qs_ptr,
-                            FP8_MAX, INV_FP8_MAX, SCALE_FLOOR)
 
     @triton.jit
     def _modulate_store(x, gain, shift, one_plus_scale, mask, row, row_ok, ch, C, inv_c, eps, q_ptr, qs_ptr,
@@ -429,23 +343,10 @@ if triton is not None:
     @triton.jit
     def _swiglu_fp8_kernel(y_ptr, q_ptr, qs_ptr, rows, C, y_s_row, FP8_MAX: tl.constexpr,
                            INV_FP8_MAX: tl.constexpr, SCALE_FLOOR: tl.constexpr, BLOCK_R: tl.constexpr,
-                           BLOCK_C: tl.constexpr, CUDA: tl.constexpr, PERSISTENT: tl.constexpr):
-        """One program: BLOCK_R whole rows, or (PERSISTENT) every num_programs-th block of them."""
-        if PERSISTENT:
-            for blk in tl.range(tl.program_id(0), tl.cdiv(rows, BLOCK_R), tl.num_programs(0), num_stages=2):
-                _swiglu_rows(blk, y_ptr, q_ptr, qs_ptr, rows, C, y_s_row, FP8_MAX, INV_FP8_MAX, SCALE_FLOOR, BLOCK_R,
-                             BLOCK_C, CUDA)
-        else:
-            _swiglu_rows(tl.program_id(0), y_ptr, q_ptr, qs_ptr, rows, C, y_s_row, FP8_MAX, INV_FP8_MAX, SCALE_FLOOR,
-                         BLOCK_R, BLOCK_C, CUDA)
-
-    @triton.jit
-    def _swiglu_rows(blk, y_ptr, q_ptr, qs_ptr, rows, C, y_s_row, FP8_MAX: tl.constexpr, INV_FP8_MAX: tl.constexpr,
-                     SCALE_FLOOR: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
-                     CUDA: tl.constexpr):
-        """Block `blk` of BLOCK_R whole rows of y = [gate | value] (C = F channels each), each element read once.
+                           BLOCK_C: tl.constexpr, CUDA: tl.constexpr):
+        """One program: BLOCK_R whole rows of y = [gate | value] (C = F channels each), each element read once.
         Every step is one op of `swiglu_fp8_reference` as torch runs it on CUDA, in its order."""
-        row = blk * BLOCK_R + tl.arange(0, BLOCK_R)
+        row = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
         ch = tl.arange(0, BLOCK_C)
         row_ok = row < rows
         mask = row_ok[:, None] & (ch < C)[None, :]
@@ -557,22 +458,21 @@ def o_rows_launch(o8: torch.Tensor, o_scale: torch.Tensor, o_shift: torch.Tensor
     """Runs the kernel: o8 [H, rows, D] e4m3 (any head and row strides, e.g. a row slice of the whole O; contiguous
     D), o_scale [H, 1, 1] / o_shift [H, 1, D] fp32 (any strides) or None -> (q [rows, H * D] e4m3, scale [rows, 1]
     fp32), both new and contiguous. Raises ValueError for arguments it does not serve (`o_rows_unsupported`);
-    block_rows (a power of two) and num_warps tune the launch: one program per block of block_rows rows."""
+    block_rows and num_warps tune the launch (`_grid`)."""
     reason = o_rows_unsupported(o8, o_scale, o_shift)
     if reason is not None:
         raise ValueError(f"the Triton O dequantisation + fp8 quantisation kernel does not serve this call: {reason}")
-    if block_rows < 1 or block_rows & (block_rows - 1):
-        raise ValueError(f"block_rows must be a power of two, got {block_rows}")
     h, rows, d = o8.shape
     q = torch.empty(rows, h * d, dtype=torch.float8_e4m3fn, device=o8.device)
     q_scale = torch.empty(rows, 1, dtype=torch.float32, device=o8.device)
     if rows == 0:
         return q, q_scale
+    grid = _grid(rows, block_rows)
     log_once(log, f"O dequantisation + fp8 row quantisation: Triton kernel ({block_rows} rows x {num_warps} warps "
                   f"per program)")
     shift = o_scale if o_shift is None else o_shift  # (a pointer the kernel never reads without a shift)
     with torch.cuda.device(o8.device) if o8.is_cuda else contextlib.nullcontext():  # Triton uses the current device
-        _o_rows_fp8_kernel[(triton.cdiv(rows, block_rows),)](
+        _o_rows_fp8_kernel[grid](
             o8, o_scale, shift, q, q_scale, rows, h * d, o8.stride(0), o8.stride(1), o_scale.stride(0),
             shift.stride(0), shift.stride(2),
             D=d, HAS_SHIFT=o_shift is not None, FP8_MAX=FP8_E4M3_MAX, INV_FP8_MAX=1.0 / FP8_E4M3_MAX,

@@ -4,7 +4,7 @@ What it fuses: after the qkv projection, y [rows, 3, heads, head_dim] (compute d
 attention kernel's layout ([heads, rows, head_dim] each): q and k are RMS-normalised over head_dim in fp32 with
 their gains, then split-half (rotate_half) RoPE turns the first r channels of every head (r = cos.shape[-1]; the
 rest pass through), v is copied. q and k go to qk_out [2, 1, heads, rows, head_dim], v to v_out [1, heads, rows,
-head_dim], each cast to its buffer's dtype; with `qk_mult` (fp8 attention, stagekit/fp8_attention.py "static q/k
+head_dim] (v_out None: v is not copied, its reader takes it from y), each cast to its buffer's dtype; with `qk_mult` (fp8 attention, stagekit/fp8_attention.py "static q/k
 scales") qk_out is float8 e4m3 and holds clamp(x * qk_mult[i], +-448) for q (i = 0) and k (i = 1), so the
 attention's own quantisation pass no longer reads q and k. Why: inside a compiled block Inductor splits
 this into two RMS-statistics reductions running far below the memory bandwidth plus a pointwise pass, the largest of
@@ -57,11 +57,11 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 def qk_norm_rope_reference(y: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float,
-                           rope: tuple[torch.Tensor, torch.Tensor] | None, qk_out: torch.Tensor, v_out: torch.Tensor,
-                           qk_mult: torch.Tensor | None = None) -> None:
+                           rope: tuple[torch.Tensor, torch.Tensor] | None, qk_out: torch.Tensor,
+                           v_out: torch.Tensor | None, qk_mult: torch.Tensor | None = None) -> None:
     """y [rows, 3, heads, head_dim] (compute dtype), gains [head_dim], rope (cos, sin) [rows, r] fp32 or None ->
-    q, k written into qk_out [2, 1, heads, rows, head_dim] and v into v_out [1, heads, rows, head_dim] (each in its
-    buffer's dtype; with qk_mult [2] fp32, qk_out is e4m3 and gets clamp(x * qk_mult[i], +-448)). The model's own
+    q, k written into qk_out [2, 1, heads, rows, head_dim] and v into v_out [1, heads, rows, head_dim] or nowhere
+    (v_out None) (each in its buffer's dtype; with qk_mult [2] fp32, qk_out is e4m3 and gets clamp(x * qk_mult[i], +-448)). The model's own
     math, in plain torch."""
     q, k, v = y.unbind(1)
     q, k = rms_norm(q, q_weight, eps), rms_norm(k, k_weight, eps)  # fp32
@@ -71,11 +71,12 @@ def qk_norm_rope_reference(y: torch.Tensor, q_weight: torch.Tensor, k_weight: to
         if qk_mult is not None:
             t = (t * qk_mult[i]).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX)
         qk_out[i, 0].copy_(t.transpose(0, 1))  # [heads, rows, d], cast to the buffer's dtype
-    v_out[0].copy_(v.transpose(0, 1))
+    if v_out is not None:
+        v_out[0].copy_(v.transpose(0, 1))
 
 
 def unsupported(y: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
-                rope: tuple[torch.Tensor, torch.Tensor] | None, qk_out: torch.Tensor, v_out: torch.Tensor,
+                rope: tuple[torch.Tensor, torch.Tensor] | None, qk_out: torch.Tensor, v_out: torch.Tensor | None,
                 qk_mult: torch.Tensor | None = None) -> str | None:
     """Why the Triton kernel does not serve these arguments, or None when it does (shapes, dtypes, devices)."""
     if triton is None:
@@ -85,18 +86,20 @@ def unsupported(y: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
     rows, _, heads, d = y.shape
     if d < 16 or d & (d - 1):
         return f"head_dim must be a power of two >= 16, got {d}"
-    if tuple(qk_out.shape) != (2, 1, heads, rows, d) or tuple(v_out.shape) != (1, heads, rows, d):
-        return (f"qk_out must be [2, 1, {heads}, {rows}, {d}] and v_out [1, {heads}, {rows}, {d}] for y "
-                f"{list(y.shape)}, got {list(qk_out.shape)} and {list(v_out.shape)}")
+    v_shape = None if v_out is None else tuple(v_out.shape)
+    if tuple(qk_out.shape) != (2, 1, heads, rows, d) or v_shape not in (None, (1, heads, rows, d)):
+        return (f"qk_out must be [2, 1, {heads}, {rows}, {d}] and v_out [1, {heads}, {rows}, {d}] (or None) for y "
+                f"{list(y.shape)}, got {list(qk_out.shape)} and {v_shape}")
     if tuple(q_weight.shape) != (d,) or tuple(k_weight.shape) != (d,):
         return f"the q/k norm gains must be [{d}], got {list(q_weight.shape)} and {list(k_weight.shape)}"
     floats = (torch.float32, torch.bfloat16, torch.float16)
     qk_dtypes = (E4M3,) if qk_mult is not None else floats
-    if y.dtype not in floats or qk_out.dtype not in qk_dtypes or v_out.dtype not in floats:
+    v_dtype = y.dtype if v_out is None else v_out.dtype
+    if y.dtype not in floats or qk_out.dtype not in qk_dtypes or v_dtype not in floats:
         want = "e4m3 (qk_mult given)" if qk_mult is not None else "fp32/bf16/fp16"
-        return (f"y and v_out must be fp32/bf16/fp16 and qk_out {want}, got {y.dtype}, {v_out.dtype} and "
+        return (f"y and v_out must be fp32/bf16/fp16 and qk_out {want}, got {y.dtype}, {v_dtype} and "
                 f"{qk_out.dtype}")
-    tensors = [y, q_weight, k_weight, qk_out, v_out]
+    tensors = [y, q_weight, k_weight, qk_out] + ([v_out] if v_out is not None else [])
     if qk_mult is not None:
         if tuple(qk_mult.shape) != (2,) or qk_mult.dtype != torch.float32:
             return f"qk_mult must be fp32 [2], got {qk_mult.dtype} {list(qk_mult.shape)}"
@@ -116,11 +119,11 @@ def unsupported(y: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
 
 
 def qk_norm_rope(y: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float,
-                 rope: tuple[torch.Tensor, torch.Tensor] | None, qk_out: torch.Tensor, v_out: torch.Tensor,
+                 rope: tuple[torch.Tensor, torch.Tensor] | None, qk_out: torch.Tensor, v_out: torch.Tensor | None,
                  qk_mult: torch.Tensor | None = None) -> None:
     """y [rows, 3, heads, head_dim] (compute dtype), q/k gains [head_dim], rope (cos, sin) [rows, r] fp32 or None
     -> q, k into qk_out [2, 1, heads, rows, head_dim] (e4m3 scaled by qk_mult [2] when given), v into v_out
-    [1, heads, rows, head_dim]: the Triton kernel on CUDA where it serves the shapes, else the reference (see the
+    [1, heads, rows, head_dim] (or not at all: None): the Triton kernel on CUDA where it serves the shapes, else the reference (see the
     module docstring)."""
     reason = (unsupported(y, q_weight, k_weight, rope, qk_out, v_out, qk_mult) if y.is_cuda
               else "y is not on a CUDA device")
@@ -144,8 +147,8 @@ def qk_norm_rope(y: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor
 
 @torch.library.custom_op("h3stages::qk_norm_rope_reference_", mutates_args=("qk_out", "v_out"))
 def _reference_op(y: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float,
-                  cos: torch.Tensor | None, sin: torch.Tensor | None, qk_out: torch.Tensor, v_out: torch.Tensor,
-                  qk_mult: torch.Tensor | None) -> None:
+                  cos: torch.Tensor | None, sin: torch.Tensor | None, qk_out: torch.Tensor,
+                  v_out: torch.Tensor | None, qk_mult: torch.Tensor | None) -> None:
     """The reference as one op, opaque to torch.compile: what a compiled block calls for e4m3 q/k without the
     kernel. Inductor (torch 2.11-2.13) cannot compile a write into a row slice of a float8 tensor (it fails to
     promote the slice's mask with float8), which is what the reference's e4m3 write is in a row chunk."""
@@ -155,8 +158,9 @@ def _reference_op(y: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tenso
 
 @torch.library.custom_op("h3stages::qk_norm_rope_", mutates_args=("qk_out", "v_out"))
 def qk_norm_rope_op(y: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float,
-                    cos: torch.Tensor | None, sin: torch.Tensor | None, qk_out: torch.Tensor, v_out: torch.Tensor,
-                    qk_mult: torch.Tensor | None = None, block_rows: int = DEFAULT_BLOCK_ROWS,
+                    cos: torch.Tensor | None, sin: torch.Tensor | None, qk_out: torch.Tensor,
+                    v_out: torch.Tensor | None, qk_mult: torch.Tensor | None = None,
+                    block_rows: int = DEFAULT_BLOCK_ROWS,
                     num_warps: int = DEFAULT_NUM_WARPS) -> None:
     """The Triton kernel as a torch op that writes `qk_out` and `v_out` (opaque to torch.compile); arguments as
     `launch`."""
@@ -164,10 +168,12 @@ def qk_norm_rope_op(y: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Ten
 
 
 def launch(y: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float, cos: torch.Tensor | None,
-           sin: torch.Tensor | None, qk_out: torch.Tensor, v_out: torch.Tensor, qk_mult: torch.Tensor | None = None,
+           sin: torch.Tensor | None, qk_out: torch.Tensor, v_out: torch.Tensor | None,
+           qk_mult: torch.Tensor | None = None,
            block_rows: int = DEFAULT_BLOCK_ROWS, num_warps: int = DEFAULT_NUM_WARPS) -> None:
     """Runs the kernel: y [rows, 3, heads, D] (any strides), gains [D], cos/sin [rows, r] fp32 or both None,
-    qk_out [2, 1, heads, rows, D] and v_out [1, heads, rows, D] (any strides, e.g. row slices of bigger buffers),
+    qk_out [2, 1, heads, rows, D] and v_out [1, heads, rows, D] or None (any strides, e.g. row slices of bigger
+    buffers),
     qk_mult [2] fp32 with an e4m3 qk_out, or None. Raises ValueError for arguments it does not serve
     (`unsupported`). block_rows (a power of two) and num_warps tune the launch."""
     rope = (cos, sin) if cos is not None else None
@@ -188,13 +194,15 @@ def launch(y: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, eps:
     else:  # HAS_ROPE=False compiles the table loads out; the pointer arguments still need a tensor
         r, cos_t, sin_t, rope_strides = 0, q_weight, q_weight, (0, 0, 0, 0)
     mult = qk_mult if qk_mult is not None else q_weight  # QK_FP8=False compiles its loads out
-    grid = (triton.cdiv(rows, block_rows) * SECTIONS * heads,)
+    sections = SECTIONS if v_out is not None else 2  # no v programs without v_out
+    v_t, v_strides = (v_out, v_out.stride()[1:]) if v_out is not None else (qk_out, (0, 0, 0))
+    grid = (triton.cdiv(rows, block_rows) * sections * heads,)
     with torch.cuda.device(y.device) if y.is_cuda else contextlib.nullcontext():  # Triton uses the current device
         _qk_norm_rope_kernel[grid](
-            y, q_weight, k_weight, cos_t, sin_t, qk_out, v_out, mult, rows, heads, eps,
+            y, q_weight, k_weight, cos_t, sin_t, qk_out, v_t, mult, rows, heads, eps,
             *y.stride(), qk_out.stride(0), qk_out.stride(2), qk_out.stride(3), qk_out.stride(4),
-            v_out.stride(1), v_out.stride(2), v_out.stride(3), *rope_strides,
-            D=d, R=r, HAS_ROPE=cos is not None, QK_FP8=qk_mult is not None, FP8_MAX=FP8_E4M3_MAX,
+            *v_strides, *rope_strides,
+            D=d, R=r, HAS_ROPE=cos is not None, QK_FP8=qk_mult is not None, FP8_MAX=FP8_E4M3_MAX, NSEC=sections,
             BLOCK_R=block_rows, num_warps=num_warps,
             enable_fp_fusion=False,  # no FMA contraction: products rounded as the reference's separate ops are
         )
@@ -207,12 +215,13 @@ if triton is not None:
                              y_s_row, y_s_sec, y_s_head, y_s_d, o_s_sec, o_s_head, o_s_row, o_s_d,
                              v_s_head, v_s_row, v_s_d, c_s_row, c_s_d, s_s_row, s_s_d,
                              D: tl.constexpr, R: tl.constexpr, HAS_ROPE: tl.constexpr, QK_FP8: tl.constexpr,
-                             FP8_MAX: tl.constexpr, BLOCK_R: tl.constexpr):
-        """One program: BLOCK_R rows of one head of one section (0 q, 1 k, 2 v). Consecutive programs take the
-        sections and heads of the same rows in y's order, so the programs in flight read one band of y."""
+                             FP8_MAX: tl.constexpr, NSEC: tl.constexpr, BLOCK_R: tl.constexpr):
+        """One program: BLOCK_R rows of one head of one section (0 q, 1 k, 2 v; NSEC = 2: no v). Consecutive
+        programs take the sections and heads of the same rows in y's order, so the programs in flight read one band
+        of y."""
         pid = tl.program_id(0)
-        band = pid // (3 * heads)
-        sec = (pid // heads) % 3
+        band = pid // (NSEC * heads)
+        sec = (pid // heads) % NSEC
         head = (pid % heads).to(tl.int64)
         row = band * BLOCK_R + tl.arange(0, BLOCK_R)
         ch = tl.arange(0, D)

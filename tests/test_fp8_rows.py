@@ -8,7 +8,6 @@ triton's CPU interpreter (indexing, masking, scales; needs triton in the venv, w
 
 from __future__ import annotations
 
-import itertools
 import subprocess
 import sys
 
@@ -29,18 +28,15 @@ EPS = 1e-6
 EXACT_FRACTION = 0.999  # e4m3 values bitwise equal to the reference (the kernel sums squares in another order)
 
 
-def make_inputs(rows: int, c: int, m: int, device: str, seed: int = 0, runs: tuple[int, ...] | None = None):
+def make_inputs(rows: int, c: int, m: int, device: str, seed: int = 0):
     """x as a row slice of a bigger residual, the norm gain (bf16, as the release stores it), shift / scale as
-    column chunks of one AdaLN output [M * 3, 6 * C] (the model's layout), r with repeats over all M * 3 rows:
-    random, or (`runs`) runs of those lengths of table rows 0, 1, 2, ... in turn (the packed layout's modality
-    blocks), the last run to the end."""
+    column chunks of one AdaLN output [M * 3, 6 * C] (the model's layout), r random with repeats over all M * 3
+    rows."""
     g = torch.Generator().manual_seed(seed)
     resid = torch.randn(rows + 5, c, generator=g) * 3
     weight = (torch.randn(c, generator=g) * 0.2 + 1).to(torch.bfloat16)
     mod = torch.randn(m * 3, 6 * c, generator=g) * 0.5
     r = torch.randint(0, m * 3, (rows,), generator=g)
-    for i, start in enumerate((0, *itertools.accumulate(runs)) if runs else ()):
-        r[start:] = i % (m * 3)
     resid[7], mod[0, :c], r[5] = 0.0, 0.0, 0  # row 5 modulates to all zeros: the scale floor
     to = lambda t: t.to(device)  # noqa: E731
     shift, scale = to(mod).chunk(6, dim=-1)[:2]
@@ -72,19 +68,18 @@ def test_fp8_linear_takes_fp8_rows():
 
 
 def check_kernel(rows: int, c: int, m: int, device: str, block_rows: int = 1, num_warps: int = 8,
-                 interpreted: bool = False, programs_per_sm: int = 0, rows_per_program: int = 0,
-                 run_stages: int = 2, runs: tuple[int, ...] | None = None) -> None:
+                 interpreted: bool = False) -> None:
     """Triton (stagekit.fp8_rows.launch) vs the reference: scales within 1e-6 relative, e4m3 values never more
-    than one step apart and mostly bitwise equal (`runs`: r as make_inputs builds it). `interpreted`: triton's CPU
+    than one step apart and mostly bitwise equal. `interpreted`: triton's CPU
     interpreter casts to bf16 toward zero (a scale one bf16 ulp off) and can miss the carry into the next power of
     two when it rounds to e4m3 (a value half the reference's, 8 steps): bounds loose enough for that, tight enough
     for a wrong index."""
     scale_rtol, max_steps, exact_fraction = (2.0 ** -7, 8, 0.8) if interpreted else (1e-6, 1, EXACT_FRACTION)
     from stagekit.fp8_rows import launch
 
-    x, w, shift, scale, r = make_inputs(rows, c, m, device, runs=runs)
+    x, w, shift, scale, r = make_inputs(rows, c, m, device)
     want = modulate_fp8_reference(x, w, EPS, shift, scale, r)
-    q, s = launch(x, w, EPS, shift, scale, r, block_rows, num_warps, programs_per_sm, rows_per_program, run_stages)
+    q, s = launch(x, w, EPS, shift, scale, r, block_rows, num_warps)
     assert q.shape == want.q.shape and q.dtype == torch.float8_e4m3fn and s.shape == (rows, 1)
     rel = ((s - want.scale).abs() / want.scale).max().item()
     assert rel <= scale_rtol, f"row scales differ by {rel:.2e} relative"
@@ -104,19 +99,9 @@ def test_triton_matches_reference_on_gpu(rows, c):
 
 
 @needs_cuda
-@pytest.mark.parametrize("block_rows,num_warps,programs_per_sm", [(2, 8, 0), (1, 16, 0), (1, 4, 0), (1, 16, 1)])
-def test_triton_launch_configs_on_gpu(block_rows, num_warps, programs_per_sm):
-    check_kernel(1000, 5376, 1, "cuda", block_rows, num_warps, programs_per_sm=programs_per_sm)
-
-
-@needs_cuda
-@pytest.mark.parametrize("block_rows,num_warps,rows_per_program,run_stages", [(1, 8, 16, 2), (1, 16, 32, 3),
-                                                                             (2, 8, 8, 2)])
-def test_triton_runs_of_rows_on_gpu(block_rows, num_warps, rows_per_program, run_stages):
-    """rows_per_program at DiT width on rows laid out as a packed sequence's (38 text, 414 audio, then video
-    rows: most programs take the one-table-row path, those across a boundary gather per block)."""
-    check_kernel(4099, 5376, 1, "cuda", block_rows, num_warps, rows_per_program=rows_per_program,
-                 run_stages=run_stages, runs=(38, 414))
+@pytest.mark.parametrize("block_rows,num_warps", [(2, 8), (1, 16), (1, 4), (2, 16)])
+def test_triton_launch_configs_on_gpu(block_rows, num_warps):
+    check_kernel(1000, 5376, 1, "cuda", block_rows, num_warps)
 
 
 @needs_cuda
@@ -226,8 +211,8 @@ def test_swiglu_division_sequence_is_ieee():
         assert torch.equal(div(a, b, ulps).bfloat16().view(torch.int16), want.bfloat16().view(torch.int16)), ulps
 
 
-def check_swiglu_kernel(rows: int, f: int, device: str, block_rows: int = 1, num_warps: int = 16,
-                        interpreted: bool = False, programs_per_sm: int = 0) -> None:
+def check_swiglu_kernel(rows: int, f: int, device: str, block_rows: int = 1, num_warps: int = 32,
+                        interpreted: bool = False) -> None:
     """Triton (stagekit.fp8_rows.swiglu_launch) vs the reference, bounds as `check_kernel`; in the interpreter
     both bf16 roundings (silu, then the product) truncate, so a scale may be up to two bf16 ulps off."""
     scale_rtol, max_steps, exact_fraction = (2.0 ** -6, 8, 0.8) if interpreted else (1e-6, 1, EXACT_FRACTION)
@@ -235,7 +220,7 @@ def check_swiglu_kernel(rows: int, f: int, device: str, block_rows: int = 1, num
 
     y = make_swiglu_input(rows, f, device)
     want = swiglu_fp8_reference(y)
-    q, s = swiglu_launch(y, block_rows, num_warps, programs_per_sm)
+    q, s = swiglu_launch(y, block_rows, num_warps)
     assert q.shape == want.q.shape == (rows, f) and q.dtype == torch.float8_e4m3fn and s.shape == (rows, 1)
     rel = ((s - want.scale).abs() / want.scale).max().item()
     assert rel <= scale_rtol, f"row scales differ by {rel:.2e} relative"
@@ -255,9 +240,9 @@ def test_swiglu_triton_matches_reference_on_gpu(rows, f):
 
 
 @needs_cuda
-@pytest.mark.parametrize("block_rows,num_warps,programs_per_sm", [(1, 8, 0), (1, 32, 0), (2, 16, 0), (1, 16, 1)])
-def test_swiglu_triton_launch_configs_on_gpu(block_rows, num_warps, programs_per_sm):
-    check_swiglu_kernel(1000, 14336, "cuda", block_rows, num_warps, programs_per_sm=programs_per_sm)
+@pytest.mark.parametrize("block_rows,num_warps", [(1, 16), (2, 16), (4, 16), (2, 32)])
+def test_swiglu_triton_launch_configs_on_gpu(block_rows, num_warps):
+    check_swiglu_kernel(1000, 14336, "cuda", block_rows, num_warps)
 
 
 @needs_cuda
@@ -422,27 +407,16 @@ def interpreter_main() -> None:
     """The kernel's indexing and masking in triton's CPU interpreter (TRITON_INTERPRET=1 set before triton is
     imported; run by the test below in a child process). The interpreter computes in numpy, and its bf16 / e4m3
     casts round differently (see check_kernel)."""
-    # (programs_per_sm > 0: a persistent grid; the interpreter counts one SM, so 2 programs loop over the blocks)
-    for rows, c, m, block_rows, programs_per_sm in [(13, 96, 2, 1, 0), (9, 40, 1, 4, 0), (6, 64, 3, 2, 0),
-                                                    (9, 40, 1, 2, 2)]:
-        check_kernel(rows, c, m, "cpu", block_rows, interpreted=True, programs_per_sm=programs_per_sm)
-    # rows_per_program: runs of rows with one table row (programs on the one-table-row path) and programs across
-    # a run boundary or with random r (gathered per block), odd row counts (a short last program).
-    for rows, c, m, block_rows, rows_per_program, runs in [(37, 96, 2, 1, 8, (16, 3)), (13, 40, 1, 2, 4, (6,)),
-                                                           (9, 40, 1, 1, 16, None)]:
-        check_kernel(rows, c, m, "cpu", block_rows, interpreted=True, rows_per_program=rows_per_program, runs=runs)
+    for rows, c, m, block_rows in [(13, 96, 2, 1), (9, 40, 1, 4), (6, 64, 3, 2)]:
+        check_kernel(rows, c, m, "cpu", block_rows, interpreted=True)
     from stagekit.fp8_rows import launch
 
-    x, w, shift, scale, r = make_inputs(21, 40, 1, "cpu", runs=(8, 5))
+    x, w, shift, scale, r = make_inputs(21, 40, 1, "cpu")
     want = launch(x, w, EPS, shift, scale, r)
-    x_cols = x.t().contiguous().t()  # column stride 21: the same rows
-    for xs, stages in ((x, 2), (x_cols, 3)):  # (the interpreter runs the loop unpipelined either way)
-        q, s = launch(xs, w, EPS, shift, scale, r, rows_per_program=8, run_stages=stages)
-        assert torch.equal(q.view(torch.uint8), want[0].view(torch.uint8)) and torch.equal(s, want[1])
-    for bad in (dict(rows_per_program=6), dict(rows_per_program=2, block_rows=4),
-                dict(rows_per_program=8, programs_per_sm=1), dict(rows_per_program=8, run_stages=0)):
-        with pytest.raises(ValueError, match="(rows_per_program|run_stages) must be"):
-            launch(x, w, EPS, shift, scale, r, **bad)
+    q, s = launch(x.t().contiguous().t(), w, EPS, shift, scale, r)  # column stride 21: the same rows
+    assert torch.equal(q.view(torch.uint8), want[0].view(torch.uint8)) and torch.equal(s, want[1])
+    with pytest.raises(ValueError, match="block_rows must be a power of two"):
+        launch(x, w, EPS, shift, scale, r, block_rows=3)
     # The custom op through torch.compile's graph capture (aot_eager: no C++ compile on the CPU).
     x, w, shift, scale, r = make_inputs(9, 40, 1, "cpu")
 
@@ -452,9 +426,8 @@ def interpreter_main() -> None:
 
     assert torch.equal(step(x), torch.compile(step, backend="aot_eager", fullgraph=True)(x))
     # SwiGLU: odd row counts, power-of-two and other F, strided views (make_swiglu_input), several rows per program.
-    for rows, f, block_rows, programs_per_sm in [(13, 96, 1, 0), (9, 40, 4, 0), (6, 64, 2, 0), (1, 16, 1, 0),
-                                                 (9, 40, 2, 2)]:
-        check_swiglu_kernel(rows, f, "cpu", block_rows, 4, interpreted=True, programs_per_sm=programs_per_sm)
+    for rows, f, block_rows in [(13, 96, 1), (9, 40, 4), (6, 64, 2), (1, 16, 1)]:
+        check_swiglu_kernel(rows, f, "cpu", block_rows, 4, interpreted=True)
     y = make_swiglu_input(9, 40, "cpu")
 
     def swiglu_step(y):

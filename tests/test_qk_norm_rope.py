@@ -90,9 +90,10 @@ def check_kernel(rows: int, heads: int, d: int, r: int, dtype: torch.dtype, devi
 
 
 def check_kernel_fp8(rows: int, heads: int, d: int, r: int, device: str, max_steps: int, block_rows: int = 32,
-                     num_warps: int = 4) -> None:
+                     num_warps: int = 4, with_v: bool = True) -> None:
     """The kernel writing e4m3 q/k with static multipliers (fp8 attention) vs the reference: q/k at most
-    `max_steps` e4m3 steps apart, v bitwise equal, nothing written outside the rows."""
+    `max_steps` e4m3 steps apart, v bitwise equal (with_v=False: no v written at all), nothing written outside the
+    rows."""
     from stagekit.fp8_attention import e4m3_steps, static_qk_mult
     from stagekit.qk_norm_rope import launch
 
@@ -101,9 +102,13 @@ def check_kernel_fp8(rows: int, heads: int, d: int, r: int, device: str, max_ste
     qk = torch.full((2, 1, heads, rows + 7, d), 0x7F, dtype=torch.uint8, device=device).view(torch.float8_e4m3fn)
     v = buf[2]
     ref_qk, ref_v = qk.clone(), v.clone()
-    qk_norm_rope_reference(y, qw, kw, EPS, rope, ref_qk[:, :, :, 3:3 + rows], ref_v[:, :, 3:3 + rows], mult)
+    if with_v:
+        qk_norm_rope_reference(y, qw, kw, EPS, rope, ref_qk[:, :, :, 3:3 + rows], ref_v[:, :, 3:3 + rows], mult)
+    else:
+        qk_norm_rope_reference(y, qw, kw, EPS, rope, ref_qk[:, :, :, 3:3 + rows], None, mult)
     cos, sin = rope if rope else (None, None)
-    launch(y, qw, kw, EPS, cos, sin, qk[:, :, :, 3:3 + rows], v[:, :, 3:3 + rows], mult, block_rows, num_warps)
+    launch(y, qw, kw, EPS, cos, sin, qk[:, :, :, 3:3 + rows], v[:, :, 3:3 + rows] if with_v else None, mult,
+           block_rows, num_warps)
     assert torch.equal(qk.view(torch.uint8)[:, :, :, :3], ref_qk.view(torch.uint8)[:, :, :, :3])
     assert torch.equal(qk.view(torch.uint8)[:, :, :, 3 + rows:], ref_qk.view(torch.uint8)[:, :, :, 3 + rows:])
     steps = e4m3_steps(qk[:, :, :, 3:3 + rows], ref_qk[:, :, :, 3:3 + rows])
@@ -138,8 +143,9 @@ def test_static_qk_scales_bound_normed_roped_rows():
 @needs_cuda
 @pytest.mark.parametrize("rows,heads", [(1000, 56), (4099, 28)])
 @pytest.mark.parametrize("r", [96, 0])
-def test_triton_fp8_qk_matches_reference_on_gpu(rows, heads, r):
-    check_kernel_fp8(rows, heads, 128, r, "cuda", max_steps=1)
+@pytest.mark.parametrize("with_v", [True, False])
+def test_triton_fp8_qk_matches_reference_on_gpu(rows, heads, r, with_v):
+    check_kernel_fp8(rows, heads, 128, r, "cuda", max_steps=1, with_v=with_v)
 
 
 @needs_cuda
@@ -180,6 +186,7 @@ def interpreter_main() -> None:
     # e4m3 q/k: the interpreter can miss a carry when it rounds to e4m3 (tests/test_fp8_rows.py), hence 8 steps.
     check_kernel_fp8(37, 3, 32, 24, "cpu", max_steps=8, block_rows=16)
     check_kernel_fp8(19, 2, 32, 0, "cpu", max_steps=8)
+    check_kernel_fp8(21, 3, 32, 24, "cpu", max_steps=8, block_rows=8, with_v=False)
     # The custom op through torch.compile's graph capture (aot_eager: no C++ compile on the CPU).
     y, qw, kw, (cos, sin), buf = make_inputs(9, 2, 16, 8, torch.bfloat16, "cpu")
 
