@@ -1,5 +1,6 @@
 """The DiT block's fused "something + fp8 row quantisation" Triton kernels (GPU), each with a plain-torch reference:
-RMSNorm + AdaLN modulation before the qkv projection and fc1, and the MLP's SwiGLU before fc2.
+RMSNorm + AdaLN modulation before the qkv projection and fc1, the MLP's SwiGLU before fc2, and fp8 attention's O
+dequantisation before out_proj.
 
 What the modulation kernel fuses: before the qkv projection and fc1, every block turns the fp32 residual rows
 x [rows, C] into `modulate(x) = (rms_norm(x, w) * (1 + scale[r]) + shift[r]).to(compute dtype)` (shift / scale: the

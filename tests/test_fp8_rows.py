@@ -440,13 +440,14 @@ def interpreter_main() -> None:
     for h, rows, d, block_rows, layout, shift in [(3, 13, 32, 1, "hsd", True), (5, 9, 16, 4, "shd", True),
                                                   (2, 6, 64, 2, "hsd", False), (7, 1, 16, 1, "shd", False)]:
         check_o_rows_kernel(h, rows, d, "cpu", block_rows, 4, interpreted=True, layout=layout, shift=shift)
-    o = make_o_input(3, 9, 32, "cpu")
+    for shift in (True, False):  # (the op's optional shift: None through the graph too)
+        o = make_o_input(3, 9, 32, "cpu", shift=shift)
 
-    def o_rows_step(o8):
-        q, s = torch.ops.h3stages.o_rows_fp8(o8, o.o_scale, o.o_shift)
-        return q.float() * s
+        def o_rows_step(o8, o_scale, o_shift):
+            q, s = torch.ops.h3stages.o_rows_fp8(o8, o_scale, o_shift)
+            return q.float() * s
 
-    assert torch.equal(o_rows_step(o.o8), torch.compile(o_rows_step, backend="aot_eager", fullgraph=True)(o.o8))
+        assert torch.equal(o_rows_step(*o), torch.compile(o_rows_step, backend="aot_eager", fullgraph=True)(*o))
     print("interpreter ok")
 
 
