@@ -38,7 +38,7 @@ def kernel_spec(fr, op: str, width: int, block_rows: int):
     if op == "orows":  # [H, S, D] O (row stride D, head stride S x D), scales [H, 1, 1], shift [H, 1, D]
         sig = {"o8_ptr": "*fp8e4nv", "sc_ptr": "*fp32", "sh_ptr": "*fp32", "q_ptr": "*fp8e4nv", "qs_ptr": "*fp32",
                "rows": "i32", "C": "i32", "o_s_h": "i32", "o_s_row": "i32", "sh_s_h": "i32"}
-        return fr._o_rows_fp8_kernel, sig, {**common, "sc_s_h": 1, "sh_s_d": 1, "D": O_HEAD_DIM, "HAS_SHIFT": True}
+        return fr._o_rows_fp8_kernel, sig, {**common, "sh_s_d": 1, "D": O_HEAD_DIM, "HAS_SHIFT": True}
     if op == "swiglu":
         sig = {"y_ptr": "*bf16", "q_ptr": "*fp8e4nv", "qs_ptr": "*fp32", "rows": "i32", "C": "i32", "y_s_row": "i32"}
         return fr._swiglu_fp8_kernel, sig, {**common, "CUDA": True}

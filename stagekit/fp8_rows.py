@@ -381,8 +381,9 @@ if triton is not None:
 O_ROWS_IN_COMPILED_BLOCKS = True
 # Rows per program x warps (the whole row, H x D channels padded to a power of two, sits in registers); to be set
 # from the same benchmark's sweep on an H200. Picked until then by registers (scripts/kernel_registers.py, sm_90,
-# 56 heads x 128): 1x8 56 registers per thread, 4 rows in flight per SM; 1x16 40, 3; 1x4 96, 5. With more rows per
-# program the compiler moves O through shared memory to the layout of the scale and shift loads (2x16: 8 KiB).
+# 56 heads x 128, the GPU image's Triton 3.6): 1x8 58 registers per thread, 4 rows in flight per SM; 1x16 43, 2;
+# 1x4 114, 4; 1x32 30, 2. With 2 or 4 rows per program the compiler adds a layout conversion through shared memory
+# (8 KiB at 2x16).
 O_ROWS_BLOCK_ROWS = 1
 O_ROWS_NUM_WARPS = 8
 _O_ROWS_FALLBACK = KernelFallback("O dequantisation + fp8 row quantisation", log)
@@ -471,11 +472,15 @@ def o_rows_launch(o8: torch.Tensor, o_scale: torch.Tensor, o_shift: torch.Tensor
     grid = _grid(rows, block_rows)
     log_once(log, f"O dequantisation + fp8 row quantisation: Triton kernel ({block_rows} rows x {num_warps} warps "
                   f"per program)")
-    shift = o_scale if o_shift is None else o_shift  # (a pointer the kernel never reads without a shift)
+    # The head scales repeated over each head's D columns ([H, D], 28 KiB at the DiT's width; one small copy): the
+    # kernel loads them like the shift, contiguous along D. A per-head gather instead gets a layout of its own that
+    # the GPU image's Triton 3.6 converts through shared memory, 24 % more instructions at 1x8 (sm_90 SASS).
+    col_scale = o_scale.reshape(h, 1).expand(h, d).contiguous()
+    shift = col_scale[:, None] if o_shift is None else o_shift  # (a pointer the kernel never reads without a shift)
     with torch.cuda.device(o8.device) if o8.is_cuda else contextlib.nullcontext():  # Triton uses the current device
         _o_rows_fp8_kernel[grid](
-            o8, o_scale, shift, q, q_scale, rows, h * d, o8.stride(0), o8.stride(1), o_scale.stride(0),
-            shift.stride(0), shift.stride(2),
+            o8, col_scale, shift, q, q_scale, rows, h * d, o8.stride(0), o8.stride(1), shift.stride(0),
+            shift.stride(2),
             D=d, HAS_SHIFT=o_shift is not None, FP8_MAX=FP8_E4M3_MAX, INV_FP8_MAX=1.0 / FP8_E4M3_MAX,
             SCALE_FLOOR=FP8_SCALE_FLOOR, BLOCK_R=block_rows, BLOCK_C=triton.next_power_of_2(h * d),
             num_warps=num_warps,
@@ -487,27 +492,27 @@ def o_rows_launch(o8: torch.Tensor, o_scale: torch.Tensor, o_shift: torch.Tensor
 if triton is not None:
 
     @triton.jit
-    def _o_rows_fp8_kernel(o8_ptr, sc_ptr, sh_ptr, q_ptr, qs_ptr, rows, C, o_s_h, o_s_row, sc_s_h, sh_s_h, sh_s_d,
+    def _o_rows_fp8_kernel(o8_ptr, sc_ptr, sh_ptr, q_ptr, qs_ptr, rows, C, o_s_h, o_s_row, sh_s_h, sh_s_d,
                            D: tl.constexpr, HAS_SHIFT: tl.constexpr, FP8_MAX: tl.constexpr,
                            INV_FP8_MAX: tl.constexpr, SCALE_FLOOR: tl.constexpr, BLOCK_R: tl.constexpr,
                            BLOCK_C: tl.constexpr):
         """One program: BLOCK_R whole output rows, C = H * D channels (head-major, as out_proj's input columns),
-        each e4m3 element of O read once. Every step is one op of `o_rows_fp8_reference` as torch runs it on CUDA,
-        in its order."""
+        each e4m3 element of O read once; sc_ptr: each column's head scale, [C] contiguous. Every step is one op of
+        `o_rows_fp8_reference` as torch runs it on CUDA, in its order."""
         row = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
         ch = tl.arange(0, BLOCK_C)
         row_ok = row < rows
         c_ok = ch < C
         mask = row_ok[:, None] & c_ok[None, :]
         row = row.to(tl.int64)
-        # Output column ch = head * D + d. The scale and shift are loaded as [1, BLOCK_C] tiles, in the layout of
-        # the rows they serve (loaded as vectors, each took a layout conversion through shared memory).
+        # Output column ch = head * D + d. The scales and the shift are loaded as [1, BLOCK_C] tiles, in the layout
+        # of the rows they serve (loaded as vectors, each took a layout conversion through shared memory).
         head = (ch // D).to(tl.int64)[None, :]
         d = (ch % D)[None, :]
         c_ok = c_ok[None, :]
         # 1. `dequantize_o`: e4m3 -> fp32 (exact), times the head's scale (fp32), plus the shift (fp32), each
         #    rounded on its own, then rounded to bf16. The per-head scale and shift rows serve all BLOCK_R rows.
-        o_scale = tl.load(sc_ptr + head * sc_s_h, mask=c_ok, other=0.0)
+        o_scale = tl.load(sc_ptr + ch[None, :], mask=c_ok, other=0.0)
         o8 = tl.load(o8_ptr + head * o_s_h + row[:, None] * o_s_row + d, mask=mask, other=0.0,
                      eviction_policy="evict_first")
         o = o8.to(tl.float32) * o_scale
