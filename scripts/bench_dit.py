@@ -17,7 +17,8 @@ kept once as the "master" copy and every variant's linears are built from it and
   (e)/(e+) fp8a / fp8ca: (b)/(b+) with cuDNN fp8 attention; their velocity error vs (b)/(b+) (same linears, bf16
       attention) is the full-forward error of 8-bit attention ("rel_err_vs_bf16_attention")
   (e+f) fp8caf: (e+) with fast-accumulation fp8 GEMMs, what the engine runs; fp8caf-mqk: the same with q/k
-      quantised by the attention's own statistics pass instead of with static scales by the q/k norm kernel
+      quantised by the attention's own statistics pass instead of with static scales by the q/k norm kernel;
+      fp8cf: the same GEMMs with bf16 cuDNN attention (their baseline for "rel_err_vs_bf16_attention")
 One step = one forward (t2va, L = 38 text rows). FLOPs = 2*385,351,680*S*layers + 4*S^2*7168*layers. Peak rates
 (bf16 GEMM, fp8 _scaled_mm, int8 _int_mm, SDPA cuDNN at the real S) are measured in the same run; "floor" = linear
 FLOPs at the best linear rate (fp8) + attention FLOPs at the cuDNN rate. Also per variant: the time its kernels
@@ -90,12 +91,14 @@ VARIANTS = {  # name -> (linear kernel, attention kernel, torch.compile the bloc
     "fp8ca": ("fp8", "fp8", True, "(e+) fp8 + cuDNN fp8 attention + torch.compile(blocks)"),
     # The same with the fp8 GEMMs' fast (reduced-precision) accumulation (stagekit/kernels.FP8_FAST_ACCUM).
     "fp8caf": ("fp8", "fp8", True, "(e+f) fp8 fast-accumulation GEMMs + cuDNN fp8 attention + torch.compile(blocks)"),
+    # (e+f) with cuDNN bf16 attention: the baseline of fp8 attention's full-forward error for fp8caf / fp8caf-mqk.
+    "fp8cf": ("fp8", "cudnn", True, "(b+f) fp8 fast-accumulation GEMMs + cuDNN bf16 attention + torch.compile(blocks)"),
     # The same with q/k quantised by the attention's own statistics pass (fp8 attention option head+kv), instead of
     # by the q/k norm kernel with static scales (the default, stagekit/fp8_attention.py "static q/k scales").
     "fp8caf-mqk": ("fp8", "fp8-measured-qk", True, "(e+f) with q/k scales measured by the attention's own pass"),
 }
 # fp8 variants that run their GEMMs with fast accumulation; every other fp8 variant runs without it.
-FAST_ACCUM_VARIANTS = {"fp8caf", "fp8caf-mqk"}
+FAST_ACCUM_VARIANTS = {"fp8caf", "fp8caf-mqk", "fp8cf"}
 
 
 def log(msg: str) -> None:
@@ -113,7 +116,7 @@ TINY_SHAPES = "64x64x22,96x64x22"
 TINY_PROBE = KernelConfig(linear_shapes=((64, 256, 128),), attention_shape=(1, 2, 64, 32), probe_iters=1,
                           compute_dtype=torch.float32)
 # Variants whose velocity differs from another only by the attention kernel: the full-forward error of fp8 attention.
-ATTENTION_BASELINE = {"fp8a": "fp8", "fp8ca": "fp8c"}
+ATTENTION_BASELINE = {"fp8a": "fp8", "fp8ca": "fp8c", "fp8caf": "fp8cf", "fp8caf-mqk": "fp8cf"}
 
 
 def on_gpu() -> bool:
