@@ -27,7 +27,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from stagekit import fp8_rows
-from stagekit.fp8_attention import Fp8QKInput, static_qk_mult
+from stagekit.fp8_attention import Fp8O, Fp8QKInput, dequantize_o, static_qk_mult
 from stagekit.kernels import Fp8Rows
 from stagekit.qk_norm_rope import qk_norm_rope, rms_norm
 
@@ -54,11 +54,15 @@ LinearFactory = Callable[[str, int, int, bool, "TPStyle | None"], nn.Module]
 # (q, k, v) [1, heads, S, head_dim] in compute dtype -> o, same shape: full non-causal attention, scale 1/sqrt(d).
 # stagekit.kernels picks one per GPU architecture (cuDNN / flash SDPA, comfy-kitchen int8, ...). One that also has
 # `takes_fp8_qk(rows)` and `attend_fp8_qk(Fp8QKInput)` (stagekit.fp8_attention.Fp8Attention) gets q and k in e4m3
-# straight from the q/k norm kernel where that returns True (Attention.empty_qkv).
+# straight from the q/k norm kernel where that returns True (Attention.empty_qkv), and may hand O back still in e4m3
+# (`attend_fp8_qk(..., keep_fp8_o=True)` -> Fp8O) for an fp8 out_proj (Attention.attend).
 AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 # One block's attention input as Attention.project_qkv writes it: [3, 1, heads, S, head_dim] in compute dtype, or
 # q and k already in e4m3 for an fp8 attention kernel (Fp8QKInput).
 QKVBuffer = torch.Tensor | Fp8QKInput
+# One block's attention output as Attention.attend returns it: [1, heads, S, head_dim] in compute dtype, or the fp8
+# attention kernel's e4m3 O with its scales (Fp8O, o8 [heads, S, head_dim]).
+AttnOutput = torch.Tensor | Fp8O
 
 
 def qkv_rows(qkv: QKVBuffer, start: int, end: int) -> QKVBuffer:
@@ -67,6 +71,13 @@ def qkv_rows(qkv: QKVBuffer, start: int, end: int) -> QKVBuffer:
         return qkv[:, :, :, start:end]
     v = qkv.v[:, :, start:end] if qkv.v is not None else None
     return Fp8QKInput(qkv.qk8[:, :, :, start:end], v, qkv.qk_mult)
+
+
+def o_rows(o: AttnOutput, start: int, end: int) -> AttnOutput:
+    """The rows [start, end) of an attention output (views), what one row chunk's project_out takes."""
+    if isinstance(o, torch.Tensor):
+        return o[:, :, start:end]
+    return Fp8O(o.o8[:, start:end], o.o_scale, o.o_shift)
 
 
 def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -151,15 +162,27 @@ class Attention(nn.Module):
             qk_norm_rope(y, qw, kw, eps, rope, out[:2], out[2])
         return y
 
-    def attend(self, qkv: QKVBuffer) -> torch.Tensor:
-        """Attention over all rows of an `empty_qkv` buffer -> o [1, local_heads, S, head_dim] (compute dtype)."""
+    def attend(self, qkv: QKVBuffer) -> AttnOutput:
+        """Attention over all rows of an `empty_qkv` buffer -> o [1, local_heads, S, head_dim] (compute dtype), or,
+        when the fp8 attention kernel ran and out_proj takes fp8 rows (an fp8 linear, bf16 compute; in compiled
+        blocks while `O_ROWS_IN_COMPILED_BLOCKS` says so), its e4m3 O not yet dequantised (Fp8O), which
+        `project_out` turns into out_proj's fp8 rows in one pass (docs/performance.md)."""
         if isinstance(qkv, Fp8QKInput):
-            return self.attention_fn.attend_fp8_qk(qkv)
+            keep = (getattr(self.out_proj, "accepts_fp8_rows", False) and self.compute_dtype == torch.bfloat16
+                    and (fp8_rows.O_ROWS_IN_COMPILED_BLOCKS or not torch.compiler.is_compiling()))
+            return self.attention_fn.attend_fp8_qk(qkv, keep_fp8_o=keep)
         return self.attention_fn(qkv[0], qkv[1], qkv[2])
 
-    def project_out(self, o: torch.Tensor) -> torch.Tensor:
-        """o [1, local_heads, rows, head_dim] (compute dtype) -> fp32 [rows, hidden]: this rank's partial sum of the
-        row-parallel out_proj (the caller all-reduces it)."""
+    def project_out(self, o: AttnOutput) -> torch.Tensor:
+        """o [1, local_heads, rows, head_dim] (compute dtype) or Fp8O (o8 [local_heads, rows, head_dim]; rows of an
+        `attend` output, `o_rows`) -> fp32 [rows, hidden]: this rank's partial sum of the row-parallel out_proj (the
+        caller all-reduces it). Fp8O on a GPU goes to out_proj as fp8 rows from one fused Triton kernel
+        (stagekit/fp8_rows.py `o_rows_fp8`: the same math as dequantising O to bf16 and out_proj quantising its
+        rows); elsewhere it is dequantised to the compute dtype first."""
+        if isinstance(o, Fp8O):
+            if getattr(self.out_proj, "accepts_fp8_rows", False) and o.o8.is_cuda:
+                return self.out_proj(fp8_rows.o_rows_fp8(*o)).float()
+            o = dequantize_o(*o, self.compute_dtype).unsqueeze(0)
         rows = o.shape[2]
         return self.out_proj(o[0].transpose(0, 1).reshape(rows, self.local_heads * self.head_dim)).float()
 
@@ -320,7 +343,7 @@ class Block(nn.Module):
             o = sp.o_received(recv, shards, hs, d)
             del send, recv
         # 3. output projection and gated residual add, a row chunk at a time.
-        self._reduce_add(x, gate1, rows, chunks, lambda s, e: self.attn.project_out(o[:, :, s:e]))
+        self._reduce_add(x, gate1, rows, chunks, lambda s, e: self.attn.project_out(o_rows(o, s, e)))
         del o
         # 4. MLP and gated residual add, a row chunk at a time (chunk i's input is untouched by chunk i-1's add).
         self._reduce_add(x, gate2, rows, chunks, lambda s, e: self.mlp.partial(

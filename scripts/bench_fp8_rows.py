@@ -1,7 +1,7 @@
 """Op level: the DiT block's fused "something + fp8 row quantisation" kernels (stagekit/fp8_rows.py), plain torch
 against Triton, for each of --ops:
 
-    python scripts/bench_fp8_rows.py --out $OUT               # one GPU, both ops: rows = 14,882 and 37,748
+    python scripts/bench_fp8_rows.py --out $OUT               # one GPU, all ops: rows = 14,882 and 37,748
     python scripts/bench_fp8_rows.py --ops swiglu --out $OUT  # one op
     python scripts/bench_fp8_rows.py --tiny --out /tmp/fr     # CPU dry run: small shapes, reference only, plus the
                                                               # kernels in triton's interpreter if installed
@@ -13,6 +13,9 @@ against Triton, for each of --ops:
   Writes <out>/fp8_rows.json.
 - `swiglu`: the MLP's silu(gate) * value + fp8 row quantisation (y = fc1's bf16 output [rows, 2F] = [gate | value],
   F = 14336). Bytes moved: y read (bf16), q + scales written once. Writes <out>/swiglu_fp8.json.
+- `orows`: fp8 attention's O dequantisation + out_proj's fp8 row quantisation (o8 = the attention kernel's e4m3 O
+  [H, rows, D], H = 56 heads, D = 128, per-head scale [H, 1, 1] and V-smoothing shift [H, 1, D] -> rows
+  [rows, H * D] e4m3 + scales). Bytes moved: o8 read, q + scales written once. Writes <out>/o_rows_fp8.json.
 
 For each row count, CUDA events, median of --iters calls after a warm-up:
 - `reference eager`: the plain-torch reference (the model's previous math, then quantize_fp8_rowwise);
@@ -47,10 +50,11 @@ TINY_SHAPES = (37, 100)
 M = 1  # timesteps: AdaLN table rows 0..2
 TEXT_ROWS, AUDIO_ROWS = 38, 414  # t2va at 124 frames: the first rows of both SHAPES, then video (docs/performance.md)
 EPS = 1e-6
+O_HEAD_DIM = 128  # `orows`: the DiT's head_dim; width = heads x head_dim (56 heads on one GPU)
 
 @dataclass(frozen=True)
 class Op:
-    """One kernel under test: its output file, width (C or F) on the GPU and in --tiny, default launch configs
+    """One kernel under test: its output file, width (C, F or H x D) on the GPU and in --tiny, default launch configs
     (rows per program x warps, the first the op's default), its inputs, and its reference / kernel in
     stagekit.fp8_rows (the kernel takes the inputs, then block_rows, num_warps)."""
     json: str
@@ -73,6 +77,15 @@ def modulate_inputs(rows: int, c: int, device: torch.device) -> tuple[tuple, int
     return (x, weight, EPS, shift, scale, r), x.numel() * 4 + x.numel() + rows * 4  # fp32 x in, e4m3 + scales out
 
 
+def o_rows_inputs(rows: int, c: int, device: torch.device) -> tuple[tuple, int]:
+    h, d = c // O_HEAD_DIM, O_HEAD_DIM
+    g = torch.Generator(device=device).manual_seed(rows)
+    o8 = (torch.randn(h, rows, d, generator=g, device=device) * 150).clamp(-448, 448).to(torch.float8_e4m3fn)
+    o_scale = torch.rand(h, 1, 1, generator=g, device=device) * 1e-2 + 1e-4
+    o_shift = torch.randn(h, 1, d, generator=g, device=device) * 0.05
+    return (o8, o_scale, o_shift), o8.numel() * 2 + rows * 4  # e4m3 O in, e4m3 q + fp32 scales out
+
+
 def swiglu_inputs(rows: int, f: int, device: torch.device) -> tuple[tuple, int]:
     g = torch.Generator(device=device).manual_seed(rows)
     y = (torch.randn(rows, 2 * f, generator=g, device=device) * 2).to(torch.bfloat16)
@@ -84,6 +97,8 @@ OPS = {
                    "modulate_fp8_rows_op"),
     "swiglu": Op("swiglu_fp8.json", 14336, 96, "1x32,1x16,2x16,4x16,2x32", swiglu_inputs, "swiglu_fp8_reference",
                  "swiglu_fp8_rows_op"),
+    "orows": Op("o_rows_fp8.json", 56 * O_HEAD_DIM, 3 * O_HEAD_DIM, "1x8,1x16,1x4,1x32,2x16,4x16,2x32,4x32",
+                o_rows_inputs, "o_rows_fp8_reference", "o_rows_fp8_op"),
 }
 
 
@@ -110,6 +125,8 @@ def bench_op(fr, name: str, op: Op, device: torch.device, shapes, width: int, co
                     "width": width, "iters": args.iters, "shapes": []}
     if name == "modulate":
         result["timesteps"] = M
+    if name == "orows":
+        result["heads"], result["head_dim"] = width // O_HEAD_DIM, O_HEAD_DIM
     worst_steps = 0
     reference, kernel = getattr(fr, op.reference), getattr(fr, op.kernel)
     compiled = torch.compile(reference, dynamic=False) if device.type == "cuda" else None
@@ -139,7 +156,7 @@ def bench_op(fr, name: str, op: Op, device: torch.device, shapes, width: int, co
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True, help="directory for the JSON files (one per op)")
-    ap.add_argument("--ops", default="modulate,swiglu", help=f"comma-separated, of {', '.join(OPS)}")
+    ap.add_argument("--ops", default="modulate,swiglu,orows", help=f"comma-separated, of {', '.join(OPS)}")
     ap.add_argument("--iters", type=int, default=20, help="timed calls per variant (median)")
     ap.add_argument("--configs", default=None,
                     help="Triton launch configs ROWSxWARPS,... for every op (default: each op's own list)")

@@ -2,7 +2,7 @@
 GPU architecture without one (Triton compiles on the CPU; ptxas and cuobjdump ship with its wheel). Occupancy of
 these whole-row-in-registers kernels is set by registers per thread: it says how many rows an SM keeps in flight.
 
-    python scripts/kernel_registers.py                      # both ops, each op's default sweep, sm_90 (H100/H200)
+    python scripts/kernel_registers.py                      # all ops, each op's default sweep, sm_90 (H100/H200)
     python scripts/kernel_registers.py --ops swiglu --configs 1x32,1x16 --arch 90
 
 Configs as scripts/bench_fp8_rows.py's (ROWSxWARPS). Integer arguments are compiled as a real launch specialises
@@ -24,7 +24,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench_fp8_rows import OPS, parse_config  # noqa: E402
+from bench_fp8_rows import O_HEAD_DIM, OPS, parse_config  # noqa: E402
 
 REGISTERS_PER_SM = 65536
 MAX_THREADS_PER_SM = 2048
@@ -35,6 +35,10 @@ def kernel_spec(fr, op: str, width: int, block_rows: int):
     """(kernel, signature, constexpr values) of one op's kernel as its launch calls it."""
     common = {"FP8_MAX": fr.FP8_E4M3_MAX, "INV_FP8_MAX": 1.0 / fr.FP8_E4M3_MAX, "SCALE_FLOOR": fr.FP8_SCALE_FLOOR,
               "BLOCK_R": block_rows, "BLOCK_C": fr.triton.next_power_of_2(width)}
+    if op == "orows":  # [H, S, D] O (row stride D, head stride S x D), scales [H, 1, 1], shift [H, 1, D]
+        sig = {"o8_ptr": "*fp8e4nv", "sc_ptr": "*fp32", "sh_ptr": "*fp32", "q_ptr": "*fp8e4nv", "qs_ptr": "*fp32",
+               "rows": "i32", "C": "i32", "o_s_h": "i32", "o_s_row": "i32", "sh_s_h": "i32"}
+        return fr._o_rows_fp8_kernel, sig, {**common, "sh_s_d": 1, "D": O_HEAD_DIM, "HAS_SHIFT": True}
     if op == "swiglu":
         sig = {"y_ptr": "*bf16", "q_ptr": "*fp8e4nv", "qs_ptr": "*fp32", "rows": "i32", "C": "i32", "y_s_row": "i32"}
         return fr._swiglu_fp8_kernel, sig, {**common, "CUDA": True}
@@ -52,7 +56,7 @@ def compile_one(fr, kernel, sig: dict, consts: dict, num_warps: int, arch: int) 
     names = list(kernel.arg_names)
     signature = {name: sig.get(name, "constexpr") for name in names}
     divisible = [n for n, t in sig.items() if t.startswith("*") or n in ("C", "y_s_row", "x_s_row", "sh_s_row",
-                                                                         "sc_s_row")]
+                                                                         "sc_s_row", "o_s_h", "o_s_row", "sh_s_h")]
     src = ASTSource(fn=kernel, signature=signature, constexprs={(names.index(k),): v for k, v in consts.items()},
                     attrs={(names.index(n),): [["tt.divisibility", 16]] for n in divisible})
     compiled = fr.triton.compile(src, target=GPUTarget("cuda", arch, 32),
@@ -69,7 +73,7 @@ def compile_one(fr, kernel, sig: dict, consts: dict, num_warps: int, arch: int) 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--ops", default="modulate,swiglu", help=f"comma-separated, of {', '.join(OPS)}")
+    ap.add_argument("--ops", default="modulate,swiglu,orows", help=f"comma-separated, of {', '.join(OPS)}")
     ap.add_argument("--configs", default=None, help="ROWSxWARPS,... (default: each op's benchmark sweep)")
     ap.add_argument("--arch", type=int, default=90, help="CUDA compute capability x 10 (90: H100 / H200)")
     args = ap.parse_args()

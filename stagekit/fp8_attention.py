@@ -104,6 +104,17 @@ OPTIONS = {
 DEFAULT_OPTIONS = OPTIONS["head+kv+static-qk"]
 
 
+class Fp8O(NamedTuple):
+    """The attention output still quantised, as the kernel writes it (`Fp8Attention.attend_fp8_qk(...,
+    keep_fp8_o=True)`): o8 [H, S, D] e4m3, o_scale [H, 1, 1] fp32, o_shift [H, 1, D] fp32 or None;
+    O = `dequantize_o(o8, o_scale, o_shift, dtype)`. dit_svc/model.py hands its rows to an fp8 out_proj in one
+    pass (stagekit/fp8_rows.py `o_rows_fp8`) instead of writing O in the compute dtype first."""
+
+    o8: torch.Tensor
+    o_scale: torch.Tensor
+    o_shift: torch.Tensor | None
+
+
 class Fp8QKV(NamedTuple):
     """Quantised attention inputs. q8/k8/v8 [H, S, D] e4m3 (the input's memory layout); descale_q/descale_k [1]
     fp32 (value = descale x e4m3); o_scale [H, 1, 1] and o_shift [H, 1, D] fp32 (or None) turn the kernel's e4m3 O
@@ -701,7 +712,8 @@ class Fp8Attention:
     their own (for eager models; inside a compiled block they are traced and fused with the surrounding ops).
 
     With `options.static_qk` the model may instead hand over q and k already in e4m3 (`takes_fp8_qk`,
-    `attend_fp8_qk`); then only V is quantised here (module docstring, 4)."""
+    `attend_fp8_qk`); then only V is quantised here (module docstring, 4), and O may come back still in e4m3
+    (`Fp8O`) for an fp8 out_proj to take its rows from (stagekit/fp8_rows.py `o_rows_fp8`)."""
 
     def __init__(self, options: Fp8AttentionOptions = DEFAULT_OPTIONS, emulate: bool = False,
                  compile_quant: bool = False):
@@ -730,8 +742,9 @@ class Fp8Attention:
         """Whether a sequence of `rows` rows may come as `Fp8QKInput` (to `attend_fp8_qk`)."""
         return self.options.static_qk and rows >= self.options.min_seq
 
-    def attend_fp8_qk(self, x: Fp8QKInput) -> torch.Tensor:
-        """x: q, k in e4m3 with static multipliers, v [1, H, S, D] (compute dtype) -> o [1, H, S, D] in v's dtype."""
+    def attend_fp8_qk(self, x: Fp8QKInput, keep_fp8_o: bool = False) -> torch.Tensor | Fp8O:
+        """x: q, k in e4m3 with static multipliers, v [1, H, S, D] (compute dtype) -> o [1, H, S, D] in v's dtype,
+        or (keep_fp8_o) the kernel's e4m3 O with its scales, not dequantised (`Fp8O`, o8 [H, S, D])."""
         v0 = x.v[0]
         if not self.emulate and triton_unsupported(v0, v0, v0) is None:
             v8, o_scale, o_shift = quantize_v_triton(v0, self.options)
@@ -740,12 +753,15 @@ class Fp8Attention:
             v8, o_scale, o_shift = self._run(fn, quantize_v, v0, self.options)
         descale = (1.0 / x.qk_mult).reshape(2, 1)
         p = Fp8QKV(x.qk8[0, 0], x.qk8[1, 0], v8, descale[0], descale[1], o_scale, o_shift)
-        return self._attend(p, x.v.dtype)
+        return self._attend(p, x.v.dtype, keep_fp8_o)
 
-    def _attend(self, p: Fp8QKV, dtype: torch.dtype) -> torch.Tensor:
-        """The kernel (or its emulation) on quantised inputs, then O back to `dtype`, [1, H, S, D]."""
+    def _attend(self, p: Fp8QKV, dtype: torch.dtype, keep_fp8_o: bool = False) -> torch.Tensor | Fp8O:
+        """The kernel (or its emulation) on quantised inputs, then O back to `dtype`, [1, H, S, D] (or, keep_fp8_o,
+        its e4m3 O and scales as they are)."""
         kernel = sdpa_fp8_emulated if self.emulate else sdpa_fp8
         o8 = kernel(p.q8, p.k8, p.v8, p.descale_q, p.descale_k)
+        if keep_fp8_o:
+            return Fp8O(o8, p.o_scale, p.o_shift)
         fn = dequantize_o if torch.compiler.is_compiling() else self._dequantize
         return self._run(fn, dequantize_o, o8, p.o_scale, p.o_shift, dtype).unsqueeze(0)
 

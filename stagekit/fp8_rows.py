@@ -1,5 +1,6 @@
 """The DiT block's fused "something + fp8 row quantisation" Triton kernels (GPU), each with a plain-torch reference:
-RMSNorm + AdaLN modulation before the qkv projection and fc1, and the MLP's SwiGLU before fc2.
+RMSNorm + AdaLN modulation before the qkv projection and fc1, the MLP's SwiGLU before fc2, and fp8 attention's O
+dequantisation before out_proj.
 
 What the modulation kernel fuses: before the qkv projection and fc1, every block turns the fp32 residual rows
 x [rows, C] into `modulate(x) = (rms_norm(x, w) * (1 + scale[r]) + shift[r]).to(compute dtype)` (shift / scale: the
@@ -30,6 +31,18 @@ exact), so a difference can only come from libdevice's expf against the one torc
 below -87.3, `_swiglu_fp8_kernel` says why not in practice); tests/test_fp8_rows.py bounds it as the modulation
 kernel's. dit_svc/model.py's MLP uses it in eager blocks and, while `SWIGLU_IN_COMPILED_BLOCKS` says so, in
 compiled ones.
+
+The O-rows kernel: fp8 attention (stagekit/fp8_attention.py) writes an e4m3 O [H, S, D] with a per-head scale and
+the V-smoothing shift; the model dequantised it to bf16 O = (o8 * o_scale + o_shift) in fp32, rounded to bf16, and
+the fp8 out_proj quantised its rows [rows, H * D] (heads side by side) per row: two passes over a bf16 O, one of
+them transposing. `o_rows_fp8` (custom op `h3stages::o_rows_fp8`, dispatched as `modulate_fp8`; reference
+`o_rows_fp8_reference` = `dequantize_o`, the rows, then `quantize_fp8_rowwise`) reads each e4m3 element of O once,
+a whole output row (all heads) per program, and writes `Fp8Rows`; O may be a row slice of the whole O (any row and
+head strides). Its arithmetic is the reference's as torch runs it on CUDA (the fp32 multiply and add, each rounded,
+the bf16 rounding, then `_store_fp8_rows`), with no reduction order or library function in it: on a GPU it is
+expected to match bit for bit, and tests/test_fp8_rows.py bounds it as the other kernels. dit_svc/model.py's
+attention hands O over in e4m3 to an fp8 out_proj (`Attention.attend` / `project_out`) in eager blocks and, while
+`O_ROWS_IN_COMPILED_BLOCKS` says so, in compiled ones.
 """
 
 from __future__ import annotations
@@ -40,6 +53,7 @@ import logging
 import torch
 import torch.nn.functional as F
 
+from .fp8_attention import dequantize_o
 from .kernels import FP8_E4M3_MAX, FP8_SCALE_FLOOR, Fp8Rows, quantize_fp8_rowwise
 from .qk_norm_rope import rms_norm
 from .triton_kernels import KernelFallback, interpreting, libdevice, log_once, tl, triton
@@ -154,7 +168,7 @@ def launch(x: torch.Tensor, weight: torch.Tensor, eps: float, shift: torch.Tenso
 
 
 def _grid(rows: int, block_rows: int) -> tuple[int]:
-    """Both kernels' launch grid: one program per block of `block_rows` rows (a power of two)."""
+    """The kernels' launch grid: one program per block of `block_rows` rows (a power of two)."""
     if block_rows < 1 or block_rows & (block_rows - 1):
         raise ValueError(f"block_rows must be a power of two, got {block_rows}")
     return (triton.cdiv(rows, block_rows),)
@@ -357,3 +371,153 @@ if triton is not None:
         y = (silu * value).to(tl.bfloat16)
         # 2. The row quantisation.
         _store_fp8_rows(y, mask, row, row_ok, ch, C, q_ptr, qs_ptr, FP8_MAX, INV_FP8_MAX, SCALE_FLOOR)
+
+
+# --- O dequantisation + fp8 row quantisation: fp8 attention's e4m3 O, handed to an fp8 out_proj -------------------
+
+# Whether dit_svc/model.py uses the kernel inside torch.compile'd blocks too (eager blocks always do, where out_proj
+# takes fp8 rows and attention hands O over in e4m3). The lead sets it from scripts/bench_fp8_rows.py --ops orows on
+# an H200: True only where the kernel beats Inductor's own fusion of the same ops (`reference compiled`).
+O_ROWS_IN_COMPILED_BLOCKS = True
+# Rows per program x warps (the whole row, H x D channels padded to a power of two, sits in registers); to be set
+# from the same benchmark's sweep on an H200. Picked until then by registers (scripts/kernel_registers.py, sm_90,
+# 56 heads x 128, the GPU image's Triton 3.6): 1x8 58 registers per thread, 4 rows in flight per SM; 1x16 43, 2;
+# 1x4 114, 4; 1x32 30, 2. With 2 or 4 rows per program the compiler adds a layout conversion through shared memory
+# (8 KiB at 2x16).
+O_ROWS_BLOCK_ROWS = 1
+O_ROWS_NUM_WARPS = 8
+_O_ROWS_FALLBACK = KernelFallback("O dequantisation + fp8 row quantisation", log)
+
+
+def o_rows_fp8_reference(o8: torch.Tensor, o_scale: torch.Tensor, o_shift: torch.Tensor | None) -> Fp8Rows:
+    """The previous three steps in plain torch (any device): fp8 attention's `dequantize_o` to bf16, the rows of
+    all heads side by side (dit_svc/model.py Attention.project_out), then `quantize_fp8_rowwise`.
+    o8 [H, rows, D] e4m3, o_scale [H, 1, 1] fp32, o_shift [H, 1, D] fp32 or None -> Fp8Rows (q [rows, H * D])."""
+    h, rows, d = o8.shape
+    o = dequantize_o(o8, o_scale, o_shift, torch.bfloat16)
+    return Fp8Rows(*quantize_fp8_rowwise(o.transpose(0, 1).reshape(rows, h * d)))
+
+
+def o_rows_unsupported(o8: torch.Tensor, o_scale: torch.Tensor, o_shift: torch.Tensor | None) -> str | None:
+    """Why the Triton O-rows kernel does not serve these arguments, or None when it does (shapes, dtypes, strides,
+    devices)."""
+    if triton is None:
+        return "triton is not installed"
+    if o8.dim() != 3 or o8.dtype != torch.float8_e4m3fn:
+        return f"o8 must be e4m3 [H, rows, D], got {o8.dtype} {list(o8.shape)}"
+    h, _, d = o8.shape
+    if not 16 <= h * d <= MAX_CHANNELS:
+        return f"H * D must be in 16..{MAX_CHANNELS}, got {h} * {d}"
+    if o8.stride(2) != 1:
+        return f"o8's last dimension must be contiguous (stride 1), got strides {list(o8.stride())}"
+    if tuple(o_scale.shape) != (h, 1, 1) or o_scale.dtype != torch.float32:
+        return f"o_scale must be fp32 [{h}, 1, 1], got {o_scale.dtype} {list(o_scale.shape)}"
+    if o_shift is not None and (tuple(o_shift.shape) != (h, 1, d) or o_shift.dtype != torch.float32):
+        return f"o_shift must be None or fp32 [{h}, 1, {d}], got {o_shift.dtype} {list(o_shift.shape)}"
+    if any(t is not None and t.device != o8.device for t in (o_scale, o_shift)):
+        return "all tensors must be on o8's device"
+    if o8.device.type != "cuda" and not interpreting(_o_rows_fp8_kernel):
+        return f"the kernel runs on CUDA devices (o8 is on {o8.device})"
+    return None
+
+
+def o_rows_fp8(o8: torch.Tensor, o_scale: torch.Tensor, o_shift: torch.Tensor | None) -> Fp8Rows:
+    """o8 [H, rows, D] e4m3 (fp8 attention's O, or a row slice of it), o_scale [H, 1, 1], o_shift [H, 1, D] or None
+    -> Fp8Rows (q [rows, H * D] e4m3, scale [rows, 1] fp32) of the dequantised bf16 O's rows, heads side by side:
+    the Triton kernel on CUDA where it serves the arguments, else the reference."""
+    reason = o_rows_unsupported(o8, o_scale, o_shift) if o8.is_cuda else "o8 is not on a CUDA device"
+    if reason is None:
+        reason = _O_ROWS_FALLBACK.reason(o8.device)
+    if reason is None:
+        ok, result = _O_ROWS_FALLBACK.run(o8.device, lambda: Fp8Rows(*torch.ops.h3stages.o_rows_fp8(
+            o8, o_scale, o_shift)))
+        if ok:
+            return result
+        reason = result
+    if o8.is_cuda and not torch.compiler.is_compiling():
+        log_once(log, f"O dequantisation + fp8 row quantisation: plain torch ({reason})")
+    return o_rows_fp8_reference(o8, o_scale, o_shift)
+
+
+@torch.library.custom_op("h3stages::o_rows_fp8", mutates_args=())
+def o_rows_fp8_op(o8: torch.Tensor, o_scale: torch.Tensor, o_shift: torch.Tensor | None,
+                  block_rows: int = O_ROWS_BLOCK_ROWS,
+                  num_warps: int = O_ROWS_NUM_WARPS) -> tuple[torch.Tensor, torch.Tensor]:
+    """The Triton O-rows kernel as a torch op (opaque to torch.compile): arguments as `o_rows_launch`."""
+    return o_rows_launch(o8, o_scale, o_shift, block_rows, num_warps)
+
+
+@o_rows_fp8_op.register_fake
+def _(o8, o_scale, o_shift, block_rows=O_ROWS_BLOCK_ROWS, num_warps=O_ROWS_NUM_WARPS):
+    h, rows, d = o8.shape
+    return (o8.new_empty((rows, h * d), dtype=torch.float8_e4m3fn),
+            o8.new_empty((rows, 1), dtype=torch.float32))
+
+
+def o_rows_launch(o8: torch.Tensor, o_scale: torch.Tensor, o_shift: torch.Tensor | None,
+                  block_rows: int = O_ROWS_BLOCK_ROWS,
+                  num_warps: int = O_ROWS_NUM_WARPS) -> tuple[torch.Tensor, torch.Tensor]:
+    """Runs the kernel: o8 [H, rows, D] e4m3 (any head and row strides, e.g. a row slice of the whole O; contiguous
+    D), o_scale [H, 1, 1] / o_shift [H, 1, D] fp32 (any strides) or None -> (q [rows, H * D] e4m3, scale [rows, 1]
+    fp32), both new and contiguous. Raises ValueError for arguments it does not serve (`o_rows_unsupported`);
+    block_rows and num_warps tune the launch (`_grid`)."""
+    reason = o_rows_unsupported(o8, o_scale, o_shift)
+    if reason is not None:
+        raise ValueError(f"the Triton O dequantisation + fp8 quantisation kernel does not serve this call: {reason}")
+    h, rows, d = o8.shape
+    q = torch.empty(rows, h * d, dtype=torch.float8_e4m3fn, device=o8.device)
+    q_scale = torch.empty(rows, 1, dtype=torch.float32, device=o8.device)
+    if rows == 0:
+        return q, q_scale
+    grid = _grid(rows, block_rows)
+    log_once(log, f"O dequantisation + fp8 row quantisation: Triton kernel ({block_rows} rows x {num_warps} warps "
+                  f"per program)")
+    # The head scales repeated over each head's D columns ([H, D], 28 KiB at the DiT's width; one small copy): the
+    # kernel loads them like the shift, contiguous along D. A per-head gather instead gets a layout of its own that
+    # the GPU image's Triton 3.6 converts through shared memory, 24 % more instructions at 1x8 (sm_90 SASS).
+    col_scale = o_scale.reshape(h, 1).expand(h, d).contiguous()
+    shift = col_scale[:, None] if o_shift is None else o_shift  # (a pointer the kernel never reads without a shift)
+    with torch.cuda.device(o8.device) if o8.is_cuda else contextlib.nullcontext():  # Triton uses the current device
+        _o_rows_fp8_kernel[grid](
+            o8, col_scale, shift, q, q_scale, rows, h * d, o8.stride(0), o8.stride(1), shift.stride(0),
+            shift.stride(2),
+            D=d, HAS_SHIFT=o_shift is not None, FP8_MAX=FP8_E4M3_MAX, INV_FP8_MAX=1.0 / FP8_E4M3_MAX,
+            SCALE_FLOOR=FP8_SCALE_FLOOR, BLOCK_R=block_rows, BLOCK_C=triton.next_power_of_2(h * d),
+            num_warps=num_warps,
+            enable_fp_fusion=False,  # no FMA contraction: the multiply and the add rounded as the reference's are
+        )
+    return q, q_scale
+
+
+if triton is not None:
+
+    @triton.jit
+    def _o_rows_fp8_kernel(o8_ptr, sc_ptr, sh_ptr, q_ptr, qs_ptr, rows, C, o_s_h, o_s_row, sh_s_h, sh_s_d,
+                           D: tl.constexpr, HAS_SHIFT: tl.constexpr, FP8_MAX: tl.constexpr,
+                           INV_FP8_MAX: tl.constexpr, SCALE_FLOOR: tl.constexpr, BLOCK_R: tl.constexpr,
+                           BLOCK_C: tl.constexpr):
+        """One program: BLOCK_R whole output rows, C = H * D channels (head-major, as out_proj's input columns),
+        each e4m3 element of O read once; sc_ptr: each column's head scale, [C] contiguous. Every step is one op of
+        `o_rows_fp8_reference` as torch runs it on CUDA, in its order."""
+        row = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+        ch = tl.arange(0, BLOCK_C)
+        row_ok = row < rows
+        c_ok = ch < C
+        mask = row_ok[:, None] & c_ok[None, :]
+        row = row.to(tl.int64)
+        # Output column ch = head * D + d. The scales and the shift are loaded as [1, BLOCK_C] tiles, in the layout
+        # of the rows they serve (loaded as vectors, each took a layout conversion through shared memory).
+        head = (ch // D).to(tl.int64)[None, :]
+        d = (ch % D)[None, :]
+        c_ok = c_ok[None, :]
+        # 1. `dequantize_o`: e4m3 -> fp32 (exact), times the head's scale (fp32), plus the shift (fp32), each
+        #    rounded on its own, then rounded to bf16. The per-head scale and shift rows serve all BLOCK_R rows.
+        o_scale = tl.load(sc_ptr + ch[None, :], mask=c_ok, other=0.0)
+        o8 = tl.load(o8_ptr + head * o_s_h + row[:, None] * o_s_row + d, mask=mask, other=0.0,
+                     eviction_policy="evict_first")
+        o = o8.to(tl.float32) * o_scale
+        if HAS_SHIFT:
+            o = o + tl.load(sh_ptr + head * sh_s_h + d * sh_s_d, mask=c_ok, other=0.0)
+        # 2. The row quantisation.
+        _store_fp8_rows(o.to(tl.bfloat16), mask, row, row_ok, ch, C, q_ptr, qs_ptr, FP8_MAX, INV_FP8_MAX,
+                        SCALE_FLOOR)

@@ -1,5 +1,6 @@
-"""stagekit/fp8_rows.py: the plain-torch references equal the previous Block._modulate + quantize_fp8_rowwise and
-MLP silu(gate) * value + quantize_fp8_rowwise bit for bit, and an fp8 linear gives the same output from Fp8Rows as
+"""stagekit/fp8_rows.py: the plain-torch references equal the previous Block._modulate + quantize_fp8_rowwise,
+MLP silu(gate) * value + quantize_fp8_rowwise and fp8 attention's dequantize_o + Attention.project_out's rows +
+quantize_fp8_rowwise bit for bit, and an fp8 linear gives the same output from Fp8Rows as
 from the bf16 rows (CPU); the Triton kernels match their references on DiT widths (GPU) and, on small shapes, in
 triton's CPU interpreter (indexing, masking, scales; needs triton in the venv, which CI's CPU torch lacks:
 `.venv/bin/pip install --no-deps triton`, then
@@ -15,8 +16,9 @@ import torch
 import torch.nn.functional as F
 
 from dit_svc.model import RMSNorm
-from stagekit.fp8_attention import e4m3_steps
-from stagekit.fp8_rows import modulate, modulate_fp8, modulate_fp8_reference, swiglu_fp8, swiglu_fp8_reference
+from stagekit.fp8_attention import Fp8Attention, Fp8AttentionOptions, Fp8O, dequantize_o, e4m3_steps
+from stagekit.fp8_rows import (modulate, modulate_fp8, modulate_fp8_reference, o_rows_fp8, o_rows_fp8_reference,
+                               swiglu_fp8, swiglu_fp8_reference)
 from stagekit.kernels import FP8_SCALE_FLOOR, Fp8RowwiseLinear, Fp8Rows, quantize_fp8_rowwise
 
 from tests.triton_interp import REPO, needs_triton, run_bench_tiny, run_in_interpreter
@@ -254,6 +256,153 @@ def test_swiglu_dispatcher_under_torch_compile_matches_eager():
     assert torch.equal(step(y), torch.compile(step, fullgraph=True)(y))
 
 
+# --- O dequantisation + fp8 row quantisation -------------------------------------------------------------------
+
+
+def make_o_input(h: int, rows: int, d: int, device: str, layout: str = "hsd", shift: bool = True,
+                 seed: int = 0, whole: bool = False) -> Fp8O:
+    """fp8 attention's O as `Fp8O`, o8 = rows [2, 2 + rows) (dit_svc/model.py `o_rows`) of a bigger O
+    [h, rows + 5, d] e4m3 (returned instead with `whole`), laid out [H, S, D] ("hsd", the kernel's own) or
+    [S, H, D]-backed ("shd", strided heads); heads with scales 1e-4 .. 1e-2 (a row's amax comes from a few heads);
+    the shift [h, 1, d] or None. When there are 6+ rows, row 5 of o8 is all zeros (without a shift: the floor)."""
+    from dit_svc.model import o_rows
+
+    g = torch.Generator().manual_seed(seed)
+    full = (torch.randn(rows + 5, h, d, generator=g) * 150).clamp(-448, 448)
+    full[7:8] = 0.0
+    full = full.to(torch.float8_e4m3fn)
+    o8 = full.permute(1, 0, 2) if layout == "shd" else full.permute(1, 0, 2).contiguous()
+    o_scale = torch.exp(torch.rand(h, 1, 1, generator=g) * -4.6) * 1e-2
+    o_shift = torch.randn(h, 1, d, generator=g) * 0.05 if shift else None
+    to = lambda t: None if t is None else t.to(device)  # noqa: E731
+    o = Fp8O(to(o8), to(o_scale), to(o_shift))
+    return o if whole else o_rows(o, 2, 2 + rows)
+
+
+@pytest.mark.parametrize("shift", [True, False])
+def test_o_rows_reference_is_the_previous_math_bit_for_bit(shift):
+    """dit_svc/model.py before the kernel: fp8 attention dequantised all of O ([1, H, S, D] bf16), project_out took a
+    chunk's rows, heads side by side, and the fp8 out_proj quantised them."""
+    o, whole = (make_o_input(3, 11, 32, "cpu", shift=shift, whole=w) for w in (False, True))
+    o_all = dequantize_o(*whole, torch.bfloat16).unsqueeze(0)[:, :, 2:13]
+    want_q, want_s = quantize_fp8_rowwise(o_all[0].transpose(0, 1).reshape(11, 3 * 32))
+    for got in (o_rows_fp8_reference(*o), o_rows_fp8(*o)):
+        assert torch.equal(got.q.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(got.scale, want_s)
+
+
+def check_o_rows_kernel(h: int, rows: int, d: int, device: str, block_rows: int = 1, num_warps: int = 16,
+                        interpreted: bool = False, layout: str = "hsd", shift: bool = True) -> None:
+    """Triton (stagekit.fp8_rows.o_rows_launch) vs the reference, bounds as `check_kernel` (one bf16 rounding
+    before the row quantisation, as there)."""
+    scale_rtol, max_steps, exact_fraction = (2.0 ** -7, 8, 0.8) if interpreted else (1e-6, 1, EXACT_FRACTION)
+    from stagekit.fp8_rows import o_rows_launch
+
+    o = make_o_input(h, rows, d, device, layout, shift)
+    want = o_rows_fp8_reference(*o)
+    q, s = o_rows_launch(*o, block_rows, num_warps)
+    assert q.shape == want.q.shape == (rows, h * d) and q.dtype == torch.float8_e4m3fn and s.shape == (rows, 1)
+    rel = ((s - want.scale).abs() / want.scale).max().item()
+    assert rel <= scale_rtol, f"row scales differ by {rel:.2e} relative"
+    if rows > 5 and not shift:
+        floor = torch.tensor(FP8_SCALE_FLOOR, dtype=torch.float32).item()
+        assert s[5].item() == want.scale[5].item() == floor and not q[5].float().any(), "a zero row: the floor"
+    steps = e4m3_steps(q, want.q)
+    assert steps.max().item() <= max_steps, f"e4m3 values up to {steps.max().item()} steps apart"
+    exact = (steps == 0).float().mean().item()
+    assert exact >= exact_fraction, f"only {exact:.5f} of the e4m3 values are bitwise equal"
+
+
+@needs_cuda
+@pytest.mark.parametrize("layout,shift", [("hsd", True), ("shd", True), ("hsd", False)])
+def test_o_rows_triton_matches_reference_on_gpu(layout, shift):
+    check_o_rows_kernel(56, 4099, 128, "cuda", layout=layout, shift=shift)
+
+
+@needs_cuda
+@pytest.mark.parametrize("block_rows,num_warps", [(1, 8), (2, 16), (1, 32), (4, 16)])
+def test_o_rows_triton_launch_configs_on_gpu(block_rows, num_warps):
+    check_o_rows_kernel(56, 1001, 128, "cuda", block_rows, num_warps)
+
+
+@needs_cuda
+def test_o_rows_dispatcher_under_torch_compile_matches_eager():
+    o = make_o_input(56, 4099, 128, "cuda")
+
+    def step(o8, o_scale, o_shift):
+        q, s = o_rows_fp8(o8, o_scale * 2, o_shift)  # ops before and after (exact ones)
+        return q.float() * s * 0.5
+
+    assert torch.equal(step(*o), torch.compile(step, fullgraph=True)(*o))
+
+
+def _tiny_fp8_out_proj_model(device: str):
+    """A tiny bf16 DiT whose blocks' out_proj are fp8 linears (emulated on the CPU) and whose attention is fp8
+    (emulated: the kernel's arithmetic, any device) on every sequence, with a hook recording what out_proj gets."""
+    from dit_svc.config import DiTConfig
+    from dit_svc.layout import build_layout
+    from dit_svc.model import H3DiT
+
+    cfg = DiTConfig.tiny()
+    torch.manual_seed(0)
+    model = H3DiT(cfg, compute_dtype=torch.bfloat16, chunk_rows=40).eval()
+    names = [n for n in model.linear_names() if n.startswith("blocks.") and n.endswith("out_proj")]
+    for name in names:
+        model.swap_linear(name, Fp8RowwiseLinear.from_dense(model.get_submodule(name).weight.detach().float(),
+                                                            emulate=device == "cpu"))
+    model.set_attention_fn(Fp8Attention(Fp8AttentionOptions(min_seq=0, static_qk=True), emulate=True))
+    model.to(device)
+    seen = []
+    for name in names:
+        model.get_submodule(name).register_forward_pre_hook(lambda mod, args: seen.append(type(args[0])))
+    lay = build_layout(cfg, 3, 22, 64, 64).to(device)
+    g = torch.Generator().manual_seed(1)
+    inputs = [torch.randn(n, d, generator=g).to(device) for n, d in (
+        (lay.num_video_rows, cfg.video_patch_dim), (lay.num_audio_rows, cfg.audio_in_channels),
+        (lay.text_len, cfg.text_dim))]
+    return model, names, seen, (*inputs, 0.3, 0.5, lay)
+
+
+def test_model_hands_fp8_o_to_an_fp8_out_proj_on_the_cpu():
+    """Attention.attend keeps fp8 attention's O in e4m3 for an fp8 out_proj (Fp8O); on the CPU project_out
+    dequantises each row chunk of it, which gives the bits the previous path (dequantise all of O, then chunk) gave:
+    with out_proj's `accepts_fp8_rows` switched off per instance, attend dequantises O itself."""
+    from dit_svc.model import Attention
+
+    model, names, seen, args = _tiny_fp8_out_proj_model("cpu")
+    kept = []
+    for mod in model.modules():
+        if isinstance(mod, Attention):
+            mod.attend = (lambda f: lambda qkv: kept.append(f(qkv)) or kept[-1])(mod.attend)  # records its outputs
+    with torch.no_grad():
+        fused = model(*args)
+        assert any(isinstance(o, Fp8O) for o in kept)
+        for name in names:
+            model.get_submodule(name).accepts_fp8_rows = False
+        kept.clear()
+        plain = model(*args)
+        assert kept and not any(isinstance(o, Fp8O) for o in kept)
+    assert all(t is torch.Tensor for t in seen)
+    for a, b in zip(fused, plain):
+        assert torch.equal(a, b)
+
+
+@needs_cuda
+def test_model_feeds_o_rows_to_an_fp8_out_proj_on_gpu():
+    """The same tiny model on the GPU: out_proj gets Fp8Rows from the O-rows kernel, and the output is the one where
+    out_proj quantises the bf16 O rows itself, up to the rare e4m3 step."""
+    model, names, seen, args = _tiny_fp8_out_proj_model("cuda")
+    with torch.no_grad():
+        fused = model(*args)
+        assert seen and all(t is Fp8Rows for t in seen)
+        for name in names:
+            model.get_submodule(name).accepts_fp8_rows = False
+        seen.clear()
+        plain = model(*args)
+        assert seen and all(t is torch.Tensor for t in seen)
+    for a, b in zip(fused, plain):
+        assert (a - b).norm() <= 1e-2 * b.norm()
+
+
 def interpreter_main() -> None:
     """The kernel's indexing and masking in triton's CPU interpreter (TRITON_INTERPRET=1 set before triton is
     imported; run by the test below in a child process). The interpreter computes in numpy, and its bf16 / e4m3
@@ -286,6 +435,19 @@ def interpreter_main() -> None:
         return q.float() * s
 
     assert torch.equal(swiglu_step(y), torch.compile(swiglu_step, backend="aot_eager", fullgraph=True)(y))
+    # O rows: row slices of a bigger O in both memory layouts, H * D a power of two or not, odd row counts, with
+    # and without the V-smoothing shift, several rows per program.
+    for h, rows, d, block_rows, layout, shift in [(3, 13, 32, 1, "hsd", True), (5, 9, 16, 4, "shd", True),
+                                                  (2, 6, 64, 2, "hsd", False), (7, 1, 16, 1, "shd", False)]:
+        check_o_rows_kernel(h, rows, d, "cpu", block_rows, 4, interpreted=True, layout=layout, shift=shift)
+    for shift in (True, False):  # (the op's optional shift: None through the graph too)
+        o = make_o_input(3, 9, 32, "cpu", shift=shift)
+
+        def o_rows_step(o8, o_scale, o_shift):
+            q, s = torch.ops.h3stages.o_rows_fp8(o8, o_scale, o_shift)
+            return q.float() * s
+
+        assert torch.equal(o_rows_step(*o), torch.compile(o_rows_step, backend="aot_eager", fullgraph=True)(*o))
     print("interpreter ok")
 
 
@@ -297,21 +459,22 @@ def test_triton_kernel_in_the_interpreter():
 
 @needs_triton
 def test_kernel_registers_compiles_for_sm90():
-    """scripts/kernel_registers.py: the SwiGLU kernel at its default launch compiles for sm_90 on the CPU and does
-    not spill (a per-element slow-path division, say, would show here)."""
-    from stagekit.fp8_rows import SWIGLU_BLOCK_ROWS, SWIGLU_NUM_WARPS
+    """scripts/kernel_registers.py: the SwiGLU and O-rows kernels at their default launches compile for sm_90 on the
+    CPU and do not spill (a per-element slow-path division, say, would show here)."""
+    from stagekit.fp8_rows import O_ROWS_BLOCK_ROWS, O_ROWS_NUM_WARPS, SWIGLU_BLOCK_ROWS, SWIGLU_NUM_WARPS
 
-    default = f"{SWIGLU_BLOCK_ROWS}x{SWIGLU_NUM_WARPS}"
-    run = subprocess.run([sys.executable, "scripts/kernel_registers.py", "--ops", "swiglu", "--configs", default],
-                         cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0 and " 0 B spilled" in run.stdout, run.stdout + run.stderr
+    for op, config in (("swiglu", f"{SWIGLU_BLOCK_ROWS}x{SWIGLU_NUM_WARPS}"),
+                       ("orows", f"{O_ROWS_BLOCK_ROWS}x{O_ROWS_NUM_WARPS}")):
+        run = subprocess.run([sys.executable, "scripts/kernel_registers.py", "--ops", op, "--configs", config],
+                             cwd=REPO, capture_output=True, text=True, timeout=300)
+        assert run.returncode == 0 and " 0 B spilled" in run.stdout, run.stdout + run.stderr
 
 
 def test_bench_tiny_runs_on_the_cpu(tmp_path):
     """scripts/bench_fp8_rows.py --tiny: the dry run writes one JSON per op (the kernels too where triton is
     installed)."""
     results = run_bench_tiny("bench_fp8_rows.py", tmp_path)
-    assert sorted(results) == ["fp8_rows.json", "swiglu_fp8.json"]
+    assert sorted(results) == ["fp8_rows.json", "o_rows_fp8.json", "swiglu_fp8.json"]
     for result in results.values():
         assert [s["rows"] for s in result["shapes"]] == [37, 100]
         assert all("reference eager" in s["variants"] for s in result["shapes"])
