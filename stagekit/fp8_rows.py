@@ -177,8 +177,8 @@ def _grid(rows: int, block_rows: int) -> tuple[int]:
 # --- SwiGLU + fp8 row quantisation: the MLP's silu(gate) * value, handed to an fp8 fc2 -----------------------------
 
 # Whether dit_svc/model.py's MLP uses the kernel inside torch.compile'd blocks too (eager blocks always do, where
-# fc2 takes fp8 rows). The lead sets it from scripts/bench_fp8_rows.py --ops swiglu on an H200: True only where the
-# kernel beats Inductor's own fusion of the same ops (`reference compiled`).
+# fc2 takes fp8 rows). True: on an H200 it beats Inductor's own fusion of the same ops, alone (below) and in the
+# model (22.3 / 51.4 ms per step against 24.6 / 57.3 ms: docs/performance.md, issue 18).
 SWIGLU_IN_COMPILED_BLOCKS = True
 # Rows per program x warps (the whole row, 2 x F channels with F padded to a power of two, sits in registers): the
 # fastest of the same benchmark's sweep on an H200 (third session, F = 14,336, ms at 14,882 / 37,748 rows): 1x32
@@ -376,16 +376,17 @@ if triton is not None:
 # --- O dequantisation + fp8 row quantisation: fp8 attention's e4m3 O, handed to an fp8 out_proj -------------------
 
 # Whether dit_svc/model.py uses the kernel inside torch.compile'd blocks too (eager blocks always do, where out_proj
-# takes fp8 rows and attention hands O over in e4m3). The lead sets it from scripts/bench_fp8_rows.py --ops orows on
-# an H200: True only where the kernel beats Inductor's own fusion of the same ops (`reference compiled`).
+# takes fp8 rows and attention hands O over in e4m3). True: on an H200 it beats Inductor's own fusion of the same
+# ops, alone (below) and in the model (8.6 / 20.1 ms per step at its first launch, 1x8, against 12.5 / 29.2 ms for
+# Inductor's two kernels: docs/performance.md, issue 18).
 O_ROWS_IN_COMPILED_BLOCKS = True
-# Rows per program x warps (the whole row, H x D channels padded to a power of two, sits in registers); to be set
-# from the same benchmark's sweep on an H200. Picked until then by registers (scripts/kernel_registers.py, sm_90,
-# 56 heads x 128, the GPU image's Triton 3.6): 1x8 58 registers per thread, 4 rows in flight per SM; 1x16 43, 2;
-# 1x4 114, 4; 1x32 30, 2. With 2 or 4 rows per program the compiler adds a layout conversion through shared memory
-# (8 KiB at 2x16).
+# Rows per program x warps (the whole row, H x D channels padded to a power of two, sits in registers): the best
+# of scripts/bench_fp8_rows.py --ops orows on an H200 (third session, 56 heads x 128, ms at 14,882 / 37,748 rows):
+# 1x4 0.222 / 0.438; 1x8 0.353 / 0.590, 1x16 0.274 / 0.525, 1x32 0.237 / 0.632, 2x16 0.296 / 0.394, 4x16, 2x32,
+# 4x32 slower; Inductor's fusion 0.450 / 0.857. Registers (scripts/kernel_registers.py, sm_90, Triton 3.6): 1x4 114
+# per thread, 4 rows in flight per SM; 1x8 58, 4; 1x16 43, 2; 1x32 30, 2.
 O_ROWS_BLOCK_ROWS = 1
-O_ROWS_NUM_WARPS = 8
+O_ROWS_NUM_WARPS = 4
 _O_ROWS_FALLBACK = KernelFallback("O dequantisation + fp8 row quantisation", log)
 
 
