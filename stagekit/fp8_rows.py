@@ -377,7 +377,7 @@ if triton is not None:
 
 # Whether dit_svc/model.py uses the kernel inside torch.compile'd blocks too (eager blocks always do, where out_proj
 # takes fp8 rows and attention hands O over in e4m3). True: on an H200 it beats Inductor's own fusion of the same
-# ops, alone (below) and in the model (8.6 / 20.1 ms per step at its first launch, 1x8, against 12.5 / 29.2 ms for
+# ops, alone (below) and in the model (8.6 / 20.1 ms per step at its first launch, 1x8, against 12.5 / 28.9 ms for
 # Inductor's two kernels: docs/performance.md, issue 18).
 O_ROWS_IN_COMPILED_BLOCKS = True
 # Rows per program x warps (the whole row, H x D channels padded to a power of two, sits in registers): the best
