@@ -110,18 +110,10 @@ def modulate_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float, shift: torch
                  r: torch.Tensor) -> Fp8Rows:
     """x [rows, C] fp32, norm gain [C], shift / scale [M * 3, C] fp32, r [rows] -> Fp8Rows (q [rows, C] e4m3,
     scale [rows, 1] fp32): the Triton kernel on CUDA where it serves the arguments, else the reference."""
-    reason = unsupported(x, weight, shift, scale, r) if x.is_cuda else "x is not on a CUDA device"
-    if reason is None:
-        reason = _FALLBACK.reason(x.device)
-    if reason is None:
-        ok, result = _FALLBACK.run(x.device, lambda: Fp8Rows(*torch.ops.h3stages.modulate_fp8_rows(
-            x, weight, eps, shift, scale, r)))
-        if ok:
-            return result
-        reason = result
-    if x.is_cuda and not torch.compiler.is_compiling():
-        log_once(log, f"modulation + fp8 row quantisation: plain torch ({reason})")
-    return modulate_fp8_reference(x, weight, eps, shift, scale, r)
+    return _FALLBACK.dispatch(
+        x.device, unsupported(x, weight, shift, scale, r) if x.is_cuda else "x is not on a CUDA device",
+        lambda: Fp8Rows(*torch.ops.h3stages.modulate_fp8_rows(x, weight, eps, shift, scale, r)),
+        lambda: modulate_fp8_reference(x, weight, eps, shift, scale, r))
 
 
 @torch.library.custom_op("h3stages::modulate_fp8_rows", mutates_args=())
@@ -219,17 +211,9 @@ def swiglu_unsupported(y: torch.Tensor) -> str | None:
 def swiglu_fp8(y: torch.Tensor) -> Fp8Rows:
     """y [rows, 2F] bf16 = [gate | value] -> Fp8Rows of silu(gate) * value (q [rows, F] e4m3, scale [rows, 1]
     fp32): the Triton kernel on CUDA where it serves y, else the reference."""
-    reason = swiglu_unsupported(y) if y.is_cuda else "y is not on a CUDA device"
-    if reason is None:
-        reason = _SWIGLU_FALLBACK.reason(y.device)
-    if reason is None:
-        ok, result = _SWIGLU_FALLBACK.run(y.device, lambda: Fp8Rows(*torch.ops.h3stages.swiglu_fp8_rows(y)))
-        if ok:
-            return result
-        reason = result
-    if y.is_cuda and not torch.compiler.is_compiling():
-        log_once(log, f"SwiGLU + fp8 row quantisation: plain torch ({reason})")
-    return swiglu_fp8_reference(y)
+    return _SWIGLU_FALLBACK.dispatch(
+        y.device, swiglu_unsupported(y) if y.is_cuda else "y is not on a CUDA device",
+        lambda: Fp8Rows(*torch.ops.h3stages.swiglu_fp8_rows(y)), lambda: swiglu_fp8_reference(y))
 
 
 @torch.library.custom_op("h3stages::swiglu_fp8_rows", mutates_args=())
@@ -426,18 +410,10 @@ def o_rows_fp8(o8: torch.Tensor, o_scale: torch.Tensor, o_shift: torch.Tensor | 
     """o8 [H, rows, D] e4m3 (fp8 attention's O, or a row slice of it), o_scale [H, 1, 1], o_shift [H, 1, D] or None
     -> Fp8Rows (q [rows, H * D] e4m3, scale [rows, 1] fp32) of the dequantised bf16 O's rows, heads side by side:
     the Triton kernel on CUDA where it serves the arguments, else the reference."""
-    reason = o_rows_unsupported(o8, o_scale, o_shift) if o8.is_cuda else "o8 is not on a CUDA device"
-    if reason is None:
-        reason = _O_ROWS_FALLBACK.reason(o8.device)
-    if reason is None:
-        ok, result = _O_ROWS_FALLBACK.run(o8.device, lambda: Fp8Rows(*torch.ops.h3stages.o_rows_fp8(
-            o8, o_scale, o_shift)))
-        if ok:
-            return result
-        reason = result
-    if o8.is_cuda and not torch.compiler.is_compiling():
-        log_once(log, f"O dequantisation + fp8 row quantisation: plain torch ({reason})")
-    return o_rows_fp8_reference(o8, o_scale, o_shift)
+    return _O_ROWS_FALLBACK.dispatch(
+        o8.device, o_rows_unsupported(o8, o_scale, o_shift) if o8.is_cuda else "o8 is not on a CUDA device",
+        lambda: Fp8Rows(*torch.ops.h3stages.o_rows_fp8(o8, o_scale, o_shift)),
+        lambda: o_rows_fp8_reference(o8, o_scale, o_shift))
 
 
 @torch.library.custom_op("h3stages::o_rows_fp8", mutates_args=())

@@ -125,24 +125,19 @@ def qk_norm_rope(y: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor
     -> q, k into qk_out [2, 1, heads, rows, head_dim] (e4m3 scaled by qk_mult [2] when given), v into v_out
     [1, heads, rows, head_dim] (or not at all: None): the Triton kernel on CUDA where it serves the shapes, else the reference (see the
     module docstring)."""
-    reason = (unsupported(y, q_weight, k_weight, rope, qk_out, v_out, qk_mult) if y.is_cuda
-              else "y is not on a CUDA device")
-    if reason is None:
-        reason = _FALLBACK.reason(y.device)
-    if reason is None:
-        cos, sin = rope if rope is not None else (None, None)
-        ok, result = _FALLBACK.run(y.device, lambda: torch.ops.h3stages.qk_norm_rope_(
-            y, q_weight, k_weight, eps, cos, sin, qk_out, v_out, qk_mult))
-        if ok:
-            return
-        reason = result
-    if y.is_cuda and not torch.compiler.is_compiling():
-        log_once(log, f"q/k RMSNorm + RoPE: plain torch ({reason})")
-    if qk_mult is not None and torch.compiler.is_compiling():
-        cos, sin = rope if rope is not None else (None, None)
-        torch.ops.h3stages.qk_norm_rope_reference_(y, q_weight, k_weight, eps, cos, sin, qk_out, v_out, qk_mult)
-    else:
-        qk_norm_rope_reference(y, q_weight, k_weight, eps, rope, qk_out, v_out, qk_mult)
+    cos, sin = rope if rope is not None else (None, None)
+
+    def reference() -> None:
+        if qk_mult is not None and torch.compiler.is_compiling():
+            torch.ops.h3stages.qk_norm_rope_reference_(y, q_weight, k_weight, eps, cos, sin, qk_out, v_out, qk_mult)
+        else:
+            qk_norm_rope_reference(y, q_weight, k_weight, eps, rope, qk_out, v_out, qk_mult)
+
+    _FALLBACK.dispatch(
+        y.device,
+        unsupported(y, q_weight, k_weight, rope, qk_out, v_out, qk_mult) if y.is_cuda else "y is not on a CUDA device",
+        lambda: torch.ops.h3stages.qk_norm_rope_(y, q_weight, k_weight, eps, cos, sin, qk_out, v_out, qk_mult),
+        reference)
 
 
 @torch.library.custom_op("h3stages::qk_norm_rope_reference_", mutates_args=("qk_out", "v_out"))

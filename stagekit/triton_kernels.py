@@ -50,6 +50,21 @@ class KernelFallback:
         """Why the kernel no longer runs on `device`, or None."""
         return self._failed.get(device)
 
+    def dispatch(self, device: torch.device, unsupported: str | None, kernel: Callable[[], T],
+                 reference: Callable[[], T]) -> T:
+        """kernel() when `unsupported` (the caller's check of its arguments: why the kernel does not serve them)
+        is None and the kernel has not failed on `device`; otherwise, or when it fails now, reference(). A GPU
+        that falls back logs why, once per reason (not while torch.compile traces)."""
+        reason = unsupported if unsupported is not None else self.reason(device)
+        if reason is None:
+            ok, result = self.run(device, kernel)
+            if ok:
+                return result
+            reason = result
+        if device.type == "cuda" and not torch.compiler.is_compiling():
+            log_once(self.log, f"{self.what}: plain torch ({reason})")
+        return reference()
+
     def run(self, device: torch.device, kernel: Callable[[], T]) -> tuple[bool, T | str]:
         """(True, kernel()) or, when it raised (not out-of-memory, not while compiling), (False, why): the caller
         then runs the reference, which rewrites every output."""

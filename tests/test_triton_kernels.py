@@ -32,3 +32,26 @@ def test_out_of_memory_is_not_a_kernel_fault():
     with pytest.raises(torch.OutOfMemoryError):
         fb.run(torch.device("cpu"), oom)
     assert fb.reason(torch.device("cpu")) is None
+
+
+def test_dispatch_runs_the_kernel_or_the_reference():
+    """dispatch: the kernel where the arguments are served and it has not failed; the reference when the caller's
+    check says no, when the kernel fails now, and from then on for that device."""
+    fb = KernelFallback("test kernel", logging.getLogger("test.triton_kernels"))
+    cpu = torch.device("cpu")
+    calls = []
+
+    def kernel():
+        calls.append("kernel")
+        return "kernel"
+
+    assert fb.dispatch(cpu, None, kernel, lambda: "reference") == "kernel"
+    assert fb.dispatch(cpu, "shape not served", kernel, lambda: "reference") == "reference"
+    assert calls == ["kernel"]
+
+    def broken():
+        raise RuntimeError("no kernel image")
+
+    assert fb.dispatch(cpu, None, broken, lambda: "reference") == "reference"
+    assert fb.dispatch(cpu, None, kernel, lambda: "reference") == "reference"  # the device is off the kernel now
+    assert calls == ["kernel"] and "no kernel image" in fb.reason(cpu)
