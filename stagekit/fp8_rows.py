@@ -126,8 +126,7 @@ def modulate_fp8_rows_op(x: torch.Tensor, weight: torch.Tensor, eps: float, shif
 
 @modulate_fp8_rows_op.register_fake
 def _(x, weight, eps, shift, scale, r, block_rows=DEFAULT_BLOCK_ROWS, num_warps=DEFAULT_NUM_WARPS):
-    return (x.new_empty(x.shape, dtype=torch.float8_e4m3fn),
-            x.new_empty((x.shape[0], 1), dtype=torch.float32))
+    return _empty_rows(x, x.shape[0], x.shape[1])
 
 
 def launch(x: torch.Tensor, weight: torch.Tensor, eps: float, shift: torch.Tensor, scale: torch.Tensor,
@@ -141,8 +140,7 @@ def launch(x: torch.Tensor, weight: torch.Tensor, eps: float, shift: torch.Tenso
     if reason is not None:
         raise ValueError(f"the Triton modulation + fp8 quantisation kernel does not serve this call: {reason}")
     rows, c = x.shape
-    q = torch.empty(rows, c, dtype=torch.float8_e4m3fn, device=x.device)
-    q_scale = torch.empty(rows, 1, dtype=torch.float32, device=x.device)
+    q, q_scale = _empty_rows(x, rows, c)
     if rows == 0:
         return q, q_scale
     grid = _grid(rows, block_rows)
@@ -157,6 +155,13 @@ def launch(x: torch.Tensor, weight: torch.Tensor, eps: float, shift: torch.Tenso
             enable_fp_fusion=False,  # no FMA contraction: products rounded as the reference's separate ops are
         )
     return q, q_scale
+
+
+def _empty_rows(like: torch.Tensor, rows: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every kernel's outputs, new and contiguous on like's device: q [rows, width] e4m3 and scale [rows, 1] fp32
+    (`Fp8Rows`); also what the ops' fake implementations return."""
+    return (like.new_empty((rows, width), dtype=torch.float8_e4m3fn),
+            like.new_empty((rows, 1), dtype=torch.float32))
 
 
 def _grid(rows: int, block_rows: int) -> tuple[int]:
@@ -225,8 +230,7 @@ def swiglu_fp8_rows_op(y: torch.Tensor, block_rows: int = SWIGLU_BLOCK_ROWS,
 
 @swiglu_fp8_rows_op.register_fake
 def _(y, block_rows=SWIGLU_BLOCK_ROWS, num_warps=SWIGLU_NUM_WARPS):
-    return (y.new_empty((y.shape[0], y.shape[1] // 2), dtype=torch.float8_e4m3fn),
-            y.new_empty((y.shape[0], 1), dtype=torch.float32))
+    return _empty_rows(y, y.shape[0], y.shape[1] // 2)
 
 
 def swiglu_launch(y: torch.Tensor, block_rows: int = SWIGLU_BLOCK_ROWS,
@@ -238,8 +242,7 @@ def swiglu_launch(y: torch.Tensor, block_rows: int = SWIGLU_BLOCK_ROWS,
     if reason is not None:
         raise ValueError(f"the Triton SwiGLU + fp8 quantisation kernel does not serve this call: {reason}")
     rows, f = y.shape[0], y.shape[1] // 2
-    q = torch.empty(rows, f, dtype=torch.float8_e4m3fn, device=y.device)
-    q_scale = torch.empty(rows, 1, dtype=torch.float32, device=y.device)
+    q, q_scale = _empty_rows(y, rows, f)
     if rows == 0:
         return q, q_scale
     grid = _grid(rows, block_rows)
@@ -427,8 +430,7 @@ def o_rows_fp8_op(o8: torch.Tensor, o_scale: torch.Tensor, o_shift: torch.Tensor
 @o_rows_fp8_op.register_fake
 def _(o8, o_scale, o_shift, block_rows=O_ROWS_BLOCK_ROWS, num_warps=O_ROWS_NUM_WARPS):
     h, rows, d = o8.shape
-    return (o8.new_empty((rows, h * d), dtype=torch.float8_e4m3fn),
-            o8.new_empty((rows, 1), dtype=torch.float32))
+    return _empty_rows(o8, rows, h * d)
 
 
 def o_rows_launch(o8: torch.Tensor, o_scale: torch.Tensor, o_shift: torch.Tensor | None,
@@ -442,8 +444,7 @@ def o_rows_launch(o8: torch.Tensor, o_scale: torch.Tensor, o_shift: torch.Tensor
     if reason is not None:
         raise ValueError(f"the Triton O dequantisation + fp8 quantisation kernel does not serve this call: {reason}")
     h, rows, d = o8.shape
-    q = torch.empty(rows, h * d, dtype=torch.float8_e4m3fn, device=o8.device)
-    q_scale = torch.empty(rows, 1, dtype=torch.float32, device=o8.device)
+    q, q_scale = _empty_rows(o8, rows, h * d)
     if rows == 0:
         return q, q_scale
     grid = _grid(rows, block_rows)

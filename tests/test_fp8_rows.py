@@ -67,6 +67,23 @@ def test_fp8_linear_takes_fp8_rows():
         lin(Fp8Rows(rows.q[:, :64], rows.scale))
 
 
+def assert_rows_match(q: torch.Tensor, s: torch.Tensor, want: Fp8Rows, scale_rtol: float, max_steps: int,
+                      exact_fraction: float, zero_row: bool) -> None:
+    """A kernel's (q, scale) against the reference's Fp8Rows: same shapes, row scales within scale_rtol relative,
+    e4m3 values at most max_steps apart and at least exact_fraction bitwise equal; zero_row: row 5 is all zeros,
+    so it gets the floor scale and zero values."""
+    assert q.shape == want.q.shape and q.dtype == torch.float8_e4m3fn and s.shape == (q.shape[0], 1)
+    rel = ((s - want.scale).abs() / want.scale).max().item()
+    assert rel <= scale_rtol, f"row scales differ by {rel:.2e} relative"
+    if zero_row:
+        floor = torch.tensor(FP8_SCALE_FLOOR, dtype=torch.float32).item()
+        assert s[5].item() == want.scale[5].item() == floor and not q[5].float().any(), "a zero row: the floor"
+    steps = e4m3_steps(q, want.q)
+    assert steps.max().item() <= max_steps, f"e4m3 values up to {steps.max().item()} steps apart"
+    exact = (steps == 0).float().mean().item()
+    assert exact >= exact_fraction, f"only {exact:.5f} of the e4m3 values are bitwise equal"
+
+
 def check_kernel(rows: int, c: int, m: int, device: str, block_rows: int = 1, num_warps: int = 8,
                  interpreted: bool = False) -> None:
     """Triton (stagekit.fp8_rows.launch) vs the reference: scales within 1e-6 relative, e4m3 values never more
@@ -80,15 +97,7 @@ def check_kernel(rows: int, c: int, m: int, device: str, block_rows: int = 1, nu
     x, w, shift, scale, r = make_inputs(rows, c, m, device)
     want = modulate_fp8_reference(x, w, EPS, shift, scale, r)
     q, s = launch(x, w, EPS, shift, scale, r, block_rows, num_warps)
-    assert q.shape == want.q.shape and q.dtype == torch.float8_e4m3fn and s.shape == (rows, 1)
-    rel = ((s - want.scale).abs() / want.scale).max().item()
-    assert rel <= scale_rtol, f"row scales differ by {rel:.2e} relative"
-    floor = torch.tensor(FP8_SCALE_FLOOR, dtype=torch.float32).item()
-    assert s[5].item() == want.scale[5].item() == floor and not q[5].float().any(), "a zero row: the floor scale"
-    steps = e4m3_steps(q, want.q)
-    assert steps.max().item() <= max_steps, f"e4m3 values up to {steps.max().item()} steps apart"
-    exact = (steps == 0).float().mean().item()
-    assert exact >= exact_fraction, f"only {exact:.5f} of the e4m3 values are bitwise equal"
+    assert_rows_match(q, s, want, scale_rtol, max_steps, exact_fraction, zero_row=True)
 
 
 @needs_cuda
@@ -221,16 +230,8 @@ def check_swiglu_kernel(rows: int, f: int, device: str, block_rows: int = 1, num
     y = make_swiglu_input(rows, f, device)
     want = swiglu_fp8_reference(y)
     q, s = swiglu_launch(y, block_rows, num_warps)
-    assert q.shape == want.q.shape == (rows, f) and q.dtype == torch.float8_e4m3fn and s.shape == (rows, 1)
-    rel = ((s - want.scale).abs() / want.scale).max().item()
-    assert rel <= scale_rtol, f"row scales differ by {rel:.2e} relative"
-    if rows > 5:
-        floor = torch.tensor(FP8_SCALE_FLOOR, dtype=torch.float32).item()
-        assert s[5].item() == want.scale[5].item() == floor and not q[5].float().any(), "a zero row: the floor"
-    steps = e4m3_steps(q, want.q)
-    assert steps.max().item() <= max_steps, f"e4m3 values up to {steps.max().item()} steps apart"
-    exact = (steps == 0).float().mean().item()
-    assert exact >= exact_fraction, f"only {exact:.5f} of the e4m3 values are bitwise equal"
+    assert want.q.shape == (rows, f)
+    assert_rows_match(q, s, want, scale_rtol, max_steps, exact_fraction, zero_row=rows > 5)
 
 
 @needs_cuda
@@ -300,16 +301,8 @@ def check_o_rows_kernel(h: int, rows: int, d: int, device: str, block_rows: int 
     o = make_o_input(h, rows, d, device, layout, shift)
     want = o_rows_fp8_reference(*o)
     q, s = o_rows_launch(*o, block_rows, num_warps)
-    assert q.shape == want.q.shape == (rows, h * d) and q.dtype == torch.float8_e4m3fn and s.shape == (rows, 1)
-    rel = ((s - want.scale).abs() / want.scale).max().item()
-    assert rel <= scale_rtol, f"row scales differ by {rel:.2e} relative"
-    if rows > 5 and not shift:
-        floor = torch.tensor(FP8_SCALE_FLOOR, dtype=torch.float32).item()
-        assert s[5].item() == want.scale[5].item() == floor and not q[5].float().any(), "a zero row: the floor"
-    steps = e4m3_steps(q, want.q)
-    assert steps.max().item() <= max_steps, f"e4m3 values up to {steps.max().item()} steps apart"
-    exact = (steps == 0).float().mean().item()
-    assert exact >= exact_fraction, f"only {exact:.5f} of the e4m3 values are bitwise equal"
+    assert want.q.shape == (rows, h * d)
+    assert_rows_match(q, s, want, scale_rtol, max_steps, exact_fraction, zero_row=rows > 5 and not shift)
 
 
 @needs_cuda
