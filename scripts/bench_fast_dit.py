@@ -12,10 +12,10 @@ and the next one still runs. Items (S = 832x480x124 and 1344x768x124):
 
   phase 1, two GPUs side by side (the phase ends at `--phase1-s`):
     GPU 0  ckpt       a random full-size int8-ConvRot checkpoint (pruned curve AdaLN, ~19.5 GiB) for the engine items
-           dit        bench_dit.py --variants diffusers,fp8c,fp8ca,fp8caf at both S: diffusers vs ours (fp8
-                      linears, compiled blocks) with bf16 cuDNN attention vs with fp8 attention, and the engine's
-                      default (fp8caf: fast-accumulation GEMMs); full-forward velocity error of fp8 attention vs our
-                      bf16-attention path
+           dit        bench_dit.py --variants diffusers,fp8cf,fp8caf at both S: diffusers vs the engine's default
+                      (fp8caf: fast-accumulation fp8 GEMMs, fp8 attention, compiled blocks) and the same with bf16
+                      cuDNN attention (fp8cf); full-forward velocity error of fp8 attention vs that bf16-attention
+                      path
            tp1        (if at least --min-start-s is left) bench_tp.py on one GPU, both S
     GPU 1  attention  bench_attention.py --layers 2: self-check (kernel vs emulation, registry probes, per-head
                       descales), op-level error and ms per option (naive / head / head+k / head+kv) at both S,
@@ -304,7 +304,7 @@ def build_items(args, out: Path, work: Path, ckpt: Path) -> dict[str, Item]:
     items = {
         # One GPU, no collective to overlap: rows unchunked (chunk >= S). The chunk loop unrolls into each compiled
         # block's graph; issue 8 compiled 1344x768x124 (3 chunks of 16384) in 45 s, 832x480x124 (1 chunk) in 12 s.
-        "dit": Item("dit", [py, str(SCRIPTS / "bench_dit.py"), *tiny, "--variants", "diffusers,fp8c,fp8ca,fp8caf",
+        "dit": Item("dit", [py, str(SCRIPTS / "bench_dit.py"), *tiny, "--variants", "diffusers,fp8cf,fp8caf",
                             "--json", str(out / "dit.json"),
                             *([] if args.tiny else ["--shapes", args.shapes, "--chunk-rows", "65536"])]),
         "ckpt": Item("ckpt", [py, str(Path(__file__).resolve()), *tiny, "--write-checkpoint", str(ckpt)]),
