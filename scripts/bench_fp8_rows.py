@@ -43,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dit_svc.config import TAG_AUDIO, TAG_TEXT, TAG_VIDEO  # noqa: E402
-from kernel_bench import time_variants, write_result  # noqa: E402
+from kernel_bench import E4M3_STEP_BOUND, e4m3_deviation, over_bound, time_variants, write_result  # noqa: E402
 
 SHAPES = (14882, 37748)  # rows of 832x480x124 and 1344x768x124 (docs/performance.md)
 TINY_SHAPES = (37, 100)
@@ -109,11 +109,8 @@ def parse_config(cfg: str) -> tuple[str, int, int]:
 
 
 def deviation(got, want) -> dict:
-    from stagekit.fp8_attention import e4m3_steps
-
-    steps = e4m3_steps(got[0], want.q)
     return {"max_scale_rel": ((got[1] - want.scale).abs() / want.scale).max().item(),
-            "max_steps": steps.max().item(), "exact_fraction": (steps == 0).float().mean().item()}
+            **e4m3_deviation(got[0], want.q)}
 
 
 def bench_op(fr, name: str, op: Op, device: torch.device, shapes, width: int, configs, args) -> tuple[dict, int]:
@@ -189,12 +186,7 @@ def main() -> int:
         width = op.tiny_width if args.tiny else op.width
         _, steps = bench_op(fr, name, op, device, shapes, width, configs, args)
         worst_steps = max(worst_steps, steps)
-    # The interpreter can miss the carry into the next power of two when it rounds to e4m3 (tests/test_fp8_rows.py).
-    bound = 1 if device.type == "cuda" else 8
-    if worst_steps > bound:
-        print(f"FAIL: a kernel is {worst_steps} e4m3 steps off its reference (bound {bound})", file=sys.stderr)
-        return 1
-    return 0
+    return 1 if over_bound(worst_steps, E4M3_STEP_BOUND[device.type], "a kernel", "e4m3 steps") else 0
 
 
 if __name__ == "__main__":

@@ -30,7 +30,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kernel_bench import time_variants, write_result  # noqa: E402
+from kernel_bench import E4M3_STEP_BOUND, e4m3_deviation, over_bound, time_variants, write_result  # noqa: E402
 
 SHAPES = (14882, 37748)  # rows of 832x480x124 and 1344x768x124 (docs/performance.md)
 HEADS, HEAD_DIM, ROPE_DIM = 56, 128, 96
@@ -47,13 +47,6 @@ def inputs(s: int, heads: int, d: int, r: int, device: torch.device):
     rope = (torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1))
     out = torch.empty(3, 1, heads, s, d, dtype=torch.bfloat16, device=device)
     return y, gains, rope, out
-
-
-def e4m3_errors(got: torch.Tensor, want: torch.Tensor) -> dict:
-    from stagekit.fp8_attention import e4m3_steps
-
-    steps = e4m3_steps(got, want)
-    return {"max_steps": steps.max().item(), "exact_fraction": (steps == 0).float().mean().item()}
 
 
 ABS_FLOOR = 1e-6  # absolute error allowed on top of one ulp (see errors())
@@ -126,7 +119,7 @@ def main() -> int:
                 variants8[name8] = lambda b=b, w=w: qk.qk_norm_rope_op(y, qw, kw, EPS, *rope, qk8, out[2], mult,
                                                                        b, w)
                 variants8[name8]()
-                errs[name8] = e4m3_errors(qk8, ref8)
+                errs[name8] = e4m3_deviation(qk8, ref8)
                 worst_steps = max(worst_steps, errs[name8]["max_steps"])
         notes = {name: (f"  max |err| {e['max_abs']:.2e} ({e['max_ulps']:.2f} ulp), {e['exact_fraction']:.5f} "
                         "bitwise equal" if "max_ulps" in e else
@@ -139,16 +132,9 @@ def main() -> int:
         del y, out, ref, qk8, ref8
     write_result(args.out, "qk_norm_rope.json", result)
     # One ulp is the bound on the GPU; the interpreter casts to bf16 toward zero, which can add another.
-    bound = 1.0 if device.type == "cuda" else 2.0
-    if worst_ulps > bound:
-        print(f"FAIL: the kernel is {worst_ulps:.2f} ulp off the reference (bound {bound})", file=sys.stderr)
-        return 1
-    # The interpreter can also miss the carry when it rounds to e4m3 (tests/test_fp8_rows.py).
-    bound8 = 1 if device.type == "cuda" else 8
-    if worst_steps > bound8:
-        print(f"FAIL: the e4m3 q/k are {worst_steps} steps off the reference (bound {bound8})", file=sys.stderr)
-        return 1
-    return 0
+    bad = over_bound(worst_ulps, 1.0 if device.type == "cuda" else 2.0, "the kernel", "ulp")
+    bad |= over_bound(worst_steps, E4M3_STEP_BOUND[device.type], "the kernel's e4m3 q/k", "e4m3 steps")
+    return 1 if bad else 0
 
 
 if __name__ == "__main__":
