@@ -282,7 +282,7 @@ if triton is not None:
     @triton.jit
     def _store_fp8_rows(y, mask, row, row_ok, ch, C, q_ptr, qs_ptr, FP8_MAX: tl.constexpr,
                         INV_FP8_MAX: tl.constexpr, SCALE_FLOOR: tl.constexpr):
-        """The epilogue both kernels share, `quantize_fp8_rowwise` of bf16 rows op for op: y [BLOCK_R, BLOCK_C] bf16
+        """The epilogue the three kernels share, `quantize_fp8_rowwise` of bf16 rows op for op: y [BLOCK_R, BLOCK_C] bf16
         (kept in bf16 until here: half the registers of fp32 across the row reduction), row / row_ok [BLOCK_R]
         (int64 row indices), ch [BLOCK_C] -> e4m3 rows q [rows, C] (contiguous) and their fp32 scales qs [rows]."""
         # 1. Row scale = max(amax / 448, floor) (the bf16 max is exact; torch's CUDA division by a Python number
@@ -301,7 +301,8 @@ if triton is not None:
                              x_s_row, x_s_c, w_s, sh_s_row, sh_s_c, sc_s_row, sc_s_c, r_s,
                              FP8_MAX: tl.constexpr, INV_FP8_MAX: tl.constexpr, SCALE_FLOOR: tl.constexpr,
                              BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-        """One program: BLOCK_R whole rows, each with its own AdaLN rows (gathered by r)."""
+        """One program: BLOCK_R whole rows, each with its own AdaLN rows (gathered by r). Every step is one op of
+        `modulate_fp8_reference`, in its order."""
         row = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
         ch = tl.arange(0, BLOCK_C)
         row_ok = row < rows
@@ -313,18 +314,10 @@ if triton is not None:
         gain = tl.load(w_ptr + ch * w_s, mask=c_ok, other=0.0).to(tl.float32)[None, :]
         shift = tl.load(shift_ptr + ada * sh_s_row + ch[None, :] * sh_s_c, mask=mask, other=0.0)
         scale = tl.load(scale_ptr + ada * sc_s_row + ch[None, :] * sc_s_c, mask=mask, other=0.0)
-        _modulate_store(x, gain, shift, 1.0 + scale, mask, row, row_ok, ch, C, inv_c, eps, q_ptr, qs_ptr, FP8_MAX,
-                        INV_FP8_MAX, SCALE_FLOOR)
-
-    @triton.jit
-    def _modulate_store(x, gain, shift, one_plus_scale, mask, row, row_ok, ch, C, inv_c, eps, q_ptr, qs_ptr,
-                        FP8_MAX: tl.constexpr, INV_FP8_MAX: tl.constexpr, SCALE_FLOOR: tl.constexpr):
-        """x [BLOCK_R, BLOCK_C] fp32 rows, gain / shift / 1 + scale [BLOCK_R or 1, BLOCK_C] fp32 -> e4m3 rows and
-        scales (`_store_fp8_rows`). Every step is one op of `modulate_fp8_reference`, in its order."""
         # 1. RMSNorm in fp32 (`rms_norm`: x * rsqrt(mean(x^2) + eps) * gain; the mean as torch's CUDA reduction
         #    takes it, sum * fp32(1 / C)), then the modulation, rounded to bf16 as the reference emits it.
         rstd = tl.math.rsqrt(tl.sum(x * x, axis=1) * inv_c + eps)[:, None]
-        y = (x * rstd * gain * one_plus_scale + shift).to(tl.bfloat16)
+        y = (x * rstd * gain * (1.0 + scale) + shift).to(tl.bfloat16)
         # 2. The row quantisation.
         _store_fp8_rows(y, mask, row, row_ok, ch, C, q_ptr, qs_ptr, FP8_MAX, INV_FP8_MAX, SCALE_FLOOR)
 
