@@ -91,8 +91,9 @@ class Fp8Unavailable(RuntimeError):
 
 class Fp8Rows(NamedTuple):
     """Activation rows already quantised for an fp8 linear (as `quantize_fp8_rowwise` returns them): q [rows, K]
-    float8 e4m3, scale [rows, 1] fp32, row i = q[i] * scale[i]. Made by stagekit/fp8_rows.py's fused
-    modulation kernel; linears whose class has `accepts_fp8_rows = True` take it in place of a tensor."""
+    float8 e4m3, scale [rows, 1] fp32, row i = q[i] * scale[i]. Made by stagekit/fp8_rows.py's fused kernels
+    (modulation, SwiGLU, attention output); linears whose class has `accepts_fp8_rows = True` take it in place of a
+    tensor."""
     q: torch.Tensor
     scale: torch.Tensor
 
@@ -145,7 +146,7 @@ class Fp8RowwiseLinear(nn.Module):
     The input is a tensor [..., in] (quantised here) or Fp8Rows [rows, in] quantised upstream (`accepts_fp8_rows`).
     """
 
-    accepts_fp8_rows = True  # forward takes Fp8Rows too (dit_svc/model.py Block._modulate checks this)
+    accepts_fp8_rows = True  # forward takes Fp8Rows too (dit_svc/model.py checks it before making them)
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False,
                  out_dtype: torch.dtype = torch.bfloat16, emulate: bool = False, device=None,
