@@ -17,7 +17,8 @@ kept once as the "master" copy and every variant's linears are built from it and
   (e)/(e+) fp8a / fp8ca: (b)/(b+) with cuDNN fp8 attention; their velocity error vs (b)/(b+) (same linears, bf16
       attention) is the full-forward error of 8-bit attention ("rel_err_vs_bf16_attention")
   (e+f) fp8caf: (e+) with fast-accumulation fp8 GEMMs, what the engine runs; fp8caf-mqk: the same with q/k
-      quantised by the attention's own statistics pass instead of with static scales by the q/k norm kernel;
+      quantised by the attention's own statistics pass instead of with static scales by the q/k norm kernel,
+      fp8caf-mqk-v: that without K smoothing;
       fp8cf: the same GEMMs with bf16 cuDNN attention (their baseline for "rel_err_vs_bf16_attention")
 One step = one forward (t2va, L = 38 text rows). FLOPs = 2*385,351,680*S*layers + 4*S^2*7168*layers. Peak rates
 (bf16 GEMM, fp8 _scaled_mm, int8 _int_mm, SDPA cuDNN at the real S) are measured in the same run; "floor" = linear
@@ -96,9 +97,12 @@ VARIANTS = {  # name -> (linear kernel, attention kernel, torch.compile the bloc
     # The same with q/k quantised by the attention's own statistics pass (fp8 attention option head+kv), instead of
     # by the q/k norm kernel with static scales (the default, stagekit/fp8_attention.py "static q/k scales").
     "fp8caf-mqk": ("fp8", "fp8-measured-qk", True, "(e+f) with q/k scales measured by the attention's own pass"),
+    # fp8caf-mqk without K smoothing: whether an unsmoothed K slows the SDPA kernel (docs/performance.md, "Fourth
+    # session").
+    "fp8caf-mqk-v": ("fp8", "fp8-measured-qk-v", True, "(e+f) with measured q/k scales, K not smoothed"),
 }
 # fp8 variants that run their GEMMs with fast accumulation; every other fp8 variant runs without it.
-FAST_ACCUM_VARIANTS = {"fp8caf", "fp8caf-mqk", "fp8cf"}
+FAST_ACCUM_VARIANTS = {"fp8caf", "fp8caf-mqk", "fp8caf-mqk-v", "fp8cf"}
 
 
 def log(msg: str) -> None:
@@ -116,7 +120,8 @@ TINY_SHAPES = "64x64x22,96x64x22"
 TINY_PROBE = KernelConfig(linear_shapes=((64, 256, 128),), attention_shape=(1, 2, 64, 32), probe_iters=1,
                           compute_dtype=torch.float32)
 # Variants whose velocity differs from another only by the attention kernel: the full-forward error of fp8 attention.
-ATTENTION_BASELINE = {"fp8a": "fp8", "fp8ca": "fp8c", "fp8caf": "fp8cf", "fp8caf-mqk": "fp8cf"}
+ATTENTION_BASELINE = {"fp8a": "fp8", "fp8ca": "fp8c", "fp8caf": "fp8cf", "fp8caf-mqk": "fp8cf",
+                      "fp8caf-mqk-v": "fp8cf"}
 
 
 def on_gpu() -> bool:
@@ -151,8 +156,8 @@ def linear_builder(kernel: str, device: torch.device):
 def attention_fn(kernel: str, device: torch.device):
     """The registry's attention callable for `kernel`; on the CPU (--tiny) fp8 is its emulation (on every
     sequence: the tiny ones are shorter than min_seq) and the SDPA kernels are the math one."""
-    if kernel == "fp8-measured-qk":  # not a registry kernel: fp8 attention with its previous default options
-        options = OPTIONS["head+kv"]
+    if kernel.startswith("fp8-measured-qk"):  # not registry kernels: fp8 attention with q/k quantised by its own pass
+        options = OPTIONS["head+kv"] if kernel == "fp8-measured-qk" else Fp8AttentionOptions(smooth_k=False)
         if device.type == "cuda":
             return Fp8Attention(options, compile_quant=True)  # as the registry makes its fp8 candidate
         return Fp8Attention(Fp8AttentionOptions(**{**options.__dict__, "min_seq": 0}), emulate=True)
