@@ -347,7 +347,31 @@ def kernel_profile(fn, top: int = 25) -> dict:
         kinds[kind] = kinds.get(kind, 0.0) + ms
     rows.sort(key=lambda r: -r[1])
     return {"gpu_ms": round(sum(r[1] for r in rows), 2), "by_kind_ms": {k: round(v, 2) for k, v in kinds.items()},
-            "top": [[n[:160], round(ms, 3), c] for n, ms, c in rows[:top]]}
+            "top": [[n[:160], round(ms, 3), c] for n, ms, c in rows[:top]], **(idle_gaps(prof) if on_gpu() else {})}
+
+
+def idle_gaps(prof, top: int = 12) -> dict:
+    """Where the GPU waits inside the profiled forward: span (first kernel's start to last kernel's end), idle
+    (span minus the union of kernel intervals), and the `top` gaps between kernels summed by the kernel pair around
+    them, [idle ms, count, kernel before, kernel after]. Host-bound stretches (many small launches, a
+    synchronisation) show up here and not in gpu_ms."""
+    spans = sorted((ev.time_range.start, ev.time_range.end, ev.name) for ev in prof.events()
+                   if ev.device_type == torch.autograd.DeviceType.CUDA and ev.time_range.end > ev.time_range.start)
+    if not spans:
+        return {}
+    idle, end, before, pairs = 0.0, spans[0][1], spans[0][2], {}
+    for s, e, name in spans[1:]:
+        if s > end:
+            gap = s - end
+            idle += gap
+            key = (before[:80], name[:80])
+            ms, n = pairs.get(key, (0.0, 0))
+            pairs[key] = (ms + gap, n + 1)
+        if e >= end:
+            end, before = e, name
+    worst = sorted(pairs.items(), key=lambda kv: -kv[1][0])[:top]
+    return {"span_ms": round((end - spans[0][0]) / 1000, 2), "idle_ms": round(idle / 1000, 2),
+            "idle_by_pair": [[round(ms / 1000, 3), n, a, b] for (a, b), (ms, n) in worst]}
 
 
 # =====================================================================================================================
@@ -508,7 +532,8 @@ def run_variant(args, cfg, shapes, dev, name, model, master, result, outputs, sa
         if args.profile:
             with torch.inference_mode():
                 prof = row["profile"] = kernel_profile(lambda: model(video, audio, text, T_VIDEO, T_AUDIO, lay))
-            log(f"{name} {key} profile: {prof['gpu_ms']:.1f} ms of kernels: {json.dumps(prof['by_kind_ms'])}")
+            log(f"{name} {key} profile: {prof['gpu_ms']:.1f} ms of kernels: {json.dumps(prof['by_kind_ms'])}; "
+                f"span {prof.get('span_ms')} ms, GPU idle {prof.get('idle_ms')} ms")
             for kernel, kernel_ms, calls in prof["top"][:15]:
                 log(f"    {kernel_ms:9.2f} ms {calls:5d}x  {kernel[:120]}")
         if not finite:
