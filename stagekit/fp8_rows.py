@@ -140,20 +140,27 @@ def launch(x: torch.Tensor, weight: torch.Tensor, eps: float, shift: torch.Tenso
     if reason is not None:
         raise ValueError(f"the Triton modulation + fp8 quantisation kernel does not serve this call: {reason}")
     rows, c = x.shape
-    q, q_scale = _empty_rows(x, rows, c)
+    return _launch_rows(_modulate_fp8_kernel, _FALLBACK.what, (x, weight, shift, scale, r), rows, c,
+                        (c, 1.0 / c, eps, *x.stride(), weight.stride(0), *shift.stride(), *scale.stride(),
+                         r.stride(0)), block_rows, num_warps)
+
+
+def _launch_rows(kernel, what: str, inputs: tuple, rows: int, width: int, args: tuple, block_rows: int,
+                 num_warps: int, **meta) -> tuple[torch.Tensor, torch.Tensor]:
+    """The three row kernels' launch: allocates their outputs (`_empty_rows` [rows, width], on the first input's
+    device) and runs `kernel(*inputs, q, q_scale, rows, *args)` over `_grid` with the shared constants (e4m3 range,
+    scale floor, BLOCK_R = block_rows, BLOCK_C = width padded to a power of two) and `meta`. No FMA contraction
+    (enable_fp_fusion=False): products and sums round as the references' separate ops do."""
+    like = inputs[0]
+    q, q_scale = _empty_rows(like, rows, width)
     if rows == 0:
         return q, q_scale
     grid = _grid(rows, block_rows)
-    log_once(log, f"modulation + fp8 row quantisation: Triton kernel ({block_rows} rows x {num_warps} warps per "
-                  f"program)")
-    with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():  # Triton uses the current device
-        _modulate_fp8_kernel[grid](
-            x, weight, shift, scale, r, q, q_scale, rows, c, 1.0 / c, eps,
-            *x.stride(), weight.stride(0), *shift.stride(), *scale.stride(), r.stride(0),
-            FP8_MAX=FP8_E4M3_MAX, INV_FP8_MAX=1.0 / FP8_E4M3_MAX, SCALE_FLOOR=FP8_SCALE_FLOOR, BLOCK_R=block_rows,
-            BLOCK_C=triton.next_power_of_2(c), num_warps=num_warps,
-            enable_fp_fusion=False,  # no FMA contraction: products rounded as the reference's separate ops are
-        )
+    log_once(log, f"{what}: Triton kernel ({block_rows} rows x {num_warps} warps per program)")
+    with torch.cuda.device(like.device) if like.is_cuda else contextlib.nullcontext():  # Triton: the current device
+        kernel[grid](*inputs, q, q_scale, rows, *args, FP8_MAX=FP8_E4M3_MAX, INV_FP8_MAX=1.0 / FP8_E4M3_MAX,
+                     SCALE_FLOOR=FP8_SCALE_FLOOR, BLOCK_R=block_rows, BLOCK_C=triton.next_power_of_2(width),
+                     num_warps=num_warps, enable_fp_fusion=False, **meta)
     return q, q_scale
 
 
@@ -242,20 +249,8 @@ def swiglu_launch(y: torch.Tensor, block_rows: int = SWIGLU_BLOCK_ROWS,
     if reason is not None:
         raise ValueError(f"the Triton SwiGLU + fp8 quantisation kernel does not serve this call: {reason}")
     rows, f = y.shape[0], y.shape[1] // 2
-    q, q_scale = _empty_rows(y, rows, f)
-    if rows == 0:
-        return q, q_scale
-    grid = _grid(rows, block_rows)
-    log_once(log, f"SwiGLU + fp8 row quantisation: Triton kernel ({block_rows} rows x {num_warps} warps per "
-                  f"program)")
-    with torch.cuda.device(y.device) if y.is_cuda else contextlib.nullcontext():  # Triton uses the current device
-        _swiglu_fp8_kernel[grid](
-            y, q, q_scale, rows, f, y.stride(0),
-            FP8_MAX=FP8_E4M3_MAX, INV_FP8_MAX=1.0 / FP8_E4M3_MAX, SCALE_FLOOR=FP8_SCALE_FLOOR, BLOCK_R=block_rows,
-            BLOCK_C=triton.next_power_of_2(f), CUDA=not interpreting(_swiglu_fp8_kernel), num_warps=num_warps,
-            enable_fp_fusion=False,  # no FMA contraction: products rounded as the reference's separate ops are
-        )
-    return q, q_scale
+    return _launch_rows(_swiglu_fp8_kernel, _SWIGLU_FALLBACK.what, (y,), rows, f, (f, y.stride(0)), block_rows,
+                        num_warps, CUDA=not interpreting(_swiglu_fp8_kernel))
 
 
 if triton is not None:
@@ -437,27 +432,14 @@ def o_rows_launch(o8: torch.Tensor, o_scale: torch.Tensor, o_shift: torch.Tensor
     if reason is not None:
         raise ValueError(f"the Triton O dequantisation + fp8 quantisation kernel does not serve this call: {reason}")
     h, rows, d = o8.shape
-    q, q_scale = _empty_rows(o8, rows, h * d)
-    if rows == 0:
-        return q, q_scale
-    grid = _grid(rows, block_rows)
-    log_once(log, f"O dequantisation + fp8 row quantisation: Triton kernel ({block_rows} rows x {num_warps} warps "
-                  f"per program)")
     # The head scales repeated over each head's D columns ([H, D], 28 KiB at the DiT's width; one small copy): the
     # kernel loads them like the shift, contiguous along D. A per-head gather instead gets a layout of its own that
     # the GPU image's Triton 3.6 converts through shared memory, 24 % more instructions at 1x8 (sm_90 SASS).
     col_scale = o_scale.reshape(h, 1).expand(h, d).contiguous()
     shift = col_scale[:, None] if o_shift is None else o_shift  # (a pointer the kernel never reads without a shift)
-    with torch.cuda.device(o8.device) if o8.is_cuda else contextlib.nullcontext():  # Triton uses the current device
-        _o_rows_fp8_kernel[grid](
-            o8, col_scale, shift, q, q_scale, rows, h * d, o8.stride(0), o8.stride(1), shift.stride(0),
-            shift.stride(2),
-            D=d, HAS_SHIFT=o_shift is not None, FP8_MAX=FP8_E4M3_MAX, INV_FP8_MAX=1.0 / FP8_E4M3_MAX,
-            SCALE_FLOOR=FP8_SCALE_FLOOR, BLOCK_R=block_rows, BLOCK_C=triton.next_power_of_2(h * d),
-            num_warps=num_warps,
-            enable_fp_fusion=False,  # no FMA contraction: the multiply and the add rounded as the reference's are
-        )
-    return q, q_scale
+    return _launch_rows(_o_rows_fp8_kernel, _O_ROWS_FALLBACK.what, (o8, col_scale, shift), rows, h * d,
+                        (h * d, o8.stride(0), o8.stride(1), shift.stride(0), shift.stride(2)), block_rows, num_warps,
+                        D=d, HAS_SHIFT=o_shift is not None)
 
 
 if triton is not None:
