@@ -110,10 +110,15 @@ class EncoderEngine:
             states = states.cpu()
         else:
             states = self.model.encode_ids(spec["ids"]).cpu()
-            self.cache.put(self.cache_key(spec["text"]), states)
             tags = torch.ones(states.shape[0], dtype=torch.int64)
         ctx.progress(1, 1)
-        return {"text_states": states, "text_tags": tags, "tokens": int(states.shape[0])}
+        return {"text_states": states, "text_tags": tags, "tokens": int(states.shape[0]), "prompt_only": not images}
+
+    def on_result(self, spec: dict, result: dict) -> None:
+        """In the stage process (stagekit.runtime.Engine): a plain prompt's states (no keyframes) join the prompt
+        cache, which outlives the device worker."""
+        if result["prompt_only"]:
+            self.cache.put(self.cache_key(spec["text"]), result["text_states"])
 
     def describe(self) -> dict:
         return {"weights": str(self.path), "variant": f"{self.variant} ({self.cfg.mode})",

@@ -489,6 +489,16 @@ class KernelSelection:
     _attention_cands: dict[str, AttentionCandidate] = field(default_factory=dict, repr=False)
     compute_dtype: torch.dtype = torch.bfloat16
 
+    def __getstate__(self) -> dict:
+        """Pickled without the candidates (closures): a device worker gets the stage's start-up choice and rebuilds
+        the default candidates."""
+        return {**self.__dict__, "_linear_cands": None, "_attention_cands": None}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._linear_cands = default_linear_candidates()
+        self._attention_cands = default_attention_candidates()
+
     def status_rows(self) -> list[tuple[str, str, str]]:
         """(op, kernel, reason) for the Status RPC."""
         return [c.as_tuple() for c in self.choices]

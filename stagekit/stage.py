@@ -22,6 +22,7 @@ from pathlib import Path
 import grpc
 
 from stagekit.budget import BudgetConfig, MemoryBudget, resolve_budget_bytes
+from stagekit.device_worker import DeviceWorkerEngine, WorkerConfig, die_with_parent, wanted
 from stagekit.dist import RankGroup, RankInfo, rank_info_from_env
 from stagekit.lease import DeviceLease, LeaseConfig, RankHold, pid_alive
 from stagekit.runtime import Engine, RuntimeConfig, StageRuntime, follower_loop
@@ -110,7 +111,7 @@ def run_stage(cfg: CommonConfig, stage: str, make_engine: Callable[[CommonConfig
     logging.basicConfig(level=cfg.log_level.upper(), format=f"%(asctime)s {stage}[%(process)d] %(levelname)s %(message)s")
     info = rank_info_from_env()
     if "TORCHELASTIC_RUN_ID" in os.environ:  # launched by a torchrun agent
-        die_with_parent()
+        die_with_parent("this rank")
     followers_ignore_term(info.is_leader)
     temp = None
     if info.is_leader:
@@ -134,23 +135,6 @@ def run_stage(cfg: CommonConfig, stage: str, make_engine: Callable[[CommonConfig
     if temp is not None:
         temp.remove()
     _exit_cleanly()
-
-
-def die_with_parent() -> None:
-    """Ranks die with their torchrun agent (docs/reliability.md, "Orphan ranks"): the kernel SIGKILLs this
-    process when its parent exits (Linux prctl PR_SET_PDEATHSIG), so a `kill -9` of the agent cannot leave ranks
-    serving on their own. The agent starts its workers from its main thread, whose exit is what the kernel tracks."""
-    if not sys.platform.startswith("linux"):
-        return
-    import ctypes
-
-    parent = os.getppid()
-    pr_set_pdeathsig = 1
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(pr_set_pdeathsig, int(signal.SIGKILL), 0, 0, 0) != 0:
-        log.warning("prctl(PR_SET_PDEATHSIG) failed (errno %d): this rank may outlive its agent", ctypes.get_errno())
-    if os.getppid() != parent:  # the agent died before the request took effect
-        os._exit(70)
 
 
 class StageTempDir:
@@ -230,19 +214,11 @@ def _start(cfg: CommonConfig, stage: str, info: RankInfo, make_engine, service_n
             port = metrics.serve(cfg.metrics_host, cfg.metrics_port, cfg.port_file)
             scope = "loopback only; --metrics-host to expose" if is_loopback(cfg.metrics_host) else "plain HTTP, no auth"
             print(f"{stage} metrics on http://{cfg.metrics_host}:{port}/metrics ({scope})", flush=True)
-    # 2. Device and rank group.
-    if device.startswith("cuda"):
-        # Before the first CUDA allocation: expandable segments keep reserved ~= allocated as activation sizes change
-        # between jobs, so a stage under a card's memory cap does not lose GiBs to fragmentation (docs/memory.md).
-        os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
-        import torch
-
-        torch.cuda.set_device(device)
-        if cfg.gpu_memory_cap_gb > 0:
-            total = torch.cuda.get_device_properties(device).total_memory
-            torch.cuda.set_per_process_memory_fraction(min(1.0, cfg.gpu_memory_cap_gb * 2**30 / total), device)
-    backend = "nccl" if device.startswith("cuda") else "gloo"
-    group = RankGroup(info, backend, cfg.collective_timeout_s)
+    # 2. Rank group. The stage process never initialises CUDA (docs/residency.md, "What an idle stage holds"): on a
+    #    GPU its device work runs in a device worker that lives only while it holds weights, so its own group is
+    #    gloo (control, and the agreed cancellation); the workers form their own NCCL group at each load.
+    worker = wanted(device)
+    group = RankGroup(info, "gloo", cfg.collective_timeout_s)
     # Rank 0 learns which ranks share its host: it kills them when the group breaks (StageRuntime.follower_pids).
     ranks = group.gather_objects((socket.gethostname(), os.getpid()))
     who = f"{stage}@pid{os.getpid()}"
@@ -251,6 +227,9 @@ def _start(cfg: CommonConfig, stage: str, info: RankInfo, make_engine, service_n
     if cfg.residency == "exclusive":
         hold = RankHold(cfg.lease_device_for_rank(info), Path(cfg.lease_dir), f"{stage} rank {info.rank}")
     engine = make_engine(cfg, info, group)
+    if worker:
+        engine = DeviceWorkerEngine(engine, group, WorkerConfig(
+            stage, device, info.rank, info.world_size, cfg.collective_timeout_s, cfg.gpu_memory_cap_gb, cfg.log_level))
     if not info.is_leader:
         return _Started(group, engine, hold=hold)
     # 4. Rank 0: lease, budget and runtime. The lease object always exists (its event log records residency in both
