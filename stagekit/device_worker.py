@@ -413,7 +413,10 @@ class DeviceWorkerEngine:
                 break
         try:
             return self._conn.recv()
-        except (EOFError, OSError):
+        except (EOFError, OSError) as e:
+            if self._proc.is_alive():  # the connection broke under a live worker: it cannot be trusted any more
+                log.error("%s: reading from the device worker failed (%r); stopping it", self.name, e)
+                self._proc.kill()
             raise self._died() from None
 
     def _died(self) -> BaseException:
