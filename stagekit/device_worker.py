@@ -339,35 +339,40 @@ class DeviceWorkerEngine:
             raise Unavailable(f"{self.name}: no device worker runs (not loaded)")
         self._send(("run", spec, inputs))
         try:
-            while True:
-                msg = self._recv()
-                kind = msg[0]
-                if kind == "progress":
-                    ctx.progress(*msg[1])
-                elif kind == "should_stop":
-                    self._send(ctx.should_stop())
-                elif kind in ("check_cancel", "check_cancel_local"):
-                    try:
-                        getattr(ctx, kind)()
-                        self._send(None)
-                    except StageError as e:
-                        self._send(e)
-                elif kind == "done":
-                    self._bytes = msg[2]
-                    return msg[1]
-                elif kind == "error":
-                    raise msg[1]
-        except WorkerLost:
-            raise
-        except StageError:
+            kind, value = self._serve_job(ctx)
+        except (WorkerLost, Unavailable):
             raise
         except BaseException:
-            if self._proc is not None and self._proc.is_alive() and not self._conn.poll(0):
+            if self._proc is not None and self._proc.is_alive():
                 # The stage process failed while its worker waits for an answer (a broken rank group): the worker's
                 # state is unknown, so it goes; the next job loads afresh.
                 self._proc.kill()
                 self._lost = True
             raise
+        if kind == "error":
+            raise value  # the job's own failure, raised in the worker, which waits for the next command
+        return value
+
+    def _serve_job(self, ctx: Any) -> tuple[str, Any]:
+        """Answer the worker's context calls until it reports the job's outcome: ("done", outputs) or ("error", e)."""
+        while True:
+            msg = self._recv()
+            kind = msg[0]
+            if kind == "progress":
+                ctx.progress(*msg[1])
+            elif kind == "should_stop":
+                self._send(ctx.should_stop())
+            elif kind in ("check_cancel", "check_cancel_local"):
+                try:
+                    getattr(ctx, kind)()
+                    self._send(None)
+                except StageError as e:
+                    self._send(e)
+            elif kind == "done":
+                self._bytes = msg[2]
+                return "done", msg[1]
+            else:
+                return "error", msg[1]
 
     # ---- the worker -------------------------------------------------------------------------------------------------
     def _load(self, spec: Any) -> None:
