@@ -155,3 +155,27 @@ def test_two_rank_decoder_with_workers_same_bits(tmp_path, model_cache):
             s.stop()
     (f2, a2), (f1, a1) = outs
     assert torch.equal(f1, f2) and torch.equal(a1, a2)
+
+
+def _raise_checkpoint_error(path: str) -> None:
+    from stagekit.checkpoints import CheckpointError
+
+    raise CheckpointError(path, "truncated", "blocks.0.weight")
+
+
+def test_run_in_child_returns_results_and_keeps_the_status_of_errors():
+    """Start-up device work (GPU ids, the DiT's kernel probe) runs in a short-lived child: its result comes back, and
+    its exception keeps its gRPC status and message even when the exception itself cannot be pickled."""
+    from stagekit.device_worker import run_in_child
+    from stagekit.errors import FailedPrecondition
+    from stagekit.kernels import KernelConfig, select_kernels
+
+    small = KernelConfig(compute_dtype=torch.float32, linear_shapes=((8, 16, 16),), attention_shape=(1, 2, 16, 8),
+                         probe_iters=1)
+    chosen = run_in_child(select_kernels, "cpu", small)  # a KernelSelection crosses without its candidate closures
+    local = select_kernels("cpu", small)
+    assert (chosen.linear, chosen.attention, chosen.arch) == (local.linear, local.attention, local.arch)
+    w = torch.randn(8, 16)
+    assert torch.equal(chosen.make_linear(w)(torch.ones(2, 16)), local.make_linear(w)(torch.ones(2, 16)))
+    with pytest.raises(FailedPrecondition, match="f.safetensors: blocks.0.weight: truncated"):
+        run_in_child(_raise_checkpoint_error, "f.safetensors")
