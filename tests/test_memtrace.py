@@ -176,3 +176,25 @@ def test_plot_trace_writes_png(tmp_path):
     samples = turn_taking_trace()
     path = memtrace.plot_trace(samples, tmp_path / "trace.png", CAP, "test", turns=[(2.0, "dit")])
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_stage_child_counts_as_its_stage(tmp_path):
+    """A stage's device worker (a child whose command line names no module) is attributed to its stage, and its
+    host memory is counted with ours."""
+    import subprocess
+    import sys
+
+    from stagekit.memtrace import our_pids, role_of_pid
+
+    script = ("import subprocess, sys; p = subprocess.Popen(['sleep', '30']); print(p.pid, flush=True); "
+              "sys.stdin.read(); p.kill()")
+    parent = subprocess.Popen([sys.executable, "-c", script, "dit_svc"], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        child = int(parent.stdout.readline())
+        assert role_of_pid(parent.pid) == "dit" and role_of_pid(child) == "dit"
+        pids = our_pids(["dit_svc"])
+        assert parent.pid in pids and child in pids
+    finally:
+        parent.stdin.close()
+        parent.wait(timeout=10)
