@@ -463,6 +463,7 @@ class Bench:
         (self.work / "mp4").mkdir(exist_ok=True)
         self.logfile = open(self.out / f"bench_{self.part}.log", "a")
         self.devices = "virt0,virt1" if self.tiny else "cuda:0,cuda:1"
+        self.ranks = 2  # DiT and decoder ranks
         self.steps = args.steps or (2 if self.tiny else 8)
         self.cap = int(args.cap_gb * GIB)
         self.budget = args.budget_s or (3600.0 if self.tiny else 530.0)
@@ -691,7 +692,7 @@ class Bench:
             env.update(H3_DIT_MODELS_DIR=str(self.models), H3_DECODER_MODELS_DIR=str(self.models),
                        H3_ENCODER_CACHE_DIR=str(self.work / "cache"))
         cmd = ["bash", str(ROOT / "scripts/up.sh"), "--run-dir", self.run, *models,
-               "--devices", self.devices, "--dit-ranks", "2", "--decoder-ranks", "2",
+               "--devices", self.devices, "--dit-ranks", str(self.ranks), "--decoder-ranks", str(self.ranks),
                "--gpu-memory-cap-gb", self.args.cap_gb, "--residency", "exclusive",
                "--encoder-port", "0", "--dit-port", "0", "--decoder-port", "0", "--render-port", "0",
                "--web-port", "-1"]
@@ -972,7 +973,7 @@ class Bench:
         if "parity" in items and "error" not in items["parity"]:
             p = items["parity"]
             v["seed_parity"] = {"mp4_identical": p["mp4_identical"], "latents_identical": p["latents_identical"],
-                                "tp_ranks_equal": p["tp_ranks_equal"]}
+                                "tp_ranks_equal": p.get("tp_ranks_equal")}
         ranks = [r["latents"]["ranks_equal"] for r in renders.values() if r.get("latents", {}).get("jobs")]
         if ranks:
             v["tp_ranks_bitwise_equal_all_renders"] = all(ranks)

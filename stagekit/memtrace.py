@@ -430,6 +430,31 @@ def check_events(events: Iterable[Mapping]) -> list[dict]:
 # ================================================================================================================
 
 
+def check_idle_neighbours(samples: Iterable[Sample], limit_bytes: int,
+                          rule_phase: Callable[[str], bool] = is_rule_phase) -> dict:
+    """On a card shared by stages taking turns: per GPU, the most that any role other than the one holding the most
+    held at one sample (rule phases only), and whether it stayed within `limit_bytes` throughout."""
+    worst: dict[int, int] = {}
+    where: dict[int, str] = {}
+    for s in samples:
+        if not rule_phase(s.phase):
+            continue
+        for g, procs in s.gpus.items():
+            by_role: dict[str, int] = {}
+            for p in procs:
+                by_role[p.role] = by_role.get(p.role, 0) + p.bytes
+            if len(by_role) < 2:
+                worst.setdefault(g, 0)
+                continue
+            holder = max(by_role, key=by_role.get)
+            for role, b in by_role.items():
+                if role != holder and b > worst.get(g, 0):
+                    worst[g] = b
+                    where[g] = f"{role} {b / GIB:.2f} GiB while {holder} held {by_role[holder] / GIB:.2f} GiB ({s.phase})"
+    return {"max_gib": {g: round(b / GIB, 3) for g, b in worst.items()}, "at": where,
+            "limit_gib": round(limit_bytes / GIB, 3), "ok": all(b <= limit_bytes for b in worst.values())}
+
+
 def summarize(samples: list[Sample]) -> dict[str, dict]:
     """Per phase (in order of first appearance): duration, per-GPU peak sum and per-role peak, host peaks."""
     out: dict[str, dict] = {}

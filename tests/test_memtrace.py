@@ -198,3 +198,17 @@ def test_a_stage_child_counts_as_its_stage(tmp_path):
     finally:
         parent.stdin.close()
         parent.wait(timeout=10)
+
+
+def test_idle_neighbours_on_one_card():
+    """One card, stages taking turns: every stage that does not hold the card must stay within the limit."""
+    limit = int(0.1 * GIB)
+    lean = [sample(1.0, "rule:a", {0: [(1, "encoder", 13.2), (2, "dit", 0.0), (4, "decoder", 0.05)]}),
+            sample(2.0, "rule:a", {0: [(2, "dit", 20.6), (4, "decoder", 0.05)]}),
+            sample(3.0, "rule:a", {0: [(4, "decoder", 9.0)]}),
+            sample(4.0, "setup:weights", {0: [(9, "other", 30.0), (2, "dit", 0.7)]})]  # not held to the rule
+    r = memtrace.check_idle_neighbours(lean, limit)
+    assert r["ok"] and r["max_gib"][0] == 0.05, r
+    fat = lean + [sample(5.0, "rule:b", {0: [(2, "dit", 20.6), (1, "encoder", 0.51), (4, "decoder", 0.05)]})]
+    r = memtrace.check_idle_neighbours(fat, limit)
+    assert not r["ok"] and r["max_gib"][0] == 0.51 and r["at"][0].startswith("encoder 0.51 GiB while dit held 20.60")
