@@ -121,7 +121,9 @@ class OneCard(two.Bench):
         return json.loads(out.strip().splitlines()[-1])
 
     def run_part(self) -> None:
-        need_weights = any(not (self.models / f).exists() for f in two.FILES.values())
+        if self.part == "dit":
+            self.weight_files = {"dit"}
+        need_weights = any(not (self.models / two.FILES[n]).exists() for n in (self.weight_files or two.FILES))
         self.item("weights", EST["weights"] if need_weights else 5, self.do_weights, needs_stack=False)
         if self.part == "dit":
             self.item("dit", EST["dit"], self.run_dit, needs_stack=False)
