@@ -15,6 +15,8 @@ device, load, every job, unload) runs in a *device worker*, a `spawn`ed child st
                                        <------  ("done", outputs, bytes) | ("error", exc)
     unload() -> ("exit"), join (kill after `join_timeout_s`)
 
+- After each job the worker hands what Status shows of it (the engine's optional `worker_state()`) to the stage
+  process's engine (`set_worker_state(state)`): the DiT's block placement.
 - Tensors cross through shared memory (torch.multiprocessing's reductions on the connection: the file-descriptor
   strategy, whose segments are unlinked as soon as they are mapped, so a killed process leaves no file behind).
 - Cancellation stays agreed across ranks: a worker's `ctx.should_stop()` is answered by its stage process, which
@@ -254,7 +256,8 @@ def _worker_main(conn, engine_cls: type, engine_cfg: Any, wcfg: WorkerConfig,
                 conn.send(("ok", engine.resident_bytes()))
             elif msg[0] == "run":
                 out = engine.run(msg[1], msg[2], ctx)
-                conn.send(("done", out, engine.resident_bytes()))
+                state = getattr(engine, "worker_state", None)
+                conn.send(("done", out, engine.resident_bytes(), state() if state is not None else None))
         except BaseException as e:  # noqa: BLE001 - the job's failure, reported by the stage process
             conn.send(("error", _portable(e)))
     conn.close()
@@ -370,6 +373,8 @@ class DeviceWorkerEngine:
                     self._send(e)
             elif kind == "done":
                 self._bytes = msg[2]
+                if msg[3] is not None:  # what Status shows of the last job (optional hooks worker_state / set_worker_state)
+                    self.engine.set_worker_state(msg[3])
                 return "done", msg[1]
             else:
                 return "error", msg[1]
