@@ -114,11 +114,11 @@ def run_in_child(fn: Callable, *args: Any, timeout_s: float = 600.0) -> Any:
     return value
 
 
-def _cuda_properties(indices: tuple[int, ...]) -> dict[int, tuple[str, int]]:
+def _cuda_properties() -> dict[int, tuple[str, int]]:
     import torch
 
-    return {i: ("GPU-" + str(torch.cuda.get_device_properties(i).uuid), torch.cuda.get_device_properties(i).total_memory)
-            for i in indices}
+    props = [torch.cuda.get_device_properties(i) for i in range(torch.cuda.device_count())]
+    return {i: ("GPU-" + str(p.uuid), p.total_memory) for i, p in enumerate(props)}
 
 
 _CUDA_PROPS: dict[int, tuple[str, int]] = {}
@@ -131,10 +131,13 @@ def cuda_index(device: str) -> int:
 
 def cuda_properties(indices: list[int]) -> dict[int, tuple[str, int]]:
     """{index: (GPU UUID as "GPU-...", total bytes)} of this process's CUDA devices, read in a child (once per
-    process), so the stage process never initialises CUDA."""
-    missing = tuple(i for i in sorted(set(indices)) if i not in _CUDA_PROPS)
+    process, all visible devices), so the stage process never initialises CUDA."""
+    if not _CUDA_PROPS:
+        _CUDA_PROPS.update(run_in_child(_cuda_properties))
+    missing = sorted(set(indices) - set(_CUDA_PROPS))
     if missing:
-        _CUDA_PROPS.update(run_in_child(_cuda_properties, missing))
+        raise Unavailable(f"CUDA devices {missing} are not visible to this process ({len(_CUDA_PROPS)} are: "
+                          "check --devices and CUDA_VISIBLE_DEVICES)")
     return {i: _CUDA_PROPS[i] for i in indices}
 
 
