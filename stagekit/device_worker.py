@@ -132,7 +132,7 @@ def cuda_index(device: str) -> int:
 def cuda_properties(indices: list[int]) -> dict[int, tuple[str, int]]:
     """{index: (GPU UUID as "GPU-...", total bytes)} of this process's CUDA devices, read in a child (once per
     process, all visible devices), so the stage process never initialises CUDA."""
-    if not _CUDA_PROPS:
+    if indices and not _CUDA_PROPS:
         _CUDA_PROPS.update(run_in_child(_cuda_properties))
     missing = sorted(set(indices) - set(_CUDA_PROPS))
     if missing:
