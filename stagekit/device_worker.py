@@ -229,7 +229,6 @@ def _worker_main(conn, engine_cls: type, engine_cfg: Any, wcfg: WorkerConfig,
     from stagekit.dist import RankGroup, RankInfo
     from stagekit.runtime import load_engine
 
-    group = None
     try:
         if wcfg.device.startswith("cuda"):
             torch.cuda.set_device(wcfg.device)
