@@ -5,8 +5,9 @@
 
 For each dtype (bf16, fp16, fp32) it writes a safetensors file of `--gib` GiB in 64 MiB tensors, reads it once to
 warm the page cache, then times, best of `--repeat`:
-  1. read: every tensor through `TensorReader` with the check off;
-  2. read + check: the same with the CPU check (what every CPU loader does);
+  1. read: every tensor through `TensorReader` with the check off, copied once (safetensors maps the file: the
+     copy is where a loader's cast or device copy first touches the pages);
+  2. read + check: the same with the CPU check on (what every CPU loader does);
   3. check: `nonfinite_flag` alone on tensors already in memory (the CPU path's own cost);
   4. with `--device cuda:N`: copy to the GPU, then `FiniteCheck` on the device (one flag per tensor, one host sync),
      against the copy alone.
@@ -57,7 +58,7 @@ def bench(dtype: torch.dtype, gib: float, repeat: int, device: str, tmp: Path) -
 
     def read_all(check: bool) -> list[torch.Tensor]:
         reader = TensorReader(entries, check_finite=check)
-        out = [reader.whole(k) for k in entries]
+        out = [reader.whole(k).clone() for k in entries]
         reader.close()
         return out
 
