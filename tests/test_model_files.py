@@ -14,6 +14,7 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import grpc
@@ -22,10 +23,11 @@ import torch
 from safetensors.torch import save_file
 
 from client.embedded import EmbeddedStack, StackConfig
-from client.pipeline import sample
+from client.pipeline import decode_raw, sample
 from client.stubs import Endpoints, StageClients
 from decoder_svc.audio_vae import AudioVAEConfig, inspect_audio_vae, load_audio_vae, write_tiny_audio_vae
-from decoder_svc.video_vae import LATENTS_STD, VideoVAEConfig, inspect_video_vae, write_tiny_video_vae
+from decoder_svc.video_vae import (LATENTS_STD, VideoVAEConfig, inspect_video_vae, load_video_vae,
+                                   write_tiny_video_vae)
 from dit_svc.checkpoint import check_checkpoint, load_dit_weights
 from dit_svc.config import DiTConfig
 from dit_svc.engine import embedded_config
@@ -243,6 +245,13 @@ def test_audio_vae_buffers_checked_at_inspect(tmp_path, audio_file, key, edit, n
         inspect_audio_vae(bad)  # the start-up check, not the first job's load
 
 
+def test_video_vae_nan_weight_refused_at_load(tmp_path, video_file):
+    bad = poisoned(video_file, tmp_path / "v.safetensors", "decoder.x_embedder.weight")
+    inspect_video_vae(str(bad), parts="decoder")  # headers and buffers are fine: it starts
+    with pytest.raises(CheckpointError, match=rf"^{bad}: decoder.x_embedder.weight: holds 1 NaN"):
+        load_video_vae(str(bad), parts="decoder")
+
+
 def test_audio_vae_nan_weight_refused_at_load(tmp_path, audio_file):
     bad = poisoned(audio_file, tmp_path / "a.safetensors", "decoder.conv_pre.weight")
     with pytest.raises(CheckpointError, match=r"decoder.conv_pre.weight: holds 1 NaN"):
@@ -370,6 +379,35 @@ def test_dit_nan_weight_fails_the_job_naming_file_and_key(tmp_path, model_cache)
             sample(_clients(s), GOOD, TEXT, timeout_s=120)
         assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
         assert f"{bad}: blocks.0.mlp.fc1.weight: holds 1 NaN and 0 Inf" in e.value.details()
+    finally:
+        s.stop()
+
+
+def test_decoder_never_muxes_nonfinite_frames(tmp_path, model_cache, audio_file):
+    """Finite video VAE weights that overflow (3e38 in the first projection): the decoded frames are NaN, and the
+    decoder fails the job with INTERNAL naming the frame, where it used to blame the client (INVALID_ARGUMENT)."""
+    from decoder_svc.engine import expected_shapes
+
+    good = tmp_path / "minimax_h3_video_vae.safetensors"
+    write_tiny_video_vae(str(good), replace(VideoVAEConfig.tiny(), tiling=False), 0, dtype=torch.float32)
+    key = "decoder.x_embedder.weight"
+    huge = rewrite_tensors(good, tmp_path / "huge.safetensors",
+                           lambda sd: sd.__setitem__(key, torch.full_like(sd[key], 3e38)))
+    s = EmbeddedStack(StackConfig(ranks={"decoder": 1}, cache_dir=str(model_cache), run_dir=str(tmp_path / "run"),
+                                  devices="virt0", env=SERVER_ENV, lease_dir=str(tmp_path / "leases"),
+                                  extra_args={"decoder": ["--video-weights", str(huge), "--audio-weights",
+                                                          str(audio_file)]}))
+    s.start_stage("decoder")
+    s.wait_ready("decoder")
+    try:
+        g = torch.Generator().manual_seed(0)
+        latents = {n: torch.randn(shape, generator=g) for n, shape in expected_shapes(GOOD).items()}
+        c = StageClients(Endpoints(**{n: f"127.0.0.1:{s.ports['decoder']}" for n in ("encoder", "dit", "decoder")}))
+        with pytest.raises(grpc.RpcError) as e:
+            decode_raw(c, GOOD, latents["video_latents"], latents["audio_latents"], timeout_s=120)
+        assert e.value.code() == grpc.StatusCode.INTERNAL, e.value.details()
+        assert "decoder: its result video frames (video VAE decode) holds" in e.value.details()
+        assert "first at frame 0 of 22;" in e.value.details()
     finally:
         s.stop()
 
