@@ -40,7 +40,7 @@ from stagekit.render_params import RenderSpec, validate
 
 log = logging.getLogger("dit_svc")
 
-# File names users have (ComfyUI) and the diffusers directory, in preference order.
+# File names users have (ComfyUI) and the diffusers directory; exactly one may match under --models-dir.
 CHECKPOINT_PATTERNS = ["*minimax_h3*int8_convrot*.safetensors", "*minimax_h3*.safetensors", "transformer"]
 # Names those patterns also match that are not this DiT: the other stages' files, LoRAs, the ref2va model.
 CHECKPOINT_EXCLUDE = ("*qwen3*", "*vae*", "*lora*", "*ref2va*")

@@ -179,6 +179,21 @@ def test_lora_with_a_nonfinite_factor_is_refused_at_admission(tmp_path, tiny_cfg
         check_lora_file(bad, targets)
 
 
+@pytest.mark.parametrize("variant,suffix", [("bf16", "weight"), ("nvfp4_awq", "weight_scale")])
+def test_text_encoder_refuses_a_nonfinite_weight_or_scale(tmp_path, variant, suffix):
+    from encoder_svc.checkpoint import TextEncoderCheckpoint
+    from encoder_svc.conditioner import ConditionerConfig
+    from encoder_svc.tiny import write_tiny_model
+
+    good = write_tiny_model(tmp_path / "te", variant=variant)
+    key = next(k for k in open_checkpoint(good).tensors if ".layers.0.mlp.down_proj." in k and k.endswith(suffix))
+    bad = poisoned(good, good.parent / "bad.safetensors", key)
+    good.unlink()
+    ckpt = TextEncoderCheckpoint(bad, ConditionerConfig.tiny())  # the header is fine
+    with pytest.raises(CheckpointError, match=rf"^{bad}: {key}: holds 1 NaN"):
+        ckpt.read_layer(0)
+
+
 # ---- VAEs: normalisation buffers and filters, before SERVING --------------------------------------------------------
 @pytest.fixture(scope="module")
 def video_file(tmp_path_factory) -> Path:
