@@ -32,6 +32,7 @@ from typing import Callable, Literal
 
 import torch
 
+from stagekit.checkpoints import nonfinite_flag
 from stagekit.errors import Cancelled as _StageCancelled
 from stagekit.errors import Internal
 from stagekit.render_params import DEFAULT_STEPS, MAX_SEED, MAX_STEPS, MIN_STEPS, SAMPLERS, SCHEDULERS
@@ -341,7 +342,7 @@ def sample(
             y = cx * y + cd * d_y
         if cfg.sampler == "res_multistep":
             d_x_prev, d_y_prev = d_x, d_y
-        finite[i] = torch.isfinite(x).all() & torch.isfinite(y).all()
+        finite[i] = ~(nonfinite_flag(x) | nonfinite_flag(y))
         if on_step is not None:
             on_step(i + 1, n)
 

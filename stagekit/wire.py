@@ -18,6 +18,7 @@ import google_crc32c
 import torch
 
 from h3.v1 import tensor_pb2
+from stagekit.checkpoints import nonfinite_flag
 from stagekit.errors import Internal
 from stagekit.transport import MAX_CHUNK_BYTES
 
@@ -227,11 +228,10 @@ def check_result(stage: str, name: str, t: torch.Tensor, unit: str, axis: int = 
     """A stage's own result must be finite before it is passed on: NaN / Inf there is the server's fault (its
     weights or kernels), raised as `Internal` naming the stage, the tensor and the first bad `unit` (the index along
     `axis`: a token, a frame, an audio channel). One host sync when the result is finite."""
-    if not t.is_floating_point():
+    flag = nonfinite_flag(t)
+    if flag is None or not bool(flag):
         return
     ok = torch.isfinite(t)
-    if bool(ok.all()):
-        return
     bad_at = (~ok).movedim(axis, 0).reshape(t.shape[axis], -1).any(dim=1)
     first = int(bad_at.nonzero()[0])
     raise Internal(f"{stage}: its result {name} holds {int((~ok).sum())} NaN/Inf value(s), first at {unit} {first} "
