@@ -37,6 +37,7 @@ log = logging.getLogger("decoder_svc")
 
 VIDEO_PATTERNS = ["*minimax_h3*video*vae*.safetensors", "*minimax*h3*vae*.safetensors", "video_vae"]
 AUDIO_PATTERNS = ["*minimax_h3*audio*vae*.safetensors", "*minimax*h3*audio*.safetensors", "audio_vae"]
+VIDEO_EXCLUDE, AUDIO_EXCLUDE = ("*audio*",), ("*video*",)  # the other VAE's file, which the patterns also match
 # The embedded model's output is noise, so its decode is made cheap where that changes no key: the video VAE
 # decodes whole frames (no spatial tiles, whose overlaps cost 4-6x the decode time on a CPU) and the audio VAE's
 # decoder is half as wide (128: the last of its seven halvings has one channel). The names say so, so a cache
@@ -82,11 +83,11 @@ def resolve_weights(cfg: DecoderEngineConfig) -> tuple[Path, Path, bool]:
     v, embedded = resolve_checkpoint(cfg.video_weights, cfg.models_dir, VIDEO_PATTERNS, "MiniMax-H3 video VAE",
                                      lambda: ensure_embedded(cfg.cache_dir, EMBEDDED_VIDEO, lambda tmp: write_tiny_video_vae(
                                          str(tmp), replace(VideoVAEConfig.tiny(), tiling=False), EMBEDDED_SEED)),
-                                     ("*audio*",), "--video-weights")
+                                     VIDEO_EXCLUDE, "--video-weights")
     a, _ = resolve_checkpoint(cfg.audio_weights, cfg.models_dir, AUDIO_PATTERNS, "MiniMax-H3 audio VAE",
                               lambda: ensure_embedded(cfg.cache_dir, EMBEDDED_AUDIO, lambda tmp: write_tiny_audio_vae(
                                   tmp, AudioVAEConfig.tiny(decoder_dim=128), EMBEDDED_SEED)),
-                              ("*video*",), "--audio-weights")
+                              AUDIO_EXCLUDE, "--audio-weights")
     return v, a, embedded
 
 

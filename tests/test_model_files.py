@@ -30,7 +30,12 @@ from decoder_svc.video_vae import (LATENTS_STD, VideoVAEConfig, inspect_video_va
                                    write_tiny_video_vae)
 from dit_svc.checkpoint import check_checkpoint, load_dit_weights
 from dit_svc.config import DiTConfig
-from dit_svc.engine import embedded_config
+from decoder_svc.engine import AUDIO_EXCLUDE, AUDIO_PATTERNS, VIDEO_EXCLUDE, VIDEO_PATTERNS, expected_shapes
+from dit_svc.engine import CHECKPOINT_EXCLUDE, CHECKPOINT_PATTERNS, embedded_config
+from encoder_svc.checkpoint import TextEncoderCheckpoint
+from encoder_svc.conditioner import ConditionerConfig
+from encoder_svc.engine import CHECKPOINT_PATTERNS as TE_PATTERNS
+from encoder_svc.tiny import write_tiny_model
 from dit_svc.lora import LoRAError, check_lora_file, config_targets
 from dit_svc.sampling import SamplerConfig, sample as run_sampler
 from dit_svc.tiny_checkpoint import write_tiny_checkpoint
@@ -181,10 +186,6 @@ def test_lora_with_a_nonfinite_factor_is_refused_at_admission(tmp_path, tiny_cfg
 
 @pytest.mark.parametrize("variant,suffix", [("bf16", "weight"), ("nvfp4_awq", "weight_scale")])
 def test_text_encoder_refuses_a_nonfinite_weight_or_scale(tmp_path, variant, suffix):
-    from encoder_svc.checkpoint import TextEncoderCheckpoint
-    from encoder_svc.conditioner import ConditionerConfig
-    from encoder_svc.tiny import write_tiny_model
-
     good = write_tiny_model(tmp_path / "te", variant=variant)
     key = next(k for k in open_checkpoint(good).tensors if ".layers.0.mlp.down_proj." in k and k.endswith(suffix))
     bad = poisoned(good, good.parent / "bad.safetensors", key)
@@ -281,10 +282,6 @@ def _touch(root: Path, *names: str) -> None:
 
 
 def test_comfyui_folder_resolves_one_file_per_stage(tmp_path):
-    from decoder_svc.engine import AUDIO_PATTERNS, VIDEO_PATTERNS
-    from dit_svc.engine import CHECKPOINT_EXCLUDE, CHECKPOINT_PATTERNS
-    from encoder_svc.engine import CHECKPOINT_PATTERNS as TE_PATTERNS
-
     _touch(tmp_path, "diffusion_models/minimax_h3_fl2va_pruned_int8_convrot.safetensors",
            "diffusion_models/minimax_h3_ref2va_pruned_int8_convrot.safetensors",  # another model: told apart by name
            "text_encoders/qwen3vl_32b_minimax_h3_int8_convrot.safetensors",
@@ -293,15 +290,22 @@ def test_comfyui_folder_resolves_one_file_per_stage(tmp_path):
     assert find_checkpoint(tmp_path, CHECKPOINT_PATTERNS, "DiT", CHECKPOINT_EXCLUDE).name == \
         "minimax_h3_fl2va_pruned_int8_convrot.safetensors"
     assert find_checkpoint(tmp_path, TE_PATTERNS, "TE").parent.name == "text_encoders"
-    assert "video" in find_checkpoint(tmp_path, VIDEO_PATTERNS, "video VAE", ("*audio*",)).name
-    assert "audio" in find_checkpoint(tmp_path, AUDIO_PATTERNS, "audio VAE", ("*video*",)).name
+    assert "video" in find_checkpoint(tmp_path, VIDEO_PATTERNS, "video VAE", VIDEO_EXCLUDE).name
+    assert "audio" in find_checkpoint(tmp_path, AUDIO_PATTERNS, "audio VAE", AUDIO_EXCLUDE).name
     os.symlink(tmp_path / "vae/minimax_h3_audio_vae_fp32.safetensors", tmp_path / "minimax_h3_audio_vae.safetensors")
-    assert "audio" in find_checkpoint(tmp_path, AUDIO_PATTERNS, "audio VAE", ("*video*",)).name  # a link is one file
+    assert "audio" in find_checkpoint(tmp_path, AUDIO_PATTERNS, "audio VAE", AUDIO_EXCLUDE).name  # a link is one file
+
+
+def test_diffusers_pipeline_folder_resolves_one_folder_per_stage(tmp_path):
+    _touch(tmp_path, *(f"MiniMax-H3/{d}/diffusion_pytorch_model.safetensors"
+                       for d in ("transformer", "text_encoder", "video_vae", "audio_vae")))
+    assert find_checkpoint(tmp_path, CHECKPOINT_PATTERNS, "DiT", CHECKPOINT_EXCLUDE).name == "transformer"
+    assert find_checkpoint(tmp_path, TE_PATTERNS, "TE").name == "text_encoder"
+    assert find_checkpoint(tmp_path, VIDEO_PATTERNS, "video VAE", VIDEO_EXCLUDE).name == "video_vae"
+    assert find_checkpoint(tmp_path, AUDIO_PATTERNS, "audio VAE", AUDIO_EXCLUDE).name == "audio_vae"
 
 
 def test_two_candidates_are_refused_naming_both_and_the_flag(tmp_path):
-    from dit_svc.engine import CHECKPOINT_EXCLUDE, CHECKPOINT_PATTERNS
-
     _touch(tmp_path, "a/minimax_h3_fl2va_int8_convrot.safetensors", "b/minimax_h3_fl2va_bf16.safetensors")
     with pytest.raises(FailedPrecondition) as e:
         find_checkpoint(tmp_path, CHECKPOINT_PATTERNS, "MiniMax-H3 DiT checkpoint", CHECKPOINT_EXCLUDE)
@@ -401,8 +405,6 @@ def test_dit_nan_weight_fails_the_job_naming_file_and_key(tmp_path, model_cache)
 def test_decoder_never_muxes_nonfinite_frames(tmp_path, model_cache, audio_file):
     """Finite video VAE weights that overflow (3e38 in the first projection): the decoded frames are NaN, and the
     decoder fails the job with INTERNAL naming the frame, where it used to blame the client (INVALID_ARGUMENT)."""
-    from decoder_svc.engine import expected_shapes
-
     good = tmp_path / "minimax_h3_video_vae.safetensors"
     write_tiny_video_vae(str(good), replace(VideoVAEConfig.tiny(), tiling=False), 0, dtype=torch.float32)
     key = "decoder.x_embedder.weight"
