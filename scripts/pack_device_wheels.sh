@@ -6,7 +6,7 @@
 # the folder.
 #
 #   bash scripts/pack_device_wheels.sh [--out .devpkgs] [--max-mib 60] [--with-cudnn-frontend]
-#   bash scripts/pack_device_wheels.sh --fast-dit      # .devpkgs/fast_dit.tar.xz: scripts/bench_fast_dit.py (issue 18)
+#   bash scripts/pack_device_wheels.sh --fast-dit      # .devpkgs/fast_dit.tar.xz: benchmarks/bench_fast_dit.py
 #
 # The two bundles have their own names (both do not fit one carry: carry the one file the run needs). On the device
 # (from the repo root, with .devpkgs/site.tar.xz carried):
@@ -21,10 +21,10 @@
 #   --with-cudnn-frontend adds nvidia-cudnn-frontend 1.32.0 (+5 MiB: the cuDNN fp8 attention candidate of
 #       stagekit/fp8_attention.py; without it that candidate is skipped). With it the tar (~62 MiB) plus the repo
 #       (~2 MiB) no longer fits the 64 MiB carry.
-#   --fast-dit packs what the DiT benchmarks of issue 18 need and nothing of the decoder: the gRPC wheels,
+#   --fast-dit packs what the DiT benchmarks need and nothing of the decoder: the gRPC wheels,
 #       comfy-kitchen, google-crc32c, nvidia-cudnn-frontend 1.32.0 (--no-deps: its CuTe DSL / TVM FFI extras serve
 #       Blackwell-only engines; cuda-bindings, which it uses when present, is in the image) and diffusers 0.42.1 (the
-#       baseline of scripts/bench_dit.py; pure Python, without its pipelines). No PyAV / soundfile. 43 MiB.
+#       baseline of benchmarks/bench_dit.py; pure Python, without its pipelines). No PyAV / soundfile. 43 MiB.
 # Not carried: transformers (the image's 5.17 runs the encoder's Qwen3-VL path; only a test oracle API differs),
 # torch, numpy, safetensors, tokenizers, pillow, rich, pyyaml, prometheus-client, psutil, nvidia-ml-py, matplotlib.
 # Compressed sizes (xz -9e): comfy-kitchen's CUDA library ~32 MiB (a fat binary for sm_75..sm_120), PyAV's FFmpeg

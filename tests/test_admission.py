@@ -1,4 +1,4 @@
-"""Admission under attack (issue 16, docs/reliability.md "Hard edges"), against real stage processes.
+"""Admission under attack (docs/reliability.md "Hard edges"), against real stage processes.
 
 Stalled and flooding uploads (Sample, Decode) and stalled unary calls never take health or Status down and get a
 deadline status; every stage checks render params and tensor headers from the first message, before data;

@@ -1,4 +1,4 @@
-"""Process-lifecycle edges (issue 16, docs/reliability.md "Hard edges"), against real stage processes.
+"""Process-lifecycle edges (docs/reliability.md "Hard edges"), against real stage processes.
 
 One listener per port; a follower rank that outlives its rank 0 keeps the device leased; temp files never outlive
 a failed, cancelled or killed mux (nor a killed client's download); a client that leaves stops the mux.
