@@ -42,6 +42,7 @@ from encoder_svc.tokenizer import TextTokenizer, validate_prompt
 from encoder_svc.vision import (PICTURE_LABEL, Presentation, VisionConfig, build_presentation, image_token_count,
                                 preprocess_image)
 from stagekit.checkpoints import CheckpointError
+from stagekit.errors import InvalidArgument
 
 log = logging.getLogger(__name__)
 
@@ -235,10 +236,10 @@ class Conditioner(nn.Module):
     def encode_ids(self, ids: list[int] | torch.Tensor) -> torch.Tensor:
         ids = torch.as_tensor(ids, dtype=torch.long).reshape(-1)
         if ids.numel() == 0:
-            raise ValueError("cannot encode an empty token sequence")
+            raise InvalidArgument("cannot encode an empty token sequence")
         lo, hi = int(ids.min()), int(ids.max())
         if lo < 0 or hi >= self.cfg.vocab_size:
-            raise ValueError(f"token ids must be in [0, {self.cfg.vocab_size}), got range [{lo}, {hi}]")
+            raise InvalidArgument(f"token ids must be in [0, {self.cfg.vocab_size}), got range [{lo}, {hi}]")
         return self.forward(ids).to(self.out_dtype)
 
     @torch.inference_mode()
@@ -262,7 +263,7 @@ class Conditioner(nn.Module):
         if self.tokenizer is None:
             raise ValueError("no tokenizer loaded: keyframe presentations need one")
         if not images:
-            raise ValueError("vision_inputs needs at least one image")
+            raise InvalidArgument("vision_inputs needs at least one image")
         tok = self.tokenizer
         vcfg = self.vision_cfg
         pixels, grids = zip(*(preprocess_image(img, vcfg) for img in images))
