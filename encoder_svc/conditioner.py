@@ -5,7 +5,7 @@ Facts (docs/model.md §6): the DiT is conditioned on ``hidden_states[50]`` of
 *before* the final RMSNorm, 5120-d, batch 1, no chat template, no special tokens, no padding.
 
 The decoder layers, rotary embedding and embedding table are transformers' own Qwen3-VL modules
-(the lead's call for this stage: the model is stock Qwen3-VL, so we own only loading and glue).
+(the model is stock Qwen3-VL, so we own only loading and glue).
 We build ``Qwen3VLTextModel`` with ``num_hidden_layers = 50`` but do NOT call its ``forward``:
 
 - its ``forward`` always applies ``self.norm`` to the last layer's output, and its

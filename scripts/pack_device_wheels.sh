@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Pack the Python packages the GPU host's image lacks (or has in versions our generated code refuses) into ONE
-# xz tar of an unpacked site dir, small enough to travel beside the repo (the device carry limit is 64 MiB for
-# the working tree and carried paths together, and the repo is ~2 MiB; this script fails above --max-mib, default
+# xz tar of an unpacked site dir, small enough to travel beside the repo to a GPU host without a package index
+# (such hosts take at most 64 MiB for the working tree and extra paths together, and the repo is ~2 MiB; this script fails above --max-mib, default
 # 60). Only the tar is left in --out (downloads and the unpacked site are built under $TMPDIR), so `carry` can name
 # the folder.
 #
@@ -12,7 +12,7 @@
 # (from the repo root, with .devpkgs/site.tar.xz carried):
 #   mkdir -p /tmp/site && tar -xJf .devpkgs/site.tar.xz -C /tmp/site && export PYTHONPATH=/tmp/site:$PWD:$PWD/protos
 #
-# What goes in and why (the device image's package list is in the workplace's KINDS.md):
+# What goes in and why (against the GPU image's own packages):
 #   grpcio 1.85.1, grpcio-health-checking/-reflection 1.85.1: protos/h3/v1/*_pb2_grpc.py refuse an older grpcio, and
 #       the image's grpcio version is not documented.
 #   protobuf 7.x: the generated *_pb2.py files validate a 7.x runtime.

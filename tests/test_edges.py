@@ -113,7 +113,7 @@ def test_a_second_server_on_a_taken_port_refuses_before_any_work(stack, tmp_path
 
 # ---- 7. temp files -----------------------------------------------------------------------------------------------
 def test_a_failed_mux_leaves_no_temp_file(stack, tmp_path):
-    """Huge finite latents decode to non-finite pixels and the mux fails (the issue: an empty h3dec-*.mp4 was left
+    """Huge finite latents decode to non-finite pixels and the mux fails (without care an empty h3dec-*.mp4 is left
     in the system temp dir for every such request)."""
     before = set(Path(os.environ.get("TMPDIR", "/tmp")).glob("h3dec-*"))
     v, a = latents(SMALL, scale=1e30)
@@ -206,7 +206,7 @@ CLIENT = textwrap.dedent("""
 
 def test_a_killed_client_leaves_no_partial_output(stack, tmp_path):
     """`kill -9` of a client while it downloads: nothing is left next to -o (the partial file has no name until it
-    is complete; the issue found a hidden `.v.mp4.*` left behind)."""
+    is complete; no hidden `.v.mp4.*` is left behind)."""
     out_dir = tmp_path / "out"
     out_dir.mkdir()
     proc = subprocess.Popen([sys.executable, "-c", CLIENT, str(stack.ports["decoder"]), str(out_dir / "v.mp4")],
@@ -229,7 +229,7 @@ def test_a_killed_client_leaves_no_partial_output(stack, tmp_path):
 # ---- 6. every rank holds its device ------------------------------------------------------------------------------
 def test_a_follower_outliving_rank_0_keeps_the_device_leased(stack):
     """A 2-rank DiT holds its weights on virt0. Rank 1 hangs (SIGSTOP), rank 0 is killed: the decoder asking for
-    virt0 must wait until rank 1 is gone too (the issue: it loaded 0.1 s after rank 0's death)."""
+    virt0 must wait until rank 1 is gone too (it must not load 0.1 s after rank 0's death)."""
     lease_dir = stack.lease_dir
     with clients_of(stack) as c:
         c.decoder.Unload(common_pb2.UnloadRequest(), timeout=60)
