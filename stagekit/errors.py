@@ -5,8 +5,9 @@ Five meanings; raise the class that says which one holds:
 1. **The request is wrong** (the caller can fix it): `InvalidArgument`, and for a named thing the service does not
    have or already has under other terms, `NotFound` / `AlreadyExists`. Request validation raises these, never a
    bare `ValueError`. `stagekit.wire.WireError` (a malformed tensor stream) is one.
-2. **A file on the server is wrong** (the operator fixes it): `FailedPrecondition`, and its subclass
-   `stagekit.checkpoints.CheckpointError` for checkpoints. Never the caller's fault.
+2. **A file or setting on the server is wrong** (the operator fixes it): `FailedPrecondition`, and its subclasses
+   `stagekit.checkpoints.CheckpointError` (a checkpoint) and `stagekit.kernels.KernelError` (a kernel setting this
+   machine cannot honour). Never the caller's fault.
 3. **Overloaded or going away** (retry later or elsewhere): `ResourceExhausted`, `Unavailable`.
 4. **Cancelled or out of time**: `Cancelled`, `DeadlineExceeded`.
 5. **A server fault**: `ServerFault`, and everything not raised on purpose (a `ValueError` or `AssertionError` of
@@ -53,7 +54,7 @@ class AlreadyExists(StageError):
     code = grpc.StatusCode.ALREADY_EXISTS
 
 
-# 2. A file on the server is wrong.
+# 2. A file or setting on the server is wrong.
 class FailedPrecondition(StageError):
     code = grpc.StatusCode.FAILED_PRECONDITION
 

@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .errors import FailedPrecondition
 from .quant import DEFAULT_CONVROT_GROUPSIZE, Int8ConvRotLinear, QuantizedWeight, is_power_of_4, quantize_convrot
 
 log = logging.getLogger(__name__)
@@ -76,7 +77,7 @@ REL_ERR_BOUND = {
 }
 
 
-class KernelError(ValueError):
+class KernelError(FailedPrecondition):
     """A kernel setting that cannot be honoured on this machine (unknown name, unavailable, fails parity)."""
 
 
