@@ -10,10 +10,13 @@ Five meanings; raise the class that says which one holds:
    machine cannot honour). Never the caller's fault.
 3. **Overloaded or going away** (retry later or elsewhere): `ResourceExhausted`, `Unavailable`.
 4. **Cancelled or out of time**: `Cancelled`, `DeadlineExceeded`.
-5. **A server fault**: `ServerFault`, and everything not raised on purpose (a `ValueError` or `AssertionError` of
-   an internal invariant, a `RuntimeError` from torch, ...). The caller sees INTERNAL with an error id; the log has
-   the id with the traceback. On a multi-rank stage a fault also restarts the rank group: its ranks' state is no
-   longer known (`restarts_group`; so does any error not raised on purpose).
+5. **A server fault**: `ServerFault` (one the server detected itself and contained), and everything not raised on
+   purpose (a `ValueError` or `AssertionError` of an internal invariant, a `RuntimeError` from torch, ...). The
+   caller sees INTERNAL with an error id; the log has the id with the traceback.
+
+Whether a multi-rank stage restarts its rank group after a failed job is said by the class (`restarts_group`): an
+error raised on purpose, `ServerFault` included, leaves the ranks in step; anything else (a foreign out-of-memory
+too) leaves their state unknown, so the group restarts and the caller is told to retry (UNAVAILABLE).
 
 A few exceptions that are not ours keep their meaning (`status_for`): safetensors' errors and a missing file are
 a wrong file, running out of memory is overload, a `TimeoutError` is out of time.
@@ -79,16 +82,16 @@ class DeadlineExceeded(StageError):
 
 # 5. A server fault.
 class ServerFault(StageError):
-    """Something the server got wrong that it detected itself; the message is for the operator's log."""
+    """Something the server got wrong, detected and contained where it happened (the ranks are still in step);
+    the message is for the operator's log, the caller sees its error id."""
 
     code = grpc.StatusCode.INTERNAL
-    restarts_group = True
 
 
 def restarts_group(exc: BaseException) -> bool:
-    """Whether a multi-rank stage must restart its rank group after `exc` ended a job. Only an error raised on
-    purpose says the ranks are intact; anything else (a fault, and also a foreign error of known meaning such as
-    running out of memory on one rank mid-collective) leaves their state unknown."""
+    """Whether a multi-rank stage must restart its rank group after `exc` ended a job. An error raised on purpose
+    says whether (its class's `restarts_group`); anything else (an unexpected fault, and also a foreign error of
+    known meaning such as running out of memory on one rank mid-collective) leaves the ranks' state unknown."""
     return exc.restarts_group if isinstance(exc, StageError) else True
 
 

@@ -31,7 +31,7 @@ MEANINGS = [
     (Unavailable, grpc.StatusCode.UNAVAILABLE, False),
     (Cancelled, grpc.StatusCode.CANCELLED, False),
     (DeadlineExceeded, grpc.StatusCode.DEADLINE_EXCEEDED, False),
-    (ServerFault, grpc.StatusCode.INTERNAL, True),
+    (ServerFault, grpc.StatusCode.INTERNAL, False),
 ]
 
 
@@ -139,11 +139,11 @@ class _Raises:
     (Cancelled("cancelled by the client"), False, grpc.StatusCode.CANCELLED),
     (CheckpointError("dit.safetensors", "truncated"), False, grpc.StatusCode.FAILED_PRECONDITION),
     (ValueError("internal invariant broken"), True, grpc.StatusCode.UNAVAILABLE),
-    (ServerFault("rank outputs differ"), True, grpc.StatusCode.UNAVAILABLE),
+    (ServerFault("the resizer gave 123 frames for 124"), False, grpc.StatusCode.INTERNAL),
 ])
 def test_the_error_class_decides_whether_a_rank_group_restarts(tmp_path, monkeypatch, exc, restarts, code):
-    """On a multi-rank stage a job that fails with an error raised on purpose leaves the group serving; a fault
-    restarts it (health NOT_SERVING, then the process exits for torchrun), and the caller is told to retry."""
+    """On a multi-rank stage a job that fails with an error raised on purpose (a contained ServerFault included)
+    leaves the group serving; an unexpected error restarts it (health NOT_SERVING, then the process exits for torchrun), and the caller is told to retry."""
     exits = threading.Event()
     monkeypatch.setattr(stagekit.runtime, "_hard_exit", exits.set)
     health: list[bool] = []
