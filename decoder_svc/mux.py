@@ -30,7 +30,7 @@ from typing import IO, Union
 
 import numpy as np
 
-from stagekit.errors import InvalidArgument, ServerFault
+from stagekit.errors import Internal, InvalidArgument
 
 AUDIO_SAMPLE_RATE = 32000
 AUDIO_CHANNELS = 2
@@ -232,7 +232,7 @@ def _encode(
         sent, n = 0, 0
         for i, frame in enumerate(frames):
             if (frame.width, frame.height) != (w, h):
-                raise ServerFault(f"resizer {resizer!r} gave a {frame.width}x{frame.height} frame, not {w}x{h}")
+                raise Internal(f"resizer {resizer!r} gave a {frame.width}x{frame.height} frame, not {w}x{h}")
             frame.pts = i
             frame.time_base = Fraction(1, fps)
             container.mux(vs.encode(frame))
@@ -249,7 +249,7 @@ def _encode(
                     container.mux(astream.encode(aframe))
                     sent = upto
         if n != f:
-            raise ServerFault(f"resizer {resizer!r} gave {n} frames for {f}")
+            raise Internal(f"resizer {resizer!r} gave {n} frames for {f}")
         container.mux(vs.encode(None))
         if astream is not None:
             container.mux(astream.encode(None))

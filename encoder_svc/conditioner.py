@@ -42,7 +42,7 @@ from encoder_svc.tokenizer import TextTokenizer, validate_prompt
 from encoder_svc.vision import (PICTURE_LABEL, Presentation, VisionConfig, build_presentation, image_token_count,
                                 preprocess_image)
 from stagekit.checkpoints import CheckpointError
-from stagekit.errors import InvalidArgument, ServerFault
+from stagekit.errors import Internal, InvalidArgument
 
 log = logging.getLogger(__name__)
 
@@ -275,7 +275,7 @@ class Conditioner(nn.Module):
                                   tok.token_id("<|vision_end|>"), tok.token_id("<|image_pad|>"), vcfg)
         n = sum(image_token_count(g, vcfg) for g in grids)
         if out.pooler_output.shape[0] != n or int(pres.image_mask.sum()) != n:
-            raise ServerFault(f"vision tower produced {out.pooler_output.shape[0]} tokens for {n} image pads")
+            raise Internal(f"vision tower produced {out.pooler_output.shape[0]} tokens for {n} image pads")
         if len(out.deepstack_features) > self.cfg.num_layers:
             raise ValueError(f"{len(out.deepstack_features)} DeepStack levels but only {self.cfg.num_layers} LM layers")
         return pres, out.pooler_output, list(out.deepstack_features)

@@ -10,12 +10,13 @@ Five meanings; raise the class that says which one holds:
    machine cannot honour). Never the caller's fault.
 3. **Overloaded or going away** (retry later or elsewhere): `ResourceExhausted`, `Unavailable`.
 4. **Cancelled or out of time**: `Cancelled`, `DeadlineExceeded`.
-5. **A server fault**: `ServerFault` (one the server detected itself and contained), and everything not raised on
-   purpose (a `ValueError` or `AssertionError` of an internal invariant, a `RuntimeError` from torch, ...). The
-   caller sees INTERNAL with an error id; the log has the id with the traceback.
+5. **A server fault**: `Internal` (one the stage detected itself and contained; the caller sees INTERNAL with its
+   message), and everything not raised on purpose (a `ValueError` or `AssertionError` of an internal invariant, a
+   `RuntimeError` from torch, ...): the caller sees INTERNAL with an error id, and the log has the id with the
+   traceback.
 
 Whether a multi-rank stage restarts its rank group after a failed job is said by the class (`restarts_group`): an
-error raised on purpose, `ServerFault` included, leaves the ranks in step; anything else (a foreign out-of-memory
+error raised on purpose, `Internal` included, leaves the ranks in step; anything else (a foreign out-of-memory
 too) leaves their state unknown, so the group restarts and the caller is told to retry (UNAVAILABLE).
 
 A few exceptions that are not ours keep their meaning (`status_for`): safetensors' errors and a missing file are
@@ -81,9 +82,10 @@ class DeadlineExceeded(StageError):
 
 
 # 5. A server fault.
-class ServerFault(StageError):
-    """Something the server got wrong, detected and contained where it happened (the ranks are still in step);
-    the message is for the operator's log, the caller sees its error id."""
+class Internal(StageError):
+    """A server fault the stage detected itself and contained where it happened (the ranks are still in step): a
+    result it must not pass on (NaN / Inf latents, states, frames), a helper that broke its contract. The message
+    names the stage and what broke."""
 
     code = grpc.StatusCode.INTERNAL
 
@@ -123,9 +125,9 @@ def error_id(exc: BaseException) -> str:
 
 def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     """The gRPC status and message a caller should see for `exc` (module docstring: the five meanings)."""
-    if isinstance(exc, StageError) and exc.code != grpc.StatusCode.INTERNAL:
+    if isinstance(exc, StageError):
         return exc.code, exc.message
-    known = None if isinstance(exc, StageError) else _known_meaning(exc)
+    known = _known_meaning(exc)
     if known is not None:
         return known
     return grpc.StatusCode.INTERNAL, (

@@ -15,8 +15,8 @@ import torch
 import stagekit.runtime
 from stagekit.checkpoints import CheckpointError
 from stagekit.dist import RankInfo
-from stagekit.errors import (AlreadyExists, Cancelled, DeadlineExceeded, FailedPrecondition, InvalidArgument, NotFound,
-                             ResourceExhausted, ServerFault, StageError, Unavailable, restarts_group, status_for)
+from stagekit.errors import (AlreadyExists, Cancelled, DeadlineExceeded, FailedPrecondition, Internal, InvalidArgument,
+                             NotFound, ResourceExhausted, Unavailable, restarts_group, status_for)
 from stagekit.lease import DeviceLease, LeaseConfig
 from stagekit.runtime import Job, RuntimeConfig, StageRuntime
 from stagekit.server import job_status
@@ -31,7 +31,7 @@ MEANINGS = [
     (Unavailable, grpc.StatusCode.UNAVAILABLE, False),
     (Cancelled, grpc.StatusCode.CANCELLED, False),
     (DeadlineExceeded, grpc.StatusCode.DEADLINE_EXCEEDED, False),
-    (ServerFault, grpc.StatusCode.INTERNAL, False),
+    (Internal, grpc.StatusCode.INTERNAL, False),
 ]
 
 
@@ -39,8 +39,7 @@ MEANINGS = [
 def test_each_class_has_one_status_and_says_whether_the_group_restarts(cls, code, restarts, caplog):
     got_code, msg = status_for(cls("what went wrong, and what to do"))
     assert got_code == code and restarts_group(cls("x")) is restarts
-    if code != grpc.StatusCode.INTERNAL:
-        assert msg == "what went wrong, and what to do"
+    assert msg == "what went wrong, and what to do"  # raised on purpose: its message is for the caller
 
 
 def test_a_malformed_stream_and_a_bad_file_keep_their_meaning():
@@ -139,10 +138,10 @@ class _Raises:
     (Cancelled("cancelled by the client"), False, grpc.StatusCode.CANCELLED),
     (CheckpointError("dit.safetensors", "truncated"), False, grpc.StatusCode.FAILED_PRECONDITION),
     (ValueError("internal invariant broken"), True, grpc.StatusCode.UNAVAILABLE),
-    (ServerFault("the resizer gave 123 frames for 124"), False, grpc.StatusCode.INTERNAL),
+    (Internal("decoder: the resizer gave 123 frames for 124"), False, grpc.StatusCode.INTERNAL),
 ])
 def test_the_error_class_decides_whether_a_rank_group_restarts(tmp_path, monkeypatch, exc, restarts, code):
-    """On a multi-rank stage a job that fails with an error raised on purpose (a contained ServerFault included)
+    """On a multi-rank stage a job that fails with an error raised on purpose (a contained Internal included)
     leaves the group serving; an unexpected error restarts it (health NOT_SERVING, then the process exits for torchrun), and the caller is told to retry."""
     exits = threading.Event()
     monkeypatch.setattr(stagekit.runtime, "_hard_exit", exits.set)
