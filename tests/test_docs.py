@@ -1,5 +1,5 @@
 """The repo speaks of the product: no tracker references or accounts of how a measurement was run in code, docs,
-scripts or tests, and the performance reference links only to files the repo has."""
+scripts or tests; the performance reference links only to files the repo has; benchmarks live in benchmarks/."""
 
 import re
 import subprocess
@@ -62,3 +62,9 @@ def test_docs_cite_only_files_the_repo_has():
     for doc in (REPO / "docs").glob("*.md"):
         for name in re.findall(r"\b([A-Z][A-Z_]+\.md)\b", doc.read_text()):
             assert list(REPO.rglob(name)) or (REPO / "docs" / name).exists(), f"{doc.name} cites {name}"
+
+
+def test_benchmarks_live_in_benchmarks():
+    """scripts/ holds the operations scripts (up, down, setup, ...); every benchmark is in benchmarks/."""
+    stray = sorted(p.name for p in (REPO / "scripts").glob("*.py") if p.name.startswith(("bench_", "kernel_")))
+    assert not stray, f"move to benchmarks/: {stray}"
