@@ -119,12 +119,9 @@ def test_a_failed_mux_leaves_no_temp_file(stack, tmp_path):
     v, a = latents(SMALL, scale=1e30)
     with clients_of(stack) as c, pytest.raises(grpc.RpcError) as e:
         decode(c, SMALL, v, a, tmp_path / "bad.mp4", timeout_s=120)
-    # Not an error the request check can see (the latents are finite): a server fault, INTERNAL with an error id
-    # that the decoder's log carries with the traceback (stagekit/errors.py).
-    assert e.value.code() == grpc.StatusCode.INTERNAL and "not caused by the request" in e.value.details(), e.value
-    eid = e.value.details().split("error id ")[1].split(",")[0]
-    wait_until(lambda: f"error id {eid}" in stack.tail("decoder", 400), what="the error id in the decoder's log")
-    assert "Traceback" in stack.tail("decoder", 400).split(f"error id {eid}")[1]
+    # Not an error the request check can see (the latents are finite): a fault the decoder finds in its own result,
+    # INTERNAL naming the stage (stagekit/errors.py `Internal`), never the client's fault.
+    assert e.value.code() == grpc.StatusCode.INTERNAL and e.value.details().startswith("decoder: "), e.value
     assert temp_files(stack) == [] and set(Path(os.environ.get("TMPDIR", "/tmp")).glob("h3dec-*")) <= before
     assert not list(tmp_path.iterdir()), "nothing next to the output either"
 
