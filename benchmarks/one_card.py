@@ -215,6 +215,8 @@ def _sha(t) -> str:
 
 
 def dit_engine_bench(models: Path, cap_gb: float, tiny: bool) -> dict:
+    # As every stage process does before its first CUDA allocation (stagekit/stage.py): reserved tracks allocated.
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     import torch
 
     from dit_svc.engine import DiTEngine, DiTEngineConfig
