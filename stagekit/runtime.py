@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from stagekit.dist import RankGroup
-from stagekit.errors import Cancelled, ResourceExhausted, StageError, Unavailable, status_for
+from stagekit.errors import Cancelled, ResourceExhausted, StageError, Unavailable, restarts_group, status_for
 from stagekit.lease import DeviceLease, RankHold
 
 if TYPE_CHECKING:
@@ -83,6 +83,9 @@ def release_device_memory(device: str) -> None:
         torch.cuda.empty_cache()
 
 
+RESIDENCIES = ("exclusive", "shared")  # take turns on the devices | stay resident within a memory budget
+
+
 @dataclass
 class RuntimeConfig:
     max_queue: int = 16             # jobs waiting beyond this are refused with RESOURCE_EXHAUSTED
@@ -92,7 +95,7 @@ class RuntimeConfig:
     max_batch_before_yield: int = 8  # with another stage waiting, serve at most this many queued jobs, then yield
 
     def validate(self) -> None:
-        if self.residency not in ("exclusive", "shared"):
+        if self.residency not in RESIDENCIES:
             raise ValueError(f"residency must be 'exclusive' or 'shared', got {self.residency!r}")
         if self.max_batch_before_yield < 1:
             raise ValueError(f"max_batch_before_yield must be >= 1, got {self.max_batch_before_yield}")
@@ -614,10 +617,10 @@ class StageRuntime:
                 e = type(reason)(f"{reason.message} ({e.message})")
             code, msg = status_for(e)
             if code.name == "INTERNAL":
-                log.error("%s job %s failed:\n%s", self.engine.name, job.job_id, traceback.format_exc())
+                log.error("%s job %s failed: %s", self.engine.name, job.job_id, msg)  # status_for logged the traceback
             outcome = JobEvent("error", e)
-            if self.group.world_size > 1 and not isinstance(e, (StageError, ValueError)):
-                broken_group = msg  # a collective failed: exit (below) so torchrun restarts the group
+            if self.group.world_size > 1 and restarts_group(e):
+                broken_group = msg  # a fault: the ranks' state is unknown; exit (below) so torchrun restarts the group
         # The job is over for the runtime before its client hears so: a client holding the outcome never sees it
         # still running in Status, nor jobs_done without it.
         with self._lock:

@@ -25,10 +25,14 @@ from stagekit.budget import BudgetConfig, MemoryBudget, resolve_budget_bytes
 from stagekit.device_worker import DeviceWorkerEngine, WorkerConfig, die_with_parent, wanted
 from stagekit.dist import RankGroup, RankInfo, rank_info_from_env
 from stagekit.lease import DeviceLease, LeaseConfig, RankHold, pid_alive
-from stagekit.runtime import Engine, RuntimeConfig, StageRuntime, follower_loop
+from stagekit.runtime import RESIDENCIES, Engine, RuntimeConfig, StageRuntime, follower_loop
 from stagekit.server import ServeConfig, StageServer, followers_ignore_term, is_loopback, startup_errors
 
 log = logging.getLogger("stagekit.stage")
+
+# --dtype spellings -> the torch dtype's name ("": bf16 on a GPU, fp32 on the CPU).
+DTYPES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16", "fp16": "float16",
+          "float32": "float32", "fp32": "float32"}
 
 
 @dataclass
@@ -44,7 +48,8 @@ class CommonConfig(ServeConfig):
         "help": "where the stage keeps temp files (default $TMPDIR): in its own h3-<stage>-<pid> subdirectory, removed "
                 "at exit; subdirectories of stages no longer running are removed at start"})
     lease_dir: str = field(default="/tmp/h3-stages-leases", metadata={"help": "host-wide device lease directory"})
-    residency: str = field(default="exclusive", metadata={"help": "exclusive (take turns on the GPU) | shared (stay resident)"})
+    residency: str = field(default="exclusive", metadata={
+        "choices": RESIDENCIES, "help": "exclusive (take turns on the GPU) | shared (stay resident)"})
     idle_unload_s: float = field(default=30.0, metadata={"help": "unload after this long idle in exclusive mode (<0: never)"})
     max_queue: int = field(default=16, metadata={"help": "queued jobs beyond this get RESOURCE_EXHAUSTED"})
     max_batch_before_yield: int = field(default=8, metadata={
@@ -57,7 +62,8 @@ class CommonConfig(ServeConfig):
     reserve_gb: float = field(default=1.0, metadata={
         "help": "GiB of each GPU kept out of the automatic budget (CUDA context, workspaces, other processes)"})
     collective_timeout_s: float = field(default=60.0, metadata={"help": "a dead rank fails the job after this long"})
-    dtype: str = field(default="", metadata={"help": "compute dtype: bfloat16 | float16 | float32 (default: bf16 on GPU, fp32 on CPU)"})
+    dtype: str = field(default="", metadata={
+        "choices": ("", *DTYPES), "help": "compute dtype: bfloat16 | float16 | float32 (default: bf16 on GPU, fp32 on CPU)"})
     log_level: str = field(default="INFO", metadata={"help": "logging level"})
     gpu_memory_cap_gb: float = field(default=0.0, metadata={
         "help": "hard per-process cap on CUDA memory (GiB), e.g. 22 to prove a 22 GB card suffices; 0 = none"})
@@ -93,11 +99,9 @@ class CommonConfig(ServeConfig):
         import torch
 
         if self.dtype:
-            names = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
-                     "fp16": torch.float16, "float32": torch.float32, "fp32": torch.float32}
-            if self.dtype not in names:
+            if self.dtype not in DTYPES:
                 raise SystemExit(f"--dtype {self.dtype!r}: use one of bfloat16, float16, float32")
-            return names[self.dtype]
+            return getattr(torch, DTYPES[self.dtype])
         return torch.bfloat16 if device.startswith("cuda") else torch.float32
 
     def resolved_cache_dir(self) -> Path:
