@@ -174,6 +174,7 @@ class BlockStream:
         if self.cuda:
             self._ready = [torch.cuda.Event() for _ in range(SLOTS)]
             self._free = [torch.cuda.Event() for _ in range(SLOTS)]
+            torch.cuda.empty_cache()  # the moved-out blocks' device memory goes back to the card, not to our cache
         log.info("block placement: %d of %d blocks streamed (%s in host memory)", len(want), len(self.sizes),
                  fmt_gib(sum(self.sizes[i] for i in want)))
 
