@@ -76,6 +76,7 @@ class RenderConfig(CommonConfig):
     retention_every_s: float = field(default=60.0, metadata={
         "help": "retention runs this often (and whenever a job ends)"})
     # Stage settings with no meaning here.
+    max_uploads: int = _fixed(1)  # no call of the render service streams its request
     devices: list[str] = _fixed(["render"])
     models_dir: str = _fixed("")
     weights: str = _fixed("")
@@ -130,9 +131,12 @@ class RenderServicer(render_pb2_grpc.RendererServicer):
     def _follow(self, job_id: str, from_index: int, context):
         """The job's event log from `from_index` until its terminal state (or the caller leaves). A finished job's
         log ends the stream once it is read (also when `from_index` is past its end), and so does the job's removal
-        by retention (NOT_FOUND)."""
+        by retention (NOT_FOUND). A drain ends it with UNAVAILABLE (the job goes on after the restart)."""
         idx = from_index
         while context.is_active():
+            if self.svc.runtime.stopping:
+                context.abort(grpc.StatusCode.UNAVAILABLE, f"the render service is restarting; the job goes on: Watch "
+                                                           f"{job_id} again from index {idx} once it is back")
             evs = self.svc.store.wait_events(job_id, idx, timeout_s=1.0)
             for ev in evs:
                 yield ev

@@ -326,6 +326,11 @@ class StageRuntime:
             raise err
         return secs
 
+    @property
+    def stopping(self) -> bool:
+        """SIGTERM arrived: the runtime takes no more jobs."""
+        return self._stop.is_set()
+
     def shutdown(self, cancel_running: bool, grace_s: float, cancel_wait_s: float = 15.0) -> None:
         """SIGTERM (docs/reliability.md, "SIGTERM"): stop taking jobs; fail the queued ones now with UNAVAILABLE
         (they never started, so a retry elsewhere is safe); let the running one finish within `grace_s` (or
