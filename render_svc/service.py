@@ -243,6 +243,7 @@ class RenderService:
             with self._lock:
                 batch = self._next()
                 if batch is None:
+                    self._durable(self.store.save_finished)
                     due = min((d for d, _ in self.later.values()), default=time.monotonic() + 0.5)
                     self._lock.wait(max(0.01, min(0.5, due - time.monotonic())))
                     continue

@@ -40,6 +40,7 @@ TERMINAL = (SUCCEEDED, FAILED, CANCELLED)
 DB_FILE = "render.sqlite3"
 MAX_SHOWN_ID = 64            # a job id echoed in an error is cut to this many characters
 MAX_EVENT_INDEX = 1 << 62    # event indexes beyond any log (SQLite integers are signed 64-bit)
+CHECKPOINT_S = 1.0           # the WAL is copied into the database file at most this often while jobs finish
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS jobs (
@@ -170,6 +171,8 @@ class JobStore:
         self.keyframe_dir = self.run_dir / "keyframes"
         self.keyframe_dir.mkdir(exist_ok=True)
         self._owner = self._claim(self.run_dir / "render.lock")
+        self._unsaved = False       # finished jobs in the WAL only, not yet in the database file
+        self._checkpointed = 0.0
         self.lock = threading.RLock()
         self.changed = threading.Condition(self.lock)
         try:
@@ -225,10 +228,19 @@ class JobStore:
             self.db.close()
         os.close(self._owner)
 
-    def checkpoint(self) -> None:
-        """Copy the WAL into the database file and empty it: what is committed no longer depends on the -wal file."""
+    def checkpoint(self, unless_within_s: float = 0.0) -> None:
+        """Copy the WAL into the database file and empty it: what is committed no longer depends on the -wal file.
+        `unless_within_s`: not if the last one is that recent (`save_finished` does it later)."""
         with self.lock:
+            if time.monotonic() - self._checkpointed < unless_within_s:
+                return
             self.db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+            self._checkpointed, self._unsaved = time.monotonic(), False
+
+    def save_finished(self) -> None:
+        """Checkpoint if a job finished since the last one (the scheduler calls it whenever it is idle)."""
+        if self._unsaved:
+            self.checkpoint()
 
     def missing(self) -> bool:
         """The database file is gone from the run dir (deleted under the running service)."""
@@ -393,7 +405,8 @@ class JobStore:
     def finish(self, job_id: str, state: int, error_code: str = "", error: str = "", output: str = "",
                output_bytes: int = 0) -> bool:
         """Move a job that is not terminal yet into a terminal state (once). False if it already was terminal.
-        The WAL is checkpointed after it: a finished job lives in the database file itself."""
+        The WAL is checkpointed after it (within CHECKPOINT_S, or when the scheduler is next idle): a finished job
+        lives in the database file itself, not only in the -wal file beside it."""
         if state not in TERMINAL:
             raise ValueError(f"finish needs a terminal state, got {render_pb2.JobState.Name(state)}")
         with self.changed:
@@ -406,7 +419,8 @@ class JobStore:
                     "WHERE id = ?", (state, time.time(), error_code, error, output, output_bytes, job_id))
                 self._log_info(job_id)
             self._drop_keyframes(_record(row).keyframes.values())
-            self.checkpoint()
+            self._unsaved = True
+            self.checkpoint(unless_within_s=CHECKPOINT_S)
             self.changed.notify_all()
             return True
 
@@ -478,7 +492,6 @@ class JobStore:
                         self.db.executemany("DELETE FROM events WHERE job_id = ?", ids)
                         self.db.executemany("DELETE FROM jobs WHERE id = ?", ids)
                     self.db.executemany("UPDATE jobs SET expired = 1 WHERE id = ?", [(r["id"],) for r in expire])
-                self.checkpoint()
                 self.changed.notify_all()
             return [r["output"] for r in delete + expire if r["output"]]
 
