@@ -37,10 +37,10 @@ import pytest
 from PIL import Image
 
 from client.render_client import RenderClient
-from client.stubs import StageClients
+from client.stubs import Security, StageClients
 from h3.v1 import common_pb2, render_pb2, render_pb2_grpc
 from stagekit.render_params import MAX_PROMPT_BYTES
-from tests.render_svc_util import (ROOT, SERVER_ENV, TERMINAL, RenderService, holding_the_device, probe,
+from tests.render_svc_util import (ROOT, SERVER_ENV, TERMINAL, RenderService, holding_the_device, probe, self_signed_cert,
                                    tiny_request, wait_for)
 
 SUCCEEDED = render_pb2.JOB_SUCCEEDED
@@ -350,3 +350,54 @@ def test_token_on_the_command_line_is_refused(stack, tmp_path):
                        capture_output=True, text=True, timeout=120, cwd=ROOT, env={**SERVER_ENV, **_env()})
     assert p.returncode != 0 and "--token is not accepted on the command line" in p.stderr \
         and "--token-file" in p.stderr and "H3_RENDER_TOKEN" in p.stderr, p.stderr
+
+
+def _https_get(port: int, cafile, host: str = "127.0.0.1", timeout_s: float = 5.0) -> int:
+    import http.client
+    import ssl
+
+    ctx = ssl.create_default_context(cafile=str(cafile))
+    conn = http.client.HTTPSConnection("127.0.0.1", port, timeout=timeout_s, context=ctx)
+    try:
+        conn.putrequest("GET", "/api/state", skip_host=True)
+        conn.putheader("Host", f"{host}:{port}")
+        conn.endheaders()
+        return conn.getresponse().status
+    finally:
+        conn.close()
+
+
+def test_https_page_handshakes_off_the_accept_loop_with_a_cap_and_a_host_check(stack, tmp_path):
+    """An idle TCP connection does not block the HTTPS page; a foreign Host: gets 421; connections beyond the cap
+    are closed at once and the cap frees itself as idle handshakes time out."""
+    from render_svc.web import HANDSHAKE_S, MAX_CONNECTIONS
+
+    _, endpoints = stack
+    cert, key = self_signed_cert(tmp_path)
+    svc = RenderService(tmp_path / "run", endpoints, ["--http-port", "0", "--tls-cert", str(cert), "--tls-key", str(key)])
+    svc.stack.cfg.security = Security(tls_ca=str(cert))
+    svc.start()
+    idle = []
+    try:
+        port = int((tmp_path / "run" / "render.port.http").read_text())
+        idle.append(socket.create_connection(("127.0.0.1", port)))  # connects, never says hello
+        t0 = time.monotonic()
+        assert _https_get(port, cert) == 200 and time.monotonic() - t0 < 3
+        assert _https_get(port, cert, host="localhost") == 200
+        assert _https_get(port, cert, host="rebound.example") == 421
+        idle += [socket.create_connection(("127.0.0.1", port)) for _ in range(MAX_CONNECTIONS)]
+        time.sleep(0.5)
+        with pytest.raises(OSError):  # over the cap: closed before the handshake
+            _https_get(port, cert)
+        wait_for(lambda: _ok(lambda: _https_get(port, cert) == 200), HANDSHAKE_S + 20, "the cap freed by the timeout")
+    finally:
+        for c in idle:
+            c.close()
+        svc.stop()
+
+
+def _ok(fn) -> bool:
+    try:
+        return fn()
+    except OSError:
+        return False
