@@ -232,18 +232,29 @@ class RenderService:
                 self.planner.add(job_id, stage)
         return self.planner.next_batch()
 
+    def _drained(self) -> None:
+        """The runtime is draining (SIGTERM): the running jobs go back to the queue, their attempt given back."""
+        try:
+            ids = self.store.drained()
+            log.info("drain: %d running job(s) back in the queue, no attempt spent", len(ids))
+        except sqlite3.Error as e:
+            self._storage_failed(e)
+
     def _loop(self) -> None:
         while not self._stop.is_set():
-            if time.monotonic() >= self._next_retention:
-                try:
-                    self._maintain()
-                except Unavailable:
+            try:
+                if self.runtime.stopping:
+                    self._drained()
                     return
-                self._next_retention = time.monotonic() + self.cfg.retention_every_s
+                if time.monotonic() >= self._next_retention:
+                    self._maintain()
+                    self._next_retention = time.monotonic() + self.cfg.retention_every_s
+                self._durable(self.store.save_finished)
+            except Unavailable:
+                return
             with self._lock:
                 batch = self._next()
                 if batch is None:
-                    self._durable(self.store.save_finished)
                     due = min((d for d, _ in self.later.values()), default=time.monotonic() + 0.5)
                     self._lock.wait(max(0.01, min(0.5, due - time.monotonic())))
                     continue
@@ -253,11 +264,7 @@ class RenderService:
                 self._run_batch(batch, works)
             except Unavailable:
                 log.info("runtime shutting down: leaving batch %d (%s) to the next start", batch.number, batch.stage)
-                try:
-                    ids = self.store.drained()
-                    log.info("drain: %d running job(s) back in the queue, no attempt spent", len(ids))
-                except sqlite3.Error as e:
-                    self._storage_failed(e)
+                self._drained()
                 return
             except Exception:  # noqa: BLE001 - a scheduler bug must not strand the jobs silently
                 log.exception("batch %d (%s) failed", batch.number, batch.stage)

@@ -238,7 +238,7 @@ class JobStore:
             self._checkpointed, self._unsaved = time.monotonic(), False
 
     def save_finished(self) -> None:
-        """Checkpoint if a job finished since the last one (the scheduler calls it whenever it is idle)."""
+        """Checkpoint if a job finished since the last one (the scheduler calls it between batches and when idle)."""
         if self._unsaved:
             self.checkpoint()
 
