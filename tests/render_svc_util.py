@@ -69,6 +69,17 @@ class RenderService:
                         and i, timeout_s, f"job {job_id} in {states}", self.log)
 
 
+@contextmanager
+def serving(run_dir: Path, stages: Endpoints, extra: list[str] = ()):
+    """A started render service, stopped (SIGTERM) when the block ends."""
+    svc = RenderService(run_dir, stages, extra)
+    svc.start()
+    try:
+        yield svc
+    finally:
+        svc.stop()
+
+
 def wait_for(cond, timeout_s: float, what: str, log=lambda: ""):
     """Poll `cond` until it returns something truthy (returned); fail with `what` (and a log) after the deadline."""
     deadline = time.monotonic() + timeout_s

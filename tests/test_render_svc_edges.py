@@ -40,8 +40,8 @@ from client.render_client import RenderClient
 from client.stubs import Security, StageClients
 from h3.v1 import common_pb2, render_pb2, render_pb2_grpc
 from stagekit.render_params import MAX_PROMPT_BYTES
-from tests.render_svc_util import (ROOT, SERVER_ENV, TERMINAL, RenderService, holding_the_device, probe, self_signed_cert,
-                                   tiny_request, wait_for)
+from tests.render_svc_util import (ROOT, SERVER_ENV, TERMINAL, RenderService, holding_the_device, probe,
+                                   self_signed_cert, serving, tiny_request, wait_for)
 
 SUCCEEDED = render_pb2.JOB_SUCCEEDED
 
@@ -145,9 +145,7 @@ def test_prompts_are_checked_at_submit_and_events_do_not_copy_them(svc):
 def test_retention_runs_on_a_timer(stack, tmp_path):
     """--keep-age-s 2: a finished job is deleted (row and events) with no other job ending after it."""
     _, endpoints = stack
-    svc = RenderService(tmp_path / "run", endpoints, ["--keep-age-s", "2", "--retention-every-s", "0.5"])
-    svc.start()
-    try:
+    with serving(tmp_path / "run", endpoints, ["--keep-age-s", "2", "--retention-every-s", "0.5"]) as svc:
         job = svc.stub.Submit(tiny_request("short-lived"), timeout=30).job_id
         assert svc.wait_state(job, TERMINAL).state == SUCCEEDED
         mp4 = tmp_path / "run" / "render" / "outputs" / f"{job}.mp4"
@@ -164,15 +162,11 @@ def test_retention_runs_on_a_timer(stack, tmp_path):
         db = sqlite3.connect(tmp_path / "run" / "render" / "render.sqlite3")
         assert db.execute("SELECT COUNT(*) FROM events WHERE job_id = ?", (job,)).fetchone()[0] == 0
         db.close()
-    finally:
-        svc.stop()
 
 
 def test_a_full_disk_pauses_the_scheduler_and_it_recovers(stack, tmp_path):
     s, endpoints = stack
-    svc = RenderService(tmp_path / "run", endpoints)
-    svc.start()
-    try:
+    with serving(tmp_path / "run", endpoints) as svc:
         with holding_the_device(s.lease_dir):
             job = svc.stub.Submit(tiny_request("through a full disk"), timeout=30).job_id
             wait_for(lambda: svc.stub.Get(_ref(job), timeout=10).stage == "encoder", 60, "the job in the encoder")
@@ -191,8 +185,6 @@ def test_a_full_disk_pauses_the_scheduler_and_it_recovers(stack, tmp_path):
         assert svc.stub.Status(common_pb2.StatusRequest(), timeout=10).health == "SERVING"
         after = svc.stub.Submit(tiny_request("after the space came back", seed=4), timeout=30).job_id
         assert svc.wait_state(after, TERMINAL).state == SUCCEEDED
-    finally:
-        svc.stop()
 
 
 def test_a_drain_spends_no_attempt_and_a_follower_gets_the_mp4(stack, tmp_path):

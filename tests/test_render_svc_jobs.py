@@ -121,8 +121,8 @@ def test_retention_removes_old_outputs(stack, tmp_path):
     svc = RenderService(tmp_path / "run", endpoints, ["--keep-jobs", "1"])
     svc.start()
     try:
-        ids = [svc.stub.Submit(tiny_request(f"kept? {i}", seed=i), timeout=30).job_id for i in range(2)]
-        infos = sorted((svc.wait_state(i, TERMINAL) for i in ids), key=lambda x: x.finished_unix)
+        infos = [svc.wait_state(svc.stub.Submit(tiny_request(f"kept? {i}", seed=i), timeout=30).job_id, TERMINAL)
+                 for i in range(2)]  # one after the other: the first finishes first
         assert all(x.state == SUCCEEDED for x in infos)
         a, b = infos[0].job_id, infos[1].job_id  # the older one is over the limit
         for call in (lambda: svc.stub.Get(render_pb2.JobRef(job_id=a), timeout=10),
