@@ -342,6 +342,10 @@ def test_token_on_the_command_line_is_refused(stack, tmp_path):
                        capture_output=True, text=True, timeout=120, cwd=ROOT, env={**SERVER_ENV, **_env()})
     assert p.returncode != 0 and "--token is not accepted on the command line" in p.stderr \
         and "--token-file" in p.stderr and "H3_RENDER_TOKEN" in p.stderr, p.stderr
+    c = subprocess.run([sys.executable, "-m", "client", "jobs", "list", "--token", "secret"], capture_output=True,
+                       text=True, timeout=120, cwd=ROOT, env={**SERVER_ENV, **_env()})
+    assert c.returncode == 2 and "--token is not accepted on the command line" in c.stderr \
+        and "--token-file" in c.stderr and "H3_TOKEN" in c.stderr, c.stderr
 
 
 def _https_get(port: int, cafile, host: str = "127.0.0.1", timeout_s: float = 5.0) -> int:
