@@ -60,11 +60,10 @@ def _allowed_hosts(bind: str) -> set[str] | None:
         return None
     hosts = {bind.lower(), f"[{bind.lower()}]"}
     try:
-        if ipaddress.ip_address(bind).is_loopback:
-            hosts |= {"localhost", "127.0.0.1", "[::1]"}
+        loopback = bind == "localhost" or ipaddress.ip_address(bind).is_loopback
     except ValueError:
-        pass
-    return hosts
+        loopback = False
+    return hosts | ({"localhost", "127.0.0.1", "[::1]"} if loopback else set())
 
 
 def _host_ok(header: str, allowed: set[str] | None) -> bool:
