@@ -301,8 +301,9 @@ def test_jobs_belong_to_their_principal(stack, tmp_path):
     _, endpoints = stack
     tokens = tmp_path / "tokens"
     tokens.write_text("# principals\nalice tok-alice\nbob tok-bob\nops tok-ops admin\n")
-    svc = RenderService(tmp_path / "run", endpoints, ["--tokens-file", str(tokens)])
+    svc = RenderService(tmp_path / "run", endpoints, ["--tokens-file", str(tokens), "--http-port", "0"])
     svc.start()
+    page = f"http://127.0.0.1:{int((tmp_path / 'run' / 'render.port.http').read_text())}"
     chans = {}
     try:
         from client.stubs import open_channel
@@ -317,6 +318,10 @@ def test_jobs_belong_to_their_principal(stack, tmp_path):
         ja = a.Submit(tiny_request("alice's", idempotency_key="k"), timeout=30, metadata=amd).job_id
         jb = b.Submit(tiny_request("bob's", idempotency_key="k"), timeout=30, metadata=bmd).job_id
         assert ja != jb  # the same key, two principals: two jobs
+        with pytest.raises(grpc.RpcError) as e:
+            a.Submit(tiny_request("alice's other", idempotency_key="k"), timeout=30, metadata=amd)
+        assert e.value.code() == grpc.StatusCode.ALREADY_EXISTS and ja in e.value.details() \
+            and jb not in e.value.details()
         assert [j.job_id for j in a.List(render_pb2.ListRequest(), timeout=10, metadata=amd).jobs] == [ja]
         assert {j.job_id for j in o.List(render_pb2.ListRequest(), timeout=10, metadata=omd).jobs} == {ja, jb}
         for call in (lambda: b.Get(_ref(ja), timeout=10, metadata=bmd),
@@ -330,10 +335,36 @@ def test_jobs_belong_to_their_principal(stack, tmp_path):
         assert a.Get(_ref(ja), timeout=10, metadata=amd).state == SUCCEEDED
         assert sum(len(c.data) for c in a.Fetch(render_pb2.FetchRequest(job_id=ja), timeout=30, metadata=amd)) > 0
         assert o.Cancel(_ref(jb), timeout=60, metadata=omd).job_id == jb
+        assert {j["job_id"] for j in _page_state(page, "bob")["jobs"]} == {jb}
+        assert {j["job_id"] for j in _page_state(page, "ops")["jobs"]} == {ja, jb}
+        assert _page_status(f"{page}/video/{ja}.mp4", "bob") == 404
+        assert _page_status(f"{page}/video/{ja}.mp4", "alice") == 200
     finally:
         for c in chans.values():
             c.close()
         svc.stop()
+
+
+def _page_status(url: str, who: str) -> int:
+    import urllib.error
+    import urllib.request
+
+    req = urllib.request.Request(url, headers={"Authorization": f"Bearer tok-{who}"})
+    try:
+        with urllib.request.urlopen(req, timeout=10) as r:
+            r.read()
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
+
+
+def _page_state(page: str, who: str) -> dict:
+    import json
+    import urllib.request
+
+    req = urllib.request.Request(f"{page}/api/state", headers={"Authorization": f"Bearer tok-{who}"})
+    with urllib.request.urlopen(req, timeout=10) as r:
+        return json.loads(r.read())
 
 
 def test_token_on_the_command_line_is_refused(stack, tmp_path):
