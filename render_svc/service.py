@@ -94,7 +94,7 @@ class RenderService:
         self.works: dict[str, Work] = {}         # jobs in flight (queued or between / in stages)
         self.batch: Batch | None = None          # the batch running now, since batch_t0
         self.batch_t0 = 0.0
-        self.later: dict[str, tuple[float, str]] = {}  # jobs backing off a busy stage: id -> (due, monotonic; stage)
+        self.later: dict[str, tuple[float, str]] = {}  # jobs backing off a busy stage: id -> (due, stage)
         self.storage_error = ""                  # the job store's last failed write, until one succeeds again
         self._next_retention = 0.0
         self.batch_log: deque[dict] = deque(maxlen=200)  # recent batches (the web page draws them)

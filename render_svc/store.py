@@ -180,6 +180,18 @@ class JobStore:
         except BaseException:
             os.close(self._owner)
             raise
+        self._move_images_out()
+
+    def _move_images_out(self) -> None:
+        """Unfinished jobs recorded with their keyframe images inside the request (by an earlier version): the
+        images go to keyframes/ like a new job's."""
+        with self.lock, self.db:
+            for row in self.db.execute("SELECT id, request FROM jobs WHERE state IN (?, ?) AND keyframes = ''",
+                                       (QUEUED, RUNNING)).fetchall():
+                req = render_pb2.RenderRequest.FromString(row["request"])
+                if digests := self._store_keyframes(req):
+                    self.db.execute("UPDATE jobs SET request = ?, keyframes = ? WHERE id = ?",
+                                    (_without_images(req), json.dumps(digests), row["id"]))
 
     def _open(self) -> sqlite3.Connection:
         db = sqlite3.connect(str(self.path), check_same_thread=False)
@@ -420,9 +432,12 @@ class JobStore:
                 self._log_info(job_id)
             self._drop_keyframes(_record(row).keyframes.values())
             self._unsaved = True
-            self.checkpoint(unless_within_s=CHECKPOINT_S)
             self.changed.notify_all()
-            return True
+        try:
+            self.checkpoint(unless_within_s=CHECKPOINT_S)
+        except sqlite3.Error:
+            pass  # the job's end is committed; `save_finished` checkpoints it once writes succeed again
+        return True
 
     def recover(self, max_attempts: int) -> tuple[list[str], list[str]]:
         """After a restart: RUNNING jobs are retried (back to QUEUED) while attempts < max_attempts, else FAILED.

@@ -134,3 +134,19 @@ def test_retention_removes_old_outputs(stack, tmp_path):
         assert not (tmp_path / "run" / "render" / "outputs" / f"{a}.mp4").exists()
     finally:
         svc.stop()
+
+
+def test_store_moves_images_of_earlier_unfinished_jobs_out_of_the_database(tmp_path):
+    """A queued job recorded with its keyframe image inside the request (an earlier version's row) gets the image
+    moved to keyframes/ when the store opens, as a new job's would be."""
+    store = JobStore(tmp_path)
+    rec, _ = store.submit(tiny_request("legacy"))
+    image = b"\x89PNG fake image bytes"
+    legacy = tiny_request("legacy", first_frame=image)
+    with store.db:
+        store.db.execute("UPDATE jobs SET request = ? WHERE id = ?", (legacy.SerializeToString(), rec.id))
+    store.close()
+    again = JobStore(tmp_path)
+    moved = again.get(rec.id)
+    assert not moved.request.first_frame and again.keyframe(moved.keyframes["first"]) == image
+    again.close()
