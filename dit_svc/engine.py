@@ -40,8 +40,10 @@ from stagekit.render_params import RenderSpec, validate
 
 log = logging.getLogger("dit_svc")
 
-# File names users have (ComfyUI) and the diffusers directory, in preference order.
+# File names users have (ComfyUI) and the diffusers directory; exactly one may match under --models-dir.
 CHECKPOINT_PATTERNS = ["*minimax_h3*int8_convrot*.safetensors", "*minimax_h3*.safetensors", "transformer"]
+# Names those patterns also match that are not this DiT: the other stages' files, LoRAs, the ref2va model.
+CHECKPOINT_EXCLUDE = ("*qwen3*", "*vae*", "*lora*", "*ref2va*")
 EMBEDDED_FILE = "dit_tiny_bf16.safetensors"
 EMBEDDED_SEED = 0
 
@@ -106,7 +108,7 @@ def resolve_weights(cfg: DiTEngineConfig) -> tuple[Path, bool]:
     """(checkpoint path, is_embedded)."""
     return resolve_checkpoint(cfg.weights, cfg.models_dir, CHECKPOINT_PATTERNS, "MiniMax-H3 DiT checkpoint",
                               lambda: ensure_embedded(cfg.cache_dir, EMBEDDED_FILE, lambda tmp: write_tiny_checkpoint(
-                                  embedded_config(), tmp, "bf16", seed=EMBEDDED_SEED)))
+                                  embedded_config(), tmp, "bf16", seed=EMBEDDED_SEED)), CHECKPOINT_EXCLUDE)
 
 
 class DiTEngine:
