@@ -1,4 +1,4 @@
-"""The render service's hard edges, through real processes (session stage stack + render_svc processes).
+"""The render service's hard edges, through real processes (the shared stage stack + render_svc processes).
 
 - a stage's temporary refusal (RESOURCE_EXHAUSTED ... retry later: its upload slots taken) is waited out, the job
   showing "waiting for the dit stage (busy)", and the job then succeeds;
