@@ -136,6 +136,7 @@ class RenderEngine:
     """`Engine` of the render service (stagekit.runtime): no weights; `run` serves one stage batch."""
 
     name = "render"
+    holds_weights = False  # no memory budget: nothing of it is on a device
 
     def __init__(self, clients: StageClients):
         self.clients = clients

@@ -49,6 +49,8 @@ class Engine(Protocol):
 
     def resident_bytes(self) -> int: ...
 
+    # Optional attribute `holds_weights = False`: an engine with nothing on a device (the render service's) takes
+    # no memory budget, so it writes no budget ledger per job.
     # Optional hook: load only what one job needs (exclusive residency loads for the job at hand; operators' Load and
     # shared residency load everything). The decoder's keyframe encode loads the VAE encoder alone.
     # def load_for(self, spec: Any) -> None: ...
