@@ -136,7 +136,7 @@ class RenderEngine:
     """`Engine` of the render service (stagekit.runtime): no weights; `run` serves one stage batch."""
 
     name = "render"
-    holds_weights = False  # no memory budget: nothing of it is on a device
+    device_work = False  # nothing to run on a device: never moved into a device worker, no memory budget
 
     def __init__(self, clients: StageClients):
         self.clients = clients
