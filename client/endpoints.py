@@ -106,6 +106,25 @@ def connect_or_start(args, security: Security, extra_args: dict[str, list[str]] 
     return stack.start(), stack
 
 
+class _TokenFile(argparse.Action):
+    """--token-file FILE: the token is the file's contents (stripped)."""
+
+    def __call__(self, parser, namespace, value, option_string=None):
+        try:
+            token = Path(value).read_text().strip()
+        except OSError as e:
+            parser.error(f"--token-file {value}: cannot read it ({e.strerror})")
+        if not token:
+            parser.error(f"--token-file {value} is empty")
+        namespace.token = token
+
+
+class _RefusedToken(argparse.Action):
+    def __call__(self, parser, namespace, value, option_string=None):
+        parser.error("--token is not accepted on the command line (other local users can read it in "
+                     "/proc/<pid>/cmdline); use --token-file FILE or the H3_TOKEN environment variable")
+
+
 def add_endpoint_args(ap: argparse.ArgumentParser, render: bool = False, stages: bool = True) -> None:
     if render:
         ap.add_argument("--render", help="render service endpoint host:port (default: H3_RENDER or the endpoints file)")
@@ -114,5 +133,8 @@ def add_endpoint_args(ap: argparse.ArgumentParser, render: bool = False, stages:
         ap.add_argument("--dit", help="DiT sampler endpoint")
         ap.add_argument("--decoder", help="decoder endpoint")
     ap.add_argument("--endpoints-file", default=str(DEFAULT_ENDPOINTS_FILE), help="file written by scripts/up.sh")
-    ap.add_argument("--token", default=os.environ.get("H3_TOKEN", ""), help="bearer token for remote services")
+    ap.set_defaults(token=os.environ.get("H3_TOKEN", ""))
+    ap.add_argument("--token-file", action=_TokenFile, help="file holding the bearer token for remote services "
+                    "(default: the H3_TOKEN environment variable)")
+    ap.add_argument("--token", dest="token_on_command_line", action=_RefusedToken, help=argparse.SUPPRESS)
     ap.add_argument("--tls-ca", default=os.environ.get("H3_TLS_CA", ""), help="CA certificate for TLS stages")

@@ -7,8 +7,11 @@ come here; they move between the render service and the stages beside it.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+
+import grpc
 
 from client.stubs import Security, open_channel
 from h3.v1 import common_pb2, render_pb2, render_pb2_grpc
@@ -18,6 +21,7 @@ from stagekit.transport import FileReceiver
 TERMINAL = (render_pb2.JOB_SUCCEEDED, render_pb2.JOB_FAILED, render_pb2.JOB_CANCELLED)
 EventFn = Callable[[render_pb2.RenderEvent], None]
 RENDER_DEADLINE_S = 6 * 3600.0
+RECONNECT_S = 300.0   # a render service unreachable (restarting) this long ends a follow: its UNAVAILABLE is raised
 
 
 def state_name(state: int) -> str:
@@ -46,18 +50,25 @@ class RenderClient:
     def render(self, req: render_pb2.RenderRequest, out_path: Path, on_event: EventFn = lambda ev: None,
                timeout_s: float = RENDER_DEADLINE_S) -> render_pb2.JobInfo:
         """One call: events to `on_event`, the MP4 into `out_path` (renamed into place once verified). Returns the
-        job's final info. A failed job raises its grpc.RpcError; the job outlives a broken connection."""
-        last = None
-        with FileReceiver(Path(out_path)) as recv:
-            for ev in self.stub.Render(req, timeout=timeout_s, metadata=self._md()):
-                if ev.WhichOneof("event") == "file":
-                    recv.feed(ev.file)
-                    continue
-                if ev.WhichOneof("event") == "job":
-                    last = ev.job
-                on_event(ev)
-            recv.finish()
-        return last
+        job's final info. A failed job raises its grpc.RpcError; the job outlives a broken connection: a service
+        restart (UNAVAILABLE) once the job is queued switches to following it by id (`follow`)."""
+        last, idx = None, 0
+        try:
+            with FileReceiver(Path(out_path)) as recv:
+                for ev in self.stub.Render(req, timeout=timeout_s, metadata=self._md()):
+                    if ev.WhichOneof("event") == "file":
+                        recv.feed(ev.file)
+                        continue
+                    if ev.WhichOneof("event") == "job":
+                        last = ev.job
+                    idx = ev.index + 1
+                    on_event(ev)
+                recv.finish()
+            return last
+        except grpc.RpcError as e:
+            if e.code() != grpc.StatusCode.UNAVAILABLE or last is None:
+                raise
+        return self.follow(last.job_id, out_path, on_event, timeout_s, from_index=idx)
 
     def submit(self, req: render_pb2.RenderRequest) -> render_pb2.JobInfo:
         return self.stub.Submit(req, timeout=60, metadata=self._md())
@@ -78,17 +89,39 @@ class RenderClient:
                                    metadata=self._md())
 
     def follow(self, job_id: str, out_path: Path, on_event: EventFn = lambda ev: None,
-               timeout_s: float = RENDER_DEADLINE_S) -> render_pb2.JobInfo:
+               timeout_s: float = RENDER_DEADLINE_S, from_index: int = 0) -> render_pb2.JobInfo:
         """Watch a submitted job to its end (events to `on_event`); fetch its MP4 if it succeeded. Returns its final
-        info."""
-        last = None
-        for ev in self.watch(job_id, 0, timeout_s):
-            if ev.WhichOneof("event") == "job":
-                last = ev.job
-            on_event(ev)
-        if last is not None and last.state == render_pb2.JOB_SUCCEEDED:
-            self.fetch(job_id, out_path)
+        info. A service restart (UNAVAILABLE) is waited out (up to RECONNECT_S) and the watch resumes where it
+        broke."""
+        idx, away = from_index, None
+        while True:
+            try:
+                for ev in self.watch(job_id, idx, timeout_s):
+                    away = None
+                    idx = ev.index + 1
+                    on_event(ev)
+                break
+            except grpc.RpcError as e:
+                away = away or time.monotonic()
+                if e.code() != grpc.StatusCode.UNAVAILABLE or time.monotonic() - away > RECONNECT_S:
+                    raise
+                time.sleep(1.0)
+        last = self._retrying(self.get, job_id)
+        if last.state == render_pb2.JOB_SUCCEEDED:
+            self._retrying(self.fetch, job_id, out_path)
         return last
+
+    @staticmethod
+    def _retrying(fn, *args):
+        """`fn(*args)`, retried while the service is unavailable (restarting), up to RECONNECT_S."""
+        t0 = time.monotonic()
+        while True:
+            try:
+                return fn(*args)
+            except grpc.RpcError as e:
+                if e.code() != grpc.StatusCode.UNAVAILABLE or time.monotonic() - t0 > RECONNECT_S:
+                    raise
+                time.sleep(1.0)
 
     def fetch(self, job_id: str, out_path: Path, timeout_s: float = 3600.0) -> Path:
         with FileReceiver(Path(out_path)) as recv:

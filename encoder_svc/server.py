@@ -16,6 +16,7 @@ from stagekit.config import parse_config
 from stagekit.errors import FailedPrecondition, InvalidArgument
 from stagekit.images import admit_keyframe
 from stagekit.metrics import observed
+from stagekit.render_params import MAX_PROMPT_BYTES
 from stagekit.runtime import Job
 from stagekit.server import abort_on_error, stream_job
 from stagekit.servicer import LifecycleMixin, timing_pb
@@ -24,7 +25,6 @@ from stagekit.wire import tensor_chunks
 
 SERVICE = "h3.v1.TextEncoder"
 MAX_KEYFRAMES = 2  # fl2va: first and/or last frame
-MAX_PROMPT_BYTES = 64 << 10  # far above any prompt that fits max_prompt_tokens; refuses abuse before tokenizing
 
 
 @dataclass

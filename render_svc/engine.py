@@ -33,17 +33,20 @@ class Work:
     request: render_pb2.RenderRequest
     spec: RenderSpec
     output: Path                      # where the decoder's MP4 lands (renamed into place once verified)
+    keyframe_files: list[tuple[str, Path]] = field(default_factory=list)  # fl2va: (anchor, stored image), in order
+    deadline: float = float("inf")    # unix time until which a busy stage is waited out (--job-deadline-s)
     tensors: dict = field(default_factory=dict)
     unavailable: int = 0              # stage calls refused with UNAVAILABLE so far (retried up to --stage-retries)
+    busy: int = 0                     # stage calls refused as busy so far (each waited out with a longer backoff)
     cancelled: threading.Event = field(default_factory=threading.Event)
     _call: object = None
     _aborted: bool = False
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def keyframes(self) -> list[tuple[str, bytes]]:
-        """fl2va keyframe images in packed order (first, then last)."""
-        r = self.request
-        return [(a, img) for a, img in (("first", r.first_frame), ("last", r.last_frame)) if img]
+        """fl2va keyframe images in packed order (first, then last), read from the job store's files when a stage
+        needs them (a queued job holds none in memory)."""
+        return [(a, path.read_bytes()) for a, path in self.keyframe_files]
 
     def set_call(self, call) -> None:
         with self._lock:
@@ -133,7 +136,7 @@ class RenderEngine:
     """`Engine` of the render service (stagekit.runtime): no weights; `run` serves one stage batch."""
 
     name = "render"
-    device_work = False  # nothing to run on a device: never moved into a device worker
+    device_work = False  # nothing to run on a device: never moved into a device worker, no memory budget
 
     def __init__(self, clients: StageClients):
         self.clients = clients

@@ -21,12 +21,14 @@ from render_svc.service import RenderService, SchedulerConfig
 from render_svc.store import CANCELLED, FAILED, QUEUED, RUNNING, SUCCEEDED
 from stagekit.config import parse_config
 from stagekit.errors import FailedPrecondition, NotFound
-from stagekit.server import abort_on_error
+from stagekit.server import Principal, abort_on_error, principal_of
 from stagekit.stage import CommonConfig, run_stage
 from stagekit.transport import file_chunks
 
 SERVICE = "h3.v1.Renderer"
 GIB = 1 << 30
+STREAMS = (f"/{SERVICE}/Render", f"/{SERVICE}/Watch")  # long-lived: slots of their own (--max-streams)
+LIST_REPLY_BYTES = 2 << 20  # List stops adding jobs before its reply passes this (clients' 4 MiB default limit)
 
 
 def _fixed(default, **kw):
@@ -38,7 +40,12 @@ def _fixed(default, **kw):
 @dataclass
 class RenderConfig(CommonConfig):
     port: int = field(default=50054, metadata={"help": "gRPC port"})
-    max_workers: int = field(default=64, metadata={"help": "gRPC handler threads (each Render/Watch stream holds one)"})
+    max_workers: int = field(default=64, metadata={
+        "help": "Submit/Get/List/Cancel/Fetch calls handled at once; more get RESOURCE_EXHAUSTED (streams do not count)"})
+    max_streams: int = field(default=512, metadata={
+        "help": "Render and Watch streams followed at once (a thread each, not a --max-workers slot); more get "
+                "RESOURCE_EXHAUSTED"})
+    stream_methods: tuple = field(default=STREAMS, init=False)
     encoder: str = field(default="", metadata={"help": "text encoder endpoint (host:port, or a list for round_robin)"})
     dit: str = field(default="", metadata={"help": "DiT sampler endpoint"})
     decoder: str = field(default="", metadata={"help": "decoder endpoint"})
@@ -51,15 +58,25 @@ class RenderConfig(CommonConfig):
     max_batch: int = field(default=8, metadata={
         "help": "jobs sent to a stage in one batch (keep it <= the stages' --max-queue)"})
     max_wait_batches: int = field(default=4, metadata={
-        "help": "fairness bound: a job ready for a stage waits at most this many batches of other work"})
+        "help": "fairness bound: a job ready for a stage waits at most this many batches of other work, while what "
+                "arrives at a stage in that many batches fits one batch (docs/render_service.md)"})
     max_attempts: int = field(default=2, metadata={
         "help": "runs of a job: a restart during a run retries it while attempts remain, else it fails"})
     stage_retries: int = field(default=3, metadata={"help": "UNAVAILABLE answers from a stage retried per job"})
+    job_deadline_s: float = field(default=6 * 3600.0, metadata={
+        "help": "a stage that answers busy (RESOURCE_EXHAUSTED ... retry later) is waited out, with backoff, until "
+                "this long after the job's submission; then the job fails DEADLINE_EXCEEDED"})
     max_jobs_queued: int = field(default=256, metadata={"help": "queued jobs beyond this get RESOURCE_EXHAUSTED"})
-    keep_jobs: int = field(default=100, metadata={"help": "retention: newest finished MP4s kept (0 = no count limit)"})
-    keep_bytes_gb: float = field(default=10.0, metadata={"help": "retention: GiB of finished MP4s kept (0 = no limit)"})
-    keep_age_s: float = field(default=7 * 86400.0, metadata={"help": "retention: seconds a finished MP4 is kept (0 = no limit)"})
+    keep_jobs: int = field(default=100, metadata={
+        "help": "retention: newest finished jobs kept (record, events, MP4); older ones are deleted (0 = no count limit)"})
+    keep_bytes_gb: float = field(default=10.0, metadata={
+        "help": "retention: GiB of finished MP4s kept, oldest expired first; the newest is always kept (0 = no limit)"})
+    keep_age_s: float = field(default=7 * 86400.0, metadata={
+        "help": "retention: seconds a finished job is kept (record, events, MP4) (0 = no limit)"})
+    retention_every_s: float = field(default=60.0, metadata={
+        "help": "retention runs this often (and whenever a job ends)"})
     # Stage settings with no meaning here.
+    max_uploads: int = _fixed(1)  # no call of the render service streams its request
     devices: list[str] = _fixed(["render"])
     models_dir: str = _fixed("")
     weights: str = _fixed("")
@@ -83,7 +100,8 @@ class RenderConfig(CommonConfig):
         return SchedulerConfig(
             run_dir=Path(self.run_dir), max_batch=self.max_batch, max_wait_batches=self.max_wait_batches,
             max_attempts=self.max_attempts, stage_retries=self.stage_retries, max_jobs_queued=self.max_jobs_queued,
-            keep_jobs=self.keep_jobs, keep_bytes=int(self.keep_bytes_gb * GIB), keep_age_s=self.keep_age_s)
+            keep_jobs=self.keep_jobs, keep_bytes=int(self.keep_bytes_gb * GIB), keep_age_s=self.keep_age_s,
+            job_deadline_s=self.job_deadline_s, retention_every_s=self.retention_every_s)
 
     def endpoints(self) -> Endpoints:
         missing = [s for s in STAGES if not getattr(self, s)]
@@ -96,23 +114,40 @@ class RenderConfig(CommonConfig):
 
 
 class RenderServicer(render_pb2_grpc.RendererServicer):
-    def __init__(self, svc: RenderService, clients: StageClients, web_url: str = ""):
+    """The Renderer API over the scheduler. Every call acts as its caller's principal (`--tokens-file`): jobs are
+    its own, unless it is an admin (or the service has no tokens file: one principal, everyone's jobs)."""
+
+    def __init__(self, svc: RenderService, clients: StageClients, web_url: str = "", tokens=None):
         self.svc = svc
         self.clients = clients
         self.web_url = web_url
+        self.tokens = tokens
+
+    def _owner(self, context) -> str | None:
+        """The jobs a call may see: its principal's (None: all, for an admin)."""
+        who: Principal = principal_of(self.tokens, context)
+        return None if who.admin else who.name
 
     def _follow(self, job_id: str, from_index: int, context):
-        """The job's event log from `from_index` until its terminal state (or the caller leaves)."""
+        """The job's event log from `from_index` until its terminal state (or the caller leaves). A finished job's
+        log ends the stream once it is read (also when `from_index` is past its end), and so does the job's removal
+        by retention (NOT_FOUND). A drain ends it with UNAVAILABLE (the job goes on after the restart)."""
         idx = from_index
         while context.is_active():
-            for ev in self.svc.store.wait_events(job_id, idx, timeout_s=1.0):
+            if self.svc.runtime.stopping:
+                context.abort(grpc.StatusCode.UNAVAILABLE, f"the render service is restarting; the job goes on: Watch "
+                                                           f"{job_id} again from index {idx} once it is back")
+            evs = self.svc.store.wait_events(job_id, idx, timeout_s=1.0)
+            for ev in evs:
                 yield ev
                 idx = ev.index + 1
                 if ev.WhichOneof("event") == "job" and ev.job.state in (SUCCEEDED, FAILED, CANCELLED):
                     return
+            if not evs and abort_on_error(context, self.svc.store.get, job_id).terminal:
+                return
 
     def Render(self, request, context):
-        info = abort_on_error(context, self.svc.submit, request)
+        info = abort_on_error(context, self.svc.submit, request, principal_of(self.tokens, context).name)
         yield from self._follow(info.job_id, 0, context)
         if not context.is_active():
             return  # the caller left; the job goes on (Watch / Fetch it by id)
@@ -128,24 +163,31 @@ class RenderServicer(render_pb2_grpc.RendererServicer):
                           f"job {rec.id}: {rec.error}")
 
     def Submit(self, request, context):
-        return abort_on_error(context, self.svc.submit, request)
+        return abort_on_error(context, self.svc.submit, request, principal_of(self.tokens, context).name)
 
     def Get(self, request, context):
-        return abort_on_error(context, self.svc.info, request.job_id)
+        return abort_on_error(context, self.svc.info, request.job_id, None, self._owner(context))
 
     def Watch(self, request, context):
-        abort_on_error(context, self.svc.store.get, request.job_id)  # NOT_FOUND before streaming
+        abort_on_error(context, self.svc.store.get, request.job_id, self._owner(context))  # NOT_FOUND first
         yield from self._follow(request.job_id, request.from_index, context)
 
     def Cancel(self, request, context):
-        return abort_on_error(context, self.svc.cancel, request.job_id)
+        return abort_on_error(context, self.svc.cancel, request.job_id, self._owner(context))
 
     def List(self, request, context):
-        recs = self.svc.store.list(list(request.states), request.limit or 100)
-        return render_pb2.ListReply(jobs=[self.svc.info(r.id, r) for r in recs])
+        """Newest first, at most `limit` (default 100) jobs and at most LIST_REPLY_BYTES of reply."""
+        reply, size = render_pb2.ListReply(), 0
+        for r in self.svc.store.list(list(request.states), min(request.limit or 100, 1000), owner=self._owner(context)):
+            info = self.svc.info(r.id, r)
+            size += info.ByteSize() + 8
+            if size > LIST_REPLY_BYTES:
+                break
+            reply.jobs.append(info)
+        return reply
 
-    def _output(self, job_id: str) -> Path:
-        rec = self.svc.store.get(job_id)
+    def _output(self, job_id: str, owner: str | None) -> Path:
+        rec = self.svc.store.get(job_id, owner)
         if rec.state != SUCCEEDED:
             state = render_pb2.JobState.Name(rec.state)
             raise FailedPrecondition(f"job {job_id} is {state}, there is no MP4 to fetch"
@@ -157,7 +199,7 @@ class RenderServicer(render_pb2_grpc.RendererServicer):
         return path
 
     def Fetch(self, request, context):
-        path = abort_on_error(context, self._output, request.job_id)
+        path = abort_on_error(context, self._output, request.job_id, self._owner(context))
         size = path.stat().st_size
         if request.offset > size:
             context.abort(grpc.StatusCode.OUT_OF_RANGE, f"offset {request.offset} is past the end ({size} bytes)")
@@ -169,8 +211,9 @@ class RenderServicer(render_pb2_grpc.RendererServicer):
                                            health=health_of(self.clients.channels[s], SERVICE_NAMES[s], 2.0))
                   for s in STAGES]
         cfg = self.svc.cfg
+        health = f"DEGRADED ({self.svc.storage_error})" if self.svc.storage_error else "SERVING"
         return render_pb2.RenderStatus(
-            health="SERVING", queued=counts.get(QUEUED, 0), running=counts.get(RUNNING, 0),
+            health=health, queued=counts.get(QUEUED, 0), running=counts.get(RUNNING, 0),
             succeeded=counts.get(SUCCEEDED, 0), failed=counts.get(FAILED, 0), cancelled=counts.get(CANCELLED, 0),
             batches=self.svc.planner.batches, stages=stages, web_url=self.web_url, max_batch=cfg.max_batch,
             max_wait_batches=cfg.max_wait_batches)
@@ -195,7 +238,8 @@ def main(argv: list[str] | None = None) -> None:
             web_url = web.start(svc)
             print(f"render web page on {web_url}", flush=True)
         svc.start()
-        render_pb2_grpc.add_RendererServicer_to_server(RenderServicer(svc, runtime.engine.clients, web_url), server)
+        render_pb2_grpc.add_RendererServicer_to_server(
+            RenderServicer(svc, runtime.engine.clients, web_url, cfg.tokens()), server)
 
     run_stage(cfg, "render", make_engine, SERVICE, add_servicer)
 

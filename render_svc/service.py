@@ -4,13 +4,20 @@
 scheduler thread asks the planner (`planner.BatchPlanner`) for the next stage batch, hands it to the runtime (one
 runtime job = one batch, run by `engine.RenderEngine`), and moves each job on: to its next stage's queue, to
 SUCCEEDED with its MP4, or to FAILED / CANCELLED. A stage answering UNAVAILABLE (restarting its ranks, draining) is
-retried by queueing the job for the same stage again. Cancel takes a waiting job out of the queue at once and
-stops a running one's stage call.
+retried by queueing the job for the same stage again (--stage-retries); a stage answering RESOURCE_EXHAUSTED with
+"retry later" (its queue or its upload slots are full) is waited out with exponential backoff up to the job's
+deadline (--job-deadline-s), the job showing "waiting for the <stage> stage (busy)". Cancel takes a waiting job out
+of the queue at once and stops a running one's stage call.
+
+The job store's writes that move a job on are retried until they succeed: a full disk or an I/O error stops the
+scheduler where it is, is reported (log, Status, Submit's UNAVAILABLE) and is over once a write succeeds again.
+A timer runs retention and checks that the database file is still there (docs/reliability.md, "Job store").
 """
 
 from __future__ import annotations
 
 import logging
+import sqlite3
 import threading
 import time
 from collections import deque
@@ -21,14 +28,17 @@ from h3.v1 import common_pb2, render_pb2
 from render_svc.engine import Outcome, Work
 from render_svc.planner import Batch, BatchPlanner, first_stage, next_stage
 from render_svc.store import CANCELLED, FAILED, QUEUED, RUNNING, SUCCEEDED, JobRecord, JobStore
-from stagekit.errors import Cancelled, InvalidArgument, ResourceExhausted, Unavailable
-from stagekit.render_params import spec_from_proto, validate
+from stagekit.errors import Cancelled, InvalidArgument, Unavailable
+from stagekit.render_params import MAX_PROMPT_BYTES, spec_from_proto, validate
 from stagekit.runtime import Job
 
 log = logging.getLogger("render_svc")
 
 MAX_LABEL_CHARS = 200
 MAX_CRF = 51
+BUSY_HINT = "retry later"     # a stage's RESOURCE_EXHAUSTED that passes (full queue, upload slots, budget wait)
+BUSY_FIRST_S, BUSY_MAX_S = 0.5, 30.0   # backoff between tries of a busy stage: doubles from the first to the max
+STORAGE_RETRY_S = 1.0         # a failed job-store write is tried again this often
 
 
 @dataclass(frozen=True)
@@ -42,6 +52,8 @@ class SchedulerConfig:
     keep_jobs: int = 100             # retention of finished outputs (0 = no limit on that axis)
     keep_bytes: int = 10 << 30
     keep_age_s: float = 7 * 86400.0
+    job_deadline_s: float = 6 * 3600.0   # a busy stage is waited out until this long after the job's submission
+    retention_every_s: float = 60.0      # retention (and the database file check) runs this often
 
 
 def check_request(req: render_pb2.RenderRequest) -> None:
@@ -49,6 +61,10 @@ def check_request(req: render_pb2.RenderRequest) -> None:
     from decoder_svc.mux import check_upscale
     from stagekit.images import load_keyframe
 
+    size = len(req.params.prompt.encode())
+    if size > MAX_PROMPT_BYTES:
+        raise InvalidArgument(f"prompt is {size} bytes; the text encoder takes at most {MAX_PROMPT_BYTES} bytes "
+                              "(and its --max-prompt-tokens tokens): shorten it")
     spec = validate(spec_from_proto(req.params), need_prompt=True)
     if req.crf > MAX_CRF:
         raise InvalidArgument(f"crf={req.crf} is not valid: use 0 (default 18) .. {MAX_CRF}")
@@ -72,12 +88,15 @@ class RenderService:
         self.cfg = cfg
         self.runtime = runtime
         self.store = JobStore(cfg.run_dir)
-        self.outputs = Path(cfg.run_dir) / "outputs"
+        self.outputs = self.store.outputs
         self.outputs.mkdir(parents=True, exist_ok=True)
         self.planner = BatchPlanner(cfg.max_batch, cfg.max_wait_batches)
         self.works: dict[str, Work] = {}         # jobs in flight (queued or between / in stages)
         self.batch: Batch | None = None          # the batch running now, since batch_t0
         self.batch_t0 = 0.0
+        self.later: dict[str, tuple[float, str]] = {}  # jobs backing off a busy stage: id -> (due, stage)
+        self.storage_error = ""                  # the job store's last failed write, until one succeeds again
+        self._next_retention = 0.0
         self.batch_log: deque[dict] = deque(maxlen=200)  # recent batches (the web page draws them)
         self.started_unix = time.time()
         self._lock = threading.Condition()
@@ -96,6 +115,7 @@ class RenderService:
             for rec in self.store.list([QUEUED], limit=1 << 30, oldest_first=True):
                 self._enqueue(rec)
         self._expire()
+        self._next_retention = time.monotonic() + self.cfg.retention_every_s
         self._thread.start()
 
     def stop(self) -> None:
@@ -104,38 +124,46 @@ class RenderService:
             self._lock.notify_all()
 
     # ---- API ----------------------------------------------------------------------------------------------------
-    def submit(self, req: render_pb2.RenderRequest) -> render_pb2.JobInfo:
+    def submit(self, req: render_pb2.RenderRequest, owner: str = "") -> render_pb2.JobInfo:
         check_request(req)
         if self._stop.is_set():
             raise Unavailable("the render service is shutting down; retry on another replica or after its restart")
-        queued = self.store.counts().get(QUEUED, 0)
-        if queued >= self.cfg.max_jobs_queued and not self.store.has_key(req.idempotency_key):
-            raise ResourceExhausted(f"{queued} jobs are queued (limit {self.cfg.max_jobs_queued}); retry later")
-        with self._lock:
-            rec, created = self.store.submit(req)
-            if created:
-                self._enqueue(rec)
-                self._lock.notify_all()
+        try:
+            with self._lock:
+                rec, created = self.store.submit(req, owner or "", self.cfg.max_jobs_queued)
+                if created:
+                    self._enqueue(rec)
+                    self._lock.notify_all()
+        except sqlite3.Error as e:
+            raise self._storage_failed(e) from None
         return self.info(rec.id)
 
-    def info(self, job_id: str, rec: JobRecord | None = None) -> render_pb2.JobInfo:
-        rec = rec or self.store.get(job_id)
+    def info(self, job_id: str, rec: JobRecord | None = None, owner: str | None = None) -> render_pb2.JobInfo:
+        rec = rec or self.store.get(job_id, owner)
         with self._lock:
             pos = self.planner.position(job_id)
         return rec.info(pos)
 
-    def cancel(self, job_id: str) -> render_pb2.JobInfo:
-        rec = self.store.get(job_id)
+    def cancel(self, job_id: str, owner: str | None = None) -> render_pb2.JobInfo:
+        rec = self.store.get(job_id, owner)
         if rec.terminal:
             return self.info(job_id, rec)
-        with self._lock:
-            waiting_for = self.planner.remove(job_id)
-            work = self.works.get(job_id)
-            if waiting_for is not None:  # not in a batch: it ends now
-                self.works.pop(job_id, None)
-                self.store.finish(job_id, CANCELLED, "CANCELLED", f"cancelled while waiting for the {waiting_for} stage")
-            elif work is not None:       # in the running batch: its stage call stops at the next step boundary
-                work.cancel()
+        try:
+            with self._lock:
+                waiting_for = self.planner.remove(job_id)
+                if waiting_for is None and job_id in self.later:
+                    waiting_for = f"{self.later.pop(job_id)[1]} stage (busy)"
+                elif waiting_for is not None:
+                    waiting_for = f"{waiting_for} stage"
+                work = self.works.get(job_id)
+                if waiting_for is not None:  # not in a batch: it ends now
+                    self.works.pop(job_id, None)
+                    if self.store.finish(job_id, CANCELLED, "CANCELLED", f"cancelled while waiting for the {waiting_for}"):
+                        self._expire()
+                elif work is not None:       # in the running batch: its stage call stops at the next step boundary
+                    work.cancel()
+        except sqlite3.Error as e:
+            raise self._storage_failed(e) from None
         if waiting_for is None and work is not None:
             self._wait_terminal(job_id, timeout_s=30.0)
         return self.info(job_id)
@@ -146,23 +174,89 @@ class RenderService:
             while not self.store.get(job_id).terminal and time.monotonic() < deadline:
                 self.store.changed.wait(0.2)
 
+    # ---- the job store's faults ----------------------------------------------------------------------------------
+    def _storage_failed(self, e: sqlite3.Error) -> Unavailable:
+        """Note a failed job-store write (reported until a write succeeds); the status a caller gets for it."""
+        msg = f"the job store {self.store.path} cannot be written ({e}); free space on its disk or fix it"
+        if msg != self.storage_error:
+            log.error("%s; the scheduler waits and retries", msg)
+        self.storage_error = msg
+        return Unavailable(f"{msg}; retry later")
+
+    def _durable(self, fn, *args):
+        """`fn(*args)`, a job-store write the scheduler cannot go on without: retried until it succeeds (a full
+        disk stops the scheduler here, it does not end it). Unavailable once the service is stopping."""
+        while True:
+            try:
+                out = fn(*args)
+            except sqlite3.Error as e:
+                self._storage_failed(e)
+                if self._stop.wait(STORAGE_RETRY_S):
+                    raise Unavailable("stopping") from None
+                continue
+            if self.storage_error:
+                log.warning("the job store takes writes again: %s is over", self.storage_error)
+                self.storage_error = ""
+            return out
+
+    def _maintain(self) -> None:
+        """On the retention timer: the database file still in place (else written back), then retention."""
+        if self.store.missing():
+            log.error("the job database %s was deleted under the running service; writing it back", self.store.path)
+            self.store.restore_file()
+        self._durable(self._expire)
+
     # ---- scheduling ---------------------------------------------------------------------------------------------
     def _enqueue(self, rec: JobRecord) -> None:
         """Under the lock: a queued job's in-flight state, waiting for its first stage."""
         spec = spec_from_proto(rec.request.params)
-        w = Work(rec.id, rec.request, spec, self.outputs / f"{rec.id}.mp4")
+        frames = [(a, self.store.keyframe_dir / rec.keyframes[a]) for a in ("first", "last") if a in rec.keyframes]
+        w = Work(rec.id, rec.request, spec, self.outputs / f"{rec.id}.mp4", keyframe_files=frames,
+                 deadline=rec.created + self.cfg.job_deadline_s)
         self.works[rec.id] = w
-        self.planner.add(rec.id, first_stage(bool(w.keyframes())))
+        self.planner.add(rec.id, first_stage(bool(w.keyframe_files)))
 
     def _progress(self, job_id: str, p: common_pb2.Progress) -> None:
-        self.store.progress(job_id, p)
+        """A stage's progress: logged when the store takes it (a lost progress event costs nothing)."""
+        try:
+            self.store.progress(job_id, p)
+        except sqlite3.Error as e:
+            self._storage_failed(e)
+
+    def _next(self) -> Batch | None:
+        """Under the lock: jobs whose busy backoff is over rejoin their stage's queue; the next batch (or None)."""
+        now = time.monotonic()
+        for job_id, (due, stage) in sorted(self.later.items(), key=lambda kv: kv[1][0]):
+            if due <= now:
+                del self.later[job_id]
+                self.planner.add(job_id, stage)
+        return self.planner.next_batch()
+
+    def _drained(self) -> None:
+        """The runtime is draining (SIGTERM): the running jobs go back to the queue, their attempt given back."""
+        try:
+            ids = self.store.drained()
+            log.info("drain: %d running job(s) back in the queue, no attempt spent", len(ids))
+        except sqlite3.Error as e:
+            self._storage_failed(e)
 
     def _loop(self) -> None:
         while not self._stop.is_set():
+            try:
+                if self.runtime.stopping:
+                    self._drained()
+                    return
+                if time.monotonic() >= self._next_retention:
+                    self._maintain()
+                    self._next_retention = time.monotonic() + self.cfg.retention_every_s
+                self._durable(self.store.save_finished)
+            except Unavailable:
+                return
             with self._lock:
-                batch = self.planner.next_batch()
+                batch = self._next()
                 if batch is None:
-                    self._lock.wait(0.5)
+                    due = min((d for d, _ in self.later.values()), default=time.monotonic() + 0.5)
+                    self._lock.wait(max(0.01, min(0.5, due - time.monotonic())))
                     continue
                 works = [self.works[j] for j in batch.job_ids]
                 self.batch, self.batch_t0 = batch, time.time()
@@ -170,6 +264,7 @@ class RenderService:
                 self._run_batch(batch, works)
             except Unavailable:
                 log.info("runtime shutting down: leaving batch %d (%s) to the next start", batch.number, batch.stage)
+                self._drained()
                 return
             except Exception:  # noqa: BLE001 - a scheduler bug must not strand the jobs silently
                 log.exception("batch %d (%s) failed", batch.number, batch.stage)
@@ -185,7 +280,7 @@ class RenderService:
             if w.cancelled.is_set():
                 self._finish(w, CANCELLED, "CANCELLED", f"cancelled while waiting for the {batch.stage} stage")
                 continue
-            if self.store.get(w.job_id).state == QUEUED and not self.store.start(w.job_id, batch.stage):
+            if self.store.get(w.job_id).state == QUEUED and not self._durable(self.store.start, w.job_id, batch.stage):
                 continue  # finished in between
             live.append(w)
         if not live:
@@ -222,7 +317,7 @@ class RenderService:
             return
         if o.ok:
             r = o.result
-            self.store.add_run(w.job_id, render_pb2.StageRun(
+            self._durable(self.store.add_run, w.job_id, render_pb2.StageRun(
                 stage=stage, wall_s=r.wall_s, timing=r.timing, batch=batch.number, batch_size=len(batch.job_ids),
                 waited_batches=batch.waited.get(w.job_id, 0)))
             nxt = next_stage(stage)
@@ -230,13 +325,29 @@ class RenderService:
                 size = w.output.stat().st_size
                 self._finish(w, SUCCEEDED, output=str(w.output), output_bytes=size)
                 return
+            self._durable(self.store.set_stage, w.job_id, nxt)
             with self._lock:
                 self.planner.add(w.job_id, nxt)
-            self.store.set_stage(w.job_id, nxt)
+            return
+        if o.code == "RESOURCE_EXHAUSTED" and BUSY_HINT in o.message:
+            left = w.deadline - time.time()
+            if left > 0:
+                delay = min(BUSY_MAX_S, BUSY_FIRST_S * 2 ** min(w.busy, 16), left)
+                w.busy += 1
+                self._progress(w.job_id, common_pb2.Progress(
+                    stage=stage, phase="waiting",
+                    message=f"waiting for the {stage} stage (busy): {o.message}; try {w.busy + 1} in {delay:.1f} s"))
+                with self._lock:
+                    self.later[w.job_id] = (time.monotonic() + delay, stage)
+                    self._lock.notify_all()
+                return
+            self._finish(w, FAILED, "DEADLINE_EXCEEDED",
+                         f"the {stage} stage stayed busy until the job's deadline ({self.cfg.job_deadline_s:g} s after "
+                         f"its submission, --job-deadline-s): {o.message}")
             return
         if o.code == "UNAVAILABLE" and w.unavailable < self.cfg.stage_retries:
             w.unavailable += 1
-            self.store.progress(w.job_id, common_pb2.Progress(
+            self._progress(w.job_id, common_pb2.Progress(
                 stage=stage, phase="retrying",
                 message=f"the {stage} stage is unavailable ({o.message}); retry {w.unavailable} of "
                         f"{self.cfg.stage_retries}"))
@@ -249,16 +360,22 @@ class RenderService:
                 output_bytes: int = 0) -> None:
         with self._lock:
             self.works.pop(w.job_id, None)
+            self.later.pop(w.job_id, None)
             self.planner.remove(w.job_id)
+
         # The end and what it does to the files are one step for every reader (the store's lock): whoever sees this
-        # job succeeded also sees the older outputs it pushed past the retention limits expired and gone; whoever
-        # sees it failed or cancelled finds no MP4 of it. A job that had already ended keeps its output.
-        with self.store.changed:
-            finished = self.store.finish(w.job_id, state, code, message, output, output_bytes)
-            if finished and state == SUCCEEDED:
-                self._expire()
-            elif state != SUCCEEDED and self.store.get(w.job_id).state != SUCCEEDED:
-                w.output.unlink(missing_ok=True)
+        # job succeeded also sees the older jobs it pushed past the retention limits gone; whoever sees it failed or
+        # cancelled finds no MP4 of it. A job that had already ended keeps its output.
+        def end() -> bool:
+            with self.store.changed:
+                done = self.store.finish(w.job_id, state, code, message, output, output_bytes)
+                if done:
+                    self._expire()
+                if state != SUCCEEDED and self.store.get(w.job_id).state != SUCCEEDED:
+                    w.output.unlink(missing_ok=True)
+                return done
+
+        finished = self._durable(end)
         if finished:
             log.info("job %s %s%s", w.job_id, render_pb2.JobState.Name(state), f": {code} {message}" if code else "")
 
@@ -271,10 +388,11 @@ class RenderService:
     def counts(self) -> dict[int, int]:
         return self.store.counts()
 
-    def snapshot(self) -> dict:
-        """What the web page shows: jobs (queued, running, recent finished) and the recent batches."""
-        active = self.store.list([QUEUED, RUNNING], limit=500, oldest_first=True)
-        recent = self.store.list([SUCCEEDED, FAILED, CANCELLED], limit=50)
+    def snapshot(self, owner: str | None = None) -> dict:
+        """What the web page shows: jobs (queued, running, recent finished; `owner`'s only when given) and the
+        recent batches."""
+        active = self.store.list([QUEUED, RUNNING], limit=500, oldest_first=True, owner=owner)
+        recent = self.store.list([SUCCEEDED, FAILED, CANCELLED], limit=50, owner=owner)
         with self._lock:
             pos = {r.id: self.planner.position(r.id) for r in active}
             batch = None if self.batch is None else {"number": self.batch.number, "stage": self.batch.stage,

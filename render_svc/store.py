@@ -8,12 +8,21 @@ one transaction, so a restart finds each job exactly as its last committed chang
 State machine: QUEUED -> RUNNING -> SUCCEEDED | FAILED | CANCELLED (terminal). `finish` only moves a job that is
 not terminal yet, so a job finishes exactly once even when a cancel races its last stage. On start-up `recover`
 turns RUNNING jobs back into QUEUED ones (retried from the start, `attempts` counts the runs) or, past the attempt
-limit, into FAILED.
+limit, into FAILED; a drain (SIGTERM) hands its running jobs back to the queue without spending an attempt.
+
+Owners: every job records the principal that submitted it (`owner`, "" without a tokens file); reads and cancels
+given an owner see only that owner's jobs, and idempotency keys are per owner. Keyframe images are stored once, by
+content, under `keyframes/` (never in the database, never in a queued job's memory) and removed when no unfinished
+job needs them. Retention (`expire`) deletes finished jobs' rows and events beyond `--keep-jobs` / `--keep-age-s`
+and their MP4s, and the WAL is checkpointed after every finished job, so the main database file alone holds every
+finished job (docs/reliability.md, "Job store").
 """
 
 from __future__ import annotations
 
 import fcntl
+import hashlib
+import json
 import os
 import sqlite3
 import threading
@@ -23,12 +32,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from h3.v1 import common_pb2, render_pb2
-from stagekit.errors import AlreadyExists, FailedPrecondition, NotFound
+from stagekit.errors import AlreadyExists, FailedPrecondition, NotFound, ResourceExhausted
 
 QUEUED, RUNNING = render_pb2.JOB_QUEUED, render_pb2.JOB_RUNNING
 SUCCEEDED, FAILED, CANCELLED = render_pb2.JOB_SUCCEEDED, render_pb2.JOB_FAILED, render_pb2.JOB_CANCELLED
 TERMINAL = (SUCCEEDED, FAILED, CANCELLED)
 DB_FILE = "render.sqlite3"
+MAX_SHOWN_ID = 64            # a job id echoed in an error is cut to this many characters
+MAX_EVENT_INDEX = 1 << 62    # event indexes beyond any log (SQLite integers are signed 64-bit)
+CHECKPOINT_S = 1.0           # the WAL is copied into the database file at most this often while jobs finish
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS jobs (
@@ -49,7 +61,9 @@ CREATE TABLE IF NOT EXISTS jobs (
   output TEXT NOT NULL DEFAULT '',
   output_bytes INTEGER NOT NULL DEFAULT 0,
   expired INTEGER NOT NULL DEFAULT 0,
-  n_events INTEGER NOT NULL DEFAULT 0
+  n_events INTEGER NOT NULL DEFAULT 0,
+  owner TEXT NOT NULL DEFAULT '',
+  keyframes TEXT NOT NULL DEFAULT ''
 );
 CREATE INDEX IF NOT EXISTS jobs_state ON jobs(state, seq);
 CREATE TABLE IF NOT EXISTS events (
@@ -80,21 +94,28 @@ class JobRecord:
     output_bytes: int
     expired: bool
     n_events: int
+    owner: str
+    keyframes: dict[str, str]   # anchor ("first" / "last") -> content digest of the stored image
 
     @property
     def terminal(self) -> bool:
         return self.state in TERMINAL
 
-    def info(self, queue_position: int = 0) -> render_pb2.JobInfo:
+    def info(self, queue_position: int = 0, with_prompt: bool = True) -> render_pb2.JobInfo:
+        """The job as a client sees it; `with_prompt=False` (its event log) leaves the prompt out: it is in the
+        request the client sent, and copying it into every event would multiply its size by the events."""
         req = self.request
         width = req.upscale_width or (req.params.width if req.params.HasField("width") else 0)
         height = req.upscale_height or (req.params.height if req.params.HasField("height") else 0)
-        return render_pb2.JobInfo(
+        info = render_pb2.JobInfo(
             job_id=self.id, state=self.state, params=req.params, stage=self.stage, progress=self.progress,
             attempts=self.attempts, created_unix=self.created, started_unix=self.started,
             finished_unix=self.finished, error_code=self.error_code, error=self.error,
             output_bytes=self.output_bytes, output_expired=self.expired, events=self.n_events, stages=self.runs,
             label=req.label, width=width, height=height, queue_position=queue_position)
+        if not with_prompt:
+            info.params.ClearField("prompt")
+        return info
 
 
 def _record(row: sqlite3.Row) -> JobRecord:
@@ -104,32 +125,100 @@ def _record(row: sqlite3.Row) -> JobRecord:
                      state=row["state"], stage=row["stage"], progress=progress, runs=runs, attempts=row["attempts"],
                      created=row["created"], started=row["started"], finished=row["finished"],
                      error_code=row["error_code"], error=row["error"], output=row["output"],
-                     output_bytes=row["output_bytes"], expired=bool(row["expired"]), n_events=row["n_events"])
+                     output_bytes=row["output_bytes"], expired=bool(row["expired"]), n_events=row["n_events"],
+                     owner=row["owner"], keyframes=json.loads(row["keyframes"]) if row["keyframes"] else {})
+
+
+def shown_id(job_id: str) -> str:
+    """A job id as an error message echoes it: quoted, and cut (a caller may send megabytes)."""
+    return repr(job_id[:MAX_SHOWN_ID]) + ("..." if len(job_id) > MAX_SHOWN_ID else "")
+
+
+def _idem(owner: str, key: str) -> str | None:
+    """The stored idempotency key: the owner's name and the key (keys are per owner; names hold no \\x1f)."""
+    return f"{owner}\x1f{key}" if key else None
+
+
+KEYFRAME_FIELDS = (("first", "first_frame"), ("last", "last_frame"))
 
 
 def _without_images(req: render_pb2.RenderRequest) -> bytes:
-    """A finished job's request, minus the keyframe images (up to 6 MiB each; nothing reads them any more)."""
+    """The request as stored: without its keyframe images (stored once, by content, beside the database)."""
     r = render_pb2.RenderRequest()
     r.CopyFrom(req)
-    r.ClearField("first_frame")
-    r.ClearField("last_frame")
+    for _, name in KEYFRAME_FIELDS:
+        r.ClearField(name)
     return r.SerializeToString(deterministic=True)
 
 
+def _digests(req: render_pb2.RenderRequest) -> dict[str, str]:
+    return {anchor: hashlib.sha256(getattr(req, name)).hexdigest() for anchor, name in KEYFRAME_FIELDS
+            if getattr(req, name)}
+
+
 class JobStore:
-    """Thread-safe (one connection behind a lock). `changed` is notified after every committed change."""
+    """Thread-safe (one connection behind a lock). `changed` is notified after every committed change.
+
+    Opening refuses (FailedPrecondition, one line naming the files) a damaged database, and a database without jobs
+    beside MP4s of earlier jobs: a deleted or emptied job store, or one whose WAL was lost, is not silently replaced
+    by an empty one."""
 
     def __init__(self, run_dir: Path):
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.path = self.run_dir / DB_FILE
+        self.outputs = self.run_dir / "outputs"
+        self.keyframe_dir = self.run_dir / "keyframes"
+        self.keyframe_dir.mkdir(exist_ok=True)
         self._owner = self._claim(self.run_dir / "render.lock")
-        self.db = sqlite3.connect(str(self.run_dir / DB_FILE), check_same_thread=False)
-        self.db.row_factory = sqlite3.Row
-        self.db.execute("PRAGMA journal_mode=WAL")
-        self.db.execute("PRAGMA synchronous=FULL")
-        self.db.executescript(_SCHEMA)
+        self._unsaved = False       # finished jobs in the WAL only, not yet in the database file
+        self._checkpointed = 0.0
         self.lock = threading.RLock()
         self.changed = threading.Condition(self.lock)
+        try:
+            self.db = self._open()
+        except BaseException:
+            os.close(self._owner)
+            raise
+        self._move_images_out()
+
+    def _move_images_out(self) -> None:
+        """Unfinished jobs recorded with their keyframe images inside the request (by an earlier version): the
+        images go to keyframes/ like a new job's."""
+        with self.lock, self.db:
+            for row in self.db.execute("SELECT id, request FROM jobs WHERE state IN (?, ?) AND keyframes = ''",
+                                       (QUEUED, RUNNING)).fetchall():
+                req = render_pb2.RenderRequest.FromString(row["request"])
+                if digests := self._store_keyframes(req):
+                    self.db.execute("UPDATE jobs SET request = ?, keyframes = ? WHERE id = ?",
+                                    (_without_images(req), json.dumps(digests), row["id"]))
+
+    def _open(self) -> sqlite3.Connection:
+        db = sqlite3.connect(str(self.path), check_same_thread=False)
+        try:
+            db.row_factory = sqlite3.Row
+            db.execute("PRAGMA journal_mode=WAL")
+            db.execute("PRAGMA synchronous=FULL")
+            if (bad := db.execute("PRAGMA quick_check").fetchone()[0]) != "ok":
+                raise sqlite3.DatabaseError(bad)
+            db.executescript(_SCHEMA)
+            have = {r[1] for r in db.execute("PRAGMA table_info(jobs)")}
+            for col in ("owner", "keyframes"):  # a job store written before these columns existed
+                if col not in have:
+                    db.execute(f"ALTER TABLE jobs ADD COLUMN {col} TEXT NOT NULL DEFAULT ''")
+            jobs = db.execute("SELECT COUNT(*) FROM jobs").fetchone()[0]
+        except sqlite3.DatabaseError as e:
+            db.close()
+            raise FailedPrecondition(f"the job database {self.path} cannot be read ({e}); restore it from a backup, "
+                                     f"or move it (and {self.outputs}) away to start with an empty job store") from None
+        mp4s = sorted(self.outputs.glob("*.mp4")) if self.outputs.is_dir() else []
+        if jobs == 0 and mp4s:
+            db.close()
+            raise FailedPrecondition(
+                f"the job database {self.path} holds no jobs (deleted, emptied, or its -wal file lost) but "
+                f"{self.outputs} holds {len(mp4s)} MP4(s) of earlier jobs; restore the database, or move "
+                f"{self.outputs} away to start with an empty job store")
+        return db
 
     @staticmethod
     def _claim(path: Path) -> int:
@@ -151,29 +240,58 @@ class JobStore:
             self.db.close()
         os.close(self._owner)
 
-    # ---- reads --------------------------------------------------------------------------------------------------
-    def get(self, job_id: str) -> JobRecord:
+    def checkpoint(self, unless_within_s: float = 0.0) -> None:
+        """Copy the WAL into the database file and empty it: what is committed no longer depends on the -wal file.
+        `unless_within_s`: not if the last one is that recent (`save_finished` does it later)."""
         with self.lock:
-            row = self.db.execute("SELECT * FROM jobs WHERE id = ?", (job_id,)).fetchone()
-        if row is None:
-            raise NotFound(f"no job {job_id!r} on this render service (List shows the jobs it keeps)")
+            if time.monotonic() - self._checkpointed < unless_within_s:
+                return
+            self.db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+            self._checkpointed, self._unsaved = time.monotonic(), False
+
+    def save_finished(self) -> None:
+        """Checkpoint if a job finished since the last one (the scheduler calls it between batches and when idle)."""
+        if self._unsaved:
+            self.checkpoint()
+
+    def missing(self) -> bool:
+        """The database file is gone from the run dir (deleted under the running service)."""
+        return not self.path.exists()
+
+    def restore_file(self) -> None:
+        """Write the open database back to its path (after it was deleted under the running service) and use it."""
+        with self.lock:
+            fresh = sqlite3.connect(str(self.path), check_same_thread=False)
+            self.db.backup(fresh)
+            self.db.close()
+            fresh.row_factory = sqlite3.Row
+            fresh.execute("PRAGMA journal_mode=WAL")
+            fresh.execute("PRAGMA synchronous=FULL")
+            self.db = fresh
+
+    # ---- reads --------------------------------------------------------------------------------------------------
+    def get(self, job_id: str, owner: str | None = None) -> JobRecord:
+        """The job; `owner` given: only if it is that principal's (another's is NOT_FOUND, as an unknown id is)."""
+        with self.lock:
+            row = self.db.execute("SELECT * FROM jobs WHERE id = ?", (job_id[:MAX_SHOWN_ID + 1],)).fetchone()
+        if row is None or (owner is not None and row["owner"] != owner):
+            raise NotFound(f"no job {shown_id(job_id)} on this render service (List shows the jobs it keeps; "
+                           "finished jobs are removed by --keep-jobs / --keep-age-s)")
         return _record(row)
 
-    def list(self, states: list[int] | None = None, limit: int = 100, oldest_first: bool = False) -> list[JobRecord]:
-        q = "SELECT * FROM jobs"
-        args: list = []
+    def list(self, states: list[int] | None = None, limit: int = 100, oldest_first: bool = False,
+             owner: str | None = None) -> list[JobRecord]:
+        where, args = [], []
         if states:
-            q += f" WHERE state IN ({','.join('?' * len(states))})"
+            where.append(f"state IN ({','.join('?' * len(states))})")
             args += list(states)
+        if owner is not None:
+            where.append("owner = ?")
+            args.append(owner)
+        q = "SELECT * FROM jobs" + (" WHERE " + " AND ".join(where) if where else "")
         q += f" ORDER BY seq {'ASC' if oldest_first else 'DESC'} LIMIT ?"
         with self.lock:
             return [_record(r) for r in self.db.execute(q, (*args, limit)).fetchall()]
-
-    def has_key(self, key: str) -> bool:
-        if not key:
-            return False
-        with self.lock:
-            return self.db.execute("SELECT 1 FROM jobs WHERE idem_key = ?", (key,)).fetchone() is not None
 
     def counts(self) -> dict[int, int]:
         with self.lock:
@@ -182,7 +300,7 @@ class JobStore:
     def events(self, job_id: str, from_index: int, limit: int = 1000) -> list[render_pb2.RenderEvent]:
         with self.lock:
             rows = self.db.execute("SELECT event FROM events WHERE job_id = ? AND idx >= ? ORDER BY idx LIMIT ?",
-                                   (job_id, from_index, limit)).fetchall()
+                                   (job_id, min(from_index, MAX_EVENT_INDEX), limit)).fetchall()
         return [render_pb2.RenderEvent.FromString(r[0]) for r in rows]
 
     def wait_events(self, job_id: str, from_index: int, timeout_s: float) -> list[render_pb2.RenderEvent]:
@@ -196,6 +314,10 @@ class JobStore:
                     return evs
                 self.changed.wait(left)
 
+    def keyframe(self, digest: str) -> bytes:
+        """A stored keyframe image by its digest."""
+        return (self.keyframe_dir / digest).read_bytes()
+
     # ---- writes (each one transaction + its event) ---------------------------------------------------------------
     def _append(self, job_id: str, **event) -> None:
         """Inside a transaction: log one event for the job."""
@@ -206,13 +328,33 @@ class JobStore:
 
     def _log_info(self, job_id: str) -> None:
         row = self.db.execute("SELECT * FROM jobs WHERE id = ?", (job_id,)).fetchone()
-        self._append(job_id, job=_record(row).info())
+        self._append(job_id, job=_record(row).info(with_prompt=False))
 
-    def submit(self, req: render_pb2.RenderRequest) -> tuple[JobRecord, bool]:
-        """(record, created). A known idempotency key returns its job (created=False); the same key with a different
-        request is ALREADY_EXISTS."""
-        blob = req.SerializeToString(deterministic=True)
-        key = req.idempotency_key or None
+    def _store_keyframes(self, req: render_pb2.RenderRequest) -> dict[str, str]:
+        """Write the request's keyframe images (once per content) under keyframes/; anchor -> digest."""
+        digests = _digests(req)
+        for anchor, name in KEYFRAME_FIELDS:
+            if anchor in digests and not (self.keyframe_dir / digests[anchor]).exists():
+                tmp = self.keyframe_dir / f".{digests[anchor]}.{os.getpid()}"
+                with open(tmp, "wb") as f:
+                    f.write(getattr(req, name))
+                    f.flush()
+                    os.fsync(f.fileno())
+                tmp.replace(self.keyframe_dir / digests[anchor])
+        return digests
+
+    def _drop_keyframes(self, digests) -> None:
+        """Under the lock: remove stored keyframes no unfinished job needs any more."""
+        for d in set(digests):
+            if self.db.execute("SELECT 1 FROM jobs WHERE state IN (?, ?) AND keyframes LIKE ? LIMIT 1",
+                               (QUEUED, RUNNING, f"%{d}%")).fetchone() is None:
+                (self.keyframe_dir / d).unlink(missing_ok=True)
+
+    def submit(self, req: render_pb2.RenderRequest, owner: str = "", max_queued: int = 0) -> tuple[JobRecord, bool]:
+        """(record, created). A known idempotency key of the same owner returns its job (created=False); the same
+        key with a different request is ALREADY_EXISTS. With `max_queued`, a new job beyond that many queued ones
+        is RESOURCE_EXHAUSTED (checked in the same transaction as the insert: the bound holds exactly)."""
+        key = _idem(owner, req.idempotency_key)
         with self.changed:
             if key is not None:
                 row = self.db.execute("SELECT * FROM jobs WHERE idem_key = ?", (key,)).fetchone()
@@ -220,12 +362,19 @@ class JobStore:
                     rec = _record(row)
                     if _request_matches(rec, req):
                         return rec, False
-                    raise AlreadyExists(f"idempotency key {key!r} already names job {rec.id} with a different "
-                                        "request; use a new key for a new render")
+                    raise AlreadyExists(f"idempotency key {req.idempotency_key!r} already names your job {rec.id} "
+                                        "with a different request; use a new key for a new render")
+            if max_queued:
+                queued = self.db.execute("SELECT COUNT(*) FROM jobs WHERE state = ?", (QUEUED,)).fetchone()[0]
+                if queued >= max_queued:
+                    raise ResourceExhausted(f"{queued} jobs are queued (--max-jobs-queued {max_queued}); retry later")
+            digests = self._store_keyframes(req)
             job_id = uuid.uuid4().hex[:16]
             with self.db:
-                self.db.execute("INSERT INTO jobs (id, idem_key, request, state, created) VALUES (?, ?, ?, ?, ?)",
-                                (job_id, key, blob, QUEUED, time.time()))
+                self.db.execute("INSERT INTO jobs (id, idem_key, request, state, created, owner, keyframes) "
+                                "VALUES (?, ?, ?, ?, ?, ?, ?)",
+                                (job_id, key, _without_images(req), QUEUED, time.time(), owner,
+                                 json.dumps(digests) if digests else ""))
                 self._log_info(job_id)
             self.changed.notify_all()
             return self.get(job_id), True
@@ -267,7 +416,9 @@ class JobStore:
 
     def finish(self, job_id: str, state: int, error_code: str = "", error: str = "", output: str = "",
                output_bytes: int = 0) -> bool:
-        """Move a job that is not terminal yet into a terminal state (once). False if it already was terminal."""
+        """Move a job that is not terminal yet into a terminal state (once). False if it already was terminal.
+        The WAL is checkpointed after it (within CHECKPOINT_S, or when the scheduler is next idle): a finished job
+        lives in the database file itself, not only in the -wal file beside it."""
         if state not in TERMINAL:
             raise ValueError(f"finish needs a terminal state, got {render_pb2.JobState.Name(state)}")
         with self.changed:
@@ -276,13 +427,17 @@ class JobStore:
                 if row is None or row["state"] in TERMINAL:
                     return False
                 self.db.execute(
-                    "UPDATE jobs SET state = ?, finished = ?, error_code = ?, error = ?, output = ?, output_bytes = ?, "
-                    "request = ? WHERE id = ?",
-                    (state, time.time(), error_code, error, output, output_bytes, _without_images(_record(row).request),
-                     job_id))
+                    "UPDATE jobs SET state = ?, finished = ?, error_code = ?, error = ?, output = ?, output_bytes = ? "
+                    "WHERE id = ?", (state, time.time(), error_code, error, output, output_bytes, job_id))
                 self._log_info(job_id)
+            self._drop_keyframes(_record(row).keyframes.values())
+            self._unsaved = True
             self.changed.notify_all()
-            return True
+        try:
+            self.checkpoint(unless_within_s=CHECKPOINT_S)
+        except sqlite3.Error:
+            pass  # the job's end is committed; `save_finished` checkpoints it once writes succeed again
+        return True
 
     def recover(self, max_attempts: int) -> tuple[list[str], list[str]]:
         """After a restart: RUNNING jobs are retried (back to QUEUED) while attempts < max_attempts, else FAILED.
@@ -309,28 +464,53 @@ class JobStore:
             self.changed.notify_all()
         return requeued, failed
 
-    def expire(self, keep_jobs: int, keep_bytes: int, keep_age_s: float) -> list[str]:
-        """Retention: mark the oldest finished outputs expired until the kept ones fit every limit (0 = no limit).
-        Returns the output paths to delete (the caller deletes them after the commit)."""
+    def drained(self) -> list[str]:
+        """A drain (SIGTERM) stopped the running jobs: back to QUEUED with the attempt given back (the service,
+        not the job, ended the run). Returns their ids."""
+        ids = []
         with self.changed:
-            rows = self.db.execute("SELECT id, output, output_bytes, finished FROM jobs WHERE state = ? AND expired = 0 "
-                                   "AND output != '' ORDER BY finished DESC", (SUCCEEDED,)).fetchall()
-            now, total, drop = time.time(), 0, []
-            for k, r in enumerate(rows):
-                total += r["output_bytes"]
-                if (keep_jobs and k >= keep_jobs) or (keep_bytes and total > keep_bytes) \
-                        or (keep_age_s and now - r["finished"] > keep_age_s):
-                    drop.append((r["id"], r["output"]))
-            if drop:
+            for rec in self.list([RUNNING], limit=1 << 30, oldest_first=True):
                 with self.db:
-                    self.db.executemany("UPDATE jobs SET expired = 1 WHERE id = ?", [(i,) for i, _ in drop])
+                    self.db.execute("UPDATE jobs SET state = ?, stage = '', attempts = MAX(attempts - 1, 0) "
+                                    "WHERE id = ?", (QUEUED, rec.id))
+                    self._append(rec.id, progress=common_pb2.Progress(
+                        stage="render", phase="requeued",
+                        message="the render service is restarting (drain); the job runs again after the restart "
+                                "(no attempt spent)"))
+                    self._log_info(rec.id)
+                ids.append(rec.id)
+            self.checkpoint()
+            self.changed.notify_all()
+        return ids
+
+    def expire(self, keep_jobs: int, keep_bytes: int, keep_age_s: float) -> list[str]:
+        """Retention (0 = no limit on that axis): finished jobs beyond the newest `keep_jobs`, or finished more than
+        `keep_age_s` ago, are deleted (row and events); the MP4s of the kept ones beyond `keep_bytes` (oldest first,
+        never the newest) are marked expired. Returns the output paths to delete (after the commit)."""
+        now = time.time()
+        with self.changed:
+            rows = self.db.execute("SELECT id, output, output_bytes, finished, expired, state FROM jobs "
+                                   "WHERE state IN (?, ?, ?) ORDER BY finished DESC, seq DESC", TERMINAL).fetchall()
+            delete, expire, total = [], [], 0
+            for k, r in enumerate(rows):
+                if (keep_jobs and k >= keep_jobs) or (keep_age_s and now - r["finished"] > keep_age_s):
+                    delete.append(r)
+                    continue
+                if r["state"] == SUCCEEDED and not r["expired"] and r["output"]:
+                    total += r["output_bytes"]
+                    if keep_bytes and total > keep_bytes and k > 0:
+                        expire.append(r)
+            if delete or expire:
+                with self.db:
+                    for i in range(0, len(delete), 500):
+                        ids = [(r["id"],) for r in delete[i:i + 500]]
+                        self.db.executemany("DELETE FROM events WHERE job_id = ?", ids)
+                        self.db.executemany("DELETE FROM jobs WHERE id = ?", ids)
+                    self.db.executemany("UPDATE jobs SET expired = 1 WHERE id = ?", [(r["id"],) for r in expire])
                 self.changed.notify_all()
-            return [p for _, p in drop]
+            return [r["output"] for r in delete + expire if r["output"]]
 
 
 def _request_matches(rec: JobRecord, req: render_pb2.RenderRequest) -> bool:
-    """Same render? (A finished job's stored request no longer holds the keyframe images: compare without them.)"""
-    stored = rec.request.SerializeToString(deterministic=True)
-    if rec.terminal:
-        return stored == _without_images(req) or stored == req.SerializeToString(deterministic=True)
-    return stored == req.SerializeToString(deterministic=True)
+    """Same render? The stored request holds no keyframe images: compare it without them, and their digests."""
+    return rec.request.SerializeToString(deterministic=True) == _without_images(req) and rec.keyframes == _digests(req)

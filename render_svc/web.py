@@ -5,18 +5,25 @@
     GET /api/state          what the page polls (JSON)
     GET /video/<job>.mp4    a finished job's MP4 (HTTP Range requests, so a <video> element can seek)
 
-Same exposure rules as the gRPC port (stagekit/server.py): loopback by default; the same TLS certificate; with
-`--token` every request needs it — `Authorization: Bearer <token>`, or once `?token=<token>` in the URL, which sets
-a cookie (HttpOnly, SameSite=Strict) so the page's own requests and its <video> elements carry it. Nothing on the
-page changes a job. Residency comes from polling each stage's Status every half second while the page is served.
+Same exposure rules as the gRPC port (stagekit/server.py): loopback by default; the same TLS certificate; with a
+token (--token-file, the env variable, or --tokens-file) every request needs one — `Authorization: Bearer <token>`,
+or once `?token=<token>` in the URL, which sets a cookie (HttpOnly, SameSite=Strict) so the page's own requests and
+its <video> elements carry it. A principal of --tokens-file sees its own jobs, an admin all. Nothing on the page
+changes a job. Residency comes from polling each stage's Status every half second while the page is served.
+
+Limits (docs/reliability.md, "Web page"): each connection is served by a thread of its own, the TLS handshake
+included (off the accept loop, within HANDSHAKE_S); a connection idle for IDLE_S is closed; at most
+MAX_CONNECTIONS are open (more get 503); a request whose `Host:` names another host than the one the page is served
+on gets 421 (a DNS-rebinding page in a local browser cannot read it).
 """
 
 from __future__ import annotations
 
-import hmac
+import ipaddress
 import json
 import logging
 import re
+import socket
 import ssl
 import threading
 import time
@@ -31,7 +38,7 @@ from google.protobuf.json_format import MessageToDict
 from client.stubs import STAGES, StageClients
 from h3.v1 import common_pb2
 from render_svc.store import SUCCEEDED
-from stagekit.server import cannot_listen
+from stagekit.server import ANYONE, Principal, cannot_listen
 
 log = logging.getLogger("render_svc.web")
 
@@ -41,6 +48,33 @@ RESIDENCY_KEEP_S = 900.0
 _VIDEO = re.compile(r"^/video/([0-9a-f]{1,64})\.mp4$")
 _RANGE = re.compile(r"^bytes=(\d*)-(\d*)$")
 COOKIE = "h3_token"
+HANDSHAKE_S = 10.0       # a TLS handshake not done within this is dropped
+IDLE_S = 30.0            # a connection with no request for this long is closed
+MAX_CONNECTIONS = 64     # open connections beyond this get 503
+SHOWN_PROMPT_CHARS = 300  # the page shows this much of a prompt
+
+
+def _allowed_hosts(bind: str) -> set[str] | None:
+    """Host names a request may carry for a page bound to `bind` (None: any, for a wildcard bind)."""
+    if bind in ("", "0.0.0.0", "::"):
+        return None
+    hosts = {bind.lower(), f"[{bind.lower()}]"}
+    try:
+        loopback = bind == "localhost" or ipaddress.ip_address(bind).is_loopback
+    except ValueError:
+        loopback = False
+    return hosts | ({"localhost", "127.0.0.1", "[::1]"} if loopback else set())
+
+
+def _host_ok(header: str, allowed: set[str] | None) -> bool:
+    if allowed is None:
+        return True
+    host = header.strip().lower()
+    if host.startswith("["):
+        host = host[: host.find("]") + 1]
+    else:
+        host = host.rsplit(":", 1)[0]
+    return host in allowed
 
 
 class Residency:
@@ -102,17 +136,20 @@ class WebPage:
         self.page = PAGE.read_bytes()
         self._httpd, self.url = self._bind()
 
-    def state(self) -> dict:
-        snap = self.svc.snapshot()
-        jobs = [MessageToDict(j, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
-                for j in snap.pop("jobs")]
+    def state(self, who: Principal = ANYONE) -> dict:
+        snap = self.svc.snapshot(None if who.admin else who.name)
+        jobs = []
+        for j in snap.pop("jobs"):
+            if len(j.params.prompt) > SHOWN_PROMPT_CHARS:
+                j.params.prompt = j.params.prompt[:SHOWN_PROMPT_CHARS] + "..."
+            jobs.append(MessageToDict(j, preserving_proto_field_name=True, always_print_fields_with_no_presence=True))
         return {"now": time.time(), "started": self.svc.started_unix, "jobs": jobs, **snap,
                 "residency": self.residency.snapshot(),
                 "scheduling": {"max_batch": self.svc.cfg.max_batch, "max_wait_batches": self.svc.cfg.max_wait_batches}}
 
-    def video(self, job_id: str) -> Path | None:
+    def video(self, job_id: str, who: Principal = ANYONE) -> Path | None:
         try:
-            rec = self.svc.store.get(job_id)
+            rec = self.svc.store.get(job_id, None if who.admin else who.name)
         except Exception:  # noqa: BLE001 - unknown id: 404
             return None
         path = Path(rec.output)
@@ -131,30 +168,31 @@ class WebPage:
 
     def _bind(self) -> tuple[ThreadingHTTPServer, str]:
         page = self
-        token = self.cfg.resolved_token()
+        tokens = self.cfg.tokens()
+        allowed = _allowed_hosts(self.cfg.host)
 
         class Handler(BaseHTTPRequestHandler):
             server_version = "h3-render"
             protocol_version = "HTTP/1.1"
+            timeout = IDLE_S  # the socket's timeout: an idle connection is closed
 
             def log_message(self, fmt, *args):  # noqa: A003 - http.server's name
                 log.debug("%s " + fmt, self.address_string(), *args)
 
-            def _authorized(self, query: dict) -> tuple[bool, bool]:
-                """(ok, set the cookie): the token from the header, the cookie or the URL."""
-                if not token:
-                    return True, False
-                want = token.encode()
+            def _authorized(self, query: dict) -> tuple[Principal | None, str]:
+                """(the caller, or None; the token to set as a cookie, or ""): from the header, cookie or URL."""
+                if tokens is None:
+                    return ANYONE, ""
                 header = self.headers.get("Authorization", "")
-                if header.startswith("Bearer ") and hmac.compare_digest(header[7:].encode(), want):
-                    return True, False
+                if header.startswith("Bearer ") and (who := tokens.principal(header)) is not None:
+                    return who, ""
                 jar = SimpleCookie(self.headers.get("Cookie", ""))
-                if COOKIE in jar and hmac.compare_digest(jar[COOKIE].value.encode(), want):
-                    return True, False
+                if COOKIE in jar and (who := tokens.principal(f"Bearer {jar[COOKIE].value}")) is not None:
+                    return who, ""
                 given = query.get("token", [""])[0]
-                if given and hmac.compare_digest(given.encode(), want):
-                    return True, True
-                return False, False
+                if given and (who := tokens.principal(f"Bearer {given}")) is not None:
+                    return who, given
+                return None, ""
 
             def _send(self, code: int, body: bytes, ctype: str, extra: dict | None = None) -> None:
                 self.send_response(code)
@@ -172,28 +210,33 @@ class WebPage:
 
             def do_GET(self):  # noqa: N802
                 url = urlsplit(self.path)
-                ok, set_cookie = self._authorized(parse_qs(url.query))
-                if not ok:
-                    self._send(401, b"missing or wrong token: open the page as /?token=<the service's --token>\n",
+                if not _host_ok(self.headers.get("Host", ""), allowed):
+                    self.close_connection = True
+                    self._send(421, b"this page answers only requests for the host it is served on\n",
+                               "text/plain; charset=utf-8")
+                    return
+                who, set_cookie = self._authorized(parse_qs(url.query))
+                if who is None:
+                    self._send(401, b"missing or wrong token: open the page as /?token=<your token>\n",
                                "text/plain; charset=utf-8")
                     return
                 if set_cookie:  # drop the token from the address bar once the cookie holds it
                     self._send(303, b"", "text/plain", {
                         "Location": url.path or "/",
-                        "Set-Cookie": f"{COOKIE}={token}; HttpOnly; SameSite=Strict; Path=/"
+                        "Set-Cookie": f"{COOKIE}={set_cookie}; HttpOnly; SameSite=Strict; Path=/"
                                       + ("; Secure" if page.cfg.tls_cert else "")})
                     return
                 if url.path in ("/", "/index.html"):
                     self._send(200, page.page, "text/html; charset=utf-8")
                 elif url.path == "/api/state":
-                    self._send(200, json.dumps(page.state()).encode(), "application/json")
+                    self._send(200, json.dumps(page.state(who)).encode(), "application/json")
                 elif (m := _VIDEO.match(url.path)) is not None:
-                    self._video(m.group(1))
+                    self._video(m.group(1), who)
                 else:
                     self._send(404, b"not found\n", "text/plain")
 
-            def _video(self, job_id: str) -> None:
-                path = page.video(job_id)
+            def _video(self, job_id: str, who: Principal) -> None:
+                path = page.video(job_id, who)
                 if path is None:
                     self._send(404, b"no finished video for this job (unknown, not done, or expired)\n", "text/plain")
                     return
@@ -228,17 +271,61 @@ class WebPage:
                         self.wfile.write(data)
                         left -= len(data)
 
-        try:
-            httpd = ThreadingHTTPServer((self.cfg.host, self.cfg.http_port), Handler)
-        except OSError as e:
-            raise cannot_listen(f"{self.cfg.host}:{self.cfg.http_port}", "--http-port", e.strerror or str(e)) from None
-        httpd.daemon_threads = True
-        scheme = "http"
+        ctx = None
         if self.cfg.tls_cert:
             ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
             ctx.load_cert_chain(self.cfg.tls_cert, self.cfg.tls_key)
-            httpd.socket = ctx.wrap_socket(httpd.socket, server_side=True)
-            scheme = "https"
+        try:
+            httpd = _PageServer((self.cfg.host, self.cfg.http_port), Handler, ctx)
+        except OSError as e:
+            raise cannot_listen(f"{self.cfg.host}:{self.cfg.http_port}", "--http-port", e.strerror or str(e)) from None
+        scheme = "https" if ctx is not None else "http"
         port = httpd.server_address[1]
         host = f"[{self.cfg.host}]" if ":" in self.cfg.host else self.cfg.host
         return httpd, f"{scheme}://{host}:{port}/"
+
+
+class _PageServer(ThreadingHTTPServer):
+    """The accept loop only accepts: each connection's thread does its TLS handshake (bounded by HANDSHAKE_S) and
+    serves it; connections beyond MAX_CONNECTIONS are answered 503 and closed at once."""
+
+    daemon_threads = True
+    address_family = socket.AF_INET
+
+    def __init__(self, addr, handler, ctx: ssl.SSLContext | None):
+        if ":" in addr[0]:
+            self.address_family = socket.AF_INET6
+        self.ctx = ctx
+        self.open = 0
+        self._count = threading.Lock()
+        super().__init__(addr, handler)
+
+    def process_request(self, request, client_address):
+        with self._count:
+            full = self.open >= MAX_CONNECTIONS
+            if not full:
+                self.open += 1
+        if full:
+            try:
+                request.settimeout(1.0)
+                if self.ctx is None:
+                    request.sendall(b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+            except OSError:
+                pass
+            self.shutdown_request(request)
+            return
+        super().process_request(request, client_address)
+
+    def process_request_thread(self, request, client_address):
+        try:
+            if self.ctx is not None:
+                request.settimeout(HANDSHAKE_S)
+                try:
+                    request = self.ctx.wrap_socket(request, server_side=True)
+                except (OSError, ssl.SSLError):
+                    self.shutdown_request(request)
+                    return
+            super().process_request_thread(request, client_address)
+        finally:
+            with self._count:
+                self.open -= 1

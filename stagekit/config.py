@@ -86,8 +86,14 @@ def parse_config(cls, argv: list[str] | None = None, env_prefix: str = "H3_", de
     ap = argparse.ArgumentParser(prog=f"python -m {cls.__module__.split('.')[0]}", description=description)
     ap.add_argument("--config", type=Path, help="YAML or JSON file with any of the settings below")
     switches = set()
+    argv = sys.argv[1:] if argv is None else list(argv)
     for f in fields:
         flag = "--" + f.name.replace("_", "-")
+        if "env_only" in f.metadata:  # a secret: never a flag (the command line is public on the host)
+            if any(a == flag or a.startswith(flag + "=") for a in argv):
+                raise SystemExit(f"{flag} is not accepted on the command line: {f.metadata['env_only']} "
+                                 f"({env_prefix}{f.name.upper()})")
+            continue
         help_ = f.metadata.get("help", "")
         default = f.default if f.default is not dataclasses.MISSING else (
             f.default_factory() if f.default_factory is not dataclasses.MISSING else None)  # type: ignore[misc]
@@ -101,7 +107,6 @@ def parse_config(cls, argv: list[str] | None = None, env_prefix: str = "H3_", de
             switches.add(flag)
             kw = {"action": argparse.BooleanOptionalAction}
         ap.add_argument(flag, dest=f.name, default=None, help=f"{help_} ({note}env {env_prefix}{f.name.upper()})", **kw)
-    argv = sys.argv[1:] if argv is None else list(argv)
     ns = ap.parse_args(_switch_values(argv, switches))
     values: dict[str, object] = {}
     if ns.config is not None:
@@ -117,7 +122,7 @@ def parse_config(cls, argv: list[str] | None = None, env_prefix: str = "H3_", de
         env = os.environ.get(env_prefix + f.name.upper())
         if env is not None:
             values[f.name] = env
-        cli = getattr(ns, f.name)
+        cli = getattr(ns, f.name, None)
         if cli is not None:
             values[f.name] = cli
     out = {}

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import fcntl
 import json
+import logging
 import os
 import re
 import threading
@@ -36,6 +37,8 @@ from pathlib import Path
 
 _SAFE = re.compile(r"[^A-Za-z0-9._-]")
 EVENTS_FILE = "events.jsonl"
+
+log = logging.getLogger("stagekit.lease")
 
 
 def safe_name(s: str) -> str:
@@ -69,13 +72,18 @@ class EventLog:
         self.holder = holder
 
     def write(self, event: str, **extra) -> None:
+        """Append one event. A record that cannot be written (disk full) is left out, with a warning: the log
+        describes the work, it must not fail it."""
         rec = {"t": time.time(), "event": event, "holder": self.holder, "pid": os.getpid(), **extra}
         line = (json.dumps(rec) + "\n").encode()
-        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         try:
-            os.write(fd, line)
-        finally:
-            os.close(fd)
+            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            try:
+                os.write(fd, line)
+            finally:
+                os.close(fd)
+        except OSError as e:
+            log.warning("event %r not recorded in %s: %s", event, self.path, e.strerror or e)
 
 
 @dataclass

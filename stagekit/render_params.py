@@ -23,6 +23,7 @@ MAX_AREA = 1920 * 1088    # largest canvas the seeds target
 MAX_ASPECT = 4.0
 MIN_STEPS, MAX_STEPS = 1, 200
 MAX_SEED = 2**63 - 1
+MAX_PROMPT_BYTES = 64 << 10  # far above any prompt that fits the encoder's --max-prompt-tokens; refuses abuse early
 SAMPLERS = ("res_multistep", "euler")
 SCHEDULERS = ("simple", "diffusers")
 DEFAULT_STEPS = 8          # model calls in the stock ComfyUI template (res_multistep + simple)

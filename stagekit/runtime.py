@@ -67,7 +67,7 @@ class Engine(Protocol):
     # def on_result(self, spec: Any, result: dict) -> None: ...
 
     # Optional flag: False for an engine with no device work (the render service's): it is never moved into a
-    # device worker.
+    # device worker and takes no memory budget (no budget ledger written per job).
     # device_work: bool = True
 
     # Optional hook: True when the engine lost its device state (its device worker died): the runtime unloads it
@@ -358,6 +358,11 @@ class StageRuntime:
         if err is not None:
             raise err
         return secs
+
+    @property
+    def stopping(self) -> bool:
+        """SIGTERM arrived: the runtime takes no more jobs."""
+        return self._stop.is_set()
 
     def shutdown(self, cancel_running: bool, grace_s: float, cancel_wait_s: float = 15.0) -> None:
         """SIGTERM (docs/reliability.md, "SIGTERM"): stop taking jobs; fail the queued ones now with UNAVAILABLE

@@ -11,7 +11,9 @@ Admission (docs/reliability.md, "Stalled and flooding clients"): every call is
 sorted, before it takes a handler thread, into probes (health Check), control
 (Status, health Watch, reflection) and work (everything else); each class has
 its own bounded number of slots and its own threads, so no number of stalled or
-flooding work calls can starve health or Status. Calls over a bound are refused
+flooding work calls can starve health or Status; a service's long-lived streams
+(the render service's Render and Watch) are a class of their own too, so
+followers never take a work slot. Calls over a bound are refused
 at once with RESOURCE_EXHAUSTED. Every request message is read with an idle and
 a total deadline (a stalled upload gets DEADLINE_EXCEEDED), and uploads
 (request-streaming work calls) have a tighter bound of their own.
@@ -62,6 +64,8 @@ class ServeConfig:
     max_workers: int = field(default=32, metadata={
         "help": "work calls (Encode/Sample/Decode/EncodeImage/Load/Unload/Warmup) handled at once; more are refused "
                 "with RESOURCE_EXHAUSTED. Health and Status have threads of their own"})
+    max_streams: int = field(default=0, init=False)   # slots of the long-lived streams (services that have some)
+    stream_methods: tuple = field(default=(), init=False)
     max_uploads: int = field(default=8, metadata={
         "help": "request uploads (Sample/Decode tensor streams) received at once, at most --max-workers; more are "
                 "refused with RESOURCE_EXHAUSTED"})
@@ -72,9 +76,14 @@ class ServeConfig:
     tls_cert: str = field(default="", metadata={"help": "PEM server certificate"})
     tls_key: str = field(default="", metadata={"help": "PEM server private key"})
     token_file: str = field(default="", metadata={
-        "help": "file holding the bearer token required in 'authorization' metadata (preferred: a --token on the "
-                "command line is readable by every local user in /proc/<pid>/cmdline; or set the env variable)"})
-    token: str = field(default="", metadata={"help": "bearer token (prefer --token-file or the env variable)"})
+        "help": "file holding the bearer token required in 'authorization' metadata (or set the env variable)"})
+    token: str = field(default="", metadata={
+        "help": "bearer token", "env_only": "a token on the command line is readable by every local user in "
+                                           "/proc/<pid>/cmdline; give it with --token-file FILE or the env variable"})
+    tokens_file: str = field(default="", metadata={
+        "help": "file of principals, one 'NAME TOKEN' line each ('NAME TOKEN admin' for an admin): each caller is "
+                "the principal its token names; with the render service a principal sees only its own jobs, an "
+                "admin all"})
     insecure: bool = field(default=False, metadata={"help": "allow a non-loopback bind without TLS/token"})
     metrics_port: int = field(default=-1, metadata={"help": "Prometheus port (-1 off, 0 free port)"})
     metrics_host: str = field(default="127.0.0.1", metadata={
@@ -96,6 +105,76 @@ class ServeConfig:
             return token
         return self.token
 
+    def tokens(self) -> "Tokens | None":
+        """Who may call (None: anyone). --tokens-file names principals; the one token (--token-file / env) is a
+        single admin principal ''."""
+        table: dict[str, Principal] = {}
+        if token := self.resolved_token():
+            table[token] = Principal("", admin=True)
+        if self.tokens_file:
+            table.update(read_tokens_file(Path(self.tokens_file)))
+        return Tokens(table) if table else None
+
+
+@dataclass(frozen=True)
+class Principal:
+    """Who a call comes from: the name its token has in --tokens-file ('' for the one --token-file token);
+    an admin sees every principal's jobs."""
+
+    name: str
+    admin: bool = False
+
+
+ANYONE = Principal("", admin=True)  # a service without tokens: every caller is the same principal
+
+
+def read_tokens_file(path: Path) -> dict[str, Principal]:
+    """`NAME TOKEN [admin]` lines (blank lines and '#' comments skipped) -> token: principal. SystemExit naming the
+    line for anything else."""
+    try:
+        lines = path.read_text().splitlines()
+    except OSError as e:
+        raise SystemExit(f"--tokens-file {path}: cannot read it ({e.strerror})") from None
+    out: dict[str, Principal] = {}
+    names: set[str] = set()
+    for n, line in enumerate(lines, 1):
+        parts = line.split()
+        if not parts or parts[0].startswith("#"):
+            continue
+        if len(parts) not in (2, 3) or (len(parts) == 3 and parts[2] != "admin") or not parts[0].isprintable():
+            raise SystemExit(f"--tokens-file {path}:{n}: expected 'NAME TOKEN' or 'NAME TOKEN admin'")
+        name, token = parts[0], parts[1]
+        if name in names or token in out:
+            raise SystemExit(f"--tokens-file {path}:{n}: the name or the token of {name!r} is used twice")
+        names.add(name)
+        out[token] = Principal(name, admin=len(parts) == 3)
+    if not out:
+        raise SystemExit(f"--tokens-file {path} names no principal ('NAME TOKEN' lines)")
+    return out
+
+
+class Tokens:
+    """The bearer tokens a service accepts and the principal each names (constant-time compare against all)."""
+
+    def __init__(self, table: dict[str, Principal]):
+        self._table = [(f"Bearer {t}".encode(), p) for t, p in table.items()]
+
+    def principal(self, authorization: str) -> Principal | None:
+        got, found = authorization.encode(), None
+        for want, p in self._table:
+            if hmac.compare_digest(got, want):
+                found = p
+        return found
+
+    def of(self, context: grpc.ServicerContext) -> Principal:
+        """The principal of an authenticated call (TokenAuth let it in)."""
+        md = dict(context.invocation_metadata() or ())
+        return self.principal(md.get("authorization", "")) or Principal("?")
+
+
+def principal_of(tokens: "Tokens | None", context: grpc.ServicerContext) -> Principal:
+    return ANYONE if tokens is None else tokens.of(context)
+
 
 def is_loopback(host: str) -> bool:
     if host in ("localhost", ""):
@@ -113,7 +192,7 @@ def check_exposure(cfg: ServeConfig) -> None:
     """Refuse to expose a stage beyond loopback without TLS and a token, unless told to."""
     if is_loopback(cfg.host) or cfg.insecure:
         return
-    token = cfg.token or cfg.token_file
+    token = cfg.token or cfg.token_file or cfg.tokens_file
     missing = [n for n, v in (("--tls-cert", cfg.tls_cert), ("--tls-key", cfg.tls_key), ("--token", token)) if not v]
     if missing:
         raise SystemExit(
@@ -126,16 +205,15 @@ class TokenAuth(grpc.ServerInterceptor):
 
     _OPEN = ("/grpc.health.v1.Health/",)
 
-    def __init__(self, token: str):
-        self._want = f"Bearer {token}".encode()
-
+    def __init__(self, tokens: Tokens):
+        self.tokens = tokens
         self._deny = refusal(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token in 'authorization' metadata")
 
     def intercept_service(self, continuation, handler_call_details):
         if handler_call_details.method.startswith(self._OPEN):
             return continuation(handler_call_details)
         got = dict(handler_call_details.invocation_metadata or ()).get("authorization", "")
-        if hmac.compare_digest(got.encode(), self._want):
+        if self.tokens.principal(got) is not None:
             return continuation(handler_call_details)
         return self._deny
 
@@ -272,12 +350,15 @@ class Admission(grpc.ServerInterceptor):
         self.cfg, self.label = cfg, label
         self.probes, self.control = _Slots(PROBE_SLOTS), _Slots(CONTROL_SLOTS)
         self.work, self.uploads = _Slots(cfg.max_workers), _Slots(cfg.max_uploads)
+        self.streams = _Slots(cfg.max_streams)
 
     @property
     def threads(self) -> int:
-        return self.cfg.max_workers + PROBE_SLOTS + CONTROL_SLOTS + SPARE_THREADS
+        return self.cfg.max_workers + self.cfg.max_streams + PROBE_SLOTS + CONTROL_SLOTS + SPARE_THREADS
 
     def _class(self, method: str) -> tuple[_Slots, str]:
+        if method in self.cfg.stream_methods:
+            return self.streams, "streams (--max-streams)"
         if method in PROBE_METHODS:
             return self.probes, "health checks"
         if method.startswith(CONTROL_METHODS) or method.endswith("/Status"):
@@ -384,11 +465,11 @@ class StageServer:
         if not 1 <= cfg.max_uploads <= cfg.max_workers:
             raise SystemExit(f"--max-uploads {cfg.max_uploads} must be between 1 and --max-workers ({cfg.max_workers})")
         self.cfg = cfg
-        token = cfg.resolved_token()
+        tokens = cfg.tokens()
         self.admission = Admission(cfg, label or service_names[0].rsplit(".", 1)[-1])
         # `interceptors` run outside the auth check (metrics count refused calls too); admission runs after auth,
         # so unauthenticated calls never take a slot.
-        interceptors = list(interceptors or []) + ([TokenAuth(token)] if token else []) + [self.admission]
+        interceptors = list(interceptors or []) + ([TokenAuth(tokens)] if tokens else []) + [self.admission]
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=self.admission.threads),
                                   options=SERVER_OPTIONS, interceptors=interceptors)
         self.health = health.HealthServicer()

@@ -242,7 +242,7 @@ def _start(cfg: CommonConfig, stage: str, info: RankInfo, make_engine, service_n
     budget_bytes = resolve_budget_bytes(cfg.group_devices(info), cfg.memory_budget_gb, cfg.reserve_gb,
                                         cfg.gpu_memory_cap_gb)
     budget = None
-    if cfg.residency == "shared" or budget_bytes > 0:
+    if (cfg.residency == "shared" or budget_bytes > 0) and getattr(engine, "device_work", True):
         budget = MemoryBudget(lease.ids, BudgetConfig(Path(cfg.lease_dir), who, budget_bytes, cfg.lease_timeout_s),
                               lease.events)
     rcfg = RuntimeConfig(max_queue=cfg.max_queue, idle_unload_s=cfg.idle_unload_s, residency=cfg.residency,

@@ -4,7 +4,9 @@ over the session's stage stack, tiny requests, condition waits."""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
+import subprocess
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -67,6 +69,17 @@ class RenderService:
                         and i, timeout_s, f"job {job_id} in {states}", self.log)
 
 
+@contextmanager
+def serving(run_dir: Path, stages: Endpoints, extra: list[str] = ()):
+    """A started render service, stopped (SIGTERM) when the block ends."""
+    svc = RenderService(run_dir, stages, extra)
+    svc.start()
+    try:
+        yield svc
+    finally:
+        svc.stop()
+
+
 def wait_for(cond, timeout_s: float, what: str, log=lambda: ""):
     """Poll `cond` until it returns something truthy (returned); fail with `what` (and a log) after the deadline."""
     deadline = time.monotonic() + timeout_s
@@ -100,3 +113,24 @@ def holding_the_device(lease_dir: Path, device: str = "virt0"):
         yield lease
     finally:
         lease.release()
+
+
+def self_signed_cert(d: Path) -> tuple[Path, Path]:
+    """(cert, key) for 127.0.0.1 / localhost, made with the openssl CLI (the test is skipped without it)."""
+    import pytest
+
+    if shutil.which("openssl") is None:
+        pytest.skip("the openssl CLI is not installed (needed to make a self-signed certificate)")
+    cert, key = d / "cert.pem", d / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert),
+                    "-days", "1", "-subj", "/CN=localhost", "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost"],
+                   check=True, capture_output=True, timeout=60)
+    return cert, key
+
+
+def token_file(d: Path, token: str) -> Path:
+    """A file holding `token`, readable by its owner only (servers take tokens from files, never the command line)."""
+    f = d / "token"
+    f.write_text(token + "\n")
+    f.chmod(0o600)
+    return f

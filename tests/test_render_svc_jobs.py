@@ -9,7 +9,7 @@ Through real processes (session stage stack + render_svc processes):
 - a client killed mid-render (SIGKILL) loses nothing: the job finishes and `python -m client jobs fetch` gets it;
 - the render service killed (SIGKILL) with jobs running and queued, then restarted on the same run dir: every job
   finishes exactly once (one terminal event each, one MP4 each, running ones retried as attempt 2);
-- retention: with --keep-jobs 1 the older MP4 is removed (Fetch says NOT_FOUND and why) while its record stays.
+- retention: with --keep-jobs 1 the older job is removed, its MP4 with it (Get and Fetch say NOT_FOUND and why).
 """
 
 from __future__ import annotations
@@ -121,16 +121,32 @@ def test_retention_removes_old_outputs(stack, tmp_path):
     svc = RenderService(tmp_path / "run", endpoints, ["--keep-jobs", "1"])
     svc.start()
     try:
-        ids = [svc.stub.Submit(tiny_request(f"kept? {i}", seed=i), timeout=30).job_id for i in range(2)]
-        infos = sorted((svc.wait_state(i, TERMINAL) for i in ids), key=lambda x: x.finished_unix)
+        infos = [svc.wait_state(svc.stub.Submit(tiny_request(f"kept? {i}", seed=i), timeout=30).job_id, TERMINAL)
+                 for i in range(2)]  # one after the other: the first finishes first
         assert all(x.state == SUCCEEDED for x in infos)
         a, b = infos[0].job_id, infos[1].job_id  # the older one is over the limit
-        old = svc.stub.Get(render_pb2.JobRef(job_id=a), timeout=10)
-        assert old.state == SUCCEEDED and old.output_expired
-        with pytest.raises(grpc.RpcError) as e:
-            list(svc.stub.Fetch(render_pb2.FetchRequest(job_id=a), timeout=30))
-        assert e.value.code() == grpc.StatusCode.NOT_FOUND and "--keep-jobs" in e.value.details()
+        for call in (lambda: svc.stub.Get(render_pb2.JobRef(job_id=a), timeout=10),
+                     lambda: list(svc.stub.Fetch(render_pb2.FetchRequest(job_id=a), timeout=30))):
+            with pytest.raises(grpc.RpcError) as e:
+                call()
+            assert e.value.code() == grpc.StatusCode.NOT_FOUND and "--keep-jobs" in e.value.details()
         assert sum(1 for c in svc.stub.Fetch(render_pb2.FetchRequest(job_id=b), timeout=30) if c.last) == 1
         assert not (tmp_path / "run" / "render" / "outputs" / f"{a}.mp4").exists()
     finally:
         svc.stop()
+
+
+def test_store_moves_images_of_earlier_unfinished_jobs_out_of_the_database(tmp_path):
+    """A queued job recorded with its keyframe image inside the request (an earlier version's row) gets the image
+    moved to keyframes/ when the store opens, as a new job's would be."""
+    store = JobStore(tmp_path)
+    rec, _ = store.submit(tiny_request("legacy"))
+    image = b"\x89PNG fake image bytes"
+    legacy = tiny_request("legacy", first_frame=image)
+    with store.db:
+        store.db.execute("UPDATE jobs SET request = ? WHERE id = ?", (legacy.SerializeToString(), rec.id))
+    store.close()
+    again = JobStore(tmp_path)
+    moved = again.get(rec.id)
+    assert not moved.request.first_frame and again.keyframe(moved.keyframes["first"]) == image
+    again.close()

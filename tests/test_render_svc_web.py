@@ -22,7 +22,7 @@ import urllib.request
 import pytest
 
 from h3.v1 import render_pb2
-from tests.render_svc_util import RenderService, tiny_request, wait_for
+from tests.render_svc_util import RenderService, tiny_request, token_file, wait_for
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="needs Debian's chromium (apt-get install -y chromium)")
@@ -104,7 +104,7 @@ def _get(url: str, headers: dict | None = None) -> int:
 
 def test_web_page_in_headless_chromium(stack, tmp_path):
     _, endpoints = stack
-    svc = RenderService(tmp_path / "run", endpoints, ["--http-port", "0", "--token", TOKEN])
+    svc = RenderService(tmp_path / "run", endpoints, ["--http-port", "0", "--token-file", str(token_file(tmp_path, TOKEN))])
     svc.start()
     browser = None
     try:

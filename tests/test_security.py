@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -20,6 +19,7 @@ from stagekit.render_params import RenderSpec, spec_to_proto
 from stagekit.server import MAX_MESSAGE_BYTES, ServeConfig, check_exposure
 from stagekit.wire import tensor_chunks
 from tests.conftest import SERVER_ENV
+from tests.render_svc_util import self_signed_cert, token_file
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKEN = "s3cret-token-for-tests"
@@ -57,21 +57,14 @@ def test_stage_refuses_public_bind_without_tls(tmp_path, model_cache):
 # ---- TLS + token on loopback ------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def tls_dit(tmp_path_factory, model_cache):
-    if shutil.which("openssl") is None:
-        pytest.skip("the openssl CLI is not installed (needed to make a self-signed certificate)")
     d = tmp_path_factory.mktemp("tls")
-    cert, key = d / "cert.pem", d / "key.pem"
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert),
-                    "-days", "1", "-subj", "/CN=localhost", "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost"],
-                   check=True, capture_output=True, timeout=60)
+    cert, key = self_signed_cert(d)
     sec = Security(token=TOKEN, tls_ca=str(cert))
-    token_file = d / "token"
-    token_file.write_text(TOKEN + "\n")
-    token_file.chmod(0o600)
+    tokens = token_file(d, TOKEN)
     s = EmbeddedStack(StackConfig(ranks={"dit": 1}, cache_dir=str(model_cache), run_dir=str(d / "run"), devices="virt0",
                                   env=SERVER_ENV, security=sec,
                                   extra_args={"dit": ["--tls-cert", str(cert), "--tls-key", str(key),
-                                                      "--token-file", str(token_file)]}))
+                                                      "--token-file", str(tokens)]}))
     s.start_stage("dit")
     s.wait_ready("dit")
     yield s, sec
