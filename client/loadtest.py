@@ -706,8 +706,9 @@ def request_messages(cfg: LoadConfig, index: int = 0, text_shape: tuple[int, int
 
 
 def cmd_loadtest(args) -> int:
-    from client.endpoints import connect_or_start
-    from client.stubs import Security
+    from client.embedded import StackStartError
+    from client.endpoints import EndpointError, connect_or_start
+    from client.stubs import Security, rpc_words
 
     cfg = LoadConfig(stage=args.stage, concurrency=args.concurrency, requests=args.requests or 0,
                      duration_s=args.duration or 0.0, rps=args.rps, width=args.width, height=args.height,
@@ -728,7 +729,15 @@ def cmd_loadtest(args) -> int:
     if args.metrics:
         stage = "dit" if cfg.stage == "pipeline" else cfg.stage
         metrics_urls[stage] = args.metrics if "://" in args.metrics else f"http://{args.metrics}/metrics"
-    endpoints, stack = connect_or_start(args, security, {s: ["--metrics-port", "0"] for s in STAGES})
+    # The stages this test calls: one stage alone (a DiT started by itself needs --text-dim, or an encoder to ask).
+    needed = STAGES if cfg.stage == "pipeline" else ("encoder", "dit") if cfg.stage == "dit" and not cfg.text_dim \
+        else (cfg.stage,)
+    try:
+        endpoints, stack = connect_or_start(args, security, needed, {s: ["--metrics-port", "0"] for s in STAGES})
+    except (EndpointError, StackStartError) as e:
+        print(f"error: {e}" + (" (or give --text-dim, e.g. 5120, to test the DiT alone)"
+                               if cfg.stage == "dit" and not cfg.text_dim else ""), file=sys.stderr)
+        return 1
     if stack is not None:
         for s in STAGES:
             mf = stack.run_dir / f"{s}.port.metrics"
@@ -762,7 +771,7 @@ def cmd_loadtest(args) -> int:
               else format_text(rep))
         return 0 if rep.summary()["ok"] == len(rep.records) or cfg.inject_invalid else 1
     except grpc.RpcError as e:
-        print(f"error: {e.code().name}: {e.details()}", file=sys.stderr)
+        print(f"error: {rpc_words(e)}", file=sys.stderr)
         return 1
     finally:
         if stack is not None:

@@ -30,13 +30,11 @@ from stagekit.dist import RankGroup
 from stagekit.runtime import release_device_memory
 from stagekit.errors import FailedPrecondition, InvalidArgument
 from stagekit.models import ensure_embedded, resolve_checkpoint
-from stagekit.render_params import RenderSpec, validate
+from stagekit.render_params import DEFAULT_CRF, RenderSpec, validate
 from stagekit.wire import check_finite
 
 log = logging.getLogger("decoder_svc")
 
-VIDEO_PATTERNS = ["*minimax_h3*video*vae*.safetensors", "*minimax*h3*vae*.safetensors", "video_vae"]
-AUDIO_PATTERNS = ["*minimax_h3*audio*vae*.safetensors", "*minimax*h3*audio*.safetensors", "audio_vae"]
 # The embedded model's output is noise, so its decode is made cheap where that changes no key: the video VAE
 # decodes whole frames (no spatial tiles, whose overlaps cost 4-6x the decode time on a CPU) and the audio VAE's
 # decoder is half as wide (128: the last of its seven halvings has one channel). The names say so, so a cache
@@ -45,7 +43,6 @@ EMBEDDED_VIDEO, EMBEDDED_AUDIO = "video_vae_tiny_untiled_fp16.safetensors", "aud
 EMBEDDED_SEED = 0
 EMBEDDED_PRESET = "ultrafast"  # x264 on noise: the slower presets spend their time on detail nobody watches
 STEREO = 2
-DEFAULT_CRF = 18
 
 
 @dataclass(frozen=True)
@@ -79,10 +76,10 @@ def resolve_weights(cfg: DecoderEngineConfig) -> tuple[Path, Path, bool]:
     """(video VAE, audio VAE, is_embedded): both explicit, both from --models-dir, or both embedded."""
     if bool(cfg.video_weights) != bool(cfg.audio_weights):
         raise FailedPrecondition("give both --video-weights and --audio-weights (or --models-dir)")
-    v, embedded = resolve_checkpoint(cfg.video_weights, cfg.models_dir, VIDEO_PATTERNS, "MiniMax-H3 video VAE",
+    v, embedded = resolve_checkpoint(cfg.video_weights, cfg.models_dir, "video_vae",
                                      lambda: ensure_embedded(cfg.cache_dir, EMBEDDED_VIDEO, lambda tmp: write_tiny_video_vae(
                                          str(tmp), replace(VideoVAEConfig.tiny(), tiling=False), EMBEDDED_SEED)))
-    a, _ = resolve_checkpoint(cfg.audio_weights, cfg.models_dir, AUDIO_PATTERNS, "MiniMax-H3 audio VAE",
+    a, _ = resolve_checkpoint(cfg.audio_weights, cfg.models_dir, "audio_vae",
                               lambda: ensure_embedded(cfg.cache_dir, EMBEDDED_AUDIO, lambda tmp: write_tiny_audio_vae(
                                   tmp, AudioVAEConfig.tiny(decoder_dim=128), EMBEDDED_SEED)))
     return v, a, embedded

@@ -40,7 +40,6 @@ from stagekit.render_params import RenderSpec, validate
 log = logging.getLogger("dit_svc")
 
 # File names users have (ComfyUI) and the diffusers directory, in preference order.
-CHECKPOINT_PATTERNS = ["*minimax_h3*int8_convrot*.safetensors", "*minimax_h3*.safetensors", "transformer"]
 EMBEDDED_FILE = "dit_tiny_bf16.safetensors"
 EMBEDDED_SEED = 0
 
@@ -98,7 +97,7 @@ class DiTEngineConfig:
 
 def resolve_weights(cfg: DiTEngineConfig) -> tuple[Path, bool]:
     """(checkpoint path, is_embedded)."""
-    return resolve_checkpoint(cfg.weights, cfg.models_dir, CHECKPOINT_PATTERNS, "MiniMax-H3 DiT checkpoint",
+    return resolve_checkpoint(cfg.weights, cfg.models_dir, "dit",
                               lambda: ensure_embedded(cfg.cache_dir, EMBEDDED_FILE, lambda tmp: write_tiny_checkpoint(
                                   embedded_config(), tmp, "bf16", seed=EMBEDDED_SEED)))
 

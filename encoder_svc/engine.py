@@ -26,7 +26,6 @@ from stagekit.models import EMBEDDED_VERSION, resolve_checkpoint
 
 log = logging.getLogger("encoder_svc")
 
-CHECKPOINT_PATTERNS = ["*qwen3vl*minimax_h3*.safetensors", "*qwen3*vl*32b*.safetensors", "text_encoder"]
 
 
 @dataclass
@@ -44,7 +43,7 @@ class EncoderEngineConfig:
 
 def resolve_weights(cfg: EncoderEngineConfig) -> tuple[Path, bool]:
     """(checkpoint path, is_embedded); the embedded tiny model comes with its own tokenizer.json."""
-    return resolve_checkpoint(cfg.weights, cfg.models_dir, CHECKPOINT_PATTERNS, "Qwen3-VL text encoder for MiniMax-H3",
+    return resolve_checkpoint(cfg.weights, cfg.models_dir, "encoder",
                               lambda: write_tiny_model(Path(cfg.cache_dir) / EMBEDDED_VERSION / "text_encoder",
                                                        variant="bf16"))
 

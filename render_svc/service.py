@@ -22,13 +22,12 @@ from render_svc.engine import Outcome, Work
 from render_svc.planner import Batch, BatchPlanner, first_stage, next_stage
 from render_svc.store import CANCELLED, FAILED, QUEUED, RUNNING, SUCCEEDED, JobRecord, JobStore
 from stagekit.errors import Cancelled, InvalidArgument, ResourceExhausted, Unavailable
-from stagekit.render_params import spec_from_proto, validate
+from stagekit.render_params import check_output, spec_from_proto, validate
 from stagekit.runtime import Job
 
 log = logging.getLogger("render_svc")
 
 MAX_LABEL_CHARS = 200
-MAX_CRF = 51
 
 
 @dataclass(frozen=True)
@@ -46,16 +45,12 @@ class SchedulerConfig:
 
 def check_request(req: render_pb2.RenderRequest) -> None:
     """Everything about a request that can be checked before it is queued; InvalidArgument with the reason."""
-    from decoder_svc.mux import check_upscale
     from stagekit.images import load_keyframe
 
     spec = validate(spec_from_proto(req.params), need_prompt=True)
-    if req.crf > MAX_CRF:
-        raise InvalidArgument(f"crf={req.crf} is not valid: use 0 (default 18) .. {MAX_CRF}")
+    check_output(spec, req.crf, req.upscale_width, req.upscale_height)
     if len(req.label) > MAX_LABEL_CHARS or len(req.idempotency_key) > MAX_LABEL_CHARS:
         raise InvalidArgument(f"label and idempotency_key are limited to {MAX_LABEL_CHARS} characters")
-    if req.upscale_width or req.upscale_height:
-        check_upscale(spec.width, spec.height, req.upscale_width, req.upscale_height)
     for anchor, img in (("first_frame", req.first_frame), ("last_frame", req.last_frame)):
         if img:
             try:

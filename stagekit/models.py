@@ -19,6 +19,21 @@ EMBEDDED_NOTE = ("using the embedded tiny model: its output is noise. For real v
                  "files and pass --models-dir DIR (see README 'Real checkpoints').")
 
 
+# What each part of the model is found by under --models-dir (first pattern with a match wins; a file or a diffusers
+# folder), and its name in messages. The stages resolve their weights with these, `client models check` and the
+# client's early --models-dir check read the same table.
+CHECKPOINT_PARTS: dict[str, tuple[str, list[str]]] = {
+    "encoder": ("Qwen3-VL text encoder for MiniMax-H3",
+                ["*qwen3vl*minimax_h3*.safetensors", "*qwen3*vl*32b*.safetensors", "text_encoder"]),
+    "dit": ("MiniMax-H3 DiT checkpoint",
+            ["*minimax_h3*int8_convrot*.safetensors", "*minimax_h3*.safetensors", "transformer"]),
+    "video_vae": ("MiniMax-H3 video VAE",
+                  ["*minimax_h3*video*vae*.safetensors", "*minimax*h3*vae*.safetensors", "video_vae"]),
+    "audio_vae": ("MiniMax-H3 audio VAE",
+                  ["*minimax_h3*audio*vae*.safetensors", "*minimax*h3*audio*.safetensors", "audio_vae"]),
+}
+
+
 def default_cache_dir() -> Path:
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(base) / "h3-stages"
@@ -53,9 +68,11 @@ def find_checkpoint(models_dir: str | Path, patterns: list[str], what: str) -> P
         f"no {what} found under {root}: looked for {', '.join(patterns)}; pass the file explicitly with --weights")
 
 
-def resolve_checkpoint(explicit: str, models_dir: str, patterns: list[str], what: str,
+def resolve_checkpoint(explicit: str, models_dir: str, part: str,
                        embedded: Callable[[], Path]) -> tuple[Path, bool]:
-    """(path, is_embedded): an explicit --weights path, else a match under --models-dir, else the embedded model."""
+    """(path, is_embedded) of `part` (a key of CHECKPOINT_PARTS): an explicit --weights path, else a match under
+    --models-dir, else the embedded model."""
+    what, patterns = CHECKPOINT_PARTS[part]
     if explicit:
         p = Path(explicit).expanduser()
         if not p.exists():
