@@ -56,7 +56,8 @@ def find_gpus() -> tuple[list[GPU], str]:
     except (OSError, subprocess.TimeoutExpired) as e:
         return [], f"nvidia-smi did not run: {e}"
     if out.returncode != 0:
-        return [], f"nvidia-smi failed: {(out.stderr or out.stdout).strip().splitlines()[-1:] or out.returncode}"
+        said = (out.stderr or out.stdout).strip().splitlines()
+        return [], f"nvidia-smi failed: {said[-1] if said else f'exit code {out.returncode}'}"
     gpus = []
     for line in out.stdout.strip().splitlines():
         parts = [p.strip() for p in line.split(",")]

@@ -100,7 +100,7 @@ def _verified(path: Path, size: int, sha: str) -> bool:
 def fetch(to: Path, files: list[RemoteFile], out=sys.stderr) -> int:
     """Steps 1-4 of the module docstring. Returns the number of files downloaded; FetchError when it cannot go on."""
     from huggingface_hub import constants, get_hf_file_metadata, hf_hub_url
-    from huggingface_hub.errors import EntryNotFoundError, HfHubHTTPError, RepositoryNotFoundError
+    from huggingface_hub.errors import EntryNotFoundError, RepositoryNotFoundError
     from huggingface_hub.file_download import http_get
     from huggingface_hub.utils import build_hf_headers
 
@@ -109,11 +109,11 @@ def fetch(to: Path, files: list[RemoteFile], out=sys.stderr) -> int:
     for f in files:
         url = hf_hub_url(f.repo, f.path)
         try:
-            meta = get_hf_file_metadata(url, retry_on_errors=True)
-        except (EntryNotFoundError, RepositoryNotFoundError) as e:
-            raise FetchError(f"{f.repo}/{f.path} is not on {constants.ENDPOINT} ({type(e).__name__}); another "
-                             "variant may be (see --help), or the repository moved") from None
-        except (HfHubHTTPError, OSError) as e:
+            meta = get_hf_file_metadata(url)
+        except (EntryNotFoundError, RepositoryNotFoundError):
+            raise FetchError(f"{f.repo}/{f.path} is not on {constants.ENDPOINT}; another variant may be (see "
+                             "models fetch --help), or the repository moved") from None
+        except Exception as e:  # noqa: BLE001 -- HTTP errors and the HTTP library's own connection errors alike
             raise FetchError(f"cannot reach {constants.ENDPOINT} for {f.repo}/{f.path}: {e}. Check the network "
                              "(HF_ENDPOINT for a mirror, HF_TOKEN for a gated repository)") from None
         if meta.size is None or not meta.etag or len(meta.etag) != 64:
@@ -147,8 +147,13 @@ def fetch(to: Path, files: list[RemoteFile], out=sys.stderr) -> int:
         if done:
             print(f"resuming {f.local} at {_gib(done)} of {_gib(size)}", file=out)
         if done < size:
-            with open(part, "ab") as fh:
-                http_get(url, fh, resume_size=done, headers=headers, expected_size=size, displayed_filename=f.local)
+            try:
+                with open(part, "ab") as fh:
+                    http_get(url, fh, resume_size=done, headers=headers, expected_size=size,
+                             displayed_filename=f.local)
+            except Exception as e:  # noqa: BLE001 -- a lost connection, a server error: the part stays for a rerun
+                raise FetchError(f"{f.local}: the download stopped ({e}); run the same command again to resume "
+                                 f"from the {_gib(part.stat().st_size)} there") from None
         print(f"checking the sha256 of {f.local} ...", file=out)  # 4. the whole file against the Hub's checksum
         got = sha256_of(part)
         if got != sha:
