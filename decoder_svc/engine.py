@@ -241,7 +241,8 @@ class DecoderEngine:
                         asm.add(plan[j], parts[j - k * n][: math.prod(shape)].view(shape))
                 del flat, parts
             del out
-            ctx.progress(k + 1, rounds, message=f"video tiles x chunks ({len(plan)} units on {n} ranks)")
+            ranks = f"{n} rank{'s' if n > 1 else ''}"
+            ctx.progress(k + 1, rounds, message=f"video tiles x chunks ({len(plan)} units on {ranks})")
         audio = None
         if self.group.info.rank == audio_rank:
             audio = self.audio.decode_rows(self.audio.batch_to_rows(inputs["audio_latents"].float())).cpu()
