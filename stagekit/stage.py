@@ -32,7 +32,9 @@ log = logging.getLogger("stagekit.stage")
 
 @dataclass
 class CommonConfig(ServeConfig):
-    """Settings every stage has (stage configs subclass this)."""
+    """every stage: weights, devices, residency and memory
+
+    Stage configs subclass this."""
 
     devices: list[str] = field(default_factory=list, metadata={
         "help": "devices per rank, comma-separated ('cuda:0,cuda:1', or virtual 'virt0' on CPU); default: cuda:LOCAL_RANK or cpu"})
