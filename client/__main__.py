@@ -405,10 +405,11 @@ def main(argv: list[str] | None = None) -> int:
         add_loadtest(sub, add_endpoint_args)
     args = ap.parse_args(argv)
     try:
-        return args.fn(args)
+        rc = args.fn(args)
+        sys.stdout.flush()  # a reader that left shows here, not as an error at interpreter exit
+        return rc
     except BrokenPipeError:  # `... | head`: the reader left; nothing more to say
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141
 
 

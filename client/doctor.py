@@ -8,15 +8,28 @@ with the setup it recommends or the first thing to fix (exit 1 when something mu
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
 
-from client.machine import find_gpus, free_disk_gib, host_ram_gib, recommend
+from client.machine import SETUP_NAMES, find_gpus, free_disk_gib, host_ram_gib, recommend
 
 # What the real model needs of the host, per setup (README "Requirements"): 64 GB, which a kernel reports as ~62 GiB.
 MIN_HOST_RAM_GIB = 60.0
 MIN_DISK_GIB = 60.0   # the default variants of `models fetch`: about 52 GiB
+# scripts/up.sh's default ports (H3_<NAME>_PORT overrides each)
+UP_PORTS = {"encoder": 50051, "dit": 50052, "decoder": 50053, "render": 50054, "render_http": 8054}
+
+
+def port_taken(port: int, host: str = "127.0.0.1") -> bool:
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return True
+    return False
 
 
 def torch_info() -> tuple[str, str]:
@@ -89,11 +102,18 @@ def cmd_doctor(args) -> int:
                          f"clear {args.endpoints_file}")
     if not render and endpoints is None:
         print("service     none configured (render starts the embedded stack)")
+        ports = {n: int(os.environ.get(f"H3_{n.upper()}_PORT") or p) for n, p in UP_PORTS.items()}
+        taken = [(n, p) for n, p in ports.items() if p and port_taken(p)]
+        print("ports       " + ("; ".join(f"{p} ({n}) is taken" for n, p in taken) if taken else
+                                f"{', '.join(str(p) for p in ports.values() if p)} free for scripts/up.sh"))
+        for n, p in taken:
+            fixes.append(f"port {p}, scripts/up.sh's for {n}, is taken by another program: stop it, or set "
+                         f"H3_{n.upper()}_PORT to another port (0: any free one)")
     if fixes:
         print(f"fix first:  {fixes[0]}" + "".join(f"\nthen:       {f}" for f in fixes[1:]))
         return 1
     setup, line = recommend(gpus, models or "DIR")
-    print(f"recommended ({setup or 'no fitting GPU'}):\n  {line}")
+    print(f"recommended ({SETUP_NAMES[setup]}):\n  {line}")
     return 0
 
 

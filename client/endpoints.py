@@ -111,7 +111,7 @@ def connect_render(args, security: Security, before_embedded: Callable[[], None]
     own render service (stop the stack after). Anything configured that does not answer is an EndpointError:
     never silently the tiny model. `before_embedded` runs before a stack is started (checks that would otherwise
     cost its start-up)."""
-    from client.embedded import EmbeddedStack, StackConfig
+    from client.embedded import EmbeddedStack, StackConfig, StackStartError
 
     target = configured_render(args)
     if target:
@@ -125,12 +125,16 @@ def connect_render(args, security: Security, before_embedded: Callable[[], None]
         before_embedded()
     stack = EmbeddedStack(StackConfig(models_dir=args.models_dir, devices=args.devices, security=security,
                                       with_render=True, extra_args={"render": ["--http-port", "0"]}))
-    if endpoints is not None:
-        print("starting a render service over the configured stages ...", file=sys.stderr)
-        target = stack.start_render(endpoints)
-    else:
-        print("starting embedded stack (encoder, dit, decoder, render service) on loopback ...", file=sys.stderr)
-        target = stack.start().render
+    try:
+        if endpoints is not None:
+            print("starting a render service over the configured stages ...", file=sys.stderr)
+            target = stack.start_render(endpoints)
+        else:
+            print("starting embedded stack (encoder, dit, decoder, render service) on loopback ...", file=sys.stderr)
+            target = stack.start().render
+    except StackStartError as e:
+        stack.stop()  # why is in the message: nothing is left behind in the temp dir
+        raise StackStartError(f"the local stack could not start: {e.summary}") from None
     web = stack.run_dir / "render.port.http"
     if web.exists():
         print(f"render service web page: http://127.0.0.1:{web.read_text().strip()}/", file=sys.stderr)

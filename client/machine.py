@@ -26,6 +26,8 @@ CUDA_BUILDS = (("cu130", 580, 7.5), ("cu128", 570, 7.5), ("cu126", 525, 5.0))
 FP8_ATTENTION_CC = 9.0  # cuDNN fp8 attention (nvidia-cudnn-frontend): Hopper and later
 GIB = 1 << 30
 
+SETUP_NAMES = {"one-22gb": "one 22 GB card", "two-22gb": "two 22 GB cards", "big": "one big GPU",
+               "": "no GPU that fits the real model"}
 TURING_ENV = ("H3_DIT_LINEAR_KERNEL=int8 H3_DIT_DTYPE=float16 H3_ENCODER_MODE=compact H3_ENCODER_DTYPE=float16 "
               "H3_DECODER_DTYPE=float16")
 MIN_SETUP_VRAM_GIB = 21.0   # a "22 GB" card (2080 Ti 22 GB mod, 3090/4090 24 GB) reports 21.5+ GiB

@@ -254,7 +254,7 @@ def check_folder(models_dir: Path) -> list[PartReport]:
 
 
 def cmd_check(args) -> int:
-    from client.machine import find_gpus, recommend
+    from client.machine import SETUP_NAMES, find_gpus, recommend
 
     root = Path(args.models_dir).expanduser()
     if not root.is_dir():
@@ -276,7 +276,7 @@ def cmd_check(args) -> int:
         return 1
     gpus, _ = find_gpus()
     setup, line = recommend(gpus, str(root))
-    print(f"all {len(reports)} parts read correctly. For this machine ({setup or 'no fitting GPU'}):\n  {line}")
+    print(f"all {len(reports)} parts read correctly. For this machine ({SETUP_NAMES[setup]}):\n  {line}")
     return 0
 
 

@@ -239,6 +239,10 @@ def _start(cfg: CommonConfig, stage: str, info: RankInfo, make_engine, service_n
         os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
         import torch
 
+        if not torch.cuda.is_available():  # a CPU build of torch, or no driver: say so, not `_cuda_setDevice`
+            build = "is the CPU build" if torch.version.cuda is None else f"(CUDA {torch.version.cuda}) sees no GPU"
+            raise SystemExit(f"{stage}: cannot start: --devices {device}, but torch {torch.__version__} {build}; "
+                             "run scripts/setup.sh --cuda (python -m client doctor shows what this machine has)")
         torch.cuda.set_device(device)
         if cfg.gpu_memory_cap_gb > 0:
             total = torch.cuda.get_device_properties(device).total_memory

@@ -92,6 +92,22 @@ def test_refused_before_anything_starts_with_exit_2(argv, needle, tmp_path):
     assert no_stack_started(tmp_path) and not (tmp_path / "x.mp4").exists()
 
 
+def test_a_models_dir_with_a_broken_file_is_one_error_and_leaves_nothing(tmp_path):
+    """Files of the right names but broken: the stage that reads one first says why in one line, exit 1, and the
+    local stack's temp dir is gone."""
+    d = tmp_path / "models"
+    for name in ("diffusion_models/minimax_h3_x.safetensors", "text_encoders/qwen3vl_32b_minimax_h3_int8.safetensors",
+                 "vae/minimax_h3_video_vae_fp16.safetensors", "vae/minimax_h3_audio_vae_fp32.safetensors"):
+        (d / name).parent.mkdir(parents=True, exist_ok=True)
+        (d / name).write_text("not a safetensors file")
+    r = client(["render", "--prompt", "a fox", "-o", str(tmp_path / "x.mp4"), *SMALL, "--models-dir", str(d),
+                "--endpoints-file", str(tmp_path / "none.env")], tmp_path, timeout=300)
+    assert r.returncode == 1, r.stderr
+    err = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
+    assert len(err) == 1 and "the local stack could not start:" in err[0] and ": cannot start: " in err[0], r.stderr
+    assert str(d) in err[0] and "Traceback" not in r.stderr and no_stack_started(tmp_path)
+
+
 def test_the_service_refuses_by_the_same_rule():
     """One copy of the rule: the render service's request check and the decoder's call `check_output`."""
     from render_svc.service import check_request
@@ -174,3 +190,16 @@ def test_help_texts_are_true(tmp_path):
     assert up.returncode == 0 and "--dit-ranks 1" in up.stdout and "--dit-ranks 2" not in up.stdout, up.stdout
     down = subprocess.run(["bash", "scripts/down.sh", "--help"], cwd=ROOT, capture_output=True, text=True)
     assert down.returncode == 0 and "down.sh [--run-dir run] [--grace 30]" in down.stdout, down.stdout + down.stderr
+
+
+def test_a_cuda_device_on_a_cpu_build_of_torch_says_so(tmp_path):
+    """The README's GPU up.sh line on a machine whose torch cannot reach a GPU: one line naming the cause and the
+    fix, not an AttributeError from inside torch."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine's torch sees a GPU")
+    r = subprocess.run([sys.executable, "-m", "dit_svc", "--devices", "cuda:0", "--port", "0", "--lease-dir",
+                        str(tmp_path / "leases")], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and "dit: cannot start: --devices cuda:0, but torch" in r.stderr, r.stderr
+    assert "scripts/setup.sh --cuda" in r.stderr and "_cuda_setDevice" not in r.stderr

@@ -9,6 +9,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -175,7 +176,7 @@ def test_models_check_good_and_broken_folders(tmp_path, monkeypatch):
     r = run(["models", "check", str(d)], env)
     assert r.returncode == 0, r.stdout + r.stderr
     for needle in ("dit      dit        ok", "encoder  encoder    ok", "bf16", "decoder  video_vae  ok",
-                   "decoder  audio_vae  ok", "all 4 parts read correctly", "(one-22gb)",
+                   "decoder  audio_vae  ok", "all 4 parts read correctly", "(one 22 GB card)",
                    "H3_DIT_LINEAR_KERNEL=int8 H3_DIT_DTYPE=float16 H3_ENCODER_MODE=compact H3_ENCODER_DTYPE=float16 "
                    f"H3_DECODER_DTYPE=float16 scripts/up.sh --models-dir {d} --devices cuda:0 --gpu-memory-cap-gb 22 "
                    "--residency exclusive"):
@@ -214,10 +215,17 @@ def test_doctor_recommends_a_setup_or_names_the_fix(tmp_path):
     r = run(["doctor", "--dit", "127.0.0.1:9", "--models-dir", str(tmp_path), *none], {"PATH": "/usr/bin:/bin"})
     assert r.returncode == 1 and "dit      127.0.0.1:9  DOES NOT ANSWER" in r.stdout, r.stdout
     assert "the models folder lacks encoder, dit, video_vae, audio_vae: python -m client models fetch" in r.stdout
-    r = run(["doctor", *none], {"PATH": "/usr/bin:/bin", "H3_ENCODER": "", "H3_DIT": "", "H3_DECODER": "",
-                                "H3_RENDER": ""})
+    quiet = {"PATH": "/usr/bin:/bin", "H3_ENCODER": "", "H3_DIT": "", "H3_DECODER": "", "H3_RENDER": "",
+             **{f"H3_{n}_PORT": "0" for n in ("ENCODER", "DIT", "DECODER", "RENDER", "RENDER_HTTP")}}
+    r = run(["doctor", *none], quiet)
     if not shutil.which("nvidia-smi", path="/usr/bin:/bin"):
-        assert r.returncode == 0 and "recommended (no fitting GPU)" in r.stdout, r.stdout
+        assert r.returncode == 0 and "recommended (no GPU that fits the real model)" in r.stdout, r.stdout
+    with socket.socket() as held:  # a port up.sh would use, taken by another program
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        r = run(["doctor", *none], {**quiet, "H3_DIT_PORT": str(port)})
+    assert r.returncode == 1 and f"{port} (dit) is taken" in r.stdout and "set H3_DIT_PORT" in r.stdout, r.stdout
 
 
 def test_machine_recommends_the_documented_up_lines():
