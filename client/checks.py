@@ -111,13 +111,13 @@ def check_models_dir(models_dir: str) -> None:
     """Every part of the model findable under `models_dir` the way its stage looks (stagekit.models), unless its
     file is named by the stage's own env var; else one line naming the folder and what was looked for."""
     from stagekit.errors import FailedPrecondition
-    from stagekit.models import CHECKPOINT_PARTS, find_checkpoint
+    from stagekit.models import CHECKPOINT_PARTS, find_part
 
-    for part, (what, patterns) in CHECKPOINT_PARTS.items():
+    for part in CHECKPOINT_PARTS:
         if os.environ.get(WEIGHTS_ENV[part]):
             continue
         try:
-            find_checkpoint(models_dir, patterns, what)
+            find_part(models_dir, part)
         except FailedPrecondition as e:
             raise CheckError(f"--models-dir {models_dir}: {e.message} (python -m client models check DIR "
                              "says what each stage needs)") from None

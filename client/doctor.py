@@ -50,7 +50,7 @@ def cmd_doctor(args) -> int:
     from client.endpoints import configured_endpoints, configured_render, render_reachable, unreachable_stages
     from client.stubs import Security
     from stagekit.errors import FailedPrecondition
-    from stagekit.models import CHECKPOINT_PARTS, find_checkpoint
+    from stagekit.models import CHECKPOINT_PARTS, find_part
 
     fixes: list[str] = []
     gpus, none_why = find_gpus()
@@ -71,9 +71,9 @@ def cmd_doctor(args) -> int:
     if models:
         root = Path(models).expanduser()
         missing = []
-        for part, (what, patterns) in CHECKPOINT_PARTS.items():
+        for part in CHECKPOINT_PARTS:
             try:
-                found = find_checkpoint(root, patterns, what)
+                found = find_part(root, part)
                 print(f"models      {part:<10} {found}")
             except FailedPrecondition as e:
                 missing.append(part)

@@ -232,14 +232,14 @@ def check_folder(models_dir: Path) -> list[PartReport]:
     """One report per part of the model (stagekit.models.CHECKPOINT_PARTS): found how the stage finds it, then
     read with its loader."""
     from stagekit.errors import FailedPrecondition
-    from stagekit.models import CHECKPOINT_PARTS, find_checkpoint
+    from stagekit.models import CHECKPOINT_PARTS, find_part
 
     stage_of = {"encoder": "encoder", "dit": "dit", "video_vae": "decoder", "audio_vae": "decoder"}
     reports = []
-    for part, (what, patterns) in CHECKPOINT_PARTS.items():
+    for part in CHECKPOINT_PARTS:
         r = PartReport(stage_of[part], part)
         try:
-            r.path = find_checkpoint(models_dir, patterns, what)
+            r.path = find_part(models_dir, part)
         except FailedPrecondition as e:
             r.problem = e.message
             reports.append(r)
@@ -289,8 +289,9 @@ def add_parser(sub) -> None:
     f.add_argument("--to", required=True, metavar="DIR", help="the models folder (then: up.sh --models-dir DIR)")
     v = f.add_argument_group("variants")
     v.add_argument("--dit", choices=tuple(DIT_VARIANTS), default="fl2va-pruned",
-                   help="DiT: fl2va (text, first/last frame) or ref2va (references); -pruned: curve-form AdaLN, "
-                        "about 19.5 GiB instead of 34 GB (default: fl2va-pruned)")
+                   help="DiT: fl2va (text, first/last frame) or ref2va (references: the DiT serves that file when "
+                        "named with --weights; its --models-dir search takes the fl2va one); -pruned: curve-form "
+                        "AdaLN, about 19.5 GiB instead of 34 GB (default: fl2va-pruned)")
     v.add_argument("--text-encoder", choices=tuple(TEXT_ENCODER_VARIANTS), default="int8",
                    help="Qwen3-VL text encoder: int8 (ConvRot, about 25 GiB), nvfp4 (Blackwell), bf16 "
                         "(default: int8)")

@@ -29,12 +29,16 @@ from stagekit.checkpoints import CheckpointError
 from stagekit.dist import RankGroup
 from stagekit.runtime import release_device_memory
 from stagekit.errors import FailedPrecondition, InvalidArgument
-from stagekit.models import ensure_embedded, resolve_checkpoint
+from stagekit.models import CHECKPOINT_PARTS, ensure_embedded, resolve_checkpoint
 from stagekit.render_params import DEFAULT_CRF, RenderSpec, validate
-from stagekit.wire import check_finite
+from stagekit.wire import check_finite, check_result
 
 log = logging.getLogger("decoder_svc")
 
+# Where the VAEs are found (stagekit.models.CHECKPOINT_PARTS); each excludes the other VAE's file, which its patterns
+# also match.
+VIDEO_PATTERNS, VIDEO_EXCLUDE = CHECKPOINT_PARTS["video_vae"].patterns, CHECKPOINT_PARTS["video_vae"].exclude
+AUDIO_PATTERNS, AUDIO_EXCLUDE = CHECKPOINT_PARTS["audio_vae"].patterns, CHECKPOINT_PARTS["audio_vae"].exclude
 # The embedded model's output is noise, so its decode is made cheap where that changes no key: the video VAE
 # decodes whole frames (no spatial tiles, whose overlaps cost 4-6x the decode time on a CPU) and the audio VAE's
 # decoder is half as wide (128: the last of its seven halvings has one channel). The names say so, so a cache
@@ -205,6 +209,7 @@ class DecoderEngine:
         pixels = image.permute(2, 0, 1).contiguous()  # [3, H, W] uint8; encode() scales to [0, 1]
         autocast = None if self.cfg.weight_dtype == torch.float32 else self.cfg.weight_dtype
         latents = self.video_encoder.encode(pixels.to(self.cfg.device), autocast_dtype=autocast).float().cpu()
+        check_result("decoder", "keyframe latents (video VAE encode)", latents, "channel")
         ctx.progress(1, 1)
         return {"latents": latents}
 
@@ -257,6 +262,9 @@ class DecoderEngine:
             return {}
         audio = next(a for a in gathered if a is not None)
         frames = asm.finish().cpu()  # [3, F, H, W] RGB in [0, 1]
+        # Latents were checked finite on arrival: a NaN now is this server's fault (INTERNAL), never muxed.
+        check_result("decoder", "video frames (video VAE decode)", frames, "frame", axis=1)
+        check_result("decoder", "audio (audio VAE decode)", audio, "sample", axis=1)
         return self._output(job, frames, audio, ctx.check_cancel_local)
 
     def _output(self, job, frames: torch.Tensor, audio: torch.Tensor, check_cancel=None) -> dict:

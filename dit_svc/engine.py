@@ -34,13 +34,15 @@ from stagekit.dist import RankGroup
 from stagekit.runtime import release_device_memory
 from stagekit.errors import FailedPrecondition, InvalidArgument
 from stagekit.kernels import AUTO, KernelConfig, KernelSelection, select_kernels
-from stagekit.models import ensure_embedded, resolve_checkpoint
+from stagekit.models import CHECKPOINT_PARTS, ensure_embedded, resolve_checkpoint
 from stagekit.quant import Int8ConvRotLinear, QuantizedWeight
 from stagekit.render_params import RenderSpec, validate
 
 log = logging.getLogger("dit_svc")
 
-# File names users have (ComfyUI) and the diffusers directory, in preference order.
+# File names users have (ComfyUI) and the diffusers directory; exactly one may match under --models-dir. Excluded:
+# names those patterns also match that are not this DiT (the other stages' files, LoRAs, the ref2va model).
+CHECKPOINT_PATTERNS, CHECKPOINT_EXCLUDE = CHECKPOINT_PARTS["dit"].patterns, CHECKPOINT_PARTS["dit"].exclude
 EMBEDDED_FILE = "dit_tiny_bf16.safetensors"
 EMBEDDED_SEED = 0
 

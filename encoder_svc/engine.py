@@ -22,10 +22,12 @@ from stagekit.dist import RankGroup
 from stagekit.runtime import release_device_memory
 from stagekit.checkpoints import CheckpointError
 from stagekit.errors import FailedPrecondition
-from stagekit.models import EMBEDDED_VERSION, resolve_checkpoint
+from stagekit.models import CHECKPOINT_PARTS, EMBEDDED_VERSION, resolve_checkpoint
+from stagekit.wire import check_result
 
 log = logging.getLogger("encoder_svc")
 
+CHECKPOINT_PATTERNS = CHECKPOINT_PARTS["encoder"].patterns  # where the text encoder is found (stagekit.models)
 
 
 @dataclass
@@ -106,9 +108,11 @@ class EncoderEngine:
                 states, tags = self.model.encode_presentation(spec["ids"], images)
             except ValueError as e:
                 raise FailedPrecondition(str(e)) from None
-            states = states.cpu()
         else:
-            states = self.model.encode_ids(spec["ids"]).cpu()
+            states, tags = self.model.encode_ids(spec["ids"]), None
+        states = states.cpu()
+        check_result("encoder", "text_states", states, "token")  # never cached nor sent when not finite
+        if tags is None:
             self.cache.put(self.cache_key(spec["text"]), states)
             tags = torch.ones(states.shape[0], dtype=torch.int64)
         ctx.progress(1, 1)

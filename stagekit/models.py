@@ -8,29 +8,44 @@ as real checkpoints. Its output is noise.
 from __future__ import annotations
 
 import fcntl
+import fnmatch
 import os
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from stagekit.errors import FailedPrecondition
 
 EMBEDDED_VERSION = "embedded-v3"
+MAX_CANDIDATES_NAMED = 4
 EMBEDDED_NOTE = ("using the embedded tiny model: its output is noise. For real video, download the MiniMax-H3 "
                  "files and pass --models-dir DIR (see README 'Real checkpoints').")
 
 
-# What each part of the model is found by under --models-dir (first pattern with a match wins; a file or a diffusers
-# folder), and its name in messages. The stages resolve their weights with these, `client models check` and the
-# client's early --models-dir check read the same table.
-CHECKPOINT_PARTS: dict[str, tuple[str, list[str]]] = {
-    "encoder": ("Qwen3-VL text encoder for MiniMax-H3",
-                ["*qwen3vl*minimax_h3*.safetensors", "*qwen3*vl*32b*.safetensors", "text_encoder"]),
-    "dit": ("MiniMax-H3 DiT checkpoint",
-            ["*minimax_h3*int8_convrot*.safetensors", "*minimax_h3*.safetensors", "transformer"]),
-    "video_vae": ("MiniMax-H3 video VAE",
-                  ["*minimax_h3*video*vae*.safetensors", "*minimax*h3*vae*.safetensors", "video_vae"]),
-    "audio_vae": ("MiniMax-H3 audio VAE",
-                  ["*minimax_h3*audio*vae*.safetensors", "*minimax*h3*audio*.safetensors", "audio_vae"]),
+@dataclass(frozen=True)
+class CheckpointPart:
+    """How a stage finds one part of the model under --models-dir (`find_checkpoint`)."""
+
+    what: str                      # its name in messages
+    patterns: tuple[str, ...]      # file or diffusers folder names; exactly one match is taken
+    exclude: tuple[str, ...] = ()  # names the patterns also match that are another part's or another model's
+    flag: str = "--weights"        # the stage flag that names the file instead
+
+
+# The one table of where each part of the model is found: the stages resolve their weights with it, and
+# `client models check` and the client's early --models-dir check read it (torch-free).
+CHECKPOINT_PARTS: dict[str, CheckpointPart] = {
+    "encoder": CheckpointPart("Qwen3-VL text encoder for MiniMax-H3",
+                              ("*qwen3vl*minimax_h3*.safetensors", "*qwen3*vl*32b*.safetensors", "text_encoder")),
+    "dit": CheckpointPart("MiniMax-H3 DiT checkpoint",
+                          ("*minimax_h3*int8_convrot*.safetensors", "*minimax_h3*.safetensors", "transformer"),
+                          ("*qwen3*", "*vae*", "*lora*", "*ref2va*")),
+    "video_vae": CheckpointPart("MiniMax-H3 video VAE",
+                                ("*minimax_h3*video*vae*.safetensors", "*minimax*h3*vae*.safetensors", "video_vae"),
+                                ("*audio*",), "--video-weights"),
+    "audio_vae": CheckpointPart("MiniMax-H3 audio VAE",
+                                ("*minimax_h3*audio*vae*.safetensors", "*minimax*h3*audio*.safetensors", "audio_vae"),
+                                ("*video*",), "--audio-weights"),
 }
 
 
@@ -55,31 +70,49 @@ def ensure_embedded(cache_dir: Path, filename: str, write: Callable[[Path], None
     return target
 
 
-def find_checkpoint(models_dir: str | Path, patterns: list[str], what: str) -> Path:
-    """First file under models_dir (recursively) matching one of `patterns`, in pattern order."""
+def find_checkpoint(models_dir: str | Path, patterns: list[str], what: str, exclude: tuple[str, ...] = (),
+                    flag: str = "--weights") -> Path:
+    """The one file (or diffusers folder) under models_dir (recursively) whose name matches one of `patterns` and
+    none of `exclude` (names of another stage's or another model's files: a ComfyUI folder keeps every stage's files
+    side by side under diffusion_models/, text_encoders/ and vae/). Two candidates are refused naming both and
+    `flag`: taking one of them silently could serve the wrong weights."""
     root = Path(models_dir).expanduser()
     if not root.is_dir():
         raise FailedPrecondition(f"models dir {root} does not exist or is not a directory")
+    found: dict[Path, Path] = {}  # real path -> path as found (a link and its target are one candidate)
     for pat in patterns:
-        hits = sorted(p for p in root.rglob(pat) if p.is_file() or p.is_dir())
-        if hits:
-            return hits[0]
+        for p in sorted(root.rglob(pat)):
+            if (p.is_file() or p.is_dir()) and not any(fnmatch.fnmatch(p.name, x) for x in exclude):
+                found.setdefault(p.resolve(), p)
+    hits = list(found.values())
+    if len(hits) > 1:
+        listed = ", ".join(str(p) for p in hits[:MAX_CANDIDATES_NAMED])
+        more = f" (+{len(hits) - MAX_CANDIDATES_NAMED} more)" if len(hits) > MAX_CANDIDATES_NAMED else ""
+        raise FailedPrecondition(f"{len(hits)} candidate {what}s under {root}: {listed}{more}; name the one to serve "
+                                 f"with {flag} (or keep one of them in the models dir)")
+    if hits:
+        return hits[0]
     raise FailedPrecondition(
-        f"no {what} found under {root}: looked for {', '.join(patterns)}; pass the file explicitly with --weights")
+        f"no {what} found under {root}: looked for {', '.join(patterns)}; pass the file explicitly with {flag}")
+
+
+def find_part(models_dir: str | Path, part: str) -> Path:
+    """`find_checkpoint` of CHECKPOINT_PARTS[part]."""
+    c = CHECKPOINT_PARTS[part]
+    return find_checkpoint(models_dir, c.patterns, c.what, c.exclude, c.flag)
 
 
 def resolve_checkpoint(explicit: str, models_dir: str, part: str,
                        embedded: Callable[[], Path]) -> tuple[Path, bool]:
-    """(path, is_embedded) of `part` (a key of CHECKPOINT_PARTS): an explicit --weights path, else a match under
+    """(path, is_embedded) of CHECKPOINT_PARTS[part]: an explicit path (its stage flag), else the one match under
     --models-dir, else the embedded model."""
-    what, patterns = CHECKPOINT_PARTS[part]
     if explicit:
         p = Path(explicit).expanduser()
         if not p.exists():
-            raise FailedPrecondition(f"{what} weights {p} do not exist")
+            raise FailedPrecondition(f"{CHECKPOINT_PARTS[part].what} weights {p} do not exist")
         return p, False
     if models_dir:
-        return find_checkpoint(models_dir, patterns, what), False
+        return find_part(models_dir, part), False
     return embedded(), True
 
 
