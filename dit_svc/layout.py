@@ -18,6 +18,8 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from stagekit.errors import InvalidArgument
+
 from .config import TAG_AUDIO, TAG_TEXT, TAG_VIDEO, DiTConfig
 
 # ---- request geometry constants (docs/model.md §3) -------------------------------------------------------------
@@ -63,7 +65,7 @@ class LatentShape:
 def snap_frames(frames: int) -> int:
     """Smallest valid frame count (17n + 5) >= frames."""
     if frames < 1:
-        raise ValueError(f"frames must be >= 1, got {frames}")
+        raise InvalidArgument(f"frames must be >= 1, got {frames}")
     n = max(0, -(-(frames - VAE_LATENTS_PER_CHUNK) // VAE_FRAMES_PER_CHUNK))
     return VAE_FRAMES_PER_CHUNK * n + VAE_LATENTS_PER_CHUNK
 
@@ -71,7 +73,7 @@ def snap_frames(frames: int) -> int:
 def video_latent_frames(frames: int) -> int:
     """T = 5n + 2 for F = 17n + 5."""
     if frames < VAE_LATENTS_PER_CHUNK or frames % VAE_FRAMES_PER_CHUNK != VAE_LATENTS_PER_CHUNK:
-        raise ValueError(
+        raise InvalidArgument(
             f"frames must be of the form 17*n + 5 (e.g. 124, 141, 362), got {frames}; snap_frames({frames}) = "
             f"{snap_frames(frames)}"
         )
@@ -87,7 +89,7 @@ def latent_shape(cfg: DiTConfig, frames: int, height: int, width: int) -> Latent
     _, ph, pw = cfg.patch
     for name, value, p in (("height", height, ph), ("width", width, pw)):
         if value <= 0 or value % (VAE_SPATIAL * p):
-            raise ValueError(f"{name} must be a positive multiple of {VAE_SPATIAL * p} pixels, got {value}")
+            raise InvalidArgument(f"{name} must be a positive multiple of {VAE_SPATIAL * p} pixels, got {value}")
     return LatentShape(
         frames=frames,
         latent_frames=video_latent_frames(frames),
@@ -105,14 +107,14 @@ def patchify_video(latents: torch.Tensor, patch: Sequence[int]) -> torch.Tensor:
     the row vector index is c*pt*ph*pw + it*ph*pw + ih*pw + iw."""
     if latents.ndim == 5:
         if latents.shape[0] != 1:
-            raise ValueError(f"patchify_video takes one item, got batch {latents.shape[0]}")
+            raise InvalidArgument(f"patchify_video takes one item, got batch {latents.shape[0]}")
         latents = latents[0]
     if latents.ndim != 4:
-        raise ValueError(f"video latents must be [C, T, H, W], got shape {tuple(latents.shape)}")
+        raise InvalidArgument(f"video latents must be [C, T, H, W], got shape {tuple(latents.shape)}")
     pt, ph, pw = patch
     c, t, h, w = latents.shape
     if t % pt or h % ph or w % pw:
-        raise ValueError(f"video latents {tuple(latents.shape)} are not divisible by the patch {tuple(patch)}")
+        raise InvalidArgument(f"video latents {tuple(latents.shape)} are not divisible by the patch {tuple(patch)}")
     x = latents.reshape(c, t // pt, pt, h // ph, ph, w // pw, pw)
     x = x.permute(1, 3, 5, 0, 2, 4, 6)
     return x.reshape(-1, c * pt * ph * pw).contiguous()
@@ -136,7 +138,7 @@ def unpatchify_video(rows: torch.Tensor, patch: Sequence[int], channels: int, fr
 def patchify_audio(latents: torch.Tensor) -> torch.Tensor:
     """[2, C, Ta] (one mono VAE item per stereo channel) -> channel-major rows [2*Ta, C]."""
     if latents.ndim != 3:
-        raise ValueError(f"audio latents must be [channels, C, Ta], got shape {tuple(latents.shape)}")
+        raise InvalidArgument(f"audio latents must be [channels, C, Ta], got shape {tuple(latents.shape)}")
     return latents.transpose(1, 2).reshape(-1, latents.shape[1]).contiguous()
 
 
@@ -245,11 +247,11 @@ def build_layout(
     """
     keyframes = tuple(keyframes)
     if len(keyframes) > 2 or any(k not in KEYFRAME_ANCHORS for k in keyframes):
-        raise ValueError(f"keyframes must be up to two of {KEYFRAME_ANCHORS}, got {keyframes!r}")
+        raise InvalidArgument(f"keyframes must be up to two of {KEYFRAME_ANCHORS}, got {keyframes!r}")
     if text_len < 0:
-        raise ValueError(f"text_len must be >= 0, got {text_len}")
+        raise InvalidArgument(f"text_len must be >= 0, got {text_len}")
     if text_tags is not None and tuple(text_tags.shape) != (text_len,):
-        raise ValueError(f"text_tags must have shape ({text_len},), got {tuple(text_tags.shape)}")
+        raise InvalidArgument(f"text_tags must have shape ({text_len},), got {tuple(text_tags.shape)}")
     shp = latent_shape(cfg, frames, height, width)
     pt, ph, pw = cfg.patch
     if pt != 1:
