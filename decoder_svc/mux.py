@@ -47,7 +47,6 @@ X264_PRESETS = (
 PathOrFile = Union[str, os.PathLike, IO[bytes]]
 
 
-
 def lanczos(frames: Iterator, width: int, height: int) -> Iterator:
     """libswscale Lanczos (PyAV), scaling and converting to yuv420p in one pass."""
     for frame in frames:
