@@ -30,6 +30,7 @@ from dit_svc.tiny_checkpoint import write_tiny_checkpoint
 from dit_svc.sp import ParallelGroups, make_groups, validate_parallel
 from dit_svc.tp import param_style
 from stagekit.compile_cache import enable_compile_cache
+from stagekit.device_worker import CONTEXT_GROWTH_BYTES
 from stagekit.device_worker import run_in_child
 from stagekit.dist import RankGroup
 from stagekit.runtime import release_device_memory
@@ -58,9 +59,9 @@ DEFAULT_TEXT_LEN = 512
 LOAD_WORKERS = 8
 # cuBLAS / cuDNN workspaces live in PyTorch's caching allocator (measured ~20-30 MiB on an H200 at tiny sizes).
 CUDA_WORKSPACE_BYTES = 32 << 20
-# Device bytes a job plan leaves unused beside what it counts: allocations outside PyTorch's allocator that appear
-# during a job (library handles, a TP group's first communicator) and the allocator's rounding.
-CUDA_ROOM_MARGIN = 512 << 20
+# Device bytes a job plan leaves unused beside what it counts: what the context may still grow by, as the device
+# worker's allocator limit leaves it (stagekit/device_worker.py).
+CUDA_ROOM_MARGIN = CONTEXT_GROWTH_BYTES
 
 
 # Row chunks (docs/performance.md, "Row chunks"): eager blocks keep their fp32 norm / RoPE / modulation temporaries

@@ -50,6 +50,8 @@ log = logging.getLogger("stagekit.device_worker")
 # "1": run the device work in a worker on CPU devices too (tests exercise the CUDA path this way). CUDA always does.
 WORKER_ENV = "H3_DEVICE_WORKER"
 PDEATHSIG = 1  # prctl(PR_SET_PDEATHSIG)
+# What a worker's CUDA context may still grow by after its start (lazily loaded kernels, library handles).
+CONTEXT_GROWTH_BYTES = 512 << 20
 
 
 def wanted(device: str) -> bool:
@@ -233,9 +235,13 @@ def _worker_main(conn, engine_cls: type, engine_cfg: Any, wcfg: WorkerConfig,
         if wcfg.device.startswith("cuda"):
             torch.cuda.set_device(wcfg.device)
             if wcfg.gpu_memory_cap_gb > 0:
-                total = torch.cuda.get_device_properties(wcfg.device).total_memory
-                torch.cuda.set_per_process_memory_fraction(min(1.0, wcfg.gpu_memory_cap_gb * 2**30 / total),
-                                                           wcfg.device)
+                # The cap is the card's, for every process on it: this process's allocations get what its own
+                # context and the other processes leave of it, less room for the context's growth (kernels load
+                # lazily), so even a transient peak (a load's in-flight copies, freed blocks still cached) is
+                # bounded: the allocator returns cached blocks before it would pass the limit.
+                free, total = torch.cuda.mem_get_info(wcfg.device)
+                limit = int(wcfg.gpu_memory_cap_gb * 2**30) - (total - free) - CONTEXT_GROWTH_BYTES
+                torch.cuda.set_per_process_memory_fraction(max(0.0, min(1.0, limit / total)), wcfg.device)
         addr, port, run_id = rendezvous or ("127.0.0.1", 0, "worker")
         info = RankInfo(wcfg.rank, wcfg.world_size, wcfg.rank, master_addr=addr, master_port=port, run_id=run_id)
         group = RankGroup(info, "nccl" if wcfg.device.startswith("cuda") else "gloo", wcfg.collective_timeout_s)
