@@ -5,11 +5,14 @@
     python -m client jobs list | get ID | watch ID | fetch ID -o out.mp4 | cancel ID
     python -m client status
     python -m client loadtest --stage dit --concurrency 4 --requests 20
+    python -m client models fetch --to DIR | models check DIR
+    python -m client doctor
 
 `render` and `jobs` talk to the render service only (thin: this process never imports torch or numpy). It is found
-from --render, env H3_RENDER or the endpoints file `scripts/up.sh` writes (run/endpoints.env). With none reachable,
+from --render, env H3_RENDER or the endpoints file `scripts/up.sh` writes (run/endpoints.env). With none configured,
 `render` starts one: over the configured stages (--encoder/--dit/--decoder, env H3_ENCODER/H3_DIT/H3_DECODER or the
-endpoints file), else in an embedded local stack.
+endpoints file), else, with nothing configured at all, in an embedded local stack. Anything configured that does not
+answer is an error (exit 1), never a silent fall-back to the tiny model.
 """
 
 from __future__ import annotations
@@ -23,16 +26,20 @@ from pathlib import Path
 
 import grpc
 
-from client.checks import CheckError, check_for_local_stack, output_paths, read_keyframe, read_prompts
-from client.endpoints import add_endpoint_args, configured_endpoints, configured_render, connect_render
+from client.checks import (CheckError, check_for_local_stack, output_paths, read_keyframe, read_prompts,
+                           refuse_existing)
+from client.embedded import StackStartError
+from client.endpoints import (EndpointError, add_endpoint_args, check_render_reachable, configured_endpoints,
+                              configured_render, connect_render)
 from client.render_client import state_name
-from client.stubs import SERVICE_NAMES, STAGES, Security, StageClients, health_of
+from client.stubs import SERVICE_NAMES, STAGES, Security, StageClients, health_of, job_error_words, rpc_words
 from h3.v1 import render_pb2
 from stagekit.errors import InvalidArgument
 from stagekit.models import EMBEDDED_NOTE
-from stagekit.render_params import (DEFAULT_FRAMES, DEFAULT_SIZE, DEFAULT_STEPS, MAX_FRAMES, MAX_SIDE, MAX_STEPS,
+from stagekit.render_params import (DEFAULT_CRF, DEFAULT_FRAMES, DEFAULT_SIZE, DEFAULT_STEPS, MAX_AREA, MAX_ASPECT,
+                                    MAX_ASPECT_CHANGE, MAX_CRF, MAX_FRAMES, MAX_OUTPUT_SIDE, MAX_SIDE, MAX_STEPS,
                                     MIN_FRAMES, MIN_SIDE, MIN_STEPS, SAMPLERS, SCHEDULERS, SIZE_MULTIPLE, RenderSpec,
-                                    validate)
+                                    check_output, validate)
 from stagekit.transport import MAX_MESSAGE_BYTES
 
 MAX_REQUEST_BYTES = MAX_MESSAGE_BYTES - (64 << 10)  # a RenderRequest (keyframes included) is one gRPC message
@@ -72,6 +79,7 @@ def _render_requests(args, prompts: list[str], keyframes: dict[str, bytes]):
     for i, p in enumerate(prompts):
         spec = _spec(args, p)
         validate(spec, need_prompt=True)
+        check_output(spec, args.crf, *upscale)  # the render service's and the decoder's own rule
         key = f"{args.idempotency_key}-{i}" if args.idempotency_key and len(prompts) > 1 else args.idempotency_key
         reqs.append(render_request(spec, crf=args.crf, loras=loras, upscale=upscale, idempotency_key=key or "",
                                    label=args.label, **keyframes))
@@ -106,7 +114,7 @@ def render_inputs(args):
         reqs = _render_requests(args, prompts, keyframes)
     except ValueError as e:  # InvalidArgument included
         raise CheckError(getattr(e, "message", None) or str(e)) from None
-    outs = output_paths(args.output, len(reqs))
+    outs = output_paths(args.output, len(reqs), overwrite=args.overwrite)
     for o in outs:
         o.parent.mkdir(parents=True, exist_ok=True)
     return prompts, reqs, outs, [parse_lora_arg(x) for x in args.lora or ()]
@@ -124,6 +132,9 @@ def cmd_render(args) -> int:
     except CheckError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except (EndpointError, StackStartError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     if not args.models_dir and stack is not None and stack.procs.keys() >= set(STAGES):
         print(EMBEDDED_NOTE, file=sys.stderr)
     job_ids: dict[int, str] = {}
@@ -153,10 +164,10 @@ def cmd_render(args) -> int:
                     try:
                         info = call()
                     except grpc.RpcError as e:
-                        return f"{e.code().name}: {e.details()}"
+                        return rpc_words(e)
                     if info is None or info.state not in TERMINAL:
                         return "the job's event stream ended before the job did; follow it with `jobs watch`"
-                    return info if info.state == render_pb2.JOB_SUCCEEDED else f"{info.error_code}: {info.error}"
+                    return info if info.state == render_pb2.JOB_SUCCEEDED else job_error_words(info)
 
                 if len(reqs) == 1:  # one call
                     results = [outcome(0, lambda: rc.render(reqs[0], outs[0], on_event(0)))]
@@ -166,7 +177,7 @@ def cmd_render(args) -> int:
                         try:
                             queued(i, rc.submit(req).job_id)
                         except grpc.RpcError as e:
-                            results[i] = f"{e.code().name}: {e.details()}"
+                            results[i] = rpc_words(e)
                     todo = [i for i in job_ids]
                     with ThreadPoolExecutor(max_workers=min(16, len(todo) or 1)) as pool:
                         for i, r in zip(todo, pool.map(
@@ -176,12 +187,12 @@ def cmd_render(args) -> int:
         for i, r in enumerate(results):
             if isinstance(r, str):
                 rc_code = 1
-                print(f"error: job {job_ids.get(i, '-')}: {r}", file=sys.stderr)
+                print(f"error: {'job ' + job_ids[i] + ': ' if i in job_ids else ''}{r}", file=sys.stderr)
             else:
                 print_summary(outs[i], r.stages)
         return rc_code
     except grpc.RpcError as e:
-        print(f"error: {e.code().name}: {e.details()}", file=sys.stderr)
+        print(f"error: {rpc_words(e)}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         if stack is None and job_ids:
@@ -196,11 +207,15 @@ def cmd_render(args) -> int:
 def _print_job(info) -> None:
     p = info.progress
     where = f"{info.stage}" + (f" {p.phase} {p.step}/{p.total}" if p.total else f" {p.phase}" if p.phase else "")
+    if info.state == render_pb2.JOB_SUCCEEDED:
+        where = "done"
+    elif info.state == render_pb2.JOB_CANCELLED:
+        where = f"cancelled at {info.stage}" if info.stage else "cancelled"
     size = f"{info.output_bytes / 2**20:.1f} MiB" if info.output_bytes else "-"
     print(f"{info.job_id}  {state_name(info.state):<9}  {where.strip() or '-':<24}  {info.width}x{info.height}x"
           f"{info.params.frames}  {size:>9}  {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(info.created_unix))}"
           f"  {info.label or info.params.prompt[:40]!r}" + ("  (output expired)" if info.output_expired else "")
-          + (f"  {info.error_code}: {info.error}" if info.error_code else ""))
+          + (f"  {job_error_words(info)}" if info.error_code else ""))
 
 
 def cmd_jobs(args) -> int:
@@ -208,11 +223,15 @@ def cmd_jobs(args) -> int:
 
     target = configured_render(args)
     if not target:
-        print("no render service configured: start one with scripts/up.sh, or pass --render HOST:PORT",
+        print("error: no render service configured: start one with scripts/up.sh, or pass --render HOST:PORT",
               file=sys.stderr)
         return 1
     security = Security(args.token, args.tls_ca)
     try:
+        check_render_reachable(args, target, security)
+        if args.action == "fetch":
+            out = Path(args.output or f"{args.job_id}.mp4")
+            refuse_existing([out], args.overwrite)
         with RenderClient(target, security) as rc:
             if args.action == "list":
                 states = [render_pb2.JobState.Value(f"JOB_{s.upper()}") for s in args.state or ()]
@@ -234,7 +253,6 @@ def cmd_jobs(args) -> int:
                 _print_job(info)
                 return 0 if info.state in TERMINAL else 1
             if args.action == "fetch":
-                out = Path(args.output or f"{args.job_id}.mp4")
                 rc.fetch(args.job_id, out)
                 print(f"wrote {out}")
                 return 0
@@ -248,19 +266,28 @@ def cmd_jobs(args) -> int:
                     last = ev.job
                     print(f"[{ev.index}] {state_name(ev.job.state)} {ev.job.stage}".rstrip())
             return 0 if last is not None and last.state == render_pb2.JOB_SUCCEEDED else 1
+    except CheckError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except EndpointError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     except grpc.RpcError as e:
-        print(f"error: {e.code().name}: {e.details()}", file=sys.stderr)
+        print(f"error: {rpc_words(e)}", file=sys.stderr)
         return 1
 
 
 def cmd_status(args) -> int:
+    """Health and status of the configured render service and of every configured stage (any subset: a DiT
+    started alone is looked at alone); exit 1 when something configured does not serve."""
     from client.progress import print_status
     from h3.v1 import common_pb2
 
     endpoints = configured_endpoints(args)
     render = configured_render(args)
     if endpoints is None and not render:
-        print("no endpoints configured (start them with scripts/up.sh, or pass --render / --encoder/--dit/--decoder)")
+        print("error: no endpoints configured: start them with scripts/up.sh, or pass --render / --encoder / --dit / "
+              "--decoder HOST:PORT", file=sys.stderr)
         return 1
     security = Security(args.token, args.tls_ca)
     ok = True
@@ -275,12 +302,12 @@ def cmd_status(args) -> int:
                       + (f"  web={st.web_url}" if st.web_url else ""))
             except grpc.RpcError as e:
                 ok = False
-                print(f"render   {render}  UNREACHABLE ({e.code().name})")
+                print(f"render   {render}  not answering ({rpc_words(e)})")
     if endpoints is None:
         return 0 if ok else 1
     rows = []
     with StageClients(endpoints, security) as c:
-        for s in STAGES:
+        for s in endpoints.stages:
             health = health_of(c.channels[s], SERVICE_NAMES[s])
             st = None
             if health != "UNREACHABLE":
@@ -293,55 +320,83 @@ def cmd_status(args) -> int:
     return 0 if ok and all(r[2] == "SERVING" for r in rows) else 1
 
 
+def _add_render_parser(sub) -> None:
+    r = sub.add_parser("render", help="prompt -> MP4 (video + audio)",
+                       description="Render prompts into MP4s (H.264 + AAC 32 kHz stereo, 24 fps) through the render "
+                                   "service. Everything below is checked here first, by the service's own rules: a "
+                                   "refusal exits 2 before anything starts.")
+    what = r.add_argument_group("what to render")
+    what.add_argument("--prompt", help="what to generate (describe picture and sound)")
+    what.add_argument("--prompts-file", help="one prompt per line; renders all, stage-batched, into the -o folder")
+    what.add_argument("--first-frame", help="fl2va: PNG/JPEG the video starts from (fitted to --width x --height)")
+    what.add_argument("--last-frame", help="fl2va: PNG/JPEG the video ends on (fitted to --width x --height)")
+    what.add_argument("--lora", action="append", metavar="NAME[:STRENGTH]",
+                      help="LoRA file name in the DiT server's <models_dir>/loras (repeatable; strength default 1.0)")
+    size_rule = (f"a multiple of {SIZE_MULTIPLE}, {MIN_SIDE}..{MAX_SIDE}; width x height at most {MAX_AREA} pixels "
+                 f"(1920x1088), aspect at most {MAX_ASPECT:g}:1")
+    shape = r.add_argument_group("size, length and sampling")
+    shape.add_argument("--width", type=int, default=DEFAULT_SIZE[0], help=f"{size_rule} (default: {DEFAULT_SIZE[0]})")
+    shape.add_argument("--height", type=int, default=DEFAULT_SIZE[1], help=f"{size_rule} (default: {DEFAULT_SIZE[1]})")
+    shape.add_argument("--frames", type=int, default=DEFAULT_FRAMES,
+                       help=f"17n+5, {MIN_FRAMES}..{MAX_FRAMES}, at 24 fps (default: {DEFAULT_FRAMES} = 5.2 s)")
+    shape.add_argument("--steps", type=int, default=DEFAULT_STEPS,
+                       help=f"sampling steps, {MIN_STEPS}..{MAX_STEPS} (default: {DEFAULT_STEPS})")
+    shape.add_argument("--seed", type=int, default=0,
+                       help="0..2^63-1; the same seed renders the same video (default: 0)")
+    shape.add_argument("--sampler", default="res_multistep", choices=SAMPLERS, help="(default: res_multistep)")
+    shape.add_argument("--scheduler", default="simple", choices=SCHEDULERS, help="(default: simple)")
+    shape.add_argument("--video-shift", type=float, default=0.0,
+                       help="0 or 0.1..100; 0 = the model's default, 12 (default: 0)")
+    shape.add_argument("--audio-shift", type=float, default=0.0,
+                       help="0 or 0.1..100; 0 = the model's default, 3 (default: 0)")
+    out = r.add_argument_group("output")
+    out.add_argument("-o", "--output", default="out.mp4",
+                     help="output MP4 (default: out.mp4); a folder (a trailing / or an existing directory) gets "
+                          "000.mp4, 001.mp4, ... in prompt order, as does any -o with several prompts")
+    out.add_argument("--overwrite", action="store_true", help="replace output files that exist (default: refuse)")
+    out.add_argument("--crf", type=int, default=DEFAULT_CRF,
+                     help=f"H.264 quality 1..{MAX_CRF}, lower is better (default: {DEFAULT_CRF})")
+    out.add_argument("--upscale", metavar="WxH",
+                     help=f"MP4 size, e.g. 1920x1080, every frame scaled in the mux (libswscale Lanczos): even sides, "
+                          f"at most {MAX_OUTPUT_SIDE} per side and 3840x2160 pixels, within "
+                          f"{MAX_ASPECT_CHANGE * 100:.0f}%% of the render's aspect (default: the render size)")
+    job = r.add_argument_group("job")
+    job.add_argument("--detach", action="store_true", help="submit the job(s), print the ids and return")
+    job.add_argument("--label", default="", help="free text shown by `jobs list` and the web page")
+    job.add_argument("--idempotency-key", default="", help="a retried render with the same key returns the same job")
+    local = r.add_argument_group("local stack (started only when no service is configured)")
+    local.add_argument("--models-dir", default=os.environ.get("H3_MODELS_DIR", ""),
+                       help="real checkpoints for the local stack (default: H3_MODELS_DIR, else the tiny embedded "
+                            "model; `models check DIR` checks a folder)")
+    local.add_argument("--devices", default="", help="devices for the local stack, e.g. cuda:0 (default: CPU)")
+    add_endpoint_args(r.add_argument_group("where the services are"), render=True)
+    r.set_defaults(fn=cmd_render)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m client", description="h3-stages client")
     sub = ap.add_subparsers(dest="cmd", required=True)
-    r = sub.add_parser("render", help="prompt -> MP4 (video + audio)")
-    r.add_argument("--prompt", help="what to generate (describe picture and sound)")
-    r.add_argument("--prompts-file", help="one prompt per line; renders all, stage-batched, into the -o folder")
-    r.add_argument("-o", "--output", default="out.mp4",
-                   help="output MP4 (default: out.mp4); a folder (a trailing / or an existing directory) gets "
-                        "000.mp4, 001.mp4, ... in prompt order, as does any -o with several prompts")
-    size_rule = f"a multiple of {SIZE_MULTIPLE}, {MIN_SIDE}..{MAX_SIDE}; width x height at most 1920x1088 pixels"
-    r.add_argument("--width", type=int, default=DEFAULT_SIZE[0], help=f"{size_rule} (default: {DEFAULT_SIZE[0]})")
-    r.add_argument("--height", type=int, default=DEFAULT_SIZE[1], help=f"{size_rule} (default: {DEFAULT_SIZE[1]})")
-    r.add_argument("--frames", type=int, default=DEFAULT_FRAMES,
-                   help=f"17n+5, {MIN_FRAMES}..{MAX_FRAMES}, at 24 fps (default: {DEFAULT_FRAMES} = 5.2 s)")
-    r.add_argument("--steps", type=int, default=DEFAULT_STEPS,
-                   help=f"sampling steps, {MIN_STEPS}..{MAX_STEPS} (default: {DEFAULT_STEPS})")
-    r.add_argument("--seed", type=int, default=0, help="0..2^63-1; the same seed renders the same video (default: 0)")
-    r.add_argument("--sampler", default="res_multistep", choices=SAMPLERS, help="(default: res_multistep)")
-    r.add_argument("--scheduler", default="simple", choices=SCHEDULERS, help="(default: simple)")
-    r.add_argument("--video-shift", type=float, default=0.0, help="0 = model default (12)")
-    r.add_argument("--audio-shift", type=float, default=0.0, help="0 = model default (3)")
-    r.add_argument("--crf", type=int, default=0, help="H.264 quality 1..51, lower is better (default: 0 = 18)")
-    r.add_argument("--first-frame", help="fl2va: PNG/JPEG the video starts from (fitted to --width x --height)")
-    r.add_argument("--last-frame", help="fl2va: PNG/JPEG the video ends on (fitted to --width x --height)")
-    r.add_argument("--lora", action="append", metavar="NAME[:STRENGTH]",
-                   help="LoRA file name in the DiT server's <models_dir>/loras (repeatable; strength default 1.0)")
-    r.add_argument("--upscale", metavar="WxH", help="MP4 size, e.g. 1920x1080: every frame scaled in the mux "
-                                                    "(libswscale Lanczos)")
-    r.add_argument("--label", default="", help="free text shown by `jobs list` and the web page")
-    r.add_argument("--idempotency-key", default="", help="a retried render with the same key returns the same job")
-    r.add_argument("--detach", action="store_true", help="submit the job(s), print the ids and return")
-    r.add_argument("--models-dir", default=os.environ.get("H3_MODELS_DIR", ""),
-                   help="real checkpoints for the embedded stack (default: tiny embedded model)")
-    r.add_argument("--devices", default="", help="devices for the embedded stack (e.g. cuda:0)")
-    add_endpoint_args(r, render=True)
-    r.set_defaults(fn=cmd_render)
+    _add_render_parser(sub)
     j = sub.add_parser("jobs", help="the render service's jobs: list | get | watch | fetch | cancel")
     j.add_argument("action", choices=("list", "get", "watch", "fetch", "cancel"))
     j.add_argument("job_id", nargs="?", help="job id (all actions but list)")
-    j.add_argument("-o", "--output", help="fetch: where to write the MP4 (default JOB_ID.mp4)")
-    j.add_argument("--from", dest="from_index", type=int, default=0, help="watch: first event index (resume)")
+    j.add_argument("-o", "--output", help="fetch: where to write the MP4 (default: JOB_ID.mp4)")
+    j.add_argument("--overwrite", action="store_true", help="fetch: replace the -o file if it exists (default: refuse)")
+    j.add_argument("--from", dest="from_index", type=int, default=0, help="watch: first event index (default: 0)")
     j.add_argument("--state", action="append", choices=("queued", "running", "succeeded", "failed", "cancelled"),
-                   help="list: only jobs in this state (repeatable)")
-    j.add_argument("--limit", type=int, default=50, help="list: newest N jobs")
-    add_endpoint_args(j, render=True, stages=False)
+                   help="list: only jobs in this state (repeatable; default: all)")
+    j.add_argument("--limit", type=int, default=50, help="list: newest N jobs (default: 50)")
+    add_endpoint_args(j.add_argument_group("where the service is"), render=True, stages=False)
     j.set_defaults(fn=cmd_jobs)
-    s = sub.add_parser("status", help="health, residency, devices, kernels of each stage (and the render service)")
-    add_endpoint_args(s, render=True)
+    s = sub.add_parser("status", help="health, residency, devices, kernels of each configured stage (any subset) "
+                                      "and the render service")
+    add_endpoint_args(s.add_argument_group("where the services are"), render=True)
     s.set_defaults(fn=cmd_status)
+    from client.doctor import add_parser as add_doctor
+    from client.models_cli import add_parser as add_models
+
+    add_models(sub)
+    add_doctor(sub)
     try:
         from client.loadtest import add_parser as add_loadtest
     except ImportError:
@@ -349,7 +404,13 @@ def main(argv: list[str] | None = None) -> int:
     if add_loadtest is not None:
         add_loadtest(sub, add_endpoint_args)
     args = ap.parse_args(argv)
-    return args.fn(args)
+    try:
+        rc = args.fn(args)
+        sys.stdout.flush()  # a reader that left shows here, not as an error at interpreter exit
+        return rc
+    except BrokenPipeError:  # `... | head`: the reader left; nothing more to say
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
 
 
 if __name__ == "__main__":

@@ -38,15 +38,27 @@ def read_prompts(prompt: str | None, prompts_file: str | None) -> list[str]:
     return prompts
 
 
-def output_paths(output: str, count: int) -> list[Path]:
+def output_paths(output: str, count: int, overwrite: bool = False) -> list[Path]:
     """Where `count` renders go. A trailing slash or an existing directory means "into this folder" (000.mp4,
-    001.mp4, ... in prompt order), and so do several renders; otherwise one render goes to the file named."""
+    001.mp4, ... in prompt order), and so do several renders; otherwise one render goes to the file named. A file
+    that exists already is refused unless `overwrite`."""
     out = Path(output)
     if output.endswith(("/", os.sep)) or out.is_dir() or count > 1:
         if out.exists() and not out.is_dir():
             raise CheckError(f"-o {output}: {count} renders go into a folder, but {output} is a file")
-        return [out / f"{i:03d}.mp4" for i in range(count)]
-    return [out]
+        outs = [out / f"{i:03d}.mp4" for i in range(count)]
+    else:
+        outs = [out]
+    refuse_existing(outs, overwrite)
+    return outs
+
+
+def refuse_existing(paths: list[Path], overwrite: bool) -> None:
+    """CheckError naming the files in `paths` that exist already, unless `overwrite`."""
+    there = [str(p) for p in paths if p.exists()]
+    if there and not overwrite:
+        more = f" and {len(there) - 1} more" if len(there) > 1 else ""
+        raise CheckError(f"-o: {there[0]}{more} exists already; pass --overwrite to replace, or choose another -o")
 
 
 def read_keyframe(path: str, flag: str, width: int, height: int) -> bytes:
@@ -71,8 +83,13 @@ def check_for_local_stack(prompts: list[str], loras: list[tuple[str, float]], mo
     cannot find. Settings come from the same H3_<STAGE>_* env vars the stack's processes will read."""
     if not models_dir:
         _check_embedded_prompt_tokens(prompts)
-    if not loras:
-        return
+    if loras:
+        _check_loras(loras, models_dir)
+    if models_dir:
+        check_models_dir(models_dir)
+
+
+def _check_loras(loras: list[tuple[str, float]], models_dir: str) -> None:
     loras_dir = os.environ.get("H3_DIT_LORAS_DIR") or (os.path.join(models_dir, "loras") if models_dir else "")
     if not loras_dir:
         raise CheckError(f"--lora {loras[0][0]}: the embedded model takes no LoRAs; pass --models-dir DIR "
@@ -84,6 +101,26 @@ def check_for_local_stack(prompts: list[str], loras: list[tuple[str, float]], mo
             resolve_lora_path(name, loras_dir)
         except ValueError as e:  # LoRAError: not found, not a bare file name, absolute path refused
             raise CheckError(f"--lora {name}: {e}") from None
+
+
+WEIGHTS_ENV = {"encoder": "H3_ENCODER_WEIGHTS", "dit": "H3_DIT_WEIGHTS", "video_vae": "H3_DECODER_VIDEO_WEIGHTS",
+               "audio_vae": "H3_DECODER_AUDIO_WEIGHTS"}
+
+
+def check_models_dir(models_dir: str) -> None:
+    """Every part of the model findable under `models_dir` the way its stage looks (stagekit.models), unless its
+    file is named by the stage's own env var; else one line naming the folder and what was looked for."""
+    from stagekit.errors import FailedPrecondition
+    from stagekit.models import CHECKPOINT_PARTS, find_part
+
+    for part in CHECKPOINT_PARTS:
+        if os.environ.get(WEIGHTS_ENV[part]):
+            continue
+        try:
+            find_part(models_dir, part)
+        except FailedPrecondition as e:
+            raise CheckError(f"--models-dir {models_dir}: {e.message} (python -m client models check DIR "
+                             "says what each stage needs)") from None
 
 
 def _check_embedded_prompt_tokens(prompts: list[str]) -> None:

@@ -20,6 +20,15 @@ from pathlib import Path
 from client.stubs import SERVICE_NAMES, STAGES, Endpoints, Security, health_of, open_channel
 from stagekit.procs import stop_group
 
+class StackStartError(RuntimeError):
+    """A stage of a local stack exited or did not serve in time; the message names its log (kept) and its last
+    lines, `summary` says why in a line or a few (the stage's own `cannot start` line when it wrote one)."""
+
+    def __init__(self, message: str, summary: str = ""):
+        super().__init__(message)
+        self.summary = summary or message
+
+
 MODULES = {"encoder": "encoder_svc", "dit": "dit_svc", "decoder": "decoder_svc", "render": "render_svc"}
 
 
@@ -130,8 +139,12 @@ class EmbeddedStack:
         while time.monotonic() < deadline:
             proc = self.procs[stage]
             if proc.poll() is not None:
-                raise RuntimeError(f"{stage} exited with {proc.returncode}; log: {self.run_dir / (stage + '.log')}\n"
-                                   + self.tail(stage))
+                tail = self.tail(stage)
+                why = [ln for ln in tail.splitlines() if ": cannot start: " in ln]
+                raise StackStartError(f"{stage} exited with {proc.returncode}; log: "
+                                      f"{self.run_dir / (stage + '.log')}\n" + tail,
+                                      summary=why[-1] if why else f"{stage} exited with {proc.returncode}:\n"
+                                      + "\n".join(tail.splitlines()[-10:]))
             if port_file.exists():
                 port = int(port_file.read_text())
                 ch = open_channel(f"127.0.0.1:{port}", self.cfg.security)
@@ -142,7 +155,8 @@ class EmbeddedStack:
                 finally:
                     ch.close()
             time.sleep(0.1)
-        raise TimeoutError(f"{stage} not serving within the start timeout; log: {self.run_dir / (stage + '.log')}")
+        raise StackStartError(f"{stage} not serving within {timeout_s or self.cfg.start_timeout_s:.0f} s; log: "
+                              f"{self.run_dir / (stage + '.log')}")
 
     def tail(self, stage: str, n: int = 40) -> str:
         try:

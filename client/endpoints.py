@@ -1,6 +1,8 @@
 """Where the services are. The render service: --render, env H3_RENDER, or the endpoints file `scripts/up.sh`
 writes (run/endpoints.env). The stages: --encoder/--dit/--decoder, env H3_ENCODER/H3_DIT/H3_DECODER, or the same
-file. With none configured and reachable, an embedded local stack (for `render`, with its own render service).
+file. With nothing configured, an embedded local stack (for `render`, with its own render service); a configured
+address that does not answer is an error (`EndpointError`: the address, where it was set, the fix), never the tiny
+model.
 
 Its own module so every command (render, jobs, status, loadtest) shares it without importing the CLI entry point.
 Torch-free: the thin client imports it.
@@ -29,30 +31,66 @@ def _read_endpoints_file(path: Path) -> dict[str, str]:
     return out
 
 
+class EndpointError(Exception):
+    """A configured service that does not answer, or a configuration that cannot serve the command; `str(e)` names
+    the address, where it was configured and the fix. The CLI prints it and exits 1."""
+
+
+def _source(args, stage: str) -> str:
+    """Where the address of `stage` came from, in the user's words."""
+    if getattr(args, stage, None):
+        return f"--{stage}"
+    if os.environ.get(f"H3_{stage.upper()}"):
+        return f"H3_{stage.upper()}"
+    return str(args.endpoints_file)
+
+
 def configured_endpoints(args) -> Endpoints | None:
+    """The stage addresses configured (flag, env var, endpoints file, in that order per stage), any subset of the
+    stages; None when none is."""
     file_vals = _read_endpoints_file(Path(args.endpoints_file))
-    vals = {}
-    for s in STAGES:
-        vals[s] = getattr(args, s) or os.environ.get(f"H3_{s.upper()}") or file_vals.get(f"H3_{s.upper()}")
-    if not any(vals.values()):
-        return None
-    missing = [s for s, v in vals.items() if not v]
+    vals = {s: (getattr(args, s, None) or os.environ.get(f"H3_{s.upper()}") or file_vals.get(f"H3_{s.upper()}")
+                or "") for s in STAGES}
+    return Endpoints(**vals) if any(vals.values()) else None
+
+
+def require_stages(args, endpoints: Endpoints, stages, what: str) -> None:
+    """EndpointError unless every stage in `stages` has an address (`what` names the command that needs them)."""
+    missing = [s for s in stages if not endpoints.of(s)]
     if missing:
-        raise SystemExit(f"endpoints configured for some stages but not {missing}; give --{' --'.join(missing)}")
-    return Endpoints(**vals)
+        flags = " ".join(f"--{s} HOST:PORT" for s in missing)
+        raise EndpointError(f"{what} needs the {', '.join(missing)} stage(s) too; configured: "
+                            f"{', '.join(endpoints.stages)}. Give {flags} (or H3_{missing[0].upper()}=..., "
+                            f"or start all stages with scripts/up.sh)")
 
 
-def _reachable(ep: Endpoints, security: Security) -> bool:
+def unreachable_stages(ep: Endpoints, security: Security) -> list[str]:
+    """The configured stages whose health check does not answer."""
     with StageClients(ep, security) as c:
-        return all(health_of(c.channels[s], SERVICE_NAMES[s]) != "UNREACHABLE" for s in STAGES)
+        return [s for s in ep.stages if health_of(c.channels[s], SERVICE_NAMES[s]) == "UNREACHABLE"]
+
+
+def check_reachable(args, ep: Endpoints, security: Security) -> None:
+    """EndpointError naming each configured stage that does not answer, where it was configured, and the fix."""
+    down = unreachable_stages(ep, security)
+    if down:
+        where = "; ".join(f"{s} at {ep.of(s)} (from {_source(args, s)})" for s in down)
+        raise EndpointError(f"no answer from the configured {where}. Start the stages (scripts/up.sh), or fix the "
+                            f"address; to use the embedded tiny model instead, configure nothing "
+                            f"(scripts/down.sh removes {args.endpoints_file})")
 
 
 def configured_render(args) -> str:
-    return (args.render or os.environ.get("H3_RENDER")
+    return (getattr(args, "render", None) or os.environ.get("H3_RENDER")
             or _read_endpoints_file(Path(args.endpoints_file)).get("H3_RENDER", ""))
 
 
-def _render_reachable(target: str, security: Security) -> bool:
+def _render_source(args) -> str:
+    return "--render" if getattr(args, "render", None) else "H3_RENDER" if os.environ.get("H3_RENDER") \
+        else str(args.endpoints_file)
+
+
+def render_reachable(target: str, security: Security) -> bool:
     ch = open_channel(target, security)
     try:
         return health_of(ch, SERVICE_NAMES["render"]) != "UNREACHABLE"
@@ -60,47 +98,59 @@ def _render_reachable(target: str, security: Security) -> bool:
         ch.close()
 
 
+def check_render_reachable(args, target: str, security: Security) -> None:
+    if not render_reachable(target, security):
+        raise EndpointError(f"no answer from the render service at {target} (from {_render_source(args)}). Start it "
+                            f"(scripts/up.sh), or fix the address; to use the embedded tiny model instead, configure "
+                            f"nothing (scripts/down.sh removes {args.endpoints_file})")
+
+
 def connect_render(args, security: Security, before_embedded: Callable[[], None] | None = None):
-    """(render service address, stack): the configured render service if reachable; else one started here over the
-    configured stages, else an embedded local stack with its own render service (stop the stack after).
-    `before_embedded` runs first when the embedded stack is to be started (checks that would otherwise cost its
-    start-up)."""
-    from client.embedded import EmbeddedStack, StackConfig
+    """(render service address, stack). In order: the configured render service; else one started here over the
+    configured stages (all three); else, only when nothing at all is configured, an embedded local stack with its
+    own render service (stop the stack after). Anything configured that does not answer is an EndpointError:
+    never silently the tiny model. `before_embedded` runs before a stack is started (checks that would otherwise
+    cost its start-up)."""
+    from client.embedded import EmbeddedStack, StackConfig, StackStartError
 
     target = configured_render(args)
-    if target and _render_reachable(target, security):
-        return target, None
     if target:
-        print(f"render service {target} is unreachable", file=sys.stderr)
+        check_render_reachable(args, target, security)
+        return target, None
     endpoints = configured_endpoints(args)
-    over_stages = endpoints is not None and _reachable(endpoints, security)
-    if not over_stages and before_embedded is not None:
+    if endpoints is not None:
+        require_stages(args, endpoints, STAGES, "a render over configured stages")
+        check_reachable(args, endpoints, security)
+    if before_embedded is not None:
         before_embedded()
     stack = EmbeddedStack(StackConfig(models_dir=args.models_dir, devices=args.devices, security=security,
                                       with_render=True, extra_args={"render": ["--http-port", "0"]}))
-    if over_stages:
-        print("starting a render service over the configured stages ...", file=sys.stderr)
-        target = stack.start_render(endpoints)
-    else:
+    try:
         if endpoints is not None:
-            print("configured endpoints are unreachable", file=sys.stderr)
-        print("starting embedded stack (encoder, dit, decoder, render service) on loopback ...", file=sys.stderr)
-        target = stack.start().render
+            print("starting a render service over the configured stages ...", file=sys.stderr)
+            target = stack.start_render(endpoints)
+        else:
+            print("starting embedded stack (encoder, dit, decoder, render service) on loopback ...", file=sys.stderr)
+            target = stack.start().render
+    except StackStartError as e:
+        stack.stop()  # why is in the message: nothing is left behind in the temp dir
+        raise StackStartError(f"the local stack could not start: {e.summary}") from None
     web = stack.run_dir / "render.port.http"
     if web.exists():
         print(f"render service web page: http://127.0.0.1:{web.read_text().strip()}/", file=sys.stderr)
     return target, stack
 
 
-def connect_or_start(args, security: Security, extra_args: dict[str, list[str]] | None = None):
-    """(endpoints, stack): the configured stages if reachable, else an embedded local stack (stop it after)."""
+def connect_or_start(args, security: Security, stages, extra_args: dict[str, list[str]] | None = None):
+    """(endpoints, stack): the configured stages (`stages` of them needed, each answering: else EndpointError);
+    with none configured, an embedded local stack (stop it after)."""
     from client.embedded import EmbeddedStack, StackConfig
 
     endpoints = configured_endpoints(args)
-    if endpoints is not None and _reachable(endpoints, security):
-        return endpoints, None
     if endpoints is not None:
-        print("configured endpoints are unreachable; starting an embedded local stack", file=sys.stderr)
+        require_stages(args, endpoints, stages, "this command")
+        check_reachable(args, endpoints, security)
+        return endpoints, None
     stack = EmbeddedStack(StackConfig(models_dir=args.models_dir, devices=args.devices, extra_args=extra_args or {}))
     print("starting embedded stack (encoder, dit, decoder) on loopback ...", file=sys.stderr)
     return stack.start(), stack
@@ -129,12 +179,15 @@ def add_endpoint_args(ap: argparse.ArgumentParser, render: bool = False, stages:
     if render:
         ap.add_argument("--render", help="render service endpoint host:port (default: H3_RENDER or the endpoints file)")
     if stages:
-        ap.add_argument("--encoder", help="text encoder endpoint host:port (or a list for round_robin)")
-        ap.add_argument("--dit", help="DiT sampler endpoint")
-        ap.add_argument("--decoder", help="decoder endpoint")
-    ap.add_argument("--endpoints-file", default=str(DEFAULT_ENDPOINTS_FILE), help="file written by scripts/up.sh")
+        ap.add_argument("--encoder", help="text encoder endpoint host:port, or a list for round_robin (default: "
+                                          "H3_ENCODER or the endpoints file)")
+        ap.add_argument("--dit", help="DiT sampler endpoint (default: H3_DIT or the endpoints file)")
+        ap.add_argument("--decoder", help="decoder endpoint (default: H3_DECODER or the endpoints file)")
+    ap.add_argument("--endpoints-file", default=str(DEFAULT_ENDPOINTS_FILE),
+                    help=f"file written by scripts/up.sh (default: {DEFAULT_ENDPOINTS_FILE})")
     ap.set_defaults(token=os.environ.get("H3_TOKEN", ""))
     ap.add_argument("--token-file", action=_TokenFile, help="file holding the bearer token for remote services "
                     "(default: the H3_TOKEN environment variable)")
     ap.add_argument("--token", dest="token_on_command_line", action=_RefusedToken, help=argparse.SUPPRESS)
-    ap.add_argument("--tls-ca", default=os.environ.get("H3_TLS_CA", ""), help="CA certificate for TLS stages")
+    ap.add_argument("--tls-ca", default=os.environ.get("H3_TLS_CA", ""),
+                    help="CA certificate for TLS services (default: H3_TLS_CA; none: plaintext)")

@@ -706,8 +706,9 @@ def request_messages(cfg: LoadConfig, index: int = 0, text_shape: tuple[int, int
 
 
 def cmd_loadtest(args) -> int:
-    from client.endpoints import connect_or_start
-    from client.stubs import Security
+    from client.embedded import StackStartError
+    from client.endpoints import EndpointError, connect_or_start
+    from client.stubs import Security, rpc_words
 
     cfg = LoadConfig(stage=args.stage, concurrency=args.concurrency, requests=args.requests or 0,
                      duration_s=args.duration or 0.0, rps=args.rps, width=args.width, height=args.height,
@@ -728,7 +729,15 @@ def cmd_loadtest(args) -> int:
     if args.metrics:
         stage = "dit" if cfg.stage == "pipeline" else cfg.stage
         metrics_urls[stage] = args.metrics if "://" in args.metrics else f"http://{args.metrics}/metrics"
-    endpoints, stack = connect_or_start(args, security, {s: ["--metrics-port", "0"] for s in STAGES})
+    # The stages this test calls: one stage alone (a DiT started by itself needs --text-dim, or an encoder to ask).
+    needed = STAGES if cfg.stage == "pipeline" else ("encoder", "dit") if cfg.stage == "dit" and not cfg.text_dim \
+        else (cfg.stage,)
+    try:
+        endpoints, stack = connect_or_start(args, security, needed, {s: ["--metrics-port", "0"] for s in STAGES})
+    except (EndpointError, StackStartError) as e:
+        print(f"error: {e}" + (" (or give --text-dim, e.g. 5120, to test the DiT alone)"
+                               if cfg.stage == "dit" and not cfg.text_dim else ""), file=sys.stderr)
+        return 1
     if stack is not None:
         for s in STAGES:
             mf = stack.run_dir / f"{s}.port.metrics"
@@ -762,7 +771,7 @@ def cmd_loadtest(args) -> int:
               else format_text(rep))
         return 0 if rep.summary()["ok"] == len(rep.records) or cfg.inject_invalid else 1
     except grpc.RpcError as e:
-        print(f"error: {e.code().name}: {e.details()}", file=sys.stderr)
+        print(f"error: {rpc_words(e)}", file=sys.stderr)
         return 1
     finally:
         if stack is not None:
@@ -773,34 +782,43 @@ def add_parser(subparsers, add_endpoint_args) -> None:
     import os
 
     p = subparsers.add_parser("loadtest", help="load-test a stage or the pipeline (latency, throughput, errors)")
-    p.add_argument("--stage", required=True, choices=("encoder", "dit", "decoder", "pipeline"))
-    p.add_argument("--concurrency", type=int, default=1, help="requests in flight at once")
-    p.add_argument("--requests", type=int, help="total requests to send")
-    p.add_argument("--duration", type=float, help="send requests for this many seconds")
-    p.add_argument("--rps", type=float, default=0.0, help="start at most this many requests per second")
-    p.add_argument("--width", type=int, default=256)
-    p.add_argument("--height", type=int, default=256)
-    p.add_argument("--frames", type=int, default=22)
-    p.add_argument("--steps", type=int, default=1)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--cache-hits", action="store_true", help="encoder: repeat one prompt (measures the cached path)")
-    p.add_argument("--inject-invalid", type=int, default=0, metavar="K",
-                   help="make every K-th request deliberately invalid (INVALID_ARGUMENT)")
-    p.add_argument("--text-dim", type=int, default=0, help="DiT: text state width (default: ask the encoder once)")
-    p.add_argument("--text-len", type=int, default=0, help="DiT: text state length (default: the probe's)")
-    p.add_argument("--format", default="mp4", choices=("mp4", "raw"), help="decoder output format")
-    p.add_argument("--timeout", type=float, default=600.0, help="per-RPC deadline in seconds")
-    p.add_argument("--metrics", default="", help="host:port (or URL) of the tested stage's /metrics, to add the "
-                                                 "stage's own request counts to the report")
-    p.add_argument("--emit-messages", action="store_true",
-                   help="print one valid request of --stage as a JSON array of messages (for ghz -D / grpcurl) "
-                        "and exit")
-    p.add_argument("--json", action="store_true", help="print the summary as JSON")
-    p.add_argument("--json-requests", action="store_true", help="with --json: include every request's record")
-    p.add_argument("--report", help="write a self-contained report: out.html (inline SVG) or out.png")
-    p.add_argument("-q", "--quiet", action="store_true", help="no per-request lines")
-    p.add_argument("--models-dir", default=os.environ.get("H3_MODELS_DIR", ""),
-                   help="real checkpoints for the embedded stack (default: tiny embedded model)")
-    p.add_argument("--devices", default="", help="devices for the embedded stack (e.g. cuda:0)")
-    add_endpoint_args(p)
+    what = p.add_argument_group("what to send")
+    what.add_argument("--stage", required=True, choices=("encoder", "dit", "decoder", "pipeline"),
+                      help="one stage alone (only its address is needed; dit also needs --text-dim or an encoder) "
+                           "or the whole pipeline")
+    what.add_argument("--width", type=int, default=256, help="render width (default: 256)")
+    what.add_argument("--height", type=int, default=256, help="render height (default: 256)")
+    what.add_argument("--frames", type=int, default=22, help="17n+5 frames (default: 22)")
+    what.add_argument("--steps", type=int, default=1, help="sampling steps (default: 1)")
+    what.add_argument("--seed", type=int, default=0, help="(default: 0)")
+    what.add_argument("--cache-hits", action="store_true", help="encoder: repeat one prompt (measures the cached path)")
+    what.add_argument("--inject-invalid", type=int, default=0, metavar="K",
+                      help="make every K-th request deliberately invalid (default: 0 = none)")
+    what.add_argument("--text-dim", type=int, default=0,
+                      help="DiT: text state width, e.g. 5120 for H3 (default: ask the encoder once)")
+    what.add_argument("--text-len", type=int, default=0, help="DiT: text state length (default: the probe's, or 32)")
+    what.add_argument("--format", default="mp4", choices=("mp4", "raw"), help="decoder output format (default: mp4)")
+    load = p.add_argument_group("load")
+    load.add_argument("--concurrency", type=int, default=1, help="requests in flight at once (default: 1)")
+    load.add_argument("--requests", type=int, help="total requests to send")
+    load.add_argument("--duration", type=float, help="send requests for this many seconds")
+    load.add_argument("--rps", type=float, default=0.0, help="start at most this many requests per second "
+                                                              "(default: 0 = no limit)")
+    load.add_argument("--timeout", type=float, default=600.0, help="per-RPC deadline in seconds (default: 600)")
+    out = p.add_argument_group("output")
+    out.add_argument("--metrics", default="", help="host:port (or URL) of the tested stage's /metrics, to add the "
+                                                   "stage's own request counts to the report")
+    out.add_argument("--emit-messages", action="store_true",
+                     help="print one valid request of --stage as a JSON array of messages (for ghz -D / grpcurl) "
+                          "and exit")
+    out.add_argument("--json", action="store_true", help="print the summary as JSON")
+    out.add_argument("--json-requests", action="store_true", help="with --json: include every request's record")
+    out.add_argument("--report", help="write a self-contained report: out.html (inline SVG) or out.png")
+    out.add_argument("-q", "--quiet", action="store_true", help="no per-request lines")
+    local = p.add_argument_group("local stack (started only when no stage is configured)")
+    local.add_argument("--models-dir", default=os.environ.get("H3_MODELS_DIR", ""),
+                       help="real checkpoints for the local stack (default: H3_MODELS_DIR, else the tiny embedded "
+                            "model)")
+    local.add_argument("--devices", default="", help="devices for the local stack, e.g. cuda:0 (default: CPU)")
+    add_endpoint_args(p.add_argument_group("where the stages are"))
     p.set_defaults(fn=cmd_loadtest)

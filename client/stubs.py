@@ -24,13 +24,18 @@ _STUBS = {"encoder": encoder_pb2_grpc.TextEncoderStub, "dit": dit_pb2_grpc.DiTSa
 
 @dataclass
 class Endpoints:
-    encoder: str
-    dit: str
-    decoder: str
+    encoder: str = ""
+    dit: str = ""
+    decoder: str = ""
     render: str = ""  # the render service beside them, when one runs
 
     def of(self, stage: str) -> str:
         return getattr(self, stage)
+
+    @property
+    def stages(self) -> tuple[str, ...]:
+        """The stages with an address (a tool may look at any subset, e.g. a DiT started alone)."""
+        return tuple(s for s in STAGES if self.of(s))
 
 
 @dataclass
@@ -54,15 +59,15 @@ def open_channel(target: str, security: Security | None = None) -> grpc.Channel:
 
 
 class StageClients:
-    """One channel + stub per stage; use as a context manager to close them."""
+    """One channel + stub per stage with an address (`None` for the others); use as a context manager to close
+    them."""
 
     def __init__(self, endpoints: Endpoints, security: Security | None = None):
         self.endpoints = endpoints
         self.security = security or Security()
-        self.channels = {s: open_channel(endpoints.of(s), self.security) for s in STAGES}
-        self.encoder = _STUBS["encoder"](self.channels["encoder"])
-        self.dit = _STUBS["dit"](self.channels["dit"])
-        self.decoder = _STUBS["decoder"](self.channels["decoder"])
+        self.channels = {s: open_channel(endpoints.of(s), self.security) for s in endpoints.stages}
+        for s in STAGES:
+            setattr(self, s, _STUBS[s](self.channels[s]) if s in self.channels else None)
 
     def stub(self, stage: str):
         return getattr(self, stage)
@@ -87,3 +92,29 @@ def health_of(channel: grpc.Channel, service: str = "", timeout_s: float = 2.0) 
         return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
     except grpc.RpcError:
         return "UNREACHABLE"
+
+
+# A status code in the words a user reads (the code names stay in logs and metrics).
+STATUS_WORDS = {
+    "INVALID_ARGUMENT": "refused", "FAILED_PRECONDITION": "the service cannot run this",
+    "RESOURCE_EXHAUSTED": "the service is busy or out of memory", "UNAVAILABLE": "the service does not answer",
+    "DEADLINE_EXCEEDED": "timed out", "CANCELLED": "cancelled", "NOT_FOUND": "not found",
+    "ALREADY_EXISTS": "already exists", "UNAUTHENTICATED": "not signed in (give --token or H3_TOKEN)",
+    "PERMISSION_DENIED": "not allowed", "INTERNAL": "the service failed", "UNKNOWN": "the service failed",
+    "UNIMPLEMENTED": "the service does not offer this (another version?)", "ABORTED": "aborted",
+    "OUT_OF_RANGE": "out of range", "DATA_LOSS": "data lost",
+}
+
+
+def status_words(code_name: str) -> str:
+    return STATUS_WORDS.get(code_name, code_name.lower().replace("_", " "))
+
+
+def rpc_words(e: grpc.RpcError) -> str:
+    """'refused: frames=100 is not valid ...' for a failed call."""
+    return f"{status_words(e.code().name)}: {e.details()}"
+
+
+def job_error_words(info) -> str:
+    """A failed job's error (JobInfo.error_code is a status code name) in words."""
+    return f"{status_words(info.error_code)}: {info.error}"

@@ -29,15 +29,16 @@ from stagekit.checkpoints import CheckpointError
 from stagekit.dist import RankGroup
 from stagekit.runtime import release_device_memory
 from stagekit.errors import FailedPrecondition, InvalidArgument
-from stagekit.models import ensure_embedded, resolve_checkpoint
-from stagekit.render_params import RenderSpec, validate
+from stagekit.models import CHECKPOINT_PARTS, ensure_embedded, resolve_checkpoint
+from stagekit.render_params import DEFAULT_CRF, RenderSpec, validate
 from stagekit.wire import check_finite, check_result
 
 log = logging.getLogger("decoder_svc")
 
-VIDEO_PATTERNS = ["*minimax_h3*video*vae*.safetensors", "*minimax*h3*vae*.safetensors", "video_vae"]
-AUDIO_PATTERNS = ["*minimax_h3*audio*vae*.safetensors", "*minimax*h3*audio*.safetensors", "audio_vae"]
-VIDEO_EXCLUDE, AUDIO_EXCLUDE = ("*audio*",), ("*video*",)  # the other VAE's file, which the patterns also match
+# Where the VAEs are found (stagekit.models.CHECKPOINT_PARTS); each excludes the other VAE's file, which its patterns
+# also match.
+VIDEO_PATTERNS, VIDEO_EXCLUDE = CHECKPOINT_PARTS["video_vae"].patterns, CHECKPOINT_PARTS["video_vae"].exclude
+AUDIO_PATTERNS, AUDIO_EXCLUDE = CHECKPOINT_PARTS["audio_vae"].patterns, CHECKPOINT_PARTS["audio_vae"].exclude
 # The embedded model's output is noise, so its decode is made cheap where that changes no key: the video VAE
 # decodes whole frames (no spatial tiles, whose overlaps cost 4-6x the decode time on a CPU) and the audio VAE's
 # decoder is half as wide (128: the last of its seven halvings has one channel). The names say so, so a cache
@@ -46,7 +47,6 @@ EMBEDDED_VIDEO, EMBEDDED_AUDIO = "video_vae_tiny_untiled_fp16.safetensors", "aud
 EMBEDDED_SEED = 0
 EMBEDDED_PRESET = "ultrafast"  # x264 on noise: the slower presets spend their time on detail nobody watches
 STEREO = 2
-DEFAULT_CRF = 18
 
 
 @dataclass(frozen=True)
@@ -80,14 +80,12 @@ def resolve_weights(cfg: DecoderEngineConfig) -> tuple[Path, Path, bool]:
     """(video VAE, audio VAE, is_embedded): both explicit, both from --models-dir, or both embedded."""
     if bool(cfg.video_weights) != bool(cfg.audio_weights):
         raise FailedPrecondition("give both --video-weights and --audio-weights (or --models-dir)")
-    v, embedded = resolve_checkpoint(cfg.video_weights, cfg.models_dir, VIDEO_PATTERNS, "MiniMax-H3 video VAE",
+    v, embedded = resolve_checkpoint(cfg.video_weights, cfg.models_dir, "video_vae",
                                      lambda: ensure_embedded(cfg.cache_dir, EMBEDDED_VIDEO, lambda tmp: write_tiny_video_vae(
-                                         str(tmp), replace(VideoVAEConfig.tiny(), tiling=False), EMBEDDED_SEED)),
-                                     VIDEO_EXCLUDE, "--video-weights")
-    a, _ = resolve_checkpoint(cfg.audio_weights, cfg.models_dir, AUDIO_PATTERNS, "MiniMax-H3 audio VAE",
+                                         str(tmp), replace(VideoVAEConfig.tiny(), tiling=False), EMBEDDED_SEED)))
+    a, _ = resolve_checkpoint(cfg.audio_weights, cfg.models_dir, "audio_vae",
                               lambda: ensure_embedded(cfg.cache_dir, EMBEDDED_AUDIO, lambda tmp: write_tiny_audio_vae(
-                                  tmp, AudioVAEConfig.tiny(decoder_dim=128), EMBEDDED_SEED)),
-                              AUDIO_EXCLUDE, "--audio-weights")
+                                  tmp, AudioVAEConfig.tiny(decoder_dim=128), EMBEDDED_SEED)))
     return v, a, embedded
 
 
@@ -262,7 +260,8 @@ class DecoderEngine:
                         asm.add(plan[j], parts[j - k * n][: math.prod(shape)].view(shape))
                 del flat, parts
             del out
-            ctx.progress(k + 1, rounds, message=f"video tiles x chunks ({len(plan)} units on {n} ranks)")
+            ranks = f"{n} rank{'s' if n > 1 else ''}"
+            ctx.progress(k + 1, rounds, message=f"video tiles x chunks ({len(plan)} units on {ranks})")
         audio = None
         if self.group.info.rank == audio_rank:
             audio = self.audio.decode_rows(self.audio.batch_to_rows(inputs["audio_latents"].float())).cpu()

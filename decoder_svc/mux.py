@@ -46,10 +46,6 @@ X264_PRESETS = (
 
 PathOrFile = Union[str, os.PathLike, IO[bytes]]
 
-MAX_OUTPUT_SIDE = 4096
-MAX_OUTPUT_AREA = 3840 * 2160      # UHD
-MAX_ASPECT_CHANGE = 0.10           # an upscale may stretch the picture by at most 10 % (832x480 -> 1920x1080: 2.5 %)
-
 
 def lanczos(frames: Iterator, width: int, height: int) -> Iterator:
     """libswscale Lanczos (PyAV), scaling and converting to yuv420p in one pass."""
@@ -60,23 +56,6 @@ def lanczos(frames: Iterator, width: int, height: int) -> Iterator:
 # The resize hook: name -> fn(frames: Iterator[av.VideoFrame], width, height) -> Iterator[av.VideoFrame], one output
 # frame per input frame, in order. A learned upscaler (e.g. a video super-resolution model) is one more entry.
 RESIZERS: dict[str, Callable[[Iterator, int, int], Iterator]] = {"lanczos": lanczos}
-
-
-def check_upscale(width: int, height: int, out_width: int, out_height: int) -> None:
-    """An output size for a `width` x `height` render: even sides (yuv420p), at most UHD, near the render's aspect.
-    Raises InvalidArgument with the rule broken."""
-    if out_width <= 0 or out_height <= 0:
-        raise InvalidArgument(f"upscale {out_width}x{out_height}: give both width and height (e.g. 1920x1080)")
-    if out_width % 2 or out_height % 2:
-        raise InvalidArgument(f"upscale {out_width}x{out_height}: H.264 yuv420p needs even width and height")
-    if max(out_width, out_height) > MAX_OUTPUT_SIDE or out_width * out_height > MAX_OUTPUT_AREA:
-        raise InvalidArgument(f"upscale {out_width}x{out_height} is beyond the largest output "
-                         f"({MAX_OUTPUT_SIDE} per side, {MAX_OUTPUT_AREA} pixels, e.g. 3840x2160)")
-    change = abs((out_width / out_height) / (width / height) - 1)
-    if change > MAX_ASPECT_CHANGE:
-        near = round(out_height * width / height / 2) * 2
-        raise InvalidArgument(f"upscale {out_width}x{out_height} changes the {width}x{height} render's aspect by "
-                         f"{change:.0%} (at most {MAX_ASPECT_CHANGE:.0%}); e.g. {near}x{out_height}")
 
 
 @dataclass(frozen=True)
@@ -387,7 +366,6 @@ __all__ = [
     "DEFAULT_PRESET",
     "MuxInfo",
     "RESIZERS",
-    "check_upscale",
     "expected_audio_samples",
     "frames_to_uint8",
     "write_mp4",

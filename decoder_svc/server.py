@@ -11,14 +11,14 @@ from pathlib import Path
 import torch
 
 from decoder_svc.engine import DecoderEngine, DecoderEngineConfig, check_latents, expected_shapes
-from decoder_svc.mux import X264_PRESETS, check_upscale
+from decoder_svc.mux import X264_PRESETS
 from h3.v1 import common_pb2, decoder_pb2, decoder_pb2_grpc
 from stagekit.config import parse_config
 from stagekit.errors import InvalidArgument
 from stagekit.images import Keyframe, admit_keyframe, check_canvas
 from stagekit.metrics import observed
 from stagekit.models import safe_name
-from stagekit.render_params import spec_from_proto, validate
+from stagekit.render_params import check_output, spec_from_proto, validate
 from stagekit.runtime import Job
 from stagekit.server import abort_on_error, stream_job
 from stagekit.servicer import LifecycleMixin, timing_pb
@@ -28,7 +28,6 @@ from stagekit.wire import FLOAT_DTYPES, TensorAssembler, tensor_chunks
 
 SERVICE = "h3.v1.Decoder"
 FORMATS = {decoder_pb2.MP4: "mp4", decoder_pb2.RAW: "raw", decoder_pb2.WAV: "wav"}
-MAX_CRF = 51  # H.264's quality scale
 
 
 @dataclass
@@ -59,17 +58,12 @@ class DecoderServicer(LifecycleMixin, decoder_pb2_grpc.DecoderServicer):
         spec = validate(spec_from_proto(req.params))
         if req.format not in FORMATS:
             raise InvalidArgument(f"unknown output format {req.format}; use MP4, RAW or WAV")
-        if req.crf > MAX_CRF:
-            raise InvalidArgument(f"crf={req.crf} is not valid: use 0 (default 18) .. {MAX_CRF}")
+        check_output(spec, req.crf, req.upscale_width, req.upscale_height)
         fmt = FORMATS[req.format]
         size = None
         if req.upscale_width or req.upscale_height:
             if fmt != "mp4":
                 raise InvalidArgument("upscale_width/upscale_height apply to MP4 output only")
-            try:
-                check_upscale(spec.width, spec.height, req.upscale_width, req.upscale_height)
-            except ValueError as e:
-                raise InvalidArgument(str(e)) from None
             size = (req.upscale_width, req.upscale_height)
         default_name = f"{req.job_id or 'render'}.{'wav' if fmt == 'wav' else 'mp4'}"
         name = safe_name(req.output_name, safe_name(default_name, "render.mp4"))

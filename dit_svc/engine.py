@@ -35,16 +35,15 @@ from stagekit.dist import RankGroup
 from stagekit.runtime import release_device_memory
 from stagekit.errors import FailedPrecondition, InvalidArgument
 from stagekit.kernels import AUTO, KernelConfig, KernelSelection, select_kernels
-from stagekit.models import ensure_embedded, resolve_checkpoint
+from stagekit.models import CHECKPOINT_PARTS, ensure_embedded, resolve_checkpoint
 from stagekit.quant import Int8ConvRotLinear, QuantizedWeight
 from stagekit.render_params import RenderSpec, validate
 
 log = logging.getLogger("dit_svc")
 
-# File names users have (ComfyUI) and the diffusers directory; exactly one may match under --models-dir.
-CHECKPOINT_PATTERNS = ["*minimax_h3*int8_convrot*.safetensors", "*minimax_h3*.safetensors", "transformer"]
-# Names those patterns also match that are not this DiT: the other stages' files, LoRAs, the ref2va model.
-CHECKPOINT_EXCLUDE = ("*qwen3*", "*vae*", "*lora*", "*ref2va*")
+# File names users have (ComfyUI) and the diffusers directory; exactly one may match under --models-dir. Excluded:
+# names those patterns also match that are not this DiT (the other stages' files, LoRAs, the ref2va model).
+CHECKPOINT_PATTERNS, CHECKPOINT_EXCLUDE = CHECKPOINT_PARTS["dit"].patterns, CHECKPOINT_PARTS["dit"].exclude
 EMBEDDED_FILE = "dit_tiny_bf16.safetensors"
 EMBEDDED_SEED = 0
 
@@ -109,9 +108,9 @@ class DiTEngineConfig:
 
 def resolve_weights(cfg: DiTEngineConfig) -> tuple[Path, bool]:
     """(checkpoint path, is_embedded)."""
-    return resolve_checkpoint(cfg.weights, cfg.models_dir, CHECKPOINT_PATTERNS, "MiniMax-H3 DiT checkpoint",
+    return resolve_checkpoint(cfg.weights, cfg.models_dir, "dit",
                               lambda: ensure_embedded(cfg.cache_dir, EMBEDDED_FILE, lambda tmp: write_tiny_checkpoint(
-                                  embedded_config(), tmp, "bf16", seed=EMBEDDED_SEED)), CHECKPOINT_EXCLUDE)
+                                  embedded_config(), tmp, "bf16", seed=EMBEDDED_SEED)))
 
 
 class DiTEngine:

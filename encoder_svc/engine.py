@@ -22,12 +22,12 @@ from stagekit.dist import RankGroup
 from stagekit.runtime import release_device_memory
 from stagekit.checkpoints import CheckpointError
 from stagekit.errors import FailedPrecondition
-from stagekit.models import EMBEDDED_VERSION, resolve_checkpoint
+from stagekit.models import CHECKPOINT_PARTS, EMBEDDED_VERSION, resolve_checkpoint
 from stagekit.wire import check_result
 
 log = logging.getLogger("encoder_svc")
 
-CHECKPOINT_PATTERNS = ["*qwen3vl*minimax_h3*.safetensors", "*qwen3*vl*32b*.safetensors", "text_encoder"]
+CHECKPOINT_PATTERNS = CHECKPOINT_PARTS["encoder"].patterns  # where the text encoder is found (stagekit.models)
 
 
 @dataclass
@@ -45,7 +45,7 @@ class EncoderEngineConfig:
 
 def resolve_weights(cfg: EncoderEngineConfig) -> tuple[Path, bool]:
     """(checkpoint path, is_embedded); the embedded tiny model comes with its own tokenizer.json."""
-    return resolve_checkpoint(cfg.weights, cfg.models_dir, CHECKPOINT_PATTERNS, "Qwen3-VL text encoder for MiniMax-H3",
+    return resolve_checkpoint(cfg.weights, cfg.models_dir, "encoder",
                               lambda: write_tiny_model(Path(cfg.cache_dir) / EMBEDDED_VERSION / "text_encoder",
                                                        variant="bf16"))
 

@@ -29,13 +29,12 @@ from render_svc.engine import Outcome, Work
 from render_svc.planner import Batch, BatchPlanner, first_stage, next_stage
 from render_svc.store import CANCELLED, FAILED, QUEUED, RUNNING, SUCCEEDED, JobRecord, JobStore
 from stagekit.errors import Cancelled, InvalidArgument, Unavailable
-from stagekit.render_params import MAX_PROMPT_BYTES, spec_from_proto, validate
+from stagekit.render_params import MAX_PROMPT_BYTES, check_output, spec_from_proto, validate
 from stagekit.runtime import Job
 
 log = logging.getLogger("render_svc")
 
 MAX_LABEL_CHARS = 200
-MAX_CRF = 51
 BUSY_HINT = "retry later"     # a stage's RESOURCE_EXHAUSTED that passes (full queue, upload slots, budget wait)
 BUSY_FIRST_S, BUSY_MAX_S = 0.5, 30.0   # backoff between tries of a busy stage: doubles from the first to the max
 STORAGE_RETRY_S = 1.0         # a failed job-store write is tried again this often
@@ -58,7 +57,6 @@ class SchedulerConfig:
 
 def check_request(req: render_pb2.RenderRequest) -> None:
     """Everything about a request that can be checked before it is queued; InvalidArgument with the reason."""
-    from decoder_svc.mux import check_upscale
     from stagekit.images import load_keyframe
 
     size = len(req.params.prompt.encode())
@@ -66,12 +64,9 @@ def check_request(req: render_pb2.RenderRequest) -> None:
         raise InvalidArgument(f"prompt is {size} bytes; the text encoder takes at most {MAX_PROMPT_BYTES} bytes "
                               "(and its --max-prompt-tokens tokens): shorten it")
     spec = validate(spec_from_proto(req.params), need_prompt=True)
-    if req.crf > MAX_CRF:
-        raise InvalidArgument(f"crf={req.crf} is not valid: use 0 (default 18) .. {MAX_CRF}")
+    check_output(spec, req.crf, req.upscale_width, req.upscale_height)
     if len(req.label) > MAX_LABEL_CHARS or len(req.idempotency_key) > MAX_LABEL_CHARS:
         raise InvalidArgument(f"label and idempotency_key are limited to {MAX_LABEL_CHARS} characters")
-    if req.upscale_width or req.upscale_height:
-        check_upscale(spec.width, spec.height, req.upscale_width, req.upscale_height)
     for anchor, img in (("first_frame", req.first_frame), ("last_frame", req.last_frame)):
         if img:
             try:

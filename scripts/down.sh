@@ -11,7 +11,8 @@ while [[ $# -gt 0 ]]; do
   case "$1" in
     --run-dir) run_dir="$2"; shift 2;;
     --grace) grace="$2"; shift 2;;
-    *) echo "down.sh: unknown option $1" >&2; exit 2;;
+    -h|--help) sed -n '2,6p' "$0"; exit 0;;
+    *) echo "down.sh: unknown option $1 (see --help)" >&2; exit 2;;
   esac
 done
 [[ -d "$run_dir" ]] && run_dir="$(cd "$run_dir" && pwd)"  # the stages' TMPDIR is absolute

@@ -1,12 +1,36 @@
 #!/usr/bin/env bash
 # Create .venv and install h3-stages with its test extras. One line per step; pip's own output goes to
 # .venv/setup.log (shown when a step fails).
-#   scripts/setup.sh            (PYTHON=python3.12 for another interpreter; TORCH_SPEC="torch==2.11.0" for another torch)
+#   scripts/setup.sh [--cpu | --cuda] [--plan]
+# The torch build fits the machine (client/machine.py): with an NVIDIA GPU and a driver that runs one, the CUDA build
+# of torch that driver runs (plus nvidia-cudnn-frontend on Hopper and later, for fp8 attention), else the CPU build;
+# it says which and why. --cpu / --cuda override the choice (--cuda fails when no CUDA build can run here); --plan
+# prints the choice and installs nothing. PYTHON=python3.12 for another interpreter; TORCH_SPEC="torch==2.11.0"
+# (and TORCH_INDEX_URL) for another torch.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-python3}"
 log=.venv/setup.log
 t_all=$SECONDS
+force=""; plan=0
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    --cpu|--cuda) force="$1"; shift;;
+    --plan) plan=1; shift;;
+    -h|--help) sed -n '2,10p' "$0"; exit 0;;
+    *) echo "setup.sh: unknown option $1 (see --help)" >&2; exit 2;;
+  esac
+done
+command -v "$PY" >/dev/null || { echo "setup.sh: $PY not found; install Python 3.10+ or set PYTHON" >&2; exit 1; }
+choice="$("$PY" -m client.machine torch $force)" || { echo "setup.sh: ${choice##*why=}" >&2; exit 1; }
+pick() { sed -n "s/^$1=//p" <<<"$choice"; }
+build="$(pick build)"; torch_spec="${TORCH_SPEC:-$(pick spec)}"; index_url="${TORCH_INDEX_URL:-$(pick index_url)}"
+echo "torch build: $build ($(pick why))"
+if [[ $plan == 1 ]]; then
+  echo "plan: pip install $torch_spec${index_url:+ --index-url $index_url}"
+  [[ "$(pick cudnn_frontend)" == 1 ]] && echo "plan: pip install --no-deps nvidia-cudnn-frontend==1.32.0"
+  exit 0
+fi
 
 step() {  # step "what it does" command...: one line, "done (N s)" or the log's tail and exit 1
   local what="$1" t=$SECONDS; shift
@@ -21,7 +45,6 @@ step() {  # step "what it does" command...: one line, "done (N s)" or the log's 
 if [[ -x .venv/bin/python ]]; then
   echo "using the existing .venv ($(.venv/bin/python --version 2>&1))"
 else
-  command -v "$PY" >/dev/null || { echo "setup.sh: $PY not found; install Python 3.10+ or set PYTHON" >&2; exit 1; }
   printf 'creating .venv with %s ... ' "$("$PY" --version 2>&1)"
   "$PY" -m venv .venv || { echo "failed (on Debian/Ubuntu: apt-get install python3-venv)"; exit 1; }
   echo "done"
@@ -29,11 +52,20 @@ fi
 : > "$log"
 step "updating pip" .venv/bin/python -m pip install --upgrade pip
 # torch first and pinned: an unpinned torch pulls a multi-GB CUDA build where a CPU build is at hand.
-step "installing ${TORCH_SPEC:-torch==2.13.0} (the largest download)" .venv/bin/python -m pip install "${TORCH_SPEC:-torch==2.13.0}"
+index_args=(); [[ -n "$index_url" ]] && index_args=(--index-url "$index_url")
+step "installing $torch_spec ($build build, the largest download)" \
+  .venv/bin/python -m pip install "$torch_spec" "${index_args[@]}"
 step "installing h3-stages (editable) and its test tools" .venv/bin/python -m pip install -e ".[test]"
 # fp8 attention's graph API (stagekit/fp8_attention.py; tests check our graph against it on CPU). --no-deps: its
 # declared extras (CuTe DSL, TVM FFI) serve the frontend's own Blackwell kernels, never imported on our path.
-step "installing nvidia-cudnn-frontend 1.32.0 (no deps)" .venv/bin/python -m pip install --no-deps "nvidia-cudnn-frontend==1.32.0"
-step "checking the imports" .venv/bin/python -c "import torch, grpc, av, comfy_kitchen, cudnn"
+imports="import torch, grpc, av, comfy_kitchen, huggingface_hub"
+if [[ "$(pick cudnn_frontend)" == 1 ]]; then
+  step "installing nvidia-cudnn-frontend 1.32.0 (no deps)" .venv/bin/python -m pip install --no-deps "nvidia-cudnn-frontend==1.32.0"
+  imports+=", cudnn"
+fi
+step "checking the imports" .venv/bin/python -c "$imports"
+if [[ $build == cu* ]]; then
+  step "checking that torch sees the GPU" .venv/bin/python -c "import torch; assert torch.cuda.is_available(), 'no CUDA'"
+fi
 echo "h3-stages ready in $((SECONDS - t_all)) s: torch $(.venv/bin/python -c 'import torch; print(torch.__version__)')," \
      "log in $log. Next: .venv/bin/python -m client render --prompt \"...\" -o out.mp4"

@@ -5,10 +5,10 @@
 # Each stage runs in its own process group (pid file = group id) with TMPDIR=<run-dir>/tmp/<stage>.
 #
 #   scripts/up.sh [--run-dir run] [--models-dir DIR] [--devices cuda:0,cuda:1]
-#                 [--encoder-ranks 1] [--dit-ranks 2] [--decoder-ranks 2]
+#                 [--encoder-ranks 1] [--dit-ranks 1] [--decoder-ranks 1]
 #                 [--encoder-port 50051] [--dit-port 50052] [--decoder-port 50053]
 #                 [--render-port 50054] [--web-port 8054 (-1: no web page)]
-#                 [--residency exclusive|shared] [--host 127.0.0.1] [--gpu-memory-cap-gb 22]
+#                 [--residency exclusive|shared] [--host 127.0.0.1] [--gpu-memory-cap-gb GB (default: no cap)]
 #                 [-- extra args for every stage]
 # Env H3_* settings (e.g. H3_DIT_IDLE_UNLOAD_S) pass through to the stages; H3_RENDER_* to the render service
 # (e.g. H3_RENDER_TOKEN, H3_RENDER_KEEP_JOBS). Its job database and MP4s live in <run-dir>/render.

@@ -75,6 +75,14 @@ def _switch_values(argv: list[str], switches: set[str]) -> list[str]:
     return out
 
 
+def _group_title(owner, description: str) -> str:
+    """A help section per config class: its docstring's first line (a class without one: `description`'s)."""
+    doc = owner.__dict__.get("__doc__") or ""
+    if not doc or doc.startswith(owner.__name__ + "("):  # dataclass' generated signature
+        return f"{description or 'this stage'}: its own settings"
+    return doc.strip().splitlines()[0].rstrip(".")
+
+
 def parse_config(cls, argv: list[str] | None = None, env_prefix: str = "H3_", description: str = ""):
     """Build `cls` from CLI flags, then `<env_prefix><FIELD>` env vars, then `--config` YAML/JSON."""
     import sys
@@ -85,9 +93,13 @@ def parse_config(cls, argv: list[str] | None = None, env_prefix: str = "H3_", de
     # The stage's package is what a user runs: `python -m dit_svc`, whatever file holds the config class.
     ap = argparse.ArgumentParser(prog=f"python -m {cls.__module__.split('.')[0]}", description=description)
     ap.add_argument("--config", type=Path, help="YAML or JSON file with any of the settings below")
+    # Flags grouped by the config class that first declares them (serving, then every stage's, then this stage's).
+    owners = [c for c in reversed(cls.__mro__) if dataclasses.is_dataclass(c)]
+    groups = {c: ap.add_argument_group(_group_title(c, description)) for c in owners}
     switches = set()
     argv = sys.argv[1:] if argv is None else list(argv)
     for f in fields:
+        group = groups[next(c for c in owners if f.name in c.__dict__.get("__annotations__", {}))]
         flag = "--" + f.name.replace("_", "-")
         if "env_only" in f.metadata:  # a secret: never a flag (the command line is public on the host)
             if any(a == flag or a.startswith(flag + "=") for a in argv):
@@ -106,7 +118,8 @@ def parse_config(cls, argv: list[str] | None = None, env_prefix: str = "H3_", de
         if hints[f.name] is bool:  # on/off: --insecure / --no-insecure
             switches.add(flag)
             kw = {"action": argparse.BooleanOptionalAction}
-        ap.add_argument(flag, dest=f.name, default=None, help=f"{help_} ({note}env {env_prefix}{f.name.upper()})", **kw)
+        group.add_argument(flag, dest=f.name, default=None, help=f"{help_} ({note}env {env_prefix}{f.name.upper()})",
+                           **kw)
     ns = ap.parse_args(_switch_values(argv, switches))
     values: dict[str, object] = {}
     if ns.config is not None:

@@ -11,6 +11,7 @@ import fcntl
 import fnmatch
 import os
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from stagekit.errors import FailedPrecondition, InvalidArgument
@@ -19,6 +20,33 @@ EMBEDDED_VERSION = "embedded-v3"
 MAX_CANDIDATES_NAMED = 4
 EMBEDDED_NOTE = ("using the embedded tiny model: its output is noise. For real video, download the MiniMax-H3 "
                  "files and pass --models-dir DIR (see README 'Real checkpoints').")
+
+
+@dataclass(frozen=True)
+class CheckpointPart:
+    """How a stage finds one part of the model under --models-dir (`find_checkpoint`)."""
+
+    what: str                      # its name in messages
+    patterns: tuple[str, ...]      # file or diffusers folder names; exactly one match is taken
+    exclude: tuple[str, ...] = ()  # names the patterns also match that are another part's or another model's
+    flag: str = "--weights"        # the stage flag that names the file instead
+
+
+# The one table of where each part of the model is found: the stages resolve their weights with it, and
+# `client models check` and the client's early --models-dir check read it (torch-free).
+CHECKPOINT_PARTS: dict[str, CheckpointPart] = {
+    "encoder": CheckpointPart("Qwen3-VL text encoder for MiniMax-H3",
+                              ("*qwen3vl*minimax_h3*.safetensors", "*qwen3*vl*32b*.safetensors", "text_encoder")),
+    "dit": CheckpointPart("MiniMax-H3 DiT checkpoint",
+                          ("*minimax_h3*int8_convrot*.safetensors", "*minimax_h3*.safetensors", "transformer"),
+                          ("*qwen3*", "*vae*", "*lora*", "*ref2va*")),
+    "video_vae": CheckpointPart("MiniMax-H3 video VAE",
+                                ("*minimax_h3*video*vae*.safetensors", "*minimax*h3*vae*.safetensors", "video_vae"),
+                                ("*audio*",), "--video-weights"),
+    "audio_vae": CheckpointPart("MiniMax-H3 audio VAE",
+                                ("*minimax_h3*audio*vae*.safetensors", "*minimax*h3*audio*.safetensors", "audio_vae"),
+                                ("*video*",), "--audio-weights"),
+}
 
 
 def default_cache_dir() -> Path:
@@ -68,18 +96,23 @@ def find_checkpoint(models_dir: str | Path, patterns: list[str], what: str, excl
         f"no {what} found under {root}: looked for {', '.join(patterns)}; pass the file explicitly with {flag}")
 
 
-def resolve_checkpoint(explicit: str, models_dir: str, patterns: list[str], what: str,
-                       embedded: Callable[[], Path], exclude: tuple[str, ...] = (),
-                       flag: str = "--weights") -> tuple[Path, bool]:
-    """(path, is_embedded): an explicit `flag` path, else the one match under --models-dir, else the embedded
-    model."""
+def find_part(models_dir: str | Path, part: str) -> Path:
+    """`find_checkpoint` of CHECKPOINT_PARTS[part]."""
+    c = CHECKPOINT_PARTS[part]
+    return find_checkpoint(models_dir, c.patterns, c.what, c.exclude, c.flag)
+
+
+def resolve_checkpoint(explicit: str, models_dir: str, part: str,
+                       embedded: Callable[[], Path]) -> tuple[Path, bool]:
+    """(path, is_embedded) of CHECKPOINT_PARTS[part]: an explicit path (its stage flag), else the one match under
+    --models-dir, else the embedded model."""
     if explicit:
         p = Path(explicit).expanduser()
         if not p.exists():
-            raise FailedPrecondition(f"{what} weights {p} do not exist")
+            raise FailedPrecondition(f"{CHECKPOINT_PARTS[part].what} weights {p} do not exist")
         return p, False
     if models_dir:
-        return find_checkpoint(models_dir, patterns, what, exclude, flag), False
+        return find_part(models_dir, part), False
     return embedded(), True
 
 

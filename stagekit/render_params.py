@@ -29,6 +29,11 @@ SCHEDULERS = ("simple", "diffusers")
 DEFAULT_STEPS = 8          # model calls in the stock ComfyUI template (res_multistep + simple)
 DEFAULT_SIZE = (832, 480)
 DEFAULT_FRAMES = 124
+DEFAULT_CRF = 18           # H.264 quality when a request says 0
+MAX_CRF = 51               # x264's scale: 0 means DEFAULT_CRF here, lower is better
+MAX_OUTPUT_SIDE = 4096     # --upscale bounds: H.264 level 5.1 sizes, at most UHD
+MAX_OUTPUT_AREA = 3840 * 2160
+MAX_ASPECT_CHANGE = 0.10   # an upscale may stretch the picture by at most 10 % (832x480 -> 1920x1080: 2.5 %)
 
 
 @dataclass(frozen=True)
@@ -94,6 +99,32 @@ def validate(spec: RenderSpec, need_prompt: bool = False) -> RenderSpec:
         if not (v == 0 or 0.1 <= v <= 100):
             raise InvalidArgument(f"{name}={v} is not valid: use 0 (model default) or 0.1..100")
     return spec
+
+
+def check_upscale(width: int, height: int, out_width: int, out_height: int) -> None:
+    """An output size for a `width` x `height` render: even sides (yuv420p), at most UHD, near the render's aspect.
+    Raises InvalidArgument with the rule broken."""
+    if out_width <= 0 or out_height <= 0:
+        raise InvalidArgument(f"upscale {out_width}x{out_height}: give both width and height (e.g. 1920x1080)")
+    if out_width % 2 or out_height % 2:
+        raise InvalidArgument(f"upscale {out_width}x{out_height}: H.264 yuv420p needs even width and height")
+    if max(out_width, out_height) > MAX_OUTPUT_SIDE or out_width * out_height > MAX_OUTPUT_AREA:
+        raise InvalidArgument(f"upscale {out_width}x{out_height} is beyond the largest output "
+                              f"({MAX_OUTPUT_SIDE} per side, {MAX_OUTPUT_AREA} pixels, e.g. 3840x2160)")
+    change = abs((out_width / out_height) / (width / height) - 1)
+    if change > MAX_ASPECT_CHANGE:
+        near = round(out_height * width / height / 2) * 2
+        raise InvalidArgument(f"upscale {out_width}x{out_height} changes the {width}x{height} render's aspect by "
+                              f"{change:.0%} (at most {MAX_ASPECT_CHANGE:.0%}); e.g. {near}x{out_height}")
+
+
+def check_output(spec: RenderSpec, crf: int, upscale_width: int = 0, upscale_height: int = 0) -> None:
+    """The MP4 settings of a render (what the client checks before anything starts, and the render service and
+    the decoder again on receipt): `crf` 0 (= DEFAULT_CRF) .. MAX_CRF, an upscale size per `check_upscale`."""
+    if not 0 <= crf <= MAX_CRF:
+        raise InvalidArgument(f"crf={crf} is not valid: use 1..{MAX_CRF}, lower is better (0 means {DEFAULT_CRF})")
+    if upscale_width or upscale_height:
+        check_upscale(spec.width, spec.height, upscale_width, upscale_height)
 
 
 def spec_from_proto(p) -> RenderSpec:

@@ -59,6 +59,8 @@ CONTROL_METHODS = ("/grpc.health.v1.Health/Watch", "/grpc.reflection.")
 
 @dataclass
 class ServeConfig:
+    """serving: address, security, admission, metrics and shutdown"""
+
     host: str = field(default="127.0.0.1", metadata={"help": "bind address; non-loopback needs TLS + token or --insecure"})
     port: int = field(default=0, metadata={"help": "gRPC port (0 = pick a free one and print it)"})
     max_workers: int = field(default=32, metadata={

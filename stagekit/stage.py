@@ -221,6 +221,12 @@ def _start(cfg: CommonConfig, stage: str, info: RankInfo, make_engine, service_n
     # 2. Rank group. The stage process never initialises CUDA (docs/residency.md, "What an idle stage holds"): on a
     #    GPU its device work runs in a device worker that lives only while it holds weights, so its own group is
     #    gloo (control, and the agreed cancellation); the workers form their own NCCL group at each load.
+    if device.startswith("cuda"):
+        import torch
+
+        if torch.version.cuda is None:  # a CPU build of torch: say so now, not `_cuda_setDevice` at the first load
+            raise SystemExit(f"{stage}: cannot start: --devices {device}, but torch {torch.__version__} is the CPU "
+                             "build; run scripts/setup.sh --cuda (python -m client doctor shows what this machine has)")
     group = RankGroup(info, "gloo", cfg.collective_timeout_s)
     # Rank 0 learns which ranks share its host: it kills them when the group breaks (StageRuntime.follower_pids).
     ranks = group.gather_objects((socket.gethostname(), os.getpid()))

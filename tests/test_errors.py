@@ -79,7 +79,7 @@ def test_foreign_errors_of_known_meaning():
 
 def test_request_validation_raises_the_request_error():
     """The geometry, sampler, keyframe and output-name checks a request reaches say the request is wrong."""
-    from decoder_svc.mux import check_upscale
+    from stagekit.render_params import check_upscale
     from dit_svc.layout import latent_shape, video_latent_frames
     from dit_svc.config import DiTConfig
     from dit_svc.sampling import SamplerConfig

@@ -136,6 +136,9 @@ def test_web_page_in_headless_chromium(stack, tmp_path):
         # Progress: at least two distinct (stage, step) points while running (how many depends on machine load).
         assert len({(st, step) for s, st, step in seen if s == "running"}) >= 2, f"the page showed it progress: {seen}"
         assert browser.eval(page, f"{row}.textContent").count("from-the-web-test") == 1
+        finished = browser.eval(page, f"[{row}.querySelector('td.stage').textContent, "
+                                      f"{row}.querySelector('td.progress span').textContent.trim()]")
+        assert finished == ["done", "done"], f"a finished job says done, not its last stage's progress: {finished}"
 
         video = f'document.querySelector(\'video[data-job="{job}"]\')'
         duration = wait_for(lambda: browser.eval(page, f"(v => v && v.readyState >= 1 && v.duration)({video})"),

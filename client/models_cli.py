@@ -1,0 +1,302 @@
+"""`python -m client models fetch --to DIR` and `python -m client models check DIR`.
+
+fetch: the files the stages read, from the Hugging Face Hub (`huggingface_hub`; HF_ENDPOINT and HF_TOKEN as the
+library reads them), into DIR in the ComfyUI layout the stages search (docs/checkpoints.md):
+
+    DIR/diffusion_models/minimax_h3_fl2va_pruned_int8_convrot.safetensors     DiT (--dit picks the variant)
+    DIR/text_encoders/qwen3vl_32b_minimax_h3_int8_convrot.safetensors         text encoder (--text-encoder)
+    DIR/text_encoders/tokenizer.json                                          its tokenizer (the release's)
+    DIR/vae/minimax_h3_video_vae_fp16.safetensors, minimax_h3_audio_vae_fp32.safetensors
+
+1. the size and sha256 of every file from the Hub's headers; files already there with that size and checksum are
+   kept (a `.sha256` note beside each saves hashing it again);
+2. the free disk space under DIR against what is left to download, before any byte is fetched;
+3. each file downloads into `.<name>.part` beside its place, with a progress bar; a run that stopped (Ctrl-C, a lost
+   connection) resumes from the bytes there with an HTTP range request;
+4. the sha256 of the whole file against the Hub's before it is renamed into place; a mismatch deletes the part.
+
+check: every file's header with the stages' own loaders (no GPU, no weights read), per stage: the file the stage
+will use, its variant and size, what is missing or wrong; then the `scripts/up.sh` line that fits this machine.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+COMFY_REPO = "Comfy-Org/MiniMax-H3"
+RELEASE_REPO = "MiniMax-AI/MiniMax-H3"
+DISK_MARGIN = 1 << 30  # left free after the download
+
+
+@dataclass(frozen=True)
+class RemoteFile:
+    repo: str
+    path: str          # in the repository; also the path under DIR, but for the tokenizer
+    local: str         # path under DIR
+
+    @property
+    def name(self) -> str:
+        return Path(self.local).name
+
+
+DIT_VARIANTS = {  # --dit: the partition (fl2va: text/first/last frame; ref2va: references) and the AdaLN form
+    "fl2va-pruned": "minimax_h3_fl2va_pruned_int8_convrot.safetensors",
+    "fl2va": "minimax_h3_fl2va_int8_convrot.safetensors",
+    "ref2va-pruned": "minimax_h3_ref2va_pruned_int8_convrot.safetensors",
+    "ref2va": "minimax_h3_ref2va_int8_convrot.safetensors",
+}
+TEXT_ENCODER_VARIANTS = {
+    "int8": "qwen3vl_32b_minimax_h3_int8_convrot.safetensors",
+    "nvfp4": "qwen3vl_32b_minimax_h3_nvfp4_awq.safetensors",
+    "bf16": "qwen3vl_32b_minimax_h3_bf16.safetensors",
+}
+VAE_FILES = ("minimax_h3_video_vae_fp16.safetensors", "minimax_h3_audio_vae_fp32.safetensors")
+
+
+def wanted_files(dit: str, text_encoder: str) -> list[RemoteFile]:
+    files = [RemoteFile(COMFY_REPO, f"diffusion_models/{DIT_VARIANTS[dit]}", f"diffusion_models/{DIT_VARIANTS[dit]}"),
+             RemoteFile(COMFY_REPO, f"text_encoders/{TEXT_ENCODER_VARIANTS[text_encoder]}",
+                        f"text_encoders/{TEXT_ENCODER_VARIANTS[text_encoder]}"),
+             RemoteFile(RELEASE_REPO, "tokenizer/tokenizer.json", "text_encoders/tokenizer.json")]
+    return files + [RemoteFile(COMFY_REPO, f"vae/{n}", f"vae/{n}") for n in VAE_FILES]
+
+
+class FetchError(Exception):
+    """A fetch that cannot go on; `str(e)` says why and what to do."""
+
+
+def _gib(n: int) -> str:
+    return f"{n / (1 << 30):.2f} GiB"
+
+
+def sha256_of(path: Path, chunk: int = 8 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _verified(path: Path, size: int, sha: str) -> bool:
+    """`path` is complete: its size, and its sha256 (from the `.sha256` note written for this size and mtime, else
+    hashed now)."""
+    if not path.is_file() or path.stat().st_size != size:
+        return False
+    note = path.with_name(f".{path.name}.sha256")
+    st = path.stat()
+    stamp = f"{sha} {st.st_size} {st.st_mtime_ns}"
+    if note.is_file() and note.read_text().strip() == stamp:
+        return True
+    if sha256_of(path) != sha:
+        return False
+    note.write_text(stamp + "\n")
+    return True
+
+
+def fetch(to: Path, files: list[RemoteFile], out=sys.stderr) -> int:
+    """Steps 1-4 of the module docstring. Returns the number of files downloaded; FetchError when it cannot go on."""
+    from huggingface_hub import constants, get_hf_file_metadata, hf_hub_url
+    from huggingface_hub.errors import EntryNotFoundError, RepositoryNotFoundError
+    from huggingface_hub.file_download import http_get
+    from huggingface_hub.utils import build_hf_headers
+
+    to.mkdir(parents=True, exist_ok=True)
+    plan = []  # 1. what is where, and how big
+    for f in files:
+        url = hf_hub_url(f.repo, f.path)
+        try:
+            meta = get_hf_file_metadata(url)
+        except (EntryNotFoundError, RepositoryNotFoundError):
+            raise FetchError(f"{f.repo}/{f.path} is not on {constants.ENDPOINT}; another variant may be (see "
+                             "models fetch --help), or the repository moved") from None
+        except Exception as e:  # noqa: BLE001 -- HTTP errors and the HTTP library's own connection errors alike
+            raise FetchError(f"cannot reach {constants.ENDPOINT} for {f.repo}/{f.path}: {e}. Check the network "
+                             "(HF_ENDPOINT for a mirror, HF_TOKEN for a gated repository)") from None
+        if meta.size is None or not meta.etag or len(meta.etag) != 64:
+            raise FetchError(f"{url}: the server gave no size or sha256 for it, so it cannot be checked")
+        plan.append((f, url, meta.size, meta.etag))
+    todo, have = [], 0
+    for f, url, size, sha in plan:
+        dest = to / f.local
+        if _verified(dest, size, sha):
+            print(f"have {f.local} ({_gib(size)}, sha256 ok)", file=out)
+            continue
+        part = dest.with_name(f".{dest.name}.part")
+        have += min(part.stat().st_size, size) if part.is_file() else 0
+        todo.append((f, url, size, sha))
+    need = sum(t[2] for t in todo) - have
+    free = os.statvfs(to).f_bavail * os.statvfs(to).f_frsize  # 2. the disk first
+    if need + DISK_MARGIN > free:
+        raise FetchError(f"{to} has {_gib(free)} free; the download needs {_gib(need)} more (+ {_gib(DISK_MARGIN)} "
+                         "margin). Free space or choose another --to")
+    if todo:
+        print(f"downloading {len(todo)} file(s), {_gib(need)} to fetch, {_gib(free)} free under {to}", file=out)
+    headers = build_hf_headers()
+    for f, url, size, sha in todo:  # 3. resumable, with a progress bar
+        dest = to / f.local
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        part = dest.with_name(f".{dest.name}.part")
+        done = part.stat().st_size if part.is_file() else 0
+        if done > size:
+            part.unlink()
+            done = 0
+        if done:
+            print(f"resuming {f.local} at {_gib(done)} of {_gib(size)}", file=out)
+        if done < size:
+            try:
+                with open(part, "ab") as fh:
+                    http_get(url, fh, resume_size=done, headers=headers, expected_size=size,
+                             displayed_filename=f.local)
+            except Exception as e:  # noqa: BLE001 -- a lost connection, a server error: the part stays for a rerun
+                raise FetchError(f"{f.local}: the download stopped ({e}); run the same command again to resume "
+                                 f"from the {_gib(part.stat().st_size)} there") from None
+        print(f"checking the sha256 of {f.local} ...", file=out)  # 4. the whole file against the Hub's checksum
+        got = sha256_of(part)
+        if got != sha:
+            part.unlink()
+            raise FetchError(f"{f.local}: sha256 {got} is not the Hub's {sha}; the partial file was deleted, run "
+                             "the same command again")
+        part.replace(dest)
+        st = dest.stat()
+        dest.with_name(f".{dest.name}.sha256").write_text(f"{sha} {st.st_size} {st.st_mtime_ns}\n")
+    return len(todo)
+
+
+def cmd_fetch(args) -> int:
+    files = wanted_files(args.dit, args.text_encoder)
+    try:
+        n = fetch(Path(args.to).expanduser(), files)
+    except FetchError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("interrupted; run the same command again to resume", file=sys.stderr)
+        return 130
+    except OSError as e:
+        print(f"error: {e}; run the same command again to resume", file=sys.stderr)
+        return 1
+    print(f"{n} file(s) downloaded; all {len(files)} in {args.to} match the Hub's sha256. Next: "
+          f"python -m client models check {args.to}")
+    return 0
+
+
+# ---- check ------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class PartReport:
+    stage: str
+    part: str
+    path: Path | None = None
+    variant: str = ""
+    size: int = 0
+    problem: str = ""
+
+
+def _inspect(part: str, path: Path) -> str:
+    """The variant read from `path`'s header by the stage's own loader; raises its CheckpointError / errors."""
+    if part == "dit":
+        from dit_svc.checkpoint import check_checkpoint
+
+        return check_checkpoint(path).variant.name
+    if part == "encoder":
+        from encoder_svc.conditioner import ConditionerConfig, resolve_tokenizer
+        from encoder_svc.checkpoint import TextEncoderCheckpoint
+
+        ckpt = TextEncoderCheckpoint(path, ConditionerConfig.full())
+        variant = ckpt.info.variant + (" + vision tower" if ckpt.info.has_visual else " (no vision tower: no keyframes)")
+        ckpt.close()
+        tok = resolve_tokenizer(None, path)
+        if tok is None:
+            raise FileNotFoundError(f"no tokenizer.json beside {path} (models fetch puts the release's there)")
+        if tok.vocab_size > ConditionerConfig.full().vocab_size:
+            raise ValueError(f"tokenizer.json beside {path} has {tok.vocab_size} ids, more than the model's "
+                             f"{ConditionerConfig.full().vocab_size}: not this model's tokenizer")
+        return variant
+    if part == "video_vae":
+        from decoder_svc.video_vae import inspect_video_vae
+
+        info = inspect_video_vae(str(path), parts="decoder")
+        return f"{info.layout} layout, geometry from the {info.config_source}"
+    from decoder_svc.audio_vae import inspect_audio_vae
+
+    info = inspect_audio_vae(path, with_encoder=False)
+    return f"{info.layout} layout, geometry from the {info.config_source}"
+
+
+def check_folder(models_dir: Path) -> list[PartReport]:
+    """One report per part of the model (stagekit.models.CHECKPOINT_PARTS): found how the stage finds it, then
+    read with its loader."""
+    from stagekit.errors import FailedPrecondition
+    from stagekit.models import CHECKPOINT_PARTS, find_part
+
+    stage_of = {"encoder": "encoder", "dit": "dit", "video_vae": "decoder", "audio_vae": "decoder"}
+    reports = []
+    for part in CHECKPOINT_PARTS:
+        r = PartReport(stage_of[part], part)
+        try:
+            r.path = find_part(models_dir, part)
+        except FailedPrecondition as e:
+            r.problem = e.message
+            reports.append(r)
+            continue
+        r.size = sum(p.stat().st_size for p in ([r.path] if r.path.is_file() else r.path.rglob("*")) if p.is_file())
+        try:
+            r.variant = _inspect(part, r.path)
+        except Exception as e:  # noqa: BLE001 -- every loader error is the answer for this part
+            r.problem = getattr(e, "message", None) or str(e)
+        reports.append(r)
+    return reports
+
+
+def cmd_check(args) -> int:
+    from client.machine import SETUP_NAMES, find_gpus, recommend
+
+    root = Path(args.models_dir).expanduser()
+    if not root.is_dir():
+        print(f"error: {root} is not a folder; fetch the files with: python -m client models fetch --to {root}",
+              file=sys.stderr)
+        return 1
+    reports = check_folder(root)
+    for r in reports:
+        if r.path is None:
+            print(f"{r.stage:<8} {r.part:<10} MISSING  {r.problem}")
+        elif r.problem:
+            print(f"{r.stage:<8} {r.part:<10} BAD      {r.path} ({_gib(r.size)}): {r.problem}")
+        else:
+            print(f"{r.stage:<8} {r.part:<10} ok       {r.path} ({_gib(r.size)}; {r.variant})")
+    bad = [r for r in reports if r.problem]
+    if bad:
+        print(f"{len(bad)} of {len(reports)} parts missing or wrong; python -m client models fetch --to {root} "
+              "downloads what is missing (and replaces a damaged file: delete it first)")
+        return 1
+    gpus, _ = find_gpus()
+    setup, line = recommend(gpus, str(root))
+    print(f"all {len(reports)} parts read correctly. For this machine ({SETUP_NAMES[setup]}):\n  {line}")
+    return 0
+
+
+def add_parser(sub) -> None:
+    m = sub.add_parser("models", help="fetch the model files from the Hugging Face Hub, or check a models folder")
+    msub = m.add_subparsers(dest="models_cmd", required=True)
+    f = msub.add_parser("fetch", help="download the files the stages read (resumable, checksummed)",
+                        description=__doc__.split("\n\n")[1] + "\n\nSteps:\n" + __doc__.split("\n\n")[3],
+                        formatter_class=__import__("argparse").RawDescriptionHelpFormatter)
+    f.add_argument("--to", required=True, metavar="DIR", help="the models folder (then: up.sh --models-dir DIR)")
+    v = f.add_argument_group("variants")
+    v.add_argument("--dit", choices=tuple(DIT_VARIANTS), default="fl2va-pruned",
+                   help="DiT: fl2va (text, first/last frame) or ref2va (references: the DiT serves that file when "
+                        "named with --weights; its --models-dir search takes the fl2va one); -pruned: curve-form "
+                        "AdaLN, about 19.5 GiB instead of 34 GB (default: fl2va-pruned)")
+    v.add_argument("--text-encoder", choices=tuple(TEXT_ENCODER_VARIANTS), default="int8",
+                   help="Qwen3-VL text encoder: int8 (ConvRot, about 25 GiB), nvfp4 (Blackwell), bf16 "
+                        "(default: int8)")
+    f.set_defaults(fn=cmd_fetch)
+    c = msub.add_parser("check", help="read every file's header with the stages' loaders (no GPU) and say what "
+                                      "each stage will use, and the up.sh line for this machine")
+    c.add_argument("models_dir", metavar="DIR")
+    c.set_defaults(fn=cmd_check)
