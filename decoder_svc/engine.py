@@ -124,6 +124,11 @@ class DecoderEngine:
             inspect_video_vae(str(self.video_path), self.video_info.cfg, parts="encoder")
         self.audio_info = inspect_audio_vae(self.audio_path, with_encoder=False)
         self.geometry = self._check_geometry()
+        if cfg.device.startswith("cuda"):
+            # The same latents always give the same frames and the same MP4: cuDNN picks its deterministic
+            # convolution algorithms, never by a timing race.
+            torch.backends.cudnn.deterministic = True
+            torch.backends.cudnn.benchmark = False
         self.video = None
         self.audio = None
         self.video_encoder = None  # VAE encoder half, for EncodeImage (fl2va keyframes), rank 0 only

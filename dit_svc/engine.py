@@ -28,6 +28,7 @@ from dit_svc.lora import LoRAError, LoRAManager, check_lora_file, config_targets
 from dit_svc.model import H3DiT
 from dit_svc.references import REFERENCES_INPUT, References, has_references, parse_references
 from dit_svc.sampling import SamplerConfig, draw_noise, sample
+from dit_svc.streaming import BlockStream, Placement, plan_placement
 from dit_svc.tiny_checkpoint import write_tiny_checkpoint
 from dit_svc.sp import ParallelGroups, make_groups, validate_parallel
 from dit_svc.tp import param_style
@@ -63,6 +64,9 @@ DEFAULT_TEXT_LEN = 512
 LOAD_WORKERS = 8
 # cuBLAS / cuDNN workspaces live in PyTorch's caching allocator (measured ~20-30 MiB on an H200 at tiny sizes).
 CUDA_WORKSPACE_BYTES = 32 << 20
+# Device bytes a job plan leaves unused beside what it counts: allocations outside PyTorch's allocator that appear
+# during a job (library handles, a TP group's first communicator) and the allocator's rounding.
+CUDA_ROOM_MARGIN = 512 << 20
 
 
 # Row chunks (docs/performance.md, "Row chunks"): eager blocks keep their fp32 norm / RoPE / modulation temporaries
@@ -104,6 +108,8 @@ class DiTEngineConfig:
                                  # decide from evidence, refuse when there is none; docs/checkpoints.md)
     partition: str = ""          # "fl2va" | "ref2va": the partition of a file whose name and metadata do not say
                                  # ("" = decide from them, refuse when they cannot tell; docs/references.md)
+    memory_limit_bytes: int = 0  # what one rank may hold on its device (the stage's memory budget; 0 = no limit)
+    memory_cap_bytes: int = 0    # the card size all processes on the GPU are held to (--gpu-memory-cap-gb; 0 = the card)
 
 
 def resolve_weights(cfg: DiTEngineConfig) -> tuple[dict[str, Path | None], bool]:
@@ -184,6 +190,8 @@ class DiTEngine:
             log.info("torch.compile cache: %s", enable_compile_cache(cfg.compile_cache_dir, cfg.device))
         self.kernels = self._select_kernels()  # measured at start-up, before any job, so Status shows it
         self.model: H3DiT | None = None
+        self.stream: BlockStream | None = None  # where the loaded blocks live, job by job (dit_svc/streaming.py)
+        self.placement: Placement | None = None  # the last job's
         self.loras: LoRAManager | None = None  # per-rank LoRA cache; lives as long as the loaded model
         self._lora_targets = None  # full-size linear shapes for header-only LoRA validation (rank 0)
 
@@ -223,6 +231,17 @@ class DiTEngine:
                                                         compute_dtype=cfg.compute_dtype))
 
     def kernel_rows(self) -> list[tuple[str, str, str]]:
+        return self._kernel_rows() + [self._placement_row()]
+
+    def _placement_row(self) -> tuple[str, str, str]:
+        p = self.placement
+        if p is None:
+            return ("weights", "all blocks resident", "decided per job: blocks stream from host memory when the job's "
+                    "activations and the weights do not fit the device")
+        return ("weights", p.describe(), f"last job: planned peak {p.need_bytes / 2**30:.2f} GiB of "
+                f"{p.room_bytes / 2**30:.2f} GiB room" if p.room_bytes else "last job: no memory limit")
+
+    def _kernel_rows(self) -> list[tuple[str, str, str]]:
         if self.kernels is not None:
             return self.kernels.status_rows()
         dtype = str(self.cfg.compute_dtype).replace("torch.", "")
@@ -279,6 +298,8 @@ class DiTEngine:
             for blk in model.blocks:
                 blk.compile()
         self.model = model.eval()
+        self.stream = BlockStream(model.blocks, dev)
+        model.block_stream = self.stream
         self.loras = LoRAManager(self.model)
         del weights, dense
         release_device_memory(dev)  # blocks of converted sources go back to the card, not to this process's cache
@@ -286,14 +307,22 @@ class DiTEngine:
                  time.monotonic() - t0)
 
     def unload(self) -> None:
-        self.model = None
+        if self.stream is not None:
+            self.stream.release()
+        self.model = self.stream = None
         self.loras = None
         release_device_memory(self.cfg.device)
 
+    def _model_bytes(self) -> int:
+        """Bytes of every weight of the loaded model, wherever it lives (LoRA factors included)."""
+        return sum(t.numel() * t.element_size() for t in (*self.model.parameters(), *self.model.buffers()))
+
     def resident_bytes(self) -> int:
+        """Weight bytes on the device: the model less the blocks streaming from host memory, plus their slots."""
         if self.model is None:
             return 0
-        return sum(t.numel() * t.element_size() for t in (*self.model.parameters(), *self.model.buffers()))
+        s = self.stream
+        return self._model_bytes() - sum(s.sizes[i] for i in s.host) + sum(t.numel() for t in s.slots)
 
     # ---- memory estimates (admission + shared-residency budget) -----------------------------------------------------
     def weight_bytes(self) -> int:
@@ -301,9 +330,12 @@ class DiTEngine:
 
         int8 weights stay 1 byte in `kernel` mode, stored fp32 tensors stay fp32, other floats are held in the
         compute dtype; tensor-parallel tensors are split across the TP ranks, replicated ones are not."""
+        return sum(n for _, n in self._rank_tensor_bytes())
+
+    def _rank_tensor_bytes(self):
+        """(key, this rank's bytes of it once loaded) for every tensor of the checkpoint header."""
         elem = torch.empty((), dtype=self.cfg.compute_dtype).element_size()
         tp = self.parallel.tp_size
-        total = 0
         for key, entry in self._header_shapes.items():
             n = 1
             for d in entry.shape:
@@ -311,8 +343,14 @@ class DiTEngine:
             size = 1 if entry.dtype == "I8" and self.cfg.int8_mode == "kernel" else elem
             if entry.dtype == "F32":  # stored fp32 (output heads, tables) stays fp32
                 size = 4
-            total += n * size // (tp if param_style(H3DiT._tp_plan, key) is not None else 1)
-        return total
+            yield key, n * size // (tp if param_style(H3DiT._tp_plan, key) is not None else 1)
+
+    def target_rows(self, spec: RenderSpec) -> int:
+        """Packed rows of the sampled latents: video patches and audio frames (text and keyframe rows aside)."""
+        m = self.model_cfg
+        shp = latent_shape(m, spec.frames, spec.height, spec.width)
+        _, ph, pw = m.patch
+        return shp.latent_frames * (shp.latent_height // ph) * (shp.latent_width // pw) + AUDIO_CHANNELS * shp.audio_latents
 
     def activation_bytes(self, spec: RenderSpec, text_len: int) -> int:
         """Peak activation bytes of one job on one rank (docs/memory.md).
@@ -330,11 +368,7 @@ class DiTEngine:
         m = self.model_cfg
         tp, sp = self.parallel.tp_size, self.parallel.sp_size
         e = torch.empty((), dtype=self.cfg.compute_dtype).element_size()
-        shp = latent_shape(m, spec.frames, spec.height, spec.width)
-        _, ph, pw = m.patch
-        video_rows = shp.latent_frames * (shp.latent_height // ph) * (shp.latent_width // pw)
-        audio_rows = 2 * shp.audio_latents
-        rows = text_len + video_rows + audio_rows
+        rows = text_len + self.target_rows(spec)
         inner = m.num_heads * m.head_dim // tp
         local = -(-rows // sp)
         per_local_row = m.hidden * 4 + (4 + (5 if sp > 1 else 0)) * inner * e + 2 * m.rope_dim * 4
@@ -345,10 +379,34 @@ class DiTEngine:
         fixed = CUDA_WORKSPACE_BYTES if self.cfg.device.startswith("cuda") else 0
         return int((local * per_local_row + rows * per_row + chunk) * 1.15) + fixed
 
+    def block_bytes(self) -> int:
+        """One transformer block's weight bytes on this rank (the largest), from the checkpoint header."""
+        sizes = [0] * self.model_cfg.num_layers
+        for key, nbytes in self._rank_tensor_bytes():
+            if key.startswith("blocks."):
+                sizes[int(key.split(".")[1])] += nbytes
+        return max(sizes, default=0)
+
+    def plan(self, spec: RenderSpec, text_len: int, room_bytes: int | None) -> Placement:
+        """Which blocks a job streams from host memory on this rank (dit_svc/streaming.py), or ResourceExhausted
+        naming the numbers when even streaming every block cannot fit `room_bytes`."""
+        n = self.model_cfg.num_layers
+        if self.stream is not None:  # loaded: the exact sizes
+            block = self.stream.block_bytes
+            other = self._model_bytes() - sum(self.stream.sizes)
+        else:
+            block = self.block_bytes()
+            other = self.weight_bytes() - n * block
+        return plan_placement(n, block, other, self.activation_bytes(spec, text_len), room_bytes,
+                              what=f"a {spec.width}x{spec.height}x{spec.frames} DiT job")
+
     def estimate_bytes(self, spec: RenderSpec | None, text_len: int = DEFAULT_TEXT_LEN) -> int:
-        """Per-rank peak bytes of a job (weights + activations); `spec=None`: weights alone."""
-        w = self.weight_bytes()
-        return w if spec is None else w + self.activation_bytes(spec, text_len)
+        """Per-rank peak bytes of a job: weights alone for `spec=None`; else the planned peak under this rank's
+        memory limit (every weight resident when it fits, else what streaming leaves). Raises ResourceExhausted when
+        the job cannot fit even streaming every block."""
+        if spec is None:
+            return self.weight_bytes()
+        return self.plan(spec, text_len, self.cfg.memory_limit_bytes or None).need_bytes
 
     def estimate_peak_bytes(self, spec: RenderSpec | None, inputs: dict) -> int:
         """The runtime's hook (stagekit.runtime.Engine)."""
@@ -452,6 +510,12 @@ class DiTEngine:
                                   text_tags=tags).to(dev)
             conditions, ref_audio = [inputs[KEYFRAME_TENSORS[a]] for a in anchors], None
         sampler_cfg = SamplerConfig.from_params(spec)
+        # Which blocks stream from host memory for this job: from its activations and the room the device has now.
+        self.placement = self.plan(spec, layout.seq_len - self.target_rows(spec), self.device_room())
+        self.stream.apply(self.placement)
+        log.info("rank %d %dx%dx%d: %s (room %.2f GiB, planned peak %.2f GiB)", self.group.info.rank, spec.width,
+                 spec.height, spec.frames, self.placement.describe(), self.placement.room_bytes / 2**30,
+                 self.placement.need_bytes / 2**30)
         # Noise is drawn on the CPU from the seed, exactly as diffusers draws it (docs/checkpoints.md "Seeds"):
         # identical bits on every rank and every device, and the same starting latents as diffusers for a seed.
         video_shape = (mcfg.in_channels, shape.latent_frames, shape.latent_height, shape.latent_width)
@@ -469,7 +533,7 @@ class DiTEngine:
             ctx.progress(i, n, step_ms=(now - step_t[0]) * 1000)
             step_t[0] = now
 
-        ctx.progress(0, sampler_cfg.steps)
+        ctx.progress(0, sampler_cfg.steps, message=self.placement.describe())
         v0, a0 = sample(denoise, v_rows, a_rows, sampler_cfg, on_step=on_step, should_stop=ctx.should_stop)
         video = unpatchify_video(v0, mcfg.patch, *video_shape).cpu()
         audio = unpatchify_audio(a0).cpu()
@@ -478,6 +542,19 @@ class DiTEngine:
         log.info("final latents rank=%d %dx%dx%d seed=%d video_sha256=%s audio_sha256=%s", self.group.info.rank,
                  spec.width, spec.height, spec.frames, spec.seed, _sha256(video), _sha256(audio))
         return {"video_latents": video, "audio_latents": audio}
+
+    def device_room(self) -> int | None:
+        """Bytes this rank may hold on its device now (None = no limit): on a GPU, the card (or the cap it is held
+        to) less what the device holds outside this process's allocator (contexts, other processes) and a margin,
+        and at most the stage's memory limit; elsewhere the memory limit alone."""
+        limit = self.cfg.memory_limit_bytes or None
+        dev = self.cfg.device
+        if not dev.startswith("cuda"):
+            return limit
+        free, total = torch.cuda.mem_get_info(dev)
+        outside = (total - free) - torch.cuda.memory_reserved(dev)
+        room = min(total, self.cfg.memory_cap_bytes or total) - outside - CUDA_ROOM_MARGIN
+        return room if limit is None else min(room, limit)
 
     def describe(self) -> dict:
         return {"weights": str(self.path), "variant": self.variant,

@@ -489,6 +489,8 @@ class H3DiT(nn.Module):
         self.token_refiner = TokenRefiner(ctx)
         self.blocks = nn.ModuleList(Block(ctx, f"blocks.{i}") for i in range(cfg.num_layers))
         self.final_layer = FinalLayer(ctx)
+        # Set by the engine when some blocks stream from host memory (dit_svc/streaming.py); None = all resident.
+        self.block_stream = None
         for mod in self.modules():  # norms are created without device/dtype above
             if isinstance(mod, RMSNorm) and (device is not None or dtype is not None):
                 mod.to(device=device, dtype=dtype)
@@ -604,7 +606,8 @@ class H3DiT(nn.Module):
             shards = SeqShards.split(layout.seq_len, self.sp_rank, self.sp_size)
             part = shards.rows()
             x, rows, rope = x[part].clone(), rows[part], (rope[0][part], rope[1][part])
-        for blk in self.blocks:
+        blocks = self.blocks if self.block_stream is None else self.block_stream.iterate(self.blocks)
+        for blk in blocks:
             x = blk(x, ada_in, rows, rope, shards)
         if shards is not None:
             # Every rank's rows in rank (= row) order, padded to one size for the all-gather: all ranks then run

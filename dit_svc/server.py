@@ -11,6 +11,7 @@ from dit_svc.engine import DiTEngine, DiTEngineConfig
 from dit_svc.keyframes import KEYFRAME_TENSORS, TEXT_TAGS_TENSOR
 from dit_svc.references import REF_PARTS, ref_tensor, MAX_REFERENCES
 from h3.v1 import dit_pb2, dit_pb2_grpc, common_pb2
+from stagekit.budget import GIB, resolve_budget_bytes
 from stagekit.config import parse_config
 from stagekit.errors import InvalidArgument
 from stagekit.metrics import observed
@@ -138,6 +139,9 @@ def make_engine(cfg: DiTConfigArgs, info, group) -> DiTEngine:
                                      compile_cache_dir=cfg.resolved_cache_dir() / "compile" if cfg.compile_cache else None,
                                      chunk_rows=cfg.chunk_rows, allow_lora_paths=cfg.allow_lora_paths,
                                      qkv_layout=cfg.qkv_layout, partition=cfg.partition,
+                                     memory_limit_bytes=resolve_budget_bytes([device], cfg.memory_budget_gb,
+                                                                             cfg.reserve_gb, cfg.gpu_memory_cap_gb),
+                                     memory_cap_bytes=int(cfg.gpu_memory_cap_gb * GIB),
                                      loras_dir=cfg.loras_dir or (os.path.join(cfg.models_dir, "loras")
                                                                  if cfg.models_dir else "")), group)
 

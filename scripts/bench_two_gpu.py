@@ -202,8 +202,9 @@ def write_lora(path: Path, dit_cfg, rank: int, device, seed: int = 0) -> None:
     save_file(sd, str(path))
 
 
-def write_weights(models: Path, tiny: bool) -> dict:
-    """Write whatever of the five files is missing (each to a hidden temp name, then renamed). Returns sizes/times."""
+def write_weights(models: Path, tiny: bool, names: set[str] | None = None) -> dict:
+    """Write whatever of the five files (or of `names`) is missing (each to a hidden temp name, then renamed).
+    Returns sizes/times."""
     import torch
 
     from decoder_svc.audio_vae import AudioVAEConfig, write_tiny_audio_vae
@@ -224,7 +225,7 @@ def write_weights(models: Path, tiny: bool) -> dict:
 
     def produce(name: str, write: Callable[[Path], None]) -> None:
         target = models / FILES[name]
-        if target.exists():
+        if target.exists() or (names is not None and name not in names):
             return
         t0 = time.monotonic()
         tmp = target.with_name(f".{target.name}.tmp")
@@ -279,7 +280,7 @@ def write_weights(models: Path, tiny: bool) -> dict:
     if errors:
         raise errors[0]
     manifest.write_text(json.dumps({"tiny": tiny}))
-    sizes = {n: round((models / f).stat().st_size / GIB, 3) for n, f in FILES.items()}
+    sizes = {n: round((models / f).stat().st_size / GIB, 3) for n, f in FILES.items() if (models / f).exists()}
     return {"seconds": round(time.monotonic() - t_all, 1), "written_s": times, "gib": sizes}
 
 
@@ -463,6 +464,8 @@ class Bench:
         (self.work / "mp4").mkdir(exist_ok=True)
         self.logfile = open(self.out / f"bench_{self.part}.log", "a")
         self.devices = "virt0,virt1" if self.tiny else "cuda:0,cuda:1"
+        self.ranks = 2  # DiT and decoder ranks
+        self.weight_files: set[str] = set()  # what do_weights writes (empty: all of FILES)
         self.steps = args.steps or (2 if self.tiny else 8)
         self.cap = int(args.cap_gb * GIB)
         self.budget = args.budget_s or (3600.0 if self.tiny else 530.0)
@@ -668,7 +671,8 @@ class Bench:
     # ---- items ----------------------------------------------------------------------------------------------------
     def do_weights(self) -> dict:
         self.sampler.phase = "setup:weights"
-        cmd = [sys.executable, str(Path(__file__).resolve()), "--write-weights", "--models-dir", str(self.models)]
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--write-weights", "--models-dir", str(self.models),
+               *(["--weights-files", ",".join(sorted(self.weight_files))] if self.weight_files else [])]
         if self.tiny:
             cmd.append("--tiny")
         rc, out, err = self.run_cmd(cmd, timeout_s=max(60.0, self.left_s()), name="weights")
@@ -691,7 +695,7 @@ class Bench:
             env.update(H3_DIT_MODELS_DIR=str(self.models), H3_DECODER_MODELS_DIR=str(self.models),
                        H3_ENCODER_CACHE_DIR=str(self.work / "cache"))
         cmd = ["bash", str(ROOT / "scripts/up.sh"), "--run-dir", self.run, *models,
-               "--devices", self.devices, "--dit-ranks", "2", "--decoder-ranks", "2",
+               "--devices", self.devices, "--dit-ranks", str(self.ranks), "--decoder-ranks", str(self.ranks),
                "--gpu-memory-cap-gb", self.args.cap_gb, "--residency", "exclusive",
                "--encoder-port", "0", "--dit-port", "0", "--decoder-port", "0", "--render-port", "0",
                "--web-port", "-1"]
@@ -972,7 +976,7 @@ class Bench:
         if "parity" in items and "error" not in items["parity"]:
             p = items["parity"]
             v["seed_parity"] = {"mp4_identical": p["mp4_identical"], "latents_identical": p["latents_identical"],
-                                "tp_ranks_equal": p["tp_ranks_equal"]}
+                                "tp_ranks_equal": p.get("tp_ranks_equal")}
         ranks = [r["latents"]["ranks_equal"] for r in renders.values() if r.get("latents", {}).get("jobs")]
         if ranks:
             v["tp_ranks_bitwise_equal_all_renders"] = all(ranks)
@@ -1029,9 +1033,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--holder-margin-gib", type=float, default=1.5,
                     help="a process holds weights when above its idle footprint by more than this")
     ap.add_argument("--write-weights", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--weights-files", default="", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.write_weights:
-        print(json.dumps(write_weights(Path(args.models_dir), args.tiny)), flush=True)
+        names = set(args.weights_files.split(",")) if args.weights_files else None
+        print(json.dumps(write_weights(Path(args.models_dir), args.tiny, names)), flush=True)
         return 0
     for k, v in NCCL_SAFE.items():
         os.environ.setdefault(k, v)

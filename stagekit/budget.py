@@ -41,12 +41,13 @@ def fmt_bytes(n: int) -> str:
     return f"{n / 1024:.1f} KiB"
 
 
-def resolve_budget_bytes(devices: list[str], memory_budget_gb: float, reserve_gb: float) -> int:
+def resolve_budget_bytes(devices: list[str], memory_budget_gb: float, reserve_gb: float, cap_gb: float = 0.0) -> int:
     """Per-device budget in bytes; 0 = unlimited.
 
     An explicit `memory_budget_gb` wins (minus nothing: it is what stages may use). Otherwise CUDA devices get
-    their total memory minus `reserve_gb` (headroom for the CUDA context, cuDNN workspaces, fragmentation and
-    other processes — the `--reserve-vram` idea); virtual / CPU devices have no budget.
+    their total memory (or `cap_gb`, the card size all processes are held to, when smaller) minus `reserve_gb`
+    (headroom for the CUDA context, cuDNN workspaces, fragmentation and other processes — the `--reserve-vram`
+    idea); virtual / CPU devices have no budget.
     """
     if memory_budget_gb > 0:
         return int(memory_budget_gb * GIB)
@@ -56,6 +57,8 @@ def resolve_budget_bytes(devices: list[str], memory_budget_gb: float, reserve_gb
     import torch
 
     total = min(torch.cuda.get_device_properties(int(d.split(":")[1]) if ":" in d else 0).total_memory for d in cuda)
+    if cap_gb > 0:
+        total = min(total, int(cap_gb * GIB))
     return max(0, total - int(reserve_gb * GIB))
 
 

@@ -109,15 +109,41 @@ def read_cmdline(pid: int) -> list[str]:
     return [a.decode(errors="replace") for a in raw.split(b"\0") if a]
 
 
+def parent_pid(pid: int) -> int:
+    """The parent of `pid` (0 when it is gone)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return 0
+    return int(stat.rsplit(")", 1)[1].split()[1])
+
+
+def role_of_pid(pid: int) -> str:
+    """A process's role: from its own command line, else from its parent's (a stage's device worker is a child
+    process whose command line names no module)."""
+    role = role_of(read_cmdline(pid))
+    if role == OTHER:
+        parent = parent_pid(pid)
+        if parent > 1:
+            role = role_of(read_cmdline(parent))
+    return role
+
+
 def our_pids(markers: Iterable[str]) -> list[int]:
-    """Pids of live processes whose command line contains one of `markers` (e.g. the stage modules)."""
+    """Pids of live processes whose command line contains one of `markers` (e.g. the stage modules), and their
+    children (device workers)."""
     markers = tuple(markers)
-    out = []
+    out, parents = [], {}
     for entry in os.scandir("/proc"):
         if entry.name.isdigit():
-            cmd = " ".join(read_cmdline(int(entry.name)))
+            pid = int(entry.name)
+            cmd = " ".join(read_cmdline(pid))
             if cmd and any(m in cmd for m in markers):
-                out.append(int(entry.name))
+                out.append(pid)
+            else:
+                parents[pid] = parent_pid(pid)
+    ours = set(out)
+    out += [pid for pid, parent in parents.items() if parent in ours]
     return out
 
 
@@ -175,7 +201,7 @@ class MemorySampler(threading.Thread):
         self.host_every = max(1, host_every)
         self.host_pids = host_pids
         self.sink = open(sink, "a") if sink is not None else None
-        self._role = role or (lambda pid: role_of(read_cmdline(pid)))
+        self._role = role or role_of_pid
         self._roles: dict[int, str] = {}
         self.phase = "start"
         self.samples: list[Sample] = []
@@ -402,6 +428,31 @@ def check_events(events: Iterable[Mapping]) -> list[dict]:
 # ================================================================================================================
 # Summary and plot
 # ================================================================================================================
+
+
+def check_idle_neighbours(samples: Iterable[Sample], limit_bytes: int,
+                          rule_phase: Callable[[str], bool] = is_rule_phase) -> dict:
+    """On a card shared by stages taking turns: per GPU, the most that any role other than the one holding the most
+    held at one sample (rule phases only), and whether it stayed within `limit_bytes` throughout."""
+    worst: dict[int, int] = {}
+    where: dict[int, str] = {}
+    for s in samples:
+        if not rule_phase(s.phase):
+            continue
+        for g, procs in s.gpus.items():
+            by_role: dict[str, int] = {}
+            for p in procs:
+                by_role[p.role] = by_role.get(p.role, 0) + p.bytes
+            if len(by_role) < 2:
+                worst.setdefault(g, 0)
+                continue
+            holder = max(by_role, key=by_role.get)
+            for role, b in by_role.items():
+                if role != holder and b > worst.get(g, 0):
+                    worst[g] = b
+                    where[g] = f"{role} {b / GIB:.2f} GiB while {holder} held {by_role[holder] / GIB:.2f} GiB ({s.phase})"
+    return {"max_gib": {g: round(b / GIB, 3) for g, b in worst.items()}, "at": where,
+            "limit_gib": round(limit_bytes / GIB, 3), "ok": all(b <= limit_bytes for b in worst.values())}
 
 
 def summarize(samples: list[Sample]) -> dict[str, dict]:

@@ -257,7 +257,8 @@ def _start(cfg: CommonConfig, stage: str, info: RankInfo, make_engine, service_n
     #    modes); only exclusive mode takes it. The memory budget gates admission in both modes and reservations in
     #    shared mode.
     lease = DeviceLease(cfg.group_devices(info), LeaseConfig(Path(cfg.lease_dir), who))
-    budget_bytes = resolve_budget_bytes(cfg.group_devices(info), cfg.memory_budget_gb, cfg.reserve_gb)
+    budget_bytes = resolve_budget_bytes(cfg.group_devices(info), cfg.memory_budget_gb, cfg.reserve_gb,
+                                        cfg.gpu_memory_cap_gb)
     budget = None
     if cfg.residency == "shared" or budget_bytes > 0:
         budget = MemoryBudget(lease.ids, BudgetConfig(Path(cfg.lease_dir), who, budget_bytes, cfg.lease_timeout_s),

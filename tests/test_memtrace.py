@@ -176,3 +176,39 @@ def test_plot_trace_writes_png(tmp_path):
     samples = turn_taking_trace()
     path = memtrace.plot_trace(samples, tmp_path / "trace.png", CAP, "test", turns=[(2.0, "dit")])
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_stage_child_counts_as_its_stage(tmp_path):
+    """A stage's device worker (a child whose command line names no module) is attributed to its stage, and its
+    host memory is counted with ours."""
+    import subprocess
+    import sys
+
+    from stagekit.memtrace import our_pids, role_of_pid
+
+    script = ("import subprocess, sys; p = subprocess.Popen(['sleep', '30']); print(p.pid, flush=True); "
+              "sys.stdin.read(); p.kill()")
+    parent = subprocess.Popen([sys.executable, "-c", script, "dit_svc"], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        child = int(parent.stdout.readline())
+        assert role_of_pid(parent.pid) == "dit" and role_of_pid(child) == "dit"
+        pids = our_pids(["dit_svc"])
+        assert parent.pid in pids and child in pids
+    finally:
+        parent.stdin.close()
+        parent.wait(timeout=10)
+
+
+def test_idle_neighbours_on_one_card():
+    """One card, stages taking turns: every stage that does not hold the card must stay within the limit."""
+    limit = int(0.1 * GIB)
+    lean = [sample(1.0, "rule:a", {0: [(1, "encoder", 13.2), (2, "dit", 0.0), (4, "decoder", 0.05)]}),
+            sample(2.0, "rule:a", {0: [(2, "dit", 20.6), (4, "decoder", 0.05)]}),
+            sample(3.0, "rule:a", {0: [(4, "decoder", 9.0)]}),
+            sample(4.0, "setup:weights", {0: [(9, "other", 30.0), (2, "dit", 0.7)]})]  # not held to the rule
+    r = memtrace.check_idle_neighbours(lean, limit)
+    assert r["ok"] and r["max_gib"][0] == 0.05, r
+    fat = lean + [sample(5.0, "rule:b", {0: [(2, "dit", 20.6), (1, "encoder", 0.51), (4, "decoder", 0.05)]})]
+    r = memtrace.check_idle_neighbours(fat, limit)
+    assert not r["ok"] and r["max_gib"][0] == 0.51 and r["at"][0].startswith("encoder 0.51 GiB while dit held 20.60")
