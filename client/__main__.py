@@ -23,7 +23,8 @@ from pathlib import Path
 
 import grpc
 
-from client.checks import CheckError, check_for_local_stack, output_paths, read_keyframe, read_prompts
+from client.checks import (CheckError, check_for_local_stack, output_paths, read_keyframe, read_prompts,
+                           read_references)
 from client.endpoints import add_endpoint_args, configured_endpoints, configured_render, connect_render
 from client.render_client import state_name
 from client.stubs import SERVICE_NAMES, STAGES, Security, StageClients, health_of
@@ -76,8 +77,8 @@ def _render_requests(args, prompts: list[str], keyframes: dict[str, bytes]):
         reqs.append(render_request(spec, crf=args.crf, loras=loras, upscale=upscale, idempotency_key=key or "",
                                    label=args.label, **keyframes))
     if reqs and reqs[0].ByteSize() > MAX_REQUEST_BYTES:
-        raise ValueError(f"the keyframe images are {reqs[0].ByteSize()} bytes together; one request carries at most "
-                         f"{MAX_REQUEST_BYTES} bytes: send smaller PNG/JPEG files")
+        raise ValueError(f"the keyframe / reference files are {reqs[0].ByteSize()} bytes together; one request "
+                         f"carries at most {MAX_REQUEST_BYTES} bytes: send smaller files")
     return reqs
 
 
@@ -102,6 +103,12 @@ def render_inputs(args):
                  for a in ("first", "last") if getattr(args, f"{a}_frame")}
     if keyframes and len(prompts) != 1:
         raise CheckError("--first-frame/--last-frame take a single --prompt (not --prompts-file)")
+    if args.ref:
+        if keyframes:
+            raise CheckError("--ref does not combine with --first-frame/--last-frame: the model's reference "
+                             "partition (ref2va) takes references only; give the frame as --ref image.png and say "
+                             "in the prompt how the video uses <Picture 1>")
+        keyframes = {"references": read_references(args.ref, prompts)}
     try:
         reqs = _render_requests(args, prompts, keyframes)
     except ValueError as e:  # InvalidArgument included
@@ -317,6 +324,11 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--crf", type=int, default=0, help="H.264 quality 1..51, lower is better (default: 0 = 18)")
     r.add_argument("--first-frame", help="fl2va: PNG/JPEG the video starts from (fitted to --width x --height)")
     r.add_argument("--last-frame", help="fl2va: PNG/JPEG the video ends on (fitted to --width x --height)")
+    r.add_argument("--ref", action="append", metavar="[KIND:]PATH",
+                   help="ref2va reference, repeatable, in order: an image (<Picture i> in the prompt), a video with "
+                        "its sound (<Video k>; its sound <Audio j>) or an audio clip (<Audio j>); the kind comes from "
+                        "the extension or KIND (image|video|audio). Not with --first-frame/--last-frame "
+                        "(docs/references.md)")
     r.add_argument("--lora", action="append", metavar="NAME[:STRENGTH]",
                    help="LoRA file name in the DiT server's <models_dir>/loras (repeatable; strength default 1.0)")
     r.add_argument("--upscale", metavar="WxH", help="MP4 size, e.g. 1920x1080: every frame scaled in the mux "

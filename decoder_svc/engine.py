@@ -75,6 +75,9 @@ class DecoderEngineConfig:
     out_dir: Path = Path(tempfile.gettempdir())
 
 
+ENCODE_OPS = ("encode_image", "encode_reference")  # jobs that need the encoder halves only
+
+
 def resolve_weights(cfg: DecoderEngineConfig) -> tuple[Path, Path, bool]:
     """(video VAE, audio VAE, is_embedded): both explicit, both from --models-dir, or both embedded."""
     if bool(cfg.video_weights) != bool(cfg.audio_weights):
@@ -131,7 +134,8 @@ class DecoderEngine:
             torch.backends.cudnn.benchmark = False
         self.video = None
         self.audio = None
-        self.video_encoder = None  # VAE encoder half, for EncodeImage (fl2va keyframes), rank 0 only
+        self.video_encoder = None  # VAE encoder half, for EncodeImage / EncodeReference, rank 0 only
+        self.audio_encoder = None  # audio VAE with its encoder, for EncodeReference (ref2va voices), rank 0 only
         self.preset = cfg.preset or (EMBEDDED_PRESET if self.embedded else DEFAULT_PRESET)
 
     def _check_geometry(self) -> LatentGeometry:
@@ -167,7 +171,7 @@ class DecoderEngine:
     def load_for(self, job: dict) -> None:
         """Exclusive residency loads what the job needs: a keyframe encode only the video VAE's encoder half (rank 0),
         so fl2va keyframes never swap the whole decoder in (docs/render_service.md)."""
-        if job.get("op") == "encode_image":
+        if job.get("op") in ENCODE_OPS:
             self._load_encoder()
         else:
             self.load()
@@ -181,12 +185,21 @@ class DecoderEngine:
         self.video_encoder = load_video_vae(str(self.video_path), self.video_info.cfg, self.cfg.weight_dtype,
                                             device=self.cfg.device, parts="encoder")
 
+    def _load_audio_encoder(self) -> None:
+        if self.audio_encoder is not None:
+            return
+        info = inspect_audio_vae(self.audio_path)
+        if not info.cfg.with_encoder:
+            raise FailedPrecondition(f"{self.audio_path} holds only the audio VAE decoder; audio references need "
+                                     "the full audio VAE (encoder included)")
+        self.audio_encoder = load_audio_vae(self.audio_path, info.cfg, device=self.cfg.device)  # fp32
+
     def unload(self) -> None:
-        self.video = self.audio = self.video_encoder = None
+        self.video = self.audio = self.video_encoder = self.audio_encoder = None
         release_device_memory(self.cfg.device)
 
     def resident_bytes(self) -> int:
-        mods = [m for m in (self.video, self.audio, self.video_encoder) if m is not None]
+        mods = [m for m in (self.video, self.audio, self.video_encoder, self.audio_encoder) if m is not None]
         return sum(p.numel() * p.element_size() for m in mods for p in m.parameters())
 
     def _audio_rank(self, n_units: int) -> int:
@@ -212,9 +225,36 @@ class DecoderEngine:
         return {"latents": latents}
 
     @torch.inference_mode()
+    def encode_reference(self, media, ctx) -> dict:
+        """A ref2va reference on the model's rates (stagekit.media.ReferenceMedia) -> {"video": [24, T, h, w]}
+        and/or {"audio": [2, 32, Ta]}: normalised posterior means (docs/model.md §3.4). Rank 0 alone."""
+        if not self.group.info.is_leader:
+            return {}
+        out = {"info": media.info()}
+        if media.frames is not None:
+            if self.video_encoder is None:
+                ctx.progress(0, 1, phase="loading", message="video VAE encoder")
+                self._load_encoder()
+            ctx.progress(0, 1, message=f"{media.kind} reference: video VAE")
+            pixels = torch.from_numpy(media.frames).permute(3, 0, 1, 2).contiguous()  # [3, N, H, W] uint8
+            autocast = None if self.cfg.weight_dtype == torch.float32 else self.cfg.weight_dtype
+            out["video"] = self.video_encoder.encode(pixels.to(self.cfg.device), autocast_dtype=autocast).float().cpu()
+        if media.audio is not None:
+            if self.audio_encoder is None:
+                ctx.progress(0, 1, phase="loading", message="audio VAE encoder")
+                self._load_audio_encoder()
+            ctx.progress(0, 1, message=f"{media.kind} reference: audio VAE")
+            wave = torch.from_numpy(media.audio).to(self.cfg.device).unsqueeze(1)  # [2, 1, samples]
+            out["audio"] = self.audio_encoder.normalize(self.audio_encoder.encode(wave)).float().cpu()
+        ctx.progress(1, 1)
+        return out
+
+    @torch.inference_mode()
     def run(self, job, inputs: dict, ctx) -> dict:
         if job.get("op") == "encode_image":
             return self.encode_image(inputs["image"], ctx)
+        if job.get("op") == "encode_reference":
+            return self.encode_reference(inputs["media"], ctx)
         if self.video is None:  # resident for keyframe encodes only: add the decode path
             ctx.progress(0, 1, phase="loading", message="video + audio VAE decoders")
             self.load()

@@ -16,6 +16,7 @@ from h3.v1 import common_pb2, decoder_pb2, decoder_pb2_grpc
 from stagekit.config import parse_config
 from stagekit.errors import InvalidArgument
 from stagekit.images import Keyframe, admit_keyframe, check_canvas
+from stagekit.media import admit_reference, load_reference, reference_decode_bytes
 from stagekit.metrics import observed
 from stagekit.models import safe_name
 from stagekit.render_params import spec_from_proto, validate
@@ -155,6 +156,30 @@ class DecoderServicer(LifecycleMixin, decoder_pb2_grpc.DecoderServicer):
             job.timing["transfer_s"] = time.monotonic() - t0
             yield decoder_pb2.EncodeImageEvent(done=decoder_pb2.EncodeImageDone(
                 timing=timing_pb(job.timing), width=request.width, height=request.height))
+
+        yield from stream_job(self.runtime, job, context, observed(self.runtime, job, on_event))
+
+
+    def EncodeReference(self, request, context):
+        ref = request.reference
+        abort_on_error(context, admit_reference, ref.kind, ref.data, request.frames)
+        job = Job(spec={"op": "encode_reference", "kind": ref.kind, "frames": request.frames}, inputs={},
+                  prepare=lambda: {"media": load_reference(ref.data, ref.kind, request.frames)},
+                  input_bytes=reference_decode_bytes(ref.kind, request.frames))
+        job.job_id = request.job_id or job.job_id
+
+        def on_event(ev):
+            if ev.kind == "progress":
+                yield decoder_pb2.EncodeReferenceEvent(progress=common_pb2.Progress(**ev.payload))
+                return
+            t0 = time.monotonic()
+            for name in ("video", "audio"):
+                if name in ev.payload:
+                    for chunk in tensor_chunks(name, ev.payload[name]):
+                        yield decoder_pb2.EncodeReferenceEvent(tensor=chunk)
+            job.timing["transfer_s"] = time.monotonic() - t0
+            yield decoder_pb2.EncodeReferenceEvent(done=decoder_pb2.EncodeReferenceDone(
+                timing=timing_pb(job.timing), **ev.payload["info"]))
 
         yield from stream_job(self.runtime, job, context, observed(self.runtime, job, on_event))
 

@@ -21,7 +21,7 @@ from h3.v1 import common_pb2, render_pb2
 from render_svc.engine import Outcome, Work
 from render_svc.planner import Batch, BatchPlanner, first_stage, next_stage
 from render_svc.store import CANCELLED, FAILED, QUEUED, RUNNING, SUCCEEDED, JobRecord, JobStore
-from stagekit.errors import Cancelled, InvalidArgument, ResourceExhausted, Unavailable
+from stagekit.errors import Cancelled, FailedPrecondition, InvalidArgument, ResourceExhausted, Unavailable
 from stagekit.render_params import spec_from_proto, validate
 from stagekit.runtime import Job
 
@@ -44,6 +44,9 @@ class SchedulerConfig:
     keep_age_s: float = 7 * 86400.0
 
 
+PARTITIONS_TTL_S = 10.0  # how long the DiT's served partitions are trusted before Status is asked again
+
+
 def check_request(req: render_pb2.RenderRequest) -> None:
     """Everything about a request that can be checked before it is queued; InvalidArgument with the reason."""
     from decoder_svc.mux import check_upscale
@@ -62,9 +65,44 @@ def check_request(req: render_pb2.RenderRequest) -> None:
                 load_keyframe(img, spec.width, spec.height)
             except InvalidArgument as e:
                 raise InvalidArgument(f"{anchor}: {e.message}") from None
+    if req.references:
+        check_references(req, spec.prompt, spec.frames)
     for lo in req.loras:
         if not lo.name.strip():
             raise InvalidArgument("a LoRA needs a file name (a file in the DiT server's loras dir)")
+
+
+def check_references(req: render_pb2.RenderRequest, prompt: str, frames: int) -> None:
+    """ref2va admission: no keyframes beside them, at most 12, each a kind and size the decoder takes, and the
+    prompt's labels naming exactly the references there are (stagekit/labels.py)."""
+    import io
+
+    import av
+
+    from dit_svc.references import MAX_REFERENCES
+    from stagekit.labels import check_labels
+    from stagekit.media import admit_reference
+
+    if req.first_frame or req.last_frame:
+        raise InvalidArgument("references and first/last keyframes do not combine: the ref2va partition takes "
+                              "references only (send the frame as an image reference)")
+    if len(req.references) > MAX_REFERENCES:
+        raise InvalidArgument(f"{len(req.references)} references; MiniMax-H3 takes at most {MAX_REFERENCES}")
+    sound = []
+    for i, ref in enumerate(req.references):
+        try:
+            admit_reference(ref.kind, ref.data, frames)
+        except InvalidArgument as e:
+            raise InvalidArgument(f"reference {i + 1} ({ref.name or ref.kind}): {e.message}") from None
+        has = False
+        if ref.kind == "video":
+            try:
+                with av.open(io.BytesIO(ref.data)) as c:
+                    has = bool(c.streams.audio)
+            except av.FFmpegError as e:
+                raise InvalidArgument(f"reference {i + 1} ({ref.name or 'video'}) is not a video file: {e}") from None
+        sound.append(has)
+    check_labels(prompt, [r.kind for r in req.references], sound, [r.name for r in req.references])
 
 
 class RenderService:
@@ -81,6 +119,7 @@ class RenderService:
         self.batch_log: deque[dict] = deque(maxlen=200)  # recent batches (the web page draws them)
         self.started_unix = time.time()
         self._lock = threading.Condition()
+        self._partitions: tuple[float, dict[str, str]] | None = None  # (when read, the DiT's partitions)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="render-scheduler", daemon=True)
 
@@ -106,6 +145,7 @@ class RenderService:
     # ---- API ----------------------------------------------------------------------------------------------------
     def submit(self, req: render_pb2.RenderRequest) -> render_pb2.JobInfo:
         check_request(req)
+        self._check_partition(req)
         if self._stop.is_set():
             raise Unavailable("the render service is shutting down; retry on another replica or after its restart")
         queued = self.store.counts().get(QUEUED, 0)
@@ -117,6 +157,27 @@ class RenderService:
                 self._enqueue(rec)
                 self._lock.notify_all()
         return self.info(rec.id)
+
+    def _check_partition(self, req: render_pb2.RenderRequest) -> None:
+        """Refuse a request whose DiT partition no DiT file provides, naming the file (from the DiT's Status; when
+        the DiT does not answer, its own admission decides later)."""
+        import grpc
+
+        now = time.monotonic()
+        if self._partitions is None or now - self._partitions[0] > PARTITIONS_TTL_S:
+            clients = getattr(self.runtime.engine, "clients", None)
+            try:
+                st = clients.dit.Status(common_pb2.StatusRequest(), timeout=2, metadata=clients.security.metadata())
+            except (grpc.RpcError, AttributeError):
+                return
+            self._partitions = (now, dict(st.partitions))
+        served = self._partitions[1]
+        want = "ref2va" if req.references else "fl2va"
+        if served and want not in served:
+            what = "a render with references" if req.references else "a text or first/last-frame render"
+            raise FailedPrecondition(
+                f"{what} needs the MiniMax-H3 {want} DiT file (minimax_h3_{want}_*.safetensors in the models "
+                f"folder), but the DiT serves {', '.join(f'{p} ({Path(f).name})' for p, f in served.items())} only")
 
     def info(self, job_id: str, rec: JobRecord | None = None) -> render_pb2.JobInfo:
         rec = rec or self.store.get(job_id)
@@ -152,7 +213,7 @@ class RenderService:
         spec = spec_from_proto(rec.request.params)
         w = Work(rec.id, rec.request, spec, self.outputs / f"{rec.id}.mp4")
         self.works[rec.id] = w
-        self.planner.add(rec.id, first_stage(bool(w.keyframes())))
+        self.planner.add(rec.id, first_stage(bool(w.keyframes() or w.request.references)))
 
     def _progress(self, job_id: str, p: common_pb2.Progress) -> None:
         self.store.progress(job_id, p)

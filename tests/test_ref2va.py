@@ -297,3 +297,151 @@ def test_models_folder_with_both_partitions_swaps_per_job(tmp_path):
     eng = _engine(cache_dir=tmp_path / "c", models_dir=str(only_fl2va))
     with pytest.raises(FailedPrecondition, match="minimax_h3_ref2va_"):
         eng.check_partition(True)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Reference media and the stages (real processes, embedded tiny stack)
+# ---------------------------------------------------------------------------------------------------------------
+def media_mp4(n: int = 40, fps: int = 30, w: int = 112, h: int = 64, rate: int | None = 44100) -> bytes:
+    """An H.264 clip at `fps` with an AAC stereo soundtrack at `rate` (none when rate is None)."""
+    import io
+
+    import av
+
+    buf = io.BytesIO()
+    with av.open(buf, "w", format="mp4") as c:
+        v = c.add_stream("libx264", rate=fps)
+        v.width, v.height, v.pix_fmt = w, h, "yuv420p"
+        a = c.add_stream("aac", rate=rate) if rate else None
+        if a is not None:
+            a.layout = "stereo"
+        rng = np.random.default_rng(0)
+        for _ in range(n):
+            for p in v.encode(av.VideoFrame.from_ndarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8), "rgb24")):
+                c.mux(p)
+        c.mux(v.encode())
+        if a is not None:
+            for s in range(0, int(n / fps * rate), 1024):
+                t = (s + np.arange(1024)) / rate
+                wave = (0.3 * np.stack([np.sin(2 * np.pi * 440 * t), np.sin(2 * np.pi * 660 * t)])).astype(np.float32)
+                frame = av.AudioFrame.from_ndarray(wave, format="fltp", layout="stereo")
+                frame.sample_rate = rate
+                c.mux(a.encode(frame))
+            c.mux(a.encode())
+    return buf.getvalue()
+
+
+def media_wav(seconds: float = 1.0, rate: int = 32000, channels: int = 1) -> bytes:
+    import io
+    import wave
+
+    t = np.arange(int(seconds * rate)) / rate
+    pcm = (0.3 * np.sin(2 * np.pi * 330 * t) * 32767).astype("<i2")
+    buf = io.BytesIO()
+    with wave.open(buf, "wb") as f:
+        f.setnchannels(channels)
+        f.setsampwidth(2)
+        f.setframerate(rate)
+        f.writeframes(np.repeat(pcm[:, None], channels, 1).tobytes())
+    return buf.getvalue()
+
+
+def media_png(w: int = 96, h: int = 64, seed: int = 1) -> bytes:
+    import io
+
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.fromarray(np.random.default_rng(seed).integers(0, 256, (h, w, 3), dtype=np.uint8)).save(buf, "PNG")
+    return buf.getvalue()
+
+
+def test_reference_media_on_the_model_rates():
+    """Images at a 2048 px short edge; a 30 fps clip onto 24 fps, its canvas, 17n + 5 frames and its soundtrack onto
+    32 kHz stereo, both cut to the render's duration; a voice at 44.1 kHz resampled; a too-short clip refused."""
+    from stagekit.errors import InvalidArgument
+    from stagekit.media import load_reference
+
+    img = load_reference(media_png(300, 200), "image", FRAMES)
+    assert img.frames.shape == (1, 2048, 3072, 3)
+    clip = load_reference(media_mp4(n=90, fps=30), "video", 124)  # 3 s at 30 fps -> 72 frames at 24 -> 56
+    assert clip.frames.shape == (56, 768, 1344, 3) and clip.source_fps == 30.0 and clip.source_rate == 44100
+    assert clip.audio.shape[0] == 2 and abs(clip.audio.shape[1] - 3 * 32000) < 2048
+    voice = load_reference(media_wav(2.0, 44100), "audio", FRAMES)  # cut to 22/24 s, resampled to 32 kHz
+    assert voice.audio.shape == (2, round(int(22 / 24 * 44100) * 32000 / 44100)) or \
+        abs(voice.audio.shape[1] - 22 / 24 * 32000) < 64
+    spectrum = np.abs(np.fft.rfft(voice.audio[0]))
+    assert abs(np.argmax(spectrum) * 32000 / voice.audio.shape[1] - 330) < 3  # the same tone after resampling
+    with pytest.raises(InvalidArgument, match="at least 22 frames"):
+        load_reference(media_mp4(n=20, fps=30, rate=None), "video", 124)
+    with pytest.raises(InvalidArgument, match="cannot be used"):
+        load_reference(b"not a video", "video", 124)
+
+
+def test_reference_encodes_match_diffusers(tmp_path):
+    """The decoder's reference encodes vs diffusers' (oracle) on tiny random VAEs: the same normalised pixels as
+    diffusers' ref2va setup step (an image, a 30 fps clip), then the video VAE's posterior mean and the audio VAE's
+    (diffusers' reference-encoder step) within 1e-4."""
+    from decoder_svc.audio_vae import AudioVAEConfig, load_audio_vae, write_tiny_audio_vae
+    from decoder_svc.video_vae import VideoVAEConfig, load_video_vae, write_tiny_video_vae
+    from diffusers.modular_pipelines.minimax_h3.encoders import MiniMaxH3Ref2VAReferenceEncoderStep
+    from PIL import Image
+    from stagekit.media import load_reference
+    from tests.test_audio_vae import _oracle as audio_oracle
+    from tests.test_video_vae import _oracle as video_oracle
+
+    vcfg, acfg = VideoVAEConfig.tiny(), AudioVAEConfig.tiny()
+    write_tiny_video_vae(str(tmp_path / "v.safetensors"), vcfg, 0)
+    write_tiny_audio_vae(tmp_path / "a.safetensors", acfg, 0)
+    vae = load_video_vae(str(tmp_path / "v.safetensors"), vcfg, torch.float32, parts="all")
+    avae = load_audio_vae(tmp_path / "a.safetensors", acfg)
+    dv, da = video_oracle(vcfg, vae), audio_oracle(acfg)
+    from decoder_svc.audio_vae import unfold_weight_norm_state_dict
+
+    sd = avae.state_dict()
+    da.load_state_dict({k: v for k, v in unfold_weight_norm_state_dict(sd, avae).items()
+                        if not k.startswith("latents_")})
+    da.register_to_config(latents_mean=sd["latents_mean"].flatten().tolist(),
+                          latents_std=sd["latents_std"].flatten().tolist())
+
+    def rel(a, b):
+        return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+    # An image: diffusers' setup step resizes it (PIL LANCZOS) to the same pixels.
+    png = media_png(150, 100)
+    ours = load_reference(png, "image", FRAMES)
+    setup = MiniMaxH3Ref2VASetupStep()
+    from diffusers.image_processor import VaeImageProcessor
+
+    want = np.asarray(VaeImageProcessor(vae_scale_factor=16).resize(Image.open(__import__("io").BytesIO(png))
+                                                                   .convert("RGB"), height=2048, width=3072))
+    assert setup.max_images == 9 and np.array_equal(ours.frames[0], want)
+    # A clip: our decode + normalisation == diffusers' decode (from_file) + normalisation, pixel for pixel.
+    path = tmp_path / "clip.mp4"
+    path.write_bytes(media_mp4(n=40, fps=30, rate=32000))
+    clip = load_reference(path.read_bytes(), "video", FRAMES)
+    ref = MiniMaxH3VideoReference.from_file(str(path))
+    frames = MiniMaxH3Ref2VASetupStep._normalize_video_condition(ref.frames, ref.fps, FRAMES, 32, 768, 768 * 1344,
+                                                                 24.0)
+    assert np.array_equal(clip.frames, frames[:clip.frames.shape[0]]) and clip.frames.shape[0] == 22
+    wave = MiniMaxH3Ref2VASetupStep._normalize_audio_condition(ref.audio, ref.sample_rate, 32000, FRAMES / 24)
+    assert torch.equal(torch.from_numpy(clip.audio), wave)  # 32 kHz already: cut and kept as is
+    # Encodes: video VAE mean (ComfyUI's recipe; diffusers samples it) and the audio VAE as diffusers' step does.
+    # The encoders see a 256 x 384 corner of the normalised pixels (the whole 2048 px image is minutes on a CPU).
+    for media in (ours, clip):
+        pixels = media.frames[:, :256, :384]
+        z = vae.encode(torch.from_numpy(pixels).permute(3, 0, 1, 2))
+        with torch.no_grad():
+            x = (torch.from_numpy(pixels).permute(3, 0, 1, 2)[None].float() / 255
+                 - torch.tensor([0.485, 0.456, 0.406]).view(1, 3, 1, 1, 1)) / torch.tensor(
+                [0.229, 0.224, 0.225]).view(1, 3, 1, 1, 1)
+            mean = dv.encode(x).latent_dist.mode()[0]
+        m, s = vae._stats(z.device)
+        assert rel(z, (mean - m) / s) < 1e-4
+    pipe = SequentialPipelineBlocks.from_blocks_dict({"enc": MiniMaxH3Ref2VAReferenceEncoderStep()}).init_pipeline()
+    pipe.update_components(vae=dv, audio_vae=da)
+    with torch.no_grad():
+        out = pipe(normalized_references=[MiniMaxH3AudioReference(audio=wave, sample_rate=32000)],
+                   output="audio_condition_latents")
+    ours_rows = patchify_audio(avae.normalize(avae.encode(torch.from_numpy(clip.audio).unsqueeze(1))))
+    assert rel(ours_rows, out[0]) < 1e-4

@@ -26,7 +26,7 @@ JOB_FAILED: JobState
 JOB_CANCELLED: JobState
 
 class RenderRequest(_message.Message):
-    __slots__ = ("params", "loras", "crf", "first_frame", "last_frame", "upscale_width", "upscale_height", "idempotency_key", "label")
+    __slots__ = ("params", "loras", "crf", "first_frame", "last_frame", "upscale_width", "upscale_height", "idempotency_key", "label", "references")
     PARAMS_FIELD_NUMBER: _ClassVar[int]
     LORAS_FIELD_NUMBER: _ClassVar[int]
     CRF_FIELD_NUMBER: _ClassVar[int]
@@ -36,6 +36,7 @@ class RenderRequest(_message.Message):
     UPSCALE_HEIGHT_FIELD_NUMBER: _ClassVar[int]
     IDEMPOTENCY_KEY_FIELD_NUMBER: _ClassVar[int]
     LABEL_FIELD_NUMBER: _ClassVar[int]
+    REFERENCES_FIELD_NUMBER: _ClassVar[int]
     params: _common_pb2.RenderParams
     loras: _containers.RepeatedCompositeFieldContainer[_dit_pb2.LoraSpec]
     crf: int
@@ -45,7 +46,8 @@ class RenderRequest(_message.Message):
     upscale_height: int
     idempotency_key: str
     label: str
-    def __init__(self, params: _Optional[_Union[_common_pb2.RenderParams, _Mapping]] = ..., loras: _Optional[_Iterable[_Union[_dit_pb2.LoraSpec, _Mapping]]] = ..., crf: _Optional[int] = ..., first_frame: _Optional[bytes] = ..., last_frame: _Optional[bytes] = ..., upscale_width: _Optional[int] = ..., upscale_height: _Optional[int] = ..., idempotency_key: _Optional[str] = ..., label: _Optional[str] = ...) -> None: ...
+    references: _containers.RepeatedCompositeFieldContainer[_common_pb2.Reference]
+    def __init__(self, params: _Optional[_Union[_common_pb2.RenderParams, _Mapping]] = ..., loras: _Optional[_Iterable[_Union[_dit_pb2.LoraSpec, _Mapping]]] = ..., crf: _Optional[int] = ..., first_frame: _Optional[bytes] = ..., last_frame: _Optional[bytes] = ..., upscale_width: _Optional[int] = ..., upscale_height: _Optional[int] = ..., idempotency_key: _Optional[str] = ..., label: _Optional[str] = ..., references: _Optional[_Iterable[_Union[_common_pb2.Reference, _Mapping]]] = ...) -> None: ...
 
 class StageRun(_message.Message):
     __slots__ = ("stage", "wall_s", "timing", "batch", "batch_size", "waited_batches")
