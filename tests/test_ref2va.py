@@ -445,3 +445,51 @@ def test_reference_encodes_match_diffusers(tmp_path):
                    output="audio_condition_latents")
     ours_rows = patchify_audio(avae.normalize(avae.encode(torch.from_numpy(clip.audio).unsqueeze(1))))
     assert rel(ours_rows, out[0]) < 1e-4
+
+
+def test_ref2va_render_through_the_stages(clients, tmp_path):
+    """Image + voice references, W x H render, through decoder EncodeReference, the encoder's presentation and the
+    embedded DiT's ref2va file, to a valid MP4; the DiT reports both partitions."""
+    import av
+
+    from client.pipeline import encode, render
+    from h3.v1 import common_pb2
+    from stagekit.render_params import RenderSpec
+
+    st = clients.dit.Status(common_pb2.StatusRequest(), timeout=30)
+    assert set(st.partitions) == {"fl2va", "ref2va"}
+    refs = [common_pb2.Reference(kind="image", data=media_png(96, 64), name="subject.png"),
+            common_pb2.Reference(kind="audio", data=media_wav(0.5), name="voice.wav")]
+    spec = RenderSpec(prompt="<Picture 1> sings with the voice of <Audio 1>", width=256, height=256, frames=FRAMES,
+                      steps=1, seed=3)
+    s, tags, _ = encode(clients, spec.prompt, with_tags=True, references=refs, frames=FRAMES)
+    n_pad = (2048 // 32) * (3072 // 32)  # the image at its 2048 px short edge, 32 px per merged token
+    assert (tags == 0).sum().item() == n_pad + 2 and s.shape[0] == tags.shape[0]
+    out = tmp_path / "ref2va.mp4"
+    res = render(clients, spec, out, references=refs)
+    assert [r.stage for r in res.stages] == ["decoder", "decoder", "encoder", "dit", "decoder"]
+    assert res.stages[0].extra["width"] == 3072 and res.stages[1].extra["seconds"] == pytest.approx(0.5, abs=0.03)
+    with av.open(str(out)) as c:
+        assert (c.streams.video[0].width, c.streams.video[0].height) == (256, 256) and c.streams.audio
+        assert sum(1 for _ in c.decode(video=0)) == FRAMES
+
+
+def test_cli_ref_labels_checked_before_anything_starts(tmp_path):
+    """A label naming no reference, or a reference the prompt never names, exits 2 before any stage starts."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    (tmp_path / "a.png").write_bytes(media_png())
+    (tmp_path / "v.wav").write_bytes(media_wav(0.3))
+    base = [sys.executable, "-m", "client", "render", "-o", str(tmp_path / "x.mp4"), "--frames", str(FRAMES),
+            "--render", "127.0.0.1:1", "--ref", str(tmp_path / "a.png"), "--ref", str(tmp_path / "v.wav")]
+    for prompt, needle in (("<Picture 1> talks like <Audio 2>", "names <Audio 2>"),
+                           ("<Picture 1> walks", "never names <Audio 1> (v.wav)"),
+                           ("<Picture 2> and <Audio 1>", "names <Picture 2>")):
+        r = subprocess.run([*base, "--prompt", prompt], cwd=root, capture_output=True, text=True, timeout=120)
+        assert r.returncode == 2 and needle in r.stderr, r.stderr
+    r = subprocess.run([*base, "--prompt", "<Picture 1>", "--first-frame", str(tmp_path / "a.png")], cwd=root,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "does not combine" in r.stderr, r.stderr
