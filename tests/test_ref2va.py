@@ -493,3 +493,45 @@ def test_cli_ref_labels_checked_before_anything_starts(tmp_path):
     r = subprocess.run([*base, "--prompt", "<Picture 1>", "--first-frame", str(tmp_path / "a.png")], cwd=root,
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "does not combine" in r.stderr, r.stderr
+
+
+def test_cli_ref_render_through_the_render_service(stack, tmp_path):
+    """`render --ref subject.png --ref voice.wav`: the render service's reference stage, encoder, DiT (ref2va) and
+    decoder, to an MP4; then a text render on the same stack (the DiT back on fl2va)."""
+    import av
+
+    from client.__main__ import main as client_main
+
+    _, ep = stack
+    args = ["--width", "256", "--height", "256", "--frames", str(FRAMES), "--steps", "1", "--encoder", ep.encoder,
+            "--dit", ep.dit, "--decoder", ep.decoder]
+    (tmp_path / "subject.png").write_bytes(media_png(80, 120))
+    (tmp_path / "voice.wav").write_bytes(media_wav(0.4, 48000, channels=2))
+    out = tmp_path / "ref.mp4"
+    assert client_main(["render", "--prompt", "<Picture 1> says hello in <Audio 1>'s voice", "--ref",
+                        str(tmp_path / "subject.png"), "--ref", str(tmp_path / "voice.wav"), "-o", str(out),
+                        *args]) == 0
+    assert client_main(["render", "--prompt", "waves", "-o", str(tmp_path / "t2va.mp4"), *args]) == 0
+    for f in (out, tmp_path / "t2va.mp4"):
+        with av.open(str(f)) as c:
+            assert c.streams.video[0].width == 256 and sum(1 for _ in c.decode(video=0)) == FRAMES
+
+
+def test_dit_batch_runs_partition_by_partition():
+    """A mixed DiT batch is sent one partition after the other, the one the DiT ran last first: one swap."""
+    from types import SimpleNamespace
+
+    from h3.v1 import common_pb2, render_pb2
+    from render_svc.engine import RenderEngine, Work
+
+    def work(i, refs):
+        req = render_pb2.RenderRequest(references=[common_pb2.Reference(kind="image", data=b"x")] if refs else [])
+        return Work(f"j{i}", req, SimpleNamespace(), None)
+
+    eng = RenderEngine(clients=None)
+    works = [work(0, False), work(1, True), work(2, False), work(3, True)]
+    groups = eng._groups("dit", works)
+    assert [[w.job_id for w in g] for g in groups] == [["j0", "j2"], ["j1", "j3"]] and eng.dit_partition == "ref2va"
+    groups = eng._groups("dit", works)  # the DiT holds ref2va now: those go first
+    assert [[w.job_id for w in g] for g in groups] == [["j1", "j3"], ["j0", "j2"]] and eng.dit_partition == "fl2va"
+    assert eng._groups("encoder", works) == [works]
