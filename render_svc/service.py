@@ -74,11 +74,8 @@ def check_request(req: render_pb2.RenderRequest) -> None:
 
 def check_references(req: render_pb2.RenderRequest, prompt: str, frames: int) -> None:
     """ref2va admission: no keyframes beside them, at most 12, each a kind and size the decoder takes, and the
-    prompt's labels naming exactly the references there are (stagekit/labels.py)."""
-    import io
-
-    import av
-
+    prompt's labels naming exactly the references there are (stagekit/labels.py). Fills in each reference's
+    thumbnail, duration and size (`describe_reference`)."""
     from dit_svc.references import MAX_REFERENCES
     from stagekit.labels import check_labels
     from stagekit.media import admit_reference
@@ -94,15 +91,50 @@ def check_references(req: render_pb2.RenderRequest, prompt: str, frames: int) ->
             admit_reference(ref.kind, ref.data, frames)
         except InvalidArgument as e:
             raise InvalidArgument(f"reference {i + 1} ({ref.name or ref.kind}): {e.message}") from None
-        has = False
-        if ref.kind == "video":
-            try:
-                with av.open(io.BytesIO(ref.data)) as c:
-                    has = bool(c.streams.audio)
-            except av.FFmpegError as e:
-                raise InvalidArgument(f"reference {i + 1} ({ref.name or 'video'}) is not a video file: {e}") from None
-        sound.append(has)
+        sound.append(describe_reference(ref, i))
     check_labels(prompt, [r.kind for r in req.references], sound, [r.name for r in req.references])
+
+
+THUMBNAIL_PX = 96
+
+
+def describe_reference(ref, index: int) -> bool:
+    """Fill in what the web page shows of a reference (thumbnail, duration, size) from its header and first
+    frame; returns whether a video has a soundtrack (it takes an <Audio j> label). InvalidArgument for a file the
+    decoders cannot open."""
+    import io
+
+    import av
+    from PIL import Image
+
+    what = f"reference {index + 1} ({ref.name or ref.kind})"
+    try:
+        if ref.kind == "image":
+            with Image.open(io.BytesIO(ref.data)) as im:
+                ref.width, ref.height = im.size
+                im.draft("RGB", (THUMBNAIL_PX * 2, THUMBNAIL_PX * 2))  # JPEG: decode at a reduced scale
+                thumb = im.convert("RGB")
+            sound = False
+        else:
+            with av.open(io.BytesIO(ref.data)) as c:
+                ref.seconds = (c.duration or 0) / 1e6
+                sound = ref.kind == "video" and bool(c.streams.audio)
+                thumb = None
+                if ref.kind == "video":
+                    if not c.streams.video:
+                        raise ValueError("it has no video stream")
+                    ref.width, ref.height = c.streams.video[0].width, c.streams.video[0].height
+                    thumb = next(c.decode(video=0)).to_image()
+                elif not c.streams.audio:
+                    raise ValueError("it has no audio stream")
+    except (OSError, ValueError, StopIteration, av.FFmpegError) as e:
+        raise InvalidArgument(f"{what} is not a readable {ref.kind} file: {e}") from None
+    if thumb is not None:
+        thumb.thumbnail((THUMBNAIL_PX, THUMBNAIL_PX))
+        buf = io.BytesIO()
+        thumb.save(buf, "JPEG", quality=80)
+        ref.thumbnail = buf.getvalue()
+    return sound
 
 
 class RenderService:

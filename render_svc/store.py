@@ -94,7 +94,8 @@ class JobRecord:
             attempts=self.attempts, created_unix=self.created, started_unix=self.started,
             finished_unix=self.finished, error_code=self.error_code, error=self.error,
             output_bytes=self.output_bytes, output_expired=self.expired, events=self.n_events, stages=self.runs,
-            label=req.label, width=width, height=height, queue_position=queue_position)
+            label=req.label, width=width, height=height, queue_position=queue_position,
+            references=[_without_data(r) for r in req.references])
 
 
 def _record(row: sqlite3.Row) -> JobRecord:
@@ -107,12 +108,22 @@ def _record(row: sqlite3.Row) -> JobRecord:
                      output_bytes=row["output_bytes"], expired=bool(row["expired"]), n_events=row["n_events"])
 
 
+def _without_data(ref: common_pb2.Reference) -> common_pb2.Reference:
+    out = common_pb2.Reference()
+    out.CopyFrom(ref)
+    out.ClearField("data")
+    return out
+
+
 def _without_images(req: render_pb2.RenderRequest) -> bytes:
-    """A finished job's request, minus the keyframe images (up to 6 MiB each; nothing reads them any more)."""
+    """A finished job's request, minus the keyframe images and the reference files (up to 6 MiB each; nothing reads
+    them any more; the references' thumbnails and durations stay)."""
     r = render_pb2.RenderRequest()
     r.CopyFrom(req)
     r.ClearField("first_frame")
     r.ClearField("last_frame")
+    for ref in r.references:
+        ref.ClearField("data")
     return r.SerializeToString(deterministic=True)
 
 

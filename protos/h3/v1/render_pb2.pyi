@@ -66,7 +66,7 @@ class StageRun(_message.Message):
     def __init__(self, stage: _Optional[str] = ..., wall_s: _Optional[float] = ..., timing: _Optional[_Union[_common_pb2.Timing, _Mapping]] = ..., batch: _Optional[int] = ..., batch_size: _Optional[int] = ..., waited_batches: _Optional[int] = ...) -> None: ...
 
 class JobInfo(_message.Message):
-    __slots__ = ("job_id", "state", "params", "stage", "progress", "attempts", "created_unix", "started_unix", "finished_unix", "error_code", "error", "output_bytes", "output_expired", "events", "stages", "label", "width", "height", "queue_position")
+    __slots__ = ("job_id", "state", "params", "stage", "progress", "attempts", "created_unix", "started_unix", "finished_unix", "error_code", "error", "output_bytes", "output_expired", "events", "stages", "label", "width", "height", "queue_position", "references")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
@@ -86,6 +86,7 @@ class JobInfo(_message.Message):
     WIDTH_FIELD_NUMBER: _ClassVar[int]
     HEIGHT_FIELD_NUMBER: _ClassVar[int]
     QUEUE_POSITION_FIELD_NUMBER: _ClassVar[int]
+    REFERENCES_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     state: JobState
     params: _common_pb2.RenderParams
@@ -105,7 +106,8 @@ class JobInfo(_message.Message):
     width: int
     height: int
     queue_position: int
-    def __init__(self, job_id: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., params: _Optional[_Union[_common_pb2.RenderParams, _Mapping]] = ..., stage: _Optional[str] = ..., progress: _Optional[_Union[_common_pb2.Progress, _Mapping]] = ..., attempts: _Optional[int] = ..., created_unix: _Optional[float] = ..., started_unix: _Optional[float] = ..., finished_unix: _Optional[float] = ..., error_code: _Optional[str] = ..., error: _Optional[str] = ..., output_bytes: _Optional[int] = ..., output_expired: _Optional[bool] = ..., events: _Optional[int] = ..., stages: _Optional[_Iterable[_Union[StageRun, _Mapping]]] = ..., label: _Optional[str] = ..., width: _Optional[int] = ..., height: _Optional[int] = ..., queue_position: _Optional[int] = ...) -> None: ...
+    references: _containers.RepeatedCompositeFieldContainer[_common_pb2.Reference]
+    def __init__(self, job_id: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., params: _Optional[_Union[_common_pb2.RenderParams, _Mapping]] = ..., stage: _Optional[str] = ..., progress: _Optional[_Union[_common_pb2.Progress, _Mapping]] = ..., attempts: _Optional[int] = ..., created_unix: _Optional[float] = ..., started_unix: _Optional[float] = ..., finished_unix: _Optional[float] = ..., error_code: _Optional[str] = ..., error: _Optional[str] = ..., output_bytes: _Optional[int] = ..., output_expired: _Optional[bool] = ..., events: _Optional[int] = ..., stages: _Optional[_Iterable[_Union[StageRun, _Mapping]]] = ..., label: _Optional[str] = ..., width: _Optional[int] = ..., height: _Optional[int] = ..., queue_position: _Optional[int] = ..., references: _Optional[_Iterable[_Union[_common_pb2.Reference, _Mapping]]] = ...) -> None: ...
 
 class RenderEvent(_message.Message):
     __slots__ = ("job_id", "index", "time_unix", "job", "progress", "file")
