@@ -21,6 +21,7 @@ import io
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -90,6 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=0, help="sampling steps (default 8; 2 with --tiny)")
     ap.add_argument("--seed", type=int, default=1)
     args = ap.parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a time limit still stops the stack (finally below)
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     models = Path(args.models_dir).resolve()

@@ -29,6 +29,7 @@ from stagekit.checkpoints import CheckpointError
 from stagekit.dist import RankGroup
 from stagekit.runtime import release_device_memory
 from stagekit.errors import FailedPrecondition, InvalidArgument
+from stagekit.media import EMBEDDED_IMAGE_SHORT_EDGE, IMAGE_SHORT_EDGE
 from stagekit.models import ensure_embedded, resolve_checkpoint
 from stagekit.render_params import RenderSpec, validate
 from stagekit.wire import check_finite
@@ -137,6 +138,9 @@ class DecoderEngine:
         self.video_encoder = None  # VAE encoder half, for EncodeImage / EncodeReference, rank 0 only
         self.audio_encoder = None  # audio VAE with its encoder, for EncodeReference (ref2va voices), rank 0 only
         self.preset = cfg.preset or (EMBEDDED_PRESET if self.embedded else DEFAULT_PRESET)
+        # Image references: the model's 2048 px short edge, a small one for a tiny VAE (the embedded family's).
+        tiny = self.video_info.cfg.block_channels != VideoVAEConfig.full().block_channels
+        self.image_short_edge = EMBEDDED_IMAGE_SHORT_EDGE if tiny else IMAGE_SHORT_EDGE
 
     def _check_geometry(self) -> LatentGeometry:
         """The latent geometry this decoder serves, from the VAEs' configs. A render spec counts latents on the H3

@@ -164,7 +164,8 @@ class DecoderServicer(LifecycleMixin, decoder_pb2_grpc.DecoderServicer):
         ref = request.reference
         abort_on_error(context, admit_reference, ref.kind, ref.data, request.frames)
         job = Job(spec={"op": "encode_reference", "kind": ref.kind, "frames": request.frames}, inputs={},
-                  prepare=lambda: {"media": load_reference(ref.data, ref.kind, request.frames)},
+                  prepare=lambda: {"media": load_reference(ref.data, ref.kind, request.frames,
+                                                           self.engine.image_short_edge)},
                   input_bytes=reference_decode_bytes(ref.kind, request.frames))
         job.job_id = request.job_id or job.job_id
 

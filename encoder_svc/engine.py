@@ -23,6 +23,7 @@ from stagekit.dist import RankGroup
 from stagekit.runtime import release_device_memory
 from stagekit.checkpoints import CheckpointError
 from stagekit.errors import FailedPrecondition
+from stagekit.media import EMBEDDED_IMAGE_SHORT_EDGE, IMAGE_SHORT_EDGE
 from stagekit.models import EMBEDDED_VERSION, resolve_checkpoint
 
 log = logging.getLogger("encoder_svc")
@@ -58,6 +59,8 @@ class EncoderEngine:
         self.group = group
         self.path, self.embedded = resolve_weights(cfg)
         self.model_cfg = ConditionerConfig.tiny() if self.embedded else ConditionerConfig.full()
+        # Image references: the model's 2048 px short edge, a small one for the embedded tiny family.
+        self.image_short_edge = EMBEDDED_IMAGE_SHORT_EDGE if self.embedded else IMAGE_SHORT_EDGE
         header = TextEncoderCheckpoint(self.path, self.model_cfg)  # validates keys/shapes from the header
         self.variant = header.info.variant
         self.fingerprint = header.info.fingerprint

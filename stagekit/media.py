@@ -20,8 +20,11 @@ from stagekit.images import MAX_IMAGE_BYTES
 MODEL_FPS = 24
 AUDIO_RATE = 32_000  # the audio VAE's sample rate
 REFERENCE_KINDS = ("image", "video", "audio")
-# An image reference is encoded at a short edge of its own, whatever the render canvas (docs/model.md §3.4).
+# An image reference is encoded at a short edge of its own, whatever the render canvas (docs/model.md §3.4). The
+# embedded tiny family uses a smaller one: its output is noise either way, and a 2048 px image costs its CPU VAE
+# minutes.
 IMAGE_SHORT_EDGE = 2048
+EMBEDDED_IMAGE_SHORT_EDGE = 256
 CANVAS_MULTIPLE = 32
 # A video reference goes onto the canvas of its own aspect, by the target's rule: short edge 768, area <= 768 x 1344.
 CANVAS_SHORT_EDGE = 768
@@ -132,12 +135,12 @@ def _lanczos(frames: np.ndarray, height: int, width: int) -> np.ndarray:
     return np.stack([np.asarray(Image.fromarray(f).resize((width, height), Image.Resampling.LANCZOS)) for f in frames])
 
 
-def normalize_image(pixels: np.ndarray) -> np.ndarray:
-    """uint8 [H, W, 3] -> [1, H', W', 3] at a 2048 px short edge (sides multiples of 32, LANCZOS)."""
+def normalize_image(pixels: np.ndarray, short_edge: int = IMAGE_SHORT_EDGE) -> np.ndarray:
+    """uint8 [H, W, 3] -> [1, H', W', 3] at a `short_edge` px short edge (sides multiples of 32, LANCZOS)."""
     h, w = pixels.shape[:2]
     if max(w, h) > MAX_ASPECT * min(w, h):
         raise ValueError(f"an image reference must be within 1:4 and 4:1, got {w}x{h}")
-    scale = IMAGE_SHORT_EDGE / min(w, h)
+    scale = short_edge / min(w, h)
     th = max(CANVAS_MULTIPLE, round(h * scale / CANVAS_MULTIPLE) * CANVAS_MULTIPLE)
     tw = max(CANVAS_MULTIPLE, round(w * scale / CANVAS_MULTIPLE) * CANVAS_MULTIPLE)
     return _lanczos(pixels[None], th, tw)
@@ -211,7 +214,7 @@ def reference_decode_bytes(kind: str, frames: int) -> int:
     return MAX_SOURCE_PIXELS * 4 + 3 * frames * 5 * CANVAS_MAX_PIXELS * 3 + audio  # canvas frames at <= 120 fps
 
 
-def load_reference(data: bytes, kind: str, frames: int) -> ReferenceMedia:
+def load_reference(data: bytes, kind: str, frames: int, image_short_edge: int = IMAGE_SHORT_EDGE) -> ReferenceMedia:
     """A reference file's bytes -> ReferenceMedia on the model's rates for a render of `frames` frames at 24 fps
     (video and audio are cut to its duration). Raises InvalidArgument naming what is wrong with the file."""
     admit_reference(kind, data, frames)
@@ -224,7 +227,7 @@ def load_reference(data: bytes, kind: str, frames: int) -> ReferenceMedia:
                 if im.width * im.height > MAX_SOURCE_PIXELS:
                     raise ValueError(f"{im.width}x{im.height} is more than {MAX_SOURCE_PIXELS} pixels")
                 pixels = np.asarray(im.convert("RGB"))
-            return ReferenceMedia("image", frames=normalize_image(pixels))
+            return ReferenceMedia("image", frames=normalize_image(pixels, image_short_edge))
         import av
 
         with av.open(io.BytesIO(data)) as container:

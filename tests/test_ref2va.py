@@ -463,12 +463,12 @@ def test_ref2va_render_through_the_stages(clients, tmp_path):
     spec = RenderSpec(prompt="<Picture 1> sings with the voice of <Audio 1>", width=256, height=256, frames=FRAMES,
                       steps=1, seed=3)
     s, tags, _ = encode(clients, spec.prompt, with_tags=True, references=refs, frames=FRAMES)
-    n_pad = (2048 // 32) * (3072 // 32)  # the image at its 2048 px short edge, 32 px per merged token
+    n_pad = (256 // 32) * (384 // 32)  # the embedded family's 256 px short edge (2048 px for H3), 32 px a token
     assert (tags == 0).sum().item() == n_pad + 2 and s.shape[0] == tags.shape[0]
     out = tmp_path / "ref2va.mp4"
     res = render(clients, spec, out, references=refs)
     assert [r.stage for r in res.stages] == ["decoder", "decoder", "encoder", "dit", "decoder"]
-    assert res.stages[0].extra["width"] == 3072 and res.stages[1].extra["seconds"] == pytest.approx(0.5, abs=0.03)
+    assert res.stages[0].extra["width"] == 384 and res.stages[1].extra["seconds"] == pytest.approx(0.5, abs=0.03)
     with av.open(str(out)) as c:
         assert (c.streams.video[0].width, c.streams.video[0].height) == (256, 256) and c.streams.audio
         assert sum(1 for _ in c.decode(video=0)) == FRAMES
