@@ -29,7 +29,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from stagekit.checkpoints import (FLOAT, IDENTITY, Checkpoint, CheckpointError, HeaderEntry, NameMap, TensorReader,
-                                  TensorSpec, key_report, open_checkpoint, tensor_entries)
+                                  TensorSpec, check_finite_tensor, check_latent_stats, key_report, open_checkpoint,
+                                  tensor_entries)
 
 # --------------------------------------------------------------------------------------------
 # Constants named where the model defines them
@@ -688,25 +689,32 @@ def load_comfy_state_dict(model: AudioVAE, sd: Mapping[str, torch.Tensor], *, fi
     want = {k: TensorSpec(tuple(v.shape), FLOAT) for k, v in own.items()}
     key_report(tensor_entries(sd, source), want, optional=[k for k in own if _rebuilt(k)]).raise_if_bad(
         source, _describe(model.cfg, "given config"))
+    check_buffers(sd, model.cfg, source, "AudioVAEConfig", filter_atol)
+    for k, t in sd.items():  # a state dict given in memory, or a weight folded from a zero-norm v
+        check_finite_tensor(source, k, t)
+    merged = {k: (sd[k] if k in sd else _fill_value(k, own[k], model.cfg)).to(torch.float32) for k in own}
+    on_meta = any(t.is_meta for t in own.values())
+    # A meta-built model takes the file tensors as they are (no default init, no second copy).
+    model.load_state_dict(merged, strict=True, assign=on_meta)
+
+
+def check_buffers(buffers: Mapping[str, torch.Tensor], cfg: AudioVAEConfig, source: str | os.PathLike,
+                  config_file: str | os.PathLike, filter_atol: float = 1e-6) -> None:
+    """The buffers the architecture defines, checked against their definitions (our names; absent ones are rebuilt):
+    each Kaiser-sinc filter against its formula (|diff| <= filter_atol), each `zero_k_bias` zero, and the latent
+    statistics (positive std; agreeing with the config's when both give them, `check_latent_stats`). Raises
+    CheckpointError naming the file (and the config) and the key."""
     reference = _aa_filter()
-    for k, t in sd.items():
+    for k, t in buffers.items():
         if k.endswith(".filter"):
             diff = (t.float() - reference).abs().max().item()
             if not diff <= filter_atol:
                 raise CheckpointError(source, f"stored Kaiser-sinc filter differs from the formula (kernel 12, cutoff "
                                               f"0.25, half-width 0.3; max |diff| {diff:.3g})", k)
+        elif k.endswith("zero_k_bias") and bool(t.any()):
+            raise CheckpointError(source, "must be all zeros (the attention's key projection has no bias)", k)
     for k in ("latents_mean", "latents_std"):
-        given = getattr(model.cfg, k)
-        if k in sd and given is not None and not torch.allclose(sd[k].float(), torch.tensor(given), atol=1e-6):
-            raise CheckpointError(source, f"differs from AudioVAEConfig.{k}; pass a config without latent statistics "
-                                          "to use the file's, or fix the config", k)
-    for k, t in sd.items():
-        if t.is_floating_point() and not torch.isfinite(t).all():
-            raise CheckpointError(source, "non-finite values", k)
-    merged = {k: (sd[k] if k in sd else _fill_value(k, own[k], model.cfg)).to(torch.float32) for k in own}
-    on_meta = any(t.is_meta for t in own.values())
-    # A meta-built model takes the file tensors as they are (no default init, no second copy).
-    model.load_state_dict(merged, strict=True, assign=on_meta)
+        check_latent_stats(k, buffers.get(k), source, getattr(cfg, k), config_file, rtol=1e-5)
 
 
 def _config_from_diffusers(d: dict, with_encoder: bool) -> AudioVAEConfig:
@@ -778,6 +786,13 @@ def inspect_audio_vae(path: str | os.PathLike, cfg: AudioVAEConfig | None = None
     want = _expected(cfg)
     key_report(ours, want, optional=[k for k in want if _rebuilt(k)], ignored=ignored).raise_if_bad(
         path, _describe(cfg, source))
+    # The buffers are data the architecture defines (filters, zero bias, latent statistics): a few KiB, read and
+    # checked now, so a damaged one stops the stage before it serves rather than at its first job.
+    reader = TensorReader(entries)
+    buffers = {k: reader.whole(k) for k in ours if _rebuilt(k) and k not in ignored}
+    reader.close()
+    file = ckpt.files[0]
+    check_buffers(buffers, cfg, file, ckpt.config_file if source == "config.json" else f"the config ({source})")
     return AudioVAEInfo(Path(path), layout, cfg, source, ckpt, entries,
                         {k: v for k, v in sources.items() if k not in ignored})
 

@@ -32,12 +32,13 @@ from stagekit.errors import FailedPrecondition, InvalidArgument
 from stagekit.media import EMBEDDED_IMAGE_SHORT_EDGE, IMAGE_SHORT_EDGE
 from stagekit.models import ensure_embedded, resolve_checkpoint
 from stagekit.render_params import RenderSpec, validate
-from stagekit.wire import check_finite
+from stagekit.wire import check_finite, check_result
 
 log = logging.getLogger("decoder_svc")
 
 VIDEO_PATTERNS = ["*minimax_h3*video*vae*.safetensors", "*minimax*h3*vae*.safetensors", "video_vae"]
 AUDIO_PATTERNS = ["*minimax_h3*audio*vae*.safetensors", "*minimax*h3*audio*.safetensors", "audio_vae"]
+VIDEO_EXCLUDE, AUDIO_EXCLUDE = ("*audio*",), ("*video*",)  # the other VAE's file, which the patterns also match
 # The embedded model's output is noise, so its decode is made cheap where that changes no key: the video VAE
 # decodes whole frames (no spatial tiles, whose overlaps cost 4-6x the decode time on a CPU) and the audio VAE's
 # decoder is half as wide (128: the last of its seven halvings has one channel). The names say so, so a cache
@@ -85,10 +86,12 @@ def resolve_weights(cfg: DecoderEngineConfig) -> tuple[Path, Path, bool]:
         raise FailedPrecondition("give both --video-weights and --audio-weights (or --models-dir)")
     v, embedded = resolve_checkpoint(cfg.video_weights, cfg.models_dir, VIDEO_PATTERNS, "MiniMax-H3 video VAE",
                                      lambda: ensure_embedded(cfg.cache_dir, EMBEDDED_VIDEO, lambda tmp: write_tiny_video_vae(
-                                         str(tmp), replace(VideoVAEConfig.tiny(), tiling=False), EMBEDDED_SEED)))
+                                         str(tmp), replace(VideoVAEConfig.tiny(), tiling=False), EMBEDDED_SEED)),
+                                     VIDEO_EXCLUDE, "--video-weights")
     a, _ = resolve_checkpoint(cfg.audio_weights, cfg.models_dir, AUDIO_PATTERNS, "MiniMax-H3 audio VAE",
                               lambda: ensure_embedded(cfg.cache_dir, EMBEDDED_AUDIO, lambda tmp: write_tiny_audio_vae(
-                                  tmp, AudioVAEConfig.tiny(decoder_dim=128), EMBEDDED_SEED)))
+                                  tmp, AudioVAEConfig.tiny(decoder_dim=128), EMBEDDED_SEED)),
+                              AUDIO_EXCLUDE, "--audio-weights")
     return v, a, embedded
 
 
@@ -225,6 +228,7 @@ class DecoderEngine:
         pixels = image.permute(2, 0, 1).contiguous()  # [3, H, W] uint8; encode() scales to [0, 1]
         autocast = None if self.cfg.weight_dtype == torch.float32 else self.cfg.weight_dtype
         latents = self.video_encoder.encode(pixels.to(self.cfg.device), autocast_dtype=autocast).float().cpu()
+        check_result("decoder", "keyframe latents (video VAE encode)", latents, "channel")
         ctx.progress(1, 1)
         return {"latents": latents}
 
@@ -303,6 +307,9 @@ class DecoderEngine:
             return {}
         audio = next(a for a in gathered if a is not None)
         frames = asm.finish().cpu()  # [3, F, H, W] RGB in [0, 1]
+        # Latents were checked finite on arrival: a NaN now is this server's fault (INTERNAL), never muxed.
+        check_result("decoder", "video frames (video VAE decode)", frames, "frame", axis=1)
+        check_result("decoder", "audio (audio VAE decode)", audio, "sample", axis=1)
         return self._output(job, frames, audio, ctx.check_cancel_local)
 
     def _output(self, job, frames: torch.Tensor, audio: torch.Tensor, check_cancel=None) -> dict:

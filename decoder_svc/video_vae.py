@@ -35,7 +35,7 @@ from decoder_svc.video_tiling import (
     tile_splits,
 )
 from stagekit.checkpoints import (FLOAT, Checkpoint, CheckpointError, HeaderEntry, NameMap, TensorReader, TensorSpec,
-                                  key_report, open_checkpoint)
+                                  check_latent_stats, key_report, open_checkpoint)
 
 __all__ = [
     "LATENTS_MEAN", "LATENTS_STD", "IMAGENET_MEAN", "IMAGENET_STD", "CheckpointError", "VideoVAEConfig", "VideoVAE",
@@ -706,7 +706,7 @@ class VideoVAEInfo:
     cfg: VideoVAEConfig
     config_source: str  # "given config" | "config.json" | "metadata" | "H3 release geometry"
     ckpt: Checkpoint
-    latents_mean: tuple[float, ...] | None = None  # from a diffusers config.json
+    latents_mean: tuple[float, ...] | None = None  # the file's, else a diffusers config.json's (checked)
     latents_std: tuple[float, ...] | None = None
 
 
@@ -745,10 +745,20 @@ def inspect_video_vae(path: str, cfg: VideoVAEConfig | None = None, parts: str =
     if source == "H3 release geometry":
         what += "; for another geometry pass a folder with its diffusers config.json"
     key_report(shapes, expected, ignored=other | set(_TOLERATED_EXTRA)).raise_if_bad(path, what + ")")
-    for k in ("latents_mean", "latents_std"):
+    # The latent statistics are data, read now (a few floats): finite, a positive std, and the file's agreeing
+    # with the config.json's, before the stage serves.
+    reader = TensorReader(ckpt.tensors)
+    stats = {}
+    for k, configured in (("latents_mean", lat_mean), ("latents_std", lat_std)):
         e = shapes.get(k)
         if e is not None and (e.numel != cfg.latent_channels or e.dtype not in FLOAT):
             raise CheckpointError(e.file, f"{e.dtype}{list(e.shape)}: expected {cfg.latent_channels} float values", k)
+        if configured is not None and len(configured) != cfg.latent_channels:
+            raise CheckpointError(ckpt.config_file, f"{len(configured)} values, expected {cfg.latent_channels}", k)
+        stored = None if e is None else reader.whole(e.disk_key or k)
+        stats[k] = check_latent_stats(k, stored, path if e is None else e.file, configured, ckpt.config_file)
+    reader.close()
+    info.latents_mean, info.latents_std = stats["latents_mean"], stats["latents_std"]
     return info
 
 
@@ -801,13 +811,10 @@ def load_video_vae(path: str, cfg: VideoVAEConfig | None = None, dtype: torch.dt
         model = VideoVAE(cfg, parts)
     state = {k: read(k).to(device=device, dtype=torch.float32 if _FP32_PARAM.search(k) else dtype) for k in expected}
     model.load_state_dict(state, strict=True, assign=True)
-    stats = {k: tuple(read(k).float().tolist()) for k in ("latents_mean", "latents_std") if k in entries}
-    lat_mean = stats.get("latents_mean", info.latents_mean)
-    lat_std = stats.get("latents_std", info.latents_std)
-    if lat_mean is not None:
-        model.latents_mean = lat_mean
-    if lat_std is not None:
-        model.latents_std = lat_std
+    if info.latents_mean is not None:  # the file's or config.json's, checked by inspect_video_vae
+        model.latents_mean = info.latents_mean
+    if info.latents_std is not None:
+        model.latents_std = info.latents_std
     reader.close()
     return model.eval().requires_grad_(False)
 

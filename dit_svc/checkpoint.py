@@ -37,8 +37,8 @@ from dit_svc.convert_diffusers import (DIFFUSERS_NAMES, DIFFUSERS_QKV, FC1_SECTI
                                        is_qkv_part, qkv_part_keys)
 from dit_svc.model import H3DiT
 from dit_svc.tp import ColumnParallel, RowParallel, column_range, param_style, section_ranges, validate_tp
-from stagekit.checkpoints import (FLOAT, Checkpoint, CheckpointError, HeaderEntry, TensorReader, TensorSpec,
-                                  key_report, metadata_json, named, open_checkpoint, read_quant_spec)
+from stagekit.checkpoints import (FLOAT, Checkpoint, CheckpointError, FiniteCheck, HeaderEntry, TensorReader,
+                                  TensorSpec, key_report, metadata_json, named, open_checkpoint, read_quant_spec)
 from stagekit.quant import QuantizedWeight, dequantize_convrot
 
 log = logging.getLogger(__name__)
@@ -508,6 +508,14 @@ def validate(info: CheckpointInfo, cfg: DiTConfig, reader: TensorReader | None =
     for key, spec in want.items():
         if spec.dtypes == {"I8"}:
             read_quant_spec(reader, info.entries, info.sources[key].keys[0])
+    if "rope.inv_freq" in info.sources:  # a buffer fixed by the config: the stored one must be that formula
+        stored = reader.whole(info.sources["rope.inv_freq"].keys[0]).float()
+        formula = _default_inv_freq(cfg)
+        if not torch.allclose(stored, formula, rtol=1e-5, atol=0.0):
+            file, name = _where(info, "rope.inv_freq")
+            raise CheckpointError(file, f"differs from 1 / rope_theta^(2i / {2 * cfg.rope_freq_dim}) of rope_theta "
+                                        f"{cfg.rope_theta} (max |diff| {(stored - formula).abs().max().item():.3g}): "
+                                        "a damaged file or another model's RoPE", name)
     if info.qkv is not None and info.qkv.layout is None:
         raise _qkv_undecided(info.path, info.qkv)
 
@@ -636,6 +644,15 @@ def _default_inv_freq(cfg: DiTConfig) -> torch.Tensor:
     return 1.0 / (cfg.rope_theta ** (torch.arange(0, 2 * f, 2, dtype=torch.float64) / (2 * f))).float()
 
 
+def _where(info: CheckpointInfo, key: str) -> tuple[Path, str]:
+    """(file, name) of one of our tensors for an error message: the file's own key(s) when they differ from ours."""
+    src = info.sources.get(key)
+    if src is None:  # rebuilt from the config (rope.inv_freq of a diffusers file)
+        return info.path, f"{key} (computed from the config)"
+    disk = [info.entries[k].disk_key or k for k in src.keys]
+    return info.entries[src.keys[0]].file, key if disk == [key] else f"{' / '.join(disk)} (our {key})"
+
+
 def load_dit_weights(
     path: str | Path,
     cfg: DiTConfig | None = None,
@@ -670,12 +687,13 @@ def load_dit_weights(
     reader.close()
     out = DiTWeights(info.variant, cfg)
     local = threading.local()  # one TensorReader (safetensors handles) per worker thread
+    finite = FiniteCheck()  # every float tensor as loaded, on `device`: one host sync for the whole load
 
     def read(key: str) -> tuple[torch.Tensor | QuantizedWeight, bool]:
         if key not in info.shapes:  # optional key absent (rope.inv_freq in diffusers files)
             return _default_inv_freq(cfg).to(device), False
         if not hasattr(local, "rr"):
-            local.reader = TensorReader(info.entries)
+            local.reader = TensorReader(info.entries, check_finite=False)  # checked on `device` below
             local.rr = _RankReader(info, cfg, tp_rank, tp_size, local.reader)
         stored = info.shapes[key].dtype
         was_dequantized = False
@@ -695,6 +713,11 @@ def load_dit_weights(
             out[key] = value
             if was_dequantized:
                 out.dequantized.append(key)
+            if isinstance(value, QuantizedWeight):  # int8 cannot hold a NaN; its float scale can
+                finite.add(*_where(info, key[: -len("weight")] + "weight_scale"), value.scale)
+            else:
+                finite.add(*_where(info, key), value)
+    finite.raise_if_bad()
     return out
 
 

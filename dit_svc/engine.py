@@ -10,7 +10,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
-import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,18 +36,20 @@ from stagekit.dist import RankGroup
 from stagekit.runtime import release_device_memory
 from stagekit.errors import FailedPrecondition, InvalidArgument
 from stagekit.kernels import AUTO, KernelConfig, KernelSelection, select_kernels
-from stagekit.models import ensure_embedded
+from stagekit.models import ensure_embedded, find_checkpoint
 from stagekit.quant import Int8ConvRotLinear, QuantizedWeight
 from stagekit.render_params import RenderSpec, validate
 
 log = logging.getLogger("dit_svc")
 
-# File names users have (ComfyUI) and the diffusers / release folders, in preference order; a models folder may hold
-# a file of each partition (docs/references.md).
-CHECKPOINT_PATTERNS = ["*minimax_h3*int8_convrot*.safetensors", "*minimax_h3*.safetensors", "transformer",
-                       "transformer_ref"]
-# Files those patterns also match that are not DiT checkpoints (the Qwen3-VL text encoder repacks, VAEs, LoRAs).
-NOT_A_DIT = re.compile(r"qwen|vae|lora|text_encoder", re.IGNORECASE)
+# File names users have (ComfyUI) and the diffusers / release folders, per partition: one candidate of each may be
+# under --models-dir (docs/references.md).
+CHECKPOINT_PATTERNS = ["*minimax_h3*int8_convrot*.safetensors", "*minimax_h3*.safetensors", "transformer"]
+REF2VA_PATTERNS = ["*minimax_h3*ref2va*.safetensors", "transformer_ref"]
+# Names those patterns also match that are not this DiT: the other stages' files, LoRAs (and for the fl2va search,
+# the ref2va model).
+NOT_A_DIT = ("*qwen3*", "*vae*", "*lora*")
+CHECKPOINT_EXCLUDE = (*NOT_A_DIT, "*ref2va*")
 # The embedded tiny model provides both partitions (other seeds: other weights, as in the release).
 EMBEDDED_FILES = {"fl2va": "dit_tiny_bf16.safetensors", "ref2va": "dit_tiny_ref2va_bf16.safetensors"}
 EMBEDDED_SEEDS = {"fl2va": 0, "ref2va": 1}
@@ -114,25 +115,25 @@ class DiTEngineConfig:
 
 def resolve_weights(cfg: DiTEngineConfig) -> tuple[dict[str, Path | None], bool]:
     """({partition: declared partition or None, for each checkpoint path}, is_embedded): the --weights file, every
-    DiT checkpoint under --models-dir (in CHECKPOINT_PATTERNS order), or the embedded tiny pair."""
+    DiT checkpoint under --models-dir (the one candidate of each partition), or the embedded tiny pair."""
     if cfg.weights:
         p = Path(cfg.weights).expanduser()
         if not p.exists():
             raise FailedPrecondition(f"MiniMax-H3 DiT checkpoint weights {p} do not exist")
         return {p: cfg.partition or None}, False
     if cfg.models_dir:
-        root = Path(cfg.models_dir).expanduser()
-        if not root.is_dir():
-            raise FailedPrecondition(f"models dir {root} does not exist or is not a directory")
         found: dict[Path, str | None] = {}
-        for pattern in CHECKPOINT_PATTERNS:
-            for hit in sorted(root.rglob(pattern)):
-                rel = hit.relative_to(root).as_posix()
-                if hit not in found and not NOT_A_DIT.search(rel):
-                    found[hit] = cfg.partition or None
+        for patterns, exclude in ((CHECKPOINT_PATTERNS, CHECKPOINT_EXCLUDE), (REF2VA_PATTERNS, NOT_A_DIT)):
+            try:
+                found[find_checkpoint(cfg.models_dir, patterns, "MiniMax-H3 DiT checkpoint", exclude)] = \
+                    cfg.partition or None
+            except FailedPrecondition as e:
+                if not str(e).startswith("no "):  # two candidates of one partition: refused, naming both
+                    raise
         if not found:
-            raise FailedPrecondition(f"no MiniMax-H3 DiT checkpoint found under {root}: looked for "
-                                     f"{', '.join(CHECKPOINT_PATTERNS)}; pass the file explicitly with --weights")
+            raise FailedPrecondition(f"no MiniMax-H3 DiT checkpoint found under {cfg.models_dir}: looked for "
+                                     f"{', '.join(CHECKPOINT_PATTERNS + REF2VA_PATTERNS)}; pass the file explicitly "
+                                     "with --weights")
         return found, False
     paths = {}
     for part, name in EMBEDDED_FILES.items():

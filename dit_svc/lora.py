@@ -34,6 +34,7 @@ rank-8 table of the *base* time embedder: such a LoRA cannot be expressed there.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -57,6 +58,7 @@ from .tp import ColumnParallel, RowParallel, TPStyle, column_range, section_rang
 log = logging.getLogger(__name__)
 
 MAX_LISTED = 12  # keys listed per category in a LoRAError
+FINITE_CHECKED_FILES = 256  # LoRA file versions remembered as read and finite (admission reads each one once)
 LORA_FILE_SUFFIX = ".safetensors"
 PEFT_CONFIG_NAME = "adapter_config.json"  # PEFT writes alpha / rank here, not into the tensors
 DEFAULT_FILE_CACHE = 4  # parsed + sharded LoRA files kept per rank (device memory: the low-rank factors only)
@@ -362,9 +364,29 @@ def _header(path: Path) -> dict[str, HeaderEntry]:
 
 
 def check_lora_file(path: str | Path, targets: Mapping[str, LoRATarget], adaln_form: str = "mlp") -> int:
-    """Validate a LoRA file against the model from its header only (request time); returns the module count."""
+    """Validate a LoRA file against the model (request time): keys and shapes from its header, then every tensor
+    finite (read once per file version, see `_check_finite`). Returns the module count; raises LoRAError."""
     path = Path(path)
-    return len(_plan({k: e.shape for k, e in _header(path).items()}, targets, adaln_form, str(path)))
+    entries = _header(path)
+    n = len(_plan({k: e.shape for k, e in entries.items()}, targets, adaln_form, str(path)))
+    _check_finite(file_identity(path), path)
+    return n
+
+
+@functools.lru_cache(maxsize=FINITE_CHECKED_FILES)
+def _check_finite(ident: tuple[str, int, int], path: Path) -> None:
+    """Read every tensor of one LoRA file version ((path, mtime, size): a replaced file is read again) and refuse
+    a NaN or an Inf, naming the file and the key: such a factor would turn every output of the model into NaN. A
+    file that passed is remembered, so a LoRA used by every request is read once."""
+    entries = _header(path)
+    reader = TensorReader(entries)
+    try:
+        for key in entries:
+            reader.whole(key)
+    except CheckpointError as e:
+        raise LoRAError(f"LoRA {e.message}") from None
+    finally:
+        reader.close()
 
 
 def load_lora_file(path: str | Path, targets: Mapping[str, LoRATarget], adaln_form: str = "mlp") -> LoRAWeights:

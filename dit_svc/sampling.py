@@ -32,7 +32,9 @@ from typing import Callable, Literal
 
 import torch
 
+from stagekit.checkpoints import nonfinite_flag
 from stagekit.errors import Cancelled as _StageCancelled
+from stagekit.errors import Internal
 from stagekit.render_params import DEFAULT_STEPS, MAX_SEED, MAX_STEPS, MIN_STEPS, SAMPLERS, SCHEDULERS
 
 # ---- model-defined constants --------------------------------------------------------------------------------------
@@ -291,6 +293,10 @@ def sample(
     `should_stop()` is called before every model evaluation (a step boundary, on every rank; it may run a collective)
     and a True raises `Cancelled`. `on_step(done, total)` is called after every step with done = 1..total.
     Deterministic: no randomness, fixed fp32 arithmetic, one model call per step.
+
+    Latents that are not finite are never returned: each step records on the device whether its latents are all
+    finite (no host sync per step), and the end raises `Internal` (a server fault: weights or kernels) naming the
+    first step whose latents held a NaN or an Inf.
     """
     cfg.validate()
     for name, t in (("video_noise", video_noise), ("audio_noise", audio_noise)):
@@ -312,6 +318,7 @@ def sample(
     x = video_noise.to(torch.float32) * s0
     y = audio_noise.to(torch.float32) * s0
     d_x_prev = d_y_prev = None
+    finite = torch.ones(n, dtype=torch.bool, device=x.device)  # finite[i]: the latents after step i + 1
 
     for i in range(n):
         if should_stop is not None and should_stop():
@@ -335,7 +342,18 @@ def sample(
             y = cx * y + cd * d_y
         if cfg.sampler == "res_multistep":
             d_x_prev, d_y_prev = d_x, d_y
+        finite[i] = ~(nonfinite_flag(x) | nonfinite_flag(y))
         if on_step is not None:
             on_step(i + 1, n)
 
+    _check_finite_steps(finite)
     return x, y / k
+
+
+def _check_finite_steps(finite: torch.Tensor) -> None:
+    """One host sync for the whole run: raise `Internal` naming the first step whose latents were not finite."""
+    if bool(finite.all()):
+        return
+    step = int((~finite).nonzero()[0]) + 1
+    raise Internal(f"dit: the sampled latents hold NaN/Inf from step {step} of {finite.numel()} on (the model's "
+                   "output at that step was not finite); a server fault (its weights or kernels), nothing was sent")

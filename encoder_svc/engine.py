@@ -25,6 +25,7 @@ from stagekit.checkpoints import CheckpointError
 from stagekit.errors import FailedPrecondition
 from stagekit.media import EMBEDDED_IMAGE_SHORT_EDGE, IMAGE_SHORT_EDGE
 from stagekit.models import EMBEDDED_VERSION, resolve_checkpoint
+from stagekit.wire import check_result
 
 log = logging.getLogger("encoder_svc")
 
@@ -116,9 +117,11 @@ class EncoderEngine:
                 states, tags = self.model.encode_presentation(prompt, images, labels)
             except ValueError as e:
                 raise FailedPrecondition(str(e)) from None
-            states = states.cpu()
         else:
-            states = self.model.encode_ids(spec["ids"]).cpu()
+            states, tags = self.model.encode_ids(spec["ids"]), None
+        states = states.cpu()
+        check_result("encoder", "text_states", states, "token")  # never cached nor sent when not finite
+        if tags is None:
             self.cache.put(self.cache_key(spec["text"]), states)
             tags = torch.ones(states.shape[0], dtype=torch.int64)
         ctx.progress(1, 1)

@@ -19,6 +19,12 @@ class StageError(Exception):
         self.message = message
 
 
+class Internal(StageError):
+    """A server fault the stage detected itself: a result it must not pass on (NaN / Inf latents, states, frames)."""
+
+    code = grpc.StatusCode.INTERNAL
+
+
 class InvalidArgument(StageError, ValueError):
     code = grpc.StatusCode.INVALID_ARGUMENT
 

@@ -8,6 +8,7 @@ as real checkpoints. Its output is noise.
 from __future__ import annotations
 
 import fcntl
+import fnmatch
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -15,6 +16,7 @@ from pathlib import Path
 from stagekit.errors import FailedPrecondition
 
 EMBEDDED_VERSION = "embedded-v3"
+MAX_CANDIDATES_NAMED = 4
 EMBEDDED_NOTE = ("using the embedded tiny model: its output is noise. For real video, download the MiniMax-H3 "
                  "files and pass --models-dir DIR (see README 'Real checkpoints').")
 
@@ -40,29 +42,44 @@ def ensure_embedded(cache_dir: Path, filename: str, write: Callable[[Path], None
     return target
 
 
-def find_checkpoint(models_dir: str | Path, patterns: list[str], what: str) -> Path:
-    """First file under models_dir (recursively) matching one of `patterns`, in pattern order."""
+def find_checkpoint(models_dir: str | Path, patterns: list[str], what: str, exclude: tuple[str, ...] = (),
+                    flag: str = "--weights") -> Path:
+    """The one file (or diffusers folder) under models_dir (recursively) whose name matches one of `patterns` and
+    none of `exclude` (names of another stage's or another model's files: a ComfyUI folder keeps every stage's files
+    side by side under diffusion_models/, text_encoders/ and vae/). Two candidates are refused naming both and
+    `flag`: taking one of them silently could serve the wrong weights."""
     root = Path(models_dir).expanduser()
     if not root.is_dir():
         raise FailedPrecondition(f"models dir {root} does not exist or is not a directory")
+    found: dict[Path, Path] = {}  # real path -> path as found (a link and its target are one candidate)
     for pat in patterns:
-        hits = sorted(p for p in root.rglob(pat) if p.is_file() or p.is_dir())
-        if hits:
-            return hits[0]
+        for p in sorted(root.rglob(pat)):
+            if (p.is_file() or p.is_dir()) and not any(fnmatch.fnmatch(p.name, x) for x in exclude):
+                found.setdefault(p.resolve(), p)
+    hits = list(found.values())
+    if len(hits) > 1:
+        listed = ", ".join(str(p) for p in hits[:MAX_CANDIDATES_NAMED])
+        more = f" (+{len(hits) - MAX_CANDIDATES_NAMED} more)" if len(hits) > MAX_CANDIDATES_NAMED else ""
+        raise FailedPrecondition(f"{len(hits)} candidate {what}s under {root}: {listed}{more}; name the one to serve "
+                                 f"with {flag} (or keep one of them in the models dir)")
+    if hits:
+        return hits[0]
     raise FailedPrecondition(
-        f"no {what} found under {root}: looked for {', '.join(patterns)}; pass the file explicitly with --weights")
+        f"no {what} found under {root}: looked for {', '.join(patterns)}; pass the file explicitly with {flag}")
 
 
 def resolve_checkpoint(explicit: str, models_dir: str, patterns: list[str], what: str,
-                       embedded: Callable[[], Path]) -> tuple[Path, bool]:
-    """(path, is_embedded): an explicit --weights path, else a match under --models-dir, else the embedded model."""
+                       embedded: Callable[[], Path], exclude: tuple[str, ...] = (),
+                       flag: str = "--weights") -> tuple[Path, bool]:
+    """(path, is_embedded): an explicit `flag` path, else the one match under --models-dir, else the embedded
+    model."""
     if explicit:
         p = Path(explicit).expanduser()
         if not p.exists():
             raise FailedPrecondition(f"{what} weights {p} do not exist")
         return p, False
     if models_dir:
-        return find_checkpoint(models_dir, patterns, what), False
+        return find_checkpoint(models_dir, patterns, what, exclude, flag), False
     return embedded(), True
 
 

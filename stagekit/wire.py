@@ -18,6 +18,8 @@ import google_crc32c
 import torch
 
 from h3.v1 import tensor_pb2
+from stagekit.checkpoints import nonfinite_flag
+from stagekit.errors import Internal
 from stagekit.transport import MAX_CHUNK_BYTES
 
 # Wire names of the dtypes a stage may exchange. Explicit, so a new dtype is a
@@ -216,7 +218,21 @@ class TensorAssembler:
 
 
 def check_finite(name: str, t: torch.Tensor) -> None:
-    """Reject NaN/Inf before a stage spends time on it."""
+    """Reject NaN/Inf in a request's tensor before a stage spends time on it (the client's fault: WireError)."""
     if t.is_floating_point() and not bool(torch.isfinite(t).all()):
         bad = int((~torch.isfinite(t)).sum())
         raise WireError(f"tensor {name!r} contains {bad} NaN/Inf values")
+
+
+def check_result(stage: str, name: str, t: torch.Tensor, unit: str, axis: int = 0) -> None:
+    """A stage's own result must be finite before it is passed on: NaN / Inf there is the server's fault (its
+    weights or kernels), raised as `Internal` naming the stage, the tensor and the first bad `unit` (the index along
+    `axis`: a token, a frame, an audio channel). One host sync when the result is finite."""
+    flag = nonfinite_flag(t)
+    if flag is None or not bool(flag):
+        return
+    ok = torch.isfinite(t)
+    bad_at = (~ok).movedim(axis, 0).reshape(t.shape[axis], -1).any(dim=1)
+    first = int(bad_at.nonzero()[0])
+    raise Internal(f"{stage}: its result {name} holds {int((~ok).sum())} NaN/Inf value(s), first at {unit} {first} "
+                   f"of {t.shape[axis]}; a server fault (its weights or kernels), nothing was passed on")

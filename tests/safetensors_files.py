@@ -53,3 +53,17 @@ def edit_header(src: str | Path, dst: str | Path, edit) -> Path:
     header, body = read_raw_header(src)
     edit(header)
     return write_raw(dst, header, body)
+
+
+def rewrite_tensors(src: str | Path, dst: str | Path, edit) -> Path:
+    """Copy a safetensors file with `edit(tensors)` applied to its tensors (a dict, changed in place), the metadata
+    kept: how the tests make a file whose header is fine and whose data is not (a NaN, a zero std, a bad filter)."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    with safe_open(str(src), framework="pt") as f:
+        metadata = f.metadata()
+        tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 - safe_open has no iterator
+    edit(tensors)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(dst), metadata=metadata)
+    return Path(dst)
