@@ -140,25 +140,31 @@ class DecoderServicer(LifecycleMixin, decoder_pb2_grpc.DecoderServicer):
             return admit_keyframe(rgb, request.width, request.height)
         raise InvalidArgument("EncodeImageRequest needs `image` (PNG/JPEG bytes) or `pixels` (raw RGB)")
 
+    def _encode_job(self, job, context, event, names: tuple[str, ...], done):
+        """Stream an encode job (EncodeImage / EncodeReference): progress, the result's tensors `names` that it
+        holds, then `done(timing, payload)`."""
+        def on_event(ev):
+            if ev.kind == "progress":
+                yield event(progress=common_pb2.Progress(**ev.payload))
+                return
+            t0 = time.monotonic()
+            for name in names:
+                if name in ev.payload:
+                    for chunk in tensor_chunks(name, ev.payload[name]):
+                        yield event(tensor=chunk)
+            job.timing["transfer_s"] = time.monotonic() - t0
+            yield event(done=done(timing_pb(job.timing), ev.payload))
+
+        yield from stream_job(self.runtime, job, context, observed(self.runtime, job, on_event))
+
     def EncodeImage(self, request, context):
         keyframe = abort_on_error(context, self._read_image, request)
         job = Job(spec={"op": "encode_image", "width": request.width, "height": request.height}, inputs={},
                   prepare=lambda: {"image": keyframe.load()}, input_bytes=keyframe.decode_bytes)
         job.job_id = request.job_id or job.job_id
-
-        def on_event(ev):
-            if ev.kind == "progress":
-                yield decoder_pb2.EncodeImageEvent(progress=common_pb2.Progress(**ev.payload))
-                return
-            t0 = time.monotonic()
-            for chunk in tensor_chunks("latents", ev.payload["latents"]):
-                yield decoder_pb2.EncodeImageEvent(tensor=chunk)
-            job.timing["transfer_s"] = time.monotonic() - t0
-            yield decoder_pb2.EncodeImageEvent(done=decoder_pb2.EncodeImageDone(
-                timing=timing_pb(job.timing), width=request.width, height=request.height))
-
-        yield from stream_job(self.runtime, job, context, observed(self.runtime, job, on_event))
-
+        yield from self._encode_job(job, context, decoder_pb2.EncodeImageEvent, ("latents",),
+                                    lambda timing, _: decoder_pb2.EncodeImageDone(timing=timing, width=request.width,
+                                                                                  height=request.height))
 
     def EncodeReference(self, request, context):
         ref = request.reference
@@ -168,21 +174,8 @@ class DecoderServicer(LifecycleMixin, decoder_pb2_grpc.DecoderServicer):
                                                            self.engine.image_short_edge)},
                   input_bytes=reference_decode_bytes(ref.kind, request.frames))
         job.job_id = request.job_id or job.job_id
-
-        def on_event(ev):
-            if ev.kind == "progress":
-                yield decoder_pb2.EncodeReferenceEvent(progress=common_pb2.Progress(**ev.payload))
-                return
-            t0 = time.monotonic()
-            for name in ("video", "audio"):
-                if name in ev.payload:
-                    for chunk in tensor_chunks(name, ev.payload[name]):
-                        yield decoder_pb2.EncodeReferenceEvent(tensor=chunk)
-            job.timing["transfer_s"] = time.monotonic() - t0
-            yield decoder_pb2.EncodeReferenceEvent(done=decoder_pb2.EncodeReferenceDone(
-                timing=timing_pb(job.timing), **ev.payload["info"]))
-
-        yield from stream_job(self.runtime, job, context, observed(self.runtime, job, on_event))
+        yield from self._encode_job(job, context, decoder_pb2.EncodeReferenceEvent, ("video", "audio"),
+                                    lambda timing, out: decoder_pb2.EncodeReferenceDone(timing=timing, **out["info"]))
 
 
 def _remove_file(result: dict) -> None:
