@@ -23,6 +23,8 @@ import numpy as np
 import torch
 from transformers.models.qwen3_vl.configuration_qwen3_vl import Qwen3VLVisionConfig
 
+from stagekit.labels import VIDEO_NOT_PRESENTED
+
 # Qwen3-VL image-processor constants (preprocessor_config.json of the Qwen3-VL release).
 IMAGE_MEAN = (0.5, 0.5, 0.5)
 IMAGE_STD = (0.5, 0.5, 0.5)
@@ -153,8 +155,7 @@ def reference_parts(encode, references) -> tuple[list[list[int]], list[torch.Ten
             count["audio"] += 1
             pending += encode(AUDIO_LABEL.format(j=count["audio"]))
         if ref.kind == "video":
-            raise ValueError("video references in the conditioner's presentation are not supported yet: send the "
-                             "clip's frames as image references and its sound as an audio reference")
+            raise ValueError(VIDEO_NOT_PRESENTED)
         if ref.kind == "image":
             count["image"] += 1
             pending += encode(PICTURE_LABEL.format(i=count["image"]))

@@ -539,36 +539,41 @@ def test_dit_batch_runs_partition_by_partition():
 
 def test_render_service_keeps_reference_thumbnails_not_files(tmp_path):
     """Admission fills in each reference's thumbnail, size and duration; JobInfo shows them (no file bytes), and a
-    finished job's stored request drops the files but keeps what the web page shows."""
+    finished job's stored request drops the files but keeps what the web page shows. Video references are refused
+    at admission while the encoder cannot present them (their thumbnail: the first frame)."""
     from h3.v1 import common_pb2, render_pb2
-    from render_svc.service import check_request
+    from render_svc.service import check_request, describe_reference
     from render_svc.store import SUCCEEDED, JobStore
-    from stagekit.errors import InvalidArgument
+    from stagekit.errors import FailedPrecondition, InvalidArgument
     from stagekit.render_params import RenderSpec, spec_to_proto
 
     req = render_pb2.RenderRequest(references=[
         common_pb2.Reference(kind="image", data=media_png(300, 200), name="me.png"),
-        common_pb2.Reference(kind="video", data=media_mp4(n=30, fps=30), name="walk.mp4"),
         common_pb2.Reference(kind="audio", data=media_wav(0.5), name="voice.wav")])
-    spec_to_proto(RenderSpec(prompt="<Picture 1> walks like <Video 1> and talks like <Audio 2>", frames=FRAMES),
-                  req.params)
+    spec_to_proto(RenderSpec(prompt="<Picture 1> talks like <Audio 1>", frames=FRAMES), req.params)
     check_request(req)
-    image, video, audio = req.references
+    image, audio = req.references
     assert (image.width, image.height) == (300, 200) and image.thumbnail[:2] == b"\xff\xd8"  # a JPEG
-    assert (video.width, video.height) == (112, 64) and video.seconds == pytest.approx(1.0, abs=0.1)
     assert audio.seconds == pytest.approx(0.5, abs=0.01) and not audio.thumbnail
+    video = common_pb2.Reference(kind="video", data=media_mp4(n=30, fps=30), name="walk.mp4")
+    assert describe_reference(video, 0) is True  # it has a soundtrack: <Audio j> before its <Video k>
+    assert (video.width, video.height) == (112, 64) and video.seconds == pytest.approx(1.0, abs=0.1)
     store = JobStore(tmp_path)
     rec, _ = store.submit(req)
     info = store.get(rec.id).info()
-    assert [r.name for r in info.references] == ["me.png", "walk.mp4", "voice.wav"]
+    assert [r.name for r in info.references] == ["me.png", "voice.wav"]
     assert all(not r.data for r in info.references) and info.references[0].thumbnail == image.thumbnail
     store.start(rec.id, "keyframes")
     store.finish(rec.id, SUCCEEDED)
     stored = store.get(rec.id).request
-    assert all(not r.data for r in stored.references) and stored.references[1].thumbnail == video.thumbnail
+    assert all(not r.data for r in stored.references) and stored.references[0].thumbnail == image.thumbnail
     store.close()
     bad = render_pb2.RenderRequest()
     bad.CopyFrom(req)
-    bad.params.prompt = "<Picture 1> walks like <Video 1>"  # the voice (<Audio 2>) is never named
-    with pytest.raises(InvalidArgument, match="never names <Audio 2> \\(voice.wav\\)"):
+    bad.params.prompt = "<Picture 1> talks"  # the voice is never named
+    with pytest.raises(InvalidArgument, match="never names <Audio 1> \\(voice.wav\\)"):
+        check_request(bad)
+    bad.params.prompt = "<Picture 1> walks like <Video 1>"
+    bad.references.append(video)
+    with pytest.raises(FailedPrecondition, match="not shown to the text encoder"):
         check_request(bad)
