@@ -43,7 +43,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from scripts import bench_two_gpu as two  # noqa: E402  (the shared driver: weights, stack, renders, trace)
+from benchmarks import bench_two_gpu as two  # noqa: E402  (the shared driver: weights, stack, renders, trace)
 from stagekit import memtrace  # noqa: E402
 
 GIB = 2**30
@@ -215,6 +215,8 @@ def _sha(t) -> str:
 
 
 def dit_engine_bench(models: Path, cap_gb: float, tiny: bool) -> dict:
+    # As every stage process does before its first CUDA allocation (stagekit/stage.py): reserved tracks allocated.
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     import torch
 
     from dit_svc.engine import DiTEngine, DiTEngineConfig
@@ -306,14 +308,14 @@ def h2d_rate(nbytes: int, dev) -> dict:
 
 
 def tp2_rank_memory(dev, room_gib: float = 19.5) -> dict:
-    """One TP2 rank (half the heads and ffn, collectives elided: scripts/bench_dit.py memory mode's rank) at
+    """One TP2 rank (half the heads and ffn, collectives elided: benchmarks/bench_dit.py memory mode's rank) at
     1920x1088x362 with the engine's placement rule under `room_gib`: blocks up to the third streamed one run."""
     import torch
     import torch.nn as nn
 
     from dit_svc.config import DiTConfig
     from dit_svc.streaming import BlockStream, plan_placement
-    from scripts import bench_dit
+    from benchmarks import bench_dit
     from stagekit.kernels import default_attention_candidates
 
     cfg = DiTConfig.full(adaln_form="curve")

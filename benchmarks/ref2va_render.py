@@ -30,7 +30,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from scripts import bench_two_gpu as two  # noqa: E402  (weights, MP4 check, stage timings, safe NCCL env)
+from benchmarks import bench_two_gpu as two  # noqa: E402  (weights, MP4 check, stage timings, safe NCCL env)
 
 DIT_FILE = "minimax_h3_ref2va_pruned_int8_convrot.safetensors"
 DIT_SEED = 1  # another draw than the fl2va file's: the partitions differ in weights

@@ -209,6 +209,15 @@ class DecoderEngine:
         mods = [m for m in (self.video, self.audio, self.video_encoder, self.audio_encoder) if m is not None]
         return sum(p.numel() * p.element_size() for m in mods for p in m.parameters())
 
+    def weight_bytes(self) -> int:
+        """Device bytes of the decode path (the video VAE's decoder half in the weight dtype, the audio VAE without
+        its encoder in fp32) from the headers: what shared residency reserves for the first load."""
+        elem = torch.empty((), dtype=self.cfg.weight_dtype).element_size()
+        video = sum(math.prod(e.shape) for k, e in self.video_info.ckpt.tensors.items()
+                    if not k.startswith(("encoder.", "quant_conv.")))
+        audio = sum(math.prod(e.shape) for k, e in self.audio_info.ckpt.tensors.items() if not k.startswith("encoder."))
+        return video * elem + audio * 4
+
     def _audio_rank(self, n_units: int) -> int:
         n = self.group.world_size
         counts = [len(range(r, n_units, n)) for r in range(n)]

@@ -30,6 +30,8 @@ from typing import IO, Union
 
 import numpy as np
 
+from stagekit.errors import Internal, InvalidArgument
+
 AUDIO_SAMPLE_RATE = 32000
 AUDIO_CHANNELS = 2
 DEFAULT_FPS = 24
@@ -38,7 +40,7 @@ DEFAULT_PRESET = "veryfast"
 DEFAULT_AUDIO_BITRATE = 128_000
 DEFAULT_CHUNK_BYTES = 1 << 20
 
-_X264_PRESETS = (
+X264_PRESETS = (
     "ultrafast", "superfast", "veryfast", "faster", "fast", "medium", "slow", "slower", "veryslow", "placebo",
 )
 
@@ -62,18 +64,18 @@ RESIZERS: dict[str, Callable[[Iterator, int, int], Iterator]] = {"lanczos": lanc
 
 def check_upscale(width: int, height: int, out_width: int, out_height: int) -> None:
     """An output size for a `width` x `height` render: even sides (yuv420p), at most UHD, near the render's aspect.
-    Raises ValueError with the rule broken."""
+    Raises InvalidArgument with the rule broken."""
     if out_width <= 0 or out_height <= 0:
-        raise ValueError(f"upscale {out_width}x{out_height}: give both width and height (e.g. 1920x1080)")
+        raise InvalidArgument(f"upscale {out_width}x{out_height}: give both width and height (e.g. 1920x1080)")
     if out_width % 2 or out_height % 2:
-        raise ValueError(f"upscale {out_width}x{out_height}: H.264 yuv420p needs even width and height")
+        raise InvalidArgument(f"upscale {out_width}x{out_height}: H.264 yuv420p needs even width and height")
     if max(out_width, out_height) > MAX_OUTPUT_SIDE or out_width * out_height > MAX_OUTPUT_AREA:
-        raise ValueError(f"upscale {out_width}x{out_height} is beyond the largest output "
+        raise InvalidArgument(f"upscale {out_width}x{out_height} is beyond the largest output "
                          f"({MAX_OUTPUT_SIDE} per side, {MAX_OUTPUT_AREA} pixels, e.g. 3840x2160)")
     change = abs((out_width / out_height) / (width / height) - 1)
     if change > MAX_ASPECT_CHANGE:
         near = round(out_height * width / height / 2) * 2
-        raise ValueError(f"upscale {out_width}x{out_height} changes the {width}x{height} render's aspect by "
+        raise InvalidArgument(f"upscale {out_width}x{out_height} changes the {width}x{height} render's aspect by "
                          f"{change:.0%} (at most {MAX_ASPECT_CHANGE:.0%}); e.g. {near}x{out_height}")
 
 
@@ -230,7 +232,7 @@ def _encode(
         sent, n = 0, 0
         for i, frame in enumerate(frames):
             if (frame.width, frame.height) != (w, h):
-                raise RuntimeError(f"resizer {resizer!r} gave a {frame.width}x{frame.height} frame, not {w}x{h}")
+                raise Internal(f"resizer {resizer!r} gave a {frame.width}x{frame.height} frame, not {w}x{h}")
             frame.pts = i
             frame.time_base = Fraction(1, fps)
             container.mux(vs.encode(frame))
@@ -247,7 +249,7 @@ def _encode(
                     container.mux(astream.encode(aframe))
                     sent = upto
         if n != f:
-            raise RuntimeError(f"resizer {resizer!r} gave {n} frames for {f}")
+            raise Internal(f"resizer {resizer!r} gave {n} frames for {f}")
         container.mux(vs.encode(None))
         if astream is not None:
             container.mux(astream.encode(None))
@@ -255,11 +257,11 @@ def _encode(
 
 def _check_args(fps: int, crf: int, preset: str) -> None:
     if not isinstance(fps, int) or fps < 1:
-        raise ValueError(f"fps must be a positive integer, got {fps!r}")
+        raise InvalidArgument(f"fps must be a positive integer, got {fps!r}")
     if not 0 <= crf <= 51:
-        raise ValueError(f"crf must be in [0, 51] (x264), got {crf}")
-    if preset not in _X264_PRESETS:
-        raise ValueError(f"unknown x264 preset {preset!r}; choose one of {_X264_PRESETS}")
+        raise InvalidArgument(f"crf must be in [0, 51] (x264), got {crf}")
+    if preset not in X264_PRESETS:
+        raise InvalidArgument(f"unknown x264 preset {preset!r}; choose one of {X264_PRESETS}")
 
 
 def _encode_to_temp(
@@ -272,7 +274,7 @@ def _encode_to_temp(
     if h % 2 or w % 2:
         raise ValueError(f"yuv420p needs even width and height, got {w}x{h}")
     if resizer not in RESIZERS:
-        raise ValueError(f"unknown resizer {resizer!r}; one of {sorted(RESIZERS)}")
+        raise InvalidArgument(f"unknown resizer {resizer!r}; one of {sorted(RESIZERS)}")
     n_audio = round(f * AUDIO_SAMPLE_RATE / fps) if match_audio else None
     pcm = None if audio is None else _prepare_audio(audio, n_audio)
     fd, tmp = tempfile.mkstemp(prefix=".mux-", suffix=".mp4.tmp", dir=tmp_dir)

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from decoder_svc.engine import DecoderEngine, DecoderEngineConfig, check_latents, expected_shapes
-from decoder_svc.mux import check_upscale
+from decoder_svc.mux import X264_PRESETS, check_upscale
 from h3.v1 import common_pb2, decoder_pb2, decoder_pb2_grpc
 from stagekit.config import parse_config
 from stagekit.errors import InvalidArgument
@@ -37,8 +37,9 @@ class DecoderConfigArgs(CommonConfig):
     port: int = field(default=50053, metadata={"help": "gRPC port"})
     video_weights: str = field(default="", metadata={"help": "video VAE file (overrides --models-dir)"})
     audio_weights: str = field(default="", metadata={"help": "audio VAE file (overrides --models-dir)"})
-    preset: str = field(default="", metadata={"help": "x264 preset, ultrafast..veryslow (default: veryfast; "
-                                                        "ultrafast for the embedded model, whose output is noise)"})
+    preset: str = field(default="", metadata={"choices": ("", *X264_PRESETS),
+                                              "help": "x264 preset, ultrafast..veryslow (default: veryfast; "
+                                                      "ultrafast for the embedded model, whose output is noise)"})
 
 
 class DecoderServicer(LifecycleMixin, decoder_pb2_grpc.DecoderServicer):

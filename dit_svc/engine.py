@@ -11,7 +11,7 @@ import hashlib
 import logging
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -32,6 +32,7 @@ from dit_svc.tiny_checkpoint import write_tiny_checkpoint
 from dit_svc.sp import ParallelGroups, make_groups, validate_parallel
 from dit_svc.tp import param_style
 from stagekit.compile_cache import enable_compile_cache
+from stagekit.device_worker import run_in_child
 from stagekit.dist import RankGroup
 from stagekit.runtime import release_device_memory
 from stagekit.errors import FailedPrecondition, InvalidArgument
@@ -111,6 +112,8 @@ class DiTEngineConfig:
                                  # ("" = decide from them, refuse when they cannot tell; docs/references.md)
     memory_limit_bytes: int = 0  # what one rank may hold on its device (the stage's memory budget; 0 = no limit)
     memory_cap_bytes: int = 0    # the card size all processes on the GPU are held to (--gpu-memory-cap-gb; 0 = the card)
+    kernels: KernelSelection | None = None  # GPU kernels already chosen (the stage's start-up probe, handed to its
+                                            # device worker); None = probe
 
 
 def resolve_weights(cfg: DiTEngineConfig) -> tuple[dict[str, Path | None], bool]:
@@ -186,10 +189,11 @@ class DiTEngine:
         self.chunk_rows = resolve_chunk_rows(cfg.chunk_rows, cfg.compile_blocks and cfg.device.startswith("cuda"),
                                              self.parallel.tp_size)
         log.info("row chunk: %d rows%s", self.chunk_rows, "" if cfg.chunk_rows else " (default for this mode)")
-        if cfg.compile_cache_dir is not None and cfg.device.startswith("cuda"):
-            # Before the kernel probe: fp8 attention compiles its quantisation there.
-            log.info("torch.compile cache: %s", enable_compile_cache(cfg.compile_cache_dir, cfg.device))
-        self.kernels = self._select_kernels()  # measured at start-up, before any job, so Status shows it
+        # Measured at start-up, before any job, so Status shows it (and a forced kernel that cannot run fails the
+        # start); a device worker builds its engine from `self.cfg`, which carries the choice.
+        self.kernels = cfg.kernels if cfg.kernels is not None else self._select_kernels()
+        self.cfg = replace(cfg, kernels=self.kernels)
+        self._compile_cache_on = False
         self.model: H3DiT | None = None
         self.stream: BlockStream | None = None  # where the loaded blocks live, job by job (dit_svc/streaming.py)
         self.placement: Placement | None = None  # the last job's
@@ -227,9 +231,13 @@ class DiTEngine:
             if (cfg.linear_kernel, cfg.attention_kernel) != (AUTO, AUTO):
                 raise FailedPrecondition("--linear-kernel/--attention-kernel choose GPU kernels; on CPU leave them auto")
             return None
-        return select_kernels(cfg.device, KernelConfig(linear_kernel=cfg.linear_kernel,
-                                                        attention_kernel=cfg.attention_kernel,
-                                                        compute_dtype=cfg.compute_dtype))
+        return run_in_child(_probe_kernels, cfg)  # the stage process itself never holds a CUDA context
+
+    def _enable_compile_cache(self) -> None:
+        """In the process that compiles (the device worker), before its first compilation."""
+        if not self._compile_cache_on and self.cfg.compile_cache_dir is not None and self.cfg.device.startswith("cuda"):
+            log.info("torch.compile cache: %s", enable_compile_cache(self.cfg.compile_cache_dir, self.cfg.device))
+            self._compile_cache_on = True
 
     def kernel_rows(self) -> list[tuple[str, str, str]]:
         return self._kernel_rows() + [self._placement_row()]
@@ -259,6 +267,7 @@ class DiTEngine:
     def load(self) -> None:
         if self.model is not None:
             return
+        self._enable_compile_cache()
         t0 = time.monotonic()
         cfg, dev = self.cfg, self.cfg.device
         quant_mode = "kernel" if self.kernels is not None else cfg.int8_mode  # GPU: the registry decides per linear
@@ -557,10 +566,26 @@ class DiTEngine:
         room = min(total, self.cfg.memory_cap_bytes or total) - outside - CUDA_ROOM_MARGIN
         return room if limit is None else min(room, limit)
 
+    def worker_state(self) -> Placement | None:
+        """What Status shows of the last job (its block placement), handed by a device worker to its stage process
+        after each job (stagekit/device_worker.py)."""
+        return self.placement
+
+    def set_worker_state(self, placement: Placement | None) -> None:
+        self.placement = placement
+
     def describe(self) -> dict:
         return {"weights": str(self.path), "variant": self.variant,
                 "partitions": {p: str(i.path) for p, i in self.partitions.items()}, "embedded_model": self.embedded,
                 "devices": [self.cfg.device], "kernels": self.kernel_rows()}
+
+
+def _probe_kernels(cfg: DiTEngineConfig) -> KernelSelection:
+    """The start-up kernel probe (stagekit.kernels.select_kernels), run in a short-lived child process."""
+    if cfg.compile_cache_dir is not None:  # before the probe: fp8 attention compiles its quantisation there
+        log.info("torch.compile cache: %s", enable_compile_cache(cfg.compile_cache_dir, cfg.device))
+    return select_kernels(cfg.device, KernelConfig(linear_kernel=cfg.linear_kernel, attention_kernel=cfg.attention_kernel,
+                                                   compute_dtype=cfg.compute_dtype))
 
 
 def _sha256(t: torch.Tensor) -> str:

@@ -17,6 +17,8 @@ from typing import Callable, Mapping, Sequence
 
 import torch
 
+from stagekit.errors import InvalidArgument
+
 from .layout import KEYFRAME_ANCHORS, PackedLayout, patchify_video
 
 # Conditioning-noise level of keyframe latents: diffusers' `keyframe_noise_aug`, ComfyUI's 0.999 mix.
@@ -35,25 +37,25 @@ def check_keyframe(name: str, t: torch.Tensor, channels: int, latent_h: int, lat
     """Raises ValueError naming the expected shape (the servers map it to INVALID_ARGUMENT)."""
     want = (channels, 1, latent_h, latent_w)
     if tuple(t.shape) != want:
-        raise ValueError(f"{name} has shape {list(t.shape)}, but this render's canvas needs {list(want)} (one "
+        raise InvalidArgument(f"{name} has shape {list(t.shape)}, but this render's canvas needs {list(want)} (one "
                          f"normalised VAE latent frame of the {latent_w * 16}x{latent_h * 16} canvas; encode the image "
                          "with the decoder's EncodeImage at the render size)")
     if not t.is_floating_point():
-        raise ValueError(f"{name} must be a float tensor, got {t.dtype}")
+        raise InvalidArgument(f"{name} must be a float tensor, got {t.dtype}")
     if not torch.isfinite(t).all():
-        raise ValueError(f"{name} contains NaN/Inf")
+        raise InvalidArgument(f"{name} contains NaN/Inf")
 
 
 def check_text_tags(tags: torch.Tensor, text_len: int, text_tag: int, video_tag: int) -> torch.Tensor:
     """[L] integer tags, each the text or the video tag. Returns them as int64."""
     if tuple(tags.shape) != (text_len,):
-        raise ValueError(f"text_tags has shape {list(tags.shape)}, expected [{text_len}] (one tag per text_states row)")
+        raise InvalidArgument(f"text_tags has shape {list(tags.shape)}, expected [{text_len}] (one tag per text_states row)")
     if tags.is_floating_point() or tags.dtype == torch.bool:
-        raise ValueError(f"text_tags must be an integer tensor, got {tags.dtype}")
+        raise InvalidArgument(f"text_tags must be an integer tensor, got {tags.dtype}")
     tags = tags.to(torch.int64)
     bad = ~((tags == text_tag) | (tags == video_tag))
     if bad.any():
-        raise ValueError(f"text_tags may only hold {text_tag} (text) or {video_tag} (vision block); "
+        raise InvalidArgument(f"text_tags may only hold {text_tag} (text) or {video_tag} (vision block); "
                          f"found {sorted(set(tags[bad].tolist()))[:5]}")
     return tags
 
@@ -76,8 +78,8 @@ def conditioned_denoise(model: Callable, text: torch.Tensor, layout: PackedLayou
     n_cond, n_ref = layout.num_cond_rows, layout.num_ref_audio_rows
     for name, rows, want in (("conditioning", cond, n_cond), ("reference audio", ref_audio, n_ref)):
         if (0 if rows is None else rows.shape[0]) != want:
-            raise ValueError(f"layout reserves {want} {name} rows but {0 if rows is None else rows.shape[0]} "
-                             "were given")
+            raise InvalidArgument(f"layout reserves {want} {name} rows but {0 if rows is None else rows.shape[0]} "
+                                  "were given")
 
     def denoise(xv, xa, tv, ta):
         if n_cond:

@@ -19,6 +19,8 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from stagekit.errors import InvalidArgument
+
 from .config import TAG_AUDIO, TAG_TEXT, TAG_VIDEO, DiTConfig
 
 # ---- request geometry constants (docs/model.md §3) -------------------------------------------------------------
@@ -65,7 +67,7 @@ class LatentShape:
 def snap_frames(frames: int) -> int:
     """Smallest valid frame count (17n + 5) >= frames."""
     if frames < 1:
-        raise ValueError(f"frames must be >= 1, got {frames}")
+        raise InvalidArgument(f"frames must be >= 1, got {frames}")
     n = max(0, -(-(frames - VAE_LATENTS_PER_CHUNK) // VAE_FRAMES_PER_CHUNK))
     return VAE_FRAMES_PER_CHUNK * n + VAE_LATENTS_PER_CHUNK
 
@@ -73,7 +75,7 @@ def snap_frames(frames: int) -> int:
 def video_latent_frames(frames: int) -> int:
     """T = 5n + 2 for F = 17n + 5."""
     if frames < VAE_LATENTS_PER_CHUNK or frames % VAE_FRAMES_PER_CHUNK != VAE_LATENTS_PER_CHUNK:
-        raise ValueError(
+        raise InvalidArgument(
             f"frames must be of the form 17*n + 5 (e.g. 124, 141, 362), got {frames}; snap_frames({frames}) = "
             f"{snap_frames(frames)}"
         )
@@ -89,7 +91,7 @@ def latent_shape(cfg: DiTConfig, frames: int, height: int, width: int) -> Latent
     _, ph, pw = cfg.patch
     for name, value, p in (("height", height, ph), ("width", width, pw)):
         if value <= 0 or value % (VAE_SPATIAL * p):
-            raise ValueError(f"{name} must be a positive multiple of {VAE_SPATIAL * p} pixels, got {value}")
+            raise InvalidArgument(f"{name} must be a positive multiple of {VAE_SPATIAL * p} pixels, got {value}")
     return LatentShape(
         frames=frames,
         latent_frames=video_latent_frames(frames),
@@ -107,14 +109,14 @@ def patchify_video(latents: torch.Tensor, patch: Sequence[int]) -> torch.Tensor:
     the row vector index is c*pt*ph*pw + it*ph*pw + ih*pw + iw."""
     if latents.ndim == 5:
         if latents.shape[0] != 1:
-            raise ValueError(f"patchify_video takes one item, got batch {latents.shape[0]}")
+            raise InvalidArgument(f"patchify_video takes one item, got batch {latents.shape[0]}")
         latents = latents[0]
     if latents.ndim != 4:
-        raise ValueError(f"video latents must be [C, T, H, W], got shape {tuple(latents.shape)}")
+        raise InvalidArgument(f"video latents must be [C, T, H, W], got shape {tuple(latents.shape)}")
     pt, ph, pw = patch
     c, t, h, w = latents.shape
     if t % pt or h % ph or w % pw:
-        raise ValueError(f"video latents {tuple(latents.shape)} are not divisible by the patch {tuple(patch)}")
+        raise InvalidArgument(f"video latents {tuple(latents.shape)} are not divisible by the patch {tuple(patch)}")
     x = latents.reshape(c, t // pt, pt, h // ph, ph, w // pw, pw)
     x = x.permute(1, 3, 5, 0, 2, 4, 6)
     return x.reshape(-1, c * pt * ph * pw).contiguous()
@@ -138,7 +140,7 @@ def unpatchify_video(rows: torch.Tensor, patch: Sequence[int], channels: int, fr
 def patchify_audio(latents: torch.Tensor) -> torch.Tensor:
     """[2, C, Ta] (one mono VAE item per stereo channel) -> channel-major rows [2*Ta, C]."""
     if latents.ndim != 3:
-        raise ValueError(f"audio latents must be [channels, C, Ta], got shape {tuple(latents.shape)}")
+        raise InvalidArgument(f"audio latents must be [channels, C, Ta], got shape {tuple(latents.shape)}")
     return latents.transpose(1, 2).reshape(-1, latents.shape[1]).contiguous()
 
 
@@ -253,16 +255,16 @@ class ReferenceBlock:
 
     def __post_init__(self):
         if self.kind not in REFERENCE_KINDS:
-            raise ValueError(f"a reference is one of {REFERENCE_KINDS}, got {self.kind!r}")
+            raise InvalidArgument(f"a reference is one of {REFERENCE_KINDS}, got {self.kind!r}")
         visual = (self.latent_frames, self.latent_height, self.latent_width)
         if self.kind == "audio":
             if any(visual) or self.audio_latents < 1:
-                raise ValueError(f"an audio reference has audio latents only (>= 1), got {self}")
+                raise InvalidArgument(f"an audio reference has audio latents only (>= 1), got {self}")
             return
         if min(visual) < 1 or self.audio_latents < 0:
-            raise ValueError(f"a {self.kind} reference needs positive latent dimensions, got {self}")
+            raise InvalidArgument(f"a {self.kind} reference needs positive latent dimensions, got {self}")
         if self.kind == "image" and (self.latent_frames != 1 or self.audio_latents):
-            raise ValueError(f"an image reference is one latent frame without audio, got {self}")
+            raise InvalidArgument(f"an image reference is one latent frame without audio, got {self}")
 
     @property
     def has_audio(self) -> bool:
@@ -302,9 +304,9 @@ def _video_span(latent_frames: int) -> float:
 
 def _check_text(text_len: int, text_tags: torch.Tensor | None) -> None:
     if text_len < 0:
-        raise ValueError(f"text_len must be >= 0, got {text_len}")
+        raise InvalidArgument(f"text_len must be >= 0, got {text_len}")
     if text_tags is not None and tuple(text_tags.shape) != (text_len,):
-        raise ValueError(f"text_tags must have shape ({text_len},), got {tuple(text_tags.shape)}")
+        raise InvalidArgument(f"text_tags must have shape ({text_len},), got {tuple(text_tags.shape)}")
 
 
 def _target(cfg: DiTConfig, frames: int, height: int, width: int) -> tuple[LatentShape, int]:
@@ -332,7 +334,7 @@ def build_layout(
     """
     keyframes = tuple(keyframes)
     if len(keyframes) > 2 or any(k not in KEYFRAME_ANCHORS for k in keyframes):
-        raise ValueError(f"keyframes must be up to two of {KEYFRAME_ANCHORS}, got {keyframes!r}")
+        raise InvalidArgument(f"keyframes must be up to two of {KEYFRAME_ANCHORS}, got {keyframes!r}")
     _check_text(text_len, text_tags)
     shp, rpf = _target(cfg, frames, height, width)
     _, ph, pw = cfg.patch
@@ -385,15 +387,15 @@ def build_ref2va_layout(
     """
     references = tuple(references)
     if not references:
-        raise ValueError("a ref2va layout needs at least one reference")
+        raise InvalidArgument("a ref2va layout needs at least one reference")
     if all(r.kind == "audio" for r in references):
-        raise ValueError("audio references need at least one image or video reference beside them")
+        raise InvalidArgument("audio references need at least one image or video reference beside them")
     _check_text(text_len, text_tags)
     shp, rpf = _target(cfg, frames, height, width)
     _, ph, pw = cfg.patch
     for i, r in enumerate(references):
         if r.kind != "audio" and (r.latent_height % ph or r.latent_width % pw):
-            raise ValueError(f"reference {i + 1}: latent {r.latent_height}x{r.latent_width} is not divisible by "
+            raise InvalidArgument(f"reference {i + 1}: latent {r.latent_height}x{r.latent_width} is not divisible by "
                              f"the patch {ph}x{pw}")
     t_lat, ta = shp.latent_frames, shp.audio_latents
     target_hw, target_w = _frame_grid(shp.latent_height, shp.latent_width, ph, pw)

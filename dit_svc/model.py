@@ -296,7 +296,7 @@ class Block(nn.Module):
         """norm(x) * (1 + scale[r]) + shift[r] in fp32, emitted for the next linear `into`: in the compute dtype, or,
         when `into` takes fp8 rows (an fp8 linear) in an eager block on a GPU, as Fp8Rows from one fused Triton
         kernel (stagekit/fp8_rows.py: the same math as the linear quantising the bf16 rows itself). A compiled
-        block leaves it to Inductor, whose fusion of these ops is as fast (docs/performance.md, issue 18)."""
+        block leaves it to Inductor, whose fusion of these ops is as fast (docs/performance.md)."""
         if (getattr(into, "accepts_fp8_rows", False) and x.is_cuda and self.compute_dtype == torch.bfloat16
                 and not torch.compiler.is_compiling()):
             return fp8_rows.modulate_fp8(x, norm.weight, norm.eps, shift, scale, r)

@@ -20,6 +20,8 @@ from typing import Mapping
 
 import torch
 
+from stagekit.errors import InvalidArgument
+
 from .layout import AUDIO_CHANNELS, ReferenceBlock, patchify_audio
 
 # The limits MiniMax-H3 documents for the released ref2va checkpoint (diffusers enforces the same).
@@ -59,20 +61,20 @@ class References:
 def _check_tensor(name: str, t: torch.Tensor, rank: int, lead: tuple[int, ...]) -> None:
     if t.ndim != rank or tuple(t.shape[:len(lead)]) != lead or min(t.shape) < 1:
         want = list(lead) + ["*"] * (rank - len(lead))
-        raise ValueError(f"{name} has shape {list(t.shape)}, expected {want} with every dimension >= 1")
+        raise InvalidArgument(f"{name} has shape {list(t.shape)}, expected {want} with every dimension >= 1")
     if not t.is_floating_point():
-        raise ValueError(f"{name} must be a float tensor, got {t.dtype}")
+        raise InvalidArgument(f"{name} must be a float tensor, got {t.dtype}")
     if not torch.isfinite(t).all():
-        raise ValueError(f"{name} contains NaN/Inf")
+        raise InvalidArgument(f"{name} contains NaN/Inf")
 
 
 def parse_references(inputs: Mapping[str, torch.Tensor], latent_channels: int, audio_channels: int,
                      patch: tuple[int, int, int]) -> References:
-    """Reads `ref_{i}_*` tensors into References; raises ValueError naming the tensor (INVALID_ARGUMENT)."""
+    """Reads `ref_{i}_*` tensors into References; raises InvalidArgument naming the tensor."""
     names = [n for n in inputs if n.startswith("ref_")]
     unknown = sorted(set(names) - set(REF_TENSOR_NAMES))
     if unknown:
-        raise ValueError(f"unknown reference tensor {unknown[0]!r}; reference i (0-based, at most {MAX_REFERENCES}) "
+        raise InvalidArgument(f"unknown reference tensor {unknown[0]!r}; reference i (0-based, at most {MAX_REFERENCES}) "
                          f"is ref_<i>_image, ref_<i>_video and/or ref_<i>_audio")
     count = 1 + max(int(n.split("_")[1]) for n in names) if names else 0
     blocks, visual, audio = [], [], []
@@ -80,9 +82,9 @@ def parse_references(inputs: Mapping[str, torch.Tensor], latent_channels: int, a
     for i in range(count):
         image, video, sound = (inputs.get(ref_tensor(i, p)) for p in REF_PARTS)
         if image is None and video is None and sound is None:
-            raise ValueError(f"reference {i} is missing: references are numbered 0..{count - 1} without gaps")
+            raise InvalidArgument(f"reference {i} is missing: references are numbered 0..{count - 1} without gaps")
         if image is not None and (video is not None or sound is not None):
-            raise ValueError(f"reference {i}: an image reference carries {ref_tensor(i, 'image')} alone")
+            raise InvalidArgument(f"reference {i}: an image reference carries {ref_tensor(i, 'image')} alone")
         if sound is not None:
             _check_tensor(ref_tensor(i, "audio"), sound, 3, (AUDIO_CHANNELS, audio_channels))
             audio.append(sound.float())
@@ -92,7 +94,7 @@ def parse_references(inputs: Mapping[str, torch.Tensor], latent_channels: int, a
             name = ref_tensor(i, part)
             _check_tensor(name, t, 4, (latent_channels, 1) if part == "image" else (latent_channels,))
             if t.shape[2] % ph or t.shape[3] % pw:
-                raise ValueError(f"{name} has latent size {t.shape[2]}x{t.shape[3]}, which the DiT's {ph}x{pw} "
+                raise InvalidArgument(f"{name} has latent size {t.shape[2]}x{t.shape[3]}, which the DiT's {ph}x{pw} "
                                  "patch does not divide (encode at a multiple of 32 pixels)")
             visual.append(t.float())
         kind = "image" if image is not None else "video" if video is not None else "audio"
@@ -101,7 +103,7 @@ def parse_references(inputs: Mapping[str, torch.Tensor], latent_channels: int, a
     kinds = [b.kind for b in blocks]
     for kind, limit in (("image", MAX_IMAGES), ("video", MAX_VIDEOS), ("audio", MAX_AUDIOS)):
         if kinds.count(kind) > limit:
-            raise ValueError(f"MiniMax-H3 takes at most {limit} {kind} references, got {kinds.count(kind)}")
+            raise InvalidArgument(f"MiniMax-H3 takes at most {limit} {kind} references, got {kinds.count(kind)}")
     if blocks and set(kinds) == {"audio"}:
-        raise ValueError("audio references need at least one image or video reference beside them")
+        raise InvalidArgument("audio references need at least one image or video reference beside them")
     return References(tuple(blocks), tuple(visual), tuple(audio))

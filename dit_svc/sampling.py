@@ -34,7 +34,7 @@ import torch
 
 from stagekit.checkpoints import nonfinite_flag
 from stagekit.errors import Cancelled as _StageCancelled
-from stagekit.errors import Internal
+from stagekit.errors import Internal, InvalidArgument
 from stagekit.render_params import DEFAULT_STEPS, MAX_SEED, MAX_STEPS, MIN_STEPS, SAMPLERS, SCHEDULERS
 
 # ---- model-defined constants --------------------------------------------------------------------------------------
@@ -79,14 +79,14 @@ def audio_sigma_from_video(sigma_v, s_v: float = VIDEO_SHIFT, s_a: float = AUDIO
 
 def _check_shift(shift: float, name: str = "shift") -> None:
     if isinstance(shift, bool) or not isinstance(shift, (int, float)) or not math.isfinite(shift) or shift <= 0:
-        raise ValueError(f"{name} must be a finite number > 0 (model default {VIDEO_SHIFT} video / "
+        raise InvalidArgument(f"{name} must be a finite number > 0 (model default {VIDEO_SHIFT} video / "
                          f"{AUDIO_SHIFT} audio), got {shift!r}")
 
 
 def _check_int(value, name: str, lo: int, hi: int | None = None) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < lo or (hi is not None and value > hi):
         rng = f"{lo}..{hi}" if hi is not None else f">= {lo}"
-        raise ValueError(f"{name} must be an integer in {rng}, got {value!r}")
+        raise InvalidArgument(f"{name} must be an integer in {rng}, got {value!r}")
 
 
 def _simple_base(steps: int) -> torch.Tensor:
@@ -138,9 +138,9 @@ class SamplerConfig:
 
     def validate(self) -> "SamplerConfig":
         if self.sampler not in SAMPLERS:
-            raise ValueError(f"unknown sampler {self.sampler!r}; valid samplers: {', '.join(SAMPLERS)}")
+            raise InvalidArgument(f"unknown sampler {self.sampler!r}; valid samplers: {', '.join(SAMPLERS)}")
         if self.scheduler not in SCHEDULERS:
-            raise ValueError(f"unknown scheduler {self.scheduler!r}; valid schedulers: {', '.join(SCHEDULERS)}")
+            raise InvalidArgument(f"unknown scheduler {self.scheduler!r}; valid schedulers: {', '.join(SCHEDULERS)}")
         _check_int(self.steps, "steps", MIN_STEPS, MAX_STEPS)
         _check_shift(self.video_shift, "video_shift")
         _check_shift(self.audio_shift, "audio_shift")
@@ -231,9 +231,9 @@ def _check_shape(shape, name: str) -> tuple[int, ...]:
     try:
         shape = tuple(shape)
     except TypeError:
-        raise ValueError(f"{name} must be a sequence of positive ints, got {shape!r}") from None
+        raise InvalidArgument(f"{name} must be a sequence of positive ints, got {shape!r}") from None
     if not shape or any(isinstance(d, bool) or not isinstance(d, int) or d <= 0 for d in shape):
-        raise ValueError(f"{name} must be a non-empty sequence of positive ints, got {shape!r}")
+        raise InvalidArgument(f"{name} must be a non-empty sequence of positive ints, got {shape!r}")
     return shape
 
 
@@ -301,10 +301,10 @@ def sample(
     cfg.validate()
     for name, t in (("video_noise", video_noise), ("audio_noise", audio_noise)):
         if not isinstance(t, torch.Tensor) or not t.is_floating_point():
-            raise ValueError(f"{name} must be a floating-point tensor, got {type(t).__name__}"
+            raise InvalidArgument(f"{name} must be a floating-point tensor, got {type(t).__name__}"
                              f"{'' if not isinstance(t, torch.Tensor) else ' of ' + str(t.dtype)}")
     if video_noise.device != audio_noise.device:
-        raise ValueError(f"video_noise is on {video_noise.device} but audio_noise on {audio_noise.device}; "
+        raise InvalidArgument(f"video_noise is on {video_noise.device} but audio_noise on {audio_noise.device}; "
                          "put both on the device the model runs on")
 
     sigma_v, sigma_a = schedule(cfg)

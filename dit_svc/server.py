@@ -5,8 +5,10 @@ from __future__ import annotations
 import os
 import sys
 import time
+import typing
 from dataclasses import dataclass, field
 
+from dit_svc.checkpoint import QKVLayout
 from dit_svc.engine import DiTEngine, DiTEngineConfig
 from dit_svc.keyframes import KEYFRAME_TENSORS, TEXT_TAGS_TENSOR
 from dit_svc.references import REF_PARTS, ref_tensor, MAX_REFERENCES
@@ -14,7 +16,9 @@ from h3.v1 import dit_pb2, dit_pb2_grpc, common_pb2
 from stagekit.budget import GIB, resolve_budget_bytes
 from stagekit.config import parse_config
 from stagekit.errors import InvalidArgument
+from stagekit.kernels import AUTO, default_attention_candidates, default_linear_candidates
 from stagekit.metrics import observed
+from stagekit.quant import Int8Mode
 from stagekit.render_params import spec_from_proto, validate
 from stagekit.runtime import Job
 from stagekit.server import abort_on_error, stream_job
@@ -31,10 +35,11 @@ INT_DTYPES = ("int64", "int32", "int16", "int8", "uint8")
 @dataclass
 class DiTConfigArgs(CommonConfig):
     port: int = field(default=50052, metadata={"help": "gRPC port"})
-    int8_mode: str = field(default="kernel", metadata={"help": "CPU int8 linears: kernel (comfy-kitchen eager) | dequant"})
-    linear_kernel: str = field(default="auto", metadata={
+    int8_mode: str = field(default="kernel", metadata={
+        "choices": typing.get_args(Int8Mode), "help": "CPU int8 linears: kernel (comfy-kitchen eager) | dequant"})
+    linear_kernel: str = field(default="auto", metadata={"choices": (AUTO, *default_linear_candidates()),
         "help": "GPU block linears: auto (measured start-up probe) | int8 | fp8 | bf16 | fp16 | fp32"})
-    attention_kernel: str = field(default="auto", metadata={
+    attention_kernel: str = field(default="auto", metadata={"choices": (AUTO, *default_attention_candidates()),
         "help": "GPU attention: auto | cudnn | flash | efficient | math | int8 | fp8 (cuDNN fp8, nvidia-cudnn-frontend)"})
     compile_blocks: bool = field(default=False, metadata={"help": "torch.compile each DiT block (GPU; compiles per shape)"})
     compile_cache: bool = field(default=True, metadata={
@@ -46,7 +51,7 @@ class DiTConfigArgs(CommonConfig):
                 "--compile-blocks 65536 on one TP rank and 16384 on several"})
     loras_dir: str = field(default="", metadata={"help": "LoRAs requested by file name (default <models_dir>/loras)"})
     allow_lora_paths: bool = field(default=False, metadata={"help": "also accept absolute LoRA paths in requests"})
-    qkv_layout: str = field(default="", metadata={
+    qkv_layout: str = field(default="", metadata={"choices": ("", *typing.get_args(QKVLayout)),
         "help": "q/k/v row order of the weights when the files do not show it: stacked (ComfyUI repacks) | "
                 "interleaved (MiniMax release shards); default: decided from the files, refused if they cannot tell"})
     partition: str = field(default="", metadata={

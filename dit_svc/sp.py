@@ -3,7 +3,7 @@
 Layout of `world = tp x sp` ranks: rank = sp_index * tp + tp_index, so the ranks of one TP group are neighbours
 (TP moves the most bytes: two all-reduces of [rows, hidden] per block). Each SP group shares one TP shard.
 
-What an SP rank does (docs/performance.md, "Sequence parallelism"):
+What an SP rank does (docs/kernels.md, "Sequence parallelism"):
   * It holds its TP shard of the weights (all of them when tp = 1) and runs the DiT blocks on its own contiguous
     share of the packed rows (`SeqShards`: sizes differ by at most one row; no padding, so attention never sees a
     padding key). Embeddings, the token refiner (text only) and the AdaLN inputs are computed on every rank.

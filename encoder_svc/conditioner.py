@@ -5,7 +5,7 @@ Facts (docs/model.md §6): the DiT is conditioned on ``hidden_states[50]`` of
 *before* the final RMSNorm, 5120-d, batch 1, no chat template, no special tokens, no padding.
 
 The decoder layers, rotary embedding and embedding table are transformers' own Qwen3-VL modules
-(the lead's call for this stage: the model is stock Qwen3-VL, so we own only loading and glue).
+(the model is stock Qwen3-VL, so we own only loading and glue).
 We build ``Qwen3VLTextModel`` with ``num_hidden_layers = 50`` but do NOT call its ``forward``:
 
 - its ``forward`` always applies ``self.norm`` to the last layer's output, and its
@@ -42,6 +42,7 @@ from encoder_svc.tokenizer import TextTokenizer, validate_prompt
 from encoder_svc.vision import (PICTURE_LABEL, Presentation, VisionConfig, build_presentation, image_token_count,
                                 preprocess_image)
 from stagekit.checkpoints import CheckpointError
+from stagekit.errors import Internal, InvalidArgument
 
 log = logging.getLogger(__name__)
 
@@ -235,10 +236,10 @@ class Conditioner(nn.Module):
     def encode_ids(self, ids: list[int] | torch.Tensor) -> torch.Tensor:
         ids = torch.as_tensor(ids, dtype=torch.long).reshape(-1)
         if ids.numel() == 0:
-            raise ValueError("cannot encode an empty token sequence")
+            raise InvalidArgument("cannot encode an empty token sequence")
         lo, hi = int(ids.min()), int(ids.max())
         if lo < 0 or hi >= self.cfg.vocab_size:
-            raise ValueError(f"token ids must be in [0, {self.cfg.vocab_size}), got range [{lo}, {hi}]")
+            raise InvalidArgument(f"token ids must be in [0, {self.cfg.vocab_size}), got range [{lo}, {hi}]")
         return self.forward(ids).to(self.out_dtype)
 
     @torch.inference_mode()
@@ -263,7 +264,7 @@ class Conditioner(nn.Module):
         if self.tokenizer is None:
             raise ValueError("no tokenizer loaded: keyframe presentations need one")
         if not images:
-            raise ValueError("vision_inputs needs at least one image")
+            raise InvalidArgument("vision_inputs needs at least one image")
         tok = self.tokenizer
         vcfg = self.vision_cfg
         pixels, grids = zip(*(preprocess_image(img, vcfg) for img in images))
@@ -275,7 +276,7 @@ class Conditioner(nn.Module):
                                   tok.token_id("<|vision_end|>"), tok.token_id("<|image_pad|>"), vcfg)
         n = sum(image_token_count(g, vcfg) for g in grids)
         if out.pooler_output.shape[0] != n or int(pres.image_mask.sum()) != n:
-            raise RuntimeError(f"vision tower produced {out.pooler_output.shape[0]} tokens for {n} image pads")
+            raise Internal(f"vision tower produced {out.pooler_output.shape[0]} tokens for {n} image pads")
         if len(out.deepstack_features) > self.cfg.num_layers:
             raise ValueError(f"{len(out.deepstack_features)} DeepStack levels but only {self.cfg.num_layers} LM layers")
         return pres, out.pooler_output, list(out.deepstack_features)

@@ -121,11 +121,17 @@ class EncoderEngine:
             states, tags = self.model.encode_ids(spec["ids"]), None
         states = states.cpu()
         check_result("encoder", "text_states", states, "token")  # never cached nor sent when not finite
-        if tags is None:
-            self.cache.put(self.cache_key(spec["text"]), states)
+        prompt_only = tags is None
+        if prompt_only:
             tags = torch.ones(states.shape[0], dtype=torch.int64)
         ctx.progress(1, 1)
-        return {"text_states": states, "text_tags": tags, "tokens": int(states.shape[0])}
+        return {"text_states": states, "text_tags": tags, "tokens": int(states.shape[0]), "prompt_only": prompt_only}
+
+    def on_result(self, spec: dict, result: dict) -> None:
+        """In the stage process (stagekit.runtime.Engine): a plain prompt's states (no keyframes) join the prompt
+        cache, which outlives the device worker."""
+        if result["prompt_only"]:
+            self.cache.put(self.cache_key(spec["text"]), result["text_states"])
 
     def describe(self) -> dict:
         return {"weights": str(self.path), "variant": f"{self.variant} ({self.cfg.mode})",

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from encoder_svc.conditioner import MODES
 from encoder_svc.engine import EncoderEngine, EncoderEngineConfig
 from encoder_svc.tokenizer import MAX_PROMPT_TOKENS
 from h3.v1 import common_pb2, encoder_pb2, encoder_pb2_grpc
@@ -31,7 +32,8 @@ MAX_PROMPT_BYTES = 64 << 10  # far above any prompt that fits max_prompt_tokens;
 @dataclass
 class EncoderConfigArgs(CommonConfig):
     port: int = field(default=50051, metadata={"help": "gRPC port"})
-    mode: str = field(default="resident", metadata={"help": "resident | stream (weights on host, layers streamed) | compact (quantised on device)"})
+    mode: str = field(default="resident", metadata={
+        "choices": MODES, "help": "resident | stream (weights on host, layers streamed) | compact (quantised on device)"})
     max_prompt_tokens: int = field(default=MAX_PROMPT_TOKENS, metadata={"help": "longest prompt accepted, in tokens"})
     cache_mb: int = field(default=256, metadata={"help": "prompt -> states cache size (0 disables)"})
 

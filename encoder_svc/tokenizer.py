@@ -14,7 +14,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
-from stagekit.errors import InvalidArgument
+from stagekit.errors import FailedPrecondition, InvalidArgument
 
 # Qwen2/3-VL special ids (the first three and the vision block markers are shared by the family;
 # 151669+ are the H3 release additions, §6). Checked against tokenizer.json at load when present.
@@ -67,7 +67,7 @@ class TextTokenizer:
             if check_release_ids and got != want:
                 wrong.append(f"{name}: file id {got}, release id {want}")
         if wrong:
-            raise ValueError(
+            raise FailedPrecondition(
                 "tokenizer.json disagrees with the Qwen3-VL / H3 special-token ids (" + "; ".join(wrong) + "); "
                 "use the tokenizer shipped with the model, or check_release_ids=False for a test tokenizer"
             )

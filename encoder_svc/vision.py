@@ -23,6 +23,7 @@ import numpy as np
 import torch
 from transformers.models.qwen3_vl.configuration_qwen3_vl import Qwen3VLVisionConfig
 
+from stagekit.errors import InvalidArgument
 from stagekit.labels import VIDEO_NOT_PRESENTED
 
 # Qwen3-VL image-processor constants (preprocessor_config.json of the Qwen3-VL release).
@@ -105,7 +106,7 @@ def smart_resize(height: int, width: int, factor: int, min_pixels: int = MIN_PIX
                  max_pixels: int = MAX_PIXELS) -> tuple[int, int]:
     """Qwen-VL's target size: multiples of `factor`, pixel count within [min_pixels, max_pixels], aspect kept."""
     if max(height, width) / min(height, width) > 200:
-        raise ValueError(f"image aspect ratio {max(height, width) / min(height, width):.0f} exceeds 200")
+        raise InvalidArgument(f"image aspect ratio {max(height, width) / min(height, width):.0f} exceeds 200")
     h_bar = round(height / factor) * factor
     w_bar = round(width / factor) * factor
     if h_bar * w_bar > max_pixels:

@@ -1,18 +1,18 @@
 #!/usr/bin/env bash
 # Pack the Python packages the GPU host's image lacks (or has in versions our generated code refuses) into ONE
-# xz tar of an unpacked site dir, small enough to travel beside the repo (the device carry limit is 64 MiB for
-# the working tree and carried paths together, and the repo is ~2 MiB; this script fails above --max-mib, default
+# xz tar of an unpacked site dir, small enough to travel beside the repo to a GPU host without a package index
+# (such hosts take at most 64 MiB for the working tree and extra paths together, and the repo is ~2 MiB; this script fails above --max-mib, default
 # 60). Only the tar is left in --out (downloads and the unpacked site are built under $TMPDIR), so `carry` can name
 # the folder.
 #
 #   bash scripts/pack_device_wheels.sh [--out .devpkgs] [--max-mib 60] [--with-cudnn-frontend]
-#   bash scripts/pack_device_wheels.sh --fast-dit      # .devpkgs/fast_dit.tar.xz: scripts/bench_fast_dit.py (issue 18)
+#   bash scripts/pack_device_wheels.sh --fast-dit      # .devpkgs/fast_dit.tar.xz: benchmarks/bench_fast_dit.py
 #
 # The two bundles have their own names (both do not fit one carry: carry the one file the run needs). On the device
 # (from the repo root, with .devpkgs/site.tar.xz carried):
 #   mkdir -p /tmp/site && tar -xJf .devpkgs/site.tar.xz -C /tmp/site && export PYTHONPATH=/tmp/site:$PWD:$PWD/protos
 #
-# What goes in and why (the device image's package list is in the workplace's KINDS.md):
+# What goes in and why (against the GPU image's own packages):
 #   grpcio 1.85.1, grpcio-health-checking/-reflection 1.85.1: protos/h3/v1/*_pb2_grpc.py refuse an older grpcio, and
 #       the image's grpcio version is not documented.
 #   protobuf 7.x: the generated *_pb2.py files validate a 7.x runtime.
@@ -21,10 +21,10 @@
 #   --with-cudnn-frontend adds nvidia-cudnn-frontend 1.32.0 (+5 MiB: the cuDNN fp8 attention candidate of
 #       stagekit/fp8_attention.py; without it that candidate is skipped). With it the tar (~62 MiB) plus the repo
 #       (~2 MiB) no longer fits the 64 MiB carry.
-#   --fast-dit packs what the DiT benchmarks of issue 18 need and nothing of the decoder: the gRPC wheels,
+#   --fast-dit packs what the DiT benchmarks need and nothing of the decoder: the gRPC wheels,
 #       comfy-kitchen, google-crc32c, nvidia-cudnn-frontend 1.32.0 (--no-deps: its CuTe DSL / TVM FFI extras serve
 #       Blackwell-only engines; cuda-bindings, which it uses when present, is in the image) and diffusers 0.42.1 (the
-#       baseline of scripts/bench_dit.py; pure Python, without its pipelines). No PyAV / soundfile. 43 MiB.
+#       baseline of benchmarks/bench_dit.py; pure Python, without its pipelines). No PyAV / soundfile. 43 MiB.
 # Not carried: transformers (the image's 5.17 runs the encoder's Qwen3-VL path; only a test oracle API differs),
 # torch, numpy, safetensors, tokenizers, pillow, rich, pyyaml, prometheus-client, psutil, nvidia-ml-py, matplotlib.
 # Compressed sizes (xz -9e): comfy-kitchen's CUDA library ~32 MiB (a fat binary for sm_75..sm_120), PyAV's FFmpeg

@@ -54,9 +54,9 @@ def resolve_budget_bytes(devices: list[str], memory_budget_gb: float, reserve_gb
     cuda = [d for d in devices if d.startswith("cuda")]
     if not cuda:
         return 0
-    import torch
+    from stagekit.device_worker import cuda_index, cuda_properties
 
-    total = min(torch.cuda.get_device_properties(int(d.split(":")[1]) if ":" in d else 0).total_memory for d in cuda)
+    total = min(total for _, total in cuda_properties([cuda_index(d) for d in cuda]).values())
     if cap_gb > 0:
         total = min(total, int(cap_gb * GIB))
     return max(0, total - int(reserve_gb * GIB))

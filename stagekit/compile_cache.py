@@ -7,7 +7,8 @@ key), inductor's config and the torch build. What they lack by default is persis
 per-user folder under the system temp dir. `enable_compile_cache` points both at a folder of the stage's cache
 dir, one per torch version / CUDA version / GPU architecture, so caches of different builds never mix and old
 ones can be deleted as a whole. Dynamo still traces Python on each start (seconds); the compile itself (tens of
-seconds per shape for the DiT blocks) becomes a cache load. Numbers: docs/performance.md ("Compile cache").
+seconds per shape for the DiT blocks) becomes a cache load
+(docs/kernels.md, "No compile tax on restart").
 
 torch reads the location from the TORCHINDUCTOR_CACHE_DIR environment variable at every cache access (it has no
 config attribute for it), so that is what this sets; TRITON_CACHE_DIR, when the user set it, still wins for the

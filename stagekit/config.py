@@ -1,7 +1,9 @@
 """Stage configuration: one dataclass per stage, filled from flags > env > file > defaults.
 
 `parse_config(Cls, argv, env_prefix)` derives the command-line flags from the
-dataclass fields, so a new setting is one field with a default and a comment.
+dataclass fields, so a new setting is one field with a default and a comment. A field whose values are a fixed
+set names them in `metadata["choices"]`: a value outside it (flag, env var or config file) stops the process at
+parse time with the list, instead of failing at the first job.
 Only the entry points call this; everything below them receives the dataclass.
 """
 
@@ -79,6 +81,7 @@ def parse_config(cls, argv: list[str] | None = None, env_prefix: str = "H3_", de
 
     hints = typing.get_type_hints(cls)
     fields = [f for f in dataclasses.fields(cls) if f.init]
+    by_name = {f.name: f for f in fields}
     # The stage's package is what a user runs: `python -m dit_svc`, whatever file holds the config class.
     ap = argparse.ArgumentParser(prog=f"python -m {cls.__module__.split('.')[0]}", description=description)
     ap.add_argument("--config", type=Path, help="YAML or JSON file with any of the settings below")
@@ -92,6 +95,8 @@ def parse_config(cls, argv: list[str] | None = None, env_prefix: str = "H3_", de
         # A help text that explains its own default keeps it; an empty default is not worth a line.
         note = f"default: {shown}; " if shown and "default" not in help_.lower() else ""
         kw: dict = {"metavar": f.name.upper()}
+        if "choices" in f.metadata:
+            kw = {"choices": tuple(f.metadata["choices"])}
         if hints[f.name] is bool:  # on/off: --insecure / --no-insecure
             switches.add(flag)
             kw = {"action": argparse.BooleanOptionalAction}
@@ -121,4 +126,7 @@ def parse_config(cls, argv: list[str] | None = None, env_prefix: str = "H3_", de
             out[name] = _converter(hints[name])(raw) if raw is not None else None
         except (TypeError, ValueError) as e:
             raise SystemExit(f"setting {name}: cannot read {raw!r}: {e}") from None
+        choices = by_name[name].metadata.get("choices")
+        if choices is not None and out[name] is not None and out[name] not in choices:
+            raise SystemExit(f"setting {name}: {out[name]!r} is not one of {', '.join(map(repr, choices))}")
     return cls(**out)

@@ -2,7 +2,7 @@
 
 The kernel (Hopper and newer) takes e4m3 Q, K, V with per-tensor fp32 descales, quantises the softmax numerator
 P~ = exp(s - rowmax) to e4m3 with `scale_s`, and on Hopper writes an e4m3 O scaled by `scale_o`. What this module
-adds around it (docs/performance.md, "8-bit attention"):
+adds around it (docs/kernels.md, "8-bit attention"):
 
 1. Quantisation of q, k, v from the attention input (after RMSNorm + RoPE). On CUDA it runs as two Triton passes
    (per-channel statistics of q, k, v in one read, then the e4m3 write), one custom op that torch.compile leaves
@@ -19,7 +19,7 @@ adds around it (docs/performance.md, "8-bit attention"):
    channel pairs, which keeps a pair's norm; so |q_i| <= sqrt(D) * max|gain| (`static_qk_mult`). e4m3's relative
    step is the same over its normal range, so a loose bound costs only values ~2^-14 of the largest, which the
    attention sums cannot see. The quantisation pass then reads only V. K is not smoothed there (it would need K's
-   mean first); measured, smoothing K changed nothing (docs/performance.md, "8-bit attention").
+   mean first); measured, smoothing K changed nothing (docs/kernels.md, "8-bit attention").
 5. Per-head V (and O) scales. The kernel's descales are scalars, but O is linear in V: each head's V is scaled to
    the full e4m3 range by its own factor, the kernel is told descale_v = 1, and each head's O is divided by that
    factor afterwards. Exact, and needs nothing from cuDNN. Q and K stay per tensor: their softmax logits need
@@ -93,7 +93,7 @@ class Fp8AttentionOptions:
                 f"{'+static-qk' if self.static_qk else ''}")
 
 
-# The options the benchmark compares (scripts/bench_attention.py); DEFAULT is what the registry runs.
+# The options the benchmark compares (benchmarks/bench_attention.py); DEFAULT is what the registry runs.
 OPTIONS = {
     "naive": Fp8AttentionOptions(v_scale="tensor", smooth_k=False, smooth_v=False),
     "head": Fp8AttentionOptions(v_scale="head", smooth_k=False, smooth_v=False),
@@ -244,9 +244,9 @@ def quantize_v(v: torch.Tensor, options: Fp8AttentionOptions) -> tuple[torch.Ten
 
 
 class TritonQuantLaunch(NamedTuple):
-    """Launch parameters of the two passes (scripts/bench_attention.py sweeps them)."""
+    """Launch parameters of the two passes (benchmarks/bench_attention.py sweeps them)."""
 
-    # Defaults: the fastest of scripts/bench_attention.py --quant's sweep on an H200 (docs/performance.md, issue 18:
+    # Defaults: the fastest of benchmarks/bench_attention.py --quant's sweep on an H200 (docs/performance.md,
     # 0.78 / 1.55 ms at S = 14,882 / 37,748 against 1.01 / 2.16 ms for 512/32/4/64/4).
     stats_rows: int = 512  # rows each statistics program reduces (a multiple of stats_block_r)
     stats_block_r: int = 16  # rows per loaded tile in the statistics pass
@@ -459,7 +459,7 @@ def quantize_v_triton(v: torch.Tensor, options: Fp8AttentionOptions,
 
 def e4m3_steps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """How many e4m3 steps apart two e4m3 tensors are, elementwise (int32): the bit patterns (sign-magnitude) read
-    as integers that count steps, +0 and -0 both 0. For comparing quantisers (tests, scripts/bench_attention.py)."""
+    as integers that count steps, +0 and -0 both 0. For comparing quantisers (tests, benchmarks/bench_attention.py)."""
     def order(x):
         bits = x.view(torch.uint8).int()
         return torch.where(bits >= 128, 128 - bits, bits)

@@ -8,7 +8,7 @@ AdaLN rows [M * 3, C] fp32 gathered by each row's table index r). An fp8 linear 
 then quantises those rows per row (`quantize_fp8_rowwise`: scale = amax / 448, q = e4m3(row * bf16(1 / scale))).
 This kernel reads x and the gathered AdaLN rows once and writes e4m3 rows plus one fp32 scale per row (`Fp8Rows`,
 which the fp8 linear takes as its input instead of a tensor). Where it pays (measured on an H200,
-docs/performance.md, issue 18): in eager blocks, 7x faster than the separate torch ops (0.68 vs 5.0 ms at 37,748
+docs/performance.md): in eager blocks, 7x faster than the separate torch ops (0.68 vs 5.0 ms at 37,748
 rows). Inside a compiled block Inductor's own fusion of the same math is as fast or faster (0.645 ms), so
 dit_svc/model.py uses the kernel only outside torch.compile.
 
@@ -62,9 +62,9 @@ log = logging.getLogger(__name__)
 _FALLBACK = KernelFallback("modulation + fp8 row quantisation", log)
 
 DEFAULT_BLOCK_ROWS = 1  # rows per program; the whole row (C channels, padded to a power of two) sits in registers
-# Among the fastest of scripts/bench_fp8_rows.py's sweep on an H200 (1x8: 0.347 / 0.680 ms at 14,882 / 37,748 rows;
-# 1x4 0.351 / 0.694, 2x8 0.388 / 0.767, 1x16 0.451 / 0.948; third session 1x8 0.336 / 0.886, 1x4 0.327 / 0.816).
-# None beats Inductor's fusion (0.295 / 0.749 ms in the third session): eager blocks only (docs/performance.md).
+# Among the fastest of benchmarks/bench_fp8_rows.py's sweep on an H200 (1x8: 0.347 / 0.680 ms at 14,882 / 37,748 rows;
+# 1x4 0.351 / 0.694, 2x8 0.388 / 0.767, 1x16 0.451 / 0.948; again 1x8 0.336 / 0.886, 1x4 0.327 / 0.816).
+# None beats Inductor's fusion (0.295 / 0.749 ms): eager blocks only (docs/performance.md).
 DEFAULT_NUM_WARPS = 8
 MAX_CHANNELS = 16384  # a wider row would spill registers
 
@@ -182,13 +182,13 @@ def _grid(rows: int, block_rows: int) -> tuple[int]:
 
 # Whether dit_svc/model.py's MLP uses the kernel inside torch.compile'd blocks too (eager blocks always do, where
 # fc2 takes fp8 rows). True: on an H200 it beats Inductor's own fusion of the same ops, alone (below) and in the
-# model (22.3 / 51.4 ms per step against 24.6 / 57.3 ms: docs/performance.md, issue 18).
+# model (22.3 / 51.4 ms per step against 24.6 / 57.3 ms: docs/performance_history.md).
 SWIGLU_IN_COMPILED_BLOCKS = True
 # Rows per program x warps (the whole row, 2 x F channels with F padded to a power of two, sits in registers): the
-# fastest of the same benchmark's sweep on an H200 (third session, F = 14,336, ms at 14,882 / 37,748 rows): 1x32
+# fastest of the same benchmark's sweep on an H200 (F = 14,336, ms at 14,882 / 37,748 rows): 1x32
 # 0.525 / 0.985 against Inductor's 0.634 / 1.431; 1x16 0.712 / 1.487, 2x16 0.683 / 1.362, 4x16 0.689 / 1.334,
 # 1x8 0.828 / 1.752, 1x4 0.770 / 1.587. sm_90: 1x32 takes 32 registers per thread, no spills, with Triton 3.6 (the
-# GPU image's) and 3.9; 3.6 gives 1x16 78 and spills at 2x16 / 4x16 (scripts/kernel_registers.py).
+# GPU image's) and 3.9; 3.6 gives 1x16 78 and spills at 2x16 / 4x16 (benchmarks/kernel_registers.py).
 SWIGLU_BLOCK_ROWS = 1
 SWIGLU_NUM_WARPS = 32
 _SWIGLU_FALLBACK = KernelFallback("SwiGLU + fp8 row quantisation", log)
@@ -262,7 +262,7 @@ if triton is not None:
         (`div.rn`) compiles to (approximate reciprocal, one Newton step, the quotient and one correction, all FMAs)
         without the range check and slow-path call around it, which operands in that range never take. That call,
         one per element, took the SwiGLU kernel from 32 to 96 registers per thread at 1x16 (sm_90,
-        scripts/kernel_registers.py): one row in flight per SM instead of four. tests/test_fp8_rows.py checks the
+        benchmarks/kernel_registers.py): one row in flight per SM instead of four. tests/test_fp8_rows.py checks the
         sequence against IEEE division over that range. In the CPU interpreter (CUDA False): div_rn."""
         if CUDA:
             r = tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=r,r", [b], dtype=tl.float32,
@@ -353,12 +353,12 @@ if triton is not None:
 # Whether dit_svc/model.py uses the kernel inside torch.compile'd blocks too (eager blocks always do, where out_proj
 # takes fp8 rows and attention hands O over in e4m3). True: on an H200 it beats Inductor's own fusion of the same
 # ops, alone (below) and in the model (8.6 / 20.1 ms per step at its first launch, 1x8, against 12.5 / 28.9 ms for
-# Inductor's two kernels: docs/performance.md, issue 18).
+# Inductor's two kernels: docs/performance_history.md).
 O_ROWS_IN_COMPILED_BLOCKS = True
 # Rows per program x warps (the whole row, H x D channels padded to a power of two, sits in registers): the best
-# of scripts/bench_fp8_rows.py --ops orows on an H200 (third session, 56 heads x 128, ms at 14,882 / 37,748 rows):
+# of benchmarks/bench_fp8_rows.py --ops orows on an H200 (56 heads x 128, ms at 14,882 / 37,748 rows):
 # 1x4 0.222 / 0.438; 1x8 0.353 / 0.590, 1x16 0.274 / 0.525, 1x32 0.237 / 0.632, 2x16 0.296 / 0.394, 4x16, 2x32,
-# 4x32 slower; Inductor's fusion 0.450 / 0.857. Registers (scripts/kernel_registers.py, sm_90, Triton 3.6): 1x4 114
+# 4x32 slower; Inductor's fusion 0.450 / 0.857. Registers (benchmarks/kernel_registers.py, sm_90, Triton 3.6): 1x4 114
 # per thread, 4 rows in flight per SM; 1x8 58, 4; 1x16 43, 2; 1x32 30, 2.
 O_ROWS_BLOCK_ROWS = 1
 O_ROWS_NUM_WARPS = 4

@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .errors import FailedPrecondition
 from .quant import DEFAULT_CONVROT_GROUPSIZE, Int8ConvRotLinear, QuantizedWeight, is_power_of_4, quantize_convrot
 
 log = logging.getLogger(__name__)
@@ -51,7 +52,7 @@ FP8_MIN_CAPABILITY = (8, 9)  # Ada / Hopper / Blackwell have fp8 tensor cores
 FP8_ALIGN = 16  # torch._scaled_mm needs K and N multiples of 16
 # Hopper's fp8 tensor cores accumulate in reduced precision; without "fast accumulation" cuBLAS promotes the partial
 # sums to fp32 every few K steps (slower, more exact). The CPU emulation is exact either way.
-FP8_FAST_ACCUM = True  # measured: docs/performance.md, issue 18 (GEMMs 6-11 % faster, velocity error unchanged)
+FP8_FAST_ACCUM = True  # measured: docs/performance.md (GEMMs 6-11 % faster, velocity error unchanged)
 PROBE_ERROR_CHARS = 500  # of a rejected candidate's error kept for Status (cuDNN's reasons come at the end)
 
 # Relative error bounds ||y - ref|| / ||ref|| vs an fp32 reference on the *same* (dequantised) weights.
@@ -69,14 +70,14 @@ REL_ERR_BOUND = {
     "math": 1.5e-2,
     "int8_attention": 6e-2,  # upstream's own test threshold is NRMSE < 0.03 vs SDPA
     # e4m3 q, k, v, softmax numerator and O (Hopper's fp8 SDPA writes fp8 O): 6-8e-2 on the probe's random
-    # Gaussian data (flat softmax, small-norm outputs: the worst case, docs/performance.md "8-bit attention");
+    # Gaussian data (flat softmax, small-norm outputs: the worst case, docs/kernels.md "8-bit attention");
     # a broken kernel lands near 1. Whether that error is acceptable for the model is the velocity error that
-    # scripts/bench_attention.py reports, not this bound.
+    # benchmarks/bench_attention.py reports, not this bound.
     "fp8_attention": 0.15,
 }
 
 
-class KernelError(ValueError):
+class KernelError(FailedPrecondition):
     """A kernel setting that cannot be honoured on this machine (unknown name, unavailable, fails parity)."""
 
 
@@ -444,7 +445,7 @@ class KernelConfig:
     # Representative probe shapes: (tokens, in, out) GEMMs (DiT qkv-like and fc2-like) and one attention
     # [1, heads, seq, head_dim]. The attention row count is a served one: the smallest seed shape, 832x480x124,
     # has S = 14,882, and an 8-bit kernel's per-row quantisation cost only pays off against the S^2 work at such
-    # lengths (docs/performance.md, "8-bit attention": at S = 4,096 fp8 loses to cuDNN bf16, at 14,882 it wins).
+    # lengths (docs/kernels.md, "8-bit attention": at S = 4,096 fp8 loses to cuDNN bf16, at 14,882 it wins).
     # Well under a second per candidate on a datacenter GPU.
     linear_shapes: tuple[tuple[int, int, int], ...] = ((4096, 5376, 21504), (4096, 14336, 5376))
     attention_shape: tuple[int, int, int, int] = (1, 56, 16384, 128)
@@ -488,6 +489,16 @@ class KernelSelection:
     _linear_cands: dict[str, LinearCandidate] = field(default_factory=dict, repr=False)
     _attention_cands: dict[str, AttentionCandidate] = field(default_factory=dict, repr=False)
     compute_dtype: torch.dtype = torch.bfloat16
+
+    def __getstate__(self) -> dict:
+        """Pickled without the candidates (closures): a device worker gets the stage's start-up choice and rebuilds
+        the default candidates."""
+        return {**self.__dict__, "_linear_cands": None, "_attention_cands": None}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._linear_cands = default_linear_candidates()
+        self._attention_cands = default_attention_candidates()
 
     def status_rows(self) -> list[tuple[str, str, str]]:
         """(op, kernel, reason) for the Status RPC."""

@@ -43,17 +43,12 @@ def safe_name(s: str) -> str:
 
 
 def device_ids(devices: list[str]) -> list[str]:
-    """Stable host-wide ids for the given device names ("cuda:0", "virt0", ...)."""
-    ids = []
-    for d in devices:
-        if d.startswith("cuda"):
-            import torch
+    """Stable host-wide ids for the given device names ("cuda:0", "virt0", ...): GPU UUIDs, read in a short-lived
+    child so that the stage process holds no CUDA context."""
+    from stagekit.device_worker import cuda_index, cuda_properties
 
-            idx = int(d.split(":")[1]) if ":" in d else 0
-            ids.append("GPU-" + str(torch.cuda.get_device_properties(idx).uuid))
-        else:
-            ids.append(d)
-    return ids
+    cuda = cuda_properties([cuda_index(d) for d in devices if d.startswith("cuda")])
+    return [cuda[cuda_index(d)][0] if d.startswith("cuda") else d for d in devices]
 
 
 def pid_alive(pid: int) -> bool:

@@ -14,8 +14,8 @@ server never collide. What is exported, all prefixed `h3_`:
     h3_step_seconds                            per-step time from progress events that carry step_ms (DiT steps)
     h3_weight_load_seconds / h3_weight_unload_seconds / h3_lease_wait_seconds   residency swaps
     h3_queue_depth, h3_running, h3_resident, h3_jobs_done   read from the runtime at scrape time
-    h3_device_memory_bytes{kind}               torch.cuda.memory_allocated (kind="cuda_allocated") on CUDA,
-                                               else the engine's resident bytes (kind="engine_resident")
+    h3_device_memory_bytes{kind}               the engine's resident bytes (kind="engine_resident"; on a GPU they live
+                                               in the device worker, stagekit/device_worker.py)
     h3_stage_info{stage,residency,world_size,device}   constant 1
 
 The HTTP endpoint (plain, no auth) binds `--metrics-host` (loopback unless asked) on `--metrics-port` (0 = a free
@@ -77,7 +77,7 @@ class _RuntimeCollector:
                 ("h3_jobs_done", "jobs finished since start", snap.jobs_done)):
             yield GaugeMetricFamily(name, doc, value=float(value))
         mem = GaugeMetricFamily("h3_device_memory_bytes",
-                                "torch.cuda.memory_allocated on CUDA, else the engine's resident weight bytes",
+                                "the engine's resident weight bytes",
                                 labels=["kind"])
         kind, value = self.m.memory_bytes()
         mem.add_metric([kind], float(value))
@@ -163,10 +163,6 @@ class StageMetrics:
             self.step_seconds.observe(step_ms / 1000.0)
 
     def memory_bytes(self) -> tuple[str, int]:
-        if self.device.startswith("cuda"):
-            import torch
-
-            return "cuda_allocated", int(torch.cuda.memory_allocated(self.device))
         rt = self.runtime
         try:  # the worker thread may be swapping the weights right now
             return "engine_resident", int(rt.engine.resident_bytes()) if rt is not None and rt.resident else 0

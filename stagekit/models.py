@@ -13,7 +13,7 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
-from stagekit.errors import FailedPrecondition
+from stagekit.errors import FailedPrecondition, InvalidArgument
 
 EMBEDDED_VERSION = "embedded-v3"
 MAX_CANDIDATES_NAMED = 4
@@ -88,8 +88,8 @@ def safe_name(name: str, default: str) -> str:
     base = os.path.basename(name or "")
     if not base or base in (".", "..") or base.startswith(".") or base != name:
         if name and base != name:
-            raise ValueError(f"output name {name!r} must be a bare file name (no directories)")
+            raise InvalidArgument(f"output name {name!r} must be a bare file name (no directories)")
         return default
     if any(c in base for c in "\x00\n\r"):
-        raise ValueError(f"output name {name!r} contains control characters")
+        raise InvalidArgument(f"output name {name!r} contains control characters")
     return base

@@ -8,8 +8,8 @@ head_dim] (v_out None: v is not copied, its reader takes it from y), each cast t
 scales") qk_out is float8 e4m3 and holds clamp(x * qk_mult[i], +-448) for q (i = 0) and k (i = 1), so the
 attention's own quantisation pass no longer reads q and k. Why: inside a compiled block Inductor splits
 this into two RMS-statistics reductions running far below the memory bandwidth plus a pointwise pass, the largest of
-the fused-kernel costs that docs/performance.md ("Where a step goes", issue 18) lists; one kernel reads y once and
-writes out once. docs/performance.md ("Fused q/k RMSNorm + RoPE (Triton)") has how it is measured.
+the fused-kernel costs that docs/performance.md ("Where a step goes") lists; one kernel reads y once and
+writes out once. docs/kernels.md ("Fused q/k RMSNorm + RoPE (Triton)") has how it is measured.
 
 `qk_norm_rope` dispatches: the Triton kernel (the torch custom op `h3stages::qk_norm_rope_`, opaque to
 torch.compile) when y is on a CUDA device, triton imports and the shapes are ones it serves; otherwise
@@ -32,7 +32,7 @@ from .triton_kernels import KernelFallback, interpreting, log_once, tl, triton
 log = logging.getLogger(__name__)
 _FALLBACK = KernelFallback("q/k RMSNorm + RoPE", log)
 
-# Rows per program x warps: the fastest of scripts/bench_qk_norm_rope.py's sweep on an H200 (third session: 16x4
+# Rows per program x warps: the fastest of benchmarks/bench_qk_norm_rope.py's sweep on an H200 (16x4
 # 0.564 / 1.292 ms at S = 14,882 / 37,748 with bf16 out, 0.489 / 1.185 ms with e4m3 q/k; 32x4 0.590 / 1.471 and
 # 0.533 / 1.237; 64x8 slower still). A [16, 128] tile is 4 KiB of bf16, read in 256-byte rows.
 DEFAULT_BLOCK_ROWS = 16

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from stagekit.dist import RankGroup
-from stagekit.errors import Cancelled, ResourceExhausted, StageError, Unavailable, status_for
+from stagekit.errors import Cancelled, ResourceExhausted, StageError, Unavailable, restarts_group, status_for
 from stagekit.lease import DeviceLease, RankHold
 
 if TYPE_CHECKING:
@@ -57,6 +57,19 @@ class Engine(Protocol):
     # The runtime uses it for admission (RESOURCE_EXHAUSTED at submit) and shared-mode budget reservations.
     # def estimate_peak_bytes(self, spec: Any, inputs: dict) -> int: ...
 
+    # Optional hook, for engines without `estimate_peak_bytes`: per-device weight bytes from the checkpoint headers,
+    # what a shared-residency stage reserves for its first load (without it, the first load reserves the whole
+    # budget, so every idle stage on its devices steps aside once).
+    # def weight_bytes(self) -> int: ...
+
+    # Optional hook: runs in the stage process with a finished job's outputs (rank 0), for state that must outlive
+    # a device worker (stagekit/device_worker.py): the encoder's prompt cache.
+    # def on_result(self, spec: Any, result: dict) -> None: ...
+
+    # Optional hook: True when the engine lost its device state (its device worker died): the runtime unloads it
+    # after the job, so the next job loads afresh.
+    # def lost(self) -> bool: ...
+
 
 def release_device_memory(device: str) -> None:
     """After an engine drops its weights: collect them now and return cached CUDA blocks, so the next stage on this
@@ -70,6 +83,9 @@ def release_device_memory(device: str) -> None:
         torch.cuda.empty_cache()
 
 
+RESIDENCIES = ("exclusive", "shared")  # take turns on the devices | stay resident within a memory budget
+
+
 @dataclass
 class RuntimeConfig:
     max_queue: int = 16             # jobs waiting beyond this are refused with RESOURCE_EXHAUSTED
@@ -79,7 +95,7 @@ class RuntimeConfig:
     max_batch_before_yield: int = 8  # with another stage waiting, serve at most this many queued jobs, then yield
 
     def validate(self) -> None:
-        if self.residency not in ("exclusive", "shared"):
+        if self.residency not in RESIDENCIES:
             raise ValueError(f"residency must be 'exclusive' or 'shared', got {self.residency!r}")
         if self.max_batch_before_yield < 1:
             raise ValueError(f"max_batch_before_yield must be >= 1, got {self.max_batch_before_yield}")
@@ -211,6 +227,19 @@ class JobContext:
             stage=self.stage, phase=phase, step=step, total=total, elapsed_s=elapsed, eta_s=eta,
             step_ms=step_ms, message=message)))
 
+
+# Why a stage unloads: the `reason` of its unload_start / unloaded events, and its log line.
+UNLOAD_REASONS = {
+    "others_waiting": "another stage waits for these devices and this queue is empty",
+    "yield": "another stage waits for these devices and this stage served its batch (--max-batch-before-yield)",
+    "idle": "idle for --idle-unload-s (exclusive residency)",
+    "grow": "the next job needs more budget room than is free beside the other stages; re-reserving while holding "
+            "nothing",
+    "request": "an operator's Unload",
+    "load_failed": "the load failed",
+    "worker_lost": "the device worker died",
+    "shutdown": "the stage is shutting down",
+}
 
 # Commands the leader broadcasts to followers.
 _LOAD, _UNLOAD, _RUN, _EXIT = "load", "unload", "run", "exit"
@@ -381,7 +410,7 @@ class StageRuntime:
             try:
                 load_engine(self.engine, spec)
             except BaseException:
-                self._unload_locked()
+                self._unload_locked("load_failed")
                 raise
             with self._lock:
                 self.resident = True
@@ -392,8 +421,10 @@ class StageRuntime:
             self.loads += 1
             self._served = 0
             load_s = time.monotonic() - t1
+            worker = getattr(self.engine, "spawn_s", None)  # a device worker's start, part of load_s
             self._log("loaded", load_s=load_s, bytes=self.engine.resident_bytes(),
-                      reserved=self.budget.reserved if self.budget is not None else 0)
+                      reserved=self.budget.reserved if self.budget is not None else 0,
+                      **({"worker_start_s": worker} if worker is not None else {}))
             if self.metrics is not None:
                 self.metrics.observe_load(load_s, waited)
             log.info("%s loaded in %.2f s (waited %.2f s for the devices)", self.engine.name, load_s, waited)
@@ -414,12 +445,16 @@ class StageRuntime:
     def _reservation(self, need_bytes: int) -> int:
         """Bytes to reserve before loading in shared mode.
 
-        With the engine's estimate: the job's peak (or the weights alone for an operator's Load). Without one
-        the size is unknown until the first load, so that load reserves the whole budget (it waits until it
-        would fit alone) and later loads reserve the measured resident bytes."""
+        With the engine's estimate: the job's peak (or the weights alone for an operator's Load). Without one,
+        later loads reserve the measured resident bytes; the first reserves the engine's `weight_bytes()` from
+        its headers, or, lacking that too, the whole budget (it waits until it would fit alone, and every idle
+        stage on its devices steps aside for it)."""
         if self._has_estimate:
             return max(need_bytes, self.estimate_bytes(None))
-        return self._measured or self.budget.cfg.budget_bytes
+        if self._measured:
+            return self._measured
+        hint = getattr(self.engine, "weight_bytes", None)
+        return int(hint()) if hint is not None else self.budget.cfg.budget_bytes
 
     def _give_back(self) -> None:
         with self._lock:  # one change for `snapshot`, together with `resident` turning false (_unload_locked)
@@ -430,13 +465,15 @@ class StageRuntime:
             if self.budget is not None:
                 self.budget.release()
 
-    def _unload_locked(self) -> float:
+    def _unload_locked(self, reason: str) -> float:
+        """Unload for `reason` (one of UNLOAD_REASONS: it goes into the event log and the stage's log)."""
         t0 = time.monotonic()
-        self._log("unload_start", served=self._served)
+        log.info("%s unloading: %s", self.engine.name, UNLOAD_REASONS[reason])
+        self._log("unload_start", served=self._served, reason=reason)
         self.group.broadcast_command((_UNLOAD, None))
         self.engine.unload()
         unload_s = time.monotonic() - t0
-        self._log("unloaded", unload_s=unload_s, served=self._served)
+        self._log("unloaded", unload_s=unload_s, served=self._served, reason=reason)
         if self.metrics is not None:
             self.metrics.observe_unload(unload_s)
         # Held until after the weights are gone: the next holder never overlaps us. "Not resident" and the lease
@@ -447,11 +484,11 @@ class StageRuntime:
             self._give_back()
         return unload_s
 
-    def _unload(self) -> float:
+    def _unload(self, reason: str) -> float:
         if not self.resident:
             self._give_back()
             return 0.0
-        return self._unload_locked()
+        return self._unload_locked(reason)
 
     def _others_waiting(self) -> bool:
         """Another stage wants our devices: the lease (exclusive) or budget room (shared)."""
@@ -459,32 +496,35 @@ class StageRuntime:
             return self.lease is not None and self.lease.others_waiting()
         return self.budget is not None and self.budget.others_waiting()
 
-    def _should_step_aside(self) -> bool:
+    def _step_aside_reason(self) -> str | None:
         """Idle (queue empty): give the devices back when someone waits, or after the idle timeout (exclusive)."""
         if not self.resident:
-            return False
+            return None
         if self._others_waiting():
-            return True
-        return self.exclusive and self.cfg.idle_unload_s >= 0 \
-            and time.monotonic() - self._idle_since > self.cfg.idle_unload_s
+            return "others_waiting"
+        if self.exclusive and self.cfg.idle_unload_s >= 0 \
+                and time.monotonic() - self._idle_since > self.cfg.idle_unload_s:
+            return "idle"
+        return None
 
     def _loop(self) -> None:
         while True:
             try:
                 item = self._q.get(timeout=0.1)
             except queue.Empty:
-                if self._should_step_aside():
-                    self._unload()
+                reason = self._step_aside_reason()
+                if reason is not None:
+                    self._unload(reason)
                 continue
             if item == _EXIT:
                 self._drain_queue(f"{self.engine.name} shut down before the job ran")
-                self._unload()
+                self._unload("shutdown")
                 self.group.broadcast_command((_EXIT, None))
                 return
             if isinstance(item, tuple):  # lifecycle request
                 command, done = item
                 try:
-                    secs = self._load() if command == _LOAD else self._unload()
+                    secs = self._load() if command == _LOAD else self._unload("request")
                     done.put((secs, None))
                 except BaseException as e:  # noqa: BLE001 - handed back to the caller
                     done.put((0.0, e))
@@ -494,12 +534,14 @@ class StageRuntime:
             self._idle_since = time.monotonic()
             # Stage-batched with FIFO fairness: keep serving our queue in this residency, but when another
             # stage waits, give the devices back once we run dry or have served max_batch_before_yield jobs.
-            if self.resident and self._others_waiting():
+            if self.resident and getattr(self.engine, "lost", lambda: False)():
+                self._unload("worker_lost")
+            elif self.resident and self._others_waiting():
                 if self._pending == 0:
-                    self._unload()
+                    self._unload("others_waiting")
                 elif self._served >= self.cfg.max_batch_before_yield:
                     self._log("yield", served=self._served, queued=self._pending)
-                    self._unload()
+                    self._unload("yield")
 
     def _drain_queue(self, why: str) -> None:
         """Fail everything queued (jobs and Load/Unload requests) with UNAVAILABLE `why`; keeps an _EXIT."""
@@ -530,7 +572,7 @@ class StageRuntime:
             return
         if self.budget.try_grow(job.estimate_bytes):
             return
-        self._unload()
+        self._unload("grow")
 
     def _run_job(self, job: Job) -> None:
         with self._lock:  # taken from the queue and running: one change for `snapshot`
@@ -563,6 +605,9 @@ class StageRuntime:
                 result = self.engine.run(job.spec, job.inputs, JobContext(self.group, job, self.engine.name))
             finally:
                 self._served += 1
+            on_result = getattr(self.engine, "on_result", None)
+            if on_result is not None:
+                on_result(job.spec, result)
             job.timing["compute_s"] = time.monotonic() - t1
             self._log("job_done", job=job.job_id)
             outcome = JobEvent("done", result)
@@ -572,10 +617,10 @@ class StageRuntime:
                 e = type(reason)(f"{reason.message} ({e.message})")
             code, msg = status_for(e)
             if code.name == "INTERNAL":
-                log.error("%s job %s failed:\n%s", self.engine.name, job.job_id, traceback.format_exc())
+                log.error("%s job %s failed: %s", self.engine.name, job.job_id, msg)  # status_for logged the traceback
             outcome = JobEvent("error", e)
-            if self.group.world_size > 1 and not isinstance(e, (StageError, ValueError)):
-                broken_group = msg  # a collective failed: exit (below) so torchrun restarts the group
+            if self.group.world_size > 1 and restarts_group(e):
+                broken_group = msg  # a fault: the ranks' state is unknown; exit (below) so torchrun restarts the group
         # The job is over for the runtime before its client hears so: a client holding the outcome never sees it
         # still running in Status, nor jobs_done without it.
         with self._lock:

@@ -37,7 +37,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from stagekit.errors import Cancelled, DeadlineExceeded, InvalidArgument, StageError, status_for
+from stagekit.errors import Cancelled, DeadlineExceeded, InvalidArgument, StageError, restarts_group, status_for
 from stagekit.runtime import Job, JobEvent, StageRuntime
 from stagekit.transport import GRPC_OPTIONS, MAX_MESSAGE_BYTES  # noqa: F401 - one definition, shared with clients
 
@@ -477,7 +477,7 @@ def job_status(runtime: StageRuntime, exc: BaseException) -> tuple[grpc.StatusCo
     stuck rank, a failed collective): the runtime exits so torchrun restarts the group, so the caller sees
     UNAVAILABLE (retryable) rather than INTERNAL."""
     code, msg = status_for(exc)
-    if runtime.group.world_size > 1 and code == grpc.StatusCode.INTERNAL:
+    if runtime.group.world_size > 1 and restarts_group(exc):
         return grpc.StatusCode.UNAVAILABLE, (
             f"{runtime.engine.name}: rank group failed ({msg}); the stage is restarting its ranks, retry the job")
     return code, msg

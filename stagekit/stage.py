@@ -22,12 +22,17 @@ from pathlib import Path
 import grpc
 
 from stagekit.budget import BudgetConfig, MemoryBudget, resolve_budget_bytes
+from stagekit.device_worker import DeviceWorkerEngine, WorkerConfig, die_with_parent, wanted
 from stagekit.dist import RankGroup, RankInfo, rank_info_from_env
 from stagekit.lease import DeviceLease, LeaseConfig, RankHold, pid_alive
-from stagekit.runtime import Engine, RuntimeConfig, StageRuntime, follower_loop
+from stagekit.runtime import RESIDENCIES, Engine, RuntimeConfig, StageRuntime, follower_loop
 from stagekit.server import ServeConfig, StageServer, followers_ignore_term, is_loopback, startup_errors
 
 log = logging.getLogger("stagekit.stage")
+
+# --dtype spellings -> the torch dtype's name ("": bf16 on a GPU, fp32 on the CPU).
+DTYPES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16", "fp16": "float16",
+          "float32": "float32", "fp32": "float32"}
 
 
 @dataclass
@@ -43,7 +48,8 @@ class CommonConfig(ServeConfig):
         "help": "where the stage keeps temp files (default $TMPDIR): in its own h3-<stage>-<pid> subdirectory, removed "
                 "at exit; subdirectories of stages no longer running are removed at start"})
     lease_dir: str = field(default="/tmp/h3-stages-leases", metadata={"help": "host-wide device lease directory"})
-    residency: str = field(default="exclusive", metadata={"help": "exclusive (take turns on the GPU) | shared (stay resident)"})
+    residency: str = field(default="exclusive", metadata={
+        "choices": RESIDENCIES, "help": "exclusive (take turns on the GPU) | shared (stay resident)"})
     idle_unload_s: float = field(default=30.0, metadata={"help": "unload after this long idle in exclusive mode (<0: never)"})
     max_queue: int = field(default=16, metadata={"help": "queued jobs beyond this get RESOURCE_EXHAUSTED"})
     max_batch_before_yield: int = field(default=8, metadata={
@@ -56,7 +62,8 @@ class CommonConfig(ServeConfig):
     reserve_gb: float = field(default=1.0, metadata={
         "help": "GiB of each GPU kept out of the automatic budget (CUDA context, workspaces, other processes)"})
     collective_timeout_s: float = field(default=60.0, metadata={"help": "a dead rank fails the job after this long"})
-    dtype: str = field(default="", metadata={"help": "compute dtype: bfloat16 | float16 | float32 (default: bf16 on GPU, fp32 on CPU)"})
+    dtype: str = field(default="", metadata={
+        "choices": ("", *DTYPES), "help": "compute dtype: bfloat16 | float16 | float32 (default: bf16 on GPU, fp32 on CPU)"})
     log_level: str = field(default="INFO", metadata={"help": "logging level"})
     gpu_memory_cap_gb: float = field(default=0.0, metadata={
         "help": "hard per-process cap on CUDA memory (GiB), e.g. 22 to prove a 22 GB card suffices; 0 = none"})
@@ -92,11 +99,9 @@ class CommonConfig(ServeConfig):
         import torch
 
         if self.dtype:
-            names = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
-                     "fp16": torch.float16, "float32": torch.float32, "fp32": torch.float32}
-            if self.dtype not in names:
+            if self.dtype not in DTYPES:
                 raise SystemExit(f"--dtype {self.dtype!r}: use one of bfloat16, float16, float32")
-            return names[self.dtype]
+            return getattr(torch, DTYPES[self.dtype])
         return torch.bfloat16 if device.startswith("cuda") else torch.float32
 
     def resolved_cache_dir(self) -> Path:
@@ -110,7 +115,7 @@ def run_stage(cfg: CommonConfig, stage: str, make_engine: Callable[[CommonConfig
     logging.basicConfig(level=cfg.log_level.upper(), format=f"%(asctime)s {stage}[%(process)d] %(levelname)s %(message)s")
     info = rank_info_from_env()
     if "TORCHELASTIC_RUN_ID" in os.environ:  # launched by a torchrun agent
-        die_with_parent()
+        die_with_parent("this rank")
     followers_ignore_term(info.is_leader)
     temp = None
     if info.is_leader:
@@ -134,23 +139,6 @@ def run_stage(cfg: CommonConfig, stage: str, make_engine: Callable[[CommonConfig
     if temp is not None:
         temp.remove()
     _exit_cleanly()
-
-
-def die_with_parent() -> None:
-    """Ranks die with their torchrun agent (docs/reliability.md, "Orphan ranks"): the kernel SIGKILLs this
-    process when its parent exits (Linux prctl PR_SET_PDEATHSIG), so a `kill -9` of the agent cannot leave ranks
-    serving on their own. The agent starts its workers from its main thread, whose exit is what the kernel tracks."""
-    if not sys.platform.startswith("linux"):
-        return
-    import ctypes
-
-    parent = os.getppid()
-    pr_set_pdeathsig = 1
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(pr_set_pdeathsig, int(signal.SIGKILL), 0, 0, 0) != 0:
-        log.warning("prctl(PR_SET_PDEATHSIG) failed (errno %d): this rank may outlive its agent", ctypes.get_errno())
-    if os.getppid() != parent:  # the agent died before the request took effect
-        os._exit(70)
 
 
 class StageTempDir:
@@ -230,19 +218,11 @@ def _start(cfg: CommonConfig, stage: str, info: RankInfo, make_engine, service_n
             port = metrics.serve(cfg.metrics_host, cfg.metrics_port, cfg.port_file)
             scope = "loopback only; --metrics-host to expose" if is_loopback(cfg.metrics_host) else "plain HTTP, no auth"
             print(f"{stage} metrics on http://{cfg.metrics_host}:{port}/metrics ({scope})", flush=True)
-    # 2. Device and rank group.
-    if device.startswith("cuda"):
-        # Before the first CUDA allocation: expandable segments keep reserved ~= allocated as activation sizes change
-        # between jobs, so a stage under a card's memory cap does not lose GiBs to fragmentation (docs/memory.md).
-        os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
-        import torch
-
-        torch.cuda.set_device(device)
-        if cfg.gpu_memory_cap_gb > 0:
-            total = torch.cuda.get_device_properties(device).total_memory
-            torch.cuda.set_per_process_memory_fraction(min(1.0, cfg.gpu_memory_cap_gb * 2**30 / total), device)
-    backend = "nccl" if device.startswith("cuda") else "gloo"
-    group = RankGroup(info, backend, cfg.collective_timeout_s)
+    # 2. Rank group. The stage process never initialises CUDA (docs/residency.md, "What an idle stage holds"): on a
+    #    GPU its device work runs in a device worker that lives only while it holds weights, so its own group is
+    #    gloo (control, and the agreed cancellation); the workers form their own NCCL group at each load.
+    worker = wanted(device)
+    group = RankGroup(info, "gloo", cfg.collective_timeout_s)
     # Rank 0 learns which ranks share its host: it kills them when the group breaks (StageRuntime.follower_pids).
     ranks = group.gather_objects((socket.gethostname(), os.getpid()))
     who = f"{stage}@pid{os.getpid()}"
@@ -251,6 +231,9 @@ def _start(cfg: CommonConfig, stage: str, info: RankInfo, make_engine, service_n
     if cfg.residency == "exclusive":
         hold = RankHold(cfg.lease_device_for_rank(info), Path(cfg.lease_dir), f"{stage} rank {info.rank}")
     engine = make_engine(cfg, info, group)
+    if worker:
+        engine = DeviceWorkerEngine(engine, group, WorkerConfig(
+            stage, device, info.rank, info.world_size, cfg.collective_timeout_s, cfg.gpu_memory_cap_gb, cfg.log_level))
     if not info.is_leader:
         return _Started(group, engine, hold=hold)
     # 4. Rank 0: lease, budget and runtime. The lease object always exists (its event log records residency in both

@@ -15,6 +15,7 @@ from pathlib import Path
 import google_crc32c
 
 from h3.v1 import tensor_pb2
+from stagekit.errors import InvalidArgument
 
 # gRPC's default message cap is 4 MiB; 2 MiB chunks leave ample room for framing.
 MAX_CHUNK_BYTES = 2 << 20
@@ -38,7 +39,7 @@ def file_chunks(path: Path, name: str, mime: str, offset: int = 0) -> Iterator[t
     path = Path(path)
     size = path.stat().st_size
     if not 0 <= offset <= size:
-        raise ValueError(f"offset {offset} is outside the file ({size} bytes)")
+        raise InvalidArgument(f"offset {offset} is outside the file ({size} bytes)")
     crc = 0
     with open(path, "rb") as f:
         while f.tell() < offset:  # checksum the part the receiver already holds

@@ -19,7 +19,7 @@ import torch
 
 from h3.v1 import tensor_pb2
 from stagekit.checkpoints import nonfinite_flag
-from stagekit.errors import Internal
+from stagekit.errors import Internal, InvalidArgument
 from stagekit.transport import MAX_CHUNK_BYTES
 
 # Wire names of the dtypes a stage may exchange. Explicit, so a new dtype is a
@@ -44,8 +44,8 @@ FLOAT_DTYPES = ("float32", "bfloat16", "float16")
 MAX_TENSOR_BYTES = 4 << 30
 
 
-class WireError(ValueError):
-    """A tensor stream is malformed: wrong dtype/shape/size/checksum/order."""
+class WireError(InvalidArgument):
+    """A tensor stream is malformed: wrong dtype/shape/size/checksum/order (the request is wrong)."""
 
 
 def dtype_name(dtype: torch.dtype) -> str:

@@ -1,4 +1,4 @@
-"""Admission under attack (issue 16, docs/reliability.md "Hard edges"), against real stage processes.
+"""Admission under attack (docs/reliability.md "Hard edges"), against real stage processes.
 
 Stalled and flooding uploads (Sample, Decode) and stalled unary calls never take health or Status down and get a
 deadline status; every stage checks render params and tensor headers from the first message, before data;
@@ -122,7 +122,7 @@ def served_while_stalled(c: StageClients, stage: str) -> float:
 # ---- 1. stalled uploads / unary calls / floods -------------------------------------------------------------------
 @pytest.mark.parametrize("stage", ["dit", "decoder"])
 def test_stalled_uploads_never_take_the_stage_down(stack, clients, stage):
-    """40 uploads that go quiet after their first chunk (the issue's 32 took a stage down): the 8 admitted ones get
+    """40 uploads that go quiet after their first chunk (32 once took a stage down): the 8 admitted ones get
     DEADLINE_EXCEEDED after the idle deadline, the other 32 RESOURCE_EXHAUSTED at once; health and Status answer
     throughout, and a good job runs afterwards."""
     channels = [open_channel(stack.endpoints().of(stage)) for _ in range(4)]
@@ -299,7 +299,7 @@ def bomb() -> bytes:
 
 def test_image_bombs_are_refused_from_their_header(stack, clients, bomb):
     """Three 8000x8000 PNGs at once to the decoder's EncodeImage and the encoder's keyframes: refused at once from the
-    header (the issue measured +847 MiB and 4.3 s each on the decoder); neither process's peak memory moves."""
+    header (parsed, each cost +847 MiB and 4.3 s on the decoder); neither process's peak memory moves."""
     peaks0 = {s: mem_kib(stack.procs[s].pid, "VmHWM") for s in ("decoder", "encoder")}
     calls = [lambda: list(clients.decoder.EncodeImage(decoder_pb2.EncodeImageRequest(image=bomb, width=256, height=256),
                                                       timeout=30))] * 3

@@ -1,4 +1,4 @@
-"""scripts/bench_two_gpu.py: the pieces of the two-card run that need no GPU (weight writers at tiny size, the MP4
+"""benchmarks/bench_two_gpu.py: the pieces of the two-card run that need no GPU (weight writers at tiny size, the MP4
 check, the log / event / loadtest parsers). The whole script runs end to end on the CPU with --tiny (see
 docs/two_cards.md); that dry run takes minutes, so CI tests its parts here."""
 
@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_two_gpu", ROOT / "scripts" / "bench_two_gpu.py")
+    spec = importlib.util.spec_from_file_location("bench_two_gpu", ROOT / "benchmarks" / "bench_two_gpu.py")
     mod = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = mod  # its dataclasses resolve their module
     spec.loader.exec_module(mod)

@@ -19,6 +19,7 @@ from encoder_svc.tiny import (
     write_tiny_model,
 )
 from encoder_svc.tokenizer import PromptError, TextTokenizer, validate_prompt
+from stagekit.errors import FailedPrecondition
 
 PROMPT = "A red fox runs through snow at dawn. <d>Hello there!</d> Ünïcödé 雪."
 FULL_LAYERS = 4  # the oracle runs more layers than the conditioner uses (tiny: 2)
@@ -193,7 +194,7 @@ def test_release_special_ids_are_checked(tmp_path):
     tok = build_tiny_tokenizer()
     p = tmp_path / "tokenizer.json"
     tok.save(str(p))
-    with pytest.raises(ValueError, match="vision_start"):
+    with pytest.raises(FailedPrecondition, match="vision_start"):  # the file is wrong, not the request
         TextTokenizer.from_file(p, check_release_ids=True)
     assert TextTokenizer.from_file(p).special_ids  # small vocab: test tokenizer, no release-id check
 

@@ -71,3 +71,48 @@ def test_dit_row_chunk_default_per_mode():
     assert resolve_chunk_rows(8192, compile_blocks=True, tp_size=1) == 8192
     with pytest.raises(FailedPrecondition, match="--chunk-rows must be a positive row count"):
         resolve_chunk_rows(-1, compile_blocks=False, tp_size=1)
+
+
+# Enum-like settings of each stage, with one value they accept and one they refuse.
+ENUM_SETTINGS = [
+    ("dit_svc.server", "DiTConfigArgs", "H3_DIT_", "int8_mode", "dequant", "int4"),
+    ("dit_svc.server", "DiTConfigArgs", "H3_DIT_", "linear_kernel", "fp8", "fp9"),
+    ("dit_svc.server", "DiTConfigArgs", "H3_DIT_", "attention_kernel", "cudnn", "sage"),
+    ("dit_svc.server", "DiTConfigArgs", "H3_DIT_", "qkv_layout", "interleaved", "mixed"),
+    ("dit_svc.server", "DiTConfigArgs", "H3_DIT_", "residency", "shared", "sometimes"),
+    ("dit_svc.server", "DiTConfigArgs", "H3_DIT_", "dtype", "bf16", "float8"),
+    ("encoder_svc.server", "EncoderConfigArgs", "H3_ENCODER_", "mode", "compact", "lazy"),
+    ("decoder_svc.server", "DecoderConfigArgs", "H3_DECODER_", "preset", "veryslow", "turbo"),
+]
+
+
+@pytest.mark.parametrize("module,cls,prefix,name,good,bad", ENUM_SETTINGS)
+def test_enum_settings_are_refused_at_parse_time(tmp_path, monkeypatch, capsys, module, cls, prefix, name, good, bad):
+    """A value outside an enum-like setting's set stops the stage before it starts (flag, env var or config file),
+    naming the valid values; every valid one passes."""
+    import importlib
+
+    Cfg_ = getattr(importlib.import_module(module), cls)
+    flag = "--" + name.replace("_", "-")
+    assert getattr(parse_config(Cfg_, [flag, good], env_prefix=prefix), name) == good
+    with pytest.raises(SystemExit) as e:
+        parse_config(Cfg_, [flag, bad], env_prefix=prefix)
+    assert e.value.code == 2 and "invalid choice" in capsys.readouterr().err
+    f = tmp_path / "c.yaml"
+    f.write_text(f"{name}: {bad}\n")
+    with pytest.raises(SystemExit, match=f"setting {name}: '{bad}' is not one of .*'{good}'"):
+        parse_config(Cfg_, ["--config", str(f)], env_prefix=prefix)
+    monkeypatch.setenv(prefix + name.upper(), bad)
+    with pytest.raises(SystemExit, match=f"setting {name}: '{bad}'"):
+        parse_config(Cfg_, [], env_prefix=prefix)
+
+
+def test_a_stage_with_a_bad_enum_flag_exits_before_it_starts():
+    """`python -m dit_svc --int8-mode int4` exits 2 at once with the valid values, not at the first job."""
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-m", "dit_svc", "--int8-mode", "int4", "--port", "0"],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2, run.stderr[-2000:]
+    assert "--int8-mode: invalid choice: 'int4' (choose from 'kernel', 'dequant')" in run.stderr

@@ -1,4 +1,4 @@
-"""Process-lifecycle edges (issue 16, docs/reliability.md "Hard edges"), against real stage processes.
+"""Process-lifecycle edges (docs/reliability.md "Hard edges"), against real stage processes.
 
 One listener per port; a follower rank that outlives its rank 0 keeps the device leased; temp files never outlive
 a failed, cancelled or killed mux (nor a killed client's download); a client that leaves stops the mux.
@@ -113,13 +113,15 @@ def test_a_second_server_on_a_taken_port_refuses_before_any_work(stack, tmp_path
 
 # ---- 7. temp files -----------------------------------------------------------------------------------------------
 def test_a_failed_mux_leaves_no_temp_file(stack, tmp_path):
-    """Huge finite latents decode to non-finite pixels and the mux fails (the issue: an empty h3dec-*.mp4 was left
+    """Huge finite latents decode to non-finite pixels and the mux fails (without care an empty h3dec-*.mp4 is left
     in the system temp dir for every such request)."""
     before = set(Path(os.environ.get("TMPDIR", "/tmp")).glob("h3dec-*"))
     v, a = latents(SMALL, scale=1e30)
     with clients_of(stack) as c, pytest.raises(grpc.RpcError) as e:
         decode(c, SMALL, v, a, tmp_path / "bad.mp4", timeout_s=120)
-    assert e.value.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.INTERNAL), e.value
+    # Not an error the request check can see (the latents are finite): a fault the decoder finds in its own result,
+    # INTERNAL naming the stage (stagekit/errors.py `Internal`), never the client's fault.
+    assert e.value.code() == grpc.StatusCode.INTERNAL and e.value.details().startswith("decoder: "), e.value
     assert temp_files(stack) == [] and set(Path(os.environ.get("TMPDIR", "/tmp")).glob("h3dec-*")) <= before
     assert not list(tmp_path.iterdir()), "nothing next to the output either"
 
@@ -206,7 +208,7 @@ CLIENT = textwrap.dedent("""
 
 def test_a_killed_client_leaves_no_partial_output(stack, tmp_path):
     """`kill -9` of a client while it downloads: nothing is left next to -o (the partial file has no name until it
-    is complete; the issue found a hidden `.v.mp4.*` left behind)."""
+    is complete; no hidden `.v.mp4.*` is left behind)."""
     out_dir = tmp_path / "out"
     out_dir.mkdir()
     proc = subprocess.Popen([sys.executable, "-c", CLIENT, str(stack.ports["decoder"]), str(out_dir / "v.mp4")],
@@ -229,7 +231,7 @@ def test_a_killed_client_leaves_no_partial_output(stack, tmp_path):
 # ---- 6. every rank holds its device ------------------------------------------------------------------------------
 def test_a_follower_outliving_rank_0_keeps_the_device_leased(stack):
     """A 2-rank DiT holds its weights on virt0. Rank 1 hangs (SIGSTOP), rank 0 is killed: the decoder asking for
-    virt0 must wait until rank 1 is gone too (the issue: it loaded 0.1 s after rank 0's death)."""
+    virt0 must wait until rank 1 is gone too (it must not load 0.1 s after rank 0's death)."""
     lease_dir = stack.lease_dir
     with clients_of(stack) as c:
         c.decoder.Unload(common_pb2.UnloadRequest(), timeout=60)

@@ -1,4 +1,4 @@
-"""fl2va (issue 11): first/last keyframe conditioning.
+"""fl2va: first/last keyframe conditioning.
 
 - DiT sampler level (in process, tiny config): the conditioning rows the model sees are 0.999·z + 0.001·ε, identical
   at every step, tagged video, at t = 0.999 and RoPE times L / L + 5/3·(F−1); the sampler integrates only target rows;

@@ -452,19 +452,19 @@ def test_triton_kernel_in_the_interpreter():
 
 @needs_triton
 def test_kernel_registers_compiles_for_sm90():
-    """scripts/kernel_registers.py: the SwiGLU and O-rows kernels at their default launches compile for sm_90 on the
+    """benchmarks/kernel_registers.py: the SwiGLU and O-rows kernels at their default launches compile for sm_90 on the
     CPU and do not spill (a per-element slow-path division, say, would show here)."""
     from stagekit.fp8_rows import O_ROWS_BLOCK_ROWS, O_ROWS_NUM_WARPS, SWIGLU_BLOCK_ROWS, SWIGLU_NUM_WARPS
 
     for op, config in (("swiglu", f"{SWIGLU_BLOCK_ROWS}x{SWIGLU_NUM_WARPS}"),
                        ("orows", f"{O_ROWS_BLOCK_ROWS}x{O_ROWS_NUM_WARPS}")):
-        run = subprocess.run([sys.executable, "scripts/kernel_registers.py", "--ops", op, "--configs", config],
+        run = subprocess.run([sys.executable, "benchmarks/kernel_registers.py", "--ops", op, "--configs", config],
                              cwd=REPO, capture_output=True, text=True, timeout=300)
         assert run.returncode == 0 and " 0 B spilled" in run.stdout, run.stdout + run.stderr
 
 
 def test_bench_tiny_runs_on_the_cpu(tmp_path):
-    """scripts/bench_fp8_rows.py --tiny: the dry run writes one JSON per op (the kernels too where triton is
+    """benchmarks/bench_fp8_rows.py --tiny: the dry run writes one JSON per op (the kernels too where triton is
     installed)."""
     results = run_bench_tiny("bench_fp8_rows.py", tmp_path)
     assert sorted(results) == ["fp8_rows.json", "o_rows_fp8.json", "swiglu_fp8.json"]

@@ -206,7 +206,7 @@ def test_triton_kernel_in_the_interpreter():
 
 
 def test_bench_tiny_runs_on_the_cpu(tmp_path):
-    """scripts/bench_qk_norm_rope.py --tiny: the dry run writes its JSON (the kernel too where triton is installed)."""
+    """benchmarks/bench_qk_norm_rope.py --tiny: the dry run writes its JSON (the kernel too where triton is installed)."""
     result = run_bench_tiny("bench_qk_norm_rope.py", tmp_path)["qk_norm_rope.json"]
     assert [s["rows"] for s in result["shapes"]] == [37, 100]
     assert all("reference eager" in s["variants"] for s in result["shapes"])

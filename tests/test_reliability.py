@@ -194,7 +194,7 @@ def test_kill_rank1_mid_sample_fails_job_then_group_restarts_on_same_port(dit2):
 def test_hung_rank_fails_the_job_and_the_group_is_back_quickly(dit2):
     """Rank 1 hangs (SIGSTOP) mid-sample: the job fails with UNAVAILABLE once the collective times out; rank 0 then
     kills its local followers itself, so torchrun restarts the group at once instead of waiting out its 30 s stop
-    grace on the hung rank (the issue measured 46 s from hang to recovery)."""
+    grace on the hung rank (46 s from hang to recovery without it)."""
     port = dit2.ports["dit"]
     root = dit2.procs["dit"].pid
     ranks = rank_pids(root)

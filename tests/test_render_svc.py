@@ -1,4 +1,4 @@
-"""The render service (issue 19) through real processes: the session's stage stack (encoder, DiT, decoder on
+"""The render service through real processes: the session's stage stack (encoder, DiT, decoder on
 loopback, tiny embedded model) with a `python -m render_svc` process beside it.
 
 - one call: Render streams the job, progress of every stage, then the MP4; the job record says where it ran;

@@ -1,4 +1,4 @@
-"""Stage batching across clients (issue 19).
+"""Stage batching across clients.
 
 - The planner (render_svc/planner.py, pure): queued work is served stage by stage in batches; it stays on the
   resident stage while that keeps every other waiting job within the fairness bound, and under random arrivals

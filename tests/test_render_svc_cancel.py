@@ -1,4 +1,4 @@
-"""Cancel a render job at every stage (issue 19), through real processes (session stage stack + render_svc).
+"""Cancel a render job at every stage, through real processes (session stage stack + render_svc).
 
 Where the job is, deterministically: the test holds the stages' device lease, so a job sent to a stage blocks
 inside it (keyframes, encoder) while the next job waits in the render service's queue; the DiT and the decoder get

@@ -1,4 +1,4 @@
-"""Render service jobs survive (issue 19).
+"""Render service jobs survive.
 
 The job store alone (render_svc/store.py, in process): a job finishes once, a restart requeues running jobs until
 their attempts are used up, then fails them; an idempotency key names one job; another process cannot open the run

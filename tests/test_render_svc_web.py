@@ -1,4 +1,4 @@
-"""The render service's read-only web page (issue 19), in headless Chromium (Debian's `chromium` package; .ci/run
+"""The render service's read-only web page, in headless Chromium (Debian's `chromium` package; .ci/run
 installs it), driven over the DevTools protocol on a pipe (--remote-debugging-pipe: NUL-separated JSON on fds 3/4).
 
 With a token on the service: the page loads once opened with ?token= (the cookie carries it afterwards), a submitted

@@ -304,6 +304,49 @@ def test_idle_unload_and_step_aside_when_other_waits(tmp_path):
         rb.shutdown(False, 2)
 
 
+class UnsizedEngine(FakeEngine):
+    """No `estimate_peak_bytes` (like the encoder), with or without a header-based `weight_bytes` (the decoder)."""
+
+    estimate_peak_bytes = None
+
+    def __init__(self, weight_bytes: int | None = None):
+        super().__init__()
+        if weight_bytes is not None:
+            self.weight_bytes = lambda: weight_bytes
+
+
+def _shared(tmp_path, holder, engine, budget_bytes=100):
+    group = RankGroup(RankInfo(0, 1, 0), "gloo", 10)
+    budget = MemoryBudget(["virt0"], BudgetConfig(tmp_path, holder, budget_bytes, timeout_s=60))
+    return StageRuntime(engine, group, None, RuntimeConfig(residency="shared"), budget=budget)
+
+
+@pytest.mark.parametrize("hint", [True, False], ids=["weight_bytes", "no_size"])
+def test_shared_stage_stays_loaded_between_jobs_unless_room_is_needed(tmp_path, hint):
+    """Shared residency, two identical jobs of a sized stage (the DiT) around the first load of a stage without an
+    estimate (the decoder). With the decoder's header-based `weight_bytes` its first load reserves what it needs and
+    the DiT serves both jobs in one residency; without any size it must reserve the whole budget, so the idle DiT
+    steps aside for it, and its unload says why in the event log."""
+    dit, dec = FakeEngine(est=50), UnsizedEngine(10 if hint else None)
+    rd, rv = _shared(tmp_path, "dit", dit), _shared(tmp_path, "decoder", dec)
+    try:
+        assert _wait(rd.submit(Job(spec="d0", inputs={}))).kind == "done"
+        assert _wait(rv.submit(Job(spec="v0", inputs={}))).kind == "done"
+        assert _wait(rd.submit(Job(spec="d1", inputs={}))).kind == "done"
+        ev = read_events(tmp_path)
+        unloads = [e for e in ev if e["event"] == "unload_start"]
+        if hint:
+            assert rd.loads == 1 and rv.loads == 1 and unloads == [], unloads
+            assert [e["bytes"] for e in ev if e["event"] == "budget_reserve" and e["holder"] == "decoder"] == [10]
+        else:
+            assert rd.loads == 2, "the whole-budget reservation makes the idle DiT step aside once"
+            assert [(e["holder"], e["reason"]) for e in unloads] == [("dit", "others_waiting")], unloads
+        assert replay_budget(ev) <= 100
+    finally:
+        rd.shutdown(False, 2)
+        rv.shutdown(False, 2)
+
+
 def test_snapshot_agrees_with_what_clients_saw(tmp_path):
     """Status is one moment (docs/testing.md): once a client has its job's outcome the runtime shows the job done and
     nothing running; once it shows "not resident" its lease is back. Checked after every job and every unload."""

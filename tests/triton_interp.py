@@ -27,11 +27,11 @@ def run_in_interpreter(code: str, expect: str = "") -> None:
 
 
 def run_bench_tiny(script: str, out: Path) -> dict:
-    """`python scripts/<script> --tiny --out <out>` (a GPU benchmark's CPU dry run) must exit 0; its JSON files
+    """`python benchmarks/<script> --tiny --out <out>` (a GPU benchmark's CPU dry run) must exit 0; its JSON files
     (name -> content; one per op the script times)."""
     import json
 
-    run = subprocess.run([sys.executable, f"scripts/{script}", "--tiny", "--out", str(out)], cwd=REPO,
+    run = subprocess.run([sys.executable, f"benchmarks/{script}", "--tiny", "--out", str(out)], cwd=REPO,
                          capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stdout + run.stderr
     return {path.name: json.loads(path.read_text()) for path in out.glob("*.json")}

@@ -1,13 +1,13 @@
 #!/usr/bin/env python
-"""Two 22 GB cards, end to end, on two H200s (issue 14): the product path at the seeds' resolutions under the
+"""Two 22 GB cards, end to end, on two H200s: the product path at the seeds' resolutions under the
 22 GiB-per-GPU rule, started and driven the way a user does it, with a memory trace that proves the turn-taking.
 
 One invocation per part; each stays inside --budget-s (default 530 s) so a 10-minute device command returns data.
 Weights live in --models-dir and are reused while the machine stays warm (a fresh machine writes them first):
 
-    python3 scripts/bench_two_gpu.py --part rule  --models-dir /tmp/h3models --out $OUT
-    python3 scripts/bench_two_gpu.py --part scale --models-dir /tmp/h3models --out $OUT
-    python3 scripts/bench_two_gpu.py --part rule --tiny --models-dir /tmp/h3tiny --out /tmp/h3out   # CPU dry run
+    python3 benchmarks/bench_two_gpu.py --part rule  --models-dir /tmp/h3models --out $OUT
+    python3 benchmarks/bench_two_gpu.py --part scale --models-dir /tmp/h3models --out $OUT
+    python3 benchmarks/bench_two_gpu.py --part rule --tiny --models-dir /tmp/h3tiny --out /tmp/h3out   # CPU dry run
 
 Parts (items in this order; every result is written to the JSON as soon as it exists; an item that would not finish
 inside the budget is skipped and listed, with a ready `--only` value to run it later):
@@ -70,7 +70,7 @@ MATRIX = [("832x480x124", (832, 480, 124), (256, 256, 22)),
 SIZES = {label: (full, tiny) for label, full, tiny in MATRIX}
 SCALING_SHAPES = ("832x480x124", "1344x768x124")
 DECODE_SHAPE = "1344x768x124"
-# Rough seconds per item on 2 x H200 (TP2, swaps included; DiT s/step from scripts/bench_tp.py: 1.25 / 4.35 at
+# Rough seconds per item on 2 x H200 (TP2, swaps included; DiT s/step from benchmarks/bench_tp.py: 1.25 / 4.35 at
 # 832x480 / 1344x768, int8), scaled by what the renders so far show.
 EST_RENDER = {"832x480x124": 35, "1920x1088x124": 150, "1600x896x124": 90, "1344x768x124": 55}
 EST = {"weights": 150, "stack": 60, "decode-1v2": 45, "parity": 30, "tp2-steps": 45, "tp1-steps": 75,

@@ -5,8 +5,8 @@ Each rank holds the full VAE decoder and decodes every N-th tile x chunk unit; t
 rank at a time on the local device (units r, r+N, ...), which is exactly one rank's work and memory,
 so "fits in 22 GiB per rank with 2 ranks" is measured without a second GPU.
 
-    python scripts/bench_decode.py                       # CPU: tiny config, 832x480x124
-    python scripts/bench_decode.py --full --ranks 2 --sizes 832x480x124 1920x1088x124 --json out.json   # GPU
+    python benchmarks/bench_decode.py                       # CPU: tiny config, 832x480x124
+    python benchmarks/bench_decode.py --full --ranks 2 --sizes 832x480x124 1920x1088x124 --json out.json   # GPU
 
 Weights are random (fp16 on the GPU, as the ComfyUI file), built in memory.
 """

@@ -2,10 +2,10 @@
 GPU architecture without one (Triton compiles on the CPU; ptxas and cuobjdump ship with its wheel). Occupancy of
 these whole-row-in-registers kernels is set by registers per thread: it says how many rows an SM keeps in flight.
 
-    python scripts/kernel_registers.py                      # all ops, each op's default sweep, sm_90 (H100/H200)
-    python scripts/kernel_registers.py --ops swiglu --configs 1x32,1x16 --arch 90
+    python benchmarks/kernel_registers.py                      # all ops, each op's default sweep, sm_90 (H100/H200)
+    python benchmarks/kernel_registers.py --ops swiglu --configs 1x32,1x16 --arch 90
 
-Configs as scripts/bench_fp8_rows.py's (ROWSxWARPS). Integer arguments are compiled as a real launch specialises
+Configs as benchmarks/bench_fp8_rows.py's (ROWSxWARPS). Integer arguments are compiled as a real launch specialises
 them at the DiT's widths (pointers, row strides and widths divisible by 16: vectorised loads; unit strides
 constant). Prints one line per config: registers per thread, local-memory stack
 bytes (spills), dynamic shared memory, and the CTAs (and rows) an SM holds at once by registers, threads and

@@ -1,10 +1,10 @@
 """8-bit attention on one GPU: op-level error and speed of each fp8 option, and the DiT's velocity error with it.
 
-    python scripts/bench_attention.py --out $OUT                 # full run (one H200: a few minutes)
-    python scripts/bench_attention.py --check --out $OUT         # GPU self-check only (< 1 min), exit 1 on failure
-    python scripts/bench_attention.py --layers 2 --out $OUT      # smoke (same code, 2 blocks)
-    python scripts/bench_attention.py --tiny --out /tmp/att      # CPU dry run (tiny model; the kernel emulated)
-    python scripts/bench_attention.py --quant --out $OUT         # only the q/k/v quantisers (step 4, < 2 min)
+    python benchmarks/bench_attention.py --out $OUT                 # full run (one H200: a few minutes)
+    python benchmarks/bench_attention.py --check --out $OUT         # GPU self-check only (< 1 min), exit 1 on failure
+    python benchmarks/bench_attention.py --layers 2 --out $OUT      # smoke (same code, 2 blocks)
+    python benchmarks/bench_attention.py --tiny --out /tmp/att      # CPU dry run (tiny model; the kernel emulated)
+    python benchmarks/bench_attention.py --quant --out $OUT         # only the q/k/v quantisers (step 4, < 2 min)
 
 Options compared (stagekit/fp8_attention.py): `naive` (q, k, v per tensor), `head` (V / O per head), `head+k`
 (+ K mean subtraction), `head+kv` (+ V mean subtraction), `head+kv+static-qk` (the registry's default: in the

@@ -1,4 +1,4 @@
-"""What the op-level benchmarks of the Triton kernels share (scripts/bench_qk_norm_rope.py, scripts/bench_fp8_rows.py):
+"""What the op-level benchmarks of the Triton kernels share (benchmarks/bench_qk_norm_rope.py, benchmarks/bench_fp8_rows.py):
 timing each variant of one op at one size, comparing e4m3 outputs, failing on an error bound, and writing the result
 file."""
 

@@ -1,7 +1,7 @@
 """Op level: the DiT attention's q/k RMSNorm + RoPE + layout write, plain torch against the Triton kernel.
 
-    python scripts/bench_qk_norm_rope.py --out $OUT               # one GPU: S = 14,882 and 37,748, H = 56 (< 1 min)
-    python scripts/bench_qk_norm_rope.py --tiny --out /tmp/qk     # CPU dry run: small shapes, reference only, plus
+    python benchmarks/bench_qk_norm_rope.py --out $OUT               # one GPU: S = 14,882 and 37,748, H = 56 (< 1 min)
+    python benchmarks/bench_qk_norm_rope.py --tiny --out /tmp/qk     # CPU dry run: small shapes, reference only, plus
                                                                   # the kernel in triton's interpreter if installed
 
 For each S (y = the qkv projection's output [S, 3 * H * D], bf16; gains [D] bf16; cos/sin [S, r] fp32; out

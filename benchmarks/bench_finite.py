@@ -1,7 +1,7 @@
 """What the NaN / Inf check of the weights costs (docs/checkpoints.md, "Finite weights"): seconds per GiB.
 
-    python scripts/bench_finite.py                      # 1 GiB per dtype, CPU
-    python scripts/bench_finite.py --gib 4 --device cuda:0
+    python benchmarks/bench_finite.py                      # 1 GiB per dtype, CPU
+    python benchmarks/bench_finite.py --gib 4 --device cuda:0
 
 For each dtype (bf16, fp16, fp32) it writes a safetensors file of `--gib` GiB in 64 MiB tensors, reads it once to
 warm the page cache, then times, best of `--repeat`:

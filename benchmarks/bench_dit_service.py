@@ -2,10 +2,10 @@
 """The DiT service against its own engine: s/step through gRPC vs the bare forward, and compile warm-up on a first
 and a second start (persistent torch.compile cache).
 
-    python scripts/bench_dit_service.py --models-dir /tmp/h3svc --out $OUT --layers 16 \\
+    python benchmarks/bench_dit_service.py --models-dir /tmp/h3svc --out $OUT --layers 16 \\
         --linear-kernel fp8 --attention-kernel cudnn --compile-blocks            # one H200, a few minutes
-    python scripts/bench_dit_service.py --weights W --out $OUT ...               # an existing checkpoint W
-    python scripts/bench_dit_service.py --tiny --out /tmp/svc                    # CPU dry run (embedded model)
+    python benchmarks/bench_dit_service.py --weights W --out $OUT ...               # an existing checkpoint W
+    python benchmarks/bench_dit_service.py --tiny --out /tmp/svc                    # CPU dry run (embedded model)
 
 1. Writes a random checkpoint in the real int8-ConvRot layout with `--layers` blocks (full width; the service
    reads the block count from the file) unless it exists or `--weights` names one.

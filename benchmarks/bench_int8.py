@@ -1,7 +1,7 @@
 """Int8 ConvRot linear: comfy-kitchen kernel vs dequantise-once vs plain bf16, error and (on GPU) time.
 
-    python scripts/bench_int8.py                       # x [512, 5376] @ W [7168, 5376]^T (a DiT out_proj-ish GEMM)
-    python scripts/bench_int8.py --m 4096 --n 21504    # qkv at a longer sequence
+    python benchmarks/bench_int8.py                       # x [512, 5376] @ W [7168, 5376]^T (a DiT out_proj-ish GEMM)
+    python benchmarks/bench_int8.py --m 4096 --n 21504    # qkv at a longer sequence
 
 Relative error = ||y - ref||_F / ||ref||_F with ref = fp32 x @ W^T on the unquantized weight. Two activation sets:
 Gaussian, and Gaussian with 8 outlier channels x50 (DiT-like activations, where ConvRot matters).

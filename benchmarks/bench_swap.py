@@ -9,9 +9,9 @@ Starts the three stage servers on one (virtual or real) device, then:
    - concurrent: `--jobs` clients submit whole renders at once; the stages batch what is queued
      (`--max-batch-before-yield` bounds a batch while another stage waits).
 
-    python scripts/bench_swap.py                      # CPU, tiny embedded models, virtual device virt0
-    python scripts/bench_swap.py --devices cuda:0     # one real GPU
-    python scripts/bench_swap.py --calibrate cuda:0   # DiT memory estimate vs measured peak (no servers)
+    python benchmarks/bench_swap.py                      # CPU, tiny embedded models, virtual device virt0
+    python benchmarks/bench_swap.py --devices cuda:0     # one real GPU
+    python benchmarks/bench_swap.py --calibrate cuda:0   # DiT memory estimate vs measured peak (no servers)
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """Text encoder throughput and memory per checkpoint format and residency mode.
 
-    python scripts/bench_encoder.py                  # CPU: the tiny model, every variant x mode
-    python scripts/bench_encoder.py --tokens 512 --json out.json
+    python benchmarks/bench_encoder.py                  # CPU: the tiny model, every variant x mode
+    python benchmarks/bench_encoder.py --tokens 512 --json out.json
 
 For each (variant, mode): load time, tokens/s for one prompt of --tokens tokens, and the weight bytes the
 conditioner keeps on its device (`device_bytes`; in stream mode the weights stay on the host and each layer is

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Time a whole render per stage through real servers (the embedded stack).
 
-    .venv/bin/python scripts/bench_render.py [--width 832 --height 480 --frames 124 --steps 8] [--repeats 1]
+    .venv/bin/python benchmarks/bench_render.py [--width 832 --height 480 --frames 124 --steps 8] [--repeats 1]
                                              [--hogs N] [--cli] [--json out.json]
 
 Reports stack start-up, then per stage: wall, queue, lease wait, load, compute, transfer. `--cli` also times what a

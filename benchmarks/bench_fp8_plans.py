@@ -1,9 +1,9 @@
 """cuDNN fp8 SDPA on one GPU: every execution plan cuDNN offers, per memory layout, and the kernel under load.
 
-    python scripts/bench_fp8_plans.py --out $OUT                    # one H200: about 2-3 minutes
-    python scripts/bench_fp8_plans.py --out $OUT --parts plans      # one part
+    python benchmarks/bench_fp8_plans.py --out $OUT                    # one H200: about 2-3 minutes
+    python benchmarks/bench_fp8_plans.py --out $OUT --parts plans      # one part
 
-Why (docs/performance.md, "Faster DiT"): inside the DiT the fp8 SDPA kernel ran 8-11 % slower than the same kernel
+Why (docs/performance.md, "Why the isolated floor is not reached"): inside the DiT the fp8 SDPA kernel ran 8-11 % slower than the same kernel
 timed on its own. Three candidate causes, one part each:
 
 1. plans: the graph stagekit/fp8_attention.py declares, at the served [1, 56, S, 128], for q/k/v/O laid out BHSD

@@ -1,9 +1,9 @@
 """Op level: the DiT block's fused "something + fp8 row quantisation" kernels (stagekit/fp8_rows.py), plain torch
 against Triton, for each of --ops:
 
-    python scripts/bench_fp8_rows.py --out $OUT               # one GPU, all ops: rows = 14,882 and 37,748
-    python scripts/bench_fp8_rows.py --ops swiglu --out $OUT  # one op
-    python scripts/bench_fp8_rows.py --tiny --out /tmp/fr     # CPU dry run: small shapes, reference only, plus the
+    python benchmarks/bench_fp8_rows.py --out $OUT               # one GPU, all ops: rows = 14,882 and 37,748
+    python benchmarks/bench_fp8_rows.py --ops swiglu --out $OUT  # one op
+    python benchmarks/bench_fp8_rows.py --tiny --out /tmp/fr     # CPU dry run: small shapes, reference only, plus the
                                                               # kernels in triton's interpreter if installed
 
 - `modulate`: RMSNorm + AdaLN modulation + fp8 row quantisation (x = the fp32 residual [rows, C], C = 5376; norm

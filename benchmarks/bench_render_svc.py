@@ -10,9 +10,9 @@ Each mode has its own prompts (the encoder's prompt cache would hide its swaps).
 stages' host-wide event log. The fl2va part (decoder unloaded first) compares the bytes the decoder loads for the
 keyframes (the VAE encoder alone) with its decode residency.
 
-    python scripts/bench_render_svc.py                          # CPU, tiny embedded models, virtual device virt0
-    python scripts/bench_render_svc.py --devices cuda:0 --models-dir ~/models --size 832x480x124 --steps 8
-    python scripts/bench_render_svc.py --json docs/performance_data/render_svc_batching_cpu.json
+    python benchmarks/bench_render_svc.py                          # CPU, tiny embedded models, virtual device virt0
+    python benchmarks/bench_render_svc.py --devices cuda:0 --models-dir ~/models --size 832x480x124 --steps 8
+    python benchmarks/bench_render_svc.py --json docs/performance_data/render_svc_batching_cpu.json
 """
 
 from __future__ import annotations

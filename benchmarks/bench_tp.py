@@ -1,10 +1,10 @@
 #!/usr/bin/env python
 """DiT tensor-parallel scaling through the service's own engine: load speed, s/step, all-reduce share, peak memory.
 
-    torchrun --standalone --nproc-per-node 2 scripts/bench_tp.py --weights dit.safetensors --out tp2.json
-    torchrun --standalone --nproc-per-node 1 scripts/bench_tp.py --weights dit.safetensors --out tp1.json
-    torchrun --standalone --nproc-per-node 2 scripts/bench_tp.py --weights dit.safetensors --sp-degree 2 --out sp2.json
-    python scripts/bench_tp.py --tiny --out tp.json          # CPU dry run (embedded tiny model, gloo)
+    torchrun --standalone --nproc-per-node 2 benchmarks/bench_tp.py --weights dit.safetensors --out tp2.json
+    torchrun --standalone --nproc-per-node 1 benchmarks/bench_tp.py --weights dit.safetensors --out tp1.json
+    torchrun --standalone --nproc-per-node 2 benchmarks/bench_tp.py --weights dit.safetensors --sp-degree 2 --out sp2.json
+    python benchmarks/bench_tp.py --tiny --out tp.json          # CPU dry run (embedded tiny model, gloo)
 
 Every rank builds `dit_svc.engine.DiTEngine` exactly as the DiT service does (the real checkpoint loader reading
 only this rank's slices, the kernel registry, the Megatron TP model), so the numbers are the service's minus gRPC:

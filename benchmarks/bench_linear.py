@@ -1,9 +1,9 @@
 #!/usr/bin/env python
-"""The DiT block linears one by one: which 8-bit GEMM form is fastest at the real shapes (issue 18's profile).
+"""The DiT block linears one by one: which 8-bit GEMM form is fastest at the real shapes (docs/performance.md).
 
-    python scripts/bench_linear.py --out $OUT/linear.json                   # one GPU (sm_89+), about a minute
-    python scripts/bench_linear.py --autotune --out $OUT/linear.json        # + torch.compile max-autotune (minutes)
-    python scripts/bench_linear.py --tiny --out /tmp/linear.json            # CPU dry run (forms that run there)
+    python benchmarks/bench_linear.py --out $OUT/linear.json                   # one GPU (sm_89+), about a minute
+    python benchmarks/bench_linear.py --autotune --out $OUT/linear.json        # + torch.compile max-autotune (minutes)
+    python benchmarks/bench_linear.py --tiny --out /tmp/linear.json            # CPU dry run (forms that run there)
 
 For every block linear (qkv, out, fc1, fc2 of docs/model.md; one GPU, no tensor parallelism) at M = S rows of
 832x480x124 and 1344x768x124, ms per call (CUDA-synchronised median) and TFLOP/s of:

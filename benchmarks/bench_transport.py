@@ -5,7 +5,7 @@ A server on 127.0.0.1 receives a tensor as a TensorChunk stream (the codec both
 ways: encode, validate, reassemble), and the figure is compared with a plain
 in-process bytes copy of the same size in the same run.
 
-    python scripts/bench_transport.py [--sizes-mib 16 256] [--repeats 3]
+    python benchmarks/bench_transport.py [--sizes-mib 16 256] [--repeats 3]
 """
 
 import argparse

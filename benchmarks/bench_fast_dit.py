@@ -1,10 +1,9 @@
 #!/usr/bin/env python
-"""Issue 18's whole GPU matrix in one device call (`nvidia-h200-x2`, at most `--total-s` = 540 s of wall time).
+"""The DiT's one- and two-GPU benchmark matrix in one run on a two-GPU host (at most `--total-s` = 540 s of wall time).
 
-    python scripts/bench_fast_dit.py --out $OUT                    # on the device (2 GPUs): docs/performance.md,
-                                                                   # "The device run" has the exact call
-    python scripts/bench_fast_dit.py --tiny --out /tmp/fastdit     # CPU dry run: the same items, tiny model and shapes
-    python scripts/bench_fast_dit.py --only attention,tp2 --budget tp2=200 --out $OUT    # a subset, other budgets
+    python benchmarks/bench_fast_dit.py --out $OUT                    # on 2 GPUs: docs/performance.md
+    python benchmarks/bench_fast_dit.py --tiny --out /tmp/fastdit     # CPU dry run: the same items, tiny model and shapes
+    python benchmarks/bench_fast_dit.py --only attention,tp2 --budget tp2=200 --out $OUT    # a subset, other budgets
 
 Every item is one subprocess of a benchmark script with a time budget; one that fails, or runs out of time (SIGINT,
 then SIGKILL to its process group; leftover stage processes under its work folder are ended by id), is recorded
@@ -54,11 +53,10 @@ sys.path.insert(0, str(REPO))
 
 from stagekit.procs import stop_group  # noqa: E402  (stdlib only)
 
-SCRIPTS = REPO / "scripts"
+BENCHMARKS = REPO / "benchmarks"
 SHAPES = "832x480x124,1344x768x124"
 SERVICE_SHAPE = "832x480x124"
-# Where the device image differs from a plain machine: NVLink multicast must stay off (the workplace's rule for
-# shared GPU hosts; docs/performance.md, "The device run").
+# NVLink multicast stays off, as shared GPU hosts require.
 DEVICE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1",
               "PYTHONUNBUFFERED": "1"}
 PACKAGES = ("torch", "triton", "nvidia-cudnn-frontend", "comfy-kitchen", "diffusers", "grpcio", "protobuf",
@@ -294,7 +292,7 @@ def build_items(args, out: Path, work: Path, ckpt: Path) -> dict[str, Item]:
 
     def torchrun(n: int, name: str, extra: list[str]) -> list[str]:
         argv = [py, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(n),
-                str(SCRIPTS / "bench_tp.py"), *tiny, "--weights", str(ckpt), "--shapes", args.shapes,
+                str(BENCHMARKS / "bench_tp.py"), *tiny, "--weights", str(ckpt), "--shapes", args.shapes,
                 "--no-reload", "--out", str(out / f"{name}.json"), *extra]
         if args.tiny:
             return argv + ["--iters", "1"]
@@ -303,16 +301,16 @@ def build_items(args, out: Path, work: Path, ckpt: Path) -> dict[str, Item]:
 
     items = {
         # One GPU, no collective to overlap: rows unchunked (chunk >= S). The chunk loop unrolls into each compiled
-        # block's graph; issue 8 compiled 1344x768x124 (3 chunks of 16384) in 45 s, 832x480x124 (1 chunk) in 12 s.
-        "dit": Item("dit", [py, str(SCRIPTS / "bench_dit.py"), *tiny, "--variants", "diffusers,fp8cf,fp8caf",
+        # block's graph; with 16,384-row chunks 1344x768x124 compiled (3 chunks of 16384) in 45 s, 832x480x124 (1 chunk) in 12 s.
+        "dit": Item("dit", [py, str(BENCHMARKS / "bench_dit.py"), *tiny, "--variants", "diffusers,fp8cf,fp8caf",
                             "--json", str(out / "dit.json"),
                             *([] if args.tiny else ["--shapes", args.shapes, "--chunk-rows", "65536"])]),
         "ckpt": Item("ckpt", [py, str(Path(__file__).resolve()), *tiny, "--write-checkpoint", str(ckpt)]),
-        "attention": Item("attention", [py, str(SCRIPTS / "bench_attention.py"), *tiny, "--layers", "2",
+        "attention": Item("attention", [py, str(BENCHMARKS / "bench_attention.py"), *tiny, "--layers", "2",
                                         "--out", str(work / "attention"),
                                         *([] if args.tiny else ["--shapes", args.shapes])],
                           copy={"attention.json": "attention.json"}),
-        "service": Item("service", [py, str(SCRIPTS / "bench_dit_service.py"), *tiny, "--weights", str(ckpt),
+        "service": Item("service", [py, str(BENCHMARKS / "bench_dit_service.py"), *tiny, "--weights", str(ckpt),
                                     "--out", str(work / "service"), "--compile-blocks", "--steps", "4",
                                     *([] if args.tiny else ["--shapes", SERVICE_SHAPE, "--linear-kernel", "fp8",
                                                             "--chunk-rows", str(args.chunk_rows)])],

@@ -1,9 +1,9 @@
 """Full-size MiniMax-H3 DiT on one GPU: s/step of several kernel variants vs diffusers, and TP2 per-rank memory.
 
-    python scripts/bench_dit.py --json out.json                       # the table (variants a-d, two shapes)
-    python scripts/bench_dit.py --memory --json mem.json              # TP2 rank peak memory under a 22 GiB cap
-    python scripts/bench_dit.py --layers 2 --shapes 832x480x22 ...    # smoke run (same code, fewer blocks)
-    python scripts/bench_dit.py --tiny --json out.json                # CPU dry run: tiny model, emulated fp8
+    python benchmarks/bench_dit.py --json out.json                       # the table (variants a-d, two shapes)
+    python benchmarks/bench_dit.py --memory --json mem.json              # TP2 rank peak memory under a 22 GiB cap
+    python benchmarks/bench_dit.py --layers 2 --shapes 832x480x22 ...    # smoke run (same code, fewer blocks)
+    python benchmarks/bench_dit.py --tiny --json out.json                # CPU dry run: tiny model, emulated fp8
 
 Table mode builds the 50-block DiT from random weights in the real int8-ConvRot checkpoint layout, generated on the
 GPU one tensor at a time (dit_svc.tiny_checkpoint.iter_random_int8_convrot_weights): the int8 block linears are
@@ -97,8 +97,7 @@ VARIANTS = {  # name -> (linear kernel, attention kernel, torch.compile the bloc
     # The same with q/k quantised by the attention's own statistics pass (fp8 attention option head+kv), instead of
     # by the q/k norm kernel with static scales (the default, stagekit/fp8_attention.py "static q/k scales").
     "fp8caf-mqk": ("fp8", "fp8-measured-qk", True, "(e+f) with q/k scales measured by the attention's own pass"),
-    # fp8caf-mqk without K smoothing: whether an unsmoothed K slows the SDPA kernel (docs/performance.md, "Fourth
-    # session").
+    # fp8caf-mqk without K smoothing: whether an unsmoothed K slows the SDPA kernel (docs/performance_history.md).
     "fp8caf-mqk-v": ("fp8", "fp8-measured-qk-v", True, "(e+f) with measured q/k scales, K not smoothed"),
 }
 # fp8 variants that run their GEMMs with fast accumulation; every other fp8 variant runs without it.

@@ -1,0 +1,446 @@
+"""The GPU work of a stage, in a child process that exists only while the stage holds its weights.
+
+A CUDA context costs 0.5-0.7 GiB of the card for as long as its process lives, weights or not. A stage process
+that never initialises CUDA holds nothing on the card while idle: its device work (engine construction on the
+device, load, every job, unload) runs in a *device worker*, a `spawn`ed child started by `load` and joined by
+`unload`, so the context and every byte the engine allocated go back to the card with it (docs/residency.md,
+"What an idle stage holds").
+
+    stage process (rank r)                      device worker (rank r), one per residency
+    ----------------------                      ----------------------------------------
+    header checks, estimates, Status            engine = type(engine)(engine.cfg, worker group)
+    load()   -> spawn, ("load", spec)  ------>  engine.load() / load_for(spec)       -> ("ok", bytes)
+    run()    -> ("run", spec, inputs)  ------>  engine.run(spec, inputs, ctx)
+                answers ctx calls      <------  ("progress"| "should_stop" | "check_cancel"...)
+                                       <------  ("done", outputs, bytes) | ("error", exc)
+    unload() -> ("exit"), join (kill after `join_timeout_s`)
+
+- After each job the worker hands what Status shows of it (the engine's optional `worker_state()`) to the stage
+  process's engine (`set_worker_state(state)`): the DiT's block placement.
+- Tensors cross through shared memory (torch.multiprocessing's reductions on the connection: the file-descriptor
+  strategy, whose segments are unlinked as soon as they are mapped, so a killed process leaves no file behind).
+- Cancellation stays agreed across ranks: a worker's `ctx.should_stop()` is answered by its stage process, which
+  runs the rank group's agreement as before (every rank's worker asks at the same step boundaries).
+- Multi-rank stages: the workers form their own process group (NCCL on GPUs, gloo on CPU) at each load, on a
+  loopback port rank 0 picks and broadcasts over the stage's control group; the stage processes' own group is gloo.
+- A worker dies with its stage process (PR_SET_PDEATHSIG). A worker that dies during a job fails that job as a
+  server fault naming the stage; a one-rank stage loads afresh for the next job, a multi-rank stage restarts its
+  group the way a dead rank does.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import os
+import pickle
+import signal
+import socket
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from stagekit import errors
+from stagekit.errors import StageError, Unavailable
+
+log = logging.getLogger("stagekit.device_worker")
+
+# "1": run the device work in a worker on CPU devices too (tests exercise the CUDA path this way). CUDA always does.
+WORKER_ENV = "H3_DEVICE_WORKER"
+PDEATHSIG = 1  # prctl(PR_SET_PDEATHSIG)
+
+
+def wanted(device: str) -> bool:
+    """Whether a stage computing on `device` runs its device work in a worker."""
+    return device.startswith("cuda") or os.environ.get(WORKER_ENV) == "1"
+
+
+def die_with_parent(what: str = "this process") -> None:
+    """The kernel SIGKILLs this process when the thread that started it exits (Linux prctl PR_SET_PDEATHSIG), so a
+    `kill -9` of a torchrun agent or a stage process leaves no rank or worker behind (docs/reliability.md, "Orphan
+    ranks"). Exits at once when the parent is already gone."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    parent = os.getppid()
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) != 0:
+        log.warning("prctl(PR_SET_PDEATHSIG) failed (errno %d): %s may outlive its parent", ctypes.get_errno(), what)
+    if os.getppid() != parent:  # the parent died before the request took effect
+        os._exit(70)
+
+
+def _context():
+    return mp.get_context("spawn")
+
+
+def _call_in_child(conn, fn: Callable, args: tuple, log_level: str) -> None:
+    die_with_parent("a start-up probe")
+    logging.basicConfig(level=log_level, format="%(asctime)s %(name)s[%(process)d] %(levelname)s %(message)s")
+    try:
+        conn.send(("ok", fn(*args)))
+    except BaseException as e:  # noqa: BLE001 - handed to the parent
+        conn.send(("error", _portable(e)))
+    conn.close()
+
+
+def run_in_child(fn: Callable, *args: Any, timeout_s: float = 600.0) -> Any:
+    """`fn(*args)` in a short-lived spawned child; returns its result or raises its exception. For device work done
+    once at start-up (the DiT's kernel probe, the GPUs' ids), so the stage process itself never holds a context.
+    `fn` and its arguments and result must pickle."""
+    ours, theirs = _context().Pipe()
+    proc = _context().Process(target=_call_in_child, args=(theirs, fn, args, logging.getLogger().getEffectiveLevel()),
+                              name=f"probe-{fn.__name__}")
+    proc.start()
+    theirs.close()
+    try:
+        if not ours.poll(timeout_s):
+            raise Unavailable(f"{fn.__name__} in a child process gave no answer within {timeout_s:.0f} s")
+        kind, value = ours.recv()
+    except EOFError:
+        proc.join()
+        raise Unavailable(f"{fn.__name__} in a child process died ({_exit_text(proc.exitcode)}) before answering") from None
+    finally:
+        ours.close()
+        proc.join(timeout=30)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+    if kind == "error":
+        raise value
+    return value
+
+
+def _cuda_properties() -> dict[int, tuple[str, int]]:
+    import torch
+
+    props = [torch.cuda.get_device_properties(i) for i in range(torch.cuda.device_count())]
+    return {i: ("GPU-" + str(p.uuid), p.total_memory) for i, p in enumerate(props)}
+
+
+_CUDA_PROPS: dict[int, tuple[str, int]] = {}
+
+
+def cuda_index(device: str) -> int:
+    """"cuda:1" -> 1; "cuda" -> 0."""
+    return int(device.split(":")[1]) if ":" in device else 0
+
+
+def cuda_properties(indices: list[int]) -> dict[int, tuple[str, int]]:
+    """{index: (GPU UUID as "GPU-...", total bytes)} of this process's CUDA devices, read in a child (once per
+    process, all visible devices), so the stage process never initialises CUDA."""
+    if indices and not _CUDA_PROPS:
+        _CUDA_PROPS.update(run_in_child(_cuda_properties))
+    missing = sorted(set(indices) - set(_CUDA_PROPS))
+    if missing:
+        raise Unavailable(f"CUDA devices {missing} are not visible to this process ({len(_CUDA_PROPS)} are: "
+                          "check --devices and CUDA_VISIBLE_DEVICES)")
+    return {i: _CUDA_PROPS[i] for i in indices}
+
+
+def _exit_text(code: int | None) -> str:
+    if code is None:
+        return "still running"
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
+def _portable(e: BaseException) -> BaseException:
+    """`e`, or the nearest exception that survives pickling with the same gRPC status and message."""
+    try:
+        pickle.loads(pickle.dumps(e))
+        return e
+    except Exception:  # noqa: BLE001 - e.g. an exception whose __init__ takes other arguments than its args
+        pass
+    if isinstance(e, StageError):
+        base = next(c for c in type(e).__mro__ if c.__module__ == errors.__name__)
+        return base(e.message)
+    return _by_code(*errors.status_for(e))
+
+
+def _by_code(code, msg: str) -> BaseException:
+    for cls in (errors.InvalidArgument, errors.FailedPrecondition, errors.ResourceExhausted, errors.Unavailable,
+                errors.DeadlineExceeded, errors.Cancelled):
+        if cls.code == code:
+            return cls(msg)
+    return RuntimeError(msg)
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """What a worker needs besides its engine's class and config."""
+
+    stage: str
+    device: str                      # the torch device of this rank ("cuda:0", "cpu")
+    rank: int = 0
+    world_size: int = 1
+    collective_timeout_s: float = 60.0
+    gpu_memory_cap_gb: float = 0.0   # --gpu-memory-cap-gb: applied in the worker, which owns the context
+    log_level: str = "INFO"
+    join_timeout_s: float = 30.0     # unload: a worker that has not exited after this long is killed
+
+
+class _WorkerContext:
+    """The JobContext a worker's engine sees: every call is answered by the stage process's own JobContext."""
+
+    def __init__(self, conn, stage: str):
+        self._conn = conn
+        self.stage = stage
+
+    def progress(self, step: int, total: int, phase: str = "running", message: str = "", step_ms: float = 0.0) -> None:
+        self._conn.send(("progress", (step, total, phase, message, step_ms)))
+
+    def _ask(self, what: str):
+        self._conn.send((what,))
+        return self._conn.recv()
+
+    def should_stop(self) -> bool:
+        return self._ask("should_stop")
+
+    def check_cancel(self) -> None:
+        err = self._ask("check_cancel")
+        if err is not None:
+            raise err
+
+    def check_cancel_local(self) -> None:
+        err = self._ask("check_cancel_local")
+        if err is not None:
+            raise err
+
+
+def _worker_main(conn, engine_cls: type, engine_cfg: Any, wcfg: WorkerConfig,
+                 rendezvous: tuple[str, int, str] | None) -> None:
+    """The worker: set up the device, build the engine, then serve the stage process's commands until "exit"."""
+    die_with_parent(f"the {wcfg.stage} device worker")
+    logging.basicConfig(level=wcfg.log_level.upper(),
+                        format=f"%(asctime)s {wcfg.stage}-worker[%(process)d] %(levelname)s %(message)s")
+    # torch after the environment: expandable segments must be set before the first CUDA allocation.
+    if wcfg.device.startswith("cuda"):
+        os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # docs/memory.md
+    import torch
+
+    from stagekit.dist import RankGroup, RankInfo
+    from stagekit.runtime import load_engine
+
+    try:
+        if wcfg.device.startswith("cuda"):
+            torch.cuda.set_device(wcfg.device)
+            if wcfg.gpu_memory_cap_gb > 0:
+                total = torch.cuda.get_device_properties(wcfg.device).total_memory
+                torch.cuda.set_per_process_memory_fraction(min(1.0, wcfg.gpu_memory_cap_gb * 2**30 / total),
+                                                           wcfg.device)
+        addr, port, run_id = rendezvous or ("127.0.0.1", 0, "worker")
+        info = RankInfo(wcfg.rank, wcfg.world_size, wcfg.rank, master_addr=addr, master_port=port, run_id=run_id)
+        group = RankGroup(info, "nccl" if wcfg.device.startswith("cuda") else "gloo", wcfg.collective_timeout_s)
+        engine = engine_cls(engine_cfg, group)
+        conn.send(("ready", None))
+    except BaseException as e:  # noqa: BLE001 - handed to the stage process
+        conn.send(("error", _portable(e)))
+        os._exit(1)
+    ctx = _WorkerContext(conn, wcfg.stage)
+    while True:
+        try:
+            msg = conn.recv()
+        except EOFError:  # the stage process is gone
+            break
+        if msg[0] == "exit":
+            break
+        try:
+            if msg[0] == "load":
+                load_engine(engine, msg[1])
+                conn.send(("ok", engine.resident_bytes()))
+            elif msg[0] == "run":
+                out = engine.run(msg[1], msg[2], ctx)
+                state = getattr(engine, "worker_state", None)
+                conn.send(("done", out, engine.resident_bytes(), state() if state is not None else None))
+        except BaseException as e:  # noqa: BLE001 - the job's failure, reported by the stage process
+            conn.send(("error", _portable(e)))
+    conn.close()
+    os._exit(0)  # the context, the process group and every device byte go with the process
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class WorkerLost(RuntimeError):
+    """A multi-rank stage's worker died: the rank group restarts, as for a dead rank."""
+
+
+class DeviceWorkerEngine:
+    """An `Engine` (stagekit.runtime) whose device work runs in a worker; everything else is `engine`'s.
+
+    `engine` is the stage's engine built in the stage process (header checks, estimates, Status, request
+    validation: CPU only); the worker builds `type(engine)(engine.cfg, <its own rank group>)` at each load.
+    `group` is the stage process's rank group (gloo): it carries the rendezvous and the agreed cancellation."""
+
+    def __init__(self, engine: Any, group: Any, cfg: WorkerConfig):
+        self.engine = engine
+        self.group = group
+        self.wcfg = cfg
+        self.name = engine.name
+        self.spawn_s = 0.0        # the last worker's start (process, imports, device, engine): part of the load
+        self._proc = None
+        self._conn = None
+        self._bytes = 0
+        self._lost = False
+        self._loads = 0
+
+    def __getattr__(self, item: str) -> Any:  # checks, estimates and Status are the stage engine's own
+        return getattr(self.__dict__["engine"], item)
+
+    @property
+    def pid(self) -> int | None:
+        """The running worker's pid (None when no worker runs)."""
+        return self._proc.pid if self._proc is not None else None
+
+    # ---- Engine -------------------------------------------------------------------------------------------------
+    def load(self) -> None:
+        self._load(None)
+
+    def load_for(self, spec: Any) -> None:
+        self._load(spec)
+
+    def resident_bytes(self) -> int:
+        return self._bytes if self._proc is not None else 0
+
+    def lost(self) -> bool:
+        """True after the worker died: the runtime unloads, and the next job loads afresh."""
+        return self._lost
+
+    def unload(self) -> None:
+        proc, conn = self._proc, self._conn
+        if proc is None:
+            return
+        t0 = time.monotonic()
+        try:
+            conn.send(("exit",))
+        except OSError:  # already gone
+            pass
+        proc.join(timeout=self.wcfg.join_timeout_s)
+        if proc.is_alive():
+            log.error("%s device worker (pid %d) did not exit within %.0f s of unload; killing it", self.name,
+                      proc.pid, self.wcfg.join_timeout_s)
+            proc.kill()
+            proc.join()
+        conn.close()
+        self._proc = self._conn = None
+        self._bytes = 0
+        self._lost = False
+        log.info("%s device worker (pid %d) exited in %.2f s (%s)", self.name, proc.pid, time.monotonic() - t0,
+                 _exit_text(proc.exitcode))
+
+    def run(self, spec: Any, inputs: dict, ctx: Any) -> dict:
+        if self._proc is None:
+            raise Unavailable(f"{self.name}: no device worker runs (not loaded)")
+        self._send(("run", spec, inputs))
+        try:
+            kind, value = self._serve_job(ctx)
+        except (WorkerLost, Unavailable):
+            raise
+        except BaseException:
+            if self._proc is not None and self._proc.is_alive():
+                # The stage process failed while its worker waits for an answer (a broken rank group): the worker's
+                # state is unknown, so it goes; the next job loads afresh.
+                self._proc.kill()
+                self._lost = True
+            raise
+        if kind == "error":
+            raise value  # the job's own failure, raised in the worker, which waits for the next command
+        return value
+
+    def _serve_job(self, ctx: Any) -> tuple[str, Any]:
+        """Answer the worker's context calls until it reports the job's outcome: ("done", outputs) or ("error", e)."""
+        while True:
+            msg = self._recv()
+            kind = msg[0]
+            if kind == "progress":
+                ctx.progress(*msg[1])
+            elif kind == "should_stop":
+                self._send(ctx.should_stop())
+            elif kind in ("check_cancel", "check_cancel_local"):
+                try:
+                    getattr(ctx, kind)()
+                    self._send(None)
+                except StageError as e:
+                    self._send(e)
+            elif kind == "done":
+                self._bytes = msg[2]
+                if msg[3] is not None:  # what Status shows of the last job (optional hooks worker_state / set_worker_state)
+                    self.engine.set_worker_state(msg[3])
+                return "done", msg[1]
+            else:
+                return "error", msg[1]
+
+    # ---- the worker -------------------------------------------------------------------------------------------------
+    def _load(self, spec: Any) -> None:
+        rendezvous = None
+        if self.group.world_size > 1:
+            # First, before anything can fail: every rank's stage process is in this broadcast.
+            host = self.group.info.master_addr
+            rendezvous = self.group.broadcast_command((host, _free_port(), f"worker-{os.getpid()}-{self._loads}")
+                                                      if self.group.info.is_leader else None)
+        self._loads += 1
+        if self._proc is None:
+            self._spawn(rendezvous)
+        self._send(("load", spec))
+        kind, value = self._recv()
+        if kind == "error":
+            raise value
+        self._bytes = value
+
+    def _spawn(self, rendezvous) -> None:
+        t0 = time.monotonic()
+        ours, theirs = _context().Pipe()
+        proc = _context().Process(target=_worker_main, name=f"{self.name}-worker",
+                                  args=(theirs, type(self.engine), self.engine.cfg, self.wcfg, rendezvous))
+        proc.start()
+        theirs.close()
+        self._proc, self._conn = proc, ours
+        kind, value = self._recv()
+        if kind == "error":
+            raise value
+        self.spawn_s = time.monotonic() - t0
+        log.info("%s device worker (pid %d, rank %d, %s) started in %.2f s", self.name, proc.pid, self.wcfg.rank,
+                 self.wcfg.device, self.spawn_s)
+
+    def _send(self, msg) -> None:
+        try:
+            self._conn.send(msg)
+        except OSError:
+            raise self._died() from None
+
+    def _recv(self):
+        while not self._conn.poll(0.2):
+            if not self._proc.is_alive():
+                break
+        try:
+            return self._conn.recv()
+        except (EOFError, OSError) as e:
+            if self._proc.is_alive():  # the connection broke under a live worker: it cannot be trusted any more
+                log.error("%s: reading from the device worker failed (%r); stopping it", self.name, e)
+                self._proc.kill()
+            raise self._died() from None
+
+    def _died(self) -> BaseException:
+        proc = self._proc
+        proc.join(timeout=5)
+        self._lost = True
+        what = (f"{self.name}: its device worker (pid {proc.pid}, rank {self.wcfg.rank}) died "
+                f"({_exit_text(proc.exitcode)})")
+        log.error("%s", what)
+        if self.group.world_size > 1:
+            if not self.group.info.is_leader:  # a dead worker is a dead rank: the group restarts (torchrun)
+                log.error("rank %d leaves its group so that it restarts", self.group.info.rank)
+                os._exit(70)
+            return WorkerLost(f"{what}; the rank group restarts")
+        return Unavailable(f"{what}; this job failed on the server, the stage loads again for the next one: retry it")
