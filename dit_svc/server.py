@@ -27,8 +27,9 @@ from stagekit.stage import CommonConfig, run_stage
 from stagekit.wire import FLOAT_DTYPES, TensorAssembler, check_finite, tensor_chunks
 
 SERVICE = "h3.v1.DiTSampler"
-# Text states are [L, text_dim] of a float dtype; L is bounded by the encoder's max tokens.
-MAX_TEXT_BYTES = 64 << 20
+# Text states are [L, text_dim] of a float dtype; L is the encoder's prompt plus the vision tokens of keyframes and
+# references (a 2048 px square image reference adds 4,096 tokens, 40 MiB in bf16): up to ~100k rows of bf16.
+MAX_TEXT_BYTES = 1 << 30
 INT_DTYPES = ("int64", "int32", "int16", "int8", "uint8")
 
 
