@@ -149,6 +149,7 @@ class RenderEngine:
     """`Engine` of the render service (stagekit.runtime): no weights; `run` serves one stage batch."""
 
     name = "render"
+    device_work = False  # nothing to run on a device: never moved into a device worker
 
     def __init__(self, clients: StageClients):
         self.clients = clients

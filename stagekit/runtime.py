@@ -66,6 +66,10 @@ class Engine(Protocol):
     # a device worker (stagekit/device_worker.py): the encoder's prompt cache.
     # def on_result(self, spec: Any, result: dict) -> None: ...
 
+    # Optional flag: False for an engine with no device work (the render service's): it is never moved into a
+    # device worker.
+    # device_work: bool = True
+
     # Optional hook: True when the engine lost its device state (its device worker died): the runtime unloads it
     # after the job, so the next job loads afresh.
     # def lost(self) -> bool: ...

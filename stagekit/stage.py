@@ -221,7 +221,6 @@ def _start(cfg: CommonConfig, stage: str, info: RankInfo, make_engine, service_n
     # 2. Rank group. The stage process never initialises CUDA (docs/residency.md, "What an idle stage holds"): on a
     #    GPU its device work runs in a device worker that lives only while it holds weights, so its own group is
     #    gloo (control, and the agreed cancellation); the workers form their own NCCL group at each load.
-    worker = wanted(device)
     group = RankGroup(info, "gloo", cfg.collective_timeout_s)
     # Rank 0 learns which ranks share its host: it kills them when the group breaks (StageRuntime.follower_pids).
     ranks = group.gather_objects((socket.gethostname(), os.getpid()))
@@ -231,7 +230,7 @@ def _start(cfg: CommonConfig, stage: str, info: RankInfo, make_engine, service_n
     if cfg.residency == "exclusive":
         hold = RankHold(cfg.lease_device_for_rank(info), Path(cfg.lease_dir), f"{stage} rank {info.rank}")
     engine = make_engine(cfg, info, group)
-    if worker:
+    if wanted(device) and getattr(engine, "device_work", True):  # an engine with no device work stays in-process
         engine = DeviceWorkerEngine(engine, group, WorkerConfig(
             stage, device, info.rank, info.world_size, cfg.collective_timeout_s, cfg.gpu_memory_cap_gb, cfg.log_level))
     if not info.is_leader:
