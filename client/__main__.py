@@ -27,7 +27,7 @@ from pathlib import Path
 import grpc
 
 from client.checks import (CheckError, check_for_local_stack, output_paths, read_keyframe, read_prompts,
-                           refuse_existing)
+                           read_references, refuse_existing)
 from client.embedded import StackStartError
 from client.endpoints import (EndpointError, add_endpoint_args, check_render_reachable, configured_endpoints,
                               configured_render, connect_render)
@@ -84,8 +84,8 @@ def _render_requests(args, prompts: list[str], keyframes: dict[str, bytes]):
         reqs.append(render_request(spec, crf=args.crf, loras=loras, upscale=upscale, idempotency_key=key or "",
                                    label=args.label, **keyframes))
     if reqs and reqs[0].ByteSize() > MAX_REQUEST_BYTES:
-        raise ValueError(f"the keyframe images are {reqs[0].ByteSize()} bytes together; one request carries at most "
-                         f"{MAX_REQUEST_BYTES} bytes: send smaller PNG/JPEG files")
+        raise ValueError(f"the keyframe / reference files are {reqs[0].ByteSize()} bytes together; one request "
+                         f"carries at most {MAX_REQUEST_BYTES} bytes: send smaller files")
     return reqs
 
 
@@ -110,6 +110,12 @@ def render_inputs(args):
                  for a in ("first", "last") if getattr(args, f"{a}_frame")}
     if keyframes and len(prompts) != 1:
         raise CheckError("--first-frame/--last-frame take a single --prompt (not --prompts-file)")
+    if args.ref:
+        if keyframes:
+            raise CheckError("--ref does not combine with --first-frame/--last-frame: the model's reference "
+                             "partition (ref2va) takes references only; give the frame as --ref image.png and say "
+                             "in the prompt how the video uses <Picture 1>")
+        keyframes = {"references": read_references(args.ref, prompts)}
     try:
         reqs = _render_requests(args, prompts, keyframes)
     except ValueError as e:  # InvalidArgument included
@@ -330,6 +336,11 @@ def _add_render_parser(sub) -> None:
     what.add_argument("--prompts-file", help="one prompt per line; renders all, stage-batched, into the -o folder")
     what.add_argument("--first-frame", help="fl2va: PNG/JPEG the video starts from (fitted to --width x --height)")
     what.add_argument("--last-frame", help="fl2va: PNG/JPEG the video ends on (fitted to --width x --height)")
+    what.add_argument("--ref", action="append", metavar="[KIND:]PATH",
+                      help="ref2va reference, repeatable, in order: an image (<Picture i> in the prompt), a video with "
+                           "its sound (<Video k>; its sound <Audio j>) or an audio clip (<Audio j>); the kind comes "
+                           "from the extension or KIND (image|video|audio). Not with --first-frame/--last-frame "
+                           "(docs/references.md)")
     what.add_argument("--lora", action="append", metavar="NAME[:STRENGTH]",
                       help="LoRA file name in the DiT server's <models_dir>/loras (repeatable; strength default 1.0)")
     size_rule = (f"a multiple of {SIZE_MULTIPLE}, {MIN_SIDE}..{MAX_SIDE}; width x height at most {MAX_AREA} pixels "

@@ -77,6 +77,49 @@ def read_keyframe(path: str, flag: str, width: int, height: int) -> bytes:
     return data
 
 
+def read_references(specs: list[str], prompts: list[str]):
+    """`--ref [KIND:]PATH` values in order -> Reference messages, each read and size-checked, with every prompt's
+    `<Picture i>` / `<Video k>` / `<Audio j>` labels checked against them (stagekit/labels.py)."""
+    from h3.v1 import common_pb2
+    from stagekit.images import MAX_IMAGE_BYTES
+    from stagekit.labels import EXTENSIONS, check_labels, kind_of
+
+    refs, sound = [], []
+    for spec in specs:
+        kind, sep, path = spec.partition(":")
+        if not sep or kind not in EXTENSIONS:
+            kind, path = "", spec
+        try:
+            kind = kind or kind_of(path)
+            data = Path(path).read_bytes()
+        except InvalidArgument as e:
+            raise CheckError(f"--ref {spec}: {e.message}") from None
+        except OSError as e:
+            raise CheckError(f"cannot read --ref {path}: {e.strerror or e}") from None
+        if not data or len(data) > MAX_IMAGE_BYTES:
+            raise CheckError(f"--ref {path}: {len(data)} bytes; a reference file has 1..{MAX_IMAGE_BYTES} bytes (the "
+                             "keyframe cap): send a shorter or smaller file")
+        refs.append(common_pb2.Reference(kind=kind, data=data, name=Path(path).name))
+        sound.append(kind == "video" and _has_sound(path))
+    for prompt in prompts:
+        try:
+            check_labels(prompt, [r.kind for r in refs], sound, [r.name for r in refs])
+        except InvalidArgument as e:
+            raise CheckError(e.message) from None
+    return refs
+
+
+def _has_sound(path: str) -> bool:
+    """Whether a video file carries a soundtrack (it takes an `<Audio j>` number before its `<Video k>`)."""
+    import av
+
+    try:
+        with av.open(path) as c:
+            return bool(c.streams.audio)
+    except av.FFmpegError as e:
+        raise CheckError(f"--ref {path}: not a video file PyAV can read ({e})") from None
+
+
 def check_for_local_stack(prompts: list[str], loras: list[tuple[str, float]], models_dir: str) -> None:
     """What the stack we are about to start would refuse, refused now: prompts over its encoder's token limit
     (the embedded model's tokenizer; real checkpoints' tokenizers are checked by the stage) and LoRA names it

@@ -71,11 +71,14 @@ def cmd_doctor(args) -> int:
     if models:
         root = Path(models).expanduser()
         missing = []
-        for part in CHECKPOINT_PARTS:
+        for part, spec in CHECKPOINT_PARTS.items():
             try:
                 found = find_part(root, part)
                 print(f"models      {part:<10} {found}")
             except FailedPrecondition as e:
+                if spec.optional and e.message.startswith("no "):
+                    print(f"models      {part:<10} not present (optional)")
+                    continue
                 missing.append(part)
                 print(f"models      {part:<10} missing ({e.message})")
         if missing:

@@ -234,15 +234,17 @@ def check_folder(models_dir: Path) -> list[PartReport]:
     from stagekit.errors import FailedPrecondition
     from stagekit.models import CHECKPOINT_PARTS, find_part
 
-    stage_of = {"encoder": "encoder", "dit": "dit", "video_vae": "decoder", "audio_vae": "decoder"}
+    stage_of = {"encoder": "encoder", "dit": "dit", "dit_ref2va": "dit", "video_vae": "decoder",
+                "audio_vae": "decoder"}
     reports = []
-    for part in CHECKPOINT_PARTS:
+    for part, spec in CHECKPOINT_PARTS.items():
         r = PartReport(stage_of[part], part)
         try:
             r.path = find_part(models_dir, part)
         except FailedPrecondition as e:
-            r.problem = e.message
-            reports.append(r)
+            if not (spec.optional and e.message.startswith("no ")):
+                r.problem = e.message
+                reports.append(r)
             continue
         r.size = sum(p.stat().st_size for p in ([r.path] if r.path.is_file() else r.path.rglob("*")) if p.is_file())
         try:

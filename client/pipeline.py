@@ -78,12 +78,15 @@ def _drain(stream, on_progress: ProgressFn, required: list[str], what: str) -> t
 
 def encode(clients: StageClients, prompt: str, job_id: str = "", on_progress: ProgressFn = _noop,
            timeout_s: float | None = None, keyframes: list[bytes] | None = None, width: int = 0, height: int = 0,
-           with_tags: bool = False, on_call: CallFn = _noop):
-    """Prompt (+ fl2va keyframe image bytes, in packed order, fitted to width x height) -> text_states.
-    `with_tags=True` returns (states, text_tags, result); the tags are all-text when the encoder sends none."""
+           with_tags: bool = False, on_call: CallFn = _noop,
+           references: Sequence[common_pb2.Reference] = (), frames: int = 0):
+    """Prompt (+ fl2va keyframe image bytes, in packed order, fitted to width x height; or ref2va references in
+    request order, for a render of `frames` frames) -> text_states. `with_tags=True` returns (states, text_tags,
+    result); the tags are all-text when the encoder sends none."""
     t0 = time.monotonic()
     req = encoder_pb2.EncodeRequest(prompt=prompt, job_id=job_id, keyframes=list(keyframes or []),
-                                    width=width if keyframes else 0, height=height if keyframes else 0)
+                                    width=width if keyframes else 0, height=height if keyframes else 0,
+                                    references=list(references), frames=frames if references else 0)
     stream = clients.encoder.Encode(req, timeout=timeout_s or DEADLINES["encoder"], metadata=clients.security.metadata())
     on_call(stream)
     out, done = _drain(stream, on_progress, ["text_states"], "encoder")
@@ -110,6 +113,33 @@ def encode_image(clients: StageClients, image: bytes, width: int, height: int, j
     out, done = _drain(stream, on_progress, ["latents"], "decoder EncodeImage")
     latents = out["latents"]
     return latents, StageResult("decoder", time.monotonic() - t0, done.timing, {"op": "encode_image"})
+
+
+def encode_reference(clients: StageClients, reference: common_pb2.Reference, frames: int, job_id: str = "",
+                     on_progress: ProgressFn = _noop, timeout_s: float | None = None,
+                     on_call: CallFn = _noop) -> tuple[dict[str, torch.Tensor], StageResult]:
+    """A ref2va reference -> its latents ({"video": [24, T, h, w]} and/or {"audio": [2, 32, Ta]}, decoder stage)
+    for a render of `frames` frames; the StageResult's extra holds what the decoder made of the file."""
+    t0 = time.monotonic()
+    stream = clients.decoder.EncodeReference(
+        decoder_pb2.EncodeReferenceRequest(reference=reference, frames=frames, job_id=job_id),
+        timeout=timeout_s or DEADLINES["decoder"], metadata=clients.security.metadata())
+    on_call(stream)
+    out, done = _drain(stream, on_progress, [], "decoder EncodeReference")
+    info = {"op": "encode_reference", "kind": reference.kind, "width": done.width, "height": done.height,
+            "frames": done.frames, "seconds": done.seconds, "source_fps": done.source_fps,
+            "source_rate": done.source_rate}
+    return out, StageResult("decoder", time.monotonic() - t0, done.timing, info)
+
+
+def reference_tensors(index: int, latents: dict[str, torch.Tensor], kind: str) -> dict[str, torch.Tensor]:
+    """The DiT's wire names of reference `index`'s latents (dit_svc/references.py)."""
+    out = {}
+    if "video" in latents:
+        out[f"ref_{index}_{'image' if kind == 'image' else 'video'}"] = latents["video"]
+    if "audio" in latents:
+        out[f"ref_{index}_audio"] = latents["audio"]
+    return out
 
 
 def _sample_inputs(spec: RenderSpec, job_id: str, text_states: torch.Tensor,
@@ -181,11 +211,28 @@ def decode_raw(clients: StageClients, spec: RenderSpec, video: torch.Tensor, aud
 
 def render(clients: StageClients, spec: RenderSpec, out_path: Path, on_progress: ProgressFn = _noop,
            job_id: str = "", crf: int = 0, first_frame: bytes | None = None,
-           last_frame: bytes | None = None, loras: Sequence[tuple[str, float]] = ()) -> RenderResult:
+           last_frame: bytes | None = None, loras: Sequence[tuple[str, float]] = (),
+           references: Sequence[common_pb2.Reference] = ()) -> RenderResult:
     """t2va, or fl2va with `first_frame` and/or `last_frame` (PNG/JPEG bytes): the decoder VAE-encodes each keyframe
-    at the render size, the encoder shows them to the vision tower, the DiT conditions on both."""
+    at the render size, the encoder shows them to the vision tower, the DiT conditions on both. ref2va with
+    `references` (in request order): the decoder encodes each, the encoder presents them, the DiT's ref2va file
+    conditions on them."""
     validate(spec, need_prompt=True)
     anchors = [(a, img) for a, img in (("first", first_frame), ("last", last_frame)) if img is not None]
+    if references:
+        if anchors:
+            raise ValueError("references and --first-frame/--last-frame do not combine (docs/references.md)")
+        extra, stages = {}, []
+        for i, ref in enumerate(references):
+            lat, r_ref = encode_reference(clients, ref, spec.frames, job_id, on_progress)
+            extra.update(reference_tensors(i, lat, ref.kind))
+            stages.append(r_ref)
+        states, tags, r_enc = encode(clients, spec.prompt, job_id, on_progress, with_tags=True,
+                                     references=references, frames=spec.frames)
+        extra["text_tags"] = tags
+        video, audio, r_dit = sample(clients, spec, states, job_id, on_progress, extra=extra, loras=loras)
+        r_dec = decode(clients, spec, video, audio, out_path, job_id, on_progress, crf=crf)
+        return RenderResult(Path(out_path), [*stages, r_enc, r_dit, r_dec])
     if not anchors:
         states, r_enc = encode(clients, spec.prompt, job_id, on_progress)
         video, audio, r_dit = sample(clients, spec, states, job_id, on_progress, loras=loras)

@@ -29,9 +29,11 @@ def state_name(state: int) -> str:
 
 
 def render_request(spec: RenderSpec, *, crf: int = 0, loras=(), first_frame: bytes = b"", last_frame: bytes = b"",
-                   upscale: tuple[int, int] = (0, 0), idempotency_key: str = "", label: str = "") -> render_pb2.RenderRequest:
+                   upscale: tuple[int, int] = (0, 0), idempotency_key: str = "", label: str = "",
+                   references=()) -> render_pb2.RenderRequest:
     req = render_pb2.RenderRequest(crf=crf, first_frame=first_frame, last_frame=last_frame, upscale_width=upscale[0],
-                                   upscale_height=upscale[1], idempotency_key=idempotency_key, label=label)
+                                   upscale_height=upscale[1], idempotency_key=idempotency_key, label=label,
+                                   references=list(references))
     spec_to_proto(spec, req.params)
     for name, strength in loras:
         req.loras.add(name=name, strength=strength)

@@ -29,6 +29,7 @@ from stagekit.checkpoints import CheckpointError
 from stagekit.dist import RankGroup
 from stagekit.runtime import release_device_memory
 from stagekit.errors import FailedPrecondition, InvalidArgument
+from stagekit.media import EMBEDDED_IMAGE_SHORT_EDGE, IMAGE_SHORT_EDGE
 from stagekit.models import CHECKPOINT_PARTS, ensure_embedded, resolve_checkpoint
 from stagekit.render_params import DEFAULT_CRF, RenderSpec, validate
 from stagekit.wire import check_finite, check_result
@@ -74,6 +75,9 @@ class DecoderEngineConfig:
     weight_dtype: torch.dtype            # video VAE weights: fp16 on GPUs (as the ComfyUI file), fp32 on CPU
     preset: str = ""                     # x264 speed/size trade-off ("": veryfast, ultrafast for the embedded model)
     out_dir: Path = Path(tempfile.gettempdir())
+
+
+ENCODE_OPS = ("encode_image", "encode_reference")  # jobs that need the encoder halves only
 
 
 def resolve_weights(cfg: DecoderEngineConfig) -> tuple[Path, Path, bool]:
@@ -132,8 +136,12 @@ class DecoderEngine:
             torch.backends.cudnn.benchmark = False
         self.video = None
         self.audio = None
-        self.video_encoder = None  # VAE encoder half, for EncodeImage (fl2va keyframes), rank 0 only
+        self.video_encoder = None  # VAE encoder half, for EncodeImage / EncodeReference, rank 0 only
+        self.audio_encoder = None  # audio VAE with its encoder, for EncodeReference (ref2va voices), rank 0 only
         self.preset = cfg.preset or (EMBEDDED_PRESET if self.embedded else DEFAULT_PRESET)
+        # Image references: the model's 2048 px short edge, a small one for a tiny VAE (the embedded family's).
+        tiny = self.video_info.cfg.block_channels != VideoVAEConfig.full().block_channels
+        self.image_short_edge = EMBEDDED_IMAGE_SHORT_EDGE if tiny else IMAGE_SHORT_EDGE
 
     def _check_geometry(self) -> LatentGeometry:
         """The latent geometry this decoder serves, from the VAEs' configs. A render spec counts latents on the H3
@@ -168,7 +176,7 @@ class DecoderEngine:
     def load_for(self, job: dict) -> None:
         """Exclusive residency loads what the job needs: a keyframe encode only the video VAE's encoder half (rank 0),
         so fl2va keyframes never swap the whole decoder in (docs/render_service.md)."""
-        if job.get("op") == "encode_image":
+        if job.get("op") in ENCODE_OPS:
             self._load_encoder()
         else:
             self.load()
@@ -182,12 +190,21 @@ class DecoderEngine:
         self.video_encoder = load_video_vae(str(self.video_path), self.video_info.cfg, self.cfg.weight_dtype,
                                             device=self.cfg.device, parts="encoder")
 
+    def _load_audio_encoder(self) -> None:
+        if self.audio_encoder is not None:
+            return
+        info = inspect_audio_vae(self.audio_path)
+        if not info.cfg.with_encoder:
+            raise FailedPrecondition(f"{self.audio_path} holds only the audio VAE decoder; audio references need "
+                                     "the full audio VAE (encoder included)")
+        self.audio_encoder = load_audio_vae(self.audio_path, info.cfg, device=self.cfg.device)  # fp32
+
     def unload(self) -> None:
-        self.video = self.audio = self.video_encoder = None
+        self.video = self.audio = self.video_encoder = self.audio_encoder = None
         release_device_memory(self.cfg.device)
 
     def resident_bytes(self) -> int:
-        mods = [m for m in (self.video, self.audio, self.video_encoder) if m is not None]
+        mods = [m for m in (self.video, self.audio, self.video_encoder, self.audio_encoder) if m is not None]
         return sum(p.numel() * p.element_size() for m in mods for p in m.parameters())
 
     def weight_bytes(self) -> int:
@@ -223,9 +240,36 @@ class DecoderEngine:
         return {"latents": latents}
 
     @torch.inference_mode()
+    def encode_reference(self, media, ctx) -> dict:
+        """A ref2va reference on the model's rates (stagekit.media.ReferenceMedia) -> {"video": [24, T, h, w]}
+        and/or {"audio": [2, 32, Ta]}: normalised posterior means (docs/model.md §3.4). Rank 0 alone."""
+        if not self.group.info.is_leader:
+            return {}
+        out = {"info": media.info()}
+        if media.frames is not None:
+            if self.video_encoder is None:
+                ctx.progress(0, 1, phase="loading", message="video VAE encoder")
+                self._load_encoder()
+            ctx.progress(0, 1, message=f"{media.kind} reference: video VAE")
+            pixels = torch.from_numpy(media.frames).permute(3, 0, 1, 2).contiguous()  # [3, N, H, W] uint8
+            autocast = None if self.cfg.weight_dtype == torch.float32 else self.cfg.weight_dtype
+            out["video"] = self.video_encoder.encode(pixels.to(self.cfg.device), autocast_dtype=autocast).float().cpu()
+        if media.audio is not None:
+            if self.audio_encoder is None:
+                ctx.progress(0, 1, phase="loading", message="audio VAE encoder")
+                self._load_audio_encoder()
+            ctx.progress(0, 1, message=f"{media.kind} reference: audio VAE")
+            wave = torch.from_numpy(media.audio).to(self.cfg.device).unsqueeze(1)  # [2, 1, samples]
+            out["audio"] = self.audio_encoder.normalize(self.audio_encoder.encode(wave)).float().cpu()
+        ctx.progress(1, 1)
+        return out
+
+    @torch.inference_mode()
     def run(self, job, inputs: dict, ctx) -> dict:
         if job.get("op") == "encode_image":
             return self.encode_image(inputs["image"], ctx)
+        if job.get("op") == "encode_reference":
+            return self.encode_reference(inputs["media"], ctx)
         if self.video is None:  # resident for keyframe encodes only: add the decode path
             ctx.progress(0, 1, phase="loading", message="video + audio VAE decoders")
             self.load()

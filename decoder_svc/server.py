@@ -16,6 +16,7 @@ from h3.v1 import common_pb2, decoder_pb2, decoder_pb2_grpc
 from stagekit.config import parse_config
 from stagekit.errors import InvalidArgument
 from stagekit.images import Keyframe, admit_keyframe, check_canvas
+from stagekit.media import admit_reference, load_reference, reference_decode_bytes
 from stagekit.metrics import observed
 from stagekit.models import safe_name
 from stagekit.render_params import check_output, spec_from_proto, validate
@@ -134,24 +135,42 @@ class DecoderServicer(LifecycleMixin, decoder_pb2_grpc.DecoderServicer):
             return admit_keyframe(rgb, request.width, request.height)
         raise InvalidArgument("EncodeImageRequest needs `image` (PNG/JPEG bytes) or `pixels` (raw RGB)")
 
+    def _encode_job(self, job, context, event, names: tuple[str, ...], done):
+        """Stream an encode job (EncodeImage / EncodeReference): progress, the result's tensors `names` that it
+        holds, then `done(timing, payload)`."""
+        def on_event(ev):
+            if ev.kind == "progress":
+                yield event(progress=common_pb2.Progress(**ev.payload))
+                return
+            t0 = time.monotonic()
+            for name in names:
+                if name in ev.payload:
+                    for chunk in tensor_chunks(name, ev.payload[name]):
+                        yield event(tensor=chunk)
+            job.timing["transfer_s"] = time.monotonic() - t0
+            yield event(done=done(timing_pb(job.timing), ev.payload))
+
+        yield from stream_job(self.runtime, job, context, observed(self.runtime, job, on_event))
+
     def EncodeImage(self, request, context):
         keyframe = abort_on_error(context, self._read_image, request)
         job = Job(spec={"op": "encode_image", "width": request.width, "height": request.height}, inputs={},
                   prepare=lambda: {"image": keyframe.load()}, input_bytes=keyframe.decode_bytes)
         job.job_id = request.job_id or job.job_id
+        yield from self._encode_job(job, context, decoder_pb2.EncodeImageEvent, ("latents",),
+                                    lambda timing, _: decoder_pb2.EncodeImageDone(timing=timing, width=request.width,
+                                                                                  height=request.height))
 
-        def on_event(ev):
-            if ev.kind == "progress":
-                yield decoder_pb2.EncodeImageEvent(progress=common_pb2.Progress(**ev.payload))
-                return
-            t0 = time.monotonic()
-            for chunk in tensor_chunks("latents", ev.payload["latents"]):
-                yield decoder_pb2.EncodeImageEvent(tensor=chunk)
-            job.timing["transfer_s"] = time.monotonic() - t0
-            yield decoder_pb2.EncodeImageEvent(done=decoder_pb2.EncodeImageDone(
-                timing=timing_pb(job.timing), width=request.width, height=request.height))
-
-        yield from stream_job(self.runtime, job, context, observed(self.runtime, job, on_event))
+    def EncodeReference(self, request, context):
+        ref = request.reference
+        abort_on_error(context, admit_reference, ref.kind, ref.data, request.frames)
+        job = Job(spec={"op": "encode_reference", "kind": ref.kind, "frames": request.frames}, inputs={},
+                  prepare=lambda: {"media": load_reference(ref.data, ref.kind, request.frames,
+                                                           self.engine.image_short_edge)},
+                  input_bytes=reference_decode_bytes(ref.kind, request.frames))
+        job.job_id = request.job_id or job.job_id
+        yield from self._encode_job(job, context, decoder_pb2.EncodeReferenceEvent, ("video", "audio"),
+                                    lambda timing, out: decoder_pb2.EncodeReferenceDone(timing=timing, **out["info"]))
 
 
 def _remove_file(result: dict) -> None:

@@ -56,6 +56,16 @@ Layout = Literal["comfy", "release", "diffusers"]
 QKVLayout = Literal["stacked", "interleaved"]
 QKV_LAYOUTS = ("stacked", "interleaved")
 QKV_FLAG = "--qkv-layout"
+# H3's two DiT partitions share one config and differ in weights only: fl2va (text, first/last frame) and ref2va
+# (image / video / audio references). Nothing in the tensors shows which one a file is.
+Partition = Literal["fl2va", "ref2va"]
+PARTITIONS = ("fl2va", "ref2va")
+METADATA_PARTITION = "h3_partition"  # safetensors metadata our writers add: the partition
+PARTITION_FLAG = "--partition"
+# Names that state a partition: ComfyUI repacks (minimax_h3_ref2va_*.safetensors, minimax_h3_fl2va_*) and the
+# release's folders (transformer_ref/ holds ref2va, transformer/ the fl2va / t2va weights).
+_PARTITION_NAMES = ((re.compile(r"ref2va|r2va|transformer_ref"), "ref2va"),
+                    (re.compile(r"fl2va|t2va|(^|/)transformer(/|$)"), "fl2va"))
 
 PLAN = H3DiT._tp_plan
 
@@ -287,6 +297,43 @@ def decide_qkv_layout(ckpt: Checkpoint, entries: dict[str, HeaderEntry], declare
     return QKVDecision(None, "no metadata, no ComfyUI markers, no release sharding or config.json")
 
 
+@dataclass(frozen=True)
+class PartitionDecision:
+    partition: Partition | None  # None: no evidence
+    evidence: str
+
+
+def decide_partition(ckpt: Checkpoint, declared: Partition | None = None) -> PartitionDecision:
+    """Which H3 partition a checkpoint holds, from (1) our metadata, (2) `declared` (--partition), (3) the file or
+    folder name (ComfyUI repack names, the release's transformer/ and transformer_ref/ folders)."""
+    if declared is not None and declared not in PARTITIONS:
+        raise ValueError(f"{PARTITION_FLAG} must be one of {', '.join(PARTITIONS)}, got {declared!r}")
+    stated = ckpt.metadata.get(METADATA_PARTITION)
+    if stated is not None:
+        if stated not in PARTITIONS:
+            raise CheckpointError(ckpt.files[0], f"metadata {METADATA_PARTITION}={stated!r}: expected one of "
+                                                 f"{PARTITIONS}")
+        if declared is not None and declared != stated:
+            raise CheckpointError(ckpt.files[0], f"{PARTITION_FLAG} {declared} contradicts the file's metadata "
+                                                 f"{METADATA_PARTITION}={stated}; drop the flag")
+        return PartitionDecision(stated, f"safetensors metadata {METADATA_PARTITION}")
+    if declared is not None:
+        return PartitionDecision(declared, PARTITION_FLAG)
+    where = ckpt.files[0].name if ckpt.root is None else "/".join(ckpt.root.parts[-2:])
+    found = {p for pattern, p in _PARTITION_NAMES if pattern.search(where.lower())}
+    if len(found) == 1:
+        return PartitionDecision(found.pop(), f"the name {where!r}")
+    return PartitionDecision(None, f"neither metadata {METADATA_PARTITION} nor a partition in the name {where!r}")
+
+
+def partition_undecided(path: Path, decision: PartitionDecision) -> CheckpointError:
+    return CheckpointError(
+        path, f"cannot tell which MiniMax-H3 partition this DiT checkpoint is ({decision.evidence}); the two have the "
+              f"same tensors, and the wrong one renders poor video without an error. Keep the release / ComfyUI file "
+              f"name (minimax_h3_fl2va_*.safetensors or minimax_h3_ref2va_*.safetensors) or start the DiT with "
+              f"{PARTITION_FLAG} fl2va (text and first/last frame) or {PARTITION_FLAG} ref2va (references)")
+
+
 def _qkv_undecided(path: Path, decision: QKVDecision) -> CheckpointError:
     return CheckpointError(
         path, f"cannot tell the q/k/v row order of this checkpoint ({decision.evidence}); a wrong guess loads without "
@@ -310,6 +357,7 @@ class CheckpointInfo:
     entries: dict[str, HeaderEntry]  # source names
     sources: dict[str, Source]  # our names
     shapes: dict[str, HeaderEntry] = field(default_factory=dict)  # our names, assembled shape
+    partition: PartitionDecision = PartitionDecision(None, "not inspected")
 
     @property
     def files(self) -> list[Path]:
@@ -420,9 +468,10 @@ def infer_config(path: Path, shapes: dict[str, HeaderEntry], variant: Variant, b
 
 
 def inspect_checkpoint(path: str | Path, base: DiTConfig | None = None,
-                       qkv_layout: QKVLayout | None = None) -> CheckpointInfo:
-    """Variant, config and q/k/v order from the safetensors header(s) only (no tensor read). `base`: a config the
-    caller states (its block counts are used when the checkpoint declares none). `qkv_layout`: --qkv-layout."""
+                       qkv_layout: QKVLayout | None = None, partition: Partition | None = None) -> CheckpointInfo:
+    """Variant, config, q/k/v order and partition from the safetensors header(s) only (no tensor read). `base`: a
+    config the caller states (its block counts are used when the checkpoint declares none). `qkv_layout`:
+    --qkv-layout; `partition`: --partition."""
     if qkv_layout is not None and qkv_layout not in QKV_LAYOUTS:
         raise ValueError(f"{QKV_FLAG} must be one of {', '.join(QKV_LAYOUTS)}, got {qkv_layout!r}")
     path = Path(path)
@@ -438,7 +487,8 @@ def inspect_checkpoint(path: str | Path, base: DiTConfig | None = None,
     shapes = {ours: _virtual_entry(entries, src) for ours, src in sources.items()}
     variant = _detect_variant(path, shapes, layout)
     config, source = infer_config(path, shapes, variant, base, ckpt.config, metadata_json(ckpt, METADATA_CONFIG))
-    return CheckpointInfo(path, variant, config, source, qkv, entries, sources, shapes)
+    return CheckpointInfo(path, variant, config, source, qkv, entries, sources, shapes,
+                          decide_partition(ckpt, partition))
 
 
 def validate(info: CheckpointInfo, cfg: DiTConfig, reader: TensorReader | None = None) -> None:
@@ -471,9 +521,10 @@ def validate(info: CheckpointInfo, cfg: DiTConfig, reader: TensorReader | None =
 
 
 def check_checkpoint(path: str | Path, cfg: DiTConfig | None = None,
-                     qkv_layout: QKVLayout | None = None) -> CheckpointInfo:
-    """Inspect and validate a checkpoint from its headers: what a stage runs at start-up, before SERVING."""
-    info = inspect_checkpoint(path, base=cfg, qkv_layout=qkv_layout)
+                     qkv_layout: QKVLayout | None = None, partition: Partition | None = None) -> CheckpointInfo:
+    """Inspect and validate a checkpoint from its headers: what a stage runs at start-up, before SERVING. The
+    partition is reported (info.partition), not required: the DiT stage refuses a file it cannot place."""
+    info = inspect_checkpoint(path, base=cfg, qkv_layout=qkv_layout, partition=partition)
     validate(info, cfg or info.config)
     if info.qkv is not None:
         log.info("%s: q/k/v rows %s (%s)", info.path, info.qkv.layout, info.qkv.evidence)

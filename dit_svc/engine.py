@@ -16,14 +16,16 @@ from pathlib import Path
 
 import torch
 
-from dit_svc.checkpoint import check_checkpoint, load_dit_weights
+from dit_svc.checkpoint import (PARTITIONS, CheckpointInfo, check_checkpoint, load_dit_weights,
+                                partition_undecided)
 from dit_svc.config import TAG_TEXT, TAG_VIDEO, DiTConfig
 from dit_svc.keyframes import (KEYFRAME_TENSORS, TEXT_TAGS_TENSOR, check_keyframe, check_text_tags, condition_rows,
                                conditioned_denoise, keyframe_anchors)
-from dit_svc.layout import (AUDIO_CHANNELS, build_layout, latent_shape, patchify_video, unpatchify_audio,
-                            unpatchify_video)
+from dit_svc.layout import (AUDIO_CHANNELS, build_layout, build_ref2va_layout, latent_shape, patchify_video,
+                            unpatchify_audio, unpatchify_video)
 from dit_svc.lora import LoRAError, LoRAManager, check_lora_file, config_targets, resolve_lora_path
 from dit_svc.model import H3DiT
+from dit_svc.references import REFERENCES_INPUT, References, has_references, parse_references
 from dit_svc.sampling import SamplerConfig, draw_noise, sample
 from dit_svc.streaming import BlockStream, Placement, plan_placement
 from dit_svc.tiny_checkpoint import write_tiny_checkpoint
@@ -35,17 +37,19 @@ from stagekit.dist import RankGroup
 from stagekit.runtime import release_device_memory
 from stagekit.errors import FailedPrecondition, InvalidArgument
 from stagekit.kernels import AUTO, KernelConfig, KernelSelection, select_kernels
-from stagekit.models import CHECKPOINT_PARTS, ensure_embedded, resolve_checkpoint
+from stagekit.models import CHECKPOINT_PARTS, ensure_embedded, find_part
 from stagekit.quant import Int8ConvRotLinear, QuantizedWeight
 from stagekit.render_params import RenderSpec, validate
 
 log = logging.getLogger("dit_svc")
 
-# File names users have (ComfyUI) and the diffusers directory; exactly one may match under --models-dir. Excluded:
-# names those patterns also match that are not this DiT (the other stages' files, LoRAs, the ref2va model).
+# File names users have (ComfyUI) and the diffusers / release folders, per partition: one candidate of each may be
+# under --models-dir (docs/references.md); the table is stagekit.models.CHECKPOINT_PARTS ("dit", "dit_ref2va").
 CHECKPOINT_PATTERNS, CHECKPOINT_EXCLUDE = CHECKPOINT_PARTS["dit"].patterns, CHECKPOINT_PARTS["dit"].exclude
-EMBEDDED_FILE = "dit_tiny_bf16.safetensors"
-EMBEDDED_SEED = 0
+REF2VA_PATTERNS = CHECKPOINT_PARTS["dit_ref2va"].patterns
+# The embedded tiny model provides both partitions (other seeds: other weights, as in the release).
+EMBEDDED_FILES = {"fl2va": "dit_tiny_bf16.safetensors", "ref2va": "dit_tiny_ref2va_bf16.safetensors"}
+EMBEDDED_SEEDS = {"fl2va": 0, "ref2va": 1}
 
 
 def embedded_config() -> DiTConfig:
@@ -100,17 +104,62 @@ class DiTEngineConfig:
     allow_lora_paths: bool = False  # also accept absolute LoRA paths in requests (trusted clients only)
     qkv_layout: str = ""         # "stacked" | "interleaved": q/k/v row order of a file that does not show it ("" =
                                  # decide from evidence, refuse when there is none; docs/checkpoints.md)
+    partition: str = ""          # "fl2va" | "ref2va": the partition of a file whose name and metadata do not say
+                                 # ("" = decide from them, refuse when they cannot tell; docs/references.md)
     memory_limit_bytes: int = 0  # what one rank may hold on its device (the stage's memory budget; 0 = no limit)
     memory_cap_bytes: int = 0    # the card size all processes on the GPU are held to (--gpu-memory-cap-gb; 0 = the card)
     kernels: KernelSelection | None = None  # GPU kernels already chosen (the stage's start-up probe, handed to its
                                             # device worker); None = probe
 
 
-def resolve_weights(cfg: DiTEngineConfig) -> tuple[Path, bool]:
-    """(checkpoint path, is_embedded)."""
-    return resolve_checkpoint(cfg.weights, cfg.models_dir, "dit",
-                              lambda: ensure_embedded(cfg.cache_dir, EMBEDDED_FILE, lambda tmp: write_tiny_checkpoint(
-                                  embedded_config(), tmp, "bf16", seed=EMBEDDED_SEED)))
+def resolve_weights(cfg: DiTEngineConfig) -> tuple[dict[str, Path | None], bool]:
+    """({partition: declared partition or None, for each checkpoint path}, is_embedded): the --weights file, every
+    DiT checkpoint under --models-dir (the one candidate of each partition), or the embedded tiny pair."""
+    if cfg.weights:
+        p = Path(cfg.weights).expanduser()
+        if not p.exists():
+            raise FailedPrecondition(f"MiniMax-H3 DiT checkpoint weights {p} do not exist")
+        return {p: cfg.partition or None}, False
+    if cfg.models_dir:
+        found: dict[Path, str | None] = {}
+        for part in ("dit", "dit_ref2va"):
+            try:
+                found[find_part(cfg.models_dir, part)] = cfg.partition or None
+            except FailedPrecondition as e:
+                if not str(e).startswith("no "):  # two candidates of one partition: refused, naming both
+                    raise
+        if not found:
+            raise FailedPrecondition(f"no MiniMax-H3 DiT checkpoint found under {cfg.models_dir}: looked for "
+                                     f"{', '.join((*CHECKPOINT_PATTERNS, *REF2VA_PATTERNS))}; pass the file explicitly "
+                                     "with --weights")
+        return found, False
+    paths = {}
+    for part, name in EMBEDDED_FILES.items():
+        path = ensure_embedded(cfg.cache_dir, name, lambda tmp, part=part: write_tiny_checkpoint(
+            embedded_config(), tmp, "bf16", seed=EMBEDDED_SEEDS[part], partition=part))
+        paths[path] = part  # ours: known, whatever an older cache's file states
+    return paths, True
+
+
+def check_partitions(cfg: DiTEngineConfig, paths: dict[Path, str | None]) -> dict[str, CheckpointInfo]:
+    """Validate every candidate from its headers and keep the first file of each partition; refuses a file whose
+    partition cannot be told, and partitions whose configurations differ."""
+    infos: dict[str, CheckpointInfo] = {}
+    for path, declared in paths.items():
+        info = check_checkpoint(path, qkv_layout=cfg.qkv_layout or None, partition=declared)
+        if info.partition.partition is None:
+            raise partition_undecided(path, info.partition)
+        part = info.partition.partition
+        if part in infos:
+            log.info("%s: another %s file (%s) comes first; not used", path, part, infos[part].path.name)
+            continue
+        log.info("%s: partition %s (%s)", path, part, info.partition.evidence)
+        infos[part] = info
+    configs = {p: i.config for p, i in infos.items()}
+    if len(set(configs.values())) > 1:
+        seen = ", ".join(f"{infos[p].path.name}: {c.num_layers} blocks, hidden {c.hidden}" for p, c in configs.items())
+        raise FailedPrecondition(f"the DiT files do not share one configuration ({seen}); use files of one model")
+    return {p: infos[p] for p in PARTITIONS if p in infos}
 
 
 class DiTEngine:
@@ -119,13 +168,13 @@ class DiTEngine:
     def __init__(self, cfg: DiTEngineConfig, group: RankGroup):
         self.cfg = cfg
         self.group = group
-        self.path, self.embedded = resolve_weights(cfg)
-        # The whole checkpoint is validated here, from its headers, before the stage reports SERVING: a bad file
-        # fails start-up naming file and key (stagekit.checkpoints.CheckpointError), never the first job.
-        info = check_checkpoint(self.path, qkv_layout=cfg.qkv_layout or None)
-        self.model_cfg: DiTConfig = info.config
-        self.variant = info.variant.name
-        self._header_shapes = info.shapes  # for weight-size estimates before loading
+        paths, self.embedded = resolve_weights(cfg)
+        # Every checkpoint is validated here, from its headers, before the stage reports SERVING: a bad file fails
+        # start-up naming file and key (stagekit.checkpoints.CheckpointError), never the first job. One file per
+        # partition is served; the one a job needs is loaded for it (`use_partition`).
+        self.partitions: dict[str, CheckpointInfo] = check_partitions(cfg, paths)
+        self._select(next(iter(self.partitions)))
+        self.model_cfg: DiTConfig = self.partitions[self.partition].config
         if group.world_size % cfg.sp_degree:
             raise FailedPrecondition(f"--sp-degree {cfg.sp_degree} does not divide the {group.world_size} DiT ranks")
         validate_parallel(self.model_cfg, group.world_size // cfg.sp_degree, cfg.sp_degree)
@@ -145,6 +194,28 @@ class DiTEngine:
         self.placement: Placement | None = None  # the last job's
         self.loras: LoRAManager | None = None  # per-rank LoRA cache; lives as long as the loaded model
         self._lora_targets = None  # full-size linear shapes for header-only LoRA validation (rank 0)
+
+    # ---- partitions -----------------------------------------------------------------------------------------------
+    def _select(self, partition: str) -> None:
+        info = self.partitions[partition]
+        self.partition = partition
+        self.path = info.path
+        self.variant = info.variant.name
+        self._header_shapes = info.shapes  # for weight-size estimates before loading
+
+    def use_partition(self, partition: str) -> None:
+        """Make `partition`'s weights the loaded ones (every rank runs this for the same job): a swap unloads the
+        other partition first, so only one is ever resident."""
+        if partition == self.partition:
+            return
+        t0 = time.monotonic()
+        loaded = self.model is not None
+        self.unload()
+        self._select(partition)
+        if loaded:
+            self.load()
+        log.info("rank %d switched to the %s partition (%s) in %.2f s", self.group.info.rank, partition,
+                 self.path.name, time.monotonic() - t0)
 
     # ---- lifecycle ------------------------------------------------------------------------------------------------
     def _select_kernels(self) -> KernelSelection | None:
@@ -346,9 +417,13 @@ class DiTEngine:
         """The runtime's hook (stagekit.runtime.Engine)."""
         text = inputs.get("text_states")
         rows = int(text.shape[0]) if text is not None else DEFAULT_TEXT_LEN
-        if spec is not None:  # keyframe rows cost like text rows; count them with the text
+        if spec is not None:  # keyframe and reference rows cost like text rows; count them with the text
             _, ph, pw = self.model_cfg.patch
             rows += len(keyframe_anchors(inputs)) * (spec.height // 16 // ph) * (spec.width // 16 // pw)
+            refs: References | None = inputs.get(REFERENCES_INPUT)
+            if refs is not None:
+                rows += sum(v.shape[1] * (v.shape[2] // ph) * (v.shape[3] // pw) for v in refs.visual)
+                rows += sum(AUDIO_CHANNELS * a.shape[2] for a in refs.audio)
         return self.estimate_bytes(spec, rows)
 
     # ---- validation (rank 0, before any rank starts work) ---------------------------------------------------------
@@ -363,12 +438,33 @@ class DiTEngine:
         if text_states.dtype not in (torch.bfloat16, torch.float16, torch.float32):
             raise InvalidArgument(f"text_states must be float32, bfloat16 or float16, got {text_states.dtype}")
 
+    def check_partition(self, wants_references: bool) -> None:
+        """A request must reach the partition trained for it: references need the ref2va file, text / keyframe
+        requests the fl2va one (the other file renders poor video without an error). Raises FailedPrecondition."""
+        want = "ref2va" if wants_references else "fl2va"
+        if want not in self.partitions:
+            what = "a request with references" if wants_references else "a text or first/last-frame request"
+            have = ", ".join(f"{p} ({i.path.name})" for p, i in self.partitions.items())
+            raise FailedPrecondition(
+                f"{what} needs the MiniMax-H3 {want} DiT file (minimax_h3_{want}_*.safetensors, or the release's "
+                f"{'transformer_ref' if want == 'ref2va' else 'transformer'}/ folder, in the models folder), but this "
+                f"DiT serves {have} only")
+
     def check_conditioning(self, spec: RenderSpec, text_states: torch.Tensor, inputs: dict) -> dict:
-        """fl2va extras: optional "keyframe_first"/"keyframe_last" latents [24,1,H/16,W/16] and "text_tags" [L].
-        Returns the validated tensors (tags as int64); raises InvalidArgument."""
+        """fl2va extras: optional "keyframe_first"/"keyframe_last" latents [24,1,H/16,W/16] and "text_tags" [L];
+        ref2va: the `ref_{i}_*` reference latents (dit_svc/references.py), returned as one References entry.
+        Returns the validated extras (tags as int64); raises InvalidArgument / FailedPrecondition (partition)."""
         out = {}
         shp = latent_shape(self.model_cfg, spec.frames, spec.height, spec.width)
+        refs = has_references(inputs)
+        self.check_partition(refs)
+        if refs and keyframe_anchors(inputs):
+            raise InvalidArgument("references and first/last keyframes do not combine: the ref2va partition takes "
+                                  "references only (put the image in as a reference instead)")
         try:
+            if refs:
+                m = self.model_cfg
+                out[REFERENCES_INPUT] = parse_references(inputs, m.in_channels, m.audio_in_channels, m.patch)
             for anchor in keyframe_anchors(inputs):
                 name = KEYFRAME_TENSORS[anchor]
                 check_keyframe(name, inputs[name], self.model_cfg.in_channels, shp.latent_height, shp.latent_width)
@@ -403,13 +499,21 @@ class DiTEngine:
         if self.model is None:
             raise FailedPrecondition("DiT not loaded")
         mcfg, dev = self.model_cfg, self.cfg.device
+        refs: References | None = inputs.get(REFERENCES_INPUT)  # ref2va: references (validated on rank 0)
+        self.use_partition("ref2va" if refs is not None else "fl2va")
         self.loras.activate(inputs.get("loras", ()))  # unmerged, cached per rank; [] restores the base model
         text = inputs["text_states"].to(dev)
         shape = latent_shape(mcfg, spec.frames, spec.height, spec.width)
         anchors = keyframe_anchors(inputs)  # fl2va: keyframe latents (validated on rank 0 before the job ran)
         tags = inputs.get(TEXT_TAGS_TENSOR)
-        layout = build_layout(mcfg, text.shape[0], spec.frames, spec.height, spec.width, keyframes=anchors,
-                              text_tags=tags).to(dev)
+        if refs is not None:
+            layout = build_ref2va_layout(mcfg, text.shape[0], spec.frames, spec.height, spec.width, refs.blocks,
+                                         text_tags=tags).to(dev)
+            conditions, ref_audio = list(refs.visual), refs.audio_rows()
+        else:
+            layout = build_layout(mcfg, text.shape[0], spec.frames, spec.height, spec.width, keyframes=anchors,
+                                  text_tags=tags).to(dev)
+            conditions, ref_audio = [inputs[KEYFRAME_TENSORS[a]] for a in anchors], None
         sampler_cfg = SamplerConfig.from_params(spec)
         # Which blocks stream from host memory for this job: from its activations and the room the device has now.
         self.placement = self.plan(spec, layout.seq_len - self.target_rows(spec), self.device_room())
@@ -420,14 +524,14 @@ class DiTEngine:
         # Noise is drawn on the CPU from the seed, exactly as diffusers draws it (docs/checkpoints.md "Seeds"):
         # identical bits on every rank and every device, and the same starting latents as diffusers for a seed.
         video_shape = (mcfg.in_channels, shape.latent_frames, shape.latent_height, shape.latent_width)
-        keyframes = [inputs[KEYFRAME_TENSORS[a]] for a in anchors]
-        c_noise, v_noise, a_rows = draw_noise(spec.seed, [k.shape for k in keyframes], video_shape,
+        c_noise, v_noise, a_rows = draw_noise(spec.seed, [c.shape for c in conditions], video_shape,
                                               (AUDIO_CHANNELS * shape.audio_latents, mcfg.audio_in_channels))
         v_rows = patchify_video(v_noise, mcfg.patch).to(dev)
         a_rows = a_rows.to(dev)  # drawn in row layout, as diffusers draws it
-        cond = condition_rows(keyframes, c_noise, mcfg.patch)  # fixed for the whole run; never sampled
+        cond = condition_rows(conditions, c_noise, mcfg.patch)  # fixed for the whole run; never sampled
         step_t = [time.monotonic()]
-        denoise = conditioned_denoise(self.model, text, layout, None if cond is None else cond.to(dev))
+        denoise = conditioned_denoise(self.model, text, layout, None if cond is None else cond.to(dev),
+                                      None if ref_audio is None else ref_audio.to(dev))
 
         def on_step(i, n):
             now = time.monotonic()
@@ -466,7 +570,8 @@ class DiTEngine:
         self.placement = placement
 
     def describe(self) -> dict:
-        return {"weights": str(self.path), "variant": self.variant, "embedded_model": self.embedded,
+        return {"weights": str(self.path), "variant": self.variant,
+                "partitions": {p: str(i.path) for p, i in self.partitions.items()}, "embedded_model": self.embedded,
                 "devices": [self.cfg.device], "kernels": self.kernel_rows()}
 
 

@@ -70,22 +70,23 @@ def condition_rows(latents: Sequence[torch.Tensor], noises: Sequence[torch.Tenso
     return torch.cat(rows)
 
 
-def conditioned_denoise(model: Callable, text: torch.Tensor, layout: PackedLayout,
-                        cond: torch.Tensor | None) -> Callable:
-    """The sampler's denoise closure: the model sees [cond rows | target rows], the sampler gets target rows back.
-    The conditioning rows are the same tensor at every step (never updated)."""
-    n_cond = layout.num_cond_rows
-    if (0 if cond is None else cond.shape[0]) != n_cond:
-        raise InvalidArgument(f"layout reserves {n_cond} conditioning rows but {0 if cond is None else cond.shape[0]} "
-                         "were given")
-
-    if cond is None:
-        def denoise(xv, xa, tv, ta):
-            return model(xv, xa, text, tv, ta, layout)
-        return denoise
+def conditioned_denoise(model: Callable, text: torch.Tensor, layout: PackedLayout, cond: torch.Tensor | None,
+                        ref_audio: torch.Tensor | None = None) -> Callable:
+    """The sampler's denoise closure: the model sees [cond rows | target rows] on the video side and [reference
+    rows | target rows] on the audio side (ref2va); the sampler gets the target rows back. The conditioning rows are
+    the same tensors at every step (never updated)."""
+    n_cond, n_ref = layout.num_cond_rows, layout.num_ref_audio_rows
+    for name, rows, want in (("conditioning", cond, n_cond), ("reference audio", ref_audio, n_ref)):
+        if (0 if rows is None else rows.shape[0]) != want:
+            raise InvalidArgument(f"layout reserves {want} {name} rows but {0 if rows is None else rows.shape[0]} "
+                                  "were given")
 
     def denoise(xv, xa, tv, ta):
-        v, a = model(torch.cat([cond.to(xv.dtype), xv]), xa, text, tv, ta, layout)
-        return v[n_cond:], a
+        if n_cond:
+            xv = torch.cat([cond.to(xv.dtype), xv])
+        if n_ref:
+            xa = torch.cat([ref_audio.to(xa.dtype), xa])
+        v, a = model(xv, xa, text, tv, ta, layout)
+        return v[n_cond:], a[n_ref:]
 
     return denoise

@@ -1,8 +1,9 @@
-"""Packed-sequence layout of a MiniMax-H3 t2va / fl2va request, and latent <-> row packing.
+"""Packed-sequence layout of a MiniMax-H3 t2va / fl2va / ref2va request, and latent <-> row packing.
 
 One DiT forward runs over a single packed sequence (docs/model.md §2.7):
 
-    [ text (L) | keyframe rows (0, 1 or 2 latent frames) | target audio (2*Ta) | target video (T*rows_per_frame) ]
+    t2va / fl2va: [ text (L) | keyframe rows (0, 1 or 2 latent frames) | target audio (2*Ta) | target video ]
+    ref2va:       [ text (L) | reference blocks in request order        | target audio (2*Ta) | target video ]
 
 Every row carries a modality tag (AdaLN column block), a timestep *kind* (which of the request's noise levels it is
 at; the model turns kinds into distinct timestep values each step) and a 3-axis RoPE position (t, h, w) built in
@@ -48,6 +49,7 @@ COND_VIDEO_T = 0.999  # keyframe latents are noised once to 0.999*z + 0.001*eps 
 REF_AUDIO_T = 1.0
 
 KEYFRAME_ANCHORS = ("first", "last")
+REFERENCE_KINDS = ("image", "video", "audio")
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -159,7 +161,7 @@ class PackedLayout:
     shape: LatentShape
     keyframes: tuple[str, ...]
     text: tuple[int, int]
-    cond: tuple[int, int]
+    cond: tuple[int, int]  # the conditioning rows: keyframes (fl2va) or every reference block (ref2va)
     audio: tuple[int, int]
     video: tuple[int, int]
     rows_per_frame: int
@@ -171,6 +173,7 @@ class PackedLayout:
     video_idx: torch.Tensor = field(repr=False)  # [Nv] cond rows then target video rows
     audio_idx: torch.Tensor = field(repr=False)  # [Na]
     text_idx: torch.Tensor = field(repr=False)  # [L]
+    references: tuple["ReferenceBlock", ...] = ()  # ref2va: the reference blocks in packed (request) order
 
     @property
     def seq_len(self) -> int:
@@ -182,7 +185,13 @@ class PackedLayout:
 
     @property
     def num_cond_rows(self) -> int:
-        return self.cond[1] - self.cond[0]
+        """Leading conditioning rows of `video_idx` (keyframes, or ref2va image / video references)."""
+        return self.num_video_rows - self.shape.latent_frames * self.rows_per_frame
+
+    @property
+    def num_ref_audio_rows(self) -> int:
+        """Leading reference rows of `audio_idx` (ref2va audio references and soundtracks; clean, never sampled)."""
+        return self.num_audio_rows - AUDIO_CHANNELS * self.shape.audio_latents
 
     @property
     def num_video_rows(self) -> int:
@@ -230,6 +239,84 @@ def _last_keyframe_time(text_len: int, latent_frames: int) -> float:
     return float(text_len) + float(spans.sum()) - ROPE_FRAME_RESCALE
 
 
+@dataclass(frozen=True)
+class ReferenceBlock:
+    """Geometry of one ref2va reference, as its latents give it (docs/model.md §2.7-2.8).
+
+    kind "image": one latent frame of its own size; "video": its latent frames and, when it has a soundtrack, that
+    soundtrack's audio latents per channel; "audio": audio latents per channel only.
+    """
+
+    kind: str
+    latent_frames: int = 0
+    latent_height: int = 0
+    latent_width: int = 0
+    audio_latents: int = 0
+
+    def __post_init__(self):
+        if self.kind not in REFERENCE_KINDS:
+            raise InvalidArgument(f"a reference is one of {REFERENCE_KINDS}, got {self.kind!r}")
+        visual = (self.latent_frames, self.latent_height, self.latent_width)
+        if self.kind == "audio":
+            if any(visual) or self.audio_latents < 1:
+                raise InvalidArgument(f"an audio reference has audio latents only (>= 1), got {self}")
+            return
+        if min(visual) < 1 or self.audio_latents < 0:
+            raise InvalidArgument(f"a {self.kind} reference needs positive latent dimensions, got {self}")
+        if self.kind == "image" and (self.latent_frames != 1 or self.audio_latents):
+            raise InvalidArgument(f"an image reference is one latent frame without audio, got {self}")
+
+    @property
+    def has_audio(self) -> bool:
+        return self.audio_latents > 0
+
+
+def _frame_grid(latent_height: int, latent_width: int, ph: int, pw: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(h, w) RoPE coordinates of one latent frame [rows_per_frame, 2] (row-major) and its w axis."""
+    sqrt_area = math.sqrt(latent_height * latent_width)
+    hg = spatial_grid(latent_height, ph, sqrt_area)
+    wg = spatial_grid(latent_width, pw, sqrt_area)
+    return torch.stack(torch.meshgrid(hg, wg, indexing="ij"), dim=-1).reshape(-1, 2), wg
+
+
+def _place_audio(pos: torch.Tensor, start: int, latents: int, origin: float, w_axis: torch.Tensor) -> None:
+    """Channel-major audio rows from `start`: t = origin + k, no height, w at the extremes of `w_axis`."""
+    rows = pos[start:start + AUDIO_CHANNELS * latents]
+    rows[:, 0] = (origin + torch.arange(latents, dtype=torch.float64)).repeat(AUDIO_CHANNELS)
+    rows[:, 2] = torch.stack([w_axis[0], w_axis[-1]]).repeat_interleave(latents)
+
+
+def _place_video(pos: torch.Tensor, start: int, latent_frames: int, origin: float, frame_hw: torch.Tensor) -> None:
+    """Frame-major video rows from `start`, latent frame j at RoPE time origin + its span offset."""
+    rows = pos[start:start + latent_frames * frame_hw.shape[0]].view(latent_frames, frame_hw.shape[0], 3)
+    rows[:, :, 0] = temporal_grid(latent_frames, origin)[:, None]
+    rows[:, :, 1:] = frame_hw[None]
+
+
+def _video_span(latent_frames: int) -> float:
+    """RoPE time a reference video occupies: its frame spans summed one by one in float64 (the order matters in
+    the last ulp; the fl2va last-keyframe anchor sums the same series pairwise)."""
+    total = 0.0
+    for k in range(latent_frames):
+        total += ROPE_FRAME_RESCALE * ROPE_FRAMES_PER_LATENT[k % len(ROPE_FRAMES_PER_LATENT)]
+    return total
+
+
+def _check_text(text_len: int, text_tags: torch.Tensor | None) -> None:
+    if text_len < 0:
+        raise InvalidArgument(f"text_len must be >= 0, got {text_len}")
+    if text_tags is not None and tuple(text_tags.shape) != (text_len,):
+        raise InvalidArgument(f"text_tags must have shape ({text_len},), got {tuple(text_tags.shape)}")
+
+
+def _target(cfg: DiTConfig, frames: int, height: int, width: int) -> tuple[LatentShape, int]:
+    shp = latent_shape(cfg, frames, height, width)
+    pt, ph, pw = cfg.patch
+    if pt != 1:
+        raise ValueError(f"only temporal patch 1 is supported (release value), got {pt}")
+    return shp, (shp.latent_height // ph) * (shp.latent_width // pw)
+
+
 def build_layout(
     cfg: DiTConfig,
     text_len: int,
@@ -248,44 +335,27 @@ def build_layout(
     keyframes = tuple(keyframes)
     if len(keyframes) > 2 or any(k not in KEYFRAME_ANCHORS for k in keyframes):
         raise InvalidArgument(f"keyframes must be up to two of {KEYFRAME_ANCHORS}, got {keyframes!r}")
-    if text_len < 0:
-        raise InvalidArgument(f"text_len must be >= 0, got {text_len}")
-    if text_tags is not None and tuple(text_tags.shape) != (text_len,):
-        raise InvalidArgument(f"text_tags must have shape ({text_len},), got {tuple(text_tags.shape)}")
-    shp = latent_shape(cfg, frames, height, width)
-    pt, ph, pw = cfg.patch
-    if pt != 1:
-        raise ValueError(f"only temporal patch 1 is supported (release value), got {pt}")
-    hl, wl, t_lat, ta = shp.latent_height, shp.latent_width, shp.latent_frames, shp.audio_latents
-    rpf = (hl // ph) * (wl // pw)
+    _check_text(text_len, text_tags)
+    shp, rpf = _target(cfg, frames, height, width)
+    _, ph, pw = cfg.patch
+    t_lat, ta = shp.latent_frames, shp.audio_latents
 
     n_cond = len(keyframes) * rpf
     n_audio = AUDIO_CHANNELS * ta
-    n_video = t_lat * rpf
     c0 = text_len
     a0 = c0 + n_cond
     v0 = a0 + n_audio
-    seq = v0 + n_video
+    seq = v0 + t_lat * rpf
 
-    # One latent frame's (h, w) grid, row-major.
-    sqrt_area = math.sqrt(hl * wl)
-    hg = spatial_grid(hl, ph, sqrt_area)
-    wg = spatial_grid(wl, pw, sqrt_area)
-    frame_hw = torch.stack(torch.meshgrid(hg, wg, indexing="ij"), dim=-1).reshape(-1, 2)
-
+    frame_hw, wg = _frame_grid(shp.latent_height, shp.latent_width, ph, pw)
     pos = torch.zeros(seq, 3, dtype=torch.float64)
     pos[:text_len, 0] = torch.arange(text_len, dtype=torch.float64)
     for i, anchor in enumerate(keyframes):
         rows = slice(c0 + i * rpf, c0 + (i + 1) * rpf)
         pos[rows, 0] = float(text_len) if anchor == "first" else _last_keyframe_time(text_len, t_lat)
         pos[rows, 1:] = frame_hw
-    # Audio: channel-major, t = L + k, no height, w pinned to the extremes of the video w grid (left / right).
-    pos[a0:v0, 0] = (float(text_len) + torch.arange(ta, dtype=torch.float64)).repeat(AUDIO_CHANNELS)
-    pos[a0:v0, 2] = torch.stack([wg[0], wg[-1]]).repeat_interleave(ta)
-    # Target video: frame-major.
-    vpos = pos[v0:].view(t_lat, rpf, 3)
-    vpos[:, :, 0] = temporal_grid(t_lat, float(text_len))[:, None]
-    vpos[:, :, 1:] = frame_hw[None]
+    _place_audio(pos, a0, ta, float(text_len), wg)
+    _place_video(pos, v0, t_lat, float(text_len), frame_hw)
 
     tag = torch.full((seq,), TAG_VIDEO, dtype=torch.long)
     tag[:text_len] = TAG_TEXT if text_tags is None else text_tags.to(torch.long)
@@ -294,20 +364,108 @@ def build_layout(
     kind[c0:a0] = KIND_COND
     kind[a0:v0] = KIND_AUDIO
 
+    return _finish(shp, rpf, text_len, a0, v0, pos, tag, kind, [torch.arange(c0, a0)], [], keyframes=keyframes)
+
+
+def build_ref2va_layout(
+    cfg: DiTConfig,
+    text_len: int,
+    frames: int,
+    height: int,
+    width: int,
+    references: Sequence[ReferenceBlock],
+    text_tags: torch.Tensor | None = None,
+) -> PackedLayout:
+    """Layout of a ref2va request: `[text | reference blocks in request order | target audio | target video]`
+    (docs/model.md §2.7-2.8). frames/height/width are the target's pixel units.
+
+    A reference block is an image's rows (its own grid), an audio reference's channel-major rows, or a video's
+    soundtrack rows followed by its frame rows. One RoPE clock starts at L and every reference advances it: an image
+    by 1, an audio reference by its latent count, a video by the longer of its soundtrack and its frame span; the
+    target rows start where it ends. Reference video rows are conditioning rows (t pinned at 0.999), reference audio
+    rows are clean (t = 1). `video_idx` / `audio_idx` list the reference rows first, in request order.
+    """
+    references = tuple(references)
+    if not references:
+        raise InvalidArgument("a ref2va layout needs at least one reference")
+    if all(r.kind == "audio" for r in references):
+        raise InvalidArgument("audio references need at least one image or video reference beside them")
+    _check_text(text_len, text_tags)
+    shp, rpf = _target(cfg, frames, height, width)
+    _, ph, pw = cfg.patch
+    for i, r in enumerate(references):
+        if r.kind != "audio" and (r.latent_height % ph or r.latent_width % pw):
+            raise InvalidArgument(f"reference {i + 1}: latent {r.latent_height}x{r.latent_width} is not divisible by "
+                             f"the patch {ph}x{pw}")
+    t_lat, ta = shp.latent_frames, shp.audio_latents
+    target_hw, target_w = _frame_grid(shp.latent_height, shp.latent_width, ph, pw)
+
+    def visual_rows(r: ReferenceBlock) -> int:
+        return r.latent_frames * (r.latent_height // ph) * (r.latent_width // pw)
+
+    ref_rows = sum(visual_rows(r) + AUDIO_CHANNELS * r.audio_latents for r in references)
+    a0 = text_len + ref_rows
+    v0 = a0 + AUDIO_CHANNELS * ta
+    seq = v0 + t_lat * rpf
+    pos = torch.zeros(seq, 3, dtype=torch.float64)
+    pos[:text_len, 0] = torch.arange(text_len, dtype=torch.float64)
+    tag = torch.full((seq,), TAG_VIDEO, dtype=torch.long)
+    tag[:text_len] = TAG_TEXT if text_tags is None else text_tags.to(torch.long)
+    kind = torch.full((seq,), KIND_VIDEO, dtype=torch.long)
+
+    video_idx, audio_idx = [], []
+    cursor, clock = text_len, float(text_len)
+    for r in references:
+        if r.has_audio:  # an audio reference, or a video's soundtrack (before its frames, same origin)
+            n = AUDIO_CHANNELS * r.audio_latents
+            w_axis = target_w if r.kind == "audio" else _frame_grid(r.latent_height, r.latent_width, ph, pw)[1]
+            _place_audio(pos, cursor, r.audio_latents, clock, w_axis)
+            tag[cursor:cursor + n] = TAG_AUDIO
+            kind[cursor:cursor + n] = KIND_REF_AUDIO
+            audio_idx.append(torch.arange(cursor, cursor + n))
+            cursor += n
+        if r.kind != "audio":
+            n = visual_rows(r)
+            frame_hw, _ = _frame_grid(r.latent_height, r.latent_width, ph, pw)
+            _place_video(pos, cursor, r.latent_frames, clock, frame_hw)
+            kind[cursor:cursor + n] = KIND_COND
+            video_idx.append(torch.arange(cursor, cursor + n))
+            cursor += n
+        if r.kind == "image":
+            clock += 1.0  # one integer slot, not a latent frame's 5/3
+        elif r.kind == "audio":
+            clock += float(r.audio_latents)
+        else:
+            clock += max(float(r.audio_latents), _video_span(r.latent_frames))
+
+    _place_audio(pos, a0, ta, clock, target_w)
+    _place_video(pos, v0, t_lat, clock, target_hw)
+    tag[a0:v0] = TAG_AUDIO
+    kind[a0:v0] = KIND_AUDIO
+    return _finish(shp, rpf, text_len, a0, v0, pos, tag, kind, video_idx, audio_idx, references=references)
+
+
+def _finish(shp: LatentShape, rpf: int, text_len: int, a0: int, v0: int, pos: torch.Tensor, tag: torch.Tensor,
+            kind: torch.Tensor, cond_video: list[torch.Tensor], ref_audio: list[torch.Tensor],
+            keyframes: tuple[str, ...] = (), references: tuple[ReferenceBlock, ...] = ()) -> PackedLayout:
+    """The PackedLayout of rows placed as [text | conditioning | target audio (a0) | target video (v0)]:
+    `cond_video` / `ref_audio` list the conditioning rows of each modality in packed order."""
+    seq = int(tag.shape[0])
     return PackedLayout(
         shape=shp,
         keyframes=keyframes,
         text=(0, text_len),
-        cond=(c0, a0),
+        cond=(text_len, a0),
         audio=(a0, v0),
         video=(v0, seq),
         rows_per_frame=rpf,
         tag=tag,
         kind=kind,
-        kinds=tuple(sorted({KIND_VIDEO, KIND_AUDIO} | ({KIND_COND} if n_cond else set()))),
+        kinds=tuple(sorted(set(kind[text_len:].tolist()))),
         position_ids=pos.to(torch.float32),
         position_ids_f64=pos,
-        video_idx=torch.cat([torch.arange(c0, a0), torch.arange(v0, seq)]),
-        audio_idx=torch.arange(a0, v0),
+        video_idx=torch.cat(cond_video + [torch.arange(v0, seq)]),
+        audio_idx=torch.cat(ref_audio + [torch.arange(a0, v0)]),
         text_idx=torch.arange(0, text_len),
+        references=references,
     )

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from dit_svc.checkpoint import QKVLayout
 from dit_svc.engine import DiTEngine, DiTEngineConfig
 from dit_svc.keyframes import KEYFRAME_TENSORS, TEXT_TAGS_TENSOR
+from dit_svc.references import REF_PARTS, ref_tensor, MAX_REFERENCES
 from h3.v1 import dit_pb2, dit_pb2_grpc, common_pb2
 from stagekit.budget import GIB, resolve_budget_bytes
 from stagekit.config import parse_config
@@ -26,8 +27,9 @@ from stagekit.stage import CommonConfig, run_stage
 from stagekit.wire import FLOAT_DTYPES, TensorAssembler, check_finite, tensor_chunks
 
 SERVICE = "h3.v1.DiTSampler"
-# Text states are [L, text_dim] of a float dtype; L is bounded by the encoder's max tokens.
-MAX_TEXT_BYTES = 64 << 20
+# Text states are [L, text_dim] of a float dtype; L is the encoder's prompt plus the vision tokens of keyframes and
+# references (a 2048 px square image reference adds 4,096 tokens, 40 MiB in bf16): up to ~100k rows of bf16.
+MAX_TEXT_BYTES = 1 << 30
 INT_DTYPES = ("int64", "int32", "int16", "int8", "uint8")
 
 
@@ -53,6 +55,9 @@ class DiTConfigArgs(CommonConfig):
     qkv_layout: str = field(default="", metadata={"choices": ("", *typing.get_args(QKVLayout)),
         "help": "q/k/v row order of the weights when the files do not show it: stacked (ComfyUI repacks) | "
                 "interleaved (MiniMax release shards); default: decided from the files, refused if they cannot tell"})
+    partition: str = field(default="", metadata={
+        "help": "the MiniMax-H3 partition of the weights when their name and metadata do not say: fl2va (text, "
+                "first/last frame) | ref2va (references); default: decided from the files, refused if they cannot tell"})
 
 
 class DiTServicer(LifecycleMixin, dit_pb2_grpc.DiTSamplerServicer):
@@ -73,9 +78,15 @@ class DiTServicer(LifecycleMixin, dit_pb2_grpc.DiTSamplerServicer):
         spec = validate(spec_from_proto(req.params))
         loras = self.engine.check_loras([(x.name, x.strength if x.HasField("strength") else 1.0) for x in req.loras])
         # fl2va extras (optional): keyframe latents [24, 1, H/16, W/16] by anchor, per-token DiT tags [L] integers.
-        latent = (FLOAT_DTYPES, (self.engine.model_cfg.in_channels, 1, spec.height // 16, spec.width // 16))
-        asm = TensorAssembler(expect={"text_states": (FLOAT_DTYPES, (None, self.engine.model_cfg.text_dim)),
+        # ref2va extras: reference latents ref_{i}_image / ref_{i}_video / ref_{i}_audio (dit_svc/references.py).
+        m = self.engine.model_cfg
+        latent = (FLOAT_DTYPES, (m.in_channels, 1, spec.height // 16, spec.width // 16))
+        refs = {"image": (FLOAT_DTYPES, (m.in_channels, 1, None, None)),
+                "video": (FLOAT_DTYPES, (m.in_channels, None, None, None)),
+                "audio": (FLOAT_DTYPES, (2, m.audio_in_channels, None))}
+        asm = TensorAssembler(expect={"text_states": (FLOAT_DTYPES, (None, m.text_dim)),
                                       **{n: latent for n in KEYFRAME_TENSORS.values()},
+                                      **{ref_tensor(i, p): refs[p] for i in range(MAX_REFERENCES) for p in REF_PARTS},
                                       TEXT_TAGS_TENSOR: (INT_DTYPES, (None,))},
                               max_bytes=MAX_TEXT_BYTES,
                               hints={n: f"this render's canvas needs one normalised VAE latent frame of "
@@ -133,7 +144,7 @@ def make_engine(cfg: DiTConfigArgs, info, group) -> DiTEngine:
                                      compile_blocks=cfg.compile_blocks, sp_degree=cfg.sp_degree,
                                      compile_cache_dir=cfg.resolved_cache_dir() / "compile" if cfg.compile_cache else None,
                                      chunk_rows=cfg.chunk_rows, allow_lora_paths=cfg.allow_lora_paths,
-                                     qkv_layout=cfg.qkv_layout,
+                                     qkv_layout=cfg.qkv_layout, partition=cfg.partition,
                                      memory_limit_bytes=resolve_budget_bytes([device], cfg.memory_budget_gb,
                                                                              cfg.reserve_gb, cfg.gpu_memory_cap_gb),
                                      memory_cap_bytes=int(cfg.gpu_memory_cap_gb * GIB),

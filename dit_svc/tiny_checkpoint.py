@@ -29,6 +29,7 @@ from dit_svc.checkpoint import (
     INT8_CONVROT,
     INT8_CONVROT_PRUNED,
     METADATA_CONFIG,
+    METADATA_PARTITION,
     METADATA_QKV,
     Variant,
     expected_specs,
@@ -214,18 +215,21 @@ def save_state_dict(sd: dict[str, torch.Tensor], path: str | Path, metadata: dic
     return write_safetensors_streaming(path, plan, iter(sd.items()), metadata)
 
 
-def file_metadata(cfg: DiTConfig, qkv_layout: str = "stacked") -> dict[str, str]:
+def file_metadata(cfg: DiTConfig, qkv_layout: str = "stacked", partition: str = "fl2va") -> dict[str, str]:
     """What our writers state in a file: the whole config (so the block count is declared, not guessed from the
-    blocks present) and the q/k/v row order (docs/checkpoints.md)."""
-    return {METADATA_CONFIG: json.dumps(dataclasses.asdict(cfg), separators=(",", ":")), METADATA_QKV: qkv_layout}
+    blocks present), the q/k/v row order and the partition (docs/checkpoints.md)."""
+    return {METADATA_CONFIG: json.dumps(dataclasses.asdict(cfg), separators=(",", ":")), METADATA_QKV: qkv_layout,
+            METADATA_PARTITION: partition}
 
 
 def write_tiny_checkpoint(cfg: DiTConfig, path: str | Path, variant: TinyVariant = "bf16", seed: int = 0,
-                          metadata: bool = True) -> Path:
-    """One ComfyUI-layout single file of the given variant. `metadata=False` writes what a ComfyUI repack holds:
-    the tensors and nothing that states the config or the q/k/v order."""
+                          metadata: bool = True, partition: str = "fl2va") -> Path:
+    """One ComfyUI-layout single file of the given variant and partition (the two partitions differ in weights
+    only: give them different seeds). `metadata=False` writes what a ComfyUI repack holds: the tensors and nothing
+    that states the config, the q/k/v order or the partition."""
     file_cfg = cfg.replace(adaln_form="curve" if variant == "int8_convrot_pruned" else "mlp")
-    return save_state_dict(tiny_state_dict(cfg, variant, seed), path, file_metadata(file_cfg) if metadata else None)
+    meta = file_metadata(file_cfg, partition=partition) if metadata else None
+    return save_state_dict(tiny_state_dict(cfg, variant, seed), path, meta)
 
 
 def _write_sharded(sd: dict[str, torch.Tensor], out_dir: Path, stem: str, n_shards: int, config: dict) -> Path:
@@ -335,10 +339,11 @@ def iter_random_int8_convrot_weights(
 
 def write_random_int8_convrot_checkpoint(
     cfg: DiTConfig, path: str | Path, seed: int = 0, device: torch.device | str = "cpu", quantize: bool = True,
-    pruned: bool = False,
+    pruned: bool = False, partition: str = "fl2va",
 ) -> Path:
-    """Stream a full-size random int8_convrot checkpoint to one Comfy-layout file (about 34 GB at full size; the
-    `pruned` curve-form variant ≈19.5 GiB, the file the 22 GB-card users run)."""
+    """Stream a full-size random int8_convrot checkpoint of one partition to one Comfy-layout file (about 34 GB at
+    full size; the `pruned` curve-form variant ≈19.5 GiB, the file the 22 GB-card users run)."""
     items = iter_random_int8_convrot_weights(cfg, seed, device, quantize, pruned)
     return write_safetensors_streaming(path, _int8_plan(cfg, pruned), items,
-                                      file_metadata(cfg.replace(adaln_form="curve" if pruned else "mlp")))
+                                      file_metadata(cfg.replace(adaln_form="curve" if pruned else "mlp"),
+                                                    partition=partition))

@@ -243,11 +243,12 @@ class Conditioner(nn.Module):
         return self.forward(ids).to(self.out_dtype)
 
     @torch.inference_mode()
-    def encode_presentation(self, prompt_ids: list[int], images: list[torch.Tensor]
-                            ) -> tuple[torch.Tensor, torch.Tensor]:
+    def encode_presentation(self, prompt_ids: list[int], images: list[torch.Tensor],
+                            label_ids: list[list[int]] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """fl2va: ``"<Picture i>: " + vision block`` per keyframe image (uint8 [H, W, 3], canvas-sized, packed
-        order), then the prompt ids -> (states [L, hidden] ``out_dtype``, DiT tags [L] int64 on the CPU)."""
-        pres, feats, deepstack = self.vision_inputs(prompt_ids, images)
+        order), then the prompt ids -> (states [L, hidden] ``out_dtype``, DiT tags [L] int64 on the CPU).
+        `label_ids`: the text before each block instead (ref2va, `vision.reference_parts`)."""
+        pres, feats, deepstack = self.vision_inputs(prompt_ids, images, label_ids)
         h = self._embed(pres.ids)
         mask = pres.image_mask.to(h.device)
         h = h.clone()
@@ -256,8 +257,8 @@ class Conditioner(nn.Module):
                               deepstack_embeds=deepstack)
         return states.to(self.out_dtype), pres.tags
 
-    def vision_inputs(self, prompt_ids: list[int], images: list[torch.Tensor]
-                      ) -> tuple[Presentation, torch.Tensor, list[torch.Tensor]]:
+    def vision_inputs(self, prompt_ids: list[int], images: list[torch.Tensor],
+                      label_ids: list[list[int]] | None = None) -> tuple[Presentation, torch.Tensor, list[torch.Tensor]]:
         """The presentation plus the vision tower's merged features [n_pads, hidden] and DeepStack features."""
         self._ensure_visual()
         if self.tokenizer is None:
@@ -270,7 +271,7 @@ class Conditioner(nn.Module):
         grid_thw = torch.stack(grids)
         out = self.visual(torch.cat(pixels).to(self.device, self.dtype), grid_thw=grid_thw.to(self.device),
                           return_dict=True)
-        labels = [tok.encode(PICTURE_LABEL.format(i=i + 1)) for i in range(len(images))]
+        labels = label_ids or [tok.encode(PICTURE_LABEL.format(i=i + 1)) for i in range(len(images))]
         pres = build_presentation(labels, list(prompt_ids), list(grids), tok.token_id("<|vision_start|>"),
                                   tok.token_id("<|vision_end|>"), tok.token_id("<|image_pad|>"), vcfg)
         n = sum(image_token_count(g, vcfg) for g in grids)

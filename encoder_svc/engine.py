@@ -18,10 +18,12 @@ from encoder_svc.checkpoint import TextEncoderCheckpoint
 from encoder_svc.conditioner import Conditioner, ConditionerConfig, resolve_tokenizer
 from encoder_svc.tiny import write_tiny_model
 from encoder_svc.tokenizer import MAX_PROMPT_TOKENS, validate_prompt
+from encoder_svc.vision import reference_parts
 from stagekit.dist import RankGroup
 from stagekit.runtime import release_device_memory
 from stagekit.checkpoints import CheckpointError
 from stagekit.errors import FailedPrecondition
+from stagekit.media import EMBEDDED_IMAGE_SHORT_EDGE, IMAGE_SHORT_EDGE
 from stagekit.models import CHECKPOINT_PARTS, EMBEDDED_VERSION, resolve_checkpoint
 from stagekit.wire import check_result
 
@@ -58,6 +60,8 @@ class EncoderEngine:
         self.group = group
         self.path, self.embedded = resolve_weights(cfg)
         self.model_cfg = ConditionerConfig.tiny() if self.embedded else ConditionerConfig.full()
+        # Image references: the model's 2048 px short edge, a small one for the embedded tiny family.
+        self.image_short_edge = EMBEDDED_IMAGE_SHORT_EDGE if self.embedded else IMAGE_SHORT_EDGE
         header = TextEncoderCheckpoint(self.path, self.model_cfg)  # validates keys/shapes from the header
         self.variant = header.info.variant
         self.fingerprint = header.info.fingerprint
@@ -103,9 +107,14 @@ class EncoderEngine:
             raise FailedPrecondition("text encoder not loaded")
         ctx.progress(0, 1)
         images = inputs.get("keyframes") or []
-        if images:  # fl2va: "<Picture i>: " + vision block per keyframe, then the prompt (not cached)
+        references = inputs.get("references") or []
+        if images or references:  # fl2va / ref2va: labels + vision blocks, then the prompt (not cached)
             try:
-                states, tags = self.model.encode_presentation(spec["ids"], images)
+                labels, prompt = None, spec["ids"]
+                if references:  # ref2va: labels per kind in request order (encoder_svc/vision.py)
+                    labels, images, tail = reference_parts(self.model.tokenizer.encode, references)
+                    prompt = tail + list(prompt)
+                states, tags = self.model.encode_presentation(prompt, images, labels)
             except ValueError as e:
                 raise FailedPrecondition(str(e)) from None
         else:

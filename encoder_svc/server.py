@@ -15,6 +15,8 @@ from h3.v1 import common_pb2, encoder_pb2, encoder_pb2_grpc
 from stagekit.config import parse_config
 from stagekit.errors import FailedPrecondition, InvalidArgument
 from stagekit.images import admit_keyframe
+from stagekit.labels import VIDEO_NOT_PRESENTED
+from stagekit.media import ReferenceMedia, admit_reference, load_reference, reference_decode_bytes
 from stagekit.metrics import observed
 from stagekit.render_params import MAX_PROMPT_BYTES
 from stagekit.runtime import Job
@@ -64,6 +66,24 @@ class EncoderServicer(LifecycleMixin, encoder_pb2_grpc.TextEncoderServicer):
                                      "keyframe renders need the full Qwen3-VL encoder file")
         return [admit_keyframe(img, request.width, request.height) for img in request.keyframes]
 
+    def _references(self, request) -> list:
+        """ref2va references in request order, admitted before anything is decoded (INVALID_ARGUMENT for a bad
+        file); images and videos are decoded as part of the job (audio references are labels only here)."""
+        refs = list(request.references)
+        if not refs:
+            return []
+        if request.keyframes:
+            raise InvalidArgument("references and first/last keyframes do not combine (the ref2va partition takes "
+                                  "references only)")
+        for ref in refs:
+            admit_reference(ref.kind, ref.data, request.frames)
+        if any(r.kind == "video" for r in refs):
+            raise FailedPrecondition(VIDEO_NOT_PRESENTED)
+        if not self.engine.has_vision:
+            raise FailedPrecondition(f"the text encoder {self.engine.path.name} has no vision tower ('visual.*'); "
+                                     "reference renders need the full Qwen3-VL encoder file")
+        return refs
+
     def _send(self, states, tokens: int, cache_hit: bool, timing: dict, tags=None):
         t0 = time.monotonic()
         if tags is None:  # t2va: every row is text
@@ -81,7 +101,8 @@ class EncoderServicer(LifecycleMixin, encoder_pb2_grpc.TextEncoderServicer):
     def Encode(self, request, context):
         text, ids = abort_on_error(context, self._prompt, request)
         keyframes = abort_on_error(context, self._keyframes, request)
-        cached = None if keyframes else self.engine.cache.get(self.engine.cache_key(text))
+        references = abort_on_error(context, self._references, request)
+        cached = None if keyframes or references else self.engine.cache.get(self.engine.cache_key(text))
         if cached is not None:  # re-renders never load the encoder
             timing: dict = {}
             yield from self._send(cached, len(ids), True, timing)
@@ -94,6 +115,12 @@ class EncoderServicer(LifecycleMixin, encoder_pb2_grpc.TextEncoderServicer):
         if keyframes:  # canvas-sized uint8 [H, W, 3] each, decoded on the worker thread
             job.prepare = lambda: {"keyframes": [k.load() for k in keyframes]}
             job.input_bytes = sum(k.decode_bytes for k in keyframes)
+        if references:  # on the model's rates and sizes (stagekit/media.py), decoded on the worker thread
+            job.prepare = lambda: {"references": [
+                ReferenceMedia("audio") if r.kind == "audio" else  # a label only: its sound never reaches Qwen
+                load_reference(r.data, r.kind, request.frames, self.engine.image_short_edge) for r in references]}
+            job.input_bytes = sum(reference_decode_bytes(r.kind, request.frames) for r in references
+                                  if r.kind != "audio")
 
         def on_event(ev):
             if ev.kind == "progress":

@@ -24,6 +24,7 @@ import torch
 from transformers.models.qwen3_vl.configuration_qwen3_vl import Qwen3VLVisionConfig
 
 from stagekit.errors import InvalidArgument
+from stagekit.labels import VIDEO_NOT_PRESENTED
 
 # Qwen3-VL image-processor constants (preprocessor_config.json of the Qwen3-VL release).
 IMAGE_MEAN = (0.5, 0.5, 0.5)
@@ -32,6 +33,8 @@ MIN_PIXELS = 65536            # size.shortest_edge
 MAX_PIXELS = 16777216         # size.longest_edge
 TEXT_TAG, VISION_TAG = 1, 0   # DiT modality tags of presentation rows (§2.6: vision blocks use the video tag)
 PICTURE_LABEL = "<Picture {i}>: "
+AUDIO_LABEL = "<Audio {j}>: "
+VIDEO_LABEL = "<Video {k}>: "
 
 
 @dataclass(frozen=True)
@@ -140,6 +143,27 @@ def preprocess_image(image: torch.Tensor, cfg: VisionConfig) -> tuple[torch.Tens
     x = x.reshape(3, gh // m, m, p, gw // m, m, p).permute(1, 4, 2, 5, 0, 3, 6)  # (gh/m, gw/m, m, m, C, p, p)
     x = x.unsqueeze(5).expand(*x.shape[:5], tp, p, p)                            # repeat over the temporal patch
     return x.reshape(gh * gw, 3 * tp * p * p).contiguous(), torch.tensor([1, gh, gw], dtype=torch.long)
+
+
+def reference_parts(encode, references) -> tuple[list[list[int]], list[torch.Tensor], list[int]]:
+    """ref2va presentation (docs/model.md §6) as (text ids before each image block, the images, the text ids after
+    the last block): references in request order, labels numbered per kind; an audio reference, and a video's
+    soundtrack, is its label alone. `references`: stagekit.media.ReferenceMedia; `encode`: text -> token ids."""
+    labels, images, pending = [], [], []
+    count = {"image": 0, "video": 0, "audio": 0}
+    for ref in references:
+        if ref.kind == "audio" or ref.audio is not None:  # an audio reference, or a video's soundtrack
+            count["audio"] += 1
+            pending += encode(AUDIO_LABEL.format(j=count["audio"]))
+        if ref.kind == "video":
+            raise ValueError(VIDEO_NOT_PRESENTED)
+        if ref.kind == "image":
+            count["image"] += 1
+            pending += encode(PICTURE_LABEL.format(i=count["image"]))
+            labels.append(pending)
+            images.append(torch.from_numpy(ref.frames[0]))
+            pending = []
+    return labels, images, pending
 
 
 def image_token_count(grid_thw: torch.Tensor, cfg: VisionConfig) -> int:

@@ -18,7 +18,8 @@ from pathlib import Path
 
 import grpc
 
-from client.pipeline import StageResult, decode, encode, encode_image, sample
+from client.pipeline import (StageResult, decode, encode, encode_image, encode_reference, reference_tensors,
+                             sample)
 from client.stubs import StageClients
 from h3.v1 import common_pb2, render_pb2
 from stagekit.errors import Cancelled, status_for
@@ -47,6 +48,11 @@ class Work:
         """fl2va keyframe images in packed order (first, then last), read from the job store's files when a stage
         needs them (a queued job holds none in memory)."""
         return [(a, path.read_bytes()) for a, path in self.keyframe_files]
+
+    @property
+    def partition(self) -> str:
+        """The DiT partition the job needs: ref2va for references, fl2va for text and keyframes."""
+        return "ref2va" if self.request.references else "fl2va"
 
     def set_call(self, call) -> None:
         with self._lock:
@@ -90,19 +96,28 @@ def _merge(results: list[StageResult]) -> StageResult:
 
 
 def run_keyframes(c: StageClients, w: Work, progress, on_call) -> StageResult:
-    """Each keyframe -> its VAE latent (the decoder's VAE encoder, at the render size)."""
+    """Each keyframe -> its VAE latent (the decoder's VAE encoder, at the render size); each reference -> its
+    latents (the decoder's video / audio VAE encoders, on the model's rates)."""
     results = []
     for anchor, img in w.keyframes():
         lat, r = encode_image(c, img, w.spec.width, w.spec.height, w.job_id, progress, on_call=on_call)
         w.tensors[f"keyframe_{anchor}"] = lat
         results.append(r)
+    for i, ref in enumerate(w.request.references):
+        lat, r = encode_reference(c, ref, w.spec.frames, w.job_id, progress, on_call=on_call)
+        w.tensors.update(reference_tensors(i, lat, ref.kind))
+        results.append(r)
     return _merge(results)
 
 
 def run_encoder(c: StageClients, w: Work, progress, on_call) -> StageResult:
-    """Prompt (+ the same keyframe images, shown to the vision tower) -> text states (+ tags for fl2va)."""
+    """Prompt (+ the same keyframe images or references, shown to the vision tower) -> text states (+ tags)."""
     images = [img for _, img in w.keyframes()]
-    if images:
+    if w.request.references:
+        states, tags, r = encode(c, w.spec.prompt, w.job_id, progress, with_tags=True, on_call=on_call,
+                                 references=w.request.references, frames=w.spec.frames)
+        w.tensors["text_tags"] = tags
+    elif images:
         states, tags, r = encode(c, w.spec.prompt, w.job_id, progress, keyframes=images, width=w.spec.width,
                                  height=w.spec.height, with_tags=True, on_call=on_call)
         w.tensors["text_tags"] = tags
@@ -113,7 +128,8 @@ def run_encoder(c: StageClients, w: Work, progress, on_call) -> StageResult:
 
 
 def run_dit(c: StageClients, w: Work, progress, on_call) -> StageResult:
-    extra = {k: w.tensors[k] for k in ("keyframe_first", "keyframe_last", "text_tags") if k in w.tensors}
+    extra = {k: t for k, t in w.tensors.items() if k in ("keyframe_first", "keyframe_last", "text_tags")
+             or k.startswith("ref_")}
     loras = [(lo.name, lo.strength if lo.HasField("strength") else 1.0) for lo in w.request.loras]
     video, audio, r = sample(c, w.spec, w.tensors["text_states"], w.job_id, progress, extra=extra or None,
                              loras=loras, on_call=on_call)
@@ -140,6 +156,7 @@ class RenderEngine:
 
     def __init__(self, clients: StageClients):
         self.clients = clients
+        self.dit_partition = "fl2va"  # the partition the last DiT batch ended on
 
     def load(self) -> None:
         pass
@@ -168,15 +185,29 @@ class RenderEngine:
         A drain with --cancel-on-term stops the calls and leaves the jobs to be retried after the restart."""
         works: list[Work] = inputs["works"]
         sink: ProgressSink = inputs["progress"]
-        with ThreadPoolExecutor(max_workers=len(works), thread_name_prefix=f"batch-{stage}") as pool:
-            futs = {pool.submit(self._one, stage, w, sink): w for w in works}
-            while True:
-                done, pending = wait(futs, timeout=0.2)
-                if not pending:
-                    break
+        outcomes = {}
+        for group in self._groups(stage, works):
+            with ThreadPoolExecutor(max_workers=len(group), thread_name_prefix=f"batch-{stage}") as pool:
+                futs = {pool.submit(self._one, stage, w, sink): w for w in group}
+                while True:
+                    done, pending = wait(futs, timeout=0.2)
+                    if not pending:
+                        break
+                    if ctx.job is not None and ctx.job.should_cancel():
+                        for w in works:
+                            w.abort()
                 if ctx.job is not None and ctx.job.should_cancel():
-                    for w in works:
-                        w.abort()
-            if ctx.job is not None and ctx.job.should_cancel():
-                raise Cancelled("render: the batch was stopped (service draining); its jobs are retried after restart")
-            return {"outcomes": {w.job_id: f.result() for f, w in futs.items()}, "t": time.time()}
+                    raise Cancelled("render: the batch was stopped (service draining); its jobs are retried after "
+                                    "restart")
+                outcomes.update({w.job_id: f.result() for f, w in futs.items()})
+        return {"outcomes": outcomes, "t": time.time()}
+
+    def _groups(self, stage: str, works: list[Work]) -> list[list[Work]]:
+        """The batch's calls, in groups sent one after the other. A DiT batch goes partition by partition (the one
+        the DiT ran last first), so a mixed batch swaps the DiT's weights at most once (docs/references.md)."""
+        if stage != "dit":
+            return [works]
+        parts = sorted({w.partition for w in works}, key=lambda p: p != self.dit_partition)
+        groups = [[w for w in works if w.partition == p] for p in parts]
+        self.dit_partition = parts[-1]
+        return groups

@@ -28,7 +28,7 @@ from h3.v1 import common_pb2, render_pb2
 from render_svc.engine import Outcome, Work
 from render_svc.planner import Batch, BatchPlanner, first_stage, next_stage
 from render_svc.store import CANCELLED, FAILED, QUEUED, RUNNING, SUCCEEDED, JobRecord, JobStore
-from stagekit.errors import Cancelled, InvalidArgument, Unavailable
+from stagekit.errors import Cancelled, FailedPrecondition, InvalidArgument, Unavailable
 from stagekit.render_params import MAX_PROMPT_BYTES, check_output, spec_from_proto, validate
 from stagekit.runtime import Job
 
@@ -55,6 +55,9 @@ class SchedulerConfig:
     retention_every_s: float = 60.0      # retention (and the database file check) runs this often
 
 
+PARTITIONS_TTL_S = 10.0  # how long the DiT's served partitions are trusted before Status is asked again
+
+
 def check_request(req: render_pb2.RenderRequest) -> None:
     """Everything about a request that can be checked before it is queued; InvalidArgument with the reason."""
     from stagekit.images import load_keyframe
@@ -73,9 +76,78 @@ def check_request(req: render_pb2.RenderRequest) -> None:
                 load_keyframe(img, spec.width, spec.height)
             except InvalidArgument as e:
                 raise InvalidArgument(f"{anchor}: {e.message}") from None
+    if req.references:
+        check_references(req, spec.prompt, spec.frames)
     for lo in req.loras:
         if not lo.name.strip():
             raise InvalidArgument("a LoRA needs a file name (a file in the DiT server's loras dir)")
+
+
+def check_references(req: render_pb2.RenderRequest, prompt: str, frames: int) -> None:
+    """ref2va admission: no keyframes beside them, at most 12, each a kind and size the decoder takes, and the
+    prompt's labels naming exactly the references there are (stagekit/labels.py). Fills in each reference's
+    thumbnail, duration and size (`describe_reference`)."""
+    from dit_svc.references import MAX_REFERENCES
+    from stagekit.labels import VIDEO_NOT_PRESENTED, check_labels
+    from stagekit.media import admit_reference
+
+    if req.first_frame or req.last_frame:
+        raise InvalidArgument("references and first/last keyframes do not combine: the ref2va partition takes "
+                              "references only (send the frame as an image reference)")
+    if any(r.kind == "video" for r in req.references):
+        raise FailedPrecondition(VIDEO_NOT_PRESENTED)
+    if len(req.references) > MAX_REFERENCES:
+        raise InvalidArgument(f"{len(req.references)} references; MiniMax-H3 takes at most {MAX_REFERENCES}")
+    sound = []
+    for i, ref in enumerate(req.references):
+        try:
+            admit_reference(ref.kind, ref.data, frames)
+        except InvalidArgument as e:
+            raise InvalidArgument(f"reference {i + 1} ({ref.name or ref.kind}): {e.message}") from None
+        sound.append(describe_reference(ref, i))
+    check_labels(prompt, [r.kind for r in req.references], sound, [r.name for r in req.references])
+
+
+THUMBNAIL_PX = 96
+
+
+def describe_reference(ref, index: int) -> bool:
+    """Fill in what the web page shows of a reference (thumbnail, duration, size) from its header and first
+    frame; returns whether a video has a soundtrack (it takes an <Audio j> label). InvalidArgument for a file the
+    decoders cannot open."""
+    import io
+
+    import av
+    from PIL import Image
+
+    what = f"reference {index + 1} ({ref.name or ref.kind})"
+    try:
+        if ref.kind == "image":
+            with Image.open(io.BytesIO(ref.data)) as im:
+                ref.width, ref.height = im.size
+                im.draft("RGB", (THUMBNAIL_PX * 2, THUMBNAIL_PX * 2))  # JPEG: decode at a reduced scale
+                thumb = im.convert("RGB")
+            sound = False
+        else:
+            with av.open(io.BytesIO(ref.data)) as c:
+                ref.seconds = (c.duration or 0) / 1e6
+                sound = ref.kind == "video" and bool(c.streams.audio)
+                thumb = None
+                if ref.kind == "video":
+                    if not c.streams.video:
+                        raise ValueError("it has no video stream")
+                    ref.width, ref.height = c.streams.video[0].width, c.streams.video[0].height
+                    thumb = next(c.decode(video=0)).to_image()
+                elif not c.streams.audio:
+                    raise ValueError("it has no audio stream")
+    except (OSError, ValueError, StopIteration, av.FFmpegError) as e:
+        raise InvalidArgument(f"{what} is not a readable {ref.kind} file: {e}") from None
+    if thumb is not None:
+        thumb.thumbnail((THUMBNAIL_PX, THUMBNAIL_PX))
+        buf = io.BytesIO()
+        thumb.save(buf, "JPEG", quality=80)
+        ref.thumbnail = buf.getvalue()
+    return sound
 
 
 class RenderService:
@@ -95,6 +167,7 @@ class RenderService:
         self.batch_log: deque[dict] = deque(maxlen=200)  # recent batches (the web page draws them)
         self.started_unix = time.time()
         self._lock = threading.Condition()
+        self._partitions: tuple[float, dict[str, str]] | None = None  # (when read, the DiT's partitions)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="render-scheduler", daemon=True)
 
@@ -121,6 +194,7 @@ class RenderService:
     # ---- API ----------------------------------------------------------------------------------------------------
     def submit(self, req: render_pb2.RenderRequest, owner: str = "") -> render_pb2.JobInfo:
         check_request(req)
+        self._check_partition(req)
         if self._stop.is_set():
             raise Unavailable("the render service is shutting down; retry on another replica or after its restart")
         try:
@@ -132,6 +206,27 @@ class RenderService:
         except sqlite3.Error as e:
             raise self._storage_failed(e) from None
         return self.info(rec.id)
+
+    def _check_partition(self, req: render_pb2.RenderRequest) -> None:
+        """Refuse a request whose DiT partition no DiT file provides, naming the file (from the DiT's Status; when
+        the DiT does not answer, its own admission decides later)."""
+        import grpc
+
+        now = time.monotonic()
+        if self._partitions is None or now - self._partitions[0] > PARTITIONS_TTL_S:
+            clients = getattr(self.runtime.engine, "clients", None)
+            try:
+                st = clients.dit.Status(common_pb2.StatusRequest(), timeout=2, metadata=clients.security.metadata())
+            except (grpc.RpcError, AttributeError):
+                return
+            self._partitions = (now, dict(st.partitions))
+        served = self._partitions[1]
+        want = "ref2va" if req.references else "fl2va"
+        if served and want not in served:
+            what = "a render with references" if req.references else "a text or first/last-frame render"
+            raise FailedPrecondition(
+                f"{what} needs the MiniMax-H3 {want} DiT file (minimax_h3_{want}_*.safetensors in the models "
+                f"folder), but the DiT serves {', '.join(f'{p} ({Path(f).name})' for p, f in served.items())} only")
 
     def info(self, job_id: str, rec: JobRecord | None = None, owner: str | None = None) -> render_pb2.JobInfo:
         rec = rec or self.store.get(job_id, owner)
@@ -209,7 +304,7 @@ class RenderService:
         w = Work(rec.id, rec.request, spec, self.outputs / f"{rec.id}.mp4", keyframe_files=frames,
                  deadline=rec.created + self.cfg.job_deadline_s)
         self.works[rec.id] = w
-        self.planner.add(rec.id, first_stage(bool(w.keyframe_files)))
+        self.planner.add(rec.id, first_stage(bool(w.keyframe_files or w.request.references)))
 
     def _progress(self, job_id: str, p: common_pb2.Progress) -> None:
         """A stage's progress: logged when the store takes it (a lost progress event costs nothing)."""

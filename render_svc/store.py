@@ -112,7 +112,8 @@ class JobRecord:
             attempts=self.attempts, created_unix=self.created, started_unix=self.started,
             finished_unix=self.finished, error_code=self.error_code, error=self.error,
             output_bytes=self.output_bytes, output_expired=self.expired, events=self.n_events, stages=self.runs,
-            label=req.label, width=width, height=height, queue_position=queue_position)
+            label=req.label, width=width, height=height, queue_position=queue_position,
+            references=[_without_data(r) for r in req.references])
         if not with_prompt:
             info.params.ClearField("prompt")
         return info
@@ -140,6 +141,13 @@ def _idem(owner: str, key: str) -> str | None:
 
 
 KEYFRAME_FIELDS = (("first", "first_frame"), ("last", "last_frame"))
+
+
+def _without_data(ref: common_pb2.Reference) -> common_pb2.Reference:
+    out = common_pb2.Reference()
+    out.CopyFrom(ref)
+    out.ClearField("data")
+    return out
 
 
 def _without_images(req: render_pb2.RenderRequest) -> bytes:

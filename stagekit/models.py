@@ -30,6 +30,7 @@ class CheckpointPart:
     patterns: tuple[str, ...]      # file or diffusers folder names; exactly one match is taken
     exclude: tuple[str, ...] = ()  # names the patterns also match that are another part's or another model's
     flag: str = "--weights"        # the stage flag that names the file instead
+    optional: bool = False         # a folder without it still serves (the ref2va partition)
 
 
 # The one table of where each part of the model is found: the stages resolve their weights with it, and
@@ -40,6 +41,9 @@ CHECKPOINT_PARTS: dict[str, CheckpointPart] = {
     "dit": CheckpointPart("MiniMax-H3 DiT checkpoint",
                           ("*minimax_h3*int8_convrot*.safetensors", "*minimax_h3*.safetensors", "transformer"),
                           ("*qwen3*", "*vae*", "*lora*", "*ref2va*")),
+    "dit_ref2va": CheckpointPart("MiniMax-H3 ref2va DiT checkpoint",
+                                 ("*minimax_h3*ref2va*.safetensors", "transformer_ref"), ("*qwen3*", "*vae*", "*lora*"),
+                                 optional=True),
     "video_vae": CheckpointPart("MiniMax-H3 video VAE",
                                 ("*minimax_h3*video*vae*.safetensors", "*minimax*h3*vae*.safetensors", "video_vae"),
                                 ("*audio*",), "--video-weights"),

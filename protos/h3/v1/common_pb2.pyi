@@ -103,7 +103,14 @@ class LifecycleReply(_message.Message):
     def __init__(self, resident: _Optional[bool] = ..., seconds: _Optional[float] = ..., message: _Optional[str] = ...) -> None: ...
 
 class StageStatus(_message.Message):
-    __slots__ = ("stage", "health", "resident", "devices", "world_size", "weights", "variant", "memory_bytes", "queue_depth", "running", "lease_holder", "residency", "kernels", "embedded_model", "jobs_done")
+    __slots__ = ("stage", "health", "resident", "devices", "world_size", "weights", "variant", "memory_bytes", "queue_depth", "running", "lease_holder", "residency", "kernels", "embedded_model", "jobs_done", "partitions")
+    class PartitionsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     STAGE_FIELD_NUMBER: _ClassVar[int]
     HEALTH_FIELD_NUMBER: _ClassVar[int]
     RESIDENT_FIELD_NUMBER: _ClassVar[int]
@@ -119,6 +126,7 @@ class StageStatus(_message.Message):
     KERNELS_FIELD_NUMBER: _ClassVar[int]
     EMBEDDED_MODEL_FIELD_NUMBER: _ClassVar[int]
     JOBS_DONE_FIELD_NUMBER: _ClassVar[int]
+    PARTITIONS_FIELD_NUMBER: _ClassVar[int]
     stage: str
     health: str
     resident: bool
@@ -134,4 +142,23 @@ class StageStatus(_message.Message):
     kernels: _containers.RepeatedCompositeFieldContainer[KernelChoice]
     embedded_model: bool
     jobs_done: int
-    def __init__(self, stage: _Optional[str] = ..., health: _Optional[str] = ..., resident: _Optional[bool] = ..., devices: _Optional[_Iterable[str]] = ..., world_size: _Optional[int] = ..., weights: _Optional[str] = ..., variant: _Optional[str] = ..., memory_bytes: _Optional[int] = ..., queue_depth: _Optional[int] = ..., running: _Optional[int] = ..., lease_holder: _Optional[str] = ..., residency: _Optional[str] = ..., kernels: _Optional[_Iterable[_Union[KernelChoice, _Mapping]]] = ..., embedded_model: _Optional[bool] = ..., jobs_done: _Optional[int] = ...) -> None: ...
+    partitions: _containers.ScalarMap[str, str]
+    def __init__(self, stage: _Optional[str] = ..., health: _Optional[str] = ..., resident: _Optional[bool] = ..., devices: _Optional[_Iterable[str]] = ..., world_size: _Optional[int] = ..., weights: _Optional[str] = ..., variant: _Optional[str] = ..., memory_bytes: _Optional[int] = ..., queue_depth: _Optional[int] = ..., running: _Optional[int] = ..., lease_holder: _Optional[str] = ..., residency: _Optional[str] = ..., kernels: _Optional[_Iterable[_Union[KernelChoice, _Mapping]]] = ..., embedded_model: _Optional[bool] = ..., jobs_done: _Optional[int] = ..., partitions: _Optional[_Mapping[str, str]] = ...) -> None: ...
+
+class Reference(_message.Message):
+    __slots__ = ("kind", "data", "name", "thumbnail", "seconds", "width", "height")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    THUMBNAIL_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    WIDTH_FIELD_NUMBER: _ClassVar[int]
+    HEIGHT_FIELD_NUMBER: _ClassVar[int]
+    kind: str
+    data: bytes
+    name: str
+    thumbnail: bytes
+    seconds: float
+    width: int
+    height: int
+    def __init__(self, kind: _Optional[str] = ..., data: _Optional[bytes] = ..., name: _Optional[str] = ..., thumbnail: _Optional[bytes] = ..., seconds: _Optional[float] = ..., width: _Optional[int] = ..., height: _Optional[int] = ...) -> None: ...

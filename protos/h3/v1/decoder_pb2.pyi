@@ -110,3 +110,41 @@ class EncodeImageEvent(_message.Message):
     tensor: _tensor_pb2.TensorChunk
     done: EncodeImageDone
     def __init__(self, progress: _Optional[_Union[_common_pb2.Progress, _Mapping]] = ..., tensor: _Optional[_Union[_tensor_pb2.TensorChunk, _Mapping]] = ..., done: _Optional[_Union[EncodeImageDone, _Mapping]] = ...) -> None: ...
+
+class EncodeReferenceRequest(_message.Message):
+    __slots__ = ("reference", "frames", "job_id")
+    REFERENCE_FIELD_NUMBER: _ClassVar[int]
+    FRAMES_FIELD_NUMBER: _ClassVar[int]
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    reference: _common_pb2.Reference
+    frames: int
+    job_id: str
+    def __init__(self, reference: _Optional[_Union[_common_pb2.Reference, _Mapping]] = ..., frames: _Optional[int] = ..., job_id: _Optional[str] = ...) -> None: ...
+
+class EncodeReferenceDone(_message.Message):
+    __slots__ = ("timing", "width", "height", "frames", "seconds", "source_fps", "source_rate")
+    TIMING_FIELD_NUMBER: _ClassVar[int]
+    WIDTH_FIELD_NUMBER: _ClassVar[int]
+    HEIGHT_FIELD_NUMBER: _ClassVar[int]
+    FRAMES_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FPS_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_RATE_FIELD_NUMBER: _ClassVar[int]
+    timing: _common_pb2.Timing
+    width: int
+    height: int
+    frames: int
+    seconds: float
+    source_fps: float
+    source_rate: int
+    def __init__(self, timing: _Optional[_Union[_common_pb2.Timing, _Mapping]] = ..., width: _Optional[int] = ..., height: _Optional[int] = ..., frames: _Optional[int] = ..., seconds: _Optional[float] = ..., source_fps: _Optional[float] = ..., source_rate: _Optional[int] = ...) -> None: ...
+
+class EncodeReferenceEvent(_message.Message):
+    __slots__ = ("progress", "tensor", "done")
+    PROGRESS_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    progress: _common_pb2.Progress
+    tensor: _tensor_pb2.TensorChunk
+    done: EncodeReferenceDone
+    def __init__(self, progress: _Optional[_Union[_common_pb2.Progress, _Mapping]] = ..., tensor: _Optional[_Union[_tensor_pb2.TensorChunk, _Mapping]] = ..., done: _Optional[_Union[EncodeReferenceDone, _Mapping]] = ...) -> None: ...

@@ -46,6 +46,11 @@ class DecoderStub:
                 request_serializer=h3_dot_v1_dot_decoder__pb2.EncodeImageRequest.SerializeToString,
                 response_deserializer=h3_dot_v1_dot_decoder__pb2.EncodeImageEvent.FromString,
                 _registered_method=True)
+        self.EncodeReference = channel.unary_stream(
+                '/h3.v1.Decoder/EncodeReference',
+                request_serializer=h3_dot_v1_dot_decoder__pb2.EncodeReferenceRequest.SerializeToString,
+                response_deserializer=h3_dot_v1_dot_decoder__pb2.EncodeReferenceEvent.FromString,
+                _registered_method=True)
         self.Load = channel.unary_unary(
                 '/h3.v1.Decoder/Load',
                 request_serializer=h3_dot_v1_dot_common__pb2.LoadRequest.SerializeToString,
@@ -90,6 +95,16 @@ class DecoderServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def EncodeReference(self, request, context):
+        """ref2va reference: the file decoded with PyAV / PIL, put on the model's rates (24 fps, 32 kHz stereo; an image at
+        a 2048 px short edge, a video on the canvas of its own aspect, both cut to the render's duration) and encoded:
+        "video" [24, T, h, w] (images: T = 1) by the video VAE, "audio" [2, 32, Ta] by the audio VAE's encoder
+        (posterior means, normalised). A bad file is INVALID_ARGUMENT.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Load(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -126,6 +141,11 @@ def add_DecoderServicer_to_server(servicer, server):
                     servicer.EncodeImage,
                     request_deserializer=h3_dot_v1_dot_decoder__pb2.EncodeImageRequest.FromString,
                     response_serializer=h3_dot_v1_dot_decoder__pb2.EncodeImageEvent.SerializeToString,
+            ),
+            'EncodeReference': grpc.unary_stream_rpc_method_handler(
+                    servicer.EncodeReference,
+                    request_deserializer=h3_dot_v1_dot_decoder__pb2.EncodeReferenceRequest.FromString,
+                    response_serializer=h3_dot_v1_dot_decoder__pb2.EncodeReferenceEvent.SerializeToString,
             ),
             'Load': grpc.unary_unary_rpc_method_handler(
                     servicer.Load,
@@ -203,6 +223,33 @@ class Decoder:
             '/h3.v1.Decoder/EncodeImage',
             h3_dot_v1_dot_decoder__pb2.EncodeImageRequest.SerializeToString,
             h3_dot_v1_dot_decoder__pb2.EncodeImageEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def EncodeReference(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/h3.v1.Decoder/EncodeReference',
+            h3_dot_v1_dot_decoder__pb2.EncodeReferenceRequest.SerializeToString,
+            h3_dot_v1_dot_decoder__pb2.EncodeReferenceEvent.FromString,
             options,
             channel_credentials,
             insecure,

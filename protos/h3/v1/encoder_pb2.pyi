@@ -9,20 +9,24 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class EncodeRequest(_message.Message):
-    __slots__ = ("prompt", "prompt_bytes", "job_id", "keyframes", "width", "height")
+    __slots__ = ("prompt", "prompt_bytes", "job_id", "keyframes", "width", "height", "references", "frames")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_BYTES_FIELD_NUMBER: _ClassVar[int]
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     KEYFRAMES_FIELD_NUMBER: _ClassVar[int]
     WIDTH_FIELD_NUMBER: _ClassVar[int]
     HEIGHT_FIELD_NUMBER: _ClassVar[int]
+    REFERENCES_FIELD_NUMBER: _ClassVar[int]
+    FRAMES_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     prompt_bytes: bytes
     job_id: str
     keyframes: _containers.RepeatedScalarFieldContainer[bytes]
     width: int
     height: int
-    def __init__(self, prompt: _Optional[str] = ..., prompt_bytes: _Optional[bytes] = ..., job_id: _Optional[str] = ..., keyframes: _Optional[_Iterable[bytes]] = ..., width: _Optional[int] = ..., height: _Optional[int] = ...) -> None: ...
+    references: _containers.RepeatedCompositeFieldContainer[_common_pb2.Reference]
+    frames: int
+    def __init__(self, prompt: _Optional[str] = ..., prompt_bytes: _Optional[bytes] = ..., job_id: _Optional[str] = ..., keyframes: _Optional[_Iterable[bytes]] = ..., width: _Optional[int] = ..., height: _Optional[int] = ..., references: _Optional[_Iterable[_Union[_common_pb2.Reference, _Mapping]]] = ..., frames: _Optional[int] = ...) -> None: ...
 
 class EncodeDone(_message.Message):
     __slots__ = ("tokens", "cache_hit", "timing", "model")

@@ -27,37 +27,37 @@ from h3.v1 import dit_pb2 as h3_dot_v1_dot_dit__pb2
 from h3.v1 import tensor_pb2 as h3_dot_v1_dot_tensor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x12h3/v1/render.proto\x12\x05h3.v1\x1a\x12h3/v1/common.proto\x1a\x0fh3/v1/dit.proto\x1a\x12h3/v1/tensor.proto\"\xe1\x01\n\rRenderRequest\x12#\n\x06params\x18\x01 \x01(\x0b\x32\x13.h3.v1.RenderParams\x12\x1e\n\x05loras\x18\x02 \x03(\x0b\x32\x0f.h3.v1.LoraSpec\x12\x0b\n\x03\x63rf\x18\x03 \x01(\r\x12\x13\n\x0b\x66irst_frame\x18\x04 \x01(\x0c\x12\x12\n\nlast_frame\x18\x05 \x01(\x0c\x12\x15\n\rupscale_width\x18\x06 \x01(\x05\x12\x16\n\x0eupscale_height\x18\x07 \x01(\x05\x12\x17\n\x0fidempotency_key\x18\x08 \x01(\t\x12\r\n\x05label\x18\t \x01(\t\"\x83\x01\n\x08StageRun\x12\r\n\x05stage\x18\x01 \x01(\t\x12\x0e\n\x06wall_s\x18\x02 \x01(\x01\x12\x1d\n\x06timing\x18\x03 \x01(\x0b\x32\r.h3.v1.Timing\x12\r\n\x05\x62\x61tch\x18\x04 \x01(\r\x12\x12\n\nbatch_size\x18\x05 \x01(\r\x12\x16\n\x0ewaited_batches\x18\x06 \x01(\r\"\xad\x03\n\x07JobInfo\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x1e\n\x05state\x18\x02 \x01(\x0e\x32\x0f.h3.v1.JobState\x12#\n\x06params\x18\x03 \x01(\x0b\x32\x13.h3.v1.RenderParams\x12\r\n\x05stage\x18\x04 \x01(\t\x12!\n\x08progress\x18\x05 \x01(\x0b\x32\x0f.h3.v1.Progress\x12\x10\n\x08\x61ttempts\x18\x06 \x01(\r\x12\x14\n\x0c\x63reated_unix\x18\x07 \x01(\x01\x12\x14\n\x0cstarted_unix\x18\x08 \x01(\x01\x12\x15\n\rfinished_unix\x18\t \x01(\x01\x12\x12\n\nerror_code\x18\n \x01(\t\x12\r\n\x05\x65rror\x18\x0b \x01(\t\x12\x14\n\x0coutput_bytes\x18\x0c \x01(\x04\x12\x16\n\x0eoutput_expired\x18\r \x01(\x08\x12\x0e\n\x06\x65vents\x18\x0e \x01(\x04\x12\x1f\n\x06stages\x18\x0f \x03(\x0b\x32\x0f.h3.v1.StageRun\x12\r\n\x05label\x18\x10 \x01(\t\x12\r\n\x05width\x18\x11 \x01(\x05\x12\x0e\n\x06height\x18\x12 \x01(\x05\x12\x16\n\x0equeue_position\x18\x13 \x01(\r\"\xae\x01\n\x0bRenderEvent\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\x04\x12\x11\n\ttime_unix\x18\x03 \x01(\x01\x12\x1d\n\x03job\x18\x04 \x01(\x0b\x32\x0e.h3.v1.JobInfoH\x00\x12#\n\x08progress\x18\x05 \x01(\x0b\x32\x0f.h3.v1.ProgressH\x00\x12 \n\x04\x66ile\x18\x06 \x01(\x0b\x32\x10.h3.v1.FileChunkH\x00\x42\x07\n\x05\x65vent\"\x18\n\x06JobRef\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"2\n\x0cWatchRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x12\n\nfrom_index\x18\x02 \x01(\x04\"=\n\x0bListRequest\x12\x1f\n\x06states\x18\x01 \x03(\x0e\x32\x0f.h3.v1.JobState\x12\r\n\x05limit\x18\x02 \x01(\r\")\n\tListReply\x12\x1c\n\x04jobs\x18\x01 \x03(\x0b\x32\x0e.h3.v1.JobInfo\".\n\x0c\x46\x65tchRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x04\"@\n\rStageEndpoint\x12\r\n\x05stage\x18\x01 \x01(\t\x12\x10\n\x08\x65ndpoint\x18\x02 \x01(\t\x12\x0e\n\x06health\x18\x03 \x01(\t\"\xea\x01\n\x0cRenderStatus\x12\x0e\n\x06health\x18\x01 \x01(\t\x12\x0e\n\x06queued\x18\x02 \x01(\r\x12\x0f\n\x07running\x18\x03 \x01(\r\x12\x11\n\tsucceeded\x18\x04 \x01(\x04\x12\x0e\n\x06\x66\x61iled\x18\x05 \x01(\x04\x12\x11\n\tcancelled\x18\x06 \x01(\x04\x12\x0f\n\x07\x62\x61tches\x18\x07 \x01(\x04\x12$\n\x06stages\x18\x08 \x03(\x0b\x32\x14.h3.v1.StageEndpoint\x12\x0f\n\x07web_url\x18\t \x01(\t\x12\x11\n\tmax_batch\x18\n \x01(\r\x12\x18\n\x10max_wait_batches\x18\x0b \x01(\r*|\n\x08JobState\x12\x19\n\x15JOB_STATE_UNSPECIFIED\x10\x00\x12\x0e\n\nJOB_QUEUED\x10\x01\x12\x0f\n\x0bJOB_RUNNING\x10\x02\x12\x11\n\rJOB_SUCCEEDED\x10\x03\x12\x0e\n\nJOB_FAILED\x10\x04\x12\x11\n\rJOB_CANCELLED\x10\x05\x32\x88\x03\n\x08Renderer\x12\x34\n\x06Render\x12\x14.h3.v1.RenderRequest\x1a\x12.h3.v1.RenderEvent0\x01\x12.\n\x06Submit\x12\x14.h3.v1.RenderRequest\x1a\x0e.h3.v1.JobInfo\x12$\n\x03Get\x12\r.h3.v1.JobRef\x1a\x0e.h3.v1.JobInfo\x12\x32\n\x05Watch\x12\x13.h3.v1.WatchRequest\x1a\x12.h3.v1.RenderEvent0\x01\x12\'\n\x06\x43\x61ncel\x12\r.h3.v1.JobRef\x1a\x0e.h3.v1.JobInfo\x12,\n\x04List\x12\x12.h3.v1.ListRequest\x1a\x10.h3.v1.ListReply\x12\x30\n\x05\x46\x65tch\x12\x13.h3.v1.FetchRequest\x1a\x10.h3.v1.FileChunk0\x01\x12\x33\n\x06Status\x12\x14.h3.v1.StatusRequest\x1a\x13.h3.v1.RenderStatusb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x12h3/v1/render.proto\x12\x05h3.v1\x1a\x12h3/v1/common.proto\x1a\x0fh3/v1/dit.proto\x1a\x12h3/v1/tensor.proto\"\x87\x02\n\rRenderRequest\x12#\n\x06params\x18\x01 \x01(\x0b\x32\x13.h3.v1.RenderParams\x12\x1e\n\x05loras\x18\x02 \x03(\x0b\x32\x0f.h3.v1.LoraSpec\x12\x0b\n\x03\x63rf\x18\x03 \x01(\r\x12\x13\n\x0b\x66irst_frame\x18\x04 \x01(\x0c\x12\x12\n\nlast_frame\x18\x05 \x01(\x0c\x12\x15\n\rupscale_width\x18\x06 \x01(\x05\x12\x16\n\x0eupscale_height\x18\x07 \x01(\x05\x12\x17\n\x0fidempotency_key\x18\x08 \x01(\t\x12\r\n\x05label\x18\t \x01(\t\x12$\n\nreferences\x18\n \x03(\x0b\x32\x10.h3.v1.Reference\"\x83\x01\n\x08StageRun\x12\r\n\x05stage\x18\x01 \x01(\t\x12\x0e\n\x06wall_s\x18\x02 \x01(\x01\x12\x1d\n\x06timing\x18\x03 \x01(\x0b\x32\r.h3.v1.Timing\x12\r\n\x05\x62\x61tch\x18\x04 \x01(\r\x12\x12\n\nbatch_size\x18\x05 \x01(\r\x12\x16\n\x0ewaited_batches\x18\x06 \x01(\r\"\xd3\x03\n\x07JobInfo\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x1e\n\x05state\x18\x02 \x01(\x0e\x32\x0f.h3.v1.JobState\x12#\n\x06params\x18\x03 \x01(\x0b\x32\x13.h3.v1.RenderParams\x12\r\n\x05stage\x18\x04 \x01(\t\x12!\n\x08progress\x18\x05 \x01(\x0b\x32\x0f.h3.v1.Progress\x12\x10\n\x08\x61ttempts\x18\x06 \x01(\r\x12\x14\n\x0c\x63reated_unix\x18\x07 \x01(\x01\x12\x14\n\x0cstarted_unix\x18\x08 \x01(\x01\x12\x15\n\rfinished_unix\x18\t \x01(\x01\x12\x12\n\nerror_code\x18\n \x01(\t\x12\r\n\x05\x65rror\x18\x0b \x01(\t\x12\x14\n\x0coutput_bytes\x18\x0c \x01(\x04\x12\x16\n\x0eoutput_expired\x18\r \x01(\x08\x12\x0e\n\x06\x65vents\x18\x0e \x01(\x04\x12\x1f\n\x06stages\x18\x0f \x03(\x0b\x32\x0f.h3.v1.StageRun\x12\r\n\x05label\x18\x10 \x01(\t\x12\r\n\x05width\x18\x11 \x01(\x05\x12\x0e\n\x06height\x18\x12 \x01(\x05\x12\x16\n\x0equeue_position\x18\x13 \x01(\r\x12$\n\nreferences\x18\x14 \x03(\x0b\x32\x10.h3.v1.Reference\"\xae\x01\n\x0bRenderEvent\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\x04\x12\x11\n\ttime_unix\x18\x03 \x01(\x01\x12\x1d\n\x03job\x18\x04 \x01(\x0b\x32\x0e.h3.v1.JobInfoH\x00\x12#\n\x08progress\x18\x05 \x01(\x0b\x32\x0f.h3.v1.ProgressH\x00\x12 \n\x04\x66ile\x18\x06 \x01(\x0b\x32\x10.h3.v1.FileChunkH\x00\x42\x07\n\x05\x65vent\"\x18\n\x06JobRef\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"2\n\x0cWatchRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x12\n\nfrom_index\x18\x02 \x01(\x04\"=\n\x0bListRequest\x12\x1f\n\x06states\x18\x01 \x03(\x0e\x32\x0f.h3.v1.JobState\x12\r\n\x05limit\x18\x02 \x01(\r\")\n\tListReply\x12\x1c\n\x04jobs\x18\x01 \x03(\x0b\x32\x0e.h3.v1.JobInfo\".\n\x0c\x46\x65tchRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x04\"@\n\rStageEndpoint\x12\r\n\x05stage\x18\x01 \x01(\t\x12\x10\n\x08\x65ndpoint\x18\x02 \x01(\t\x12\x0e\n\x06health\x18\x03 \x01(\t\"\xea\x01\n\x0cRenderStatus\x12\x0e\n\x06health\x18\x01 \x01(\t\x12\x0e\n\x06queued\x18\x02 \x01(\r\x12\x0f\n\x07running\x18\x03 \x01(\r\x12\x11\n\tsucceeded\x18\x04 \x01(\x04\x12\x0e\n\x06\x66\x61iled\x18\x05 \x01(\x04\x12\x11\n\tcancelled\x18\x06 \x01(\x04\x12\x0f\n\x07\x62\x61tches\x18\x07 \x01(\x04\x12$\n\x06stages\x18\x08 \x03(\x0b\x32\x14.h3.v1.StageEndpoint\x12\x0f\n\x07web_url\x18\t \x01(\t\x12\x11\n\tmax_batch\x18\n \x01(\r\x12\x18\n\x10max_wait_batches\x18\x0b \x01(\r*|\n\x08JobState\x12\x19\n\x15JOB_STATE_UNSPECIFIED\x10\x00\x12\x0e\n\nJOB_QUEUED\x10\x01\x12\x0f\n\x0bJOB_RUNNING\x10\x02\x12\x11\n\rJOB_SUCCEEDED\x10\x03\x12\x0e\n\nJOB_FAILED\x10\x04\x12\x11\n\rJOB_CANCELLED\x10\x05\x32\x88\x03\n\x08Renderer\x12\x34\n\x06Render\x12\x14.h3.v1.RenderRequest\x1a\x12.h3.v1.RenderEvent0\x01\x12.\n\x06Submit\x12\x14.h3.v1.RenderRequest\x1a\x0e.h3.v1.JobInfo\x12$\n\x03Get\x12\r.h3.v1.JobRef\x1a\x0e.h3.v1.JobInfo\x12\x32\n\x05Watch\x12\x13.h3.v1.WatchRequest\x1a\x12.h3.v1.RenderEvent0\x01\x12\'\n\x06\x43\x61ncel\x12\r.h3.v1.JobRef\x1a\x0e.h3.v1.JobInfo\x12,\n\x04List\x12\x12.h3.v1.ListRequest\x1a\x10.h3.v1.ListReply\x12\x30\n\x05\x46\x65tch\x12\x13.h3.v1.FetchRequest\x1a\x10.h3.v1.FileChunk0\x01\x12\x33\n\x06Status\x12\x14.h3.v1.StatusRequest\x1a\x13.h3.v1.RenderStatusb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'h3.v1.render_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_JOBSTATE']._serialized_start=1592
-  _globals['_JOBSTATE']._serialized_end=1716
+  _globals['_JOBSTATE']._serialized_start=1668
+  _globals['_JOBSTATE']._serialized_end=1792
   _globals['_RENDERREQUEST']._serialized_start=87
-  _globals['_RENDERREQUEST']._serialized_end=312
-  _globals['_STAGERUN']._serialized_start=315
-  _globals['_STAGERUN']._serialized_end=446
-  _globals['_JOBINFO']._serialized_start=449
-  _globals['_JOBINFO']._serialized_end=878
-  _globals['_RENDEREVENT']._serialized_start=881
-  _globals['_RENDEREVENT']._serialized_end=1055
-  _globals['_JOBREF']._serialized_start=1057
-  _globals['_JOBREF']._serialized_end=1081
-  _globals['_WATCHREQUEST']._serialized_start=1083
-  _globals['_WATCHREQUEST']._serialized_end=1133
-  _globals['_LISTREQUEST']._serialized_start=1135
-  _globals['_LISTREQUEST']._serialized_end=1196
-  _globals['_LISTREPLY']._serialized_start=1198
-  _globals['_LISTREPLY']._serialized_end=1239
-  _globals['_FETCHREQUEST']._serialized_start=1241
-  _globals['_FETCHREQUEST']._serialized_end=1287
-  _globals['_STAGEENDPOINT']._serialized_start=1289
-  _globals['_STAGEENDPOINT']._serialized_end=1353
-  _globals['_RENDERSTATUS']._serialized_start=1356
-  _globals['_RENDERSTATUS']._serialized_end=1590
-  _globals['_RENDERER']._serialized_start=1719
-  _globals['_RENDERER']._serialized_end=2111
+  _globals['_RENDERREQUEST']._serialized_end=350
+  _globals['_STAGERUN']._serialized_start=353
+  _globals['_STAGERUN']._serialized_end=484
+  _globals['_JOBINFO']._serialized_start=487
+  _globals['_JOBINFO']._serialized_end=954
+  _globals['_RENDEREVENT']._serialized_start=957
+  _globals['_RENDEREVENT']._serialized_end=1131
+  _globals['_JOBREF']._serialized_start=1133
+  _globals['_JOBREF']._serialized_end=1157
+  _globals['_WATCHREQUEST']._serialized_start=1159
+  _globals['_WATCHREQUEST']._serialized_end=1209
+  _globals['_LISTREQUEST']._serialized_start=1211
+  _globals['_LISTREQUEST']._serialized_end=1272
+  _globals['_LISTREPLY']._serialized_start=1274
+  _globals['_LISTREPLY']._serialized_end=1315
+  _globals['_FETCHREQUEST']._serialized_start=1317
+  _globals['_FETCHREQUEST']._serialized_end=1363
+  _globals['_STAGEENDPOINT']._serialized_start=1365
+  _globals['_STAGEENDPOINT']._serialized_end=1429
+  _globals['_RENDERSTATUS']._serialized_start=1432
+  _globals['_RENDERSTATUS']._serialized_end=1666
+  _globals['_RENDERER']._serialized_start=1795
+  _globals['_RENDERER']._serialized_end=2187
 # @@protoc_insertion_point(module_scope)

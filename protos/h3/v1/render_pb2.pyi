@@ -26,7 +26,7 @@ JOB_FAILED: JobState
 JOB_CANCELLED: JobState
 
 class RenderRequest(_message.Message):
-    __slots__ = ("params", "loras", "crf", "first_frame", "last_frame", "upscale_width", "upscale_height", "idempotency_key", "label")
+    __slots__ = ("params", "loras", "crf", "first_frame", "last_frame", "upscale_width", "upscale_height", "idempotency_key", "label", "references")
     PARAMS_FIELD_NUMBER: _ClassVar[int]
     LORAS_FIELD_NUMBER: _ClassVar[int]
     CRF_FIELD_NUMBER: _ClassVar[int]
@@ -36,6 +36,7 @@ class RenderRequest(_message.Message):
     UPSCALE_HEIGHT_FIELD_NUMBER: _ClassVar[int]
     IDEMPOTENCY_KEY_FIELD_NUMBER: _ClassVar[int]
     LABEL_FIELD_NUMBER: _ClassVar[int]
+    REFERENCES_FIELD_NUMBER: _ClassVar[int]
     params: _common_pb2.RenderParams
     loras: _containers.RepeatedCompositeFieldContainer[_dit_pb2.LoraSpec]
     crf: int
@@ -45,7 +46,8 @@ class RenderRequest(_message.Message):
     upscale_height: int
     idempotency_key: str
     label: str
-    def __init__(self, params: _Optional[_Union[_common_pb2.RenderParams, _Mapping]] = ..., loras: _Optional[_Iterable[_Union[_dit_pb2.LoraSpec, _Mapping]]] = ..., crf: _Optional[int] = ..., first_frame: _Optional[bytes] = ..., last_frame: _Optional[bytes] = ..., upscale_width: _Optional[int] = ..., upscale_height: _Optional[int] = ..., idempotency_key: _Optional[str] = ..., label: _Optional[str] = ...) -> None: ...
+    references: _containers.RepeatedCompositeFieldContainer[_common_pb2.Reference]
+    def __init__(self, params: _Optional[_Union[_common_pb2.RenderParams, _Mapping]] = ..., loras: _Optional[_Iterable[_Union[_dit_pb2.LoraSpec, _Mapping]]] = ..., crf: _Optional[int] = ..., first_frame: _Optional[bytes] = ..., last_frame: _Optional[bytes] = ..., upscale_width: _Optional[int] = ..., upscale_height: _Optional[int] = ..., idempotency_key: _Optional[str] = ..., label: _Optional[str] = ..., references: _Optional[_Iterable[_Union[_common_pb2.Reference, _Mapping]]] = ...) -> None: ...
 
 class StageRun(_message.Message):
     __slots__ = ("stage", "wall_s", "timing", "batch", "batch_size", "waited_batches")
@@ -64,7 +66,7 @@ class StageRun(_message.Message):
     def __init__(self, stage: _Optional[str] = ..., wall_s: _Optional[float] = ..., timing: _Optional[_Union[_common_pb2.Timing, _Mapping]] = ..., batch: _Optional[int] = ..., batch_size: _Optional[int] = ..., waited_batches: _Optional[int] = ...) -> None: ...
 
 class JobInfo(_message.Message):
-    __slots__ = ("job_id", "state", "params", "stage", "progress", "attempts", "created_unix", "started_unix", "finished_unix", "error_code", "error", "output_bytes", "output_expired", "events", "stages", "label", "width", "height", "queue_position")
+    __slots__ = ("job_id", "state", "params", "stage", "progress", "attempts", "created_unix", "started_unix", "finished_unix", "error_code", "error", "output_bytes", "output_expired", "events", "stages", "label", "width", "height", "queue_position", "references")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
@@ -84,6 +86,7 @@ class JobInfo(_message.Message):
     WIDTH_FIELD_NUMBER: _ClassVar[int]
     HEIGHT_FIELD_NUMBER: _ClassVar[int]
     QUEUE_POSITION_FIELD_NUMBER: _ClassVar[int]
+    REFERENCES_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     state: JobState
     params: _common_pb2.RenderParams
@@ -103,7 +106,8 @@ class JobInfo(_message.Message):
     width: int
     height: int
     queue_position: int
-    def __init__(self, job_id: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., params: _Optional[_Union[_common_pb2.RenderParams, _Mapping]] = ..., stage: _Optional[str] = ..., progress: _Optional[_Union[_common_pb2.Progress, _Mapping]] = ..., attempts: _Optional[int] = ..., created_unix: _Optional[float] = ..., started_unix: _Optional[float] = ..., finished_unix: _Optional[float] = ..., error_code: _Optional[str] = ..., error: _Optional[str] = ..., output_bytes: _Optional[int] = ..., output_expired: _Optional[bool] = ..., events: _Optional[int] = ..., stages: _Optional[_Iterable[_Union[StageRun, _Mapping]]] = ..., label: _Optional[str] = ..., width: _Optional[int] = ..., height: _Optional[int] = ..., queue_position: _Optional[int] = ...) -> None: ...
+    references: _containers.RepeatedCompositeFieldContainer[_common_pb2.Reference]
+    def __init__(self, job_id: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., params: _Optional[_Union[_common_pb2.RenderParams, _Mapping]] = ..., stage: _Optional[str] = ..., progress: _Optional[_Union[_common_pb2.Progress, _Mapping]] = ..., attempts: _Optional[int] = ..., created_unix: _Optional[float] = ..., started_unix: _Optional[float] = ..., finished_unix: _Optional[float] = ..., error_code: _Optional[str] = ..., error: _Optional[str] = ..., output_bytes: _Optional[int] = ..., output_expired: _Optional[bool] = ..., events: _Optional[int] = ..., stages: _Optional[_Iterable[_Union[StageRun, _Mapping]]] = ..., label: _Optional[str] = ..., width: _Optional[int] = ..., height: _Optional[int] = ..., queue_position: _Optional[int] = ..., references: _Optional[_Iterable[_Union[_common_pb2.Reference, _Mapping]]] = ...) -> None: ...
 
 class RenderEvent(_message.Message):
     __slots__ = ("job_id", "index", "time_unix", "job", "progress", "file")

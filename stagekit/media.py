@@ -1,0 +1,273 @@
+"""Reference media onto MiniMax-H3's own rates: 24 fps video, the audio VAE's sample rate (docs/references.md).
+
+A reference is conditioned on at the model's clock, so a clip is resampled onto it from the rate its container
+states, never assumed: frames through FFmpeg's `fps` filter (whole frames dropped or repeated, each held until the
+slot of the next; the last one until the slot the stream's end falls on), audio through libswresample, both driven
+by PyAV.
+"""
+
+from __future__ import annotations
+
+import io
+from dataclasses import dataclass
+from fractions import Fraction
+
+import numpy as np
+
+from stagekit.errors import InvalidArgument
+from stagekit.images import MAX_IMAGE_BYTES
+
+MODEL_FPS = 24
+AUDIO_RATE = 32_000  # the audio VAE's sample rate
+REFERENCE_KINDS = ("image", "video", "audio")
+# An image reference is encoded at a short edge of its own, whatever the render canvas (docs/model.md §3.4). The
+# embedded tiny family uses a smaller one: its output is noise either way, and a 2048 px image costs its CPU VAE
+# minutes.
+IMAGE_SHORT_EDGE = 2048
+EMBEDDED_IMAGE_SHORT_EDGE = 256
+CANVAS_MULTIPLE = 32
+# A video reference goes onto the canvas of its own aspect, by the target's rule: short edge 768, area <= 768 x 1344.
+CANVAS_SHORT_EDGE = 768
+CANVAS_MAX_PIXELS = 768 * 1344
+MAX_ASPECT = 4.0
+# Admission (docs/reliability.md): a reference file is at most as large as a keyframe image, its frames at most this
+# many pixels before they are decoded, and a video is decoded frame by frame straight onto its canvas, only as far
+# as the render's duration reaches.
+MAX_REFERENCE_BYTES = MAX_IMAGE_BYTES
+MAX_SOURCE_PIXELS = 4096 * 4096
+MAX_SOURCE_FPS = 120
+# Video references are VAE-encoded in whole clips: the frame count is snapped *down* to 17n + 5 (n >= 1), so a clip
+# is never padded; a reference shorter than one clip is refused (docs/references.md).
+CLIP_FRAMES = 17
+CLIP_TAIL = 5
+MIN_REFERENCE_FRAMES = CLIP_FRAMES + CLIP_TAIL
+
+
+def resample_frames(frames: np.ndarray, fps: float, target_fps: int = MODEL_FPS) -> np.ndarray:
+    """uint8 [N, H, W, 3] frames at `fps` -> the same frames on a `target_fps` grid (FFmpeg `fps` filter)."""
+    import av
+
+    if frames.ndim != 4 or frames.shape[3] != 3 or frames.dtype != np.uint8:
+        raise ValueError(f"frames must be uint8 [N, H, W, 3], got {frames.dtype} {list(frames.shape)}")
+    if not fps > 0:
+        raise ValueError(f"a video's frame rate must be positive, got {fps}")
+    if fps == target_fps:
+        return frames
+    time_base = 1 / Fraction(fps).limit_denominator(1_001_000)
+    graph = av.filter.Graph()
+    src = graph.add_buffer(width=frames.shape[2], height=frames.shape[1], format="rgb24", time_base=time_base)
+    fps_filter = graph.add("fps", fps=str(target_fps))
+    sink = graph.add("buffersink")
+    src.link_to(fps_filter)
+    fps_filter.link_to(sink)
+    graph.configure()
+    out: list[np.ndarray] = []
+
+    def drain() -> None:
+        while True:
+            try:
+                out.append(graph.pull().to_ndarray())
+            except (av.BlockingIOError, av.EOFError):
+                return
+
+    for i, pixels in enumerate(frames):
+        frame = av.VideoFrame.from_ndarray(pixels, format="rgb24")
+        frame.pts, frame.time_base, frame.duration = i, time_base, 1  # the duration places the stream's end
+        graph.push(frame)
+        drain()
+    graph.push(None)
+    drain()
+    return np.stack(out) if out else frames[:0]
+
+
+def reference_clip_frames(frames: int) -> int:
+    """Frames of a video reference the VAE encodes: snapped down to 17n + 5, n >= 1."""
+    if frames < MIN_REFERENCE_FRAMES:
+        raise ValueError(f"a video reference needs at least {MIN_REFERENCE_FRAMES} frames at {MODEL_FPS} fps "
+                         f"({MIN_REFERENCE_FRAMES / MODEL_FPS:.2f} s), got {frames}")
+    return (frames - CLIP_TAIL) // CLIP_FRAMES * CLIP_FRAMES + CLIP_TAIL
+
+
+def canvas_for(width: float, height: float, short_edge: int = CANVAS_SHORT_EDGE,
+               max_pixels: int = CANVAS_MAX_PIXELS) -> tuple[int, int]:
+    """(height, width) of the H3 canvas of an aspect: short edge `short_edge`, area capped at `max_pixels`, both
+    sides rounded to multiples of 32 (docs/model.md §3.1)."""
+    ratio = width / height
+    if not 1 / MAX_ASPECT <= ratio <= MAX_ASPECT:
+        raise ValueError(f"MiniMax-H3 takes aspect ratios from 1:4 to 4:1, got {width:g}x{height:g}")
+    w, h = (short_edge * ratio, float(short_edge)) if ratio >= 1 else (float(short_edge), short_edge / ratio)
+    if w * h > max_pixels:
+        scale = (max_pixels / (w * h)) ** 0.5
+        w, h = w * scale, h * scale
+    return (max(CANVAS_MULTIPLE, round(h / CANVAS_MULTIPLE) * CANVAS_MULTIPLE),
+            max(CANVAS_MULTIPLE, round(w / CANVAS_MULTIPLE) * CANVAS_MULTIPLE))
+
+
+@dataclass(frozen=True)
+class ReferenceMedia:
+    """One reference on the model's rates and sizes: uint8 frames [N, H, W, 3] (an image: N = 1) and/or float32
+    stereo audio [2, samples] at 32 kHz."""
+
+    kind: str
+    frames: np.ndarray | None = None
+    audio: np.ndarray | None = None
+    source_fps: float | None = None  # the rate the container stated (video)
+    source_rate: int | None = None  # the audio's own sample rate
+
+    @property
+    def seconds(self) -> float:
+        if self.frames is not None and self.kind == "video":
+            return self.frames.shape[0] / MODEL_FPS
+        return 0.0 if self.audio is None else self.audio.shape[1] / AUDIO_RATE
+
+    def info(self) -> dict:
+        """The EncodeReferenceDone fields."""
+        n, h, w = (0, 0, 0) if self.frames is None else self.frames.shape[:3]
+        return {"width": w, "height": h, "frames": n, "seconds": self.seconds, "source_fps": self.source_fps or 0.0,
+                "source_rate": self.source_rate or 0}
+
+
+def _lanczos(frames: np.ndarray, height: int, width: int) -> np.ndarray:
+    from PIL import Image
+
+    if frames.shape[1:3] == (height, width):
+        return frames
+    return np.stack([np.asarray(Image.fromarray(f).resize((width, height), Image.Resampling.LANCZOS)) for f in frames])
+
+
+def normalize_image(pixels: np.ndarray, short_edge: int = IMAGE_SHORT_EDGE) -> np.ndarray:
+    """uint8 [H, W, 3] -> [1, H', W', 3] at a `short_edge` px short edge (sides multiples of 32, LANCZOS)."""
+    h, w = pixels.shape[:2]
+    if max(w, h) > MAX_ASPECT * min(w, h):
+        raise ValueError(f"an image reference must be within 1:4 and 4:1, got {w}x{h}")
+    scale = short_edge / min(w, h)
+    th = max(CANVAS_MULTIPLE, round(h * scale / CANVAS_MULTIPLE) * CANVAS_MULTIPLE)
+    tw = max(CANVAS_MULTIPLE, round(w * scale / CANVAS_MULTIPLE) * CANVAS_MULTIPLE)
+    return _lanczos(pixels[None], th, tw)
+
+
+def normalize_video(frames: np.ndarray, fps: float, max_frames: int) -> np.ndarray:
+    """Frames at `fps` -> 24 fps, cut to `max_frames`, onto the canvas of their own aspect, cut down to 17n + 5."""
+    frames = resample_frames(frames, fps)[:max_frames]
+    h, w = canvas_for(frames.shape[2], frames.shape[1])
+    frames = frames[:reference_clip_frames(frames.shape[0])]
+    return _lanczos(frames, h, w)
+
+
+def normalize_audio(waveform: np.ndarray, rate: int, max_seconds: float) -> np.ndarray:
+    """float [channels, samples] at `rate` -> float32 stereo [2, n] at 32 kHz: cut to `max_seconds` at its own rate,
+    mono repeated on both channels, resampled by libswresample."""
+    import av
+
+    if waveform.ndim != 2 or waveform.shape[0] not in (1, 2) or waveform.shape[1] < 1:
+        raise ValueError(f"audio must be mono or stereo [channels, samples], got {list(waveform.shape)}")
+    x = np.ascontiguousarray(waveform[:, :int(max_seconds * rate)], dtype=np.float32)
+    if x.shape[0] == 1:
+        x = np.repeat(x, 2, axis=0)
+    if rate == AUDIO_RATE:
+        return x
+    frame = av.AudioFrame.from_ndarray(x, format="fltp", layout="stereo")
+    frame.sample_rate = rate
+    resampler = av.AudioResampler(format="fltp", layout="stereo", rate=AUDIO_RATE)
+    out = [f.to_ndarray() for f in resampler.resample(frame)] + [f.to_ndarray() for f in resampler.resample(None)]
+    return np.concatenate(out, axis=1).astype(np.float32)
+
+
+def _decode_audio_stream(av, container, stream, max_seconds: float) -> tuple[np.ndarray, int]:
+    rate = int(stream.codec_context.sample_rate)
+    resampler = av.AudioResampler(format="fltp", layout=stream.layout, rate=rate)  # format only, own rate
+    chunks, total, limit = [], 0, int(max_seconds * rate) + rate
+    for frame in container.decode(stream):
+        for f in resampler.resample(frame):
+            chunks.append(f.to_ndarray())
+            total += chunks[-1].shape[1]
+        if total >= limit:
+            break
+    else:
+        chunks += [f.to_ndarray() for f in resampler.resample(None)]
+    if not chunks:
+        raise ValueError("the audio stream holds no samples")
+    return np.concatenate(chunks, axis=1).astype(np.float32), rate
+
+
+def admit_reference(kind: str, data: bytes, frames: int) -> None:
+    """What a stage checks in its request handler, before any decoding: kind, size, render length."""
+    if kind not in REFERENCE_KINDS:
+        raise InvalidArgument(f"a reference is one of {', '.join(REFERENCE_KINDS)}, got {kind!r}")
+    if not data:
+        raise InvalidArgument(f"the {kind} reference is empty")
+    if len(data) > MAX_REFERENCE_BYTES:
+        raise InvalidArgument(f"the {kind} reference is {len(data)} bytes; a reference file may have at most "
+                              f"{MAX_REFERENCE_BYTES} bytes (like a keyframe image): send a shorter or smaller file")
+    if frames < MIN_REFERENCE_FRAMES or frames % CLIP_FRAMES != CLIP_TAIL:
+        raise InvalidArgument(f"references need the render's frame count (17n + 5, at least {MIN_REFERENCE_FRAMES}), "
+                              f"got {frames}")
+
+
+def reference_decode_bytes(kind: str, frames: int) -> int:
+    """Host bytes a reference's decode may take (counted in the job's memory estimate)."""
+    if kind == "image":
+        return MAX_SOURCE_PIXELS * 8
+    audio = int(frames / MODEL_FPS * 48_000 * 2 * 4 * 4) + (1 << 20)  # up to 48 kHz stereo, a few float copies
+    if kind == "audio":
+        return audio
+    return MAX_SOURCE_PIXELS * 4 + 3 * frames * 5 * CANVAS_MAX_PIXELS * 3 + audio  # canvas frames at <= 120 fps
+
+
+def load_reference(data: bytes, kind: str, frames: int, image_short_edge: int = IMAGE_SHORT_EDGE) -> ReferenceMedia:
+    """A reference file's bytes -> ReferenceMedia on the model's rates for a render of `frames` frames at 24 fps
+    (video and audio are cut to its duration). Raises InvalidArgument naming what is wrong with the file."""
+    admit_reference(kind, data, frames)
+    seconds = frames / MODEL_FPS
+    try:
+        if kind == "image":
+            from PIL import Image
+
+            with Image.open(io.BytesIO(data)) as im:
+                if im.width * im.height > MAX_SOURCE_PIXELS:
+                    raise ValueError(f"{im.width}x{im.height} is more than {MAX_SOURCE_PIXELS} pixels")
+                pixels = np.asarray(im.convert("RGB"))
+            return ReferenceMedia("image", frames=normalize_image(pixels, image_short_edge))
+        import av
+
+        with av.open(io.BytesIO(data)) as container:
+            if kind == "audio":
+                if not container.streams.audio:
+                    raise ValueError("it has no audio stream")
+                wave, rate = _decode_audio_stream(av, container, container.streams.audio[0], seconds)
+                return ReferenceMedia("audio", audio=normalize_audio(wave, rate, seconds), source_rate=rate)
+            if not container.streams.video:
+                raise ValueError("it has no video stream")
+            stream = container.streams.video[0]
+            if stream.width * stream.height > MAX_SOURCE_PIXELS:
+                raise ValueError(f"{stream.width}x{stream.height} is more than {MAX_SOURCE_PIXELS} pixels a frame")
+            fps = float(stream.average_rate or stream.guessed_rate or 0)
+            if not 0 < fps <= MAX_SOURCE_FPS:
+                raise ValueError(f"its frame rate {fps:g} is unknown or above {MAX_SOURCE_FPS} fps")
+            need = int(seconds * fps) + 2  # the frames the render's duration can use
+            pixels, canvas = [], None
+            for frame in container.decode(stream):
+                rgb = frame.to_ndarray(format="rgb24")
+                turns = round(frame.rotation / 90.0) % 4  # display-matrix rotation, as a player shows it
+                if turns:
+                    rgb = np.ascontiguousarray(np.rot90(rgb, k=-turns))
+                if canvas is None:
+                    canvas = canvas_for(rgb.shape[1], rgb.shape[0])
+                pixels.append(_lanczos(rgb[None], *canvas)[0])  # per frame, so it commutes with the rate change
+                if len(pixels) >= need:
+                    break
+            if not pixels:
+                raise ValueError("it holds no frames")
+            video = np.stack(pixels)
+            del pixels
+            sound, rate = None, None
+            if container.streams.audio:
+                container.seek(0)
+                wave, rate = _decode_audio_stream(av, container, container.streams.audio[0], seconds)
+                sound = normalize_audio(wave, rate, seconds)
+            return ReferenceMedia("video", frames=normalize_video(video, fps, frames), audio=sound, source_fps=fps,
+                                  source_rate=rate)
+    except InvalidArgument:
+        raise
+    except Exception as e:  # noqa: BLE001 - a file the decoders reject is the caller's input, said as such
+        raise InvalidArgument(f"the {kind} reference cannot be used: {e}") from None

@@ -1,0 +1,298 @@
+"""ref2va references through the stages: media onto the model's rates (PyAV), the decoder's reference encodes
+against diffusers' (oracle), the encoder's presentation, renders through the stages, the CLI and the render
+service (real processes, embedded tiny stack), admission and the web page's reference info."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from dit_svc.layout import patchify_audio
+
+diffusers = pytest.importorskip("diffusers")
+from diffusers.modular_pipelines.minimax_h3 import MiniMaxH3AudioReference, MiniMaxH3VideoReference  # noqa: E402
+from diffusers.modular_pipelines.minimax_h3.before_encoder import MiniMaxH3Ref2VASetupStep  # noqa: E402
+from diffusers.modular_pipelines.modular_pipeline import SequentialPipelineBlocks  # noqa: E402
+
+FRAMES = 22
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Reference media and the stages (real processes, embedded tiny stack)
+# ---------------------------------------------------------------------------------------------------------------
+def media_mp4(n: int = 40, fps: int = 30, w: int = 112, h: int = 64, rate: int | None = 44100) -> bytes:
+    """An H.264 clip at `fps` with an AAC stereo soundtrack at `rate` (none when rate is None)."""
+    import io
+
+    import av
+
+    buf = io.BytesIO()
+    with av.open(buf, "w", format="mp4") as c:
+        v = c.add_stream("libx264", rate=fps)
+        v.width, v.height, v.pix_fmt = w, h, "yuv420p"
+        a = c.add_stream("aac", rate=rate) if rate else None
+        if a is not None:
+            a.layout = "stereo"
+        rng = np.random.default_rng(0)
+        for _ in range(n):
+            for p in v.encode(av.VideoFrame.from_ndarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8), "rgb24")):
+                c.mux(p)
+        c.mux(v.encode())
+        if a is not None:
+            for s in range(0, int(n / fps * rate), 1024):
+                t = (s + np.arange(1024)) / rate
+                wave = (0.3 * np.stack([np.sin(2 * np.pi * 440 * t), np.sin(2 * np.pi * 660 * t)])).astype(np.float32)
+                frame = av.AudioFrame.from_ndarray(wave, format="fltp", layout="stereo")
+                frame.sample_rate = rate
+                c.mux(a.encode(frame))
+            c.mux(a.encode())
+    return buf.getvalue()
+
+
+def media_wav(seconds: float = 1.0, rate: int = 32000, channels: int = 1) -> bytes:
+    import io
+    import wave
+
+    t = np.arange(int(seconds * rate)) / rate
+    pcm = (0.3 * np.sin(2 * np.pi * 330 * t) * 32767).astype("<i2")
+    buf = io.BytesIO()
+    with wave.open(buf, "wb") as f:
+        f.setnchannels(channels)
+        f.setsampwidth(2)
+        f.setframerate(rate)
+        f.writeframes(np.repeat(pcm[:, None], channels, 1).tobytes())
+    return buf.getvalue()
+
+
+def media_png(w: int = 96, h: int = 64, seed: int = 1) -> bytes:
+    import io
+
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.fromarray(np.random.default_rng(seed).integers(0, 256, (h, w, 3), dtype=np.uint8)).save(buf, "PNG")
+    return buf.getvalue()
+
+
+def test_reference_media_on_the_model_rates():
+    """Images at a 2048 px short edge; a 30 fps clip onto 24 fps, its canvas, 17n + 5 frames and its soundtrack onto
+    32 kHz stereo, both cut to the render's duration; a voice at 44.1 kHz resampled; a too-short clip refused."""
+    from stagekit.errors import InvalidArgument
+    from stagekit.media import load_reference
+
+    img = load_reference(media_png(300, 200), "image", FRAMES)
+    assert img.frames.shape == (1, 2048, 3072, 3)
+    clip = load_reference(media_mp4(n=90, fps=30), "video", 124)  # 3 s at 30 fps -> 72 frames at 24 -> 56
+    assert clip.frames.shape == (56, 768, 1344, 3) and clip.source_fps == 30.0 and clip.source_rate == 44100
+    assert clip.audio.shape[0] == 2 and abs(clip.audio.shape[1] - 3 * 32000) < 2048
+    voice = load_reference(media_wav(2.0, 44100), "audio", FRAMES)  # cut to 22/24 s, resampled to 32 kHz
+    assert voice.audio.shape == (2, round(int(22 / 24 * 44100) * 32000 / 44100)) or \
+        abs(voice.audio.shape[1] - 22 / 24 * 32000) < 64
+    spectrum = np.abs(np.fft.rfft(voice.audio[0]))
+    assert abs(np.argmax(spectrum) * 32000 / voice.audio.shape[1] - 330) < 3  # the same tone after resampling
+    with pytest.raises(InvalidArgument, match="at least 22 frames"):
+        load_reference(media_mp4(n=20, fps=30, rate=None), "video", 124)
+    with pytest.raises(InvalidArgument, match="cannot be used"):
+        load_reference(b"not a video", "video", 124)
+
+
+def test_reference_encodes_match_diffusers(tmp_path):
+    """The decoder's reference encodes vs diffusers' (oracle) on tiny random VAEs: the same normalised pixels as
+    diffusers' ref2va setup step (an image, a 30 fps clip), then the video VAE's posterior mean and the audio VAE's
+    (diffusers' reference-encoder step) within 1e-4."""
+    from decoder_svc.audio_vae import AudioVAEConfig, load_audio_vae, write_tiny_audio_vae
+    from decoder_svc.video_vae import VideoVAEConfig, load_video_vae, write_tiny_video_vae
+    from diffusers.modular_pipelines.minimax_h3.encoders import MiniMaxH3Ref2VAReferenceEncoderStep
+    from PIL import Image
+    from stagekit.media import load_reference
+    from tests.test_audio_vae import _oracle as audio_oracle
+    from tests.test_video_vae import _oracle as video_oracle
+
+    vcfg, acfg = VideoVAEConfig.tiny(), AudioVAEConfig.tiny()
+    write_tiny_video_vae(str(tmp_path / "v.safetensors"), vcfg, 0)
+    write_tiny_audio_vae(tmp_path / "a.safetensors", acfg, 0)
+    vae = load_video_vae(str(tmp_path / "v.safetensors"), vcfg, torch.float32, parts="all")
+    avae = load_audio_vae(tmp_path / "a.safetensors", acfg)
+    dv, da = video_oracle(vcfg, vae), audio_oracle(acfg)
+    from decoder_svc.audio_vae import unfold_weight_norm_state_dict
+
+    sd = avae.state_dict()
+    da.load_state_dict({k: v for k, v in unfold_weight_norm_state_dict(sd, avae).items()
+                        if not k.startswith("latents_")})
+    da.register_to_config(latents_mean=sd["latents_mean"].flatten().tolist(),
+                          latents_std=sd["latents_std"].flatten().tolist())
+
+    def rel(a, b):
+        return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+    # An image: diffusers' setup step resizes it (PIL LANCZOS) to the same pixels.
+    png = media_png(150, 100)
+    ours = load_reference(png, "image", FRAMES)
+    setup = MiniMaxH3Ref2VASetupStep()
+    from diffusers.image_processor import VaeImageProcessor
+
+    want = np.asarray(VaeImageProcessor(vae_scale_factor=16).resize(Image.open(__import__("io").BytesIO(png))
+                                                                   .convert("RGB"), height=2048, width=3072))
+    assert setup.max_images == 9 and np.array_equal(ours.frames[0], want)
+    # A clip: our decode + normalisation == diffusers' decode (from_file) + normalisation, pixel for pixel.
+    path = tmp_path / "clip.mp4"
+    path.write_bytes(media_mp4(n=40, fps=30, rate=32000))
+    clip = load_reference(path.read_bytes(), "video", FRAMES)
+    ref = MiniMaxH3VideoReference.from_file(str(path))
+    frames = MiniMaxH3Ref2VASetupStep._normalize_video_condition(ref.frames, ref.fps, FRAMES, 32, 768, 768 * 1344,
+                                                                 24.0)
+    assert np.array_equal(clip.frames, frames[:clip.frames.shape[0]]) and clip.frames.shape[0] == 22
+    wave = MiniMaxH3Ref2VASetupStep._normalize_audio_condition(ref.audio, ref.sample_rate, 32000, FRAMES / 24)
+    assert torch.equal(torch.from_numpy(clip.audio), wave)  # 32 kHz already: cut and kept as is
+    # Encodes: video VAE mean (ComfyUI's recipe; diffusers samples it) and the audio VAE as diffusers' step does.
+    # The encoders see a 128 x 192 corner of the normalised pixels (the whole 2048 px image is minutes on a CPU).
+    for media in (ours, clip):
+        pixels = media.frames[:, :128, :192]
+        z = vae.encode(torch.from_numpy(pixels).permute(3, 0, 1, 2))
+        with torch.no_grad():
+            x = (torch.from_numpy(pixels).permute(3, 0, 1, 2)[None].float() / 255
+                 - torch.tensor([0.485, 0.456, 0.406]).view(1, 3, 1, 1, 1)) / torch.tensor(
+                [0.229, 0.224, 0.225]).view(1, 3, 1, 1, 1)
+            mean = dv.encode(x).latent_dist.mode()[0]
+        m, s = vae._stats(z.device)
+        assert rel(z, (mean - m) / s) < 1e-4
+    pipe = SequentialPipelineBlocks.from_blocks_dict({"enc": MiniMaxH3Ref2VAReferenceEncoderStep()}).init_pipeline()
+    pipe.update_components(vae=dv, audio_vae=da)
+    with torch.no_grad():
+        out = pipe(normalized_references=[MiniMaxH3AudioReference(audio=wave, sample_rate=32000)],
+                   output="audio_condition_latents")
+    ours_rows = patchify_audio(avae.normalize(avae.encode(torch.from_numpy(clip.audio).unsqueeze(1))))
+    assert rel(ours_rows, out[0]) < 1e-4
+
+
+def test_ref2va_render_through_the_stages(clients, tmp_path):
+    """Image + voice references, W x H render, through decoder EncodeReference, the encoder's presentation and the
+    embedded DiT's ref2va file, to a valid MP4; the DiT reports both partitions."""
+    import av
+
+    from client.pipeline import encode, render
+    from h3.v1 import common_pb2
+    from stagekit.render_params import RenderSpec
+
+    st = clients.dit.Status(common_pb2.StatusRequest(), timeout=30)
+    assert set(st.partitions) == {"fl2va", "ref2va"}
+    refs = [common_pb2.Reference(kind="image", data=media_png(96, 64), name="subject.png"),
+            common_pb2.Reference(kind="audio", data=media_wav(0.5), name="voice.wav")]
+    spec = RenderSpec(prompt="<Picture 1> sings with the voice of <Audio 1>", width=256, height=256, frames=FRAMES,
+                      steps=1, seed=3)
+    s, tags, _ = encode(clients, spec.prompt, with_tags=True, references=refs, frames=FRAMES)
+    n_pad = (256 // 32) * (384 // 32)  # the embedded family's 256 px short edge (2048 px for H3), 32 px a token
+    assert (tags == 0).sum().item() == n_pad + 2 and s.shape[0] == tags.shape[0]
+    out = tmp_path / "ref2va.mp4"
+    res = render(clients, spec, out, references=refs)
+    assert [r.stage for r in res.stages] == ["decoder", "decoder", "encoder", "dit", "decoder"]
+    assert res.stages[0].extra["width"] == 384 and res.stages[1].extra["seconds"] == pytest.approx(0.5, abs=0.03)
+    with av.open(str(out)) as c:
+        assert (c.streams.video[0].width, c.streams.video[0].height) == (256, 256) and c.streams.audio
+        assert sum(1 for _ in c.decode(video=0)) == FRAMES
+
+
+def test_cli_ref_labels_checked_before_anything_starts(tmp_path):
+    """A label naming no reference, or a reference the prompt never names, exits 2 before any stage starts."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    (tmp_path / "a.png").write_bytes(media_png())
+    (tmp_path / "v.wav").write_bytes(media_wav(0.3))
+    base = [sys.executable, "-m", "client", "render", "-o", str(tmp_path / "x.mp4"), "--frames", str(FRAMES),
+            "--render", "127.0.0.1:1", "--ref", str(tmp_path / "a.png"), "--ref", str(tmp_path / "v.wav")]
+    for prompt, needle in (("<Picture 1> talks like <Audio 2>", "names <Audio 2>"),
+                           ("<Picture 1> walks", "never names <Audio 1> (v.wav)"),
+                           ("<Picture 2> and <Audio 1>", "names <Picture 2>")):
+        r = subprocess.run([*base, "--prompt", prompt], cwd=root, capture_output=True, text=True, timeout=120)
+        assert r.returncode == 2 and needle in r.stderr, r.stderr
+    r = subprocess.run([*base, "--prompt", "<Picture 1>", "--first-frame", str(tmp_path / "a.png")], cwd=root,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "does not combine" in r.stderr, r.stderr
+
+
+def test_cli_ref_render_through_the_render_service(stack, tmp_path):
+    """`render --ref subject.png --ref voice.wav`: the render service's reference stage, encoder, DiT (ref2va) and
+    decoder, to an MP4; then a text render on the same stack (the DiT back on fl2va)."""
+    import av
+
+    from client.__main__ import main as client_main
+
+    _, ep = stack
+    args = ["--width", "256", "--height", "256", "--frames", str(FRAMES), "--steps", "1", "--encoder", ep.encoder,
+            "--dit", ep.dit, "--decoder", ep.decoder]
+    (tmp_path / "subject.png").write_bytes(media_png(80, 120))
+    (tmp_path / "voice.wav").write_bytes(media_wav(0.4, 48000, channels=2))
+    out = tmp_path / "ref.mp4"
+    assert client_main(["render", "--prompt", "<Picture 1> says hello in <Audio 1>'s voice", "--ref",
+                        str(tmp_path / "subject.png"), "--ref", str(tmp_path / "voice.wav"), "-o", str(out),
+                        *args]) == 0
+    assert client_main(["render", "--prompt", "waves", "-o", str(tmp_path / "t2va.mp4"), *args]) == 0
+    for f in (out, tmp_path / "t2va.mp4"):
+        with av.open(str(f)) as c:
+            assert c.streams.video[0].width == 256 and sum(1 for _ in c.decode(video=0)) == FRAMES
+
+
+def test_dit_batch_runs_partition_by_partition():
+    """A mixed DiT batch is sent one partition after the other, the one the DiT ran last first: one swap."""
+    from types import SimpleNamespace
+
+    from h3.v1 import common_pb2, render_pb2
+    from render_svc.engine import RenderEngine, Work
+
+    def work(i, refs):
+        req = render_pb2.RenderRequest(references=[common_pb2.Reference(kind="image", data=b"x")] if refs else [])
+        return Work(f"j{i}", req, SimpleNamespace(), None)
+
+    eng = RenderEngine(clients=None)
+    works = [work(0, False), work(1, True), work(2, False), work(3, True)]
+    groups = eng._groups("dit", works)
+    assert [[w.job_id for w in g] for g in groups] == [["j0", "j2"], ["j1", "j3"]] and eng.dit_partition == "ref2va"
+    groups = eng._groups("dit", works)  # the DiT holds ref2va now: those go first
+    assert [[w.job_id for w in g] for g in groups] == [["j1", "j3"], ["j0", "j2"]] and eng.dit_partition == "fl2va"
+    assert eng._groups("encoder", works) == [works]
+
+
+def test_render_service_keeps_reference_thumbnails_not_files(tmp_path):
+    """Admission fills in each reference's thumbnail, size and duration; JobInfo shows them (no file bytes), and a
+    finished job's stored request drops the files but keeps what the web page shows. Video references are refused
+    at admission while the encoder cannot present them (their thumbnail: the first frame)."""
+    from h3.v1 import common_pb2, render_pb2
+    from render_svc.service import check_request, describe_reference
+    from render_svc.store import SUCCEEDED, JobStore
+    from stagekit.errors import FailedPrecondition, InvalidArgument
+    from stagekit.render_params import RenderSpec, spec_to_proto
+
+    req = render_pb2.RenderRequest(references=[
+        common_pb2.Reference(kind="image", data=media_png(300, 200), name="me.png"),
+        common_pb2.Reference(kind="audio", data=media_wav(0.5), name="voice.wav")])
+    spec_to_proto(RenderSpec(prompt="<Picture 1> talks like <Audio 1>", frames=FRAMES), req.params)
+    check_request(req)
+    image, audio = req.references
+    assert (image.width, image.height) == (300, 200) and image.thumbnail[:2] == b"\xff\xd8"  # a JPEG
+    assert audio.seconds == pytest.approx(0.5, abs=0.01) and not audio.thumbnail
+    video = common_pb2.Reference(kind="video", data=media_mp4(n=30, fps=30), name="walk.mp4")
+    assert describe_reference(video, 0) is True  # it has a soundtrack: <Audio j> before its <Video k>
+    assert (video.width, video.height) == (112, 64) and video.seconds == pytest.approx(1.0, abs=0.1)
+    store = JobStore(tmp_path)
+    rec, _ = store.submit(req)
+    info = store.get(rec.id).info()
+    assert [r.name for r in info.references] == ["me.png", "voice.wav"]
+    assert all(not r.data for r in info.references) and info.references[0].thumbnail == image.thumbnail
+    store.start(rec.id, "keyframes")
+    store.finish(rec.id, SUCCEEDED)
+    stored = store.get(rec.id).request
+    assert all(not r.data for r in stored.references) and stored.references[0].thumbnail == image.thumbnail
+    store.close()
+    bad = render_pb2.RenderRequest()
+    bad.CopyFrom(req)
+    bad.params.prompt = "<Picture 1> talks"  # the voice is never named
+    with pytest.raises(InvalidArgument, match="never names <Audio 1> \\(voice.wav\\)"):
+        check_request(bad)
+    bad.params.prompt = "<Picture 1> walks like <Video 1>"
+    bad.references.append(video)
+    with pytest.raises(FailedPrecondition, match="not shown to the text encoder"):
+        check_request(bad)
