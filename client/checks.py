@@ -156,12 +156,14 @@ def check_models_dir(models_dir: str) -> None:
     from stagekit.errors import FailedPrecondition
     from stagekit.models import CHECKPOINT_PARTS, find_part
 
-    for part in CHECKPOINT_PARTS:
-        if os.environ.get(WEIGHTS_ENV[part]):
+    for part, spec in CHECKPOINT_PARTS.items():
+        if os.environ.get(WEIGHTS_ENV.get(part, "")):
             continue
         try:
             find_part(models_dir, part)
         except FailedPrecondition as e:
+            if spec.optional and e.message.startswith("no "):
+                continue
             raise CheckError(f"--models-dir {models_dir}: {e.message} (python -m client models check DIR "
                              "says what each stage needs)") from None
 
