@@ -1041,9 +1041,14 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     for k, v in NCCL_SAFE.items():
         os.environ.setdefault(k, v)
-    # A SIGTERM (a time limit) still stops the stages and writes the trace, plot and verdicts.
+    return run(Bench, args)
+
+
+def run(bench_cls: type, args) -> int:
+    """One part of a bench driver; a SIGTERM (a time limit) still stops the stages and writes the trace, plot and
+    verdicts."""
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    bench = Bench(args)
+    bench = bench_cls(args)
     try:
         bench.run_part()
     finally:

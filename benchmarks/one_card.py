@@ -31,11 +31,8 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import math
 import os
-import signal
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -211,7 +208,9 @@ class _Ctx:
 
 
 def _sha(t) -> str:
-    return hashlib.sha256(t.contiguous().view(-1).view(__import__("torch").uint8).numpy().tobytes()).hexdigest()
+    import torch
+
+    return hashlib.sha256(t.contiguous().view(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
 
 
 def dit_engine_bench(models: Path, cap_gb: float, tiny: bool) -> dict:
@@ -387,13 +386,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(dit_engine_bench(Path(args.models_dir), args.cap_gb, args.tiny)), flush=True)
         return 0
     args.steps = 0
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    bench = OneCard(args)
-    try:
-        bench.run_part()
-    finally:
-        bench.finish()
-    return 0
+    return two.run(OneCard, args)
 
 
 if __name__ == "__main__":
