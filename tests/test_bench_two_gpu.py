@@ -150,3 +150,21 @@ def test_events_gpu_synthesises_residency(bench, tmp_path):
                  + "\n")
     procs, _ = bench.EventsGpu(lease)()
     assert procs[0] == [(me, bench.EventsGpu.CONTEXT)]
+
+
+def test_one_card_dit_part_dry_run(tmp_path):
+    """benchmarks/one_card.py --part dit --tiny: the DiT engine's resident vs streamed sample on the CPU, end to end
+    (weights written, JSON with the placements, bitwise-equal latents and the verdicts)."""
+    import subprocess
+
+    out = tmp_path / "out"
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "one_card.py"), "--part", "dit", "--tiny",
+                        "--models-dir", str(tmp_path / "models"), "--work-dir", str(tmp_path / "work"),
+                        "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads((out / "one_card_dit.json").read_text())
+    d = res["items"]["dit"]
+    assert "error" not in d, d
+    assert set(d["shapes"]) == {"256x256x39", "256x256x22"}
+    assert all(row["bitwise_equal"] for row in d["shapes"].values())
+    assert res["verdicts"]["streamed_equals_resident_bitwise"] is True
