@@ -150,6 +150,17 @@ def _without_data(ref: common_pb2.Reference) -> common_pb2.Reference:
     return out
 
 
+def _without_reference_files(stored: bytes) -> bytes:
+    """A finished job's stored request without its reference files (up to 6 MiB each; nothing reads them any more);
+    the references' thumbnails, sizes and durations stay for the web page."""
+    r = render_pb2.RenderRequest.FromString(stored)
+    if not r.references:
+        return stored
+    for ref in r.references:
+        ref.ClearField("data")
+    return r.SerializeToString(deterministic=True)
+
+
 def _without_images(req: render_pb2.RenderRequest) -> bytes:
     """The request as stored: without its keyframe images (stored once, by content, beside the database)."""
     r = render_pb2.RenderRequest()
@@ -435,8 +446,9 @@ class JobStore:
                 if row is None or row["state"] in TERMINAL:
                     return False
                 self.db.execute(
-                    "UPDATE jobs SET state = ?, finished = ?, error_code = ?, error = ?, output = ?, output_bytes = ? "
-                    "WHERE id = ?", (state, time.time(), error_code, error, output, output_bytes, job_id))
+                    "UPDATE jobs SET state = ?, finished = ?, error_code = ?, error = ?, output = ?, output_bytes = ?, "
+                    "request = ? WHERE id = ?", (state, time.time(), error_code, error, output, output_bytes,
+                                                 _without_reference_files(row["request"]), job_id))
                 self._log_info(job_id)
             self._drop_keyframes(_record(row).keyframes.values())
             self._unsaved = True

@@ -17,8 +17,9 @@ device, load, every job, unload) runs in a *device worker*, a `spawn`ed child st
 
 - After each job the worker hands what Status shows of it (the engine's optional `worker_state()`) to the stage
   process's engine (`set_worker_state(state)`): the DiT's block placement.
-- Tensors cross through shared memory (torch.multiprocessing's reductions on the connection: the file-descriptor
-  strategy, whose segments are unlinked as soon as they are mapped, so a killed process leaves no file behind).
+- Messages cross the pipe by value (`Channel`: plain pickle, tensors copied), so a killed process leaves nothing
+  shared behind. A job's inputs and outputs are latents, states and the MP4: tens to hundreds of MB, copied at
+  pipe speed.
 - Cancellation stays agreed across ranks: a worker's `ctx.should_stop()` is answered by its stage process, which
   runs the rank group's agreement as before (every rank's worker asks at the same step boundaries).
 - Multi-rank stages: the workers form their own process group (NCCL on GPUs, gloo on CPU) at each load, on a
@@ -77,7 +78,29 @@ def _context():
     return mp.get_context("spawn")
 
 
+class Channel:
+    """One end of a stage process <-> child pipe carrying messages by value (plain pickle): tensors are copied
+    through the pipe, never shared by file descriptor, so nothing but the pipe ties the two processes together (no
+    descriptor-passing helper, no shared segment to leak)."""
+
+    def __init__(self, conn):
+        self.conn = conn
+
+    def send(self, msg) -> None:
+        self.conn.send_bytes(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
+
+    def recv(self):
+        return pickle.loads(self.conn.recv_bytes())
+
+    def poll(self, timeout: float = 0.0) -> bool:
+        return self.conn.poll(timeout)
+
+    def close(self) -> None:
+        self.conn.close()
+
+
 def _call_in_child(conn, fn: Callable, args: tuple, log_level: str) -> None:
+    conn = Channel(conn)
     die_with_parent("a start-up probe")
     logging.basicConfig(level=log_level, format="%(asctime)s %(name)s[%(process)d] %(levelname)s %(message)s")
     try:
@@ -91,7 +114,8 @@ def run_in_child(fn: Callable, *args: Any, timeout_s: float = 600.0) -> Any:
     """`fn(*args)` in a short-lived spawned child; returns its result or raises its exception. For device work done
     once at start-up (the DiT's kernel probe, the GPUs' ids), so the stage process itself never holds a context.
     `fn` and its arguments and result must pickle."""
-    ours, theirs = _context().Pipe()
+    pipe, theirs = _context().Pipe()
+    ours = Channel(pipe)
     proc = _context().Process(target=_call_in_child, args=(theirs, fn, args, logging.getLogger().getEffectiveLevel()),
                               name=f"probe-{fn.__name__}")
     proc.start()
@@ -218,6 +242,7 @@ class _WorkerContext:
 def _worker_main(conn, engine_cls: type, engine_cfg: Any, wcfg: WorkerConfig,
                  rendezvous: tuple[str, int, str] | None) -> None:
     """The worker: set up the device, build the engine, then serve the stage process's commands until "exit"."""
+    conn = Channel(conn)
     die_with_parent(f"the {wcfg.stage} device worker")
     logging.basicConfig(level=wcfg.log_level.upper(),
                         format=f"%(asctime)s {wcfg.stage}-worker[%(process)d] %(levelname)s %(message)s")
@@ -405,7 +430,7 @@ class DeviceWorkerEngine:
                                   args=(theirs, type(self.engine), self.engine.cfg, self.wcfg, rendezvous))
         proc.start()
         theirs.close()
-        self._proc, self._conn = proc, ours
+        self._proc, self._conn = proc, Channel(ours)
         kind, value = self._recv()
         if kind == "error":
             raise value
@@ -416,7 +441,8 @@ class DeviceWorkerEngine:
     def _send(self, msg) -> None:
         try:
             self._conn.send(msg)
-        except OSError:
+        except OSError as e:
+            log.error("%s: sending to the device worker failed (%r)", self.name, e)
             raise self._died() from None
 
     def _recv(self):
