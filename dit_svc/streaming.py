@@ -47,10 +47,6 @@ class Placement:
     need_bytes: int         # the job's planned peak: resident weights + slots + activations
 
     @property
-    def slot_bytes(self) -> int:
-        return SLOTS * self.block_bytes if self.streamed else 0
-
-    @property
     def streamed_bytes_per_step(self) -> int:
         return len(self.streamed) * self.block_bytes
 
@@ -141,9 +137,6 @@ class BlockStream:
     @property
     def streamed(self) -> tuple[int, ...]:
         return self.order
-
-    def resident_block_bytes(self) -> int:
-        return sum(n for i, n in enumerate(self.sizes) if i not in self.host)
 
     # ---- placement -------------------------------------------------------------------------------------------------
     def apply(self, placement: Placement) -> None:
