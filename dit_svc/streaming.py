@@ -78,7 +78,7 @@ def plan_placement(num_blocks: int, block_bytes: int, other_weight_bytes: int, a
             f"{fmt_gib(room_bytes)}; use a smaller resolution or frame count, or more ranks")
     resident = min(num_blocks, (room_bytes - floor) // block_bytes)
     n_streamed = num_blocks - resident
-    # Spread evenly: streamed block j sits at round((j + 0.5) * N / n); the copy of one streamed block then overlaps
+    # Spread evenly: streamed block j sits at floor((j + 0.5) * N / n); the copy of one streamed block then overlaps
     # the compute of every resident block before it.
     streamed = tuple(sorted({min(num_blocks - 1, int((j + 0.5) * num_blocks / n_streamed))
                              for j in range(n_streamed)}))
