@@ -160,3 +160,18 @@ def test_model_uses_the_selected_attention_fn():
         model(v, a, t, 0.3, 0.5, lay)
     assert len(calls) == cfg.num_layers + cfg.num_refiner_layers
     assert all(math.isclose(rel_err(x, y), 0.0, abs_tol=1e-6) for x, y in zip(same, base))
+
+
+def test_load_time_int8_conversion_goes_a_slab_of_rows_at_a_time():
+    """A float linear converted to int8 at load quantises a slab of rows at a time (bounded temporaries) with the
+    same codes and scales as the whole weight at once."""
+    from stagekit.kernels import _int8_weight
+    from stagekit.quant import quantize_convrot
+
+    w = torch.randn(300, 256, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    whole = _int8_weight(w, chunk_elems=1 << 30)
+    q, s = quantize_convrot(w.float(), whole.groupsize)
+    assert torch.equal(whole.qdata, q) and torch.equal(whole.scale, s)
+    for elems in (256, 7 * 256, 1000):  # one row, 7 rows, a slab that does not divide the rows
+        part = _int8_weight(w, chunk_elems=elems)
+        assert torch.equal(part.qdata, q) and torch.equal(part.scale, s) and part.groupsize == whole.groupsize
