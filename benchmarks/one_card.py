@@ -313,12 +313,13 @@ def tp2_rank_memory(dev, room_gib: float = 19.5) -> dict:
     import torch.nn as nn
 
     from dit_svc.config import DiTConfig
+    from dit_svc.engine import CHUNK_ROWS_EAGER, activation_bytes
     from dit_svc.streaming import BlockStream, plan_placement
     from benchmarks import bench_dit
     from stagekit.kernels import default_attention_candidates
 
     cfg = DiTConfig.full(adaln_form="curve")
-    model = bench_dit.build_tp_rank(cfg, 2, dev, 4096, seed=0)
+    model = bench_dit.build_tp_rank(cfg, 2, dev, CHUNK_ROWS_EAGER, seed=0)
     model.set_attention_fn(default_attention_candidates()["cudnn"].make_fn())
     torch.cuda.empty_cache()
     stream = BlockStream(model.blocks, dev)
@@ -327,7 +328,7 @@ def tp2_rank_memory(dev, room_gib: float = 19.5) -> dict:
     lay, video, audio, text = bench_dit.inputs_for(cfg, shape, dev)
     free, total = torch.cuda.mem_get_info(dev)
     outside = (total - free) - torch.cuda.memory_reserved(dev)
-    act = tp_activation_bytes(cfg, lay.seq_len, tp=2)
+    act = activation_bytes(cfg, lay.seq_len, torch.bfloat16, CHUNK_ROWS_EAGER, tp=2)
     other = weights - sum(stream.sizes)
     room = int(room_gib * GIB) - outside - (512 << 20)
     p = plan_placement(cfg.num_layers, stream.block_bytes, other, act, room, what="a TP2 rank at 1920x1088x362")
@@ -349,20 +350,6 @@ def tp2_rank_memory(dev, room_gib: float = 19.5) -> dict:
             "peak_reserved_gib": round(torch.cuda.max_memory_reserved(dev) / GIB, 3),
             "finite": bool(torch.isfinite(v).all() and torch.isfinite(a).all()),
             "forward_s": round(time.monotonic() - t0, 2)}
-
-
-def tp_activation_bytes(cfg, seq_len: int, tp: int) -> int:
-    """DiTEngine.activation_bytes for a TP rank at `seq_len` rows (text and target rows together)."""
-    from types import SimpleNamespace
-
-    import torch
-
-    from dit_svc.engine import DiTEngine
-
-    eng = SimpleNamespace(model_cfg=cfg, parallel=SimpleNamespace(tp_size=tp, sp_size=1), chunk_rows=4096,
-                          cfg=SimpleNamespace(compute_dtype=torch.bfloat16, device="cuda:0"),
-                          target_rows=lambda spec: 0)
-    return DiTEngine.activation_bytes(eng, None, seq_len)
 
 
 def main(argv: list[str] | None = None) -> int:

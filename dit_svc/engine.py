@@ -112,6 +112,39 @@ class DiTEngineConfig:
                                             # device worker); None = probe
 
 
+def target_rows(m: DiTConfig, spec: RenderSpec) -> int:
+    """Packed rows of the sampled latents: video patches and audio frames (text and keyframe rows aside)."""
+    shp = latent_shape(m, spec.frames, spec.height, spec.width)
+    _, ph, pw = m.patch
+    return shp.latent_frames * (shp.latent_height // ph) * (shp.latent_width // pw) + AUDIO_CHANNELS * shp.audio_latents
+
+
+def activation_bytes(m: DiTConfig, rows: int, compute_dtype: torch.dtype, chunk_rows: int, tp: int = 1, sp: int = 1,
+                     cuda: bool = True) -> int:
+    """Peak activation bytes of a job of `rows` packed rows on one rank of `tp` x `sp` (docs/memory.md).
+
+    Whole-sequence tensors, per packed row: the fp32 residual stream (hidden x 4 B); q, k, v and the attention
+    output (4 x local inner x compute-dtype bytes: attention needs them whole); RoPE cos/sin (fp32); the
+    sampler's fp32 latent state (~8 copies of a patch row). Everything else lives one row chunk at a time
+    (dit_svc/model.py Block): the larger of the qkv step (projection, fp32 norm/RoPE temporaries, the fp32
+    modulated input) and the MLP step ([chunk, 3 x ffn / tp] in the compute dtype). Padded by 15 % for allocator
+    slack, plus the cuBLAS / cuDNN workspaces on CUDA. An estimate to budget with (measured peaks:
+    docs/memory.md), not a promise. Sequence parallel (dit_svc/sp.py): the whole-sequence tensors shrink to this
+    rank's rows, plus the all-to-all buffers held while attention runs (~5 x local inner per row); the sampler
+    state stays whole.
+    """
+    e = torch.empty((), dtype=compute_dtype).element_size()
+    inner = m.num_heads * m.head_dim // tp
+    local = -(-rows // sp)
+    per_local_row = m.hidden * 4 + (4 + (5 if sp > 1 else 0)) * inner * e + 2 * m.rope_dim * 4
+    per_row = 8 * max(m.video_patch_dim, m.audio_in_channels) * 4
+    qkv_step = 3 * inner * e + 6 * inner * 4 + 2 * m.hidden * 4 + m.hidden * e
+    mlp_step = 3 * (m.ffn // tp) * e + 3 * m.hidden * 4 + m.hidden * e
+    chunk = min(local, chunk_rows) * max(qkv_step, mlp_step)
+    fixed = CUDA_WORKSPACE_BYTES if cuda else 0
+    return int((local * per_local_row + rows * per_row + chunk) * 1.15) + fixed
+
+
 def resolve_weights(cfg: DiTEngineConfig) -> tuple[dict[str, Path | None], bool]:
     """({partition: declared partition or None, for each checkpoint path}, is_embedded): the --weights file, every
     DiT checkpoint under --models-dir (the one candidate of each partition), or the embedded tiny pair."""
@@ -351,38 +384,13 @@ class DiTEngine:
             yield key, n * size // (tp if param_style(H3DiT._tp_plan, key) is not None else 1)
 
     def target_rows(self, spec: RenderSpec) -> int:
-        """Packed rows of the sampled latents: video patches and audio frames (text and keyframe rows aside)."""
-        m = self.model_cfg
-        shp = latent_shape(m, spec.frames, spec.height, spec.width)
-        _, ph, pw = m.patch
-        return shp.latent_frames * (shp.latent_height // ph) * (shp.latent_width // pw) + AUDIO_CHANNELS * shp.audio_latents
+        return target_rows(self.model_cfg, spec)
 
     def activation_bytes(self, spec: RenderSpec, text_len: int) -> int:
-        """Peak activation bytes of one job on one rank (docs/memory.md).
-
-        Whole-sequence tensors, per packed row: the fp32 residual stream (hidden x 4 B); q, k, v and the attention
-        output (4 x local inner x compute-dtype bytes: attention needs them whole); RoPE cos/sin (fp32); the
-        sampler's fp32 latent state (~8 copies of a patch row). Everything else lives one row chunk at a time
-        (dit_svc/model.py Block): the larger of the qkv step (projection, fp32 norm/RoPE temporaries, the fp32
-        modulated input) and the MLP step ([chunk, 3 x ffn / tp] in the compute dtype). Padded by 15 % for allocator
-        slack, plus the cuBLAS / cuDNN workspaces on CUDA. An estimate to budget with (measured peaks:
-        docs/memory.md), not a promise. Sequence parallel (dit_svc/sp.py): the whole-sequence tensors shrink to this
-        rank's rows, plus the all-to-all buffers held while attention runs (~5 x local inner per row); the sampler
-        state stays whole.
-        """
-        m = self.model_cfg
-        tp, sp = self.parallel.tp_size, self.parallel.sp_size
-        e = torch.empty((), dtype=self.cfg.compute_dtype).element_size()
-        rows = text_len + self.target_rows(spec)
-        inner = m.num_heads * m.head_dim // tp
-        local = -(-rows // sp)
-        per_local_row = m.hidden * 4 + (4 + (5 if sp > 1 else 0)) * inner * e + 2 * m.rope_dim * 4
-        per_row = 8 * max(m.video_patch_dim, m.audio_in_channels) * 4
-        qkv_step = 3 * inner * e + 6 * inner * 4 + 2 * m.hidden * 4 + m.hidden * e
-        mlp_step = 3 * (m.ffn // tp) * e + 3 * m.hidden * 4 + m.hidden * e
-        chunk = min(local, self.chunk_rows) * max(qkv_step, mlp_step)
-        fixed = CUDA_WORKSPACE_BYTES if self.cfg.device.startswith("cuda") else 0
-        return int((local * per_local_row + rows * per_row + chunk) * 1.15) + fixed
+        """Peak activation bytes of one job on one rank: `activation_bytes` of its packed rows."""
+        return activation_bytes(self.model_cfg, text_len + self.target_rows(spec), self.cfg.compute_dtype,
+                                self.chunk_rows, self.parallel.tp_size, self.parallel.sp_size,
+                                self.cfg.device.startswith("cuda"))
 
     def block_bytes(self) -> int:
         """One transformer block's weight bytes on this rank (the largest), from the checkpoint header."""

@@ -3,15 +3,13 @@ streamed forward with a resident one, and the DiT service choosing, reporting an
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import grpc
 import pytest
 import torch
 
 from client.pipeline import sample
 from dit_svc.config import DiTConfig
-from dit_svc.engine import DiTEngine, DiTEngineConfig
+from dit_svc.engine import CHUNK_ROWS_EAGER, DiTEngine, DiTEngineConfig, activation_bytes, target_rows
 from dit_svc.layout import build_layout
 from dit_svc.model import H3DiT
 from dit_svc.streaming import GIB, SLOTS, BlockStream, Placement, plan_placement
@@ -26,12 +24,10 @@ MiB = 1 << 20
 
 
 def full_size_activations(width: int, height: int, frames: int, tp: int = 1, text_len: int = 512) -> int:
-    """DiTEngine.activation_bytes of the full H3 model (fp16 compute, eager row chunks) on one of `tp` ranks."""
-    eng = SimpleNamespace(model_cfg=DiTConfig(), parallel=SimpleNamespace(tp_size=tp, sp_size=1),
-                          cfg=SimpleNamespace(compute_dtype=torch.float16, device="cuda:0"), chunk_rows=4096)
-    eng.target_rows = lambda spec: DiTEngine.target_rows(eng, spec)
-    spec = RenderSpec(prompt="x", width=width, height=height, frames=frames)
-    return DiTEngine.activation_bytes(eng, spec, text_len)
+    """The activation estimate of the full H3 model (fp16 compute, eager row chunks) on one of `tp` ranks."""
+    cfg = DiTConfig()
+    rows = text_len + target_rows(cfg, RenderSpec(prompt="x", width=width, height=height, frames=frames))
+    return activation_bytes(cfg, rows, torch.float16, CHUNK_ROWS_EAGER, tp=tp)
 
 
 # The pruned int8 file on one rank: 50 blocks of ~0.36 GiB and ~1.7 GiB that always stays (embeddings, refiner,
