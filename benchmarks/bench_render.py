@@ -20,9 +20,10 @@ import time
 from pathlib import Path
 
 from client.embedded import EmbeddedStack, StackConfig
-from client.pipeline import render
+from client.render_client import render_request
 from client.stubs import StageClients
 from minimax_h3.contract import RenderSpec
+from render_svc.engine import render
 
 
 def main():
@@ -80,7 +81,7 @@ def run(args) -> dict:
             for i in range(args.repeats):
                 spec = RenderSpec(prompt=f"a brass band marching through rain, take {i}", width=args.width,
                                   height=args.height, frames=args.frames, steps=args.steps, seed=i)
-                r = render(c, spec, Path(args.out))
+                r = render(c, render_request(spec), Path(args.out))
                 rows.append({s.stage: dict(wall=s.wall_s, queue=s.timing.queue_s, lease=s.timing.lease_wait_s,
                                            load=s.timing.load_s, compute=s.timing.compute_s,
                                            transfer=s.timing.transfer_s) for s in r.stages})

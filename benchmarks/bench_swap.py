@@ -5,7 +5,7 @@ Starts the three stage servers on one (virtual or real) device, then:
 1. swap cost: per stage, `--repeats` x (Unload + Load) through the lifecycle RPCs (the servers' own timings);
 2. swaps for `--jobs` queued jobs, counted as lease `acquire` events in the host-wide event log:
    - interleaved: one client renders the jobs one after another (encode, sample, decode, next job);
-   - batched: `client.pipeline.render_many` (encode all, sample all, decode all);
+   - batched: `render_svc.engine.render_jobs` (encode all, sample all, decode all);
    - concurrent: `--jobs` clients submit whole renders at once; the stages batch what is queued
      (`--max-batch-before-yield` bounds a batch while another stage waits).
 
@@ -120,8 +120,9 @@ def main() -> None:
         return
     # Imported here so --calibrate needs only torch (+ safetensors) on a bare GPU machine.
     from client.embedded import EmbeddedStack, StackConfig
-    from client.pipeline import render, render_many
+    from client.render_client import render_request
     from client.stubs import STAGES, StageClients
+    from render_svc.engine import Outcome, render, render_jobs
     from stagekit.lease import events_per_stage, read_events
 
     w, h, f = (int(x) for x in args.size.split("x"))
@@ -137,20 +138,20 @@ def main() -> None:
             results["swap_cost"] = swap_cost(clients, args.repeats)
 
             def specs(tag):
-                return [(RenderSpec(prompt=f"{tag} job {i}: a fox in the snow", width=w, height=h, frames=f,
-                                    steps=args.steps, seed=i), run_dir / f"{tag}{i}.mp4") for i in range(args.jobs)]
+                return [(render_request(RenderSpec(prompt=f"{tag} job {i}: a fox in the snow", width=w, height=h,
+                                                   frames=f, steps=args.steps, seed=i)), run_dir / f"{tag}{i}.mp4")
+                        for i in range(args.jobs)]
 
             scenarios = {}
             t0 = time.time()
-            for spec, out in specs("interleaved"):
-                render(clients, spec, out)
+            for req, out in specs("interleaved"):
+                render(clients, req, out)
             scenarios["interleaved"] = (t0, time.time())
 
             t0 = time.time()
-            res = render_many(clients, specs("batched"), concurrency=args.jobs)
-            bad = [r for r in res if isinstance(r, BaseException)]
+            bad = [r for r in render_jobs(clients, specs("batched")) if isinstance(r, Outcome)]
             if bad:
-                raise bad[0]
+                raise RuntimeError(f"render failed: {bad[0].code}: {bad[0].message}")
             scenarios["batched"] = (t0, time.time())
 
             t0 = time.time()

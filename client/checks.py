@@ -1,20 +1,25 @@
 """What `render` refuses by itself, before asking any stage (or starting an embedded stack, ~10 s).
 
-The rules are the stages' own, from the same code (`minimax_h3.contract.validate`, `minimax_h3.images.admit_keyframe`,
-the encoder's `validate_prompt`, the DiT's `resolve_lora_path`); the messages add what only the client knows: the
-file name and the flag it came from. Every refusal is a `CheckError`, which the CLI prints as `error: ...` and
-exits 2, whatever the input (an empty `--prompt ""` and a blank one alike).
-
-Light by design: PIL for images; the tokenizer and LoRA checks import stage code only when they have something to
-check (a prompt that may be over the limit, a `--lora`) and a local stack is about to start.
+The rules are the stages' own, from the same torch-free code (`minimax_h3.contract.validate`,
+`minimax_h3.images.admit_keyframe`, `minimax_h3.labels`); the messages add what only the client knows: the file name
+and the flag it came from. What only model code can tell (a prompt's token count, a LoRA the DiT cannot find) the
+render service checks: on Submit, or, before a local stack starts, in its dry run (`render_svc/preflight.py`). Every
+refusal is a `CheckError`, which the CLI prints as `error: ...` and exits 2, whatever the input (an empty
+`--prompt ""` and a blank one alike).
 """
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
+from client.embedded import StackStartError
 from stagekit.errors import InvalidArgument
+
+PREFLIGHT_TIMEOUT_S = 120.0
 
 
 class CheckError(Exception):
@@ -121,29 +126,31 @@ def _has_sound(path: str) -> bool:
 
 
 def check_for_local_stack(prompts: list[str], loras: list[tuple[str, float]], models_dir: str) -> None:
-    """What the stack we are about to start would refuse, refused now: prompts over its encoder's token limit
-    (the embedded model's tokenizer; real checkpoints' tokenizers are checked by the stage) and LoRA names it
-    cannot find. Settings come from the same H3_<STAGE>_* env vars the stack's processes will read."""
-    if not models_dir:
-        _check_embedded_prompt_tokens(prompts)
-    if loras:
-        _check_loras(loras, models_dir)
+    """What the stack we are about to start would refuse, refused now: parts of the model missing from
+    `models_dir` (checked here: a local folder), and what only the stack's own code can tell — prompts over its
+    encoder's token limit, LoRA names it cannot find — asked of the render service's dry run
+    (`python -m render_svc.preflight`, a short process of its own, only when there is something to check)."""
+    from render_svc.preflight import needs_preflight
+
+    if needs_preflight(prompts, loras):
+        _preflight(prompts, loras, models_dir)
     if models_dir:
         check_models_dir(models_dir)
 
 
-def _check_loras(loras: list[tuple[str, float]], models_dir: str) -> None:
-    loras_dir = os.environ.get("H3_DIT_LORAS_DIR") or (os.path.join(models_dir, "loras") if models_dir else "")
-    if not loras_dir:
-        raise CheckError(f"--lora {loras[0][0]}: the embedded model takes no LoRAs; pass --models-dir DIR "
-                         "(LoRA files in DIR/loras)")
-    from minimax_h3.dit.lora import resolve_lora_path  # stage code (imports torch): only when LoRAs are asked for
-
-    for name, _ in loras:
-        try:
-            resolve_lora_path(name, loras_dir)
-        except ValueError as e:  # LoRAError: not found, not a bare file name, absolute path refused
-            raise CheckError(f"--lora {name}: {e}") from None
+def _preflight(prompts: list[str], loras: list[tuple[str, float]], models_dir: str) -> None:
+    ask = json.dumps({"prompts": prompts, "loras": loras, "models_dir": models_dir})
+    try:
+        r = subprocess.run([sys.executable, "-m", "render_svc.preflight"], input=ask, capture_output=True, text=True,
+                           timeout=PREFLIGHT_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        raise StackStartError(f"the render service's pre-flight check did not answer within "
+                              f"{PREFLIGHT_TIMEOUT_S:g} s") from None
+    if r.returncode == 2:
+        raise CheckError(r.stdout.strip())
+    if r.returncode != 0:
+        raise StackStartError(f"the render service's pre-flight check failed (exit {r.returncode}): "
+                              + (r.stderr.strip().splitlines() or ["no output"])[-1])
 
 
 WEIGHTS_ENV = {"encoder": "H3_ENCODER_WEIGHTS", "dit": "H3_DIT_WEIGHTS", "video_vae": "H3_DECODER_VIDEO_WEIGHTS",
@@ -166,22 +173,3 @@ def check_models_dir(models_dir: str) -> None:
                 continue
             raise CheckError(f"--models-dir {models_dir}: {e.message} (python -m client models check DIR "
                              "says what each stage needs)") from None
-
-
-def _check_embedded_prompt_tokens(prompts: list[str]) -> None:
-    from minimax_h3.text.tokenizer import MAX_PROMPT_TOKENS
-
-    limit = int(os.environ.get("H3_ENCODER_MAX_PROMPT_TOKENS") or MAX_PROMPT_TOKENS)
-    # A token covers at least one UTF-8 byte, so only a prompt longer in bytes than the limit can be over it.
-    long = [p for p in prompts if len(p.encode("utf-8", "surrogatepass")) > limit]
-    if not long:
-        return
-    from minimax_h3.text.tiny import build_tiny_tokenizer  # the embedded encoder's tokenizer (imports torch)
-    from minimax_h3.text.tokenizer import TextTokenizer, validate_prompt
-
-    tok = TextTokenizer(build_tiny_tokenizer(), fingerprint="embedded", check_release_ids=False)
-    for p in long:
-        try:
-            validate_prompt(p, limit, tok)
-        except InvalidArgument as e:
-            raise CheckError(f"{e.message} (the embedded encoder's --max-prompt-tokens)") from None

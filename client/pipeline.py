@@ -1,17 +1,17 @@
-"""The stage-level library: encode -> sample -> decode through the generated stage stubs.
+"""The stage-level library: one call of one stage (encode, encode an image or a reference, sample, decode) through
+the generated stage stubs.
 
-The render service (render_svc/) drives the stages with these calls; tools that want stage-level control use them
-directly (the user's `python -m client render` talks to the render service instead and needs no torch).
-Each call streams the stage's progress to `on_progress(Progress)`, hands the call to `on_call` (so another thread
-can cancel it) and returns the stage's result plus its timing. `render_many` is stage-batched: all prompts are
-encoded, then all sampled, then all decoded, so each stage loads once for the whole batch on small cards.
+The render service (render_svc/engine.py) orchestrates renders with these calls, and it alone: a whole render
+without the service is `render_svc.engine.render_jobs`. The load tester (client/loadtest.py) and tools that want
+stage-level control call them directly; the user's `python -m client render` talks to the render service and needs
+no torch. Each call streams the stage's progress to `on_progress(Progress)`, hands the call to `on_call` (so another
+thread can cancel it) and returns the stage's result plus its timing.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -19,7 +19,7 @@ import torch
 
 from client.stubs import StageClients
 from h3.v1 import common_pb2, decoder_pb2, dit_pb2, encoder_pb2
-from minimax_h3.contract import RenderSpec, spec_to_proto, validate
+from minimax_h3.contract import RenderSpec, spec_to_proto
 from stagekit.transport import FileReceiver
 from stagekit.wire import TensorAssembler, tensor_chunks
 
@@ -40,16 +40,6 @@ class StageResult:
     wall_s: float
     timing: common_pb2.Timing
     extra: dict = field(default_factory=dict)
-
-
-@dataclass
-class RenderResult:
-    output: Path
-    stages: list[StageResult]
-
-    @property
-    def total_s(self) -> float:
-        return sum(s.wall_s for s in self.stages)
 
 
 def stage_events(stream, what: str, on_progress: ProgressFn = _noop, **feeds: Callable[[object], None]):
@@ -207,81 +197,3 @@ def decode_raw(clients: StageClients, spec: RenderSpec, video: torch.Tensor, aud
     return out["frames"], out["audio"], StageResult(
         "decoder", time.monotonic() - t0, done.timing,
         {"frames": done.frames, "audio_samples": done.audio_samples, "ranks": done.world_size})
-
-
-def render(clients: StageClients, spec: RenderSpec, out_path: Path, on_progress: ProgressFn = _noop,
-           job_id: str = "", crf: int = 0, first_frame: bytes | None = None,
-           last_frame: bytes | None = None, loras: Sequence[tuple[str, float]] = (),
-           references: Sequence[common_pb2.Reference] = ()) -> RenderResult:
-    """t2va, or fl2va with `first_frame` and/or `last_frame` (PNG/JPEG bytes): the decoder VAE-encodes each keyframe
-    at the render size, the encoder shows them to the vision tower, the DiT conditions on both. ref2va with
-    `references` (in request order): the decoder encodes each, the encoder presents them, the DiT's ref2va file
-    conditions on them."""
-    validate(spec, need_prompt=True)
-    anchors = [(a, img) for a, img in (("first", first_frame), ("last", last_frame)) if img is not None]
-    if references:
-        if anchors:
-            raise ValueError("references and --first-frame/--last-frame do not combine (docs/references.md)")
-        extra, stages = {}, []
-        for i, ref in enumerate(references):
-            lat, r_ref = encode_reference(clients, ref, spec.frames, job_id, on_progress)
-            extra.update(reference_tensors(i, lat, ref.kind))
-            stages.append(r_ref)
-        states, tags, r_enc = encode(clients, spec.prompt, job_id, on_progress, with_tags=True,
-                                     references=references, frames=spec.frames)
-        extra["text_tags"] = tags
-        video, audio, r_dit = sample(clients, spec, states, job_id, on_progress, extra=extra, loras=loras)
-        r_dec = decode(clients, spec, video, audio, out_path, job_id, on_progress, crf=crf)
-        return RenderResult(Path(out_path), [*stages, r_enc, r_dit, r_dec])
-    if not anchors:
-        states, r_enc = encode(clients, spec.prompt, job_id, on_progress)
-        video, audio, r_dit = sample(clients, spec, states, job_id, on_progress, loras=loras)
-        r_dec = decode(clients, spec, video, audio, out_path, job_id, on_progress, crf=crf)
-        return RenderResult(Path(out_path), [r_enc, r_dit, r_dec])
-    extra, stages = {}, []
-    for anchor, img in anchors:
-        lat, r_img = encode_image(clients, img, spec.width, spec.height, job_id, on_progress)
-        extra[f"keyframe_{anchor}"] = lat
-        stages.append(r_img)
-    states, tags, r_enc = encode(clients, spec.prompt, job_id, on_progress, keyframes=[img for _, img in anchors],
-                                 width=spec.width, height=spec.height, with_tags=True)
-    extra["text_tags"] = tags
-    video, audio, r_dit = sample(clients, spec, states, job_id, on_progress, extra=extra, loras=loras)
-    r_dec = decode(clients, spec, video, audio, out_path, job_id, on_progress, crf=crf)
-    return RenderResult(Path(out_path), [*stages, r_enc, r_dit, r_dec])
-
-
-def render_many(clients: StageClients, jobs: list[tuple[RenderSpec, Path]], on_progress: ProgressFn = _noop,
-                concurrency: int = 4, crf: int = 0,
-                loras: Sequence[tuple[str, float]] = ()) -> list[RenderResult | BaseException]:
-    """Stage-batched: every prompt is encoded, then every job sampled, then every job decoded.
-
-    Submitting a whole stage's work together lets each stage serve the batch in
-    one residency (one weight swap per stage instead of one per job).
-    """
-    for spec, _ in jobs:
-        validate(spec, need_prompt=True)
-    results: list[list[StageResult] | BaseException] = [[] for _ in jobs]
-
-    def stage_all(fn):
-        with ThreadPoolExecutor(max_workers=concurrency) as pool:
-            futs = {i: pool.submit(fn, i) for i, r in enumerate(results) if not isinstance(r, BaseException)}
-            out = {}
-            for i, fut in futs.items():
-                try:
-                    out[i] = fut.result()
-                except BaseException as e:  # noqa: BLE001 - recorded per job
-                    results[i] = e
-            return out
-
-    enc = stage_all(lambda i: encode(clients, jobs[i][0].prompt, f"job{i}", on_progress))
-    for i, (_, r) in enc.items():
-        results[i].append(r)
-    smp = stage_all(lambda i: sample(clients, jobs[i][0], enc[i][0], f"job{i}", on_progress, loras=loras))
-    for i, (_, _, r) in smp.items():
-        results[i].append(r)
-    dec = stage_all(lambda i: decode(clients, jobs[i][0], smp[i][0], smp[i][1], jobs[i][1], f"job{i}", on_progress,
-                                     crf=crf))
-    for i, r in dec.items():
-        results[i].append(r)
-    return [r if isinstance(r, BaseException) else RenderResult(Path(jobs[i][1]), r) for i, r in enumerate(results)]

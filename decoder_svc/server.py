@@ -31,7 +31,7 @@ SERVICE = "h3.v1.Decoder"
 FORMATS = {decoder_pb2.MP4: "mp4", decoder_pb2.RAW: "raw", decoder_pb2.WAV: "wav"}
 
 
-@dataclass
+@dataclass(frozen=True)
 class DecoderConfigArgs(CommonConfig):
     port: int = field(default=50053, metadata={"help": "gRPC port"})
     video_weights: str = field(default="", metadata={"help": "video VAE file (overrides --models-dir)"})

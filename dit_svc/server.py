@@ -33,7 +33,7 @@ MAX_TEXT_BYTES = 1 << 30
 INT_DTYPES = ("int64", "int32", "int16", "int8", "uint8")
 
 
-@dataclass
+@dataclass(frozen=True)
 class DiTConfigArgs(CommonConfig):
     port: int = field(default=50052, metadata={"help": "gRPC port"})
     int8_mode: str = field(default="kernel", metadata={

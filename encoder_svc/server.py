@@ -29,7 +29,7 @@ SERVICE = "h3.v1.TextEncoder"
 MAX_KEYFRAMES = 2  # fl2va: first and/or last frame
 
 
-@dataclass
+@dataclass(frozen=True)
 class EncoderConfigArgs(CommonConfig):
     port: int = field(default=50051, metadata={"help": "gRPC port"})
     mode: str = field(default="resident", metadata={

@@ -1,17 +1,15 @@
 """The render service's engine: runs one stage batch against the stage services beside it.
 
-The render service is built like every stage (`stagekit.stage.run_stage`): its "engine" holds no weights (load and
-unload are no-ops) and each runtime job is one *stage batch* — up to `--max-batch` render jobs sent to one stage at
-once, so the stage serves them in one residency. The stage calls are the stage-level library (`client.pipeline`)
-and its one wire codec; tensors move render service <-> stage over loopback and stay in this process between
-stages (`Work.tensors`), never in the user's client.
+A *stage batch* is up to `--max-batch` render jobs sent to one stage at once, so the stage serves them in one
+residency; the scheduler (render_svc/service.py) runs one batch at a time, in its own thread. The stage calls are
+the stage-level library (`client.pipeline`) and its one wire codec; tensors move render service <-> stage over
+loopback and stay in this process between stages (`Work.tensors`), never in the user's client.
 """
 
 from __future__ import annotations
 
 import threading
-import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,7 +20,8 @@ from client.pipeline import (StageResult, decode, encode, encode_image, encode_r
                              sample)
 from client.stubs import StageClients
 from h3.v1 import common_pb2, render_pb2
-from minimax_h3.contract import RenderSpec
+from minimax_h3.contract import RenderSpec, spec_from_proto, validate
+from render_svc.planner import STAGES, first_stage
 from stagekit.errors import Cancelled, status_for
 
 
@@ -34,7 +33,7 @@ class Work:
     request: render_pb2.RenderRequest
     spec: RenderSpec
     output: Path                      # where the decoder's MP4 lands (renamed into place once verified)
-    keyframe_files: list[tuple[str, Path]] = field(default_factory=list)  # fl2va: (anchor, stored image), in order
+    keyframe_files: list[tuple[str, Path | bytes]] = field(default_factory=list)  # fl2va: (anchor, image), in order
     deadline: float = float("inf")    # unix time until which a busy stage is waited out (--job-deadline-s)
     tensors: dict = field(default_factory=dict)
     unavailable: int = 0              # stage calls refused with UNAVAILABLE so far (retried up to --stage-retries)
@@ -47,7 +46,12 @@ class Work:
     def keyframes(self) -> list[tuple[str, bytes]]:
         """fl2va keyframe images in packed order (first, then last), read from the job store's files when a stage
         needs them (a queued job holds none in memory)."""
-        return [(a, path.read_bytes()) for a, path in self.keyframe_files]
+        return [(a, img if isinstance(img, bytes) else img.read_bytes()) for a, img in self.keyframe_files]
+
+    @property
+    def first_stage(self) -> str:
+        """Keyframes and references are encoded first (`keyframes`); a text render starts at the encoder."""
+        return first_stage(bool(self.keyframe_files or self.request.references))
 
     @property
     def partition(self) -> str:
@@ -85,14 +89,15 @@ ProgressSink = Callable[[str, common_pb2.Progress], None]
 
 
 def _merge(results: list[StageResult]) -> StageResult:
-    """Several calls of one stage (two keyframes) as one result: walls and timing phases add up."""
+    """Several calls of one stage (two keyframes) as one result: walls and timing phases add up; `extra["calls"]`
+    holds each call's own extra, in order."""
     if len(results) == 1:
         return results[0]
     t = common_pb2.Timing()
     for r in results:
         for f in common_pb2.Timing.DESCRIPTOR.fields:
             setattr(t, f.name, getattr(t, f.name) + getattr(r.timing, f.name))
-    return StageResult(results[0].stage, sum(r.wall_s for r in results), t)
+    return StageResult(results[0].stage, sum(r.wall_s for r in results), t, {"calls": [r.extra for r in results]})
 
 
 def run_keyframes(c: StageClients, w: Work, progress, on_call) -> StageResult:
@@ -149,23 +154,11 @@ STAGE_CALLS = {"keyframes": run_keyframes, "encoder": run_encoder, "dit": run_di
 
 
 class RenderEngine:
-    """`Engine` of the render service (stagekit.runtime): no weights; `run` serves one stage batch."""
-
-    name = "render"
-    device_work = False  # nothing to run on a device: never moved into a device worker, no memory budget
+    """Runs stage batches against the stage services beside it (the scheduler's one batch at a time)."""
 
     def __init__(self, clients: StageClients):
         self.clients = clients
         self.dit_partition = "fl2va"  # the partition the last DiT batch ended on
-
-    def load(self) -> None:
-        pass
-
-    def unload(self) -> None:
-        pass
-
-    def resident_bytes(self) -> int:
-        return 0
 
     def _one(self, stage: str, w: Work, sink: ProgressSink) -> Outcome:
         def progress(p: common_pb2.Progress) -> None:
@@ -180,11 +173,11 @@ class RenderEngine:
             code, msg = status_for(e)
             return Outcome(False, code=code.name, message=f"{stage}: {msg}")
 
-    def run(self, stage: str, inputs: dict, ctx) -> dict:
-        """Every job of the batch calls the stage at once (the stage queues and serves them in one residency).
-        A drain with --cancel-on-term stops the calls and leaves the jobs to be retried after the restart."""
-        works: list[Work] = inputs["works"]
-        sink: ProgressSink = inputs["progress"]
+    def run_batch(self, stage: str, works: list[Work], sink: ProgressSink,
+                  stopped: Callable[[], bool] = lambda: False) -> dict[str, Outcome]:
+        """Every job of the batch calls the stage at once (the stage queues and serves them in one residency); the
+        outcome of each, by job id. Once `stopped()` (the service is draining) the calls are stopped and Cancelled
+        is raised: the jobs are retried after the restart."""
         outcomes = {}
         for group in self._groups(stage, works):
             with ThreadPoolExecutor(max_workers=len(group), thread_name_prefix=f"batch-{stage}") as pool:
@@ -193,14 +186,14 @@ class RenderEngine:
                     done, pending = wait(futs, timeout=0.2)
                     if not pending:
                         break
-                    if ctx.job is not None and ctx.job.should_cancel():
+                    if stopped():
                         for w in works:
                             w.abort()
-                if ctx.job is not None and ctx.job.should_cancel():
+                if stopped():
                     raise Cancelled("render: the batch was stopped (service draining); its jobs are retried after "
                                     "restart")
                 outcomes.update({w.job_id: f.result() for f, w in futs.items()})
-        return {"outcomes": outcomes, "t": time.time()}
+        return outcomes
 
     def _groups(self, stage: str, works: list[Work]) -> list[list[Work]]:
         """The batch's calls, in groups sent one after the other. A DiT batch goes partition by partition (the one
@@ -211,3 +204,46 @@ class RenderEngine:
         groups = [[w for w in works if w.partition == p] for p in parts]
         self.dit_partition = parts[-1]
         return groups
+
+
+@dataclass
+class RenderResult:
+    output: Path
+    stages: list[StageResult]  # in render order; a stage called several times for the job is one merged result
+
+    @property
+    def total_s(self) -> float:
+        return sum(s.wall_s for s in self.stages)
+
+
+def render_jobs(clients: StageClients, jobs: Sequence[tuple[render_pb2.RenderRequest, Path]],
+                on_progress: Callable[[common_pb2.Progress], None] = lambda p: None) -> list[RenderResult | Outcome]:
+    """The render service's orchestration without its job store and scheduler, for tools, benchmarks and tests that
+    drive the stages themselves: the jobs go through the render stages in order, each stage called for all of them
+    at once (one stage batch: the stage serves them in one residency). Each job's RenderResult, or the failed
+    Outcome that ended it. InvalidArgument for a request the render service would refuse."""
+    engine = RenderEngine(clients)
+    works = [Work(f"job{i}", req, validate(spec_from_proto(req.params), need_prompt=True), Path(out),
+                  keyframe_files=[(a, img) for a, img in (("first", req.first_frame), ("last", req.last_frame)) if img])
+             for i, (req, out) in enumerate(jobs)]
+    done: dict[str, list[StageResult]] = {w.job_id: [] for w in works}
+    failed: dict[str, Outcome] = {}
+    for stage in STAGES:
+        batch = [w for w in works if w.job_id not in failed and STAGES.index(stage) >= STAGES.index(w.first_stage)]
+        if not batch:
+            continue
+        for job_id, o in engine.run_batch(stage, batch, lambda _job_id, p: on_progress(p)).items():
+            if o.ok:
+                done[job_id].append(o.result)
+            else:
+                failed[job_id] = o
+    return [failed.get(w.job_id) or RenderResult(w.output, done[w.job_id]) for w in works]
+
+
+def render(clients: StageClients, request: render_pb2.RenderRequest, out_path: Path,
+           on_progress: Callable[[common_pb2.Progress], None] = lambda p: None) -> RenderResult:
+    """One job through `render_jobs`; a failed job raises RuntimeError with its status and message."""
+    (r,) = render_jobs(clients, [(request, out_path)], on_progress)
+    if isinstance(r, Outcome):
+        raise RuntimeError(f"render failed: {r.code}: {r.message}")
+    return r

@@ -1,13 +1,15 @@
 """Render service: `python -m render_svc --encoder HOST:PORT --dit HOST:PORT --decoder HOST:PORT [--run-dir run]`.
 
-Built with the same bootstrap as the stages (`stagekit.stage.run_stage`: flags/env/config file, health, reflection,
-TLS + token, metrics, graceful drain on SIGTERM). It holds no weights and takes no device lease: its runtime's
-"device" is a virtual name and each runtime job is one stage batch (render_svc/engine.py).
+Its own process, on the bootstrap every server shares (stagekit/bootstrap.py: flags/env/config file, health,
+reflection, TLS + token and principals, admission, metrics, graceful drain on SIGTERM). It holds no weights, no
+device and no lease: its state is the job store in --run-dir, its work the stage batches its scheduler sends to the
+stages (render_svc/service.py).
 """
 
 from __future__ import annotations
 
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,10 +21,10 @@ from h3.v1 import render_pb2, render_pb2_grpc
 from render_svc.engine import RenderEngine
 from render_svc.service import RenderService, SchedulerConfig
 from render_svc.store import CANCELLED, FAILED, QUEUED, RUNNING, SUCCEEDED
+from stagekit.bootstrap import ProcessTempDir, exit_cleanly, listen, setup_logging
 from stagekit.config import parse_config
 from stagekit.errors import FailedPrecondition, NotFound
-from stagekit.server import Principal, abort_on_error, principal_of
-from stagekit.stage import CommonConfig, run_stage
+from stagekit.server import Principal, ServeConfig, abort_on_error, principal_of, startup_errors
 from stagekit.transport import file_chunks
 
 SERVICE = "h3.v1.Renderer"
@@ -31,14 +33,10 @@ STREAMS = (f"/{SERVICE}/Render", f"/{SERVICE}/Watch")  # long-lived: slots of th
 LIST_REPLY_BYTES = 2 << 20  # List stops adding jobs before its reply passes this (clients' 4 MiB default limit)
 
 
-def _fixed(default, **kw):
-    """A CommonConfig setting that means nothing for the render service (no weights, no devices): not a flag."""
-    return field(default_factory=lambda: default, init=False, **kw) if isinstance(default, list) \
-        else field(default=default, init=False, **kw)
+@dataclass(frozen=True)
+class RenderConfig(ServeConfig):
+    """the render service: stage endpoints, job store, batching, retention"""
 
-
-@dataclass
-class RenderConfig(CommonConfig):
     port: int = field(default=50054, metadata={"help": "gRPC port"})
     max_workers: int = field(default=64, metadata={
         "help": "Submit/Get/List/Cancel/Fetch calls handled at once; more get RESOURCE_EXHAUSTED (streams do not count)"})
@@ -46,6 +44,7 @@ class RenderConfig(CommonConfig):
         "help": "Render and Watch streams followed at once (a thread each, not a --max-workers slot); more get "
                 "RESOURCE_EXHAUSTED"})
     stream_methods: tuple = field(default=STREAMS, init=False)
+    max_uploads: int = field(default=1, init=False)  # no call of the render service streams its request
     encoder: str = field(default="", metadata={"help": "text encoder endpoint (host:port, or a list for round_robin)"})
     dit: str = field(default="", metadata={"help": "DiT sampler endpoint"})
     decoder: str = field(default="", metadata={"help": "decoder endpoint"})
@@ -75,26 +74,10 @@ class RenderConfig(CommonConfig):
         "help": "retention: seconds a finished job is kept (record, events, MP4) (0 = no limit)"})
     retention_every_s: float = field(default=60.0, metadata={
         "help": "retention runs this often (and whenever a job ends)"})
-    # Stage settings with no meaning here.
-    max_uploads: int = _fixed(1)  # no call of the render service streams its request
-    devices: list[str] = _fixed(["render"])
-    models_dir: str = _fixed("")
-    weights: str = _fixed("")
-    cache_dir: str = _fixed("")
-    lease_dir: str = _fixed("")
-    residency: str = _fixed("shared")
-    idle_unload_s: float = _fixed(-1.0)
-    max_queue: int = _fixed(4)
-    max_batch_before_yield: int = _fixed(8)
-    lease_timeout_s: float = _fixed(600.0)
-    memory_budget_gb: float = _fixed(0.0)
-    reserve_gb: float = _fixed(0.0)
-    collective_timeout_s: float = _fixed(60.0)
-    dtype: str = _fixed("")
-    gpu_memory_cap_gb: float = _fixed(0.0)
-
-    def __post_init__(self) -> None:
-        self.lease_dir = str(Path(self.run_dir) / "leases")  # the runtime's (empty) budget ledger stays private
+    temp_dir: str = field(default="", metadata={
+        "help": "where the service keeps temp files (default $TMPDIR): in its own h3-render-<pid> subdirectory, "
+                "removed at exit; subdirectories of processes no longer running are removed at start"})
+    log_level: str = field(default="INFO", metadata={"help": "logging level"})
 
     def scheduler(self) -> SchedulerConfig:
         return SchedulerConfig(
@@ -134,7 +117,7 @@ class RenderServicer(render_pb2_grpc.RendererServicer):
         by retention (NOT_FOUND). A drain ends it with UNAVAILABLE (the job goes on after the restart)."""
         idx = from_index
         while context.is_active():
-            if self.svc.runtime.stopping:
+            if self.svc.stopping.is_set():
                 context.abort(grpc.StatusCode.UNAVAILABLE, f"the render service is restarting; the job goes on: Watch "
                                                            f"{job_id} again from index {idx} once it is back")
             evs = self.svc.store.wait_events(job_id, idx, timeout_s=1.0)
@@ -220,28 +203,40 @@ class RenderServicer(render_pb2_grpc.RendererServicer):
 
 
 def main(argv: list[str] | None = None) -> None:
+    """1. settings; 2. logging and the temp directory; 3. the listeners (a taken port refuses the start before the job
+    database is opened); 4. the web page, the job store and its scheduler; 5. serve until SIGTERM, then drain."""
     cfg = parse_config(RenderConfig, argv, env_prefix="H3_RENDER_",
                        description="MiniMax-H3 render service: one-call renders and durable jobs over the stages")
+    setup_logging(cfg.log_level, "render")
+    with startup_errors("render"):
+        temp = ProcessTempDir(Path(cfg.temp_dir or tempfile.gettempdir()), "render")
+    try:
+        with startup_errors("render"):
+            listeners = listen(cfg, "render", SERVICE)
+            clients = StageClients(cfg.endpoints(), cfg.stage_security())
+            web = None
+            if cfg.http_port >= 0:  # bound before the job database is opened: a taken port refuses the start first
+                from render_svc.web import WebPage
 
-    def make_engine(cfg: RenderConfig, info, group) -> RenderEngine:
-        return RenderEngine(StageClients(cfg.endpoints(), cfg.stage_security()))
-
-    def add_servicer(server, runtime) -> None:
-        web = None
-        if cfg.http_port >= 0:  # bound before the job database is opened: a taken port refuses the start first
-            from render_svc.web import WebPage
-
-            web = WebPage(cfg, runtime.engine.clients)
-        svc = RenderService(cfg.scheduler(), runtime)
-        web_url = ""
-        if web is not None:
-            web_url = web.start(svc)
-            print(f"render web page on {web_url}", flush=True)
-        svc.start()
-        render_pb2_grpc.add_RendererServicer_to_server(
-            RenderServicer(svc, runtime.engine.clients, web_url, cfg.tokens()), server)
-
-    run_stage(cfg, "render", make_engine, SERVICE, add_servicer)
+                web = WebPage(cfg, clients)
+            svc = RenderService(cfg.scheduler(), RenderEngine(clients))
+            web_url = ""
+            if web is not None:
+                web_url = web.start(svc)
+                print(f"render web page on {web_url}", flush=True)
+            svc.start()
+            if listeners.metrics is not None:
+                listeners.metrics.report(svc.gauges)
+            servicer = RenderServicer(svc, clients, web_url, cfg.tokens())
+            stages = ", ".join(f"{s}={clients.endpoints.of(s)}" for s in STAGES)
+            listeners.serve(lambda server: render_pb2_grpc.add_RendererServicer_to_server(servicer, server),
+                            f"over {stages}")
+    except BaseException:
+        temp.remove()
+        raise
+    listeners.run_until_terminated(svc.shutdown)
+    temp.remove()
+    exit_cleanly()
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
 """The render service's scheduler: durable jobs in, stage batches out.
 
 `submit` validates a request, records the job (SQLite, `store.JobStore`) and queues it for its first stage. One
-scheduler thread asks the planner (`planner.BatchPlanner`) for the next stage batch, hands it to the runtime (one
-runtime job = one batch, run by `engine.RenderEngine`), and moves each job on: to its next stage's queue, to
+scheduler thread asks the planner (`planner.BatchPlanner`) for the next stage batch, runs it (`engine.RenderEngine`),
+and moves each job on: to its next stage's queue, to
 SUCCEEDED with its MP4, or to FAILED / CANCELLED. A stage answering UNAVAILABLE (restarting its ranks, draining) is
 retried by queueing the job for the same stage again (--stage-retries); a stage answering RESOURCE_EXHAUSTED with
 "retry later" (its queue or its upload slots are full) is waited out with exponential backoff up to the job's
@@ -27,10 +27,10 @@ from pathlib import Path
 from h3.v1 import common_pb2, render_pb2
 from minimax_h3.contract import MAX_PROMPT_BYTES, check_output, spec_from_proto, validate
 from render_svc.engine import Outcome, Work
-from render_svc.planner import Batch, BatchPlanner, first_stage, next_stage
+from render_svc.planner import Batch, BatchPlanner, next_stage
 from render_svc.store import CANCELLED, FAILED, QUEUED, RUNNING, SUCCEEDED, JobRecord, JobStore
+from render_svc.engine import RenderEngine
 from stagekit.errors import Cancelled, FailedPrecondition, InvalidArgument, Unavailable
-from stagekit.runtime import Job
 
 log = logging.getLogger("render_svc")
 
@@ -151,9 +151,9 @@ def describe_reference(ref, index: int) -> bool:
 
 
 class RenderService:
-    def __init__(self, cfg: SchedulerConfig, runtime):
+    def __init__(self, cfg: SchedulerConfig, engine: RenderEngine):
         self.cfg = cfg
-        self.runtime = runtime
+        self.engine = engine
         self.store = JobStore(cfg.run_dir)
         self.outputs = self.store.outputs
         self.outputs.mkdir(parents=True, exist_ok=True)
@@ -168,7 +168,9 @@ class RenderService:
         self.started_unix = time.time()
         self._lock = threading.Condition()
         self._partitions: tuple[float, dict[str, str]] | None = None  # (when read, the DiT's partitions)
-        self._stop = threading.Event()
+        self.stopping = threading.Event()       # SIGTERM: the drain has begun (no new batch starts)
+        self._abort = threading.Event()          # the drain stops the running batch's stage calls
+        self._stop = threading.Event()           # the drain is over: Submit refuses
         self._thread = threading.Thread(target=self._loop, name="render-scheduler", daemon=True)
 
     # ---- lifecycle ----------------------------------------------------------------------------------------------
@@ -186,10 +188,26 @@ class RenderService:
         self._next_retention = time.monotonic() + self.cfg.retention_every_s
         self._thread.start()
 
-    def stop(self) -> None:
-        self._stop.set()
+    def shutdown(self, cancel_running: bool, grace_s: float, cancel_wait_s: float = 15.0) -> None:
+        """SIGTERM (docs/reliability.md, "SIGTERM"): no new batch starts; the running one finishes within `grace_s`
+        (or its stage calls are stopped now, `cancel_running`), then is stopped. Jobs that were running go back to
+        the queue with their attempt given back (`store.drained`): the next start carries them on."""
+        self.stopping.set()
+        if cancel_running:
+            self._abort.set()
         with self._lock:
             self._lock.notify_all()
+        self._thread.join(timeout=grace_s)
+        if self._thread.is_alive():
+            self._abort.set()
+            self._thread.join(timeout=cancel_wait_s)
+        self._stop.set()
+
+    def gauges(self) -> dict[str, float]:
+        """What `/metrics` reads at scrape time (stagekit.metrics): jobs queued, running and finished."""
+        counts = self.counts()
+        return {"h3_queue_depth": counts.get(QUEUED, 0), "h3_running": counts.get(RUNNING, 0),
+                "h3_jobs_done": sum(counts.get(s, 0) for s in (SUCCEEDED, FAILED, CANCELLED))}
 
     # ---- API ----------------------------------------------------------------------------------------------------
     def submit(self, req: render_pb2.RenderRequest, owner: str = "") -> render_pb2.JobInfo:
@@ -214,7 +232,7 @@ class RenderService:
 
         now = time.monotonic()
         if self._partitions is None or now - self._partitions[0] > PARTITIONS_TTL_S:
-            clients = getattr(self.runtime.engine, "clients", None)
+            clients = self.engine.clients
             try:
                 st = clients.dit.Status(common_pb2.StatusRequest(), timeout=2, metadata=clients.security.metadata())
             except (grpc.RpcError, AttributeError):
@@ -281,7 +299,7 @@ class RenderService:
                 out = fn(*args)
             except sqlite3.Error as e:
                 self._storage_failed(e)
-                if self._stop.wait(STORAGE_RETRY_S):
+                if self.stopping.wait(STORAGE_RETRY_S):
                     raise Unavailable("stopping") from None
                 continue
             if self.storage_error:
@@ -304,7 +322,7 @@ class RenderService:
         w = Work(rec.id, rec.request, spec, self.outputs / f"{rec.id}.mp4", keyframe_files=frames,
                  deadline=rec.created + self.cfg.job_deadline_s)
         self.works[rec.id] = w
-        self.planner.add(rec.id, first_stage(bool(w.keyframe_files or w.request.references)))
+        self.planner.add(rec.id, w.first_stage)
 
     def _progress(self, job_id: str, p: common_pb2.Progress) -> None:
         """A stage's progress: logged when the store takes it (a lost progress event costs nothing)."""
@@ -323,7 +341,7 @@ class RenderService:
         return self.planner.next_batch()
 
     def _drained(self) -> None:
-        """The runtime is draining (SIGTERM): the running jobs go back to the queue, their attempt given back."""
+        """The service is draining (SIGTERM): the running jobs go back to the queue, their attempt given back."""
         try:
             ids = self.store.drained()
             log.info("drain: %d running job(s) back in the queue, no attempt spent", len(ids))
@@ -333,7 +351,7 @@ class RenderService:
     def _loop(self) -> None:
         while not self._stop.is_set():
             try:
-                if self.runtime.stopping:
+                if self.stopping.is_set():
                     self._drained()
                     return
                 if time.monotonic() >= self._next_retention:
@@ -353,7 +371,7 @@ class RenderService:
             try:
                 self._run_batch(batch, works)
             except Unavailable:
-                log.info("runtime shutting down: leaving batch %d (%s) to the next start", batch.number, batch.stage)
+                log.info("shutting down: leaving batch %d (%s) to the next start", batch.number, batch.stage)
                 self._drained()
                 return
             except Exception:  # noqa: BLE001 - a scheduler bug must not strand the jobs silently
@@ -378,18 +396,12 @@ class RenderService:
         t0 = time.time()
         log.info("batch %d: %s x %d (waited %s)", batch.number, batch.stage, len(live),
                  sorted(batch.waited.values()))
-        job = Job(spec=batch.stage, inputs={"works": live, "progress": self._progress})
-        job.job_id = f"batch{batch.number}-{batch.stage}"
-        self.runtime.submit(job)  # Unavailable when the service is draining
-        while True:
-            ev = job.events.get()
-            if ev.kind == "done":
-                outcomes = ev.payload["outcomes"]
-                break
-            if ev.kind == "error":
-                if isinstance(ev.payload, (Cancelled, Unavailable)):  # the runtime is draining
-                    raise Unavailable("draining")
-                raise ev.payload
+        if self.stopping.is_set():
+            raise Unavailable("draining")
+        try:
+            outcomes = self.engine.run_batch(batch.stage, live, self._progress, self._abort.is_set)
+        except Cancelled:  # the drain stopped the batch
+            raise Unavailable("draining") from None
         self.batch_log.append({"number": batch.number, "stage": batch.stage, "jobs": [w.job_id for w in live],
                                "t0": t0, "t1": time.time()})
         unavailable = 0
@@ -398,7 +410,7 @@ class RenderService:
             unavailable += not o.ok and o.code == "UNAVAILABLE"
             self._advance(w, batch, o)
         if unavailable == len(live):
-            self._stop.wait(min(5.0, 1.0 * max(w.unavailable for w in live)))  # the stage is down: back off
+            self.stopping.wait(min(5.0, 1.0 * max(w.unavailable for w in live)))  # the stage is down: back off
 
     def _advance(self, w: Work, batch: Batch, o: Outcome) -> None:
         stage = batch.stage

@@ -88,7 +88,8 @@ def parse_config(cls, argv: list[str] | None = None, env_prefix: str = "H3_", de
     import sys
 
     hints = typing.get_type_hints(cls)
-    fields = [f for f in dataclasses.fields(cls) if f.init]
+    # A field marked `set_by` in its metadata is filled in by the process itself, never by a user.
+    fields = [f for f in dataclasses.fields(cls) if f.init and "set_by" not in f.metadata]
     by_name = {f.name: f for f in fields}
     # The stage's package is what a user runs: `python -m dit_svc`, whatever file holds the config class.
     ap = argparse.ArgumentParser(prog=f"python -m {cls.__module__.split('.')[0]}", description=description)

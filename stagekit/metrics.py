@@ -13,7 +13,8 @@ server never collide. What is exported, all prefixed `h3_`:
                                                compute, transfer (the same numbers the RPC's Timing returns)
     h3_step_seconds                            per-step time from progress events that carry step_ms (DiT steps)
     h3_weight_load_seconds / h3_weight_unload_seconds / h3_lease_wait_seconds   residency swaps
-    h3_queue_depth, h3_running, h3_resident, h3_jobs_done   read from the runtime at scrape time
+    h3_queue_depth, h3_running, h3_resident, h3_jobs_done   read at scrape time: from a stage's runtime; the render
+                                               service reports its queued / running / finished jobs
     h3_device_memory_bytes{kind}               the engine's resident bytes (kind="engine_resident"; on a GPU they live
                                                in the device worker, stagekit/device_worker.py)
     h3_stage_info{stage,residency,world_size,device}   constant 1
@@ -59,28 +60,26 @@ def chunk_bytes(msg: Any) -> int:
     return n
 
 
-class _RuntimeCollector:
-    """Values read from the runtime at scrape time (no background thread, never stale)."""
+class _GaugeCollector:
+    """Values read from the process at scrape time (no background thread, never stale): a stage's runtime, or
+    what the render service reports (`StageMetrics.report`)."""
+
+    DOCS = {"h3_queue_depth": "jobs waiting in the stage queue", "h3_running": "1 while a job runs",
+            "h3_resident": "1 while the weights are loaded", "h3_jobs_done": "jobs finished since start"}
 
     def __init__(self, metrics: "StageMetrics"):
         self.m = metrics
 
     def collect(self):
-        rt = self.m.runtime
-        if rt is None:
+        if self.m.gauges is None:
             return
-        snap = rt.snapshot()  # one moment, as Status reports it
-        for name, doc, value in (
-                ("h3_queue_depth", "jobs waiting in the stage queue", snap.queue_depth),
-                ("h3_running", "1 while a job runs", int(snap.running)),
-                ("h3_resident", "1 while the weights are loaded", int(snap.resident)),
-                ("h3_jobs_done", "jobs finished since start", snap.jobs_done)):
-            yield GaugeMetricFamily(name, doc, value=float(value))
+        values = self.m.gauges()
+        for name, doc in self.DOCS.items():
+            yield GaugeMetricFamily(name, doc, value=float(values.get(name, 0)))
         mem = GaugeMetricFamily("h3_device_memory_bytes",
                                 "the engine's resident weight bytes",
                                 labels=["kind"])
-        kind, value = self.m.memory_bytes()
-        mem.add_metric([kind], float(value))
+        mem.add_metric(["engine_resident"], float(values.get("engine_resident", 0)))
         yield mem
 
 
@@ -91,6 +90,7 @@ class StageMetrics:
         self.stage = stage
         self.device = device
         self.runtime = runtime
+        self.gauges: Callable[[], dict[str, float]] | None = None  # the scrape-time values (_GaugeCollector.DOCS)
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.requests = Counter("h3_grpc_requests", "finished RPCs by method and status code",
@@ -110,15 +110,28 @@ class StageMetrics:
                                             buckets=STAGE_BUCKETS, registry=r)
         self.info = Gauge("h3_stage_info", "constant 1, labelled with what this process serves",
                           ["stage", "residency", "world_size", "device"], registry=r)
-        r.register(_RuntimeCollector(self))
+        r.register(_GaugeCollector(self))
         self.port = 0
         self._httpd = None
 
     # ---- wiring -------------------------------------------------------------------------------
     def attach(self, runtime: Any) -> None:
+        """A stage: the gauges read its runtime."""
         self.runtime = runtime
         runtime.metrics = self
-        self.info.labels(self.stage, runtime.cfg.residency, str(runtime.group.world_size), self.device).set(1)
+        self.report(self._runtime_gauges, runtime.cfg.residency, runtime.group.world_size)
+
+    def report(self, gauges: Callable[[], dict[str, float]], residency: str = "", world_size: int = 1) -> None:
+        """The scrape-time values (`h3_queue_depth`, `h3_running`, `h3_resident`, `h3_jobs_done`,
+        `engine_resident` bytes; an absent one reads 0) and the process's `h3_stage_info` labels."""
+        self.gauges = gauges
+        self.info.labels(self.stage, residency, str(world_size), self.device).set(1)
+
+    def _runtime_gauges(self) -> dict[str, float]:
+        snap = self.runtime.snapshot()  # one moment, as Status reports it
+        return {"h3_queue_depth": snap.queue_depth, "h3_running": int(snap.running),
+                "h3_resident": int(snap.resident), "h3_jobs_done": snap.jobs_done,
+                "engine_resident": self.resident_bytes()}
 
     def interceptor(self) -> "MetricsInterceptor":
         return MetricsInterceptor(self)
@@ -162,12 +175,12 @@ class StageMetrics:
         if step_ms > 0:
             self.step_seconds.observe(step_ms / 1000.0)
 
-    def memory_bytes(self) -> tuple[str, int]:
+    def resident_bytes(self) -> int:
         rt = self.runtime
         try:  # the worker thread may be swapping the weights right now
-            return "engine_resident", int(rt.engine.resident_bytes()) if rt is not None and rt.resident else 0
+            return int(rt.engine.resident_bytes()) if rt is not None and rt.resident else 0
         except Exception:  # noqa: BLE001 - a scrape never fails because of a concurrent unload
-            return "engine_resident", 0
+            return 0
 
 
 def observed(runtime: Any, job: Any, on_event: Callable[[Any], Iterator]) -> Callable[[Any], Iterator]:

@@ -1,4 +1,5 @@
-"""The one gRPC server all stages share (stagekit/stage.py's `run_stage` builds and runs it).
+"""The one gRPC server every service shares: the stages and the render service (stagekit/bootstrap.py binds and runs
+it).
 
 `StageServer` is a grpc.server with health (grpc.health.v1), reflection,
 message-size limits, keepalive, optional TLS + bearer-token auth and the
@@ -57,7 +58,7 @@ PROBE_METHODS = ("/grpc.health.v1.Health/Check",)
 CONTROL_METHODS = ("/grpc.health.v1.Health/Watch", "/grpc.reflection.")
 
 
-@dataclass
+@dataclass(frozen=True)
 class ServeConfig:
     """serving: address, security, admission, metrics and shutdown"""
 
@@ -508,9 +509,11 @@ class StageServer:
             tmp.replace(self.cfg.port_file)
         log.info("serving %s on %s:%d", ",".join(self.service_names), self.cfg.host, self.port)
 
-    def run_until_terminated(self, runtime: StageRuntime) -> None:
-        """Block until SIGTERM/SIGINT, then drain (docs/reliability.md, "SIGTERM"): NOT_SERVING first, queued jobs
-        fail at once with UNAVAILABLE, the running job finishes within --drain-s (or is cancelled), then stop."""
+    def run_until_terminated(self, drain: Callable[[bool, float], None]) -> None:
+        """Block until SIGTERM/SIGINT, then drain (docs/reliability.md, "SIGTERM"): NOT_SERVING first, then
+        `drain(cancel_running=--cancel-on-term, grace_s=--drain-s)` (a stage's runtime: queued jobs fail at once
+        with UNAVAILABLE, the running job finishes within --drain-s or is cancelled; the render service: the running
+        batch likewise, its jobs requeued for the next start), then stop."""
         stop = threading.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: stop.set())
@@ -520,7 +523,7 @@ class StageServer:
             pass
         log.info("draining: health NOT_SERVING, %s the running job", "cancelling" if self.cfg.cancel_on_term else "finishing")
         self.health.enter_graceful_shutdown()
-        runtime.shutdown(cancel_running=self.cfg.cancel_on_term, grace_s=self.cfg.drain_s)
+        drain(self.cfg.cancel_on_term, self.cfg.drain_s)
         # Handlers of failed/cancelled jobs now hold their status; give them a moment to send it.
         self.server.stop(grace=5.0).wait()
 

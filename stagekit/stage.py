@@ -6,14 +6,10 @@
 
 from __future__ import annotations
 
-import fcntl
+import dataclasses
 import logging
 import os
-import re
-import shutil
-import signal
 import socket
-import sys
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -24,9 +20,10 @@ import grpc
 from stagekit.budget import BudgetConfig, MemoryBudget, resolve_budget_bytes
 from stagekit.device_worker import DeviceWorkerEngine, WorkerConfig, die_with_parent, wanted
 from stagekit.dist import RankGroup, RankInfo, rank_info_from_env
-from stagekit.lease import DeviceLease, LeaseConfig, RankHold, pid_alive
+from stagekit.bootstrap import Listeners, ProcessTempDir, exit_cleanly, listen, setup_logging
+from stagekit.lease import DeviceLease, LeaseConfig, RankHold
 from stagekit.runtime import RESIDENCIES, Engine, RuntimeConfig, StageRuntime, follower_loop
-from stagekit.server import ServeConfig, StageServer, followers_ignore_term, is_loopback, startup_errors
+from stagekit.server import ServeConfig, followers_ignore_term, startup_errors
 
 log = logging.getLogger("stagekit.stage")
 
@@ -35,7 +32,7 @@ DTYPES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16", "fp1
           "float32": "float32", "fp32": "float32"}
 
 
-@dataclass
+@dataclass(frozen=True)
 class CommonConfig(ServeConfig):
     """Settings every stage has (stage configs subclass this)."""
 
@@ -67,8 +64,8 @@ class CommonConfig(ServeConfig):
     log_level: str = field(default="INFO", metadata={"help": "logging level"})
     gpu_memory_cap_gb: float = field(default=0.0, metadata={
         "help": "hard per-process cap on CUDA memory (GiB), e.g. 22 to prove a 22 GB card suffices; 0 = none"})
-    # Set by run_stage (rank 0): this process's own temp directory (see StageTempDir); not a flag.
-    run_temp_dir: str = field(default="", init=False)
+    run_temp_dir: str = field(default="", metadata={
+        "set_by": "run_stage (rank 0): this process's own temp directory (see ProcessTempDir); not a flag"})
 
     def device_for_rank(self, info: RankInfo) -> str:
         """The torch device this rank computes on (virtual lease names like 'virt0' compute on the CPU)."""
@@ -115,7 +112,7 @@ def default_cache_dir() -> Path:
 
 def run_stage(cfg: CommonConfig, stage: str, make_engine: Callable[[CommonConfig, RankInfo, RankGroup], Engine],
               service_name: str, add_servicer: Callable[[grpc.Server, StageRuntime], None]) -> None:
-    logging.basicConfig(level=cfg.log_level.upper(), format=f"%(asctime)s {stage}[%(process)d] %(levelname)s %(message)s")
+    setup_logging(cfg.log_level, stage)
     info = rank_info_from_env()
     if "TORCHELASTIC_RUN_ID" in os.environ:  # launched by a torchrun agent
         die_with_parent("this rank")
@@ -123,8 +120,8 @@ def run_stage(cfg: CommonConfig, stage: str, make_engine: Callable[[CommonConfig
     temp = None
     if info.is_leader:
         with startup_errors(stage):
-            temp = StageTempDir(Path(cfg.temp_dir or tempfile.gettempdir()), stage)
-        cfg.run_temp_dir = str(temp.path)
+            temp = ProcessTempDir(Path(cfg.temp_dir or tempfile.gettempdir()), stage)
+        cfg = dataclasses.replace(cfg, run_temp_dir=str(temp.path))
     try:
         with startup_errors(stage):
             up = _start(cfg, stage, info, make_engine, service_name, add_servicer)
@@ -132,64 +129,14 @@ def run_stage(cfg: CommonConfig, stage: str, make_engine: Callable[[CommonConfig
         if temp is not None:
             temp.remove()
         raise
-    if up.server is None:
+    if up.listeners is None:
         follower_loop(up.engine, up.group, up.hold)
     else:
-        up.server.run_until_terminated(up.runtime)
-        if up.metrics is not None:
-            up.metrics.close()
+        up.listeners.run_until_terminated(up.runtime.shutdown)
     up.group.close()
     if temp is not None:
         temp.remove()
-    _exit_cleanly()
-
-
-class StageTempDir:
-    """This process's own temp directory, `<root>/h3-<stage>-<pid>` (docs/reliability.md, "Temp files").
-
-    The directory holds a `.owner` file locked by this process for its lifetime; at start, directories of stages
-    whose lock is free (dead: crashed, killed -9) are removed, whatever the stage, so no temp file outlives the
-    next start. A clean exit removes its own directory."""
-
-    PATTERN = re.compile(r"h3-[a-z]+-(\d+)$")
-
-    def __init__(self, root: Path, stage: str):
-        root.mkdir(parents=True, exist_ok=True)
-        self.swept = self.sweep(root)
-        self.path = root / f"h3-{stage}-{os.getpid()}"
-        shutil.rmtree(self.path, ignore_errors=True)  # a dead process's dir under our recycled pid
-        self.path.mkdir()
-        self._fd = os.open(self.path / ".owner", os.O_RDWR | os.O_CREAT, 0o644)
-        fcntl.flock(self._fd, fcntl.LOCK_EX)
-        if self.swept:
-            log.info("removed temp dirs of stopped stages: %s", ", ".join(self.swept))
-
-    @classmethod
-    def sweep(cls, root: Path) -> list[str]:
-        removed = []
-        for d in root.iterdir():
-            m = cls.PATTERN.match(d.name)
-            if not m or not d.is_dir() or int(m.group(1)) == os.getpid():
-                continue
-            try:
-                fd = os.open(d / ".owner", os.O_RDONLY)
-            except FileNotFoundError:
-                if pid_alive(int(m.group(1))):  # still being set up by a starting stage
-                    continue
-            else:
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                except BlockingIOError:
-                    continue  # a live stage's
-                finally:
-                    os.close(fd)
-            shutil.rmtree(d, ignore_errors=True)
-            removed.append(d.name)
-        return removed
-
-    def remove(self) -> None:
-        shutil.rmtree(self.path, ignore_errors=True)
-        os.close(self._fd)
+    exit_cleanly()
 
 
 @dataclass
@@ -197,8 +144,7 @@ class _Started:
     group: RankGroup
     engine: Engine
     runtime: StageRuntime | None = None  # leader only
-    server: StageServer | None = None
-    metrics: object | None = None
+    listeners: Listeners | None = None
     hold: RankHold | None = None         # followers: their claim on their own device (exclusive mode)
 
 
@@ -208,19 +154,7 @@ def _start(cfg: CommonConfig, stage: str, info: RankInfo, make_engine, service_n
     device = cfg.device_for_rank(info)
     # 1. Rank 0 binds its ports first (docs/reliability.md, "One listener per port"): a taken port refuses the start
     #    before any device, rank-group or engine work, and the bound gRPC port is held until it serves.
-    server = metrics = None
-    if info.is_leader:
-        interceptors = []
-        if cfg.metrics_port >= 0:
-            from stagekit.metrics import StageMetrics
-
-            metrics = StageMetrics(stage, device)
-            interceptors.append(metrics.interceptor())
-        server = StageServer(cfg, [service_name], interceptors=interceptors, label=stage)
-        if metrics is not None:
-            port = metrics.serve(cfg.metrics_host, cfg.metrics_port, cfg.port_file)
-            scope = "loopback only; --metrics-host to expose" if is_loopback(cfg.metrics_host) else "plain HTTP, no auth"
-            print(f"{stage} metrics on http://{cfg.metrics_host}:{port}/metrics ({scope})", flush=True)
+    listeners = listen(cfg, stage, service_name, device) if info.is_leader else None
     # 2. Rank group. The stage process never initialises CUDA (docs/residency.md, "What an idle stage holds"): on a
     #    GPU its device work runs in a device worker that lives only while it holds weights, so its own group is
     #    gloo (control, and the agreed cancellation); the workers form their own NCCL group at each load.
@@ -261,21 +195,10 @@ def _start(cfg: CommonConfig, stage: str, info: RankInfo, make_engine, service_n
     except ValueError as e:
         raise SystemExit(f"{stage}: {e}") from None
     host = socket.gethostname()
-    runtime = StageRuntime(engine, group, lease, rcfg, on_health=server.set_serving, budget=budget, hold=hold,
+    runtime = StageRuntime(engine, group, lease, rcfg, on_health=listeners.server.set_serving, budget=budget, hold=hold,
                            follower_pids=tuple(pid for h, pid in ranks[1:] if h == host))
-    if metrics is not None:
-        metrics.attach(runtime)
+    if listeners.metrics is not None:
+        listeners.metrics.attach(runtime)
     # 5. Serve.
-    server.start(lambda s: add_servicer(s, runtime))
-    server.set_serving(True)
-    print(f"{stage} serving on {cfg.host}:{server.port} (ranks={info.world_size}, device={device})", flush=True)
-    return _Started(group, engine, runtime, server, metrics)
-
-
-def _exit_cleanly() -> None:
-    """Exit 0 once the drain is done, without interpreter finalisation: gRPC's and torch's native threads can
-    abort the process (SIGABRT) while Python tears down modules under them, turning a clean drain into a crash."""
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    listeners.serve(lambda s: add_servicer(s, runtime), f"ranks={info.world_size}, device={device}")
+    return _Started(group, engine, runtime, listeners)

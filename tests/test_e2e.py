@@ -8,9 +8,10 @@ import av
 import grpc
 import pytest
 
-from client.pipeline import render
+from client.render_client import render_request
 from h3.v1 import common_pb2
 from minimax_h3.contract import RenderSpec
+from render_svc.engine import render
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -34,7 +35,7 @@ def test_render_mp4(clients, tmp_path, w, h, f):
     spec = RenderSpec(prompt="a drummer on a rooftop at dusk, loud snare hits", width=w, height=h, frames=f, steps=2,
                       seed=7)
     events = []
-    res = render(clients, spec, out, on_progress=events.append)
+    res = render(clients, render_request(spec), out, on_progress=events.append)
     assert out.exists() and not list(tmp_path.glob(".out.mp4.*")), "only the finished file may exist"
     info = probe(out)
     assert info["vcodec"] == "h264" and info["pix_fmt"] == "yuv420p"

@@ -270,13 +270,15 @@ def test_dit_rejects_bad_keyframe_tensors(clients):
 def test_fl2va_render_mp4(clients, tmp_path):
     import av
 
-    from client.pipeline import render
+    from client.render_client import render_request
     from minimax_h3.contract import RenderSpec
+    from render_svc.engine import render
 
     out = tmp_path / "fl2va.mp4"
     spec = RenderSpec(prompt="the sun sets over the sea, waves crash", width=W, height=H, frames=F, steps=2, seed=4)
-    res = render(clients, spec, out, first_frame=_png(400, 300, 5), last_frame=_png(W, H, 6, "JPEG"))
-    assert [s.stage for s in res.stages] == ["decoder", "decoder", "encoder", "dit", "decoder"]
+    res = render(clients, render_request(spec, first_frame=_png(400, 300, 5), last_frame=_png(W, H, 6, "JPEG")), out)
+    assert [s.stage for s in res.stages] == ["decoder", "encoder", "dit", "decoder"]  # both keyframes: one stage
+    assert len(res.stages[0].extra["calls"]) == 2
     with av.open(str(out)) as c:
         v = c.streams.video[0]
         assert (v.width, v.height) == (W, H) and c.streams.audio

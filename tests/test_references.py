@@ -171,9 +171,11 @@ def test_ref2va_render_through_the_stages(clients, tmp_path):
     embedded DiT's ref2va file, to a valid MP4; the DiT reports both partitions."""
     import av
 
-    from client.pipeline import encode, render
+    from client.pipeline import encode
+    from client.render_client import render_request
     from h3.v1 import common_pb2
     from minimax_h3.contract import RenderSpec
+    from render_svc.engine import render
 
     st = clients.dit.Status(common_pb2.StatusRequest(), timeout=30)
     assert set(st.partitions) == {"fl2va", "ref2va"}
@@ -185,9 +187,10 @@ def test_ref2va_render_through_the_stages(clients, tmp_path):
     n_pad = (256 // 32) * (384 // 32)  # the embedded family's 256 px short edge (2048 px for H3), 32 px a token
     assert (tags == 0).sum().item() == n_pad + 2 and s.shape[0] == tags.shape[0]
     out = tmp_path / "ref2va.mp4"
-    res = render(clients, spec, out, references=refs)
-    assert [r.stage for r in res.stages] == ["decoder", "decoder", "encoder", "dit", "decoder"]
-    assert res.stages[0].extra["width"] == 384 and res.stages[1].extra["seconds"] == pytest.approx(0.5, abs=0.03)
+    res = render(clients, render_request(spec, references=refs), out)
+    assert [r.stage for r in res.stages] == ["decoder", "encoder", "dit", "decoder"]  # both references: one stage
+    calls = res.stages[0].extra["calls"]
+    assert calls[0]["width"] == 384 and calls[1]["seconds"] == pytest.approx(0.5, abs=0.03)
     with av.open(str(out)) as c:
         assert (c.streams.video[0].width, c.streams.video[0].height) == (256, 256) and c.streams.audio
         assert sum(1 for _ in c.decode(video=0)) == FRAMES
