@@ -293,6 +293,17 @@ def test_ten_thousand_jobs_leave_the_database_bounded(tmp_path):
         assert st.failed <= 100 and len(svc.stub.List(render_pb2.ListRequest(limit=1000), timeout=10).jobs) <= 100
         assert svc.stub.Get(_ref(ids[-1]), timeout=10).state == render_pb2.JOB_FAILED
         assert sizes[-1] < 2 * sizes[1], sizes  # freed pages are reused: 5x the jobs, not 5x the file
+        svc.stop()  # SIGTERM: drained, the WAL checkpointed
+        db = sqlite3.connect(f"file:{db_file}?mode=ro", uri=True)
+        try:
+            jobs = db.execute("SELECT COUNT(*) FROM jobs").fetchone()[0]
+            events, orphans = db.execute("SELECT COUNT(*), COUNT(*) FILTER (WHERE job_id NOT IN (SELECT id FROM "
+                                         "jobs)) FROM events").fetchone()
+        finally:
+            db.close()
+        assert jobs <= 100 and orphans == 0 and events <= 10 * jobs, (jobs, events, orphans)
+        wal = db_file.with_name(db_file.name + "-wal")
+        assert not wal.exists() or wal.stat().st_size < sizes[-1], "the WAL grew past the database"
     finally:
         svc.stop()
         shutil.rmtree(run, ignore_errors=True)
