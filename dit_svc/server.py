@@ -21,8 +21,8 @@ from stagekit.config import parse_config
 from stagekit.errors import InvalidArgument
 from stagekit.metrics import observed
 from stagekit.runtime import Job
-from stagekit.server import abort_on_error, stream_job
-from stagekit.servicer import LifecycleMixin, timing_pb
+from stagekit.server import abort_on_error
+from stagekit.servicer import LifecycleMixin, stream_job, timing_pb
 from stagekit.stage import CommonConfig, run_stage
 from stagekit.wire import FLOAT_DTYPES, TensorAssembler, check_finite, tensor_chunks
 

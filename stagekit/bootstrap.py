@@ -28,7 +28,7 @@ from pathlib import Path
 
 import grpc
 
-from stagekit.lease import pid_alive
+from stagekit.procs import pid_alive
 from stagekit.server import ServeConfig, StageServer, is_loopback
 
 log = logging.getLogger("stagekit.bootstrap")

@@ -28,7 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from stagekit.errors import ResourceExhausted
-from stagekit.lease import EventLog, pid_alive, safe_name
+from stagekit.lease import EventLog, safe_name
+from stagekit.procs import pid_alive
 
 GIB = 1 << 30
 

@@ -35,6 +35,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from stagekit.procs import pid_alive
+
 _SAFE = re.compile(r"[^A-Za-z0-9._-]")
 EVENTS_FILE = "events.jsonl"
 
@@ -52,16 +54,6 @@ def device_ids(devices: list[str]) -> list[str]:
 
     cuda = cuda_properties([cuda_index(d) for d in devices if d.startswith("cuda")])
     return [cuda[cuda_index(d)][0] if d.startswith("cuda") else d for d in devices]
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's live process
-        return True
-    return True
 
 
 class EventLog:

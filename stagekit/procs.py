@@ -1,4 +1,5 @@
-"""Stopping a process group: a polite signal, a grace period, then SIGKILL (stdlib only: the thin client uses it).
+"""Processes: whether one is alive; stopping a process group: a polite signal, a grace period, then SIGKILL (stdlib
+only: the thin client uses it).
 
 Stages, torchrun agents and benchmark items are started with `start_new_session=True`, so their process group
 holds everything they started (ranks, workers); signalling the group, not the pid, leaves nothing behind.
@@ -9,6 +10,16 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's live process
+        return True
+    return True
 
 
 def stop_group(proc: subprocess.Popen, grace_s: float, first: int = signal.SIGTERM,

@@ -30,7 +30,7 @@ import signal
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent import futures
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -40,8 +40,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from stagekit.errors import Cancelled, DeadlineExceeded, InvalidArgument, StageError, restarts_group, status_for
-from stagekit.runtime import Job, JobEvent, StageRuntime
+from stagekit.errors import Cancelled, DeadlineExceeded, InvalidArgument, StageError, status_for
 from stagekit.transport import GRPC_OPTIONS, MAX_MESSAGE_BYTES  # noqa: F401 - one definition, shared with clients
 
 log = logging.getLogger("stagekit.server")
@@ -526,56 +525,6 @@ class StageServer:
         drain(self.cfg.cancel_on_term, self.cfg.drain_s)
         # Handlers of failed/cancelled jobs now hold their status; give them a moment to send it.
         self.server.stop(grace=5.0).wait()
-
-
-def stream_job(runtime: StageRuntime, job: Job, context: grpc.ServicerContext,
-               on_event: Callable[[JobEvent], Iterator]) -> Iterator:
-    """Submit `job`, then turn its events into response messages until done or failed.
-
-    A client that disconnects or whose deadline passes cancels the job; the runtime notices at the next step
-    boundary on every rank. When the call ends for any reason the job is closed: a queued job drops its inputs at
-    once, and a result nobody will read is cleaned up (`Job.cleanup`).
-    """
-    remaining = context.time_remaining()
-    if remaining is not None and remaining < 1e8:
-        job.deadline = time.monotonic() + remaining
-    context.add_callback(job.close)
-    try:
-        try:
-            runtime.submit(job)
-        except Exception as e:  # noqa: BLE001
-            code, msg = status_for(e)
-            context.abort(code, msg)
-        while True:
-            ev = job.events.get()
-            if ev.kind == "error":
-                code, msg = job_status(runtime, ev.payload)
-                context.abort(code, msg)
-            yield from on_event(ev)
-            if ev.kind == "done":
-                return
-    finally:
-        job.close()
-
-
-def job_status(runtime: StageRuntime, exc: BaseException) -> tuple[grpc.StatusCode, str]:
-    """The status of a failed job. On a multi-rank stage an unexpected error is a broken rank group (a dead or
-    stuck rank, a failed collective): the runtime exits so torchrun restarts the group, so the caller sees
-    UNAVAILABLE (retryable) rather than INTERNAL."""
-    code, msg = status_for(exc)
-    if runtime.group.world_size > 1 and restarts_group(exc):
-        return grpc.StatusCode.UNAVAILABLE, (
-            f"{runtime.engine.name}: rank group failed ({msg}); the stage is restarting its ranks, retry the job")
-    return code, msg
-
-
-def followers_ignore_term(is_leader: bool) -> None:
-    """Ranks > 0 ignore SIGTERM/SIGINT. torchrun forwards a SIGTERM to every rank, but only rank 0 decides when
-    the group stops: it drains (finishes or cancels the running job), then broadcasts exit to the followers. A
-    follower dying on the signal first would break the in-flight job's collectives."""
-    if not is_leader:
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, signal.SIG_IGN)
 
 
 @contextmanager

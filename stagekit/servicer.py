@@ -1,15 +1,63 @@
-"""Lifecycle RPCs (Load, Unload, Warmup, Status) shared by every stage's servicer."""
+"""What every stage's servicer shares: a work RPC as a runtime job (`stream_job`), its status when it fails
+(`job_status`), and the lifecycle RPCs (Load, Unload, Warmup, Status)."""
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable, Iterator
+
+import grpc
+
 from h3.v1 import common_pb2
+from stagekit.errors import restarts_group, status_for
+from stagekit.runtime import Job, JobEvent, StageRuntime
 from stagekit.server import abort_on_error
-from stagekit.runtime import StageRuntime
 
 
 def timing_pb(t: dict) -> common_pb2.Timing:
     """A job's timing dict (queue_s, load_s, ...) as the Timing message every work RPC returns."""
     return common_pb2.Timing(**{k: v for k, v in t.items() if k in common_pb2.Timing.DESCRIPTOR.fields_by_name})
+
+
+def stream_job(runtime: StageRuntime, job: Job, context: grpc.ServicerContext,
+               on_event: Callable[[JobEvent], Iterator]) -> Iterator:
+    """Submit `job`, then turn its events into response messages until done or failed.
+
+    A client that disconnects or whose deadline passes cancels the job; the runtime notices at the next step
+    boundary on every rank. When the call ends for any reason the job is closed: a queued job drops its inputs at
+    once, and a result nobody will read is cleaned up (`Job.cleanup`).
+    """
+    remaining = context.time_remaining()
+    if remaining is not None and remaining < 1e8:
+        job.deadline = time.monotonic() + remaining
+    context.add_callback(job.close)
+    try:
+        try:
+            runtime.submit(job)
+        except Exception as e:  # noqa: BLE001
+            code, msg = status_for(e)
+            context.abort(code, msg)
+        while True:
+            ev = job.events.get()
+            if ev.kind == "error":
+                code, msg = job_status(runtime, ev.payload)
+                context.abort(code, msg)
+            yield from on_event(ev)
+            if ev.kind == "done":
+                return
+    finally:
+        job.close()
+
+
+def job_status(runtime: StageRuntime, exc: BaseException) -> tuple[grpc.StatusCode, str]:
+    """The status of a failed job. On a multi-rank stage an unexpected error is a broken rank group (a dead or
+    stuck rank, a failed collective): the runtime exits so torchrun restarts the group, so the caller sees
+    UNAVAILABLE (retryable) rather than INTERNAL."""
+    code, msg = status_for(exc)
+    if runtime.group.world_size > 1 and restarts_group(exc):
+        return grpc.StatusCode.UNAVAILABLE, (
+            f"{runtime.engine.name}: rank group failed ({msg}); the stage is restarting its ranks, retry the job")
+    return code, msg
 
 
 class LifecycleMixin:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import signal
 import socket
 import tempfile
 from collections.abc import Callable
@@ -23,7 +24,7 @@ from stagekit.dist import RankGroup, RankInfo, rank_info_from_env
 from stagekit.bootstrap import Listeners, ProcessTempDir, exit_cleanly, listen, setup_logging
 from stagekit.lease import DeviceLease, LeaseConfig, RankHold
 from stagekit.runtime import RESIDENCIES, Engine, RuntimeConfig, StageRuntime, follower_loop
-from stagekit.server import ServeConfig, followers_ignore_term, startup_errors
+from stagekit.server import ServeConfig, startup_errors
 
 log = logging.getLogger("stagekit.stage")
 
@@ -108,6 +109,15 @@ class CommonConfig(ServeConfig):
 def default_cache_dir() -> Path:
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(base) / "h3-stages"
+
+
+def followers_ignore_term(is_leader: bool) -> None:
+    """Ranks > 0 ignore SIGTERM/SIGINT. torchrun forwards a SIGTERM to every rank, but only rank 0 decides when
+    the group stops: it drains (finishes or cancels the running job), then broadcasts exit to the followers. A
+    follower dying on the signal first would break the in-flight job's collectives."""
+    if not is_leader:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, signal.SIG_IGN)
 
 
 def run_stage(cfg: CommonConfig, stage: str, make_engine: Callable[[CommonConfig, RankInfo, RankGroup], Engine],

@@ -116,3 +116,35 @@ def test_a_stage_with_a_bad_enum_flag_exits_before_it_starts():
                          capture_output=True, text=True, timeout=120)
     assert run.returncode == 2, run.stderr[-2000:]
     assert "--int8-mode: invalid choice: 'int4' (choose from 'kernel', 'dequant')" in run.stderr
+
+
+def test_the_render_service_has_its_own_settings_and_no_stage_ones():
+    """The render service's settings are its own frozen dataclass: the serving flags every server has, then its own
+    (endpoints, job store, batching, retention); none of a stage's (devices, weights, residency, lease, budget)."""
+    import dataclasses
+
+    from render_svc.server import RenderConfig
+    from stagekit.server import ServeConfig
+    from stagekit.stage import CommonConfig
+
+    stage_only = {f.name for f in dataclasses.fields(CommonConfig)} - {f.name for f in dataclasses.fields(ServeConfig)}
+    assert not stage_only & {f.name for f in dataclasses.fields(RenderConfig)} - {"temp_dir", "log_level"}
+    cfg = parse_config(RenderConfig, ["--encoder", "h:1", "--dit", "h:2", "--decoder", "h:3", "--keep-jobs", "7"],
+                       env_prefix="T_RENDER_")
+    assert (cfg.keep_jobs, cfg.endpoints().dit, cfg.max_uploads) == (7, "h:2", 1)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.keep_jobs = 8  # type: ignore[misc]
+    for flag in ("--devices", "--residency", "--lease-dir", "--memory-budget-gb", "--max-uploads"):
+        with pytest.raises(SystemExit):
+            parse_config(RenderConfig, [flag, "1"], env_prefix="T_RENDER_")
+
+
+def test_the_render_service_loads_no_stage_machinery():
+    """Its process imports neither the stage bootstrap nor the lease, the budget, the device worker or the runtime."""
+    import subprocess
+    import sys
+
+    code = ("import sys, render_svc.server; print(sorted(m for m in sys.modules if m in ('stagekit.stage', "
+            "'stagekit.lease', 'stagekit.budget', 'stagekit.device_worker', 'stagekit.runtime')))")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0 and run.stdout.strip() == "[]", run.stdout + run.stderr[-2000:]

@@ -19,7 +19,7 @@ from stagekit.errors import (AlreadyExists, Cancelled, DeadlineExceeded, FailedP
 from stagekit.lease import DeviceLease, LeaseConfig
 from stagekit.runtime import Job, RuntimeConfig, StageRuntime
 import stagekit.runtime
-from stagekit.server import job_status
+from stagekit.servicer import job_status
 from stagekit.wire import WireError
 
 MEANINGS = [
