@@ -1,13 +1,12 @@
 """The render service's scheduler: durable jobs in, stage batches out.
 
 `submit` validates a request, records the job (SQLite, `store.JobStore`) and queues it for its first stage. One
-scheduler thread asks the planner (`planner.BatchPlanner`) for the next stage batch, runs it (`engine.RenderEngine`),
-and moves each job on: to its next stage's queue, to
-SUCCEEDED with its MP4, or to FAILED / CANCELLED. A stage answering UNAVAILABLE (restarting its ranks, draining) is
-retried by queueing the job for the same stage again (--stage-retries); a stage answering RESOURCE_EXHAUSTED with
-"retry later" (its queue or its upload slots are full) is waited out with exponential backoff up to the job's
-deadline (--job-deadline-s), the job showing "waiting for the <stage> stage (busy)". Cancel takes a waiting job out
-of the queue at once and stops a running one's stage call.
+scheduler thread asks the planner (`planner.BatchPlanner`) for the next stage batch, runs it (`engine.RenderEngine`)
+and moves each job on: to its next stage's queue, to SUCCEEDED with its MP4, or to FAILED / CANCELLED. A stage
+answering UNAVAILABLE (restarting its ranks, draining) is retried by queueing the job for the same stage again
+(--stage-retries); a stage answering RESOURCE_EXHAUSTED with "retry later" (its queue or its upload slots are full)
+is waited out with exponential backoff up to the job's deadline (--job-deadline-s), the job showing "waiting for the
+<stage> stage (busy)". Cancel takes a waiting job out of the queue at once and stops a running one's stage call.
 
 The job store's writes that move a job on are retried until they succeed: a full disk or an I/O error stops the
 scheduler where it is, is reported (log, Status, Submit's UNAVAILABLE) and is over once a write succeeds again.
@@ -26,10 +25,9 @@ from pathlib import Path
 
 from h3.v1 import common_pb2, render_pb2
 from minimax_h3.contract import MAX_PROMPT_BYTES, check_output, spec_from_proto, validate
-from render_svc.engine import Outcome, Work
+from render_svc.engine import Outcome, RenderEngine, Work
 from render_svc.planner import Batch, BatchPlanner, next_stage
 from render_svc.store import CANCELLED, FAILED, QUEUED, RUNNING, SUCCEEDED, JobRecord, JobStore
-from render_svc.engine import RenderEngine
 from stagekit.errors import Cancelled, FailedPrecondition, InvalidArgument, Unavailable
 
 log = logging.getLogger("render_svc")
