@@ -251,7 +251,7 @@ class DecoderEngine:
                 ctx.progress(0, 1, phase="loading", message="video VAE encoder")
                 self._load_encoder()
             ctx.progress(0, 1, message=f"{media.kind} reference: video VAE")
-            pixels = torch.from_numpy(media.frames).permute(3, 0, 1, 2).contiguous()  # [3, N, H, W] uint8
+            pixels = torch.from_numpy(media.vae_frames).permute(3, 0, 1, 2).contiguous()  # [3, N, H, W] uint8
             autocast = None if self.cfg.weight_dtype == torch.float32 else self.cfg.weight_dtype
             out["video"] = self.video_encoder.encode(pixels.to(self.cfg.device), autocast_dtype=autocast).float().cpu()
         if media.audio is not None:

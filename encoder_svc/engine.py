@@ -18,7 +18,7 @@ from encoder_svc.checkpoint import TextEncoderCheckpoint
 from encoder_svc.conditioner import Conditioner, ConditionerConfig, resolve_tokenizer
 from encoder_svc.tiny import write_tiny_model
 from encoder_svc.tokenizer import MAX_PROMPT_TOKENS, validate_prompt
-from encoder_svc.vision import reference_parts
+from encoder_svc.vision import keyframe_items, reference_parts
 from stagekit.dist import RankGroup
 from stagekit.runtime import release_device_memory
 from stagekit.checkpoints import CheckpointError
@@ -110,11 +110,13 @@ class EncoderEngine:
         references = inputs.get("references") or []
         if images or references:  # fl2va / ref2va: labels + vision blocks, then the prompt (not cached)
             try:
-                labels, prompt = None, spec["ids"]
+                encode, prompt = self.model.tokenizer.encode, list(spec["ids"])
                 if references:  # ref2va: labels per kind in request order (encoder_svc/vision.py)
-                    labels, images, tail = reference_parts(self.model.tokenizer.encode, references)
-                    prompt = tail + list(prompt)
-                states, tags = self.model.encode_presentation(prompt, images, labels)
+                    items, tail = reference_parts(encode, references, self.model.temporal_patch)
+                    prompt = tail + prompt
+                else:
+                    items = keyframe_items(encode, images)
+                states, tags = self.model.encode_presentation(prompt, items)
             except ValueError as e:
                 raise FailedPrecondition(str(e)) from None
         else:

@@ -15,7 +15,6 @@ from h3.v1 import common_pb2, encoder_pb2, encoder_pb2_grpc
 from stagekit.config import parse_config
 from stagekit.errors import FailedPrecondition, InvalidArgument
 from stagekit.images import admit_keyframe
-from stagekit.labels import VIDEO_NOT_PRESENTED
 from stagekit.media import ReferenceMedia, admit_reference, load_reference, reference_decode_bytes
 from stagekit.metrics import observed
 from stagekit.render_params import MAX_PROMPT_BYTES
@@ -77,8 +76,6 @@ class EncoderServicer(LifecycleMixin, encoder_pb2_grpc.TextEncoderServicer):
                                   "references only)")
         for ref in refs:
             admit_reference(ref.kind, ref.data, request.frames)
-        if any(r.kind == "video" for r in refs):
-            raise FailedPrecondition(VIDEO_NOT_PRESENTED)
         if not self.engine.has_vision:
             raise FailedPrecondition(f"the text encoder {self.engine.path.name} has no vision tower ('visual.*'); "
                                      "reference renders need the full Qwen3-VL encoder file")

@@ -88,14 +88,12 @@ def check_references(req: render_pb2.RenderRequest, prompt: str, frames: int) ->
     prompt's labels naming exactly the references there are (stagekit/labels.py). Fills in each reference's
     thumbnail, duration and size (`describe_reference`)."""
     from dit_svc.references import MAX_REFERENCES
-    from stagekit.labels import VIDEO_NOT_PRESENTED, check_labels
+    from stagekit.labels import check_labels
     from stagekit.media import admit_reference
 
     if req.first_frame or req.last_frame:
         raise InvalidArgument("references and first/last keyframes do not combine: the ref2va partition takes "
                               "references only (send the frame as an image reference)")
-    if any(r.kind == "video" for r in req.references):
-        raise FailedPrecondition(VIDEO_NOT_PRESENTED)
     if len(req.references) > MAX_REFERENCES:
         raise InvalidArgument(f"{len(req.references)} references; MiniMax-H3 takes at most {MAX_REFERENCES}")
     sound = []

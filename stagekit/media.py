@@ -109,20 +109,27 @@ class ReferenceMedia:
     stereo audio [2, samples] at 32 kHz."""
 
     kind: str
-    frames: np.ndarray | None = None
+    frames: np.ndarray | None = None  # a video's every frame at 24 fps (the text encoder samples them at 2 fps)
     audio: np.ndarray | None = None
     source_fps: float | None = None  # the rate the container stated (video)
     source_rate: int | None = None  # the audio's own sample rate
 
     @property
+    def vae_frames(self) -> np.ndarray | None:
+        """The frames the video VAE encodes: a video's cut down to 17n + 5 (never padded), an image's one."""
+        if self.frames is None or self.kind != "video":
+            return self.frames
+        return self.frames[:reference_clip_frames(self.frames.shape[0])]
+
+    @property
     def seconds(self) -> float:
         if self.frames is not None and self.kind == "video":
-            return self.frames.shape[0] / MODEL_FPS
+            return self.vae_frames.shape[0] / MODEL_FPS
         return 0.0 if self.audio is None else self.audio.shape[1] / AUDIO_RATE
 
     def info(self) -> dict:
-        """The EncodeReferenceDone fields."""
-        n, h, w = (0, 0, 0) if self.frames is None else self.frames.shape[:3]
+        """The EncodeReferenceDone fields (what the VAE encodes)."""
+        n, h, w = (0, 0, 0) if self.frames is None else self.vae_frames.shape[:3]
         return {"width": w, "height": h, "frames": n, "seconds": self.seconds, "source_fps": self.source_fps or 0.0,
                 "source_rate": self.source_rate or 0}
 
@@ -147,10 +154,11 @@ def normalize_image(pixels: np.ndarray, short_edge: int = IMAGE_SHORT_EDGE) -> n
 
 
 def normalize_video(frames: np.ndarray, fps: float, max_frames: int) -> np.ndarray:
-    """Frames at `fps` -> 24 fps, cut to `max_frames`, onto the canvas of their own aspect, cut down to 17n + 5."""
+    """Frames at `fps` -> 24 fps, cut to `max_frames`, onto the canvas of their own aspect (at least one VAE clip;
+    the VAE's 17n + 5 cut is `ReferenceMedia.vae_frames`, the text encoder reads them all)."""
     frames = resample_frames(frames, fps)[:max_frames]
+    reference_clip_frames(frames.shape[0])  # a clip shorter than the VAE's first one is refused here
     h, w = canvas_for(frames.shape[2], frames.shape[1])
-    frames = frames[:reference_clip_frames(frames.shape[0])]
     return _lanczos(frames, h, w)
 
 
