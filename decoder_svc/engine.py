@@ -29,7 +29,7 @@ from stagekit.checkpoints import CheckpointError
 from stagekit.dist import RankGroup
 from stagekit.runtime import release_device_memory
 from stagekit.errors import FailedPrecondition, InvalidArgument
-from stagekit.media import EMBEDDED_IMAGE_SHORT_EDGE, IMAGE_SHORT_EDGE
+from stagekit.media import EMBEDDED_REFERENCE_SIZES, ReferenceSizes
 from stagekit.models import CHECKPOINT_PARTS, ensure_embedded, resolve_checkpoint
 from stagekit.render_params import DEFAULT_CRF, RenderSpec, validate
 from stagekit.wire import check_finite, check_result
@@ -139,9 +139,10 @@ class DecoderEngine:
         self.video_encoder = None  # VAE encoder half, for EncodeImage / EncodeReference, rank 0 only
         self.audio_encoder = None  # audio VAE with its encoder, for EncodeReference (ref2va voices), rank 0 only
         self.preset = cfg.preset or (EMBEDDED_PRESET if self.embedded else DEFAULT_PRESET)
-        # Image references: the model's 2048 px short edge, a small one for a tiny VAE (the embedded family's).
+        # References on the model's sizes (2048 px images, 768 px clips), smaller ones for a tiny VAE (the embedded
+        # family's).
         tiny = self.video_info.cfg.block_channels != VideoVAEConfig.full().block_channels
-        self.image_short_edge = EMBEDDED_IMAGE_SHORT_EDGE if tiny else IMAGE_SHORT_EDGE
+        self.reference_sizes = EMBEDDED_REFERENCE_SIZES if tiny else ReferenceSizes()
 
     def _check_geometry(self) -> LatentGeometry:
         """The latent geometry this decoder serves, from the VAEs' configs. A render spec counts latents on the H3

@@ -166,7 +166,7 @@ class DecoderServicer(LifecycleMixin, decoder_pb2_grpc.DecoderServicer):
         abort_on_error(context, admit_reference, ref.kind, ref.data, request.frames)
         job = Job(spec={"op": "encode_reference", "kind": ref.kind, "frames": request.frames}, inputs={},
                   prepare=lambda: {"media": load_reference(ref.data, ref.kind, request.frames,
-                                                           self.engine.image_short_edge)},
+                                                           self.engine.reference_sizes)},
                   input_bytes=reference_decode_bytes(ref.kind, request.frames))
         job.job_id = request.job_id or job.job_id
         yield from self._encode_job(job, context, decoder_pb2.EncodeReferenceEvent, ("video", "audio"),

@@ -23,7 +23,7 @@ from stagekit.dist import RankGroup
 from stagekit.runtime import release_device_memory
 from stagekit.checkpoints import CheckpointError
 from stagekit.errors import FailedPrecondition
-from stagekit.media import EMBEDDED_IMAGE_SHORT_EDGE, IMAGE_SHORT_EDGE
+from stagekit.media import EMBEDDED_REFERENCE_SIZES, ReferenceSizes
 from stagekit.models import CHECKPOINT_PARTS, EMBEDDED_VERSION, resolve_checkpoint
 from stagekit.wire import check_result
 
@@ -60,8 +60,8 @@ class EncoderEngine:
         self.group = group
         self.path, self.embedded = resolve_weights(cfg)
         self.model_cfg = ConditionerConfig.tiny() if self.embedded else ConditionerConfig.full()
-        # Image references: the model's 2048 px short edge, a small one for the embedded tiny family.
-        self.image_short_edge = EMBEDDED_IMAGE_SHORT_EDGE if self.embedded else IMAGE_SHORT_EDGE
+        # References on the model's sizes (2048 px images, 768 px clips), smaller ones for the embedded tiny family.
+        self.reference_sizes = EMBEDDED_REFERENCE_SIZES if self.embedded else ReferenceSizes()
         header = TextEncoderCheckpoint(self.path, self.model_cfg)  # validates keys/shapes from the header
         self.variant = header.info.variant
         self.fingerprint = header.info.fingerprint

@@ -115,7 +115,7 @@ class EncoderServicer(LifecycleMixin, encoder_pb2_grpc.TextEncoderServicer):
         if references:  # on the model's rates and sizes (stagekit/media.py), decoded on the worker thread
             job.prepare = lambda: {"references": [
                 ReferenceMedia("audio") if r.kind == "audio" else  # a label only: its sound never reaches Qwen
-                load_reference(r.data, r.kind, request.frames, self.engine.image_short_edge) for r in references]}
+                load_reference(r.data, r.kind, request.frames, self.engine.reference_sizes) for r in references]}
             job.input_bytes = sum(reference_decode_bytes(r.kind, request.frames) for r in references
                                   if r.kind != "audio")
 

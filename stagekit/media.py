@@ -20,11 +20,8 @@ from stagekit.images import MAX_IMAGE_BYTES
 MODEL_FPS = 24
 AUDIO_RATE = 32_000  # the audio VAE's sample rate
 REFERENCE_KINDS = ("image", "video", "audio")
-# An image reference is encoded at a short edge of its own, whatever the render canvas (docs/model.md §3.4). The
-# embedded tiny family uses a smaller one: its output is noise either way, and a 2048 px image costs its CPU VAE
-# minutes.
+# An image reference is encoded at a short edge of its own, whatever the render canvas (docs/model.md §3.4).
 IMAGE_SHORT_EDGE = 2048
-EMBEDDED_IMAGE_SHORT_EDGE = 256
 CANVAS_MULTIPLE = 32
 # A video reference goes onto the canvas of its own aspect, by the target's rule: short edge 768, area <= 768 x 1344.
 CANVAS_SHORT_EDGE = 768
@@ -41,6 +38,27 @@ MAX_SOURCE_FPS = 120
 CLIP_FRAMES = 17
 CLIP_TAIL = 5
 MIN_REFERENCE_FRAMES = CLIP_FRAMES + CLIP_TAIL
+
+
+@dataclass(frozen=True)
+class ReferenceSizes:
+    """The sizes references are put on: H3's own, or the embedded tiny family's smaller ones (its output is noise
+    either way, and a 2048 px image or a 768 px clip costs its CPU VAE a minute)."""
+
+    image_short_edge: int = IMAGE_SHORT_EDGE
+    video_short_edge: int = CANVAS_SHORT_EDGE
+
+    @property
+    def video_max_pixels(self) -> int:
+        """The canvas area cap, scaled with the short edge (768 x 1344 at H3's 768)."""
+        return CANVAS_MAX_PIXELS * self.video_short_edge ** 2 // CANVAS_SHORT_EDGE ** 2
+
+    def canvas(self, width: float, height: float) -> tuple[int, int]:
+        """(height, width) of a video reference's canvas for frames of this size."""
+        return canvas_for(width, height, self.video_short_edge, self.video_max_pixels)
+
+
+EMBEDDED_REFERENCE_SIZES = ReferenceSizes(image_short_edge=256, video_short_edge=256)
 
 
 def resample_frames(frames: np.ndarray, fps: float, target_fps: int = MODEL_FPS) -> np.ndarray:
@@ -153,13 +171,13 @@ def normalize_image(pixels: np.ndarray, short_edge: int = IMAGE_SHORT_EDGE) -> n
     return _lanczos(pixels[None], th, tw)
 
 
-def normalize_video(frames: np.ndarray, fps: float, max_frames: int) -> np.ndarray:
+def normalize_video(frames: np.ndarray, fps: float, max_frames: int,
+                    sizes: ReferenceSizes = ReferenceSizes()) -> np.ndarray:
     """Frames at `fps` -> 24 fps, cut to `max_frames`, onto the canvas of their own aspect (at least one VAE clip;
     the VAE's 17n + 5 cut is `ReferenceMedia.vae_frames`, the text encoder reads them all)."""
     frames = resample_frames(frames, fps)[:max_frames]
     reference_clip_frames(frames.shape[0])  # a clip shorter than the VAE's first one is refused here
-    h, w = canvas_for(frames.shape[2], frames.shape[1])
-    return _lanczos(frames, h, w)
+    return _lanczos(frames, *sizes.canvas(frames.shape[2], frames.shape[1]))
 
 
 def normalize_audio(waveform: np.ndarray, rate: int, max_seconds: float) -> np.ndarray:
@@ -222,7 +240,7 @@ def reference_decode_bytes(kind: str, frames: int) -> int:
     return MAX_SOURCE_PIXELS * 4 + 3 * frames * 5 * CANVAS_MAX_PIXELS * 3 + audio  # canvas frames at <= 120 fps
 
 
-def load_reference(data: bytes, kind: str, frames: int, image_short_edge: int = IMAGE_SHORT_EDGE) -> ReferenceMedia:
+def load_reference(data: bytes, kind: str, frames: int, sizes: ReferenceSizes = ReferenceSizes()) -> ReferenceMedia:
     """A reference file's bytes -> ReferenceMedia on the model's rates for a render of `frames` frames at 24 fps
     (video and audio are cut to its duration). Raises InvalidArgument naming what is wrong with the file."""
     admit_reference(kind, data, frames)
@@ -235,7 +253,7 @@ def load_reference(data: bytes, kind: str, frames: int, image_short_edge: int = 
                 if im.width * im.height > MAX_SOURCE_PIXELS:
                     raise ValueError(f"{im.width}x{im.height} is more than {MAX_SOURCE_PIXELS} pixels")
                 pixels = np.asarray(im.convert("RGB"))
-            return ReferenceMedia("image", frames=normalize_image(pixels, image_short_edge))
+            return ReferenceMedia("image", frames=normalize_image(pixels, sizes.image_short_edge))
         import av
 
         with av.open(io.BytesIO(data)) as container:
@@ -260,7 +278,7 @@ def load_reference(data: bytes, kind: str, frames: int, image_short_edge: int = 
                 if turns:
                     rgb = np.ascontiguousarray(np.rot90(rgb, k=-turns))
                 if canvas is None:
-                    canvas = canvas_for(rgb.shape[1], rgb.shape[0])
+                    canvas = sizes.canvas(rgb.shape[1], rgb.shape[0])
                 pixels.append(_lanczos(rgb[None], *canvas)[0])  # per frame, so it commutes with the rate change
                 if len(pixels) >= need:
                     break
@@ -273,8 +291,8 @@ def load_reference(data: bytes, kind: str, frames: int, image_short_edge: int = 
                 container.seek(0)
                 wave, rate = _decode_audio_stream(av, container, container.streams.audio[0], seconds)
                 sound = normalize_audio(wave, rate, seconds)
-            return ReferenceMedia("video", frames=normalize_video(video, fps, frames), audio=sound, source_fps=fps,
-                                  source_rate=rate)
+            return ReferenceMedia("video", frames=normalize_video(video, fps, frames, sizes), audio=sound,
+                                  source_fps=fps, source_rate=rate)
     except InvalidArgument:
         raise
     except Exception as e:  # noqa: BLE001 - a file the decoders reject is the caller's input, said as such
