@@ -31,6 +31,7 @@ from render_svc.store import CANCELLED, FAILED, QUEUED, RUNNING, SUCCEEDED, JobR
 from stagekit.errors import Cancelled, FailedPrecondition, InvalidArgument, Unavailable
 from stagekit.render_params import MAX_PROMPT_BYTES, check_output, spec_from_proto, validate
 from stagekit.runtime import Job
+from stagekit.uploads import UploadStore, reference_bytes
 
 log = logging.getLogger("render_svc")
 
@@ -154,6 +155,8 @@ class RenderService:
         self.runtime = runtime
         self.store = JobStore(cfg.run_dir)
         self.outputs = self.store.outputs
+        # Uploaded reference files, kept by content with the stored keyframes (the jobs that name them keep them).
+        self.uploads = UploadStore(self.store.keyframe_dir, in_use=self.store.files_in_use)
         self.outputs.mkdir(parents=True, exist_ok=True)
         self.planner = BatchPlanner(cfg.max_batch, cfg.max_wait_batches)
         self.works: dict[str, Work] = {}         # jobs in flight (queued or between / in stages)
@@ -191,6 +194,8 @@ class RenderService:
 
     # ---- API ----------------------------------------------------------------------------------------------------
     def submit(self, req: render_pb2.RenderRequest, owner: str = "") -> render_pb2.JobInfo:
+        for ref in req.references:  # an uploaded file (Upload) is admitted like an inline one
+            ref.data = reference_bytes(ref, self.uploads)
         check_request(req)
         self._check_partition(req)
         if self._stop.is_set():
@@ -299,8 +304,9 @@ class RenderService:
         """Under the lock: a queued job's in-flight state, waiting for its first stage."""
         spec = spec_from_proto(rec.request.params)
         frames = [(a, self.store.keyframe_dir / rec.keyframes[a]) for a in ("first", "last") if a in rec.keyframes]
+        refs = [self.store.keyframe_dir / r.digest if r.digest and not r.data else None for r in rec.request.references]
         w = Work(rec.id, rec.request, spec, self.outputs / f"{rec.id}.mp4", keyframe_files=frames,
-                 deadline=rec.created + self.cfg.job_deadline_s)
+                 reference_files=refs, deadline=rec.created + self.cfg.job_deadline_s)
         self.works[rec.id] = w
         self.planner.add(rec.id, first_stage(bool(w.keyframe_files or w.request.references)))
 

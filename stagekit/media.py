@@ -15,7 +15,7 @@ from fractions import Fraction
 import numpy as np
 
 from stagekit.errors import InvalidArgument
-from stagekit.images import MAX_IMAGE_BYTES
+from stagekit.uploads import MAX_FILE_BYTES
 
 MODEL_FPS = 24
 AUDIO_RATE = 32_000  # the audio VAE's sample rate
@@ -27,10 +27,10 @@ CANVAS_MULTIPLE = 32
 CANVAS_SHORT_EDGE = 768
 CANVAS_MAX_PIXELS = 768 * 1344
 MAX_ASPECT = 4.0
-# Admission (docs/reliability.md): a reference file is at most as large as a keyframe image, its frames at most this
-# many pixels before they are decoded, and a video is decoded frame by frame straight onto its canvas, only as far
-# as the render's duration reaches.
-MAX_REFERENCE_BYTES = MAX_IMAGE_BYTES
+# Admission (docs/reliability.md): a reference file is at most as large as an upload (larger than one gRPC message:
+# sent with the Upload RPCs, stagekit/uploads.py), its frames at most this many pixels before they are decoded, and a
+# video is decoded frame by frame straight onto its canvas, only as far as the render's duration reaches.
+MAX_REFERENCE_BYTES = MAX_FILE_BYTES
 MAX_SOURCE_PIXELS = 4096 * 4096
 MAX_SOURCE_FPS = 120
 # Video references are VAE-encoded in whole clips: the frame count is snapped *down* to 17n + 5 (n >= 1), so a clip
@@ -224,7 +224,7 @@ def admit_reference(kind: str, data: bytes, frames: int) -> None:
         raise InvalidArgument(f"the {kind} reference is empty")
     if len(data) > MAX_REFERENCE_BYTES:
         raise InvalidArgument(f"the {kind} reference is {len(data)} bytes; a reference file may have at most "
-                              f"{MAX_REFERENCE_BYTES} bytes (like a keyframe image): send a shorter or smaller file")
+                              f"{MAX_REFERENCE_BYTES} bytes: send a shorter or smaller file")
     if frames < MIN_REFERENCE_FRAMES or frames % CLIP_FRAMES != CLIP_TAIL:
         raise InvalidArgument(f"references need the render's frame count (17n + 5, at least {MIN_REFERENCE_FRAMES}), "
                               f"got {frames}")

@@ -329,3 +329,112 @@ def test_render_service_keeps_reference_thumbnails_not_files(tmp_path):
     bad.params.prompt = "<Picture 1> walks like <Video 1> and talks like <Audio 2>"
     bad.references.insert(1, video)
     check_request(bad)  # a video with its soundtrack (<Audio 1>, optional to name) before the voice (<Audio 2>)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Reference files uploaded in chunks (Upload RPCs: render service and stages)
+# ---------------------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def upsvc(stack, tmp_path_factory):
+    """A render service of its own over the stack's stages: one upload at a time (--max-uploads 1)."""
+    from tests.render_svc_util import RenderService
+
+    s = RenderService(tmp_path_factory.mktemp("render_uploads"), stack[1], extra=["--max-uploads", "1"])
+    s.start()
+    yield s
+    s.stop()
+
+
+def _stored(svc) -> list[str]:
+    """The files in the render service's store of keyframes and uploads (temp files included)."""
+    from pathlib import Path
+
+    (store,) = Path(svc.stack.run_dir).rglob("keyframes")
+    return sorted(p.name for p in store.iterdir())
+
+
+def test_reference_larger_than_a_message_uploads_in_chunks_and_renders(upsvc, tmp_path):
+    """A 9 MiB voice (past the 8 MiB message cap) beside an image: `render --ref` uploads both in chunks to the render
+    service, which uploads them to the decoder and the encoder; the job renders, its record names the files by
+    digest (no bytes), and the stored files go once no unfinished job names them."""
+    import hashlib
+
+    import av
+
+    from client.__main__ import main as client_main
+    from h3.v1 import render_pb2
+    from stagekit.transport import MAX_MESSAGE_BYTES
+
+    big = media_wav(75.0, 64000)
+    assert len(big) > MAX_MESSAGE_BYTES + (1 << 20)
+    (tmp_path / "subject.png").write_bytes(media_png())
+    (tmp_path / "voice.wav").write_bytes(big)
+    out = tmp_path / "big.mp4"
+    assert client_main(["render", "--render", upsvc.target, "--prompt", "<Picture 1> sings in <Audio 1>'s voice",
+                        "--ref", str(tmp_path / "subject.png"), "--ref", str(tmp_path / "voice.wav"), "-o", str(out),
+                        "--width", "256", "--height", "256", "--frames", str(FRAMES), "--steps", "1"]) == 0
+    with av.open(str(out)) as c:
+        assert c.streams.audio and sum(1 for _ in c.decode(video=0)) == FRAMES
+    (job,) = upsvc.stub.List(render_pb2.ListRequest(), timeout=10).jobs
+    assert [r.digest for r in job.references] == [hashlib.sha256(media_png()).hexdigest(),
+                                                  hashlib.sha256(big).hexdigest()]
+    assert all(not r.data for r in job.references) and job.references[1].seconds == pytest.approx(75.0, abs=0.1)
+    assert _stored(upsvc) == []
+
+
+def test_upload_caps_refusals_and_interruptions(upsvc, clients):
+    """A file over 64 MiB is INVALID_ARGUMENT, so is one failing its size/checksum check; a second upload while
+    one is in progress is RESOURCE_EXHAUSTED (--max-uploads 1); a Submit or a stage call naming a digest nothing
+    uploaded is FAILED_PRECONDITION; none of them, nor an upload cut off mid-file, leaves a file or a job behind."""
+    import threading
+    import time
+
+    import grpc
+
+    from h3.v1 import common_pb2, decoder_pb2, render_pb2
+    from stagekit.render_params import RenderSpec, spec_to_proto
+    from stagekit.transport import file_chunks
+    from stagekit.uploads import MAX_FILE_BYTES, upload
+
+    stub = upsvc.stub
+    jobs = len(stub.List(render_pb2.ListRequest(), timeout=10).jobs)
+    with pytest.raises(grpc.RpcError) as e:
+        upload(stub.Upload, bytes(MAX_FILE_BYTES + 1), timeout=60)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and f"larger than {MAX_FILE_BYTES}" in e.value.details()
+    bad = list(file_chunks(b"x" * 1000, "x.wav"))
+    bad[-1].crc32c ^= 1
+    with pytest.raises(grpc.RpcError) as e:
+        stub.Upload(iter(bad), timeout=10)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "checksum" in e.value.details()
+
+    # An upload held open takes the one slot; it is then cut off half-way.
+    release = threading.Event()
+
+    def held():
+        chunks = file_chunks(media_wav(20.0, 64000), "held.wav")
+        yield next(chunks)
+        release.wait(30)
+
+    fut = stub.Upload.future(held(), timeout=60)
+    time.sleep(1.0)
+    with pytest.raises(grpc.RpcError) as e:
+        upload(stub.Upload, media_png(), timeout=10)
+    assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "--max-uploads" in e.value.details()
+    fut.cancel()
+    release.set()
+    deadline = time.monotonic() + 10
+    while _stored(upsvc) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _stored(upsvc) == []
+
+    # Digests nothing uploaded.
+    req = render_pb2.RenderRequest(references=[common_pb2.Reference(kind="image", digest="0" * 64, name="a.png")])
+    spec_to_proto(RenderSpec(prompt="<Picture 1> waves", frames=FRAMES), req.params)
+    with pytest.raises(grpc.RpcError) as e:
+        stub.Submit(req, timeout=10)
+    assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "upload it first" in e.value.details()
+    with pytest.raises(grpc.RpcError) as e:
+        list(clients.decoder.EncodeReference(decoder_pb2.EncodeReferenceRequest(
+            reference=common_pb2.Reference(kind="image", digest="1" * 64), frames=FRAMES), timeout=10))
+    assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "upload it first" in e.value.details()
+    assert len(stub.List(render_pb2.ListRequest(), timeout=10).jobs) == jobs and _stored(upsvc) == []
