@@ -9,16 +9,16 @@ from pathlib import Path
 
 import torch
 
-from encoder_svc.conditioner import MODES
 from encoder_svc.engine import EncoderEngine, EncoderEngineConfig
-from encoder_svc.tokenizer import MAX_PROMPT_TOKENS
 from h3.v1 import common_pb2, encoder_pb2, encoder_pb2_grpc
+from minimax_h3.contract import MAX_PROMPT_BYTES
+from minimax_h3.images import admit_keyframe
+from minimax_h3.media import ReferenceMedia, admit_reference, load_reference, reference_decode_bytes
+from minimax_h3.text.conditioner import MODES
+from minimax_h3.text.tokenizer import MAX_PROMPT_TOKENS
 from stagekit.config import parse_config
 from stagekit.errors import FailedPrecondition, InvalidArgument
-from stagekit.images import admit_keyframe
-from stagekit.media import ReferenceMedia, admit_reference, load_reference, reference_decode_bytes
 from stagekit.metrics import observed
-from stagekit.render_params import MAX_PROMPT_BYTES
 from stagekit.runtime import Job
 from stagekit.server import abort_on_error, stream_job
 from stagekit.servicer import LifecycleMixin, UploadMixin, timing_pb
@@ -116,7 +116,7 @@ class EncoderServicer(LifecycleMixin, UploadMixin, encoder_pb2_grpc.TextEncoderS
         if keyframes:  # canvas-sized uint8 [H, W, 3] each, decoded on the worker thread
             job.prepare = lambda: {"keyframes": [k.load() for k in keyframes]}
             job.input_bytes = sum(k.decode_bytes for k in keyframes)
-        if references:  # on the model's rates and sizes (stagekit/media.py), decoded on the worker thread
+        if references:  # on the model's rates and sizes (minimax_h3/media.py), decoded on the worker thread
             job.prepare = lambda: {"references": [
                 ReferenceMedia("audio") if r.kind == "audio" else  # a label only: its sound never reaches Qwen
                 load_reference(r.data, r.kind, request.frames, self.engine.reference_sizes) for r in references]}

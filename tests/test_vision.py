@@ -10,11 +10,11 @@ from transformers import Qwen3VLConfig
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLModel
 
-from encoder_svc.conditioner import Conditioner, ConditionerConfig
-from encoder_svc.tiny import tiny_visual_weights, tiny_weights, write_tiny_model
-from encoder_svc.vision import (IMAGE_MEAN, IMAGE_STD, MAX_PIXELS, MIN_PIXELS, keyframe_items, preprocess_image,
-                                smart_resize)
-from stagekit.images import fit_to_canvas
+from minimax_h3.images import fit_to_canvas
+from minimax_h3.text.conditioner import Conditioner, ConditionerConfig
+from minimax_h3.text.tiny import tiny_visual_weights, tiny_weights, write_tiny_model
+from minimax_h3.text.vision import (IMAGE_MEAN, IMAGE_STD, MAX_PIXELS, MIN_PIXELS, keyframe_items, preprocess_image,
+                                    smart_resize)
 
 FULL_LAYERS = 4
 PROMPT = "A fox jumps. <d>Hi!</d>"
@@ -149,7 +149,7 @@ def test_full_size_vision_config_inferred_from_shapes():
     5120) gives the Qwen3-VL vision config back; the tiny one round-trips too."""
     from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel
 
-    from encoder_svc.vision import VisionConfig, infer_vision_config
+    from minimax_h3.text.vision import VisionConfig, infer_vision_config
 
     for vc in (VisionConfig.full(), VisionConfig.tiny()):
         with torch.device("meta"):
@@ -210,8 +210,8 @@ def test_ref2va_presentation_with_a_video_matches_diffusers_and_transformers(cfg
     from diffusers.modular_pipelines.minimax_h3.encoders import MiniMaxH3Ref2VATextEncoderStep as Step
     from PIL import Image
 
-    from encoder_svc.vision import VIDEO_MIN_PIXELS, reference_parts
-    from stagekit.media import ReferenceMedia
+    from minimax_h3.media import ReferenceMedia
+    from minimax_h3.text.vision import VIDEO_MIN_PIXELS, reference_parts
 
     tok, tp = cond.tokenizer, cfg.vision.temporal_patch_size
     rng = np.random.default_rng(n_frames)
@@ -265,7 +265,7 @@ def test_video_frames_sampled_like_diffusers(n, fps):
     """Which frames the conditioner reads and the block timestamps: diffusers' sampling, for any count and rate."""
     from diffusers.modular_pipelines.minimax_h3.encoders import MiniMaxH3Ref2VATextEncoderStep as Step
 
-    from encoder_svc.vision import sample_video
+    from minimax_h3.text.vision import sample_video
 
     frames = np.arange(n, dtype=np.int32).reshape(n, 1, 1, 1)
     sampled, stamps = Step._sample_video_condition_frames(frames, fps, 2.0, 2)
@@ -280,7 +280,7 @@ def test_video_size_rule_matches_transformers(cfg):
     scaled down, a 12 s one is not; the resized frames are the patches of an antialiased bicubic resize."""
     from transformers.models.qwen3_vl.video_processing_qwen3_vl import smart_resize as hf_video_resize
 
-    from encoder_svc.vision import VIDEO_MAX_PIXELS, VIDEO_MIN_PIXELS, preprocess_video
+    from minimax_h3.text.vision import VIDEO_MAX_PIXELS, VIDEO_MIN_PIXELS, preprocess_video
 
     for frames, h, w in ((24, 768, 1344), (30, 768, 1344), (29, 768, 1344), (31, 1344, 768), (30, 768, 768),
                          (2, 32, 64), (11, 576, 1024), (3, 40, 72)):

@@ -37,11 +37,11 @@ import torch
 from torch import nn
 from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLTextModel, Qwen3VLTextRotaryEmbedding
 
-from encoder_svc.checkpoint import CheckpointInfo, RawParam, TextEncoderCheckpoint, densify
-from encoder_svc.config import DEFAULT_MAX_PROMPT_TOKENS, ConditionerConfig
-from encoder_svc.tokenizer import TextTokenizer, validate_prompt
-from encoder_svc.vision import (Presentation, VisionConfig, VisionItem, build_presentation, preprocess_image,
-                                preprocess_video)
+from minimax_h3.text.checkpoint import CheckpointInfo, RawParam, TextEncoderCheckpoint, densify
+from minimax_h3.text.config import DEFAULT_MAX_PROMPT_TOKENS, ConditionerConfig
+from minimax_h3.text.tokenizer import TextTokenizer, validate_prompt
+from minimax_h3.text.vision import (Presentation, VisionConfig, VisionItem, build_presentation, preprocess_image,
+                                    preprocess_video)
 from stagekit.checkpoints import CheckpointError
 from stagekit.errors import Internal, InvalidArgument
 

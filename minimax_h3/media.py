@@ -14,6 +14,7 @@ from fractions import Fraction
 
 import numpy as np
 
+from minimax_h3.images import MAX_IMAGE_BYTES
 from stagekit.errors import InvalidArgument
 from stagekit.uploads import MAX_FILE_BYTES
 

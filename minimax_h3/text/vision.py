@@ -28,8 +28,8 @@ import numpy as np
 import torch
 from transformers.models.qwen3_vl.configuration_qwen3_vl import Qwen3VLVisionConfig
 
+from minimax_h3.media import MODEL_FPS
 from stagekit.errors import InvalidArgument
-from stagekit.media import MODEL_FPS
 
 # Qwen3-VL image-processor constants (preprocessor_config.json of the Qwen3-VL release).
 IMAGE_MEAN = (0.5, 0.5, 0.5)
@@ -237,7 +237,7 @@ def reference_parts(encode, references, temporal_patch: int) -> tuple[list[Visio
     """ref2va presentation (docs/model.md §6) as (vision items, the text ids after the last block): references in
     request order, labels numbered per kind; an audio reference, and a video's soundtrack, is its label alone, right
     before the video's; a video is ``"<Video k>: "`` then ``"<T.T seconds>"`` + a block per temporal patch of its 2 fps
-    frames. `references`: stagekit.media.ReferenceMedia (video frames at 24 fps); `encode`: text -> token ids."""
+    frames. `references`: minimax_h3.media.ReferenceMedia (video frames at 24 fps); `encode`: text -> token ids."""
     items, pending = [], []
     count = {"image": 0, "video": 0, "audio": 0}
     for ref in references:
