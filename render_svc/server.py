@@ -25,6 +25,7 @@ from stagekit.bootstrap import ProcessTempDir, exit_cleanly, listen, setup_loggi
 from stagekit.config import parse_config
 from stagekit.errors import FailedPrecondition, NotFound
 from stagekit.server import Principal, ServeConfig, abort_on_error, principal_of, startup_errors
+from stagekit.servicer import UploadMixin
 from stagekit.transport import file_chunks
 
 SERVICE = "h3.v1.Renderer"
@@ -44,7 +45,6 @@ class RenderConfig(ServeConfig):
         "help": "Render and Watch streams followed at once (a thread each, not a --max-workers slot); more get "
                 "RESOURCE_EXHAUSTED"})
     stream_methods: tuple = field(default=STREAMS, init=False)
-    max_uploads: int = field(default=1, init=False)  # no call of the render service streams its request
     encoder: str = field(default="", metadata={"help": "text encoder endpoint (host:port, or a list for round_robin)"})
     dit: str = field(default="", metadata={"help": "DiT sampler endpoint"})
     decoder: str = field(default="", metadata={"help": "decoder endpoint"})
@@ -96,12 +96,14 @@ class RenderConfig(ServeConfig):
         return Security(self.stage_token or self.resolved_token(), self.stage_tls_ca)
 
 
-class RenderServicer(render_pb2_grpc.RendererServicer):
+class RenderServicer(UploadMixin, render_pb2_grpc.RendererServicer):
     """The Renderer API over the scheduler. Every call acts as its caller's principal (`--tokens-file`): jobs are
-    its own, unless it is an admin (or the service has no tokens file: one principal, everyone's jobs)."""
+    its own, unless it is an admin (or the service has no tokens file: one principal, everyone's jobs). Uploaded
+    reference files are shared by content (a digest names the same bytes for everyone)."""
 
     def __init__(self, svc: RenderService, clients: StageClients, web_url: str = "", tokens=None):
         self.svc = svc
+        self.uploads = svc.uploads
         self.clients = clients
         self.web_url = web_url
         self.tokens = tokens

@@ -131,10 +131,10 @@ def test_the_render_service_has_its_own_settings_and_no_stage_ones():
     assert not stage_only & {f.name for f in dataclasses.fields(RenderConfig)} - {"temp_dir", "log_level"}
     cfg = parse_config(RenderConfig, ["--encoder", "h:1", "--dit", "h:2", "--decoder", "h:3", "--keep-jobs", "7"],
                        env_prefix="T_RENDER_")
-    assert (cfg.keep_jobs, cfg.endpoints().dit, cfg.max_uploads) == (7, "h:2", 1)
+    assert (cfg.keep_jobs, cfg.endpoints().dit) == (7, "h:2")
     with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.keep_jobs = 8  # type: ignore[misc]
-    for flag in ("--devices", "--residency", "--lease-dir", "--memory-budget-gb", "--max-uploads"):
+    for flag in ("--devices", "--residency", "--lease-dir", "--memory-budget-gb", "--weights"):
         with pytest.raises(SystemExit):
             parse_config(RenderConfig, [flag, "1"], env_prefix="T_RENDER_")
 
