@@ -6,14 +6,17 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 import grpc
 
 from h3.v1 import common_pb2
 from stagekit.errors import FailedPrecondition, restarts_group, status_for
-from stagekit.runtime import Job, JobEvent, StageRuntime
 from stagekit.server import abort_on_error
 from stagekit.uploads import UploadStore
+
+if TYPE_CHECKING:  # the render service uses UploadMixin and runs no stage runtime
+    from stagekit.runtime import Job, JobEvent, StageRuntime
 
 
 def timing_pb(t: dict) -> common_pb2.Timing:
