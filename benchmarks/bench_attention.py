@@ -6,7 +6,7 @@
     python benchmarks/bench_attention.py --tiny --out /tmp/att      # CPU dry run (tiny model; the kernel emulated)
     python benchmarks/bench_attention.py --quant --out $OUT         # only the q/k/v quantisers (step 4, < 2 min)
 
-Options compared (stagekit/fp8_attention.py): `naive` (q, k, v per tensor), `head` (V / O per head), `head+k`
+Options compared (minimax_h3/kernels/fp8_attention.py): `naive` (q, k, v per tensor), `head` (V / O per head), `head+k`
 (+ K mean subtraction), `head+kv` (+ V mean subtraction), `head+kv+static-qk` (the registry's default: in the
 DiT's blocks q and k come in e4m3 from the q/k norm kernel with static scales, unsmoothed; elsewhere as `head+kv`).
 Every option feeds the same cuDNN fp8 SDPA kernel (e4m3 q/k/v/P/O on Hopper). The static q/k scales come from a
@@ -53,36 +53,36 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench_dit import T_AUDIO, T_VIDEO, TEXT_LEN, build_ours, inputs_for, install_linears, parse_shape  # noqa: E402
-from dit_svc.config import DiTConfig  # noqa: E402
-from dit_svc.layout import build_layout  # noqa: E402
-from stagekit.fp8_attention import (  # noqa: E402
-    _CUDNN,
-    DEFAULT_OPTIONS,
-    E4M3_MAX,
-    KERNEL_VS_EMULATION_FACTOR,
-    KERNEL_VS_EMULATION_SLACK,
-    OPTIONS,
-    Fp8Attention,
-    TritonQuantLaunch,
-    dequantize_o,
-    e4m3_steps,
-    quantize_qkv,
-    quantize_qkv_triton,
-    sdpa_fp8,
-    sdpa_fp8_emulated,
-    triton_unsupported,
-    unavailable,
-)
-from stagekit.kernels import (  # noqa: E402
-    REL_ERR_BOUND,
-    AttentionCandidate,
-    KernelConfig,
-    attention_reference,
-    default_attention_candidates,
-    rel_err,
-    select_kernels,
-    time_ms,
-)
+from minimax_h3.dit.config import DiTConfig  # noqa: E402
+from minimax_h3.dit.layout import build_layout  # noqa: E402
+from minimax_h3.kernels.fp8_attention import (  # noqa: E402
+                                              _CUDNN,
+                                              DEFAULT_OPTIONS,
+                                              E4M3_MAX,
+                                              KERNEL_VS_EMULATION_FACTOR,
+                                              KERNEL_VS_EMULATION_SLACK,
+                                              OPTIONS,
+                                              Fp8Attention,
+                                              TritonQuantLaunch,
+                                              dequantize_o,
+                                              e4m3_steps,
+                                              quantize_qkv,
+                                              quantize_qkv_triton,
+                                              sdpa_fp8,
+                                              sdpa_fp8_emulated,
+                                              triton_unsupported,
+                                              unavailable,
+                                              )
+from minimax_h3.kernels.registry import (  # noqa: E402
+                                         REL_ERR_BOUND,
+                                         AttentionCandidate,
+                                         KernelConfig,
+                                         attention_reference,
+                                         default_attention_candidates,
+                                         rel_err,
+                                         select_kernels,
+                                         time_ms,
+                                         )
 
 DEV = torch.device("cuda")  # --tiny: the CPU
 TINY_SHAPES = "64x64x22,96x64x22"

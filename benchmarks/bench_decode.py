@@ -18,10 +18,10 @@ from dataclasses import replace
 
 import torch
 
-from decoder_svc.audio_vae import AudioVAE, AudioVAEConfig, random_init_
-from decoder_svc.video_tiling import StreamingAssembler, plan_decode
-from decoder_svc.video_vae import VideoVAE, VideoVAEConfig, decode_unit
-from stagekit.render_params import RenderSpec
+from minimax_h3.contract import RenderSpec
+from minimax_h3.vae.audio import AudioVAE, AudioVAEConfig, random_init_
+from minimax_h3.vae.tiling import StreamingAssembler, plan_decode
+from minimax_h3.vae.video import VideoVAE, VideoVAEConfig, decode_unit
 
 GIB = 2**30
 

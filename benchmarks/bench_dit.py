@@ -6,7 +6,7 @@
     python benchmarks/bench_dit.py --tiny --json out.json                # CPU dry run: tiny model, emulated fp8
 
 Table mode builds the 50-block DiT from random weights in the real int8-ConvRot checkpoint layout, generated on the
-GPU one tensor at a time (dit_svc.tiny_checkpoint.iter_random_int8_convrot_weights): the int8 block linears are
+GPU one tensor at a time (minimax_h3.dit.tiny_checkpoint.iter_random_int8_convrot_weights): the int8 block linears are
 kept once as the "master" copy and every variant's linears are built from it and swapped in
 (H3DiT.swap_linear), so at most one derived copy exists next to the master:
   (d) diffusers MiniMaxH3Transformer3DModel, bf16, the same dequantised weights (built, timed and freed first)
@@ -54,23 +54,23 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dit_svc.config import DiTConfig  # noqa: E402
 from dit_svc.engine import CHUNK_ROWS_COMPILED_ONE, CHUNK_ROWS_EAGER  # noqa: E402
-from dit_svc.layout import build_layout  # noqa: E402
-from dit_svc.model import FP32_PARAM_PREFIXES, H3DiT  # noqa: E402
-from dit_svc.tiny_checkpoint import convrot_groupsize, diffusers_config, iter_random_int8_convrot_weights  # noqa: E402
-from stagekit.fp8_attention import DEFAULT_OPTIONS, OPTIONS, Fp8Attention, Fp8AttentionOptions  # noqa: E402
-from stagekit.kernels import (  # noqa: E402
-    Fp8RowwiseLinear,
-    KernelConfig,
-    default_attention_candidates,
-    default_linear_candidates,
-    quantize_fp8_rowwise,
-    rel_err,
-    select_kernels,
-    time_ms,
-)
-from stagekit.quant import Int8ConvRotLinear, QuantizedWeight, parse_comfy_quant  # noqa: E402
+from minimax_h3.dit.config import DiTConfig  # noqa: E402
+from minimax_h3.dit.layout import build_layout  # noqa: E402
+from minimax_h3.dit.model import FP32_PARAM_PREFIXES, H3DiT  # noqa: E402
+from minimax_h3.dit.tiny_checkpoint import convrot_groupsize, diffusers_config, iter_random_int8_convrot_weights  # noqa: E402
+from minimax_h3.kernels.fp8_attention import DEFAULT_OPTIONS, OPTIONS, Fp8Attention, Fp8AttentionOptions  # noqa: E402
+from minimax_h3.kernels.int8 import Int8ConvRotLinear, QuantizedWeight, parse_comfy_quant  # noqa: E402
+from minimax_h3.kernels.registry import (  # noqa: E402
+                                         Fp8RowwiseLinear,
+                                         KernelConfig,
+                                         default_attention_candidates,
+                                         default_linear_candidates,
+                                         quantize_fp8_rowwise,
+                                         rel_err,
+                                         select_kernels,
+                                         time_ms,
+                                         )
 
 TEXT_LEN = 38  # t2va prompt length behind the reference S = 14,882 at 832x480x124
 CORE_PARAMS_PER_BLOCK = 385_351_680  # qkv + out + fc1 + fc2 of one block (docs/model.md §9.1)
@@ -87,15 +87,15 @@ VARIANTS = {  # name -> (linear kernel, attention kernel, torch.compile the bloc
     # compiled blocks stay compiled.
     "fp8c": ("fp8", "cudnn", True, "(b+) fp8 + cuDNN SDPA + torch.compile(blocks)"),
     "int8c": ("int8", "cudnn", True, "(a+) int8 + cuDNN SDPA + torch.compile(blocks)"),
-    # 8-bit attention (cuDNN fp8 SDPA via nvidia-cudnn-frontend, stagekit/fp8_attention.py, default options).
+    # 8-bit attention (cuDNN fp8 SDPA via nvidia-cudnn-frontend, minimax_h3/kernels/fp8_attention.py, default options).
     "fp8a": ("fp8", "fp8", False, "(e) fp8 + cuDNN fp8 attention"),
     "fp8ca": ("fp8", "fp8", True, "(e+) fp8 + cuDNN fp8 attention + torch.compile(blocks)"),
-    # The same with the fp8 GEMMs' fast (reduced-precision) accumulation (stagekit/kernels.FP8_FAST_ACCUM).
+    # The same with the fp8 GEMMs' fast (reduced-precision) accumulation (minimax_h3/kernels/registry.FP8_FAST_ACCUM).
     "fp8caf": ("fp8", "fp8", True, "(e+f) fp8 fast-accumulation GEMMs + cuDNN fp8 attention + torch.compile(blocks)"),
     # (e+f) with cuDNN bf16 attention: the baseline of fp8 attention's full-forward error for fp8caf / fp8caf-mqk.
     "fp8cf": ("fp8", "cudnn", True, "(b+f) fp8 fast-accumulation GEMMs + cuDNN bf16 attention + torch.compile(blocks)"),
     # The same with q/k quantised by the attention's own statistics pass (fp8 attention option head+kv), instead of
-    # by the q/k norm kernel with static scales (the default, stagekit/fp8_attention.py "static q/k scales").
+    # by the q/k norm kernel with static scales (the default, minimax_h3/kernels/fp8_attention.py "static q/k scales").
     "fp8caf-mqk": ("fp8", "fp8-measured-qk", True, "(e+f) with q/k scales measured by the attention's own pass"),
     # fp8caf-mqk without K smoothing: whether an unsmoothed K slows the SDPA kernel (docs/performance_history.md).
     "fp8caf-mqk-v": ("fp8", "fp8-measured-qk-v", True, "(e+f) with measured q/k scales, K not smoothed"),
@@ -242,7 +242,7 @@ def build_diffusers(cfg: DiTConfig, seed: int, device):
     from diffusers import MiniMaxH3Transformer3DModel
     from diffusers.models.transformers.transformer_minimax_h3 import MiniMaxH3RotaryPosEmbed
 
-    from dit_svc.convert_diffusers import to_diffusers
+    from minimax_h3.dit.convert_diffusers import to_diffusers
 
     with torch.device("meta"):
         dm = MiniMaxH3Transformer3DModel.from_config(diffusers_config(cfg))
@@ -607,7 +607,7 @@ def print_table(result) -> None:
 
 
 class _LocalCollectives:
-    """Stands in for torch.distributed inside dit_svc.model: a single rank of a TP group, communication elided."""
+    """Stands in for torch.distributed inside minimax_h3.dit.model: a single rank of a TP group, communication elided."""
 
     @staticmethod
     def all_reduce(t, group=None, async_op=False):
@@ -620,7 +620,7 @@ class _LocalCollectives:
 
 
 def build_tp_rank(cfg: DiTConfig, tp: int, device, chunk_rows: int, seed: int) -> H3DiT:
-    import dit_svc.model as model_mod
+    import minimax_h3.dit.model as model_mod
 
     model_mod.dist = _LocalCollectives  # collectives -> local no-ops (this process only)
     model_mod.group_rank_size = lambda group: (0, tp)

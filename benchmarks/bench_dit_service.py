@@ -38,11 +38,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from client.embedded import EmbeddedStack, StackConfig  # noqa: E402
 from client.pipeline import sample  # noqa: E402
 from client.stubs import Endpoints, StageClients  # noqa: E402
-from dit_svc.config import DiTConfig  # noqa: E402
 from dit_svc.engine import DiTEngine, DiTEngineConfig  # noqa: E402
-from dit_svc.layout import build_layout  # noqa: E402
+from minimax_h3.contract import RenderSpec  # noqa: E402
+from minimax_h3.dit.config import DiTConfig  # noqa: E402
+from minimax_h3.dit.layout import build_layout  # noqa: E402
 from stagekit.dist import RankGroup, RankInfo  # noqa: E402
-from stagekit.render_params import RenderSpec  # noqa: E402
 
 TEXT_LEN = 38  # t2va prompt length of the reference shapes (S = 14,882 at 832x480x124)
 T_VIDEO, T_AUDIO = 0.4, 0.55
@@ -184,7 +184,7 @@ def main() -> int:
             print(f"--weights {args.weights}: no such file", file=sys.stderr)
             return 2
         if not weights_path.exists():
-            from dit_svc.tiny_checkpoint import write_random_int8_convrot_checkpoint
+            from minimax_h3.dit.tiny_checkpoint import write_random_int8_convrot_checkpoint
 
             weights_path.parent.mkdir(parents=True, exist_ok=True)
             t0 = time.monotonic()

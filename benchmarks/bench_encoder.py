@@ -17,8 +17,8 @@ from pathlib import Path
 
 import torch
 
-from encoder_svc.conditioner import Conditioner, ConditionerConfig
-from encoder_svc.tiny import VARIANTS, write_tiny_model
+from minimax_h3.text.conditioner import Conditioner, ConditionerConfig
+from minimax_h3.text.tiny import VARIANTS, write_tiny_model
 
 MODES = ("resident", "stream", "compact")
 

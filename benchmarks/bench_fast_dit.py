@@ -327,8 +327,8 @@ def build_items(args, out: Path, work: Path, ckpt: Path) -> dict[str, Item]:
 def write_checkpoint(path: Path, tiny: bool) -> int:
     """The `ckpt` item: a random int8-ConvRot checkpoint (pruned curve AdaLN, the ~19.5 GiB file) at `path`."""
     sys.path.insert(0, str(REPO))
-    from dit_svc.config import DiTConfig
-    from dit_svc.tiny_checkpoint import write_random_int8_convrot_checkpoint
+    from minimax_h3.dit.config import DiTConfig
+    from minimax_h3.dit.tiny_checkpoint import write_random_int8_convrot_checkpoint
 
     if path.is_file():
         print(f"{path} exists ({path.stat().st_size / 2**30:.2f} GiB)", flush=True)

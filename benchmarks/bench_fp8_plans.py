@@ -6,7 +6,7 @@
 Why (docs/performance.md, "Why the isolated floor is not reached"): inside the DiT the fp8 SDPA kernel ran 8-11 % slower than the same kernel
 timed on its own. Three candidate causes, one part each:
 
-1. plans: the graph stagekit/fp8_attention.py declares, at the served [1, 56, S, 128], for q/k/v/O laid out BHSD
+1. plans: the graph minimax_h3/kernels/fp8_attention.py declares, at the served [1, 56, S, 128], for q/k/v/O laid out BHSD
    (what the model's [3, 1, H, S, D] buffer gives) and BSHD (rows-major, [S, H, D] backed). cuDNN's heuristics
    (modes A, B, FALLBACK) rank the engine configs; every one that builds is timed (median of `--iters`, each call
    synchronised, then `--iters` calls back to back) and its O compared with the first plan's. The first plan is
@@ -34,8 +34,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from stagekit.fp8_attention import declare_graph, scale_constants, variant_pack  # noqa: E402
-from stagekit.kernels import time_ms  # noqa: E402
+from minimax_h3.kernels.fp8_attention import declare_graph, scale_constants, variant_pack  # noqa: E402
+from minimax_h3.kernels.registry import time_ms  # noqa: E402
 
 HEADS, HEAD_DIM = 56, 128
 HIDDEN, FFN = 5376, 14336  # DiT block linear shapes (docs/model.md §2)

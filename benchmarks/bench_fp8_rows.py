@@ -1,4 +1,4 @@
-"""Op level: the DiT block's fused "something + fp8 row quantisation" kernels (stagekit/fp8_rows.py), plain torch
+"""Op level: the DiT block's fused "something + fp8 row quantisation" kernels (minimax_h3/kernels/fp8_rows.py), plain torch
 against Triton, for each of --ops:
 
     python benchmarks/bench_fp8_rows.py --out $OUT               # one GPU, all ops: rows = 14,882 and 37,748
@@ -42,7 +42,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dit_svc.config import TAG_AUDIO, TAG_TEXT, TAG_VIDEO  # noqa: E402
+from minimax_h3.dit.config import TAG_AUDIO, TAG_TEXT, TAG_VIDEO  # noqa: E402
 from kernel_bench import E4M3_STEP_BOUND, e4m3_deviation, over_bound, time_variants, write_result  # noqa: E402
 
 SHAPES = (14882, 37748)  # rows of 832x480x124 and 1344x768x124 (docs/performance.md)
@@ -56,7 +56,7 @@ O_HEAD_DIM = 128  # `orows`: the DiT's head_dim; width = heads x head_dim (56 he
 class Op:
     """One kernel under test: its output file, width (C, F or H x D) on the GPU and in --tiny, default launch configs
     (rows per program x warps, the first the op's default), its inputs, and its reference / kernel in
-    stagekit.fp8_rows (the kernel takes the inputs, then block_rows, num_warps)."""
+    minimax_h3.kernels.fp8_rows (the kernel takes the inputs, then block_rows, num_warps)."""
     json: str
     width: int
     tiny_width: int
@@ -165,7 +165,7 @@ def main() -> int:
         print(f"unknown --ops {unknown}; choose from {list(OPS)}", file=sys.stderr)
         return 2
     if args.tiny:
-        # Before stagekit.fp8_rows is imported: its kernels are then built for triton's CPU interpreter.
+        # Before minimax_h3.kernels.fp8_rows is imported: its kernels are then built for triton's CPU interpreter.
         os.environ.setdefault("TRITON_INTERPRET", "1")
         device, shapes = torch.device("cpu"), TINY_SHAPES
         args.iters = min(args.iters, 2)
@@ -175,7 +175,7 @@ def main() -> int:
     else:
         print("bench_fp8_rows.py needs a CUDA GPU (or --tiny)", file=sys.stderr)
         return 2
-    from stagekit import fp8_rows as fr
+    from minimax_h3.kernels import fp8_rows as fr
 
     worst_steps = 0
     for name in ops:

@@ -18,7 +18,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from stagekit.quant import Int8ConvRotLinear  # noqa: E402
+from minimax_h3.kernels.int8 import Int8ConvRotLinear  # noqa: E402
 
 OUTLIER_CHANNELS = 8
 OUTLIER_GAIN = 50.0

@@ -8,11 +8,11 @@
 For every block linear (qkv, out, fc1, fc2 of docs/model.md; one GPU, no tensor parallelism) at M = S rows of
 832x480x124 and 1344x768x124, ms per call (CUDA-synchronised median) and TFLOP/s of:
   bf16            F.linear in bf16 (cuBLAS)
-  rowwise         what `--linear-kernel fp8` runs (stagekit/kernels.Fp8RowwiseLinear): the activation quantised
+  rowwise         what `--linear-kernel fp8` runs (minimax_h3/kernels/registry.Fp8RowwiseLinear): the activation quantised
                   per row, then torch._scaled_mm with row-wise scales (eager: quantisation kernels + GEMM)
   rowwise_gemm    the GEMM alone (activation already quantised)
   rowwise_gemm_fast_accum  the same with use_fast_accum=True (the tensor cores' reduced-precision accumulation,
-                  no periodic fp32 promotion: stagekit/kernels.FP8_FAST_ACCUM)
+                  no periodic fp32 promotion: minimax_h3/kernels/registry.FP8_FAST_ACCUM)
   tensorwise_gemm the same fp8 operands through torch._scaled_mm with scalar scales (cuBLAS's fp8 path), the row
                   and column scales left out (what a scale epilogue would have to add back)
   tensorwise_epilogue_compiled  quantisation, the scalar-scale GEMM and the row x column scales applied to its
@@ -35,8 +35,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dit_svc.config import DiTConfig  # noqa: E402
-from stagekit.kernels import Fp8RowwiseLinear, quantize_fp8_rowwise, rel_err, time_ms  # noqa: E402
+from minimax_h3.dit.config import DiTConfig  # noqa: E402
+from minimax_h3.kernels.registry import Fp8RowwiseLinear, quantize_fp8_rowwise, rel_err, time_ms  # noqa: E402
 
 S_BY_SHAPE = {"832x480x124": 14882, "1344x768x124": 37748}
 

@@ -6,12 +6,12 @@
 
 For each S (y = the qkv projection's output [S, 3 * H * D], bf16; gains [D] bf16; cos/sin [S, r] fp32; out
 [3, 1, H, S, D] bf16), CUDA events, median of --iters calls after a warm-up:
-- `reference eager`: stagekit.qk_norm_rope.qk_norm_rope_reference (the model's math, op by op);
+- `reference eager`: minimax_h3.kernels.qk_norm_rope.qk_norm_rope_reference (the model's math, op by op);
 - `reference compiled`: the same under torch.compile (what a compiled block did before the kernel, on its own);
 - `triton BxW`: the kernel (torch op h3stages::qk_norm_rope_) with B rows per program and W warps, for each of
   --configs;
 - `triton BxW e4m3 q/k`: the kernel writing q and k in e4m3 with the static scales of fp8 attention
-  (stagekit/fp8_attention.py `static_qk_mult`), for each of --configs (what the DiT blocks run with fp8 attention).
+  (minimax_h3/kernels/fp8_attention.py `static_qk_mult`), for each of --configs (what the DiT blocks run with fp8 attention).
 Reported: ms, effective TB/s (bytes of y, cos and sin read once plus the outputs written once, over the time; the
 e4m3 variants write a quarter less), and the kernel's error against the eager reference (bf16 out: max abs, max in
 units of the value's ulp, fraction bitwise equal; e4m3 q/k: max e4m3 steps from the reference's e4m3, fraction
@@ -71,7 +71,7 @@ def main() -> int:
     ap.add_argument("--tiny", action="store_true", help="CPU dry run (small shapes; the kernel interpreted)")
     args = ap.parse_args()
     if args.tiny:
-        # Before stagekit.qk_norm_rope is imported: its kernel is then built for triton's CPU interpreter.
+        # Before minimax_h3.kernels.qk_norm_rope is imported: its kernel is then built for triton's CPU interpreter.
         os.environ.setdefault("TRITON_INTERPRET", "1")
         device, shapes, heads, d, r = torch.device("cpu"), TINY["shapes"], TINY["heads"], TINY["head_dim"], \
             TINY["rope_dim"]
@@ -81,8 +81,8 @@ def main() -> int:
     else:
         print("bench_qk_norm_rope.py needs a CUDA GPU (or --tiny)", file=sys.stderr)
         return 2
-    from stagekit import qk_norm_rope as qk
-    from stagekit.fp8_attention import static_qk_mult
+    from minimax_h3.kernels import qk_norm_rope as qk
+    from minimax_h3.kernels.fp8_attention import static_qk_mult
 
     configs = [tuple(int(v) for v in c.split("x")) for c in args.configs.split(",")]
     # --tiny without triton (CI): the reference only. Compiling on the CPU would time a C++ build, not the op.

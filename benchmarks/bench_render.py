@@ -22,7 +22,7 @@ from pathlib import Path
 from client.embedded import EmbeddedStack, StackConfig
 from client.pipeline import render
 from client.stubs import StageClients
-from stagekit.render_params import RenderSpec
+from minimax_h3.contract import RenderSpec
 
 
 def main():

@@ -31,8 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from client.embedded import EmbeddedStack, StackConfig  # noqa: E402
 from client.render_client import RenderClient, render_request  # noqa: E402
+from minimax_h3.contract import RenderSpec  # noqa: E402
 from stagekit.lease import events_per_stage, read_events  # noqa: E402
-from stagekit.render_params import RenderSpec  # noqa: E402
 
 
 def run_jobs(target: str, specs: list[RenderSpec], concurrent: bool, out_dir: Path) -> tuple[float, list[float], list]:

@@ -24,7 +24,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from stagekit.render_params import RenderSpec
+from minimax_h3.contract import RenderSpec
 
 
 def swap_cost(clients, repeats: int) -> dict[str, dict[str, float]]:
@@ -60,9 +60,9 @@ def calibrate(device: str, sizes: list[str], text_len: int, chunk_rows: int) -> 
     """DiTEngine.estimate_bytes vs the measured peak of one sampling step (weights included), per size."""
     import torch
 
-    from dit_svc.config import DiTConfig
     from dit_svc.engine import DiTEngine, DiTEngineConfig
-    from dit_svc.tiny_checkpoint import write_tiny_checkpoint
+    from minimax_h3.dit.config import DiTConfig
+    from minimax_h3.dit.tiny_checkpoint import write_tiny_checkpoint
     from stagekit.dist import RankGroup, RankInfo
     from stagekit.runtime import JobContext
 

@@ -35,7 +35,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dit_svc.engine import DiTEngine, DiTEngineConfig  # noqa: E402
-from dit_svc.layout import build_layout  # noqa: E402
+from minimax_h3.dit.layout import build_layout  # noqa: E402
 from stagekit.dist import RankGroup, rank_info_from_env  # noqa: E402
 
 GIB = 2**30

@@ -94,7 +94,7 @@ NCCL_SAFE = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "
 TURING = {"H3_DIT_LINEAR_KERNEL": "int8", "H3_DIT_DTYPE": "float16", "H3_DECODER_DTYPE": "float16",
           "H3_ENCODER_DTYPE": "float16"}
 PROFILES = {"int8": TURING, "auto": {}}
-# The 22 GB card's text encoder: nvfp4 weights kept on the device, densified per layer (encoder_svc/conditioner.py).
+# The 22 GB card's text encoder: nvfp4 weights kept on the device, densified per layer (minimax_h3/text/conditioner.py).
 ENCODER_ENV = {"H3_ENCODER_MODE": "compact"}
 FILES = {"dit": "minimax_h3_fl2va_pruned_int8_convrot.safetensors",
          "te": "qwen3vl_32b_minimax_h3_nvfp4_awq.safetensors",
@@ -121,16 +121,16 @@ def _gen(seed: int, key: str, device):
 
 
 def te_random_plan(cfg, device, seed: int = 0):
-    """(plan, makers) of a random Qwen3-VL text encoder in the ComfyUI nvfp4_awq layout (encoder_svc/checkpoint.py):
+    """(plan, makers) of a random Qwen3-VL text encoder in the ComfyUI nvfp4_awq layout (minimax_h3/text/checkpoint.py):
     E2M1 codes uniform, unit block scales, a global scale giving weight std 1/sqrt(in); int8 tensor-wise embedding;
     bf16 norms and vision tower. `makers` are (key, callable) in plan order: one tensor at a time, drawn on
     `device` (write with `write_safetensors_streaming(path, plan, ((k, make()) for k, make in makers))`)."""
     import torch
     from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel
 
-    from encoder_svc.checkpoint import expected_shapes
-    from stagekit.nvfp4 import BLOCK_SIZE
-    from stagekit.quant import encode_comfy_quant
+    from minimax_h3.kernels.int8 import encode_comfy_quant
+    from minimax_h3.kernels.nvfp4 import BLOCK_SIZE
+    from minimax_h3.text.checkpoint import expected_shapes
 
     plan: list[tuple[str, tuple[int, ...], str]] = []
     makers: list[Callable] = []
@@ -207,12 +207,12 @@ def write_weights(models: Path, tiny: bool, names: set[str] | None = None) -> di
     Returns sizes/times."""
     import torch
 
-    from decoder_svc.audio_vae import AudioVAEConfig, write_tiny_audio_vae
-    from decoder_svc.video_vae import VideoVAEConfig, write_tiny_video_vae
-    from dit_svc.config import DiTConfig
-    from dit_svc.tiny_checkpoint import write_random_int8_convrot_checkpoint, write_safetensors_streaming, write_tiny_checkpoint
-    from encoder_svc.config import ConditionerConfig
-    from encoder_svc.tiny import build_tiny_tokenizer, write_tiny_model
+    from minimax_h3.dit.config import DiTConfig
+    from minimax_h3.dit.tiny_checkpoint import write_random_int8_convrot_checkpoint, write_safetensors_streaming, write_tiny_checkpoint
+    from minimax_h3.text.config import ConditionerConfig
+    from minimax_h3.text.tiny import build_tiny_tokenizer, write_tiny_model
+    from minimax_h3.vae.audio import AudioVAEConfig, write_tiny_audio_vae
+    from minimax_h3.vae.video import VideoVAEConfig, write_tiny_video_vae
 
     models.mkdir(parents=True, exist_ok=True)
     (models / "loras").mkdir(exist_ok=True)
@@ -827,8 +827,8 @@ class Bench:
         """The fp32 all-reduces of one TP2 step (2 per block: attention out_proj and fc2, over [rows, hidden]),
         timed with NCCL (gloo on the CPU) at the rows of each scaling shape (text 64 + video + audio rows)."""
         self.sampler.phase = "free:allreduce"
-        from dit_svc.config import DiTConfig
-        from dit_svc.layout import latent_shape
+        from minimax_h3.dit.config import DiTConfig
+        from minimax_h3.dit.layout import latent_shape
 
         cfg = DiTConfig.tiny() if self.tiny else DiTConfig.full()
         rows = {}

@@ -13,7 +13,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from stagekit.kernels import time_ms  # noqa: E402
+from minimax_h3.kernels.registry import time_ms  # noqa: E402
 
 
 def time_variants(variants: dict[str, Callable[[], object]], device: torch.device, iters: int, tiny: bool,
@@ -30,7 +30,7 @@ def time_variants(variants: dict[str, Callable[[], object]], device: torch.devic
 
 def e4m3_deviation(got: torch.Tensor, want: torch.Tensor) -> dict:
     """How far a kernel's e4m3 output is from its reference's: the most e4m3 steps apart and the share equal."""
-    from stagekit.fp8_attention import e4m3_steps
+    from minimax_h3.kernels.fp8_attention import e4m3_steps
 
     steps = e4m3_steps(got, want)
     return {"max_steps": steps.max().item(), "exact_fraction": (steps == 0).float().mean().item()}

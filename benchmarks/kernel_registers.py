@@ -1,4 +1,4 @@
-"""Registers, spills and shared memory of stagekit/fp8_rows.py's Triton kernels per launch config, compiled for a
+"""Registers, spills and shared memory of minimax_h3/kernels/fp8_rows.py's Triton kernels per launch config, compiled for a
 GPU architecture without one (Triton compiles on the CPU; ptxas and cuobjdump ship with its wheel). Occupancy of
 these whole-row-in-registers kernels is set by registers per thread: it says how many rows an SM keeps in flight.
 
@@ -77,7 +77,7 @@ def main() -> int:
     ap.add_argument("--configs", default=None, help="ROWSxWARPS,... (default: each op's benchmark sweep)")
     ap.add_argument("--arch", type=int, default=90, help="CUDA compute capability x 10 (90: H100 / H200)")
     args = ap.parse_args()
-    from stagekit import fp8_rows as fr
+    from minimax_h3.kernels import fp8_rows as fr
 
     if fr.triton is None:
         print("kernel_registers.py needs triton (`.venv/bin/pip install --no-deps triton`)", file=sys.stderr)

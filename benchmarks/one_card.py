@@ -219,8 +219,8 @@ def dit_engine_bench(models: Path, cap_gb: float, tiny: bool) -> dict:
     import torch
 
     from dit_svc.engine import DiTEngine, DiTEngineConfig
+    from minimax_h3.contract import RenderSpec
     from stagekit.dist import RankGroup, RankInfo
-    from stagekit.render_params import RenderSpec
 
     cuda = torch.cuda.is_available() and not tiny
     dev = "cuda:0" if cuda else "cpu"
@@ -312,11 +312,11 @@ def tp2_rank_memory(dev, room_gib: float = 19.5) -> dict:
     import torch
     import torch.nn as nn
 
-    from dit_svc.config import DiTConfig
-    from dit_svc.engine import CHUNK_ROWS_EAGER, activation_bytes
-    from dit_svc.streaming import BlockStream, plan_placement
     from benchmarks import bench_dit
-    from stagekit.kernels import default_attention_candidates
+    from dit_svc.engine import CHUNK_ROWS_EAGER, activation_bytes
+    from minimax_h3.dit.config import DiTConfig
+    from minimax_h3.dit.streaming import BlockStream, plan_placement
+    from minimax_h3.kernels.registry import default_attention_candidates
 
     cfg = DiTConfig.full(adaln_form="curve")
     model = bench_dit.build_tp_rank(cfg, 2, dev, CHUNK_ROWS_EAGER, seed=0)

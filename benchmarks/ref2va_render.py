@@ -41,8 +41,8 @@ FULL, TINY = (1344, 768, 124), (256, 256, 22)
 
 def write_models(models: Path, tiny: bool) -> dict:
     """Whatever is missing of the text encoder, VAEs and the ref2va DiT (each written under a temp name)."""
-    from dit_svc.config import DiTConfig
-    from dit_svc.tiny_checkpoint import write_random_int8_convrot_checkpoint, write_tiny_checkpoint
+    from minimax_h3.dit.config import DiTConfig
+    from minimax_h3.dit.tiny_checkpoint import write_random_int8_convrot_checkpoint, write_tiny_checkpoint
 
     t0 = time.monotonic()
     out = two.write_weights(models, tiny, {"te", "video_vae", "audio_vae"})

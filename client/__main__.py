@@ -34,12 +34,12 @@ from client.endpoints import (EndpointError, add_endpoint_args, check_render_rea
 from client.render_client import state_name
 from client.stubs import SERVICE_NAMES, STAGES, Security, StageClients, health_of, job_error_words, rpc_words
 from h3.v1 import render_pb2
+from minimax_h3.contract import (DEFAULT_CRF, DEFAULT_FRAMES, DEFAULT_SIZE, DEFAULT_STEPS, MAX_AREA, MAX_ASPECT,
+                                 MAX_ASPECT_CHANGE, MAX_CRF, MAX_FRAMES, MAX_OUTPUT_SIDE, MAX_SIDE, MAX_STEPS,
+                                 MIN_FRAMES, MIN_SIDE, MIN_STEPS, SAMPLERS, SCHEDULERS, SIZE_MULTIPLE, RenderSpec,
+                                 check_output, validate)
+from minimax_h3.files import EMBEDDED_NOTE
 from stagekit.errors import InvalidArgument
-from stagekit.models import EMBEDDED_NOTE
-from stagekit.render_params import (DEFAULT_CRF, DEFAULT_FRAMES, DEFAULT_SIZE, DEFAULT_STEPS, MAX_AREA, MAX_ASPECT,
-                                    MAX_ASPECT_CHANGE, MAX_CRF, MAX_FRAMES, MAX_OUTPUT_SIDE, MAX_SIDE, MAX_STEPS,
-                                    MIN_FRAMES, MIN_SIDE, MIN_STEPS, SAMPLERS, SCHEDULERS, SIZE_MULTIPLE, RenderSpec,
-                                    check_output, validate)
 from stagekit.transport import MAX_MESSAGE_BYTES
 
 MAX_REQUEST_BYTES = MAX_MESSAGE_BYTES - (64 << 10)  # a RenderRequest (keyframes included) is one gRPC message

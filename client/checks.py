@@ -1,6 +1,6 @@
 """What `render` refuses by itself, before asking any stage (or starting an embedded stack, ~10 s).
 
-The rules are the stages' own, from the same code (`stagekit.render_params.validate`, `stagekit.images.admit_keyframe`,
+The rules are the stages' own, from the same code (`minimax_h3.contract.validate`, `minimax_h3.images.admit_keyframe`,
 the encoder's `validate_prompt`, the DiT's `resolve_lora_path`); the messages add what only the client knows: the
 file name and the flag it came from. Every refusal is a `CheckError`, which the CLI prints as `error: ...` and
 exits 2, whatever the input (an empty `--prompt ""` and a blank one alike).
@@ -64,7 +64,7 @@ def refuse_existing(paths: list[Path], overwrite: bool) -> None:
 def read_keyframe(path: str, flag: str, width: int, height: int) -> bytes:
     """The bytes of a PNG/JPEG keyframe file for a `width` x `height` render, admitted as the stages admit it
     (format and size from the header; nothing decoded)."""
-    from stagekit.images import admit_keyframe
+    from minimax_h3.images import admit_keyframe
 
     try:
         data = Path(path).read_bytes()
@@ -79,10 +79,10 @@ def read_keyframe(path: str, flag: str, width: int, height: int) -> bytes:
 
 def read_references(specs: list[str], prompts: list[str]):
     """`--ref [KIND:]PATH` values in order -> Reference messages, each read and size-checked, with every prompt's
-    `<Picture i>` / `<Video k>` / `<Audio j>` labels checked against them (stagekit/labels.py)."""
+    `<Picture i>` / `<Video k>` / `<Audio j>` labels checked against them (minimax_h3/labels.py)."""
     from h3.v1 import common_pb2
-    from stagekit.images import MAX_IMAGE_BYTES
-    from stagekit.labels import EXTENSIONS, check_labels, kind_of
+    from minimax_h3.images import MAX_IMAGE_BYTES
+    from minimax_h3.labels import EXTENSIONS, check_labels, kind_of
 
     refs, sound = [], []
     for spec in specs:
@@ -137,7 +137,7 @@ def _check_loras(loras: list[tuple[str, float]], models_dir: str) -> None:
     if not loras_dir:
         raise CheckError(f"--lora {loras[0][0]}: the embedded model takes no LoRAs; pass --models-dir DIR "
                          "(LoRA files in DIR/loras)")
-    from dit_svc.lora import resolve_lora_path  # stage code (imports torch): only when LoRAs are asked for
+    from minimax_h3.dit.lora import resolve_lora_path  # stage code (imports torch): only when LoRAs are asked for
 
     for name, _ in loras:
         try:
@@ -151,10 +151,10 @@ WEIGHTS_ENV = {"encoder": "H3_ENCODER_WEIGHTS", "dit": "H3_DIT_WEIGHTS", "video_
 
 
 def check_models_dir(models_dir: str) -> None:
-    """Every part of the model findable under `models_dir` the way its stage looks (stagekit.models), unless its
+    """Every part of the model findable under `models_dir` the way its stage looks (minimax_h3.files), unless its
     file is named by the stage's own env var; else one line naming the folder and what was looked for."""
+    from minimax_h3.files import CHECKPOINT_PARTS, find_part
     from stagekit.errors import FailedPrecondition
-    from stagekit.models import CHECKPOINT_PARTS, find_part
 
     for part, spec in CHECKPOINT_PARTS.items():
         if os.environ.get(WEIGHTS_ENV.get(part, "")):
@@ -169,15 +169,15 @@ def check_models_dir(models_dir: str) -> None:
 
 
 def _check_embedded_prompt_tokens(prompts: list[str]) -> None:
-    from encoder_svc.tokenizer import MAX_PROMPT_TOKENS
+    from minimax_h3.text.tokenizer import MAX_PROMPT_TOKENS
 
     limit = int(os.environ.get("H3_ENCODER_MAX_PROMPT_TOKENS") or MAX_PROMPT_TOKENS)
     # A token covers at least one UTF-8 byte, so only a prompt longer in bytes than the limit can be over it.
     long = [p for p in prompts if len(p.encode("utf-8", "surrogatepass")) > limit]
     if not long:
         return
-    from encoder_svc.tiny import build_tiny_tokenizer  # the embedded encoder's tokenizer (imports torch)
-    from encoder_svc.tokenizer import TextTokenizer, validate_prompt
+    from minimax_h3.text.tiny import build_tiny_tokenizer  # the embedded encoder's tokenizer (imports torch)
+    from minimax_h3.text.tokenizer import TextTokenizer, validate_prompt
 
     tok = TextTokenizer(build_tiny_tokenizer(), fingerprint="embedded", check_release_ids=False)
     for p in long:

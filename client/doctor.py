@@ -49,8 +49,8 @@ def torch_info() -> tuple[str, str]:
 def cmd_doctor(args) -> int:
     from client.endpoints import configured_endpoints, configured_render, render_reachable, unreachable_stages
     from client.stubs import Security
+    from minimax_h3.files import CHECKPOINT_PARTS, find_part
     from stagekit.errors import FailedPrecondition
-    from stagekit.models import CHECKPOINT_PARTS, find_part
 
     fixes: list[str] = []
     gpus, none_why = find_gpus()

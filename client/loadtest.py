@@ -34,7 +34,7 @@ import grpc
 
 from client.stubs import SERVICE_NAMES, STAGES, StageClients
 from h3.v1 import common_pb2, decoder_pb2, encoder_pb2
-from stagekit.render_params import RenderSpec
+from minimax_h3.contract import RenderSpec
 
 if TYPE_CHECKING:  # torch is imported where tensors are made: the CLI that registers this command stays torch-free
     import torch

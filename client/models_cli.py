@@ -200,12 +200,12 @@ class PartReport:
 def _inspect(part: str, path: Path) -> str:
     """The variant read from `path`'s header by the stage's own loader; raises its CheckpointError / errors."""
     if part == "dit":
-        from dit_svc.checkpoint import check_checkpoint
+        from minimax_h3.dit.checkpoint import check_checkpoint
 
         return check_checkpoint(path).variant.name
     if part == "encoder":
-        from encoder_svc.conditioner import ConditionerConfig, resolve_tokenizer
-        from encoder_svc.checkpoint import TextEncoderCheckpoint
+        from minimax_h3.text.checkpoint import TextEncoderCheckpoint
+        from minimax_h3.text.conditioner import ConditionerConfig, resolve_tokenizer
 
         ckpt = TextEncoderCheckpoint(path, ConditionerConfig.full())
         variant = ckpt.info.variant + (" + vision tower" if ckpt.info.has_visual else " (no vision tower: no keyframes)")
@@ -218,21 +218,21 @@ def _inspect(part: str, path: Path) -> str:
                              f"{ConditionerConfig.full().vocab_size}: not this model's tokenizer")
         return variant
     if part == "video_vae":
-        from decoder_svc.video_vae import inspect_video_vae
+        from minimax_h3.vae.video import inspect_video_vae
 
         info = inspect_video_vae(str(path), parts="decoder")
         return f"{info.layout} layout, geometry from the {info.config_source}"
-    from decoder_svc.audio_vae import inspect_audio_vae
+    from minimax_h3.vae.audio import inspect_audio_vae
 
     info = inspect_audio_vae(path, with_encoder=False)
     return f"{info.layout} layout, geometry from the {info.config_source}"
 
 
 def check_folder(models_dir: Path) -> list[PartReport]:
-    """One report per part of the model (stagekit.models.CHECKPOINT_PARTS): found how the stage finds it, then
+    """One report per part of the model (minimax_h3.files.CHECKPOINT_PARTS): found how the stage finds it, then
     read with its loader."""
+    from minimax_h3.files import CHECKPOINT_PARTS, find_part
     from stagekit.errors import FailedPrecondition
-    from stagekit.models import CHECKPOINT_PARTS, find_part
 
     stage_of = {"encoder": "encoder", "dit": "dit", "dit_ref2va": "dit", "video_vae": "decoder",
                 "audio_vae": "decoder"}

@@ -19,7 +19,7 @@ import torch
 
 from client.stubs import StageClients
 from h3.v1 import common_pb2, decoder_pb2, dit_pb2, encoder_pb2
-from stagekit.render_params import RenderSpec, spec_to_proto, validate
+from minimax_h3.contract import RenderSpec, spec_to_proto, validate
 from stagekit.transport import FileReceiver
 from stagekit.wire import TensorAssembler, tensor_chunks
 
@@ -133,7 +133,7 @@ def encode_reference(clients: StageClients, reference: common_pb2.Reference, fra
 
 
 def reference_tensors(index: int, latents: dict[str, torch.Tensor], kind: str) -> dict[str, torch.Tensor]:
-    """The DiT's wire names of reference `index`'s latents (dit_svc/references.py)."""
+    """The DiT's wire names of reference `index`'s latents (minimax_h3/dit/references.py)."""
     out = {}
     if "video" in latents:
         out[f"ref_{index}_{'image' if kind == 'image' else 'video'}"] = latents["video"]

@@ -15,7 +15,7 @@ import grpc
 
 from client.stubs import Security, open_channel
 from h3.v1 import common_pb2, render_pb2, render_pb2_grpc
-from stagekit.render_params import RenderSpec, spec_to_proto
+from minimax_h3.contract import RenderSpec, spec_to_proto
 from stagekit.transport import FileReceiver
 
 TERMINAL = (render_pb2.JOB_SUCCEEDED, render_pb2.JOB_FAILED, render_pb2.JOB_CANCELLED)

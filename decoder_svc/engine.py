@@ -20,23 +20,23 @@ from pathlib import Path
 
 import torch
 
-from decoder_svc.audio_vae import (HOP_LENGTH, SAMPLE_RATE, AudioVAEConfig, inspect_audio_vae, load_audio_vae,
-                                   write_tiny_audio_vae)
-from decoder_svc.mux import DEFAULT_PRESET
-from decoder_svc.video_tiling import StreamingAssembler, plan_decode
-from decoder_svc.video_vae import VideoVAEConfig, decode_unit, inspect_video_vae, load_video_vae, write_tiny_video_vae
+from minimax_h3.contract import DEFAULT_CRF, RenderSpec, validate
+from minimax_h3.files import CHECKPOINT_PARTS, ensure_embedded, resolve_checkpoint
+from minimax_h3.media import EMBEDDED_IMAGE_SHORT_EDGE, IMAGE_SHORT_EDGE
+from minimax_h3.mux import DEFAULT_PRESET
+from minimax_h3.vae.audio import (HOP_LENGTH, SAMPLE_RATE, AudioVAEConfig, inspect_audio_vae, load_audio_vae,
+                                  write_tiny_audio_vae)
+from minimax_h3.vae.tiling import StreamingAssembler, plan_decode
+from minimax_h3.vae.video import VideoVAEConfig, decode_unit, inspect_video_vae, load_video_vae, write_tiny_video_vae
 from stagekit.checkpoints import CheckpointError
 from stagekit.dist import RankGroup
-from stagekit.runtime import release_device_memory
 from stagekit.errors import FailedPrecondition, InvalidArgument
-from stagekit.media import EMBEDDED_IMAGE_SHORT_EDGE, IMAGE_SHORT_EDGE
-from stagekit.models import CHECKPOINT_PARTS, ensure_embedded, resolve_checkpoint
-from stagekit.render_params import DEFAULT_CRF, RenderSpec, validate
+from stagekit.runtime import release_device_memory
 from stagekit.wire import check_finite, check_result
 
 log = logging.getLogger("decoder_svc")
 
-# Where the VAEs are found (stagekit.models.CHECKPOINT_PARTS); each excludes the other VAE's file, which its patterns
+# Where the VAEs are found (minimax_h3.files.CHECKPOINT_PARTS); each excludes the other VAE's file, which its patterns
 # also match.
 VIDEO_PATTERNS, VIDEO_EXCLUDE = CHECKPOINT_PARTS["video_vae"].patterns, CHECKPOINT_PARTS["video_vae"].exclude
 AUDIO_PATTERNS, AUDIO_EXCLUDE = CHECKPOINT_PARTS["audio_vae"].patterns, CHECKPOINT_PARTS["audio_vae"].exclude
@@ -241,7 +241,7 @@ class DecoderEngine:
 
     @torch.inference_mode()
     def encode_reference(self, media, ctx) -> dict:
-        """A ref2va reference on the model's rates (stagekit.media.ReferenceMedia) -> {"video": [24, T, h, w]}
+        """A ref2va reference on the model's rates (minimax_h3.media.ReferenceMedia) -> {"video": [24, T, h, w]}
         and/or {"audio": [2, 32, Ta]}: normalised posterior means (docs/model.md §3.4). Rank 0 alone."""
         if not self.group.info.is_leader:
             return {}
@@ -322,7 +322,7 @@ class DecoderEngine:
 
     def _output(self, job, frames: torch.Tensor, audio: torch.Tensor, check_cancel=None) -> dict:
         # Imported here: PyAV/soundfile are needed only to mux, not to decode (RAW output runs without them).
-        from decoder_svc.mux import frames_to_uint8, write_mp4, write_wav
+        from minimax_h3.mux import frames_to_uint8, write_mp4, write_wav
 
         fmt, name = job["format"], job["output_name"]
         if fmt == "raw":

@@ -11,15 +11,15 @@ from pathlib import Path
 import torch
 
 from decoder_svc.engine import DecoderEngine, DecoderEngineConfig, check_latents, expected_shapes
-from decoder_svc.mux import X264_PRESETS
 from h3.v1 import common_pb2, decoder_pb2, decoder_pb2_grpc
+from minimax_h3.contract import check_output, spec_from_proto, validate
+from minimax_h3.files import safe_name
+from minimax_h3.images import Keyframe, admit_keyframe, check_canvas
+from minimax_h3.media import admit_reference, load_reference, reference_decode_bytes
+from minimax_h3.mux import X264_PRESETS
 from stagekit.config import parse_config
 from stagekit.errors import InvalidArgument
-from stagekit.images import Keyframe, admit_keyframe, check_canvas
-from stagekit.media import admit_reference, load_reference, reference_decode_bytes
 from stagekit.metrics import observed
-from stagekit.models import safe_name
-from stagekit.render_params import check_output, spec_from_proto, validate
 from stagekit.runtime import Job
 from stagekit.server import abort_on_error, stream_job
 from stagekit.servicer import LifecycleMixin, timing_pb

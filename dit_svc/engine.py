@@ -16,35 +16,35 @@ from pathlib import Path
 
 import torch
 
-from dit_svc.checkpoint import (PARTITIONS, CheckpointInfo, check_checkpoint, load_dit_weights,
-                                partition_undecided)
-from dit_svc.config import TAG_TEXT, TAG_VIDEO, DiTConfig
-from dit_svc.keyframes import (KEYFRAME_TENSORS, TEXT_TAGS_TENSOR, check_keyframe, check_text_tags, condition_rows,
-                               conditioned_denoise, keyframe_anchors)
-from dit_svc.layout import (AUDIO_CHANNELS, build_layout, build_ref2va_layout, latent_shape, patchify_video,
-                            unpatchify_audio, unpatchify_video)
-from dit_svc.lora import LoRAError, LoRAManager, check_lora_file, config_targets, resolve_lora_path
-from dit_svc.model import H3DiT
-from dit_svc.references import REFERENCES_INPUT, References, has_references, parse_references
-from dit_svc.sampling import SamplerConfig, draw_noise, sample
-from dit_svc.streaming import BlockStream, Placement, plan_placement
-from dit_svc.tiny_checkpoint import write_tiny_checkpoint
-from dit_svc.sp import ParallelGroups, make_groups, validate_parallel
-from dit_svc.tp import param_style
+from minimax_h3.contract import RenderSpec, validate
+from minimax_h3.dit.checkpoint import (PARTITIONS, CheckpointInfo, check_checkpoint, load_dit_weights,
+                                       partition_undecided)
+from minimax_h3.dit.config import TAG_TEXT, TAG_VIDEO, DiTConfig
+from minimax_h3.dit.keyframes import (KEYFRAME_TENSORS, TEXT_TAGS_TENSOR, check_keyframe, check_text_tags, condition_rows,
+                                      conditioned_denoise, keyframe_anchors)
+from minimax_h3.dit.layout import (AUDIO_CHANNELS, build_layout, build_ref2va_layout, latent_shape, patchify_video,
+                                   unpatchify_audio, unpatchify_video)
+from minimax_h3.dit.lora import LoRAError, LoRAManager, check_lora_file, config_targets, resolve_lora_path
+from minimax_h3.dit.model import H3DiT
+from minimax_h3.dit.references import REFERENCES_INPUT, References, has_references, parse_references
+from minimax_h3.dit.sampling import SamplerConfig, draw_noise, sample
+from minimax_h3.dit.sp import ParallelGroups, make_groups, validate_parallel
+from minimax_h3.dit.streaming import BlockStream, Placement, plan_placement
+from minimax_h3.dit.tiny_checkpoint import write_tiny_checkpoint
+from minimax_h3.dit.tp import param_style
+from minimax_h3.files import CHECKPOINT_PARTS, ensure_embedded, find_part
+from minimax_h3.kernels.int8 import Int8ConvRotLinear, QuantizedWeight
+from minimax_h3.kernels.registry import AUTO, KernelConfig, KernelSelection, select_kernels
 from stagekit.compile_cache import enable_compile_cache
 from stagekit.device_worker import run_in_child
 from stagekit.dist import RankGroup
-from stagekit.runtime import release_device_memory
 from stagekit.errors import FailedPrecondition, InvalidArgument
-from stagekit.kernels import AUTO, KernelConfig, KernelSelection, select_kernels
-from stagekit.models import CHECKPOINT_PARTS, ensure_embedded, find_part
-from stagekit.quant import Int8ConvRotLinear, QuantizedWeight
-from stagekit.render_params import RenderSpec, validate
+from stagekit.runtime import release_device_memory
 
 log = logging.getLogger("dit_svc")
 
 # File names users have (ComfyUI) and the diffusers / release folders, per partition: one candidate of each may be
-# under --models-dir (docs/references.md); the table is stagekit.models.CHECKPOINT_PARTS ("dit", "dit_ref2va").
+# under --models-dir (docs/references.md); the table is minimax_h3.files.CHECKPOINT_PARTS ("dit", "dit_ref2va").
 CHECKPOINT_PATTERNS, CHECKPOINT_EXCLUDE = CHECKPOINT_PARTS["dit"].patterns, CHECKPOINT_PARTS["dit"].exclude
 REF2VA_PATTERNS = CHECKPOINT_PARTS["dit_ref2va"].patterns
 # The embedded tiny model provides both partitions (other seeds: other weights, as in the release).
@@ -99,7 +99,7 @@ class DiTEngineConfig:
     attention_kernel: str = "auto"  # GPU attention: auto | cudnn | flash | efficient | math | int8 | fp8
     compile_blocks: bool = False    # torch.compile each block on the GPU (~1.4x faster step; compiles per shape)
     compile_cache_dir: Path | None = None  # persistent torch.compile cache root (stagekit/compile_cache.py)
-    sp_degree: int = 1           # sequence-parallel degree (dit_svc/sp.py); TP degree = ranks / sp_degree
+    sp_degree: int = 1           # sequence-parallel degree (minimax_h3/dit/sp.py); TP degree = ranks / sp_degree
     loras_dir: str = ""          # request LoRAs by bare file name from here ("" = LoRAs by name disabled)
     allow_lora_paths: bool = False  # also accept absolute LoRA paths in requests (trusted clients only)
     qkv_layout: str = ""         # "stacked" | "interleaved": q/k/v row order of a file that does not show it ("" =
@@ -126,10 +126,10 @@ def activation_bytes(m: DiTConfig, rows: int, compute_dtype: torch.dtype, chunk_
     Whole-sequence tensors, per packed row: the fp32 residual stream (hidden x 4 B); q, k, v and the attention
     output (4 x local inner x compute-dtype bytes: attention needs them whole); RoPE cos/sin (fp32); the
     sampler's fp32 latent state (~8 copies of a patch row). Everything else lives one row chunk at a time
-    (dit_svc/model.py Block): the larger of the qkv step (projection, fp32 norm/RoPE temporaries, the fp32
+    (minimax_h3/dit/model.py Block): the larger of the qkv step (projection, fp32 norm/RoPE temporaries, the fp32
     modulated input) and the MLP step ([chunk, 3 x ffn / tp] in the compute dtype). Padded by 15 % for allocator
     slack, plus the cuBLAS / cuDNN workspaces on CUDA. An estimate to budget with (measured peaks:
-    docs/memory.md), not a promise. Sequence parallel (dit_svc/sp.py): the whole-sequence tensors shrink to this
+    docs/memory.md), not a promise. Sequence parallel (minimax_h3/dit/sp.py): the whole-sequence tensors shrink to this
     rank's rows, plus the all-to-all buffers held while attention runs (~5 x local inner per row); the sampler
     state stays whole.
     """
@@ -223,7 +223,7 @@ class DiTEngine:
         self.cfg = replace(cfg, kernels=self.kernels)
         self._compile_cache_on = False
         self.model: H3DiT | None = None
-        self.stream: BlockStream | None = None  # where the loaded blocks live, job by job (dit_svc/streaming.py)
+        self.stream: BlockStream | None = None  # where the loaded blocks live, job by job (minimax_h3/dit/streaming.py)
         self.placement: Placement | None = None  # the last job's
         self.loras: LoRAManager | None = None  # per-rank LoRA cache; lives as long as the loaded model
         self._lora_targets = None  # full-size linear shapes for header-only LoRA validation (rank 0)
@@ -401,7 +401,7 @@ class DiTEngine:
         return max(sizes, default=0)
 
     def plan(self, spec: RenderSpec, text_len: int, room_bytes: int | None) -> Placement:
-        """Which blocks a job streams from host memory on this rank (dit_svc/streaming.py), or ResourceExhausted
+        """Which blocks a job streams from host memory on this rank (minimax_h3/dit/streaming.py), or ResourceExhausted
         naming the numbers when even streaming every block cannot fit `room_bytes`."""
         n = self.model_cfg.num_layers
         if self.stream is not None:  # loaded: the exact sizes
@@ -460,7 +460,7 @@ class DiTEngine:
 
     def check_conditioning(self, spec: RenderSpec, text_states: torch.Tensor, inputs: dict) -> dict:
         """fl2va extras: optional "keyframe_first"/"keyframe_last" latents [24,1,H/16,W/16] and "text_tags" [L];
-        ref2va: the `ref_{i}_*` reference latents (dit_svc/references.py), returned as one References entry.
+        ref2va: the `ref_{i}_*` reference latents (minimax_h3/dit/references.py), returned as one References entry.
         Returns the validated extras (tags as int64); raises InvalidArgument / FailedPrecondition (partition)."""
         out = {}
         shp = latent_shape(self.model_cfg, spec.frames, spec.height, spec.width)
@@ -486,7 +486,7 @@ class DiTEngine:
 
     def check_loras(self, loras: list[tuple[str, float]]) -> list[tuple[str, float]]:
         """Request LoRAs (name or path, strength) -> [(resolved path, strength)], checked against this DiT from the
-        file headers (dit_svc/lora.py); raises InvalidArgument. Names resolve only inside `loras_dir`."""
+        file headers (minimax_h3/dit/lora.py); raises InvalidArgument. Names resolve only inside `loras_dir`."""
         out = []
         try:
             for name, strength in loras:
@@ -584,7 +584,7 @@ class DiTEngine:
 
 
 def _probe_kernels(cfg: DiTEngineConfig) -> KernelSelection:
-    """The start-up kernel probe (stagekit.kernels.select_kernels), run in a short-lived child process."""
+    """The start-up kernel probe (minimax_h3.kernels.registry.select_kernels), run in a short-lived child process."""
     if cfg.compile_cache_dir is not None:  # before the probe: fp8 attention compiles its quantisation there
         log.info("torch.compile cache: %s", enable_compile_cache(cfg.compile_cache_dir, cfg.device))
     return select_kernels(cfg.device, KernelConfig(linear_kernel=cfg.linear_kernel, attention_kernel=cfg.attention_kernel,

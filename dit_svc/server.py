@@ -8,18 +8,18 @@ import time
 import typing
 from dataclasses import dataclass, field
 
-from dit_svc.checkpoint import QKVLayout
 from dit_svc.engine import DiTEngine, DiTEngineConfig
-from dit_svc.keyframes import KEYFRAME_TENSORS, TEXT_TAGS_TENSOR
-from dit_svc.references import REF_PARTS, ref_tensor, MAX_REFERENCES
 from h3.v1 import dit_pb2, dit_pb2_grpc, common_pb2
+from minimax_h3.contract import spec_from_proto, validate
+from minimax_h3.dit.checkpoint import QKVLayout
+from minimax_h3.dit.keyframes import KEYFRAME_TENSORS, TEXT_TAGS_TENSOR
+from minimax_h3.dit.references import REF_PARTS, ref_tensor, MAX_REFERENCES
+from minimax_h3.kernels.int8 import Int8Mode
+from minimax_h3.kernels.registry import AUTO, default_attention_candidates, default_linear_candidates
 from stagekit.budget import GIB, resolve_budget_bytes
 from stagekit.config import parse_config
 from stagekit.errors import InvalidArgument
-from stagekit.kernels import AUTO, default_attention_candidates, default_linear_candidates
 from stagekit.metrics import observed
-from stagekit.quant import Int8Mode
-from stagekit.render_params import spec_from_proto, validate
 from stagekit.runtime import Job
 from stagekit.server import abort_on_error, stream_job
 from stagekit.servicer import LifecycleMixin, timing_pb
@@ -78,7 +78,7 @@ class DiTServicer(LifecycleMixin, dit_pb2_grpc.DiTSamplerServicer):
         spec = validate(spec_from_proto(req.params))
         loras = self.engine.check_loras([(x.name, x.strength if x.HasField("strength") else 1.0) for x in req.loras])
         # fl2va extras (optional): keyframe latents [24, 1, H/16, W/16] by anchor, per-token DiT tags [L] integers.
-        # ref2va extras: reference latents ref_{i}_image / ref_{i}_video / ref_{i}_audio (dit_svc/references.py).
+        # ref2va extras: reference latents ref_{i}_image / ref_{i}_video / ref_{i}_audio (minimax_h3/dit/references.py).
         m = self.engine.model_cfg
         latent = (FLOAT_DTYPES, (m.in_channels, 1, spec.height // 16, spec.width // 16))
         refs = {"image": (FLOAT_DTYPES, (m.in_channels, 1, None, None)),

@@ -14,22 +14,22 @@ from pathlib import Path
 import torch
 
 from encoder_svc.cache import CacheKey, TextStateCache
-from encoder_svc.checkpoint import TextEncoderCheckpoint
-from encoder_svc.conditioner import Conditioner, ConditionerConfig, resolve_tokenizer
-from encoder_svc.tiny import write_tiny_model
-from encoder_svc.tokenizer import MAX_PROMPT_TOKENS, validate_prompt
-from encoder_svc.vision import reference_parts
-from stagekit.dist import RankGroup
-from stagekit.runtime import release_device_memory
+from minimax_h3.files import CHECKPOINT_PARTS, EMBEDDED_VERSION, resolve_checkpoint
+from minimax_h3.media import EMBEDDED_IMAGE_SHORT_EDGE, IMAGE_SHORT_EDGE
+from minimax_h3.text.checkpoint import TextEncoderCheckpoint
+from minimax_h3.text.conditioner import Conditioner, ConditionerConfig, resolve_tokenizer
+from minimax_h3.text.tiny import write_tiny_model
+from minimax_h3.text.tokenizer import MAX_PROMPT_TOKENS, validate_prompt
+from minimax_h3.text.vision import reference_parts
 from stagekit.checkpoints import CheckpointError
+from stagekit.dist import RankGroup
 from stagekit.errors import FailedPrecondition
-from stagekit.media import EMBEDDED_IMAGE_SHORT_EDGE, IMAGE_SHORT_EDGE
-from stagekit.models import CHECKPOINT_PARTS, EMBEDDED_VERSION, resolve_checkpoint
+from stagekit.runtime import release_device_memory
 from stagekit.wire import check_result
 
 log = logging.getLogger("encoder_svc")
 
-CHECKPOINT_PATTERNS = CHECKPOINT_PARTS["encoder"].patterns  # where the text encoder is found (stagekit.models)
+CHECKPOINT_PATTERNS = CHECKPOINT_PARTS["encoder"].patterns  # where the text encoder is found (minimax_h3.files)
 
 
 @dataclass
@@ -111,7 +111,7 @@ class EncoderEngine:
         if images or references:  # fl2va / ref2va: labels + vision blocks, then the prompt (not cached)
             try:
                 labels, prompt = None, spec["ids"]
-                if references:  # ref2va: labels per kind in request order (encoder_svc/vision.py)
+                if references:  # ref2va: labels per kind in request order (minimax_h3/text/vision.py)
                     labels, images, tail = reference_parts(self.model.tokenizer.encode, references)
                     prompt = tail + list(prompt)
                 states, tags = self.model.encode_presentation(prompt, images, labels)

@@ -8,17 +8,17 @@ from dataclasses import dataclass, field
 
 import torch
 
-from encoder_svc.conditioner import MODES
 from encoder_svc.engine import EncoderEngine, EncoderEngineConfig
-from encoder_svc.tokenizer import MAX_PROMPT_TOKENS
 from h3.v1 import common_pb2, encoder_pb2, encoder_pb2_grpc
+from minimax_h3.contract import MAX_PROMPT_BYTES
+from minimax_h3.images import admit_keyframe
+from minimax_h3.labels import VIDEO_NOT_PRESENTED
+from minimax_h3.media import ReferenceMedia, admit_reference, load_reference, reference_decode_bytes
+from minimax_h3.text.conditioner import MODES
+from minimax_h3.text.tokenizer import MAX_PROMPT_TOKENS
 from stagekit.config import parse_config
 from stagekit.errors import FailedPrecondition, InvalidArgument
-from stagekit.images import admit_keyframe
-from stagekit.labels import VIDEO_NOT_PRESENTED
-from stagekit.media import ReferenceMedia, admit_reference, load_reference, reference_decode_bytes
 from stagekit.metrics import observed
-from stagekit.render_params import MAX_PROMPT_BYTES
 from stagekit.runtime import Job
 from stagekit.server import abort_on_error, stream_job
 from stagekit.servicer import LifecycleMixin, timing_pb
@@ -115,7 +115,7 @@ class EncoderServicer(LifecycleMixin, encoder_pb2_grpc.TextEncoderServicer):
         if keyframes:  # canvas-sized uint8 [H, W, 3] each, decoded on the worker thread
             job.prepare = lambda: {"keyframes": [k.load() for k in keyframes]}
             job.input_bytes = sum(k.decode_bytes for k in keyframes)
-        if references:  # on the model's rates and sizes (stagekit/media.py), decoded on the worker thread
+        if references:  # on the model's rates and sizes (minimax_h3/media.py), decoded on the worker thread
             job.prepare = lambda: {"references": [
                 ReferenceMedia("audio") if r.kind == "audio" else  # a label only: its sound never reaches Qwen
                 load_reference(r.data, r.kind, request.frames, self.engine.image_short_edge) for r in references]}

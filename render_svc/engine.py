@@ -22,8 +22,8 @@ from client.pipeline import (StageResult, decode, encode, encode_image, encode_r
                              sample)
 from client.stubs import StageClients
 from h3.v1 import common_pb2, render_pb2
+from minimax_h3.contract import RenderSpec
 from stagekit.errors import Cancelled, status_for
-from stagekit.render_params import RenderSpec
 
 
 @dataclass

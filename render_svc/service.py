@@ -25,11 +25,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from h3.v1 import common_pb2, render_pb2
+from minimax_h3.contract import MAX_PROMPT_BYTES, check_output, spec_from_proto, validate
 from render_svc.engine import Outcome, Work
 from render_svc.planner import Batch, BatchPlanner, first_stage, next_stage
 from render_svc.store import CANCELLED, FAILED, QUEUED, RUNNING, SUCCEEDED, JobRecord, JobStore
 from stagekit.errors import Cancelled, FailedPrecondition, InvalidArgument, Unavailable
-from stagekit.render_params import MAX_PROMPT_BYTES, check_output, spec_from_proto, validate
 from stagekit.runtime import Job
 
 log = logging.getLogger("render_svc")
@@ -60,7 +60,7 @@ PARTITIONS_TTL_S = 10.0  # how long the DiT's served partitions are trusted befo
 
 def check_request(req: render_pb2.RenderRequest) -> None:
     """Everything about a request that can be checked before it is queued; InvalidArgument with the reason."""
-    from stagekit.images import load_keyframe
+    from minimax_h3.images import load_keyframe
 
     size = len(req.params.prompt.encode())
     if size > MAX_PROMPT_BYTES:
@@ -85,11 +85,11 @@ def check_request(req: render_pb2.RenderRequest) -> None:
 
 def check_references(req: render_pb2.RenderRequest, prompt: str, frames: int) -> None:
     """ref2va admission: no keyframes beside them, at most 12, each a kind and size the decoder takes, and the
-    prompt's labels naming exactly the references there are (stagekit/labels.py). Fills in each reference's
+    prompt's labels naming exactly the references there are (minimax_h3/labels.py). Fills in each reference's
     thumbnail, duration and size (`describe_reference`)."""
-    from dit_svc.references import MAX_REFERENCES
-    from stagekit.labels import VIDEO_NOT_PRESENTED, check_labels
-    from stagekit.media import admit_reference
+    from minimax_h3.dit.references import MAX_REFERENCES
+    from minimax_h3.labels import VIDEO_NOT_PRESENTED, check_labels
+    from minimax_h3.media import admit_reference
 
     if req.first_frame or req.last_frame:
         raise InvalidArgument("references and first/last keyframes do not combine: the ref2va partition takes "

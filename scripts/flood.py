@@ -29,7 +29,7 @@ from client.embedded import EmbeddedStack, StackConfig  # noqa: E402
 from client.pipeline import decode, sample  # noqa: E402
 from client.stubs import SERVICE_NAMES, Endpoints, StageClients, health_of, open_channel  # noqa: E402
 from h3.v1 import common_pb2, decoder_pb2, decoder_pb2_grpc, dit_pb2, dit_pb2_grpc  # noqa: E402
-from stagekit.render_params import RenderSpec, spec_to_proto  # noqa: E402
+from minimax_h3.contract import RenderSpec, spec_to_proto  # noqa: E402
 from stagekit.wire import tensor_chunks  # noqa: E402
 
 SPEC = RenderSpec(prompt="x", width=256, height=256, frames=22, steps=1, seed=1)

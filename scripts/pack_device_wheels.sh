@@ -19,7 +19,7 @@
 #   comfy-kitchen 0.2.40 (without backends/hip/*.so: AMD-only, and most of the wheel), av 18.1.0 (PyAV: the MP4 mux
 #       and the run's MP4 checks), soundfile + cffi (+ pycparser), google-crc32c: not in the image.
 #   --with-cudnn-frontend adds nvidia-cudnn-frontend 1.32.0 (+5 MiB: the cuDNN fp8 attention candidate of
-#       stagekit/fp8_attention.py; without it that candidate is skipped). With it the tar (~62 MiB) plus the repo
+#       minimax_h3/kernels/fp8_attention.py; without it that candidate is skipped). With it the tar (~62 MiB) plus the repo
 #       (~2 MiB) no longer fits the 64 MiB carry.
 #   --fast-dit packs what the DiT benchmarks need and nothing of the decoder: the gRPC wheels,
 #       comfy-kitchen, google-crc32c, nvidia-cudnn-frontend 1.32.0 (--no-deps: its CuTe DSL / TVM FFI extras serve

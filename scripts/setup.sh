@@ -56,7 +56,7 @@ index_args=(); [[ -n "$index_url" ]] && index_args=(--index-url "$index_url")
 step "installing $torch_spec ($build build, the largest download)" \
   .venv/bin/python -m pip install "$torch_spec" "${index_args[@]}"
 step "installing h3-stages (editable) and its test tools" .venv/bin/python -m pip install -e ".[test]"
-# fp8 attention's graph API (stagekit/fp8_attention.py; tests check our graph against it on CPU). --no-deps: its
+# fp8 attention's graph API (minimax_h3/kernels/fp8_attention.py; tests check our graph against it on CPU). --no-deps: its
 # declared extras (CuTe DSL, TVM FFI) serve the frontend's own Blackwell kernels, never imported on our path.
 imports="import torch, grpc, av, comfy_kitchen, huggingface_hub"
 if [[ "$(pick cudnn_frontend)" == 1 ]]; then

@@ -10,7 +10,6 @@
   used in both directions;
 * `TensorReader`: reads whole tensors or row / column slices through safetensors, turning any read failure of a
   file that went bad after start-up into a `CheckpointError` (FAILED_PRECONDITION) naming file and tensor;
-* `read_quant_spec`: a `comfy_quant` descriptor, checked against the weight it describes;
 * `FiniteCheck` / `nonfinite_flag`: no weight holds a NaN or an Inf. `TensorReader` checks every float tensor it
   reads on the CPU; a loader that copies its tensors to a GPU checks the copies there instead, one queued flag per
   tensor and one host sync for the whole load.
@@ -33,7 +32,6 @@ import torch
 from safetensors import safe_open
 
 from stagekit.errors import FailedPrecondition
-from stagekit.quant import QuantFormatError, QuantSpec, parse_comfy_quant
 
 HEADER_LEN_BYTES = 8  # safetensors: little-endian u64 header length, then JSON header, then data
 MAX_HEADER_BYTES = 100 * 1024 * 1024
@@ -498,26 +496,6 @@ class TensorReader:
 
     def close(self) -> None:
         self._handles.clear()
-
-
-def read_quant_spec(reader: TensorReader, entries: Mapping[str, HeaderEntry], weight_key: str) -> QuantSpec:
-    """The `comfy_quant` descriptor of an int8 weight, checked against the weight: valid JSON of a known format,
-    and a ConvRot group that divides the weight's in_features. Raises CheckpointError naming file and tensor."""
-    prefix = weight_key[: -len(".weight")]
-    qkey = f"{prefix}.comfy_quant"
-    e = entries.get(qkey)
-    if e is None:
-        raise CheckpointError(entries[weight_key].file, "int8 weight without its comfy_quant descriptor: cannot "
-                                                        "tell whether it is ConvRot-rotated", qkey)
-    try:
-        spec = parse_comfy_quant(reader.whole(qkey))
-    except QuantFormatError as exc:
-        raise CheckpointError(e.file, str(exc), qkey) from exc
-    in_features = entries[weight_key].shape[-1]
-    if spec.groupsize and in_features % spec.groupsize:
-        raise CheckpointError(e.file, f"ConvRot group size {spec.groupsize} does not divide the weight's "
-                                      f"in_features {in_features}", qkey)
-    return spec
 
 
 def check_latent_stats(key: str, stored: torch.Tensor | None, file: Path | str,

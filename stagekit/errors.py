@@ -6,7 +6,7 @@ Five meanings; raise the class that says which one holds:
    have or already has under other terms, `NotFound` / `AlreadyExists`. Request validation raises these, never a
    bare `ValueError`. `stagekit.wire.WireError` (a malformed tensor stream) is one.
 2. **A file or setting on the server is wrong** (the operator fixes it): `FailedPrecondition`, and its subclasses
-   `stagekit.checkpoints.CheckpointError` (a checkpoint) and `stagekit.kernels.KernelError` (a kernel setting this
+   `stagekit.checkpoints.CheckpointError` (a checkpoint) and a model's kernel errors (a kernel setting this
    machine cannot honour). Never the caller's fault.
 3. **Overloaded or going away** (retry later or elsewhere): `ResourceExhausted`, `Unavailable`.
 4. **Cancelled or out of time**: `Cancelled`, `DeadlineExceeded`.

@@ -105,9 +105,12 @@ class CommonConfig(ServeConfig):
         return torch.bfloat16 if device.startswith("cuda") else torch.float32
 
     def resolved_cache_dir(self) -> Path:
-        from stagekit.models import default_cache_dir
-
         return Path(self.cache_dir).expanduser() if self.cache_dir else default_cache_dir()
+
+
+def default_cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "h3-stages"
 
 
 def run_stage(cfg: CommonConfig, stage: str, make_engine: Callable[[CommonConfig, RankInfo, RankGroup], Engine],

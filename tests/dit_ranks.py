@@ -9,9 +9,9 @@ from collections.abc import Callable
 
 import torch
 
-from dit_svc.config import DiTConfig
-from dit_svc.layout import build_layout
-from dit_svc.model import H3DiT, curve_state_dict_from_mlp
+from minimax_h3.dit.config import DiTConfig
+from minimax_h3.dit.layout import build_layout
+from minimax_h3.dit.model import H3DiT, curve_state_dict_from_mlp
 from tests.ranks import run_ranks
 
 T_VIDEO, T_AUDIO = 0.37, 0.58

@@ -17,8 +17,8 @@ from client.embedded import EmbeddedStack, StackConfig
 from client.render_client import render_request
 from client.stubs import Endpoints, open_channel
 from h3.v1 import render_pb2, render_pb2_grpc
+from minimax_h3.contract import RenderSpec
 from stagekit.lease import DeviceLease, LeaseConfig, events_per_stage, read_events
-from stagekit.render_params import RenderSpec
 
 ROOT = Path(__file__).resolve().parents[1]
 SERVER_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}

@@ -22,7 +22,7 @@ from client.embedded import EmbeddedStack, StackConfig
 from client.pipeline import decode, sample
 from client.stubs import SERVICE_NAMES, StageClients, health_of, open_channel
 from h3.v1 import common_pb2, decoder_pb2, dit_pb2, encoder_pb2, tensor_pb2
-from stagekit.render_params import RenderSpec, spec_to_proto
+from minimax_h3.contract import RenderSpec, spec_to_proto
 from stagekit.wire import MAX_CHUNK_BYTES, tensor_chunks
 from tests.conftest import SERVER_ENV
 from tests.procs import big_mappings, mem_kib

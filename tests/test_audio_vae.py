@@ -9,16 +9,16 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from decoder_svc.audio_vae import (
-    HOP_LENGTH,
-    AudioVAE,
-    AudioVAEConfig,
-    detect_layout,
-    kaiser_sinc_filter,
-    load_audio_vae,
-    unfold_weight_norm_state_dict,
-    write_tiny_audio_vae,
-)
+from minimax_h3.vae.audio import (
+                                  HOP_LENGTH,
+                                  AudioVAE,
+                                  AudioVAEConfig,
+                                  detect_layout,
+                                  kaiser_sinc_filter,
+                                  load_audio_vae,
+                                  unfold_weight_norm_state_dict,
+                                  write_tiny_audio_vae,
+                                  )
 from stagekit.checkpoints import CheckpointError
 
 diffusers = pytest.importorskip("diffusers")

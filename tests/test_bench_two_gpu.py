@@ -26,9 +26,9 @@ def bench():
 
 
 def test_pruned_random_dit_checkpoint_loads_as_curve_form(tmp_path):
-    from dit_svc.checkpoint import inspect_checkpoint, load_dit_weights
-    from dit_svc.config import DiTConfig
-    from dit_svc.tiny_checkpoint import write_random_int8_convrot_checkpoint
+    from minimax_h3.dit.checkpoint import inspect_checkpoint, load_dit_weights
+    from minimax_h3.dit.config import DiTConfig
+    from minimax_h3.dit.tiny_checkpoint import write_random_int8_convrot_checkpoint
 
     path = write_random_int8_convrot_checkpoint(DiTConfig.tiny(), tmp_path / "dit.safetensors", quantize=False,
                                                 pruned=True)
@@ -43,9 +43,9 @@ def test_pruned_random_dit_checkpoint_loads_as_curve_form(tmp_path):
 
 
 def test_random_nvfp4_text_encoder_reads_back(bench, tmp_path):
-    from dit_svc.tiny_checkpoint import write_safetensors_streaming
-    from encoder_svc.checkpoint import TextEncoderCheckpoint
-    from encoder_svc.config import ConditionerConfig
+    from minimax_h3.dit.tiny_checkpoint import write_safetensors_streaming
+    from minimax_h3.text.checkpoint import TextEncoderCheckpoint
+    from minimax_h3.text.config import ConditionerConfig
 
     cfg = ConditionerConfig.tiny(vocab_size=512)
     plan, makers = bench.te_random_plan(cfg, "cpu")
@@ -62,8 +62,8 @@ def test_random_nvfp4_text_encoder_reads_back(bench, tmp_path):
 
 
 def test_random_lora_matches_the_dit(bench, tmp_path):
-    from dit_svc.config import DiTConfig
-    from dit_svc.lora import check_lora_file, config_targets
+    from minimax_h3.dit.config import DiTConfig
+    from minimax_h3.dit.lora import check_lora_file, config_targets
 
     cfg = DiTConfig.tiny(adaln_form="curve")
     path = tmp_path / "lora.safetensors"
@@ -72,7 +72,7 @@ def test_random_lora_matches_the_dit(bench, tmp_path):
 
 
 def test_check_mp4(bench, tmp_path):
-    from decoder_svc.mux import write_mp4
+    from minimax_h3.mux import write_mp4
 
     frames = np.zeros((22, 64, 96, 3), dtype=np.uint8)
     frames[:, :, :, 1] = np.arange(22, dtype=np.uint8)[:, None, None] * 10

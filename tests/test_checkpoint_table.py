@@ -22,13 +22,13 @@ import grpc
 import pytest
 import torch
 
-from dit_svc.checkpoint import METADATA_CONFIG, METADATA_QKV, check_checkpoint, load_dit_weights
-from dit_svc.config import DiTConfig
-from dit_svc.tiny_checkpoint import (file_metadata, interleave_qkv, save_state_dict, tiny_state_dict,
-                                     write_tiny_release_dir)
+from minimax_h3.dit.checkpoint import METADATA_CONFIG, METADATA_QKV, check_checkpoint, load_dit_weights
+from minimax_h3.dit.config import DiTConfig
+from minimax_h3.dit.tiny_checkpoint import (file_metadata, interleave_qkv, save_state_dict, tiny_state_dict,
+                                            write_tiny_release_dir)
+from minimax_h3.kernels.int8 import QuantizedWeight, encode_comfy_quant
 from stagekit.checkpoints import CheckpointError
 from stagekit.errors import status_for
-from stagekit.quant import QuantizedWeight, encode_comfy_quant
 from tests.safetensors_files import edit_header
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -228,11 +228,11 @@ def test_a_file_that_goes_bad_later_is_a_failed_precondition(tmp_path):
 def test_vae_and_encoder_cases(tmp_path):
     from safetensors.torch import load_file, save_file
 
-    from decoder_svc.audio_vae import AudioVAEConfig, inspect_audio_vae, write_tiny_audio_vae
-    from decoder_svc.video_vae import CONFIG_METADATA_KEY, VideoVAEConfig, inspect_video_vae, write_tiny_video_vae
-    from encoder_svc.checkpoint import TextEncoderCheckpoint
-    from encoder_svc.config import ConditionerConfig
-    from encoder_svc.tiny import write_tiny_model
+    from minimax_h3.text.checkpoint import TextEncoderCheckpoint
+    from minimax_h3.text.config import ConditionerConfig
+    from minimax_h3.text.tiny import write_tiny_model
+    from minimax_h3.vae.audio import AudioVAEConfig, inspect_audio_vae, write_tiny_audio_vae
+    from minimax_h3.vae.video import CONFIG_METADATA_KEY, VideoVAEConfig, inspect_video_vae, write_tiny_video_vae
 
     def fails(fn, path, key, fragment):
         with pytest.raises(CheckpointError) as e:
@@ -287,8 +287,8 @@ def test_dit_process_refuses_a_bad_checkpoint_at_start(name, tmp_path):
 def test_decoder_process_refuses_an_int_tensor_in_the_audio_vae(tmp_path):
     from safetensors.torch import load_file, save_file
 
-    from decoder_svc.audio_vae import AudioVAEConfig, write_tiny_audio_vae
-    from decoder_svc.video_vae import VideoVAEConfig, write_tiny_video_vae
+    from minimax_h3.vae.audio import AudioVAEConfig, write_tiny_audio_vae
+    from minimax_h3.vae.video import VideoVAEConfig, write_tiny_video_vae
 
     write_tiny_video_vae(str(tmp_path / "v.safetensors"), VideoVAEConfig.tiny(), 0)
     sd = load_file(str(write_tiny_audio_vae(tmp_path / "a.safetensors", AudioVAEConfig.tiny(), 0)))
@@ -304,7 +304,7 @@ def test_dit_file_that_goes_bad_while_serving_fails_the_job_with_failed_precondi
     from client.pipeline import sample
     from client.stubs import Security, health_of, open_channel
     from h3.v1 import dit_pb2_grpc
-    from stagekit.render_params import RenderSpec
+    from minimax_h3.contract import RenderSpec
 
     small = DiTConfig.tiny(num_layers=1, num_heads=2)
     path = save_state_dict(tiny_state_dict(small, "bf16", seed=1), tmp_path / "dit.safetensors", file_metadata(small))
@@ -348,10 +348,10 @@ def test_decoder_engine_serves_the_geometry_of_vae_folders(tmp_path):
     configs, which set the latent geometry the decoder accepts."""
     from safetensors.torch import save_file
 
-    from decoder_svc.audio_vae import AudioVAE, AudioVAEConfig, random_init_, unfold_weight_norm_state_dict
     from decoder_svc.engine import DecoderEngine, DecoderEngineConfig, LatentGeometry
-    from decoder_svc.video_vae import VideoVAEConfig, comfy_to_diffusers_state_dict
-    from decoder_svc.video_vae import tiny_state_dict as video_state_dict
+    from minimax_h3.vae.audio import AudioVAE, AudioVAEConfig, random_init_, unfold_weight_norm_state_dict
+    from minimax_h3.vae.video import VideoVAEConfig, comfy_to_diffusers_state_dict
+    from minimax_h3.vae.video import tiny_state_dict as video_state_dict
     from stagekit.dist import RankGroup, RankInfo
 
     v, a = VideoVAEConfig.tiny(), AudioVAEConfig.tiny()

@@ -8,17 +8,17 @@ import pytest
 import torch
 from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLTextModel
 
-from encoder_svc.conditioner import Conditioner, ConditionerConfig
-from encoder_svc.tiny import (
-    N_BYTES,
-    TINY_SPECIAL_TOKENS,
-    TINY_VOCAB_SIZE,
-    build_tiny_tokenizer,
-    ensure_tiny_model,
-    tiny_weights,
-    write_tiny_model,
-)
-from encoder_svc.tokenizer import PromptError, TextTokenizer, validate_prompt
+from minimax_h3.text.conditioner import Conditioner, ConditionerConfig
+from minimax_h3.text.tiny import (
+                                  N_BYTES,
+                                  TINY_SPECIAL_TOKENS,
+                                  TINY_VOCAB_SIZE,
+                                  build_tiny_tokenizer,
+                                  ensure_tiny_model,
+                                  tiny_weights,
+                                  write_tiny_model,
+                                  )
+from minimax_h3.text.tokenizer import PromptError, TextTokenizer, validate_prompt
 from stagekit.errors import FailedPrecondition
 
 PROMPT = "A red fox runs through snow at dawn. <d>Hello there!</d> Ünïcödé 雪."

@@ -18,8 +18,8 @@ from client.embedded import EmbeddedStack, StackConfig
 from client.pipeline import decode_raw, sample
 from client.stubs import Endpoints, StageClients
 from h3.v1 import common_pb2
+from minimax_h3.contract import RenderSpec
 from stagekit.device_worker import WORKER_ENV
-from stagekit.render_params import RenderSpec
 from tests.conftest import SERVER_ENV
 from tests.procs import alive, descendants
 from tests.waits import wait_until
@@ -166,9 +166,9 @@ def _raise_checkpoint_error(path: str) -> None:
 def test_run_in_child_returns_results_and_keeps_the_status_of_errors():
     """Start-up device work (GPU ids, the DiT's kernel probe) runs in a short-lived child: its result comes back, and
     its exception keeps its gRPC status and message even when the exception itself cannot be pickled."""
+    from minimax_h3.kernels.registry import KernelConfig, select_kernels
     from stagekit.device_worker import run_in_child
     from stagekit.errors import FailedPrecondition
-    from stagekit.kernels import KernelConfig, select_kernels
 
     # Forced choices (still checked): a measured pick between near-equal CPU kernels could differ between two probes.
     small = KernelConfig(linear_kernel="fp32", attention_kernel="math", compute_dtype=torch.float32,

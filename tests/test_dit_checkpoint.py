@@ -7,25 +7,25 @@ from pathlib import Path
 import pytest
 import torch
 
-import dit_svc.checkpoint as ck
-import dit_svc.tp as tp
+from minimax_h3.dit.checkpoint import CheckpointError, inspect_checkpoint, load_adaln, load_dit_weights
+import minimax_h3.dit.checkpoint as ck
+from minimax_h3.dit.config import DiTConfig
+from minimax_h3.dit.convert_diffusers import DIFFUSERS_NAMES, to_diffusers
+from minimax_h3.dit.model import H3DiT
+from minimax_h3.dit.tiny_checkpoint import (
+                                            adaln_curve,
+                                            dense_state_dict,
+                                            file_metadata,
+                                            save_state_dict,
+                                            tiny_state_dict,
+                                            write_random_int8_convrot_checkpoint,
+                                            write_tiny_checkpoint,
+                                            write_tiny_diffusers_dir,
+                                            write_tiny_release_dir,
+                                            )
+import minimax_h3.dit.tp as tp
+from minimax_h3.kernels.int8 import Int8ConvRotLinear, QuantizedWeight
 import stagekit.checkpoints as toolkit
-from dit_svc.checkpoint import CheckpointError, inspect_checkpoint, load_adaln, load_dit_weights
-from dit_svc.config import DiTConfig
-from dit_svc.convert_diffusers import DIFFUSERS_NAMES, to_diffusers
-from dit_svc.model import H3DiT
-from dit_svc.tiny_checkpoint import (
-    adaln_curve,
-    dense_state_dict,
-    file_metadata,
-    save_state_dict,
-    tiny_state_dict,
-    write_random_int8_convrot_checkpoint,
-    write_tiny_checkpoint,
-    write_tiny_diffusers_dir,
-    write_tiny_release_dir,
-)
-from stagekit.quant import Int8ConvRotLinear, QuantizedWeight
 
 CFG = DiTConfig.tiny()
 CURVE = CFG.replace(adaln_form="curve")
@@ -345,7 +345,7 @@ def test_comfy_all_in_one_prefix_is_stripped(ckpts, tmp_path):
 
 @pytest.mark.parametrize("variant", ["bf16", "int8_convrot", "int8_convrot_pruned"])
 def test_rank_slices_match_dit_tp_reference(ckpts, variant):
-    """Cross-check against the model side's reference slicer (dit_svc/tp.py shard_state_dict)."""
+    """Cross-check against the model side's reference slicer (minimax_h3/dit/tp.py shard_state_dict)."""
     cfg, n = cfg_for(variant), 2
     full = ck.flatten_state_dict(load_dit_weights(ckpts[variant], cfg, dtype=torch.float32))
     for r in range(n):
@@ -363,8 +363,8 @@ def test_rank_slices_match_dit_tp_reference(ckpts, variant):
 
 def test_parallel_load_equals_serial(tmp_path):
     """Reading a rank's tensors on several threads (the GPU swap-in path) gives exactly the serial result."""
-    from dit_svc.tiny_checkpoint import write_tiny_checkpoint
-    from stagekit.quant import QuantizedWeight
+    from minimax_h3.dit.tiny_checkpoint import write_tiny_checkpoint
+    from minimax_h3.kernels.int8 import QuantizedWeight
 
     path = write_tiny_checkpoint(DiTConfig.tiny(), tmp_path / "dit.safetensors", "int8_convrot_pruned")
     serial = load_dit_weights(path, None, 1, 2, workers=1)

@@ -8,20 +8,20 @@ import pytest
 import torch
 import torch.nn as nn
 
-from dit_svc.config import DiTConfig
-from dit_svc.convert_diffusers import from_diffusers, to_diffusers
-from dit_svc.layout import (
-    audio_latent_count,
-    build_layout,
-    patchify_audio,
-    patchify_video,
-    snap_frames,
-    unpatchify_audio,
-    unpatchify_video,
-    video_latent_frames,
-)
-from dit_svc.model import H3DiT, curve_state_dict_from_mlp
-from dit_svc.tiny_checkpoint import diffusers_config
+from minimax_h3.dit.config import DiTConfig
+from minimax_h3.dit.convert_diffusers import from_diffusers, to_diffusers
+from minimax_h3.dit.layout import (
+                                   audio_latent_count,
+                                   build_layout,
+                                   patchify_audio,
+                                   patchify_video,
+                                   snap_frames,
+                                   unpatchify_audio,
+                                   unpatchify_video,
+                                   video_latent_frames,
+                                   )
+from minimax_h3.dit.model import H3DiT, curve_state_dict_from_mlp
+from minimax_h3.dit.tiny_checkpoint import diffusers_config
 
 try:  # oracle only; the GPU machine has no diffusers, its GPU test below does not need it
     from diffusers import MiniMaxH3Transformer3DModel
@@ -264,7 +264,7 @@ def test_chunking_swap_dtype_and_errors(tiny):
 
 @needs_diffusers
 def test_int8_convrot_linear_swaps_in(tiny):
-    quant = pytest.importorskip("stagekit.quant")
+    quant = pytest.importorskip("minimax_h3.kernels.int8")
     cfg, _, ours = tiny
     lay = build_layout(cfg, 6, 22, 64, 96)
     video, audio, text = inputs(cfg, lay)

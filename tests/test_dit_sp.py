@@ -7,20 +7,20 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dit_svc.config import DiTConfig
-from dit_svc.model import H3DiT
-from dit_svc.sp import (
-    SeqShards,
-    make_groups,
-    o_received,
-    o_send,
-    o_splits,
-    qkv_received,
-    qkv_send,
-    qkv_splits,
-    validate_parallel,
-)
-from dit_svc.tp import TPConfigError, shard_state_dict
+from minimax_h3.dit.config import DiTConfig
+from minimax_h3.dit.model import H3DiT
+from minimax_h3.dit.sp import (
+                               SeqShards,
+                               make_groups,
+                               o_received,
+                               o_send,
+                               o_splits,
+                               qkv_received,
+                               qkv_send,
+                               qkv_splits,
+                               validate_parallel,
+                               )
+from minimax_h3.dit.tp import TPConfigError, shard_state_dict
 from tests.dit_ranks import assert_matches_one_rank, check_two_gpus, forward, one_rank, tiny_case
 from tests.ranks import run_ranks
 

@@ -7,8 +7,8 @@ from client.embedded import EmbeddedStack, StackConfig
 from client.pipeline import sample
 from client.stubs import Endpoints, StageClients
 from dit_svc.engine import DiTEngine, DiTEngineConfig
+from minimax_h3.contract import RenderSpec
 from stagekit.dist import RankGroup, RankInfo
-from stagekit.render_params import RenderSpec
 from tests.conftest import SERVER_ENV
 
 SPEC = RenderSpec(prompt="x", width=256, height=256, frames=22, steps=3, seed=11)

@@ -7,9 +7,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dit_svc.config import DiTConfig
-from dit_svc.model import H3DiT
-from dit_svc.tp import ColumnParallelLinear, RowParallelLinear, TPConfigError, shard_state_dict, validate_tp
+from minimax_h3.dit.config import DiTConfig
+from minimax_h3.dit.model import H3DiT
+from minimax_h3.dit.tp import ColumnParallelLinear, RowParallelLinear, TPConfigError, shard_state_dict, validate_tp
 from tests.dit_ranks import assert_matches_one_rank, check_two_gpus, forward, one_rank, tiny_case
 from tests.ranks import run_ranks
 

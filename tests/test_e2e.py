@@ -10,7 +10,7 @@ import pytest
 
 from client.pipeline import render
 from h3.v1 import common_pb2
-from stagekit.render_params import RenderSpec
+from minimax_h3.contract import RenderSpec
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -23,8 +23,8 @@ from client.embedded import EmbeddedStack, StackConfig
 from client.pipeline import _decode_inputs, decode
 from client.stubs import Endpoints, StageClients
 from h3.v1 import common_pb2, decoder_pb2
+from minimax_h3.contract import RenderSpec
 from stagekit.lease import read_events
-from stagekit.render_params import RenderSpec
 from tests.conftest import SERVER_ENV
 from tests.procs import alive, open_paths, rank_pids
 from tests.waits import wait_until
@@ -197,7 +197,7 @@ CLIENT = textwrap.dedent("""
     from pathlib import Path
     from client.pipeline import decode
     from client.stubs import Endpoints, StageClients
-    from stagekit.render_params import RenderSpec
+    from minimax_h3.contract import RenderSpec
     spec = RenderSpec(prompt="x", width=256, height=256, frames=22)
     ep = f"127.0.0.1:{sys.argv[1]}"
     with StageClients(Endpoints(ep, ep, ep)) as c:

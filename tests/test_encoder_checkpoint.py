@@ -9,10 +9,10 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from encoder_svc.checkpoint import LINEARS, CheckpointError, TextEncoderCheckpoint, expected_shapes
-from encoder_svc.conditioner import Conditioner, ConditionerConfig
-from encoder_svc.tiny import TINY_CONVROT_GROUPSIZE, tiny_file_tensors, tiny_weights, write_tiny_model
-from stagekit import nvfp4
+from minimax_h3.kernels import nvfp4
+from minimax_h3.text.checkpoint import LINEARS, CheckpointError, TextEncoderCheckpoint, expected_shapes
+from minimax_h3.text.conditioner import Conditioner, ConditionerConfig
+from minimax_h3.text.tiny import TINY_CONVROT_GROUPSIZE, tiny_file_tensors, tiny_weights, write_tiny_model
 
 ck = pytest.importorskip("comfy_kitchen")
 

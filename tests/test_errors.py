@@ -12,13 +12,13 @@ import grpc
 import pytest
 import torch
 
-import stagekit.runtime
 from stagekit.checkpoints import CheckpointError
 from stagekit.dist import RankInfo
 from stagekit.errors import (AlreadyExists, Cancelled, DeadlineExceeded, FailedPrecondition, Internal, InvalidArgument,
                              NotFound, ResourceExhausted, Unavailable, restarts_group, status_for)
 from stagekit.lease import DeviceLease, LeaseConfig
 from stagekit.runtime import Job, RuntimeConfig, StageRuntime
+import stagekit.runtime
 from stagekit.server import job_status
 from stagekit.wire import WireError
 
@@ -79,11 +79,11 @@ def test_foreign_errors_of_known_meaning():
 
 def test_request_validation_raises_the_request_error():
     """The geometry, sampler, keyframe and output-name checks a request reaches say the request is wrong."""
-    from stagekit.render_params import check_upscale
-    from dit_svc.layout import latent_shape, video_latent_frames
-    from dit_svc.config import DiTConfig
-    from dit_svc.sampling import SamplerConfig
-    from stagekit.models import safe_name
+    from minimax_h3.contract import check_upscale
+    from minimax_h3.dit.config import DiTConfig
+    from minimax_h3.dit.layout import latent_shape, video_latent_frames
+    from minimax_h3.dit.sampling import SamplerConfig
+    from minimax_h3.files import safe_name
 
     cases = [
         lambda: video_latent_frames(100),

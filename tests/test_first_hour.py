@@ -81,7 +81,7 @@ def test_a_configured_service_that_does_not_answer_is_an_error(how, tmp_path):
                                       "for *qwen3vl*minimax_h3*.safetensors"),
 ])
 def test_refused_before_anything_starts_with_exit_2(argv, needle, tmp_path):
-    """The client's checks run the render service's own rules (stagekit.render_params) before any stack or call:
+    """The client's checks run the render service's own rules (minimax_h3.contract) before any stack or call:
     exit 2 in a second or two, one line, nothing left in the temp dir."""
     (tmp_path / "empty").mkdir()
     argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]

@@ -20,13 +20,13 @@ import pytest
 import torch
 from PIL import Image
 
-from dit_svc.config import DiTConfig
-from dit_svc.keyframes import KEYFRAME_NOISE_AUG, condition_rows, conditioned_denoise
-from dit_svc.sampling import draw_noise
-from dit_svc.layout import build_layout, patchify_video
-from dit_svc.model import H3DiT
-from dit_svc.sampling import SamplerConfig, initial_noise, sample
 from h3.v1 import decoder_pb2, encoder_pb2
+from minimax_h3.dit.config import DiTConfig
+from minimax_h3.dit.keyframes import KEYFRAME_NOISE_AUG, condition_rows, conditioned_denoise
+from minimax_h3.dit.layout import build_layout, patchify_video
+from minimax_h3.dit.model import H3DiT
+from minimax_h3.dit.sampling import draw_noise
+from minimax_h3.dit.sampling import SamplerConfig, initial_noise, sample
 
 ROOT = Path(__file__).resolve().parents[1]
 W, H, F = 256, 256, 22
@@ -59,7 +59,7 @@ class Spy(torch.nn.Module):
 @pytest.fixture(scope="module")
 def tiny_dit():
     """Our DiT with the weights of a random tiny diffusers MiniMaxH3Transformer3DModel (the oracle)."""
-    from dit_svc.convert_diffusers import from_diffusers
+    from minimax_h3.dit.convert_diffusers import from_diffusers
     from tests.test_dit_model import diffusers_model
 
     cfg = DiTConfig.tiny()
@@ -254,7 +254,7 @@ def test_encoder_rejects_bad_keyframes(clients, req, needle):
 
 def test_dit_rejects_bad_keyframe_tensors(clients):
     from client.pipeline import encode, sample
-    from stagekit.render_params import RenderSpec
+    from minimax_h3.contract import RenderSpec
 
     spec = RenderSpec(prompt="x", width=W, height=H, frames=F, steps=1, seed=1)
     s, _ = encode(clients, "x")
@@ -271,7 +271,7 @@ def test_fl2va_render_mp4(clients, tmp_path):
     import av
 
     from client.pipeline import render
-    from stagekit.render_params import RenderSpec
+    from minimax_h3.contract import RenderSpec
 
     out = tmp_path / "fl2va.mp4"
     spec = RenderSpec(prompt="the sun sets over the sea, waves crash", width=W, height=H, frames=F, steps=2, seed=4)

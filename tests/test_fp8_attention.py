@@ -1,4 +1,4 @@
-"""fp8 attention (stagekit/fp8_attention.py): quantisation math, K/V smoothing and per-head V scales on CPU through
+"""fp8 attention (minimax_h3/kernels/fp8_attention.py): quantisation math, K/V smoothing and per-head V scales on CPU through
 the kernel's fp32 emulation, the registry's fallback without nvidia-cudnn-frontend, and (GPU only) cuDNN's kernel
 against the emulation."""
 
@@ -11,47 +11,47 @@ import torch
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from dit_svc.config import DiTConfig
-from dit_svc.layout import build_layout
-from dit_svc.model import H3DiT
-from stagekit.fp8_attention import (
-    DEFAULT_OPTIONS,
-    E4M3,
-    E4M3_MAX,
-    KERNEL_VS_EMULATION_FACTOR,
-    KERNEL_VS_EMULATION_SLACK,
-    OPTIONS,
-    OUTPUT_SCALE,
-    SOFTMAX_SCALE,
-    Fp8Attention,
-    Fp8AttentionOptions,
-    Fp8QKInput,
-    TritonQuantLaunch,
-    declare_graph,
-    dequantize_o,
-    e4m3_steps,
-    plan_key,
-    quantize_qkv,
-    quantize_qkv_triton,
-    quantize_v,
-    quantize_v_triton,
-    scale_constants,
-    sdpa_fp8_emulated,
-    static_qk_mult,
-    triton,
-    unavailable,
-    variant_pack,
-)
-from stagekit.qk_norm_rope import qk_norm_rope_reference
-from stagekit.kernels import (
-    REL_ERR_BOUND,
-    AttentionCandidate,
-    KernelConfig,
-    KernelError,
-    default_attention_candidates,
-    rel_err,
-    select_kernels,
-)
+from minimax_h3.dit.config import DiTConfig
+from minimax_h3.dit.layout import build_layout
+from minimax_h3.dit.model import H3DiT
+from minimax_h3.kernels.fp8_attention import (
+                                              DEFAULT_OPTIONS,
+                                              E4M3,
+                                              E4M3_MAX,
+                                              KERNEL_VS_EMULATION_FACTOR,
+                                              KERNEL_VS_EMULATION_SLACK,
+                                              OPTIONS,
+                                              OUTPUT_SCALE,
+                                              SOFTMAX_SCALE,
+                                              Fp8Attention,
+                                              Fp8AttentionOptions,
+                                              Fp8QKInput,
+                                              TritonQuantLaunch,
+                                              declare_graph,
+                                              dequantize_o,
+                                              e4m3_steps,
+                                              plan_key,
+                                              quantize_qkv,
+                                              quantize_qkv_triton,
+                                              quantize_v,
+                                              quantize_v_triton,
+                                              scale_constants,
+                                              sdpa_fp8_emulated,
+                                              static_qk_mult,
+                                              triton,
+                                              unavailable,
+                                              variant_pack,
+                                              )
+from minimax_h3.kernels.qk_norm_rope import qk_norm_rope_reference
+from minimax_h3.kernels.registry import (
+                                         REL_ERR_BOUND,
+                                         AttentionCandidate,
+                                         KernelConfig,
+                                         KernelError,
+                                         default_attention_candidates,
+                                         rel_err,
+                                         select_kernels,
+                                         )
 from tests.dit_ranks import random_inputs
 from tests.triton_interp import needs_triton, run_in_interpreter
 

@@ -1,4 +1,4 @@
-"""stagekit/fp8_rows.py: the plain-torch references equal the previous Block._modulate + quantize_fp8_rowwise,
+"""minimax_h3/kernels/fp8_rows.py: the plain-torch references equal the previous Block._modulate + quantize_fp8_rowwise,
 MLP silu(gate) * value + quantize_fp8_rowwise and fp8 attention's dequantize_o + Attention.project_out's rows +
 quantize_fp8_rowwise bit for bit, and an fp8 linear gives the same output from Fp8Rows as
 from the bf16 rows (CPU); the Triton kernels match their references on DiT widths (GPU) and, on small shapes, in
@@ -15,11 +15,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dit_svc.model import RMSNorm
-from stagekit.fp8_attention import Fp8Attention, Fp8AttentionOptions, Fp8O, dequantize_o, e4m3_steps
-from stagekit.fp8_rows import (modulate, modulate_fp8, modulate_fp8_reference, o_rows_fp8, o_rows_fp8_reference,
-                               swiglu_fp8, swiglu_fp8_reference)
-from stagekit.kernels import FP8_SCALE_FLOOR, Fp8RowwiseLinear, Fp8Rows, quantize_fp8_rowwise
+from minimax_h3.dit.model import RMSNorm
+from minimax_h3.kernels.fp8_attention import Fp8Attention, Fp8AttentionOptions, Fp8O, dequantize_o, e4m3_steps
+from minimax_h3.kernels.fp8_rows import (modulate, modulate_fp8, modulate_fp8_reference, o_rows_fp8, o_rows_fp8_reference,
+                                         swiglu_fp8, swiglu_fp8_reference)
+from minimax_h3.kernels.registry import FP8_SCALE_FLOOR, Fp8RowwiseLinear, Fp8Rows, quantize_fp8_rowwise
 
 from tests.triton_interp import REPO, needs_triton, run_bench_tiny, run_in_interpreter
 
@@ -48,7 +48,7 @@ def test_reference_is_the_previous_math_bit_for_bit():
     norm = RMSNorm(96, EPS)
     with torch.no_grad():
         norm.weight.copy_(w)
-    # dit_svc/model.py Block._modulate before the kernel, then what Fp8RowwiseLinear did with its output
+    # minimax_h3/dit/model.py Block._modulate before the kernel, then what Fp8RowwiseLinear did with its output
     h = (norm(x) * (1.0 + scale.index_select(0, r)) + shift.index_select(0, r)).to(torch.bfloat16)
     want_q, want_s = quantize_fp8_rowwise(h)
     for got in (modulate_fp8_reference(x, w, EPS, shift, scale, r), modulate_fp8(x, w, EPS, shift, scale, r)):
@@ -86,13 +86,13 @@ def assert_rows_match(q: torch.Tensor, s: torch.Tensor, want: Fp8Rows, scale_rto
 
 def check_kernel(rows: int, c: int, m: int, device: str, block_rows: int = 1, num_warps: int = 8,
                  interpreted: bool = False) -> None:
-    """Triton (stagekit.fp8_rows.launch) vs the reference: scales within 1e-6 relative, e4m3 values never more
+    """Triton (minimax_h3.kernels.fp8_rows.launch) vs the reference: scales within 1e-6 relative, e4m3 values never more
     than one step apart and mostly bitwise equal. `interpreted`: triton's CPU
     interpreter casts to bf16 toward zero (a scale one bf16 ulp off) and can miss the carry into the next power of
     two when it rounds to e4m3 (a value half the reference's, 8 steps): bounds loose enough for that, tight enough
     for a wrong index."""
     scale_rtol, max_steps, exact_fraction = (2.0 ** -7, 8, 0.8) if interpreted else (1e-6, 1, EXACT_FRACTION)
-    from stagekit.fp8_rows import launch
+    from minimax_h3.kernels.fp8_rows import launch
 
     x, w, shift, scale, r = make_inputs(rows, c, m, device)
     want = modulate_fp8_reference(x, w, EPS, shift, scale, r)
@@ -131,9 +131,9 @@ def test_block_feeds_fp8_rows_to_fp8_linears():
     """A tiny DiT with fp8 qkv_proj / fc1 / fc2 on the GPU: Block._modulate hands qkv_proj / fc1 Fp8Rows and
     MLP.partial (swiglu_fp8) hands them to fc2, and the output equals the one where those linears quantise the bf16
     rows themselves (`accepts_fp8_rows` switched off per instance)."""
-    from dit_svc.config import DiTConfig
-    from dit_svc.layout import build_layout
-    from dit_svc.model import H3DiT
+    from minimax_h3.dit.config import DiTConfig
+    from minimax_h3.dit.layout import build_layout
+    from minimax_h3.dit.model import H3DiT
 
     cfg = DiTConfig.tiny()
     torch.manual_seed(0)
@@ -184,7 +184,7 @@ def test_swiglu_reference_is_the_previous_math_bit_for_bit():
 
 
 def test_swiglu_division_sequence_is_ieee():
-    """The SwiGLU kernel's division on CUDA (stagekit/fp8_rows._div_rn: approximate reciprocal, a Newton step, the
+    """The SwiGLU kernel's division on CUDA (minimax_h3/kernels/fp8_rows._div_rn: approximate reciprocal, a Newton step, the
     quotient and one correction, all FMAs; the fast path nvcc emits for IEEE division) emulated here, for every
     bf16 gate over its 1 + exp(-gate) and for random bf16 numerators over b in [1, 2^126): from the correctly
     rounded reciprocal, the IEEE fp32 quotient; from one up to 2 ulps off (the hardware's approximation), a quotient
@@ -222,10 +222,10 @@ def test_swiglu_division_sequence_is_ieee():
 
 def check_swiglu_kernel(rows: int, f: int, device: str, block_rows: int = 1, num_warps: int = 32,
                         interpreted: bool = False) -> None:
-    """Triton (stagekit.fp8_rows.swiglu_launch) vs the reference, bounds as `check_kernel`; in the interpreter
+    """Triton (minimax_h3.kernels.fp8_rows.swiglu_launch) vs the reference, bounds as `check_kernel`; in the interpreter
     both bf16 roundings (silu, then the product) truncate, so a scale may be up to two bf16 ulps off."""
     scale_rtol, max_steps, exact_fraction = (2.0 ** -6, 8, 0.8) if interpreted else (1e-6, 1, EXACT_FRACTION)
-    from stagekit.fp8_rows import swiglu_launch
+    from minimax_h3.kernels.fp8_rows import swiglu_launch
 
     y = make_swiglu_input(rows, f, device)
     want = swiglu_fp8_reference(y)
@@ -262,11 +262,11 @@ def test_swiglu_dispatcher_under_torch_compile_matches_eager():
 
 def make_o_input(h: int, rows: int, d: int, device: str, layout: str = "hsd", shift: bool = True,
                  seed: int = 0, whole: bool = False) -> Fp8O:
-    """fp8 attention's O as `Fp8O`, o8 = rows [2, 2 + rows) (dit_svc/model.py `o_rows`) of a bigger O
+    """fp8 attention's O as `Fp8O`, o8 = rows [2, 2 + rows) (minimax_h3/dit/model.py `o_rows`) of a bigger O
     [h, rows + 5, d] e4m3 (returned instead with `whole`), laid out [H, S, D] ("hsd", the kernel's own) or
     [S, H, D]-backed ("shd", strided heads); heads with scales 1e-4 .. 1e-2 (a row's amax comes from a few heads);
     the shift [h, 1, d] or None. When there are 6+ rows, row 5 of o8 is all zeros (without a shift: the floor)."""
-    from dit_svc.model import o_rows
+    from minimax_h3.dit.model import o_rows
 
     g = torch.Generator().manual_seed(seed)
     full = (torch.randn(rows + 5, h, d, generator=g) * 150).clamp(-448, 448)
@@ -282,7 +282,7 @@ def make_o_input(h: int, rows: int, d: int, device: str, layout: str = "hsd", sh
 
 @pytest.mark.parametrize("shift", [True, False])
 def test_o_rows_reference_is_the_previous_math_bit_for_bit(shift):
-    """dit_svc/model.py before the kernel: fp8 attention dequantised all of O ([1, H, S, D] bf16), project_out took a
+    """minimax_h3/dit/model.py before the kernel: fp8 attention dequantised all of O ([1, H, S, D] bf16), project_out took a
     chunk's rows, heads side by side, and the fp8 out_proj quantised them."""
     o, whole = (make_o_input(3, 11, 32, "cpu", shift=shift, whole=w) for w in (False, True))
     o_all = dequantize_o(*whole, torch.bfloat16).unsqueeze(0)[:, :, 2:13]
@@ -293,10 +293,10 @@ def test_o_rows_reference_is_the_previous_math_bit_for_bit(shift):
 
 def check_o_rows_kernel(h: int, rows: int, d: int, device: str, block_rows: int = 1, num_warps: int = 16,
                         interpreted: bool = False, layout: str = "hsd", shift: bool = True) -> None:
-    """Triton (stagekit.fp8_rows.o_rows_launch) vs the reference, bounds as `check_kernel` (one bf16 rounding
+    """Triton (minimax_h3.kernels.fp8_rows.o_rows_launch) vs the reference, bounds as `check_kernel` (one bf16 rounding
     before the row quantisation, as there)."""
     scale_rtol, max_steps, exact_fraction = (2.0 ** -7, 8, 0.8) if interpreted else (1e-6, 1, EXACT_FRACTION)
-    from stagekit.fp8_rows import o_rows_launch
+    from minimax_h3.kernels.fp8_rows import o_rows_launch
 
     o = make_o_input(h, rows, d, device, layout, shift)
     want = o_rows_fp8_reference(*o)
@@ -331,9 +331,9 @@ def test_o_rows_dispatcher_under_torch_compile_matches_eager():
 def _tiny_fp8_out_proj_model(device: str):
     """A tiny bf16 DiT whose blocks' out_proj are fp8 linears (emulated on the CPU) and whose attention is fp8
     (emulated: the kernel's arithmetic, any device) on every sequence, with a hook recording what out_proj gets."""
-    from dit_svc.config import DiTConfig
-    from dit_svc.layout import build_layout
-    from dit_svc.model import H3DiT
+    from minimax_h3.dit.config import DiTConfig
+    from minimax_h3.dit.layout import build_layout
+    from minimax_h3.dit.model import H3DiT
 
     cfg = DiTConfig.tiny()
     torch.manual_seed(0)
@@ -359,7 +359,7 @@ def test_model_hands_fp8_o_to_an_fp8_out_proj_on_the_cpu():
     """Attention.attend keeps fp8 attention's O in e4m3 for an fp8 out_proj (Fp8O); on the CPU project_out
     dequantises each row chunk of it, which gives the bits the previous path (dequantise all of O, then chunk) gave:
     with out_proj's `accepts_fp8_rows` switched off per instance, attend dequantises O itself."""
-    from dit_svc.model import Attention
+    from minimax_h3.dit.model import Attention
 
     model, names, seen, args = _tiny_fp8_out_proj_model("cpu")
     kept = []
@@ -402,7 +402,7 @@ def interpreter_main() -> None:
     casts round differently (see check_kernel)."""
     for rows, c, m, block_rows in [(13, 96, 2, 1), (9, 40, 1, 4), (6, 64, 3, 2)]:
         check_kernel(rows, c, m, "cpu", block_rows, interpreted=True)
-    from stagekit.fp8_rows import launch
+    from minimax_h3.kernels.fp8_rows import launch
 
     x, w, shift, scale, r = make_inputs(21, 40, 1, "cpu")
     want = launch(x, w, EPS, shift, scale, r)
@@ -454,7 +454,7 @@ def test_triton_kernel_in_the_interpreter():
 def test_kernel_registers_compiles_for_sm90():
     """benchmarks/kernel_registers.py: the SwiGLU and O-rows kernels at their default launches compile for sm_90 on the
     CPU and do not spill (a per-element slow-path division, say, would show here)."""
-    from stagekit.fp8_rows import O_ROWS_BLOCK_ROWS, O_ROWS_NUM_WARPS, SWIGLU_BLOCK_ROWS, SWIGLU_NUM_WARPS
+    from minimax_h3.kernels.fp8_rows import O_ROWS_BLOCK_ROWS, O_ROWS_NUM_WARPS, SWIGLU_BLOCK_ROWS, SWIGLU_NUM_WARPS
 
     for op, config in (("swiglu", f"{SWIGLU_BLOCK_ROWS}x{SWIGLU_NUM_WARPS}"),
                        ("orows", f"{O_ROWS_BLOCK_ROWS}x{O_ROWS_NUM_WARPS}")):

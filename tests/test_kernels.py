@@ -1,29 +1,29 @@
-"""Kernel registry (stagekit/kernels.py) on CPU: arch table, probe picks, overrides, parity rejection, fp8 math."""
+"""Kernel registry (minimax_h3/kernels/registry.py) on CPU: arch table, probe picks, overrides, parity rejection, fp8 math."""
 
 import math
 
 import pytest
 import torch
 
-from dit_svc.config import DiTConfig
-from dit_svc.layout import build_layout
-from dit_svc.model import H3DiT
-from stagekit.kernels import (
-    FP8_E4M3_MAX,
-    Fp8RowwiseLinear,
-    Fp8Unavailable,
-    KernelConfig,
-    KernelError,
-    LinearCandidate,
-    arch_key,
-    default_attention_candidates,
-    default_linear_candidates,
-    fp8_rowwise_reference,
-    quantize_fp8_rowwise,
-    rel_err,
-    select_kernels,
-)
-from stagekit.quant import QuantizedWeight, quantize_convrot
+from minimax_h3.dit.config import DiTConfig
+from minimax_h3.dit.layout import build_layout
+from minimax_h3.dit.model import H3DiT
+from minimax_h3.kernels.int8 import QuantizedWeight, quantize_convrot
+from minimax_h3.kernels.registry import (
+                                         FP8_E4M3_MAX,
+                                         Fp8RowwiseLinear,
+                                         Fp8Unavailable,
+                                         KernelConfig,
+                                         KernelError,
+                                         LinearCandidate,
+                                         arch_key,
+                                         default_attention_candidates,
+                                         default_linear_candidates,
+                                         fp8_rowwise_reference,
+                                         quantize_fp8_rowwise,
+                                         rel_err,
+                                         select_kernels,
+                                         )
 from tests.dit_ranks import random_inputs
 
 # Tiny probe so the whole file runs in a few seconds on 2 cores.
@@ -165,8 +165,8 @@ def test_model_uses_the_selected_attention_fn():
 def test_load_time_int8_conversion_goes_a_slab_of_rows_at_a_time():
     """A float linear converted to int8 at load quantises a slab of rows at a time (bounded temporaries) with the
     same codes and scales as the whole weight at once."""
-    from stagekit.kernels import _int8_weight
-    from stagekit.quant import quantize_convrot
+    from minimax_h3.kernels.int8 import quantize_convrot
+    from minimax_h3.kernels.registry import _int8_weight
 
     w = torch.randn(300, 256, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
     whole = _int8_weight(w, chunk_elems=1 << 30)

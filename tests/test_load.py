@@ -15,8 +15,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from client import pipeline
 from client.pipeline import decode, encode, sample
 from client.stubs import Security, StageClients
+from minimax_h3.contract import RenderSpec
 from stagekit.lease import read_events
-from stagekit.render_params import RenderSpec
 from stagekit.server import GRPC_OPTIONS
 from tests.waits import wait_until
 from tests.test_reliability import SLOW, TEXT, clients_for, start, start_sample_stream, status

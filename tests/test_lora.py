@@ -1,4 +1,4 @@
-"""LoRA (dit_svc/lora.py): dialect parsing, unmerged application on dense and int8 bases, TP2 over gloo in real
+"""LoRA (minimax_h3/dit/lora.py): dialect parsing, unmerged application on dense and int8 bases, TP2 over gloo in real
 spawned processes == TP1 with the LoRAs merged into fp32 weights, caching without touching base weights, errors."""
 
 from __future__ import annotations
@@ -12,13 +12,13 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
 
-from dit_svc.config import DiTConfig
-from dit_svc.convert_diffusers import from_diffusers, to_diffusers
-from dit_svc.lora import (LoRAError, LoRALinear, LoRAManager, LocalAdapter, check_lora_file, config_targets,
-                          load_lora_file, merge_loras, model_targets, parse_lora_state_dict, resolve_lora_path)
-from dit_svc.model import H3DiT, curve_state_dict_from_mlp
-from dit_svc.tp import Linear, shard_state_dict
-from stagekit.quant import Int8ConvRotLinear, dequantize_convrot
+from minimax_h3.dit.config import DiTConfig
+from minimax_h3.dit.convert_diffusers import from_diffusers, to_diffusers
+from minimax_h3.dit.lora import (LoRAError, LoRALinear, LoRAManager, LocalAdapter, check_lora_file, config_targets,
+                                 load_lora_file, merge_loras, model_targets, parse_lora_state_dict, resolve_lora_path)
+from minimax_h3.dit.model import H3DiT, curve_state_dict_from_mlp
+from minimax_h3.dit.tp import Linear, shard_state_dict
+from minimax_h3.kernels.int8 import Int8ConvRotLinear, dequantize_convrot
 from tests.dit_ranks import assert_matches_one_rank, forward, rel, tiny_case
 from tests.ranks import run_ranks
 
@@ -201,7 +201,7 @@ def test_dialects_parse_to_the_same_deltas(tmp_path):
 
 
 def test_diffusers_names_match_the_converter(tmp_path):
-    """Oracle: add B A to the diffusers-named weights and convert back with dit_svc/convert_diffusers.py; our
+    """Oracle: add B A to the diffusers-named weights and convert back with minimax_h3/dit/convert_diffusers.py; our
     merge of the same LoRA (to_q/to_k/to_v -> qkv thirds, ff.net.0.proj -> fc1 halves swapped) must agree."""
     cfg, sd, _, _ = tiny_case()
     targets = config_targets(cfg)
@@ -378,9 +378,9 @@ def test_engine_and_servicer_apply_request_loras(tmp_path):
     from dit_svc.engine import DiTEngine, DiTEngineConfig
     from dit_svc.server import DiTServicer
     from h3.v1 import dit_pb2
+    from minimax_h3.contract import RenderSpec, spec_to_proto
     from stagekit.dist import RankGroup, RankInfo
     from stagekit.errors import InvalidArgument
-    from stagekit.render_params import RenderSpec, spec_to_proto
     from stagekit.runtime import JobContext
     from stagekit.wire import tensor_chunks
 

@@ -25,24 +25,24 @@ from safetensors.torch import save_file
 from client.embedded import EmbeddedStack, StackConfig
 from client.pipeline import decode_raw, sample
 from client.stubs import Endpoints, StageClients
-from decoder_svc.audio_vae import AudioVAEConfig, inspect_audio_vae, load_audio_vae, write_tiny_audio_vae
-from decoder_svc.video_vae import (LATENTS_STD, VideoVAEConfig, inspect_video_vae, load_video_vae,
-                                   write_tiny_video_vae)
-from dit_svc.checkpoint import check_checkpoint, load_dit_weights
-from dit_svc.config import DiTConfig
 from decoder_svc.engine import AUDIO_EXCLUDE, AUDIO_PATTERNS, VIDEO_EXCLUDE, VIDEO_PATTERNS, expected_shapes
 from dit_svc.engine import CHECKPOINT_EXCLUDE, CHECKPOINT_PATTERNS, embedded_config
-from encoder_svc.checkpoint import TextEncoderCheckpoint
-from encoder_svc.conditioner import ConditionerConfig
 from encoder_svc.engine import CHECKPOINT_PATTERNS as TE_PATTERNS
-from encoder_svc.tiny import write_tiny_model
-from dit_svc.lora import LoRAError, check_lora_file, config_targets
-from dit_svc.sampling import SamplerConfig, sample as run_sampler
-from dit_svc.tiny_checkpoint import write_tiny_checkpoint
+from minimax_h3.contract import RenderSpec
+from minimax_h3.dit.checkpoint import check_checkpoint, load_dit_weights
+from minimax_h3.dit.config import DiTConfig
+from minimax_h3.dit.lora import LoRAError, check_lora_file, config_targets
+from minimax_h3.dit.sampling import SamplerConfig, sample as run_sampler
+from minimax_h3.dit.tiny_checkpoint import write_tiny_checkpoint
+from minimax_h3.files import find_checkpoint
+from minimax_h3.text.checkpoint import TextEncoderCheckpoint
+from minimax_h3.text.conditioner import ConditionerConfig
+from minimax_h3.text.tiny import write_tiny_model
+from minimax_h3.vae.audio import AudioVAEConfig, inspect_audio_vae, load_audio_vae, write_tiny_audio_vae
+from minimax_h3.vae.video import (LATENTS_STD, VideoVAEConfig, inspect_video_vae, load_video_vae,
+                                  write_tiny_video_vae)
 from stagekit.checkpoints import (CheckpointError, FiniteCheck, TensorReader, nonfinite_flag, open_checkpoint)
 from stagekit.errors import FailedPrecondition, Internal
-from stagekit.models import find_checkpoint
-from stagekit.render_params import RenderSpec
 from stagekit.wire import check_result
 from tests.conftest import SERVER_ENV
 from tests.safetensors_files import rewrite_tensors

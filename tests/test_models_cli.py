@@ -148,13 +148,13 @@ def test_fetch_refuses_a_wrong_checksum_and_too_little_disk(tmp_path):
 def write_models_folder(d: Path) -> Path:
     """A folder the stages accept: the tiny DiT and VAEs (their configs in the metadata), a full-size bf16 text
     encoder inventory written sparse, and a tokenizer.json."""
-    from decoder_svc.audio_vae import AudioVAEConfig, write_tiny_audio_vae
-    from decoder_svc.video_vae import VideoVAEConfig, write_tiny_video_vae
     from dit_svc.engine import embedded_config
-    from dit_svc.tiny_checkpoint import write_tiny_checkpoint
-    from encoder_svc.checkpoint import expected_shapes
-    from encoder_svc.conditioner import ConditionerConfig
-    from encoder_svc.tiny import write_tiny_model
+    from minimax_h3.dit.tiny_checkpoint import write_tiny_checkpoint
+    from minimax_h3.text.checkpoint import expected_shapes
+    from minimax_h3.text.conditioner import ConditionerConfig
+    from minimax_h3.text.tiny import write_tiny_model
+    from minimax_h3.vae.audio import AudioVAEConfig, write_tiny_audio_vae
+    from minimax_h3.vae.video import VideoVAEConfig, write_tiny_video_vae
     from tests.safetensors_files import write_sparse_safetensors
 
     for sub in ("diffusion_models", "text_encoders", "vae"):

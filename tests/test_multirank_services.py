@@ -13,7 +13,7 @@ import torch
 from client.embedded import EmbeddedStack, StackConfig
 from client.pipeline import decode, decode_raw, sample
 from client.stubs import Endpoints, StageClients
-from stagekit.render_params import RenderSpec
+from minimax_h3.contract import RenderSpec
 from tests.conftest import SERVER_ENV
 
 SPEC = RenderSpec(prompt="x", width=256, height=256, frames=22, steps=3, seed=11)

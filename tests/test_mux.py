@@ -11,14 +11,14 @@ import pytest
 import soundfile as sf
 import torch
 
-import decoder_svc.mux as mux
-from decoder_svc.mux import (
-    AUDIO_SAMPLE_RATE,
-    expected_audio_samples,
-    frames_to_uint8,
-    write_mp4,
-    write_wav,
-)
+from minimax_h3.mux import (
+                            AUDIO_SAMPLE_RATE,
+                            expected_audio_samples,
+                            frames_to_uint8,
+                            write_mp4,
+                            write_wav,
+                            )
+import minimax_h3.mux as mux
 
 F, H, W = 29, 48, 64  # 29 frames: not a multiple of anything convenient (1.2083 s)
 FRAME_S = 1.0 / 24

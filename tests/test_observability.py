@@ -207,7 +207,7 @@ def test_emitted_messages_work_as_grpcurl_sends_them(stack):
     from google.protobuf import json_format, message_factory
 
     from client.loadtest import request_messages
-    from dit_svc.config import DiTConfig
+    from minimax_h3.dit.config import DiTConfig
 
     _, ep = stack
     cases = {"encoder": ("Encode", "EncodeRequest", False), "dit": ("Sample", "SampleInput", True),

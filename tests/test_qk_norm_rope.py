@@ -1,4 +1,4 @@
-"""stagekit/qk_norm_rope.py: the plain-torch reference equals the model's previous project_qkv arithmetic bit for bit
+"""minimax_h3/kernels/qk_norm_rope.py: the plain-torch reference equals the model's previous project_qkv arithmetic bit for bit
 (CPU); the Triton kernel matches the reference on real DiT shapes (GPU) and, on
 small shapes, in triton's CPU interpreter (indexing and masking; needs triton in the venv, which CI's CPU torch
 lacks: `.venv/bin/pip install --no-deps triton`, then `.venv/bin/python -m pytest tests/test_qk_norm_rope.py -k
@@ -11,8 +11,8 @@ import math
 import pytest
 import torch
 
-from dit_svc.model import RMSNorm
-from stagekit.qk_norm_rope import apply_rope, qk_norm_rope, qk_norm_rope_reference
+from minimax_h3.dit.model import RMSNorm
+from minimax_h3.kernels.qk_norm_rope import apply_rope, qk_norm_rope, qk_norm_rope_reference
 
 from tests.triton_interp import needs_triton, run_bench_tiny, run_in_interpreter
 
@@ -44,7 +44,7 @@ def qk_v(out):
 
 
 def previous_project_qkv(y, q_norm, k_norm, rope, out):
-    """dit_svc/model.py Attention.project_qkv before the kernel (after the qkv projection), the oracle."""
+    """minimax_h3/dit/model.py Attention.project_qkv before the kernel (after the qkv projection), the oracle."""
     q, k, v = y.unbind(1)
     q, k = q_norm(q), k_norm(k)
     if rope is not None:
@@ -71,9 +71,9 @@ def test_reference_is_the_previous_math_bit_for_bit(dtype, r):
 
 def check_kernel(rows: int, heads: int, d: int, r: int, dtype: torch.dtype, device: str,
                  block_rows: int = 32, num_warps: int = 4, exact_fraction: float = EXACT_FRACTION) -> None:
-    """Triton (stagekit.qk_norm_rope.launch) vs the reference: within one ulp of the value, mostly bitwise equal,
+    """Triton (minimax_h3.kernels.qk_norm_rope.launch) vs the reference: within one ulp of the value, mostly bitwise equal,
     nothing written outside out's rows."""
-    from stagekit.qk_norm_rope import launch
+    from minimax_h3.kernels.qk_norm_rope import launch
 
     y, qw, kw, rope, buf = make_inputs(rows, heads, d, r, dtype, device)
     ref = buf.clone()
@@ -94,8 +94,8 @@ def check_kernel_fp8(rows: int, heads: int, d: int, r: int, device: str, max_ste
     """The kernel writing e4m3 q/k with static multipliers (fp8 attention) vs the reference: q/k at most
     `max_steps` e4m3 steps apart, v bitwise equal (with_v=False: no v written at all), nothing written outside the
     rows."""
-    from stagekit.fp8_attention import e4m3_steps, static_qk_mult
-    from stagekit.qk_norm_rope import launch
+    from minimax_h3.kernels.fp8_attention import e4m3_steps, static_qk_mult
+    from minimax_h3.kernels.qk_norm_rope import launch
 
     y, qw, kw, rope, buf = make_inputs(rows, heads, d, r, torch.bfloat16, device)
     mult = static_qk_mult(qw, kw)
@@ -120,7 +120,7 @@ def test_static_qk_scales_bound_normed_roped_rows():
     """static_qk_mult's bound is tight and never exceeded: a row with all its energy in the channel of the largest
     gain (the worst case) reaches 448 in e4m3 units, RoPE included (angle 0 and a quarter turn), and random rows
     stay inside."""
-    from stagekit.fp8_attention import E4M3_MAX, static_qk_mult
+    from minimax_h3.kernels.fp8_attention import E4M3_MAX, static_qk_mult
 
     heads, d, r = 2, 32, 16
     gains = torch.linspace(0.5, 2.0, d)  # largest gain in the last channel

@@ -1,19 +1,19 @@
-"""ConvRot int8 helpers (stagekit/quant.py) against the docs/model.md §8.2 facts and comfy-kitchen's own
+"""ConvRot int8 helpers (minimax_h3/kernels/int8.py) against the docs/model.md §8.2 facts and comfy-kitchen's own
 implementation."""
 
 import pytest
 import torch
 
-from stagekit.quant import (
-    Int8ConvRotLinear,
-    QuantFormatError,
-    QuantizedWeight,
-    dequantize_convrot,
-    encode_comfy_quant,
-    hadamard,
-    parse_comfy_quant,
-    quantize_convrot,
-)
+from minimax_h3.kernels.int8 import (
+                                     Int8ConvRotLinear,
+                                     QuantFormatError,
+                                     QuantizedWeight,
+                                     dequantize_convrot,
+                                     encode_comfy_quant,
+                                     hadamard,
+                                     parse_comfy_quant,
+                                     quantize_convrot,
+                                     )
 
 ck = pytest.importorskip("comfy_kitchen")
 

@@ -15,13 +15,13 @@ import numpy as np
 import pytest
 import torch
 
-from dit_svc.config import DiTConfig
-from dit_svc.keyframes import condition_rows, conditioned_denoise
-from dit_svc.layout import ReferenceBlock, build_ref2va_layout, patchify_audio, patchify_video
-from dit_svc.model import H3DiT
-from dit_svc.references import References, parse_references, ref_tensor
-from dit_svc.sampling import SamplerConfig, draw_noise, sample
-from stagekit.media import reference_clip_frames, resample_frames
+from minimax_h3.dit.config import DiTConfig
+from minimax_h3.dit.keyframes import condition_rows, conditioned_denoise
+from minimax_h3.dit.layout import ReferenceBlock, build_ref2va_layout, patchify_audio, patchify_video
+from minimax_h3.dit.model import H3DiT
+from minimax_h3.dit.references import References, parse_references, ref_tensor
+from minimax_h3.dit.sampling import SamplerConfig, draw_noise, sample
+from minimax_h3.media import reference_clip_frames, resample_frames
 
 diffusers = pytest.importorskip("diffusers")
 from diffusers.modular_pipelines.minimax_h3 import (  # noqa: E402
@@ -96,7 +96,7 @@ def _request(name: str):
 
 @pytest.fixture(scope="module")
 def tiny():
-    from dit_svc.convert_diffusers import from_diffusers
+    from minimax_h3.dit.convert_diffusers import from_diffusers
     from tests.test_dit_model import diffusers_model
 
     cfg = DiTConfig.tiny()
@@ -221,8 +221,8 @@ def test_frames_resampled_like_diffusers(n, fps):
 # Which partition a file is, and which file a request needs
 # ---------------------------------------------------------------------------------------------------------------
 def _tiny_file(path, partition=None, seed=0):
-    from dit_svc.checkpoint import METADATA_PARTITION
-    from dit_svc.tiny_checkpoint import file_metadata, save_state_dict, tiny_state_dict
+    from minimax_h3.dit.checkpoint import METADATA_PARTITION
+    from minimax_h3.dit.tiny_checkpoint import file_metadata, save_state_dict, tiny_state_dict
 
     meta = file_metadata(DiTConfig.tiny())
     if partition is None:
@@ -242,14 +242,14 @@ def _tiny_file(path, partition=None, seed=0):
     ("dit.safetensors", None, None, None),
 ])
 def test_partition_decided_from_metadata_flag_or_name(tmp_path, name, meta, flag, want):
-    from dit_svc.checkpoint import inspect_checkpoint
+    from minimax_h3.dit.checkpoint import inspect_checkpoint
 
     info = inspect_checkpoint(_tiny_file(tmp_path / name, meta), partition=flag)
     assert info.partition.partition == want, info.partition.evidence
 
 
 def test_partition_flag_contradicting_metadata_is_refused(tmp_path):
-    from dit_svc.checkpoint import inspect_checkpoint
+    from minimax_h3.dit.checkpoint import inspect_checkpoint
     from stagekit.checkpoints import CheckpointError
 
     with pytest.raises(CheckpointError, match="contradicts"):

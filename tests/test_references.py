@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from dit_svc.layout import patchify_audio
+from minimax_h3.dit.layout import patchify_audio
 
 diffusers = pytest.importorskip("diffusers")
 from diffusers.modular_pipelines.minimax_h3 import MiniMaxH3AudioReference, MiniMaxH3VideoReference  # noqa: E402
@@ -78,8 +78,8 @@ def media_png(w: int = 96, h: int = 64, seed: int = 1) -> bytes:
 def test_reference_media_on_the_model_rates():
     """Images at a 2048 px short edge; a 30 fps clip onto 24 fps, its canvas, 17n + 5 frames and its soundtrack onto
     32 kHz stereo, both cut to the render's duration; a voice at 44.1 kHz resampled; a too-short clip refused."""
+    from minimax_h3.media import load_reference
     from stagekit.errors import InvalidArgument
-    from stagekit.media import load_reference
 
     img = load_reference(media_png(300, 200), "image", FRAMES)
     assert img.frames.shape == (1, 2048, 3072, 3)
@@ -101,11 +101,11 @@ def test_reference_encodes_match_diffusers(tmp_path):
     """The decoder's reference encodes vs diffusers' (oracle) on tiny random VAEs: the same normalised pixels as
     diffusers' ref2va setup step (an image, a 30 fps clip), then the video VAE's posterior mean and the audio VAE's
     (diffusers' reference-encoder step) within 1e-4."""
-    from decoder_svc.audio_vae import AudioVAEConfig, load_audio_vae, write_tiny_audio_vae
-    from decoder_svc.video_vae import VideoVAEConfig, load_video_vae, write_tiny_video_vae
+    from minimax_h3.vae.audio import AudioVAEConfig, load_audio_vae, write_tiny_audio_vae
+    from minimax_h3.vae.video import VideoVAEConfig, load_video_vae, write_tiny_video_vae
     from diffusers.modular_pipelines.minimax_h3.encoders import MiniMaxH3Ref2VAReferenceEncoderStep
     from PIL import Image
-    from stagekit.media import load_reference
+    from minimax_h3.media import load_reference
     from tests.test_audio_vae import _oracle as audio_oracle
     from tests.test_video_vae import _oracle as video_oracle
 
@@ -115,7 +115,7 @@ def test_reference_encodes_match_diffusers(tmp_path):
     vae = load_video_vae(str(tmp_path / "v.safetensors"), vcfg, torch.float32, parts="all")
     avae = load_audio_vae(tmp_path / "a.safetensors", acfg)
     dv, da = video_oracle(vcfg, vae), audio_oracle(acfg)
-    from decoder_svc.audio_vae import unfold_weight_norm_state_dict
+    from minimax_h3.vae.audio import unfold_weight_norm_state_dict
 
     sd = avae.state_dict()
     da.load_state_dict({k: v for k, v in unfold_weight_norm_state_dict(sd, avae).items()
@@ -173,7 +173,7 @@ def test_ref2va_render_through_the_stages(clients, tmp_path):
 
     from client.pipeline import encode, render
     from h3.v1 import common_pb2
-    from stagekit.render_params import RenderSpec
+    from minimax_h3.contract import RenderSpec
 
     st = clients.dit.Status(common_pb2.StatusRequest(), timeout=30)
     assert set(st.partitions) == {"fl2va", "ref2va"}
@@ -261,10 +261,10 @@ def test_render_service_keeps_reference_thumbnails_not_files(tmp_path):
     finished job's stored request drops the files but keeps what the web page shows. Video references are refused
     at admission while the encoder cannot present them (their thumbnail: the first frame)."""
     from h3.v1 import common_pb2, render_pb2
+    from minimax_h3.contract import RenderSpec, spec_to_proto
     from render_svc.service import check_request, describe_reference
     from render_svc.store import SUCCEEDED, JobStore
     from stagekit.errors import FailedPrecondition, InvalidArgument
-    from stagekit.render_params import RenderSpec, spec_to_proto
 
     req = render_pb2.RenderRequest(references=[
         common_pb2.Reference(kind="image", data=media_png(300, 200), name="me.png"),

@@ -28,9 +28,9 @@ from client.embedded import EmbeddedStack, StackConfig
 from client.pipeline import _sample_inputs, decode, sample
 from client.stubs import Endpoints, StageClients, health_of
 from h3.v1 import common_pb2, dit_pb2, tensor_pb2
+from minimax_h3.contract import RenderSpec, spec_from_proto, spec_to_proto, validate
 from stagekit.errors import InvalidArgument
 from stagekit.lease import read_events
-from stagekit.render_params import RenderSpec, spec_from_proto, spec_to_proto, validate
 from stagekit.wire import MAX_CHUNK_BYTES, tensor_chunks
 from tests.conftest import SERVER_ENV
 from tests.procs import alive, descendants, rank_pids
@@ -486,9 +486,9 @@ def test_dit_good_request_after_bad_ones(dit1):
 # ---- 2. broken checkpoints / model dirs at startup: fail fast, clear message -------------------------------------
 @pytest.fixture(scope="module")
 def broken_files(tmp_path_factory, model_cache):
-    from decoder_svc.video_vae import VideoVAEConfig, write_tiny_video_vae
     from dit_svc.engine import embedded_config
-    from dit_svc.tiny_checkpoint import write_tiny_checkpoint
+    from minimax_h3.dit.tiny_checkpoint import write_tiny_checkpoint
+    from minimax_h3.vae.video import VideoVAEConfig, write_tiny_video_vae
 
     d = tmp_path_factory.mktemp("broken")
     write_tiny_checkpoint(embedded_config(), d / "dit.safetensors", "bf16", seed=0)
@@ -531,7 +531,7 @@ def test_dit_startup_fails_fast_on_broken_weights(broken_files, tmp_path, name, 
 
 
 def test_decoder_startup_fails_fast_on_truncated_vae(broken_files, tmp_path, model_cache):
-    from decoder_svc.audio_vae import AudioVAEConfig, write_tiny_audio_vae
+    from minimax_h3.vae.audio import AudioVAEConfig, write_tiny_audio_vae
 
     data = (broken_files / "vae.safetensors").read_bytes()
     (tmp_path / "v.safetensors").write_bytes(data[: len(data) // 2])

@@ -28,8 +28,8 @@ from PIL import Image
 
 from client.stubs import StageClients
 from h3.v1 import common_pb2, render_pb2
-from stagekit.transport import FileReceiver
 from stagekit.lease import read_events
+from stagekit.transport import FileReceiver
 from tests.render_svc_util import ROOT, TERMINAL, RenderService, probe, tiny_request
 
 
@@ -164,8 +164,8 @@ def _png(seed: int) -> bytes:
 
 def test_fl2va_keyframes_load_only_the_vae_encoder(stack, svc, tmp_path, model_cache):
     from decoder_svc.engine import EMBEDDED_VIDEO
-    from decoder_svc.video_vae import load_video_vae
-    from stagekit.models import EMBEDDED_VERSION
+    from minimax_h3.files import EMBEDDED_VERSION
+    from minimax_h3.vae.video import load_video_vae
 
     stage_stack, endpoints = stack
     with StageClients(endpoints) as c:  # start from an unloaded decoder (an earlier test's decode may be resident)

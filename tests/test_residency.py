@@ -34,11 +34,11 @@ from client.embedded import EmbeddedStack, StackConfig
 from client.pipeline import decode, encode, sample
 from client.stubs import Security, StageClients, health_of, open_channel
 from h3.v1 import common_pb2, dit_pb2_grpc
+from minimax_h3.contract import RenderSpec
 from stagekit.budget import BudgetConfig, MemoryBudget
 from stagekit.dist import RankGroup, RankInfo
 from stagekit.errors import ResourceExhausted
 from stagekit.lease import DeviceLease, LeaseConfig, read_events
-from stagekit.render_params import RenderSpec
 from stagekit.runtime import Job, RuntimeConfig, StageRuntime
 from tests.waits import wait_until
 
@@ -130,8 +130,8 @@ _HOLD_LEASE = """
 import sys, time
 from pathlib import Path
 sys.path.insert(0, {root!r})
-from stagekit.lease import DeviceLease, LeaseConfig
 from stagekit.budget import BudgetConfig, MemoryBudget
+from stagekit.lease import DeviceLease, LeaseConfig
 l = DeviceLease(["virt0"], LeaseConfig(Path({d!r}), "victim"))
 l.acquire()
 MemoryBudget(["virt0"], BudgetConfig(Path({d!r}), "victim", 100)).reserve(70)

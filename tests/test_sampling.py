@@ -1,4 +1,4 @@
-"""Tests for dit_svc/sampling.py: schedules (docs/model.md §7.2, §11.3), the audio carry, Euler / res_multistep,
+"""Tests for minimax_h3/dit/sampling.py: schedules (docs/model.md §7.2, §11.3), the audio carry, Euler / res_multistep,
 determinism, cancellation. diffusers' MiniMaxH3Scheduler is used as an oracle only."""
 
 from __future__ import annotations
@@ -9,21 +9,21 @@ import warnings
 import pytest
 import torch
 
+from minimax_h3.dit.sampling import (
+                                     AUDIO_SHIFT,
+                                     DEFAULT_STEPS,
+                                     VIDEO_SHIFT,
+                                     Cancelled,
+                                     SamplerConfig,
+                                     audio_sigma_from_video,
+                                     diffusers_sigmas,
+                                     initial_noise,
+                                     sample,
+                                     schedule,
+                                     shift_sigma,
+                                     simple_sigmas,
+                                     )
 import stagekit.errors
-from dit_svc.sampling import (
-    AUDIO_SHIFT,
-    DEFAULT_STEPS,
-    VIDEO_SHIFT,
-    Cancelled,
-    SamplerConfig,
-    audio_sigma_from_video,
-    diffusers_sigmas,
-    initial_noise,
-    sample,
-    schedule,
-    shift_sigma,
-    simple_sigmas,
-)
 
 # §7.2 (video, 5 decimals) and §11.3 (audio, with the trailing 0).
 TABLE_VIDEO_8 = [1, 0.98824, 0.97297, 0.95238, 0.92308, 0.87805, 0.80000, 0.63158, 0]

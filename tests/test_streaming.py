@@ -1,4 +1,4 @@
-"""Block weight streaming (dit_svc/streaming.py, docs/one_card.md): the per-job decision, bitwise identity of a
+"""Block weight streaming (minimax_h3/dit/streaming.py, docs/one_card.md): the per-job decision, bitwise identity of a
 streamed forward with a resident one, and the DiT service choosing, reporting and refusing by the numbers."""
 
 from __future__ import annotations
@@ -8,16 +8,16 @@ import pytest
 import torch
 
 from client.pipeline import sample
-from dit_svc.config import DiTConfig
 from dit_svc.engine import CHUNK_ROWS_EAGER, DiTEngine, DiTEngineConfig, activation_bytes, target_rows
-from dit_svc.layout import build_layout
-from dit_svc.model import H3DiT
-from dit_svc.streaming import GIB, SLOTS, BlockStream, Placement, plan_placement
-from dit_svc.tiny_checkpoint import write_tiny_checkpoint
 from h3.v1 import common_pb2
+from minimax_h3.contract import RenderSpec
+from minimax_h3.dit.config import DiTConfig
+from minimax_h3.dit.layout import build_layout
+from minimax_h3.dit.model import H3DiT
+from minimax_h3.dit.streaming import GIB, SLOTS, BlockStream, Placement, plan_placement
+from minimax_h3.dit.tiny_checkpoint import write_tiny_checkpoint
 from stagekit.dist import RankGroup, RankInfo
 from stagekit.errors import ResourceExhausted
-from stagekit.render_params import RenderSpec
 from tests.test_residency import start_stages
 
 MiB = 1 << 20

@@ -1,11 +1,11 @@
-"""stagekit/triton_kernels.py: a GPU kernel that fails falls back to its reference on that device, once, loudly."""
+"""minimax_h3/kernels/triton_ops.py: a GPU kernel that fails falls back to its reference on that device, once, loudly."""
 
 import logging
 
 import pytest
 import torch
 
-from stagekit.triton_kernels import KernelFallback
+from minimax_h3.kernels.triton_ops import KernelFallback
 
 
 def test_a_failing_kernel_is_recorded_per_device_and_logged(caplog):

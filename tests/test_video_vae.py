@@ -11,26 +11,26 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
-from decoder_svc.video_tiling import num_decoded_frames, split_tiles
+from minimax_h3.vae.tiling import num_decoded_frames, split_tiles
 from tests.ranks import run_ranks
 from tests.safetensors_files import write_sparse_safetensors
-from decoder_svc.video_vae import (
-    IMAGENET_MEAN,
-    IMAGENET_STD,
-    LATENTS_MEAN,
-    LATENTS_STD,
-    CheckpointError,
-    VideoVAE,
-    VideoVAEConfig,
-    assemble,
-    comfy_to_diffusers_state_dict,
-    decode_unit,
-    detect_layout,
-    inspect_video_vae,
-    load_video_vae,
-    plan_decode,
-    write_tiny_video_vae,
-)
+from minimax_h3.vae.video import (
+                                  IMAGENET_MEAN,
+                                  IMAGENET_STD,
+                                  LATENTS_MEAN,
+                                  LATENTS_STD,
+                                  CheckpointError,
+                                  VideoVAE,
+                                  VideoVAEConfig,
+                                  assemble,
+                                  comfy_to_diffusers_state_dict,
+                                  decode_unit,
+                                  detect_layout,
+                                  inspect_video_vae,
+                                  load_video_vae,
+                                  plan_decode,
+                                  write_tiny_video_vae,
+                                  )
 
 TINY = VideoVAEConfig.tiny()
 # Small tiles keep the CPU tests fast while exercising many tiles and the slack distribution.

@@ -10,10 +10,10 @@ from transformers import Qwen3VLConfig
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLModel
 
-from encoder_svc.conditioner import Conditioner, ConditionerConfig
-from encoder_svc.tiny import tiny_visual_weights, tiny_weights, write_tiny_model
-from encoder_svc.vision import IMAGE_MEAN, IMAGE_STD, MAX_PIXELS, MIN_PIXELS, preprocess_image, smart_resize
-from stagekit.images import fit_to_canvas
+from minimax_h3.images import fit_to_canvas
+from minimax_h3.text.conditioner import Conditioner, ConditionerConfig
+from minimax_h3.text.tiny import tiny_visual_weights, tiny_weights, write_tiny_model
+from minimax_h3.text.vision import IMAGE_MEAN, IMAGE_STD, MAX_PIXELS, MIN_PIXELS, preprocess_image, smart_resize
 
 FULL_LAYERS = 4
 PROMPT = "A fox jumps. <d>Hi!</d>"
@@ -148,7 +148,7 @@ def test_full_size_vision_config_inferred_from_shapes():
     5120) gives the Qwen3-VL vision config back; the tiny one round-trips too."""
     from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel
 
-    from encoder_svc.vision import VisionConfig, infer_vision_config
+    from minimax_h3.text.vision import VisionConfig, infer_vision_config
 
     for vc in (VisionConfig.full(), VisionConfig.tiny()):
         with torch.device("meta"):

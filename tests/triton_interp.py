@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from stagekit.triton_kernels import triton
+from minimax_h3.kernels.triton_ops import triton
 
 REPO = Path(__file__).resolve().parents[1]
 needs_triton = pytest.mark.skipif(triton is None, reason="triton is not importable (CUDA builds of torch ship it)")

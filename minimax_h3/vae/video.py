@@ -23,17 +23,17 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from decoder_svc.video_tiling import (
-    IMAGENET_MEAN,
-    IMAGENET_STD,
-    DecodeUnit,
-    StreamingAssembler,
-    assemble,
-    num_decoded_frames,
-    plan_decode,
-    stitch_tiles,
-    tile_splits,
-)
+from minimax_h3.vae.tiling import (
+                                   IMAGENET_MEAN,
+                                   IMAGENET_STD,
+                                   DecodeUnit,
+                                   StreamingAssembler,
+                                   assemble,
+                                   num_decoded_frames,
+                                   plan_decode,
+                                   stitch_tiles,
+                                   tile_splits,
+                                   )
 from stagekit.checkpoints import (FLOAT, Checkpoint, CheckpointError, HeaderEntry, NameMap, TensorReader, TensorSpec,
                                   check_latent_stats, key_report, open_checkpoint)
 

@@ -1,5 +1,5 @@
-"""What the project's Triton kernels share (stagekit/qk_norm_rope.py, stagekit/fp8_rows.py, the quantiser of
-stagekit/fp8_attention.py): the optional import, the CPU-interpreter check, and a GPU kernel's fallback.
+"""What the project's Triton kernels share (minimax_h3/kernels/qk_norm_rope.py, minimax_h3/kernels/fp8_rows.py, the quantiser of
+minimax_h3/kernels/fp8_attention.py): the optional import, the CPU-interpreter check, and a GPU kernel's fallback.
 
 - `triton` / `tl` / `libdevice` are None where Triton does not import (the CPU build of torch ships without it; a
   broken install counts as missing): every kernel then has its plain-torch reference.

@@ -16,7 +16,7 @@ Key dialects understood (all map onto our / ComfyUI linear names, docs/model.md 
                         fused qkv_proj rows, `to_qkv` = all of it), `attn.to_out.0` -> out_proj,
                         `ff.net.0.proj` -> fc1 (B rows [value; gate] swapped to our [gate; value]), `ff.net.2` ->
                         fc2, `token_refiner.refiner_blocks`, `proj_in`, `context_embedder`, `norm_out.linear`, ...
-                        (the rename table of dit_svc/convert_diffusers.py).
+                        (the rename table of minimax_h3/dit/convert_diffusers.py).
   Scale: alpha / rank when an alpha tensor is given; else PEFT's lora_alpha / rank (or / sqrt(rank) with
   use_rslora) from adapter_config.json; else 1 (the diffusers default for alpha == rank).
 

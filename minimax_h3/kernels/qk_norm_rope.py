@@ -4,7 +4,7 @@ What it fuses: after the qkv projection, y [rows, 3, heads, head_dim] (compute d
 attention kernel's layout ([heads, rows, head_dim] each): q and k are RMS-normalised over head_dim in fp32 with
 their gains, then split-half (rotate_half) RoPE turns the first r channels of every head (r = cos.shape[-1]; the
 rest pass through), v is copied. q and k go to qk_out [2, 1, heads, rows, head_dim], v to v_out [1, heads, rows,
-head_dim] (v_out None: v is not copied, its reader takes it from y), each cast to its buffer's dtype; with `qk_mult` (fp8 attention, stagekit/fp8_attention.py "static q/k
+head_dim] (v_out None: v is not copied, its reader takes it from y), each cast to its buffer's dtype; with `qk_mult` (fp8 attention, minimax_h3/kernels/fp8_attention.py "static q/k
 scales") qk_out is float8 e4m3 and holds clamp(x * qk_mult[i], +-448) for q (i = 0) and k (i = 1), so the
 attention's own quantisation pass no longer reads q and k. Why: inside a compiled block Inductor splits
 this into two RMS-statistics reductions running far below the memory bandwidth plus a pointwise pass, the largest of
@@ -13,7 +13,7 @@ writes out once. docs/kernels.md ("Fused q/k RMSNorm + RoPE (Triton)") has how i
 
 `qk_norm_rope` dispatches: the Triton kernel (the torch custom op `h3stages::qk_norm_rope_`, opaque to
 torch.compile) when y is on a CUDA device, triton imports and the shapes are ones it serves; otherwise
-`qk_norm_rope_reference`, which is exactly the model's own math (`rms_norm`, `apply_rope` below; dit_svc/model.py
+`qk_norm_rope_reference`, which is exactly the model's own math (`rms_norm`, `apply_rope` below; minimax_h3/dit/model.py
 uses them).
 The kernel's fp32 arithmetic matches the reference's except for the order of the sum of squares, so a few outputs
 in a thousand differ by one unit in the last place of the compute dtype (tests/test_qk_norm_rope.py).
@@ -26,8 +26,8 @@ import logging
 
 import torch
 
-from .kernels import FP8_E4M3_MAX
-from .triton_kernels import KernelFallback, interpreting, log_once, tl, triton
+from .registry import FP8_E4M3_MAX
+from .triton_ops import KernelFallback, interpreting, log_once, tl, triton
 
 log = logging.getLogger(__name__)
 _FALLBACK = KernelFallback("q/k RMSNorm + RoPE", log)

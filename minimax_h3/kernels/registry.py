@@ -5,13 +5,13 @@ and *attention* (q, k, v [B, heads, S, head_dim] in the compute dtype).
 
 Candidates (name -> what runs):
   linear     fp32 / bf16 / fp16  dense cuBLAS (F.linear) on the dequantised weight
-             int8                comfy-kitchen int8 ConvRot GEMM (stagekit.quant.Int8ConvRotLinear, mode="kernel")
+             int8                comfy-kitchen int8 ConvRot GEMM (minimax_h3.kernels.int8.Int8ConvRotLinear, mode="kernel")
              fp8                 float8 e4m3 row-wise scaled matmul (torch._scaled_mm, sm_89+): weight quantised per
                                  output row from the dequantised int8, activations per row (Fp8RowwiseLinear below)
   attention  cudnn / flash / efficient / math   torch SDPA pinned to one backend
              int8                comfy-kitchen int8 (SageAttention-style) kernel, when its API and CUDA ext exist
              fp8                 cuDNN fp8 SDPA via nvidia-cudnn-frontend (optional package, sm_90+), with fused
-                                 q/k/v quantisation, K/V smoothing and per-head V scales (stagekit/fp8_attention.py)
+                                 q/k/v quantisation, K/V smoothing and per-head V scales (minimax_h3/kernels/fp8_attention.py)
 
 Which candidates are *considered* depends on the device's architecture (ARCH table below: e.g. no fp8 before
 sm_89, no bf16 GEMMs on Turing, only the dense / math fallbacks on CPU). `select_kernels` then runs every considered
@@ -37,8 +37,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .errors import FailedPrecondition
-from .quant import DEFAULT_CONVROT_GROUPSIZE, Int8ConvRotLinear, QuantizedWeight, is_power_of_4, quantize_convrot
+from stagekit.errors import FailedPrecondition
+from .int8 import DEFAULT_CONVROT_GROUPSIZE, Int8ConvRotLinear, QuantizedWeight, is_power_of_4, quantize_convrot
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +92,7 @@ class Fp8Unavailable(RuntimeError):
 
 class Fp8Rows(NamedTuple):
     """Activation rows already quantised for an fp8 linear (as `quantize_fp8_rowwise` returns them): q [rows, K]
-    float8 e4m3, scale [rows, 1] fp32, row i = q[i] * scale[i]. Made by stagekit/fp8_rows.py's fused kernels
+    float8 e4m3, scale [rows, 1] fp32, row i = q[i] * scale[i]. Made by minimax_h3/kernels/fp8_rows.py's fused kernels
     (modulation, SwiGLU, attention output); linears whose class has `accepts_fp8_rows = True` take it in place of a
     tensor."""
     q: torch.Tensor
@@ -147,7 +147,7 @@ class Fp8RowwiseLinear(nn.Module):
     The input is a tensor [..., in] (quantised here) or Fp8Rows [rows, in] quantised upstream (`accepts_fp8_rows`).
     """
 
-    accepts_fp8_rows = True  # forward takes Fp8Rows too (dit_svc/model.py checks it before making them)
+    accepts_fp8_rows = True  # forward takes Fp8Rows too (minimax_h3/dit/model.py checks it before making them)
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False,
                  out_dtype: torch.dtype = torch.bfloat16, emulate: bool = False, device=None,

@@ -9,7 +9,7 @@ What an SP rank does (docs/kernels.md, "Sequence parallelism"):
     padding key). Embeddings, the token refiner (text only) and the AdaLN inputs are computed on every rank.
   * Attention needs every row: one all-to-all trades "my rows, all local heads" for "all rows, 1/sp of the local
     heads" (q, k and v in one message), attention runs on full rows of those heads, and a second all-to-all
-    returns each rank its rows of every head. The all-to-alls are called in Block.forward (dit_svc/model.py);
+    returns each rank its rows of every head. The all-to-alls are called in Block.forward (minimax_h3/dit/model.py);
     the functions here only lay out the send buffers and view the received ones.
   * After the last block the rows are all-gathered (in the model's forward), so the output heads, and so every
     rank's result, are bitwise identical.

@@ -32,10 +32,10 @@ from typing import Callable, Literal
 
 import torch
 
+from minimax_h3.contract import DEFAULT_STEPS, MAX_SEED, MAX_STEPS, MIN_STEPS, SAMPLERS, SCHEDULERS
 from stagekit.checkpoints import nonfinite_flag
 from stagekit.errors import Cancelled as _StageCancelled
 from stagekit.errors import Internal, InvalidArgument
-from stagekit.render_params import DEFAULT_STEPS, MAX_SEED, MAX_STEPS, MIN_STEPS, SAMPLERS, SCHEDULERS
 
 # ---- model-defined constants --------------------------------------------------------------------------------------
 VIDEO_SHIFT = 12.0  # sigma_shift_video of the release (§7.2)

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from transformers import Qwen3VLTextConfig
 
-from encoder_svc.vision import VisionConfig
+from minimax_h3.text.vision import VisionConfig
 
 # Special tokens of the tiny tokenizer, in id order after the 256 byte tokens (same names as the release).
 TINY_SPECIAL_TOKENS = (

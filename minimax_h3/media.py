@@ -14,8 +14,8 @@ from fractions import Fraction
 
 import numpy as np
 
+from minimax_h3.images import MAX_IMAGE_BYTES
 from stagekit.errors import InvalidArgument
-from stagekit.images import MAX_IMAGE_BYTES
 
 MODEL_FPS = 24
 AUDIO_RATE = 32_000  # the audio VAE's sample rate

@@ -36,11 +36,11 @@ import torch
 from torch import nn
 from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLTextModel, Qwen3VLTextRotaryEmbedding
 
-from encoder_svc.checkpoint import CheckpointInfo, RawParam, TextEncoderCheckpoint, densify
-from encoder_svc.config import DEFAULT_MAX_PROMPT_TOKENS, ConditionerConfig
-from encoder_svc.tokenizer import TextTokenizer, validate_prompt
-from encoder_svc.vision import (PICTURE_LABEL, Presentation, VisionConfig, build_presentation, image_token_count,
-                                preprocess_image)
+from minimax_h3.text.checkpoint import CheckpointInfo, RawParam, TextEncoderCheckpoint, densify
+from minimax_h3.text.config import DEFAULT_MAX_PROMPT_TOKENS, ConditionerConfig
+from minimax_h3.text.tokenizer import TextTokenizer, validate_prompt
+from minimax_h3.text.vision import (PICTURE_LABEL, Presentation, VisionConfig, build_presentation, image_token_count,
+                                    preprocess_image)
 from stagekit.checkpoints import CheckpointError
 from stagekit.errors import Internal, InvalidArgument
 

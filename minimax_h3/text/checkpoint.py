@@ -11,9 +11,9 @@ Per linear the weight is one of (detected from the header, per tensor):
 
 - dense      ``weight`` BF16/F16/F32 [out, in]
 - int8       ``weight`` I8 [out, in] + ``weight_scale`` F32 [out, 1] (or scalar) + ``comfy_quant`` JSON,
-             ConvRot-rotated when the JSON says so (dequantised by ``stagekit.quant``)
+             ConvRot-rotated when the JSON says so (dequantised by ``minimax_h3.kernels.int8``)
 - nvfp4      ``weight`` U8 [out, in/2] + ``weight_scale`` F8-E4M3 (swizzled) + ``weight_scale_2`` F32
-             (+ optional ``pre_quant_scale`` AWQ vector, ``input_scale``, ``comfy_quant``) (``stagekit.nvfp4``)
+             (+ optional ``pre_quant_scale`` AWQ vector, ``input_scale``, ``comfy_quant``) (``minimax_h3.kernels.nvfp4``)
 
 The embedding may also be int8 tensor-wise (one scalar scale; seen in the nvfp4 file's header inventory).
 Layers at or beyond ``cfg.num_layers`` (the release has 64) are never read; the final norm and
@@ -35,12 +35,12 @@ from pathlib import Path
 
 import torch
 
-from encoder_svc.config import ConditionerConfig
-from encoder_svc.vision import VisionConfig, infer_vision_config
-from stagekit import nvfp4
+from minimax_h3.kernels import nvfp4
+from minimax_h3.kernels.int8 import dequantize_convrot, parse_comfy_quant
+from minimax_h3.text.config import ConditionerConfig
+from minimax_h3.text.vision import VisionConfig, infer_vision_config
 from stagekit.checkpoints import (FLOAT, CheckpointError, HeaderEntry, KeyReport, NameMap, TensorReader, TensorSpec,
                                   key_report, open_checkpoint)
-from stagekit.quant import dequantize_convrot, parse_comfy_quant
 
 # Module-relative parameter names of one decoder layer (== ComfyUI / transformers names).
 LINEARS = (

@@ -4,17 +4,17 @@ dequantisation before out_proj.
 
 What the modulation kernel fuses: before the qkv projection and fc1, every block turns the fp32 residual rows
 x [rows, C] into `modulate(x) = (rms_norm(x, w) * (1 + scale[r]) + shift[r]).to(compute dtype)` (shift / scale: the
-AdaLN rows [M * 3, C] fp32 gathered by each row's table index r). An fp8 linear (stagekit/kernels.Fp8RowwiseLinear)
+AdaLN rows [M * 3, C] fp32 gathered by each row's table index r). An fp8 linear (minimax_h3/kernels/registry.Fp8RowwiseLinear)
 then quantises those rows per row (`quantize_fp8_rowwise`: scale = amax / 448, q = e4m3(row * bf16(1 / scale))).
 This kernel reads x and the gathered AdaLN rows once and writes e4m3 rows plus one fp32 scale per row (`Fp8Rows`,
 which the fp8 linear takes as its input instead of a tensor). Where it pays (measured on an H200,
 docs/performance.md): in eager blocks, 7x faster than the separate torch ops (0.68 vs 5.0 ms at 37,748
 rows). Inside a compiled block Inductor's own fusion of the same math is as fast or faster (0.645 ms), so
-dit_svc/model.py uses the kernel only outside torch.compile.
+minimax_h3/dit/model.py uses the kernel only outside torch.compile.
 
 `modulate_fp8` dispatches: the Triton kernel (the torch custom op `h3stages::modulate_fp8_rows`, opaque to
 torch.compile) when x is on a CUDA device, triton imports and the arguments are ones it serves; otherwise
-`modulate_fp8_reference`, which is exactly the model's previous math (`modulate` below, which dit_svc/model.py
+`modulate_fp8_reference`, which is exactly the model's previous math (`modulate` below, which minimax_h3/dit/model.py
 uses for its bf16 rows, then `quantize_fp8_rowwise`). The kernel's fp32 arithmetic matches the reference's
 operation for operation as torch runs them on CUDA (bf16 rounding of the modulated row, the multiply by the bf16
 reciprocal rounded to bf16, then e4m3) except for the order of the sum of squares, so a rare element lands one
@@ -29,10 +29,10 @@ division as `_div_rn` writes it out) rounded to bf16, the bf16 product rounded t
 quantisation as the modulation kernel (`_store_fp8_rows`, shared). No reduction order enters the values (a max is
 exact), so a difference can only come from libdevice's expf against the one torch is built with (and from gates
 below -87.3, `_swiglu_fp8_kernel` says why not in practice); tests/test_fp8_rows.py bounds it as the modulation
-kernel's. dit_svc/model.py's MLP uses it in eager blocks and, while `SWIGLU_IN_COMPILED_BLOCKS` says so, in
+kernel's. minimax_h3/dit/model.py's MLP uses it in eager blocks and, while `SWIGLU_IN_COMPILED_BLOCKS` says so, in
 compiled ones.
 
-The O-rows kernel: fp8 attention (stagekit/fp8_attention.py) writes an e4m3 O [H, S, D] with a per-head scale and
+The O-rows kernel: fp8 attention (minimax_h3/kernels/fp8_attention.py) writes an e4m3 O [H, S, D] with a per-head scale and
 the V-smoothing shift; the model dequantised it to bf16 O = (o8 * o_scale + o_shift) in fp32, rounded to bf16, and
 the fp8 out_proj quantised its rows [rows, H * D] (heads side by side) per row: two passes over a bf16 O, one of
 them transposing. `o_rows_fp8` (custom op `h3stages::o_rows_fp8`, dispatched as `modulate_fp8`; reference
@@ -40,7 +40,7 @@ them transposing. `o_rows_fp8` (custom op `h3stages::o_rows_fp8`, dispatched as 
 a whole output row (all heads) per program, and writes `Fp8Rows`; O may be a row slice of the whole O (any row and
 head strides). Its arithmetic is the reference's as torch runs it on CUDA (the fp32 multiply and add, each rounded,
 the bf16 rounding, then `_store_fp8_rows`), with no reduction order or library function in it: on a GPU it is
-expected to match bit for bit, and tests/test_fp8_rows.py bounds it as the other kernels. dit_svc/model.py's
+expected to match bit for bit, and tests/test_fp8_rows.py bounds it as the other kernels. minimax_h3/dit/model.py's
 attention hands O over in e4m3 to an fp8 out_proj (`Attention.attend` / `project_out`) in eager blocks and, while
 `O_ROWS_IN_COMPILED_BLOCKS` says so, in compiled ones.
 """
@@ -54,9 +54,9 @@ import torch
 import torch.nn.functional as F
 
 from .fp8_attention import dequantize_o
-from .kernels import FP8_E4M3_MAX, FP8_SCALE_FLOOR, Fp8Rows, quantize_fp8_rowwise
+from .registry import FP8_E4M3_MAX, FP8_SCALE_FLOOR, Fp8Rows, quantize_fp8_rowwise
 from .qk_norm_rope import rms_norm
-from .triton_kernels import KernelFallback, interpreting, libdevice, log_once, tl, triton
+from .triton_ops import KernelFallback, interpreting, libdevice, log_once, tl, triton
 
 log = logging.getLogger(__name__)
 _FALLBACK = KernelFallback("modulation + fp8 row quantisation", log)
@@ -180,7 +180,7 @@ def _grid(rows: int, block_rows: int) -> tuple[int]:
 
 # --- SwiGLU + fp8 row quantisation: the MLP's silu(gate) * value, handed to an fp8 fc2 -----------------------------
 
-# Whether dit_svc/model.py's MLP uses the kernel inside torch.compile'd blocks too (eager blocks always do, where
+# Whether minimax_h3/dit/model.py's MLP uses the kernel inside torch.compile'd blocks too (eager blocks always do, where
 # fc2 takes fp8 rows). True: on an H200 it beats Inductor's own fusion of the same ops, alone (below) and in the
 # model (22.3 / 51.4 ms per step against 24.6 / 57.3 ms: docs/performance_history.md).
 SWIGLU_IN_COMPILED_BLOCKS = True
@@ -350,7 +350,7 @@ if triton is not None:
 
 # --- O dequantisation + fp8 row quantisation: fp8 attention's e4m3 O, handed to an fp8 out_proj -------------------
 
-# Whether dit_svc/model.py uses the kernel inside torch.compile'd blocks too (eager blocks always do, where out_proj
+# Whether minimax_h3/dit/model.py uses the kernel inside torch.compile'd blocks too (eager blocks always do, where out_proj
 # takes fp8 rows and attention hands O over in e4m3). True: on an H200 it beats Inductor's own fusion of the same
 # ops, alone (below) and in the model (8.6 / 20.1 ms per step at its first launch, 1x8, against 12.5 / 28.9 ms for
 # Inductor's two kernels: docs/performance_history.md).
@@ -367,7 +367,7 @@ _O_ROWS_FALLBACK = KernelFallback("O dequantisation + fp8 row quantisation", log
 
 def o_rows_fp8_reference(o8: torch.Tensor, o_scale: torch.Tensor, o_shift: torch.Tensor | None) -> Fp8Rows:
     """The previous three steps in plain torch (any device): fp8 attention's `dequantize_o` to bf16, the rows of
-    all heads side by side (dit_svc/model.py Attention.project_out), then `quantize_fp8_rowwise`.
+    all heads side by side (minimax_h3/dit/model.py Attention.project_out), then `quantize_fp8_rowwise`.
     o8 [H, rows, D] e4m3, o_scale [H, 1, 1] fp32, o_shift [H, 1, D] fp32 or None -> Fp8Rows (q [rows, H * D])."""
     h, rows, d = o8.shape
     o = dequantize_o(o8, o_scale, o_shift, torch.bfloat16)

@@ -7,13 +7,13 @@ updates). `compute_dtype` (bf16/fp16/fp32) is used only inside the block/refiner
 fp32 islands (patch projections, time embedder, output heads) and the curve-form AdaLN always run in fp32.
 
 Tensor parallel: pass `tp_group` (None = single rank). `H3DiT._tp_plan` declares which linear is column- or
-row-parallel (dit_svc/tp.py): block/refiner attention and MLP are Megatron column->row parallel with a visible fp32
+row-parallel (minimax_h3/dit/tp.py): block/refiner attention and MLP are Megatron column->row parallel with a visible fp32
 `dist.all_reduce`; the AdaLN projections are column-parallel with a visible `dist.all_gather` of their tiny
 [M, out/n] outputs. The checkpoint loader, the LoRA code and the tests slice weights by the same plan.
 
 Sequence parallel (Ulysses): pass `sp_group` too (alone or with `tp_group`). The blocks run on this rank's share of
 the rows; attention swaps rows for heads with two visible `dist.all_to_all_single` calls, and the rows are
-all-gathered before the output heads. See dit_svc/sp.py.
+all-gathered before the output heads. See minimax_h3/dit/sp.py.
 """
 
 from __future__ import annotations
@@ -26,10 +26,10 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from stagekit import fp8_rows
-from stagekit.fp8_attention import Fp8O, Fp8QKInput, dequantize_o, static_qk_mult
-from stagekit.kernels import Fp8Rows
-from stagekit.qk_norm_rope import qk_norm_rope, rms_norm
+from minimax_h3.kernels import fp8_rows
+from minimax_h3.kernels.fp8_attention import Fp8O, Fp8QKInput, dequantize_o, static_qk_mult
+from minimax_h3.kernels.qk_norm_rope import qk_norm_rope, rms_norm
+from minimax_h3.kernels.registry import Fp8Rows
 
 from .config import NUM_MODALITIES, DiTConfig
 from .layout import COND_VIDEO_T, REF_AUDIO_T, PackedLayout
@@ -52,8 +52,8 @@ TIMESTEP_MAX_PERIOD = 10000.0  # sinusoid base; t is used unscaled in [0, 1]
 # (name, in_features, out_features, bias, tp style from H3DiT._tp_plan, None = replicated) -> module.
 LinearFactory = Callable[[str, int, int, bool, "TPStyle | None"], nn.Module]
 # (q, k, v) [1, heads, S, head_dim] in compute dtype -> o, same shape: full non-causal attention, scale 1/sqrt(d).
-# stagekit.kernels picks one per GPU architecture (cuDNN / flash SDPA, comfy-kitchen int8, ...). One that also has
-# `takes_fp8_qk(rows)` and `attend_fp8_qk(Fp8QKInput)` (stagekit.fp8_attention.Fp8Attention) gets q and k in e4m3
+# minimax_h3.kernels.registry picks one per GPU architecture (cuDNN / flash SDPA, comfy-kitchen int8, ...). One that also has
+# `takes_fp8_qk(rows)` and `attend_fp8_qk(Fp8QKInput)` (minimax_h3.kernels.fp8_attention.Fp8Attention) gets q and k in e4m3
 # straight from the q/k norm kernel where that returns True (Attention.empty_qkv), and may hand O back still in e4m3
 # (`attend_fp8_qk(..., keep_fp8_o=True)` -> Fp8O) for an fp8 out_proj (Attention.attend).
 AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -154,7 +154,7 @@ class Attention(nn.Module):
         the projection y [rows, 3, local_heads, head_dim] (v = y[:, 2], unnormed)."""
         rows = (h.q if isinstance(h, Fp8Rows) else h).shape[0]
         y = self.qkv_proj(h).reshape(rows, 3, self.local_heads, self.head_dim)
-        # fp32 RMSNorm of q, k, RoPE, layout write (one Triton kernel on CUDA; stagekit/qk_norm_rope.py)
+        # fp32 RMSNorm of q, k, RoPE, layout write (one Triton kernel on CUDA; minimax_h3/kernels/qk_norm_rope.py)
         qw, kw, eps = self.q_norm.weight, self.k_norm.weight, self.q_norm.eps
         if isinstance(out, Fp8QKInput):
             qk_norm_rope(y, qw, kw, eps, rope, out.qk8, out.v, out.qk_mult)
@@ -177,7 +177,7 @@ class Attention(nn.Module):
         """o [1, local_heads, rows, head_dim] (compute dtype) or Fp8O (o8 [local_heads, rows, head_dim]; rows of an
         `attend` output, `o_rows`) -> fp32 [rows, hidden]: this rank's partial sum of the row-parallel out_proj (the
         caller all-reduces it). Fp8O on a GPU goes to out_proj as fp8 rows from one fused Triton kernel
-        (stagekit/fp8_rows.py `o_rows_fp8`: the same math as dequantising O to bf16 and out_proj quantising its
+        (minimax_h3/kernels/fp8_rows.py `o_rows_fp8`: the same math as dequantising O to bf16 and out_proj quantising its
         rows); elsewhere it is dequantised to the compute dtype first."""
         if isinstance(o, Fp8O):
             if getattr(self.out_proj, "accepts_fp8_rows", False) and o.o8.is_cuda:
@@ -212,7 +212,7 @@ class MLP(nn.Module):
     def partial(self, h: torch.Tensor | Fp8Rows) -> torch.Tensor:
         """h [rows, hidden] (compute dtype), or Fp8Rows when fc1 takes them (Block._modulate) -> fp32 [rows, hidden]:
         this rank's partial sum of the row-parallel fc2. When fc2 takes fp8 rows (an fp8 linear) and y is bf16 on a
-        GPU, silu(gate) * value comes as Fp8Rows from one fused Triton kernel (stagekit/fp8_rows.py: the same math
+        GPU, silu(gate) * value comes as Fp8Rows from one fused Triton kernel (minimax_h3/kernels/fp8_rows.py: the same math
         as fc2 quantising the bf16 product itself), in compiled blocks too where `SWIGLU_IN_COMPILED_BLOCKS` says
         it beats Inductor's fusion (docs/performance.md)."""
         y = self.fc1(h)  # [rows, 2 * ffn / tp] = [gate | value]
@@ -295,7 +295,7 @@ class Block(nn.Module):
     def _modulate(self, x, norm, shift, scale, r, into: nn.Module) -> torch.Tensor | Fp8Rows:
         """norm(x) * (1 + scale[r]) + shift[r] in fp32, emitted for the next linear `into`: in the compute dtype, or,
         when `into` takes fp8 rows (an fp8 linear) in an eager block on a GPU, as Fp8Rows from one fused Triton
-        kernel (stagekit/fp8_rows.py: the same math as the linear quantising the bf16 rows itself). A compiled
+        kernel (minimax_h3/kernels/fp8_rows.py: the same math as the linear quantising the bf16 rows itself). A compiled
         block leaves it to Inductor, whose fusion of these ops is as fast (docs/performance.md)."""
         if (getattr(into, "accepts_fp8_rows", False) and x.is_cuda and self.compute_dtype == torch.bfloat16
                 and not torch.compiler.is_compiling()):
@@ -306,7 +306,7 @@ class Block(nn.Module):
                 rope: tuple[torch.Tensor, torch.Tensor], shards: SeqShards | None = None) -> torch.Tensor:
         """x [S, hidden] fp32 residual (updated in place and returned); ada_in [M, adaln_in] fp32;
         rows [S] = timestep_index * 3 + tag (AdaLN table row); rope (cos, sin) [S, rope_dim] fp32.
-        Sequence parallel: S is this rank's share `shards.local` of the sequence (dit_svc/sp.py)."""
+        Sequence parallel: S is this rank's share `shards.local` of the sequence (minimax_h3/dit/sp.py)."""
         m, n = ada_in.shape[0], self.chunk_rows
         mod = self.adaln_proj(ada_in).view(m * NUM_MODALITIES, -1)  # row m*3+tag, modality-major
         shift1, scale1, gate1, shift2, scale2, gate2 = mod.chunk(6, dim=-1)
@@ -322,7 +322,7 @@ class Block(nn.Module):
         if isinstance(qkv, Fp8QKInput) and qkv.v is None:
             qkv = qkv._replace(v=y[:, 2].transpose(0, 1).unsqueeze(0))  # [1, local_heads, S, head_dim] view
         del y
-        # 2. attention over all rows. Sequence parallel (Ulysses, dit_svc/sp.py): an all-to-all trades this rank's
+        # 2. attention over all rows. Sequence parallel (Ulysses, minimax_h3/dit/sp.py): an all-to-all trades this rank's
         #    rows of every local head for every row of 1/sp of them; another brings the output rows back.
         if shards is None:
             o = self.attn.attend(qkv)
@@ -438,17 +438,17 @@ class H3DiT(nn.Module):
         compute_dtype: dtype of the block/refiner linears and attention.
         chunk_rows: row chunk of everything but attention itself (bounds the qkv / MLP / fp32 norm temporaries).
         tp_group: torch.distributed group for tensor parallelism, None = single rank.
-        sp_group: torch.distributed group for sequence parallelism (Ulysses, dit_svc/sp.py), None = off; ranks of
+        sp_group: torch.distributed group for sequence parallelism (Ulysses, minimax_h3/dit/sp.py), None = off; ranks of
             one SP group hold the same TP shard.
         linear_factory: optional (name, in, out, bias, tp style) -> module; default = tp.Linear variants.
         device / dtype: parameter storage (use device="meta" + load_state_dict(assign=True) for full size).
-        attention_fn: (q, k, v) -> o attention kernel (default torch SDPA); see stagekit.kernels.
+        attention_fn: (q, k, v) -> o attention kernel (default torch SDPA); see minimax_h3.kernels.registry.
     """
 
     # Tensor-parallel plan (Megatron vocabulary), by module-name suffix; linears not listed are replicated. The one
     # declaration of how every weight is sliced across ranks: read here (which module each linear becomes), by the
     # checkpoint loader (which rows / columns of a file a rank reads), by LoRA (which factor is sliced) and by the
-    # reference slicer the tests use (dit_svc/tp.py shard_state_dict).
+    # reference slicer the tests use (minimax_h3/dit/tp.py shard_state_dict).
     _tp_plan: dict[str, TPStyle] = {
         "attn.qkv_proj": ColumnParallel(sections=3),  # rows [q; k; v], each cut by heads
         "attn.out_proj": RowParallel(),  # input columns of those heads; fp32 all-reduce after it
@@ -489,7 +489,7 @@ class H3DiT(nn.Module):
         self.token_refiner = TokenRefiner(ctx)
         self.blocks = nn.ModuleList(Block(ctx, f"blocks.{i}") for i in range(cfg.num_layers))
         self.final_layer = FinalLayer(ctx)
-        # Set by the engine when some blocks stream from host memory (dit_svc/streaming.py); None = all resident.
+        # Set by the engine when some blocks stream from host memory (minimax_h3/dit/streaming.py); None = all resident.
         self.block_stream = None
         for mod in self.modules():  # norms are created without device/dtype above
             if isinstance(mod, RMSNorm) and (device is not None or dtype is not None):
@@ -525,7 +525,7 @@ class H3DiT(nn.Module):
         self.set_submodule(name, module)
 
     def set_attention_fn(self, fn: AttentionFn) -> None:
-        """Use attention kernel `fn` in every block and refiner block (e.g. after a stagekit.kernels probe)."""
+        """Use attention kernel `fn` in every block and refiner block (e.g. after a minimax_h3.kernels.registry probe)."""
         for mod in self.modules():
             if isinstance(mod, Attention):
                 mod.attention_fn = fn
@@ -602,7 +602,7 @@ class H3DiT(nn.Module):
 
         shards = None
         if self.sp_group is not None:
-            # Sequence parallel: the blocks run on this rank's contiguous share of the rows (dit_svc/sp.py).
+            # Sequence parallel: the blocks run on this rank's contiguous share of the rows (minimax_h3/dit/sp.py).
             shards = SeqShards.split(layout.seq_len, self.sp_rank, self.sp_size)
             part = shards.rows()
             x, rows, rope = x[part].clone(), rows[part], (rope[0][part], rope[1][part])

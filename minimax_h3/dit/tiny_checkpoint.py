@@ -24,20 +24,20 @@ from typing import Iterator, Literal
 
 import torch
 
-from dit_svc.checkpoint import (
-    BF16,
-    INT8_CONVROT,
-    INT8_CONVROT_PRUNED,
-    METADATA_CONFIG,
-    METADATA_PARTITION,
-    METADATA_QKV,
-    Variant,
-    expected_specs,
-)
-from dit_svc.config import DiTConfig
-from dit_svc.convert_diffusers import QKV_SECTIONS, to_diffusers
+from minimax_h3.dit.checkpoint import (
+                                       BF16,
+                                       INT8_CONVROT,
+                                       INT8_CONVROT_PRUNED,
+                                       METADATA_CONFIG,
+                                       METADATA_PARTITION,
+                                       METADATA_QKV,
+                                       Variant,
+                                       expected_specs,
+                                       )
+from minimax_h3.dit.config import DiTConfig
+from minimax_h3.dit.convert_diffusers import QKV_SECTIONS, to_diffusers
+from minimax_h3.kernels.int8 import encode_comfy_quant, is_power_of_4, quantize_convrot
 from stagekit.checkpoints import DTYPE_BYTES, TORCH_DTYPE
-from stagekit.quant import encode_comfy_quant, is_power_of_4, quantize_convrot
 
 TinyVariant = Literal["bf16", "int8_convrot", "int8_convrot_pruned"]
 VARIANTS: dict[str, Variant] = {"bf16": BF16, "int8_convrot": INT8_CONVROT, "int8_convrot_pruned": INT8_CONVROT_PRUNED}

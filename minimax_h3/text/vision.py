@@ -23,8 +23,8 @@ import numpy as np
 import torch
 from transformers.models.qwen3_vl.configuration_qwen3_vl import Qwen3VLVisionConfig
 
+from minimax_h3.labels import VIDEO_NOT_PRESENTED
 from stagekit.errors import InvalidArgument
-from stagekit.labels import VIDEO_NOT_PRESENTED
 
 # Qwen3-VL image-processor constants (preprocessor_config.json of the Qwen3-VL release).
 IMAGE_MEAN = (0.5, 0.5, 0.5)
@@ -148,7 +148,7 @@ def preprocess_image(image: torch.Tensor, cfg: VisionConfig) -> tuple[torch.Tens
 def reference_parts(encode, references) -> tuple[list[list[int]], list[torch.Tensor], list[int]]:
     """ref2va presentation (docs/model.md §6) as (text ids before each image block, the images, the text ids after
     the last block): references in request order, labels numbered per kind; an audio reference, and a video's
-    soundtrack, is its label alone. `references`: stagekit.media.ReferenceMedia; `encode`: text -> token ids."""
+    soundtrack, is its label alone. `references`: minimax_h3.media.ReferenceMedia; `encode`: text -> token ids."""
     labels, images, pending = [], [], []
     count = {"image": 0, "video": 0, "audio": 0}
     for ref in references:

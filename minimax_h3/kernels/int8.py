@@ -16,11 +16,14 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
 from torch import nn
+
+from stagekit.checkpoints import CheckpointError, HeaderEntry, TensorReader
 
 log = logging.getLogger(__name__)
 
@@ -206,7 +209,7 @@ class Int8ConvRotLinear(nn.Module):
     mode="dequant": the weight is dequantised once (first forward or `materialize()`) to `compute_dtype` and the
                     layer runs as a dense F.linear -- same math as a bf16 checkpoint. The int8 copy stays (state_dict),
                     so this holds 1 + 2 bytes per weight; where memory matters, dequantise at load instead
-                    (dit_svc.checkpoint.load_dit_weights(quant_mode="dequant")) and use a plain linear.
+                    (minimax_h3.dit.checkpoint.load_dit_weights(quant_mode="dequant")) and use a plain linear.
     State-dict keys are `weight`, `weight_scale` (and `bias` if present), i.e. the ComfyUI names; a `comfy_quant`
     entry in a loaded state dict is checked against this layer's group size and otherwise ignored.
     """
@@ -308,3 +311,23 @@ class Int8ConvRotLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, groupsize={self.groupsize}, mode={self.mode}"
+
+
+def read_quant_spec(reader: TensorReader, entries: Mapping[str, HeaderEntry], weight_key: str) -> QuantSpec:
+    """The `comfy_quant` descriptor of an int8 weight, checked against the weight: valid JSON of a known format,
+    and a ConvRot group that divides the weight's in_features. Raises CheckpointError naming file and tensor."""
+    prefix = weight_key[: -len(".weight")]
+    qkey = f"{prefix}.comfy_quant"
+    e = entries.get(qkey)
+    if e is None:
+        raise CheckpointError(entries[weight_key].file, "int8 weight without its comfy_quant descriptor: cannot "
+                                                        "tell whether it is ConvRot-rotated", qkey)
+    try:
+        spec = parse_comfy_quant(reader.whole(qkey))
+    except QuantFormatError as exc:
+        raise CheckpointError(e.file, str(exc), qkey) from exc
+    in_features = entries[weight_key].shape[-1]
+    if spec.groupsize and in_features % spec.groupsize:
+        raise CheckpointError(e.file, f"ConvRot group size {spec.groupsize} does not divide the weight's "
+                                      f"in_features {in_features}", qkey)
+    return spec

@@ -13,8 +13,8 @@ adds around it (docs/kernels.md, "8-bit attention"):
    otherwise spend the 3-bit mantissa of every key.
 3. V smoothing: V minus its per-channel mean, added back to O. Exact because softmax rows sum to one; the fp8 O
    then carries only the deviation, so its rounding error shrinks with it.
-4. Static q/k scales (`static_qk`). Where the q/k RMSNorm kernel writes q and k (stagekit/qk_norm_rope.py, in
-   dit_svc/model.py's blocks), it writes them in e4m3 right away, with scales that need no statistics: after an
+4. Static q/k scales (`static_qk`). Where the q/k RMSNorm kernel writes q and k (minimax_h3/kernels/qk_norm_rope.py, in
+   minimax_h3/dit/model.py's blocks), it writes them in e4m3 right away, with scales that need no statistics: after an
    RMSNorm over D channels every |x_i| <= sqrt(D) (the squares sum to at most D), times its gain, and RoPE rotates
    channel pairs, which keeps a pair's norm; so |q_i| <= sqrt(D) * max|gain| (`static_qk_mult`). e4m3's relative
    step is the same over its normal range, so a loose bound costs only values ~2^-14 of the largest, which the
@@ -28,7 +28,7 @@ adds around it (docs/kernels.md, "8-bit attention"):
 
 Layout: the quantiser keeps the memory layout of its input (elementwise ops preserve strides, the Triton op
 allocates like its input): BHSD-contiguous q
-from dit_svc/model.py's blocks gives BHSD e4m3 tensors, a [S, H, D]-backed view gives [S, H, D]-backed ones. cuDNN
+from minimax_h3/dit/model.py's blocks gives BHSD e4m3 tensors, a [S, H, D]-backed view gives [S, H, D]-backed ones. cuDNN
 reads any of them as BHSD through their strides (the plan is keyed by them), and O is allocated like q.
 
 Everything except the cuDNN call has a CPU path: `emulate=True` replaces the kernel by an fp32 emulation of the
@@ -48,7 +48,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from .triton_kernels import tl, triton  # None without Triton: the torch quantiser serves
+from .triton_ops import tl, triton  # None without Triton: the torch quantiser serves
 
 log = logging.getLogger(__name__)
 
@@ -107,8 +107,8 @@ DEFAULT_OPTIONS = OPTIONS["head+kv+static-qk"]
 class Fp8O(NamedTuple):
     """The attention output still quantised, as the kernel writes it (`Fp8Attention.attend_fp8_qk(...,
     keep_fp8_o=True)`): o8 [H, S, D] e4m3, o_scale [H, 1, 1] fp32, o_shift [H, 1, D] fp32 or None;
-    O = `dequantize_o(o8, o_scale, o_shift, dtype)`. dit_svc/model.py hands its rows to an fp8 out_proj in one
-    pass (stagekit/fp8_rows.py `o_rows_fp8`) instead of writing O in the compute dtype first."""
+    O = `dequantize_o(o8, o_scale, o_shift, dtype)`. minimax_h3/dit/model.py hands its rows to an fp8 out_proj in one
+    pass (minimax_h3/kernels/fp8_rows.py `o_rows_fp8`) instead of writing O in the compute dtype first."""
 
     o8: torch.Tensor
     o_scale: torch.Tensor
@@ -704,7 +704,7 @@ def _(q8, k8, v8, descale_q, descale_k):
 
 
 class Fp8Attention:
-    """AttentionFn (dit_svc/model.py): (q, k, v) [1, H, S, D] -> o [1, H, S, D] in q's dtype, non-causal, 1/sqrt(D).
+    """AttentionFn (minimax_h3/dit/model.py): (q, k, v) [1, H, S, D] -> o [1, H, S, D] in q's dtype, non-causal, 1/sqrt(D).
 
     On CUDA with Triton the quantisation is the two-pass Triton op (`quantize_qkv_triton`; one opaque op inside a
     compiled block too). Otherwise, and with `emulate=True` (the fp32 emulation of the kernel, any device), it is
@@ -713,7 +713,7 @@ class Fp8Attention:
 
     With `options.static_qk` the model may instead hand over q and k already in e4m3 (`takes_fp8_qk`,
     `attend_fp8_qk`); then only V is quantised here (module docstring, 4), and O may come back still in e4m3
-    (`Fp8O`) for an fp8 out_proj to take its rows from (stagekit/fp8_rows.py `o_rows_fp8`)."""
+    (`Fp8O`) for an fp8 out_proj to take its rows from (minimax_h3/kernels/fp8_rows.py `o_rows_fp8`)."""
 
     def __init__(self, options: Fp8AttentionOptions = DEFAULT_OPTIONS, emulate: bool = False,
                  compile_quant: bool = False):

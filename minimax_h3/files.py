@@ -53,11 +53,6 @@ CHECKPOINT_PARTS: dict[str, CheckpointPart] = {
 }
 
 
-def default_cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "h3-stages"
-
-
 def ensure_embedded(cache_dir: Path, filename: str, write: Callable[[Path], None]) -> Path:
     """Return cache_dir/embedded-v1/filename, writing it with `write(tmp_path)` once (race-free)."""
     d = Path(cache_dir) / EMBEDDED_VERSION

@@ -15,10 +15,10 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
 
-from encoder_svc.checkpoint import LINEARS, expected_shapes
-from encoder_svc.config import N_BYTES, TINY_SPECIAL_TOKENS, TINY_VOCAB_SIZE, ConditionerConfig
+from minimax_h3.kernels.int8 import encode_comfy_quant, quantize_convrot
+from minimax_h3.text.checkpoint import LINEARS, expected_shapes
+from minimax_h3.text.config import N_BYTES, TINY_SPECIAL_TOKENS, TINY_VOCAB_SIZE, ConditionerConfig
 from stagekit.checkpoints import CheckpointError, read_header
-from stagekit.quant import encode_comfy_quant, quantize_convrot
 
 TINY_SEED = 20261130
 TINY_CHECKPOINT = "qwen3vl_tiny_minimax_h3_{variant}.safetensors"
@@ -65,7 +65,7 @@ def tiny_visual_weights(vcfg=None, seed: int = TINY_SEED) -> dict[str, torch.Ten
     deterministic; shapes from transformers' Qwen3VLVisionModel for the tiny vision config."""
     from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel
 
-    from encoder_svc.vision import VisionConfig
+    from minimax_h3.text.vision import VisionConfig
 
     vcfg = vcfg or VisionConfig.tiny()
     with torch.device("meta"):

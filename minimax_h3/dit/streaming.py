@@ -25,7 +25,7 @@ import torch.nn as nn
 
 from stagekit.errors import ResourceExhausted
 
-log = logging.getLogger("dit_svc.streaming")
+log = logging.getLogger("minimax_h3.dit.streaming")
 
 GIB = 1 << 30
 ALIGN = 256  # byte alignment of every tensor inside a block buffer (what the GEMM kernels expect of their operands)

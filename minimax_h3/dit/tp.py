@@ -1,7 +1,7 @@
 """Megatron-style tensor parallelism for the H3 DiT over an explicit torch.distributed process group.
 
 The linear classes here hold only the *local* shard and never communicate; the reductions are visible
-`dist.all_reduce` / `dist.all_gather` calls in the attention / MLP / AdaLN forwards of dit_svc/model.py.
+`dist.all_reduce` / `dist.all_gather` calls in the attention / MLP / AdaLN forwards of minimax_h3/dit/model.py.
 
 Which linear is column- or row-parallel is declared once, as `H3DiT._tp_plan` (module-name suffix -> style); the
 model builds its linears from it, the checkpoint loader reads each rank's part of a file from it, and
@@ -45,7 +45,7 @@ class Linear(nn.Module):
     """nn.Linear-compatible module (same `weight`/`bias` keys) that runs in `compute_dtype`.
 
     compute_dtype None = the input's dtype. Any module with `forward(x) -> y` of the same shapes (e.g.
-    stagekit.quant.Int8ConvRotLinear) can replace it via H3DiT.swap_linear; callers cast outputs themselves.
+    minimax_h3.kernels.int8.Int8ConvRotLinear) can replace it via H3DiT.swap_linear; callers cast outputs themselves.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, compute_dtype: torch.dtype | None = None,

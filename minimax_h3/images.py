@@ -35,7 +35,7 @@ DECODE_BYTES_PER_PIXEL = 8         # the decoded image (up to RGBA) + its RGB co
 
 def check_canvas(width: int, height: int) -> None:
     """The keyframe's target: a valid render canvas (the render size), checked before any image is read."""
-    from stagekit.render_params import RenderSpec, validate
+    from minimax_h3.contract import RenderSpec, validate
 
     for name, v in (("width", width), ("height", height)):
         if v <= 0 or v % CANVAS_MULTIPLE:

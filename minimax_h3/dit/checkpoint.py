@@ -32,14 +32,14 @@ from typing import Iterable, Literal
 
 import torch
 
-from dit_svc.config import DiTConfig
-from dit_svc.convert_diffusers import (DIFFUSERS_NAMES, DIFFUSERS_QKV, FC1_SECTIONS, NOT_IN_DIFFUSERS, QKV_SECTIONS,
-                                       is_qkv_part, qkv_part_keys)
-from dit_svc.model import H3DiT
-from dit_svc.tp import ColumnParallel, RowParallel, column_range, param_style, section_ranges, validate_tp
+from minimax_h3.dit.config import DiTConfig
+from minimax_h3.dit.convert_diffusers import (DIFFUSERS_NAMES, DIFFUSERS_QKV, FC1_SECTIONS, NOT_IN_DIFFUSERS, QKV_SECTIONS,
+                                              is_qkv_part, qkv_part_keys)
+from minimax_h3.dit.model import H3DiT
+from minimax_h3.dit.tp import ColumnParallel, RowParallel, column_range, param_style, section_ranges, validate_tp
+from minimax_h3.kernels.int8 import QuantizedWeight, dequantize_convrot, read_quant_spec
 from stagekit.checkpoints import (FLOAT, Checkpoint, CheckpointError, FiniteCheck, HeaderEntry, TensorReader,
-                                  TensorSpec, key_report, metadata_json, named, open_checkpoint, read_quant_spec)
-from stagekit.quant import QuantizedWeight, dequantize_convrot
+                                  TensorSpec, key_report, metadata_json, named, open_checkpoint)
 
 log = logging.getLogger(__name__)
 

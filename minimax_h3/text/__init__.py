@@ -1,0 +1,1 @@
+"""The text encoder: Qwen3-VL conditioner, its vision tower, tokenizer and checkpoints."""

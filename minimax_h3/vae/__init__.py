@@ -1,0 +1,1 @@
+"""The video and audio VAEs and the video decode tiling."""
