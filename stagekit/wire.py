@@ -100,10 +100,10 @@ def tensor_chunks(name: str, tensor: torch.Tensor, chunk_bytes: int = MAX_CHUNK_
         yield msg
 
 
-# glibc's malloc_trim (None with another C library): returns the free pages of every arena to the system, a fraction
-# of a millisecond. gRPC hands an upload's 2 MiB messages to several threads; once glibc has raised its mmap threshold
-# they come from those threads' arenas, which keep them after the free (8 rejected 24 MiB uploads at a time left
-# +100..200 MiB behind without it).
+# glibc's malloc_trim (None with another C library): returns the free pages of every arena to the system, ~0.05 ms.
+# An upload's 2 MiB messages are received on threads of their own; once glibc has raised its mmap threshold they come
+# from those threads' arenas, which keep them after the free (rounds of 8 rejected 24 MiB uploads at a time left
+# +80..230 MiB behind without it, +15..34 MiB with it).
 _malloc_trim = getattr(ctypes.CDLL(None), "malloc_trim", None)
 
 
