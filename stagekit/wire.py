@@ -4,9 +4,10 @@ A tensor travels as a stream of `TensorChunk` messages: the first carries a
 `TensorHeader` (name, dtype, shape, byte count, CRC-32C), every chunk carries
 its byte offset, the final one is flagged `last` and carries the checksum (so a
 sender streams without a second pass over the data). The receiver preallocates the
-tensor, copies each chunk straight into place (one copy), and checks everything
-it was promised. Any mismatch raises `WireError`, which servers map to
-INVALID_ARGUMENT; nothing is handed on until the whole tensor has been checked.
+tensor (in a mapping of its own, `staging_buffer`), copies each chunk straight into
+place (one copy), and checks everything it was promised. Any mismatch raises
+`WireError`, which servers map to INVALID_ARGUMENT; nothing is handed on until the
+whole tensor has been checked.
 """
 
 from __future__ import annotations
