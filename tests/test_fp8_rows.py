@@ -451,12 +451,12 @@ def test_triton_kernel_in_the_interpreter():
 
 @needs_triton
 def test_kernel_registers_compiles_for_sm90():
-    """benchmarks/kernel_registers.py: the SwiGLU and O-rows kernels at their default launches compile for sm_90 on the
-    CPU and do not spill (a per-element slow-path division, say, would show here)."""
-    from minimax_h3.kernels.fp8_rows import O_ROWS_BLOCK_ROWS, O_ROWS_NUM_WARPS, SWIGLU_BLOCK_ROWS, SWIGLU_NUM_WARPS
+    """benchmarks/kernel_registers.py: the SwiGLU and O-rows kernels at their sm_90 launches (tuning.json) compile
+    for sm_90 on the CPU and do not spill (a per-element slow-path division, say, would show here)."""
+    from minimax_h3.kernels.tuning import _entry
 
-    for op, config in (("swiglu", f"{SWIGLU_BLOCK_ROWS}x{SWIGLU_NUM_WARPS}"),
-                       ("orows", f"{O_ROWS_BLOCK_ROWS}x{O_ROWS_NUM_WARPS}")):
+    for op, kernel in (("swiglu", "swiglu_fp8_rows"), ("orows", "o_rows_fp8")):
+        config = f"{_entry('sm_90')[kernel]['block_rows']}x{_entry('sm_90')[kernel]['num_warps']}"
         run = subprocess.run([sys.executable, "benchmarks/kernel_registers.py", "--ops", op, "--configs", config],
                              cwd=REPO, capture_output=True, text=True, timeout=300)
         assert run.returncode == 0 and " 0 B spilled" in run.stdout, run.stdout + run.stderr
