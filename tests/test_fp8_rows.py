@@ -453,10 +453,10 @@ def test_triton_kernel_in_the_interpreter():
 def test_kernel_registers_compiles_for_sm90():
     """benchmarks/kernel_registers.py: the SwiGLU and O-rows kernels at their sm_90 launches (tuning.json) compile
     for sm_90 on the CPU and do not spill (a per-element slow-path division, say, would show here)."""
-    from minimax_h3.kernels.tuning import _entry
+    from minimax_h3.kernels.tuning import arch_entry
 
     for op, kernel in (("swiglu", "swiglu_fp8_rows"), ("orows", "o_rows_fp8")):
-        config = f"{_entry('sm_90')[kernel]['block_rows']}x{_entry('sm_90')[kernel]['num_warps']}"
+        config = f"{arch_entry('sm_90')[kernel]['block_rows']}x{arch_entry('sm_90')[kernel]['num_warps']}"
         run = subprocess.run([sys.executable, "benchmarks/kernel_registers.py", "--ops", op, "--configs", config],
                              cwd=REPO, capture_output=True, text=True, timeout=300)
         assert run.returncode == 0 and " 0 B spilled" in run.stdout, run.stdout + run.stderr

@@ -83,7 +83,8 @@ def assemble_dit(cfg: DiTConfig, weights: MutableMapping[str, WeightSource], mak
     missing, unexpected = model.load_state_dict(dense, strict=False, assign=True)
     missing = [k for k in missing if k.rsplit(".", 1)[0] not in swapped]
     if missing or unexpected:
-        raise FailedPrecondition(f"DiT weights do not fit the model: missing {missing[:10]}, unexpected {unexpected[:10]}")
+        raise FailedPrecondition(f"DiT weights do not fit the model: missing {missing[:10]}, "
+                                 f"unexpected {unexpected[:10]}")
     del dense
     # 4. RoPE, attention kernel, compilation.
     model.rope.to(device)

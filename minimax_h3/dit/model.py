@@ -50,7 +50,7 @@ TIMESTEP_MAX_PERIOD = 10000.0  # sinusoid base; t is used unscaled in [0, 1]
 # (name, in_features, out_features, bias, tp style from H3DiT._tp_plan, None = replicated) -> module.
 LinearFactory = Callable[[str, int, int, bool, "TPStyle | None"], nn.Module]
 # (q, k, v) [1, heads, S, head_dim] in compute dtype -> o, same shape: full non-causal attention, scale 1/sqrt(d).
-# minimax_h3.kernels.registry picks one per GPU architecture (cuDNN / flash SDPA, comfy-kitchen int8, fp8, ...);
+# minimax_h3.kernels.registry picks one per GPU architecture (cuDNN / flash SDPA, comfy-kitchen int8, 8-bit, ...);
 # minimax_h3/kernels/layers.py says how a block feeds it (`attention_input`).
 AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -116,7 +116,7 @@ class Attention(nn.Module):
         """Uninitialised attention input for S rows, in the layout the attention kernel takes (sequence parallel:
         compute-dtype q, k, v, which the all-to-all moves). whole: one `project_qkv` call writes all S rows."""
         return attention_input(self.attention_fn, self.local_heads, s, self.head_dim, self.compute_dtype, device,
-                               self.q_norm, self.k_norm, fp8_qk=not sequence_parallel, v_in_projection=whole)
+                               self.q_norm, self.k_norm, sequence_parallel, whole)
 
     def project_qkv(self, qkv: AttentionInput, start: int, end: int, h: torch.Tensor,
                     rope: tuple[torch.Tensor, torch.Tensor] | None, modulation: Modulation | None = None) -> None:

@@ -108,8 +108,8 @@ DEFAULT_OPTIONS = OPTIONS["head+kv+static-qk"]
 class Fp8O(NamedTuple):
     """The attention output still quantised, as the kernel writes it (`Fp8Attention.attend_fp8_qk(...,
     keep_fp8_o=True)`): o8 [H, S, D] e4m3, o_scale [H, 1, 1] fp32, o_shift [H, 1, D] fp32 or None;
-    O = `dequantize_o(o8, o_scale, o_shift, dtype)`. minimax_h3/dit/model.py hands its rows to an fp8 out_proj in one
-    pass (minimax_h3/kernels/fp8_rows.py `o_rows_fp8`) instead of writing O in the compute dtype first."""
+    O = `dequantize_o(o8, o_scale, o_shift, dtype)`. minimax_h3/kernels/layers.py hands its rows to an fp8 out_proj
+    in one pass (minimax_h3/kernels/fp8_rows.py `o_rows_fp8`) instead of writing O in the compute dtype first."""
 
     o8: torch.Tensor
     o_scale: torch.Tensor

@@ -14,10 +14,10 @@ Fp8RowsMethod) uses it only outside torch.compile (docs/kernels.md, "Fused fp8 r
 `modulate_fp8` dispatches: the Triton kernel (the torch custom op `h3stages::modulate_fp8_rows`, opaque to
 torch.compile) when x is on a CUDA device, triton imports and the arguments are ones it serves; otherwise
 `modulate_fp8_reference`, which is exactly the plain method's math (`modulate` below, which
-minimax_h3/kernels/layers.py uses for bf16 rows, then `quantize_fp8_rowwise`). The kernel's fp32 arithmetic matches the reference's
-operation for operation as torch runs them on CUDA (bf16 rounding of the modulated row, the multiply by the bf16
-reciprocal rounded to bf16, then e4m3) except for the order of the sum of squares, so a rare element lands one
-e4m3 step away (tests/test_fp8_rows.py).
+minimax_h3/kernels/layers.py uses for bf16 rows, then `quantize_fp8_rowwise`). The kernel's fp32 arithmetic matches
+the reference's operation for operation as torch runs them on CUDA (bf16 rounding of the modulated row, the
+multiply by the bf16 reciprocal rounded to bf16, then e4m3) except for the order of the sum of squares, so a rare
+element lands one e4m3 step away (tests/test_fp8_rows.py).
 
 The SwiGLU kernel: the MLP computes fc2(silu(gate) * value) from fc1's bf16 output y [rows, 2F] = [gate | value];
 when fc2 is an fp8 linear it quantises that bf16 product per row. `swiglu_fp8` (custom op
@@ -346,7 +346,8 @@ _O_ROWS_FALLBACK = KernelFallback("O dequantisation + fp8 row quantisation", log
 
 def o_rows_fp8_reference(o8: torch.Tensor, o_scale: torch.Tensor, o_shift: torch.Tensor | None) -> Fp8Rows:
     """The previous three steps in plain torch (any device): fp8 attention's `dequantize_o` to bf16, the rows of
-    all heads side by side (minimax_h3/dit/model.py Attention.project_out), then `quantize_fp8_rowwise`.
+    all heads side by side (minimax_h3/kernels/layers.py, the plain method's `apply_fp8_o`), then
+    `quantize_fp8_rowwise`.
     o8 [H, rows, D] e4m3, o_scale [H, 1, 1] fp32, o_shift [H, 1, D] fp32 or None -> Fp8Rows (q [rows, H * D])."""
     h, rows, d = o8.shape
     o = dequantize_o(o8, o_scale, o_shift, torch.bfloat16)

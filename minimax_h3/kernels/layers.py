@@ -12,8 +12,8 @@ weights, its method's `apply` does the kernel work):
   (minimax_h3/kernels/fp8_rows.py) that hands the linear `Fp8Rows`: the same math as the plain method, one pass
   over the rows instead of two or three.
 - Attention: the block's q, k, v go into an `AttentionInput` made for the attention kernel the start-up probe chose
-  (`attention_input`): a compute-dtype buffer for any kernel, or, for fp8 attention (minimax_h3/kernels/fp8_attention.py)
-  with static q/k scales, q and k written in e4m3 straight from the q/k norm kernel. Its `attend` returns an
+  (`attention_input`): a compute-dtype buffer for any kernel, or, for fp8 attention
+  (minimax_h3/kernels/fp8_attention.py) with static q/k scales, q and k written in e4m3 straight from the q/k norm kernel. Its `attend` returns an
   `AttentionOutput` whose rows go to out_proj (`project`); fp8 attention may keep O in e4m3 for an fp8 out_proj,
   whose method takes its rows in one pass.
 
@@ -197,13 +197,13 @@ class Fp8AttentionInput(AttentionInput):
 
 
 def attention_input(fn, heads: int, s: int, head_dim: int, dtype: torch.dtype, device: torch.device,
-                    q_norm: nn.Module, k_norm: nn.Module, fp8_qk: bool = True,
+                    q_norm: nn.Module, k_norm: nn.Module, sequence_parallel: bool = False,
                     v_in_projection: bool = False) -> AttentionInput:
     """An uninitialised attention input for S rows and attention kernel `fn`: for fp8 attention that takes q and k
-    in e4m3 at this length (and `fp8_qk`: not under sequence parallelism, whose all-to-all moves compute-dtype
-    q, k, v), `Fp8AttentionInput`; else the compute-dtype buffer."""
+    in e4m3 at this length, `Fp8AttentionInput` (not under sequence parallelism, whose all-to-all moves
+    compute-dtype q, k, v); else the compute-dtype buffer. v_in_projection: one `write` covers all S rows."""
     shape = (1, heads, s, head_dim)
-    if fp8_qk and isinstance(fn, Fp8Attention) and fn.takes_fp8_qk(s):
+    if not sequence_parallel and isinstance(fn, Fp8Attention) and fn.takes_fp8_qk(s):
         v = None if v_in_projection else torch.empty(shape, dtype=dtype, device=device)
         qk8 = torch.empty(2, *shape, dtype=torch.float8_e4m3fn, device=device)
         return Fp8AttentionInput(Fp8QKInput(qk8, v, static_qk_mult(q_norm.weight, k_norm.weight)), v_in_projection)

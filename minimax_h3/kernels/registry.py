@@ -22,7 +22,8 @@ so a forced kernel that is broken on this machine fails at start-up, not mid-req
 
 The result (`KernelSelection`) carries (op, kernel, reason) rows for the Status RPC, a factory for linear modules
 and the attention callable to hand to the model (`H3DiT(attention_fn=...)` / `H3DiT.set_attention_fn`). How each
-linear and the attention then compute inside a block (and what they fuse) is their method's: minimax_h3/kernels/layers.py.
+linear and the attention then compute inside a block (and what they fuse) is their method's:
+minimax_h3/kernels/layers.py.
 """
 
 from __future__ import annotations

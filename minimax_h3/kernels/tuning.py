@@ -14,6 +14,8 @@ from pathlib import Path
 
 import torch
 
+from .registry import arch_key
+
 TABLE = Path(__file__).with_name("tuning.json")
 META_KEYS = ("benchmark",)  # an entry's notes, not launch parameters
 
@@ -28,7 +30,8 @@ def _capability(arch: str) -> int:
 
 
 @functools.cache
-def _entry(arch: str) -> dict:
+def arch_entry(arch: str) -> dict:
+    """The table entry for `arch` ("sm_90", "cpu", ...): its own, else the nearest listed architecture's."""
     table = _table()
     if arch in table:
         return table[arch]
@@ -38,9 +41,7 @@ def _entry(arch: str) -> dict:
 
 def launch_params(kernel: str, device: torch.device | str) -> dict[str, int]:
     """The launch parameters of `kernel` (a tuning.json key, e.g. "swiglu_fp8_rows") on `device`."""
-    from .registry import arch_key
-
-    entry = _entry(arch_key(device))
+    entry = arch_entry(arch_key(device))
     if kernel not in entry:
         raise KeyError(f"{TABLE.name} has no {kernel!r} entry for {entry.get('measured_on', 'this architecture')}; "
                        f"kernels listed: {sorted(k for k in entry if k != 'measured_on')}")
