@@ -6,8 +6,9 @@
     python benchmarks/bench_dit.py --tiny --json out.json                # CPU dry run: tiny model, emulated fp8
 
 Table mode builds the 50-block DiT from random weights in the real int8-ConvRot checkpoint layout, generated on the
-GPU one tensor at a time (minimax_h3.dit.tiny_checkpoint.iter_random_int8_convrot_weights): the int8 block linears are
-kept once as the "master" copy and every variant's linears are built from it and swapped in
+GPU one tensor at a time (minimax_h3.dit.tiny_checkpoint.iter_random_int8_convrot_weights), assembled as the DiT
+stage assembles its model (minimax_h3/dit/assembly.py assemble_dit): the int8 block linears are kept once as the
+"master" copy and every variant's linears are built from it and swapped in
 (H3DiT.swap_linear), so at most one derived copy exists next to the master:
   (d) diffusers MiniMaxH3Transformer3DModel, bf16, the same dequantised weights (built, timed and freed first)
   (a) int8   comfy-kitchen int8 ConvRot GEMMs            + SDPA cuDNN
@@ -30,11 +31,11 @@ variant that raises is recorded under "failures" and the others still run.
 --tiny runs table mode on the CPU with the tiny model (DiTConfig.tiny(), small shapes): fp8 linears and fp8 attention
 as their fp32 emulations, every SDPA as the math kernel. It checks the script, not the speed.
 
-Memory mode builds one TP2 rank (half the heads / ffn, AdaLN column-sharded, int8 block linears, Comfy "pruned"
-curve AdaLN as in the ~19.5 GiB checkpoint) with the collectives replaced by local no-ops, caps the process at
-22 GiB (torch.cuda.set_per_process_memory_fraction) and runs the refiner + `--memory-blocks` blocks + final layer
-(all 50 blocks' weights stay resident; every block has the same activation peak). On OOM under the cap it reruns
-uncapped to report the real peak.
+Memory mode builds one TP2 rank through the same assembly (half the heads / ffn, AdaLN column-sharded, int8 block
+linears, Comfy "pruned" curve AdaLN as in the ~19.5 GiB checkpoint) with the collectives replaced by local no-ops,
+caps the process at 22 GiB (torch.cuda.set_per_process_memory_fraction) and runs the refiner + `--memory-blocks`
+blocks + final layer (all 50 blocks' weights stay resident; every block has the same activation peak). On OOM under
+the cap it reruns uncapped to report the real peak.
 """
 
 from __future__ import annotations
