@@ -19,7 +19,8 @@ import torch
 
 from client.stubs import StageClients
 from h3.v1 import common_pb2, decoder_pb2, dit_pb2, encoder_pb2
-from minimax_h3.contract import RenderSpec, spec_to_proto, validate
+from minimax_h3.contract import (AUDIO_LATENTS, SAMPLE_OUTPUTS, TEXT_STATES, TEXT_TAGS, VIDEO_LATENTS, RenderSpec,
+                                 keyframe_tensor, ref_tensor, spec_to_proto, validate)
 from stagekit.transport import FileReceiver
 from stagekit.wire import TensorAssembler, tensor_chunks
 
@@ -89,12 +90,12 @@ def encode(clients: StageClients, prompt: str, job_id: str = "", on_progress: Pr
                                     references=list(references), frames=frames if references else 0)
     stream = clients.encoder.Encode(req, timeout=timeout_s or DEADLINES["encoder"], metadata=clients.security.metadata())
     on_call(stream)
-    out, done = _drain(stream, on_progress, ["text_states"], "encoder")
-    states = out["text_states"]
+    out, done = _drain(stream, on_progress, [TEXT_STATES], "encoder")
+    states = out[TEXT_STATES]
     result = StageResult("encoder", time.monotonic() - t0, done.timing,
                          {"tokens": done.tokens, "cache_hit": done.cache_hit})
     if with_tags:
-        tags = out.get("text_tags")
+        tags = out.get(TEXT_TAGS)
         if tags is None:
             tags = torch.ones(states.shape[0], dtype=torch.int64)
         return states, tags, result
@@ -133,12 +134,12 @@ def encode_reference(clients: StageClients, reference: common_pb2.Reference, fra
 
 
 def reference_tensors(index: int, latents: dict[str, torch.Tensor], kind: str) -> dict[str, torch.Tensor]:
-    """The DiT's wire names of reference `index`'s latents (minimax_h3/dit/references.py)."""
+    """The DiT's wire names of reference `index`'s latents (minimax_h3.contract.ref_tensor)."""
     out = {}
     if "video" in latents:
-        out[f"ref_{index}_{'image' if kind == 'image' else 'video'}"] = latents["video"]
+        out[ref_tensor(index, "image" if kind == "image" else "video")] = latents["video"]
     if "audio" in latents:
-        out[f"ref_{index}_audio"] = latents["audio"]
+        out[ref_tensor(index, "audio")] = latents["audio"]
     return out
 
 
@@ -148,7 +149,7 @@ def _sample_inputs(spec: RenderSpec, job_id: str, text_states: torch.Tensor,
     req = dit_pb2.SampleRequest(job_id=job_id, loras=[dit_pb2.LoraSpec(name=n, strength=s) for n, s in loras])
     spec_to_proto(spec, req.params)
     yield dit_pb2.SampleInput(request=req)
-    for name, t in (("text_states", text_states), *(extra or {}).items()):
+    for name, t in ((TEXT_STATES, text_states), *(extra or {}).items()):
         for chunk in tensor_chunks(name, t):
             yield dit_pb2.SampleInput(tensor=chunk)
 
@@ -158,14 +159,14 @@ def sample(clients: StageClients, spec: RenderSpec, text_states: torch.Tensor, j
            extra: dict[str, torch.Tensor] | None = None,
            loras: Sequence[tuple[str, float]] = (), on_call: CallFn = _noop
            ) -> tuple[torch.Tensor, torch.Tensor, StageResult]:
-    """`extra`: fl2va tensors ("keyframe_first" / "keyframe_last" latents, "text_tags"). `loras`: (file name in
+    """`extra`: fl2va / ref2va tensors (keyframe or reference latents, text tags; minimax_h3.contract). `loras`: (file name in
     the DiT server's loras dir, strength) pairs applied for this request."""
     t0 = time.monotonic()
     stream = clients.dit.Sample(_sample_inputs(spec, job_id, text_states, extra, loras),
                                 timeout=timeout_s or DEADLINES["dit"], metadata=clients.security.metadata())
     on_call(stream)
-    out, done = _drain(stream, on_progress, ["video_latents", "audio_latents"], "DiT")
-    return out["video_latents"], out["audio_latents"], StageResult(
+    out, done = _drain(stream, on_progress, list(SAMPLE_OUTPUTS), "DiT")
+    return out[VIDEO_LATENTS], out[AUDIO_LATENTS], StageResult(
         "dit", time.monotonic() - t0, done.timing, {"ms_per_step": done.ms_per_step, "ranks": done.world_size})
 
 
@@ -175,7 +176,7 @@ def _decode_inputs(spec: RenderSpec, job_id: str, video: torch.Tensor, audio: to
                                     upscale_height=upscale[1])
     spec_to_proto(spec, req.params)
     yield decoder_pb2.DecodeInput(request=req)
-    for name, t in (("video_latents", video), ("audio_latents", audio)):
+    for name, t in ((VIDEO_LATENTS, video), (AUDIO_LATENTS, audio)):
         for chunk in tensor_chunks(name, t):
             yield decoder_pb2.DecodeInput(tensor=chunk)
 
@@ -229,7 +230,7 @@ def render(clients: StageClients, spec: RenderSpec, out_path: Path, on_progress:
             stages.append(r_ref)
         states, tags, r_enc = encode(clients, spec.prompt, job_id, on_progress, with_tags=True,
                                      references=references, frames=spec.frames)
-        extra["text_tags"] = tags
+        extra[TEXT_TAGS] = tags
         video, audio, r_dit = sample(clients, spec, states, job_id, on_progress, extra=extra, loras=loras)
         r_dec = decode(clients, spec, video, audio, out_path, job_id, on_progress, crf=crf)
         return RenderResult(Path(out_path), [*stages, r_enc, r_dit, r_dec])
@@ -241,11 +242,11 @@ def render(clients: StageClients, spec: RenderSpec, out_path: Path, on_progress:
     extra, stages = {}, []
     for anchor, img in anchors:
         lat, r_img = encode_image(clients, img, spec.width, spec.height, job_id, on_progress)
-        extra[f"keyframe_{anchor}"] = lat
+        extra[keyframe_tensor(anchor)] = lat
         stages.append(r_img)
     states, tags, r_enc = encode(clients, spec.prompt, job_id, on_progress, keyframes=[img for _, img in anchors],
                                  width=spec.width, height=spec.height, with_tags=True)
-    extra["text_tags"] = tags
+    extra[TEXT_TAGS] = tags
     video, audio, r_dit = sample(clients, spec, states, job_id, on_progress, extra=extra, loras=loras)
     r_dec = decode(clients, spec, video, audio, out_path, job_id, on_progress, crf=crf)
     return RenderResult(Path(out_path), [*stages, r_enc, r_dit, r_dec])

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import torch
 
-from decoder_svc.engine import DecoderEngine, DecoderEngineConfig, check_latents, expected_shapes
+from decoder_svc.engine import DecoderEngine, DecoderEngineConfig, check_latents
 from h3.v1 import common_pb2, decoder_pb2, decoder_pb2_grpc
-from minimax_h3.contract import check_output, spec_from_proto, validate
+from minimax_h3.contract import SAMPLE_OUTPUTS, check_output, spec_from_proto, tensor_shapes, validate
 from minimax_h3.files import safe_name
 from minimax_h3.images import Keyframe, admit_keyframe, check_canvas
 from minimax_h3.media import admit_reference, load_reference, reference_decode_bytes
@@ -69,7 +69,7 @@ class DecoderServicer(LifecycleMixin, decoder_pb2_grpc.DecoderServicer):
         default_name = f"{req.job_id or 'render'}.{'wav' if fmt == 'wav' else 'mp4'}"
         name = safe_name(req.output_name, safe_name(default_name, "render.mp4"))
         try:
-            shapes = expected_shapes(spec, self.engine.geometry)
+            shapes = tensor_shapes(SAMPLE_OUTPUTS, spec, self.engine.geometry)
         except (ValueError, ZeroDivisionError) as e:
             raise InvalidArgument(str(e)) from None
         asm = TensorAssembler(expect={n: (FLOAT_DTYPES, s) for n, s in shapes.items()},

@@ -39,6 +39,9 @@ DTYPES: dict[str, torch.dtype] = {
 _NAMES = {v: k for k, v in DTYPES.items()}
 # The float dtypes a stage accepts for activations and latents (float64 is refused: no stage computes in it).
 FLOAT_DTYPES = ("float32", "bfloat16", "float16")
+INT_DTYPES = ("int64", "int32", "int16", "int8", "uint8")
+# A dtype class ("float" | "int", as a model's tensor table states it) -> the wire dtypes a stage accepts for it.
+DTYPE_CLASSES = {"float": FLOAT_DTYPES, "int": INT_DTYPES}
 
 # Upper bound for one tensor (the decoded RGB of the largest canvas is ~1.1 GiB).
 MAX_TENSOR_BYTES = 4 << 30
