@@ -91,7 +91,7 @@ class DiTServicer(LifecycleMixin, dit_pb2_grpc.DiTSamplerServicer):
             tensors = asm.finish([TEXT_STATES])
             text = tensors[TEXT_STATES]
             check_finite(TEXT_STATES, text)
-            self.engine.check_request(spec, text)  # all validation before any rank starts work
+            self.engine.check_request(text)  # all validation before any rank starts work
             extras = self.engine.check_conditioning(spec, text, tensors)
         except BaseException:
             asm.discard()  # an abandoned or rejected upload frees its buffers now

@@ -7,15 +7,17 @@ import it. docs/model.md §3 has the model facts behind the numbers.
 1. **Geometry.** Frames follow the video VAE's 17-frame clip rule (F = 17n + 5 pixel frames -> T = 5n + 2 latent
    frames); a latent covers 16x16 pixels (sizes are whole 32-px DiT rows: VAE /16 then patch 2); video latents have
    24 channels; audio is 32 kHz stereo, one 32-channel latent per 800 samples (40 latents/s, Ta = round(F/24*40)).
-2. **Tensors.** `TENSORS` names every tensor one stage hands another, with its dtype class and its shape as a
-   function of the render spec (and of the serving model's `LatentGeometry`; None = any size).
-3. **Render spec.** `RenderSpec` and `validate`: the canvas bounds are those the model was trained on (the seeds
+2. **Render spec.** `RenderSpec` and `validate`: the canvas bounds are those the model was trained on (the seeds
    render up to 1920x1088; 4:1 aspect either way). Each process validates a spec once, where it enters.
+3. **Tensors.** `TENSORS` names every tensor one stage hands another, with its dtype class and its shape as a
+   function of the render spec (and of the serving model's `LatentGeometry`; None = any size).
+4. **Partitions.** Which of the two DiT files (fl2va, ref2va) a request needs, and the refusal naming it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import PurePath
 from types import MappingProxyType
 from typing import Callable, Literal, Mapping
 
@@ -108,8 +110,11 @@ class LatentGeometry:
 H3_GEOMETRY = LatentGeometry()
 
 
+# ---- 2. the render spec --------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class RenderSpec:
+    """One render's parameters (common.proto's RenderParams, unset fields filled in); valid once `validate` passed."""
+
     prompt: str = ""
     width: int = DEFAULT_SIZE[0]
     height: int = DEFAULT_SIZE[1]
@@ -160,7 +165,9 @@ def check_canvas(width: int, height: int) -> None:
 
 
 def validate(spec: RenderSpec, need_prompt: bool = False) -> RenderSpec:
-    """Raise InvalidArgument with an actionable message for the first rule broken."""
+    """Raise InvalidArgument with an actionable message for the first rule broken; returns `spec`. Each process
+    calls it once, where a spec enters it: the client's CLI, the render service's Submit, the DiT's Sample and the
+    decoder's Decode; what runs after takes the spec as valid."""
     if need_prompt and not spec.prompt.strip():
         raise InvalidArgument("prompt is empty; describe the video (and its sound) to generate")
     f = spec.frames
@@ -238,7 +245,7 @@ def spec_to_proto(spec: RenderSpec, msg) -> None:
     msg.video_shift, msg.audio_shift = spec.video_shift, spec.audio_shift
 
 
-# ---- 2. inter-stage tensors ----------------------------------------------------------------------------------------
+# ---- 3. inter-stage tensors ----------------------------------------------------------------------------------------
 TEXT_STATES = "text_states"      # encoder -> DiT
 TEXT_TAGS = "text_tags"          # encoder -> DiT (prompts with vision blocks)
 VIDEO_LATENTS = "video_latents"  # DiT -> decoder
@@ -262,7 +269,7 @@ def ref_tensor(index: int, part: str) -> str:
 KEYFRAME_TENSORS = MappingProxyType({a: keyframe_tensor(a) for a in KEYFRAME_ANCHORS})
 REF_TENSOR_NAMES = tuple(ref_tensor(i, p) for i in range(MAX_REFERENCES) for p in REFERENCE_KINDS)
 
-Shape = tuple["int | None", ...]
+Shape = tuple[int | None, ...]
 
 
 @dataclass(frozen=True)
@@ -319,7 +326,7 @@ def keyframe_anchors(names) -> tuple[str, ...]:
     return tuple(a for a in KEYFRAME_ANCHORS if keyframe_tensor(a) in names)
 
 
-# ---- 3. which DiT file a request needs ---------------------------------------------------------------------------
+# ---- 4. which DiT file a request needs ---------------------------------------------------------------------------
 PARTITIONS = ("fl2va", "ref2va")  # fl2va: text, first/last frame; ref2va: image / video / audio references
 
 
@@ -332,8 +339,6 @@ def needed_partition(wants_references: bool) -> str:
 def check_partition(wants_references: bool, served: Mapping[str, str]) -> None:
     """Refuse a request whose partition none of the `served` DiT files ({partition: file path}) provides, naming
     the file it needs. An empty `served` (not known) passes. Raises FailedPrecondition."""
-    from pathlib import PurePath
-
     want = needed_partition(wants_references)
     if served and want not in served:
         what = "a render with references" if wants_references else "a text or first/last-frame render"

@@ -124,6 +124,29 @@ def test_scan_passes_what_is_not_a_copy(src):
     assert not contract_violations(src)
 
 
+def _validate_calls(package: str) -> list[str]:
+    """Calls of `minimax_h3.contract.validate` (imported by name, or as `contract.validate`) in a package."""
+    out = []
+    for p in sorted((ROOT / package).rglob("*.py")):
+        tree = ast.parse(p.read_text(), str(p))
+        names = {a.asname or a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)
+                 and n.module == "minimax_h3.contract" for a in n.names if a.name == "validate"}
+        for node in ast.walk(tree):
+            f = getattr(node, "func", None)
+            if isinstance(node, ast.Call) and (isinstance(f, ast.Name) and f.id in names or isinstance(f, ast.Attribute)
+                                               and f.attr == "validate" and getattr(f.value, "id", "") == "contract"):
+                out.append(f"{p.relative_to(ROOT)}:{node.lineno}")
+    return out
+
+
+@pytest.mark.parametrize("package,calls", [("render_svc", 1), ("dit_svc", 1), ("decoder_svc", 1), ("encoder_svc", 0),
+                                           ("minimax_h3", 0)])
+def test_spec_validated_once_per_process(package, calls):
+    """A render spec is validated where it enters a process (the render service's Submit, the DiT's Sample, the
+    decoder's Decode) and taken as valid from there; the model code never validates it again."""
+    assert len(_validate_calls(package)) == calls, _validate_calls(package)
+
+
 def test_geometry_is_h3s():
     """docs/model.md §3: 124 frames -> 37 latent frames and 207 audio latents; 362 -> 107 and 603."""
     spec = c.RenderSpec(width=832, height=480, frames=124)
