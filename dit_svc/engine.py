@@ -430,7 +430,8 @@ class DiTEngine:
         rows = int(text.shape[0]) if text is not None else DEFAULT_TEXT_LEN
         if spec is not None:  # keyframe and reference rows cost like text rows; count them with the text
             _, ph, pw = self.model_cfg.patch
-            rows += len(keyframe_anchors(inputs)) * (spec.latent_height // ph) * (spec.latent_width // pw)
+            lh, lw = spec.latent_size
+            rows += len(keyframe_anchors(inputs)) * (lh // ph) * (lw // pw)
             refs: References | None = inputs.get(REFERENCES_INPUT)
             if refs is not None:
                 rows += sum(v.shape[1] * (v.shape[2] // ph) * (v.shape[3] // pw) for v in refs.visual)

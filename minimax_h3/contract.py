@@ -132,16 +132,13 @@ class RenderSpec:
         return video_latent_frames(self.frames)
 
     @property
-    def latent_height(self) -> int:
-        return latent_side(self.height)
-
-    @property
-    def latent_width(self) -> int:
-        return latent_side(self.width)
+    def latent_size(self) -> tuple[int, int]:
+        """(H/16, W/16): the latent height and width of the canvas."""
+        return latent_side(self.height), latent_side(self.width)
 
     @property
     def audio_latents(self) -> int:
-        """Ta audio latents per channel."""
+        """Ta = round(F / 24 * 40) audio latents per channel."""
         return audio_latent_count(self.frames)
 
 

@@ -150,7 +150,7 @@ def test_spec_validated_once_per_process(package, calls):
 def test_geometry_is_h3s():
     """docs/model.md §3: 124 frames -> 37 latent frames and 207 audio latents; 362 -> 107 and 603."""
     spec = c.RenderSpec(width=832, height=480, frames=124)
-    assert (spec.latent_frames, spec.latent_height, spec.latent_width, spec.audio_latents) == (37, 30, 52, 207)
+    assert (spec.latent_frames, spec.latent_size, spec.audio_latents) == (37, (30, 52), 207)
     assert (c.video_latent_frames(362), c.audio_latent_count(362)) == (107, 603)
     assert c.AUDIO_LATENTS_PER_SECOND == 40 and c.audio_samples(124) == 165333
     with pytest.raises(InvalidArgument, match="17\\*n \\+ 5"):
