@@ -16,7 +16,8 @@ from minimax_h3 import contract as c
 from stagekit.errors import FailedPrecondition, InvalidArgument
 
 ROOT = Path(__file__).resolve().parents[1]
-PRODUCT = ("minimax_h3", "stagekit", "encoder_svc", "dit_svc", "decoder_svc", "render_svc", "client")
+PRODUCT = ("minimax_h3", "stagekit", "encoder_svc", "dit_svc", "decoder_svc", "render_svc", "client", "benchmarks",
+           "scripts")
 CONTRACT = ROOT / "minimax_h3" / "contract.py"
 # Tensor names, and the prefixes the numbered / anchored ones are made from.
 TENSOR_NAME = re.compile(r"^(%s)$" % "|".join(re.escape(n) for n in c.TENSORS))
