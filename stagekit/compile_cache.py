@@ -12,13 +12,16 @@ seconds per shape for the DiT blocks) becomes a cache load
 
 torch reads the location from the TORCHINDUCTOR_CACHE_DIR environment variable at every cache access (it has no
 config attribute for it), so that is what this sets; TRITON_CACHE_DIR, when the user set it, still wins for the
-Triton kernels.
+Triton kernels. Enabling costs nothing when nothing compiles: inductor's config (seconds to import) is not imported
+here. Both caches are on by default; a user who forces one off in the environment (TORCHINDUCTOR_FX_GRAPH_CACHE=0,
+TORCHINDUCTOR_AUTOGRAD_CACHE=0) keeps it off.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import sys
 from pathlib import Path
 
 import torch
@@ -40,16 +43,12 @@ def cache_key(device: torch.device | str) -> str:
 def enable_compile_cache(root: Path, device: torch.device | str) -> Path:
     """Use `root/<cache_key(device)>` for torch.compile's FX-graph and AOT-autograd caches (created if needed);
     returns that directory. Call before the first compilation of the process."""
-    from torch._functorch import config as functorch_config
-    from torch._inductor import config as inductor_config
-    from torch._inductor import utils as inductor_utils
-
     path = Path(root).expanduser() / cache_key(device)
     path.mkdir(parents=True, exist_ok=True)
     os.environ[INDUCTOR_DIR_ENV] = str(path)
-    inductor_config.fx_graph_cache = True  # on by default; a user's env may have turned it off
-    if hasattr(functorch_config, "enable_autograd_cache"):  # torch >= 2.6
-        functorch_config.enable_autograd_cache = True
-    if hasattr(inductor_utils, "clear_caches"):
-        inductor_utils.clear_caches()  # drop lookups memoised against the previous location
+    if "torch._inductor.utils" in sys.modules:  # something compiled before: drop lookups memoised elsewhere
+        from torch._inductor import utils as inductor_utils
+
+        if hasattr(inductor_utils, "clear_caches"):
+            inductor_utils.clear_caches()
     return path
