@@ -307,8 +307,8 @@ def check_mp4(path: Path, frames: int, width: int, height: int) -> dict:
                        channels=getattr(a, "channels", None) or a.layout.nb_channels)
         out["duration_s"] = round(c.duration / 1e6, 3) if c.duration else None
     out["ok"] = (out["video_codec"] == "h264" and (out["width"], out["height"]) == (width, height)
-                 and out["frames"] == frames and out.get("audio_codec") == "aac" and out.get("sample_rate") == AUDIO_SAMPLE_RATE
-                 and out.get("channels") == AUDIO_CHANNELS)
+                 and out["frames"] == frames and out.get("audio_codec") == "aac"
+                 and out.get("sample_rate") == AUDIO_SAMPLE_RATE and out.get("channels") == AUDIO_CHANNELS)
     return out
 
 

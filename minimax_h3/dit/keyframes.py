@@ -31,8 +31,8 @@ def check_keyframe(name: str, t: torch.Tensor, channels: int, latent_h: int, lat
     want = (channels, 1, latent_h, latent_w)
     if tuple(t.shape) != want:
         raise InvalidArgument(f"{name} has shape {list(t.shape)}, but this render's canvas needs {list(want)} (one "
-                         f"normalised VAE latent frame of the {pixel_side(latent_w)}x{pixel_side(latent_h)} canvas; encode the image "
-                         "with the decoder's EncodeImage at the render size)")
+                         f"normalised VAE latent frame of the {pixel_side(latent_w)}x{pixel_side(latent_h)} canvas; "
+                         "encode the image with the decoder's EncodeImage at the render size)")
     if not t.is_floating_point():
         raise InvalidArgument(f"{name} must be a float tensor, got {t.dtype}")
     if not torch.isfinite(t).all():

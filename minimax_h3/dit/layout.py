@@ -203,7 +203,8 @@ def _last_keyframe_time(text_len: int, latent_frames: int) -> float:
     # The reference anchors the last keyframe at the rotary span of all generated frames minus one frame unit, the
     # span summed with numpy's pairwise summation (differs from a sequential sum in the last ulp for T >= 16).
     spans = np.full(latent_frames, ROPE_FRAME_RESCALE, dtype=np.float64)
-    spans *= np.asarray(ROPE_FRAMES_PER_LATENT, dtype=np.float64)[np.arange(latent_frames) % len(ROPE_FRAMES_PER_LATENT)]
+    pattern = np.asarray(ROPE_FRAMES_PER_LATENT, dtype=np.float64)
+    spans *= pattern[np.arange(latent_frames) % len(pattern)]
     return float(text_len) + float(spans.sum()) - ROPE_FRAME_RESCALE
 
 
