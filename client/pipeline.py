@@ -19,8 +19,9 @@ import torch
 
 from client.stubs import StageClients
 from h3.v1 import common_pb2, decoder_pb2, dit_pb2, encoder_pb2
-from minimax_h3.contract import (AUDIO_LATENTS, SAMPLE_OUTPUTS, TEXT_STATES, TEXT_TAGS, VIDEO_LATENTS, RenderSpec,
-                                 keyframe_tensor, ref_tensor, spec_to_proto, validate)
+from minimax_h3.contract import (AUDIO_LATENTS, ENCODED_KEYFRAME, ENCODED_REFERENCE_AUDIO, ENCODED_REFERENCE_VIDEO,
+                                 RAW_AUDIO, RAW_FRAMES, SAMPLE_OUTPUTS, TEXT_STATES, TEXT_TAGS, VIDEO_LATENTS,
+                                 RenderSpec, keyframe_tensor, ref_tensor, spec_to_proto, validate)
 from stagekit.transport import FileReceiver
 from stagekit.wire import TensorAssembler, tensor_chunks
 
@@ -111,8 +112,8 @@ def encode_image(clients: StageClients, image: bytes, width: int, height: int, j
         decoder_pb2.EncodeImageRequest(image=image, width=width, height=height, job_id=job_id),
         timeout=timeout_s or DEADLINES["decoder"], metadata=clients.security.metadata())
     on_call(stream)
-    out, done = _drain(stream, on_progress, ["latents"], "decoder EncodeImage")
-    latents = out["latents"]
+    out, done = _drain(stream, on_progress, [ENCODED_KEYFRAME], "decoder EncodeImage")
+    latents = out[ENCODED_KEYFRAME]
     return latents, StageResult("decoder", time.monotonic() - t0, done.timing, {"op": "encode_image"})
 
 
@@ -136,10 +137,10 @@ def encode_reference(clients: StageClients, reference: common_pb2.Reference, fra
 def reference_tensors(index: int, latents: dict[str, torch.Tensor], kind: str) -> dict[str, torch.Tensor]:
     """The DiT's wire names of reference `index`'s latents (minimax_h3.contract.ref_tensor)."""
     out = {}
-    if "video" in latents:
-        out[ref_tensor(index, "image" if kind == "image" else "video")] = latents["video"]
-    if "audio" in latents:
-        out[ref_tensor(index, "audio")] = latents["audio"]
+    if ENCODED_REFERENCE_VIDEO in latents:
+        out[ref_tensor(index, "image" if kind == "image" else "video")] = latents[ENCODED_REFERENCE_VIDEO]
+    if ENCODED_REFERENCE_AUDIO in latents:
+        out[ref_tensor(index, "audio")] = latents[ENCODED_REFERENCE_AUDIO]
     return out
 
 
@@ -204,8 +205,8 @@ def decode_raw(clients: StageClients, spec: RenderSpec, video: torch.Tensor, aud
     t0 = time.monotonic()
     stream = clients.decoder.Decode(_decode_inputs(spec, job_id, video, audio, decoder_pb2.RAW, 0),
                                     timeout=timeout_s or DEADLINES["decoder"], metadata=clients.security.metadata())
-    out, done = _drain(stream, on_progress, ["frames", "audio"], "decoder")
-    return out["frames"], out["audio"], StageResult(
+    out, done = _drain(stream, on_progress, [RAW_FRAMES, RAW_AUDIO], "decoder")
+    return out[RAW_FRAMES], out[RAW_AUDIO], StageResult(
         "decoder", time.monotonic() - t0, done.timing,
         {"frames": done.frames, "audio_samples": done.audio_samples, "ranks": done.world_size})
 

@@ -20,8 +20,9 @@ from pathlib import Path
 
 import torch
 
-from minimax_h3.contract import (AUDIO_HOP, AUDIO_LATENTS, AUDIO_SAMPLE_RATE, DEFAULT_CRF, H3_GEOMETRY, SAMPLE_OUTPUTS,
-                                 VIDEO_LATENTS, LatentGeometry, RenderSpec, tensor_shapes)
+from minimax_h3.contract import (AUDIO_HOP, AUDIO_LATENTS, AUDIO_SAMPLE_RATE, DEFAULT_CRF, ENCODED_KEYFRAME,
+                                 ENCODED_REFERENCE_AUDIO, ENCODED_REFERENCE_VIDEO, H3_GEOMETRY, RAW_AUDIO, RAW_FRAMES,
+                                 SAMPLE_OUTPUTS, VIDEO_LATENTS, LatentGeometry, RenderSpec, tensor_shapes)
 from minimax_h3.files import CHECKPOINT_PARTS, ensure_embedded, resolve_checkpoint
 from minimax_h3.media import EMBEDDED_IMAGE_SHORT_EDGE, IMAGE_SHORT_EDGE
 from minimax_h3.mux import DEFAULT_PRESET
@@ -217,7 +218,7 @@ class DecoderEngine:
         latents = self.video_encoder.encode(pixels.to(self.cfg.device), autocast_dtype=autocast).float().cpu()
         check_result("decoder", "keyframe latents (video VAE encode)", latents, "channel")
         ctx.progress(1, 1)
-        return {"latents": latents}
+        return {ENCODED_KEYFRAME: latents}
 
     @torch.inference_mode()
     def encode_reference(self, media, ctx) -> dict:
@@ -233,14 +234,14 @@ class DecoderEngine:
             ctx.progress(0, 1, message=f"{media.kind} reference: video VAE")
             pixels = torch.from_numpy(media.frames).permute(3, 0, 1, 2).contiguous()  # [3, N, H, W] uint8
             autocast = None if self.cfg.weight_dtype == torch.float32 else self.cfg.weight_dtype
-            out["video"] = self.video_encoder.encode(pixels.to(self.cfg.device), autocast_dtype=autocast).float().cpu()
+            out[ENCODED_REFERENCE_VIDEO] = self.video_encoder.encode(pixels.to(self.cfg.device), autocast_dtype=autocast).float().cpu()
         if media.audio is not None:
             if self.audio_encoder is None:
                 ctx.progress(0, 1, phase="loading", message="audio VAE encoder")
                 self._load_audio_encoder()
             ctx.progress(0, 1, message=f"{media.kind} reference: audio VAE")
             wave = torch.from_numpy(media.audio).to(self.cfg.device).unsqueeze(1)  # [2, 1, samples]
-            out["audio"] = self.audio_encoder.normalize(self.audio_encoder.encode(wave)).float().cpu()
+            out[ENCODED_REFERENCE_AUDIO] = self.audio_encoder.normalize(self.audio_encoder.encode(wave)).float().cpu()
         ctx.progress(1, 1)
         return out
 
@@ -306,7 +307,7 @@ class DecoderEngine:
 
         fmt, name = job["format"], job["output_name"]
         if fmt == "raw":
-            return {"frames": torch.from_numpy(frames_to_uint8(frames)), "audio": audio.float()}
+            return {RAW_FRAMES: torch.from_numpy(frames_to_uint8(frames)), RAW_AUDIO: audio.float()}
         suffix = ".wav" if fmt == "wav" else ".mp4"
         fd, tmp = tempfile.mkstemp(prefix="h3dec-", suffix=suffix, dir=self.cfg.out_dir)
         os.close(fd)

@@ -266,6 +266,13 @@ def ref_tensor(index: int, part: str) -> str:
 KEYFRAME_TENSORS = MappingProxyType({a: keyframe_tensor(a) for a in KEYFRAME_ANCHORS})
 REF_TENSOR_NAMES = tuple(ref_tensor(i, p) for i in range(MAX_REFERENCES) for p in REFERENCE_KINDS)
 
+# The decoder's results for its caller (decoder.proto): EncodeImage's keyframe latent [24, 1, H/16, W/16] (sent
+# on as `keyframe_tensor(anchor)`), EncodeReference's latents [24, T, h, w] and/or [2, 32, Ta] (sent on as
+# `ref_tensor(i, ...)`), and a RAW Decode's uint8 frames [F, H, W, 3] and float audio [2, N] at AUDIO_SAMPLE_RATE.
+ENCODED_KEYFRAME = "latents"
+ENCODED_REFERENCE_VIDEO, ENCODED_REFERENCE_AUDIO = "video", "audio"
+RAW_FRAMES, RAW_AUDIO = "frames", "audio"
+
 Shape = tuple[int | None, ...]
 
 
