@@ -42,7 +42,8 @@ from minimax_h3.files import EMBEDDED_NOTE
 from stagekit.errors import InvalidArgument
 from stagekit.transport import MAX_MESSAGE_BYTES
 
-MAX_REQUEST_BYTES = MAX_MESSAGE_BYTES - (64 << 10)  # a RenderRequest (keyframes included) is one gRPC message
+# A RenderRequest (keyframes included) is one gRPC message; reference files are uploaded before it, in chunks.
+MAX_REQUEST_BYTES = MAX_MESSAGE_BYTES - (64 << 10)
 
 
 def _spec(args, prompt: str) -> RenderSpec:
@@ -82,9 +83,10 @@ def _render_requests(args, prompts: list[str], keyframes: dict[str, bytes]):
         key = f"{args.idempotency_key}-{i}" if args.idempotency_key and len(prompts) > 1 else args.idempotency_key
         reqs.append(render_request(spec, crf=args.crf, loras=loras, upscale=upscale, idempotency_key=key or "",
                                    label=args.label, **keyframes))
-    if reqs and reqs[0].ByteSize() > MAX_REQUEST_BYTES:
-        raise ValueError(f"the keyframe / reference files are {reqs[0].ByteSize()} bytes together; one request "
-                         f"carries at most {MAX_REQUEST_BYTES} bytes: send smaller files")
+    size = reqs[0].ByteSize() - sum(len(r.data) for r in reqs[0].references) if reqs else 0
+    if size > MAX_REQUEST_BYTES:
+        raise ValueError(f"the keyframe files are {size} bytes together; one request carries at most "
+                         f"{MAX_REQUEST_BYTES} bytes: send smaller files")
     return reqs
 
 
@@ -145,6 +147,8 @@ def cmd_render(args) -> int:
     job_ids: dict[int, str] = {}
     try:
         with RenderClient(target, security) as rc:
+            for req in reqs:
+                rc.upload_references(req)
             if args.detach:
                 for req in reqs:
                     info = rc.submit(req)

@@ -81,8 +81,8 @@ def read_references(specs: list[str], prompts: list[str]):
     """`--ref [KIND:]PATH` values in order -> Reference messages, each read and size-checked, with every prompt's
     `<Picture i>` / `<Video k>` / `<Audio j>` labels checked against them (minimax_h3/labels.py)."""
     from h3.v1 import common_pb2
-    from minimax_h3.images import MAX_IMAGE_BYTES
     from minimax_h3.labels import EXTENSIONS, check_labels, kind_of
+    from stagekit.uploads import MAX_FILE_BYTES
 
     refs, sound = [], []
     for spec in specs:
@@ -96,9 +96,9 @@ def read_references(specs: list[str], prompts: list[str]):
             raise CheckError(f"--ref {spec}: {e.message}") from None
         except OSError as e:
             raise CheckError(f"cannot read --ref {path}: {e.strerror or e}") from None
-        if not data or len(data) > MAX_IMAGE_BYTES:
-            raise CheckError(f"--ref {path}: {len(data)} bytes; a reference file has 1..{MAX_IMAGE_BYTES} bytes (the "
-                             "keyframe cap): send a shorter or smaller file")
+        if not data or len(data) > MAX_FILE_BYTES:
+            raise CheckError(f"--ref {path}: {len(data)} bytes; a reference file has 1..{MAX_FILE_BYTES} bytes: send "
+                             "a shorter or smaller file")
         refs.append(common_pb2.Reference(kind=kind, data=data, name=Path(path).name))
         sound.append(kind == "video" and _has_sound(path))
     for prompt in prompts:

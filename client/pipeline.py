@@ -23,6 +23,7 @@ from minimax_h3.contract import (AUDIO_LATENTS, ENCODED_KEYFRAME, ENCODED_REFERE
                                  RAW_AUDIO, RAW_FRAMES, SAMPLE_OUTPUTS, TEXT_STATES, TEXT_TAGS, VIDEO_LATENTS,
                                  RenderSpec, keyframe_tensor, ref_tensor, spec_to_proto, validate)
 from stagekit.transport import FileReceiver
+from stagekit.uploads import uploaded
 from stagekit.wire import TensorAssembler, tensor_chunks
 
 ProgressFn = Callable[[common_pb2.Progress], None]
@@ -78,18 +79,30 @@ def _drain(stream, on_progress: ProgressFn, required: list[str], what: str) -> t
     return asm.finish(required), done
 
 
+def sent_references(stub, references: Sequence[common_pb2.Reference], sources: Sequence[Path | None] = (),
+                    timeout_s: float | None = None, metadata=None) -> list[common_pb2.Reference]:
+    """The references as a stage's request names them: each file uploaded to that stage in chunks (its Upload RPC:
+    `sources[i]`, a stored file, else the reference's inline bytes), then named by digest, so no request carries a
+    file and a file may be larger than one message (stagekit/uploads.py)."""
+    sources = list(sources) + [None] * (len(references) - len(sources))
+    return [uploaded(stub.Upload, ref, src, timeout=timeout_s, metadata=metadata)
+            for ref, src in zip(references, sources)]
+
+
 def encode(clients: StageClients, prompt: str, job_id: str = "", on_progress: ProgressFn = _noop,
            timeout_s: float | None = None, keyframes: list[bytes] | None = None, width: int = 0, height: int = 0,
            with_tags: bool = False, on_call: CallFn = _noop,
-           references: Sequence[common_pb2.Reference] = (), frames: int = 0):
+           references: Sequence[common_pb2.Reference] = (), frames: int = 0, sources: Sequence[Path | None] = ()):
     """Prompt (+ fl2va keyframe image bytes, in packed order, fitted to width x height; or ref2va references in
-    request order, for a render of `frames` frames) -> text_states. `with_tags=True` returns (states, text_tags,
-    result); the tags are all-text when the encoder sends none."""
+    request order, for a render of `frames` frames, their files inline or in `sources`) -> text_states.
+    `with_tags=True` returns (states, text_tags, result); the tags are all-text when the encoder sends none."""
     t0 = time.monotonic()
+    timeout, metadata = timeout_s or DEADLINES["encoder"], clients.security.metadata()
+    refs = sent_references(clients.encoder, references, sources, timeout, metadata)
     req = encoder_pb2.EncodeRequest(prompt=prompt, job_id=job_id, keyframes=list(keyframes or []),
                                     width=width if keyframes else 0, height=height if keyframes else 0,
-                                    references=list(references), frames=frames if references else 0)
-    stream = clients.encoder.Encode(req, timeout=timeout_s or DEADLINES["encoder"], metadata=clients.security.metadata())
+                                    references=refs, frames=frames if references else 0)
+    stream = clients.encoder.Encode(req, timeout=timeout, metadata=metadata)
     on_call(stream)
     out, done = _drain(stream, on_progress, [TEXT_STATES], "encoder")
     states = out[TEXT_STATES]
@@ -119,13 +132,16 @@ def encode_image(clients: StageClients, image: bytes, width: int, height: int, j
 
 def encode_reference(clients: StageClients, reference: common_pb2.Reference, frames: int, job_id: str = "",
                      on_progress: ProgressFn = _noop, timeout_s: float | None = None,
-                     on_call: CallFn = _noop) -> tuple[dict[str, torch.Tensor], StageResult]:
-    """A ref2va reference -> its latents ({"video": [24, T, h, w]} and/or {"audio": [2, 32, Ta]}, decoder stage)
-    for a render of `frames` frames; the StageResult's extra holds what the decoder made of the file."""
+                     on_call: CallFn = _noop, source: Path | None = None) -> tuple[dict[str, torch.Tensor], StageResult]:
+    """A ref2va reference (its file inline, or at `source`) -> its latents ({"video": [24, T, h, w]} and/or
+    {"audio": [2, 32, Ta]}, decoder stage) for a render of `frames` frames; the StageResult's extra holds what the
+    decoder made of the file."""
     t0 = time.monotonic()
+    timeout, metadata = timeout_s or DEADLINES["decoder"], clients.security.metadata()
+    ref = sent_references(clients.decoder, [reference], [source], timeout, metadata)[0]
     stream = clients.decoder.EncodeReference(
-        decoder_pb2.EncodeReferenceRequest(reference=reference, frames=frames, job_id=job_id),
-        timeout=timeout_s or DEADLINES["decoder"], metadata=clients.security.metadata())
+        decoder_pb2.EncodeReferenceRequest(reference=ref, frames=frames, job_id=job_id), timeout=timeout,
+        metadata=metadata)
     on_call(stream)
     out, done = _drain(stream, on_progress, [], "decoder EncodeReference")
     info = {"op": "encode_reference", "kind": reference.kind, "width": done.width, "height": done.height,

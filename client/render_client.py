@@ -7,6 +7,8 @@ come here; they move between the render service and the stages beside it.
 
 from __future__ import annotations
 
+import hashlib
+
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -17,6 +19,7 @@ from client.stubs import Security, open_channel
 from h3.v1 import common_pb2, render_pb2, render_pb2_grpc
 from minimax_h3.contract import RenderSpec, spec_to_proto
 from stagekit.transport import FileReceiver
+from stagekit.uploads import uploaded
 
 TERMINAL = (render_pb2.JOB_SUCCEEDED, render_pb2.JOB_FAILED, render_pb2.JOB_CANCELLED)
 EventFn = Callable[[render_pb2.RenderEvent], None]
@@ -45,6 +48,7 @@ class RenderClient:
         self.security = security or Security()
         self.channel = open_channel(target, self.security)
         self.stub = render_pb2_grpc.RendererStub(self.channel)
+        self._sent: dict[str, str] = {}  # uploaded files: SHA-256 -> the digest the service named them by
 
     def _md(self):
         return self.security.metadata()
@@ -71,6 +75,18 @@ class RenderClient:
             if e.code() != grpc.StatusCode.UNAVAILABLE or last is None:
                 raise
         return self.follow(last.job_id, out_path, on_event, timeout_s, from_index=idx)
+
+    def upload_references(self, req: render_pb2.RenderRequest, timeout_s: float = 600.0) -> None:
+        """Send each reference file of `req` in chunks (Upload) and name it by digest instead: the request itself
+        stays small whatever the files (stagekit/uploads.py). A file this client sent already is not sent again."""
+        for ref in req.references:
+            if not ref.data:
+                continue
+            key = hashlib.sha256(ref.data).hexdigest()
+            if key not in self._sent:
+                self._sent[key] = uploaded(self.stub.Upload, ref, timeout=timeout_s, metadata=self._md()).digest
+            ref.ClearField("data")
+            ref.digest = self._sent[key]
 
     def submit(self, req: render_pb2.RenderRequest) -> render_pb2.JobInfo:
         return self.stub.Submit(req, timeout=60, metadata=self._md())

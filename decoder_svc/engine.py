@@ -24,7 +24,7 @@ from minimax_h3.contract import (AUDIO_HOP, AUDIO_LATENTS, AUDIO_SAMPLE_RATE, DE
                                  ENCODED_REFERENCE_AUDIO, ENCODED_REFERENCE_VIDEO, H3_GEOMETRY, RAW_AUDIO, RAW_FRAMES,
                                  SAMPLE_OUTPUTS, VIDEO_LATENTS, LatentGeometry, RenderSpec, tensor_shapes)
 from minimax_h3.files import CHECKPOINT_PARTS, ensure_embedded, resolve_checkpoint
-from minimax_h3.media import EMBEDDED_IMAGE_SHORT_EDGE, IMAGE_SHORT_EDGE
+from minimax_h3.media import EMBEDDED_REFERENCE_SIZES, ReferenceSizes
 from minimax_h3.mux import DEFAULT_PRESET
 from minimax_h3.vae.audio import AudioVAEConfig, inspect_audio_vae, load_audio_vae, write_tiny_audio_vae
 from minimax_h3.vae.tiling import StreamingAssembler, plan_decode
@@ -120,9 +120,10 @@ class DecoderEngine:
         self.video_encoder = None  # VAE encoder half, for EncodeImage / EncodeReference, rank 0 only
         self.audio_encoder = None  # audio VAE with its encoder, for EncodeReference (ref2va voices), rank 0 only
         self.preset = cfg.preset or (EMBEDDED_PRESET if self.embedded else DEFAULT_PRESET)
-        # Image references: the model's 2048 px short edge, a small one for a tiny VAE (the embedded family's).
+        # References on the model's sizes (2048 px images, 768 px clips), smaller ones for a tiny VAE (the embedded
+        # family's).
         tiny = self.video_info.cfg.block_channels != VideoVAEConfig.full().block_channels
-        self.image_short_edge = EMBEDDED_IMAGE_SHORT_EDGE if tiny else IMAGE_SHORT_EDGE
+        self.reference_sizes = EMBEDDED_REFERENCE_SIZES if tiny else ReferenceSizes()
 
     def _check_geometry(self) -> LatentGeometry:
         """The latent geometry this decoder serves, from the VAEs' configs. A render spec counts latents on the H3
@@ -232,7 +233,7 @@ class DecoderEngine:
                 ctx.progress(0, 1, phase="loading", message="video VAE encoder")
                 self._load_encoder()
             ctx.progress(0, 1, message=f"{media.kind} reference: video VAE")
-            pixels = torch.from_numpy(media.frames).permute(3, 0, 1, 2).contiguous()  # [3, N, H, W] uint8
+            pixels = torch.from_numpy(media.vae_frames).permute(3, 0, 1, 2).contiguous()  # [3, N, H, W] uint8
             autocast = None if self.cfg.weight_dtype == torch.float32 else self.cfg.weight_dtype
             out[ENCODED_REFERENCE_VIDEO] = self.video_encoder.encode(pixels.to(self.cfg.device), autocast_dtype=autocast).float().cpu()
         if media.audio is not None:

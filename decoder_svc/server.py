@@ -23,9 +23,10 @@ from stagekit.errors import InvalidArgument
 from stagekit.metrics import observed
 from stagekit.runtime import Job
 from stagekit.server import abort_on_error, stream_job
-from stagekit.servicer import LifecycleMixin, timing_pb
+from stagekit.servicer import LifecycleMixin, UploadMixin, timing_pb
 from stagekit.stage import CommonConfig, run_stage
 from stagekit.transport import file_chunks
+from stagekit.uploads import UploadStore, reference_bytes
 from stagekit.wire import FLOAT_DTYPES, TensorAssembler, tensor_chunks
 
 SERVICE = "h3.v1.Decoder"
@@ -42,10 +43,11 @@ class DecoderConfigArgs(CommonConfig):
                                                       "ultrafast for the embedded model, whose output is noise)"})
 
 
-class DecoderServicer(LifecycleMixin, decoder_pb2_grpc.DecoderServicer):
-    def __init__(self, runtime):
+class DecoderServicer(LifecycleMixin, UploadMixin, decoder_pb2_grpc.DecoderServicer):
+    def __init__(self, runtime, uploads: UploadStore | None = None):
         self.runtime = runtime
         self.engine: DecoderEngine = runtime.engine
+        self.uploads = uploads
 
     def describe(self) -> dict:
         return self.engine.describe()
@@ -164,10 +166,11 @@ class DecoderServicer(LifecycleMixin, decoder_pb2_grpc.DecoderServicer):
 
     def EncodeReference(self, request, context):
         ref = request.reference
-        abort_on_error(context, admit_reference, ref.kind, ref.data, request.frames)
+        data = abort_on_error(context, reference_bytes, ref, self.uploads)  # inline, or uploaded before
+        abort_on_error(context, admit_reference, ref.kind, data, request.frames)
         job = Job(spec={"op": "encode_reference", "kind": ref.kind, "frames": request.frames}, inputs={},
-                  prepare=lambda: {"media": load_reference(ref.data, ref.kind, request.frames,
-                                                           self.engine.image_short_edge)},
+                  prepare=lambda: {"media": load_reference(data, ref.kind, request.frames,
+                                                           self.engine.reference_sizes)},
                   input_bytes=reference_decode_bytes(ref.kind, request.frames))
         job.job_id = request.job_id or job.job_id
         yield from self._encode_job(job, context, decoder_pb2.EncodeReferenceEvent,
@@ -195,7 +198,8 @@ def make_engine(cfg: DecoderConfigArgs, info, group) -> DecoderEngine:
 def main(argv: list[str] | None = None) -> None:
     cfg = parse_config(DecoderConfigArgs, argv, env_prefix="H3_DECODER_", description="MiniMax-H3 VAE decoder stage")
     run_stage(cfg, "decoder", make_engine, SERVICE,
-              lambda server, runtime: decoder_pb2_grpc.add_DecoderServicer_to_server(DecoderServicer(runtime), server))
+              lambda server, runtime: decoder_pb2_grpc.add_DecoderServicer_to_server(
+                  DecoderServicer(runtime, UploadStore(Path(cfg.run_temp_dir) / "uploads")), server))
 
 
 if __name__ == "__main__":

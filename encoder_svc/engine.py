@@ -16,12 +16,12 @@ import torch
 from encoder_svc.cache import CacheKey, TextStateCache
 from minimax_h3.contract import TEXT_STATES, TEXT_TAGS
 from minimax_h3.files import CHECKPOINT_PARTS, EMBEDDED_VERSION, resolve_checkpoint
-from minimax_h3.media import EMBEDDED_IMAGE_SHORT_EDGE, IMAGE_SHORT_EDGE
+from minimax_h3.media import EMBEDDED_REFERENCE_SIZES, ReferenceSizes
 from minimax_h3.text.checkpoint import TextEncoderCheckpoint
 from minimax_h3.text.conditioner import Conditioner, ConditionerConfig, resolve_tokenizer
 from minimax_h3.text.tiny import write_tiny_model
 from minimax_h3.text.tokenizer import MAX_PROMPT_TOKENS, validate_prompt
-from minimax_h3.text.vision import reference_parts
+from minimax_h3.text.vision import keyframe_items, reference_parts
 from stagekit.checkpoints import CheckpointError
 from stagekit.dist import RankGroup
 from stagekit.errors import FailedPrecondition
@@ -61,8 +61,8 @@ class EncoderEngine:
         self.group = group
         self.path, self.embedded = resolve_weights(cfg)
         self.model_cfg = ConditionerConfig.tiny() if self.embedded else ConditionerConfig.full()
-        # Image references: the model's 2048 px short edge, a small one for the embedded tiny family.
-        self.image_short_edge = EMBEDDED_IMAGE_SHORT_EDGE if self.embedded else IMAGE_SHORT_EDGE
+        # References on the model's sizes (2048 px images, 768 px clips), smaller ones for the embedded tiny family.
+        self.reference_sizes = EMBEDDED_REFERENCE_SIZES if self.embedded else ReferenceSizes()
         header = TextEncoderCheckpoint(self.path, self.model_cfg)  # validates keys/shapes from the header
         self.variant = header.info.variant
         self.fingerprint = header.info.fingerprint
@@ -111,11 +111,13 @@ class EncoderEngine:
         references = inputs.get("references") or []
         if images or references:  # fl2va / ref2va: labels + vision blocks, then the prompt (not cached)
             try:
-                labels, prompt = None, spec["ids"]
+                encode, prompt = self.model.tokenizer.encode, list(spec["ids"])
                 if references:  # ref2va: labels per kind in request order (minimax_h3/text/vision.py)
-                    labels, images, tail = reference_parts(self.model.tokenizer.encode, references)
-                    prompt = tail + list(prompt)
-                states, tags = self.model.encode_presentation(prompt, images, labels)
+                    items, tail = reference_parts(encode, references, self.model.temporal_patch)
+                    prompt = tail + prompt
+                else:
+                    items = keyframe_items(encode, images)
+                states, tags = self.model.encode_presentation(prompt, items)
             except ValueError as e:
                 raise FailedPrecondition(str(e)) from None
         else:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -12,7 +13,6 @@ from encoder_svc.engine import EncoderEngine, EncoderEngineConfig
 from h3.v1 import common_pb2, encoder_pb2, encoder_pb2_grpc
 from minimax_h3.contract import MAX_PROMPT_BYTES, TEXT_STATES, TEXT_TAGS
 from minimax_h3.images import admit_keyframe
-from minimax_h3.labels import VIDEO_NOT_PRESENTED
 from minimax_h3.media import ReferenceMedia, admit_reference, load_reference, reference_decode_bytes
 from minimax_h3.text.conditioner import MODES
 from minimax_h3.text.tokenizer import MAX_PROMPT_TOKENS
@@ -21,8 +21,9 @@ from stagekit.errors import FailedPrecondition, InvalidArgument
 from stagekit.metrics import observed
 from stagekit.runtime import Job
 from stagekit.server import abort_on_error, stream_job
-from stagekit.servicer import LifecycleMixin, timing_pb
+from stagekit.servicer import LifecycleMixin, UploadMixin, timing_pb
 from stagekit.stage import CommonConfig, run_stage
+from stagekit.uploads import UploadStore, reference_bytes
 from stagekit.wire import tensor_chunks
 
 SERVICE = "h3.v1.TextEncoder"
@@ -38,10 +39,11 @@ class EncoderConfigArgs(CommonConfig):
     cache_mb: int = field(default=256, metadata={"help": "prompt -> states cache size (0 disables)"})
 
 
-class EncoderServicer(LifecycleMixin, encoder_pb2_grpc.TextEncoderServicer):
-    def __init__(self, runtime):
+class EncoderServicer(LifecycleMixin, UploadMixin, encoder_pb2_grpc.TextEncoderServicer):
+    def __init__(self, runtime, uploads: UploadStore | None = None):
         self.runtime = runtime
         self.engine: EncoderEngine = runtime.engine
+        self.uploads = uploads
 
     def describe(self) -> dict:
         return self.engine.describe()
@@ -67,18 +69,17 @@ class EncoderServicer(LifecycleMixin, encoder_pb2_grpc.TextEncoderServicer):
         return [admit_keyframe(img, request.width, request.height) for img in request.keyframes]
 
     def _references(self, request) -> list:
-        """ref2va references in request order, admitted before anything is decoded (INVALID_ARGUMENT for a bad
-        file); images and videos are decoded as part of the job (audio references are labels only here)."""
-        refs = list(request.references)
-        if not refs:
+        """ref2va references in request order, inline or uploaded (their bytes in `data`), admitted before anything
+        is decoded (INVALID_ARGUMENT for a bad file); images and videos are decoded as part of the job (audio
+        references are labels only here)."""
+        if not request.references:
             return []
         if request.keyframes:
             raise InvalidArgument("references and first/last keyframes do not combine (the ref2va partition takes "
                                   "references only)")
+        refs = [common_pb2.Reference(kind=r.kind, data=reference_bytes(r, self.uploads)) for r in request.references]
         for ref in refs:
             admit_reference(ref.kind, ref.data, request.frames)
-        if any(r.kind == "video" for r in refs):
-            raise FailedPrecondition(VIDEO_NOT_PRESENTED)
         if not self.engine.has_vision:
             raise FailedPrecondition(f"the text encoder {self.engine.path.name} has no vision tower ('visual.*'); "
                                      "reference renders need the full Qwen3-VL encoder file")
@@ -118,7 +119,7 @@ class EncoderServicer(LifecycleMixin, encoder_pb2_grpc.TextEncoderServicer):
         if references:  # on the model's rates and sizes (minimax_h3/media.py), decoded on the worker thread
             job.prepare = lambda: {"references": [
                 ReferenceMedia("audio") if r.kind == "audio" else  # a label only: its sound never reaches Qwen
-                load_reference(r.data, r.kind, request.frames, self.engine.image_short_edge) for r in references]}
+                load_reference(r.data, r.kind, request.frames, self.engine.reference_sizes) for r in references]}
             job.input_bytes = sum(reference_decode_bytes(r.kind, request.frames) for r in references
                                   if r.kind != "audio")
 
@@ -145,7 +146,8 @@ def make_engine(cfg: EncoderConfigArgs, info, group) -> EncoderEngine:
 def main(argv: list[str] | None = None) -> None:
     cfg = parse_config(EncoderConfigArgs, argv, env_prefix="H3_ENCODER_", description="MiniMax-H3 text encoder stage")
     run_stage(cfg, "encoder", make_engine, SERVICE,
-              lambda server, runtime: encoder_pb2_grpc.add_TextEncoderServicer_to_server(EncoderServicer(runtime), server))
+              lambda server, runtime: encoder_pb2_grpc.add_TextEncoderServicer_to_server(
+                  EncoderServicer(runtime, UploadStore(Path(cfg.run_temp_dir) / "uploads")), server))
 
 
 if __name__ == "__main__":

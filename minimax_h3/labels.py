@@ -22,13 +22,6 @@ EXTENSIONS = {
 }
 
 
-# The text encoder does not yet show video references to the vision tower (docs/references.md, "Not yet"): the
-# encoder refuses them, and the render service says so at admission rather than after the decoder's work.
-VIDEO_NOT_PRESENTED = ("video references are not shown to the text encoder's vision tower yet (the decoder and the "
-                       "DiT take them): give the clip's key frames as image references and its sound as an audio "
-                       "reference")
-
-
 def kind_of(path: str) -> str:
     """A reference file's kind from its extension (`KIND:PATH` on the command line overrides it)."""
     ext = Path(path).suffix.lower()

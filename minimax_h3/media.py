@@ -18,24 +18,43 @@ from minimax_h3.contract import (AUDIO_SAMPLE_RATE, FPS, FRAME_CLIP, FRAME_OFFSE
                                  SIZE_MULTIPLE)
 from minimax_h3.images import MAX_IMAGE_BYTES
 from stagekit.errors import InvalidArgument
+from stagekit.uploads import MAX_FILE_BYTES
 
-# An image reference is encoded at a short edge of its own, whatever the render canvas (docs/model.md §3.4). The
-# embedded tiny family uses a smaller one: its output is noise either way, and a 2048 px image costs its CPU VAE
-# minutes.
+# An image reference is encoded at a short edge of its own, whatever the render canvas (docs/model.md §3.4).
 IMAGE_SHORT_EDGE = 2048
-EMBEDDED_IMAGE_SHORT_EDGE = 256
 # A video reference goes onto the canvas of its own aspect, by the target's rule: short edge 768, area <= 768 x 1344.
 CANVAS_SHORT_EDGE = 768
 CANVAS_MAX_PIXELS = 768 * 1344
 MAX_ASPECT = 4.0
-# Admission (docs/reliability.md): a reference file is at most as large as a keyframe image, its frames at most this
-# many pixels before they are decoded, and a video is decoded frame by frame straight onto its canvas, only as far
-# as the render's duration reaches.
-MAX_REFERENCE_BYTES = MAX_IMAGE_BYTES
+# Admission (docs/reliability.md): a reference file is at most as large as an upload (larger than one gRPC message:
+# sent with the Upload RPCs, stagekit/uploads.py), its frames at most this many pixels before they are decoded, and a
+# video is decoded frame by frame straight onto its canvas, only as far as the render's duration reaches.
+MAX_REFERENCE_BYTES = MAX_FILE_BYTES
 MAX_SOURCE_PIXELS = 4096 * 4096
 MAX_SOURCE_FPS = 120
 # Video references are VAE-encoded in whole clips: the frame count is snapped *down* to 17n + 5 (n >= 1), so a clip
 # is never padded; a reference shorter than one clip is refused (docs/references.md).
+
+
+@dataclass(frozen=True)
+class ReferenceSizes:
+    """The sizes references are put on: H3's own, or the embedded tiny family's smaller ones (its output is noise
+    either way, and a 2048 px image or a 768 px clip costs its CPU VAE a minute)."""
+
+    image_short_edge: int = IMAGE_SHORT_EDGE
+    video_short_edge: int = CANVAS_SHORT_EDGE
+
+    @property
+    def video_max_pixels(self) -> int:
+        """The canvas area cap, scaled with the short edge (768 x 1344 at H3's 768)."""
+        return CANVAS_MAX_PIXELS * self.video_short_edge ** 2 // CANVAS_SHORT_EDGE ** 2
+
+    def canvas(self, width: float, height: float) -> tuple[int, int]:
+        """(height, width) of a video reference's canvas for frames of this size."""
+        return canvas_for(width, height, self.video_short_edge, self.video_max_pixels)
+
+
+EMBEDDED_REFERENCE_SIZES = ReferenceSizes(image_short_edge=256, video_short_edge=256)
 
 
 def resample_frames(frames: np.ndarray, fps: float, target_fps: int = FPS) -> np.ndarray:
@@ -104,20 +123,27 @@ class ReferenceMedia:
     stereo audio [2, samples] at 32 kHz."""
 
     kind: str
-    frames: np.ndarray | None = None
+    frames: np.ndarray | None = None  # a video's every frame at 24 fps (the text encoder samples them at 2 fps)
     audio: np.ndarray | None = None
     source_fps: float | None = None  # the rate the container stated (video)
     source_rate: int | None = None  # the audio's own sample rate
 
     @property
+    def vae_frames(self) -> np.ndarray | None:
+        """The frames the video VAE encodes: a video's cut down to 17n + 5 (never padded), an image's one."""
+        if self.frames is None or self.kind != "video":
+            return self.frames
+        return self.frames[:reference_clip_frames(self.frames.shape[0])]
+
+    @property
     def seconds(self) -> float:
         if self.frames is not None and self.kind == "video":
-            return self.frames.shape[0] / FPS
+            return self.vae_frames.shape[0] / FPS
         return 0.0 if self.audio is None else self.audio.shape[1] / AUDIO_SAMPLE_RATE
 
     def info(self) -> dict:
-        """The EncodeReferenceDone fields."""
-        n, h, w = (0, 0, 0) if self.frames is None else self.frames.shape[:3]
+        """The EncodeReferenceDone fields (what the VAE encodes)."""
+        n, h, w = (0, 0, 0) if self.frames is None else self.vae_frames.shape[:3]
         return {"width": w, "height": h, "frames": n, "seconds": self.seconds, "source_fps": self.source_fps or 0.0,
                 "source_rate": self.source_rate or 0}
 
@@ -141,12 +167,13 @@ def normalize_image(pixels: np.ndarray, short_edge: int = IMAGE_SHORT_EDGE) -> n
     return _lanczos(pixels[None], th, tw)
 
 
-def normalize_video(frames: np.ndarray, fps: float, max_frames: int) -> np.ndarray:
-    """Frames at `fps` -> 24 fps, cut to `max_frames`, onto the canvas of their own aspect, cut down to 17n + 5."""
+def normalize_video(frames: np.ndarray, fps: float, max_frames: int,
+                    sizes: ReferenceSizes = ReferenceSizes()) -> np.ndarray:
+    """Frames at `fps` -> 24 fps, cut to `max_frames`, onto the canvas of their own aspect (at least one VAE clip;
+    the VAE's 17n + 5 cut is `ReferenceMedia.vae_frames`, the text encoder reads them all)."""
     frames = resample_frames(frames, fps)[:max_frames]
-    h, w = canvas_for(frames.shape[2], frames.shape[1])
-    frames = frames[:reference_clip_frames(frames.shape[0])]
-    return _lanczos(frames, h, w)
+    reference_clip_frames(frames.shape[0])  # a clip shorter than the VAE's first one is refused here
+    return _lanczos(frames, *sizes.canvas(frames.shape[2], frames.shape[1]))
 
 
 def normalize_audio(waveform: np.ndarray, rate: int, max_seconds: float) -> np.ndarray:
@@ -193,7 +220,7 @@ def admit_reference(kind: str, data: bytes, frames: int) -> None:
         raise InvalidArgument(f"the {kind} reference is empty")
     if len(data) > MAX_REFERENCE_BYTES:
         raise InvalidArgument(f"the {kind} reference is {len(data)} bytes; a reference file may have at most "
-                              f"{MAX_REFERENCE_BYTES} bytes (like a keyframe image): send a shorter or smaller file")
+                              f"{MAX_REFERENCE_BYTES} bytes: send a shorter or smaller file")
     if frames < MIN_FRAMES or frames % FRAME_CLIP != FRAME_OFFSET:
         raise InvalidArgument(f"references need the render's frame count (17n + 5, at least {MIN_FRAMES}), "
                               f"got {frames}")
@@ -209,7 +236,7 @@ def reference_decode_bytes(kind: str, frames: int) -> int:
     return MAX_SOURCE_PIXELS * 4 + 3 * frames * 5 * CANVAS_MAX_PIXELS * 3 + audio  # canvas frames at <= 120 fps
 
 
-def load_reference(data: bytes, kind: str, frames: int, image_short_edge: int = IMAGE_SHORT_EDGE) -> ReferenceMedia:
+def load_reference(data: bytes, kind: str, frames: int, sizes: ReferenceSizes = ReferenceSizes()) -> ReferenceMedia:
     """A reference file's bytes -> ReferenceMedia on the model's rates for a render of `frames` frames at 24 fps
     (video and audio are cut to its duration). Raises InvalidArgument naming what is wrong with the file."""
     admit_reference(kind, data, frames)
@@ -222,7 +249,7 @@ def load_reference(data: bytes, kind: str, frames: int, image_short_edge: int = 
                 if im.width * im.height > MAX_SOURCE_PIXELS:
                     raise ValueError(f"{im.width}x{im.height} is more than {MAX_SOURCE_PIXELS} pixels")
                 pixels = np.asarray(im.convert("RGB"))
-            return ReferenceMedia("image", frames=normalize_image(pixels, image_short_edge))
+            return ReferenceMedia("image", frames=normalize_image(pixels, sizes.image_short_edge))
         import av
 
         with av.open(io.BytesIO(data)) as container:
@@ -247,7 +274,7 @@ def load_reference(data: bytes, kind: str, frames: int, image_short_edge: int = 
                 if turns:
                     rgb = np.ascontiguousarray(np.rot90(rgb, k=-turns))
                 if canvas is None:
-                    canvas = canvas_for(rgb.shape[1], rgb.shape[0])
+                    canvas = sizes.canvas(rgb.shape[1], rgb.shape[0])
                 pixels.append(_lanczos(rgb[None], *canvas)[0])  # per frame, so it commutes with the rate change
                 if len(pixels) >= need:
                     break
@@ -260,8 +287,8 @@ def load_reference(data: bytes, kind: str, frames: int, image_short_edge: int = 
                 container.seek(0)
                 wave, rate = _decode_audio_stream(av, container, container.streams.audio[0], seconds)
                 sound = normalize_audio(wave, rate, seconds)
-            return ReferenceMedia("video", frames=normalize_video(video, fps, frames), audio=sound, source_fps=fps,
-                                  source_rate=rate)
+            return ReferenceMedia("video", frames=normalize_video(video, fps, frames, sizes), audio=sound,
+                                  source_fps=fps, source_rate=rate)
     except InvalidArgument:
         raise
     except Exception as e:  # noqa: BLE001 - a file the decoders reject is the caller's input, said as such

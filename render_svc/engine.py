@@ -36,6 +36,7 @@ class Work:
     spec: RenderSpec
     output: Path                      # where the decoder's MP4 lands (renamed into place once verified)
     keyframe_files: list[tuple[str, Path]] = field(default_factory=list)  # fl2va: (anchor, stored image), in order
+    reference_files: list[Path | None] = field(default_factory=list)  # ref2va: each reference's stored file
     deadline: float = float("inf")    # unix time until which a busy stage is waited out (--job-deadline-s)
     tensors: dict = field(default_factory=dict)
     unavailable: int = 0              # stage calls refused with UNAVAILABLE so far (retried up to --stage-retries)
@@ -105,7 +106,8 @@ def run_keyframes(c: StageClients, w: Work, progress, on_call) -> StageResult:
         w.tensors[keyframe_tensor(anchor)] = lat
         results.append(r)
     for i, ref in enumerate(w.request.references):
-        lat, r = encode_reference(c, ref, w.spec.frames, w.job_id, progress, on_call=on_call)
+        lat, r = encode_reference(c, ref, w.spec.frames, w.job_id, progress, on_call=on_call,
+                                  source=w.reference_files[i] if i < len(w.reference_files) else None)
         w.tensors.update(reference_tensors(i, lat, ref.kind))
         results.append(r)
     return _merge(results)
@@ -116,7 +118,7 @@ def run_encoder(c: StageClients, w: Work, progress, on_call) -> StageResult:
     images = [img for _, img in w.keyframes()]
     if w.request.references:
         states, tags, r = encode(c, w.spec.prompt, w.job_id, progress, with_tags=True, on_call=on_call,
-                                 references=w.request.references, frames=w.spec.frames)
+                                 references=w.request.references, frames=w.spec.frames, sources=w.reference_files)
         w.tensors[TEXT_TAGS] = tags
     elif images:
         states, tags, r = encode(c, w.spec.prompt, w.job_id, progress, keyframes=images, width=w.spec.width,

@@ -22,6 +22,7 @@ from render_svc.store import CANCELLED, FAILED, QUEUED, RUNNING, SUCCEEDED
 from stagekit.config import parse_config
 from stagekit.errors import FailedPrecondition, NotFound
 from stagekit.server import Principal, abort_on_error, principal_of
+from stagekit.servicer import UploadMixin
 from stagekit.stage import CommonConfig, run_stage
 from stagekit.transport import file_chunks
 
@@ -76,7 +77,6 @@ class RenderConfig(CommonConfig):
     retention_every_s: float = field(default=60.0, metadata={
         "help": "retention runs this often (and whenever a job ends)"})
     # Stage settings with no meaning here.
-    max_uploads: int = _fixed(1)  # no call of the render service streams its request
     devices: list[str] = _fixed(["render"])
     models_dir: str = _fixed("")
     weights: str = _fixed("")
@@ -113,12 +113,14 @@ class RenderConfig(CommonConfig):
         return Security(self.stage_token or self.resolved_token(), self.stage_tls_ca)
 
 
-class RenderServicer(render_pb2_grpc.RendererServicer):
+class RenderServicer(UploadMixin, render_pb2_grpc.RendererServicer):
     """The Renderer API over the scheduler. Every call acts as its caller's principal (`--tokens-file`): jobs are
-    its own, unless it is an admin (or the service has no tokens file: one principal, everyone's jobs)."""
+    its own, unless it is an admin (or the service has no tokens file: one principal, everyone's jobs). Uploaded
+    reference files are shared by content (a digest names the same bytes for everyone)."""
 
     def __init__(self, svc: RenderService, clients: StageClients, web_url: str = "", tokens=None):
         self.svc = svc
+        self.uploads = svc.uploads
         self.clients = clients
         self.web_url = web_url
         self.tokens = tokens

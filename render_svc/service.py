@@ -32,6 +32,7 @@ from render_svc.planner import Batch, BatchPlanner, first_stage, next_stage
 from render_svc.store import CANCELLED, FAILED, QUEUED, RUNNING, SUCCEEDED, JobRecord, JobStore
 from stagekit.errors import Cancelled, FailedPrecondition, InvalidArgument, Unavailable
 from stagekit.runtime import Job
+from stagekit.uploads import UploadStore, reference_bytes
 
 log = logging.getLogger("render_svc")
 
@@ -88,14 +89,12 @@ def check_references(req: render_pb2.RenderRequest, prompt: str, frames: int) ->
     """ref2va admission: no keyframes beside them, at most 12, each a kind and size the decoder takes, and the
     prompt's labels naming exactly the references there are (minimax_h3/labels.py). Fills in each reference's
     thumbnail, duration and size (`describe_reference`)."""
-    from minimax_h3.labels import VIDEO_NOT_PRESENTED, check_labels
+    from minimax_h3.labels import check_labels
     from minimax_h3.media import admit_reference
 
     if req.first_frame or req.last_frame:
         raise InvalidArgument("references and first/last keyframes do not combine: the ref2va partition takes "
                               "references only (send the frame as an image reference)")
-    if any(r.kind == "video" for r in req.references):
-        raise FailedPrecondition(VIDEO_NOT_PRESENTED)
     if len(req.references) > MAX_REFERENCES:
         raise InvalidArgument(f"{len(req.references)} references; MiniMax-H3 takes at most {MAX_REFERENCES}")
     sound = []
@@ -156,6 +155,8 @@ class RenderService:
         self.runtime = runtime
         self.store = JobStore(cfg.run_dir)
         self.outputs = self.store.outputs
+        # Uploaded reference files, kept by content with the stored keyframes (the jobs that name them keep them).
+        self.uploads = UploadStore(self.store.keyframe_dir, in_use=self.store.files_in_use)
         self.outputs.mkdir(parents=True, exist_ok=True)
         self.planner = BatchPlanner(cfg.max_batch, cfg.max_wait_batches)
         self.works: dict[str, Work] = {}         # jobs in flight (queued or between / in stages)
@@ -193,6 +194,8 @@ class RenderService:
 
     # ---- API ----------------------------------------------------------------------------------------------------
     def submit(self, req: render_pb2.RenderRequest, owner: str = "") -> render_pb2.JobInfo:
+        for ref in req.references:  # an uploaded file (Upload) is admitted like an inline one
+            ref.data = reference_bytes(ref, self.uploads)
         check_request(req)
         self._check_partition(req)
         if self._stop.is_set():
@@ -295,8 +298,9 @@ class RenderService:
         """Under the lock: a queued job's in-flight state, waiting for its first stage."""
         spec = spec_from_proto(rec.request.params)
         frames = [(a, self.store.keyframe_dir / rec.keyframes[a]) for a in ("first", "last") if a in rec.keyframes]
+        refs = [self.store.keyframe_dir / r.digest if r.digest and not r.data else None for r in rec.request.references]
         w = Work(rec.id, rec.request, spec, self.outputs / f"{rec.id}.mp4", keyframe_files=frames,
-                 deadline=rec.created + self.cfg.job_deadline_s)
+                 reference_files=refs, deadline=rec.created + self.cfg.job_deadline_s)
         self.works[rec.id] = w
         self.planner.add(rec.id, first_stage(bool(w.keyframe_files or w.request.references)))
 

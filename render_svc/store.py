@@ -162,17 +162,28 @@ def _without_reference_files(stored: bytes) -> bytes:
 
 
 def _without_images(req: render_pb2.RenderRequest) -> bytes:
-    """The request as stored: without its keyframe images (stored once, by content, beside the database)."""
+    """The request as stored: without its keyframe images and reference files (stored once, by content, beside the
+    database; a reference keeps the digest that names its file)."""
     r = render_pb2.RenderRequest()
     r.CopyFrom(req)
     for _, name in KEYFRAME_FIELDS:
         r.ClearField(name)
+    for ref in r.references:
+        if ref.data:
+            ref.digest = hashlib.sha256(ref.data).hexdigest()
+            ref.ClearField("data")
     return r.SerializeToString(deterministic=True)
 
 
+def _files(req: render_pb2.RenderRequest) -> dict[str, bytes]:
+    """The request's files by what they are: keyframe anchors, then `ref{i}` for each reference with its bytes."""
+    out = {anchor: getattr(req, name) for anchor, name in KEYFRAME_FIELDS if getattr(req, name)}
+    out.update({f"ref{i}": ref.data for i, ref in enumerate(req.references) if ref.data})
+    return out
+
+
 def _digests(req: render_pb2.RenderRequest) -> dict[str, str]:
-    return {anchor: hashlib.sha256(getattr(req, name)).hexdigest() for anchor, name in KEYFRAME_FIELDS
-            if getattr(req, name)}
+    return {what: hashlib.sha256(data).hexdigest() for what, data in _files(req).items()}
 
 
 class JobStore:
@@ -202,8 +213,8 @@ class JobStore:
         self._move_images_out()
 
     def _move_images_out(self) -> None:
-        """Unfinished jobs recorded with their keyframe images inside the request (by an earlier version): the
-        images go to keyframes/ like a new job's."""
+        """Unfinished jobs recorded with their keyframe images (and reference files) inside the request (by an
+        earlier version): the files go to keyframes/ like a new job's."""
         with self.lock, self.db:
             for row in self.db.execute("SELECT id, request FROM jobs WHERE state IN (?, ?) AND keyframes = ''",
                                        (QUEUED, RUNNING)).fetchall():
@@ -350,17 +361,25 @@ class JobStore:
         self._append(job_id, job=_record(row).info(with_prompt=False))
 
     def _store_keyframes(self, req: render_pb2.RenderRequest) -> dict[str, str]:
-        """Write the request's keyframe images (once per content) under keyframes/; anchor -> digest."""
+        """Write the request's keyframe images and reference files (once per content) under keyframes/, the upload
+        store's folder (uploaded files are there already); anchor or `ref{i}` -> digest."""
         digests = _digests(req)
-        for anchor, name in KEYFRAME_FIELDS:
-            if anchor in digests and not (self.keyframe_dir / digests[anchor]).exists():
-                tmp = self.keyframe_dir / f".{digests[anchor]}.{os.getpid()}"
+        for what, data in _files(req).items():
+            if not (self.keyframe_dir / digests[what]).exists():
+                tmp = self.keyframe_dir / f".{digests[what]}.{os.getpid()}"
                 with open(tmp, "wb") as f:
-                    f.write(getattr(req, name))
+                    f.write(data)
                     f.flush()
                     os.fsync(f.fileno())
-                tmp.replace(self.keyframe_dir / digests[anchor])
+                tmp.replace(self.keyframe_dir / digests[what])
         return digests
+
+    def files_in_use(self) -> set[str]:
+        """Digests of the stored files unfinished jobs name (the upload store's sweep keeps them)."""
+        with self.lock:
+            rows = self.db.execute("SELECT keyframes FROM jobs WHERE state IN (?, ?) AND keyframes != ''",
+                                   (QUEUED, RUNNING)).fetchall()
+        return {d for row in rows for d in json.loads(row[0]).values()}
 
     def _drop_keyframes(self, digests) -> None:
         """Under the lock: remove stored keyframes no unfinished job needs any more."""

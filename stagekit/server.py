@@ -69,8 +69,8 @@ class ServeConfig:
     max_streams: int = field(default=0, init=False)   # slots of the long-lived streams (services that have some)
     stream_methods: tuple = field(default=(), init=False)
     max_uploads: int = field(default=8, metadata={
-        "help": "request uploads (Sample/Decode tensor streams) received at once, at most --max-workers; more are "
-                "refused with RESOURCE_EXHAUSTED"})
+        "help": "request uploads (Sample/Decode tensor streams, reference files) received at once, at most "
+                "--max-workers; more are refused with RESOURCE_EXHAUSTED"})
     upload_idle_s: float = field(default=30.0, metadata={
         "help": "a call whose next request message does not arrive within this long fails with DEADLINE_EXCEEDED"})
     upload_total_s: float = field(default=600.0, metadata={

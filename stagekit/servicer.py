@@ -1,10 +1,13 @@
-"""Lifecycle RPCs (Load, Unload, Warmup, Status) shared by every stage's servicer."""
+"""Lifecycle RPCs (Load, Unload, Warmup, Status) shared by every stage's servicer, and the Upload RPC of the services
+that take reference files."""
 
 from __future__ import annotations
 
 from h3.v1 import common_pb2
+from stagekit.errors import FailedPrecondition
 from stagekit.server import abort_on_error
 from stagekit.runtime import StageRuntime
+from stagekit.uploads import UploadStore
 
 
 def timing_pb(t: dict) -> common_pb2.Timing:
@@ -46,3 +49,18 @@ class LifecycleMixin:
             world_size=rt.group.world_size, memory_bytes=rt.engine.resident_bytes() if snap.resident else 0,
             queue_depth=snap.queue_depth, running=int(snap.running), lease_holder=snap.lease_holder,
             residency=rt.cfg.residency, kernels=kernels, jobs_done=snap.jobs_done, **d)
+
+
+class UploadMixin:
+    """`Upload(stream FileChunk) -> UploadReply` into `self.uploads` (stagekit/uploads.py); a servicer built without a
+    store refuses uploads (its callers send references inline)."""
+
+    uploads: UploadStore | None = None
+
+    def Upload(self, request_iterator, context):
+        return abort_on_error(context, self._receive, request_iterator)
+
+    def _receive(self, chunks):
+        if self.uploads is None:
+            raise FailedPrecondition("this server keeps no uploads: send the reference inline")
+        return self.uploads.receive(chunks)

@@ -1,12 +1,15 @@
 """gRPC transport settings and the one way a file travels, shared by servers and clients.
 
 Torch-free on purpose: the thin client (`python -m client render`) imports this and nothing that pulls in torch or
-numpy. Tensors travel with `stagekit.wire`; files (the MP4) travel as `FileChunk`s: every chunk carries its byte
-offset, the last one the file's size and CRC-32C, and a receiver keeps nothing that failed a check.
+numpy. Tensors travel with `stagekit.wire`; files (the MP4 down, reference files up) travel as `FileChunk`s: every
+chunk carries its byte offset, the last one the file's size and CRC-32C, and a receiver keeps nothing that failed a
+check.
 """
 
 from __future__ import annotations
 
+import hashlib
+import io
 import os
 import tempfile
 from collections.abc import Iterator
@@ -33,15 +36,15 @@ GRPC_OPTIONS = [
 ]
 
 
-def file_chunks(path: Path, name: str, mime: str, offset: int = 0) -> Iterator[tensor_pb2.FileChunk]:
-    """Stream a finished file from `offset` as FileChunks; the last one carries the size and the CRC-32C of the
-    whole file (computed over the skipped head too, so a resumed download is checked end to end)."""
-    path = Path(path)
-    size = path.stat().st_size
+def file_chunks(source: Path | bytes, name: str, mime: str = "", offset: int = 0) -> Iterator[tensor_pb2.FileChunk]:
+    """Stream a finished file (a path, or its bytes) from `offset` as FileChunks; the last one carries the size and
+    the CRC-32C of the whole file (computed over the skipped head too, so a resumed download is checked end to end)."""
+    in_memory = isinstance(source, (bytes, bytearray))
+    size = len(source) if in_memory else Path(source).stat().st_size
     if not 0 <= offset <= size:
         raise InvalidArgument(f"offset {offset} is outside the file ({size} bytes)")
     crc = 0
-    with open(path, "rb") as f:
+    with io.BytesIO(source) if in_memory else open(source, "rb") as f:
         while f.tell() < offset:  # checksum the part the receiver already holds
             crc = google_crc32c.extend(crc, f.read(min(MAX_CHUNK_BYTES, offset - f.tell())))
         off = offset
@@ -110,30 +113,39 @@ def _publish(fd: int, tmp_name: str | None, out_path: Path) -> None:
 
 class FileReceiver:
     """Writes FileChunks into a file that has no name until `finish()` has checked size and CRC-32C, then gives it
-    `out_path` atomically. Nothing is left behind on failure (use as a context manager), nor when the receiving
-    process is killed mid-download."""
+    `out_path` (or the path `finish` names, in the same directory) atomically. Nothing is left behind on failure
+    (use as a context manager), nor when the receiving process is killed mid-transfer. A receiver of uploads gives
+    `max_bytes` (a longer file fails as it arrives) and raises its callers' error class (InvalidArgument); `sha256`
+    is the digest of what arrived."""
 
-    def __init__(self, out_path: Path):
+    def __init__(self, out_path: Path, max_bytes: int = 0, error: type[Exception] = RuntimeError):
         self.out_path = Path(out_path)
         self.out_path.parent.mkdir(parents=True, exist_ok=True)
+        self.max_bytes, self.error = max_bytes, error
         fd, self.tmp = _partial_file(self.out_path)
         self.f = os.fdopen(fd, "wb")
         self.size, self.crc, self.complete = 0, 0, False
+        self.sha256 = hashlib.sha256()
 
     def feed(self, fc: tensor_pb2.FileChunk) -> None:
         if fc.offset != self.size:
-            raise RuntimeError(f"file bytes arrived at offset {fc.offset}, expected {self.size}; retry")
+            raise self.error(f"file bytes arrived at offset {fc.offset}, expected {self.size}; try again")
+        if self.max_bytes and self.size + len(fc.data) > self.max_bytes:
+            raise self.error(f"the file is larger than {self.max_bytes} bytes (the limit); send a smaller one")
         self.f.write(fc.data)
         self.crc = google_crc32c.extend(self.crc, fc.data)
+        self.sha256.update(fc.data)
         self.size += len(fc.data)
         if fc.last:
             if fc.total_bytes != self.size or fc.crc32c != self.crc:
-                raise RuntimeError("the file failed its size/checksum check; retry")
+                raise self.error("the file failed its size/checksum check; try again")
             self.complete = True
 
-    def finish(self) -> Path:
+    def finish(self, out_path: Path | None = None) -> Path:
         if not self.complete:
-            raise RuntimeError("the stream ended before the file was complete; retry")
+            raise self.error("the stream ended before the file was complete; try again")
+        if out_path is not None:
+            self.out_path = Path(out_path)
         self.f.flush()
         _publish(self.f.fileno(), self.tmp, self.out_path)
         self.tmp = None

@@ -22,15 +22,25 @@ CONTRACT = ROOT / "minimax_h3" / "contract.py"
 # Tensor names, and the prefixes the numbered / anchored ones are made from.
 TENSOR_NAME = re.compile(r"^(%s)$" % "|".join(re.escape(n) for n in c.TENSORS))
 TENSOR_PREFIX = re.compile(r"^(keyframe_|ref_(\d+_)?)$")
-# A geometry constant: a name that says it is one, bound to a literal (module constants, config-field defaults,
-# keyword arguments).
-GEOMETRY_NAME = re.compile(
-    r"(^|_)(fps|sample_rate|audio_rate|hop(_length)?|latent_channels|in_channels|audio_in_channels|vae_spatial|"
-    r"spatial_ratio|clip_length|clip_frames|clip_tail|frame_clip|frame_offset|stereo(_channels)?|audio_channels|"
-    r"latents_per_(second|clip))$", re.IGNORECASE)
-GEOMETRY_VALUES = {c.FPS, c.AUDIO_SAMPLE_RATE, c.AUDIO_HOP, c.VAE_SPATIAL, c.FRAME_CLIP, c.FRAME_OFFSET,
-                   c.VIDEO_LATENT_CHANNELS, c.AUDIO_LATENT_CHANNELS, c.AUDIO_CHANNELS, c.AUDIO_LATENTS_PER_SECOND,
-                   c.LATENTS_PER_CLIP}
+# A geometry constant: a name that says it is one, bound to the value it would copy (module constants, config-field
+# defaults, keyword arguments).
+GEOMETRY_NAMES = [(re.compile(p, re.IGNORECASE), values) for p, values in (
+    (r"(^|_)fps$", {c.FPS}),
+    (r"(^|_)(sample_rate|audio_rate)$", {c.AUDIO_SAMPLE_RATE}),
+    (r"(^|_)hop(_length)?$", {c.AUDIO_HOP}),
+    (r"(^|_)(latent_channels|in_channels)$", {c.VIDEO_LATENT_CHANNELS, c.AUDIO_LATENT_CHANNELS}),
+    (r"(^|_)(vae_spatial|spatial_ratio)$", {c.VAE_SPATIAL}),
+    (r"(^|_)(clip_length|clip_frames|frame_clip)$", {c.FRAME_CLIP}),
+    (r"(^|_)(clip_tail|frame_offset|latents_per_clip)$", {c.FRAME_OFFSET, c.LATENTS_PER_CLIP}),
+    (r"(^|_)(stereo|stereo_channels|audio_channels)$", {c.AUDIO_CHANNELS}),
+    (r"(^|_)latents_per_second$", {c.AUDIO_LATENTS_PER_SECOND}),
+)]
+
+
+def _geometry_name(name: str, value) -> bool:
+    return value is not None and any(p.search(name) and value in values for p, values in GEOMETRY_NAMES)
+
+
 # Pixel <-> latent arithmetic on a size (`height // 16`), seconds from frames (`frames / 24`), latents from seconds
 # (`* 40`), the sample rate anywhere.
 SIZE_OPERAND = re.compile(r"height|width|(^|[^a-z])[hw]($|[^a-z])|latent", re.IGNORECASE)
@@ -77,14 +87,13 @@ def contract_violations(source: str, name: str = "<src>") -> list[str]:
                 hit(node, "tensor name")
         elif isinstance(node, ast.Constant) and _number(node) == c.AUDIO_SAMPLE_RATE:
             hit(node, "audio sample rate")
-        elif isinstance(node, (ast.Assign, ast.AnnAssign)) and _number(node.value) in GEOMETRY_VALUES:
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)) and node.value is not None:
             targets = node.targets if isinstance(node, ast.Assign) else [node.target]
             for t in targets:
-                if isinstance(t, (ast.Name, ast.Attribute)) and GEOMETRY_NAME.search(getattr(t, "id", None)
-                                                                                      or t.attr):
+                if isinstance(t, (ast.Name, ast.Attribute)) and _geometry_name(getattr(t, "id", None) or t.attr,
+                                                                               _number(node.value)):
                     hit(node, "geometry constant")
-        elif isinstance(node, ast.keyword) and node.arg and GEOMETRY_NAME.search(node.arg) \
-                and _number(node.value) in GEOMETRY_VALUES:
+        elif isinstance(node, ast.keyword) and node.arg and _geometry_name(node.arg, _number(node.value)):
             hit(node, "geometry constant")
         elif isinstance(node, ast.BinOp):
             left, right = (ast.get_source_segment(source, s) or "" for s in (node.left, node.right))
@@ -119,7 +128,7 @@ def test_scan_finds_each_kind_of_copy(src):
 @pytest.mark.parametrize("src", [
     'def f():\n    """video_latents [24, T, H/16, W/16] at 32000 Hz"""', '# "text_states" // 16',
     'msg = "reference i is ref_<i>_image"', 'blocks = c // 16', 'n = heads * 16', 'AUDIO_BITRATE = 128_000',
-    'MAX_SOURCE_FPS = 120', 'x = h.shape[0] // 2', 'rate = 48_000',
+    'MAX_SOURCE_FPS = 120', 'VIDEO_SAMPLE_FPS = 2', 'in_channels = 3', 'x = h.shape[0] // 2', 'rate = 48_000',
 ])
 def test_scan_passes_what_is_not_a_copy(src):
     assert not contract_violations(src)

@@ -83,8 +83,9 @@ def test_reference_media_on_the_model_rates():
 
     img = load_reference(media_png(300, 200), "image", FRAMES)
     assert img.frames.shape == (1, 2048, 3072, 3)
-    clip = load_reference(media_mp4(n=90, fps=30), "video", 124)  # 3 s at 30 fps -> 72 frames at 24 -> 56
-    assert clip.frames.shape == (56, 768, 1344, 3) and clip.source_fps == 30.0 and clip.source_rate == 44100
+    clip = load_reference(media_mp4(n=90, fps=30), "video", 124)  # 3 s at 30 fps -> 72 frames at 24 -> VAE: 56
+    assert clip.frames.shape == (72, 768, 1344, 3) and clip.source_fps == 30.0 and clip.source_rate == 44100
+    assert clip.vae_frames.shape[0] == 56 and clip.info()["frames"] == 56 and clip.seconds == 56 / 24
     assert clip.audio.shape[0] == 2 and abs(clip.audio.shape[1] - 3 * 32000) < 2048
     voice = load_reference(media_wav(2.0, 44100), "audio", FRAMES)  # cut to 22/24 s, resampled to 32 kHz
     assert voice.audio.shape == (2, round(int(22 / 24 * 44100) * 32000 / 44100)) or \
@@ -142,13 +143,13 @@ def test_reference_encodes_match_diffusers(tmp_path):
     ref = MiniMaxH3VideoReference.from_file(str(path))
     frames = MiniMaxH3Ref2VASetupStep._normalize_video_condition(ref.frames, ref.fps, FRAMES, 32, 768, 768 * 1344,
                                                                  24.0)
-    assert np.array_equal(clip.frames, frames[:clip.frames.shape[0]]) and clip.frames.shape[0] == 22
+    assert np.array_equal(clip.frames, frames) and clip.vae_frames.shape[0] == 22
     wave = MiniMaxH3Ref2VASetupStep._normalize_audio_condition(ref.audio, ref.sample_rate, 32000, FRAMES / 24)
     assert torch.equal(torch.from_numpy(clip.audio), wave)  # 32 kHz already: cut and kept as is
     # Encodes: video VAE mean (ComfyUI's recipe; diffusers samples it) and the audio VAE as diffusers' step does.
     # The encoders see a 128 x 192 corner of the normalised pixels (the whole 2048 px image is minutes on a CPU).
     for media in (ours, clip):
-        pixels = media.frames[:, :128, :192]
+        pixels = media.vae_frames[:, :128, :192]
         z = vae.encode(torch.from_numpy(pixels).permute(3, 0, 1, 2))
         with torch.no_grad():
             x = (torch.from_numpy(pixels).permute(3, 0, 1, 2)[None].float() / 255
@@ -191,6 +192,19 @@ def test_ref2va_render_through_the_stages(clients, tmp_path):
     with av.open(str(out)) as c:
         assert (c.streams.video[0].width, c.streams.video[0].height) == (256, 256) and c.streams.audio
         assert sum(1 for _ in c.decode(video=0)) == FRAMES
+
+
+def test_video_reference_presented_by_the_encoder(clients):
+    """A clip with its soundtrack, through the encoder stage: "<Audio 1>: <Video 1>: <0.2 seconds>" + one block of
+    video pads (22 frames at 24 fps: 2 frames read at 2 fps, one temporal patch) on its canvas (the embedded family's
+    256 px short edge: 256 x 448; 768 x 1344 for H3)."""
+    from client.pipeline import encode
+    from h3.v1 import common_pb2
+
+    ref = common_pb2.Reference(kind="video", data=media_mp4(n=40, fps=30), name="walk.mp4")
+    states, tags, _ = encode(clients, "<Video 1> in the rain", with_tags=True, references=[ref], frames=FRAMES)
+    assert (tags == 0).sum().item() == (256 // 32) * (448 // 32) + 2 and states.shape[0] == tags.shape[0]
+    assert torch.isfinite(states.float()).all()
 
 
 def test_cli_ref_labels_checked_before_anything_starts(tmp_path):
@@ -236,6 +250,26 @@ def test_cli_ref_render_through_the_render_service(stack, tmp_path):
             assert c.streams.video[0].width == 256 and sum(1 for _ in c.decode(video=0)) == FRAMES
 
 
+def test_cli_video_reference_render_through_the_render_service(stack, tmp_path):
+    """`render --ref walk.mp4 --ref voice.wav`: a 30 fps clip with its soundtrack (<Audio 1>, not named) and a voice
+    (<Audio 2>) through the render service: the decoder's encodes, the encoder's presentation of the clip, the DiT's
+    ref2va file and the decode, to an MP4."""
+    import av
+
+    from client.__main__ import main as client_main
+
+    _, ep = stack
+    (tmp_path / "walk.mp4").write_bytes(media_mp4(n=40, fps=30))
+    (tmp_path / "voice.wav").write_bytes(media_wav(0.4, 44100))
+    out = tmp_path / "video_ref.mp4"
+    assert client_main(["render", "--prompt", "a dog walks like <Video 1> and barks in <Audio 2>'s voice",
+                        "--ref", str(tmp_path / "walk.mp4"), "--ref", str(tmp_path / "voice.wav"), "-o", str(out),
+                        "--width", "256", "--height", "256", "--frames", str(FRAMES), "--steps", "1",
+                        "--encoder", ep.encoder, "--dit", ep.dit, "--decoder", ep.decoder]) == 0
+    with av.open(str(out)) as c:
+        assert c.streams.video[0].width == 256 and c.streams.audio and sum(1 for _ in c.decode(video=0)) == FRAMES
+
+
 def test_dit_batch_runs_partition_by_partition():
     """A mixed DiT batch is sent one partition after the other, the one the DiT ran last first: one swap."""
     from types import SimpleNamespace
@@ -258,13 +292,13 @@ def test_dit_batch_runs_partition_by_partition():
 
 def test_render_service_keeps_reference_thumbnails_not_files(tmp_path):
     """Admission fills in each reference's thumbnail, size and duration; JobInfo shows them (no file bytes), and a
-    finished job's stored request drops the files but keeps what the web page shows. Video references are refused
-    at admission while the encoder cannot present them (their thumbnail: the first frame)."""
+    finished job's stored request drops the files but keeps what the web page shows (a video's thumbnail: its first
+    frame)."""
     from h3.v1 import common_pb2, render_pb2
     from minimax_h3.contract import RenderSpec, spec_to_proto
     from render_svc.service import check_request, describe_reference
     from render_svc.store import SUCCEEDED, JobStore
-    from stagekit.errors import FailedPrecondition, InvalidArgument
+    from stagekit.errors import InvalidArgument
 
     req = render_pb2.RenderRequest(references=[
         common_pb2.Reference(kind="image", data=media_png(300, 200), name="me.png"),
@@ -292,7 +326,115 @@ def test_render_service_keeps_reference_thumbnails_not_files(tmp_path):
     bad.params.prompt = "<Picture 1> talks"  # the voice is never named
     with pytest.raises(InvalidArgument, match="never names <Audio 1> \\(voice.wav\\)"):
         check_request(bad)
-    bad.params.prompt = "<Picture 1> walks like <Video 1>"
-    bad.references.append(video)
-    with pytest.raises(FailedPrecondition, match="not shown to the text encoder"):
-        check_request(bad)
+    bad.params.prompt = "<Picture 1> walks like <Video 1> and talks like <Audio 2>"
+    bad.references.insert(1, video)
+    check_request(bad)  # a video with its soundtrack (<Audio 1>, optional to name) before the voice (<Audio 2>)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Reference files uploaded in chunks (Upload RPCs: render service and stages)
+# ---------------------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def upsvc(stack, tmp_path_factory):
+    """A render service of its own over the stack's stages: one upload at a time (--max-uploads 1)."""
+    from tests.render_svc_util import RenderService
+
+    s = RenderService(tmp_path_factory.mktemp("render_uploads"), stack[1], extra=["--max-uploads", "1"])
+    s.start()
+    yield s
+    s.stop()
+
+
+def _stored(svc) -> list[str]:
+    """The files in the render service's store of keyframes and uploads (temp files included)."""
+    from pathlib import Path
+
+    (store,) = Path(svc.stack.run_dir).rglob("keyframes")
+    return sorted(p.name for p in store.iterdir())
+
+
+def test_reference_larger_than_a_message_uploads_in_chunks_and_renders(upsvc, tmp_path):
+    """A 9 MiB voice (past the 8 MiB message cap) beside an image: `render --ref` uploads both in chunks to the render
+    service, which uploads them to the decoder and the encoder; the job renders, its record names the files by
+    digest (no bytes), and the stored files go once no unfinished job names them."""
+    import hashlib
+
+    import av
+
+    from client.__main__ import main as client_main
+    from h3.v1 import render_pb2
+    from stagekit.transport import MAX_MESSAGE_BYTES
+
+    big = media_wav(75.0, 64000)
+    assert len(big) > MAX_MESSAGE_BYTES + (1 << 20)
+    (tmp_path / "subject.png").write_bytes(media_png())
+    (tmp_path / "voice.wav").write_bytes(big)
+    out = tmp_path / "big.mp4"
+    assert client_main(["render", "--render", upsvc.target, "--prompt", "<Picture 1> sings in <Audio 1>'s voice",
+                        "--ref", str(tmp_path / "subject.png"), "--ref", str(tmp_path / "voice.wav"), "-o", str(out),
+                        "--width", "256", "--height", "256", "--frames", str(FRAMES), "--steps", "1"]) == 0
+    with av.open(str(out)) as c:
+        assert c.streams.audio and sum(1 for _ in c.decode(video=0)) == FRAMES
+    (job,) = upsvc.stub.List(render_pb2.ListRequest(), timeout=10).jobs
+    assert [r.digest for r in job.references] == [hashlib.sha256(media_png()).hexdigest(),
+                                                  hashlib.sha256(big).hexdigest()]
+    assert all(not r.data for r in job.references) and job.references[1].seconds == pytest.approx(75.0, abs=0.1)
+    assert _stored(upsvc) == []
+
+
+def test_upload_caps_refusals_and_interruptions(upsvc, clients):
+    """A file over 64 MiB is INVALID_ARGUMENT, so is one failing its size/checksum check; a second upload while
+    one is in progress is RESOURCE_EXHAUSTED (--max-uploads 1); a Submit or a stage call naming a digest nothing
+    uploaded is FAILED_PRECONDITION; none of them, nor an upload cut off mid-file, leaves a file or a job behind."""
+    import threading
+    import time
+
+    import grpc
+
+    from h3.v1 import common_pb2, decoder_pb2, render_pb2
+    from minimax_h3.contract import RenderSpec, spec_to_proto
+    from stagekit.transport import file_chunks
+    from stagekit.uploads import MAX_FILE_BYTES, upload
+
+    stub = upsvc.stub
+    jobs = len(stub.List(render_pb2.ListRequest(), timeout=10).jobs)
+    with pytest.raises(grpc.RpcError) as e:
+        upload(stub.Upload, bytes(MAX_FILE_BYTES + 1), timeout=60)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and f"larger than {MAX_FILE_BYTES}" in e.value.details()
+    bad = list(file_chunks(b"x" * 1000, "x.wav"))
+    bad[-1].crc32c ^= 1
+    with pytest.raises(grpc.RpcError) as e:
+        stub.Upload(iter(bad), timeout=10)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "checksum" in e.value.details()
+
+    # An upload held open takes the one slot; it is then cut off half-way.
+    release = threading.Event()
+
+    def held():
+        chunks = file_chunks(media_wav(20.0, 64000), "held.wav")
+        yield next(chunks)
+        release.wait(30)
+
+    fut = stub.Upload.future(held(), timeout=60)
+    time.sleep(1.0)
+    with pytest.raises(grpc.RpcError) as e:
+        upload(stub.Upload, media_png(), timeout=10)
+    assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "--max-uploads" in e.value.details()
+    fut.cancel()
+    release.set()
+    deadline = time.monotonic() + 10
+    while _stored(upsvc) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _stored(upsvc) == []
+
+    # Digests nothing uploaded.
+    req = render_pb2.RenderRequest(references=[common_pb2.Reference(kind="image", digest="0" * 64, name="a.png")])
+    spec_to_proto(RenderSpec(prompt="<Picture 1> waves", frames=FRAMES), req.params)
+    with pytest.raises(grpc.RpcError) as e:
+        stub.Submit(req, timeout=10)
+    assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "upload it first" in e.value.details()
+    with pytest.raises(grpc.RpcError) as e:
+        list(clients.decoder.EncodeReference(decoder_pb2.EncodeReferenceRequest(
+            reference=common_pb2.Reference(kind="image", digest="1" * 64), frames=FRAMES), timeout=10))
+    assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "upload it first" in e.value.details()
+    assert len(stub.List(render_pb2.ListRequest(), timeout=10).jobs) == jobs and _stored(upsvc) == []

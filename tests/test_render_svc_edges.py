@@ -71,7 +71,7 @@ def _progress_seen(svc, job_id: str, needle: str, timeout_s: float = 120.0) -> N
 def svc(stack, tmp_path_factory):
     _, endpoints = stack
     s = RenderService(tmp_path_factory.mktemp("render-edges"), endpoints,
-                      ["--max-workers", "2", "--retention-every-s", "0.5", "--keep-age-s", "600"])
+                      ["--max-workers", "2", "--max-uploads", "1", "--retention-every-s", "0.5", "--keep-age-s", "600"])
     s.start()
     yield s
     s.stop()

@@ -13,7 +13,8 @@ from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLModel
 from minimax_h3.images import fit_to_canvas
 from minimax_h3.text.conditioner import Conditioner, ConditionerConfig
 from minimax_h3.text.tiny import tiny_visual_weights, tiny_weights, write_tiny_model
-from minimax_h3.text.vision import IMAGE_MEAN, IMAGE_STD, MAX_PIXELS, MIN_PIXELS, preprocess_image, smart_resize
+from minimax_h3.text.vision import (IMAGE_MEAN, IMAGE_STD, MAX_PIXELS, MIN_PIXELS, keyframe_items, preprocess_image,
+                                    smart_resize)
 
 FULL_LAYERS = 4
 PROMPT = "A fox jumps. <d>Hi!</d>"
@@ -50,12 +51,12 @@ def oracle(cfg, cond):
     return m
 
 
-def _processor(cfg):
+def _processor(cfg, min_pixels: int = MIN_PIXELS):
     v = cfg.vision
     return Qwen2VLImageProcessorPil(patch_size=v.patch_size, temporal_patch_size=v.temporal_patch_size,
                                     merge_size=v.spatial_merge_size, image_mean=list(IMAGE_MEAN),
                                     image_std=list(IMAGE_STD),
-                                    size={"shortest_edge": MIN_PIXELS, "longest_edge": MAX_PIXELS})
+                                    size={"shortest_edge": min_pixels, "longest_edge": MAX_PIXELS})
 
 
 def _images():
@@ -86,7 +87,7 @@ def test_image_token_count_is_hw_over_16_16_4(cfg):
 def test_vision_features_and_deepstack_match_transformers(cfg, cond, oracle):
     imgs = _images()
     ids = cond.tokenizer.encode(PROMPT)
-    pres, feats, deepstack = cond.vision_inputs(ids, imgs)
+    pres, feats, deepstack = cond.vision_inputs(ids, keyframe_items(cond.tokenizer.encode, imgs))
     proc = _processor(cfg)(images=[i.numpy() for i in imgs], return_tensors="pt")
     with torch.no_grad():
         ref = oracle.get_image_features(proc["pixel_values"], proc["image_grid_thw"], return_dict=True)
@@ -100,7 +101,7 @@ def test_presentation_states_match_transformers(cfg, cond, oracle):
     imgs = _images()
     tok = cond.tokenizer
     prompt_ids = tok.encode(PROMPT)
-    states, tags = cond.encode_presentation(prompt_ids, imgs)
+    states, tags = cond.encode_presentation(prompt_ids, keyframe_items(tok.encode, imgs))
     # The reference presentation, built the way diffusers' fl2va text step builds it.
     pad, vs, ve = tok.token_id("<|image_pad|>"), tok.token_id("<|vision_start|>"), tok.token_id("<|vision_end|>")
     proc = _processor(cfg)(images=[i.numpy() for i in imgs], return_tensors="pt")
@@ -123,7 +124,7 @@ def test_presentation_states_match_transformers(cfg, cond, oracle):
     assert states.shape == ref.shape
     torch.testing.assert_close(states, ref, rtol=1e-4, atol=1e-4)
     # Positions agree with transformers' get_rope_index.
-    pres, _, _ = cond.vision_inputs(prompt_ids, imgs)
+    pres, _, _ = cond.vision_inputs(prompt_ids, keyframe_items(tok.encode, imgs))
     pos, _ = oracle.get_rope_index(input_ids, mm, image_grid_thw=proc["image_grid_thw"])
     assert torch.equal(pres.position_ids, pos[:, 0])
 
@@ -132,7 +133,7 @@ def test_text_only_file_refuses_keyframes(tmp_path, cfg):
     c = Conditioner.load(write_tiny_model(tmp_path, variant="bf16", with_visual=False), cfg, device="cpu")
     assert c.visual is None and not c.has_vision
     with pytest.raises(ValueError, match="no vision tower"):
-        c.encode_presentation(c.tokenizer.encode("x"), _images()[:1])
+        c.encode_presentation(c.tokenizer.encode("x"), keyframe_items(c.tokenizer.encode, _images()[:1]))
 
 
 def test_fit_to_canvas_cover_crop():
@@ -163,6 +164,134 @@ def test_release_layout_vision_tower(tmp_path, cfg, cond):
     rel = Conditioner.load(write_tiny_model(tmp_path, variant="fp32", layout="release", num_layers=FULL_LAYERS),
                            cfg, device="cpu", dtype=torch.float32)
     ids = cond.tokenizer.encode("x")
-    a = cond.vision_inputs(ids, _images()[:1])[1]
-    b = rel.vision_inputs(ids, _images()[:1])[1]
+    items = keyframe_items(cond.tokenizer.encode, _images()[:1])
+    a = cond.vision_inputs(ids, items)[1]
+    b = rel.vision_inputs(ids, items)[1]
     assert torch.equal(a, b)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# ref2va: image, video (with its soundtrack) and audio references
+# ---------------------------------------------------------------------------------------------------------------
+class _HFTokenizer:
+    """Our tokenizer as diffusers' presentation step calls a transformers tokenizer."""
+
+    def __init__(self, tok):
+        self.tok = tok
+
+    def __call__(self, text: str, add_special_tokens: bool = False) -> dict:
+        assert not add_special_tokens
+        return {"input_ids": self.tok.encode(text)}
+
+    def convert_tokens_to_ids(self, name: str) -> int:
+        return self.tok.token_id(name)
+
+
+def _video_pixels(proc, frames: list[np.ndarray], tp: int) -> torch.Tensor:
+    """transformers' video-processor layout from its image processor: each frame's patches (the image processor
+    repeats a frame over the temporal patch; a video patch holds consecutive frames there), the last frame repeated
+    to fill the last patch, temporal patches one after the other."""
+    frames = frames + [frames[-1]] * (-len(frames) % tp)
+    per_frame = [proc(images=[f], return_tensors="pt")["pixel_values"].float() for f in frames]
+    n, d = per_frame[0].shape
+    first = [pv.reshape(n, 3, tp, d // (3 * tp))[:, :, 0] for pv in per_frame]  # [n, 3, p*p] each
+    blocks = [torch.stack(first[i:i + tp], dim=2).reshape(n, d) for i in range(0, len(first), tp)]
+    return torch.cat(blocks)
+
+
+@pytest.mark.parametrize("n_frames", [30, 40])
+def test_ref2va_presentation_with_a_video_matches_diffusers_and_transformers(cfg, cond, oracle, n_frames):
+    """An image, a video with its soundtrack and a voice: labels, timestamps and blocks as diffusers' ref2va text step
+    builds them (its own frame sampling and presentation), the vision features of the video's temporal patches and
+    the layer-k states as transformers' Qwen3-VL computes them from pixel_values_videos / video_grid_thw, and the
+    positions as its get_rope_index places the per-patch blocks (30 frames: 3 sampled, the last one repeated)."""
+    from diffusers.modular_pipelines.minimax_h3 import (MiniMaxH3AudioReference, MiniMaxH3ImageReference,
+                                                        MiniMaxH3VideoReference)
+    from diffusers.modular_pipelines.minimax_h3.encoders import MiniMaxH3Ref2VATextEncoderStep as Step
+    from PIL import Image
+
+    from minimax_h3.media import ReferenceMedia
+    from minimax_h3.text.vision import VIDEO_MIN_PIXELS, reference_parts
+
+    tok, tp = cond.tokenizer, cfg.vision.temporal_patch_size
+    rng = np.random.default_rng(n_frames)
+    image = rng.integers(0, 256, (64, 96, 3), dtype=np.uint8)
+    video = rng.integers(0, 256, (n_frames, 64, 128, 3), dtype=np.uint8)
+    sound = np.zeros((2, 800), dtype=np.float32)
+    ours = [ReferenceMedia("image", frames=image[None]), ReferenceMedia("video", frames=video, audio=sound),
+            ReferenceMedia("audio", audio=sound)]
+    theirs = [MiniMaxH3ImageReference(image=Image.fromarray(image)),
+              MiniMaxH3VideoReference(frames=video, fps=24.0, audio=torch.from_numpy(sound)),
+              MiniMaxH3AudioReference(audio=torch.from_numpy(sound))]
+    prompt = "<Picture 1> dances like <Video 1> to <Audio 1>, singing in <Audio 2>'s voice."
+
+    # 1. Ours: the engine's presentation.
+    items, tail = reference_parts(tok.encode, ours, tp)
+    states, tags = cond.encode_presentation(tail + tok.encode(prompt), items)
+    pres, _, _ = cond.vision_inputs(tail + tok.encode(prompt), items)
+
+    # 2. diffusers: frames read at 2 fps and the presentation's token ids and tags; transformers: the pixels.
+    sampled, stamps = Step._sample_video_condition_frames(video, 24.0, 2.0, tp)
+    assert len(stamps) == -(-len(sampled) // tp) and stamps[0] == 0.25
+    img_in = _processor(cfg)(images=[image], return_tensors="pt")
+    # The video's frames are within the video processor's bounds (no resize); the image processor's lower bound
+    # is the video processor's for these frames.
+    pv_videos = _video_pixels(_processor(cfg, VIDEO_MIN_PIXELS), sampled, tp)
+    gh, gw = 64 // 16, 128 // 16
+    video_grid = torch.tensor([[len(stamps), gh, gw]])
+    ids, want_tags = Step._build_presentation(_HFTokenizer(tok), prompt, theirs,
+                                              [int(img_in["image_grid_thw"][0].prod()) // 4], [gh * gw // 4], [stamps])
+    assert pres.ids.tolist() == ids and tags.tolist() == want_tags
+    assert tok.decode(ids).count("seconds>") == len(stamps) and "<0.2 seconds>" in tok.decode(ids)
+
+    # 3. transformers' Qwen3-VL on those ids and pixels.
+    input_ids = torch.tensor([ids])
+    mm = (input_ids == tok.token_id("<|image_pad|>")).long() + 2 * (input_ids == tok.token_id("<|video_pad|>")).long()
+    with torch.no_grad():
+        out = oracle(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), mm_token_type_ids=mm,
+                     pixel_values=img_in["pixel_values"], image_grid_thw=img_in["image_grid_thw"],
+                     pixel_values_videos=pv_videos, video_grid_thw=video_grid, output_hidden_states=True,
+                     use_cache=False)
+    ref = out.hidden_states[cfg.num_layers][0]
+    assert states.shape == ref.shape
+    torch.testing.assert_close(states, ref, rtol=1e-4, atol=1e-4)
+    pos, _ = oracle.get_rope_index(input_ids, mm, image_grid_thw=img_in["image_grid_thw"],
+                                   video_grid_thw=video_grid.clone())
+    assert torch.equal(pres.position_ids, pos[:, 0])
+
+
+@pytest.mark.parametrize("n,fps", [(22, 24.0), (30, 24.0), (124, 24.0), (361, 24.0), (50, 30.0), (13, 24.0)])
+def test_video_frames_sampled_like_diffusers(n, fps):
+    """Which frames the conditioner reads and the block timestamps: diffusers' sampling, for any count and rate."""
+    from diffusers.modular_pipelines.minimax_h3.encoders import MiniMaxH3Ref2VATextEncoderStep as Step
+
+    from minimax_h3.text.vision import sample_video
+
+    frames = np.arange(n, dtype=np.int32).reshape(n, 1, 1, 1)
+    sampled, stamps = Step._sample_video_condition_frames(frames, fps, 2.0, 2)
+    indices, ours = sample_video(n, 2, fps=fps)
+    assert [int(f[0, 0, 0]) for f in sampled] == indices and ours == stamps
+    with pytest.raises(ValueError, match="at least 13 frames"):
+        sample_video(12, 2)
+
+
+def test_video_size_rule_matches_transformers(cfg):
+    """The video processor's size rule (frames x pixels within its bounds): a 15 s clip on the widest canvas is
+    scaled down, a 12 s one is not; the resized frames are the patches of an antialiased bicubic resize."""
+    from transformers.models.qwen3_vl.video_processing_qwen3_vl import smart_resize as hf_video_resize
+
+    from minimax_h3.text.vision import VIDEO_MAX_PIXELS, VIDEO_MIN_PIXELS, preprocess_video
+
+    for frames, h, w in ((24, 768, 1344), (30, 768, 1344), (29, 768, 1344), (31, 1344, 768), (30, 768, 768),
+                         (2, 32, 64), (11, 576, 1024), (3, 40, 72)):
+        assert smart_resize(h, w, 32, VIDEO_MIN_PIXELS, VIDEO_MAX_PIXELS, frames=frames, temporal_patch=2) == \
+            hf_video_resize(frames, h, w, temporal_factor=2, factor=32, min_pixels=VIDEO_MIN_PIXELS,
+                            max_pixels=VIDEO_MAX_PIXELS)
+    assert smart_resize(768, 1344, 32, VIDEO_MIN_PIXELS, VIDEO_MAX_PIXELS, frames=24, temporal_patch=2) == (768, 1344)
+    assert smart_resize(768, 1344, 32, VIDEO_MIN_PIXELS, VIDEO_MAX_PIXELS, frames=30, temporal_patch=2) == (672, 1184)
+    # A small clip below the lower bound is scaled up: the patches are those of the resized frames.
+    frames = torch.randint(0, 256, (3, 16, 24, 3), dtype=torch.uint8)
+    pv, grid = preprocess_video(frames, cfg.vision)
+    rh, rw = smart_resize(16, 24, 32, VIDEO_MIN_PIXELS, VIDEO_MAX_PIXELS, frames=3, temporal_patch=2)
+    assert grid.tolist() == [2, rh // 16, rw // 16] and pv.shape == (2 * rh * rw // 256, 3 * 2 * 16 * 16)
+    assert pv.min() >= -1 and pv.max() <= 1

@@ -21,7 +21,8 @@ We build ``Qwen3VLTextModel`` with ``num_hidden_layers = 50`` but do NOT call it
   All three modes run the same kernels on the same dense weights: outputs are bitwise equal.
 
 Parity with the untruncated transformers model (its ``hidden_states[k]``) is tested on a tiny config.
-Keyframes (fl2va): transformers' Qwen3-VL vision tower (loaded on the first keyframe request) encodes each image;
+Keyframes (fl2va) and references (ref2va): transformers' Qwen3-VL vision tower (loaded on the first such request)
+encodes each image and each video's temporal patches;
 :meth:`Conditioner.encode_presentation` places its features in the prompt (``inputs_embeds``, 3-row M-RoPE
 ``position_ids``, DeepStack ``deepstack_embeds`` at ``visual_pos_mask``) and runs the same layer loop.
 """
@@ -39,8 +40,8 @@ from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLTextModel, Qwe
 from minimax_h3.text.checkpoint import CheckpointInfo, RawParam, TextEncoderCheckpoint, densify
 from minimax_h3.text.config import DEFAULT_MAX_PROMPT_TOKENS, ConditionerConfig
 from minimax_h3.text.tokenizer import TextTokenizer, validate_prompt
-from minimax_h3.text.vision import (PICTURE_LABEL, Presentation, VisionConfig, build_presentation, image_token_count,
-                                    preprocess_image)
+from minimax_h3.text.vision import (Presentation, VisionConfig, VisionItem, build_presentation, preprocess_image,
+                                    preprocess_video)
 from stagekit.checkpoints import CheckpointError
 from stagekit.errors import Internal, InvalidArgument
 
@@ -242,41 +243,58 @@ class Conditioner(nn.Module):
             raise InvalidArgument(f"token ids must be in [0, {self.cfg.vocab_size}), got range [{lo}, {hi}]")
         return self.forward(ids).to(self.out_dtype)
 
+    @property
+    def temporal_patch(self) -> int:
+        """Frames the vision tower takes per video block (the file's patch embedding says)."""
+        if self.info is None or self.info.vision is None:
+            raise ValueError("this text encoder has no vision tower (the checkpoint carries no 'visual.*' weights); "
+                             "keyframe and reference renders need the full Qwen3-VL encoder file")
+        return self.info.vision.temporal_patch_size
+
     @torch.inference_mode()
-    def encode_presentation(self, prompt_ids: list[int], images: list[torch.Tensor],
-                            label_ids: list[list[int]] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """fl2va: ``"<Picture i>: " + vision block`` per keyframe image (uint8 [H, W, 3], canvas-sized, packed
-        order), then the prompt ids -> (states [L, hidden] ``out_dtype``, DiT tags [L] int64 on the CPU).
-        `label_ids`: the text before each block instead (ref2va, `vision.reference_parts`)."""
-        pres, feats, deepstack = self.vision_inputs(prompt_ids, images, label_ids)
+    def encode_presentation(self, prompt_ids: list[int], items: list[VisionItem]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each item's labels and vision blocks (fl2va keyframes: `vision.keyframe_items`; ref2va references:
+        `vision.reference_parts`), then the prompt ids -> (states [L, hidden] ``out_dtype``, DiT tags [L] int64 on
+        the CPU)."""
+        pres, feats, deepstack = self.vision_inputs(prompt_ids, items)
         h = self._embed(pres.ids)
-        mask = pres.image_mask.to(h.device)
+        mask = pres.vision_mask.to(h.device)
         h = h.clone()
         h[mask] = feats.to(h.device, h.dtype)
         states = self.forward(inputs_embeds=h, position_ids=pres.position_ids, visual_pos_mask=mask,
                               deepstack_embeds=deepstack)
         return states.to(self.out_dtype), pres.tags
 
-    def vision_inputs(self, prompt_ids: list[int], images: list[torch.Tensor],
-                      label_ids: list[list[int]] | None = None) -> tuple[Presentation, torch.Tensor, list[torch.Tensor]]:
-        """The presentation plus the vision tower's merged features [n_pads, hidden] and DeepStack features."""
+    def vision_inputs(self, prompt_ids: list[int], items: list[VisionItem]
+                      ) -> tuple[Presentation, torch.Tensor, list[torch.Tensor]]:
+        """The presentation plus the vision tower's merged features [n_pads, hidden] and DeepStack features, in
+        presentation order (every block of every item: an image one, a video one per temporal patch)."""
         self._ensure_visual()
         if self.tokenizer is None:
             raise ValueError("no tokenizer loaded: keyframe presentations need one")
-        if not images:
-            raise InvalidArgument("vision_inputs needs at least one image")
+        if not items:
+            raise InvalidArgument("vision_inputs needs at least one image or video")
         tok = self.tokenizer
         vcfg = self.vision_cfg
-        pixels, grids = zip(*(preprocess_image(img, vcfg) for img in images))
-        grid_thw = torch.stack(grids)
-        out = self.visual(torch.cat(pixels).to(self.device, self.dtype), grid_thw=grid_thw.to(self.device),
-                          return_dict=True)
-        labels = label_ids or [tok.encode(PICTURE_LABEL.format(i=i + 1)) for i in range(len(images))]
-        pres = build_presentation(labels, list(prompt_ids), list(grids), tok.token_id("<|vision_start|>"),
-                                  tok.token_id("<|vision_end|>"), tok.token_id("<|image_pad|>"), vcfg)
-        n = sum(image_token_count(g, vcfg) for g in grids)
-        if out.pooler_output.shape[0] != n or int(pres.image_mask.sum()) != n:
-            raise Internal(f"vision tower produced {out.pooler_output.shape[0]} tokens for {n} image pads")
+        pads = {"image": tok.token_id("<|image_pad|>"), "video": tok.token_id("<|video_pad|>")}
+        pixels, blocks = [], []
+        for item in items:
+            if item.kind == "image":
+                pv, grid = preprocess_image(item.pixels[0], vcfg)
+            else:
+                pv, grid = preprocess_video(item.pixels, vcfg)
+            if int(grid[0]) != len(item.labels):
+                raise Internal(f"a {item.kind} of {int(grid[0])} vision blocks has {len(item.labels)} labels")
+            pixels.append(pv)
+            blocks += [(lab, torch.tensor([1, int(grid[1]), int(grid[2])]), pads[item.kind]) for lab in item.labels]
+        # One temporal patch per grid row: the tower attends within each, as it does over a video's grid.
+        out = self.visual(torch.cat(pixels).to(self.device, self.dtype),
+                          grid_thw=torch.stack([g for _, g, _ in blocks]).to(self.device), return_dict=True)
+        pres = build_presentation(blocks, list(prompt_ids), tok.token_id("<|vision_start|>"),
+                                  tok.token_id("<|vision_end|>"), vcfg)
+        n = sum(int(g.prod()) for _, g, _ in blocks) // vcfg.spatial_merge_size ** 2
+        if out.pooler_output.shape[0] != n or int(pres.vision_mask.sum()) != n:
+            raise Internal(f"vision tower produced {out.pooler_output.shape[0]} tokens for {n} vision pads")
         if len(out.deepstack_features) > self.cfg.num_layers:
             raise ValueError(f"{len(out.deepstack_features)} DeepStack levels but only {self.cfg.num_layers} LM layers")
         return pres, out.pooler_output, list(out.deepstack_features)

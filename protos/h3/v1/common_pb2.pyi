@@ -146,7 +146,7 @@ class StageStatus(_message.Message):
     def __init__(self, stage: _Optional[str] = ..., health: _Optional[str] = ..., resident: _Optional[bool] = ..., devices: _Optional[_Iterable[str]] = ..., world_size: _Optional[int] = ..., weights: _Optional[str] = ..., variant: _Optional[str] = ..., memory_bytes: _Optional[int] = ..., queue_depth: _Optional[int] = ..., running: _Optional[int] = ..., lease_holder: _Optional[str] = ..., residency: _Optional[str] = ..., kernels: _Optional[_Iterable[_Union[KernelChoice, _Mapping]]] = ..., embedded_model: _Optional[bool] = ..., jobs_done: _Optional[int] = ..., partitions: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class Reference(_message.Message):
-    __slots__ = ("kind", "data", "name", "thumbnail", "seconds", "width", "height")
+    __slots__ = ("kind", "data", "name", "thumbnail", "seconds", "width", "height", "digest")
     KIND_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
@@ -154,6 +154,7 @@ class Reference(_message.Message):
     SECONDS_FIELD_NUMBER: _ClassVar[int]
     WIDTH_FIELD_NUMBER: _ClassVar[int]
     HEIGHT_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
     kind: str
     data: bytes
     name: str
@@ -161,4 +162,5 @@ class Reference(_message.Message):
     seconds: float
     width: int
     height: int
-    def __init__(self, kind: _Optional[str] = ..., data: _Optional[bytes] = ..., name: _Optional[str] = ..., thumbnail: _Optional[bytes] = ..., seconds: _Optional[float] = ..., width: _Optional[int] = ..., height: _Optional[int] = ...) -> None: ...
+    digest: str
+    def __init__(self, kind: _Optional[str] = ..., data: _Optional[bytes] = ..., name: _Optional[str] = ..., thumbnail: _Optional[bytes] = ..., seconds: _Optional[float] = ..., width: _Optional[int] = ..., height: _Optional[int] = ..., digest: _Optional[str] = ...) -> None: ...

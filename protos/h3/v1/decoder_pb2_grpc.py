@@ -5,6 +5,7 @@ import warnings
 
 from h3.v1 import common_pb2 as h3_dot_v1_dot_common__pb2
 from h3.v1 import decoder_pb2 as h3_dot_v1_dot_decoder__pb2
+from h3.v1 import tensor_pb2 as h3_dot_v1_dot_tensor__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -50,6 +51,11 @@ class DecoderStub:
                 '/h3.v1.Decoder/EncodeReference',
                 request_serializer=h3_dot_v1_dot_decoder__pb2.EncodeReferenceRequest.SerializeToString,
                 response_deserializer=h3_dot_v1_dot_decoder__pb2.EncodeReferenceEvent.FromString,
+                _registered_method=True)
+        self.Upload = channel.stream_unary(
+                '/h3.v1.Decoder/Upload',
+                request_serializer=h3_dot_v1_dot_tensor__pb2.FileChunk.SerializeToString,
+                response_deserializer=h3_dot_v1_dot_tensor__pb2.UploadReply.FromString,
                 _registered_method=True)
         self.Load = channel.unary_unary(
                 '/h3.v1.Decoder/Load',
@@ -105,6 +111,13 @@ class DecoderServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Upload(self, request_iterator, context):
+        """A reference file for an EncodeReference to name by digest (as Renderer.Upload; kept while used, at most an hour).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Load(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -146,6 +159,11 @@ def add_DecoderServicer_to_server(servicer, server):
                     servicer.EncodeReference,
                     request_deserializer=h3_dot_v1_dot_decoder__pb2.EncodeReferenceRequest.FromString,
                     response_serializer=h3_dot_v1_dot_decoder__pb2.EncodeReferenceEvent.SerializeToString,
+            ),
+            'Upload': grpc.stream_unary_rpc_method_handler(
+                    servicer.Upload,
+                    request_deserializer=h3_dot_v1_dot_tensor__pb2.FileChunk.FromString,
+                    response_serializer=h3_dot_v1_dot_tensor__pb2.UploadReply.SerializeToString,
             ),
             'Load': grpc.unary_unary_rpc_method_handler(
                     servicer.Load,
@@ -250,6 +268,33 @@ class Decoder:
             '/h3.v1.Decoder/EncodeReference',
             h3_dot_v1_dot_decoder__pb2.EncodeReferenceRequest.SerializeToString,
             h3_dot_v1_dot_decoder__pb2.EncodeReferenceEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Upload(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/h3.v1.Decoder/Upload',
+            h3_dot_v1_dot_tensor__pb2.FileChunk.SerializeToString,
+            h3_dot_v1_dot_tensor__pb2.UploadReply.FromString,
             options,
             channel_credentials,
             insecure,

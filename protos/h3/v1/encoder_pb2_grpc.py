@@ -5,6 +5,7 @@ import warnings
 
 from h3.v1 import common_pb2 as h3_dot_v1_dot_common__pb2
 from h3.v1 import encoder_pb2 as h3_dot_v1_dot_encoder__pb2
+from h3.v1 import tensor_pb2 as h3_dot_v1_dot_tensor__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -41,6 +42,11 @@ class TextEncoderStub:
                 request_serializer=h3_dot_v1_dot_encoder__pb2.EncodeRequest.SerializeToString,
                 response_deserializer=h3_dot_v1_dot_encoder__pb2.EncodeEvent.FromString,
                 _registered_method=True)
+        self.Upload = channel.stream_unary(
+                '/h3.v1.TextEncoder/Upload',
+                request_serializer=h3_dot_v1_dot_tensor__pb2.FileChunk.SerializeToString,
+                response_deserializer=h3_dot_v1_dot_tensor__pb2.UploadReply.FromString,
+                _registered_method=True)
         self.Load = channel.unary_unary(
                 '/h3.v1.TextEncoder/Load',
                 request_serializer=h3_dot_v1_dot_common__pb2.LoadRequest.SerializeToString,
@@ -69,6 +75,13 @@ class TextEncoderServicer:
 
     def Encode(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Upload(self, request_iterator, context):
+        """A reference file for an Encode to name by digest (as Renderer.Upload; kept while used, at most an hour).
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -104,6 +117,11 @@ def add_TextEncoderServicer_to_server(servicer, server):
                     servicer.Encode,
                     request_deserializer=h3_dot_v1_dot_encoder__pb2.EncodeRequest.FromString,
                     response_serializer=h3_dot_v1_dot_encoder__pb2.EncodeEvent.SerializeToString,
+            ),
+            'Upload': grpc.stream_unary_rpc_method_handler(
+                    servicer.Upload,
+                    request_deserializer=h3_dot_v1_dot_tensor__pb2.FileChunk.FromString,
+                    response_serializer=h3_dot_v1_dot_tensor__pb2.UploadReply.SerializeToString,
             ),
             'Load': grpc.unary_unary_rpc_method_handler(
                     servicer.Load,
@@ -154,6 +172,33 @@ class TextEncoder:
             '/h3.v1.TextEncoder/Encode',
             h3_dot_v1_dot_encoder__pb2.EncodeRequest.SerializeToString,
             h3_dot_v1_dot_encoder__pb2.EncodeEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Upload(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/h3.v1.TextEncoder/Upload',
+            h3_dot_v1_dot_tensor__pb2.FileChunk.SerializeToString,
+            h3_dot_v1_dot_tensor__pb2.UploadReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -80,6 +80,11 @@ class RendererStub:
                 request_serializer=h3_dot_v1_dot_common__pb2.StatusRequest.SerializeToString,
                 response_deserializer=h3_dot_v1_dot_render__pb2.RenderStatus.FromString,
                 _registered_method=True)
+        self.Upload = channel.stream_unary(
+                '/h3.v1.Renderer/Upload',
+                request_serializer=h3_dot_v1_dot_tensor__pb2.FileChunk.SerializeToString,
+                response_deserializer=h3_dot_v1_dot_tensor__pb2.UploadReply.FromString,
+                _registered_method=True)
 
 
 class RendererServicer:
@@ -146,6 +151,16 @@ class RendererServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Upload(self, request_iterator, context):
+        """A reference file in chunks (offsets in order, size and CRC-32C on the last one), stored by its SHA-256 for a
+        Render/Submit to name in `Reference.digest` (sent once: a file already stored is stored once). Uploads take the
+        server's upload slots (--max-uploads) and deadlines (--upload-idle-s, --upload-total-s); a file is at most
+        64 MiB. A broken or refused upload leaves nothing behind; a stored file no job names is removed after an hour.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RendererServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -188,6 +203,11 @@ def add_RendererServicer_to_server(servicer, server):
                     servicer.Status,
                     request_deserializer=h3_dot_v1_dot_common__pb2.StatusRequest.FromString,
                     response_serializer=h3_dot_v1_dot_render__pb2.RenderStatus.SerializeToString,
+            ),
+            'Upload': grpc.stream_unary_rpc_method_handler(
+                    servicer.Upload,
+                    request_deserializer=h3_dot_v1_dot_tensor__pb2.FileChunk.FromString,
+                    response_serializer=h3_dot_v1_dot_tensor__pb2.UploadReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -410,6 +430,33 @@ class Renderer:
             '/h3.v1.Renderer/Status',
             h3_dot_v1_dot_common__pb2.StatusRequest.SerializeToString,
             h3_dot_v1_dot_render__pb2.RenderStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Upload(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/h3.v1.Renderer/Upload',
+            h3_dot_v1_dot_tensor__pb2.FileChunk.SerializeToString,
+            h3_dot_v1_dot_tensor__pb2.UploadReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -51,3 +51,11 @@ class FileChunk(_message.Message):
     total_bytes: int
     crc32c: int
     def __init__(self, name: _Optional[str] = ..., mime: _Optional[str] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., last: _Optional[bool] = ..., total_bytes: _Optional[int] = ..., crc32c: _Optional[int] = ...) -> None: ...
+
+class UploadReply(_message.Message):
+    __slots__ = ("digest", "bytes")
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    digest: str
+    bytes: int
+    def __init__(self, digest: _Optional[str] = ..., bytes: _Optional[int] = ...) -> None: ...
