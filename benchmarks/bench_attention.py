@@ -367,9 +367,9 @@ def op_level(args, data_sets: dict, row: dict, failures: list[str]) -> None:
 # 4. The quantisers alone (--quant)
 # =====================================================================================================================
 
-# Triton launch configurations compared (stats_rows, stats_block_r, stats_warps, quant_block_r, quant_warps); the
-# first is the module's default.
-QUANT_LAUNCHES = (TritonQuantLaunch(), TritonQuantLaunch(512, 32, 4, 64, 4), TritonQuantLaunch(1024, 64, 8, 128, 8),
+# Triton launch configurations compared (stats_rows, stats_block_r, stats_warps, quant_block_r, quant_warps), after
+# the device's tuned one (minimax_h3/kernels/tuning.json).
+QUANT_LAUNCHES = (TritonQuantLaunch(512, 32, 4, 64, 4), TritonQuantLaunch(1024, 64, 8, 128, 8),
                   TritonQuantLaunch(256, 16, 4, 32, 4), TritonQuantLaunch(128, 128, 8, 32, 2),
                   TritonQuantLaunch(1024, 16, 2, 16, 2), TritonQuantLaunch(512, 16, 1, 8, 1))
 
@@ -427,7 +427,7 @@ def quantizers(args, cfg: DiTConfig, shapes, result: dict, failures: list[str]) 
                 why = None
             if why:
                 res["triton"] = {"skipped": why}
-            for lp in QUANT_LAUNCHES if not why else ():
+            for lp in (TritonQuantLaunch.tuned(q.device), *QUANT_LAUNCHES) if not why else ():
                 guarded(failures, f"{what} {quant_label(lp)}", triton_op, lp)
             log(f"{what}: {json.dumps(res, default=str)}")
         del buf, q, k, v

@@ -6,8 +6,9 @@
     python benchmarks/bench_dit.py --tiny --json out.json                # CPU dry run: tiny model, emulated fp8
 
 Table mode builds the 50-block DiT from random weights in the real int8-ConvRot checkpoint layout, generated on the
-GPU one tensor at a time (minimax_h3.dit.tiny_checkpoint.iter_random_int8_convrot_weights): the int8 block linears are
-kept once as the "master" copy and every variant's linears are built from it and swapped in
+GPU one tensor at a time (minimax_h3.dit.tiny_checkpoint.iter_random_int8_convrot_weights), assembled as the DiT
+stage assembles its model (minimax_h3/dit/assembly.py assemble_dit): the int8 block linears are kept once as the
+"master" copy and every variant's linears are built from it and swapped in
 (H3DiT.swap_linear), so at most one derived copy exists next to the master:
   (d) diffusers MiniMaxH3Transformer3DModel, bf16, the same dequantised weights (built, timed and freed first)
   (a) int8   comfy-kitchen int8 ConvRot GEMMs            + SDPA cuDNN
@@ -30,11 +31,11 @@ variant that raises is recorded under "failures" and the others still run.
 --tiny runs table mode on the CPU with the tiny model (DiTConfig.tiny(), small shapes): fp8 linears and fp8 attention
 as their fp32 emulations, every SDPA as the math kernel. It checks the script, not the speed.
 
-Memory mode builds one TP2 rank (half the heads / ffn, AdaLN column-sharded, int8 block linears, Comfy "pruned"
-curve AdaLN as in the ~19.5 GiB checkpoint) with the collectives replaced by local no-ops, caps the process at
-22 GiB (torch.cuda.set_per_process_memory_fraction) and runs the refiner + `--memory-blocks` blocks + final layer
-(all 50 blocks' weights stay resident; every block has the same activation peak). On OOM under the cap it reruns
-uncapped to report the real peak.
+Memory mode builds one TP2 rank through the same assembly (half the heads / ffn, AdaLN column-sharded, int8 block
+linears, Comfy "pruned" curve AdaLN as in the ~19.5 GiB checkpoint) with the collectives replaced by local no-ops,
+caps the process at 22 GiB (torch.cuda.set_per_process_memory_fraction) and runs the refiner + `--memory-blocks`
+blocks + final layer (all 50 blocks' weights stay resident; every block has the same activation peak). On OOM under
+the cap it reruns uncapped to report the real peak.
 """
 
 from __future__ import annotations
@@ -55,12 +56,13 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dit_svc.engine import CHUNK_ROWS_COMPILED_ONE, CHUNK_ROWS_EAGER  # noqa: E402
+from minimax_h3.dit.assembly import assemble_dit, kernel_linears  # noqa: E402
 from minimax_h3.dit.config import DiTConfig  # noqa: E402
 from minimax_h3.dit.layout import build_layout  # noqa: E402
 from minimax_h3.dit.model import FP32_PARAM_PREFIXES, H3DiT  # noqa: E402
 from minimax_h3.dit.tiny_checkpoint import convrot_groupsize, diffusers_config, iter_random_int8_convrot_weights  # noqa: E402
 from minimax_h3.kernels.fp8_attention import DEFAULT_OPTIONS, OPTIONS, Fp8Attention, Fp8AttentionOptions  # noqa: E402
-from minimax_h3.kernels.int8 import Int8ConvRotLinear, QuantizedWeight, parse_comfy_quant  # noqa: E402
+from minimax_h3.kernels.int8 import QuantizedWeight, parse_comfy_quant  # noqa: E402
 from minimax_h3.kernels.registry import (  # noqa: E402
                                          Fp8RowwiseLinear,
                                          KernelConfig,
@@ -204,25 +206,26 @@ def iter_checkpoint(cfg: DiTConfig, seed: int, device):
         raise RuntimeError(f"incomplete int8 triplets: {sorted(held)[:5]}")
 
 
+def checkpoint_weights(cfg: DiTConfig, seed: int, device) -> dict[str, torch.Tensor | QuantizedWeight]:
+    """The random int8 checkpoint as the stage's loader returns one (release names; int8 as QuantizedWeight)."""
+    return {key + ".weight" if isinstance(t, QuantizedWeight) else key: t
+            for key, t in iter_checkpoint(cfg, seed, device)}
+
+
 def build_ours(cfg: DiTConfig, seed: int, device, chunk_rows: int) -> tuple[H3DiT, dict[str, QuantizedWeight]]:
-    """Our model with dense params loaded (AdaLN dequantised to bf16) and the int8 block linears as the master."""
-    model = H3DiT(cfg, torch.bfloat16, chunk_rows, device="meta")
+    """Our model through the stage's assembly (minimax_h3/dit/assembly.py), the int8 block linears kept as the master
+    each variant installs its kernel from (until then int8 ConvRot, sharing the master's codes), every other int8
+    weight (the block AdaLN, ConvRot group 64) dequantised to bf16."""
     master: dict[str, QuantizedWeight] = {}
-    pending: dict[str, torch.Tensor] = {}
-    nbytes = 0
-    for key, t in iter_checkpoint(cfg, seed, device):
-        if isinstance(t, QuantizedWeight):
-            if BLOCK_LINEAR.match(key):
-                master[key] = t
-                continue
-            t, key = t.dequantize(torch.bfloat16), key + ".weight"  # block AdaLN (ConvRot group 64)
-        pending[key] = t
-        nbytes += t.numel() * t.element_size()
-        if nbytes > 4 * GIB:
-            model.load_state_dict(pending, strict=False, assign=True)
-            pending, nbytes = {}, 0
-    model.load_state_dict(pending, strict=False, assign=True)
-    model.rope.to(device)
+    int8 = default_linear_candidates()["int8"].build
+
+    def make_linear(name: str, weight, bias):
+        if not BLOCK_LINEAR.match(name):
+            return None
+        master[name] = weight
+        return int8(weight, bias, torch.bfloat16)
+
+    model = assemble_dit(cfg, checkpoint_weights(cfg, seed, device), make_linear, device, torch.bfloat16, chunk_rows)
     return model, master
 
 
@@ -619,42 +622,49 @@ class _LocalCollectives:
             p.copy_(t)
 
 
+def tp_rank_weights(model: H3DiT, tp: int, device, seed: int) -> dict[str, torch.Tensor | QuantizedWeight]:
+    """Random weights of one TP rank of `model` (a meta model of that rank's shapes): int8 ConvRot block linears, the
+    pruned file's fp16 [out, 8] curve AdaLN projections, fp32 islands, bf16 elsewhere."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    weights: dict[str, torch.Tensor | QuantizedWeight] = {}
+    for name in [n for n in model.linear_names() if BLOCK_LINEAR.match(n)]:
+        n_out, n_in = model.get_submodule(name).weight.shape
+        q = torch.randint(-127, 128, (n_out, n_in), generator=gen, device=device, dtype=torch.int8)
+        full_in = n_in * (tp if name.endswith(("out_proj", "fc2")) else 1)
+        scale = torch.full((n_out, 1), 1.0 / (73.3 * math.sqrt(full_in)), device=device)
+        weights[name + ".weight"] = QuantizedWeight(q, scale, convrot_groupsize(n_in, cap=256))
+    for full, p in model.named_parameters():
+        if full in weights:
+            continue
+        pname, mname = full.rsplit(".", 1)[-1], full.rsplit(".", 1)[0] if "." in full else ""
+        if full.startswith(FP32_PARAM_PREFIXES):
+            dt = torch.float32
+        elif ".adaln_proj.linear." in full:
+            dt = torch.float16  # the pruned file's [out, 8] curve projections
+        else:
+            dt = torch.bfloat16
+        t = torch.randn(p.shape, generator=gen, device=device)
+        if "norm" in pname or "norm" in mname:
+            t = 1.0 + 0.1 * t
+        elif pname == "bias":
+            t = 0.02 * t
+        elif t.ndim == 2:
+            t = t / math.sqrt(t.shape[1])
+        weights[full] = t.to(dt)
+    return weights
+
+
 def build_tp_rank(cfg: DiTConfig, tp: int, device, chunk_rows: int, seed: int) -> H3DiT:
+    """One rank of a TP group through the stage's assembly (minimax_h3/dit/assembly.py), its collectives local
+    no-ops (this process only), from random weights (`tp_rank_weights`)."""
     import minimax_h3.dit.model as model_mod
 
     model_mod.dist = _LocalCollectives  # collectives -> local no-ops (this process only)
     model_mod.group_rank_size = lambda group: (0, tp)
-    model = H3DiT(cfg, torch.bfloat16, chunk_rows, tp_group=object(), device="meta")
-    gen = torch.Generator(device=device).manual_seed(seed)
-    for name in [n for n in model.linear_names() if BLOCK_LINEAR.match(n)]:
-        mod = model.get_submodule(name)
-        n_out, n_in = mod.weight.shape
-        layer = Int8ConvRotLinear(n_in, n_out, groupsize=convrot_groupsize(n_in, cap=256), mode="kernel", device="meta")
-        layer.weight = torch.randint(-127, 128, (n_out, n_in), generator=gen, device=device, dtype=torch.int8)
-        full_in = n_in * (tp if name.endswith(("out_proj", "fc2")) else 1)
-        layer.weight_scale = torch.full((n_out, 1), 1.0 / (73.3 * math.sqrt(full_in)), device=device)
-        model.swap_linear(name, layer)
-    for mname, mod in model.named_modules():
-        for pname, p in list(mod._parameters.items()):
-            if p is None or not p.is_meta:
-                continue
-            full = f"{mname}.{pname}" if mname else pname
-            if full.startswith(FP32_PARAM_PREFIXES):
-                dt = torch.float32
-            elif ".adaln_proj.linear." in full:
-                dt = torch.float16  # the pruned file's [out, 8] curve projections
-            else:
-                dt = torch.bfloat16
-            t = torch.randn(p.shape, generator=gen, device=device)
-            if "norm" in pname or "norm" in mname:
-                t = 1.0 + 0.1 * t
-            elif pname == "bias":
-                t = 0.02 * t
-            elif t.ndim == 2:
-                t = t / math.sqrt(t.shape[1])
-            mod._parameters[pname] = nn.Parameter(t.to(dt), requires_grad=False)
-    model.rope.to(device)
-    return model.eval()
+    shapes = H3DiT(cfg, torch.bfloat16, chunk_rows, tp_group=object(), device="meta")
+    weights = tp_rank_weights(shapes, tp, device, seed)
+    return assemble_dit(cfg, weights, kernel_linears(cfg, None, "kernel", torch.bfloat16), device, torch.bfloat16,
+                        chunk_rows, tp_group=object())
 
 
 def run_memory(args) -> int:

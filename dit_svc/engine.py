@@ -16,9 +16,10 @@ from pathlib import Path
 
 import torch
 
-from minimax_h3.contract import (AUDIO_CHANNELS, AUDIO_LATENTS, KEYFRAME_TENSORS, TEXT_STATES, TEXT_TAGS, VAE_SPATIAL,
-                                 VIDEO_LATENTS, LatentGeometry, RenderSpec, PARTITIONS, check_partition, has_references,
-                                 keyframe_anchors, needed_partition)
+from minimax_h3.contract import (AUDIO_CHANNELS, AUDIO_LATENTS, KEYFRAME_TENSORS, PARTITIONS, TEXT_STATES, TEXT_TAGS,
+                                 VAE_SPATIAL, VIDEO_LATENTS, LatentGeometry, RenderSpec, check_partition,
+                                 has_references, keyframe_anchors, needed_partition)
+from minimax_h3.dit.assembly import assemble_dit, kernel_linears
 from minimax_h3.dit.checkpoint import (CheckpointInfo, check_checkpoint, load_dit_weights,
                                        partition_undecided)
 from minimax_h3.dit.config import TAG_TEXT, TAG_VIDEO, DiTConfig
@@ -34,7 +35,6 @@ from minimax_h3.dit.streaming import BlockStream, Placement, plan_placement
 from minimax_h3.dit.tiny_checkpoint import write_tiny_checkpoint
 from minimax_h3.dit.tp import param_style
 from minimax_h3.files import CHECKPOINT_PARTS, ensure_embedded, find_part
-from minimax_h3.kernels.int8 import Int8ConvRotLinear, QuantizedWeight
 from minimax_h3.kernels.registry import AUTO, KernelConfig, KernelSelection, select_kernels
 from stagekit.compile_cache import enable_compile_cache
 from stagekit.device_worker import run_in_child
@@ -289,12 +289,6 @@ class DiTEngine:
         return [("linear", lin, "cpu: only the fallback kernels exist"),
                 ("attention", "sdpa default", "cpu: only the fallback kernels exist")]
 
-    def _block_linears(self) -> set[str]:
-        """The linears the kernel registry serves: attention and MLP of every block and refiner block."""
-        prefixes = [f"blocks.{i}" for i in range(self.model_cfg.num_layers)]
-        prefixes += [f"token_refiner.blocks.{i}" for i in range(self.model_cfg.num_refiner_layers)]
-        return {f"{p}.{n}" for p in prefixes for n in ("attn.qkv_proj", "attn.out_proj", "mlp.fc1", "mlp.fc2")}
-
     def load(self) -> None:
         if self.model is not None:
             return
@@ -306,43 +300,16 @@ class DiTEngine:
         weights = load_dit_weights(self.path, self.model_cfg, par.tp_rank, par.tp_size,
                                    quant_mode=quant_mode, dtype=cfg.compute_dtype, qkv_layout=cfg.qkv_layout or None,
                                    device=dev, workers=LOAD_WORKERS if dev.startswith("cuda") else 1)
-        model = H3DiT(self.model_cfg, cfg.compute_dtype, self.chunk_rows, tp_group=par.tp_group,
-                      sp_group=par.sp_group, device="meta")
-        served = self._block_linears() if self.kernels is not None else set()
-        swapped = set()
-        for key in list(weights):
-            name = key[: -len(".weight")]
-            if not key.endswith(".weight") or not (name in served or isinstance(weights[key], QuantizedWeight)):
-                continue
-            # Popped: a weight converted by the registry (int8 -> fp8) never sits on the GPU beside its source.
-            value = weights.pop(key)
-            bias = weights.pop(name + ".bias", None)
-            bias = None if bias is None else bias.to(dev)
-            src = value.to(dev)
-            if name in served:
-                layer = self.kernels.make_linear(src, bias)
-            else:  # int8 outside the registry's reach (the unpruned AdaLN, M = 2-3 rows): keep it int8
-                layer = Int8ConvRotLinear.from_quantized(src, bias, mode=quant_mode, compute_dtype=cfg.compute_dtype)
-            model.swap_linear(name, layer)
-            swapped.add(name)
-            del value, src
-        dense = {k: v.to(dev) for k, v in weights.items()
-                 if not isinstance(v, QuantizedWeight) and k.rsplit(".", 1)[0] not in swapped}
-        missing, unexpected = model.load_state_dict(dense, strict=False, assign=True)
-        missing = [k for k in missing if k.rsplit(".", 1)[0] not in swapped]
-        if missing or unexpected:
-            raise FailedPrecondition(f"DiT weights do not fit the model: missing {missing[:10]}, unexpected {unexpected[:10]}")
-        model.rope.to(dev)
-        if self.kernels is not None:
-            model.set_attention_fn(self.kernels.attention_fn())
-        if cfg.compile_blocks:
-            for blk in model.blocks:
-                blk.compile()
-        self.model = model.eval()
+        make_linear = kernel_linears(self.model_cfg, self.kernels, quant_mode, cfg.compute_dtype)
+        model = assemble_dit(self.model_cfg, weights, make_linear, dev, cfg.compute_dtype, self.chunk_rows,
+                             tp_group=par.tp_group, sp_group=par.sp_group,
+                             attention_fn=self.kernels.attention_fn() if self.kernels is not None else None,
+                             compile_blocks=cfg.compile_blocks)
+        self.model = model
         self.stream = BlockStream(model.blocks, dev)
         model.block_stream = self.stream
         self.loras = LoRAManager(self.model)
-        del weights, dense
+        del weights
         release_device_memory(dev)  # blocks of converted sources go back to the card, not to this process's cache
         log.info("rank %d loaded %s (%s) in %.2f s", self.group.info.rank, self.path.name, self.variant,
                  time.monotonic() - t0)

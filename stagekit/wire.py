@@ -4,14 +4,17 @@ A tensor travels as a stream of `TensorChunk` messages: the first carries a
 `TensorHeader` (name, dtype, shape, byte count, CRC-32C), every chunk carries
 its byte offset, the final one is flagged `last` and carries the checksum (so a
 sender streams without a second pass over the data). The receiver preallocates the
-tensor, copies each chunk straight into place (one copy), and checks everything
-it was promised. Any mismatch raises `WireError`, which servers map to
-INVALID_ARGUMENT; nothing is handed on until the whole tensor has been checked.
+tensor (in a mapping of its own, `staging_buffer`), copies each chunk straight into
+place (one copy), and checks everything it was promised. Any mismatch raises
+`WireError`, which servers map to INVALID_ARGUMENT; nothing is handed on until the
+whole tensor has been checked.
 """
 
 from __future__ import annotations
 
+import ctypes
 import math
+import mmap
 from collections.abc import Iterable, Iterator
 
 import google_crc32c
@@ -42,6 +45,9 @@ FLOAT_DTYPES = ("float32", "bfloat16", "float16")
 INT_DTYPES = ("int64", "int32", "int16", "int8", "uint8")
 # A dtype class ("float" | "int", as a model's tensor table states it) -> the wire dtypes a stage accepts for it.
 DTYPE_CLASSES = {"float": FLOAT_DTYPES, "int": INT_DTYPES}
+
+# Elements of a rejected tensor counted at a time (a 256 KiB temporary: the allocator's small-block cache reuses it).
+FINITE_SLAB = 1 << 18
 
 # Upper bound for one tensor (the decoded RGB of the largest canvas is ~1.1 GiB).
 MAX_TENSOR_BYTES = 4 << 30
@@ -98,6 +104,26 @@ def tensor_chunks(name: str, tensor: torch.Tensor, chunk_bytes: int = MAX_CHUNK_
         yield msg
 
 
+# glibc's malloc_trim (None with another C library): returns the free pages of every arena to the system, ~0.05 ms.
+# An upload's 2 MiB messages are received on threads of their own; once glibc has raised its mmap threshold they come
+# from those threads' arenas, which keep them after the free (rounds of 8 rejected 24 MiB uploads at a time left
+# +80..230 MiB behind without it, +15..34 MiB with it).
+_malloc_trim = getattr(ctypes.CDLL(None), "malloc_trim", None)
+
+
+def staging_buffer(nbytes: int) -> torch.Tensor:
+    """An upload's [nbytes] uint8 buffer in an anonymous mapping of its own, returned to the system the moment the
+    last tensor viewing it is freed.
+
+    Not from malloc: once glibc has freed one large block it raises its mmap threshold (up to 32 MiB), and blocks
+    under it then come from the receiving thread's arena, which keeps them after the free. Uploads rejected on
+    rotating gRPC threads would leave one buffer in each thread's arena (+165 MiB over 14 rejected 20 MiB uploads
+    before; docs/reliability.md, "Rejected uploads")."""
+    if nbytes == 0:
+        return torch.empty(0, dtype=torch.uint8)
+    return torch.frombuffer(mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS), dtype=torch.uint8)
+
+
 class _Pending:
     __slots__ = ("header", "buf", "view", "received", "crc")
 
@@ -116,7 +142,7 @@ class _Pending:
         if expect > max_bytes:
             raise WireError(f"tensor {header.name!r}: {expect} bytes exceeds the limit of {max_bytes}")
         self.header = header
-        self.buf = torch.empty(expect, dtype=torch.uint8)
+        self.buf = staging_buffer(expect)
         self.view = memoryview(self.buf.numpy()) if expect else None
         self.received = 0
         self.crc = header_crc(header)
@@ -165,9 +191,9 @@ class TensorAssembler:
 
     def feed(self, chunk: tensor_pb2.TensorChunk) -> tuple[str, torch.Tensor] | None:
         """Take one chunk; returns (name, tensor) when a tensor is complete and verified."""
-        name = chunk.name
-        if len(chunk.data) > self.max_chunk_bytes:
-            raise WireError(f"tensor {name!r}: chunk of {len(chunk.data)} bytes exceeds {self.max_chunk_bytes}")
+        name, data = chunk.name, chunk.data  # read once: each read of a bytes field is a copy of it
+        if len(data) > self.max_chunk_bytes:
+            raise WireError(f"tensor {name!r}: chunk of {len(data)} bytes exceeds {self.max_chunk_bytes}")
         if chunk.HasField("header"):
             if chunk.header.name != name:
                 raise WireError(f"chunk name {name!r} disagrees with its header name {chunk.header.name!r}")
@@ -178,15 +204,15 @@ class TensorAssembler:
         p = self._pending.get(name)
         if p is None:
             raise WireError(f"tensor {name!r}: chunk before its header (or after it completed)")
-        n = len(chunk.data)
+        n = len(data)
         if chunk.offset != p.received:
             what = "duplicated" if chunk.offset < p.received else "missing"
             raise WireError(f"tensor {name!r}: chunk at offset {chunk.offset}, expected {p.received} ({what} chunk)")
         if p.received + n > p.header.nbytes:
             raise WireError(f"tensor {name!r}: more data than the {p.header.nbytes} bytes declared")
         if n:
-            p.view[p.received : p.received + n] = chunk.data
-            p.crc = _crc32c(chunk.data, p.crc)
+            p.view[p.received : p.received + n] = data
+            p.crc = _crc32c(data, p.crc)
             p.received += n
         if not chunk.last:
             return None
@@ -201,13 +227,16 @@ class TensorAssembler:
 
     def discard(self) -> None:
         """Free every buffer now (an abandoned or rejected upload), not when the garbage collector next runs:
-        a frame kept alive by the failure's traceback still holds this object, but no longer its memory."""
+        a frame kept alive by the failure's traceback still holds this object, but no longer its memory. Then
+        the allocator gives back what the upload's messages left in its per-thread caches (`_malloc_trim`)."""
         for p in self._pending.values():
             if p.view is not None:
                 p.view.release()
             p.buf = p.view = None
         self._pending.clear()
         self.done.clear()
+        if _malloc_trim is not None:
+            _malloc_trim(0)
 
     def finish(self, required: Iterable[str] = ()) -> dict[str, torch.Tensor]:
         """Call when the stream ends: fails on truncated tensors or missing required ones."""
@@ -221,10 +250,15 @@ class TensorAssembler:
 
 
 def check_finite(name: str, t: torch.Tensor) -> None:
-    """Reject NaN/Inf in a request's tensor before a stage spends time on it (the client's fault: WireError)."""
-    if t.is_floating_point() and not bool(torch.isfinite(t).all()):
-        bad = int((~torch.isfinite(t)).sum())
-        raise WireError(f"tensor {name!r} contains {bad} NaN/Inf values")
+    """Reject NaN/Inf in a request's tensor before a stage spends time on it (the client's fault: WireError).
+
+    No temporary the size of the tensor (`nonfinite_flag`, then a count slab by slab): a rejected upload leaves
+    nothing in the allocator's per-thread caches (docs/reliability.md, "Rejected uploads")."""
+    flag = nonfinite_flag(t)
+    if flag is None or not bool(flag):
+        return
+    bad = sum(int((~torch.isfinite(s)).sum()) for s in t.reshape(-1).split(FINITE_SLAB))
+    raise WireError(f"tensor {name!r} contains {bad} NaN/Inf values")
 
 
 def check_result(stage: str, name: str, t: torch.Tensor, unit: str, axis: int = 0) -> None:

@@ -419,7 +419,7 @@ SMALL_LAUNCH = TritonQuantLaunch(stats_rows=64, stats_block_r=16, stats_warps=4,
 
 
 def compare_triton_quantiser(device: str, heads: int, seq: int, dim: int, interpreter: bool = False,
-                             launch: TritonQuantLaunch = TritonQuantLaunch()) -> None:
+                             launch: TritonQuantLaunch | None = None) -> None:
     """quantize_qkv_triton vs quantize_qkv on bf16 q, k, v [H, S, D]: views of one [3, 1, H, S, D] buffer (the model's
     layout) and [S, H, D]-backed views. Scales within 1e-6; e4m3 values equal in >= 99.9 % of elements and at
     most one e4m3 step apart (the means' summation order differs). Triton's interpreter rounds fp32 -> e4m3 its own

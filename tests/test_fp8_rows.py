@@ -1,6 +1,6 @@
-"""minimax_h3/kernels/fp8_rows.py: the plain-torch references equal the previous Block._modulate + quantize_fp8_rowwise,
-MLP silu(gate) * value + quantize_fp8_rowwise and fp8 attention's dequantize_o + Attention.project_out's rows +
-quantize_fp8_rowwise bit for bit, and an fp8 linear gives the same output from Fp8Rows as
+"""minimax_h3/kernels/fp8_rows.py: the plain-torch references equal the plain method's AdaLN modulation +
+quantize_fp8_rowwise, silu(gate) * value + quantize_fp8_rowwise and fp8 attention's dequantize_o + out_proj's rows +
+quantize_fp8_rowwise bit for bit (minimax_h3/kernels/layers.py), and an fp8 linear gives the same output from Fp8Rows as
 from the bf16 rows (CPU); the Triton kernels match their references on DiT widths (GPU) and, on small shapes, in
 triton's CPU interpreter (indexing, masking, scales; needs triton in the venv, which CI's CPU torch lacks:
 `.venv/bin/pip install --no-deps triton`, then
@@ -19,6 +19,7 @@ from minimax_h3.dit.model import RMSNorm
 from minimax_h3.kernels.fp8_attention import Fp8Attention, Fp8AttentionOptions, Fp8O, dequantize_o, e4m3_steps
 from minimax_h3.kernels.fp8_rows import (modulate, modulate_fp8, modulate_fp8_reference, o_rows_fp8, o_rows_fp8_reference,
                                          swiglu_fp8, swiglu_fp8_reference)
+from minimax_h3.kernels.layers import FP8_ROWS, PLAIN, Fp8AttentionOutput, linear_method
 from minimax_h3.kernels.registry import FP8_SCALE_FLOOR, Fp8RowwiseLinear, Fp8Rows, quantize_fp8_rowwise
 
 from tests.triton_interp import REPO, needs_triton, run_bench_tiny, run_in_interpreter
@@ -48,7 +49,7 @@ def test_reference_is_the_previous_math_bit_for_bit():
     norm = RMSNorm(96, EPS)
     with torch.no_grad():
         norm.weight.copy_(w)
-    # minimax_h3/dit/model.py Block._modulate before the kernel, then what Fp8RowwiseLinear did with its output
+    # The plain method's AdaLN modulation (minimax_h3/kernels/layers.py), then what Fp8RowwiseLinear does with it
     h = (norm(x) * (1.0 + scale.index_select(0, r)) + shift.index_select(0, r)).to(torch.bfloat16)
     want_q, want_s = quantize_fp8_rowwise(h)
     for got in (modulate_fp8_reference(x, w, EPS, shift, scale, r), modulate_fp8(x, w, EPS, shift, scale, r)):
@@ -59,7 +60,7 @@ def test_fp8_linear_takes_fp8_rows():
     """Fp8RowwiseLinear (emulated) gives the same output from Fp8Rows as from the bf16 rows it would quantise."""
     x, w, shift, scale, r = make_inputs(37, 96, 1, "cpu")
     lin = Fp8RowwiseLinear.from_dense(torch.randn(48, 96), torch.randn(48), emulate=True)
-    assert Fp8RowwiseLinear.accepts_fp8_rows and not getattr(torch.nn.Linear, "accepts_fp8_rows", False)
+    assert linear_method(lin) is FP8_ROWS and linear_method(torch.nn.Linear(2, 2)) is PLAIN
     h = modulate(x, w, EPS, shift, scale, r, torch.bfloat16)
     rows = modulate_fp8_reference(x, w, EPS, shift, scale, r)
     assert torch.equal(lin(rows), lin(h))
@@ -128,9 +129,9 @@ def test_dispatcher_under_torch_compile_matches_eager():
 
 @needs_cuda
 def test_block_feeds_fp8_rows_to_fp8_linears():
-    """A tiny DiT with fp8 qkv_proj / fc1 / fc2 on the GPU: Block._modulate hands qkv_proj / fc1 Fp8Rows and
-    MLP.partial (swiglu_fp8) hands them to fc2, and the output equals the one where those linears quantise the bf16
-    rows themselves (`accepts_fp8_rows` switched off per instance)."""
+    """A tiny DiT with fp8 qkv_proj / fc1 / fc2 on the GPU: their method hands qkv_proj / fc1 Fp8Rows from the
+    modulation kernel and fc2 Fp8Rows from swiglu_fp8, and the output equals the one where those linears quantise
+    the bf16 rows themselves (the plain method set per instance)."""
     from minimax_h3.dit.config import DiTConfig
     from minimax_h3.dit.layout import build_layout
     from minimax_h3.dit.model import H3DiT
@@ -154,7 +155,7 @@ def test_block_feeds_fp8_rows_to_fp8_linears():
         fused = model(video, audio, text, 0.3, 0.5, lay)
         assert len(seen) == len(fp8) and all(t is Fp8Rows for t in seen)
         for name in fp8:
-            model.get_submodule(name).accepts_fp8_rows = False
+            model.get_submodule(name).linear_method = PLAIN
         seen.clear()
         plain = model(video, audio, text, 0.3, 0.5, lay)
         assert len(seen) == len(fp8) and all(t is torch.Tensor for t in seen)
@@ -262,12 +263,10 @@ def test_swiglu_dispatcher_under_torch_compile_matches_eager():
 
 def make_o_input(h: int, rows: int, d: int, device: str, layout: str = "hsd", shift: bool = True,
                  seed: int = 0, whole: bool = False) -> Fp8O:
-    """fp8 attention's O as `Fp8O`, o8 = rows [2, 2 + rows) (minimax_h3/dit/model.py `o_rows`) of a bigger O
+    """fp8 attention's O as `Fp8O`, o8 = rows [2, 2 + rows) (what one row chunk's out_proj takes) of a bigger O
     [h, rows + 5, d] e4m3 (returned instead with `whole`), laid out [H, S, D] ("hsd", the kernel's own) or
     [S, H, D]-backed ("shd", strided heads); heads with scales 1e-4 .. 1e-2 (a row's amax comes from a few heads);
     the shift [h, 1, d] or None. When there are 6+ rows, row 5 of o8 is all zeros (without a shift: the floor)."""
-    from minimax_h3.dit.model import o_rows
-
     g = torch.Generator().manual_seed(seed)
     full = (torch.randn(rows + 5, h, d, generator=g) * 150).clamp(-448, 448)
     full[7:8] = 0.0
@@ -277,13 +276,13 @@ def make_o_input(h: int, rows: int, d: int, device: str, layout: str = "hsd", sh
     o_shift = torch.randn(h, 1, d, generator=g) * 0.05 if shift else None
     to = lambda t: None if t is None else t.to(device)  # noqa: E731
     o = Fp8O(to(o8), to(o_scale), to(o_shift))
-    return o if whole else o_rows(o, 2, 2 + rows)
+    return o if whole else Fp8O(o.o8[:, 2:2 + rows], o.o_scale, o.o_shift)
 
 
 @pytest.mark.parametrize("shift", [True, False])
 def test_o_rows_reference_is_the_previous_math_bit_for_bit(shift):
-    """minimax_h3/dit/model.py before the kernel: fp8 attention dequantised all of O ([1, H, S, D] bf16), project_out took a
-    chunk's rows, heads side by side, and the fp8 out_proj quantised them."""
+    """The plain path: fp8 attention dequantises all of O ([1, H, S, D] bf16), out_proj takes a chunk's rows, heads
+    side by side, and the fp8 out_proj quantises them."""
     o, whole = (make_o_input(3, 11, 32, "cpu", shift=shift, whole=w) for w in (False, True))
     o_all = dequantize_o(*whole, torch.bfloat16).unsqueeze(0)[:, :, 2:13]
     want_q, want_s = quantize_fp8_rowwise(o_all[0].transpose(0, 1).reshape(11, 3 * 32))
@@ -356,24 +355,24 @@ def _tiny_fp8_out_proj_model(device: str):
 
 
 def test_model_hands_fp8_o_to_an_fp8_out_proj_on_the_cpu():
-    """Attention.attend keeps fp8 attention's O in e4m3 for an fp8 out_proj (Fp8O); on the CPU project_out
-    dequantises each row chunk of it, which gives the bits the previous path (dequantise all of O, then chunk) gave:
-    with out_proj's `accepts_fp8_rows` switched off per instance, attend dequantises O itself."""
+    """Attention.attend keeps fp8 attention's O in e4m3 for an fp8 out_proj (Fp8AttentionOutput); on the CPU its
+    method dequantises each row chunk of it, which gives the bits the plain path (dequantise all of O, then chunk)
+    gives: with out_proj's plain method set per instance, attend dequantises O itself."""
     from minimax_h3.dit.model import Attention
 
     model, names, seen, args = _tiny_fp8_out_proj_model("cpu")
     kept = []
     for mod in model.modules():
-        if isinstance(mod, Attention):
-            mod.attend = (lambda f: lambda qkv: kept.append(f(qkv)) or kept[-1])(mod.attend)  # records its outputs
+        if isinstance(mod, Attention):  # records its outputs
+            mod.attend = (lambda f: lambda *a: kept.append(f(*a)) or kept[-1])(mod.attend)
     with torch.no_grad():
         fused = model(*args)
-        assert any(isinstance(o, Fp8O) for o in kept)
+        assert any(isinstance(o, Fp8AttentionOutput) for o in kept)
         for name in names:
-            model.get_submodule(name).accepts_fp8_rows = False
+            model.get_submodule(name).linear_method = PLAIN
         kept.clear()
         plain = model(*args)
-        assert kept and not any(isinstance(o, Fp8O) for o in kept)
+        assert kept and not any(isinstance(o, Fp8AttentionOutput) for o in kept)
     assert all(t is torch.Tensor for t in seen)
     for a, b in zip(fused, plain):
         assert torch.equal(a, b)
@@ -388,7 +387,7 @@ def test_model_feeds_o_rows_to_an_fp8_out_proj_on_gpu():
         fused = model(*args)
         assert seen and all(t is Fp8Rows for t in seen)
         for name in names:
-            model.get_submodule(name).accepts_fp8_rows = False
+            model.get_submodule(name).linear_method = PLAIN
         seen.clear()
         plain = model(*args)
         assert seen and all(t is torch.Tensor for t in seen)
@@ -452,12 +451,12 @@ def test_triton_kernel_in_the_interpreter():
 
 @needs_triton
 def test_kernel_registers_compiles_for_sm90():
-    """benchmarks/kernel_registers.py: the SwiGLU and O-rows kernels at their default launches compile for sm_90 on the
-    CPU and do not spill (a per-element slow-path division, say, would show here)."""
-    from minimax_h3.kernels.fp8_rows import O_ROWS_BLOCK_ROWS, O_ROWS_NUM_WARPS, SWIGLU_BLOCK_ROWS, SWIGLU_NUM_WARPS
+    """benchmarks/kernel_registers.py: the SwiGLU and O-rows kernels at their sm_90 launches (tuning.json) compile
+    for sm_90 on the CPU and do not spill (a per-element slow-path division, say, would show here)."""
+    from minimax_h3.kernels.tuning import arch_entry
 
-    for op, config in (("swiglu", f"{SWIGLU_BLOCK_ROWS}x{SWIGLU_NUM_WARPS}"),
-                       ("orows", f"{O_ROWS_BLOCK_ROWS}x{O_ROWS_NUM_WARPS}")):
+    for op, kernel in (("swiglu", "swiglu_fp8_rows"), ("orows", "o_rows_fp8")):
+        config = f"{arch_entry('sm_90')[kernel]['block_rows']}x{arch_entry('sm_90')[kernel]['num_warps']}"
         run = subprocess.run([sys.executable, "benchmarks/kernel_registers.py", "--ops", op, "--configs", config],
                              cwd=REPO, capture_output=True, text=True, timeout=300)
         assert run.returncode == 0 and " 0 B spilled" in run.stdout, run.stdout + run.stderr

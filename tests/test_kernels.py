@@ -175,3 +175,28 @@ def test_load_time_int8_conversion_goes_a_slab_of_rows_at_a_time():
     for elems in (256, 7 * 256, 1000):  # one row, 7 rows, a slab that does not divide the rows
         part = _int8_weight(w, chunk_elems=elems)
         assert torch.equal(part.qdata, q) and torch.equal(part.scale, s) and part.groupsize == whole.groupsize
+
+
+def test_launch_parameters_are_per_device_data():
+    """minimax_h3/kernels/tuning.json: an architecture's own entry, else the nearest listed one (the CPU, where Triton
+    only interprets, the lowest); an unknown kernel is a clear error."""
+    from minimax_h3.kernels.tuning import arch_entry, launch_params
+
+    h200 = arch_entry("sm_90")
+    assert h200["measured_on"] and h200["swiglu_fp8_rows"]["num_warps"] == 32
+    assert arch_entry("sm_100") is h200 and arch_entry("cpu") is h200
+    assert launch_params("qk_norm_rope", "cpu") == {"block_rows": 16, "num_warps": 4}
+    with pytest.raises(KeyError, match="no 'nope' entry"):
+        launch_params("nope", "cpu")
+
+
+def test_the_model_calls_its_layers_plainly():
+    """minimax_h3/dit/model.py names no kernel type, probes no layer and branches on no compile mode: what a layer
+    computes and fuses is its method's (minimax_h3/kernels/layers.py)."""
+    from pathlib import Path
+
+    import minimax_h3.dit.model as model
+
+    src = Path(model.__file__).read_text()
+    for word in ("getattr(", "is_compiling", "Fp8", "fp8", "accepts_", "isinstance(o", "isinstance(h"):
+        assert word not in src, word

@@ -1,4 +1,4 @@
-"""minimax_h3/kernels/qk_norm_rope.py: the plain-torch reference equals the model's previous project_qkv arithmetic bit for bit
+"""minimax_h3/kernels/qk_norm_rope.py: the plain-torch reference equals the plain q/k norm + RoPE arithmetic bit for bit
 (CPU); the Triton kernel matches the reference on real DiT shapes (GPU) and, on
 small shapes, in triton's CPU interpreter (indexing and masking; needs triton in the venv, which CI's CPU torch
 lacks: `.venv/bin/pip install --no-deps triton`, then `.venv/bin/python -m pytest tests/test_qk_norm_rope.py -k
@@ -44,7 +44,7 @@ def qk_v(out):
 
 
 def previous_project_qkv(y, q_norm, k_norm, rope, out):
-    """minimax_h3/dit/model.py Attention.project_qkv before the kernel (after the qkv projection), the oracle."""
+    """q/k RMSNorm + RoPE + layout write in plain torch ops (after the qkv projection), the oracle."""
     q, k, v = y.unbind(1)
     q, k = q_norm(q), k_norm(k)
     if rope is not None:

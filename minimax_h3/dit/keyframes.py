@@ -19,6 +19,7 @@ import torch
 
 from minimax_h3.contract import TEXT_STATES, TEXT_TAGS, pixel_side
 from stagekit.errors import InvalidArgument
+from stagekit.wire import check_finite
 
 from .layout import PackedLayout, patchify_video
 
@@ -35,8 +36,7 @@ def check_keyframe(name: str, t: torch.Tensor, channels: int, latent_h: int, lat
                          "encode the image with the decoder's EncodeImage at the render size)")
     if not t.is_floating_point():
         raise InvalidArgument(f"{name} must be a float tensor, got {t.dtype}")
-    if not torch.isfinite(t).all():
-        raise InvalidArgument(f"{name} contains NaN/Inf")
+    check_finite(name, t)
 
 
 def check_text_tags(tags: torch.Tensor, text_len: int, text_tag: int, video_tag: int) -> torch.Tensor:

@@ -26,10 +26,8 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from minimax_h3.kernels import fp8_rows
-from minimax_h3.kernels.fp8_attention import Fp8O, Fp8QKInput, dequantize_o, static_qk_mult
-from minimax_h3.kernels.qk_norm_rope import qk_norm_rope, rms_norm
-from minimax_h3.kernels.registry import Fp8Rows
+from minimax_h3.kernels.layers import AttentionInput, AttentionOutput, Modulation, attention_input, linear_method
+from minimax_h3.kernels.qk_norm_rope import rms_norm
 
 from .config import NUM_MODALITIES, DiTConfig
 from .layout import COND_VIDEO_T, REF_AUDIO_T, PackedLayout
@@ -52,32 +50,9 @@ TIMESTEP_MAX_PERIOD = 10000.0  # sinusoid base; t is used unscaled in [0, 1]
 # (name, in_features, out_features, bias, tp style from H3DiT._tp_plan, None = replicated) -> module.
 LinearFactory = Callable[[str, int, int, bool, "TPStyle | None"], nn.Module]
 # (q, k, v) [1, heads, S, head_dim] in compute dtype -> o, same shape: full non-causal attention, scale 1/sqrt(d).
-# minimax_h3.kernels.registry picks one per GPU architecture (cuDNN / flash SDPA, comfy-kitchen int8, ...). One that also has
-# `takes_fp8_qk(rows)` and `attend_fp8_qk(Fp8QKInput)` (minimax_h3.kernels.fp8_attention.Fp8Attention) gets q and k in e4m3
-# straight from the q/k norm kernel where that returns True (Attention.empty_qkv), and may hand O back still in e4m3
-# (`attend_fp8_qk(..., keep_fp8_o=True)` -> Fp8O) for an fp8 out_proj (Attention.attend).
+# minimax_h3.kernels.registry picks one per GPU architecture (cuDNN / flash SDPA, comfy-kitchen int8, 8-bit, ...);
+# minimax_h3/kernels/layers.py says how a block feeds it (`attention_input`).
 AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-# One block's attention input as Attention.project_qkv writes it: [3, 1, heads, S, head_dim] in compute dtype, or
-# q and k already in e4m3 for an fp8 attention kernel (Fp8QKInput).
-QKVBuffer = torch.Tensor | Fp8QKInput
-# One block's attention output as Attention.attend returns it: [1, heads, S, head_dim] in compute dtype, or the fp8
-# attention kernel's e4m3 O with its scales (Fp8O, o8 [heads, S, head_dim]).
-AttnOutput = torch.Tensor | Fp8O
-
-
-def qkv_rows(qkv: QKVBuffer, start: int, end: int) -> QKVBuffer:
-    """The rows [start, end) of an attention input buffer (views), where one row chunk's project_qkv writes."""
-    if isinstance(qkv, torch.Tensor):
-        return qkv[:, :, :, start:end]
-    v = qkv.v[:, :, start:end] if qkv.v is not None else None
-    return Fp8QKInput(qkv.qk8[:, :, :, start:end], v, qkv.qk_mult)
-
-
-def o_rows(o: AttnOutput, start: int, end: int) -> AttnOutput:
-    """The rows [start, end) of an attention output (views), what one row chunk's project_out takes."""
-    if isinstance(o, torch.Tensor):
-        return o[:, :, start:end]
-    return Fp8O(o.o8[:, start:end], o.o_scale, o.o_shift)
 
 
 def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -115,14 +90,17 @@ class _Ctx:
 
 class Attention(nn.Module):
     """Self-attention over all S rows, in three steps that a caller may run row chunk by row chunk:
-    `project_qkv` (rows -> this rank's q, k, v heads, RMS-normed and roped), `attention_fn` over all rows,
-    `project_out` (rows of the output -> fp32 [rows, hidden], all-reduced over TP ranks). Chunking bounds the fp32
-    norm/RoPE temporaries and the [rows, 3 * inner] projection to `chunk_rows` (docs/memory.md)."""
+    `project_qkv` (rows -> this rank's q, k, v heads, RMS-normed and roped, into an `empty_qkv` input), `attend`
+    over all rows, `project_out` (rows of the output -> fp32 [rows, hidden], all-reduced over TP ranks). Chunking
+    bounds the fp32 norm/RoPE temporaries and the [rows, 3 * inner] projection to `chunk_rows` (docs/memory.md).
+    How each step computes is the method's of its linear and of the attention kernel
+    (minimax_h3/kernels/layers.py)."""
 
     def __init__(self, ctx: _Ctx, name: str):
         super().__init__()
         cfg = ctx.cfg
         self.group = ctx.group
+        self.sp_group = ctx.sp_group
         self.compute_dtype = ctx.compute_dtype
         self.attention_fn = ctx.attention_fn
         self.local_heads = cfg.num_heads // ctx.tp_size
@@ -133,66 +111,51 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(cfg.head_dim, cfg.eps)
         self.out_proj = ctx.linear(f"{name}.out_proj", cfg.attn_inner, cfg.hidden, False)
 
-    def empty_qkv(self, s: int, device: torch.device, fp8_qk: bool = True, v_in_projection: bool = False
-                  ) -> QKVBuffer:
-        """Uninitialised attention input for S rows: [3, 1, local_heads, S, head_dim] (compute dtype), q, k, v in the
-        attention kernel's layout; or, when fp8_qk and the attention function takes them for S rows, Fp8QKInput
-        (q, k e4m3 with static scales from this layer's norm gains, v in compute dtype: a buffer, or, with
-        v_in_projection, None: the caller then sets it to a view of the projection, see Block.forward)."""
-        takes = getattr(self.attention_fn, "takes_fp8_qk", None)
-        shape = (1, self.local_heads, s, self.head_dim)
-        if fp8_qk and takes is not None and takes(s):
-            v = None if v_in_projection else torch.empty(shape, dtype=self.compute_dtype, device=device)
-            return Fp8QKInput(torch.empty(2, *shape, dtype=torch.float8_e4m3fn, device=device), v,
-                              static_qk_mult(self.q_norm.weight, self.k_norm.weight))
-        return torch.empty(3, *shape, dtype=self.compute_dtype, device=device)
+    def empty_qkv(self, s: int, device: torch.device, sequence_parallel: bool = False,
+                  whole: bool = False) -> AttentionInput:
+        """Uninitialised attention input for S rows, in the layout the attention kernel takes (sequence parallel:
+        compute-dtype q, k, v, which the all-to-all moves). whole: one `project_qkv` call writes all S rows."""
+        return attention_input(self.attention_fn, self.local_heads, s, self.head_dim, self.compute_dtype, device,
+                               self.q_norm, self.k_norm, sequence_parallel, whole)
 
-    def project_qkv(self, h: torch.Tensor | Fp8Rows, rope: tuple[torch.Tensor, torch.Tensor] | None,
-                    out: QKVBuffer) -> torch.Tensor:
-        """h [rows, hidden] (compute dtype), or Fp8Rows when qkv_proj takes them (Block._modulate); rope (cos, sin)
-        [rows, rope_dim] fp32 or None -> written into out (the rows of an `empty_qkv` buffer, `qkv_rows`). Returns
-        the projection y [rows, 3, local_heads, head_dim] (v = y[:, 2], unnormed)."""
-        rows = (h.q if isinstance(h, Fp8Rows) else h).shape[0]
-        y = self.qkv_proj(h).reshape(rows, 3, self.local_heads, self.head_dim)
-        # fp32 RMSNorm of q, k, RoPE, layout write (one Triton kernel on CUDA; minimax_h3/kernels/qk_norm_rope.py)
-        qw, kw, eps = self.q_norm.weight, self.k_norm.weight, self.q_norm.eps
-        if isinstance(out, Fp8QKInput):
-            qk_norm_rope(y, qw, kw, eps, rope, out.qk8, out.v, out.qk_mult)
-        else:
-            qk_norm_rope(y, qw, kw, eps, rope, out[:2], out[2])
-        return y
+    def project_qkv(self, qkv: AttentionInput, start: int, end: int, h: torch.Tensor,
+                    rope: tuple[torch.Tensor, torch.Tensor] | None, modulation: Modulation | None = None) -> None:
+        """Rows [start, end) of `qkv` from h [rows, hidden] (compute dtype; with `modulation`, the fp32 residual
+        rows it modulates first); rope (cos, sin) [rows, rope_dim] fp32 or None."""
+        y = linear_method(self.qkv_proj).apply(self.qkv_proj, h, modulation, self.compute_dtype)
+        y = y.reshape(end - start, 3, self.local_heads, self.head_dim)
+        qkv.write(start, end, y, self.q_norm, self.k_norm, rope)
 
-    def attend(self, qkv: QKVBuffer) -> AttnOutput:
-        """Attention over all rows of an `empty_qkv` buffer -> o [1, local_heads, S, head_dim] (compute dtype), or,
-        when the fp8 attention kernel ran and out_proj takes fp8 rows (an fp8 linear, bf16 compute; in compiled
-        blocks while `O_ROWS_IN_COMPILED_BLOCKS` says so), its e4m3 O not yet dequantised (Fp8O), which
-        `project_out` turns into out_proj's fp8 rows in one pass (docs/performance.md)."""
-        if isinstance(qkv, Fp8QKInput):
-            keep = (getattr(self.out_proj, "accepts_fp8_rows", False) and self.compute_dtype == torch.bfloat16
-                    and (fp8_rows.O_ROWS_IN_COMPILED_BLOCKS or not torch.compiler.is_compiling()))
-            return self.attention_fn.attend_fp8_qk(qkv, keep_fp8_o=keep)
-        return self.attention_fn(qkv[0], qkv[1], qkv[2])
+    def attend(self, qkv: AttentionInput, shards: SeqShards | None = None) -> AttentionOutput:
+        """Attention over all rows of `qkv`. Sequence parallel (Ulysses, minimax_h3/dit/sp.py): an all-to-all trades
+        this rank's rows of every local head for every row of 1/sp of them; another brings the output rows back."""
+        if shards is None:
+            return qkv.attend(self.attention_fn, self.out_proj, self.compute_dtype)
+        hs, d = self.local_heads // shards.n, self.head_dim
+        sends, recvs = sp.qkv_splits(shards, hs, d)
+        send = sp.qkv_send(qkv.pop(), shards.n)  # the buffer goes once the send copy exists
+        recv = send.new_empty(sum(recvs))
+        dist.all_to_all_single(recv, send, recvs, sends, group=self.sp_group)
+        o = self.attention_fn(*sp.qkv_received(recv, shards, hs, d))
+        del send, recv
+        sends, recvs = sp.o_splits(shards, hs, d)
+        send = sp.o_send(o, shards)
+        recv = send.new_empty(sum(recvs))
+        dist.all_to_all_single(recv, send, recvs, sends, group=self.sp_group)
+        return AttentionOutput(sp.o_received(recv, shards, hs, d))
 
-    def project_out(self, o: AttnOutput) -> torch.Tensor:
-        """o [1, local_heads, rows, head_dim] (compute dtype) or Fp8O (o8 [local_heads, rows, head_dim]; rows of an
-        `attend` output, `o_rows`) -> fp32 [rows, hidden]: this rank's partial sum of the row-parallel out_proj (the
-        caller all-reduces it). Fp8O on a GPU goes to out_proj as fp8 rows from one fused Triton kernel
-        (minimax_h3/kernels/fp8_rows.py `o_rows_fp8`: the same math as dequantising O to bf16 and out_proj quantising its
-        rows); elsewhere it is dequantised to the compute dtype first."""
-        if isinstance(o, Fp8O):
-            if getattr(self.out_proj, "accepts_fp8_rows", False) and o.o8.is_cuda:
-                return self.out_proj(fp8_rows.o_rows_fp8(*o)).float()
-            o = dequantize_o(*o, self.compute_dtype).unsqueeze(0)
-        rows = o.shape[2]
-        return self.out_proj(o[0].transpose(0, 1).reshape(rows, self.local_heads * self.head_dim)).float()
+    def project_out(self, o: AttentionOutput, start: int, end: int) -> torch.Tensor:
+        """Rows [start, end) of an `attend` output -> fp32 [rows, hidden]: this rank's partial sum of the
+        row-parallel out_proj (the caller all-reduces it)."""
+        return o.project(self.out_proj, start, end).float()
 
     def forward(self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
         """Unchunked (the token refiner's short text): h [S, hidden] (compute dtype) -> fp32 [S, hidden], summed
         over TP ranks."""
-        qkv = self.empty_qkv(h.shape[0], h.device)
-        self.project_qkv(h, rope, qkv)
-        # [1, heads, S, d]; SDPA never materialises the S x S matrix (flash / memory-efficient kernels).
-        out = self.project_out(self.attend(qkv))
+        s = h.shape[0]
+        qkv = self.empty_qkv(s, h.device)
+        self.project_qkv(qkv, 0, s, h, rope)
+        out = self.project_out(self.attend(qkv), 0, s)
         if self.group is not None:
             dist.all_reduce(out, group=self.group)  # fp32 partial sums of the row-parallel out_proj
         return out
@@ -206,20 +169,15 @@ class MLP(nn.Module):
         super().__init__()
         cfg = ctx.cfg
         self.group = ctx.group
+        self.compute_dtype = ctx.compute_dtype
         self.fc1 = ctx.linear(f"{name}.fc1", cfg.hidden, 2 * cfg.ffn, False)
         self.fc2 = ctx.linear(f"{name}.fc2", cfg.ffn, cfg.hidden, False)
 
-    def partial(self, h: torch.Tensor | Fp8Rows) -> torch.Tensor:
-        """h [rows, hidden] (compute dtype), or Fp8Rows when fc1 takes them (Block._modulate) -> fp32 [rows, hidden]:
-        this rank's partial sum of the row-parallel fc2. When fc2 takes fp8 rows (an fp8 linear) and y is bf16 on a
-        GPU, silu(gate) * value comes as Fp8Rows from one fused Triton kernel (minimax_h3/kernels/fp8_rows.py: the same math
-        as fc2 quantising the bf16 product itself), in compiled blocks too where `SWIGLU_IN_COMPILED_BLOCKS` says
-        it beats Inductor's fusion (docs/performance.md)."""
-        y = self.fc1(h)  # [rows, 2 * ffn / tp] = [gate | value]
-        if (getattr(self.fc2, "accepts_fp8_rows", False) and y.is_cuda and y.dtype == torch.bfloat16
-                and (fp8_rows.SWIGLU_IN_COMPILED_BLOCKS or not torch.compiler.is_compiling())):
-            return self.fc2(fp8_rows.swiglu_fp8(y)).float()
-        return self.fc2(fp8_rows.swiglu(y)).float()
+    def partial(self, h: torch.Tensor, modulation: Modulation | None = None) -> torch.Tensor:
+        """h [rows, hidden] (compute dtype; with `modulation`, the fp32 residual rows it modulates first) -> fp32
+        [rows, hidden]: this rank's partial sum of the row-parallel fc2."""
+        y = linear_method(self.fc1).apply(self.fc1, h, modulation, self.compute_dtype)  # [rows, 2 * ffn / tp]
+        return linear_method(self.fc2).apply_swiglu(self.fc2, y).float()
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         """h [rows, hidden] (compute dtype) -> fp32 [rows, hidden], summed over TP ranks."""
@@ -285,69 +243,38 @@ class Block(nn.Module):
         super().__init__()
         self.compute_dtype = ctx.compute_dtype
         self.chunk_rows = ctx.chunk_rows
-        self.sp_group = ctx.sp_group
         self.norm1 = RMSNorm(ctx.cfg.hidden, ctx.cfg.eps)
         self.attn = Attention(ctx, f"{name}.attn")
         self.norm2 = RMSNorm(ctx.cfg.hidden, ctx.cfg.eps)
         self.mlp = MLP(ctx, f"{name}.mlp")
         self.adaln_proj = AdaLNProj(ctx, f"{name}.adaln_proj", ctx.cfg.adaln_out)
 
-    def _modulate(self, x, norm, shift, scale, r, into: nn.Module) -> torch.Tensor | Fp8Rows:
-        """norm(x) * (1 + scale[r]) + shift[r] in fp32, emitted for the next linear `into`: in the compute dtype, or,
-        when `into` takes fp8 rows (an fp8 linear) in an eager block on a GPU, as Fp8Rows from one fused Triton
-        kernel (minimax_h3/kernels/fp8_rows.py: the same math as the linear quantising the bf16 rows itself). A compiled
-        block leaves it to Inductor, whose fusion of these ops is as fast (docs/performance.md)."""
-        if (getattr(into, "accepts_fp8_rows", False) and x.is_cuda and self.compute_dtype == torch.bfloat16
-                and not torch.compiler.is_compiling()):
-            return fp8_rows.modulate_fp8(x, norm.weight, norm.eps, shift, scale, r)
-        return fp8_rows.modulate(x, norm.weight, norm.eps, shift, scale, r, self.compute_dtype)
-
     def forward(self, x: torch.Tensor, ada_in: torch.Tensor, rows: torch.Tensor,
                 rope: tuple[torch.Tensor, torch.Tensor], shards: SeqShards | None = None) -> torch.Tensor:
         """x [S, hidden] fp32 residual (updated in place and returned); ada_in [M, adaln_in] fp32;
         rows [S] = timestep_index * 3 + tag (AdaLN table row); rope (cos, sin) [S, rope_dim] fp32.
         Sequence parallel: S is this rank's share `shards.local` of the sequence (minimax_h3/dit/sp.py)."""
-        m, n = ada_in.shape[0], self.chunk_rows
-        mod = self.adaln_proj(ada_in).view(m * NUM_MODALITIES, -1)  # row m*3+tag, modality-major
-        shift1, scale1, gate1, shift2, scale2, gate2 = mod.chunk(6, dim=-1)
-        chunks = [(s, min(s + n, x.shape[0])) for s in range(0, x.shape[0], n)]
+        m, s_all = ada_in.shape[0], x.shape[0]
+        chunks = [(s, min(s + self.chunk_rows, s_all)) for s in range(0, s_all, self.chunk_rows)]
         cos, sin = rope
-        # 1. q, k, v of every row, a row chunk at a time (sequence parallel: in compute dtype, for the all-to-all).
-        #    fp8 attention with one chunk: v stays in the projection's output (the attention quantises it from
-        #    there; the projection's q and k then live until attention too, on GPUs with memory to spare).
-        qkv = self.attn.empty_qkv(x.shape[0], x.device, fp8_qk=shards is None, v_in_projection=len(chunks) == 1)
+        # 1. AdaLN modulation: shift / scale / gate rows [M * 3, hidden] (row m * 3 + tag) for attention and MLP.
+        mod = self.adaln_proj(ada_in).view(m * NUM_MODALITIES, -1)
+        shift1, scale1, gate1, shift2, scale2, gate2 = mod.chunk(6, dim=-1)
+        # 2. q, k, v of every row (norm1, modulation, qkv projection, q/k norm, RoPE), a row chunk at a time.
+        qkv = self.attn.empty_qkv(s_all, x.device, sequence_parallel=shards is not None, whole=len(chunks) == 1)
         for s, e in chunks:
-            h = self._modulate(x[s:e], self.norm1, shift1, scale1, rows[s:e], into=self.attn.qkv_proj)
-            y = self.attn.project_qkv(h, (cos[s:e], sin[s:e]), qkv_rows(qkv, s, e))
-        if isinstance(qkv, Fp8QKInput) and qkv.v is None:
-            qkv = qkv._replace(v=y[:, 2].transpose(0, 1).unsqueeze(0))  # [1, local_heads, S, head_dim] view
-        del y
-        # 2. attention over all rows. Sequence parallel (Ulysses, minimax_h3/dit/sp.py): an all-to-all trades this rank's
-        #    rows of every local head for every row of 1/sp of them; another brings the output rows back.
-        if shards is None:
-            o = self.attn.attend(qkv)
-            del qkv
-        else:
-            hs, d = self.attn.local_heads // shards.n, self.attn.head_dim
-            sends, recvs = sp.qkv_splits(shards, hs, d)
-            send = sp.qkv_send(qkv, shards.n)
-            del qkv
-            recv = send.new_empty(sum(recvs))
-            dist.all_to_all_single(recv, send, recvs, sends, group=self.sp_group)
-            o = self.attn.attention_fn(*sp.qkv_received(recv, shards, hs, d))
-            del send, recv
-            sends, recvs = sp.o_splits(shards, hs, d)
-            send = sp.o_send(o, shards)
-            recv = send.new_empty(sum(recvs))
-            dist.all_to_all_single(recv, send, recvs, sends, group=self.sp_group)
-            o = sp.o_received(recv, shards, hs, d)
-            del send, recv
-        # 3. output projection and gated residual add, a row chunk at a time.
-        self._reduce_add(x, gate1, rows, chunks, lambda s, e: self.attn.project_out(o_rows(o, s, e)))
+            self.attn.project_qkv(qkv, s, e, x[s:e], (cos[s:e], sin[s:e]),
+                                  Modulation(self.norm1, shift1, scale1, rows[s:e]))
+        # 3. Attention over all rows.
+        o = self.attn.attend(qkv, shards)
+        del qkv
+        # 4. Output projection and gated residual add, a row chunk at a time.
+        self._reduce_add(x, gate1, rows, chunks, lambda s, e: self.attn.project_out(o, s, e))
         del o
-        # 4. MLP and gated residual add, a row chunk at a time (chunk i's input is untouched by chunk i-1's add).
+        # 5. MLP (norm2, modulation, fc1, SwiGLU, fc2) and gated residual add, a row chunk at a time (chunk i's
+        #    input is untouched by chunk i-1's add).
         self._reduce_add(x, gate2, rows, chunks, lambda s, e: self.mlp.partial(
-            self._modulate(x[s:e], self.norm2, shift2, scale2, rows[s:e], into=self.mlp.fc1)))
+            x[s:e], Modulation(self.norm2, shift2, scale2, rows[s:e])))
         return x
 
     def _reduce_add(self, x, gate, rows, chunks, partial) -> None:

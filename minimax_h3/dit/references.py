@@ -23,6 +23,7 @@ import torch
 from minimax_h3.contract import (AUDIO_CHANNELS, MAX_REFERENCES, REF_PREFIX, REF_TENSOR_NAMES, REFERENCE_KINDS,
                                  ref_tensor)
 from stagekit.errors import InvalidArgument
+from stagekit.wire import check_finite
 
 from .layout import ReferenceBlock, patchify_audio
 
@@ -53,8 +54,7 @@ def _check_tensor(name: str, t: torch.Tensor, rank: int, lead: tuple[int, ...]) 
         raise InvalidArgument(f"{name} has shape {list(t.shape)}, expected {want} with every dimension >= 1")
     if not t.is_floating_point():
         raise InvalidArgument(f"{name} must be a float tensor, got {t.dtype}")
-    if not torch.isfinite(t).all():
-        raise InvalidArgument(f"{name} contains NaN/Inf")
+    check_finite(name, t)
 
 
 def parse_references(inputs: Mapping[str, torch.Tensor], latent_channels: int, audio_channels: int,

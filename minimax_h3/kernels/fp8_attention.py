@@ -49,6 +49,7 @@ import torch
 import torch.nn.functional as F
 
 from .triton_ops import tl, triton  # None without Triton: the torch quantiser serves
+from .tuning import launch_params
 
 log = logging.getLogger(__name__)
 
@@ -107,8 +108,8 @@ DEFAULT_OPTIONS = OPTIONS["head+kv+static-qk"]
 class Fp8O(NamedTuple):
     """The attention output still quantised, as the kernel writes it (`Fp8Attention.attend_fp8_qk(...,
     keep_fp8_o=True)`): o8 [H, S, D] e4m3, o_scale [H, 1, 1] fp32, o_shift [H, 1, D] fp32 or None;
-    O = `dequantize_o(o8, o_scale, o_shift, dtype)`. minimax_h3/dit/model.py hands its rows to an fp8 out_proj in one
-    pass (minimax_h3/kernels/fp8_rows.py `o_rows_fp8`) instead of writing O in the compute dtype first."""
+    O = `dequantize_o(o8, o_scale, o_shift, dtype)`. minimax_h3/kernels/layers.py hands its rows to an fp8 out_proj
+    in one pass (minimax_h3/kernels/fp8_rows.py `o_rows_fp8`) instead of writing O in the compute dtype first."""
 
     o8: torch.Tensor
     o_scale: torch.Tensor
@@ -244,18 +245,18 @@ def quantize_v(v: torch.Tensor, options: Fp8AttentionOptions) -> tuple[torch.Ten
 
 
 class TritonQuantLaunch(NamedTuple):
-    """Launch parameters of the two passes (benchmarks/bench_attention.py sweeps them)."""
+    """Launch parameters of the two passes (benchmarks/bench_attention.py sweeps them; each device's tuned ones are
+    in minimax_h3/kernels/tuning.json, `tuned`)."""
 
-    # Defaults: the fastest of benchmarks/bench_attention.py --quant's sweep on an H200 (docs/performance.md,
-    # 0.78 / 1.55 ms at S = 14,882 / 37,748 against 1.01 / 2.16 ms for 512/32/4/64/4).
-    stats_rows: int = 512  # rows each statistics program reduces (a multiple of stats_block_r)
-    stats_block_r: int = 16  # rows per loaded tile in the statistics pass
-    stats_warps: int = 2
-    quant_block_r: int = 16  # rows per program in the quantise pass
-    quant_warps: int = 2
+    stats_rows: int  # rows each statistics program reduces (a multiple of stats_block_r)
+    stats_block_r: int  # rows per loaded tile in the statistics pass
+    stats_warps: int
+    quant_block_r: int  # rows per program in the quantise pass
+    quant_warps: int
 
-
-TRITON_LAUNCH = TritonQuantLaunch()
+    @classmethod
+    def tuned(cls, device: torch.device | str) -> "TritonQuantLaunch":
+        return cls(**launch_params("fp8_attention_quant", device))
 
 
 if triton is not None:
@@ -353,13 +354,19 @@ def _quantize_qkv_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, v_head:
     o_scale, o_shift (zeros [H, 1, D] when V is not smoothed: an op returns tensors)."""
     if triton is None:
         raise RuntimeError("the Triton fp8 quantiser needs triton (pip install triton)")
-    lp = TritonQuantLaunch(*launch)
-    if lp.stats_rows % lp.stats_block_r:
-        raise ValueError(f"stats_rows {lp.stats_rows} is not a multiple of stats_block_r {lp.stats_block_r}")
+    lp = _launch(launch, q.device)
     options = Fp8AttentionOptions(v_scale="head" if v_head else "tensor", smooth_k=smooth_k, smooth_v=smooth_v)
     # Triton launches on the current device: make that q's.
     with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
         return _triton_quantize(q, k, v, options, lp)
+
+
+def _launch(launch: list[int], device: torch.device) -> TritonQuantLaunch:
+    """An op's launch argument as parameters: the given ones, or (empty) the device's tuned ones."""
+    lp = TritonQuantLaunch(*launch) if launch else TritonQuantLaunch.tuned(device)
+    if lp.stats_rows % lp.stats_block_r:
+        raise ValueError(f"stats_rows {lp.stats_rows} is not a multiple of stats_block_r {lp.stats_block_r}")
+    return lp
 
 
 def _triton_quantize(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: Fp8AttentionOptions,
@@ -404,11 +411,13 @@ def _(q, k, v, v_head, smooth_k, smooth_v, launch):
 
 
 def quantize_qkv_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: Fp8AttentionOptions,
-                        launch: TritonQuantLaunch = TRITON_LAUNCH) -> Fp8QKV:
+                        launch: TritonQuantLaunch | None = None) -> Fp8QKV:
     """`quantize_qkv` in two Triton passes (q, k, v [H, S, D] with a unit stride on D; see `triton_unsupported`):
     the same scales and, up to the summation order of the means, the same e4m3 values. Any device Triton runs on
-    (CUDA; the CPU under TRITON_INTERPRET=1, for tests)."""
-    p = _quantize_qkv_fp8(q, k, v, options.v_scale == "head", options.smooth_k, options.smooth_v, list(launch))
+    (CUDA; the CPU under TRITON_INTERPRET=1, for tests). launch None: the device's tuned one (resolved inside the
+    op, which torch.compile leaves opaque)."""
+    p = _quantize_qkv_fp8(q, k, v, options.v_scale == "head", options.smooth_k, options.smooth_v,
+                          list(launch or ()))
     return Fp8QKV(*p[:6], p[6] if options.smooth_v else None)
 
 
@@ -419,9 +428,7 @@ def _quantize_v_fp8(v: torch.Tensor, v_head: bool, smooth_v: bool,
     Returns v8, o_scale, o_shift (zeros [H, 1, D] when V is not smoothed)."""
     if triton is None:
         raise RuntimeError("the Triton fp8 quantiser needs triton (pip install triton)")
-    lp = TritonQuantLaunch(*launch)
-    if lp.stats_rows % lp.stats_block_r:
-        raise ValueError(f"stats_rows {lp.stats_rows} is not a multiple of stats_block_r {lp.stats_block_r}")
+    lp = _launch(launch, v.device)
     options = Fp8AttentionOptions(v_scale="head" if v_head else "tensor", smooth_v=smooth_v)
     h, s, d = v.shape
     f32 = dict(dtype=torch.float32, device=v.device)
@@ -450,10 +457,10 @@ def _(v, v_head, smooth_v, launch):
 
 
 def quantize_v_triton(v: torch.Tensor, options: Fp8AttentionOptions,
-                      launch: TritonQuantLaunch = TRITON_LAUNCH) -> tuple[torch.Tensor, torch.Tensor,
+                      launch: TritonQuantLaunch | None = None) -> tuple[torch.Tensor, torch.Tensor,
                                                                          torch.Tensor | None]:
     """`quantize_v` in two Triton passes (v [H, S, D] with a unit stride on D), as `quantize_qkv_triton` does V."""
-    v8, o_scale, o_shift = _quantize_v_fp8(v, options.v_scale == "head", options.smooth_v, list(launch))
+    v8, o_scale, o_shift = _quantize_v_fp8(v, options.v_scale == "head", options.smooth_v, list(launch or ()))
     return v8, o_scale, o_shift if options.smooth_v else None
 
 

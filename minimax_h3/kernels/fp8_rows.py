@@ -7,18 +7,17 @@ x [rows, C] into `modulate(x) = (rms_norm(x, w) * (1 + scale[r]) + shift[r]).to(
 AdaLN rows [M * 3, C] fp32 gathered by each row's table index r). An fp8 linear (minimax_h3/kernels/registry.Fp8RowwiseLinear)
 then quantises those rows per row (`quantize_fp8_rowwise`: scale = amax / 448, q = e4m3(row * bf16(1 / scale))).
 This kernel reads x and the gathered AdaLN rows once and writes e4m3 rows plus one fp32 scale per row (`Fp8Rows`,
-which the fp8 linear takes as its input instead of a tensor). Where it pays (measured on an H200,
-docs/performance.md): in eager blocks, 7x faster than the separate torch ops (0.68 vs 5.0 ms at 37,748
-rows). Inside a compiled block Inductor's own fusion of the same math is as fast or faster (0.645 ms), so
-minimax_h3/dit/model.py uses the kernel only outside torch.compile.
+which the fp8 linear takes as its input instead of a tensor). It pays in eager blocks; inside a compiled block
+Inductor's own fusion of the same math is as fast, so the fp8 linear's method (minimax_h3/kernels/layers.py
+Fp8RowsMethod) uses it only outside torch.compile (docs/kernels.md, "Fused fp8 row hand-offs").
 
 `modulate_fp8` dispatches: the Triton kernel (the torch custom op `h3stages::modulate_fp8_rows`, opaque to
 torch.compile) when x is on a CUDA device, triton imports and the arguments are ones it serves; otherwise
-`modulate_fp8_reference`, which is exactly the model's previous math (`modulate` below, which minimax_h3/dit/model.py
-uses for its bf16 rows, then `quantize_fp8_rowwise`). The kernel's fp32 arithmetic matches the reference's
-operation for operation as torch runs them on CUDA (bf16 rounding of the modulated row, the multiply by the bf16
-reciprocal rounded to bf16, then e4m3) except for the order of the sum of squares, so a rare element lands one
-e4m3 step away (tests/test_fp8_rows.py).
+`modulate_fp8_reference`, which is exactly the plain method's math (`modulate` below, which
+minimax_h3/kernels/layers.py uses for bf16 rows, then `quantize_fp8_rowwise`). The kernel's fp32 arithmetic matches
+the reference's operation for operation as torch runs them on CUDA (bf16 rounding of the modulated row, the
+multiply by the bf16 reciprocal rounded to bf16, then e4m3) except for the order of the sum of squares, so a rare
+element lands one e4m3 step away (tests/test_fp8_rows.py).
 
 The SwiGLU kernel: the MLP computes fc2(silu(gate) * value) from fc1's bf16 output y [rows, 2F] = [gate | value];
 when fc2 is an fp8 linear it quantises that bf16 product per row. `swiglu_fp8` (custom op
@@ -29,8 +28,8 @@ division as `_div_rn` writes it out) rounded to bf16, the bf16 product rounded t
 quantisation as the modulation kernel (`_store_fp8_rows`, shared). No reduction order enters the values (a max is
 exact), so a difference can only come from libdevice's expf against the one torch is built with (and from gates
 below -87.3, `_swiglu_fp8_kernel` says why not in practice); tests/test_fp8_rows.py bounds it as the modulation
-kernel's. minimax_h3/dit/model.py's MLP uses it in eager blocks and, while `SWIGLU_IN_COMPILED_BLOCKS` says so, in
-compiled ones.
+kernel's. The fp8 fc2's method uses it in eager blocks and, as its `swiglu_in_compiled_blocks` says, in compiled
+ones (there it beats Inductor's fusion of the same ops).
 
 The O-rows kernel: fp8 attention (minimax_h3/kernels/fp8_attention.py) writes an e4m3 O [H, S, D] with a per-head scale and
 the V-smoothing shift; the model dequantised it to bf16 O = (o8 * o_scale + o_shift) in fp32, rounded to bf16, and
@@ -40,9 +39,11 @@ them transposing. `o_rows_fp8` (custom op `h3stages::o_rows_fp8`, dispatched as 
 a whole output row (all heads) per program, and writes `Fp8Rows`; O may be a row slice of the whole O (any row and
 head strides). Its arithmetic is the reference's as torch runs it on CUDA (the fp32 multiply and add, each rounded,
 the bf16 rounding, then `_store_fp8_rows`), with no reduction order or library function in it: on a GPU it is
-expected to match bit for bit, and tests/test_fp8_rows.py bounds it as the other kernels. minimax_h3/dit/model.py's
-attention hands O over in e4m3 to an fp8 out_proj (`Attention.attend` / `project_out`) in eager blocks and, while
-`O_ROWS_IN_COMPILED_BLOCKS` says so, in compiled ones.
+expected to match bit for bit, and tests/test_fp8_rows.py bounds it as the other kernels. fp8 attention hands O
+over in e4m3 to an fp8 out_proj (minimax_h3/kernels/layers.py Fp8AttentionInput / Fp8AttentionOutput) in eager
+blocks and, as the out_proj method's `o_rows_in_compiled_blocks` says, in compiled ones.
+
+Launch parameters (rows per program, warps) are per-device data: minimax_h3/kernels/tuning.json.
 """
 
 from __future__ import annotations
@@ -57,15 +58,11 @@ from .fp8_attention import dequantize_o
 from .registry import FP8_E4M3_MAX, FP8_SCALE_FLOOR, Fp8Rows, quantize_fp8_rowwise
 from .qk_norm_rope import rms_norm
 from .triton_ops import KernelFallback, interpreting, libdevice, log_once, tl, triton
+from .tuning import launch_params
 
 log = logging.getLogger(__name__)
 _FALLBACK = KernelFallback("modulation + fp8 row quantisation", log)
 
-DEFAULT_BLOCK_ROWS = 1  # rows per program; the whole row (C channels, padded to a power of two) sits in registers
-# Among the fastest of benchmarks/bench_fp8_rows.py's sweep on an H200 (1x8: 0.347 / 0.680 ms at 14,882 / 37,748 rows;
-# 1x4 0.351 / 0.694, 2x8 0.388 / 0.767, 1x16 0.451 / 0.948; again 1x8 0.336 / 0.886, 1x4 0.327 / 0.816).
-# None beats Inductor's fusion (0.295 / 0.749 ms): eager blocks only (docs/performance.md).
-DEFAULT_NUM_WARPS = 8
 MAX_CHANNELS = 16384  # a wider row would spill registers
 
 
@@ -118,40 +115,45 @@ def modulate_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float, shift: torch
 
 @torch.library.custom_op("h3stages::modulate_fp8_rows", mutates_args=())
 def modulate_fp8_rows_op(x: torch.Tensor, weight: torch.Tensor, eps: float, shift: torch.Tensor,
-                         scale: torch.Tensor, r: torch.Tensor, block_rows: int = DEFAULT_BLOCK_ROWS,
-                         num_warps: int = DEFAULT_NUM_WARPS) -> tuple[torch.Tensor, torch.Tensor]:
+                         scale: torch.Tensor, r: torch.Tensor, block_rows: int | None = None,
+                         num_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The Triton kernel as a torch op (opaque to torch.compile): arguments as `launch`, returns (q, scale)."""
     return launch(x, weight, eps, shift, scale, r, block_rows, num_warps)
 
 
 @modulate_fp8_rows_op.register_fake
-def _(x, weight, eps, shift, scale, r, block_rows=DEFAULT_BLOCK_ROWS, num_warps=DEFAULT_NUM_WARPS):
+def _(x, weight, eps, shift, scale, r, block_rows=None, num_warps=None):
     return _empty_rows(x, x.shape[0], x.shape[1])
 
 
 def launch(x: torch.Tensor, weight: torch.Tensor, eps: float, shift: torch.Tensor, scale: torch.Tensor,
-           r: torch.Tensor, block_rows: int = DEFAULT_BLOCK_ROWS,
-           num_warps: int = DEFAULT_NUM_WARPS) -> tuple[torch.Tensor, torch.Tensor]:
+           r: torch.Tensor, block_rows: int | None = None,
+           num_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Runs the kernel: x [rows, C] fp32 (any strides), gain [C], shift / scale [M * 3, C] fp32 (any strides, e.g.
     column chunks of the AdaLN output), r [rows] -> (q [rows, C] e4m3, scale [rows, 1] fp32), both new and
     contiguous. Raises ValueError for arguments it does not serve (`unsupported`); block_rows (rows per program, a
-    power of two) and num_warps tune the launch (`_grid`)."""
+    power of two) and num_warps tune the launch (`_grid`; None: the device's, minimax_h3/kernels/tuning.json)."""
     reason = unsupported(x, weight, shift, scale, r)
     if reason is not None:
         raise ValueError(f"the Triton modulation + fp8 quantisation kernel does not serve this call: {reason}")
     rows, c = x.shape
-    return _launch_rows(_modulate_fp8_kernel, _FALLBACK.what, (x, weight, shift, scale, r), rows, c,
+    return _launch_rows(_modulate_fp8_kernel, "modulate_fp8_rows", _FALLBACK.what, (x, weight, shift, scale, r),
+                        rows, c,
                         (c, 1.0 / c, eps, *x.stride(), weight.stride(0), *shift.stride(), *scale.stride(),
                          r.stride(0)), block_rows, num_warps)
 
 
-def _launch_rows(kernel, what: str, inputs: tuple, rows: int, width: int, args: tuple, block_rows: int,
-                 num_warps: int, **meta) -> tuple[torch.Tensor, torch.Tensor]:
+def _launch_rows(kernel, name: str, what: str, inputs: tuple, rows: int, width: int, args: tuple,
+                 block_rows: int | None, num_warps: int | None, **meta) -> tuple[torch.Tensor, torch.Tensor]:
     """The three row kernels' launch: allocates their outputs (`_empty_rows` [rows, width], on the first input's
     device) and runs `kernel(*inputs, q, q_scale, rows, *args)` over `_grid` with the shared constants (e4m3 range,
-    scale floor, BLOCK_R = block_rows, BLOCK_C = width padded to a power of two) and `meta`. No FMA contraction
-    (enable_fp_fusion=False): products and sums round as the references' separate ops do."""
+    scale floor, BLOCK_R = block_rows, BLOCK_C = width padded to a power of two) and `meta`. block_rows / num_warps
+    None: the device's tuned ones (tuning.json entry `name`). No FMA contraction (enable_fp_fusion=False): products
+    and sums round as the references' separate ops do."""
     like = inputs[0]
+    tuned = launch_params(name, like.device)
+    block_rows = tuned["block_rows"] if block_rows is None else block_rows
+    num_warps = tuned["num_warps"] if num_warps is None else num_warps
     q, q_scale = _empty_rows(like, rows, width)
     if rows == 0:
         return q, q_scale
@@ -180,17 +182,6 @@ def _grid(rows: int, block_rows: int) -> tuple[int]:
 
 # --- SwiGLU + fp8 row quantisation: the MLP's silu(gate) * value, handed to an fp8 fc2 -----------------------------
 
-# Whether minimax_h3/dit/model.py's MLP uses the kernel inside torch.compile'd blocks too (eager blocks always do, where
-# fc2 takes fp8 rows). True: on an H200 it beats Inductor's own fusion of the same ops, alone (below) and in the
-# model (22.3 / 51.4 ms per step against 24.6 / 57.3 ms: docs/performance_history.md).
-SWIGLU_IN_COMPILED_BLOCKS = True
-# Rows per program x warps (the whole row, 2 x F channels with F padded to a power of two, sits in registers): the
-# fastest of the same benchmark's sweep on an H200 (F = 14,336, ms at 14,882 / 37,748 rows): 1x32
-# 0.525 / 0.985 against Inductor's 0.634 / 1.431; 1x16 0.712 / 1.487, 2x16 0.683 / 1.362, 4x16 0.689 / 1.334,
-# 1x8 0.828 / 1.752, 1x4 0.770 / 1.587. sm_90: 1x32 takes 32 registers per thread, no spills, with Triton 3.6 (the
-# GPU image's) and 3.9; 3.6 gives 1x16 78 and spills at 2x16 / 4x16 (benchmarks/kernel_registers.py).
-SWIGLU_BLOCK_ROWS = 1
-SWIGLU_NUM_WARPS = 32
 _SWIGLU_FALLBACK = KernelFallback("SwiGLU + fp8 row quantisation", log)
 
 
@@ -229,19 +220,19 @@ def swiglu_fp8(y: torch.Tensor) -> Fp8Rows:
 
 
 @torch.library.custom_op("h3stages::swiglu_fp8_rows", mutates_args=())
-def swiglu_fp8_rows_op(y: torch.Tensor, block_rows: int = SWIGLU_BLOCK_ROWS,
-                       num_warps: int = SWIGLU_NUM_WARPS) -> tuple[torch.Tensor, torch.Tensor]:
+def swiglu_fp8_rows_op(y: torch.Tensor, block_rows: int | None = None,
+                       num_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The Triton SwiGLU kernel as a torch op (opaque to torch.compile): arguments as `swiglu_launch`."""
     return swiglu_launch(y, block_rows, num_warps)
 
 
 @swiglu_fp8_rows_op.register_fake
-def _(y, block_rows=SWIGLU_BLOCK_ROWS, num_warps=SWIGLU_NUM_WARPS):
+def _(y, block_rows=None, num_warps=None):
     return _empty_rows(y, y.shape[0], y.shape[1] // 2)
 
 
-def swiglu_launch(y: torch.Tensor, block_rows: int = SWIGLU_BLOCK_ROWS,
-                  num_warps: int = SWIGLU_NUM_WARPS) -> tuple[torch.Tensor, torch.Tensor]:
+def swiglu_launch(y: torch.Tensor, block_rows: int | None = None,
+                  num_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Runs the kernel: y [rows, 2F] bf16 (any row stride, e.g. a view; contiguous columns) -> (q [rows, F] e4m3,
     scale [rows, 1] fp32), both new and contiguous. Raises ValueError for arguments it does not serve
     (`swiglu_unsupported`); block_rows and num_warps tune the launch (`_grid`)."""
@@ -249,8 +240,8 @@ def swiglu_launch(y: torch.Tensor, block_rows: int = SWIGLU_BLOCK_ROWS,
     if reason is not None:
         raise ValueError(f"the Triton SwiGLU + fp8 quantisation kernel does not serve this call: {reason}")
     rows, f = y.shape[0], y.shape[1] // 2
-    return _launch_rows(_swiglu_fp8_kernel, _SWIGLU_FALLBACK.what, (y,), rows, f, (f, y.stride(0)), block_rows,
-                        num_warps, CUDA=not interpreting(_swiglu_fp8_kernel))
+    return _launch_rows(_swiglu_fp8_kernel, "swiglu_fp8_rows", _SWIGLU_FALLBACK.what, (y,), rows, f,
+                        (f, y.stride(0)), block_rows, num_warps, CUDA=not interpreting(_swiglu_fp8_kernel))
 
 
 if triton is not None:
@@ -350,24 +341,13 @@ if triton is not None:
 
 # --- O dequantisation + fp8 row quantisation: fp8 attention's e4m3 O, handed to an fp8 out_proj -------------------
 
-# Whether minimax_h3/dit/model.py uses the kernel inside torch.compile'd blocks too (eager blocks always do, where out_proj
-# takes fp8 rows and attention hands O over in e4m3). True: on an H200 it beats Inductor's own fusion of the same
-# ops, alone (below) and in the model (8.6 / 20.1 ms per step at its first launch, 1x8, against 12.5 / 28.9 ms for
-# Inductor's two kernels: docs/performance_history.md).
-O_ROWS_IN_COMPILED_BLOCKS = True
-# Rows per program x warps (the whole row, H x D channels padded to a power of two, sits in registers): the best
-# of benchmarks/bench_fp8_rows.py --ops orows on an H200 (56 heads x 128, ms at 14,882 / 37,748 rows):
-# 1x4 0.222 / 0.438; 1x8 0.353 / 0.590, 1x16 0.274 / 0.525, 1x32 0.237 / 0.632, 2x16 0.296 / 0.394, 4x16, 2x32,
-# 4x32 slower; Inductor's fusion 0.450 / 0.857. Registers (benchmarks/kernel_registers.py, sm_90, Triton 3.6): 1x4 114
-# per thread, 4 rows in flight per SM; 1x8 58, 4; 1x16 43, 2; 1x32 30, 2.
-O_ROWS_BLOCK_ROWS = 1
-O_ROWS_NUM_WARPS = 4
 _O_ROWS_FALLBACK = KernelFallback("O dequantisation + fp8 row quantisation", log)
 
 
 def o_rows_fp8_reference(o8: torch.Tensor, o_scale: torch.Tensor, o_shift: torch.Tensor | None) -> Fp8Rows:
     """The previous three steps in plain torch (any device): fp8 attention's `dequantize_o` to bf16, the rows of
-    all heads side by side (minimax_h3/dit/model.py Attention.project_out), then `quantize_fp8_rowwise`.
+    all heads side by side (minimax_h3/kernels/layers.py, the plain method's `apply_fp8_o`), then
+    `quantize_fp8_rowwise`.
     o8 [H, rows, D] e4m3, o_scale [H, 1, 1] fp32, o_shift [H, 1, D] fp32 or None -> Fp8Rows (q [rows, H * D])."""
     h, rows, d = o8.shape
     o = dequantize_o(o8, o_scale, o_shift, torch.bfloat16)
@@ -409,21 +389,21 @@ def o_rows_fp8(o8: torch.Tensor, o_scale: torch.Tensor, o_shift: torch.Tensor | 
 
 @torch.library.custom_op("h3stages::o_rows_fp8", mutates_args=())
 def o_rows_fp8_op(o8: torch.Tensor, o_scale: torch.Tensor, o_shift: torch.Tensor | None,
-                  block_rows: int = O_ROWS_BLOCK_ROWS,
-                  num_warps: int = O_ROWS_NUM_WARPS) -> tuple[torch.Tensor, torch.Tensor]:
+                  block_rows: int | None = None,
+                  num_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The Triton O-rows kernel as a torch op (opaque to torch.compile): arguments as `o_rows_launch`."""
     return o_rows_launch(o8, o_scale, o_shift, block_rows, num_warps)
 
 
 @o_rows_fp8_op.register_fake
-def _(o8, o_scale, o_shift, block_rows=O_ROWS_BLOCK_ROWS, num_warps=O_ROWS_NUM_WARPS):
+def _(o8, o_scale, o_shift, block_rows=None, num_warps=None):
     h, rows, d = o8.shape
     return _empty_rows(o8, rows, h * d)
 
 
 def o_rows_launch(o8: torch.Tensor, o_scale: torch.Tensor, o_shift: torch.Tensor | None,
-                  block_rows: int = O_ROWS_BLOCK_ROWS,
-                  num_warps: int = O_ROWS_NUM_WARPS) -> tuple[torch.Tensor, torch.Tensor]:
+                  block_rows: int | None = None,
+                  num_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Runs the kernel: o8 [H, rows, D] e4m3 (any head and row strides, e.g. a row slice of the whole O; contiguous
     D), o_scale [H, 1, 1] / o_shift [H, 1, D] fp32 (any strides) or None -> (q [rows, H * D] e4m3, scale [rows, 1]
     fp32), both new and contiguous. Raises ValueError for arguments it does not serve (`o_rows_unsupported`);
@@ -437,7 +417,7 @@ def o_rows_launch(o8: torch.Tensor, o_scale: torch.Tensor, o_shift: torch.Tensor
     # the GPU image's Triton 3.6 converts through shared memory, 24 % more instructions at 1x8 (sm_90 SASS).
     col_scale = o_scale.reshape(h, 1).expand(h, d).contiguous()
     shift = col_scale[:, None] if o_shift is None else o_shift  # (a pointer the kernel never reads without a shift)
-    return _launch_rows(_o_rows_fp8_kernel, _O_ROWS_FALLBACK.what, (o8, col_scale, shift), rows, h * d,
+    return _launch_rows(_o_rows_fp8_kernel, "o_rows_fp8", _O_ROWS_FALLBACK.what, (o8, col_scale, shift), rows, h * d,
                         (h * d, o8.stride(0), o8.stride(1), shift.stride(0), shift.stride(2)), block_rows, num_warps,
                         D=d, HAS_SHIFT=o_shift is not None)
 

@@ -28,15 +28,11 @@ import torch
 
 from .registry import FP8_E4M3_MAX
 from .triton_ops import KernelFallback, interpreting, log_once, tl, triton
+from .tuning import launch_params
 
 log = logging.getLogger(__name__)
 _FALLBACK = KernelFallback("q/k RMSNorm + RoPE", log)
 
-# Rows per program x warps: the fastest of benchmarks/bench_qk_norm_rope.py's sweep on an H200 (16x4
-# 0.564 / 1.292 ms at S = 14,882 / 37,748 with bf16 out, 0.489 / 1.185 ms with e4m3 q/k; 32x4 0.590 / 1.471 and
-# 0.533 / 1.237; 64x8 slower still). A [16, 128] tile is 4 KiB of bf16, read in 256-byte rows.
-DEFAULT_BLOCK_ROWS = 16
-DEFAULT_NUM_WARPS = 4
 SECTIONS = 3  # q, k, v
 E4M3 = torch.float8_e4m3fn
 
@@ -155,8 +151,7 @@ def _reference_op(y: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tenso
 def qk_norm_rope_op(y: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float,
                     cos: torch.Tensor | None, sin: torch.Tensor | None, qk_out: torch.Tensor,
                     v_out: torch.Tensor | None, qk_mult: torch.Tensor | None = None,
-                    block_rows: int = DEFAULT_BLOCK_ROWS,
-                    num_warps: int = DEFAULT_NUM_WARPS) -> None:
+                    block_rows: int | None = None, num_warps: int | None = None) -> None:
     """The Triton kernel as a torch op that writes `qk_out` and `v_out` (opaque to torch.compile); arguments as
     `launch`."""
     launch(y, q_weight, k_weight, eps, cos, sin, qk_out, v_out, qk_mult, block_rows, num_warps)
@@ -165,12 +160,16 @@ def qk_norm_rope_op(y: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Ten
 def launch(y: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float, cos: torch.Tensor | None,
            sin: torch.Tensor | None, qk_out: torch.Tensor, v_out: torch.Tensor | None,
            qk_mult: torch.Tensor | None = None,
-           block_rows: int = DEFAULT_BLOCK_ROWS, num_warps: int = DEFAULT_NUM_WARPS) -> None:
+           block_rows: int | None = None, num_warps: int | None = None) -> None:
     """Runs the kernel: y [rows, 3, heads, D] (any strides), gains [D], cos/sin [rows, r] fp32 or both None,
     qk_out [2, 1, heads, rows, D] and v_out [1, heads, rows, D] or None (any strides, e.g. row slices of bigger
     buffers),
     qk_mult [2] fp32 with an e4m3 qk_out, or None. Raises ValueError for arguments it does not serve
-    (`unsupported`). block_rows (a power of two) and num_warps tune the launch."""
+    (`unsupported`). block_rows (a power of two) and num_warps tune the launch (None: the device's,
+    minimax_h3/kernels/tuning.json)."""
+    tuned = launch_params("qk_norm_rope", y.device)
+    block_rows = tuned["block_rows"] if block_rows is None else block_rows
+    num_warps = tuned["num_warps"] if num_warps is None else num_warps
     rope = (cos, sin) if cos is not None else None
     if (cos is None) != (sin is None):
         raise ValueError("pass both cos and sin, or neither")

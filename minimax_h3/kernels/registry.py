@@ -21,7 +21,9 @@ bound (or that raises / returns non-finite values), and picks the fastest surviv
 so a forced kernel that is broken on this machine fails at start-up, not mid-request.
 
 The result (`KernelSelection`) carries (op, kernel, reason) rows for the Status RPC, a factory for linear modules
-and the attention callable to hand to the model (`H3DiT(attention_fn=...)` / `H3DiT.set_attention_fn`).
+and the attention callable to hand to the model (`H3DiT(attention_fn=...)` / `H3DiT.set_attention_fn`). How each
+linear and the attention then compute inside a block (and what they fuse) is their method's:
+minimax_h3/kernels/layers.py.
 """
 
 from __future__ import annotations
@@ -93,8 +95,7 @@ class Fp8Unavailable(RuntimeError):
 class Fp8Rows(NamedTuple):
     """Activation rows already quantised for an fp8 linear (as `quantize_fp8_rowwise` returns them): q [rows, K]
     float8 e4m3, scale [rows, 1] fp32, row i = q[i] * scale[i]. Made by minimax_h3/kernels/fp8_rows.py's fused kernels
-    (modulation, SwiGLU, attention output); linears whose class has `accepts_fp8_rows = True` take it in place of a
-    tensor."""
+    (modulation, SwiGLU, attention output); Fp8RowwiseLinear takes it in place of a tensor."""
     q: torch.Tensor
     scale: torch.Tensor
 
@@ -144,10 +145,9 @@ class Fp8RowwiseLinear(nn.Module):
     un-rotated, then re-quantised per row -- the int8 rounding is kept, fp8 rounding is added on top).
     On CUDA sm_89+ the GEMM is torch._scaled_mm (bf16/fp16 out). Elsewhere it raises Fp8Unavailable, unless
     `emulate=True`, which runs the same quantisation math in fp32 (slow; for tests and CPU parity checks).
-    The input is a tensor [..., in] (quantised here) or Fp8Rows [rows, in] quantised upstream (`accepts_fp8_rows`).
+    The input is a tensor [..., in] (quantised here) or Fp8Rows [rows, in] quantised upstream: its method
+    (minimax_h3/kernels/layers.py Fp8RowsMethod) hands it rows quantised by a fused neighbour.
     """
-
-    accepts_fp8_rows = True  # forward takes Fp8Rows too (minimax_h3/dit/model.py checks it before making them)
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False,
                  out_dtype: torch.dtype = torch.bfloat16, emulate: bool = False, device=None,
@@ -158,6 +158,9 @@ class Fp8RowwiseLinear(nn.Module):
                              f"got {in_features}/{out_features}; use a dense kernel for this layer")
         if out_dtype not in (torch.bfloat16, torch.float16, torch.float32):
             raise ValueError(f"out_dtype must be bf16, fp16 or fp32, got {out_dtype}")
+        from .layers import FP8_ROWS  # (layers imports the fused kernels, which import this module)
+
+        self.linear_method = FP8_ROWS
         self.in_features, self.out_features = in_features, out_features
         self.out_dtype = out_dtype
         self.emulate = emulate
