@@ -18,7 +18,7 @@ from dataclasses import replace
 
 import torch
 
-from minimax_h3.contract import RenderSpec
+from minimax_h3.contract import SAMPLE_OUTPUTS, VIDEO_LATENTS, RenderSpec, tensor_shapes
 from minimax_h3.vae.audio import AudioVAE, AudioVAEConfig, random_init_
 from minimax_h3.vae.tiling import StreamingAssembler, plan_decode
 from minimax_h3.vae.video import VideoVAE, VideoVAEConfig, decode_unit
@@ -85,7 +85,7 @@ def main():
     for size in args.sizes:
         w, h, f = (int(x) for x in size.split("x"))
         spec = RenderSpec(width=w, height=h, frames=f)
-        lat = torch.randn(24, spec.latent_frames, h // 16, w // 16)
+        lat = torch.randn(tensor_shapes(SAMPLE_OUTPUTS, spec)[VIDEO_LATENTS])
         plan = plan_decode(vcfg, *lat.shape[1:])
         asm = StreamingAssembler(plan)
         per_rank = []

@@ -24,7 +24,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from minimax_h3.contract import RenderSpec
+from minimax_h3.contract import TEXT_STATES, RenderSpec
 
 
 def swap_cost(clients, repeats: int) -> dict[str, dict[str, float]]:
@@ -84,7 +84,7 @@ def calibrate(device: str, sizes: list[str], text_len: int, chunk_rows: int) -> 
             torch.cuda.reset_peak_memory_stats()
             base = torch.cuda.memory_allocated()
         t0 = time.monotonic()
-        eng.run(spec, {"text_states": text}, JobContext(group, None, "dit"))
+        eng.run(spec, {TEXT_STATES: text}, JobContext(group, None, "dit"))
         secs = time.monotonic() - t0
         row = {"size": size, "weights_mib": eng.weight_bytes() / 2**20, "resident_mib": eng.resident_bytes() / 2**20,
                "estimate_mib": eng.estimate_bytes(spec, text_len) / 2**20, "step_s": secs}

@@ -293,6 +293,8 @@ def check_mp4(path: Path, frames: int, width: int, height: int) -> dict:
     """PyAV: H.264 video of the expected size and frame count (every frame decoded), AAC 32 kHz stereo audio."""
     import av
 
+    from minimax_h3.contract import AUDIO_CHANNELS, AUDIO_SAMPLE_RATE
+
     out: dict = {"bytes": path.stat().st_size}
     with av.open(str(path)) as c:
         v = c.streams.video[0]
@@ -305,8 +307,8 @@ def check_mp4(path: Path, frames: int, width: int, height: int) -> dict:
                        channels=getattr(a, "channels", None) or a.layout.nb_channels)
         out["duration_s"] = round(c.duration / 1e6, 3) if c.duration else None
     out["ok"] = (out["video_codec"] == "h264" and (out["width"], out["height"]) == (width, height)
-                 and out["frames"] == frames and out.get("audio_codec") == "aac" and out.get("sample_rate") == 32000
-                 and out.get("channels") == 2)
+                 and out["frames"] == frames and out.get("audio_codec") == "aac"
+                 and out.get("sample_rate") == AUDIO_SAMPLE_RATE and out.get("channels") == AUDIO_CHANNELS)
     return out
 
 

@@ -219,7 +219,7 @@ def dit_engine_bench(models: Path, cap_gb: float, tiny: bool) -> dict:
     import torch
 
     from dit_svc.engine import DiTEngine, DiTEngineConfig
-    from minimax_h3.contract import RenderSpec
+    from minimax_h3.contract import AUDIO_LATENTS, TEXT_STATES, VIDEO_LATENTS, RenderSpec
     from stagekit.dist import RankGroup, RankInfo
 
     cuda = torch.cuda.is_available() and not tiny
@@ -257,7 +257,7 @@ def dit_engine_bench(models: Path, cap_gb: float, tiny: bool) -> dict:
             copied0 = eng.stream.bytes_copied
             ctx = _Ctx()
             t0 = time.monotonic()
-            res = eng.run(spec, {"text_states": text}, ctx)
+            res = eng.run(spec, {TEXT_STATES: text}, ctx)
             wall = time.monotonic() - t0
             p = eng.placement
             per_step = sorted(ctx.step_ms[1:] or ctx.step_ms)
@@ -269,7 +269,7 @@ def dit_engine_bench(models: Path, cap_gb: float, tiny: bool) -> dict:
             if cuda:
                 row[mode].update(peak_alloc_gib=round(torch.cuda.max_memory_allocated(dev) / GIB, 3),
                                  peak_reserved_gib=round(torch.cuda.max_memory_reserved(dev) / GIB, 3))
-            results[mode] = (_sha(res["video_latents"]), _sha(res["audio_latents"]))
+            results[mode] = (_sha(res[VIDEO_LATENTS]), _sha(res[AUDIO_LATENTS]))
             eng.cfg.memory_cap_bytes = eng.cfg.memory_limit_bytes = 0
             if cuda:
                 torch.cuda.set_per_process_memory_fraction(1.0, dev)

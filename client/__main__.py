@@ -78,8 +78,7 @@ def _render_requests(args, prompts: list[str], keyframes: dict[str, bytes]):
     upscale = parse_size(args.upscale) if args.upscale else (0, 0)
     reqs = []
     for i, p in enumerate(prompts):
-        spec = _spec(args, p)
-        validate(spec, need_prompt=True)
+        spec = _spec(args, p)  # valid: render_inputs validated it
         check_output(spec, args.crf, *upscale)  # the render service's and the decoder's own rule
         key = f"{args.idempotency_key}-{i}" if args.idempotency_key and len(prompts) > 1 else args.idempotency_key
         reqs.append(render_request(spec, crf=args.crf, loras=loras, upscale=upscale, idempotency_key=key or "",

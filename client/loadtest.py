@@ -34,13 +34,12 @@ import grpc
 
 from client.stubs import SERVICE_NAMES, STAGES, StageClients
 from h3.v1 import common_pb2, decoder_pb2, encoder_pb2
-from minimax_h3.contract import RenderSpec
+from minimax_h3.contract import (AUDIO_LATENTS, SAMPLE_OUTPUTS, TEXT_STATES, VIDEO_LATENTS, RenderSpec,
+                                 tensor_shapes)
 
 if TYPE_CHECKING:  # torch is imported where tensors are made: the CLI that registers this command stays torch-free
     import torch
 
-# The stage contract's latent shapes (dit.proto): video [24, T, H/16, W/16], audio [2, 32, Ta].
-VIDEO_LATENT_CHANNELS, AUDIO_CHANNELS, AUDIO_LATENT_CHANNELS = 24, 2, 32
 METHODS = {"encoder": ["/h3.v1.TextEncoder/Encode"], "dit": ["/h3.v1.DiTSampler/Sample"],
            "decoder": ["/h3.v1.Decoder/Decode"]}
 METHODS["pipeline"] = METHODS["encoder"] + METHODS["dit"] + METHODS["decoder"]
@@ -181,9 +180,8 @@ class _Inputs:
         g = self._gen(i)
         # For an invalid spec, latents of the *valid* shape: the server must reject the declared size.
         ok = RenderSpec(width=self.cfg.width, height=self.cfg.height, frames=spec.frames)
-        video = torch.randn((VIDEO_LATENT_CHANNELS, ok.latent_frames, ok.height // 16, ok.width // 16), generator=g)
-        audio = torch.randn((AUDIO_CHANNELS, AUDIO_LATENT_CHANNELS, ok.audio_latents), generator=g)
-        return video, audio
+        shapes = tensor_shapes(SAMPLE_OUTPUTS, ok)  # minimax_h3.contract: video [24, T, H/16, W/16], audio [2, 32, Ta]
+        return tuple(torch.randn(shapes[n], generator=g) for n in SAMPLE_OUTPUTS)
 
 
 def _counted(it: Iterator, rec: RequestRecord, kind: str) -> Iterator:
@@ -213,7 +211,7 @@ def _encode(clients: StageClients, prompt: str, job_id: str, rec: RequestRecord,
     done = stage_events(clients.encoder.Encode(encoder_pb2.EncodeRequest(prompt=prompt, job_id=job_id),
                                                timeout=timeout_s, metadata=clients.security.metadata()),
                         "encoder", tensor=_received(rec, asm.feed))
-    states = asm.finish(["text_states"])["text_states"]
+    states = asm.finish([TEXT_STATES])[TEXT_STATES]
     rec.cache_hit = done.cache_hit
     rec.stages.append(StageTiming("encoder", t0 - t_req, time.monotonic() - t0, _timing_dict(done.timing)))
     return states
@@ -233,9 +231,9 @@ def _sample(clients: StageClients, spec: RenderSpec, text: torch.Tensor, job_id:
     done = stage_events(clients.dit.Sample(_counted(_sample_inputs(spec, job_id, text), rec, "tensor"),
                                            timeout=timeout_s, metadata=clients.security.metadata()),
                         "DiT", progress, tensor=_received(rec, asm.feed))
-    out = asm.finish(["video_latents", "audio_latents"])
+    out = asm.finish(list(SAMPLE_OUTPUTS))
     rec.stages.append(StageTiming("dit", t0 - t_req, time.monotonic() - t0, _timing_dict(done.timing)))
-    return out["video_latents"], out["audio_latents"]
+    return out[VIDEO_LATENTS], out[AUDIO_LATENTS]
 
 
 def _decode(clients: StageClients, spec: RenderSpec, video: torch.Tensor, audio: torch.Tensor, job_id: str,

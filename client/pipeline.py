@@ -19,7 +19,9 @@ import torch
 
 from client.stubs import StageClients
 from h3.v1 import common_pb2, decoder_pb2, dit_pb2, encoder_pb2
-from minimax_h3.contract import RenderSpec, spec_to_proto
+from minimax_h3.contract import (AUDIO_LATENTS, ENCODED_KEYFRAME, ENCODED_REFERENCE_AUDIO, ENCODED_REFERENCE_VIDEO,
+                                 RAW_AUDIO, RAW_FRAMES, SAMPLE_OUTPUTS, TEXT_STATES, TEXT_TAGS, VIDEO_LATENTS,
+                                 RenderSpec, ref_tensor, spec_to_proto)
 from stagekit.transport import FileReceiver
 from stagekit.uploads import uploaded
 from stagekit.wire import TensorAssembler, tensor_chunks
@@ -92,12 +94,12 @@ def encode(clients: StageClients, prompt: str, job_id: str = "", on_progress: Pr
                                     references=refs, frames=frames if references else 0)
     stream = clients.encoder.Encode(req, timeout=timeout, metadata=metadata)
     on_call(stream)
-    out, done = _drain(stream, on_progress, ["text_states"], "encoder")
-    states = out["text_states"]
+    out, done = _drain(stream, on_progress, [TEXT_STATES], "encoder")
+    states = out[TEXT_STATES]
     result = StageResult("encoder", time.monotonic() - t0, done.timing,
                          {"tokens": done.tokens, "cache_hit": done.cache_hit})
     if with_tags:
-        tags = out.get("text_tags")
+        tags = out.get(TEXT_TAGS)
         if tags is None:
             tags = torch.ones(states.shape[0], dtype=torch.int64)
         return states, tags, result
@@ -113,8 +115,8 @@ def encode_image(clients: StageClients, image: bytes, width: int, height: int, j
         decoder_pb2.EncodeImageRequest(image=image, width=width, height=height, job_id=job_id),
         timeout=timeout_s or DEADLINES["decoder"], metadata=clients.security.metadata())
     on_call(stream)
-    out, done = _drain(stream, on_progress, ["latents"], "decoder EncodeImage")
-    latents = out["latents"]
+    out, done = _drain(stream, on_progress, [ENCODED_KEYFRAME], "decoder EncodeImage")
+    latents = out[ENCODED_KEYFRAME]
     return latents, StageResult("decoder", time.monotonic() - t0, done.timing, {"op": "encode_image"})
 
 
@@ -139,12 +141,12 @@ def encode_reference(clients: StageClients, reference: common_pb2.Reference, fra
 
 
 def reference_tensors(index: int, latents: dict[str, torch.Tensor], kind: str) -> dict[str, torch.Tensor]:
-    """The DiT's wire names of reference `index`'s latents (minimax_h3/dit/references.py)."""
+    """The DiT's wire names of reference `index`'s latents (minimax_h3.contract.ref_tensor)."""
     out = {}
-    if "video" in latents:
-        out[f"ref_{index}_{'image' if kind == 'image' else 'video'}"] = latents["video"]
-    if "audio" in latents:
-        out[f"ref_{index}_audio"] = latents["audio"]
+    if ENCODED_REFERENCE_VIDEO in latents:
+        out[ref_tensor(index, "image" if kind == "image" else "video")] = latents[ENCODED_REFERENCE_VIDEO]
+    if ENCODED_REFERENCE_AUDIO in latents:
+        out[ref_tensor(index, "audio")] = latents[ENCODED_REFERENCE_AUDIO]
     return out
 
 
@@ -154,7 +156,7 @@ def _sample_inputs(spec: RenderSpec, job_id: str, text_states: torch.Tensor,
     req = dit_pb2.SampleRequest(job_id=job_id, loras=[dit_pb2.LoraSpec(name=n, strength=s) for n, s in loras])
     spec_to_proto(spec, req.params)
     yield dit_pb2.SampleInput(request=req)
-    for name, t in (("text_states", text_states), *(extra or {}).items()):
+    for name, t in ((TEXT_STATES, text_states), *(extra or {}).items()):
         for chunk in tensor_chunks(name, t):
             yield dit_pb2.SampleInput(tensor=chunk)
 
@@ -164,14 +166,14 @@ def sample(clients: StageClients, spec: RenderSpec, text_states: torch.Tensor, j
            extra: dict[str, torch.Tensor] | None = None,
            loras: Sequence[tuple[str, float]] = (), on_call: CallFn = _noop
            ) -> tuple[torch.Tensor, torch.Tensor, StageResult]:
-    """`extra`: fl2va tensors ("keyframe_first" / "keyframe_last" latents, "text_tags"). `loras`: (file name in
+    """`extra`: fl2va / ref2va tensors (keyframe or reference latents, text tags; minimax_h3.contract). `loras`: (file name in
     the DiT server's loras dir, strength) pairs applied for this request."""
     t0 = time.monotonic()
     stream = clients.dit.Sample(_sample_inputs(spec, job_id, text_states, extra, loras),
                                 timeout=timeout_s or DEADLINES["dit"], metadata=clients.security.metadata())
     on_call(stream)
-    out, done = _drain(stream, on_progress, ["video_latents", "audio_latents"], "DiT")
-    return out["video_latents"], out["audio_latents"], StageResult(
+    out, done = _drain(stream, on_progress, list(SAMPLE_OUTPUTS), "DiT")
+    return out[VIDEO_LATENTS], out[AUDIO_LATENTS], StageResult(
         "dit", time.monotonic() - t0, done.timing, {"ms_per_step": done.ms_per_step, "ranks": done.world_size})
 
 
@@ -181,7 +183,7 @@ def _decode_inputs(spec: RenderSpec, job_id: str, video: torch.Tensor, audio: to
                                     upscale_height=upscale[1])
     spec_to_proto(spec, req.params)
     yield decoder_pb2.DecodeInput(request=req)
-    for name, t in (("video_latents", video), ("audio_latents", audio)):
+    for name, t in ((VIDEO_LATENTS, video), (AUDIO_LATENTS, audio)):
         for chunk in tensor_chunks(name, t):
             yield decoder_pb2.DecodeInput(tensor=chunk)
 
@@ -209,7 +211,7 @@ def decode_raw(clients: StageClients, spec: RenderSpec, video: torch.Tensor, aud
     t0 = time.monotonic()
     stream = clients.decoder.Decode(_decode_inputs(spec, job_id, video, audio, decoder_pb2.RAW, 0),
                                     timeout=timeout_s or DEADLINES["decoder"], metadata=clients.security.metadata())
-    out, done = _drain(stream, on_progress, ["frames", "audio"], "decoder")
-    return out["frames"], out["audio"], StageResult(
+    out, done = _drain(stream, on_progress, [RAW_FRAMES, RAW_AUDIO], "decoder")
+    return out[RAW_FRAMES], out[RAW_AUDIO], StageResult(
         "decoder", time.monotonic() - t0, done.timing,
         {"frames": done.frames, "audio_samples": done.audio_samples, "ranks": done.world_size})

@@ -20,12 +20,13 @@ from pathlib import Path
 
 import torch
 
-from minimax_h3.contract import DEFAULT_CRF, RenderSpec, validate
+from minimax_h3.contract import (AUDIO_HOP, AUDIO_LATENTS, AUDIO_SAMPLE_RATE, DEFAULT_CRF, ENCODED_KEYFRAME,
+                                 ENCODED_REFERENCE_AUDIO, ENCODED_REFERENCE_VIDEO, H3_GEOMETRY, RAW_AUDIO, RAW_FRAMES,
+                                 SAMPLE_OUTPUTS, VIDEO_LATENTS, LatentGeometry, RenderSpec, tensor_shapes)
 from minimax_h3.files import CHECKPOINT_PARTS, ensure_embedded, resolve_checkpoint
 from minimax_h3.media import EMBEDDED_REFERENCE_SIZES, ReferenceSizes
 from minimax_h3.mux import DEFAULT_PRESET
-from minimax_h3.vae.audio import (HOP_LENGTH, SAMPLE_RATE, AudioVAEConfig, inspect_audio_vae, load_audio_vae,
-                                  write_tiny_audio_vae)
+from minimax_h3.vae.audio import AudioVAEConfig, inspect_audio_vae, load_audio_vae, write_tiny_audio_vae
 from minimax_h3.vae.tiling import StreamingAssembler, plan_decode
 from minimax_h3.vae.video import VideoVAEConfig, decode_unit, inspect_video_vae, load_video_vae, write_tiny_video_vae
 from stagekit.checkpoints import CheckpointError
@@ -47,20 +48,6 @@ AUDIO_PATTERNS, AUDIO_EXCLUDE = CHECKPOINT_PARTS["audio_vae"].patterns, CHECKPOI
 EMBEDDED_VIDEO, EMBEDDED_AUDIO = "video_vae_tiny_untiled_fp16.safetensors", "audio_vae_tiny_d128.safetensors"
 EMBEDDED_SEED = 0
 EMBEDDED_PRESET = "ultrafast"  # x264 on noise: the slower presets spend their time on detail nobody watches
-STEREO = 2
-
-
-@dataclass(frozen=True)
-class LatentGeometry:
-    """The latents a decoder takes, from the configs of the VAEs it serves (H3: 24 channels at 1/16 of the pixels,
-    stereo audio rows of 32 channels)."""
-
-    video_channels: int = 24
-    spatial_ratio: int = 16
-    audio_channels: int = 32
-
-
-H3_GEOMETRY = LatentGeometry()
 # The latent clock a render spec counts in (frames 17n+5 -> 5n+2 latent frames; 40 audio latents/s at 32 kHz).
 H3_VIDEO_CLOCK = VideoVAEConfig.full()
 
@@ -93,16 +80,10 @@ def resolve_weights(cfg: DecoderEngineConfig) -> tuple[Path, Path, bool]:
     return v, a, embedded
 
 
-def expected_shapes(spec: RenderSpec, geometry: LatentGeometry = H3_GEOMETRY) -> dict[str, tuple[int, ...]]:
-    r = geometry.spatial_ratio
-    return {"video_latents": (geometry.video_channels, spec.latent_frames, spec.height // r, spec.width // r),
-            "audio_latents": (STEREO, geometry.audio_channels, spec.audio_latents)}
-
-
 def check_latents(spec: RenderSpec, inputs: dict, geometry: LatentGeometry = H3_GEOMETRY) -> None:
-    """Shapes must agree with the declared frames/size; NaN/Inf rejected. Raises InvalidArgument."""
-    validate(spec)
-    for name, want in expected_shapes(spec, geometry).items():
+    """Shapes must agree with the (valid) spec's frames/size (minimax_h3.contract's tensor table); NaN/Inf
+    rejected. Raises InvalidArgument."""
+    for name, want in tensor_shapes(SAMPLE_OUTPUTS, spec, geometry).items():
         t = inputs.get(name)
         if t is None:
             raise InvalidArgument(f"missing tensor {name!r}")
@@ -153,10 +134,10 @@ class DecoderEngine:
             raise CheckpointError(self.video_path, f"video VAE config ({self.video_info.config_source}) has another "
                                                    f"latent clock than H3's ({', '.join(clock)}); this decoder "
                                                    "serves latents counted on the H3 clock")
-        if (a.hop_length, a.sample_rate) != (HOP_LENGTH, SAMPLE_RATE):
+        if (a.hop_length, a.sample_rate) != (AUDIO_HOP, AUDIO_SAMPLE_RATE):
             raise CheckpointError(self.audio_path, f"audio VAE config ({self.audio_info.config_source}) has hop "
                                                    f"{a.hop_length} at {a.sample_rate} Hz; H3 latents are hop "
-                                                   f"{HOP_LENGTH} at {SAMPLE_RATE} Hz")
+                                                   f"{AUDIO_HOP} at {AUDIO_SAMPLE_RATE} Hz")
         if not self.audio_info.has_stats:
             raise CheckpointError(self.audio_path, "no latents_mean / latents_std in the file and no config giving "
                                                    "them: decoding needs them; pass the audio_vae folder with its "
@@ -238,7 +219,7 @@ class DecoderEngine:
         latents = self.video_encoder.encode(pixels.to(self.cfg.device), autocast_dtype=autocast).float().cpu()
         check_result("decoder", "keyframe latents (video VAE encode)", latents, "channel")
         ctx.progress(1, 1)
-        return {"latents": latents}
+        return {ENCODED_KEYFRAME: latents}
 
     @torch.inference_mode()
     def encode_reference(self, media, ctx) -> dict:
@@ -254,14 +235,14 @@ class DecoderEngine:
             ctx.progress(0, 1, message=f"{media.kind} reference: video VAE")
             pixels = torch.from_numpy(media.vae_frames).permute(3, 0, 1, 2).contiguous()  # [3, N, H, W] uint8
             autocast = None if self.cfg.weight_dtype == torch.float32 else self.cfg.weight_dtype
-            out["video"] = self.video_encoder.encode(pixels.to(self.cfg.device), autocast_dtype=autocast).float().cpu()
+            out[ENCODED_REFERENCE_VIDEO] = self.video_encoder.encode(pixels.to(self.cfg.device), autocast_dtype=autocast).float().cpu()
         if media.audio is not None:
             if self.audio_encoder is None:
                 ctx.progress(0, 1, phase="loading", message="audio VAE encoder")
                 self._load_audio_encoder()
             ctx.progress(0, 1, message=f"{media.kind} reference: audio VAE")
             wave = torch.from_numpy(media.audio).to(self.cfg.device).unsqueeze(1)  # [2, 1, samples]
-            out["audio"] = self.audio_encoder.normalize(self.audio_encoder.encode(wave)).float().cpu()
+            out[ENCODED_REFERENCE_AUDIO] = self.audio_encoder.normalize(self.audio_encoder.encode(wave)).float().cpu()
         ctx.progress(1, 1)
         return out
 
@@ -274,7 +255,7 @@ class DecoderEngine:
         if self.video is None:  # resident for keyframe encodes only: add the decode path
             ctx.progress(0, 1, phase="loading", message="video + audio VAE decoders")
             self.load()
-        video_lat = inputs["video_latents"].float()
+        video_lat = inputs[VIDEO_LATENTS].float()
         plan = plan_decode(self.video.cfg, *video_lat.shape[1:])
         n, rank = self.group.world_size, self.group.info.rank
         audio_rank = self._audio_rank(len(plan))
@@ -309,7 +290,7 @@ class DecoderEngine:
             ctx.progress(k + 1, rounds, message=f"video tiles x chunks ({len(plan)} units on {ranks})")
         audio = None
         if self.group.info.rank == audio_rank:
-            audio = self.audio.decode_rows(self.audio.batch_to_rows(inputs["audio_latents"].float())).cpu()
+            audio = self.audio.decode_rows(self.audio.batch_to_rows(inputs[AUDIO_LATENTS].float())).cpu()
         # The audio is small ([2, samples]): it travels as a pickled object over the control group.
         gathered = self.group.gather_objects(audio)
         if not leader:
@@ -327,7 +308,7 @@ class DecoderEngine:
 
         fmt, name = job["format"], job["output_name"]
         if fmt == "raw":
-            return {"frames": torch.from_numpy(frames_to_uint8(frames)), "audio": audio.float()}
+            return {RAW_FRAMES: torch.from_numpy(frames_to_uint8(frames)), RAW_AUDIO: audio.float()}
         suffix = ".wav" if fmt == "wav" else ".mp4"
         fd, tmp = tempfile.mkstemp(prefix="h3dec-", suffix=suffix, dir=self.cfg.out_dir)
         os.close(fd)

@@ -10,9 +10,10 @@ from pathlib import Path
 
 import torch
 
-from decoder_svc.engine import DecoderEngine, DecoderEngineConfig, check_latents, expected_shapes
+from decoder_svc.engine import DecoderEngine, DecoderEngineConfig, check_latents
 from h3.v1 import common_pb2, decoder_pb2, decoder_pb2_grpc
-from minimax_h3.contract import check_output, spec_from_proto, validate
+from minimax_h3.contract import (ENCODED_KEYFRAME, ENCODED_REFERENCE_AUDIO, ENCODED_REFERENCE_VIDEO, RAW_AUDIO, RAW_FRAMES,
+                                 SAMPLE_OUTPUTS, check_output, spec_from_proto, tensor_shapes, validate)
 from minimax_h3.files import safe_name
 from minimax_h3.images import Keyframe, admit_keyframe, check_canvas
 from minimax_h3.media import admit_reference, load_reference, reference_decode_bytes
@@ -71,7 +72,7 @@ class DecoderServicer(LifecycleMixin, UploadMixin, decoder_pb2_grpc.DecoderServi
         default_name = f"{req.job_id or 'render'}.{'wav' if fmt == 'wav' else 'mp4'}"
         name = safe_name(req.output_name, safe_name(default_name, "render.mp4"))
         try:
-            shapes = expected_shapes(spec, self.engine.geometry)
+            shapes = tensor_shapes(SAMPLE_OUTPUTS, spec, self.engine.geometry)
         except (ValueError, ZeroDivisionError) as e:
             raise InvalidArgument(str(e)) from None
         asm = TensorAssembler(expect={n: (FLOAT_DTYPES, s) for n, s in shapes.items()},
@@ -110,10 +111,10 @@ class DecoderServicer(LifecycleMixin, UploadMixin, decoder_pb2_grpc.DecoderServi
                     out["file"].unlink(missing_ok=True)
                 frames, samples = out["frames"], out["audio_samples"]
             else:
-                for name in ("frames", "audio"):
+                for name in (RAW_FRAMES, RAW_AUDIO):
                     for chunk in tensor_chunks(name, out[name]):
                         yield decoder_pb2.DecodeEvent(tensor=chunk)
-                frames, samples = out["frames"].shape[0], out["audio"].shape[-1]
+                frames, samples = out[RAW_FRAMES].shape[0], out[RAW_AUDIO].shape[-1]
             job.timing["transfer_s"] = recv_s + time.monotonic() - t0
             yield decoder_pb2.DecodeEvent(done=decoder_pb2.DecodeDone(
                 timing=timing_pb(job.timing), frames=frames, audio_samples=samples,
@@ -159,7 +160,7 @@ class DecoderServicer(LifecycleMixin, UploadMixin, decoder_pb2_grpc.DecoderServi
         job = Job(spec={"op": "encode_image", "width": request.width, "height": request.height}, inputs={},
                   prepare=lambda: {"image": keyframe.load()}, input_bytes=keyframe.decode_bytes)
         job.job_id = request.job_id or job.job_id
-        yield from self._encode_job(job, context, decoder_pb2.EncodeImageEvent, ("latents",),
+        yield from self._encode_job(job, context, decoder_pb2.EncodeImageEvent, (ENCODED_KEYFRAME,),
                                     lambda timing, _: decoder_pb2.EncodeImageDone(timing=timing, width=request.width,
                                                                                   height=request.height))
 
@@ -172,7 +173,8 @@ class DecoderServicer(LifecycleMixin, UploadMixin, decoder_pb2_grpc.DecoderServi
                                                            self.engine.reference_sizes)},
                   input_bytes=reference_decode_bytes(ref.kind, request.frames))
         job.job_id = request.job_id or job.job_id
-        yield from self._encode_job(job, context, decoder_pb2.EncodeReferenceEvent, ("video", "audio"),
+        yield from self._encode_job(job, context, decoder_pb2.EncodeReferenceEvent,
+                                    (ENCODED_REFERENCE_VIDEO, ENCODED_REFERENCE_AUDIO),
                                     lambda timing, out: decoder_pb2.EncodeReferenceDone(timing=timing, **out["info"]))
 
 

@@ -16,18 +16,19 @@ from pathlib import Path
 
 import torch
 
-from minimax_h3.contract import RenderSpec, validate
+from minimax_h3.contract import (AUDIO_CHANNELS, AUDIO_LATENTS, KEYFRAME_TENSORS, PARTITIONS, TEXT_STATES, TEXT_TAGS,
+                                 VAE_SPATIAL, VIDEO_LATENTS, LatentGeometry, RenderSpec, check_partition,
+                                 has_references, keyframe_anchors, needed_partition)
 from minimax_h3.dit.assembly import assemble_dit, kernel_linears
-from minimax_h3.dit.checkpoint import (PARTITIONS, CheckpointInfo, check_checkpoint, load_dit_weights,
+from minimax_h3.dit.checkpoint import (CheckpointInfo, check_checkpoint, load_dit_weights,
                                        partition_undecided)
 from minimax_h3.dit.config import TAG_TEXT, TAG_VIDEO, DiTConfig
-from minimax_h3.dit.keyframes import (KEYFRAME_TENSORS, TEXT_TAGS_TENSOR, check_keyframe, check_text_tags, condition_rows,
-                                      conditioned_denoise, keyframe_anchors)
-from minimax_h3.dit.layout import (AUDIO_CHANNELS, build_layout, build_ref2va_layout, latent_shape, patchify_video,
-                                   unpatchify_audio, unpatchify_video)
+from minimax_h3.dit.keyframes import check_keyframe, check_text_tags, condition_rows, conditioned_denoise
+from minimax_h3.dit.layout import (build_layout, build_ref2va_layout, latent_shape, patchify_video, unpatchify_audio,
+                                   unpatchify_video)
 from minimax_h3.dit.lora import LoRAError, LoRAManager, check_lora_file, config_targets, resolve_lora_path
 from minimax_h3.dit.model import H3DiT
-from minimax_h3.dit.references import REFERENCES_INPUT, References, has_references, parse_references
+from minimax_h3.dit.references import REFERENCES_INPUT, References, parse_references
 from minimax_h3.dit.sampling import SamplerConfig, draw_noise, sample
 from minimax_h3.dit.sp import ParallelGroups, make_groups, validate_parallel
 from minimax_h3.dit.streaming import BlockStream, Placement, plan_placement
@@ -208,6 +209,8 @@ class DiTEngine:
         self.partitions: dict[str, CheckpointInfo] = check_partitions(cfg, paths)
         self._select(next(iter(self.partitions)))
         self.model_cfg: DiTConfig = self.partitions[self.partition].config
+        m = self.model_cfg  # the latents this DiT takes and makes (minimax_h3.contract's tensor table)
+        self.geometry = LatentGeometry(m.in_channels, VAE_SPATIAL, m.audio_in_channels)
         if group.world_size % cfg.sp_degree:
             raise FailedPrecondition(f"--sp-degree {cfg.sp_degree} does not divide the {group.world_size} DiT ranks")
         validate_parallel(self.model_cfg, group.world_size // cfg.sp_degree, cfg.sp_degree)
@@ -390,11 +393,12 @@ class DiTEngine:
 
     def estimate_peak_bytes(self, spec: RenderSpec | None, inputs: dict) -> int:
         """The runtime's hook (stagekit.runtime.Engine)."""
-        text = inputs.get("text_states")
+        text = inputs.get(TEXT_STATES)
         rows = int(text.shape[0]) if text is not None else DEFAULT_TEXT_LEN
         if spec is not None:  # keyframe and reference rows cost like text rows; count them with the text
             _, ph, pw = self.model_cfg.patch
-            rows += len(keyframe_anchors(inputs)) * (spec.height // 16 // ph) * (spec.width // 16 // pw)
+            lh, lw = spec.latent_size
+            rows += len(keyframe_anchors(inputs)) * (lh // ph) * (lw // pw)
             refs: References | None = inputs.get(REFERENCES_INPUT)
             if refs is not None:
                 rows += sum(v.shape[1] * (v.shape[2] // ph) * (v.shape[3] // pw) for v in refs.visual)
@@ -402,32 +406,25 @@ class DiTEngine:
         return self.estimate_bytes(spec, rows)
 
     # ---- validation (rank 0, before any rank starts work) ---------------------------------------------------------
-    def check_request(self, spec: RenderSpec, text_states: torch.Tensor) -> None:
-        validate(spec)
-        SamplerConfig.from_params(spec).validate()
+    def check_request(self, text_states: torch.Tensor) -> None:
+        """A request's text states against this DiT (its render spec is valid: the server validated it on entry, by
+        minimax_h3.contract's rules, which hold the sampler's)."""
         want = self.model_cfg.text_dim
         if text_states.ndim != 2 or text_states.shape[1] != want or text_states.shape[0] == 0:
             raise InvalidArgument(
-                f"text_states must be [L, {want}] for this DiT (L >= 1), got {list(text_states.shape)}; "
+                f"{TEXT_STATES} must be [L, {want}] for this DiT (L >= 1), got {list(text_states.shape)}; "
                 f"was it produced by a matching text encoder?")
         if text_states.dtype not in (torch.bfloat16, torch.float16, torch.float32):
-            raise InvalidArgument(f"text_states must be float32, bfloat16 or float16, got {text_states.dtype}")
+            raise InvalidArgument(f"{TEXT_STATES} must be float32, bfloat16 or float16, got {text_states.dtype}")
 
     def check_partition(self, wants_references: bool) -> None:
         """A request must reach the partition trained for it: references need the ref2va file, text / keyframe
-        requests the fl2va one (the other file renders poor video without an error). Raises FailedPrecondition."""
-        want = "ref2va" if wants_references else "fl2va"
-        if want not in self.partitions:
-            what = "a request with references" if wants_references else "a text or first/last-frame request"
-            have = ", ".join(f"{p} ({i.path.name})" for p, i in self.partitions.items())
-            raise FailedPrecondition(
-                f"{what} needs the MiniMax-H3 {want} DiT file (minimax_h3_{want}_*.safetensors, or the release's "
-                f"{'transformer_ref' if want == 'ref2va' else 'transformer'}/ folder, in the models folder), but this "
-                f"DiT serves {have} only")
+        requests the fl2va one (minimax_h3.contract.check_partition). Raises FailedPrecondition."""
+        check_partition(wants_references, {p: str(i.path) for p, i in self.partitions.items()})
 
     def check_conditioning(self, spec: RenderSpec, text_states: torch.Tensor, inputs: dict) -> dict:
-        """fl2va extras: optional "keyframe_first"/"keyframe_last" latents [24,1,H/16,W/16] and "text_tags" [L];
-        ref2va: the `ref_{i}_*` reference latents (minimax_h3/dit/references.py), returned as one References entry.
+        """fl2va extras: optional keyframe latents [24,1,H/16,W/16] and text tags [L]; ref2va: the reference latents
+        (minimax_h3/dit/references.py), returned as one References entry (names: minimax_h3.contract).
         Returns the validated extras (tags as int64); raises InvalidArgument / FailedPrecondition (partition)."""
         out = {}
         shp = latent_shape(self.model_cfg, spec.frames, spec.height, spec.width)
@@ -444,9 +441,8 @@ class DiTEngine:
                 name = KEYFRAME_TENSORS[anchor]
                 check_keyframe(name, inputs[name], self.model_cfg.in_channels, shp.latent_height, shp.latent_width)
                 out[name] = inputs[name].float()
-            if TEXT_TAGS_TENSOR in inputs:
-                out[TEXT_TAGS_TENSOR] = check_text_tags(inputs[TEXT_TAGS_TENSOR], text_states.shape[0], TAG_TEXT,
-                                                        TAG_VIDEO)
+            if TEXT_TAGS in inputs:
+                out[TEXT_TAGS] = check_text_tags(inputs[TEXT_TAGS], text_states.shape[0], TAG_TEXT, TAG_VIDEO)
         except ValueError as e:
             raise InvalidArgument(str(e)) from None
         return out
@@ -475,12 +471,12 @@ class DiTEngine:
             raise FailedPrecondition("DiT not loaded")
         mcfg, dev = self.model_cfg, self.cfg.device
         refs: References | None = inputs.get(REFERENCES_INPUT)  # ref2va: references (validated on rank 0)
-        self.use_partition("ref2va" if refs is not None else "fl2va")
+        self.use_partition(needed_partition(refs is not None))
         self.loras.activate(inputs.get("loras", ()))  # unmerged, cached per rank; [] restores the base model
-        text = inputs["text_states"].to(dev)
+        text = inputs[TEXT_STATES].to(dev)
         shape = latent_shape(mcfg, spec.frames, spec.height, spec.width)
         anchors = keyframe_anchors(inputs)  # fl2va: keyframe latents (validated on rank 0 before the job ran)
-        tags = inputs.get(TEXT_TAGS_TENSOR)
+        tags = inputs.get(TEXT_TAGS)
         if refs is not None:
             layout = build_ref2va_layout(mcfg, text.shape[0], spec.frames, spec.height, spec.width, refs.blocks,
                                          text_tags=tags).to(dev)
@@ -521,7 +517,7 @@ class DiTEngine:
         # agree bit for bit, and a render repeated with the same seed must log the same hashes.
         log.info("final latents rank=%d %dx%dx%d seed=%d video_sha256=%s audio_sha256=%s", self.group.info.rank,
                  spec.width, spec.height, spec.frames, spec.seed, _sha256(video), _sha256(audio))
-        return {"video_latents": video, "audio_latents": audio}
+        return {VIDEO_LATENTS: video, AUDIO_LATENTS: audio}
 
     def device_room(self) -> int | None:
         """Bytes this rank may hold on its device now (None = no limit): on a GPU, the card (or the cap it is held

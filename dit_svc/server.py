@@ -10,10 +10,9 @@ from dataclasses import dataclass, field
 
 from dit_svc.engine import DiTEngine, DiTEngineConfig
 from h3.v1 import dit_pb2, dit_pb2_grpc, common_pb2
-from minimax_h3.contract import spec_from_proto, validate
+from minimax_h3.contract import (KEYFRAME_TENSORS, SAMPLE_INPUTS, SAMPLE_OUTPUTS, TENSORS, TEXT_STATES, spec_from_proto,
+                                 tensor_shapes, validate)
 from minimax_h3.dit.checkpoint import QKVLayout
-from minimax_h3.dit.keyframes import KEYFRAME_TENSORS, TEXT_TAGS_TENSOR
-from minimax_h3.dit.references import REF_PARTS, ref_tensor, MAX_REFERENCES
 from minimax_h3.kernels.int8 import Int8Mode
 from minimax_h3.kernels.registry import AUTO, default_attention_candidates, default_linear_candidates
 from stagekit.budget import GIB, resolve_budget_bytes
@@ -24,13 +23,12 @@ from stagekit.runtime import Job
 from stagekit.server import abort_on_error
 from stagekit.servicer import LifecycleMixin, stream_job, timing_pb
 from stagekit.stage import CommonConfig, run_stage
-from stagekit.wire import FLOAT_DTYPES, TensorAssembler, check_finite, tensor_chunks
+from stagekit.wire import DTYPE_CLASSES, TensorAssembler, check_finite, tensor_chunks
 
 SERVICE = "h3.v1.DiTSampler"
 # Text states are [L, text_dim] of a float dtype; L is the encoder's prompt plus the vision tokens of keyframes and
 # references (a 2048 px square image reference adds 4,096 tokens, 40 MiB in bf16): up to ~100k rows of bf16.
 MAX_TEXT_BYTES = 1 << 30
-INT_DTYPES = ("int64", "int32", "int16", "int8", "uint8")
 
 
 @dataclass(frozen=True)
@@ -75,19 +73,12 @@ class DiTServicer(LifecycleMixin, dit_pb2_grpc.DiTSamplerServicer):
         req = first.request
         # Admission from the first message, before any tensor data is accepted (docs/reliability.md, "Uploads"):
         # the render params, the LoRAs, and the dtype/shape of every tensor they imply.
+        # The one validation of the spec in this process: the engine's checks and the job take it as valid.
         spec = validate(spec_from_proto(req.params))
         loras = self.engine.check_loras([(x.name, x.strength if x.HasField("strength") else 1.0) for x in req.loras])
-        # fl2va extras (optional): keyframe latents [24, 1, H/16, W/16] by anchor, per-token DiT tags [L] integers.
-        # ref2va extras: reference latents ref_{i}_image / ref_{i}_video / ref_{i}_audio (minimax_h3/dit/references.py).
-        m = self.engine.model_cfg
-        latent = (FLOAT_DTYPES, (m.in_channels, 1, spec.height // 16, spec.width // 16))
-        refs = {"image": (FLOAT_DTYPES, (m.in_channels, 1, None, None)),
-                "video": (FLOAT_DTYPES, (m.in_channels, None, None, None)),
-                "audio": (FLOAT_DTYPES, (2, m.audio_in_channels, None))}
-        asm = TensorAssembler(expect={"text_states": (FLOAT_DTYPES, (None, m.text_dim)),
-                                      **{n: latent for n in KEYFRAME_TENSORS.values()},
-                                      **{ref_tensor(i, p): refs[p] for i in range(MAX_REFERENCES) for p in REF_PARTS},
-                                      TEXT_TAGS_TENSOR: (INT_DTYPES, (None,))},
+        # The text states, and the fl2va (keyframes, text tags) or ref2va (references) extras: minimax_h3.contract.
+        shapes = tensor_shapes(SAMPLE_INPUTS, spec, self.engine.geometry, self.engine.model_cfg.text_dim)
+        asm = TensorAssembler(expect={n: (DTYPE_CLASSES[TENSORS[n].dtype], s) for n, s in shapes.items()},
                               max_bytes=MAX_TEXT_BYTES,
                               hints={n: f"this render's canvas needs one normalised VAE latent frame of "
                                         f"{spec.width}x{spec.height} (encode the image with the decoder's EncodeImage "
@@ -97,10 +88,10 @@ class DiTServicer(LifecycleMixin, dit_pb2_grpc.DiTSamplerServicer):
                 if msg.WhichOneof("input") != "tensor":
                     raise InvalidArgument("only tensor chunks may follow the SampleRequest")
                 asm.feed(msg.tensor)
-            tensors = asm.finish(["text_states"])
-            text = tensors["text_states"]
-            check_finite("text_states", text)
-            self.engine.check_request(spec, text)  # all validation before any rank starts work
+            tensors = asm.finish([TEXT_STATES])
+            text = tensors[TEXT_STATES]
+            check_finite(TEXT_STATES, text)
+            self.engine.check_request(text)  # all validation before any rank starts work
             extras = self.engine.check_conditioning(spec, text, tensors)
         except BaseException:
             asm.discard()  # an abandoned or rejected upload frees its buffers now
@@ -113,7 +104,7 @@ class DiTServicer(LifecycleMixin, dit_pb2_grpc.DiTSamplerServicer):
         t_recv = time.monotonic()
         req, spec, text, extras = abort_on_error(context, self._read_request, request_iterator)
         recv_s = time.monotonic() - t_recv  # the upload is part of the job's transfer time
-        job = Job(spec=spec, inputs={"text_states": text, **extras})
+        job = Job(spec=spec, inputs={TEXT_STATES: text, **extras})
         job.job_id = req.job_id or job.job_id
         steps = {"n": 0, "ms": 0.0}
 
@@ -125,7 +116,7 @@ class DiTServicer(LifecycleMixin, dit_pb2_grpc.DiTSamplerServicer):
                 yield dit_pb2.SampleEvent(progress=common_pb2.Progress(**p))
             elif ev.kind == "done":
                 t0 = time.monotonic()
-                for name in ("video_latents", "audio_latents"):
+                for name in SAMPLE_OUTPUTS:
                     for chunk in tensor_chunks(name, ev.payload[name]):
                         yield dit_pb2.SampleEvent(tensor=chunk)
                 job.timing["transfer_s"] = recv_s + time.monotonic() - t0

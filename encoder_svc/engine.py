@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from encoder_svc.cache import CacheKey, TextStateCache
+from minimax_h3.contract import TEXT_STATES, TEXT_TAGS
 from minimax_h3.files import CHECKPOINT_PARTS, EMBEDDED_VERSION, resolve_checkpoint
 from minimax_h3.media import EMBEDDED_REFERENCE_SIZES, ReferenceSizes
 from minimax_h3.text.checkpoint import TextEncoderCheckpoint
@@ -122,18 +123,18 @@ class EncoderEngine:
         else:
             states, tags = self.model.encode_ids(spec["ids"]), None
         states = states.cpu()
-        check_result("encoder", "text_states", states, "token")  # never cached nor sent when not finite
+        check_result("encoder", TEXT_STATES, states, "token")  # never cached nor sent when not finite
         prompt_only = tags is None
         if prompt_only:
             tags = torch.ones(states.shape[0], dtype=torch.int64)
         ctx.progress(1, 1)
-        return {"text_states": states, "text_tags": tags, "tokens": int(states.shape[0]), "prompt_only": prompt_only}
+        return {TEXT_STATES: states, TEXT_TAGS: tags, "tokens": int(states.shape[0]), "prompt_only": prompt_only}
 
     def on_result(self, spec: dict, result: dict) -> None:
         """In the stage process (stagekit.runtime.Engine): a plain prompt's states (no keyframes) join the prompt
         cache, which outlives the device worker."""
         if result["prompt_only"]:
-            self.cache.put(self.cache_key(spec["text"]), result["text_states"])
+            self.cache.put(self.cache_key(spec["text"]), result[TEXT_STATES])
 
     def describe(self) -> dict:
         return {"weights": str(self.path), "variant": f"{self.variant} ({self.cfg.mode})",

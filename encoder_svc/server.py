@@ -11,7 +11,7 @@ import torch
 
 from encoder_svc.engine import EncoderEngine, EncoderEngineConfig
 from h3.v1 import common_pb2, encoder_pb2, encoder_pb2_grpc
-from minimax_h3.contract import MAX_PROMPT_BYTES
+from minimax_h3.contract import MAX_PROMPT_BYTES, TEXT_STATES, TEXT_TAGS
 from minimax_h3.images import admit_keyframe
 from minimax_h3.media import ReferenceMedia, admit_reference, load_reference, reference_decode_bytes
 from minimax_h3.text.conditioner import MODES
@@ -91,9 +91,9 @@ class EncoderServicer(LifecycleMixin, UploadMixin, encoder_pb2_grpc.TextEncoderS
             tags = torch.ones(states.shape[0], dtype=torch.int64)
         # On the wire text states are bf16 whatever the compute dtype (the release encoder's output; half of fp32's
         # bytes, 10 KB per token at full size): a CPU stage computing in fp32 sends what a GPU stage sends.
-        for chunk in tensor_chunks("text_states", states.to(torch.bfloat16)):
+        for chunk in tensor_chunks(TEXT_STATES, states.to(torch.bfloat16)):
             yield encoder_pb2.EncodeEvent(tensor=chunk)
-        for chunk in tensor_chunks("text_tags", tags):
+        for chunk in tensor_chunks(TEXT_TAGS, tags):
             yield encoder_pb2.EncodeEvent(tensor=chunk)
         timing["transfer_s"] = time.monotonic() - t0
         yield encoder_pb2.EncodeEvent(done=encoder_pb2.EncodeDone(
@@ -127,8 +127,8 @@ class EncoderServicer(LifecycleMixin, UploadMixin, encoder_pb2_grpc.TextEncoderS
             if ev.kind == "progress":
                 yield encoder_pb2.EncodeEvent(progress=common_pb2.Progress(**ev.payload))
             else:
-                yield from self._send(ev.payload["text_states"], ev.payload["tokens"], False, job.timing,
-                                      ev.payload.get("text_tags"))
+                yield from self._send(ev.payload[TEXT_STATES], ev.payload["tokens"], False, job.timing,
+                                      ev.payload.get(TEXT_TAGS))
 
         yield from stream_job(self.runtime, job, context, observed(self.runtime, job, on_event))
 

@@ -1,20 +1,43 @@
-"""Input rules for a render, enforced by the client and again by every stage.
+"""H3's contract between the stages: latent geometry, the inter-stage tensors, and the render-spec rules.
 
-The numbers are the model's: frames follow the VAE's 17-frame clip rule
-(F = 17n + 5 pixel frames -> 5n + 2 latent frames), sizes are whole 32-px DiT
-rows (VAE /16 then patch 2), and the canvas bounds are those the model was
-trained on (the seeds render up to 1920x1088; 4:1 aspect either way).
+Every process that handles a render (the client, the render service, the load tester, the encoder, the DiT and the
+decoder stages) takes these facts from here and nowhere else; the module is torch-free so the thin client can
+import it. docs/model.md §3 has the model facts behind the numbers.
+
+1. **Geometry.** Frames follow the video VAE's 17-frame clip rule (F = 17n + 5 pixel frames -> T = 5n + 2 latent
+   frames); a latent covers 16x16 pixels (sizes are whole 32-px DiT rows: VAE /16 then patch 2); video latents have
+   24 channels; audio is 32 kHz stereo, one 32-channel latent per 800 samples (40 latents/s, Ta = round(F/24*40)).
+2. **Render spec.** `RenderSpec` and `validate`: the canvas bounds are those the model was trained on (the seeds
+   render up to 1920x1088; 4:1 aspect either way). Each process validates a spec once, where it enters.
+3. **Tensors.** `TENSORS` names every tensor one stage hands another, with its dtype class and its shape as a
+   function of the render spec (and of the serving model's `LatentGeometry`; None = any size).
+4. **Partitions.** Which of the two DiT files (fl2va, ref2va) a request needs, and the refusal naming it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import PurePath
+from types import MappingProxyType
+from typing import Callable, Literal, Mapping
 
-from stagekit.errors import InvalidArgument
+from stagekit.errors import FailedPrecondition, InvalidArgument
 
-FPS = 24
+# ---- 1. latent geometry (docs/model.md §3.1-3.2) -------------------------------------------------------------------
+FPS = 24                  # video frames per second
 FRAME_CLIP = 17           # VAE clip length in pixel frames
 FRAME_OFFSET = 5          # F = 17n + 5
+LATENTS_PER_CLIP = 5      # T = 5n + 2: five latent frames per clip ...
+LATENT_FRAME_OFFSET = 2   # ... and two for the first frame's clip, less the three dropped
+VAE_SPATIAL = 16          # pixels per latent on each spatial axis
+VIDEO_LATENT_CHANNELS = 24
+AUDIO_LATENT_CHANNELS = 32
+AUDIO_CHANNELS = 2        # stereo: each channel encoded alone by the mono audio VAE
+AUDIO_SAMPLE_RATE = 32000
+AUDIO_HOP = 800           # audio samples per latent
+AUDIO_LATENTS_PER_SECOND = AUDIO_SAMPLE_RATE // AUDIO_HOP  # 40
+
+# ---- render-spec bounds ------------------------------------------------------------------------------------------
 MIN_FRAMES = 22           # n = 1: the reference VAE decode rejects fewer than 3 latent frames
 MAX_FRAMES = 515          # n = 30 (trained range is ~124-362; longer is allowed, not promised)
 SIZE_MULTIPLE = 32        # one DiT row covers 32x32 pixels
@@ -36,8 +59,62 @@ MAX_OUTPUT_AREA = 3840 * 2160
 MAX_ASPECT_CHANGE = 0.10   # an upscale may stretch the picture by at most 10 % (832x480 -> 1920x1080: 2.5 %)
 
 
+def snap_frames(frames: int) -> int:
+    """Smallest valid frame count (17n + 5) >= frames."""
+    if frames < 1:
+        raise InvalidArgument(f"frames must be >= 1, got {frames}")
+    n = max(0, -(-(frames - FRAME_OFFSET) // FRAME_CLIP))
+    return FRAME_CLIP * n + FRAME_OFFSET
+
+
+def video_latent_frames(frames: int) -> int:
+    """T = 5n + 2 latent frames for F = 17n + 5 pixel frames; InvalidArgument for any other count."""
+    if frames < FRAME_OFFSET or frames % FRAME_CLIP != FRAME_OFFSET:
+        raise InvalidArgument(
+            f"frames must be of the form 17*n + 5 (e.g. 124, 141, 362), got {frames}; snap_frames({frames}) = "
+            f"{snap_frames(frames)}"
+        )
+    return (frames - FRAME_OFFSET) // FRAME_CLIP * LATENTS_PER_CLIP + LATENT_FRAME_OFFSET
+
+
+def audio_latent_count(frames: int) -> int:
+    """Ta = round(F / 24 * 40) audio latents per channel (never a .5 tie for F = 17n + 5)."""
+    return int(round(frames / FPS * AUDIO_LATENTS_PER_SECOND))
+
+
+def audio_samples(frames: int, fps: int = FPS) -> int:
+    """Audio samples per channel that last as long as `frames` video frames: round(F * 32000 / fps)."""
+    return round(frames * AUDIO_SAMPLE_RATE / fps)
+
+
+def latent_side(pixels: int) -> int:
+    """Latents along a spatial axis of `pixels` pixels."""
+    return pixels // VAE_SPATIAL
+
+
+def pixel_side(latents: int) -> int:
+    """Pixels along a spatial axis of `latents` latents."""
+    return latents * VAE_SPATIAL
+
+
+@dataclass(frozen=True)
+class LatentGeometry:
+    """The channel widths and spatial ratio of the latents a stage serves (its VAEs' or its DiT's config); H3's
+    are the defaults. The time axis is always H3's clock (`video_latent_frames`, `audio_latent_count`)."""
+
+    video_channels: int = VIDEO_LATENT_CHANNELS
+    spatial_ratio: int = VAE_SPATIAL
+    audio_channels: int = AUDIO_LATENT_CHANNELS
+
+
+H3_GEOMETRY = LatentGeometry()
+
+
+# ---- 2. the render spec --------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class RenderSpec:
+    """One render's parameters (common.proto's RenderParams, unset fields filled in); valid once `validate` passed."""
+
     prompt: str = ""
     width: int = DEFAULT_SIZE[0]
     height: int = DEFAULT_SIZE[1]
@@ -51,12 +128,18 @@ class RenderSpec:
 
     @property
     def latent_frames(self) -> int:
-        return (self.frames - FRAME_OFFSET) // FRAME_CLIP * 5 + 2
+        """T = 5n + 2 video latent frames (the spec must hold 17n + 5 frames)."""
+        return video_latent_frames(self.frames)
+
+    @property
+    def latent_size(self) -> tuple[int, int]:
+        """(H/16, W/16): the latent height and width of the canvas."""
+        return latent_side(self.height), latent_side(self.width)
 
     @property
     def audio_latents(self) -> int:
-        # 40 audio latents per second at 24 fps video (hop 800 at 32 kHz)
-        return round(self.frames / FPS * 40)
+        """Ta = round(F / 24 * 40) audio latents per channel."""
+        return audio_latent_count(self.frames)
 
 
 def nearest_valid_frames(frames: int) -> tuple[int, int]:
@@ -65,8 +148,23 @@ def nearest_valid_frames(frames: int) -> tuple[int, int]:
     return max(lo, MIN_FRAMES), max(lo + FRAME_CLIP, MIN_FRAMES)
 
 
+def check_canvas(width: int, height: int) -> None:
+    """A render canvas: whole DiT rows, within the trained sizes and aspects. Raises InvalidArgument."""
+    for name, v in (("width", width), ("height", height)):
+        if v % SIZE_MULTIPLE or not MIN_SIDE <= v <= MAX_SIDE:
+            r = max(MIN_SIDE, min(MAX_SIDE, round(v / SIZE_MULTIPLE) * SIZE_MULTIPLE))
+            raise InvalidArgument(
+                f"{name}={v} is not valid: use a multiple of {SIZE_MULTIPLE} between {MIN_SIDE} and {MAX_SIDE} (e.g. {r})")
+    if width * height > MAX_AREA:
+        raise InvalidArgument(f"{width}x{height} is larger than the model canvas ({MAX_AREA} pixels, e.g. 1920x1088)")
+    if max(width, height) / min(width, height) > MAX_ASPECT:
+        raise InvalidArgument(f"aspect ratio {width}x{height} is beyond 4:1")
+
+
 def validate(spec: RenderSpec, need_prompt: bool = False) -> RenderSpec:
-    """Raise InvalidArgument with an actionable message for the first rule broken."""
+    """Raise InvalidArgument with an actionable message for the first rule broken; returns `spec`. Each process
+    calls it once, where a spec enters it: the client's CLI, the render service's Submit, the DiT's Sample and the
+    decoder's Decode; what runs after takes the spec as valid."""
     if need_prompt and not spec.prompt.strip():
         raise InvalidArgument("prompt is empty; describe the video (and its sound) to generate")
     f = spec.frames
@@ -76,17 +174,7 @@ def validate(spec: RenderSpec, need_prompt: bool = False) -> RenderSpec:
         raise InvalidArgument(
             f"frames={f} is not valid: frame counts must be 17n+5 between {MIN_FRAMES} and {MAX_FRAMES} "
             f"(nearest valid: {near}; 124 = 5.2 s at 24 fps)")
-    for name, v in (("width", spec.width), ("height", spec.height)):
-        if v % SIZE_MULTIPLE or not MIN_SIDE <= v <= MAX_SIDE:
-            r = max(MIN_SIDE, min(MAX_SIDE, round(v / SIZE_MULTIPLE) * SIZE_MULTIPLE))
-            raise InvalidArgument(
-                f"{name}={v} is not valid: use a multiple of {SIZE_MULTIPLE} between {MIN_SIDE} and {MAX_SIDE} (e.g. {r})")
-    if spec.width * spec.height > MAX_AREA:
-        raise InvalidArgument(
-            f"{spec.width}x{spec.height} is larger than the model canvas ({MAX_AREA} pixels, e.g. 1920x1088)")
-    aspect = max(spec.width, spec.height) / min(spec.width, spec.height)
-    if aspect > MAX_ASPECT:
-        raise InvalidArgument(f"aspect ratio {spec.width}x{spec.height} is beyond 4:1")
+    check_canvas(spec.width, spec.height)
     if not MIN_STEPS <= spec.steps <= MAX_STEPS:
         raise InvalidArgument(f"steps={spec.steps} is not valid: use {MIN_STEPS}..{MAX_STEPS} (default {DEFAULT_STEPS})")
     if not 0 <= spec.seed <= MAX_SEED:
@@ -152,3 +240,114 @@ def spec_to_proto(spec: RenderSpec, msg) -> None:
     msg.width, msg.height, msg.frames, msg.steps, msg.seed = spec.width, spec.height, spec.frames, spec.steps, spec.seed
     msg.sampler, msg.scheduler = spec.sampler, spec.scheduler
     msg.video_shift, msg.audio_shift = spec.video_shift, spec.audio_shift
+
+
+# ---- 3. inter-stage tensors ----------------------------------------------------------------------------------------
+TEXT_STATES = "text_states"      # encoder -> DiT
+TEXT_TAGS = "text_tags"          # encoder -> DiT (prompts with vision blocks)
+VIDEO_LATENTS = "video_latents"  # DiT -> decoder
+AUDIO_LATENTS = "audio_latents"  # DiT -> decoder
+KEYFRAME_ANCHORS = ("first", "last")
+REFERENCE_KINDS = ("image", "video", "audio")  # a reference is an image, a video (with or without sound) or a sound
+MAX_REFERENCES = 12              # the released ref2va checkpoint's limit (diffusers enforces the same)
+REF_PREFIX = "ref_"
+
+
+def keyframe_tensor(anchor: str) -> str:
+    """Wire name of the fl2va keyframe latent at `anchor` ("first" | "last")."""
+    return f"keyframe_{anchor}"
+
+
+def ref_tensor(index: int, part: str) -> str:
+    """Wire name of ref2va reference `index`'s (0-based, request order) `part` ("image" | "video" | "audio")."""
+    return f"{REF_PREFIX}{index}_{part}"
+
+
+KEYFRAME_TENSORS = MappingProxyType({a: keyframe_tensor(a) for a in KEYFRAME_ANCHORS})
+REF_TENSOR_NAMES = tuple(ref_tensor(i, p) for i in range(MAX_REFERENCES) for p in REFERENCE_KINDS)
+
+# The decoder's results for its caller (decoder.proto): EncodeImage's keyframe latent [24, 1, H/16, W/16] (sent
+# on as `keyframe_tensor(anchor)`), EncodeReference's latents [24, T, h, w] and/or [2, 32, Ta] (sent on as
+# `ref_tensor(i, ...)`), and a RAW Decode's uint8 frames [F, H, W, 3] and float audio [2, N] at AUDIO_SAMPLE_RATE.
+ENCODED_KEYFRAME = "latents"
+ENCODED_REFERENCE_VIDEO, ENCODED_REFERENCE_AUDIO = "video", "audio"
+RAW_FRAMES, RAW_AUDIO = "frames", "audio"
+
+Shape = tuple[int | None, ...]
+
+
+@dataclass(frozen=True)
+class TensorRule:
+    """One inter-stage tensor: its dtype class ("float" or "int") and its shape for a render spec and the serving
+    model's latent geometry (None = any size; `text_dim` is the encoder's / DiT's hidden width)."""
+
+    name: str
+    dtype: Literal["float", "int"]
+    shape: Callable[[RenderSpec, LatentGeometry, int | None], Shape]
+    meaning: str
+
+
+def _keyframe_shape(s: RenderSpec, g: LatentGeometry, _d) -> Shape:
+    return (g.video_channels, 1, s.height // g.spatial_ratio, s.width // g.spatial_ratio)
+
+
+_RULES = [
+    TensorRule(TEXT_STATES, "float", lambda s, g, d: (None, d), "[L, text_dim] prompt (and vision-token) states"),
+    TensorRule(TEXT_TAGS, "int", lambda s, g, d: (None,), "[L] DiT modality tag per text_states row"),
+    TensorRule(VIDEO_LATENTS, "float",
+               lambda s, g, d: (g.video_channels, s.latent_frames, s.height // g.spatial_ratio,
+                                s.width // g.spatial_ratio), "[24, T, H/16, W/16] sampled video latents"),
+    TensorRule(AUDIO_LATENTS, "float", lambda s, g, d: (AUDIO_CHANNELS, g.audio_channels, s.audio_latents),
+               "[2, 32, Ta] sampled audio latents, one item per stereo channel"),
+    *(TensorRule(keyframe_tensor(a), "float", _keyframe_shape,
+                 f"[24, 1, H/16, W/16] normalised VAE latent of the {a} frame (fl2va)") for a in KEYFRAME_ANCHORS),
+    *(r for i in range(MAX_REFERENCES) for r in (
+        TensorRule(ref_tensor(i, "image"), "float", lambda s, g, d: (g.video_channels, 1, None, None),
+                   "[24, 1, h, w] latent of an image reference at its own size (ref2va)"),
+        TensorRule(ref_tensor(i, "video"), "float", lambda s, g, d: (g.video_channels, None, None, None),
+                   "[24, T, h, w] latents of a video reference on its own canvas (ref2va)"),
+        TensorRule(ref_tensor(i, "audio"), "float", lambda s, g, d: (AUDIO_CHANNELS, g.audio_channels, None),
+                   "[2, 32, Ta] audio latents of a reference's sound (ref2va)"))),
+]
+TENSORS: Mapping[str, TensorRule] = MappingProxyType({r.name: r for r in _RULES})
+SAMPLE_INPUTS = (TEXT_STATES, TEXT_TAGS, *KEYFRAME_TENSORS.values(), *REF_TENSOR_NAMES)  # what the DiT takes
+SAMPLE_OUTPUTS = (VIDEO_LATENTS, AUDIO_LATENTS)  # what the DiT returns and the decoder takes
+
+
+def tensor_shapes(names, spec: RenderSpec, geometry: LatentGeometry = H3_GEOMETRY,
+                  text_dim: int | None = None) -> dict[str, Shape]:
+    """{name: shape} of `names` for a render spec (see TENSORS)."""
+    return {n: TENSORS[n].shape(spec, geometry, text_dim) for n in names}
+
+
+def has_references(names) -> bool:
+    """Whether a request's tensors include ref2va references."""
+    return any(n.startswith(REF_PREFIX) for n in names)
+
+
+def keyframe_anchors(names) -> tuple[str, ...]:
+    """Anchors whose keyframe tensor is among `names`, in packed order (first before last)."""
+    return tuple(a for a in KEYFRAME_ANCHORS if keyframe_tensor(a) in names)
+
+
+# ---- 4. which DiT file a request needs ---------------------------------------------------------------------------
+PARTITIONS = ("fl2va", "ref2va")  # fl2va: text, first/last frame; ref2va: image / video / audio references
+
+
+def needed_partition(wants_references: bool) -> str:
+    """The MiniMax-H3 partition trained for a request: references need ref2va, text / keyframe requests fl2va (the
+    other file renders poor video without an error)."""
+    return "ref2va" if wants_references else "fl2va"
+
+
+def check_partition(wants_references: bool, served: Mapping[str, str]) -> None:
+    """Refuse a request whose partition none of the `served` DiT files ({partition: file path}) provides, naming
+    the file it needs. An empty `served` (not known) passes. Raises FailedPrecondition."""
+    want = needed_partition(wants_references)
+    if served and want not in served:
+        what = "a render with references" if wants_references else "a text or first/last-frame render"
+        have = ", ".join(f"{p} ({PurePath(f).name})" for p, f in served.items())
+        raise FailedPrecondition(
+            f"{what} needs the MiniMax-H3 {want} DiT file (minimax_h3_{want}_*.safetensors, or the release's "
+            f"{'transformer_ref' if want == 'ref2va' else 'transformer'}/ folder, in the models folder), but the "
+            f"DiT serves {have} only")

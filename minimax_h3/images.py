@@ -19,13 +19,13 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from minimax_h3.contract import SIZE_MULTIPLE, check_canvas as check_render_canvas
 from stagekit.errors import InvalidArgument
 
 if TYPE_CHECKING:  # imported where pixels are made: the client admits a keyframe file with PIL alone
     import torch
 
 MAX_IMAGE_BYTES = 6 << 20          # one gRPC message (8 MiB limit) with room for the rest of the request
-CANVAS_MULTIPLE = 32               # H3 canvases (VAE /16, DiT patch 2)
 # A keyframe may have up to this many times the canvas's pixels per side (16x its area) before it is decoded: more
 # is never needed to cover the canvas, and it bounds what a small file can cost (an 8000x8000 PNG is a few hundred
 # KB but 190 MB of pixels). JPEGs above it are decoded at a reduced DCT scale when that brings them under it.
@@ -35,13 +35,11 @@ DECODE_BYTES_PER_PIXEL = 8         # the decoded image (up to RGBA) + its RGB co
 
 def check_canvas(width: int, height: int) -> None:
     """The keyframe's target: a valid render canvas (the render size), checked before any image is read."""
-    from minimax_h3.contract import RenderSpec, validate
-
     for name, v in (("width", width), ("height", height)):
-        if v <= 0 or v % CANVAS_MULTIPLE:
-            raise InvalidArgument(f"keyframe target {name}={v} must be a positive multiple of {CANVAS_MULTIPLE} "
+        if v <= 0 or v % SIZE_MULTIPLE:
+            raise InvalidArgument(f"keyframe target {name}={v} must be a positive multiple of {SIZE_MULTIPLE} "
                                   "(the render size)")
-    validate(RenderSpec(width=width, height=height))
+    check_render_canvas(width, height)
 
 
 def keyframe_pixel_cap(width: int, height: int) -> int:
@@ -145,8 +143,8 @@ def fit_to_canvas(image: torch.Tensor, width: int, height: int) -> torch.Tensor:
     from PIL import Image
 
     for name, v in (("width", width), ("height", height)):
-        if v <= 0 or v % CANVAS_MULTIPLE:
-            raise InvalidArgument(f"keyframe target {name}={v} must be a positive multiple of {CANVAS_MULTIPLE}")
+        if v <= 0 or v % SIZE_MULTIPLE:
+            raise InvalidArgument(f"keyframe target {name}={v} must be a positive multiple of {SIZE_MULTIPLE}")
     if not isinstance(image, torch.Tensor) or image.dtype != torch.uint8 or image.ndim != 3 or image.shape[2] != 3 \
             or min(image.shape[:2]) < 1:
         got = f"{image.dtype} {list(image.shape)}" if isinstance(image, torch.Tensor) else type(image).__name__

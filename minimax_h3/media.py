@@ -14,16 +14,14 @@ from fractions import Fraction
 
 import numpy as np
 
+from minimax_h3.contract import (AUDIO_SAMPLE_RATE, FPS, FRAME_CLIP, FRAME_OFFSET, MIN_FRAMES, REFERENCE_KINDS,
+                                 SIZE_MULTIPLE)
 from minimax_h3.images import MAX_IMAGE_BYTES
 from stagekit.errors import InvalidArgument
 from stagekit.uploads import MAX_FILE_BYTES
 
-MODEL_FPS = 24
-AUDIO_RATE = 32_000  # the audio VAE's sample rate
-REFERENCE_KINDS = ("image", "video", "audio")
 # An image reference is encoded at a short edge of its own, whatever the render canvas (docs/model.md §3.4).
 IMAGE_SHORT_EDGE = 2048
-CANVAS_MULTIPLE = 32
 # A video reference goes onto the canvas of its own aspect, by the target's rule: short edge 768, area <= 768 x 1344.
 CANVAS_SHORT_EDGE = 768
 CANVAS_MAX_PIXELS = 768 * 1344
@@ -36,9 +34,6 @@ MAX_SOURCE_PIXELS = 4096 * 4096
 MAX_SOURCE_FPS = 120
 # Video references are VAE-encoded in whole clips: the frame count is snapped *down* to 17n + 5 (n >= 1), so a clip
 # is never padded; a reference shorter than one clip is refused (docs/references.md).
-CLIP_FRAMES = 17
-CLIP_TAIL = 5
-MIN_REFERENCE_FRAMES = CLIP_FRAMES + CLIP_TAIL
 
 
 @dataclass(frozen=True)
@@ -62,7 +57,7 @@ class ReferenceSizes:
 EMBEDDED_REFERENCE_SIZES = ReferenceSizes(image_short_edge=256, video_short_edge=256)
 
 
-def resample_frames(frames: np.ndarray, fps: float, target_fps: int = MODEL_FPS) -> np.ndarray:
+def resample_frames(frames: np.ndarray, fps: float, target_fps: int = FPS) -> np.ndarray:
     """uint8 [N, H, W, 3] frames at `fps` -> the same frames on a `target_fps` grid (FFmpeg `fps` filter)."""
     import av
 
@@ -101,10 +96,10 @@ def resample_frames(frames: np.ndarray, fps: float, target_fps: int = MODEL_FPS)
 
 def reference_clip_frames(frames: int) -> int:
     """Frames of a video reference the VAE encodes: snapped down to 17n + 5, n >= 1."""
-    if frames < MIN_REFERENCE_FRAMES:
-        raise ValueError(f"a video reference needs at least {MIN_REFERENCE_FRAMES} frames at {MODEL_FPS} fps "
-                         f"({MIN_REFERENCE_FRAMES / MODEL_FPS:.2f} s), got {frames}")
-    return (frames - CLIP_TAIL) // CLIP_FRAMES * CLIP_FRAMES + CLIP_TAIL
+    if frames < MIN_FRAMES:
+        raise ValueError(f"a video reference needs at least {MIN_FRAMES} frames at {FPS} fps "
+                         f"({MIN_FRAMES / FPS:.2f} s), got {frames}")
+    return (frames - FRAME_OFFSET) // FRAME_CLIP * FRAME_CLIP + FRAME_OFFSET
 
 
 def canvas_for(width: float, height: float, short_edge: int = CANVAS_SHORT_EDGE,
@@ -118,8 +113,8 @@ def canvas_for(width: float, height: float, short_edge: int = CANVAS_SHORT_EDGE,
     if w * h > max_pixels:
         scale = (max_pixels / (w * h)) ** 0.5
         w, h = w * scale, h * scale
-    return (max(CANVAS_MULTIPLE, round(h / CANVAS_MULTIPLE) * CANVAS_MULTIPLE),
-            max(CANVAS_MULTIPLE, round(w / CANVAS_MULTIPLE) * CANVAS_MULTIPLE))
+    return (max(SIZE_MULTIPLE, round(h / SIZE_MULTIPLE) * SIZE_MULTIPLE),
+            max(SIZE_MULTIPLE, round(w / SIZE_MULTIPLE) * SIZE_MULTIPLE))
 
 
 @dataclass(frozen=True)
@@ -143,8 +138,8 @@ class ReferenceMedia:
     @property
     def seconds(self) -> float:
         if self.frames is not None and self.kind == "video":
-            return self.vae_frames.shape[0] / MODEL_FPS
-        return 0.0 if self.audio is None else self.audio.shape[1] / AUDIO_RATE
+            return self.vae_frames.shape[0] / FPS
+        return 0.0 if self.audio is None else self.audio.shape[1] / AUDIO_SAMPLE_RATE
 
     def info(self) -> dict:
         """The EncodeReferenceDone fields (what the VAE encodes)."""
@@ -167,8 +162,8 @@ def normalize_image(pixels: np.ndarray, short_edge: int = IMAGE_SHORT_EDGE) -> n
     if max(w, h) > MAX_ASPECT * min(w, h):
         raise ValueError(f"an image reference must be within 1:4 and 4:1, got {w}x{h}")
     scale = short_edge / min(w, h)
-    th = max(CANVAS_MULTIPLE, round(h * scale / CANVAS_MULTIPLE) * CANVAS_MULTIPLE)
-    tw = max(CANVAS_MULTIPLE, round(w * scale / CANVAS_MULTIPLE) * CANVAS_MULTIPLE)
+    th = max(SIZE_MULTIPLE, round(h * scale / SIZE_MULTIPLE) * SIZE_MULTIPLE)
+    tw = max(SIZE_MULTIPLE, round(w * scale / SIZE_MULTIPLE) * SIZE_MULTIPLE)
     return _lanczos(pixels[None], th, tw)
 
 
@@ -191,11 +186,11 @@ def normalize_audio(waveform: np.ndarray, rate: int, max_seconds: float) -> np.n
     x = np.ascontiguousarray(waveform[:, :int(max_seconds * rate)], dtype=np.float32)
     if x.shape[0] == 1:
         x = np.repeat(x, 2, axis=0)
-    if rate == AUDIO_RATE:
+    if rate == AUDIO_SAMPLE_RATE:
         return x
     frame = av.AudioFrame.from_ndarray(x, format="fltp", layout="stereo")
     frame.sample_rate = rate
-    resampler = av.AudioResampler(format="fltp", layout="stereo", rate=AUDIO_RATE)
+    resampler = av.AudioResampler(format="fltp", layout="stereo", rate=AUDIO_SAMPLE_RATE)
     out = [f.to_ndarray() for f in resampler.resample(frame)] + [f.to_ndarray() for f in resampler.resample(None)]
     return np.concatenate(out, axis=1).astype(np.float32)
 
@@ -226,8 +221,8 @@ def admit_reference(kind: str, data: bytes, frames: int) -> None:
     if len(data) > MAX_REFERENCE_BYTES:
         raise InvalidArgument(f"the {kind} reference is {len(data)} bytes; a reference file may have at most "
                               f"{MAX_REFERENCE_BYTES} bytes: send a shorter or smaller file")
-    if frames < MIN_REFERENCE_FRAMES or frames % CLIP_FRAMES != CLIP_TAIL:
-        raise InvalidArgument(f"references need the render's frame count (17n + 5, at least {MIN_REFERENCE_FRAMES}), "
+    if frames < MIN_FRAMES or frames % FRAME_CLIP != FRAME_OFFSET:
+        raise InvalidArgument(f"references need the render's frame count (17n + 5, at least {MIN_FRAMES}), "
                               f"got {frames}")
 
 
@@ -235,7 +230,7 @@ def reference_decode_bytes(kind: str, frames: int) -> int:
     """Host bytes a reference's decode may take (counted in the job's memory estimate)."""
     if kind == "image":
         return MAX_SOURCE_PIXELS * 8
-    audio = int(frames / MODEL_FPS * 48_000 * 2 * 4 * 4) + (1 << 20)  # up to 48 kHz stereo, a few float copies
+    audio = int(frames / FPS * 48_000 * 2 * 4 * 4) + (1 << 20)  # up to 48 kHz stereo, a few float copies
     if kind == "audio":
         return audio
     return MAX_SOURCE_PIXELS * 4 + 3 * frames * 5 * CANVAS_MAX_PIXELS * 3 + audio  # canvas frames at <= 120 fps
@@ -245,7 +240,7 @@ def load_reference(data: bytes, kind: str, frames: int, sizes: ReferenceSizes = 
     """A reference file's bytes -> ReferenceMedia on the model's rates for a render of `frames` frames at 24 fps
     (video and audio are cut to its duration). Raises InvalidArgument naming what is wrong with the file."""
     admit_reference(kind, data, frames)
-    seconds = frames / MODEL_FPS
+    seconds = frames / FPS
     try:
         if kind == "image":
             from PIL import Image

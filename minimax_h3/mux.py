@@ -30,11 +30,9 @@ from typing import IO, Union
 
 import numpy as np
 
+from minimax_h3.contract import AUDIO_CHANNELS, AUDIO_SAMPLE_RATE, FPS, audio_samples
 from stagekit.errors import Internal, InvalidArgument
 
-AUDIO_SAMPLE_RATE = 32000
-AUDIO_CHANNELS = 2
-DEFAULT_FPS = 24
 DEFAULT_CRF = 20
 DEFAULT_PRESET = "veryfast"
 DEFAULT_AUDIO_BITRATE = 128_000
@@ -254,7 +252,7 @@ def _encode_to_temp(
         raise ValueError(f"yuv420p needs even width and height, got {w}x{h}")
     if resizer not in RESIZERS:
         raise InvalidArgument(f"unknown resizer {resizer!r}; one of {sorted(RESIZERS)}")
-    n_audio = round(f * AUDIO_SAMPLE_RATE / fps) if match_audio else None
+    n_audio = audio_samples(f, fps) if match_audio else None
     pcm = None if audio is None else _prepare_audio(audio, n_audio)
     fd, tmp = tempfile.mkstemp(prefix=".mux-", suffix=".mp4.tmp", dir=tmp_dir)
     os.close(fd)
@@ -282,7 +280,7 @@ def write_mp4(
     frames,
     audio=None,
     *,
-    fps: int = DEFAULT_FPS,
+    fps: int = FPS,
     crf: int = DEFAULT_CRF,
     preset: str = DEFAULT_PRESET,
     audio_bitrate: int = DEFAULT_AUDIO_BITRATE,
@@ -354,19 +352,11 @@ def write_wav(
     return dest
 
 
-def expected_audio_samples(num_frames: int, fps: int = DEFAULT_FPS, sample_rate: int = AUDIO_SAMPLE_RATE) -> int:
-    """Samples per channel matching F video frames (what `write_mp4` trims/pads audio to)."""
-    return round(num_frames * sample_rate / fps)
-
-
 __all__ = [
-    "AUDIO_SAMPLE_RATE",
     "DEFAULT_CRF",
-    "DEFAULT_FPS",
     "DEFAULT_PRESET",
     "MuxInfo",
     "RESIZERS",
-    "expected_audio_samples",
     "frames_to_uint8",
     "write_mp4",
     "write_wav",

@@ -20,7 +20,8 @@ from client.pipeline import (StageResult, decode, encode, encode_image, encode_r
                              sample)
 from client.stubs import StageClients
 from h3.v1 import common_pb2, render_pb2
-from minimax_h3.contract import RenderSpec, spec_from_proto, validate
+from minimax_h3.contract import (AUDIO_LATENTS, SAMPLE_INPUTS, TEXT_STATES, TEXT_TAGS, VIDEO_LATENTS, RenderSpec,
+                                 keyframe_tensor, spec_from_proto, validate)
 from render_svc.planner import STAGES, first_stage
 from stagekit.errors import Cancelled, status_for
 
@@ -107,7 +108,7 @@ def run_keyframes(c: StageClients, w: Work, progress, on_call) -> StageResult:
     results = []
     for anchor, img in w.keyframes():
         lat, r = encode_image(c, img, w.spec.width, w.spec.height, w.job_id, progress, on_call=on_call)
-        w.tensors[f"keyframe_{anchor}"] = lat
+        w.tensors[keyframe_tensor(anchor)] = lat
         results.append(r)
     for i, ref in enumerate(w.request.references):
         lat, r = encode_reference(c, ref, w.spec.frames, w.job_id, progress, on_call=on_call,
@@ -123,30 +124,29 @@ def run_encoder(c: StageClients, w: Work, progress, on_call) -> StageResult:
     if w.request.references:
         states, tags, r = encode(c, w.spec.prompt, w.job_id, progress, with_tags=True, on_call=on_call,
                                  references=w.request.references, frames=w.spec.frames, sources=w.reference_files)
-        w.tensors["text_tags"] = tags
+        w.tensors[TEXT_TAGS] = tags
     elif images:
         states, tags, r = encode(c, w.spec.prompt, w.job_id, progress, keyframes=images, width=w.spec.width,
                                  height=w.spec.height, with_tags=True, on_call=on_call)
-        w.tensors["text_tags"] = tags
+        w.tensors[TEXT_TAGS] = tags
     else:
         states, r = encode(c, w.spec.prompt, w.job_id, progress, on_call=on_call)
-    w.tensors["text_states"] = states
+    w.tensors[TEXT_STATES] = states
     return r
 
 
 def run_dit(c: StageClients, w: Work, progress, on_call) -> StageResult:
-    extra = {k: t for k, t in w.tensors.items() if k in ("keyframe_first", "keyframe_last", "text_tags")
-             or k.startswith("ref_")}
+    extra = {k: t for k, t in w.tensors.items() if k in SAMPLE_INPUTS and k != TEXT_STATES}
     loras = [(lo.name, lo.strength if lo.HasField("strength") else 1.0) for lo in w.request.loras]
-    video, audio, r = sample(c, w.spec, w.tensors["text_states"], w.job_id, progress, extra=extra or None,
+    video, audio, r = sample(c, w.spec, w.tensors[TEXT_STATES], w.job_id, progress, extra=extra or None,
                              loras=loras, on_call=on_call)
-    w.tensors = {"video_latents": video, "audio_latents": audio}  # the conditioning is spent
+    w.tensors = {VIDEO_LATENTS: video, AUDIO_LATENTS: audio}  # the conditioning is spent
     return r
 
 
 def run_decoder(c: StageClients, w: Work, progress, on_call) -> StageResult:
     r = w.request
-    res = decode(c, w.spec, w.tensors["video_latents"], w.tensors["audio_latents"], w.output, w.job_id, progress,
+    res = decode(c, w.spec, w.tensors[VIDEO_LATENTS], w.tensors[AUDIO_LATENTS], w.output, w.job_id, progress,
                  crf=r.crf, upscale=(r.upscale_width, r.upscale_height), on_call=on_call)
     w.tensors = {}
     return res

@@ -24,11 +24,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from h3.v1 import common_pb2, render_pb2
-from minimax_h3.contract import MAX_PROMPT_BYTES, check_output, spec_from_proto, validate
+from minimax_h3.contract import (MAX_PROMPT_BYTES, MAX_REFERENCES, check_output, check_partition, spec_from_proto,
+                                 validate)
 from render_svc.engine import Outcome, RenderEngine, Work
 from render_svc.planner import Batch, BatchPlanner, next_stage
 from render_svc.store import CANCELLED, FAILED, QUEUED, RUNNING, SUCCEEDED, JobRecord, JobStore
-from stagekit.errors import Cancelled, FailedPrecondition, InvalidArgument, Unavailable
+from stagekit.errors import Cancelled, InvalidArgument, Unavailable
 from stagekit.uploads import UploadStore, reference_bytes
 
 log = logging.getLogger("render_svc")
@@ -86,7 +87,6 @@ def check_references(req: render_pb2.RenderRequest, prompt: str, frames: int) ->
     """ref2va admission: no keyframes beside them, at most 12, each a kind and size the decoder takes, and the
     prompt's labels naming exactly the references there are (minimax_h3/labels.py). Fills in each reference's
     thumbnail, duration and size (`describe_reference`)."""
-    from minimax_h3.dit.references import MAX_REFERENCES
     from minimax_h3.labels import check_labels
     from minimax_h3.media import admit_reference
 
@@ -239,13 +239,7 @@ class RenderService:
             except (grpc.RpcError, AttributeError):
                 return
             self._partitions = (now, dict(st.partitions))
-        served = self._partitions[1]
-        want = "ref2va" if req.references else "fl2va"
-        if served and want not in served:
-            what = "a render with references" if req.references else "a text or first/last-frame render"
-            raise FailedPrecondition(
-                f"{what} needs the MiniMax-H3 {want} DiT file (minimax_h3_{want}_*.safetensors in the models "
-                f"folder), but the DiT serves {', '.join(f'{p} ({Path(f).name})' for p, f in served.items())} only")
+        check_partition(bool(req.references), self._partitions[1])
 
     def info(self, job_id: str, rec: JobRecord | None = None, owner: str | None = None) -> render_pb2.JobInfo:
         rec = rec or self.store.get(job_id, owner)

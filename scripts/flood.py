@@ -29,7 +29,7 @@ from client.embedded import EmbeddedStack, StackConfig  # noqa: E402
 from client.pipeline import decode, sample  # noqa: E402
 from client.stubs import SERVICE_NAMES, Endpoints, StageClients, health_of, open_channel  # noqa: E402
 from h3.v1 import common_pb2, decoder_pb2, decoder_pb2_grpc, dit_pb2, dit_pb2_grpc  # noqa: E402
-from minimax_h3.contract import RenderSpec, spec_to_proto  # noqa: E402
+from minimax_h3.contract import TEXT_STATES, VIDEO_LATENTS, RenderSpec, spec_to_proto  # noqa: E402
 from stagekit.wire import tensor_chunks  # noqa: E402
 
 SPEC = RenderSpec(prompt="x", width=256, height=256, frames=22, steps=1, seed=1)
@@ -48,12 +48,12 @@ def stalled_requests(stage: str, release: threading.Event):
         req = dit_pb2.SampleRequest(job_id="flood")
         spec_to_proto(SPEC, req.params)
         yield dit_pb2.SampleInput(request=req)
-        yield dit_pb2.SampleInput(tensor=next(tensor_chunks("text_states", torch.zeros(9, 64), 256)))
+        yield dit_pb2.SampleInput(tensor=next(tensor_chunks(TEXT_STATES, torch.zeros(9, 64), 256)))
     else:
         req = decoder_pb2.DecodeRequest(job_id="flood")
         spec_to_proto(SPEC, req.params)
         yield decoder_pb2.DecodeInput(request=req)
-        yield decoder_pb2.DecodeInput(tensor=next(tensor_chunks("video_latents", torch.zeros(24, 7, 16, 16), 256)))
+        yield decoder_pb2.DecodeInput(tensor=next(tensor_chunks(VIDEO_LATENTS, torch.zeros(24, 7, 16, 16), 256)))
     release.wait()
 
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from minimax_h3.contract import AUDIO_HOP
 from minimax_h3.vae.audio import (
-                                  HOP_LENGTH,
                                   AudioVAE,
                                   AudioVAEConfig,
                                   detect_layout,
@@ -122,7 +122,7 @@ def test_full_config_param_count_and_hop():
     with torch.device("meta"):
         full = AudioVAE(AudioVAEConfig.full())
     assert sum(p.numel() for p in full.parameters()) == 151_282_160  # docs/model.md §9.1 (WN folded)
-    assert full.cfg.hop_length == HOP_LENGTH == 800
+    assert full.cfg.hop_length == AUDIO_HOP == 800
     assert full.cfg.decoder_kernel_sizes == (9, 9, 4, 4, 4, 4, 4)
     assert AudioVAEConfig.tiny().hop_length == 800
 
@@ -166,7 +166,7 @@ def test_decode_parity_folded_comfy_file(comfy_file, comfy_sd, cfg, latents):
     )
     with torch.no_grad():
         a, b = ours.decode(latents), ref.decode(latents).sample
-    assert a.shape == b.shape == (2, 1, HOP_LENGTH * TA)
+    assert a.shape == b.shape == (2, 1, AUDIO_HOP * TA)
     assert b.abs().max() < 1.0, "random test weights saturate the clamp; parity would be vacuous"
     assert b.std() > 1e-2
     assert _rel(a, b) <= REL_TOL
@@ -220,7 +220,7 @@ def test_decode_rows_stereo_layout_and_length(comfy_file, comfy_sd, cfg):
     ta = 5
     rows = torch.randn(2 * ta, 32, generator=torch.Generator().manual_seed(9))
     wav = ours.decode_rows(rows)
-    assert wav.shape == (2, HOP_LENGTH * ta) and wav.dtype == torch.float32
+    assert wav.shape == (2, AUDIO_HOP * ta) and wav.dtype == torch.float32
     assert wav.abs().max() <= 1.0
     # Oracle path as the diffusers pipeline does it: channel-major rows -> [2, 32, Ta] -> de-normalise.
     z = rows.reshape(2, ta, 32).permute(0, 2, 1)

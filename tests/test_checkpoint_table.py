@@ -348,7 +348,8 @@ def test_decoder_engine_serves_the_geometry_of_vae_folders(tmp_path):
     configs, which set the latent geometry the decoder accepts."""
     from safetensors.torch import save_file
 
-    from decoder_svc.engine import DecoderEngine, DecoderEngineConfig, LatentGeometry
+    from decoder_svc.engine import DecoderEngine, DecoderEngineConfig
+    from minimax_h3.contract import LatentGeometry
     from minimax_h3.vae.audio import AudioVAE, AudioVAEConfig, random_init_, unfold_weight_norm_state_dict
     from minimax_h3.vae.video import VideoVAEConfig, comfy_to_diffusers_state_dict
     from minimax_h3.vae.video import tiny_state_dict as video_state_dict

@@ -10,15 +10,13 @@ import torch.nn as nn
 
 from minimax_h3.dit.config import DiTConfig
 from minimax_h3.dit.convert_diffusers import from_diffusers, to_diffusers
+from minimax_h3.contract import audio_latent_count, snap_frames, video_latent_frames
 from minimax_h3.dit.layout import (
-                                   audio_latent_count,
                                    build_layout,
                                    patchify_audio,
                                    patchify_video,
-                                   snap_frames,
                                    unpatchify_audio,
                                    unpatchify_video,
-                                   video_latent_frames,
                                    )
 from minimax_h3.dit.model import H3DiT, curve_state_dict_from_mlp
 from minimax_h3.dit.tiny_checkpoint import diffusers_config

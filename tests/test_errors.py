@@ -81,7 +81,8 @@ def test_request_validation_raises_the_request_error():
     """The geometry, sampler, keyframe and output-name checks a request reaches say the request is wrong."""
     from minimax_h3.contract import check_upscale
     from minimax_h3.dit.config import DiTConfig
-    from minimax_h3.dit.layout import latent_shape, video_latent_frames
+    from minimax_h3.contract import video_latent_frames
+    from minimax_h3.dit.layout import latent_shape
     from minimax_h3.dit.sampling import SamplerConfig
     from minimax_h3.files import safe_name
 

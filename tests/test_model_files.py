@@ -25,10 +25,10 @@ from safetensors.torch import save_file
 from client.embedded import EmbeddedStack, StackConfig
 from client.pipeline import decode_raw, sample
 from client.stubs import Endpoints, StageClients
-from decoder_svc.engine import AUDIO_EXCLUDE, AUDIO_PATTERNS, VIDEO_EXCLUDE, VIDEO_PATTERNS, expected_shapes
+from decoder_svc.engine import AUDIO_EXCLUDE, AUDIO_PATTERNS, VIDEO_EXCLUDE, VIDEO_PATTERNS
 from dit_svc.engine import CHECKPOINT_EXCLUDE, CHECKPOINT_PATTERNS, embedded_config
 from encoder_svc.engine import CHECKPOINT_PATTERNS as TE_PATTERNS
-from minimax_h3.contract import RenderSpec
+from minimax_h3.contract import SAMPLE_OUTPUTS, RenderSpec, tensor_shapes
 from minimax_h3.dit.checkpoint import check_checkpoint, load_dit_weights
 from minimax_h3.dit.config import DiTConfig
 from minimax_h3.dit.lora import LoRAError, check_lora_file, config_targets
@@ -418,7 +418,7 @@ def test_decoder_never_muxes_nonfinite_frames(tmp_path, model_cache, audio_file)
     s.wait_ready("decoder")
     try:
         g = torch.Generator().manual_seed(0)
-        latents = {n: torch.randn(shape, generator=g) for n, shape in expected_shapes(GOOD).items()}
+        latents = {n: torch.randn(shape, generator=g) for n, shape in tensor_shapes(SAMPLE_OUTPUTS, GOOD).items()}
         c = StageClients(Endpoints(**{n: f"127.0.0.1:{s.ports['decoder']}" for n in ("encoder", "dit", "decoder")}))
         with pytest.raises(grpc.RpcError) as e:
             decode_raw(c, GOOD, latents["video_latents"], latents["audio_latents"], timeout_s=120)

@@ -11,9 +11,8 @@ import pytest
 import soundfile as sf
 import torch
 
+from minimax_h3.contract import AUDIO_SAMPLE_RATE, audio_samples
 from minimax_h3.mux import (
-                            AUDIO_SAMPLE_RATE,
-                            expected_audio_samples,
                             frames_to_uint8,
                             write_mp4,
                             write_wav,
@@ -89,7 +88,7 @@ def _assert_contract(info: dict, f=F, h=H, w=W) -> None:
 
 
 def test_mp4_contract_uint8_input(tmp_path):
-    n = expected_audio_samples(F)
+    n = audio_samples(F)
     info = write_mp4(tmp_path / "out.mp4", _frames_uint8(), _audio(n))
     assert (info.num_frames, info.width, info.height, info.fps, info.audio_samples) == (F, W, H, 24, n)
     _assert_contract(_probe(str(tmp_path / "out.mp4")))
@@ -101,26 +100,26 @@ def test_mp4_contract_float_torch_input_and_audio_trim(tmp_path):
     ta = round(F / 24 * 40)  # the DiT's audio latent count -> 800 * Ta samples (a bit longer than F/24 s)
     audio = torch.from_numpy(_audio(800 * ta + 500))
     info = write_mp4(tmp_path / "f.mp4", frames, audio, preset="ultrafast", crf=28)
-    assert info.audio_samples == expected_audio_samples(F)
+    assert info.audio_samples == audio_samples(F)
     _assert_contract(_probe(str(tmp_path / "f.mp4")))
 
 
 def test_short_audio_is_padded(tmp_path):
     info = write_mp4(tmp_path / "s.mp4", _frames_uint8(), _audio(1000))
-    assert info.audio_samples == expected_audio_samples(F)
+    assert info.audio_samples == audio_samples(F)
     _assert_contract(_probe(str(tmp_path / "s.mp4")))
 
 
 def test_frame_count_exact_for_several_lengths(tmp_path):
     for f in (1, 5, 24):
         p = tmp_path / f"n{f}.mp4"
-        write_mp4(p, _frames_uint8(f=f), _audio(expected_audio_samples(f)), preset="ultrafast")
+        write_mp4(p, _frames_uint8(f=f), _audio(audio_samples(f)), preset="ultrafast")
         _assert_contract(_probe(str(p)), f=f)
 
 
 def test_decoded_content_is_close(tmp_path):
     frames = _frames_uint8()
-    write_mp4(tmp_path / "q.mp4", frames, _audio(expected_audio_samples(F)), crf=12)
+    write_mp4(tmp_path / "q.mp4", frames, _audio(audio_samples(F)), crf=12)
     with av.open(str(tmp_path / "q.mp4")) as c:
         got = np.stack([fr.to_ndarray(format="rgb24") for fr in c.decode(video=0)])
     assert got.shape == frames.shape
@@ -129,7 +128,7 @@ def test_decoded_content_is_close(tmp_path):
 
 def test_filelike_output_is_faststart(tmp_path):
     """The service streams the finished file as it is written: the index (moov) must come before the media."""
-    frames, audio = _frames_uint8(), _audio(expected_audio_samples(F))
+    frames, audio = _frames_uint8(), _audio(audio_samples(F))
     before = set(tmp_path.iterdir())
     buf = io.BytesIO()
     write_mp4(buf, frames, audio)
@@ -146,11 +145,11 @@ def test_atomic_write_on_mid_encode_failure(tmp_path):
     frames[:, -1, 0, 0] = float("nan")
     dest = tmp_path / "out.mp4"
     with pytest.raises(ValueError, match="NaN"):
-        write_mp4(dest, frames, _audio(expected_audio_samples(F)))
+        write_mp4(dest, frames, _audio(audio_samples(F)))
     assert not list(tmp_path.iterdir())
     dest.write_bytes(b"previous good output")
     with pytest.raises(ValueError, match="NaN"):
-        write_mp4(dest, frames, _audio(expected_audio_samples(F)))
+        write_mp4(dest, frames, _audio(audio_samples(F)))
     assert dest.read_bytes() == b"previous good output"
     assert [p.name for p in tmp_path.iterdir()] == ["out.mp4"]
 
@@ -172,7 +171,7 @@ def test_atomic_write_when_encoder_dies_after_partial_output(tmp_path, monkeypat
 
 
 def test_bad_inputs_raise_value_error(tmp_path):
-    good_audio = _audio(expected_audio_samples(F))
+    good_audio = _audio(audio_samples(F))
     with pytest.raises(ValueError, match="even"):
         write_mp4(tmp_path / "a.mp4", _frames_uint8(w=63), good_audio)
     with pytest.raises(ValueError, match=r"\[2, samples\]"):

@@ -32,6 +32,7 @@ from typing import Iterable, Literal
 
 import torch
 
+from minimax_h3.contract import PARTITIONS
 from minimax_h3.dit.config import DiTConfig
 from minimax_h3.dit.convert_diffusers import (DIFFUSERS_NAMES, DIFFUSERS_QKV, FC1_SECTIONS, NOT_IN_DIFFUSERS, QKV_SECTIONS,
                                               is_qkv_part, qkv_part_keys)
@@ -58,8 +59,7 @@ QKV_LAYOUTS = ("stacked", "interleaved")
 QKV_FLAG = "--qkv-layout"
 # H3's two DiT partitions share one config and differ in weights only: fl2va (text, first/last frame) and ref2va
 # (image / video / audio references). Nothing in the tensors shows which one a file is.
-Partition = Literal["fl2va", "ref2va"]
-PARTITIONS = ("fl2va", "ref2va")
+Partition = Literal["fl2va", "ref2va"]  # minimax_h3.contract.PARTITIONS
 METADATA_PARTITION = "h3_partition"  # safetensors metadata our writers add: the partition
 PARTITION_FLAG = "--partition"
 # Names that state a partition: ComfyUI repacks (minimax_h3_ref2va_*.safetensors, minimax_h3_fl2va_*) and the

@@ -10,6 +10,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Literal
 
+from minimax_h3.contract import AUDIO_LATENT_CHANNELS, VIDEO_LATENT_CHANNELS
+
 # Modality tags of the per-row AdaLN table (row index = timestep_index * NUM_MODALITIES + tag).
 TAG_VIDEO = 0
 TAG_TEXT = 1
@@ -29,8 +31,8 @@ class DiTConfig:
     num_layers: int = 50
     num_refiner_layers: int = 2  # token_refiner_num_layers
     ffn: int = 14336  # ffn_hidden_size / ffn_dim
-    in_channels: int = 24  # latents_dim
-    audio_in_channels: int = 32  # audio_latents_dim
+    in_channels: int = VIDEO_LATENT_CHANNELS  # latents_dim
+    audio_in_channels: int = AUDIO_LATENT_CHANNELS  # audio_latents_dim
     patch: tuple[int, int, int] = (1, 2, 2)  # (t, h, w)
     text_dim: int = 5120
     freq_dim: int = 256  # timestep_input_dim: sinusoid width

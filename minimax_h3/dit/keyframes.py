@@ -13,25 +13,18 @@ exactly `sampling.initial_noise`, so t2va renders keep their bits.
 
 from __future__ import annotations
 
-from typing import Callable, Mapping, Sequence
+from typing import Callable, Sequence
 
 import torch
 
+from minimax_h3.contract import TEXT_STATES, TEXT_TAGS, pixel_side
 from stagekit.errors import InvalidArgument
 from stagekit.wire import check_finite
 
-from .layout import KEYFRAME_ANCHORS, PackedLayout, patchify_video
+from .layout import PackedLayout, patchify_video
 
 # Conditioning-noise level of keyframe latents: diffusers' `keyframe_noise_aug`, ComfyUI's 0.999 mix.
 KEYFRAME_NOISE_AUG = 0.001
-# Wire names of the keyframe tensors in a Sample request, by anchor.
-KEYFRAME_TENSORS = {"first": "keyframe_first", "last": "keyframe_last"}
-TEXT_TAGS_TENSOR = "text_tags"
-
-
-def keyframe_anchors(inputs: Mapping[str, torch.Tensor]) -> tuple[str, ...]:
-    """Anchors present in a request's tensors, in packed order (first before last)."""
-    return tuple(a for a in KEYFRAME_ANCHORS if KEYFRAME_TENSORS[a] in inputs)
 
 
 def check_keyframe(name: str, t: torch.Tensor, channels: int, latent_h: int, latent_w: int) -> None:
@@ -39,8 +32,8 @@ def check_keyframe(name: str, t: torch.Tensor, channels: int, latent_h: int, lat
     want = (channels, 1, latent_h, latent_w)
     if tuple(t.shape) != want:
         raise InvalidArgument(f"{name} has shape {list(t.shape)}, but this render's canvas needs {list(want)} (one "
-                         f"normalised VAE latent frame of the {latent_w * 16}x{latent_h * 16} canvas; encode the image "
-                         "with the decoder's EncodeImage at the render size)")
+                         f"normalised VAE latent frame of the {pixel_side(latent_w)}x{pixel_side(latent_h)} canvas; "
+                         "encode the image with the decoder's EncodeImage at the render size)")
     if not t.is_floating_point():
         raise InvalidArgument(f"{name} must be a float tensor, got {t.dtype}")
     check_finite(name, t)
@@ -49,9 +42,10 @@ def check_keyframe(name: str, t: torch.Tensor, channels: int, latent_h: int, lat
 def check_text_tags(tags: torch.Tensor, text_len: int, text_tag: int, video_tag: int) -> torch.Tensor:
     """[L] integer tags, each the text or the video tag. Returns them as int64."""
     if tuple(tags.shape) != (text_len,):
-        raise InvalidArgument(f"text_tags has shape {list(tags.shape)}, expected [{text_len}] (one tag per text_states row)")
+        raise InvalidArgument(f"{TEXT_TAGS} has shape {list(tags.shape)}, expected [{text_len}] (one tag per "
+                              f"{TEXT_STATES} row)")
     if tags.is_floating_point() or tags.dtype == torch.bool:
-        raise InvalidArgument(f"text_tags must be an integer tensor, got {tags.dtype}")
+        raise InvalidArgument(f"{TEXT_TAGS} must be an integer tensor, got {tags.dtype}")
     tags = tags.to(torch.int64)
     bad = ~((tags == text_tag) | (tags == video_tag))
     if bad.any():

@@ -19,21 +19,15 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from minimax_h3.contract import (AUDIO_CHANNELS, AUDIO_LATENTS_PER_SECOND, FPS, KEYFRAME_ANCHORS, REFERENCE_KINDS,
+                                 VAE_SPATIAL, audio_latent_count, latent_side, video_latent_frames)
 from stagekit.errors import InvalidArgument
 
 from .config import TAG_AUDIO, TAG_TEXT, TAG_VIDEO, DiTConfig
 
-# ---- request geometry constants (docs/model.md §3) -------------------------------------------------------------
-VAE_SPATIAL = 16  # pixels per latent on each spatial axis
-VAE_FRAMES_PER_CHUNK = 17  # pixel frames per causal VAE clip
-VAE_LATENTS_PER_CHUNK = 5  # latent frames kept per clip; valid counts are F = 17n + 5 -> T = 5n + 2
-FPS = 24
-AUDIO_LATENTS_PER_SECOND = 40  # 32 kHz, hop 800
-AUDIO_CHANNELS = 2  # stereo = two channel-major blocks of rows
-
 # ---- RoPE clock (docs/model.md §2.8) -----------------------------------------------------------------------------
 # 1 time unit = 1 audio latent = 5/3 video frames at 24 fps; latent frame k covers (1,4,4,4,4)[k % 5] pixel frames.
-ROPE_FRAME_RESCALE = 5.0 / 3.0
+ROPE_FRAME_RESCALE = AUDIO_LATENTS_PER_SECOND / FPS  # 5/3
 ROPE_FRAMES_PER_LATENT = (1.0, 4.0, 4.0, 4.0, 4.0)
 ROPE_SPATIAL_SCALE = 32.0
 
@@ -48,9 +42,6 @@ NUM_KINDS = 4
 COND_VIDEO_T = 0.999  # keyframe latents are noised once to 0.999*z + 0.001*eps and pinned there
 REF_AUDIO_T = 1.0
 
-KEYFRAME_ANCHORS = ("first", "last")
-REFERENCE_KINDS = ("image", "video", "audio")
-
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Latent geometry
@@ -64,29 +55,6 @@ class LatentShape:
     audio_latents: int  # Ta per channel
 
 
-def snap_frames(frames: int) -> int:
-    """Smallest valid frame count (17n + 5) >= frames."""
-    if frames < 1:
-        raise InvalidArgument(f"frames must be >= 1, got {frames}")
-    n = max(0, -(-(frames - VAE_LATENTS_PER_CHUNK) // VAE_FRAMES_PER_CHUNK))
-    return VAE_FRAMES_PER_CHUNK * n + VAE_LATENTS_PER_CHUNK
-
-
-def video_latent_frames(frames: int) -> int:
-    """T = 5n + 2 for F = 17n + 5."""
-    if frames < VAE_LATENTS_PER_CHUNK or frames % VAE_FRAMES_PER_CHUNK != VAE_LATENTS_PER_CHUNK:
-        raise InvalidArgument(
-            f"frames must be of the form 17*n + 5 (e.g. 124, 141, 362), got {frames}; snap_frames({frames}) = "
-            f"{snap_frames(frames)}"
-        )
-    return (frames - VAE_LATENTS_PER_CHUNK) // VAE_FRAMES_PER_CHUNK * VAE_LATENTS_PER_CHUNK + 2
-
-
-def audio_latent_count(frames: int) -> int:
-    """Ta = round(F / 24 * 40) audio latents per channel (never a .5 tie for F = 17n + 5)."""
-    return int(round(frames / FPS * AUDIO_LATENTS_PER_SECOND))
-
-
 def latent_shape(cfg: DiTConfig, frames: int, height: int, width: int) -> LatentShape:
     _, ph, pw = cfg.patch
     for name, value, p in (("height", height, ph), ("width", width, pw)):
@@ -95,8 +63,8 @@ def latent_shape(cfg: DiTConfig, frames: int, height: int, width: int) -> Latent
     return LatentShape(
         frames=frames,
         latent_frames=video_latent_frames(frames),
-        latent_height=height // VAE_SPATIAL,
-        latent_width=width // VAE_SPATIAL,
+        latent_height=latent_side(height),
+        latent_width=latent_side(width),
         audio_latents=audio_latent_count(frames),
     )
 
@@ -235,7 +203,8 @@ def _last_keyframe_time(text_len: int, latent_frames: int) -> float:
     # The reference anchors the last keyframe at the rotary span of all generated frames minus one frame unit, the
     # span summed with numpy's pairwise summation (differs from a sequential sum in the last ulp for T >= 16).
     spans = np.full(latent_frames, ROPE_FRAME_RESCALE, dtype=np.float64)
-    spans *= np.asarray(ROPE_FRAMES_PER_LATENT, dtype=np.float64)[np.arange(latent_frames) % 5]
+    pattern = np.asarray(ROPE_FRAMES_PER_LATENT, dtype=np.float64)
+    spans *= pattern[np.arange(latent_frames) % len(pattern)]
     return float(text_len) + float(spans.sum()) - ROPE_FRAME_RESCALE
 
 

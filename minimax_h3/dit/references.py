@@ -20,30 +20,19 @@ from typing import Mapping
 
 import torch
 
+from minimax_h3.contract import (AUDIO_CHANNELS, MAX_REFERENCES, REF_PREFIX, REF_TENSOR_NAMES, REFERENCE_KINDS,
+                                 ref_tensor)
 from stagekit.errors import InvalidArgument
 from stagekit.wire import check_finite
 
-from .layout import AUDIO_CHANNELS, ReferenceBlock, patchify_audio
+from .layout import ReferenceBlock, patchify_audio
 
-# The limits MiniMax-H3 documents for the released ref2va checkpoint (diffusers enforces the same).
+# The limits MiniMax-H3 documents for the released ref2va checkpoint (diffusers enforces the same); at most
+# MAX_REFERENCES in all.
 MAX_IMAGES = 9
 MAX_VIDEOS = 3
 MAX_AUDIOS = 3
-MAX_REFERENCES = 12
-REF_PARTS = ("image", "video", "audio")
 REFERENCES_INPUT = "references"  # the job input holding the parsed References
-
-
-def ref_tensor(index: int, part: str) -> str:
-    """Wire name of reference `index`'s `part` ("image" | "video" | "audio")."""
-    return f"ref_{index}_{part}"
-
-
-REF_TENSOR_NAMES = tuple(ref_tensor(i, p) for i in range(MAX_REFERENCES) for p in REF_PARTS)
-
-
-def has_references(inputs: Mapping[str, object]) -> bool:
-    return any(name.startswith("ref_") for name in inputs)
 
 
 @dataclass(frozen=True)
@@ -71,7 +60,7 @@ def _check_tensor(name: str, t: torch.Tensor, rank: int, lead: tuple[int, ...]) 
 def parse_references(inputs: Mapping[str, torch.Tensor], latent_channels: int, audio_channels: int,
                      patch: tuple[int, int, int]) -> References:
     """Reads `ref_{i}_*` tensors into References; raises InvalidArgument naming the tensor."""
-    names = [n for n in inputs if n.startswith("ref_")]
+    names = [n for n in inputs if n.startswith(REF_PREFIX)]
     unknown = sorted(set(names) - set(REF_TENSOR_NAMES))
     if unknown:
         raise InvalidArgument(f"unknown reference tensor {unknown[0]!r}; reference i (0-based, at most {MAX_REFERENCES}) "
@@ -80,7 +69,7 @@ def parse_references(inputs: Mapping[str, torch.Tensor], latent_channels: int, a
     blocks, visual, audio = [], [], []
     _, ph, pw = patch
     for i in range(count):
-        image, video, sound = (inputs.get(ref_tensor(i, p)) for p in REF_PARTS)
+        image, video, sound = (inputs.get(ref_tensor(i, p)) for p in REFERENCE_KINDS)
         if image is None and video is None and sound is None:
             raise InvalidArgument(f"reference {i} is missing: references are numbered 0..{count - 1} without gaps")
         if image is not None and (video is not None or sound is not None):

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 from transformers.models.qwen3_vl.configuration_qwen3_vl import Qwen3VLVisionConfig
 
-from minimax_h3.media import MODEL_FPS
+from minimax_h3.contract import FPS
 from stagekit.errors import InvalidArgument
 
 # Qwen3-VL image-processor constants (preprocessor_config.json of the Qwen3-VL release).
@@ -198,7 +198,7 @@ def preprocess_video(frames: torch.Tensor, cfg: VisionConfig) -> tuple[torch.Ten
     return _patchify(x, cfg), grid
 
 
-def sample_video(frames: int, temporal_patch: int, fps: float = MODEL_FPS,
+def sample_video(frames: int, temporal_patch: int, fps: float = FPS,
                  sample_fps: float = VIDEO_SAMPLE_FPS) -> tuple[list[int], list[float]]:
     """The frames of a `fps` clip the conditioner reads (every fps / sample_fps-th, rounded half to even, no repeats)
     and the timestamp of each vision block: the mean of its temporal patch's sampled timestamps (i / sample_fps), the

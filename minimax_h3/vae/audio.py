@@ -28,6 +28,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from minimax_h3.contract import AUDIO_CHANNELS, AUDIO_HOP, AUDIO_LATENT_CHANNELS, AUDIO_SAMPLE_RATE
 from stagekit.checkpoints import (FLOAT, IDENTITY, Checkpoint, CheckpointError, HeaderEntry, NameMap, TensorReader,
                                   TensorSpec, check_finite_tensor, check_latent_stats, key_report, open_checkpoint,
                                   tensor_entries)
@@ -36,10 +37,8 @@ from stagekit.checkpoints import (FLOAT, IDENTITY, Checkpoint, CheckpointError, 
 # Constants named where the model defines them
 # --------------------------------------------------------------------------------------------
 
-SAMPLE_RATE = 32000
-HOP_LENGTH = 800  # prod(encoder_rates) == prod(decoder_rates)
-LATENT_CHANNELS = 32
-STEREO_CHANNELS = 2
+# The rates and widths of H3's audio latents (minimax_h3.contract): 32 kHz, hop 800 (prod(encoder_rates) ==
+# prod(decoder_rates)), 32 channels, two stereo channels encoded one by one.
 
 # Anti-aliased activation resampler (BigVGAN / alias-free-torch): x2 up, activation, x2 down.
 AA_RATIO = 2
@@ -66,14 +65,14 @@ class AudioVAEConfig:
     encoder_dim: int = 64
     encoder_rates: tuple[int, ...] = (2, 4, 4, 5, 5)
     latent_dim: int = 2048
-    latent_channels: int = LATENT_CHANNELS
+    latent_channels: int = AUDIO_LATENT_CHANNELS
     num_attention_heads: int = 8  # hard-coded in the release, configurable here for tiny tests
     decoder_dim: int = 1024
     decoder_rates: tuple[int, ...] = (5, 5, 2, 2, 2, 2, 2)
     decoder_kernel_sizes: tuple[int, ...] | None = None  # None -> 2u - (u mod 2)
     resblock_kernel_sizes: tuple[int, ...] = (3, 7, 11)
     resblock_dilation_sizes: tuple[tuple[int, ...], ...] = ((1, 3, 5), (1, 3, 5), (1, 3, 5))
-    sample_rate: int = SAMPLE_RATE
+    sample_rate: int = AUDIO_SAMPLE_RATE
     # Per-channel latent statistics (release: audio_vae/config.json; ComfyUI: buffers in the file).
     latents_mean: tuple[float, ...] | None = None
     latents_std: tuple[float, ...] | None = None
@@ -503,7 +502,7 @@ class AudioVAE(nn.Module):
         return (z - mean) / std
 
     @staticmethod
-    def rows_to_batch(rows: torch.Tensor, num_channels: int = STEREO_CHANNELS) -> torch.Tensor:
+    def rows_to_batch(rows: torch.Tensor, num_channels: int = AUDIO_CHANNELS) -> torch.Tensor:
         """DiT audio rows `[C*Ta, 32]` (channel-major) -> VAE batch `[C, 32, Ta]`."""
         if rows.ndim != 2 or rows.shape[0] % num_channels != 0 or rows.shape[0] == 0:
             raise ValueError(
@@ -518,7 +517,7 @@ class AudioVAE(nn.Module):
         return z.permute(0, 2, 1).reshape(-1, z.shape[1]).contiguous()
 
     @torch.no_grad()
-    def decode_rows(self, rows: torch.Tensor, num_channels: int = STEREO_CHANNELS) -> torch.Tensor:
+    def decode_rows(self, rows: torch.Tensor, num_channels: int = AUDIO_CHANNELS) -> torch.Tensor:
         """Normalised DiT audio rows `[2*Ta, 32]` -> stereo waveform `[2, 800*Ta]` at 32 kHz in [-1, 1]."""
         if rows.ndim != 2 or rows.shape[1] != self.cfg.latent_channels:
             raise ValueError(
@@ -554,7 +553,7 @@ class AudioVAE(nn.Module):
     @torch.no_grad()
     def encode_rows(self, audio: torch.Tensor) -> torch.Tensor:
         """Stereo waveform `[2, N]` at 32 kHz -> normalised rows `[2*Ta, 32]`, Ta = ceil(N/800) (reference audio)."""
-        if audio.ndim != 2 or audio.shape[0] != STEREO_CHANNELS:
+        if audio.ndim != 2 or audio.shape[0] != AUDIO_CHANNELS:
             raise ValueError(f"reference audio must have shape [2, samples], got {tuple(audio.shape)}")
         z = self.encode(audio.unsqueeze(1))
         return self.batch_to_rows(self.normalize(z))
@@ -912,8 +911,6 @@ def unfold_weight_norm_state_dict(sd: Mapping[str, torch.Tensor], model: AudioVA
 __all__ = [
     "AudioVAE",
     "AudioVAEConfig",
-    "HOP_LENGTH",
-    "SAMPLE_RATE",
     "detect_layout",
     "fold_weight_norm",
     "kaiser_sinc_filter",

@@ -23,6 +23,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from minimax_h3.contract import FRAME_CLIP, VIDEO_LATENT_CHANNELS
 from minimax_h3.vae.tiling import (
                                    IMAGENET_MEAN,
                                    IMAGENET_STD,
@@ -75,7 +76,7 @@ CONFIG_METADATA_KEY = "h3_video_vae_config"
 class VideoVAEConfig:
     in_channels: int = 3
     out_channels: int = 3
-    latent_channels: int = 24  # release z_channels = embed_dim
+    latent_channels: int = VIDEO_LATENT_CHANNELS  # release z_channels = embed_dim
     # encoder (release names ch / ch_mult / num_res_blocks / space_down / time_down)
     ch: int = 128
     ch_mult: tuple[int, ...] = (1, 2, 2, 4, 4, 8)
@@ -95,7 +96,7 @@ class VideoVAEConfig:
     rope_dim_ratio: float = 0.75
     dec_eps: float = 1e-5
     # temporal chunking / spatial tiling (vae_clip_length, vae_token_drop, vae_tile_size, vae_tile_overlap_min)
-    clip_length: int = 17
+    clip_length: int = FRAME_CLIP
     token_drop: int = 3
     tile_px: int = 256
     tile_overlap_min_px: int = 64
