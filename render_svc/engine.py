@@ -21,7 +21,7 @@ from client.pipeline import (StageResult, decode, encode, encode_image, encode_r
 from client.stubs import StageClients
 from h3.v1 import common_pb2, render_pb2
 from minimax_h3.contract import (AUDIO_LATENTS, SAMPLE_INPUTS, TEXT_STATES, TEXT_TAGS, VIDEO_LATENTS, RenderSpec,
-                                 keyframe_tensor, spec_from_proto, validate)
+                                 keyframe_tensor, spec_from_proto)
 from render_svc.planner import STAGES, first_stage
 from stagekit.errors import Cancelled, status_for
 
@@ -223,9 +223,9 @@ def render_jobs(clients: StageClients, jobs: Sequence[tuple[render_pb2.RenderReq
     """The render service's orchestration without its job store and scheduler, for tools, benchmarks and tests that
     drive the stages themselves: the jobs go through the render stages in order, each stage called for all of them
     at once (one stage batch: the stage serves them in one residency). Each job's RenderResult, or the failed
-    Outcome that ended it. InvalidArgument for a request the render service would refuse."""
+    Outcome that ended it (a request the stages refuse fails with their INVALID_ARGUMENT)."""
     engine = RenderEngine(clients)
-    works = [Work(f"job{i}", req, validate(spec_from_proto(req.params), need_prompt=True), Path(out),
+    works = [Work(f"job{i}", req, spec_from_proto(req.params), Path(out),
                   keyframe_files=[(a, img) for a, img in (("first", req.first_frame), ("last", req.last_frame)) if img])
              for i, (req, out) in enumerate(jobs)]
     done: dict[str, list[StageResult]] = {w.job_id: [] for w in works}
