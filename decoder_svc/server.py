@@ -198,8 +198,8 @@ def make_engine(cfg: DecoderConfigArgs, info, group) -> DecoderEngine:
 def main(argv: list[str] | None = None) -> None:
     cfg = parse_config(DecoderConfigArgs, argv, env_prefix="H3_DECODER_", description="MiniMax-H3 VAE decoder stage")
     run_stage(cfg, "decoder", make_engine, SERVICE,
-              lambda server, runtime: decoder_pb2_grpc.add_DecoderServicer_to_server(
-                  DecoderServicer(runtime, UploadStore(Path(cfg.run_temp_dir) / "uploads")), server))
+              lambda server, runtime, started: decoder_pb2_grpc.add_DecoderServicer_to_server(
+                  DecoderServicer(runtime, UploadStore(Path(started.run_temp_dir) / "uploads")), server))
 
 
 if __name__ == "__main__":

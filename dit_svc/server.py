@@ -146,7 +146,7 @@ def make_engine(cfg: DiTConfigArgs, info, group) -> DiTEngine:
 def main(argv: list[str] | None = None) -> None:
     cfg = parse_config(DiTConfigArgs, argv, env_prefix="H3_DIT_", description="MiniMax-H3 DiT sampler stage")
     run_stage(cfg, "dit", make_engine, SERVICE,
-              lambda server, runtime: dit_pb2_grpc.add_DiTSamplerServicer_to_server(DiTServicer(runtime), server))
+              lambda server, runtime, _cfg: dit_pb2_grpc.add_DiTSamplerServicer_to_server(DiTServicer(runtime), server))
 
 
 if __name__ == "__main__":

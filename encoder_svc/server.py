@@ -146,8 +146,8 @@ def make_engine(cfg: EncoderConfigArgs, info, group) -> EncoderEngine:
 def main(argv: list[str] | None = None) -> None:
     cfg = parse_config(EncoderConfigArgs, argv, env_prefix="H3_ENCODER_", description="MiniMax-H3 text encoder stage")
     run_stage(cfg, "encoder", make_engine, SERVICE,
-              lambda server, runtime: encoder_pb2_grpc.add_TextEncoderServicer_to_server(
-                  EncoderServicer(runtime, UploadStore(Path(cfg.run_temp_dir) / "uploads")), server))
+              lambda server, runtime, started: encoder_pb2_grpc.add_TextEncoderServicer_to_server(
+                  EncoderServicer(runtime, UploadStore(Path(started.run_temp_dir) / "uploads")), server))
 
 
 if __name__ == "__main__":

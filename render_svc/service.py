@@ -154,7 +154,7 @@ class RenderService:
         self.store = JobStore(cfg.run_dir)
         self.outputs = self.store.outputs
         # Uploaded reference files, kept by content with the stored keyframes (the jobs that name them keep them).
-        self.uploads = UploadStore(self.store.keyframe_dir, in_use=self.store.files_in_use)
+        self.uploads = UploadStore(self.store.keyframe_dir.resolve(), in_use=self.store.files_in_use)
         self.outputs.mkdir(parents=True, exist_ok=True)
         self.planner = BatchPlanner(cfg.max_batch, cfg.max_wait_batches)
         self.works: dict[str, Work] = {}         # jobs in flight (queued or between / in stages)

@@ -121,7 +121,7 @@ def followers_ignore_term(is_leader: bool) -> None:
 
 
 def run_stage(cfg: CommonConfig, stage: str, make_engine: Callable[[CommonConfig, RankInfo, RankGroup], Engine],
-              service_name: str, add_servicer: Callable[[grpc.Server, StageRuntime], None]) -> None:
+              service_name: str, add_servicer: Callable[[grpc.Server, StageRuntime, CommonConfig], None]) -> None:
     setup_logging(cfg.log_level, stage)
     info = rank_info_from_env()
     if "TORCHELASTIC_RUN_ID" in os.environ:  # launched by a torchrun agent
@@ -210,5 +210,5 @@ def _start(cfg: CommonConfig, stage: str, info: RankInfo, make_engine, service_n
     if listeners.metrics is not None:
         listeners.metrics.attach(runtime)
     # 5. Serve.
-    listeners.serve(lambda s: add_servicer(s, runtime), f"ranks={info.world_size}, device={device}")
+    listeners.serve(lambda s: add_servicer(s, runtime, cfg), f"ranks={info.world_size}, device={device}")
     return _Started(group, engine, runtime, listeners)

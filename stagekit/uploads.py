@@ -34,6 +34,8 @@ class UploadStore:
 
     def __init__(self, root: Path, max_file_bytes: int = MAX_FILE_BYTES, max_bytes: int = MAX_STORE_BYTES,
                  keep_s: float = KEEP_S, in_use: Callable[[], set[str]] = set):
+        if not Path(root).is_absolute():  # a server's files live in its own run or temp dir, never where it was started
+            raise ValueError(f"upload store {root!r}: an absolute directory is required")
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
         self.max_file_bytes, self.max_bytes, self.keep_s, self.in_use = max_file_bytes, max_bytes, keep_s, in_use
