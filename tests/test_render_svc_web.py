@@ -119,7 +119,7 @@ def test_web_page_in_headless_chromium(stack, tmp_path):
         wait_for(lambda: int(browser.eval(page, "(document.body && document.body.dataset.polls) || 0")) >= 1, 60,
                  "the page to load")
 
-        job = svc.stub.Submit(tiny_request("a marching band passing by", steps=60, label="from-the-web-test"),
+        job = svc.stub.Submit(tiny_request("a marching band passing by", steps=200, label="from-the-web-test"),
                               timeout=30, metadata=MD).job_id
         row = f'document.querySelector(\'tr[data-job="{job}"]\')'
         seen = []
