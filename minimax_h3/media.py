@@ -16,7 +16,6 @@ import numpy as np
 
 from minimax_h3.contract import (AUDIO_SAMPLE_RATE, FPS, FRAME_CLIP, FRAME_OFFSET, MIN_FRAMES, REFERENCE_KINDS,
                                  SIZE_MULTIPLE)
-from minimax_h3.images import MAX_IMAGE_BYTES
 from stagekit.errors import InvalidArgument
 from stagekit.uploads import MAX_FILE_BYTES
 

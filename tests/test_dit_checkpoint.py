@@ -15,7 +15,6 @@ from minimax_h3.dit.model import H3DiT
 from minimax_h3.dit.tiny_checkpoint import (
                                             adaln_curve,
                                             dense_state_dict,
-                                            file_metadata,
                                             save_state_dict,
                                             tiny_state_dict,
                                             write_random_int8_convrot_checkpoint,

@@ -28,7 +28,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from minimax_h3.contract import AUDIO_CHANNELS, AUDIO_HOP, AUDIO_LATENT_CHANNELS, AUDIO_SAMPLE_RATE
+from minimax_h3.contract import AUDIO_CHANNELS, AUDIO_LATENT_CHANNELS, AUDIO_SAMPLE_RATE
 from stagekit.checkpoints import (FLOAT, IDENTITY, Checkpoint, CheckpointError, HeaderEntry, NameMap, TensorReader,
                                   TensorSpec, check_finite_tensor, check_latent_stats, key_report, open_checkpoint,
                                   tensor_entries)
