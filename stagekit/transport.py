@@ -128,22 +128,27 @@ class FileReceiver:
         self.sha256 = hashlib.sha256()
 
     def feed(self, fc: tensor_pb2.FileChunk) -> None:
+        data = fc.data  # read once: each read of a bytes field is a copy of it
         if fc.offset != self.size:
             raise self.error(f"file bytes arrived at offset {fc.offset}, expected {self.size}; try again")
-        if self.max_bytes and self.size + len(fc.data) > self.max_bytes:
+        if self.max_bytes and self.size + len(data) > self.max_bytes:
             raise self.error(f"the file is larger than {self.max_bytes} bytes (the limit); send a smaller one")
-        self.f.write(fc.data)
-        self.crc = google_crc32c.extend(self.crc, fc.data)
-        self.sha256.update(fc.data)
-        self.size += len(fc.data)
+        self.f.write(data)
+        self.crc = google_crc32c.extend(self.crc, data)
+        self.sha256.update(data)
+        self.size += len(data)
         if fc.last:
             if fc.total_bytes != self.size or fc.crc32c != self.crc:
                 raise self.error("the file failed its size/checksum check; try again")
             self.complete = True
 
-    def finish(self, out_path: Path | None = None) -> Path:
+    def verify(self) -> None:
+        """The whole file arrived and passed its size / checksum check (its last chunk said so)."""
         if not self.complete:
             raise self.error("the stream ended before the file was complete; try again")
+
+    def finish(self, out_path: Path | None = None) -> Path:
+        self.verify()
         if out_path is not None:
             self.out_path = Path(out_path)
         self.f.flush()

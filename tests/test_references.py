@@ -441,3 +441,11 @@ def test_upload_caps_refusals_and_interruptions(upsvc, clients):
             reference=common_pb2.Reference(kind="image", digest="1" * 64), frames=FRAMES), timeout=10))
     assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "upload it first" in e.value.details()
     assert len(stub.List(render_pb2.ListRequest(), timeout=10).jobs) == jobs and _stored(upsvc) == []
+    # A stream that ends without its last chunk fails, even when the bytes it sent are a file the store holds
+    # (the decoder stage's store: the render service's stays empty for the checks above).
+    upload(clients.decoder.Upload, b"y" * 1000, "y.wav", timeout=10)
+    cut = list(file_chunks(b"y" * 1000, "y.wav"))
+    cut[-1].last = False
+    with pytest.raises(grpc.RpcError) as e:
+        clients.decoder.Upload(iter(cut), timeout=10)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "before the file was complete" in e.value.details()
