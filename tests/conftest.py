@@ -12,7 +12,8 @@ from client.stubs import StageClients
 
 # Keep each server process from grabbing every core: tests run three of them at once on 2 cores. MKL_DYNAMIC off:
 # MKL may otherwise pick fewer threads than asked for a GEMM on its own, which changes float summation order, and the
-# bitwise checks (2-rank decode == 1-rank decode) compare results of separate processes (docs/testing.md, round 3).
+# bitwise checks (2-rank decode == 1-rank decode) compare results of separate processes (docs/testing.md, "Races
+# the suite and the product guard against").
 SERVER_ENV = {"OMP_NUM_THREADS": "2", "MKL_NUM_THREADS": "2", "MKL_DYNAMIC": "FALSE"}
 
 

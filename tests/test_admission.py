@@ -368,7 +368,8 @@ def test_abandoned_uploads_free_their_buffers(stack, clients):
         assert sent.wait(60)
         # Wait until the decoder has written all 96 MiB into the upload's buffer (a mapping of its own, the declared
         # size), not just until its RSS grew by 80 MiB: on a busy machine part of it can still wait in grpc's
-        # queue then, and the cancel would free less than 80 MiB of buffer (docs/testing.md, "Suite time").
+        # queue then, and the cancel would free less than 80 MiB of buffer (docs/testing.md, "Races the suite and
+        # the product guard against").
         wait_until(lambda: any(buf_kib <= size < buf_kib + 1024 and rss >= 48 * MAX_CHUNK_BYTES // 1024
                                for size, rss in big_mappings(pid, buf_kib)),
                    what="the decoder to hold the 96 MiB sent in its upload buffer")
