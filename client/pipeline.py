@@ -21,10 +21,11 @@ from client.stubs import StageClients
 from h3.v1 import common_pb2, decoder_pb2, dit_pb2, encoder_pb2
 from minimax_h3.contract import (AUDIO_LATENTS, ENCODED_KEYFRAME, ENCODED_REFERENCE_AUDIO, ENCODED_REFERENCE_VIDEO,
                                  RAW_AUDIO, RAW_FRAMES, SAMPLE_OUTPUTS, TEXT_STATES, TEXT_TAGS, VIDEO_LATENTS,
-                                 RenderSpec, ref_tensor, spec_to_proto)
+                                 RenderSpec, ref_tensor, result_rules, spec_to_proto)
+from stagekit.errors import Internal
 from stagekit.transport import FileReceiver
 from stagekit.uploads import uploaded
-from stagekit.wire import TensorAssembler, tensor_chunks
+from stagekit.wire import DTYPE_CLASSES, TensorAssembler, WireError, tensor_chunks
 
 ProgressFn = Callable[[common_pb2.Progress], None]
 # Receives each stage call as it starts (a grpc.Call): a caller that keeps it can cancel the call from another thread.
@@ -62,11 +63,26 @@ def stage_events(stream, what: str, on_progress: ProgressFn = _noop, **feeds: Ca
     return done
 
 
-def _drain(stream, on_progress: ProgressFn, required: list[str], what: str) -> tuple[dict[str, torch.Tensor], object]:
-    """A stage's event stream whose result is tensors: reassembled and verified, with the done event."""
-    asm = TensorAssembler()
-    done = stage_events(stream, what, on_progress, tensor=asm.feed)
-    return asm.finish(required), done
+def _drain(stream, on_progress: ProgressFn, required: list[str], what: str,
+           rules: Callable[[], dict[str, tuple[str, tuple]]]) -> tuple[dict[str, torch.Tensor], object]:
+    """A stage's event stream whose result is tensors: reassembled and checked against the call's `rules()`
+    (minimax_h3.contract.result_rules; asked once the stage has accepted the request, so a request the stage refuses
+    gets the stage's own answer), with the done event. A result that breaks them is the stage's fault: `Internal`,
+    never the caller's."""
+    asm: TensorAssembler | None = None
+
+    def assembler() -> TensorAssembler:
+        nonlocal asm
+        if asm is None:
+            asm = TensorAssembler(expect={n: (DTYPE_CLASSES[d], shape) for n, (d, shape) in rules().items()})
+        return asm
+
+    try:
+        done = stage_events(stream, what, on_progress, tensor=lambda chunk: assembler().feed(chunk))
+        return assembler().finish(required), done
+    except WireError as e:
+        assembler().discard()
+        raise Internal(f"the {what} stage sent a result that breaks the H3 contract: {e}") from e
 
 
 def sent_references(stub, references: Sequence[common_pb2.Reference], sources: Sequence[Path | None] = (),
@@ -94,7 +110,7 @@ def encode(clients: StageClients, prompt: str, job_id: str = "", on_progress: Pr
                                     references=refs, frames=frames if references else 0)
     stream = clients.encoder.Encode(req, timeout=timeout, metadata=metadata)
     on_call(stream)
-    out, done = _drain(stream, on_progress, [TEXT_STATES], "encoder")
+    out, done = _drain(stream, on_progress, [TEXT_STATES], "encoder", lambda: result_rules("Encode"))
     states = out[TEXT_STATES]
     result = StageResult("encoder", time.monotonic() - t0, done.timing,
                          {"tokens": done.tokens, "cache_hit": done.cache_hit})
@@ -115,7 +131,8 @@ def encode_image(clients: StageClients, image: bytes, width: int, height: int, j
         decoder_pb2.EncodeImageRequest(image=image, width=width, height=height, job_id=job_id),
         timeout=timeout_s or DEADLINES["decoder"], metadata=clients.security.metadata())
     on_call(stream)
-    out, done = _drain(stream, on_progress, [ENCODED_KEYFRAME], "decoder EncodeImage")
+    out, done = _drain(stream, on_progress, [ENCODED_KEYFRAME], "decoder EncodeImage",
+                       lambda: result_rules("EncodeImage", RenderSpec(width=width, height=height)))
     latents = out[ENCODED_KEYFRAME]
     return latents, StageResult("decoder", time.monotonic() - t0, done.timing, {"op": "encode_image"})
 
@@ -133,7 +150,7 @@ def encode_reference(clients: StageClients, reference: common_pb2.Reference, fra
         decoder_pb2.EncodeReferenceRequest(reference=ref, frames=frames, job_id=job_id), timeout=timeout,
         metadata=metadata)
     on_call(stream)
-    out, done = _drain(stream, on_progress, [], "decoder EncodeReference")
+    out, done = _drain(stream, on_progress, [], "decoder EncodeReference", lambda: result_rules("EncodeReference"))
     info = {"op": "encode_reference", "kind": reference.kind, "width": done.width, "height": done.height,
             "frames": done.frames, "seconds": done.seconds, "source_fps": done.source_fps,
             "source_rate": done.source_rate}
@@ -172,7 +189,7 @@ def sample(clients: StageClients, spec: RenderSpec, text_states: torch.Tensor, j
     stream = clients.dit.Sample(_sample_inputs(spec, job_id, text_states, extra, loras),
                                 timeout=timeout_s or DEADLINES["dit"], metadata=clients.security.metadata())
     on_call(stream)
-    out, done = _drain(stream, on_progress, list(SAMPLE_OUTPUTS), "DiT")
+    out, done = _drain(stream, on_progress, list(SAMPLE_OUTPUTS), "DiT", lambda: result_rules("Sample", spec))
     return out[VIDEO_LATENTS], out[AUDIO_LATENTS], StageResult(
         "dit", time.monotonic() - t0, done.timing, {"ms_per_step": done.ms_per_step, "ranks": done.world_size})
 
@@ -211,7 +228,7 @@ def decode_raw(clients: StageClients, spec: RenderSpec, video: torch.Tensor, aud
     t0 = time.monotonic()
     stream = clients.decoder.Decode(_decode_inputs(spec, job_id, video, audio, decoder_pb2.RAW, 0),
                                     timeout=timeout_s or DEADLINES["decoder"], metadata=clients.security.metadata())
-    out, done = _drain(stream, on_progress, [RAW_FRAMES, RAW_AUDIO], "decoder")
+    out, done = _drain(stream, on_progress, [RAW_FRAMES, RAW_AUDIO], "decoder", lambda: result_rules("Decode", spec))
     return out[RAW_FRAMES], out[RAW_AUDIO], StageResult(
         "decoder", time.monotonic() - t0, done.timing,
         {"frames": done.frames, "audio_samples": done.audio_samples, "ranks": done.world_size})

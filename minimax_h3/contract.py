@@ -10,7 +10,8 @@ import it. docs/model.md §3 has the model facts behind the numbers.
 2. **Render spec.** `RenderSpec` and `validate`: the canvas bounds are those the model was trained on (the seeds
    render up to 1920x1088; 4:1 aspect either way). Each process validates a spec once, where it enters.
 3. **Tensors.** `TENSORS` names every tensor one stage hands another, with its dtype class and its shape as a
-   function of the render spec (and of the serving model's `LatentGeometry`; None = any size).
+   function of the render spec (and of the serving model's `LatentGeometry`; None = any size); `RESULTS` says,
+   call by call, which tensors a stage sends back to its caller.
 4. **Partitions.** Which of the two DiT files (fl2va, ref2va) a request needs, and the refusal naming it.
 """
 
@@ -266,9 +267,9 @@ def ref_tensor(index: int, part: str) -> str:
 KEYFRAME_TENSORS = MappingProxyType({a: keyframe_tensor(a) for a in KEYFRAME_ANCHORS})
 REF_TENSOR_NAMES = tuple(ref_tensor(i, p) for i in range(MAX_REFERENCES) for p in REFERENCE_KINDS)
 
-# The decoder's results for its caller (decoder.proto): EncodeImage's keyframe latent [24, 1, H/16, W/16] (sent
-# on as `keyframe_tensor(anchor)`), EncodeReference's latents [24, T, h, w] and/or [2, 32, Ta] (sent on as
-# `ref_tensor(i, ...)`), and a RAW Decode's uint8 frames [F, H, W, 3] and float audio [2, N] at AUDIO_SAMPLE_RATE.
+# The decoder's result names (decoder.proto; their rules are in RESULTS): EncodeImage's keyframe latent (sent on as
+# `keyframe_tensor(anchor)`), EncodeReference's latents (sent on as `ref_tensor(i, ...)`), a RAW Decode's frames and
+# audio.
 ENCODED_KEYFRAME = "latents"
 ENCODED_REFERENCE_VIDEO, ENCODED_REFERENCE_AUDIO = "video", "audio"
 RAW_FRAMES, RAW_AUDIO = "frames", "audio"
@@ -278,11 +279,11 @@ Shape = tuple[int | None, ...]
 
 @dataclass(frozen=True)
 class TensorRule:
-    """One inter-stage tensor: its dtype class ("float" or "int") and its shape for a render spec and the serving
+    """One inter-stage tensor: its dtype class ("float", "int" or "uint8") and its shape for a render spec and the serving
     model's latent geometry (None = any size; `text_dim` is the encoder's / DiT's hidden width)."""
 
     name: str
-    dtype: Literal["float", "int"]
+    dtype: Literal["float", "int", "uint8"]
     shape: Callable[[RenderSpec, LatentGeometry, int | None], Shape]
     meaning: str
 
@@ -313,11 +314,37 @@ TENSORS: Mapping[str, TensorRule] = MappingProxyType({r.name: r for r in _RULES}
 SAMPLE_INPUTS = (TEXT_STATES, TEXT_TAGS, *KEYFRAME_TENSORS.values(), *REF_TENSOR_NAMES)  # what the DiT takes
 SAMPLE_OUTPUTS = (VIDEO_LATENTS, AUDIO_LATENTS)  # what the DiT returns and the decoder takes
 
+# What each stage call sends back to its caller, by RPC name; the caller checks the stream against it as it arrives
+# (a result that breaks it is the stage's fault). A keyframe's and a RAW decode's sizes follow the request's canvas
+# and frame count (for EncodeImage: its width and height).
+RESULTS: Mapping[str, tuple[TensorRule, ...]] = MappingProxyType({
+    "Encode": (TENSORS[TEXT_STATES], TENSORS[TEXT_TAGS]),
+    "Sample": tuple(TENSORS[n] for n in SAMPLE_OUTPUTS),
+    "EncodeImage": (TensorRule(ENCODED_KEYFRAME, "float", _keyframe_shape,
+                               "[24, 1, H/16, W/16] normalised VAE latent of a keyframe image, fitted to the canvas"),),
+    "EncodeReference": (
+        TensorRule(ENCODED_REFERENCE_VIDEO, "float", lambda s, g, d: (g.video_channels, None, None, None),
+                   "[24, T, h, w] latents of an image (T = 1) or video reference on its own canvas"),
+        TensorRule(ENCODED_REFERENCE_AUDIO, "float", lambda s, g, d: (AUDIO_CHANNELS, g.audio_channels, None),
+                   "[2, 32, Ta] audio latents of a reference's sound")),
+    "Decode": (
+        TensorRule(RAW_FRAMES, "uint8", lambda s, g, d: (s.frames, s.height, s.width, 3),
+                   "[F, H, W, 3] RGB frames of a RAW decode"),
+        TensorRule(RAW_AUDIO, "float", lambda s, g, d: (AUDIO_CHANNELS, s.audio_latents * AUDIO_HOP),
+                   "[2, Ta * 800] stereo audio of a RAW decode at AUDIO_SAMPLE_RATE")),
+})
+
 
 def tensor_shapes(names, spec: RenderSpec, geometry: LatentGeometry = H3_GEOMETRY,
                   text_dim: int | None = None) -> dict[str, Shape]:
     """{name: shape} of `names` for a render spec (see TENSORS)."""
     return {n: TENSORS[n].shape(spec, geometry, text_dim) for n in names}
+
+
+def result_rules(call: str, spec: RenderSpec = RenderSpec(), geometry: LatentGeometry = H3_GEOMETRY,
+                 text_dim: int | None = None) -> dict[str, tuple[str, Shape]]:
+    """{name: (dtype class, shape)} of what stage call `call` (an RPC name in RESULTS) may send back."""
+    return {r.name: (r.dtype, r.shape(spec, geometry, text_dim)) for r in RESULTS[call]}
 
 
 def has_references(names) -> bool:

@@ -43,8 +43,8 @@ _NAMES = {v: k for k, v in DTYPES.items()}
 # The float dtypes a stage accepts for activations and latents (float64 is refused: no stage computes in it).
 FLOAT_DTYPES = ("float32", "bfloat16", "float16")
 INT_DTYPES = ("int64", "int32", "int16", "int8", "uint8")
-# A dtype class ("float" | "int", as a model's tensor table states it) -> the wire dtypes a stage accepts for it.
-DTYPE_CLASSES = {"float": FLOAT_DTYPES, "int": INT_DTYPES}
+# A dtype class ("float" | "int" | "uint8", as a model's tensor table states it) -> the wire dtypes it admits.
+DTYPE_CLASSES = {"float": FLOAT_DTYPES, "int": INT_DTYPES, "uint8": ("uint8",)}
 
 # Elements of a rejected tensor counted at a time (a 256 KiB temporary: the allocator's small-block cache reuses it).
 FINITE_SLAB = 1 << 18
