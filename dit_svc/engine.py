@@ -26,7 +26,7 @@ from minimax_h3.dit.config import TAG_TEXT, TAG_VIDEO, DiTConfig
 from minimax_h3.dit.keyframes import check_keyframe, check_text_tags, condition_rows, conditioned_denoise
 from minimax_h3.dit.layout import (build_layout, build_ref2va_layout, latent_shape, patchify_video, unpatchify_audio,
                                    unpatchify_video)
-from minimax_h3.dit.lora import LoRAError, LoRAManager, check_lora_file, config_targets, resolve_lora_path
+from minimax_h3.dit.lora import LoRAManager, check_lora_file, config_targets, resolve_lora_path
 from minimax_h3.dit.model import H3DiT
 from minimax_h3.dit.references import REFERENCES_INPUT, References, parse_references
 from minimax_h3.dit.sampling import SamplerConfig, draw_noise, sample
@@ -433,35 +433,31 @@ class DiTEngine:
         if refs and keyframe_anchors(inputs):
             raise InvalidArgument("references and first/last keyframes do not combine: the ref2va partition takes "
                                   "references only (put the image in as a reference instead)")
-        try:
-            if refs:
-                m = self.model_cfg
-                out[REFERENCES_INPUT] = parse_references(inputs, m.in_channels, m.audio_in_channels, m.patch)
-            for anchor in keyframe_anchors(inputs):
-                name = KEYFRAME_TENSORS[anchor]
-                check_keyframe(name, inputs[name], self.model_cfg.in_channels, shp.latent_height, shp.latent_width)
-                out[name] = inputs[name].float()
-            if TEXT_TAGS in inputs:
-                out[TEXT_TAGS] = check_text_tags(inputs[TEXT_TAGS], text_states.shape[0], TAG_TEXT, TAG_VIDEO)
-        except ValueError as e:
-            raise InvalidArgument(str(e)) from None
+        if refs:
+            m = self.model_cfg
+            out[REFERENCES_INPUT] = parse_references(inputs, m.in_channels, m.audio_in_channels, m.patch)
+        for anchor in keyframe_anchors(inputs):
+            name = KEYFRAME_TENSORS[anchor]
+            check_keyframe(name, inputs[name], self.model_cfg.in_channels, shp.latent_height, shp.latent_width)
+            out[name] = inputs[name].float()
+        if TEXT_TAGS in inputs:
+            out[TEXT_TAGS] = check_text_tags(inputs[TEXT_TAGS], text_states.shape[0], TAG_TEXT, TAG_VIDEO)
         return out
 
     def check_loras(self, loras: list[tuple[str, float]]) -> list[tuple[str, float]]:
         """Request LoRAs (name or path, strength) -> [(resolved path, strength)], checked against this DiT from the
-        file headers (minimax_h3/dit/lora.py); raises InvalidArgument. Names resolve only inside `loras_dir`."""
+        file headers (minimax_h3/dit/lora.py). Names resolve only inside `loras_dir`. Raises InvalidArgument /
+        NotFound (the request names a LoRA this server does not take or have) or LoRAFileError (FAILED_PRECONDITION:
+        the server's file does not fit this DiT)."""
         out = []
-        try:
-            for name, strength in loras:
-                if not math.isfinite(strength):
-                    raise LoRAError(f"LoRA {name!r}: strength must be finite, got {strength}")
-                path = resolve_lora_path(name, self.cfg.loras_dir or None, self.cfg.allow_lora_paths)
-                if self._lora_targets is None:
-                    self._lora_targets = config_targets(self.model_cfg)
-                check_lora_file(path, self._lora_targets, self.model_cfg.adaln_form)
-                out.append((str(path), float(strength)))
-        except LoRAError as e:
-            raise InvalidArgument(str(e)) from None
+        for name, strength in loras:
+            if not math.isfinite(strength):
+                raise InvalidArgument(f"LoRA {name!r}: strength must be finite, got {strength}")
+            path = resolve_lora_path(name, self.cfg.loras_dir or None, self.cfg.allow_lora_paths)
+            if self._lora_targets is None:
+                self._lora_targets = config_targets(self.model_cfg)
+            check_lora_file(path, self._lora_targets, self.model_cfg.adaln_form)
+            out.append((str(path), float(strength)))
         return out
 
     # ---- the job --------------------------------------------------------------------------------------------------

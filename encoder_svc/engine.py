@@ -110,16 +110,13 @@ class EncoderEngine:
         images = inputs.get("keyframes") or []
         references = inputs.get("references") or []
         if images or references:  # fl2va / ref2va: labels + vision blocks, then the prompt (not cached)
-            try:
-                encode, prompt = self.model.tokenizer.encode, list(spec["ids"])
-                if references:  # ref2va: labels per kind in request order (minimax_h3/text/vision.py)
-                    items, tail = reference_parts(encode, references, self.model.temporal_patch)
-                    prompt = tail + prompt
-                else:
-                    items = keyframe_items(encode, images)
-                states, tags = self.model.encode_presentation(prompt, items)
-            except ValueError as e:
-                raise FailedPrecondition(str(e)) from None
+            encode, prompt = self.model.tokenizer.encode, list(spec["ids"])
+            if references:  # ref2va: labels per kind in request order (minimax_h3/text/vision.py)
+                items, tail = reference_parts(encode, references, self.model.temporal_patch)
+                prompt = tail + prompt
+            else:
+                items = keyframe_items(encode, images)
+            states, tags = self.model.encode_presentation(prompt, items)
         else:
             states, tags = self.model.encode_ids(spec["ids"]), None
         states = states.cpu()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import io
 from dataclasses import dataclass
 from fractions import Fraction
+from typing import Callable
 
 import numpy as np
 
@@ -96,8 +97,8 @@ def resample_frames(frames: np.ndarray, fps: float, target_fps: int = FPS) -> np
 def reference_clip_frames(frames: int) -> int:
     """Frames of a video reference the VAE encodes: snapped down to 17n + 5, n >= 1."""
     if frames < MIN_FRAMES:
-        raise ValueError(f"a video reference needs at least {MIN_FRAMES} frames at {FPS} fps "
-                         f"({MIN_FRAMES / FPS:.2f} s), got {frames}")
+        raise InvalidArgument(f"a video reference needs at least {MIN_FRAMES} frames at {FPS} fps "
+                              f"({MIN_FRAMES / FPS:.2f} s), got {frames}")
     return (frames - FRAME_OFFSET) // FRAME_CLIP * FRAME_CLIP + FRAME_OFFSET
 
 
@@ -107,7 +108,7 @@ def canvas_for(width: float, height: float, short_edge: int = CANVAS_SHORT_EDGE,
     sides rounded to multiples of 32 (docs/model.md §3.1)."""
     ratio = width / height
     if not 1 / MAX_ASPECT <= ratio <= MAX_ASPECT:
-        raise ValueError(f"MiniMax-H3 takes aspect ratios from 1:4 to 4:1, got {width:g}x{height:g}")
+        raise InvalidArgument(f"MiniMax-H3 takes aspect ratios from 1:4 to 4:1, got {width:g}x{height:g}")
     w, h = (short_edge * ratio, float(short_edge)) if ratio >= 1 else (float(short_edge), short_edge / ratio)
     if w * h > max_pixels:
         scale = (max_pixels / (w * h)) ** 0.5
@@ -159,7 +160,7 @@ def normalize_image(pixels: np.ndarray, short_edge: int = IMAGE_SHORT_EDGE) -> n
     """uint8 [H, W, 3] -> [1, H', W', 3] at a `short_edge` px short edge (sides multiples of 32, LANCZOS)."""
     h, w = pixels.shape[:2]
     if max(w, h) > MAX_ASPECT * min(w, h):
-        raise ValueError(f"an image reference must be within 1:4 and 4:1, got {w}x{h}")
+        raise InvalidArgument(f"an image reference must be within 1:4 and 4:1, got {w}x{h}")
     scale = short_edge / min(w, h)
     th = max(SIZE_MULTIPLE, round(h * scale / SIZE_MULTIPLE) * SIZE_MULTIPLE)
     tw = max(SIZE_MULTIPLE, round(w * scale / SIZE_MULTIPLE) * SIZE_MULTIPLE)
@@ -181,7 +182,7 @@ def normalize_audio(waveform: np.ndarray, rate: int, max_seconds: float) -> np.n
     import av
 
     if waveform.ndim != 2 or waveform.shape[0] not in (1, 2) or waveform.shape[1] < 1:
-        raise ValueError(f"audio must be mono or stereo [channels, samples], got {list(waveform.shape)}")
+        raise InvalidArgument(f"audio must be mono or stereo [channels, samples], got {list(waveform.shape)}")
     x = np.ascontiguousarray(waveform[:, :int(max_seconds * rate)], dtype=np.float32)
     if x.shape[0] == 1:
         x = np.repeat(x, 2, axis=0)
@@ -207,7 +208,7 @@ def _decode_audio_stream(av, container, stream, max_seconds: float) -> tuple[np.
     else:
         chunks += [f.to_ndarray() for f in resampler.resample(None)]
     if not chunks:
-        raise ValueError("the audio stream holds no samples")
+        raise InvalidArgument("the audio stream holds no samples")
     return np.concatenate(chunks, axis=1).astype(np.float32), rate
 
 
@@ -235,36 +236,57 @@ def reference_decode_bytes(kind: str, frames: int) -> int:
     return MAX_SOURCE_PIXELS * 4 + 3 * frames * 5 * CANVAS_MAX_PIXELS * 3 + audio  # canvas frames at <= 120 fps
 
 
+def decoder_errors() -> tuple[type[BaseException], ...]:
+    """What FFmpeg (PyAV) and Pillow raise for a file they refuse: the file's fault, said to the caller. Pillow's
+    UnidentifiedImageError and a truncated file are OSErrors; a decompression bomb is an error of its own."""
+    import av
+    from PIL import Image
+
+    return av.FFmpegError, OSError, Image.DecompressionBombError
+
+
+def decodable_stream(container, kind: str, refuse: Callable[[str], InvalidArgument]):
+    """The container's first `kind` ("video" / "audio") stream; `refuse(why)` is raised when it has none, or one
+    whose codec FFmpeg does not know (PyAV then gives it no codec context)."""
+    streams = getattr(container.streams, kind)
+    if not streams:
+        raise refuse(f"it has no {kind} stream")
+    if streams[0].codec_context is None:
+        raise refuse(f"its {kind} stream's codec is not one FFmpeg decodes")
+    return streams[0]
+
+
 def load_reference(data: bytes, kind: str, frames: int, sizes: ReferenceSizes = ReferenceSizes()) -> ReferenceMedia:
     """A reference file's bytes -> ReferenceMedia on the model's rates for a render of `frames` frames at 24 fps
-    (video and audio are cut to its duration). Raises InvalidArgument naming what is wrong with the file."""
+    (video and audio are cut to its duration). Raises InvalidArgument naming what is wrong with the file: each check
+    raises it, and so does a file the decoders refuse (FFmpeg's and Pillow's errors); anything else is a fault of
+    this code, never the caller's."""
+    import av
+    from PIL import Image
+
     admit_reference(kind, data, frames)
     seconds = frames / FPS
+
+    def refused(why: str) -> InvalidArgument:
+        return InvalidArgument(f"the {kind} reference cannot be used: {why}")
+
     try:
         if kind == "image":
-            from PIL import Image
-
             with Image.open(io.BytesIO(data)) as im:
                 if im.width * im.height > MAX_SOURCE_PIXELS:
-                    raise ValueError(f"{im.width}x{im.height} is more than {MAX_SOURCE_PIXELS} pixels")
+                    raise refused(f"{im.width}x{im.height} is more than {MAX_SOURCE_PIXELS} pixels")
                 pixels = np.asarray(im.convert("RGB"))
             return ReferenceMedia("image", frames=normalize_image(pixels, sizes.image_short_edge))
-        import av
-
         with av.open(io.BytesIO(data)) as container:
             if kind == "audio":
-                if not container.streams.audio:
-                    raise ValueError("it has no audio stream")
-                wave, rate = _decode_audio_stream(av, container, container.streams.audio[0], seconds)
+                wave, rate = _decode_audio_stream(av, container, decodable_stream(container, "audio", refused), seconds)
                 return ReferenceMedia("audio", audio=normalize_audio(wave, rate, seconds), source_rate=rate)
-            if not container.streams.video:
-                raise ValueError("it has no video stream")
-            stream = container.streams.video[0]
+            stream = decodable_stream(container, "video", refused)
             if stream.width * stream.height > MAX_SOURCE_PIXELS:
-                raise ValueError(f"{stream.width}x{stream.height} is more than {MAX_SOURCE_PIXELS} pixels a frame")
+                raise refused(f"{stream.width}x{stream.height} is more than {MAX_SOURCE_PIXELS} pixels a frame")
             fps = float(stream.average_rate or stream.guessed_rate or 0)
             if not 0 < fps <= MAX_SOURCE_FPS:
-                raise ValueError(f"its frame rate {fps:g} is unknown or above {MAX_SOURCE_FPS} fps")
+                raise refused(f"its frame rate {fps:g} is unknown or above {MAX_SOURCE_FPS} fps")
             need = int(seconds * fps) + 2  # the frames the render's duration can use
             pixels, canvas = [], None
             for frame in container.decode(stream):
@@ -278,17 +300,15 @@ def load_reference(data: bytes, kind: str, frames: int, sizes: ReferenceSizes = 
                 if len(pixels) >= need:
                     break
             if not pixels:
-                raise ValueError("it holds no frames")
+                raise refused("it holds no frames")
             video = np.stack(pixels)
             del pixels
             sound, rate = None, None
             if container.streams.audio:
                 container.seek(0)
-                wave, rate = _decode_audio_stream(av, container, container.streams.audio[0], seconds)
+                wave, rate = _decode_audio_stream(av, container, decodable_stream(container, "audio", refused), seconds)
                 sound = normalize_audio(wave, rate, seconds)
             return ReferenceMedia("video", frames=normalize_video(video, fps, frames, sizes), audio=sound,
                                   source_fps=fps, source_rate=rate)
-    except InvalidArgument:
-        raise
-    except Exception as e:  # noqa: BLE001 - a file the decoders reject is the caller's input, said as such
-        raise InvalidArgument(f"the {kind} reference cannot be used: {e}") from None
+    except decoder_errors() as e:
+        raise refused(str(e)) from None

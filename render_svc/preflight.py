@@ -15,7 +15,7 @@ import json
 import os
 import sys
 
-from stagekit.errors import InvalidArgument
+from stagekit.errors import InvalidArgument, NotFound
 
 
 def prompt_token_limit() -> int:
@@ -50,8 +50,8 @@ def _check_loras(loras: list[tuple[str, float]], models_dir: str) -> None:
     for name, _ in loras:
         try:
             resolve_lora_path(name, loras_dir)
-        except ValueError as e:  # LoRAError: not found, not a bare file name, absolute path refused
-            raise InvalidArgument(f"--lora {name}: {e}") from None
+        except (InvalidArgument, NotFound) as e:  # not a bare file name, absolute path refused, not found
+            raise type(e)(f"--lora {name}: {e.message}") from None
 
 
 def _check_embedded_prompt_tokens(prompts: list[str]) -> None:

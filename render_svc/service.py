@@ -117,7 +117,13 @@ def describe_reference(ref, index: int) -> bool:
     import av
     from PIL import Image
 
+    from minimax_h3.media import decodable_stream, decoder_errors
+
     what = f"reference {index + 1} ({ref.name or ref.kind})"
+
+    def unreadable(why: object) -> InvalidArgument:
+        return InvalidArgument(f"{what} is not a readable {ref.kind} file: {why}")
+
     try:
         if ref.kind == "image":
             with Image.open(io.BytesIO(ref.data)) as im:
@@ -131,14 +137,16 @@ def describe_reference(ref, index: int) -> bool:
                 sound = ref.kind == "video" and bool(c.streams.audio)
                 thumb = None
                 if ref.kind == "video":
-                    if not c.streams.video:
-                        raise ValueError("it has no video stream")
-                    ref.width, ref.height = c.streams.video[0].width, c.streams.video[0].height
-                    thumb = next(c.decode(video=0)).to_image()
-                elif not c.streams.audio:
-                    raise ValueError("it has no audio stream")
-    except (OSError, ValueError, StopIteration, av.FFmpegError) as e:
-        raise InvalidArgument(f"{what} is not a readable {ref.kind} file: {e}") from None
+                    stream = decodable_stream(c, "video", unreadable)
+                    ref.width, ref.height = stream.width, stream.height
+                    first = next(c.decode(stream), None)
+                    if first is None:
+                        raise unreadable("it holds no frames")
+                    thumb = first.to_image()
+                else:
+                    decodable_stream(c, "audio", unreadable)
+    except decoder_errors() as e:
+        raise unreadable(e) from None
     if thumb is not None:
         thumb.thumbnail((THUMBNAIL_PX, THUMBNAIL_PX))
         buf = io.BytesIO()

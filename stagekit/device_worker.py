@@ -43,6 +43,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import grpc
+
 from stagekit import errors
 from stagekit.errors import StageError, Unavailable
 
@@ -186,15 +188,9 @@ def _portable(e: BaseException) -> BaseException:
     if isinstance(e, StageError):
         base = next(c for c in type(e).__mro__ if c.__module__ == errors.__name__)
         return base(e.message)
-    return _by_code(*errors.status_for(e))
-
-
-def _by_code(code, msg: str) -> BaseException:
-    for cls in (errors.InvalidArgument, errors.FailedPrecondition, errors.ResourceExhausted, errors.Unavailable,
-                errors.DeadlineExceeded, errors.Cancelled):
-        if cls.code == code:
-            return cls(msg)
-    return RuntimeError(msg)
+    code, msg = errors.status_for(e)
+    # A foreign error of known meaning keeps it; a fault stays one (not raised on purpose: the group restarts).
+    return RuntimeError(msg) if code == grpc.StatusCode.INTERNAL else errors.error_for(code, msg)
 
 
 @dataclass(frozen=True)
@@ -297,8 +293,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-class WorkerLost(RuntimeError):
-    """A multi-rank stage's worker died: the rank group restarts, as for a dead rank."""
+class WorkerLost(Unavailable):
+    """A multi-rank stage's worker died: the rank group restarts, as for a dead rank (the caller retries)."""
+
+    restarts_group = True
 
 
 class DeviceWorkerEngine:
@@ -370,7 +368,7 @@ class DeviceWorkerEngine:
         self._send(("run", spec, inputs))
         try:
             kind, value = self._serve_job(ctx)
-        except (WorkerLost, Unavailable):
+        except Unavailable:  # a lost worker (WorkerLost) included
             raise
         except BaseException:
             if self._proc is not None and self._proc.is_alive():

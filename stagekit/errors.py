@@ -90,6 +90,17 @@ class Internal(StageError):
     code = grpc.StatusCode.INTERNAL
 
 
+# The class that says what each status means (for a status another service answered with: `error_for`).
+_BY_CODE = {cls.code: cls for cls in (InvalidArgument, NotFound, AlreadyExists, FailedPrecondition, ResourceExhausted,
+                                      Unavailable, Cancelled, DeadlineExceeded, Internal)}
+
+
+def error_for(code: grpc.StatusCode, message: str) -> StageError:
+    """The error class of a status received from another service (a stage's answer, a job's recorded outcome), so
+    that a caller catches it by meaning; a status outside the five meanings is a server fault (`Internal`)."""
+    return _BY_CODE.get(code, Internal)(message)
+
+
 def restarts_group(exc: BaseException) -> bool:
     """Whether a multi-rank stage must restart its rank group after `exc` ended a job. An error raised on purpose
     says whether (its class's `restarts_group`); anything else (an unexpected fault, and also a foreign error of

@@ -15,6 +15,7 @@ from minimax_h3.text.conditioner import Conditioner, ConditionerConfig
 from minimax_h3.text.tiny import tiny_visual_weights, tiny_weights, write_tiny_model
 from minimax_h3.text.vision import (IMAGE_MEAN, IMAGE_STD, MAX_PIXELS, MIN_PIXELS, keyframe_items, preprocess_image,
                                     smart_resize)
+from stagekit.errors import FailedPrecondition, InvalidArgument
 
 FULL_LAYERS = 4
 PROMPT = "A fox jumps. <d>Hi!</d>"
@@ -132,7 +133,7 @@ def test_presentation_states_match_transformers(cfg, cond, oracle):
 def test_text_only_file_refuses_keyframes(tmp_path, cfg):
     c = Conditioner.load(write_tiny_model(tmp_path, variant="bf16", with_visual=False), cfg, device="cpu")
     assert c.visual is None and not c.has_vision
-    with pytest.raises(ValueError, match="no vision tower"):
+    with pytest.raises(FailedPrecondition, match="no vision tower"):  # the server's file: the operator's to fix
         c.encode_presentation(c.tokenizer.encode("x"), keyframe_items(c.tokenizer.encode, _images()[:1]))
 
 
@@ -271,7 +272,7 @@ def test_video_frames_sampled_like_diffusers(n, fps):
     sampled, stamps = Step._sample_video_condition_frames(frames, fps, 2.0, 2)
     indices, ours = sample_video(n, 2, fps=fps)
     assert [int(f[0, 0, 0]) for f in sampled] == indices and ours == stamps
-    with pytest.raises(ValueError, match="at least 13 frames"):
+    with pytest.raises(InvalidArgument, match="at least 13 frames"):  # a clip too short: the request's
         sample_video(12, 2)
 
 

@@ -49,6 +49,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from stagekit.checkpoints import CheckpointError, HeaderEntry, TensorReader, read_header
+from stagekit.errors import FailedPrecondition, Internal, InvalidArgument, NotFound
 
 from .config import DiTConfig
 from .convert_diffusers import DIFFUSERS_NAMES
@@ -57,7 +58,7 @@ from .tp import ColumnParallel, RowParallel, TPStyle, column_range, section_rang
 
 log = logging.getLogger(__name__)
 
-MAX_LISTED = 12  # keys listed per category in a LoRAError
+MAX_LISTED = 12  # keys listed per category in a LoRAFileError
 FINITE_CHECKED_FILES = 256  # LoRA file versions remembered as read and finite (admission reads each one once)
 LORA_FILE_SUFFIX = ".safetensors"
 PEFT_CONFIG_NAME = "adapter_config.json"  # PEFT writes alpha / rank here, not into the tensors
@@ -74,8 +75,14 @@ _KOHYA_KEY = re.compile(r"^(?P<mod>.+)\.lora_(?P<ab>down|up)\.weight$")
 _ALPHA_KEY = re.compile(r"^(?P<mod>.+)\.alpha$")
 
 
-class LoRAError(ValueError):
-    """A LoRA file that cannot be applied to this model (unknown keys, wrong shapes, unsupported kinds)."""
+class LoRAFileError(FailedPrecondition):
+    """A LoRA file on the server that cannot be applied to this model: unreadable, keys or shapes that do not fit
+    this DiT, unsupported kinds, NaN / Inf factors.
+
+    FAILED_PRECONDITION, not the request's fault: the file sits on the server (in its loras directory, or at a path
+    the operator allowed with --allow-lora-paths), so the caller cannot change it; only the operator can replace or
+    remove it, and the same request succeeds once they have. A request naming a LoRA the server does not have is the
+    request's fault (`resolve_lora_path`: InvalidArgument / NotFound)."""
 
 
 def _listed(keys: Iterable[str]) -> str:
@@ -232,7 +239,7 @@ def _group_keys(keys: Iterable[str]) -> tuple[dict[str, _Module], list[str], set
             slot = "alpha" if key.endswith(".alpha") else m["ab"]
         mod = modules.setdefault(m["mod"], _Module())
         if getattr(mod, slot) is not None:
-            raise LoRAError(f"LoRA module {m['mod']!r} has two {slot} tensors ({getattr(mod, slot)!r}, {key!r})")
+            raise LoRAFileError(f"LoRA module {m['mod']!r} has two {slot} tensors ({getattr(mod, slot)!r}, {key!r})")
         setattr(mod, slot, key)
     return modules, unsupported, adapters
 
@@ -250,13 +257,13 @@ class _Planned:
 
 def _plan(shapes: Mapping[str, tuple[int, ...]], targets: Mapping[str, LoRATarget], adaln_form: str,
           source: str) -> list[_Planned]:
-    """Resolve every key of a file against the model; raise one LoRAError naming every problem. Header-only."""
+    """Resolve every key of a file against the model; raise one LoRAFileError naming every problem. Header-only."""
     modules, unsupported, adapters = _group_keys(shapes)
     if unsupported:
-        raise LoRAError(f"{source}: {len(unsupported)} tensor(s) are not LoRA A/B/alpha factors (DoRA, LoCon/LoKr, "
+        raise LoRAFileError(f"{source}: {len(unsupported)} tensor(s) are not LoRA A/B/alpha factors (DoRA, LoCon/LoKr, "
                         f"full diffs and norm patches are not supported): {_listed(unsupported)}")
     if len(adapters) > 1:
-        raise LoRAError(f"{source}: holds several PEFT adapters {sorted(adapters)}; save one adapter per file")
+        raise LoRAFileError(f"{source}: holds several PEFT adapters {sorted(adapters)}; save one adapter per file")
     dotted, kohya = _alias_table(targets)
     planned, unmatched, incomplete, timestep, bad = [], [], [], [], []
     for path, mod in modules.items():
@@ -283,7 +290,7 @@ def _plan(shapes: Mapping[str, tuple[int, ...]], targets: Mapping[str, LoRATarge
             continue
         planned.append(_Planned(path, alias, mod))
     if timestep:
-        raise LoRAError(
+        raise LoRAFileError(
             f"{source}: this LoRA changes the timestep modulation ({_listed(timestep)}), but the loaded DiT is a "
             f"curve-form (\"pruned\") checkpoint whose AdaLN input is a baked low-rank table of the base time "
             f"embedder, so the LoRA cannot be applied. Use an unpruned checkpoint (bf16 or int8_convrot) for it.")
@@ -297,9 +304,9 @@ def _plan(shapes: Mapping[str, tuple[int, ...]], targets: Mapping[str, LoRATarge
     if bad:
         problems.append(f"{len(bad)} module(s) have shapes that do not fit the model: {_listed(bad)}")
     if problems:
-        raise LoRAError(f"{source} does not fit this DiT:\n  " + "\n  ".join(problems))
+        raise LoRAFileError(f"{source} does not fit this DiT:\n  " + "\n  ".join(problems))
     if not planned:
-        raise LoRAError(f"{source}: no LoRA factors found")
+        raise LoRAFileError(f"{source}: no LoRA factors found")
     return planned
 
 
@@ -323,12 +330,10 @@ def _peft_alpha(path: Path) -> PeftAlpha | None:
     try:
         data = json.loads(cfg.read_text())
         if data.get("alpha_pattern"):
-            raise LoRAError(f"{cfg}: per-module alpha_pattern is not supported; bake alphas into the file")
+            raise LoRAFileError(f"{cfg}: per-module alpha_pattern is not supported; bake alphas into the file")
         return PeftAlpha(float(data["lora_alpha"]), bool(data.get("use_rslora", False)))
     except (OSError, KeyError, TypeError, ValueError) as e:
-        if isinstance(e, LoRAError):
-            raise
-        raise LoRAError(f"{cfg}: cannot read lora_alpha: {e}") from e
+        raise LoRAFileError(f"{cfg}: cannot read lora_alpha: {e}") from e
 
 
 def _build(planned: list[_Planned], get, source: str, peft: PeftAlpha | None) -> LoRAWeights:
@@ -349,23 +354,23 @@ def _build(planned: list[_Planned], get, source: str, peft: PeftAlpha | None) ->
 def parse_lora_state_dict(sd: Mapping[str, torch.Tensor], targets: Mapping[str, LoRATarget],
                           adaln_form: str = "mlp", source: str = "<state dict>",
                           peft: PeftAlpha | None = None) -> LoRAWeights:
-    """A LoRA state dict (any dialect above) -> LoRAWeights in our names and layout; raises LoRAError."""
+    """A LoRA state dict (any dialect above) -> LoRAWeights in our names and layout; raises LoRAFileError."""
     planned = _plan({k: tuple(v.shape) for k, v in sd.items()}, targets, adaln_form, source)
     return _build(planned, sd.__getitem__, source, peft)
 
 
 def _header(path: Path) -> dict[str, HeaderEntry]:
-    """The LoRA file's header (stagekit's reader). The client chose this file, so an unreadable one is reported
-    to it as a LoRA problem."""
+    """The LoRA file's header (stagekit's reader); an unreadable file is a LoRAFileError naming it (the operator
+    replaces it), not a checkpoint that stops the server."""
     try:
         return read_header(path).tensors
     except CheckpointError as e:
-        raise LoRAError(f"{path}: not a readable safetensors file: {e.message}") from None
+        raise LoRAFileError(f"{path}: not a readable safetensors file: {e.message}") from None
 
 
 def check_lora_file(path: str | Path, targets: Mapping[str, LoRATarget], adaln_form: str = "mlp") -> int:
     """Validate a LoRA file against the model (request time): keys and shapes from its header, then every tensor
-    finite (read once per file version, see `_check_finite`). Returns the module count; raises LoRAError."""
+    finite (read once per file version, see `_check_finite`). Returns the module count; raises LoRAFileError."""
     path = Path(path)
     entries = _header(path)
     n = len(_plan({k: e.shape for k, e in entries.items()}, targets, adaln_form, str(path)))
@@ -384,7 +389,7 @@ def _check_finite(ident: tuple[str, int, int], path: Path) -> None:
         for key in entries:
             reader.whole(key)
     except CheckpointError as e:
-        raise LoRAError(f"LoRA {e.message}") from None
+        raise LoRAFileError(f"LoRA {e.message}") from None
     finally:
         reader.close()
 
@@ -441,7 +446,7 @@ def shard_part(part: LoRAPart, target: LoRATarget, tp_rank: int, tp_size: int) -
         return LocalAdapter(part.down, part.up[lo:hi].contiguous(), part.scale, part.section * local,
                             (part.section + 1) * local)
     if part.section is not None:
-        raise LoRAError(f"{target.name}: a sectioned LoRA part only exists for qkv_proj")
+        raise Internal(f"{target.name}: a sectioned LoRA part only exists for qkv_proj")
     return LocalAdapter(part.down, part.up, part.scale, 0, target.out_features)
 
 
@@ -483,7 +488,7 @@ class LoRALinear(nn.Module):
         groups: list[tuple[int, int, int, list[torch.Tensor]]] = []
         for a in order:
             if a.down.shape[1] != self.in_features or a.up.shape[0] != a.hi - a.lo or a.hi > self.out_features:
-                raise LoRAError(f"adapter shapes A{list(a.down.shape)} B{list(a.up.shape)} rows [{a.lo}, {a.hi}) do "
+                raise Internal(f"adapter shapes A{list(a.down.shape)} B{list(a.up.shape)} rows [{a.lo}, {a.hi}) do "
                                 f"not fit a local linear of in {self.in_features} / out {self.out_features}")
             downs.append(a.down)
             up = a.up.float() * a.scale
@@ -558,7 +563,7 @@ def file_identity(path: str | Path) -> tuple[str, int, int]:
     try:
         st = p.stat()
     except OSError as e:
-        raise LoRAError(f"LoRA file {p} is not readable: {e}") from e
+        raise LoRAFileError(f"LoRA file {p} is not readable: {e}") from e
     return os.path.realpath(p), st.st_mtime_ns, st.st_size
 
 
@@ -633,24 +638,25 @@ class LoRAManager:
 def resolve_lora_path(name: str, loras_dir: str | Path | None, allow_paths: bool = False) -> Path:
     """A request's LoRA reference -> an existing file. Bare file names (no directory part, not hidden) resolve under
     `loras_dir` (".safetensors" may be omitted); absolute paths only when the server allows them
-    (`--allow-lora-paths`). Anything else (relative paths, "..", separators) is rejected."""
+    (`--allow-lora-paths`). Anything else (relative paths, "..", separators) is rejected. The request's fault:
+    InvalidArgument for a name this server does not take, NotFound for a LoRA it does not have."""
     if not name or "\x00" in name:
-        raise LoRAError("empty LoRA name")
+        raise InvalidArgument("empty LoRA name")
     if os.path.isabs(name):
         if not allow_paths:
-            raise LoRAError(f"absolute LoRA path {name!r} refused: this server only loads LoRAs by file name from "
-                            f"its loras directory (start it with --allow-lora-paths to permit paths)")
+            raise InvalidArgument(f"absolute LoRA path {name!r} refused: this server only loads LoRAs by file name "
+                                  f"from its loras directory (start it with --allow-lora-paths to permit paths)")
         p = Path(name)
     else:
         if "/" in name or "\\" in name or name.startswith(".") or name != os.path.basename(name):
-            raise LoRAError(f"LoRA name {name!r} must be a bare file name inside the loras directory "
-                            f"(no directories, no '..', not hidden)")
+            raise InvalidArgument(f"LoRA name {name!r} must be a bare file name inside the loras directory "
+                                  f"(no directories, no '..', not hidden)")
         if not loras_dir:
-            raise LoRAError(f"LoRA {name!r} requested but this server has no loras directory (<models_dir>/loras)")
+            raise NotFound(f"LoRA {name!r} requested but this server has no loras directory (<models_dir>/loras)")
         p = Path(loras_dir) / name
         if not p.is_file() and not name.endswith(LORA_FILE_SUFFIX):
             p = Path(loras_dir) / (name + LORA_FILE_SUFFIX)
     if not p.is_file():
         where = "" if os.path.isabs(name) else f" in {loras_dir}"
-        raise LoRAError(f"LoRA {name!r} not found{where}")
+        raise NotFound(f"LoRA {name!r} not found{where}")
     return p

@@ -31,11 +31,14 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from stagekit.errors import FailedPrecondition
+
 from .config import DiTConfig
 
 
-class TPConfigError(ValueError):
-    """The tensor-parallel degree does not fit the model config."""
+class TPConfigError(FailedPrecondition):
+    """The tensor-parallel (or sequence-parallel) degree does not fit the model config: a setting of the server's
+    (its rank count, --sp-degree) that the operator changes."""
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -110,7 +113,7 @@ def group_rank_size(group: dist.ProcessGroup | None) -> tuple[int, int]:
 
 
 def validate_tp(cfg: DiTConfig, n: int) -> None:
-    """Raise TPConfigError (a ValueError) if TP degree n cannot shard cfg with the layout above."""
+    """Raise TPConfigError (FAILED_PRECONDITION) if TP degree n cannot shard cfg with the layout above."""
     if not isinstance(n, int) or n < 1:
         raise TPConfigError(f"TP degree must be a positive int, got {n!r}")
     checks = (

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from stagekit.checkpoints import CheckpointError, HeaderEntry, TensorReader
+from stagekit.errors import FailedPrecondition
 
 log = logging.getLogger(__name__)
 
@@ -38,8 +39,9 @@ _CK_DTYPE_CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 Int8Mode = Literal["kernel", "dequant"]
 
 
-class QuantFormatError(ValueError):
-    """A comfy_quant descriptor or an int8 tensor pair that this code cannot interpret."""
+class QuantFormatError(FailedPrecondition):
+    """A comfy_quant descriptor or an int8 tensor pair that this code cannot interpret: a weight file on the server
+    (the operator replaces it)."""
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -145,13 +147,19 @@ def parse_comfy_quant(blob: torch.Tensor | bytes | str | dict) -> QuantSpec:
             raise QuantFormatError(f"comfy_quant tensor is not valid JSON: {e}") from e
     if not isinstance(blob, dict):
         raise QuantFormatError(f"comfy_quant must be a JSON object, got {type(blob).__name__}")
-    fields = dict(blob.get("params") or {})
+    params = blob.get("params") or {}
+    if not isinstance(params, dict):
+        raise QuantFormatError(f"comfy_quant params must be a JSON object, got {type(params).__name__}")
+    fields = dict(params)
     fields.update({k: v for k, v in blob.items() if k != "params"})  # top-level wins on conflicts
     fmt = fields.get("format")
     if fmt != COMFY_INT8_FORMAT:
         raise QuantFormatError(f"unsupported comfy_quant format {fmt!r}; only {COMFY_INT8_FORMAT!r} is supported")
     convrot = bool(fields.get("convrot", False))
-    groupsize = int(fields.get("convrot_groupsize", DEFAULT_CONVROT_GROUPSIZE)) if convrot else None
+    try:
+        groupsize = int(fields.get("convrot_groupsize", DEFAULT_CONVROT_GROUPSIZE)) if convrot else None
+    except (TypeError, ValueError) as e:
+        raise QuantFormatError(f"comfy_quant convrot_groupsize is not an integer: {e}") from e
     if convrot and not is_power_of_4(groupsize):
         raise QuantFormatError(f"comfy_quant convrot_groupsize {groupsize} is not a power of 4")
     return QuantSpec(format=fmt, convrot=convrot, convrot_groupsize=groupsize)

@@ -83,8 +83,9 @@ class KernelError(FailedPrecondition):
     """A kernel setting that cannot be honoured on this machine (unknown name, unavailable, fails parity)."""
 
 
-class Fp8Unavailable(RuntimeError):
-    """fp8 row-wise matmul was asked for on a device without fp8 tensor cores."""
+class Fp8Unavailable(KernelError):
+    """fp8 row-wise matmul was asked for on a device without fp8 tensor cores (a kernel setting this machine cannot
+    honour)."""
 
 
 # =====================================================================================================================

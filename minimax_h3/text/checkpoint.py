@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 
 from minimax_h3.kernels import nvfp4
-from minimax_h3.kernels.int8 import dequantize_convrot, parse_comfy_quant
+from minimax_h3.kernels.int8 import QuantFormatError, dequantize_convrot, parse_comfy_quant
 from minimax_h3.text.config import ConditionerConfig
 from minimax_h3.text.vision import VisionConfig, infer_vision_config
 from stagekit.checkpoints import (FLOAT, CheckpointError, HeaderEntry, KeyReport, NameMap, TensorReader, TensorSpec,
@@ -309,7 +309,7 @@ class TextEncoderCheckpoint:
                 raise err("missing: cannot tell whether the int8 weight is ConvRot-rotated", base + ".comfy_quant")
             try:
                 spec = parse_comfy_quant(qdoc)
-            except ValueError as e:
+            except QuantFormatError as e:
                 raise err(str(e), base + ".comfy_quant") from e
             if spec.groupsize and shape[-1] % spec.groupsize:
                 raise err(f"ConvRot group size {spec.groupsize} does not divide the weight's in_features {shape[-1]}",

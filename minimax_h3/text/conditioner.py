@@ -43,7 +43,7 @@ from minimax_h3.text.tokenizer import TextTokenizer, validate_prompt
 from minimax_h3.text.vision import (Presentation, VisionConfig, VisionItem, build_presentation, preprocess_image,
                                     preprocess_video)
 from stagekit.checkpoints import CheckpointError
-from stagekit.errors import Internal, InvalidArgument
+from stagekit.errors import FailedPrecondition, Internal, InvalidArgument
 
 log = logging.getLogger(__name__)
 
@@ -172,8 +172,8 @@ class Conditioner(nn.Module):
         if self._closed:
             raise RuntimeError("conditioner weights were released (close() called); load it again")
         if self._visual_src is None:
-            raise ValueError("this text encoder has no vision tower (the checkpoint carries no 'visual.*' weights); "
-                             "keyframe renders need the full Qwen3-VL encoder file")
+            raise FailedPrecondition("this text encoder has no vision tower (the checkpoint carries no 'visual.*' "
+                                     "weights); keyframe renders need the full Qwen3-VL encoder file")
         ckpt = TextEncoderCheckpoint(self._visual_src, self.cfg)  # validated again: the file may have changed
         try:
             self._load_visual(ckpt)
@@ -247,8 +247,8 @@ class Conditioner(nn.Module):
     def temporal_patch(self) -> int:
         """Frames the vision tower takes per video block (the file's patch embedding says)."""
         if self.info is None or self.info.vision is None:
-            raise ValueError("this text encoder has no vision tower (the checkpoint carries no 'visual.*' weights); "
-                             "keyframe and reference renders need the full Qwen3-VL encoder file")
+            raise FailedPrecondition("this text encoder has no vision tower (the checkpoint carries no 'visual.*' "
+                                     "weights); keyframe and reference renders need the full Qwen3-VL encoder file")
         return self.info.vision.temporal_patch_size
 
     @torch.inference_mode()
@@ -271,7 +271,7 @@ class Conditioner(nn.Module):
         presentation order (every block of every item: an image one, a video one per temporal patch)."""
         self._ensure_visual()
         if self.tokenizer is None:
-            raise ValueError("no tokenizer loaded: keyframe presentations need one")
+            raise FailedPrecondition("no tokenizer loaded: keyframe presentations need one")
         if not items:
             raise InvalidArgument("vision_inputs needs at least one image or video")
         tok = self.tokenizer
@@ -296,7 +296,9 @@ class Conditioner(nn.Module):
         if out.pooler_output.shape[0] != n or int(pres.vision_mask.sum()) != n:
             raise Internal(f"vision tower produced {out.pooler_output.shape[0]} tokens for {n} vision pads")
         if len(out.deepstack_features) > self.cfg.num_layers:
-            raise ValueError(f"{len(out.deepstack_features)} DeepStack levels but only {self.cfg.num_layers} LM layers")
+            raise FailedPrecondition(f"the text encoder's vision tower has {len(out.deepstack_features)} DeepStack "
+                                     f"levels but the language model only {self.cfg.num_layers} layers: use files "
+                                     "of one Qwen3-VL encoder")
         return pres, out.pooler_output, list(out.deepstack_features)
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:

@@ -210,8 +210,8 @@ def sample_video(frames: int, temporal_patch: int, fps: float = FPS,
             indices.append(round(cursor))
         cursor += stride
     if len(indices) < temporal_patch:
-        raise ValueError(f"a video reference is read at {sample_fps:g} fps in pairs of frames: it needs at least "
-                         f"{round((temporal_patch - 1) * stride) + 1} frames at {fps:g} fps, got {frames}")
+        raise InvalidArgument(f"a video reference is read at {sample_fps:g} fps in pairs of frames: it needs at "
+                              f"least {round((temporal_patch - 1) * stride) + 1} frames at {fps:g} fps, got {frames}")
     stamps = [i / sample_fps for i in range(len(indices))]
     stamps += [stamps[-1]] * (-len(stamps) % temporal_patch)
     blocks = [(stamps[i] + stamps[i + temporal_patch - 1]) / 2 for i in range(0, len(stamps), temporal_patch)]
