@@ -73,6 +73,7 @@ from minimax_h3.kernels.registry import (  # noqa: E402
                                          select_kernels,
                                          time_ms,
                                          )
+from stagekit.config import comma_choices  # noqa: E402
 
 TEXT_LEN = 38  # t2va prompt length behind the reference S = 14,882 at 832x480x124
 CORE_PARAMS_PER_BLOCK = 385_351_680  # qkv + out + fc1 + fc2 of one block (docs/model.md §9.1)
@@ -386,9 +387,6 @@ def run_table(args) -> int:
     cfg = DiTConfig.tiny() if args.tiny else DiTConfig.full(num_layers=args.layers)
     shapes = [parse_shape(s) for s in args.shapes.split(",")]
     variants = [v for v in args.variants.split(",") if v]
-    unknown = [v for v in variants if v not in VARIANTS and v != "diffusers"]
-    if unknown:
-        raise SystemExit(f"unknown variants {unknown}; choose from diffusers, {', '.join(VARIANTS)}")
     if any(VARIANTS[v][2] for v in variants if v in VARIANTS):
         # Every (variant, shape) is a compiled graph of Block.forward: the default limit (8) would silently leave
         # later ones eager.
@@ -735,7 +733,7 @@ def run_memory(args) -> int:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default=SHAPES, help="WxHxF list (pixels, frames), t2va")
-    ap.add_argument("--variants", default="int8,fp8,bf16,diffusers")
+    ap.add_argument("--variants", default="int8,fp8,bf16,diffusers", type=comma_choices(("diffusers", *VARIANTS)))
     ap.add_argument("--layers", type=int, default=50, help="DiT blocks (50 = full model; fewer for a smoke run)")
     ap.add_argument("--iters", type=int, default=2, help="timed forwards per variant and shape (median)")
     ap.add_argument("--warmup", type=int, default=1)

@@ -42,6 +42,7 @@ from dit_svc.engine import DiTEngine, DiTEngineConfig  # noqa: E402
 from minimax_h3.contract import RenderSpec  # noqa: E402
 from minimax_h3.dit.config import DiTConfig  # noqa: E402
 from minimax_h3.dit.layout import build_layout  # noqa: E402
+from minimax_h3.kernels.registry import AUTO, default_attention_candidates, default_linear_candidates  # noqa: E402
 from stagekit.dist import RankGroup, RankInfo  # noqa: E402
 
 TEXT_LEN = 38  # t2va prompt length of the reference shapes (S = 14,882 at 832x480x124)
@@ -158,8 +159,8 @@ def main() -> int:
     ap.add_argument("--shapes", default="832x480x124", help="WxHxF list")
     ap.add_argument("--steps", type=int, default=4, help="sampler steps per service Sample (>= 2)")
     ap.add_argument("--iters", type=int, default=3, help="timed bare forwards per shape (median)")
-    ap.add_argument("--linear-kernel", default="fp8")
-    ap.add_argument("--attention-kernel", default="cudnn")
+    ap.add_argument("--linear-kernel", default="fp8", choices=(AUTO, *default_linear_candidates()))
+    ap.add_argument("--attention-kernel", default="cudnn", choices=(AUTO, *default_attention_candidates()))
     ap.add_argument("--compile-blocks", action="store_true")
     ap.add_argument("--chunk-rows", type=int, default=4096)
     ap.add_argument("--tiny", action="store_true", help="CPU dry run with the embedded tiny model")

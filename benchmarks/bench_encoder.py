@@ -27,7 +27,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--variants", nargs="+", default=[v for v in VARIANTS if v != "fp32"])
+    ap.add_argument("--variants", nargs="+", default=[v for v in VARIANTS if v != "fp32"], choices=VARIANTS)
     ap.add_argument("--json")
     args = ap.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -29,6 +29,7 @@ from safetensors.torch import save_file
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from stagekit.checkpoints import FiniteCheck, TensorReader, nonfinite_flag, open_checkpoint  # noqa: E402
+from stagekit.config import comma_choices  # noqa: E402
 
 TENSOR_BYTES = 64 << 20
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -86,10 +87,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gib", type=float, default=1.0, help="GiB of weights per dtype")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--device", default="cpu", help="cpu, or cuda:N to time the on-device check too")
-    ap.add_argument("--dtypes", default="bf16,fp16,fp32")
+    ap.add_argument("--dtypes", default="bf16,fp16,fp32", type=comma_choices(DTYPES))
     args = ap.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="bench-finite-") as d:
-        for name in args.dtypes.split(","):
+        for name in filter(None, args.dtypes.split(",")):
             print(json.dumps(bench(DTYPES[name], args.gib, args.repeat, args.device, Path(d))), flush=True)
     return 0
 

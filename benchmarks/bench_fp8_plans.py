@@ -36,10 +36,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from minimax_h3.kernels.fp8_attention import declare_graph, scale_constants, variant_pack  # noqa: E402
 from minimax_h3.kernels.registry import time_ms  # noqa: E402
+from stagekit.config import comma_choices  # noqa: E402
 
 HEADS, HEAD_DIM = 56, 128
 HIDDEN, FFN = 5376, 14336  # DiT block linear shapes (docs/model.md §2)
 SHAPES = {"832x480x124": 14882, "1344x768x124": 37748}
+PARTS = ("plans", "sustained", "interleaved")
 
 
 def events_ms(fn, iters: int) -> tuple[float, float]:
@@ -219,7 +221,7 @@ def interleaved_part(args, device, result, out: Path):
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True)
-    ap.add_argument("--parts", default="plans,sustained,interleaved")
+    ap.add_argument("--parts", default=",".join(PARTS), type=comma_choices(PARTS))
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--seconds", type=float, default=6.0)
     ap.add_argument("--blocks", type=int, default=50)
@@ -235,8 +237,8 @@ def main() -> int:
     result = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
               "cudnn_backend": cudnn.backend_version(), "frontend": cudnn.__version__,
               "plans": {}, "sustained": {}, "interleaved": {}, "failures": []}
-    parts = {"plans": plans_part, "sustained": sustained_part, "interleaved": interleaved_part}
-    for name in args.parts.split(","):
+    parts = dict(zip(PARTS, (plans_part, sustained_part, interleaved_part)))
+    for name in filter(None, args.parts.split(",")):
         print(f"== {name}", flush=True)
         try:
             fn = parts[name]

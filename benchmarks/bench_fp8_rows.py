@@ -44,6 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from minimax_h3.dit.config import TAG_AUDIO, TAG_TEXT, TAG_VIDEO  # noqa: E402
 from kernel_bench import E4M3_STEP_BOUND, e4m3_deviation, over_bound, time_variants, write_result  # noqa: E402
+from stagekit.config import comma_choices  # noqa: E402
 
 SHAPES = (14882, 37748)  # rows of 832x480x124 and 1344x768x124 (docs/performance.md)
 TINY_SHAPES = (37, 100)
@@ -153,17 +154,14 @@ def bench_op(fr, name: str, op: Op, device: torch.device, shapes, width: int, co
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True, help="directory for the JSON files (one per op)")
-    ap.add_argument("--ops", default="modulate,swiglu,orows", help=f"comma-separated, of {', '.join(OPS)}")
+    ap.add_argument("--ops", default="modulate,swiglu,orows", type=comma_choices(OPS),
+                    help=f"comma-separated, of {', '.join(OPS)}")
     ap.add_argument("--iters", type=int, default=20, help="timed calls per variant (median)")
     ap.add_argument("--configs", default=None,
                     help="Triton launch configs ROWSxWARPS,... for every op (default: each op's own list)")
     ap.add_argument("--tiny", action="store_true", help="CPU dry run (small shapes; the kernels interpreted)")
     args = ap.parse_args()
-    ops = args.ops.split(",")
-    unknown = [o for o in ops if o not in OPS]
-    if unknown:
-        print(f"unknown --ops {unknown}; choose from {list(OPS)}", file=sys.stderr)
-        return 2
+    ops = [o for o in args.ops.split(",") if o]
     if args.tiny:
         # Before minimax_h3.kernels.fp8_rows is imported: its kernels are then built for triton's CPU interpreter.
         os.environ.setdefault("TRITON_INTERPRET", "1")

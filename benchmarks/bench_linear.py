@@ -37,8 +37,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from minimax_h3.dit.config import DiTConfig  # noqa: E402
 from minimax_h3.kernels.registry import Fp8RowwiseLinear, quantize_fp8_rowwise, rel_err, time_ms  # noqa: E402
+from stagekit.config import comma_choices  # noqa: E402
 
 S_BY_SHAPE = {"832x480x124": 14882, "1344x768x124": 37748}
+# The forms timed (bf16 alone on a CPU; rowwise_autotune with --autotune).
+FORMS = ("bf16", "rowwise", "rowwise_gemm", "rowwise_gemm_fast_accum", "tensorwise_gemm",
+         "tensorwise_epilogue_compiled", "rowwise_compiled", "rowwise_autotune")
 
 
 def linears(cfg: DiTConfig) -> dict[str, tuple[int, int]]:
@@ -52,8 +56,10 @@ def main() -> int:
     ap.add_argument("--out", required=True, help="JSON file to write")
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--autotune", action="store_true", help="also torch.compile(mode='max-autotune-no-cudagraphs')")
-    ap.add_argument("--shapes", default=",".join(S_BY_SHAPE), help="comma-separated, from " + ", ".join(S_BY_SHAPE))
-    ap.add_argument("--forms", default="", help="comma-separated forms to run (default: all)")
+    ap.add_argument("--shapes", default=",".join(S_BY_SHAPE), type=comma_choices(S_BY_SHAPE),
+                    help="comma-separated, from " + ", ".join(S_BY_SHAPE))
+    ap.add_argument("--forms", default="", type=comma_choices(FORMS),
+                    help="comma-separated forms to run (default: all)")
     ap.add_argument("--tiny", action="store_true", help="CPU dry run: tiny config, the forms that run on a CPU")
     args = ap.parse_args()
     gpu = not args.tiny

@@ -36,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dit_svc.engine import DiTEngine, DiTEngineConfig  # noqa: E402
 from minimax_h3.dit.layout import build_layout  # noqa: E402
+from minimax_h3.kernels.registry import AUTO, default_attention_candidates, default_linear_candidates  # noqa: E402
 from stagekit.dist import RankGroup, rank_info_from_env  # noqa: E402
 
 GIB = 2**30
@@ -69,8 +70,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--weights", default="", help="DiT checkpoint ('' with --tiny: the embedded model)")
     ap.add_argument("--shapes", default="832x480x124,1344x768x124", help="WxHxF list")
-    ap.add_argument("--linear-kernel", default="auto")
-    ap.add_argument("--attention-kernel", default="auto")
+    ap.add_argument("--linear-kernel", default="auto", choices=(AUTO, *default_linear_candidates()))
+    ap.add_argument("--attention-kernel", default="auto", choices=(AUTO, *default_attention_candidates()))
     ap.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
     ap.add_argument("--chunk-rows", type=int, default=4096)
     ap.add_argument("--sp-degree", type=int, default=1, help="sequence-parallel degree (TP = ranks / this)")

@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench_fp8_rows import O_HEAD_DIM, OPS, parse_config  # noqa: E402
+from stagekit.config import comma_choices  # noqa: E402
 
 REGISTERS_PER_SM = 65536
 MAX_THREADS_PER_SM = 2048
@@ -73,7 +74,8 @@ def compile_one(fr, kernel, sig: dict, consts: dict, num_warps: int, arch: int) 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--ops", default="modulate,swiglu,orows", help=f"comma-separated, of {', '.join(OPS)}")
+    ap.add_argument("--ops", default="modulate,swiglu,orows", type=comma_choices(OPS),
+                    help=f"comma-separated, of {', '.join(OPS)}")
     ap.add_argument("--configs", default=None, help="ROWSxWARPS,... (default: each op's benchmark sweep)")
     ap.add_argument("--arch", type=int, default=90, help="CUDA compute capability x 10 (90: H100 / H200)")
     args = ap.parse_args()
@@ -82,7 +84,7 @@ def main() -> int:
     if fr.triton is None:
         print("kernel_registers.py needs triton (`.venv/bin/pip install --no-deps triton`)", file=sys.stderr)
         return 2
-    for op in args.ops.split(","):
+    for op in filter(None, args.ops.split(",")):
         spec = OPS[op]
         for cfg, block_rows, num_warps in map(parse_config, (args.configs or spec.configs).split(",")):
             kernel, sig, consts = kernel_spec(fr, op, spec.width, block_rows)

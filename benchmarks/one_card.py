@@ -42,6 +42,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks import bench_two_gpu as two  # noqa: E402  (the shared driver: weights, stack, renders, trace)
 from stagekit import memtrace  # noqa: E402
+from stagekit.config import comma_choices  # noqa: E402
 
 GIB = 2**30
 IDLE_NEIGHBOUR_GIB = 0.1
@@ -56,6 +57,7 @@ RENDERS = {
 # 12 s/step at 960x544x362 resident), swaps and decode included.
 EST_RENDER = {"a": 75, "c832": 45, "c1344": 90, "b": 380, "parity": 45}
 EST = {"weights": 150, "stack": 45, "dit": 240}
+ITEMS = ("weights", "dit", "stack:int8", *(f"render:{key}" for key in RENDERS), "parity")  # --only / --skip names
 TINY_STEPS = 2
 
 
@@ -365,8 +367,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--context-gib", type=float, default=0.5, help="a bare CUDA context, when none was measured")
     ap.add_argument("--holder-margin-gib", type=float, default=1.5,
                     help="a process holds weights when above its idle footprint by more than this")
-    ap.add_argument("--only", default="")
-    ap.add_argument("--skip", default="")
+    ap.add_argument("--only", default="", type=comma_choices(ITEMS), help="comma-separated items to run")
+    ap.add_argument("--skip", default="", type=comma_choices(ITEMS), help="comma-separated items to skip")
     ap.add_argument("--dit-engine", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.dit_engine:

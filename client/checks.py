@@ -22,8 +22,9 @@ from stagekit.errors import InvalidArgument
 PREFLIGHT_TIMEOUT_S = 120.0
 
 
-class CheckError(Exception):
-    """An input the client refuses; `str(e)` is the message for the user."""
+class CheckError(InvalidArgument):
+    """An input the client refuses (the command is wrong: the user fixes it); `str(e)` is the message for the
+    user."""
 
 
 def read_prompts(prompt: str | None, prompts_file: str | None) -> list[str]:

@@ -18,9 +18,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from client.stubs import SERVICE_NAMES, STAGES, Endpoints, Security, health_of, open_channel
+from stagekit.errors import FailedPrecondition
 from stagekit.procs import stop_group
 
-class StackStartError(RuntimeError):
+
+class StackStartError(FailedPrecondition):
     """A stage of a local stack exited or did not serve in time; the message names its log (kept) and its last
     lines, `summary` says why in a line or a few (the stage's own `cannot start` line when it wrote one)."""
 

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from client.stubs import SERVICE_NAMES, STAGES, Endpoints, Security, StageClients, health_of, open_channel
+from stagekit.errors import FailedPrecondition
 
 DEFAULT_ENDPOINTS_FILE = Path("run/endpoints.env")
 
@@ -31,7 +32,7 @@ def _read_endpoints_file(path: Path) -> dict[str, str]:
     return out
 
 
-class EndpointError(Exception):
+class EndpointError(FailedPrecondition):
     """A configured service that does not answer, or a configuration that cannot serve the command; `str(e)` names
     the address, where it was configured and the fix. The CLI prints it and exits 1."""
 

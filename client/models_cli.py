@@ -27,6 +27,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from stagekit.errors import FailedPrecondition
+
 COMFY_REPO = "Comfy-Org/MiniMax-H3"
 RELEASE_REPO = "MiniMax-AI/MiniMax-H3"
 DISK_MARGIN = 1 << 30  # left free after the download
@@ -65,8 +67,9 @@ def wanted_files(dit: str, text_encoder: str) -> list[RemoteFile]:
     return files + [RemoteFile(COMFY_REPO, f"vae/{n}", f"vae/{n}") for n in VAE_FILES]
 
 
-class FetchError(Exception):
-    """A fetch that cannot go on; `str(e)` says why and what to do."""
+class FetchError(FailedPrecondition):
+    """A fetch that cannot go on (the network, the Hub, the disk of this machine: its user fixes them); `str(e)`
+    says why and what to do."""
 
 
 def _gib(n: int) -> str:
@@ -232,7 +235,6 @@ def check_folder(models_dir: Path) -> list[PartReport]:
     """One report per part of the model (minimax_h3.files.CHECKPOINT_PARTS): found how the stage finds it, then
     read with its loader."""
     from minimax_h3.files import CHECKPOINT_PARTS, find_part
-    from stagekit.errors import FailedPrecondition
 
     stage_of = {"encoder": "encoder", "dit": "dit", "dit_ref2va": "dit", "video_vae": "decoder",
                 "audio_vae": "decoder"}

@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 
 from dit_svc.engine import DiTEngine, DiTEngineConfig
 from h3.v1 import dit_pb2, dit_pb2_grpc, common_pb2
-from minimax_h3.contract import (KEYFRAME_TENSORS, SAMPLE_INPUTS, SAMPLE_OUTPUTS, TENSORS, TEXT_STATES, spec_from_proto,
-                                 tensor_shapes, validate)
+from minimax_h3.contract import (KEYFRAME_TENSORS, PARTITIONS, SAMPLE_INPUTS, SAMPLE_OUTPUTS, TENSORS, TEXT_STATES,
+                                 spec_from_proto, tensor_shapes, validate)
 from minimax_h3.dit.checkpoint import QKVLayout
 from minimax_h3.kernels.int8 import Int8Mode
 from minimax_h3.kernels.registry import AUTO, default_attention_candidates, default_linear_candidates
@@ -53,7 +53,7 @@ class DiTConfigArgs(CommonConfig):
     qkv_layout: str = field(default="", metadata={"choices": ("", *typing.get_args(QKVLayout)),
         "help": "q/k/v row order of the weights when the files do not show it: stacked (ComfyUI repacks) | "
                 "interleaved (MiniMax release shards); default: decided from the files, refused if they cannot tell"})
-    partition: str = field(default="", metadata={
+    partition: str = field(default="", metadata={"choices": ("", *PARTITIONS),
         "help": "the MiniMax-H3 partition of the weights when their name and metadata do not say: fl2va (text, "
                 "first/last frame) | ref2va (references); default: decided from the files, refused if they cannot tell"})
 

@@ -8,6 +8,7 @@ loopback and stay in this process between stages (`Work.tensors`), never in the 
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
@@ -23,8 +24,9 @@ from h3.v1 import common_pb2, render_pb2
 from minimax_h3.contract import (AUDIO_LATENTS, SAMPLE_INPUTS, TEXT_STATES, TEXT_TAGS, VIDEO_LATENTS, RenderSpec,
                                  keyframe_tensor, spec_from_proto)
 from render_svc.planner import STAGES, first_stage
-from stagekit.errors import Cancelled, status_for
+from stagekit.errors import Cancelled, StageError, error_for, status_for
 
+log = logging.getLogger("render_svc")
 
 @dataclass
 class Work:
@@ -86,8 +88,47 @@ class Outcome:
     code: str = ""                    # gRPC status name when not ok
     message: str = ""
 
+    def error(self) -> StageError:
+        """A failed outcome as the error class of its status."""
+        return error_for(grpc.StatusCode[self.code], f"render failed: {self.code}: {self.message}")
+
 
 ProgressSink = Callable[[str, common_pb2.Progress], None]
+
+
+# The stage service each render stage calls (the decoder's VAE encoders encode keyframes and references).
+SERVICE_OF = {"keyframes": "decoder", "encoder": "encoder", "dit": "dit", "decoder": "decoder"}
+# What a stage's answer about the render service itself means for the operator: its token, its principal, the
+# address it was given. The user's job fails FAILED_PRECONDITION with this, never with the stage's code as if the
+# user had sent a wrong token (`stage_failure`).
+OPERATOR_FIXES = {
+    grpc.StatusCode.UNAUTHENTICATED: "refused the render service's token: give the render service the {service} "
+                                     "stage's token (--stage-token / H3_RENDER_STAGE_TOKEN; default: the render "
+                                     "service's own token)",
+    grpc.StatusCode.PERMISSION_DENIED: "does not let the render service's principal make this call: give the render "
+                                       "service a stage token the {service} stage allows it (--stage-token)",
+    grpc.StatusCode.UNIMPLEMENTED: "at {endpoint} does not serve the {service} calls: point the render service's "
+                                   "--{service} at the {service} stage, of this version",
+}
+
+
+def stage_failure(stage: str, endpoint: str, e: grpc.RpcError) -> Outcome:
+    """The outcome of a render stage whose call failed with `e`: the stage's own status and message, except (1) a
+    refusal of the render service's own credentials or calls (OPERATOR_FIXES), which is FAILED_PRECONDITION naming
+    the stage and what the operator fixes, logged; (2) UNKNOWN (a stage that failed outside its own error handling),
+    which is INTERNAL."""
+    code, details = e.code(), e.details() or e.code().name
+    service = SERVICE_OF[stage]
+    fix = OPERATOR_FIXES.get(code)
+    if fix is not None:
+        what = fix.format(service=service, endpoint=endpoint)
+        message = (f"the render service cannot use its {service} stage: the stage {what} (it answered {code.name}: "
+                   f"{details})")
+        log.error("%s", message)
+        return Outcome(False, code=grpc.StatusCode.FAILED_PRECONDITION.name, message=message)
+    if code == grpc.StatusCode.UNKNOWN:
+        return Outcome(False, code=grpc.StatusCode.INTERNAL.name, message=f"{service} stage failed: {details}")
+    return Outcome(False, code=code.name, message=details)
 
 
 def _merge(results: list[StageResult]) -> StageResult:
@@ -170,7 +211,7 @@ class RenderEngine:
         try:
             return Outcome(True, STAGE_CALLS[stage](self.clients, w, progress, w.set_call))
         except grpc.RpcError as e:
-            return Outcome(False, code=e.code().name, message=e.details() or str(e.code()))
+            return stage_failure(stage, self.clients.endpoints.of(SERVICE_OF[stage]), e)
         except Exception as e:  # noqa: BLE001 - recorded on the job
             code, msg = status_for(e)
             return Outcome(False, code=code.name, message=f"{stage}: {msg}")
@@ -244,8 +285,9 @@ def render_jobs(clients: StageClients, jobs: Sequence[tuple[render_pb2.RenderReq
 
 def render(clients: StageClients, request: render_pb2.RenderRequest, out_path: Path,
            on_progress: Callable[[common_pb2.Progress], None] = lambda p: None) -> RenderResult:
-    """One job through `render_jobs`; a failed job raises RuntimeError with its status and message."""
+    """One job through `render_jobs`; a failed job raises the error class of its status (stagekit.errors), with
+    its message."""
     (r,) = render_jobs(clients, [(request, out_path)], on_progress)
     if isinstance(r, Outcome):
-        raise RuntimeError(f"render failed: {r.code}: {r.message}")
+        raise r.error()
     return r

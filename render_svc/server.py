@@ -21,7 +21,7 @@ from h3.v1 import render_pb2, render_pb2_grpc
 from render_svc.engine import RenderEngine
 from render_svc.service import RenderService, SchedulerConfig
 from render_svc.store import CANCELLED, FAILED, QUEUED, RUNNING, SUCCEEDED
-from stagekit.bootstrap import ProcessTempDir, exit_cleanly, listen, setup_logging
+from stagekit.bootstrap import LOG_LEVELS, ProcessTempDir, exit_cleanly, listen, setup_logging
 from stagekit.config import parse_config
 from stagekit.errors import FailedPrecondition, NotFound
 from stagekit.server import Principal, ServeConfig, abort_on_error, principal_of, startup_errors
@@ -77,7 +77,7 @@ class RenderConfig(ServeConfig):
     temp_dir: str = field(default="", metadata={
         "help": "where the service keeps temp files (default $TMPDIR): in its own h3-render-<pid> subdirectory, "
                 "removed at exit; subdirectories of processes no longer running are removed at start"})
-    log_level: str = field(default="INFO", metadata={"help": "logging level"})
+    log_level: str = field(default="INFO", metadata={"choices": LOG_LEVELS, "help": "logging level"})
 
     def scheduler(self) -> SchedulerConfig:
         return SchedulerConfig(
@@ -89,7 +89,7 @@ class RenderConfig(ServeConfig):
     def endpoints(self) -> Endpoints:
         missing = [s for s in STAGES if not getattr(self, s)]
         if missing:
-            raise ValueError(f"give the stage endpoints --{' --'.join(missing)} (scripts/up.sh passes them)")
+            raise FailedPrecondition(f"give the stage endpoints --{' --'.join(missing)} (scripts/up.sh passes them)")
         return Endpoints(self.encoder, self.dit, self.decoder)
 
     def stage_security(self) -> Security:

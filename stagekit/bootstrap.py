@@ -33,9 +33,11 @@ from stagekit.server import ServeConfig, StageServer, is_loopback
 
 log = logging.getLogger("stagekit.bootstrap")
 
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")  # --log-level
+
 
 def setup_logging(level: str, name: str) -> None:
-    logging.basicConfig(level=level.upper(), format=f"%(asctime)s {name}[%(process)d] %(levelname)s %(message)s")
+    logging.basicConfig(level=level, format=f"%(asctime)s {name}[%(process)d] %(levelname)s %(message)s")
 
 
 class ProcessTempDir:

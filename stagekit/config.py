@@ -83,6 +83,22 @@ def _group_title(owner, description: str) -> str:
     return doc.strip().splitlines()[0].rstrip(".")
 
 
+def comma_choices(choices: typing.Iterable[str]) -> typing.Callable[[str], str]:
+    """An argparse `type` for a flag that takes a comma-separated subset of `choices` ("a,b"; "" for none): the
+    text as given once every item is one of them, else an error at parse time naming the unknown items and the
+    choices (argparse's `choices` for a list in one argument)."""
+    allowed = tuple(choices)
+
+    def check(text: str) -> str:
+        unknown = [item for item in text.split(",") if item and item not in allowed]
+        if unknown:
+            raise argparse.ArgumentTypeError(f"unknown {', '.join(map(repr, unknown))}; choose from "
+                                             f"{', '.join(allowed)}")
+        return text
+
+    return check
+
+
 def parse_config(cls, argv: list[str] | None = None, env_prefix: str = "H3_", description: str = ""):
     """Build `cls` from CLI flags, then `<env_prefix><FIELD>` env vars, then `--config` YAML/JSON."""
     import sys

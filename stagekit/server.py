@@ -529,11 +529,12 @@ class StageServer:
 
 @contextmanager
 def startup_errors(stage: str):
-    """Turn a deliberate startup failure (bad weights, missing model dir, bad flag) into one clear line and a
-    non-zero exit instead of a traceback."""
+    """Turn a deliberate startup failure (bad weights, missing model dir, bad flag: a StageError; a port or file
+    the OS refuses: an OSError) into one clear line and a non-zero exit. Anything else is a fault of this code and
+    keeps its traceback."""
     try:
         yield
-    except (StageError, ValueError, OSError) as e:
+    except (StageError, OSError) as e:
         msg = e.message if isinstance(e, StageError) else str(e)
         raise SystemExit(f"{stage}: cannot start: {msg}") from None
 

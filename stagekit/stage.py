@@ -21,7 +21,7 @@ import grpc
 from stagekit.budget import BudgetConfig, MemoryBudget, resolve_budget_bytes
 from stagekit.device_worker import DeviceWorkerEngine, WorkerConfig, die_with_parent, wanted
 from stagekit.dist import RankGroup, RankInfo, rank_info_from_env
-from stagekit.bootstrap import Listeners, ProcessTempDir, exit_cleanly, listen, setup_logging
+from stagekit.bootstrap import LOG_LEVELS, Listeners, ProcessTempDir, exit_cleanly, listen, setup_logging
 from stagekit.lease import DeviceLease, LeaseConfig, RankHold
 from stagekit.runtime import RESIDENCIES, Engine, RuntimeConfig, StageRuntime, follower_loop
 from stagekit.server import ServeConfig, startup_errors
@@ -62,7 +62,7 @@ class CommonConfig(ServeConfig):
     collective_timeout_s: float = field(default=60.0, metadata={"help": "a dead rank fails the job after this long"})
     dtype: str = field(default="", metadata={
         "choices": ("", *DTYPES), "help": "compute dtype: bfloat16 | float16 | float32 (default: bf16 on GPU, fp32 on CPU)"})
-    log_level: str = field(default="INFO", metadata={"help": "logging level"})
+    log_level: str = field(default="INFO", metadata={"choices": LOG_LEVELS, "help": "logging level"})
     gpu_memory_cap_gb: float = field(default=0.0, metadata={
         "help": "hard per-process cap on CUDA memory (GiB), e.g. 22 to prove a 22 GB card suffices; 0 = none"})
     run_temp_dir: str = field(default="", metadata={

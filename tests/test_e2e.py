@@ -161,3 +161,15 @@ def test_decode_raw_frames_and_audio(clients):
     assert frames.dtype == torch.uint8 and tuple(frames.shape) == (22, 256, 256, 3)
     assert audio.shape[0] == 2 and abs(audio.shape[1] - 22 / 24 * 32000) <= 800
     assert r.extra["frames"] == 22
+
+
+def test_a_failed_render_raises_the_class_of_its_status(clients, tmp_path):
+    """render() raises the error class that says what the outcome means (stagekit.errors), so a caller catches it
+    by meaning: a LoRA this DiT does not have is the request's (NOT_FOUND), never a bare RuntimeError."""
+    from stagekit.errors import NotFound, status_for
+
+    spec = RenderSpec(prompt="a lighthouse at night", width=256, height=256, frames=22, steps=1, seed=0)
+    with pytest.raises(NotFound, match="render failed: NOT_FOUND: LoRA 'no_such_style'") as e:
+        render(clients, render_request(spec, loras=[("no_such_style", 0.5)]), tmp_path / "out.mp4")
+    assert status_for(e.value)[0] == grpc.StatusCode.NOT_FOUND
+    assert not (tmp_path / "out.mp4").exists()

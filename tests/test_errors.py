@@ -162,3 +162,172 @@ def test_the_error_class_decides_whether_a_rank_group_restarts(tmp_path, monkeyp
             assert not exits.is_set() and health[-1] is True
     finally:
         rt.shutdown(False, 2)
+
+
+# ---- every error class of the project says its meaning ---------------------------------------------------------------
+PRODUCT = ("stagekit", "client", "render_svc", "dit_svc", "encoder_svc", "decoder_svc", "minimax_h3", "benchmarks",
+           "scripts")
+
+
+def _error_classes() -> list[tuple[str, str]]:
+    """(module, class) of every exception class defined in the product's code, found from the source: a class whose
+    base is a built-in exception or (transitively) another such class of the project."""
+    import ast
+    import builtins
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    defined: dict[str, tuple[str, list[str]]] = {}
+    for package in PRODUCT:
+        for path in sorted((root / package).rglob("*.py")):
+            module = ".".join(path.relative_to(root).with_suffix("").parts)
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.ClassDef):
+                    bases = [b.id if isinstance(b, ast.Name) else b.attr for b in node.bases
+                             if isinstance(b, (ast.Name, ast.Attribute))]
+                    defined[node.name] = (module, bases)
+    errors = {n for n, v in vars(builtins).items() if isinstance(v, type) and issubclass(v, BaseException)}
+    grown = True
+    while grown:
+        new = {name for name, (_, bases) in defined.items() if name not in errors and set(bases) & errors}
+        errors |= new
+        grown = bool(new)
+    return sorted((module, name) for name, (module, _) in defined.items() if name in errors)
+
+
+def test_every_error_class_of_the_project_derives_from_one_meaning():
+    """An error class outside the five meanings (a bare ValueError / RuntimeError subclass) would be a server fault
+    when raised on purpose, or the caller's when caught as a ValueError: each one derives from stagekit.errors."""
+    import importlib
+
+    from stagekit.errors import StageError
+
+    found = _error_classes()
+    assert len(found) >= 20 and ("minimax_h3.dit.lora", "LoRAFileError") in found
+    loose = [f"{m}.{n}" for m, n in found if not issubclass(getattr(importlib.import_module(m), n), StageError)]
+    assert not loose, f"error classes outside stagekit.errors' meanings: {loose}"
+
+
+@pytest.mark.parametrize("cls,code,restarts", [
+    ("minimax_h3.dit.lora:LoRAFileError", grpc.StatusCode.FAILED_PRECONDITION, False),
+    ("minimax_h3.kernels.int8:QuantFormatError", grpc.StatusCode.FAILED_PRECONDITION, False),
+    ("minimax_h3.dit.tp:TPConfigError", grpc.StatusCode.FAILED_PRECONDITION, False),
+    ("minimax_h3.kernels.registry:Fp8Unavailable", grpc.StatusCode.FAILED_PRECONDITION, False),
+    ("stagekit.device_worker:WorkerLost", grpc.StatusCode.UNAVAILABLE, True),
+])
+def test_the_models_and_the_workers_errors_say_who_fixes_them(cls, code, restarts):
+    import importlib
+
+    module, name = cls.split(":")
+    err = getattr(importlib.import_module(module), name)("what went wrong")
+    assert status_for(err) == (code, "what went wrong") and restarts_group(err) is restarts
+
+
+def test_a_status_from_another_service_becomes_the_class_of_its_meaning():
+    from stagekit.errors import error_for
+
+    for cls, code, _ in MEANINGS:
+        err = error_for(code, "m")
+        assert type(err) is cls and status_for(err) == (code, "m")
+    assert type(error_for(grpc.StatusCode.UNKNOWN, "m")) is Internal  # outside the five meanings: a server fault
+
+
+# ---- deliberate checks raise their meaning; a fault inside them is never the caller's --------------------------------
+def _bug(*args, **kwargs):
+    raise ValueError("an internal invariant broke")
+
+
+def test_a_fault_while_loading_a_reference_is_internal_not_the_files(monkeypatch):
+    """load_reference's checks say what is wrong with the file (INVALID_ARGUMENT), and so do the decoders when they
+    refuse it; a fault of the loader itself (here a resize that breaks) is INTERNAL with an error id."""
+    import minimax_h3.media as media
+    from tests.test_references import media_png
+
+    with pytest.raises(InvalidArgument, match="the image reference cannot be used: cannot identify image file"):
+        media.load_reference(b"\x89PNG not really", "image", 22)
+    with pytest.raises(InvalidArgument, match="within 1:4 and 4:1"):
+        media.load_reference(media_png(500, 100), "image", 22, media.EMBEDDED_REFERENCE_SIZES)
+    monkeypatch.setattr(media, "_lanczos", _bug)
+    with pytest.raises(ValueError, match="internal invariant") as e:
+        media.load_reference(media_png(), "image", 22, media.EMBEDDED_REFERENCE_SIZES)
+    assert not isinstance(e.value, InvalidArgument) and status_for(e.value)[0] == grpc.StatusCode.INTERNAL
+
+
+def test_a_fault_while_describing_a_reference_is_internal_not_the_files(monkeypatch):
+    """The render service's look at a reference at submit: a file the decoders refuse is the caller's, a fault of
+    the service's own code is not."""
+    from PIL import Image
+
+    from h3.v1 import common_pb2
+    from render_svc.service import describe_reference
+    from tests.test_references import media_png, media_wav
+
+    with pytest.raises(InvalidArgument, match=r"reference 1 \(voice.wav\) is not a readable video file: it has no "
+                                              "video stream"):
+        describe_reference(common_pb2.Reference(kind="video", data=media_wav(0.2), name="voice.wav"), 0)
+    monkeypatch.setattr(Image.Image, "convert", _bug)
+    with pytest.raises(ValueError, match="internal invariant") as e:
+        describe_reference(common_pb2.Reference(kind="image", data=media_png(), name="a.png"), 0)
+    assert not isinstance(e.value, InvalidArgument)
+
+
+def test_the_encoders_reference_checks_are_the_requests_and_its_faults_internal(tmp_path, monkeypatch):
+    """A video reference too short for the vision tower's frame pairs is the request's fault (INVALID_ARGUMENT, not
+    FAILED_PRECONDITION); a fault while presenting references is INTERNAL, not the operator's."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    import encoder_svc.engine as enc
+    from minimax_h3.media import ReferenceMedia
+    from stagekit.dist import RankGroup, RankInfo
+
+    engine = enc.EncoderEngine(enc.EncoderEngineConfig("", "", tmp_path, "cpu", torch.float32),
+                               RankGroup(RankInfo(0, 1, 0), "gloo", 10))
+    engine.model = SimpleNamespace(tokenizer=engine.tokenizer, temporal_patch=2)  # the presentation is not reached
+    ctx = SimpleNamespace(progress=lambda *a, **k: None)
+    short = ReferenceMedia("video", frames=np.zeros((10, 32, 32, 3), dtype=np.uint8))  # one frame at 2 fps
+    with pytest.raises(InvalidArgument, match="needs at least 13 frames") as e:
+        engine.run({"ids": [1, 2]}, {"references": [short]}, ctx)
+    assert status_for(e.value)[0] == grpc.StatusCode.INVALID_ARGUMENT
+    monkeypatch.setattr(enc, "reference_parts", _bug)
+    with pytest.raises(ValueError, match="internal invariant") as e:
+        engine.run({"ids": [1, 2]}, {"references": [short]}, ctx)
+    assert status_for(e.value)[0] == grpc.StatusCode.INTERNAL
+
+
+def test_a_comfy_quant_descriptor_of_the_wrong_types_is_the_files_fault():
+    from minimax_h3.kernels.int8 import QuantFormatError, parse_comfy_quant
+
+    for doc in ('{"format": "int8_tensorwise", "convrot": true, "convrot_groupsize": "sixteen"}',
+                '{"format": "int8_tensorwise", "params": ["convrot"]}'):
+        with pytest.raises(QuantFormatError) as e:
+            parse_comfy_quant(doc)
+        assert status_for(e.value)[0] == grpc.StatusCode.FAILED_PRECONDITION
+
+
+# ---- start-up -------------------------------------------------------------------------------------------------------
+def test_startup_errors_say_a_deliberate_refusal_in_a_line_and_keep_a_faults_traceback():
+    from stagekit.server import startup_errors
+
+    with pytest.raises(SystemExit, match="^dit: cannot start: no DiT checkpoint under /models$"):
+        with startup_errors("dit"):
+            raise FailedPrecondition("no DiT checkpoint under /models")
+    with pytest.raises(ValueError, match="internal invariant"):  # a bug: its traceback, not a tidy line
+        with startup_errors("dit"):
+            _bug()
+
+
+def test_render_service_without_stage_endpoints_says_so_in_one_line(tmp_path):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    r = subprocess.run([sys.executable, "-m", "render_svc", "--port", "0", "--run-dir", str(tmp_path / "run"),
+                        "--encoder", "127.0.0.1:1"], cwd=root, capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "TMPDIR": str(tmp_path)})
+    last = r.stderr.strip().splitlines()[-1]
+    assert r.returncode != 0 and "Traceback" not in r.stderr, r.stderr
+    assert last == "render: cannot start: give the stage endpoints --dit --decoder (scripts/up.sh passes them)", last

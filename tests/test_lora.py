@@ -14,11 +14,12 @@ from safetensors.torch import save_file
 
 from minimax_h3.dit.config import DiTConfig
 from minimax_h3.dit.convert_diffusers import from_diffusers, to_diffusers
-from minimax_h3.dit.lora import (LoRAError, LoRALinear, LoRAManager, LocalAdapter, check_lora_file, config_targets,
+from minimax_h3.dit.lora import (LoRAFileError, LoRALinear, LoRAManager, LocalAdapter, check_lora_file, config_targets,
                                  load_lora_file, merge_loras, model_targets, parse_lora_state_dict, resolve_lora_path)
 from minimax_h3.dit.model import H3DiT, curve_state_dict_from_mlp
 from minimax_h3.dit.tp import Linear, shard_state_dict
 from minimax_h3.kernels.int8 import Int8ConvRotLinear, dequantize_convrot
+from stagekit.errors import FailedPrecondition, InvalidArgument, NotFound
 from tests.dit_ranks import assert_matches_one_rank, forward, rel, tiny_case
 from tests.ranks import run_ranks
 
@@ -238,18 +239,18 @@ def test_errors_list_the_offending_keys(tmp_path):
           "diffusion_model.vae.conv.lora_A.weight": a, "diffusion_model.vae.conv.lora_B.weight": b,
           "diffusion_model.blocks.0.attn.qkv_proj.lora_A.weight": a,
           "diffusion_model.blocks.0.attn.qkv_proj.lora_B.weight": b}
-    with pytest.raises(LoRAError, match=r"2 module\(s\) match no linear.*blocks\.7\.attn\.qkv_proj.*vae\.conv"):
+    with pytest.raises(LoRAFileError, match=r"2 module\(s\) match no linear.*blocks\.7\.attn\.qkv_proj.*vae\.conv"):
         parse_lora_state_dict(sd, targets)
-    with pytest.raises(LoRAError, match=r"not LoRA A/B/alpha.*dora_scale"):
+    with pytest.raises(LoRAFileError, match=r"not LoRA A/B/alpha.*dora_scale"):
         parse_lora_state_dict({"blocks.0.attn.qkv_proj.dora_scale": torch.ones(1)}, targets)
-    with pytest.raises(LoRAError, match=r"lack their A \(down\) or B \(up\).*blocks\.0\.mlp\.fc2"):
+    with pytest.raises(LoRAFileError, match=r"lack their A \(down\) or B \(up\).*blocks\.0\.mlp\.fc2"):
         parse_lora_state_dict({"blocks.0.mlp.fc2.lora_down.weight": torch.randn(2, cfg.ffn)}, targets)
-    with pytest.raises(LoRAError, match=r"shapes that do not fit.*blocks\.0\.mlp\.fc2"):
+    with pytest.raises(LoRAFileError, match=r"shapes that do not fit.*blocks\.0\.mlp\.fc2"):
         parse_lora_state_dict({"blocks.0.mlp.fc2.lora_A.weight": torch.randn(2, cfg.hidden),
                                "blocks.0.mlp.fc2.lora_B.weight": torch.randn(cfg.hidden, 2)}, targets)
     bad = tmp_path / "x.safetensors"
     bad.write_bytes(b"not a safetensors file")
-    with pytest.raises(LoRAError, match="not a readable safetensors"):
+    with pytest.raises(LoRAFileError, match="not a readable safetensors"):
         check_lora_file(bad, targets)
 
 
@@ -268,7 +269,7 @@ def test_curve_form_rejects_timestep_modulation_loras():
                    "lora_unet_time_embedder_proj_in.lora_up.weight": torch.randn(cfg.time_embed_hidden, 2)},
                   {"transformer.norm_out.linear.lora_A.weight": torch.randn(2, cfg.time_embed_dim),
                    "transformer.norm_out.linear.lora_B.weight": torch.randn(cfg.final_adaln_out, 2)}):
-        with pytest.raises(LoRAError, match=r"timestep modulation.*curve-form.*unpruned checkpoint"):
+        with pytest.raises(LoRAFileError, match=r"timestep modulation.*curve-form.*unpruned checkpoint"):
             parse_lora_state_dict({**qkv, **extra}, targets, adaln_form=ccfg.adaln_form)
     # the same LoRA without the modulation part is fine on the curve model
     lw = parse_lora_state_dict(qkv, targets, adaln_form="curve")
@@ -360,14 +361,14 @@ def test_resolve_lora_path(tmp_path):
     assert resolve_lora_path("style.safetensors", loras) == loras / "style.safetensors"
     assert resolve_lora_path("style", loras) == loras / "style.safetensors"
     for bad in ("../secret.safetensors", "sub/style.safetensors", "..", ".hidden", "a\\b"):
-        with pytest.raises(LoRAError, match="bare file name"):
+        with pytest.raises(InvalidArgument, match="bare file name"):
             resolve_lora_path(bad, loras)
-    with pytest.raises(LoRAError, match="allow-lora-paths"):
+    with pytest.raises(InvalidArgument, match="allow-lora-paths"):
         resolve_lora_path(str(outside), loras)
     assert resolve_lora_path(str(outside), loras, allow_paths=True) == outside
-    with pytest.raises(LoRAError, match="not found"):
+    with pytest.raises(NotFound, match="not found"):
         resolve_lora_path("missing", loras)
-    with pytest.raises(LoRAError, match="no loras directory"):
+    with pytest.raises(NotFound, match="no loras directory"):
         resolve_lora_path("style", None)
 
 
@@ -380,7 +381,6 @@ def test_engine_and_servicer_apply_request_loras(tmp_path):
     from h3.v1 import dit_pb2
     from minimax_h3.contract import RenderSpec, spec_to_proto
     from stagekit.dist import RankGroup, RankInfo
-    from stagekit.errors import InvalidArgument
     from stagekit.runtime import JobContext
     from stagekit.wire import tensor_chunks
 
@@ -416,11 +416,16 @@ def test_engine_and_servicer_apply_request_loras(tmp_path):
     assert extras["loras"] == [(str(loras_dir / "style.safetensors"), 0.8), (str(loras_dir / "style.safetensors"), 1.0)]
     *_, extras = servicer._read_request(request())
     assert "loras" not in extras
-    for bad, msg in (({"name": "../outside.safetensors"}, "bare file name"), ({"name": outside}, "allow-lora-paths"),
-                     ({"name": "wrong"}, r"match no linear.*blocks\.9\.mlp\.fc2"), ({"name": "nope"}, "not found"),
-                     ({"name": "style", "strength": float("nan")}, "finite")):
-        with pytest.raises(InvalidArgument, match=msg):
+    # By meaning: a name the server does not take or have is the request's fault; a file of the server's that does
+    # not fit this DiT is the operator's (FAILED_PRECONDITION: the caller cannot change it).
+    for bad, cls, msg in (({"name": "../outside.safetensors"}, InvalidArgument, "bare file name"),
+                          ({"name": outside}, InvalidArgument, "allow-lora-paths"),
+                          ({"name": "style", "strength": float("nan")}, InvalidArgument, "finite"),
+                          ({"name": "nope"}, NotFound, "not found"),
+                          ({"name": "wrong"}, LoRAFileError, r"match no linear.*blocks\.9\.mlp\.fc2")):
+        with pytest.raises(cls, match=msg):
             servicer._read_request(request(bad))
+    assert issubclass(LoRAFileError, FailedPrecondition)
 
     eng.load()
     ptrs = {k: v.data_ptr() for k, v in eng.model.state_dict().items()}

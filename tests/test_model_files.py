@@ -31,7 +31,7 @@ from encoder_svc.engine import CHECKPOINT_PATTERNS as TE_PATTERNS
 from minimax_h3.contract import SAMPLE_OUTPUTS, RenderSpec, tensor_shapes
 from minimax_h3.dit.checkpoint import check_checkpoint, load_dit_weights
 from minimax_h3.dit.config import DiTConfig
-from minimax_h3.dit.lora import LoRAError, check_lora_file, config_targets
+from minimax_h3.dit.lora import LoRAFileError, check_lora_file, config_targets
 from minimax_h3.dit.sampling import SamplerConfig, sample as run_sampler
 from minimax_h3.dit.tiny_checkpoint import write_tiny_checkpoint
 from minimax_h3.files import find_checkpoint
@@ -179,7 +179,7 @@ def test_lora_with_a_nonfinite_factor_is_refused_at_admission(tmp_path, tiny_cfg
     save_file(_lora(tiny_cfg), str(good))
     save_file(_lora(tiny_cfg, INF), str(bad))
     assert check_lora_file(good, targets) == 1
-    with pytest.raises(LoRAError, match=rf"^LoRA {bad}: diffusion_model.final_layer.video_out.lora_B.weight: holds "
+    with pytest.raises(LoRAFileError, match=rf"^LoRA {bad}: diffusion_model.final_layer.video_out.lora_B.weight: holds "
                                         r"0 NaN and 1 Inf"):
         check_lora_file(bad, targets)
 

@@ -13,7 +13,9 @@
 - retention deletes finished jobs (rows and events) on a timer, and 10,000 jobs under --keep-jobs 100 leave the
   database bounded;
 - a tokens file names principals: each sees, watches, fetches and cancels only its own jobs (an admin all), and
-  idempotency keys are per principal.
+  idempotency keys are per principal;
+- a stage that refuses the render service's own token or calls (a wrong --stage-token, an address of another
+  service) fails the job FAILED_PRECONDITION naming the stage and what the operator fixes.
 """
 
 from __future__ import annotations
@@ -36,12 +38,13 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from client.embedded import EmbeddedStack, StackConfig
 from client.render_client import RenderClient
-from client.stubs import Security, StageClients
+from client.stubs import Endpoints, Security, StageClients
 from h3.v1 import common_pb2, render_pb2, render_pb2_grpc
 from minimax_h3.contract import MAX_PROMPT_BYTES
 from tests.render_svc_util import (ROOT, SERVER_ENV, TERMINAL, RenderService, holding_the_device, probe,
-                                   self_signed_cert, serving, tiny_request, wait_for)
+                                   self_signed_cert, serving, tiny_request, token_file, wait_for)
 
 SUCCEEDED = render_pb2.JOB_SUCCEEDED
 
@@ -440,3 +443,30 @@ def _ok(fn) -> bool:
         return fn()
     except OSError:
         return False
+
+
+def test_a_stage_refusing_the_services_own_token_or_calls_is_the_operators_to_fix(stack, tmp_path, model_cache):
+    """The render service with a wrong --stage-token for a stage that requires one, and with --encoder pointing at
+    another service (the decoder): each job fails FAILED_PRECONDITION naming the encoder stage and what the
+    operator fixes, never with the stage's UNAUTHENTICATED / UNIMPLEMENTED as if the user's own token or call were
+    wrong; the render service's log says the same."""
+    _, endpoints = stack
+    token = "the-encoders-token"
+    encoder = EmbeddedStack(StackConfig(ranks={"encoder": 1}, cache_dir=str(model_cache),
+                                        run_dir=str(tmp_path / "enc"), devices="virt0", env=SERVER_ENV, security=Security(token=token),
+                                        extra_args={"encoder": ["--token-file", str(token_file(tmp_path, token))]}))
+    encoder.start_stage("encoder")
+    try:
+        encoder.wait_ready("encoder")
+        cases = {"UNAUTHENTICATED": (f"127.0.0.1:{encoder.ports['encoder']}", "--stage-token"),
+                 "UNIMPLEMENTED": (endpoints.decoder, "--encoder at the encoder stage")}
+        for said, (address, fix) in cases.items():
+            stages = Endpoints(encoder=address, dit=endpoints.dit, decoder=endpoints.decoder)
+            with serving(tmp_path / said, stages, ["--stage-token", "not-the-encoders-token"]) as svc:
+                job = svc.stub.Submit(tiny_request(f"refused as {said}"), timeout=30).job_id
+                info = svc.wait_state(job, TERMINAL)
+                assert info.state == render_pb2.JOB_FAILED and info.error_code == "FAILED_PRECONDITION", info
+                assert "cannot use its encoder stage" in info.error and fix in info.error and said in info.error
+                wait_for(lambda: info.error in svc.log(), 10, "the refusal in the render service's log", svc.log)
+    finally:
+        encoder.stop()
