@@ -83,6 +83,9 @@ ENUM_SETTINGS = [
     ("dit_svc.server", "DiTConfigArgs", "H3_DIT_", "dtype", "bf16", "float8"),
     ("encoder_svc.server", "EncoderConfigArgs", "H3_ENCODER_", "mode", "compact", "lazy"),
     ("decoder_svc.server", "DecoderConfigArgs", "H3_DECODER_", "preset", "veryslow", "turbo"),
+    ("dit_svc.server", "DiTConfigArgs", "H3_DIT_", "partition", "ref2va", "t2va"),
+    ("dit_svc.server", "DiTConfigArgs", "H3_DIT_", "log_level", "DEBUG", "verbose"),
+    ("render_svc.server", "RenderConfig", "H3_RENDER_", "log_level", "WARNING", "chatty"),
 ]
 
 
@@ -148,3 +151,27 @@ def test_the_render_service_loads_no_stage_machinery():
             "'stagekit.lease', 'stagekit.budget', 'stagekit.device_worker', 'stagekit.runtime')))")
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0 and run.stdout.strip() == "[]", run.stdout + run.stderr[-2000:]
+
+
+def test_list_flags_of_the_benchmarks_are_refused_at_parse_time():
+    """A comma-separated flag of a fixed set (bench_dit.py --variants, bench_finite.py --dtypes, ...) exits 2 at
+    parse time naming the unknown item and the set, before any model is built."""
+    import argparse
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from stagekit.config import comma_choices
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--parts", default="a,b", type=comma_choices(("a", "b", "c")))
+    assert ap.parse_args([]).parts == "a,b" and ap.parse_args(["--parts", "c"]).parts == "c"
+    root = Path(__file__).resolve().parents[1]
+    for script, flag, bad, choices in (("bench_dit.py", "--variants", "fp8,fp9", "diffusers, int8"),
+                                       ("bench_finite.py", "--dtypes", "bf16,int4", "bf16, fp16, fp32"),
+                                       ("one_card.py", "--skip", "parity,render:z", "weights, dit, stack:int8")):
+        run = subprocess.run([sys.executable, str(root / "benchmarks" / script), flag, bad],
+                             capture_output=True, text=True, timeout=180, cwd=root)
+        unknown = bad.split(",")[1]
+        assert run.returncode == 2 and f"argument {flag}: unknown '{unknown}'; choose from {choices}" in run.stderr, \
+            run.stderr[-2000:]

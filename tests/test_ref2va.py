@@ -297,3 +297,27 @@ def test_models_folder_with_both_partitions_swaps_per_job(tmp_path):
     eng = _engine(cache_dir=tmp_path / "c", models_dir=str(only_fl2va))
     with pytest.raises(FailedPrecondition, match="minimax_h3_ref2va_"):
         eng.check_partition(True)
+
+
+def test_a_fault_in_the_dits_conditioning_checks_is_internal(tmp_path, monkeypatch):
+    """The conditioning checks raise INVALID_ARGUMENT themselves (references, keyframes, text tags); the DiT no
+    longer relabels every ValueError under them as the caller's, so a fault inside one is INTERNAL."""
+    import grpc
+
+    import dit_svc.engine as engine_mod
+    from minimax_h3.contract import TEXT_TAGS, RenderSpec
+    from stagekit.errors import InvalidArgument, status_for
+
+    eng = _engine(cache_dir=tmp_path / "c", weights=str(_tiny_file(tmp_path / "dit.safetensors", "fl2va")))
+    spec = RenderSpec(prompt="x", width=256, height=256, frames=22, steps=1, seed=0)
+    text = torch.zeros(4, eng.model_cfg.text_dim)
+    with pytest.raises(InvalidArgument, match="text_tags has shape"):
+        eng.check_conditioning(spec, text, {TEXT_TAGS: torch.ones(3, dtype=torch.int64)})
+
+    def broken(*args, **kwargs):
+        raise ValueError("an internal invariant broke")
+
+    monkeypatch.setattr(engine_mod, "check_text_tags", broken)
+    with pytest.raises(ValueError, match="internal invariant") as e:
+        eng.check_conditioning(spec, text, {TEXT_TAGS: torch.ones(4, dtype=torch.int64)})
+    assert status_for(e.value)[0] == grpc.StatusCode.INTERNAL
