@@ -41,7 +41,7 @@ def test_shard_layout_and_bad_degrees():
     cfg = DiTConfig.tiny()
     with pytest.raises(TPConfigError, match="does not divide num_heads"):
         validate_tp(cfg, 3)
-    with pytest.raises(ValueError, match="valid TP degrees"):
+    with pytest.raises(TPConfigError, match="valid TP degrees"):
         validate_tp(DiTConfig.full(), 3)
     validate_tp(DiTConfig.full(), 8)
     with pytest.raises(TPConfigError):

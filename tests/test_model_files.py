@@ -364,7 +364,8 @@ def _clients(s: EmbeddedStack) -> StageClients:
 def test_dit_never_sends_nonfinite_latents_and_refuses_a_nan_lora(tmp_path, model_cache):
     """Finite weights that overflow (3e38 in the fp32 video head): the sampled latents are Inf from step 1, and the
     DiT fails the job with INTERNAL naming the step instead of sending them to the decoder. A LoRA with an Inf is
-    refused at admission with INVALID_ARGUMENT naming its file and key."""
+    refused at admission with FAILED_PRECONDITION naming its file and key (a file of the server's: the operator
+    replaces it, the caller cannot)."""
     cfg = embedded_config()
     good = write_tiny_checkpoint(cfg, tmp_path / "minimax_h3_tiny.safetensors", "bf16", seed=0)
     huge = rewrite_tensors(good, tmp_path / "huge.safetensors", lambda sd: sd.__setitem__(
@@ -381,7 +382,7 @@ def test_dit_never_sends_nonfinite_latents_and_refuses_a_nan_lora(tmp_path, mode
         assert "dit: the sampled latents hold NaN/Inf from step 1 of 2 on" in e.value.details()
         with pytest.raises(grpc.RpcError) as e:
             sample(c, GOOD, TEXT, timeout_s=120, loras=[("nan", 1.0)])
-        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
         assert f"{loras / 'nan.safetensors'}: diffusion_model.final_layer.video_out.lora_B.weight: holds 1 NaN" \
             in e.value.details()
     finally:
