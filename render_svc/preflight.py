@@ -74,7 +74,7 @@ def main() -> int:
     ask = json.loads(sys.stdin.read())
     try:
         check(ask["prompts"], [(n, float(s)) for n, s in ask.get("loras", ())], ask.get("models_dir", ""))
-    except InvalidArgument as e:
+    except (InvalidArgument, NotFound) as e:  # the request is wrong: the CLI says so and exits 2
         print(e.message, flush=True)
         return 2
     return 0
