@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
+from stagekit.errors import FailedPrecondition
+
 
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
@@ -50,7 +52,7 @@ class TextStateCache:
 
     def __init__(self, max_bytes: int):
         if max_bytes < 0:
-            raise ValueError(f"max_bytes must be >= 0, got {max_bytes}")
+            raise FailedPrecondition(f"--cache-mb must be >= 0 (0 disables the cache), got {max_bytes} bytes")
         self.max_bytes = max_bytes
         self._data: OrderedDict[CacheKey, torch.Tensor] = OrderedDict()
         self._bytes = 0

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from stagekit.errors import FailedPrecondition
+
 STAGES = ("keyframes", "encoder", "dit", "decoder")  # render order; keyframes: fl2va only
 
 
@@ -51,9 +53,9 @@ class BatchPlanner:
 
     def __init__(self, max_batch: int, max_wait: int):
         if max_batch < 1:
-            raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+            raise FailedPrecondition(f"--max-batch must be >= 1, got {max_batch}")
         if max_wait < 1:
-            raise ValueError(f"max_wait_batches must be >= 1, got {max_wait}")
+            raise FailedPrecondition(f"--max-wait-batches must be >= 1, got {max_wait}")
         self.max_batch = max_batch
         self.max_wait = max_wait
         self.queues: dict[str, list[_Ready]] = {s: [] for s in STAGES}

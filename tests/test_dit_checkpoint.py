@@ -12,6 +12,7 @@ import minimax_h3.dit.checkpoint as ck
 from minimax_h3.dit.config import DiTConfig
 from minimax_h3.dit.convert_diffusers import DIFFUSERS_NAMES, to_diffusers
 from minimax_h3.dit.model import H3DiT
+from minimax_h3.dit.tp import TPConfigError
 from minimax_h3.dit.tiny_checkpoint import (
                                             adaln_curve,
                                             dense_state_dict,
@@ -294,7 +295,7 @@ def test_missing_comfy_quant_and_bad_tp(ckpts, tmp_path):
                    lambda sd: sd.pop("blocks.0.mlp.fc1.comfy_quant"))
     with pytest.raises(CheckpointError, match="blocks.0.mlp.fc1.comfy_quant"):
         load_dit_weights(bad, CFG)
-    with pytest.raises(ValueError, match="TP degree 3 does not divide num_heads=4"):
+    with pytest.raises(TPConfigError, match="TP degree 3 does not divide num_heads=4"):  # the operator's setting
         load_dit_weights(ckpts["bf16"], CFG, 0, 3)
     with pytest.raises(ValueError, match="tp_rank"):
         load_dit_weights(ckpts["bf16"], CFG, 2, 2)

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from encoder_svc.cache import CacheKey, TextStateCache
+from stagekit.errors import FailedPrecondition
 
 
 def _t(n_bytes: int, fill: float = 0.0) -> torch.Tensor:
@@ -52,7 +53,7 @@ def test_oversize_not_stored_and_zero_disables():
     assert len(c) == 0
     z = TextStateCache(0)
     assert not z.put(CacheKey.make("p", "m", "f32"), _t(4))
-    with pytest.raises(ValueError):
+    with pytest.raises(FailedPrecondition, match="--cache-mb"):  # a setting of the server's: one line at start-up
         TextStateCache(-1)
 
 
