@@ -71,7 +71,8 @@ class DecoderServicer(LifecycleMixin, UploadMixin, decoder_pb2_grpc.DecoderServi
             size = (req.upscale_width, req.upscale_height)
         default_name = f"{req.job_id or 'render'}.{'wav' if fmt == 'wav' else 'mp4'}"
         name = safe_name(req.output_name, safe_name(default_name, "render.mp4"))
-        shapes = tensor_shapes(SAMPLE_OUTPUTS, spec, self.engine.geometry)  # of a validated spec: a failure is a server fault
+        # The shapes of a validated spec: a failure here is a server fault, not the caller's.
+        shapes = tensor_shapes(SAMPLE_OUTPUTS, spec, self.engine.geometry)
         asm = TensorAssembler(expect={n: (FLOAT_DTYPES, s) for n, s in shapes.items()},
                               max_bytes=4 * max(math.prod(s) for s in shapes.values()),
                               hints={n: f"a {spec.width}x{spec.height}x{spec.frames} render needs it" for n in shapes})

@@ -28,6 +28,7 @@ from stagekit.errors import Cancelled, StageError, error_for, status_for
 
 log = logging.getLogger("render_svc")
 
+
 @dataclass
 class Work:
     """A render job in flight: its request, the tensors between its stages, and how to stop its stage call."""

@@ -260,8 +260,8 @@ def _plan(shapes: Mapping[str, tuple[int, ...]], targets: Mapping[str, LoRATarge
     """Resolve every key of a file against the model; raise one LoRAFileError naming every problem. Header-only."""
     modules, unsupported, adapters = _group_keys(shapes)
     if unsupported:
-        raise LoRAFileError(f"{source}: {len(unsupported)} tensor(s) are not LoRA A/B/alpha factors (DoRA, LoCon/LoKr, "
-                        f"full diffs and norm patches are not supported): {_listed(unsupported)}")
+        raise LoRAFileError(f"{source}: {len(unsupported)} tensor(s) are not LoRA A/B/alpha factors (DoRA, "
+                            f"LoCon/LoKr, full diffs and norm patches are not supported): {_listed(unsupported)}")
     if len(adapters) > 1:
         raise LoRAFileError(f"{source}: holds several PEFT adapters {sorted(adapters)}; save one adapter per file")
     dotted, kohya = _alias_table(targets)
@@ -489,7 +489,7 @@ class LoRALinear(nn.Module):
         for a in order:
             if a.down.shape[1] != self.in_features or a.up.shape[0] != a.hi - a.lo or a.hi > self.out_features:
                 raise Internal(f"adapter shapes A{list(a.down.shape)} B{list(a.up.shape)} rows [{a.lo}, {a.hi}) do "
-                                f"not fit a local linear of in {self.in_features} / out {self.out_features}")
+                               f"not fit a local linear of in {self.in_features} / out {self.out_features}")
             downs.append(a.down)
             up = a.up.float() * a.scale
             if groups and groups[-1][:2] == (a.lo, a.hi):
