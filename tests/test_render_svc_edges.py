@@ -229,7 +229,8 @@ def test_a_drain_spends_no_attempt_and_a_follower_gets_the_mp4(stack, tmp_path):
 def _start_refused(run_dir, endpoints) -> str:
     p = subprocess.run([sys.executable, "-m", "render_svc", "--port", "0", "--run-dir", str(run_dir), "--encoder",
                         endpoints.encoder, "--dit", endpoints.dit, "--decoder", endpoints.decoder],
-                       capture_output=True, text=True, timeout=120, cwd=ROOT, env={**SERVER_ENV, **_env()})
+                       capture_output=True, text=True, timeout=120, cwd=ROOT,
+                       env={**SERVER_ENV, **_env(), "TMPDIR": str(run_dir.parent)})  # no other process's temp dirs
     assert p.returncode != 0
     lines = p.stderr.strip().splitlines()
     assert "Traceback" not in p.stderr and len(lines) == 1, p.stderr
