@@ -358,13 +358,15 @@ def keyframe_anchors(names) -> tuple[str, ...]:
 
 
 # ---- 4. which DiT file a request needs ---------------------------------------------------------------------------
-PARTITIONS = ("fl2va", "ref2va")  # fl2va: text, first/last frame; ref2va: image / video / audio references
+FL2VA = "fl2va"    # text, first/last frame
+REF2VA = "ref2va"  # image / video / audio references
+PARTITIONS = (FL2VA, REF2VA)
 
 
 def needed_partition(wants_references: bool) -> str:
     """The MiniMax-H3 partition trained for a request: references need ref2va, text / keyframe requests fl2va (the
     other file renders poor video without an error)."""
-    return "ref2va" if wants_references else "fl2va"
+    return REF2VA if wants_references else FL2VA
 
 
 def check_partition(wants_references: bool, served: Mapping[str, str]) -> None:
@@ -376,5 +378,5 @@ def check_partition(wants_references: bool, served: Mapping[str, str]) -> None:
         have = ", ".join(f"{p} ({PurePath(f).name})" for p, f in served.items())
         raise FailedPrecondition(
             f"{what} needs the MiniMax-H3 {want} DiT file (minimax_h3_{want}_*.safetensors, or the release's "
-            f"{'transformer_ref' if want == 'ref2va' else 'transformer'}/ folder, in the models folder), but the "
+            f"{'transformer_ref' if want == REF2VA else 'transformer'}/ folder, in the models folder), but the "
             f"DiT serves {have} only")
