@@ -168,7 +168,7 @@ def _timing_dict(t: common_pb2.Timing) -> dict:
     return {k: getattr(t, k) for k in PHASES}
 
 
-# ---- one request per stage ------------------------------------------------------------------------------------
+# ---- one request: a stage call, or a render -------------------------------------------------------------------
 
 
 class _Inputs:
