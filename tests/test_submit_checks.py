@@ -4,8 +4,9 @@ encoder's CheckPrompt (its tokenizer, its --max-prompt-tokens).
 
 Real processes: a render service over the session's encoder and decoder and a DiT of its own, started with a loras
 directory and without --allow-lora-paths. An unknown LoRA name, an absolute LoRA path and an over-long prompt are each
-INVALID_ARGUMENT at once, with the fix in the message, and leave no job (their idempotency key stays unused); a LoRA
-file copied into the directory afterwards, as the message says, is taken at once and renders.
+INVALID_ARGUMENT at once, with the fix in the message, and leave no job (their idempotency key stays unused), as does
+a LoRA strength that is not finite; a LoRA file copied into the directory afterwards, as the message says, is taken at
+once and renders.
 """
 
 from __future__ import annotations
@@ -87,7 +88,8 @@ def test_what_only_the_stages_know_is_refused_at_submit_and_stores_nothing(lora_
               "copy the file there"]),
             (tiny_request(loras=[("grain", 1.0), (str(outside), 0.5)]),
              [f"LoRA '{outside}': the DiT takes no LoRA paths", "(grain.safetensors)", "--allow-lora-paths"]),
-            (tiny_request(LONG_PROMPT), ["prompt has 1100 tokens, more than the limit of 1024; shorten it"])):
+            (tiny_request(LONG_PROMPT), ["prompt has 1100 tokens, more than the limit of 1024; shorten it"]),
+            (tiny_request(loras=[("grain", float("nan"))]), ["LoRA 'grain': strength must be finite, got nan"])):
         req.idempotency_key = "refused"
         for call in (svc.stub.Submit, lambda r, timeout: list(svc.stub.Render(r, timeout=timeout))):
             with pytest.raises(grpc.RpcError) as e:
