@@ -194,7 +194,8 @@ def cmd_render(args) -> int:
                         try:
                             queued(i, rc.submit(req).job_id)
                         except grpc.RpcError as e:
-                            refused.update([i] if _refused(e) else [])
+                            if _refused(e):
+                                refused.add(i)
                             results[i] = rpc_words(e)
                     todo = [i for i in job_ids]
                     with ThreadPoolExecutor(max_workers=min(16, len(todo) or 1)) as pool:
