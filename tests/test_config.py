@@ -60,17 +60,20 @@ def test_bad_values_and_unknown_file_keys_exit_with_a_message(tmp_path):
 
 
 def test_dit_row_chunk_default_per_mode():
-    """--chunk-rows 0 (the default) resolves per mode; a set value is kept; a negative one is refused at start-up."""
+    """--chunk-rows 0 (the default) resolves per mode, as tuned for the GPU architecture (minimax_h3/kernels/
+    tuning.json: the H200's values, which the default entry names for the CPU and unlisted architectures); a set
+    value is kept; a negative one is refused at start-up."""
     from dit_svc.engine import resolve_chunk_rows
     from stagekit.errors import FailedPrecondition
 
-    assert resolve_chunk_rows(0, compile_blocks=False, tp_size=1) == 4096  # eager: bounds the fp32 temporaries
-    assert resolve_chunk_rows(0, compile_blocks=False, tp_size=2) == 4096
-    assert resolve_chunk_rows(0, compile_blocks=True, tp_size=1) == 65536
-    assert resolve_chunk_rows(0, compile_blocks=True, tp_size=2) == 16384
-    assert resolve_chunk_rows(8192, compile_blocks=True, tp_size=1) == 8192
+    for arch in ("sm_90", "cpu", "sm_120"):
+        assert resolve_chunk_rows(0, compile_blocks=False, tp_size=1, arch=arch) == 4096  # bounds fp32 temporaries
+        assert resolve_chunk_rows(0, compile_blocks=False, tp_size=2, arch=arch) == 4096
+        assert resolve_chunk_rows(0, compile_blocks=True, tp_size=1, arch=arch) == 65536
+        assert resolve_chunk_rows(0, compile_blocks=True, tp_size=2, arch=arch) == 16384
+    assert resolve_chunk_rows(8192, compile_blocks=True, tp_size=1, arch="sm_90") == 8192
     with pytest.raises(FailedPrecondition, match="--chunk-rows must be a positive row count"):
-        resolve_chunk_rows(-1, compile_blocks=False, tp_size=1)
+        resolve_chunk_rows(-1, compile_blocks=False, tp_size=1, arch="sm_90")
 
 
 # Enum-like settings of each stage, with one value they accept and one they refuse.

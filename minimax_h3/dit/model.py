@@ -27,11 +27,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from minimax_h3.kernels.layers import AttentionInput, AttentionOutput, Modulation, attention_input, linear_method
-from minimax_h3.kernels.qk_norm_rope import rms_norm
 
 from .config import NUM_MODALITIES, DiTConfig
 from .layout import COND_VIDEO_T, REF_AUDIO_T, PackedLayout
 from . import sp
+from .ops import rms_norm
 from .sp import SeqShards, validate_parallel
 from .tp import (ColumnParallel, ColumnParallelLinear, Linear, RowParallel, RowParallelLinear, TPStyle, group_rank_size,
                  tp_style)
