@@ -43,9 +43,10 @@ speed.
 
 Memory mode builds one TP2 rank through the same assembly (half the heads / ffn, AdaLN column-sharded, int8 block
 linears, Comfy "pruned" curve AdaLN as in the ~19.5 GiB checkpoint) in a TP group of torch.distributed's fake
-backend (this process plays one rank: collectives move nothing), caps the process at 22 GiB (torch.cuda.set_per_process_memory_fraction) and runs the refiner + `--memory-blocks`
-blocks + final layer (all 50 blocks' weights stay resident; every block has the same activation peak). On OOM under
-the cap it reruns uncapped to report the real peak.
+backend (this process plays one rank: collectives move nothing), caps the process at 22 GiB
+(torch.cuda.set_per_process_memory_fraction) and runs the refiner + `--memory-blocks` blocks + final layer (all 50
+blocks' weights stay resident; every block has the same activation peak). On OOM under the cap it reruns uncapped
+to report the real peak.
 """
 
 from __future__ import annotations
