@@ -214,8 +214,9 @@ class DiTEngine:
         # start); a device worker builds its engine from `self.cfg`, which carries the choice.
         self.kernels = cfg.kernels if cfg.kernels is not None else self._select_kernels()
         self.cfg = replace(cfg, kernels=self.kernels)
+        arch = "cpu" if self.kernels is None else self.kernels.arch  # whose tuned row chunks apply
         self.chunk_rows = resolve_chunk_rows(cfg.chunk_rows, cfg.compile_blocks and cfg.device.startswith("cuda"),
-                                             self.parallel.tp_size, "cpu" if self.kernels is None else self.kernels.arch)
+                                             self.parallel.tp_size, arch)
         log.info("row chunk: %d rows%s", self.chunk_rows, "" if cfg.chunk_rows else " (default for this mode)")
         self._compile_cache_on = False
         self.model: H3DiT | None = None

@@ -203,7 +203,8 @@ def test_tuned_values_are_per_device_data():
         "modulate_in_compiled_blocks": False, "swiglu_in_compiled_blocks": True, "o_rows_in_compiled_blocks": True}
     lin = Fp8RowwiseLinear.from_dense(torch.randn(32, 16), emulate=True)  # tuned for the weight's device
     assert lin.fast_accum is True and lin.linear_method is fp8_rows_method("cpu")
-    assert fp8_rows_method("sm_90") == fp8_rows_method("cpu") and not fp8_rows_method("sm_90").modulate_in_compiled_blocks
+    assert fp8_rows_method("sm_90") == fp8_rows_method("cpu")
+    assert not fp8_rows_method("sm_90").modulate_in_compiled_blocks
     assert Fp8RowwiseLinear.from_dense(torch.randn(32, 16), emulate=True, fast_accum=False).fast_accum is False
 
 
