@@ -132,6 +132,16 @@ def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
+def variant_names(s: str) -> list[str]:
+    """--variants: a comma-separated list of "diffusers" and VARIANTS names, refused at parse otherwise."""
+    names = [v for v in s.split(",") if v]
+    unknown = [v for v in names if v not in VARIANTS and v != "diffusers"]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"unknown variants {unknown or [s]}; choose from diffusers, "
+                                         f"{', '.join(VARIANTS)}")
+    return names
+
+
 def parse_shape(s: str) -> tuple[int, int, int]:
     w, h, f = (int(v) for v in s.lower().split("x"))
     return w, h, f
@@ -425,10 +435,7 @@ def run_table(args) -> int:
     dev = DEV
     cfg = DiTConfig.tiny() if args.tiny else DiTConfig.full(num_layers=args.layers)
     shapes = [parse_shape(s) for s in args.shapes.split(",")]
-    variants = [v for v in args.variants.split(",") if v]
-    unknown = [v for v in variants if v not in VARIANTS and v != "diffusers"]
-    if unknown:
-        raise SystemExit(f"unknown variants {unknown}; choose from diffusers, {', '.join(VARIANTS)}")
+    variants = args.variants
     if any(VARIANTS[v][2] for v in variants if v in VARIANTS):
         # Every (variant, shape) is a compiled graph of Block.forward: the default limit (8) would silently leave
         # later ones eager.
@@ -772,7 +779,8 @@ def run_memory(args) -> int:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default=SHAPES, help="WxHxF list (pixels, frames), t2va")
-    ap.add_argument("--variants", default="int8,fp8,bf16,diffusers")
+    ap.add_argument("--variants", type=variant_names, default="int8,fp8,bf16,diffusers",
+                    help=f"comma-separated, of diffusers, {', '.join(VARIANTS)}")
     ap.add_argument("--layers", type=int, default=50, help="DiT blocks (50 = full model; fewer for a smoke run)")
     ap.add_argument("--iters", type=int, default=2, help="timed forwards per variant and shape (median)")
     ap.add_argument("--warmup", type=int, default=1)

@@ -98,3 +98,9 @@ def test_tiny_table_run(tmp_path):
         assert [k[1] for k in var["kernels"]] == kernels
         row = var["shapes"]["64x64x22"]
         assert row["finite"] and row["rel_err_vs_diffusers"] < 0.05
+
+
+def test_unknown_variant_is_refused_at_parse():
+    run = subprocess.run([sys.executable, "benchmarks/bench_dit.py", "--tiny", "--variants", "fp8caf,fp8x"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 2 and "unknown variants ['fp8x']; choose from diffusers, int8" in run.stderr
