@@ -1,11 +1,11 @@
 #!/usr/bin/env python
-"""The DiT's one- and two-GPU benchmark matrix in one run on a two-GPU host (at most `--total-s` = 540 s of wall time).
+"""The DiT's one- and two-GPU benchmark matrix in one run on a two-GPU host, within a wall-time deadline (`--total-s`).
 
     python benchmarks/bench_fast_dit.py --out $OUT                    # on 2 GPUs: docs/performance.md
     python benchmarks/bench_fast_dit.py --tiny --out /tmp/fastdit     # CPU dry run: the same items, tiny model and shapes
-    python benchmarks/bench_fast_dit.py --only attention,tp2 --budget tp2=200 --out $OUT    # a subset, other budgets
+    python benchmarks/bench_fast_dit.py --only attention,tp2 --budget tp2=200 --out $OUT    # a subset, other timeouts
 
-Every item is one subprocess of a benchmark script with a time budget; one that fails, or runs out of time (SIGINT,
+Every item is one subprocess of a benchmark script with a timeout (`--budget`); one that fails, or times out (SIGINT,
 then SIGKILL to its process group; leftover stage processes under its work folder are ended by id), is recorded
 and the next one still runs. Items (S = 832x480x124 and 1344x768x124):
 
@@ -25,7 +25,7 @@ and the next one still runs. Items (S = 832x480x124 and 1344x768x124):
 The engine items (service, tp*) use fp8 linears, compiled blocks and fp8 attention when the attention item's
 self-check passed (else cuDNN bf16 attention; summary.json says which).
 
-Writes to --out (8 files at most): dit.json, attention.json, service.json, tp1.json, tp2.json, sp2.json,
+Writes to --out: dit.json, attention.json, service.json, tp1.json, tp2.json, sp2.json,
 summary.json (per item: command, status ok / failed / timeout / skipped, exit code, seconds, budget, why) and
 run.log (every item's output, each line prefixed with its item). Exit 0 when every item succeeded.
 --tiny runs the same plan on the CPU (gloo, emulated fp8, tiny checkpoint, shapes of the scripts' own --tiny).
@@ -361,7 +361,7 @@ def gpu_count() -> int:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default="", help="result folder ($OUT on the device): at most 8 files")
+    ap.add_argument("--out", default="", help="result folder")
     ap.add_argument("--work", default="", help="scratch folder (checkpoint, caches, stage logs); default: "
                                                "/tmp/h3-fast-dit, or a temp folder with --tiny")
     ap.add_argument("--tiny", "--dry-run", action="store_true", dest="tiny",
@@ -410,7 +410,7 @@ def main() -> int:
     driver = Driver(args, out, work)
     driver.summary["work"] = str(work)
     driver.summary["gpus"] = gpu_names
-    if "ckpt" not in items and ckpt.is_file():  # written by an earlier run on this machine
+    if "ckpt" not in items and ckpt.is_file():  # a checkpoint already in --work is reused
         driver.record("ckpt", status="ok", why=f"{ckpt} exists")
     try:
         return driver.main(items, lanes, gpu_names)

@@ -1,15 +1,13 @@
 #!/usr/bin/env bash
-# Pack the Python packages the GPU host's image lacks (or has in versions our generated code refuses) into ONE
-# xz tar of an unpacked site dir, small enough to travel beside the repo to a GPU host without a package index
-# (such hosts take at most 64 MiB for the working tree and extra paths together, and the repo is ~2 MiB; this script fails above --max-mib, default
-# 60). Only the tar is left in --out (downloads and the unpacked site are built under $TMPDIR), so `carry` can name
-# the folder.
+# Pack the Python packages a GPU host's image lacks (or has in versions our generated code refuses) into ONE xz tar
+# of an unpacked site dir, for a GPU host without a package index. The script fails when the tar is above --max-mib
+# (default 60). Only the tar is left in --out (downloads and the unpacked site are built under $TMPDIR).
 #
 #   bash scripts/pack_device_wheels.sh [--out .devpkgs] [--max-mib 60] [--with-cudnn-frontend]
 #   bash scripts/pack_device_wheels.sh --fast-dit      # .devpkgs/fast_dit.tar.xz: benchmarks/bench_fast_dit.py
 #
-# The two bundles have their own names (both do not fit one carry: carry the one file the run needs). On the device
-# (from the repo root, with .devpkgs/site.tar.xz carried):
+# The two bundles have their own names; a host needs only the one its run uses. On the GPU host (from the repo root,
+# with .devpkgs/site.tar.xz copied there):
 #   mkdir -p /tmp/site && tar -xJf .devpkgs/site.tar.xz -C /tmp/site && export PYTHONPATH=/tmp/site:$PWD:$PWD/protos
 #
 # What goes in and why (against the GPU image's own packages):
@@ -19,13 +17,13 @@
 #   comfy-kitchen 0.2.40 (without backends/hip/*.so: AMD-only, and most of the wheel), av 18.1.0 (PyAV: the MP4 mux
 #       and the run's MP4 checks), soundfile + cffi (+ pycparser), google-crc32c: not in the image.
 #   --with-cudnn-frontend adds nvidia-cudnn-frontend 1.32.0 (+5 MiB: the cuDNN fp8 attention candidate of
-#       minimax_h3/kernels/fp8_attention.py; without it that candidate is skipped). With it the tar (~62 MiB) plus the repo
-#       (~2 MiB) no longer fits the 64 MiB carry.
+#       minimax_h3/kernels/fp8_attention.py; without it that candidate is skipped). With it the tar is ~62 MiB: pass
+#       --max-mib 64.
 #   --fast-dit packs what the DiT benchmarks need and nothing of the decoder: the gRPC wheels,
 #       comfy-kitchen, google-crc32c, nvidia-cudnn-frontend 1.32.0 (--no-deps: its CuTe DSL / TVM FFI extras serve
 #       Blackwell-only engines; cuda-bindings, which it uses when present, is in the image) and diffusers 0.42.1 (the
 #       baseline of benchmarks/bench_dit.py; pure Python, without its pipelines). No PyAV / soundfile. 43 MiB.
-# Not carried: transformers (the image's 5.17 runs the encoder's Qwen3-VL path; only a test oracle API differs),
+# Not packed: transformers (the image's 5.17 runs the encoder's Qwen3-VL path; only a test oracle API differs),
 # torch, numpy, safetensors, tokenizers, pillow, rich, pyyaml, prometheus-client, psutil, nvidia-ml-py, matplotlib.
 # Compressed sizes (xz -9e): comfy-kitchen's CUDA library ~32 MiB (a fat binary for sm_75..sm_120), PyAV's FFmpeg
 # libraries ~18 MiB (libavcodec links x265 and SVT-AV1, 27 MiB unpacked, so they cannot be left out), grpcio ~5 MiB;

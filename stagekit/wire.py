@@ -117,8 +117,7 @@ def staging_buffer(nbytes: int) -> torch.Tensor:
 
     Not from malloc: once glibc has freed one large block it raises its mmap threshold (up to 32 MiB), and blocks
     under it then come from the receiving thread's arena, which keeps them after the free. Uploads rejected on
-    rotating gRPC threads would leave one buffer in each thread's arena (+165 MiB over 14 rejected 20 MiB uploads
-    before; docs/reliability.md, "Rejected uploads")."""
+    rotating gRPC threads would leave one buffer in each thread's arena (docs/reliability.md, "Rejected uploads")."""
     if nbytes == 0:
         return torch.empty(0, dtype=torch.uint8)
     return torch.frombuffer(mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS), dtype=torch.uint8)

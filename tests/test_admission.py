@@ -391,8 +391,8 @@ def test_abandoned_uploads_free_their_buffers(stack, clients):
 
 # ---- 9. rejected complete uploads leave no memory behind -----------------------------------------------------------
 # Resident anonymous memory (the heap; file pages of libraries and weights vary on their own), measured on a loaded
-# 2-core machine over the 6 rounds after the first: DiT +309 / decoder +368 MiB before; now at most +38 MiB, and
-# +51 MiB over 60 rounds (what glibc's per-thread arenas keep: it depends on the threads, not on the uploads).
+# 2-core machine over the 6 rounds after the first: at most +38 MiB, and +51 MiB over 60 rounds (what glibc's
+# per-thread arenas keep: it depends on the threads, not on the uploads).
 REJECT_ROUNDS = 6       # rounds measured after a first one (which warms those arenas)
 REJECT_GROWTH_MIB = 96  # over those rounds
 # 1920x1088x107: 25 MiB of video latents, like the DiT's 24 MiB of text states under glibc's 32 MiB limit of its mmap

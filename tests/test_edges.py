@@ -127,8 +127,8 @@ def test_a_failed_mux_leaves_no_temp_file(stack, tmp_path):
 
 
 def test_mux_is_cancelled_when_the_client_leaves(stack, tmp_path):
-    """The client cancels while the decoder muxes: the mux stops at the next frame (it used to encode the whole file
-    for nobody), no file is kept, and the decoder is free for the next job."""
+    """The client cancels while the decoder muxes: the mux stops at the next frame (nothing is
+    encoded for nobody), no file is kept, and the decoder is free for the next job."""
     log = stack.run_dir / "decoder.log"
     seen = len(log.read_text(errors="replace"))
     with clients_of(stack) as c:

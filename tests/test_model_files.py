@@ -404,7 +404,7 @@ def test_dit_nan_weight_fails_the_job_naming_file_and_key(tmp_path, model_cache)
 
 def test_decoder_never_muxes_nonfinite_frames(tmp_path, model_cache, audio_file):
     """Finite video VAE weights that overflow (3e38 in the first projection): the decoded frames are NaN, and the
-    decoder fails the job with INTERNAL naming the frame, where it used to blame the client (INVALID_ARGUMENT)."""
+    decoder fails the job with INTERNAL naming the frame: a server fault, never the client's (INVALID_ARGUMENT)."""
     good = tmp_path / "minimax_h3_video_vae.safetensors"
     write_tiny_video_vae(str(good), replace(VideoVAEConfig.tiny(), tiling=False), 0, dtype=torch.float32)
     key = "decoder.x_embedder.weight"

@@ -145,8 +145,8 @@ def test_client_cancel_mid_sample_stops_all_ranks_and_releases(dit2):
         assert r.extra["ranks"] == 2 and torch.isfinite(v).all()
 
 
-# Regression (docs/reliability.md, "F2"): restarted groups used to read the previous attempt's rendezvous keys;
-# stagekit.dist.attempt_store now gives every torchrun attempt its own key prefix.
+# A restarted group must not read the previous attempt's rendezvous keys: stagekit.dist.attempt_store gives every
+# torchrun attempt its own key prefix (docs/reliability.md, "Rank groups and signals").
 def test_kill_rank1_mid_sample_fails_job_then_group_restarts_on_same_port(dit2):
     port = dit2.ports["dit"]
     root = dit2.procs["dit"].pid
@@ -565,8 +565,8 @@ def test_unreadable_checkpoint_maps_to_failed_precondition(broken_files):
 
 @pytest.mark.parametrize("edit", ["shape [40] -> [1, 40]", "dtype float16 -> bfloat16"])
 def test_header_tampering_with_same_size_is_detected(edit):
-    """Found by scripts/fuzz.py (wire-edits): a header edit that keeps the byte count passes every check, so the
-    receiver silently gets another shape, or the same bits read as another dtype (fp16 <-> bf16, fp32 <-> int32)."""
+    """A header edit that keeps the byte count (scripts/fuzz.py's wire-edits make them) is refused: the checksum
+    covers the header, so the receiver never gets another shape, or the same bits read as another dtype."""
     from stagekit.wire import TensorAssembler, WireError
 
     t = torch.arange(40, dtype=torch.float16)

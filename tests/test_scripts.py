@@ -57,7 +57,7 @@ def test_up_status_down(tmp_path, model_cache):
         elastic = list((run_dir / "tmp" / "dit").glob("torchelastic_*"))
         assert elastic, list((run_dir / "tmp" / "dit").iterdir())
 
-        # kill -9 of the torchrun agent: its ranks die with it (they used to keep serving on their own).
+        # kill -9 of the torchrun agent: its ranks die with it (none keeps serving on its own).
         ranks = rank_pids(pids["dit"])
         assert set(ranks) == {0, 1}, ranks
         t0 = time.monotonic()

@@ -98,7 +98,7 @@ def test_sample_rpc_starts_from_diffusers_noise(dit):
     want_v, want_a = sample(zero_model, ref_v, ref_a, SamplerConfig.from_params(SPEC))
     assert torch.equal(patchify_video(video, CFG.patch), want_v)
     assert torch.equal(patchify_audio(audio), want_a)
-    # The same stream drawn [2, 32, Ta] and transposed (what the stage did before) is other audio.
+    # The same stream drawn [2, 32, Ta] and transposed is other audio.
     g = torch.Generator().manual_seed(SPEC.seed)
     torch.randn(ref_v.numel(), generator=g)
     other = patchify_audio(torch.randn(2, CFG.audio_in_channels, ref_a.shape[0] // 2, generator=g))
