@@ -18,7 +18,7 @@ from dataclasses import replace
 
 import torch
 
-from minimax_h3.contract import SAMPLE_OUTPUTS, VIDEO_LATENTS, RenderSpec, tensor_shapes
+from minimax_h3.contract import AUDIO_LATENTS, SAMPLE_OUTPUTS, VIDEO_LATENTS, RenderSpec, tensor_shapes
 from minimax_h3.vae.audio import AudioVAE, AudioVAEConfig, random_init_
 from minimax_h3.vae.tiling import StreamingAssembler, plan_decode
 from minimax_h3.vae.video import VideoVAE, VideoVAEConfig, decode_unit
@@ -101,7 +101,8 @@ def main():
             raise SystemExit("non-finite pixels: the benchmark is broken")
         t0 = time.perf_counter()
         with torch.inference_mode():
-            wav = audio.decode_rows(audio.batch_to_rows(torch.randn(2, 32, spec.audio_latents).to(device)))
+            lat_a = torch.randn(tensor_shapes(SAMPLE_OUTPUTS, spec)[AUDIO_LATENTS])
+            wav = audio.decode_rows(audio.batch_to_rows(lat_a.to(device)))
         if device == "cuda":
             torch.cuda.synchronize()
         audio_s = time.perf_counter() - t0

@@ -20,7 +20,7 @@ inside the budget is skipped and listed, with a ready `--only` value to run it l
          (TP1 on one H200 with no cap: one rank's 19.5 GiB of weights would not fit a 22 GB card), the all-reduce share
          of a TP2 step (NCCL microbench at the same shapes), fl2va (first + last frame) and --lora renders, then the
          other three resolutions.
-All the while an NVML sampler (0.25 s) records each process's memory on each GPU (stagekit/memtrace.py). Every
+All the while an NVML sampler (0.25 s) records each process's memory on each GPU (benchmarks/memtrace.py). Every
 phase of the users' path (start-up, idle, renders, stage-level runs) is held to the cap; writing the weights and the
 `free:` phases (TP1, the NCCL microbench) are not; every phase is held to "one stage holds weights per GPU". Outputs
 in --out: two_gpu_<part>.json, trace_<part>.jsonl.gz, memtrace_<part>.png, bench_<part>.log,
@@ -56,7 +56,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from stagekit import memtrace  # noqa: E402  (light: no torch)
+from benchmarks import memtrace  # noqa: E402  (light: no torch)
 from stagekit.procs import stop_group  # noqa: E402
 
 GIB = 2**30

@@ -41,7 +41,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks import bench_two_gpu as two  # noqa: E402  (the shared driver: weights, stack, renders, trace)
-from stagekit import memtrace  # noqa: E402
+from benchmarks import memtrace  # noqa: E402
 
 GIB = 2**30
 IDLE_NEIGHBOUR_GIB = 0.1

@@ -31,6 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks import bench_two_gpu as two  # noqa: E402  (weights, MP4 check, stage timings, safe NCCL env)
+from minimax_h3.contract import REF2VA  # noqa: E402
 
 DIT_FILE = "minimax_h3_ref2va_pruned_int8_convrot.safetensors"
 DIT_SEED = 1  # another draw than the fl2va file's: the partitions differ in weights
@@ -50,10 +51,10 @@ def write_models(models: Path, tiny: bool) -> dict:
     if not target.exists():
         tmp = target.with_name(f".{target.name}.tmp")
         if tiny:
-            write_tiny_checkpoint(DiTConfig.tiny(), tmp, "int8_convrot_pruned", seed=DIT_SEED, partition="ref2va")
+            write_tiny_checkpoint(DiTConfig.tiny(), tmp, "int8_convrot_pruned", seed=DIT_SEED, partition=REF2VA)
         else:
             write_random_int8_convrot_checkpoint(DiTConfig.full(), tmp, seed=DIT_SEED, device="cuda", quantize=False,
-                                                 pruned=True, partition="ref2va")
+                                                 pruned=True, partition=REF2VA)
         tmp.replace(target)
     out["dit_ref2va_gib"] = round(target.stat().st_size / 2**30, 3)
     out["seconds"] = round(time.monotonic() - t0, 1)

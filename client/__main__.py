@@ -99,7 +99,7 @@ def self_command() -> str:
 
 
 def render_inputs(args):
-    """(prompts, requests, output paths, LoRAs) from the render flags, or CheckError: everything that can be refused
+    """(requests, output paths) from the render flags, or CheckError: everything that can be refused
     without a stage (client/checks.py)."""
     prompts = read_prompts(args.prompt, args.prompts_file)
     try:
@@ -124,7 +124,13 @@ def render_inputs(args):
     outs = output_paths(args.output, len(reqs), overwrite=args.overwrite)
     for o in outs:
         o.parent.mkdir(parents=True, exist_ok=True)
-    return prompts, reqs, outs, [parse_lora_arg(x) for x in args.lora or ()]
+    return reqs, outs
+
+
+def _refused(e: grpc.RpcError) -> bool:
+    """The render service refused the request itself (INVALID_ARGUMENT from Submit or Upload, before any job):
+    exit 2, as for what this client refuses by itself."""
+    return e.code() == grpc.StatusCode.INVALID_ARGUMENT
 
 
 def cmd_render(args) -> int:
@@ -133,9 +139,8 @@ def cmd_render(args) -> int:
 
     security = Security(args.token, args.tls_ca)
     try:
-        prompts, reqs, outs, loras = render_inputs(args)
-        target, stack = connect_render(
-            args, security, before_embedded=lambda: check_for_local_stack(prompts, loras, args.models_dir))
+        reqs, outs = render_inputs(args)
+        target, stack = connect_render(args, security, before_embedded=lambda: check_for_local_stack(args.models_dir))
     except CheckError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -145,6 +150,7 @@ def cmd_render(args) -> int:
     if not args.models_dir and stack is not None and stack.procs.keys() >= set(STAGES):
         print(EMBEDDED_NOTE, file=sys.stderr)
     job_ids: dict[int, str] = {}
+    refused: set[int] = set()  # renders the service refused at Submit (no job): the input's fault, exit 2
     try:
         with RenderClient(target, security) as rc:
             for req in reqs:
@@ -173,6 +179,8 @@ def cmd_render(args) -> int:
                     try:
                         info = call()
                     except grpc.RpcError as e:
+                        if _refused(e) and i not in job_ids:
+                            refused.add(i)
                         return rpc_words(e)
                     if info is None or info.state not in TERMINAL:
                         return "the job's event stream ended before the job did; follow it with `jobs watch`"
@@ -186,6 +194,8 @@ def cmd_render(args) -> int:
                         try:
                             queued(i, rc.submit(req).job_id)
                         except grpc.RpcError as e:
+                            if _refused(e):
+                                refused.add(i)
                             results[i] = rpc_words(e)
                     todo = [i for i in job_ids]
                     with ThreadPoolExecutor(max_workers=min(16, len(todo) or 1)) as pool:
@@ -195,14 +205,14 @@ def cmd_render(args) -> int:
         rc_code = 0
         for i, r in enumerate(results):
             if isinstance(r, str):
-                rc_code = 1
+                rc_code = 1 if rc_code == 1 or i not in refused else 2
                 print(f"error: {'job ' + job_ids[i] + ': ' if i in job_ids else ''}{r}", file=sys.stderr)
             else:
                 print_summary(outs[i], r.stages)
         return rc_code
     except grpc.RpcError as e:
         print(f"error: {rpc_words(e)}", file=sys.stderr)
-        return 1
+        return 2 if _refused(e) else 1
     except KeyboardInterrupt:
         if stack is None and job_ids:
             print(f"interrupted; the render service keeps the job(s) {' '.join(job_ids.values())}: "

@@ -1,25 +1,19 @@
-"""What `render` refuses by itself, before asking any stage (or starting an embedded stack, ~10 s).
+"""What `render` refuses by itself, before asking any stage (or starting a local stack, ~10 s).
 
 The rules are the stages' own, from the same torch-free code (`minimax_h3.contract.validate`,
 `minimax_h3.images.admit_keyframe`, `minimax_h3.labels`); the messages add what only the client knows: the file name
-and the flag it came from. What only model code can tell (a prompt's token count, a LoRA the DiT cannot find) the
-render service checks: on Submit, or, before a local stack starts, in its dry run (`render_svc/preflight.py`). Every
-refusal is a `CheckError`, which the CLI prints as `error: ...` and exits 2, whatever the input (an empty
-`--prompt ""` and a blank one alike).
+and the flag it came from. What only the stages can tell (a prompt's token count by the encoder's tokenizer, the
+LoRAs the DiT has) the render service asks them at Submit, before the job is stored: a local stack refuses it there
+once it has started. Every refusal is a `CheckError`, which the CLI prints as `error: ...` and exits 2, whatever the
+input (an empty `--prompt ""` and a blank one alike).
 """
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
-from client.embedded import StackStartError
 from stagekit.errors import InvalidArgument
-
-PREFLIGHT_TIMEOUT_S = 120.0
 
 
 class CheckError(Exception):
@@ -125,41 +119,16 @@ def _has_sound(path: str) -> bool:
         raise CheckError(f"--ref {path}: not a video file PyAV can read ({e})") from None
 
 
-def check_for_local_stack(prompts: list[str], loras: list[tuple[str, float]], models_dir: str) -> None:
-    """What the stack we are about to start would refuse, refused now: parts of the model missing from
-    `models_dir` (checked here: a local folder), and what only the stack's own code can tell — prompts over its
-    encoder's token limit, LoRA names it cannot find — asked of the render service's dry run
-    (`python -m render_svc.preflight`, a short process of its own, only when there is something to check)."""
-    from render_svc.preflight import needs_preflight
-
-    if needs_preflight(prompts, loras):
-        _preflight(prompts, loras, models_dir)
-    if models_dir:
-        check_models_dir(models_dir)
-
-
-def _preflight(prompts: list[str], loras: list[tuple[str, float]], models_dir: str) -> None:
-    ask = json.dumps({"prompts": prompts, "loras": loras, "models_dir": models_dir})
-    try:
-        r = subprocess.run([sys.executable, "-m", "render_svc.preflight"], input=ask, capture_output=True, text=True,
-                           timeout=PREFLIGHT_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        raise StackStartError(f"the render service's pre-flight check did not answer within "
-                              f"{PREFLIGHT_TIMEOUT_S:g} s") from None
-    if r.returncode == 2:
-        raise CheckError(r.stdout.strip())
-    if r.returncode != 0:
-        raise StackStartError(f"the render service's pre-flight check failed (exit {r.returncode}): "
-                              + (r.stderr.strip().splitlines() or ["no output"])[-1])
-
-
 WEIGHTS_ENV = {"encoder": "H3_ENCODER_WEIGHTS", "dit": "H3_DIT_WEIGHTS", "video_vae": "H3_DECODER_VIDEO_WEIGHTS",
                "audio_vae": "H3_DECODER_AUDIO_WEIGHTS"}
 
 
-def check_models_dir(models_dir: str) -> None:
-    """Every part of the model findable under `models_dir` the way its stage looks (minimax_h3.files), unless its
-    file is named by the stage's own env var; else one line naming the folder and what was looked for."""
+def check_for_local_stack(models_dir: str) -> None:
+    """What the local stack about to start would refuse at its start, refused now (its start-up costs ~10 s): with
+    a `models_dir`, every part of the model findable under it the way its stage looks (minimax_h3.files), unless
+    its file is named by the stage's own env var; else one line naming the folder and what was looked for."""
+    if not models_dir:
+        return
     from minimax_h3.files import CHECKPOINT_PARTS, find_part
     from stagekit.errors import FailedPrecondition
 

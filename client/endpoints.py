@@ -105,12 +105,13 @@ def check_render_reachable(args, target: str, security: Security) -> None:
                             f"nothing (scripts/down.sh removes {args.endpoints_file})")
 
 
-def connect_render(args, security: Security, before_embedded: Callable[[], None] | None = None):
+def connect_render(args, security: Security, before_embedded: Callable[[], None] | None = None,
+                   extra_args: dict[str, list[str]] | None = None):
     """(render service address, stack). In order: the configured render service; else one started here over the
     configured stages (all three); else, only when nothing at all is configured, an embedded local stack with its
     own render service (stop the stack after). Anything configured that does not answer is an EndpointError:
     never silently the tiny model. `before_embedded` runs before a stack is started (checks that would otherwise
-    cost its start-up)."""
+    cost its start-up); `extra_args`: more flags per process started ("render" or a stage)."""
     from client.embedded import EmbeddedStack, StackConfig, StackStartError
 
     target = configured_render(args)
@@ -124,7 +125,8 @@ def connect_render(args, security: Security, before_embedded: Callable[[], None]
     if before_embedded is not None:
         before_embedded()
     stack = EmbeddedStack(StackConfig(models_dir=args.models_dir, devices=args.devices, security=security,
-                                      with_render=True, extra_args={"render": ["--http-port", "0"]}))
+                                      with_render=True, extra_args=_merged({"render": ["--http-port", "0"]},
+                                                                           extra_args or {})))
     try:
         if endpoints is not None:
             print("starting a render service over the configured stages ...", file=sys.stderr)
@@ -139,6 +141,10 @@ def connect_render(args, security: Security, before_embedded: Callable[[], None]
     if web.exists():
         print(f"render service web page: http://127.0.0.1:{web.read_text().strip()}/", file=sys.stderr)
     return target, stack
+
+
+def _merged(a: dict[str, list[str]], b: dict[str, list[str]]) -> dict[str, list[str]]:
+    return {k: [*a.get(k, []), *b.get(k, [])] for k in {*a, *b}}
 
 
 def connect_or_start(args, security: Security, stages, extra_args: dict[str, list[str]] | None = None):

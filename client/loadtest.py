@@ -1,8 +1,18 @@
-"""Load test one stage (or the whole pipeline) through the generated stubs.
+"""Load test one stage, or whole renders, through the generated stubs.
 
     python -m client loadtest --stage dit --concurrency 4 --requests 20 --width 256 --height 256 --frames 22 --steps 1
     python -m client loadtest --stage encoder --concurrency 8 --duration 30 --rps 5 --json
     python -m client loadtest --stage pipeline --concurrency 2 --requests 6 --report out.html
+
+1. **One stage** (`encoder`, `dit`, `decoder`): each request is one call of the stage-level library
+   (`client.pipeline`: `encode`, `sample`, `decode` / `decode_raw`), so it is sent, streamed, counted (`on_bytes`)
+   and checked against the contract's results exactly as the render service's own stage calls are.
+2. **Whole renders** (`pipeline`): each request is one `Render` call of a render service (`--render`, `H3_RENDER`
+   or the endpoints file; else one is started over the configured stages, or an embedded stack with its own). The
+   render service orchestrates renders, and it alone: a load tester chaining the stage calls itself would measure
+   an orchestration no user gets (no batching across callers, no job store, no fairness bound). The client does
+   not import the render service's code; it calls its API, and each stage's timing comes back in the job's
+   `StageRun`s.
 
 Inputs are synthetic but valid: distinct prompts for the encoder (so its prompt cache misses; `--cache-hits`
 measures the cached path), random text states [L, text_dim] for the DiT (text_dim and dtype from one Encode
@@ -11,7 +21,7 @@ every K-th request deliberately invalid (INVALID_ARGUMENT) to exercise error acc
 
 Reports p50/p90/p99 latency, throughput, errors by status code, and queue wait (queue + lease wait) vs service
 time (load + compute + transfer) from the Timing every stage returns. With no endpoints configured it starts an
-embedded stack (with `--metrics-port 0`) and adds the stages' own request counters to the report.
+embedded stack (with `--metrics-port 0`) and adds the tested services' own request counters to the report.
 """
 
 from __future__ import annotations
@@ -25,24 +35,31 @@ import threading
 import time
 import uuid
 from collections import Counter
-from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+from tempfile import TemporaryDirectory
+from typing import TYPE_CHECKING
 
 import grpc
 
+from client.render_client import RenderClient, render_request
 from client.stubs import SERVICE_NAMES, STAGES, StageClients
-from h3.v1 import common_pb2, decoder_pb2, encoder_pb2
-from minimax_h3.contract import (AUDIO_LATENTS, SAMPLE_OUTPUTS, TEXT_STATES, VIDEO_LATENTS, RenderSpec,
-                                 tensor_shapes)
+from h3.v1 import common_pb2, decoder_pb2, encoder_pb2, render_pb2
+from minimax_h3.contract import SAMPLE_OUTPUTS, RenderSpec, tensor_shapes
+from stagekit.errors import StageError
 
 if TYPE_CHECKING:  # torch is imported where tensors are made: the CLI that registers this command stays torch-free
     import torch
 
+    from client.pipeline import StageResult
+
 METHODS = {"encoder": ["/h3.v1.TextEncoder/Encode"], "dit": ["/h3.v1.DiTSampler/Sample"],
            "decoder": ["/h3.v1.Decoder/Decode"]}
-METHODS["pipeline"] = METHODS["encoder"] + METHODS["dit"] + METHODS["decoder"]
+# A render: the render service's Render call, and the stage calls it makes.
+METHODS["pipeline"] = ["/h3.v1.Renderer/Render"] + METHODS["encoder"] + METHODS["dit"] + METHODS["decoder"]
+# The services whose own request counts a run of each kind reports (their /metrics, where known).
+SERVICES = {"encoder": ("encoder",), "dit": ("dit",), "decoder": ("decoder",), "pipeline": ("render", *STAGES)}
 PHASES = ("queue_s", "lease_wait_s", "load_s", "compute_s", "unload_s", "transfer_s")
 INVALID_WIDTH = 250  # not a multiple of 32: every stage rejects it with INVALID_ARGUMENT
 
@@ -105,6 +122,17 @@ class RequestRecord:
     def ok(self) -> bool:
         return self.code == "OK"
 
+    def count(self, direction: str, n: int) -> None:
+        """A stage-level call's `on_bytes`: payload bytes sent or received."""
+        if direction == "sent":
+            self.bytes_sent += n
+        else:
+            self.bytes_received += n
+
+    def add(self, r: StageResult, offset_s: float) -> None:
+        """A stage call's result, started `offset_s` after the request."""
+        self.stages.append(StageTiming(r.stage, offset_s, r.wall_s, _timing_dict(r.timing)))
+
     @property
     def latency_s(self) -> float:
         return self.end_s - self.start_s
@@ -140,7 +168,7 @@ def _timing_dict(t: common_pb2.Timing) -> dict:
     return {k: getattr(t, k) for k in PHASES}
 
 
-# ---- one request per stage ------------------------------------------------------------------------------------
+# ---- one request: a stage call, or a render -------------------------------------------------------------------
 
 
 class _Inputs:
@@ -184,86 +212,84 @@ class _Inputs:
         return tuple(torch.randn(shapes[n], generator=g) for n in SAMPLE_OUTPUTS)
 
 
-def _counted(it: Iterator, rec: RequestRecord, kind: str) -> Iterator:
-    for msg in it:
-        if msg.WhichOneof("input") == kind:
-            rec.bytes_sent += len(getattr(msg, kind).data)
-        yield msg
-
-
-def _received(rec: RequestRecord, feed: Callable[[object], None] = lambda chunk: None) -> Callable[[object], None]:
-    """A stage_events feed that counts each payload chunk's bytes into `rec`, then hands the chunk to `feed`."""
-
-    def count(chunk) -> None:
-        rec.bytes_received += len(chunk.data)
-        feed(chunk)
-
-    return count
-
-
 def _encode(clients: StageClients, prompt: str, job_id: str, rec: RequestRecord, timeout_s: float,
             t_req: float) -> torch.Tensor:
-    from client.pipeline import stage_events
-    from stagekit.wire import TensorAssembler
+    from client.pipeline import encode
 
     t0 = time.monotonic()
-    asm = TensorAssembler()
-    done = stage_events(clients.encoder.Encode(encoder_pb2.EncodeRequest(prompt=prompt, job_id=job_id),
-                                               timeout=timeout_s, metadata=clients.security.metadata()),
-                        "encoder", tensor=_received(rec, asm.feed))
-    states = asm.finish([TEXT_STATES])[TEXT_STATES]
-    rec.cache_hit = done.cache_hit
-    rec.stages.append(StageTiming("encoder", t0 - t_req, time.monotonic() - t0, _timing_dict(done.timing)))
+    states, r = encode(clients, prompt, job_id, timeout_s=timeout_s, on_bytes=rec.count)
+    rec.cache_hit = r.extra["cache_hit"]
+    rec.add(r, t0 - t_req)
     return states
 
 
 def _sample(clients: StageClients, spec: RenderSpec, text: torch.Tensor, job_id: str, rec: RequestRecord,
-            timeout_s: float, t_req: float) -> tuple[torch.Tensor, torch.Tensor]:
-    from client.pipeline import _sample_inputs, stage_events
-    from stagekit.wire import TensorAssembler
+            timeout_s: float, t_req: float) -> None:
+    from client.pipeline import sample
 
     def progress(p: common_pb2.Progress) -> None:
         if p.step and p.step_ms:
             rec.step_ms.append(p.step_ms)
 
     t0 = time.monotonic()
-    asm = TensorAssembler()
-    done = stage_events(clients.dit.Sample(_counted(_sample_inputs(spec, job_id, text), rec, "tensor"),
-                                           timeout=timeout_s, metadata=clients.security.metadata()),
-                        "DiT", progress, tensor=_received(rec, asm.feed))
-    out = asm.finish(list(SAMPLE_OUTPUTS))
-    rec.stages.append(StageTiming("dit", t0 - t_req, time.monotonic() - t0, _timing_dict(done.timing)))
-    return out[VIDEO_LATENTS], out[AUDIO_LATENTS]
+    *_, r = sample(clients, spec, text, job_id, progress, timeout_s, on_bytes=rec.count)
+    rec.add(r, t0 - t_req)
 
 
 def _decode(clients: StageClients, spec: RenderSpec, video: torch.Tensor, audio: torch.Tensor, job_id: str,
-            rec: RequestRecord, fmt: str, timeout_s: float, t_req: float) -> None:
-    from client.pipeline import _decode_inputs, stage_events
+            rec: RequestRecord, fmt: str, timeout_s: float, t_req: float, out: Path) -> None:
+    """MP4 into `out` (removed once counted) or RAW frames and audio, each checked as the stage-level calls do."""
+    from client.pipeline import decode, decode_raw
 
     t0 = time.monotonic()
-    inputs = _decode_inputs(spec, job_id, video, audio, decoder_pb2.RAW if fmt == "raw" else decoder_pb2.MP4, 0)
-    done = stage_events(clients.decoder.Decode(_counted(inputs, rec, "tensor"), timeout=timeout_s,
-                                               metadata=clients.security.metadata()),
-                        "decoder", file=_received(rec), tensor=_received(rec))
-    rec.stages.append(StageTiming("decoder", t0 - t_req, time.monotonic() - t0, _timing_dict(done.timing)))
+    if fmt == "raw":
+        *_, r = decode_raw(clients, spec, video, audio, job_id, timeout_s=timeout_s, on_bytes=rec.count)
+    else:
+        try:
+            r = decode(clients, spec, video, audio, out, job_id, timeout_s=timeout_s, on_bytes=rec.count)
+        finally:
+            out.unlink(missing_ok=True)
+    rec.add(r, t0 - t_req)
 
 
-def _one(clients: StageClients, cfg: LoadConfig, inp: _Inputs, rec: RequestRecord, t_req: float) -> None:
+def _render(rc: RenderClient, req: render_pb2.RenderRequest, rec: RequestRecord, timeout_s: float, t_req: float,
+            out: Path) -> None:
+    """One render through the render service's Render call. Each stage's run comes in the job event logged as it
+    ends (JobInfo.stages grows by one): its offset is that event's arrival less the stage's wall time."""
+
+    def on_event(ev: render_pb2.RenderEvent) -> None:
+        kind = ev.WhichOneof("event")
+        if kind == "progress" and ev.progress.stage == "dit" and ev.progress.step and ev.progress.step_ms:
+            rec.step_ms.append(ev.progress.step_ms)
+        elif kind == "job":
+            now = time.monotonic() - t_req
+            for run in ev.job.stages[len(rec.stages):]:
+                rec.stages.append(StageTiming(run.stage, max(0.0, now - run.wall_s), run.wall_s,
+                                              _timing_dict(run.timing)))
+
+    try:
+        info = rc.render(req, out, on_event, timeout_s=timeout_s)
+        rec.bytes_received += info.output_bytes
+    finally:
+        out.unlink(missing_ok=True)
+
+
+def _one(conn: StageClients | RenderClient, cfg: LoadConfig, inp: _Inputs, rec: RequestRecord, t_req: float,
+         out_dir: Path) -> None:
     i, bad = rec.index, rec.invalid
     job_id = f"lt-{inp.run_id}-{i}"
+    out = out_dir / f"{i}.mp4"
     if cfg.stage == "encoder":
-        _encode(clients, inp.prompt(i, bad), job_id, rec, cfg.timeout_s, t_req)
+        _encode(conn, inp.prompt(i, bad), job_id, rec, cfg.timeout_s, t_req)
     elif cfg.stage == "dit":
-        _sample(clients, inp.spec(i, bad), inp.text_states(i), job_id, rec, cfg.timeout_s, t_req)
+        _sample(conn, inp.spec(i, bad), inp.text_states(i), job_id, rec, cfg.timeout_s, t_req)
     elif cfg.stage == "decoder":
         spec = inp.spec(i, bad)
         video, audio = inp.latents(i, spec)
-        _decode(clients, spec, video, audio, job_id, rec, cfg.decode_format, cfg.timeout_s, t_req)
+        _decode(conn, spec, video, audio, job_id, rec, cfg.decode_format, cfg.timeout_s, t_req, out)
     else:
-        spec = inp.spec(i, False)
-        states = _encode(clients, inp.prompt(i, bad), job_id, rec, cfg.timeout_s, t_req)
-        video, audio = _sample(clients, spec, states, job_id, rec, cfg.timeout_s, t_req)
-        _decode(clients, spec, video, audio, job_id, rec, cfg.decode_format, cfg.timeout_s, t_req)
+        spec = replace(inp.spec(i, False), prompt=inp.prompt(i, bad))
+        _render(conn, render_request(spec, label=f"loadtest {inp.run_id} #{i}"), rec, cfg.timeout_s, t_req, out)
 
 
 def _discover_text(clients: StageClients, cfg: LoadConfig) -> tuple[tuple[int, int], torch.dtype]:
@@ -310,7 +336,7 @@ class LoadReport:
             "service_s": _dist([r.service_s for r in ok]),
             "phases_s": phases, "stage_wall_s": per_stage,
             "step_ms": _dist(steps) if steps else None,
-            "cache_hits": sum(1 for r in ok if r.cache_hit) if self.config["stage"] in ("encoder", "pipeline") else None,
+            "cache_hits": sum(1 for r in ok if r.cache_hit) if self.config["stage"] == "encoder" else None,
             "bytes_sent": sum(r.bytes_sent for r in self.records),
             "bytes_received": sum(r.bytes_received for r in self.records),
             "server_counts": self.server or None,
@@ -322,21 +348,32 @@ class LoadReport:
                               "service_s": r.service_s} for r in self.records]}
 
 
-def run_loadtest(clients: StageClients, cfg: LoadConfig, on_done: Callable[[RequestRecord], None] | None = None,
+def run_loadtest(conn: StageClients | RenderClient, cfg: LoadConfig,
+                 on_done: Callable[[RequestRecord], None] | None = None,
                  on_start: Callable[[], None] | None = None) -> LoadReport:
     """Drive `cfg.concurrency` workers until `cfg.requests` were sent or `cfg.duration_s` passed.
 
-    `on_start` runs after the setup calls (text-shape probe, cache priming), right before the first request:
-    the place to snapshot server-side counters."""
+    `conn`: the stages' clients for a stage's test, the render service's client for "pipeline". `on_start` runs
+    after the setup calls (text-shape probe, cache priming), right before the first request: the place to snapshot
+    server-side counters."""
     cfg.validate()
+    if (cfg.stage == "pipeline") != isinstance(conn, RenderClient):
+        how = "a render service's RenderClient" if cfg.stage == "pipeline" else "the stages' StageClients"
+        raise ValueError(f"--stage {cfg.stage} is tested through {how}, got a {type(conn).__name__}")
     run_id = uuid.uuid4().hex[:8]
-    shape, dtype = _discover_text(clients, cfg)
+    shape, dtype = _discover_text(conn, cfg)
     inp = _Inputs(cfg, run_id, shape, dtype)
     if cfg.stage == "encoder" and cfg.cache_hits:  # prime the cache: every measured request is a hit
-        _encode(clients, inp.prompt(0, False), f"lt-{run_id}-prime", RequestRecord(-1, False, 0.0), cfg.timeout_s,
+        _encode(conn, inp.prompt(0, False), f"lt-{run_id}-prime", RequestRecord(-1, False, 0.0), cfg.timeout_s,
                 time.monotonic())
     if on_start is not None:
         on_start()
+    with TemporaryDirectory(prefix="h3-loadtest-") as out_dir:  # each MP4 lives here until its bytes are counted
+        return _drive(conn, cfg, inp, Path(out_dir), on_done)
+
+
+def _drive(conn: StageClients | RenderClient, cfg: LoadConfig, inp: _Inputs, out_dir: Path,
+           on_done: Callable[[RequestRecord], None] | None) -> LoadReport:
     records: list[RequestRecord] = []
     lock = threading.Lock()
     issued = [0]
@@ -365,9 +402,11 @@ def run_loadtest(clients: StageClients, cfg: LoadConfig, on_done: Callable[[Requ
             t_req = time.monotonic()
             rec = RequestRecord(i, bad, t_req - t0)
             try:
-                _one(clients, cfg, inp, rec, t_req)
+                _one(conn, cfg, inp, rec, t_req, out_dir)
             except grpc.RpcError as e:
                 rec.code, rec.detail = e.code().name, e.details() or ""
+            except StageError as e:  # e.g. a result that breaks the contract: the stage's fault, with its status
+                rec.code, rec.detail = e.code.name, e.message
             except Exception as e:  # noqa: BLE001 - a client-side failure is one error of its own kind
                 rec.code, rec.detail = f"CLIENT_{type(e).__name__}", str(e)
             rec.end_s = time.monotonic() - t0
@@ -681,7 +720,7 @@ def request_messages(cfg: LoadConfig, index: int = 0, text_shape: tuple[int, int
     import torch
     from google.protobuf.json_format import MessageToDict
 
-    from client.pipeline import _decode_inputs, _sample_inputs
+    from client.pipeline import decode_inputs, sample_inputs
 
     inp = _Inputs(cfg, "grpcurl", text_shape, torch.float32)
     if cfg.stage == "encoder":
@@ -691,10 +730,10 @@ def request_messages(cfg: LoadConfig, index: int = 0, text_shape: tuple[int, int
         if not text_shape[1]:
             raise ValueError("--stage dit needs --text-dim to write messages (5120 for the release model, "
                              "64 for the embedded tiny one)")
-        msgs = list(_sample_inputs(spec, f"grpcurl-{index}", inp.text_states(index)))
+        msgs = list(sample_inputs(spec, f"grpcurl-{index}", inp.text_states(index)))
     elif cfg.stage == "decoder":
-        msgs = list(_decode_inputs(spec, f"grpcurl-{index}", *inp.latents(index, spec),
-                                   decoder_pb2.RAW if cfg.decode_format == "raw" else decoder_pb2.MP4, 0))
+        msgs = list(decode_inputs(spec, f"grpcurl-{index}", *inp.latents(index, spec),
+                                  decoder_pb2.RAW if cfg.decode_format == "raw" else decoder_pb2.MP4, 0))
     else:
         raise ValueError("messages are per stage: use --stage encoder, dit or decoder")
     return [MessageToDict(m) for m in msgs]
@@ -705,7 +744,7 @@ def request_messages(cfg: LoadConfig, index: int = 0, text_shape: tuple[int, int
 
 def cmd_loadtest(args) -> int:
     from client.embedded import StackStartError
-    from client.endpoints import EndpointError, connect_or_start
+    from client.endpoints import EndpointError, connect_or_start, connect_render
     from client.stubs import Security, rpc_words
 
     cfg = LoadConfig(stage=args.stage, concurrency=args.concurrency, requests=args.requests or 0,
@@ -723,26 +762,29 @@ def cmd_loadtest(args) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     security = Security(args.token, args.tls_ca)
+    wanted = SERVICES[cfg.stage]
     metrics_urls: dict[str, str] = {}
-    if args.metrics:
-        stage = "dit" if cfg.stage == "pipeline" else cfg.stage
-        metrics_urls[stage] = args.metrics if "://" in args.metrics else f"http://{args.metrics}/metrics"
-    # The stages this test calls: one stage alone (a DiT started by itself needs --text-dim, or an encoder to ask).
-    needed = STAGES if cfg.stage == "pipeline" else ("encoder", "dit") if cfg.stage == "dit" and not cfg.text_dim \
-        else (cfg.stage,)
+    if args.metrics:  # the tested service's: the stage's, or for a render the render service's
+        metrics_urls[wanted[0]] = args.metrics if "://" in args.metrics else f"http://{args.metrics}/metrics"
+    with_metrics = {s: ["--metrics-port", "0"] for s in ("render", *STAGES)}
+    # The services this test calls: a render service for "pipeline"; else one stage alone (a DiT started by itself
+    # needs --text-dim, or an encoder to ask).
+    needed = ("encoder", "dit") if cfg.stage == "dit" and not cfg.text_dim else (cfg.stage,)
     try:
-        endpoints, stack = connect_or_start(args, security, needed, {s: ["--metrics-port", "0"] for s in STAGES})
+        if cfg.stage == "pipeline":
+            render, stack = connect_render(args, security, extra_args=with_metrics)
+        else:
+            endpoints, stack = connect_or_start(args, security, needed, with_metrics)
     except (EndpointError, StackStartError) as e:
         print(f"error: {e}" + (" (or give --text-dim, e.g. 5120, to test the DiT alone)"
                                if cfg.stage == "dit" and not cfg.text_dim else ""), file=sys.stderr)
         return 1
     if stack is not None:
-        for s in STAGES:
+        for s in wanted:
             mf = stack.run_dir / f"{s}.port.metrics"
             if mf.exists():
                 metrics_urls[s] = f"http://127.0.0.1:{mf.read_text().strip()}/metrics"
     try:
-        wanted = STAGES if cfg.stage == "pipeline" else (cfg.stage,)
         urls = {s: u for s, u in metrics_urls.items() if s in wanted}
         methods = {s: [m for m in METHODS[cfg.stage] if m.startswith(f"/{SERVICE_NAMES[s]}/")] for s in urls}
         before: dict = {}
@@ -755,8 +797,8 @@ def cmd_loadtest(args) -> int:
             print(f"  #{r.index:<4} {r.code:<20} {r.latency_s:8.3f} s", file=sys.stderr)
 
         progress = None if args.json or args.quiet else print_request
-        with StageClients(endpoints, security) as clients:
-            rep = run_loadtest(clients, cfg, progress, snapshot)
+        with RenderClient(render, security) if cfg.stage == "pipeline" else StageClients(endpoints, security) as conn:
+            rep = run_loadtest(conn, cfg, progress, snapshot)
         if urls:
             rep.server = {}
             for s, u in urls.items():
@@ -783,7 +825,8 @@ def add_parser(subparsers, add_endpoint_args) -> None:
     what = p.add_argument_group("what to send")
     what.add_argument("--stage", required=True, choices=("encoder", "dit", "decoder", "pipeline"),
                       help="one stage alone (only its address is needed; dit also needs --text-dim or an encoder) "
-                           "or the whole pipeline")
+                           "or the whole pipeline: renders through a render service (--render; else one is started "
+                           "over the stages)")
     what.add_argument("--width", type=int, default=256, help="render width (default: 256)")
     what.add_argument("--height", type=int, default=256, help="render height (default: 256)")
     what.add_argument("--frames", type=int, default=22, help="17n+5 frames (default: 22)")
@@ -804,8 +847,8 @@ def add_parser(subparsers, add_endpoint_args) -> None:
                                                               "(default: 0 = no limit)")
     load.add_argument("--timeout", type=float, default=600.0, help="per-RPC deadline in seconds (default: 600)")
     out = p.add_argument_group("output")
-    out.add_argument("--metrics", default="", help="host:port (or URL) of the tested stage's /metrics, to add the "
-                                                   "stage's own request counts to the report")
+    out.add_argument("--metrics", default="", help="host:port (or URL) of the tested stage's (pipeline: the render "
+                                                   "service's) /metrics, to add its own request counts to the report")
     out.add_argument("--emit-messages", action="store_true",
                      help="print one valid request of --stage as a JSON array of messages (for ghz -D / grpcurl) "
                           "and exit")
@@ -818,5 +861,5 @@ def add_parser(subparsers, add_endpoint_args) -> None:
                        help="real checkpoints for the local stack (default: H3_MODELS_DIR, else the tiny embedded "
                             "model)")
     local.add_argument("--devices", default="", help="devices for the local stack, e.g. cuda:0 (default: CPU)")
-    add_endpoint_args(p.add_argument_group("where the stages are"))
+    add_endpoint_args(p.add_argument_group("where the stages are (pipeline: the render service)"), render=True)
     p.set_defaults(fn=cmd_loadtest)

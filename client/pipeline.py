@@ -5,7 +5,8 @@ The render service (render_svc/engine.py) orchestrates renders with these calls,
 without the service is `render_svc.engine.render_jobs`. The load tester (client/loadtest.py) and tools that want
 stage-level control call them directly; the user's `python -m client render` talks to the render service and needs
 no torch. Each call streams the stage's progress to `on_progress(Progress)`, hands the call to `on_call` (so another
-thread can cancel it) and returns the stage's result plus its timing.
+thread can cancel it), counts each payload chunk's bytes to `on_bytes` (the load tester's byte accounting) and returns
+the stage's result plus its timing.
 """
 
 from __future__ import annotations
@@ -28,13 +29,15 @@ from stagekit.uploads import uploaded
 from stagekit.wire import DTYPE_CLASSES, TensorAssembler, WireError, tensor_chunks
 
 ProgressFn = Callable[[common_pb2.Progress], None]
+# Receives ("sent" | "received", payload bytes) for each tensor or file chunk of a stage call, as it goes.
+BytesFn = Callable[[str, int], None]
 # Receives each stage call as it starts (a grpc.Call): a caller that keeps it can cancel the call from another thread.
 CallFn = Callable[[object], None]
 # Per-stage RPC deadlines (seconds): generous, but a hung stage never hangs the client.
 DEADLINES = {"encoder": 1800.0, "dit": 4 * 3600.0, "decoder": 3600.0}
 
 
-def _noop(_p) -> None:
+def _noop(*_args) -> None:
     pass
 
 
@@ -46,9 +49,11 @@ class StageResult:
     extra: dict = field(default_factory=dict)
 
 
-def stage_events(stream, what: str, on_progress: ProgressFn = _noop, **feeds: Callable[[object], None]):
+def stage_events(stream, what: str, on_progress: ProgressFn = _noop, on_bytes: BytesFn = _noop,
+                 **feeds: Callable[[object], None]):
     """Consume a stage's event stream: progress messages to `on_progress`, each payload message to the feed named
-    by its kind (`tensor=`, `file=`); returns the done event (a stream that ends without one raises)."""
+    by its kind (`tensor=`, `file=`, its bytes counted to `on_bytes`); returns the done event (a stream that ends
+    without one raises)."""
     done = None
     for ev in stream:
         kind = ev.WhichOneof("event")
@@ -57,14 +62,17 @@ def stage_events(stream, what: str, on_progress: ProgressFn = _noop, **feeds: Ca
         elif kind == "done":
             done = ev.done
         elif kind in feeds:
-            feeds[kind](getattr(ev, kind))
+            payload = getattr(ev, kind)
+            on_bytes("received", len(payload.data))
+            feeds[kind](payload)
     if done is None:
         raise RuntimeError(f"{what} stream ended without a done event (the stage stopped mid-call?); retry")
     return done
 
 
 def _drain(stream, on_progress: ProgressFn, required: list[str], what: str,
-           rules: Callable[[], dict[str, tuple[str, tuple]]]) -> tuple[dict[str, torch.Tensor], object]:
+           rules: Callable[[], dict[str, tuple[str, tuple]]],
+           on_bytes: BytesFn = _noop) -> tuple[dict[str, torch.Tensor], object]:
     """A stage's event stream whose result is tensors: reassembled and checked against the call's `rules()`
     (minimax_h3.contract.result_rules; asked once the stage has accepted the request, so a request the stage refuses
     gets the stage's own answer), with the done event. A result that breaks them is the stage's fault: `Internal`,
@@ -78,7 +86,7 @@ def _drain(stream, on_progress: ProgressFn, required: list[str], what: str,
         return asm
 
     try:
-        done = stage_events(stream, what, on_progress, tensor=lambda chunk: assembler().feed(chunk))
+        done = stage_events(stream, what, on_progress, on_bytes, tensor=lambda chunk: assembler().feed(chunk))
         return assembler().finish(required), done
     except WireError as e:
         assembler().discard()
@@ -98,7 +106,8 @@ def sent_references(stub, references: Sequence[common_pb2.Reference], sources: S
 def encode(clients: StageClients, prompt: str, job_id: str = "", on_progress: ProgressFn = _noop,
            timeout_s: float | None = None, keyframes: list[bytes] | None = None, width: int = 0, height: int = 0,
            with_tags: bool = False, on_call: CallFn = _noop,
-           references: Sequence[common_pb2.Reference] = (), frames: int = 0, sources: Sequence[Path | None] = ()):
+           references: Sequence[common_pb2.Reference] = (), frames: int = 0, sources: Sequence[Path | None] = (),
+           on_bytes: BytesFn = _noop):
     """Prompt (+ fl2va keyframe image bytes, in packed order, fitted to width x height; or ref2va references in
     request order, for a render of `frames` frames, their files inline or in `sources`) -> text_states.
     `with_tags=True` returns (states, text_tags, result); the tags are all-text when the encoder sends none."""
@@ -110,7 +119,7 @@ def encode(clients: StageClients, prompt: str, job_id: str = "", on_progress: Pr
                                     references=refs, frames=frames if references else 0)
     stream = clients.encoder.Encode(req, timeout=timeout, metadata=metadata)
     on_call(stream)
-    out, done = _drain(stream, on_progress, [TEXT_STATES], "encoder", lambda: result_rules("Encode"))
+    out, done = _drain(stream, on_progress, [TEXT_STATES], "encoder", lambda: result_rules("Encode"), on_bytes)
     states = out[TEXT_STATES]
     result = StageResult("encoder", time.monotonic() - t0, done.timing,
                          {"tokens": done.tokens, "cache_hit": done.cache_hit})
@@ -167,68 +176,75 @@ def reference_tensors(index: int, latents: dict[str, torch.Tensor], kind: str) -
     return out
 
 
-def _sample_inputs(spec: RenderSpec, job_id: str, text_states: torch.Tensor,
-                   extra: dict[str, torch.Tensor] | None = None,
-                   loras: Sequence[tuple[str, float]] = ()) -> Iterator[dit_pb2.SampleInput]:
+def sample_inputs(spec: RenderSpec, job_id: str, text_states: torch.Tensor,
+                  extra: dict[str, torch.Tensor] | None = None, loras: Sequence[tuple[str, float]] = (),
+                  on_bytes: BytesFn = _noop) -> Iterator[dit_pb2.SampleInput]:
+    """The messages a Sample call sends: the request, then each tensor in chunks (also what grpcurl / ghz send)."""
     req = dit_pb2.SampleRequest(job_id=job_id, loras=[dit_pb2.LoraSpec(name=n, strength=s) for n, s in loras])
     spec_to_proto(spec, req.params)
     yield dit_pb2.SampleInput(request=req)
     for name, t in ((TEXT_STATES, text_states), *(extra or {}).items()):
         for chunk in tensor_chunks(name, t):
+            on_bytes("sent", len(chunk.data))
             yield dit_pb2.SampleInput(tensor=chunk)
 
 
 def sample(clients: StageClients, spec: RenderSpec, text_states: torch.Tensor, job_id: str = "",
            on_progress: ProgressFn = _noop, timeout_s: float | None = None,
            extra: dict[str, torch.Tensor] | None = None,
-           loras: Sequence[tuple[str, float]] = (), on_call: CallFn = _noop
+           loras: Sequence[tuple[str, float]] = (), on_call: CallFn = _noop, on_bytes: BytesFn = _noop
            ) -> tuple[torch.Tensor, torch.Tensor, StageResult]:
     """`extra`: fl2va / ref2va tensors (keyframe or reference latents, text tags; minimax_h3.contract). `loras`: (file name in
     the DiT server's loras dir, strength) pairs applied for this request."""
     t0 = time.monotonic()
-    stream = clients.dit.Sample(_sample_inputs(spec, job_id, text_states, extra, loras),
+    stream = clients.dit.Sample(sample_inputs(spec, job_id, text_states, extra, loras, on_bytes),
                                 timeout=timeout_s or DEADLINES["dit"], metadata=clients.security.metadata())
     on_call(stream)
-    out, done = _drain(stream, on_progress, list(SAMPLE_OUTPUTS), "DiT", lambda: result_rules("Sample", spec))
+    out, done = _drain(stream, on_progress, list(SAMPLE_OUTPUTS), "DiT", lambda: result_rules("Sample", spec),
+                       on_bytes)
     return out[VIDEO_LATENTS], out[AUDIO_LATENTS], StageResult(
         "dit", time.monotonic() - t0, done.timing, {"ms_per_step": done.ms_per_step, "ranks": done.world_size})
 
 
-def _decode_inputs(spec: RenderSpec, job_id: str, video: torch.Tensor, audio: torch.Tensor,
-                   fmt: int, crf: int, upscale: tuple[int, int] = (0, 0)) -> Iterator[decoder_pb2.DecodeInput]:
+def decode_inputs(spec: RenderSpec, job_id: str, video: torch.Tensor, audio: torch.Tensor, fmt: int, crf: int,
+                  upscale: tuple[int, int] = (0, 0), on_bytes: BytesFn = _noop) -> Iterator[decoder_pb2.DecodeInput]:
+    """The messages a Decode call sends: the request, then the latents in chunks (also what grpcurl / ghz send)."""
     req = decoder_pb2.DecodeRequest(job_id=job_id, format=fmt, crf=crf, upscale_width=upscale[0],
                                     upscale_height=upscale[1])
     spec_to_proto(spec, req.params)
     yield decoder_pb2.DecodeInput(request=req)
     for name, t in ((VIDEO_LATENTS, video), (AUDIO_LATENTS, audio)):
         for chunk in tensor_chunks(name, t):
+            on_bytes("sent", len(chunk.data))
             yield decoder_pb2.DecodeInput(tensor=chunk)
 
 
 def decode(clients: StageClients, spec: RenderSpec, video: torch.Tensor, audio: torch.Tensor, out_path: Path,
            job_id: str = "", on_progress: ProgressFn = _noop, crf: int = 0, fmt: int = decoder_pb2.MP4,
-           timeout_s: float | None = None, upscale: tuple[int, int] = (0, 0), on_call: CallFn = _noop) -> StageResult:
+           timeout_s: float | None = None, upscale: tuple[int, int] = (0, 0), on_call: CallFn = _noop,
+           on_bytes: BytesFn = _noop) -> StageResult:
     """Stream the decoded file into `out_path` (written beside it, renamed only once complete and verified).
     `upscale` (width, height): the MP4's size when it differs from the render's (scaled in the decoder's mux)."""
     t0 = time.monotonic()
     with FileReceiver(Path(out_path)) as recv:
-        stream = clients.decoder.Decode(_decode_inputs(spec, job_id, video, audio, fmt, crf, upscale),
+        stream = clients.decoder.Decode(decode_inputs(spec, job_id, video, audio, fmt, crf, upscale, on_bytes),
                                         timeout=timeout_s or DEADLINES["decoder"], metadata=clients.security.metadata())
         on_call(stream)
-        done = stage_events(stream, "decoder", on_progress, file=recv.feed)
+        done = stage_events(stream, "decoder", on_progress, on_bytes, file=recv.feed)
         recv.finish()
     return StageResult("decoder", time.monotonic() - t0, done.timing,
                        {"frames": done.frames, "audio_samples": done.audio_samples, "ranks": done.world_size})
 
 
 def decode_raw(clients: StageClients, spec: RenderSpec, video: torch.Tensor, audio: torch.Tensor, job_id: str = "",
-               on_progress: ProgressFn = _noop, timeout_s: float | None = None
+               on_progress: ProgressFn = _noop, timeout_s: float | None = None, on_bytes: BytesFn = _noop
                ) -> tuple[torch.Tensor, torch.Tensor, StageResult]:
     """Decode without muxing: uint8 frames [F, H, W, 3] and float32 stereo audio [2, N] at 32 kHz."""
     t0 = time.monotonic()
-    stream = clients.decoder.Decode(_decode_inputs(spec, job_id, video, audio, decoder_pb2.RAW, 0),
+    stream = clients.decoder.Decode(decode_inputs(spec, job_id, video, audio, decoder_pb2.RAW, 0, on_bytes=on_bytes),
                                     timeout=timeout_s or DEADLINES["decoder"], metadata=clients.security.metadata())
-    out, done = _drain(stream, on_progress, [RAW_FRAMES, RAW_AUDIO], "decoder", lambda: result_rules("Decode", spec))
+    out, done = _drain(stream, on_progress, [RAW_FRAMES, RAW_AUDIO], "decoder", lambda: result_rules("Decode", spec),
+                       on_bytes)
     return out[RAW_FRAMES], out[RAW_AUDIO], StageResult(
         "decoder", time.monotonic() - t0, done.timing,
         {"frames": done.frames, "audio_samples": done.audio_samples, "ranks": done.world_size})

@@ -26,7 +26,8 @@ from minimax_h3.dit.config import TAG_TEXT, TAG_VIDEO, DiTConfig
 from minimax_h3.dit.keyframes import check_keyframe, check_text_tags, condition_rows, conditioned_denoise
 from minimax_h3.dit.layout import (build_layout, build_ref2va_layout, latent_shape, patchify_video, unpatchify_audio,
                                    unpatchify_video)
-from minimax_h3.dit.lora import LoRAError, LoRAManager, check_lora_file, config_targets, resolve_lora_path
+from minimax_h3.dit.lora import (LoRAError, LoRAManager, check_lora_file, config_targets, lora_names,
+                                 resolve_lora_path)
 from minimax_h3.dit.model import H3DiT
 from minimax_h3.dit.references import REFERENCES_INPUT, References, parse_references
 from minimax_h3.dit.sampling import SamplerConfig, draw_noise, sample
@@ -537,7 +538,9 @@ class DiTEngine:
     def describe(self) -> dict:
         return {"weights": str(self.path), "variant": self.variant,
                 "partitions": {p: str(i.path) for p, i in self.partitions.items()}, "embedded_model": self.embedded,
-                "devices": [self.cfg.device], "kernels": self.kernel_rows()}
+                "devices": [self.cfg.device], "kernels": self.kernel_rows(),
+                "loras": {"directory": self.cfg.loras_dir, "names": lora_names(self.cfg.loras_dir),
+                          "paths_allowed": self.cfg.allow_lora_paths}}
 
 
 def _probe_kernels(cfg: DiTEngineConfig) -> KernelSelection:

@@ -55,6 +55,12 @@ class EncoderServicer(LifecycleMixin, UploadMixin, encoder_pb2_grpc.TextEncoderS
                                   f"({self.engine.cfg.max_prompt_tokens} tokens)")
         return self.engine.check_prompt(raw)
 
+    def CheckPrompt(self, request, context):
+        """`_prompt` alone, as Encode runs it first (the tokenizer is read at start-up: no job, no device, no
+        weights): what the render service asks at Submit, so a prompt this encoder refuses is refused there."""
+        _, ids = abort_on_error(context, self._prompt, request)
+        return encoder_pb2.PromptCheckReply(tokens=len(ids), max_tokens=self.engine.cfg.max_prompt_tokens)
+
     def _keyframes(self, request) -> list:
         """fl2va keyframe images, admitted from their headers (INVALID_ARGUMENT for bad images / sizes); they are
         decoded as part of the job (docs/reliability.md, "Image bombs")."""

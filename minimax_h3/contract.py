@@ -13,14 +13,17 @@ import it. docs/model.md §3 has the model facts behind the numbers.
    function of the render spec (and of the serving model's `LatentGeometry`; None = any size); `RESULTS` says,
    call by call, which tensors a stage sends back to its caller.
 4. **Partitions.** Which of the two DiT files (fl2va, ref2va) a request needs, and the refusal naming it.
+5. **LoRAs.** Which file a request's LoRA name means, and the refusal of a name a DiT would not take, from what its
+   Status reports (`StageStatus.loras`).
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import PurePath
 from types import MappingProxyType
-from typing import Callable, Literal, Mapping
+from typing import Callable, Literal, Mapping, Sequence
 
 from stagekit.errors import FailedPrecondition, InvalidArgument
 
@@ -358,13 +361,15 @@ def keyframe_anchors(names) -> tuple[str, ...]:
 
 
 # ---- 4. which DiT file a request needs ---------------------------------------------------------------------------
-PARTITIONS = ("fl2va", "ref2va")  # fl2va: text, first/last frame; ref2va: image / video / audio references
+FL2VA = "fl2va"    # text, first/last frame
+REF2VA = "ref2va"  # image / video / audio references
+PARTITIONS = (FL2VA, REF2VA)
 
 
 def needed_partition(wants_references: bool) -> str:
     """The MiniMax-H3 partition trained for a request: references need ref2va, text / keyframe requests fl2va (the
     other file renders poor video without an error)."""
-    return "ref2va" if wants_references else "fl2va"
+    return REF2VA if wants_references else FL2VA
 
 
 def check_partition(wants_references: bool, served: Mapping[str, str]) -> None:
@@ -376,5 +381,40 @@ def check_partition(wants_references: bool, served: Mapping[str, str]) -> None:
         have = ", ".join(f"{p} ({PurePath(f).name})" for p, f in served.items())
         raise FailedPrecondition(
             f"{what} needs the MiniMax-H3 {want} DiT file (minimax_h3_{want}_*.safetensors, or the release's "
-            f"{'transformer_ref' if want == 'ref2va' else 'transformer'}/ folder, in the models folder), but the "
+            f"{'transformer_ref' if want == REF2VA else 'transformer'}/ folder, in the models folder), but the "
             f"DiT serves {have} only")
+
+
+# ---- 5. which LoRAs a DiT takes ------------------------------------------------------------------------------------
+LORA_FILE_SUFFIX = ".safetensors"
+LORAS_LISTED = 20  # LoRA names a refusal lists (the rest are counted)
+
+
+def lora_file_names(name: str) -> tuple[str, ...]:
+    """The files in a DiT's loras directory that a request's bare LoRA `name` means, in the order the DiT tries
+    them: the name as given, then with ".safetensors" added when it lacks it."""
+    return (name,) if name.endswith(LORA_FILE_SUFFIX) else (name, name + LORA_FILE_SUFFIX)
+
+
+def check_loras(names: Sequence[str], directory: str, served: Sequence[str], paths_allowed: bool) -> None:
+    """Refuse request LoRA `names` that a DiT would refuse, from what its Status says it takes: the files `served`
+    from its loras `directory` ("" = it has none) and, with `paths_allowed` (--allow-lora-paths), absolute paths
+    (those files are on the DiT's machine: the DiT checks them itself). Raises InvalidArgument naming the fix."""
+    have = set(served)
+    listed = ", ".join(served[:LORAS_LISTED]) + (f" and {len(served) - LORAS_LISTED} more"
+                                                 if len(served) > LORAS_LISTED else "")
+    for name in names:
+        if os.path.isabs(name):
+            if paths_allowed:
+                continue
+            raise InvalidArgument(
+                f"LoRA {name!r}: the DiT takes no LoRA paths, only the names of files in its loras directory"
+                + (f" ({listed})" if served else "") + "; a path needs a DiT started with --allow-lora-paths")
+        if any(f in have for f in lora_file_names(name)):
+            continue
+        if not directory:
+            raise InvalidArgument(f"LoRA {name!r}: the DiT has no loras directory, so it takes no LoRAs by name; "
+                                  "LoRA files go in <models-dir>/loras (or the DiT's --loras-dir)")
+        raise InvalidArgument(f"LoRA {name!r} not found in the DiT's loras directory {directory}: "
+                              + (f"it has {listed}; name one of those, or copy the file there" if served else
+                                 "it holds no files; copy the LoRA file there"))

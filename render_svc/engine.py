@@ -21,7 +21,7 @@ from client.pipeline import (StageResult, decode, encode, encode_image, encode_r
 from client.stubs import StageClients
 from h3.v1 import common_pb2, render_pb2
 from minimax_h3.contract import (AUDIO_LATENTS, SAMPLE_INPUTS, TEXT_STATES, TEXT_TAGS, VIDEO_LATENTS, RenderSpec,
-                                 keyframe_tensor, spec_from_proto)
+                                 keyframe_tensor, needed_partition, spec_from_proto)
 from render_svc.planner import STAGES, first_stage
 from stagekit.errors import Cancelled, status_for
 
@@ -58,7 +58,7 @@ class Work:
     @property
     def partition(self) -> str:
         """The DiT partition the job needs: ref2va for references, fl2va for text and keyframes."""
-        return "ref2va" if self.request.references else "fl2va"
+        return needed_partition(bool(self.request.references))
 
     def set_call(self, call) -> None:
         with self._lock:
@@ -160,7 +160,7 @@ class RenderEngine:
 
     def __init__(self, clients: StageClients):
         self.clients = clients
-        self.dit_partition = "fl2va"  # the partition the last DiT batch ended on
+        self.dit_partition = needed_partition(False)  # the partition the last DiT batch ended on
 
     def _one(self, stage: str, w: Work, sink: ProgressSink) -> Outcome:
         def progress(p: common_pb2.Progress) -> None:

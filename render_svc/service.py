@@ -16,6 +16,7 @@ A timer runs retention and checks that the database file is still there (docs/re
 from __future__ import annotations
 
 import logging
+import math
 import sqlite3
 import threading
 import time
@@ -23,9 +24,11 @@ from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
-from h3.v1 import common_pb2, render_pb2
-from minimax_h3.contract import (MAX_PROMPT_BYTES, MAX_REFERENCES, check_output, check_partition, spec_from_proto,
-                                 validate)
+import grpc
+
+from h3.v1 import common_pb2, encoder_pb2, render_pb2
+from minimax_h3.contract import (MAX_PROMPT_BYTES, MAX_REFERENCES, check_loras, check_output, check_partition,
+                                 spec_from_proto, validate)
 from render_svc.engine import Outcome, RenderEngine, Work
 from render_svc.planner import Batch, BatchPlanner, next_stage
 from render_svc.store import CANCELLED, FAILED, QUEUED, RUNNING, SUCCEEDED, JobRecord, JobStore
@@ -55,7 +58,9 @@ class SchedulerConfig:
     retention_every_s: float = 60.0      # retention (and the database file check) runs this often
 
 
-PARTITIONS_TTL_S = 10.0  # how long the DiT's served partitions are trusted before Status is asked again
+DIT_STATUS_TTL_S = 10.0  # how long the DiT's Status (its partitions and LoRAs) is trusted before it is asked again
+DIT_STATUS_RECHECK_S = 1.0  # a LoRA name the DiT lacked is asked again once its Status is this old (a file just added)
+STAGE_CHECK_TIMEOUT_S = 5.0  # a stage's answer to a Submit-time question (Status, CheckPrompt)
 
 
 def check_request(req: render_pb2.RenderRequest) -> None:
@@ -81,6 +86,8 @@ def check_request(req: render_pb2.RenderRequest) -> None:
     for lo in req.loras:
         if not lo.name.strip():
             raise InvalidArgument("a LoRA needs a file name (a file in the DiT server's loras dir)")
+        if lo.HasField("strength") and not math.isfinite(lo.strength):
+            raise InvalidArgument(f"LoRA {lo.name!r}: strength must be finite, got {lo.strength}")
 
 
 def check_references(req: render_pb2.RenderRequest, prompt: str, frames: int) -> None:
@@ -166,7 +173,7 @@ class RenderService:
         self.batch_log: deque[dict] = deque(maxlen=200)  # recent batches (the web page draws them)
         self.started_unix = time.time()
         self._lock = threading.Condition()
-        self._partitions: tuple[float, dict[str, str]] | None = None  # (when read, the DiT's partitions)
+        self._dit_seen: tuple[float, common_pb2.StageStatus] | None = None  # (when read, the DiT's Status)
         self.stopping = threading.Event()       # SIGTERM: the drain has begun (no new batch starts)
         self._abort = threading.Event()          # the drain stops the running batch's stage calls
         self._stop = threading.Event()           # the drain is over: Submit refuses
@@ -213,7 +220,7 @@ class RenderService:
         for ref in req.references:  # an uploaded file (Upload) is admitted like an inline one
             ref.data = reference_bytes(ref, self.uploads)
         check_request(req)
-        self._check_partition(req)
+        self._check_with_stages(req)
         if self._stop.is_set():
             raise Unavailable("the render service is shutting down; retry on another replica or after its restart")
         try:
@@ -226,20 +233,53 @@ class RenderService:
             raise self._storage_failed(e) from None
         return self.info(rec.id)
 
-    def _check_partition(self, req: render_pb2.RenderRequest) -> None:
-        """Refuse a request whose DiT partition no DiT file provides, naming the file (from the DiT's Status; when
-        the DiT does not answer, its own admission decides later)."""
-        import grpc
+    def _check_with_stages(self, req: render_pb2.RenderRequest) -> None:
+        """What only the stages can tell, asked of them before the job is stored (InvalidArgument /
+        FailedPrecondition naming the fix). A stage that does not answer (or lacks the question) is not asked: its
+        own admission decides when the job reaches it.
 
+        1. The DiT's partitions (its Status): one of its files serves the request's partition (`check_partition`).
+        2. The DiT's LoRAs (its Status): each LoRA named is a file in its loras directory, or a path it takes
+           (`check_loras`); a name it lacked is asked once more, from a fresh Status (a file just added).
+        3. The encoder's prompt rules (its CheckPrompt): its tokenizer, its --max-prompt-tokens, its markers.
+        """
+        dit = self._dit_status(DIT_STATUS_TTL_S)
+        if dit is not None:
+            check_partition(bool(req.references), dict(dit.partitions))
+        if req.loras and dit is not None and dit.HasField("loras"):
+            names = [lo.name for lo in req.loras]
+            try:
+                check_loras(names, dit.loras.directory, list(dit.loras.names), dit.loras.paths_allowed)
+            except InvalidArgument:
+                dit = self._dit_status(DIT_STATUS_RECHECK_S) or dit
+                check_loras(names, dit.loras.directory, list(dit.loras.names), dit.loras.paths_allowed)
+        self._check_prompt(req.params.prompt)
+
+    def _dit_status(self, max_age_s: float) -> common_pb2.StageStatus | None:
+        """The DiT's Status, read again when the one held is older than `max_age_s`; None when it does not answer."""
         now = time.monotonic()
-        if self._partitions is None or now - self._partitions[0] > PARTITIONS_TTL_S:
+        if self._dit_seen is None or now - self._dit_seen[0] > max_age_s:
             clients = self.engine.clients
             try:
-                st = clients.dit.Status(common_pb2.StatusRequest(), timeout=2, metadata=clients.security.metadata())
-            except (grpc.RpcError, AttributeError):
-                return
-            self._partitions = (now, dict(st.partitions))
-        check_partition(bool(req.references), self._partitions[1])
+                st = clients.dit.Status(common_pb2.StatusRequest(), timeout=STAGE_CHECK_TIMEOUT_S,
+                                        metadata=clients.security.metadata())
+            except grpc.RpcError as e:
+                log.debug("Submit: the DiT's Status did not answer (%s); its own admission decides", e.code())
+                return None
+            self._dit_seen = (now, st)
+        return self._dit_seen[1]
+
+    def _check_prompt(self, prompt: str) -> None:
+        """The encoder's verdict on `prompt` (CheckPrompt: the same checks its Encode makes first, on its CPU):
+        its refusal, in its words, is the request's."""
+        clients = self.engine.clients
+        try:
+            clients.encoder.CheckPrompt(encoder_pb2.PromptCheckRequest(prompt=prompt), timeout=STAGE_CHECK_TIMEOUT_S,
+                                        metadata=clients.security.metadata())
+        except grpc.RpcError as e:
+            if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                raise InvalidArgument(e.details()) from None
+            log.debug("Submit: the encoder's CheckPrompt did not answer (%s); its Encode decides", e.code())
 
     def info(self, job_id: str, rec: JobRecord | None = None, owner: str | None = None) -> render_pb2.JobInfo:
         rec = rec or self.store.get(job_id, owner)

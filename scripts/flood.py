@@ -29,10 +29,12 @@ from client.embedded import EmbeddedStack, StackConfig  # noqa: E402
 from client.pipeline import decode, sample  # noqa: E402
 from client.stubs import SERVICE_NAMES, Endpoints, StageClients, health_of, open_channel  # noqa: E402
 from h3.v1 import common_pb2, decoder_pb2, decoder_pb2_grpc, dit_pb2, dit_pb2_grpc  # noqa: E402
-from minimax_h3.contract import TEXT_STATES, VIDEO_LATENTS, RenderSpec, spec_to_proto  # noqa: E402
+from minimax_h3.contract import (AUDIO_LATENTS, SAMPLE_OUTPUTS, TEXT_STATES, VIDEO_LATENTS,  # noqa: E402
+                                 RenderSpec, spec_to_proto, tensor_shapes)
 from stagekit.wire import tensor_chunks  # noqa: E402
 
 SPEC = RenderSpec(prompt="x", width=256, height=256, frames=22, steps=1, seed=1)
+LATENTS = tensor_shapes(SAMPLE_OUTPUTS, SPEC)  # the shapes the decoder takes for SPEC
 
 
 def rss_mib(pid: int) -> float:
@@ -53,7 +55,8 @@ def stalled_requests(stage: str, release: threading.Event):
         req = decoder_pb2.DecodeRequest(job_id="flood")
         spec_to_proto(SPEC, req.params)
         yield decoder_pb2.DecodeInput(request=req)
-        yield decoder_pb2.DecodeInput(tensor=next(tensor_chunks(VIDEO_LATENTS, torch.zeros(24, 7, 16, 16), 256)))
+        video = torch.zeros(LATENTS[VIDEO_LATENTS])
+        yield decoder_pb2.DecodeInput(tensor=next(tensor_chunks(VIDEO_LATENTS, video, 256)))
     release.wait()
 
 
@@ -136,8 +139,8 @@ def main() -> None:
             if args.stage == "dit":
                 sample(c, SPEC, torch.randn(9, 64), timeout_s=120)
             else:
-                decode(c, SPEC, torch.randn(24, 7, 16, 16), torch.randn(2, 32, SPEC.audio_latents), run / "ok.mp4",
-                       timeout_s=120)
+                decode(c, SPEC, torch.randn(LATENTS[VIDEO_LATENTS]), torch.randn(LATENTS[AUDIO_LATENTS]),
+                       run / "ok.mp4", timeout_s=120)
             print(f"  a good job afterwards: OK in {time.monotonic() - t0:.2f} s")
     finally:
         stack.stop()

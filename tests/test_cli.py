@@ -55,8 +55,6 @@ def test_prompts_file_renders_into_a_folder(stack, tmp_path):
     (["--prompt", "   "], "error: prompt is empty"),
     ([], "error: give --prompt TEXT or --prompts-file FILE"),
     (["--prompt", "x", "--frames", "100"], "error: frames=100 is not valid"),
-    (["--prompt", "x", "--lora", "film_grain"], "error: --lora film_grain: the embedded model takes no LoRAs"),
-    (["--prompt", "x" * 1100], "error: prompt has 1100 tokens, more than the limit of 1024"),
 ])
 def test_refused_before_any_stage_with_exit_2(argv, needle, no_stages, tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(EmbeddedStack, "start", lambda self: pytest.fail("a stack was started"))
@@ -72,14 +70,6 @@ def test_keyframe_refusals_name_the_file(no_stages, tmp_path, capsys, monkeypatc
         assert client_main(["render", "--prompt", "x", "--first-frame", str(path), *no_stages]) == 2
         err = capsys.readouterr().err
         assert err.startswith("error: ") and str(path) in err and needle in err and "BytesIO" not in err
-
-
-def test_lora_missing_from_the_models_dir(no_stages, tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(EmbeddedStack, "start", lambda self: pytest.fail("a stack was started"))
-    (tmp_path / "models" / "loras").mkdir(parents=True)
-    assert client_main(["render", "--prompt", "x", "--lora", "grain:0.5", "--models-dir", str(tmp_path / "models"),
-                        *no_stages]) == 2
-    assert "error: --lora grain: LoRA 'grain' not found in" in capsys.readouterr().err
 
 
 def test_render_help_shows_defaults_and_ranges(capsys):

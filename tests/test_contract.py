@@ -1,5 +1,6 @@
 """H3's contract has one home, `minimax_h3/contract.py`: its tensor table and geometry hold the model's numbers,
-and no other product file writes a tensor name or a geometry constant itself (an AST scan of the product packages).
+and no other product file writes a tensor name, a geometry constant (also as a `.get(key, default)`), a latent
+shape, or a partition choice itself (an AST scan of the product packages).
 """
 
 from __future__ import annotations
@@ -68,6 +69,42 @@ def _number(node: ast.AST) -> int | float | None:
     return None
 
 
+# Tensor factories whose positional arguments (or first tuple / list argument) are a shape.
+TENSOR_FACTORIES = {"zeros", "ones", "empty", "randn", "rand", "full", "new_zeros", "new_ones", "new_empty",
+                    "new_full"}
+# Calls that read a key with a default: `d.get("latent_channels", 24)`, `getattr(cfg, "fps", 24)`.
+DEFAULTED_READS = {"get": 0, "pop": 0, "setdefault": 0, "getattr": 1}
+# A partition name is a contract value: a literal one may be neither chosen (`"ref2va" if refs else "fl2va"`),
+# compared, returned, nor bound to a name that says it is a partition.
+PARTITION_NAME = re.compile(r"partition", re.IGNORECASE)
+
+
+def _shape(call: ast.Call) -> list[ast.AST]:
+    args = call.args
+    if args and isinstance(args[0], (ast.Tuple, ast.List)):
+        return list(args[0].elts)
+    return [] if call.keywords and any(k.arg == "size" for k in call.keywords) else list(args)
+
+
+def _latent_shape(dims: list[ast.AST]) -> str:
+    """'video latents' / 'audio latents' when a literal shape is one of the contract's latent shapes:
+    [24, T, h, w] (or batched [B, 24, T, h, w]) and [2, 32, Ta]."""
+    n = [_number(d) for d in dims]
+    if (len(n) == 4 and n[0] == c.VIDEO_LATENT_CHANNELS) or (len(n) == 5 and n[1] == c.VIDEO_LATENT_CHANNELS):
+        return "video latents"
+    if len(n) == 3 and n[:2] == [c.AUDIO_CHANNELS, c.AUDIO_LATENT_CHANNELS]:
+        return "audio latents"
+    return ""
+
+
+def _is_partition(node: ast.AST) -> bool:
+    return isinstance(node, ast.Constant) and node.value in c.PARTITIONS
+
+
+def _named(node: ast.AST) -> str:
+    return getattr(node, "id", None) or getattr(node, "attr", None) or getattr(node, "arg", None) or ""
+
+
 def contract_violations(source: str, name: str = "<src>") -> list[str]:
     """Where a source writes an inter-stage tensor name or an H3 geometry constant itself."""
     tree = ast.parse(source, name)
@@ -107,6 +144,35 @@ def contract_violations(source: str, name: str = "<src>") -> list[str]:
             elif isinstance(node.op, (ast.FloorDiv, ast.Mult)) and _number(node.left) == c.VAE_SPATIAL \
                     and SIZE_OPERAND.search(right):
                 hit(node, "pixels <-> latents")
+        if isinstance(node, ast.Call):
+            fname = _named(node.func)
+            if fname in TENSOR_FACTORIES and (what := _latent_shape(_shape(node))):
+                hit(node, f"{what} shape (minimax_h3.contract.tensor_shapes)")
+            elif fname in DEFAULTED_READS and len(node.args) == DEFAULTED_READS[fname] + 2:
+                key, default = node.args[DEFAULTED_READS[fname]:]
+                if isinstance(key, ast.Constant) and isinstance(key.value, str) \
+                        and _geometry_name(key.value, _number(default)):
+                    hit(node, "geometry constant as a default")
+            for k in node.keywords:
+                if k.arg and PARTITION_NAME.search(k.arg) and _is_partition(k.value):
+                    hit(k.value, "partition name")
+        elif isinstance(node, ast.IfExp) and (_is_partition(node.body) or _is_partition(node.orelse)):
+            hit(node, "partition name")
+        elif isinstance(node, ast.Compare) and any(map(_is_partition, [node.left, *node.comparators])):
+            hit(node, "partition name")
+        elif isinstance(node, ast.Return) and node.value is not None and _is_partition(node.value):
+            hit(node, "partition name")
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)) and node.value is not None and _is_partition(node.value):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            if any(PARTITION_NAME.search(_named(t)) for t in targets):
+                hit(node, "partition name")
+        elif isinstance(node, ast.arguments):
+            named = [*node.posonlyargs, *node.args]
+            pairs = list(zip(named[len(named) - len(node.defaults):], node.defaults))
+            pairs += [(a, d) for a, d in zip(node.kwonlyargs, node.kw_defaults) if d is not None]
+            for a, d in pairs:
+                if PARTITION_NAME.search(a.arg) and _is_partition(d):
+                    hit(d, "partition name")
     return out
 
 
@@ -120,6 +186,11 @@ def test_no_contract_copies_in_product_code():
     'FPS = 24', 'AUDIO_RATE = 32_000', 'HOP_LENGTH = 800', 'latent_channels: int = 24', 'cfg(in_channels=24)',
     'lat = spec.height // 16', 'px = latent_w * 16', 'seconds = frames / 24', 'ta = round(frames / 24 * 40)',
     'STEREO = 2', 'clip_length: int = 17',
+    'c = d.get("latent_channels", 24)', 'n = cfg.get("clip_length", 17)', 'r = getattr(cfg, "fps", 24)',
+    'v = torch.zeros(24, 7, 16, 16)', 'v = torch.randn((1, 24, 7, 32, 32))', 'a = torch.randn(2, 32, spec.audio_latents)',
+    'a = x.new_zeros([2, 32, ta])', 'p = "ref2va" if refs else "fl2va"', 'self.dit_partition = "fl2va"',
+    'if part == "ref2va": pass', 'def f(partition="fl2va"): pass', 'write(cfg, path, partition="ref2va")',
+    'def f():\n    return "fl2va"',
 ])
 def test_scan_finds_each_kind_of_copy(src):
     assert contract_violations(src)
@@ -129,6 +200,10 @@ def test_scan_finds_each_kind_of_copy(src):
     'def f():\n    """video_latents [24, T, H/16, W/16] at 32000 Hz"""', '# "text_states" // 16',
     'msg = "reference i is ref_<i>_image"', 'blocks = c // 16', 'n = heads * 16', 'AUDIO_BITRATE = 128_000',
     'MAX_SOURCE_FPS = 120', 'VIDEO_SAMPLE_FPS = 2', 'in_channels = 3', 'x = h.shape[0] // 2', 'rate = 48_000',
+    'c = d.get("in_channels", 3)', 'n = d.get("layers_per_block", 2)', 'x = torch.zeros(24, 64)',
+    'x = torch.randn(2, 32, 64, 8)', 'x = torch.zeros(3, 24, 7, 16)',
+    'FILES = {"fl2va": "a.safetensors"}', 'out["fl2va"] = bench()', 'label = "fl2va"',
+    'def f():\n    """Needs the ref2va file."""',
 ])
 def test_scan_passes_what_is_not_a_copy(src):
     assert not contract_violations(src)

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from client.embedded import EmbeddedStack, StackConfig
-from client.pipeline import _decode_inputs, decode
+from client.pipeline import decode, decode_inputs
 from client.stubs import Endpoints, StageClients
 from h3.v1 import common_pb2, decoder_pb2
 from minimax_h3.contract import RenderSpec
@@ -132,7 +132,7 @@ def test_mux_is_cancelled_when_the_client_leaves(stack, tmp_path):
     log = stack.run_dir / "decoder.log"
     seen = len(log.read_text(errors="replace"))
     with clients_of(stack) as c:
-        call = c.decoder.Decode(_decode_inputs(SMALL, "leaver", *latents(SMALL), decoder_pb2.MP4, 0), timeout=300)
+        call = c.decoder.Decode(decode_inputs(SMALL, "leaver", *latents(SMALL), decoder_pb2.MP4, 0), timeout=300)
         threading.Thread(target=lambda: [None for _ in _ignore_errors(call)], daemon=True).start()
         wait_for_mux(stack)
         t_cancel = time.monotonic()

@@ -1,8 +1,9 @@
 """What a user meets in the first hour, through real processes: configured services that do not answer are errors
 (exit 1, the address, the fix; never the tiny model), what the client can check is refused before anything starts
-(exit 2, the service's own rule), a bad --models-dir is one line and leaves nothing behind, -o never overwrites,
-finished jobs say done, status / loadtest look at one stage alone, help texts are grouped with real defaults,
-up.sh / down.sh --help, messages in words, and no traceback into a closed pipe."""
+(exit 2, the service's own rule), what only the stages know is refused by a local stack's Submit (exit 2), a bad
+--models-dir is one line and leaves nothing behind, -o never overwrites, finished jobs say done, status / loadtest
+look at one stage alone, help texts are grouped with real defaults, up.sh / down.sh --help, messages in words, and
+no traceback into a closed pipe."""
 
 from __future__ import annotations
 
@@ -106,6 +107,21 @@ def test_a_models_dir_with_a_broken_file_is_one_error_and_leaves_nothing(tmp_pat
     err = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
     assert len(err) == 1 and "the local stack could not start:" in err[0] and ": cannot start: " in err[0], r.stderr
     assert str(d) in err[0] and "Traceback" not in r.stderr and no_stack_started(tmp_path)
+
+
+def test_what_only_the_stages_know_is_refused_by_the_local_stacks_submit(tmp_path, model_cache):
+    """A LoRA on the embedded stack, whose DiT has no loras directory: the stack starts, its render service refuses
+    the request at Submit from the DiT's Status (no job): exit 2, one error line saying where LoRA files go, no
+    MP4, the stack's temp dir gone."""
+    env = {f"H3_{s}_CACHE_DIR": str(model_cache) for s in ("ENCODER", "DIT", "DECODER")}
+    out = tmp_path / "x.mp4"
+    r = client(["render", "--prompt", "a fox", "--lora", "film_grain", "-o", str(out), *SMALL, "--endpoints-file",
+                str(tmp_path / "none.env")], tmp_path, env, timeout=300)
+    assert r.returncode == 2, r.stderr
+    err = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
+    assert err == ["error: refused: LoRA 'film_grain': the DiT has no loras directory, so it takes no LoRAs by name; "
+                   "LoRA files go in <models-dir>/loras (or the DiT's --loras-dir)"], r.stderr
+    assert "Traceback" not in r.stderr and not out.exists() and no_stack_started(tmp_path)
 
 
 def test_the_service_refuses_by_the_same_rule():

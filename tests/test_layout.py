@@ -1,5 +1,8 @@
 """The package layout is the architecture: `stagekit` (model-agnostic serving) never imports the model package
-`minimax_h3`, the model package never imports a stage, and no stage imports another (docs/design.md)."""
+`minimax_h3`, the model package never imports a stage, no stage imports another, and `client` imports no stage
+(docs/design.md). The render service may import `client` (`client.pipeline`, `client.stubs`): the client package is
+the stage-call library the render service is built on, so the arrow points one way only. What the client cannot
+check itself it asks of the render service over gRPC (its Submit), never by importing stage code."""
 
 from __future__ import annotations
 
@@ -14,6 +17,7 @@ FORBIDDEN = {
     "stagekit": ("minimax_h3", *STAGES, "client"),
     "minimax_h3": (*STAGES, "client"),
     **{s: tuple(o for o in STAGES if o != s) for s in STAGES},
+    "client": STAGES,
 }
 
 

@@ -1,4 +1,4 @@
-"""stagekit/memtrace.py: the 22 GB rule checker, event-log residency check, summary, sampler (fake NVML) and plot."""
+"""benchmarks/memtrace.py: the 22 GB rule checker, event-log residency check, summary, sampler (fake NVML) and plot."""
 
 import gzip
 import json
@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from stagekit import memtrace
-from stagekit.memtrace import GIB, HoldRule, MemorySampler, ProcMem, Sample, check_events, check_trace
+from benchmarks import memtrace
+from benchmarks.memtrace import GIB, HoldRule, MemorySampler, ProcMem, Sample, check_events, check_trace
 
 CAP = 22 * GIB
 
@@ -184,7 +184,7 @@ def test_a_stage_child_counts_as_its_stage(tmp_path):
     import subprocess
     import sys
 
-    from stagekit.memtrace import our_pids, role_of_pid
+    from benchmarks.memtrace import our_pids, role_of_pid
 
     script = ("import subprocess, sys; p = subprocess.Popen(['sleep', '30']); print(p.pid, flush=True); "
               "sys.stdin.read(); p.kill()")

@@ -108,6 +108,40 @@ def test_loadtest_cli_json_and_html_report(stack, tmp_path, capsys):
     assert page.count("<svg") == 2 and "timeline" in page and "p50" in page
 
 
+def test_loadtest_pipeline_renders_through_the_render_service(stack, tmp_path, capsys):
+    """`--stage pipeline` sends Render calls to the render service (the one orchestration): each finished render
+    reports its stages' timing in render order, the DiT's steps, the MP4's bytes; a refused request counts with its
+    code, on the client and in the render service's own counters."""
+    from tests.render_svc_util import serving
+
+    _, ep = stack
+    with serving(tmp_path / "run", ep, ["--metrics-port", "0"]) as svc:
+        port = (svc.stack.run_dir / "render.port.metrics").read_text().strip()
+        rc = client_main(["loadtest", "--stage", "pipeline", "--concurrency", "2", "--requests", "2",
+                          "--inject-invalid", "2", "--json", "--json-requests", "--render", svc.target,
+                          "--metrics", f"127.0.0.1:{port}"])
+    out = json.loads(capsys.readouterr().out)
+    s = out["summary"]
+    assert rc == 0 and s["sent"] == 2 and s["ok"] == 1 and s["errors"] == {"INVALID_ARGUMENT": 1}, s
+    ok = next(r for r in out["requests"] if r["code"] == "OK")
+    assert [st["stage"] for st in ok["stages"]] == ["encoder", "dit", "decoder"]
+    starts = [st["offset_s"] for st in ok["stages"]]
+    assert starts == sorted(starts) and starts[-1] + ok["stages"][-1]["wall_s"] <= ok["latency_s"] + 1e-3
+    assert ok["stages"][1]["timing"]["compute_s"] > 0 and len(ok["step_ms"]) == 1
+    assert ok["bytes_received"] > 0 and s["bytes_received"] == ok["bytes_received"]
+    assert s["server_counts"]["render"]["/h3.v1.Renderer/Render"] == {"INVALID_ARGUMENT": 1, "OK": 1}
+
+
+def test_loadtest_refuses_the_wrong_connection():
+    from client.render_client import RenderClient
+    from client.stubs import Endpoints, StageClients
+
+    with StageClients(Endpoints()) as stages, pytest.raises(ValueError, match="render service"):
+        run_loadtest(stages, LoadConfig(stage="pipeline", requests=1))
+    with RenderClient("127.0.0.1:1") as rc, pytest.raises(ValueError, match="StageClients"):
+        run_loadtest(rc, LoadConfig(stage="encoder", requests=1))
+
+
 def test_reflection_lists_and_resolves_services(stack):
     """What grpcurl does: list services, then resolve each one's full descriptor (with imports) by reflection."""
     _, ep = stack

@@ -25,7 +25,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from client.embedded import EmbeddedStack, StackConfig
-from client.pipeline import _sample_inputs, decode, sample
+from client.pipeline import decode, sample, sample_inputs
 from client.stubs import Endpoints, StageClients, health_of
 from h3.v1 import common_pb2, dit_pb2, tensor_pb2
 from minimax_h3.contract import RenderSpec, spec_from_proto, spec_to_proto, validate
@@ -71,7 +71,7 @@ def status(c: StageClients, stage="dit") -> common_pb2.StageStatus:
 
 def start_sample_stream(c: StageClients, spec: RenderSpec, timeout_s: float = 120):
     """Start a Sample call; returns (call, events list, first-step Event, result box) with a reader thread."""
-    call = c.dit.Sample(_sample_inputs(spec, "slow", TEXT), timeout=timeout_s)
+    call = c.dit.Sample(sample_inputs(spec, "slow", TEXT), timeout=timeout_s)
     events, stepped, box = [], threading.Event(), {}
 
     def read():

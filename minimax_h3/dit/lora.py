@@ -48,6 +48,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from minimax_h3.contract import lora_file_names
 from minimax_h3.kernels.layers import LinearMethod, Modulation, linear_method, modulated, o_rows
 from stagekit.checkpoints import CheckpointError, HeaderEntry, TensorReader, read_header
 
@@ -61,7 +62,6 @@ log = logging.getLogger(__name__)
 
 MAX_LISTED = 12  # keys listed per category in a LoRAError
 FINITE_CHECKED_FILES = 256  # LoRA file versions remembered as read and finite (admission reads each one once)
-LORA_FILE_SUFFIX = ".safetensors"
 PEFT_CONFIG_NAME = "adapter_config.json"  # PEFT writes alpha / rank here, not into the tensors
 DEFAULT_FILE_CACHE = 4  # parsed + sharded LoRA files kept per rank (device memory: the low-rank factors only)
 # Prefixes in front of the module path, stripped in this order (at most one from each group).
@@ -682,10 +682,21 @@ def resolve_lora_path(name: str, loras_dir: str | Path | None, allow_paths: bool
                             f"(no directories, no '..', not hidden)")
         if not loras_dir:
             raise LoRAError(f"LoRA {name!r} requested but this server has no loras directory (<models_dir>/loras)")
-        p = Path(loras_dir) / name
-        if not p.is_file() and not name.endswith(LORA_FILE_SUFFIX):
-            p = Path(loras_dir) / (name + LORA_FILE_SUFFIX)
+        p = next((q for q in (Path(loras_dir) / f for f in lora_file_names(name)) if q.is_file()),
+                 Path(loras_dir) / name)
     if not p.is_file():
         where = "" if os.path.isabs(name) else f" in {loras_dir}"
         raise LoRAError(f"LoRA {name!r} not found{where}")
     return p
+
+
+def lora_names(loras_dir: str | Path | None) -> list[str]:
+    """The bare names `resolve_lora_path` takes from `loras_dir`: its files that are not hidden, sorted (what the
+    DiT's Status reports; [] without the directory)."""
+    if not loras_dir:
+        return []
+    try:
+        with os.scandir(loras_dir) as it:
+            return sorted(e.name for e in it if not e.name.startswith(".") and "\\" not in e.name and e.is_file())
+    except OSError:
+        return []

@@ -24,6 +24,7 @@ from typing import Iterator, Literal
 
 import torch
 
+from minimax_h3.contract import FL2VA
 from minimax_h3.dit.checkpoint import (
                                        BF16,
                                        INT8_CONVROT,
@@ -215,7 +216,7 @@ def save_state_dict(sd: dict[str, torch.Tensor], path: str | Path, metadata: dic
     return write_safetensors_streaming(path, plan, iter(sd.items()), metadata)
 
 
-def file_metadata(cfg: DiTConfig, qkv_layout: str = "stacked", partition: str = "fl2va") -> dict[str, str]:
+def file_metadata(cfg: DiTConfig, qkv_layout: str = "stacked", partition: str = FL2VA) -> dict[str, str]:
     """What our writers state in a file: the whole config (so the block count is declared, not guessed from the
     blocks present), the q/k/v row order and the partition (docs/checkpoints.md)."""
     return {METADATA_CONFIG: json.dumps(dataclasses.asdict(cfg), separators=(",", ":")), METADATA_QKV: qkv_layout,
@@ -223,7 +224,7 @@ def file_metadata(cfg: DiTConfig, qkv_layout: str = "stacked", partition: str = 
 
 
 def write_tiny_checkpoint(cfg: DiTConfig, path: str | Path, variant: TinyVariant = "bf16", seed: int = 0,
-                          metadata: bool = True, partition: str = "fl2va") -> Path:
+                          metadata: bool = True, partition: str = FL2VA) -> Path:
     """One ComfyUI-layout single file of the given variant and partition (the two partitions differ in weights
     only: give them different seeds). `metadata=False` writes what a ComfyUI repack holds: the tensors and nothing
     that states the config, the q/k/v order or the partition."""
@@ -339,7 +340,7 @@ def iter_random_int8_convrot_weights(
 
 def write_random_int8_convrot_checkpoint(
     cfg: DiTConfig, path: str | Path, seed: int = 0, device: torch.device | str = "cpu", quantize: bool = True,
-    pruned: bool = False, partition: str = "fl2va",
+    pruned: bool = False, partition: str = FL2VA,
 ) -> Path:
     """Stream a full-size random int8_convrot checkpoint of one partition to one Comfy-layout file (about 34 GB at
     full size; the `pruned` curve-form variant ≈19.5 GiB, the file the 22 GB-card users run)."""

@@ -666,7 +666,7 @@ def _config_from_diffusers(d: dict) -> tuple[VideoVAEConfig, tuple | None, tuple
     ch = boc[0]
     cfg = VideoVAEConfig(
         in_channels=d.get("in_channels", 3), out_channels=d.get("out_channels", 3),
-        latent_channels=d.get("latent_channels", 24), ch=ch, ch_mult=tuple(c // ch for c in boc),
+        latent_channels=d.get("latent_channels", VIDEO_LATENT_CHANNELS), ch=ch, ch_mult=tuple(c // ch for c in boc),
         num_res_blocks=d.get("layers_per_block", 2),
         space_down=tuple(d.get("spatial_downsample_factors", (2, 2, 2, 2, 1, 1))),
         time_down=tuple(d.get("temporal_downsample_factors", (1, 2, 2, 1, 1, 1))),
@@ -675,7 +675,7 @@ def _config_from_diffusers(d: dict) -> tuple[VideoVAEConfig, tuple | None, tuple
         dec_heads=d.get("decoder_num_attention_heads", 32), dec_head_dim=d.get("decoder_attention_head_dim", 64),
         dec_registers=d.get("decoder_num_register_tokens", 4), dec_ffn_mult=d.get("decoder_ffn_mult", 4),
         rope_theta=d.get("decoder_rope_theta", 100.0), rope_dim_ratio=d.get("decoder_rope_dim_ratio", 0.75),
-        dec_eps=d.get("decoder_norm_eps", 1e-5), clip_length=d.get("clip_length", 17),
+        dec_eps=d.get("decoder_norm_eps", 1e-5), clip_length=d.get("clip_length", FRAME_CLIP),
         token_drop=d.get("token_drop", 3),
     )
     lm, ls = d.get("latents_mean"), d.get("latents_std")

@@ -28,6 +28,22 @@ class EncodeRequest(_message.Message):
     frames: int
     def __init__(self, prompt: _Optional[str] = ..., prompt_bytes: _Optional[bytes] = ..., job_id: _Optional[str] = ..., keyframes: _Optional[_Iterable[bytes]] = ..., width: _Optional[int] = ..., height: _Optional[int] = ..., references: _Optional[_Iterable[_Union[_common_pb2.Reference, _Mapping]]] = ..., frames: _Optional[int] = ...) -> None: ...
 
+class PromptCheckRequest(_message.Message):
+    __slots__ = ("prompt", "prompt_bytes")
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    prompt: str
+    prompt_bytes: bytes
+    def __init__(self, prompt: _Optional[str] = ..., prompt_bytes: _Optional[bytes] = ...) -> None: ...
+
+class PromptCheckReply(_message.Message):
+    __slots__ = ("tokens", "max_tokens")
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    tokens: int
+    max_tokens: int
+    def __init__(self, tokens: _Optional[int] = ..., max_tokens: _Optional[int] = ...) -> None: ...
+
 class EncodeDone(_message.Message):
     __slots__ = ("tokens", "cache_hit", "timing", "model")
     TOKENS_FIELD_NUMBER: _ClassVar[int]

@@ -67,6 +67,11 @@ class TextEncoderStub:
                 request_serializer=h3_dot_v1_dot_common__pb2.StatusRequest.SerializeToString,
                 response_deserializer=h3_dot_v1_dot_common__pb2.StageStatus.FromString,
                 _registered_method=True)
+        self.CheckPrompt = channel.unary_unary(
+                '/h3.v1.TextEncoder/CheckPrompt',
+                request_serializer=h3_dot_v1_dot_encoder__pb2.PromptCheckRequest.SerializeToString,
+                response_deserializer=h3_dot_v1_dot_encoder__pb2.PromptCheckReply.FromString,
+                _registered_method=True)
 
 
 class TextEncoderServicer:
@@ -110,6 +115,14 @@ class TextEncoderServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CheckPrompt(self, request, context):
+        """Encode's prompt checks alone (valid UTF-8, not blank, no reserved markers, at most --max-prompt-tokens tokens
+        of this encoder's tokenizer), on the CPU, with no job: the token count, or INVALID_ARGUMENT with the reason.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TextEncoderServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -142,6 +155,11 @@ def add_TextEncoderServicer_to_server(servicer, server):
                     servicer.Status,
                     request_deserializer=h3_dot_v1_dot_common__pb2.StatusRequest.FromString,
                     response_serializer=h3_dot_v1_dot_common__pb2.StageStatus.SerializeToString,
+            ),
+            'CheckPrompt': grpc.unary_unary_rpc_method_handler(
+                    servicer.CheckPrompt,
+                    request_deserializer=h3_dot_v1_dot_encoder__pb2.PromptCheckRequest.FromString,
+                    response_serializer=h3_dot_v1_dot_encoder__pb2.PromptCheckReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -307,6 +325,33 @@ class TextEncoder:
             '/h3.v1.TextEncoder/Status',
             h3_dot_v1_dot_common__pb2.StatusRequest.SerializeToString,
             h3_dot_v1_dot_common__pb2.StageStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CheckPrompt(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/h3.v1.TextEncoder/CheckPrompt',
+            h3_dot_v1_dot_encoder__pb2.PromptCheckRequest.SerializeToString,
+            h3_dot_v1_dot_encoder__pb2.PromptCheckReply.FromString,
             options,
             channel_credentials,
             insecure,

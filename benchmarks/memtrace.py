@@ -1,5 +1,8 @@
 """GPU memory trace of a running deployment: sampler, residency / cap checker, plot.
 
+A benchmark tool (benchmarks/bench_two_gpu.py, benchmarks/one_card.py): it names each process by the stage module
+it runs (`STAGE_MODULES`), so it lives with the benchmarks of this deployment, not in the serving kit.
+
 The 22 GB rule (docs/residency.md, docs/two_cards.md): on each GPU the memory of all our processes together --
 every CUDA context included -- stays under the card's size at every instant, and at each instant only one stage
 holds weights on a GPU. This module proves it from the outside, the way `nvidia-smi` sees it:
