@@ -52,7 +52,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench_dit import T_AUDIO, T_VIDEO, TEXT_LEN, build_ours, inputs_for, install_linears, parse_shape  # noqa: E402
+from bench_dit import T_AUDIO, T_VIDEO, TEXT_LEN, build_model, checkpoint_weights, inputs_for, parse_shape  # noqa: E402
 from minimax_h3.dit.config import DiTConfig  # noqa: E402
 from minimax_h3.dit.layout import build_layout  # noqa: E402
 from minimax_h3.kernels.fp8_attention import (  # noqa: E402
@@ -261,11 +261,9 @@ class Recorder:
 
 def full_forward(args, cfg: DiTConfig, shapes, result: dict, failures: list[str]) -> dict:
     """Velocity error of each option vs bf16 cuDNN attention on the same model; returns captured q/k/v by shape."""
-    model, master = build_ours(cfg, args.seed, DEV, args.chunk_rows)
-    install_linears(model, master, "fp8", DEV)
-    del master
+    # As the DiT stage builds it with --linear-kernel fp8 --attention-kernel cudnn (bench_dit.py build_model), eager.
+    model, _ = build_model(cfg, checkpoint_weights(cfg, args.seed, DEV), "fp8", "cudnn", False, DEV, args.chunk_rows)
     empty_cache()
-    model.eval()
     base_fn = bf16_attention()
     captured = {}
     first_block = cfg.num_refiner_layers

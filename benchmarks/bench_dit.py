@@ -6,21 +6,29 @@
     python benchmarks/bench_dit.py --tiny --json out.json                # CPU dry run: tiny model, emulated fp8
 
 Table mode builds the 50-block DiT from random weights in the real int8-ConvRot checkpoint layout, generated on the
-GPU one tensor at a time (minimax_h3.dit.tiny_checkpoint.iter_random_int8_convrot_weights), assembled as the DiT
-stage assembles its model (minimax_h3/dit/assembly.py assemble_dit): the int8 block linears are kept once as the
-"master" copy and every variant's linears are built from it and swapped in
-(H3DiT.swap_linear), so at most one derived copy exists next to the master:
+GPU one tensor at a time (minimax_h3.dit.tiny_checkpoint.iter_random_int8_convrot_weights) and kept once as the
+loader returns them (int8 as QuantizedWeight). Every variant is then built as the DiT stage builds its model
+(dit_svc/engine.py load): the registry's selection with the variant's kernels forced (select_kernels with
+KernelConfig(linear_kernel=..., attention_kernel=...): availability and parity checked, as a forced
+--linear-kernel / --attention-kernel is), minimax_h3/dit/assembly.py kernel_linears + assemble_dit from a shallow
+copy of those weights (block and refiner linears from the selection, every other int8 weight int8 ConvRot, the
+attention kernel in every layer, the blocks compiled by the assembly's own call when the variant compiles), and
+freed before the next variant:
   (d) diffusers MiniMaxH3Transformer3DModel, bf16, the same dequantised weights (built, timed and freed first)
   (a) int8   comfy-kitchen int8 ConvRot GEMMs            + SDPA cuDNN
   (b) fp8    e4m3 row-wise torch._scaled_mm (from int8)   + SDPA cuDNN
   (c) bf16   dense cuBLAS on the dequantised int8 weights + SDPA cuDNN
-  (b+)/(a+) fp8c / int8c: (b)/(a) with every Block torch.compile'd in place (regional compilation), run last
+  (b+)/(a+) fp8c / int8c: (b)/(a) with every Block torch.compile'd (regional compilation), run last
   (e)/(e+) fp8a / fp8ca: (b)/(b+) with cuDNN fp8 attention; their velocity error vs (b)/(b+) (same linears, bf16
       attention) is the full-forward error of 8-bit attention ("rel_err_vs_bf16_attention")
-  (e+f) fp8caf: (e+) with fast-accumulation fp8 GEMMs, what the engine runs; fp8caf-mqk: the same with q/k
-      quantised by the attention's own statistics pass instead of with static scales by the q/k norm kernel,
-      fp8caf-mqk-v: that without K smoothing;
+  (e+f) fp8caf: (e+) with fast-accumulation fp8 GEMMs, what the engine runs (its registry candidates "fp8" / "fp8",
+      unchanged); fp8caf-mqk: the same with q/k quantised by the attention's own statistics pass instead of with
+      static scales by the q/k norm kernel, fp8caf-mqk-v: that without K smoothing;
       fp8cf: the same GEMMs with bf16 cuDNN attention (their baseline for "rel_err_vs_bf16_attention")
+  (a)-(e+) run their fp8 GEMMs without fast accumulation (the bench's candidate "fp8-no-fast-accum"); the measured-
+  q/k attentions are the bench's candidates too, beside the registry's. Each compiled variant compiles every shape
+  afresh, as a stage process whose first job has that shape (a second shape in one process would recompile with
+  dynamic sizes).
 One step = one forward (t2va, L = 38 text rows). FLOPs = 2*385,351,680*S*layers + 4*S^2*7168*layers. Peak rates
 (bf16 GEMM, fp8 _scaled_mm, int8 _int_mm, SDPA cuDNN at the real S) are measured in the same run; "floor" = linear
 FLOPs at the best linear rate (fp8) + attention FLOPs at the cuDNN rate. Also per variant: the time its kernels
@@ -28,14 +36,17 @@ alone take at the real shapes (linears + attention, x layers); step minus that i
 The run fails (exit 1, after printing the table) on NaN/Inf or a velocity error vs diffusers above its bound; a
 variant that raises is recorded under "failures" and the others still run.
 
---tiny runs table mode on the CPU with the tiny model (DiTConfig.tiny(), small shapes): fp8 linears and fp8 attention
-as their fp32 emulations, every SDPA as the math kernel. It checks the script, not the speed.
+--tiny runs table mode on the CPU with the tiny model (DiTConfig.tiny(), small shapes): the same selection and
+assembly, with each GPU kernel replaced under its name by its CPU stand-in (fp8 linears and fp8 attention as their
+fp32 emulations, every SDPA as the math kernel, int8 as comfy-kitchen's eager path). It checks the script, not the
+speed.
 
 Memory mode builds one TP2 rank through the same assembly (half the heads / ffn, AdaLN column-sharded, int8 block
-linears, Comfy "pruned" curve AdaLN as in the ~19.5 GiB checkpoint) with the collectives replaced by local no-ops,
-caps the process at 22 GiB (torch.cuda.set_per_process_memory_fraction) and runs the refiner + `--memory-blocks`
-blocks + final layer (all 50 blocks' weights stay resident; every block has the same activation peak). On OOM under
-the cap it reruns uncapped to report the real peak.
+linears, Comfy "pruned" curve AdaLN as in the ~19.5 GiB checkpoint) in a TP group of torch.distributed's fake
+backend (this process plays one rank: collectives move nothing), caps the process at 22 GiB
+(torch.cuda.set_per_process_memory_fraction) and runs the refiner + `--memory-blocks` blocks + final layer (all 50
+blocks' weights stay resident; every block has the same activation peak). On OOM under the cap it reruns uncapped
+to report the real peak.
 """
 
 from __future__ import annotations
@@ -47,15 +58,17 @@ import math
 import re
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dit_svc.engine import CHUNK_ROWS_COMPILED_ONE, CHUNK_ROWS_EAGER  # noqa: E402
+from dit_svc.engine import resolve_chunk_rows  # noqa: E402
 from minimax_h3.dit.assembly import assemble_dit, kernel_linears  # noqa: E402
 from minimax_h3.dit.config import DiTConfig  # noqa: E402
 from minimax_h3.dit.layout import build_layout  # noqa: E402
@@ -64,16 +77,20 @@ from minimax_h3.dit.tiny_checkpoint import convrot_groupsize, diffusers_config, 
 from minimax_h3.kernels.fp8_attention import DEFAULT_OPTIONS, OPTIONS, Fp8Attention, Fp8AttentionOptions  # noqa: E402
 from minimax_h3.kernels.int8 import QuantizedWeight, parse_comfy_quant  # noqa: E402
 from minimax_h3.kernels.registry import (  # noqa: E402
-                                         Fp8RowwiseLinear,
+                                         REL_ERR_BOUND,
+                                         AttentionCandidate,
                                          KernelConfig,
+                                         KernelSelection,
+                                         LinearCandidate,
                                          default_attention_candidates,
                                          default_linear_candidates,
+                                         fp8_builder,
                                          quantize_fp8_rowwise,
                                          rel_err,
                                          select_kernels,
                                          time_ms,
                                          )
-from stagekit.config import comma_choices  # noqa: E402
+from minimax_h3.kernels.tuning import arch_key  # noqa: E402
 
 TEXT_LEN = 38  # t2va prompt length behind the reference S = 14,882 at 832x480x124
 CORE_PARAMS_PER_BLOCK = 385_351_680  # qkv + out + fc1 + fc2 of one block (docs/model.md §9.1)
@@ -81,19 +98,22 @@ T_VIDEO, T_AUDIO = 0.4, 0.55  # any mid-schedule noise levels
 MEMORY_CAP_GIB = 22.0
 GIB = 2**30
 BLOCK_LINEAR = re.compile(r"^blocks\.\d+\.(attn\.qkv_proj|attn\.out_proj|mlp\.fc1|mlp\.fc2)$")
+# fp8 GEMMs without fast accumulation: the registry's fp8 linear (whose accumulation is the device's tuned one,
+# minimax_h3/kernels/tuning.json "fp8_fast_accum": fast on the H200) with cuBLAS's fp32 promotion instead.
+FP8_NO_FAST_ACCUM = "fp8-no-fast-accum"
 VARIANTS = {  # name -> (linear kernel, attention kernel, torch.compile the blocks, label)
     "int8": ("int8", "cudnn", False, "(a) int8 comfy-kitchen + cuDNN SDPA"),
-    "fp8": ("fp8", "cudnn", False, "(b) fp8 row-wise _scaled_mm + cuDNN SDPA"),
+    "fp8": (FP8_NO_FAST_ACCUM, "cudnn", False, "(b) fp8 row-wise _scaled_mm + cuDNN SDPA"),
     "bf16": ("bf16", "cudnn", False, "(c) bf16 dense (dequantised) + cuDNN SDPA"),
-    # Regional compilation: every Block compiled in place (one graph shared by the 50 blocks), fusing the
-    # fp32 norm / modulation / RoPE / gating elementwise passes and the fp8 activation quantisation. Run last:
-    # compiled blocks stay compiled.
-    "fp8c": ("fp8", "cudnn", True, "(b+) fp8 + cuDNN SDPA + torch.compile(blocks)"),
+    # Regional compilation: every Block compiled (one graph shared by the 50 blocks), fusing the fp32 norm /
+    # modulation / RoPE / gating elementwise passes and the fp8 activation quantisation.
+    "fp8c": (FP8_NO_FAST_ACCUM, "cudnn", True, "(b+) fp8 + cuDNN SDPA + torch.compile(blocks)"),
     "int8c": ("int8", "cudnn", True, "(a+) int8 + cuDNN SDPA + torch.compile(blocks)"),
     # 8-bit attention (cuDNN fp8 SDPA via nvidia-cudnn-frontend, minimax_h3/kernels/fp8_attention.py, default options).
-    "fp8a": ("fp8", "fp8", False, "(e) fp8 + cuDNN fp8 attention"),
-    "fp8ca": ("fp8", "fp8", True, "(e+) fp8 + cuDNN fp8 attention + torch.compile(blocks)"),
-    # The same with the fp8 GEMMs' fast (reduced-precision) accumulation (minimax_h3/kernels/registry.FP8_FAST_ACCUM).
+    "fp8a": (FP8_NO_FAST_ACCUM, "fp8", False, "(e) fp8 + cuDNN fp8 attention"),
+    "fp8ca": (FP8_NO_FAST_ACCUM, "fp8", True, "(e+) fp8 + cuDNN fp8 attention + torch.compile(blocks)"),
+    # The same with the fp8 GEMMs' fast (reduced-precision) accumulation: the registry's fp8 linear as the engine
+    # makes it on an H200.
     "fp8caf": ("fp8", "fp8", True, "(e+f) fp8 fast-accumulation GEMMs + cuDNN fp8 attention + torch.compile(blocks)"),
     # (e+f) with cuDNN bf16 attention: the baseline of fp8 attention's full-forward error for fp8caf / fp8caf-mqk.
     "fp8cf": ("fp8", "cudnn", True, "(b+f) fp8 fast-accumulation GEMMs + cuDNN bf16 attention + torch.compile(blocks)"),
@@ -103,12 +123,23 @@ VARIANTS = {  # name -> (linear kernel, attention kernel, torch.compile the bloc
     # fp8caf-mqk without K smoothing: whether an unsmoothed K slows the SDPA kernel (docs/performance_history.md).
     "fp8caf-mqk-v": ("fp8", "fp8-measured-qk-v", True, "(e+f) with measured q/k scales, K not smoothed"),
 }
-# fp8 variants that run their GEMMs with fast accumulation; every other fp8 variant runs without it.
-FAST_ACCUM_VARIANTS = {"fp8caf", "fp8caf-mqk", "fp8caf-mqk-v", "fp8cf"}
+# The bench's fp8 attentions beside the registry's: q/k quantised by the attention's own statistics pass.
+MEASURED_QK_OPTIONS = {"fp8-measured-qk": OPTIONS["head+kv"],
+                       "fp8-measured-qk-v": Fp8AttentionOptions(smooth_k=False)}
 
 
 def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def variant_names(s: str) -> list[str]:
+    """--variants: a comma-separated list of "diffusers" and VARIANTS names, refused at parse otherwise."""
+    names = [v for v in s.split(",") if v]
+    unknown = [v for v in names if v not in VARIANTS and v != "diffusers"]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"unknown variants {unknown or [s]}; choose from diffusers, "
+                                         f"{', '.join(VARIANTS)}")
+    return names
 
 
 def parse_shape(s: str) -> tuple[int, int, int]:
@@ -148,26 +179,72 @@ def allocated_gib() -> float:
     return torch.cuda.memory_allocated() / GIB if on_gpu() else 0.0
 
 
-def linear_builder(kernel: str, device: torch.device):
-    """The registry's builder for `kernel`; on the CPU (--tiny) fp8 runs as its fp32 emulation."""
-    if kernel == "fp8" and device.type != "cuda":
-        return lambda w, bias, dtype: Fp8RowwiseLinear.from_quantized(w, bias, out_dtype=torch.bfloat16, emulate=True)
-    return default_linear_candidates()[kernel].build
-
-
-def attention_fn(kernel: str, device: torch.device):
-    """The registry's attention callable for `kernel`; on the CPU (--tiny) fp8 is its emulation (on every
-    sequence: the tiny ones are shorter than min_seq) and the SDPA kernels are the math one."""
-    if kernel.startswith("fp8-measured-qk"):  # not registry kernels: fp8 attention with q/k quantised by its own pass
-        options = OPTIONS["head+kv"] if kernel == "fp8-measured-qk" else Fp8AttentionOptions(smooth_k=False)
-        if device.type == "cuda":
-            return Fp8Attention(options, compile_quant=True)  # as the registry makes its fp8 candidate
-        return Fp8Attention(Fp8AttentionOptions(**{**options.__dict__, "min_seq": 0}), emulate=True)
+def fp8_attention_on(options: Fp8AttentionOptions, device: torch.device) -> Fp8Attention:
+    """fp8 attention with `options` as the registry makes its candidate on a GPU; on the CPU (--tiny) its
+    emulation, on every sequence (the tiny ones are shorter than min_seq)."""
     if device.type == "cuda":
-        return default_attention_candidates()[kernel].make_fn()
-    if kernel == "fp8":
-        return Fp8Attention(Fp8AttentionOptions(**{**DEFAULT_OPTIONS.__dict__, "min_seq": 0}), emulate=True)
-    return default_attention_candidates()["math"].make_fn()
+        return Fp8Attention(options, compile_quant=True)
+    return Fp8Attention(Fp8AttentionOptions(**{**options.__dict__, "min_seq": 0}), emulate=True)
+
+
+def variant_candidates(device: torch.device) -> tuple[dict[str, LinearCandidate], dict[str, AttentionCandidate]]:
+    """The kernels the variants force, by name: on a GPU the registry's own candidates (what the engine selects
+    from) plus the bench's `FP8_NO_FAST_ACCUM` linear and measured-q/k attentions; on the CPU (--tiny) each of
+    those names served by its CPU stand-in (fp8 as its fp32 emulation, every SDPA as the math kernel, int8 as
+    comfy-kitchen's eager path)."""
+    lin, att = default_linear_candidates(), default_attention_candidates()
+    fp8_attention = att["fp8"]
+    extra_att = {name: AttentionCandidate(name, lambda o=opts: fp8_attention_on(o, device), fp8_attention.rel_err_bound,
+                                          fp8_attention.unavailable)
+                 for name, opts in MEASURED_QK_OPTIONS.items()}
+    if device.type == "cuda":
+        lin[FP8_NO_FAST_ACCUM] = LinearCandidate(FP8_NO_FAST_ACCUM, fp8_builder(fast_accum=False),
+                                                 REL_ERR_BOUND["fp8"], lin["fp8"].unavailable)
+        return lin, {**att, **extra_att}
+    usable = lambda device: None  # noqa: E731  (the stand-ins run anywhere)
+    cpu_lin = {"bf16": lin["bf16"], "int8": LinearCandidate("int8", lin["int8"].build, REL_ERR_BOUND["int8"], usable),
+               "fp8": LinearCandidate("fp8", fp8_builder(emulate=True), REL_ERR_BOUND["fp8"], usable),
+               FP8_NO_FAST_ACCUM: LinearCandidate(FP8_NO_FAST_ACCUM, fp8_builder(fast_accum=False, emulate=True),
+                                                  REL_ERR_BOUND["fp8"], usable)}
+    math = att["math"]
+    cpu_att = {name: AttentionCandidate(name, math.make_fn, math.rel_err_bound, usable) for name in att}
+    cpu_att["fp8"] = AttentionCandidate("fp8", lambda: fp8_attention_on(DEFAULT_OPTIONS, device),
+                                        fp8_attention.rel_err_bound, usable)
+    for name, cand in extra_att.items():
+        cpu_att[name] = AttentionCandidate(name, cand.make_fn, cand.rel_err_bound, usable)
+    return cpu_lin, cpu_att
+
+
+def select_variant(linear_kernel: str, attention_kernel: str, device: torch.device) -> KernelSelection:
+    """The registry's selection with both kernels forced, as a DiT stage started with --linear-kernel /
+    --attention-kernel makes it (availability and the parity probe checked; --tiny: small probe shapes)."""
+    base = KernelConfig() if device.type == "cuda" else replace(TINY_PROBE, compute_dtype=torch.bfloat16)
+    lin, att = variant_candidates(device)
+    return select_kernels(device, replace(base, linear_kernel=linear_kernel, attention_kernel=attention_kernel),
+                          lin, att)
+
+
+def build_model(cfg: DiTConfig, weights: dict, linear_kernel: str, attention_kernel: str, compile_blocks: bool,
+                device: torch.device, chunk_rows: int) -> tuple[H3DiT, KernelSelection]:
+    """The DiT as the stage's load builds it (dit_svc/engine.py DiTEngine.load): the selection with these kernels
+    forced, then minimax_h3/dit/assembly.py kernel_linears + assemble_dit (blocks compiled by its own call when
+    `compile_blocks`). `weights` (as checkpoint_weights returns them) are only read: the assembly takes a shallow
+    copy, whose tensors the model shares where no conversion is needed."""
+    sel = select_variant(linear_kernel, attention_kernel, device)
+    make_linear = kernel_linears(cfg, sel, "kernel", sel.compute_dtype)
+    model = assemble_dit(cfg, dict(weights), make_linear, device, sel.compute_dtype, chunk_rows,
+                         attention_fn=sel.attention_fn(), compile_blocks=compile_blocks)
+    meta = [n for n, p in [*model.named_parameters(), *model.named_buffers()] if p.is_meta]
+    if meta:
+        raise RuntimeError(f"parameters left on meta: {meta[:5]}")
+    return model, sel
+
+
+def build_variant(cfg: DiTConfig, weights: dict, name: str, device: torch.device,
+                  chunk_rows: int) -> tuple[H3DiT, KernelSelection]:
+    """Variant `name` of VARIANTS, built by `build_model`."""
+    lin_k, att_k, compiled, _ = VARIANTS[name]
+    return build_model(cfg, weights, lin_k, att_k, compiled, device, chunk_rows)
 
 
 def step_flops(s: int, layers: int, cfg: DiTConfig) -> tuple[float, float]:
@@ -211,34 +288,6 @@ def checkpoint_weights(cfg: DiTConfig, seed: int, device) -> dict[str, torch.Ten
     """The random int8 checkpoint as the stage's loader returns one (release names; int8 as QuantizedWeight)."""
     return {key + ".weight" if isinstance(t, QuantizedWeight) else key: t
             for key, t in iter_checkpoint(cfg, seed, device)}
-
-
-def build_ours(cfg: DiTConfig, seed: int, device, chunk_rows: int) -> tuple[H3DiT, dict[str, QuantizedWeight]]:
-    """Our model through the stage's assembly (minimax_h3/dit/assembly.py), the int8 block linears kept as the master
-    each variant installs its kernel from (until then int8 ConvRot, sharing the master's codes), every other int8
-    weight (the block AdaLN, ConvRot group 64) dequantised to bf16."""
-    master: dict[str, QuantizedWeight] = {}
-    int8 = default_linear_candidates()["int8"].build
-
-    def make_linear(name: str, weight, bias):
-        if not BLOCK_LINEAR.match(name):
-            return None
-        master[name] = weight
-        return int8(weight, bias, torch.bfloat16)
-
-    model = assemble_dit(cfg, checkpoint_weights(cfg, seed, device), make_linear, device, torch.bfloat16, chunk_rows)
-    return model, master
-
-
-def install_linears(model: H3DiT, master: dict[str, QuantizedWeight], kernel: str, device: torch.device) -> None:
-    build = linear_builder(kernel, device)
-    for name, qw in master.items():
-        model.swap_linear(name, build(qw, None, torch.bfloat16))
-    gc.collect()
-    torch.cuda.empty_cache()
-    meta = [n for n, p in [*model.named_parameters(), *model.named_buffers()] if p.is_meta]
-    if meta:
-        raise RuntimeError(f"parameters left on meta: {meta[:5]}")
 
 
 def build_diffusers(cfg: DiTConfig, seed: int, device):
@@ -386,7 +435,7 @@ def run_table(args) -> int:
     dev = DEV
     cfg = DiTConfig.tiny() if args.tiny else DiTConfig.full(num_layers=args.layers)
     shapes = [parse_shape(s) for s in args.shapes.split(",")]
-    variants = [v for v in args.variants.split(",") if v]
+    variants = args.variants
     if any(VARIANTS[v][2] for v in variants if v in VARIANTS):
         # Every (variant, shape) is a compiled graph of Block.forward: the default limit (8) would silently leave
         # later ones eager.
@@ -412,7 +461,7 @@ def run_table(args) -> int:
         result["kernel_probe"] = {"choices": [], "error": f"{type(e).__name__}: {e}"}
         result["failures"].append(f"kernel probe: {type(e).__name__}: {str(e)[:300]}")
     result["rates"] = peak_rates(args.rate_iters)
-    cudnn = attention_fn("cudnn", dev)
+    cudnn = variant_candidates(dev)[1]["cudnn"].make_fn()
     for shape in shapes:
         lay = build_layout(cfg, TEXT_LEN, shape[2], shape[1], shape[0])
         s = lay.seq_len
@@ -442,13 +491,13 @@ def run_table(args) -> int:
             torch.cuda.empty_cache()
     if ours:
         t1 = time.time()
-        model, master = build_ours(cfg, args.seed, dev, args.chunk_rows)
-        log(f"built ours in {time.time() - t1:.1f} s; allocated {allocated_gib():.1f} GiB")
+        weights = checkpoint_weights(cfg, args.seed, dev)
+        log(f"weights generated in {time.time() - t1:.1f} s; allocated {allocated_gib():.1f} GiB")
         for name in sorted(ours, key=lambda n: VARIANTS[n][2]):  # compiled variants last
             label = VARIANTS[name][3]
             vres = result["variants"].setdefault(name, {"label": label, "shapes": {}})
             try:
-                run_variant(args, cfg, shapes, dev, name, model, master, result, outputs, save)
+                run_variant(args, cfg, shapes, dev, name, weights, result, outputs, save)
             except Exception as e:  # a variant that breaks (e.g. compilation) must not cost the others' numbers
                 result["failures"].append(f"{name}: {type(e).__name__}: {str(e)[:300]}")
                 vres["error"] = f"{type(e).__name__}: {e}"
@@ -496,23 +545,22 @@ def run_diffusers(args, cfg, shapes, dev, result, outputs, save) -> None:
         save()
 
 
-def run_variant(args, cfg, shapes, dev, name, model, master, result, outputs, save) -> None:
-    """Install the variant's kernels into `model` (compiling its blocks if it says so) and time it per shape."""
-    lin_k, att_k, compiled, label = VARIANTS[name]
+def run_variant(args, cfg, shapes, dev, name, weights, result, outputs, save) -> None:
+    """Build variant `name` as the stage builds its model (`build_variant`) and time it per shape; the model is
+    freed before the next variant is built."""
+    compiled = VARIANTS[name][2]
     t1 = time.time()
-    install_linears(model, master, lin_k, dev)
-    for m in model.modules():
-        if isinstance(m, Fp8RowwiseLinear):
-            m.fast_accum = name in FAST_ACCUM_VARIANTS
-    model.set_attention_fn(attention_fn(att_k, dev))
-    if compiled:
-        for blk in model.blocks:
-            blk.compile(dynamic=False)
-    log(f"{name}: linears installed in {time.time() - t1:.1f} s; allocated {allocated_gib():.1f} GiB")
+    model, sel = build_variant(cfg, weights, name, dev, args.chunk_rows)
     vres = result["variants"][name]
+    vres["kernels"] = sel.status_rows()  # (op, kernel, the forced probe's result)
+    for op, kern, why in sel.status_rows():
+        log(f"{name}: {op} -> {kern}: {why}")
+    log(f"{name}: built in {time.time() - t1:.1f} s; allocated {allocated_gib():.1f} GiB")
     for shape in shapes:
         key = "x".join(map(str, shape))
         lay, video, audio, text = inputs_for(cfg, shape, dev)
+        if compiled:  # a fresh compilation per shape, as in a stage process whose first job has this shape
+            torch._dynamo.reset()
         reset_peak()
         with torch.inference_mode():
             t1 = time.time()
@@ -607,17 +655,18 @@ def print_table(result) -> None:
 # =====================================================================================================================
 
 
-class _LocalCollectives:
-    """Stands in for torch.distributed inside minimax_h3.dit.model: a single rank of a TP group, communication elided."""
+def fake_tp_group(tp: int) -> dist.ProcessGroup:
+    """A TP group of `tp` ranks in which this process plays rank 0 alone: torch.distributed's fake backend, whose
+    collectives move nothing (an all-reduce leaves this rank's partial sums, an all-gather repeats its own part).
+    For one rank's weights and activation peak without its peers; its velocities are not the model's."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
 
-    @staticmethod
-    def all_reduce(t, group=None, async_op=False):
-        return None
-
-    @staticmethod
-    def all_gather(parts, t, group=None):
-        for p in parts:
-            p.copy_(t)
+    if not dist.is_initialized():
+        dist.init_process_group("fake", rank=0, world_size=tp, store=FakeStore())
+    if dist.get_backend() != "fake" or dist.get_world_size() != tp:
+        raise RuntimeError(f"this process already has a {dist.get_backend()} process group of "
+                           f"{dist.get_world_size()} ranks; a fake TP{tp} group needs a process of its own")
+    return dist.group.WORLD
 
 
 def tp_rank_weights(model: H3DiT, tp: int, device, seed: int) -> dict[str, torch.Tensor | QuantizedWeight]:
@@ -653,16 +702,13 @@ def tp_rank_weights(model: H3DiT, tp: int, device, seed: int) -> dict[str, torch
 
 
 def build_tp_rank(cfg: DiTConfig, tp: int, device, chunk_rows: int, seed: int) -> H3DiT:
-    """One rank of a TP group through the stage's assembly (minimax_h3/dit/assembly.py), its collectives local
-    no-ops (this process only), from random weights (`tp_rank_weights`)."""
-    import minimax_h3.dit.model as model_mod
-
-    model_mod.dist = _LocalCollectives  # collectives -> local no-ops (this process only)
-    model_mod.group_rank_size = lambda group: (0, tp)
-    shapes = H3DiT(cfg, torch.bfloat16, chunk_rows, tp_group=object(), device="meta")
+    """One rank of a TP group through the stage's assembly (minimax_h3/dit/assembly.py; no kernel selection: int8
+    block linears), in a fake TP group (`fake_tp_group`), from random weights (`tp_rank_weights`)."""
+    group = fake_tp_group(tp)
+    shapes = H3DiT(cfg, torch.bfloat16, chunk_rows, tp_group=group, device="meta")
     weights = tp_rank_weights(shapes, tp, device, seed)
     return assemble_dit(cfg, weights, kernel_linears(cfg, None, "kernel", torch.bfloat16), device, torch.bfloat16,
-                        chunk_rows, tp_group=object())
+                        chunk_rows, tp_group=group)
 
 
 def run_memory(args) -> int:
@@ -733,15 +779,17 @@ def run_memory(args) -> int:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default=SHAPES, help="WxHxF list (pixels, frames), t2va")
-    ap.add_argument("--variants", default="int8,fp8,bf16,diffusers", type=comma_choices(("diffusers", *VARIANTS)))
+    ap.add_argument("--variants", type=variant_names, default="int8,fp8,bf16,diffusers",
+                    help=f"comma-separated, of diffusers, {', '.join(VARIANTS)}")
     ap.add_argument("--layers", type=int, default=50, help="DiT blocks (50 = full model; fewer for a smoke run)")
     ap.add_argument("--iters", type=int, default=2, help="timed forwards per variant and shape (median)")
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--rate-iters", type=int, default=10)
     ap.add_argument("--kernel-iters", type=int, default=3)
     ap.add_argument("--chunk-rows", type=int, default=None,
-                    help="row chunk of everything but attention (default: the engine's, 65536 in table mode "
-                         "as for compiled blocks on one rank; 4096 in memory mode, as for eager blocks)")
+                    help="row chunk of everything but attention (default: the engine's on this device, "
+                         "minimax_h3/kernels/tuning.json: in table mode as for compiled blocks on one rank, 65536 "
+                         "on an H200; in memory mode as for eager blocks, 4096)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--max-err-bf16", type=float, default=0.05, help="bound: bf16 variant velocity vs diffusers")
     ap.add_argument("--max-err-quant", type=float, default=0.25, help="bound: int8/fp8 variants vs diffusers")
@@ -767,8 +815,9 @@ def main() -> int:
     elif not torch.cuda.is_available():
         print("bench_dit.py needs a CUDA GPU (or --tiny)", file=sys.stderr)
         return 2
-    if args.chunk_rows is None:  # the DiT engine's defaults (dit_svc/engine.py resolve_chunk_rows)
-        args.chunk_rows = CHUNK_ROWS_EAGER if args.memory else CHUNK_ROWS_COMPILED_ONE
+    if args.chunk_rows is None:  # the DiT engine's defaults on this device (dit_svc/engine.py resolve_chunk_rows)
+        args.chunk_rows = resolve_chunk_rows(0, compile_blocks=not args.memory, tp_size=args.tp if args.memory else 1,
+                                             arch=arch_key(DEV))
     return run_memory(args) if args.memory else run_table(args)
 
 

@@ -12,7 +12,7 @@ For every block linear (qkv, out, fc1, fc2 of docs/model.md; one GPU, no tensor 
                   per row, then torch._scaled_mm with row-wise scales (eager: quantisation kernels + GEMM)
   rowwise_gemm    the GEMM alone (activation already quantised)
   rowwise_gemm_fast_accum  the same with use_fast_accum=True (the tensor cores' reduced-precision accumulation,
-                  no periodic fp32 promotion: minimax_h3/kernels/registry.FP8_FAST_ACCUM)
+                  no periodic fp32 promotion: minimax_h3/kernels/tuning.json "fp8_fast_accum")
   tensorwise_gemm the same fp8 operands through torch._scaled_mm with scalar scales (cuBLAS's fp8 path), the row
                   and column scales left out (what a scale epilogue would have to add back)
   tensorwise_epilogue_compiled  quantisation, the scalar-scale GEMM and the row x column scales applied to its

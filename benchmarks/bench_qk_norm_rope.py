@@ -6,7 +6,7 @@
 
 For each S (y = the qkv projection's output [S, 3 * H * D], bf16; gains [D] bf16; cos/sin [S, r] fp32; out
 [3, 1, H, S, D] bf16), CUDA events, median of --iters calls after a warm-up:
-- `reference eager`: minimax_h3.kernels.qk_norm_rope.qk_norm_rope_reference (the model's math, op by op);
+- `reference eager`: minimax_h3.dit.ops.qk_norm_rope_reference (the model's math, op by op);
 - `reference compiled`: the same under torch.compile (what a compiled block did before the kernel, on its own);
 - `triton BxW`: the kernel (torch op h3stages::qk_norm_rope_) with B rows per program and W warps, for each of
   --configs;
@@ -81,6 +81,7 @@ def main() -> int:
     else:
         print("bench_qk_norm_rope.py needs a CUDA GPU (or --tiny)", file=sys.stderr)
         return 2
+    from minimax_h3.dit.ops import qk_norm_rope_reference
     from minimax_h3.kernels import qk_norm_rope as qk
     from minimax_h3.kernels.fp8_attention import static_qk_mult
 
@@ -99,11 +100,11 @@ def main() -> int:
         moved = 2 * y.numel() * y.element_size() + sum(t.numel() * t.element_size() for t in rope)
         moved8 = moved - qk8.numel() * (y.element_size() - 1)
         ref, ref8 = torch.empty_like(out), torch.empty_like(qk8)
-        qk.qk_norm_rope_reference(y, qw, kw, EPS, rope, ref[:2], ref[2])
-        qk.qk_norm_rope_reference(y, qw, kw, EPS, rope, ref8, ref[2], mult)
-        variants = {"reference eager": lambda: qk.qk_norm_rope_reference(y, qw, kw, EPS, rope, out[:2], out[2])}
+        qk_norm_rope_reference(y, qw, kw, EPS, rope, ref[:2], ref[2])
+        qk_norm_rope_reference(y, qw, kw, EPS, rope, ref8, ref[2], mult)
+        variants = {"reference eager": lambda: qk_norm_rope_reference(y, qw, kw, EPS, rope, out[:2], out[2])}
         if device.type == "cuda":
-            compiled = torch.compile(qk.qk_norm_rope_reference, dynamic=False)
+            compiled = torch.compile(qk_norm_rope_reference, dynamic=False)
             variants["reference compiled"] = lambda: compiled(y, qw, kw, EPS, rope, out[:2], out[2])
         errs, variants8 = {}, {}
         if run_triton:

@@ -315,13 +315,15 @@ def tp2_rank_memory(dev, room_gib: float = 19.5) -> dict:
     import torch.nn as nn
 
     from benchmarks import bench_dit
-    from dit_svc.engine import CHUNK_ROWS_EAGER, activation_bytes
+    from dit_svc.engine import activation_bytes, resolve_chunk_rows
     from minimax_h3.dit.config import DiTConfig
     from minimax_h3.dit.streaming import BlockStream, plan_placement
     from minimax_h3.kernels.registry import default_attention_candidates
+    from minimax_h3.kernels.tuning import arch_key
 
     cfg = DiTConfig.full(adaln_form="curve")
-    model = bench_dit.build_tp_rank(cfg, 2, dev, CHUNK_ROWS_EAGER, seed=0)
+    chunk_rows = resolve_chunk_rows(0, compile_blocks=False, tp_size=2, arch=arch_key(dev))  # the engine's, eager
+    model = bench_dit.build_tp_rank(cfg, 2, dev, chunk_rows, seed=0)
     model.set_attention_fn(default_attention_candidates()["cudnn"].make_fn())
     torch.cuda.empty_cache()
     stream = BlockStream(model.blocks, dev)
@@ -330,7 +332,7 @@ def tp2_rank_memory(dev, room_gib: float = 19.5) -> dict:
     lay, video, audio, text = bench_dit.inputs_for(cfg, shape, dev)
     free, total = torch.cuda.mem_get_info(dev)
     outside = (total - free) - torch.cuda.memory_reserved(dev)
-    act = activation_bytes(cfg, lay.seq_len, torch.bfloat16, CHUNK_ROWS_EAGER, tp=2)
+    act = activation_bytes(cfg, lay.seq_len, torch.bfloat16, chunk_rows, tp=2)
     other = weights - sum(stream.sizes)
     room = int(room_gib * GIB) - outside - (512 << 20)
     p = plan_placement(cfg.num_layers, stream.block_bytes, other, act, room, what="a TP2 rank at 1920x1088x362")

@@ -36,6 +36,7 @@ from minimax_h3.dit.tiny_checkpoint import write_tiny_checkpoint
 from minimax_h3.dit.tp import param_style
 from minimax_h3.files import CHECKPOINT_PARTS, ensure_embedded, find_part
 from minimax_h3.kernels.registry import AUTO, KernelConfig, KernelSelection, select_kernels
+from minimax_h3.kernels.tuning import chunk_rows as tuned_chunk_rows
 from stagekit.compile_cache import enable_compile_cache
 from stagekit.device_worker import run_in_child
 from stagekit.dist import RankGroup
@@ -68,23 +69,15 @@ CUDA_WORKSPACE_BYTES = 32 << 20
 CUDA_ROOM_MARGIN = 512 << 20
 
 
-# Row chunks (docs/performance.md, "Row chunks"): eager blocks keep their fp32 norm / RoPE / modulation temporaries
-# one chunk at a time (what lets a TP2 rank fit a 22 GB card); compiled blocks fuse those temporaries away, so the
-# chunk then only trades all-reduce overlap (TP) against per-chunk kernel launches and GEMM efficiency.
-CHUNK_ROWS_EAGER = 4096
-CHUNK_ROWS_COMPILED_TP = 16384   # several TP ranks: each chunk's all-reduce overlaps the next chunk's GEMMs
-CHUNK_ROWS_COMPILED_ONE = 65536  # one TP rank: nothing to overlap; 15-16 % faster than 4096 on one H200, same peak
-
-
-def resolve_chunk_rows(chunk_rows: int, compile_blocks: bool, tp_size: int) -> int:
-    """The row chunk a DiT engine runs with: `chunk_rows` if set (> 0), else the measured default for its mode."""
+def resolve_chunk_rows(chunk_rows: int, compile_blocks: bool, tp_size: int, arch: str) -> int:
+    """The row chunk a DiT engine runs with: `chunk_rows` if set (> 0), else the default for its mode tuned on GPU
+    architecture `arch` (minimax_h3/kernels/tuning.json "chunk_rows"; docs/performance.md, "Row chunks"): eager
+    blocks keep their fp32 norm / RoPE / modulation temporaries one chunk at a time (what lets a TP2 rank fit a
+    22 GB card); compiled blocks fuse those temporaries away, so the chunk then only trades all-reduce overlap (TP)
+    against per-chunk kernel launches and GEMM efficiency."""
     if chunk_rows < 0:
         raise FailedPrecondition(f"--chunk-rows must be a positive row count, or 0 for the default; got {chunk_rows}")
-    if chunk_rows:
-        return chunk_rows
-    if not compile_blocks:
-        return CHUNK_ROWS_EAGER
-    return CHUNK_ROWS_COMPILED_ONE if tp_size == 1 else CHUNK_ROWS_COMPILED_TP
+    return chunk_rows or tuned_chunk_rows(arch).pick(compile_blocks, tp_size)
 
 
 @dataclass
@@ -217,13 +210,14 @@ class DiTEngine:
         # TP x SP groups of the compute group's ranks (every rank builds them, in the same order).
         self.parallel: ParallelGroups = make_groups(group.info.rank, group.world_size, cfg.sp_degree,
                                                     group.collective_timeout)
-        self.chunk_rows = resolve_chunk_rows(cfg.chunk_rows, cfg.compile_blocks and cfg.device.startswith("cuda"),
-                                             self.parallel.tp_size)
-        log.info("row chunk: %d rows%s", self.chunk_rows, "" if cfg.chunk_rows else " (default for this mode)")
         # Measured at start-up, before any job, so Status shows it (and a forced kernel that cannot run fails the
         # start); a device worker builds its engine from `self.cfg`, which carries the choice.
         self.kernels = cfg.kernels if cfg.kernels is not None else self._select_kernels()
         self.cfg = replace(cfg, kernels=self.kernels)
+        arch = "cpu" if self.kernels is None else self.kernels.arch  # whose tuned row chunks apply
+        self.chunk_rows = resolve_chunk_rows(cfg.chunk_rows, cfg.compile_blocks and cfg.device.startswith("cuda"),
+                                             self.parallel.tp_size, arch)
+        log.info("row chunk: %d rows%s", self.chunk_rows, "" if cfg.chunk_rows else " (default for this mode)")
         self._compile_cache_on = False
         self.model: H3DiT | None = None
         self.stream: BlockStream | None = None  # where the loaded blocks live, job by job (minimax_h3/dit/streaming.py)

@@ -46,8 +46,9 @@ class DiTConfigArgs(CommonConfig):
     sp_degree: int = field(default=1, metadata={
         "help": "sequence-parallel (Ulysses) degree; the ranks split into TP groups of ranks/sp_degree (1 = pure TP)"})
     chunk_rows: int = field(default=0, metadata={
-        "help": "row chunk of all but attention itself (memory vs speed); 0 = auto: 4096 for eager blocks, with "
-                "--compile-blocks 65536 on one TP rank and 16384 on several"})
+        "help": "row chunk of all but attention itself (memory vs speed); 0 = auto, tuned per GPU architecture "
+                "(minimax_h3/kernels/tuning.json; on an H200: 4096 for eager blocks, with --compile-blocks 65536 on "
+                "one TP rank and 16384 on several)"})
     loras_dir: str = field(default="", metadata={"help": "LoRAs requested by file name (default <models_dir>/loras)"})
     allow_lora_paths: bool = field(default=False, metadata={"help": "also accept absolute LoRA paths in requests"})
     qkv_layout: str = field(default="", metadata={"choices": ("", *typing.get_args(QKVLayout)),

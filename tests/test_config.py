@@ -60,17 +60,20 @@ def test_bad_values_and_unknown_file_keys_exit_with_a_message(tmp_path):
 
 
 def test_dit_row_chunk_default_per_mode():
-    """--chunk-rows 0 (the default) resolves per mode; a set value is kept; a negative one is refused at start-up."""
+    """--chunk-rows 0 (the default) resolves per mode, as tuned for the GPU architecture (minimax_h3/kernels/
+    tuning.json: the H200's values, which the default entry names for the CPU and unlisted architectures); a set
+    value is kept; a negative one is refused at start-up."""
     from dit_svc.engine import resolve_chunk_rows
     from stagekit.errors import FailedPrecondition
 
-    assert resolve_chunk_rows(0, compile_blocks=False, tp_size=1) == 4096  # eager: bounds the fp32 temporaries
-    assert resolve_chunk_rows(0, compile_blocks=False, tp_size=2) == 4096
-    assert resolve_chunk_rows(0, compile_blocks=True, tp_size=1) == 65536
-    assert resolve_chunk_rows(0, compile_blocks=True, tp_size=2) == 16384
-    assert resolve_chunk_rows(8192, compile_blocks=True, tp_size=1) == 8192
+    for arch in ("sm_90", "cpu", "sm_120"):
+        assert resolve_chunk_rows(0, compile_blocks=False, tp_size=1, arch=arch) == 4096  # bounds fp32 temporaries
+        assert resolve_chunk_rows(0, compile_blocks=False, tp_size=2, arch=arch) == 4096
+        assert resolve_chunk_rows(0, compile_blocks=True, tp_size=1, arch=arch) == 65536
+        assert resolve_chunk_rows(0, compile_blocks=True, tp_size=2, arch=arch) == 16384
+    assert resolve_chunk_rows(8192, compile_blocks=True, tp_size=1, arch="sm_90") == 8192
     with pytest.raises(FailedPrecondition, match="--chunk-rows must be a positive row count"):
-        resolve_chunk_rows(-1, compile_blocks=False, tp_size=1)
+        resolve_chunk_rows(-1, compile_blocks=False, tp_size=1, arch="sm_90")
 
 
 # Enum-like settings of each stage, with one value they accept and one they refuse.
@@ -167,11 +170,10 @@ def test_list_flags_of_the_benchmarks_are_refused_at_parse_time():
     ap.add_argument("--parts", default="a,b", type=comma_choices(("a", "b", "c")))
     assert ap.parse_args([]).parts == "a,b" and ap.parse_args(["--parts", "c"]).parts == "c"
     root = Path(__file__).resolve().parents[1]
-    for script, flag, bad, choices in (("bench_dit.py", "--variants", "fp8,fp9", "diffusers, int8"),
-                                       ("bench_finite.py", "--dtypes", "bf16,int4", "bf16, fp16, fp32"),
-                                       ("one_card.py", "--skip", "parity,render:z", "weights, dit, stack:int8")):
+    for script, flag, bad in (("bench_dit.py", "--variants", "fp8,fp9"), ("bench_finite.py", "--dtypes", "bf16,int4"),
+                              ("one_card.py", "--skip", "parity,render:z")):
         run = subprocess.run([sys.executable, str(root / "benchmarks" / script), flag, bad],
                              capture_output=True, text=True, timeout=180, cwd=root)
         unknown = bad.split(",")[1]
-        assert run.returncode == 2 and f"argument {flag}: unknown '{unknown}'; choose from {choices}" in run.stderr, \
-            run.stderr[-2000:]
+        assert run.returncode == 2 and f"argument {flag}: unknown" in run.stderr and repr(unknown) in run.stderr \
+            and "choose from" in run.stderr, run.stderr[-2000:]

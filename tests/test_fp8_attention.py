@@ -14,6 +14,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from minimax_h3.dit.config import DiTConfig
 from minimax_h3.dit.layout import build_layout
 from minimax_h3.dit.model import H3DiT
+from minimax_h3.dit.ops import qk_norm_rope_reference
 from minimax_h3.kernels.fp8_attention import (
                                               DEFAULT_OPTIONS,
                                               E4M3,
@@ -42,7 +43,6 @@ from minimax_h3.kernels.fp8_attention import (
                                               unavailable,
                                               variant_pack,
                                               )
-from minimax_h3.kernels.qk_norm_rope import qk_norm_rope_reference
 from minimax_h3.kernels.registry import (
                                          REL_ERR_BOUND,
                                          AttentionCandidate,

@@ -16,10 +16,11 @@ import torch
 import torch.nn.functional as F
 
 from minimax_h3.dit.model import RMSNorm
+from minimax_h3.dit.ops import modulate
 from minimax_h3.kernels.fp8_attention import Fp8Attention, Fp8AttentionOptions, Fp8O, dequantize_o, e4m3_steps
-from minimax_h3.kernels.fp8_rows import (modulate, modulate_fp8, modulate_fp8_reference, o_rows_fp8, o_rows_fp8_reference,
+from minimax_h3.kernels.fp8_rows import (modulate_fp8, modulate_fp8_reference, o_rows_fp8, o_rows_fp8_reference,
                                          swiglu_fp8, swiglu_fp8_reference)
-from minimax_h3.kernels.layers import FP8_ROWS, PLAIN, Fp8AttentionOutput, linear_method
+from minimax_h3.kernels.layers import PLAIN, Fp8AttentionOutput, fp8_rows_method, linear_method
 from minimax_h3.kernels.registry import FP8_SCALE_FLOOR, Fp8RowwiseLinear, Fp8Rows, quantize_fp8_rowwise
 
 from tests.triton_interp import REPO, needs_triton, run_bench_tiny, run_in_interpreter
@@ -60,7 +61,7 @@ def test_fp8_linear_takes_fp8_rows():
     """Fp8RowwiseLinear (emulated) gives the same output from Fp8Rows as from the bf16 rows it would quantise."""
     x, w, shift, scale, r = make_inputs(37, 96, 1, "cpu")
     lin = Fp8RowwiseLinear.from_dense(torch.randn(48, 96), torch.randn(48), emulate=True)
-    assert linear_method(lin) is FP8_ROWS and linear_method(torch.nn.Linear(2, 2)) is PLAIN
+    assert linear_method(lin) is fp8_rows_method("cpu") and linear_method(torch.nn.Linear(2, 2)) is PLAIN
     h = modulate(x, w, EPS, shift, scale, r, torch.bfloat16)
     rows = modulate_fp8_reference(x, w, EPS, shift, scale, r)
     assert torch.equal(lin(rows), lin(h))

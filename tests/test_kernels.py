@@ -177,17 +177,50 @@ def test_load_time_int8_conversion_goes_a_slab_of_rows_at_a_time():
         assert torch.equal(part.qdata, q) and torch.equal(part.scale, s) and part.groupsize == whole.groupsize
 
 
-def test_launch_parameters_are_per_device_data():
-    """minimax_h3/kernels/tuning.json: an architecture's own entry, else the nearest listed one (the CPU, where Triton
-    only interprets, the lowest); an unknown kernel is a clear error."""
-    from minimax_h3.kernels.tuning import arch_entry, launch_params
+def test_tuned_values_are_per_device_data():
+    """minimax_h3/kernels/tuning.json: an architecture's own entry, else the one "default" names (the H200's: also
+    the CPU's, where Triton only interprets); every entry has every name the default has; an unknown name is a clear
+    error. What reads it: the Triton launches, the DiT's row chunks, fp8 accumulation and the fp8 linears' method."""
+    from minimax_h3.kernels.layers import fp8_rows_method
+    from minimax_h3.kernels.registry import Fp8RowwiseLinear
+    from minimax_h3.kernels.tuning import _table, arch_entry, chunk_rows, fp8_fast_accum, launch_params, tuned
 
     h200 = arch_entry("sm_90")
-    assert h200["measured_on"] and h200["swiglu_fp8_rows"]["num_warps"] == 32
-    assert arch_entry("sm_100") is h200 and arch_entry("cpu") is h200
+    assert h200["measured_on"] == "NVIDIA H200" and h200["swiglu_fp8_rows"]["num_warps"] == 32
+    assert arch_entry("sm_100") is h200 and arch_entry("cpu") is h200 and arch_entry("default") is h200
+    entries = {k: v for k, v in _table().items() if isinstance(v, dict)}
+    for arch, entry in entries.items():
+        assert set(entry) == set(arch_entry("cpu")), arch
+        assert all("benchmark" in v for k, v in entry.items() if k != "measured_on"), arch  # each says how
     assert launch_params("qk_norm_rope", "cpu") == {"block_rows": 16, "num_warps": 4}
     with pytest.raises(KeyError, match="no 'nope' entry"):
         launch_params("nope", "cpu")
+    # The H200's values (what the DiT stage runs with there; the CPU gets the same through "default").
+    assert (chunk_rows("sm_90").eager, chunk_rows("sm_90").compiled_tp, chunk_rows("sm_90").compiled_one) == \
+        (4096, 16384, 65536)
+    assert fp8_fast_accum("sm_90") is True
+    assert tuned("fp8_rows_in_compiled_blocks", "sm_90") == {
+        "modulate_in_compiled_blocks": False, "swiglu_in_compiled_blocks": True, "o_rows_in_compiled_blocks": True}
+    lin = Fp8RowwiseLinear.from_dense(torch.randn(32, 16), emulate=True)  # tuned for the weight's device
+    assert lin.fast_accum is True and lin.linear_method is fp8_rows_method("cpu")
+    assert fp8_rows_method("sm_90") == fp8_rows_method("cpu")
+    assert not fp8_rows_method("sm_90").modulate_in_compiled_blocks
+    assert Fp8RowwiseLinear.from_dense(torch.randn(32, 16), emulate=True, fast_accum=False).fast_accum is False
+
+
+def test_one_block_reads_in_three_files():
+    """A DiT block is minimax_h3/dit/model.py (its steps), minimax_h3/dit/ops.py (their plain math) and
+    minimax_h3/kernels/layers.py (what each layer's method runs): the kernel modules define no plain math of the
+    block, they import it from ops.py and reproduce it."""
+    import ast
+    from pathlib import Path
+
+    import minimax_h3.kernels as kernels
+
+    block_math = {"rms_norm", "apply_rope", "modulate", "swiglu", "qk_norm_rope_reference"}
+    for path in Path(kernels.__file__).parent.glob("*.py"):
+        defined = {n.name for n in ast.parse(path.read_text()).body if isinstance(n, ast.FunctionDef)}
+        assert not defined & block_math, (path.name, defined & block_math)
 
 
 def test_the_model_calls_its_layers_plainly():

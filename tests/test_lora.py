@@ -14,11 +14,16 @@ from safetensors.torch import save_file
 
 from minimax_h3.dit.config import DiTConfig
 from minimax_h3.dit.convert_diffusers import from_diffusers, to_diffusers
-from minimax_h3.dit.lora import (LoRAFileError, LoRALinear, LoRAManager, LocalAdapter, check_lora_file, config_targets,
-                                 load_lora_file, merge_loras, model_targets, parse_lora_state_dict, resolve_lora_path)
-from minimax_h3.dit.model import H3DiT, curve_state_dict_from_mlp
+from minimax_h3.dit.lora import (LoRAFileError, LoRALinear, LoRAManager, LoRAMethod, LocalAdapter, check_lora_file,
+                                 config_targets, load_lora_file, merge_loras, model_targets, parse_lora_state_dict,
+                                 resolve_lora_path)
+from minimax_h3.dit.model import H3DiT, RMSNorm, curve_state_dict_from_mlp
+from minimax_h3.dit.ops import modulate, swiglu
 from minimax_h3.dit.tp import Linear, shard_state_dict
+from minimax_h3.kernels.fp8_attention import Fp8O
 from minimax_h3.kernels.int8 import Int8ConvRotLinear, dequantize_convrot
+from minimax_h3.kernels.layers import PLAIN, LinearMethod, Modulation, linear_method, o_rows
+from minimax_h3.kernels.registry import Fp8RowwiseLinear
 from stagekit.errors import FailedPrecondition, InvalidArgument, NotFound
 from tests.dit_ranks import assert_matches_one_rank, forward, rel, tiny_case
 from tests.ranks import run_ranks
@@ -336,6 +341,67 @@ def test_int8_model_with_lora_manager():
     ev, ea = rel(out[0], rv), rel(out[1], ra)
     print(f"int8(dequant mode) model + 2 LoRAs vs merged dequantised: video {ev:.3e}, audio {ea:.3e}")
     assert ev <= TP_RTOL and ea <= TP_RTOL
+
+
+# ---- quantised bases with a method of their own --------------------------------------------------------------------
+class _Spy(LinearMethod):
+    """Records which layer each call of a method gets, then runs the method."""
+
+    def __init__(self, inner: LinearMethod):
+        self.inner, self.layers = inner, []
+
+    def apply(self, layer, x, modulation=None, dtype=torch.bfloat16):
+        self.layers.append(layer)
+        return self.inner.apply(layer, x, modulation, dtype)
+
+    def apply_swiglu(self, layer, y):
+        self.layers.append(layer)
+        return self.inner.apply_swiglu(layer, y)
+
+    def takes_fp8_o(self, dtype):
+        return self.inner.takes_fp8_o(dtype)
+
+    def apply_fp8_o(self, layer, o, dtype):
+        self.layers.append(layer)
+        return self.inner.apply_fp8_o(layer, o, dtype)
+
+
+def test_lora_keeps_the_base_linear_method():
+    """A LoRA-wrapped fp8 linear keeps its method (the fused row quantisation of its input on a GPU): the wrapper's
+    method runs the base's on the base layer, then adds the low-rank delta of the op's plain input, for each op the
+    block hands a linear (modulated rows, SwiGLU, fp8 attention's e4m3 O). A plain base keeps the plain method."""
+    g = torch.Generator().manual_seed(3)
+    rows, n_in, n_out, heads = 37, 96, 64, 3
+    base = Fp8RowwiseLinear.from_dense(torch.randn(n_out, n_in, generator=g) / 10, out_dtype=torch.float32,
+                                       emulate=True)
+    spy = base.linear_method = _Spy(base.linear_method)
+    down, up = _ab(g, 4, n_in, n_out)
+    wrapped = LoRALinear(base, [LocalAdapter(down, up, 0.5, 0, n_out)], dtype=torch.float32)
+    method = linear_method(wrapped)
+    assert isinstance(method, LoRAMethod) and method.base is spy
+    assert linear_method(LoRALinear(Linear(n_in, n_out), [LocalAdapter(down, up, 0.5, 0, n_out)])) is PLAIN
+
+    def delta(h):
+        return 0.5 * (h @ down.T) @ up.T
+
+    norm = RMSNorm(n_in, 1e-6)
+    x = torch.randn(rows, n_in, generator=g)
+    shift, scale = torch.randn(2, 3, n_in, generator=g) * 0.3
+    mod = Modulation(norm, shift, scale, torch.randint(0, 3, (rows,), generator=g))
+    y = torch.randn(rows, 2 * n_in, generator=g)
+    o8 = (torch.randn(heads, rows, n_in // heads, generator=g) * 100).to(torch.float8_e4m3fn)
+    o = Fp8O(o8, torch.rand(heads, 1, 1, generator=g), torch.randn(heads, 1, n_in // heads, generator=g))
+    assert method.takes_fp8_o(torch.bfloat16) == spy.takes_fp8_o(torch.bfloat16)
+    with torch.no_grad():
+        cases = [(method.apply(wrapped, x, mod, torch.float32), modulate(x, norm.weight, norm.eps, shift, scale,
+                                                                          mod.index, torch.float32)),
+                 (method.apply_swiglu(wrapped, y), swiglu(y)),
+                 (method.apply_fp8_o(wrapped, o, torch.float32), o_rows(o, torch.float32))]
+        for got, h in cases:
+            torch.testing.assert_close(got, base(h) + delta(h), rtol=1e-5, atol=1e-5)
+        assert spy.layers == [base] * 3  # the base's method ran each time, on the base layer
+        wrapped.clear()  # no adapters: the base's method alone
+        assert torch.equal(method.apply(wrapped, x, mod, torch.float32), spy.apply(base, x, mod, torch.float32))
 
 
 # ---- wrapper housekeeping, request paths ----------------------------------------------------------------------------

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from minimax_h3.dit.model import RMSNorm
-from minimax_h3.kernels.qk_norm_rope import apply_rope, qk_norm_rope, qk_norm_rope_reference
+from minimax_h3.dit.ops import apply_rope, qk_norm_rope_reference
+from minimax_h3.kernels.qk_norm_rope import qk_norm_rope
 
 from tests.triton_interp import needs_triton, run_bench_tiny, run_in_interpreter
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from client.pipeline import sample
-from dit_svc.engine import CHUNK_ROWS_EAGER, DiTEngine, DiTEngineConfig, activation_bytes, target_rows
+from dit_svc.engine import DiTEngine, DiTEngineConfig, activation_bytes, target_rows
 from h3.v1 import common_pb2
 from minimax_h3.contract import RenderSpec
 from minimax_h3.dit.config import DiTConfig
@@ -16,6 +16,7 @@ from minimax_h3.dit.layout import build_layout
 from minimax_h3.dit.model import H3DiT
 from minimax_h3.dit.streaming import GIB, SLOTS, BlockStream, Placement, plan_placement
 from minimax_h3.dit.tiny_checkpoint import write_tiny_checkpoint
+from minimax_h3.kernels.tuning import chunk_rows
 from stagekit.dist import RankGroup, RankInfo
 from stagekit.errors import ResourceExhausted
 from tests.test_residency import start_stages
@@ -27,7 +28,7 @@ def full_size_activations(width: int, height: int, frames: int, tp: int = 1, tex
     """The activation estimate of the full H3 model (fp16 compute, eager row chunks) on one of `tp` ranks."""
     cfg = DiTConfig()
     rows = text_len + target_rows(cfg, RenderSpec(prompt="x", width=width, height=height, frames=frames))
-    return activation_bytes(cfg, rows, torch.float16, CHUNK_ROWS_EAGER, tp=tp)
+    return activation_bytes(cfg, rows, torch.float16, chunk_rows("sm_90").eager, tp=tp)
 
 
 # The pruned int8 file on one rank: 50 blocks of ~0.36 GiB and ~1.7 GiB that always stays (embeddings, refiner,

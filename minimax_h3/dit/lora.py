@@ -49,12 +49,14 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from minimax_h3.contract import lora_file_names
+from minimax_h3.kernels.layers import LinearMethod, Modulation, linear_method, modulated, o_rows
 from stagekit.checkpoints import CheckpointError, HeaderEntry, TensorReader, read_header
 from stagekit.errors import FailedPrecondition, Internal, InvalidArgument, NotFound
 
 from .config import DiTConfig
 from .convert_diffusers import DIFFUSERS_NAMES
 from .model import H3DiT
+from .ops import swiglu
 from .tp import ColumnParallel, RowParallel, TPStyle, column_range, section_ranges, tp_style
 
 log = logging.getLogger(__name__)
@@ -453,19 +455,49 @@ def shard_part(part: LoRAPart, target: LoRATarget, tp_rank: int, tp_size: int) -
 # =====================================================================================================================
 # The wrapper module
 # =====================================================================================================================
+@dataclass(frozen=True)
+class LoRAMethod(LinearMethod):
+    """The method of a LoRA-wrapped linear whose base has a method of its own (minimax_h3/kernels/layers.py, e.g. an
+    fp8 linear's fused row quantisation): the base's method on the base layer, then the low-rank delta of the same
+    op's plain input added (`LoRALinear.add_delta`). The base keeps its fused / quantised path; the delta sees what
+    the plain method would hand the wrapper."""
+
+    base: LinearMethod
+
+    def apply(self, layer: "LoRALinear", x: torch.Tensor, modulation: Modulation | None = None,
+              dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        y = self.base.apply(layer.base, x, modulation, dtype)
+        return layer.add_delta(y, modulated(x, modulation, dtype)) if layer.active else y
+
+    def apply_swiglu(self, layer: "LoRALinear", y: torch.Tensor) -> torch.Tensor:
+        out = self.base.apply_swiglu(layer.base, y)
+        return layer.add_delta(out, swiglu(y)) if layer.active else out
+
+    def takes_fp8_o(self, dtype: torch.dtype) -> bool:
+        return self.base.takes_fp8_o(dtype)
+
+    def apply_fp8_o(self, layer: "LoRALinear", o, dtype: torch.dtype) -> torch.Tensor:
+        y = self.base.apply_fp8_o(layer.base, o, dtype)
+        return layer.add_delta(y, o_rows(o, dtype)) if layer.active else y
+
+
 class LoRALinear(nn.Module):
-    """y = base(x) + sum_i s_i * B_i (A_i x): any base linear (tp.Linear variants, Int8ConvRotLinear, nn.Linear).
+    """y = base(x) + sum_i s_i * B_i (A_i x): any base linear (tp.Linear variants, Int8ConvRotLinear,
+    Fp8RowwiseLinear, nn.Linear).
 
     Adapters are (down, up, strength-and-alpha scale, local output rows); they are concatenated along the rank so
     all of them cost one GEMM x A_cat^T plus one GEMM per distinct output-row range (one in the common case; three
     for a diffusers to_q/to_k/to_v LoRA on the fused qkv). Factors are kept in `dtype` (the base's compute dtype) as
     non-persistent buffers: they follow `.to()` and count in `buffers()`, but the state dict is exactly the base's
-    (same keys as without the wrapper).
+    (same keys as without the wrapper). Its `linear_method` is the base's: a plain base's input reaches `forward`;
+    a base with a method of its own (fp8's fused row quantisation) keeps it, the delta added after (`LoRAMethod`).
     """
 
     def __init__(self, base: nn.Module, adapters: Sequence[LocalAdapter] = (), dtype: torch.dtype | None = None):
         super().__init__()
         self.base = base
+        method = linear_method(base)
+        self.linear_method = method if type(method) is LinearMethod else LoRAMethod(method)
         self.in_features, self.out_features = base.in_features, base.out_features
         self.dtype = dtype or getattr(base, "compute_dtype", None) or torch.float32
         self._segments: list[tuple[int, int, int, int]] = []  # (lo, hi, c0, c1) into the output / rank dims
@@ -518,10 +550,13 @@ class LoRALinear(nn.Module):
     # -- forward ----------------------------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
-        if self.lora_down is None:
-            return y
+        return y if self.lora_down is None else self.add_delta(y, x)
+
+    def add_delta(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """y [..., out] (the base's fresh output for input x [..., in], accumulated into in place) plus the active
+        adapters' delta sum_i s_i * B_i (A_i x)."""
         lead = y.shape[:-1]
-        y2 = y.reshape(-1, self.out_features)  # the base's fresh output: accumulated into in place
+        y2 = y.reshape(-1, self.out_features)
         h = F.linear(x.reshape(-1, x.shape[-1]).to(self.dtype), self.lora_down)  # [rows, R], R = sum of ranks
         if h.dtype != y2.dtype:
             h = h.to(y2.dtype)

@@ -2,6 +2,9 @@
 
 Facts: docs/model.md §2 (forward, block, refiner, AdaLN table, RoPE) and §2.10 (curve AdaLN).
 
+A block reads in three files: this one (its numbered steps), minimax_h3/dit/ops.py (the plain math of each step) and
+minimax_h3/kernels/layers.py (how each layer's method computes its step, and what it fuses with its neighbour).
+
 Precision: the residual stream is fp32 everywhere (embeddings are scattered into an fp32 buffer, blocks add fp32
 updates). `compute_dtype` (bf16/fp16/fp32) is used only inside the block/refiner linears and attention. The release
 fp32 islands (patch projections, time embedder, output heads) and the curve-form AdaLN always run in fp32.
@@ -27,11 +30,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from minimax_h3.kernels.layers import AttentionInput, AttentionOutput, Modulation, attention_input, linear_method
-from minimax_h3.kernels.qk_norm_rope import rms_norm
 
 from .config import NUM_MODALITIES, DiTConfig
 from .layout import COND_VIDEO_T, REF_AUDIO_T, PackedLayout
 from . import sp
+from .ops import rms_norm
 from .sp import SeqShards, validate_parallel
 from .tp import (ColumnParallel, ColumnParallelLinear, Linear, RowParallel, RowParallelLinear, TPStyle, group_rank_size,
                  tp_style)

@@ -13,7 +13,7 @@ Fp8RowsMethod) uses it only outside torch.compile (docs/kernels.md, "Fused fp8 r
 
 `modulate_fp8` dispatches: the Triton kernel (the torch custom op `h3stages::modulate_fp8_rows`, opaque to
 torch.compile) when x is on a CUDA device, triton imports and the arguments are ones it serves; otherwise
-`modulate_fp8_reference`, which is exactly the plain method's math (`modulate` below, which
+`modulate_fp8_reference`, which is exactly the plain method's math (minimax_h3/dit/ops.py `modulate`, which
 minimax_h3/kernels/layers.py uses for bf16 rows, then `quantize_fp8_rowwise`). The kernel's fp32 arithmetic matches
 the reference's operation for operation as torch runs them on CUDA (bf16 rounding of the modulated row, the
 multiply by the bf16 reciprocal rounded to bf16, then e4m3) except for the order of the sum of squares, so a rare
@@ -52,11 +52,11 @@ import contextlib
 import logging
 
 import torch
-import torch.nn.functional as F
+
+from minimax_h3.dit.ops import modulate, swiglu
 
 from .fp8_attention import dequantize_o
 from .registry import FP8_E4M3_MAX, FP8_SCALE_FLOOR, Fp8Rows, quantize_fp8_rowwise
-from .qk_norm_rope import rms_norm
 from .triton_ops import KernelFallback, interpreting, libdevice, log_once, tl, triton
 from .tuning import launch_params
 
@@ -64,13 +64,6 @@ log = logging.getLogger(__name__)
 _FALLBACK = KernelFallback("modulation + fp8 row quantisation", log)
 
 MAX_CHANNELS = 16384  # a wider row would spill registers
-
-
-def modulate(x: torch.Tensor, weight: torch.Tensor, eps: float, shift: torch.Tensor, scale: torch.Tensor,
-             r: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """x [rows, C] fp32, norm gain [C], shift / scale [M * 3, C] fp32, r [rows] (int) ->
-    rms_norm(x) * (1 + scale[r]) + shift[r] in fp32, emitted in `dtype` (the model's AdaLN modulation)."""
-    return (rms_norm(x, weight, eps) * (1.0 + scale.index_select(0, r)) + shift.index_select(0, r)).to(dtype)
 
 
 def modulate_fp8_reference(x: torch.Tensor, weight: torch.Tensor, eps: float, shift: torch.Tensor,
@@ -183,12 +176,6 @@ def _grid(rows: int, block_rows: int) -> tuple[int]:
 # --- SwiGLU + fp8 row quantisation: the MLP's silu(gate) * value, handed to an fp8 fc2 -----------------------------
 
 _SWIGLU_FALLBACK = KernelFallback("SwiGLU + fp8 row quantisation", log)
-
-
-def swiglu(y: torch.Tensor) -> torch.Tensor:
-    """y [rows, 2F] = [gate | value] -> silu(gate) * value [rows, F] in y's dtype (the model's MLP activation)."""
-    gate, value = y.chunk(2, dim=-1)
-    return F.silu(gate) * value
 
 
 def swiglu_fp8_reference(y: torch.Tensor) -> Fp8Rows:

@@ -24,15 +24,19 @@ where Inductor's own fusion of the same plain ops is as fast, the compiled block
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 from torch import nn
 
+from minimax_h3.dit.ops import modulate, swiglu
+
 from . import fp8_rows
 from .fp8_attention import Fp8Attention, Fp8O, Fp8QKInput, dequantize_o, static_qk_mult
 from .qk_norm_rope import qk_norm_rope
+from .tuning import tuned
 
 
 class Modulation(NamedTuple):
@@ -47,20 +51,32 @@ class Modulation(NamedTuple):
     index: torch.Tensor
 
 
+def modulated(x: torch.Tensor, modulation: Modulation | None, dtype: torch.dtype) -> torch.Tensor:
+    """A linear's plain input: x itself, or with `modulation`, the modulation of the fp32 residual rows x in
+    `dtype` (minimax_h3/dit/ops.py `modulate`)."""
+    if modulation is None:
+        return x
+    m = modulation
+    return modulate(x, m.norm.weight, m.norm.eps, m.shift, m.scale, m.index, dtype)
+
+
+def o_rows(o: Fp8O, dtype: torch.dtype) -> torch.Tensor:
+    """fp8 attention's e4m3 O (o8 [H, rows, D]) as out_proj's plain input: dequantised to `dtype`, heads side by
+    side -> [rows, H * D]."""
+    return _head_rows(dequantize_o(*o, dtype))
+
+
 class LinearMethod:
     """The plain method: the neighbouring op in plain torch, then the linear (any y = x W^T (+ b) module)."""
 
     def apply(self, layer: nn.Module, x: torch.Tensor, modulation: Modulation | None = None,
               dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
         """layer(x) [rows, out]; with `modulation`, layer(modulation of x in `dtype`) (x: fp32 residual rows)."""
-        if modulation is None:
-            return layer(x)
-        m = modulation
-        return layer(fp8_rows.modulate(x, m.norm.weight, m.norm.eps, m.shift, m.scale, m.index, dtype))
+        return layer(modulated(x, modulation, dtype))
 
     def apply_swiglu(self, layer: nn.Module, y: torch.Tensor) -> torch.Tensor:
         """layer(silu(gate) * value) for y [rows, 2F] = [gate | value] (fc1's output) -> [rows, out]."""
-        return layer(fp8_rows.swiglu(y))
+        return layer(swiglu(y))
 
     def takes_fp8_o(self, dtype: torch.dtype) -> bool:
         """Whether fp8 attention may hand this linear its O still in e4m3 (`apply_fp8_o`)."""
@@ -69,7 +85,7 @@ class LinearMethod:
     def apply_fp8_o(self, layer: nn.Module, o: Fp8O, dtype: torch.dtype) -> torch.Tensor:
         """layer(rows of O) for fp8 attention's e4m3 O (o8 [H, rows, D]): dequantised to `dtype` first, heads side
         by side."""
-        return layer(_head_rows(dequantize_o(*o, dtype)))
+        return layer(o_rows(o, dtype))
 
 
 @dataclass(frozen=True)
@@ -77,11 +93,12 @@ class Fp8RowsMethod(LinearMethod):
     """The method of an fp8 row-wise linear: the neighbouring op fused with the e4m3 row quantisation (Triton on a
     GPU, for bf16 compute; minimax_h3/kernels/fp8_rows.py), the linear then taking `Fp8Rows`. Elsewhere the plain
     method's ops, the linear quantising its rows itself: the same math. The fields say which fused kernel also runs
-    inside a torch.compile'd block, where Inductor fuses the plain ops itself (measured: docs/kernels.md)."""
+    inside a torch.compile'd block, where Inductor fuses the plain ops itself: per-device data
+    (`fp8_rows_method`; minimax_h3/kernels/tuning.json "fp8_rows_in_compiled_blocks", docs/kernels.md)."""
 
-    modulate_in_compiled_blocks: bool = False  # Inductor's fusion of the modulation is as fast
-    swiglu_in_compiled_blocks: bool = True  # the kernel beats Inductor's fusion
-    o_rows_in_compiled_blocks: bool = True  # the kernel beats Inductor's two kernels
+    modulate_in_compiled_blocks: bool
+    swiglu_in_compiled_blocks: bool
+    o_rows_in_compiled_blocks: bool
 
     @staticmethod
     def _use(x: torch.Tensor, dtype: torch.dtype, in_compiled_blocks: bool) -> bool:
@@ -108,13 +125,18 @@ class Fp8RowsMethod(LinearMethod):
         return super().apply_fp8_o(layer, o, dtype)
 
 
+@functools.cache
+def fp8_rows_method(arch: str) -> Fp8RowsMethod:
+    """The fp8 row-wise linears' method on GPU architecture `arch` ("sm_90", "cpu", ...), as tuned there."""
+    return Fp8RowsMethod(**tuned("fp8_rows_in_compiled_blocks", arch))
+
+
 PLAIN = LinearMethod()
-FP8_ROWS = Fp8RowsMethod()
 
 
 def linear_method(layer: nn.Module) -> LinearMethod:
-    """The method of a linear module: its `linear_method` attribute (set by the kernel that built it), else the
-    plain one."""
+    """The method of a linear module: its `linear_method` attribute (set by the kernel that built it, or by a
+    wrapper such as minimax_h3/dit/lora.py LoRALinear), else the plain one."""
     return getattr(layer, "linear_method", PLAIN)
 
 

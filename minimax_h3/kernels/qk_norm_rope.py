@@ -13,8 +13,8 @@ writes out once. docs/kernels.md ("Fused q/k RMSNorm + RoPE (Triton)") has how i
 
 `qk_norm_rope` dispatches: the Triton kernel (the torch custom op `h3stages::qk_norm_rope_`, opaque to
 torch.compile) when y is on a CUDA device, triton imports and the shapes are ones it serves; otherwise
-`qk_norm_rope_reference`, which is exactly the model's own math (`rms_norm`, `apply_rope` below; minimax_h3/dit/model.py
-uses them).
+`qk_norm_rope_reference`, which is the model's own math in plain torch (minimax_h3/dit/ops.py: `rms_norm`,
+`apply_rope`).
 The kernel's fp32 arithmetic matches the reference's except for the order of the sum of squares, so a few outputs
 in a thousand differ by one unit in the last place of the compute dtype (tests/test_qk_norm_rope.py).
 """
@@ -26,6 +26,8 @@ import logging
 
 import torch
 
+from minimax_h3.dit.ops import qk_norm_rope_reference
+
 from .registry import FP8_E4M3_MAX
 from .triton_ops import KernelFallback, interpreting, log_once, tl, triton
 from .tuning import launch_params
@@ -35,40 +37,6 @@ _FALLBACK = KernelFallback("q/k RMSNorm + RoPE", log)
 
 SECTIONS = 3  # q, k, v
 E4M3 = torch.float8_e4m3fn
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x / rms(x) * weight over the last dim, in fp32."""
-    x = x.float()
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Split-half (rotate_half) RoPE on the first cos.shape[-1] channels of every head; x [S, heads, d] fp32."""
-    r = cos.shape[-1]
-    xr, xp = x[..., :r], x[..., r:]
-    x1, x2 = xr.chunk(2, dim=-1)
-    rotated = xr * cos[:, None] + torch.cat((-x2, x1), dim=-1) * sin[:, None]
-    return torch.cat((rotated, xp), dim=-1)
-
-
-def qk_norm_rope_reference(y: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float,
-                           rope: tuple[torch.Tensor, torch.Tensor] | None, qk_out: torch.Tensor,
-                           v_out: torch.Tensor | None, qk_mult: torch.Tensor | None = None) -> None:
-    """y [rows, 3, heads, head_dim] (compute dtype), gains [head_dim], rope (cos, sin) [rows, r] fp32 or None ->
-    q, k written into qk_out [2, 1, heads, rows, head_dim] and v into v_out [1, heads, rows, head_dim] or nowhere
-    (v_out None) (each in its buffer's dtype; with qk_mult [2] fp32, qk_out is e4m3 and gets clamp(x * qk_mult[i], +-448)). The model's own
-    math, in plain torch."""
-    q, k, v = y.unbind(1)
-    q, k = rms_norm(q, q_weight, eps), rms_norm(k, k_weight, eps)  # fp32
-    if rope is not None:
-        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-    for i, t in enumerate((q, k)):
-        if qk_mult is not None:
-            t = (t * qk_mult[i]).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX)
-        qk_out[i, 0].copy_(t.transpose(0, 1))  # [heads, rows, d], cast to the buffer's dtype
-    if v_out is not None:
-        v_out[0].copy_(v.transpose(0, 1))
 
 
 def unsupported(y: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
@@ -227,7 +195,7 @@ if triton is not None:
             v_out = v_ptr + head * v_s_head + row * v_s_row + ch[None, :] * v_s_d
             tl.store(v_out, x.to(v_ptr.dtype.element_ty), mask=mask)
         else:
-            # RMSNorm in fp32 over head_dim: x * rsqrt(mean(x^2) + eps) * gain (`rms_norm` above).
+            # RMSNorm in fp32 over head_dim: x * rsqrt(mean(x^2) + eps) * gain (minimax_h3/dit/ops.py `rms_norm`).
             gain = tl.where(sec == 0, tl.load(qw_ptr + ch).to(tl.float32), tl.load(kw_ptr + ch).to(tl.float32))
             rstd = tl.math.rsqrt(tl.sum(x * x, axis=1) / D + eps)[:, None]
             res = x * rstd * gain[None, :]

@@ -41,6 +41,7 @@ from torch import nn
 
 from stagekit.errors import FailedPrecondition
 from .int8 import DEFAULT_CONVROT_GROUPSIZE, Int8ConvRotLinear, QuantizedWeight, is_power_of_4, quantize_convrot
+from .tuning import GPU_ARCHS, arch_key, fp8_fast_accum
 
 log = logging.getLogger(__name__)
 
@@ -52,9 +53,6 @@ FP8_E4M3_MAX = 448.0  # largest finite float8_e4m3fn value
 FP8_SCALE_FLOOR = 1e-12  # an all-zero row would otherwise divide by zero
 FP8_MIN_CAPABILITY = (8, 9)  # Ada / Hopper / Blackwell have fp8 tensor cores
 FP8_ALIGN = 16  # torch._scaled_mm needs K and N multiples of 16
-# Hopper's fp8 tensor cores accumulate in reduced precision; without "fast accumulation" cuBLAS promotes the partial
-# sums to fp32 every few K steps (slower, more exact). The CPU emulation is exact either way.
-FP8_FAST_ACCUM = True  # measured: docs/performance.md (GEMMs 6-11 % faster, velocity error unchanged)
 PROBE_ERROR_CHARS = 500  # of a rejected candidate's error kept for Status (cuDNN's reasons come at the end)
 
 # Relative error bounds ||y - ref|| / ||ref|| vs an fp32 reference on the *same* (dequantised) weights.
@@ -148,24 +146,27 @@ class Fp8RowwiseLinear(nn.Module):
     `emulate=True`, which runs the same quantisation math in fp32 (slow; for tests and CPU parity checks).
     The input is a tensor [..., in] (quantised here) or Fp8Rows [rows, in] quantised upstream: its method
     (minimax_h3/kernels/layers.py Fp8RowsMethod) hands it rows quantised by a fused neighbour.
+    `arch` (default: `device`'s) is the GPU architecture whose tuned values apply (minimax_h3/kernels/tuning.json):
+    fast accumulation unless `fast_accum` says otherwise, and which fused kernels the method runs in compiled blocks.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False,
                  out_dtype: torch.dtype = torch.bfloat16, emulate: bool = False, device=None,
-                 fast_accum: bool = FP8_FAST_ACCUM) -> None:
+                 fast_accum: bool | None = None, arch: str | None = None) -> None:
         super().__init__()
         if in_features % FP8_ALIGN or out_features % FP8_ALIGN:
             raise ValueError(f"fp8 row-wise matmul needs in/out features divisible by {FP8_ALIGN}, "
                              f"got {in_features}/{out_features}; use a dense kernel for this layer")
         if out_dtype not in (torch.bfloat16, torch.float16, torch.float32):
             raise ValueError(f"out_dtype must be bf16, fp16 or fp32, got {out_dtype}")
-        from .layers import FP8_ROWS  # (layers imports the fused kernels, which import this module)
+        from .layers import fp8_rows_method  # (layers imports the fused kernels, which import this module)
 
-        self.linear_method = FP8_ROWS
+        arch = arch_key(device or "cpu") if arch is None else arch
+        self.linear_method = fp8_rows_method(arch)
         self.in_features, self.out_features = in_features, out_features
         self.out_dtype = out_dtype
         self.emulate = emulate
-        self.fast_accum = fast_accum
+        self.fast_accum = fp8_fast_accum(arch) if fast_accum is None else fast_accum
         self.register_buffer("weight", torch.zeros(out_features, in_features, dtype=torch.float8_e4m3fn,
                                                    device=device))
         self.register_buffer("weight_scale", torch.ones(out_features, 1, dtype=torch.float32, device=device))
@@ -173,7 +174,9 @@ class Fp8RowwiseLinear(nn.Module):
 
     @classmethod
     def from_dense(cls, w: torch.Tensor, bias: torch.Tensor | None = None, **kw) -> "Fp8RowwiseLinear":
+        """From a dense weight [out, in], tuned for the architecture of w's device unless `arch` says otherwise."""
         n_out, n_in = w.shape
+        kw.setdefault("arch", arch_key(w.device))
         layer = cls(n_in, n_out, bias=bias is not None, device="meta", **kw)
         q, s = quantize_fp8_rowwise(w)
         layer.weight, layer.weight_scale = q, s  # registered buffers: plain assignment replaces them
@@ -279,11 +282,18 @@ def _build_int8(w: WeightSource, bias: torch.Tensor | None, compute_dtype: torch
     return layer
 
 
-def _build_fp8(w: WeightSource, bias: torch.Tensor | None, compute_dtype: torch.dtype) -> nn.Module:
-    out = compute_dtype if compute_dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
-    if isinstance(w, QuantizedWeight):
-        return Fp8RowwiseLinear.from_quantized(w, bias, out_dtype=out)
-    return Fp8RowwiseLinear.from_dense(w, bias, out_dtype=out)
+def fp8_builder(fast_accum: bool | None = None, emulate: bool = False):
+    """The fp8 candidate's build (Fp8RowwiseLinear, bf16 / fp16 out). fast_accum None: the tuned value of the
+    weight's architecture (minimax_h3/kernels/tuning.json); emulate: the fp32 emulation (any device)."""
+
+    def build(w: WeightSource, bias: torch.Tensor | None, compute_dtype: torch.dtype) -> nn.Module:
+        kw = dict(out_dtype=compute_dtype if compute_dtype in (torch.bfloat16, torch.float16) else torch.bfloat16,
+                  fast_accum=fast_accum, emulate=emulate)
+        if isinstance(w, QuantizedWeight):
+            return Fp8RowwiseLinear.from_quantized(w, bias, **kw)
+        return Fp8RowwiseLinear.from_dense(w, bias, **kw)
+
+    return build
 
 
 def _dense_builder(dtype: torch.dtype):
@@ -391,7 +401,6 @@ class AttentionCandidate:
     archs: tuple[str, ...] | None = None
 
 
-GPU_ARCHS = ("sm_75", "sm_80", "sm_86", "sm_89", "sm_90", "sm_100", "sm_120")
 _FROM_80 = ("sm_80", "sm_86", "sm_89", "sm_90", "sm_100", "sm_120")
 _FP8_ARCHS = ("sm_89", "sm_90", "sm_100", "sm_120")
 _FP8_ATTENTION_ARCHS = ("sm_90", "sm_100", "sm_120")  # cuDNN's fp8 SDPA starts at Hopper
@@ -407,7 +416,7 @@ def default_linear_candidates() -> dict[str, LinearCandidate]:
                                 unavailable=_cuda_only, archs=("sm_75",)),
         "int8": LinearCandidate("int8", _build_int8, REL_ERR_BOUND["int8"], unavailable=_int8_available,
                                 archs=GPU_ARCHS),
-        "fp8": LinearCandidate("fp8", _build_fp8, REL_ERR_BOUND["fp8"], unavailable=fp8_supported,
+        "fp8": LinearCandidate("fp8", fp8_builder(), REL_ERR_BOUND["fp8"], unavailable=fp8_supported,
                                archs=_FP8_ARCHS),
     }
 
@@ -430,20 +439,6 @@ def default_attention_candidates() -> dict[str, AttentionCandidate]:
         "fp8": AttentionCandidate("fp8", _fp8_attention_fn, REL_ERR_BOUND["fp8_attention"],
                                   _fp8_attention_available, archs=_FP8_ATTENTION_ARCHS),
     }
-
-
-def arch_key(device: torch.device | str) -> str:
-    """"cpu" or the nearest GPU_ARCHS entry at or below the device's compute capability (e.g. sm_90 for H100/H200)."""
-    device = torch.device(device)
-    if device.type != "cuda":
-        return "cpu"
-    major, minor = torch.cuda.get_device_capability(device)
-    cc = major * 10 + minor
-    best = "sm_75"
-    for a in GPU_ARCHS:
-        if int(a[3:]) <= cc:
-            best = a
-    return best
 
 
 # =====================================================================================================================
