@@ -3,7 +3,7 @@
 and a second start (persistent torch.compile cache).
 
     python benchmarks/bench_dit_service.py --models-dir /tmp/h3svc --out $OUT --layers 16 \\
-        --linear-kernel fp8 --attention-kernel cudnn --compile-blocks            # one H200, a few minutes
+        --compile-blocks                # one H200, the stage's own kernels and row chunks, a few minutes
     python benchmarks/bench_dit_service.py --weights W --out $OUT ...               # an existing checkpoint W
     python benchmarks/bench_dit_service.py --tiny --out /tmp/svc                    # CPU dry run (embedded model)
 
@@ -159,10 +159,13 @@ def main() -> int:
     ap.add_argument("--shapes", default="832x480x124", help="WxHxF list")
     ap.add_argument("--steps", type=int, default=4, help="sampler steps per service Sample (>= 2)")
     ap.add_argument("--iters", type=int, default=3, help="timed bare forwards per shape (median)")
-    ap.add_argument("--linear-kernel", default="fp8", choices=(AUTO, *default_linear_candidates()))
-    ap.add_argument("--attention-kernel", default="cudnn", choices=(AUTO, *default_attention_candidates()))
+    ap.add_argument("--linear-kernel", default=AUTO, choices=(AUTO, *default_linear_candidates()),
+                    help="default: the stage's own (the start-up probe picks)")
+    ap.add_argument("--attention-kernel", default=AUTO, choices=(AUTO, *default_attention_candidates()),
+                    help="default: the stage's own (the start-up probe picks)")
     ap.add_argument("--compile-blocks", action="store_true")
-    ap.add_argument("--chunk-rows", type=int, default=4096)
+    ap.add_argument("--chunk-rows", type=int, default=0,
+                    help="rows per chunk; 0 (the stage's default) = tuned per GPU architecture")
     ap.add_argument("--tiny", action="store_true", help="CPU dry run with the embedded tiny model")
     args = ap.parse_args()
     out = Path(args.out)
