@@ -128,9 +128,9 @@ def render_inputs(args):
 
 
 def _refused(e: grpc.RpcError) -> bool:
-    """The render service refused the request itself (INVALID_ARGUMENT from Submit or Upload, before any job):
-    exit 2, as for what this client refuses by itself."""
-    return e.code() == grpc.StatusCode.INVALID_ARGUMENT
+    """The render service refused the request itself (INVALID_ARGUMENT, or NOT_FOUND for a LoRA the DiT does not
+    have, from Submit or Upload, before any job): exit 2, as for what this client refuses by itself."""
+    return e.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND)
 
 
 def cmd_render(args) -> int:

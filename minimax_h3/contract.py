@@ -25,7 +25,7 @@ from pathlib import PurePath
 from types import MappingProxyType
 from typing import Callable, Literal, Mapping, Sequence
 
-from stagekit.errors import FailedPrecondition, InvalidArgument
+from stagekit.errors import FailedPrecondition, InvalidArgument, NotFound
 
 # ---- 1. latent geometry (docs/model.md §3.1-3.2) -------------------------------------------------------------------
 FPS = 24                  # video frames per second
@@ -399,7 +399,8 @@ def lora_file_names(name: str) -> tuple[str, ...]:
 def check_loras(names: Sequence[str], directory: str, served: Sequence[str], paths_allowed: bool) -> None:
     """Refuse request LoRA `names` that a DiT would refuse, from what its Status says it takes: the files `served`
     from its loras `directory` ("" = it has none) and, with `paths_allowed` (--allow-lora-paths), absolute paths
-    (those files are on the DiT's machine: the DiT checks them itself). Raises InvalidArgument naming the fix."""
+    (those files are on the DiT's machine: the DiT checks them itself). Raises, naming the fix, as the DiT would:
+    InvalidArgument for a path it does not take, NotFound for a name it does not have."""
     have = set(served)
     listed = ", ".join(served[:LORAS_LISTED]) + (f" and {len(served) - LORAS_LISTED} more"
                                                  if len(served) > LORAS_LISTED else "")
@@ -413,8 +414,8 @@ def check_loras(names: Sequence[str], directory: str, served: Sequence[str], pat
         if any(f in have for f in lora_file_names(name)):
             continue
         if not directory:
-            raise InvalidArgument(f"LoRA {name!r}: the DiT has no loras directory, so it takes no LoRAs by name; "
+            raise NotFound(f"LoRA {name!r}: the DiT has no loras directory, so it takes no LoRAs by name; "
                                   "LoRA files go in <models-dir>/loras (or the DiT's --loras-dir)")
-        raise InvalidArgument(f"LoRA {name!r} not found in the DiT's loras directory {directory}: "
+        raise NotFound(f"LoRA {name!r} not found in the DiT's loras directory {directory}: "
                               + (f"it has {listed}; name one of those, or copy the file there" if served else
                                  "it holds no files; copy the LoRA file there"))

@@ -32,7 +32,7 @@ from minimax_h3.contract import (MAX_PROMPT_BYTES, MAX_REFERENCES, check_loras, 
 from render_svc.engine import Outcome, RenderEngine, Work
 from render_svc.planner import Batch, BatchPlanner, next_stage
 from render_svc.store import CANCELLED, FAILED, QUEUED, RUNNING, SUCCEEDED, JobRecord, JobStore
-from stagekit.errors import Cancelled, InvalidArgument, Unavailable
+from stagekit.errors import Cancelled, InvalidArgument, NotFound, Unavailable
 from stagekit.uploads import UploadStore, reference_bytes
 
 log = logging.getLogger("render_svc")
@@ -242,8 +242,8 @@ class RenderService:
         return self.info(rec.id)
 
     def _check_with_stages(self, req: render_pb2.RenderRequest) -> None:
-        """What only the stages can tell, asked of them before the job is stored (InvalidArgument /
-        FailedPrecondition naming the fix). A stage that does not answer (or lacks the question) is not asked: its
+        """What only the stages can tell, asked of them before the job is stored (InvalidArgument,
+        NotFound or FailedPrecondition naming the fix, as the stage itself would answer). A stage that does not answer (or lacks the question) is not asked: its
         own admission decides when the job reaches it.
 
         1. The DiT's partitions (its Status): one of its files serves the request's partition (`check_partition`).
@@ -258,7 +258,7 @@ class RenderService:
             names = [lo.name for lo in req.loras]
             try:
                 check_loras(names, dit.loras.directory, list(dit.loras.names), dit.loras.paths_allowed)
-            except InvalidArgument:
+            except NotFound:
                 dit = self._dit_status(DIT_STATUS_RECHECK_S) or dit
                 check_loras(names, dit.loras.directory, list(dit.loras.names), dit.loras.paths_allowed)
         self._check_prompt(req.params.prompt)

@@ -119,7 +119,7 @@ def test_what_only_the_stages_know_is_refused_by_the_local_stacks_submit(tmp_pat
                 str(tmp_path / "none.env")], tmp_path, env, timeout=300)
     assert r.returncode == 2, r.stderr
     err = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
-    assert err == ["error: refused: LoRA 'film_grain': the DiT has no loras directory, so it takes no LoRAs by name; "
+    assert err == ["error: not found: LoRA 'film_grain': the DiT has no loras directory, so it takes no LoRAs by name; "
                    "LoRA files go in <models-dir>/loras (or the DiT's --loras-dir)"], r.stderr
     assert "Traceback" not in r.stderr and not out.exists() and no_stack_started(tmp_path)
 

@@ -3,8 +3,9 @@ stages themselves report: the DiT's Status (the files in its loras directory, wh
 encoder's CheckPrompt (its tokenizer, its --max-prompt-tokens).
 
 Real processes: a render service over the session's encoder and decoder and a DiT of its own, started with a loras
-directory and without --allow-lora-paths. An unknown LoRA name, an absolute LoRA path and an over-long prompt are each
-INVALID_ARGUMENT at once, with the fix in the message, and leave no job (their idempotency key stays unused), as does
+directory and without --allow-lora-paths. An unknown LoRA name (NOT_FOUND, as the DiT itself answers), an absolute
+LoRA path and an over-long prompt (INVALID_ARGUMENT) are each refused at once, with the fix in the message, and leave
+no job (their idempotency key stays unused), as does
 a LoRA strength that is not finite; a LoRA file copied into the directory afterwards, as the message says, is taken at
 once and renders.
 """
@@ -24,7 +25,7 @@ from client.stubs import Endpoints, StageClients
 from h3.v1 import common_pb2, encoder_pb2, render_pb2
 from minimax_h3.contract import check_loras
 from render_svc.service import DIT_STATUS_RECHECK_S
-from stagekit.errors import InvalidArgument
+from stagekit.errors import InvalidArgument, NotFound
 from tests.conftest import SERVER_ENV
 from tests.render_svc_util import TERMINAL, serving, tiny_request
 
@@ -82,19 +83,20 @@ def test_what_only_the_stages_know_is_refused_at_submit_and_stores_nothing(lora_
     outside = loras.parent / "outside.safetensors"
     shutil.copy(loras / "grain.safetensors", outside)  # a real file, but not one the DiT takes by path
     before = len(svc.stub.List(render_pb2.ListRequest(limit=1000), timeout=30).jobs)
-    for req, needles in (
-            (tiny_request(loras=[("film_grain", 0.8)]),
+    invalid = grpc.StatusCode.INVALID_ARGUMENT
+    for req, code, needles in (
+            (tiny_request(loras=[("film_grain", 0.8)]), grpc.StatusCode.NOT_FOUND,
              ["LoRA 'film_grain' not found in the DiT's loras directory", str(loras), "it has grain.safetensors",
               "copy the file there"]),
-            (tiny_request(loras=[("grain", 1.0), (str(outside), 0.5)]),
+            (tiny_request(loras=[("grain", 1.0), (str(outside), 0.5)]), invalid,
              [f"LoRA '{outside}': the DiT takes no LoRA paths", "(grain.safetensors)", "--allow-lora-paths"]),
-            (tiny_request(LONG_PROMPT), ["prompt has 1100 tokens, more than the limit of 1024; shorten it"]),
-            (tiny_request(loras=[("grain", float("nan"))]), ["LoRA 'grain': strength must be finite, got nan"])):
+            (tiny_request(LONG_PROMPT), invalid, ["prompt has 1100 tokens, more than the limit of 1024; shorten it"]),
+            (tiny_request(loras=[("grain", float("nan"))]), invalid, ["LoRA 'grain': strength must be finite, got nan"])):
         req.idempotency_key = "refused"
         for call in (svc.stub.Submit, lambda r, timeout: list(svc.stub.Render(r, timeout=timeout))):
             with pytest.raises(grpc.RpcError) as e:
                 call(req, timeout=30)
-            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value.details()
+            assert e.value.code() == code, e.value.details()
             assert all(n in e.value.details() for n in needles), (needles, e.value.details())
     assert len(svc.stub.List(render_pb2.ListRequest(limit=1000), timeout=30).jobs) == before
 
@@ -106,7 +108,7 @@ def test_a_lora_copied_in_as_the_refusal_says_renders(lora_stack):
     req = tiny_request(loras=[("rain", 0.8)], idempotency_key="refused")
     with pytest.raises(grpc.RpcError) as e:
         svc.stub.Submit(req, timeout=30)
-    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and str(loras) in e.value.details()
+    assert e.value.code() == grpc.StatusCode.NOT_FOUND and str(loras) in e.value.details()
     shutil.copy(loras / "grain.safetensors", loras / "rain.safetensors")
     time.sleep(DIT_STATUS_RECHECK_S + 0.5)  # the DiT's Status the service holds is old enough to be read again
     job = svc.stub.Submit(req, timeout=30)
@@ -121,16 +123,17 @@ def test_check_loras_rules():
     for names in (["a"], ["a.safetensors"], ["notes"], ["b", "a"], []):
         check_loras(names, "/m/loras", served, paths_allowed=False)
     check_loras(["/elsewhere/c.safetensors"], "/m/loras", served, paths_allowed=True)
-    for names, directory, have, needle in (
-            (["c"], "/m/loras", served, "LoRA 'c' not found in the DiT's loras directory /m/loras: it has "
-                                        "a.safetensors, b.safetensors, notes; name one of those"),
-            (["a", "notes.safetensors"], "/m/loras", served, "LoRA 'notes.safetensors' not found"),
-            (["a"], "/m/loras", [], "it holds no files; copy the LoRA file there"),
-            (["a"], "", [], "the DiT has no loras directory, so it takes no LoRAs by name; LoRA files go in "
-                            "<models-dir>/loras"),
-            (["../a.safetensors"], "/m/loras", served, "LoRA '../a.safetensors' not found"),
-            (["/m/loras/a.safetensors"], "/m/loras", served, "the DiT takes no LoRA paths"),
-            (["z"], "/m/loras", [f"{i:02d}.safetensors" for i in range(25)], "18.safetensors, 19.safetensors and 5 more")):
-        with pytest.raises(InvalidArgument) as e:
+    for names, directory, have, error, needle in (
+            (["c"], "/m/loras", served, NotFound, "LoRA 'c' not found in the DiT's loras directory /m/loras: it has "
+                                                  "a.safetensors, b.safetensors, notes; name one of those"),
+            (["a", "notes.safetensors"], "/m/loras", served, NotFound, "LoRA 'notes.safetensors' not found"),
+            (["a"], "/m/loras", [], NotFound, "it holds no files; copy the LoRA file there"),
+            (["a"], "", [], NotFound, "the DiT has no loras directory, so it takes no LoRAs by name; LoRA files go in "
+                                      "<models-dir>/loras"),
+            (["../a.safetensors"], "/m/loras", served, NotFound, "LoRA '../a.safetensors' not found"),
+            (["/m/loras/a.safetensors"], "/m/loras", served, InvalidArgument, "the DiT takes no LoRA paths"),
+            (["z"], "/m/loras", [f"{i:02d}.safetensors" for i in range(25)], NotFound,
+             "18.safetensors, 19.safetensors and 5 more")):
+        with pytest.raises(error) as e:
             check_loras(names, directory, have, paths_allowed=False)
         assert needle in e.value.message, e.value.message
