@@ -88,8 +88,8 @@ def _drain(stream, on_progress: ProgressFn, required: list[str], what: str,
     try:
         done = stage_events(stream, what, on_progress, on_bytes, tensor=lambda chunk: assembler().feed(chunk))
         return assembler().finish(required), done
-    except WireError as e:
-        assembler().discard()
+    except WireError as e:  # raised by the assembler, so there is one
+        asm.discard()
         raise Internal(f"the {what} stage sent a result that breaks the H3 contract: {e}") from e
 
 

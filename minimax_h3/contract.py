@@ -282,8 +282,8 @@ Shape = tuple[int | None, ...]
 
 @dataclass(frozen=True)
 class TensorRule:
-    """One inter-stage tensor: its dtype class ("float", "int" or "uint8") and its shape for a render spec and the serving
-    model's latent geometry (None = any size; `text_dim` is the encoder's / DiT's hidden width)."""
+    """One inter-stage tensor: its dtype class ("float", "int" or "uint8") and its shape for a render spec and the
+    serving model's latent geometry (None = any size; `text_dim` is the encoder's / DiT's hidden width)."""
 
     name: str
     dtype: Literal["float", "int", "uint8"]
@@ -415,7 +415,7 @@ def check_loras(names: Sequence[str], directory: str, served: Sequence[str], pat
             continue
         if not directory:
             raise NotFound(f"LoRA {name!r}: the DiT has no loras directory, so it takes no LoRAs by name; "
-                                  "LoRA files go in <models-dir>/loras (or the DiT's --loras-dir)")
+                           "LoRA files go in <models-dir>/loras (or the DiT's --loras-dir)")
         raise NotFound(f"LoRA {name!r} not found in the DiT's loras directory {directory}: "
-                              + (f"it has {listed}; name one of those, or copy the file there" if served else
-                                 "it holds no files; copy the LoRA file there"))
+                       + (f"it has {listed}; name one of those, or copy the file there" if served else
+                          "it holds no files; copy the LoRA file there"))
