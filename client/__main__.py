@@ -2,7 +2,7 @@
 
     python -m client render --prompt "..." -o out.mp4 [--width 832 --height 480 --frames 124 --steps 8 ...]
     python -m client render --prompts-file prompts.txt -o outdir/      (stage-batched by the render service)
-    python -m client jobs list | get ID | watch ID | fetch ID -o out.mp4 | cancel ID
+    python -m client jobs list | get ID | watch ID | fetch ID [--wait] -o out.mp4 | cancel ID
     python -m client status
     python -m client loadtest --stage dit --concurrency 4 --requests 20
     python -m client models fetch --to DIR | models check DIR
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -29,8 +30,8 @@ import grpc
 from client.checks import (CheckError, check_for_local_stack, output_paths, read_keyframe, read_prompts,
                            read_references, refuse_existing)
 from client.embedded import StackStartError
-from client.endpoints import (EndpointError, add_endpoint_args, check_render_reachable, configured_endpoints,
-                              configured_render, connect_render)
+from client.endpoints import (DEFAULT_ENDPOINTS_FILE, EndpointError, add_endpoint_args, check_render_reachable,
+                              configured_endpoints, configured_render, connect_render)
 from client.render_client import state_name
 from client.stubs import SERVICE_NAMES, STAGES, Security, StageClients, health_of, job_error_words, rpc_words
 from h3.v1 import render_pb2
@@ -116,7 +117,7 @@ def render_inputs(args):
             raise CheckError("--ref does not combine with --first-frame/--last-frame: the model's reference "
                              "partition (ref2va) takes references only; give the frame as --ref image.png and say "
                              "in the prompt how the video uses <Picture 1>")
-        keyframes = {"references": read_references(args.ref, prompts)}
+        keyframes = {"references": read_references(args.ref, prompts, args.frames)}
     try:
         reqs = _render_requests(args, prompts, keyframes)
     except ValueError as e:  # InvalidArgument included
@@ -151,6 +152,15 @@ def cmd_render(args) -> int:
         print(EMBEDDED_NOTE, file=sys.stderr)
     job_ids: dict[int, str] = {}
     refused: set[int] = set()  # renders the service refused at Submit (no job): the input's fault, exit 2
+
+    def fetch_command(i: int) -> str:
+        """What gets render i's MP4 once this client is gone, whether its job is still queued or running or done:
+        with the flags that found the service here (its environment finds it again by itself)."""
+        where = {"--render": args.render,
+                 "--endpoints-file": args.endpoints_file if args.endpoints_file != str(DEFAULT_ENDPOINTS_FILE) else "",
+                 "--tls-ca": args.tls_ca if args.tls_ca != os.environ.get("H3_TLS_CA", "") else ""}
+        flags = "".join(f" {flag} {shlex.quote(value)}" for flag, value in where.items() if value)
+        return f"{self_command()} jobs fetch {job_ids[i]} --wait -o {shlex.quote(str(outs[i]))}{flags}"
     try:
         with RenderClient(target, security) as rc:
             for req in reqs:
@@ -163,8 +173,7 @@ def cmd_render(args) -> int:
             with RenderProgress() as progress:
                 def queued(i: int, job_id: str) -> None:
                     job_ids[i] = job_id
-                    hint = "" if stack is not None else (
-                        f"; if this client stops, fetch it with: {self_command()} jobs fetch {job_id} -o {outs[i]}")
+                    hint = "" if stack is not None else f"; if this client stops, get it with: {fetch_command(i)}"
                     progress.progress.console.print(f"job {job_id} queued{hint}")
 
                 def on_event(i: int):
@@ -215,8 +224,9 @@ def cmd_render(args) -> int:
         return 2 if _refused(e) else 1
     except KeyboardInterrupt:
         if stack is None and job_ids:
-            print(f"interrupted; the render service keeps the job(s) {' '.join(job_ids.values())}: "
-                  f"{self_command()} jobs watch|fetch|cancel ID", file=sys.stderr)
+            gets = "".join(f"\n  {fetch_command(i)}" for i in sorted(job_ids))
+            print(f"interrupted; the render service goes on with the job(s); to wait for each and get its MP4:{gets}"
+                  f"\n(or: {self_command()} jobs watch|cancel ID)", file=sys.stderr)
         return 130
     finally:
         if stack is not None:
@@ -272,7 +282,14 @@ def cmd_jobs(args) -> int:
                 _print_job(info)
                 return 0 if info.state in TERMINAL else 1
             if args.action == "fetch":
-                rc.fetch(args.job_id, out)
+                if not args.wait:
+                    rc.fetch(args.job_id, out)
+                else:  # followed to its end as `watch` does (a service restart is waited out), then fetched
+                    info = rc.follow(args.job_id, out)
+                    if info.state != render_pb2.JOB_SUCCEEDED:
+                        print(f"error: job {args.job_id} {state_name(info.state)}: {job_error_words(info)}",
+                              file=sys.stderr)
+                        return 1
                 print(f"wrote {out}")
                 return 0
             last = None  # watch
@@ -406,6 +423,9 @@ def main(argv: list[str] | None = None) -> int:
     j.add_argument("job_id", nargs="?", help="job id (all actions but list)")
     j.add_argument("-o", "--output", help="fetch: where to write the MP4 (default: JOB_ID.mp4)")
     j.add_argument("--overwrite", action="store_true", help="fetch: replace the -o file if it exists (default: refuse)")
+    j.add_argument("--wait", action="store_true",
+                   help="fetch: wait for a queued or running job to end first, then write its MP4 (default: a job "
+                        "that has not succeeded yet is an error)")
     j.add_argument("--from", dest="from_index", type=int, default=0, help="watch: first event index (default: 0)")
     j.add_argument("--state", action="append", choices=("queued", "running", "succeeded", "failed", "cancelled"),
                    help="list: only jobs in this state (repeatable; default: all)")

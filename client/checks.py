@@ -1,7 +1,7 @@
 """What `render` refuses by itself, before asking any stage (or starting a local stack, ~10 s).
 
 The rules are the stages' own, from the same torch-free code (`minimax_h3.contract.validate`,
-`minimax_h3.images.admit_keyframe`, `minimax_h3.labels`); the messages add what only the client knows: the file name
+`minimax_h3.images.admit_keyframe`, `minimax_h3.reference_files`, `minimax_h3.labels`); the messages add what only the client knows: the file name
 and the flag it came from. What only the stages can tell (a prompt's token count by the encoder's tokenizer, the
 LoRAs the DiT has) the render service asks them at Submit, before the job is stored: a local stack refuses it there
 once it has started. Every refusal is a `CheckError`, which the CLI prints as `error: ...` and exits 2, whatever the
@@ -77,12 +77,15 @@ def read_keyframe(path: str, flag: str, width: int, height: int) -> bytes:
     return data
 
 
-def read_references(specs: list[str], prompts: list[str]):
-    """`--ref [KIND:]PATH` values in order -> Reference messages, each read and size-checked, with every prompt's
-    `<Picture i>` / `<Video k>` / `<Audio j>` labels checked against them (minimax_h3/labels.py)."""
+def read_references(specs: list[str], prompts: list[str], frames: int):
+    """`--ref [KIND:]PATH` values in order -> Reference messages for a render of `frames` frames: each file read and
+    checked as the stages will take it (minimax_h3/reference_files.py: size, header, pixels or first frame, sound up
+    to the render's duration), the mix of kinds one the model takes, and every prompt's `<Picture i>` / `<Video k>` /
+    `<Audio j>` labels checked against them (minimax_h3/labels.py)."""
     from h3.v1 import common_pb2
+    from minimax_h3.contract import check_reference_kinds
     from minimax_h3.labels import EXTENSIONS, check_labels, kind_of
-    from stagekit.uploads import MAX_FILE_BYTES
+    from minimax_h3.reference_files import check_reference_file
 
     refs, sound = [], []
     for spec in specs:
@@ -92,32 +95,20 @@ def read_references(specs: list[str], prompts: list[str]):
         try:
             kind = kind or kind_of(path)
             data = Path(path).read_bytes()
+            found = check_reference_file(kind, data, frames)
         except InvalidArgument as e:
             raise CheckError(f"--ref {spec}: {e.message}") from None
         except OSError as e:
             raise CheckError(f"cannot read --ref {path}: {e.strerror or e}") from None
-        if not data or len(data) > MAX_FILE_BYTES:
-            raise CheckError(f"--ref {path}: {len(data)} bytes; a reference file has 1..{MAX_FILE_BYTES} bytes: send "
-                             "a shorter or smaller file")
         refs.append(common_pb2.Reference(kind=kind, data=data, name=Path(path).name))
-        sound.append(kind == "video" and _has_sound(path))
-    for prompt in prompts:
-        try:
-            check_labels(prompt, [r.kind for r in refs], sound, [r.name for r in refs])
-        except InvalidArgument as e:
-            raise CheckError(e.message) from None
-    return refs
-
-
-def _has_sound(path: str) -> bool:
-    """Whether a video file carries a soundtrack (it takes an `<Audio j>` number before its `<Video k>`)."""
-    import av
-
+        sound.append(found.sound)
     try:
-        with av.open(path) as c:
-            return bool(c.streams.audio)
-    except av.FFmpegError as e:
-        raise CheckError(f"--ref {path}: not a video file PyAV can read ({e})") from None
+        check_reference_kinds([r.kind for r in refs])
+        for prompt in prompts:
+            check_labels(prompt, [r.kind for r in refs], sound, [r.name for r in refs])
+    except InvalidArgument as e:
+        raise CheckError(e.message) from None
+    return refs
 
 
 WEIGHTS_ENV = {"encoder": "H3_ENCODER_WEIGHTS", "dit": "H3_DIT_WEIGHTS", "video_vae": "H3_DECODER_VIDEO_WEIGHTS",

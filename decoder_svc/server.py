@@ -168,7 +168,7 @@ class DecoderServicer(LifecycleMixin, UploadMixin, decoder_pb2_grpc.DecoderServi
         abort_on_error(context, admit_reference, ref.kind, data, request.frames)
         job = Job(spec={"op": "encode_reference", "kind": ref.kind, "frames": request.frames}, inputs={},
                   prepare=lambda: {"media": load_reference(data, ref.kind, request.frames,
-                                                           self.engine.reference_sizes)},
+                                                           self.engine.reference_sizes, ref.name)},
                   input_bytes=reference_decode_bytes(ref.kind, request.frames))
         job.job_id = request.job_id or job.job_id
         yield from self._encode_job(job, context, decoder_pb2.EncodeReferenceEvent,

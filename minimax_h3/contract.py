@@ -254,7 +254,23 @@ AUDIO_LATENTS = "audio_latents"  # DiT -> decoder
 KEYFRAME_ANCHORS = ("first", "last")
 REFERENCE_KINDS = ("image", "video", "audio")  # a reference is an image, a video (with or without sound) or a sound
 MAX_REFERENCES = 12              # the released ref2va checkpoint's limit (diffusers enforces the same)
+# ... and its limits per kind, as MiniMax-H3 documents them (a video's soundtrack does not count as an audio clip).
+MAX_REFERENCES_OF_KIND = MappingProxyType({"image": 9, "video": 3, "audio": 3})
 REF_PREFIX = "ref_"
+
+
+def check_reference_kinds(kinds: Sequence[str]) -> None:
+    """The mix of references (their kinds, in request order) the ref2va checkpoint takes: at most MAX_REFERENCES,
+    at most MAX_REFERENCES_OF_KIND of each kind, and audio clips only beside an image or a video (a voice or music
+    belongs to someone or something seen). InvalidArgument naming the limit and the fix."""
+    if len(kinds) > MAX_REFERENCES:
+        raise InvalidArgument(f"{len(kinds)} references; MiniMax-H3 takes at most {MAX_REFERENCES}")
+    for kind, limit in MAX_REFERENCES_OF_KIND.items():
+        if kinds.count(kind) > limit:
+            raise InvalidArgument(f"MiniMax-H3 takes at most {limit} {kind} references, got {kinds.count(kind)}")
+    if kinds and set(kinds) == {"audio"}:
+        raise InvalidArgument("audio references need at least one image or video reference beside them: add the "
+                              "picture or clip the voice or sound belongs to, and name both in the prompt")
 
 
 def keyframe_tensor(anchor: str) -> str:

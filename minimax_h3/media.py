@@ -15,10 +15,11 @@ from typing import Callable
 
 import numpy as np
 
-from minimax_h3.contract import (AUDIO_SAMPLE_RATE, FPS, FRAME_CLIP, FRAME_OFFSET, MIN_FRAMES, REFERENCE_KINDS,
-                                 SIZE_MULTIPLE)
+from minimax_h3.contract import AUDIO_SAMPLE_RATE, FPS, FRAME_CLIP, FRAME_OFFSET, MIN_FRAMES, SIZE_MULTIPLE
+from minimax_h3.reference_files import (MAX_SOURCE_FPS, MAX_SOURCE_PIXELS, admit_reference, check_pixels,
+                                        decodable_stream, decoder_errors, decoder_words,
+                                        nonfinite_audio)
 from stagekit.errors import InvalidArgument
-from stagekit.uploads import MAX_FILE_BYTES
 
 # An image reference is encoded at a short edge of its own, whatever the render canvas (docs/model.md §3.4).
 IMAGE_SHORT_EDGE = 2048
@@ -26,12 +27,6 @@ IMAGE_SHORT_EDGE = 2048
 CANVAS_SHORT_EDGE = 768
 CANVAS_MAX_PIXELS = 768 * 1344
 MAX_ASPECT = 4.0
-# Admission (docs/reliability.md): a reference file is at most as large as an upload (larger than one gRPC message:
-# sent with the Upload RPCs, stagekit/uploads.py), its frames at most this many pixels before they are decoded, and a
-# video is decoded frame by frame straight onto its canvas, only as far as the render's duration reaches.
-MAX_REFERENCE_BYTES = MAX_FILE_BYTES
-MAX_SOURCE_PIXELS = 4096 * 4096
-MAX_SOURCE_FPS = 120
 # Video references are VAE-encoded in whole clips: the frame count is snapped *down* to 17n + 5 (n >= 1), so a clip
 # is never padded; a reference shorter than one clip is refused (docs/references.md).
 
@@ -195,7 +190,10 @@ def normalize_audio(waveform: np.ndarray, rate: int, max_seconds: float) -> np.n
     return np.concatenate(out, axis=1).astype(np.float32)
 
 
-def _decode_audio_stream(av, container, stream, max_seconds: float) -> tuple[np.ndarray, int]:
+def _decode_audio_stream(av, container, stream, max_seconds: float,
+                         refuse: Callable[[str], InvalidArgument]) -> tuple[np.ndarray, int]:
+    """An audio stream's samples, float32 [channels, n] at its own rate, up to `max_seconds` (and a second more);
+    `refuse(why)` for a stream without samples or with a non-finite one (a NaN would reach the audio VAE)."""
     rate = int(stream.codec_context.sample_rate)
     resampler = av.AudioResampler(format="fltp", layout=stream.layout, rate=rate)  # format only, own rate
     chunks, total, limit = [], 0, int(max_seconds * rate) + rate
@@ -208,22 +206,11 @@ def _decode_audio_stream(av, container, stream, max_seconds: float) -> tuple[np.
     else:
         chunks += [f.to_ndarray() for f in resampler.resample(None)]
     if not chunks:
-        raise InvalidArgument("the audio stream holds no samples")
-    return np.concatenate(chunks, axis=1).astype(np.float32), rate
-
-
-def admit_reference(kind: str, data: bytes, frames: int) -> None:
-    """What a stage checks in its request handler, before any decoding: kind, size, render length."""
-    if kind not in REFERENCE_KINDS:
-        raise InvalidArgument(f"a reference is one of {', '.join(REFERENCE_KINDS)}, got {kind!r}")
-    if not data:
-        raise InvalidArgument(f"the {kind} reference is empty")
-    if len(data) > MAX_REFERENCE_BYTES:
-        raise InvalidArgument(f"the {kind} reference is {len(data)} bytes; a reference file may have at most "
-                              f"{MAX_REFERENCE_BYTES} bytes: send a shorter or smaller file")
-    if frames < MIN_FRAMES or frames % FRAME_CLIP != FRAME_OFFSET:
-        raise InvalidArgument(f"references need the render's frame count (17n + 5, at least {MIN_FRAMES}), "
-                              f"got {frames}")
+        raise refuse("the audio stream holds no samples")
+    wave = np.concatenate(chunks, axis=1).astype(np.float32)
+    if not np.isfinite(wave).all():
+        raise refuse(nonfinite_audio(max_seconds))
+    return wave, rate
 
 
 def reference_decode_bytes(kind: str, frames: int) -> int:
@@ -236,31 +223,13 @@ def reference_decode_bytes(kind: str, frames: int) -> int:
     return MAX_SOURCE_PIXELS * 4 + 3 * frames * 5 * CANVAS_MAX_PIXELS * 3 + audio  # canvas frames at <= 120 fps
 
 
-def decoder_errors() -> tuple[type[BaseException], ...]:
-    """What FFmpeg (PyAV) and Pillow raise for a file they refuse: the file's fault, said to the caller. Pillow's
-    UnidentifiedImageError and a truncated file are OSErrors; a decompression bomb is an error of its own."""
-    import av
-    from PIL import Image
-
-    return av.FFmpegError, OSError, Image.DecompressionBombError
-
-
-def decodable_stream(container, kind: str, refuse: Callable[[str], InvalidArgument]):
-    """The container's first `kind` ("video" / "audio") stream; `refuse(why)` is raised when it has none, or one
-    whose codec FFmpeg does not know (PyAV then gives it no codec context)."""
-    streams = getattr(container.streams, kind)
-    if not streams:
-        raise refuse(f"it has no {kind} stream")
-    if streams[0].codec_context is None:
-        raise refuse(f"its {kind} stream's codec is not one FFmpeg decodes")
-    return streams[0]
-
-
-def load_reference(data: bytes, kind: str, frames: int, sizes: ReferenceSizes = ReferenceSizes()) -> ReferenceMedia:
+def load_reference(data: bytes, kind: str, frames: int, sizes: ReferenceSizes = ReferenceSizes(),
+                   name: str = "") -> ReferenceMedia:
     """A reference file's bytes -> ReferenceMedia on the model's rates for a render of `frames` frames at 24 fps
-    (video and audio are cut to its duration). Raises InvalidArgument naming what is wrong with the file: each check
-    raises it, and so does a file the decoders refuse (FFmpeg's and Pillow's errors); anything else is a fault of
-    this code, never the caller's."""
+    (video and audio are cut to its duration). Raises InvalidArgument naming the reference (`name`, its file name)
+    and what is wrong with the file: each check raises it (the checks `reference_files.check_reference_file` makes
+    before a job holds it, again here), and so does a file the decoders refuse (FFmpeg's and Pillow's errors);
+    anything else is a fault of this code, never the caller's."""
     import av
     from PIL import Image
 
@@ -268,22 +237,21 @@ def load_reference(data: bytes, kind: str, frames: int, sizes: ReferenceSizes = 
     seconds = frames / FPS
 
     def refused(why: str) -> InvalidArgument:
-        return InvalidArgument(f"the {kind} reference cannot be used: {why}")
+        return InvalidArgument(f"the {kind} reference{' ' + name if name else ''} cannot be used: {why}")
 
     try:
         if kind == "image":
             with Image.open(io.BytesIO(data)) as im:
-                if im.width * im.height > MAX_SOURCE_PIXELS:
-                    raise refused(f"{im.width}x{im.height} is more than {MAX_SOURCE_PIXELS} pixels")
+                check_pixels(im.width, im.height, "", refused)
                 pixels = np.asarray(im.convert("RGB"))
             return ReferenceMedia("image", frames=normalize_image(pixels, sizes.image_short_edge))
         with av.open(io.BytesIO(data)) as container:
             if kind == "audio":
-                wave, rate = _decode_audio_stream(av, container, decodable_stream(container, "audio", refused), seconds)
+                wave, rate = _decode_audio_stream(av, container, decodable_stream(container, "audio", refused), seconds,
+                                                 refused)
                 return ReferenceMedia("audio", audio=normalize_audio(wave, rate, seconds), source_rate=rate)
             stream = decodable_stream(container, "video", refused)
-            if stream.width * stream.height > MAX_SOURCE_PIXELS:
-                raise refused(f"{stream.width}x{stream.height} is more than {MAX_SOURCE_PIXELS} pixels a frame")
+            check_pixels(stream.width, stream.height, "a frame", refused)
             fps = float(stream.average_rate or stream.guessed_rate or 0)
             if not 0 < fps <= MAX_SOURCE_FPS:
                 raise refused(f"its frame rate {fps:g} is unknown or above {MAX_SOURCE_FPS} fps")
@@ -306,9 +274,10 @@ def load_reference(data: bytes, kind: str, frames: int, sizes: ReferenceSizes = 
             sound, rate = None, None
             if container.streams.audio:
                 container.seek(0)
-                wave, rate = _decode_audio_stream(av, container, decodable_stream(container, "audio", refused), seconds)
+                wave, rate = _decode_audio_stream(av, container, decodable_stream(container, "audio", refused), seconds,
+                                                 refused)
                 sound = normalize_audio(wave, rate, seconds)
             return ReferenceMedia("video", frames=normalize_video(video, fps, frames, sizes), audio=sound,
                                   source_fps=fps, source_rate=rate)
     except decoder_errors() as e:
-        raise refused(str(e)) from None
+        raise refused(decoder_words(e)) from None

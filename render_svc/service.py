@@ -27,7 +27,7 @@ from pathlib import Path
 import grpc
 
 from h3.v1 import common_pb2, encoder_pb2, render_pb2
-from minimax_h3.contract import (MAX_PROMPT_BYTES, MAX_REFERENCES, check_loras, check_output, check_partition,
+from minimax_h3.contract import (MAX_PROMPT_BYTES, check_loras, check_output, check_partition, check_reference_kinds,
                                  spec_from_proto, validate)
 from render_svc.engine import Outcome, RenderEngine, Work
 from render_svc.planner import Batch, BatchPlanner, next_stage
@@ -91,75 +91,44 @@ def check_request(req: render_pb2.RenderRequest) -> None:
 
 
 def check_references(req: render_pb2.RenderRequest, prompt: str, frames: int) -> None:
-    """ref2va admission: no keyframes beside them, at most 12, each a kind and size the decoder takes, and the
-    prompt's labels naming exactly the references there are (minimax_h3/labels.py). Fills in each reference's
-    thumbnail, duration and size (`describe_reference`)."""
+    """ref2va admission: no keyframes beside them, a mix of kinds the checkpoint takes (`check_reference_kinds`),
+    each file one the decoder takes (`describe_reference`), and the prompt's labels naming exactly the references
+    there are (minimax_h3/labels.py). Fills in each reference's thumbnail, duration and size."""
     from minimax_h3.labels import check_labels
-    from minimax_h3.media import admit_reference
 
     if req.first_frame or req.last_frame:
         raise InvalidArgument("references and first/last keyframes do not combine: the ref2va partition takes "
                               "references only (send the frame as an image reference)")
-    if len(req.references) > MAX_REFERENCES:
-        raise InvalidArgument(f"{len(req.references)} references; MiniMax-H3 takes at most {MAX_REFERENCES}")
-    sound = []
-    for i, ref in enumerate(req.references):
-        try:
-            admit_reference(ref.kind, ref.data, frames)
-        except InvalidArgument as e:
-            raise InvalidArgument(f"reference {i + 1} ({ref.name or ref.kind}): {e.message}") from None
-        sound.append(describe_reference(ref, i))
+    check_reference_kinds([r.kind for r in req.references])
+    sound = [describe_reference(ref, i, frames) for i, ref in enumerate(req.references)]
     check_labels(prompt, [r.kind for r in req.references], sound, [r.name for r in req.references])
 
 
 THUMBNAIL_PX = 96
 
 
-def describe_reference(ref, index: int) -> bool:
-    """Fill in what the web page shows of a reference (thumbnail, duration, size) from its header and first
-    frame; returns whether a video has a soundtrack (it takes an <Audio j> label). InvalidArgument for a file the
-    decoders cannot open."""
+def describe_reference(ref, index: int, frames: int) -> bool:
+    """Check a reference's file for a render of `frames` frames as the stages will take it
+    (`minimax_h3.reference_files.check_reference_file`: size and aspect from the header, the pixels of an image,
+    a video's first frame, the sound up to the render's duration) and fill in what the web page shows of it
+    (thumbnail, duration, size); returns whether a video has a soundtrack (it takes an <Audio j> label).
+    InvalidArgument `reference i (name): ...` for a file the stages would refuse."""
     import io
 
-    import av
-    from PIL import Image
-
-    from minimax_h3.media import decodable_stream, decoder_errors
-
-    what = f"reference {index + 1} ({ref.name or ref.kind})"
-
-    def unreadable(why: object) -> InvalidArgument:
-        return InvalidArgument(f"{what} is not a readable {ref.kind} file: {why}")
+    from minimax_h3.reference_files import check_reference_file
 
     try:
-        if ref.kind == "image":
-            with Image.open(io.BytesIO(ref.data)) as im:
-                ref.width, ref.height = im.size
-                im.draft("RGB", (THUMBNAIL_PX * 2, THUMBNAIL_PX * 2))  # JPEG: decode at a reduced scale
-                thumb = im.convert("RGB")
-            sound = False
-        else:
-            with av.open(io.BytesIO(ref.data)) as c:
-                ref.seconds = (c.duration or 0) / 1e6
-                sound = ref.kind == "video" and bool(c.streams.audio)
-                thumb = None
-                if ref.kind == "video":
-                    stream = decodable_stream(c, "video", unreadable)
-                    ref.width, ref.height = stream.width, stream.height
-                    first = next(c.decode(stream), None)
-                    if first is None:
-                        raise unreadable("it holds no frames")
-                    thumb = first.to_image()
-                else:
-                    decodable_stream(c, "audio", unreadable)
-    except decoder_errors() as e:
-        raise unreadable(e) from None
-    if thumb is not None:
+        found = check_reference_file(ref.kind, ref.data, frames)
+    except InvalidArgument as e:
+        raise InvalidArgument(f"reference {index + 1} ({ref.name or ref.kind}): {e.message}") from None
+    ref.width, ref.height, ref.seconds = found.width, found.height, found.seconds
+    if found.picture is not None:
+        thumb = found.picture.convert("RGB")
         thumb.thumbnail((THUMBNAIL_PX, THUMBNAIL_PX))
         buf = io.BytesIO()
         thumb.save(buf, "JPEG", quality=80)
         ref.thumbnail = buf.getvalue()
-    return sound
+    return found.sound
 
 
 class RenderService:

@@ -21,17 +21,12 @@ from typing import Mapping
 import torch
 
 from minimax_h3.contract import (AUDIO_CHANNELS, MAX_REFERENCES, REF_PREFIX, REF_TENSOR_NAMES, REFERENCE_KINDS,
-                                 ref_tensor)
+                                 check_reference_kinds, ref_tensor)
 from stagekit.errors import InvalidArgument
 from stagekit.wire import check_finite
 
 from .layout import ReferenceBlock, patchify_audio
 
-# The limits MiniMax-H3 documents for the released ref2va checkpoint (diffusers enforces the same); at most
-# MAX_REFERENCES in all.
-MAX_IMAGES = 9
-MAX_VIDEOS = 3
-MAX_AUDIOS = 3
 REFERENCES_INPUT = "references"  # the job input holding the parsed References
 
 
@@ -89,10 +84,5 @@ def parse_references(inputs: Mapping[str, torch.Tensor], latent_channels: int, a
         kind = "image" if image is not None else "video" if video is not None else "audio"
         lat = visual[-1].shape if kind != "audio" else (0, 0, 0, 0)
         blocks.append(ReferenceBlock(kind, lat[1], lat[2], lat[3], 0 if sound is None else int(sound.shape[2])))
-    kinds = [b.kind for b in blocks]
-    for kind, limit in (("image", MAX_IMAGES), ("video", MAX_VIDEOS), ("audio", MAX_AUDIOS)):
-        if kinds.count(kind) > limit:
-            raise InvalidArgument(f"MiniMax-H3 takes at most {limit} {kind} references, got {kinds.count(kind)}")
-    if blocks and set(kinds) == {"audio"}:
-        raise InvalidArgument("audio references need at least one image or video reference beside them")
+    check_reference_kinds([b.kind for b in blocks])
     return References(tuple(blocks), tuple(visual), tuple(audio))
