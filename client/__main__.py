@@ -174,7 +174,9 @@ def cmd_render(args) -> int:
                 def queued(i: int, job_id: str) -> None:
                     job_ids[i] = job_id
                     hint = "" if stack is not None else f"; if this client stops, get it with: {fetch_command(i)}"
-                    progress.progress.console.print(f"job {job_id} queued{hint}")
+                    # One line as written (no wrapping, no markup): the command in it is copied and run.
+                    progress.progress.console.print(f"job {job_id} queued{hint}", soft_wrap=True, markup=False,
+                                                    highlight=False)
 
                 def on_event(i: int):
                     def fn(ev):

@@ -262,12 +262,12 @@ def test_a_fault_while_describing_a_reference_is_internal_not_the_files(monkeypa
     from render_svc.service import describe_reference
     from tests.test_references import media_png, media_wav
 
-    with pytest.raises(InvalidArgument, match=r"reference 1 \(voice.wav\) is not a readable video file: it has no "
-                                              "video stream"):
-        describe_reference(common_pb2.Reference(kind="video", data=media_wav(0.2), name="voice.wav"), 0)
+    with pytest.raises(InvalidArgument, match=r"reference 1 \(voice.wav\): the video reference cannot be used: it "
+                                              "has no video stream"):
+        describe_reference(common_pb2.Reference(kind="video", data=media_wav(0.2), name="voice.wav"), 0, 22)
     monkeypatch.setattr(Image.Image, "convert", _bug)
     with pytest.raises(ValueError, match="internal invariant") as e:
-        describe_reference(common_pb2.Reference(kind="image", data=media_png(), name="a.png"), 0)
+        describe_reference(common_pb2.Reference(kind="image", data=media_png(), name="a.png"), 0, 22)
     assert not isinstance(e.value, InvalidArgument)
 
 

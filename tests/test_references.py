@@ -312,7 +312,7 @@ def test_render_service_keeps_reference_thumbnails_not_files(tmp_path):
     assert (image.width, image.height) == (300, 200) and image.thumbnail[:2] == b"\xff\xd8"  # a JPEG
     assert audio.seconds == pytest.approx(0.5, abs=0.01) and not audio.thumbnail
     video = common_pb2.Reference(kind="video", data=media_mp4(n=30, fps=30), name="walk.mp4")
-    assert describe_reference(video, 0) is True  # it has a soundtrack: <Audio j> before its <Video k>
+    assert describe_reference(video, 0, FRAMES) is True  # it has a soundtrack: <Audio j> before its <Video k>
     assert (video.width, video.height) == (112, 64) and video.seconds == pytest.approx(1.0, abs=0.1)
     store = JobStore(tmp_path)
     rec, _ = store.submit(req)
