@@ -156,11 +156,10 @@ def check_reference_file(kind: str, data: bytes, frames: int, name: str = "") ->
         if kind == "image":
             with warnings.catch_warnings():  # Pillow's bomb warning: the cap below is far lower
                 warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-                im = Image.open(io.BytesIO(data))
-            with im:
-                check_pixels(im.width, im.height, "", refuse)
-                im.load()  # the pixels decode (a cut-off or damaged file fails here), bounded by the cap above
-                return ReferenceFile(kind, im.width, im.height, picture=im.copy())
+                im = Image.open(io.BytesIO(data))  # the header only (an in-memory file: nothing to close)
+            check_pixels(im.width, im.height, "", refuse)
+            im.load()  # the pixels decode (a cut-off or damaged file fails here), bounded by the cap above
+            return ReferenceFile(kind, im.width, im.height, picture=im)
         with av.open(io.BytesIO(data)) as container:
             duration = (container.duration or 0) / 1e6
             if kind == "audio":
