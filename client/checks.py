@@ -1,8 +1,8 @@
 """What `render` refuses by itself, before asking any stage (or starting a local stack, ~10 s).
 
 The rules are the stages' own, from the same torch-free code (`minimax_h3.contract.validate`,
-`minimax_h3.images.admit_keyframe`, `minimax_h3.reference_files`, `minimax_h3.labels`); the messages add what only the client knows: the file name
-and the flag it came from. What only the stages can tell (a prompt's token count by the encoder's tokenizer, the
+`minimax_h3.images.admit_keyframe`, `minimax_h3.reference_files`, `minimax_h3.labels`); the messages add what only
+the client knows: the file name and the flag it came from. What only the stages can tell (a prompt's token count by the encoder's tokenizer, the
 LoRAs the DiT has) the render service asks them at Submit, before the job is stored: a local stack refuses it there
 once it has started. Every refusal is a `CheckError`, which the CLI prints as `error: ...` and exits 2, whatever the
 input (an empty `--prompt ""` and a blank one alike).

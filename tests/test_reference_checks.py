@@ -14,6 +14,7 @@ that client printed (real processes):
 from __future__ import annotations
 
 import io
+import json
 import os
 import shlex
 import signal
@@ -44,12 +45,13 @@ def png_of(width: int, height: int) -> bytes:
     return buf.getvalue()
 
 
-def nan_wav(seconds: float = 0.5, rate: int = 32000) -> bytes:
-    """A 32-bit float WAV whose samples include NaN (a file a DAW or a broken script can write)."""
+def float_wav(seconds: float = 0.5, rate: int = 32000, nan: bool = False) -> bytes:
+    """A 32-bit float WAV, with a NaN among its samples when `nan` (a file a broken script can write)."""
     import soundfile
 
     wave = np.full((int(seconds * rate), 1), 0.1, dtype=np.float32)
-    wave[rate // 10] = np.nan
+    if nan:
+        wave[rate // 10] = np.nan
     buf = io.BytesIO()
     soundfile.write(buf, wave, rate, format="WAV", subtype="FLOAT")
     return buf.getvalue()
@@ -67,7 +69,7 @@ BAD = {
     "not a wav": ({"a.png": media_png(), "bad.wav": b"RIFF\x00\x00\x00\x00WAVEjunk" * 64},
                   "<Picture 1> talks like <Audio 1>",
                   "--ref {tmp}/bad.wav: the audio reference cannot be used: Invalid data found when processing input"),
-    "nan audio": ({"a.png": media_png(), "nan.wav": nan_wav()}, "<Picture 1> talks like <Audio 1>",
+    "nan audio": ({"a.png": media_png(), "nan.wav": float_wav(nan=True)}, "<Picture 1> talks like <Audio 1>",
                   "--ref {tmp}/nan.wav: the audio reference cannot be used: its audio holds NaN or infinite samples"),
     "clip too short": ({"short.mp4": media_mp4(n=12, fps=30)}, "a dog walks like <Video 1>",
                        "--ref {tmp}/short.mp4: the video reference cannot be used: it lasts 0.4"),
@@ -113,6 +115,24 @@ def test_the_command_refuses_them_in_a_second_starting_nothing(tmp_path):
     assert no_stack_started(tmp_path) and not (tmp_path / "x.mp4").exists()
 
 
+def test_the_checks_run_without_torch_or_numpy(tmp_path):
+    """The thin client checks an image, a clip with its soundtrack and a float voice file without importing torch or
+    numpy (the checks read pixels and samples through Pillow and PyAV alone)."""
+    files = {"a.png": media_png(), "walk.mp4": media_mp4(n=30, fps=30), "voice.wav": float_wav()}
+    for name, data in files.items():
+        (tmp_path / name).write_bytes(data)
+    refs = [(kind, str(tmp_path / name)) for kind, name in (("image", "a.png"), ("video", "walk.mp4"),
+                                                              ("audio", "voice.wav"))]
+    code = ("import json, sys\n"
+            "from minimax_h3.reference_files import check_reference_file\n"
+            f"found = [check_reference_file(k, open(p, 'rb').read(), {FRAMES}) for k, p in {refs!r}]\n"
+            "print(json.dumps({'sound': [f.sound for f in found], "
+            "'heavy': sorted(m for m in ('torch', 'numpy') if m in sys.modules)}))\n")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout) == {"sound": [False, True, False], "heavy": []}
+
+
 @pytest.fixture(scope="module")
 def svc(stack, tmp_path_factory):
     """A render service of its own over the session's stages."""
@@ -148,7 +168,7 @@ def test_nan_audio_is_the_callers_invalid_argument_at_the_decoder(clients):
     from client.pipeline import encode_reference
 
     with pytest.raises(grpc.RpcError) as e:
-        encode_reference(clients, common_pb2.Reference(kind="audio", data=nan_wav(), name="nan.wav"), FRAMES)
+        encode_reference(clients, common_pb2.Reference(kind="audio", data=float_wav(nan=True), name="nan.wav"), FRAMES)
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value.details()
     assert e.value.details().startswith("the audio reference nan.wav cannot be used: its audio holds NaN or "
                                         "infinite samples"), e.value.details()
