@@ -13,6 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from client.command import self_command
 from client.machine import SETUP_NAMES, find_gpus, free_disk_gib, host_ram_gib, recommend
 
 # What the real model needs of the host, per setup (README "Requirements"): 64 GB, which a kernel reports as ~62 GiB.
@@ -49,7 +50,8 @@ def torch_info() -> tuple[str, str]:
 def cmd_doctor(args) -> int:
     from client.endpoints import configured_endpoints, configured_render, render_reachable, unreachable_stages
     from client.stubs import Security
-    from minimax_h3.files import CHECKPOINT_PARTS, find_part
+    from client.checks import find_for_client
+    from minimax_h3.files import CHECKPOINT_PARTS
     from stagekit.errors import FailedPrecondition
 
     fixes: list[str] = []
@@ -73,7 +75,7 @@ def cmd_doctor(args) -> int:
         missing = []
         for part, spec in CHECKPOINT_PARTS.items():
             try:
-                found = find_part(root, part)
+                found = find_for_client(root, part)
                 print(f"models      {part:<10} {found}")
             except FailedPrecondition as e:
                 if spec.optional and e.message.startswith("no "):
@@ -82,7 +84,7 @@ def cmd_doctor(args) -> int:
                 missing.append(part)
                 print(f"models      {part:<10} missing ({e.message})")
         if missing:
-            fixes.append(f"the models folder lacks {', '.join(missing)}: python -m client models fetch --to {root}")
+            fixes.append(f"the models folder lacks {', '.join(missing)}: {self_command()} models fetch --to {root}")
     else:
         print("models      no folder given (--models-dir or H3_MODELS_DIR); the embedded tiny model is used")
         if disk < MIN_DISK_GIB and gpus:
