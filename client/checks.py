@@ -114,11 +114,13 @@ def _has_sound(path: str) -> bool:
     """Whether a video file carries a soundtrack (it takes an `<Audio j>` number before its `<Video k>`)."""
     import av
 
+    from minimax_h3.media import decoder_error_words
+
     try:
         with av.open(path) as c:
             return bool(c.streams.audio)
     except av.FFmpegError as e:
-        raise CheckError(f"--ref {path}: not a video file PyAV can read ({e})") from None
+        raise CheckError(f"--ref {path}: not a video file: {decoder_error_words(e)}") from None
 
 
 WEIGHTS_ENV = {"encoder": "H3_ENCODER_WEIGHTS", "dit": "H3_DIT_WEIGHTS", "dit_ref2va": "H3_DIT_WEIGHTS",

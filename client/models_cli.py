@@ -101,14 +101,36 @@ def _verified(path: Path, size: int, sha: str) -> bool:
     return True
 
 
+def _make_dirs(path: Path, made: list[Path]) -> None:
+    """`path.mkdir(parents=True)`, adding each folder it creates to `made` (outermost first)."""
+    missing = [p for p in (path, *path.parents) if not p.exists()]
+    path.mkdir(parents=True, exist_ok=True)
+    made += reversed(missing)
+
+
 def fetch(to: Path, files: list[RemoteFile], out=sys.stderr) -> int:
-    """Steps 1-4 of the module docstring. Returns the number of files downloaded; FetchError when it cannot go on."""
+    """Steps 1-4 of the module docstring. Returns the number of files downloaded; FetchError when it cannot go on.
+    A run that stops removes the folders it created and left empty (a `.part` to resume from keeps its folder; a
+    folder that was there before is never removed)."""
+    made: list[Path] = []
+    try:
+        return _fetch(to, files, out, made)
+    except BaseException:
+        for d in reversed(made):  # innermost first; rmdir removes only an empty folder
+            try:
+                d.rmdir()
+            except OSError:
+                pass
+        raise
+
+
+def _fetch(to: Path, files: list[RemoteFile], out, made: list[Path]) -> int:
     from huggingface_hub import constants, get_hf_file_metadata, hf_hub_url
     from huggingface_hub.errors import EntryNotFoundError, RepositoryNotFoundError
     from huggingface_hub.file_download import http_get
     from huggingface_hub.utils import build_hf_headers
 
-    to.mkdir(parents=True, exist_ok=True)
+    _make_dirs(to, made)
     plan = []  # 1. what is where, and how big
     for f in files:
         url = hf_hub_url(f.repo, f.path)
@@ -142,7 +164,7 @@ def fetch(to: Path, files: list[RemoteFile], out=sys.stderr) -> int:
     headers = build_hf_headers()
     for f, url, size, sha in todo:  # 3. resumable, with a progress bar
         dest = to / f.local
-        dest.parent.mkdir(parents=True, exist_ok=True)
+        _make_dirs(dest.parent, made)
         part = dest.with_name(f".{dest.name}.part")
         done = part.stat().st_size if part.is_file() else 0
         if done > size:

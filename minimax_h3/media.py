@@ -245,6 +245,22 @@ def decoder_errors() -> tuple[type[BaseException], ...]:
     return av.FFmpegError, OSError, Image.DecompressionBombError
 
 
+def decoder_error_words(e: BaseException) -> str:
+    """A `decoder_errors()` error in words its sender can act on: FFmpeg's reason without PyAV's `[Errno N]` and
+    stand-in file name, Pillow's without the Python object it read from."""
+    import av
+    from PIL import UnidentifiedImageError
+
+    if isinstance(e, av.FFmpegError):
+        why = e.strerror or "an error it does not name"
+        return f"FFmpeg cannot read it ({why[0].lower()}{why[1:]}): send a file in a format FFmpeg decodes"
+    if isinstance(e, UnidentifiedImageError):
+        return "it is not an image Pillow reads: send a PNG, JPEG or WebP file"
+    if isinstance(e, OSError) and e.strerror:
+        return e.strerror
+    return str(e)
+
+
 def decodable_stream(container, kind: str, refuse: Callable[[str], InvalidArgument]):
     """The container's first `kind` ("video" / "audio") stream; `refuse(why)` is raised when it has none, or one
     whose codec FFmpeg does not know (PyAV then gives it no codec context)."""
@@ -311,4 +327,4 @@ def load_reference(data: bytes, kind: str, frames: int, sizes: ReferenceSizes = 
             return ReferenceMedia("video", frames=normalize_video(video, fps, frames, sizes), audio=sound,
                                   source_fps=fps, source_rate=rate)
     except decoder_errors() as e:
-        raise refused(str(e)) from None
+        raise refused(decoder_error_words(e)) from None

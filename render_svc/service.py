@@ -124,7 +124,7 @@ def describe_reference(ref, index: int) -> bool:
     import av
     from PIL import Image
 
-    from minimax_h3.media import decodable_stream, decoder_errors
+    from minimax_h3.media import decodable_stream, decoder_error_words, decoder_errors
 
     what = f"reference {index + 1} ({ref.name or ref.kind})"
 
@@ -153,7 +153,7 @@ def describe_reference(ref, index: int) -> bool:
                 else:
                     decodable_stream(c, "audio", unreadable)
     except decoder_errors() as e:
-        raise unreadable(e) from None
+        raise unreadable(decoder_error_words(e)) from None
     if thumb is not None:
         thumb.thumbnail((THUMBNAIL_PX, THUMBNAIL_PX))
         buf = io.BytesIO()
