@@ -20,7 +20,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from tests.test_first_hour import client, no_stack_started
+from tests.test_first_hour import client, free_port, no_stack_started
 from tests.test_models_cli import run
 from tests.test_scripts import started_by
 
@@ -43,7 +43,8 @@ def _render(tmp_path: Path, *argv: str) -> subprocess.CompletedProcess:
     ("", "error: --upscale '': give WIDTHxHEIGHT"),
 ])
 def test_upscale_without_a_size_is_refused_not_ignored(size, needle, tmp_path):
-    r = _render(tmp_path, "--upscale", size)
+    # a render service that is not there: a size the client let through fails there (exit 1), not here (exit 2)
+    r = _render(tmp_path, "--upscale", size, "--render", f"127.0.0.1:{free_port()}")
     assert r.returncode == 2 and needle in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert no_stack_started(tmp_path) and not (tmp_path / "x.mp4").exists()
 
@@ -102,8 +103,11 @@ def test_self_command_is_the_interpreter_running_the_client(tmp_path, monkeypatc
     assert self_command() == "/opt/py/bin/python3 -m client"  # outside the working directory: the full path
 
 
-def test_cli_hints_name_the_interpreter_that_runs_them(tmp_path):
-    here = f"{os.path.abspath(sys.executable)} -m client"  # the tests' interpreter lies outside the checkout
+def test_cli_hints_name_the_interpreter_that_runs_them(tmp_path, monkeypatch):
+    from client.command import self_command
+
+    monkeypatch.chdir(ROOT)
+    here = self_command()  # the clients below run from the checkout with this interpreter
 
     def bare(text: str) -> bool:  # a hint that says `python -m client` without the interpreter
         return "python -m client" in text.replace(here, "")
@@ -216,7 +220,7 @@ def test_up_shows_why_a_stage_died_at_start(tmp_path):
 
 def test_queued_jobs_have_one_line_of_positions_on_the_web_page(stack, tmp_path):
     """A job blocks in the encoder (the device lease held); behind it a prompt-only job waits for the encoder and a
-    keyframe job for the keyframes stage: each its own stage queue's first, but #1 and #2 of the service's queue."""
+    keyframe job for the keyframes stage: each first of its own stage queue, but first and second in the service's one line."""
     from PIL import Image
 
     from h3.v1 import render_pb2
