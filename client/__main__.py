@@ -29,6 +29,7 @@ import grpc
 
 from client.checks import (CheckError, check_for_local_stack, output_paths, read_keyframe, read_prompts,
                            read_references, refuse_existing)
+from client.command import self_command
 from client.embedded import StackStartError
 from client.endpoints import (DEFAULT_ENDPOINTS_FILE, EndpointError, add_endpoint_args, check_render_reachable,
                               configured_endpoints, configured_render, connect_render)
@@ -65,10 +66,14 @@ def parse_lora_arg(text: str) -> tuple[str, float]:
 
 
 def parse_size(text: str) -> tuple[int, int]:
-    """'1920x1080' -> (1920, 1080)."""
+    """'1920x1080' -> (1920, 1080). A zero side is refused: on the wire 0x0 means "no upscale", so a given 0x0 would
+    be dropped without a word."""
     w, sep, h = text.lower().partition("x")
     if not sep or not w.isdigit() or not h.isdigit():
         raise ValueError(f"--upscale {text!r}: give WIDTHxHEIGHT, e.g. 1920x1080")
+    if int(w) == 0 or int(h) == 0:
+        raise ValueError(f"--upscale {text}: the MP4's width and height must both be above 0, e.g. 1920x1080 "
+                         "(leave --upscale out to keep the render's size)")
     return int(w), int(h)
 
 
@@ -76,7 +81,7 @@ def _render_requests(args, prompts: list[str], keyframes: dict[str, bytes]):
     from client.render_client import render_request
 
     loras = [parse_lora_arg(x) for x in args.lora or ()]
-    upscale = parse_size(args.upscale) if args.upscale else (0, 0)
+    upscale = parse_size(args.upscale) if args.upscale is not None else (0, 0)
     reqs = []
     for i, p in enumerate(prompts):
         spec = _spec(args, p)  # valid: render_inputs validated it
@@ -89,14 +94,6 @@ def _render_requests(args, prompts: list[str], keyframes: dict[str, bytes]):
         raise ValueError(f"the keyframe files are {size} bytes together; one request carries at most "
                          f"{MAX_REQUEST_BYTES} bytes: send smaller files")
     return reqs
-
-
-def self_command() -> str:
-    """How to run this client again, as the user can type it here: `.venv/bin/python -m client` from the checkout
-    (no activated venv needed), else the interpreter's full path."""
-    exe = os.path.abspath(sys.executable)
-    rel = os.path.relpath(exe)
-    return f"{rel if not rel.startswith('..') else exe} -m client"
 
 
 def render_inputs(args):
@@ -417,7 +414,7 @@ def _add_render_parser(sub) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m client", description="h3-stages client")
+    ap = argparse.ArgumentParser(prog=self_command(), description="h3-stages client")
     sub = ap.add_subparsers(dest="cmd", required=True)
     _add_render_parser(sub)
     j = sub.add_parser("jobs", help="the render service's jobs: list | get | watch | fetch | cancel")

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from client.command import self_command
 from stagekit.errors import InvalidArgument
 
 
@@ -111,8 +112,18 @@ def read_references(specs: list[str], prompts: list[str], frames: int):
     return refs
 
 
-WEIGHTS_ENV = {"encoder": "H3_ENCODER_WEIGHTS", "dit": "H3_DIT_WEIGHTS", "video_vae": "H3_DECODER_VIDEO_WEIGHTS",
-               "audio_vae": "H3_DECODER_AUDIO_WEIGHTS"}
+WEIGHTS_ENV = {"encoder": "H3_ENCODER_WEIGHTS", "dit": "H3_DIT_WEIGHTS", "dit_ref2va": "H3_DIT_WEIGHTS",
+               "video_vae": "H3_DECODER_VIDEO_WEIGHTS", "audio_vae": "H3_DECODER_AUDIO_WEIGHTS"}
+
+
+def find_for_client(models_dir: str | Path, part: str) -> Path:
+    """`minimax_h3.files.find_part`, its refusal naming what a client user can set: the stage's env var
+    (`H3_DIT_WEIGHTS=FILE`, read by a stage the client or `scripts/up.sh` starts), not the stage's own `--weights`
+    flag, which `render`, `doctor` and `up.sh` do not take."""
+    from minimax_h3.files import CHECKPOINT_PARTS, find_checkpoint
+
+    c = CHECKPOINT_PARTS[part]
+    return find_checkpoint(models_dir, c.patterns, c.what, c.exclude, f"env {WEIGHTS_ENV[part]}=FILE")
 
 
 def check_for_local_stack(models_dir: str) -> None:
@@ -121,16 +132,16 @@ def check_for_local_stack(models_dir: str) -> None:
     its file is named by the stage's own env var; else one line naming the folder and what was looked for."""
     if not models_dir:
         return
-    from minimax_h3.files import CHECKPOINT_PARTS, find_part
+    from minimax_h3.files import CHECKPOINT_PARTS
     from stagekit.errors import FailedPrecondition
 
     for part, spec in CHECKPOINT_PARTS.items():
-        if os.environ.get(WEIGHTS_ENV.get(part, "")):
+        if os.environ.get(WEIGHTS_ENV[part]):
             continue
         try:
-            find_part(models_dir, part)
+            find_for_client(models_dir, part)
         except FailedPrecondition as e:
             if spec.optional and e.message.startswith("no "):
                 continue
-            raise CheckError(f"--models-dir {models_dir}: {e.message} (python -m client models check DIR "
+            raise CheckError(f"--models-dir {models_dir}: {e.message} ({self_command()} models check DIR "
                              "says what each stage needs)") from None

@@ -2,7 +2,8 @@
 
 GPUs, driver, the torch build and the CUDA it sees (asked in a child process: this client never imports torch),
 VRAM per card, host RAM, free disk, the models folder, the services configured and whether they answer; it ends
-with the setup it recommends or the first thing to fix (exit 1 when something must be fixed).
+with the setup it recommends or the first thing to fix (exit 1 when something must be fixed). A machine that cannot
+run the real model (no GPU that fits, too little host RAM) is said plainly; `--strict` makes that exit 1 too.
 """
 
 from __future__ import annotations
@@ -13,10 +14,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-from client.machine import SETUP_NAMES, find_gpus, free_disk_gib, host_ram_gib, recommend
+from client.command import self_command
+from client.machine import (HOST_RAM_GB, SETUP_NAMES, find_gpus, free_disk_gib, host_ram_gib, real_model_blockers,
+                            recommend)
 
-# What the real model needs of the host, per setup (README "Requirements"): 64 GB, which a kernel reports as ~62 GiB.
-MIN_HOST_RAM_GIB = 60.0
 MIN_DISK_GIB = 60.0   # the default variants of `models fetch`: about 52 GiB
 # scripts/up.sh's default ports (H3_<NAME>_PORT overrides each)
 UP_PORTS = {"encoder": 50051, "dit": 50052, "decoder": 50053, "render": 50054, "render_http": 8054}
@@ -49,7 +50,8 @@ def torch_info() -> tuple[str, str]:
 def cmd_doctor(args) -> int:
     from client.endpoints import configured_endpoints, configured_render, render_reachable, unreachable_stages
     from client.stubs import Security
-    from minimax_h3.files import CHECKPOINT_PARTS, find_part
+    from client.checks import find_for_client
+    from minimax_h3.files import CHECKPOINT_PARTS
     from stagekit.errors import FailedPrecondition
 
     fixes: list[str] = []
@@ -63,8 +65,8 @@ def cmd_doctor(args) -> int:
         fixes.append("torch does not see the GPU: run scripts/setup.sh --cuda (it installs the CUDA build the "
                      "driver runs)")
     ram = host_ram_gib()
-    print(f"host RAM    {ram:.1f} GiB" + (" (the real model wants 64 GB)" if ram < MIN_HOST_RAM_GIB
-                                          else ""))
+    print(f"host RAM    {ram:.1f} GiB (the real model needs "
+          + ", ".join(f"{gb} GB with {SETUP_NAMES[k]}" for k, gb in HOST_RAM_GB.items()) + ")")
     models = args.models_dir
     disk = free_disk_gib(models or ".")
     print(f"disk        {disk:.1f} GiB free under {models or os.getcwd()}")
@@ -73,7 +75,7 @@ def cmd_doctor(args) -> int:
         missing = []
         for part, spec in CHECKPOINT_PARTS.items():
             try:
-                found = find_part(root, part)
+                found = find_for_client(root, part)
                 print(f"models      {part:<10} {found}")
             except FailedPrecondition as e:
                 if spec.optional and e.message.startswith("no "):
@@ -82,7 +84,7 @@ def cmd_doctor(args) -> int:
                 missing.append(part)
                 print(f"models      {part:<10} missing ({e.message})")
         if missing:
-            fixes.append(f"the models folder lacks {', '.join(missing)}: python -m client models fetch --to {root}")
+            fixes.append(f"the models folder lacks {', '.join(missing)}: {self_command()} models fetch --to {root}")
     else:
         print("models      no folder given (--models-dir or H3_MODELS_DIR); the embedded tiny model is used")
         if disk < MIN_DISK_GIB and gpus:
@@ -112,12 +114,14 @@ def cmd_doctor(args) -> int:
         for n, p in taken:
             fixes.append(f"port {p}, scripts/up.sh's for {n}, is taken by another program: stop it, or set "
                          f"H3_{n.upper()}_PORT to another port (0: any free one)")
+    blockers = real_model_blockers(gpus, ram)
+    print("real model  " + (f"CANNOT RUN HERE: {'; '.join(blockers)}" if blockers else "fits this machine"))
     if fixes:
         print(f"fix first:  {fixes[0]}" + "".join(f"\nthen:       {f}" for f in fixes[1:]))
         return 1
     setup, line = recommend(gpus, models or "DIR")
     print(f"recommended ({SETUP_NAMES[setup]}):\n  {line}")
-    return 0
+    return 1 if blockers and args.strict else 0
 
 
 def add_parser(sub) -> None:
@@ -126,5 +130,8 @@ def add_parser(sub) -> None:
     d = sub.add_parser("doctor", help="GPUs, driver, torch, VRAM, RAM, disk, models folder, services; what to do next")
     d.add_argument("--models-dir", default=os.environ.get("H3_MODELS_DIR", ""),
                    help="the models folder to look at (default: H3_MODELS_DIR)")
+    d.add_argument("--strict", action="store_true",
+                   help="exit 1 also when this machine cannot run the real model (default: exit 0 then, as the "
+                        "embedded tiny model runs anywhere)")
     add_endpoint_args(d.add_argument_group("where the services are"), render=True)
     d.set_defaults(fn=cmd_doctor)

@@ -32,6 +32,10 @@ TURING_ENV = ("H3_DIT_LINEAR_KERNEL=int8 H3_DIT_DTYPE=float16 H3_ENCODER_MODE=co
               "H3_DECODER_DTYPE=float16")
 MIN_SETUP_VRAM_GIB = 21.0   # a "22 GB" card (2080 Ti 22 GB mod, 3090/4090 24 GB) reports 21.5+ GiB
 BIG_VRAM_GIB = 75.0
+# Host RAM each setup needs (README "Requirements", one figure everywhere): all our processes together peaked at
+# 23.1 GiB RSS on one 22 GB card (docs/one_card.md, "Host memory") and at 37.5 GiB RSS on two (docs/two_cards.md).
+HOST_RAM_GB = {"one-22gb": 32, "two-22gb": 64, "big": 64}
+MEMINFO_SHARE = 0.9  # MemTotal is the installed RAM less what firmware and kernel keep (~3 %); 0.9 leaves room
 
 
 @dataclass(frozen=True)
@@ -128,13 +132,17 @@ def free_disk_gib(path: str | Path) -> float:
     return shutil.disk_usage(p).free / GIB
 
 
+def _no_fit(gpus: list[GPU]) -> str:
+    small = f" (the largest has {max(g.memory_gib for g in gpus):.1f} GiB)" if gpus else ""
+    return (f"no GPU with {MIN_SETUP_VRAM_GIB:.0f}+ GiB{small}: the real model needs one 22 GB card at least "
+            "(README 'Requirements')")
+
+
 def recommend(gpus: list[GPU], models_dir: str = "DIR") -> tuple[str, str]:
     """(setup key or "", the `scripts/up.sh` command line that fits `gpus`, or what to do instead)."""
     fits = [g for g in gpus if g.memory_gib >= MIN_SETUP_VRAM_GIB]
     if not fits:
-        small = f" (the largest has {max(g.memory_gib for g in gpus):.1f} GiB)" if gpus else ""
-        return "", (f"no GPU with {MIN_SETUP_VRAM_GIB:.0f}+ GiB{small}: the real model needs one 22 GB card at "
-                    "least (README 'Requirements'); the embedded tiny model runs here: scripts/up.sh")
+        return "", f"{_no_fit(gpus)}; the embedded tiny model runs here: scripts/up.sh"
     turing = min(g.compute_cap for g in fits) < 8.0  # no bf16 / fp8 kernels: int8 linears, fp16 compute
     env = TURING_ENV + " " if turing else ""
     if fits[0].memory_gib >= BIG_VRAM_GIB:
@@ -145,6 +153,18 @@ def recommend(gpus: list[GPU], models_dir: str = "DIR") -> tuple[str, str]:
                             f"--decoder-ranks 2 --gpu-memory-cap-gb 22 --residency exclusive")
     return "one-22gb", (f"{env}scripts/up.sh --models-dir {models_dir} --devices cuda:{fits[0].index} "
                         f"--gpu-memory-cap-gb 22 --residency exclusive")
+
+
+def real_model_blockers(gpus: list[GPU], ram_gib: float) -> list[str]:
+    """Why this machine cannot run the real model (empty when it can): no GPU that fits any setup, or less host RAM
+    than the setup that fits needs (HOST_RAM_GB)."""
+    setup, _ = recommend(gpus)
+    if not setup:
+        return [_no_fit(gpus)]
+    need = HOST_RAM_GB[setup]
+    if ram_gib < need * MEMINFO_SHARE:
+        return [f"{ram_gib:.1f} GiB of host RAM: {SETUP_NAMES[setup]} needs {need} GB (README 'Requirements')"]
+    return []
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -27,6 +27,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from client.command import self_command
 from stagekit.errors import FailedPrecondition
 
 COMFY_REPO = "Comfy-Org/MiniMax-H3"
@@ -100,14 +101,36 @@ def _verified(path: Path, size: int, sha: str) -> bool:
     return True
 
 
+def _make_dirs(path: Path, made: list[Path]) -> None:
+    """`path.mkdir(parents=True)`, adding each folder it creates to `made` (outermost first)."""
+    missing = [p for p in (path, *path.parents) if not p.exists()]
+    path.mkdir(parents=True, exist_ok=True)
+    made += reversed(missing)
+
+
 def fetch(to: Path, files: list[RemoteFile], out=sys.stderr) -> int:
-    """Steps 1-4 of the module docstring. Returns the number of files downloaded; FetchError when it cannot go on."""
+    """Steps 1-4 of the module docstring. Returns the number of files downloaded; FetchError when it cannot go on.
+    A run that stops removes the folders it created and left empty (a `.part` to resume from keeps its folder; a
+    folder that was there before is never removed)."""
+    made: list[Path] = []
+    try:
+        return _fetch(to, files, out, made)
+    except BaseException:
+        for d in reversed(made):  # innermost first; rmdir removes only an empty folder
+            try:
+                d.rmdir()
+            except OSError:
+                pass
+        raise
+
+
+def _fetch(to: Path, files: list[RemoteFile], out, made: list[Path]) -> int:
     from huggingface_hub import constants, get_hf_file_metadata, hf_hub_url
     from huggingface_hub.errors import EntryNotFoundError, RepositoryNotFoundError
     from huggingface_hub.file_download import http_get
     from huggingface_hub.utils import build_hf_headers
 
-    to.mkdir(parents=True, exist_ok=True)
+    _make_dirs(to, made)
     plan = []  # 1. what is where, and how big
     for f in files:
         url = hf_hub_url(f.repo, f.path)
@@ -141,7 +164,7 @@ def fetch(to: Path, files: list[RemoteFile], out=sys.stderr) -> int:
     headers = build_hf_headers()
     for f, url, size, sha in todo:  # 3. resumable, with a progress bar
         dest = to / f.local
-        dest.parent.mkdir(parents=True, exist_ok=True)
+        _make_dirs(dest.parent, made)
         part = dest.with_name(f".{dest.name}.part")
         done = part.stat().st_size if part.is_file() else 0
         if done > size:
@@ -183,7 +206,7 @@ def cmd_fetch(args) -> int:
         print(f"error: {e}; run the same command again to resume", file=sys.stderr)
         return 1
     print(f"{n} file(s) downloaded; all {len(files)} in {args.to} match the Hub's sha256. Next: "
-          f"python -m client models check {args.to}")
+          f"{self_command()} models check {args.to}")
     return 0
 
 
@@ -234,7 +257,8 @@ def _inspect(part: str, path: Path) -> str:
 def check_folder(models_dir: Path) -> list[PartReport]:
     """One report per part of the model (minimax_h3.files.CHECKPOINT_PARTS): found how the stage finds it, then
     read with its loader."""
-    from minimax_h3.files import CHECKPOINT_PARTS, find_part
+    from client.checks import find_for_client
+    from minimax_h3.files import CHECKPOINT_PARTS
 
     stage_of = {"encoder": "encoder", "dit": "dit", "dit_ref2va": "dit", "video_vae": "decoder",
                 "audio_vae": "decoder"}
@@ -242,7 +266,7 @@ def check_folder(models_dir: Path) -> list[PartReport]:
     for part, spec in CHECKPOINT_PARTS.items():
         r = PartReport(stage_of[part], part)
         try:
-            r.path = find_part(models_dir, part)
+            r.path = find_for_client(models_dir, part)
         except FailedPrecondition as e:
             if not (spec.optional and e.message.startswith("no ")):
                 r.problem = e.message
@@ -262,7 +286,7 @@ def cmd_check(args) -> int:
 
     root = Path(args.models_dir).expanduser()
     if not root.is_dir():
-        print(f"error: {root} is not a folder; fetch the files with: python -m client models fetch --to {root}",
+        print(f"error: {root} is not a folder; fetch the files with: {self_command()} models fetch --to {root}",
               file=sys.stderr)
         return 1
     reports = check_folder(root)
@@ -275,7 +299,7 @@ def cmd_check(args) -> int:
             print(f"{r.stage:<8} {r.part:<10} ok       {r.path} ({_gib(r.size)}; {r.variant})")
     bad = [r for r in reports if r.problem]
     if bad:
-        print(f"{len(bad)} of {len(reports)} parts missing or wrong; python -m client models fetch --to {root} "
+        print(f"{len(bad)} of {len(reports)} parts missing or wrong; {self_command()} models fetch --to {root} "
               "downloads what is missing (and replaces a damaged file: delete it first)")
         return 1
     gpus, _ = find_gpus()

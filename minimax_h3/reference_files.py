@@ -68,15 +68,18 @@ def decoder_errors() -> tuple[type[BaseException], ...]:
 
 
 def decoder_words(e: BaseException) -> str:
-    """What a decoder's refusal says about the file, in words (without FFmpeg's error number, or the in-memory
-    buffer Pillow names)."""
+    """A decoder's refusal in words its sender can act on: FFmpeg's reason without PyAV's `[Errno N]` and stand-in
+    file name, Pillow's without the in-memory buffer it read from."""
     import av
     from PIL import UnidentifiedImageError
 
-    if isinstance(e, av.FFmpegError) and e.strerror:
-        return e.strerror
+    if isinstance(e, av.FFmpegError):
+        why = e.strerror or "an error it does not name"
+        return f"FFmpeg cannot read it ({why[0].lower()}{why[1:]}): send a file in a format FFmpeg decodes"
     if isinstance(e, UnidentifiedImageError):
-        return "cannot identify image file (not a PNG, JPEG, WebP or other format Pillow reads)"
+        return "it is not an image Pillow reads: send a PNG, JPEG or WebP file"
+    if isinstance(e, OSError) and e.strerror:
+        return e.strerror
     return str(e) or type(e).__name__
 
 

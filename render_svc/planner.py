@@ -82,14 +82,6 @@ class BatchPlanner:
     def stage_of(self, job_id: str) -> str | None:
         return next((s for s, q in self.queues.items() if any(r.job_id == job_id for r in q)), None)
 
-    def position(self, job_id: str) -> int:
-        """1-based position of a job among the waiting ones of its stage; 0 if not waiting."""
-        for q in self.queues.values():
-            for i, r in enumerate(q):
-                if r.job_id == job_id:
-                    return i + 1
-        return 0
-
     def _tasks(self) -> list[tuple[int, int, str]]:
         """(slack, -stage order, stage) per batch-sized chunk of every queue, chunk 0 first within a stage."""
         out = []

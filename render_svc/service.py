@@ -260,9 +260,7 @@ class RenderService:
 
     def info(self, job_id: str, rec: JobRecord | None = None, owner: str | None = None) -> render_pb2.JobInfo:
         rec = rec or self.store.get(job_id, owner)
-        with self._lock:
-            pos = self.planner.position(job_id)
-        return rec.info(pos)
+        return rec.info(self.store.queue_position(rec))
 
     def cancel(self, job_id: str, owner: str | None = None) -> render_pb2.JobInfo:
         rec = self.store.get(job_id, owner)
@@ -508,8 +506,8 @@ class RenderService:
         recent batches."""
         active = self.store.list([QUEUED, RUNNING], limit=500, oldest_first=True, owner=owner)
         recent = self.store.list([SUCCEEDED, FAILED, CANCELLED], limit=50, owner=owner)
+        pos = self.store.queue_positions()
         with self._lock:
-            pos = {r.id: self.planner.position(r.id) for r in active}
             batch = None if self.batch is None else {"number": self.batch.number, "stage": self.batch.stage,
                                                      "jobs": list(self.batch.job_ids), "t0": self.batch_t0}
             batches = list(self.batch_log)[-40:]

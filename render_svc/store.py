@@ -323,6 +323,22 @@ class JobStore:
         with self.lock:
             return [_record(r) for r in self.db.execute(q, (*args, limit)).fetchall()]
 
+    def queue_position(self, rec: JobRecord) -> int:
+        """A QUEUED job's 1-based place among every queued job of the service (all owners, oldest first); 0 for a
+        job that started or finished. One line for the whole service, so no two jobs share a number, as they would
+        counted per stage queue (a keyframes job and a prompt-only one both first of their own)."""
+        if rec.state != QUEUED:
+            return 0
+        with self.lock:
+            return self.db.execute("SELECT COUNT(*) FROM jobs WHERE state = ? AND seq <= ?",
+                                   (QUEUED, rec.seq)).fetchone()[0]
+
+    def queue_positions(self) -> dict[str, int]:
+        """`queue_position` of every QUEUED job, in one query."""
+        with self.lock:
+            rows = self.db.execute("SELECT id FROM jobs WHERE state = ? ORDER BY seq", (QUEUED,)).fetchall()
+        return {r[0]: i + 1 for i, r in enumerate(rows)}
+
     def counts(self) -> dict[int, int]:
         with self.lock:
             return {r[0]: r[1] for r in self.db.execute("SELECT state, COUNT(*) FROM jobs GROUP BY state")}

@@ -78,6 +78,10 @@ import sys, time
 from pathlib import Path
 from client.stubs import SERVICE_NAMES, health_of, open_channel
 run = Path(sys.argv[1]); deadline = time.time() + 600; lines = []
+def failed(stage, what):  # the log's last lines say why; the whole log stays there
+    log = run / f"{stage}.log"
+    tail = log.read_text(errors="replace").splitlines()[-20:] if log.exists() else []
+    sys.exit(f"{stage} {what}; the last {len(tail)} lines of {log}:\n" + "\n".join(f"  {x}" for x in tail))
 for stage in ("encoder", "dit", "decoder"):
     while True:
         pf, pid = run / f"{stage}.port", run / f"{stage}.pid"
@@ -88,9 +92,9 @@ for stage in ("encoder", "dit", "decoder"):
         try:
             import os; os.kill(int(pid.read_text()), 0)
         except (OSError, ValueError):
-            sys.exit(f"{stage} died while starting; see {run / (stage + '.log')}")
+            failed(stage, "died while starting")
         if time.time() > deadline:
-            sys.exit(f"{stage} not SERVING after 600 s; see {run / (stage + '.log')}")
+            failed(stage, "not SERVING after 600 s")
         time.sleep(0.2)
 (run / "endpoints.env").write_text("\n".join(lines) + "\n")
 print("\n".join(lines))
@@ -122,13 +126,17 @@ from pathlib import Path
 from client.stubs import SERVICE_NAMES, health_of, open_channel
 run = Path(sys.argv[1]); deadline = time.time() + 300
 pf, pid = run / "render.port", run / "render.pid"
+def failed(what):  # the log's last lines say why; the whole log stays there
+    log = run / "render.log"
+    tail = log.read_text(errors="replace").splitlines()[-20:] if log.exists() else []
+    sys.exit(f"render {what}; the last {len(tail)} lines of {log}:\n" + "\n".join(f"  {x}" for x in tail))
 while not (pf.exists() and health_of(open_channel(f"127.0.0.1:{pf.read_text().strip()}"), SERVICE_NAMES["render"]) == "SERVING"):
     try:
         os.kill(int(pid.read_text()), 0)
     except (OSError, ValueError):
-        sys.exit(f"render died while starting; see {run / 'render.log'}")
+        failed("died while starting")
     if time.time() > deadline:
-        sys.exit(f"render not SERVING after 300 s; see {run / 'render.log'}")
+        failed("not SERVING after 300 s")
     time.sleep(0.2)
 lines = [f"H3_RENDER=127.0.0.1:{pf.read_text().strip()}"]
 web = run / "render.port.http"

@@ -243,7 +243,7 @@ def test_a_fault_while_loading_a_reference_is_internal_not_the_files(monkeypatch
     import minimax_h3.media as media
     from tests.test_references import media_png
 
-    with pytest.raises(InvalidArgument, match="the image reference cannot be used: cannot identify image file"):
+    with pytest.raises(InvalidArgument, match="the image reference cannot be used: it is not an image Pillow reads"):
         media.load_reference(b"\x89PNG not really", "image", 22)
     with pytest.raises(InvalidArgument, match="within 1:4 and 4:1"):
         media.load_reference(media_png(500, 100), "image", 22, media.EMBEDDED_REFERENCE_SIZES)

@@ -68,7 +68,8 @@ BAD = {
                     "--ref {tmp}/cut.png: the image reference cannot be used: image file is truncated"),
     "not a wav": ({"a.png": media_png(), "bad.wav": b"RIFF\x00\x00\x00\x00WAVEjunk" * 64},
                   "<Picture 1> talks like <Audio 1>",
-                  "--ref {tmp}/bad.wav: the audio reference cannot be used: Invalid data found when processing input"),
+                  "--ref {tmp}/bad.wav: the audio reference cannot be used: FFmpeg cannot read it (invalid data found when "
+                  "processing input)"),
     "nan audio": ({"a.png": media_png(), "nan.wav": float_wav(nan=True)}, "<Picture 1> talks like <Audio 1>",
                   "--ref {tmp}/nan.wav: the audio reference cannot be used: its audio holds NaN or infinite samples"),
     "clip too short": ({"short.mp4": media_mp4(n=12, fps=30)}, "a dog walks like <Video 1>",

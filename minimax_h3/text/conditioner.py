@@ -273,7 +273,7 @@ class Conditioner(nn.Module):
         if self.tokenizer is None:
             raise FailedPrecondition("no tokenizer loaded: keyframe presentations need one")
         if not items:
-            raise InvalidArgument("vision_inputs needs at least one image or video")
+            raise InvalidArgument("audio references need at least one image or video reference beside them")
         tok = self.tokenizer
         vcfg = self.vision_cfg
         pads = {"image": tok.token_id("<|image_pad|>"), "video": tok.token_id("<|video_pad|>")}
