@@ -305,7 +305,8 @@ class VideoAPI:
 
     @staticmethod
     def _fail(h, status: int, code: str, kind: str, message: str, headers: dict) -> None:
-        if not h.body_read and int(h.headers.get("Content-Length") or 0) > 0:
+        if not h.body_read and (h.headers.get("Content-Length", "0").strip() not in ("", "0")
+                                or h.headers.get("Transfer-Encoding")):
             h.close_connection = True  # its body was not read: the connection cannot carry another request
         h._send(status, error_body(code, message, kind), "application/json", headers)
 
@@ -318,10 +319,10 @@ class VideoAPI:
         connection's idle timeout). Chunked bodies are not taken (411)."""
         if h.headers.get("Transfer-Encoding"):
             raise HttpError(411, "length_required", "send the body with a Content-Length (chunked bodies are not taken)")
-        try:
-            size = int(h.headers.get("Content-Length") or 0)
-        except ValueError:
-            raise HttpError(400, "invalid_argument", "Content-Length is not a number") from None
+        size = h.headers.get("Content-Length") or "0"
+        if not size.isdigit():
+            raise HttpError(400, "invalid_argument", "Content-Length is not a number")
+        size = int(size)
         if size > limit:
             raise HttpError(413, "payload_too_large", f"the body is {size} bytes; at most {limit} are taken (send "
                             "large reference files with the gRPC Upload and name them there)")

@@ -12,14 +12,21 @@ import hmac
 import http.client
 import io
 import json
+import sqlite3
+import subprocess
+import sys
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import numpy as np
 from PIL import Image
 
 from render_svc.http_api import OPENAPI, ROUTES
-from tests.render_svc_util import RenderService, holding_the_device, probe, wait_for
+from render_svc.store import FAILED, JobStore
+from render_svc.webhooks import WebhookConfig, Webhooks
+from tests.render_svc_util import RenderService, holding_the_device, probe, tiny_request, wait_for
+from tests.test_readme import readme_commands
 
 SPEC = json.loads(OPENAPI.read_text())
 TINY = {"size": "256x256", "frames": 22, "steps": 1}
@@ -298,6 +305,7 @@ def test_http_video_api_and_webhooks(stack, tmp_path):
         mine = api.json("GET", "/v1/videos")
         check_schema(mine, SPEC["components"]["schemas"]["VideoList"])
         assert [x["id"] for x in mine["data"]] == [v["id"], held["id"]] and not mine["has_more"]
+        assert "from 1 to 100" in api.json("GET", "/v1/videos?limit=101", want=400)["error"]["message"]
         page1 = api.json("GET", "/v1/videos?limit=1")
         assert [x["id"] for x in page1["data"]] == [v["id"]] and page1["has_more"]
         page2 = api.json("GET", f"/v1/videos?limit=1&after={page1['last_id']}")
@@ -322,9 +330,40 @@ def test_http_video_api_and_webhooks(stack, tmp_path):
         receiver.close()
 
 
+def _readme_command(port: int) -> list[str]:
+    """README's HTTP example (Running it), pointed at `port` instead of scripts/up.sh's default web port."""
+    cmd = next(c for c in readme_commands("Running it") if c[:2] == [".venv/bin/python", "-c"] and "/v1/videos" in c[2])
+    assert "http://127.0.0.1:8054/" in cmd[2]
+    return [sys.executable, "-c", cmd[2].replace("http://127.0.0.1:8054/", f"http://127.0.0.1:{port}/")]
+
+
+def test_webhook_attempts_are_bounded(tmp_path):
+    """A receiver that always refuses gets --webhook-attempts attempts, spaced by the doubling backoff; then the
+    event is kept as failed and nothing more is sent (the outbox over a real job store)."""
+    store = JobStore(tmp_path)
+    receiver = Receiver(fail_first=1 << 30)
+    hooks = Webhooks(WebhookConfig(receiver.url, SECRET, attempts=3, retry_s=0.1), store, tmp_path)
+    hooks.start()
+    try:
+        rec, _ = store.submit(tiny_request("refused"))
+        store.finish(rec.id, FAILED, "INTERNAL", "a fault")
+        wait_for(lambda: len(receiver.got) >= 3, 30, "three attempts")
+        time.sleep(1.0)  # past the next backoff (0.4 s): no fourth attempt
+        assert len(receiver.got) == 3
+        times = [int(h["webhook-timestamp"]) for h, _ in receiver.got]
+        assert times == sorted(times) and {_verify(h, b)["type"] for h, b in receiver.got} == {"video.failed"}
+        row = sqlite3.connect(tmp_path / "webhooks.sqlite3").execute("SELECT state, attempts, last_error "
+                                                                     "FROM deliveries").fetchall()
+        assert row == [("failed", 3, "HTTP 500 Internal Server Error")]
+    finally:
+        hooks.stop()
+        receiver.close()
+        store.close()
+
+
 def test_a_webhook_outlives_a_kill(stack, tmp_path):
     """An event the receiver refused until the service was killed (SIGKILL) is delivered by the restarted service,
-    from the outbox in its run dir, with the same id."""
+    from the outbox in its run dir, with the same id. The job comes from the README's HTTP example."""
     s, endpoints = stack
     secret = tmp_path / "webhook.key"
     secret.write_bytes(SECRET)
@@ -335,8 +374,11 @@ def test_a_webhook_outlives_a_kill(stack, tmp_path):
     svc.start()
     try:
         api = Api(int((tmp_path / "run" / "render.port.http").read_text()))
-        with holding_the_device(s.lease_dir):
-            v = api.video("POST", "/v1/videos", {"prompt": "never rendered", **TINY}, who=None)
+        with holding_the_device(s.lease_dir):  # the README's command creates the job, which is then cancelled
+            r = subprocess.run(_readme_command(api.port), capture_output=True, text=True, timeout=60)
+            assert r.returncode == 0, r.stderr
+            v = api.video("GET", f"/v1/videos/{r.stdout.strip()}", who=None)
+            assert v["size"] == "512x288" and v["frames"] == 56 and v["steps"] == 4  # "seconds": 2 -> 56 frames
             assert api.video("POST", f"/v1/videos/{v['id']}/cancel", who=None)["status"] == "cancelled"
         wait_for(lambda: len(receiver.got) >= 2, 60, "the event refused twice", svc.log)
         svc.kill()
