@@ -9,8 +9,8 @@
 Same exposure rules as the gRPC port (stagekit/server.py): loopback by default; the same TLS certificate; with a
 token (--token-file, the env variable, or --tokens-file) every request needs one — `Authorization: Bearer <token>`,
 or once `?token=<token>` in the URL, which sets a cookie (HttpOnly, SameSite=Strict) so the page's own requests and
-its <video> elements carry it. A principal of --tokens-file sees its own jobs, an admin all. Nothing on the page
-changes a job. Residency comes from polling each stage's Status every half second while the page is served.
+its <video> elements carry it (the /v1/ API takes the header only). A principal of --tokens-file sees its own jobs,
+an admin all. Nothing on the page changes a job; the API's create and cancel do, as gRPC's Submit and Cancel. Residency comes from polling each stage's Status every half second while the page is served.
 
 Limits (docs/reliability.md, "Web page"): each connection is served by a thread of its own, the TLS handshake
 included (off the accept loop, within HANDSHAKE_S); a connection idle for IDLE_S is closed; at most
