@@ -236,9 +236,9 @@ def main(argv: list[str] | None = None) -> None:
         temp = ProcessTempDir(Path(cfg.temp_dir or tempfile.gettempdir()), "render")
     try:
         with startup_errors("render"):
+            hook_cfg = cfg.webhook()  # a webhook that could not be signed or sent refuses the start first
             listeners = listen(cfg, "render", SERVICE)
             clients = StageClients(cfg.endpoints(), cfg.stage_security())
-            hook_cfg = cfg.webhook()
             web = None
             if cfg.http_port >= 0:  # bound before the job database is opened: a taken port refuses the start first
                 from render_svc.web import WebPage

@@ -391,3 +391,19 @@ def test_a_webhook_outlives_a_kill(stack, tmp_path):
     finally:
         svc.stop()
         receiver.close()
+
+
+def test_webhook_flags_are_checked_at_start(tmp_path):
+    """A webhook that could not be signed or sent refuses the start, in one line naming the flag."""
+    key = tmp_path / "key"
+    key.write_text("k")
+    for flags, needle in ((["--webhook-url", "http://127.0.0.1:9/h"], "--webhook-url needs --webhook-secret-file"),
+                          (["--webhook-url", "ftp://127.0.0.1/h", "--webhook-secret-file", str(key)],
+                           "is not an http:// or https:// URL"),
+                          (["--webhook-url", "http://127.0.0.1:9/h", "--webhook-secret-file", str(tmp_path / "none")],
+                           "--webhook-secret-file")):
+        r = subprocess.run([sys.executable, "-m", "render_svc", "--encoder", "127.0.0.1:9", "--dit", "127.0.0.1:9",
+                            "--decoder", "127.0.0.1:9", "--port", "0", "--run-dir", str(tmp_path / "run"), *flags],
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode != 0 and "render: cannot start: " in r.stderr and needle in r.stderr, r.stderr[-1000:]
+        assert not (tmp_path / "run" / "render.sqlite3").exists()  # refused before the job store is opened
