@@ -213,11 +213,11 @@ def render_request(body, idempotency_key: str) -> render_pb2.RenderRequest:
     for i, lo in enumerate(loras):
         if not isinstance(lo, dict) or set(lo) - {"name", "strength"} or not isinstance(lo.get("name"), str):
             raise InvalidArgument(f"loras[{i}] must be {{\"name\": FILE, \"strength\": NUMBER}}")
-        spec_lora = req.loras.add(name=lo["name"])
+        lora = req.loras.add(name=lo["name"])
         if lo.get("strength") is not None:
             if isinstance(lo["strength"], bool) or not isinstance(lo["strength"], (int, float)):
                 raise InvalidArgument(f"loras[{i}].strength must be a number")
-            spec_lora.strength = float(lo["strength"])
+            lora.strength = float(lo["strength"])
     for name in ("first_frame", "last_frame"):
         if body.get(name) is not None:
             setattr(req, name, _bytes(body[name], name))
@@ -274,6 +274,8 @@ class VideoAPI:
             getattr(self, route.action)(h, who, parse_qs(query), **params)
         except HttpError as e:
             self._fail(h, e.status, e.code, "invalid_request_error", e.message, e.headers)
+        except ConnectionError:  # the caller left (mid-download): nothing more can be sent
+            h.close_connection = True
         except Exception as e:  # noqa: BLE001 - every failure is answered, by the gRPC status of its meaning
             code, message = status_for(e)
             status, kind = HTTP_STATUS.get(code, SERVER_FAULT)
@@ -333,7 +335,11 @@ class VideoAPI:
                 h.close_connection = True
                 raise HttpError(408, "request_timeout", f"the body did not arrive within {self.body_total_s:g} s "
                                 "(--upload-total-s)")
-            data = h.rfile.read1(min(left, 1 << 20))
+            try:
+                data = h.rfile.read1(min(left, 1 << 20))
+            except TimeoutError:  # nothing for the connection's idle timeout
+                h.close_connection = True
+                raise HttpError(408, "request_timeout", f"the body stalled ({left} of {size} bytes not sent)") from None
             if not data:
                 h.close_connection = True
                 raise HttpError(400, "invalid_argument", f"the body ended {left} bytes short of its Content-Length")
