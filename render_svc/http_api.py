@@ -21,11 +21,13 @@ from __future__ import annotations
 
 import base64
 import binascii
+import email.policy
 import json
 import math
 import re
 import time
 from dataclasses import dataclass
+from email.parser import BytesParser
 from pathlib import Path
 from urllib.parse import parse_qs
 
@@ -152,7 +154,10 @@ def _size(body: dict, name: str) -> tuple[int, int] | None:
 
 
 def _bytes(value, what: str) -> bytes:
-    """Base64 (standard alphabet, padding optional) or a `data:<type>;base64,` URL -> bytes."""
+    """Base64 (standard alphabet, padding optional) or a `data:<type>;base64,` URL -> bytes; a multipart file part's
+    bytes as they are."""
+    if isinstance(value, bytes) and value:
+        return value
     if not isinstance(value, str) or not value:
         raise InvalidArgument(f"{what} must be a non-empty base64 string (or a data: URL)")
     if value.startswith("data:"):
@@ -230,6 +235,47 @@ def render_request(body, idempotency_key: str) -> render_pb2.RenderRequest:
         req.references.add(kind=_str(ref, "kind"), name=_str(ref, "name"),
                            data=_bytes(ref.get("data"), f"references[{i}].data"))
     return req
+
+
+FORM_INTS = ("frames", "steps", "seed", "crf")  # form fields are text: these are read as integers
+FORM_FILES = {"input_reference": "first_frame", "first_frame": "first_frame", "last_frame": "last_frame"}
+
+
+def form_fields(content_type: str, raw: bytes) -> dict:
+    """A multipart/form-data create request (as OpenAI's SDK and `curl -F` send it) -> the JSON request's fields.
+    Text parts are the scalar fields (`frames`, `steps`, `seed`, `crf` as integers; `loras` as JSON); file parts
+    are `input_reference` (OpenAI's name: the first frame), `first_frame`, `last_frame`, and `reference` (repeated,
+    in order; its kind from the part's Content-Type: image/*, video/*, audio/*)."""
+    if "boundary=" not in content_type:
+        raise InvalidArgument("a multipart/form-data body needs the boundary in its Content-Type")
+    msg = BytesParser(policy=email.policy.HTTP).parsebytes(
+        b"Content-Type: " + content_type.encode("latin-1") + b"\r\n\r\n" + raw)
+    if not msg.is_multipart():
+        raise InvalidArgument("the multipart/form-data body has no parts")
+    body: dict = {}
+    for part in msg.iter_parts():
+        name = part.get_param("name", header="content-disposition")
+        if not name:
+            raise InvalidArgument("a form part has no name (Content-Disposition: form-data; name=...)")
+        data = part.get_payload(decode=True) or b""
+        if name == "reference":
+            kind = part.get_content_maintype()
+            body.setdefault("references", []).append({"kind": kind, "data": data, "name": part.get_filename() or ""})
+        elif name in FORM_FILES:
+            body[FORM_FILES[name]] = data
+        else:
+            text = data.decode("utf-8", errors="replace")
+            if name in FORM_INTS and text.strip().isdigit():
+                body[name] = int(text)
+            elif name == "loras":
+                try:
+                    body[name] = json.loads(text)
+                except ValueError:
+                    raise InvalidArgument("loras (a form field) must be JSON: [{\"name\": FILE, \"strength\": 1}]") \
+                        from None
+            else:
+                body[name] = text
+    return body
 
 
 # ---- routes ---------------------------------------------------------------------------------------------------------
@@ -350,15 +396,19 @@ class VideoAPI:
 
     # ---- the actions ------------------------------------------------------------------------------------------------
     def create(self, h, who: Principal, query: dict) -> None:
-        ctype = h.headers.get("Content-Type", "").split(";")[0].strip().lower()
-        if ctype != "application/json":
-            raise HttpError(415, "unsupported_media_type", f"the body must be JSON (Content-Type: application/json), "
-                            f"got {ctype[:60] or 'none'!r}")
+        full_type = h.headers.get("Content-Type", "")
+        ctype = full_type.split(";")[0].strip().lower()
+        if ctype not in ("application/json", "multipart/form-data"):
+            raise HttpError(415, "unsupported_media_type", "the body must be JSON (Content-Type: application/json) or "
+                            f"a form (multipart/form-data), got {ctype[:60] or 'none'!r}")
         raw = self._body(h, MAX_BODY_BYTES)
-        try:
-            body = json.loads(raw)
-        except (ValueError, RecursionError) as e:
-            raise InvalidArgument(f"the body is not valid JSON ({str(e)[:120]})") from None
+        if ctype == "multipart/form-data":
+            body = form_fields(full_type, raw)
+        else:
+            try:
+                body = json.loads(raw)
+            except (ValueError, RecursionError) as e:
+                raise InvalidArgument(f"the body is not valid JSON ({str(e)[:120]})") from None
         key = h.headers.get("Idempotency-Key", "")
         req = render_request(body, key)
         info = self.svc.submit(req, who.name)

@@ -204,10 +204,25 @@ def _verify(headers: dict, body: bytes) -> dict:
     return event
 
 
-def _png_b64() -> str:
+def _png(seed: int = 1) -> bytes:
     buf = io.BytesIO()
-    Image.fromarray(np.random.default_rng(1).integers(0, 256, (256, 256, 3), dtype=np.uint8)).save(buf, "PNG")
-    return base64.b64encode(buf.getvalue()).decode()
+    Image.fromarray(np.random.default_rng(seed).integers(0, 256, (256, 256, 3), dtype=np.uint8)).save(buf, "PNG")
+    return buf.getvalue()
+
+
+def _png_b64() -> str:
+    return base64.b64encode(_png()).decode()
+
+
+def _form(fields: dict, image: bytes, image_field: str) -> tuple[bytes, str]:
+    """A multipart/form-data body written out by hand (what `curl -F` sends) and its Content-Type."""
+    boundary = "h3-test-boundary-7d1f"
+    out = b""
+    for name, value in fields.items():
+        out += f'--{boundary}\r\nContent-Disposition: form-data; name="{name}"\r\n\r\n{value}\r\n'.encode()
+    out += (f'--{boundary}\r\nContent-Disposition: form-data; name="{image_field}"; filename="a.png"\r\n'
+            f"Content-Type: image/png\r\n\r\n").encode() + image + f"\r\n--{boundary}--\r\n".encode()
+    return out, f"multipart/form-data; boundary={boundary}"
 
 
 def test_http_video_api_and_webhooks(stack, tmp_path):
@@ -242,7 +257,7 @@ def test_http_video_api_and_webhooks(stack, tmp_path):
             e = api.json("POST", "/v1/videos", body, want=400)
             assert e["error"]["type"] == "invalid_request_error" and needle in e["error"]["message"], e
         e = api.json("POST", "/v1/videos", raw=b"prompt=x", headers={"Content-Type": "text/plain"}, want=415)
-        assert "application/json" in e["error"]["message"]
+        assert "application/json" in e["error"]["message"] and "multipart/form-data" in e["error"]["message"]
         conn = http.client.HTTPConnection("127.0.0.1", api.port, timeout=30)
         conn.putrequest("POST", "/v1/videos")
         for k, v in (("Authorization", "Bearer tok-alice"), ("Content-Type", "application/json"),
@@ -261,8 +276,11 @@ def test_http_video_api_and_webhooks(stack, tmp_path):
             held = api.video("POST", "/v1/videos", {"prompt": "from a keyframe", **TINY, "first_frame": _png_b64()})
             wait_for(lambda: api.video("GET", f"/v1/videos/{held['id']}")["stage"] == "keyframes", 120,
                      "the keyframe job in its stage", svc.log)
-            queued = api.video("POST", "/v1/videos", {"prompt": "behind it", **TINY}, who="bob")
-            assert queued["status"] == "queued" and queued["queue_position"] == 1
+            form, ctype = _form({"prompt": "behind it", "size": "256x256", "seconds": "0.9", "steps": "1"},
+                                _png(2), "input_reference")  # a form, as OpenAI's SDK sends one: the first frame
+            queued = api.video("POST", "/v1/videos", who="bob", raw=form, headers={"Content-Type": ctype})
+            assert queued["status"] == "queued" and queued["queue_position"] == 1 and queued["frames"] == 22
+            assert (run / "render" / "keyframes" / hashlib.sha256(_png(2)).hexdigest()).exists()  # its first frame
             status, headers, payload = api.call("POST", "/v1/videos", {"prompt": "one too many", **TINY}, "alice")
             assert status == 429 and headers["Retry-After"] and b"--max-jobs-queued" in payload
             api.json("POST", f"/v1/videos/{queued['id']}/cancel", who="alice", want=404)  # bob's job
