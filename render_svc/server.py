@@ -263,6 +263,7 @@ def main(argv: list[str] | None = None) -> None:
     except BaseException:
         temp.remove()
         raise
+
     def drain(cancel_running: bool, grace_s: float) -> None:
         svc.shutdown(cancel_running, grace_s)
         if hooks is not None:
