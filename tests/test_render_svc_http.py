@@ -20,11 +20,15 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import numpy as np
+import pytest
 from PIL import Image
 
 from render_svc.http_api import OPENAPI, ROUTES
+from render_svc.server import RenderConfig
 from render_svc.store import FAILED, JobStore
 from render_svc.webhooks import WebhookConfig, Webhooks
+from stagekit.config import parse_config
+from stagekit.errors import FailedPrecondition
 from tests.render_svc_util import RenderService, holding_the_device, probe, tiny_request, wait_for
 from tests.test_readme import readme_commands
 
@@ -412,16 +416,27 @@ def test_a_webhook_outlives_a_kill(stack, tmp_path):
 
 
 def test_webhook_flags_are_checked_at_start(tmp_path):
-    """A webhook that could not be signed or sent refuses the start, in one line naming the flag."""
+    """A webhook that could not be signed or sent refuses the start, in one line naming the flag, before any port is
+    bound or the job store opened (one process; the other cases through the same RenderConfig.webhook)."""
     key = tmp_path / "key"
     key.write_text("k")
-    for flags, needle in ((["--webhook-url", "http://127.0.0.1:9/h"], "--webhook-url needs --webhook-secret-file"),
-                          (["--webhook-url", "ftp://127.0.0.1/h", "--webhook-secret-file", str(key)],
+    r = subprocess.run([sys.executable, "-m", "render_svc", "--encoder", "127.0.0.1:9", "--dit", "127.0.0.1:9",
+                        "--decoder", "127.0.0.1:9", "--port", "0", "--run-dir", str(tmp_path / "run"),
+                        "--webhook-url", "http://127.0.0.1:9/h"], capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and "render: cannot start: --webhook-url needs --webhook-secret-file" in r.stderr, \
+        r.stderr[-1000:]
+    assert not (tmp_path / "run").exists()
+    for flags, needle in ((["--webhook-url", "ftp://127.0.0.1/h", "--webhook-secret-file", str(key)],
                            "is not an http:// or https:// URL"),
                           (["--webhook-url", "http://127.0.0.1:9/h", "--webhook-secret-file", str(tmp_path / "none")],
-                           "--webhook-secret-file")):
-        r = subprocess.run([sys.executable, "-m", "render_svc", "--encoder", "127.0.0.1:9", "--dit", "127.0.0.1:9",
-                            "--decoder", "127.0.0.1:9", "--port", "0", "--run-dir", str(tmp_path / "run"), *flags],
-                           capture_output=True, text=True, timeout=120)
-        assert r.returncode != 0 and "render: cannot start: " in r.stderr and needle in r.stderr, r.stderr[-1000:]
-        assert not (tmp_path / "run" / "render.sqlite3").exists()  # refused before the job store is opened
+                           "cannot read it"),
+                          (["--webhook-url", "http://127.0.0.1:9/h", "--webhook-secret-file", str(key),
+                            "--webhook-attempts", "0"], "at least 1")):
+        with pytest.raises(FailedPrecondition, match=needle):
+            parse_config(RenderConfig, flags, env_prefix="T_RENDER_").webhook()
+    cfg = parse_config(RenderConfig, ["--webhook-url", "https://h.example/x", "--webhook-secret-file", str(key)],
+                       env_prefix="T_RENDER_").webhook()
+    assert cfg.secret == b"k" and cfg.attempts == 8
+    key.write_text("whsec_" + base64.b64encode(b"\x00raw key bytes").decode() + "\n")  # a Standard Webhooks secret
+    assert parse_config(RenderConfig, ["--webhook-url", "http://h/x", "--webhook-secret-file", str(key)],
+                        env_prefix="T_RENDER_").webhook().secret == b"\x00raw key bytes"
