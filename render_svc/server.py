@@ -21,6 +21,7 @@ from h3.v1 import render_pb2, render_pb2_grpc
 from render_svc.engine import RenderEngine
 from render_svc.service import RenderService, SchedulerConfig
 from render_svc.store import CANCELLED, FAILED, QUEUED, RUNNING, SUCCEEDED
+from render_svc.webhooks import WebhookConfig, Webhooks, check_url, read_secret
 from stagekit.bootstrap import LOG_LEVELS, ProcessTempDir, exit_cleanly, listen, setup_logging
 from stagekit.config import parse_config
 from stagekit.errors import FailedPrecondition, NotFound
@@ -52,8 +53,16 @@ class RenderConfig(ServeConfig):
     stage_tls_ca: str = field(default="", metadata={"help": "CA certificate of TLS stages"})
     run_dir: str = field(default="run", metadata={"help": "job database (render.sqlite3) and finished MP4s (outputs/)"})
     http_port: int = field(default=-1, metadata={
-        "help": "read-only web page (queue, live progress, residency, videos): -1 off, 0 a free port; same host, "
-                "TLS and token as the gRPC port"})
+        "help": "read-only web page (queue, live progress, residency, videos) and the HTTP video API (/v1/videos): "
+                "-1 off, 0 a free port; same host, TLS and token as the gRPC port"})
+    webhook_url: str = field(default="", metadata={
+        "help": "POST a signed event here when a job ends (video.completed / video.failed / video.cancelled); "
+                "needs --webhook-secret-file"})
+    webhook_secret_file: str = field(default="", metadata={
+        "help": "the webhooks' HMAC-SHA256 signing key (the file's text, or a Standard Webhooks whsec_ secret)"})
+    webhook_attempts: int = field(default=8, metadata={"help": "attempts per webhook event before it is given up"})
+    webhook_retry_s: float = field(default=2.0, metadata={
+        "help": "seconds before a failed webhook attempt is retried; doubles each attempt (up to 600 s)"})
     max_batch: int = field(default=8, metadata={
         "help": "jobs sent to a stage in one batch (keep it <= the stages' --max-queue)"})
     max_wait_batches: int = field(default=4, metadata={
@@ -94,6 +103,18 @@ class RenderConfig(ServeConfig):
 
     def stage_security(self) -> Security:
         return Security(self.stage_token or self.resolved_token(), self.stage_tls_ca)
+
+    def webhook(self) -> WebhookConfig | None:
+        """The webhook settings (None: no --webhook-url); FailedPrecondition for a URL or secret file it cannot use."""
+        if not self.webhook_url:
+            return None
+        if not self.webhook_secret_file:
+            raise FailedPrecondition("--webhook-url needs --webhook-secret-file: every delivery is signed")
+        if self.webhook_attempts < 1 or not self.webhook_retry_s > 0:
+            raise FailedPrecondition("--webhook-attempts must be at least 1 and --webhook-retry-s above 0")
+        check_url(self.webhook_url)
+        return WebhookConfig(self.webhook_url, read_secret(self.webhook_secret_file), self.webhook_attempts,
+                             self.webhook_retry_s)
 
 
 class RenderServicer(UploadMixin, render_pb2_grpc.RendererServicer):
@@ -206,7 +227,8 @@ class RenderServicer(UploadMixin, render_pb2_grpc.RendererServicer):
 
 def main(argv: list[str] | None = None) -> None:
     """1. settings; 2. logging and the temp directory; 3. the listeners (a taken port refuses the start before the job
-    database is opened); 4. the web page, the job store and its scheduler; 5. serve until SIGTERM, then drain."""
+    database is opened); 4. the web page and video API, the job store, its scheduler and the webhook outbox; 5. serve
+    until SIGTERM, then drain (the scheduler, then the webhook thread)."""
     cfg = parse_config(RenderConfig, argv, env_prefix="H3_RENDER_",
                        description="MiniMax-H3 render service: one-call renders and durable jobs over the stages")
     setup_logging(cfg.log_level, "render")
@@ -214,6 +236,7 @@ def main(argv: list[str] | None = None) -> None:
         temp = ProcessTempDir(Path(cfg.temp_dir or tempfile.gettempdir()), "render")
     try:
         with startup_errors("render"):
+            hook_cfg = cfg.webhook()  # a webhook that could not be signed or sent refuses the start first
             listeners = listen(cfg, "render", SERVICE)
             clients = StageClients(cfg.endpoints(), cfg.stage_security())
             web = None
@@ -227,6 +250,10 @@ def main(argv: list[str] | None = None) -> None:
                 web_url = web.start(svc)
                 print(f"render web page on {web_url}", flush=True)
             svc.start()
+            hooks = None
+            if hook_cfg is not None:
+                hooks = Webhooks(hook_cfg, svc.store, Path(cfg.run_dir))
+                hooks.start()
             if listeners.metrics is not None:
                 listeners.metrics.report(svc.gauges)
             servicer = RenderServicer(svc, clients, web_url, cfg.tokens())
@@ -236,7 +263,13 @@ def main(argv: list[str] | None = None) -> None:
     except BaseException:
         temp.remove()
         raise
-    listeners.run_until_terminated(svc.shutdown)
+
+    def drain(cancel_running: bool, grace_s: float) -> None:
+        svc.shutdown(cancel_running, grace_s)
+        if hooks is not None:
+            hooks.stop()
+
+    listeners.run_until_terminated(drain)
     temp.remove()
     exit_cleanly()
 

@@ -310,11 +310,16 @@ class JobStore:
         return _record(row)
 
     def list(self, states: list[int] | None = None, limit: int = 100, oldest_first: bool = False,
-             owner: str | None = None) -> list[JobRecord]:
+             owner: str | None = None, past_seq: int | None = None) -> list[JobRecord]:
+        """Jobs in submission order (newest first unless `oldest_first`); `past_seq`: only those after the job of
+        that `seq` in this order (a page of a listing that goes on from that job)."""
         where, args = [], []
         if states:
             where.append(f"state IN ({','.join('?' * len(states))})")
             args += list(states)
+        if past_seq is not None:
+            where.append(f"seq {'>' if oldest_first else '<'} ?")
+            args.append(past_seq)
         if owner is not None:
             where.append("owner = ?")
             args.append(owner)
@@ -338,6 +343,13 @@ class JobStore:
         with self.lock:
             rows = self.db.execute("SELECT id FROM jobs WHERE state = ? ORDER BY seq", (QUEUED,)).fetchall()
         return {r[0]: i + 1 for i, r in enumerate(rows)}
+
+    def finished_since(self, t: float, limit: int = 100) -> list[JobRecord]:
+        """Terminal jobs that ended at `t` (unix seconds) or later, in the order they ended."""
+        with self.lock:
+            rows = self.db.execute("SELECT * FROM jobs WHERE state IN (?, ?, ?) AND finished >= ? "
+                                   "ORDER BY finished, seq LIMIT ?", (*TERMINAL, t, limit)).fetchall()
+        return [_record(r) for r in rows]
 
     def counts(self) -> dict[int, int]:
         with self.lock:

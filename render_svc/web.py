@@ -4,12 +4,13 @@
                             stage's residency over time, the recent stage batches, finished videos playable
     GET /api/state          what the page polls (JSON)
     GET /video/<job>.mp4    a finished job's MP4 (HTTP Range requests, so a <video> element can seek)
+    /v1/...                 the HTTP video API (render_svc/http_api.py: create, get, list, cancel, content)
 
 Same exposure rules as the gRPC port (stagekit/server.py): loopback by default; the same TLS certificate; with a
 token (--token-file, the env variable, or --tokens-file) every request needs one — `Authorization: Bearer <token>`,
 or once `?token=<token>` in the URL, which sets a cookie (HttpOnly, SameSite=Strict) so the page's own requests and
-its <video> elements carry it. A principal of --tokens-file sees its own jobs, an admin all. Nothing on the page
-changes a job. Residency comes from polling each stage's Status every half second while the page is served.
+its <video> elements carry it (the /v1/ API takes the header only). A principal of --tokens-file sees its own jobs,
+an admin all. Nothing on the page changes a job; the API's create and cancel do, as gRPC's Submit and Cancel. Residency comes from polling each stage's Status every half second while the page is served.
 
 Limits (docs/reliability.md, "Web page"): each connection is served by a thread of its own, the TLS handshake
 included (off the accept loop, within HANDSHAKE_S); a connection idle for IDLE_S is closed; at most
@@ -22,6 +23,7 @@ from __future__ import annotations
 import ipaddress
 import json
 import logging
+import os
 import re
 import socket
 import ssl
@@ -37,6 +39,8 @@ from google.protobuf.json_format import MessageToDict
 
 from client.stubs import STAGES, StageClients
 from h3.v1 import common_pb2
+from render_svc.http_api import PREFIX as API_PREFIX
+from render_svc.http_api import VideoAPI
 from render_svc.store import SUCCEEDED
 from stagekit.server import ANYONE, Principal, cannot_listen
 
@@ -132,6 +136,7 @@ class WebPage:
     def __init__(self, cfg, clients: StageClients):
         self.cfg = cfg
         self.svc = None  # the RenderService, given to `start`
+        self.api: VideoAPI | None = None  # the /v1/ routes over it
         self.residency = Residency(clients)
         self.page = PAGE.read_bytes()
         self._httpd, self.url = self._bind()
@@ -158,6 +163,7 @@ class WebPage:
     def start(self, svc) -> str:
         """Serve the page over `svc` (a RenderService); returns its URL."""
         self.svc = svc
+        self.api = VideoAPI(svc, self.cfg.tokens(), self.cfg.upload_total_s)
         threading.Thread(target=self._httpd.serve_forever, name="web", daemon=True).start()
         self.residency.start()
         if self.cfg.port_file:
@@ -208,12 +214,33 @@ class WebPage:
             def do_HEAD(self):  # noqa: N802 - http.server's name
                 self.do_GET()
 
+            def _host_refused(self) -> bool:
+                if _host_ok(self.headers.get("Host", ""), allowed):
+                    return False
+                self.close_connection = True
+                self._send(421, b"this page answers only requests for the host it is served on\n",
+                           "text/plain; charset=utf-8")
+                return True
+
+            def _api(self, url) -> bool:
+                """A /v1/ request: answered by the video API (its own auth: the Authorization header only)."""
+                if not (url.path + "/").startswith(API_PREFIX):
+                    return False
+                page.api.handle(self, "GET" if self.command == "HEAD" else self.command, url.path, url.query)
+                return True
+
+            def do_POST(self):  # noqa: N802 - http.server's name
+                url = urlsplit(self.path)
+                if self._host_refused() or self._api(url):
+                    return
+                self.close_connection = True  # the page takes no bodies: whatever was sent is not read
+                self._send(405, b"the page is read-only\n", "text/plain", {"Allow": "GET, HEAD"})
+
+            do_DELETE = do_PUT = do_PATCH = do_POST  # noqa: N815 - http.server's names
+
             def do_GET(self):  # noqa: N802
                 url = urlsplit(self.path)
-                if not _host_ok(self.headers.get("Host", ""), allowed):
-                    self.close_connection = True
-                    self._send(421, b"this page answers only requests for the host it is served on\n",
-                               "text/plain; charset=utf-8")
+                if self._host_refused() or self._api(url):
                     return
                 who, set_cookie = self._authorized(parse_qs(url.query))
                 if who is None:
@@ -240,28 +267,36 @@ class WebPage:
                 if path is None:
                     self._send(404, b"no finished video for this job (unknown, not done, or expired)\n", "text/plain")
                     return
-                size = path.stat().st_size
-                start, end, code = 0, size - 1, 200
-                m = _RANGE.match(self.headers.get("Range", ""))
-                if m and (m.group(1) or m.group(2)):
-                    if m.group(1):
-                        start, end = int(m.group(1)), min(int(m.group(2) or size - 1), size - 1)
-                    else:  # suffix range: the last N bytes
-                        start = max(0, size - int(m.group(2)))
-                    if start > end:
-                        self._send(416, b"", "text/plain", {"Content-Range": f"bytes */{size}"})
-                        return
-                    code = 206
-                self.send_response(code)
-                self.send_header("Content-Type", "video/mp4")
-                self.send_header("Accept-Ranges", "bytes")
-                self.send_header("Content-Length", str(end - start + 1))
-                if code == 206:
-                    self.send_header("Content-Range", f"bytes {start}-{end}/{size}")
-                self.end_headers()
-                if self.command == "HEAD":
-                    return
+                self._send_file(path, "video/mp4")
+
+            def _send_file(self, path: Path, ctype: str, extra: dict | None = None) -> None:
+                """The file, or the byte range the Range header asks for (one range: 206; past the end: 416).
+                Opened first: a file removed meanwhile (retention) raises FileNotFoundError before anything is sent,
+                and one removed while it is sent is sent whole."""
                 with open(path, "rb") as f:
+                    size = os.fstat(f.fileno()).st_size
+                    start, end, code = 0, size - 1, 200
+                    m = _RANGE.match(self.headers.get("Range", ""))
+                    if m and (m.group(1) or m.group(2)):
+                        if m.group(1):
+                            start, end = int(m.group(1)), min(int(m.group(2) or size - 1), size - 1)
+                        else:  # suffix range: the last N bytes
+                            start = max(0, size - int(m.group(2)))
+                        if start > end:
+                            self._send(416, b"", "text/plain", {"Content-Range": f"bytes */{size}"})
+                            return
+                        code = 206
+                    self.send_response(code)
+                    self.send_header("Content-Type", ctype)
+                    self.send_header("Accept-Ranges", "bytes")
+                    for k, v in (extra or {}).items():
+                        self.send_header(k, v)
+                    self.send_header("Content-Length", str(end - start + 1))
+                    if code == 206:
+                        self.send_header("Content-Range", f"bytes {start}-{end}/{size}")
+                    self.end_headers()
+                    if self.command == "HEAD":
+                        return
                     f.seek(start)
                     left = end - start + 1
                     while left > 0:

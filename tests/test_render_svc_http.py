@@ -1,0 +1,442 @@
+"""The render service's HTTP video API (`/v1/videos`) and its webhooks, through real processes (the session's stage
+stack and `python -m render_svc`) with a plain HTTP client (http.client): create -> poll -> download, Range, cancel,
+auth and owners, idempotency keys, the queue bound (429), bad requests, and webhook deliveries to a loopback
+receiver that refuses the first ones (retried with the same id, every one signed). Every answer is checked against
+the schemas of render_svc/openapi.json, and the description against the routes the server serves."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import hmac
+import http.client
+import io
+import json
+import sqlite3
+import subprocess
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from render_svc.http_api import OPENAPI, ROUTES
+from render_svc.server import RenderConfig
+from render_svc.store import FAILED, JobStore
+from render_svc.webhooks import WebhookConfig, Webhooks
+from stagekit.config import parse_config
+from stagekit.errors import FailedPrecondition
+from tests.render_svc_util import RenderService, holding_the_device, probe, tiny_request, wait_for
+from tests.test_readme import readme_commands
+
+SPEC = json.loads(OPENAPI.read_text())
+TINY = {"size": "256x256", "frames": 22, "steps": 1}
+SECRET = b"test webhook key"
+FAIL_FIRST = 2  # the receiver answers 500 to this many deliveries first
+
+
+# ---- a small validator for the subset of JSON Schema the description uses -----------------------------------------
+def check_schema(value, schema: dict, where: str = "$") -> None:
+    if "$ref" in schema:
+        name = schema["$ref"].rsplit("/", 1)[1]
+        return check_schema(value, SPEC["components"]["schemas"][name], where)
+    if "oneOf" in schema:
+        ok = 0
+        for s in schema["oneOf"]:
+            try:
+                check_schema(value, s, where)
+                ok += 1
+            except AssertionError:
+                pass
+        assert ok == 1, f"{where}: {value!r} matches {ok} of oneOf"
+        return
+    types = schema.get("type")
+    if types is not None:
+        py = {"object": dict, "array": list, "string": str, "boolean": bool, "null": type(None),
+              "integer": int, "number": (int, float)}
+        allowed = [types] if isinstance(types, str) else types
+        assert any(isinstance(value, py[t]) and not (t in ("integer", "number") and isinstance(value, bool))
+                   for t in allowed), f"{where}: {value!r} is not {allowed}"
+    if "enum" in schema:
+        assert value in schema["enum"], f"{where}: {value!r} not in {schema['enum']}"
+    if "minimum" in schema and isinstance(value, (int, float)):
+        assert value >= schema["minimum"], f"{where}: {value} < {schema['minimum']}"
+    if "maximum" in schema and isinstance(value, (int, float)):
+        assert value <= schema["maximum"], f"{where}: {value} > {schema['maximum']}"
+    if isinstance(value, dict):
+        for k in schema.get("required", []):
+            assert k in value, f"{where}: {k} missing"
+        props = schema.get("properties", {})
+        for k, v in value.items():
+            if k in props:
+                check_schema(v, props[k], f"{where}.{k}")
+            else:
+                assert schema.get("additionalProperties", True) is not False, f"{where}: {k} not described"
+    if isinstance(value, list) and "items" in schema:
+        for i, v in enumerate(value):
+            check_schema(v, schema["items"], f"{where}[{i}]")
+
+
+def test_the_openapi_description_is_valid_and_describes_every_route():
+    """OpenAPI 3.1's structure (the fields the API uses), every $ref resolving, path parameters declared, and the
+    description's operations exactly the server's routes."""
+    assert SPEC["openapi"].startswith("3.1.") and SPEC["info"]["title"] and SPEC["info"]["version"]
+    described = set()
+    op_ids = []
+    for path, item in SPEC["paths"].items():
+        assert path.startswith("/"), path
+        for method, op in item.items():
+            if method == "parameters":
+                continue
+            assert method in ("get", "post", "put", "patch", "delete", "head", "options"), method
+            described.add((method.upper(), path))
+            op_ids.append(op["operationId"])
+            assert op["responses"] and all(k.isdigit() and len(k) == 3 for k in op["responses"]), (path, method)
+            params = item.get("parameters", []) + op.get("parameters", [])
+            named = {p["name"] if "name" in p else SPEC["components"]["parameters"][p["$ref"].rsplit("/", 1)[1]]["name"]
+                     for p in params}
+            for seg in path.split("/"):
+                if seg.startswith("{"):
+                    assert seg[1:-1] in named, f"{path}: {seg} not declared"
+    assert len(op_ids) == len(set(op_ids))
+    assert described == {(r.method, r.path) for r in ROUTES}
+
+    def refs(node):
+        if isinstance(node, dict):
+            for k, v in node.items():
+                if k == "$ref":
+                    yield v
+                else:
+                    yield from refs(v)
+        elif isinstance(node, list):
+            for v in node:
+                yield from refs(v)
+
+    for ref in refs(SPEC):
+        assert ref.startswith("#/components/"), ref
+        node = SPEC
+        for part in ref[2:].split("/"):
+            assert part in node, f"{ref} does not resolve"
+            node = node[part]
+    for name, scheme in SPEC["components"]["securitySchemes"].items():
+        assert scheme["type"] == "http" and scheme["scheme"] == "bearer", name
+
+
+# ---- the process test ---------------------------------------------------------------------------------------------
+class Api:
+    def __init__(self, port: int):
+        self.port = port
+
+    def call(self, method: str, path: str, body=None, who: str | None = None, headers: dict | None = None,
+             raw: bytes | None = None):
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=60)
+        hdrs = dict(headers or {})
+        if who:
+            hdrs["Authorization"] = f"Bearer tok-{who}"
+        data = raw
+        if body is not None:
+            data = json.dumps(body).encode()
+            hdrs.setdefault("Content-Type", "application/json")
+        try:
+            conn.request(method, path, data, hdrs)
+            r = conn.getresponse()
+            payload = r.read()
+        finally:
+            conn.close()
+        return r.status, r.headers, payload
+
+    def json(self, method: str, path: str, body=None, who: str | None = "alice", want: int = 200, **kw) -> dict:
+        status, headers, payload = self.call(method, path, body, who, **kw)
+        assert status == want, (status, payload[:500])
+        assert headers["Content-Type"] == "application/json"
+        out = json.loads(payload)
+        if status >= 400:
+            check_schema(out, SPEC["components"]["schemas"]["Error"])
+        return out
+
+    def video(self, method: str, path: str, body=None, who: str = "alice", **kw) -> dict:
+        v = self.json(method, path, body, who, **kw)
+        check_schema(v, SPEC["components"]["schemas"]["Video"])
+        return v
+
+
+class Receiver:
+    """A loopback webhook receiver: answers 500 to the first `fail_first` deliveries, then 204; records each one
+    (`got`) and the ones it took (`accepted`)."""
+
+    def __init__(self, fail_first: int = FAIL_FIRST):
+        self.got: list[tuple[dict, bytes]] = []
+        self.accepted: list[bytes] = []
+        self.fail_first = fail_first
+        receiver = self
+
+        class H(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def do_POST(self):  # noqa: N802 - http.server's name
+                body = self.rfile.read(int(self.headers["Content-Length"]))
+                receiver.got.append(({k.lower(): v for k, v in self.headers.items()}, body))
+                take = len(receiver.got) > receiver.fail_first
+                if take:
+                    receiver.accepted.append(body)
+                self.send_response(204 if take else 500)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), H)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/hooks/h3"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+def _verify(headers: dict, body: bytes) -> dict:
+    """Standard Webhooks verification, written out: HMAC-SHA256 over '<id>.<timestamp>.<body>'."""
+    mac = hmac.new(SECRET, f"{headers['webhook-id']}.{headers['webhook-timestamp']}.".encode() + body,
+                   hashlib.sha256).digest()
+    version, sig = headers["webhook-signature"].split(",", 1)
+    assert version == "v1" and hmac.compare_digest(base64.b64decode(sig), mac)
+    event = json.loads(body)
+    assert event["id"] == headers["webhook-id"]
+    check_schema(event, SPEC["components"]["schemas"]["WebhookEvent"])
+    return event
+
+
+def _png(seed: int = 1) -> bytes:
+    buf = io.BytesIO()
+    Image.fromarray(np.random.default_rng(seed).integers(0, 256, (256, 256, 3), dtype=np.uint8)).save(buf, "PNG")
+    return buf.getvalue()
+
+
+def _png_b64() -> str:
+    return base64.b64encode(_png()).decode()
+
+
+def _form(fields: dict, image: bytes, image_field: str) -> tuple[bytes, str]:
+    """A multipart/form-data body written out by hand (what `curl -F` sends) and its Content-Type."""
+    boundary = "h3-test-boundary-7d1f"
+    out = b""
+    for name, value in fields.items():
+        out += f'--{boundary}\r\nContent-Disposition: form-data; name="{name}"\r\n\r\n{value}\r\n'.encode()
+    out += (f'--{boundary}\r\nContent-Disposition: form-data; name="{image_field}"; filename="a.png"\r\n'
+            f"Content-Type: image/png\r\n\r\n").encode() + image + f"\r\n--{boundary}--\r\n".encode()
+    return out, f"multipart/form-data; boundary={boundary}"
+
+
+def test_http_video_api_and_webhooks(stack, tmp_path):
+    s, endpoints = stack
+    tokens = tmp_path / "tokens"
+    tokens.write_text("alice tok-alice\nbob tok-bob\nops tok-ops admin\n")
+    secret = tmp_path / "webhook.key"
+    secret.write_bytes(SECRET + b"\n")
+    receiver = Receiver()
+    run = tmp_path / "run"
+    svc = RenderService(run, endpoints, ["--tokens-file", str(tokens), "--http-port", "0", "--max-jobs-queued", "1",
+                                         "--webhook-url", receiver.url, "--webhook-secret-file", str(secret),
+                                         "--webhook-retry-s", "0.2"])
+    svc.start()
+    try:
+        api = Api(int((run / "render.port.http").read_text()))
+
+        # 1. The description is served without a token; everything else needs one (401 names the header).
+        status, _, payload = api.call("GET", "/v1/openapi.json")
+        assert status == 200 and json.loads(payload) == SPEC
+        e = api.json("POST", "/v1/videos", {"prompt": "no token", **TINY}, who=None, want=401)
+        assert e["error"]["type"] == "authentication_error" and "Authorization: Bearer" in e["error"]["message"]
+        api.json("GET", "/v1/videos", who="mallory", want=401)
+
+        # 2. Bad requests: nothing stored, the message names the fix.
+        for body, needle in (({"prompt": "x", "size": "big"}, "WIDTHxHEIGHT"),
+                             ({"prompt": "x", "sizes": "256x256"}, "unknown field(s) sizes"),
+                             ({"prompt": "x", "size": "256x256", "frames": 23}, "17n+5"),
+                             ({"prompt": "x", "seconds": 2, "frames": 22}, "not both"),
+                             ({"prompt": "x", "first_frame": "%%%"}, "base64"),
+                             ({"prompt": "x", "model": "sora-2"}, "minimax-h3")):
+            e = api.json("POST", "/v1/videos", body, want=400)
+            assert e["error"]["type"] == "invalid_request_error" and needle in e["error"]["message"], e
+        e = api.json("POST", "/v1/videos", raw=b"prompt=x", headers={"Content-Type": "text/plain"}, want=415)
+        assert "application/json" in e["error"]["message"] and "multipart/form-data" in e["error"]["message"]
+        conn = http.client.HTTPConnection("127.0.0.1", api.port, timeout=30)
+        conn.putrequest("POST", "/v1/videos")
+        for k, v in (("Authorization", "Bearer tok-alice"), ("Content-Type", "application/json"),
+                     ("Content-Length", str(1 << 30))):
+            conn.putheader(k, v)
+        conn.endheaders()  # the body is never sent: the size alone is refused
+        r = conn.getresponse()
+        assert r.status == 413 and "at most" in json.loads(r.read())["error"]["message"]
+        conn.close()
+        api.json("DELETE", "/v1/videos", want=405)
+        assert api.json("GET", "/v1/videos")["data"] == []
+
+        # 3. A job held in the keyframes stage (the test holds the device lease), one queued behind it, and the queue
+        # bound: 429 with Retry-After. Cancelling: the queued one at once, the running one at its stage's boundary.
+        with holding_the_device(s.lease_dir):
+            held = api.video("POST", "/v1/videos", {"prompt": "from a keyframe", **TINY, "first_frame": _png_b64()})
+            wait_for(lambda: api.video("GET", f"/v1/videos/{held['id']}")["stage"] == "keyframes", 120,
+                     "the keyframe job in its stage", svc.log)
+            form, ctype = _form({"prompt": "behind it", "size": "256x256", "seconds": "0.9", "steps": "1"},
+                                _png(2), "input_reference")  # a form, as OpenAI's SDK sends one: the first frame
+            queued = api.video("POST", "/v1/videos", who="bob", raw=form, headers={"Content-Type": ctype})
+            assert queued["status"] == "queued" and queued["queue_position"] == 1 and queued["frames"] == 22
+            assert (run / "render" / "keyframes" / hashlib.sha256(_png(2)).hexdigest()).exists()  # its first frame
+            status, headers, payload = api.call("POST", "/v1/videos", {"prompt": "one too many", **TINY}, "alice")
+            assert status == 429 and headers["Retry-After"] and b"--max-jobs-queued" in payload
+            api.json("POST", f"/v1/videos/{queued['id']}/cancel", who="alice", want=404)  # bob's job
+            c = api.video("POST", f"/v1/videos/{queued['id']}/cancel", who="bob")
+            assert c["status"] == "cancelled" and c["error"]["code"] == "cancelled"
+            api.video("POST", f"/v1/videos/{held['id']}/cancel", raw=b"{}", headers={"Content-Type": "application/json"})
+            held = wait_for(lambda: (v := api.video("GET", f"/v1/videos/{held['id']}"))["status"] == "cancelled" and v,
+                            60, "the keyframe job cancelled", svc.log)
+            assert held["error"]["code"] == "cancelled" and held["completed_at"]
+        e = api.json("GET", f"/v1/videos/{held['id']}/content", want=409)
+        assert "cancelled" in e["error"]["message"] and e["error"]["type"] == "conflict_error"
+
+        # 4. Create -> poll -> download, with an idempotency key (the same key again: the same job; with another
+        # body: 409 naming the caller's job). Another principal sees none of it; an admin sees it.
+        key = {"Idempotency-Key": "render-1"}
+        v = api.video("POST", "/v1/videos", {"prompt": "a lighthouse in a storm", **TINY, "seed": 3}, headers=key)
+        assert v["status"] in ("queued", "in_progress") and v["size"] == "256x256" and v["frames"] == 22
+        again = api.video("POST", "/v1/videos", {"prompt": "a lighthouse in a storm", **TINY, "seed": 3}, headers=key)
+        assert again["id"] == v["id"]
+        e = api.json("POST", "/v1/videos", {"prompt": "another", **TINY}, headers=key, want=409)
+        assert v["id"] in e["error"]["message"] and e["error"]["code"] == "already_exists"
+        for path in (f"/v1/videos/{v['id']}", f"/v1/videos/{v['id']}/content"):
+            assert api.json("GET", path, who="bob", want=404)["error"]["type"] == "not_found_error"
+        seen = []
+        done = wait_for(lambda: (x := api.video("GET", f"/v1/videos/{v['id']}")) and (seen.append(x["progress"]) or
+                        x["status"] in ("completed", "failed")) and x, 180, "the render done", svc.log)
+        assert done["status"] == "completed" and done["progress"] == 100 and done["error"] is None, done
+        assert seen == sorted(seen), seen
+        status, headers, mp4 = api.call("GET", f"/v1/videos/{v['id']}/content", who="alice")
+        assert status == 200 and headers["Content-Type"] == "video/mp4" and mp4[4:8] == b"ftyp"
+        assert len(mp4) == done["output_bytes"]
+        out = tmp_path / "out.mp4"
+        out.write_bytes(mp4)
+        assert probe(out) == {"width": 256, "height": 256, "frames": 22, "audio": 1}
+        status, headers, part = api.call("GET", f"/v1/videos/{v['id']}/content", who="alice",
+                                         headers={"Range": "bytes=100-199"})
+        assert status == 206 and part == mp4[100:200] and headers["Content-Range"] == f"bytes 100-199/{len(mp4)}"
+
+        # 5. Lists: one's own jobs, newest first, in pages; an admin's has everyone's.
+        mine = api.json("GET", "/v1/videos")
+        check_schema(mine, SPEC["components"]["schemas"]["VideoList"])
+        assert [x["id"] for x in mine["data"]] == [v["id"], held["id"]] and not mine["has_more"]
+        assert "from 1 to 100" in api.json("GET", "/v1/videos?limit=101", want=400)["error"]["message"]
+        page1 = api.json("GET", "/v1/videos?limit=1")
+        assert [x["id"] for x in page1["data"]] == [v["id"]] and page1["has_more"]
+        page2 = api.json("GET", f"/v1/videos?limit=1&after={page1['last_id']}")
+        assert [x["id"] for x in page2["data"]] == [held["id"]] and not page2["has_more"]
+        assert [x["id"] for x in api.json("GET", "/v1/videos?order=asc")["data"]] == [held["id"], v["id"]]
+        assert {x["id"] for x in api.json("GET", "/v1/videos", who="ops")["data"]} == {v["id"], held["id"], queued["id"]}
+        assert [x["id"] for x in api.json("GET", "/v1/videos", who="bob")["data"]] == [queued["id"]]
+
+        # 6. Webhooks: one event per ended job, each signed; the first ones refused (500) were retried with the
+        # same id until the receiver took them.
+        wait_for(lambda: len({h["webhook-id"] for h, _ in receiver.got[FAIL_FIRST:]}) >= 3, 60,
+                 "three webhook events delivered", svc.log)
+        events = [_verify(h, b) for h, b in receiver.got]
+        refused, delivered = [e["id"] for e in events[:FAIL_FIRST]], [e["id"] for e in events[FAIL_FIRST:]]
+        assert len(delivered) == len(set(delivered)) == 3  # each event taken once, none sent again after
+        assert set(refused) <= set(delivered)  # a refused event was retried, with the same id, until taken
+        by_job = {e["data"]["id"]: e for e in events[FAIL_FIRST:]}
+        assert by_job[queued["id"]]["type"] == by_job[held["id"]]["type"] == "video.cancelled"
+        assert by_job[v["id"]]["type"] == "video.completed" and by_job[v["id"]]["data"]["progress"] == 100
+    finally:
+        svc.stop()
+        receiver.close()
+
+
+def _readme_command(port: int) -> list[str]:
+    """README's HTTP example (Running it), pointed at `port` instead of scripts/up.sh's default web port."""
+    cmd = next(c for c in readme_commands("Running it") if c[:2] == [".venv/bin/python", "-c"] and "/v1/videos" in c[2])
+    assert "http://127.0.0.1:8054/" in cmd[2]
+    return [sys.executable, "-c", cmd[2].replace("http://127.0.0.1:8054/", f"http://127.0.0.1:{port}/")]
+
+
+def test_webhook_attempts_are_bounded(tmp_path):
+    """A receiver that always refuses gets --webhook-attempts attempts, spaced by the doubling backoff; then the
+    event is kept as failed and nothing more is sent (the outbox over a real job store)."""
+    store = JobStore(tmp_path)
+    receiver = Receiver(fail_first=1 << 30)
+    hooks = Webhooks(WebhookConfig(receiver.url, SECRET, attempts=3, retry_s=0.1), store, tmp_path)
+    hooks.start()
+    try:
+        rec, _ = store.submit(tiny_request("refused"))
+        store.finish(rec.id, FAILED, "INTERNAL", "a fault")
+        wait_for(lambda: len(receiver.got) >= 3, 30, "three attempts")
+        time.sleep(1.0)  # past the next backoff (0.4 s): no fourth attempt
+        assert len(receiver.got) == 3
+        times = [int(h["webhook-timestamp"]) for h, _ in receiver.got]
+        assert times == sorted(times) and {_verify(h, b)["type"] for h, b in receiver.got} == {"video.failed"}
+        row = sqlite3.connect(tmp_path / "webhooks.sqlite3").execute("SELECT state, attempts, last_error "
+                                                                     "FROM deliveries").fetchall()
+        assert row == [("failed", 3, "HTTP 500 Internal Server Error")]
+    finally:
+        hooks.stop()
+        receiver.close()
+        store.close()
+
+
+def test_a_webhook_outlives_a_kill(stack, tmp_path):
+    """An event the receiver refused until the service was killed (SIGKILL) is delivered by the restarted service,
+    from the outbox in its run dir, with the same id. The job comes from the README's HTTP example."""
+    s, endpoints = stack
+    secret = tmp_path / "webhook.key"
+    secret.write_bytes(SECRET)
+    receiver = Receiver(fail_first=1 << 30)
+    args = ["--http-port", "0", "--webhook-url", receiver.url, "--webhook-secret-file", str(secret),
+            "--webhook-retry-s", "0.2", "--webhook-attempts", "1000"]
+    svc = RenderService(tmp_path / "run", endpoints, args)
+    svc.start()
+    try:
+        api = Api(int((tmp_path / "run" / "render.port.http").read_text()))
+        with holding_the_device(s.lease_dir):  # the README's command creates the job, which is then cancelled
+            r = subprocess.run(_readme_command(api.port), capture_output=True, text=True, timeout=60)
+            assert r.returncode == 0, r.stderr
+            v = api.video("GET", f"/v1/videos/{r.stdout.strip()}", who=None)
+            assert v["size"] == "512x288" and v["frames"] == 56 and v["steps"] == 4  # "seconds": 2 -> 56 frames
+            assert api.video("POST", f"/v1/videos/{v['id']}/cancel", who=None)["status"] == "cancelled"
+        wait_for(lambda: len(receiver.got) >= 2, 60, "the event refused twice", svc.log)
+        svc.kill()
+        receiver.fail_first = 0
+        svc = RenderService(tmp_path / "run", endpoints, args)
+        svc.start()
+        wait_for(lambda: receiver.accepted, 60, "the event delivered after the restart", svc.log)
+        ids = {_verify(h, b)["id"] for h, b in receiver.got}
+        assert ids == {f"evt_{v['id']}"} and len(receiver.accepted) == 1
+    finally:
+        svc.stop()
+        receiver.close()
+
+
+def test_webhook_flags_are_checked_at_start(tmp_path):
+    """A webhook that could not be signed or sent refuses the start, in one line naming the flag, before any port is
+    bound or the job store opened (one process; the other cases through the same RenderConfig.webhook)."""
+    key = tmp_path / "key"
+    key.write_text("k")
+    r = subprocess.run([sys.executable, "-m", "render_svc", "--encoder", "127.0.0.1:9", "--dit", "127.0.0.1:9",
+                        "--decoder", "127.0.0.1:9", "--port", "0", "--run-dir", str(tmp_path / "run"),
+                        "--webhook-url", "http://127.0.0.1:9/h"], capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and "render: cannot start: --webhook-url needs --webhook-secret-file" in r.stderr, \
+        r.stderr[-1000:]
+    assert not (tmp_path / "run").exists()
+    for flags, needle in ((["--webhook-url", "ftp://127.0.0.1/h", "--webhook-secret-file", str(key)],
+                           "is not an http:// or https:// URL"),
+                          (["--webhook-url", "http://127.0.0.1:9/h", "--webhook-secret-file", str(tmp_path / "none")],
+                           "cannot read it"),
+                          (["--webhook-url", "http://127.0.0.1:9/h", "--webhook-secret-file", str(key),
+                            "--webhook-attempts", "0"], "at least 1")):
+        with pytest.raises(FailedPrecondition, match=needle):
+            parse_config(RenderConfig, flags, env_prefix="T_RENDER_").webhook()
+    cfg = parse_config(RenderConfig, ["--webhook-url", "https://h.example/x", "--webhook-secret-file", str(key)],
+                       env_prefix="T_RENDER_").webhook()
+    assert cfg.secret == b"k" and cfg.attempts == 8
+    key.write_text("whsec_" + base64.b64encode(b"\x00raw key bytes").decode() + "\n")  # a Standard Webhooks secret
+    assert parse_config(RenderConfig, ["--webhook-url", "http://h/x", "--webhook-secret-file", str(key)],
+                        env_prefix="T_RENDER_").webhook().secret == b"\x00raw key bytes"
