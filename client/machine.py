@@ -33,9 +33,10 @@ TURING_ENV = ("H3_DIT_LINEAR_KERNEL=int8 H3_DIT_DTYPE=float16 H3_ENCODER_MODE=co
 MIN_SETUP_VRAM_GIB = 21.0   # a "22 GB" card (2080 Ti 22 GB mod, 3090/4090 24 GB) reports 21.5+ GiB
 BIG_VRAM_GIB = 75.0
 # Host RAM each setup needs (README "Requirements", one figure everywhere): all our processes together peaked at
-# 23.1 GiB RSS on one 22 GB card (docs/one_card.md, "Host memory") and at 37.5 GiB RSS on two (docs/two_cards.md).
+# 23.1 GiB RSS on one 22 GB card (docs/one_card.md, "Host memory") and at 37.5 GiB RSS on two (docs/two_cards.md);
+# one big GPU keeps the two cards' figure.
 HOST_RAM_GB = {"one-22gb": 32, "two-22gb": 64, "big": 64}
-MEMINFO_SHARE = 0.9  # MemTotal is the installed RAM less what firmware and kernel keep (~3 %); 0.9 leaves room
+MEMINFO_SHARE = 0.9  # MemTotal is the installed RAM less what firmware and kernel keep (a few %); 0.9 leaves room
 
 
 @dataclass(frozen=True)
