@@ -1,7 +1,9 @@
 """The render service's engine: runs one stage batch against the stage services beside it.
 
 A *stage batch* is up to `--max-batch` render jobs sent to one stage at once, so the stage serves them in one
-residency; the scheduler (render_svc/service.py) runs one batch at a time, in its own thread. The stage calls are
+residency; the scheduler (render_svc/service.py) runs one batch at a time per resource group, each in its own thread,
+and hears of each job's outcome the moment its stage call ends (so the job moves on to its next stage while the rest
+of the batch still runs). The stage calls are
 the stage-level library (`client.pipeline`) and its one wire codec; tensors move render service <-> stage over
 loopback and stay in this process between stages (`Work.tensors`), never in the user's client.
 """
@@ -23,7 +25,7 @@ from client.stubs import StageClients
 from h3.v1 import common_pb2, render_pb2
 from minimax_h3.contract import (AUDIO_LATENTS, SAMPLE_INPUTS, TEXT_STATES, TEXT_TAGS, VIDEO_LATENTS, RenderSpec,
                                  keyframe_tensor, needed_partition, spec_from_proto)
-from render_svc.planner import STAGES, first_stage
+from render_svc.planner import RENDER_PLANS, SERVICE_OF, STAGES, render_mode
 from stagekit.errors import Cancelled, StageError, error_for, status_for
 
 log = logging.getLogger("render_svc")
@@ -54,9 +56,19 @@ class Work:
         return [(a, img if isinstance(img, bytes) else img.read_bytes()) for a, img in self.keyframe_files]
 
     @property
+    def mode(self) -> str:
+        """t2va, fl2va (keyframes) or ref2va (references): which plan of `RENDER_PLANS` the job walks."""
+        return render_mode(bool(self.keyframe_files), bool(self.request.references))
+
+    @property
+    def plan(self) -> tuple[str, ...]:
+        """The render stages the job goes through, in order."""
+        return RENDER_PLANS[self.mode]
+
+    @property
     def first_stage(self) -> str:
         """Keyframes and references are encoded first (`keyframes`); a text render starts at the encoder."""
-        return first_stage(bool(self.keyframe_files or self.request.references))
+        return self.plan[0]
 
     @property
     def partition(self) -> str:
@@ -97,8 +109,6 @@ class Outcome:
 ProgressSink = Callable[[str, common_pb2.Progress], None]
 
 
-# The stage service each render stage calls (the decoder's VAE encoders encode keyframes and references).
-SERVICE_OF = {"keyframes": "decoder", "encoder": "encoder", "dit": "dit", "decoder": "decoder"}
 # What a stage's answer about the render service itself means for the operator: its token, its principal, the
 # address it was given. The user's job fails FAILED_PRECONDITION with this, never with the stage's code as if the
 # user had sent a wrong token (`stage_failure`).
@@ -197,8 +207,11 @@ def run_decoder(c: StageClients, w: Work, progress, on_call) -> StageResult:
 STAGE_CALLS = {"keyframes": run_keyframes, "encoder": run_encoder, "dit": run_dit, "decoder": run_decoder}
 
 
+OutcomeSink = Callable[[Work, Outcome], None]
+
+
 class RenderEngine:
-    """Runs stage batches against the stage services beside it (the scheduler's one batch at a time)."""
+    """Runs stage batches against the stage services beside it (one batch per resource group at a time)."""
 
     def __init__(self, clients: StageClients):
         self.clients = clients
@@ -218,14 +231,23 @@ class RenderEngine:
             return Outcome(False, code=code.name, message=f"{stage}: {msg}")
 
     def run_batch(self, stage: str, works: list[Work], sink: ProgressSink,
-                  stopped: Callable[[], bool] = lambda: False) -> dict[str, Outcome]:
+                  stopped: Callable[[], bool] = lambda: False,
+                  on_done: OutcomeSink | None = None) -> dict[str, Outcome]:
         """Every job of the batch calls the stage at once (the stage queues and serves them in one residency); the
-        outcome of each, by job id. Once `stopped()` (the service is draining) the calls are stopped and Cancelled
-        is raised: the jobs are retried after the restart."""
+        outcome of each, by job id. `on_done(work, outcome)` hears of each job the moment its call ends (in the
+        call's thread). Once `stopped()` (the service is draining) the calls are stopped and Cancelled is raised:
+        the jobs whose call did not succeed are retried after the restart (`on_done` does not hear of them)."""
         outcomes = {}
+
+        def call(w: Work) -> Outcome:
+            o = self._one(stage, w, sink)
+            if on_done is not None and (o.ok or not stopped()):
+                on_done(w, o)
+            return o
+
         for group in self._groups(stage, works):
             with ThreadPoolExecutor(max_workers=len(group), thread_name_prefix=f"batch-{stage}") as pool:
-                futs = {pool.submit(self._one, stage, w, sink): w for w in group}
+                futs = {pool.submit(call, w): w for w in group}
                 while True:
                     done, pending = wait(futs, timeout=0.2)
                     if not pending:
@@ -273,7 +295,7 @@ def render_jobs(clients: StageClients, jobs: Sequence[tuple[render_pb2.RenderReq
     done: dict[str, list[StageResult]] = {w.job_id: [] for w in works}
     failed: dict[str, Outcome] = {}
     for stage in STAGES:
-        batch = [w for w in works if w.job_id not in failed and STAGES.index(stage) >= STAGES.index(w.first_stage)]
+        batch = [w for w in works if w.job_id not in failed and stage in w.plan]
         if not batch:
             continue
         for job_id, o in engine.run_batch(stage, batch, lambda _job_id, p: on_progress(p)).items():

@@ -59,6 +59,9 @@ class RenderConfig(ServeConfig):
     max_wait_batches: int = field(default=4, metadata={
         "help": "fairness bound: a job ready for a stage waits at most this many batches of other work, while what "
                 "arrives at a stage in that many batches fits one batch (docs/render_service.md)"})
+    pipeline: bool = field(default=True, metadata={
+        "help": "run stage batches of stages that share no device at the same time (each stage's Status names its "
+                "devices); --no-pipeline: one batch service-wide at a time"})
     max_attempts: int = field(default=2, metadata={
         "help": "runs of a job: a restart during a run retries it while attempts remain, else it fails"})
     stage_retries: int = field(default=3, metadata={"help": "UNAVAILABLE answers from a stage retried per job"})
@@ -84,7 +87,7 @@ class RenderConfig(ServeConfig):
             run_dir=Path(self.run_dir), max_batch=self.max_batch, max_wait_batches=self.max_wait_batches,
             max_attempts=self.max_attempts, stage_retries=self.stage_retries, max_jobs_queued=self.max_jobs_queued,
             keep_jobs=self.keep_jobs, keep_bytes=int(self.keep_bytes_gb * GIB), keep_age_s=self.keep_age_s,
-            job_deadline_s=self.job_deadline_s, retention_every_s=self.retention_every_s)
+            job_deadline_s=self.job_deadline_s, retention_every_s=self.retention_every_s, pipeline=self.pipeline)
 
     def endpoints(self) -> Endpoints:
         missing = [s for s in STAGES if not getattr(self, s)]

@@ -1,8 +1,12 @@
 """The render service's scheduler: durable jobs in, stage batches out.
 
-`submit` validates a request, records the job (SQLite, `store.JobStore`) and queues it for its first stage. One
-scheduler thread asks the planner (`planner.BatchPlanner`) for the next stage batch, runs it (`engine.RenderEngine`)
-and moves each job on: to its next stage's queue, to SUCCEEDED with its MP4, or to FAILED / CANCELLED. A stage
+`submit` validates a request, records the job (SQLite, `store.JobStore`) and queues it for the first stage of its
+mode's plan (`planner.RENDER_PLANS`). The stage services are split into *resource groups* (`planner.resource_groups`,
+from each stage's Status: services that share a device and take its lease take turns; the others do not); one
+dispatcher thread asks the planner (`planner.BatchPlanner`) for each idle group's next stage batch and runs it in a
+thread of its own (`engine.RenderEngine`), so groups that share no device run at the same time. Each job moves on the
+moment its stage call ends: to its next stage's queue, to SUCCEEDED with its MP4, or to FAILED / CANCELLED. With
+`pipeline=False` (--serial) all stages form one group: one batch service-wide at a time. A stage
 answering UNAVAILABLE (restarting its ranks, draining) is retried by queueing the job for the same stage again
 (--stage-retries); a stage answering RESOURCE_EXHAUSTED with "retry later" (its queue or its upload slots are full)
 is waited out with exponential backoff up to the job's deadline (--job-deadline-s), the job showing "waiting for the
@@ -30,7 +34,9 @@ from h3.v1 import common_pb2, encoder_pb2, render_pb2
 from minimax_h3.contract import (MAX_PROMPT_BYTES, MAX_REFERENCES, check_loras, check_output, check_partition,
                                  spec_from_proto, validate)
 from render_svc.engine import Outcome, RenderEngine, Work
-from render_svc.planner import Batch, BatchPlanner, next_stage
+from client.stubs import STAGES as SERVICES
+from render_svc.planner import (SERVICE_OF, STAGES, Batch, BatchPlanner, Resources, next_stage,
+                                resource_groups)
 from render_svc.store import CANCELLED, FAILED, QUEUED, RUNNING, SUCCEEDED, JobRecord, JobStore
 from stagekit.errors import Cancelled, InvalidArgument, NotFound, Unavailable
 from stagekit.uploads import UploadStore, reference_bytes
@@ -56,11 +62,15 @@ class SchedulerConfig:
     keep_age_s: float = 7 * 86400.0
     job_deadline_s: float = 6 * 3600.0   # a busy stage is waited out until this long after the job's submission
     retention_every_s: float = 60.0      # retention (and the database file check) runs this often
+    pipeline: bool = True            # stage groups that share no device run at once (False: one batch at a time)
 
 
 DIT_STATUS_TTL_S = 10.0  # how long the DiT's Status (its partitions and LoRAs) is trusted before it is asked again
 DIT_STATUS_RECHECK_S = 1.0  # a LoRA name the DiT lacked is asked again once its Status is this old (a file just added)
 STAGE_CHECK_TIMEOUT_S = 5.0  # a stage's answer to a Submit-time question (Status, CheckPrompt)
+RESOURCES_EVERY_S = 10.0     # the stages' devices (their Status) are read again this often
+RESOURCES_UNKNOWN_EVERY_S = 1.0  # ... and this often while a stage has not answered yet
+RESOURCES_TIMEOUT_S = 2.0    # a stage's Status answer for its devices
 
 
 def check_request(req: render_pb2.RenderRequest) -> None:
@@ -173,8 +183,11 @@ class RenderService:
         self.outputs.mkdir(parents=True, exist_ok=True)
         self.planner = BatchPlanner(cfg.max_batch, cfg.max_wait_batches)
         self.works: dict[str, Work] = {}         # jobs in flight (queued or between / in stages)
-        self.batch: Batch | None = None          # the batch running now, since batch_t0
-        self.batch_t0 = 0.0
+        self.resources: dict[str, Resources] = {}  # each stage service's devices, from its Status
+        self.groups: list[tuple[str, ...]] = resource_groups(SERVICES, {}, serial=True)  # until the stages answer
+        self.running: dict[str, tuple[Batch, float]] = {}  # stage service -> the batch its group runs, its start
+        self._batch_threads: set[threading.Thread] = set()
+        self._resources_read = threading.Event()  # the stages' Status was asked once (the first batch waits for it)
         self.later: dict[str, tuple[float, str]] = {}  # jobs backing off a busy stage: id -> (due, stage)
         self.storage_error = ""                  # the job store's last failed write, until one succeeds again
         self._next_retention = 0.0
@@ -186,6 +199,7 @@ class RenderService:
         self._abort = threading.Event()          # the drain stops the running batch's stage calls
         self._stop = threading.Event()           # the drain is over: Submit refuses
         self._thread = threading.Thread(target=self._loop, name="render-scheduler", daemon=True)
+        self._watcher = threading.Thread(target=self._watch_resources, name="render-resources", daemon=True)
 
     # ---- lifecycle ----------------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -200,6 +214,7 @@ class RenderService:
                 self._enqueue(rec)
         self._expire()
         self._next_retention = time.monotonic() + self.cfg.retention_every_s
+        self._watcher.start()
         self._thread.start()
 
     def shutdown(self, cancel_running: bool, grace_s: float, cancel_wait_s: float = 15.0) -> None:
@@ -215,6 +230,7 @@ class RenderService:
         if self._thread.is_alive():
             self._abort.set()
             self._thread.join(timeout=cancel_wait_s)
+        self._watcher.join(timeout=len(SERVICES) * RESOURCES_TIMEOUT_S)
         self._stop.set()
 
     def gauges(self) -> dict[str, float]:
@@ -375,14 +391,61 @@ class RenderService:
         except sqlite3.Error as e:
             self._storage_failed(e)
 
-    def _next(self) -> Batch | None:
-        """Under the lock: jobs whose busy backoff is over rejoin their stage's queue; the next batch (or None)."""
+    def _watch_resources(self) -> None:
+        """Its own thread: every RESOURCES_EVERY_S (every second while a stage has not answered) each stage
+        service's devices from its Status, and the resource groups they make."""
+        while not self.stopping.is_set():
+            known = self._refresh_resources()
+            self._resources_read.set()
+            self.stopping.wait(RESOURCES_EVERY_S if known else RESOURCES_UNKNOWN_EVERY_S)
+
+    def _refresh_resources(self) -> bool:
+        """Read each stage service's Status for its devices; regroup. A stage that does not answer keeps what it said
+        last; one that never answered shares a group with every other (nothing runs beside it blind). Returns whether
+        every stage's devices are known."""
+        clients = self.engine.clients
+        for node in SERVICES:
+            try:
+                st = clients.stub(node).Status(common_pb2.StatusRequest(), timeout=RESOURCES_TIMEOUT_S,
+                                               metadata=clients.security.metadata())
+            except grpc.RpcError as e:
+                log.debug("the %s stage's Status did not answer (%s)", node, e.code())
+                continue
+            self.resources[node] = Resources(st.host, tuple(st.device_ids) or tuple(st.devices),
+                                             st.residency != "shared")
+        groups = resource_groups(SERVICES, self.resources, serial=not self.cfg.pipeline)
+        with self._lock:
+            if groups != self.groups:
+                log.info("resource groups: %s", "; ".join("+".join(g) for g in groups))
+                self.groups = groups
+                self._lock.notify_all()
+        return all(n in self.resources for n in SERVICES)
+
+    def _dispatch(self) -> int:
+        """Under the lock: jobs whose busy backoff is over rejoin their stage's queue; every group whose services
+        are all idle starts its next batch (in a thread of its own). Returns how many batches started."""
         now = time.monotonic()
         for job_id, (due, stage) in sorted(self.later.items(), key=lambda kv: kv[1][0]):
             if due <= now:
                 del self.later[job_id]
                 self.planner.add(job_id, stage)
-        return self.planner.next_batch()
+        started = 0
+        for group in self.groups:
+            if any(n in self.running for n in group):
+                continue
+            stages = tuple(s for s in STAGES if SERVICE_OF[s] in group)
+            batch = self.planner.next_batch(stages, "+".join(group))
+            if batch is None:
+                continue
+            works = [self.works[j] for j in batch.job_ids]
+            for n in group:
+                self.running[n] = (batch, time.time())
+            t = threading.Thread(target=self._batch_thread, args=(batch, works, group),
+                                 name=f"render-batch-{batch.number}", daemon=True)
+            self._batch_threads.add(t)
+            t.start()
+            started += 1
+        return started
 
     def _drained(self) -> None:
         """The service is draining (SIGTERM): the running jobs go back to the queue, their attempt given back."""
@@ -393,9 +456,16 @@ class RenderService:
             self._storage_failed(e)
 
     def _loop(self) -> None:
+        """The dispatcher: retention and checkpoints between batches, the stages' resources, and every idle group's
+        next batch. Draining, it waits for the running batches (shutdown stops them after the grace), then gives the
+        running jobs back to the queue."""
+        self._resources_read.wait(timeout=len(SERVICES) * RESOURCES_TIMEOUT_S + 1.0)
         while not self._stop.is_set():
             try:
                 if self.stopping.is_set():
+                    with self._lock:
+                        while self._batch_threads:
+                            self._lock.wait(0.2)
                     self._drained()
                     return
                 if time.monotonic() >= self._next_retention:
@@ -405,54 +475,61 @@ class RenderService:
             except Unavailable:
                 return
             with self._lock:
-                batch = self._next()
-                if batch is None:
+                if self._dispatch() == 0 and not self.stopping.is_set():
                     due = min((d for d, _ in self.later.values()), default=time.monotonic() + 0.5)
                     self._lock.wait(max(0.01, min(0.5, due - time.monotonic())))
-                    continue
-                works = [self.works[j] for j in batch.job_ids]
-                self.batch, self.batch_t0 = batch, time.time()
-            try:
-                self._run_batch(batch, works)
-            except Unavailable:
-                log.info("shutting down: leaving batch %d (%s) to the next start", batch.number, batch.stage)
-                self._drained()
-                return
-            except Exception:  # noqa: BLE001 - a scheduler bug must not strand the jobs silently
-                log.exception("batch %d (%s) failed", batch.number, batch.stage)
-                for w in works:
-                    self._finish(w, FAILED, "INTERNAL", f"render service error in the {batch.stage} batch; see its log")
-            finally:
-                with self._lock:
-                    self.batch = None
 
-    def _run_batch(self, batch: Batch, works: list[Work]) -> None:
+    def _batch_thread(self, batch: Batch, works: list[Work], group: tuple[str, ...]) -> None:
+        """One group's batch, start to end; the group's services are idle again after it."""
+        advanced: set[str] = set()
+        try:
+            self._run_batch(batch, works, advanced)
+        except Unavailable:
+            log.info("shutting down: leaving batch %d (%s) to the next start", batch.number, batch.stage)
+        except Exception:  # noqa: BLE001 - a scheduler bug must not strand the jobs silently
+            log.exception("batch %d (%s) failed", batch.number, batch.stage)
+            for w in works:
+                if w.job_id not in advanced:
+                    self._finish(w, FAILED, "INTERNAL", f"render service error in the {batch.stage} batch; see its log")
+        finally:
+            with self._lock:
+                for n in group:
+                    self.running.pop(n, None)
+                self._batch_threads.discard(threading.current_thread())
+                self._lock.notify_all()
+
+    def _run_batch(self, batch: Batch, works: list[Work], advanced: set[str]) -> None:
+        """Send the batch's jobs to the stage; each moves on (`_advance`) the moment its own call ends."""
         live = []
         for w in works:
             if w.cancelled.is_set():
                 self._finish(w, CANCELLED, "CANCELLED", f"cancelled while waiting for the {batch.stage} stage")
+                advanced.add(w.job_id)
                 continue
             if self.store.get(w.job_id).state == QUEUED and not self._durable(self.store.start, w.job_id, batch.stage):
+                advanced.add(w.job_id)
                 continue  # finished in between
             live.append(w)
         if not live:
             return
         t0 = time.time()
-        log.info("batch %d: %s x %d (waited %s)", batch.number, batch.stage, len(live),
+        log.info("batch %d: %s x %d on %s (waited %s)", batch.number, batch.stage, len(live), batch.group,
                  sorted(batch.waited.values()))
         if self.stopping.is_set():
             raise Unavailable("draining")
+
+        def done(w: Work, o: Outcome) -> None:
+            advanced.add(w.job_id)
+            self._advance(w, batch, o)
+
         try:
-            outcomes = self.engine.run_batch(batch.stage, live, self._progress, self._abort.is_set)
+            outcomes = self.engine.run_batch(batch.stage, live, self._progress, self._abort.is_set, on_done=done)
         except Cancelled:  # the drain stopped the batch
             raise Unavailable("draining") from None
-        self.batch_log.append({"number": batch.number, "stage": batch.stage, "jobs": [w.job_id for w in live],
-                               "t0": t0, "t1": time.time()})
-        unavailable = 0
-        for w in live:
-            o: Outcome = outcomes[w.job_id]
-            unavailable += not o.ok and o.code == "UNAVAILABLE"
-            self._advance(w, batch, o)
+        with self._lock:
+            self.batch_log.append({"number": batch.number, "stage": batch.stage, "group": batch.group,
+                                   "jobs": [w.job_id for w in live], "t0": t0, "t1": time.time()})
+        unavailable = sum(not o.ok and o.code == "UNAVAILABLE" for o in outcomes.values())
         if unavailable == len(live):
             self.stopping.wait(min(5.0, 1.0 * max(w.unavailable for w in live)))  # the stage is down: back off
 
@@ -466,7 +543,7 @@ class RenderService:
             self._durable(self.store.add_run, w.job_id, render_pb2.StageRun(
                 stage=stage, wall_s=r.wall_s, timing=r.timing, batch=batch.number, batch_size=len(batch.job_ids),
                 waited_batches=batch.waited.get(w.job_id, 0)))
-            nxt = next_stage(stage)
+            nxt = next_stage(stage, w.plan)
             if nxt is None:
                 size = w.output.stat().st_size
                 self._finish(w, SUCCEEDED, output=str(w.output), output_bytes=size)
@@ -474,6 +551,7 @@ class RenderService:
             self._durable(self.store.set_stage, w.job_id, nxt)
             with self._lock:
                 self.planner.add(w.job_id, nxt)
+                self._lock.notify_all()  # its next stage's group may be idle: the dispatcher starts it now
             return
         if o.code == "RESOURCE_EXHAUSTED" and BUSY_HINT in o.message:
             left = w.deadline - time.time()
@@ -499,6 +577,7 @@ class RenderService:
                         f"{self.cfg.stage_retries}"))
             with self._lock:
                 self.planner.add(w.job_id, stage)
+                self._lock.notify_all()
             return
         self._finish(w, FAILED, o.code, o.message)
 
@@ -541,8 +620,10 @@ class RenderService:
         recent = self.store.list([SUCCEEDED, FAILED, CANCELLED], limit=50, owner=owner)
         with self._lock:
             pos = {r.id: self.planner.position(r.id) for r in active}
-            batch = None if self.batch is None else {"number": self.batch.number, "stage": self.batch.stage,
-                                                     "jobs": list(self.batch.job_ids), "t0": self.batch_t0}
+            running = {b.number: {"number": b.number, "stage": b.stage, "group": b.group, "jobs": list(b.job_ids),
+                                  "t0": t0} for b, t0 in self.running.values()}
             batches = list(self.batch_log)[-40:]
-        return {"jobs": [r.info(pos.get(r.id, 0)) for r in active + recent], "batch": batch, "batches": batches,
-                "batches_total": self.planner.batches}
+            groups = ["+".join(g) for g in self.groups]
+        return {"jobs": [r.info(pos.get(r.id, 0)) for r in active + recent],
+                "running": sorted(running.values(), key=lambda b: b["number"]), "batches": batches,
+                "batches_total": self.planner.batches, "groups": groups}
