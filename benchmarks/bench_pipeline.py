@@ -122,7 +122,7 @@ def main() -> None:
                                       env={"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads},
                                       extra_args=stage_args))
     stages = stack.start()
-    out: dict = {"config": vars(args), "cpus": os.cpu_count()}
+    out: dict = {"config": vars(args), "cpus": os.cpu_count(), "load_average_before": os.getloadavg()}
     try:
         base = ["--max-batch", str(args.max_batch)]
         out["pipelined"] = measure(stack, stages, base, "pipelined", args, spec)
@@ -132,6 +132,7 @@ def main() -> None:
             print("pipelined_over_serial", out["pipelined_over_serial"], flush=True)
     finally:
         stack.stop()
+    out["load_average_after"] = os.getloadavg()  # other processes' CPU use: stages overlap only on idle cores
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(out, indent=2) + "\n")

@@ -204,7 +204,7 @@ class RenderServicer(UploadMixin, render_pb2_grpc.RendererServicer):
             health=health, queued=counts.get(QUEUED, 0), running=counts.get(RUNNING, 0),
             succeeded=counts.get(SUCCEEDED, 0), failed=counts.get(FAILED, 0), cancelled=counts.get(CANCELLED, 0),
             batches=self.svc.planner.batches, stages=stages, web_url=self.web_url, max_batch=cfg.max_batch,
-            max_wait_batches=cfg.max_wait_batches)
+            max_wait_batches=cfg.max_wait_batches, stage_groups=self.svc.group_names())
 
 
 def main(argv: list[str] | None = None) -> None:

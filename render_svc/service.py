@@ -610,6 +610,11 @@ class RenderService:
             Path(path).unlink(missing_ok=True)
 
     # ---- views --------------------------------------------------------------------------------------------------
+    def group_names(self) -> list[str]:
+        """The resource groups as "encoder+dit+decoder" names, in stage order."""
+        with self._lock:
+            return ["+".join(g) for g in self.groups]
+
     def counts(self) -> dict[int, int]:
         return self.store.counts()
 
@@ -623,7 +628,7 @@ class RenderService:
             running = {b.number: {"number": b.number, "stage": b.stage, "group": b.group, "jobs": list(b.job_ids),
                                   "t0": t0} for b, t0 in self.running.values()}
             batches = list(self.batch_log)[-40:]
-            groups = ["+".join(g) for g in self.groups]
+        groups = self.group_names()
         return {"jobs": [r.info(pos.get(r.id, 0)) for r in active + recent],
                 "running": sorted(running.values(), key=lambda b: b["number"]), "batches": batches,
                 "batches_total": self.planner.batches, "groups": groups}

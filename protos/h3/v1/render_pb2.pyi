@@ -172,7 +172,7 @@ class StageEndpoint(_message.Message):
     def __init__(self, stage: _Optional[str] = ..., endpoint: _Optional[str] = ..., health: _Optional[str] = ...) -> None: ...
 
 class RenderStatus(_message.Message):
-    __slots__ = ("health", "queued", "running", "succeeded", "failed", "cancelled", "batches", "stages", "web_url", "max_batch", "max_wait_batches")
+    __slots__ = ("health", "queued", "running", "succeeded", "failed", "cancelled", "batches", "stages", "web_url", "max_batch", "max_wait_batches", "stage_groups")
     HEALTH_FIELD_NUMBER: _ClassVar[int]
     QUEUED_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
@@ -184,6 +184,7 @@ class RenderStatus(_message.Message):
     WEB_URL_FIELD_NUMBER: _ClassVar[int]
     MAX_BATCH_FIELD_NUMBER: _ClassVar[int]
     MAX_WAIT_BATCHES_FIELD_NUMBER: _ClassVar[int]
+    STAGE_GROUPS_FIELD_NUMBER: _ClassVar[int]
     health: str
     queued: int
     running: int
@@ -195,4 +196,5 @@ class RenderStatus(_message.Message):
     web_url: str
     max_batch: int
     max_wait_batches: int
-    def __init__(self, health: _Optional[str] = ..., queued: _Optional[int] = ..., running: _Optional[int] = ..., succeeded: _Optional[int] = ..., failed: _Optional[int] = ..., cancelled: _Optional[int] = ..., batches: _Optional[int] = ..., stages: _Optional[_Iterable[_Union[StageEndpoint, _Mapping]]] = ..., web_url: _Optional[str] = ..., max_batch: _Optional[int] = ..., max_wait_batches: _Optional[int] = ...) -> None: ...
+    stage_groups: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, health: _Optional[str] = ..., queued: _Optional[int] = ..., running: _Optional[int] = ..., succeeded: _Optional[int] = ..., failed: _Optional[int] = ..., cancelled: _Optional[int] = ..., batches: _Optional[int] = ..., stages: _Optional[_Iterable[_Union[StageEndpoint, _Mapping]]] = ..., web_url: _Optional[str] = ..., max_batch: _Optional[int] = ..., max_wait_batches: _Optional[int] = ..., stage_groups: _Optional[_Iterable[str]] = ...) -> None: ...
