@@ -1,7 +1,7 @@
 """Which stage batch runs next, per resource group: stage batching across all queued jobs, with a fairness bound.
 
-Every job moves through the render stages of its mode's plan (`RENDER_PLANS`, data: t2va, fl2va, ref2va). A job
-*ready* for a stage waits in that stage's FIFO queue. A *resource group* is a set of stage services that take turns
+Every job moves through the render stages of its mode's plan (`minimax_h3.contract.RENDER_PLANS`, data). A
+job *ready* for a stage waits in that stage's FIFO queue. A *resource group* is a set of stage services that take turns
 on a device (`resource_groups`); each group runs one *batch* at a time: up to `max_batch` jobs of one of its stages,
 sent to the stage together so it serves them in one residency (one weight swap for the batch, docs/residency.md).
 Groups that share no device run their batches at the same time.
@@ -20,29 +20,15 @@ order can keep it; the least-slack task still goes first, so waits stay ordered 
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from stagekit.errors import FailedPrecondition
 
-STAGES = ("keyframes", "encoder", "dit", "decoder")  # every render stage, in render order
-# The stages each render mode walks, in order (keyframes: the decoder's VAE encoders, for keyframes or references).
-RENDER_PLANS: dict[str, tuple[str, ...]] = {
-    "t2va": ("encoder", "dit", "decoder"),
-    "fl2va": ("keyframes", "encoder", "dit", "decoder"),
-    "ref2va": ("keyframes", "encoder", "dit", "decoder"),
-}
+STAGES = ("keyframes", "encoder", "dit", "decoder")  # every render stage, in render order (each mode's plan:
+# minimax_h3.contract.RENDER_PLANS)
 # The stage service each render stage calls (the decoder's VAE encoders encode keyframes and references).
 SERVICE_OF = {"keyframes": "decoder", "encoder": "encoder", "dit": "dit", "decoder": "decoder"}
-
-
-def render_mode(keyframes: bool, references: bool) -> str:
-    """The plan a request follows: ref2va with references, fl2va with first/last keyframes, else t2va."""
-    return "ref2va" if references else "fl2va" if keyframes else "t2va"
-
-
-def first_stage(has_keyframes: bool) -> str:
-    return STAGES[0] if has_keyframes else STAGES[1]
 
 
 def next_stage(stage: str, plan: tuple[str, ...] = STAGES) -> str | None:
@@ -89,6 +75,9 @@ def resource_groups(nodes: Iterable[str], known: Mapping[str, Resources], serial
     for n in nodes:
         groups.setdefault(root(n), []).append(n)
     return [tuple(g) for g in groups.values()]
+
+
+Eligible = Callable[[str, str], bool]  # (job id, stage) -> whether a group may serve that job's stage
 
 
 @dataclass
@@ -149,41 +138,51 @@ class BatchPlanner:
                     return i + 1
         return 0
 
-    def _tasks(self, stages: tuple[str, ...]) -> list[tuple[int, int, str]]:
-        """(slack, -stage order, stage) per batch-sized chunk of each of `stages`' queues, chunk 0 first in a stage."""
+    def _view(self, stages: tuple[str, ...], eligible: Eligible | None) -> dict[str, list[_Ready]]:
+        """The queues of `stages`, each holding only the jobs `eligible` lets this group serve."""
+        return {s: [r for r in self.queues[s] if eligible is None or eligible(r.job_id, s)] for s in stages}
+
+    def _tasks(self, view: dict[str, list[_Ready]]) -> list[tuple[int, int, str]]:
+        """(slack, -stage order, stage) per batch-sized chunk of each queue in `view`, chunk 0 first in a stage."""
         out = []
         for order, stage in enumerate(STAGES):
-            if stage not in stages:
-                continue
-            q = self.queues[stage]
+            q = view.get(stage, [])
             for start in range(0, len(q), self.max_batch):
                 out.append((self.max_wait - q[start].waited, -order, stage))
         return out
 
-    def choose(self, stages: tuple[str, ...] = STAGES, group: str = "") -> str | None:
-        """The stage of `group`'s next batch among its `stages` (None when none of them has a waiting job)."""
-        tasks = self._tasks(stages)
+    def choose(self, stages: tuple[str, ...] = STAGES, group: str = "", eligible: Eligible | None = None) -> str | None:
+        """The stage of `group`'s next batch among its `stages` (None when none of them has a waiting job it may
+        serve: `eligible(job_id, stage)`, default all)."""
+        return self._choose(self._view(stages, eligible), group)
+
+    def _choose(self, view: dict[str, list[_Ready]], group: str) -> str | None:
+        tasks = self._tasks(view)
         if not tasks:
             return None
         cur = self.current.get(group)
-        if cur in stages and self.queues[cur]:
+        if cur in view and view[cur]:
             first = next(i for i, t in enumerate(tasks) if t[2] == cur)  # the current stage's oldest chunk
             rest = sorted(t[0] for i, t in enumerate(tasks) if i != first)
             if all(s >= k + 1 for k, s in enumerate(rest)):
                 return cur
         return min(tasks)[2]
 
-    def next_batch(self, stages: tuple[str, ...] = STAGES, group: str = "") -> Batch | None:
-        """`group`'s next batch among its `stages` (None when nothing waits for them); every job left waiting for
-        those stages counts one more wait."""
-        stage = self.choose(stages, group)
+    def next_batch(self, stages: tuple[str, ...] = STAGES, group: str = "",
+                   eligible: Eligible | None = None) -> Batch | None:
+        """`group`'s next batch among its `stages` and the jobs `eligible` lets it serve (None when none waits);
+        every job it could have served and left waiting counts one more wait."""
+        view = self._view(stages, eligible)
+        stage = self._choose(view, group)
         if stage is None:
             return None
-        q = self.queues[stage]
-        taken, self.queues[stage] = q[: self.max_batch], q[self.max_batch:]
-        for s in stages:
-            for r in self.queues[s]:
-                r.waited += 1
+        taken = view[stage][: self.max_batch]
+        ids = {r.job_id for r in taken}
+        self.queues[stage] = [r for r in self.queues[stage] if r.job_id not in ids]
+        for s, q in view.items():
+            for r in q:
+                if r.job_id not in ids:
+                    r.waited += 1
         self.batches += 1
         self.current[group] = stage
         return Batch(stage, [r.job_id for r in taken], self.batches, {r.job_id: r.waited for r in taken}, group)

@@ -18,7 +18,7 @@ import grpc
 
 from client.stubs import SERVICE_NAMES, STAGES, Endpoints, Security, StageClients, health_of
 from h3.v1 import render_pb2, render_pb2_grpc
-from render_svc.engine import RenderEngine
+from render_svc.engine import RenderEngine, make_replicas
 from render_svc.service import RenderService, SchedulerConfig
 from render_svc.store import CANCELLED, FAILED, QUEUED, RUNNING, SUCCEEDED
 from stagekit.bootstrap import LOG_LEVELS, ProcessTempDir, exit_cleanly, listen, setup_logging
@@ -45,9 +45,11 @@ class RenderConfig(ServeConfig):
         "help": "Render and Watch streams followed at once (a thread each, not a --max-workers slot); more get "
                 "RESOURCE_EXHAUSTED"})
     stream_methods: tuple = field(default=STREAMS, init=False)
-    encoder: str = field(default="", metadata={"help": "text encoder endpoint (host:port, or a list for round_robin)"})
-    dit: str = field(default="", metadata={"help": "DiT sampler endpoint"})
-    decoder: str = field(default="", metadata={"help": "decoder endpoint"})
+    encoder: str = field(default="", metadata={
+        "help": "text encoder endpoint: host:port, or replicas 'name=host:port,name=host:port' (names optional); "
+                "each replica gets its own channel and its own share of the batches"})
+    dit: str = field(default="", metadata={"help": "DiT sampler endpoint (or replicas, as --encoder)"})
+    decoder: str = field(default="", metadata={"help": "decoder endpoint (or replicas, as --encoder)"})
     stage_token: str = field(default="", metadata={"help": "bearer token for the stages (default: this service's token)"})
     stage_tls_ca: str = field(default="", metadata={"help": "CA certificate of TLS stages"})
     run_dir: str = field(default="run", metadata={"help": "job database (render.sqlite3) and finished MP4s (outputs/)"})
@@ -198,6 +200,9 @@ class RenderServicer(UploadMixin, render_pb2_grpc.RendererServicer):
         stages = [render_pb2.StageEndpoint(stage=s, endpoint=self.clients.endpoints.of(s),
                                            health=health_of(self.clients.channels[s], SERVICE_NAMES[s], 2.0))
                   for s in STAGES]
+        stages += [render_pb2.StageEndpoint(stage=node, endpoint=r.address,  # each of several replicas on its own
+                                            health=health_of(r.clients.channels[r.service], SERVICE_NAMES[r.service], 2.0))
+                   for node, r in self.svc.engine.replicas.items() if node != r.service]
         cfg = self.svc.cfg
         health = f"DEGRADED ({self.svc.storage_error})" if self.svc.storage_error else "SERVING"
         return render_pb2.RenderStatus(
@@ -224,7 +229,8 @@ def main(argv: list[str] | None = None) -> None:
                 from render_svc.web import WebPage
 
                 web = WebPage(cfg, clients)
-            svc = RenderService(cfg.scheduler(), RenderEngine(clients))
+            svc = RenderService(cfg.scheduler(), RenderEngine(clients, make_replicas(cfg.endpoints(),
+                                                                                     cfg.stage_security())))
             web_url = ""
             if web is not None:
                 web_url = web.start(svc)
