@@ -96,6 +96,7 @@ def main() -> None:
     ap.add_argument("--models-dir", default="", help="real (or full-size random) weights; default: the tiny model")
     ap.add_argument("--write-weights", action="store_true",
                     help="write full-size random weights into --models-dir first where it has none (GPU)")
+    ap.add_argument("--weights-only", action="store_true", help="with --write-weights: write them, then exit")
     ap.add_argument("--threads", type=int, default=1, help="OMP/MKL threads per stage process (CPU)")
     ap.add_argument("--max-batch", type=int, default=8)
     ap.add_argument("--compare-serial", action="store_true", help="also run with --no-pipeline; the ratio")
@@ -110,6 +111,8 @@ def main() -> None:
         from benchmarks import bench_two_gpu
 
         print("weights:", bench_two_gpu.write_weights(Path(args.models_dir), tiny=False), flush=True)
+        if args.weights_only:
+            return
 
     def spec(prompt: str, seed: int) -> RenderSpec:
         return RenderSpec(prompt=f"{prompt}: rain on a tin roof, a bell, footsteps", width=args.width,
