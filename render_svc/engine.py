@@ -249,7 +249,8 @@ class RenderEngine:
 
     def __init__(self, clients: StageClients, replicas: dict[str, Replica] | None = None):
         self.clients = clients
-        self.replicas = replicas or {s: Replica(s, s, clients.endpoints.of(s), clients) for s in clients.endpoints.stages}
+        self.replicas = replicas or {s: Replica(s, s, clients.endpoints.of(s), clients)
+                                     for s in clients.endpoints.stages}
 
     def _one(self, stage: str, w: Work, sink: ProgressSink, rep: Replica) -> Outcome:
         def progress(p: common_pb2.Progress) -> None:

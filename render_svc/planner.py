@@ -1,7 +1,7 @@
 """Which stage batch runs next, per resource group: stage batching across all queued jobs, with a fairness bound.
 
-Every job moves through the render stages of its mode's plan (`minimax_h3.contract.RENDER_PLANS`, data). A
-job *ready* for a stage waits in that stage's FIFO queue. A *resource group* is a set of stage services that take turns
+Every job moves through the render stages of its mode's plan (`minimax_h3.contract.RENDER_PLANS`, data). A job
+*ready* for a stage waits in that stage's FIFO queue. A *resource group* is a set of stage replicas that take turns
 on a device (`resource_groups`); each group runs one *batch* at a time: up to `max_batch` jobs of one of its stages,
 sent to the stage together so it serves them in one residency (one weight swap for the batch, docs/residency.md).
 Groups that share no device run their batches at the same time.
@@ -52,7 +52,8 @@ class Resources:
         return bool(shared) and (self.exclusive or other.exclusive)
 
 
-def resource_groups(nodes: Iterable[str], known: Mapping[str, Resources], serial: bool = False) -> list[tuple[str, ...]]:
+def resource_groups(nodes: Iterable[str], known: Mapping[str, Resources],
+                    serial: bool = False) -> list[tuple[str, ...]]:
     """The stage services (`nodes`) in groups that take turns: the connected parts of "conflicts" (a service whose
     resources are not known yet conflicts with every other, so nothing runs beside it blind). `serial`: one group of
     all (one batch service-wide at a time). Groups and their members keep `nodes`' order."""

@@ -200,9 +200,10 @@ class RenderServicer(UploadMixin, render_pb2_grpc.RendererServicer):
         stages = [render_pb2.StageEndpoint(stage=s, endpoint=self.clients.endpoints.of(s),
                                            health=health_of(self.clients.channels[s], SERVICE_NAMES[s], 2.0))
                   for s in STAGES]
-        stages += [render_pb2.StageEndpoint(stage=node, endpoint=r.address,  # each of several replicas on its own
-                                            health=health_of(r.clients.channels[r.service], SERVICE_NAMES[r.service], 2.0))
-                   for node, r in self.svc.engine.replicas.items() if node != r.service]
+        stages += [render_pb2.StageEndpoint(  # each of several replicas on its own
+            stage=node, endpoint=r.address,
+            health=health_of(r.clients.channels[r.service], SERVICE_NAMES[r.service], 2.0))
+            for node, r in self.svc.engine.replicas.items() if node != r.service]
         cfg = self.svc.cfg
         health = f"DEGRADED ({self.svc.storage_error})" if self.svc.storage_error else "SERVING"
         return render_pb2.RenderStatus(

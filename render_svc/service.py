@@ -438,7 +438,7 @@ class RenderService:
                 st = answered.get(node)
                 if st is None:
                     if node not in self.down:
-                        log.warning("replica %s does not answer; its jobs go to the other replicas", node)
+                        log.warning("replica %s (%s) does not answer Status", node, self.engine.replicas[node].address)
                     self.down.add(node)
                     continue
                 if node in self.down:
@@ -472,26 +472,34 @@ class RenderService:
                 out[stage] = min(mine, key=lambda n: self.status[n].queue_depth if n in self.status else 0)
         return out
 
-    def _eligible(self, node: str) -> Callable[[str, str], bool]:
-        """Which waiting jobs replica `node` may serve: a DiT replica only those whose partition one of its files
-        provides and whose LoRAs it has (from its Status; not known yet: all)."""
+    def _fits(self, node: str, w: Work) -> bool:
+        """Under the lock: whether replica `node` serves job `w` by its last Status: a DiT replica when one of its
+        files provides the job's partition and it has the job's LoRAs; any other replica (or one not heard from)
+        always."""
         st = self.status.get(node)
-        if self.engine.replicas[node].service != "dit" or st is None:
-            return lambda job_id, stage: True
+        if st is None or self.engine.replicas[node].service != "dit":
+            return True
+        if st.partitions and w.partition not in st.partitions:
+            return False
+        if w.request.loras and st.HasField("loras"):
+            try:
+                check_loras([lo.name for lo in w.request.loras], st.loras.directory, list(st.loras.names),
+                            st.loras.paths_allowed)
+            except NotFound:
+                return False
+        return True
+
+    def _eligible(self, node: str) -> Callable[[str, str], bool]:
+        """Under the lock: which waiting jobs replica `node` may take: those it serves (`_fits`), and those no
+        answering replica of its service serves (its own refusal then ends the job, as with one replica)."""
+        service = self.engine.replicas[node].service
+        peers = [n for n in self.nodes if self.engine.replicas[n].service == service and n not in self.down]
 
         def ok(job_id: str, stage: str) -> bool:
             w = self.works.get(job_id)
             if w is None:
                 return False
-            if st.partitions and w.partition not in st.partitions:
-                return False
-            if w.request.loras and st.HasField("loras"):
-                try:
-                    check_loras([lo.name for lo in w.request.loras], st.loras.directory, list(st.loras.names),
-                                st.loras.paths_allowed)
-                except NotFound:
-                    return False
-            return True
+            return self._fits(node, w) or not any(self._fits(n, w) for n in peers)
 
         return ok
 
