@@ -382,6 +382,21 @@ REF2VA = "ref2va"  # image / video / audio references
 PARTITIONS = (FL2VA, REF2VA)
 
 
+T2VA = "t2va"      # text alone (sampled by the fl2va file)
+# The render stages each mode walks, in order (`keyframes`: the decoder's VAE encoders, for keyframes or references).
+RENDER_PLANS: dict[str, tuple[str, ...]] = {
+    T2VA: ("encoder", "dit", "decoder"),
+    FL2VA: ("keyframes", "encoder", "dit", "decoder"),
+    REF2VA: ("keyframes", "encoder", "dit", "decoder"),
+}
+
+
+def render_mode(keyframes: bool, references: bool) -> str:
+    """The mode (key of RENDER_PLANS) of a request: ref2va with references, fl2va with first/last keyframes, else
+    t2va."""
+    return REF2VA if references else FL2VA if keyframes else T2VA
+
+
 def needed_partition(wants_references: bool) -> str:
     """The MiniMax-H3 partition trained for a request: references need ref2va, text / keyframe requests fl2va (the
     other file renders poor video without an error)."""

@@ -1,7 +1,9 @@
 """The render service's engine: runs one stage batch against the stage services beside it.
 
 A *stage batch* is up to `--max-batch` render jobs sent to one stage at once, so the stage serves them in one
-residency; the scheduler (render_svc/service.py) runs one batch at a time, in its own thread. The stage calls are
+residency; the scheduler (render_svc/service.py) runs one batch at a time per resource group, each in its own thread,
+and hears of each job's outcome the moment its stage call ends (so the job moves on to its next stage while the rest
+of the batch still runs). The stage calls are
 the stage-level library (`client.pipeline`) and its one wire codec; tensors move render service <-> stage over
 loopback and stay in this process between stages (`Work.tensors`), never in the user's client.
 """
@@ -19,11 +21,12 @@ import grpc
 
 from client.pipeline import (StageResult, decode, encode, encode_image, encode_reference, reference_tensors,
                              sample)
-from client.stubs import StageClients
+from client.stubs import STAGES as SERVICES
+from client.stubs import Endpoints, StageClients, replicas_of
 from h3.v1 import common_pb2, render_pb2
-from minimax_h3.contract import (AUDIO_LATENTS, SAMPLE_INPUTS, TEXT_STATES, TEXT_TAGS, VIDEO_LATENTS, RenderSpec,
-                                 keyframe_tensor, needed_partition, spec_from_proto)
-from render_svc.planner import STAGES, first_stage
+from minimax_h3.contract import (AUDIO_LATENTS, RENDER_PLANS, SAMPLE_INPUTS, TEXT_STATES, TEXT_TAGS, VIDEO_LATENTS,
+                                 RenderSpec, keyframe_tensor, needed_partition, render_mode, spec_from_proto)
+from render_svc.planner import SERVICE_OF, STAGES
 from stagekit.errors import Cancelled, StageError, error_for, status_for
 
 log = logging.getLogger("render_svc")
@@ -54,9 +57,19 @@ class Work:
         return [(a, img if isinstance(img, bytes) else img.read_bytes()) for a, img in self.keyframe_files]
 
     @property
+    def mode(self) -> str:
+        """t2va, fl2va (keyframes) or ref2va (references): which plan of `RENDER_PLANS` the job walks."""
+        return render_mode(bool(self.keyframe_files), bool(self.request.references))
+
+    @property
+    def plan(self) -> tuple[str, ...]:
+        """The render stages the job goes through, in order."""
+        return RENDER_PLANS[self.mode]
+
+    @property
     def first_stage(self) -> str:
         """Keyframes and references are encoded first (`keyframes`); a text render starts at the encoder."""
-        return first_stage(bool(self.keyframe_files or self.request.references))
+        return self.plan[0]
 
     @property
     def partition(self) -> str:
@@ -97,8 +110,6 @@ class Outcome:
 ProgressSink = Callable[[str, common_pb2.Progress], None]
 
 
-# The stage service each render stage calls (the decoder's VAE encoders encode keyframes and references).
-SERVICE_OF = {"keyframes": "decoder", "encoder": "encoder", "dit": "dit", "decoder": "decoder"}
 # What a stage's answer about the render service itself means for the operator: its token, its principal, the
 # address it was given. The user's job fails FAILED_PRECONDITION with this, never with the stage's code as if the
 # user had sent a wrong token (`stage_failure`).
@@ -194,38 +205,87 @@ def run_decoder(c: StageClients, w: Work, progress, on_call) -> StageResult:
     return res
 
 
+def lora_key(w: Work) -> tuple:
+    """The LoRAs a job samples with, as a comparable key (names and strengths, in order)."""
+    return tuple((lo.name, lo.strength if lo.HasField("strength") else 1.0) for lo in w.request.loras)
+
+
 STAGE_CALLS = {"keyframes": run_keyframes, "encoder": run_encoder, "dit": run_dit, "decoder": run_decoder}
 
 
+OutcomeSink = Callable[[Work, Outcome], None]
+
+
+@dataclass
+class Replica:
+    """One replica of a stage service, with a channel of its own: a job's stage call (its uploads and its work)
+    reaches exactly this replica."""
+
+    node: str                          # "dit" for a lone replica, "dit/<name>" for one of several
+    service: str                       # encoder | dit | decoder
+    address: str
+    clients: StageClients              # a channel to this replica alone
+    partition: str = field(default_factory=lambda: needed_partition(False))  # DiT: its last batch's partition
+    loras: tuple = ()                  # DiT: the LoRAs of its last job
+
+    def close(self) -> None:
+        self.clients.close()
+
+
+def make_replicas(endpoints: Endpoints, security=None) -> dict[str, Replica]:
+    """One Replica per address each stage endpoint lists (`client.stubs.replicas_of`), in stage order."""
+    out = {}
+    for service in SERVICES:
+        for name, addr in replicas_of(endpoints.of(service)):
+            node = f"{service}/{name}" if name else service
+            out[node] = Replica(node, service, addr, StageClients(Endpoints(**{service: addr}), security))
+    return out
+
+
 class RenderEngine:
-    """Runs stage batches against the stage services beside it (the scheduler's one batch at a time)."""
+    """Runs stage batches against the stage services beside it (one batch per resource group at a time). `clients`
+    reaches every stage (a list endpoint balanced by gRPC: Submit-time questions, the web page); `replicas` are the
+    work channels, one per replica (default: one per stage, `clients` itself)."""
 
-    def __init__(self, clients: StageClients):
+    def __init__(self, clients: StageClients, replicas: dict[str, Replica] | None = None):
         self.clients = clients
-        self.dit_partition = needed_partition(False)  # the partition the last DiT batch ended on
+        self.replicas = replicas or {s: Replica(s, s, clients.endpoints.of(s), clients)
+                                     for s in clients.endpoints.stages}
 
-    def _one(self, stage: str, w: Work, sink: ProgressSink) -> Outcome:
+    def _one(self, stage: str, w: Work, sink: ProgressSink, rep: Replica) -> Outcome:
         def progress(p: common_pb2.Progress) -> None:
             p.stage = stage  # the render stage (the decoder reports its keyframe work as "decoder")
             sink(w.job_id, p)
 
         try:
-            return Outcome(True, STAGE_CALLS[stage](self.clients, w, progress, w.set_call))
+            return Outcome(True, STAGE_CALLS[stage](rep.clients, w, progress, w.set_call))
         except grpc.RpcError as e:
-            return stage_failure(stage, self.clients.endpoints.of(SERVICE_OF[stage]), e)
+            return stage_failure(stage, rep.address, e)
         except Exception as e:  # noqa: BLE001 - recorded on the job
             code, msg = status_for(e)
             return Outcome(False, code=code.name, message=f"{stage}: {msg}")
 
     def run_batch(self, stage: str, works: list[Work], sink: ProgressSink,
-                  stopped: Callable[[], bool] = lambda: False) -> dict[str, Outcome]:
-        """Every job of the batch calls the stage at once (the stage queues and serves them in one residency); the
-        outcome of each, by job id. Once `stopped()` (the service is draining) the calls are stopped and Cancelled
-        is raised: the jobs are retried after the restart."""
+                  stopped: Callable[[], bool] = lambda: False,
+                  on_done: OutcomeSink | None = None, node: str = "") -> dict[str, Outcome]:
+        """Every job of the batch calls the stage (on replica `node`; default: the stage's first) at once: the
+        stage queues and serves them in one residency. The outcome of each, by job id. `on_done(work, outcome)`
+        hears of each job the moment its call ends (in the call's thread). Once `stopped()` (the service is
+        draining) the calls are stopped and Cancelled is raised: the jobs whose call did not succeed are retried
+        after the restart (`on_done` does not hear of them)."""
         outcomes = {}
-        for group in self._groups(stage, works):
+        rep = self.replicas[node] if node else next(r for r in self.replicas.values()
+                                                    if r.service == SERVICE_OF[stage])
+
+        def call(w: Work) -> Outcome:
+            o = self._one(stage, w, sink, rep)
+            if on_done is not None and (o.ok or not stopped()):
+                on_done(w, o)
+            return o
+
+        for group in self._groups(stage, works, rep):
             with ThreadPoolExecutor(max_workers=len(group), thread_name_prefix=f"batch-{stage}") as pool:
-                futs = {pool.submit(self._one, stage, w, sink): w for w in group}
+                futs = {pool.submit(call, w): w for w in group}
                 while True:
                     done, pending = wait(futs, timeout=0.2)
                     if not pending:
@@ -239,14 +299,15 @@ class RenderEngine:
                 outcomes.update({w.job_id: f.result() for f, w in futs.items()})
         return outcomes
 
-    def _groups(self, stage: str, works: list[Work]) -> list[list[Work]]:
+    def _groups(self, stage: str, works: list[Work], rep: Replica) -> list[list[Work]]:
         """The batch's calls, in groups sent one after the other. A DiT batch goes partition by partition (the one
-        the DiT ran last first), so a mixed batch swaps the DiT's weights at most once (docs/references.md)."""
+        the replica ran last first), so a mixed batch swaps the DiT's weights at most once (docs/references.md)."""
         if stage != "dit":
             return [works]
-        parts = sorted({w.partition for w in works}, key=lambda p: p != self.dit_partition)
+        parts = sorted({w.partition for w in works}, key=lambda p: p != rep.partition)
         groups = [[w for w in works if w.partition == p] for p in parts]
-        self.dit_partition = parts[-1]
+        rep.partition = parts[-1]
+        rep.loras = lora_key(groups[-1][-1])
         return groups
 
 
@@ -273,7 +334,7 @@ def render_jobs(clients: StageClients, jobs: Sequence[tuple[render_pb2.RenderReq
     done: dict[str, list[StageResult]] = {w.job_id: [] for w in works}
     failed: dict[str, Outcome] = {}
     for stage in STAGES:
-        batch = [w for w in works if w.job_id not in failed and STAGES.index(stage) >= STAGES.index(w.first_stage)]
+        batch = [w for w in works if w.job_id not in failed and stage in w.plan]
         if not batch:
             continue
         for job_id, o in engine.run_batch(stage, batch, lambda _job_id, p: on_progress(p)).items():

@@ -18,7 +18,7 @@ import grpc
 
 from client.stubs import SERVICE_NAMES, STAGES, Endpoints, Security, StageClients, health_of
 from h3.v1 import render_pb2, render_pb2_grpc
-from render_svc.engine import RenderEngine
+from render_svc.engine import RenderEngine, make_replicas
 from render_svc.service import RenderService, SchedulerConfig
 from render_svc.store import CANCELLED, FAILED, QUEUED, RUNNING, SUCCEEDED
 from render_svc.webhooks import WebhookConfig, Webhooks, check_url, read_secret
@@ -46,9 +46,11 @@ class RenderConfig(ServeConfig):
         "help": "Render and Watch streams followed at once (a thread each, not a --max-workers slot); more get "
                 "RESOURCE_EXHAUSTED"})
     stream_methods: tuple = field(default=STREAMS, init=False)
-    encoder: str = field(default="", metadata={"help": "text encoder endpoint (host:port, or a list for round_robin)"})
-    dit: str = field(default="", metadata={"help": "DiT sampler endpoint"})
-    decoder: str = field(default="", metadata={"help": "decoder endpoint"})
+    encoder: str = field(default="", metadata={
+        "help": "text encoder endpoint: host:port, or replicas 'name=host:port,name=host:port' (names optional); "
+                "each replica gets its own channel and its own share of the batches"})
+    dit: str = field(default="", metadata={"help": "DiT sampler endpoint (or replicas, as --encoder)"})
+    decoder: str = field(default="", metadata={"help": "decoder endpoint (or replicas, as --encoder)"})
     stage_token: str = field(default="", metadata={"help": "bearer token for the stages (default: this service's token)"})
     stage_tls_ca: str = field(default="", metadata={"help": "CA certificate of TLS stages"})
     run_dir: str = field(default="run", metadata={"help": "job database (render.sqlite3) and finished MP4s (outputs/)"})
@@ -68,6 +70,9 @@ class RenderConfig(ServeConfig):
     max_wait_batches: int = field(default=4, metadata={
         "help": "fairness bound: a job ready for a stage waits at most this many batches of other work, while what "
                 "arrives at a stage in that many batches fits one batch (docs/render_service.md)"})
+    pipeline: bool = field(default=True, metadata={
+        "help": "run stage batches of stages that share no device at the same time (each stage's Status names its "
+                "devices); --no-pipeline: one batch service-wide at a time"})
     max_attempts: int = field(default=2, metadata={
         "help": "runs of a job: a restart during a run retries it while attempts remain, else it fails"})
     stage_retries: int = field(default=3, metadata={"help": "UNAVAILABLE answers from a stage retried per job"})
@@ -93,7 +98,7 @@ class RenderConfig(ServeConfig):
             run_dir=Path(self.run_dir), max_batch=self.max_batch, max_wait_batches=self.max_wait_batches,
             max_attempts=self.max_attempts, stage_retries=self.stage_retries, max_jobs_queued=self.max_jobs_queued,
             keep_jobs=self.keep_jobs, keep_bytes=int(self.keep_bytes_gb * GIB), keep_age_s=self.keep_age_s,
-            job_deadline_s=self.job_deadline_s, retention_every_s=self.retention_every_s)
+            job_deadline_s=self.job_deadline_s, retention_every_s=self.retention_every_s, pipeline=self.pipeline)
 
     def endpoints(self) -> Endpoints:
         missing = [s for s in STAGES if not getattr(self, s)]
@@ -216,13 +221,17 @@ class RenderServicer(UploadMixin, render_pb2_grpc.RendererServicer):
         stages = [render_pb2.StageEndpoint(stage=s, endpoint=self.clients.endpoints.of(s),
                                            health=health_of(self.clients.channels[s], SERVICE_NAMES[s], 2.0))
                   for s in STAGES]
+        stages += [render_pb2.StageEndpoint(  # each of several replicas on its own
+            stage=node, endpoint=r.address,
+            health=health_of(r.clients.channels[r.service], SERVICE_NAMES[r.service], 2.0))
+            for node, r in self.svc.engine.replicas.items() if node != r.service]
         cfg = self.svc.cfg
         health = f"DEGRADED ({self.svc.storage_error})" if self.svc.storage_error else "SERVING"
         return render_pb2.RenderStatus(
             health=health, queued=counts.get(QUEUED, 0), running=counts.get(RUNNING, 0),
             succeeded=counts.get(SUCCEEDED, 0), failed=counts.get(FAILED, 0), cancelled=counts.get(CANCELLED, 0),
             batches=self.svc.planner.batches, stages=stages, web_url=self.web_url, max_batch=cfg.max_batch,
-            max_wait_batches=cfg.max_wait_batches)
+            max_wait_batches=cfg.max_wait_batches, stage_groups=self.svc.group_names())
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -244,7 +253,8 @@ def main(argv: list[str] | None = None) -> None:
                 from render_svc.web import WebPage
 
                 web = WebPage(cfg, clients)
-            svc = RenderService(cfg.scheduler(), RenderEngine(clients))
+            svc = RenderService(cfg.scheduler(), RenderEngine(clients, make_replicas(cfg.endpoints(),
+                                                                                     cfg.stage_security())))
             web_url = ""
             if web is not None:
                 web_url = web.start(svc)

@@ -1,8 +1,12 @@
 """The render service's scheduler: durable jobs in, stage batches out.
 
-`submit` validates a request, records the job (SQLite, `store.JobStore`) and queues it for its first stage. One
-scheduler thread asks the planner (`planner.BatchPlanner`) for the next stage batch, runs it (`engine.RenderEngine`)
-and moves each job on: to its next stage's queue, to SUCCEEDED with its MP4, or to FAILED / CANCELLED. A stage
+`submit` validates a request, records the job (SQLite, `store.JobStore`) and queues it for the first stage of its
+mode's plan (`planner.RENDER_PLANS`). The stage services are split into *resource groups* (`planner.resource_groups`,
+from each stage's Status: services that share a device and take its lease take turns; the others do not); one
+dispatcher thread asks the planner (`planner.BatchPlanner`) for each idle group's next stage batch and runs it in a
+thread of its own (`engine.RenderEngine`), so groups that share no device run at the same time. Each job moves on the
+moment its stage call ends: to its next stage's queue, to SUCCEEDED with its MP4, or to FAILED / CANCELLED. With
+`pipeline=False` (--serial) all stages form one group: one batch service-wide at a time. A stage
 answering UNAVAILABLE (restarting its ranks, draining) is retried by queueing the job for the same stage again
 (--stage-retries); a stage answering RESOURCE_EXHAUSTED with "retry later" (its queue or its upload slots are full)
 is waited out with exponential backoff up to the job's deadline (--job-deadline-s), the job showing "waiting for the
@@ -21,6 +25,7 @@ import sqlite3
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,10 +34,11 @@ import grpc
 from h3.v1 import common_pb2, encoder_pb2, render_pb2
 from minimax_h3.contract import (MAX_PROMPT_BYTES, check_loras, check_output, check_partition, check_reference_kinds,
                                  spec_from_proto, validate)
-from render_svc.engine import Outcome, RenderEngine, Work
-from render_svc.planner import Batch, BatchPlanner, next_stage
+from render_svc.engine import Outcome, RenderEngine, Work, lora_key
+from render_svc.planner import (SERVICE_OF, STAGES, Batch, BatchPlanner, Resources, next_stage,
+                                resource_groups)
 from render_svc.store import CANCELLED, FAILED, QUEUED, RUNNING, SUCCEEDED, JobRecord, JobStore
-from stagekit.errors import Cancelled, InvalidArgument, NotFound, Unavailable
+from stagekit.errors import Cancelled, FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from stagekit.uploads import UploadStore, reference_bytes
 
 log = logging.getLogger("render_svc")
@@ -56,11 +62,15 @@ class SchedulerConfig:
     keep_age_s: float = 7 * 86400.0
     job_deadline_s: float = 6 * 3600.0   # a busy stage is waited out until this long after the job's submission
     retention_every_s: float = 60.0      # retention (and the database file check) runs this often
+    pipeline: bool = True            # stage groups that share no device run at once (False: one batch at a time)
 
 
 DIT_STATUS_TTL_S = 10.0  # how long the DiT's Status (its partitions and LoRAs) is trusted before it is asked again
 DIT_STATUS_RECHECK_S = 1.0  # a LoRA name the DiT lacked is asked again once its Status is this old (a file just added)
 STAGE_CHECK_TIMEOUT_S = 5.0  # a stage's answer to a Submit-time question (Status, CheckPrompt)
+RESOURCES_EVERY_S = 10.0     # the stages' devices (their Status) are read again this often
+RESOURCES_UNKNOWN_EVERY_S = 1.0  # ... and this often while a stage has not answered yet
+RESOURCES_TIMEOUT_S = 2.0    # a stage's Status answer for its devices
 
 
 def check_request(req: render_pb2.RenderRequest) -> None:
@@ -142,19 +152,27 @@ class RenderService:
         self.outputs.mkdir(parents=True, exist_ok=True)
         self.planner = BatchPlanner(cfg.max_batch, cfg.max_wait_batches)
         self.works: dict[str, Work] = {}         # jobs in flight (queued or between / in stages)
-        self.batch: Batch | None = None          # the batch running now, since batch_t0
-        self.batch_t0 = 0.0
+        self.nodes = list(engine.replicas)       # the stage replicas ("dit", or "dit/a", "dit/b", ...)
+        self.resources: dict[str, Resources] = {}  # each replica's devices, from its Status
+        self.status: dict[str, common_pb2.StageStatus] = {}  # each replica's last Status
+        self.down: set[str] = set()              # replicas that did not answer (their jobs go to the others)
+        self.groups: list[tuple[str, ...]] = resource_groups(self.nodes, {}, serial=True)  # until the stages answer
+        self.running: dict[str, tuple[Batch, float]] = {}  # replica -> the batch its group runs, its start
+        self.last_started: dict[str, float] = {}  # replica -> when its group last started a batch (monotonic)
+        self._batch_threads: set[threading.Thread] = set()
+        self._resources_read = threading.Event()  # the stages' Status was asked once (the first batch waits for it)
         self.later: dict[str, tuple[float, str]] = {}  # jobs backing off a busy stage: id -> (due, stage)
         self.storage_error = ""                  # the job store's last failed write, until one succeeds again
         self._next_retention = 0.0
         self.batch_log: deque[dict] = deque(maxlen=200)  # recent batches (the web page draws them)
         self.started_unix = time.time()
         self._lock = threading.Condition()
-        self._dit_seen: tuple[float, common_pb2.StageStatus] | None = None  # (when read, the DiT's Status)
+        self._dit_seen: dict[str, tuple[float, common_pb2.StageStatus]] = {}  # DiT replica -> (when read, Status)
         self.stopping = threading.Event()       # SIGTERM: the drain has begun (no new batch starts)
         self._abort = threading.Event()          # the drain stops the running batch's stage calls
         self._stop = threading.Event()           # the drain is over: Submit refuses
         self._thread = threading.Thread(target=self._loop, name="render-scheduler", daemon=True)
+        self._watcher = threading.Thread(target=self._watch_resources, name="render-resources", daemon=True)
 
     # ---- lifecycle ----------------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -169,6 +187,7 @@ class RenderService:
                 self._enqueue(rec)
         self._expire()
         self._next_retention = time.monotonic() + self.cfg.retention_every_s
+        self._watcher.start()
         self._thread.start()
 
     def shutdown(self, cancel_running: bool, grace_s: float, cancel_wait_s: float = 15.0) -> None:
@@ -184,6 +203,7 @@ class RenderService:
         if self._thread.is_alive():
             self._abort.set()
             self._thread.join(timeout=cancel_wait_s)
+        self._watcher.join(timeout=len(self.nodes) * RESOURCES_TIMEOUT_S)
         self._stop.set()
 
     def gauges(self) -> dict[str, float]:
@@ -218,33 +238,49 @@ class RenderService:
         1. The DiT's partitions (its Status): one of its files serves the request's partition (`check_partition`).
         2. The DiT's LoRAs (its Status): each LoRA named is a file in its loras directory, or a path it takes
            (`check_loras`); a name it lacked is asked once more, from a fresh Status (a file just added).
+        With several DiT replicas, one that serves both is enough (the scheduler sends the job only to such ones).
         3. The encoder's prompt rules (its CheckPrompt): its tokenizer, its --max-prompt-tokens, its markers.
         """
-        dit = self._dit_status(DIT_STATUS_TTL_S)
-        if dit is not None:
-            check_partition(bool(req.references), dict(dit.partitions))
-        if req.loras and dit is not None and dit.HasField("loras"):
-            names = [lo.name for lo in req.loras]
-            try:
-                check_loras(names, dit.loras.directory, list(dit.loras.names), dit.loras.paths_allowed)
-            except NotFound:
-                dit = self._dit_status(DIT_STATUS_RECHECK_S) or dit
-                check_loras(names, dit.loras.directory, list(dit.loras.names), dit.loras.paths_allowed)
+        try:
+            self._check_dit(req, DIT_STATUS_TTL_S)
+        except NotFound:
+            self._check_dit(req, DIT_STATUS_RECHECK_S)
         self._check_prompt(req.params.prompt)
 
-    def _dit_status(self, max_age_s: float) -> common_pb2.StageStatus | None:
-        """The DiT's Status, read again when the one held is older than `max_age_s`; None when it does not answer."""
-        now = time.monotonic()
-        if self._dit_seen is None or now - self._dit_seen[0] > max_age_s:
-            clients = self.engine.clients
+    def _check_dit(self, req: render_pb2.RenderRequest, max_age_s: float) -> None:
+        """Steps 1 and 2 against each DiT replica's Status (read again when older than `max_age_s`): passes when one
+        replica serves the request (or none answers); else the first replica's refusal."""
+        refusals = []
+        for st in self._dit_statuses(max_age_s):
             try:
-                st = clients.dit.Status(common_pb2.StatusRequest(), timeout=STAGE_CHECK_TIMEOUT_S,
-                                        metadata=clients.security.metadata())
-            except grpc.RpcError as e:
-                log.debug("Submit: the DiT's Status did not answer (%s); its own admission decides", e.code())
-                return None
-            self._dit_seen = (now, st)
-        return self._dit_seen[1]
+                check_partition(bool(req.references), dict(st.partitions))
+                if req.loras and st.HasField("loras"):
+                    check_loras([lo.name for lo in req.loras], st.loras.directory, list(st.loras.names),
+                                st.loras.paths_allowed)
+                return
+            except (FailedPrecondition, NotFound) as e:
+                refusals.append(e)
+        if refusals:
+            raise refusals[0]
+
+    def _dit_statuses(self, max_age_s: float) -> list[common_pb2.StageStatus]:
+        """Each DiT replica's Status, read again when the one held is older than `max_age_s`; those that answer."""
+        now = time.monotonic()
+        out = []
+        for node, r in self.engine.replicas.items():
+            if r.service != "dit":
+                continue
+            seen = self._dit_seen.get(node)
+            if seen is None or now - seen[0] > max_age_s:
+                try:
+                    st = r.clients.dit.Status(common_pb2.StatusRequest(), timeout=STAGE_CHECK_TIMEOUT_S,
+                                              metadata=r.clients.security.metadata())
+                except grpc.RpcError as e:
+                    log.debug("Submit: DiT %s's Status did not answer (%s); its own admission decides", node, e.code())
+                    continue
+                seen = self._dit_seen[node] = (now, st)
+            out.append(seen[1])
+        return out
 
     def _check_prompt(self, prompt: str) -> None:
         """The encoder's verdict on `prompt` (CheckPrompt: the same checks its Encode makes first, on its CPU):
@@ -342,14 +378,140 @@ class RenderService:
         except sqlite3.Error as e:
             self._storage_failed(e)
 
-    def _next(self) -> Batch | None:
-        """Under the lock: jobs whose busy backoff is over rejoin their stage's queue; the next batch (or None)."""
+    def _watch_resources(self) -> None:
+        """Its own thread: every RESOURCES_EVERY_S (every second while a stage has not answered) each stage
+        service's devices from its Status, and the resource groups they make."""
+        while not self.stopping.is_set():
+            known = self._refresh_resources()
+            self._resources_read.set()
+            with self._lock:
+                healthy = known and not self.down
+            self.stopping.wait(RESOURCES_EVERY_S if healthy else RESOURCES_UNKNOWN_EVERY_S)
+
+    def _refresh_resources(self) -> bool:
+        """Read each replica's Status: its devices, queue, partitions and LoRAs; regroup. A replica that does not
+        answer is down (its service's other replicas take its jobs) and keeps the devices it named last; one that
+        never answered shares a group with every other (nothing runs beside it blind). Returns whether every replica
+        answered."""
+        answered = {}
+        for node, r in self.engine.replicas.items():
+            try:
+                answered[node] = r.clients.stub(r.service).Status(
+                    common_pb2.StatusRequest(), timeout=RESOURCES_TIMEOUT_S, metadata=r.clients.security.metadata())
+            except grpc.RpcError as e:
+                log.debug("replica %s (%s) did not answer Status (%s)", node, r.address, e.code())
+        with self._lock:
+            for node in self.nodes:
+                st = answered.get(node)
+                if st is None:
+                    if node not in self.down:
+                        log.warning("replica %s (%s) does not answer Status", node, self.engine.replicas[node].address)
+                    self.down.add(node)
+                    continue
+                if node in self.down:
+                    log.info("replica %s answers again", node)
+                self.down.discard(node)
+                self.status[node] = st
+                self.resources[node] = Resources(st.host, tuple(st.device_ids) or tuple(st.devices),
+                                                 st.residency != "shared")
+            known = dict(self.resources)
+            for node in self.down:  # never heard from and getting no work: it shares nothing
+                known.setdefault(node, Resources("", (), False))
+            groups = resource_groups(self.nodes, known, serial=not self.cfg.pipeline)
+            if groups != self.groups:
+                log.info("resource groups: %s", "; ".join("+".join(g) for g in groups))
+                self.groups = groups
+            self._lock.notify_all()
+        return len(answered) == len(self.nodes)
+
+    def _serving(self, group: tuple[str, ...]) -> dict[str, str]:
+        """Under the lock: render stage -> the replica of `group` that serves it now: one that answers (when its
+        service has any that does), the shortest queue first."""
+        out = {}
+        for stage in STAGES:
+            service = SERVICE_OF[stage]
+            mine = [n for n in group if self.engine.replicas[n].service == service]
+            if not mine:
+                continue
+            if any(n not in self.down for n in self.nodes if self.engine.replicas[n].service == service):
+                mine = [n for n in mine if n not in self.down]  # while one answers, the silent ones get nothing
+            if mine:
+                out[stage] = min(mine, key=lambda n: self.status[n].queue_depth if n in self.status else 0)
+        return out
+
+    def _fits(self, node: str, w: Work) -> bool:
+        """Under the lock: whether replica `node` serves job `w` by its last Status: a DiT replica when one of its
+        files provides the job's partition and it has the job's LoRAs; any other replica (or one not heard from)
+        always."""
+        st = self.status.get(node)
+        if st is None or self.engine.replicas[node].service != "dit":
+            return True
+        if st.partitions and w.partition not in st.partitions:
+            return False
+        if w.request.loras and st.HasField("loras"):
+            try:
+                check_loras([lo.name for lo in w.request.loras], st.loras.directory, list(st.loras.names),
+                            st.loras.paths_allowed)
+            except NotFound:
+                return False
+        return True
+
+    def _eligible(self, node: str) -> Callable[[str, str], bool]:
+        """Under the lock: which waiting jobs replica `node` may take: those it serves (`_fits`), and those no
+        answering replica of its service serves (its own refusal then ends the job, as with one replica)."""
+        service = self.engine.replicas[node].service
+        peers = [n for n in self.nodes if self.engine.replicas[n].service == service and n not in self.down]
+
+        def ok(job_id: str, stage: str) -> bool:
+            w = self.works.get(job_id)
+            if w is None:
+                return False
+            return self._fits(node, w) or not any(self._fits(n, w) for n in peers)
+
+        return ok
+
+    def _preference(self, group: tuple[str, ...]) -> tuple:
+        """Under the lock: the order idle groups take work in. A group whose DiT replica holds the partition and the
+        LoRAs of the oldest job waiting for the DiT goes first (no weight swap), then the shortest stage queues,
+        then the one idle longest (replicas of a stage share its work)."""
+        swap = 0
+        first = next(iter(self.planner.queues["dit"]), None)
+        w = self.works.get(first.job_id) if first is not None else None
+        dits = [self.engine.replicas[n] for n in group if self.engine.replicas[n].service == "dit"]
+        if w is not None and dits:
+            swap = min(int(r.partition != w.partition) + int(r.loras != lora_key(w)) for r in dits)
+        depth = sum(self.status[n].queue_depth for n in group if n in self.status)
+        return swap, depth, max(self.last_started.get(n, 0.0) for n in group)
+
+    def _dispatch(self) -> int:
+        """Under the lock: jobs whose busy backoff is over rejoin their stage's queue; every group whose replicas
+        are all idle starts its next batch (in a thread of its own), the preferred group first. Returns how many
+        batches started."""
         now = time.monotonic()
         for job_id, (due, stage) in sorted(self.later.items(), key=lambda kv: kv[1][0]):
             if due <= now:
                 del self.later[job_id]
                 self.planner.add(job_id, stage)
-        return self.planner.next_batch()
+        started = 0
+        idle = [g for g in self.groups if not any(n in self.running for n in g)]
+        for group in sorted(idle, key=self._preference):
+            serving = self._serving(group)
+            eligible = {stage: self._eligible(node) for stage, node in serving.items()}
+            batch = self.planner.next_batch(tuple(serving), "+".join(group),
+                                            eligible=lambda job_id, stage: eligible[stage](job_id, stage))
+            if batch is None:
+                continue
+            node = serving[batch.stage]
+            works = [self.works[j] for j in batch.job_ids]
+            for n in group:
+                self.running[n] = (batch, time.time())
+                self.last_started[n] = time.monotonic()
+            t = threading.Thread(target=self._batch_thread, args=(batch, works, group, node),
+                                 name=f"render-batch-{batch.number}", daemon=True)
+            self._batch_threads.add(t)
+            t.start()
+            started += 1
+        return started
 
     def _drained(self) -> None:
         """The service is draining (SIGTERM): the running jobs go back to the queue, their attempt given back."""
@@ -360,9 +522,16 @@ class RenderService:
             self._storage_failed(e)
 
     def _loop(self) -> None:
+        """The dispatcher: retention and checkpoints between batches, the stages' resources, and every idle group's
+        next batch. Draining, it waits for the running batches (shutdown stops them after the grace), then gives the
+        running jobs back to the queue."""
+        self._resources_read.wait(timeout=len(self.nodes) * RESOURCES_TIMEOUT_S + 1.0)
         while not self._stop.is_set():
             try:
                 if self.stopping.is_set():
+                    with self._lock:
+                        while self._batch_threads:
+                            self._lock.wait(0.2)
                     self._drained()
                     return
                 if time.monotonic() >= self._next_retention:
@@ -372,58 +541,74 @@ class RenderService:
             except Unavailable:
                 return
             with self._lock:
-                batch = self._next()
-                if batch is None:
+                if self._dispatch() == 0 and not self.stopping.is_set():
                     due = min((d for d, _ in self.later.values()), default=time.monotonic() + 0.5)
                     self._lock.wait(max(0.01, min(0.5, due - time.monotonic())))
-                    continue
-                works = [self.works[j] for j in batch.job_ids]
-                self.batch, self.batch_t0 = batch, time.time()
-            try:
-                self._run_batch(batch, works)
-            except Unavailable:
-                log.info("shutting down: leaving batch %d (%s) to the next start", batch.number, batch.stage)
-                self._drained()
-                return
-            except Exception:  # noqa: BLE001 - a scheduler bug must not strand the jobs silently
-                log.exception("batch %d (%s) failed", batch.number, batch.stage)
-                for w in works:
-                    self._finish(w, FAILED, "INTERNAL", f"render service error in the {batch.stage} batch; see its log")
-            finally:
-                with self._lock:
-                    self.batch = None
 
-    def _run_batch(self, batch: Batch, works: list[Work]) -> None:
+    def _batch_thread(self, batch: Batch, works: list[Work], group: tuple[str, ...], node: str) -> None:
+        """One group's batch on its replica `node`, start to end; the group's replicas are idle again after it."""
+        advanced: set[str] = set()
+        try:
+            self._run_batch(batch, works, advanced, node)
+        except Unavailable:
+            log.info("shutting down: leaving batch %d (%s) to the next start", batch.number, batch.stage)
+        except Exception:  # noqa: BLE001 - a scheduler bug must not strand the jobs silently
+            log.exception("batch %d (%s) failed", batch.number, batch.stage)
+            for w in works:
+                if w.job_id not in advanced:
+                    self._finish(w, FAILED, "INTERNAL", f"render service error in the {batch.stage} batch; see its log")
+        finally:
+            with self._lock:
+                for n in group:
+                    self.running.pop(n, None)
+                self._batch_threads.discard(threading.current_thread())
+                self._lock.notify_all()
+
+    def _run_batch(self, batch: Batch, works: list[Work], advanced: set[str], node: str) -> None:
+        """Send the batch's jobs to the stage; each moves on (`_advance`) the moment its own call ends."""
         live = []
         for w in works:
             if w.cancelled.is_set():
                 self._finish(w, CANCELLED, "CANCELLED", f"cancelled while waiting for the {batch.stage} stage")
+                advanced.add(w.job_id)
                 continue
             if self.store.get(w.job_id).state == QUEUED and not self._durable(self.store.start, w.job_id, batch.stage):
+                advanced.add(w.job_id)
                 continue  # finished in between
             live.append(w)
         if not live:
             return
         t0 = time.time()
-        log.info("batch %d: %s x %d (waited %s)", batch.number, batch.stage, len(live),
+        log.info("batch %d: %s x %d on %s (waited %s)", batch.number, batch.stage, len(live), node,
                  sorted(batch.waited.values()))
         if self.stopping.is_set():
             raise Unavailable("draining")
+
+        def done(w: Work, o: Outcome) -> None:
+            advanced.add(w.job_id)
+            if not o.ok and o.code == "UNAVAILABLE":
+                with self._lock:  # until it answers Status again, the service's other replicas take the work
+                    if node not in self.down and any(
+                            n != node and self.engine.replicas[n].service == self.engine.replicas[node].service
+                            for n in self.nodes):
+                        log.warning("replica %s answered UNAVAILABLE (%s); its jobs go to the other replicas",
+                                    node, o.message)
+                        self.down.add(node)
+            self._advance(w, batch, o, node)
+
         try:
-            outcomes = self.engine.run_batch(batch.stage, live, self._progress, self._abort.is_set)
+            outcomes = self.engine.run_batch(batch.stage, live, self._progress, self._abort.is_set, on_done=done,
+                                             node=node)
         except Cancelled:  # the drain stopped the batch
             raise Unavailable("draining") from None
-        self.batch_log.append({"number": batch.number, "stage": batch.stage, "jobs": [w.job_id for w in live],
-                               "t0": t0, "t1": time.time()})
-        unavailable = 0
-        for w in live:
-            o: Outcome = outcomes[w.job_id]
-            unavailable += not o.ok and o.code == "UNAVAILABLE"
-            self._advance(w, batch, o)
+        with self._lock:
+            self.batch_log.append({"number": batch.number, "stage": batch.stage, "group": batch.group, "replica": node,
+                                   "jobs": [w.job_id for w in live], "t0": t0, "t1": time.time()})
+        unavailable = sum(not o.ok and o.code == "UNAVAILABLE" for o in outcomes.values())
         if unavailable == len(live):
             self.stopping.wait(min(5.0, 1.0 * max(w.unavailable for w in live)))  # the stage is down: back off
 
-    def _advance(self, w: Work, batch: Batch, o: Outcome) -> None:
+    def _advance(self, w: Work, batch: Batch, o: Outcome, node: str) -> None:
         stage = batch.stage
         if w.cancelled.is_set():
             self._finish(w, CANCELLED, "CANCELLED", f"cancelled during the {stage} stage")
@@ -432,8 +617,8 @@ class RenderService:
             r = o.result
             self._durable(self.store.add_run, w.job_id, render_pb2.StageRun(
                 stage=stage, wall_s=r.wall_s, timing=r.timing, batch=batch.number, batch_size=len(batch.job_ids),
-                waited_batches=batch.waited.get(w.job_id, 0)))
-            nxt = next_stage(stage)
+                waited_batches=batch.waited.get(w.job_id, 0), replica=node))
+            nxt = next_stage(stage, w.plan)
             if nxt is None:
                 size = w.output.stat().st_size
                 self._finish(w, SUCCEEDED, output=str(w.output), output_bytes=size)
@@ -441,6 +626,7 @@ class RenderService:
             self._durable(self.store.set_stage, w.job_id, nxt)
             with self._lock:
                 self.planner.add(w.job_id, nxt)
+                self._lock.notify_all()  # its next stage's group may be idle: the dispatcher starts it now
             return
         if o.code == "RESOURCE_EXHAUSTED" and BUSY_HINT in o.message:
             left = w.deadline - time.time()
@@ -466,6 +652,7 @@ class RenderService:
                         f"{self.cfg.stage_retries}"))
             with self._lock:
                 self.planner.add(w.job_id, stage)
+                self._lock.notify_all()
             return
         self._finish(w, FAILED, o.code, o.message)
 
@@ -498,6 +685,11 @@ class RenderService:
             Path(path).unlink(missing_ok=True)
 
     # ---- views --------------------------------------------------------------------------------------------------
+    def group_names(self) -> list[str]:
+        """The resource groups as "encoder+dit+decoder" names, in stage order."""
+        with self._lock:
+            return ["+".join(g) for g in self.groups]
+
     def counts(self) -> dict[int, int]:
         return self.store.counts()
 
@@ -508,8 +700,10 @@ class RenderService:
         recent = self.store.list([SUCCEEDED, FAILED, CANCELLED], limit=50, owner=owner)
         pos = self.store.queue_positions()
         with self._lock:
-            batch = None if self.batch is None else {"number": self.batch.number, "stage": self.batch.stage,
-                                                     "jobs": list(self.batch.job_ids), "t0": self.batch_t0}
+            running = {b.number: {"number": b.number, "stage": b.stage, "group": b.group, "jobs": list(b.job_ids),
+                                  "t0": t0} for b, t0 in self.running.values()}
             batches = list(self.batch_log)[-40:]
-        return {"jobs": [r.info(pos.get(r.id, 0)) for r in active + recent], "batch": batch, "batches": batches,
-                "batches_total": self.planner.batches}
+        groups = self.group_names()
+        return {"jobs": [r.info(pos.get(r.id, 0)) for r in active + recent],
+                "running": sorted(running.values(), key=lambda b: b["number"]), "batches": batches,
+                "batches_total": self.planner.batches, "groups": groups}

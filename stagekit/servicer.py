@@ -4,6 +4,7 @@ reference files."""
 
 from __future__ import annotations
 
+import socket
 import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
@@ -98,7 +99,8 @@ class LifecycleMixin:
             stage=rt.engine.name, health="NOT_SERVING" if snap.loading else "SERVING", resident=snap.resident,
             world_size=rt.group.world_size, memory_bytes=rt.engine.resident_bytes() if snap.resident else 0,
             queue_depth=snap.queue_depth, running=int(snap.running), lease_holder=snap.lease_holder,
-            residency=rt.cfg.residency, kernels=kernels, jobs_done=snap.jobs_done, **d)
+            residency=rt.cfg.residency, kernels=kernels, jobs_done=snap.jobs_done,
+            device_ids=rt.lease.ids if rt.lease is not None else [], host=socket.gethostname(), **d)
 
 
 class UploadMixin:

@@ -278,19 +278,20 @@ def test_dit_batch_runs_partition_by_partition():
     from types import SimpleNamespace
 
     from h3.v1 import common_pb2, render_pb2
-    from render_svc.engine import RenderEngine, Work
+    from render_svc.engine import RenderEngine, Replica, Work
 
     def work(i, refs):
         req = render_pb2.RenderRequest(references=[common_pb2.Reference(kind="image", data=b"x")] if refs else [])
         return Work(f"j{i}", req, SimpleNamespace(), None)
 
-    eng = RenderEngine(clients=None)
+    dit = Replica("dit", "dit", "", clients=None)
+    eng = RenderEngine(clients=None, replicas={"dit": dit})
     works = [work(0, False), work(1, True), work(2, False), work(3, True)]
-    groups = eng._groups("dit", works)
-    assert [[w.job_id for w in g] for g in groups] == [["j0", "j2"], ["j1", "j3"]] and eng.dit_partition == "ref2va"
-    groups = eng._groups("dit", works)  # the DiT holds ref2va now: those go first
-    assert [[w.job_id for w in g] for g in groups] == [["j1", "j3"], ["j0", "j2"]] and eng.dit_partition == "fl2va"
-    assert eng._groups("encoder", works) == [works]
+    groups = eng._groups("dit", works, dit)
+    assert [[w.job_id for w in g] for g in groups] == [["j0", "j2"], ["j1", "j3"]] and dit.partition == "ref2va"
+    groups = eng._groups("dit", works, dit)  # the DiT holds ref2va now: those go first
+    assert [[w.job_id for w in g] for g in groups] == [["j1", "j3"], ["j0", "j2"]] and dit.partition == "fl2va"
+    assert eng._groups("encoder", works, dit) == [works]
 
 
 def test_render_service_keeps_reference_thumbnails_not_files(tmp_path):

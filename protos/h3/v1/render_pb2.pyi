@@ -50,20 +50,22 @@ class RenderRequest(_message.Message):
     def __init__(self, params: _Optional[_Union[_common_pb2.RenderParams, _Mapping]] = ..., loras: _Optional[_Iterable[_Union[_dit_pb2.LoraSpec, _Mapping]]] = ..., crf: _Optional[int] = ..., first_frame: _Optional[bytes] = ..., last_frame: _Optional[bytes] = ..., upscale_width: _Optional[int] = ..., upscale_height: _Optional[int] = ..., idempotency_key: _Optional[str] = ..., label: _Optional[str] = ..., references: _Optional[_Iterable[_Union[_common_pb2.Reference, _Mapping]]] = ...) -> None: ...
 
 class StageRun(_message.Message):
-    __slots__ = ("stage", "wall_s", "timing", "batch", "batch_size", "waited_batches")
+    __slots__ = ("stage", "wall_s", "timing", "batch", "batch_size", "waited_batches", "replica")
     STAGE_FIELD_NUMBER: _ClassVar[int]
     WALL_S_FIELD_NUMBER: _ClassVar[int]
     TIMING_FIELD_NUMBER: _ClassVar[int]
     BATCH_FIELD_NUMBER: _ClassVar[int]
     BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     WAITED_BATCHES_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_FIELD_NUMBER: _ClassVar[int]
     stage: str
     wall_s: float
     timing: _common_pb2.Timing
     batch: int
     batch_size: int
     waited_batches: int
-    def __init__(self, stage: _Optional[str] = ..., wall_s: _Optional[float] = ..., timing: _Optional[_Union[_common_pb2.Timing, _Mapping]] = ..., batch: _Optional[int] = ..., batch_size: _Optional[int] = ..., waited_batches: _Optional[int] = ...) -> None: ...
+    replica: str
+    def __init__(self, stage: _Optional[str] = ..., wall_s: _Optional[float] = ..., timing: _Optional[_Union[_common_pb2.Timing, _Mapping]] = ..., batch: _Optional[int] = ..., batch_size: _Optional[int] = ..., waited_batches: _Optional[int] = ..., replica: _Optional[str] = ...) -> None: ...
 
 class JobInfo(_message.Message):
     __slots__ = ("job_id", "state", "params", "stage", "progress", "attempts", "created_unix", "started_unix", "finished_unix", "error_code", "error", "output_bytes", "output_expired", "events", "stages", "label", "width", "height", "queue_position", "references")
@@ -172,7 +174,7 @@ class StageEndpoint(_message.Message):
     def __init__(self, stage: _Optional[str] = ..., endpoint: _Optional[str] = ..., health: _Optional[str] = ...) -> None: ...
 
 class RenderStatus(_message.Message):
-    __slots__ = ("health", "queued", "running", "succeeded", "failed", "cancelled", "batches", "stages", "web_url", "max_batch", "max_wait_batches")
+    __slots__ = ("health", "queued", "running", "succeeded", "failed", "cancelled", "batches", "stages", "web_url", "max_batch", "max_wait_batches", "stage_groups")
     HEALTH_FIELD_NUMBER: _ClassVar[int]
     QUEUED_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
@@ -184,6 +186,7 @@ class RenderStatus(_message.Message):
     WEB_URL_FIELD_NUMBER: _ClassVar[int]
     MAX_BATCH_FIELD_NUMBER: _ClassVar[int]
     MAX_WAIT_BATCHES_FIELD_NUMBER: _ClassVar[int]
+    STAGE_GROUPS_FIELD_NUMBER: _ClassVar[int]
     health: str
     queued: int
     running: int
@@ -195,4 +198,5 @@ class RenderStatus(_message.Message):
     web_url: str
     max_batch: int
     max_wait_batches: int
-    def __init__(self, health: _Optional[str] = ..., queued: _Optional[int] = ..., running: _Optional[int] = ..., succeeded: _Optional[int] = ..., failed: _Optional[int] = ..., cancelled: _Optional[int] = ..., batches: _Optional[int] = ..., stages: _Optional[_Iterable[_Union[StageEndpoint, _Mapping]]] = ..., web_url: _Optional[str] = ..., max_batch: _Optional[int] = ..., max_wait_batches: _Optional[int] = ...) -> None: ...
+    stage_groups: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, health: _Optional[str] = ..., queued: _Optional[int] = ..., running: _Optional[int] = ..., succeeded: _Optional[int] = ..., failed: _Optional[int] = ..., cancelled: _Optional[int] = ..., batches: _Optional[int] = ..., stages: _Optional[_Iterable[_Union[StageEndpoint, _Mapping]]] = ..., web_url: _Optional[str] = ..., max_batch: _Optional[int] = ..., max_wait_batches: _Optional[int] = ..., stage_groups: _Optional[_Iterable[str]] = ...) -> None: ...
