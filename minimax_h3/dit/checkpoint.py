@@ -39,8 +39,8 @@ from minimax_h3.dit.convert_diffusers import (DIFFUSERS_NAMES, DIFFUSERS_QKV, FC
 from minimax_h3.dit.model import H3DiT
 from minimax_h3.dit.tp import ColumnParallel, RowParallel, column_range, param_style, section_ranges, validate_tp
 from minimax_h3.kernels.int8 import QuantizedWeight, dequantize_convrot, read_quant_spec
-from stagekit.checkpoints import (FLOAT, Checkpoint, CheckpointError, FiniteCheck, HeaderEntry, TensorReader,
-                                  TensorSpec, key_report, metadata_json, named, open_checkpoint)
+from stagekit.checkpoints import (FLOAT, TORCH_DTYPE, Checkpoint, CheckpointError, FiniteCheck, HeaderEntry,
+                                  TensorReader, TensorSpec, key_report, metadata_json, named, open_checkpoint)
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +68,7 @@ _PARTITION_NAMES = ((re.compile(r"ref2va|r2va|transformer_ref"), "ref2va"),
                     (re.compile(r"fl2va|t2va|(^|/)transformer(/|$)"), "fl2va"))
 
 PLAN = H3DiT._tp_plan
+RTOL_FP32_ROPE = 1e-5  # a stored rope.inv_freq vs its formula: fp32 evaluations differ by a few ulp (`_rope_tolerance`)
 
 
 # ================================================================================================================
@@ -511,7 +512,8 @@ def validate(info: CheckpointInfo, cfg: DiTConfig, reader: TensorReader | None =
     if "rope.inv_freq" in info.sources:  # a buffer fixed by the config: the stored one must be that formula
         stored = reader.whole(info.sources["rope.inv_freq"].keys[0]).float()
         formula = _default_inv_freq(cfg)
-        if not torch.allclose(stored, formula, rtol=1e-5, atol=0.0):
+        rtol, atol = _rope_tolerance(info.shapes["rope.inv_freq"].dtype)
+        if not torch.allclose(stored, formula, rtol=rtol, atol=atol):
             file, name = _where(info, "rope.inv_freq")
             raise CheckpointError(file, f"differs from 1 / rope_theta^(2i / {2 * cfg.rope_freq_dim}) of rope_theta "
                                         f"{cfg.rope_theta} (max |diff| {(stored - formula).abs().max().item():.3g}): "
@@ -644,6 +646,15 @@ def _default_inv_freq(cfg: DiTConfig) -> torch.Tensor:
     return 1.0 / (cfg.rope_theta ** (torch.arange(0, 2 * f, 2, dtype=torch.float64) / (2 * f))).float()
 
 
+def _rope_tolerance(stored: str) -> tuple[float, float]:
+    """(rtol, atol) of a stored rope.inv_freq against `_default_inv_freq`: one unit in the last place of the dtype
+    the file stores it in (a writer that computed it in fp32 and then cast the whole file to fp16 / bf16 rounds it
+    once more; below the dtype's normal range its spacing is fixed), never tighter than 1e-5 (fp32 evaluations of
+    the formula differ by a few ulp). Another model's RoPE (another rope_theta or rope_freq_dim) is off by far more."""
+    fi = torch.finfo(TORCH_DTYPE.get(stored, torch.float32))
+    return max(RTOL_FP32_ROPE, fi.eps), fi.smallest_normal * fi.eps
+
+
 def _where(info: CheckpointInfo, key: str) -> tuple[Path, str]:
     """(file, name) of one of our tensors for an error message: the file's own key(s) when they differ from ours."""
     src = info.sources.get(key)
@@ -690,7 +701,9 @@ def load_dit_weights(
     finite = FiniteCheck()  # every float tensor as loaded, on `device`: one host sync for the whole load
 
     def read(key: str) -> tuple[torch.Tensor | QuantizedWeight, bool]:
-        if key not in info.shapes:  # optional key absent (rope.inv_freq in diffusers files)
+        if key not in info.shapes or (key == "rope.inv_freq" and info.shapes[key].dtype != "F32"):
+            # Absent (diffusers drops it), or stored rounded to fp16 / bf16 (a file cast whole): `validate` found it
+            # equal to the formula at that rounding, and the RoPE table is fp32 (precision contract): the formula.
             return _default_inv_freq(cfg).to(device), False
         if not hasattr(local, "rr"):
             local.reader = TensorReader(info.entries, check_finite=False)  # checked on `device` below
