@@ -62,10 +62,12 @@ QKV_FLAG = "--qkv-layout"
 Partition = Literal["fl2va", "ref2va"]  # minimax_h3.contract.PARTITIONS
 METADATA_PARTITION = "h3_partition"  # safetensors metadata our writers add: the partition
 PARTITION_FLAG = "--partition"
-# Names that state a partition: ComfyUI repacks (minimax_h3_ref2va_*.safetensors, minimax_h3_fl2va_*) and the
-# release's folders (transformer_ref/ holds ref2va, transformer/ the fl2va / t2va weights).
-_PARTITION_NAMES = ((re.compile(r"ref2va|r2va|transformer_ref"), "ref2va"),
-                    (re.compile(r"fl2va|t2va|(^|/)transformer(/|$)"), "fl2va"))
+# File names that state a partition: the ComfyUI repacks (minimax_h3_ref2va_*.safetensors, minimax_h3_fl2va_*).
+_PARTITION_FILE_NAMES = ((re.compile(r"ref2va|r2va"), "ref2va"), (re.compile(r"fl2va|t2va"), "fl2va"))
+# The release's two checkpoint folders, whose shards' names say nothing: the folder that is the checkpoint, by its
+# exact name (transformer_ref/ holds ref2va, transformer/ the fl2va / t2va weights). No other folder name, and no
+# folder around a checkpoint, is evidence.
+RELEASE_PARTITION_FOLDERS = {"transformer_ref": "ref2va", "transformer": "fl2va"}
 
 PLAN = H3DiT._tp_plan
 RTOL_FP32_ROPE = 1e-5  # a stored rope.inv_freq vs its formula: fp32 evaluations differ by a few ulp (`_rope_tolerance`)
@@ -305,26 +307,44 @@ class PartitionDecision:
 
 
 def decide_partition(ckpt: Checkpoint, declared: Partition | None = None) -> PartitionDecision:
-    """Which H3 partition a checkpoint holds, from (1) our metadata, (2) `declared` (--partition), (3) the file or
-    folder name (ComfyUI repack names, the release's transformer/ and transformer_ref/ folders)."""
+    """Which H3 partition a checkpoint holds, from its own evidence: (1) our metadata, (2) the name of each of its
+    files (the ComfyUI repack names), (3) for a checkpoint folder, the release's exact folder names (transformer/,
+    transformer_ref/), and `declared` (--partition). The folders around a checkpoint are no evidence. Two pieces of
+    evidence that disagree are refused, naming both: serving the wrong partition renders poor video without an
+    error."""
     if declared is not None and declared not in PARTITIONS:
         raise ValueError(f"{PARTITION_FLAG} must be one of {', '.join(PARTITIONS)}, got {declared!r}")
+    where = ckpt.files[0] if ckpt.root is None else ckpt.root
+    evidence: list[tuple[str, str]] = []  # (partition, what states it), strongest first
+    if declared is not None:
+        evidence.append((declared, f"{PARTITION_FLAG} {declared}"))
     stated = ckpt.metadata.get(METADATA_PARTITION)
     if stated is not None:
         if stated not in PARTITIONS:
             raise CheckpointError(ckpt.files[0], f"metadata {METADATA_PARTITION}={stated!r}: expected one of "
                                                  f"{PARTITIONS}")
-        if declared is not None and declared != stated:
-            raise CheckpointError(ckpt.files[0], f"{PARTITION_FLAG} {declared} contradicts the file's metadata "
-                                                 f"{METADATA_PARTITION}={stated}; drop the flag")
-        return PartitionDecision(stated, f"safetensors metadata {METADATA_PARTITION}")
-    if declared is not None:
-        return PartitionDecision(declared, PARTITION_FLAG)
-    where = ckpt.files[0].name if ckpt.root is None else "/".join(ckpt.root.parts[-2:])
-    found = {p for pattern, p in _PARTITION_NAMES if pattern.search(where.lower())}
-    if len(found) == 1:
-        return PartitionDecision(found.pop(), f"the name {where!r}")
-    return PartitionDecision(None, f"neither metadata {METADATA_PARTITION} nor a partition in the name {where!r}")
+        evidence.append((stated, f"the safetensors metadata {METADATA_PARTITION}={stated}"))
+    for f in ckpt.files:
+        for pattern, part in _PARTITION_FILE_NAMES:
+            if pattern.search(f.name.lower()):
+                evidence.append((part, f"the file name {f.name!r}"))
+    if ckpt.root is not None and ckpt.root.name in RELEASE_PARTITION_FOLDERS:
+        evidence.append((RELEASE_PARTITION_FOLDERS[ckpt.root.name],
+                         f"the release's checkpoint folder name {ckpt.root.name!r}"))
+    if not evidence:
+        names = ", ".join(repr(f.name) for f in ckpt.files[:2]) + (" ..." if len(ckpt.files) > 2 else "")
+        return PartitionDecision(None, f"neither metadata {METADATA_PARTITION} nor a partition in the file name(s) "
+                                       f"{names}" + ("" if ckpt.root is None else ", nor a release checkpoint folder "
+                                                     "named transformer/ or transformer_ref/"))
+    part, first = evidence[0]
+    other = next(((p, what) for p, what in evidence if p != part), None)
+    if other is not None:
+        fix = "drop the flag" if declared is not None else "rename the file or correct its metadata"
+        raise CheckpointError(where, f"{first} says {part}, but {other[1]} says {other[0]}: the partition evidence "
+                                     f"contradicts itself, and the wrong partition renders poor video without an "
+                                     f"error; {fix}")
+    whats = list(dict.fromkeys(what for _, what in evidence))
+    return PartitionDecision(part, "; ".join(whats[:2]) + (f" (+{len(whats) - 2} more)" if len(whats) > 2 else ""))
 
 
 def partition_undecided(path: Path, decision: PartitionDecision) -> CheckpointError:
