@@ -354,9 +354,9 @@ def add_parser(sub) -> None:
     f.add_argument("--to", required=True, metavar="DIR", help="the models folder (then: up.sh --models-dir DIR)")
     v = f.add_argument_group("variants")
     v.add_argument("--dit", choices=tuple(DIT_VARIANTS), default="fl2va-pruned",
-                   help="DiT: fl2va (text, first/last frame) or ref2va (references: the DiT serves that file when "
-                        "named with --weights; its --models-dir search takes the fl2va one); -pruned: curve-form "
-                        "AdaLN, about 19.5 GiB instead of 34 GB (default: fl2va-pruned)")
+                   help="DiT: fl2va (text, first/last frame) or ref2va (references; a models folder holding both "
+                        "serves both: fetch each into it); -pruned: curve-form AdaLN, about 19.5 GiB instead of 34 GB "
+                        "(default: fl2va-pruned)")
     v.add_argument("--text-encoder", choices=tuple(TEXT_ENCODER_VARIANTS), default="int8",
                    help="Qwen3-VL text encoder: int8 (ConvRot, about 25 GiB), nvfp4 (Blackwell), bf16 "
                         "(default: int8)")

@@ -1,7 +1,8 @@
 """From a machine to the model files, as a new user meets it, through real processes: `scripts/setup.sh --plan`
 picking the torch build with a stand-in `nvidia-smi` on PATH, `client models fetch` from a stand-in Hub on loopback
-(HF_ENDPOINT; an interrupted download resumed, a bad checksum, too little disk), `client models check` on a good and
-on broken folders, and `client doctor`."""
+(HF_ENDPOINT; an interrupted download resumed, a bad checksum, too little disk), `client models check` on a folder of
+release-shaped files (full-size inventories written sparse), on broken folders and on the tiny test model under the
+release's file names, and `client doctor`."""
 
 from __future__ import annotations
 
