@@ -245,11 +245,13 @@ def _inspect(part: str, path: Path) -> tuple[str, str]:
     """(the variant read from `path`'s header by the stage's own loader, how it differs from the release file its
     name claims or '' when it does not); raises the loader's CheckpointError / errors."""
     if part in ("dit", "dit_ref2va"):
-        from minimax_h3.dit.checkpoint import check_checkpoint
+        from minimax_h3.dit.checkpoint import check_checkpoint, partition_undecided
         from minimax_h3.dit.config import DiTConfig
 
         info = check_checkpoint(path)
-        partition = info.partition.partition or ("ref2va" if part == "dit_ref2va" else "fl2va")
+        partition = info.partition.partition
+        if partition is None:  # the DiT stage refuses a file it cannot place
+            raise partition_undecided(path, info.partition)
         fields = DIT_RELEASE_FIELDS + (DIT_CURVE_FIELDS if info.config.adaln_form == "curve" else ())
         differs = _release_diff(f"{partition} DiT", info.config, DiTConfig.full(), fields)
         named = _named_dit_variant(path.name) if path.is_file() else None
