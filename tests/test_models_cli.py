@@ -251,7 +251,8 @@ def test_models_check_good_and_broken_folders(tmp_path, monkeypatch):
 def test_models_check_tells_a_tiny_model_under_release_names_from_the_release(tmp_path):
     """The embedded tiny DiT and VAEs under the release's file names read correctly, but are not the release model:
     each is OTHER with what differs from the release variant its name claims, and the check exits 1 without an
-    up.sh line. A DiT named as the pruned int8 file that holds bf16 weights is told apart by its variant."""
+    up.sh line. A release-shaped DiT named as the unpruned int8 file that holds the pruned one is told apart by its
+    variant; one whose name states no partition is refused, as its stage refuses it."""
     d = write_tiny_models_folder(tmp_path / "models")
     r = run(["models", "check", str(d)])
     assert r.returncode == 1, r.stdout + r.stderr
@@ -272,6 +273,10 @@ def test_models_check_tells_a_tiny_model_under_release_names_from_the_release(tm
     (report,) = [x for x in check_folder(d) if x.part == "dit"]
     assert not report.problem and report.variant == "int8_convrot_pruned, fl2va", report
     assert report.not_release == "named as the release's int8_convrot file, but holds int8_convrot_pruned weights"
+    unplaced = write_release_dit(d / "diffusion_models/minimax_h3_pruned_int8_convrot.safetensors")  # no partition
+    (d / "diffusion_models/minimax_h3_fl2va_int8_convrot.safetensors").unlink()
+    (report,) = [x for x in check_folder(d) if x.part == "dit"]
+    assert report.path == unplaced and "cannot tell which MiniMax-H3 partition" in report.problem, report
 
 
 # ---- 3. doctor --------------------------------------------------------------------------------------------------
