@@ -16,7 +16,10 @@ library reads them), into DIR in the ComfyUI layout the stages search (docs/chec
 4. the sha256 of the whole file against the Hub's before it is renamed into place; a mismatch deletes the part.
 
 check: every file's header with the stages' own loaders (no GPU, no weights read), per stage: the file the stage
-will use, its variant and size, what is missing or wrong; then the `scripts/up.sh` line that fits this machine.
+will use, its variant and size, what is missing or wrong, and whether it is the release file its name claims (its
+config's shapes and its variant against the release's: a tiny test model under a release name is "OTHER", with what
+differs); then the `scripts/up.sh` line that fits this machine. Exit 0 only when every part reads correctly and is
+the release's; 1 otherwise.
 """
 
 from __future__ import annotations
@@ -220,20 +223,69 @@ class PartReport:
     path: Path | None = None
     variant: str = ""
     size: int = 0
-    problem: str = ""
+    problem: str = ""      # missing, or a file its stage would refuse
+    not_release: str = ""  # read correctly, but not the release file its name or place claims (what differs)
 
 
-def _inspect(part: str, path: Path) -> str:
-    """The variant read from `path`'s header by the stage's own loader; raises its CheckpointError / errors."""
-    if part == "dit":
-        from minimax_h3.dit.checkpoint import check_checkpoint
+# The DiT / VAE config fields that fix tensor shapes (or the model's arithmetic) and so tell the release model from
+# another one, such as the embedded tiny test model written under the release's file names.
+DIT_RELEASE_FIELDS = ("hidden", "num_layers", "num_refiner_layers", "num_heads", "head_dim", "ffn", "text_dim",
+                      "in_channels", "audio_in_channels", "patch", "freq_dim", "time_embed_hidden", "time_embed_dim",
+                      "rope_freq_dim", "rope_theta")
+DIT_CURVE_FIELDS = ("adaln_curve_grid", "adaln_curve_rank")
+VIDEO_VAE_RELEASE_FIELDS = ("in_channels", "out_channels", "latent_channels", "ch", "ch_mult", "num_res_blocks",
+                            "space_down", "time_down", "norm_groups", "dec_layers", "dec_heads", "dec_head_dim",
+                            "dec_registers", "dec_ffn_mult")
+AUDIO_VAE_RELEASE_FIELDS = ("latent_dim", "latent_channels", "num_attention_heads", "decoder_dim", "decoder_rates",
+                            "resblock_kernel_sizes", "resblock_dilation_sizes", "sample_rate")
+MAX_DIFFS_NAMED = 4
 
-        return check_checkpoint(path).variant.name
+
+def _release_diff(what: str, got, release, fields: tuple[str, ...]) -> str:
+    """'' when `got` has the release config's value in every field, else what it is instead of the release model:
+    "a tiny test model, not the release fl2va DiT (hidden 64 vs 5376, ...)" -- "tiny" when every differing number
+    is smaller than the release's."""
+    diffs = [(f, getattr(got, f), getattr(release, f)) for f in fields if getattr(got, f) != getattr(release, f)]
+    if not diffs:
+        return ""
+    smaller = all(isinstance(a, (int, float)) and a < b for _, a, b in diffs)
+    named = ", ".join(f"{f} {a} vs {b}" for f, a, b in diffs[:MAX_DIFFS_NAMED])
+    more = f", +{len(diffs) - MAX_DIFFS_NAMED} more" if len(diffs) > MAX_DIFFS_NAMED else ""
+    return f"{'a tiny test model' if smaller else 'another model'}, not the release {what} ({named}{more})"
+
+
+def _named_dit_variant(name: str) -> str | None:
+    """The DiT variant a ComfyUI file name claims (`minimax_h3_fl2va_pruned_int8_convrot` -> int8_convrot_pruned);
+    None when the name claims none."""
+    n = name.lower()
+    base = next((v for v in ("int8_convrot", "bf16", "fp16", "fp32") if v in n), None)
+    if base is None:
+        return None
+    return f"{base}_pruned" if "pruned" in n else base
+
+
+def _inspect(part: str, path: Path) -> tuple[str, str]:
+    """(the variant read from `path`'s header by the stage's own loader, how it differs from the release file its
+    name claims or '' when it does not); raises the loader's CheckpointError / errors."""
+    if part in ("dit", "dit_ref2va"):
+        from minimax_h3.dit.checkpoint import check_checkpoint, partition_undecided
+        from minimax_h3.dit.config import DiTConfig
+
+        info = check_checkpoint(path)
+        partition = info.partition.partition
+        if partition is None:  # the DiT stage refuses a file it cannot place
+            raise partition_undecided(path, info.partition)
+        fields = DIT_RELEASE_FIELDS + (DIT_CURVE_FIELDS if info.config.adaln_form == "curve" else ())
+        differs = _release_diff(f"{partition} DiT", info.config, DiTConfig.full(), fields)
+        named = _named_dit_variant(path.name) if path.is_file() else None
+        if not differs and named is not None and named != info.variant.name:
+            differs = f"named as the release's {named} file, but holds {info.variant.name} weights"
+        return f"{info.variant.name}, {partition}", differs
     if part == "encoder":
         from minimax_h3.text.checkpoint import TextEncoderCheckpoint
         from minimax_h3.text.conditioner import ConditionerConfig, resolve_tokenizer
 
-        ckpt = TextEncoderCheckpoint(path, ConditionerConfig.full())
+        ckpt = TextEncoderCheckpoint(path, ConditionerConfig.full())  # the release's shapes, or it raises
         variant = ckpt.info.variant + (" + vision tower" if ckpt.info.has_visual else " (no vision tower: no keyframes)")
         ckpt.close()
         tok = resolve_tokenizer(None, path)
@@ -242,16 +294,18 @@ def _inspect(part: str, path: Path) -> str:
         if tok.vocab_size > ConditionerConfig.full().vocab_size:
             raise ValueError(f"tokenizer.json beside {path} has {tok.vocab_size} ids, more than the model's "
                              f"{ConditionerConfig.full().vocab_size}: not this model's tokenizer")
-        return variant
+        return variant, ""  # read against the release's shapes above: another model is refused there
     if part == "video_vae":
-        from minimax_h3.vae.video import inspect_video_vae
+        from minimax_h3.vae.video import VideoVAEConfig, inspect_video_vae
 
         info = inspect_video_vae(str(path), parts="decoder")
-        return f"{info.layout} layout, geometry from the {info.config_source}"
-    from minimax_h3.vae.audio import inspect_audio_vae
+        return (f"{info.layout} layout, geometry from the {info.config_source}",
+                _release_diff("video VAE", info.cfg, VideoVAEConfig.full(), VIDEO_VAE_RELEASE_FIELDS))
+    from minimax_h3.vae.audio import AudioVAEConfig, inspect_audio_vae
 
     info = inspect_audio_vae(path, with_encoder=False)
-    return f"{info.layout} layout, geometry from the {info.config_source}"
+    return (f"{info.layout} layout, geometry from the {info.config_source}",
+            _release_diff("audio VAE", info.cfg, AudioVAEConfig.full(), AUDIO_VAE_RELEASE_FIELDS))
 
 
 def check_folder(models_dir: Path) -> list[PartReport]:
@@ -274,7 +328,7 @@ def check_folder(models_dir: Path) -> list[PartReport]:
             continue
         r.size = sum(p.stat().st_size for p in ([r.path] if r.path.is_file() else r.path.rglob("*")) if p.is_file())
         try:
-            r.variant = _inspect(part, r.path)
+            r.variant, r.not_release = _inspect(part, r.path)
         except Exception as e:  # noqa: BLE001 -- every loader error is the answer for this part
             r.problem = getattr(e, "message", None) or str(e)
         reports.append(r)
@@ -295,16 +349,25 @@ def cmd_check(args) -> int:
             print(f"{r.stage:<8} {r.part:<10} MISSING  {r.problem}")
         elif r.problem:
             print(f"{r.stage:<8} {r.part:<10} BAD      {r.path} ({_gib(r.size)}): {r.problem}")
+        elif r.not_release:
+            print(f"{r.stage:<8} {r.part:<10} OTHER    {r.path} ({_gib(r.size)}; {r.variant}): {r.not_release}")
         else:
             print(f"{r.stage:<8} {r.part:<10} ok       {r.path} ({_gib(r.size)}; {r.variant})")
     bad = [r for r in reports if r.problem]
+    other = [r for r in reports if r.not_release and not r.problem]
     if bad:
         print(f"{len(bad)} of {len(reports)} parts missing or wrong; {self_command()} models fetch --to {root} "
               "downloads what is missing (and replaces a damaged file: delete it first)")
+    if other:
+        print(f"{len(other)} of {len(reports)} parts are not the MiniMax-H3 release files their names claim: the "
+              "stages would serve them, but not the release model's video (a tiny test model's is noise). "
+              f"python -m client models fetch --to {root} downloads the release files (move these away first)")
+    if bad or other:
         return 1
     gpus, _ = find_gpus()
     setup, line = recommend(gpus, str(root))
-    print(f"all {len(reports)} parts read correctly. For this machine ({SETUP_NAMES[setup]}):\n  {line}")
+    print(f"all {len(reports)} parts read correctly and are the release's. For this machine "
+          f"({SETUP_NAMES[setup]}):\n  {line}")
     return 0
 
 
@@ -317,14 +380,15 @@ def add_parser(sub) -> None:
     f.add_argument("--to", required=True, metavar="DIR", help="the models folder (then: up.sh --models-dir DIR)")
     v = f.add_argument_group("variants")
     v.add_argument("--dit", choices=tuple(DIT_VARIANTS), default="fl2va-pruned",
-                   help="DiT: fl2va (text, first/last frame) or ref2va (references: the DiT serves that file when "
-                        "named with --weights; its --models-dir search takes the fl2va one); -pruned: curve-form "
-                        "AdaLN, about 19.5 GiB instead of 34 GB (default: fl2va-pruned)")
+                   help="DiT: fl2va (text, first/last frame) or ref2va (references; a models folder holding both "
+                        "serves both: fetch each into it); -pruned: curve-form AdaLN, about 19.5 GiB instead of 34 GB "
+                        "(default: fl2va-pruned)")
     v.add_argument("--text-encoder", choices=tuple(TEXT_ENCODER_VARIANTS), default="int8",
                    help="Qwen3-VL text encoder: int8 (ConvRot, about 25 GiB), nvfp4 (Blackwell), bf16 "
                         "(default: int8)")
     f.set_defaults(fn=cmd_fetch)
-    c = msub.add_parser("check", help="read every file's header with the stages' loaders (no GPU) and say what "
-                                      "each stage will use, and the up.sh line for this machine")
+    c = msub.add_parser("check", help="read every file's header with the stages' loaders (no GPU), say what each "
+                                      "stage will use and whether it is the release file its name claims, and the "
+                                      "up.sh line for this machine (exit 0 only when all of them are)")
     c.add_argument("models_dir", metavar="DIR")
     c.set_defaults(fn=cmd_check)

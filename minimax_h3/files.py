@@ -83,7 +83,7 @@ def find_checkpoint(models_dir: str | Path, patterns: list[str], what: str, excl
         for p in sorted(root.rglob(pat)):
             if (p.is_file() or p.is_dir()) and not any(fnmatch.fnmatch(p.name, x) for x in exclude):
                 found.setdefault(p.resolve(), p)
-    hits = list(found.values())
+    hits = list(_one_per_checkpoint(found).values())
     if len(hits) > 1:
         listed = ", ".join(str(p) for p in hits[:MAX_CANDIDATES_NAMED])
         more = f" (+{len(hits) - MAX_CANDIDATES_NAMED} more)" if len(hits) > MAX_CANDIDATES_NAMED else ""
@@ -93,6 +93,24 @@ def find_checkpoint(models_dir: str | Path, patterns: list[str], what: str, excl
         return hits[0]
     raise FailedPrecondition(
         f"no {what} found under {root}: looked for {', '.join(patterns)}; pass the file explicitly with {flag}")
+
+
+def _one_per_checkpoint(found: dict[Path, Path]) -> dict[Path, Path]:
+    """The candidates (real path -> path as found) with each checkpoint once: a folder found by name (`transformer/`,
+    `video_vae/`, ...) is the checkpoint of the `*.safetensors` directly inside it, so a folder whose files were
+    all found by name too is the same checkpoint as they are: one file stays the candidate (the folder goes), several
+    (a sharded set) are the folder's. A folder without safetensors of its own holds no checkpoint (a stage would
+    refuse it). A folder with other weights beside a found file stays a candidate of its own."""
+    files = {real for real in found if real.is_file()}
+    out = dict(found)
+    for real in [r for r in found if r.is_dir()]:
+        own = {f.resolve() for f in real.glob("*.safetensors") if f.is_file()}
+        if not own:
+            del out[real]
+        elif own <= files:
+            for f in own if len(own) > 1 else {real}:
+                out.pop(f, None)
+    return out
 
 
 def find_part(models_dir: str | Path, part: str) -> Path:

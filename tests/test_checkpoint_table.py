@@ -113,6 +113,10 @@ CASES = [
     Case("int8_convrot with metadata", _file("q.safetensors", INT8), reference=INT8, variant="int8_convrot"),
     Case("fp32 conversion: loads, reported as fp32", _file("f32.safetensors", {k: v.float() for k, v in BF16.items()}),
          variant="fp32"),
+    # Every tensor cast to fp16 (rope.inv_freq rounded to fp16 too, within one fp16 ulp of its formula): loads with
+    # fp16-rounded values, so it is compared with no reference.
+    Case("fp16 conversion: loads, reported as fp16", _file("f16.safetensors", {k: v.half() for k, v in BF16.items()}),
+         reference={}, variant="fp16"),
     # A same-width float relabel cannot be seen in a header: the file loads (with other values). Documented limit.
     Case("header dtype BF16 -> F16 (same width)", _header_edit(_entry("blocks.1.norm1.weight", dtype="F16")),
          reference={}),
@@ -176,6 +180,11 @@ CASES = [
                      "latents_dim": CFG.in_channels})),
     Case("metadata stacked, --qkv-layout interleaved", _file("ok.safetensors", BF16), (None, "contradicts"),
          qkv_layout="interleaved"),
+    # -- partition: the file's own evidence, never a folder around it ---------------------------------------------
+    Case("metadata fl2va, file named ref2va", _file("minimax_h3_ref2va_bf16.safetensors", BF16),
+         (None, "the safetensors metadata h3_partition=fl2va says fl2va, but the file name "
+                "'minimax_h3_ref2va_bf16.safetensors' says ref2va")),
+    Case("fl2va file in a folder named ref2va", _in_folder("ref2va", "minimax_h3_fl2va_bf16.safetensors", BF16)),
 ]
 
 

@@ -34,7 +34,7 @@ from minimax_h3.dit.config import DiTConfig
 from minimax_h3.dit.lora import LoRAFileError, check_lora_file, config_targets
 from minimax_h3.dit.sampling import SamplerConfig, sample as run_sampler
 from minimax_h3.dit.tiny_checkpoint import write_tiny_checkpoint
-from minimax_h3.files import find_checkpoint
+from minimax_h3.files import EMBEDDED_VERSION, find_checkpoint
 from minimax_h3.text.checkpoint import TextEncoderCheckpoint
 from minimax_h3.text.conditioner import ConditionerConfig
 from minimax_h3.text.tiny import write_tiny_model
@@ -143,6 +143,25 @@ def test_dit_refuses_a_tampered_rope_buffer_at_startup(tmp_path, tiny_cfg):
     bad = rewrite_tensors(good, tmp_path / "bad.safetensors", lambda sd: sd.__setitem__("rope.inv_freq",
                                                                                       sd["rope.inv_freq"] * 1.01))
     check_checkpoint(good)
+    with pytest.raises(CheckpointError, match=r"rope.inv_freq: differs from 1 / rope_theta"):
+        check_checkpoint(bad)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_dit_converted_whole_to_fp16_or_bf16_starts_and_loads(tmp_path, tiny_cfg, dtype):
+    """A DiT cast to fp16 / bf16 as a whole stores rope.inv_freq rounded to that dtype: it is compared with the
+    formula at the file's own rounding, and another RoPE (a different rope_theta) is still refused."""
+    good = write_tiny_checkpoint(tiny_cfg, tmp_path / "minimax_h3_fl2va_bf16.safetensors")
+    whole = rewrite_tensors(good, tmp_path / "minimax_h3_fl2va_whole.safetensors",
+                            lambda sd: sd.update({k: v.to(dtype) for k, v in sd.items() if v.is_floating_point()}))
+    info = check_checkpoint(whole)
+    assert info.variant.name == {torch.float16: "fp16", torch.bfloat16: "bf16"}[dtype]
+    assert load_dit_weights(whole, info.config)["rope.inv_freq"].dtype == torch.float32
+    theta = tiny_cfg.rope_theta * 2
+    other = 1.0 / theta ** (torch.arange(0, 2 * tiny_cfg.rope_freq_dim, 2, dtype=torch.float64)
+                            / (2 * tiny_cfg.rope_freq_dim))
+    bad = rewrite_tensors(whole, tmp_path / "bad.safetensors",
+                          lambda sd: sd.__setitem__("rope.inv_freq", other.to(dtype)))
     with pytest.raises(CheckpointError, match=r"rope.inv_freq: differs from 1 / rope_theta"):
         check_checkpoint(bad)
 
@@ -312,6 +331,27 @@ def test_two_candidates_are_refused_naming_both_and_the_flag(tmp_path):
     msg = e.value.message
     assert "2 candidate MiniMax-H3 DiT checkpoints" in msg and "--weights" in msg
     assert "a/minimax_h3_fl2va_int8_convrot.safetensors" in msg and "b/minimax_h3_fl2va_bf16.safetensors" in msg
+
+
+def test_a_file_inside_a_component_folder_is_one_candidate(tmp_path):
+    """A named file in a folder whose name is also a pattern (`transformer/`, `video_vae/`, ...) is one checkpoint,
+    not two; so is the embedded text encoder's own cache folder. A folder holding other weights beside the file is
+    still a second candidate."""
+    _touch(tmp_path / "m", "transformer/minimax_h3_fl2va_bf16.safetensors",
+           "video_vae/minimax_h3_video_vae_fp16.safetensors", "audio_vae/minimax_h3_audio_vae_fp32.safetensors")
+    m = tmp_path / "m"
+    assert find_checkpoint(m, CHECKPOINT_PATTERNS, "DiT", CHECKPOINT_EXCLUDE) == \
+        m / "transformer/minimax_h3_fl2va_bf16.safetensors"
+    assert find_checkpoint(m, VIDEO_PATTERNS, "video VAE", VIDEO_EXCLUDE).name == "minimax_h3_video_vae_fp16.safetensors"
+    assert find_checkpoint(m, AUDIO_PATTERNS, "audio VAE", AUDIO_EXCLUDE).name == "minimax_h3_audio_vae_fp32.safetensors"
+    cache = tmp_path / "cache"
+    te = write_tiny_model(cache / EMBEDDED_VERSION / "text_encoder")
+    assert find_checkpoint(cache, TE_PATTERNS, "text encoder") == te
+    TextEncoderCheckpoint(te, ConditionerConfig.tiny()).close()
+    _touch(tmp_path / "x", "transformer/minimax_h3_fl2va_bf16.safetensors",
+           "transformer/diffusion_pytorch_model.safetensors")
+    with pytest.raises(FailedPrecondition, match="2 candidate DiTs"):
+        find_checkpoint(tmp_path / "x", CHECKPOINT_PATTERNS, "DiT", CHECKPOINT_EXCLUDE)
 
 
 # ---- through the real servers ---------------------------------------------------------------------------------------

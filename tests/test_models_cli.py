@@ -1,7 +1,8 @@
 """From a machine to the model files, as a new user meets it, through real processes: `scripts/setup.sh --plan`
 picking the torch build with a stand-in `nvidia-smi` on PATH, `client models fetch` from a stand-in Hub on loopback
-(HF_ENDPOINT; an interrupted download resumed, a bad checksum, too little disk), `client models check` on a good and
-on broken folders, and `client doctor`."""
+(HF_ENDPOINT; an interrupted download resumed, a bad checksum, too little disk), `client models check` on a folder of
+release-shaped files (full-size inventories written sparse), on broken folders and on the tiny test model under the
+release's file names, and `client doctor`."""
 
 from __future__ import annotations
 
@@ -145,28 +146,74 @@ def test_fetch_refuses_a_wrong_checksum_and_too_little_disk(tmp_path):
 # ---- 2. models check --------------------------------------------------------------------------------------------
 
 
-def write_models_folder(d: Path) -> Path:
-    """A folder the stages accept: the tiny DiT and VAEs (their configs in the metadata), a full-size bf16 text
-    encoder inventory written sparse, and a tokenizer.json."""
-    from dit_svc.engine import embedded_config
-    from minimax_h3.dit.tiny_checkpoint import write_tiny_checkpoint
+def write_text_encoder(d: Path) -> None:
+    """The release text encoder's full-size bf16 inventory (sparse) and a tokenizer.json, under text_encoders/."""
     from minimax_h3.text.checkpoint import expected_shapes
     from minimax_h3.text.conditioner import ConditionerConfig
-    from minimax_h3.text.tiny import write_tiny_model
-    from minimax_h3.vae.audio import AudioVAEConfig, write_tiny_audio_vae
-    from minimax_h3.vae.video import VideoVAEConfig, write_tiny_video_vae
+    from minimax_h3.text.tiny import build_tiny_tokenizer
     from tests.safetensors_files import write_sparse_safetensors
 
-    for sub in ("diffusion_models", "text_encoders", "vae"):
+    (d / "text_encoders").mkdir(parents=True, exist_ok=True)
+    specs = {f"model.{k}": ("BF16", s) for k, s in expected_shapes(ConditionerConfig.full()).items()}
+    write_sparse_safetensors(d / "text_encoders/qwen3vl_32b_minimax_h3_bf16.safetensors", specs)
+    build_tiny_tokenizer().save(str(d / "text_encoders/tokenizer.json"))
+
+
+def write_release_dit(path: Path) -> Path:
+    """The release's pruned int8_convrot DiT as a full-size sparse inventory, its comfy_quant descriptors and
+    rope.inv_freq filled in (what start-up reads), no metadata (as the ComfyUI repack)."""
+    from minimax_h3.dit.checkpoint import _default_inv_freq
+    from minimax_h3.dit.config import DiTConfig
+    from minimax_h3.dit.tiny_checkpoint import _int8_plan, linear_groupsize
+    from minimax_h3.kernels.int8 import encode_comfy_quant
+    from tests.safetensors_files import write_sparse_safetensors
+
+    full = DiTConfig.full()
+    filled = {"rope.inv_freq": _default_inv_freq(full).numpy().tobytes()}
+    quant = encode_comfy_quant(linear_groupsize(full)).numpy().tobytes()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return write_sparse_safetensors(path, {k: (dtype, shape, quant if k.endswith(".comfy_quant") else filled.get(k))
+                                           for k, shape, dtype in _int8_plan(full, pruned=True)})
+
+
+def write_models_folder(d: Path) -> Path:
+    """A folder the stages accept that is the release model by its shapes: every file a full-size inventory written
+    sparse (headers and holes), with the few tensors read at start-up filled in (the DiT's comfy_quant descriptors
+    and rope.inv_freq, the audio VAE's latent statistics). Nothing states a config: the release geometry is read."""
+    import torch
+
+    from minimax_h3.vae.audio import AudioVAE, AudioVAEConfig
+    from minimax_h3.vae.video import VideoVAE, VideoVAEConfig
+    from tests.safetensors_files import write_sparse_safetensors
+
+    (d / "vae").mkdir(parents=True, exist_ok=True)
+    write_release_dit(d / "diffusion_models/minimax_h3_fl2va_pruned_int8_convrot.safetensors")
+    with torch.device("meta"):
+        video = {k: ("F16", tuple(v.shape)) for k, v in VideoVAE(VideoVAEConfig.full()).state_dict().items()}
+        audio = {k: ("F32", tuple(v.shape)) for k, v in AudioVAE(AudioVAEConfig.full()).state_dict().items()
+                 if not k.endswith((".filter", "zero_k_bias"))}  # rebuilt from their definitions when absent
+    write_sparse_safetensors(d / "vae/minimax_h3_video_vae_fp16.safetensors", video)
+    stats = {"latents_mean": torch.zeros(32), "latents_std": torch.ones(32)}
+    audio.update({k: ("F32", (32,), v.numpy().tobytes()) for k, v in stats.items()})
+    write_sparse_safetensors(d / "vae/minimax_h3_audio_vae_fp32.safetensors", audio)
+    write_text_encoder(d)
+    return d
+
+
+def write_tiny_models_folder(d: Path) -> Path:
+    """The embedded tiny DiT and VAEs (their configs in the metadata) under the release's file names, beside the
+    release text encoder: what a user who copied the test model's files gets."""
+    from dit_svc.engine import embedded_config
+    from minimax_h3.dit.tiny_checkpoint import write_tiny_checkpoint
+    from minimax_h3.vae.audio import AudioVAEConfig, write_tiny_audio_vae
+    from minimax_h3.vae.video import VideoVAEConfig, write_tiny_video_vae
+
+    for sub in ("diffusion_models", "vae"):
         (d / sub).mkdir(parents=True, exist_ok=True)
     write_tiny_checkpoint(embedded_config(), d / "diffusion_models/minimax_h3_fl2va_bf16.safetensors", "bf16")
     write_tiny_video_vae(str(d / "vae/minimax_h3_video_vae_fp16.safetensors"), VideoVAEConfig.tiny())
     write_tiny_audio_vae(d / "vae/minimax_h3_audio_vae_fp32.safetensors", AudioVAEConfig.tiny(decoder_dim=128))
-    specs = {f"model.{k}": ("BF16", s) for k, s in expected_shapes(ConditionerConfig.full()).items()}
-    write_sparse_safetensors(d / "text_encoders/qwen3vl_32b_minimax_h3_bf16.safetensors", specs)
-    write_tiny_model(d / "tiny_te")
-    shutil.copy(d / "tiny_te/tokenizer.json", d / "text_encoders/tokenizer.json")
-    shutil.rmtree(d / "tiny_te")
+    write_text_encoder(d)
     return d
 
 
@@ -175,8 +222,9 @@ def test_models_check_good_and_broken_folders(tmp_path, monkeypatch):
     env = fake_nvidia_smi(tmp_path / "bin", ["0, NVIDIA GeForce RTX 2080 Ti, 570.86.15, 22528, 7.5"])
     r = run(["models", "check", str(d)], env)
     assert r.returncode == 0, r.stdout + r.stderr
-    for needle in ("dit      dit        ok", "encoder  encoder    ok", "bf16", "decoder  video_vae  ok",
-                   "decoder  audio_vae  ok", "all 4 parts read correctly", "(one 22 GB card)",
+    for needle in ("dit      dit        ok", "int8_convrot_pruned, fl2va", "encoder  encoder    ok", "bf16",
+                   "decoder  video_vae  ok", "decoder  audio_vae  ok", "geometry from the H3 release geometry",
+                   "all 4 parts read correctly and are the release's", "(one 22 GB card)",
                    "H3_DIT_LINEAR_KERNEL=int8 H3_DIT_DTYPE=float16 H3_ENCODER_MODE=compact H3_ENCODER_DTYPE=float16 "
                    f"H3_DECODER_DTYPE=float16 scripts/up.sh --models-dir {d} --devices cuda:0 --gpu-memory-cap-gb 22 "
                    "--residency exclusive"):
@@ -185,7 +233,8 @@ def test_models_check_good_and_broken_folders(tmp_path, monkeypatch):
     # broken: the audio VAE gone, the video VAE truncated, the tokenizer missing
     (d / "vae/minimax_h3_audio_vae_fp32.safetensors").unlink()
     v = d / "vae/minimax_h3_video_vae_fp16.safetensors"
-    v.write_bytes(v.read_bytes()[: v.stat().st_size // 2])
+    with open(v, "r+b") as f:
+        f.truncate(v.stat().st_size // 2)
     (d / "text_encoders/tokenizer.json").unlink()
     r = run(["models", "check", str(d)], env)
     assert r.returncode == 1, r.stdout
@@ -197,6 +246,37 @@ def test_models_check_good_and_broken_folders(tmp_path, monkeypatch):
     assert "3 of 4 parts missing or wrong" in r.stdout and "Traceback" not in r.stderr
     r = run(["models", "check", str(tmp_path / "nowhere")])
     assert r.returncode == 1 and "is not a folder" in r.stderr and "models fetch --to" in r.stderr
+
+
+def test_models_check_tells_a_tiny_model_under_release_names_from_the_release(tmp_path):
+    """The embedded tiny DiT and VAEs under the release's file names read correctly, but are not the release model:
+    each is OTHER with what differs from the release variant its name claims, and the check exits 1 without an
+    up.sh line. A release-shaped DiT named as the unpruned int8 file that holds the pruned one is told apart by its
+    variant; one whose name states no partition is refused, as its stage refuses it."""
+    d = write_tiny_models_folder(tmp_path / "models")
+    r = run(["models", "check", str(d)])
+    assert r.returncode == 1, r.stdout + r.stderr
+    lines = {ln.split()[1]: ln for ln in r.stdout.splitlines() if ln.split()[:1] in (["dit"], ["encoder"], ["decoder"])}
+    assert "OTHER" in lines["dit"] and \
+        "a tiny test model, not the release fl2va DiT (hidden 64 vs 5376, num_layers 1 vs 50" in lines["dit"], r.stdout
+    assert "OTHER" in lines["video_vae"] and "a tiny test model, not the release video VAE (ch 8 vs 128" in \
+        lines["video_vae"]
+    assert "OTHER" in lines["audio_vae"] and "not the release audio VAE (latent_dim 256 vs 2048" in lines["audio_vae"]
+    assert " ok " in lines["encoder"] and " ok " not in lines["dit"]
+    assert "3 of 4 parts are not the MiniMax-H3 release files their names claim" in r.stdout
+    assert "up.sh" not in r.stdout and "Traceback" not in r.stderr
+
+    from client.models_cli import check_folder
+
+    (d / "diffusion_models/minimax_h3_fl2va_bf16.safetensors").unlink()
+    write_release_dit(d / "diffusion_models/minimax_h3_fl2va_int8_convrot.safetensors")  # holds the pruned one
+    (report,) = [x for x in check_folder(d) if x.part == "dit"]
+    assert not report.problem and report.variant == "int8_convrot_pruned, fl2va", report
+    assert report.not_release == "named as the release's int8_convrot file, but holds int8_convrot_pruned weights"
+    unplaced = write_release_dit(d / "diffusion_models/minimax_h3_pruned_int8_convrot.safetensors")  # no partition
+    (d / "diffusion_models/minimax_h3_fl2va_int8_convrot.safetensors").unlink()
+    (report,) = [x for x in check_folder(d) if x.part == "dit"]
+    assert report.path == unplaced and "cannot tell which MiniMax-H3 partition" in report.problem, report
 
 
 # ---- 3. doctor --------------------------------------------------------------------------------------------------

@@ -238,7 +238,6 @@ def _tiny_file(path, partition=None, seed=0):
     ("minimax_h3_fl2va_bf16.safetensors", None, None, "fl2va"),
     ("dit.safetensors", "ref2va", None, "ref2va"),
     ("dit.safetensors", None, "ref2va", "ref2va"),
-    ("minimax_h3_fl2va_bf16.safetensors", None, "ref2va", "ref2va"),  # the flag overrides a name
     ("dit.safetensors", None, None, None),
 ])
 def test_partition_decided_from_metadata_flag_or_name(tmp_path, name, meta, flag, want):
@@ -254,6 +253,50 @@ def test_partition_flag_contradicting_metadata_is_refused(tmp_path):
 
     with pytest.raises(CheckpointError, match="contradicts"):
         inspect_checkpoint(_tiny_file(tmp_path / "dit.safetensors", "fl2va"), partition="ref2va")
+
+
+@pytest.mark.parametrize("folder", ["ref2va_models/weights", "weights_ref2va", "transformer", "neutral"])
+def test_partition_comes_from_the_file_never_from_the_folders_around_it(tmp_path, folder):
+    """`--weights FOLDER` holding an fl2va file is fl2va whatever the folder or its parent is called: only the
+    file's own evidence (its name, its metadata) places it."""
+    from minimax_h3.dit.checkpoint import inspect_checkpoint
+
+    f = _tiny_file(tmp_path / folder / "minimax_h3_fl2va_bf16.safetensors")
+    info = inspect_checkpoint(f.parent)
+    assert info.partition.partition == "fl2va", info.partition.evidence
+    assert "minimax_h3_fl2va_bf16.safetensors" in info.partition.evidence
+    if folder == "ref2va_models/weights":
+        assert _engine(cache_dir=tmp_path / "c", weights=str(f.parent)).partition == "fl2va"
+
+
+def test_release_folders_name_their_sharded_checkpoints(tmp_path):
+    """The release's own checkpoint folders (transformer/: fl2va, transformer_ref/: ref2va) hold shards that carry
+    no partition in their names: the checkpoint folder's exact name places them, never a parent's."""
+    from minimax_h3.dit.checkpoint import inspect_checkpoint
+    from minimax_h3.dit.tiny_checkpoint import write_tiny_release_dir
+
+    root = write_tiny_release_dir(DiTConfig.tiny(), tmp_path / "ref2va_release")
+    assert inspect_checkpoint(root / "transformer").partition.partition == "fl2va"
+    (root / "transformer").rename(root / "transformer_ref")
+    assert inspect_checkpoint(root / "transformer_ref").partition.partition == "ref2va"
+    (root / "transformer_ref").rename(root / "shards")
+    assert inspect_checkpoint(root / "shards").partition.partition is None  # "ref2va_release" is no evidence
+
+
+@pytest.mark.parametrize("meta,flag,folder,first,second", [
+    ("ref2va", None, "", "metadata h3_partition=ref2va", "'minimax_h3_fl2va_bf16.safetensors'"),
+    (None, "ref2va", "", "--partition ref2va", "'minimax_h3_fl2va_bf16.safetensors'"),
+    (None, None, "transformer_ref", "'minimax_h3_fl2va_bf16.safetensors'", "'transformer_ref'"),
+])
+def test_contradicting_partition_evidence_is_refused_naming_both(tmp_path, meta, flag, folder, first, second):
+    from minimax_h3.dit.checkpoint import inspect_checkpoint
+    from stagekit.checkpoints import CheckpointError
+
+    f = _tiny_file(tmp_path / (folder or "w") / "minimax_h3_fl2va_bf16.safetensors", meta)
+    with pytest.raises(CheckpointError) as e:
+        inspect_checkpoint(f.parent if folder else f, partition=flag)
+    msg = str(e.value)
+    assert first in msg and second in msg and "contradict" in msg, msg
 
 
 def _engine(**kw):

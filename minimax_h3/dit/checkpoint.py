@@ -39,8 +39,8 @@ from minimax_h3.dit.convert_diffusers import (DIFFUSERS_NAMES, DIFFUSERS_QKV, FC
 from minimax_h3.dit.model import H3DiT
 from minimax_h3.dit.tp import ColumnParallel, RowParallel, column_range, param_style, section_ranges, validate_tp
 from minimax_h3.kernels.int8 import QuantizedWeight, dequantize_convrot, read_quant_spec
-from stagekit.checkpoints import (FLOAT, Checkpoint, CheckpointError, FiniteCheck, HeaderEntry, TensorReader,
-                                  TensorSpec, key_report, metadata_json, named, open_checkpoint)
+from stagekit.checkpoints import (FLOAT, TORCH_DTYPE, Checkpoint, CheckpointError, FiniteCheck, HeaderEntry,
+                                  TensorReader, TensorSpec, key_report, metadata_json, named, open_checkpoint)
 
 log = logging.getLogger(__name__)
 
@@ -62,12 +62,15 @@ QKV_FLAG = "--qkv-layout"
 Partition = Literal["fl2va", "ref2va"]  # minimax_h3.contract.PARTITIONS
 METADATA_PARTITION = "h3_partition"  # safetensors metadata our writers add: the partition
 PARTITION_FLAG = "--partition"
-# Names that state a partition: ComfyUI repacks (minimax_h3_ref2va_*.safetensors, minimax_h3_fl2va_*) and the
-# release's folders (transformer_ref/ holds ref2va, transformer/ the fl2va / t2va weights).
-_PARTITION_NAMES = ((re.compile(r"ref2va|r2va|transformer_ref"), "ref2va"),
-                    (re.compile(r"fl2va|t2va|(^|/)transformer(/|$)"), "fl2va"))
+# File names that state a partition: the ComfyUI repacks (minimax_h3_ref2va_*.safetensors, minimax_h3_fl2va_*).
+_PARTITION_FILE_NAMES = ((re.compile(r"ref2va|r2va"), "ref2va"), (re.compile(r"fl2va|t2va"), "fl2va"))
+# The release's two checkpoint folders, whose shards' names say nothing: the folder that is the checkpoint, by its
+# exact name (transformer_ref/ holds ref2va, transformer/ the fl2va / t2va weights). No other folder name, and no
+# folder around a checkpoint, is evidence.
+RELEASE_PARTITION_FOLDERS = {"transformer_ref": "ref2va", "transformer": "fl2va"}
 
 PLAN = H3DiT._tp_plan
+RTOL_FP32_ROPE = 1e-5  # a stored rope.inv_freq vs its formula: fp32 evaluations differ by a few ulp (`_rope_tolerance`)
 
 
 # ================================================================================================================
@@ -304,26 +307,44 @@ class PartitionDecision:
 
 
 def decide_partition(ckpt: Checkpoint, declared: Partition | None = None) -> PartitionDecision:
-    """Which H3 partition a checkpoint holds, from (1) our metadata, (2) `declared` (--partition), (3) the file or
-    folder name (ComfyUI repack names, the release's transformer/ and transformer_ref/ folders)."""
+    """Which H3 partition a checkpoint holds, from its own evidence: (1) our metadata, (2) the name of each of its
+    files (the ComfyUI repack names), (3) for a checkpoint folder, the release's exact folder names (transformer/,
+    transformer_ref/), and `declared` (--partition). The folders around a checkpoint are no evidence. Two pieces of
+    evidence that disagree are refused, naming both: serving the wrong partition renders poor video without an
+    error."""
     if declared is not None and declared not in PARTITIONS:
         raise ValueError(f"{PARTITION_FLAG} must be one of {', '.join(PARTITIONS)}, got {declared!r}")
+    where = ckpt.files[0] if ckpt.root is None else ckpt.root
+    evidence: list[tuple[str, str]] = []  # (partition, what states it), strongest first
+    if declared is not None:
+        evidence.append((declared, f"{PARTITION_FLAG} {declared}"))
     stated = ckpt.metadata.get(METADATA_PARTITION)
     if stated is not None:
         if stated not in PARTITIONS:
             raise CheckpointError(ckpt.files[0], f"metadata {METADATA_PARTITION}={stated!r}: expected one of "
                                                  f"{PARTITIONS}")
-        if declared is not None and declared != stated:
-            raise CheckpointError(ckpt.files[0], f"{PARTITION_FLAG} {declared} contradicts the file's metadata "
-                                                 f"{METADATA_PARTITION}={stated}; drop the flag")
-        return PartitionDecision(stated, f"safetensors metadata {METADATA_PARTITION}")
-    if declared is not None:
-        return PartitionDecision(declared, PARTITION_FLAG)
-    where = ckpt.files[0].name if ckpt.root is None else "/".join(ckpt.root.parts[-2:])
-    found = {p for pattern, p in _PARTITION_NAMES if pattern.search(where.lower())}
-    if len(found) == 1:
-        return PartitionDecision(found.pop(), f"the name {where!r}")
-    return PartitionDecision(None, f"neither metadata {METADATA_PARTITION} nor a partition in the name {where!r}")
+        evidence.append((stated, f"the safetensors metadata {METADATA_PARTITION}={stated}"))
+    for f in ckpt.files:
+        for pattern, part in _PARTITION_FILE_NAMES:
+            if pattern.search(f.name.lower()):
+                evidence.append((part, f"the file name {f.name!r}"))
+    if ckpt.root is not None and ckpt.root.name in RELEASE_PARTITION_FOLDERS:
+        evidence.append((RELEASE_PARTITION_FOLDERS[ckpt.root.name],
+                         f"the release's checkpoint folder name {ckpt.root.name!r}"))
+    if not evidence:
+        names = ", ".join(repr(f.name) for f in ckpt.files[:2]) + (" ..." if len(ckpt.files) > 2 else "")
+        return PartitionDecision(None, f"neither metadata {METADATA_PARTITION} nor a partition in the file name(s) "
+                                       f"{names}" + ("" if ckpt.root is None else ", nor a release checkpoint folder "
+                                                     "named transformer/ or transformer_ref/"))
+    part, first = evidence[0]
+    other = next(((p, what) for p, what in evidence if p != part), None)
+    if other is not None:
+        fix = "drop the flag" if declared is not None else "rename the file or correct its metadata"
+        raise CheckpointError(where, f"{first} says {part}, but {other[1]} says {other[0]}: the partition evidence "
+                                     f"contradicts itself, and the wrong partition renders poor video without an "
+                                     f"error; {fix}")
+    whats = list(dict.fromkeys(what for _, what in evidence))
+    return PartitionDecision(part, "; ".join(whats[:2]) + (f" (+{len(whats) - 2} more)" if len(whats) > 2 else ""))
 
 
 def partition_undecided(path: Path, decision: PartitionDecision) -> CheckpointError:
@@ -511,7 +532,8 @@ def validate(info: CheckpointInfo, cfg: DiTConfig, reader: TensorReader | None =
     if "rope.inv_freq" in info.sources:  # a buffer fixed by the config: the stored one must be that formula
         stored = reader.whole(info.sources["rope.inv_freq"].keys[0]).float()
         formula = _default_inv_freq(cfg)
-        if not torch.allclose(stored, formula, rtol=1e-5, atol=0.0):
+        rtol, atol = _rope_tolerance(info.shapes["rope.inv_freq"].dtype)
+        if not torch.allclose(stored, formula, rtol=rtol, atol=atol):
             file, name = _where(info, "rope.inv_freq")
             raise CheckpointError(file, f"differs from 1 / rope_theta^(2i / {2 * cfg.rope_freq_dim}) of rope_theta "
                                         f"{cfg.rope_theta} (max |diff| {(stored - formula).abs().max().item():.3g}): "
@@ -644,6 +666,15 @@ def _default_inv_freq(cfg: DiTConfig) -> torch.Tensor:
     return 1.0 / (cfg.rope_theta ** (torch.arange(0, 2 * f, 2, dtype=torch.float64) / (2 * f))).float()
 
 
+def _rope_tolerance(stored: str) -> tuple[float, float]:
+    """(rtol, atol) of a stored rope.inv_freq against `_default_inv_freq`: one unit in the last place of the dtype
+    the file stores it in (a writer that computed it in fp32 and then cast the whole file to fp16 / bf16 rounds it
+    once more; below the dtype's normal range its spacing is fixed), never tighter than 1e-5 (fp32 evaluations of
+    the formula differ by a few ulp). Another model's RoPE (another rope_theta or rope_freq_dim) is off by far more."""
+    fi = torch.finfo(TORCH_DTYPE.get(stored, torch.float32))
+    return max(RTOL_FP32_ROPE, fi.eps), fi.smallest_normal * fi.eps
+
+
 def _where(info: CheckpointInfo, key: str) -> tuple[Path, str]:
     """(file, name) of one of our tensors for an error message: the file's own key(s) when they differ from ours."""
     src = info.sources.get(key)
@@ -690,7 +721,9 @@ def load_dit_weights(
     finite = FiniteCheck()  # every float tensor as loaded, on `device`: one host sync for the whole load
 
     def read(key: str) -> tuple[torch.Tensor | QuantizedWeight, bool]:
-        if key not in info.shapes:  # optional key absent (rope.inv_freq in diffusers files)
+        if key not in info.shapes or (key == "rope.inv_freq" and info.shapes[key].dtype != "F32"):
+            # Absent (diffusers drops it), or stored rounded to fp16 / bf16 (a file cast whole): `validate` found it
+            # equal to the formula at that rounding, and the RoPE table is fp32 (precision contract): the formula.
             return _default_inv_freq(cfg).to(device), False
         if not hasattr(local, "rr"):
             local.reader = TensorReader(info.entries, check_finite=False)  # checked on `device` below
