@@ -7,7 +7,7 @@ Weights live in --models-dir and are reused while the machine stays warm (a fres
 
     python3 benchmarks/bench_two_gpu.py --part rule  --models-dir /tmp/h3models --out $OUT
     python3 benchmarks/bench_two_gpu.py --part scale --models-dir /tmp/h3models --out $OUT
-    python3 benchmarks/bench_two_gpu.py --part rule --tiny --models-dir /tmp/h3tiny --out /tmp/h3out   # CPU dry run
+    .venv/bin/python benchmarks/bench_two_gpu.py --part rule --tiny --models-dir /tmp/h3tiny --out /tmp/h3out  # CPU
 
 Parts (items in this order; every result is written to the JSON as soon as it exists; an item that would not finish
 inside the budget is skipped and listed, with a ready `--only` value to run it later):
