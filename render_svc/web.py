@@ -325,9 +325,9 @@ class _PageServer(ThreadingHTTPServer):
         try:
             if self.ctx is not None:
                 request.settimeout(HANDSHAKE_S)
-                # the handshake called here, not in wrap_socket, which closes the socket itself when it fails
-                request = self.ctx.wrap_socket(request, server_side=True, do_handshake_on_connect=False)
                 try:
+                    # the handshake called here, not in wrap_socket, which closes the socket itself when it fails
+                    request = self.ctx.wrap_socket(request, server_side=True, do_handshake_on_connect=False)
                     request.do_handshake()
                 except (OSError, ssl.SSLError):
                     return  # a handshake that failed or timed out: nothing to answer
