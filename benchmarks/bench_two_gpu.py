@@ -7,7 +7,7 @@ Weights live in --models-dir and are reused while the machine stays warm (a fres
 
     python3 benchmarks/bench_two_gpu.py --part rule  --models-dir /tmp/h3models --out $OUT
     python3 benchmarks/bench_two_gpu.py --part scale --models-dir /tmp/h3models --out $OUT
-    python3 benchmarks/bench_two_gpu.py --part rule --tiny --models-dir /tmp/h3tiny --out /tmp/h3out   # CPU dry run
+    .venv/bin/python benchmarks/bench_two_gpu.py --part rule --tiny --models-dir /tmp/h3tiny --out /tmp/h3out  # CPU
 
 Parts (items in this order; every result is written to the JSON as soon as it exists; an item that would not finish
 inside the budget is skipped and listed, with a ready `--only` value to run it later):
@@ -1048,14 +1048,23 @@ def main(argv: list[str] | None = None) -> int:
 
 def run(bench_cls: type, args) -> int:
     """One part of a bench driver; a SIGTERM (a time limit) still stops the stages and writes the trace, plot and
-    verdicts."""
+    verdicts. Exit code 1 when an item failed (its `error` in the JSON), so a run whose items all failed never
+    reads as a success; items skipped for the budget are not failures (the log names the --only that reruns
+    them), and `ok: false` verdicts are measurements that missed a target, not failures of the run."""
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     bench = bench_cls(args)
     try:
         bench.run_part()
     finally:
         bench.finish()
-    return 0
+    failed = {k: r["error"] for k, r in bench.results["items"].items() if "error" in r}
+    for name, error in failed.items():
+        lines = str(error).strip().splitlines() or [""]  # a child's traceback: its first and its last line
+        print(f"FAILED {name}: {lines[0]}" + (f" ... {lines[-1]}" if len(lines) > 1 else ""), file=sys.stderr)
+    if failed:
+        print(f"{len(failed)} of {len(bench.results['items'])} items failed (details in "
+              f"{bench.out / f'bench_{bench.part}.log'})", file=sys.stderr)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ first part are reused by the next while the machine stays warm:
     python3 benchmarks/one_card.py --part renders --models-dir /tmp/h3models --out $OUT
     python3 benchmarks/one_card.py --part long    --models-dir /tmp/h3models --out $OUT
     python3 benchmarks/one_card.py --part dit     --models-dir /tmp/h3models --out $OUT
-    python3 benchmarks/one_card.py --part renders --tiny --models-dir /tmp/h3tiny --out /tmp/h3out   # CPU dry run
+    .venv/bin/python benchmarks/one_card.py --part renders --tiny --models-dir /tmp/h3tiny --out /tmp/h3out  # CPU
 
 Parts:
   renders  960x544x73, 20 steps, res_multistep/simple, --upscale 1920x1080; 832x480x124 and 1344x768x124, 8 steps;
@@ -21,9 +21,10 @@ Parts:
            block resident (no cap) vs with the one-card placement (22 GiB cap) at 960x544x362 and 960x544x73,
            bitwise-equal final latents, peak memory, bytes streamed per step and the host->device rate; then one TP2
            rank at 1920x1088x362 (S = 219,524; collectives elided) with the same placement under 19.5 GiB.
-Outputs in --out: one_card_<part>.json, trace_<part>.jsonl.gz, memtrace_<part>.png, bench_<part>.log,
-stage_logs_<part>.tar.gz. The render parts' checks: the trace's sum per GPU <= 22 GiB at every sample, one stage
-holding weights at a time, and every stage that does not hold the lease at <= 0.1 GiB of the card.
+Exit code 1 when an item failed (named on stderr and in the JSON). Outputs in --out: one_card_<part>.json,
+trace_<part>.jsonl.gz, memtrace_<part>.png, bench_<part>.log, stage_logs_<part>.tar.gz. The render parts' checks:
+the trace's sum per GPU <= 22 GiB at every sample, one stage holding weights at a time, and every stage that does not
+hold the lease at <= 0.1 GiB of the card.
 """
 
 from __future__ import annotations

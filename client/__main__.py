@@ -119,7 +119,12 @@ def render_inputs(args):
         reqs = _render_requests(args, prompts, keyframes)
     except ValueError as e:  # InvalidArgument included
         raise CheckError(getattr(e, "message", None) or str(e)) from None
-    outs = output_paths(args.output, len(reqs), overwrite=args.overwrite)
+    if args.detach:  # the MP4 stays with the render service until `jobs fetch`: no file here to name or check
+        if args.output is not None:
+            raise CheckError("-o: --detach writes no file here (the MP4 stays with the render service): leave out "
+                             "-o and fetch it with `jobs fetch ID -o FILE`")
+        return reqs, []
+    outs = output_paths(args.output or "out.mp4", len(reqs), overwrite=args.overwrite)
     for o in outs:
         o.parent.mkdir(parents=True, exist_ok=True)
     return reqs, outs
@@ -390,8 +395,8 @@ def _add_render_parser(sub) -> None:
     shape.add_argument("--audio-shift", type=float, default=0.0,
                        help="0 or 0.1..100; 0 = the model's default, 3 (default: 0)")
     out = r.add_argument_group("output")
-    out.add_argument("-o", "--output", default="out.mp4",
-                     help="output MP4 (default: out.mp4); a folder (a trailing / or an existing directory) gets "
+    out.add_argument("-o", "--output",
+                     help="output MP4 (default: out.mp4; none with --detach); a folder (a trailing / or an existing directory) gets "
                           "000.mp4, 001.mp4, ... in prompt order, as does any -o with several prompts")
     out.add_argument("--overwrite", action="store_true", help="replace output files that exist (default: refuse)")
     out.add_argument("--crf", type=int, default=DEFAULT_CRF,

@@ -79,7 +79,7 @@ def find_gpus() -> tuple[list[GPU], str]:
 class TorchChoice:
     build: str            # "cpu" | "cu126" | "cu128" | "cu130"
     spec: str             # pip requirement
-    index_url: str        # "" = the default index
+    index_url: str        # the wheel index torch comes from
     cudnn_frontend: bool  # install nvidia-cudnn-frontend
     why: str
 
@@ -87,25 +87,31 @@ class TorchChoice:
 def choose_torch(gpus: list[GPU], none_why: str, force: str = "") -> TorchChoice:
     """The torch build for this machine. `force`: "cpu" | "cuda" (the --cpu / --cuda of setup.sh).
 
-    1. --cpu, or no NVIDIA GPU: the CPU build (plus the cuDNN frontend: the tests check our fp8 attention graph
-       against it on CPU);
+    1. --cpu, or no NVIDIA GPU: the CPU build from PyTorch's CPU wheel index (PyPI's torch of the same version is
+       the CUDA build, which pulls in the nvidia-* wheels: several GB a machine without a GPU never uses), pinned
+       as `+cpu`, which only that index (or a local wheel of it) has; plus the cuDNN frontend: the tests check our
+       fp8 attention graph against it on CPU;
     2. the newest CUDA build the driver runs and every GPU's compute capability is built for;
     3. a driver too old for any build: the CPU build, and the driver to install (--cuda refuses instead);
     4. nvidia-cudnn-frontend where fp8 attention can run (compute capability 9.0+)."""
-    cpu = f"torch=={TORCH_VERSION}"
+    cpu_spec = f"torch=={TORCH_VERSION}+cpu"
+
+    def cpu(why: str) -> TorchChoice:
+        return TorchChoice("cpu", cpu_spec, TORCH_INDEX + "cpu", True, why)
+
     if force == "cpu":
-        return TorchChoice("cpu", cpu, "", True, "--cpu given")
+        return cpu("--cpu given")
     if not gpus:
         if force == "cuda":
             return TorchChoice("error", "", "", False, f"--cuda given but {none_why}")
-        return TorchChoice("cpu", cpu, "", True, none_why)
+        return cpu(none_why)
     driver = int(gpus[0].driver.split(".")[0])
     cc = min(g.compute_cap for g in gpus)
     names = ", ".join(f"{g.name} (sm_{int(g.compute_cap * 10)}, {g.memory_gib:.0f} GiB)" for g in gpus)
     for tag, least_driver, least_cc in CUDA_BUILDS:
         if driver >= least_driver and cc >= least_cc:
             fp8 = cc >= FP8_ATTENTION_CC
-            return TorchChoice(tag, cpu, TORCH_INDEX + tag, fp8,
+            return TorchChoice(tag, f"torch=={TORCH_VERSION}", TORCH_INDEX + tag, fp8,
                                f"driver {gpus[0].driver} runs CUDA builds up to {tag}; GPUs: {names}"
                                + ("" if fp8 else "; fp8 attention needs compute capability 9.0+, so no cuDNN "
                                                  "frontend"))
@@ -113,7 +119,7 @@ def choose_torch(gpus: list[GPU], none_why: str, force: str = "") -> TorchChoice
            f"(525 at least, 570+ recommended): update the NVIDIA driver")
     if force == "cuda":
         return TorchChoice("error", "", "", False, why)
-    return TorchChoice("cpu", cpu, "", True, why + "; installing the CPU build for now")
+    return cpu(why + "; installing the CPU build for now")
 
 
 def host_ram_gib() -> float:

@@ -322,10 +322,14 @@ class WebPage:
 
 class _PageServer(ThreadingHTTPServer):
     """The accept loop only accepts: each connection's thread does its TLS handshake (bounded by HANDSHAKE_S) and
-    serves it; connections beyond MAX_CONNECTIONS are answered 503 and closed at once."""
+    serves it; connections beyond MAX_CONNECTIONS are answered 503 and closed at once. A connection's slot is given
+    back before its socket is closed, so a client that sees its connection end finds the slot free."""
 
     daemon_threads = True
     address_family = socket.AF_INET
+    # The listen backlog holds a burst of twice the cap: with socketserver's 5 the kernel drops the SYNs of a burst
+    # that the accept loop has not caught up with, and each client retries after 1, 3, 7 s.
+    request_queue_size = 2 * MAX_CONNECTIONS
 
     def __init__(self, addr, handler, ctx: ssl.SSLContext | None):
         if ":" in addr[0]:
@@ -352,15 +356,20 @@ class _PageServer(ThreadingHTTPServer):
         super().process_request(request, client_address)
 
     def process_request_thread(self, request, client_address):
+        """ThreadingMixIn's, with the TLS handshake first and the slot given back before the socket is closed."""
         try:
             if self.ctx is not None:
                 request.settimeout(HANDSHAKE_S)
                 try:
-                    request = self.ctx.wrap_socket(request, server_side=True)
+                    # the handshake called here, not in wrap_socket, which closes the socket itself when it fails
+                    request = self.ctx.wrap_socket(request, server_side=True, do_handshake_on_connect=False)
+                    request.do_handshake()
                 except (OSError, ssl.SSLError):
-                    self.shutdown_request(request)
-                    return
-            super().process_request_thread(request, client_address)
+                    return  # a handshake that failed or timed out: nothing to answer
+            self.finish_request(request, client_address)
+        except Exception:  # noqa: BLE001 - as socketserver: logged, and the connection closed
+            self.handle_error(request, client_address)
         finally:
             with self._count:
                 self.open -= 1
+            self.shutdown_request(request)

@@ -3,10 +3,11 @@
 # .venv/setup.log (shown when a step fails).
 #   scripts/setup.sh [--cpu | --cuda] [--plan]
 # The torch build fits the machine (client/machine.py): with an NVIDIA GPU and a driver that runs one, the CUDA build
-# of torch that driver runs (plus nvidia-cudnn-frontend on Hopper and later, for fp8 attention), else the CPU build;
-# it says which and why. --cpu / --cuda override the choice (--cuda fails when no CUDA build can run here); --plan
-# prints the choice and installs nothing. PYTHON=python3.12 for another interpreter; TORCH_SPEC="torch==2.11.0"
-# (and TORCH_INDEX_URL) for another torch.
+# of torch that driver runs (plus nvidia-cudnn-frontend on Hopper and later, for fp8 attention), else the CPU build
+# from PyTorch's CPU wheel index (PyPI's torch is the CUDA build: GBs of nvidia wheels); it says which and why.
+# --cpu / --cuda override the choice (--cuda fails when no CUDA build can run here); --plan prints the choice and
+# installs nothing. PYTHON=python3.12 for another interpreter; TORCH_SPEC="torch==2.11.0" (and TORCH_INDEX_URL)
+# for another torch.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-python3}"
@@ -26,8 +27,17 @@ choice="$("$PY" -m client.machine torch $force)" || { echo "setup.sh: ${choice##
 pick() { sed -n "s/^$1=//p" <<<"$choice"; }
 build="$(pick build)"; torch_spec="${TORCH_SPEC:-$(pick spec)}"; index_url="${TORCH_INDEX_URL:-$(pick index_url)}"
 echo "torch build: $build ($(pick why))"
+# The CPU build: torch alone from the CPU wheel index (a wheel of it in pip's --find-links does as well), its
+# requirements from the default index with the next step. One try and a 20 s timeout there, so an index this
+# machine cannot reach costs seconds, not pip's five retries.
+torch_args=(); [[ -n "$index_url" ]] && torch_args=(--index-url "$index_url")
+if [[ $build == cpu ]]; then
+  torch_args+=(--no-deps --retries 1 --timeout 20)
+  echo "torch from $index_url, PyTorch's CPU wheel index: PyPI's torch is the CUDA build, several GB of nvidia" \
+       "wheels that a machine without a GPU does not use"
+fi
 if [[ $plan == 1 ]]; then
-  echo "plan: pip install $torch_spec${index_url:+ --index-url $index_url}"
+  echo "plan: pip install $torch_spec ${torch_args[*]}"
   [[ "$(pick cudnn_frontend)" == 1 ]] && echo "plan: pip install --no-deps nvidia-cudnn-frontend==1.32.0"
   exit 0
 fi
@@ -51,10 +61,9 @@ else
 fi
 : > "$log"
 step "updating pip" .venv/bin/python -m pip install --upgrade pip
-# torch first and pinned: an unpinned torch pulls a multi-GB CUDA build where a CPU build is at hand.
-index_args=(); [[ -n "$index_url" ]] && index_args=(--index-url "$index_url")
-step "installing $torch_spec ($build build, the largest download)" \
-  .venv/bin/python -m pip install "$torch_spec" "${index_args[@]}"
+# torch first and pinned, from its build's index: an unpinned torch from PyPI is a multi-GB CUDA build.
+step "installing $torch_spec ($build build from ${index_url:-the default index}, the largest download)" \
+  .venv/bin/python -m pip install "$torch_spec" "${torch_args[@]}"
 step "installing h3-stages (editable) and its test tools" .venv/bin/python -m pip install -e ".[test]"
 # fp8 attention's graph API (minimax_h3/kernels/fp8_attention.py; tests check our graph against it on CPU). --no-deps: its
 # declared extras (CuTe DSL, TVM FFI) serve the frontend's own Blackwell kernels, never imported on our path.

@@ -168,3 +168,21 @@ def test_one_card_dit_part_dry_run(tmp_path):
     assert set(d["shapes"]) == {"256x256x39", "256x256x22"}
     assert all(row["bitwise_equal"] for row in d["shapes"].values())
     assert res["verdicts"]["streamed_equals_resident_bitwise"] is True
+
+
+def test_a_benchmark_whose_items_fail_exits_non_zero(tmp_path):
+    """An item that fails (here the weight writer, --models-dir being a file) is recorded in the JSON, named on
+    stderr, and the run exits 1, not 0 as if it had measured something; the renders that needed it are skipped."""
+    import subprocess
+
+    out, not_a_dir = tmp_path / "out", tmp_path / "models"
+    not_a_dir.write_text("a file where the weights would go\n")
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "one_card.py"), "--part", "renders", "--tiny",
+                        "--models-dir", str(not_a_dir), "--work-dir", str(tmp_path / "work"), "--out", str(out),
+                        "--skip", "stack:int8"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 1, r.stdout[-2000:] + r.stderr[-2000:]
+    assert "FAILED weights: RuntimeError: weight writer failed" in r.stderr, r.stderr[-2000:]
+    assert "1 of 1 items failed" in r.stderr, r.stderr[-2000:]
+    res = json.loads((out / "one_card_renders.json").read_text())
+    assert set(res["items"]) == {"weights"} and "error" in res["items"]["weights"], res["items"]
+    assert {s["item"] for s in res["skipped"]} == {"render:a", "render:c832", "render:c1344", "parity"}

@@ -43,8 +43,7 @@ def fake_nvidia_smi(bin_dir: Path, lines: list[str], rc: int = 0) -> dict:
 
 
 @pytest.mark.parametrize("gpus,flag,want", [
-    ([], "", ["torch build: cpu (no nvidia-smi on PATH", "plan: pip install torch==2.13.0\n",
-              "plan: pip install --no-deps nvidia-cudnn-frontend"]),
+    ([], "", ["torch build: cpu (no nvidia-smi on PATH", "plan: pip install --no-deps nvidia-cudnn-frontend"]),
     (["0, NVIDIA H200, 580.65.06, 143771, 9.0"], "", ["torch build: cu130 (driver 580.65.06",
                                                        "--index-url https://download.pytorch.org/whl/cu130",
                                                        "nvidia-cudnn-frontend"]),
@@ -64,8 +63,16 @@ def test_setup_plan_picks_the_torch_build(gpus, flag, want, tmp_path):
     assert r.returncode == 0, r.stderr
     for needle in want:
         assert needle in r.stdout, (needle, r.stdout)
-    if "cu1" not in want[0]:
-        assert "--index-url" not in r.stdout
+    if "build: cpu" in want[0]:
+        # the CPU wheels from PyTorch's CPU index, never PyPI's torch (the CUDA build and its nvidia wheels); torch
+        # alone from there, one try with a short timeout, so an index out of reach costs seconds
+        assert ("plan: pip install torch==2.13.0+cpu --index-url https://download.pytorch.org/whl/cpu --no-deps "
+                "--retries 1 --timeout 20\n") in r.stdout, r.stdout
+        assert "torch from https://download.pytorch.org/whl/cpu, PyTorch's CPU wheel index: PyPI's torch is the CUDA " \
+               "build" in r.stdout, r.stdout
+    else:
+        assert "plan: pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cu1" in r.stdout
+        assert "+cpu" not in r.stdout and "--no-deps --retries" not in r.stdout and "CPU wheel index" not in r.stdout
     if "fp8 attention needs" in r.stdout:
         assert "cudnn-frontend" not in r.stdout
 
