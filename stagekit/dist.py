@@ -33,10 +33,19 @@ class RankInfo:
     run_id: str = "run"
     restart_count: int = 0
     agent_store: bool = False  # torchrun's agent hosts the store; workers only connect
+    # torchrun's node (one agent, one host) of this rank, and how many ranks that node runs (`--nnodes`,
+    # `--nproc-per-node`): each node's local rank 0 takes its own host's device lease and memory budget.
+    node_rank: int = 0
+    local_world_size: int = 1
 
     @property
     def is_leader(self) -> bool:
         return self.rank == 0
+
+    @property
+    def is_node_lead(self) -> bool:
+        """The first rank of its node: it holds its host's device lease and memory budget."""
+        return self.local_rank == 0
 
 
 def rank_info_from_env(environ: dict[str, str] | None = None) -> RankInfo:
@@ -46,7 +55,9 @@ def rank_info_from_env(environ: dict[str, str] | None = None) -> RankInfo:
                     master_addr=env.get("MASTER_ADDR", "127.0.0.1"), master_port=int(env.get("MASTER_PORT", 0)),
                     run_id=env.get("TORCHELASTIC_RUN_ID", "run"),
                     restart_count=int(env.get("TORCHELASTIC_RESTART_COUNT", 0)),
-                    agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE") == "True")
+                    agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
+                    node_rank=int(env.get("GROUP_RANK", 0)),
+                    local_world_size=int(env.get("LOCAL_WORLD_SIZE", env.get("WORLD_SIZE", 1))))
 
 
 def attempt_store(info: RankInfo, timeout: datetime.timedelta) -> dist.Store:

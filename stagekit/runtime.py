@@ -28,10 +28,12 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from stagekit.dist import RankGroup
 from stagekit.errors import Cancelled, ResourceExhausted, StageError, Unavailable, restarts_group, status_for
+from stagekit.hosts import HOST_COMMAND
 from stagekit.lease import DeviceLease, RankHold
 
 if TYPE_CHECKING:
     from stagekit.budget import MemoryBudget
+    from stagekit.hosts import HostResources
 
 log = logging.getLogger("stagekit.runtime")
 
@@ -668,15 +670,23 @@ def _hard_exit() -> None:
     os._exit(70)
 
 
-def follower_loop(engine: Engine, group: RankGroup, hold: RankHold | None = None) -> None:
+def follower_loop(engine: Engine, group: RankGroup, hold: RankHold | None = None,
+                  host: "HostResources | None" = None) -> None:
     """Ranks > 0: execute whatever rank 0 broadcasts until told to exit. `hold` (exclusive mode) is this rank's
-    claim on its own device, taken before its weights load and given back after they are gone."""
+    claim on its own device, taken before its weights load and given back after they are gone. `host` (the first
+    rank of a node other than rank 0's) is its host's lease and budget, taken and given back on rank 0's host
+    commands (stagekit/hosts.py); every rank answers those, the others with None."""
     while True:
         command, payload = group.broadcast_command()
         if command == _EXIT:
             if hold is not None:
                 hold.release()
+            if host is not None:
+                host.release_all()
             return
+        if command == HOST_COMMAND:
+            group.gather_objects(host.handle(*payload) if host is not None else None)
+            continue
         # Rank 0 reports every failure to the caller (a bad file fails the same way on every rank); followers log
         # it and stay in step. A broken group (a dead peer) is torchrun's to restart.
         try:
