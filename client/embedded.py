@@ -48,8 +48,6 @@ class StackConfig:
     start_timeout_s: float = 180.0
     security: Security = field(default_factory=Security)  # how to reach stages started with --tls-cert/--token
     with_render: bool = False         # also start the render service (its job database in <run_dir>/render)
-    host: str = "127.0.0.1"           # the address every server binds and is reached at (another loopback address,
-                                      # e.g. 127.0.0.3, plays a second host in tests: docs/scale_out.md)
 
 
 def stage_command(stage: str, ranks: int, args: list[str]) -> list[str]:
@@ -74,7 +72,7 @@ class EmbeddedStack:
 
     def _args(self, stage: str) -> list[str]:
         c = self.cfg
-        args = ["--host", c.host, "--port", "0", "--port-file", str(self.run_dir / f"{stage}.port"),
+        args = ["--host", "127.0.0.1", "--port", "0", "--port-file", str(self.run_dir / f"{stage}.port"),
                 "--lease-dir", str(self.lease_dir), "--residency", c.residency]
         if c.models_dir:
             args += ["--models-dir", c.models_dir]
@@ -113,7 +111,7 @@ class EmbeddedStack:
         return self.endpoints()
 
     def render_args(self, stages: Endpoints) -> list[str]:
-        return ["--host", self.cfg.host, "--port", "0", "--port-file", str(self.run_dir / "render.port"),
+        return ["--host", "127.0.0.1", "--port", "0", "--port-file", str(self.run_dir / "render.port"),
                 "--run-dir", str(self.run_dir / "render"), "--encoder", stages.encoder, "--dit", stages.dit,
                 "--decoder", stages.decoder, *self.cfg.extra_args.get("render", [])]
 
@@ -128,13 +126,13 @@ class EmbeddedStack:
         self.procs["render"] = subprocess.Popen([sys.executable, "-m", MODULES["render"], *self.render_args(stages)],
                                                 stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         self.wait_ready("render")
-        return f"{self.cfg.host}:{self.ports['render']}"
+        return f"127.0.0.1:{self.ports['render']}"
 
     def endpoints(self) -> Endpoints:
-        stages = {s: f"{self.cfg.host}:{self.ports[s]}" for s in STAGES if s in self.ports}
+        stages = {s: f"127.0.0.1:{self.ports[s]}" for s in STAGES if s in self.ports}
         if len(stages) < len(STAGES):  # a render service over stages running elsewhere
             stages = {s: self.stage_endpoints.of(s) for s in STAGES}
-        render = f"{self.cfg.host}:{self.ports['render']}" if "render" in self.ports else ""
+        render = f"127.0.0.1:{self.ports['render']}" if "render" in self.ports else ""
         return Endpoints(**stages, render=render)
 
     def wait_ready(self, stage: str, timeout_s: float | None = None) -> int:
@@ -151,7 +149,7 @@ class EmbeddedStack:
                                       + "\n".join(tail.splitlines()[-10:]))
             if port_file.exists():
                 port = int(port_file.read_text())
-                ch = open_channel(f"{self.cfg.host}:{port}", self.cfg.security)
+                ch = open_channel(f"127.0.0.1:{port}", self.cfg.security)
                 try:
                     if health_of(ch, SERVICE_NAMES[stage]) == "SERVING":
                         self.ports[stage] = port

@@ -27,7 +27,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from stagekit.dist import RankGroup
-from stagekit.errors import Cancelled, ResourceExhausted, StageError, Unavailable, restarts_group, status_for
+from stagekit.errors import (Cancelled, DeadlineExceeded, ResourceExhausted, StageError, Unavailable, restarts_group,
+                             status_for)
 from stagekit.hosts import HOST_COMMAND
 from stagekit.lease import DeviceLease, RankHold
 
@@ -404,7 +405,10 @@ class StageRuntime:
         waited = 0.0
         try:
             if self.exclusive and self.lease is not None:
-                waited = self.lease.acquire(timeout_s=self.cfg.lease_timeout_s)
+                try:
+                    waited = self.lease.acquire(timeout_s=self.cfg.lease_timeout_s)
+                except TimeoutError as e:  # out of time waiting in line: no rank has done anything, no restart
+                    raise DeadlineExceeded(f"{self.engine.name}: {e} (--lease-timeout-s)") from None
             elif not self.exclusive and self.budget is not None:
                 waited = self.budget.reserve(self._reservation(need_bytes), timeout_s=self.cfg.lease_timeout_s)
             self.last_lease_wait = waited

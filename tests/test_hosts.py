@@ -1,21 +1,27 @@
 """Stages on two hosts, through real processes (docs/scale_out.md).
 
-Two "hosts" are two loopback addresses (A = 127.0.0.2, B = 127.0.0.3: all of 127/8 is loopback on Linux), each with
-its own run directory and lease directory, as two machines would have:
+Two "hosts" A and B, each with its own network, run directory and lease directory, as two machines would have:
+network namespaces joined by a bridge where this process may make them (root, iproute2: `Network`), else two
+loopback addresses (127.0.0.2, 127.0.0.3: all of 127/8 is loopback on Linux). Every server speaks TLS with a token,
+as off loopback it must.
 
-- a DiT tensor-parallel group spans them: one torchrun agent per host (`--nnodes 2`, c10d rendezvous on A, gloo over
-  `lo`), A's rank 0 serving gRPC; the encoder and decoder serve on B; the render service on A drives all three;
+- a DiT tensor-parallel group spans the hosts: one torchrun agent per host (`--nnodes 2`, c10d rendezvous on A, gloo
+  on each host's interface), A's rank 0 serving gRPC; the encoder and decoder serve on B; the render service on A
+  drives all three;
 - a render goes through, and its MP4 equals the one a one-host stack (the same 2-rank DiT on one host) makes; the
   two DiTs' latents for one seed are bitwise equal;
-- each host's lease is its own: B's lease is taken by B's rank (A's rank 0 never writes B's lease directory), a stage
-  waiting on B makes the DiT step aside there, and while B's device is held a DiT job waits;
-- each host's budget is its own: B's smaller --memory-budget-gb refuses a job at admission (RESOURCE_EXHAUSTED naming
-  host B) though A has none.
+- each host's lease is its own: only B's own ranks write B's lease directory, a stage waiting on B makes the DiT
+  step aside there, and while B's device is held a DiT job waits;
+- each host's budget is its own: B's smaller --memory-budget-gb refuses a job at admission (RESOURCE_EXHAUSTED
+  naming host B) though A has none;
+- two nodes of one group sharing a lease directory are refused.
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -30,125 +36,234 @@ import torch
 from client.embedded import EmbeddedStack, StackConfig
 from client.pipeline import sample
 from client.render_client import RenderClient
-from client.stubs import Endpoints, StageClients
+from client.stubs import SERVICE_NAMES, Endpoints, Security, StageClients, health_of, open_channel
 from h3.v1 import render_pb2
 from minimax_h3.contract import RenderSpec
-from stagekit.lease import read_events
+from stagekit.hosts import NodeInfo, plan_hosts
+from stagekit.lease import DeviceLease, LeaseConfig, read_events
 from stagekit.procs import stop_group
-from tests.render_svc_util import SERVER_ENV, holding_the_device, probe, tiny_request, wait_for
+from tests.render_svc_util import SERVER_ENV, holding_the_device, probe, self_signed_cert, tiny_request, token_file, \
+    wait_for
 
-A, B = "127.0.0.2", "127.0.0.3"
+log = logging.getLogger(__name__)
+
 SPEC = RenderSpec(prompt="x", width=256, height=256, frames=22, steps=2, seed=11)
 BUDGET_B_GB = 0.05  # host B's per-device budget: room for SPEC's job, not for a 1344x768x124 one
-# gloo's sockets on the loopback interface (on real hosts: the interface that reaches the other nodes)
-ENV = {**SERVER_ENV, "GLOO_SOCKET_IFNAME": "lo"}
+LEASE_TIMEOUT_S = 8  # the DiT's wait for every host's lease: past it, the job fails and nothing stays taken
+TOKEN = "two-hosts-token"
+MODULES = {"encoder": "encoder_svc", "decoder": "decoder_svc", "render": "render_svc"}
 
 
-def free_port(addr: str) -> int:
-    with socket.socket() as s:
-        s.bind((addr, 0))
-        return s.getsockname()[1]
+class Network:
+    """Hosts "a" and "b": their address, the command prefix that runs a process on them, the interface gloo uses."""
+
+    def __init__(self, kind: str, addrs: dict[str, str], namespaces: dict[str, str] | None = None, bridge: str = ""):
+        self.kind = kind
+        self.addrs = addrs
+        self.namespaces = namespaces or {}
+        self.bridge = bridge
+
+    @classmethod
+    def make(cls) -> "Network":
+        """Namespaces when they can be made here; loopback aliases otherwise (no root, no iproute2, EPERM)."""
+        if os.geteuid() == 0 and shutil.which("ip"):
+            try:
+                return cls._namespaces()
+            except subprocess.CalledProcessError as e:
+                log.warning("no network namespaces (%s); two loopback addresses play the hosts", e.stderr.strip())
+        return cls("loopback", {"a": "127.0.0.2", "b": "127.0.0.3"})
+
+    @classmethod
+    def _namespaces(cls) -> "Network":
+        """Two namespaces, each with an `eth0` on one bridge in ours (which reaches both): 10.251.N.2 and .3."""
+        tag = str(os.getpid())
+        subnet = f"10.251.{os.getpid() % 250}"
+        net = cls("netns", {"a": f"{subnet}.2", "b": f"{subnet}.3"},
+                  {h: f"h3-{tag}-{h}" for h in "ab"}, f"h3br{tag}")
+
+        def ip(*args: str) -> None:
+            subprocess.run(["ip", *args], check=True, capture_output=True, text=True, timeout=30)
+
+        try:
+            ip("link", "add", net.bridge, "type", "bridge")
+            ip("addr", "add", f"{subnet}.1/24", "dev", net.bridge)
+            ip("link", "set", net.bridge, "up")
+            for h, ns in net.namespaces.items():
+                ip("netns", "add", ns)
+                ours, theirs = f"h3v{tag}{h}", f"h3p{tag}{h}"
+                ip("link", "add", ours, "type", "veth", "peer", "name", theirs)
+                ip("link", "set", theirs, "netns", ns)
+                ip("link", "set", ours, "master", net.bridge)
+                ip("link", "set", ours, "up")
+                ip("-n", ns, "link", "set", theirs, "name", "eth0")
+                ip("-n", ns, "addr", "add", f"{net.addrs[h]}/24", "dev", "eth0")
+                ip("-n", ns, "link", "set", "eth0", "up")
+                ip("-n", ns, "link", "set", "lo", "up")
+        except BaseException:
+            net.close()
+            raise
+        return net
+
+    def prefix(self, host: str) -> list[str]:
+        return ["ip", "netns", "exec", self.namespaces[host]] if self.namespaces else []
+
+    def ifname(self, host: str) -> str:
+        return "eth0" if self.namespaces else "lo"
+
+    def free_port(self, host: str) -> int:
+        """A port free on `host`: in a namespace of ours any port is (nothing else listens there)."""
+        if self.namespaces:
+            return 29400
+        with socket.socket() as s:
+            s.bind((self.addrs[host], 0))
+            return s.getsockname()[1]
+
+    def close(self) -> None:
+        for ns in self.namespaces.values():  # the veth pairs go with their namespace
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
+        if self.bridge:
+            subprocess.run(["ip", "link", "del", self.bridge], capture_output=True, timeout=30)
 
 
-class TwoHostDiT:
-    """One DiT rank group over two hosts: a torchrun agent per host, joined by the c10d rendezvous on A. Ranks are
-    ordered by the agents' `--local-addr`, so A's worker is rank 0 and serves gRPC."""
+class Hosts:
+    """The servers on hosts a and b: each in its host's network, with its host's run and lease directory."""
 
-    def __init__(self, root: Path, cache: Path):
+    def __init__(self, net: Network, root: Path, cache: Path, security: Security, tls_args: list[str]):
+        self.net = net
         self.root = root
         self.cache = cache
+        self.security = security
+        self.tls_args = tls_args
         self.procs: dict[str, subprocess.Popen] = {}
 
-    def run_dir(self, addr: str) -> Path:
-        return self.root / addr
+    def run_dir(self, host: str) -> Path:
+        return self.root / host
 
-    def start(self) -> str:
-        rdzv = f"{A}:{free_port(A)}"
-        for addr, extra in ((A, []), (B, ["--memory-budget-gb", str(BUDGET_B_GB)])):
-            d = self.run_dir(addr)
-            (d / "tmp").mkdir(parents=True, exist_ok=True)
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
-                   "--rdzv-backend", "c10d", "--rdzv-endpoint", rdzv, "--rdzv-id", "dit-two-hosts",
-                   "--local-addr", addr, "--max-restarts", "0",
-                   "-m", "dit_svc", "--host", addr, "--port", "0", "--port-file", str(d / "dit.port"),
-                   "--lease-dir", str(d / "leases"), "--devices", "virt0", "--cache-dir", str(self.cache),
-                   "--collective-timeout-s", "30", *extra]
-            with open(d / "dit.log", "ab") as log:
-                self.procs[addr] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                                    env={**os.environ, **ENV, "TMPDIR": str(d / "tmp")})
-        port = wait_for(lambda: self._port(), 120, "the two-host DiT serving on A", self.log)
-        return f"{A}:{port}"
+    def lease_dir(self, host: str) -> Path:
+        return self.run_dir(host) / "leases"
 
-    def _port(self) -> int | None:
-        for addr, p in self.procs.items():
-            assert p.poll() is None, f"the DiT agent on {addr} exited with {p.returncode}\n{self.log()}"
-        f = self.run_dir(A) / "dit.port"
-        return int(f.read_text()) if f.exists() and f.read_text().strip() else None
+    def _start(self, host: str, name: str, argv: list[str]) -> None:
+        d = self.run_dir(host)
+        (d / "tmp" / name).mkdir(parents=True, exist_ok=True)
+        env = {**os.environ, **SERVER_ENV, "GLOO_SOCKET_IFNAME": self.net.ifname(host), "TMPDIR": str(d / "tmp" / name)}
+        with open(d / f"{name}.log", "ab") as out:
+            self.procs[f"{name}@{host}"] = subprocess.Popen([*self.net.prefix(host), *argv], stdout=out,
+                                                            stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+    def server_args(self, host: str, name: str) -> list[str]:
+        d = self.run_dir(host)
+        return ["--host", self.net.addrs[host], "--port", "0", "--port-file", str(d / f"{name}.port"), *self.tls_args]
+
+    def start_stage(self, host: str, stage: str) -> None:
+        self._start(host, stage, [sys.executable, "-m", MODULES[stage], *self.server_args(host, stage),
+                                  "--lease-dir", str(self.lease_dir(host)), "--devices", "virt0",
+                                  "--cache-dir", str(self.cache)])
+
+    def start_render(self, host: str, stages: Endpoints) -> None:
+        self._start(host, "render", [sys.executable, "-m", "render_svc", *self.server_args(host, "render"),
+                                     "--run-dir", str(self.run_dir(host) / "render"),
+                                     "--stage-tls-ca", self.security.tls_ca, "--encoder", stages.encoder,
+                                     "--dit", stages.dit, "--decoder", stages.decoder])
+
+    def start_dit(self) -> None:
+        """One DiT rank group over both hosts: a torchrun agent each, joined by the c10d rendezvous on a. torchrun
+        orders the nodes by `--local-addr`, so a's worker is rank 0 and serves gRPC."""
+        rdzv = f"{self.net.addrs['a']}:{self.net.free_port('a')}"
+        for host, extra in (("a", []), ("b", ["--memory-budget-gb", str(BUDGET_B_GB)])):
+            self._start(host, "dit", [
+                sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+                "--rdzv-backend", "c10d", "--rdzv-endpoint", rdzv, "--rdzv-id", "dit-two-hosts",
+                "--rdzv-conf", f"is_host={host == 'a'}".lower(),  # a hosts the rendezvous store, named not guessed
+                "--local-addr", self.net.addrs[host], "--max-restarts", "0",
+                "-m", "dit_svc", *self.server_args(host, "dit"), "--lease-dir", str(self.lease_dir(host)),
+                "--devices", "virt0", "--cache-dir", str(self.cache), "--collective-timeout-s", "30",
+                "--lease-timeout-s", str(LEASE_TIMEOUT_S), *extra])
+
+    def address(self, host: str, name: str, timeout_s: float = 120) -> str:
+        """`host:port` of `name` once it serves (health SERVING over TLS)."""
+        port_file = self.run_dir(host) / f"{name}.port"
+        service = SERVICE_NAMES[name]
+
+        def serving() -> str | None:
+            for key, p in self.procs.items():
+                assert p.poll() is None, f"{key} exited with {p.returncode}\n{self.log()}"
+            if not port_file.exists():
+                return None
+            target = f"{self.net.addrs[host]}:{int(port_file.read_text())}"
+            ch = open_channel(target, self.security)
+            try:
+                return target if health_of(ch, service) == "SERVING" else None
+            finally:
+                ch.close()
+
+        return wait_for(serving, timeout_s, f"{name} serving on host {host}", self.log)
 
     def log(self) -> str:
-        return "\n".join(f"--- {addr}\n" + (self.run_dir(addr) / "dit.log").read_text(errors="replace")[-3000:]
-                         for addr in self.procs)
+        return "\n".join(f"--- {path}\n" + path.read_text(errors="replace")[-2500:]
+                         for path in sorted(self.root.glob("*/*.log")))
 
     def stop(self) -> None:
-        for p in self.procs.values():
-            stop_group(p, 20.0)
+        for key in sorted(self.procs, key=lambda k: not k.startswith("render")):  # the render service first
+            stop_group(self.procs[key], 20.0)
 
 
 @pytest.fixture(scope="module")
 def hosts(tmp_path_factory, model_cache):
-    """A: DiT rank 0 (serving) and the render service; B: DiT rank 1, encoder, decoder. Plus `ref`: the same
-    2-rank DiT and a render service on one host (127.0.0.1), for the equality checks."""
+    """a: DiT rank 0 (serving) and the render service; b: DiT rank 1, encoder, decoder. Plus `ref`: the same 2-rank
+    DiT and a render service on one host (127.0.0.1 in our network), for the equality checks."""
     root = tmp_path_factory.mktemp("hosts")
-    dit = TwoHostDiT(root, model_cache)
-    stage_b = EmbeddedStack(StackConfig(host=B, run_dir=str(root / B), lease_dir=str(root / B / "leases"),
-                                        cache_dir=str(model_cache), devices="virt0", env=ENV))
-    render_a = EmbeddedStack(StackConfig(host=A, run_dir=str(root / A / "render-svc"), env=ENV))
+    net = Network.make()
+    cert, key = self_signed_cert(root, tuple(net.addrs.values()))
+    security = Security(token=TOKEN, tls_ca=str(cert))
+    tls_args = ["--tls-cert", str(cert), "--tls-key", str(key), "--token-file", str(token_file(root, TOKEN))]
+    h = Hosts(net, root, model_cache, security, tls_args)
     ref = EmbeddedStack(StackConfig(run_dir=str(root / "one-host"), cache_dir=str(model_cache), devices="virt0",
-                                    env=ENV, ranks={"dit": 2}))
-    ref_render = EmbeddedStack(StackConfig(run_dir=str(root / "one-host-render"), env=ENV))
-    started = [dit, stage_b, ref, render_a, ref_render]
+                                    env={**SERVER_ENV, "GLOO_SOCKET_IFNAME": "lo"}, ranks={"dit": 2},
+                                    security=security, extra_args={
+                                        "dit": tls_args, "render": [*tls_args, "--stage-tls-ca", str(cert)]}))
     try:
-        dit_addr = dit.start()
+        h.start_dit()
         for s in ("encoder", "decoder"):
-            stage_b.start_stage(s)
+            h.start_stage("b", s)
         ref.start_stage("dit")
-        for s in ("encoder", "decoder"):
-            stage_b.wait_ready(s)
+        two_hosts = Endpoints(encoder=h.address("b", "encoder"), dit=h.address("a", "dit"),
+                              decoder=h.address("b", "decoder"))
+        h.start_render("a", two_hosts)
         ref.wait_ready("dit")
-        enc_b, dec_b = (f"{B}:{stage_b.ports[s]}" for s in ("encoder", "decoder"))
-        two_hosts = Endpoints(encoder=enc_b, dit=dit_addr, decoder=dec_b)
-        render = render_a.start_render(two_hosts)
-        ref_stages = Endpoints(encoder=enc_b, dit=f"127.0.0.1:{ref.ports['dit']}", decoder=dec_b)
-        yield {"dit": dit, "stages": two_hosts, "render": render, "ref_stages": ref_stages,
-               "ref_render": ref_render.start_render(ref_stages), "root": root}
+        ref_stages = Endpoints(encoder=two_hosts.encoder, dit=f"127.0.0.1:{ref.ports['dit']}",
+                               decoder=two_hosts.decoder)
+        ref_render = ref.start_render(ref_stages)
+        yield {"hosts": h, "stages": two_hosts, "render": h.address("a", "render"), "ref_stages": ref_stages,
+               "ref_render": ref_render, "security": security}
     finally:
-        for s in reversed(started):
-            s.stop()
+        h.stop()
+        ref.stop()
+        net.close()
 
 
-def dit_client(addr: str) -> StageClients:
-    return StageClients(Endpoints(encoder=addr, dit=addr, decoder=addr))
+def dit_client(hosts, addr: str) -> StageClients:
+    return StageClients(Endpoints(encoder=addr, dit=addr, decoder=addr), hosts["security"])
 
 
 def test_render_across_two_hosts_equals_one_host(hosts, tmp_path):
     paths = {}
-    for name, target in (("two", hosts["render"]), ("one", hosts["ref_render"])):
-        with RenderClient(target) as c:
-            info = c.render(tiny_request("a harbour at dusk, two hosts", steps=2, seed=7), tmp_path / f"{name}.mp4")
-        assert info.state == render_pb2.JOB_SUCCEEDED
+    for name in ("render", "ref_render"):
         paths[name] = tmp_path / f"{name}.mp4"
-    assert probe(paths["two"]) == {"width": 256, "height": 256, "frames": 22, "audio": 1}
-    assert paths["two"].read_bytes() == paths["one"].read_bytes(), "the two-host render differs from the one-host one"
-    # Each host's lease directory saw its own stages only: the DiT's rank on each, the encoder and decoder on B.
-    root = hosts["root"]
-    held = {addr: {e["holder"].split("@")[0] for e in read_events(root / addr / "leases") if e["event"] == "acquire"}
-            for addr in (A, B)}
-    assert held == {A: {"dit"}, B: {"dit", "encoder", "decoder"}}, held
+        with RenderClient(hosts[name], hosts["security"]) as c:
+            info = c.render(tiny_request("a harbour at dusk, two hosts", steps=2, seed=7), paths[name])
+        assert info.state == render_pb2.JOB_SUCCEEDED
+    assert probe(paths["render"]) == {"width": 256, "height": 256, "frames": 22, "audio": 1}
+    assert paths["render"].read_bytes() == paths["ref_render"].read_bytes(), "two hosts rendered another MP4"
+    # Each host's lease directory saw its own stages only: the DiT's rank on each, the encoder and decoder on b.
+    h = hosts["hosts"]
+    held = {host: {e["holder"].split("@")[0] for e in read_events(h.lease_dir(host)) if e["event"] == "acquire"}
+            for host in "ab"}
+    assert held == {"a": {"dit"}, "b": {"dit", "encoder", "decoder"}}, held
 
 
 def test_tp_across_hosts_bitwise_equals_one_host(hosts):
     text = torch.randn(9, 64, generator=torch.Generator().manual_seed(0))
-    with dit_client(hosts["stages"].dit) as two, dit_client(hosts["ref_stages"].dit) as one:
+    with dit_client(hosts, hosts["stages"].dit) as two, dit_client(hosts, hosts["ref_stages"].dit) as one:
         v2, a2, r2 = sample(two, SPEC, text)
         v1, a1, r1 = sample(one, SPEC, text)
     assert r2.extra["ranks"] == r1.extra["ranks"] == 2
@@ -156,31 +271,51 @@ def test_tp_across_hosts_bitwise_equals_one_host(hosts):
 
 
 def test_each_host_keeps_its_own_lease(hosts):
-    """A stage waiting on B's device makes the DiT step aside on B; while B's device is held, a DiT job waits."""
+    """A holder waiting on b's device makes the DiT step aside on b; while b's device is held, a DiT job waits."""
     text = torch.randn(9, 64)
-    lease_b = hosts["root"] / B / "leases"
-    with dit_client(hosts["stages"].dit) as c:
-        sample(c, SPEC, text)  # resident: the DiT holds A's and B's leases
+    h = hosts["hosts"]
+    with dit_client(hosts, hosts["stages"].dit) as c:
+        sample(c, SPEC, text)  # resident: the DiT holds a's and b's leases
         t0 = time.monotonic()
-        with holding_the_device(lease_b):  # waits until the DiT, polled on B, gives B's device back
+        with holding_the_device(h.lease_dir("b")):  # waits until the DiT, polled on b, gives b's device back
             stepped_aside = time.monotonic() - t0
             done = threading.Event()
             th = threading.Thread(target=lambda: (sample(c, SPEC, text), done.set()))
             th.start()
-            assert not done.wait(2.0), "a DiT job ran while another holder had host B's device"
+            assert not done.wait(2.0), "a DiT job ran while another holder had host b's device"
         th.join(60)
         assert done.is_set()
     assert stepped_aside < 30
-    unloads = [e for e in read_events(hosts["root"] / A / "leases")
+    unloads = [e for e in read_events(h.lease_dir("a"))
                if e["event"] == "unload_start" and e.get("reason") == "others_waiting"]
-    assert unloads, "the DiT never stepped aside for the waiter on host B"
+    assert unloads, "the DiT never stepped aside for the waiter on host b"
+
+
+def test_a_host_busy_too_long_fails_the_job_and_keeps_nothing(hosts):
+    """b's device held past --lease-timeout-s: the job fails naming host b, and a's lease, taken first, is free."""
+    h = hosts["hosts"]
+    with dit_client(hosts, hosts["stages"].dit) as c, holding_the_device(h.lease_dir("b")):
+        t0 = time.monotonic()
+        with pytest.raises(grpc.RpcError) as e:
+            sample(c, SPEC, torch.randn(9, 64))
+        assert time.monotonic() - t0 >= LEASE_TIMEOUT_S - 1
+        assert DeviceLease(["virt0"], LeaseConfig(h.lease_dir("a"), "probe")).holder_of("virt0") == ""
+    assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert f"on host {socket.gethostname()}:{h.lease_dir('b')}" in e.value.details()
 
 
 def test_each_host_keeps_its_own_budget(hosts):
     big = RenderSpec(prompt="x", width=1344, height=768, frames=124, steps=2, seed=1)
-    with dit_client(hosts["stages"].dit) as c:
+    with dit_client(hosts, hosts["stages"].dit) as c:
         with pytest.raises(grpc.RpcError) as e:
             sample(c, big, torch.randn(9, 64))
     assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-    assert f"memory budget on host {socket.gethostname()}:" in e.value.details()
-    assert str(hosts["root"] / B / "leases") in e.value.details()
+    assert f"memory budget on host {socket.gethostname()}:{hosts['hosts'].lease_dir('b')}" in e.value.details()
+
+
+def test_nodes_sharing_a_lease_dir_are_refused():
+    key = ("box", "/run/leases")
+    plan = plan_hosts([NodeInfo(0, key, 0, ("virt0",)), None, NodeInfo(1, key, 0, ("virt0",))], False, True)
+    assert "nodes 0 and 1 use one lease directory /run/leases on host box" in plan.error
+    ok = plan_hosts([NodeInfo(0, key, 0, ("virt0",)), NodeInfo(1, ("box", "/other"), 1 << 30, ("virt0",))], False, True)
+    assert not ok.error and ok.use_budget  # one host with a finite budget: every host keeps one
