@@ -186,6 +186,12 @@ class RemoteHosts:
         return now
 
 
+    def forget(self) -> None:
+        """Our devices were given back: what the last poll said no longer holds."""
+        self._polled.clear()
+        self.remote_holders = ""
+
+
 def _remaining(t0: float, timeout_s: float | None) -> float | None:
     return None if timeout_s is None else max(0.0, timeout_s - (time.monotonic() - t0))
 
@@ -198,21 +204,12 @@ class GroupLease:
         self.remote = remote
         self.ids = local.ids
         self.events = local.events
-        self.cfg = local.cfg
         self._remote_held = False
-
-    @property
-    def held(self) -> bool:
-        return self.local.held
-
-    @property
-    def acquired_at(self) -> float | None:
-        return self.local.acquired_at
 
     def acquire(self, timeout_s: float | None = None, poll_s: float = 0.05) -> float:
         """Take every host's lease, one host at a time in key order; returns seconds waited. A host that cannot be
         taken in time gives back what was taken and raises its TimeoutError, naming the host."""
-        if self.local.held:
+        if self.local.held:  # the runtime asks only when not resident; held means every host is ours
             return 0.0
         t0 = time.monotonic()
         try:
@@ -231,13 +228,11 @@ class GroupLease:
         self.local.release()
         if self._remote_held:
             self._remote_held = False
+            self.remote.forget()
             self.remote.call("release")
 
     def others_waiting(self) -> bool:
         return self.local.others_waiting() or self.remote.waiting("lease")
-
-    def holder_of(self, dev: str) -> str:
-        return self.local.holder_of(dev)
 
     def holders(self) -> str:
         """Who holds the leases: the leader's host now, the other hosts as of their last poll (any thread)."""
@@ -302,6 +297,7 @@ class GroupBudget:
         self.local.release()
         if self._remote_held:
             self._remote_held = False
+            self.remote.forget()
             self.remote.call("release_budget")
 
     def others_waiting(self) -> bool:
