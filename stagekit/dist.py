@@ -63,13 +63,27 @@ def rank_info_from_env(environ: dict[str, str] | None = None) -> RankInfo:
 def attempt_store(info: RankInfo, timeout: datetime.timedelta) -> dist.Store:
     """The rendezvous store of this launch attempt.
 
-    Under torchrun the workers share the agent's TCPStore across restarts and init_process_group's keys do not
-    change between attempts, so a restarted group can read the dead group's gloo addresses and fail in
-    connectFullMesh. A prefix per (run id, restart count) gives every attempt fresh keys.
+    Under torchrun the workers of one node share the agent's TCPStore across restarts and init_process_group's keys
+    do not change between attempts, so a restarted group can read the dead group's gloo addresses and fail in
+    connectFullMesh. On one node a prefix per (run id, restart count) gives every attempt fresh keys. Across nodes
+    the restart counts differ (torchrun counts a failure on the node that failed, not a membership change on the
+    others), so a multi-node group runs with `TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1` (`multi_node_store_error`):
+    rank 0 then hosts a fresh store of its own for each attempt, at the port the rendezvous gave every node.
     """
     base = dist.TCPStore(info.master_addr, info.master_port, world_size=info.world_size,
                          is_master=info.is_leader and not info.agent_store, timeout=timeout)
-    return dist.PrefixStore(f"h3/{info.run_id}/attempt{info.restart_count}", base)
+    attempt = f"attempt{info.restart_count}" if info.agent_store else "own-store"
+    return dist.PrefixStore(f"h3/{info.run_id}/{attempt}", base)
+
+
+def multi_node_store_error(info: RankInfo) -> str:
+    """Why this rank cannot form its group ("" when it can): a group on several nodes over the agents' shared store
+    could not tell one attempt's keys from a dead one's after a restart."""
+    if info.world_size > info.local_world_size and info.agent_store:
+        return ("a rank group on several nodes (torchrun --nnodes) needs TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in "
+                "torchrun's environment on every node, so that each attempt of the group meets in a store of its own "
+                "(docs/scale_out.md)")
+    return ""
 
 
 class RankGroup:
@@ -81,6 +95,8 @@ class RankGroup:
         self.compute = None
         self.control = None
         if info.world_size > 1:
+            if why := multi_node_store_error(info):
+                raise SystemExit(why)
             timeout = self.collective_timeout
             dist.init_process_group(backend=backend, timeout=timeout, store=attempt_store(info, timeout),
                                     rank=info.rank, world_size=info.world_size)

@@ -527,9 +527,15 @@ class StageRuntime:
             try:
                 item = self._q.get(timeout=0.1)
             except queue.Empty:
-                reason = self._step_aside_reason()
-                if reason is not None:
-                    self._unload(reason)
+                try:
+                    reason = self._step_aside_reason()
+                    if reason is not None:
+                        self._unload(reason)
+                except Exception as e:  # noqa: BLE001 - asking another host's ranks (stagekit/hosts.py) failed
+                    if self.group.world_size == 1:
+                        raise
+                    self._group_broken(status_for(e)[1])
+                    return
                 continue
             if item == _EXIT:
                 self._drain_queue(f"{self.engine.name} shut down before the job ran")
@@ -644,10 +650,14 @@ class StageRuntime:
         job.inputs = {}
         job.deliver(outcome)
         if broken_group is not None:
-            log.error("rank group failure (%s); exiting for torchrun to restart the group", broken_group)
-            self.on_health(False)
-            self._kill_followers()
-            threading.Timer(0.5, _hard_exit).start()
+            self._group_broken(broken_group)
+
+    def _group_broken(self, why: str) -> None:
+        """The ranks' state is unknown (a dead peer, a failed collective): exit so torchrun restarts the group."""
+        log.error("rank group failure (%s); exiting for torchrun to restart the group", why)
+        self.on_health(False)
+        self._kill_followers()
+        threading.Timer(0.5, _hard_exit).start()
 
     def _kill_followers(self) -> None:
         """SIGKILL this host's follower ranks: a hung one would hold the restart for torchrun's whole stop grace

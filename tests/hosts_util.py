@@ -112,7 +112,8 @@ class Hosts:
     def _start(self, host: str, name: str, argv: list[str]) -> None:
         d = self.run_dir(host)
         (d / "tmp" / name).mkdir(parents=True, exist_ok=True)
-        env = {**os.environ, **SERVER_ENV, "GLOO_SOCKET_IFNAME": self.net.ifname(host), "TMPDIR": str(d / "tmp" / name)}
+        env = {**os.environ, **SERVER_ENV, "GLOO_SOCKET_IFNAME": self.net.ifname(host), "TMPDIR": str(d / "tmp" / name),
+               "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}  # a group across hosts: docs/scale_out.md
         with open(d / f"{name}.log", "ab") as out:
             self.procs[f"{name}@{host}"] = subprocess.Popen([*self.net.prefix(host), *argv], stdout=out,
                                                             stderr=subprocess.STDOUT, env=env, start_new_session=True)
@@ -132,9 +133,9 @@ class Hosts:
                                      "--stage-tls-ca", self.security.tls_ca, "--encoder", stages.encoder,
                                      "--dit", stages.dit, "--decoder", stages.decoder])
 
-    def start_dit(self, args: dict[str, list[str]]) -> None:
+    def start_dit(self, args: dict[str, list[str]], restarts: int = 0) -> None:
         """One DiT rank group over both hosts: a torchrun agent each, joined by the c10d rendezvous on a, with
-        `args[host]` for that host's node. torchrun orders the nodes by `--local-addr`, so a's worker is rank 0 and
+        `args[host]` for that host's node and `restarts` for torchrun's --max-restarts. torchrun orders the nodes by `--local-addr`, so a's worker is rank 0 and
         serves gRPC."""
         rdzv = f"{self.net.addrs['a']}:{self.net.free_port('a')}"
         for host in "ab":
@@ -142,7 +143,7 @@ class Hosts:
                 sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
                 "--rdzv-backend", "c10d", "--rdzv-endpoint", rdzv, "--rdzv-id", "dit-two-hosts",
                 "--rdzv-conf", f"is_host={host == 'a'}".lower(),  # a hosts the rendezvous store, named not guessed
-                "--local-addr", self.net.addrs[host], "--max-restarts", "0",
+                "--local-addr", self.net.addrs[host], "--max-restarts", str(restarts),
                 "-m", "dit_svc", *self.server_args(host, "dit"), "--lease-dir", str(self.lease_dir(host)),
                 "--devices", "virt0", "--cache-dir", str(self.cache), "--collective-timeout-s", "30", *args[host]])
 

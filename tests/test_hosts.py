@@ -14,7 +14,8 @@ as off loopback it must.
   step aside there, and while B's device is held a DiT job waits;
 - each host's budget is its own: B's smaller --memory-budget-gb refuses a job at admission (RESOURCE_EXHAUSTED
   naming host B) though A has none;
-- two nodes of one group sharing a lease directory are refused.
+- two nodes of one group sharing a lease directory are refused, and so is a multi-node group over torchrun's shared
+  store (stagekit/dist.py, `multi_node_store_error`).
 Shared residency (every host's budget reservations): tests/test_hosts_shared.py.
 """
 
@@ -34,6 +35,7 @@ from client.render_client import RenderClient
 from client.stubs import Endpoints, StageClients
 from h3.v1 import render_pb2
 from minimax_h3.contract import RenderSpec
+from stagekit.dist import RankInfo, multi_node_store_error
 from stagekit.hosts import NodeInfo, plan_hosts
 from stagekit.lease import DeviceLease, LeaseConfig, read_events
 from tests.hosts_util import make_hosts
@@ -154,3 +156,11 @@ def test_nodes_sharing_a_lease_dir_are_refused():
     assert "nodes 0 and 1 use one lease directory /run/leases on host box" in plan.error
     ok = plan_hosts([NodeInfo(0, key, 0, ("virt0",)), NodeInfo(1, ("box", "/other"), 1 << 30, ("virt0",))], False, True)
     assert not ok.error and ok.use_budget  # one host with a finite budget: every host keeps one
+
+
+def test_a_multi_node_group_needs_a_store_per_attempt():
+    one_node = RankInfo(1, 2, 1, agent_store=True, local_world_size=2)
+    assert multi_node_store_error(one_node) == ""
+    shared = RankInfo(1, 2, 0, agent_store=True, node_rank=1, local_world_size=1)
+    assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in multi_node_store_error(shared)
+    assert multi_node_store_error(RankInfo(1, 2, 0, agent_store=False, node_rank=1, local_world_size=1)) == ""
