@@ -101,7 +101,8 @@ def test_one_deployment_per_stage_with_gpus():
     for name, d in deployments.items():
         (c,) = d["spec"]["template"]["spec"]["containers"]
         gpus = int(c["resources"].get("limits", {}).get("nvidia.com/gpu", 0))
-        module, args = service_argv(c)
+        module, _ = service_argv(c)
+        assert module == f"{name}_svc", name
         ranks = int(flag(c["command"], "--nproc-per-node")) if c["command"][0] == "torchrun" else 1
         assert gpus == (0 if name == "render" else ranks), f"{name}: {gpus} GPUs for {ranks} ranks"
     assert int(deployments["dit"]["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]
@@ -137,7 +138,7 @@ def test_configmap_keys_name_real_settings():
 
 def test_probes_are_grpc_health_on_the_health_port():
     for name, _, c in containers():
-        module, args = service_argv(c)
+        _, args = service_argv(c)
         port = int(flag(args, "--health-port"))
         assert {"name": "health", "containerPort": port} in c["ports"], name
         probes = [c[k] for k in ("readinessProbe", "livenessProbe") if k in c]
