@@ -33,10 +33,19 @@ class RankInfo:
     run_id: str = "run"
     restart_count: int = 0
     agent_store: bool = False  # torchrun's agent hosts the store; workers only connect
+    # torchrun's node (one agent, one host) of this rank, and how many ranks that node runs (`--nnodes`,
+    # `--nproc-per-node`): each node's local rank 0 takes its own host's device lease and memory budget.
+    node_rank: int = 0
+    local_world_size: int = 1
 
     @property
     def is_leader(self) -> bool:
         return self.rank == 0
+
+    @property
+    def is_node_lead(self) -> bool:
+        """The first rank of its node: it holds its host's device lease and memory budget."""
+        return self.local_rank == 0
 
 
 def rank_info_from_env(environ: dict[str, str] | None = None) -> RankInfo:
@@ -46,19 +55,35 @@ def rank_info_from_env(environ: dict[str, str] | None = None) -> RankInfo:
                     master_addr=env.get("MASTER_ADDR", "127.0.0.1"), master_port=int(env.get("MASTER_PORT", 0)),
                     run_id=env.get("TORCHELASTIC_RUN_ID", "run"),
                     restart_count=int(env.get("TORCHELASTIC_RESTART_COUNT", 0)),
-                    agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE") == "True")
+                    agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
+                    node_rank=int(env.get("GROUP_RANK", 0)),
+                    local_world_size=int(env.get("LOCAL_WORLD_SIZE", env.get("WORLD_SIZE", 1))))
 
 
 def attempt_store(info: RankInfo, timeout: datetime.timedelta) -> dist.Store:
     """The rendezvous store of this launch attempt.
 
-    Under torchrun the workers share the agent's TCPStore across restarts and init_process_group's keys do not
-    change between attempts, so a restarted group can read the dead group's gloo addresses and fail in
-    connectFullMesh. A prefix per (run id, restart count) gives every attempt fresh keys.
+    Under torchrun the workers of one node share the agent's TCPStore across restarts and init_process_group's keys
+    do not change between attempts, so a restarted group can read the dead group's gloo addresses and fail in
+    connectFullMesh. On one node a prefix per (run id, restart count) gives every attempt fresh keys. Across nodes
+    the restart counts differ (torchrun counts a failure on the node that failed, not a membership change on the
+    others), so a multi-node group runs with `TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1` (`multi_node_store_error`):
+    rank 0 then hosts a fresh store of its own for each attempt, at the port the rendezvous gave every node.
     """
     base = dist.TCPStore(info.master_addr, info.master_port, world_size=info.world_size,
                          is_master=info.is_leader and not info.agent_store, timeout=timeout)
-    return dist.PrefixStore(f"h3/{info.run_id}/attempt{info.restart_count}", base)
+    attempt = f"attempt{info.restart_count}" if info.agent_store else "own-store"
+    return dist.PrefixStore(f"h3/{info.run_id}/{attempt}", base)
+
+
+def multi_node_store_error(info: RankInfo) -> str:
+    """Why this rank cannot form its group ("" when it can): a group on several nodes over the agents' shared store
+    could not tell one attempt's keys from a dead one's after a restart."""
+    if info.world_size > info.local_world_size and info.agent_store:
+        return ("a rank group on several nodes (torchrun --nnodes) needs TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in "
+                "torchrun's environment on every node, so that each attempt of the group meets in a store of its own "
+                "(docs/scale_out.md)")
+    return ""
 
 
 class RankGroup:
@@ -70,6 +95,8 @@ class RankGroup:
         self.compute = None
         self.control = None
         if info.world_size > 1:
+            if why := multi_node_store_error(info):
+                raise SystemExit(why)
             timeout = self.collective_timeout
             dist.init_process_group(backend=backend, timeout=timeout, store=attempt_store(info, timeout),
                                     rank=info.rank, world_size=info.world_size)

@@ -5,7 +5,8 @@ remaps cannot make two stages think they use different cards). The lease is an
 exclusive `flock`, which the kernel drops the instant the holder dies — no stale
 locks after `kill -9`. On CPU a virtual device name ("virt0") plays the UUID.
 
-The lease is taken by a stage's rank 0 for all the group's devices; in addition
+The lease is taken by a stage's rank 0 for all the devices of its host (a group spanning hosts: each
+other host's first rank takes that host's, on rank 0's command: stagekit/hosts.py); in addition
 every rank that holds weights on a device keeps a rank hold there
 (`RankHold`: `<dev>.rank.<pid>`, its own exclusive flock). A new holder, once
 it has the lease, waits until no rank of another process still holds its

@@ -27,11 +27,14 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from stagekit.dist import RankGroup
-from stagekit.errors import Cancelled, ResourceExhausted, StageError, Unavailable, restarts_group, status_for
+from stagekit.errors import (Cancelled, DeadlineExceeded, ResourceExhausted, StageError, Unavailable, restarts_group,
+                             status_for)
+from stagekit.hosts import HOST_COMMAND
 from stagekit.lease import DeviceLease, RankHold
 
 if TYPE_CHECKING:
     from stagekit.budget import MemoryBudget
+    from stagekit.hosts import HostResources
 
 log = logging.getLogger("stagekit.runtime")
 
@@ -402,7 +405,10 @@ class StageRuntime:
         waited = 0.0
         try:
             if self.exclusive and self.lease is not None:
-                waited = self.lease.acquire(timeout_s=self.cfg.lease_timeout_s)
+                try:
+                    waited = self.lease.acquire(timeout_s=self.cfg.lease_timeout_s)
+                except TimeoutError as e:  # out of time waiting in line: no rank has done anything, no restart
+                    raise DeadlineExceeded(f"{self.engine.name}: {e} (--lease-timeout-s)") from None
             elif not self.exclusive and self.budget is not None:
                 waited = self.budget.reserve(self._reservation(need_bytes), timeout_s=self.cfg.lease_timeout_s)
             self.last_lease_wait = waited
@@ -521,9 +527,15 @@ class StageRuntime:
             try:
                 item = self._q.get(timeout=0.1)
             except queue.Empty:
-                reason = self._step_aside_reason()
-                if reason is not None:
-                    self._unload(reason)
+                try:
+                    reason = self._step_aside_reason()
+                    if reason is not None:
+                        self._unload(reason)
+                except Exception as e:  # noqa: BLE001 - asking another host's ranks (stagekit/hosts.py) failed
+                    if self.group.world_size == 1:
+                        raise
+                    self._group_broken(status_for(e)[1])
+                    return
                 continue
             if item == _EXIT:
                 self._drain_queue(f"{self.engine.name} shut down before the job ran")
@@ -638,10 +650,14 @@ class StageRuntime:
         job.inputs = {}
         job.deliver(outcome)
         if broken_group is not None:
-            log.error("rank group failure (%s); exiting for torchrun to restart the group", broken_group)
-            self.on_health(False)
-            self._kill_followers()
-            threading.Timer(0.5, _hard_exit).start()
+            self._group_broken(broken_group)
+
+    def _group_broken(self, why: str) -> None:
+        """The ranks' state is unknown (a dead peer, a failed collective): exit so torchrun restarts the group."""
+        log.error("rank group failure (%s); exiting for torchrun to restart the group", why)
+        self.on_health(False)
+        self._kill_followers()
+        threading.Timer(0.5, _hard_exit).start()
 
     def _kill_followers(self) -> None:
         """SIGKILL this host's follower ranks: a hung one would hold the restart for torchrun's whole stop grace
@@ -668,15 +684,23 @@ def _hard_exit() -> None:
     os._exit(70)
 
 
-def follower_loop(engine: Engine, group: RankGroup, hold: RankHold | None = None) -> None:
+def follower_loop(engine: Engine, group: RankGroup, hold: RankHold | None = None,
+                  host: "HostResources | None" = None) -> None:
     """Ranks > 0: execute whatever rank 0 broadcasts until told to exit. `hold` (exclusive mode) is this rank's
-    claim on its own device, taken before its weights load and given back after they are gone."""
+    claim on its own device, taken before its weights load and given back after they are gone. `host` (the first
+    rank of a node other than rank 0's) is its host's lease and budget, taken and given back on rank 0's host
+    commands (stagekit/hosts.py); every rank answers those, the others with None."""
     while True:
         command, payload = group.broadcast_command()
         if command == _EXIT:
             if hold is not None:
                 hold.release()
+            if host is not None:
+                host.release_all()
             return
+        if command == HOST_COMMAND:
+            group.gather_objects(host.handle(*payload) if host is not None else None)
+            continue
         # Rank 0 reports every failure to the caller (a bad file fails the same way on every rank); followers log
         # it and stay in step. A broken group (a dead peer) is torchrun's to restart.
         try:

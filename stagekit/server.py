@@ -94,6 +94,10 @@ class ServeConfig:
         "help": "SIGTERM: seconds the running job may take to finish before it is cancelled (queued jobs fail at once)"})
     cancel_on_term: bool = field(default=False, metadata={"help": "SIGTERM: cancel the running job instead of finishing it"})
     port_file: str = field(default="", metadata={"help": "write the bound port here once serving (for scripts)"})
+    health_port: int = field(default=-1, metadata={
+        "help": "a second, plain-text port on --host serving gRPC health alone (grpc.health.v1: no stage calls, no "
+                "token needed), for probes that cannot speak TLS, e.g. Kubernetes' grpc probes (docs/scale_out.md); "
+                "-1 off"})
 
     def resolved_token(self) -> str:
         """The bearer token: --token-file's contents (stripped), else --token / the env variable."""
@@ -491,6 +495,22 @@ class StageServer:
             self.port = 0
         if self.port == 0:
             raise cannot_listen(addr, "--port")
+        # Health alone, in plain text, answering from now on (NOT_SERVING until the stage serves): the same
+        # HealthServicer, so both ports always agree.
+        self.health_server = None
+        if cfg.health_port >= 0:
+            self.health_server = grpc.server(futures.ThreadPoolExecutor(max_workers=PROBE_SLOTS),
+                                             options=SERVER_OPTIONS)
+            health_pb2_grpc.add_HealthServicer_to_server(self.health, self.health_server)
+            health_addr = f"{cfg.host}:{cfg.health_port}"
+            try:
+                bound = self.health_server.add_insecure_port(health_addr)
+            except RuntimeError:
+                bound = 0
+            if bound == 0:
+                self.server.stop(None)
+                raise cannot_listen(health_addr, "--health-port")
+            self.health_server.start()
         self.set_serving(False)
 
     def set_serving(self, serving: bool) -> None:
@@ -525,6 +545,8 @@ class StageServer:
         drain(self.cfg.cancel_on_term, self.cfg.drain_s)
         # Handlers of failed/cancelled jobs now hold their status; give them a moment to send it.
         self.server.stop(grace=5.0).wait()
+        if self.health_server is not None:
+            self.health_server.stop(None)
 
 
 @contextmanager

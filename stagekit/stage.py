@@ -10,7 +10,6 @@ import dataclasses
 import logging
 import os
 import signal
-import socket
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -21,6 +20,7 @@ import grpc
 from stagekit.budget import BudgetConfig, MemoryBudget, resolve_budget_bytes
 from stagekit.device_worker import DeviceWorkerEngine, WorkerConfig, die_with_parent, wanted
 from stagekit.dist import RankGroup, RankInfo, rank_info_from_env
+from stagekit.hosts import GroupBudget, GroupLease, HostResources, NodeInfo, RemoteHosts, host_key, plan_hosts
 from stagekit.bootstrap import LOG_LEVELS, Listeners, ProcessTempDir, exit_cleanly, listen, setup_logging
 from stagekit.lease import DeviceLease, LeaseConfig, RankHold
 from stagekit.runtime import RESIDENCIES, Engine, RuntimeConfig, StageRuntime, follower_loop
@@ -83,14 +83,14 @@ class CommonConfig(ServeConfig):
             return self.devices[info.local_rank % len(self.devices)]
         return self.device_for_rank(info)
 
-    def group_devices(self, info: RankInfo) -> list[str]:
-        """All devices the rank group uses (the lease covers all of them)."""
+    def node_devices(self, info: RankInfo) -> list[str]:
+        """The devices this node's ranks use (its host's lease and budget cover all of them)."""
         if self.devices:
             return list(self.devices)
         import torch
 
         if torch.cuda.is_available():
-            return [f"cuda:{i}" for i in range(info.world_size)]
+            return [f"cuda:{i}" for i in range(info.local_world_size)]
         return ["cpu"]
 
     def compute_dtype(self, device: str):
@@ -140,7 +140,7 @@ def run_stage(cfg: CommonConfig, stage: str, make_engine: Callable[[CommonConfig
             temp.remove()
         raise
     if up.listeners is None:
-        follower_loop(up.engine, up.group, up.hold)
+        follower_loop(up.engine, up.group, up.hold, up.host)
     else:
         up.listeners.run_until_terminated(up.runtime.shutdown)
     up.group.close()
@@ -156,6 +156,7 @@ class _Started:
     runtime: StageRuntime | None = None  # leader only
     listeners: Listeners | None = None
     hold: RankHold | None = None         # followers: their claim on their own device (exclusive mode)
+    host: HostResources | None = None    # other nodes' first ranks: their host's lease and budget
 
 
 def _start(cfg: CommonConfig, stage: str, info: RankInfo, make_engine, service_name: str, add_servicer):
@@ -175,38 +176,50 @@ def _start(cfg: CommonConfig, stage: str, info: RankInfo, make_engine, service_n
             raise SystemExit(f"{stage}: cannot start: --devices {device}, but torch {torch.__version__} is the CPU "
                              "build; run scripts/setup.sh --cuda (python -m client doctor shows what this machine has)")
     group = RankGroup(info, "gloo", cfg.collective_timeout_s)
-    # Rank 0 learns which ranks share its host: it kills them when the group breaks (StageRuntime.follower_pids).
-    ranks = group.gather_objects((socket.gethostname(), os.getpid()))
+    # Rank 0 learns which ranks share its node: it kills them when the group breaks (StageRuntime.follower_pids).
+    ranks = group.gather_objects((info.node_rank, os.getpid()))
     who = f"{stage}@pid{os.getpid()}"
     # 3. This rank's device hold and its engine.
     hold = None
     if cfg.residency == "exclusive":
         hold = RankHold(cfg.lease_device_for_rank(info), Path(cfg.lease_dir), f"{stage} rank {info.rank}")
     engine = make_engine(cfg, info, group)
-    if wanted(device) and getattr(engine, "device_work", True):  # an engine with no device work stays in-process
+    device_work = getattr(engine, "device_work", True)
+    if wanted(device) and device_work:  # an engine with no device work stays in-process
         engine = DeviceWorkerEngine(engine, group, WorkerConfig(
             stage, device, info.rank, info.world_size, cfg.collective_timeout_s, cfg.gpu_memory_cap_gb, cfg.log_level))
-    if not info.is_leader:
-        return _Started(group, engine, hold=hold)
-    # 4. Rank 0: lease, budget and runtime. The lease object always exists (its event log records residency in both
-    #    modes); only exclusive mode takes it. The memory budget gates admission in both modes and reservations in
-    #    shared mode.
-    lease = DeviceLease(cfg.group_devices(info), LeaseConfig(Path(cfg.lease_dir), who))
-    budget_bytes = resolve_budget_bytes(cfg.group_devices(info), cfg.memory_budget_gb, cfg.reserve_gb,
-                                        cfg.gpu_memory_cap_gb)
+    # 4. Every host's lease and budget (stagekit/hosts.py), held by the first rank of each node: rank 0 for its
+    #    own host, the other nodes' first ranks for theirs. The lease object always exists (its event log records
+    #    residency in both modes); only exclusive mode takes it. The memory budget gates admission in both modes
+    #    and reservations in shared mode; each host resolves its own from its own devices.
+    lease = node = None
+    if info.is_node_lead:
+        lease = DeviceLease(cfg.node_devices(info), LeaseConfig(Path(cfg.lease_dir), who))
+        node = NodeInfo(info.node_rank, host_key(cfg.lease_dir), resolve_budget_bytes(
+            cfg.node_devices(info), cfg.memory_budget_gb, cfg.reserve_gb, cfg.gpu_memory_cap_gb), tuple(lease.ids))
+    nodes = group.gather_objects(node)
+    plan = group.broadcast_command(plan_hosts(nodes, cfg.residency == "shared", device_work)
+                                   if info.is_leader else None)
+    if plan.error:
+        raise SystemExit(f"{stage}: cannot start: {plan.error}")
     budget = None
-    if (cfg.residency == "shared" or budget_bytes > 0) and getattr(engine, "device_work", True):
-        budget = MemoryBudget(lease.ids, BudgetConfig(Path(cfg.lease_dir), who, budget_bytes, cfg.lease_timeout_s),
-                              lease.events)
+    if node is not None and plan.use_budget:
+        budget = MemoryBudget(lease.ids, BudgetConfig(Path(cfg.lease_dir), who, node.budget_bytes,
+                                                      cfg.lease_timeout_s), lease.events)
+    if not info.is_leader:
+        return _Started(group, engine, hold=hold, host=HostResources(node.key, lease, budget) if node else None)
+    if len(plan.nodes) > 1:
+        remote = RemoteHosts(group, plan.nodes, node.key)
+        lease = GroupLease(lease, remote)
+        budget = GroupBudget(budget, remote) if budget is not None else None
     rcfg = RuntimeConfig(max_queue=cfg.max_queue, idle_unload_s=cfg.idle_unload_s, residency=cfg.residency,
                          lease_timeout_s=cfg.lease_timeout_s, max_batch_before_yield=cfg.max_batch_before_yield)
     try:
         rcfg.validate()
     except ValueError as e:
         raise SystemExit(f"{stage}: {e}") from None
-    host = socket.gethostname()
     runtime = StageRuntime(engine, group, lease, rcfg, on_health=listeners.server.set_serving, budget=budget, hold=hold,
-                           follower_pids=tuple(pid for h, pid in ranks[1:] if h == host))
+                           follower_pids=tuple(pid for n, pid in ranks[1:] if n == info.node_rank))
     if listeners.metrics is not None:
         listeners.metrics.attach(runtime)
     # 5. Serve.

@@ -115,15 +115,17 @@ def holding_the_device(lease_dir: Path, device: str = "virt0"):
         lease.release()
 
 
-def self_signed_cert(d: Path) -> tuple[Path, Path]:
-    """(cert, key) for 127.0.0.1 / localhost, made with the openssl CLI (the test is skipped without it)."""
+def self_signed_cert(d: Path, ips: tuple[str, ...] = ()) -> tuple[Path, Path]:
+    """(cert, key) for 127.0.0.1 / localhost (and `ips`), made with the openssl CLI (the test is skipped without
+    it)."""
     import pytest
 
     if shutil.which("openssl") is None:
         pytest.skip("the openssl CLI is not installed (needed to make a self-signed certificate)")
     cert, key = d / "cert.pem", d / "key.pem"
+    names = ",".join(f"IP:{ip}" for ip in ("127.0.0.1", *ips)) + ",DNS:localhost"
     subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert),
-                    "-days", "1", "-subj", "/CN=localhost", "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost"],
+                    "-days", "1", "-subj", "/CN=localhost", "-addext", f"subjectAltName={names}"],
                    check=True, capture_output=True, timeout=60)
     return cert, key
 
