@@ -144,6 +144,11 @@ class DecoderEngine:
                                                    "config.json")
         return LatentGeometry(v.latent_channels, v.spatial_ratio, a.latent_channels)
 
+    def weight_files(self) -> list[Path]:
+        """Both VAEs' files: what the stage keeps in host memory between turns when the host has room
+        (stagekit/host_copy.py)."""
+        return [*self.video_info.ckpt.files, *self.audio_info.ckpt.files]
+
     def load(self) -> None:
         """The decode path: the video VAE's decoder half and the audio VAE decoder (operators' Load, shared mode)."""
         if self.video is not None:

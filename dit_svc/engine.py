@@ -248,6 +248,11 @@ class DiTEngine:
                  self.path.name, time.monotonic() - t0)
 
     # ---- lifecycle ------------------------------------------------------------------------------------------------
+    def weight_files(self) -> list[Path]:
+        """The files the next load reads (the served partition's): what the stage keeps in host memory between
+        turns when the host has room (stagekit/host_copy.py)."""
+        return self.partitions[self.partition].files
+
     def _select_kernels(self) -> KernelSelection | None:
         """GPU: probe and pick the block-linear and attention kernels (or check the forced ones). CPU has only the
         fallbacks (dense linears in the compute dtype, PyTorch's default SDPA), so nothing is probed there."""

@@ -186,6 +186,7 @@ def _start(cfg: CommonConfig, stage: str, info: RankInfo, make_engine, service_n
     if wanted(device) and getattr(engine, "device_work", True):  # an engine with no device work stays in-process
         engine = DeviceWorkerEngine(engine, group, WorkerConfig(
             stage, device, info.rank, info.world_size, cfg.collective_timeout_s, cfg.gpu_memory_cap_gb, cfg.log_level))
+        engine.prepare()  # the first turn's worker imports while the stage starts serving
     if not info.is_leader:
         return _Started(group, engine, hold=hold)
     # 4. Rank 0: lease, budget and runtime. The lease object always exists (its event log records residency in both

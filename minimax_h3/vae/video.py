@@ -36,7 +36,8 @@ from minimax_h3.vae.tiling import (
                                    tile_splits,
                                    )
 from stagekit.checkpoints import (FLOAT, Checkpoint, CheckpointError, HeaderEntry, NameMap, TensorReader, TensorSpec,
-                                  check_latent_stats, key_report, open_checkpoint)
+                                  check_latent_stats, has_host_copy, key_report, open_checkpoint)
+from stagekit.host_copy import to_device
 
 __all__ = [
     "LATENTS_MEAN", "LATENTS_STD", "IMAGENET_MEAN", "IMAGENET_STD", "CheckpointError", "VideoVAEConfig", "VideoVAE",
@@ -795,7 +796,10 @@ def load_video_vae(path: str, cfg: VideoVAEConfig | None = None, dtype: torch.dt
     cfg = info.cfg
     expected = _expected(cfg, parts)
     entries = _our_entries(info)
-    reader = TensorReader(info.ckpt.tensors)
+    # A file the stage process keeps in host memory: views of its copy, moved through pinned staging buffers and cast
+    # on the device (stagekit/host_copy.py), the same bits as casting first.
+    staged = all(has_host_copy(f) for f in info.ckpt.files)
+    reader = TensorReader(info.ckpt.tensors, views=staged)
 
     def read(k: str) -> torch.Tensor:
         e = entries[k]
@@ -810,7 +814,8 @@ def load_video_vae(path: str, cfg: VideoVAEConfig | None = None, dtype: torch.dt
 
     with torch.device("meta"):
         model = VideoVAE(cfg, parts)
-    state = {k: read(k).to(device=device, dtype=torch.float32 if _FP32_PARAM.search(k) else dtype) for k in expected}
+    move = to_device if staged else lambda t, dev, dt: t.to(device=dev, dtype=dt)
+    state = {k: move(read(k), device, torch.float32 if _FP32_PARAM.search(k) else dtype) for k in expected}
     model.load_state_dict(state, strict=True, assign=True)
     if info.latents_mean is not None:  # the file's or config.json's, checked by inspect_video_vae
         model.latents_mean = info.latents_mean
