@@ -248,6 +248,15 @@ class DiTEngine:
                  self.path.name, time.monotonic() - t0)
 
     # ---- lifecycle ------------------------------------------------------------------------------------------------
+    @staticmethod
+    def prepare_process() -> None:
+        """Run by a device worker on standby (stagekit/device_worker.py): the int8 kernel library's import (seconds:
+        it loads its CUDA and Triton backends), which the first load would pay otherwise. It touches no device."""
+        try:
+            import comfy_kitchen  # noqa: F401
+        except ImportError:  # the load then uses what the kernel registry chose without it
+            pass
+
     def weight_files(self) -> list[Path]:
         """The files the next load reads (the served partition's): what the stage keeps in host memory between
         turns when the host has room (stagekit/host_copy.py)."""

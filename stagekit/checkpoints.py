@@ -411,8 +411,8 @@ class _MappedCopy:
         fd = os.open(source, os.O_RDONLY)
         try:
             size = os.fstat(fd).st_size
-            self.map = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
-                                 prot=mmap.PROT_READ)
+            # Not populated up front: the loader's threads fault the pages in as they copy, in parallel.
+            self.map = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
         finally:
             os.close(fd)
         (n,) = struct.unpack("<Q", self.map[:HEADER_LEN_BYTES])

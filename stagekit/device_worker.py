@@ -253,6 +253,14 @@ def _worker_main(conn, engine_cls: type, engine_cfg: Any, wcfg: WorkerConfig) ->
     from stagekit.dist import RankGroup, RankInfo
     from stagekit.runtime import load_engine
 
+    # The engine's own heavy imports (e.g. GPU kernel libraries it would import at its first load), still on
+    # standby: they touch no device.
+    prepare = getattr(engine_cls, "prepare_process", None)
+    if prepare is not None:
+        try:
+            prepare()
+        except Exception as e:  # noqa: BLE001 - the load imports it again and reports a real failure
+            log.warning("%s device worker: preparing the process failed (%r); the load does it", wcfg.stage, e)
     conn.send(("standby", None))
     try:
         msg = conn.recv()
