@@ -384,13 +384,11 @@ class DeviceWorkerEngine:
         """Stop the standby worker and free the host copies (the stage process is ending)."""
         self._closed = True
         standby, self._standby = self._standby, None
-        if standby is not None:
+        if standby is not None:  # it holds no device state and nothing of ours: it can just go
             proc, conn, _ = standby
-            conn.close()  # the standby's recv() ends: it exits
-            proc.join(timeout=5)
-            if proc.is_alive():
-                proc.kill()
-                proc.join()
+            conn.close()
+            proc.kill()
+            proc.join()
         if self.host_copies is not None:
             self.host_copies.release()
 

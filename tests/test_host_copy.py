@@ -16,6 +16,7 @@ from minimax_h3.dit.checkpoint import load_dit_weights
 from minimax_h3.dit.config import DiTConfig
 from minimax_h3.dit.tiny_checkpoint import write_tiny_checkpoint
 from minimax_h3.kernels.int8 import QuantizedWeight
+from minimax_h3.vae.video import load_video_vae, write_tiny_video_vae
 from stagekit import host_copy
 from stagekit.checkpoints import TensorReader, open_checkpoint, use_host_copies
 from stagekit.device_worker import WORKER_ENV
@@ -145,3 +146,20 @@ def test_stage_with_copy_gives_the_same_bits_and_nothing_outlives_it(tmp_path, m
         kept.stop()
         short.stop()
     wait_until(lambda: not any(alive(p) for p in others), what="a stopped stage's processes (standby included) to go")
+
+
+def test_video_vae_from_the_copy_is_bitwise_the_files(tmp_path, monkeypatch, no_copies):
+    """The video VAE loader's staged path (threads, views of the copy, cast after the move) against the file's."""
+    path = str(tmp_path / "vae.safetensors")
+    write_tiny_video_vae(path)
+    disk = load_video_vae(path, dtype=torch.float16, parts="decoder").state_dict()
+    monkeypatch.setenv(MEM_AVAILABLE_ENV, ROOMY)
+    copies = HostCopies("test")
+    use_host_copies(copies.ensure([path]))
+    try:
+        staged = load_video_vae(path, dtype=torch.float16, parts="decoder").state_dict()
+    finally:
+        use_host_copies({})
+        copies.release()
+    assert staged.keys() == disk.keys()
+    assert all(staged[k].dtype == v.dtype and torch.equal(staged[k], v) for k, v in disk.items())

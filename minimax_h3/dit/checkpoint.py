@@ -25,6 +25,7 @@ import logging
 import math
 import re
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -682,12 +683,14 @@ def load_dit_weights(
     """
     if quant_mode not in ("kernel", "dequant"):
         raise ValueError(f"quant_mode must be 'kernel' or 'dequant', got {quant_mode!r}")
+    t0 = time.monotonic()
     info = inspect_checkpoint(path, base=cfg, qkv_layout=qkv_layout)
     cfg = cfg or info.config
     _check_tp(cfg, tp_rank, tp_size)
     reader = TensorReader(info.entries)
     validate(info, cfg, reader)
     reader.close()
+    t1 = time.monotonic()
     out = DiTWeights(info.variant, cfg)
     local = threading.local()  # one TensorReader (safetensors handles) per worker thread
     finite = FiniteCheck()  # every float tensor as loaded, on `device`: one host sync for the whole load
@@ -730,7 +733,10 @@ def load_dit_weights(
                 finite.add(*_where(info, key[: -len("weight")] + "weight_scale"), value.scale)
             else:
                 finite.add(*_where(info, key), value)
+    t2 = time.monotonic()
     finite.raise_if_bad()
+    log.info("%s: checked %.2f s, read%s %.2f s, finite check %.2f s", Path(path).name, t1 - t0,
+             " from the host copy" if staged else "", t2 - t1, time.monotonic() - t2)
     return out
 
 

@@ -17,6 +17,7 @@ import contextlib
 import json
 import math
 import re
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, replace
 
 import torch
@@ -67,6 +68,8 @@ LATENTS_STD = (
 
 # Key of the safetensors `__metadata__` entry where `write_tiny_video_vae` stores the config (not in shipped files).
 CONFIG_METADATA_KEY = "h3_video_vae_config"
+# Threads moving the tensors of a host copy to the device (stagekit/host_copy.py).
+STAGED_WORKERS = 8
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -814,8 +817,15 @@ def load_video_vae(path: str, cfg: VideoVAEConfig | None = None, dtype: torch.dt
 
     with torch.device("meta"):
         model = VideoVAE(cfg, parts)
-    move = to_device if staged else lambda t, dev, dt: t.to(device=dev, dtype=dt)
-    state = {k: move(read(k), device, torch.float32 if _FP32_PARAM.search(k) else dtype) for k in expected}
+    def load(k: str) -> torch.Tensor:
+        dt = torch.float32 if _FP32_PARAM.search(k) else dtype
+        return to_device(read(k), device, dt) if staged else read(k).to(device=device, dtype=dt)
+
+    if staged:  # views of the host copy: the reads and copies of different tensors overlap on several threads
+        with ThreadPoolExecutor(STAGED_WORKERS, thread_name_prefix="vae-load") as pool:
+            state = dict(zip(expected, pool.map(load, expected)))
+    else:
+        state = {k: load(k) for k in expected}
     model.load_state_dict(state, strict=True, assign=True)
     if info.latents_mean is not None:  # the file's or config.json's, checked by inspect_video_vae
         model.latents_mean = info.latents_mean
