@@ -263,7 +263,7 @@ def grow_host_memory(target_gib: float) -> dict:
 
 
 def swap_verdicts(items: dict) -> dict:
-    """The swaps part against its bar: the DiT's loads from the host copy (2nd and later renders of the copies stack)
+    """The swaps part against its goals: the DiT's loads from the host copy (2nd and later renders of the copies stack)
     >= 10 GB/s of weights over load_s less the worker's start-up, that start-up <= 3 s, the render's swap share
     <= 0.25, every MP4 byte-identical to the files stack's; and what the same bytes take on PCIe 3.0 x16."""
     v: dict = {}

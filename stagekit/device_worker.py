@@ -1,25 +1,29 @@
-"""The GPU work of a stage, in a child process that exists only while the stage holds its weights.
+"""The GPU work of a stage, in a child process that touches the device only while the stage holds its weights.
 
 A CUDA context costs 0.5-0.7 GiB of the card for as long as its process lives, weights or not. A stage process
 that never initialises CUDA holds nothing on the card while idle: its device work (engine construction on the
 device, load, every job, unload) runs in a *device worker*, a `spawn`ed child started by `load` and joined by
 `unload`, so the context and every byte the engine allocated go back to the card with it (docs/residency.md,
-"What an idle stage holds").
+"What an idle stage holds"). The next turn's worker is spawned ahead, on standby: it imports everything (the
+engine's `prepare_process()` included) and waits, touching no device, until `load` sends it "start".
 
     stage process (rank r)                      device worker (rank r), one per residency
     ----------------------                      ----------------------------------------
-    header checks, estimates, Status            engine = type(engine)(engine.cfg, worker group)
-    load()   -> spawn, ("load", spec)  ------>  engine.load() / load_for(spec)       -> ("ok", bytes)
+    prepare() -> spawn (standby)       ------>  imports, engine_cls.prepare_process()  -> ("standby",)
+    load()   -> ("start", rendezvous)  ------>  device, engine = type(engine)(engine.cfg, worker group)
+             -> ("load", spec, copies) ------>  use_host_copies(copies); engine.load() / load_for(spec)
+                                                                                    -> ("ok", bytes)
     run()    -> ("run", spec, inputs)  ------>  engine.run(spec, inputs, ctx)
                 answers ctx calls      <------  ("progress"| "should_stop" | "check_cancel"...)
                                        <------  ("done", outputs, bytes) | ("error", exc)
-    unload() -> ("exit"), join (kill after `join_timeout_s`)
+    unload() -> ("exit"), join (kill after `join_timeout_s`), prepare() the next turn's worker
 
 - After each job the worker hands what Status shows of it (the engine's optional `worker_state()`) to the stage
   process's engine (`set_worker_state(state)`): the DiT's block placement.
 - Messages cross the pipe by value (`Channel`: plain pickle, tensors copied), so a killed process leaves nothing
   shared behind. A job's inputs and outputs are latents, states and the MP4: tens to hundreds of MB, copied at
-  pipe speed.
+  pipe speed. The weights are the exception: a one-rank stage keeps its checkpoint files in memfds it owns, which
+  its worker maps read-only (stagekit/host_copy.py); the kernel frees them with the stage process.
 - Cancellation stays agreed across ranks: a worker's `ctx.should_stop()` is answered by its stage process, which
   runs the rank group's agreement as before (every rank's worker asks at the same step boundaries).
 - Multi-rank stages: the workers form their own process group (NCCL on GPUs, gloo on CPU) at each load, on a
