@@ -286,10 +286,9 @@ def swap_verdicts(items: dict) -> dict:
                                                                                           + start, 2)}
     shares = {k: r.get("timing", {}).get("swap_share") for k, r in renders.items()}
     v["swap_share"] = shares
-    v["swap_share_le_0.25_copies"] = {"values": [shares[k] for k in shares if k.startswith("copies") and k != "copies1"],
-                                      "ok": all(shares[k] is not None and shares[k] <= 0.25 for k in shares
-                                                if k.startswith("copies") and k != "copies1")
-                                      and any(k.startswith("copies") and k != "copies1" for k in shares)}
+    later_shares = [shares[k] for k in shares if k.startswith("copies") and k != "copies1"]
+    v["swap_share_le_0.25_copies"] = {"values": later_shares, "ok": bool(later_shares) and all(
+        s is not None and s <= 0.25 for s in later_shares)}
     return v
 
 

@@ -1,7 +1,7 @@
 """Checkpoint files kept in host memory between a stage's turns on the device (docs/residency.md, "Host copies").
 
-A stage's device work runs in a worker that exists only while the stage holds the device (stagekit/device_worker.py),
-so without help every turn reads the checkpoint files again and copies each tensor to the device through pageable
+A stage's device work runs in a worker that lives for one turn on the device (stagekit/device_worker.py), so
+without help every turn reads the checkpoint files again and copies each tensor to the device through pageable
 memory. Instead the stage process, which lives across turns and never holds a CUDA context, reads each file once
 into a memfd (anonymous shared memory: no name under /dev/shm, freed by the kernel when its last descriptor closes,
 so a killed stage leaves nothing behind). At each load its worker maps the copy read-only through
