@@ -17,6 +17,10 @@ Parts:
            the 832x480x124 render again with the same seed (same final latents, same MP4 bytes).
   long     960x544x362 (the 15 s clip), 20 steps, --upscale 1920x1080: 1920x1080, 24 fps, 362 frames, AAC 32 kHz
            stereo, audio and video durations equal.
+  swaps    the stage swaps of a render queue, two stacks in one run: stages that read their files each turn (the
+           host "short of memory", MemAvailable injected) render 832x480x124 twice, then stages that keep their files
+           in host memory (stagekit/host_copy.py) render it three times. Per load: bytes, load_s, the worker's
+           start-up; per render: the swap share; every MP4 byte-identical; the host->device rates behind them.
   dit      the DiT engine alone (built by dit_svc.engine, the service's own assembly), one process: s/step with every
            block resident (no cap) vs with the one-card placement (22 GiB cap) at 960x544x362 and 960x544x73,
            bitwise-equal final latents, peak memory, bytes streamed per step and the host->device rate; then one TP2
@@ -34,6 +38,7 @@ import hashlib
 import json
 import os
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -57,8 +62,15 @@ RENDERS = {
 # Rough seconds on one H200 held to 22 GiB, Turing numerics (int8 + cuDNN fp16 attention: 1.2 s/step at 960x544x73,
 # 12 s/step at 960x544x362 resident), swaps and decode included.
 EST_RENDER = {"a": 75, "c832": 45, "c1344": 90, "b": 380, "parity": 45}
-EST = {"weights": 150, "stack": 45, "dit": 240}
-ITEMS = ("weights", "dit", "stack:int8", *(f"render:{key}" for key in RENDERS), "parity")  # --only / --skip names
+EST = {"weights": 150, "stack": 45, "dit": 240, "h2d": 20}
+# The swaps part: (stack mode, renders of 832x480x124 in it). "files": MemAvailable injected below the reserve.
+SWAP_MODES = (("files", 2), ("copies", 3))
+SWAP_RENDERS = tuple(f"render:{mode}{i}" for mode, n in SWAP_MODES for i in range(1, n + 1))
+ITEMS = ("weights", "dit", "stack:int8", *(f"render:{key}" for key in RENDERS), "parity",
+         *(f"stack:{mode}" for mode, _ in SWAP_MODES), *SWAP_RENDERS, "h2d")  # --only / --skip names
+# PCIe 3.0 x16 (a 2080 Ti): 15.75 GB/s raw; ~12.5 GB/s is what pinned host->device copies reach in practice.
+PCIE3_GBPS = 12.5
+GROW_TO_GIB = 48
 TINY_STEPS = 2
 
 
@@ -70,6 +82,7 @@ class OneCard(two.Bench):
     def __init__(self, args):
         super().__init__(args)
         self.devices = "virt0" if self.tiny else "cuda:0"
+        self.swap_mode = ""  # the swaps part: "files" or "copies", for the stack being started
         self.ranks = 1
         self.results["devices"] = self.devices
         self.results.pop("steps", None)
@@ -120,7 +133,59 @@ class OneCard(two.Bench):
             raise RuntimeError(f"DiT engine bench failed (rc {rc}): {err}")
         return json.loads(out.strip().splitlines()[-1])
 
+    def env(self, profile: str | None = None) -> dict:
+        env = super().env(profile)
+        if self.swap_mode == "files":  # a host too short of memory to keep a copy: today's path
+            from stagekit.host_copy import MEM_AVAILABLE_ENV
+
+            env[MEM_AVAILABLE_ENV] = "0"
+        return env
+
+    def swap_render(self, mode: str, i: int) -> dict:
+        """832x480x124, 8 steps, seed 1 (the prompt cached after the first): the render and every load in it."""
+        t0 = time.time()
+        r = self.render("c832", repeat=f"-{mode}{i}")
+        t1 = time.time()
+        loads = []
+        for ev in self.events():
+            if ev.get("event") == "loaded" and t0 <= ev["t"] <= t1:
+                start = ev.get("worker_start_s", 0.0)
+                bytes_ = ev.get("bytes", 0)
+                loads.append({"stage": ev.get("stage"), "bytes": bytes_, "load_s": round(ev["load_s"], 3),
+                              "worker_start_s": round(start, 3), "worker_start": ev.get("worker_start"),
+                              "host_copy_gib": round(ev.get("host_copy_bytes", 0) / GIB, 2),
+                              "weights_gbps": round(bytes_ / max(1e-6, ev["load_s"] - start) / 1e9, 2)})
+        r["loads"] = loads
+        r["host"] = host_meminfo()
+        return r
+
+    def run_swaps(self) -> None:
+        if not self.tiny:  # GPU rates, while the card is free
+            self.item("h2d", EST["h2d"], self.run_h2d, needs_stack=False)
+        for mode, n in SWAP_MODES:
+            self.swap_mode = mode
+            if mode == "copies" and not self.tiny:
+                self.results["host_before_copies"] = grow_host_memory(GROW_TO_GIB)
+            self.item(f"stack:{mode}", EST["stack"], lambda mode=mode: self.do_stack("int8"), needs_stack=False)
+            for i in range(1, n + 1):
+                self.item(f"render:{mode}{i}", EST_RENDER["c832"] + (20 if i == 1 else 0),
+                          lambda mode=mode, i=i: self.swap_render(mode, i))
+        self.do_down()
+
+    def run_h2d(self) -> dict:
+        self.sampler.phase = "free:h2d"
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--h2d"]
+        rc, out, err = self.run_cmd(cmd, timeout_s=max(30.0, self.left_s()), name="h2d", env=self.env("int8"))
+        if rc != 0:
+            raise RuntimeError(f"host->device rates failed (rc {rc}): {err}")
+        return json.loads(out.strip().splitlines()[-1])
+
     def run_part(self) -> None:
+        if self.part == "swaps":
+            need_weights = any(not (self.models / two.FILES[n]).exists() for n in two.FILES)
+            self.item("weights", EST["weights"] if need_weights else 5, self.do_weights, needs_stack=False)
+            self.run_swaps()
+            return
         if self.part == "dit":
             self.weight_files = {"dit"}
         need_weights = any(not (self.models / two.FILES[n]).exists() for n in (self.weight_files or two.FILES))
@@ -155,6 +220,8 @@ class OneCard(two.Bench):
         if "parity" in items and "error" not in items["parity"]:
             p = items["parity"]
             v["seed_parity"] = {"mp4_identical": p["mp4_identical"], "latents_identical": p["latents_identical"]}
+        if self.part == "swaps":
+            v.update(swap_verdicts(items))
         d = items.get("dit")
         if d and "error" not in d:
             v["streaming_step_le_1.10x_resident"] = {k: r.get("streamed_over_resident") for k, r in
@@ -171,6 +238,132 @@ class OneCard(two.Bench):
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps(self.results, indent=1, default=str, ensure_ascii=False))
         tmp.replace(path)
+
+
+def host_meminfo() -> dict:
+    """The host's MemAvailable and shared memory (the stages' host copies live there), GiB."""
+    out = {}
+    with open("/proc/meminfo") as fh:
+        for line in fh:
+            k, v = line.split(":", 1)
+            if k in ("MemAvailable", "Shmem", "MemTotal"):
+                out[k] = round(int(v.split()[0]) * 1024 / GIB, 2)
+    return out
+
+
+def grow_host_memory(target_gib: float) -> dict:
+    """A VM whose memory starts small and grows as it is used (the GPU hosts here: MemTotal reads ~31 GiB at boot
+    of a 128 GiB machine) under-reports MemAvailable until something has used the memory: touch up to `target_gib`
+    in a child (freed when it exits) so the stages decide from what the machine has. Returns meminfo before/after."""
+    before = host_meminfo()
+    if before.get("MemAvailable", 0) < target_gib:
+        code = ("import numpy as np\nblocks=[]\n"
+                f"for _ in range({int(target_gib)}):\n    blocks.append(np.ones(1 << 30, np.uint8))\n")
+        subprocess.run([sys.executable, "-c", code], check=False, timeout=240)
+    return {"before": before, "after": host_meminfo(), "target_gib": target_gib}
+
+
+def swap_verdicts(items: dict) -> dict:
+    """The swaps part against its goals: the DiT's loads from the host copy (2nd and later renders of the copies stack)
+    >= 10 GB/s of weights over load_s less the worker's start-up, that start-up <= 3 s, the render's swap share
+    <= 0.25, every MP4 byte-identical to the files stack's; and what the same bytes take on PCIe 3.0 x16."""
+    v: dict = {}
+    renders = {k.split(":")[1]: r for k, r in items.items() if k in SWAP_RENDERS and "error" not in r}
+    shas = {k: r.get("mp4_sha256") for k, r in renders.items()}
+    v["mp4_identical_files_vs_copies"] = {"sha256": shas, "ok": len(shas) == len(SWAP_RENDERS)
+                                          and len(set(shas.values())) == 1 and None not in shas.values()}
+    later = [r for k, r in renders.items() if k.startswith("copies") and k != "copies1"]
+    dit = [ld for r in later for ld in r.get("loads", []) if ld["stage"] == "dit"]
+    if dit:
+        v["dit_later_loads_ge_10gbps"] = {"gbps": [ld["weights_gbps"] for ld in dit],
+                                          "ok": min(ld["weights_gbps"] for ld in dit) >= 10}
+        v["dit_turn_startup_le_3s"] = {"s": [ld["worker_start_s"] for ld in dit],
+                                       "ok": max(ld["worker_start_s"] for ld in dit) <= 3}
+        b = statistics.median(ld["bytes"] for ld in dit)
+        start = statistics.median(ld["worker_start_s"] for ld in dit)
+        v["pcie3_x16_prediction"] = {
+            "assumption_gbps": PCIE3_GBPS, "dit_weights_gib": round(b / GIB, 2),
+            "dit_copy_s": round(b / PCIE3_GBPS / 1e9, 2), "dit_load_s_with_startup": round(b / PCIE3_GBPS / 1e9
+                                                                                          + start, 2)}
+    shares = {k: r.get("timing", {}).get("swap_share") for k, r in renders.items()}
+    v["swap_share"] = shares
+    later_shares = [shares[k] for k in shares if k.startswith("copies") and k != "copies1"]
+    v["swap_share_le_0.25_copies"] = {"values": later_shares, "ok": bool(later_shares) and all(
+        s is not None and s <= 0.25 for s in later_shares)}
+    return v
+
+
+def own_card_gib() -> float | None:
+    """GPU memory NVML attributes to this process (0 without a CUDA context); None without NVML."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        h = pynvml.nvmlDeviceGetHandleByIndex(0)
+        procs = pynvml.nvmlDeviceGetComputeRunningProcesses(h)
+        return round(sum(p.usedGpuMemory or 0 for p in procs if p.pid == os.getpid()) / GIB, 3)
+    except Exception:  # noqa: BLE001 - a reading, not a requirement
+        return None
+
+
+def h2d_rates() -> dict:
+    """Host->device rates on this machine, 2 GiB each: pageable memory, pinned memory, a memfd mapping moved by
+    `to_device` (pinned staging, 8 threads as the DiT loader runs it), and cudaHostRegister of that mapping (its
+    cost, then the copy)."""
+    import mmap
+    from concurrent.futures import ThreadPoolExecutor
+
+    import torch
+
+    from dit_svc.engine import DiTEngine
+    from stagekit.host_copy import to_device
+
+    out: dict = {}
+    # What a DiT worker on standby does (its kernel library's import) must leave it without a context on the card.
+    t0 = time.perf_counter()
+    DiTEngine.prepare_process()
+    out["standby_import_s"] = round(time.perf_counter() - t0, 2)
+    out["standby_card_gib"] = own_card_gib()
+    dev = torch.device("cuda:0")
+    n = 2 * GIB
+    out["bytes"] = n
+
+    def rate(fn) -> float:
+        fn()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        return round(n / (time.perf_counter() - t0) / 1e9, 2)
+
+    dst = torch.empty(n, dtype=torch.uint8, device=dev)
+    pageable = torch.ones(n, dtype=torch.uint8)
+    out["pageable_gbps"] = rate(lambda: dst.copy_(pageable))
+    del pageable
+    pinned = torch.ones(n, dtype=torch.uint8, pin_memory=True)
+    out["pinned_gbps"] = rate(lambda: dst.copy_(pinned, non_blocking=True))
+    del pinned
+    fd = os.memfd_create("h3-h2d")
+    os.ftruncate(fd, n)
+    mm = mmap.mmap(fd, n)
+    view = torch.frombuffer(mm, dtype=torch.uint8)
+    view.fill_(1)
+    parts = view.chunk(64)
+    with ThreadPoolExecutor(8) as pool:
+        out["memfd_staged_8_threads_gbps"] = rate(lambda: list(pool.map(lambda p: to_device(p, dev), parts)))
+    cudart = torch.cuda.cudart()
+    t0 = time.perf_counter()
+    err = cudart.cudaHostRegister(view.data_ptr(), n, 0)
+    out["host_register_s_per_gib"] = round((time.perf_counter() - t0) / (n / GIB), 3)
+    out["host_register_error"] = int(err)
+    if int(err) == 0:
+        out["memfd_registered_gbps"] = rate(lambda: dst.copy_(view, non_blocking=True))
+        cudart.cudaHostUnregister(view.data_ptr())
+    del view, parts
+    mm.close()
+    os.close(fd)
+    out["device"] = torch.cuda.get_device_name(dev)
+    return out
 
 
 def check_mp4(path: Path, frames: int, width: int, height: int) -> dict:
@@ -359,7 +552,7 @@ def tp2_rank_memory(dev, room_gib: float = 19.5) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--part", default="renders", choices=("renders", "long", "dit"))
+    ap.add_argument("--part", default="renders", choices=("renders", "long", "dit", "swaps"))
     ap.add_argument("--models-dir", default="/tmp/h3models")
     ap.add_argument("--out", default="out/one_card")
     ap.add_argument("--work-dir", default="", help="run dirs, MP4s, logs (default /tmp/h3bench[-tiny])")
@@ -373,7 +566,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", default="", type=comma_choices(ITEMS), help="comma-separated items to run")
     ap.add_argument("--skip", default="", type=comma_choices(ITEMS), help="comma-separated items to skip")
     ap.add_argument("--dit-engine", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--h2d", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.h2d:
+        print(json.dumps(h2d_rates()), flush=True)
+        return 0
     if args.dit_engine:
         print(json.dumps(dit_engine_bench(Path(args.models_dir), args.cap_gb, args.tiny)), flush=True)
         return 0

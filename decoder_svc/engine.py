@@ -144,16 +144,25 @@ class DecoderEngine:
                                                    "config.json")
         return LatentGeometry(v.latent_channels, v.spatial_ratio, a.latent_channels)
 
+    def weight_files(self) -> list[Path]:
+        """Both VAEs' files: what the stage keeps in host memory between turns when the host has room
+        (stagekit/host_copy.py)."""
+        return [*self.video_info.ckpt.files, *self.audio_info.ckpt.files]
+
     def load(self) -> None:
         """The decode path: the video VAE's decoder half and the audio VAE decoder (operators' Load, shared mode)."""
         if self.video is not None:
             return
         dev = self.cfg.device
+        t0 = time.monotonic()
         # Validated again (a file replaced since start-up fails with a CheckpointError: FAILED_PRECONDITION), against
         # the configs the stage started with.
         self.video = load_video_vae(str(self.video_path), self.video_info.cfg, self.cfg.weight_dtype, device=dev,
                                     parts="decoder")
+        t1 = time.monotonic()
         self.audio = load_audio_vae(self.audio_path, self.audio_info.cfg, device=dev, with_encoder=False)  # fp32
+        log.info("loaded the VAE decoders in %.2f s (video %.2f s, audio %.2f s)", time.monotonic() - t0, t1 - t0,
+                 time.monotonic() - t1)
 
     def load_for(self, job: dict) -> None:
         """Exclusive residency loads what the job needs: a keyframe encode only the video VAE's encoder half (rank 0),

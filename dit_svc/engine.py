@@ -248,6 +248,20 @@ class DiTEngine:
                  self.path.name, time.monotonic() - t0)
 
     # ---- lifecycle ------------------------------------------------------------------------------------------------
+    @staticmethod
+    def prepare_process() -> None:
+        """Run by a device worker on standby (stagekit/device_worker.py): the int8 kernel library's import (seconds:
+        it loads its CUDA and Triton backends), which the first load would pay otherwise. It touches no device."""
+        try:
+            import comfy_kitchen  # noqa: F401
+        except ImportError:  # the load then uses what the kernel registry chose without it
+            pass
+
+    def weight_files(self) -> list[Path]:
+        """The files the next load reads (the served partition's): what the stage keeps in host memory between
+        turns when the host has room (stagekit/host_copy.py)."""
+        return self.partitions[self.partition].files
+
     def _select_kernels(self) -> KernelSelection | None:
         """GPU: probe and pick the block-linear and attention kernels (or check the forced ones). CPU has only the
         fallbacks (dense linears in the compute dtype, PyTorch's default SDPA), so nothing is probed there."""
@@ -294,6 +308,7 @@ class DiTEngine:
         weights = load_dit_weights(self.path, self.model_cfg, par.tp_rank, par.tp_size,
                                    quant_mode=quant_mode, dtype=cfg.compute_dtype, qkv_layout=cfg.qkv_layout or None,
                                    device=dev, workers=LOAD_WORKERS if dev.startswith("cuda") else 1)
+        t1 = time.monotonic()
         make_linear = kernel_linears(self.model_cfg, self.kernels, quant_mode, cfg.compute_dtype)
         model = assemble_dit(self.model_cfg, weights, make_linear, dev, cfg.compute_dtype, self.chunk_rows,
                              tp_group=par.tp_group, sp_group=par.sp_group,
@@ -304,9 +319,11 @@ class DiTEngine:
         model.block_stream = self.stream
         self.loras = LoRAManager(self.model)
         del weights
+        t2 = time.monotonic()
         release_device_memory(dev)  # blocks of converted sources go back to the card, not to this process's cache
-        log.info("rank %d loaded %s (%s) in %.2f s", self.group.info.rank, self.path.name, self.variant,
-                 time.monotonic() - t0)
+        t3 = time.monotonic()
+        log.info("rank %d loaded %s (%s) in %.2f s (weights %.2f s, assembly %.2f s, release %.2f s)",
+                 self.group.info.rank, self.path.name, self.variant, t3 - t0, t1 - t0, t2 - t1, t3 - t2)
 
     def unload(self) -> None:
         if self.stream is not None:

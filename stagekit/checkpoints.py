@@ -10,6 +10,8 @@
   used in both directions;
 * `TensorReader`: reads whole tensors or row / column slices through safetensors, turning any read failure of a
   file that went bad after start-up into a `CheckpointError` (FAILED_PRECONDITION) naming file and tensor;
+* `use_host_copies(mapping)`: a device worker reads the files its stage process keeps in host memory
+  (stagekit/host_copy.py) instead of the disk; `TensorReader(views=True)` then hands out views of those copies;
 * `FiniteCheck` / `nonfinite_flag`: no weight holds a NaN or an Inf. `TensorReader` checks every float tensor it
   reads on the CPU; a loader that copies its tensors to a GPU checks the copies there instead, one queued flag per
   tensor and one host sync for the whole load.
@@ -22,8 +24,12 @@ from __future__ import annotations
 
 import json
 import math
+import mmap
+import os
 import re
 import struct
+import threading
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Mapping
@@ -380,6 +386,73 @@ IDENTITY = NameMap(())
 # =====================================================================================================================
 # Reading tensors
 # =====================================================================================================================
+# Checkpoint file -> the path of the stage process's copy of it in host memory (this process's device worker turn).
+_HOST_COPIES: dict[Path, str] = {}
+_MAPPED: dict[Path, "_MappedCopy"] = {}
+_MAPPED_LOCK = threading.Lock()
+
+
+def use_host_copies(mapping: Mapping[str, str]) -> None:
+    """Read the checkpoint files named in `mapping` ({file: path of its host copy}) from their copies from now on
+    (a device worker, before it loads; stagekit/host_copy.py). Files not named are read from disk."""
+    with _MAPPED_LOCK:
+        _HOST_COPIES.clear()
+        _HOST_COPIES.update({Path(k).resolve(): v for k, v in mapping.items()})
+        for f in [f for f in _MAPPED if _MAPPED[f].source != _HOST_COPIES.get(f)]:
+            del _MAPPED[f]
+
+
+class _MappedCopy:
+    """A host copy of one safetensors file, mapped read-only (shared with the stage process that holds it): tensors
+    are views of the mapping, located by the copy's own header."""
+
+    def __init__(self, file: Path, source: str):
+        self.file, self.source = file, source
+        fd = os.open(source, os.O_RDONLY)
+        try:
+            size = os.fstat(fd).st_size
+            # Not populated up front: the loader's threads fault the pages in as they copy, in parallel.
+            self.map = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+        finally:
+            os.close(fd)
+        (n,) = struct.unpack("<Q", self.map[:HEADER_LEN_BYTES])
+        header = json.loads(self.map[HEADER_LEN_BYTES: HEADER_LEN_BYTES + n])
+        header.pop("__metadata__", None)
+        self.spans = {k: (HEADER_LEN_BYTES + n + int(v["data_offsets"][0]),
+                          HEADER_LEN_BYTES + n + int(v["data_offsets"][1]), str(v["dtype"]), tuple(v["shape"]))
+                      for k, v in header.items()}
+        with warnings.catch_warnings():  # read-only on purpose: nothing in a worker may write the stage's copy
+            warnings.simplefilter("ignore", UserWarning)
+            self.bytes = torch.frombuffer(self.map, dtype=torch.uint8)
+
+    def tensor(self, key: str) -> torch.Tensor:
+        """A read-only view of tensor `key` (a copy when its bytes are not aligned for its dtype)."""
+        start, end, dtype, shape = self.spans[key]
+        dt = TORCH_DTYPE.get(dtype)
+        if dt is None:
+            raise KeyError(f"dtype {dtype} has no torch equivalent")
+        raw = self.bytes[start:end]
+        if start % DTYPE_BYTES[dtype]:
+            raw = raw.clone()
+        return raw.view(dt).view(shape)
+
+
+def has_host_copy(file: str | Path) -> bool:
+    """Whether this process reads `file` from a host copy (`use_host_copies`)."""
+    return bool(_HOST_COPIES) and Path(file).resolve() in _HOST_COPIES
+
+
+def _host_copy(file: Path) -> _MappedCopy | None:
+    source = _HOST_COPIES.get(file)
+    if source is None:
+        return None
+    with _MAPPED_LOCK:
+        m = _MAPPED.get(file)
+        if m is None:
+            m = _MAPPED[file] = _MappedCopy(file, source)
+        return m
+
+
 def nonfinite_flag(t: torch.Tensor) -> torch.Tensor | None:
     """A 0-dim bool tensor on `t`'s device, True when `t` holds a NaN or an Inf; None for integer and empty tensors
     (int8 weights cannot hold either; their float scales are checked as tensors of their own).
@@ -454,12 +527,17 @@ class TensorReader:
     naming file and tensor (a file replaced or truncated after start-up).
 
     Every float tensor read is checked for NaN / Inf on the CPU as it is read (a CheckpointError naming file and
-    key). `check_finite=False` is for a loader that checks the copies on its device instead (`FiniteCheck`)."""
+    key). `check_finite=False` is for a loader that checks the copies on its device instead (`FiniteCheck`).
 
-    def __init__(self, entries: Mapping[str, HeaderEntry], *, check_finite: bool = True) -> None:
+    A file this process reads from its host copy (`use_host_copies`) gives copies of the copy's bytes, or with
+    `views=True` read-only views of them, for a loader that moves every tensor to its device with
+    `stagekit.host_copy.to_device` (which never writes its source)."""
+
+    def __init__(self, entries: Mapping[str, HeaderEntry], *, check_finite: bool = True, views: bool = False) -> None:
         self._entries = entries
         self._handles: dict[Path, object] = {}
         self._check_finite = check_finite
+        self._views = views
 
     def _open(self, key: str):
         e = self._entries[key]
@@ -470,11 +548,24 @@ class TensorReader:
                 raise CheckpointError(e.file, f"cannot open: {exc}", key) from exc
         return self._handles[e.file], e.disk_key or key
 
-    def _read(self, key: str, index) -> torch.Tensor:
-        handle, disk = self._open(key)
+    def _read_copy(self, copy: _MappedCopy, key: str, index) -> torch.Tensor:
         e = self._entries[key]
+        t = copy.tensor(e.disk_key or key)
+        t = t if index is None else t[index]
+        return t if self._views else t.clone(memory_format=torch.contiguous_format)
+
+    def _read(self, key: str, index) -> torch.Tensor:
+        e = self._entries[key]
+        disk = e.disk_key or key
+        copy = _host_copy(Path(e.file).resolve()) if _HOST_COPIES else None
         try:
-            t = handle.get_tensor(disk) if index is None else handle.get_slice(disk)[index]
+            if copy is not None:
+                t = self._read_copy(copy, key, index)
+            else:
+                handle, disk = self._open(key)
+                t = handle.get_tensor(disk) if index is None else handle.get_slice(disk)[index]
+        except CheckpointError:
+            raise
         except Exception as exc:  # noqa: BLE001
             raise CheckpointError(e.file, f"cannot read the tensor (file changed since start-up?): {exc}", key) \
                 from exc

@@ -1,25 +1,29 @@
-"""The GPU work of a stage, in a child process that exists only while the stage holds its weights.
+"""The GPU work of a stage, in a child process that touches the device only while the stage holds its weights.
 
 A CUDA context costs 0.5-0.7 GiB of the card for as long as its process lives, weights or not. A stage process
 that never initialises CUDA holds nothing on the card while idle: its device work (engine construction on the
 device, load, every job, unload) runs in a *device worker*, a `spawn`ed child started by `load` and joined by
 `unload`, so the context and every byte the engine allocated go back to the card with it (docs/residency.md,
-"What an idle stage holds").
+"What an idle stage holds"). The next turn's worker is spawned ahead, on standby: it imports everything (the
+engine's `prepare_process()` included) and waits, touching no device, until `load` sends it "start".
 
     stage process (rank r)                      device worker (rank r), one per residency
     ----------------------                      ----------------------------------------
-    header checks, estimates, Status            engine = type(engine)(engine.cfg, worker group)
-    load()   -> spawn, ("load", spec)  ------>  engine.load() / load_for(spec)       -> ("ok", bytes)
+    prepare() -> spawn (standby)       ------>  imports, engine_cls.prepare_process()  -> ("standby",)
+    load()   -> ("start", rendezvous)  ------>  device, engine = type(engine)(engine.cfg, worker group)
+             -> ("load", spec, copies) ------>  use_host_copies(copies); engine.load() / load_for(spec)
+                                                                                    -> ("ok", bytes)
     run()    -> ("run", spec, inputs)  ------>  engine.run(spec, inputs, ctx)
                 answers ctx calls      <------  ("progress"| "should_stop" | "check_cancel"...)
                                        <------  ("done", outputs, bytes) | ("error", exc)
-    unload() -> ("exit"), join (kill after `join_timeout_s`)
+    unload() -> ("exit"), join (kill after `join_timeout_s`), prepare() the next turn's worker
 
 - After each job the worker hands what Status shows of it (the engine's optional `worker_state()`) to the stage
   process's engine (`set_worker_state(state)`): the DiT's block placement.
 - Messages cross the pipe by value (`Channel`: plain pickle, tensors copied), so a killed process leaves nothing
   shared behind. A job's inputs and outputs are latents, states and the MP4: tens to hundreds of MB, copied at
-  pipe speed.
+  pipe speed. The weights are the exception: a one-rank stage keeps its checkpoint files in memfds it owns, which
+  its worker maps read-only (stagekit/host_copy.py); the kernel frees them with the stage process.
 - Cancellation stays agreed across ranks: a worker's `ctx.should_stop()` is answered by its stage process, which
   runs the rank group's agreement as before (every rank's worker asks at the same step boundaries).
 - Multi-rank stages: the workers form their own process group (NCCL on GPUs, gloo on CPU) at each load, on a
@@ -31,6 +35,7 @@ device, load, every job, unload) runs in a *device worker*, a `spawn`ed child st
 
 from __future__ import annotations
 
+import atexit
 import logging
 import multiprocessing as mp
 import os
@@ -47,6 +52,7 @@ import grpc
 
 from stagekit import errors
 from stagekit.errors import StageError, Unavailable
+from stagekit.host_copy import HostCopies
 
 log = logging.getLogger("stagekit.device_worker")
 
@@ -235,9 +241,9 @@ class _WorkerContext:
             raise err
 
 
-def _worker_main(conn, engine_cls: type, engine_cfg: Any, wcfg: WorkerConfig,
-                 rendezvous: tuple[str, int, str] | None) -> None:
-    """The worker: set up the device, build the engine, then serve the stage process's commands until "exit"."""
+def _worker_main(conn, engine_cls: type, engine_cfg: Any, wcfg: WorkerConfig) -> None:
+    """The worker: import everything and wait on standby (no device touched, so it holds nothing of the card); at
+    "start" set up the device and build the engine, then serve the stage process's commands until "exit"."""
     conn = Channel(conn)
     die_with_parent(f"the {wcfg.stage} device worker")
     logging.basicConfig(level=wcfg.log_level.upper(),
@@ -247,9 +253,27 @@ def _worker_main(conn, engine_cls: type, engine_cfg: Any, wcfg: WorkerConfig,
         os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # docs/memory.md
     import torch
 
+    from stagekit.checkpoints import use_host_copies
     from stagekit.dist import RankGroup, RankInfo
     from stagekit.runtime import load_engine
 
+    # The engine's own heavy imports (e.g. GPU kernel libraries it would import at its first load), still on
+    # standby: they touch no device.
+    prepare = getattr(engine_cls, "prepare_process", None)
+    if prepare is not None:
+        try:
+            prepare()
+        except Exception as e:  # noqa: BLE001 - the load imports it again and reports a real failure
+            log.warning("%s device worker: preparing the process failed (%r); the load does it", wcfg.stage, e)
+    conn.send(("standby", None))
+    try:
+        msg = conn.recv()
+    except EOFError:  # the stage process is gone (or closed its standby)
+        os._exit(0)
+    if msg[0] != "start":
+        os._exit(0)
+    rendezvous = msg[1]
+    t0 = time.monotonic()
     try:
         if wcfg.device.startswith("cuda"):
             torch.cuda.set_device(wcfg.device)
@@ -260,8 +284,9 @@ def _worker_main(conn, engine_cls: type, engine_cfg: Any, wcfg: WorkerConfig,
         addr, port, run_id = rendezvous or ("127.0.0.1", 0, "worker")
         info = RankInfo(wcfg.rank, wcfg.world_size, wcfg.rank, master_addr=addr, master_port=port, run_id=run_id)
         group = RankGroup(info, "nccl" if wcfg.device.startswith("cuda") else "gloo", wcfg.collective_timeout_s)
+        t1 = time.monotonic()
         engine = engine_cls(engine_cfg, group)
-        conn.send(("ready", None))
+        conn.send(("ready", {"device_s": t1 - t0, "engine_s": time.monotonic() - t1}))
     except BaseException as e:  # noqa: BLE001 - handed to the stage process
         conn.send(("error", _portable(e)))
         os._exit(1)
@@ -275,6 +300,7 @@ def _worker_main(conn, engine_cls: type, engine_cfg: Any, wcfg: WorkerConfig,
             break
         try:
             if msg[0] == "load":
+                use_host_copies(msg[2])
                 load_engine(engine, msg[1])
                 conn.send(("ok", engine.resident_bytes()))
             elif msg[0] == "run":
@@ -312,11 +338,19 @@ class DeviceWorkerEngine:
         self.wcfg = cfg
         self.name = engine.name
         self.spawn_s = 0.0        # the last worker's start (process, imports, device, engine): part of the load
+        self.start_parts: dict[str, float] = {}  # where spawn_s went: standby wait, device, engine
         self._proc = None
         self._conn = None
+        self._standby = None      # (process, channel, ready?): the next turn's worker, imports done, no device
+        self._closed = False
         self._bytes = 0
         self._lost = False
         self._loads = 0
+        # Checkpoint files kept in host memory between turns, when the host has room (stagekit/host_copy.py). One
+        # rank: each rank of a group would hold a whole copy of its files.
+        self.host_copies = (HostCopies(self.name) if getattr(engine, "weight_files", None) is not None
+                            and group.world_size == 1 else None)
+        atexit.register(self.close)
 
     def __getattr__(self, item: str) -> Any:  # checks, estimates and Status are the stage engine's own
         return getattr(self.__dict__["engine"], item)
@@ -335,6 +369,32 @@ class DeviceWorkerEngine:
 
     def resident_bytes(self) -> int:
         return self._bytes if self._proc is not None else 0
+
+    def describe(self) -> dict:
+        """The stage engine's Status fields, with the host-copy choice added to its kernel rows."""
+        d = dict(self.engine.describe())
+        if self.host_copies is not None:
+            d["kernels"] = [*d.get("kernels", []), self.host_copies.status_row()]
+        return d
+
+    def prepare(self) -> None:
+        """Start the next turn's worker now, on standby: its interpreter and imports (the bulk of a worker's start)
+        happen while the stage is idle or waits for the devices. It touches no device, so it holds nothing of the
+        card."""
+        if self._standby is None and not self._closed:
+            self._standby = (*self._start_process(), False)
+
+    def close(self) -> None:
+        """Stop the standby worker and free the host copies (the stage process is ending)."""
+        self._closed = True
+        standby, self._standby = self._standby, None
+        if standby is not None:  # it holds no device state and nothing of ours: it can just go
+            proc, conn, _ = standby
+            conn.close()
+            proc.kill()
+            proc.join()
+        if self.host_copies is not None:
+            self.host_copies.release()
 
     def lost(self) -> bool:
         """True after the worker died: the runtime unloads, and the next job loads afresh."""
@@ -361,6 +421,7 @@ class DeviceWorkerEngine:
         self._lost = False
         log.info("%s device worker (pid %d) exited in %.2f s (%s)", self.name, proc.pid, time.monotonic() - t0,
                  _exit_text(proc.exitcode))
+        self.prepare()
 
     def run(self, spec: Any, inputs: dict, ctx: Any) -> dict:
         if self._proc is None:
@@ -415,26 +476,47 @@ class DeviceWorkerEngine:
         self._loads += 1
         if self._proc is None:
             self._spawn(rendezvous)
-        self._send(("load", spec))
+        copies = {}
+        if self.host_copies is not None:
+            copies = self.host_copies.ensure(self.engine.weight_files())
+        self._send(("load", spec, copies))
         kind, value = self._recv()
         if kind == "error":
             raise value
         self._bytes = value
 
-    def _spawn(self, rendezvous) -> None:
-        t0 = time.monotonic()
+    def _start_process(self):
         ours, theirs = _context().Pipe()
         proc = _context().Process(target=_worker_main, name=f"{self.name}-worker",
-                                  args=(theirs, type(self.engine), self.engine.cfg, self.wcfg, rendezvous))
+                                  args=(theirs, type(self.engine), self.engine.cfg, self.wcfg))
         proc.start()
         theirs.close()
-        self._proc, self._conn = proc, Channel(ours)
+        return proc, Channel(ours)
+
+    def _spawn(self, rendezvous) -> None:
+        """Make the standby worker (or a new one) this turn's: wait for its imports, then start its device."""
+        t0 = time.monotonic()
+        standby, self._standby = self._standby, None
+        if standby is not None and not standby[0].is_alive():
+            standby[1].close()
+            standby = None
+        proc, conn, ready = standby if standby is not None else (*self._start_process(), False)
+        self._proc, self._conn = proc, conn
+        if not ready:
+            kind, value = self._recv()  # ("standby", None): interpreter and imports done
+            if kind == "error":
+                raise value
+        t1 = time.monotonic()
+        self._send(("start", rendezvous))
         kind, value = self._recv()
         if kind == "error":
             raise value
         self.spawn_s = time.monotonic() - t0
-        log.info("%s device worker (pid %d, rank %d, %s) started in %.2f s", self.name, proc.pid, self.wcfg.rank,
-                 self.wcfg.device, self.spawn_s)
+        self.start_parts = {"standby_wait_s": round(t1 - t0, 3), **{k: round(v, 3) for k, v in value.items()}}
+        log.info("%s device worker (pid %d, rank %d, %s) started in %.2f s (%s, %s)", self.name, proc.pid,
+                 self.wcfg.rank, self.wcfg.device, self.spawn_s,
+                 "prepared" if standby is not None else "spawned now",
+                 ", ".join(f"{k} {v:.2f}" for k, v in self.start_parts.items()))
 
     def _send(self, msg) -> None:
         try:

@@ -437,9 +437,14 @@ class StageRuntime:
             self._served = 0
             load_s = time.monotonic() - t1
             worker = getattr(self.engine, "spawn_s", None)  # a device worker's start, part of load_s
+            extra = {}
+            if worker is not None:
+                extra = {"worker_start_s": worker, "worker_start": getattr(self.engine, "start_parts", {})}
+            copies = getattr(self.engine, "host_copies", None)  # files kept in host memory (stagekit/host_copy.py)
+            if copies is not None:
+                extra["host_copy_bytes"] = copies.nbytes
             self._log("loaded", load_s=load_s, bytes=self.engine.resident_bytes(),
-                      reserved=self.budget.reserved if self.budget is not None else 0,
-                      **({"worker_start_s": worker} if worker is not None else {}))
+                      reserved=self.budget.reserved if self.budget is not None else 0, **extra)
             if self.metrics is not None:
                 self.metrics.observe_load(load_s, waited)
             log.info("%s loaded in %.2f s (waited %.2f s for the devices)", self.engine.name, load_s, waited)

@@ -188,6 +188,7 @@ def _start(cfg: CommonConfig, stage: str, info: RankInfo, make_engine, service_n
     if wanted(device) and device_work:  # an engine with no device work stays in-process
         engine = DeviceWorkerEngine(engine, group, WorkerConfig(
             stage, device, info.rank, info.world_size, cfg.collective_timeout_s, cfg.gpu_memory_cap_gb, cfg.log_level))
+        engine.prepare()  # the first turn's worker imports while the stage starts serving
     # 4. Every host's lease and budget (stagekit/hosts.py), held by the first rank of each node: rank 0 for its
     #    own host, the other nodes' first ranks for theirs. The lease object always exists (its event log records
     #    residency in both modes); only exclusive mode takes it. The memory budget gates admission in both modes

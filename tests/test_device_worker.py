@@ -67,14 +67,16 @@ def dit1(tmp_path_factory, model_cache):
 
 
 def test_worker_serves_jobs_and_nothing_remains_after_unload(dit1, tmp_path, model_cache):
-    assert workers(dit1, "dit") == [], "an idle stage starts no worker"
+    standby = workers(dit1, "dit")
+    assert len(standby) == 1, "an idle stage keeps only the next turn's worker on standby (imports done, no device)"
     with clients(dit1, "dit") as c:
         v, a, _ = sample(c, SPEC, TEXT, timeout_s=120)
-        assert len(workers(dit1, "dit")) == 1, "the loaded stage computes in one worker"
+        assert workers(dit1, "dit") == standby, "the loaded stage computes in the worker that waited on standby"
         v2, a2, _ = sample(c, SPEC, TEXT, timeout_s=120)  # resident: the same worker serves the next job
         assert torch.equal(v, v2) and torch.equal(a, a2)
         c.stub("dit").Unload(common_pb2.UnloadRequest(), timeout=60)
-        assert workers(dit1, "dit") == [], "unload joins the worker: its memory goes back with it"
+        assert not alive(standby[0]), "unload joins the worker: its memory goes back with it"
+        assert len(workers(dit1, "dit")) == 1, "the next turn's worker waits on standby"
         assert not c.stub("dit").Status(common_pb2.StatusRequest(), timeout=10).resident
     loaded = [e for e in events(dit1) if e["event"] == "loaded"]
     assert loaded and loaded[-1]["worker_start_s"] > 0 and loaded[-1]["load_s"] >= loaded[-1]["worker_start_s"]

@@ -25,6 +25,7 @@ import logging
 import math
 import re
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -40,7 +41,9 @@ from minimax_h3.dit.model import H3DiT
 from minimax_h3.dit.tp import ColumnParallel, RowParallel, column_range, param_style, section_ranges, validate_tp
 from minimax_h3.kernels.int8 import QuantizedWeight, dequantize_convrot, read_quant_spec
 from stagekit.checkpoints import (FLOAT, TORCH_DTYPE, Checkpoint, CheckpointError, FiniteCheck, HeaderEntry,
-                                  TensorReader, TensorSpec, key_report, metadata_json, named, open_checkpoint)
+                                  TensorReader, TensorSpec, has_host_copy, key_report, metadata_json, named,
+                                  open_checkpoint)
+from stagekit.host_copy import to_device
 
 log = logging.getLogger(__name__)
 
@@ -596,6 +599,8 @@ class _RankReader:
             h0, h1 = ranges[0][0] // hd, ranges[0][1] // hd
             block = r.rows(src.keys[0], h0 * QKV_SECTIONS * hd, h1 * QKV_SECTIONS * hd)
             return block.view(h1 - h0, QKV_SECTIONS, hd, *block.shape[1:]).transpose(0, 1).reshape(-1, *block.shape[1:])
+        if src.arrangement == "same" and all(a[1] == b[0] for a, b in zip(ranges, ranges[1:])):
+            return r.rows(src.keys[0], ranges[0][0], ranges[-1][1])  # adjacent sections: one read, no concatenation
         parts = []
         for s, (lo, hi) in enumerate(ranges):
             a, b = lo - s * per, hi - s * per  # rows inside section s
@@ -710,15 +715,28 @@ def load_dit_weights(
     """
     if quant_mode not in ("kernel", "dequant"):
         raise ValueError(f"quant_mode must be 'kernel' or 'dequant', got {quant_mode!r}")
+    t0 = time.monotonic()
     info = inspect_checkpoint(path, base=cfg, qkv_layout=qkv_layout)
     cfg = cfg or info.config
     _check_tp(cfg, tp_rank, tp_size)
     reader = TensorReader(info.entries)
     validate(info, cfg, reader)
     reader.close()
+    t1 = time.monotonic()
     out = DiTWeights(info.variant, cfg)
     local = threading.local()  # one TensorReader (safetensors handles) per worker thread
     finite = FiniteCheck()  # every float tensor as loaded, on `device`: one host sync for the whole load
+    # Files kept in host memory by the stage process: views of the copy, moved through pinned staging buffers and
+    # cast on the device (stagekit/host_copy.py); the same bits as reading the file and casting first.
+    staged = all(has_host_copy(f) for f in {e.file for e in info.entries.values()})
+
+    def move(value: torch.Tensor | QuantizedWeight, out_dtype: torch.dtype | None = None):
+        if isinstance(value, QuantizedWeight):
+            return (QuantizedWeight(to_device(value.qdata, device), to_device(value.scale, device), value.groupsize)
+                    if staged else value.to(device))
+        if staged:
+            return to_device(value, device, out_dtype)
+        return (value if out_dtype is None else value.to(out_dtype)).to(device)
 
     def read(key: str) -> tuple[torch.Tensor | QuantizedWeight, bool]:
         if key not in info.shapes or (key == "rope.inv_freq" and info.shapes[key].dtype != "F32"):
@@ -726,7 +744,7 @@ def load_dit_weights(
             # equal to the formula at that rounding, and the RoPE table is fp32 (precision contract): the formula.
             return _default_inv_freq(cfg).to(device), False
         if not hasattr(local, "rr"):
-            local.reader = TensorReader(info.entries, check_finite=False)  # checked on `device` below
+            local.reader = TensorReader(info.entries, check_finite=False, views=staged)  # checked on `device` below
             local.rr = _RankReader(info, cfg, tp_rank, tp_size, local.reader)
         stored = info.shapes[key].dtype
         was_dequantized = False
@@ -736,9 +754,8 @@ def load_dit_weights(
                 value, was_dequantized = value.dequantize(dtype), True
             if was_dequantized:
                 value = value.to(dtype)
-        else:
-            value = local.rr.read(key).to(_out_dtype(key, stored, info.variant, dtype))
-        return value.to(device), was_dequantized
+            return move(value), was_dequantized
+        return move(local.rr.read(key), _out_dtype(key, stored, info.variant, dtype)), was_dequantized
 
     wanted = _wanted_keys(info, cfg, keys)
     with ThreadPoolExecutor(max(1, workers), thread_name_prefix="dit-load") as pool:
@@ -750,7 +767,10 @@ def load_dit_weights(
                 finite.add(*_where(info, key[: -len("weight")] + "weight_scale"), value.scale)
             else:
                 finite.add(*_where(info, key), value)
+    t2 = time.monotonic()
     finite.raise_if_bad()
+    log.info("%s: checked %.2f s, read%s %.2f s, finite check %.2f s", Path(path).name, t1 - t0,
+             " from the host copy" if staged else "", t2 - t1, time.monotonic() - t2)
     return out
 
 

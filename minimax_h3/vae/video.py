@@ -17,6 +17,7 @@ import contextlib
 import json
 import math
 import re
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, replace
 
 import torch
@@ -36,7 +37,8 @@ from minimax_h3.vae.tiling import (
                                    tile_splits,
                                    )
 from stagekit.checkpoints import (FLOAT, Checkpoint, CheckpointError, HeaderEntry, NameMap, TensorReader, TensorSpec,
-                                  check_latent_stats, key_report, open_checkpoint)
+                                  check_latent_stats, has_host_copy, key_report, open_checkpoint)
+from stagekit.host_copy import to_device
 
 __all__ = [
     "LATENTS_MEAN", "LATENTS_STD", "IMAGENET_MEAN", "IMAGENET_STD", "CheckpointError", "VideoVAEConfig", "VideoVAE",
@@ -66,6 +68,8 @@ LATENTS_STD = (
 
 # Key of the safetensors `__metadata__` entry where `write_tiny_video_vae` stores the config (not in shipped files).
 CONFIG_METADATA_KEY = "h3_video_vae_config"
+# Threads moving the tensors of a host copy to the device (stagekit/host_copy.py).
+STAGED_WORKERS = 8
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -795,7 +799,10 @@ def load_video_vae(path: str, cfg: VideoVAEConfig | None = None, dtype: torch.dt
     cfg = info.cfg
     expected = _expected(cfg, parts)
     entries = _our_entries(info)
-    reader = TensorReader(info.ckpt.tensors)
+    # A file the stage process keeps in host memory: views of its copy, moved through pinned staging buffers and cast
+    # on the device (stagekit/host_copy.py), the same bits as casting first.
+    staged = all(has_host_copy(f) for f in info.ckpt.files)
+    reader = TensorReader(info.ckpt.tensors, views=staged)
 
     def read(k: str) -> torch.Tensor:
         e = entries[k]
@@ -810,7 +817,15 @@ def load_video_vae(path: str, cfg: VideoVAEConfig | None = None, dtype: torch.dt
 
     with torch.device("meta"):
         model = VideoVAE(cfg, parts)
-    state = {k: read(k).to(device=device, dtype=torch.float32 if _FP32_PARAM.search(k) else dtype) for k in expected}
+    def load(k: str) -> torch.Tensor:
+        dt = torch.float32 if _FP32_PARAM.search(k) else dtype
+        return to_device(read(k), device, dt) if staged else read(k).to(device=device, dtype=dt)
+
+    if staged:  # views of the host copy: the reads and copies of different tensors overlap on several threads
+        with ThreadPoolExecutor(STAGED_WORKERS, thread_name_prefix="vae-load") as pool:
+            state = dict(zip(expected, pool.map(load, expected)))
+    else:
+        state = {k: load(k) for k in expected}
     model.load_state_dict(state, strict=True, assign=True)
     if info.latents_mean is not None:  # the file's or config.json's, checked by inspect_video_vae
         model.latents_mean = info.latents_mean

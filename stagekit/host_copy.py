@@ -1,0 +1,233 @@
+"""Checkpoint files kept in host memory between a stage's turns on the device (docs/residency.md, "Host copies").
+
+A stage's device work runs in a worker that lives for one turn on the device (stagekit/device_worker.py), so
+without help every turn reads the checkpoint files again and copies each tensor to the device through pageable
+memory. Instead the stage process, which lives across turns and never holds a CUDA context, reads each file once
+into a memfd (anonymous shared memory: no name under /dev/shm, freed by the kernel when its last descriptor closes,
+so a killed stage leaves nothing behind). At each load its worker maps the copy read-only through
+`/proc/<stage pid>/fd/<n>`; `stagekit.checkpoints.TensorReader` then hands out views of the copy instead of reading
+the file, and `to_device` moves a view to the GPU through a small ring of pinned staging buffers: the loader's CPU
+threads fill one buffer while the other crosses the bus, so a turn's load is one pass over the bytes at close to the
+pinned host->device rate.
+
+Whether a stage keeps its copy is decided from the host's free memory, with no knob: a copy is made when the host
+still has `HOST_RESERVE_BYTES` available after it (`/proc/meminfo` MemAvailable; shared memory is not counted
+there as available, so every stage that keeps a copy lowers what the next one sees). Otherwise the stage loads
+from the files each turn as before. The choice is a row of the stage's Status (`status_row`).
+
+    stage process (no CUDA)                        device worker (one turn)
+    -----------------------                        ------------------------
+    HostCopies.ensure(files) -> {file: /proc/..}   use_host_copies(mapping)  (stagekit.checkpoints)
+      memfd per file, filled once (sendfile)       TensorReader(views=True) -> views of the mapped copy
+    status_row()                                   to_device(view, device, dtype): staged pinned copies
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("stagekit.host_copy")
+
+GIB = 1 << 30
+# What the host keeps available beside the copies: the jobs' host tensors (latents, frames, the DiT's pinned streamed
+# blocks: up to 5.1 GiB on one 22 GB card), the processes themselves and everything else the machine runs.
+HOST_RESERVE_BYTES = 16 * GIB
+# Read instead of /proc/meminfo MemAvailable (bytes): how tests put a host short of memory.
+MEM_AVAILABLE_ENV = "H3_HOST_MEM_AVAILABLE_BYTES"
+# A pinned staging buffer per loader thread and slot; tensors below SMALL_BYTES go straight through `.to`.
+STAGE_BYTES = 32 << 20
+STAGE_SLOTS = 2
+SMALL_BYTES = 1 << 20
+SENDFILE_CHUNK = 1 << 30
+
+
+def mem_available() -> int:
+    """The host's available memory in bytes (MemAvailable of /proc/meminfo)."""
+    injected = os.environ.get(MEM_AVAILABLE_ENV)
+    if injected:
+        return int(injected)
+    with open("/proc/meminfo") as fh:
+        for line in fh:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+@dataclass(frozen=True)
+class HostCopyChoice:
+    """What a stage decided about keeping its files in host memory, and from which numbers."""
+
+    kept: bool
+    nbytes: int        # the files' bytes
+    available: int     # MemAvailable when it decided
+
+    def describe(self) -> str:
+        if self.kept:
+            return f"kept in host memory ({self.nbytes / GIB:.2f} GiB): each turn loads from it"
+        return "not kept: each turn reads the files"
+
+    def reason(self) -> str:
+        verb = "leaves" if self.kept else "would leave"
+        return (f"{self.available / GIB:.1f} GiB host memory available at the decision; the copy {verb} "
+                f"{(self.available - self.nbytes) / GIB:.1f} GiB (keeps at least {HOST_RESERVE_BYTES / GIB:.0f} GiB)")
+
+
+def decide(nbytes: int, available: int) -> HostCopyChoice:
+    return HostCopyChoice(available - nbytes >= HOST_RESERVE_BYTES, nbytes, available)
+
+
+@dataclass
+class _Copy:
+    fd: int
+    size: int
+    mtime_ns: int
+
+
+class HostCopies:
+    """The stage process's copies of its checkpoint files, one memfd each, read once from disk.
+
+    `ensure(files)` before each load: copies what is missing (or changed on disk since) when the host has room,
+    and returns {file path: path the worker opens} for every file held (empty when the stage does not keep copies).
+    `release()` closes every copy (the stage's shutdown; the kernel does it too when the process dies)."""
+
+    def __init__(self, stage: str):
+        self.stage = stage
+        self.choice: HostCopyChoice | None = None
+        self._copies: dict[Path, _Copy] = {}
+        self._lock = threading.Lock()
+
+    @property
+    def nbytes(self) -> int:
+        return sum(c.size for c in self._copies.values())
+
+    def ensure(self, files: list[Path | str]) -> dict[str, str]:
+        with self._lock:
+            files = [Path(f).resolve() for f in files]
+            stats = {f: f.stat() for f in files}
+            for f in list(self._copies):  # a file replaced since it was copied is copied again (or dropped)
+                st = stats.get(f)
+                c = self._copies[f]
+                if st is not None and (st.st_size, st.st_mtime_ns) != (c.size, c.mtime_ns):
+                    log.info("%s: %s changed on disk since it was copied; dropping the copy", self.stage, f)
+                    os.close(self._copies.pop(f).fd)
+            missing = [f for f in files if f not in self._copies]
+            if missing:
+                need = sum(stats[f].st_size for f in missing)
+                self.choice = decide(self.nbytes + need, mem_available() + self.nbytes)
+                log.info("%s: checkpoint files %s (%s)", self.stage, self.choice.describe(), self.choice.reason())
+                if not self.choice.kept:
+                    self._release_locked()
+                    return {}
+                for f in missing:
+                    try:
+                        self._copies[f] = self._copy(f, stats[f])
+                    except OSError as e:  # no room after all (memory taken meanwhile): today's path
+                        log.warning("%s: copying %s into host memory failed (%r); each turn reads the files",
+                                    self.stage, f, e)
+                        self._release_locked()
+                        self.choice = HostCopyChoice(False, self.choice.nbytes, self.choice.available)
+                        return {}
+            pid = os.getpid()
+            return {str(f): f"/proc/{pid}/fd/{self._copies[f].fd}" for f in files}
+
+    def _copy(self, path: Path, st: os.stat_result) -> _Copy:
+        fd = os.memfd_create(f"h3-{self.stage}-{path.name}", os.MFD_CLOEXEC)
+        try:
+            with open(path, "rb") as src:
+                done = 0
+                while done < st.st_size:
+                    n = os.sendfile(fd, src.fileno(), done, min(SENDFILE_CHUNK, st.st_size - done))
+                    if n == 0:
+                        raise OSError(f"{path} ended at byte {done} of {st.st_size}")
+                    done += n
+        except BaseException:
+            os.close(fd)
+            raise
+        return _Copy(fd, st.st_size, st.st_mtime_ns)
+
+    def release(self) -> None:
+        with self._lock:
+            self._release_locked()
+
+    def _release_locked(self) -> None:
+        for c in self._copies.values():
+            os.close(c.fd)
+        self._copies.clear()
+
+    def status_row(self) -> tuple[str, str, str]:
+        """("host copy", the choice, its numbers) for the stage's Status kernel rows."""
+        if self.choice is None:
+            return ("host copy", "decided at the first load",
+                    f"checkpoint files stay in host memory between turns when the host keeps "
+                    f"{HOST_RESERVE_BYTES / GIB:.0f} GiB available beside them")
+        return ("host copy", self.choice.describe(), self.choice.reason())
+
+
+# =====================================================================================================================
+# Worker side: host tensor -> device through pinned staging buffers
+# =====================================================================================================================
+class _Stager(threading.local):
+    """One loader thread's staging buffers (pinned), their events and its copy stream."""
+
+    def __init__(self):
+        self.device = None
+        self.buffers: list[torch.Tensor] = []
+        self.events: list = []
+        self.stream = None
+
+
+_STAGER = _Stager()
+
+
+def _stager(device: torch.device) -> _Stager:
+    s = _STAGER
+    if s.device != device:
+        s.device = device
+        s.buffers = [torch.empty(STAGE_BYTES, dtype=torch.uint8, pin_memory=True) for _ in range(STAGE_SLOTS)]
+        s.events = [None] * STAGE_SLOTS
+        s.stream = torch.cuda.Stream(device)
+    return s
+
+
+def to_device(t: torch.Tensor, device: torch.device | str, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A new tensor on `device` holding `t` (a CPU tensor, e.g. a view of a host copy), cast to `dtype` there.
+
+    CUDA: the bytes go up as stored, chunk by chunk through this thread's pinned staging buffers on its own stream
+    (the CPU fills one buffer while the other is on the bus), and the cast runs on the device. Casting before or
+    after the copy gives the same bits (IEEE round-to-nearest-even either way; widening is exact). Elsewhere: a
+    copy (`t` may be a read-only view), cast the same way. Returns when the copy is done."""
+    device = torch.device(device)
+    dtype = dtype or t.dtype
+    if device.type != "cuda":
+        return t.to(dtype) if dtype != t.dtype else t.clone(memory_format=torch.contiguous_format)
+    src = t.contiguous()
+    nbytes = src.numel() * src.element_size()
+    if nbytes < SMALL_BYTES:
+        return src.to(device).to(dtype)
+    s = _stager(device)
+    out = torch.empty(src.shape, dtype=src.dtype, device=device)
+    flat_src = src.reshape(-1).view(torch.uint8)
+    flat_out = out.view(-1).view(torch.uint8)
+    s.stream.wait_stream(torch.cuda.current_stream(device))  # `out`'s memory may have been freed by queued work
+    with torch.cuda.stream(s.stream):
+        for j, lo in enumerate(range(0, nbytes, STAGE_BYTES)):
+            k = j % STAGE_SLOTS
+            n = min(STAGE_BYTES, nbytes - lo)
+            if s.events[k] is not None:
+                s.events[k].synchronize()  # the buffer's previous chunk has left for the device
+            # A plain memcpy (ctypes drops the GIL): the loader's threads copy in parallel without each one
+            # starting a team of intra-op threads.
+            ctypes.memmove(s.buffers[k].data_ptr(), flat_src.data_ptr() + lo, n)
+            flat_out[lo: lo + n].copy_(s.buffers[k][:n], non_blocking=True)
+            ev = torch.cuda.Event()
+            ev.record(s.stream)
+            s.events[k] = ev
+    s.stream.synchronize()
+    return out if dtype == out.dtype else out.to(dtype)

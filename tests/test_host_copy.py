@@ -1,0 +1,165 @@
+"""Checkpoint files kept in host memory between a stage's turns (stagekit/host_copy.py): reading the copy gives exactly
+the tensors (and the loaded DiT exactly the weights) that reading the file gives; the copy is a memfd that nothing
+outlives (release, stop, kill -9); a host short of memory falls back to reading the files; Status says which."""
+
+import gc
+import os
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+
+from client.pipeline import sample
+from h3.v1 import common_pb2
+from minimax_h3.dit.checkpoint import load_dit_weights
+from minimax_h3.dit.config import DiTConfig
+from minimax_h3.dit.tiny_checkpoint import write_tiny_checkpoint
+from minimax_h3.kernels.int8 import QuantizedWeight
+from minimax_h3.vae.video import load_video_vae, write_tiny_video_vae
+from stagekit import host_copy
+from stagekit.checkpoints import TensorReader, open_checkpoint, use_host_copies
+from stagekit.device_worker import WORKER_ENV
+from stagekit.host_copy import GIB, HOST_RESERVE_BYTES, MEM_AVAILABLE_ENV, HostCopies, decide, to_device
+from tests.conftest import SERVER_ENV
+from tests.procs import alive, descendants, open_paths
+from tests.test_device_worker import SPEC, TEXT, clients, start, workers
+from tests.waits import wait_until
+
+ROOMY = str(64 * GIB)   # MemAvailable as the stages see it (injected): a 64 GB desktop at rest
+SHORT = str(8 * GIB)    # a host that cannot keep a copy beside the reserve
+
+
+def memfds(pid: int) -> list[str]:
+    return [p for p in open_paths(pid) if p.startswith("/memfd:h3-")]
+
+
+@pytest.fixture
+def no_copies():
+    yield
+    use_host_copies({})
+
+
+@pytest.fixture(scope="module")
+def int8_file(tmp_path_factory) -> Path:
+    cfg = DiTConfig.tiny(num_layers=2)
+    return write_tiny_checkpoint(cfg, tmp_path_factory.mktemp("dit") / "dit_int8.safetensors", "int8_convrot_pruned")
+
+
+def test_decision_keeps_the_reserve():
+    assert decide(10 * GIB, 10 * GIB + HOST_RESERVE_BYTES).kept
+    short = decide(10 * GIB, 10 * GIB + HOST_RESERVE_BYTES - 1)
+    assert not short.kept and "not kept" in short.describe() and "would leave" in short.reason()
+
+
+def test_reading_the_copy_gives_the_files_tensors_and_release_leaves_nothing(int8_file, monkeypatch, no_copies):
+    monkeypatch.setenv(MEM_AVAILABLE_ENV, ROOMY)
+    copies = HostCopies("test")
+    mapping = copies.ensure([int8_file])
+    assert list(mapping) == [str(int8_file.resolve())] and copies.choice.kept
+    assert len(memfds(os.getpid())) == 1
+    entries = open_checkpoint(int8_file).tensors
+    disk = TensorReader(entries)
+    expect = {k: disk.whole(k) for k in entries}
+    use_host_copies(mapping)
+    copy, views = TensorReader(entries), TensorReader(entries, views=True)
+    for k, t in expect.items():
+        assert torch.equal(copy.whole(k), t) and copy.whole(k).dtype == t.dtype, k
+        v = views.whole(k)
+        assert torch.equal(v, t) and torch.equal(to_device(v, "cpu"), t), k
+        if t.ndim == 2 and t.shape[0] > 2 and t.shape[1] > 2:
+            assert torch.equal(copy.rows(k, 1, 3), t[1:3]) and torch.equal(copy.cols(k, 1, 3), t[:, 1:3]), k
+    assert copies.ensure([int8_file]) == mapping, "a second turn reuses the copy"
+    del v, copy, views
+    use_host_copies({})
+    gc.collect()
+    assert len(memfds(os.getpid())) == 1, "the reader's mapping goes with its last view"
+    copies.release()
+    assert memfds(os.getpid()) == []
+
+
+def test_a_host_short_of_memory_reads_the_files(int8_file, monkeypatch):
+    monkeypatch.setenv(MEM_AVAILABLE_ENV, SHORT)
+    copies = HostCopies("test")
+    assert copies.ensure([int8_file]) == {} and not copies.choice.kept
+    assert memfds(os.getpid()) == []
+    op, kept, why = copies.status_row()
+    assert op == "host copy" and kept.startswith("not kept") and "8.0 GiB" in why
+
+
+def test_loaded_dit_weights_from_the_copy_are_bitwise_the_files(int8_file, monkeypatch, no_copies):
+    """The loader's staged path (views of the copy, cast after the move) against today's (read, cast, move)."""
+    cfg = DiTConfig.tiny(num_layers=2, adaln_form="curve")
+    for dtype in (torch.float16, torch.float32):
+        disk = load_dit_weights(int8_file, cfg, dtype=dtype)
+        monkeypatch.setenv(MEM_AVAILABLE_ENV, ROOMY)
+        copies = HostCopies("test")
+        use_host_copies(copies.ensure([int8_file]))
+        try:
+            staged = load_dit_weights(int8_file, cfg, dtype=dtype, workers=2)
+        finally:
+            use_host_copies({})
+            copies.release()
+        assert staged.keys() == disk.keys()
+        for k, a in disk.items():
+            b = staged[k]
+            if isinstance(a, QuantizedWeight):
+                assert torch.equal(a.qdata, b.qdata) and torch.equal(a.scale, b.scale) and a.groupsize == b.groupsize
+            else:
+                assert a.dtype == b.dtype and torch.equal(a, b), k
+        for t in staged.values():  # a loaded tensor is its own memory, never the (read-only) copy
+            (t.qdata if isinstance(t, QuantizedWeight) else t).add_(1)
+
+
+def _status_row(c, stage: str) -> tuple[str, str]:
+    st = c.stub(stage).Status(common_pb2.StatusRequest(), timeout=10)
+    (row,) = [k for k in st.kernels if k.op == "host copy"]
+    return row.kernel, row.reason
+
+
+def test_stage_with_copy_gives_the_same_bits_and_nothing_outlives_it(tmp_path, model_cache):
+    """Through real DiT stages on CPU (the worker path): one keeping its file in host memory, one on a host short of
+    memory. Same latents; Status says which; the copy lives in the stage process only and dies with it, kill -9
+    included; the next turn's worker waits on standby with no copy mapped."""
+    kept = start("dit", 1, tmp_path / "kept", model_cache, {**SERVER_ENV, WORKER_ENV: "1", MEM_AVAILABLE_ENV: ROOMY})
+    short = start("dit", 1, tmp_path / "short", model_cache, {**SERVER_ENV, WORKER_ENV: "1", MEM_AVAILABLE_ENV: SHORT})
+    try:
+        with clients(kept, "dit") as c:
+            assert _status_row(c, "dit")[0] == "decided at the first load"
+            v, a, _ = sample(c, SPEC, TEXT, timeout_s=120)
+            kernel, reason = _status_row(c, "dit")
+            assert kernel.startswith("kept in host memory") and "64.0 GiB" in reason
+            c.stub("dit").Unload(common_pb2.UnloadRequest(), timeout=60)
+            v2, a2, _ = sample(c, SPEC, TEXT, timeout_s=120)  # the second turn loads from the copy
+        with clients(short, "dit") as c:
+            sv, sa, _ = sample(c, SPEC, TEXT, timeout_s=120)
+            assert _status_row(c, "dit")[0].startswith("not kept")
+        assert torch.equal(v, sv) and torch.equal(a, sa) and torch.equal(v, v2) and torch.equal(a, a2)
+        stage = kept.procs["dit"].pid
+        assert len(memfds(stage)) == 1 and memfds(short.procs["dit"].pid) == []
+        family = [stage, *workers(kept, "dit")]
+        os.kill(stage, signal.SIGKILL)
+        wait_until(lambda: not any(alive(p) for p in family), what="the stage and its standby worker to go")
+        assert not [p for p in os.listdir("/dev/shm") if p.startswith("h3-")]
+        others = [short.procs["dit"].pid, *descendants(short.procs["dit"].pid)]
+    finally:
+        kept.stop()
+        short.stop()
+    wait_until(lambda: not any(alive(p) for p in others), what="a stopped stage's processes (standby included) to go")
+
+
+def test_video_vae_from_the_copy_is_bitwise_the_files(tmp_path, monkeypatch, no_copies):
+    """The video VAE loader's staged path (threads, views of the copy, cast after the move) against the file's."""
+    path = str(tmp_path / "vae.safetensors")
+    write_tiny_video_vae(path)
+    disk = load_video_vae(path, dtype=torch.float16, parts="decoder").state_dict()
+    monkeypatch.setenv(MEM_AVAILABLE_ENV, ROOMY)
+    copies = HostCopies("test")
+    use_host_copies(copies.ensure([path]))
+    try:
+        staged = load_video_vae(path, dtype=torch.float16, parts="decoder").state_dict()
+    finally:
+        use_host_copies({})
+        copies.release()
+    assert staged.keys() == disk.keys()
+    assert all(staged[k].dtype == v.dtype and torch.equal(staged[k], v) for k, v in disk.items())
