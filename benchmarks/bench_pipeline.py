@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -74,17 +75,25 @@ def prompt_text(head: str, size: int) -> str:
     return body[:size]
 
 
-def bar_verdict(out: dict, cpu: bool, shape: tuple[int, int, int], jobs: int) -> dict:
-    """The bar's criteria that the setting measures (CPU: virtual devices; GPU: 832x480x124), each with the value, the
-    limit and ok; `ok` over all of them (false when the setting measures none)."""
+def bar_setting(devices: list[str], shape: tuple[int, int, int]) -> str:
+    """Which of the bar's settings a run measures: "cpu" (every stage on its own virtual device), "gpu" (CUDA at
+    832x480x124), or "" (neither)."""
+    if not any(d.startswith("cuda") for d in devices):
+        return "cpu" if len(set(devices)) == len(STAGES) else ""
+    return "gpu" if shape == GPU_SHAPE else ""
+
+
+def bar_verdict(out: dict, setting: str, jobs: int) -> dict:
+    """The bar's criteria of `setting` (see bar_setting), each with the value, the limit and ok; `ok` over all of
+    them (false when the run measures none)."""
     bar: dict = {}
-    if cpu:
+    if setting == "cpu":
         if "pipelined_over_serial" in out:
             r = out["pipelined_over_serial"]
             bar["pipelined_over_serial"] = {"value": r, "max": CPU_RATIO, "ok": r <= CPU_RATIO}
         for s, v in out["pipelined"]["busy_over_bottleneck"].items():
             bar[f"busy_over_bottleneck.{s}"] = {"value": v, "min": CPU_SHARE, "ok": v >= CPU_SHARE}
-    elif shape == GPU_SHAPE:
+    elif setting == "gpu":
         p = out["pipelined"]
         if jobs == GPU_JOBS:
             bar["four_jobs_wall_s"] = {"value": p["wall_s"], "max": GPU_FOUR_S, "ok": p["wall_s"] <= GPU_FOUR_S}
@@ -185,6 +194,9 @@ def main() -> None:
     ap.add_argument("--run-dir", default="", help="the stages' logs, ports and leases, kept (default: a temp dir, "
                                                    "removed at the end)")
     args = ap.parse_args()
+    # A SIGTERM (`timeout`) unwinds through the `finally` below, which stops the stages: they run in sessions of
+    # their own and would outlive this process.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     devices = args.devices.split(",")
     if len(devices) not in (1, len(STAGES)):
         raise SystemExit(f"--devices: one device, or {len(STAGES)} ({', '.join(STAGES)}); got {args.devices!r}")
@@ -239,7 +251,7 @@ def main() -> None:
     finally:
         stack.stop()
     out["load_average_after"] = os.getloadavg()  # other processes' CPU use: stages overlap only on idle cores
-    out["bar"] = bar_verdict(out, cpu, (args.width, args.height, args.frames), args.jobs)
+    out["bar"] = bar_verdict(out, bar_setting(devices, (args.width, args.height, args.frames)), args.jobs)
     print("bar", json.dumps(out["bar"]), flush=True)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)

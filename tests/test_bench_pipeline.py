@@ -41,13 +41,17 @@ def test_prompts_have_the_asked_length_and_differ_per_job(bench):
 
 def test_bar_verdict_per_criterion(bench):
     mode = {"wall_s": 20.0, "one_job_s": 3.0, "busy_over_bottleneck": {"encoder": 0.5, "dit": 1.0, "decoder": 0.9}}
-    cpu = bench.bar_verdict({"pipelined": mode, "pipelined_over_serial": 0.55}, True, (256, 256, 22), 8)
+    assert bench.bar_setting(["virt0", "virt1", "virt2"], (384, 384, 39)) == "cpu"
+    assert bench.bar_setting(["virt0"], (384, 384, 39)) == ""  # the stages take turns: not the bar's setting
+    assert bench.bar_setting(["cuda:0"], (832, 480, 124)) == "gpu"
+    assert bench.bar_setting(["cuda:0"], (1344, 768, 124)) == ""
+    cpu = bench.bar_verdict({"pipelined": mode, "pipelined_over_serial": 0.55}, "cpu", 8)
     assert cpu["pipelined_over_serial"]["ok"] and cpu["busy_over_bottleneck.decoder"]["ok"]
     assert not cpu["busy_over_bottleneck.encoder"]["ok"] and not cpu["ok"]
-    gpu = bench.bar_verdict({"pipelined": {**mode, "wall_s": 70.0}}, False, (832, 480, 124), 4)
+    gpu = bench.bar_verdict({"pipelined": {**mode, "wall_s": 70.0}}, "gpu", 4)
     assert gpu == {"four_jobs_wall_s": {"value": 70.0, "max": 71.0, "ok": True},
                    "one_job_s": {"value": 3.0, "max": 16.4, "ok": True}, "ok": True}
-    assert bench.bar_verdict({"pipelined": mode}, False, (256, 256, 22), 4) == {"ok": False}  # not the bar's setting
+    assert bench.bar_verdict({"pipelined": mode}, "", 4) == {"ok": False}
 
 
 def test_parse_cpu_list():
