@@ -10,7 +10,16 @@ runs one job at a time) over the wall time. `--compare-serial` runs both modes o
 restarted with `--no-pipeline`) and writes `pipelined_over_serial` (wall time ratio). Each mode has its own prompts
 (the encoder's prompt cache would hide its work).
 
-    # CPU, tiny embedded model, three virtual devices (every stage on its own):
+On virtual devices each device is a share of the machine: the cores this process may use are split into disjoint
+sets, one per virtual device, and each stage runs on its device's set (`--cpu-cores`: affinity, torch threads = the
+set's size). Both modes run on the same stage processes, so they compare the same machine shares. The defaults are
+the CPU bar's sizes: the tiny model at 384x384x39 (long enough that per-job overheads stay small beside the work),
+prompts of 1000 bytes (1000 tokens of the tiny byte-level tokenizer, under the encoder's 1024-token limit: the tiny
+text encoder does a long prompt's real work, and the DiT attends to it), and the step count at which the DiT's work
+per job matches the decoder's, measured on these stages before the modes run (`--steps 0`; the JSON's `balance`).
+`bar` in the output says, per criterion, whether the run met it.
+
+    # CPU, tiny embedded model, three virtual devices (every stage on its own cores):
     python benchmarks/bench_pipeline.py --compare-serial --json docs/performance_data/pipeline/cpu.json
     # one GPU, all stages resident (full-size random weights, written to --models-dir first if it has none):
     python benchmarks/bench_pipeline.py --devices cuda:0 --residency shared --models-dir /tmp/h3models \\
@@ -22,8 +31,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -36,6 +45,61 @@ from h3.v1 import render_pb2, render_pb2_grpc  # noqa: E402
 from minimax_h3.contract import RenderSpec  # noqa: E402
 
 TERMINAL = (render_pb2.JOB_SUCCEEDED, render_pb2.JOB_FAILED, render_pb2.JOB_CANCELLED)
+FILLER = ("rain on a tin roof, a bell far off, footsteps on wet gravel, a door creaks, wind in the pines, a dog barks "
+          "twice, thunder rolls over the valley, ")
+# The bar: CPU, pipelined wall <= 0.6 x serial and every stage's busy share >= 0.8 x the bottleneck's; one H200
+# (shared residency, 832x480x124, 8 steps): four jobs no slower than 71 s, one job no slower than 16.4 s.
+CPU_RATIO, CPU_SHARE = 0.6, 0.8
+GPU_SHAPE, GPU_JOBS, GPU_FOUR_S, GPU_ONE_S = (832, 480, 124), 4, 71.0, 16.4
+
+
+def core_sets(cores: list[int], devices: list[str]) -> dict[str, list[int]]:
+    """Disjoint core sets, one per distinct device, in order: `len(cores) // n` cores each (the rest stay free for
+    the render service and this script). With fewer cores than devices each device gets one core, shared round-robin.
+
+    >>> core_sets([0, 1, 2, 3, 4, 5, 6, 7], ["virt0", "virt1", "virt2"])
+    {'virt0': [0, 1], 'virt1': [2, 3], 'virt2': [4, 5]}
+    """
+    names = list(dict.fromkeys(devices))
+    per = len(cores) // len(names)
+    if per == 0:
+        return {d: [cores[i % len(cores)]] for i, d in enumerate(names)}
+    return {d: cores[i * per:(i + 1) * per] for i, d in enumerate(names)}
+
+
+def prompt_text(head: str, size: int) -> str:
+    """`head` then the filler, cut to `size` bytes (ASCII); `size` 0: `head` and the filler's first clause."""
+    if size <= 0:
+        return f"{head}: rain on a tin roof, a bell, footsteps"
+    body = f"{head}: " + FILLER * (size // len(FILLER) + 1)
+    return body[:size]
+
+
+def bar_setting(devices: list[str], shape: tuple[int, int, int]) -> str:
+    """Which of the bar's settings a run measures: "cpu" (every stage on its own virtual device), "gpu" (CUDA at
+    832x480x124), or "" (neither)."""
+    if not any(d.startswith("cuda") for d in devices):
+        return "cpu" if len(set(devices)) == len(STAGES) else ""
+    return "gpu" if shape == GPU_SHAPE else ""
+
+
+def bar_verdict(out: dict, setting: str, jobs: int) -> dict:
+    """The bar's criteria of `setting` (see bar_setting), each with the value, the limit and ok; `ok` over all of
+    them (false when the run measures none)."""
+    bar: dict = {}
+    if setting == "cpu":
+        if "pipelined_over_serial" in out:
+            r = out["pipelined_over_serial"]
+            bar["pipelined_over_serial"] = {"value": r, "max": CPU_RATIO, "ok": r <= CPU_RATIO}
+        for s, v in out["pipelined"]["busy_over_bottleneck"].items():
+            bar[f"busy_over_bottleneck.{s}"] = {"value": v, "min": CPU_SHARE, "ok": v >= CPU_SHARE}
+    elif setting == "gpu":
+        p = out["pipelined"]
+        if jobs == GPU_JOBS:
+            bar["four_jobs_wall_s"] = {"value": p["wall_s"], "max": GPU_FOUR_S, "ok": p["wall_s"] <= GPU_FOUR_S}
+        bar["one_job_s"] = {"value": p["one_job_s"], "max": GPU_ONE_S, "ok": p["one_job_s"] <= GPU_ONE_S}
+    bar["ok"] = bool(bar) and all(c["ok"] for c in bar.values())
+    return bar
 
 
 def run_jobs(target: str, specs: list[RenderSpec], label: str) -> dict:
@@ -62,12 +126,33 @@ def run_jobs(target: str, specs: list[RenderSpec], label: str) -> dict:
         for r in info.stages:
             busy[r.stage] = busy.get(r.stage, 0.0) + r.timing.compute_s
     share = {s: round(b / wall, 3) for s, b in busy.items()}
+    top = max(share.values())
     runs = [r for i in infos.values() for r in i.stages]
     return {"jobs": len(ids), "wall_s": round(wall, 2), "jobs_per_min": round(60 * len(ids) / wall, 2),
             "latency_max_s": round(max(ends.values()) - t0, 2),
             "busy_s": {s: round(b, 2) for s, b in busy.items()}, "busy_share": share,
-            "min_over_bottleneck_share": round(min(share.values()) / max(share.values()), 3),
+            "busy_over_bottleneck": {s: round(v / top, 3) if top else 0.0 for s, v in share.items()},
+            "bottleneck": max(share, key=share.get),
             "batches": len({r.batch for r in runs}), "max_waited_batches": max(r.waited_batches for r in runs)}
+
+
+def balance_steps(stack: EmbeddedStack, stages, render_args: list[str], spec, probe: tuple[int, int]) -> dict:
+    """The step count at which the DiT's compute per job matches the decoder's, on these stages: one warm-up render,
+    then one job at each of `probe`'s step counts; the DiT's seconds are a line in the steps (its per-step work plus
+    the fixed rest), the decoder's do not depend on them. Clamped to [1, 1000]."""
+    stack.stop_stage("render")
+    stack.cfg.extra_args["render"] = render_args
+    target = stack.start_render(stages)
+    run_jobs(target, [spec("balance warm-up", 0, probe[0])], "balance-warm")
+    runs = [run_jobs(target, [spec(f"balance {n} steps", 0, n)], f"balance-{n}-")["busy_s"] for n in probe]
+    per_step = max((runs[1]["dit"] - runs[0]["dit"]) / (probe[1] - probe[0]), 1e-6)
+    rest = runs[0]["dit"] - per_step * probe[0]
+    decoder = sum(r["decoder"] for r in runs) / len(runs)
+    steps = min(1000, max(1, round((decoder - rest) / per_step)))
+    out = {"steps": steps, "dit_s_per_step": round(per_step, 4), "dit_rest_s": round(rest, 3),
+           "decoder_s": round(decoder, 3), "encoder_s": round(sum(r["encoder"] for r in runs) / len(runs), 3)}
+    print("balance:", json.dumps(out), flush=True)
+    return out
 
 
 def measure(stack: EmbeddedStack, stages, render_args: list[str], mode: str, args, spec) -> dict:
@@ -79,17 +164,23 @@ def measure(stack: EmbeddedStack, stages, render_args: list[str], mode: str, arg
     one = run_jobs(target, [spec(f"{mode} alone", 0)], f"{mode}-one")
     many = run_jobs(target, [spec(f"{mode} take {i}", i) for i in range(args.jobs)], f"{mode}-")
     out = {"one_job_s": one["wall_s"], **many}
-    print(mode, json.dumps(out), flush=True)
+    print(f"{mode}: {args.jobs} jobs in {out['wall_s']} s ({out['jobs_per_min']} jobs/min), one alone "
+          f"{out['one_job_s']} s; busy share {out['busy_share']}, over the bottleneck ({out['bottleneck']}) "
+          f"{out['busy_over_bottleneck']}", flush=True)
     return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--jobs", type=int, default=8)
-    ap.add_argument("--width", type=int, default=256)
-    ap.add_argument("--height", type=int, default=256)
-    ap.add_argument("--frames", type=int, default=22)
-    ap.add_argument("--steps", type=int, default=1)
+    ap.add_argument("--width", type=int, default=384)
+    ap.add_argument("--height", type=int, default=384)
+    ap.add_argument("--frames", type=int, default=39)
+    ap.add_argument("--steps", type=int, default=0,
+                    help="denoising steps; 0: balance, the count at which the DiT's work per job matches the decoder's "
+                         "(measured on these stages first, see balance_steps)")
+    ap.add_argument("--prompt-bytes", type=int, default=-1,
+                    help="prompt length (ASCII bytes); -1: 1000 on virtual devices, a short prompt on GPUs")
     ap.add_argument("--devices", default="virt0,virt1,virt2",
                     help="one device for all stages, or three: the encoder's, the DiT's, the decoder's")
     ap.add_argument("--residency", default="exclusive", choices=("exclusive", "shared"))
@@ -97,11 +188,15 @@ def main() -> None:
     ap.add_argument("--write-weights", action="store_true",
                     help="write full-size random weights into --models-dir first where it has none (GPU)")
     ap.add_argument("--weights-only", action="store_true", help="with --write-weights: write them, then exit")
-    ap.add_argument("--threads", type=int, default=1, help="OMP/MKL threads per stage process (CPU)")
     ap.add_argument("--max-batch", type=int, default=8)
     ap.add_argument("--compare-serial", action="store_true", help="also run with --no-pipeline; the ratio")
     ap.add_argument("--json", help="write the results here")
+    ap.add_argument("--run-dir", default="", help="the stages' logs, ports and leases, kept (default: a temp dir, "
+                                                   "removed at the end)")
     args = ap.parse_args()
+    # A SIGTERM (`timeout`) unwinds through the `finally` below, which stops the stages: they run in sessions of
+    # their own and would outlive this process.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     devices = args.devices.split(",")
     if len(devices) not in (1, len(STAGES)):
         raise SystemExit(f"--devices: one device, or {len(STAGES)} ({', '.join(STAGES)}); got {args.devices!r}")
@@ -114,20 +209,40 @@ def main() -> None:
         if args.weights_only:
             return
 
-    def spec(prompt: str, seed: int) -> RenderSpec:
-        return RenderSpec(prompt=f"{prompt}: rain on a tin roof, a bell, footsteps", width=args.width,
-                          height=args.height, frames=args.frames, steps=args.steps, seed=seed)
+    cpu = not any(d.startswith("cuda") for d in devices)
+    prompt_bytes = args.prompt_bytes if args.prompt_bytes >= 0 else (1000 if cpu else 0)
 
-    threads = str(args.threads)
-    stage_args = {s: ["--devices", devices[i % len(devices)], "--idle-unload-s", "-1"] for i, s in enumerate(STAGES)}
-    tmp = Path(tempfile.mkdtemp(prefix="bench-pipeline-"))
-    stack = EmbeddedStack(StackConfig(run_dir=str(tmp / "run"), residency=args.residency, models_dir=args.models_dir,
-                                      env={"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads},
+    def spec(prompt: str, seed: int, steps: int = 0) -> RenderSpec:
+        return RenderSpec(prompt=prompt_text(prompt, prompt_bytes), width=args.width,
+                          height=args.height, frames=args.frames, steps=steps or args.steps, seed=seed)
+
+    # 1. Each stage's devices; on virtual devices also its own cores (the same for both modes).
+    stage_devs = {s: devices[i % len(devices)] for i, s in enumerate(STAGES)}
+    stage_args = {s: ["--devices", d, "--idle-unload-s", "-1"] for s, d in stage_devs.items()}
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    sets = core_sets(cores, list(stage_devs.values())) if cpu and cores else {}
+    if prompt_bytes > 1024:  # the encoder's default limit; one byte is one token of the tiny tokenizer
+        stage_args["encoder"] += ["--max-prompt-tokens", str(prompt_bytes)]
+    for s, d in stage_devs.items():
+        if d in sets:
+            stage_args[s] += ["--cpu-cores", ",".join(map(str, sets[d]))]
+    threads = str(min(map(len, sets.values()))) if sets else ""
+    stack = EmbeddedStack(StackConfig(run_dir=args.run_dir, residency=args.residency, models_dir=args.models_dir,
+                                      env={"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads} if threads else {},
                                       extra_args=stage_args))
     stages = stack.start()
-    out: dict = {"config": vars(args), "cpus": os.cpu_count(), "load_average_before": os.getloadavg()}
+    out: dict = {"config": {**vars(args), "prompt_bytes": prompt_bytes,
+                            "model": args.models_dir or "embedded tiny model (text encoder 2 layers x 64 wide)"},
+                 "cpus": os.cpu_count(), "cores_usable": len(cores),
+                 "stage_cpu_cores": {s: sets.get(d, []) for s, d in stage_devs.items()},
+                 "load_average_before": os.getloadavg()}
+    print(f"{os.cpu_count()} cores, load average {os.getloadavg()}; stage cores {out['stage_cpu_cores']}; "
+          f"prompt {prompt_bytes} bytes", flush=True)
     try:
         base = ["--max-batch", str(args.max_batch)]
+        if args.steps == 0:
+            out["balance"] = balance_steps(stack, stages, base, spec, (4, 16))
+            args.steps = out["config"]["steps"] = out["balance"]["steps"]
         out["pipelined"] = measure(stack, stages, base, "pipelined", args, spec)
         if args.compare_serial:
             out["serial"] = measure(stack, stages, [*base, "--no-pipeline"], "serial", args, spec)
@@ -136,6 +251,8 @@ def main() -> None:
     finally:
         stack.stop()
     out["load_average_after"] = os.getloadavg()  # other processes' CPU use: stages overlap only on idle cores
+    out["bar"] = bar_verdict(out, bar_setting(devices, (args.width, args.height, args.frames)), args.jobs)
+    print("bar", json.dumps(out["bar"]), flush=True)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(out, indent=2) + "\n")

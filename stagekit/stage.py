@@ -39,6 +39,10 @@ class CommonConfig(ServeConfig):
 
     devices: list[str] = field(default_factory=list, metadata={
         "help": "devices per rank, comma-separated ('cuda:0,cuda:1', or virtual 'virt0' on CPU); default: cuda:LOCAL_RANK or cpu"})
+    cpu_cores: str = field(default="", metadata={
+        "help": "CPU cores this stage computes on, a Linux CPU list ('0-4', '5,6'): the process's affinity, and torch's "
+                "CPU threads set to their count; default: every core, torch's default threads. Stages on virtual "
+                "devices of one machine get disjoint sets, so that each virtual device is its own share of it"})
     models_dir: str = field(default="", metadata={"help": "directory with real checkpoints (default: embedded tiny model)"})
     weights: str = field(default="", metadata={"help": "explicit checkpoint path (overrides --models-dir)"})
     cache_dir: str = field(default="", metadata={"help": "where the embedded model is written (default ~/.cache/h3-stages)"})
@@ -111,6 +115,41 @@ def default_cache_dir() -> Path:
     return Path(base) / "h3-stages"
 
 
+def parse_cpu_list(text: str) -> list[int]:
+    """'0-3,6' -> [0, 1, 2, 3, 6] (the kernel's CPU list format, as in /sys/devices/system/cpu/online)."""
+    cores: set[int] = set()
+    for part in text.split(","):
+        lo, dash, hi = part.strip().partition("-")
+        if not lo.isdigit() or (dash and (not hi.isdigit() or int(hi) < int(lo))):
+            raise ValueError(f"--cpu-cores {text!r}: {part.strip()!r} is not a core number or a range like 0-3")
+        cores.update(range(int(lo), int(hi or lo) + 1))
+    return sorted(cores)
+
+
+def pin_cpu_cores(text: str) -> list[int]:
+    """Run this process (and the processes it starts) on the cores `text` names, with as many torch CPU threads;
+    returns them ([] with no `text`: every core, torch's default threads). A virtual device is then a share of the
+    machine rather than all of it: stages on other virtual devices compute on other cores."""
+    if not text:
+        return []
+    try:
+        cores = parse_cpu_list(text)
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
+    if not hasattr(os, "sched_setaffinity"):
+        raise SystemExit("--cpu-cores needs Linux (sched_setaffinity); leave it out on this system")
+    allowed = os.sched_getaffinity(0)
+    if missing := sorted(set(cores) - allowed):
+        raise SystemExit(f"--cpu-cores {text!r}: cores {missing} are not available to this process "
+                         f"(available: {','.join(map(str, sorted(allowed)))})")
+    os.sched_setaffinity(0, cores)
+    os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = str(len(cores))  # device workers, subprocesses
+    import torch
+
+    torch.set_num_threads(len(cores))
+    return cores
+
+
 def followers_ignore_term(is_leader: bool) -> None:
     """Ranks > 0 ignore SIGTERM/SIGINT. torchrun forwards a SIGTERM to every rank, but only rank 0 decides when
     the group stops: it drains (finishes or cancels the running job), then broadcasts exit to the followers. A
@@ -123,6 +162,8 @@ def followers_ignore_term(is_leader: bool) -> None:
 def run_stage(cfg: CommonConfig, stage: str, make_engine: Callable[[CommonConfig, RankInfo, RankGroup], Engine],
               service_name: str, add_servicer: Callable[[grpc.Server, StageRuntime, CommonConfig], None]) -> None:
     setup_logging(cfg.log_level, stage)
+    if cores := pin_cpu_cores(cfg.cpu_cores):
+        log.info("%s: on CPU cores %s, %d torch threads", stage, cfg.cpu_cores, len(cores))
     info = rank_info_from_env()
     if "TORCHELASTIC_RUN_ID" in os.environ:  # launched by a torchrun agent
         die_with_parent("this rank")
