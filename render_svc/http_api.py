@@ -74,12 +74,13 @@ _SIZE = re.compile(r"^(\d{1,5})x(\d{1,5})$")
 _ID = r"(?P<video_id>[A-Za-z0-9_-]{1,128})"
 
 
-class HttpError(Exception):
-    """A refusal that has an HTTP status of its own and no gRPC twin (405, 411, 413, 415)."""
+class HttpError(InvalidArgument):
+    """A request refused for how it was sent, with an HTTP status of its own and no gRPC twin (405, 408, 411, 413,
+    415): the caller's to fix, as every InvalidArgument. `error_code`: the JSON error body's `code`."""
 
-    def __init__(self, status: int, code: str, message: str, headers: dict | None = None):
+    def __init__(self, status: int, error_code: str, message: str, headers: dict | None = None):
         super().__init__(message)
-        self.status, self.code, self.message, self.headers = status, code, message, headers or {}
+        self.status, self.error_code, self.headers = status, error_code, headers or {}
 
 
 def error_body(code: str, message: str, kind: str) -> bytes:
@@ -319,7 +320,7 @@ class VideoAPI:
             who = self._caller(h) if route.auth else ANYONE
             getattr(self, route.action)(h, who, parse_qs(query), **params)
         except HttpError as e:
-            self._fail(h, e.status, e.code, "invalid_request_error", e.message, e.headers)
+            self._fail(h, e.status, e.error_code, "invalid_request_error", e.message, e.headers)
         except ConnectionError:  # the caller left (mid-download): nothing more can be sent
             h.close_connection = True
         except Exception as e:  # noqa: BLE001 - every failure is answered, by the gRPC status of its meaning
