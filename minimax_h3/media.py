@@ -17,7 +17,8 @@ import numpy as np
 
 from minimax_h3.contract import AUDIO_SAMPLE_RATE, FPS, FRAME_CLIP, FRAME_OFFSET, MIN_FRAMES, SIZE_MULTIPLE
 from minimax_h3.reference_files import (MAX_SOURCE_FPS, MAX_SOURCE_PIXELS, admit_reference, check_pixels,
-                                        decodable_stream, decoder_errors, decoder_words, nonfinite_audio)
+                                        decodable_stream, decoder_errors, decoder_words, nonfinite_audio,
+                                        refusal)
 from stagekit.errors import InvalidArgument
 
 # An image reference is encoded at a short edge of its own, whatever the render canvas (docs/model.md §3.4).
@@ -235,8 +236,7 @@ def load_reference(data: bytes, kind: str, frames: int, sizes: ReferenceSizes = 
     admit_reference(kind, data, frames)
     seconds = frames / FPS
 
-    def refused(why: str) -> InvalidArgument:
-        return InvalidArgument(f"the {kind} reference{' ' + name if name else ''} cannot be used: {why}")
+    refused = refusal(kind, name)
 
     try:
         if kind == "image":

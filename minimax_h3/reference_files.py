@@ -67,6 +67,12 @@ def decoder_errors() -> tuple[type[BaseException], ...]:
     return av.FFmpegError, OSError, SyntaxError, Image.DecompressionBombError
 
 
+def refusal(kind: str, name: str = "") -> Callable[[str], InvalidArgument]:
+    """The refusal of one reference file: `refusal(kind, name)(why)` is InvalidArgument `the <kind> reference <name>
+    cannot be used: <why>` (the words of the client, Submit and the decoder alike)."""
+    return lambda why: InvalidArgument(f"the {kind} reference{' ' + name if name else ''} cannot be used: {why}")
+
+
 def decoder_words(e: BaseException) -> str:
     """A decoder's refusal in words its sender can act on: FFmpeg's reason without PyAV's `[Errno N]` and stand-in
     file name, Pillow's without the in-memory buffer it read from."""
@@ -152,8 +158,7 @@ def check_reference_file(kind: str, data: bytes, frames: int, name: str = "") ->
     admit_reference(kind, data, frames)
     seconds = frames / FPS
 
-    def refuse(why: str) -> InvalidArgument:
-        return InvalidArgument(f"the {kind} reference{' ' + name if name else ''} cannot be used: {why}")
+    refuse = refusal(kind, name)
 
     try:
         if kind == "image":
