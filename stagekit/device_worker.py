@@ -12,7 +12,7 @@ engine's `prepare_process()` included) and waits, touching no device, until `loa
     prepare() -> spawn (standby)       ------>  imports, engine_cls.prepare_process()  -> ("standby",)
     load()   -> ("start", rendezvous)  ------>  device, engine = type(engine)(engine.cfg, worker group)
              -> ("load", spec, copies) ------>  use_host_copies(copies); engine.load() / load_for(spec)
-                                                                                    -> ("ok", bytes)
+                                                                                    -> ("ok", (bytes, load phases))
     run()    -> ("run", spec, inputs)  ------>  engine.run(spec, inputs, ctx)
                 answers ctx calls      <------  ("progress"| "should_stop" | "check_cancel"...)
                                        <------  ("done", outputs, bytes) | ("error", exc)
@@ -36,6 +36,7 @@ engine's `prepare_process()` included) and waits, touching no device, until `loa
 from __future__ import annotations
 
 import atexit
+import gc
 import logging
 import multiprocessing as mp
 import os
@@ -265,6 +266,10 @@ def _worker_main(conn, engine_cls: type, engine_cfg: Any, wcfg: WorkerConfig) ->
             prepare()
         except Exception as e:  # noqa: BLE001 - the load imports it again and reports a real failure
             log.warning("%s device worker: preparing the process failed (%r); the load does it", wcfg.stage, e)
+    # Everything imported so far lives as long as the process: out of the collector's sight, a collection during
+    # the turn (the engine's release after a load, allocation-triggered ones) walks only the turn's own objects
+    # (measured on a DiT worker: ~300k objects, 0.15 s a full collection on a 2-core CPU, ~0 s after this).
+    gc.freeze()
     conn.send(("standby", None))
     try:
         msg = conn.recv()
@@ -302,7 +307,7 @@ def _worker_main(conn, engine_cls: type, engine_cfg: Any, wcfg: WorkerConfig) ->
             if msg[0] == "load":
                 use_host_copies(msg[2])
                 load_engine(engine, msg[1])
-                conn.send(("ok", engine.resident_bytes()))
+                conn.send(("ok", (engine.resident_bytes(), dict(getattr(engine, "load_phases", None) or {}))))
             elif msg[0] == "run":
                 out = engine.run(msg[1], msg[2], ctx)
                 state = getattr(engine, "worker_state", None)
@@ -344,6 +349,7 @@ class DeviceWorkerEngine:
         self._standby = None      # (process, channel, ready?): the next turn's worker, imports done, no device
         self._closed = False
         self._bytes = 0
+        self.load_phases: dict[str, float] = {}  # the last load's steps in the worker (the engine's, when it has them)
         self._lost = False
         self._loads = 0
         # Checkpoint files kept in host memory between turns, when the host has room (stagekit/host_copy.py). One
@@ -483,7 +489,7 @@ class DeviceWorkerEngine:
         kind, value = self._recv()
         if kind == "error":
             raise value
-        self._bytes = value
+        self._bytes, self.load_phases = value
 
     def _start_process(self):
         ours, theirs = _context().Pipe()
