@@ -9,7 +9,8 @@ engine's `prepare_process()` included) and waits, touching no device, until `loa
 
     stage process (rank r)                      device worker (rank r), one per residency
     ----------------------                      ----------------------------------------
-    prepare() -> spawn (standby)       ------>  imports, engine_cls.prepare_process()  -> ("standby",)
+    prepare() -> spawn (standby, the   ------>  imports, engine_cls.prepare_process(), gc.freeze(), the
+                 host copies held)              copies mapped and prefaulted on a thread  -> ("standby",)
     load()   -> ("start", rendezvous)  ------>  device, engine = type(engine)(engine.cfg, worker group)
              -> ("load", spec, copies) ------>  use_host_copies(copies); engine.load() / load_for(spec)
                                                                                     -> ("ok", (bytes, load phases))
@@ -242,9 +243,12 @@ class _WorkerContext:
             raise err
 
 
-def _worker_main(conn, engine_cls: type, engine_cfg: Any, wcfg: WorkerConfig) -> None:
-    """The worker: import everything and wait on standby (no device touched, so it holds nothing of the card); at
-    "start" set up the device and build the engine, then serve the stage process's commands until "exit"."""
+def _worker_main(conn, engine_cls: type, engine_cfg: Any, wcfg: WorkerConfig,
+                 copies: dict[str, str] | None = None) -> None:
+    """The worker: import everything and wait on standby (no device touched, so it holds nothing of the card),
+    mapping the stage's host copies of the files its load will read (`copies`) and faulting their pages in
+    meanwhile; at "start" set up the device and build the engine, then serve the stage process's commands until
+    "exit"."""
     conn = Channel(conn)
     die_with_parent(f"the {wcfg.stage} device worker")
     logging.basicConfig(level=wcfg.log_level.upper(),
@@ -254,7 +258,7 @@ def _worker_main(conn, engine_cls: type, engine_cfg: Any, wcfg: WorkerConfig) ->
         os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # docs/memory.md
     import torch
 
-    from stagekit.checkpoints import use_host_copies
+    from stagekit.checkpoints import prefault_host_copies, use_host_copies
     from stagekit.dist import RankGroup, RankInfo
     from stagekit.runtime import load_engine
 
@@ -270,6 +274,12 @@ def _worker_main(conn, engine_cls: type, engine_cfg: Any, wcfg: WorkerConfig) ->
     # the turn (the engine's release after a load, allocation-triggered ones) walks only the turn's own objects
     # (measured on a DiT worker: ~300k objects, 0.15 s a full collection on a 2-core CPU, ~0 s after this).
     gc.freeze()
+    if copies:
+        try:
+            prefault_host_copies(copies)
+        except OSError as e:  # e.g. the stage dropped a copy meanwhile: the load maps what it is handed
+            log.info("%s device worker: host copies not mapped on standby (%r)", wcfg.stage, e)
+            use_host_copies({})
     conn.send(("standby", None))
     try:
         msg = conn.recv()
@@ -493,8 +503,11 @@ class DeviceWorkerEngine:
 
     def _start_process(self):
         ours, theirs = _context().Pipe()
+        # The copies the next load will read, when the stage holds them already (from its second turn on): the
+        # worker maps them and faults their pages in while on standby.
+        copies = self.host_copies.held(self.engine.weight_files()) if self.host_copies is not None else {}
         proc = _context().Process(target=_worker_main, name=f"{self.name}-worker",
-                                  args=(theirs, type(self.engine), self.engine.cfg, self.wcfg))
+                                  args=(theirs, type(self.engine), self.engine.cfg, self.wcfg, copies))
         proc.start()
         theirs.close()
         return proc, Channel(ours)

@@ -138,6 +138,16 @@ class HostCopies:
             pid = os.getpid()
             return {str(f): f"/proc/{pid}/fd/{self._copies[f].fd}" for f in files}
 
+    def held(self, files: list[Path | str]) -> dict[str, str]:
+        """{file path: path the worker opens} when every one of `files` is held now (else {}): what the next turn's
+        worker may map on standby. Copies nothing; `ensure` at the load still decides."""
+        with self._lock:
+            files = [Path(f).resolve() for f in files]
+            if not files or any(f not in self._copies for f in files):
+                return {}
+            pid = os.getpid()
+            return {str(f): f"/proc/{pid}/fd/{self._copies[f].fd}" for f in files}
+
     def _copy(self, path: Path, st: os.stat_result) -> _Copy:
         fd = os.memfd_create(f"h3-{self.stage}-{path.name}", os.MFD_CLOEXEC)
         try:
