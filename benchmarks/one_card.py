@@ -154,6 +154,7 @@ class OneCard(two.Bench):
                 loads.append({"stage": ev.get("stage"), "bytes": bytes_, "load_s": round(ev["load_s"], 3),
                               "worker_start_s": round(start, 3), "worker_start": ev.get("worker_start"),
                               "host_copy_gib": round(ev.get("host_copy_bytes", 0) / GIB, 2),
+                              "phases": ev.get("load_phases", {}),
                               "weights_gbps": round(bytes_ / max(1e-6, ev["load_s"] - start) / 1e9, 2)})
         r["loads"] = loads
         r["host"] = host_meminfo()

@@ -224,6 +224,7 @@ class DiTEngine:
         self.placement: Placement | None = None  # the last job's
         self.loras: LoRAManager | None = None  # per-rank LoRA cache; lives as long as the loaded model
         self._lora_targets = None  # full-size linear shapes for header-only LoRA validation (rank 0)
+        self.load_phases: dict[str, float] = {}  # the last load's steps in seconds (the `loaded` event carries them)
 
     # ---- partitions -----------------------------------------------------------------------------------------------
     def _select(self, partition: str) -> None:
@@ -309,11 +310,13 @@ class DiTEngine:
                                    quant_mode=quant_mode, dtype=cfg.compute_dtype, qkv_layout=cfg.qkv_layout or None,
                                    device=dev, workers=LOAD_WORKERS if dev.startswith("cuda") else 1)
         t1 = time.monotonic()
+        phases = dict(weights.timings)
+        assembly: dict[str, float] = {}
         make_linear = kernel_linears(self.model_cfg, self.kernels, quant_mode, cfg.compute_dtype)
         model = assemble_dit(self.model_cfg, weights, make_linear, dev, cfg.compute_dtype, self.chunk_rows,
                              tp_group=par.tp_group, sp_group=par.sp_group,
                              attention_fn=self.kernels.attention_fn() if self.kernels is not None else None,
-                             compile_blocks=cfg.compile_blocks)
+                             compile_blocks=cfg.compile_blocks, timings=assembly)
         self.model = model
         self.stream = BlockStream(model.blocks, dev)
         model.block_stream = self.stream
@@ -322,8 +325,14 @@ class DiTEngine:
         t2 = time.monotonic()
         release_device_memory(dev)  # blocks of converted sources go back to the card, not to this process's cache
         t3 = time.monotonic()
-        log.info("rank %d loaded %s (%s) in %.2f s (weights %.2f s, assembly %.2f s, release %.2f s)",
-                 self.group.info.rank, self.path.name, self.variant, t3 - t0, t1 - t0, t2 - t1, t3 - t2)
+        phases.update({f"assembly_{k}": v for k, v in assembly.items()})
+        phases.update(weights_s=t1 - t0, assembly_s=t2 - t1, release_s=t3 - t2)
+        self.load_phases = {k: round(v, 4) for k, v in phases.items()}
+        log.info("rank %d loaded %s (%s) in %.2f s (weights %.2f s: check %.2f, read %.2f, finite %.2f; assembly "
+                 "%.2f s: build %.2f, linears %.2f, state %.2f, finish %.2f; release %.2f s)",
+                 self.group.info.rank, self.path.name, self.variant, t3 - t0, t1 - t0, phases["check"],
+                 phases["read"], phases["finite"], t2 - t1, assembly["build"], assembly["linears"], assembly["state"],
+                 assembly["finish"], t3 - t2)
 
     def unload(self) -> None:
         if self.stream is not None:

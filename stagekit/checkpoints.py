@@ -12,6 +12,7 @@
   file that went bad after start-up into a `CheckpointError` (FAILED_PRECONDITION) naming file and tensor;
 * `use_host_copies(mapping)`: a device worker reads the files its stage process keeps in host memory
   (stagekit/host_copy.py) instead of the disk; `TensorReader(views=True)` then hands out views of those copies;
+  `prefault_host_copies(mapping)` maps them ahead of the turn (a worker on standby) and faults their pages in;
 * `FiniteCheck` / `nonfinite_flag`: no weight holds a NaN or an Inf. `TensorReader` checks every float tensor it
   reads on the CPU; a loader that copies its tensors to a GPU checks the copies there instead, one queued flag per
   tensor and one host sync for the whole load.
@@ -27,6 +28,8 @@ import math
 import mmap
 import os
 import re
+import ctypes
+import logging
 import struct
 import threading
 import warnings
@@ -387,6 +390,7 @@ IDENTITY = NameMap(())
 # Reading tensors
 # =====================================================================================================================
 # Checkpoint file -> the path of the stage process's copy of it in host memory (this process's device worker turn).
+_log = logging.getLogger("stagekit.checkpoints")
 _HOST_COPIES: dict[Path, str] = {}
 _MAPPED: dict[Path, "_MappedCopy"] = {}
 _MAPPED_LOCK = threading.Lock()
@@ -394,12 +398,46 @@ _MAPPED_LOCK = threading.Lock()
 
 def use_host_copies(mapping: Mapping[str, str]) -> None:
     """Read the checkpoint files named in `mapping` ({file: path of its host copy}) from their copies from now on
-    (a device worker, before it loads; stagekit/host_copy.py). Files not named are read from disk."""
+    (a device worker, before it loads; stagekit/host_copy.py). Files not named are read from disk. A copy mapped
+    before (`prefault_host_copies`) is kept only when it is still the same copy: same path and same memfd inode (a
+    copy made again after its file changed may reuse the descriptor number)."""
     with _MAPPED_LOCK:
         _HOST_COPIES.clear()
         _HOST_COPIES.update({Path(k).resolve(): v for k, v in mapping.items()})
-        for f in [f for f in _MAPPED if _MAPPED[f].source != _HOST_COPIES.get(f)]:
+        for f in [f for f in _MAPPED if not _MAPPED[f].same_copy(_HOST_COPIES.get(f))]:
             del _MAPPED[f]
+
+
+# Bytes a prefault pass asks the kernel for at once (one madvise call, the GIL released).
+PREFAULT_CHUNK = 256 << 20
+MADV_POPULATE_READ = 22  # Linux 5.14+
+
+
+def prefault_host_copies(mapping: Mapping[str, str]) -> threading.Thread:
+    """Use the host copies in `mapping` (as `use_host_copies`), map each now and fault its pages in on a background
+    thread (madvise MADV_POPULATE_READ, a chunk at a time): a device worker on standby does it before its turn, so
+    the turn's load copies from pages already mapped instead of faulting ~5 million of them in (0.15-0.2 s of CPU
+    per GiB measured on a 2-core VM). Nothing touches a device. Returns the thread (a daemon; it stops early when
+    the copies in use change). A kernel without MADV_POPULATE_READ leaves the faults to the load."""
+    use_host_copies(mapping)
+    copies = [c for c in (_host_copy(f) for f in list(_HOST_COPIES)) if c is not None]
+
+    def populate() -> None:
+        madvise = ctypes.CDLL(None, use_errno=True).madvise
+        madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        for c in copies:
+            base, size = c.bytes.data_ptr(), c.bytes.numel()
+            for lo in range(0, size, PREFAULT_CHUNK):
+                if _MAPPED.get(c.file) is not c:  # another set of copies is in use now
+                    break
+                if madvise(base + lo, min(PREFAULT_CHUNK, size - lo), MADV_POPULATE_READ) != 0:
+                    _log.info("host copy %s: pages not prefaulted (errno %d); the load faults them in", c.file.name,
+                              ctypes.get_errno())
+                    return
+
+    t = threading.Thread(target=populate, name="prefault-host-copies", daemon=True)
+    t.start()
+    return t
 
 
 class _MappedCopy:
@@ -410,8 +448,10 @@ class _MappedCopy:
         self.file, self.source = file, source
         fd = os.open(source, os.O_RDONLY)
         try:
-            size = os.fstat(fd).st_size
-            # Not populated up front: the loader's threads fault the pages in as they copy, in parallel.
+            st = os.fstat(fd)
+            size, self.ino = st.st_size, st.st_ino
+            # Not populated by the map: a worker on standby faults the pages in on a thread of its own
+            # (`prefault_host_copies`); otherwise the loader's threads do as they copy, in parallel.
             self.map = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
         finally:
             os.close(fd)
@@ -424,6 +464,15 @@ class _MappedCopy:
         with warnings.catch_warnings():  # read-only on purpose: nothing in a worker may write the stage's copy
             warnings.simplefilter("ignore", UserWarning)
             self.bytes = torch.frombuffer(self.map, dtype=torch.uint8)
+
+    def same_copy(self, source: str | None) -> bool:
+        """Whether `source` (a copy's path, or None) still names the copy this maps."""
+        if source != self.source:
+            return False
+        try:
+            return os.stat(source).st_ino == self.ino
+        except OSError:
+            return False
 
     def tensor(self, key: str) -> torch.Tensor:
         """A read-only view of tensor `key` (a copy when its bytes are not aligned for its dtype)."""

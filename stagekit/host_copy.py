@@ -28,6 +28,7 @@ import ctypes
 import logging
 import os
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -137,6 +138,16 @@ class HostCopies:
             pid = os.getpid()
             return {str(f): f"/proc/{pid}/fd/{self._copies[f].fd}" for f in files}
 
+    def held(self, files: list[Path | str]) -> dict[str, str]:
+        """{file path: path the worker opens} when every one of `files` is held now (else {}): what the next turn's
+        worker may map on standby. Copies nothing; `ensure` at the load still decides."""
+        with self._lock:
+            files = [Path(f).resolve() for f in files]
+            if not files or any(f not in self._copies for f in files):
+                return {}
+            pid = os.getpid()
+            return {str(f): f"/proc/{pid}/fd/{self._copies[f].fd}" for f in files}
+
     def _copy(self, path: Path, st: os.stat_result) -> _Copy:
         fd = os.memfd_create(f"h3-{self.stage}-{path.name}", os.MFD_CLOEXEC)
         try:
@@ -174,25 +185,42 @@ class HostCopies:
 # Worker side: host tensor -> device through pinned staging buffers
 # =====================================================================================================================
 class _Stager(threading.local):
-    """One loader thread's staging buffers (pinned), their events and its copy stream."""
+    """One loader thread's staging buffers (pinned), their events and its copy stream, and where its time went
+    (`staging_seconds`)."""
 
     def __init__(self):
         self.device = None
         self.buffers: list[torch.Tensor] = []
         self.events: list = []
         self.stream = None
+        self.seconds = {"pin": 0.0, "fill": 0.0, "wait": 0.0}
+        with _SECONDS_LOCK:
+            _SECONDS.append(self.seconds)
 
 
+_SECONDS: list[dict[str, float]] = []  # every loader thread's `_Stager.seconds`
+_SECONDS_LOCK = threading.Lock()
 _STAGER = _Stager()
+
+
+def staging_seconds() -> dict[str, float]:
+    """Seconds the loader threads of this process spent so far, summed over threads: "pin" allocating their pinned
+    buffers, "fill" copying host bytes into them (the CPU side: page faults of a fresh mapping of the copy
+    included), "wait" waiting for a buffer's previous chunk and each tensor's last one to reach the device (the
+    bus side). A load's share is the difference of two readings."""
+    with _SECONDS_LOCK:
+        return {k: sum(d[k] for d in _SECONDS) for k in ("pin", "fill", "wait")}
 
 
 def _stager(device: torch.device) -> _Stager:
     s = _STAGER
     if s.device != device:
+        t0 = time.perf_counter()
         s.device = device
         s.buffers = [torch.empty(STAGE_BYTES, dtype=torch.uint8, pin_memory=True) for _ in range(STAGE_SLOTS)]
         s.events = [None] * STAGE_SLOTS
         s.stream = torch.cuda.Stream(device)
+        s.seconds["pin"] += time.perf_counter() - t0
     return s
 
 
@@ -220,14 +248,20 @@ def to_device(t: torch.Tensor, device: torch.device | str, dtype: torch.dtype | 
         for j, lo in enumerate(range(0, nbytes, STAGE_BYTES)):
             k = j % STAGE_SLOTS
             n = min(STAGE_BYTES, nbytes - lo)
+            t0 = time.perf_counter()
             if s.events[k] is not None:
                 s.events[k].synchronize()  # the buffer's previous chunk has left for the device
+            t1 = time.perf_counter()
             # A plain memcpy (ctypes drops the GIL): the loader's threads copy in parallel without each one
             # starting a team of intra-op threads.
             ctypes.memmove(s.buffers[k].data_ptr(), flat_src.data_ptr() + lo, n)
+            s.seconds["wait"] += t1 - t0
+            s.seconds["fill"] += time.perf_counter() - t1
             flat_out[lo: lo + n].copy_(s.buffers[k][:n], non_blocking=True)
             ev = torch.cuda.Event()
             ev.record(s.stream)
             s.events[k] = ev
+    t0 = time.perf_counter()
     s.stream.synchronize()
+    s.seconds["wait"] += time.perf_counter() - t0
     return out if dtype == out.dtype else out.to(dtype)

@@ -443,6 +443,9 @@ class StageRuntime:
             copies = getattr(self.engine, "host_copies", None)  # files kept in host memory (stagekit/host_copy.py)
             if copies is not None:
                 extra["host_copy_bytes"] = copies.nbytes
+            phases = getattr(self.engine, "load_phases", None)  # where the load went, when the engine says
+            if phases:
+                extra["load_phases"] = dict(phases)
             self._log("loaded", load_s=load_s, bytes=self.engine.resident_bytes(),
                       reserved=self.budget.reserved if self.budget is not None else 0, **extra)
             if self.metrics is not None:

@@ -80,6 +80,11 @@ def test_worker_serves_jobs_and_nothing_remains_after_unload(dit1, tmp_path, mod
         assert not c.stub("dit").Status(common_pb2.StatusRequest(), timeout=10).resident
     loaded = [e for e in events(dit1) if e["event"] == "loaded"]
     assert loaded and loaded[-1]["worker_start_s"] > 0 and loaded[-1]["load_s"] >= loaded[-1]["worker_start_s"]
+    # Where the worker's load went, step by step (the DiT engine's `load_phases`, through the worker's reply).
+    phases = loaded[-1]["load_phases"]
+    assert {"check", "read", "finite", "assembly_build", "assembly_linears", "assembly_state", "assembly_finish",
+            "weights_s", "assembly_s", "release_s"} <= phases.keys()
+    assert all(v >= 0 for v in phases.values()) and phases["weights_s"] + phases["assembly_s"] <= loaded[-1]["load_s"]
     unloaded = [e for e in events(dit1) if e["event"] == "unloaded"]
     assert unloaded[-1]["reason"] == "request"
     print(f"\ndevice worker start on CPU: {loaded[-1]['worker_start_s']:.2f} s of a {loaded[-1]['load_s']:.2f} s load")

@@ -18,7 +18,8 @@ from minimax_h3.dit.tiny_checkpoint import write_tiny_checkpoint
 from minimax_h3.kernels.int8 import QuantizedWeight
 from minimax_h3.vae.video import load_video_vae, write_tiny_video_vae
 from stagekit import host_copy
-from stagekit.checkpoints import TensorReader, open_checkpoint, use_host_copies
+from stagekit import checkpoints
+from stagekit.checkpoints import TensorReader, open_checkpoint, prefault_host_copies, use_host_copies
 from stagekit.device_worker import WORKER_ENV
 from stagekit.host_copy import GIB, HOST_RESERVE_BYTES, MEM_AVAILABLE_ENV, HostCopies, decide, to_device
 from tests.conftest import SERVER_ENV
@@ -78,6 +79,36 @@ def test_reading_the_copy_gives_the_files_tensors_and_release_leaves_nothing(int
     assert memfds(os.getpid()) == []
 
 
+def test_prefaulted_copies_read_the_same_and_a_copy_made_again_is_mapped_again(int8_file, monkeypatch, no_copies):
+    """What a standby worker does (`prefault_host_copies`): map the copies and fault them in ahead of the turn. The
+    load then reads the same tensors from that mapping; a copy made again (its file changed) under a reused
+    descriptor number is a new memfd, and the stale mapping is dropped, never read."""
+    monkeypatch.setenv(MEM_AVAILABLE_ENV, ROOMY)
+    entries = open_checkpoint(int8_file).tensors
+    expect = {k: TensorReader(entries).whole(k) for k in entries}
+    copies = HostCopies("test")
+    try:
+        mapping = copies.ensure([int8_file])
+        prefault_host_copies(mapping).join(timeout=30)
+        (mapped,) = checkpoints._MAPPED.values()
+        use_host_copies(mapping)  # the load, handed the same copies: the prefaulted mapping is kept
+        assert list(checkpoints._MAPPED.values()) == [mapped]
+        views = TensorReader(entries, views=True)
+        assert all(torch.equal(views.whole(k), t) for k, t in expect.items())
+        del views
+        copies.release()
+        again = copies.ensure([int8_file])
+        use_host_copies(again)
+        assert not checkpoints._MAPPED or next(iter(checkpoints._MAPPED.values())) is not mapped
+        views = TensorReader(entries, views=True)
+        assert all(torch.equal(views.whole(k), t) for k, t in expect.items())
+        assert next(iter(checkpoints._MAPPED.values())).ino != mapped.ino
+        del views, mapped
+    finally:
+        use_host_copies({})
+        copies.release()
+
+
 def test_a_host_short_of_memory_reads_the_files(int8_file, monkeypatch):
     monkeypatch.setenv(MEM_AVAILABLE_ENV, SHORT)
     copies = HostCopies("test")
@@ -119,8 +150,8 @@ def _status_row(c, stage: str) -> tuple[str, str]:
 
 def test_stage_with_copy_gives_the_same_bits_and_nothing_outlives_it(tmp_path, model_cache):
     """Through real DiT stages on CPU (the worker path): one keeping its file in host memory, one on a host short of
-    memory. Same latents; Status says which; the copy lives in the stage process only and dies with it, kill -9
-    included; the next turn's worker waits on standby with no copy mapped."""
+    memory. Same latents; Status says which; the copy lives in the stage process and dies with it, kill -9
+    included; from the second turn on, the next turn's worker maps it while it waits on standby."""
     kept = start("dit", 1, tmp_path / "kept", model_cache, {**SERVER_ENV, WORKER_ENV: "1", MEM_AVAILABLE_ENV: ROOMY})
     short = start("dit", 1, tmp_path / "short", model_cache, {**SERVER_ENV, WORKER_ENV: "1", MEM_AVAILABLE_ENV: SHORT})
     try:
@@ -130,6 +161,10 @@ def test_stage_with_copy_gives_the_same_bits_and_nothing_outlives_it(tmp_path, m
             kernel, reason = _status_row(c, "dit")
             assert kernel.startswith("kept in host memory") and "64.0 GiB" in reason
             c.stub("dit").Unload(common_pb2.UnloadRequest(), timeout=60)
+            # The next turn's worker maps the copy on standby (and faults it in), before any lease.
+            (standby,) = workers(kept, "dit")
+            wait_until(lambda: any("memfd:h3-dit" in line for line in Path(f"/proc/{standby}/maps").read_text()
+                                   .splitlines()), what="the standby worker to map the host copy")
             v2, a2, _ = sample(c, SPEC, TEXT, timeout_s=120)  # the second turn loads from the copy
         with clients(short, "dit") as c:
             sv, sa, _ = sample(c, SPEC, TEXT, timeout_s=120)

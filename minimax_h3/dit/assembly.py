@@ -8,6 +8,7 @@ chosen attention kernel in every attention layer, and the blocks compiled if ask
 
 from __future__ import annotations
 
+import time
 from typing import Callable, MutableMapping
 
 import torch
@@ -55,12 +56,26 @@ def kernel_linears(cfg: DiTConfig, kernels: KernelSelection | None, quant_mode: 
 def assemble_dit(cfg: DiTConfig, weights: MutableMapping[str, WeightSource], make_linear: MakeLinear,
                  device: torch.device | str, compute_dtype: torch.dtype = torch.bfloat16, chunk_rows: int = 4096,
                  tp_group: dist.ProcessGroup | None = None, sp_group: dist.ProcessGroup | None = None,
-                 attention_fn: AttentionFn | None = None, compile_blocks: bool = False) -> H3DiT:
+                 attention_fn: AttentionFn | None = None, compile_blocks: bool = False,
+                 timings: dict[str, float] | None = None) -> H3DiT:
     """The DiT from this rank's weights (release / ComfyUI names; int8 ones as QuantizedWeight), emptied as it goes:
     a weight converted by `make_linear` (int8 -> fp8) never sits on the device beside its source. Raises
-    FailedPrecondition when the weights do not fit the model."""
+    FailedPrecondition when the weights do not fit the model. `timings`, when given, gets the seconds of each step
+    ("build", "linears", "state", "finish"): where a load's assembly goes."""
+    clock = [time.monotonic()]
+
+    def lap(step: str) -> None:
+        if timings is None:
+            return
+        if torch.device(device).type == "cuda":  # the step's queued device work (e.g. int8 conversions) is its own
+            torch.cuda.synchronize(device)
+        now = time.monotonic()
+        timings[step] = now - clock[0]
+        clock[0] = now
+
     # 1. The model, without storage.
     model = H3DiT(cfg, compute_dtype, chunk_rows, tp_group=tp_group, sp_group=sp_group, device="meta")
+    lap("build")
     # 2. Linears served by a module of their own.
     swapped = set()
     for key in [k for k in weights if k.endswith(".weight")]:
@@ -78,6 +93,7 @@ def assemble_dit(cfg: DiTConfig, weights: MutableMapping[str, WeightSource], mak
         weights.pop(name + ".bias", None)
         model.swap_linear(name, layer)
         swapped.add(name)
+    lap("linears")
     # 3. Every other weight, assigned in place.
     dense = {k: weights.pop(k).to(device) for k in list(weights)}
     missing, unexpected = model.load_state_dict(dense, strict=False, assign=True)
@@ -86,6 +102,7 @@ def assemble_dit(cfg: DiTConfig, weights: MutableMapping[str, WeightSource], mak
         raise FailedPrecondition(f"DiT weights do not fit the model: missing {missing[:10]}, "
                                  f"unexpected {unexpected[:10]}")
     del dense
+    lap("state")
     # 4. RoPE, attention kernel, compilation.
     model.rope.to(device)
     if attention_fn is not None:
@@ -93,4 +110,6 @@ def assemble_dit(cfg: DiTConfig, weights: MutableMapping[str, WeightSource], mak
     if compile_blocks:
         for blk in model.blocks:
             blk.compile()
-    return model.eval()
+    model.eval()
+    lap("finish")
+    return model

@@ -43,7 +43,7 @@ from minimax_h3.kernels.int8 import QuantizedWeight, dequantize_convrot, read_qu
 from stagekit.checkpoints import (FLOAT, TORCH_DTYPE, Checkpoint, CheckpointError, FiniteCheck, HeaderEntry,
                                   TensorReader, TensorSpec, has_host_copy, key_report, metadata_json, named,
                                   open_checkpoint)
-from stagekit.host_copy import to_device
+from stagekit.host_copy import staging_seconds, to_device
 
 log = logging.getLogger(__name__)
 
@@ -580,6 +580,7 @@ class DiTWeights(dict):
         self.variant = variant
         self.config = config
         self.dequantized: list[str] = []
+        self.timings: dict[str, float] = {}  # seconds of the load's steps: "check", "read", "finite"
 
 
 class _RankReader:
@@ -729,6 +730,7 @@ def load_dit_weights(
     # Files kept in host memory by the stage process: views of the copy, moved through pinned staging buffers and
     # cast on the device (stagekit/host_copy.py); the same bits as reading the file and casting first.
     staged = all(has_host_copy(f) for f in {e.file for e in info.entries.values()})
+    staging_before = staging_seconds()
 
     def move(value: torch.Tensor | QuantizedWeight, out_dtype: torch.dtype | None = None):
         if isinstance(value, QuantizedWeight):
@@ -769,8 +771,11 @@ def load_dit_weights(
                 finite.add(*_where(info, key), value)
     t2 = time.monotonic()
     finite.raise_if_bad()
+    out.timings = {"check": t1 - t0, "read": t2 - t1, "finite": time.monotonic() - t2}
+    if staged:  # the read's staged copies, summed over the loader threads (stagekit.host_copy.staging_seconds)
+        out.timings.update({f"read_threads_{k}": v - staging_before[k] for k, v in staging_seconds().items()})
     log.info("%s: checked %.2f s, read%s %.2f s, finite check %.2f s", Path(path).name, t1 - t0,
-             " from the host copy" if staged else "", t2 - t1, time.monotonic() - t2)
+             " from the host copy" if staged else "", t2 - t1, out.timings["finite"])
     return out
 
 
