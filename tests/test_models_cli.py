@@ -103,7 +103,9 @@ def test_fetch_resumes_an_interrupted_download_and_checks_every_file(tmp_path):
     files = hub_files(stall_after=12 << 20)
     to = tmp_path / "models"
     with FakeHub(files) as hub:
-        env = {**os.environ, "HF_ENDPOINT": hub.url, "HF_HUB_DISABLE_TELEMETRY": "1"}
+        # The stall lasts until the Ctrl-C: huggingface_hub's read timeout (10 s by default) would otherwise give up on
+        # it and resume while this test, on a loaded machine, still waits to see the first 10 MiB.
+        env = {**os.environ, "HF_ENDPOINT": hub.url, "HF_HUB_DISABLE_TELEMETRY": "1", "HF_HUB_DOWNLOAD_TIMEOUT": "600"}
         p = subprocess.Popen([sys.executable, "-m", "client", "models", "fetch", "--to", str(to)], cwd=ROOT, env=env,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         deadline = time.monotonic() + 120

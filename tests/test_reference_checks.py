@@ -187,7 +187,8 @@ def test_ctrl_c_prints_a_fetch_that_waits_for_the_running_job(stack, svc, tmp_pa
     env = {**os.environ, **CLEAN_ENV}
     with holding_the_device(s.lease_dir):
         render = subprocess.Popen([sys.executable, "-m", "client", "render", "--render", svc.target, "--prompt",
-                                   "a gong, long decay", *SMALL, "-o", str(out)], cwd=ROOT, env=env, text=True,
+                                   "a gong, long decay", *SMALL, "-o", str(out)], cwd=ROOT,
+                                  env={**env, "PYTHONFAULTHANDLER": "1"}, text=True,
                                   stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         lines: list[str] = []
         reader = threading.Thread(target=lambda: lines.extend(render.stderr), daemon=True)
@@ -196,7 +197,13 @@ def test_ctrl_c_prints_a_fetch_that_waits_for_the_running_job(stack, svc, tmp_pa
                           lambda: "".join(lines))
         job_id = queued.split()[1]
         render.send_signal(signal.SIGINT)
-        assert render.wait(timeout=60) == 130
+        try:
+            assert render.wait(timeout=60) == 130
+        except subprocess.TimeoutExpired:  # say where it hangs: PYTHONFAULTHANDLER dumps every thread on SIGABRT
+            render.send_signal(signal.SIGABRT)
+            render.wait(timeout=30)
+            reader.join(timeout=10)
+            raise AssertionError("render did not exit within 60 s of Ctrl-C; its threads:\n" + "".join(lines))
         reader.join(timeout=10)
         said = "".join(lines)
         hints = [ln.strip() for ln in lines if ln.startswith("  ") and " jobs fetch " in ln]
