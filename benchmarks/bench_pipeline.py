@@ -14,12 +14,17 @@ On virtual devices each device is a share of the machine: the cores this process
 sets, one per virtual device, and each stage runs on its device's set (`--cpu-cores`: affinity, torch threads = the
 set's size). Both modes run on the same stage processes, so they compare the same machine shares. The defaults are
 the CPU bar's sizes: the tiny model at 384x384x39 (long enough that per-job overheads stay small beside the work),
-prompts of 1000 bytes (1000 tokens of the tiny byte-level tokenizer, under the encoder's 1024-token limit: the tiny
-text encoder does a long prompt's real work, and the DiT attends to it), and the step count at which the DiT's work
-per job matches the decoder's, measured on these stages before the modes run (`--steps 0`; the JSON's `balance`).
+prompts of 1000 bytes (1000 tokens of the tiny byte-level tokenizer, under the encoder's 1024-token limit, and
+different per job: the encoder's prompt cache would hide its work), and the three stages' work per job matched
+(`--steps 0`, `--encoder-layers 0`; the JSON's `balance`): (1) the DiT's seconds per step from jobs at 4 and 16 steps
+after a warm-up at each, the median of three each, the step count where they match the decoder's; (2) the tiny
+model's text encoder is a tiny-family file (width 64) the bench writes into its own cache with as many layers as
+match the decoder's seconds (the encoder reads the depth from the file); (3) `--pre-runs` pipelined pre-runs of three
+jobs scale the steps and the layers by the decoder's seconds per job over the DiT's and the encoder's, measured with
+the stages contending as in the run; the last pre-run's ratios are in `balance.pre_runs`.
 `bar` in the output says, per criterion, whether the run met it.
 
-    # CPU, tiny embedded model, three virtual devices (every stage on its own cores):
+    # CPU, tiny model, three virtual devices (every stage on its own cores; 3 cores or more: see core_sets):
     python benchmarks/bench_pipeline.py --compare-serial --json docs/performance_data/pipeline/cpu.json
     # one GPU, all stages resident (full-size random weights, written to --models-dir first if it has none):
     python benchmarks/bench_pipeline.py --devices cuda:0 --residency shared --models-dir /tmp/h3models \\
@@ -31,8 +36,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -136,23 +143,92 @@ def run_jobs(target: str, specs: list[RenderSpec], label: str) -> dict:
             "batches": len({r.batch for r in runs}), "max_waited_batches": max(r.waited_batches for r in runs)}
 
 
-def balance_steps(stack: EmbeddedStack, stages, render_args: list[str], spec, probe: tuple[int, int]) -> dict:
-    """The step count at which the DiT's compute per job matches the decoder's, on these stages: one warm-up render,
-    then one job at each of `probe`'s step counts; the DiT's seconds are a line in the steps (its per-step work plus
-    the fixed rest), the decoder's do not depend on them. Clamped to [1, 1000]."""
+def median(xs: list[float]) -> float:
+    """The middle value (the mean of the two middle ones for an even count)."""
+    ys = sorted(xs)
+    return (ys[(len(ys) - 1) // 2] + ys[len(ys) // 2]) / 2
+
+
+def balance_steps(stack: EmbeddedStack, stages, render_args: list[str], spec, probe: tuple[int, int],
+                  repeats: int = 3) -> dict:
+    """The step count at which the DiT's compute per job matches the decoder's, on these stages: one warm-up render
+    at each of `probe`'s step counts, then `repeats` jobs at each (alternating), each stage's median seconds; the
+    DiT's are a line in the steps (its per-step work plus the fixed rest), the decoder's do not depend on them.
+    Clamped to [1, 1000]. The encoder's median seconds come along (its work does not depend on the steps)."""
     stack.stop_stage("render")
     stack.cfg.extra_args["render"] = render_args
     target = stack.start_render(stages)
-    run_jobs(target, [spec("balance warm-up", 0, probe[0])], "balance-warm")
-    runs = [run_jobs(target, [spec(f"balance {n} steps", 0, n)], f"balance-{n}-")["busy_s"] for n in probe]
-    per_step = max((runs[1]["dit"] - runs[0]["dit"]) / (probe[1] - probe[0]), 1e-6)
-    rest = runs[0]["dit"] - per_step * probe[0]
-    decoder = sum(r["decoder"] for r in runs) / len(runs)
+    for n in probe:
+        run_jobs(target, [spec(f"balance warm-up {n}", 0, n)], "balance-warm")
+    runs: dict[int, list[dict]] = {n: [] for n in probe}
+    for r in range(repeats):
+        for n in probe:
+            runs[n].append(run_jobs(target, [spec(f"balance {n} steps {r}", 0, n)], f"balance-{n}-")["busy_s"])
+    dit = {n: median([b["dit"] for b in runs[n]]) for n in probe}
+    per_step = max((dit[probe[1]] - dit[probe[0]]) / (probe[1] - probe[0]), 1e-6)
+    rest = dit[probe[0]] - per_step * probe[0]
+    every = [b for n in probe for b in runs[n]]
+    decoder, encoder = median([b["decoder"] for b in every]), median([b["encoder"] for b in every])
     steps = min(1000, max(1, round((decoder - rest) / per_step)))
     out = {"steps": steps, "dit_s_per_step": round(per_step, 4), "dit_rest_s": round(rest, 3),
-           "decoder_s": round(decoder, 3), "encoder_s": round(sum(r["encoder"] for r in runs) / len(runs), 3)}
+           "decoder_s": round(decoder, 3), "encoder_s": round(encoder, 3), "samples_per_probe": repeats}
     print("balance:", json.dumps(out), flush=True)
     return out
+
+
+def encoder_file(cache: Path, layers: int) -> Path:
+    """A tiny-family text encoder of `layers` layers (the embedded model's generator, its header declaring the
+    depth; the encoder reads it from the file), written once into the bench's cache."""
+    from minimax_h3.text.tiny import write_tiny_model
+
+    return write_tiny_model(cache / f"text_encoder_L{layers}", num_layers=layers, used_layers=layers)
+
+
+def use_encoder(stack: EmbeddedStack, cache: Path, layers: int):
+    """Restart the encoder stage on a tiny encoder of `layers` layers; the stages' new endpoints."""
+    stack.stop_stage("render")
+    stack.stop_stage("encoder")
+    args = stack.cfg.extra_args["encoder"]
+    if "--weights" in args:
+        del args[args.index("--weights"):args.index("--weights") + 2]
+    args += ["--weights", str(encoder_file(cache, layers))]
+    stack.start_stage("encoder")
+    stack.wait_ready("encoder")
+    return stack.endpoints()
+
+
+def per_job(target: str, spec, steps: int, jobs: int, label: str) -> dict[str, float]:
+    """Each stage's compute seconds per job over `jobs` jobs submitted at once (pipelined: the stages contend for
+    the machine as in the measured run)."""
+    busy = run_jobs(target, [spec(f"{label} {i}", i, steps) for i in range(jobs)], f"{label}-")["busy_s"]
+    return {s: b / jobs for s, b in busy.items()}
+
+
+def balance_pipelined(stack: EmbeddedStack, stages, render_args: list[str], spec, steps: int, cache: Path | None,
+                      layers: int, jobs: int = 3, rounds: int = 2) -> dict:
+    """Correct the step count (and, with a bench-written encoder, its layer count) from short pipelined pre-runs:
+    per job, the DiT's seconds scale with the steps and the encoder's with its layers, so each is scaled to the
+    decoder's seconds per job (whose work is fixed). `rounds` pre-runs of `jobs` jobs; the last one's per-job
+    seconds are the ratios reported."""
+    history = []
+    for r in range(rounds + 1):
+        stack.stop_stage("render")
+        stack.cfg.extra_args["render"] = render_args
+        target = stack.start_render(stages)
+        run_jobs(target, [spec(f"pre-run warm-up {r}", 0, steps)], "pre-warm")
+        sec = per_job(target, spec, steps, jobs, f"pre-run {r}")
+        history.append({"steps": steps, "encoder_layers": layers, "per_job_s": {s: round(v, 3) for s, v in sec.items()},
+                        "over_decoder": {s: round(v / sec["decoder"], 3) for s, v in sec.items()}})
+        print("pre-run:", json.dumps(history[-1]), flush=True)
+        if r == rounds:
+            break
+        steps = min(1000, max(1, round(steps * sec["decoder"] / sec["dit"])))
+        if cache is not None:
+            new = min(1024, max(1, round(layers * sec["decoder"] / sec["encoder"])))
+            if new != layers:
+                layers = new
+                stages = use_encoder(stack, cache, layers)
+    return {"steps": steps, "encoder_layers": layers, "pre_runs": history, "stages": stages}
 
 
 def measure(stack: EmbeddedStack, stages, render_args: list[str], mode: str, args, spec) -> dict:
@@ -181,6 +257,11 @@ def main() -> None:
                          "(measured on these stages first, see balance_steps)")
     ap.add_argument("--prompt-bytes", type=int, default=-1,
                     help="prompt length (ASCII bytes); -1: 1000 on virtual devices, a short prompt on GPUs")
+    ap.add_argument("--encoder-layers", type=int, default=0,
+                    help="tiny model only: the text encoder's layers (a tiny-family file the bench writes into its own "
+                         "cache); 0: balance, the count at which its work per job matches the decoder's")
+    ap.add_argument("--pre-runs", type=int, default=2,
+                    help="with --steps 0: pipelined pre-runs of 3 jobs that correct the step (and layer) counts")
     ap.add_argument("--devices", default="virt0,virt1,virt2",
                     help="one device for all stages, or three: the encoder's, the DiT's, the decoder's")
     ap.add_argument("--residency", default="exclusive", choices=("exclusive", "shared"))
@@ -227,12 +308,24 @@ def main() -> None:
         if d in sets:
             stage_args[s] += ["--cpu-cores", ",".join(map(str, sets[d]))]
     threads = str(min(map(len, sets.values()))) if sets else ""
+    # The tiny model's text encoder is a file of the tiny family with as many layers as its work needs (the
+    # embedded one has 2: 1-2 % of the DiT's or the decoder's work); the encoder reads the depth from the file.
+    cache = None if args.models_dir else Path(tempfile.mkdtemp(prefix="h3-bench-models-"))
+    layers = args.encoder_layers or 16
+    if cache is not None:
+        stage_args["encoder"] += ["--weights", str(encoder_file(cache, layers))]
     stack = EmbeddedStack(StackConfig(run_dir=args.run_dir, residency=args.residency, models_dir=args.models_dir,
                                       env={"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads} if threads else {},
                                       extra_args=stage_args))
-    stages = stack.start()
+    try:
+        stages = stack.start()
+    except BaseException:
+        if cache is not None:
+            shutil.rmtree(cache, ignore_errors=True)
+        raise
     out: dict = {"config": {**vars(args), "prompt_bytes": prompt_bytes,
-                            "model": args.models_dir or "embedded tiny model (text encoder 2 layers x 64 wide)"},
+                            "model": args.models_dir or "tiny model (embedded DiT and decoder; text encoder of the "
+                                                        "tiny family, 64 wide, written by the bench)"},
                  "cpus": os.cpu_count(), "cores_usable": len(cores),
                  "stage_cpu_cores": {s: sets.get(d, []) for s, d in stage_devs.items()},
                  "load_average_before": os.getloadavg()}
@@ -242,7 +335,17 @@ def main() -> None:
         base = ["--max-batch", str(args.max_batch)]
         if args.steps == 0:
             out["balance"] = balance_steps(stack, stages, base, spec, (4, 16))
-            args.steps = out["config"]["steps"] = out["balance"]["steps"]
+            if cache is not None and args.encoder_layers == 0:  # the encoder's seconds scale with its layers
+                enc = out["balance"]
+                layers = min(1024, max(1, round(layers * enc["decoder_s"] / max(enc["encoder_s"], 1e-3))))
+                stages = use_encoder(stack, cache, layers)
+            pre = balance_pipelined(stack, stages, base, spec, out["balance"]["steps"],
+                                    cache if args.encoder_layers == 0 else None, layers, rounds=args.pre_runs)
+            stages, layers = pre.pop("stages"), pre["encoder_layers"]
+            out["balance"]["probe_steps"] = out["balance"].pop("steps")
+            out["balance"].update(pre)
+            args.steps = out["config"]["steps"] = pre["steps"]
+        out["config"]["encoder_layers"] = layers if cache is not None else None
         out["pipelined"] = measure(stack, stages, base, "pipelined", args, spec)
         if args.compare_serial:
             out["serial"] = measure(stack, stages, [*base, "--no-pipeline"], "serial", args, spec)
@@ -250,6 +353,8 @@ def main() -> None:
             print("pipelined_over_serial", out["pipelined_over_serial"], flush=True)
     finally:
         stack.stop()
+        if cache is not None:
+            shutil.rmtree(cache, ignore_errors=True)
     out["load_average_after"] = os.getloadavg()  # other processes' CPU use: stages overlap only on idle cores
     out["bar"] = bar_verdict(out, bar_setting(devices, (args.width, args.height, args.frames)), args.jobs)
     print("bar", json.dumps(out["bar"]), flush=True)

@@ -17,7 +17,7 @@ from encoder_svc.cache import CacheKey, TextStateCache
 from minimax_h3.contract import TEXT_STATES, TEXT_TAGS
 from minimax_h3.files import CHECKPOINT_PARTS, EMBEDDED_VERSION, resolve_checkpoint
 from minimax_h3.media import EMBEDDED_REFERENCE_SIZES, ReferenceSizes
-from minimax_h3.text.checkpoint import TextEncoderCheckpoint
+from minimax_h3.text.checkpoint import TextEncoderCheckpoint, conditioner_config_for
 from minimax_h3.text.conditioner import Conditioner, ConditionerConfig, resolve_tokenizer
 from minimax_h3.text.tiny import write_tiny_model
 from minimax_h3.text.tokenizer import MAX_PROMPT_TOKENS, validate_prompt
@@ -60,9 +60,12 @@ class EncoderEngine:
         self.cfg = cfg
         self.group = group
         self.path, self.embedded = resolve_weights(cfg)
-        self.model_cfg = ConditionerConfig.tiny() if self.embedded else ConditionerConfig.full()
-        # References on the model's sizes (2048 px images, 768 px clips), smaller ones for the embedded tiny family.
-        self.reference_sizes = EMBEDDED_REFERENCE_SIZES if self.embedded else ReferenceSizes()
+        # The geometry is the file's (a deeper tiny-family encoder just loads); the header validation below
+        # refuses a file whose keys do not match it, naming the file and the key.
+        self.model_cfg = conditioner_config_for(self.path)
+        tiny = self.model_cfg.hidden_size == ConditionerConfig.tiny().hidden_size
+        # References on the model's sizes (2048 px images, 768 px clips), smaller ones for the tiny family.
+        self.reference_sizes = EMBEDDED_REFERENCE_SIZES if tiny else ReferenceSizes()
         header = TextEncoderCheckpoint(self.path, self.model_cfg)  # validates keys/shapes from the header
         self.variant = header.info.variant
         self.fingerprint = header.info.fingerprint

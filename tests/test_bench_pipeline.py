@@ -78,3 +78,14 @@ def test_stage_refuses_cores_it_cannot_use_before_serving(tmp_path):
                           "--lease-dir", str(tmp_path)], env=ENV, capture_output=True, text=True, timeout=60)
     assert out.returncode != 0
     assert "--cpu-cores '4096': cores [4096] are not available to this process (available:" in out.stderr
+
+
+def test_balance_median_and_the_bench_encoder_depth(bench, tmp_path):
+    """The calibration takes medians; the bench's text encoder is a tiny-family file whose depth the encoder reads
+    from the file (the embedded model keeps its 2 layers)."""
+    from minimax_h3.text.checkpoint import conditioner_config_for
+
+    assert bench.median([3.0, 1.0, 2.0]) == 2.0 and bench.median([4.0, 1.0, 3.0, 2.0]) == 2.5
+    path = bench.encoder_file(tmp_path, 7)
+    assert path.parent.name == "text_encoder_L7" and (path.parent / "tokenizer.json").exists()
+    assert conditioner_config_for(path).num_layers == 7 and conditioner_config_for(path).hidden_size == 64

@@ -93,6 +93,34 @@ def expected_shapes(cfg: ConditionerConfig) -> dict[str, tuple[int, ...]]:
     return out
 
 
+def conditioner_config_for(path: str | Path) -> ConditionerConfig:
+    """The conditioner's geometry, decided from the file's header (no tensor data read): the full model (the
+    residual after layer 50 of Qwen3-VL-32B) unless the embedding (``[vocab, hidden]``) is the tiny family's width;
+    a tiny-family file runs the layers its header declares (``minimax_h3_te.num_hidden_layers``), or all the
+    layers its keys hold when it declares none. A file whose keys lack a declared (or intermediate) layer is
+    refused by TextEncoderCheckpoint's validation, which names the first missing key."""
+    ckpt = open_checkpoint(path)
+    tiny = ConditionerConfig.tiny()
+    names = [n for n in LAYOUT_NAMES.values() if n.to_source(f"{EMBED}.weight") in ckpt.tensors]
+    if not names or ckpt.tensors[names[0].to_source(f"{EMBED}.weight")].shape[-1] != tiny.hidden_size:
+        return ConditionerConfig.full()  # not the tiny family (or no embedding: the full validation names it)
+    te_meta = ckpt.metadata.get(H3_TE_METADATA)
+    if te_meta is not None:
+        try:
+            declared = int(json.loads(te_meta)["num_hidden_layers"])
+        except (ValueError, TypeError, KeyError) as e:
+            raise CheckpointError(ckpt.files[0], f"header metadata {H3_TE_METADATA}={te_meta} has no integer "
+                                                 f"num_hidden_layers ({e})") from None
+        if declared < 1:
+            raise CheckpointError(ckpt.files[0], f"header metadata {H3_TE_METADATA} declares {declared} layers")
+        return ConditionerConfig.tiny(num_layers=declared)
+    ids = {int(m.group(1)) for k in ckpt.tensors if (m := _LAYER_RE.match(names[0].from_source(k)))}
+    if not ids:
+        raise CheckpointError(ckpt.files[0], "no decoder layers: a tiny text encoder needs at least one",
+                              names[0].to_source("layers.0.input_layernorm.weight"))
+    return ConditionerConfig.tiny(num_layers=max(ids) + 1)
+
+
 @dataclass
 class RawParam:
     """One parameter as stored: a dense tensor, or the tensors of a quantised weight."""

@@ -60,15 +60,16 @@ class ConditionerConfig:
         return cls()
 
     @classmethod
-    def tiny(cls, vocab_size: int | None = None) -> "ConditionerConfig":
+    def tiny(cls, vocab_size: int | None = None, num_layers: int = 2) -> "ConditionerConfig":
+        """The tiny family: width 64; `num_layers` layers run (the embedded model: 2; a file may declare more)."""
         return cls(
             hidden_size=64,
             num_heads=4,
             num_kv_heads=2,
             head_dim=16,
             intermediate_size=128,
-            num_layers=2,
-            total_layers=4,
+            num_layers=num_layers,
+            total_layers=max(4, num_layers),
             vocab_size=TINY_VOCAB_SIZE if vocab_size is None else vocab_size,
             mrope_section=(4, 2, 2),  # head_dim 16 -> 8 rotary frequencies
             max_position_embeddings=4096,

@@ -174,10 +174,13 @@ def write_tiny_model(
     extra_full_model: bool = False,
     overwrite: bool = False,
     with_visual: bool = True,
+    used_layers: int | None = None,
 ) -> Path:
     """Write ``tokenizer.json`` + the tiny checkpoint into ``out_dir``; returns the checkpoint path.
 
-    ``num_layers`` > the tiny config's used layers writes extra layers (a "full" model the loader truncates).
+    ``num_layers`` > the used layers writes extra layers (a "full" model the loader truncates). ``used_layers``:
+    the conditioning layer the header declares (``minimax_h3_te``), default the embedded model's 2; a deeper tiny
+    encoder is ``num_layers == used_layers == n`` (the loader reads its depth from the file).
     """
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -188,7 +191,7 @@ def write_tiny_model(
     path = out_dir / name
     if path.exists() and not overwrite and (not with_visual or _has_visual(path)):
         return path  # (a file cached before the vision tower existed is rewritten)
-    cfg = ConditionerConfig.tiny()
+    cfg = ConditionerConfig.tiny(num_layers=used_layers or 2)
     weights = tiny_weights(cfg, seed=seed, num_layers=num_layers)
     visual = tiny_visual_weights(cfg.vision, seed=seed) if with_visual else None
     tensors = tiny_file_tensors(weights, variant=variant, layout=layout, seed=seed, awq=awq,
