@@ -76,3 +76,12 @@ def big_mappings(pid: int, min_kib: int) -> list[tuple[int, int]]:
                 out.append((size, int(line.split()[1])))
             size = None
     return out
+
+
+def takes_ctrl_c() -> None:
+    """`preexec_fn` for a child a test sends SIGINT: the child takes it as a user's Ctrl-C whatever this process
+    inherited (a suite started in the background by a shell without job control runs with SIGINT ignored, and a
+    child would inherit that, never seeing the Ctrl-C)."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
