@@ -19,17 +19,22 @@ import time
 import pytest
 
 from h3.v1 import render_pb2
-from render_svc.planner import STAGES, BatchPlanner, next_stage
+from render_svc.planner import STAGES, Batch, BatchPlanner, next_stage
 from tests.render_svc_util import ROOT, RenderService, probe, swaps
+
+
+def move_on(p: BatchPlanner, b: Batch) -> None:
+    """The jobs of a batch that ran, each queued for its next stage (a render's last stage ends it)."""
+    for j in b.job_ids:
+        if (nxt := next_stage(b.stage)) is not None:
+            p.add(j, nxt)
 
 
 def _drain(p: BatchPlanner) -> list[tuple[str, int]]:
     out = []
     while (b := p.next_batch()) is not None:
         out.append((b.stage, len(b.job_ids)))
-        for j in b.job_ids:
-            if (nxt := next_stage(b.stage)) is not None:
-                p.add(j, nxt)
+        move_on(p, b)
     return out
 
 
@@ -59,9 +64,7 @@ def test_planner_fairness_bound_under_random_arrivals(max_batch, max_wait, arriv
             continue
         worst = max(worst, *b.waited.values())
         served, batches = served + len(b.job_ids), batches + 1
-        for j in b.job_ids:
-            if (nxt := next_stage(b.stage)) is not None:
-                p.add(j, nxt)
+        move_on(p, b)
     assert worst <= max_wait and served / batches > 1.2, (worst, served / batches)
 
 

@@ -17,8 +17,9 @@ import pytest
 
 from client.embedded import EmbeddedStack, StackConfig
 from h3.v1 import common_pb2, render_pb2
-from render_svc.planner import STAGES, BatchPlanner, Resources, next_stage, resource_groups
+from render_svc.planner import STAGES, BatchPlanner, Resources, resource_groups
 from tests.render_svc_util import SERVER_ENV, holding_the_device, serving, tiny_request, wait_for
+from tests.test_render_svc_batching import move_on
 
 NODES = ("encoder", "dit", "decoder")
 DEVICES = {"encoder": "virt0", "dit": "virt1", "decoder": "virt2"}
@@ -75,9 +76,7 @@ def test_planner_fairness_bound_holds_per_group(max_batch, max_wait):
             assert b.stage in stages and b.group == name
             worst = max(worst, *b.waited.values())
             served, batches = served + len(b.job_ids), batches + 1
-            for j in b.job_ids:
-                if (nxt := next_stage(b.stage)) is not None:
-                    p.add(j, nxt)
+            move_on(p, b)
     assert worst <= max_wait and served / batches > 1.2, (worst, served / batches)
 
 
