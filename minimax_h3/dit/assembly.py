@@ -61,30 +61,45 @@ def assemble_dit(cfg: DiTConfig, weights: MutableMapping[str, WeightSource], mak
     """The DiT from this rank's weights (release / ComfyUI names; int8 ones as QuantizedWeight), emptied as it goes:
     a weight converted by `make_linear` (int8 -> fp8) never sits on the device beside its source. Raises
     FailedPrecondition when the weights do not fit the model. `timings`, when given, gets the seconds of each step
-    ("build", "linears", "state", "finish"): where a load's assembly goes."""
-    clock = [time.monotonic()]
+    ("build", "linears", "state", "finish"), the CPU seconds of this thread in each (`<step>_cpu`: a step far
+    slower than its CPU time waits on the device or on another thread), and "convert", the part of "linears" that
+    converted weights the file does not hold in their kernel's format (e.g. bf16 -> int8): where a load's assembly
+    goes."""
+    cuda = torch.device(device).type == "cuda"
+    clock = [time.monotonic(), time.thread_time()]
+
+    def sync() -> None:
+        if cuda:
+            torch.cuda.synchronize(device)
 
     def lap(step: str) -> None:
         if timings is None:
             return
-        if torch.device(device).type == "cuda":  # the step's queued device work (e.g. int8 conversions) is its own
-            torch.cuda.synchronize(device)
-        now = time.monotonic()
-        timings[step] = now - clock[0]
-        clock[0] = now
+        sync()  # the step's queued device work (e.g. int8 conversions) is its own
+        now, cpu = time.monotonic(), time.thread_time()
+        timings[step], timings[f"{step}_cpu"] = now - clock[0], cpu - clock[1]
+        clock[:] = [now, cpu]
 
     # 1. The model, without storage.
     model = H3DiT(cfg, compute_dtype, chunk_rows, tp_group=tp_group, sp_group=sp_group, device="meta")
     lap("build")
     # 2. Linears served by a module of their own.
     swapped = set()
+    convert_s = 0.0
     for key in [k for k in weights if k.endswith(".weight")]:
         name = key[: -len(".weight")]
         value = weights[key]
         bias = weights.get(name + ".bias")
         bias = None if bias is None else bias.to(device)
         src = value.to(device)
+        timed = timings is not None and not isinstance(src, QuantizedWeight)
+        if timed:
+            sync()
+            t0 = time.monotonic()
         layer = make_linear(name, src, bias)
+        if timed and layer is not None:
+            sync()
+            convert_s += time.monotonic() - t0
         if layer is None:
             if isinstance(value, QuantizedWeight):
                 weights[key] = src.dequantize(compute_dtype)
@@ -94,6 +109,8 @@ def assemble_dit(cfg: DiTConfig, weights: MutableMapping[str, WeightSource], mak
         model.swap_linear(name, layer)
         swapped.add(name)
     lap("linears")
+    if timings is not None:
+        timings["convert"] = convert_s
     # 3. Every other weight, assigned in place.
     dense = {k: weights.pop(k).to(device) for k in list(weights)}
     missing, unexpected = model.load_state_dict(dense, strict=False, assign=True)
