@@ -19,7 +19,7 @@ import torch
 from minimax_h3.contract import (AUDIO_CHANNELS, AUDIO_LATENTS, KEYFRAME_TENSORS, PARTITIONS, TEXT_STATES, TEXT_TAGS,
                                  VAE_SPATIAL, VIDEO_LATENTS, LatentGeometry, RenderSpec, check_partition,
                                  has_references, keyframe_anchors, needed_partition)
-from minimax_h3.dit.assembly import assemble_dit, kernel_linears
+from minimax_h3.dit.assembly import assemble_dit, block_linears, kernel_linears
 from minimax_h3.dit.checkpoint import (CheckpointInfo, check_checkpoint, load_dit_weights,
                                        partition_undecided)
 from minimax_h3.dit.config import TAG_TEXT, TAG_VIDEO, DiTConfig
@@ -35,12 +35,15 @@ from minimax_h3.dit.streaming import BlockStream, Placement, plan_placement
 from minimax_h3.dit.tiny_checkpoint import write_tiny_checkpoint
 from minimax_h3.dit.tp import param_style
 from minimax_h3.files import CHECKPOINT_PARTS, ensure_embedded, find_part
+from minimax_h3.kernels.int8 import Int8ConvRotLinear, QuantizedWeight
 from minimax_h3.kernels.registry import AUTO, KernelConfig, KernelSelection, select_kernels
 from minimax_h3.kernels.tuning import chunk_rows as tuned_chunk_rows
+from stagekit.checkpoints import derived_key, derived_tensors, fill_derived
 from stagekit.compile_cache import enable_compile_cache
 from stagekit.device_worker import run_in_child
 from stagekit.dist import RankGroup
 from stagekit.errors import FailedPrecondition, InvalidArgument
+from stagekit.host_copy import to_device
 from stagekit.runtime import release_device_memory
 
 log = logging.getLogger("dit_svc")
@@ -306,17 +309,25 @@ class DiTEngine:
         cfg, dev = self.cfg, self.cfg.device
         quant_mode = "kernel" if self.kernels is not None else cfg.int8_mode  # GPU: the registry decides per linear
         par = self.parallel
+        kept = self._kept_conversions()  # linears an earlier turn converted, kept by the stage in host memory
         weights = load_dit_weights(self.path, self.model_cfg, par.tp_rank, par.tp_size,
                                    quant_mode=quant_mode, dtype=cfg.compute_dtype, qkv_layout=cfg.qkv_layout or None,
-                                   device=dev, workers=LOAD_WORKERS if dev.startswith("cuda") else 1)
+                                   device=dev, workers=LOAD_WORKERS if dev.startswith("cuda") else 1,
+                                   skip=[f"{n}.weight" for n in kept])
+        for name, qw in kept.items():
+            weights[f"{name}.weight"] = QuantizedWeight(to_device(qw.qdata, dev), to_device(qw.scale, dev),
+                                                        qw.groupsize)
         t1 = time.monotonic()
-        phases = dict(weights.timings)
+        phases = dict(weights.timings, kept_conversions=len(kept))
         assembly: dict[str, float] = {}
         make_linear = kernel_linears(self.model_cfg, self.kernels, quant_mode, cfg.compute_dtype)
+        converted: dict[str, torch.nn.Module] = {}
         model = assemble_dit(self.model_cfg, weights, make_linear, dev, cfg.compute_dtype, self.chunk_rows,
                              tp_group=par.tp_group, sp_group=par.sp_group,
                              attention_fn=self.kernels.attention_fn() if self.kernels is not None else None,
-                             compile_blocks=cfg.compile_blocks, timings=assembly)
+                             compile_blocks=cfg.compile_blocks, timings=assembly, converted=converted)
+        if converted and self._conversions():
+            self._keep_conversions(converted)
         self.model = model
         self.stream = BlockStream(model.blocks, dev)
         model.block_stream = self.stream
@@ -333,6 +344,56 @@ class DiTEngine:
                  self.group.info.rank, self.path.name, self.variant, t3 - t0, t1 - t0, phases["check"],
                  phases["read"], phases["finite"], t2 - t1, assembly["build"], assembly["linears"], assembly["state"],
                  assembly["finish"], t3 - t2)
+
+    # ---- conversions kept between turns (stagekit/host_copy.py, "Derived copies") -----------------------------------
+    def _conversions(self) -> dict[str, tuple[int, ...]]:
+        """{linear name: weight shape} of the linears every load converts: those the start-up probe's int8 kernel
+        serves that the file stores in another dtype (the release's token refiner is bf16). One rank only (a
+        stage keeps host copies only then)."""
+        if self.kernels is None or self.kernels.linear != "int8" or self.parallel.tp_size != 1:
+            return {}
+        shapes = self._header_shapes
+        return {n: tuple(shapes[n + ".weight"].shape) for n in sorted(block_linears(self.model_cfg))
+                if n + ".weight" in shapes and shapes[n + ".weight"].dtype != "I8"}
+
+    def _conversion_key(self) -> str:
+        dtype = str(self.cfg.compute_dtype).replace("torch.", "")
+        return derived_key(self.path, f"{self.kernels.linear} linears from {dtype}")
+
+    def derived_copies(self) -> dict[str, int]:
+        """What a load derives from the files that the stage may keep in host memory between turns ({key: bytes}):
+        the converted linears' int8 weights and fp32 row scales."""
+        conv = self._conversions()
+        if not conv:
+            return {}
+        return {self._conversion_key(): sum(n * k + 4 * n + 8 for n, k in conv.values())}
+
+    def _kept_conversions(self) -> dict[str, QuantizedWeight]:
+        """The converted linears an earlier turn kept (host views), those that still fit this file's; {} when none."""
+        conv = self._conversions()
+        kept = derived_tensors(self._conversion_key()) if conv else None
+        if not kept:
+            return {}
+        out = {}
+        for name, shape in conv.items():
+            q, s, g = (kept.get(f"{name}.{part}") for part in ("weight", "weight_scale", "groupsize"))
+            if q is None or s is None or g is None or tuple(q.shape) != shape or q.dtype != torch.int8:
+                log.warning("kept conversion of %s does not fit %s; converting it again", name, self.path.name)
+                continue
+            out[name] = QuantizedWeight(q, s, int(g[0]) or None)
+        return out
+
+    def _keep_conversions(self, converted: dict[str, torch.nn.Module]) -> None:
+        """Hand this load's converted linears to the stage's derived copy (when it offered one) for the next turns."""
+        tensors = {}
+        for name, layer in converted.items():
+            if not isinstance(layer, Int8ConvRotLinear):
+                return
+            tensors.update({f"{name}.weight": layer.weight, f"{name}.weight_scale": layer.weight_scale,
+                            f"{name}.groupsize": torch.tensor([layer.groupsize or 0])})
+        if fill_derived(self._conversion_key(), tensors):
+            log.info("kept %d converted linears (%.2f GiB) for the next turns", len(converted),
+                     sum(t.numel() * t.element_size() for t in tensors.values()) / 2**30)
 
     def unload(self) -> None:
         if self.stream is not None:

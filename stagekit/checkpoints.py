@@ -13,6 +13,9 @@
 * `use_host_copies(mapping)`: a device worker reads the files its stage process keeps in host memory
   (stagekit/host_copy.py) instead of the disk; `TensorReader(views=True)` then hands out views of those copies;
   `prefault_host_copies(mapping)` maps them ahead of the turn (a worker on standby) and faults their pages in;
+* `derived_tensors(key)` / `fill_derived(key, tensors)`: tensors a load derives from the files (weights converted to
+  their kernel's format), kept by the stage process beside its host copies: the first turn fills them, the later
+  turns copy them instead of converting again;
 * `FiniteCheck` / `nonfinite_flag`: no weight holds a NaN or an Inf. `TensorReader` checks every float tensor it
   reads on the CPU; a loader that copies its tensors to a GPU checks the copies there instead, one queued flag per
   tensor and one host sync for the whole load.
@@ -407,6 +410,76 @@ def use_host_copies(mapping: Mapping[str, str]) -> None:
         _HOST_COPIES.update({Path(k).resolve(): v for k, v in mapping.items()})
         for f in [f for f in _MAPPED if not _MAPPED[f].same_copy(_HOST_COPIES.get(f))]:
             del _MAPPED[f]
+
+
+# Derived copies: what a load computes from the files (e.g. weights converted to their kernel's format), kept by the
+# stage process in memfds of its own beside the host copies (stagekit/host_copy.py, "Derived copies"). A filled one
+# is in the host-copy mapping under its key (`derived_key`), so it is mapped and prefaulted like a file's copy; one
+# to fill is named here, and the worker writes it once (`fill_derived`).
+_TO_FILL: dict[str, str] = {}
+_FILLED: list[str] = []
+DERIVED_ALIGN = 64  # every tensor of a derived copy starts at a multiple of this: its views need no copy
+
+
+def derived_key(file: str | Path, what: str) -> str:
+    """The name of what a load derives from `file` (`what`: the conversion, e.g. "int8 float16"): the file's path
+    and `what`, so a derived copy goes with its file."""
+    return f"{Path(file).resolve()}#{what}"
+
+
+def use_derived_copies(to_fill: Mapping[str, str]) -> None:
+    """The derived copies this load may fill ({key: path of the stage's empty memfd}; a device worker, before it
+    loads). The filled ones arrive with the host copies (`use_host_copies`)."""
+    _TO_FILL.clear()
+    _TO_FILL.update(to_fill)
+    _FILLED.clear()
+
+
+def derived_tensors(key: str) -> dict[str, torch.Tensor] | None:
+    """The tensors of a filled derived copy, as read-only views ({name: tensor}), or None when the stage holds none
+    for `key` (the load converts, and fills it when offered: `fill_derived`)."""
+    copy = _host_copy(Path(key).resolve()) if _HOST_COPIES else None
+    if copy is None:
+        return None
+    return {k: copy.tensor(k) for k in copy.spans}
+
+
+def fill_derived(key: str, tensors: Mapping[str, torch.Tensor]) -> bool:
+    """Write `tensors` (any device) into the derived copy `key` when this load was offered it; returns whether it
+    did. The stage process keeps it from then on only after the load succeeded (`filled_derived`), so a worker that
+    dies while writing leaves nothing the next turn would read."""
+    target = _TO_FILL.get(key)
+    if target is None:
+        return False
+    header, offset = {}, 0
+    for name, t in tensors.items():
+        dtype = next(k for k, v in TORCH_DTYPE.items() if v == t.dtype)
+        n = t.numel() * t.element_size()
+        header[name] = {"dtype": dtype, "shape": list(t.shape), "data_offsets": [offset, offset + n]}
+        offset += -(-n // DERIVED_ALIGN) * DERIVED_ALIGN
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-(HEADER_LEN_BYTES + len(blob)) % DERIVED_ALIGN)  # data starts aligned
+    start = HEADER_LEN_BYTES + len(blob)
+    fd = os.open(target, os.O_RDWR)
+    try:
+        os.ftruncate(fd, 0)
+        os.ftruncate(fd, start + offset)
+        with mmap.mmap(fd, start + offset, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE) as m:
+            m[:start] = struct.pack("<Q", len(blob)) + blob
+            dst = torch.frombuffer(m, dtype=torch.uint8)
+            for name, t in tensors.items():
+                lo, hi = header[name]["data_offsets"]
+                dst[start + lo: start + hi].view(t.dtype).view(t.shape).copy_(t)
+            del dst
+    finally:
+        os.close(fd)
+    _FILLED.append(key)
+    return True
+
+
+def filled_derived() -> list[str]:
+    """The derived copies this load filled (the stage process keeps them once the load has succeeded)."""
+    return list(_FILLED)
 
 
 # Bytes a prefault pass asks the kernel for at once (one madvise call, the GIL released).

@@ -12,8 +12,9 @@ engine's `prepare_process()` included) and waits, touching no device, until `loa
     prepare() -> spawn (standby, the   ------>  imports, engine_cls.prepare_process(), gc.freeze(), the
                  host copies held)              copies mapped and prefaulted on a thread  -> ("standby",)
     load()   -> ("start", rendezvous)  ------>  device, engine = type(engine)(engine.cfg, worker group)
-             -> ("load", spec, copies) ------>  use_host_copies(copies); engine.load() / load_for(spec)
-                                                                                    -> ("ok", (bytes, load phases))
+             -> ("load", spec, copies, ------>  use_host_copies(copies), use_derived_copies(to_fill);
+                 to_fill)                       engine.load() / load_for(spec)
+                                                                 -> ("ok", (bytes, load phases, derived filled))
     run()    -> ("run", spec, inputs)  ------>  engine.run(spec, inputs, ctx)
                 answers ctx calls      <------  ("progress"| "should_stop" | "check_cancel"...)
                                        <------  ("done", outputs, bytes) | ("error", exc)
@@ -24,7 +25,9 @@ engine's `prepare_process()` included) and waits, touching no device, until `loa
 - Messages cross the pipe by value (`Channel`: plain pickle, tensors copied), so a killed process leaves nothing
   shared behind. A job's inputs and outputs are latents, states and the MP4: tens to hundreds of MB, copied at
   pipe speed. The weights are the exception: a one-rank stage keeps its checkpoint files in memfds it owns, which
-  its worker maps read-only (stagekit/host_copy.py); the kernel frees them with the stage process.
+  its worker maps read-only (stagekit/host_copy.py); the kernel frees them with the stage process. What a load
+  derives from the files (the engine's optional `derived_copies()`: {key: bytes}) is kept the same way once a
+  load has filled it.
 - Cancellation stays agreed across ranks: a worker's `ctx.should_stop()` is answered by its stage process, which
   runs the rank group's agreement as before (every rank's worker asks at the same step boundaries).
 - Multi-rank stages: the workers form their own process group (NCCL on GPUs, gloo on CPU) at each load, on a
@@ -258,7 +261,7 @@ def _worker_main(conn, engine_cls: type, engine_cfg: Any, wcfg: WorkerConfig,
         os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # docs/memory.md
     import torch
 
-    from stagekit.checkpoints import prefault_host_copies, use_host_copies
+    from stagekit.checkpoints import filled_derived, prefault_host_copies, use_derived_copies, use_host_copies
     from stagekit.dist import RankGroup, RankInfo
     from stagekit.runtime import load_engine
 
@@ -320,8 +323,10 @@ def _worker_main(conn, engine_cls: type, engine_cfg: Any, wcfg: WorkerConfig,
         try:
             if msg[0] == "load":
                 use_host_copies(msg[2])
+                use_derived_copies(msg[3])
                 load_engine(engine, msg[1])
-                conn.send(("ok", (engine.resident_bytes(), dict(getattr(engine, "load_phases", None) or {}))))
+                conn.send(("ok", (engine.resident_bytes(), dict(getattr(engine, "load_phases", None) or {}),
+                                  filled_derived())))
             elif msg[0] == "run":
                 out = engine.run(msg[1], msg[2], ctx)
                 state = getattr(engine, "worker_state", None)
@@ -496,14 +501,18 @@ class DeviceWorkerEngine:
         self._loads += 1
         if self._proc is None:
             self._spawn(rendezvous)
-        copies = {}
+        copies, to_fill = {}, {}
         if self.host_copies is not None:
-            copies = self.host_copies.ensure(self.engine.weight_files())
-        self._send(("load", spec, copies))
+            derived = self.engine.derived_copies() if hasattr(self.engine, "derived_copies") else {}
+            copies = self.host_copies.ensure(self.engine.weight_files(), derived)
+            to_fill = self.host_copies.to_fill(list(derived)) if copies else {}
+        self._send(("load", spec, copies, to_fill))
         kind, value = self._recv()
         if kind == "error":
             raise value
-        self._bytes, self.load_phases = value
+        self._bytes, self.load_phases, filled = value
+        if filled:
+            self.host_copies.filled(filled)
 
     def _start_process(self):
         ours, theirs = _context().Pipe()

@@ -20,6 +20,14 @@ from the files each turn as before. The choice is a row of the stage's Status (`
     HostCopies.ensure(files) -> {file: /proc/..}   use_host_copies(mapping)  (stagekit.checkpoints)
       memfd per file, filled once (sendfile)       TensorReader(views=True) -> views of the mapped copy
     status_row()                                   to_device(view, device, dtype): staged pinned copies
+
+Derived copies. Some of what a load puts on the device is not in the files as such: weights the file stores in bf16
+that the chosen kernel wants in int8 are converted on the device at every load (the DiT's token refiner: 1.5 GB of
+bf16 in, 0.77 GB of int8 out). Beside its file copies the stage keeps one memfd per such conversion (`derived`):
+the first turn's worker writes its result there (`stagekit.checkpoints.fill_derived`), the stage keeps it once
+that load succeeded (`filled`), and every later turn copies it up like a file's tensors instead of converting
+again: the bits the conversion made, so every turn computes with the same weights. A derived copy goes with its
+file's copy (a file changed on disk, a host short of memory, the stage's end).
 """
 
 from __future__ import annotations
@@ -91,6 +99,15 @@ class _Copy:
     mtime_ns: int
 
 
+@dataclass
+class _Derived:
+    fd: int
+    filled: bool = False
+
+    def nbytes(self) -> int:
+        return os.fstat(self.fd).st_size
+
+
 class HostCopies:
     """The stage process's copies of its checkpoint files, one memfd each, read once from disk.
 
@@ -102,13 +119,17 @@ class HostCopies:
         self.stage = stage
         self.choice: HostCopyChoice | None = None
         self._copies: dict[Path, _Copy] = {}
+        self._derived: dict[str, _Derived] = {}  # derived key (stagekit.checkpoints.derived_key) -> its memfd
         self._lock = threading.Lock()
 
     @property
     def nbytes(self) -> int:
-        return sum(c.size for c in self._copies.values())
+        return sum(c.size for c in self._copies.values()) + sum(d.nbytes() for d in self._derived.values())
 
-    def ensure(self, files: list[Path | str]) -> dict[str, str]:
+    def ensure(self, files: list[Path | str], derived: dict[str, int] | None = None) -> dict[str, str]:
+        """Before a load: the copies of `files` ({file: path the worker opens}, and the filled derived copies under
+        their keys), made now where missing; {} when the host has no room. `derived` ({key: bytes}) is what the
+        load may derive from the files: counted in the decision, offered by `to_fill`."""
         with self._lock:
             files = [Path(f).resolve() for f in files]
             stats = {f: f.stat() for f in files}
@@ -118,9 +139,10 @@ class HostCopies:
                 if st is not None and (st.st_size, st.st_mtime_ns) != (c.size, c.mtime_ns):
                     log.info("%s: %s changed on disk since it was copied; dropping the copy", self.stage, f)
                     os.close(self._copies.pop(f).fd)
+                    self._drop_derived(f)
             missing = [f for f in files if f not in self._copies]
             if missing:
-                need = sum(stats[f].st_size for f in missing)
+                need = sum(stats[f].st_size for f in missing) + sum((derived or {}).values())
                 self.choice = decide(self.nbytes + need, mem_available() + self.nbytes)
                 log.info("%s: checkpoint files %s (%s)", self.stage, self.choice.describe(), self.choice.reason())
                 if not self.choice.kept:
@@ -135,18 +157,52 @@ class HostCopies:
                         self._release_locked()
                         self.choice = HostCopyChoice(False, self.choice.nbytes, self.choice.available)
                         return {}
-            pid = os.getpid()
-            return {str(f): f"/proc/{pid}/fd/{self._copies[f].fd}" for f in files}
+            return self._mapping(files)
+
+    def _mapping(self, files: list[Path]) -> dict[str, str]:
+        pid = os.getpid()
+        out = {str(f): f"/proc/{pid}/fd/{self._copies[f].fd}" for f in files}
+        out.update({k: f"/proc/{pid}/fd/{d.fd}" for k, d in self._derived.items() if d.filled
+                    and Path(k.split("#", 1)[0]) in files})
+        return out
 
     def held(self, files: list[Path | str]) -> dict[str, str]:
-        """{file path: path the worker opens} when every one of `files` is held now (else {}): what the next turn's
-        worker may map on standby. Copies nothing; `ensure` at the load still decides."""
+        """{file path: path the worker opens} when every one of `files` is held now (else {}), with the filled
+        derived copies: what the next turn's worker may map on standby. Copies nothing; `ensure` at the load still
+        decides."""
         with self._lock:
             files = [Path(f).resolve() for f in files]
             if not files or any(f not in self._copies for f in files):
                 return {}
-            pid = os.getpid()
-            return {str(f): f"/proc/{pid}/fd/{self._copies[f].fd}" for f in files}
+            return self._mapping(files)
+
+    def to_fill(self, keys: list[str]) -> dict[str, str]:
+        """{key: path the worker writes} for each derived copy in `keys` not filled yet, of a file held now (after
+        `ensure`): an empty memfd the load fills (stagekit.checkpoints.fill_derived)."""
+        with self._lock:
+            out = {}
+            for k in keys:
+                if Path(k.split("#", 1)[0]) not in self._copies:
+                    continue
+                d = self._derived.get(k)
+                if d is None:
+                    d = self._derived[k] = _Derived(os.memfd_create(f"h3-{self.stage}-derived", os.MFD_CLOEXEC))
+                if not d.filled:
+                    out[k] = f"/proc/{os.getpid()}/fd/{d.fd}"
+            return out
+
+    def filled(self, keys: list[str]) -> None:
+        """The load that was offered `keys` (`to_fill`) succeeded and wrote them: the next turns read them."""
+        with self._lock:
+            for k in keys:
+                if k in self._derived:
+                    self._derived[k].filled = True
+                    log.info("%s: derived copy %s kept in host memory (%.2f GiB)", self.stage, k.rsplit("/", 1)[-1],
+                             self._derived[k].nbytes() / GIB)
+
+    def _drop_derived(self, file: Path) -> None:
+        for k in [k for k in self._derived if Path(k.split("#", 1)[0]) == file]:
+            os.close(self._derived.pop(k).fd)
 
     def _copy(self, path: Path, st: os.stat_result) -> _Copy:
         fd = os.memfd_create(f"h3-{self.stage}-{path.name}", os.MFD_CLOEXEC)
@@ -168,9 +224,10 @@ class HostCopies:
             self._release_locked()
 
     def _release_locked(self) -> None:
-        for c in self._copies.values():
+        for c in [*self._copies.values(), *self._derived.values()]:
             os.close(c.fd)
         self._copies.clear()
+        self._derived.clear()
 
     def status_row(self) -> tuple[str, str, str]:
         """("host copy", the choice, its numbers) for the stage's Status kernel rows."""

@@ -198,3 +198,88 @@ def test_video_vae_from_the_copy_is_bitwise_the_files(tmp_path, monkeypatch, no_
         copies.release()
     assert staged.keys() == disk.keys()
     assert all(staged[k].dtype == v.dtype and torch.equal(staged[k], v) for k, v in disk.items())
+
+
+def test_a_derived_copy_is_kept_only_once_a_load_filled_it(int8_file, monkeypatch, no_copies):
+    """Derived copies (what a load computes from the files): offered empty until a load has filled it and the stage
+    marked it; then mapped with the file copies, read back bit for bit; gone with its file's copy."""
+    monkeypatch.setenv(MEM_AVAILABLE_ENV, ROOMY)
+    key = checkpoints.derived_key(int8_file, "int8 linears from float16")
+    made = {"a.weight": torch.randint(-128, 127, (5, 64), dtype=torch.int8),
+            "a.weight_scale": torch.rand(5, 1), "a.groupsize": torch.tensor([16])}
+    copies = HostCopies("test")
+    try:
+        mapping = copies.ensure([int8_file], {key: 1000})
+        to_fill = copies.to_fill([key])
+        assert key not in mapping and list(to_fill) == [key] and len(memfds(os.getpid())) == 2
+        use_host_copies(mapping)
+        checkpoints.use_derived_copies(to_fill)
+        assert checkpoints.derived_tensors(key) is None
+        assert checkpoints.fill_derived(key, made) and checkpoints.filled_derived() == [key]
+        # A load that failed after writing (the stage never marks it): the next turn is offered it again.
+        assert key not in copies.ensure([int8_file], {key: 1000}) and copies.to_fill([key]) == to_fill
+        copies.filled([key])
+        mapping = copies.ensure([int8_file], {key: 1000})
+        assert copies.to_fill([key]) == {} and mapping[key] == to_fill[key]
+        assert copies.held([int8_file]) == mapping, "the standby worker maps it too"
+        use_host_copies(mapping)
+        checkpoints.use_derived_copies({})
+        got = checkpoints.derived_tensors(key)
+        assert checkpoints.fill_derived(key, made) is False, "nothing offered: nothing written"
+        assert got.keys() == made.keys()
+        for k, t in made.items():
+            assert got[k].dtype == t.dtype and torch.equal(got[k], t), k
+        del got
+        use_host_copies({})
+        os.utime(int8_file)  # the file changed on disk: its copy and what was derived from it go
+        copies.ensure([int8_file], {key: 1000})
+        assert list(copies.to_fill([key])) == [key]
+    finally:
+        use_host_copies({})
+        checkpoints.use_derived_copies({})
+        copies.release()
+    gc.collect()
+    assert memfds(os.getpid()) == []
+
+
+def test_a_dit_whose_kernel_converts_linears_keeps_them_and_loads_the_same_bits(int8_file, monkeypatch, tmp_path,
+                                                                                 no_copies):
+    """The int8 kernel serves the token refiner, which the file stores in bf16: the first turn converts it and fills
+    the stage's derived copy, the next turn copies it instead of converting, and the model is bitwise the same."""
+    pytest.importorskip("comfy_kitchen")
+    from dit_svc.engine import DiTEngine, DiTEngineConfig
+    from minimax_h3.kernels.registry import KernelSelection, default_attention_candidates, default_linear_candidates
+    from stagekit.dist import RankGroup, RankInfo
+
+    monkeypatch.setenv(MEM_AVAILABLE_ENV, ROOMY)
+    sel = KernelSelection(torch.device("cpu"), "cpu", "int8", "math", [], {}, default_linear_candidates(),
+                          default_attention_candidates(), torch.float32)
+    cfg = DiTEngineConfig(str(int8_file), "", tmp_path, "cpu", torch.float32, kernels=sel)
+    eng = DiTEngine(cfg, RankGroup(RankInfo(0, 1, 0), "gloo", 60))
+    derived = eng.derived_copies()
+    ((key, nbytes),) = derived.items()
+    refiner = [n for n in eng._conversions()]
+    assert refiner and all(n.startswith("token_refiner.") for n in refiner)
+    copies = HostCopies("dit")
+    states = []
+    try:
+        for turn in range(2):
+            mapping = copies.ensure(eng.weight_files(), derived)
+            use_host_copies(mapping)
+            checkpoints.use_derived_copies(copies.to_fill(list(derived)))
+            eng.load()
+            phases = eng.load_phases
+            assert phases["kept_conversions"] == (0 if turn == 0 else len(refiner))
+            assert (phases["assembly_convert"] > 0) == (turn == 0)
+            assert checkpoints.filled_derived() == ([key] if turn == 0 else [])
+            copies.filled(checkpoints.filled_derived())
+            states.append({k: v.clone() for k, v in eng.model.state_dict().items()})
+            eng.unload()
+        assert copies.nbytes - sum(f.stat().st_size for f in map(Path, eng.weight_files())) <= nbytes + 4096
+    finally:
+        use_host_copies({})
+        checkpoints.use_derived_copies({})
+        copies.release()
+    assert states[0].keys() == states[1].keys()
+    for k, t in states[0].items():
+        assert t.dtype == states[1][k].dtype and torch.equal(t, states[1][k]), k

@@ -57,14 +57,15 @@ def assemble_dit(cfg: DiTConfig, weights: MutableMapping[str, WeightSource], mak
                  device: torch.device | str, compute_dtype: torch.dtype = torch.bfloat16, chunk_rows: int = 4096,
                  tp_group: dist.ProcessGroup | None = None, sp_group: dist.ProcessGroup | None = None,
                  attention_fn: AttentionFn | None = None, compile_blocks: bool = False,
-                 timings: dict[str, float] | None = None) -> H3DiT:
+                 timings: dict[str, float] | None = None, converted: dict[str, nn.Module] | None = None) -> H3DiT:
     """The DiT from this rank's weights (release / ComfyUI names; int8 ones as QuantizedWeight), emptied as it goes:
     a weight converted by `make_linear` (int8 -> fp8) never sits on the device beside its source. Raises
     FailedPrecondition when the weights do not fit the model. `timings`, when given, gets the seconds of each step
     ("build", "linears", "state", "finish"), the CPU seconds of this thread in each (`<step>_cpu`: a step far
     slower than its CPU time waits on the device or on another thread), and "convert", the part of "linears" that
     converted weights the file does not hold in their kernel's format (e.g. bf16 -> int8): where a load's assembly
-    goes."""
+    goes. `converted`, when given, gets {linear name: module} of those converted linears (what a stage may keep so
+    that its next load need not convert them again)."""
     cuda = torch.device(device).type == "cuda"
     clock = [time.monotonic(), time.thread_time()]
 
@@ -100,6 +101,8 @@ def assemble_dit(cfg: DiTConfig, weights: MutableMapping[str, WeightSource], mak
         if timed and layer is not None:
             sync()
             convert_s += time.monotonic() - t0
+        if converted is not None and layer is not None and not isinstance(src, QuantizedWeight):
+            converted[name] = layer
         if layer is None:
             if isinstance(value, QuantizedWeight):
                 weights[key] = src.dequantize(compute_dtype)

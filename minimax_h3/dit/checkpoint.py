@@ -699,6 +699,7 @@ def load_dit_weights(
     dtype: torch.dtype = torch.bfloat16,
     *,
     keys: Iterable[str] | None = None,
+    skip: Iterable[str] = (),
     qkv_layout: QKVLayout | None = None,
     device: torch.device | str = "cpu",
     workers: int = 1,
@@ -712,7 +713,8 @@ def load_dit_weights(
 
     cfg None: the config the checkpoint declares. quant_mode "kernel": int8 weights stay QuantizedWeight
     (except unaligned row-parallel slices); "dequant": every int8 weight is dequantised to `dtype`.
-    `keys` restricts the load to a subset of our weight names (e.g. one block's AdaLN).
+    `keys` restricts the load to a subset of our weight names (e.g. one block's AdaLN); `skip` names weights not to
+    read (the caller has them already, e.g. converted at an earlier load).
     """
     if quant_mode not in ("kernel", "dequant"):
         raise ValueError(f"quant_mode must be 'kernel' or 'dequant', got {quant_mode!r}")
@@ -759,7 +761,8 @@ def load_dit_weights(
             return move(value), was_dequantized
         return move(local.rr.read(key), _out_dtype(key, stored, info.variant, dtype)), was_dequantized
 
-    wanted = _wanted_keys(info, cfg, keys)
+    skip = set(skip)
+    wanted = [k for k in _wanted_keys(info, cfg, keys) if k not in skip]
     with ThreadPoolExecutor(max(1, workers), thread_name_prefix="dit-load") as pool:
         for key, (value, was_dequantized) in zip(wanted, pool.map(read, wanted)):
             out[key] = value
