@@ -62,7 +62,7 @@ FILLER = ("rain on a tin roof, a bell far off, footsteps on wet gravel, a door c
 # (shared residency, 832x480x124, 8 steps): four jobs no slower than 71 s, one job no slower than 16.4 s.
 CPU_RATIO, CPU_SHARE = 0.6, 0.8
 # A pre-run whose every stage does at least this share of the bottleneck's seconds ends the calibration: above the
-# bar's CPU_SHARE by the spread of one run of eight to the next.
+# bar's CPU_SHARE by twice the spread of a stage's share between runs of eight at the same counts (about 0.05).
 BALANCED = 0.9
 GPU_SHAPE, GPU_JOBS, GPU_FOUR_S, GPU_ONE_S = (832, 480, 124), 4, 71.0, 16.4
 
