@@ -19,9 +19,12 @@ different per job: the encoder's prompt cache would hide its work), and the thre
 (`--steps 0`, `--encoder-layers 0`; the JSON's `balance`): (1) the DiT's seconds per step from jobs at 4 and 16 steps
 after a warm-up at each, the median of three each, the step count where they match the decoder's; (2) the tiny
 model's text encoder is a tiny-family file (width 64) the bench writes into its own cache with as many layers as
-match the decoder's seconds (the encoder reads the depth from the file); (3) `--pre-runs` pipelined pre-runs of three
-jobs scale the steps and the layers by the decoder's seconds per job over the DiT's and the encoder's, measured with
-the stages contending as in the run; the last pre-run's ratios are in `balance.pre_runs`.
+match the decoder's seconds (the encoder reads the depth from the file); (3) up to `--pre-runs` pipelined pre-runs
+shaped as the measured run (`--jobs` jobs at once after a warm-up: a stage's seconds per job depend on which stages
+compute beside it, and so on the job count) scale the steps and the layers by the decoder's seconds over the DiT's
+and the encoder's (the geometric mean of every pre-run's implied counts); the first pre-run whose stages all reach
+0.9 of the bottleneck's seconds ends them and the run uses its counts (`balance.verified`); every pre-run is in
+`balance.pre_runs`.
 `bar` in the output says, per criterion, whether the run met it.
 
     # CPU, tiny model, three virtual devices (every stage on its own cores; 3 cores or more: see core_sets):
@@ -35,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import signal
@@ -57,6 +61,9 @@ FILLER = ("rain on a tin roof, a bell far off, footsteps on wet gravel, a door c
 # The bar: CPU, pipelined wall <= 0.6 x serial and every stage's busy share >= 0.8 x the bottleneck's; one H200
 # (shared residency, 832x480x124, 8 steps): four jobs no slower than 71 s, one job no slower than 16.4 s.
 CPU_RATIO, CPU_SHARE = 0.6, 0.8
+# A pre-run whose every stage does at least this share of the bottleneck's seconds ends the calibration: above the
+# bar's CPU_SHARE by twice the spread of a stage's share between runs of eight at the same counts (about 0.05).
+BALANCED = 0.9
 GPU_SHAPE, GPU_JOBS, GPU_FOUR_S, GPU_ONE_S = (832, 480, 124), 4, 71.0, 16.4
 
 
@@ -149,6 +156,12 @@ def median(xs: list[float]) -> float:
     return (ys[(len(ys) - 1) // 2] + ys[len(ys) // 2]) / 2
 
 
+def geometric_mean(xs: list[float]) -> float:
+    """exp(mean(log x)) of positive values: the mean of ratios, which a run twice too slow and one twice too fast
+    cancel in."""
+    return math.exp(sum(math.log(x) for x in xs) / len(xs))
+
+
 def balance_steps(stack: EmbeddedStack, stages, render_args: list[str], spec, probe: tuple[int, int],
                   repeats: int = 3) -> dict:
     """The step count at which the DiT's compute per job matches the decoder's, on these stages: one warm-up render
@@ -197,38 +210,52 @@ def use_encoder(stack: EmbeddedStack, cache: Path, layers: int):
     return stack.endpoints()
 
 
-def per_job(target: str, spec, steps: int, jobs: int, label: str) -> dict[str, float]:
-    """Each stage's compute seconds per job over `jobs` jobs submitted at once (pipelined: the stages contend for
-    the machine as in the measured run)."""
-    busy = run_jobs(target, [spec(f"{label} {i}", i, steps) for i in range(jobs)], f"{label}-")["busy_s"]
-    return {s: b / jobs for s, b in busy.items()}
-
-
 def balance_pipelined(stack: EmbeddedStack, stages, render_args: list[str], spec, steps: int, cache: Path | None,
-                      layers: int, jobs: int = 3, rounds: int = 2) -> dict:
-    """Correct the step count (and, with a bench-written encoder, its layer count) from short pipelined pre-runs:
-    per job, the DiT's seconds scale with the steps and the encoder's with its layers, so each is scaled to the
-    decoder's seconds per job (whose work is fixed). `rounds` pre-runs of `jobs` jobs; the last one's per-job
-    seconds are the ratios reported."""
-    history = []
-    for r in range(rounds + 1):
+                      layers: int, jobs: int, rounds: int) -> dict:
+    """Correct the step count (and, with a bench-written encoder, its layer count) from pre-runs shaped as the
+    measured run: a fresh render service, one warm-up render, then `jobs` jobs at once, pipelined. A stage's
+    seconds per job depend on which other stages compute beside it (cores, caches and memory bandwidth are shared),
+    and that depends on the job count: in a run of three the encoder's first job runs alone and the decoder's last,
+    so each runs about a quarter of its time alone against a tenth in a run of eight. So the pre-runs run the
+    measured run's job count, and their ratio is the one the bar reads: each stage's compute seconds over all jobs.
+
+    Up to `rounds` pre-runs. One whose stages all reach `BALANCED` of the bottleneck's seconds ends the
+    calibration: the run uses the settings it verified. Otherwise each pre-run implies the counts that would have
+    matched the decoder's seconds (per job, the DiT's seconds scale with its steps and the encoder's with its
+    layers; the decoder's work is fixed): its steps x decoder / DiT seconds, its layers x decoder / encoder seconds.
+    The next pre-run runs the geometric mean of every pre-run's implied counts so far (one run's noise moves the
+    counts less the more runs there are). The last correction, when no pre-run was balanced, is applied unverified
+    (`verified` false)."""
+    history: list[dict] = []
+    implied: dict[str, list[float]] = {"steps": [], "layers": []}
+    verified = False
+    for r in range(rounds):
         stack.stop_stage("render")
         stack.cfg.extra_args["render"] = render_args
         target = stack.start_render(stages)
         run_jobs(target, [spec(f"pre-run warm-up {r}", 0, steps)], "pre-warm")
-        sec = per_job(target, spec, steps, jobs, f"pre-run {r}")
-        history.append({"steps": steps, "encoder_layers": layers, "per_job_s": {s: round(v, 3) for s, v in sec.items()},
-                        "over_decoder": {s: round(v / sec["decoder"], 3) for s, v in sec.items()}})
+        run = run_jobs(target, [spec(f"pre-run {r} take {i}", i, steps) for i in range(jobs)], f"pre-run {r}-")
+        sec = {s: b / jobs for s, b in run["busy_s"].items()}
+        history.append({"steps": steps, "encoder_layers": layers, "jobs": jobs, "wall_s": run["wall_s"],
+                        "per_job_s": {s: round(v, 3) for s, v in sec.items()},
+                        "over_decoder": {s: round(v / sec["decoder"], 3) for s, v in sec.items()},
+                        "busy_over_bottleneck": run["busy_over_bottleneck"]})
         print("pre-run:", json.dumps(history[-1]), flush=True)
-        if r == rounds:
+        if min(run["busy_over_bottleneck"].values()) >= BALANCED:
+            verified = True
             break
-        steps = min(1000, max(1, round(steps * sec["decoder"] / sec["dit"])))
+        implied["steps"].append(steps * sec["decoder"] / sec["dit"])
+        steps = min(1000, max(1, round(geometric_mean(implied["steps"]))))
         if cache is not None:
-            new = min(1024, max(1, round(layers * sec["decoder"] / sec["encoder"])))
+            implied["layers"].append(layers * sec["decoder"] / sec["encoder"])
+            new = min(1024, max(1, round(geometric_mean(implied["layers"]))))
             if new != layers:
                 layers = new
                 stages = use_encoder(stack, cache, layers)
-    return {"steps": steps, "encoder_layers": layers, "pre_runs": history, "stages": stages}
+    print(f"calibrated: {steps} steps, {layers} encoder layers "
+          f"({'as the last pre-run verified' if verified else 'corrected after the last pre-run, unverified'})",
+          flush=True)
+    return {"steps": steps, "encoder_layers": layers, "verified": verified, "pre_runs": history, "stages": stages}
 
 
 def measure(stack: EmbeddedStack, stages, render_args: list[str], mode: str, args, spec) -> dict:
@@ -260,8 +287,9 @@ def main() -> None:
     ap.add_argument("--encoder-layers", type=int, default=0,
                     help="tiny model only: the text encoder's layers (a tiny-family file the bench writes into its own "
                          "cache); 0: balance, the count at which its work per job matches the decoder's")
-    ap.add_argument("--pre-runs", type=int, default=2,
-                    help="with --steps 0: pipelined pre-runs of 3 jobs that correct the step (and layer) counts")
+    ap.add_argument("--pre-runs", type=int, default=4,
+                    help="with --steps 0: at most this many pipelined pre-runs of --jobs jobs that correct the step "
+                         "(and layer) counts; the first balanced one ends them (see balance_pipelined)")
     ap.add_argument("--devices", default="virt0,virt1,virt2",
                     help="one device for all stages, or three: the encoder's, the DiT's, the decoder's")
     ap.add_argument("--residency", default="exclusive", choices=("exclusive", "shared"))
@@ -340,7 +368,7 @@ def main() -> None:
                 layers = min(1024, max(1, round(layers * enc["decoder_s"] / max(enc["encoder_s"], 1e-3))))
                 stages = use_encoder(stack, cache, layers)
             pre = balance_pipelined(stack, stages, base, spec, out["balance"]["steps"],
-                                    cache if args.encoder_layers == 0 else None, layers, rounds=args.pre_runs)
+                                    cache if args.encoder_layers == 0 else None, layers, args.jobs, args.pre_runs)
             stages, layers = pre.pop("stages"), pre["encoder_layers"]
             out["balance"]["probe_steps"] = out["balance"].pop("steps")
             out["balance"].update(pre)

@@ -89,3 +89,11 @@ def test_balance_median_and_the_bench_encoder_depth(bench, tmp_path):
     path = bench.encoder_file(tmp_path, 7)
     assert path.parent.name == "text_encoder_L7" and (path.parent / "tokenizer.json").exists()
     assert conditioner_config_for(path).num_layers == 7 and conditioner_config_for(path).hidden_size == 64
+
+
+def test_calibration_averages_the_pre_runs_ratios(bench):
+    """Each pre-run implies the counts that would have matched the decoder; the next runs their geometric mean, so
+    a run twice too slow and one twice too fast cancel. A balanced pre-run ends the calibration above the bar."""
+    assert bench.geometric_mean([40.0]) == pytest.approx(40.0)
+    assert bench.geometric_mean([20.0, 80.0]) == pytest.approx(40.0)
+    assert bench.CPU_SHARE < bench.BALANCED < 1.0
