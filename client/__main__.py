@@ -34,14 +34,15 @@ from client.embedded import StackStartError
 from client.endpoints import (DEFAULT_ENDPOINTS_FILE, EndpointError, add_endpoint_args, check_render_reachable,
                               configured_endpoints, configured_render, connect_render)
 from client.render_client import state_name
-from client.stubs import SERVICE_NAMES, STAGES, Security, StageClients, health_of, job_error_words, rpc_words
+from client.stubs import (SERVICE_NAMES, STAGES, Endpoints, Security, StageClients, health_of, job_error_words,
+                          replicas_of, rpc_words)
 from h3.v1 import render_pb2
 from minimax_h3.contract import (DEFAULT_CRF, DEFAULT_FRAMES, DEFAULT_SIZE, DEFAULT_STEPS, MAX_AREA, MAX_ASPECT,
                                  MAX_ASPECT_CHANGE, MAX_CRF, MAX_FRAMES, MAX_OUTPUT_SIDE, MAX_SIDE, MAX_STEPS,
                                  MIN_FRAMES, MIN_SIDE, MIN_STEPS, SAMPLERS, SCHEDULERS, SIZE_MULTIPLE, RenderSpec,
                                  check_output, validate)
 from minimax_h3.files import EMBEDDED_NOTE
-from stagekit.errors import InvalidArgument
+from stagekit.errors import FailedPrecondition, InvalidArgument
 from stagekit.transport import MAX_MESSAGE_BYTES
 
 # A RenderRequest (keyframes included) is one gRPC message; reference files are uploaded before it, in chunks.
@@ -319,7 +320,8 @@ def cmd_jobs(args) -> int:
 
 def cmd_status(args) -> int:
     """Health and status of the configured render service and of every configured stage (any subset: a DiT
-    started alone is looked at alone); exit 1 when something configured does not serve."""
+    started alone is looked at alone), one block per replica of a stage listed with several (`dit/1`, `dit/2`);
+    exit 1 when something configured does not serve."""
     from client.progress import print_status
     from h3.v1 import common_pb2
 
@@ -346,16 +348,22 @@ def cmd_status(args) -> int:
     if endpoints is None:
         return 0 if ok else 1
     rows = []
-    with StageClients(endpoints, security) as c:
-        for s in endpoints.stages:
-            health = health_of(c.channels[s], SERVICE_NAMES[s])
-            st = None
-            if health != "UNREACHABLE":
-                try:
-                    st = c.stub(s).Status(common_pb2.StatusRequest(), timeout=5, metadata=c.security.metadata())
-                except grpc.RpcError:
-                    pass
-            rows.append((s, endpoints.of(s), health, st))
+    for s in endpoints.stages:
+        try:
+            replicas = replicas_of(endpoints.of(s))
+        except FailedPrecondition as e:
+            print(f"error: --{s} / H3_{s.upper()}: {e}", file=sys.stderr)
+            return 1
+        for name, addr in replicas:  # each replica on its own (a list's channel would answer for any one of them)
+            with StageClients(Endpoints(**{s: addr}), security) as c:
+                health = health_of(c.channels[s], SERVICE_NAMES[s])
+                st = None
+                if health != "UNREACHABLE":
+                    try:
+                        st = c.stub(s).Status(common_pb2.StatusRequest(), timeout=5, metadata=c.security.metadata())
+                    except grpc.RpcError:
+                        pass
+            rows.append((f"{s}/{name}" if name else s, addr, health, st))
     print_status(rows)
     return 0 if ok and all(r[2] == "SERVING" for r in rows) else 1
 
@@ -436,8 +444,8 @@ def main(argv: list[str] | None = None) -> int:
     j.add_argument("--limit", type=int, default=50, help="list: newest N jobs (default: 50)")
     add_endpoint_args(j.add_argument_group("where the service is"), render=True, stages=False)
     j.set_defaults(fn=cmd_jobs)
-    s = sub.add_parser("status", help="health, residency, devices, kernels of each configured stage (any subset) "
-                                      "and the render service")
+    s = sub.add_parser("status", help="health, residency, devices, kernels of each configured stage (any subset; "
+                                      "each replica of one listed with several) and the render service")
     add_endpoint_args(s.add_argument_group("where the services are"), render=True)
     s.set_defaults(fn=cmd_status)
     from client.doctor import add_parser as add_doctor

@@ -7,6 +7,8 @@
 1. **One stage** (`encoder`, `dit`, `decoder`): each request is one call of the stage-level library
    (`client.pipeline`: `encode`, `sample`, `decode` / `decode_raw`), so it is sent, streamed, counted (`on_bytes`)
    and checked against the contract's results exactly as the render service's own stage calls are.
+   A stage listed with several replicas (`scripts/up.sh --dit-replicas ...` writes them into the endpoints file)
+   is one channel with gRPC's round_robin: the requests spread over every replica.
 2. **Whole renders** (`pipeline`): each request is one `Render` call of a render service (`--render`, `H3_RENDER`
    or the endpoints file; else one is started over the configured stages, or an embedded stack with its own). The
    render service orchestrates renders, and it alone: a load tester chaining the stage calls itself would measure
@@ -824,9 +826,10 @@ def add_parser(subparsers, add_endpoint_args) -> None:
     p = subparsers.add_parser("loadtest", help="load-test a stage or the pipeline (latency, throughput, errors)")
     what = p.add_argument_group("what to send")
     what.add_argument("--stage", required=True, choices=("encoder", "dit", "decoder", "pipeline"),
-                      help="one stage alone (only its address is needed; dit also needs --text-dim or an encoder) "
-                           "or the whole pipeline: renders through a render service (--render; else one is started "
-                           "over the stages)")
+                      help="one stage alone (only its address is needed; dit also needs --text-dim or an encoder; "
+                           "a stage listed with several replicas gets its calls spread over all of them, gRPC's "
+                           "round_robin) or the whole pipeline: renders through a render service (--render; else one "
+                           "is started over the stages)")
     what.add_argument("--width", type=int, default=256, help="render width (default: 256)")
     what.add_argument("--height", type=int, default=256, help="render height (default: 256)")
     what.add_argument("--frames", type=int, default=22, help="17n+5 frames (default: 22)")

@@ -96,7 +96,7 @@ def print_summary(output, stages) -> None:
 
 
 def print_status(rows) -> None:
-    """One block per stage: readable in any terminal width and easy to grep."""
+    """One block per stage (per replica: `dit/1`, `dit/2`): readable in any terminal width and easy to grep."""
     for stage, ep, health, st in rows:
         print(f"{stage:<8} {ep}  {health}")
         if st is None:

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Stop what scripts/up.sh started (the render service first, then the stages): SIGTERM (graceful drain), then
-# SIGKILL after a grace period.
+# Stop what scripts/up.sh started (the render service first, then the stages, every replica of each): SIGTERM
+# (graceful drain), then SIGKILL after a grace period.
 # Everything a stage started is stopped (its process group from the pid file, and every process with its TMPDIR,
 # torchrun's ranks included), even when its launcher is already gone.
 #   scripts/down.sh [--run-dir run] [--grace 30]
@@ -18,15 +18,16 @@ done
 [[ -d "$run_dir" ]] && run_dir="$(cd "$run_dir" && pwd)"  # the stages' TMPDIR is absolute
 # shellcheck source=scripts/procs.sh
 source scripts/procs.sh
-for stage in render encoder dit decoder; do
-  pidf="$run_dir/$stage.pid"
+# Each stage's pid files: the stage's own, and its replicas' (<stage>.1.pid, <stage>.2.pid, ...).
+for pidf in "$run_dir"/render.pid "$run_dir"/{encoder,dit,decoder}{,.*}.pid; do
   [[ -f "$pidf" ]] || continue
+  name="$(basename "$pidf" .pid)"
   pid="$(cat "$pidf")"
-  if [[ -n "$(stage_pids "$pid" "$run_dir/tmp/$stage")" ]]; then
-    stop_stage "$pid" "$run_dir/tmp/$stage" "$grace"
-    echo "stopped $stage (pid $pid and every process it started)"
+  if [[ -n "$(stage_pids "$pid" "$run_dir/tmp/$name")" ]]; then
+    stop_stage "$pid" "$run_dir/tmp/$name" "$grace"
+    echo "stopped $name (pid $pid and every process it started)"
   fi
-  rm -f "$pidf" "$run_dir/$stage.port" "$run_dir/$stage.port.http"
-  rm -rf "$run_dir/tmp/$stage"
+  rm -f "$pidf" "$run_dir/$name.port" "$run_dir/$name.port.http"
+  rm -rf "$run_dir/tmp/$name"
 done
 rm -f "$run_dir/endpoints.env" "$run_dir/render.stages"
