@@ -31,8 +31,10 @@ SPEC = RenderSpec(prompt="x", width=256, height=256, frames=22, steps=2, seed=3)
 BUDGET_B = int(0.05 * GIB)  # host b's per-device budget; a has none (virtual devices: unlimited)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def dit(tmp_path_factory, model_cache):
+    """A DiT group over hosts a and b, fresh for each test: one counts the reservations and unloads a fresh group
+    makes, the other restarts the group."""
     h = make_hosts(tmp_path_factory.mktemp("hosts-shared"), model_cache)
     try:
         shared = ["--residency", "shared"]

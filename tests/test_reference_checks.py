@@ -152,6 +152,7 @@ def test_submit_refuses_them_before_a_job_is_stored(svc, case):
     refs = [common_pb2.Reference(kind="image" if n.endswith(".png") else "audio", data=d, name=n)
             for n, d in files.items()]
     req = render_request(RenderSpec(prompt=prompt, width=256, height=256, frames=FRAMES, steps=1), references=refs)
+    before = len(svc.stub.List(render_pb2.ListRequest(limit=1000), timeout=10).jobs)
     with pytest.raises(grpc.RpcError) as e:
         svc.stub.Submit(req, timeout=60)
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value.details()
@@ -161,7 +162,7 @@ def test_submit_refuses_them_before_a_job_is_stored(svc, case):
         name = needle.split(": ", 1)[0].rsplit("/", 1)[1]
         index = list(files).index(name) + 1
         assert e.value.details().startswith(f"reference {index} ({name}): "), e.value.details()
-    assert not svc.stub.List(render_pb2.ListRequest(), timeout=10).jobs
+    assert len(svc.stub.List(render_pb2.ListRequest(limit=1000), timeout=10).jobs) == before
 
 
 def test_nan_audio_is_the_callers_invalid_argument_at_the_decoder(clients):

@@ -145,11 +145,18 @@ def test_a_replica_killed_mid_job_gives_its_job_to_the_other(replicas, tmp_path)
                 return None
 
             victim = wait_for(holder, 30, "a DiT replica holding the job", svc.log)
-            proc = started[victim][0].procs.pop("dit")
+            stack = started[victim][0]
+            port = stack.ports["dit"]
+            proc = stack.procs.pop("dit")
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-        info = svc.wait_state(job, (render_pb2.JOB_SUCCEEDED, render_pb2.JOB_FAILED), 120)
-        assert info.state == render_pb2.JOB_SUCCEEDED, (info.error_code, info.error, svc.log())
-        other = ({"dit/a", "dit/b"} - {victim}).pop()
-        assert _runs(info, "dit") == [other], info.stages  # one DiT run, on the replica that lived
-        assert [r.stage for r in info.stages] == ["encoder", "dit", "decoder"]
+        try:
+            info = svc.wait_state(job, (render_pb2.JOB_SUCCEEDED, render_pb2.JOB_FAILED), 120)
+            assert info.state == render_pb2.JOB_SUCCEEDED, (info.error_code, info.error, svc.log())
+            other = ({"dit/a", "dit/b"} - {victim}).pop()
+            assert _runs(info, "dit") == [other], info.stages  # one DiT run, on the replica that lived
+            assert [r.stage for r in info.stages] == ["encoder", "dit", "decoder"]
+        finally:  # the module's other tests use both replicas at the addresses they were given
+            stack.cfg.extra_args["dit"] = [*stack.cfg.extra_args["dit"], "--port", str(port)]
+            stack.start_stage("dit")
+            stack.wait_ready("dit")

@@ -89,7 +89,7 @@ def test_what_only_the_stages_know_is_refused_at_submit_and_stores_nothing(lora_
              ["LoRA 'film_grain' not found in the DiT's loras directory", str(loras), "it has grain.safetensors",
               "copy the file there"]),
             (tiny_request(loras=[("grain", 1.0), (str(outside), 0.5)]), invalid,
-             [f"LoRA '{outside}': the DiT takes no LoRA paths", "(grain.safetensors)", "--allow-lora-paths"]),
+             [f"LoRA '{outside}': the DiT takes no LoRA paths", "grain.safetensors", "--allow-lora-paths"]),
             (tiny_request(LONG_PROMPT), invalid, ["prompt has 1100 tokens, more than the limit of 1024; shorten it"]),
             (tiny_request(loras=[("grain", float("nan"))]), invalid, ["LoRA 'grain': strength must be finite, got nan"])):
         req.idempotency_key = "refused"
