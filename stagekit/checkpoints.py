@@ -422,8 +422,8 @@ DERIVED_ALIGN = 64  # every tensor of a derived copy starts at a multiple of thi
 
 
 def derived_key(file: str | Path, what: str) -> str:
-    """The name of what a load derives from `file` (`what`: the conversion, e.g. "int8 float16"): the file's path
-    and `what`, so a derived copy goes with its file."""
+    """The name of what a load derives from `file` (`what`: the conversion, e.g. "int8 linears from float16", no
+    "#"): the file's path and `what`, so a derived copy goes with its file."""
     return f"{Path(file).resolve()}#{what}"
 
 

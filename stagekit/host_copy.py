@@ -163,7 +163,7 @@ class HostCopies:
         pid = os.getpid()
         out = {str(f): f"/proc/{pid}/fd/{self._copies[f].fd}" for f in files}
         out.update({k: f"/proc/{pid}/fd/{d.fd}" for k, d in self._derived.items() if d.filled
-                    and Path(k.split("#", 1)[0]) in files})
+                    and Path(k.rsplit("#", 1)[0]) in files})
         return out
 
     def held(self, files: list[Path | str]) -> dict[str, str]:
@@ -182,7 +182,7 @@ class HostCopies:
         with self._lock:
             out = {}
             for k in keys:
-                if Path(k.split("#", 1)[0]) not in self._copies:
+                if Path(k.rsplit("#", 1)[0]) not in self._copies:
                     continue
                 d = self._derived.get(k)
                 if d is None:
@@ -201,7 +201,7 @@ class HostCopies:
                              self._derived[k].nbytes() / GIB)
 
     def _drop_derived(self, file: Path) -> None:
-        for k in [k for k in self._derived if Path(k.split("#", 1)[0]) == file]:
+        for k in [k for k in self._derived if Path(k.rsplit("#", 1)[0]) == file]:
             os.close(self._derived.pop(k).fd)
 
     def _copy(self, path: Path, st: os.stat_result) -> _Copy:
