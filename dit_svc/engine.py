@@ -36,7 +36,7 @@ from minimax_h3.dit.tiny_checkpoint import write_tiny_checkpoint
 from minimax_h3.dit.tp import param_style
 from minimax_h3.files import CHECKPOINT_PARTS, ensure_embedded, find_part
 from minimax_h3.kernels.int8 import Int8ConvRotLinear, QuantizedWeight
-from minimax_h3.kernels.registry import AUTO, KernelConfig, KernelSelection, select_kernels
+from minimax_h3.kernels.registry import AUTO, KernelConfig, KernelSelection, select_kernels_remembered
 from minimax_h3.kernels.tuning import chunk_rows as tuned_chunk_rows
 from stagekit.checkpoints import derived_key, derived_tensors, fill_derived
 from stagekit.compile_cache import enable_compile_cache
@@ -626,11 +626,14 @@ class DiTEngine:
 
 
 def _probe_kernels(cfg: DiTEngineConfig) -> KernelSelection:
-    """The start-up kernel probe (minimax_h3.kernels.registry.select_kernels), run in a short-lived child process."""
+    """The start-up kernel probe (minimax_h3.kernels.registry.select_kernels), run in a short-lived child process;
+    measured once per machine and read back at later starts when the stage keeps its caches (--compile-cache)."""
     if cfg.compile_cache_dir is not None:  # before the probe: fp8 attention compiles its quantisation there
         log.info("torch.compile cache: %s", enable_compile_cache(cfg.compile_cache_dir, cfg.device))
-    return select_kernels(cfg.device, KernelConfig(linear_kernel=cfg.linear_kernel, attention_kernel=cfg.attention_kernel,
-                                                   compute_dtype=cfg.compute_dtype))
+    config = KernelConfig(linear_kernel=cfg.linear_kernel, attention_kernel=cfg.attention_kernel,
+                          compute_dtype=cfg.compute_dtype)
+    records = cfg.compile_cache_dir.parent / "kernel_probes" if cfg.compile_cache_dir is not None else None
+    return select_kernels_remembered(cfg.device, config, records)
 
 
 def _sha256(t: torch.Tensor) -> str:

@@ -24,15 +24,27 @@ The result (`KernelSelection`) carries (op, kernel, reason) rows for the Status 
 and the attention callable to hand to the model (`H3DiT(attention_fn=...)` / `H3DiT.set_attention_fn`). How each
 linear and the attention then compute inside a block (and what they fuse) is their method's:
 minimax_h3/kernels/layers.py.
+
+`select_kernels_remembered` keeps a probe's outcome per machine (a JSON file under the stage's cache directory),
+keyed by everything the outcome depends on: the GPU (name, memory, compute capability), torch, CUDA, cuDNN and the
+kernel packages' versions, the config, the candidates, their bounds and this module's source. A stage that starts
+again on the same machine reads the choice instead of measuring it again; anything in the key that changes makes
+it measure afresh.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import importlib.metadata
+import json
 import logging
 import math
+import os
 import statistics
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable, NamedTuple, Sequence
 
 import torch
@@ -701,3 +713,75 @@ def select_kernels(device: torch.device | str, config: KernelConfig | None = Non
         torch.cuda.empty_cache()
     return KernelSelection(device, arch, l_name, a_name, choices, {LINEAR_OP: l_res, ATTENTION_OP: a_res},
                            lin, att, cfg.compute_dtype)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The probe's outcome, remembered per machine
+# ---------------------------------------------------------------------------------------------------------------------
+PROBE_PACKAGES = ("comfy-kitchen", "nvidia-cudnn-frontend", "triton")
+
+
+def _package_version(name: str) -> str | None:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def probe_fingerprint(device: torch.device | str, config: KernelConfig, linear: Sequence[str],
+                      attention: Sequence[str]) -> dict:
+    """Everything a probe's outcome on `device` depends on (JSON-ready)."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    fp = {"torch": torch.__version__, "arch": arch_key(device),
+          "config": {f.name: str(getattr(config, f.name)) for f in dataclasses.fields(config)},
+          "linear": sorted(linear), "attention": sorted(attention), "bounds": REL_ERR_BOUND,
+          "packages": {n: _package_version(n) for n in PROBE_PACKAGES},
+          "code": hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:16]}
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        fp["gpu"] = {"name": props.name, "memory": props.total_memory, "capability": [props.major, props.minor],
+                     "cuda": torch.version.cuda, "cudnn": torch.backends.cudnn.version()}
+    return json.loads(json.dumps(fp, sort_keys=True))
+
+
+def select_kernels_remembered(device: torch.device | str, config: KernelConfig | None, cache_dir: Path | None,
+                              select: Callable[..., KernelSelection] | None = None) -> KernelSelection:
+    """`select_kernels`, measured once per machine: the outcome is kept in `cache_dir` under the hash of its
+    `probe_fingerprint`, and read back by a later start whose fingerprint is the same (its reasons then say when
+    and where it was measured). `cache_dir` None: measure. An unreadable record is measured again and replaced."""
+    cfg = config or KernelConfig()
+    select = select or select_kernels
+    if cache_dir is None:
+        return select(device, cfg)
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    lin, att = default_linear_candidates(), default_attention_candidates()
+    fp = probe_fingerprint(device, cfg, list(lin), list(att))
+    path = Path(cache_dir) / f"kernel_probe_{hashlib.sha256(json.dumps(fp).encode()).hexdigest()[:16]}.json"
+    try:
+        rec = json.loads(path.read_text())
+        if rec["fingerprint"] == fp:
+            where = f"measured {rec['measured']}, remembered in {path}"
+            choices = [KernelChoice(c["op"], c["kernel"], f"{c['reason']} ({where})") for c in rec["choices"]]
+            probes = {op: [ProbeResult(**r) for r in rs] for op, rs in rec["probes"].items()}
+            sel = KernelSelection(device, rec["arch"], rec["linear"], rec["attention"], choices, probes, lin, att,
+                                  cfg.compute_dtype)
+            for c in choices:
+                log.info("kernel %s -> %s: %s", c.op, c.kernel, c.reason)
+            return sel
+    except FileNotFoundError:
+        pass
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        log.warning("kernel probe record %s unreadable (%r): probing again", path, e)
+    sel = select(device, cfg)
+    rec = {"fingerprint": fp, "measured": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "arch": sel.arch, "linear": sel.linear, "attention": sel.attention,
+           "choices": [dataclasses.asdict(c) for c in sel.choices],
+           "probes": {op: [dataclasses.asdict(r) for r in rs] for op, rs in sel.probes.items()}}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    tmp.write_text(json.dumps(rec, indent=1))
+    os.replace(tmp, path)  # a concurrent start reads the old record or the new one, never half of one
+    return sel
