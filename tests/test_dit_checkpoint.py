@@ -361,18 +361,22 @@ def test_rank_slices_match_dit_tp_reference(ckpts, variant):
                 assert torch.equal(value, ref[key]), key
 
 
-def test_parallel_load_equals_serial(tmp_path):
-    """Reading a rank's tensors on several threads (the GPU swap-in path) gives exactly the serial result."""
-    from minimax_h3.dit.tiny_checkpoint import write_tiny_checkpoint
+def assert_same_weights(want: dict, got: dict) -> None:
+    """Two loads of DiT weights (`load_dit_weights`) hold the same keys, in the same order, bit for bit."""
     from minimax_h3.kernels.int8 import QuantizedWeight
 
-    path = write_tiny_checkpoint(DiTConfig.tiny(), tmp_path / "dit.safetensors", "int8_convrot_pruned")
-    serial = load_dit_weights(path, None, 1, 2, workers=1)
-    parallel = load_dit_weights(path, None, 1, 2, workers=4)
-    assert list(parallel) == list(serial)
-    for key, a in serial.items():
-        b = parallel[key]
+    assert list(got) == list(want)
+    for key, a in want.items():
+        b = got[key]
         if isinstance(a, QuantizedWeight):
             assert torch.equal(a.qdata, b.qdata) and torch.equal(a.scale, b.scale) and a.groupsize == b.groupsize
         else:
             assert a.dtype == b.dtype and torch.equal(a, b), key
+
+
+def test_parallel_load_equals_serial(tmp_path):
+    """Reading a rank's tensors on several threads (the GPU swap-in path) gives exactly the serial result."""
+    from minimax_h3.dit.tiny_checkpoint import write_tiny_checkpoint
+
+    path = write_tiny_checkpoint(DiTConfig.tiny(), tmp_path / "dit.safetensors", "int8_convrot_pruned")
+    assert_same_weights(load_dit_weights(path, None, 1, 2, workers=1), load_dit_weights(path, None, 1, 2, workers=4))

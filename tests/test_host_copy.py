@@ -24,6 +24,7 @@ from stagekit.device_worker import WORKER_ENV
 from stagekit.host_copy import GIB, HOST_RESERVE_BYTES, MEM_AVAILABLE_ENV, HostCopies, decide, to_device
 from tests.conftest import SERVER_ENV
 from tests.procs import alive, descendants, open_paths
+from tests.test_dit_checkpoint import assert_same_weights
 from tests.test_device_worker import SPEC, TEXT, clients, start, workers
 from tests.waits import wait_until
 
@@ -131,13 +132,7 @@ def test_loaded_dit_weights_from_the_copy_are_bitwise_the_files(int8_file, monke
         finally:
             use_host_copies({})
             copies.release()
-        assert staged.keys() == disk.keys()
-        for k, a in disk.items():
-            b = staged[k]
-            if isinstance(a, QuantizedWeight):
-                assert torch.equal(a.qdata, b.qdata) and torch.equal(a.scale, b.scale) and a.groupsize == b.groupsize
-            else:
-                assert a.dtype == b.dtype and torch.equal(a, b), k
+        assert_same_weights(disk, staged)
         for t in staged.values():  # a loaded tensor is its own memory, never the (read-only) copy
             (t.qdata if isinstance(t, QuantizedWeight) else t).add_(1)
 
