@@ -65,6 +65,9 @@ class RenderConfig(ServeConfig):
     webhook_attempts: int = field(default=8, metadata={"help": "attempts per webhook event before it is given up"})
     webhook_retry_s: float = field(default=2.0, metadata={
         "help": "seconds before a failed webhook attempt is retried; doubles each attempt (up to 600 s)"})
+    webhook_timeout_s: float = field(default=10.0, metadata={
+        "help": "one webhook attempt, whole (connect, send, the whole answer): past it the connection is cut and the "
+                "attempt counts as failed"})
     max_batch: int = field(default=8, metadata={
         "help": "jobs sent to a stage in one batch (keep it <= the stages' --max-queue)"})
     max_wait_batches: int = field(default=4, metadata={
@@ -115,11 +118,12 @@ class RenderConfig(ServeConfig):
             return None
         if not self.webhook_secret_file:
             raise FailedPrecondition("--webhook-url needs --webhook-secret-file: every delivery is signed")
-        if self.webhook_attempts < 1 or not self.webhook_retry_s > 0:
-            raise FailedPrecondition("--webhook-attempts must be at least 1 and --webhook-retry-s above 0")
+        if self.webhook_attempts < 1 or not self.webhook_retry_s > 0 or not self.webhook_timeout_s > 0:
+            raise FailedPrecondition("--webhook-attempts must be at least 1, --webhook-retry-s and "
+                                     "--webhook-timeout-s above 0")
         check_url(self.webhook_url)
         return WebhookConfig(self.webhook_url, read_secret(self.webhook_secret_file), self.webhook_attempts,
-                             self.webhook_retry_s)
+                             self.webhook_retry_s, self.webhook_timeout_s)
 
 
 class RenderServicer(UploadMixin, render_pb2_grpc.RendererServicer):

@@ -26,16 +26,19 @@ from PIL import Image
 from render_svc.http_api import OPENAPI, ROUTES
 from render_svc.server import RenderConfig
 from render_svc.store import FAILED, JobStore
+from render_svc import webhooks
 from render_svc.webhooks import WebhookConfig, Webhooks
 from stagekit.config import parse_config
 from stagekit.errors import FailedPrecondition
 from tests.render_svc_util import RenderService, holding_the_device, probe, tiny_request, wait_for
 from tests.test_readme import readme_commands
+from tests.waits import wait_until
 
 SPEC = json.loads(OPENAPI.read_text())
 TINY = {"size": "256x256", "frames": 22, "steps": 1}
 SECRET = b"test webhook key"
 FAIL_FIRST = 2  # the receiver answers 500 to this many deliveries first
+TRICKLE_S = 0.05  # a slow receiver's pace: far below any deadline, so only a deadline over the whole answer ends it
 
 
 # ---- a small validator for the subset of JSON Schema the description uses -----------------------------------------
@@ -165,12 +168,21 @@ class Api:
 
 class Receiver:
     """A loopback webhook receiver: answers 500 to the first `fail_first` deliveries, then 204; records each one
-    (`got`) and the ones it took (`accepted`)."""
+    (`got`, in the order they came) and the ones it took (`accepted`).
+
+    A slow receiver too: the first delivery of an event id in `trickle` is answered one byte every TRICKLE_S (a
+    status line, then a header that never ends) until `release` is set (the answer is then finished, 204) or the
+    sender cuts the connection (`cut`: that event id)."""
 
     def __init__(self, fail_first: int = FAIL_FIRST):
         self.got: list[tuple[dict, bytes]] = []
         self.accepted: list[bytes] = []
         self.fail_first = fail_first
+        self.trickle: set[str] = set()
+        self.trickling = threading.Event()     # a trickled answer has begun
+        self.release = threading.Event()
+        self.cut: list[str] = []
+        self.lock = threading.Lock()           # deliveries come at once: each is counted and answered in turn
         receiver = self
 
         class H(BaseHTTPRequestHandler):
@@ -179,19 +191,48 @@ class Receiver:
 
             def do_POST(self):  # noqa: N802 - http.server's name
                 body = self.rfile.read(int(self.headers["Content-Length"]))
-                receiver.got.append(({k.lower(): v for k, v in self.headers.items()}, body))
-                take = len(receiver.got) > receiver.fail_first
-                if take:
-                    receiver.accepted.append(body)
+                headers = {k.lower(): v for k, v in self.headers.items()}
+                with receiver.lock:
+                    slow = headers["webhook-id"] in receiver.trickle
+                    receiver.trickle.discard(headers["webhook-id"])
+                    if not slow:
+                        receiver.got.append((headers, body))
+                        take = len(receiver.got) > receiver.fail_first
+                        if take:
+                            receiver.accepted.append(body)
+                if slow:
+                    return self.answer_slowly(headers, body)
                 self.send_response(204 if take else 500)
                 self.send_header("Content-Length", "0")
                 self.end_headers()
+
+            def answer_slowly(self, headers: dict, body: bytes):
+                self.close_connection = True
+                receiver.trickling.set()
+                try:
+                    for byte in b"HTTP/1.1 204 No Content\r\nX-Slow: ":
+                        self.wfile.write(bytes([byte]))
+                        receiver.release.wait(TRICKLE_S)
+                    while not receiver.release.wait(TRICKLE_S):
+                        self.wfile.write(b"a")
+                    self.wfile.write(b"\r\nContent-Length: 0\r\n\r\n")
+                except OSError:  # the sender cut the connection
+                    receiver.cut.append(headers["webhook-id"])
+                    return
+                with receiver.lock:
+                    receiver.got.append((headers, body))
+                    receiver.accepted.append(body)
 
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), H)
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/hooks/h3"
         threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
 
+    def ids(self) -> list[str]:
+        """The event ids it took, in the order it took them."""
+        return [json.loads(b)["id"] for b in self.accepted]
+
     def close(self):
+        self.release.set()
         self.httpd.shutdown()
         self.httpd.server_close()
 
@@ -383,6 +424,105 @@ def test_webhook_attempts_are_bounded(tmp_path):
         store.close()
 
 
+def _outbox(run_dir) -> dict[str, tuple]:
+    """The outbox's rows: event id -> (state, attempts, last_error)."""
+    db = sqlite3.connect(run_dir / "webhooks.sqlite3")
+    try:
+        return {r[0]: r[1:] for r in db.execute("SELECT id, state, attempts, last_error FROM deliveries")}
+    finally:
+        db.close()
+
+
+def _end(store: JobStore, prompt: str, before=lambda event_id: None) -> str:
+    """A job stored and ended (failed); `before(its event id)` runs first. Returns the event id."""
+    rec, _ = store.submit(tiny_request(prompt))
+    before(f"evt_{rec.id}")
+    store.finish(rec.id, FAILED, "INTERNAL", "a fault")
+    return f"evt_{rec.id}"
+
+
+def test_a_slow_receiver_holds_back_no_other_event(tmp_path):
+    """While one attempt is answered one byte at a time, the events after it are delivered; the slow answer, once
+    finished, delivers its own event (its deadline far off)."""
+    store = JobStore(tmp_path)
+    receiver = Receiver(fail_first=0)
+    hooks = Webhooks(WebhookConfig(receiver.url, SECRET, timeout_s=600), store, tmp_path)
+    hooks.start()
+    try:
+        slow = _end(store, "slow", receiver.trickle.add)
+        wait_until(receiver.trickling.is_set, 30, what="the slow answer begun")
+        others = [_end(store, f"after {i}") for i in range(3)]
+        wait_until(lambda: sorted(receiver.ids()) == sorted(others), 30, what="the later events delivered")
+        assert not receiver.release.is_set() and not receiver.cut  # all while the slow answer went on
+        receiver.release.set()
+        wait_until(lambda: {k: v[0] for k, v in _outbox(tmp_path).items()} == dict.fromkeys([slow, *others],
+                                                                                           "delivered"),
+                   30, what="every row delivered, the slow one once its answer finished")
+        assert sorted(receiver.ids()) == sorted([slow, *others])
+    finally:
+        hooks.stop()
+        receiver.close()
+        store.close()
+
+
+def test_a_trickling_answer_is_cut_at_the_deadline_and_retried(tmp_path):
+    """A receiver that keeps an answer going byte by byte (each byte far within any socket timeout) is cut at
+    --webhook-timeout-s, the attempt counted as failed, and the event retried with the same id."""
+    store = JobStore(tmp_path)
+    receiver = Receiver(fail_first=0)
+    hooks = Webhooks(WebhookConfig(receiver.url, SECRET, attempts=2, retry_s=0.1, timeout_s=1.0), store, tmp_path)
+    hooks.start()
+    try:
+        slow = _end(store, "trickled", receiver.trickle.add)
+        wait_until(lambda: receiver.cut, 30, what="the trickled answer cut by the sender")
+        assert receiver.cut == [slow] and not receiver.release.is_set()
+        wait_until(lambda: _outbox(tmp_path).get(slow, ("",))[0] == "delivered", 30, what="the event retried")
+        assert _outbox(tmp_path)[slow] == ("delivered", 2, "") and receiver.ids() == [slow]
+    finally:
+        hooks.stop()
+        receiver.close()
+        store.close()
+
+
+def test_a_fault_in_one_event_fails_its_row_and_the_loop_goes_on(tmp_path, monkeypatch, caplog):
+    """An exception while sending one event fails that event's attempts (the row says why); one while building
+    another's event gives it a failed row; the event after both is still delivered by the same loop."""
+    store = JobStore(tmp_path)
+    receiver = Receiver(fail_first=0)
+    sends, builds = [], []
+    real_sign, real_video_object = webhooks.sign, webhooks.video_object
+
+    def sign(secret, msg_id, timestamp, body):
+        if msg_id in sends:
+            raise RuntimeError("injected into the send")
+        return real_sign(secret, msg_id, timestamp, body)
+
+    def video_object(rec):
+        if f"evt_{rec.id}" in builds:
+            raise RuntimeError("injected into the event")
+        return real_video_object(rec)
+
+    monkeypatch.setattr(webhooks, "sign", sign)
+    monkeypatch.setattr(webhooks, "video_object", video_object)
+    hooks = Webhooks(WebhookConfig(receiver.url, SECRET, attempts=2, retry_s=0.1), store, tmp_path)
+    hooks.start()
+    try:
+        send_fault = _end(store, "a send fault", sends.append)
+        build_fault = _end(store, "a build fault", builds.append)
+        after = _end(store, "after the faults")
+        wait_until(lambda: receiver.ids() == [after], 30, what="the event after the faults delivered")
+        wait_until(lambda: _outbox(tmp_path).get(send_fault, ("",))[0] == "failed", 30,
+                   what="the faulty send's row failed")
+        rows = _outbox(tmp_path)
+        assert rows[send_fault] == ("failed", 2, "RuntimeError: injected into the send")
+        assert rows[build_fault] == ("failed", 0, "the event could not be built: RuntimeError: injected into the event")
+        assert "injected into the send" in caplog.text and "injected into the event" in caplog.text  # tracebacks
+    finally:
+        hooks.stop()
+        receiver.close()
+        store.close()
+
+
 def test_a_webhook_outlives_a_kill(stack, tmp_path):
     """An event the receiver refused until the service was killed (SIGKILL) is delivered by the restarted service,
     from the outbox in its run dir, with the same id. The job comes from the README's HTTP example."""
@@ -431,12 +571,34 @@ def test_webhook_flags_are_checked_at_start(tmp_path):
                           (["--webhook-url", "http://127.0.0.1:9/h", "--webhook-secret-file", str(tmp_path / "none")],
                            "cannot read it"),
                           (["--webhook-url", "http://127.0.0.1:9/h", "--webhook-secret-file", str(key),
-                            "--webhook-attempts", "0"], "at least 1")):
+                            "--webhook-attempts", "0"], "at least 1"),
+                          (["--webhook-url", "http://127.0.0.1:9/h", "--webhook-secret-file", str(key),
+                            "--webhook-timeout-s", "0"], "--webhook-timeout-s above 0")):
         with pytest.raises(FailedPrecondition, match=needle):
             parse_config(RenderConfig, flags, env_prefix="T_RENDER_").webhook()
+    # URLs http.client could not send (they passed once and ended the delivery thread at the first event): refused
+    # by the flags and by the outbox itself, before its database is made
+    store = JobStore(tmp_path)
+    for url, needle in (("http://127.0.0.1:99999/hook", "out of range.*give a port from 1 to 65535"),
+                        ("http://127.0.0.1:port/hook", "give a port from 1 to 65535"),
+                        ("http://127.0.0.1:0/hook", "port 0 cannot be connected to"),
+                        ("http://[::1/hook", "IPv6 host in brackets"),
+                        ("http://127.0.0.1:9/h\u00e9", "in ASCII.*percent-encode"),
+                        ("http://127.0.0.1:9/a b", "without spaces or control characters"),
+                        ("https://h\u00e9.example/x", "xn-- form")):
+        with pytest.raises(FailedPrecondition, match=f"--webhook-url .*{needle}"):
+            parse_config(RenderConfig, ["--webhook-url", url, "--webhook-secret-file", str(key)],
+                         env_prefix="T_RENDER_").webhook()
+        with pytest.raises(FailedPrecondition, match=needle):
+            Webhooks(WebhookConfig(url, SECRET), store, tmp_path)
+    store.close()
+    assert not (tmp_path / "webhooks.sqlite3").exists()
     cfg = parse_config(RenderConfig, ["--webhook-url", "https://h.example/x", "--webhook-secret-file", str(key)],
                        env_prefix="T_RENDER_").webhook()
-    assert cfg.secret == b"k" and cfg.attempts == 8
+    assert cfg.secret == b"k" and cfg.attempts == 8 and cfg.timeout_s == 10
+    assert parse_config(RenderConfig, ["--webhook-url", "http://[::1]:8080/x?a=%C3%A9", "--webhook-secret-file",
+                                       str(key), "--webhook-timeout-s", "2.5"],
+                        env_prefix="T_RENDER_").webhook().timeout_s == 2.5
     key.write_text("whsec_" + base64.b64encode(b"\x00raw key bytes").decode() + "\n")  # a Standard Webhooks secret
     assert parse_config(RenderConfig, ["--webhook-url", "http://h/x", "--webhook-secret-file", str(key)],
                         env_prefix="T_RENDER_").webhook().secret == b"\x00raw key bytes"
