@@ -17,8 +17,9 @@ a thread of its own, the TLS handshake included (off the accept loop). A connect
 headers must arrive within --http-header-s of its accept, a later request's line and headers within --http-header-s
 of its first byte (else 408 and the connection closed); a kept-alive connection idle for IDLE_S is closed. At most
 --http-max-connections are open, --http-max-per-address of them from one client address (more get 503), and the last
---http-reserved-connections of them serve only requests that carry a valid token (others get 503): connections that
-drip their headers or sit idle cannot refuse everyone. A request whose `Host:` names another host than the one the
+--http-reserved-connections of them serve only requests that carry a valid token (others get 503); a connection still
+waiting for its first request in a reserved slot is dropped for a newer connection when every slot is taken.
+Connections that drip their headers or sit idle cannot refuse everyone. A request whose `Host:` names another host than the one the
 page is served on gets 421 (a DNS-rebinding page in a local browser cannot read it).
 """
 
@@ -100,14 +101,19 @@ class Limits:
         return lim
 
 
-@dataclass(frozen=True)
+@dataclass
 class _Slot:
     """An open connection's place in the cap: its client address, the deadline of its first request's headers
-    (monotonic), and whether it is one of the reserved slots."""
+    (monotonic), whether it is one of the reserved slots, its socket's descriptor, whether its first request's line
+    and headers are still awaited (a reserved slot's connection may then be dropped for a newer one), and whether it
+    was dropped."""
 
     host: str
     deadline: float
     reserved: bool
+    fd: int
+    waiting: bool = True
+    dropped: bool = False
 
 
 class _LateHeaders(Exception):
@@ -269,9 +275,12 @@ class WebPage:
             def log_message(self, fmt, *args):  # noqa: A003 - http.server's name
                 log.debug("%s " + fmt, self.address_string(), *args)
 
+            def __init__(self, request, client_address, server, slot: _Slot):
+                self.slot = slot
+                super().__init__(request, client_address, server)
+
             def setup(self):
                 super().setup()
-                self.slot: _Slot = self.server.slots[self.client_address]
                 self.rfile.close()  # http.server's reader, replaced by one that keeps the headers' deadline
                 self.reader = _Reader(self.connection)
                 self.reader.deadline = self.slot.deadline  # the first request's: from the connection's accept
@@ -304,6 +313,9 @@ class WebPage:
                 ok = super().parse_request()
                 self.reader.deadline = None
                 self.connection.settimeout(IDLE_S)
+                if not self.server.arrived(self.slot):  # dropped for a newer connection: its headers may be cut
+                    self.close_connection = True
+                    return False
                 if ok and self.slot.reserved and self._authorized(parse_qs(urlsplit(self.path).query))[0] is None:
                     self.close_connection = True
                     self._send(503, b"every connection slot for requests without a valid token is taken "
@@ -450,9 +462,12 @@ class WebPage:
 
 class _PageServer(ThreadingHTTPServer):
     """The accept loop only accepts: each connection's thread does its TLS handshake (by the headers' deadline) and
-    serves it. A connection beyond --http-max-connections, or beyond --http-max-per-address from its client address,
-    is answered 503 and closed at once. A connection's slot is given back before its socket is closed, so a client
-    that sees its connection end finds the slot free."""
+    serves it. A connection beyond --http-max-per-address from its client address, or beyond --http-max-connections
+    when no reserved slot's connection is still waiting for its first request, is answered 503 and closed at once;
+    when one is, the longest waiting of them is closed and the new connection takes its slot. So connections without
+    a token cannot hold the reserved slots: they get 503 once their headers are in, and are dropped for newer ones
+    until then. A connection's slot is given back before its socket is closed, so a client that sees its connection
+    end finds the slot free."""
 
     daemon_threads = True
     address_family = socket.AF_INET
@@ -469,21 +484,44 @@ class _PageServer(ThreadingHTTPServer):
         self._count = threading.Lock()
         super().__init__(addr, handler)
 
-    def _take_slot(self, client_address) -> str:
+    def _take_slot(self, request, client_address) -> str:
         """A slot for the connection (""), or why there is none."""
         lim, host = self.limits, client_address[0]
         with self._count:
-            if len(self.slots) >= lim.max_connections:
-                return f"all {lim.max_connections} connections are taken (--http-max-connections); retry later"
             if sum(s.host == host for s in self.slots.values()) >= lim.max_per_address:
                 return (f"{lim.max_per_address} connections from {host} are open (--http-max-per-address); close one "
                         "or retry later")
+            if len(self.slots) >= lim.max_connections and not self._drop_a_waiting_reserved():
+                return f"all {lim.max_connections} connections are taken (--http-max-connections); retry later"
             reserved = len(self.slots) >= lim.max_connections - lim.reserved
-            self.slots[client_address] = _Slot(host, time.monotonic() + lim.header_s, reserved)
+            self.slots[client_address] = _Slot(host, time.monotonic() + lim.header_s, reserved, request.fileno())
             return ""
 
+    def _drop_a_waiting_reserved(self) -> bool:
+        """Under the count's lock: close the reserved slot's connection that has waited longest for its first request
+        and free its slot (its thread ends on the closed socket); False if none is waiting."""
+        waiting = [(slot.deadline, addr) for addr, slot in self.slots.items() if slot.reserved and slot.waiting]
+        if not waiting:
+            return False
+        slot = self.slots.pop(min(waiting)[1])
+        slot.dropped = True
+        # The socket is still open: its thread removes its slot (the lock held here) before it closes it.
+        with socket.fromfd(slot.fd, self.address_family, socket.SOCK_STREAM) as dup:
+            try:
+                dup.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass  # the client already left
+        return True
+
+    def arrived(self, slot: _Slot) -> bool:
+        """The slot's request line and headers are in: from now its connection is not dropped for a newer one. False
+        if it was dropped already."""
+        with self._count:
+            slot.waiting = False
+            return not slot.dropped
+
     def process_request(self, request, client_address):
-        refused = self._take_slot(client_address)
+        refused = self._take_slot(request, client_address)
         if refused:
             try:
                 request.settimeout(1.0)
@@ -497,19 +535,24 @@ class _PageServer(ThreadingHTTPServer):
 
     def process_request_thread(self, request, client_address):
         """ThreadingMixIn's, with the TLS handshake first and the slot given back before the socket is closed."""
+        with self._count:
+            slot = self.slots.get(client_address)
         try:
+            if slot is None:
+                return  # dropped for a newer connection before this thread started
             if self.ctx is not None:
-                request.settimeout(max(self.slots[client_address].deadline - time.monotonic(), 1e-3))
+                request.settimeout(max(slot.deadline - time.monotonic(), 1e-3))
                 try:
                     # the handshake called here, not in wrap_socket, which closes the socket itself when it fails
                     request = self.ctx.wrap_socket(request, server_side=True, do_handshake_on_connect=False)
                     request.do_handshake()
                 except (OSError, ssl.SSLError):
                     return  # a handshake that failed or timed out: nothing to answer
-            self.finish_request(request, client_address)
+            self.RequestHandlerClass(request, client_address, self, slot)
         except Exception:  # noqa: BLE001 - as socketserver: logged, and the connection closed
             self.handle_error(request, client_address)
         finally:
             with self._count:
-                del self.slots[client_address]
+                if slot is not None and self.slots.get(client_address) is slot:
+                    del self.slots[client_address]
             self.shutdown_request(request)

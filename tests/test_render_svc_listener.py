@@ -6,7 +6,8 @@ listener on 127.0.0.1.
 
 - the request line and headers have one deadline (--http-header-s), however slowly they drip: 408, the slots free;
 - --http-max-per-address: one address' connections beyond it get 503 while another address is served;
-- --http-reserved-connections: once the other slots are taken, a connection is served only with a valid token;
+- --http-reserved-connections: once the other slots are taken, a connection is served only with a valid token, and
+  connections that send nothing cannot hold those slots;
 - a multipart form of more parts than a create request has is refused when the parser meets the first one too many;
 - malformed values (a lone surrogate in JSON, 5,000-digit numbers, digits of other scripts) are 4xx, never 500;
 - /api/state shows a non-admin principal only its own job ids, in the jobs and in the batches;
@@ -33,7 +34,7 @@ from stagekit.config import parse_config
 from stagekit.errors import FailedPrecondition
 from tests.render_svc_util import RenderService, tiny_request, wait_for
 
-HEADER_S = 2.0     # --http-header-s: what the drippers run into (every request of the tests is sent in one write)
+HEADER_S = 5.0  # --http-header-s: what the drippers run into; every other request here is sent in one write on connecting
 MAX_CONNECTIONS, PER_ADDRESS, RESERVED = 6, 3, 2
 TINY = {"size": "256x256", "frames": 22, "steps": 1}
 VIDEO = bytes(range(256)) * 40  # the seeded job's "MP4": the listener serves bytes, whatever they are
@@ -148,9 +149,11 @@ def _ended(sock: socket.socket, got: bytearray) -> bool:
 def test_an_address_past_its_cap_is_refused_and_reserved_slots_take_only_tokens(svc):
     """Kept-alive idle connections hold slots (for up to 30 s, far beyond the test's steps). Three from 127.0.0.1
     are its --http-max-per-address: a fourth from it is refused at accept, 127.0.0.2 is served. With four held, the
-    rest are --http-reserved-connections: a request without a token gets 503, one with a token is served; with all
-    six held the next connection is refused at accept."""
+    rest are --http-reserved-connections: a request without a token gets 503, one with a token is served, also when
+    two connections that send nothing hold the reserved slots: it takes the slot of the one that has waited longest
+    (closed without an answer). With all six held by served connections, the next one is refused at accept."""
     held = [_kept_alive(svc.port, "127.0.0.1") for _ in range(PER_ADDRESS)]
+    silent: list[socket.socket] = []
     try:
         status, body = _refused_at_accept(svc.port, "127.0.0.1")
         assert status == 503 and b"--http-max-per-address" in body and b"127.0.0.1" in body, body
@@ -159,10 +162,21 @@ def test_an_address_past_its_cap_is_refused_and_reserved_slots_take_only_tokens(
         status, headers, body = _call(svc.port, "GET", "/v1/openapi.json", source="127.0.0.3")
         assert status == 503 and headers["Retry-After"] and b"--http-reserved-connections" in body, body
         assert _call(svc.port, "GET", "/v1/videos", who="alice", source="127.0.0.3")[0] == 200
+
+        silent = [_connect(svc.port, "127.0.0.5") for _ in range(RESERVED)]  # every slot taken now
+        assert _call(svc.port, "GET", "/v1/videos", who="alice", source="127.0.0.6")[0] == 200
+        got = bytearray()
+        wait_for(lambda: _ended(silent[0], got), 60, "the longest waiting connection dropped")
+        assert got == b"" and not select.select([silent[1]], [], [], 0)[0]  # no 408: dropped, and only it
+        silent[1].shutdown(socket.SHUT_WR)  # it leaves: the server closes it once its slot is free
+        assert _read_to_close(silent[1]) == b""
+
         held += [_kept_alive(svc.port, "127.0.0.3", "alice"), _kept_alive(svc.port, "127.0.0.4", "bob")]
         status, body = _refused_at_accept(svc.port, "127.0.0.5")
         assert status == 503 and b"--http-max-connections" in body, body
     finally:
+        for s in silent:
+            s.close()
         _release(held)
     assert _call(svc.port, "GET", "/v1/openapi.json", source="127.0.0.5")[0] == 200
 
