@@ -9,7 +9,7 @@ jobs, owners, idempotency keys and limits as the gRPC `Renderer` (render_svc/ser
     GET  /v1/openapi.json                 this API's OpenAPI 3.1 description (render_svc/openapi.json)
 
 It is served on the web page's listener (`--http-port`, render_svc/web.py), so it has the page's TLS certificate,
-`Host:` check and connection limits. Every `/v1/videos` call needs `Authorization: Bearer <token>` when the service has
+`Host:` check and connection cap. Every `/v1/videos` call needs `Authorization: Bearer <token>` when the service has
 a token (the page's cookie and `?token=` are not taken here: an API call carries its token itself); the caller is the
 principal its token names (`--tokens-file`), exactly as on gRPC. A video id is the job id gRPC uses.
 
