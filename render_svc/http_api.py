@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import email.message
 import email.policy
 import json
 import math
@@ -34,7 +35,7 @@ from urllib.parse import parse_qs
 import grpc
 
 from h3.v1 import render_pb2
-from minimax_h3.contract import FPS, snap_frames, spec_from_proto
+from minimax_h3.contract import FPS, MAX_REFERENCES, snap_frames, spec_from_proto
 from render_svc.planner import STAGES
 from render_svc.store import CANCELLED, FAILED, QUEUED, RUNNING, SUCCEEDED, JobRecord
 from stagekit.errors import FailedPrecondition, InvalidArgument, NotFound, StageError, status_for
@@ -124,6 +125,27 @@ def video_object(rec: JobRecord, queue_position: int = 0) -> dict:
 # ---- the request ----------------------------------------------------------------------------------------------------
 CREATE_FIELDS = ("prompt", "model", "size", "seconds", "frames", "steps", "seed", "sampler", "scheduler", "crf",
                  "upscale", "label", "loras", "first_frame", "last_frame", "references")
+
+
+def ascii_int(text: str, max_digits: int = 19) -> int | None:
+    """`text` as a number if it is ASCII digits alone, at most `max_digits` of them; else None. (str.isdigit takes
+    other scripts' digits and superscripts such as '²', which int() then refuses, and int() refuses numbers of over
+    4300 digits: a caller's typo, never a server fault.)"""
+    return int(text) if text.isascii() and text.isdigit() and len(text) <= max_digits else None
+
+
+def json_body(raw: bytes):
+    """A JSON request body -> its value; InvalidArgument for one that is not JSON or not text (a lone UTF-16 surrogate
+    such as "\\ud800" parses, but no string holding one can be stored or sent on)."""
+    try:
+        body = json.loads(raw)
+        json.dumps(body, ensure_ascii=False).encode()
+    except UnicodeEncodeError as e:
+        raise InvalidArgument(f"the body holds a lone UTF-16 surrogate ({e.object[e.start:e.end]!a}), which is not "
+                              "text; send valid Unicode") from None
+    except (ValueError, RecursionError) as e:
+        raise InvalidArgument(f"the body is not valid JSON ({str(e)[:120]})") from None
+    return body
 
 
 def _int(body: dict, name: str, lo: int = -INT32, hi: int = INT32) -> int | None:
@@ -240,6 +262,25 @@ def render_request(body, idempotency_key: str) -> render_pb2.RenderRequest:
 
 FORM_INTS = ("frames", "steps", "seed", "crf")  # form fields are text: these are read as integers
 FORM_FILES = {"input_reference": "first_frame", "first_frame": "first_frame", "last_frame": "last_frame"}
+# A form holds each field once and at most MAX_REFERENCES `reference` files. The parser refuses a body of more parts
+# when it meets the first one too many (it would spend about 8 s of CPU per MB of tiny parts).
+MAX_FORM_PARTS = len(set(CREATE_FIELDS) - {"references"} | set(FORM_FILES)) + MAX_REFERENCES
+
+
+def _counting_parts(limit: int):
+    """The email parser's message factory for one form: InvalidArgument once it has made the form and `limit` parts
+    (nested parts count too), so the parsing stops there."""
+    made = 0
+
+    def part(policy):
+        nonlocal made
+        made += 1
+        if made > limit + 1:
+            raise InvalidArgument(f"the form has more than {limit} parts; a create request has one per field and at "
+                                  f"most {MAX_REFERENCES} reference files")
+        return email.message.EmailMessage(policy=policy)
+
+    return part
 
 
 def form_fields(content_type: str, raw: bytes) -> dict:
@@ -249,7 +290,8 @@ def form_fields(content_type: str, raw: bytes) -> dict:
     in order; its kind from the part's Content-Type: image/*, video/*, audio/*)."""
     if "boundary=" not in content_type:
         raise InvalidArgument("a multipart/form-data body needs the boundary in its Content-Type")
-    msg = BytesParser(policy=email.policy.HTTP).parsebytes(
+    policy = email.policy.HTTP.clone(message_factory=_counting_parts(MAX_FORM_PARTS))
+    msg = BytesParser(policy=policy).parsebytes(
         b"Content-Type: " + content_type.encode("latin-1") + b"\r\n\r\n" + raw)
     if not msg.is_multipart():
         raise InvalidArgument("the multipart/form-data body has no parts")
@@ -267,7 +309,9 @@ def form_fields(content_type: str, raw: bytes) -> dict:
         else:
             text = data.decode("utf-8", errors="replace")
             if name in FORM_INTS and text.strip().isdigit():
-                body[name] = int(text)
+                if (number := ascii_int(text.strip())) is None:
+                    raise InvalidArgument(f"{name} must be an integer of at most 19 ASCII digits, got {text[:40]!r}")
+                body[name] = number
             elif name == "loras":
                 try:
                     body[name] = json.loads(text)
@@ -368,13 +412,13 @@ class VideoAPI:
         connection's idle timeout). Chunked bodies are not taken (411)."""
         if h.headers.get("Transfer-Encoding"):
             raise HttpError(411, "length_required", "send the body with a Content-Length (chunked bodies are not taken)")
-        size = h.headers.get("Content-Length") or "0"
-        if not size.isdigit():
+        given = h.headers.get("Content-Length") or "0"
+        if not (given.isascii() and given.isdigit()):
             raise HttpError(400, "invalid_argument", "Content-Length is not a number")
-        size = int(size)
-        if size > limit:
-            raise HttpError(413, "payload_too_large", f"the body is {size} bytes; at most {limit} are taken (send "
-                            "large reference files with the gRPC Upload and name them there)")
+        size = ascii_int(given.lstrip("0") or "0")
+        if size is None or size > limit:
+            raise HttpError(413, "payload_too_large", f"the body is {given[:20]} bytes; at most {limit} are taken "
+                            "(send large reference files with the gRPC Upload and name them there)")
         deadline = time.monotonic() + self.body_total_s
         parts, left = [], size
         while left > 0:
@@ -406,10 +450,7 @@ class VideoAPI:
         if ctype == "multipart/form-data":
             body = form_fields(full_type, raw)
         else:
-            try:
-                body = json.loads(raw)
-            except (ValueError, RecursionError) as e:
-                raise InvalidArgument(f"the body is not valid JSON ({str(e)[:120]})") from None
+            body = json_body(raw)
         key = h.headers.get("Idempotency-Key", "")
         req = render_request(body, key)
         info = self.svc.submit(req, who.name)
@@ -472,7 +513,7 @@ def _query_int(query: dict, name: str, default: int, lo: int, hi: int) -> int:
     v = query.get(name, [""])[0]
     if not v:
         return default
-    if not v.isdigit() or not lo <= int(v) <= hi:
+    if (number := ascii_int(v)) is None or not lo <= number <= hi:
         raise InvalidArgument(f"{name} must be an integer from {lo} to {hi}, got {v[:20]!r}")
-    return int(v)
+    return number
 

@@ -57,6 +57,17 @@ class RenderConfig(ServeConfig):
     http_port: int = field(default=-1, metadata={
         "help": "read-only web page (queue, live progress, residency, videos) and the HTTP video API (/v1/videos): "
                 "-1 off, 0 a free port; same host, TLS and token as the gRPC port"})
+    http_header_s: float = field(default=10.0, metadata={
+        "help": "--http-port: a connection's TLS handshake, request line and headers must arrive within this many "
+                "seconds of its accept (a later request's line and headers: of its first byte), else 408 and the "
+                "connection is closed"})
+    http_max_connections: int = field(default=64, metadata={
+        "help": "--http-port: connections open at once (a thread each); more get 503"})
+    http_max_per_address: int = field(default=16, metadata={
+        "help": "--http-port: connections open at once from one client address; more from it get 503"})
+    http_reserved_connections: int = field(default=8, metadata={
+        "help": "--http-port: of --http-max-connections, the last this many serve only requests with a valid token "
+                "(others get 503), so connections without one cannot refuse every caller"})
     webhook_url: str = field(default="", metadata={
         "help": "POST a signed event here when a job ends (video.completed / video.failed / video.cancelled); "
                 "needs --webhook-secret-file"})

@@ -603,7 +603,7 @@ class RenderService:
             raise Unavailable("draining") from None
         with self._lock:
             self.batch_log.append({"number": batch.number, "stage": batch.stage, "group": batch.group, "replica": node,
-                                   "jobs": [w.job_id for w in live], "t0": t0, "t1": time.time()})
+                                   "jobs": [w.job_id for w in live], "size": len(live), "t0": t0, "t1": time.time()})
         unavailable = sum(not o.ok and o.code == "UNAVAILABLE" for o in outcomes.values())
         if unavailable == len(live):
             self.stopping.wait(min(5.0, 1.0 * max(w.unavailable for w in live)))  # the stage is down: back off
@@ -694,16 +694,20 @@ class RenderService:
         return self.store.counts()
 
     def snapshot(self, owner: str | None = None) -> dict:
-        """What the web page shows: jobs (queued, running, recent finished; `owner`'s only when given) and the
-        recent batches."""
+        """What the web page shows: jobs (queued, running, recent finished) and the recent batches. With `owner`,
+        only that principal's jobs, and in each batch only its job ids (every batch keeps its size)."""
         active = self.store.list([QUEUED, RUNNING], limit=500, oldest_first=True, owner=owner)
         recent = self.store.list([SUCCEEDED, FAILED, CANCELLED], limit=50, owner=owner)
         pos = self.store.queue_positions()
         with self._lock:
             running = {b.number: {"number": b.number, "stage": b.stage, "group": b.group, "jobs": list(b.job_ids),
-                                  "t0": t0} for b, t0 in self.running.values()}
+                                  "size": len(b.job_ids), "t0": t0} for b, t0 in self.running.values()}
             batches = list(self.batch_log)[-40:]
+        running = sorted(running.values(), key=lambda b: b["number"])
+        if owner is not None:
+            mine = self.store.owned({j for b in running + batches for j in b["jobs"]}, owner)
+            running, batches = ([{**b, "jobs": [j for j in b["jobs"] if j in mine]} for b in bs]
+                                for bs in (running, batches))
         groups = self.group_names()
-        return {"jobs": [r.info(pos.get(r.id, 0)) for r in active + recent],
-                "running": sorted(running.values(), key=lambda b: b["number"]), "batches": batches,
+        return {"jobs": [r.info(pos.get(r.id, 0)) for r in active + recent], "running": running, "batches": batches,
                 "batches_total": self.planner.batches, "groups": groups}

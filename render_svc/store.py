@@ -328,6 +328,14 @@ class JobStore:
         with self.lock:
             return [_record(r) for r in self.db.execute(q, (*args, limit)).fetchall()]
 
+    def owned(self, job_ids: set[str], owner: str) -> set[str]:
+        """Those of `job_ids` that are `owner`'s jobs."""
+        ids = sorted(job_ids)
+        with self.lock:
+            rows = self.db.execute(f"SELECT id FROM jobs WHERE owner = ? AND id IN ({','.join('?' * len(ids))})",
+                                   (owner, *ids)).fetchall()
+        return {r[0] for r in rows}
+
     def queue_position(self, rec: JobRecord) -> int:
         """A QUEUED job's 1-based place among every queued job of the service (all owners, oldest first); 0 for a
         job that started or finished. One line for the whole service, so no two jobs share a number, as they would

@@ -432,11 +432,13 @@ def test_https_page_handshakes_off_the_accept_loop_with_a_cap_and_a_host_check(s
     cap is closed at once while the ones in the cap wait for their hello, and the cap frees itself as their
     handshakes time out. Each step waits on what the server did to a connection (closed it, or not yet), never
     on how long something takes."""
-    from render_svc.web import HANDSHAKE_S, MAX_CONNECTIONS
-
+    cap_n, header_s = 8, 10.0
     _, endpoints = stack
     cert, key = self_signed_cert(tmp_path)
-    svc = RenderService(tmp_path / "run", endpoints, ["--http-port", "0", "--tls-cert", str(cert), "--tls-key", str(key)])
+    svc = RenderService(tmp_path / "run", endpoints,
+                        ["--http-port", "0", "--tls-cert", str(cert), "--tls-key", str(key), "--http-header-s",
+                         str(header_s), "--http-max-connections", str(cap_n), "--http-max-per-address", str(cap_n),
+                         "--http-reserved-connections", "0"])
     svc.stack.cfg.security = Security(tls_ca=str(cert))
     svc.start()
     conns: list[socket.socket] = []
@@ -453,10 +455,10 @@ def test_https_page_handshakes_off_the_accept_loop_with_a_cap_and_a_host_check(s
         #    side shut for writing, so we see the server close it, which it does after giving the slot back).
         idle.shutdown(socket.SHUT_WR)
         wait_for(lambda: _closed(idle), 60, "the server to close the connection that ended")
-        # 3. MAX_CONNECTIONS silent connections fill the cap. The listen queue holds them all, so the server takes
-        #    them in the order they connected, and the next one is the first beyond the cap: closed before any
+        # 3. --http-max-connections silent connections fill the cap. The listen queue holds them all, so the server
+        #    takes them in the order they connected, and the next one is the first beyond the cap: closed before any
         #    handshake, while all in the cap still wait for their hello. A TLS client is refused the same way.
-        cap = [socket.create_connection(("127.0.0.1", port)) for _ in range(MAX_CONNECTIONS)]
+        cap = [socket.create_connection(("127.0.0.1", port)) for _ in range(cap_n)]
         conns += cap
         beyond = socket.create_connection(("127.0.0.1", port))
         conns.append(beyond)
@@ -465,7 +467,7 @@ def test_https_page_handshakes_off_the_accept_loop_with_a_cap_and_a_host_check(s
         with pytest.raises(OSError):
             _https_get(port, cert)
         # 4. The cap frees itself: each silent handshake times out and the server closes it (slot first).
-        wait_for(lambda: all(_closed(c) for c in cap), HANDSHAKE_S + 60, "the handshakes in the cap to time out")
+        wait_for(lambda: all(_closed(c) for c in cap), header_s + 60, "the handshakes in the cap to time out")
         assert _https_get(port, cert) == 200
     finally:
         for c in conns:
