@@ -7,10 +7,13 @@ import os
 import signal
 from pathlib import Path
 
+import grpc
 import pytest
 import torch
 
 from client.pipeline import sample
+from client.progress import print_status
+from dit_svc.engine import embedded_config
 from h3.v1 import common_pb2
 from minimax_h3.dit.checkpoint import load_dit_weights
 from minimax_h3.dit.config import DiTConfig
@@ -397,3 +400,48 @@ def test_a_file_changed_while_it_is_copied_is_not_kept(tmp_path, monkeypatch, no
     finally:
         use_host_copies({})
         copies.release()
+
+
+def test_a_stage_loads_new_weights_written_over_its_file_and_status_says_when_its_files_changed(tmp_path, capsys):
+    """Through a real DiT stage keeping its file in host memory: new weights written over the file with its old size
+    and mtime are what the next turn computes with (and the old ones again, written back); Status names a file
+    replaced or deleted since the last load, and a load after the deletion fails naming the file."""
+    cfg = embedded_config()
+    old, new = (write_tiny_checkpoint(cfg, tmp_path / f"{n}.safetensors", "bf16", seed=s)
+                for n, s in (("old", 0), ("new", 1)))
+    path = tmp_path / "models" / "dit.safetensors"
+    path.parent.mkdir()
+    path.write_bytes(old.read_bytes())
+    s = start("dit", 1, tmp_path / "run", tmp_path / "cache", {**SERVER_ENV, WORKER_ENV: "1", MEM_AVAILABLE_ENV: ROOMY},
+              ["--weights", str(path)])
+
+    def status():
+        return c.stub("dit").Status(common_pb2.StatusRequest(), timeout=10)
+
+    def next_turn():
+        c.stub("dit").Unload(common_pb2.UnloadRequest(), timeout=60)
+        return sample(c, SPEC, TEXT, timeout_s=120)[0]
+
+    try:
+        with clients(s, "dit") as c:
+            first = sample(c, SPEC, TEXT, timeout_s=120)[0]
+            assert _status_row(c, "dit")[0].startswith("kept in host memory") and not status().changed_weight_files
+            rewrite_keeping_size_and_mtime(path, new)
+            st = status()
+            assert dict(st.changed_weight_files) == {str(path): "replaced"}
+            print_status([("dit", "here", "SERVING", st)])
+            assert f"changed on disk since the last load (the next load reads them as they are): {path} (replaced)" \
+                in capsys.readouterr().out
+            renewed = next_turn()
+            assert not status().changed_weight_files
+            assert not torch.equal(renewed, first), "the turn after the replacement computes with the new weights"
+            rewrite_keeping_size_and_mtime(path, old)
+            assert torch.equal(next_turn(), first), "and with the old ones again once they are written back"
+            path.unlink()
+            assert dict(status().changed_weight_files) == {str(path): "deleted"}
+            with pytest.raises(grpc.RpcError) as e:
+                next_turn()
+            assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION and str(path) in e.value.details()
+            assert dict(status().changed_weight_files) == {str(path): "deleted"}
+    finally:
+        s.stop()
