@@ -4,8 +4,9 @@ A file's size and mtime do not tell it from its replacement: `cp -p`, `rsync -a`
 bytes of the same size under the old mtime, and a file system with coarse timestamps gives two writes the same one.
 `FileIdentity` adds what no user can set back: the device and inode (a file written elsewhere and renamed over the
 path is another inode) and the ctime, which the kernel sets to its clock on every write, rename and `utime` and which
-no system call sets. What remains is a rewrite inside the same timestamp tick as the read before it, on a kernel
-without fine-grained ctimes (Linux gives one after every `stat` since 6.13, on ext4, xfs, btrfs and tmpfs).
+no system call sets. What remains is a rewrite in place inside the same timestamp tick as the read before it, on a
+file system with coarse ctimes (since Linux 6.13 ext4, xfs, btrfs and tmpfs give a write after a `stat` a ctime of
+its own).
 """
 
 from __future__ import annotations

@@ -28,6 +28,11 @@ the first turn's worker writes its result there (`stagekit.checkpoints.fill_deri
 that load succeeded (`filled`), and every later turn copies it up like a file's tensors instead of converting
 again: the bits the conversion made, so every turn computes with the same weights. A derived copy goes with its
 file's copy (a file changed on disk, a host short of memory, the stage's end).
+
+A copy is the file it read (`stagekit.file_identity.FileIdentity`: device, inode, size, mtime, ctime); `ensure` and
+`held` reuse it only while the path names that same file, so new weights written over the file with its old size and
+mtime (`cp -p`, `rsync -a`, `tar x`) are copied again, a deleted file's copy goes, and a file that changed while it
+was copied is not kept.
 """
 
 from __future__ import annotations
