@@ -43,7 +43,7 @@ def identity(path: Path | str) -> FileIdentity | None:
 
 def identify(files: list[Path | str]) -> dict[str, FileIdentity]:
     """{resolved path: identity} of each of `files` that exists now (a missing one is left out)."""
-    ids = {str(Path(f).resolve()): identity(Path(f).resolve()) for f in files}
+    ids = {str(p): identity(p) for p in (Path(f).resolve() for f in files)}
     return {f: i for f, i in ids.items() if i is not None}
 
 
