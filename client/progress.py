@@ -106,6 +106,9 @@ def print_status(rows) -> None:
               f"devices={','.join(st.devices) or '-'}  ranks={st.world_size}  queue={st.queue_depth}  "
               f"running={st.running}  jobs_done={st.jobs_done}  memory={st.memory_bytes / 2**20:.1f} MiB")
         print(f"         weights: {weights} [{st.variant}]")
+        if st.changed_weight_files:
+            print("         weight files changed on disk since the last load (the next load reads them as they are): "
+                  + ", ".join(f"{f} ({what})" for f, what in sorted(st.changed_weight_files.items())))
         print(f"         lease holder: {st.lease_holder or '-'}")
         if st.kernels:
             print("         kernels: " + ", ".join(f"{k.op}={k.kernel} ({k.reason})" for k in st.kernels))

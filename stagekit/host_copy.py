@@ -28,6 +28,11 @@ the first turn's worker writes its result there (`stagekit.checkpoints.fill_deri
 that load succeeded (`filled`), and every later turn copies it up like a file's tensors instead of converting
 again: the bits the conversion made, so every turn computes with the same weights. A derived copy goes with its
 file's copy (a file changed on disk, a host short of memory, the stage's end).
+
+A copy is the file it read (`stagekit.file_identity.FileIdentity`: device, inode, size, mtime, ctime); `ensure` and
+`held` reuse it only while the path names that same file, so new weights written over the file with its old size and
+mtime (`cp -p`, `rsync -a`, `tar x`) are copied again, a deleted file's copy goes, and a file that changed while it
+was copied is not kept.
 """
 
 from __future__ import annotations
@@ -41,6 +46,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from stagekit.file_identity import FileIdentity, identity
 
 log = logging.getLogger("stagekit.host_copy")
 
@@ -95,8 +102,11 @@ def decide(nbytes: int, available: int) -> HostCopyChoice:
 @dataclass
 class _Copy:
     fd: int
-    size: int
-    mtime_ns: int
+    file: FileIdentity  # the file as it was copied: reused only while the path still names that file, unchanged
+
+    @property
+    def size(self) -> int:
+        return self.file.size
 
 
 @dataclass
@@ -129,20 +139,21 @@ class HostCopies:
     def ensure(self, files: list[Path | str], derived: dict[str, int] | None = None) -> dict[str, str]:
         """Before a load: the copies of `files` ({file: path the worker opens}, and the filled derived copies under
         their keys), made now where missing; {} when the host has no room. `derived` ({key: bytes}) is what the
-        load may derive from the files: counted in the decision, offered by `to_fill`."""
+        load may derive from the files: counted in the decision, offered by `to_fill`. A copy whose file was
+        replaced or deleted since it was copied goes (with what was derived from it); a file that is gone is left
+        out, and the load that reads it fails naming it."""
         with self._lock:
             files = [Path(f).resolve() for f in files]
-            stats = {f: f.stat() for f in files}
-            for f in list(self._copies):  # a file replaced since it was copied is copied again (or dropped)
-                st = stats.get(f)
-                c = self._copies[f]
-                if st is not None and (st.st_size, st.st_mtime_ns) != (c.size, c.mtime_ns):
-                    log.info("%s: %s changed on disk since it was copied; dropping the copy", self.stage, f)
-                    os.close(self._copies.pop(f).fd)
-                    self._drop_derived(f)
+            now = {f: identity(f) for f in files}
+            for f in [f for f in files if f in self._copies and now[f] != self._copies[f].file]:
+                log.info("%s: %s %s since it was copied; dropping the copy", self.stage, f,
+                         "was deleted" if now[f] is None else "changed on disk")
+                os.close(self._copies.pop(f).fd)
+                self._drop_derived(f)
+            files = [f for f in files if now[f] is not None]
             missing = [f for f in files if f not in self._copies]
             if missing:
-                need = sum(stats[f].st_size for f in missing) + sum((derived or {}).values())
+                need = sum(now[f].size for f in missing) + sum((derived or {}).values())
                 self.choice = decide(self.nbytes + need, mem_available() + self.nbytes)
                 log.info("%s: checkpoint files %s (%s)", self.stage, self.choice.describe(), self.choice.reason())
                 if not self.choice.kept:
@@ -150,9 +161,9 @@ class HostCopies:
                     return {}
                 for f in missing:
                     try:
-                        self._copies[f] = self._copy(f, stats[f])
-                    except OSError as e:  # no room after all (memory taken meanwhile): today's path
-                        log.warning("%s: copying %s into host memory failed (%r); each turn reads the files",
+                        self._copies[f] = self._copy(f)
+                    except OSError as e:  # no room after all (memory taken meanwhile), or the file changed meanwhile
+                        log.warning("%s: copying %s into host memory failed (%s); each turn reads the files",
                                     self.stage, f, e)
                         self._release_locked()
                         self.choice = HostCopyChoice(False, self.choice.nbytes, self.choice.available)
@@ -167,12 +178,12 @@ class HostCopies:
         return out
 
     def held(self, files: list[Path | str]) -> dict[str, str]:
-        """{file path: path the worker opens} when every one of `files` is held now (else {}), with the filled
-        derived copies: what the next turn's worker may map on standby. Copies nothing; `ensure` at the load still
-        decides."""
+        """{file path: path the worker opens} when every one of `files` is held now and still names the file that was
+        copied (else {}), with the filled derived copies: what the next turn's worker may map on standby. Copies
+        nothing; `ensure` at the load still decides."""
         with self._lock:
             files = [Path(f).resolve() for f in files]
-            if not files or any(f not in self._copies for f in files):
+            if not files or any(f not in self._copies or identity(f) != self._copies[f].file for f in files):
                 return {}
             return self._mapping(files)
 
@@ -204,20 +215,25 @@ class HostCopies:
         for k in [k for k in self._derived if Path(k.rsplit("#", 1)[0]) == file]:
             os.close(self._derived.pop(k).fd)
 
-    def _copy(self, path: Path, st: os.stat_result) -> _Copy:
+    def _copy(self, path: Path) -> _Copy:
+        """A memfd holding the bytes of the file at `path`, with the identity of the file read; OSError when the file
+        changed while it was read (its bytes may mix two versions)."""
         fd = os.memfd_create(f"h3-{self.stage}-{path.name}", os.MFD_CLOEXEC)
         try:
             with open(path, "rb") as src:
+                read = FileIdentity.of(os.fstat(src.fileno()))
                 done = 0
-                while done < st.st_size:
-                    n = os.sendfile(fd, src.fileno(), done, min(SENDFILE_CHUNK, st.st_size - done))
+                while done < read.size:
+                    n = os.sendfile(fd, src.fileno(), done, min(SENDFILE_CHUNK, read.size - done))
                     if n == 0:
-                        raise OSError(f"{path} ended at byte {done} of {st.st_size}")
+                        raise OSError(f"{path} ended at byte {done} of {read.size}")
                     done += n
+                if FileIdentity.of(os.fstat(src.fileno())) != read:
+                    raise OSError(f"{path} changed while it was copied")
         except BaseException:
             os.close(fd)
             raise
-        return _Copy(fd, st.st_size, st.st_mtime_ns)
+        return _Copy(fd, read)
 
     def release(self) -> None:
         with self._lock:

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from stagekit.dist import RankGroup
 from stagekit.errors import (Cancelled, DeadlineExceeded, ResourceExhausted, StageError, Unavailable, restarts_group,
                              status_for)
+from stagekit.file_identity import FileIdentity, identify
 from stagekit.hosts import HOST_COMMAND
 from stagekit.lease import DeviceLease, RankHold
 
@@ -64,6 +65,11 @@ class Engine(Protocol):
     # what a shared-residency stage reserves for its first load (without it, the first load reserves the whole
     # budget, so every idle stage on its devices steps aside once).
     # def weight_bytes(self) -> int: ...
+
+    # Optional hook: the files a load reads the weights from. The runtime notes which files they were at each load
+    # (stagekit/file_identity.py), so Status says when one is deleted or replaced under the stage; a one-rank device
+    # worker stage keeps them in host memory between turns (stagekit/host_copy.py).
+    # def weight_files(self) -> list[Path]: ...
 
     # Optional hook: runs in the stage process with a finished job's outputs (rank 0), for state that must outlive
     # a device worker (stagekit/device_worker.py): the encoder's prompt cache.
@@ -124,6 +130,7 @@ class RuntimeSnapshot:
     running: bool
     jobs_done: int
     lease_holder: str  # who holds our devices' lease ("" when free, or no lease in shared residency)
+    loaded_files: dict[str, FileIdentity]  # the weight files of the last load, as they were when it began
 
 
 class ShutdownCancel(Unavailable):
@@ -290,6 +297,7 @@ class StageRuntime:
         self.loading = False
         self.jobs_done = 0
         self.loads = 0                 # residencies so far (each one is a swap-in)
+        self.loaded_files: dict[str, FileIdentity] = {}  # the engine's weight files as the last load found them
         self.last_lease_wait = 0.0
         self.running: Job | None = None
         self._served = 0               # jobs served in the current residency
@@ -319,7 +327,8 @@ class StageRuntime:
         with self._lock:
             return RuntimeSnapshot(resident=self.resident, loading=self.loading, queue_depth=self._pending,
                                    running=self.running is not None, jobs_done=self.jobs_done,
-                                   lease_holder=self.lease.holders() if self.lease is not None else "")
+                                   lease_holder=self.lease.holders() if self.lease is not None else "",
+                                   loaded_files=self.loaded_files)
 
     def estimate_bytes(self, spec: Any, inputs: dict | None = None) -> int:
         """Per-device peak bytes of a job (weights + activations) from the engine's hook; 0 if it has none.
@@ -422,6 +431,9 @@ class StageRuntime:
             if self.exclusive and self.hold is not None:
                 self.hold.take()
             self.group.broadcast_command((_LOAD, spec))
+            # Before the load reads them: a file replaced while it loads shows as replaced, never as the one loaded.
+            files = getattr(self.engine, "weight_files", None)
+            read = identify(files()) if files is not None else {}
             try:
                 load_engine(self.engine, spec)
             except BaseException:
@@ -429,6 +441,7 @@ class StageRuntime:
                 raise
             with self._lock:
                 self.resident = True
+                self.loaded_files = read
             if not self.exclusive and self.budget is not None and not self._has_estimate:
                 # No estimate hook: the first load reserved the worst case; keep what was actually loaded.
                 self._measured = self.engine.resident_bytes()

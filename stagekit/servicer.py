@@ -13,6 +13,7 @@ import grpc
 
 from h3.v1 import common_pb2
 from stagekit.errors import FailedPrecondition, restarts_group, status_for
+from stagekit.file_identity import changes
 from stagekit.server import abort_on_error
 from stagekit.uploads import UploadStore
 
@@ -100,7 +101,8 @@ class LifecycleMixin:
             world_size=rt.group.world_size, memory_bytes=rt.engine.resident_bytes() if snap.resident else 0,
             queue_depth=snap.queue_depth, running=int(snap.running), lease_holder=snap.lease_holder,
             residency=rt.cfg.residency, kernels=kernels, jobs_done=snap.jobs_done,
-            device_ids=rt.lease.ids if rt.lease is not None else [], host=socket.gethostname(), **d)
+            device_ids=rt.lease.ids if rt.lease is not None else [], host=socket.gethostname(),
+            changed_weight_files=changes(snap.loaded_files), **d)
 
 
 class UploadMixin:

@@ -7,10 +7,13 @@ import os
 import signal
 from pathlib import Path
 
+import grpc
 import pytest
 import torch
 
 from client.pipeline import sample
+from client.progress import print_status
+from dit_svc.engine import embedded_config
 from h3.v1 import common_pb2
 from minimax_h3.dit.checkpoint import load_dit_weights
 from minimax_h3.dit.config import DiTConfig
@@ -278,3 +281,167 @@ def test_a_dit_whose_kernel_converts_linears_keeps_them_and_loads_the_same_bits(
     assert states[0].keys() == states[1].keys()
     for k, t in states[0].items():
         assert t.dtype == states[1][k].dtype and torch.equal(t, states[1][k]), k
+
+
+def rewrite_keeping_size_and_mtime(path: Path, new: Path) -> None:
+    """What `cp -p new path` does to a file a stage holds a copy of: new bytes of the same size written into the same
+    inode, then the old atime and mtime set back (`rsync -a`, `tar x` and `touch -r` leave the same size and mtime)."""
+    old = path.stat()
+    data = new.read_bytes()
+    assert len(data) == old.st_size, "the replacement must be as long as the file"
+    with open(path, "r+b") as fh:
+        fh.write(data)
+    os.utime(path, ns=(old.st_atime_ns, old.st_mtime_ns))
+    now = path.stat()
+    assert (now.st_ino, now.st_size, now.st_mtime_ns) == (old.st_ino, old.st_size, old.st_mtime_ns)
+
+
+def test_a_file_rewritten_with_its_old_size_and_mtime_is_copied_again(tmp_path, monkeypatch, no_copies):
+    """`cp -p` of new DiT weights over the file a stage holds a copy of: the copy that is reused (`held`, on standby)
+    and the one a load reads (`ensure`) are the new file's, and the loaded weights are bitwise the new file's."""
+    monkeypatch.setenv(MEM_AVAILABLE_ENV, ROOMY)
+    cfg = DiTConfig.tiny(num_layers=2, adaln_form="curve")
+    old, new = (write_tiny_checkpoint(cfg, tmp_path / f"{n}.safetensors", "int8_convrot_pruned", seed=s)
+                for n, s in (("old", 0), ("new", 1)))
+    path = tmp_path / "dit.safetensors"
+    path.write_bytes(old.read_bytes())
+    want_old, want_new = (load_dit_weights(f, cfg, dtype=torch.float32) for f in (old, new))
+    copies = HostCopies("test")
+    try:
+        use_host_copies(copies.ensure([path]))
+        assert_same_weights(want_old, load_dit_weights(path, cfg, dtype=torch.float32, workers=2))
+        rewrite_keeping_size_and_mtime(path, new)
+        assert copies.held([path]) == {}, "a standby worker is not handed the old copy"
+        use_host_copies(copies.ensure([path]))
+        assert_same_weights(want_new, load_dit_weights(path, cfg, dtype=torch.float32, workers=2))
+        use_host_copies({})
+        gc.collect()
+        assert len(memfds(os.getpid())) == 1, "the old copy went"
+    finally:
+        use_host_copies({})
+        copies.release()
+
+
+def test_a_video_vae_renamed_over_with_its_old_size_and_mtime_is_copied_again(tmp_path, monkeypatch, no_copies):
+    """The decoder's video VAE replaced the way `rsync -a` / `tar x` do it (a new file renamed over the path, the old
+    mtime set on it): a load from the host copy decodes with the new weights."""
+    monkeypatch.setenv(MEM_AVAILABLE_ENV, ROOMY)
+    old, new, path = (tmp_path / f"{n}.safetensors" for n in ("old", "new", "vae"))
+    write_tiny_video_vae(str(old), seed=0)
+    write_tiny_video_vae(str(new), seed=1)
+    path.write_bytes(old.read_bytes())
+    want = {f: load_video_vae(str(f), dtype=torch.float16, parts="decoder").state_dict() for f in (old, new)}
+    copies = HostCopies("test")
+    try:
+        use_host_copies(copies.ensure([path]))
+        got = load_video_vae(str(path), dtype=torch.float16, parts="decoder").state_dict()
+        assert all(torch.equal(got[k], v) for k, v in want[old].items())
+        st = path.stat()
+        os.utime(new, ns=(st.st_atime_ns, st.st_mtime_ns))
+        os.replace(new, path)
+        assert (path.stat().st_size, path.stat().st_mtime_ns) == (st.st_size, st.st_mtime_ns)
+        use_host_copies(copies.ensure([path]))
+        got = load_video_vae(str(path), dtype=torch.float16, parts="decoder").state_dict()
+        assert not all(torch.equal(got[k], v) for k, v in want[old].items())
+        assert all(torch.equal(got[k], v) for k, v in want[new].items())
+    finally:
+        use_host_copies({})
+        copies.release()
+
+
+def test_a_deleted_file_drops_its_copy_and_the_load_names_it(int8_file, tmp_path, monkeypatch, no_copies):
+    """A file deleted under a stage that holds its copy: the copy (and what was derived from it) goes, and the load
+    that follows fails naming the file, as it would without a copy."""
+    monkeypatch.setenv(MEM_AVAILABLE_ENV, ROOMY)
+    path = tmp_path / "dit.safetensors"
+    path.write_bytes(int8_file.read_bytes())
+    key = checkpoints.derived_key(path, "int8 linears from float16")
+    copies = HostCopies("test")
+    try:
+        assert list(copies.ensure([path], {key: 1000})) == [str(path.resolve())]
+        assert list(copies.to_fill([key])) == [key] and len(memfds(os.getpid())) == 2
+        path.unlink()
+        assert copies.held([path]) == {}
+        mapping = copies.ensure([path], {key: 1000})
+        assert mapping == {} and copies.to_fill([key]) == {} and memfds(os.getpid()) == []
+        use_host_copies(mapping)
+        with pytest.raises(checkpoints.CheckpointError, match="dit.safetensors"):
+            load_dit_weights(path, DiTConfig.tiny(num_layers=2, adaln_form="curve"), dtype=torch.float32)
+    finally:
+        use_host_copies({})
+        copies.release()
+
+
+def test_a_file_changed_while_it_is_copied_is_not_kept(tmp_path, monkeypatch, no_copies):
+    """Bytes read while the file was being rewritten are never served: the copy is refused (this turn reads the file)
+    and the next load copies the file as it is then."""
+    monkeypatch.setenv(MEM_AVAILABLE_ENV, ROOMY)
+    cfg = DiTConfig.tiny(num_layers=2, adaln_form="curve")
+    old, new = (write_tiny_checkpoint(cfg, tmp_path / f"{n}.safetensors", "int8_convrot_pruned", seed=s)
+                for n, s in (("old", 0), ("new", 1)))
+    path = tmp_path / "dit.safetensors"
+    path.write_bytes(old.read_bytes())
+    sendfile = os.sendfile
+
+    def rewritten_meanwhile(out_fd, in_fd, offset, count):
+        n = sendfile(out_fd, in_fd, offset, min(count, 4096))
+        if offset == 0:
+            rewrite_keeping_size_and_mtime(path, new)
+        return n
+
+    copies = HostCopies("test")
+    try:
+        monkeypatch.setattr(host_copy.os, "sendfile", rewritten_meanwhile)
+        assert copies.ensure([path]) == {} and not copies.choice.kept and memfds(os.getpid()) == []
+        monkeypatch.setattr(host_copy.os, "sendfile", sendfile)
+        use_host_copies(copies.ensure([path]))
+        assert_same_weights(load_dit_weights(new, cfg, dtype=torch.float32),
+                            load_dit_weights(path, cfg, dtype=torch.float32, workers=2))
+    finally:
+        use_host_copies({})
+        copies.release()
+
+
+def test_a_stage_loads_new_weights_written_over_its_file_and_status_says_when_its_files_changed(tmp_path, capsys):
+    """Through a real DiT stage keeping its file in host memory: new weights written over the file with its old size
+    and mtime are what the next turn computes with (and the old ones again, written back); Status names a file
+    replaced or deleted since the last load, and a load after the deletion fails naming the file."""
+    cfg = embedded_config()
+    old, new = (write_tiny_checkpoint(cfg, tmp_path / f"{n}.safetensors", "bf16", seed=s)
+                for n, s in (("old", 0), ("new", 1)))
+    path = tmp_path / "models" / "dit.safetensors"
+    path.parent.mkdir()
+    path.write_bytes(old.read_bytes())
+    s = start("dit", 1, tmp_path / "run", tmp_path / "cache", {**SERVER_ENV, WORKER_ENV: "1", MEM_AVAILABLE_ENV: ROOMY},
+              ["--weights", str(path)])
+
+    def status():
+        return c.stub("dit").Status(common_pb2.StatusRequest(), timeout=10)
+
+    def next_turn():
+        c.stub("dit").Unload(common_pb2.UnloadRequest(), timeout=60)
+        return sample(c, SPEC, TEXT, timeout_s=120)[0]
+
+    try:
+        with clients(s, "dit") as c:
+            first = sample(c, SPEC, TEXT, timeout_s=120)[0]
+            assert _status_row(c, "dit")[0].startswith("kept in host memory") and not status().changed_weight_files
+            rewrite_keeping_size_and_mtime(path, new)
+            st = status()
+            assert dict(st.changed_weight_files) == {str(path): "replaced"}
+            print_status([("dit", "here", "SERVING", st)])
+            assert f"changed on disk since the last load (the next load reads them as they are): {path} (replaced)" \
+                in capsys.readouterr().out
+            renewed = next_turn()
+            assert not status().changed_weight_files
+            assert not torch.equal(renewed, first), "the turn after the replacement computes with the new weights"
+            rewrite_keeping_size_and_mtime(path, old)
+            assert torch.equal(next_turn(), first), "and with the old ones again once they are written back"
+            path.unlink()
+            assert dict(status().changed_weight_files) == {str(path): "deleted"}
+            with pytest.raises(grpc.RpcError) as e:
+                next_turn()
+            assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION and str(path) in e.value.details()
+            assert dict(status().changed_weight_files) == {str(path): "deleted"}
+    finally:
+        s.stop()

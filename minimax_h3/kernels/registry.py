@@ -27,9 +27,11 @@ minimax_h3/kernels/layers.py.
 
 `select_kernels_remembered` keeps a probe's outcome per machine (a JSON file under the stage's cache directory),
 keyed by everything the outcome depends on: the GPU (name, memory, compute capability), torch, CUDA, cuDNN and the
-kernel packages' versions, the config, the candidates, their bounds and this module's source. A stage that starts
-again on the same machine reads the choice instead of measuring it again; anything in the key that changes makes
-it measure afresh.
+kernel packages' versions, the config, the candidates, their bounds and the source of every module of this package
+(with its tuning table). A stage that starts again on the same machine reads the choice instead of measuring it
+again; anything in the key that changes makes it measure afresh, and so does a record that is not what this
+registry's probe writes (read at most PROBE_RECORD_MAX_BYTES, from a regular file only; its kernels the
+registry's, and the ones its own results make the probe pick).
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ import json
 import logging
 import math
 import os
+import stat
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -656,6 +659,17 @@ def _why_unavailable(cand, device: torch.device) -> str | None:
         return f"availability check failed: {type(e).__name__}: {str(e)[:PROBE_ERROR_CHARS]}"
 
 
+def _considered(cands: dict, arch: str) -> list:
+    """The candidates an automatic probe on `arch` considers."""
+    return [c for c in cands.values() if c.archs is None or arch in c.archs]
+
+
+def _fastest(results: Sequence[ProbeResult]) -> ProbeResult | None:
+    """The probe's pick: the fastest result that passed (the first of equals); None when none passed."""
+    ok = [r for r in results if r.ok]
+    return min(ok, key=lambda r: r.ms) if ok else None
+
+
 def _decide(op: str, setting: str, cands: dict, arch: str, device: torch.device, cfg: KernelConfig,
             probe) -> tuple[str, str, list[ProbeResult]]:
     if setting != AUTO:
@@ -670,7 +684,7 @@ def _decide(op: str, setting: str, cands: dict, arch: str, device: torch.device,
             raise KernelError(f"{op}_kernel={setting!r} failed its start-up check on {device}: {res[0].why}; "
                               f"use {op}_kernel='auto'")
         return setting, f"forced by config ({op}_kernel={setting!r}); {res[0].summary()}", res
-    considered = [c for c in cands.values() if c.archs is None or arch in c.archs]
+    considered = _considered(cands, arch)
     skipped = {}
     usable = []
     for c in considered:
@@ -682,11 +696,10 @@ def _decide(op: str, setting: str, cands: dict, arch: str, device: torch.device,
     if not usable:
         raise KernelError(f"no {op} kernel is available on {device} ({arch}); skipped: {skipped}")
     res = probe(usable, device, cfg)
-    ok = [r for r in res if r.ok]
-    if not ok:
+    best = _fastest(res)
+    if best is None:
         raise KernelError(f"every {op} kernel failed its start-up check on {device}: "
                           + "; ".join(r.summary() for r in res))
-    best = min(ok, key=lambda r: r.ms)
     others = [r.summary() for r in res if r is not best] + [f"{n} skipped ({w})" for n, w in skipped.items()]
     reason = (f"fastest valid on {arch}: {best.summary()}"
               + (f"; others: {', '.join(others)}" if others else ""))
@@ -719,6 +732,8 @@ def select_kernels(device: torch.device | str, config: KernelConfig | None = Non
 # The probe's outcome, remembered per machine
 # ---------------------------------------------------------------------------------------------------------------------
 PROBE_PACKAGES = ("comfy-kitchen", "nvidia-cudnn-frontend", "triton")
+KERNELS_DIR = Path(__file__).parent  # every module here, and tuning.json, is part of a record's key
+PROBE_RECORD_MAX_BYTES = 64 << 10  # a record is ~2 KiB; anything longer is not one
 
 
 def _package_version(name: str) -> str | None:
@@ -726,6 +741,15 @@ def _package_version(name: str) -> str | None:
         return importlib.metadata.version(name)
     except importlib.metadata.PackageNotFoundError:
         return None
+
+
+def kernels_code(directory: Path) -> str:
+    """A digest of every module of the kernel package in `directory` and its tuning table: any edit changes it."""
+    h = hashlib.sha256()
+    for f in sorted(p for p in directory.iterdir() if p.suffix in (".py", ".json")):
+        data = f.read_bytes()
+        h.update(f"{f.name}\0{len(data)}\0".encode() + data)
+    return h.hexdigest()[:16]
 
 
 def probe_fingerprint(device: torch.device | str, config: KernelConfig, linear: Sequence[str],
@@ -737,8 +761,7 @@ def probe_fingerprint(device: torch.device | str, config: KernelConfig, linear: 
     fp = {"torch": torch.__version__, "arch": arch_key(device),
           "config": {f.name: str(getattr(config, f.name)) for f in dataclasses.fields(config)},
           "linear": sorted(linear), "attention": sorted(attention), "bounds": REL_ERR_BOUND,
-          "packages": {n: _package_version(n) for n in PROBE_PACKAGES},
-          "code": hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:16]}
+          "packages": {n: _package_version(n) for n in PROBE_PACKAGES}, "code": kernels_code(KERNELS_DIR)}
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
         fp["gpu"] = {"name": props.name, "memory": props.total_memory, "capability": [props.major, props.minor],
@@ -746,11 +769,92 @@ def probe_fingerprint(device: torch.device | str, config: KernelConfig, linear: 
     return json.loads(json.dumps(fp, sort_keys=True))
 
 
+def _read_record(path: Path) -> dict:
+    """The JSON object in the record file at `path`. Only a regular file is read, and at most PROBE_RECORD_MAX_BYTES of
+    it: a directory, a device (a link to /dev/zero) or a FIFO in its place raises ValueError without blocking."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # O_NONBLOCK: opening a FIFO does not wait for a writer
+    with open(fd, "rb") as fh:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ValueError("not a regular file")
+        data = fh.read(PROBE_RECORD_MAX_BYTES + 1)
+    if len(data) > PROBE_RECORD_MAX_BYTES:
+        raise ValueError(f"longer than {PROBE_RECORD_MAX_BYTES} bytes")
+    rec = json.loads(data)
+    if not isinstance(rec, dict):
+        raise ValueError("not a JSON object")
+    return rec
+
+
+def _probe_result(r: object) -> ProbeResult:
+    """One recorded probe result, as the probe writes them (else ValueError)."""
+    if not isinstance(r, dict) or not set(r) <= {f.name for f in dataclasses.fields(ProbeResult)}:
+        raise ValueError(f"a probe result {r!r} has other fields than a ProbeResult's")
+    res = ProbeResult(**r)
+    numbers = (res.ms, res.rel_err, res.bound)
+    if (not isinstance(res.kernel, str) or not isinstance(res.ok, bool) or not isinstance(res.why, str)
+            or not all(v is None or isinstance(v, (int, float)) for v in numbers) or (res.ok and res.ms is None)):
+        raise ValueError(f"a probe result {r!r} is not one the probe writes")
+    return res
+
+
+def _recorded_selection(rec: dict, fp: dict, cfg: KernelConfig, device: torch.device, lin: dict, att: dict,
+                        where: str) -> KernelSelection:
+    """The selection a record holds, once it has checked out as what this registry's probe of `cfg` on this machine
+    writes: the same fingerprint and architecture, results only of the candidates that probe runs, and as its kernels
+    the registry's that those results make the probe pick. ValueError (or KeyError / TypeError) says what is wrong."""
+    if rec["fingerprint"] != fp:
+        raise ValueError("measured for another fingerprint")
+    if rec["arch"] != fp["arch"]:
+        raise ValueError(f"measured on {rec['arch']!r}, this device is {fp['arch']!r}")
+    if not isinstance(rec["measured"], str) or not isinstance(rec["probes"], dict) \
+            or set(rec["probes"]) != {LINEAR_OP, ATTENTION_OP}:
+        raise ValueError("not a record the probe writes")
+    probes = {op: [_probe_result(r) for r in rs] for op, rs in rec["probes"].items()}
+    chosen = {}
+    for op, setting, cands in ((LINEAR_OP, cfg.linear_kernel, lin), (ATTENTION_OP, cfg.attention_kernel, att)):
+        name = rec[op]
+        if not isinstance(name, str) or name not in cands:
+            raise ValueError(f"{op} kernel {name!r} is not one of the registry's {sorted(cands)}")
+        runs = {setting} if setting != AUTO else {c.name for c in _considered(cands, rec["arch"])}
+        if not probes[op] or any(r.kernel not in runs for r in probes[op]):
+            raise ValueError(f"its {op} results are not of the kernels the probe runs ({sorted(runs)})")
+        best = _fastest(probes[op])
+        if best is None or best.kernel != name:
+            raise ValueError(f"{op} kernel {name!r} is not the one its results make the probe pick "
+                             f"({best.kernel if best else 'none passed'})")
+        chosen[op] = name
+    rows = rec["choices"]
+    if not isinstance(rows, list) or not all(isinstance(c, dict) and isinstance(c.get("reason"), str) for c in rows) \
+            or [(c.get("op"), c.get("kernel")) for c in rows] != list(chosen.items()):
+        raise ValueError(f"its Status rows are not its selection {chosen}")
+    choices = [KernelChoice(c["op"], c["kernel"], f"{c['reason']} (measured {rec['measured']}, remembered in {where})")
+               for c in rows]
+    return KernelSelection(device, rec["arch"], chosen[LINEAR_OP], chosen[ATTENTION_OP], choices, probes, lin, att,
+                           cfg.compute_dtype)
+
+
+def _write_record(path: Path, rec: dict) -> None:
+    """Replace whatever is at `path` with `rec` in one step (a concurrent start reads the old record or the new one,
+    never half of one); an empty directory in its place goes. A record that cannot be written is logged: the next
+    start measures again."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(json.dumps(rec, indent=1))
+        if path.is_dir() and not path.is_symlink():
+            path.rmdir()
+        os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        log.warning("kernel probe record %s not kept (%s): the next start measures again", path, e)
+
+
 def select_kernels_remembered(device: torch.device | str, config: KernelConfig | None, cache_dir: Path | None,
                               select: Callable[..., KernelSelection] | None = None) -> KernelSelection:
     """`select_kernels`, measured once per machine: the outcome is kept in `cache_dir` under the hash of its
     `probe_fingerprint`, and read back by a later start whose fingerprint is the same (its reasons then say when
-    and where it was measured). `cache_dir` None: measure. An unreadable record is measured again and replaced."""
+    and where it was measured). `cache_dir` None: measure. A record that cannot be read or is not what this registry's
+    probe writes (`_recorded_selection`) is measured again and replaced."""
     cfg = config or KernelConfig()
     select = select or select_kernels
     if cache_dir is None:
@@ -762,26 +866,17 @@ def select_kernels_remembered(device: torch.device | str, config: KernelConfig |
     fp = probe_fingerprint(device, cfg, list(lin), list(att))
     path = Path(cache_dir) / f"kernel_probe_{hashlib.sha256(json.dumps(fp).encode()).hexdigest()[:16]}.json"
     try:
-        rec = json.loads(path.read_text())
-        if rec["fingerprint"] == fp:
-            where = f"measured {rec['measured']}, remembered in {path}"
-            choices = [KernelChoice(c["op"], c["kernel"], f"{c['reason']} ({where})") for c in rec["choices"]]
-            probes = {op: [ProbeResult(**r) for r in rs] for op, rs in rec["probes"].items()}
-            sel = KernelSelection(device, rec["arch"], rec["linear"], rec["attention"], choices, probes, lin, att,
-                                  cfg.compute_dtype)
-            for c in choices:
-                log.info("kernel %s -> %s: %s", c.op, c.kernel, c.reason)
-            return sel
+        sel = _recorded_selection(_read_record(path), fp, cfg, device, lin, att, str(path))
+        for c in sel.choices:
+            log.info("kernel %s -> %s: %s", c.op, c.kernel, c.reason)
+        return sel
     except FileNotFoundError:
         pass
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        log.warning("kernel probe record %s unreadable (%r): probing again", path, e)
+    except (OSError, ValueError, KeyError, TypeError, RecursionError) as e:  # RecursionError: JSON nested too deep
+        log.warning("kernel probe record %s not used (%s): probing again", path, e)
     sel = select(device, cfg)
-    rec = {"fingerprint": fp, "measured": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "arch": sel.arch, "linear": sel.linear, "attention": sel.attention,
-           "choices": [dataclasses.asdict(c) for c in sel.choices],
-           "probes": {op: [dataclasses.asdict(r) for r in rs] for op, rs in sel.probes.items()}}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}")
-    tmp.write_text(json.dumps(rec, indent=1))
-    os.replace(tmp, path)  # a concurrent start reads the old record or the new one, never half of one
+    _write_record(path, {"fingerprint": fp, "measured": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "arch": sel.arch,
+                         "linear": sel.linear, "attention": sel.attention,
+                         "choices": [dataclasses.asdict(c) for c in sel.choices],
+                         "probes": {op: [dataclasses.asdict(r) for r in rs] for op, rs in sel.probes.items()}})
     return sel
