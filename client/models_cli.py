@@ -32,6 +32,7 @@ from pathlib import Path
 
 from client.command import self_command
 from stagekit.errors import FailedPrecondition
+from stagekit.file_identity import FileIdentity
 
 COMFY_REPO = "Comfy-Org/MiniMax-H3"
 RELEASE_REPO = "MiniMax-AI/MiniMax-H3"
@@ -88,14 +89,19 @@ def sha256_of(path: Path, chunk: int = 8 << 20) -> str:
     return h.hexdigest()
 
 
+def _stamp(sha: str, path: Path) -> str:
+    """The `.sha256` note's line: the checksum and the identity of the file it was taken of."""
+    i = FileIdentity.of(path.stat())
+    return f"{sha} {i.size} {i.mtime_ns} {i.dev} {i.ino} {i.ctime_ns}"
+
+
 def _verified(path: Path, size: int, sha: str) -> bool:
-    """`path` is complete: its size, and its sha256 (from the `.sha256` note written for this size and mtime, else
-    hashed now)."""
+    """`path` is complete: its size, and its sha256 (from the `.sha256` note written for this very file, else hashed
+    now: the note names the file's `FileIdentity`, so a file put back with the old size and mtime is hashed again)."""
     if not path.is_file() or path.stat().st_size != size:
         return False
     note = path.with_name(f".{path.name}.sha256")
-    st = path.stat()
-    stamp = f"{sha} {st.st_size} {st.st_mtime_ns}"
+    stamp = _stamp(sha, path)
     if note.is_file() and note.read_text().strip() == stamp:
         return True
     if sha256_of(path) != sha:
@@ -190,8 +196,7 @@ def _fetch(to: Path, files: list[RemoteFile], out, made: list[Path]) -> int:
             raise FetchError(f"{f.local}: sha256 {got} is not the Hub's {sha}; the partial file was deleted, run "
                              "the same command again")
         part.replace(dest)
-        st = dest.stat()
-        dest.with_name(f".{dest.name}.sha256").write_text(f"{sha} {st.st_size} {st.st_mtime_ns}\n")
+        dest.with_name(f".{dest.name}.sha256").write_text(_stamp(sha, dest) + "\n")
     return len(todo)
 
 

@@ -508,3 +508,18 @@ def test_engine_and_servicer_apply_request_loras(tmp_path):
     assert torch.equal(plain["video_latents"], base["video_latents"])
     assert eng.loras.loads == 1
     assert ptrs == {k: v.data_ptr() for k, v in eng.model.state_dict().items()}
+
+
+def test_a_lora_file_put_back_with_the_old_size_and_mtime_is_a_new_version(tmp_path):
+    # The per-file caches (finite check, sharded factors) key on `file_identity`: a `cp -p`-style rewrite keeps size
+    # and mtime but not the ctime, so the new bytes are read, never the old file's factors.
+    from minimax_h3.dit.lora import file_identity
+
+    f = tmp_path / "style.safetensors"
+    f.write_bytes(b"a" * 64)
+    before = file_identity(f)
+    st = f.stat()
+    f.write_bytes(b"b" * 64)
+    os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert f.stat().st_mtime_ns == st.st_mtime_ns
+    assert file_identity(f) != before and file_identity(f)[0] == before[0]

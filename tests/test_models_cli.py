@@ -333,3 +333,20 @@ def test_machine_recommends_the_documented_up_lines():
     assert big == ("big", "scripts/up.sh --models-dir M --devices cuda:0 --residency shared")
     assert recommend([GPU(0, "GTX 1080", "535.1", 8192, 6.1)], "M")[0] == ""
     assert json.dumps(recommend([], "M"))  # no GPU: says what runs here instead
+
+
+def test_a_file_put_back_with_the_old_size_and_mtime_is_hashed_again(tmp_path):
+    # `cp -p` / `rsync -a` keep size and mtime: the `.sha256` note names the file's identity (inode, ctime), so a
+    # replaced file is never taken as verified from the note of the file it replaced.
+    from client.models_cli import _stamp, _verified, sha256_of
+
+    f = tmp_path / "vae.safetensors"
+    f.write_bytes(b"a" * 4096)
+    sha = sha256_of(f)
+    f.with_name(f".{f.name}.sha256").write_text(_stamp(sha, f) + "\n")
+    assert _verified(f, 4096, sha)
+    st = f.stat()
+    f.write_bytes(b"b" * 4096)
+    os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert f.stat().st_size == st.st_size and f.stat().st_mtime_ns == st.st_mtime_ns
+    assert not _verified(f, 4096, sha)

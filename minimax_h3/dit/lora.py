@@ -52,6 +52,7 @@ from minimax_h3.contract import lora_file_names
 from minimax_h3.kernels.layers import LinearMethod, Modulation, linear_method, modulated, o_rows
 from stagekit.checkpoints import CheckpointError, HeaderEntry, TensorReader, read_header
 from stagekit.errors import FailedPrecondition, Internal, InvalidArgument, NotFound
+from stagekit.file_identity import FileIdentity
 
 from .config import DiTConfig
 from .convert_diffusers import DIFFUSERS_NAMES
@@ -381,8 +382,8 @@ def check_lora_file(path: str | Path, targets: Mapping[str, LoRATarget], adaln_f
 
 
 @functools.lru_cache(maxsize=FINITE_CHECKED_FILES)
-def _check_finite(ident: tuple[str, int, int], path: Path) -> None:
-    """Read every tensor of one LoRA file version ((path, mtime, size): a replaced file is read again) and refuse
+def _check_finite(ident: tuple[str, FileIdentity], path: Path) -> None:
+    """Read every tensor of one LoRA file version (`file_identity`: a replaced file is read again) and refuse
     a NaN or an Inf, naming the file and the key: such a factor would turn every output of the model into NaN. A
     file that passed is remembered, so a LoRA used by every request is read once."""
     entries = _header(path)
@@ -592,20 +593,21 @@ class LoRASpec:
     strength: float = 1.0
 
 
-def file_identity(path: str | Path) -> tuple[str, int, int]:
-    """(real path, mtime ns, size): a replaced file gets a new cache entry."""
+def file_identity(path: str | Path) -> tuple[str, FileIdentity]:
+    """(real path, its `FileIdentity`): a replaced file gets a new cache entry, also one put back with the old size
+    and mtime (`cp -p`, `rsync -a`)."""
     p = Path(path)
     try:
         st = p.stat()
     except OSError as e:
         raise LoRAFileError(f"LoRA file {p} is not readable: {e}") from e
-    return os.path.realpath(p), st.st_mtime_ns, st.st_size
+    return os.path.realpath(p), FileIdentity.of(st)
 
 
 class LoRAManager:
     """Applies LoRA sets to one rank's H3DiT between requests, never touching the base weights.
 
-    `activate(specs)` is cheap when the set (files by path+mtime+size, and strengths) equals the active one; a
+    `activate(specs)` is cheap when the set (files by `file_identity`, and strengths) equals the active one; a
     different set reuses the per-file cache of this rank's sharded factors (LRU, `max_files`), re-wraps the
     targeted linears and unwraps the ones no longer targeted. `clear()` restores the plain model.
     """
