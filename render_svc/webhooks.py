@@ -106,10 +106,12 @@ def sign(secret: bytes, msg_id: str, timestamp: int, body: bytes) -> str:
 class Webhooks:
     """The outbox and its delivery thread. `start` after the job store is open; `stop` at the drain."""
 
-    def __init__(self, cfg: WebhookConfig, store: JobStore, run_dir: Path):
+    def __init__(self, cfg: WebhookConfig, store: JobStore, run_dir: Path, keep_age_s: float = 0.0):
+        """`keep_age_s`: the service's --keep-age-s (the video object's `expires_at`)."""
         check_url(cfg.url)
         self.cfg = cfg
         self.store = store
+        self.keep_age_s = keep_age_s
         self.db = sqlite3.connect(str(Path(run_dir) / DB_FILE), check_same_thread=False)
         self.db.execute("PRAGMA journal_mode=WAL")
         self.db.execute("PRAGMA synchronous=FULL")
@@ -142,7 +144,8 @@ class Webhooks:
                 if self.db.execute("SELECT 1 FROM deliveries WHERE id = ?", (event_id,)).fetchone():
                     continue
                 body = json.dumps({"id": event_id, "object": "event", "type": EVENT_TYPES[rec.state],
-                                   "created_at": int(rec.finished), "data": video_object(rec)}).encode()
+                                   "created_at": int(rec.finished),
+                                   "data": video_object(rec, keep_age_s=self.keep_age_s)}).encode()
                 with self.db:
                     self.db.execute("INSERT INTO deliveries (id, job_id, body, due, created) VALUES (?, ?, ?, ?, ?)",
                                     (event_id, rec.id, body, time.time(), time.time()))
