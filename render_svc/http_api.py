@@ -1,12 +1,15 @@
 """The render service's HTTP video API: `/v1/videos`, shaped like OpenAI's asynchronous Videos API, over the same
 jobs, owners, idempotency keys and limits as the gRPC `Renderer` (render_svc/server.py).
 
-    POST /v1/videos                       create: a JSON render request -> the video object (status "queued")
-    GET  /v1/videos                       list, newest first (`limit`, `after`, `order`)
-    GET  /v1/videos/{video_id}            the video object: status, progress, error
-    POST /v1/videos/{video_id}/cancel     cancel a queued or running job -> the video object
-    GET  /v1/videos/{video_id}/content    the finished MP4 (HTTP Range requests)
-    GET  /v1/openapi.json                 this API's OpenAPI 3.1 description (render_svc/openapi.json)
+    POST   /v1/videos                     create: a JSON render request -> the video object (status "queued")
+    GET    /v1/videos                     list, newest first (`limit`, `after`, `order`)
+    GET    /v1/videos/{video_id}          the video object: status, progress, error
+    DELETE /v1/videos/{video_id}          delete the job (cancelled first if it has not ended), its record and MP4
+    POST   /v1/videos/{video_id}/cancel   cancel a queued or running job -> the video object
+    POST   /v1/videos/{video_id}/remix    the job's request again with a new prompt -> the new video object
+    GET    /v1/videos/{video_id}/content  the finished MP4 (HTTP Range requests), or `?variant=thumbnail` (its first
+                                          frame, WebP) / `?variant=spritesheet` (frames in a grid, JPEG)
+    GET    /v1/openapi.json               this API's OpenAPI 3.1 description (render_svc/openapi.json)
 
 It is served on the web page's listener (`--http-port`, render_svc/web.py), so it has the page's TLS certificate,
 `Host:` check and connection cap. Every `/v1/videos` call needs `Authorization: Bearer <token>` when the service has
@@ -23,6 +26,7 @@ import base64
 import binascii
 import email.message
 import email.policy
+import io
 import json
 import math
 import re
@@ -32,10 +36,13 @@ from email.parser import BytesParser
 from pathlib import Path
 from urllib.parse import parse_qs
 
+import av
 import grpc
+import numpy as np
+from PIL import Image
 
 from h3.v1 import render_pb2
-from minimax_h3.contract import FPS, MAX_REFERENCES, snap_frames, spec_from_proto
+from minimax_h3.contract import FPS, MAX_PROMPT_BYTES, MAX_REFERENCES, snap_frames, spec_from_proto
 from render_svc.planner import STAGES
 from render_svc.store import CANCELLED, FAILED, QUEUED, RUNNING, SUCCEEDED, JobRecord
 from stagekit.errors import FailedPrecondition, InvalidArgument, NotFound, StageError, status_for
@@ -48,11 +55,15 @@ OPENAPI = Path(__file__).with_name("openapi.json")
 # A request body holds what one gRPC Submit may carry inline (its images base64-encoded: 4 bytes per 3) and the JSON
 # around it; a larger one is refused (413) before it is read.
 MAX_BODY_BYTES = MAX_MESSAGE_BYTES * 4 // 3 + (64 << 10)
-MAX_SMALL_BODY = 64 << 10     # the body a cancel may carry (ignored)
+MAX_SMALL_BODY = 64 << 10     # the body a cancel or delete may carry (ignored)
+MAX_REMIX_BODY = 6 * MAX_PROMPT_BYTES + (4 << 10)  # {"prompt": ...}: the longest prompt, every byte JSON-escaped
 LIST_DEFAULT, LIST_MAX = 20, 100
 RETRY_AFTER_S = 1             # Retry-After on 429 / 503
 INT32 = 2**31 - 1
 MAX_SEED = 2**63 - 1
+# `?variant=spritesheet`: at most this many frames (the first and the last among them, evenly spaced), row by row in a
+# grid of this many columns, each scaled to this width (its height keeps the video's aspect).
+SPRITE_FRAMES, SPRITE_COLUMNS, SPRITE_TILE_WIDTH = 16, 4, 256
 
 # The one table from a failure's gRPC status to its HTTP status and OpenAI-style error type; a status not named
 # here is a server fault (500, "server_error").
@@ -102,21 +113,28 @@ def progress_percent(rec: JobRecord) -> int:
     return min(99, int(100 * (route.index(rec.stage) + min(part, 1.0)) / len(route)))
 
 
-def video_object(rec: JobRecord, queue_position: int = 0) -> dict:
-    """The job as the HTTP API shows it (the `Video` schema of render_svc/openapi.json)."""
+def video_object(rec: JobRecord, queue_position: int = 0, keep_age_s: float = 0.0) -> dict:
+    """The job as the HTTP API shows it (the `Video` schema of render_svc/openapi.json). `seconds` is the duration
+    asked for, as sent (the frame count's duration when `frames` was given); `rendered_seconds` the MP4's, of the
+    17n+5 frames rendered. `expires_at`: when retention removes the finished job at the latest (`keep_age_s`, the
+    service's --keep-age-s; null while it runs or without an age limit)."""
     spec = spec_from_proto(rec.request.params)
     req = rec.request
     width, height = req.upscale_width or spec.width, req.upscale_height or spec.height
     error = None
     if rec.state in (FAILED, CANCELLED):
         error = {"code": (rec.error_code or "unknown").lower(), "message": rec.error}
+    ended = rec.terminal and rec.finished
+    rendered = f"{spec.frames / FPS:.2f}"
     return {
         "id": rec.id, "object": "video", "model": MODEL, "status": STATUS.get(rec.state, "queued"),
         "progress": progress_percent(rec), "created_at": int(rec.created),
         "started_at": int(rec.started) if rec.started else None,
-        "completed_at": int(rec.finished) if rec.terminal and rec.finished else None,
-        "size": f"{width}x{height}", "seconds": f"{spec.frames / FPS:.2f}", "frames": spec.frames,
-        "steps": spec.steps, "seed": spec.seed, "prompt": spec.prompt, "label": req.label,
+        "completed_at": int(rec.finished) if ended else None,
+        "expires_at": int(rec.finished + keep_age_s) if ended and keep_age_s else None,
+        "size": f"{width}x{height}", "seconds": rec.seconds or rendered, "rendered_seconds": rendered,
+        "frames": spec.frames, "steps": spec.steps, "seed": spec.seed, "prompt": spec.prompt, "label": req.label,
+        "remixed_from_video_id": rec.remixed_from or None,
         "stage": rec.stage, "queue_position": queue_position, "attempts": rec.attempts, "error": error,
         "output_bytes": rec.output_bytes, "content_expired": rec.expired,
     }
@@ -193,13 +211,12 @@ def _bytes(value, what: str) -> bytes:
         raise InvalidArgument(f"{what} is not valid base64") from None
 
 
-def _frames(body: dict) -> int | None:
-    """`frames` (17n+5), or `seconds` (a number or a numeric string, as OpenAI's API sends it): the smallest valid
-    frame count that lasts at least that long at 24 fps."""
+def _seconds(body: dict) -> float | None:
+    """`seconds`: a number or a numeric string (as OpenAI's API sends it)."""
     if "frames" in body and "seconds" in body:
         raise InvalidArgument("give seconds or frames, not both")
     if "seconds" not in body:
-        return _int(body, "frames")
+        return None
     v = body["seconds"]
     try:
         s = float(v) if isinstance(v, (int, float, str)) and not isinstance(v, bool) else math.nan
@@ -207,7 +224,19 @@ def _frames(body: dict) -> int | None:
         s = math.nan
     if not math.isfinite(s) or s <= 0 or s > 3600:
         raise InvalidArgument(f"seconds must be a positive number of seconds, got {json.dumps(v)[:40]}")
-    return snap_frames(math.ceil(s * FPS - 1e-9))
+    return s
+
+
+def requested_seconds(body: dict) -> str:
+    """The duration asked for, as the video object's `seconds` shows it ("4" for 4, "4" and "4.0"); "" if none."""
+    s = _seconds(body)
+    return "" if s is None else f"{s:.15g}"
+
+
+def _frames(body: dict) -> int | None:
+    """`frames` (17n+5), or `seconds`: the smallest valid frame count that lasts at least that long at 24 fps."""
+    s = _seconds(body)
+    return _int(body, "frames") if s is None else snap_frames(math.ceil(s * FPS - 1e-9))
 
 
 def render_request(body, idempotency_key: str) -> render_pb2.RenderRequest:
@@ -340,7 +369,9 @@ ROUTES = (
     Route("POST", "/v1/videos", "create"),
     Route("GET", "/v1/videos", "list"),
     Route("GET", "/v1/videos/{video_id}", "get"),
+    Route("DELETE", "/v1/videos/{video_id}", "delete"),
     Route("POST", "/v1/videos/{video_id}/cancel", "cancel"),
+    Route("POST", "/v1/videos/{video_id}/remix", "remix"),
     Route("GET", "/v1/videos/{video_id}/content", "content"),
     Route("GET", "/v1/openapi.json", "openapi", auth=False),
 )
@@ -354,6 +385,7 @@ class VideoAPI:
         self.svc = svc
         self.tokens = tokens
         self.body_total_s = body_total_s
+        self.keep_age_s = svc.cfg.keep_age_s
         self.spec = OPENAPI.read_bytes()
 
     def handle(self, h, method: str, path: str, query: str) -> None:
@@ -406,6 +438,12 @@ class VideoAPI:
     def _json(self, h, status: int, obj: dict) -> None:
         h._send(status, json.dumps(obj).encode(), "application/json")
 
+    def _video(self, h, rec: JobRecord, queue_position: int | None = None) -> None:
+        """Answer with the job's video object (its queue position read now unless given)."""
+        if queue_position is None:
+            queue_position = self.svc.store.queue_position(rec)
+        self._json(h, 200, video_object(rec, queue_position, self.keep_age_s))
+
     # ---- the request body --------------------------------------------------------------------------------------
     def _body(self, h, limit: int) -> bytes:
         """The request body: a Content-Length of at most `limit`, read within --upload-total-s (each read within the
@@ -440,25 +478,45 @@ class VideoAPI:
         return b"".join(parts)
 
     # ---- the actions ------------------------------------------------------------------------------------------------
-    def create(self, h, who: Principal, query: dict) -> None:
+    def _json_body(self, h, limit: int, forms: bool = False):
+        """The request body parsed: JSON, or (`forms`) a multipart/form-data form as JSON fields (415 else)."""
         full_type = h.headers.get("Content-Type", "")
         ctype = full_type.split(";")[0].strip().lower()
-        if ctype not in ("application/json", "multipart/form-data"):
-            raise HttpError(415, "unsupported_media_type", "the body must be JSON (Content-Type: application/json) or "
-                            f"a form (multipart/form-data), got {ctype[:60] or 'none'!r}")
-        raw = self._body(h, MAX_BODY_BYTES)
+        if ctype != "application/json" and not (forms and ctype == "multipart/form-data"):
+            raise HttpError(415, "unsupported_media_type", "the body must be JSON (Content-Type: application/json)"
+                            + (" or a form (multipart/form-data)" if forms else "") + f", got {ctype[:60] or 'none'!r}")
+        raw = self._body(h, limit)
         if ctype == "multipart/form-data":
-            body = form_fields(full_type, raw)
-        else:
-            body = json_body(raw)
-        key = h.headers.get("Idempotency-Key", "")
-        req = render_request(body, key)
-        info = self.svc.submit(req, who.name)
-        self._json(h, 200, video_object(self.svc.store.get(info.job_id), info.queue_position))
+            return form_fields(full_type, raw)
+        return json_body(raw)
+
+    def create(self, h, who: Principal, query: dict) -> None:
+        body = self._json_body(h, MAX_BODY_BYTES, forms=True)
+        req = render_request(body, h.headers.get("Idempotency-Key", ""))
+        info = self.svc.submit(req, who.name, seconds=requested_seconds(body))
+        self._video(h, self.svc.store.get(info.job_id), info.queue_position)
+
+    def remix(self, h, who: Principal, query: dict, video_id: str) -> None:
+        """A new job: the video's request (size, duration, steps, seed, LoRAs, keyframes, references, label) with
+        the prompt the body gives; `remixed_from_video_id` names the video."""
+        body = self._json_body(h, MAX_REMIX_BODY)
+        if not isinstance(body, dict) or set(body) - {"prompt"}:
+            raise InvalidArgument('a remix takes {"prompt": "..."} (the new prompt) and nothing else')
+        if not _str(body, "prompt").strip():
+            raise InvalidArgument("prompt is required: the new prompt, for the video's request")
+        rec = self.svc.store.get(video_id, _owner(who))
+        req = self.svc.store.request_with_files(rec)
+        req.params.prompt, req.idempotency_key = body["prompt"], h.headers.get("Idempotency-Key", "")
+        info = self.svc.submit(req, who.name, seconds=rec.seconds, remixed_from=rec.id)
+        self._video(h, self.svc.store.get(info.job_id), info.queue_position)
 
     def get(self, h, who: Principal, query: dict, video_id: str) -> None:
-        rec = self.svc.store.get(video_id, _owner(who))
-        self._json(h, 200, video_object(rec, self.svc.info(rec.id, rec).queue_position))
+        self._video(h, self.svc.store.get(video_id, _owner(who)))
+
+    def delete(self, h, who: Principal, query: dict, video_id: str) -> None:
+        self._body(h, MAX_SMALL_BODY)  # a client may send `{}`; nothing in it is read
+        self.svc.delete(video_id, _owner(who))
+        self._json(h, 200, {"id": video_id, "object": "video.deleted", "deleted": True})
 
     def list(self, h, who: Principal, query: dict) -> None:  # noqa: A003 - the route's name
         limit = _query_int(query, "limit", LIST_DEFAULT, 1, LIST_MAX)
@@ -469,19 +527,19 @@ class VideoAPI:
         if after := query.get("after", [""])[0]:
             past = self.svc.store.get(after, _owner(who)).seq
         recs = self.svc.store.list(None, limit + 1, oldest_first=order == "asc", owner=_owner(who), past_seq=past)
-        data = [video_object(r, self.svc.info(r.id, r).queue_position) for r in recs[:limit]]
+        data = [video_object(r, self.svc.store.queue_position(r), self.keep_age_s) for r in recs[:limit]]
         self._json(h, 200, {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
                             "last_id": data[-1]["id"] if data else None, "has_more": len(recs) > limit})
 
     def cancel(self, h, who: Principal, query: dict, video_id: str) -> None:
         self._body(h, MAX_SMALL_BODY)  # a client may send `{}`; nothing in it is read
         info = self.svc.cancel(video_id, _owner(who))
-        self._json(h, 200, video_object(self.svc.store.get(info.job_id), info.queue_position))
+        self._video(h, self.svc.store.get(info.job_id), info.queue_position)
 
     def content(self, h, who: Principal, query: dict, video_id: str) -> None:
         variant = query.get("variant", ["video"])[0]
-        if variant != "video":
-            raise InvalidArgument(f"variant {variant[:20]!r} is not served; the content is the MP4 ('video')")
+        if variant not in VARIANTS:
+            raise InvalidArgument(f"variant {variant[:20]!r} is not served; the variants are {', '.join(VARIANTS)}")
         rec = self.svc.store.get(video_id, _owner(who))
         if rec.state != SUCCEEDED:
             why = "; poll GET /v1/videos/{id} until it is completed" if not rec.terminal else f" ({rec.error})"
@@ -490,13 +548,52 @@ class VideoAPI:
                         "(--keep-jobs / --keep-bytes-gb / --keep-age-s)")
         if rec.expired:
             raise gone
+        ctype, ext = VARIANTS[variant]
+        disposition = {"Content-Disposition": f'attachment; filename="{rec.id}{ext}"'}
         try:
-            h._send_file(Path(rec.output), "video/mp4", {"Content-Disposition": f'attachment; filename="{rec.id}.mp4"'})
+            if variant == "video":
+                h._send_file(Path(rec.output), ctype, disposition)
+            else:
+                image, headers = preview(Path(rec.output), variant, spec_from_proto(rec.request.params).frames)
+                h._send(200, image, ctype, {**disposition, **headers})
         except FileNotFoundError:
             raise gone from None
 
     def openapi(self, h, who: Principal, query: dict) -> None:
         h._send(200, self.spec, "application/json")
+
+
+# ?variant= -> (Content-Type, file name extension); the MP4 itself, or an image made from its frames on request.
+VARIANTS = {"video": ("video/mp4", ".mp4"), "thumbnail": ("image/webp", ".webp"),
+            "spritesheet": ("image/jpeg", ".jpg")}
+
+
+def preview(mp4: Path, variant: str, frames: int) -> tuple[bytes, dict]:
+    """An image of the MP4's frames (decoded with PyAV; `frames`: how many it has) and the headers that describe it.
+    "thumbnail": the first frame, at the video's size, WebP. "spritesheet": SPRITE_FRAMES frames evenly spaced from
+    the first to the last, SPRITE_COLUMNS to a row, each SPRITE_TILE_WIDTH wide, JPEG; `X-Sprite-Frames` lists their
+    frame indices in order and `X-Sprite-Tile` their size."""
+    buf = io.BytesIO()
+    with av.open(str(mp4)) as container:
+        stream = container.streams.video[0]
+        if variant == "thumbnail":
+            next(container.decode(stream)).to_image().save(buf, "WEBP", quality=90)
+            return buf.getvalue(), {}
+        stream.thread_type = "AUTO"
+        picks = set(np.linspace(0, frames - 1, min(frames, SPRITE_FRAMES)).round().astype(int).tolist())
+        tile = (SPRITE_TILE_WIDTH, max(1, round(SPRITE_TILE_WIDTH * stream.height / stream.width)))
+        tiles = []
+        for i, frame in enumerate(container.decode(stream)):
+            if i in picks:
+                tiles.append((i, frame.to_image().resize(tile, Image.Resampling.LANCZOS)))
+                if len(tiles) == len(picks):
+                    break
+    cols = min(SPRITE_COLUMNS, len(tiles))
+    sheet = Image.new("RGB", (cols * tile[0], -(-len(tiles) // cols) * tile[1]))
+    for k, (_, im) in enumerate(tiles):
+        sheet.paste(im, ((k % cols) * tile[0], (k // cols) * tile[1]))
+    sheet.save(buf, "JPEG", quality=90)
+    return buf.getvalue(), {"X-Sprite-Frames": ",".join(str(i) for i, _ in tiles), "X-Sprite-Tile": "%dx%d" % tile}
 
 
 class _Unauthenticated(StageError):

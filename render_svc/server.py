@@ -277,7 +277,7 @@ def main(argv: list[str] | None = None) -> None:
             svc.start()
             hooks = None
             if hook_cfg is not None:
-                hooks = Webhooks(hook_cfg, svc.store, Path(cfg.run_dir))
+                hooks = Webhooks(hook_cfg, svc.store, Path(cfg.run_dir), keep_age_s=svc.cfg.keep_age_s)
                 hooks.start()
             if listeners.metrics is not None:
                 listeners.metrics.report(svc.gauges)

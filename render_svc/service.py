@@ -213,7 +213,9 @@ class RenderService:
                 "h3_jobs_done": sum(counts.get(s, 0) for s in (SUCCEEDED, FAILED, CANCELLED))}
 
     # ---- API ----------------------------------------------------------------------------------------------------
-    def submit(self, req: render_pb2.RenderRequest, owner: str = "") -> render_pb2.JobInfo:
+    def submit(self, req: render_pb2.RenderRequest, owner: str = "", seconds: str = "",
+               remixed_from: str = "") -> render_pb2.JobInfo:
+        """Check and queue a job (`seconds`, `remixed_from`: what the HTTP API records beside it, JobStore.submit)."""
         for ref in req.references:  # an uploaded file (Upload) is admitted like an inline one
             ref.data = reference_bytes(ref, self.uploads)
         check_request(req)
@@ -222,7 +224,7 @@ class RenderService:
             raise Unavailable("the render service is shutting down; retry on another replica or after its restart")
         try:
             with self._lock:
-                rec, created = self.store.submit(req, owner or "", self.cfg.max_jobs_queued)
+                rec, created = self.store.submit(req, owner or "", self.cfg.max_jobs_queued, seconds, remixed_from)
                 if created:
                     self._enqueue(rec)
                     self._lock.notify_all()
@@ -321,6 +323,18 @@ class RenderService:
         if waiting_for is None and work is not None:
             self._wait_terminal(job_id, timeout_s=30.0)
         return self.info(job_id)
+
+    def delete(self, job_id: str, owner: str | None = None) -> None:
+        """Remove a job: cancelled first if it has not ended (as `cancel`, waiting up to 30 s for a running one's
+        stage call to stop), then its record, events and MP4."""
+        if not self.store.get(job_id, owner).terminal:
+            self.cancel(job_id, owner)
+        try:
+            output = self.store.delete(job_id, owner)
+        except sqlite3.Error as e:
+            raise self._storage_failed(e) from None
+        if output:
+            Path(output).unlink(missing_ok=True)
 
     def _wait_terminal(self, job_id: str, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s

@@ -14,8 +14,8 @@ Owners: every job records the principal that submitted it (`owner`, "" without a
 given an owner see only that owner's jobs, and idempotency keys are per owner. Keyframe images are stored once, by
 content, under `keyframes/` (never in the database, never in a queued job's memory) and removed when no unfinished
 job needs them. Retention (`expire`) deletes finished jobs' rows and events beyond `--keep-jobs` / `--keep-age-s`
-and their MP4s, and the WAL is checkpointed after every finished job, so the main database file alone holds every
-finished job (docs/reliability.md, "Job store").
+and their MP4s (`delete`: one finished job, on its owner's request), and the WAL is checkpointed after every finished
+job, so the main database file alone holds every finished job (docs/reliability.md, "Job store").
 """
 
 from __future__ import annotations
@@ -63,7 +63,9 @@ CREATE TABLE IF NOT EXISTS jobs (
   expired INTEGER NOT NULL DEFAULT 0,
   n_events INTEGER NOT NULL DEFAULT 0,
   owner TEXT NOT NULL DEFAULT '',
-  keyframes TEXT NOT NULL DEFAULT ''
+  keyframes TEXT NOT NULL DEFAULT '',
+  seconds TEXT NOT NULL DEFAULT '',
+  remixed_from TEXT NOT NULL DEFAULT ''
 );
 CREATE INDEX IF NOT EXISTS jobs_state ON jobs(state, seq);
 CREATE TABLE IF NOT EXISTS events (
@@ -96,6 +98,8 @@ class JobRecord:
     n_events: int
     owner: str
     keyframes: dict[str, str]   # anchor ("first" / "last") -> content digest of the stored image
+    seconds: str                # the duration the HTTP API's caller asked for, as sent ("4"); "" if frames were given
+    remixed_from: str           # the job whose request this one repeats with a new prompt (the HTTP API's remix)
 
     @property
     def terminal(self) -> bool:
@@ -127,7 +131,8 @@ def _record(row: sqlite3.Row) -> JobRecord:
                      created=row["created"], started=row["started"], finished=row["finished"],
                      error_code=row["error_code"], error=row["error"], output=row["output"],
                      output_bytes=row["output_bytes"], expired=bool(row["expired"]), n_events=row["n_events"],
-                     owner=row["owner"], keyframes=json.loads(row["keyframes"]) if row["keyframes"] else {})
+                     owner=row["owner"], keyframes=json.loads(row["keyframes"]) if row["keyframes"] else {},
+                     seconds=row["seconds"], remixed_from=row["remixed_from"])
 
 
 def shown_id(job_id: str) -> str:
@@ -233,7 +238,7 @@ class JobStore:
                 raise sqlite3.DatabaseError(bad)
             db.executescript(_SCHEMA)
             have = {r[1] for r in db.execute("PRAGMA table_info(jobs)")}
-            for col in ("owner", "keyframes"):  # a job store written before these columns existed
+            for col in ("owner", "keyframes", "seconds", "remixed_from"):  # written before these columns existed
                 if col not in have:
                     db.execute(f"ALTER TABLE jobs ADD COLUMN {col} TEXT NOT NULL DEFAULT ''")
             jobs = db.execute("SELECT COUNT(*) FROM jobs").fetchone()[0]
@@ -410,6 +415,28 @@ class JobStore:
                 tmp.replace(self.keyframe_dir / digests[what])
         return digests
 
+    def request_with_files(self, rec: JobRecord) -> render_pb2.RenderRequest:
+        """A copy of the job's request with its keyframe images and reference files read back from keyframes/ (kept
+        until the job ends, or while another unfinished job names them); one no longer kept is FAILED_PRECONDITION
+        naming it."""
+        req = render_pb2.RenderRequest()
+        req.CopyFrom(rec.request)
+        anchors = dict(KEYFRAME_FIELDS)
+        for what, digest in rec.keyframes.items():  # an anchor ("first", "last") or "ref{i}" (`_files`)
+            i = None if what in anchors else int(what.removeprefix("ref"))
+            ref = None if i is None else req.references[i]
+            try:
+                data = self.keyframe(digest)
+            except FileNotFoundError:
+                name = anchors[what].replace("_", " ") if ref is None else f"reference {i + 1} ({ref.kind})"
+                raise FailedPrecondition(f"job {rec.id}'s {name} is no longer kept (a job's keyframes and reference "
+                                         "files are kept until it ends); submit a new job with it instead") from None
+            if ref is None:
+                setattr(req, anchors[what], data)
+            else:
+                ref.data = data
+        return req
+
     def files_in_use(self) -> set[str]:
         """Digests of the stored files unfinished jobs name (the upload store's sweep keeps them)."""
         with self.lock:
@@ -424,10 +451,12 @@ class JobStore:
                                (QUEUED, RUNNING, f"%{d}%")).fetchone() is None:
                 (self.keyframe_dir / d).unlink(missing_ok=True)
 
-    def submit(self, req: render_pb2.RenderRequest, owner: str = "", max_queued: int = 0) -> tuple[JobRecord, bool]:
+    def submit(self, req: render_pb2.RenderRequest, owner: str = "", max_queued: int = 0, seconds: str = "",
+               remixed_from: str = "") -> tuple[JobRecord, bool]:
         """(record, created). A known idempotency key of the same owner returns its job (created=False); the same
         key with a different request is ALREADY_EXISTS. With `max_queued`, a new job beyond that many queued ones
-        is RESOURCE_EXHAUSTED (checked in the same transaction as the insert: the bound holds exactly)."""
+        is RESOURCE_EXHAUSTED (checked in the same transaction as the insert: the bound holds exactly). `seconds`
+        and `remixed_from` are recorded as the HTTP API's caller gave them (JobRecord)."""
         key = _idem(owner, req.idempotency_key)
         with self.changed:
             if key is not None:
@@ -445,10 +474,10 @@ class JobStore:
             digests = self._store_keyframes(req)
             job_id = uuid.uuid4().hex[:16]
             with self.db:
-                self.db.execute("INSERT INTO jobs (id, idem_key, request, state, created, owner, keyframes) "
-                                "VALUES (?, ?, ?, ?, ?, ?, ?)",
+                self.db.execute("INSERT INTO jobs (id, idem_key, request, state, created, owner, keyframes, seconds, "
+                                "remixed_from) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
                                 (job_id, key, _without_images(req), QUEUED, time.time(), owner,
-                                 json.dumps(digests) if digests else ""))
+                                 json.dumps(digests) if digests else "", seconds, remixed_from))
                 self._log_info(job_id)
             self.changed.notify_all()
             return self.get(job_id), True
@@ -513,6 +542,24 @@ class JobStore:
         except sqlite3.Error:
             pass  # the job's end is committed; `save_finished` checkpoints it once writes succeed again
         return True
+
+    def delete(self, job_id: str, owner: str | None = None) -> str:
+        """Remove a finished job's record and events (`owner` given: only that principal's job, as `get`); returns
+        its output path for the caller to delete once this is committed. An unfinished job is FAILED_PRECONDITION:
+        cancel it first."""
+        with self.changed:
+            rec = self.get(job_id, owner)
+            if not rec.terminal:
+                state = render_pb2.JobState.Name(rec.state)
+                raise FailedPrecondition(f"job {rec.id} has not ended ({state}): it can be deleted once it is "
+                                         "cancelled (a running stage call stops at its next step boundary); retry then")
+            with self.db:
+                self.db.execute("DELETE FROM events WHERE job_id = ?", (rec.id,))
+                self.db.execute("DELETE FROM jobs WHERE id = ?", (rec.id,))
+            self._drop_keyframes(rec.keyframes.values())
+            self._unsaved = True
+            self.changed.notify_all()
+            return rec.output
 
     def recover(self, max_attempts: int) -> tuple[list[str], list[str]]:
         """After a restart: RUNNING jobs are retried (back to QUEUED) while attempts < max_attempts, else FAILED.

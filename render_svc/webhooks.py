@@ -148,10 +148,12 @@ class _Attempt:
 class Webhooks:
     """The outbox, its loop and the attempts' threads. `start` after the job store is open; `stop` at the drain."""
 
-    def __init__(self, cfg: WebhookConfig, store: JobStore, run_dir: Path):
+    def __init__(self, cfg: WebhookConfig, store: JobStore, run_dir: Path, keep_age_s: float = 0.0):
+        """`keep_age_s`: the service's --keep-age-s (the video object's `expires_at`)."""
         check_url(cfg.url)
         self.cfg = cfg
         self.store = store
+        self.keep_age_s = keep_age_s
         self.db = sqlite3.connect(str(Path(run_dir) / DB_FILE), check_same_thread=False)
         self.db.execute("PRAGMA journal_mode=WAL")
         self.db.execute("PRAGMA synchronous=FULL")
@@ -189,7 +191,7 @@ class Webhooks:
                 try:
                     body, state, why = json.dumps({
                         "id": event_id, "object": "event", "type": EVENT_TYPES[rec.state],
-                        "created_at": int(rec.finished), "data": video_object(rec)}).encode(), "pending", ""
+                        "created_at": int(rec.finished), "data": video_object(rec, keep_age_s=self.keep_age_s)}).encode(), "pending", ""
                 except Exception as e:  # one job's record: its row says why, the others' events still go
                     log.exception("webhook %s: its event could not be built; it is not sent", event_id)
                     body, state, why = b"", "failed", f"the event could not be built: {type(e).__name__}: {e}"

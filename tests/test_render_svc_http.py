@@ -2,7 +2,9 @@
 stack and `python -m render_svc`) with a plain HTTP client (http.client): create -> poll -> download, Range, cancel,
 auth and owners, idempotency keys, the queue bound (429), bad requests, and webhook deliveries to a loopback
 receiver that refuses the first ones (retried with the same id, every one signed). Every answer is checked against
-the schemas of render_svc/openapi.json, and the description against the routes the server serves."""
+the schemas of render_svc/openapi.json, and the description against the routes the server serves. Then OpenAI's own
+Python SDK (`openai`, pinned in the test extras) against the same routes: `seconds` and `expires_at`, the thumbnail
+and sprite sheet, remix and delete."""
 
 from __future__ import annotations
 
@@ -17,12 +19,17 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
+import av
 import numpy as np
+import openai
 import pytest
 from PIL import Image
 
+from h3.v1 import common_pb2
 from render_svc.http_api import OPENAPI, ROUTES
 from render_svc.server import RenderConfig
 from render_svc.store import FAILED, JobStore
@@ -325,6 +332,7 @@ def test_http_video_api_and_webhooks(stack, tmp_path):
                                 _png(2), "input_reference")  # a form, as OpenAI's SDK sends one: the first frame
             queued = api.video("POST", "/v1/videos", who="bob", raw=form, headers={"Content-Type": ctype})
             assert queued["status"] == "queued" and queued["queue_position"] == 1 and queued["frames"] == 22
+            assert queued["seconds"] == "0.9" and queued["rendered_seconds"] == "0.92"  # asked for / rendered
             assert (run / "render" / "keyframes" / hashlib.sha256(_png(2)).hexdigest()).exists()  # its first frame
             status, headers, payload = api.call("POST", "/v1/videos", {"prompt": "one too many", **TINY}, "alice")
             assert status == 429 and headers["Retry-After"] and b"--max-jobs-queued" in payload
@@ -353,6 +361,8 @@ def test_http_video_api_and_webhooks(stack, tmp_path):
         done = wait_for(lambda: (x := api.video("GET", f"/v1/videos/{v['id']}")) and (seen.append(x["progress"]) or
                         x["status"] in ("completed", "failed")) and x, 180, "the render done", svc.log)
         assert done["status"] == "completed" and done["progress"] == 100 and done["error"] is None, done
+        assert v["expires_at"] is None and done["expires_at"] == done["completed_at"] + 7 * 86400  # --keep-age-s
+        assert done["seconds"] == done["rendered_seconds"] == "0.92"  # frames given: their duration
         assert seen == sorted(seen), seen
         status, headers, mp4 = api.call("GET", f"/v1/videos/{v['id']}/content", who="alice")
         assert status == 200 and headers["Content-Type"] == "video/mp4" and mp4[4:8] == b"ftyp"
@@ -602,3 +612,192 @@ def test_webhook_flags_are_checked_at_start(tmp_path):
     key.write_text("whsec_" + base64.b64encode(b"\x00raw key bytes").decode() + "\n")  # a Standard Webhooks secret
     assert parse_config(RenderConfig, ["--webhook-url", "http://h/x", "--webhook-secret-file", str(key)],
                         env_prefix="T_RENDER_").webhook().secret == b"\x00raw key bytes"
+
+
+# ---- OpenAI's SDK ----------------------------------------------------------------------------------------------------
+# The SDK marks its video calls deprecated (its own service's schedule); the calls are what is tested here.
+sdk_calls = pytest.mark.filterwarnings("ignore:The Sora API:DeprecationWarning")
+TINY_SDK = {"size": "256x256", "seconds": "0.9", "extra_body": {"steps": 1}}  # 0.9 s: 22 frames
+
+
+@dataclass
+class Sdk:
+    svc: RenderService
+    run: Path
+    lease_dir: Path
+    alice: openai.OpenAI
+    bob: openai.OpenAI
+
+    def rows(self, job_id: str) -> tuple[int, int]:
+        """The job's rows in the job store: (jobs, events)."""
+        db = sqlite3.connect(f"file:{self.run / 'render' / 'render.sqlite3'}?mode=ro", uri=True)
+        try:
+            return db.execute("SELECT (SELECT COUNT(*) FROM jobs WHERE id = ?), (SELECT COUNT(*) FROM events "
+                              "WHERE job_id = ?)", (job_id, job_id)).fetchone()
+        finally:
+            db.close()
+
+    def cancel(self, video_id: str):
+        return self.alice.post(f"/videos/{video_id}/cancel", cast_to=openai.types.Video)  # not in the SDK
+
+    def rendered(self, prompt: str, **kw):
+        """A completed video of alice's (created, then polled to its end)."""
+        v = self.alice.videos.poll(self.alice.videos.create(prompt=prompt, **TINY_SDK, **kw).id, poll_interval_ms=50)
+        assert v.status == "completed", v
+        return v
+
+
+@pytest.fixture(scope="module")
+def sdk(stack, tmp_path_factory):
+    """A render service (principals alice and bob, --keep-age-s 3600) and OpenAI's SDK (pinned in the test extras)
+    pointed at its /v1, one client per principal."""
+    s, endpoints = stack
+    d = tmp_path_factory.mktemp("sdk")
+    (d / "tokens").write_text("alice tok-alice\nbob tok-bob\n")
+    svc = RenderService(d / "run", endpoints, ["--tokens-file", str(d / "tokens"), "--http-port", "0",
+                                               "--keep-age-s", "3600"])
+    svc.start()
+    try:
+        base = f"http://127.0.0.1:{int((d / 'run' / 'render.port.http').read_text())}/v1"
+        yield Sdk(svc, d / "run", Path(s.lease_dir), *(openai.OpenAI(base_url=base, api_key=f"tok-{who}", max_retries=0,
+                                                                     timeout=60) for who in ("alice", "bob")))
+    finally:
+        svc.stop()
+
+
+def _frames_of(mp4: bytes, tmp: Path) -> list[np.ndarray]:
+    path = tmp / "frames.mp4"
+    path.write_bytes(mp4)
+    with av.open(str(path)) as c:
+        return [f.to_ndarray(format="rgb24").astype(np.float32) for f in c.decode(video=0)]
+
+
+def _closest(image: np.ndarray, frames: list[np.ndarray]) -> int:
+    """The index of the frame `image` is nearest to (mean absolute difference)."""
+    return int(np.argmin([np.abs(image - f).mean() for f in frames]))
+
+
+@sdk_calls
+def test_seconds_is_what_was_asked_for_and_expires_at_follows_the_age_limit(sdk):
+    """`seconds` is the duration asked for, as OpenAI's SDK sends it; `rendered_seconds` the MP4's (22 frames: the
+    smallest 17n+5 count lasting 0.9 s). `expires_at` is null until the job ends, then completed_at + --keep-age-s."""
+    v = sdk.alice.videos.create(prompt="a lighthouse in a storm, thunder", model="minimax-h3", **TINY_SDK)
+    assert v.status in ("queued", "in_progress") and v.expires_at is None
+    assert (v.seconds, v.rendered_seconds, v.frames) == ("0.9", "0.92", 22)
+    v = sdk.alice.videos.poll(v.id, poll_interval_ms=50)
+    assert v.status == "completed" and v.progress == 100 and v.expires_at == v.completed_at + 3600, v
+    assert (v.seconds, v.rendered_seconds) == ("0.9", "0.92")
+
+
+@sdk_calls
+def test_thumbnail_and_spritesheet_are_frames_of_the_video(sdk, tmp_path):
+    """`download_content(variant="thumbnail")`: the first frame, WebP, at the video's size; `"spritesheet"`: 16
+    frames evenly spaced from the first to the last, 4 to a row, 256 pixels wide, JPEG. Each image is compared with
+    the MP4's decoded frames: the nearest frame is the one it claims to be."""
+    v = sdk.rendered("waves on a rocky shore, wind")
+    frames = _frames_of(sdk.alice.videos.download_content(v.id).content, tmp_path)
+    assert len(frames) == v.frames == 22
+    raw = sdk.alice.videos.with_raw_response.download_content(v.id, variant="thumbnail")
+    thumb = Image.open(io.BytesIO(raw.content))
+    assert raw.headers["content-type"] == "image/webp" and thumb.format == "WEBP" and thumb.size == (256, 256)
+    assert _closest(np.asarray(thumb.convert("RGB"), np.float32), frames) == 0
+    raw = sdk.alice.videos.with_raw_response.download_content(v.id, variant="spritesheet")
+    sheet = Image.open(io.BytesIO(raw.content))
+    picks = [int(i) for i in raw.headers["x-sprite-frames"].split(",")]
+    assert raw.headers["content-type"] == "image/jpeg" and sheet.format == "JPEG"
+    assert raw.headers["x-sprite-tile"] == "256x256" and sheet.size == (1024, 1024)
+    assert picks == [0, 1, 3, 4, 6, 7, 8, 10, 11, 13, 14, 15, 17, 18, 20, 21]
+    sheet = np.asarray(sheet.convert("RGB"), np.float32)
+    for k, i in enumerate(picks):
+        row, col = divmod(k, 4)
+        assert _closest(sheet[row * 256:(row + 1) * 256, col * 256:(col + 1) * 256], frames) == i, (k, i)
+    with pytest.raises(openai.BadRequestError, match="variant 'poster' is not served"):
+        sdk.alice.videos.download_content(v.id, variant="poster")
+    with pytest.raises(openai.NotFoundError):
+        sdk.bob.videos.download_content(v.id, variant="thumbnail")
+
+
+@sdk_calls
+def test_remix_repeats_the_request_with_a_new_prompt(sdk):
+    """`videos.remix(id, prompt=...)`: a new job with the video's request (size, duration, steps, seed) and the new
+    prompt, `remixed_from_video_id` naming the source. A keyframe job's remix carries its first frame: the stored
+    image stays while the remix waits, after its source was cancelled, and goes when both have ended; a remix of the
+    source then is refused (409) naming the image. Jobs stay where they are while the test holds the device."""
+    with holding_the_device(sdk.lease_dir):
+        v = sdk.alice.videos.create(prompt="a lighthouse in a storm", size="256x256", seconds="0.9",
+                                    extra_body={"steps": 1, "seed": 5})
+        r = sdk.alice.videos.remix(v.id, prompt="the same lighthouse at dawn, gulls")
+        assert r.id != v.id and r.remixed_from_video_id == v.id and r.prompt == "the same lighthouse at dawn, gulls"
+        assert (r.size, r.seconds, r.frames, r.steps, r.seed) == ("256x256", "0.9", 22, 1, 5)
+        assert sdk.alice.videos.retrieve(r.id).remixed_from_video_id == v.id
+        with pytest.raises(openai.NotFoundError):
+            sdk.bob.videos.remix(v.id, prompt="not mine")
+        with pytest.raises(openai.BadRequestError, match="nothing else"):
+            sdk.alice.videos.remix(v.id, prompt="more", extra_body={"seed": 1})
+        with pytest.raises(openai.BadRequestError, match="prompt is required"):
+            sdk.alice.videos.remix(v.id, prompt=" ")
+        src = sdk.alice.videos.create(prompt="from a keyframe", **TINY_SDK, input_reference=("a.png", _png(3),
+                                                                                              "image/png"))
+        stored = sdk.run / "render" / "keyframes" / hashlib.sha256(_png(3)).hexdigest()
+        rk = sdk.alice.videos.remix(src.id, prompt="from the same keyframe, at night")
+        assert rk.remixed_from_video_id == src.id
+        assert sdk.cancel(src.id).status == "cancelled" and stored.exists()  # the remix still needs it
+        for job in (rk, v, r):
+            assert sdk.cancel(job.id).status == "cancelled"
+        assert not stored.exists()
+        with pytest.raises(openai.ConflictError, match="first frame is no longer kept"):
+            sdk.alice.videos.remix(src.id, prompt="once more")
+    with pytest.raises(openai.NotFoundError):
+        sdk.alice.videos.remix("no-such-video", prompt="x")
+
+
+def test_a_remix_reads_back_keyframes_and_references_while_they_are_kept(tmp_path):
+    """The job store's side of a remix (no processes): a queued job's request comes back with its first frame and
+    its reference files, byte for byte; once the job has ended they are no longer kept, and the refusal names the
+    file."""
+    store = JobStore(tmp_path)
+    try:
+        refs = [common_pb2.Reference(kind="image", data=_png(7)), common_pb2.Reference(kind="audio", data=b"RIFF-wav")]
+        req = tiny_request("with references", first_frame=_png(8), references=refs)
+        rec, _ = store.submit(req, "alice")
+        back = store.request_with_files(rec)
+        assert back.first_frame == _png(8) and [r.data for r in back.references] == [_png(7), b"RIFF-wav"]
+        assert back.params == req.params
+        store.finish(rec.id, FAILED, "INTERNAL", "a fault")
+        with pytest.raises(FailedPrecondition, match="first frame is no longer kept|reference 1 .image. is no longer"):
+            store.request_with_files(store.get(rec.id))
+        rec2, _ = store.submit(tiny_request("references only", references=refs[1:]), "alice")
+        store.finish(rec2.id, FAILED, "INTERNAL", "a fault")
+        with pytest.raises(FailedPrecondition, match=r"reference 1 \(audio\) is no longer kept"):
+            store.request_with_files(store.get(rec2.id))
+    finally:
+        store.close()
+
+
+@sdk_calls
+def test_delete_cancels_and_removes_the_job_and_its_files(sdk):
+    """`videos.delete(id)`: `{id, object: "video.deleted", deleted: true}`; a running job is cancelled first; the
+    record, its events and the MP4 are gone and the id is unknown to every call after. Another principal's delete is
+    404 and removes nothing. Listing (auto-paginated by the SDK) no longer has it."""
+    v = sdk.rendered("a red fox in the snow, wind")
+    mp4 = sdk.run / "render" / "outputs" / f"{v.id}.mp4"
+    assert mp4.exists() and sdk.rows(v.id)[0] == 1
+    with holding_the_device(sdk.lease_dir):
+        held = sdk.alice.videos.create(prompt="held in its first stage", **TINY_SDK)
+        wait_for(lambda: sdk.alice.videos.retrieve(held.id).status == "in_progress", 60, "the job running",
+                 sdk.svc.log)
+        with pytest.raises(openai.NotFoundError):
+            sdk.bob.videos.delete(held.id)
+        gone = sdk.alice.videos.delete(held.id)
+        assert (gone.id, gone.object, gone.deleted) == (held.id, "video.deleted", True)
+        assert sdk.rows(held.id) == (0, 0)
+    with pytest.raises(openai.NotFoundError):
+        sdk.bob.videos.delete(v.id)
+    assert sdk.alice.videos.retrieve(v.id).status == "completed"
+    assert sdk.alice.videos.delete(v.id).deleted and sdk.rows(v.id) == (0, 0) and not mp4.exists()
+    for call in (lambda: sdk.alice.videos.retrieve(v.id), lambda: sdk.alice.videos.download_content(v.id),
+                 lambda: sdk.alice.videos.delete(v.id), lambda: sdk.alice.videos.remix(v.id, prompt="x")):
+        with pytest.raises(openai.NotFoundError):
+            call()
+    paged = [x.id for x in sdk.alice.videos.list(limit=1)]  # one per page: the SDK follows `after`
+    assert paged == [x.id for x in sdk.alice.videos.list(limit=100)] and not {v.id, held.id} & set(paged)
