@@ -507,10 +507,10 @@ def test_a_fault_in_one_event_fails_its_row_and_the_loop_goes_on(tmp_path, monke
             raise RuntimeError("injected into the send")
         return real_sign(secret, msg_id, timestamp, body)
 
-    def video_object(rec):
+    def video_object(rec, **kw):
         if f"evt_{rec.id}" in builds:
             raise RuntimeError("injected into the event")
-        return real_video_object(rec)
+        return real_video_object(rec, **kw)
 
     monkeypatch.setattr(webhooks, "sign", sign)
     monkeypatch.setattr(webhooks, "video_object", video_object)
