@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 
 import pytest
 
@@ -187,9 +188,11 @@ def test_a_hung_replica_loses_its_jobs_to_the_other_and_is_suspect(replicas, tmp
             victim = wait_for(lambda: _holder(started), 60, "a DiT replica holding a job", svc.log)
             (worker,) = workers(started[victim][0], "dit")
             os.kill(worker, signal.SIGSTOP)
+            stopped_at = time.monotonic()
         other = ({"dit/a", "dit/b"} - {victim}).pop()
         try:
             done = {j: svc.wait_state(j, (render_pb2.JOB_SUCCEEDED, render_pb2.JOB_FAILED), 180) for j in jobs}
+            done_s = time.monotonic() - stopped_at
             assert all(i.state == render_pb2.JOB_SUCCEEDED for i in done.values()), \
                 {j: (i.error_code, i.error) for j, i in done.items()}
             for info in done.values():  # each job sampled once, on the replica that moves; every stage ran once
@@ -205,6 +208,10 @@ def test_a_hung_replica_loses_its_jobs_to_the_other_and_is_suspect(replicas, tmp
             assert f"replica {victim} sent nothing on the dit batch's" in svc.log()
         finally:
             os.kill(worker, signal.SIGCONT)
+            resumed_at = time.monotonic()
         # Going again, the replica finds its jobs' callers gone and empties its queue: back in rotation.
         wait_for(lambda: not health()[victim].startswith("SUSPECT"), 60, "the replica back in rotation", svc.log)
         assert f"replica {victim} moves again (idle); back in rotation" in svc.log()
+        print(f"\nhung replica: {len(moved)} of {len(jobs)} jobs moved from {victim} to {other}, all done "
+              f"{done_s:.1f} s after its worker stopped (--stall-timeout-s {STALL_S}); back in rotation "
+              f"{time.monotonic() - resumed_at:.1f} s after SIGCONT")
