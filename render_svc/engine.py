@@ -182,12 +182,14 @@ def run_keyframes(c: StageClients, w: Work, progress, on_call, on_bytes) -> Stag
     latents (the decoder's video / audio VAE encoders, on the model's rates)."""
     results = []
     for anchor, img in w.keyframes():
-        lat, r = encode_image(c, img, w.spec.width, w.spec.height, w.job_id, progress, on_call=on_call)
+        lat, r = encode_image(c, img, w.spec.width, w.spec.height, w.job_id, progress, on_call=on_call,
+                              on_bytes=on_bytes)
         w.tensors[keyframe_tensor(anchor)] = lat
         results.append(r)
     for i, ref in enumerate(w.request.references):
         lat, r = encode_reference(c, ref, w.spec.frames, w.job_id, progress, on_call=on_call,
-                                  source=w.reference_files[i] if i < len(w.reference_files) else None)
+                                  source=w.reference_files[i] if i < len(w.reference_files) else None,
+                                  on_bytes=on_bytes)
         w.tensors.update(reference_tensors(i, lat, ref.kind))
         results.append(r)
     return _merge(results)

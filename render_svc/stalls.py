@@ -63,7 +63,6 @@ def stall_verdict(stalled_on: list[str], node: str, stage: str, timeout_s: float
 
 @dataclass
 class Suspect:
-    stage: str
     reason: str
     since: float                # time.monotonic() of the stop
     baseline: int | None = None  # jobs_done in the first Status read after the stop
@@ -89,7 +88,7 @@ class Suspects:
         reason = (f"no progress on a {stage} batch for {timeout_s:g} s (--stall-timeout-s), at "
                   f"{time.strftime('%H:%M:%S')}; out of rotation until its Status shows it moving again")
         log.warning("replica %s: %s; its jobs run that stage once more on another replica", node, reason)
-        self._by_node[node] = Suspect(stage, reason, time.monotonic())
+        self._by_node[node] = Suspect(reason, time.monotonic())
 
     def reason(self, node: str) -> str:
         """Why `node` is suspect ("" when it is not)."""
