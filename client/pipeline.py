@@ -133,7 +133,7 @@ def encode(clients: StageClients, prompt: str, job_id: str = "", on_progress: Pr
 
 def encode_image(clients: StageClients, image: bytes, width: int, height: int, job_id: str = "",
                  on_progress: ProgressFn = _noop, timeout_s: float | None = None,
-                 on_call: CallFn = _noop) -> tuple[torch.Tensor, StageResult]:
+                 on_call: CallFn = _noop, on_bytes: BytesFn = _noop) -> tuple[torch.Tensor, StageResult]:
     """Keyframe image bytes -> its normalised VAE latent [24, 1, height/16, width/16] (decoder stage, fl2va)."""
     t0 = time.monotonic()
     stream = clients.decoder.EncodeImage(
@@ -141,14 +141,15 @@ def encode_image(clients: StageClients, image: bytes, width: int, height: int, j
         timeout=timeout_s or DEADLINES["decoder"], metadata=clients.security.metadata())
     on_call(stream)
     out, done = _drain(stream, on_progress, [ENCODED_KEYFRAME], "decoder EncodeImage",
-                       lambda: result_rules("EncodeImage", RenderSpec(width=width, height=height)))
+                       lambda: result_rules("EncodeImage", RenderSpec(width=width, height=height)), on_bytes)
     latents = out[ENCODED_KEYFRAME]
     return latents, StageResult("decoder", time.monotonic() - t0, done.timing, {"op": "encode_image"})
 
 
 def encode_reference(clients: StageClients, reference: common_pb2.Reference, frames: int, job_id: str = "",
                      on_progress: ProgressFn = _noop, timeout_s: float | None = None,
-                     on_call: CallFn = _noop, source: Path | None = None) -> tuple[dict[str, torch.Tensor], StageResult]:
+                     on_call: CallFn = _noop, source: Path | None = None,
+                     on_bytes: BytesFn = _noop) -> tuple[dict[str, torch.Tensor], StageResult]:
     """A ref2va reference (its file inline, or at `source`) -> its latents ({"video": [24, T, h, w]} and/or
     {"audio": [2, 32, Ta]}, decoder stage) for a render of `frames` frames; the StageResult's extra holds what the
     decoder made of the file."""
@@ -159,7 +160,8 @@ def encode_reference(clients: StageClients, reference: common_pb2.Reference, fra
         decoder_pb2.EncodeReferenceRequest(reference=ref, frames=frames, job_id=job_id), timeout=timeout,
         metadata=metadata)
     on_call(stream)
-    out, done = _drain(stream, on_progress, [], "decoder EncodeReference", lambda: result_rules("EncodeReference"))
+    out, done = _drain(stream, on_progress, [], "decoder EncodeReference", lambda: result_rules("EncodeReference"),
+                       on_bytes)
     info = {"op": "encode_reference", "kind": reference.kind, "width": done.width, "height": done.height,
             "frames": done.frames, "seconds": done.seconds, "source_fps": done.source_fps,
             "source_rate": done.source_rate}

@@ -11,6 +11,7 @@ loopback and stay in this process between stages (`Work.tensors`), never in the 
 from __future__ import annotations
 
 import logging
+import math
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
@@ -27,6 +28,7 @@ from h3.v1 import common_pb2, render_pb2
 from minimax_h3.contract import (AUDIO_LATENTS, RENDER_PLANS, SAMPLE_INPUTS, TEXT_STATES, TEXT_TAGS, VIDEO_LATENTS,
                                  RenderSpec, keyframe_tensor, needed_partition, render_mode, spec_from_proto)
 from render_svc.planner import SERVICE_OF, STAGES
+from render_svc.stalls import StallWatch
 from stagekit.errors import Cancelled, StageError, error_for, status_for
 
 log = logging.getLogger("render_svc")
@@ -46,9 +48,11 @@ class Work:
     tensors: dict = field(default_factory=dict)
     unavailable: int = 0              # stage calls refused with UNAVAILABLE so far (retried up to --stage-retries)
     busy: int = 0                     # stage calls refused as busy so far (each waited out with a longer backoff)
+    stalled_on: list[str] = field(default_factory=list)  # replicas where its stage calls stalled (render_svc/stalls.py)
     cancelled: threading.Event = field(default_factory=threading.Event)
     _call: object = None
     _aborted: bool = False
+    _stalled: bool = False            # the watchdog stopped its current stage call
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def keyframes(self) -> list[tuple[str, bytes]]:
@@ -79,7 +83,7 @@ class Work:
     def set_call(self, call) -> None:
         with self._lock:
             self._call = call
-            if self.cancelled.is_set() or self._aborted:
+            if self.cancelled.is_set() or self._aborted or self._stalled:
                 call.cancel()
 
     def cancel(self) -> None:
@@ -94,6 +98,23 @@ class Work:
             if self._call is not None:
                 self._call.cancel()
 
+    def stop_stalled(self) -> None:
+        """The watchdog's stop: the replica made no progress; the job's stage runs once more elsewhere."""
+        with self._lock:
+            self._stalled = True
+            if self._call is not None:
+                self._call.cancel()
+
+    def begin_call(self) -> None:
+        """The job's next stage calls are about to start: no watchdog stop stands against them."""
+        with self._lock:
+            self._stalled = False
+            self._call = None
+
+    @property
+    def stalled(self) -> bool:
+        return self._stalled
+
 
 @dataclass
 class Outcome:
@@ -101,6 +122,7 @@ class Outcome:
     result: StageResult | None = None
     code: str = ""                    # gRPC status name when not ok
     message: str = ""
+    stalled: bool = False             # the watchdog stopped the call: its replica made no progress
 
     def error(self) -> StageError:
         """A failed outcome as the error class of its status."""
@@ -155,52 +177,55 @@ def _merge(results: list[StageResult]) -> StageResult:
     return StageResult(results[0].stage, sum(r.wall_s for r in results), t, {"calls": [r.extra for r in results]})
 
 
-def run_keyframes(c: StageClients, w: Work, progress, on_call) -> StageResult:
+def run_keyframes(c: StageClients, w: Work, progress, on_call, on_bytes) -> StageResult:
     """Each keyframe -> its VAE latent (the decoder's VAE encoder, at the render size); each reference -> its
     latents (the decoder's video / audio VAE encoders, on the model's rates)."""
     results = []
     for anchor, img in w.keyframes():
-        lat, r = encode_image(c, img, w.spec.width, w.spec.height, w.job_id, progress, on_call=on_call)
+        lat, r = encode_image(c, img, w.spec.width, w.spec.height, w.job_id, progress, on_call=on_call,
+                              on_bytes=on_bytes)
         w.tensors[keyframe_tensor(anchor)] = lat
         results.append(r)
     for i, ref in enumerate(w.request.references):
         lat, r = encode_reference(c, ref, w.spec.frames, w.job_id, progress, on_call=on_call,
-                                  source=w.reference_files[i] if i < len(w.reference_files) else None)
+                                  source=w.reference_files[i] if i < len(w.reference_files) else None,
+                                  on_bytes=on_bytes)
         w.tensors.update(reference_tensors(i, lat, ref.kind))
         results.append(r)
     return _merge(results)
 
 
-def run_encoder(c: StageClients, w: Work, progress, on_call) -> StageResult:
+def run_encoder(c: StageClients, w: Work, progress, on_call, on_bytes) -> StageResult:
     """Prompt (+ the same keyframe images or references, shown to the vision tower) -> text states (+ tags)."""
     images = [img for _, img in w.keyframes()]
     if w.request.references:
         states, tags, r = encode(c, w.spec.prompt, w.job_id, progress, with_tags=True, on_call=on_call,
-                                 references=w.request.references, frames=w.spec.frames, sources=w.reference_files)
+                                 references=w.request.references, frames=w.spec.frames, sources=w.reference_files,
+                                 on_bytes=on_bytes)
         w.tensors[TEXT_TAGS] = tags
     elif images:
         states, tags, r = encode(c, w.spec.prompt, w.job_id, progress, keyframes=images, width=w.spec.width,
-                                 height=w.spec.height, with_tags=True, on_call=on_call)
+                                 height=w.spec.height, with_tags=True, on_call=on_call, on_bytes=on_bytes)
         w.tensors[TEXT_TAGS] = tags
     else:
-        states, r = encode(c, w.spec.prompt, w.job_id, progress, on_call=on_call)
+        states, r = encode(c, w.spec.prompt, w.job_id, progress, on_call=on_call, on_bytes=on_bytes)
     w.tensors[TEXT_STATES] = states
     return r
 
 
-def run_dit(c: StageClients, w: Work, progress, on_call) -> StageResult:
+def run_dit(c: StageClients, w: Work, progress, on_call, on_bytes) -> StageResult:
     extra = {k: t for k, t in w.tensors.items() if k in SAMPLE_INPUTS and k != TEXT_STATES}
     loras = [(lo.name, lo.strength if lo.HasField("strength") else 1.0) for lo in w.request.loras]
     video, audio, r = sample(c, w.spec, w.tensors[TEXT_STATES], w.job_id, progress, extra=extra or None,
-                             loras=loras, on_call=on_call)
+                             loras=loras, on_call=on_call, on_bytes=on_bytes)
     w.tensors = {VIDEO_LATENTS: video, AUDIO_LATENTS: audio}  # the conditioning is spent
     return r
 
 
-def run_decoder(c: StageClients, w: Work, progress, on_call) -> StageResult:
+def run_decoder(c: StageClients, w: Work, progress, on_call, on_bytes) -> StageResult:
     r = w.request
     res = decode(c, w.spec, w.tensors[VIDEO_LATENTS], w.tensors[AUDIO_LATENTS], w.output, w.job_id, progress,
-                 crf=r.crf, upscale=(r.upscale_width, r.upscale_height), on_call=on_call)
+                 crf=r.crf, upscale=(r.upscale_width, r.upscale_height), on_call=on_call, on_bytes=on_bytes)
     w.tensors = {}
     return res
 
@@ -252,40 +277,52 @@ class RenderEngine:
         self.replicas = replicas or {s: Replica(s, s, clients.endpoints.of(s), clients)
                                      for s in clients.endpoints.stages}
 
-    def _one(self, stage: str, w: Work, sink: ProgressSink, rep: Replica) -> Outcome:
+    def _one(self, stage: str, w: Work, sink: ProgressSink, rep: Replica, watch: StallWatch) -> Outcome:
         def progress(p: common_pb2.Progress) -> None:
+            watch.touch()
             p.stage = stage  # the render stage (the decoder reports its keyframe work as "decoder")
             sink(w.job_id, p)
 
         try:
-            return Outcome(True, STAGE_CALLS[stage](rep.clients, w, progress, w.set_call))
-        except grpc.RpcError as e:
-            return stage_failure(stage, rep.address, e)
+            return Outcome(True, STAGE_CALLS[stage](rep.clients, w, progress, w.set_call, watch.touch))
         except Exception as e:  # noqa: BLE001 - recorded on the job
+            if w.stalled:
+                return Outcome(False, code=grpc.StatusCode.UNAVAILABLE.name, stalled=True,
+                               message=f"replica {rep.node} made no progress on the {stage} stage for "
+                                       f"{watch.timeout_s:g} s (--stall-timeout-s); the call was stopped")
+            if isinstance(e, grpc.RpcError):
+                return stage_failure(stage, rep.address, e)
             code, msg = status_for(e)
             return Outcome(False, code=code.name, message=f"{stage}: {msg}")
 
     def run_batch(self, stage: str, works: list[Work], sink: ProgressSink,
                   stopped: Callable[[], bool] = lambda: False,
-                  on_done: OutcomeSink | None = None, node: str = "") -> dict[str, Outcome]:
+                  on_done: OutcomeSink | None = None, node: str = "",
+                  stall_timeout_s: float = math.inf) -> dict[str, Outcome]:
         """Every job of the batch calls the stage (on replica `node`; default: the stage's first) at once: the
         stage queues and serves them in one residency. The outcome of each, by job id. `on_done(work, outcome)`
         hears of each job the moment its call ends (in the call's thread). Once `stopped()` (the service is
         draining) the calls are stopped and Cancelled is raised: the jobs whose call did not succeed are retried
-        after the restart (`on_done` does not hear of them)."""
+        after the restart (`on_done` does not hear of them). Calls still open when the replica has sent nothing for
+        `stall_timeout_s` are stopped, their outcomes `stalled` (render_svc/stalls.py)."""
         outcomes = {}
         rep = self.replicas[node] if node else next(r for r in self.replicas.values()
                                                     if r.service == SERVICE_OF[stage])
 
-        def call(w: Work) -> Outcome:
-            o = self._one(stage, w, sink, rep)
+        def call(w: Work, watch: StallWatch) -> Outcome:
+            o = self._one(stage, w, sink, rep, watch)
+            watch.touch()  # a call's end is progress: the stage moves on to the batch's next call
             if on_done is not None and (o.ok or not stopped()):
                 on_done(w, o)
             return o
 
         for group in self._groups(stage, works, rep):
+            watch = StallWatch(stall_timeout_s)
+            for w in group:
+                w.begin_call()
             with ThreadPoolExecutor(max_workers=len(group), thread_name_prefix=f"batch-{stage}") as pool:
-                futs = {pool.submit(call, w): w for w in group}
+                futs = {pool.submit(call, w, watch): w for w in group}
+                stalled = False
                 while True:
                     done, pending = wait(futs, timeout=0.2)
                     if not pending:
@@ -293,6 +330,13 @@ class RenderEngine:
                     if stopped():
                         for w in works:
                             w.abort()
+                    elif not stalled and watch.stalled():
+                        stalled = True
+                        log.warning("replica %s sent nothing on the %s batch's %d open call(s) for %.0f s "
+                                    "(--stall-timeout-s): stopping them", rep.node, stage, len(pending),
+                                    watch.silent_s())
+                        for f in pending:
+                            futs[f].stop_stalled()
                 if stopped():
                     raise Cancelled("render: the batch was stopped (service draining); its jobs are retried after "
                                     "restart")

@@ -20,6 +20,7 @@ from client.stubs import SERVICE_NAMES, STAGES, Endpoints, Security, StageClient
 from h3.v1 import render_pb2, render_pb2_grpc
 from render_svc.engine import RenderEngine, make_replicas
 from render_svc.service import RenderService, SchedulerConfig
+from render_svc.stalls import STALL_TIMEOUT_S
 from render_svc.store import CANCELLED, FAILED, QUEUED, RUNNING, SUCCEEDED
 from render_svc.webhooks import WebhookConfig, Webhooks, check_url, read_secret
 from stagekit.bootstrap import LOG_LEVELS, ProcessTempDir, exit_cleanly, listen, setup_logging
@@ -90,6 +91,10 @@ class RenderConfig(ServeConfig):
     max_attempts: int = field(default=2, metadata={
         "help": "runs of a job: a restart during a run retries it while attempts remain, else it fails"})
     stage_retries: int = field(default=3, metadata={"help": "UNAVAILABLE answers from a stage retried per job"})
+    stall_timeout_s: float = field(default=STALL_TIMEOUT_S, metadata={
+        "help": "a stage replica that sends nothing on a batch's calls for this long (no progress event, no data; a "
+                "load reports once, so this covers the slowest load) loses the batch: its calls are stopped, it gets "
+                "no work until its Status shows it moving again, and each job runs that stage once more elsewhere"})
     job_deadline_s: float = field(default=6 * 3600.0, metadata={
         "help": "a stage that answers busy (RESOURCE_EXHAUSTED ... retry later) is waited out, with backoff, until "
                 "this long after the job's submission; then the job fails DEADLINE_EXCEEDED"})
@@ -112,7 +117,8 @@ class RenderConfig(ServeConfig):
             run_dir=Path(self.run_dir), max_batch=self.max_batch, max_wait_batches=self.max_wait_batches,
             max_attempts=self.max_attempts, stage_retries=self.stage_retries, max_jobs_queued=self.max_jobs_queued,
             keep_jobs=self.keep_jobs, keep_bytes=int(self.keep_bytes_gb * GIB), keep_age_s=self.keep_age_s,
-            job_deadline_s=self.job_deadline_s, retention_every_s=self.retention_every_s, pipeline=self.pipeline)
+            job_deadline_s=self.job_deadline_s, stall_timeout_s=self.stall_timeout_s,
+            retention_every_s=self.retention_every_s, pipeline=self.pipeline)
 
     def endpoints(self) -> Endpoints:
         missing = [s for s in STAGES if not getattr(self, s)]
@@ -231,14 +237,18 @@ class RenderServicer(UploadMixin, render_pb2_grpc.RendererServicer):
             context.abort(grpc.StatusCode.OUT_OF_RANGE, f"offset {request.offset} is past the end ({size} bytes)")
         yield from file_chunks(path, f"{request.job_id}.mp4", "video/mp4", request.offset)
 
+    def _health(self, node: str, channel, service: str) -> str:
+        """A stage replica's health: SUSPECT (why) while it is out of rotation after a stall, else its own answer."""
+        why = self.svc.suspect(node)
+        return f"SUSPECT ({why})" if why else health_of(channel, SERVICE_NAMES[service], 2.0)
+
     def Status(self, request, context):
         counts = self.svc.counts()
         stages = [render_pb2.StageEndpoint(stage=s, endpoint=self.clients.endpoints.of(s),
-                                           health=health_of(self.clients.channels[s], SERVICE_NAMES[s], 2.0))
+                                           health=self._health(s, self.clients.channels[s], s))
                   for s in STAGES]
         stages += [render_pb2.StageEndpoint(  # each of several replicas on its own
-            stage=node, endpoint=r.address,
-            health=health_of(r.clients.channels[r.service], SERVICE_NAMES[r.service], 2.0))
+            stage=node, endpoint=r.address, health=self._health(node, r.clients.channels[r.service], r.service))
             for node, r in self.svc.engine.replicas.items() if node != r.service]
         cfg = self.svc.cfg
         health = f"DEGRADED ({self.svc.storage_error})" if self.svc.storage_error else "SERVING"

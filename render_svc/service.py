@@ -10,7 +10,10 @@ moment its stage call ends: to its next stage's queue, to SUCCEEDED with its MP4
 answering UNAVAILABLE (restarting its ranks, draining) is retried by queueing the job for the same stage again
 (--stage-retries); a stage answering RESOURCE_EXHAUSTED with "retry later" (its queue or its upload slots are full)
 is waited out with exponential backoff up to the job's deadline (--job-deadline-s), the job showing "waiting for the
-<stage> stage (busy)". Cancel takes a waiting job out of the queue at once and stops a running one's stage call.
+<stage> stage (busy)". A replica that sends nothing on a batch's calls for --stall-timeout-s loses the batch: its
+calls are stopped, it is out of rotation until its Status shows it moving again, and each job runs that stage once
+more elsewhere (render_svc/stalls.py). Cancel takes a waiting job out of the queue at once and stops a running one's
+stage call.
 
 The job store's writes that move a job on are retried until they succeed: a full disk or an I/O error stops the
 scheduler where it is, is reported (log, Status, Submit's UNAVAILABLE) and is over once a write succeeds again.
@@ -37,6 +40,7 @@ from minimax_h3.contract import (MAX_PROMPT_BYTES, check_loras, check_output, ch
 from render_svc.engine import Outcome, RenderEngine, Work, lora_key
 from render_svc.planner import (SERVICE_OF, STAGES, Batch, BatchPlanner, Resources, next_stage,
                                 resource_groups)
+from render_svc.stalls import STALL_TIMEOUT_S, Suspects, stall_verdict
 from render_svc.store import CANCELLED, FAILED, QUEUED, RUNNING, SUCCEEDED, JobRecord, JobStore
 from stagekit.errors import Cancelled, FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from stagekit.uploads import UploadStore, reference_bytes
@@ -61,6 +65,7 @@ class SchedulerConfig:
     keep_bytes: int = 10 << 30
     keep_age_s: float = 7 * 86400.0
     job_deadline_s: float = 6 * 3600.0   # a busy stage is waited out until this long after the job's submission
+    stall_timeout_s: float = STALL_TIMEOUT_S  # a replica silent on a batch's calls this long loses the batch
     retention_every_s: float = 60.0      # retention (and the database file check) runs this often
     pipeline: bool = True            # stage groups that share no device run at once (False: one batch at a time)
 
@@ -151,11 +156,14 @@ class RenderService:
         self.uploads = UploadStore(self.store.keyframe_dir.resolve(), in_use=self.store.files_in_use)
         self.outputs.mkdir(parents=True, exist_ok=True)
         self.planner = BatchPlanner(cfg.max_batch, cfg.max_wait_batches)
+        if not cfg.stall_timeout_s > 0:
+            raise FailedPrecondition(f"--stall-timeout-s must be above 0, got {cfg.stall_timeout_s:g}")
         self.works: dict[str, Work] = {}         # jobs in flight (queued or between / in stages)
         self.nodes = list(engine.replicas)       # the stage replicas ("dit", or "dit/a", "dit/b", ...)
         self.resources: dict[str, Resources] = {}  # each replica's devices, from its Status
         self.status: dict[str, common_pb2.StageStatus] = {}  # each replica's last Status
         self.down: set[str] = set()              # replicas that did not answer (their jobs go to the others)
+        self.suspects = Suspects()               # replicas that stalled on a batch (their jobs go to the others)
         self.groups: list[tuple[str, ...]] = resource_groups(self.nodes, {}, serial=True)  # until the stages answer
         self.running: dict[str, tuple[Batch, float]] = {}  # replica -> the batch its group runs, its start
         self.last_started: dict[str, float] = {}  # replica -> when its group last started a batch (monotonic)
@@ -393,13 +401,13 @@ class RenderService:
             self._storage_failed(e)
 
     def _watch_resources(self) -> None:
-        """Its own thread: every RESOURCES_EVERY_S (every second while a stage has not answered) each stage
-        service's devices from its Status, and the resource groups they make."""
+        """Its own thread: every RESOURCES_EVERY_S (every second while a stage has not answered or a replica is
+        suspect) each stage service's devices from its Status, and the resource groups they make."""
         while not self.stopping.is_set():
             known = self._refresh_resources()
             self._resources_read.set()
             with self._lock:
-                healthy = known and not self.down
+                healthy = known and not self.down and not self.suspects
             self.stopping.wait(RESOURCES_EVERY_S if healthy else RESOURCES_UNKNOWN_EVERY_S)
 
     def _refresh_resources(self) -> bool:
@@ -408,6 +416,7 @@ class RenderService:
         never answered shares a group with every other (nothing runs beside it blind). Returns whether every replica
         answered."""
         answered = {}
+        asked = time.monotonic()
         for node, r in self.engine.replicas.items():
             try:
                 answered[node] = r.clients.stub(r.service).Status(
@@ -425,6 +434,7 @@ class RenderService:
                 if node in self.down:
                     log.info("replica %s answers again", node)
                 self.down.discard(node)
+                self.suspects.seen(node, st, asked)
                 self.status[node] = st
                 self.resources[node] = Resources(st.host, tuple(st.device_ids) or tuple(st.devices),
                                                  st.residency != "shared")
@@ -438,17 +448,22 @@ class RenderService:
             self._lock.notify_all()
         return len(answered) == len(self.nodes)
 
+    def _in_rotation(self, node: str) -> bool:
+        """Under the lock: whether replica `node` gets work while its service has others that do: it answers Status
+        and has not stalled (or moves again since)."""
+        return node not in self.down and node not in self.suspects
+
     def _serving(self, group: tuple[str, ...]) -> dict[str, str]:
-        """Under the lock: render stage -> the replica of `group` that serves it now: one that answers (when its
-        service has any that does), the shortest queue first."""
+        """Under the lock: render stage -> the replica of `group` that serves it now: one in rotation (when its
+        service has any that is), the shortest queue first."""
         out = {}
         for stage in STAGES:
             service = SERVICE_OF[stage]
             mine = [n for n in group if self.engine.replicas[n].service == service]
             if not mine:
                 continue
-            if any(n not in self.down for n in self.nodes if self.engine.replicas[n].service == service):
-                mine = [n for n in mine if n not in self.down]  # while one answers, the silent ones get nothing
+            if any(self._in_rotation(n) for n in self.nodes if self.engine.replicas[n].service == service):
+                mine = [n for n in mine if self._in_rotation(n)]  # while one is in rotation, the others get nothing
             if mine:
                 out[stage] = min(mine, key=lambda n: self.status[n].queue_depth if n in self.status else 0)
         return out
@@ -472,9 +487,9 @@ class RenderService:
 
     def _eligible(self, node: str) -> Callable[[str, str], bool]:
         """Under the lock: which waiting jobs replica `node` may take: those it serves (`_fits`), and those no
-        answering replica of its service serves (its own refusal then ends the job, as with one replica)."""
+        replica of its service in rotation serves (its own refusal then ends the job, as with one replica)."""
         service = self.engine.replicas[node].service
-        peers = [n for n in self.nodes if self.engine.replicas[n].service == service and n not in self.down]
+        peers = [n for n in self.nodes if self.engine.replicas[n].service == service and self._in_rotation(n)]
 
         def ok(job_id: str, stage: str) -> bool:
             w = self.works.get(job_id)
@@ -600,7 +615,10 @@ class RenderService:
 
         def done(w: Work, o: Outcome) -> None:
             advanced.add(w.job_id)
-            if not o.ok and o.code == "UNAVAILABLE":
+            if o.stalled:
+                with self._lock:  # until its Status shows it moving again, the other replicas take the work
+                    self.suspects.mark(node, batch.stage, self.cfg.stall_timeout_s)
+            elif not o.ok and o.code == "UNAVAILABLE":
                 with self._lock:  # until it answers Status again, the service's other replicas take the work
                     if node not in self.down and any(
                             n != node and self.engine.replicas[n].service == self.engine.replicas[node].service
@@ -612,13 +630,13 @@ class RenderService:
 
         try:
             outcomes = self.engine.run_batch(batch.stage, live, self._progress, self._abort.is_set, on_done=done,
-                                             node=node)
+                                             node=node, stall_timeout_s=self.cfg.stall_timeout_s)
         except Cancelled:  # the drain stopped the batch
             raise Unavailable("draining") from None
         with self._lock:
             self.batch_log.append({"number": batch.number, "stage": batch.stage, "group": batch.group, "replica": node,
                                    "jobs": [w.job_id for w in live], "size": len(live), "t0": t0, "t1": time.time()})
-        unavailable = sum(not o.ok and o.code == "UNAVAILABLE" for o in outcomes.values())
+        unavailable = sum(not o.ok and o.code == "UNAVAILABLE" and not o.stalled for o in outcomes.values())
         if unavailable == len(live):
             self.stopping.wait(min(5.0, 1.0 * max(w.unavailable for w in live)))  # the stage is down: back off
 
@@ -657,6 +675,19 @@ class RenderService:
             self._finish(w, FAILED, "DEADLINE_EXCEEDED",
                          f"the {stage} stage stayed busy until the job's deadline ({self.cfg.job_deadline_s:g} s after "
                          f"its submission, --job-deadline-s): {o.message}")
+            return
+        if o.stalled:
+            failure = stall_verdict(w.stalled_on, node, stage, self.cfg.stall_timeout_s)
+            if failure is not None:
+                self._finish(w, FAILED, "UNAVAILABLE", failure)
+                return
+            w.stalled_on.append(node)
+            self._progress(w.job_id, common_pb2.Progress(
+                stage=stage, phase="retrying",
+                message=f"{o.message}; the {stage} stage runs once more, on another replica while there is one"))
+            with self._lock:
+                self.planner.add(w.job_id, stage)
+                self._lock.notify_all()
             return
         if o.code == "UNAVAILABLE" and w.unavailable < self.cfg.stage_retries:
             w.unavailable += 1
@@ -699,6 +730,11 @@ class RenderService:
             Path(path).unlink(missing_ok=True)
 
     # ---- views --------------------------------------------------------------------------------------------------
+    def suspect(self, node: str) -> str:
+        """Why replica `node` is out of rotation after a stall ("" when it is not)."""
+        with self._lock:
+            return self.suspects.reason(node)
+
     def group_names(self) -> list[str]:
         """The resource groups as "encoder+dit+decoder" names, in stage order."""
         with self._lock:

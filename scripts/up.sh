@@ -132,7 +132,10 @@ for name in "${names[@]}"; do
   [[ -n "$gpu_cap" ]] && args+=(--gpu-memory-cap-gb "$gpu_cap")
   rm -f "$run_dir/$name.port"
   if [[ "${inst_ranks[$name]}" -gt 1 ]]; then
-    cmd=("$PY" -m torch.distributed.run --standalone --nproc-per-node "${inst_ranks[$name]}" --max-restarts 3
+    # A failed rank group ends torchrun (it restarts nothing: its count would never refill); the supervisor starts
+    # it again, at most 3 times in any 10 minutes (docs/reliability.md, "Restarts").
+    cmd=("$PY" -m stagekit.supervise --max-restarts 3 --restart-window-s 600 --
+         "$PY" -m torch.distributed.run --standalone --nproc-per-node "${inst_ranks[$name]}" --max-restarts 0
          -m "${module[$stage]}" "${args[@]}" "${extra[@]}")
   else
     cmd=("$PY" -m "${module[$stage]}" "${args[@]}" "${extra[@]}")

@@ -47,7 +47,6 @@ import os
 import pickle
 import signal
 import socket
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -58,33 +57,17 @@ import grpc
 from stagekit import errors
 from stagekit.errors import StageError, Unavailable
 from stagekit.host_copy import HostCopies
+from stagekit.procs import die_with_parent
 
 log = logging.getLogger("stagekit.device_worker")
 
 # "1": run the device work in a worker on CPU devices too (tests exercise the CUDA path this way). CUDA always does.
 WORKER_ENV = "H3_DEVICE_WORKER"
-PDEATHSIG = 1  # prctl(PR_SET_PDEATHSIG)
 
 
 def wanted(device: str) -> bool:
     """Whether a stage computing on `device` runs its device work in a worker."""
     return device.startswith("cuda") or os.environ.get(WORKER_ENV) == "1"
-
-
-def die_with_parent(what: str = "this process") -> None:
-    """The kernel SIGKILLs this process when the thread that started it exits (Linux prctl PR_SET_PDEATHSIG), so a
-    `kill -9` of a torchrun agent or a stage process leaves no rank or worker behind (docs/reliability.md, "Orphan
-    ranks"). Exits at once when the parent is already gone."""
-    if not sys.platform.startswith("linux"):
-        return
-    import ctypes
-
-    parent = os.getppid()
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) != 0:
-        log.warning("prctl(PR_SET_PDEATHSIG) failed (errno %d): %s may outlive its parent", ctypes.get_errno(), what)
-    if os.getppid() != parent:  # the parent died before the request took effect
-        os._exit(70)
 
 
 def _context():

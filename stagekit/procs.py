@@ -1,5 +1,5 @@
-"""Processes: whether one is alive; stopping a process group: a polite signal, a grace period, then SIGKILL (stdlib
-only: the thin client uses it).
+"""Processes: whether one is alive; one that dies with its parent; stopping a process group: a polite signal, a grace
+period, then SIGKILL (stdlib only: the thin client uses it).
 
 Stages, torchrun agents and benchmark items are started with `start_new_session=True`, so their process group
 holds everything they started (ranks, workers); signalling the group, not the pid, leaves nothing behind.
@@ -7,9 +7,15 @@ holds everything they started (ranks, workers); signalling the group, not the pi
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import subprocess
+import sys
+
+log = logging.getLogger("stagekit.procs")
+
+PDEATHSIG = 1  # prctl(PR_SET_PDEATHSIG)
 
 
 def pid_alive(pid: int) -> bool:
@@ -20,6 +26,23 @@ def pid_alive(pid: int) -> bool:
     except PermissionError:  # someone else's live process
         return True
     return True
+
+
+def die_with_parent(what: str = "this process", parent: int = 0) -> None:
+    """The kernel SIGKILLs this process when the thread that started it exits (Linux prctl PR_SET_PDEATHSIG), so a
+    `kill -9` of a torchrun agent, a stage process or a supervisor leaves no rank, worker or launcher behind
+    (docs/reliability.md, "Orphan ranks"). Exits at once when the parent (`parent`, when the caller knows its pid;
+    else the parent now) is already gone."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    parent = parent or os.getppid()
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) != 0:
+        log.warning("prctl(PR_SET_PDEATHSIG) failed (errno %d): %s may outlive its parent", ctypes.get_errno(), what)
+    if os.getppid() != parent:  # the parent died before the request took effect
+        os._exit(70)
 
 
 def stop_group(proc: subprocess.Popen, grace_s: float, first: int = signal.SIGTERM,

@@ -18,11 +18,12 @@ from pathlib import Path
 import grpc
 
 from stagekit.budget import BudgetConfig, MemoryBudget, resolve_budget_bytes
-from stagekit.device_worker import DeviceWorkerEngine, WorkerConfig, die_with_parent, wanted
+from stagekit.device_worker import DeviceWorkerEngine, WorkerConfig, wanted
 from stagekit.dist import RankGroup, RankInfo, rank_info_from_env
 from stagekit.hosts import GroupBudget, GroupLease, HostResources, NodeInfo, RemoteHosts, host_key, plan_hosts
 from stagekit.bootstrap import LOG_LEVELS, Listeners, ProcessTempDir, exit_cleanly, listen, setup_logging
 from stagekit.lease import DeviceLease, LeaseConfig, RankHold
+from stagekit.procs import die_with_parent
 from stagekit.runtime import RESIDENCIES, Engine, RuntimeConfig, StageRuntime, follower_loop
 from stagekit.server import ServeConfig, startup_errors
 

@@ -1,6 +1,7 @@
 """scripts/up.sh and scripts/down.sh: start all stages and the render service, wait for health, idempotent, clean
-stop; ranks die with their torchrun agent, a stage started again on another port restarts the render service over
-it, and down.sh stops whatever up.sh started (docs/reliability.md, "Orphan ranks")."""
+stop; a failed rank group is started again by the stage's supervisor, its ranks and torchrun agent die with the
+supervisor, a stage started again on another port restarts the render service over it, and down.sh stops whatever
+up.sh started (docs/reliability.md, "Orphan ranks" and "Restarts")."""
 
 import os
 import signal
@@ -9,7 +10,9 @@ import sys
 import time
 from pathlib import Path
 
+from client.stubs import SERVICE_NAMES, health_of, open_channel
 from tests.procs import alive, rank_pids
+from tests.waits import wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -57,13 +60,28 @@ def test_up_status_down(tmp_path, model_cache):
         elastic = list((run_dir / "tmp" / "dit").glob("torchelastic_*"))
         assert elastic, list((run_dir / "tmp" / "dit").iterdir())
 
-        # kill -9 of the torchrun agent: its ranks die with it (none keeps serving on its own).
+        # A rank group that fails ends its torchrun; the stage's supervisor starts it again.
         ranks = rank_pids(pids["dit"])
         assert set(ranks) == {0, 1}, ranks
+        os.kill(ranks[1], signal.SIGKILL)
+
+        def new_group():
+            """The new ranks, once the new rank 0 serves (on the port it wrote: --dit-port 0 takes a free one)."""
+            now = rank_pids(pids["dit"])
+            if set(now) != {0, 1} or set(now.values()) & set(ranks.values()):
+                return None
+            with open_channel(f"127.0.0.1:{(run_dir / 'dit.port').read_text().strip()}") as ch:
+                return health_of(ch, SERVICE_NAMES["dit"], 2.0) == "SERVING" and now
+
+        ranks = wait_until(new_group, 120, "a new rank group under the supervisor, serving")
+        assert "starting it again (restart 1 of at most 3 in 600 s)" in (run_dir / "dit.log").read_text()
+
+        # kill -9 of the supervisor: the torchrun agent dies with it, and its ranks with the agent (none keeps
+        # serving on its own).
         t0 = time.monotonic()
         os.kill(pids["dit"], signal.SIGKILL)
         while any(alive(p) for p in ranks.values()):
-            assert time.monotonic() - t0 < 30, f"ranks {ranks} outlived their agent"  # (the kernel kills them at once)
+            assert time.monotonic() - t0 < 30, f"ranks {ranks} outlived their launcher"  # (the kernel kills them)
             time.sleep(0.05)
         orphan_s = time.monotonic() - t0
         # up.sh starts the dead stage again (and only it), on a fresh temp dir; its new port restarts the render
@@ -74,12 +92,12 @@ def test_up_status_down(tmp_path, model_cache):
         assert not any(p.exists() for p in elastic), "the dead agent's temp dir was removed before the restart"
         assert set(rank_pids(int((run_dir / "dit.pid").read_text()))) == {0, 1}
         running = started_by(run_dir)
-        assert len(running) == 6, running  # encoder, decoder, the torchrun agent and its 2 ranks, render
+        assert len(running) == 7, running  # encoder, decoder, the supervisor, its torchrun agent and 2 ranks, render
     finally:
         r = run(["bash", "scripts/down.sh", "--run-dir", str(run_dir), "--grace", "20"], env)
     assert r.returncode == 0, r.stderr
     assert not started_by(run_dir), f"down.sh left processes running: {started_by(run_dir)}"
     assert not (run_dir / "endpoints.env").exists()
     assert not [p for p in (run_dir / "tmp").rglob("*")], "down.sh leaves no temp files"
-    print(f"\nup/down: dit ranks died {orphan_s:.2f}s after kill -9 of their agent; down.sh stopped {len(running)} "
-          "processes")
+    print(f"\nup/down: dit ranks died {orphan_s:.2f}s after kill -9 of their supervisor; down.sh stopped "
+          f"{len(running)} processes")
