@@ -115,15 +115,15 @@ def video_object(rec: JobRecord, queue_position: int = 0) -> dict:
         "started_at": int(rec.started) if rec.started else None,
         "completed_at": int(rec.finished) if rec.terminal and rec.finished else None,
         "size": f"{width}x{height}", "seconds": f"{spec.frames / FPS:.2f}", "frames": spec.frames,
-        "steps": spec.steps, "seed": spec.seed, "prompt": spec.prompt, "label": req.label,
+        "steps": spec.steps, "seed": spec.seed, "quality": spec.quality, "prompt": spec.prompt, "label": req.label,
         "stage": rec.stage, "queue_position": queue_position, "attempts": rec.attempts, "error": error,
         "output_bytes": rec.output_bytes, "content_expired": rec.expired,
     }
 
 
 # ---- the request ----------------------------------------------------------------------------------------------------
-CREATE_FIELDS = ("prompt", "model", "size", "seconds", "frames", "steps", "seed", "sampler", "scheduler", "crf",
-                 "upscale", "label", "loras", "first_frame", "last_frame", "references")
+CREATE_FIELDS = ("prompt", "model", "size", "seconds", "frames", "steps", "seed", "sampler", "scheduler", "quality",
+                 "crf", "upscale", "label", "loras", "first_frame", "last_frame", "references")
 
 
 def _int(body: dict, name: str, lo: int = -INT32, hi: int = INT32) -> int | None:
@@ -211,6 +211,7 @@ def render_request(body, idempotency_key: str) -> render_pb2.RenderRequest:
             setattr(req.params, name, v)
     req.params.seed = _int(body, "seed", 0, MAX_SEED) or 0
     req.params.sampler, req.params.scheduler = _str(body, "sampler"), _str(body, "scheduler")
+    req.params.quality = _str(body, "quality")
     if upscale:
         req.upscale_width, req.upscale_height = upscale
     loras = body.get("loras") or []
