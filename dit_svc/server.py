@@ -40,7 +40,8 @@ class DiTConfigArgs(CommonConfig):
     linear_kernel: str = field(default="auto", metadata={"choices": (AUTO, *default_linear_candidates()),
         "help": "GPU block linears: auto (measured start-up probe) | int8 | fp8 | bf16 | fp16 | fp32"})
     attention_kernel: str = field(default="auto", metadata={"choices": (AUTO, *default_attention_candidates()),
-        "help": "GPU attention: auto | cudnn | flash | efficient | math | int8 | fp8 (cuDNN fp8, nvidia-cudnn-frontend)"})
+        "help": "GPU attention: auto | cudnn | flash | efficient | math | int8 | fp8 (cuDNN fp8, nvidia-cudnn-frontend) | "
+                "fa3 | fa3_fp8 (FlashAttention-3 bf16 / fp8 on Hopper, fa3-fwd)"})
     compile_blocks: bool = field(default=False, metadata={"help": "torch.compile each DiT block (GPU; compiles per shape)"})
     compile_cache: bool = field(default=True, metadata={
         "help": "keep torch.compile results under <cache_dir>/compile, so a restart at a known shape skips compiling"})
