@@ -25,10 +25,18 @@ freed before the next variant:
       unchanged); fp8caf-mqk: the same with q/k quantised by the attention's own statistics pass instead of with
       static scales by the q/k norm kernel, fp8caf-mqk-v: that without K smoothing;
       fp8cf: the same GEMMs with bf16 cuDNN attention (their baseline for "rel_err_vs_bf16_attention")
+  (e+f3) fp8caf3 / fp8cf3: (e+f) with FlashAttention-3's fp8 / bf16 attention (the registry's fa3_fp8 / fa3,
+      fa3-fwd on Hopper); auto: the kernels the registry's start-up probe picks on this machine (what a stage started
+      with --attention-kernel auto runs: FA3 where it wins the probe), compiled blocks
   (a)-(e+) run their fp8 GEMMs without fast accumulation (the bench's candidate "fp8-no-fast-accum"); the measured-
   q/k attentions are the bench's candidates too, beside the registry's. Each compiled variant compiles every shape
   afresh, as a stage process whose first job has that shape (a second shape in one process would recompile with
   dynamic sizes).
+--quality fast (or exact,fast) adds, per variant and shape, a sampled run of --fast-steps steps with step caching
+(minimax_h3/dit/step_cache.py, First Block Cache at --fast-threshold, the product's `quality = "fast"`) beside the
+same run without it: the fraction of steps skipped, s/step of each run, a cached step's time against a full one's
+("cached_over_full"), and the final latents' error against the exact run; with diffusers in --variants, diffusers'
+own `apply_first_block_cache` at the same threshold runs the same loop (its block type registered with the hooks).
 One step = one forward (t2va, L = 38 text rows). FLOPs = 2*385,351,680*S*layers + 4*S^2*7168*layers. Peak rates
 (bf16 GEMM, fp8 _scaled_mm, int8 _int_mm, SDPA cuDNN at the real S) are measured in the same run; "floor" = linear
 FLOPs at the best linear rate (fp8) + attention FLOPs at the cuDNN rate. Also per variant: the time its kernels
@@ -69,14 +77,19 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dit_svc.engine import resolve_chunk_rows  # noqa: E402
+from minimax_h3.contract import DEFAULT_STEPS, QUALITIES  # noqa: E402
 from minimax_h3.dit.assembly import assemble_dit, kernel_linears  # noqa: E402
 from minimax_h3.dit.config import DiTConfig  # noqa: E402
+from minimax_h3.dit.keyframes import conditioned_denoise  # noqa: E402
 from minimax_h3.dit.layout import build_layout  # noqa: E402
+from minimax_h3.dit.sampling import SamplerConfig, sample  # noqa: E402
+from minimax_h3.dit.step_cache import FAST_THRESHOLD, FirstBlockCache  # noqa: E402
 from minimax_h3.dit.model import FP32_PARAM_PREFIXES, H3DiT  # noqa: E402
 from minimax_h3.dit.tiny_checkpoint import convrot_groupsize, diffusers_config, iter_random_int8_convrot_weights  # noqa: E402
 from minimax_h3.kernels.fp8_attention import DEFAULT_OPTIONS, OPTIONS, Fp8Attention, Fp8AttentionOptions  # noqa: E402
 from minimax_h3.kernels.int8 import QuantizedWeight, parse_comfy_quant  # noqa: E402
 from minimax_h3.kernels.registry import (  # noqa: E402
+                                         AUTO,
                                          REL_ERR_BOUND,
                                          AttentionCandidate,
                                          KernelConfig,
@@ -122,6 +135,11 @@ VARIANTS = {  # name -> (linear kernel, attention kernel, torch.compile the bloc
     "fp8caf-mqk": ("fp8", "fp8-measured-qk", True, "(e+f) with q/k scales measured by the attention's own pass"),
     # fp8caf-mqk without K smoothing: whether an unsmoothed K slows the SDPA kernel (docs/performance_history.md).
     "fp8caf-mqk-v": ("fp8", "fp8-measured-qk-v", True, "(e+f) with measured q/k scales, K not smoothed"),
+    # FlashAttention-3 (fa3-fwd, Hopper) in place of cuDNN: fp8 on the same quantised q/k/v, and bf16.
+    "fp8caf3": ("fp8", "fa3_fp8", True, "(e+f3) fp8 fast-accumulation GEMMs + FA3 fp8 attention + torch.compile(blocks)"),
+    "fp8cf3": ("fp8", "fa3", True, "(b+f3) fp8 fast-accumulation GEMMs + FA3 bf16 attention + torch.compile(blocks)"),
+    # The engine's own choice on this machine: both kernels from the start-up probe (as --*-kernel auto).
+    "auto": (AUTO, AUTO, True, "the start-up probe's kernels (auto) + torch.compile(blocks)"),
 }
 # The bench's fp8 attentions beside the registry's: q/k quantised by the attention's own statistics pass.
 MEASURED_QK_OPTIONS = {"fp8-measured-qk": OPTIONS["head+kv"],
@@ -142,6 +160,14 @@ def variant_names(s: str) -> list[str]:
     return names
 
 
+def qualities(s: str) -> tuple[str, ...]:
+    """--quality: a comma-separated list of minimax_h3.contract.QUALITIES."""
+    names = tuple(v for v in s.split(",") if v)
+    if not names or any(v not in QUALITIES for v in names):
+        raise argparse.ArgumentTypeError(f"unknown quality {s!r}; choose from {', '.join(QUALITIES)}")
+    return names
+
+
 def parse_shape(s: str) -> tuple[int, int, int]:
     w, h, f = (int(v) for v in s.lower().split("x"))
     return w, h, f
@@ -154,7 +180,7 @@ TINY_PROBE = KernelConfig(linear_shapes=((64, 256, 128),), attention_shape=(1, 2
                           compute_dtype=torch.float32)
 # Variants whose velocity differs from another only by the attention kernel: the full-forward error of fp8 attention.
 ATTENTION_BASELINE = {"fp8a": "fp8", "fp8ca": "fp8c", "fp8caf": "fp8cf", "fp8caf-mqk": "fp8cf",
-                      "fp8caf-mqk-v": "fp8cf"}
+                      "fp8caf-mqk-v": "fp8cf", "fp8caf3": "fp8cf", "fp8cf3": "fp8cf"}
 
 
 def on_gpu() -> bool:
@@ -179,12 +205,12 @@ def allocated_gib() -> float:
     return torch.cuda.memory_allocated() / GIB if on_gpu() else 0.0
 
 
-def fp8_attention_on(options: Fp8AttentionOptions, device: torch.device) -> Fp8Attention:
+def fp8_attention_on(options: Fp8AttentionOptions, device: torch.device, kernel: str = "cudnn") -> Fp8Attention:
     """fp8 attention with `options` as the registry makes its candidate on a GPU; on the CPU (--tiny) its
     emulation, on every sequence (the tiny ones are shorter than min_seq)."""
     if device.type == "cuda":
-        return Fp8Attention(options, compile_quant=True)
-    return Fp8Attention(Fp8AttentionOptions(**{**options.__dict__, "min_seq": 0}), emulate=True)
+        return Fp8Attention(options, compile_quant=True, kernel=kernel)
+    return Fp8Attention(Fp8AttentionOptions(**{**options.__dict__, "min_seq": 0}), emulate=True, kernel=kernel)
 
 
 def variant_candidates(device: torch.device) -> tuple[dict[str, LinearCandidate], dict[str, AttentionCandidate]]:
@@ -210,6 +236,8 @@ def variant_candidates(device: torch.device) -> tuple[dict[str, LinearCandidate]
     cpu_att = {name: AttentionCandidate(name, math.make_fn, math.rel_err_bound, usable) for name in att}
     cpu_att["fp8"] = AttentionCandidate("fp8", lambda: fp8_attention_on(DEFAULT_OPTIONS, device),
                                         fp8_attention.rel_err_bound, usable)
+    cpu_att["fa3_fp8"] = AttentionCandidate("fa3_fp8", lambda: fp8_attention_on(DEFAULT_OPTIONS, device, "fa3"),
+                                            fp8_attention.rel_err_bound, usable)
     for name, cand in extra_att.items():
         cpu_att[name] = AttentionCandidate(name, cand.make_fn, cand.rel_err_bound, usable)
     return cpu_lin, cpu_att
@@ -217,8 +245,11 @@ def variant_candidates(device: torch.device) -> tuple[dict[str, LinearCandidate]
 
 def select_variant(linear_kernel: str, attention_kernel: str, device: torch.device) -> KernelSelection:
     """The registry's selection with both kernels forced, as a DiT stage started with --linear-kernel /
-    --attention-kernel makes it (availability and the parity probe checked; --tiny: small probe shapes)."""
+    --attention-kernel makes it (availability and the parity probe checked; --tiny: small probe shapes); both auto:
+    the start-up probe over the registry's own candidates, as a stage started with auto runs it."""
     base = KernelConfig() if device.type == "cuda" else replace(TINY_PROBE, compute_dtype=torch.bfloat16)
+    if (linear_kernel, attention_kernel) == (AUTO, AUTO):  # the engine's own probe, over the registry's candidates
+        return select_kernels(device, base)
     lin, att = variant_candidates(device)
     return select_kernels(device, replace(base, linear_kernel=linear_kernel, attention_kernel=attention_kernel),
                           lin, att)
@@ -444,6 +475,8 @@ def run_table(args) -> int:
                     "torch": torch.__version__,
                     "cudnn": torch.backends.cudnn.version(), "layers": cfg.num_layers, "text_len": TEXT_LEN,
                     "iters": args.iters, "warmup": args.warmup, "chunk_rows": args.chunk_rows, "shapes": {},
+                    "quality": list(args.quality), "fast_steps": args.fast_steps,
+                    "fast_threshold": args.fast_threshold,
                     "variants": {}, "failures": []}
 
     def save():
@@ -543,6 +576,11 @@ def run_diffusers(args, cfg, shapes, dev, result, outputs, save) -> None:
             result["failures"].append(f"diffusers {key}: non-finite velocity")
         log(f"diffusers {key}: {ms / 1e3:.3f} s/step, peak {peak:.1f} GiB")
         save()
+        if "fast" in args.quality:
+            fr = vres["shapes"][key]["fast"] = run_diffusers_fast(args, dm, helper, lay, text, ms, cfg)
+            log(f"diffusers {key} fast: {fr['cached_steps']}/{fr['steps']} steps cached, {fr['s_per_step']:.3f} "
+                f"s/step")
+            save()
 
 
 def run_variant(args, cfg, shapes, dev, name, weights, result, outputs, save) -> None:
@@ -586,10 +624,106 @@ def run_variant(args, cfg, shapes, dev, name, weights, result, outputs, save) ->
                 log(f"    {kernel_ms:9.2f} ms {calls:5d}x  {kernel[:120]}")
         if not finite:
             result["failures"].append(f"{name} {key}: non-finite velocity")
+        if "fast" in args.quality:
+            fr = row["fast"] = run_fast(args, cfg, model, lay, text)
+            log(f"{name} {key} fast: {fr['cached_steps']}/{fr['steps']} steps cached, {fr['s_per_step']:.3f} s/step "
+                f"(exact {fr['exact_s_per_step']:.3f}), a cached step {fr.get('cached_over_full')} of a full one")
         _compare(result, outputs, name, key, args, record=False)
         log(f"{name} {key}: {ms / 1e3:.3f} s/step, kernels {kern['total'] * cfg.num_layers / 1e3:.3f} s, "
             f"peak {peak:.1f} GiB, finite {finite}, warm-up {warm_s:.1f} s")
         save()
+
+
+def sampled_steps(denoise, cfg: DiTConfig, lay, steps: int, seed: int) -> tuple[list[float], tuple]:
+    """A sampling run of `steps` steps from seeded noise through `denoise` (the sampler's closure): each step's
+    seconds (the device synchronised at every step boundary) and the final (video, audio) latents on the CPU."""
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    video = torch.randn(lay.num_video_rows, cfg.video_patch_dim, generator=g, device=DEV)
+    audio = torch.randn(lay.num_audio_rows, cfg.audio_in_channels, generator=g, device=DEV)
+    times = []
+    sync()
+    last = [time.perf_counter()]
+
+    def on_step(_i, _n):
+        sync()
+        now = time.perf_counter()
+        times.append(now - last[0])
+        last[0] = now
+
+    with torch.inference_mode():
+        v, a = sample(denoise, video, audio, SamplerConfig(steps=steps), on_step=on_step)
+    return times, (v.float().cpu(), a.float().cpu())
+
+
+def _median(xs: list[float]) -> float | None:
+    return sorted(xs)[len(xs) // 2] if xs else None
+
+
+def fast_row(times_exact: list[float], times_fast: list[float], cache: FirstBlockCache | None, skipped: list[bool],
+             exact_out: tuple | None, fast_out: tuple) -> dict:
+    """What `quality = "fast"` does to a sampled run: skipped fraction, s/step of both runs (the first step, which
+    the exact and the fast run both compute in full, left out of neither), a cached step's median seconds against a
+    full step's (the exact run's median), and the fast latents' error against the exact ones."""
+    cached = [t for t, sk in zip(times_fast, skipped) if sk]
+    full_exact = _median(times_exact) if times_exact else None
+    row = {"steps": len(times_fast), "cached_steps": sum(skipped), "skipped_fraction": sum(skipped) / len(skipped),
+           "skipped": skipped, "s_per_step": sum(times_fast) / len(times_fast),
+           "exact_s_per_step": sum(times_exact) / len(times_exact) if times_exact else None,
+           "cached_step_s": _median(cached), "full_step_s_fast_run": _median([t for t, sk in
+                                                                               zip(times_fast, skipped) if not sk]),
+           "exact_step_s": full_exact}
+    if cache is not None:
+        row["distances"] = cache.distances
+        row["threshold"] = cache.threshold
+    if row["cached_step_s"] is not None and full_exact:
+        row["cached_over_full"] = row["cached_step_s"] / full_exact
+    if row["exact_s_per_step"]:
+        row["speedup_vs_exact"] = row["exact_s_per_step"] / row["s_per_step"]
+    if exact_out is not None:
+        row["rel_err_vs_exact"] = rel_err(fast_out[0], exact_out[0])
+        row["rel_err_audio_vs_exact"] = rel_err(fast_out[1], exact_out[1])
+    return row
+
+
+def run_fast(args, cfg, model, lay, text) -> dict:
+    """quality fast vs exact on our model: the same sampled run without and with the step cache."""
+    times_exact, exact = sampled_steps(conditioned_denoise(model, text, lay, None), cfg, lay, args.fast_steps,
+                                       args.seed)
+    cache = FirstBlockCache(args.fast_threshold)
+    times_fast, fast = sampled_steps(conditioned_denoise(model, text, lay, None, step_cache=cache), cfg, lay,
+                                     args.fast_steps, args.seed)
+    return fast_row(times_exact, times_fast, cache, cache.skipped, exact, fast)
+
+
+def run_diffusers_fast(args, dm, helper, lay, text, exact_ms: float, cfg: DiTConfig) -> dict:
+    """diffusers' own First Block Cache (`apply_first_block_cache`, same threshold) on its H3 transformer, whose
+    block type the hooks' registry does not list: registered here as returning its one residual stream."""
+    from diffusers.hooks import FirstBlockCacheConfig
+    from diffusers.hooks._helpers import TransformerBlockMetadata, TransformerBlockRegistry
+    from diffusers.models.transformers.transformer_minimax_h3 import MiniMaxH3TransformerBlock
+
+    TransformerBlockRegistry.register(MiniMaxH3TransformerBlock, TransformerBlockMetadata(
+        return_hidden_states_index=0, return_encoder_hidden_states_index=None))
+    dm.enable_cache(FirstBlockCacheConfig(threshold=args.fast_threshold))  # diffusers' apply_first_block_cache
+    head = dm.transformer_blocks[0]._diffusers_hook.get_hook("fbc_leader_block_hook")
+    skipped = []
+
+    def denoise(xv, xa, tv, ta):
+        ts, ti = helper.timestep_table(tv, ta, lay)
+        with dm.cache_context("cond"):
+            v, a = dm(xv[None], xa[None], text[None], ts, ti, lay.tag, lay.position_ids, lay.video_idx,
+                      lay.audio_idx, lay.text_idx, return_dict=False)
+            skipped.append(not head.state_manager.get_state().should_compute)
+        return v[0].float(), a[0].float()
+
+    try:
+        times, out = sampled_steps(denoise, cfg, lay, args.fast_steps, args.seed)
+    finally:
+        dm.disable_cache()
+    row = fast_row([exact_ms / 1e3], times, None, skipped, None, out)
+    row["exact_s_per_step"] = exact_ms / 1e3  # its timed forward
+    row["speedup_vs_exact"] = row["exact_s_per_step"] / row["s_per_step"]
+    return row
 
 
 def _compare(result, outputs, name, key, args, record: bool) -> None:
@@ -640,6 +774,16 @@ def print_table(result) -> None:
                   f"{r['peak_gib']:.1f} | {f(r.get('rel_err_vs_diffusers'), '.2e')} | "
                   f"{f(r.get('rel_err_vs_bf16'), '.2e')} | {f(r.get('rel_err_vs_bf16_attention'), '.2e')} | "
                   f"{f(r.get('speedup_vs_diffusers'), '.2f')} |")
+    fast = [(vres["label"], key, r["fast"]) for vres in result["variants"].values()
+            for key, r in vres["shapes"].items() if "fast" in r]
+    if fast:
+        print("\n| quality fast | shape | steps cached | s/step fast | s/step exact | cached step / full | "
+              "err vs exact |")
+        print("|---|---|---|---|---|---|---|")
+        for label, key, fr in fast:
+            print(f"| {label} | {key} | {fr['cached_steps']}/{fr['steps']} | {fr['s_per_step']:.3f} | "
+                  f"{f(fr.get('exact_s_per_step'), '.3f')} | {f(fr.get('cached_over_full'), '.3f')} | "
+                  f"{f(fr.get('rel_err_vs_exact'), '.2e')} |")
     r = result["rates"]
     print(f"\nrates: bf16 GEMM {r['bf16_tflops']:.0f} TFLOP/s, fp8 row-wise {r['fp8_rowwise_tflops']:.0f}, "
           f"int8 _int_mm {r['int8_int_mm_tops']:.0f} TOPS")
@@ -800,6 +944,13 @@ def main() -> int:
     ap.add_argument("--cap-gib", type=float, default=MEMORY_CAP_GIB)
     ap.add_argument("--profile", action="store_true",
                     help="table mode: one more forward per variant and shape under torch.profiler (kernel breakdown)")
+    ap.add_argument("--quality", type=qualities, default="exact",
+                    help="exact: the forward timings; fast (or exact,fast): also a sampled run with step caching "
+                         "beside one without, per variant and shape")
+    ap.add_argument("--fast-steps", type=int, default=DEFAULT_STEPS,
+                    help=f"steps of the --quality fast sampled runs (default: the product's {DEFAULT_STEPS})")
+    ap.add_argument("--fast-threshold", type=float, default=FAST_THRESHOLD,
+                    help=f"First Block Cache threshold of --quality fast (default: the product's {FAST_THRESHOLD})")
     ap.add_argument("--json", default="", help="write results here")
     ap.add_argument("--tiny", action="store_true", help="CPU dry run of table mode (tiny model, emulated fp8)")
     args = ap.parse_args()

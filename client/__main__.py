@@ -39,7 +39,8 @@ from client.stubs import (SERVICE_NAMES, STAGES, Endpoints, Security, StageClien
 from h3.v1 import render_pb2
 from minimax_h3.contract import (DEFAULT_CRF, DEFAULT_FRAMES, DEFAULT_SIZE, DEFAULT_STEPS, MAX_AREA, MAX_ASPECT,
                                  MAX_ASPECT_CHANGE, MAX_CRF, MAX_FRAMES, MAX_OUTPUT_SIDE, MAX_SIDE, MAX_STEPS,
-                                 MIN_FRAMES, MIN_SIDE, MIN_STEPS, SAMPLERS, SCHEDULERS, SIZE_MULTIPLE, RenderSpec,
+                                 MIN_FRAMES, MIN_SIDE, MIN_STEPS, QUALITIES, SAMPLERS, SCHEDULERS, SIZE_MULTIPLE,
+                                 RenderSpec,
                                  check_output, validate)
 from minimax_h3.files import EMBEDDED_NOTE
 from stagekit.errors import FailedPrecondition, InvalidArgument
@@ -52,7 +53,7 @@ MAX_REQUEST_BYTES = MAX_MESSAGE_BYTES - (64 << 10)
 def _spec(args, prompt: str) -> RenderSpec:
     return RenderSpec(prompt=prompt, width=args.width, height=args.height, frames=args.frames, steps=args.steps,
                       seed=args.seed, sampler=args.sampler, scheduler=args.scheduler,
-                      video_shift=args.video_shift, audio_shift=args.audio_shift)
+                      video_shift=args.video_shift, audio_shift=args.audio_shift, quality=args.quality)
 
 
 def parse_lora_arg(text: str) -> tuple[str, float]:
@@ -279,8 +280,9 @@ def cmd_jobs(args) -> int:
                 info = rc.get(args.job_id)
                 _print_job(info)
                 for s in info.stages:
+                    cached = f", {s.cached_steps} of {info.params.steps} steps cached" if s.stage == "dit" else ""
                     print(f"  {s.stage:<9} {s.wall_s:8.2f} s  batch {s.batch} ({s.batch_size} jobs, waited "
-                          f"{s.waited_batches})")
+                          f"{s.waited_batches}){cached}")
                 return 0
             if args.action == "cancel":
                 info = rc.cancel(args.job_id)
@@ -398,6 +400,10 @@ def _add_render_parser(sub) -> None:
                        help="0..2^63-1; the same seed renders the same video (default: 0)")
     shape.add_argument("--sampler", default="res_multistep", choices=SAMPLERS, help="(default: res_multistep)")
     shape.add_argument("--scheduler", default="simple", choices=SCHEDULERS, help="(default: simple)")
+    shape.add_argument("--quality", default="exact", choices=QUALITIES,
+                       help="exact: every DiT step computed; fast: step caching, steps whose first block changed "
+                            "little reuse the last full step's other blocks (faster, not the same video) "
+                            "(default: exact)")
     shape.add_argument("--video-shift", type=float, default=0.0,
                        help="0 or 0.1..100; 0 = the model's default, 12 (default: 0)")
     shape.add_argument("--audio-shift", type=float, default=0.0,

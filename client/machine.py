@@ -24,6 +24,7 @@ TORCH_INDEX = "https://download.pytorch.org/whl/"
 # (build tag, least driver major version, least compute capability), newest first
 CUDA_BUILDS = (("cu130", 580, 7.5), ("cu128", 570, 7.5), ("cu126", 525, 5.0))
 FP8_ATTENTION_CC = 9.0  # cuDNN fp8 attention (nvidia-cudnn-frontend): Hopper and later
+FA3_CC = 9.0  # FlashAttention-3 (fa3-fwd): its kernels are built for Hopper alone
 GIB = 1 << 30
 
 SETUP_NAMES = {"one-22gb": "one 22 GB card", "two-22gb": "two 22 GB cards", "big": "one big GPU",
@@ -82,6 +83,7 @@ class TorchChoice:
     index_url: str        # the wheel index torch comes from
     cudnn_frontend: bool  # install nvidia-cudnn-frontend
     why: str
+    fa3: bool = False     # install fa3-fwd (FlashAttention-3's forward kernels, built for Hopper)
 
 
 def choose_torch(gpus: list[GPU], none_why: str, force: str = "") -> TorchChoice:
@@ -93,7 +95,9 @@ def choose_torch(gpus: list[GPU], none_why: str, force: str = "") -> TorchChoice
        fp8 attention graph against it on CPU;
     2. the newest CUDA build the driver runs and every GPU's compute capability is built for;
     3. a driver too old for any build: the CPU build, and the driver to install (--cuda refuses instead);
-    4. nvidia-cudnn-frontend where fp8 attention can run (compute capability 9.0+)."""
+    4. nvidia-cudnn-frontend where fp8 attention can run (compute capability 9.0+);
+    5. fa3-fwd (FlashAttention-3, minimax_h3/kernels/fa3_attention.py) where every GPU is a Hopper (sm_90), the
+       only architecture its kernels are built for."""
     cpu_spec = f"torch=={TORCH_VERSION}+cpu"
 
     def cpu(why: str) -> TorchChoice:
@@ -111,10 +115,13 @@ def choose_torch(gpus: list[GPU], none_why: str, force: str = "") -> TorchChoice
     for tag, least_driver, least_cc in CUDA_BUILDS:
         if driver >= least_driver and cc >= least_cc:
             fp8 = cc >= FP8_ATTENTION_CC
+            fa3 = all(g.compute_cap == FA3_CC for g in gpus)
             return TorchChoice(tag, f"torch=={TORCH_VERSION}", TORCH_INDEX + tag, fp8,
                                f"driver {gpus[0].driver} runs CUDA builds up to {tag}; GPUs: {names}"
                                + ("" if fp8 else "; fp8 attention needs compute capability 9.0+, so no cuDNN "
-                                                 "frontend"))
+                                                 "frontend")
+                               + ("" if fa3 else "; FlashAttention-3 runs on Hopper (9.0) only, so no fa3-fwd"),
+                               fa3)
     why = (f"driver {gpus[0].driver} is older than any CUDA build of torch {TORCH_VERSION} supports "
            f"(525 at least, 570+ recommended): update the NVIDIA driver")
     if force == "cuda":
@@ -193,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     c = choose_torch(gpus, none_why, args.force or "")
     print(f"build={c.build}\nspec={c.spec}\nindex_url={c.index_url}\ncudnn_frontend={int(c.cudnn_frontend)}\n"
-          f"why={c.why}")
+          f"fa3={int(c.fa3)}\nwhy={c.why}")
     return 1 if c.build == "error" else 0
 
 

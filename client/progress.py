@@ -73,7 +73,10 @@ def _extra(s) -> dict:
     extra = getattr(s, "extra", None)
     if extra is not None:
         return extra
-    return {"batch": s.batch, "batch_size": s.batch_size, "waited_batches": s.waited_batches}
+    notes = {"batch": s.batch, "batch_size": s.batch_size, "waited_batches": s.waited_batches}
+    if s.stage == "dit":
+        notes["cached_steps"] = s.cached_steps
+    return notes
 
 
 def print_summary(output, stages) -> None:

@@ -31,6 +31,7 @@ from minimax_h3.dit.model import H3DiT
 from minimax_h3.dit.references import REFERENCES_INPUT, References, parse_references
 from minimax_h3.dit.sampling import SamplerConfig, draw_noise, sample
 from minimax_h3.dit.sp import ParallelGroups, make_groups, validate_parallel
+from minimax_h3.dit.step_cache import FAST_THRESHOLD, FirstBlockCache
 from minimax_h3.dit.streaming import BlockStream, Placement, plan_placement
 from minimax_h3.dit.tiny_checkpoint import write_tiny_checkpoint
 from minimax_h3.dit.tp import param_style
@@ -61,6 +62,8 @@ def embedded_config() -> DiTConfig:
     """The embedded default: tiny dims, one block and two heads so an 832x480x124 render stays quick on a
     2-core CPU (attention over ~15k rows dominates). Tests use DiTConfig.tiny() for the multi-block paths."""
     return DiTConfig.tiny(num_layers=1, num_heads=2)
+# The DiT result's count of steps whose blocks after the first were skipped (SampleDone.cached_steps).
+CACHED_STEPS = "cached_steps"
 # Text length assumed by estimates made before the text states are known (the encoder's usual prompt budget).
 DEFAULT_TEXT_LEN = 512
 # Threads that read this rank's tensors and copy them to the GPU concurrently (docs/memory.md: swap-in speed).
@@ -107,6 +110,7 @@ class DiTEngineConfig:
     memory_cap_bytes: int = 0    # the card size all processes on the GPU are held to (--gpu-memory-cap-gb; 0 = the card)
     kernels: KernelSelection | None = None  # GPU kernels already chosen (the stage's start-up probe, handed to its
                                             # device worker); None = probe
+    fast_threshold: float = FAST_THRESHOLD  # quality "fast": First Block Cache's skip threshold (step_cache.py)
 
 
 def target_rows(m: DiTConfig, spec: RenderSpec) -> int:
@@ -117,7 +121,7 @@ def target_rows(m: DiTConfig, spec: RenderSpec) -> int:
 
 
 def activation_bytes(m: DiTConfig, rows: int, compute_dtype: torch.dtype, chunk_rows: int, tp: int = 1, sp: int = 1,
-                     cuda: bool = True) -> int:
+                     cuda: bool = True, step_cache: bool = False) -> int:
     """Peak activation bytes of a job of `rows` packed rows on one rank of `tp` x `sp` (docs/memory.md).
 
     Whole-sequence tensors, per packed row: the fp32 residual stream (hidden x 4 B); q, k, v and the attention
@@ -128,12 +132,14 @@ def activation_bytes(m: DiTConfig, rows: int, compute_dtype: torch.dtype, chunk_
     slack, plus the cuBLAS / cuDNN workspaces on CUDA. An estimate to budget with (measured peaks:
     docs/memory.md), not a promise. Sequence parallel (minimax_h3/dit/sp.py): the whole-sequence tensors shrink to this
     rank's rows, plus the all-to-all buffers held while attention runs (~5 x local inner per row); the sampler
-    state stays whole.
+    state stays whole. `step_cache` (quality "fast", minimax_h3/dit/step_cache.py): three more fp32 copies of the
+    residual stream (the cached block-0 and tail residuals, and the current step's block-0 residual).
     """
     e = torch.empty((), dtype=compute_dtype).element_size()
     inner = m.num_heads * m.head_dim // tp
     local = -(-rows // sp)
-    per_local_row = m.hidden * 4 + (4 + (5 if sp > 1 else 0)) * inner * e + 2 * m.rope_dim * 4
+    residual = m.hidden * 4 * (4 if step_cache else 1)
+    per_local_row = residual + (4 + (5 if sp > 1 else 0)) * inner * e + 2 * m.rope_dim * 4
     per_row = 8 * max(m.video_patch_dim, m.audio_in_channels) * 4
     qkv_step = 3 * inner * e + 6 * inner * 4 + 2 * m.hidden * 4 + m.hidden * e
     mlp_step = 3 * (m.ffn // tp) * e + 3 * m.hidden * 4 + m.hidden * e
@@ -207,6 +213,8 @@ class DiTEngine:
         self.model_cfg: DiTConfig = self.partitions[self.partition].config
         m = self.model_cfg  # the latents this DiT takes and makes (minimax_h3.contract's tensor table)
         self.geometry = LatentGeometry(m.in_channels, VAE_SPATIAL, m.audio_in_channels)
+        if not cfg.fast_threshold >= 0:
+            raise FailedPrecondition(f"--fast-threshold must be >= 0 (default {FAST_THRESHOLD}), got {cfg.fast_threshold}")
         if group.world_size % cfg.sp_degree:
             raise FailedPrecondition(f"--sp-degree {cfg.sp_degree} does not divide the {group.world_size} DiT ranks")
         validate_parallel(self.model_cfg, group.world_size // cfg.sp_degree, cfg.sp_degree)
@@ -441,7 +449,7 @@ class DiTEngine:
         """Peak activation bytes of one job on one rank: `activation_bytes` of its packed rows."""
         return activation_bytes(self.model_cfg, text_len + self.target_rows(spec), self.cfg.compute_dtype,
                                 self.chunk_rows, self.parallel.tp_size, self.parallel.sp_size,
-                                self.cfg.device.startswith("cuda"))
+                                self.cfg.device.startswith("cuda"), spec.quality == "fast")
 
     def block_bytes(self) -> int:
         """One transformer block's weight bytes on this rank (the largest), from the checkpoint header."""
@@ -578,8 +586,11 @@ class DiTEngine:
         a_rows = a_rows.to(dev)  # drawn in row layout, as diffusers draws it
         cond = condition_rows(conditions, c_noise, mcfg.patch)  # fixed for the whole run; never sampled
         step_t = [time.monotonic()]
+        par = self.parallel
+        cache = (FirstBlockCache(self.cfg.fast_threshold, par.tp_group, par.sp_group) if spec.quality == "fast"
+                 else None)  # one per job: nothing a job caches reaches another
         denoise = conditioned_denoise(self.model, text, layout, None if cond is None else cond.to(dev),
-                                      None if ref_audio is None else ref_audio.to(dev))
+                                      None if ref_audio is None else ref_audio.to(dev), cache)
 
         def on_step(i, n):
             now = time.monotonic()
@@ -594,7 +605,11 @@ class DiTEngine:
         # agree bit for bit, and a render repeated with the same seed must log the same hashes.
         log.info("final latents rank=%d %dx%dx%d seed=%d video_sha256=%s audio_sha256=%s", self.group.info.rank,
                  spec.width, spec.height, spec.frames, spec.seed, _sha256(video), _sha256(audio))
-        return {VIDEO_LATENTS: video, AUDIO_LATENTS: audio}
+        cached = 0 if cache is None else cache.cached_steps
+        if cache is not None:
+            log.info("rank %d quality fast: %d of %d steps cached (threshold %g; distances %s)", self.group.info.rank,
+                     cached, sampler_cfg.steps, cache.threshold, ", ".join(f"{d:.3g}" for d in cache.distances))
+        return {VIDEO_LATENTS: video, AUDIO_LATENTS: audio, CACHED_STEPS: cached}
 
     def device_room(self) -> int | None:
         """Bytes this rank may hold on its device now (None = no limit): on a GPU, the card (or the cap it is held

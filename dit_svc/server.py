@@ -8,11 +8,12 @@ import time
 import typing
 from dataclasses import dataclass, field
 
-from dit_svc.engine import DiTEngine, DiTEngineConfig
+from dit_svc.engine import CACHED_STEPS, DiTEngine, DiTEngineConfig
 from h3.v1 import dit_pb2, dit_pb2_grpc, common_pb2
 from minimax_h3.contract import (KEYFRAME_TENSORS, PARTITIONS, SAMPLE_INPUTS, SAMPLE_OUTPUTS, TENSORS, TEXT_STATES,
                                  spec_from_proto, tensor_shapes, validate)
 from minimax_h3.dit.checkpoint import QKVLayout
+from minimax_h3.dit.step_cache import FAST_THRESHOLD
 from minimax_h3.kernels.int8 import Int8Mode
 from minimax_h3.kernels.registry import AUTO, default_attention_candidates, default_linear_candidates
 from stagekit.budget import GIB, resolve_budget_bytes
@@ -39,7 +40,8 @@ class DiTConfigArgs(CommonConfig):
     linear_kernel: str = field(default="auto", metadata={"choices": (AUTO, *default_linear_candidates()),
         "help": "GPU block linears: auto (measured start-up probe) | int8 | fp8 | bf16 | fp16 | fp32"})
     attention_kernel: str = field(default="auto", metadata={"choices": (AUTO, *default_attention_candidates()),
-        "help": "GPU attention: auto | cudnn | flash | efficient | math | int8 | fp8 (cuDNN fp8, nvidia-cudnn-frontend)"})
+        "help": "GPU attention: auto | cudnn | flash | efficient | math | int8 | fp8 (cuDNN fp8, nvidia-cudnn-frontend) | "
+                "fa3 | fa3_fp8 (FlashAttention-3 bf16 / fp8 on Hopper, fa3-fwd)"})
     compile_blocks: bool = field(default=False, metadata={"help": "torch.compile each DiT block (GPU; compiles per shape)"})
     compile_cache: bool = field(default=True, metadata={
         "help": "keep torch.compile results under <cache_dir>/compile, so a restart at a known shape skips compiling"})
@@ -49,6 +51,9 @@ class DiTConfigArgs(CommonConfig):
         "help": "row chunk of all but attention itself (memory vs speed); 0 = auto, tuned per GPU architecture "
                 "(minimax_h3/kernels/tuning.json; on an H200: 4096 for eager blocks, with --compile-blocks 65536 on "
                 "one TP rank and 16384 on several)"})
+    fast_threshold: float = field(default=FAST_THRESHOLD, metadata={
+        "help": "requests with quality fast: the First Block Cache threshold (relative L1 change of the first block's "
+                "residual below which a step reuses the other blocks' last residual; docs/kernels.md, 'Step caching')"})
     loras_dir: str = field(default="", metadata={"help": "LoRAs requested by file name (default <models_dir>/loras)"})
     allow_lora_paths: bool = field(default=False, metadata={"help": "also accept absolute LoRA paths in requests"})
     qkv_layout: str = field(default="", metadata={"choices": ("", *typing.get_args(QKVLayout)),
@@ -123,7 +128,7 @@ class DiTServicer(LifecycleMixin, dit_pb2_grpc.DiTSamplerServicer):
                 job.timing["transfer_s"] = recv_s + time.monotonic() - t0
                 yield dit_pb2.SampleEvent(done=dit_pb2.SampleDone(
                     timing=timing_pb(job.timing), ms_per_step=steps["ms"] / max(1, steps["n"]),
-                    world_size=self.runtime.group.world_size))
+                    world_size=self.runtime.group.world_size, cached_steps=ev.payload.get(CACHED_STEPS, 0)))
 
         yield from stream_job(self.runtime, job, context, observed(self.runtime, job, on_event))
 
@@ -137,6 +142,7 @@ def make_engine(cfg: DiTConfigArgs, info, group) -> DiTEngine:
                                      compile_cache_dir=cfg.resolved_cache_dir() / "compile" if cfg.compile_cache else None,
                                      chunk_rows=cfg.chunk_rows, allow_lora_paths=cfg.allow_lora_paths,
                                      qkv_layout=cfg.qkv_layout, partition=cfg.partition,
+                                     fast_threshold=cfg.fast_threshold,
                                      memory_limit_bytes=resolve_budget_bytes([device], cfg.memory_budget_gb,
                                                                              cfg.reserve_gb, cfg.gpu_memory_cap_gb),
                                      memory_cap_bytes=int(cfg.gpu_memory_cap_gb * GIB),

@@ -53,6 +53,9 @@ MAX_SEED = 2**63 - 1
 MAX_PROMPT_BYTES = 64 << 10  # far above any prompt that fits the encoder's --max-prompt-tokens; refuses abuse early
 SAMPLERS = ("res_multistep", "euler")
 SCHEDULERS = ("simple", "diffusers")
+# "exact": every DiT block at every step (the same bits as ever); "fast": step caching (First Block Cache,
+# minimax_h3/dit/step_cache.py) skips most blocks on steps whose first block changed little since the last full one.
+QUALITIES = ("exact", "fast")
 DEFAULT_STEPS = 8          # model calls in the stock ComfyUI template (res_multistep + simple)
 DEFAULT_SIZE = (832, 480)
 DEFAULT_FRAMES = 124
@@ -129,6 +132,7 @@ class RenderSpec:
     scheduler: str = "simple"
     video_shift: float = 0.0  # 0 = the model's default
     audio_shift: float = 0.0
+    quality: str = "exact"  # QUALITIES
 
     @property
     def latent_frames(self) -> int:
@@ -187,6 +191,9 @@ def validate(spec: RenderSpec, need_prompt: bool = False) -> RenderSpec:
         raise InvalidArgument(f"unknown sampler {spec.sampler!r}; choose one of {', '.join(SAMPLERS)}")
     if spec.scheduler not in SCHEDULERS:
         raise InvalidArgument(f"unknown scheduler {spec.scheduler!r}; choose one of {', '.join(SCHEDULERS)}")
+    if spec.quality not in QUALITIES:
+        raise InvalidArgument(f"unknown quality {spec.quality!r}; choose exact (every step computed, the default) or "
+                              "fast (steps that change little reuse the last full step's work)")
     for name, v in (("video_shift", spec.video_shift), ("audio_shift", spec.audio_shift)):
         if not (v == 0 or 0.1 <= v <= 100):
             raise InvalidArgument(f"{name}={v} is not valid: use 0 (model default) or 0.1..100")
@@ -235,6 +242,7 @@ def spec_from_proto(p) -> RenderSpec:
         scheduler=p.scheduler or "simple",
         video_shift=p.video_shift,
         audio_shift=p.audio_shift,
+        quality=p.quality or "exact",
     )
 
 
@@ -244,6 +252,7 @@ def spec_to_proto(spec: RenderSpec, msg) -> None:
     msg.width, msg.height, msg.frames, msg.steps, msg.seed = spec.width, spec.height, spec.frames, spec.steps, spec.seed
     msg.sampler, msg.scheduler = spec.sampler, spec.scheduler
     msg.video_shift, msg.audio_shift = spec.video_shift, spec.audio_shift
+    msg.quality = spec.quality
 
 
 # ---- 3. inter-stage tensors ----------------------------------------------------------------------------------------

@@ -133,16 +133,16 @@ def video_object(rec: JobRecord, queue_position: int = 0, keep_age_s: float = 0.
         "completed_at": int(rec.finished) if ended else None,
         "expires_at": int(rec.finished + keep_age_s) if ended and keep_age_s else None,
         "size": f"{width}x{height}", "seconds": rec.seconds or rendered, "rendered_seconds": rendered,
-        "frames": spec.frames, "steps": spec.steps, "seed": spec.seed, "prompt": spec.prompt, "label": req.label,
-        "remixed_from_video_id": rec.remixed_from or None,
+        "frames": spec.frames, "steps": spec.steps, "seed": spec.seed, "quality": spec.quality, "prompt": spec.prompt,
+        "label": req.label, "remixed_from_video_id": rec.remixed_from or None,
         "stage": rec.stage, "queue_position": queue_position, "attempts": rec.attempts, "error": error,
         "output_bytes": rec.output_bytes, "content_expired": rec.expired,
     }
 
 
 # ---- the request ----------------------------------------------------------------------------------------------------
-CREATE_FIELDS = ("prompt", "model", "size", "seconds", "frames", "steps", "seed", "sampler", "scheduler", "crf",
-                 "upscale", "label", "loras", "first_frame", "last_frame", "references")
+CREATE_FIELDS = ("prompt", "model", "size", "seconds", "frames", "steps", "seed", "sampler", "scheduler", "quality",
+                 "crf", "upscale", "label", "loras", "first_frame", "last_frame", "references")
 
 
 def ascii_int(text: str, max_digits: int = 19) -> int | None:
@@ -262,6 +262,7 @@ def render_request(body, idempotency_key: str) -> render_pb2.RenderRequest:
             setattr(req.params, name, v)
     req.params.seed = _int(body, "seed", 0, MAX_SEED) or 0
     req.params.sampler, req.params.scheduler = _str(body, "sampler"), _str(body, "scheduler")
+    req.params.quality = _str(body, "quality")
     if upscale:
         req.upscale_width, req.upscale_height = upscale
     loras = body.get("loras") or []

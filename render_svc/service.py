@@ -649,7 +649,8 @@ class RenderService:
             r = o.result
             self._durable(self.store.add_run, w.job_id, render_pb2.StageRun(
                 stage=stage, wall_s=r.wall_s, timing=r.timing, batch=batch.number, batch_size=len(batch.job_ids),
-                waited_batches=batch.waited.get(w.job_id, 0), replica=node))
+                waited_batches=batch.waited.get(w.job_id, 0), replica=node,
+                cached_steps=r.extra.get("cached_steps", 0)))
             nxt = next_stage(stage, w.plan)
             if nxt is None:
                 size = w.output.stat().st_size

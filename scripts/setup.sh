@@ -3,7 +3,8 @@
 # .venv/setup.log (shown when a step fails).
 #   scripts/setup.sh [--cpu | --cuda] [--plan]
 # The torch build fits the machine (client/machine.py): with an NVIDIA GPU and a driver that runs one, the CUDA build
-# of torch that driver runs (plus nvidia-cudnn-frontend on Hopper and later, for fp8 attention), else the CPU build
+# of torch that driver runs (plus nvidia-cudnn-frontend on Hopper and later, for fp8 attention, and fa3-fwd on Hopper,
+# for FlashAttention-3), else the CPU build
 # from PyTorch's CPU wheel index (PyPI's torch is the CUDA build: GBs of nvidia wheels); it says which and why.
 # --cpu / --cuda override the choice (--cuda fails when no CUDA build can run here); --plan prints the choice and
 # installs nothing. PYTHON=python3.12 for another interpreter; TORCH_SPEC="torch==2.11.0" (and TORCH_INDEX_URL)
@@ -39,6 +40,7 @@ fi
 if [[ $plan == 1 ]]; then
   echo "plan: pip install $torch_spec ${torch_args[*]}"
   [[ "$(pick cudnn_frontend)" == 1 ]] && echo "plan: pip install --no-deps nvidia-cudnn-frontend==1.32.0"
+  [[ "$(pick fa3)" == 1 ]] && echo "plan: pip install --no-deps fa3-fwd==0.0.3"
   exit 0
 fi
 
@@ -71,6 +73,14 @@ imports="import torch, grpc, av, comfy_kitchen, huggingface_hub"
 if [[ "$(pick cudnn_frontend)" == 1 ]]; then
   step "installing nvidia-cudnn-frontend 1.32.0 (no deps)" .venv/bin/python -m pip install --no-deps "nvidia-cudnn-frontend==1.32.0"
   imports+=", cudnn"
+fi
+# FlashAttention-3's forward kernels (minimax_h3/kernels/fa3_attention.py), built for Hopper only: the kernel registry
+# offers them there and nowhere else. --no-deps: its declared build tools (ninja, packaging) are not needed to run it.
+if [[ "$(pick fa3)" == 1 ]]; then
+  step "installing fa3-fwd 0.0.3 (FlashAttention-3, no deps)" .venv/bin/python -m pip install --no-deps "fa3-fwd==0.0.3"
+  # Its extension is built against one torch: where it does not load into ours, the registry says why and skips it.
+  .venv/bin/python -c "import fa3_fwd_interface" >>"$log" 2>&1 \
+    || echo "fa3-fwd does not load with this torch (see $log); the kernel registry skips FlashAttention-3"
 fi
 step "checking the imports" .venv/bin/python -c "$imports"
 if [[ $build == cu* ]]; then

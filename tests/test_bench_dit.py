@@ -104,3 +104,33 @@ def test_unknown_variant_is_refused_at_parse():
     run = subprocess.run([sys.executable, "benchmarks/bench_dit.py", "--tiny", "--variants", "fp8caf,fp8x"], cwd=ROOT,
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 2 and "unknown variants ['fp8x']; choose from diffusers, int8" in run.stderr
+
+
+def test_tiny_fast_quality_and_fa3_rows(tmp_path):
+    """--quality fast beside diffusers' own First Block Cache, with the FA3 fp8 variant (its CPU stand-in: the
+    emulation of FA3's fp8 kernel) and the engine's own probe (auto): per variant and shape, the skipped steps, both
+    runs' s/step and a cached step's time against a full one's."""
+    out = tmp_path / "dit.json"
+    run = subprocess.run([sys.executable, "benchmarks/bench_dit.py", "--tiny", "--variants", "diffusers,fp8caf3,auto",
+                          "--shapes", "64x64x22", "--iters", "1", "--quality", "exact,fast", "--fast-steps", "6",
+                          "--json", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert not res["failures"] and res["quality"] == ["exact", "fast"] and res["fast_threshold"] == 0.08
+    assert [k[1] for k in res["variants"]["fp8caf3"]["kernels"]] == ["fp8", "fa3_fp8"]
+    assert res["variants"]["auto"]["kernels"][1][2].startswith("fastest valid on cpu")
+    for name in ("diffusers", "fp8caf3", "auto"):
+        fast = res["variants"][name]["shapes"]["64x64x22"]["fast"]
+        assert fast["steps"] == 6 and len(fast["skipped"]) == 6 and not fast["skipped"][0]
+        assert fast["skipped_fraction"] == fast["cached_steps"] / 6 and fast["s_per_step"] > 0
+        assert fast["exact_s_per_step"] > 0
+        if fast["cached_steps"]:
+            assert fast["cached_over_full"] > 0
+    assert res["variants"]["fp8caf3"]["shapes"]["64x64x22"]["fast"]["rel_err_vs_exact"] < 0.5
+    assert "| quality fast |" in run.stdout
+
+
+def test_help_names_the_quality_and_fa3_rows():
+    run = subprocess.run([sys.executable, "benchmarks/bench_dit.py", "--help"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode == 0 and "--quality" in run.stdout and "fp8caf3" in run.stdout

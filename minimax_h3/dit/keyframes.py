@@ -22,6 +22,7 @@ from stagekit.errors import InvalidArgument
 from stagekit.wire import check_finite
 
 from .layout import PackedLayout, patchify_video
+from .step_cache import FirstBlockCache
 
 # Conditioning-noise level of keyframe latents: diffusers' `keyframe_noise_aug`, ComfyUI's 0.999 mix.
 KEYFRAME_NOISE_AUG = 0.001
@@ -65,10 +66,12 @@ def condition_rows(latents: Sequence[torch.Tensor], noises: Sequence[torch.Tenso
 
 
 def conditioned_denoise(model: Callable, text: torch.Tensor, layout: PackedLayout, cond: torch.Tensor | None,
-                        ref_audio: torch.Tensor | None = None) -> Callable:
+                        ref_audio: torch.Tensor | None = None,
+                        step_cache: FirstBlockCache | None = None) -> Callable:
     """The sampler's denoise closure: the model sees [cond rows | target rows] on the video side and [reference
     rows | target rows] on the audio side (ref2va); the sampler gets the target rows back. The conditioning rows are
-    the same tensors at every step (never updated)."""
+    the same tensors at every step (never updated). `step_cache`: the run's First Block Cache (`quality = "fast"`,
+    minimax_h3/dit/step_cache.py), handed to every evaluation; None: every block runs at every step."""
     n_cond, n_ref = layout.num_cond_rows, layout.num_ref_audio_rows
     for name, rows, want in (("conditioning", cond, n_cond), ("reference audio", ref_audio, n_ref)):
         if (0 if rows is None else rows.shape[0]) != want:
@@ -80,7 +83,10 @@ def conditioned_denoise(model: Callable, text: torch.Tensor, layout: PackedLayou
             xv = torch.cat([cond.to(xv.dtype), xv])
         if n_ref:
             xa = torch.cat([ref_audio.to(xa.dtype), xa])
-        v, a = model(xv, xa, text, tv, ta, layout)
+        if step_cache is None:
+            v, a = model(xv, xa, text, tv, ta, layout)
+        else:
+            v, a = model(xv, xa, text, tv, ta, layout, step_cache=step_cache)
         return v[n_cond:], a[n_ref:]
 
     return denoise

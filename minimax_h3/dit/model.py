@@ -36,6 +36,7 @@ from .layout import COND_VIDEO_T, REF_AUDIO_T, PackedLayout
 from . import sp
 from .ops import rms_norm
 from .sp import SeqShards, validate_parallel
+from .step_cache import FirstBlockCache
 from .tp import (ColumnParallel, ColumnParallelLinear, Linear, RowParallel, RowParallelLinear, TPStyle, group_rank_size,
                  tp_style)
 
@@ -507,11 +508,13 @@ class H3DiT(nn.Module):
 
     def forward(self, video_rows: torch.Tensor, audio_rows: torch.Tensor, text_states: torch.Tensor,
                 t_video: torch.Tensor | float, t_audio: torch.Tensor | float,
-                layout: PackedLayout) -> tuple[torch.Tensor, torch.Tensor]:
+                layout: PackedLayout, step_cache: FirstBlockCache | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """One denoising evaluation.
 
         video_rows [Nv, 96] (conditioning rows first, then target rows), audio_rows [Na, 32] (channel-major),
-        text_states [L, text_dim], t_video / t_audio scalars (t = 1 - sigma, 1 = clean).
+        text_states [L, text_dim], t_video / t_audio scalars (t = 1 - sigma, 1 = clean). `step_cache`: the sampling
+        run's First Block Cache (`quality = "fast"`, minimax_h3/dit/step_cache.py), which may skip blocks 1.. of this
+        evaluation; None runs every block.
         Returns data-ward velocities (x0 - noise) (video [Nv, 96], audio [Na, 32]) in fp32, conditioning rows included.
         """
         cfg = self.cfg
@@ -544,8 +547,11 @@ class H3DiT(nn.Module):
             part = shards.rows()
             x, rows, rope = x[part].clone(), rows[part], (rope[0][part], rope[1][part])
         blocks = self.blocks if self.block_stream is None else self.block_stream.iterate(self.blocks)
-        for blk in blocks:
-            x = blk(x, ada_in, rows, rope, shards)
+        if step_cache is None:
+            for blk in blocks:
+                x = blk(x, ada_in, rows, rope, shards)
+        else:
+            x = step_cache.run(blocks, x, lambda blk, x: blk(x, ada_in, rows, rope, shards))
         if shards is not None:
             # Every rank's rows in rank (= row) order, padded to one size for the all-gather: all ranks then run
             # the output heads on the same bits.

@@ -202,9 +202,11 @@ class BlockStream:
                 self._wait(j)
                 if j + 1 < len(self.order):
                     self._prefetch(j + 1)
-            yield blk
-            if j >= 0 and self.cuda:
-                self._free[self.slot_of[i]].record()
+            try:
+                yield blk
+            finally:  # also when the caller stops early (a cached step skips the rest: the generator is closed)
+                if j >= 0 and self.cuda:
+                    self._free[self.slot_of[i]].record()
 
     def _prefetch(self, j: int) -> None:
         i = self.order[j]

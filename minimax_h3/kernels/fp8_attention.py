@@ -63,6 +63,7 @@ SOFTMAX_SCALE = 256.0
 # precision (e4m3's relative step is the same across its normal range).
 OUTPUT_SCALE = 0.5
 MIN_CAPABILITY = (9, 0)  # cuDNN's fp8 SDPA: Hopper and newer
+FP8_KERNELS = ("cudnn", "fa3")  # Fp8Attention's kernel: cuDNN's fp8 SDPA, or FlashAttention-3's (fa3_attention.py)
 MIN_CUDNN_BACKEND = 90100  # 9.1.0 introduced the fp8 SDPA forward
 GRAPH_CACHE_SIZE = 16  # cuDNN plans kept (one per plan_key); a job uses one or two
 # The kernel's error vs fp32 may exceed its emulation's (same arithmetic, but P~ rounded against a blockwise running
@@ -720,19 +721,32 @@ class Fp8Attention:
 
     With `options.static_qk` the model may instead hand over q and k already in e4m3 (`takes_fp8_qk`,
     `attend_fp8_qk`); then only V is quantised here (module docstring, 4), and O may come back still in e4m3
-    (`Fp8O`) for an fp8 out_proj to take its rows from (minimax_h3/kernels/fp8_rows.py `o_rows_fp8`)."""
+    (`Fp8O`) for an fp8 out_proj to take its rows from (minimax_h3/kernels/fp8_rows.py `o_rows_fp8`).
+
+    `kernel`: "cudnn" (cuDNN's fp8 SDPA, below) or "fa3" (FlashAttention-3's fp8 forward,
+    minimax_h3/kernels/fa3_attention.py): the same quantised inputs; FA3 takes V's per-head scales as descales and
+    writes O in bf16 (so never `Fp8O`: `writes_fp8_o`)."""
 
     def __init__(self, options: Fp8AttentionOptions = DEFAULT_OPTIONS, emulate: bool = False,
-                 compile_quant: bool = False):
+                 compile_quant: bool = False, kernel: str = "cudnn"):
+        if kernel not in FP8_KERNELS:
+            raise ValueError(f"fp8 attention kernel must be one of {FP8_KERNELS}, got {kernel!r}")
         self.options = options
         self.emulate = emulate
+        self.kernel = kernel
         self._quantize, self._quantize_v, self._dequantize = quantize_qkv, quantize_v, dequantize_o
         if compile_quant:
             # Dynamic shapes from the start: the start-up probe's sequence length is not a job's.
             self._quantize = torch.compile(quantize_qkv, dynamic=True)
             self._quantize_v = torch.compile(quantize_v, dynamic=True)
             self._dequantize = torch.compile(dequantize_o, dynamic=True)
-        self.__name__ = f"fp8_attention[{options.label}{', emulated' if emulate else ''}]"
+        self.__name__ = (f"fp8_attention[{options.label}{', fa3' if kernel == 'fa3' else ''}"
+                         f"{', emulated' if emulate else ''}]")
+
+    @property
+    def writes_fp8_o(self) -> bool:
+        """Whether the kernel writes O in e4m3, which `attend_fp8_qk(keep_fp8_o=True)` may hand on as it is."""
+        return self.kernel == "cudnn"
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         if q.shape[2] < self.options.min_seq:
@@ -765,12 +779,23 @@ class Fp8Attention:
     def _attend(self, p: Fp8QKV, dtype: torch.dtype, keep_fp8_o: bool = False) -> torch.Tensor | Fp8O:
         """The kernel (or its emulation) on quantised inputs, then O back to `dtype`, [1, H, S, D] (or, keep_fp8_o,
         its e4m3 O and scales as they are)."""
+        dequantize = dequantize_o if torch.compiler.is_compiling() else self._dequantize
+        if self.kernel == "fa3":
+            if keep_fp8_o:
+                raise ValueError("FlashAttention-3 writes O in bf16: there is no e4m3 O to keep (see writes_fp8_o)")
+            from .fa3_attention import fa3_fp8, fa3_fp8_emulated
+
+            o = (fa3_fp8_emulated if self.emulate else fa3_fp8)(p.q8, p.k8, p.v8, p.descale_q, p.descale_k,
+                                                                 p.o_scale * OUTPUT_SCALE)  # = V's descale
+            if p.o_shift is None:
+                return o.to(dtype).unsqueeze(0)
+            one = torch.ones((), dtype=torch.float32, device=o.device)  # V's mean back on, in fp32 as for cuDNN's O
+            return self._run(dequantize, dequantize_o, o, one, p.o_shift, dtype).unsqueeze(0)
         kernel = sdpa_fp8_emulated if self.emulate else sdpa_fp8
         o8 = kernel(p.q8, p.k8, p.v8, p.descale_q, p.descale_k)
         if keep_fp8_o:
             return Fp8O(o8, p.o_scale, p.o_shift)
-        fn = dequantize_o if torch.compiler.is_compiling() else self._dequantize
-        return self._run(fn, dequantize_o, o8, p.o_scale, p.o_shift, dtype).unsqueeze(0)
+        return self._run(dequantize, dequantize_o, o8, p.o_scale, p.o_shift, dtype).unsqueeze(0)
 
     def _run(self, fn, eager, *args):
         """fn(*args); if a standalone compilation fails, warn once and stay eager (same math, unfused)."""

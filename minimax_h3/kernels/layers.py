@@ -213,7 +213,7 @@ class Fp8AttentionInput(AttentionInput):
             self.fp8 = x._replace(v=y[:, 2].transpose(0, 1).unsqueeze(0))  # [1, H, S, D] view
 
     def attend(self, fn, out_proj, dtype):
-        if linear_method(out_proj).takes_fp8_o(dtype):
+        if fn.writes_fp8_o and linear_method(out_proj).takes_fp8_o(dtype):
             return Fp8AttentionOutput(fn.attend_fp8_qk(self.fp8, keep_fp8_o=True), dtype)
         return AttentionOutput(fn.attend_fp8_qk(self.fp8))
 

@@ -12,6 +12,9 @@ Candidates (name -> what runs):
              int8                comfy-kitchen int8 (SageAttention-style) kernel, when its API and CUDA ext exist
              fp8                 cuDNN fp8 SDPA via nvidia-cudnn-frontend (optional package, sm_90+), with fused
                                  q/k/v quantisation, K/V smoothing and per-head V scales (minimax_h3/kernels/fp8_attention.py)
+             fa3                 FlashAttention-3 bf16 via fa3-fwd (optional package, Hopper)
+             fa3_fp8             FlashAttention-3 fp8 via fa3-fwd, on the fp8 candidate's quantised q, k, v
+                                 (minimax_h3/kernels/fa3_attention.py)
 
 Which candidates are *considered* depends on the device's architecture (ARCH table below: e.g. no fp8 before
 sm_89, no bf16 GEMMs on Turing, only the dense / math fallbacks on CPU). `select_kernels` then runs every considered
@@ -83,6 +86,7 @@ REL_ERR_BOUND = {
     "flash": 1.5e-2,
     "efficient": 1.5e-2,
     "math": 1.5e-2,
+    "fa3": 1.5e-2,  # bf16 attention, as the SDPA backends
     "int8_attention": 6e-2,  # upstream's own test threshold is NRMSE < 0.03 vs SDPA
     # e4m3 q, k, v, softmax numerator and O (Hopper's fp8 SDPA writes fp8 O): 6-8e-2 on the probe's random
     # Gaussian data (flat softmax, small-norm outputs: the worst case, docs/kernels.md "8-bit attention");
@@ -371,15 +375,27 @@ def _int8_attention_available(device: torch.device) -> str | None:
     return None
 
 
-def _fp8_attention_fn() -> Callable:
+def _fp8_attention_fn(kernel: str = "cudnn") -> Callable:
     from .fp8_attention import DEFAULT_OPTIONS, Fp8Attention
 
     # Eager models get the quantisation compiled on its own; compiled blocks trace through it and fuse it anyway.
-    return Fp8Attention(DEFAULT_OPTIONS, compile_quant=True)
+    return Fp8Attention(DEFAULT_OPTIONS, compile_quant=True, kernel=kernel)
 
 
 def _fp8_attention_available(device: torch.device) -> str | None:
     from .fp8_attention import unavailable
+
+    return unavailable(device)
+
+
+def _fa3_attention_fn() -> Callable:
+    from .fa3_attention import Fa3Attention
+
+    return Fa3Attention()
+
+
+def _fa3_available(device: torch.device) -> str | None:
+    from .fa3_attention import unavailable  # imports fa3-fwd only inside its check: absent, the candidate says so
 
     return unavailable(device)
 
@@ -419,6 +435,7 @@ class AttentionCandidate:
 _FROM_80 = ("sm_80", "sm_86", "sm_89", "sm_90", "sm_100", "sm_120")
 _FP8_ARCHS = ("sm_89", "sm_90", "sm_100", "sm_120")
 _FP8_ATTENTION_ARCHS = ("sm_90", "sm_100", "sm_120")  # cuDNN's fp8 SDPA starts at Hopper
+_FA3_ARCHS = ("sm_90",)  # fa3-fwd's kernels are built for Hopper
 
 
 def default_linear_candidates() -> dict[str, LinearCandidate]:
@@ -453,6 +470,10 @@ def default_attention_candidates() -> dict[str, AttentionCandidate]:
                                    _int8_attention_available, archs=GPU_ARCHS),
         "fp8": AttentionCandidate("fp8", _fp8_attention_fn, REL_ERR_BOUND["fp8_attention"],
                                   _fp8_attention_available, archs=_FP8_ATTENTION_ARCHS),
+        # Each held to the bound of its precision: bf16 as the SDPA backends, fp8 as cuDNN's fp8 SDPA.
+        "fa3": AttentionCandidate("fa3", _fa3_attention_fn, REL_ERR_BOUND["fa3"], _fa3_available, archs=_FA3_ARCHS),
+        "fa3_fp8": AttentionCandidate("fa3_fp8", lambda: _fp8_attention_fn("fa3"), REL_ERR_BOUND["fp8_attention"],
+                                      _fa3_available, archs=_FA3_ARCHS),
     }
 
 
@@ -466,7 +487,7 @@ class KernelConfig:
     """Kernel settings of a stage (flags --linear-kernel / --attention-kernel map here)."""
 
     linear_kernel: str = AUTO  # auto | fp32 | bf16 | fp16 | int8 | fp8
-    attention_kernel: str = AUTO  # auto | cudnn | flash | efficient | math | int8 | fp8
+    attention_kernel: str = AUTO  # auto | cudnn | flash | efficient | math | int8 | fp8 | fa3 | fa3_fp8
     compute_dtype: torch.dtype = torch.bfloat16
     # Representative probe shapes: (tokens, in, out) GEMMs (DiT qkv-like and fc2-like) and one attention
     # [1, heads, seq, head_dim]. The attention row count is a served one: the smallest seed shape, 832x480x124,
@@ -731,7 +752,7 @@ def select_kernels(device: torch.device | str, config: KernelConfig | None = Non
 # ---------------------------------------------------------------------------------------------------------------------
 # The probe's outcome, remembered per machine
 # ---------------------------------------------------------------------------------------------------------------------
-PROBE_PACKAGES = ("comfy-kitchen", "nvidia-cudnn-frontend", "triton")
+PROBE_PACKAGES = ("comfy-kitchen", "nvidia-cudnn-frontend", "triton", "fa3-fwd")
 KERNELS_DIR = Path(__file__).parent  # every module here, and tuning.json, is part of a record's key
 PROBE_RECORD_MAX_BYTES = 64 << 10  # a record is ~2 KiB; anything longer is not one
 

@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class RenderParams(_message.Message):
-    __slots__ = ("prompt", "width", "height", "frames", "steps", "seed", "sampler", "scheduler", "video_shift", "audio_shift")
+    __slots__ = ("prompt", "width", "height", "frames", "steps", "seed", "sampler", "scheduler", "video_shift", "audio_shift", "quality")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     WIDTH_FIELD_NUMBER: _ClassVar[int]
     HEIGHT_FIELD_NUMBER: _ClassVar[int]
@@ -18,6 +18,7 @@ class RenderParams(_message.Message):
     SCHEDULER_FIELD_NUMBER: _ClassVar[int]
     VIDEO_SHIFT_FIELD_NUMBER: _ClassVar[int]
     AUDIO_SHIFT_FIELD_NUMBER: _ClassVar[int]
+    QUALITY_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     width: int
     height: int
@@ -28,7 +29,8 @@ class RenderParams(_message.Message):
     scheduler: str
     video_shift: float
     audio_shift: float
-    def __init__(self, prompt: _Optional[str] = ..., width: _Optional[int] = ..., height: _Optional[int] = ..., frames: _Optional[int] = ..., steps: _Optional[int] = ..., seed: _Optional[int] = ..., sampler: _Optional[str] = ..., scheduler: _Optional[str] = ..., video_shift: _Optional[float] = ..., audio_shift: _Optional[float] = ...) -> None: ...
+    quality: str
+    def __init__(self, prompt: _Optional[str] = ..., width: _Optional[int] = ..., height: _Optional[int] = ..., frames: _Optional[int] = ..., steps: _Optional[int] = ..., seed: _Optional[int] = ..., sampler: _Optional[str] = ..., scheduler: _Optional[str] = ..., video_shift: _Optional[float] = ..., audio_shift: _Optional[float] = ..., quality: _Optional[str] = ...) -> None: ...
 
 class Progress(_message.Message):
     __slots__ = ("stage", "phase", "step", "total", "elapsed_s", "eta_s", "step_ms", "message")
