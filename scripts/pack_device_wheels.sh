@@ -5,6 +5,7 @@
 #
 #   bash scripts/pack_device_wheels.sh [--out .devpkgs] [--max-mib 60] [--with-cudnn-frontend]
 #   bash scripts/pack_device_wheels.sh --fast-dit      # .devpkgs/fast_dit.tar.xz: benchmarks/bench_fast_dit.py
+#   bash scripts/pack_device_wheels.sh --fast-dit --with-fa3   # .devpkgs/fast_dit_fa3.tar.xz: bench_dit.py with FA3
 #
 # The two bundles have their own names; a host needs only the one its run uses. On the GPU host (from the repo root,
 # with .devpkgs/site.tar.xz copied there):
@@ -23,6 +24,9 @@
 #       comfy-kitchen, google-crc32c, nvidia-cudnn-frontend 1.32.0 (--no-deps: its CuTe DSL / TVM FFI extras serve
 #       Blackwell-only engines; cuda-bindings, which it uses when present, is in the image) and diffusers 0.42.1 (the
 #       baseline of benchmarks/bench_dit.py; pure Python, without its pipelines). No PyAV / soundfile. 43 MiB.
+#   --with-fa3 (with --fast-dit) adds fa3-fwd 0.0.3 (FlashAttention-3 forward, Hopper: the `fa3` / `fa3_fp8` attention
+#       candidates) and leaves comfy-kitchen's CUDA library out to stay under 64 MiB with the repo: the kernel probe
+#       then names the int8 candidates unavailable (Hopper runs fp8 linears; int8 serves Turing).
 # Not packed: transformers (the image's 5.17 runs the encoder's Qwen3-VL path; only a test oracle API differs),
 # torch, numpy, safetensors, tokenizers, pillow, rich, pyyaml, prometheus-client, psutil, nvidia-ml-py, matplotlib.
 # Compressed sizes (xz -9e): comfy-kitchen's CUDA library ~32 MiB (a fat binary for sm_75..sm_120), PyAV's FFmpeg
@@ -30,13 +34,14 @@
 # 57 MiB in all.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-out=.devpkgs; max_mib=60; extra_pkgs=(); fast_dit=0
+out=.devpkgs; max_mib=60; extra_pkgs=(); fast_dit=0; fa3=0
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --out) out="$2"; shift 2;;
     --max-mib) max_mib="$2"; shift 2;;
     --with-cudnn-frontend) extra_pkgs+=(nvidia-cudnn-frontend==1.32.0); shift;;
     --fast-dit) fast_dit=1; shift;;
+    --with-fa3) fa3=1; shift;;
     -h|--help) sed -n '2,/^set -euo/p' "$0" | sed '$d'; exit 0;;
     *) echo "pack_device_wheels.sh: unknown option $1" >&2; exit 2;;
   esac
@@ -47,6 +52,7 @@ name=site.tar.xz
 if (( fast_dit )); then
   name=fast_dit.tar.xz
   PKGS=("${GRPC[@]}" comfy-kitchen==0.2.40 google-crc32c==1.9.0 nvidia-cudnn-frontend==1.32.0 diffusers==0.42.1)
+  if (( fa3 )); then name=fast_dit_fa3.tar.xz; PKGS+=(fa3-fwd==0.0.3); fi
 else
   PKGS=("${GRPC[@]}" comfy-kitchen==0.2.40 av==18.1.0 soundfile==0.14.0 cffi==2.1.1 pycparser==3.12
         google-crc32c==1.9.0 "${extra_pkgs[@]}")
@@ -69,6 +75,7 @@ rm -rf "$build/site" "$out/$name"
 # debug symbols (31 MiB -> 5 MiB stripped; checked: the stripped modules import and encode/decode H.264 + AAC). The
 # bundled libraries (av.libs, grpc, comfy-kitchen) are already stripped and were patched by auditwheel: left as is.
 rm -f "$build/site/comfy_kitchen/backends/hip/"*.so
+if (( fa3 )); then find "$build/site/comfy_kitchen/backends/cuda" -name "*.so" -delete; fi
 rm -rf "$build/site/bin" "$build/site/include"  # console scripts; cudnn-frontend's C++ headers
 find "$build/site" -name __pycache__ -type d -prune -exec rm -rf {} +
 find "$build/site" -type d \( -name tests -o -name test \) -path "*/site/*/*" -prune -exec rm -rf {} +
