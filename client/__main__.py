@@ -30,7 +30,7 @@ import grpc
 from client.checks import (CheckError, check_for_local_stack, output_paths, read_keyframe, read_prompts,
                            read_references, refuse_existing)
 from client.command import self_command
-from client.embedded import StackStartError
+from client.embedded import CtrlC, StackStartError
 from client.endpoints import (DEFAULT_ENDPOINTS_FILE, EndpointError, add_endpoint_args, check_render_reachable,
                               configured_endpoints, configured_render, connect_render)
 from client.render_client import state_name
@@ -138,13 +138,23 @@ def _refused(e: grpc.RpcError) -> bool:
 
 
 def cmd_render(args) -> int:
+    """`render`; Ctrl-C exits 130: a local stack says at once that it stops, and stops (client/embedded.py CtrlC)."""
+    with CtrlC() as ctrl_c:
+        try:
+            return _render(args, ctrl_c)
+        except KeyboardInterrupt:
+            return 130
+
+
+def _render(args, ctrl_c: CtrlC) -> int:
     from client.progress import RenderProgress, print_summary
     from client.render_client import TERMINAL, RenderClient
 
     security = Security(args.token, args.tls_ca)
     try:
         reqs, outs = render_inputs(args)
-        target, stack = connect_render(args, security, before_embedded=lambda: check_for_local_stack(args.models_dir))
+        target, stack = connect_render(args, security, before_embedded=lambda: check_for_local_stack(args.models_dir),
+                                       ctrl_c=ctrl_c)
     except CheckError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -235,7 +245,7 @@ def cmd_render(args) -> int:
         return 130
     finally:
         if stack is not None:
-            stack.stop()
+            ctrl_c.stop_stack()
 
 
 def _print_job(info) -> None:

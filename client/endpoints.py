@@ -15,9 +15,13 @@ import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from client.stubs import SERVICE_NAMES, STAGES, Endpoints, Security, StageClients, health_of, open_channel
 from stagekit.errors import FailedPrecondition
+
+if TYPE_CHECKING:
+    from client.embedded import CtrlC
 
 DEFAULT_ENDPOINTS_FILE = Path("run/endpoints.env")
 
@@ -107,12 +111,16 @@ def check_render_reachable(args, target: str, security: Security) -> None:
 
 
 def connect_render(args, security: Security, before_embedded: Callable[[], None] | None = None,
-                   extra_args: dict[str, list[str]] | None = None):
+                   extra_args: dict[str, list[str]] | None = None, ctrl_c: CtrlC | None = None):
     """(render service address, stack). In order: the configured render service; else one started here over the
     configured stages (all three); else, only when nothing at all is configured, an embedded local stack with its
     own render service (stop the stack after). Anything configured that does not answer is an EndpointError:
     never silently the tiny model. `before_embedded` runs before a stack is started (checks that would otherwise
-    cost its start-up); `extra_args`: more flags per process started ("render" or a stage)."""
+    cost its start-up); `extra_args`: more flags per process started ("render" or a stage); `ctrl_c`: the caller's
+    `client.embedded.CtrlC`, told of the stack as soon as it is made.
+
+    A stack started here serves this client alone: its processes cancel their running job on SIGTERM
+    (--cancel-on-term), so stopping it after a Ctrl-C takes seconds, not the drain a shared service gives a job."""
     from client.embedded import EmbeddedStack, StackConfig, StackStartError
 
     target = configured_render(args)
@@ -125,9 +133,11 @@ def connect_render(args, security: Security, before_embedded: Callable[[], None]
         check_reachable(args, endpoints, security)
     if before_embedded is not None:
         before_embedded()
+    own = {"render": ["--cancel-on-term", "--http-port", "0"], **{s: ["--cancel-on-term"] for s in STAGES}}
     stack = EmbeddedStack(StackConfig(models_dir=args.models_dir, devices=args.devices, security=security,
-                                      with_render=True, extra_args=_merged({"render": ["--http-port", "0"]},
-                                                                           extra_args or {})))
+                                      with_render=True, extra_args=_merged(own, extra_args or {})))
+    if ctrl_c is not None:
+        ctrl_c.stack = stack
     try:
         if endpoints is not None:
             print("starting a render service over the configured stages ...", file=sys.stderr)
@@ -138,6 +148,9 @@ def connect_render(args, security: Security, before_embedded: Callable[[], None]
     except StackStartError as e:
         stack.stop()  # why is in the message: nothing is left behind in the temp dir
         raise StackStartError(f"the local stack could not start: {e.summary}") from None
+    except KeyboardInterrupt:
+        stack.stop()  # what started is stopped; nothing is left behind in the temp dir
+        raise
     web = stack.run_dir / "render.port.http"
     if web.exists():
         print(f"render service web page: http://127.0.0.1:{web.read_text().strip()}/", file=sys.stderr)

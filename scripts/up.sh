@@ -103,8 +103,8 @@ source scripts/procs.sh
 alive() { [[ -f "$1" ]] && pid_alive "$(cat "$1")"; }
 
 # A run that fails (a port taken, a stage that died while starting, Ctrl-C) stops what it started itself, says so,
-# and names what keeps running from an earlier run; run/endpoints.env goes with what it named.
-started=()  # instance names this run started, in order ("render" last)
+# and names what it found running and leaves so; run/endpoints.env goes with what it named.
+started=()  # the instances up.sh started, in order ("render" last)
 why=failed
 stop_started() {
   local rc=$? name pidf what="" before=""
@@ -112,7 +112,7 @@ stop_started() {
   (( rc != 0 )) || return 0
   if (( ${#started[@]} )); then
     for name in "${started[@]}"; do what+="${what:+, }$name (pid $(cat "$run_dir/$name.pid"))"; done
-    echo "up.sh: $why; stopping what this run started: $what" >&2
+    echo "up.sh: $why; stopping what it started: $what" >&2
     for (( i = ${#started[@]} - 1; i >= 0; i-- )); do
       name=${started[$i]}; pidf="$run_dir/$name.pid"
       stop_stage "$(cat "$pidf")" "$run_dir/tmp/$name" 10
@@ -126,7 +126,7 @@ stop_started() {
       before+="${before:+, }$name (pid $(cat "$run_dir/$name.pid"))"
     fi
   done
-  [[ -z "$before" ]] || echo "up.sh: still running from an earlier run: $before (scripts/down.sh --run-dir $run_dir" \
+  [[ -z "$before" ]] || echo "up.sh: left running, as it found them: $before (scripts/down.sh --run-dir $run_dir" \
                              "stops them)" >&2
   exit "$rc"
 }

@@ -220,3 +220,76 @@ def test_a_cuda_device_on_a_cpu_build_of_torch_says_so(tmp_path):
                         str(tmp_path / "leases")], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert r.returncode != 0 and "dit: cannot start: --devices cuda:0, but torch" in r.stderr, r.stderr
     assert "scripts/setup.sh --cuda" in r.stderr and "_cuda_setDevice" not in r.stderr
+
+
+def stack_processes(tmp: Path) -> dict[int, str]:
+    """pid -> command line of the live processes of local stacks started with TMPDIR `tmp` (each inherits
+    TMPDIR=<tmp>/h3-stack-*/tmp/<process>)."""
+    from tests.procs import alive
+
+    out = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit() and alive(int(d.name)):
+            try:
+                env = (d / "environ").read_bytes().split(b"\0")
+                cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+            except OSError:
+                continue
+            if any(e.startswith(f"TMPDIR={tmp}/h3-stack-".encode()) for e in env):
+                out[int(d.name)] = cmd
+    return out
+
+
+def test_ctrl_c_of_the_first_command_says_at_once_what_it_stops_and_stops_it(tmp_path, model_cache):
+    """Ctrl-C of the README's first command while the DiT runs its job: the line "stopping the local stack (encoder,
+    dit, decoder, render) ..." comes first, then the client exits 130 with every process of the stack gone and its
+    temp dir removed. The stack's processes take SIGTERM as "cancel the running job" (--cancel-on-term): the stack
+    serves this client alone, so no job is left to finish."""
+    import json
+    import signal
+    import threading
+    import urllib.request
+
+    from tests.procs import takes_ctrl_c
+    from tests.waits import wait_until
+
+    tmp = tmp_path / "tmpdir"
+    tmp.mkdir()
+    env = {**os.environ, **CLEAN_ENV, "TMPDIR": str(tmp),
+           **{f"H3_{s}_CACHE_DIR": str(model_cache) for s in ("ENCODER", "DIT", "DECODER")}}
+    out = tmp_path / "x.mp4"
+    p = subprocess.Popen([sys.executable, "-m", "client", "render", "--prompt", "a heron waits in the reeds at dawn",
+                          "--steps", "200", "-o", str(out), "--endpoints-file", str(tmp_path / "none.env")], cwd=ROOT,
+                         env=env, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, preexec_fn=takes_ctrl_c)
+    lines: list[str] = []
+
+    def read() -> None:
+        for line in p.stderr:
+            lines.append(line)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        web = wait_until(lambda: next((ln.split("web page: ")[1].strip() for ln in lines if "web page: " in ln), None)
+                         or p.poll() is not None and "".join(lines), 300, what="the local stack's web page")
+        assert web.startswith("http://"), web
+
+        def dit_running() -> bool:
+            with urllib.request.urlopen(web + "api/state", timeout=10) as r:
+                jobs = json.load(r)["jobs"]
+            return any(j["state"] == "JOB_RUNNING" and j["stage"] == "dit" for j in jobs)
+
+        wait_until(dit_running, 300, what="the DiT running the job")
+        procs = stack_processes(tmp)
+        assert len(procs) >= 4 and all("--cancel-on-term" in c for c in procs.values()), procs
+        said = len(lines)
+        p.send_signal(signal.SIGINT)
+        assert p.wait(timeout=120) == 130, "".join(lines)
+        reader.join(timeout=30)
+        after = [ln.rstrip("\n") for ln in lines[said:]]
+        assert after[0] == "stopping the local stack (encoder, dit, decoder, render) ... (Ctrl-C again kills it)", after
+        assert "Traceback" not in "".join(lines), "".join(lines)
+        assert not stack_processes(tmp) and no_stack_started(tmp_path) and not out.exists()
+    finally:
+        p.kill()
+        p.wait()

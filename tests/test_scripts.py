@@ -106,14 +106,14 @@ def test_a_failed_up_stops_what_it_started_and_names_what_it_left(tmp_path, mode
             assert f"decoder died while starting; the last" in r.stderr and str(port) in r.stderr, r.stderr
             said = [ln for ln in r.stderr.splitlines() if ln.startswith("up.sh: ")]
             pids = {s: int(r.stdout.split(f"started {s} (pid ", 1)[1].split(",")[0]) for s in ("encoder", "dit")}
-            assert said[0].startswith("up.sh: failed; stopping what this run started: "
+            assert said[0].startswith("up.sh: failed; stopping what it started: "
                                       f"encoder (pid {pids['encoder']}), dit (pid {pids['dit']}), decoder (pid "), said
             assert said[1:] == ["up.sh: stopped decoder", "up.sh: stopped dit", "up.sh: stopped encoder"], said
             assert not started_by(run_dir) and not any(alive(p) for p in pids.values()), started_by(run_dir)
             assert not list(run_dir.glob("*.pid")) and not (run_dir / "endpoints.env").exists()
 
-            # A stack up from an earlier run, its decoder gone: the next run starts the decoder alone, which fails on
-            # the taken port; up.sh stops it and names the earlier run's processes, which it leaves running.
+            # A stack up before, its decoder gone: up.sh starts the decoder alone, which fails on the taken port; it
+            # stops the decoder and names the processes it found running, which it leaves running.
             free = ["0" if a == str(port) else a for a in up]
             r = run(free, env)
             assert r.returncode == 0, r.stdout + r.stderr
@@ -123,9 +123,9 @@ def test_a_failed_up_stops_what_it_started_and_names_what_it_left(tmp_path, mode
             r = run(up, env)
             assert r.returncode != 0 and r.stdout.count("already running") == 2, r.stdout + r.stderr
             said = [ln for ln in r.stderr.splitlines() if ln.startswith("up.sh: ")]
-            assert said[0].startswith("up.sh: failed; stopping what this run started: decoder (pid ") and \
+            assert said[0].startswith("up.sh: failed; stopping what it started: decoder (pid ") and \
                 said[1] == "up.sh: stopped decoder", said
-            assert said[2] == (f"up.sh: still running from an earlier run: encoder (pid {before['encoder']}), dit (pid "
+            assert said[2] == (f"up.sh: left running, as it found them: encoder (pid {before['encoder']}), dit (pid "
                                f"{before['dit']}), render (pid {before['render']}) (scripts/down.sh --run-dir "
                                f"{run_dir} stops them)"), said
             assert all(alive(before[s]) for s in ("encoder", "dit", "render"))
@@ -156,7 +156,7 @@ def test_ctrl_c_of_up_stops_what_it_started(tmp_path, model_cache):
         _, err = up.communicate(timeout=120)
         assert up.returncode == 130, out + err
         said = [ln for ln in err.splitlines() if ln.startswith("up.sh: ")]
-        assert said[0].startswith("up.sh: interrupted; stopping what this run started: encoder (pid "), err
+        assert said[0].startswith("up.sh: interrupted; stopping what it started: encoder (pid "), err
         assert said[1:] == ["up.sh: stopped decoder", "up.sh: stopped dit", "up.sh: stopped encoder"], err
         assert "Traceback" not in err and not started_by(run_dir) and not list(run_dir.glob("*.pid"))
     finally:
