@@ -17,7 +17,7 @@ from pathlib import Path
 import grpc
 
 from client.stubs import SERVICE_NAMES, STAGES, Endpoints, Security, StageClients, health_of
-from h3.v1 import render_pb2, render_pb2_grpc
+from h3.v1 import common_pb2, render_pb2, render_pb2_grpc
 from render_svc.engine import RenderEngine, make_replicas
 from render_svc.service import RenderService, SchedulerConfig
 from render_svc.store import CANCELLED, FAILED, QUEUED, RUNNING, SUCCEEDED
@@ -216,15 +216,26 @@ class RenderServicer(UploadMixin, render_pb2_grpc.RendererServicer):
             context.abort(grpc.StatusCode.OUT_OF_RANGE, f"offset {request.offset} is past the end ({size} bytes)")
         yield from file_chunks(path, f"{request.job_id}.mp4", "video/mp4", request.offset)
 
+    @staticmethod
+    def _stage(name: str, endpoint: str, clients: StageClients, service: str, one: bool) -> render_pb2.StageEndpoint:
+        """A stage (or one replica) as Status shows it: its health, and, for one address (`one`), its own Status:
+        what it serves (a client compares its flags with it: `client render --models-dir`)."""
+        health = health_of(clients.channels[service], SERVICE_NAMES[service], 2.0)
+        status = None
+        if one and health != "UNREACHABLE":
+            try:
+                status = clients.stub(service).Status(common_pb2.StatusRequest(), timeout=2.0,
+                                                      metadata=clients.security.metadata())
+            except grpc.RpcError:
+                pass
+        return render_pb2.StageEndpoint(stage=name, endpoint=endpoint, health=health, status=status)
+
     def Status(self, request, context):
         counts = self.svc.counts()
-        stages = [render_pb2.StageEndpoint(stage=s, endpoint=self.clients.endpoints.of(s),
-                                           health=health_of(self.clients.channels[s], SERVICE_NAMES[s], 2.0))
-                  for s in STAGES]
-        stages += [render_pb2.StageEndpoint(  # each of several replicas on its own
-            stage=node, endpoint=r.address,
-            health=health_of(r.clients.channels[r.service], SERVICE_NAMES[r.service], 2.0))
-            for node, r in self.svc.engine.replicas.items() if node != r.service]
+        replicas = self.svc.engine.replicas
+        stages = [self._stage(s, self.clients.endpoints.of(s), self.clients, s, s in replicas) for s in STAGES]
+        stages += [self._stage(node, r.address, r.clients, r.service, True)  # each of several replicas on its own
+                   for node, r in replicas.items() if node != r.service]
         cfg = self.svc.cfg
         health = f"DEGRADED ({self.svc.storage_error})" if self.svc.storage_error else "SERVING"
         return render_pb2.RenderStatus(

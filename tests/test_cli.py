@@ -99,9 +99,14 @@ def test_ctrl_c_with_a_local_stack_says_what_it_stops_and_a_second_one_kills_it(
     from client.embedded import CtrlC
     from tests.waits import wait_until
 
+    def ignores_sigterm(pid: int) -> bool:
+        ignored = next(ln for ln in open(f"/proc/{pid}/status") if ln.startswith("SigIgn:")).split()[1]
+        return bool(int(ignored, 16) >> (signal.SIGTERM - 1) & 1)
+
     stack = EmbeddedStack(StackConfig())
     slow = subprocess.Popen(["bash", "-c", "trap '' TERM; sleep 600"], start_new_session=True)
     stack.procs["dit"] = slow
+    wait_until(lambda: ignores_sigterm(slow.pid), 30, what="the slow process ignoring SIGTERM")
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # as a terminal's foreground process has it
     try:
         with CtrlC() as ctrl_c:

@@ -3,7 +3,8 @@
 (exit 2, the service's own rule), what only the stages know is refused by a local stack's Submit (exit 2), a bad
 --models-dir is one line and leaves nothing behind, -o never overwrites, finished jobs say done, status / loadtest
 look at one stage alone, help texts are grouped with real defaults, up.sh / down.sh --help, messages in words, and
-no traceback into a closed pipe."""
+no traceback into a closed pipe; a --models-dir / --devices that a running stack does not serve is refused, naming
+what it serves; Ctrl-C of the first command says at once that it stops the local stack, and stops it."""
 
 from __future__ import annotations
 
@@ -293,3 +294,90 @@ def test_ctrl_c_of_the_first_command_says_at_once_what_it_stops_and_stops_it(tmp
     finally:
         p.kill()
         p.wait()
+
+
+def test_a_local_stack_flag_a_running_stack_does_not_serve_is_refused(stack, tmp_path):
+    """With a stack running (a render service as scripts/up.sh's endpoints file names it, or configured stages),
+    --models-dir and --devices cannot change what it serves: a folder that does not exist, a folder other than the
+    one its stages serve (here: none, the embedded tiny model), given as the flag or as H3_MODELS_DIR, and any
+    --devices are refused with exit 2 before a job is queued, naming what the stack serves and how to restart it with
+    the flag; no render service is started over configured stages for it."""
+    from h3.v1 import render_pb2
+
+    _, ep = stack
+    svc = RenderService(tmp_path / "render_run", ep)
+    target = svc.start()
+    try:
+        run_dir = tmp_path / "up"
+        run_dir.mkdir()
+        (run_dir / "endpoints.env").write_text(f"H3_RENDER={target}\n")
+        where = ["--endpoints-file", str(run_dir / "endpoints.env")]
+        jobs = len(svc.stub.List(render_pb2.ListRequest(limit=500), timeout=10).jobs)
+        out = tmp_path / "x.mp4"
+        render = ["render", "--prompt", "a fox", *SMALL, "-o", str(out)]
+        folder = tmp_path / "models"
+        folder.mkdir()
+        restart = f"restart it: scripts/down.sh --run-dir {run_dir}, then scripts/up.sh --run-dir {run_dir}"
+        for argv, env, needle in (
+                (["--models-dir", str(tmp_path / "missing")], {},
+                 f"error: --models-dir {tmp_path}/missing: models dir {tmp_path}/missing does not exist"),
+                (["--models-dir", str(folder)], {},
+                 f"error: --models-dir {folder}: the stack behind the render service at {target} (from {run_dir}/"
+                 f"endpoints.env) serves the embedded tiny model, not {folder}; a running stack keeps the files it "
+                 f"was started with. Leave --models-dir out to render with what it serves, or {restart} --models-dir "
+                 f"{folder} (with the other flags it was started with)"),
+                ([], {"H3_MODELS_DIR": str(folder)}, f"error: --models-dir {folder} (H3_MODELS_DIR): the stack behind"),
+                (["--devices", "cuda:1"], {},
+                 f"error: --devices cuda:1: the stack behind the render service at {target} (from {run_dir}/"
+                 f"endpoints.env) runs on cpu and keeps them: --devices is for a stack started here. Leave --devices "
+                 f"out to render on it, or {restart} --devices cuda:1 (with the other flags it was started with)")):
+            r = client([*render, *argv, *where], tmp_path, env)
+            assert r.returncode == 2, r.stderr
+            assert r.stderr.strip() == needle or (needle in r.stderr and len(r.stderr.strip().splitlines()) == 1), \
+                r.stderr
+        r = client([*render, "--render", target, "--models-dir", str(folder), "--endpoints-file",
+                    str(tmp_path / "none.env")], tmp_path)
+        assert r.returncode == 2 and f"(from --render) serves the embedded tiny model, not {folder}" in r.stderr
+        assert r.stderr.rstrip().endswith(f"or restart its stages with --models-dir {folder}"), r.stderr
+        stages = ["--encoder", ep.encoder, "--dit", ep.dit, "--decoder", ep.decoder, "--endpoints-file",
+                  str(tmp_path / "none.env")]
+        r = client([*render, *stages, "--models-dir", str(folder)], tmp_path)
+        assert r.returncode == 2 and "the stack of the configured stages (from --encoder) serves the embedded tiny " \
+                                     "model" in r.stderr, r.stderr
+        assert no_stack_started(tmp_path) and not out.exists()
+        assert len(svc.stub.List(render_pb2.ListRequest(limit=500), timeout=10).jobs) == jobs
+    finally:
+        svc.stop()
+
+
+def test_the_stack_serving_a_folder_takes_it_by_any_path(tmp_path, model_cache):
+    """A stage started with --models-dir reports the folder in its Status (absolute, links resolved); the client's
+    check takes the same folder named through a link, and refuses another naming what each stage serves."""
+    from client.checks import CheckError, check_running_stack
+    from client.embedded import EmbeddedStack, StackConfig
+    from client.endpoints import served_by
+    from client.stubs import Endpoints, Security
+    from dit_svc.engine import embedded_config
+    from minimax_h3.dit.tiny_checkpoint import write_tiny_checkpoint
+    from tests.render_svc_util import SERVER_ENV
+
+    folder = tmp_path / "models"
+    (folder / "diffusion_models").mkdir(parents=True)
+    write_tiny_checkpoint(embedded_config(), folder / "diffusion_models/minimax_h3_fl2va_bf16.safetensors", "bf16")
+    (tmp_path / "link").symlink_to(folder)
+    s = EmbeddedStack(StackConfig(models_dir=str(tmp_path / "link"), cache_dir=str(model_cache), env=SERVER_ENV,
+                                  run_dir=str(tmp_path / "run")))
+    try:
+        s.start_stage("dit")
+        port = s.wait_ready("dit")
+        served = lambda: served_by(Endpoints(dit=f"127.0.0.1:{port}"), Security())  # noqa: E731
+        (name, st), = served()
+        assert name == "dit" and st.models_dir == str(folder) and not st.embedded_model, st
+        check_running_stack(str(folder), "", "the stack", "--dit", served, "run/endpoints.env")
+        check_running_stack(str(tmp_path / "link") + "/", "", "the stack", "--dit", served, "run/endpoints.env")
+        other = tmp_path / "other"
+        other.mkdir()
+        with pytest.raises(CheckError, match=f"the stack \\(from --dit\\) serves {folder}, not {other}"):
+            check_running_stack(str(other), "", "the stack", "--dit", served, "run/endpoints.env")
+    finally:
+        s.stop()
