@@ -12,7 +12,8 @@
 from --render, env H3_RENDER or the endpoints file `scripts/up.sh` writes (run/endpoints.env). With none configured,
 `render` starts one: over the configured stages (--encoder/--dit/--decoder, env H3_ENCODER/H3_DIT/H3_DECODER or the
 endpoints file), else, with nothing configured at all, in an embedded local stack. Anything configured that does not
-answer is an error (exit 1), never a silent fall-back to the tiny model.
+answer is an error (exit 1), never a silent fall-back to the tiny model; a local-stack flag (--models-dir, --devices)
+that a configured stack does not serve is refused (exit 2), naming what it serves.
 """
 
 from __future__ import annotations
@@ -27,10 +28,10 @@ from pathlib import Path
 
 import grpc
 
-from client.checks import (CheckError, check_for_local_stack, output_paths, read_keyframe, read_prompts,
-                           read_references, refuse_existing)
+from client.checks import (CheckError, check_for_local_stack, check_running_stack, output_paths, read_keyframe,
+                           read_prompts, read_references, refuse_existing)
 from client.command import self_command
-from client.embedded import StackStartError
+from client.embedded import CtrlC, StackStartError
 from client.endpoints import (DEFAULT_ENDPOINTS_FILE, EndpointError, add_endpoint_args, check_render_reachable,
                               configured_endpoints, configured_render, connect_render)
 from client.render_client import state_name
@@ -139,13 +140,25 @@ def _refused(e: grpc.RpcError) -> bool:
 
 
 def cmd_render(args) -> int:
+    """`render`; Ctrl-C exits 130: a local stack says at once that it stops, and stops (client/embedded.py CtrlC)."""
+    with CtrlC() as ctrl_c:
+        try:
+            return _render(args, ctrl_c)
+        except KeyboardInterrupt:
+            return 130
+
+
+def _render(args, ctrl_c: CtrlC) -> int:
     from client.progress import RenderProgress, print_summary
     from client.render_client import TERMINAL, RenderClient
 
     security = Security(args.token, args.tls_ca)
     try:
         reqs, outs = render_inputs(args)
-        target, stack = connect_render(args, security, before_embedded=lambda: check_for_local_stack(args.models_dir))
+        target, stack = connect_render(
+            args, security, before_embedded=lambda: check_for_local_stack(args.models_dir), ctrl_c=ctrl_c,
+            running=lambda where, source, served: check_running_stack(args.models_dir, args.devices, where, source,
+                                                                      served, args.endpoints_file))
     except CheckError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -236,7 +249,7 @@ def cmd_render(args) -> int:
         return 130
     finally:
         if stack is not None:
-            stack.stop()
+            ctrl_c.stop_stack()
 
 
 def _print_job(info) -> None:
@@ -426,8 +439,10 @@ def _add_render_parser(sub) -> None:
     local = r.add_argument_group("local stack (started only when no service is configured)")
     local.add_argument("--models-dir", default=os.environ.get("H3_MODELS_DIR", ""),
                        help="real checkpoints for the local stack (default: H3_MODELS_DIR, else the tiny embedded "
-                            "model; `models check DIR` checks a folder)")
-    local.add_argument("--devices", default="", help="devices for the local stack, e.g. cuda:0 (default: CPU)")
+                            "model; `models check DIR` checks a folder); with a service configured, refused unless "
+                            "its stages serve this folder")
+    local.add_argument("--devices", default="", help="devices for the local stack, e.g. cuda:0 (default: CPU); "
+                                                      "refused with a service configured (it keeps its own)")
     add_endpoint_args(r.add_argument_group("where the services are"), render=True)
     r.set_defaults(fn=cmd_render)
 

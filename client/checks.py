@@ -145,3 +145,65 @@ def check_for_local_stack(models_dir: str) -> None:
                 continue
             raise CheckError(f"--models-dir {models_dir}: {e.message} ({self_command()} models check DIR "
                              "says what each stage needs)") from None
+
+
+def _serves(st) -> str:
+    """What one stage serves, in words, from its Status."""
+    if st is None:
+        return "did not answer"
+    if st.models_dir:
+        return st.models_dir
+    return "the embedded tiny model" if st.embedded_model else f"files named one by one ({st.weights})"
+
+
+def _per_stage(served, words) -> str:
+    """`words` of every stage, once when they all agree, else stage by stage."""
+    said = {name: words(st) for name, st in served}
+    if len(set(said.values())) == 1:
+        return next(iter(said.values()))
+    return "(" + "; ".join(f"{name}: {w}" for name, w in said.items()) + ")"
+
+
+def check_running_stack(models_dir: str, devices: str, where: str, source: str, served, endpoints_file: str) -> None:
+    """`--models-dir` and `--devices` say what a stack started here would serve; a stack that runs already (`where`,
+    configured by `source`) keeps what it was started with, so either flag is refused (CheckError, exit 2) unless it
+    is what the stack serves, naming what it serves and how to restart it with the flag: a folder that does not exist
+    always; a folder other than the one every stage that answers serves from (`served()`: (stage, Status or None));
+    any --devices (the stages report rank 0's device alone, so a match cannot be told). An EndpointError (exit 1)
+    when no stage says what it serves."""
+    from client.endpoints import DEFAULT_ENDPOINTS_FILE, EndpointError
+
+    if not models_dir and not devices:
+        return
+    if source == endpoints_file:  # started by scripts/up.sh, which wrote the file
+        run_dir = Path(endpoints_file).parent
+        rd = "" if run_dir == DEFAULT_ENDPOINTS_FILE.parent else f" --run-dir {run_dir}"
+        restart = (f"restart it: scripts/down.sh{rd}, then scripts/up.sh{rd} {{flag}} (with the other flags it was "
+                   "started with)")
+    else:
+        restart = "restart its stages with {flag}"
+    if models_dir:
+        flag = f"--models-dir {models_dir}" + (" (H3_MODELS_DIR)" if os.environ.get("H3_MODELS_DIR") == models_dir
+                                               else "")
+        folder = Path(models_dir).expanduser()
+        if not folder.is_dir():
+            raise CheckError(f"{flag}: models dir {folder} does not exist or is not a directory")
+    stages = served()
+    answered = [(name, st) for name, st in stages if st is not None]
+    if not answered:
+        raise EndpointError(f"cannot tell what {where} serves: none of its stages answered Status "
+                            f"({', '.join(name for name, _ in stages)}); `{self_command()} status` shows them")
+    if models_dir and any(st.models_dir != str(folder.resolve()) for _, st in answered):
+        raise CheckError(f"{flag}: {where} (from {source}) serves {_per_stage(stages, _serves)}, not "
+                         f"{folder.resolve()}; a running stack keeps the files it was started with. Leave "
+                         f"--models-dir out to render with what it serves, or "
+                         + restart.format(flag=f"--models-dir {folder.resolve()}"))
+    if devices:
+        def runs_on(st) -> str:
+            if st is None:
+                return "did not answer"
+            return ",".join(st.devices) + (f" (rank 0 of {st.world_size})" if st.world_size > 1 else "")
+
+        raise CheckError(f"--devices {devices}: {where} (from {source}) runs on {_per_stage(stages, runs_on)} and "
+                         f"keeps them: --devices is for a stack started here. Leave --devices out to render on it, "
+                         f"or " + restart.format(flag=f"--devices {devices}"))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -184,3 +185,46 @@ class EmbeddedStack:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+class CtrlC:
+    """Ctrl-C while a local stack runs (`with CtrlC() as ctrl_c:`, the stack given as `ctrl_c.stack` once made): its
+    line at once, naming what is stopped, then KeyboardInterrupt, which stops the stack; a second Ctrl-C while it
+    stops kills its processes (SIGKILL to each process group). Without a stack, Ctrl-C is the plain
+    KeyboardInterrupt; a process that ignores SIGINT (started in the background) keeps ignoring it."""
+
+    def __init__(self):
+        self.stack: EmbeddedStack | None = None
+        self.stopping: list[subprocess.Popen] | None = None  # the stack's processes, once it stops
+        self.previous = None
+
+    def __enter__(self) -> "CtrlC":
+        if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
+            self.previous = signal.signal(signal.SIGINT, self._interrupted)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.previous is not None:
+            signal.signal(signal.SIGINT, self.previous)
+
+    def stop_stack(self) -> None:
+        """Stop the stack; a Ctrl-C meanwhile kills it rather than cutting the stop short."""
+        if self.stopping is None:
+            self.stopping = list(self.stack.procs.values())
+        self.stack.stop()
+
+    def _interrupted(self, signum, frame) -> None:
+        if self.stopping is not None:
+            print("killing the local stack", file=sys.stderr, flush=True)
+            for proc in self.stopping:
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            return
+        if self.stack is None or not self.stack.procs:
+            raise KeyboardInterrupt
+        self.stopping = list(self.stack.procs.values())
+        print(f"stopping the local stack ({', '.join(self.stack.procs)}) ... (Ctrl-C again kills it)",
+              file=sys.stderr, flush=True)
+        raise KeyboardInterrupt

@@ -15,9 +15,17 @@ import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from client.stubs import SERVICE_NAMES, STAGES, Endpoints, Security, StageClients, health_of, open_channel
+import grpc
+
+from client.stubs import (SERVICE_NAMES, STAGES, Endpoints, Security, StageClients, health_of, open_channel,
+                          replicas_of, rpc_words)
 from stagekit.errors import FailedPrecondition
+
+if TYPE_CHECKING:
+    from client.embedded import CtrlC
+    from h3.v1 import common_pb2
 
 DEFAULT_ENDPOINTS_FILE = Path("run/endpoints.env")
 
@@ -106,28 +114,77 @@ def check_render_reachable(args, target: str, security: Security) -> None:
                             f"nothing (scripts/down.sh removes {args.endpoints_file})")
 
 
+Served = list[tuple[str, "common_pb2.StageStatus | None"]]  # (stage or "stage/replica", its Status or None)
+
+
+def served_behind(target: str, security: Security) -> Served:
+    """What the stages behind the render service at `target` serve, from its Status (each stage's own Status as it
+    read it; a stage of several replicas by each replica)."""
+    from client.render_client import RenderClient
+
+    with RenderClient(target, security) as rc:
+        try:
+            entries = rc.status().stages
+        except grpc.RpcError as e:
+            raise EndpointError(f"the render service at {target} did not say what its stages serve: "
+                                f"{rpc_words(e)}") from None
+    several = {e.stage.partition("/")[0] for e in entries if "/" in e.stage}
+    return [(e.stage, e.status if e.HasField("status") else None) for e in entries if e.stage not in several]
+
+
+def served_by(endpoints: Endpoints, security: Security) -> Served:
+    """What each configured stage (each replica of a list) serves, from its own Status."""
+    from h3.v1 import common_pb2
+
+    out = []
+    for s in endpoints.stages:
+        for name, addr in replicas_of(endpoints.of(s)):
+            with StageClients(Endpoints(**{s: addr}), security) as c:
+                try:
+                    st = c.stub(s).Status(common_pb2.StatusRequest(), timeout=5, metadata=c.security.metadata())
+                except grpc.RpcError:
+                    st = None
+            out.append((f"{s}/{name}" if name else s, st))
+    return out
+
+
 def connect_render(args, security: Security, before_embedded: Callable[[], None] | None = None,
-                   extra_args: dict[str, list[str]] | None = None):
+                   extra_args: dict[str, list[str]] | None = None, ctrl_c: CtrlC | None = None,
+                   running: Callable[[str, str, Callable[[], Served]], None] | None = None):
     """(render service address, stack). In order: the configured render service; else one started here over the
     configured stages (all three); else, only when nothing at all is configured, an embedded local stack with its
     own render service (stop the stack after). Anything configured that does not answer is an EndpointError:
     never silently the tiny model. `before_embedded` runs before a stack is started (checks that would otherwise
-    cost its start-up); `extra_args`: more flags per process started ("render" or a stage)."""
+    cost its start-up); `running(where, source, served)` before anything is asked of stages that run already (the
+    configured render service or stages: `where` in words, `source` where they were configured, `served()` what
+    their stages serve); `extra_args`: more flags per process started ("render" or a stage); `ctrl_c`: the caller's
+    `client.embedded.CtrlC`, told of the stack as soon as it is made.
+
+    A stack started here serves this client alone: its processes cancel their running job on SIGTERM
+    (--cancel-on-term), so stopping it after a Ctrl-C takes seconds, not the drain a shared service gives a job."""
     from client.embedded import EmbeddedStack, StackConfig, StackStartError
 
     target = configured_render(args)
     if target:
         check_render_reachable(args, target, security)
+        if running is not None:
+            running(f"the stack behind the render service at {target}", _render_source(args),
+                    lambda: served_behind(target, security))
         return target, None
     endpoints = configured_endpoints(args)
     if endpoints is not None:
         require_stages(args, endpoints, STAGES, "a render over configured stages")
         check_reachable(args, endpoints, security)
+        if running is not None:
+            running("the stack of the configured stages", _source(args, "encoder"),
+                    lambda: served_by(endpoints, security))
     if before_embedded is not None:
         before_embedded()
+    own = {"render": ["--cancel-on-term", "--http-port", "0"], **{s: ["--cancel-on-term"] for s in STAGES}}
     stack = EmbeddedStack(StackConfig(models_dir=args.models_dir, devices=args.devices, security=security,
-                                      with_render=True, extra_args=_merged({"render": ["--http-port", "0"]},
-                                                                           extra_args or {})))
+                                      with_render=True, extra_args=_merged(own, extra_args or {})))
+    if ctrl_c is not None:
+        ctrl_c.stack = stack
     try:
         if endpoints is not None:
             print("starting a render service over the configured stages ...", file=sys.stderr)
@@ -138,6 +195,9 @@ def connect_render(args, security: Security, before_embedded: Callable[[], None]
     except StackStartError as e:
         stack.stop()  # why is in the message: nothing is left behind in the temp dir
         raise StackStartError(f"the local stack could not start: {e.summary}") from None
+    except KeyboardInterrupt:
+        stack.stop()  # what started is stopped; nothing is left behind in the temp dir
+        raise
     web = stack.run_dir / "render.port.http"
     if web.exists():
         print(f"render service web page: http://127.0.0.1:{web.read_text().strip()}/", file=sys.stderr)

@@ -2,7 +2,7 @@
 with the system Python before any virtualenv exists (`python3 -m client.machine torch`), and `client doctor` /
 `client models check` import it.
 
-    python3 -m client.machine torch [--cpu | --cuda]   # the torch build to install: one `key=value` a line
+    python3 -m client.machine torch [--cpu | --cuda | --build TAG]   # the torch build to install: `key=value` lines
     python3 -m client.machine gpus                     # the GPUs nvidia-smi sees
 
 The choice of torch build (1. to 4. in `choose_torch`) follows NVIDIA's driver table: a CUDA 13.0 build needs
@@ -23,6 +23,7 @@ TORCH_VERSION = "2.13.0"
 TORCH_INDEX = "https://download.pytorch.org/whl/"
 # (build tag, least driver major version, least compute capability), newest first
 CUDA_BUILDS = (("cu130", 580, 7.5), ("cu128", 570, 7.5), ("cu126", 525, 5.0))
+BUILDS = ("cpu", *(tag for tag, _, _ in CUDA_BUILDS))
 FP8_ATTENTION_CC = 9.0  # cuDNN fp8 attention (nvidia-cudnn-frontend): Hopper and later
 FA3_CC = 9.0  # FlashAttention-3 (fa3-fwd): its kernels are built for Hopper alone
 GIB = 1 << 30
@@ -87,7 +88,9 @@ class TorchChoice:
 
 
 def choose_torch(gpus: list[GPU], none_why: str, force: str = "") -> TorchChoice:
-    """The torch build for this machine. `force`: "cpu" | "cuda" (the --cpu / --cuda of setup.sh).
+    """The torch build for this machine. `force`: "cpu" | "cuda" (the --cpu / --cuda of setup.sh), or a build tag
+    ("cu128", the --build of setup.sh): that build whatever this machine has, for another machine (an image built
+    without the GPU it will run on).
 
     1. --cpu, or no NVIDIA GPU: the CPU build from PyTorch's CPU wheel index (PyPI's torch of the same version is
        the CUDA build, which pulls in the nvidia-* wheels: several GB a machine without a GPU never uses), pinned
@@ -105,6 +108,11 @@ def choose_torch(gpus: list[GPU], none_why: str, force: str = "") -> TorchChoice
 
     if force == "cpu":
         return cpu("--cpu given")
+    for tag, least_driver, _ in CUDA_BUILDS:
+        if force == tag:  # nvidia-cudnn-frontend too: the machine it is for may be a Hopper
+            return TorchChoice(tag, f"torch=={TORCH_VERSION}", TORCH_INDEX + tag, True,
+                               f"--build {tag} given: for NVIDIA drivers {least_driver}+; this machine's GPUs are "
+                               "not asked")
     if not gpus:
         if force == "cuda":
             return TorchChoice("error", "", "", False, f"--cuda given but {none_why}")
@@ -189,6 +197,8 @@ def main(argv: list[str] | None = None) -> int:
     force.add_argument("--cpu", action="store_const", const="cpu", dest="force", help="the CPU build, whatever is here")
     force.add_argument("--cuda", action="store_const", const="cuda", dest="force",
                        help="a CUDA build; an error when no GPU or driver can run one")
+    force.add_argument("--build", choices=BUILDS, dest="force",
+                       help="this build whatever the machine has (an image for other machines)")
     sub.add_parser("gpus", help="the GPUs nvidia-smi sees")
     args = ap.parse_args(argv)
     gpus, none_why = find_gpus()

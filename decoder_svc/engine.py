@@ -23,7 +23,7 @@ import torch
 from minimax_h3.contract import (AUDIO_HOP, AUDIO_LATENTS, AUDIO_SAMPLE_RATE, DEFAULT_CRF, ENCODED_KEYFRAME,
                                  ENCODED_REFERENCE_AUDIO, ENCODED_REFERENCE_VIDEO, H3_GEOMETRY, RAW_AUDIO, RAW_FRAMES,
                                  SAMPLE_OUTPUTS, VIDEO_LATENTS, LatentGeometry, RenderSpec, tensor_shapes)
-from minimax_h3.files import CHECKPOINT_PARTS, ensure_embedded, resolve_checkpoint
+from minimax_h3.files import CHECKPOINT_PARTS, ensure_embedded, resolve_checkpoint, shown_models_dir
 from minimax_h3.media import EMBEDDED_REFERENCE_SIZES, ReferenceSizes
 from minimax_h3.mux import DEFAULT_PRESET
 from minimax_h3.vae.audio import AudioVAEConfig, inspect_audio_vae, load_audio_vae, write_tiny_audio_vae
@@ -340,4 +340,5 @@ class DecoderEngine:
         variant = (f"video {v.layout} {str(self.cfg.weight_dtype).replace('torch.', '')} (config: {v.config_source}) / "
                    f"audio {a.layout} fp32 (config: {a.config_source})")
         return {"weights": f"{self.video_path} + {self.audio_path}", "variant": variant,
-                "embedded_model": self.embedded, "devices": [self.cfg.device]}
+                "embedded_model": self.embedded, "devices": [self.cfg.device],
+                "models_dir": shown_models_dir(self.cfg.models_dir)}

@@ -35,7 +35,7 @@ from minimax_h3.dit.step_cache import FAST_THRESHOLD, FirstBlockCache
 from minimax_h3.dit.streaming import BlockStream, Placement, plan_placement
 from minimax_h3.dit.tiny_checkpoint import write_tiny_checkpoint
 from minimax_h3.dit.tp import param_style
-from minimax_h3.files import CHECKPOINT_PARTS, ensure_embedded, find_part
+from minimax_h3.files import CHECKPOINT_PARTS, ensure_embedded, find_part, shown_models_dir
 from minimax_h3.kernels.int8 import Int8ConvRotLinear, QuantizedWeight
 from minimax_h3.kernels.registry import AUTO, KernelConfig, KernelSelection, select_kernels_remembered
 from minimax_h3.kernels.tuning import chunk_rows as tuned_chunk_rows
@@ -636,6 +636,7 @@ class DiTEngine:
         return {"weights": str(self.path), "variant": self.variant,
                 "partitions": {p: str(i.path) for p, i in self.partitions.items()}, "embedded_model": self.embedded,
                 "devices": [self.cfg.device], "kernels": self.kernel_rows(),
+                "models_dir": shown_models_dir(self.cfg.models_dir),
                 "loras": {"directory": self.cfg.loras_dir, "names": lora_names(self.cfg.loras_dir),
                           "paths_allowed": self.cfg.allow_lora_paths}}
 

@@ -15,7 +15,7 @@ import torch
 
 from encoder_svc.cache import CacheKey, TextStateCache
 from minimax_h3.contract import TEXT_STATES, TEXT_TAGS
-from minimax_h3.files import CHECKPOINT_PARTS, EMBEDDED_VERSION, resolve_checkpoint
+from minimax_h3.files import CHECKPOINT_PARTS, EMBEDDED_VERSION, resolve_checkpoint, shown_models_dir
 from minimax_h3.media import EMBEDDED_REFERENCE_SIZES, ReferenceSizes
 from minimax_h3.text.checkpoint import TextEncoderCheckpoint, conditioner_config_for
 from minimax_h3.text.conditioner import Conditioner, ConditionerConfig, resolve_tokenizer
@@ -138,4 +138,5 @@ class EncoderEngine:
 
     def describe(self) -> dict:
         return {"weights": str(self.path), "variant": f"{self.variant} ({self.cfg.mode})",
-                "embedded_model": self.embedded, "devices": [self.cfg.device]}
+                "embedded_model": self.embedded, "devices": [self.cfg.device],
+                "models_dir": shown_models_dir(self.cfg.models_dir)}

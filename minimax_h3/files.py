@@ -133,6 +133,12 @@ def resolve_checkpoint(explicit: str, models_dir: str, part: str,
     return embedded(), True
 
 
+def shown_models_dir(models_dir: str) -> str:
+    """A stage's --models-dir as its Status shows it: absolute, links resolved ("" for none), so a client compares it
+    with a folder it names."""
+    return str(Path(models_dir).expanduser().resolve()) if models_dir else ""
+
+
 def safe_name(name: str, default: str) -> str:
     """A bare file name for outputs: no directories, no traversal, no hidden files."""
     base = os.path.basename(name or "")

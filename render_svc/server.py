@@ -17,7 +17,7 @@ from pathlib import Path
 import grpc
 
 from client.stubs import SERVICE_NAMES, STAGES, Endpoints, Security, StageClients, health_of
-from h3.v1 import render_pb2, render_pb2_grpc
+from h3.v1 import common_pb2, render_pb2, render_pb2_grpc
 from render_svc.engine import RenderEngine, make_replicas
 from render_svc.service import RenderService, SchedulerConfig
 from render_svc.stalls import STALL_TIMEOUT_S
@@ -237,19 +237,29 @@ class RenderServicer(UploadMixin, render_pb2_grpc.RendererServicer):
             context.abort(grpc.StatusCode.OUT_OF_RANGE, f"offset {request.offset} is past the end ({size} bytes)")
         yield from file_chunks(path, f"{request.job_id}.mp4", "video/mp4", request.offset)
 
-    def _health(self, node: str, channel, service: str) -> str:
-        """A stage replica's health: SUSPECT (why) while it is out of rotation after a stall, else its own answer."""
-        why = self.svc.suspect(node)
-        return f"SUSPECT ({why})" if why else health_of(channel, SERVICE_NAMES[service], 2.0)
+    def _stage(self, name: str, endpoint: str, clients: StageClients, service: str, one: bool
+               ) -> render_pb2.StageEndpoint:
+        """A stage (or one replica) as Status shows it: its health (SUSPECT, with why, while it is out of rotation
+        after a stall) and, for one address (`one`), its own Status: what it serves (a client compares its flags with
+        it: `client render --models-dir`)."""
+        why = self.svc.suspect(name)
+        health = health_of(clients.channels[service], SERVICE_NAMES[service], 2.0)
+        status = None
+        if one and health != "UNREACHABLE":
+            try:
+                status = clients.stub(service).Status(common_pb2.StatusRequest(), timeout=2.0,
+                                                      metadata=clients.security.metadata())
+            except grpc.RpcError:
+                pass
+        return render_pb2.StageEndpoint(stage=name, endpoint=endpoint, health=f"SUSPECT ({why})" if why else health,
+                                        status=status)
 
     def Status(self, request, context):
         counts = self.svc.counts()
-        stages = [render_pb2.StageEndpoint(stage=s, endpoint=self.clients.endpoints.of(s),
-                                           health=self._health(s, self.clients.channels[s], s))
-                  for s in STAGES]
-        stages += [render_pb2.StageEndpoint(  # each of several replicas on its own
-            stage=node, endpoint=r.address, health=self._health(node, r.clients.channels[r.service], r.service))
-            for node, r in self.svc.engine.replicas.items() if node != r.service]
+        replicas = self.svc.engine.replicas
+        stages = [self._stage(s, self.clients.endpoints.of(s), self.clients, s, s in replicas) for s in STAGES]
+        stages += [self._stage(node, r.address, r.clients, r.service, True)  # each of several replicas on its own
+                   for node, r in replicas.items() if node != r.service]
         cfg = self.svc.cfg
         health = f"DEGRADED ({self.svc.storage_error})" if self.svc.storage_error else "SERVING"
         return render_pb2.RenderStatus(

@@ -2,6 +2,7 @@
 # Start the three h3-stages servers and the render service beside them, wait until each is SERVING, print endpoints.
 # Idempotent: a server whose pid file points at a live process is left alone; leftovers of a stage whose
 # launcher died (its process group, e.g. ranks of a killed torchrun agent) are stopped before it is started again.
+# A run that fails (a port taken, a stage that dies while starting, Ctrl-C) stops what it started and says so.
 # Each stage runs in its own process group (pid file = group id) with TMPDIR=<run-dir>/tmp/<stage>.
 #
 #   scripts/up.sh [--run-dir run] [--models-dir DIR] [--devices cuda:0,cuda:1]
@@ -101,6 +102,38 @@ run_dir="$(cd "$run_dir" && pwd)"
 source scripts/procs.sh
 alive() { [[ -f "$1" ]] && pid_alive "$(cat "$1")"; }
 
+# A run that fails (a port taken, a stage that died while starting, Ctrl-C) stops what it started itself, says so,
+# and names what it found running and leaves so; run/endpoints.env goes with what it named.
+started=()  # the instances up.sh started, in order ("render" last)
+why=failed
+stop_started() {
+  local rc=$? name pidf what="" before=""
+  trap - EXIT TERM; trap '' INT  # a second Ctrl-C does not cut the stopping short (10 s at most a stage)
+  (( rc != 0 )) || return 0
+  if (( ${#started[@]} )); then
+    for name in "${started[@]}"; do what+="${what:+, }$name (pid $(cat "$run_dir/$name.pid"))"; done
+    echo "up.sh: $why; stopping what it started: $what" >&2
+    for (( i = ${#started[@]} - 1; i >= 0; i-- )); do
+      name=${started[$i]}; pidf="$run_dir/$name.pid"
+      stop_stage "$(cat "$pidf")" "$run_dir/tmp/$name" 10
+      rm -f "$pidf" "$run_dir/$name.port" "$run_dir/$name.port.http"; rm -rf "$run_dir/tmp/$name"
+      echo "up.sh: stopped $name" >&2
+    done
+    rm -f "$run_dir/endpoints.env" "$run_dir/render.stages"
+  fi
+  for name in "${names[@]}" render; do
+    if [[ " ${started[*]} " != *" $name "* ]] && alive "$run_dir/$name.pid"; then
+      before+="${before:+, }$name (pid $(cat "$run_dir/$name.pid"))"
+    fi
+  done
+  [[ -z "$before" ]] || echo "up.sh: left running, as it found them: $before (scripts/down.sh --run-dir $run_dir" \
+                             "stops them)" >&2
+  exit "$rc"
+}
+trap stop_started EXIT
+trap 'why=interrupted; exit 130' INT
+trap 'exit 143' TERM
+
 # 2. A stage's instances not asked for now (the single one when it is to run as replicas, or replicas beyond the
 #    count) are stopped first: they would hold the ports and devices of the new ones.
 for pidf in "$run_dir"/{encoder,dit,decoder}.pid "$run_dir"/{encoder,dit,decoder}.*.pid; do
@@ -141,7 +174,7 @@ for name in "${names[@]}"; do
     cmd=("$PY" -m "${module[$stage]}" "${args[@]}" "${extra[@]}")
   fi
   TMPDIR="$stage_tmp" setsid "${cmd[@]}" >>"$run_dir/$name.log" 2>&1 < /dev/null &
-  echo $! > "$pidf"
+  echo $! > "$pidf"; started+=("$name")
   on=""; [[ -z "${replicas[$stage]+x}" ]] || on=", devices ${inst_devices[$name]}"
   echo "started $name (pid $!, ranks ${inst_ranks[$name]}$on), log $run_dir/$name.log"
 done
@@ -149,8 +182,9 @@ done
 # 4. Wait until every instance is SERVING; endpoints.env gets one line per stage, its replicas listed as the render
 #    service's --dit takes them (1=HOST:PORT,2=HOST:PORT).
 "$PY" - "$run_dir" "${names[@]}" <<'PYEOF'
-import os, sys, time
+import os, signal, sys, time
 from pathlib import Path
+signal.signal(signal.SIGINT, lambda *_: sys.exit(130))  # Ctrl-C: up.sh says what it stops, no traceback
 from client.stubs import SERVICE_NAMES, health_of, open_channel
 run = Path(sys.argv[1]); deadline = time.time() + 600; addrs = {}
 def failed(name, what):  # the log's last lines say why; the whole log stays there
@@ -194,13 +228,14 @@ else
   TMPDIR="$render_tmp" setsid "$PY" -m render_svc --host "$host" --port "$render_port" \
     --port-file "$run_dir/render.port" --run-dir "$run_dir/render" --http-port "$web_port" \
     --encoder "$(ep ENCODER)" --dit "$(ep DIT)" --decoder "$(ep DECODER)" >>"$run_dir/render.log" 2>&1 < /dev/null &
-  echo $! > "$pidf"
+  echo $! > "$pidf"; started+=(render)
   echo "$stages_now" > "$run_dir/render.stages"
   echo "started render (pid $!), log $run_dir/render.log"
 fi
 "$PY" - "$run_dir" <<'PYEOF'
-import os, sys, time
+import os, signal, sys, time
 from pathlib import Path
+signal.signal(signal.SIGINT, lambda *_: sys.exit(130))
 from client.stubs import SERVICE_NAMES, health_of, open_channel
 run = Path(sys.argv[1]); deadline = time.time() + 300
 pf, pid = run / "render.port", run / "render.pid"

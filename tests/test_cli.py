@@ -86,3 +86,47 @@ def test_embedded_stack_removes_its_temp_dir():
     assert s.run_dir.is_dir() and s.run_dir.name.startswith("h3-stack-")
     s.stop()
     assert not s.run_dir.exists()
+
+
+def test_ctrl_c_with_a_local_stack_says_what_it_stops_and_a_second_one_kills_it(tmp_path, capsys):
+    """client/embedded.py CtrlC with a stack whose process drains slowly (it ignores SIGTERM): the first Ctrl-C says
+    what it stops and interrupts; while the stack stops, a second one kills its processes (SIGKILL), and the stop
+    ends there, removing the stack's run dir."""
+    import signal
+    import subprocess
+    import threading
+
+    from client.embedded import CtrlC
+    from tests.waits import wait_until
+
+    def ignores_sigterm(pid: int) -> bool:
+        ignored = next(ln for ln in open(f"/proc/{pid}/status") if ln.startswith("SigIgn:")).split()[1]
+        return bool(int(ignored, 16) >> (signal.SIGTERM - 1) & 1)
+
+    stack = EmbeddedStack(StackConfig())
+    slow = subprocess.Popen(["bash", "-c", "trap '' TERM; sleep 600"], start_new_session=True)
+    stack.procs["dit"] = slow
+    wait_until(lambda: ignores_sigterm(slow.pid), 30, what="the slow process ignoring SIGTERM")
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # as a terminal's foreground process has it
+    try:
+        with CtrlC() as ctrl_c:
+            ctrl_c.stack = stack
+            with pytest.raises(KeyboardInterrupt):
+                os.kill(os.getpid(), signal.SIGINT)
+                wait_until(lambda: False, 30, what="the first Ctrl-C")
+            assert capsys.readouterr().err == "stopping the local stack (dit) ... (Ctrl-C again kills it)\n"
+
+            def second() -> None:
+                wait_until(lambda: not stack.procs, 30, what="the stop under way")  # taken out to be stopped
+                os.kill(os.getpid(), signal.SIGINT)
+
+            t = threading.Thread(target=second)
+            t.start()
+            ctrl_c.stop_stack()
+            t.join()
+        assert slow.returncode == -signal.SIGKILL and capsys.readouterr().err == "killing the local stack\n"
+        assert not stack.run_dir.exists() and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        slow.kill()
+        slow.wait()

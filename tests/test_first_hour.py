@@ -3,7 +3,8 @@
 (exit 2, the service's own rule), what only the stages know is refused by a local stack's Submit (exit 2), a bad
 --models-dir is one line and leaves nothing behind, -o never overwrites, finished jobs say done, status / loadtest
 look at one stage alone, help texts are grouped with real defaults, up.sh / down.sh --help, messages in words, and
-no traceback into a closed pipe."""
+no traceback into a closed pipe; a --models-dir / --devices that a running stack does not serve is refused, naming
+what it serves; Ctrl-C of the first command says at once that it stops the local stack, and stops it."""
 
 from __future__ import annotations
 
@@ -220,3 +221,163 @@ def test_a_cuda_device_on_a_cpu_build_of_torch_says_so(tmp_path):
                         str(tmp_path / "leases")], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert r.returncode != 0 and "dit: cannot start: --devices cuda:0, but torch" in r.stderr, r.stderr
     assert "scripts/setup.sh --cuda" in r.stderr and "_cuda_setDevice" not in r.stderr
+
+
+def stack_processes(tmp: Path) -> dict[int, str]:
+    """pid -> command line of the live processes of local stacks started with TMPDIR `tmp` (each inherits
+    TMPDIR=<tmp>/h3-stack-*/tmp/<process>)."""
+    from tests.procs import alive
+
+    out = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit() and alive(int(d.name)):
+            try:
+                env = (d / "environ").read_bytes().split(b"\0")
+                cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+            except OSError:
+                continue
+            if any(e.startswith(f"TMPDIR={tmp}/h3-stack-".encode()) for e in env):
+                out[int(d.name)] = cmd
+    return out
+
+
+def test_ctrl_c_of_the_first_command_says_at_once_what_it_stops_and_stops_it(tmp_path, model_cache):
+    """Ctrl-C of the README's first command while the DiT runs its job: the line "stopping the local stack (encoder,
+    dit, decoder, render) ..." comes first, then the client exits 130 with every process of the stack gone and its
+    temp dir removed. The stack's processes take SIGTERM as "cancel the running job" (--cancel-on-term): the stack
+    serves this client alone, so no job is left to finish."""
+    import json
+    import signal
+    import threading
+    import urllib.request
+
+    from tests.procs import takes_ctrl_c
+    from tests.waits import wait_until
+
+    tmp = tmp_path / "tmpdir"
+    tmp.mkdir()
+    env = {**os.environ, **CLEAN_ENV, "TMPDIR": str(tmp),
+           **{f"H3_{s}_CACHE_DIR": str(model_cache) for s in ("ENCODER", "DIT", "DECODER")}}
+    out = tmp_path / "x.mp4"
+    p = subprocess.Popen([sys.executable, "-m", "client", "render", "--prompt", "a heron waits in the reeds at dawn",
+                          "--steps", "200", "-o", str(out), "--endpoints-file", str(tmp_path / "none.env")], cwd=ROOT,
+                         env=env, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, preexec_fn=takes_ctrl_c)
+    lines: list[str] = []
+
+    def read() -> None:
+        for line in p.stderr:
+            lines.append(line)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        web = wait_until(lambda: next((ln.split("web page: ")[1].strip() for ln in lines if "web page: " in ln), None)
+                         or p.poll() is not None and "".join(lines), 300, what="the local stack's web page")
+        assert web.startswith("http://"), web
+
+        def dit_running() -> bool:
+            with urllib.request.urlopen(web + "api/state", timeout=10) as r:
+                jobs = json.load(r)["jobs"]
+            return any(j["state"] == "JOB_RUNNING" and j["stage"] == "dit" for j in jobs)
+
+        wait_until(dit_running, 300, what="the DiT running the job")
+        procs = stack_processes(tmp)
+        assert len(procs) >= 4 and all("--cancel-on-term" in c for c in procs.values()), procs
+        said = len(lines)
+        p.send_signal(signal.SIGINT)
+        assert p.wait(timeout=120) == 130, "".join(lines)
+        reader.join(timeout=30)
+        after = [ln.rstrip("\n") for ln in lines[said:]]
+        assert after[0] == "stopping the local stack (encoder, dit, decoder, render) ... (Ctrl-C again kills it)", after
+        assert "Traceback" not in "".join(lines), "".join(lines)
+        assert not stack_processes(tmp) and no_stack_started(tmp_path) and not out.exists()
+    finally:
+        p.kill()
+        p.wait()
+
+
+def test_a_local_stack_flag_a_running_stack_does_not_serve_is_refused(stack, tmp_path):
+    """With a stack running (a render service as scripts/up.sh's endpoints file names it, or configured stages),
+    --models-dir and --devices cannot change what it serves: a folder that does not exist, a folder other than the
+    one its stages serve (here: none, the embedded tiny model), given as the flag or as H3_MODELS_DIR, and any
+    --devices are refused with exit 2 before a job is queued, naming what the stack serves and how to restart it with
+    the flag; no render service is started over configured stages for it."""
+    from h3.v1 import render_pb2
+
+    _, ep = stack
+    svc = RenderService(tmp_path / "render_run", ep)
+    target = svc.start()
+    try:
+        run_dir = tmp_path / "up"
+        run_dir.mkdir()
+        (run_dir / "endpoints.env").write_text(f"H3_RENDER={target}\n")
+        where = ["--endpoints-file", str(run_dir / "endpoints.env")]
+        jobs = len(svc.stub.List(render_pb2.ListRequest(limit=500), timeout=10).jobs)
+        out = tmp_path / "x.mp4"
+        render = ["render", "--prompt", "a fox", *SMALL, "-o", str(out)]
+        folder = tmp_path / "models"
+        folder.mkdir()
+        restart = f"restart it: scripts/down.sh --run-dir {run_dir}, then scripts/up.sh --run-dir {run_dir}"
+        for argv, env, needle in (
+                (["--models-dir", str(tmp_path / "missing")], {},
+                 f"error: --models-dir {tmp_path}/missing: models dir {tmp_path}/missing does not exist"),
+                (["--models-dir", str(folder)], {},
+                 f"error: --models-dir {folder}: the stack behind the render service at {target} (from {run_dir}/"
+                 f"endpoints.env) serves the embedded tiny model, not {folder}; a running stack keeps the files it "
+                 f"was started with. Leave --models-dir out to render with what it serves, or {restart} --models-dir "
+                 f"{folder} (with the other flags it was started with)"),
+                ([], {"H3_MODELS_DIR": str(folder)}, f"error: --models-dir {folder} (H3_MODELS_DIR): the stack behind"),
+                (["--devices", "cuda:1"], {},
+                 f"error: --devices cuda:1: the stack behind the render service at {target} (from {run_dir}/"
+                 f"endpoints.env) runs on cpu and keeps them: --devices is for a stack started here. Leave --devices "
+                 f"out to render on it, or {restart} --devices cuda:1 (with the other flags it was started with)")):
+            r = client([*render, *argv, *where], tmp_path, env)
+            assert r.returncode == 2, r.stderr
+            assert r.stderr.strip() == needle or (needle in r.stderr and len(r.stderr.strip().splitlines()) == 1), \
+                r.stderr
+        r = client([*render, "--render", target, "--models-dir", str(folder), "--endpoints-file",
+                    str(tmp_path / "none.env")], tmp_path)
+        assert r.returncode == 2 and f"(from --render) serves the embedded tiny model, not {folder}" in r.stderr
+        assert r.stderr.rstrip().endswith(f"or restart its stages with --models-dir {folder}"), r.stderr
+        stages = ["--encoder", ep.encoder, "--dit", ep.dit, "--decoder", ep.decoder, "--endpoints-file",
+                  str(tmp_path / "none.env")]
+        r = client([*render, *stages, "--models-dir", str(folder)], tmp_path)
+        assert r.returncode == 2 and "the stack of the configured stages (from --encoder) serves the embedded tiny " \
+                                     "model" in r.stderr, r.stderr
+        assert no_stack_started(tmp_path) and not out.exists()
+        assert len(svc.stub.List(render_pb2.ListRequest(limit=500), timeout=10).jobs) == jobs
+    finally:
+        svc.stop()
+
+
+def test_the_stack_serving_a_folder_takes_it_by_any_path(tmp_path, model_cache):
+    """A stage started with --models-dir reports the folder in its Status (absolute, links resolved); the client's
+    check takes the same folder named through a link, and refuses another naming what each stage serves."""
+    from client.checks import CheckError, check_running_stack
+    from client.embedded import EmbeddedStack, StackConfig
+    from client.endpoints import served_by
+    from client.stubs import Endpoints, Security
+    from dit_svc.engine import embedded_config
+    from minimax_h3.dit.tiny_checkpoint import write_tiny_checkpoint
+    from tests.render_svc_util import SERVER_ENV
+
+    folder = tmp_path / "models"
+    (folder / "diffusion_models").mkdir(parents=True)
+    write_tiny_checkpoint(embedded_config(), folder / "diffusion_models/minimax_h3_fl2va_bf16.safetensors", "bf16")
+    (tmp_path / "link").symlink_to(folder)
+    s = EmbeddedStack(StackConfig(models_dir=str(tmp_path / "link"), cache_dir=str(model_cache), env=SERVER_ENV,
+                                  run_dir=str(tmp_path / "run")))
+    try:
+        s.start_stage("dit")
+        port = s.wait_ready("dit")
+        served = lambda: served_by(Endpoints(dit=f"127.0.0.1:{port}"), Security())  # noqa: E731
+        (name, st), = served()
+        assert name == "dit" and st.models_dir == str(folder) and not st.embedded_model, st
+        check_running_stack(str(folder), "", "the stack", "--dit", served, "run/endpoints.env")
+        check_running_stack(str(tmp_path / "link") + "/", "", "the stack", "--dit", served, "run/endpoints.env")
+        other = tmp_path / "other"
+        other.mkdir()
+        with pytest.raises(CheckError, match=f"the stack \\(from --dit\\) serves {folder}, not {other}"):
+            check_running_stack(str(other), "", "the stack", "--dit", served, "run/endpoints.env")
+    finally:
+        s.stop()

@@ -101,3 +101,83 @@ def test_up_status_down(tmp_path, model_cache):
     assert not [p for p in (run_dir / "tmp").rglob("*")], "down.sh leaves no temp files"
     print(f"\nup/down: dit ranks died {orphan_s:.2f}s after kill -9 of their supervisor; down.sh stopped "
           f"{len(running)} processes")
+
+
+
+def test_a_failed_up_stops_what_it_started_and_names_what_it_left(tmp_path, model_cache):
+    """A port taken (the decoder's): up.sh fails, names the decoder's log, stops the encoder and the DiT it had started
+    (each named with its pid), leaves no process, pid file or endpoints file behind; a stage that was running before
+    the run is left running and named."""
+    import socket
+
+    env = {**os.environ, "PYTHON": sys.executable, "H3_ENCODER_CACHE_DIR": str(model_cache),
+           "H3_DIT_CACHE_DIR": str(model_cache), "H3_DECODER_CACHE_DIR": str(model_cache), "OMP_NUM_THREADS": "1"}
+    run_dir = tmp_path / "run"
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        up = ["bash", "scripts/up.sh", "--run-dir", str(run_dir), "--devices", "virt0", "--encoder-port", "0",
+              "--dit-port", "0", "--decoder-port", str(port), "--render-port", "0", "--web-port", "0"]
+        try:
+            r = run(up, env)
+            assert r.returncode != 0, r.stdout + r.stderr
+            assert f"decoder died while starting; the last" in r.stderr and str(port) in r.stderr, r.stderr
+            said = [ln for ln in r.stderr.splitlines() if ln.startswith("up.sh: ")]
+            pids = {s: int(r.stdout.split(f"started {s} (pid ", 1)[1].split(",")[0]) for s in ("encoder", "dit")}
+            assert said[0].startswith("up.sh: failed; stopping what it started: "
+                                      f"encoder (pid {pids['encoder']}), dit (pid {pids['dit']}), decoder (pid "), said
+            assert said[1:] == ["up.sh: stopped decoder", "up.sh: stopped dit", "up.sh: stopped encoder"], said
+            assert not started_by(run_dir) and not any(alive(p) for p in pids.values()), started_by(run_dir)
+            assert not list(run_dir.glob("*.pid")) and not (run_dir / "endpoints.env").exists()
+
+            # A stack up before, its decoder gone: up.sh starts the decoder alone, which fails on the taken port; it
+            # stops the decoder and names the processes it found running, which it leaves running.
+            free = ["0" if a == str(port) else a for a in up]
+            r = run(free, env)
+            assert r.returncode == 0, r.stdout + r.stderr
+            before = {s: int((run_dir / f"{s}.pid").read_text()) for s in ("encoder", "dit", "decoder", "render")}
+            subprocess.run(["bash", "-c", f"source scripts/procs.sh; stop_stage {before['decoder']} "
+                                          f"{run_dir}/tmp/decoder 20"], cwd=ROOT, check=True)
+            r = run(up, env)
+            assert r.returncode != 0 and r.stdout.count("already running") == 2, r.stdout + r.stderr
+            said = [ln for ln in r.stderr.splitlines() if ln.startswith("up.sh: ")]
+            assert said[0].startswith("up.sh: failed; stopping what it started: decoder (pid ") and \
+                said[1] == "up.sh: stopped decoder", said
+            assert said[2] == (f"up.sh: left running, as it found them: encoder (pid {before['encoder']}), dit (pid "
+                               f"{before['dit']}), render (pid {before['render']}) (scripts/down.sh --run-dir "
+                               f"{run_dir} stops them)"), said
+            assert all(alive(before[s]) for s in ("encoder", "dit", "render"))
+        finally:
+            run(["bash", "scripts/down.sh", "--run-dir", str(run_dir), "--grace", "20"], env)
+    assert not started_by(run_dir)
+
+
+def test_ctrl_c_of_up_stops_what_it_started(tmp_path, model_cache):
+    """Ctrl-C while up.sh waits for its stages (SIGINT to its process group, as a terminal sends it): it says it was
+    interrupted and what it stops, and stops it."""
+    from tests.procs import takes_ctrl_c
+
+    env = {**os.environ, "PYTHON": sys.executable, "H3_ENCODER_CACHE_DIR": str(model_cache),
+           "H3_DIT_CACHE_DIR": str(model_cache), "H3_DECODER_CACHE_DIR": str(model_cache), "OMP_NUM_THREADS": "1"}
+    run_dir = tmp_path / "run"
+    up = subprocess.Popen(["bash", "scripts/up.sh", "--run-dir", str(run_dir), "--devices", "virt0", "--encoder-port",
+                           "0", "--dit-port", "0", "--decoder-port", "0", "--render-port", "0", "--web-port", "0"],
+                          cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          start_new_session=True, preexec_fn=takes_ctrl_c)
+    try:
+        out = ""
+        for line in up.stdout:
+            out += line
+            if line.startswith("started decoder"):
+                break
+        os.killpg(up.pid, signal.SIGINT)
+        _, err = up.communicate(timeout=120)
+        assert up.returncode == 130, out + err
+        said = [ln for ln in err.splitlines() if ln.startswith("up.sh: ")]
+        assert said[0].startswith("up.sh: interrupted; stopping what it started: encoder (pid "), err
+        assert said[1:] == ["up.sh: stopped decoder", "up.sh: stopped dit", "up.sh: stopped encoder"], err
+        assert "Traceback" not in err and not started_by(run_dir) and not list(run_dir.glob("*.pid"))
+    finally:
+        up.kill()
+        run(["bash", "scripts/down.sh", "--run-dir", str(run_dir), "--grace", "20"], env)

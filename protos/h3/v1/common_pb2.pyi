@@ -105,7 +105,7 @@ class LifecycleReply(_message.Message):
     def __init__(self, resident: _Optional[bool] = ..., seconds: _Optional[float] = ..., message: _Optional[str] = ...) -> None: ...
 
 class StageStatus(_message.Message):
-    __slots__ = ("stage", "health", "resident", "devices", "world_size", "weights", "variant", "memory_bytes", "queue_depth", "running", "lease_holder", "residency", "kernels", "embedded_model", "jobs_done", "partitions", "loras", "device_ids", "host", "changed_weight_files")
+    __slots__ = ("stage", "health", "resident", "devices", "world_size", "weights", "variant", "memory_bytes", "queue_depth", "running", "lease_holder", "residency", "kernels", "embedded_model", "jobs_done", "partitions", "loras", "device_ids", "host", "changed_weight_files", "models_dir")
     class PartitionsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -140,6 +140,7 @@ class StageStatus(_message.Message):
     DEVICE_IDS_FIELD_NUMBER: _ClassVar[int]
     HOST_FIELD_NUMBER: _ClassVar[int]
     CHANGED_WEIGHT_FILES_FIELD_NUMBER: _ClassVar[int]
+    MODELS_DIR_FIELD_NUMBER: _ClassVar[int]
     stage: str
     health: str
     resident: bool
@@ -160,7 +161,8 @@ class StageStatus(_message.Message):
     device_ids: _containers.RepeatedScalarFieldContainer[str]
     host: str
     changed_weight_files: _containers.ScalarMap[str, str]
-    def __init__(self, stage: _Optional[str] = ..., health: _Optional[str] = ..., resident: _Optional[bool] = ..., devices: _Optional[_Iterable[str]] = ..., world_size: _Optional[int] = ..., weights: _Optional[str] = ..., variant: _Optional[str] = ..., memory_bytes: _Optional[int] = ..., queue_depth: _Optional[int] = ..., running: _Optional[int] = ..., lease_holder: _Optional[str] = ..., residency: _Optional[str] = ..., kernels: _Optional[_Iterable[_Union[KernelChoice, _Mapping]]] = ..., embedded_model: _Optional[bool] = ..., jobs_done: _Optional[int] = ..., partitions: _Optional[_Mapping[str, str]] = ..., loras: _Optional[_Union[LoraCatalog, _Mapping]] = ..., device_ids: _Optional[_Iterable[str]] = ..., host: _Optional[str] = ..., changed_weight_files: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    models_dir: str
+    def __init__(self, stage: _Optional[str] = ..., health: _Optional[str] = ..., resident: _Optional[bool] = ..., devices: _Optional[_Iterable[str]] = ..., world_size: _Optional[int] = ..., weights: _Optional[str] = ..., variant: _Optional[str] = ..., memory_bytes: _Optional[int] = ..., queue_depth: _Optional[int] = ..., running: _Optional[int] = ..., lease_holder: _Optional[str] = ..., residency: _Optional[str] = ..., kernels: _Optional[_Iterable[_Union[KernelChoice, _Mapping]]] = ..., embedded_model: _Optional[bool] = ..., jobs_done: _Optional[int] = ..., partitions: _Optional[_Mapping[str, str]] = ..., loras: _Optional[_Union[LoraCatalog, _Mapping]] = ..., device_ids: _Optional[_Iterable[str]] = ..., host: _Optional[str] = ..., changed_weight_files: _Optional[_Mapping[str, str]] = ..., models_dir: _Optional[str] = ...) -> None: ...
 
 class LoraCatalog(_message.Message):
     __slots__ = ("directory", "names", "paths_allowed")

@@ -166,14 +166,16 @@ class FetchRequest(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., offset: _Optional[int] = ...) -> None: ...
 
 class StageEndpoint(_message.Message):
-    __slots__ = ("stage", "endpoint", "health")
+    __slots__ = ("stage", "endpoint", "health", "status")
     STAGE_FIELD_NUMBER: _ClassVar[int]
     ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     HEALTH_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
     stage: str
     endpoint: str
     health: str
-    def __init__(self, stage: _Optional[str] = ..., endpoint: _Optional[str] = ..., health: _Optional[str] = ...) -> None: ...
+    status: _common_pb2.StageStatus
+    def __init__(self, stage: _Optional[str] = ..., endpoint: _Optional[str] = ..., health: _Optional[str] = ..., status: _Optional[_Union[_common_pb2.StageStatus, _Mapping]] = ...) -> None: ...
 
 class RenderStatus(_message.Message):
     __slots__ = ("health", "queued", "running", "succeeded", "failed", "cancelled", "batches", "stages", "web_url", "max_batch", "max_wait_batches", "stage_groups")
