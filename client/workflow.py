@@ -15,7 +15,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from h3.v1 import render_pb2
-from minimax_h3.comfy import MediaRef, Val, WorkflowRefused, WorkflowRender, attribute, interpret, read_workflow
+from minimax_h3.comfy import (Graph, MediaRef, Refusal, Val, WorkflowRefused, WorkflowRender, attribute, interpret,
+                              read_workflow)
 from minimax_h3.contract import spec_from_proto, validate
 from stagekit.errors import InvalidArgument
 
@@ -61,18 +62,37 @@ def folder_reader(folder: Path) -> ReadInput:
     return read
 
 
+def edited_graph(text: str | bytes, sets=()) -> Graph:
+    """A graph read, its widgets changed by `sets` ("NODE.WIDGET=VALUE" each, in order)."""
+    graph = read_workflow(text)
+    for item in sets:
+        key, eq, value = item.partition("=")
+        if not eq:
+            raise InvalidArgument(f"--set {item!r}: write NODE.WIDGET=VALUE")
+        graph.set_widget(key.strip(), value)
+    return graph
+
+
+def graph_problems(graph: Graph) -> tuple[WorkflowRender | None, list[Refusal]]:
+    """What a graph renders and everything that keeps it from running here, files aside: the nodes refused, and a
+    render spec out of the model's rules (attributed to where its value came from)."""
+    found = interpret(graph, lambda ref: PLACEHOLDER_SIZE)
+    problems = list(found.refusals)
+    if found.render is not None:
+        try:
+            validate(found.render.spec(), need_prompt=True)
+        except InvalidArgument as e:
+            problems.append(Refusal("", "", attribute(e.message, found.render, set())))
+    return found.render, problems
+
+
 def apply_workflow(req: render_pb2.RenderRequest, read_input: ReadInput | None = None) -> WorkflowRender:
     """Fill `req` from its `workflow_json`: its `workflow_set` edits applied, the graph read, the request's own fields
     over the graph's values, the files the graph's loader nodes read put in first_frame / last_frame / references
     (the request's own files first, else `read_input`'s). Returns what the graph became (its files and notes);
     InvalidArgument (WorkflowRefused) naming every node that cannot run here, or the value that is wrong and where it
     came from."""
-    graph = read_workflow(req.workflow_json)
-    for item in req.workflow_set:
-        key, eq, value = item.partition("=")
-        if not eq:
-            raise InvalidArgument(f"workflow_set {item!r}: write NODE.WIDGET=VALUE")
-        graph.set_widget(key.strip(), value)
+    graph = edited_graph(req.workflow_json, req.workflow_set)
     first = interpret(graph, lambda ref: _probe(ref, read_input))
     render = first.result()
     files = _slot_files(req, render, read_input)

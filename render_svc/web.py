@@ -39,6 +39,7 @@ from google.protobuf.json_format import MessageToDict
 
 from client.stubs import STAGES, StageClients
 from h3.v1 import common_pb2
+from render_svc import comfy_api
 from render_svc.http_api import PREFIX as API_PREFIX
 from render_svc.http_api import VideoAPI
 from render_svc.store import SUCCEEDED
@@ -137,6 +138,7 @@ class WebPage:
         self.cfg = cfg
         self.svc = None  # the RenderService, given to `start`
         self.api: VideoAPI | None = None  # the /v1/ routes over it
+        self.comfy: comfy_api.ComfyAPI | None = None  # ComfyUI's routes over it
         self.residency = Residency(clients)
         self.page = PAGE.read_bytes()
         self._httpd, self.url = self._bind()
@@ -164,6 +166,7 @@ class WebPage:
         """Serve the page over `svc` (a RenderService); returns its URL."""
         self.svc = svc
         self.api = VideoAPI(svc, self.cfg.tokens(), self.cfg.upload_total_s)
+        self.comfy = comfy_api.ComfyAPI(svc, self.cfg.tokens(), self.cfg.upload_total_s)
         threading.Thread(target=self._httpd.serve_forever, name="web", daemon=True).start()
         self.residency.start()
         if self.cfg.port_file:
@@ -223,10 +226,15 @@ class WebPage:
                 return True
 
             def _api(self, url) -> bool:
-                """A /v1/ request: answered by the video API (its own auth: the Authorization header only)."""
+                """A /v1/ request: answered by the video API (its own auth: the Authorization header only); one of
+                ComfyUI's routes (/prompt, /history, /view, ...): by render_svc/comfy_api.py, with the same auth."""
+                method = "GET" if self.command == "HEAD" else self.command
+                if comfy_api.handles(url.path):
+                    page.comfy.handle(self, method, url.path, url.query)
+                    return True
                 if not (url.path + "/").startswith(API_PREFIX):
                     return False
-                page.api.handle(self, "GET" if self.command == "HEAD" else self.command, url.path, url.query)
+                page.api.handle(self, method, url.path, url.query)
                 return True
 
             def do_POST(self):  # noqa: N802 - http.server's name

@@ -83,6 +83,12 @@ class Graph:
         except KeyError:
             raise GraphError(f"the graph has no node {node_id!r}") from None
 
+    def api(self) -> dict:
+        """The graph in ComfyUI's API format, as the editor queues it: {id: {"class_type", "inputs", "_meta"}}."""
+        return {nid: {"class_type": n.type, "_meta": {"title": n.title or n.type},
+                      "inputs": {k: [v.node, v.slot] if isinstance(v, Link) else v.value for k, v in n.inputs.items()}}
+                for nid, n in self.nodes.items()}
+
     def set_widget(self, key: str, text: str) -> None:
         """`--set NODE.WIDGET=VALUE`: the literal written at `NODE.WIDGET` takes `text` (read as the type of the value
         there: a number, true/false, or text as given). A widget fed by a link, one a subgraph instance promotes
@@ -120,13 +126,12 @@ def _typed(text: str, like: Any, key: str) -> Any:
             if low not in ("true", "false", "1", "0"):
                 raise ValueError
             return low in ("true", "1")
-        if isinstance(like, int):
-            return int(text)
-        if isinstance(like, float):
-            return float(text)
+        if isinstance(like, (int, float)):  # JSON writes 5.0 as 5: a number widget takes either
+            number = float(text)
+            return int(number) if number.is_integer() and "." not in text and "e" not in text.lower() else number
     except ValueError:
-        raise GraphError(f"--set {key}={text}: the value there is a {type(like).__name__} "
-                         f"({json.dumps(like)}); give one") from None
+        kind = "true or false" if isinstance(like, bool) else "a number"
+        raise GraphError(f"--set {key}={text}: the value there is {json.dumps(like)}; give {kind}") from None
     return text
 
 
