@@ -377,10 +377,12 @@ PART_OF_ROLE = {"text_encoder": "encoder", "video_vae": "video_vae", "audio_vae"
 
 
 def graph_paths(paths: list[str]) -> list[Path]:
-    """--workflow values: graph files, and the *.json files of a folder given (e.g. the templates package's)."""
+    """--workflow values: graph files, and a folder's *.json graphs that use MiniMax-H3 (its nodes or files: e.g. the
+    H3 templates among all of the templates package's)."""
     out = []
     for p in map(Path, paths):
-        out += sorted(p.glob("*.json")) if p.is_dir() else [p]
+        out += sorted(g for g in p.glob("*.json") if "minimax" in g.read_text(errors="replace").lower()) \
+            if p.is_dir() else [p]
     return out
 
 
@@ -492,5 +494,5 @@ def add_parser(sub) -> None:
     c.add_argument("models_dir", metavar="DIR")
     c.add_argument("--workflow", action="append", metavar="FILE.json|DIR",
                    help="say instead whether each ComfyUI graph runs over DIR as written, and what keeps it from "
-                        "running (repeatable; a folder: its *.json graphs)")
+                        "running (repeatable; a folder: its *.json graphs that use MiniMax-H3)")
     c.set_defaults(fn=cmd_check)

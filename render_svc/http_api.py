@@ -207,7 +207,7 @@ def render_request(body, idempotency_key: str) -> render_pb2.RenderRequest:
     frames, steps = _frames(body), _int(body, "steps")
     req = render_pb2.RenderRequest(label=_str(body, "label"), idempotency_key=idempotency_key,
                                    crf=_int(body, "crf", 0, INT32) or 0)
-    req.params.prompt = body["prompt"]
+    req.params.prompt = _str(body, "prompt")
     # Fields not given stay unset (the model's defaults), as a gRPC caller's do.
     for name, v in (("width", size and size[0]), ("height", size and size[1]), ("frames", frames), ("steps", steps)):
         if v is not None:

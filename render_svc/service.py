@@ -90,6 +90,25 @@ def served_files(st: common_pb2.StageStatus, role: str, partition: str) -> list[
     return [Path(p).name for p in paths if p]
 
 
+def check_graph_files(graph_files, statuses: dict[str, list[common_pb2.StageStatus]], partition: str) -> None:
+    """A graph names its files, and the stages serve files of their own: the graph runs only where each file it loads
+    is the one its stage serves, by name, on every replica that answered (`statuses`: service -> their Status);
+    FailedPrecondition naming the loader node, both files and the fixes otherwise. A stage serving the embedded tiny
+    model stands for every file (its output is noise, as the CLI says)."""
+    for use in graph_files:
+        service = SERVICE_OF_ROLE.get(use.role)
+        for st in statuses.get(service, ()) if service else ():
+            if st.embedded_model:
+                continue
+            served = served_files(st, use.role, partition)
+            if use.name.value not in served:
+                fix = f"--set {use.name.key}={served[0]} or " if use.name.key and served else ""
+                raise FailedPrecondition(
+                    f"{use.type} node {use.node} loads {use.name.value}, but the {service} stage serves "
+                    f"{', '.join(served) or 'no such file'}: {fix}start the {service} stage over a models folder with "
+                    "that file (python -m client models fetch --workflow FILE fetches a graph's files)")
+
+
 def check_request(req: render_pb2.RenderRequest) -> None:
     """Everything about a request that can be checked before it is queued; InvalidArgument with the reason."""
     from minimax_h3.images import load_keyframe
@@ -276,24 +295,9 @@ class RenderService:
         self._check_files(graph_files, needed_partition(bool(req.references)))
 
     def _check_files(self, graph_files, partition: str) -> None:
-        """Step 4: a graph names its files, and the stages serve files of their own; the graph runs only where each
-        file it loads is the one its stage serves (by name, from each answering replica's Status): FailedPrecondition
-        naming the loader node, both files and the fixes otherwise. A stage serving the embedded tiny model stands
-        for every file (its output is noise, as the CLI says)."""
-        for use in graph_files:
-            service = SERVICE_OF_ROLE.get(use.role)
-            if service is None:
-                continue
-            for st in self._statuses(service, DIT_STATUS_TTL_S):
-                if st.embedded_model:
-                    continue
-                served = served_files(st, use.role, partition)
-                if use.name.value not in served:
-                    fix = f"--set {use.name.key}={served[0]} or " if use.name.key and served else ""
-                    raise FailedPrecondition(
-                        f"{use.type} node {use.node} loads {use.name.value}, but the {service} stage serves "
-                        f"{', '.join(served) or 'no such file'}: {fix}start the {service} stage over a models folder "
-                        f"with that file (python -m client models fetch --workflow FILE fetches a graph's files)")
+        """Step 4 (`check_graph_files`) against each answering replica's Status."""
+        services = {SERVICE_OF_ROLE[u.role] for u in graph_files if u.role in SERVICE_OF_ROLE}
+        check_graph_files(graph_files, {s: self._statuses(s, DIT_STATUS_TTL_S) for s in services}, partition)
 
     def _check_dit(self, req: render_pb2.RenderRequest, max_age_s: float) -> None:
         """Steps 1 and 2 against each DiT replica's Status (read again when older than `max_age_s`): passes when one

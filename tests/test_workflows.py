@@ -25,6 +25,7 @@ import io
 import json
 import os
 import re
+import shlex
 import socket
 import subprocess
 import sys
@@ -400,6 +401,18 @@ def test_templates_render_through_the_cli_and_comfyui_routes(svc, inputs, tmp_pa
         out = capsys.readouterr().out
         jobs[name] = out.split()[1]
 
+    # README's lines, as printed (against this test's service): the templates folder, the refusal, the render
+    folder, *lines = readme_workflow_lines()
+    shown = subprocess.run(["bash", "-c", f'{folder}; echo "$T"'], cwd=ROOT, capture_output=True, text=True,
+                           timeout=60)
+    assert Path(shown.stdout.strip()) == TEMPLATES, shown
+    explain, readme_render = (with_templates(shlex.split(c, comments=True)) + ["--render", svc.target] for c in lines)
+    r = subprocess.run(explain, cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert r.returncode == 2 and "VAELoader node 140:119" in r.stderr, r.stderr
+    readme = subprocess.Popen(readme_render, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+
     status, body = call(svc.http, "POST", "/prompt", json.dumps({"prompt": tiny_api_graph(),
                                                                  "client_id": "tester"}).encode())
     assert status == 200, body
@@ -451,7 +464,25 @@ def test_templates_render_through_the_cli_and_comfyui_routes(svc, inputs, tmp_pa
             assert not list(tmp_path.glob(f".{out.name}*"))
         else:
             assert probe(out) == {"width": 256, "height": 256, "frames": 22, "audio": 1}, name
+    out, err = readme.communicate(timeout=300)
+    assert readme.returncode == 0, err
+    assert probe(tmp_path / "t2v.mp4") == {"width": 512, "height": 288, "frames": 22, "audio": 1}
     capsys.readouterr()
+
+
+def readme_workflow_lines() -> list[str]:
+    """README's ComfyUI block, as printed: the line that finds the templates folder, then the two that read a graph."""
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    block = next(b for b in re.findall(r"```bash\n(.*?)```", text, flags=re.S) if b.startswith("T=$("))
+    lines = block.strip().splitlines()
+    assert len(lines) == 3 and all("--workflow" in c for c in lines[1:]), lines
+    return lines
+
+
+def with_templates(argv: list[str]) -> list[str]:
+    """A README command with `$T` read as the templates folder and `.venv/bin/python` as this interpreter."""
+    out = [a.replace("$T/", f"{TEMPLATES}/") for a in argv]
+    return [sys.executable if a == ".venv/bin/python" else a for a in out]
 
 
 def test_graphs_through_grpc_and_v1_videos_are_refused_naming_the_node(svc):
@@ -488,6 +519,45 @@ def test_a_workflow_request_over_grpc_is_read_by_the_service(svc, inputs):
     info = svc.stub.Submit(req, timeout=60)
     assert (info.params.width, info.params.seed, info.params.steps) == (256, 757358688076805, 1)
     svc.stub.Cancel(render_pb2.JobRef(job_id=info.job_id), timeout=60)
+
+
+def test_the_service_runs_a_graph_only_on_the_files_it_names():
+    """Submit's file check (render_svc.service.check_graph_files) against the stages' Status: each file the graph
+    loads must be the one its stage serves; the embedded tiny model stands for every file."""
+    from h3.v1 import common_pb2
+    from render_svc.service import check_graph_files
+    from stagekit.errors import FailedPrecondition
+
+    render = interpret(edited_graph(template("video_minimax_h3_t2v").read_text(), [f"140.vae_name={FP16_VAE}"]),
+                       lambda ref: IMAGE_SIZE).result()
+    serving = {"dit": [common_pb2.StageStatus(partitions={"fl2va": f"/m/diffusion_models/{FL2VA}"})],
+               "encoder": [common_pb2.StageStatus(weights=f"/m/text_encoders/{NVFP4}")],
+               "decoder": [common_pb2.StageStatus(weights=f"/m/vae/{FP16_VAE} + /m/vae/{AUDIO_VAE}")]}
+    check_graph_files(render.files, serving, "fl2va")
+    serving["encoder"] = [common_pb2.StageStatus(weights="/m/text_encoders/qwen3vl_32b_minimax_h3_int8_convrot.safetensors")]
+    with pytest.raises(FailedPrecondition, match=f"CLIPLoader node 140:128 loads {NVFP4}, but the encoder stage "
+                                                  "serves qwen3vl_32b_minimax_h3_int8_convrot.safetensors: --set "
+                                                  "140.clip_name=qwen3vl_32b_minimax_h3_int8_convrot.safetensors or"):
+        check_graph_files(render.files, serving, "fl2va")
+    serving["encoder"][0].embedded_model = True
+    check_graph_files(render.files, serving, "fl2va")
+    with pytest.raises(FailedPrecondition, match="the dit stage serves no such file"):
+        check_graph_files(render.files, serving, "ref2va")
+
+
+def test_the_cli_stays_thin_with_a_graph(inputs):
+    """A graph read by the CLI (here --explain of the reference template) imports neither torch nor numpy."""
+    code = ("import sys\nfrom client.__main__ import main\n"
+            f"rc = main(['render', '--workflow', {str(template('video_minimax_h3_r2v'))!r}, '--input-dir', "
+            f"{str(inputs)!r}, '--set', '136.ref_image_size=max', '--set', '119.vae_name={FP16_VAE}', '--prompt', "
+            f"{PROMPTS['reference_to_video']!r}, '--explain'])\n"
+            "print('RESULT', rc, 'torch' in sys.modules, 'numpy' in sys.modules)")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert "RESULT 0 False False" in r.stdout, r.stdout[-2000:] + r.stderr
+    explained = json.loads(r.stdout.rsplit("RESULT", 1)[0])
+    assert explained["references"] == [["image", "red_superboy_on_city_roof.png"],
+                                       ["image", "mecha_dragon_lightning.png"]]
+    assert explained["graph"]["files"]["dit"] == REF2VA and explained["params"]["seed"] == 261662374822964
 
 
 # ---- 4. files ---------------------------------------------------------------------------------------------------
