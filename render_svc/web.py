@@ -5,6 +5,8 @@
     GET /api/state          what the page polls (JSON)
     GET /video/<job>.mp4    a finished job's MP4 (HTTP Range requests, so a <video> element can seek)
     /v1/...                 the HTTP video API (render_svc/http_api.py: create, get, list, cancel, content)
+    /prompt, /history, ...  ComfyUI's routes (render_svc/comfy_api.py; /ws, its progress websocket, holds its
+                            connection's thread while the client listens)
 
 Same exposure rules as the gRPC port (stagekit/server.py): loopback by default; the same TLS certificate; with a
 token (--token-file, the env variable, or --tokens-file) every request needs one — `Authorization: Bearer <token>`,
