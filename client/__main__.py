@@ -19,6 +19,7 @@ answer is an error (exit 1), never a silent fall-back to the tiny model.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shlex
 import sys
@@ -105,9 +106,11 @@ RENDER_DEFAULTS = {"width": DEFAULT_SIZE[0], "height": DEFAULT_SIZE[1], "frames"
 
 def render_inputs(args):
     """(requests, output paths) from the render flags, or CheckError: everything that can be refused
-    without a stage (client/checks.py). A --workflow graph gives the values no flag sets."""
-    if args.workflow:
-        return workflow_inputs(args)
+    without a stage (client/checks.py). A --workflow graph gives the values no flag sets (workflow_inputs)."""
+    given = [flag for flag, v in (("--set", args.set), ("--input-dir", args.input_dir), ("--explain", args.explain))
+             if v]
+    if given:
+        raise CheckError(f"{', '.join(given)} read a graph: give it with --workflow FILE.json")
     for name, default in RENDER_DEFAULTS.items():
         if getattr(args, name) is None:
             setattr(args, name, default)
@@ -143,9 +146,9 @@ def render_inputs(args):
 
 
 def workflow_inputs(args):
-    """([the request], [its output path]) of a --workflow graph: the graph's values, the flags over them, the files
-    its loader nodes read from --input-dir (default: the graph's folder), everything checked as the render service
-    will (client/workflow.py); CheckError naming each node the product does not run."""
+    """([the request], [its output path], what the graph became) of a --workflow graph: the graph's values, the
+    flags over them, the files its loader nodes read from --input-dir (default: the graph's folder), everything
+    checked as the render service will (client/workflow.py); CheckError naming each node the product does not run."""
     from client.checks import check_request_files
     from client.workflow import PNG, apply_workflow, folder_reader
     from minimax_h3.labels import EXTENSIONS, kind_of
@@ -186,21 +189,21 @@ def workflow_inputs(args):
         check_output(spec_from_proto(p), req.crf, req.upscale_width, req.upscale_height)
     except ValueError as e:  # InvalidArgument (a refused graph, a wrong value) included
         raise CheckError(getattr(e, "message", None) or str(e)) from None
-    args.workflow_render = render
     if args.detach or args.explain:
         if args.output is not None and args.detach:
             raise CheckError("-o: --detach writes no file here (the output stays with the render service): leave out "
                              "-o and fetch it with `jobs fetch ID -o FILE`")
-        return [req], []
+        return [req], [], render
     png = req.output_format == PNG
     out = args.output or ("out.png" if png else "out.mp4")
     if png != out.lower().endswith(".png") and not out.endswith(("/", os.sep)):
-        raise CheckError(f"-o {out}: this graph saves {'an image (SaveImage): name a .png' if png else 'a video: name an .mp4'}")
+        saves = "an image (SaveImage): name a .png" if png else "a video: name an .mp4"
+        raise CheckError(f"-o {out}: this graph saves {saves}")
     outs = output_paths(out, 1, overwrite=args.overwrite)
     if png and outs[0].suffix != ".png":
         outs = [outs[0].with_suffix(".png")]
     outs[0].parent.mkdir(parents=True, exist_ok=True)
-    return [req], outs
+    return [req], outs, render
 
 
 def _read_flag_file(path: str, flag: str) -> bytes:
@@ -251,15 +254,15 @@ def cmd_render(args) -> int:
 
     security = Security(args.token, args.tls_ca)
     try:
-        reqs, outs = render_inputs(args)
         if args.workflow:
-            for note in args.workflow_render.notes:
+            reqs, outs, graph = workflow_inputs(args)
+            for note in graph.notes:
                 print(f"note: {note}", file=sys.stderr)
             if args.explain:
-                import json
-
-                print(json.dumps(explain(reqs[0], args.workflow_render), indent=2))
+                print(json.dumps(explain(reqs[0], graph), indent=2))
                 return 0
+        else:
+            reqs, outs = render_inputs(args)
         target, stack = connect_render(args, security, before_embedded=lambda: check_for_local_stack(args.models_dir))
     except CheckError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -215,7 +215,8 @@ def test_cloud_and_controlnet_templates_are_refused_naming_their_nodes(name):
 def test_the_refusal_names_the_set_that_fixes_a_promoted_widget():
     _, problems = problems_of("video_minimax_h3_t2v")
     (p,) = problems
-    assert str(p).startswith(f"VAELoader node 140:119: {INT8_VAE}: ") and p.why.endswith(f"(--set 140.vae_name={FP16_VAE})")
+    assert str(p).startswith(f"VAELoader node 140:119: {INT8_VAE}: ")
+    assert p.why.endswith(f"(--set 140.vae_name={FP16_VAE})")
     found, problems = problems_of("video_minimax_h3_t2v", [f"140.vae_name={FP16_VAE}", "140.value=true"])
     # the Turbo switch on: its LoRA (while this product does not run Turbo LoRAs) and its steps (the widget 140.value_2)
     assert found.render.steps.value == 8 and found.render.steps.where == "widget 140.value_2"
@@ -534,7 +535,8 @@ def test_the_service_runs_a_graph_only_on_the_files_it_names():
                "encoder": [common_pb2.StageStatus(weights=f"/m/text_encoders/{NVFP4}")],
                "decoder": [common_pb2.StageStatus(weights=f"/m/vae/{FP16_VAE} + /m/vae/{AUDIO_VAE}")]}
     check_graph_files(render.files, serving, "fl2va")
-    serving["encoder"] = [common_pb2.StageStatus(weights="/m/text_encoders/qwen3vl_32b_minimax_h3_int8_convrot.safetensors")]
+    int8 = "qwen3vl_32b_minimax_h3_int8_convrot.safetensors"
+    serving["encoder"] = [common_pb2.StageStatus(weights=f"/m/text_encoders/{int8}")]
     with pytest.raises(FailedPrecondition, match=f"CLIPLoader node 140:128 loads {NVFP4}, but the encoder stage "
                                                   "serves qwen3vl_32b_minimax_h3_int8_convrot.safetensors: --set "
                                                   "140.clip_name=qwen3vl_32b_minimax_h3_int8_convrot.safetensors or"):

@@ -95,7 +95,8 @@ class Graph:
         (named on the instance), or a name the node does not have is refused naming what to set instead."""
         node_id, dot, widget = key.rpartition(".")
         if not dot or not node_id or not widget:
-            raise GraphError(f"--set {key}=...: name a node and one of its widgets as NODE.WIDGET (e.g. 115.megapixels)")
+            raise GraphError(f"--set {key}=...: name a node and one of its widgets as NODE.WIDGET "
+                             "(e.g. 115.megapixels)")
         found = [(n, name) for n in self.nodes.values() for name, v in n.inputs.items()
                  if isinstance(v, Literal) and v.origin == key]
         if not found:

@@ -29,7 +29,6 @@ from stagekit.errors import InvalidArgument
 
 UNKNOWN = ("not a node this product runs (it runs the MiniMax-H3 nodes of ComfyUI's local templates; "
            "docs/workflows.md lists them)")
-DOCS = "docs/workflows.md"
 
 
 # ---- values ---------------------------------------------------------------------------------------------------------
@@ -182,11 +181,19 @@ class VideoOut:
     sound: Sound | None
 
 
-class Refused:
-    """What a node the product cannot run stands for: its consumers stop without a refusal of their own."""
+class _Stopped:
+    """What a node that could not compute stands for: its consumers stop without a refusal of their own (the node's
+    own refusal says why)."""
 
 
-REFUSED_VALUE = Refused()
+STOPPED = _Stopped()
+
+
+@dataclass(frozen=True)
+class Mask:
+    """LoadImage's MASK output: no node this product runs takes one."""
+
+    node: str
 
 
 @dataclass(frozen=True)
@@ -331,13 +338,13 @@ class Interpreter:
             if kind is None:
                 reason = refusal_reason(node.type)
                 self.refuse(node, reason)
-                out = (REFUSED_VALUE,) * 8
+                out = (STOPPED,) * 8
             else:
                 self._name_positional(node, kind)
                 try:
                     out = kind.handler(self, node)
                 except _Stop:
-                    out = (REFUSED_VALUE,) * 8
+                    out = (STOPPED,) * 8
         finally:
             self.running.pop()
         self.cache[node_id] = out
@@ -367,7 +374,7 @@ class Interpreter:
         if v.slot >= len(outs):
             raise self.stop(node, f"its input {name} names output {v.slot} of node {v.node}, which has no such output")
         value = outs[v.slot]
-        if value is REFUSED_VALUE:
+        if value is STOPPED:
             raise _Stop()
         return value
 
@@ -442,8 +449,8 @@ def _value_words(v) -> str:
 _WORDS = {Model: "model (MODEL)", Clip: "text encoder (CLIP)", Vae: "VAE", MediaRef: "loaded file",
           ScaledImage: "scaled image", VideoPart: "video component", Cond: "conditioning", Latent: "latent",
           Noise: "noise", SamplerChoice: "sampler", Sigmas: "sigmas", Guider: "guider", Sampled: "sampled latent",
-          Frames: "decoded frames (IMAGE)", Sound: "decoded sound (AUDIO)", VideoOut: "video", int: "integer",
-          float: "number", str: "text", bool: "boolean"}
+          Frames: "decoded frames (IMAGE)", Sound: "decoded sound (AUDIO)", VideoOut: "video", Mask: "mask (MASK)",
+          int: "integer", float: "number", str: "text", bool: "boolean"}
 
 
 # ---- the table --------------------------------------------------------------------------------------------------
@@ -592,7 +599,7 @@ def _resolution(ev, n):
 # -- files the graph reads from ComfyUI's input folder
 @node("LoadImage", ("image", "upload"))
 def _load_image(ev, n):
-    return MediaRef("image", ev.get(n, "image", str), n.id), REFUSED_VALUE
+    return MediaRef("image", ev.get(n, "image", str), n.id), Mask(n.id)
 
 
 @node("LoadAudio", ("audio", "upload"))
@@ -819,8 +826,8 @@ def _guider(ev, n):
 
 @node("SamplerCustomAdvanced")
 def _sample(ev, n):
-    s = Sampled(n.id, ev.get(n, "noise", Noise).seed, ev.get(n, "guider", Guider), ev.get(n, "sampler", SamplerChoice).name,
-                ev.get(n, "sigmas", Sigmas), ev.get(n, "latent_image", Latent))
+    s = Sampled(n.id, ev.get(n, "noise", Noise).seed, ev.get(n, "guider", Guider),
+                ev.get(n, "sampler", SamplerChoice).name, ev.get(n, "sigmas", Sigmas), ev.get(n, "latent_image", Latent))
     return s, replace(s, part="denoised")
 
 
@@ -895,8 +902,8 @@ def _render(ev: Interpreter, n: Node, output: str, frames: Frames, sound: Sound 
     g, sig, lat, cond = s.guider, s.sigmas, s.latent, s.guider.cond
     sampler_node = ev.graph.node(s.node)
     if sig.model != g.model:
-        ev.refuse(sampler_node, f"its scheduler's model (BasicScheduler node {sig.node}) is not its guider's (BasicGuider "
-                                f"node {g.node}): this product samples with one model")
+        ev.refuse(sampler_node, f"its scheduler's model (BasicScheduler node {sig.node}) is not its guider's "
+                                f"(BasicGuider node {g.node}): this product samples with one model")
     if cond.kind == "text":
         if not lat.image:
             ev.refuse(sampler_node, f"it samples a video latent with a text-only conditioning: video graphs encode the "
