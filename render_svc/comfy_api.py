@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import re
 import threading
+from collections import OrderedDict
 from pathlib import Path, PurePosixPath
 
 from h3.v1 import render_pb2
@@ -43,6 +44,7 @@ ROUTES = (
 )
 PATHS = ("/prompt", "/history", "/view", "/queue", "/upload/image", "/ws")  # what the page's dispatcher sends here
 HISTORY_MAX = 200
+CLIENT_IDS_KEPT = 10_000  # prompt id -> client_id, for the websocket: the newest prompts' (older ones ended long ago)
 _OUTPUT = re.compile(r"^(?P<base>.*)_(?P<id>[0-9a-f]{16})\.(?P<ext>mp4|png)$")
 _SAFE = re.compile(r"^[A-Za-z0-9._ ()+,=@-]{1,200}$")  # an input file or subfolder name (no separators)
 INPUTS = "comfy_inputs"  # under the run dir: the uploaded inputs, one folder per principal
@@ -60,8 +62,17 @@ class ComfyAPI(VideoAPI):
     def __init__(self, svc, tokens, body_total_s: float):
         super().__init__(svc, tokens, body_total_s)
         self.inputs = Path(svc.cfg.run_dir) / INPUTS
-        self.client_ids: dict[str, str] = {}   # prompt id -> the client_id it was queued with (the websocket's sid)
+        self._client_ids: OrderedDict[str, str] = OrderedDict()  # prompt id -> its client_id (the websocket's sid)
         self._lock = threading.Lock()
+
+    def client_id(self, prompt_id: str) -> str:
+        with self._lock:
+            return self._client_ids.get(prompt_id, "")
+
+    def prompts_of(self, client_id: str) -> list[str]:
+        """The prompts queued with `client_id`, oldest first."""
+        with self._lock:
+            return [p for p, c in self._client_ids.items() if c == client_id]
 
     # ---- the graph of a job --------------------------------------------------------------------------------------
     @staticmethod
@@ -82,7 +93,7 @@ class ComfyAPI(VideoAPI):
             graph = read_workflow(rec.request.workflow_json).api()
         except InvalidArgument:
             graph = {}
-        return [rec.seq, rec.id, graph, {"client_id": self.client_ids.get(rec.id, "")}, [node] if node else []]
+        return [rec.seq, rec.id, graph, {"client_id": self.client_id(rec.id)}, [node] if node else []]
 
     def history_entry(self, rec: JobRecord) -> dict:
         node, filename, subfolder = self.output_of(rec)
@@ -126,7 +137,9 @@ class ComfyAPI(VideoAPI):
             self._json(h, 400, _node_errors(e))
             return
         with self._lock:
-            self.client_ids[info.job_id] = client_id
+            self._client_ids[info.job_id] = client_id
+            while len(self._client_ids) > CLIENT_IDS_KEPT:
+                self._client_ids.popitem(last=False)
         rec = self.svc.store.get(info.job_id)
         self._json(h, 200, {"prompt_id": info.job_id, "number": rec.seq, "node_errors": {}})
 

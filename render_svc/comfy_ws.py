@@ -19,6 +19,7 @@ import uuid
 
 from render_svc.http_api import HttpError, _owner
 from render_svc.store import CANCELLED, FAILED, QUEUED, RUNNING, SUCCEEDED
+from stagekit.errors import NotFound
 
 GUID = "258EAFA5-E914-47DA-95CA-C5AB0DC85B11"  # RFC 6455's key suffix
 POLL_S = 0.5          # a client's frames are looked for this often, and the job store's changes waited for
@@ -49,7 +50,17 @@ class _Session:
         self.store = api.svc.store
         self.next_event: dict[str, int] = {}   # prompt id -> the next event index to read
         self.started: set[str] = set()         # prompts whose execution_start was sent
+        self.ended: set[str] = set()           # prompts whose end was sent (or that had ended before the connection)
         self.remaining = -1
+        for prompt_id in api.prompts_of(sid):  # what happened before the connection is not sent again
+            try:
+                rec = self.store.get(prompt_id)
+            except NotFound:  # removed by retention
+                self.ended.add(prompt_id)
+                continue
+            self.next_event[prompt_id] = rec.n_events
+            if rec.terminal:
+                self.ended.add(prompt_id)
 
     def send(self, kind: str, data: dict) -> None:
         payload = json.dumps({"type": kind, "data": data}).encode()
@@ -63,8 +74,9 @@ class _Session:
         try:
             while not self.api.svc.stopping.is_set():
                 self.status()
-                for prompt_id in [p for p, c in list(self.api.client_ids.items()) if c == self.sid]:
-                    self.follow(prompt_id)
+                for prompt_id in self.api.prompts_of(self.sid):
+                    if prompt_id not in self.ended:
+                        self.follow(prompt_id)
                 if not self.client_frames():
                     return
                 with self.store.changed:
@@ -84,7 +96,11 @@ class _Session:
         events = self.store.events(prompt_id, start)
         if not events:
             return
-        rec = self.store.get(prompt_id)
+        try:
+            rec = self.store.get(prompt_id)
+        except NotFound:  # removed by retention meanwhile
+            self.ended.add(prompt_id)
+            return
         node, _, _ = self.api.output_of(rec)
         for ev in events:
             self.next_event[prompt_id] = ev.index + 1
@@ -111,7 +127,7 @@ class _Session:
                                  "exception_message": ev.job.error, "exception_type": ev.job.error_code,
                                  "traceback": [], "timestamp": ms})
             if state in (SUCCEEDED, FAILED, CANCELLED):
-                self.api.client_ids.pop(prompt_id, None)
+                self.ended.add(prompt_id)
                 self.next_event.pop(prompt_id, None)
                 self.started.discard(prompt_id)
                 return

@@ -486,7 +486,7 @@ def with_templates(argv: list[str]) -> list[str]:
     return [sys.executable if a == ".venv/bin/python" else a for a in out]
 
 
-def test_graphs_through_grpc_and_v1_videos_are_refused_naming_the_node(svc):
+def test_graphs_through_grpc_and_v1_videos_are_refused_naming_the_node(svc, inputs):
     graph = read_workflow(template("api_minimax_h3_t2v").read_text()).api()
     with pytest.raises(grpc.RpcError) as e:
         svc.stub.Submit(render_pb2.RenderRequest(workflow_json=json.dumps(graph)), timeout=60)
@@ -500,9 +500,23 @@ def test_graphs_through_grpc_and_v1_videos_are_refused_naming_the_node(svc):
     assert status == 400 and answer["node_errors"]["23"]["class_type"] == "MinimaxHailuo03TextToVideoNode"
     assert "MiniMax's servers" in answer["node_errors"]["23"]["errors"][0]["message"]
     # a graph with a LoadImage needs its file: uploaded first (/upload/image), else named as missing
-    i2v = edited_graph(template("video_minimax_h3_i2v").read_text(), [f"105.vae_name={FP16_VAE}"]).api()
+    i2v = edited_graph(template("video_minimax_h3_i2v").read_text(), [
+        f"105.vae_name={FP16_VAE}", "115.megapixels=0.0625", "105.value_1=0.9", "105:124.value=1",
+        f"105.prompt={PROMPTS['image_to_video']}"]).api()
     status, body = call(svc.http, "POST", "/prompt", json.dumps({"prompt": i2v}).encode())
     assert status == 400 and "transparent_rgb_gaming_mouse.png" in body.decode() and "/upload/image" in body.decode()
+    image = (inputs / "transparent_rgb_gaming_mouse.png").read_bytes()
+    form = (b'--b0undary\r\nContent-Disposition: form-data; name="image"; filename="transparent_rgb_gaming_mouse.png"'
+            b"\r\nContent-Type: image/png\r\n\r\n" + image + b"\r\n--b0undary--\r\n")
+    status, body = call(svc.http, "POST", "/upload/image", form,
+                        {"Content-Type": "multipart/form-data; boundary=b0undary"})
+    assert status == 200 and json.loads(body) == {"name": "transparent_rgb_gaming_mouse.png", "subfolder": "",
+                                                  "type": "input"}
+    assert call(svc.http, "GET", "/view?filename=transparent_rgb_gaming_mouse.png&type=input") == (200, image)
+    status, body = call(svc.http, "POST", "/prompt", json.dumps({"prompt": i2v}).encode())
+    assert status == 200, body
+    info = svc.stub.Cancel(render_pb2.JobRef(job_id=json.loads(body)["prompt_id"]), timeout=60)
+    assert (info.params.width, info.params.frames, info.params.seed) == (256, 22, 757358688076805)
 
 
 def test_a_workflow_request_over_grpc_is_read_by_the_service(svc, inputs):
