@@ -58,7 +58,6 @@ class Node:
     title: str = ""
     # UI format only: unnamed widget values (the file does not name them), named later by the node's table entry
     positional: list | None = None
-    positional_origin: str = ""
 
     def label(self) -> str:
         """How messages name the node: `ResolutionSelector node 115`."""
@@ -74,8 +73,6 @@ WidgetLayouts = Callable[[str], tuple[tuple[str, ...], ...]]
 class Graph:
     nodes: dict[str, Node]
     format: str                      # "ui" | "api"
-    # nodes a muted node stood for (their links read as unconnected); bypassed ones resolve through their inputs
-    muted: set[str] = field(default_factory=set)
 
     def node(self, node_id: str) -> Node:
         try:
@@ -188,7 +185,7 @@ class _UIGraph:
         self.top = data
         self.nodes: dict[str, Node] = {}
         self.aliases: dict[tuple[str, int], Link | Literal | None] = {}  # an output that stands for another value
-        self.muted: set[str] = set()
+        self.muted: set[str] = set()   # muted nodes: a link from one reads as unconnected
         self.bypassed: dict[str, tuple[dict, dict[str, Link | Literal]]] = {}  # id -> (raw node, its inputs)
 
     def flatten(self) -> Graph:
@@ -202,7 +199,7 @@ class _UIGraph:
                     del node.inputs[name]
                 else:
                     node.inputs[name] = resolved
-        return Graph(self.nodes, "ui", self.muted)
+        return Graph(self.nodes, "ui")
 
     # ---- one graph level (the top, or a subgraph instance's definition) ----------------------------------------
     def _add_graph(self, g: Mapping, prefix: str, outer: tuple[str, Mapping, dict] | None, depth: int) -> None:
@@ -266,7 +263,7 @@ class _UIGraph:
 
     @staticmethod
     def _subgraph_input(outer, slot: int) -> Link | Literal | None:
-        instance_id, sg, instance_inputs = outer
+        _, sg, instance_inputs = outer
         declared = sg.get("inputs") or []
         if not 0 <= slot < len(declared):
             raise GraphError(f"subgraph {sg.get('name') or sg.get('id')}: a link from its input {slot}, which it does "
@@ -276,7 +273,7 @@ class _UIGraph:
     def _add_instance(self, nid: str, raw: Mapping, sg: Mapping, inputs: dict, depth: int) -> None:
         """A subgraph instance: its inner nodes under `nid:`, fed by the instance's links and promoted widgets."""
         declared = [i.get("name") for i in sg.get("inputs") or []]
-        widgets = self._instance_widgets(raw, sg)
+        widgets = self._instance_widgets(nid, raw, sg)
         feeds: dict[str, Link | Literal] = {}
         for name in declared:
             if name in inputs:
@@ -293,9 +290,10 @@ class _UIGraph:
             self.aliases[(nid, k)] = outputs.get(k)
 
     @staticmethod
-    def _instance_widgets(raw: Mapping, sg: Mapping) -> dict[str, Any]:
+    def _instance_widgets(nid: str, raw: Mapping, sg: Mapping) -> dict[str, Any]:
         """The values an instance's promoted widgets hold: named in the file, or in the order of the subgraph inputs
-        that feed an inner widget."""
+        that feed an inner widget (GraphError when their count differs: taking the inner nodes' own values instead
+        would render something else than the instance shows)."""
         named = raw.get("widgets_values_named")
         if isinstance(named, Mapping):
             return dict(named)
@@ -311,7 +309,11 @@ class _UIGraph:
                     if origin == SUBGRAPH_INPUT:
                         widget_inputs.add(slot)
         names = [i.get("name") for k, i in enumerate(sg.get("inputs") or []) if k in widget_inputs]
-        return dict(zip(names, values)) if len(names) == len(values) else {}
+        if len(names) != len(values):
+            raise GraphError(f"subgraph instance {nid} ({sg.get('name') or sg.get('id')}) holds {len(values)} widget "
+                             f"values for {len(names)} promoted widgets ({', '.join(map(str, names))}): save the graph "
+                             "again with a current ComfyUI")
+        return dict(zip(names, values))
 
     def _widgets(self, node: Node, raw: Mapping) -> None:
         """The node's own widget values (an input already linked keeps its link, as in ComfyUI)."""
@@ -320,7 +322,7 @@ class _UIGraph:
         if not isinstance(named, Mapping) and isinstance(values, list):
             layout = next((ly for ly in self.layouts(node.type) if len(ly) == len(values)), None)
             if layout is None:
-                node.positional, node.positional_origin = list(values), node.id
+                node.positional = list(values)
                 return
             named = dict(zip(layout, values))
         for name, value in (named or {}).items():
