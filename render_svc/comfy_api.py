@@ -186,10 +186,13 @@ class ComfyAPI(VideoAPI):
         if name != filename or folder != subfolder or rec.state != SUCCEEDED or rec.expired:
             raise NotFound(f"no output {filename[:80]!r} in {subfolder[:80]!r} (not finished, another name, or "
                            "removed by the retention limits)")
-        if m.group("ext") == "png":
-            h._send(200, first_frame_png(Path(rec.output)), "image/png")
-        else:
-            h._send_file(Path(rec.output), "video/mp4")
+        try:
+            if m.group("ext") == "png":
+                h._send(200, first_frame_png(Path(rec.output)), "image/png")
+            else:
+                h._send_file(Path(rec.output), "video/mp4")
+        except FileNotFoundError:  # removed by retention meanwhile
+            raise NotFound(f"output {filename[:80]!r} was removed by the retention limits") from None
 
     def upload_image(self, h, who: Principal, query: dict) -> None:
         ctype = h.headers.get("Content-Type", "")
