@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import io
 import os
+import re
 from collections.abc import Callable
 from pathlib import Path
 
@@ -45,13 +46,18 @@ def image_size(data: bytes, what: str) -> tuple[int, int]:
         raise InvalidArgument(f"{what} is not an image PIL reads (PNG / JPEG)") from None
 
 
+def input_name(value: str) -> str:
+    """A loader node's file name as ComfyUI writes it, without the `[input]` the editor may add."""
+    return re.sub(r"\s*\[input\]$", "", value)
+
+
 def folder_reader(folder: Path) -> ReadInput:
     """A loader node's file from ComfyUI's input folder `folder` (the name as the node gives it, subfolders too,
     never outside it)."""
     root = folder.resolve()
 
     def read(ref: MediaRef) -> bytes:
-        path = (root / ref.name.value).resolve()
+        path = (root / input_name(ref.name.value)).resolve()
         if root not in path.parents:
             raise InvalidArgument(f"{ref.name.value!r} (node {ref.node}) is not a file name inside the input folder")
         try:

@@ -25,7 +25,7 @@ from collections import OrderedDict
 from pathlib import Path, PurePosixPath
 
 from h3.v1 import render_pb2
-from client.workflow import PNG, first_frame_png
+from client.workflow import PNG, first_frame_png, input_name
 from minimax_h3.comfy import MediaRef, WorkflowRefused, interpret, read_workflow
 from render_svc.http_api import MAX_BODY_BYTES, HttpError, Route, VideoAPI, _owner, form_parts
 from render_svc.store import CANCELLED, FAILED, QUEUED, RUNNING, SUCCEEDED, JobRecord
@@ -231,8 +231,7 @@ class ComfyAPI(VideoAPI):
     def reader(self, who: Principal):
         """A loader node's file from the caller's uploads (ComfyUI's `name [input]` and `subfolder/name` forms)."""
         def read(ref: MediaRef) -> bytes:
-            name = re.sub(r"\s*\[input\]$", "", ref.name.value)
-            folder, _, base = name.rpartition("/")
+            folder, _, base = input_name(ref.name.value).rpartition("/")
             path = self._input_path(who, base, folder)
             if not path.is_file():
                 raise InvalidArgument(f"{ref.name.value} (loaded by node {ref.node}) was not uploaded: POST it to "

@@ -250,6 +250,7 @@ def render_request(body, idempotency_key: str) -> render_pb2.RenderRequest:
 
 FORM_INTS = ("frames", "steps", "seed", "crf")  # form fields are text: these are read as integers
 FORM_FILES = {"input_reference": "first_frame", "first_frame": "first_frame", "last_frame": "last_frame"}
+FORM_JSON = {"loras": '[{"name": FILE, "strength": 1}]', "workflow_set": '["NODE.WIDGET=VALUE", ...]'}
 
 
 def form_parts(content_type: str, raw: bytes) -> tuple[dict[str, str], dict[str, tuple[str, bytes]]]:
@@ -282,9 +283,10 @@ def _parts(content_type: str, raw: bytes):
 
 def form_fields(content_type: str, raw: bytes) -> dict:
     """A multipart/form-data create request (as OpenAI's SDK and `curl -F` send it) -> the JSON request's fields.
-    Text parts are the scalar fields (`frames`, `steps`, `seed`, `crf` as integers; `loras` as JSON); file parts
-    are `input_reference` (OpenAI's name: the first frame), `first_frame`, `last_frame`, and `reference` (repeated,
-    in order; its kind from the part's Content-Type: image/*, video/*, audio/*)."""
+    Text parts are the scalar fields (`frames`, `steps`, `seed`, `crf` as integers; `loras`, `workflow_set` as JSON,
+    `workflow` as the graph's JSON text); file parts are `input_reference` (OpenAI's name: the first frame),
+    `first_frame`, `last_frame`, and `reference` (repeated, in order; its kind from the part's Content-Type: image/*,
+    video/*, audio/*)."""
     body: dict = {}
     for name, filename, kind, data in _parts(content_type, raw):
         if name == "reference":
@@ -295,12 +297,11 @@ def form_fields(content_type: str, raw: bytes) -> dict:
             text = data.decode("utf-8", errors="replace")
             if name in FORM_INTS and text.strip().isdigit():
                 body[name] = int(text)
-            elif name == "loras":
+            elif name in FORM_JSON:
                 try:
                     body[name] = json.loads(text)
                 except ValueError:
-                    raise InvalidArgument("loras (a form field) must be JSON: [{\"name\": FILE, \"strength\": 1}]") \
-                        from None
+                    raise InvalidArgument(f"{name} (a form field) must be JSON: {FORM_JSON[name]}") from None
             else:
                 body[name] = text
     return body

@@ -534,6 +534,14 @@ def test_a_workflow_request_over_grpc_is_read_by_the_service(svc, inputs):
     info = svc.stub.Submit(req, timeout=60)
     assert (info.params.width, info.params.seed, info.params.steps) == (256, 757358688076805, 1)
     svc.stub.Cancel(render_pb2.JobRef(job_id=info.job_id), timeout=60)
+    # /v1/videos: the graph as a JSON object, its --sets as workflow_set, the fields beside it over its values
+    body = {"workflow": json.loads(template("video_minimax_h3_t2v").read_text()), "prompt": PROMPTS["text"],
+            "workflow_set": [f"140.vae_name={FP16_VAE}"], "size": "256x256", "frames": 22, "steps": 1}
+    status, answer = call(svc.http, "POST", "/v1/videos", json.dumps(body).encode(),
+                          {"Content-Type": "application/json"})
+    video = json.loads(answer)
+    assert status == 200 and (video["size"], video["frames"], video["seed"]) == ("256x256", 22, 757358688076805), video
+    call(svc.http, "POST", f"/v1/videos/{video['id']}/cancel", b"{}", {"Content-Type": "application/json"})
 
 
 def test_the_service_runs_a_graph_only_on_the_files_it_names():
