@@ -2,6 +2,7 @@
 
     python -m client render --prompt "..." -o out.mp4 [--width 832 --height 480 --frames 124 --steps 8 ...]
     python -m client render --prompts-file prompts.txt -o outdir/      (stage-batched by the render service)
+    python -m client render --workflow graph.json [--set NODE.WIDGET=VALUE ...] -o out.mp4   (a ComfyUI graph)
     python -m client jobs list | get ID | watch ID | fetch ID [--wait] -o out.mp4 | cancel ID
     python -m client status
     python -m client loadtest --stage dit --concurrency 4 --requests 20
@@ -19,6 +20,7 @@ that a configured stack does not serve is refused (exit 2), naming what it serve
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shlex
 import sys
@@ -41,8 +43,7 @@ from h3.v1 import render_pb2
 from minimax_h3.contract import (DEFAULT_CRF, DEFAULT_FRAMES, DEFAULT_SIZE, DEFAULT_STEPS, MAX_AREA, MAX_ASPECT,
                                  MAX_ASPECT_CHANGE, MAX_CRF, MAX_FRAMES, MAX_OUTPUT_SIDE, MAX_SIDE, MAX_STEPS,
                                  MIN_FRAMES, MIN_SIDE, MIN_STEPS, QUALITIES, SAMPLERS, SCHEDULERS, SIZE_MULTIPLE,
-                                 RenderSpec,
-                                 check_output, validate)
+                                 RenderSpec, check_output, spec_from_proto, validate)
 from minimax_h3.files import EMBEDDED_NOTE
 from stagekit.errors import FailedPrecondition, InvalidArgument
 from stagekit.transport import MAX_MESSAGE_BYTES
@@ -99,9 +100,21 @@ def _render_requests(args, prompts: list[str], keyframes: dict[str, bytes]):
     return reqs
 
 
+RENDER_DEFAULTS = {"width": DEFAULT_SIZE[0], "height": DEFAULT_SIZE[1], "frames": DEFAULT_FRAMES,
+                   "steps": DEFAULT_STEPS, "seed": 0, "sampler": SAMPLERS[0], "scheduler": SCHEDULERS[0],
+                   "video_shift": 0.0, "audio_shift": 0.0, "quality": QUALITIES[0], "crf": DEFAULT_CRF}
+
+
 def render_inputs(args):
     """(requests, output paths) from the render flags, or CheckError: everything that can be refused
-    without a stage (client/checks.py)."""
+    without a stage (client/checks.py). A --workflow graph gives the values no flag sets (workflow_inputs)."""
+    given = [flag for flag, v in (("--set", args.set), ("--input-dir", args.input_dir), ("--explain", args.explain))
+             if v]
+    if given:
+        raise CheckError(f"{', '.join(given)} read a graph: give it with --workflow FILE.json")
+    for name, default in RENDER_DEFAULTS.items():
+        if getattr(args, name) is None:
+            setattr(args, name, default)
     prompts = read_prompts(args.prompt, args.prompts_file)
     try:
         for p in prompts:
@@ -133,6 +146,103 @@ def render_inputs(args):
     return reqs, outs
 
 
+def workflow_inputs(args):
+    """([the request], [its output path], what the graph became) of a --workflow graph: the graph's values, the
+    flags over them, the files its loader nodes read from --input-dir (default: the graph's folder), everything
+    checked as the render service will (client/workflow.py); CheckError naming each node the product does not run."""
+    from client.checks import check_request_files
+    from client.workflow import PNG, apply_workflow, folder_reader
+    from minimax_h3.labels import EXTENSIONS, kind_of
+
+    if args.prompts_file:
+        raise CheckError("--prompts-file does not combine with --workflow: a graph is one render (--prompt replaces "
+                         "its prompt)")
+    path = Path(args.workflow)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise CheckError(f"cannot read --workflow {path}: {getattr(e, 'strerror', None) or e}") from None
+    req = render_pb2.RenderRequest(workflow_json=text, workflow_set=args.set or [], crf=args.crf or 0,
+                                   label=args.label, idempotency_key=args.idempotency_key)
+    p = req.params
+    if args.prompt is not None:
+        p.prompt = args.prompt
+    for name in RENDER_DEFAULTS:
+        value = getattr(args, name)
+        if name != "crf" and value is not None:
+            setattr(p, name, value)
+    for text_ in args.lora or ():
+        name, strength = parse_lora_arg(text_)
+        req.loras.add(name=name, strength=strength)
+    try:
+        if args.upscale is not None:
+            req.upscale_width, req.upscale_height = parse_size(args.upscale)
+        for anchor in ("first", "last"):
+            if getattr(args, f"{anchor}_frame"):
+                setattr(req, f"{anchor}_frame", _read_flag_file(getattr(args, f"{anchor}_frame"), f"--{anchor}-frame"))
+        for spec in args.ref or ():
+            kind, sep, ref_path = spec.partition(":")
+            if not sep or kind not in EXTENSIONS:
+                kind, ref_path = kind_of(spec), spec
+            req.references.add(kind=kind, data=_read_flag_file(ref_path, f"--ref {spec}"), name=Path(ref_path).name)
+        render = apply_workflow(req, folder_reader(Path(args.input_dir) if args.input_dir else path.parent))
+        check_request_files(req)
+        check_output(spec_from_proto(p), req.crf, req.upscale_width, req.upscale_height)
+    except ValueError as e:  # InvalidArgument (a refused graph, a wrong value) included
+        raise CheckError(getattr(e, "message", None) or str(e)) from None
+    if args.detach or args.explain:
+        if args.output is not None and args.detach:
+            raise CheckError("-o: --detach writes no file here (the output stays with the render service): leave out "
+                             "-o and fetch it with `jobs fetch ID -o FILE`")
+        return [req], [], render
+    png = req.output_format == PNG
+    out = args.output or ("out.png" if png else "out.mp4")
+    if png != out.lower().endswith(".png") and not out.endswith(("/", os.sep)):
+        saves = "an image (SaveImage): name a .png" if png else "a video: name an .mp4"
+        raise CheckError(f"-o {out}: this graph saves {saves}")
+    outs = output_paths(out, 1, overwrite=args.overwrite)
+    if png and outs[0].suffix != ".png":
+        outs = [outs[0].with_suffix(".png")]
+    outs[0].parent.mkdir(parents=True, exist_ok=True)
+    return [req], outs, render
+
+
+def _read_flag_file(path: str, flag: str) -> bytes:
+    try:
+        return Path(path).read_bytes()
+    except OSError as e:
+        raise CheckError(f"cannot read {flag} {path}: {e.strerror or e}") from None
+
+
+def explain(req: render_pb2.RenderRequest, render) -> dict:
+    """What a --workflow graph became: the request's values and files, the graph's files and notes."""
+    p = req.params
+    return {"params": {f: getattr(p, f) for f in ("prompt", "width", "height", "frames", "steps", "seed", "sampler",
+                                                   "scheduler", "video_shift", "audio_shift")},
+            "loras": [[lo.name, lo.strength] for lo in req.loras],
+            "first_frame": len(req.first_frame) or None, "last_frame": len(req.last_frame) or None,
+            "references": [[r.kind, r.name] for r in req.references], "crf": req.crf,
+            "output_format": req.output_format or "mp4", "graph": render.summary()}
+
+
+def _received(out: Path) -> Path:
+    """Where the job's MP4 is written: `out` itself, or beside a .png output (its picture is taken from it)."""
+    return out.with_name(f".{out.name}.mp4") if out.suffix.lower() == ".png" else out
+
+
+def _deliver(out: Path) -> None:
+    """A .png output: the first frame of the MP4 received beside it, written in its place (the MP4 removed)."""
+    if out.suffix.lower() != ".png":
+        return
+    from client.workflow import first_frame_png
+
+    mp4 = _received(out)
+    tmp = out.with_name(f".{out.name}.tmp")
+    tmp.write_bytes(first_frame_png(mp4))
+    tmp.replace(out)
+    mp4.unlink()
+
+
 def _refused(e: grpc.RpcError) -> bool:
     """The render service refused the request itself (INVALID_ARGUMENT, or NOT_FOUND for a LoRA the DiT does not
     have, from Submit or Upload, before any job): exit 2, as for what this client refuses by itself."""
@@ -154,7 +264,15 @@ def _render(args, ctrl_c: CtrlC) -> int:
 
     security = Security(args.token, args.tls_ca)
     try:
-        reqs, outs = render_inputs(args)
+        if args.workflow:
+            reqs, outs, graph = workflow_inputs(args)
+            for note in graph.notes:
+                print(f"note: {note}", file=sys.stderr)
+            if args.explain:
+                print(json.dumps(explain(reqs[0], graph), indent=2))
+                return 0
+        else:
+            reqs, outs = render_inputs(args)
         target, stack = connect_render(
             args, security, before_embedded=lambda: check_for_local_stack(args.models_dir), ctrl_c=ctrl_c,
             running=lambda where, source, served: check_running_stack(args.models_dir, args.devices, where, source,
@@ -215,7 +333,7 @@ def _render(args, ctrl_c: CtrlC) -> int:
                     return info if info.state == render_pb2.JOB_SUCCEEDED else job_error_words(info)
 
                 if len(reqs) == 1:  # one call
-                    results = [outcome(0, lambda: rc.render(reqs[0], outs[0], on_event(0)))]
+                    results = [outcome(0, lambda: rc.render(reqs[0], _received(outs[0]), on_event(0)))]
                 else:  # every prompt queued at once (the service batches them with everyone's), then followed
                     results = [None] * len(reqs)
                     for i, req in enumerate(reqs):
@@ -228,7 +346,8 @@ def _render(args, ctrl_c: CtrlC) -> int:
                     todo = [i for i in job_ids]
                     with ThreadPoolExecutor(max_workers=min(16, len(todo) or 1)) as pool:
                         for i, r in zip(todo, pool.map(
-                                lambda i: outcome(i, lambda: rc.follow(job_ids[i], outs[i], on_event(i))), todo)):
+                                lambda i: outcome(i, lambda: rc.follow(job_ids[i], _received(outs[i]), on_event(i))),
+                                todo)):
                             results[i] = r
         rc_code = 0
         for i, r in enumerate(results):
@@ -236,6 +355,7 @@ def _render(args, ctrl_c: CtrlC) -> int:
                 rc_code = 1 if rc_code == 1 or i not in refused else 2
                 print(f"error: {'job ' + job_ids[i] + ': ' if i in job_ids else ''}{r}", file=sys.stderr)
             else:
+                _deliver(outs[i])
                 print_summary(outs[i], r.stages)
         return rc_code
     except grpc.RpcError as e:
@@ -303,13 +423,14 @@ def cmd_jobs(args) -> int:
                 return 0 if info.state in TERMINAL else 1
             if args.action == "fetch":
                 if not args.wait:
-                    rc.fetch(args.job_id, out)
+                    rc.fetch(args.job_id, _received(out))
                 else:  # followed to its end as `watch` does (a service restart is waited out), then fetched
-                    info = rc.follow(args.job_id, out)
+                    info = rc.follow(args.job_id, _received(out))
                     if info.state != render_pb2.JOB_SUCCEEDED:
                         print(f"error: job {args.job_id} {state_name(info.state)}: {job_error_words(info)}",
                               file=sys.stderr)
                         return 1
+                _deliver(out)
                 print(f"wrote {out}")
                 return 0
             last = None  # watch
@@ -389,7 +510,20 @@ def _add_render_parser(sub) -> None:
                                    "service. Everything below is checked here first, by the service's own rules: a "
                                    "refusal exits 2 before anything starts.")
     what = r.add_argument_group("what to render")
-    what.add_argument("--prompt", help="what to generate (describe picture and sound)")
+    what.add_argument("--prompt", help="what to generate (describe picture and sound); with --workflow, replaces the "
+                                       "graph's prompt")
+    what.add_argument("--workflow", metavar="FILE.json",
+                      help="a ComfyUI graph (the editor's saved workflow, subgraphs included, or the API format): the "
+                           "render is what it says; the flags given override its values (docs/workflows.md)")
+    what.add_argument("--set", action="append", metavar="NODE.WIDGET=VALUE",
+                      help="--workflow: change a widget's value before the graph is read (repeatable), e.g. "
+                           "--set 115.megapixels=0.2; inside a subgraph, on the widget the instance shows "
+                           "(140.vae_name)")
+    what.add_argument("--input-dir", metavar="DIR",
+                      help="--workflow: the folder the graph's LoadImage / LoadAudio / LoadVideo files are read from "
+                           "(ComfyUI's input folder; default: the graph file's folder)")
+    what.add_argument("--explain", action="store_true",
+                      help="--workflow: print the request the graph becomes (JSON) and start nothing")
     what.add_argument("--prompts-file", help="one prompt per line; renders all, stage-batched, into the -o folder")
     what.add_argument("--first-frame", help="fl2va: PNG/JPEG the video starts from (fitted to --width x --height)")
     what.add_argument("--last-frame", help="fl2va: PNG/JPEG the video ends on (fitted to --width x --height)")
@@ -403,31 +537,29 @@ def _add_render_parser(sub) -> None:
     size_rule = (f"a multiple of {SIZE_MULTIPLE}, {MIN_SIDE}..{MAX_SIDE}; width x height at most {MAX_AREA} pixels "
                  f"(1920x1088), aspect at most {MAX_ASPECT:g}:1")
     shape = r.add_argument_group("size, length and sampling")
-    shape.add_argument("--width", type=int, default=DEFAULT_SIZE[0], help=f"{size_rule} (default: {DEFAULT_SIZE[0]})")
-    shape.add_argument("--height", type=int, default=DEFAULT_SIZE[1], help=f"{size_rule} (default: {DEFAULT_SIZE[1]})")
-    shape.add_argument("--frames", type=int, default=DEFAULT_FRAMES,
+    # Defaults are filled in by render_inputs (RENDER_DEFAULTS), so a --workflow graph's values hold where no flag is
+    # given.
+    shape.add_argument("--width", type=int, help=f"{size_rule} (default: {DEFAULT_SIZE[0]})")
+    shape.add_argument("--height", type=int, help=f"{size_rule} (default: {DEFAULT_SIZE[1]})")
+    shape.add_argument("--frames", type=int,
                        help=f"17n+5, {MIN_FRAMES}..{MAX_FRAMES}, at 24 fps (default: {DEFAULT_FRAMES} = 5.2 s)")
-    shape.add_argument("--steps", type=int, default=DEFAULT_STEPS,
-                       help=f"sampling steps, {MIN_STEPS}..{MAX_STEPS} (default: {DEFAULT_STEPS})")
-    shape.add_argument("--seed", type=int, default=0,
-                       help="0..2^63-1; the same seed renders the same video (default: 0)")
-    shape.add_argument("--sampler", default="res_multistep", choices=SAMPLERS, help="(default: res_multistep)")
-    shape.add_argument("--scheduler", default="simple", choices=SCHEDULERS, help="(default: simple)")
-    shape.add_argument("--quality", default="exact", choices=QUALITIES,
+    shape.add_argument("--steps", type=int, help=f"sampling steps, {MIN_STEPS}..{MAX_STEPS} (default: {DEFAULT_STEPS})")
+    shape.add_argument("--seed", type=int, help="0..2^63-1; the same seed renders the same video (default: 0)")
+    shape.add_argument("--sampler", choices=SAMPLERS, help="(default: res_multistep)")
+    shape.add_argument("--scheduler", choices=SCHEDULERS, help="(default: simple)")
+    shape.add_argument("--quality", choices=QUALITIES,
                        help="exact: every DiT step computed; fast: step caching, steps whose first block changed "
                             "little reuse the last full step's other blocks (faster, not the same video) "
                             "(default: exact)")
-    shape.add_argument("--video-shift", type=float, default=0.0,
-                       help="0 or 0.1..100; 0 = the model's default, 12 (default: 0)")
-    shape.add_argument("--audio-shift", type=float, default=0.0,
-                       help="0 or 0.1..100; 0 = the model's default, 3 (default: 0)")
+    shape.add_argument("--video-shift", type=float, help="0 or 0.1..100; 0 = the model's default, 12 (default: 0)")
+    shape.add_argument("--audio-shift", type=float, help="0 or 0.1..100; 0 = the model's default, 3 (default: 0)")
     out = r.add_argument_group("output")
     out.add_argument("-o", "--output",
                      help="output MP4 (default: out.mp4; none with --detach); a folder (a trailing / or an existing directory) gets "
                           "000.mp4, 001.mp4, ... in prompt order, as does any -o with several prompts")
     out.add_argument("--overwrite", action="store_true", help="replace output files that exist (default: refuse)")
-    out.add_argument("--crf", type=int, default=DEFAULT_CRF,
-                     help=f"H.264 quality 1..{MAX_CRF}, lower is better (default: {DEFAULT_CRF})")
+    out.add_argument("--crf", type=int,
+                     help=f"H.264 quality 1..{MAX_CRF}, lower is better (default: {DEFAULT_CRF}; an image graph's: 1)")
     out.add_argument("--upscale", metavar="WxH",
                      help=f"MP4 size, e.g. 1920x1080, every frame scaled in the mux (libswscale Lanczos): even sides, "
                           f"at most {MAX_OUTPUT_SIDE} per side and 3840x2160 pixels, within "

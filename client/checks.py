@@ -207,3 +207,34 @@ def check_running_stack(models_dir: str, devices: str, where: str, source: str, 
         raise CheckError(f"--devices {devices}: {where} (from {source}) runs on {_per_stage(stages, runs_on)} and "
                          f"keeps them: --devices is for a stack started here. Leave --devices out to render on it, "
                          f"or " + restart.format(flag=f"--devices {devices}"))
+
+
+def check_request_files(req) -> None:
+    """The files a filled request carries (a --workflow graph's, or its flags'), checked as the render service will:
+    keyframes against the render size, references as the stages take them, their mix, and the prompt's labels
+    naming exactly them. CheckError naming the slot and the file."""
+    from minimax_h3.contract import check_reference_kinds, spec_from_proto
+    from minimax_h3.images import admit_keyframe
+    from minimax_h3.labels import check_labels
+    from minimax_h3.reference_files import check_reference_file
+
+    spec = spec_from_proto(req.params)
+    try:
+        for slot in ("first_frame", "last_frame"):
+            if getattr(req, slot):
+                try:
+                    admit_keyframe(getattr(req, slot), spec.width, spec.height)
+                except InvalidArgument as e:
+                    raise InvalidArgument(f"{slot}: {e.message}") from None
+        if req.references:
+            kinds = [r.kind for r in req.references]
+            check_reference_kinds(kinds)
+            sound = []
+            for i, r in enumerate(req.references):
+                try:
+                    sound.append(check_reference_file(r.kind, r.data, spec.frames).sound)
+                except InvalidArgument as e:
+                    raise InvalidArgument(f"reference {i + 1} ({r.name or r.kind}): {e.message}") from None
+            check_labels(spec.prompt, kinds, sound, [r.name for r in req.references])
+    except InvalidArgument as e:
+        raise CheckError(e.message) from None

@@ -200,9 +200,46 @@ def _fetch(to: Path, files: list[RemoteFile], out, made: list[Path]) -> int:
     return len(todo)
 
 
-def cmd_fetch(args) -> int:
-    files = wanted_files(args.dit, args.text_encoder)
+def graph_remote_files(path: str, sets=()) -> list[RemoteFile]:
+    """The files a ComfyUI graph loads (its run: the files of a switch's branch not taken are not), where each is
+    published (minimax_h3.files.MODEL_FILES), into the folder ComfyUI keeps it in; the text encoder's tokenizer
+    beside it. Each file this product does not load is named on stderr with why (it is fetched all the same: the
+    graph names it). FetchError for a graph that cannot be read or a file of unknown origin."""
+    from client.workflow import edited_graph, graph_problems
+    from minimax_h3.files import MODEL_FILES
+    from stagekit.errors import InvalidArgument
+
     try:
+        render, problems = graph_problems(edited_graph(Path(path).read_bytes(), sets))
+    except OSError as e:
+        raise FetchError(f"cannot read --workflow {path}: {e.strerror or e}") from None
+    except InvalidArgument as e:
+        raise FetchError(f"--workflow {path}: {e.message}") from None
+    if render is None:
+        raise FetchError(f"--workflow {path} loads no model this product can tell: "
+                         + "; ".join(str(p) for p in problems))
+    out: list[RemoteFile] = []
+    for use in render.files:
+        known = MODEL_FILES.get(use.name.value)
+        if known is None:
+            raise FetchError(f"{use.name.value} ({use.type} node {use.node}) is not a file this product knows where to "
+                             "download; put it in the models folder yourself")
+        if known.refusal:
+            print(f"note: {known.name}: {known.refusal}", file=sys.stderr)
+        f = RemoteFile(known.repo, known.repo_path, f"{known.folder}/{known.name}")
+        if f not in out:
+            out.append(f)
+        if known.role == "text_encoder":
+            out.append(RemoteFile(RELEASE_REPO, "tokenizer/tokenizer.json", f"{known.folder}/tokenizer.json"))
+    for p in problems:
+        print(f"note: the graph as written cannot run here: {p}", file=sys.stderr)
+    return out
+
+
+def cmd_fetch(args) -> int:
+    try:
+        files = (graph_remote_files(args.workflow, args.set or ()) if args.workflow
+                 else wanted_files(args.dit, args.text_encoder))
         n = fetch(Path(args.to).expanduser(), files)
     except FetchError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -340,6 +377,56 @@ def check_folder(models_dir: Path) -> list[PartReport]:
     return reports
 
 
+# A graph's file, by role, and the part of the model (CHECKPOINT_PARTS) whose stage serves it.
+PART_OF_ROLE = {"text_encoder": "encoder", "video_vae": "video_vae", "audio_vae": "audio_vae"}
+
+
+def graph_paths(paths: list[str]) -> list[Path]:
+    """--workflow values: graph files, and a folder's *.json graphs that use MiniMax-H3 (its nodes or files: e.g. the
+    H3 templates among all of the templates package's)."""
+    out = []
+    for p in map(Path, paths):
+        out += sorted(g for g in p.glob("*.json") if "minimax" in g.read_text(errors="replace").lower()) \
+            if p.is_dir() else [p]
+    return out
+
+
+def check_graph(path: Path, root: Path, reports: list[PartReport]) -> list[str]:
+    """Why the graph at `path` cannot run over the models folder `root` (empty: it runs): its refused nodes, and
+    each file it loads that is missing, wrong, or not the one its stage would serve from the folder."""
+    from client.workflow import edited_graph, graph_problems
+    from minimax_h3.files import MODEL_FILES
+    from stagekit.errors import InvalidArgument
+
+    try:
+        render, problems = graph_problems(edited_graph(path.read_bytes()))
+    except (OSError, InvalidArgument) as e:
+        return [getattr(e, "message", None) or getattr(e, "strerror", None) or str(e)]
+    out = [str(p) for p in problems]
+    by_part = {r.part: r for r in reports}
+    for use in render.files if render else []:
+        name, known = use.name.value, MODEL_FILES.get(use.name.value)
+        if known is not None and known.refusal:
+            continue  # already a refusal of its node
+        if use.role == "lora":
+            if not (root / "loras" / name).is_file():
+                out.append(f"{name} ({use.type} node {use.node}) is not in {root / 'loras'}")
+            continue
+        part = ("dit_ref2va" if render.conditioning == "reference_to_video" else "dit") if use.role == "dit" \
+            else PART_OF_ROLE.get(use.role)
+        r = by_part.get(part)
+        folder = known.folder if known else "the models folder"
+        if r is None or r.path is None:
+            out.append(f"{name} ({use.type} node {use.node}) is missing: put it in {root}/{folder} "
+                       f"({self_command()} models fetch --workflow {path} --to {root})")
+        elif r.path.name != name:
+            out.append(f"{use.type} node {use.node} loads {name}, but the {r.stage} stage would serve {r.path.name} "
+                       f"from {root}")
+        elif r.problem:
+            out.append(f"{name}: {r.problem}")
+    return out
+
+
 def cmd_check(args) -> int:
     from client.machine import SETUP_NAMES, find_gpus, recommend
 
@@ -349,6 +436,14 @@ def cmd_check(args) -> int:
               file=sys.stderr)
         return 1
     reports = check_folder(root)
+    if args.workflow:  # which graphs run over this folder, instead of the parts' report
+        graphs_ok = True
+        for path in graph_paths(args.workflow):
+            why = check_graph(path, root, reports)
+            graphs_ok &= not why
+            print(f"graph {path.name}: " + ("runs over this folder" if not why else "cannot run here:\n  "
+                                             + "\n  ".join(why)))
+        return 0 if graphs_ok else 1
     for r in reports:
         if r.path is None:
             print(f"{r.stage:<8} {r.part:<10} MISSING  {r.problem}")
@@ -383,6 +478,12 @@ def add_parser(sub) -> None:
                         description=__doc__.split("\n\n")[1] + "\n\nSteps:\n" + __doc__.split("\n\n")[3],
                         formatter_class=__import__("argparse").RawDescriptionHelpFormatter)
     f.add_argument("--to", required=True, metavar="DIR", help="the models folder (then: up.sh --models-dir DIR)")
+    f.add_argument("--workflow", metavar="FILE.json",
+                   help="fetch exactly the files this ComfyUI graph loads, into ComfyUI's folders (diffusion_models/, "
+                        "text_encoders/ + the tokenizer, vae/, loras/) instead of the variants below; a file this "
+                        "product does not load is named on stderr with why (docs/workflows.md)")
+    f.add_argument("--set", action="append", metavar="NODE.WIDGET=VALUE",
+                   help="--workflow: change a widget first, as render --set does")
     v = f.add_argument_group("variants")
     v.add_argument("--dit", choices=tuple(DIT_VARIANTS), default="fl2va-pruned",
                    help="DiT: fl2va (text, first/last frame) or ref2va (references; a models folder holding both "
@@ -396,4 +497,7 @@ def add_parser(sub) -> None:
                                       "stage will use and whether it is the release file its name claims, and the "
                                       "up.sh line for this machine (exit 0 only when all of them are)")
     c.add_argument("models_dir", metavar="DIR")
+    c.add_argument("--workflow", action="append", metavar="FILE.json|DIR",
+                   help="say instead whether each ComfyUI graph runs over DIR as written, and what keeps it from "
+                        "running (repeatable; a folder: its *.json graphs that use MiniMax-H3)")
     c.set_defaults(fn=cmd_check)

@@ -149,3 +149,68 @@ def safe_name(name: str, default: str) -> str:
     if any(c in base for c in "\x00\n\r"):
         raise InvalidArgument(f"output name {name!r} contains control characters")
     return base
+
+
+# ---- the files ComfyUI's MiniMax-H3 graphs name ------------------------------------------------------------------
+COMFY_REPO = "Comfy-Org/MiniMax-H3"
+# The folder of a ComfyUI install's `models/` each kind of file goes in (what its loader node lists).
+COMFY_FOLDERS = {"dit": "diffusion_models", "text_encoder": "text_encoders", "video_vae": "vae", "audio_vae": "vae",
+                 "lora": "loras"}
+TURBO_LORA = ("a Turbo (step-distilled) LoRA: this product does not run Turbo LoRAs; turn the graph's Turbo switch "
+              "off for the base model's steps")
+FASTH3 = ("a FastH3 distilled checkpoint (sparse attention, its own sigma schedule): this product's DiT runs the "
+          "MiniMax-H3 fl2va and ref2va files only")
+POSE = "a pose ControlNet file: this product does not run ControlNets"
+
+
+@dataclass(frozen=True)
+class ModelFile:
+    """A file ComfyUI's MiniMax-H3 graphs load by name, where it is published, and what this product does with it."""
+
+    name: str
+    role: str                 # "dit" | "text_encoder" | "video_vae" | "audio_vae" | "lora" | "other"
+    repo: str                 # Hugging Face repository
+    repo_path: str            # its path there
+    folder: str               # the ComfyUI models/ subfolder its loader lists
+    partition: str = ""       # DiT: the MiniMax-H3 partition it holds (fl2va, ref2va)
+    refusal: str = ""         # why this product does not load it ("": it does)
+    instead: str = ""         # ... and the file it loads in its place
+
+
+def _comfy(name: str, role: str, partition: str = "", refusal: str = "", folder: str = "",
+           instead: str = "") -> ModelFile:
+    folder = folder or COMFY_FOLDERS[role]
+    return ModelFile(name, role, COMFY_REPO, f"{folder}/{name}", folder, partition, refusal, instead)
+
+
+# One entry per file (name -> entry); a piece of the model this product learns to load changes its entry here.
+MODEL_FILES: dict[str, ModelFile] = {f.name: f for f in (
+    _comfy("minimax_h3_fl2va_pruned_int8_convrot.safetensors", "dit", "fl2va"),
+    _comfy("minimax_h3_fl2va_int8_convrot.safetensors", "dit", "fl2va"),
+    _comfy("minimax_h3_ref2va_pruned_int8_convrot.safetensors", "dit", "ref2va"),
+    _comfy("minimax_h3_ref2va_int8_convrot.safetensors", "dit", "ref2va"),
+    _comfy("qwen3vl_32b_minimax_h3_int8_convrot.safetensors", "text_encoder"),
+    _comfy("qwen3vl_32b_minimax_h3_nvfp4_awq.safetensors", "text_encoder"),
+    _comfy("qwen3vl_32b_minimax_h3_bf16.safetensors", "text_encoder"),
+    _comfy("minimax_h3_video_vae_fp16.safetensors", "video_vae"),
+    _comfy("minimax_h3_video_vae_int8_convrot.safetensors", "video_vae",
+           refusal="the int8 ConvRot video VAE: this product's decoder loads the fp16 video VAE, not this file",
+           instead="minimax_h3_video_vae_fp16.safetensors"),
+    _comfy("minimax_h3_audio_vae_fp32.safetensors", "audio_vae"),
+    ModelFile("minimax_h3_fl2v_turbo_8step_v1.0_comfyui_bf16.safetensors", "lora", "lightx2v/Minimax-h3-Turbo",
+              "minimax_h3_fl2v_turbo_8step_v1.0_comfyui_bf16.safetensors", "loras", refusal=TURBO_LORA),
+    _comfy("minimax_h3_fl2v_turbo_4step_v1.0_768p_comfyui_bf16.safetensors", "lora", refusal=TURBO_LORA),
+    _comfy("minimax_h3_ref2v_turbo_4step_v0.1_comfyui_bf16.safetensors", "lora", refusal=TURBO_LORA),
+    ModelFile("fastvideo_fasth3_8step_v2_pruned_int8_convrot.safetensors", "dit", "FastVideo/FastVideo-FastH3-Comfy",
+              "diffusion_models/fastvideo_fasth3_8step_v2_pruned_int8_convrot.safetensors", "diffusion_models",
+              "fl2va", FASTH3),
+    ModelFile("fasth3_omniref_8step_pruned_int8_convrot.safetensors", "dit", "FastVideo/FastH3-OmniRef-Comfy",
+              "diffusion_models/fasth3_omniref_8step_pruned_int8_convrot.safetensors", "diffusion_models", "ref2va",
+              FASTH3),
+    _comfy("minimax_h3_fun_controlnet_union_pruned_int8_convrot.safetensors", "other", refusal=POSE,
+           folder="model_patches"),
+    ModelFile("rt_detr_v4-x-hgnet_fp16.safetensors", "other", "Comfy-Org/SDPose",
+              "diffusion_models/rt_detr_v4-x-hgnet_fp16.safetensors", "diffusion_models", refusal=POSE),
+    ModelFile("sdpose_wholebody_fp16.safetensors", "other", "Comfy-Org/SDPose",
+              "checkpoints/sdpose_wholebody_fp16.safetensors", "checkpoints", refusal=POSE),
+)}

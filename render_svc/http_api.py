@@ -142,7 +142,8 @@ def video_object(rec: JobRecord, queue_position: int = 0, keep_age_s: float = 0.
 
 # ---- the request ----------------------------------------------------------------------------------------------------
 CREATE_FIELDS = ("prompt", "model", "size", "seconds", "frames", "steps", "seed", "sampler", "scheduler", "quality",
-                 "crf", "upscale", "label", "loras", "first_frame", "last_frame", "references")
+                 "crf", "upscale", "label", "loras", "first_frame", "last_frame", "references", "workflow",
+                 "workflow_set")
 
 
 def ascii_int(text: str, max_digits: int = 19) -> int | None:
@@ -247,7 +248,10 @@ def render_request(body, idempotency_key: str) -> render_pb2.RenderRequest:
     unknown = sorted(set(body) - set(CREATE_FIELDS))
     if unknown:
         raise InvalidArgument(f"unknown field(s) {', '.join(unknown)[:200]}; the fields are {', '.join(CREATE_FIELDS)}")
-    if not _str(body, "prompt").strip():
+    workflow = body.get("workflow")
+    if workflow is not None and not isinstance(workflow, (dict, str)):
+        raise InvalidArgument("workflow must be a ComfyUI graph: its JSON object (or that JSON as a string)")
+    if not workflow and not _str(body, "prompt").strip():
         raise InvalidArgument("prompt is required: describe the video (and its sound)")
     if body.get("model") not in (None, MODEL):
         raise InvalidArgument(f"model {str(body['model'])[:40]!r} is not served here; this service serves {MODEL!r}")
@@ -255,12 +259,19 @@ def render_request(body, idempotency_key: str) -> render_pb2.RenderRequest:
     frames, steps = _frames(body), _int(body, "steps")
     req = render_pb2.RenderRequest(label=_str(body, "label"), idempotency_key=idempotency_key,
                                    crf=_int(body, "crf", 0, INT32) or 0)
-    req.params.prompt = body["prompt"]
+    req.params.prompt = _str(body, "prompt")
     # Fields not given stay unset (the model's defaults), as a gRPC caller's do.
     for name, v in (("width", size and size[0]), ("height", size and size[1]), ("frames", frames), ("steps", steps)):
         if v is not None:
             setattr(req.params, name, v)
-    req.params.seed = _int(body, "seed", 0, MAX_SEED) or 0
+    if body.get("seed") is not None:
+        req.params.seed = _int(body, "seed", 0, MAX_SEED)
+    if workflow:  # a ComfyUI graph: the fields given beside it override its values (docs/workflows.md)
+        req.workflow_json = workflow if isinstance(workflow, str) else json.dumps(workflow)
+        sets = body.get("workflow_set") or []
+        if not isinstance(sets, list) or not all(isinstance(x, str) for x in sets):
+            raise InvalidArgument('workflow_set must be a list of "NODE.WIDGET=VALUE" strings')
+        req.workflow_set.extend(sets)
     req.params.sampler, req.params.scheduler = _str(body, "sampler"), _str(body, "scheduler")
     req.params.quality = _str(body, "quality")
     if upscale:
@@ -292,6 +303,9 @@ def render_request(body, idempotency_key: str) -> render_pb2.RenderRequest:
 
 FORM_INTS = ("frames", "steps", "seed", "crf")  # form fields are text: these are read as integers
 FORM_FILES = {"input_reference": "first_frame", "first_frame": "first_frame", "last_frame": "last_frame"}
+FORM_JSON = {"loras": '[{"name": FILE, "strength": 1}]', "workflow_set": '["NODE.WIDGET=VALUE", ...]'}
+
+
 # A form holds each field once and at most MAX_REFERENCES `reference` files. The parser refuses a body of more parts
 # when it meets the first one too many (it would spend about 8 s of CPU per MB of tiny parts).
 MAX_FORM_PARTS = len(set(CREATE_FIELDS) - {"references"} | set(FORM_FILES)) + MAX_REFERENCES
@@ -313,11 +327,21 @@ def _counting_parts(limit: int):
     return part
 
 
-def form_fields(content_type: str, raw: bytes) -> dict:
-    """A multipart/form-data create request (as OpenAI's SDK and `curl -F` send it) -> the JSON request's fields.
-    Text parts are the scalar fields (`frames`, `steps`, `seed`, `crf` as integers; `loras` as JSON); file parts
-    are `input_reference` (OpenAI's name: the first frame), `first_frame`, `last_frame`, and `reference` (repeated,
-    in order; its kind from the part's Content-Type: image/*, video/*, audio/*)."""
+def form_parts(content_type: str, raw: bytes) -> tuple[dict[str, str], dict[str, tuple[str, bytes]]]:
+    """A multipart/form-data body -> (its text parts by name, its file parts by name: (file name, bytes)); a
+    repeated name keeps its last part (form_fields reads repeated `reference` parts itself)."""
+    fields: dict[str, str] = {}
+    files: dict[str, tuple[str, bytes]] = {}
+    for name, filename, _, data in _parts(content_type, raw):
+        if filename is None:
+            fields[name] = data.decode("utf-8", errors="replace")
+        else:
+            files[name] = (filename, data)
+    return fields, files
+
+
+def _parts(content_type: str, raw: bytes):
+    """(name, file name or None, content main type, bytes) of each part of a multipart/form-data body."""
     if "boundary=" not in content_type:
         raise InvalidArgument("a multipart/form-data body needs the boundary in its Content-Type")
     policy = email.policy.HTTP.clone(message_factory=_counting_parts(MAX_FORM_PARTS))
@@ -325,15 +349,23 @@ def form_fields(content_type: str, raw: bytes) -> dict:
         b"Content-Type: " + content_type.encode("latin-1") + b"\r\n\r\n" + raw)
     if not msg.is_multipart():
         raise InvalidArgument("the multipart/form-data body has no parts")
-    body: dict = {}
     for part in msg.iter_parts():
         name = part.get_param("name", header="content-disposition")
         if not name:
             raise InvalidArgument("a form part has no name (Content-Disposition: form-data; name=...)")
-        data = part.get_payload(decode=True) or b""
+        yield name, part.get_filename(), part.get_content_maintype(), part.get_payload(decode=True) or b""
+
+
+def form_fields(content_type: str, raw: bytes) -> dict:
+    """A multipart/form-data create request (as OpenAI's SDK and `curl -F` send it) -> the JSON request's fields.
+    Text parts are the scalar fields (`frames`, `steps`, `seed`, `crf` as integers; `loras`, `workflow_set` as JSON,
+    `workflow` as the graph's JSON text); file parts are `input_reference` (OpenAI's name: the first frame),
+    `first_frame`, `last_frame`, and `reference` (repeated, in order; its kind from the part's Content-Type: image/*,
+    video/*, audio/*)."""
+    body: dict = {}
+    for name, filename, kind, data in _parts(content_type, raw):
         if name == "reference":
-            kind = part.get_content_maintype()
-            body.setdefault("references", []).append({"kind": kind, "data": data, "name": part.get_filename() or ""})
+            body.setdefault("references", []).append({"kind": kind, "data": data, "name": filename or ""})
         elif name in FORM_FILES:
             body[FORM_FILES[name]] = data
         else:
@@ -342,12 +374,11 @@ def form_fields(content_type: str, raw: bytes) -> dict:
                 if (number := ascii_int(text.strip())) is None:
                     raise InvalidArgument(f"{name} must be an integer of at most 19 ASCII digits, got {text[:40]!r}")
                 body[name] = number
-            elif name == "loras":
+            elif name in FORM_JSON:
                 try:
                     body[name] = json.loads(text)
                 except ValueError:
-                    raise InvalidArgument("loras (a form field) must be JSON: [{\"name\": FILE, \"strength\": 1}]") \
-                        from None
+                    raise InvalidArgument(f"{name} (a form field) must be JSON: {FORM_JSON[name]}") from None
             else:
                 body[name] = text
     return body
@@ -382,6 +413,8 @@ class VideoAPI:
     """The `/v1/` routes over a RenderService. `handle` is called by the web page's request handler (its thread, its
     connection) after the `Host:` check; the handler's `_send` and `_send_file` write the answer."""
 
+    routes = ROUTES
+
     def __init__(self, svc, tokens, body_total_s: float):
         self.svc = svc
         self.tokens = tokens
@@ -410,7 +443,7 @@ class VideoAPI:
 
     def _route(self, method: str, path: str) -> tuple[Route, dict]:
         allowed = []
-        for r in ROUTES:
+        for r in self.routes:
             if (m := r.pattern.match(path)) is not None:
                 if r.method == method:
                     return r, m.groupdict()

@@ -35,8 +35,9 @@ from pathlib import Path
 import grpc
 
 from h3.v1 import common_pb2, encoder_pb2, render_pb2
+from client.workflow import ReadInput, apply_workflow
 from minimax_h3.contract import (MAX_PROMPT_BYTES, check_loras, check_output, check_partition, check_reference_kinds,
-                                 spec_from_proto, validate)
+                                 needed_partition, spec_from_proto, validate)
 from render_svc.engine import Outcome, RenderEngine, Work, lora_key
 from render_svc.planner import (SERVICE_OF, STAGES, Batch, BatchPlanner, Resources, next_stage,
                                 resource_groups)
@@ -78,6 +79,41 @@ RESOURCES_UNKNOWN_EVERY_S = 1.0  # ... and this often while a stage has not answ
 RESOURCES_TIMEOUT_S = 2.0    # a stage's Status answer for its devices
 
 
+SERVICE_OF_ROLE = {"dit": "dit", "text_encoder": "encoder", "video_vae": "decoder", "audio_vae": "decoder"}
+
+
+def served_files(st: common_pb2.StageStatus, role: str, partition: str) -> list[str]:
+    """The names of the files a stage's Status says it serves for a graph file's `role`: the DiT's file of the
+    request's partition, the encoder's weights, the decoder's video or audio VAE ("VIDEO + AUDIO")."""
+    if role == "dit":
+        paths = [st.partitions[partition]] if partition in st.partitions else []
+    elif role == "text_encoder":
+        paths = [st.weights]
+    else:
+        parts = st.weights.split(" + ")
+        paths = parts[:1] if role == "video_vae" else parts[1:2]
+    return [Path(p).name for p in paths if p]
+
+
+def check_graph_files(graph_files, statuses: dict[str, list[common_pb2.StageStatus]], partition: str) -> None:
+    """A graph names its files, and the stages serve files of their own: the graph runs only where each file it loads
+    is the one its stage serves, by name, on every replica that answered (`statuses`: service -> their Status);
+    FailedPrecondition naming the loader node, both files and the fixes otherwise. A stage serving the embedded tiny
+    model stands for every file (its output is noise, as the CLI says)."""
+    for use in graph_files:
+        service = SERVICE_OF_ROLE.get(use.role)
+        for st in statuses.get(service, ()) if service else ():
+            if st.embedded_model:
+                continue
+            served = served_files(st, use.role, partition)
+            if use.name.value not in served:
+                fix = f"--set {use.name.key}={served[0]} or " if use.name.key and served else ""
+                raise FailedPrecondition(
+                    f"{use.type} node {use.node} loads {use.name.value}, but the {service} stage serves "
+                    f"{', '.join(served) or 'no such file'}: {fix}start the {service} stage over a models folder with "
+                    "that file (python -m client models fetch --workflow FILE fetches a graph's files)")
+
+
 def check_request(req: render_pb2.RenderRequest) -> None:
     """Everything about a request that can be checked before it is queued; InvalidArgument with the reason."""
     from minimax_h3.images import load_keyframe
@@ -88,6 +124,11 @@ def check_request(req: render_pb2.RenderRequest) -> None:
                               "(and its --max-prompt-tokens tokens): shorten it")
     spec = validate(spec_from_proto(req.params), need_prompt=True)
     check_output(spec, req.crf, req.upscale_width, req.upscale_height)
+    if req.workflow_set and not req.workflow_json:
+        raise InvalidArgument("workflow_set changes a graph's widgets: send the graph in workflow_json")
+    if req.output_format not in ("", "mp4", "png"):
+        raise InvalidArgument(f"output_format {req.output_format[:20]!r}: the outputs are 'mp4' and 'png' (an image "
+                              "graph's picture)")
     if len(req.label) > MAX_LABEL_CHARS or len(req.idempotency_key) > MAX_LABEL_CHARS:
         raise InvalidArgument(f"label and idempotency_key are limited to {MAX_LABEL_CHARS} characters")
     for anchor, img in (("first_frame", req.first_frame), ("last_frame", req.last_frame)):
@@ -175,7 +216,7 @@ class RenderService:
         self.batch_log: deque[dict] = deque(maxlen=200)  # recent batches (the web page draws them)
         self.started_unix = time.time()
         self._lock = threading.Condition()
-        self._dit_seen: dict[str, tuple[float, common_pb2.StageStatus]] = {}  # DiT replica -> (when read, Status)
+        self._seen: dict[str, tuple[float, common_pb2.StageStatus]] = {}  # stage replica -> (when read, Status)
         self.stopping = threading.Event()       # SIGTERM: the drain has begun (no new batch starts)
         self._abort = threading.Event()          # the drain stops the running batch's stage calls
         self._stop = threading.Event()           # the drain is over: Submit refuses
@@ -221,13 +262,16 @@ class RenderService:
                 "h3_jobs_done": sum(counts.get(s, 0) for s in (SUCCEEDED, FAILED, CANCELLED))}
 
     # ---- API ----------------------------------------------------------------------------------------------------
-    def submit(self, req: render_pb2.RenderRequest, owner: str = "", seconds: str = "",
-               remixed_from: str = "") -> render_pb2.JobInfo:
-        """Check and queue a job (`seconds`, `remixed_from`: what the HTTP API records beside it, JobStore.submit)."""
+    def submit(self, req: render_pb2.RenderRequest, owner: str = "", seconds: str = "", remixed_from: str = "",
+               read_input: ReadInput | None = None) -> render_pb2.JobInfo:
+        """Admit and queue a request. A ComfyUI graph (`workflow_json`) is read first and fills the request
+        (client/workflow.py; `read_input` gives the files its loader nodes name, for ComfyUI's own routes);
+        `seconds`, `remixed_from`: what the HTTP API records beside the job (JobStore.submit)."""
         for ref in req.references:  # an uploaded file (Upload) is admitted like an inline one
             ref.data = reference_bytes(ref, self.uploads)
+        graph_files = apply_workflow(req, read_input).files if req.workflow_json else []
         check_request(req)
-        self._check_with_stages(req)
+        self._check_with_stages(req, graph_files)
         if self._stop.is_set():
             raise Unavailable("the render service is shutting down; retry on another replica or after its restart")
         try:
@@ -240,7 +284,7 @@ class RenderService:
             raise self._storage_failed(e) from None
         return self.info(rec.id)
 
-    def _check_with_stages(self, req: render_pb2.RenderRequest) -> None:
+    def _check_with_stages(self, req: render_pb2.RenderRequest, graph_files=()) -> None:
         """What only the stages can tell, asked of them before the job is stored (InvalidArgument,
         NotFound or FailedPrecondition naming the fix, as the stage itself would answer). A stage that does not answer (or lacks the question) is not asked: its
         own admission decides when the job reaches it.
@@ -250,18 +294,25 @@ class RenderService:
            (`check_loras`); a name it lacked is asked once more, from a fresh Status (a file just added).
         With several DiT replicas, one that serves both is enough (the scheduler sends the job only to such ones).
         3. The encoder's prompt rules (its CheckPrompt): its tokenizer, its --max-prompt-tokens, its markers.
+        4. A graph's files (`graph_files`): each stage serves the file the graph's loader node names (`_check_files`).
         """
         try:
             self._check_dit(req, DIT_STATUS_TTL_S)
         except NotFound:
             self._check_dit(req, DIT_STATUS_RECHECK_S)
         self._check_prompt(req.params.prompt)
+        self._check_files(graph_files, needed_partition(bool(req.references)))
+
+    def _check_files(self, graph_files, partition: str) -> None:
+        """Step 4 (`check_graph_files`) against each answering replica's Status."""
+        services = {SERVICE_OF_ROLE[u.role] for u in graph_files if u.role in SERVICE_OF_ROLE}
+        check_graph_files(graph_files, {s: self._statuses(s, DIT_STATUS_TTL_S) for s in services}, partition)
 
     def _check_dit(self, req: render_pb2.RenderRequest, max_age_s: float) -> None:
         """Steps 1 and 2 against each DiT replica's Status (read again when older than `max_age_s`): passes when one
         replica serves the request (or none answers); else the first replica's refusal."""
         refusals = []
-        for st in self._dit_statuses(max_age_s):
+        for st in self._statuses("dit", max_age_s):
             try:
                 check_partition(bool(req.references), dict(st.partitions))
                 if req.loras and st.HasField("loras"):
@@ -273,22 +324,24 @@ class RenderService:
         if refusals:
             raise refusals[0]
 
-    def _dit_statuses(self, max_age_s: float) -> list[common_pb2.StageStatus]:
-        """Each DiT replica's Status, read again when the one held is older than `max_age_s`; those that answer."""
+    def _statuses(self, service: str, max_age_s: float) -> list[common_pb2.StageStatus]:
+        """Each replica of `service`'s Status, read again when the one held is older than `max_age_s`; those that
+        answer."""
         now = time.monotonic()
         out = []
         for node, r in self.engine.replicas.items():
-            if r.service != "dit":
+            if r.service != service:
                 continue
-            seen = self._dit_seen.get(node)
+            seen = self._seen.get(node)
             if seen is None or now - seen[0] > max_age_s:
                 try:
-                    st = r.clients.dit.Status(common_pb2.StatusRequest(), timeout=STAGE_CHECK_TIMEOUT_S,
-                                              metadata=r.clients.security.metadata())
+                    st = r.clients.stub(service).Status(common_pb2.StatusRequest(), timeout=STAGE_CHECK_TIMEOUT_S,
+                                                        metadata=r.clients.security.metadata())
                 except grpc.RpcError as e:
-                    log.debug("Submit: DiT %s's Status did not answer (%s); its own admission decides", node, e.code())
+                    log.debug("Submit: %s %s's Status did not answer (%s); its own admission decides", service, node,
+                              e.code())
                     continue
-                seen = self._dit_seen[node] = (now, st)
+                seen = self._seen[node] = (now, st)
             out.append(seen[1])
         return out
 

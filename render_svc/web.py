@@ -5,6 +5,8 @@
     GET /api/state          what the page polls (JSON)
     GET /video/<job>.mp4    a finished job's MP4 (HTTP Range requests, so a <video> element can seek)
     /v1/...                 the HTTP video API (render_svc/http_api.py: create, get, list, cancel, content)
+    /prompt, /history, ...  ComfyUI's routes (render_svc/comfy_api.py; /ws, its progress websocket, holds its
+                            connection's thread while the client listens)
 
 Same exposure rules as the gRPC port (stagekit/server.py): loopback by default; the same TLS certificate; with a
 token (--token-file, the env variable, or --tokens-file) every request needs one — `Authorization: Bearer <token>`,
@@ -47,6 +49,7 @@ from google.protobuf.json_format import MessageToDict
 
 from client.stubs import STAGES, StageClients
 from h3.v1 import common_pb2
+from render_svc import comfy_api
 from render_svc.http_api import PREFIX as API_PREFIX
 from render_svc.http_api import VideoAPI
 from render_svc.store import SUCCEEDED
@@ -225,6 +228,7 @@ class WebPage:
         self.cfg = cfg
         self.svc = None  # the RenderService, given to `start`
         self.api: VideoAPI | None = None  # the /v1/ routes over it
+        self.comfy: comfy_api.ComfyAPI | None = None  # ComfyUI's routes over it
         self.residency = Residency(clients)
         self.page = PAGE.read_bytes()
         self.limits = Limits.of(cfg)
@@ -253,6 +257,7 @@ class WebPage:
         """Serve the page over `svc` (a RenderService); returns its URL."""
         self.svc = svc
         self.api = VideoAPI(svc, self.cfg.tokens(), self.cfg.upload_total_s)
+        self.comfy = comfy_api.ComfyAPI(svc, self.cfg.tokens(), self.cfg.upload_total_s)
         threading.Thread(target=self._httpd.serve_forever, name="web", daemon=True).start()
         self.residency.start()
         if self.cfg.port_file:
@@ -362,10 +367,15 @@ class WebPage:
                 return True
 
             def _api(self, url) -> bool:
-                """A /v1/ request: answered by the video API (its own auth: the Authorization header only)."""
+                """A /v1/ request: answered by the video API (its own auth: the Authorization header only); one of
+                ComfyUI's routes (/prompt, /history, /view, ...): by render_svc/comfy_api.py, with the same auth."""
+                method = "GET" if self.command == "HEAD" else self.command
+                if comfy_api.handles(url.path):
+                    page.comfy.handle(self, method, url.path, url.query)
+                    return True
                 if not (url.path + "/").startswith(API_PREFIX):
                     return False
-                page.api.handle(self, "GET" if self.command == "HEAD" else self.command, url.path, url.query)
+                page.api.handle(self, method, url.path, url.query)
                 return True
 
             def do_POST(self):  # noqa: N802 - http.server's name
