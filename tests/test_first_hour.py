@@ -201,7 +201,8 @@ def test_help_texts_are_true(tmp_path):
                   "where the services are:"):
         assert group in r.stdout, group
     text = " ".join(r.stdout.split())
-    for needle in ("--crf CRF H.264 quality 1..51, lower is better (default: 18; an image graph's: 1)", "within 10% of the render's aspect",
+    for needle in ("--crf CRF H.264 quality 1..51, lower is better (default: 18; an image graph's: 1)",
+                   "within 10% of the render's aspect",
                    "at most 4096 per side", "aspect at most 4:1", "(default: run/endpoints.env)"):
         assert needle in text, needle
     up = subprocess.run(["bash", "scripts/up.sh", "--help"], cwd=ROOT, capture_output=True, text=True)
