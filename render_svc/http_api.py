@@ -34,8 +34,8 @@ from urllib.parse import parse_qs
 
 import grpc
 
-from h3.v1 import render_pb2
-from minimax_h3.contract import FPS, MAX_REFERENCES, snap_frames, spec_from_proto
+from h3.v1 import common_pb2, render_pb2
+from minimax_h3.contract import FPS, MAX_REFERENCES, seconds_to_frame, snap_frames, spec_from_proto
 from render_svc.planner import STAGES
 from render_svc.store import CANCELLED, FAILED, QUEUED, RUNNING, SUCCEEDED, JobRecord
 from stagekit.errors import FailedPrecondition, InvalidArgument, NotFound, StageError, status_for
@@ -124,7 +124,7 @@ def video_object(rec: JobRecord, queue_position: int = 0) -> dict:
 
 # ---- the request ----------------------------------------------------------------------------------------------------
 CREATE_FIELDS = ("prompt", "model", "size", "seconds", "frames", "steps", "seed", "sampler", "scheduler", "crf",
-                 "upscale", "label", "loras", "first_frame", "last_frame", "references")
+                 "upscale", "label", "loras", "first_frame", "last_frame", "references", "guides")
 
 
 def ascii_int(text: str, max_digits: int = 19) -> int | None:
@@ -257,14 +257,39 @@ def render_request(body, idempotency_key: str) -> render_pb2.RenderRequest:
             raise InvalidArgument(f"references[{i}] must be {{\"kind\", \"data\", \"name\"?}}")
         req.references.add(kind=_str(ref, "kind"), name=_str(ref, "name"),
                            data=_bytes(ref.get("data"), f"references[{i}].data"))
+    guides = body.get("guides") or []
+    if not isinstance(guides, list):
+        raise InvalidArgument(GUIDE_FORM)
+    for i, g in enumerate(guides):
+        if not isinstance(g, dict) or set(g) - GUIDE_KEYS or ("frame" in g) == ("seconds" in g):
+            raise InvalidArgument(f"guides[{i}]: {GUIDE_FORM}")
+        guide = req.guides.add()
+        if "frame" in g:
+            guide.frame = _int(g, "frame", -INT32, INT32)
+        else:
+            seconds = g["seconds"]
+            if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not math.isfinite(seconds) \
+                    or abs(seconds) > MAX_GUIDE_SECONDS:
+                raise InvalidArgument(f"guides[{i}].seconds must be a number of seconds into the video")
+            guide.frame = seconds_to_frame(seconds)
+        for part in ("image", "audio"):
+            if g.get(part) is not None:
+                getattr(guide, part).CopyFrom(common_pb2.Reference(
+                    kind=part, name=_str(g, f"{part}_name"), data=_bytes(g[part], f"guides[{i}].{part}")))
     return req
+
+
+GUIDE_KEYS = {"frame", "seconds", "image", "audio", "image_name", "audio_name"}
+GUIDE_FORM = ("guides must be a list of {\"frame\": N or \"seconds\": S, \"image\": BASE64 and / or \"audio\": BASE64, "
+              "\"image_name\"?, \"audio_name\"?} (a negative frame counts from the end)")
+MAX_GUIDE_SECONDS = 3600.0
 
 
 FORM_INTS = ("frames", "steps", "seed", "crf")  # form fields are text: these are read as integers
 FORM_FILES = {"input_reference": "first_frame", "first_frame": "first_frame", "last_frame": "last_frame"}
 # A form holds each field once and at most MAX_REFERENCES `reference` files. The parser refuses a body of more parts
 # when it meets the first one too many (it would spend about 8 s of CPU per MB of tiny parts).
-MAX_FORM_PARTS = len(set(CREATE_FIELDS) - {"references"} | set(FORM_FILES)) + MAX_REFERENCES
+MAX_FORM_PARTS = len(set(CREATE_FIELDS) - {"references", "guides"} | set(FORM_FILES)) + MAX_REFERENCES
 
 
 def _counting_parts(limit: int):

@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -168,3 +169,126 @@ def test_wire_form_refusals(frames, images, sounds, problem):
     with pytest.raises(InvalidArgument, match=r"guide_0_image is torch.float32 \[24, 1, 2, 2\], but this render's "
                                               r"canvas needs a float \[24, 1, 4, 6\]"):
         parse_guides(inputs, latent_shape(cfg, F, H, W), cfg.in_channels, 32)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Through the stages and the render service (real processes, the embedded tiny stack)
+# ---------------------------------------------------------------------------------------------------------------
+SW, SH, SF = 256, 256, 22  # the services' render size (the embedded model)
+
+
+def _wav(seconds: float = 0.6, rate: int = 32000) -> bytes:
+    import io
+    import wave
+
+    import numpy as np
+
+    t = np.arange(int(seconds * rate)) / rate
+    pcm = (np.sin(2 * np.pi * 440 * t) * 12000).astype("<i2")
+    buf = io.BytesIO()
+    with wave.open(buf, "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(rate)
+        w.writeframes(pcm.tobytes())
+    return buf.getvalue()
+
+
+def test_guide_render_mp4(clients, tmp_path):
+    """A text render with a middle guide (image + sound) and a guide on the last frame (image): the decoder encodes
+    the two images at the canvas and the sound, the DiT takes them, the MP4 has every frame."""
+    import av
+
+    from client.render_client import render_request
+    from h3.v1 import common_pb2
+    from minimax_h3.contract import RenderSpec
+    from render_svc.engine import render
+    from tests.test_fl2va import _png
+
+    guides = [common_pb2.Guide(frame=10, image=common_pb2.Reference(kind="image", data=_png(300, 200, 1)),
+                               audio=common_pb2.Reference(kind="audio", data=_wav(), name="tone.wav")),
+              common_pb2.Guide(frame=-1, image=common_pb2.Reference(kind="image", data=_png(SW, SH, 2)))]
+    spec = RenderSpec(prompt="a bell rings in a garden", width=SW, height=SH, frames=SF, steps=2, seed=3)
+    out = tmp_path / "guides.mp4"
+    res = render(clients, render_request(spec, guides=guides), out)
+    assert [s.stage for s in res.stages] == ["decoder", "encoder", "dit", "decoder"]
+    assert [c["op"] for c in res.stages[0].extra["calls"]] == ["encode_image", "encode_reference", "encode_image"]
+    with av.open(str(out)) as c:
+        assert (c.streams.video[0].width, c.streams.video[0].height) == (SW, SH) and c.streams.audio
+        assert sum(1 for _ in c.decode(video=0)) == SF
+
+
+def test_dit_refuses_bad_guide_tensors(clients):
+    from client.pipeline import encode, sample
+    from minimax_h3.contract import RenderSpec
+
+    spec = RenderSpec(prompt="x", width=SW, height=SH, frames=SF, steps=1, seed=1)
+    s, _ = encode(clients, "x")
+    image = torch.zeros(24, 1, SH // 16, SW // 16)
+    for extra, needle in (({GUIDE_FRAMES: torch.tensor([SF]), guide_tensor(0, "image"): image},
+                           f"guide frame {SF} is outside the video's {SF} frames"),
+                          ({guide_tensor(0, "image"): image}, "guide tensors without guide_frames"),
+                          ({GUIDE_FRAMES: torch.tensor([2]), guide_tensor(0, "audio"): torch.zeros(2, 32, 3, 1)},
+                           "guide_0_audio")):
+        with pytest.raises(Exception) as e:
+            sample(clients, spec, s, extra=extra)
+        assert e.value.code().name == "INVALID_ARGUMENT" and needle in e.value.details(), e.value.details()
+
+
+def test_cli_guides_through_the_render_service(stack, tmp_path):
+    """`--guide FILE[+FILE]@WHEN`: files uploaded by digest, stored by the render service, encoded, sampled;
+    refusals exit 2 naming the flag."""
+    import subprocess
+    import sys
+
+    from tests.test_fl2va import ROOT, _png
+
+    _, ep = stack
+    img, snd = tmp_path / "face.png", tmp_path / "voice.wav"
+    img.write_bytes(_png(SW, SH, 4))
+    snd.write_bytes(_wav())
+    args = ["--prompt", "someone says hello", "--width", str(SW), "--height", str(SH), "--frames", str(SF),
+            "--steps", "1", "--encoder", ep.encoder, "--dit", ep.dit, "--decoder", ep.decoder]
+
+    def cli(*extra):
+        return subprocess.run([sys.executable, "-m", "client", "render", *args, *extra], cwd=ROOT,
+                              capture_output=True, text=True, timeout=300)
+
+    out = tmp_path / "cli.mp4"
+    r = cli("--guide", f"{img}@0.25", "--guide", f"{img}+{snd}@f-5", "-o", str(out))
+    assert r.returncode == 0, r.stderr
+    assert out.stat().st_size > 0
+    for spec, needle in ((f"{img}@soon", "write FILE[+FILE]@SECONDS"), (f"{img}@f22", "guide frame 22 is outside"),
+                         (f"{img}+{img}@0.5", "one image and / or one audio file"),
+                         (f"{tmp_path / 'none.png'}@0.5", "cannot read")):
+        r = cli("--guide", spec, "-o", str(tmp_path / "x.mp4"))
+        assert r.returncode == 2 and f"error: --guide {spec}: " in r.stderr and needle in r.stderr, r.stderr
+
+
+def test_http_and_admission_refusals():
+    """The HTTP API's `guides` field (frame or seconds) -> the same RenderRequest; the service's admission names the
+    guide."""
+    import base64
+
+    from render_svc.http_api import render_request
+    from render_svc.service import check_request
+    from tests.test_fl2va import _png
+
+    png = base64.b64encode(_png(64, 64)).decode()
+    req = render_request({"prompt": "x", "size": f"{SW}x{SH}", "frames": SF,
+                          "guides": [{"seconds": 0.5, "image": png}, {"frame": -1, "image": png}]}, "")
+    assert [g.frame for g in req.guides] == [12, -1] and req.guides[0].image.kind == "image"
+    check_request(req)
+    for guide, needle in (({"seconds": 1, "frame": 2, "image": png}, "guides[0]: guides must be a list"),
+                          ({"frame": 2}, None), ({"frame": 2, "video": png}, "guides[0]")):
+        body = {"prompt": "x", "size": f"{SW}x{SH}", "frames": SF, "guides": [guide]}
+        if needle is None:  # accepted by the parser, refused by the admission: no image, no sound
+            with pytest.raises(InvalidArgument, match=r"guide 1 \(frame 2\): needs an image and / or an audio"):
+                check_request(render_request(body, ""))
+        else:
+            with pytest.raises(InvalidArgument, match=re.escape(needle)):
+                render_request(body, "")
+    bad = render_request({"prompt": "x", "size": f"{SW}x{SH}", "frames": SF,
+                          "guides": [{"frame": 40, "image": png}]}, "")
+    with pytest.raises(InvalidArgument, match=r"guide 1 \(frame 40\): guide frame 40 is outside the video's 22"):
+        check_request(bad)
