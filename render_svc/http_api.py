@@ -123,7 +123,8 @@ def video_object(rec: JobRecord, queue_position: int = 0) -> dict:
 
 
 # ---- the request ----------------------------------------------------------------------------------------------------
-CREATE_FIELDS = ("prompt", "model", "size", "seconds", "frames", "steps", "seed", "sampler", "scheduler", "crf",
+CREATE_FIELDS = ("prompt", "model", "size", "seconds", "frames", "steps", "seed", "sampler", "scheduler",
+                 "video_shift", "audio_shift", "crf",
                  "upscale", "label", "loras", "first_frame", "last_frame", "references", "guides")
 
 
@@ -233,6 +234,12 @@ def render_request(body, idempotency_key: str) -> render_pb2.RenderRequest:
             setattr(req.params, name, v)
     req.params.seed = _int(body, "seed", 0, MAX_SEED) or 0
     req.params.sampler, req.params.scheduler = _str(body, "sampler"), _str(body, "scheduler")
+    for name in ("video_shift", "audio_shift"):  # 0 / absent: the model's (12, 3); the render rules check the rest
+        v = body.get(name)
+        if v is not None:
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                raise InvalidArgument(f"{name} must be a number (0 = the model's default), got {json.dumps(v)[:40]}")
+            setattr(req.params, name, float(v))
     if upscale:
         req.upscale_width, req.upscale_height = upscale
     loras = body.get("loras") or []
@@ -286,6 +293,7 @@ MAX_GUIDE_SECONDS = 3600.0
 
 
 FORM_INTS = ("frames", "steps", "seed", "crf")  # form fields are text: these are read as integers
+FORM_FLOATS = ("video_shift", "audio_shift")  # ... and these as numbers
 FORM_FILES = {"input_reference": "first_frame", "first_frame": "first_frame", "last_frame": "last_frame"}
 # A form holds each field once and at most MAX_REFERENCES `reference` files. The parser refuses a body of more parts
 # when it meets the first one too many (it would spend about 8 s of CPU per MB of tiny parts).
@@ -337,6 +345,11 @@ def form_fields(content_type: str, raw: bytes) -> dict:
                 if (number := ascii_int(text.strip())) is None:
                     raise InvalidArgument(f"{name} must be an integer of at most 19 ASCII digits, got {text[:40]!r}")
                 body[name] = number
+            elif name in FORM_FLOATS:
+                try:
+                    body[name] = float(text)
+                except ValueError:
+                    raise InvalidArgument(f"{name} must be a number, got {text[:40]!r}") from None
             elif name == "loras":
                 try:
                     body[name] = json.loads(text)
