@@ -30,8 +30,8 @@ from pathlib import Path
 
 import grpc
 
-from client.checks import (CheckError, check_for_local_stack, check_running_stack, output_paths, read_keyframe,
-                           read_prompts, read_references, refuse_existing)
+from client.checks import (CheckError, check_for_local_stack, check_running_stack, output_paths, read_guides,
+                           read_keyframe, read_prompts, read_references, refuse_existing)
 from client.command import self_command
 from client.embedded import CtrlC, StackStartError
 from client.endpoints import (DEFAULT_ENDPOINTS_FILE, EndpointError, add_endpoint_args, check_render_reachable,
@@ -93,7 +93,9 @@ def _render_requests(args, prompts: list[str], keyframes: dict[str, bytes]):
         key = f"{args.idempotency_key}-{i}" if args.idempotency_key and len(prompts) > 1 else args.idempotency_key
         reqs.append(render_request(spec, crf=args.crf, loras=loras, upscale=upscale, idempotency_key=key or "",
                                    label=args.label, **keyframes))
-    size = reqs[0].ByteSize() - sum(len(r.data) for r in reqs[0].references) if reqs else 0
+    uploaded = [*reqs[0].references, *(getattr(g, p) for g in reqs[0].guides for p in ("image", "audio")
+                                       if g.HasField(p))] if reqs else []
+    size = reqs[0].ByteSize() - sum(len(r.data) for r in uploaded) if reqs else 0
     if size > MAX_REQUEST_BYTES:
         raise ValueError(f"the keyframe files are {size} bytes together; one request carries at most "
                          f"{MAX_REQUEST_BYTES} bytes: send smaller files")
@@ -131,6 +133,8 @@ def render_inputs(args):
                              "partition (ref2va) takes references only; give the frame as --ref image.png and say "
                              "in the prompt how the video uses <Picture 1>")
         keyframes = {"references": read_references(args.ref, prompts, args.frames)}
+    if args.guide:
+        keyframes["guides"] = read_guides(args.guide, args.frames, args.width, args.height)
     try:
         reqs = _render_requests(args, prompts, keyframes)
     except ValueError as e:  # InvalidArgument included
@@ -531,6 +535,12 @@ def _add_render_parser(sub) -> None:
                       help="ref2va reference, repeatable, in order: an image (<Picture i> in the prompt), a video with "
                            "its sound (<Video k>; its sound <Audio j>) or an audio clip (<Audio j>); the kind comes "
                            "from the extension or KIND (image|video|audio). Not with --first-frame/--last-frame "
+                           "(docs/references.md)")
+    what.add_argument("--guide", action="append", metavar="FILE[+FILE]@WHEN",
+                      help="a guide, repeatable: an image and / or an audio file anchored at WHEN, seconds into the "
+                           "video (1.5, 1.5s; negative from the end) or a frame fN (f36, f-1 = the last), as ComfyUI's "
+                           "MiniMaxH3AddGuide: the image conditions that frame (fitted to --width x --height), the "
+                           "sound the audio from there on. With a text, first/last-frame or --ref render "
                            "(docs/references.md)")
     what.add_argument("--lora", action="append", metavar="NAME[:STRENGTH]",
                       help="LoRA file name in the DiT server's <models_dir>/loras (repeatable; strength default 1.0)")

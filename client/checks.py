@@ -112,6 +112,49 @@ def read_references(specs: list[str], prompts: list[str], frames: int):
     return refs
 
 
+def read_guides(specs: list[str], frames: int, width: int, height: int):
+    """`--guide FILE[+FILE]@WHEN` values in order -> Guide messages: an image and / or an audio file (kind from the
+    extension), anchored at WHEN, seconds into the video (`1.5`, `1.5s`; negative counts from the end) or a frame as
+    `fN` (`f36`, `f-1` the last); each file read and checked as the stages will take it."""
+    from h3.v1 import common_pb2
+    from minimax_h3.contract import MAX_GUIDES, resolve_guide_frame, seconds_to_frame
+    from minimax_h3.images import admit_keyframe
+    from minimax_h3.labels import kind_of
+    from minimax_h3.reference_files import check_reference_file
+
+    if len(specs) > MAX_GUIDES:
+        raise CheckError(f"{len(specs)} --guide; a render takes at most {MAX_GUIDES}")
+    guides = []
+    for spec in specs:
+        files, at, when = spec.rpartition("@")
+        try:
+            if not at or not files:
+                raise ValueError
+            frame = int(when[1:]) if when.startswith("f") else seconds_to_frame(float(when.removesuffix("s")))
+        except ValueError:
+            raise CheckError(f"--guide {spec}: write FILE[+FILE]@SECONDS (e.g. face.png@1.5) or FILE[+FILE]@fFRAME "
+                             "(e.g. face.png+voice.wav@f36)") from None
+        guide = common_pb2.Guide(frame=frame)
+        try:
+            resolve_guide_frame(frame, frames)
+            for path in files.split("+"):
+                kind = kind_of(path)
+                if kind not in ("image", "audio") or guide.HasField(kind):
+                    raise InvalidArgument(f"{path}: a guide is one image and / or one audio file, got a {kind} file")
+                data = Path(path).read_bytes()
+                if kind == "image":
+                    admit_keyframe(data, width, height)
+                else:
+                    check_reference_file(kind, data, frames)
+                getattr(guide, kind).CopyFrom(common_pb2.Reference(kind=kind, data=data, name=Path(path).name))
+        except InvalidArgument as e:
+            raise CheckError(f"--guide {spec}: {e.message}") from None
+        except OSError as e:
+            raise CheckError(f"--guide {spec}: cannot read {e.filename}: {e.strerror or e}") from None
+        guides.append(guide)
+    return guides
+
+
 WEIGHTS_ENV = {"encoder": "H3_ENCODER_WEIGHTS", "dit": "H3_DIT_WEIGHTS", "dit_ref2va": "H3_DIT_WEIGHTS",
                "video_vae": "H3_DECODER_VIDEO_WEIGHTS", "audio_vae": "H3_DECODER_AUDIO_WEIGHTS"}
 

@@ -6,7 +6,9 @@ library reads them), into DIR in the ComfyUI layout the stages search (docs/chec
     DIR/diffusion_models/minimax_h3_fl2va_pruned_int8_convrot.safetensors     DiT (--dit picks the variant)
     DIR/text_encoders/qwen3vl_32b_minimax_h3_int8_convrot.safetensors         text encoder (--text-encoder)
     DIR/text_encoders/tokenizer.json                                          its tokenizer (the release's)
-    DIR/vae/minimax_h3_video_vae_fp16.safetensors, minimax_h3_audio_vae_fp32.safetensors
+    DIR/vae/minimax_h3_video_vae_fp16.safetensors, minimax_h3_audio_vae_fp32.safetensors   (--video-vae int8: the
+        ComfyUI int8 ConvRot video VAE instead)
+    DIR/loras/minimax_h3_*_turbo_*_comfyui_bf16.safetensors                      --lora NAME: LightX2V Turbo LoRAs
 
 1. the size and sha256 of every file from the Hub's headers; files already there with that size and checksum are
    kept (a `.sha256` note beside each saves hashing it again);
@@ -31,10 +33,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from client.command import self_command
+from minimax_h3.files import COMFY_REPO, TURBO_LORAS, VIDEO_VAE_FILES
 from stagekit.errors import FailedPrecondition
 from stagekit.file_identity import FileIdentity
 
-COMFY_REPO = "Comfy-Org/MiniMax-H3"
 RELEASE_REPO = "MiniMax-AI/MiniMax-H3"
 DISK_MARGIN = 1 << 30  # left free after the download
 
@@ -61,15 +63,17 @@ TEXT_ENCODER_VARIANTS = {
     "nvfp4": "qwen3vl_32b_minimax_h3_nvfp4_awq.safetensors",
     "bf16": "qwen3vl_32b_minimax_h3_bf16.safetensors",
 }
-VAE_FILES = ("minimax_h3_video_vae_fp16.safetensors", "minimax_h3_audio_vae_fp32.safetensors")
+AUDIO_VAE_FILE = "vae/minimax_h3_audio_vae_fp32.safetensors"
 
 
-def wanted_files(dit: str, text_encoder: str) -> list[RemoteFile]:
+def wanted_files(dit: str, text_encoder: str, video_vae: str = "fp16", loras: tuple[str, ...] = ()) -> list[RemoteFile]:
     files = [RemoteFile(COMFY_REPO, f"diffusion_models/{DIT_VARIANTS[dit]}", f"diffusion_models/{DIT_VARIANTS[dit]}"),
              RemoteFile(COMFY_REPO, f"text_encoders/{TEXT_ENCODER_VARIANTS[text_encoder]}",
                         f"text_encoders/{TEXT_ENCODER_VARIANTS[text_encoder]}"),
              RemoteFile(RELEASE_REPO, "tokenizer/tokenizer.json", "text_encoders/tokenizer.json")]
-    return files + [RemoteFile(COMFY_REPO, f"vae/{n}", f"vae/{n}") for n in VAE_FILES]
+    published = [VIDEO_VAE_FILES[video_vae]] + [TURBO_LORAS[n] for n in dict.fromkeys(loras)]
+    return (files + [RemoteFile(COMFY_REPO, AUDIO_VAE_FILE, AUDIO_VAE_FILE)]
+            + [RemoteFile(f.repo, f.path, f.path) for f in published])
 
 
 class FetchError(FailedPrecondition):
@@ -239,7 +243,7 @@ def graph_remote_files(path: str, sets=()) -> list[RemoteFile]:
 def cmd_fetch(args) -> int:
     try:
         files = (graph_remote_files(args.workflow, args.set or ()) if args.workflow
-                 else wanted_files(args.dit, args.text_encoder))
+                 else wanted_files(args.dit, args.text_encoder, args.video_vae, tuple(args.lora or ())))
         n = fetch(Path(args.to).expanduser(), files)
     except FetchError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -341,8 +345,11 @@ def _inspect(part: str, path: Path) -> tuple[str, str]:
         from minimax_h3.vae.video import VideoVAEConfig, inspect_video_vae
 
         info = inspect_video_vae(str(path), parts="decoder")
-        return (f"{info.layout} layout, geometry from the {info.config_source}",
-                _release_diff("video VAE", info.cfg, VideoVAEConfig.full(), VIDEO_VAE_RELEASE_FIELDS))
+        differs = _release_diff("video VAE", info.cfg, VideoVAEConfig.full(), VIDEO_VAE_RELEASE_FIELDS)
+        if not differs and path.is_file() and ("int8_convrot" in path.name) != info.storage.startswith("int8"):
+            differs = f"named as the release's {'int8_convrot' if 'int8_convrot' in path.name else 'float'} file, " \
+                      f"but holds {info.storage} weights"
+        return f"{info.layout} layout, {info.storage}, geometry from the {info.config_source}", differs
     from minimax_h3.vae.audio import AudioVAEConfig, inspect_audio_vae
 
     info = inspect_audio_vae(path, with_encoder=False)
@@ -492,6 +499,13 @@ def add_parser(sub) -> None:
     v.add_argument("--text-encoder", choices=tuple(TEXT_ENCODER_VARIANTS), default="int8",
                    help="Qwen3-VL text encoder: int8 (ConvRot, about 25 GiB), nvfp4 (Blackwell), bf16 "
                         "(default: int8)")
+    v.add_argument("--video-vae", choices=tuple(VIDEO_VAE_FILES), default="fp16",
+                   help=f"video VAE: fp16 ({VIDEO_VAE_FILES['fp16'].size_gib:.2f} GiB) or ComfyUI's int8 ConvRot "
+                        f"file ({VIDEO_VAE_FILES['int8'].size_gib:.2f} GiB; its decoder linears are dequantised at "
+                        "load, about 1 %% weight error; ComfyUI's H3 templates name it) (default: fp16)")
+    v.add_argument("--lora", action="append", choices=tuple(TURBO_LORAS), metavar="NAME",
+                   help="also fetch a LightX2V Turbo LoRA into loras/ (repeatable): "
+                        + ", ".join(f"{k} ({f.name}, {f.size_gib:.2f} GiB)" for k, f in TURBO_LORAS.items()))
     f.set_defaults(fn=cmd_fetch)
     c = msub.add_parser("check", help="read every file's header with the stages' loaders (no GPU), say what each "
                                       "stage will use and whether it is the release file its name claims, and the "

@@ -33,10 +33,10 @@ def state_name(state: int) -> str:
 
 def render_request(spec: RenderSpec, *, crf: int = 0, loras=(), first_frame: bytes = b"", last_frame: bytes = b"",
                    upscale: tuple[int, int] = (0, 0), idempotency_key: str = "", label: str = "",
-                   references=()) -> render_pb2.RenderRequest:
+                   references=(), guides=()) -> render_pb2.RenderRequest:
     req = render_pb2.RenderRequest(crf=crf, first_frame=first_frame, last_frame=last_frame, upscale_width=upscale[0],
                                    upscale_height=upscale[1], idempotency_key=idempotency_key, label=label,
-                                   references=list(references))
+                                   references=list(references), guides=list(guides))
     spec_to_proto(spec, req.params)
     for name, strength in loras:
         req.loras.add(name=name, strength=strength)
@@ -77,9 +77,11 @@ class RenderClient:
         return self.follow(last.job_id, out_path, on_event, timeout_s, from_index=idx)
 
     def upload_references(self, req: render_pb2.RenderRequest, timeout_s: float = 600.0) -> None:
-        """Send each reference file of `req` in chunks (Upload) and name it by digest instead: the request itself
-        stays small whatever the files (stagekit/uploads.py). A file this client sent already is not sent again."""
-        for ref in req.references:
+        """Send each reference and guide file of `req` in chunks (Upload) and name it by digest instead: the request
+        itself stays small whatever the files (stagekit/uploads.py). A file this client sent already is not sent
+        again."""
+        guide_files = [getattr(g, p) for g in req.guides for p in ("image", "audio") if g.HasField(p)]
+        for ref in [*req.references, *guide_files]:
             if not ref.data:
                 continue
             key = hashlib.sha256(ref.data).hexdigest()

@@ -337,7 +337,9 @@ class DecoderEngine:
 
     def describe(self) -> dict:
         v, a = self.video_info, self.audio_info
-        variant = (f"video {v.layout} {str(self.cfg.weight_dtype).replace('torch.', '')} (config: {v.config_source}) / "
+        stored = f"{v.storage} dequantised to " if v.quant else ""
+        variant = (f"video {v.layout} {stored}{str(self.cfg.weight_dtype).replace('torch.', '')} "
+                   f"(config: {v.config_source}) / "
                    f"audio {a.layout} fp32 (config: {a.config_source})")
         return {"weights": f"{self.video_path} + {self.audio_path}", "variant": variant,
                 "embedded_model": self.embedded, "devices": [self.cfg.device],

@@ -23,6 +23,7 @@ from minimax_h3.dit.assembly import assemble_dit, block_linears, kernel_linears
 from minimax_h3.dit.checkpoint import (CheckpointInfo, check_checkpoint, load_dit_weights,
                                        partition_undecided)
 from minimax_h3.dit.config import TAG_TEXT, TAG_VIDEO, DiTConfig
+from minimax_h3.dit.guides import GUIDES_INPUT, Guides, has_guides, parse_guides
 from minimax_h3.dit.keyframes import check_keyframe, check_text_tags, condition_rows, conditioned_denoise
 from minimax_h3.dit.layout import (build_layout, build_ref2va_layout, latent_shape, patchify_video, unpatchify_audio,
                                    unpatchify_video)
@@ -484,14 +485,16 @@ class DiTEngine:
         """The runtime's hook (stagekit.runtime.Engine)."""
         text = inputs.get(TEXT_STATES)
         rows = int(text.shape[0]) if text is not None else DEFAULT_TEXT_LEN
-        if spec is not None:  # keyframe and reference rows cost like text rows; count them with the text
+        if spec is not None:  # keyframe, reference and guide rows cost like text rows; count them with the text
             _, ph, pw = self.model_cfg.patch
             lh, lw = spec.latent_size
             rows += len(keyframe_anchors(inputs)) * (lh // ph) * (lw // pw)
             refs: References | None = inputs.get(REFERENCES_INPUT)
-            if refs is not None:
-                rows += sum(v.shape[1] * (v.shape[2] // ph) * (v.shape[3] // pw) for v in refs.visual)
-                rows += sum(AUDIO_CHANNELS * a.shape[2] for a in refs.audio)
+            guides: Guides | None = inputs.get(GUIDES_INPUT)
+            visual = (refs.visual if refs else ()) + (guides.images if guides else ())
+            sounds = (refs.audio if refs else ()) + (guides.audio if guides else ())
+            rows += sum(v.shape[1] * (v.shape[2] // ph) * (v.shape[3] // pw) for v in visual)
+            rows += sum(AUDIO_CHANNELS * a.shape[2] for a in sounds)
         return self.estimate_bytes(spec, rows)
 
     # ---- validation (rank 0, before any rank starts work) ---------------------------------------------------------
@@ -513,7 +516,8 @@ class DiTEngine:
 
     def check_conditioning(self, spec: RenderSpec, text_states: torch.Tensor, inputs: dict) -> dict:
         """fl2va extras: optional keyframe latents [24,1,H/16,W/16] and text tags [L]; ref2va: the reference latents
-        (minimax_h3/dit/references.py), returned as one References entry (names: minimax_h3.contract).
+        (minimax_h3/dit/references.py), returned as one References entry; in either, guides
+        (minimax_h3/dit/guides.py) as one Guides entry (names: minimax_h3.contract).
         Returns the validated extras (tags as int64); raises InvalidArgument / FailedPrecondition (partition)."""
         out = {}
         shp = latent_shape(self.model_cfg, spec.frames, spec.height, spec.width)
@@ -529,6 +533,8 @@ class DiTEngine:
             name = KEYFRAME_TENSORS[anchor]
             check_keyframe(name, inputs[name], self.model_cfg.in_channels, shp.latent_height, shp.latent_width)
             out[name] = inputs[name].float()
+        if has_guides(inputs):
+            out[GUIDES_INPUT] = parse_guides(inputs, shp, self.model_cfg.in_channels, self.model_cfg.audio_in_channels)
         if TEXT_TAGS in inputs:
             out[TEXT_TAGS] = check_text_tags(inputs[TEXT_TAGS], text_states.shape[0], TAG_TEXT, TAG_VIDEO)
         return out
@@ -561,15 +567,20 @@ class DiTEngine:
         text = inputs[TEXT_STATES].to(dev)
         shape = latent_shape(mcfg, spec.frames, spec.height, spec.width)
         anchors = keyframe_anchors(inputs)  # fl2va: keyframe latents (validated on rank 0 before the job ran)
+        guides: Guides = inputs.get(GUIDES_INPUT) or Guides((), (), ())
         tags = inputs.get(TEXT_TAGS)
         if refs is not None:
             layout = build_ref2va_layout(mcfg, text.shape[0], spec.frames, spec.height, spec.width, refs.blocks,
-                                         text_tags=tags).to(dev)
-            conditions, ref_audio = list(refs.visual), refs.audio_rows()
+                                         text_tags=tags, guides=guides.blocks).to(dev)
+            conditions, sounds = list(refs.visual), [r for r in (refs.audio_rows(),) if r is not None]
         else:
             layout = build_layout(mcfg, text.shape[0], spec.frames, spec.height, spec.width, keyframes=anchors,
-                                  text_tags=tags).to(dev)
-            conditions, ref_audio = [inputs[KEYFRAME_TENSORS[a]] for a in anchors], None
+                                  text_tags=tags, guides=guides.blocks).to(dev)
+            conditions, sounds = [inputs[KEYFRAME_TENSORS[a]] for a in anchors], []
+        # Guides follow the keyframes / references, in the layout as in the conditioning-noise draws.
+        conditions += guides.images
+        sounds += [r for r in (guides.audio_rows(),) if r is not None]
+        ref_audio = torch.cat(sounds) if sounds else None
         sampler_cfg = SamplerConfig.from_params(spec)
         # Which blocks stream from host memory for this job: from its activations and the room the device has now.
         self.placement = self.plan(spec, layout.seq_len - self.target_rows(spec), self.device_room())

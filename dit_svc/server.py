@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 
 from dit_svc.engine import CACHED_STEPS, DiTEngine, DiTEngineConfig
 from h3.v1 import dit_pb2, dit_pb2_grpc, common_pb2
-from minimax_h3.contract import (KEYFRAME_TENSORS, PARTITIONS, SAMPLE_INPUTS, SAMPLE_OUTPUTS, TENSORS, TEXT_STATES,
-                                 spec_from_proto, tensor_shapes, validate)
+from minimax_h3.contract import (KEYFRAME_TENSORS, MAX_GUIDES, PARTITIONS, SAMPLE_INPUTS, SAMPLE_OUTPUTS, TENSORS,
+                                 TEXT_STATES, guide_tensor, spec_from_proto, tensor_shapes, validate)
 from minimax_h3.dit.checkpoint import QKVLayout
 from minimax_h3.dit.step_cache import FAST_THRESHOLD
 from minimax_h3.kernels.int8 import Int8Mode
@@ -88,7 +88,9 @@ class DiTServicer(LifecycleMixin, dit_pb2_grpc.DiTSamplerServicer):
                               max_bytes=MAX_TEXT_BYTES,
                               hints={n: f"this render's canvas needs one normalised VAE latent frame of "
                                         f"{spec.width}x{spec.height} (encode the image with the decoder's EncodeImage "
-                                        "at the render size)" for n in KEYFRAME_TENSORS.values()})
+                                        "at the render size)"
+                                     for n in (*KEYFRAME_TENSORS.values(),
+                                               *(guide_tensor(g, "image") for g in range(MAX_GUIDES)))})
         try:
             for msg in request_iterator:
                 if msg.WhichOneof("input") != "tensor":

@@ -282,6 +282,35 @@ def check_reference_kinds(kinds: Sequence[str]) -> None:
                               "picture or clip the voice or sound belongs to, and name both in the prompt")
 
 
+# Guides (ComfyUI's MiniMaxH3AddGuide): an image and / or a sound anchored at one pixel frame of the generated video,
+# conditioning rows beside the keyframes / references (docs/model.md §2.7-2.8). The DiT takes guide i's latents as
+# `guide_tensor(i, part)` and every guide's frame in GUIDE_FRAMES.
+GUIDE_PARTS = ("image", "audio")
+GUIDE_PREFIX = "guide_"
+GUIDE_FRAMES = "guide_frames"  # [G] int64: the pixel frame of each guide (negative: counted from the end)
+MAX_GUIDES = 16
+
+
+def guide_tensor(index: int, part: str) -> str:
+    """Wire name of guide `index`'s (0-based, request order) `part` ("image" | "audio")."""
+    return f"{GUIDE_PREFIX}{index}_{part}"
+
+
+def resolve_guide_frame(frame: int, frames: int) -> int:
+    """A guide's pixel frame in a video of `frames` frames: `frame` itself, or counted from the end when negative
+    (-1 is the last frame), as ComfyUI's `frame_idx`. InvalidArgument when it falls outside the video."""
+    resolved = frame if frame >= 0 else frames + frame
+    if not 0 <= resolved < frames:
+        raise InvalidArgument(f"guide frame {frame} is outside the video's {frames} frames (0..{frames - 1}, or "
+                              f"-{frames}..-1 counted from the end)")
+    return resolved
+
+
+def seconds_to_frame(seconds: float) -> int:
+    """The frame shown at `seconds` into the video: round(seconds * 24), as ComfyUI's templates compute `frame_idx`."""
+    return round(seconds * FPS)
+
+
 def keyframe_tensor(anchor: str) -> str:
     """Wire name of the fl2va keyframe latent at `anchor` ("first" | "last")."""
     return f"keyframe_{anchor}"
@@ -294,6 +323,7 @@ def ref_tensor(index: int, part: str) -> str:
 
 KEYFRAME_TENSORS = MappingProxyType({a: keyframe_tensor(a) for a in KEYFRAME_ANCHORS})
 REF_TENSOR_NAMES = tuple(ref_tensor(i, p) for i in range(MAX_REFERENCES) for p in REFERENCE_KINDS)
+GUIDE_TENSOR_NAMES = tuple(guide_tensor(i, p) for i in range(MAX_GUIDES) for p in GUIDE_PARTS)
 
 # The decoder's result names (decoder.proto; their rules are in RESULTS): EncodeImage's keyframe latent (sent on as
 # `keyframe_tensor(anchor)`), EncodeReference's latents (sent on as `ref_tensor(i, ...)`), a RAW Decode's frames and
@@ -337,9 +367,16 @@ _RULES = [
                    "[24, T, h, w] latents of a video reference on its own canvas (ref2va)"),
         TensorRule(ref_tensor(i, "audio"), "float", lambda s, g, d: (AUDIO_CHANNELS, g.audio_channels, None),
                    "[2, 32, Ta] audio latents of a reference's sound (ref2va)"))),
+    TensorRule(GUIDE_FRAMES, "int", lambda s, g, d: (None,), "[G] pixel frame of each guide"),
+    *(r for i in range(MAX_GUIDES) for r in (
+        TensorRule(guide_tensor(i, "image"), "float", _keyframe_shape,
+                   "[24, 1, H/16, W/16] normalised VAE latent of a guide image, fitted to the canvas"),
+        TensorRule(guide_tensor(i, "audio"), "float", lambda s, g, d: (AUDIO_CHANNELS, g.audio_channels, None),
+                   "[2, 32, n] audio latents of a guide's sound"))),
 ]
 TENSORS: Mapping[str, TensorRule] = MappingProxyType({r.name: r for r in _RULES})
-SAMPLE_INPUTS = (TEXT_STATES, TEXT_TAGS, *KEYFRAME_TENSORS.values(), *REF_TENSOR_NAMES)  # what the DiT takes
+SAMPLE_INPUTS = (TEXT_STATES, TEXT_TAGS, *KEYFRAME_TENSORS.values(), *REF_TENSOR_NAMES,  # what the DiT takes
+                 GUIDE_FRAMES, *GUIDE_TENSOR_NAMES)
 SAMPLE_OUTPUTS = (VIDEO_LATENTS, AUDIO_LATENTS)  # what the DiT returns and the decoder takes
 
 # What each stage call sends back to its caller, by RPC name; the caller checks the stream against it as it arrives
@@ -401,8 +438,8 @@ RENDER_PLANS: dict[str, tuple[str, ...]] = {
 
 
 def render_mode(keyframes: bool, references: bool) -> str:
-    """The mode (key of RENDER_PLANS) of a request: ref2va with references, fl2va with first/last keyframes, else
-    t2va."""
+    """The mode (key of RENDER_PLANS) of a request: ref2va with references, fl2va with first/last keyframes or
+    guides (anything the VAE encoders encode first), else t2va."""
     return REF2VA if references else FL2VA if keyframes else T2VA
 
 

@@ -53,6 +53,38 @@ CHECKPOINT_PARTS: dict[str, CheckpointPart] = {
 }
 
 
+@dataclass(frozen=True)
+class PublishedFile:
+    """A MiniMax-H3 file as its repository on the Hugging Face Hub publishes it (`client models fetch` downloads it
+    into the same path under the models folder, and takes its exact size and sha256 from the Hub)."""
+
+    repo: str
+    path: str        # in the repository, and under the models folder
+    size_gib: float  # as published (GiB), for the fetch help and the docs
+
+    @property
+    def name(self) -> str:
+        return self.path.rsplit("/", 1)[-1]
+
+
+COMFY_REPO = "Comfy-Org/MiniMax-H3"
+# The video VAE files (`models fetch --video-vae`): the fp16 weights, and ComfyUI's int8 ConvRot file whose decoder
+# linears the decoder dequantises at load (docs/checkpoints.md, "Video VAE int8 ConvRot"). ComfyUI's H3 templates
+# name the int8 one.
+VIDEO_VAE_FILES: dict[str, PublishedFile] = {
+    "fp16": PublishedFile(COMFY_REPO, "vae/minimax_h3_video_vae_fp16.safetensors", 4.85),
+    "int8": PublishedFile(COMFY_REPO, "vae/minimax_h3_video_vae_int8_convrot.safetensors", 2.62),
+}
+# LightX2V's few-step Turbo LoRAs in their ComfyUI naming (`models fetch --lora`; docs/checkpoints.md, "LoRA files"),
+# as ComfyUI's H3 templates name them: fl2v for text / first-last frame renders, ref2v for references.
+TURBO_LORAS: dict[str, PublishedFile] = {
+    "fl2v-8step": PublishedFile(COMFY_REPO, "loras/minimax_h3_fl2v_turbo_8step_v1.0_comfyui_bf16.safetensors", 1.82),
+    "fl2v-4step-768p": PublishedFile(COMFY_REPO,
+                                     "loras/minimax_h3_fl2v_turbo_4step_v1.0_768p_comfyui_bf16.safetensors", 1.82),
+    "ref2v-4step": PublishedFile(COMFY_REPO, "loras/minimax_h3_ref2v_turbo_4step_v0.1_comfyui_bf16.safetensors", 1.82),
+}
+
+
 def ensure_embedded(cache_dir: Path, filename: str, write: Callable[[Path], None]) -> Path:
     """Return cache_dir/embedded-v1/filename, writing it with `write(tmp_path)` once (race-free)."""
     d = Path(cache_dir) / EMBEDDED_VERSION

@@ -19,14 +19,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
+import torch
 
 from client.pipeline import (StageResult, decode, encode, encode_image, encode_reference, reference_tensors,
                              sample)
 from client.stubs import STAGES as SERVICES
 from client.stubs import Endpoints, StageClients, replicas_of
 from h3.v1 import common_pb2, render_pb2
-from minimax_h3.contract import (AUDIO_LATENTS, RENDER_PLANS, SAMPLE_INPUTS, TEXT_STATES, TEXT_TAGS, VIDEO_LATENTS,
-                                 RenderSpec, keyframe_tensor, needed_partition, render_mode, spec_from_proto)
+from minimax_h3.contract import (AUDIO_LATENTS, ENCODED_REFERENCE_AUDIO, GUIDE_FRAMES, RENDER_PLANS, SAMPLE_INPUTS,
+                                 TEXT_STATES, TEXT_TAGS, VIDEO_LATENTS, RenderSpec, guide_tensor, keyframe_tensor,
+                                 needed_partition, render_mode, spec_from_proto)
 from render_svc.planner import SERVICE_OF, STAGES
 from render_svc.stalls import StallWatch
 from stagekit.errors import Cancelled, StageError, error_for, status_for
@@ -44,6 +46,7 @@ class Work:
     output: Path                      # where the decoder's MP4 lands (renamed into place once verified)
     keyframe_files: list[tuple[str, Path | bytes]] = field(default_factory=list)  # fl2va: (anchor, image), in order
     reference_files: list[Path | None] = field(default_factory=list)  # ref2va: each reference's stored file
+    guide_files: list[dict[str, Path]] = field(default_factory=list)  # each guide's stored "image" / "audio" files
     deadline: float = float("inf")    # unix time until which a busy stage is waited out (--job-deadline-s)
     tensors: dict = field(default_factory=dict)
     unavailable: int = 0              # stage calls refused with UNAVAILABLE so far (retried up to --stage-retries)
@@ -62,8 +65,8 @@ class Work:
 
     @property
     def mode(self) -> str:
-        """t2va, fl2va (keyframes) or ref2va (references): which plan of `RENDER_PLANS` the job walks."""
-        return render_mode(bool(self.keyframe_files), bool(self.request.references))
+        """t2va, fl2va (keyframes or guides) or ref2va (references): which plan of `RENDER_PLANS` the job walks."""
+        return render_mode(bool(self.keyframe_files or self.request.guides), bool(self.request.references))
 
     @property
     def plan(self) -> tuple[str, ...]:
@@ -72,7 +75,7 @@ class Work:
 
     @property
     def first_stage(self) -> str:
-        """Keyframes and references are encoded first (`keyframes`); a text render starts at the encoder."""
+        """Keyframes, references and guides are encoded first (`keyframes`); a text render starts at the encoder."""
         return self.plan[0]
 
     @property
@@ -192,6 +195,20 @@ def run_keyframes(c: StageClients, w: Work, progress, on_call, on_bytes) -> Stag
                                   on_bytes=on_bytes)
         w.tensors.update(reference_tensors(i, lat, ref.kind))
         results.append(r)
+    for g, guide in enumerate(w.request.guides):  # an image fitted to the canvas, a sound on the model's rates
+        files = w.guide_files[g] if g < len(w.guide_files) else {}
+        if guide.HasField("image"):
+            img = guide.image.data or files["image"].read_bytes()
+            w.tensors[guide_tensor(g, "image")], r = encode_image(c, img, w.spec.width, w.spec.height, w.job_id,
+                                                                   progress, on_call=on_call)
+            results.append(r)
+        if guide.HasField("audio"):
+            lat, r = encode_reference(c, guide.audio, w.spec.frames, w.job_id, progress, on_call=on_call,
+                                      source=files.get("audio"))
+            w.tensors[guide_tensor(g, "audio")] = lat[ENCODED_REFERENCE_AUDIO]
+            results.append(r)
+    if w.request.guides:
+        w.tensors[GUIDE_FRAMES] = torch.tensor([g.frame for g in w.request.guides], dtype=torch.int64)
     return _merge(results)
 
 

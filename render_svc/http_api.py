@@ -41,8 +41,8 @@ import grpc
 import numpy as np
 from PIL import Image
 
-from h3.v1 import render_pb2
-from minimax_h3.contract import FPS, MAX_PROMPT_BYTES, MAX_REFERENCES, snap_frames, spec_from_proto
+from h3.v1 import common_pb2, render_pb2
+from minimax_h3.contract import FPS, MAX_PROMPT_BYTES, MAX_REFERENCES, seconds_to_frame, snap_frames, spec_from_proto
 from render_svc.planner import STAGES
 from render_svc.store import CANCELLED, FAILED, QUEUED, RUNNING, SUCCEEDED, JobRecord
 from stagekit.errors import FailedPrecondition, InvalidArgument, NotFound, StageError, status_for
@@ -142,8 +142,8 @@ def video_object(rec: JobRecord, queue_position: int = 0, keep_age_s: float = 0.
 
 # ---- the request ----------------------------------------------------------------------------------------------------
 CREATE_FIELDS = ("prompt", "model", "size", "seconds", "frames", "steps", "seed", "sampler", "scheduler", "quality",
-                 "crf", "upscale", "label", "loras", "first_frame", "last_frame", "references", "workflow",
-                 "workflow_set")
+                 "video_shift", "audio_shift", "crf", "upscale", "label", "loras", "first_frame", "last_frame",
+                 "references", "guides", "workflow", "workflow_set")
 
 
 def ascii_int(text: str, max_digits: int = 19) -> int | None:
@@ -274,6 +274,12 @@ def render_request(body, idempotency_key: str) -> render_pb2.RenderRequest:
         req.workflow_set.extend(sets)
     req.params.sampler, req.params.scheduler = _str(body, "sampler"), _str(body, "scheduler")
     req.params.quality = _str(body, "quality")
+    for name in ("video_shift", "audio_shift"):  # 0 / absent: the model's (12, 3); the render rules check the rest
+        v = body.get(name)
+        if v is not None:
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                raise InvalidArgument(f"{name} must be a number (0 = the model's default), got {json.dumps(v)[:40]}")
+            setattr(req.params, name, float(v))
     if upscale:
         req.upscale_width, req.upscale_height = upscale
     loras = body.get("loras") or []
@@ -298,17 +304,43 @@ def render_request(body, idempotency_key: str) -> render_pb2.RenderRequest:
             raise InvalidArgument(f"references[{i}] must be {{\"kind\", \"data\", \"name\"?}}")
         req.references.add(kind=_str(ref, "kind"), name=_str(ref, "name"),
                            data=_bytes(ref.get("data"), f"references[{i}].data"))
+    guides = body.get("guides") or []
+    if not isinstance(guides, list):
+        raise InvalidArgument(GUIDE_FORM)
+    for i, g in enumerate(guides):
+        if not isinstance(g, dict) or set(g) - GUIDE_KEYS or ("frame" in g) == ("seconds" in g):
+            raise InvalidArgument(f"guides[{i}]: {GUIDE_FORM}")
+        guide = req.guides.add()
+        if "frame" in g:
+            guide.frame = _int(g, "frame", -INT32, INT32)
+        else:
+            seconds = g["seconds"]
+            if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not math.isfinite(seconds) \
+                    or abs(seconds) > MAX_GUIDE_SECONDS:
+                raise InvalidArgument(f"guides[{i}].seconds must be a number of seconds into the video")
+            guide.frame = seconds_to_frame(seconds)
+        for part in ("image", "audio"):
+            if g.get(part) is not None:
+                getattr(guide, part).CopyFrom(common_pb2.Reference(
+                    kind=part, name=_str(g, f"{part}_name"), data=_bytes(g[part], f"guides[{i}].{part}")))
     return req
 
 
+GUIDE_KEYS = {"frame", "seconds", "image", "audio", "image_name", "audio_name"}
+GUIDE_FORM = ("guides must be a list of {\"frame\": N or \"seconds\": S, \"image\": BASE64 and / or \"audio\": BASE64, "
+              "\"image_name\"?, \"audio_name\"?} (a negative frame counts from the end)")
+MAX_GUIDE_SECONDS = 3600.0
+
+
 FORM_INTS = ("frames", "steps", "seed", "crf")  # form fields are text: these are read as integers
+FORM_FLOATS = ("video_shift", "audio_shift")  # ... and these as numbers
 FORM_FILES = {"input_reference": "first_frame", "first_frame": "first_frame", "last_frame": "last_frame"}
 FORM_JSON = {"loras": '[{"name": FILE, "strength": 1}]', "workflow_set": '["NODE.WIDGET=VALUE", ...]'}
 
 
 # A form holds each field once and at most MAX_REFERENCES `reference` files. The parser refuses a body of more parts
 # when it meets the first one too many (it would spend about 8 s of CPU per MB of tiny parts).
-MAX_FORM_PARTS = len(set(CREATE_FIELDS) - {"references"} | set(FORM_FILES)) + MAX_REFERENCES
+MAX_FORM_PARTS = len(set(CREATE_FIELDS) - {"references", "guides"} | set(FORM_FILES)) + MAX_REFERENCES
 
 
 def _counting_parts(limit: int):
@@ -374,6 +406,11 @@ def form_fields(content_type: str, raw: bytes) -> dict:
                 if (number := ascii_int(text.strip())) is None:
                     raise InvalidArgument(f"{name} must be an integer of at most 19 ASCII digits, got {text[:40]!r}")
                 body[name] = number
+            elif name in FORM_FLOATS:
+                try:
+                    body[name] = float(text)
+                except ValueError:
+                    raise InvalidArgument(f"{name} must be a number, got {text[:40]!r}") from None
             elif name in FORM_JSON:
                 try:
                     body[name] = json.loads(text)

@@ -36,8 +36,9 @@ import grpc
 
 from h3.v1 import common_pb2, encoder_pb2, render_pb2
 from client.workflow import ReadInput, apply_workflow
-from minimax_h3.contract import (MAX_PROMPT_BYTES, check_loras, check_output, check_partition, check_reference_kinds,
-                                 needed_partition, spec_from_proto, validate)
+from minimax_h3.contract import (MAX_GUIDES, MAX_PROMPT_BYTES, check_loras, check_output, check_partition,
+                                 check_reference_kinds, needed_partition, resolve_guide_frame, spec_from_proto,
+                                 validate)
 from render_svc.engine import Outcome, RenderEngine, Work, lora_key
 from render_svc.planner import (SERVICE_OF, STAGES, Batch, BatchPlanner, Resources, next_stage,
                                 resource_groups)
@@ -139,6 +140,8 @@ def check_request(req: render_pb2.RenderRequest) -> None:
                 raise InvalidArgument(f"{anchor}: {e.message}") from None
     if req.references:
         check_references(req, spec.prompt, spec.frames)
+    if req.guides:
+        check_guides(req, spec)
     for lo in req.loras:
         if not lo.name.strip():
             raise InvalidArgument("a LoRA needs a file name (a file in the DiT server's loras dir)")
@@ -158,6 +161,34 @@ def check_references(req: render_pb2.RenderRequest, prompt: str, frames: int) ->
     check_reference_kinds([r.kind for r in req.references])
     sound = [describe_reference(ref, i, frames) for i, ref in enumerate(req.references)]
     check_labels(prompt, [r.kind for r in req.references], sound, [r.name for r in req.references])
+
+
+def check_guides(req: render_pb2.RenderRequest, spec) -> None:
+    """Guide admission (minimax_h3/dit/guides.py): at most MAX_GUIDES, each an image and / or a sound at a frame of
+    the video (negative: from the end), the image one the decoder's EncodeImage takes at the canvas, the sound an
+    audio file the decoder takes (`check_reference_file`). InvalidArgument `guide g: ...`."""
+    from minimax_h3.images import load_keyframe
+    from minimax_h3.reference_files import check_reference_file
+
+    if len(req.guides) > MAX_GUIDES:
+        raise InvalidArgument(f"{len(req.guides)} guides; a render takes at most {MAX_GUIDES}")
+    for g, guide in enumerate(req.guides, start=1):
+        try:
+            resolve_guide_frame(guide.frame, spec.frames)
+            if not (guide.HasField("image") or guide.HasField("audio")):
+                raise InvalidArgument("needs an image and / or an audio file")
+            for part, kind in (("image", "image"), ("audio", "audio")):
+                if not guide.HasField(part):
+                    continue
+                ref = getattr(guide, part)
+                if ref.kind != kind:
+                    raise InvalidArgument(f"its {part} must be a Reference of kind {kind!r}, got {ref.kind!r}")
+                if part == "image":
+                    load_keyframe(ref.data, spec.width, spec.height)
+                else:
+                    check_reference_file(kind, ref.data, spec.frames, ref.name)
+        except InvalidArgument as e:
+            raise InvalidArgument(f"guide {g} (frame {guide.frame}): {e.message}") from None
 
 
 THUMBNAIL_PX = 96
@@ -267,7 +298,8 @@ class RenderService:
         """Admit and queue a request. A ComfyUI graph (`workflow_json`) is read first and fills the request
         (client/workflow.py; `read_input` gives the files its loader nodes name, for ComfyUI's own routes);
         `seconds`, `remixed_from`: what the HTTP API records beside the job (JobStore.submit)."""
-        for ref in req.references:  # an uploaded file (Upload) is admitted like an inline one
+        # An uploaded file (Upload) is admitted like an inline one.
+        for ref in [*req.references, *(getattr(g, p) for g in req.guides for p in ("image", "audio") if g.HasField(p))]:
             ref.data = reference_bytes(ref, self.uploads)
         graph_files = apply_workflow(req, read_input).files if req.workflow_json else []
         check_request(req)
@@ -441,8 +473,10 @@ class RenderService:
         spec = spec_from_proto(rec.request.params)
         frames = [(a, self.store.keyframe_dir / rec.keyframes[a]) for a in ("first", "last") if a in rec.keyframes]
         refs = [self.store.keyframe_dir / r.digest if r.digest and not r.data else None for r in rec.request.references]
+        guides = [{p: self.store.keyframe_dir / getattr(g, p).digest for p in ("image", "audio")
+                   if g.HasField(p) and getattr(g, p).digest and not getattr(g, p).data} for g in rec.request.guides]
         w = Work(rec.id, rec.request, spec, self.outputs / f"{rec.id}.mp4", keyframe_files=frames,
-                 reference_files=refs, deadline=rec.created + self.cfg.job_deadline_s)
+                 reference_files=refs, guide_files=guides, deadline=rec.created + self.cfg.job_deadline_s)
         self.works[rec.id] = w
         self.planner.add(rec.id, w.first_stage)
 

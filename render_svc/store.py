@@ -155,25 +155,35 @@ def _without_data(ref: common_pb2.Reference) -> common_pb2.Reference:
     return out
 
 
+def _media(req: render_pb2.RenderRequest) -> dict[str, common_pb2.Reference]:
+    """The request's media files that travel as References, by what they are: `ref{i}` for each reference, then
+    `guide{g}_image` / `guide{g}_audio` for each guide's."""
+    out = {f"ref{i}": ref for i, ref in enumerate(req.references)}
+    for g, guide in enumerate(req.guides):
+        out.update({f"guide{g}_{part}": getattr(guide, part) for part in ("image", "audio") if guide.HasField(part)})
+    return out
+
+
 def _without_reference_files(stored: bytes) -> bytes:
-    """A finished job's stored request without its reference files (up to 6 MiB each; nothing reads them any more);
-    the references' thumbnails, sizes and durations stay for the web page."""
+    """A finished job's stored request without its reference and guide files (up to 6 MiB each; nothing reads them
+    any more); the references' thumbnails, sizes and durations stay for the web page."""
     r = render_pb2.RenderRequest.FromString(stored)
-    if not r.references:
+    media = _media(r)
+    if not media:
         return stored
-    for ref in r.references:
+    for ref in media.values():
         ref.ClearField("data")
     return r.SerializeToString(deterministic=True)
 
 
 def _without_images(req: render_pb2.RenderRequest) -> bytes:
-    """The request as stored: without its keyframe images and reference files (stored once, by content, beside the
-    database; a reference keeps the digest that names its file)."""
+    """The request as stored: without its keyframe images, reference and guide files (stored once, by content,
+    beside the database; a reference keeps the digest that names its file)."""
     r = render_pb2.RenderRequest()
     r.CopyFrom(req)
     for _, name in KEYFRAME_FIELDS:
         r.ClearField(name)
-    for ref in r.references:
+    for ref in _media(r).values():
         if ref.data:
             ref.digest = hashlib.sha256(ref.data).hexdigest()
             ref.ClearField("data")
@@ -181,9 +191,10 @@ def _without_images(req: render_pb2.RenderRequest) -> bytes:
 
 
 def _files(req: render_pb2.RenderRequest) -> dict[str, bytes]:
-    """The request's files by what they are: keyframe anchors, then `ref{i}` for each reference with its bytes."""
+    """The request's files by what they are: keyframe anchors, then `ref{i}` for each reference and `guide{g}_*` for
+    each guide's image and sound, with their bytes."""
     out = {anchor: getattr(req, name) for anchor, name in KEYFRAME_FIELDS if getattr(req, name)}
-    out.update({f"ref{i}": ref.data for i, ref in enumerate(req.references) if ref.data})
+    out.update({what: ref.data for what, ref in _media(req).items() if ref.data})
     return out
 
 
@@ -402,8 +413,8 @@ class JobStore:
         self._append(job_id, job=_record(row).info(with_prompt=False))
 
     def _store_keyframes(self, req: render_pb2.RenderRequest) -> dict[str, str]:
-        """Write the request's keyframe images and reference files (once per content) under keyframes/, the upload
-        store's folder (uploaded files are there already); anchor or `ref{i}` -> digest."""
+        """Write the request's keyframe images, reference and guide files (once per content) under keyframes/, the
+        upload store's folder (uploaded files are there already); anchor, `ref{i}` or `guide{g}_*` -> digest."""
         digests = _digests(req)
         for what, data in _files(req).items():
             if not (self.keyframe_dir / digests[what]).exists():

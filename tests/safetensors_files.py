@@ -67,3 +67,30 @@ def rewrite_tensors(src: str | Path, dst: str | Path, edit) -> Path:
     edit(tensors)
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(dst), metadata=metadata)
     return Path(dst)
+
+
+def write_release_video_vae(path: str | Path, int8: bool) -> Path:
+    """The H3 video VAE's full-size inventory, sparse: every tensor fp16, or (`int8`) as ComfyUI's int8 ConvRot file
+    stores it: the attention and feed-forward linears of the decoder's 36 blocks int8 [out, in] with an fp32 [out, 1]
+    scale and a `comfy_quant` descriptor (ConvRot group 256; the descriptors are the only bytes written)."""
+    import re
+
+    import torch
+
+    from minimax_h3.vae.video import VideoVAE, VideoVAEConfig
+
+    with torch.device("meta"):
+        shapes = {k: tuple(v.shape) for k, v in VideoVAE(VideoVAEConfig.full()).state_dict().items()}
+    descriptor = json.dumps({"format": "int8_tensorwise", "convrot": True, "convrot_groupsize": 256}).encode()
+    quantised = re.compile(r"decoder\.transformer_blocks\.\d+\.(attn\.to_qkv|attn\.to_out|ff\.w1|ff\.w2)")
+    specs = {}
+    for k, shp in shapes.items():
+        layer = k[: -len(".weight")]
+        if int8 and k.endswith(".weight") and quantised.fullmatch(layer):
+            specs[k] = ("I8", shp)
+            specs[layer + ".weight_scale"] = ("F32", (shp[0], 1))
+            specs[layer + ".comfy_quant"] = ("U8", (len(descriptor),), descriptor)
+        else:
+            specs[k] = ("F16", shp)
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    return write_sparse_safetensors(path, specs)

@@ -250,10 +250,22 @@ def test_tensor_table():
     assert shapes[c.keyframe_tensor("last")] == (8, 1, 32, 16)
     assert shapes[c.ref_tensor(11, "image")] == (8, 1, None, None) and shapes[c.ref_tensor(0, "audio")] == (2, 4, None)
     assert {r.dtype for r in c.TENSORS.values()} == {"float", "int"} and c.TENSORS[c.TEXT_TAGS].dtype == "int"
-    assert len(c.TENSORS) == 4 + 2 + 3 * c.MAX_REFERENCES
+    assert shapes[c.guide_tensor(15, "image")] == (8, 1, 32, 16) and shapes[c.guide_tensor(0, "audio")] == (2, 4, None)
+    assert shapes[c.GUIDE_FRAMES] == (None,) and c.TENSORS[c.GUIDE_FRAMES].dtype == "int"
+    assert len(c.TENSORS) == 4 + 2 + 3 * c.MAX_REFERENCES + 1 + 2 * c.MAX_GUIDES
     names = [c.keyframe_tensor("last"), c.TEXT_STATES, c.keyframe_tensor("first")]
     assert c.keyframe_anchors(names) == ("first", "last")
     assert c.has_references([c.ref_tensor(2, "video")]) and not c.has_references([c.TEXT_TAGS])
+
+
+def test_guide_frames():
+    assert c.resolve_guide_frame(0, 124) == 0 and c.resolve_guide_frame(-1, 124) == 123
+    assert c.resolve_guide_frame(-124, 124) == 0 and c.resolve_guide_frame(123, 124) == 123
+    for bad in (124, -125):
+        with pytest.raises(InvalidArgument, match=f"guide frame {bad} is outside the video's 124 frames"):
+            c.resolve_guide_frame(bad, 124)
+    # ComfyUI's multiframe template: frame_idx = round(seconds * 24) for 1.5 / 3 / 5 s
+    assert [c.seconds_to_frame(s) for s in (1.5, 3, 5)] == [36, 72, 120]
 
 
 def test_partition_refusal_names_the_file():

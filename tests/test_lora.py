@@ -246,7 +246,7 @@ def test_errors_list_the_offending_keys(tmp_path):
           "diffusion_model.blocks.0.attn.qkv_proj.lora_B.weight": b}
     with pytest.raises(LoRAFileError, match=r"2 module\(s\) match no linear.*blocks\.7\.attn\.qkv_proj.*vae\.conv"):
         parse_lora_state_dict(sd, targets)
-    with pytest.raises(LoRAFileError, match=r"not LoRA A/B/alpha.*dora_scale"):
+    with pytest.raises(LoRAFileError, match=r"neither LoRA A/B/alpha factors nor diff / diff_b patches.*dora_scale"):
         parse_lora_state_dict({"blocks.0.attn.qkv_proj.dora_scale": torch.ones(1)}, targets)
     with pytest.raises(LoRAFileError, match=r"lack their A \(down\) or B \(up\).*blocks\.0\.mlp\.fc2"):
         parse_lora_state_dict({"blocks.0.mlp.fc2.lora_down.weight": torch.randn(2, cfg.ffn)}, targets)

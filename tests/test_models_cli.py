@@ -21,6 +21,7 @@ import pytest
 from client.models_cli import wanted_files
 from tests.hub_server import FakeHub, HubFile
 from tests.procs import takes_ctrl_c
+from tests.safetensors_files import write_release_video_vae
 
 ROOT = Path(__file__).resolve().parents[1]
 PART = "diffusion_models/.minimax_h3_fl2va_pruned_int8_convrot.safetensors.part"
@@ -283,6 +284,15 @@ def test_models_check_tells_a_tiny_model_under_release_names_from_the_release(tm
     (report,) = [x for x in check_folder(d) if x.part == "dit"]
     assert not report.problem and report.variant == "int8_convrot_pruned, fl2va", report
     assert report.not_release == "named as the release's int8_convrot file, but holds int8_convrot_pruned weights"
+    # the video VAE: ComfyUI's int8 ConvRot file is the release's; an fp16 one under its name is not
+    (d / "vae/minimax_h3_video_vae_fp16.safetensors").unlink()
+    int8 = write_release_video_vae(d / "vae/minimax_h3_video_vae_int8_convrot.safetensors", int8=True)
+    (report,) = [x for x in check_folder(d) if x.part == "video_vae"]
+    assert report.path == int8 and not report.problem and not report.not_release, report
+    assert report.variant == "comfy layout, int8_convrot, geometry from the H3 release geometry", report
+    write_release_video_vae(int8, int8=False)
+    (report,) = [x for x in check_folder(d) if x.part == "video_vae"]
+    assert report.not_release == "named as the release's int8_convrot file, but holds fp16 weights", report
     unplaced = write_release_dit(d / "diffusion_models/minimax_h3_pruned_int8_convrot.safetensors")  # no partition
     (d / "diffusion_models/minimax_h3_fl2va_int8_convrot.safetensors").unlink()
     (report,) = [x for x in check_folder(d) if x.part == "dit"]

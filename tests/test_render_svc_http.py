@@ -801,3 +801,23 @@ def test_delete_cancels_and_removes_the_job_and_its_files(sdk):
             call()
     paged = [x.id for x in sdk.alice.videos.list(limit=1)]  # one per page: the SDK follows `after`
     assert paged == [x.id for x in sdk.alice.videos.list(limit=100)] and not {v.id, held.id} & set(paged)
+
+
+def test_create_request_takes_the_sigma_shifts():
+    """ComfyUI's MiniMaxH3SigmaShift (video, audio) as the create request's `video_shift` / `audio_shift`, in JSON and
+    in a form; 0 or absent is the model's (12, 3); the render rules refuse what the sampler does not take."""
+    from render_svc.http_api import form_fields, render_request
+    from render_svc.service import check_request
+    from stagekit.errors import InvalidArgument
+
+    req = render_request({"prompt": "x", "video_shift": 10, "audio_shift": 3.0}, "")
+    assert (req.params.video_shift, req.params.audio_shift) == (10.0, 3.0)
+    check_request(req)
+    assert render_request({"prompt": "x"}, "").params.video_shift == 0.0
+    form = (b"--b\r\nContent-Disposition: form-data; name=\"prompt\"\r\n\r\nx\r\n"
+            b"--b\r\nContent-Disposition: form-data; name=\"video_shift\"\r\n\r\n6.5\r\n--b--\r\n")
+    assert render_request(form_fields("multipart/form-data; boundary=b", form), "").params.video_shift == 6.5
+    with pytest.raises(InvalidArgument, match="video_shift must be a number"):
+        render_request({"prompt": "x", "video_shift": "ten"}, "")
+    with pytest.raises(InvalidArgument, match=r"audio_shift=500.0 is not valid: use 0 \(model default\) or 0.1..100"):
+        check_request(render_request({"prompt": "x", "audio_shift": 500}, ""))

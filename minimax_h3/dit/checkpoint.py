@@ -39,7 +39,7 @@ from minimax_h3.dit.convert_diffusers import (DIFFUSERS_NAMES, DIFFUSERS_QKV, FC
                                               is_qkv_part, qkv_part_keys)
 from minimax_h3.dit.model import H3DiT
 from minimax_h3.dit.tp import ColumnParallel, RowParallel, column_range, param_style, section_ranges, validate_tp
-from minimax_h3.kernels.int8 import QuantizedWeight, dequantize_convrot, read_quant_spec
+from minimax_h3.kernels.int8 import QuantizedWeight, dequantize_convrot, int8_linear_specs, read_quant_spec
 from stagekit.checkpoints import (FLOAT, TORCH_DTYPE, Checkpoint, CheckpointError, FiniteCheck, HeaderEntry,
                                   TensorReader, TensorSpec, has_host_copy, key_report, metadata_json, named,
                                   open_checkpoint)
@@ -124,9 +124,7 @@ def _linear(specs: dict, prefix: str, n_out: int, n_in: int, store: str, bias: b
 
 
 def _int8_linear(specs: dict, prefix: str, n_out: int, n_in: int) -> None:
-    specs[f"{prefix}.weight"] = DiTSpec((n_out, n_in), frozenset({"I8"}), "I8")
-    specs[f"{prefix}.weight_scale"] = DiTSpec((n_out, 1), FLOAT, "F32")
-    specs[f"{prefix}.comfy_quant"] = DiTSpec(None, frozenset({"U8"}), "U8")  # JSON bytes, any length
+    specs.update(int8_linear_specs(prefix, n_out, n_in, DiTSpec))
 
 
 def _attn_mlp_specs(specs: dict, prefix: str, cfg: DiTConfig, int8: bool) -> None:

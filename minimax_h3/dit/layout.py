@@ -142,6 +142,7 @@ class PackedLayout:
     audio_idx: torch.Tensor = field(repr=False)  # [Na]
     text_idx: torch.Tensor = field(repr=False)  # [L]
     references: tuple["ReferenceBlock", ...] = ()  # ref2va: the reference blocks in packed (request) order
+    guides: tuple["Guide", ...] = ()  # guides in packed order, after the keyframes / references
 
     @property
     def seq_len(self) -> int:
@@ -153,12 +154,14 @@ class PackedLayout:
 
     @property
     def num_cond_rows(self) -> int:
-        """Leading conditioning rows of `video_idx` (keyframes, or ref2va image / video references)."""
+        """Leading conditioning rows of `video_idx` (keyframes, or ref2va image / video references; then guide
+        images)."""
         return self.num_video_rows - self.shape.latent_frames * self.rows_per_frame
 
     @property
     def num_ref_audio_rows(self) -> int:
-        """Leading reference rows of `audio_idx` (ref2va audio references and soundtracks; clean, never sampled)."""
+        """Leading reference rows of `audio_idx` (ref2va audio references and soundtracks, then guide sounds; clean,
+        never sampled)."""
         return self.num_audio_rows - AUDIO_CHANNELS * self.shape.audio_latents
 
     @property
@@ -206,6 +209,70 @@ def _last_keyframe_time(text_len: int, latent_frames: int) -> float:
     pattern = np.asarray(ROPE_FRAMES_PER_LATENT, dtype=np.float64)
     spans *= pattern[np.arange(latent_frames) % len(pattern)]
     return float(text_len) + float(spans.sum()) - ROPE_FRAME_RESCALE
+
+
+@dataclass(frozen=True)
+class Guide:
+    """Geometry of one guide (ComfyUI's MiniMaxH3AddGuide; docs/model.md §2.7-2.8): conditioning anchored at pixel
+    frame `frame` (0-based, resolved) of the generated video: an image (`image`: one latent frame of the target
+    canvas) and / or a sound (`audio_latents` per channel, from that frame on; 0 = none)."""
+
+    frame: int
+    image: bool = True
+    audio_latents: int = 0
+
+    def __post_init__(self):
+        if self.frame < 0 or self.audio_latents < 0 or not (self.image or self.audio_latents):
+            raise InvalidArgument(f"a guide is an image and / or audio latents at a frame >= 0, got {self}")
+
+
+def guide_time(origin: float, frame: int) -> float:
+    """RoPE time of a guide at pixel frame `frame`: the target timeline's origin plus 5/3 per frame (float64, as
+    ComfyUI computes it)."""
+    return float(origin) + ROPE_FRAME_RESCALE * frame
+
+
+def guide_audio_room(audio_latents: int, frame: int) -> int:
+    """Audio latents per channel a sound guide at `frame` may hold: what remains of the target's audio track from
+    that frame on, floor(Ta - 5/3 * frame), as ComfyUI cuts it."""
+    return math.floor(audio_latents - ROPE_FRAME_RESCALE * frame)
+
+
+def _place_guides(pos: torch.Tensor, tag: torch.Tensor, kind: torch.Tensor, start: int, guides: Sequence[Guide],
+                  origin: float, frame_hw: torch.Tensor, w_axis: torch.Tensor) -> tuple[list, list, int]:
+    """Guide rows from `start`, each guide its image's rows (the target grid, one latent frame) then its sound's
+    (w at the target grid's extremes), both at the guide's time: (video row ranges, audio row ranges, next row)."""
+    video, audio = [], []
+    for g in guides:
+        t = guide_time(origin, g.frame)
+        if g.image:
+            n = frame_hw.shape[0]
+            _place_video(pos, start, 1, t, frame_hw)
+            kind[start:start + n] = KIND_COND
+            video.append(torch.arange(start, start + n))
+            start += n
+        if g.audio_latents:
+            n = AUDIO_CHANNELS * g.audio_latents
+            _place_audio(pos, start, g.audio_latents, t, w_axis)
+            tag[start:start + n] = TAG_AUDIO
+            kind[start:start + n] = KIND_REF_AUDIO
+            audio.append(torch.arange(start, start + n))
+            start += n
+    return video, audio, start
+
+
+def _check_guides(guides: Sequence[Guide], shp: "LatentShape") -> None:
+    for i, g in enumerate(guides):
+        if g.frame >= shp.frames:
+            raise InvalidArgument(f"guide {i}: frame {g.frame} is outside the video's {shp.frames} frames")
+        room = guide_audio_room(shp.audio_latents, g.frame)
+        if g.audio_latents > room:
+            raise InvalidArgument(f"guide {i}: {g.audio_latents} audio latents at frame {g.frame}, but only {room} "
+                                  "remain of the audio track from there")
+
+
+def _guide_rows(guides: Sequence[Guide], rpf: int) -> int:
+    return sum(rpf * g.image + AUDIO_CHANNELS * g.audio_latents for g in guides)
 
 
 @dataclass(frozen=True)
@@ -294,26 +361,28 @@ def build_layout(
     width: int,
     keyframes: Sequence[str] = (),
     text_tags: torch.Tensor | None = None,
+    guides: Sequence[Guide] = (),
 ) -> PackedLayout:
     """Layout of a t2va (keyframes=()) or fl2va request (keyframes ⊂ ("first", "last"), one latent frame each, in
-    packed order). frames/height/width are pixel units (F = 17n+5; H, W multiples of 32).
+    packed order), with `guides` after the keyframes. frames/height/width are pixel units (F = 17n+5; H, W
+    multiples of 32).
 
     text_tags: optional [L] long tags of the text rows (vision-block tokens of keyframe presentations are tagged
     video = 0); default all text (1).
     """
-    keyframes = tuple(keyframes)
+    keyframes, guides = tuple(keyframes), tuple(guides)
     if len(keyframes) > 2 or any(k not in KEYFRAME_ANCHORS for k in keyframes):
         raise InvalidArgument(f"keyframes must be up to two of {KEYFRAME_ANCHORS}, got {keyframes!r}")
     _check_text(text_len, text_tags)
     shp, rpf = _target(cfg, frames, height, width)
+    _check_guides(guides, shp)
     _, ph, pw = cfg.patch
     t_lat, ta = shp.latent_frames, shp.audio_latents
 
-    n_cond = len(keyframes) * rpf
-    n_audio = AUDIO_CHANNELS * ta
     c0 = text_len
-    a0 = c0 + n_cond
-    v0 = a0 + n_audio
+    g0 = c0 + len(keyframes) * rpf
+    a0 = g0 + _guide_rows(guides, rpf)
+    v0 = a0 + AUDIO_CHANNELS * ta
     seq = v0 + t_lat * rpf
 
     frame_hw, wg = _frame_grid(shp.latent_height, shp.latent_width, ph, pw)
@@ -323,17 +392,18 @@ def build_layout(
         rows = slice(c0 + i * rpf, c0 + (i + 1) * rpf)
         pos[rows, 0] = float(text_len) if anchor == "first" else _last_keyframe_time(text_len, t_lat)
         pos[rows, 1:] = frame_hw
-    _place_audio(pos, a0, ta, float(text_len), wg)
-    _place_video(pos, v0, t_lat, float(text_len), frame_hw)
-
     tag = torch.full((seq,), TAG_VIDEO, dtype=torch.long)
     tag[:text_len] = TAG_TEXT if text_tags is None else text_tags.to(torch.long)
-    tag[a0:v0] = TAG_AUDIO
     kind = torch.full((seq,), KIND_VIDEO, dtype=torch.long)
-    kind[c0:a0] = KIND_COND
+    kind[c0:g0] = KIND_COND
+    guide_video, guide_audio, _ = _place_guides(pos, tag, kind, g0, guides, float(text_len), frame_hw, wg)
+    _place_audio(pos, a0, ta, float(text_len), wg)
+    _place_video(pos, v0, t_lat, float(text_len), frame_hw)
+    tag[a0:v0] = TAG_AUDIO
     kind[a0:v0] = KIND_AUDIO
 
-    return _finish(shp, rpf, text_len, a0, v0, pos, tag, kind, [torch.arange(c0, a0)], [], keyframes=keyframes)
+    return _finish(shp, rpf, text_len, a0, v0, pos, tag, kind, [torch.arange(c0, g0)] + guide_video, guide_audio,
+                   keyframes=keyframes, guides=guides)
 
 
 def build_ref2va_layout(
@@ -344,6 +414,7 @@ def build_ref2va_layout(
     width: int,
     references: Sequence[ReferenceBlock],
     text_tags: torch.Tensor | None = None,
+    guides: Sequence[Guide] = (),
 ) -> PackedLayout:
     """Layout of a ref2va request: `[text | reference blocks in request order | target audio | target video]`
     (docs/model.md §2.7-2.8). frames/height/width are the target's pixel units.
@@ -352,9 +423,10 @@ def build_ref2va_layout(
     soundtrack rows followed by its frame rows. One RoPE clock starts at L and every reference advances it: an image
     by 1, an audio reference by its latent count, a video by the longer of its soundtrack and its frame span; the
     target rows start where it ends. Reference video rows are conditioning rows (t pinned at 0.999), reference audio
-    rows are clean (t = 1). `video_idx` / `audio_idx` list the reference rows first, in request order.
+    rows are clean (t = 1). `video_idx` / `audio_idx` list the reference rows first, in request order. `guides`
+    follow the references, timed from where the clock ends (the target's origin).
     """
-    references = tuple(references)
+    references, guides = tuple(references), tuple(guides)
     if not references:
         raise InvalidArgument("a ref2va layout needs at least one reference")
     if all(r.kind == "audio" for r in references):
@@ -366,6 +438,7 @@ def build_ref2va_layout(
         if r.kind != "audio" and (r.latent_height % ph or r.latent_width % pw):
             raise InvalidArgument(f"reference {i + 1}: latent {r.latent_height}x{r.latent_width} is not divisible by "
                              f"the patch {ph}x{pw}")
+    _check_guides(guides, shp)
     t_lat, ta = shp.latent_frames, shp.audio_latents
     target_hw, target_w = _frame_grid(shp.latent_height, shp.latent_width, ph, pw)
 
@@ -373,7 +446,7 @@ def build_ref2va_layout(
         return r.latent_frames * (r.latent_height // ph) * (r.latent_width // pw)
 
     ref_rows = sum(visual_rows(r) + AUDIO_CHANNELS * r.audio_latents for r in references)
-    a0 = text_len + ref_rows
+    a0 = text_len + ref_rows + _guide_rows(guides, rpf)
     v0 = a0 + AUDIO_CHANNELS * ta
     seq = v0 + t_lat * rpf
     pos = torch.zeros(seq, 3, dtype=torch.float64)
@@ -407,16 +480,19 @@ def build_ref2va_layout(
         else:
             clock += max(float(r.audio_latents), _video_span(r.latent_frames))
 
+    guide_video, guide_audio, _ = _place_guides(pos, tag, kind, cursor, guides, clock, target_hw, target_w)
     _place_audio(pos, a0, ta, clock, target_w)
     _place_video(pos, v0, t_lat, clock, target_hw)
     tag[a0:v0] = TAG_AUDIO
     kind[a0:v0] = KIND_AUDIO
-    return _finish(shp, rpf, text_len, a0, v0, pos, tag, kind, video_idx, audio_idx, references=references)
+    return _finish(shp, rpf, text_len, a0, v0, pos, tag, kind, video_idx + guide_video, audio_idx + guide_audio,
+                   references=references, guides=guides)
 
 
 def _finish(shp: LatentShape, rpf: int, text_len: int, a0: int, v0: int, pos: torch.Tensor, tag: torch.Tensor,
             kind: torch.Tensor, cond_video: list[torch.Tensor], ref_audio: list[torch.Tensor],
-            keyframes: tuple[str, ...] = (), references: tuple[ReferenceBlock, ...] = ()) -> PackedLayout:
+            keyframes: tuple[str, ...] = (), references: tuple[ReferenceBlock, ...] = (),
+            guides: tuple[Guide, ...] = ()) -> PackedLayout:
     """The PackedLayout of rows placed as [text | conditioning | target audio (a0) | target video (v0)]:
     `cond_video` / `ref_audio` list the conditioning rows of each modality in packed order."""
     seq = int(tag.shape[0])
@@ -437,4 +513,5 @@ def _finish(shp: LatentShape, rpf: int, text_len: int, a0: int, v0: int, pos: to
         audio_idx=torch.cat(ref_audio + [torch.arange(a0, v0)]),
         text_idx=torch.arange(0, text_len),
         references=references,
+        guides=guides,
     )

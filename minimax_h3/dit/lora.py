@@ -26,10 +26,18 @@ halves, AdaLN by row range) B's rows are sliced and A is whole; for a row-parall
 are sliced and B is whole, so the LoRA term is a partial sum that rides on the existing fp32 all-reduce of the block
 (no extra collective). Replicated linears keep both whole.
 
-Not supported (rejected with a clear error rather than silently ignored): DoRA (`dora_scale`), LoCon/LoHa/LoKr
-factors, full `diff` / `diff_b` patches, LoRAs on norms. A LoRA that touches the timestep modulation
-(`adaln_proj` / `time_embedder`) is rejected on a curve-form ("pruned") checkpoint, whose AdaLN input is a baked
-rank-8 table of the *base* time embedder: such a LoRA cannot be expressed there.
+Full-tensor patches (ComfyUI's `comfy/lora.py` keys, as LightX2V's "comfyui" Turbo LoRAs carry them beside their
+`lora_down` / `lora_up` / `alpha` factors): `<module>.diff` (also `.w_norm`) adds to the module's weight, `.diff_b`
+(also `.b_norm`) to its bias, times the strength. They are applied to 1-D parameters (norm gains, biases: e.g.
+`blocks.0.norm1.diff`, `blocks.0.adaln_proj.linear.diff_b`) in place, from a kept copy of the base values, and cut
+by the TP plan like the parameter (a column-parallel bias by rows).
+
+Not supported (rejected with a clear error naming the keys, never silently ignored): DoRA (`dora_scale`),
+LoCon/LoHa/LoKr factors, `set_weight` replacements, a full `diff` of a linear's 2-D weight (linears stay unmerged,
+and may be int8 or fp8; so factors and a diff never meet on one weight). A LoRA that touches the timestep modulation
+(`adaln_proj` / `time_embedder` factors or weight diffs) is rejected on a curve-form ("pruned") checkpoint, whose
+AdaLN input is a baked rank-8 table of the *base* time embedder: such a LoRA cannot be expressed there; an AdaLN
+*bias* diff can (the curve form keeps the bias whole) and is applied.
 """
 
 from __future__ import annotations
@@ -58,7 +66,7 @@ from .config import DiTConfig
 from .convert_diffusers import DIFFUSERS_NAMES
 from .model import H3DiT
 from .ops import swiglu
-from .tp import ColumnParallel, RowParallel, TPStyle, column_range, section_ranges, tp_style
+from .tp import ColumnParallel, RowParallel, TPStyle, column_range, param_style, section_ranges, shard_tensor, tp_style
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +84,10 @@ TIMESTEP_MODULES = ("adaln_proj", "time_embedder", "norm_out.linear", "norm_out_
 _PEFT_KEY = re.compile(r"^(?P<mod>.+)\.lora_(?P<ab>[AB])(?:\.(?P<adapter>[A-Za-z0-9_\-]+))?\.weight$")
 _KOHYA_KEY = re.compile(r"^(?P<mod>.+)\.lora_(?P<ab>down|up)\.weight$")
 _ALPHA_KEY = re.compile(r"^(?P<mod>.+)\.alpha$")
+# ComfyUI's full-tensor patches (comfy/lora.py): `diff` / `w_norm` add to the module's weight, `diff_b` / `b_norm` to
+# its bias; LightX2V's "comfyui" LoRAs carry them for norms and biases beside the low-rank factors.
+_DIFF_KEY = re.compile(r"^(?P<mod>.+)\.(?P<kind>diff|diff_b|w_norm|b_norm)$")
+_DIFF_SLOT = {"diff": "diff", "w_norm": "diff", "diff_b": "diff_b", "b_norm": "diff_b"}
 
 
 class LoRAFileError(FailedPrecondition):
@@ -117,10 +129,29 @@ def _unwrapped_linears(model: nn.Module) -> dict[str, nn.Module]:
     return out
 
 
-def model_targets(model: nn.Module) -> dict[str, LoRATarget]:
+@dataclass(frozen=True)
+class ParamTarget:
+    """A parameter a `diff` / `diff_b` patch may change: norm gains and biases (1-D; the linear weights themselves
+    only take low-rank factors: they stay unmerged)."""
+
+    name: str  # our parameter name, e.g. "blocks.3.norm1.weight", "blocks.3.adaln_proj.linear.bias"
+    shape: tuple[int, ...]  # full, unsharded
+    style: TPStyle | None  # its module's tensor-parallel style (a column-parallel bias is cut by rows)
+
+
+class LoRATargets(dict):
+    """Our linear name -> LoRATarget (the low-rank targets), and in `.params` our parameter name -> ParamTarget (what
+    the file's full-tensor patches are checked against)."""
+
+    def __init__(self, linears: Mapping[str, LoRATarget], params: Mapping[str, ParamTarget]):
+        super().__init__(linears)
+        self.params = dict(params)
+
+
+def model_targets(model: nn.Module) -> LoRATargets:
     """LoRA targets of an H3DiT (any TP rank, any base linear type): full shapes from the local ones."""
     n = getattr(model, "tp_size", 1)
-    out = {}
+    linears = {}
     for name, mod in _unwrapped_linears(model).items():
         style = tp_style(model._tp_plan, name)
         fin, fout = mod.in_features, mod.out_features
@@ -128,11 +159,21 @@ def model_targets(model: nn.Module) -> dict[str, LoRATarget]:
             fin *= n
         elif isinstance(style, ColumnParallel):
             fout *= n
-        out[name] = LoRATarget(name, fin, fout, style)
-    return out
+        linears[name] = LoRATarget(name, fin, fout, style)
+    params = {}
+    for name, p in model.named_parameters():
+        name = name.replace(".base.", ".")  # a LoRALinear wrapper's base: the same parameter as unwrapped
+        style = param_style(model._tp_plan, name)
+        shape = list(p.shape)
+        if isinstance(style, ColumnParallel):
+            shape[0] *= n
+        elif isinstance(style, RowParallel) and name.endswith(".weight"):
+            shape[1] *= n
+        params[name] = ParamTarget(name, tuple(shape), style)
+    return LoRATargets(linears, params)
 
 
-def config_targets(cfg: DiTConfig) -> dict[str, LoRATarget]:
+def config_targets(cfg: DiTConfig) -> LoRATargets:
     """The same targets from a config alone (a meta-device model: no memory), for request-time validation."""
     return model_targets(H3DiT(cfg, compute_dtype=torch.float32, device="meta"))
 
@@ -186,6 +227,7 @@ class LoRAWeights:
 
     source: str
     parts: dict[str, list[LoRAPart]] = field(default_factory=dict)
+    patches: dict[str, torch.Tensor] = field(default_factory=dict)  # our parameter name -> its full fp32 delta
 
     def delta(self, target: LoRATarget) -> torch.Tensor:
         """Full dense fp32 delta W [out, in] of `target` at strength 1 (merging, tests)."""
@@ -207,6 +249,12 @@ class _Module:
     down: str | None = None
     up: str | None = None
     alpha: str | None = None
+    diff: str | None = None  # full delta of the module's weight (ComfyUI / LightX2V `.diff`, also `.w_norm`)
+    diff_b: str | None = None  # full delta of its bias (`.diff_b`, also `.b_norm`)
+
+    @property
+    def factors(self) -> bool:
+        return self.down is not None or self.up is not None or self.alpha is not None
 
 
 def _strip_prefixes(path: str) -> tuple[str, bool]:
@@ -234,6 +282,8 @@ def _group_keys(keys: Iterable[str]) -> tuple[dict[str, _Module], list[str], set
         if m:
             adapters.add(m["adapter"] or "")
             slot = "down" if m["ab"] == "A" else "up"
+        elif (m := _DIFF_KEY.match(key)) is not None:
+            slot = _DIFF_SLOT[m["kind"]]
         else:
             m = _KOHYA_KEY.match(key) or _ALPHA_KEY.match(key)
             if not m:
@@ -258,22 +308,50 @@ class _Planned:
     mod: _Module
 
 
+@dataclass(frozen=True)
+class _Patch:
+    key: str  # the `diff` / `diff_b` tensor in the file
+    param: str  # our parameter it adds to
+
+
 def _plan(shapes: Mapping[str, tuple[int, ...]], targets: Mapping[str, LoRATarget], adaln_form: str,
-          source: str) -> list[_Planned]:
-    """Resolve every key of a file against the model; raise one LoRAFileError naming every problem. Header-only."""
+          source: str) -> tuple[list[_Planned], list[_Patch]]:
+    """Resolve every key of a file against the model: (low-rank modules, full-tensor patches). Raises one
+    LoRAFileError naming every problem, so no key of a file is ever left unapplied. Header-only."""
     modules, unsupported, adapters = _group_keys(shapes)
     if unsupported:
-        raise LoRAFileError(f"{source}: {len(unsupported)} tensor(s) are not LoRA A/B/alpha factors (DoRA, "
-                            f"LoCon/LoKr, full diffs and norm patches are not supported): {_listed(unsupported)}")
+        raise LoRAFileError(f"{source}: {len(unsupported)} tensor(s) are neither LoRA A/B/alpha factors nor diff / "
+                            f"diff_b patches (DoRA, LoCon/LoKr and set_weight replacements are not supported): "
+                            f"{_listed(unsupported)}")
     if len(adapters) > 1:
         raise LoRAFileError(f"{source}: holds several PEFT adapters {sorted(adapters)}; save one adapter per file")
+    params = getattr(targets, "params", {})
     dotted, kohya = _alias_table(targets)
-    planned, unmatched, incomplete, timestep, bad = [], [], [], [], []
+    planned, patches, unmatched, incomplete, timestep, bad, dense = [], [], [], [], [], [], []
     for path, mod in modules.items():
         stripped, is_kohya = _strip_prefixes(path)
         alias = (kohya if is_kohya else dotted).get(stripped)
-        if adaln_form == "curve" and _is_timestep_module(stripped):
+        # On a curve-form DiT the modulation's input is a baked table of the base time embedder: nothing of a
+        # timestep module can change but an AdaLN bias, which the curve form keeps whole (and adds as it is).
+        curve_timestep = adaln_form == "curve" and _is_timestep_module(stripped)
+        if curve_timestep and (mod.factors or mod.diff is not None):
             timestep.append(path)
+            continue
+        module = alias.target if alias is not None else None if is_kohya else stripped
+        for slot, leaf in (("diff", "weight"), ("diff_b", "bias")):
+            key = getattr(mod, slot)
+            if key is None:
+                continue
+            target = params.get(f"{module}.{leaf}")
+            if target is None:
+                (timestep if curve_timestep else unmatched).append(key)
+            elif len(target.shape) != 1:
+                dense.append(f"{key} ({target.name} {list(target.shape)})")
+            elif tuple(shapes[key]) != target.shape:
+                bad.append(f"{key}: {list(shapes[key])} (expected {list(target.shape)} for {target.name})")
+            else:
+                patches.append(_Patch(key, target.name))
+        if not mod.factors:
             continue
         if alias is None:
             unmatched.append(path)
@@ -299,18 +377,22 @@ def _plan(shapes: Mapping[str, tuple[int, ...]], targets: Mapping[str, LoRATarge
             f"embedder, so the LoRA cannot be applied. Use an unpruned checkpoint (bf16 or int8_convrot) for it.")
     problems = []
     if unmatched:
-        problems.append(f"{len(unmatched)} module(s) match no linear of the model (expected ComfyUI names like "
-                        f"'blocks.0.attn.qkv_proj' or diffusers names like 'transformer_blocks.0.attn.to_q', "
+        problems.append(f"{len(unmatched)} module(s) match no linear or parameter of the model (expected ComfyUI "
+                        f"names like 'blocks.0.attn.qkv_proj' or diffusers names like 'transformer_blocks.0.attn.to_q', "
                         f"optionally prefixed): {_listed(unmatched)}")
     if incomplete:
         problems.append(f"{len(incomplete)} module(s) lack their A (down) or B (up) factor: {_listed(incomplete)}")
     if bad:
         problems.append(f"{len(bad)} module(s) have shapes that do not fit the model: {_listed(bad)}")
+    if dense:
+        problems.append(f"{len(dense)} full-weight diff(s) of a linear: the DiT applies LoRAs unmerged (its linears "
+                        f"may be int8 or fp8), so a linear takes low-rank factors only; full diffs are applied to "
+                        f"norm gains and biases: {_listed(dense)}")
     if problems:
         raise LoRAFileError(f"{source} does not fit this DiT:\n  " + "\n  ".join(problems))
-    if not planned:
+    if not planned and not patches:
         raise LoRAFileError(f"{source}: no LoRA factors found")
-    return planned
+    return planned, patches
 
 
 @dataclass(frozen=True)
@@ -339,8 +421,9 @@ def _peft_alpha(path: Path) -> PeftAlpha | None:
         raise LoRAFileError(f"{cfg}: cannot read lora_alpha: {e}") from e
 
 
-def _build(planned: list[_Planned], get, source: str, peft: PeftAlpha | None) -> LoRAWeights:
-    out = LoRAWeights(source)
+def _build(plan: tuple[list[_Planned], list[_Patch]], get, source: str, peft: PeftAlpha | None) -> LoRAWeights:
+    planned, patches = plan
+    out = LoRAWeights(source, patches={p.param: get(p.key).float() for p in patches})
     for p in planned:
         down, up = get(p.mod.down).float(), get(p.mod.up).float()
         if p.mod.alpha is not None:
@@ -358,8 +441,8 @@ def parse_lora_state_dict(sd: Mapping[str, torch.Tensor], targets: Mapping[str, 
                           adaln_form: str = "mlp", source: str = "<state dict>",
                           peft: PeftAlpha | None = None) -> LoRAWeights:
     """A LoRA state dict (any dialect above) -> LoRAWeights in our names and layout; raises LoRAFileError."""
-    planned = _plan({k: tuple(v.shape) for k, v in sd.items()}, targets, adaln_form, source)
-    return _build(planned, sd.__getitem__, source, peft)
+    return _build(_plan({k: tuple(v.shape) for k, v in sd.items()}, targets, adaln_form, source), sd.__getitem__,
+                  source, peft)
 
 
 def _header(path: Path) -> dict[str, HeaderEntry]:
@@ -373,10 +456,11 @@ def _header(path: Path) -> dict[str, HeaderEntry]:
 
 def check_lora_file(path: str | Path, targets: Mapping[str, LoRATarget], adaln_form: str = "mlp") -> int:
     """Validate a LoRA file against the model (request time): keys and shapes from its header, then every tensor
-    finite (read once per file version, see `_check_finite`). Returns the module count; raises LoRAFileError."""
+    finite (read once per file version, see `_check_finite`). Returns the count of low-rank modules and full-tensor
+    patches; raises LoRAFileError."""
     path = Path(path)
     entries = _header(path)
-    n = len(_plan({k: e.shape for k, e in entries.items()}, targets, adaln_form, str(path)))
+    n = sum(map(len, _plan({k: e.shape for k, e in entries.items()}, targets, adaln_form, str(path))))
     _check_finite(file_identity(path), path)
     return n
 
@@ -401,19 +485,22 @@ def load_lora_file(path: str | Path, targets: Mapping[str, LoRATarget], adaln_fo
     """Read and parse one LoRA safetensors file (CPU, fp32 factors)."""
     path = Path(path)
     entries = _header(path)
-    planned = _plan({k: e.shape for k, e in entries.items()}, targets, adaln_form, str(path))
-    return _build(planned, TensorReader(entries).whole, str(path), _peft_alpha(path))
+    plan = _plan({k: e.shape for k, e in entries.items()}, targets, adaln_form, str(path))
+    return _build(plan, TensorReader(entries).whole, str(path), _peft_alpha(path))
 
 
 def merge_loras(sd: Mapping[str, torch.Tensor], targets: Mapping[str, LoRATarget],
                 loras: Sequence[tuple[LoRAWeights, float]]) -> dict[str, torch.Tensor]:
-    """Full (unsharded) state dict with the LoRAs merged into dense weights: W + sum s * delta (fp32 math, result
-    in the weight's dtype). The oracle of the unmerged path; also usable to bake a LoRA offline."""
+    """Full (unsharded) state dict with the LoRAs merged into dense weights: W + sum s * alpha/rank * up @ down, and
+    each patched norm gain / bias + s * diff (fp32 math, result in the tensor's dtype). The oracle of the unmerged
+    path; also usable to bake a LoRA offline."""
     out = dict(sd)
     for lw, strength in loras:
         for name in lw.parts:
             key = name + ".weight"
             out[key] = (out[key].float() + strength * lw.delta(targets[name])).to(sd[key].dtype)
+        for key, delta in lw.patches.items():
+            out[key] = (out[key].float() + strength * delta).to(sd[key].dtype)
     return out
 
 
@@ -604,12 +691,23 @@ def file_identity(path: str | Path) -> tuple[str, FileIdentity]:
     return os.path.realpath(p), FileIdentity.of(st)
 
 
+@dataclass
+class _LocalFile:
+    """One LoRA file as this rank applies it: its sharded low-rank adapters and its sharded patches (our parameter
+    name -> fp32 delta at strength 1, on the model's device)."""
+
+    adapters: dict[str, list[LocalAdapter]]
+    patches: dict[str, torch.Tensor]
+
+
 class LoRAManager:
-    """Applies LoRA sets to one rank's H3DiT between requests, never touching the base weights.
+    """Applies LoRA sets to one rank's H3DiT between requests, never changing the linears' base weights.
 
     `activate(specs)` is cheap when the set (files by `file_identity`, and strengths) equals the active one; a
     different set reuses the per-file cache of this rank's sharded factors (LRU, `max_files`), re-wraps the
-    targeted linears and unwraps the ones no longer targeted. `clear()` restores the plain model.
+    targeted linears and unwraps the ones no longer targeted. A file's `diff` / `diff_b` patches (norm gains and
+    biases: small 1-D tensors) are added to those parameters in place, from a copy of their base values kept while
+    any set patches them, so every set starts from the base. `clear()` restores the plain model.
     """
 
     def __init__(self, model: nn.Module, max_files: int = DEFAULT_FILE_CACHE):
@@ -618,18 +716,28 @@ class LoRAManager:
         self.targets = model_targets(model)
         self.adaln_form = model.cfg.adaln_form
         self.tp_rank, self.tp_size = getattr(model, "tp_rank", 0), getattr(model, "tp_size", 1)
-        self._files: OrderedDict[tuple, dict[str, list[LocalAdapter]]] = OrderedDict()
+        self._files: OrderedDict[tuple, _LocalFile] = OrderedDict()
+        self._base: dict[str, torch.Tensor] = {}  # base values of the parameters the active set patches
         self.active_key: tuple | None = ()  # () = the plain base model
         self.loads = 0  # files read from disk (cache misses), for tests / status
 
-    def _local(self, ident: tuple) -> dict[str, list[LocalAdapter]]:
+    def _param(self, name: str) -> torch.Tensor:
+        module, _, leaf = name.rpartition(".")
+        mod = self.model.get_submodule(module)
+        return getattr(mod.base if isinstance(mod, LoRALinear) else mod, leaf)
+
+    def _local(self, ident: tuple) -> _LocalFile:
         if ident in self._files:
             self._files.move_to_end(ident)
             return self._files[ident]
         lw = load_lora_file(ident[0], self.targets, self.adaln_form)
         self.loads += 1
-        local = {name: [shard_part(p, self.targets[name], self.tp_rank, self.tp_size) for p in parts]
-                 for name, parts in lw.parts.items()}
+        params = self.targets.params
+        local = _LocalFile(
+            {name: [shard_part(p, self.targets[name], self.tp_rank, self.tp_size) for p in parts]
+             for name, parts in lw.parts.items()},
+            {name: shard_tensor(d, params[name].style, name.rpartition(".")[2], self.tp_rank, self.tp_size)
+             .to(self._param(name).device) for name, d in lw.patches.items()})
         self._files[ident] = local
         while len(self._files) > self.max_files:
             self._files.popitem(last=False)
@@ -641,19 +749,25 @@ class LoRAManager:
         if key == self.active_key:
             return
         per_target: dict[str, list[LocalAdapter]] = {}
+        per_param: dict[str, torch.Tensor] = {}
         for (ident, strength) in key:
             if strength == 0.0:
                 continue
-            for name, adapters in self._local(ident).items():
+            local = self._local(ident)
+            for name, adapters in local.adapters.items():
                 per_target.setdefault(name, []).extend(
                     LocalAdapter(a.down, a.up, a.scale * strength, a.lo, a.hi) for a in adapters)
+            for name, delta in local.patches.items():
+                per_param[name] = per_param.get(name, 0.0) + strength * delta
         self.active_key = None  # a failure below may leave a partial set: never match it as "active"
         self._apply(per_target)
+        self._patch(per_param)
         self.active_key = key
 
     def clear(self) -> None:
         self.active_key = None
         self._apply({})
+        self._patch({})
         self.active_key = ()
 
     def _apply(self, per_target: Mapping[str, Sequence[LocalAdapter]]) -> None:
@@ -667,6 +781,21 @@ class LoRAManager:
                     self.model.swap_linear(name, LoRALinear(mod, adapters))
             elif isinstance(mod, LoRALinear):
                 self.model.swap_linear(name, mod.base)  # back to the untouched base module
+
+    @torch.no_grad()
+    def _patch(self, per_param: Mapping[str, torch.Tensor]) -> None:
+        """Each parameter = its base value + the set's summed delta (fp32 math, rounded once to its dtype), in place
+        (the tensor a compiled or fused kernel holds stays the same); a parameter the new set leaves alone goes back
+        to its base value."""
+        for name in set(self._base) | set(per_param):
+            p = self._param(name)
+            base = self._base.setdefault(name, p.detach().clone())
+            delta = per_param.get(name)
+            if delta is None:
+                p.copy_(base)
+                del self._base[name]
+            else:
+                p.copy_((base.float() + delta).to(p.dtype))
 
 
 # =====================================================================================================================

@@ -23,7 +23,7 @@ from typing import Literal
 import torch
 from torch import nn
 
-from stagekit.checkpoints import CheckpointError, HeaderEntry, TensorReader
+from stagekit.checkpoints import FLOAT, CheckpointError, HeaderEntry, TensorReader, TensorSpec
 from stagekit.errors import FailedPrecondition
 
 log = logging.getLogger(__name__)
@@ -98,19 +98,44 @@ def quantize_convrot(
     return q, scale
 
 
+def _hadamard_sums(x: torch.Tensor, groupsize: int) -> torch.Tensor:
+    """x [N, K] (fp32 holding integers) right-multiplied group-wise by the *unnormalised* H4^{(x) k}, g = 4^k.
+
+    H_g is a Kronecker power of H4, so the product is k passes of the 4-point transform, one per base-4 digit of the
+    column index within the group, written as additions: on integers below 2^24 every partial sum is exact in fp32,
+    so the result is the same on every device and under any matmul precision setting (TF32 would round the inputs
+    of a matmul)."""
+    n, kdim = x.shape
+    k = groupsize.bit_length() // 2
+    y = x.reshape(n * kdim // groupsize, *(4,) * k)
+    for axis in range(1, k + 1):
+        a, b, c, d = y.unbind(axis)
+        y = torch.stack((a + b + c - d, a + b - c + d, a - b + c + d, b + c + d - a), dim=axis)
+    return y.reshape(n, kdim)
+
+
 def dequantize_convrot(
     q: torch.Tensor, scale: torch.Tensor, groupsize: int | None, dtype: torch.dtype = torch.bfloat16
 ) -> torch.Tensor:
-    """(int8 [N, K], fp32 [N, 1] or [N]) -> W [N, K] in `dtype`, un-rotated when groupsize is set."""
+    """(int8 [N, K], fp32 [N, 1] or [N]) -> W [N, K] in `dtype`, un-rotated when groupsize is set.
+
+    Exact: the rotation is linear and the scale is per row, so W = scale * (q @ H4^{(x) k}) / 2^k (sqrt(g) = 2^k).
+    The integer sums are exact (`_hadamard_sums`), the product with the scale rounds once and the power of two is
+    exact, so the fp32 result is the correctly rounded W, bit for bit the same on the CPU and on any GPU; `dtype`
+    then rounds it once more."""
     if q.dtype != torch.int8 or q.ndim != 2:
         raise QuantFormatError(f"expected an int8 [N, K] weight, got {q.dtype} {tuple(q.shape)}")
     scale = scale.float().reshape(-1, 1) if scale.numel() > 1 else scale.float()
     if scale.numel() not in (1, q.shape[0]):
         raise QuantFormatError(f"weight_scale has {scale.numel()} values for {q.shape[0]} rows")
-    w = q.float() * scale
-    if groupsize:
-        w = rotate_groups(w, groupsize)
-    return w.to(dtype)
+    if not groupsize:
+        return (q.float() * scale).to(dtype)
+    if not is_power_of_4(groupsize):
+        raise QuantFormatError(f"ConvRot group size must be a power of 4 (4, 16, 64, 256, 1024), got {groupsize}")
+    if q.shape[1] % groupsize:
+        raise QuantFormatError(f"in_features {q.shape[1]} is not a multiple of the ConvRot group size {groupsize}")
+    w = _hadamard_sums(q.float(), groupsize) * scale
+    return (w * 2.0 ** -(groupsize.bit_length() // 2)).to(dtype)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -321,21 +346,37 @@ class Int8ConvRotLinear(nn.Module):
         return f"in={self.in_features}, out={self.out_features}, groupsize={self.groupsize}, mode={self.mode}"
 
 
-def read_quant_spec(reader: TensorReader, entries: Mapping[str, HeaderEntry], weight_key: str) -> QuantSpec:
+def int8_linear_specs(prefix: str, n_out: int, n_in: int, make=TensorSpec) -> dict:
+    """The tensors one int8 linear `prefix` stores, as `make(shape, dtypes, store)` specs (TensorSpec or a subclass
+    that records the stored dtype): the int8 weight, its per-row fp32 scale and the U8 JSON descriptor."""
+    return {f"{prefix}.weight": make((n_out, n_in), frozenset({"I8"}), "I8"),
+            f"{prefix}.weight_scale": make((n_out, 1), FLOAT, "F32"),
+            f"{prefix}.comfy_quant": make(None, frozenset({"U8"}), "U8")}  # JSON bytes, any length
+
+
+def read_quant_spec(reader: TensorReader, entries: Mapping[str, HeaderEntry], weight_key: str,
+                    descriptor: dict | None = None, source: str | None = None) -> QuantSpec:
     """The `comfy_quant` descriptor of an int8 weight, checked against the weight: valid JSON of a known format,
-    and a ConvRot group that divides the weight's in_features. Raises CheckpointError naming file and tensor."""
+    and a ConvRot group that divides the weight's in_features. `descriptor`: the layer's entry of a file's
+    `_quantization_metadata` (ComfyUI's older form, named `source` in errors) instead of the U8 tensor. Raises
+    CheckpointError naming file and tensor."""
     prefix = weight_key[: -len(".weight")]
     qkey = f"{prefix}.comfy_quant"
     e = entries.get(qkey)
-    if e is None:
-        raise CheckpointError(entries[weight_key].file, "int8 weight without its comfy_quant descriptor: cannot "
-                                                        "tell whether it is ConvRot-rotated", qkey)
+    file = entries[weight_key].file
     try:
-        spec = parse_comfy_quant(reader.whole(qkey))
+        if descriptor is not None:
+            spec = parse_comfy_quant(descriptor)
+        elif e is None:
+            raise CheckpointError(file, "int8 weight without its comfy_quant descriptor: cannot tell whether it is "
+                                        "ConvRot-rotated", qkey)
+        else:
+            file = e.file
+            spec = parse_comfy_quant(reader.whole(qkey))
     except QuantFormatError as exc:
-        raise CheckpointError(e.file, str(exc), qkey) from exc
+        raise CheckpointError(file, f"{source}: {exc}" if descriptor is not None else str(exc), qkey) from exc
     in_features = entries[weight_key].shape[-1]
     if spec.groupsize and in_features % spec.groupsize:
-        raise CheckpointError(e.file, f"ConvRot group size {spec.groupsize} does not divide the weight's "
-                                      f"in_features {in_features}", qkey)
+        raise CheckpointError(file, f"ConvRot group size {spec.groupsize} does not divide the weight's "
+                                    f"in_features {in_features}", qkey)
     return spec

@@ -18,7 +18,7 @@ import json
 import math
 import re
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 import torch.nn as nn
@@ -36,8 +36,9 @@ from minimax_h3.vae.tiling import (
                                    stitch_tiles,
                                    tile_splits,
                                    )
+from minimax_h3.kernels.int8 import QuantSpec, dequantize_convrot, int8_linear_specs, read_quant_spec
 from stagekit.checkpoints import (FLOAT, Checkpoint, CheckpointError, HeaderEntry, NameMap, TensorReader, TensorSpec,
-                                  check_latent_stats, has_host_copy, key_report, open_checkpoint)
+                                  check_latent_stats, has_host_copy, key_report, metadata_json, open_checkpoint)
 from stagekit.host_copy import to_device
 
 __all__ = [
@@ -600,6 +601,76 @@ def _expected(cfg: VideoVAEConfig, parts: str) -> dict[str, TensorSpec]:
     return {k: TensorSpec(tuple(v.shape), FLOAT) for k, v in model.state_dict().items()}
 
 
+# The only layers an int8 ConvRot video VAE (ComfyUI's `minimax_h3_video_vae_int8_convrot.safetensors`) stores
+# quantised: ComfyUI builds the attention and feed-forward linears of the decoder's blocks with the ops of the file's
+# quantisation (one `comfy_quant` descriptor per layer) and every other layer (convolutions, x_embedder, proj_out,
+# norms) as a plain float layer, so a descriptor anywhere else describes a file ComfyUI would not load either.
+QUANTIZABLE = re.compile(r"^decoder\.transformer_blocks\.\d+\.(attn\.to_qkv|attn\.to_out|ff\.w1|ff\.w2)$")
+# ComfyUI's older way of naming the quantised layers: `{"layers": {layer: descriptor}}` in the safetensors metadata
+# instead of a U8 `comfy_quant` tensor per layer (ComfyUI turns the one into the other when it loads a file).
+QUANT_METADATA_KEY = "_quantization_metadata"
+_QUANT_WHERE = ("ComfyUI quantises only the attention and feed-forward linears of the decoder's blocks (attn.to_qkv, "
+                "attn.to_out, ff.w1, ff.w2)")
+
+
+def _quant_layers(ckpt: Checkpoint, layout: str) -> dict[str, QuantSpec]:
+    """Layer -> descriptor of every layer the file stores quantised: one with a `comfy_quant` tensor, an entry in the
+    metadata's `_quantization_metadata`, or an int8 weight (which then needs one of those). Each descriptor is read
+    and checked (int8, its ConvRot group dividing the layer's in_features); both forms of one layer must agree.
+    Raises CheckpointError naming file and key."""
+    tensors = ckpt.tensors
+    meta = metadata_json(ckpt, QUANT_METADATA_KEY) or {}
+    if meta and not isinstance(meta.get("layers"), dict):
+        raise CheckpointError(ckpt.files[0], f"metadata {QUANT_METADATA_KEY!r} has no 'layers' object")
+    described = meta.get("layers", {})
+    layers = set(described) | {k[: -len(".comfy_quant")] for k in tensors if k.endswith(".comfy_quant")}
+    layers |= {k[: -len(".weight")] for k, e in tensors.items() if k.endswith(".weight") and e.dtype == "I8"}
+    if layers and layout == "diffusers":
+        layer = min(layers)
+        raise CheckpointError(ckpt.files[0], "a quantised layer in a diffusers-layout video VAE: the int8 ConvRot "
+                                             "video VAE is a ComfyUI single file", layer + ".weight")
+    out: dict[str, QuantSpec] = {}
+    reader = TensorReader(tensors)
+    try:
+        for layer in sorted(layers):
+            weight = layer + ".weight"
+            if not QUANTIZABLE.match(layer):
+                e = tensors.get(weight) or tensors.get(layer + ".comfy_quant")
+                raise CheckpointError(e.file if e else ckpt.files[0], f"stored quantised, but {_QUANT_WHERE}",
+                                      weight)
+            if weight not in tensors:
+                raise CheckpointError(ckpt.files[0], "a quantisation descriptor without its weight",
+                                      layer + ".comfy_quant")
+            spec = read_quant_spec(reader, tensors, weight, described.get(layer),
+                                   f"metadata {QUANT_METADATA_KEY!r}")
+            if layer in described and layer + ".comfy_quant" in tensors:
+                tensor_spec = read_quant_spec(reader, tensors, weight)
+                if tensor_spec != spec:
+                    raise CheckpointError(tensors[weight].file, f"its comfy_quant tensor ({tensor_spec}) contradicts "
+                                                                f"metadata {QUANT_METADATA_KEY!r} ({spec})",
+                                          layer + ".comfy_quant")
+            out[layer] = spec
+    finally:
+        reader.close()
+    return out
+
+
+def _file_specs(cfg: VideoVAEConfig, parts: str, quant: dict[str, QuantSpec],
+                tensors: dict[str, HeaderEntry]) -> dict[str, TensorSpec]:
+    """What the file must hold for `parts`: `_expected`, with each quantised layer's weight as int8 beside its per-row
+    scale (and its `comfy_quant` tensor when the file describes it that way)."""
+    specs = _expected(cfg, parts)
+    for layer in quant:
+        spec = specs.get(layer + ".weight")
+        if spec is None:  # a layer of the other half, or of a block the config does not have (reported unexpected)
+            continue
+        int8 = int8_linear_specs(layer, *spec.shape, make=lambda shape, dtypes, _store: TensorSpec(shape, dtypes))
+        if layer + ".comfy_quant" not in tensors:
+            del int8[layer + ".comfy_quant"]
+        specs.update(int8)
+    return specs
+
+
 # Our (release / ComfyUI) names <-> diffusers' AutoencoderKLMiniMaxH3, beyond which two tensors change form: the fused
 # per-head interleaved `attn.to_qkv` [h: q k v] is diffusers' separate to_q / to_k / to_v, and `ff.w1` rows
 # [gate; up] are diffusers' `ff.net.0.proj` rows [up; gate] (docs/checkpoints.md).
@@ -713,6 +784,18 @@ class VideoVAEInfo:
     ckpt: Checkpoint
     latents_mean: tuple[float, ...] | None = None  # the file's, else a diffusers config.json's (checked)
     latents_std: tuple[float, ...] | None = None
+    quant: dict[str, QuantSpec] = field(default_factory=dict)  # int8 ConvRot layers (dequantised at load)
+
+    @property
+    def storage(self) -> str:
+        """How the weights are stored: "int8_convrot" (with how many linears, when not all of the decoder's), or the
+        float dtype(s) of the file ("fp16", "fp32", ...)."""
+        if self.quant:
+            total = 4 * self.cfg.dec_layers
+            return "int8_convrot" + ("" if len(self.quant) == total else f" ({len(self.quant)} of {total} linears)")
+        names = {"F16": "fp16", "BF16": "bf16", "F32": "fp32", "F64": "fp64"}
+        dtypes = {e.dtype for k, e in self.ckpt.tensors.items() if not k.startswith("latents_")}
+        return "+".join(sorted(names.get(d, d) for d in dtypes))
 
 
 def inspect_video_vae(path: str, cfg: VideoVAEConfig | None = None, parts: str = "all") -> VideoVAEInfo:
@@ -742,9 +825,10 @@ def inspect_video_vae(path: str, cfg: VideoVAEConfig | None = None, parts: str =
             source = "metadata"
         else:
             cfg, source = VideoVAEConfig.full(), "H3 release geometry"
-    info = VideoVAEInfo(str(path), layout, cfg, source, ckpt, lat_mean, lat_std)
-    expected = _expected(cfg, parts)
-    other = set(_expected(cfg, "all")) - set(expected)  # the half a stage does not load may be in the file
+    quant = _quant_layers(ckpt, layout)
+    info = VideoVAEInfo(str(path), layout, cfg, source, ckpt, lat_mean, lat_std, quant)
+    expected = _file_specs(cfg, parts, quant, ckpt.tensors)
+    other = set(_file_specs(cfg, "all", quant, ckpt.tensors)) - set(expected)  # the half a stage does not load
     shapes = _our_entries(info)
     what = f"the H3 video VAE ({parts}; config from the {source}"
     if source == "H3 release geometry":
@@ -789,12 +873,13 @@ def _our_entries(info: VideoVAEInfo) -> dict[str, HeaderEntry]:
 
 def load_video_vae(path: str, cfg: VideoVAEConfig | None = None, dtype: torch.dtype = torch.float32, *,
                    device: torch.device | str = "cpu", parts: str = "all") -> VideoVAE:
-    """Load the H3 video VAE from a ComfyUI single file (fp16), the release file (fp32) or a diffusers folder
-    (config.json + safetensors), after `inspect_video_vae` validated it (again: a file changed since start-up fails
-    here with a CheckpointError). Only the tensors of `parts` are read, one at a time.
+    """Load the H3 video VAE from a ComfyUI single file (fp16, or int8 ConvRot), the release file (fp32) or a
+    diffusers folder (config.json + safetensors), after `inspect_video_vae` validated it (again: a file changed since
+    start-up fails here with a CheckpointError). Only the tensors of `parts` are read, one at a time.
 
     Matmul weights are cast to `dtype`; norm weights and residual scales stay fp32 (cheap, and the reference
-    computes those in fp32)."""
+    computes those in fp32). An int8 ConvRot linear is dequantised on `device` to `dtype` (`dequantize_convrot`:
+    exact, the same bits on the CPU and any GPU) and then computes like a float one."""
     info = inspect_video_vae(path, cfg, parts)
     cfg = info.cfg
     expected = _expected(cfg, parts)
@@ -817,8 +902,17 @@ def load_video_vae(path: str, cfg: VideoVAEConfig | None = None, dtype: torch.dt
 
     with torch.device("meta"):
         model = VideoVAE(cfg, parts)
+
     def load(k: str) -> torch.Tensor:
         dt = torch.float32 if _FP32_PARAM.search(k) else dtype
+        spec = info.quant.get(k[: -len(".weight")]) if k.endswith(".weight") else None
+        if spec is not None:  # int8 codes and row scales go to the device as stored; dequantised there, exactly
+            q, s = read(k), reader.whole(k[: -len(".weight")] + ".weight_scale")
+            if staged:
+                q, s = to_device(q, device), to_device(s, device, torch.float32)
+            else:
+                q, s = q.to(device), s.to(device=device, dtype=torch.float32)
+            return dequantize_convrot(q, s, spec.groupsize, dt)
         return to_device(read(k), device, dt) if staged else read(k).to(device=device, dtype=dt)
 
     if staged:  # views of the host copy: the reads and copies of different tensors overlap on several threads

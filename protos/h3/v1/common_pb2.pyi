@@ -193,3 +193,13 @@ class Reference(_message.Message):
     height: int
     digest: str
     def __init__(self, kind: _Optional[str] = ..., data: _Optional[bytes] = ..., name: _Optional[str] = ..., thumbnail: _Optional[bytes] = ..., seconds: _Optional[float] = ..., width: _Optional[int] = ..., height: _Optional[int] = ..., digest: _Optional[str] = ...) -> None: ...
+
+class Guide(_message.Message):
+    __slots__ = ("frame", "image", "audio")
+    FRAME_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_FIELD_NUMBER: _ClassVar[int]
+    AUDIO_FIELD_NUMBER: _ClassVar[int]
+    frame: int
+    image: Reference
+    audio: Reference
+    def __init__(self, frame: _Optional[int] = ..., image: _Optional[_Union[Reference, _Mapping]] = ..., audio: _Optional[_Union[Reference, _Mapping]] = ...) -> None: ...

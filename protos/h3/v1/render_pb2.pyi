@@ -26,7 +26,7 @@ JOB_FAILED: JobState
 JOB_CANCELLED: JobState
 
 class RenderRequest(_message.Message):
-    __slots__ = ("params", "loras", "crf", "first_frame", "last_frame", "upscale_width", "upscale_height", "idempotency_key", "label", "references", "workflow_json", "workflow_set", "output_format")
+    __slots__ = ("params", "loras", "crf", "first_frame", "last_frame", "upscale_width", "upscale_height", "idempotency_key", "label", "references", "workflow_json", "workflow_set", "output_format", "guides")
     PARAMS_FIELD_NUMBER: _ClassVar[int]
     LORAS_FIELD_NUMBER: _ClassVar[int]
     CRF_FIELD_NUMBER: _ClassVar[int]
@@ -40,6 +40,7 @@ class RenderRequest(_message.Message):
     WORKFLOW_JSON_FIELD_NUMBER: _ClassVar[int]
     WORKFLOW_SET_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_FORMAT_FIELD_NUMBER: _ClassVar[int]
+    GUIDES_FIELD_NUMBER: _ClassVar[int]
     params: _common_pb2.RenderParams
     loras: _containers.RepeatedCompositeFieldContainer[_dit_pb2.LoraSpec]
     crf: int
@@ -53,7 +54,8 @@ class RenderRequest(_message.Message):
     workflow_json: str
     workflow_set: _containers.RepeatedScalarFieldContainer[str]
     output_format: str
-    def __init__(self, params: _Optional[_Union[_common_pb2.RenderParams, _Mapping]] = ..., loras: _Optional[_Iterable[_Union[_dit_pb2.LoraSpec, _Mapping]]] = ..., crf: _Optional[int] = ..., first_frame: _Optional[bytes] = ..., last_frame: _Optional[bytes] = ..., upscale_width: _Optional[int] = ..., upscale_height: _Optional[int] = ..., idempotency_key: _Optional[str] = ..., label: _Optional[str] = ..., references: _Optional[_Iterable[_Union[_common_pb2.Reference, _Mapping]]] = ..., workflow_json: _Optional[str] = ..., workflow_set: _Optional[_Iterable[str]] = ..., output_format: _Optional[str] = ...) -> None: ...
+    guides: _containers.RepeatedCompositeFieldContainer[_common_pb2.Guide]
+    def __init__(self, params: _Optional[_Union[_common_pb2.RenderParams, _Mapping]] = ..., loras: _Optional[_Iterable[_Union[_dit_pb2.LoraSpec, _Mapping]]] = ..., crf: _Optional[int] = ..., first_frame: _Optional[bytes] = ..., last_frame: _Optional[bytes] = ..., upscale_width: _Optional[int] = ..., upscale_height: _Optional[int] = ..., idempotency_key: _Optional[str] = ..., label: _Optional[str] = ..., references: _Optional[_Iterable[_Union[_common_pb2.Reference, _Mapping]]] = ..., workflow_json: _Optional[str] = ..., workflow_set: _Optional[_Iterable[str]] = ..., output_format: _Optional[str] = ..., guides: _Optional[_Iterable[_Union[_common_pb2.Guide, _Mapping]]] = ...) -> None: ...
 
 class StageRun(_message.Message):
     __slots__ = ("stage", "wall_s", "timing", "batch", "batch_size", "waited_batches", "replica", "cached_steps")
