@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from client.command import self_command
-from minimax_h3.files import COMFY_REPO, TURBO_LORAS, VIDEO_VAE_FILES
+from minimax_h3.files import COMFY_REPO, MODEL_FILES, TURBO_LORAS, VIDEO_VAE_FILES
 from stagekit.errors import FailedPrecondition
 from stagekit.file_identity import FileIdentity
 
@@ -71,9 +71,10 @@ def wanted_files(dit: str, text_encoder: str, video_vae: str = "fp16", loras: tu
              RemoteFile(COMFY_REPO, f"text_encoders/{TEXT_ENCODER_VARIANTS[text_encoder]}",
                         f"text_encoders/{TEXT_ENCODER_VARIANTS[text_encoder]}"),
              RemoteFile(RELEASE_REPO, "tokenizer/tokenizer.json", "text_encoders/tokenizer.json")]
-    published = [VIDEO_VAE_FILES[video_vae]] + [TURBO_LORAS[n] for n in dict.fromkeys(loras)]
+    published = [MODEL_FILES[name] for name, _ in [VIDEO_VAE_FILES[video_vae], *(TURBO_LORAS[n] for n in
+                                                                                 dict.fromkeys(loras))]]
     return (files + [RemoteFile(COMFY_REPO, AUDIO_VAE_FILE, AUDIO_VAE_FILE)]
-            + [RemoteFile(f.repo, f.path, f.path) for f in published])
+            + [RemoteFile(f.repo, f.repo_path, f"{f.folder}/{f.name}") for f in published])
 
 
 class FetchError(FailedPrecondition):
@@ -500,12 +501,12 @@ def add_parser(sub) -> None:
                    help="Qwen3-VL text encoder: int8 (ConvRot, about 25 GiB), nvfp4 (Blackwell), bf16 "
                         "(default: int8)")
     v.add_argument("--video-vae", choices=tuple(VIDEO_VAE_FILES), default="fp16",
-                   help=f"video VAE: fp16 ({VIDEO_VAE_FILES['fp16'].size_gib:.2f} GiB) or ComfyUI's int8 ConvRot "
-                        f"file ({VIDEO_VAE_FILES['int8'].size_gib:.2f} GiB; its decoder linears are dequantised at "
+                   help=f"video VAE: fp16 ({VIDEO_VAE_FILES['fp16'][1]:.2f} GiB) or ComfyUI's int8 ConvRot "
+                        f"file ({VIDEO_VAE_FILES['int8'][1]:.2f} GiB; its decoder linears are dequantised at "
                         "load, about 1 %% weight error; ComfyUI's H3 templates name it) (default: fp16)")
     v.add_argument("--lora", action="append", choices=tuple(TURBO_LORAS), metavar="NAME",
                    help="also fetch a LightX2V Turbo LoRA into loras/ (repeatable): "
-                        + ", ".join(f"{k} ({f.name}, {f.size_gib:.2f} GiB)" for k, f in TURBO_LORAS.items()))
+                        + ", ".join(f"{k} ({name}, {gib:.2f} GiB)" for k, (name, gib) in TURBO_LORAS.items()))
     f.set_defaults(fn=cmd_fetch)
     c = msub.add_parser("check", help="read every file's header with the stages' loaders (no GPU), say what each "
                                       "stage will use and whether it is the release file its name claims, and the "

@@ -53,35 +53,19 @@ CHECKPOINT_PARTS: dict[str, CheckpointPart] = {
 }
 
 
-@dataclass(frozen=True)
-class PublishedFile:
-    """A MiniMax-H3 file as its repository on the Hugging Face Hub publishes it (`client models fetch` downloads it
-    into the same path under the models folder, and takes its exact size and sha256 from the Hub)."""
-
-    repo: str
-    path: str        # in the repository, and under the models folder
-    size_gib: float  # as published (GiB), for the fetch help and the docs
-
-    @property
-    def name(self) -> str:
-        return self.path.rsplit("/", 1)[-1]
-
-
-COMFY_REPO = "Comfy-Org/MiniMax-H3"
 # The video VAE files (`models fetch --video-vae`): the fp16 weights, and ComfyUI's int8 ConvRot file whose decoder
-# linears the decoder dequantises at load (docs/checkpoints.md, "Video VAE int8 ConvRot"). ComfyUI's H3 templates
-# name the int8 one.
-VIDEO_VAE_FILES: dict[str, PublishedFile] = {
-    "fp16": PublishedFile(COMFY_REPO, "vae/minimax_h3_video_vae_fp16.safetensors", 4.85),
-    "int8": PublishedFile(COMFY_REPO, "vae/minimax_h3_video_vae_int8_convrot.safetensors", 2.62),
+# linears the decoder dequantises at load (docs/checkpoints.md, "Video VAE int8 ConvRot"); ComfyUI's H3 templates name
+# the int8 one. Names in MODEL_FILES (below), with their published sizes in GiB.
+VIDEO_VAE_FILES: dict[str, tuple[str, float]] = {
+    "fp16": ("minimax_h3_video_vae_fp16.safetensors", 4.85),
+    "int8": ("minimax_h3_video_vae_int8_convrot.safetensors", 2.62),
 }
 # LightX2V's few-step Turbo LoRAs in their ComfyUI naming (`models fetch --lora`; docs/checkpoints.md, "LoRA files"),
 # as ComfyUI's H3 templates name them: fl2v for text / first-last frame renders, ref2v for references.
-TURBO_LORAS: dict[str, PublishedFile] = {
-    "fl2v-8step": PublishedFile(COMFY_REPO, "loras/minimax_h3_fl2v_turbo_8step_v1.0_comfyui_bf16.safetensors", 1.82),
-    "fl2v-4step-768p": PublishedFile(COMFY_REPO,
-                                     "loras/minimax_h3_fl2v_turbo_4step_v1.0_768p_comfyui_bf16.safetensors", 1.82),
-    "ref2v-4step": PublishedFile(COMFY_REPO, "loras/minimax_h3_ref2v_turbo_4step_v0.1_comfyui_bf16.safetensors", 1.82),
+TURBO_LORAS: dict[str, tuple[str, float]] = {
+    "fl2v-8step": ("minimax_h3_fl2v_turbo_8step_v1.0_comfyui_bf16.safetensors", 1.82),
+    "fl2v-4step-768p": ("minimax_h3_fl2v_turbo_4step_v1.0_768p_comfyui_bf16.safetensors", 1.82),
+    "ref2v-4step": ("minimax_h3_ref2v_turbo_4step_v0.1_comfyui_bf16.safetensors", 1.82),
 }
 
 
@@ -188,8 +172,6 @@ COMFY_REPO = "Comfy-Org/MiniMax-H3"
 # The folder of a ComfyUI install's `models/` each kind of file goes in (what its loader node lists).
 COMFY_FOLDERS = {"dit": "diffusion_models", "text_encoder": "text_encoders", "video_vae": "vae", "audio_vae": "vae",
                  "lora": "loras"}
-TURBO_LORA = ("a Turbo (step-distilled) LoRA: this product does not run Turbo LoRAs; turn the graph's Turbo switch "
-              "off for the base model's steps")
 FASTH3 = ("a FastH3 distilled checkpoint (sparse attention, its own sigma schedule): this product's DiT runs the "
           "MiniMax-H3 fl2va and ref2va files only")
 POSE = "a pose ControlNet file: this product does not run ControlNets"
@@ -225,14 +207,12 @@ MODEL_FILES: dict[str, ModelFile] = {f.name: f for f in (
     _comfy("qwen3vl_32b_minimax_h3_nvfp4_awq.safetensors", "text_encoder"),
     _comfy("qwen3vl_32b_minimax_h3_bf16.safetensors", "text_encoder"),
     _comfy("minimax_h3_video_vae_fp16.safetensors", "video_vae"),
-    _comfy("minimax_h3_video_vae_int8_convrot.safetensors", "video_vae",
-           refusal="the int8 ConvRot video VAE: this product's decoder loads the fp16 video VAE, not this file",
-           instead="minimax_h3_video_vae_fp16.safetensors"),
+    _comfy("minimax_h3_video_vae_int8_convrot.safetensors", "video_vae"),
     _comfy("minimax_h3_audio_vae_fp32.safetensors", "audio_vae"),
     ModelFile("minimax_h3_fl2v_turbo_8step_v1.0_comfyui_bf16.safetensors", "lora", "lightx2v/Minimax-h3-Turbo",
-              "minimax_h3_fl2v_turbo_8step_v1.0_comfyui_bf16.safetensors", "loras", refusal=TURBO_LORA),
-    _comfy("minimax_h3_fl2v_turbo_4step_v1.0_768p_comfyui_bf16.safetensors", "lora", refusal=TURBO_LORA),
-    _comfy("minimax_h3_ref2v_turbo_4step_v0.1_comfyui_bf16.safetensors", "lora", refusal=TURBO_LORA),
+              "minimax_h3_fl2v_turbo_8step_v1.0_comfyui_bf16.safetensors", "loras"),
+    _comfy("minimax_h3_fl2v_turbo_4step_v1.0_768p_comfyui_bf16.safetensors", "lora"),
+    _comfy("minimax_h3_ref2v_turbo_4step_v0.1_comfyui_bf16.safetensors", "lora"),
     ModelFile("fastvideo_fasth3_8step_v2_pruned_int8_convrot.safetensors", "dit", "FastVideo/FastVideo-FastH3-Comfy",
               "diffusion_models/fastvideo_fasth3_8step_v2_pruned_int8_convrot.safetensors", "diffusion_models",
               "fl2va", FASTH3),

@@ -53,7 +53,7 @@ from render_svc import comfy_api
 from render_svc.http_api import PREFIX as API_PREFIX
 from render_svc.http_api import VideoAPI
 from render_svc.store import SUCCEEDED
-from stagekit.errors import FailedPrecondition
+from stagekit.errors import DeadlineExceeded, FailedPrecondition
 from stagekit.server import ANYONE, Principal, cannot_listen
 
 log = logging.getLogger("render_svc.web")
@@ -119,7 +119,7 @@ class _Slot:
     dropped: bool = False
 
 
-class _LateHeaders(Exception):
+class _LateHeaders(DeadlineExceeded):
     """A request's line and headers missed their deadline. Not a TimeoutError, which http.server answers by closing
     the connection without a word."""
 
@@ -145,7 +145,7 @@ class _Reader(io.RawIOBase):
         except TimeoutError:
             if time.monotonic() < self.deadline:
                 raise
-            raise _LateHeaders from None
+            raise _LateHeaders("the request line and headers missed their deadline") from None
 
 
 def _plain(status: str, message: str, headers: str = "") -> bytes:

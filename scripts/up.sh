@@ -110,6 +110,7 @@ stop_started() {
   local rc=$? name pidf what="" before=""
   trap - EXIT TERM; trap '' INT  # a second Ctrl-C does not cut the stopping short (10 s at most a stage)
   (( rc != 0 )) || return 0
+  [[ -z "${waiter:-}" ]] || kill "$waiter" 2>/dev/null || true
   if (( ${#started[@]} )); then
     for name in "${started[@]}"; do what+="${what:+, }$name (pid $(cat "$run_dir/$name.pid"))"; done
     echo "up.sh: $why; stopping what it started: $what" >&2
@@ -181,10 +182,11 @@ done
 
 # 4. Wait until every instance is SERVING; endpoints.env gets one line per stage, its replicas listed as the render
 #    service's --dit takes them (1=HOST:PORT,2=HOST:PORT).
-"$PY" - "$run_dir" "${names[@]}" <<'PYEOF'
-import os, signal, sys, time
+#    The waiters run in the background (SIGINT ignored, as for every background job of a script), and up.sh waits for
+#    them: a Ctrl-C interrupts the wait, never a Python start-up half-way (a traceback), and the trap stops the waiter.
+"$PY" - "$run_dir" "${names[@]}" <<'PYEOF' &
+import os, sys, time
 from pathlib import Path
-signal.signal(signal.SIGINT, lambda *_: sys.exit(130))  # Ctrl-C: up.sh says what it stops, no traceback
 from client.stubs import SERVICE_NAMES, health_of, open_channel
 run = Path(sys.argv[1]); deadline = time.time() + 600; addrs = {}
 def failed(name, what):  # the log's last lines say why; the whole log stays there
@@ -211,6 +213,7 @@ lines = [f"H3_{stage.upper()}={','.join(a)}" for stage, a in addrs.items()]
 (run / "endpoints.env").write_text("\n".join(lines) + "\n")
 print("\n".join(lines))
 PYEOF
+waiter=$!; wait "$waiter"
 
 # The render service: after the stages, whose endpoints it is given (and restarted when they moved: a stage started
 # again on another port). Users call it (.venv/bin/python -m client render).
@@ -232,10 +235,9 @@ else
   echo "$stages_now" > "$run_dir/render.stages"
   echo "started render (pid $!), log $run_dir/render.log"
 fi
-"$PY" - "$run_dir" <<'PYEOF'
-import os, signal, sys, time
+"$PY" - "$run_dir" <<'PYEOF' &
+import os, sys, time
 from pathlib import Path
-signal.signal(signal.SIGINT, lambda *_: sys.exit(130))
 from client.stubs import SERVICE_NAMES, health_of, open_channel
 run = Path(sys.argv[1]); deadline = time.time() + 300
 pf, pid = run / "render.port", run / "render.pid"
@@ -259,4 +261,5 @@ with open(run / "endpoints.env", "a") as f:
     f.write("\n".join(lines) + "\n")
 print("\n".join(lines))
 PYEOF
+waiter=$!; wait "$waiter"
 echo "endpoints written to $run_dir/endpoints.env (.venv/bin/python -m client reads run/endpoints.env by default)"

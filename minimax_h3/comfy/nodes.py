@@ -23,7 +23,7 @@ from typing import Any
 
 from minimax_h3.comfy.expr import ExpressionError, evaluate
 from minimax_h3.comfy.graph import Graph, GraphError, Link, Literal, Node
-from minimax_h3.contract import FPS, RenderSpec
+from minimax_h3.contract import FPS, RenderSpec, needed_partition
 from minimax_h3.files import MODEL_FILES
 from stagekit.errors import InvalidArgument
 
@@ -302,8 +302,12 @@ def attribute(message: str, render: WorkflowRender, overridden: set[str]) -> str
 SizeOf = Callable[[MediaRef], tuple[int, int]]
 
 
-class _Stop(Exception):
-    """A node cannot compute its outputs (refused already, or an input it needs is missing or refused)."""
+class _Stop(InvalidArgument):
+    """A node cannot compute its outputs (refused already, or an input it needs is missing or refused): the graph's
+    fault, whose refusal the interpreter has recorded."""
+
+    def __init__(self):
+        super().__init__("a node of the graph cannot compute its outputs")
 
 
 class Interpreter:
@@ -921,7 +925,7 @@ def _render(ev: Interpreter, n: Node, output: str, frames: Frames, sound: Sound 
             ev.refuse(ev.graph.node(cond.node), f"it encodes with {enc.file.name.value} but the graph decodes with "
                                                 f"{vae.file.name.value}: this product uses one VAE of each kind")
     partition = MODEL_FILES.get(g.model.unet.name.value)
-    want = "ref2va" if cond.kind == "reference_to_video" else "fl2va"
+    want = needed_partition(cond.kind == "reference_to_video")
     if partition is not None and partition.partition and partition.partition != want:
         ev.refuse(ev.graph.node(g.model.unet.node),
                   f"{g.model.unet.name.value} is the {partition.partition} DiT, but {cond.kind.replace('_', ' ')} "
