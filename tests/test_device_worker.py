@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from client.embedded import EmbeddedStack, StackConfig
-from client.pipeline import decode_raw, sample
-from client.stubs import Endpoints, StageClients
 from h3.v1 import common_pb2
 from minimax_h3.contract import RenderSpec
+from minimax_h3.services import Endpoints, StageClients
+from render_svc.stage_calls import decode_raw, sample
 from stagekit.device_worker import WORKER_ENV
 from tests.conftest import SERVER_ENV
 from tests.procs import alive, descendants

@@ -31,11 +31,12 @@ import pytest
 import torch
 
 from client.embedded import EmbeddedStack, StackConfig
-from client.pipeline import decode, encode, sample
-from client.stubs import Security, StageClients, health_of, open_channel
 from h3.v1 import common_pb2, dit_pb2_grpc
 from minimax_h3.contract import RenderSpec
+from minimax_h3.services import StageClients
+from render_svc.stage_calls import decode, encode, sample
 from stagekit.budget import BudgetConfig, MemoryBudget
+from stagekit.channels import Security, health_of, open_channel
 from stagekit.dist import RankGroup, RankInfo
 from stagekit.errors import ResourceExhausted
 from stagekit.lease import DeviceLease, LeaseConfig, read_events
@@ -413,7 +414,7 @@ class Stage:
 
     @property
     def clients(self):
-        class _C:  # what client.pipeline.sample needs
+        class _C:  # what render_svc.stage_calls.sample needs
             pass
 
         c = _C()
