@@ -43,6 +43,7 @@ from stagekit.checkpoints import derived_key, derived_tensors, fill_derived
 from stagekit.compile_cache import enable_compile_cache
 from stagekit.device_worker import run_in_child
 from stagekit.dist import RankGroup
+from stagekit.engine import StageEngine
 from stagekit.errors import FailedPrecondition, InvalidArgument
 from stagekit.host_copy import to_device
 from stagekit.runtime import release_device_memory
@@ -198,7 +199,7 @@ def check_partitions(cfg: DiTEngineConfig, paths: dict[Path, str | None]) -> dic
     return {p: infos[p] for p in PARTITIONS if p in infos}
 
 
-class DiTEngine:
+class DiTEngine(StageEngine):
     name = "dit"
 
     def __init__(self, cfg: DiTEngineConfig, group: RankGroup):
@@ -273,6 +274,10 @@ class DiTEngine:
         """The files the next load reads (the served partition's): what the stage keeps in host memory between
         turns when the host has room (stagekit/host_copy.py)."""
         return self.partitions[self.partition].files
+
+    def load_report(self) -> dict:
+        """The last load's steps in seconds, for the `loaded` event."""
+        return {"load_phases": dict(self.load_phases)} if self.load_phases else {}
 
     def _select_kernels(self) -> KernelSelection | None:
         """GPU: probe and pick the block-linear and attention kernels (or check the forced ones). CPU has only the
@@ -481,7 +486,7 @@ class DiTEngine:
         return self.plan(spec, text_len, self.cfg.memory_limit_bytes or None).need_bytes
 
     def estimate_peak_bytes(self, spec: RenderSpec | None, inputs: dict) -> int:
-        """The runtime's hook (stagekit.runtime.Engine)."""
+        """The runtime's hook (stagekit.engine.StageEngine)."""
         text = inputs.get(TEXT_STATES)
         rows = int(text.shape[0]) if text is not None else DEFAULT_TEXT_LEN
         if spec is not None:  # keyframe and reference rows cost like text rows; count them with the text

@@ -14,19 +14,19 @@ engine's `prepare_process()` included) and waits, touching no device, until `loa
     load()   -> ("start", rendezvous)  ------>  device, engine = type(engine)(engine.cfg, worker group)
              -> ("load", spec, copies, ------>  use_host_copies(copies), use_derived_copies(to_fill);
                  to_fill)                       engine.load() / load_for(spec)
-                                                                 -> ("ok", (bytes, load phases, derived filled))
+                                                                 -> ("ok", (bytes, load report, derived filled))
     run()    -> ("run", spec, inputs)  ------>  engine.run(spec, inputs, ctx)
                 answers ctx calls      <------  ("progress"| "should_stop" | "check_cancel"...)
                                        <------  ("done", outputs, bytes) | ("error", exc)
     unload() -> ("exit"), join (kill after `join_timeout_s`), prepare() the next turn's worker
 
-- After each job the worker hands what Status shows of it (the engine's optional `worker_state()`) to the stage
+- After each job the worker hands what Status shows of it (the engine's `worker_state()` hook) to the stage
   process's engine (`set_worker_state(state)`): the DiT's block placement.
 - Messages cross the pipe by value (`Channel`: plain pickle, tensors copied), so a killed process leaves nothing
   shared behind. A job's inputs and outputs are latents, states and the MP4: tens to hundreds of MB, copied at
   pipe speed. The weights are the exception: a one-rank stage keeps its checkpoint files in memfds it owns, which
   its worker maps read-only (stagekit/host_copy.py); the kernel frees them with the stage process. What a load
-  derives from the files (the engine's optional `derived_copies()`: {key: bytes}) is kept the same way once a
+  derives from the files (the engine's `derived_copies()` hook: {key: bytes}) is kept the same way once a
   load has filled it.
 - Cancellation stays agreed across ranks: a worker's `ctx.should_stop()` is answered by its stage process, which
   runs the rank group's agreement as before (every rank's worker asks at the same step boundaries).
@@ -50,11 +50,13 @@ import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import grpc
 
 from stagekit import errors
+from stagekit.engine import StageEngine
 from stagekit.errors import StageError, Unavailable
 from stagekit.host_copy import HostCopies
 from stagekit.procs import die_with_parent
@@ -250,12 +252,10 @@ def _worker_main(conn, engine_cls: type, engine_cfg: Any, wcfg: WorkerConfig,
 
     # The engine's own heavy imports (e.g. GPU kernel libraries it would import at its first load), still on
     # standby: they touch no device.
-    prepare = getattr(engine_cls, "prepare_process", None)
-    if prepare is not None:
-        try:
-            prepare()
-        except Exception as e:  # noqa: BLE001 - the load imports it again and reports a real failure
-            log.warning("%s device worker: preparing the process failed (%r); the load does it", wcfg.stage, e)
+    try:
+        engine_cls.prepare_process()
+    except Exception as e:  # noqa: BLE001 - the load imports it again and reports a real failure
+        log.warning("%s device worker: preparing the process failed (%r); the load does it", wcfg.stage, e)
     # Everything imported so far lives as long as the process: out of the collector's sight, a collection during
     # the turn (the engine's release after a load, allocation-triggered ones) walks only the turn's own objects
     # (measured on a DiT worker: ~300k objects, 0.15 s a full collection on a 2-core CPU, ~0 s after this).
@@ -308,12 +308,10 @@ def _worker_main(conn, engine_cls: type, engine_cfg: Any, wcfg: WorkerConfig,
                 use_host_copies(msg[2])
                 use_derived_copies(msg[3])
                 load_engine(engine, msg[1])
-                conn.send(("ok", (engine.resident_bytes(), dict(getattr(engine, "load_phases", None) or {}),
-                                  filled_derived())))
+                conn.send(("ok", (engine.resident_bytes(), engine.load_report(), filled_derived())))
             elif msg[0] == "run":
                 out = engine.run(msg[1], msg[2], ctx)
-                state = getattr(engine, "worker_state", None)
-                conn.send(("done", out, engine.resident_bytes(), state() if state is not None else None))
+                conn.send(("done", out, engine.resident_bytes(), engine.worker_state()))
         except BaseException as e:  # noqa: BLE001 - the job's failure, reported by the stage process
             conn.send(("error", _portable(e)))
     conn.close()
@@ -332,14 +330,14 @@ class WorkerLost(Unavailable):
     restarts_group = True
 
 
-class DeviceWorkerEngine:
-    """An `Engine` (stagekit.runtime) whose device work runs in a worker; everything else is `engine`'s.
+class DeviceWorkerEngine(StageEngine):
+    """A `StageEngine` whose device work runs in a worker; everything else is `engine`'s.
 
     `engine` is the stage's engine built in the stage process (header checks, estimates, Status, request
     validation: CPU only); the worker builds `type(engine)(engine.cfg, <its own rank group>)` at each load.
     `group` is the stage process's rank group (gloo): it carries the rendezvous and the agreed cancellation."""
 
-    def __init__(self, engine: Any, group: Any, cfg: WorkerConfig):
+    def __init__(self, engine: StageEngine, group: Any, cfg: WorkerConfig):
         self.engine = engine
         self.group = group
         self.wcfg = cfg
@@ -351,16 +349,16 @@ class DeviceWorkerEngine:
         self._standby = None      # (process, channel, ready?): the next turn's worker, imports done, no device
         self._closed = False
         self._bytes = 0
-        self.load_phases: dict[str, float] = {}  # the last load's steps in the worker (the engine's, when it has them)
+        self._report: dict = {}   # what the worker's engine said of the last load (its `load_report`)
         self._lost = False
         self._loads = 0
         # Checkpoint files kept in host memory between turns, when the host has room (stagekit/host_copy.py). One
         # rank: each rank of a group would hold a whole copy of its files.
-        self.host_copies = (HostCopies(self.name) if getattr(engine, "weight_files", None) is not None
-                            and group.world_size == 1 else None)
+        self.host_copies = (HostCopies(self.name) if engine.weight_files() is not None and group.world_size == 1
+                            else None)
         atexit.register(self.close)
 
-    def __getattr__(self, item: str) -> Any:  # checks, estimates and Status are the stage engine's own
+    def __getattr__(self, item: str) -> Any:  # request checks and Status are the stage engine's own
         return getattr(self.__dict__["engine"], item)
 
     @property
@@ -377,6 +375,29 @@ class DeviceWorkerEngine:
 
     def resident_bytes(self) -> int:
         return self._bytes if self._proc is not None else 0
+
+    # The stage engine's own answers (it is built in the stage process, from the headers: CPU only).
+    def estimate_peak_bytes(self, spec: Any, inputs: dict) -> int | None:
+        return self.engine.estimate_peak_bytes(spec, inputs)
+
+    def weight_bytes(self) -> int | None:
+        return self.engine.weight_bytes()
+
+    def weight_files(self) -> list[Path] | None:
+        return self.engine.weight_files()
+
+    def derived_copies(self) -> dict[str, int]:
+        return self.engine.derived_copies()
+
+    def on_result(self, spec: Any, result: dict) -> None:
+        self.engine.on_result(spec, result)
+
+    def load_report(self) -> dict:
+        """The worker's start (part of the load), the host copies' bytes, then the worker's engine's own report."""
+        report = {"worker_start_s": self.spawn_s, "worker_start": self.start_parts}
+        if self.host_copies is not None:
+            report["host_copy_bytes"] = self.host_copies.nbytes
+        return {**report, **self._report}
 
     def describe(self) -> dict:
         """The stage engine's Status fields, with the host-copy choice added to its kernel rows."""
@@ -467,7 +488,7 @@ class DeviceWorkerEngine:
                     self._send(e)
             elif kind == "done":
                 self._bytes = msg[2]
-                if msg[3] is not None:  # what Status shows of the last job (optional hooks worker_state / set_worker_state)
+                if msg[3] is not None:  # what Status shows of the last job (worker_state / set_worker_state)
                     self.engine.set_worker_state(msg[3])
                 return "done", msg[1]
             else:
@@ -486,14 +507,14 @@ class DeviceWorkerEngine:
             self._spawn(rendezvous)
         copies, to_fill = {}, {}
         if self.host_copies is not None:
-            derived = self.engine.derived_copies() if hasattr(self.engine, "derived_copies") else {}
+            derived = self.engine.derived_copies()
             copies = self.host_copies.ensure(self.engine.weight_files(), derived)
             to_fill = self.host_copies.to_fill(list(derived)) if copies else {}
         self._send(("load", spec, copies, to_fill))
         kind, value = self._recv()
         if kind == "error":
             raise value
-        self._bytes, self.load_phases, filled = value
+        self._bytes, self._report, filled = value
         if filled:
             self.host_copies.filled(filled)
 

@@ -7,9 +7,12 @@ check itself it asks of the render service over gRPC (its Submit), never by impo
 from __future__ import annotations
 
 import ast
+import importlib
 from pathlib import Path
 
 import pytest
+
+from stagekit.engine import StageEngine
 
 ROOT = Path(__file__).resolve().parents[1]
 STAGES = ("encoder_svc", "dit_svc", "decoder_svc", "render_svc")
@@ -45,3 +48,34 @@ def forbidden_imports(path: Path, package: str) -> list[str]:
 def test_package_imports_only_downward(package):
     bad = {str(p.relative_to(ROOT)): forbidden_imports(p, package) for p in sorted((ROOT / package).rglob("*.py"))}
     assert not {k: v for k, v in bad.items() if v}, f"{package} must not import {FORBIDDEN[package]}"
+
+
+def engine_probes(path: Path) -> list[str]:
+    """`getattr` / `hasattr` calls asking whether an engine has a hook: the hook named by a string, or any
+    attribute named by a string of an object whose expression mentions an engine."""
+    hooks = {n for n in vars(StageEngine) if not n.startswith("_")}
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                and node.func.id in ("getattr", "hasattr") and len(node.args) >= 2):
+            continue
+        obj, attr = node.args[0], node.args[1]
+        named = isinstance(attr, ast.Constant) and isinstance(attr.value, str)
+        if named and (attr.value in hooks or "engine" in ast.unparse(obj).lower()):
+            out.append(f"{path.relative_to(ROOT)}:{node.lineno}: {ast.unparse(node)}")
+    return out
+
+
+def test_engine_hooks_are_called_not_probed():
+    """The engine contract is `stagekit.engine.StageEngine`: every hook has a default, so stagekit calls hooks
+    plainly and never asks whether an engine has one."""
+    bad = [p for f in sorted((ROOT / "stagekit").rglob("*.py")) for p in engine_probes(f)]
+    assert not bad, "call the StageEngine hook (stagekit/engine.py gives it a default):\n" + "\n".join(bad)
+
+
+@pytest.mark.parametrize("package", ["encoder_svc", "dit_svc", "decoder_svc"])
+def test_every_stage_engine_is_a_stage_engine(package):
+    module = importlib.import_module(f"{package}.engine")
+    engines = [c for c in vars(module).values() if isinstance(c, type) and c.__module__ == module.__name__
+               and c.__name__.endswith("Engine")]
+    assert engines and all(issubclass(c, StageEngine) for c in engines), engines
