@@ -40,8 +40,8 @@ from minimax_h3.kernels.int8 import Int8ConvRotLinear, QuantizedWeight
 from minimax_h3.kernels.registry import AUTO, KernelConfig, KernelSelection, select_kernels_remembered
 from minimax_h3.kernels.tuning import chunk_rows as tuned_chunk_rows
 from stagekit.checkpoints import derived_key, derived_tensors, fill_derived
+from stagekit.child import run_in_child
 from stagekit.compile_cache import enable_compile_cache
-from stagekit.device_worker import run_in_child
 from stagekit.dist import RankGroup
 from stagekit.engine import StageEngine
 from stagekit.errors import FailedPrecondition, InvalidArgument

@@ -42,20 +42,14 @@ from __future__ import annotations
 import atexit
 import gc
 import logging
-import multiprocessing as mp
 import os
-import pickle
-import signal
 import socket
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import grpc
-
-from stagekit import errors
+from stagekit.child import Channel, exit_text, portable, spawn_context
 from stagekit.engine import StageEngine
 from stagekit.errors import StageError, Unavailable
 from stagekit.host_copy import HostCopies
@@ -70,123 +64,6 @@ WORKER_ENV = "H3_DEVICE_WORKER"
 def wanted(device: str) -> bool:
     """Whether a stage computing on `device` runs its device work in a worker."""
     return device.startswith("cuda") or os.environ.get(WORKER_ENV) == "1"
-
-
-def _context():
-    return mp.get_context("spawn")
-
-
-class Channel:
-    """One end of a stage process <-> child pipe carrying messages by value (plain pickle): tensors are copied
-    through the pipe, never shared by file descriptor, so nothing but the pipe ties the two processes together (no
-    descriptor-passing helper, no shared segment to leak)."""
-
-    def __init__(self, conn):
-        self.conn = conn
-
-    def send(self, msg) -> None:
-        self.conn.send_bytes(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
-
-    def recv(self):
-        return pickle.loads(self.conn.recv_bytes())
-
-    def poll(self, timeout: float = 0.0) -> bool:
-        return self.conn.poll(timeout)
-
-    def close(self) -> None:
-        self.conn.close()
-
-
-def _call_in_child(conn, fn: Callable, args: tuple, log_level: str) -> None:
-    conn = Channel(conn)
-    die_with_parent("a start-up probe")
-    logging.basicConfig(level=log_level, format="%(asctime)s %(name)s[%(process)d] %(levelname)s %(message)s")
-    try:
-        conn.send(("ok", fn(*args)))
-    except BaseException as e:  # noqa: BLE001 - handed to the parent
-        conn.send(("error", _portable(e)))
-    conn.close()
-
-
-def run_in_child(fn: Callable, *args: Any, timeout_s: float = 600.0) -> Any:
-    """`fn(*args)` in a short-lived spawned child; returns its result or raises its exception. For device work done
-    once at start-up (the DiT's kernel probe, the GPUs' ids), so the stage process itself never holds a context.
-    `fn` and its arguments and result must pickle."""
-    pipe, theirs = _context().Pipe()
-    ours = Channel(pipe)
-    proc = _context().Process(target=_call_in_child, args=(theirs, fn, args, logging.getLogger().getEffectiveLevel()),
-                              name=f"probe-{fn.__name__}")
-    proc.start()
-    theirs.close()
-    try:
-        if not ours.poll(timeout_s):
-            raise Unavailable(f"{fn.__name__} in a child process gave no answer within {timeout_s:.0f} s")
-        kind, value = ours.recv()
-    except EOFError:
-        proc.join()
-        raise Unavailable(f"{fn.__name__} in a child process died ({_exit_text(proc.exitcode)}) before answering") from None
-    finally:
-        ours.close()
-        proc.join(timeout=30)
-        if proc.is_alive():
-            proc.kill()
-            proc.join()
-    if kind == "error":
-        raise value
-    return value
-
-
-def _cuda_properties() -> dict[int, tuple[str, int]]:
-    import torch
-
-    props = [torch.cuda.get_device_properties(i) for i in range(torch.cuda.device_count())]
-    return {i: ("GPU-" + str(p.uuid), p.total_memory) for i, p in enumerate(props)}
-
-
-_CUDA_PROPS: dict[int, tuple[str, int]] = {}
-
-
-def cuda_index(device: str) -> int:
-    """"cuda:1" -> 1; "cuda" -> 0."""
-    return int(device.split(":")[1]) if ":" in device else 0
-
-
-def cuda_properties(indices: list[int]) -> dict[int, tuple[str, int]]:
-    """{index: (GPU UUID as "GPU-...", total bytes)} of this process's CUDA devices, read in a child (once per
-    process, all visible devices), so the stage process never initialises CUDA."""
-    if indices and not _CUDA_PROPS:
-        _CUDA_PROPS.update(run_in_child(_cuda_properties))
-    missing = sorted(set(indices) - set(_CUDA_PROPS))
-    if missing:
-        raise Unavailable(f"CUDA devices {missing} are not visible to this process ({len(_CUDA_PROPS)} are: "
-                          "check --devices and CUDA_VISIBLE_DEVICES)")
-    return {i: _CUDA_PROPS[i] for i in indices}
-
-
-def _exit_text(code: int | None) -> str:
-    if code is None:
-        return "still running"
-    if code < 0:
-        try:
-            return f"killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"killed by signal {-code}"
-    return f"exit code {code}"
-
-
-def _portable(e: BaseException) -> BaseException:
-    """`e`, or the nearest exception that survives pickling with the same gRPC status and message."""
-    try:
-        pickle.loads(pickle.dumps(e))
-        return e
-    except Exception:  # noqa: BLE001 - e.g. an exception whose __init__ takes other arguments than its args
-        pass
-    if isinstance(e, StageError):
-        base = next(c for c in type(e).__mro__ if c.__module__ == errors.__name__)
-        return base(e.message)
-    code, msg = errors.status_for(e)
-    # A foreign error of known meaning keeps it; a fault stays one (not raised on purpose: the group restarts).
-    return RuntimeError(msg) if code == grpc.StatusCode.INTERNAL else errors.error_for(code, msg)
 
 
 @dataclass(frozen=True)
@@ -293,7 +170,7 @@ def _worker_main(conn, engine_cls: type, engine_cfg: Any, wcfg: WorkerConfig,
             ready["prefault_s"] = prefault.seconds if prefault.seconds is not None else -1.0
         conn.send(("ready", ready))
     except BaseException as e:  # noqa: BLE001 - handed to the stage process
-        conn.send(("error", _portable(e)))
+        conn.send(("error", portable(e)))
         os._exit(1)
     ctx = _WorkerContext(conn, wcfg.stage)
     while True:
@@ -313,7 +190,7 @@ def _worker_main(conn, engine_cls: type, engine_cfg: Any, wcfg: WorkerConfig,
                 out = engine.run(msg[1], msg[2], ctx)
                 conn.send(("done", out, engine.resident_bytes(), engine.worker_state()))
         except BaseException as e:  # noqa: BLE001 - the job's failure, reported by the stage process
-            conn.send(("error", _portable(e)))
+            conn.send(("error", portable(e)))
     conn.close()
     os._exit(0)  # the context, the process group and every device byte go with the process
 
@@ -449,7 +326,7 @@ class DeviceWorkerEngine(StageEngine):
         self._bytes = 0
         self._lost = False
         log.info("%s device worker (pid %d) exited in %.2f s (%s)", self.name, proc.pid, time.monotonic() - t0,
-                 _exit_text(proc.exitcode))
+                 exit_text(proc.exitcode))
         self.prepare()
 
     def run(self, spec: Any, inputs: dict, ctx: Any) -> dict:
@@ -519,11 +396,11 @@ class DeviceWorkerEngine(StageEngine):
             self.host_copies.filled(filled)
 
     def _start_process(self):
-        ours, theirs = _context().Pipe()
+        ours, theirs = spawn_context().Pipe()
         # The copies the next load will read, when the stage holds them already (from its second turn on): the
         # worker maps them and faults their pages in while on standby.
         copies = self.host_copies.held(self.engine.weight_files()) if self.host_copies is not None else {}
-        proc = _context().Process(target=_worker_main, name=f"{self.name}-worker",
+        proc = spawn_context().Process(target=_worker_main, name=f"{self.name}-worker",
                                   args=(theirs, type(self.engine), self.engine.cfg, self.wcfg, copies))
         proc.start()
         theirs.close()
@@ -578,7 +455,7 @@ class DeviceWorkerEngine(StageEngine):
         proc.join(timeout=5)
         self._lost = True
         what = (f"{self.name}: its device worker (pid {proc.pid}, rank {self.wcfg.rank}) died "
-                f"({_exit_text(proc.exitcode)})")
+                f"({exit_text(proc.exitcode)})")
         log.error("%s", what)
         if self.group.world_size > 1:
             if not self.group.info.is_leader:  # a dead worker is a dead rank: the group restarts (torchrun)

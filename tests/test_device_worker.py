@@ -173,7 +173,7 @@ def test_run_in_child_returns_results_and_keeps_the_status_of_errors():
     """Start-up device work (GPU ids, the DiT's kernel probe) runs in a short-lived child: its result comes back, and
     its exception keeps its gRPC status and message even when the exception itself cannot be pickled."""
     from minimax_h3.kernels.registry import KernelConfig, select_kernels
-    from stagekit.device_worker import run_in_child
+    from stagekit.child import run_in_child
     from stagekit.errors import FailedPrecondition
 
     # Forced choices (still checked): a measured pick between near-equal CPU kernels could differ between two probes.

@@ -79,3 +79,42 @@ def test_every_stage_engine_is_a_stage_engine(package):
     engines = [c for c in vars(module).values() if isinstance(c, type) and c.__module__ == module.__name__
                and c.__name__.endswith("Engine")]
     assert engines and all(issubclass(c, StageEngine) for c in engines), engines
+
+
+def module_graph(packages: tuple[str, ...]) -> dict[str, set[str]]:
+    """module -> the modules of `packages` it imports (absolute or relative, inside functions too)."""
+    files = {".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__"): p
+             for pkg in packages for p in (ROOT / pkg).rglob("*.py")}
+    graph = {}
+    for mod, path in files.items():
+        here = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
+        out = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                out |= {a.name for a in node.names if a.name in files}
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    up = here.split(".")[: len(here.split(".")) - node.level + 1]
+                    base = ".".join(up + ([node.module] if node.module else []))
+                out |= {f"{base}.{a.name}" if f"{base}.{a.name}" in files else base for a in node.names} & set(files)
+        graph[mod] = out - {mod}
+    return graph
+
+
+def test_no_import_cycles():
+    """No module imports (at its top or lazily, inside a function) one that imports it back: shared facts live in a
+    module below both (e.g. `stagekit/cuda.py`, `minimax_h3/kernels/fp8.py`)."""
+    graph = module_graph(("stagekit", "minimax_h3", "render_svc", "client", "encoder_svc", "dit_svc", "decoder_svc"))
+    cycles = []
+    for start in sorted(graph):  # a path from a module back to itself
+        seen, todo = set(), [(start, (start,))]
+        while todo:
+            mod, path = todo.pop()
+            for nxt in sorted(graph[mod]):
+                if nxt == start:
+                    cycles.append(" -> ".join((*path, start)))
+                elif nxt not in seen:
+                    seen.add(nxt)
+                    todo.append((nxt, (*path, nxt)))
+    assert not cycles, "import cycles:\n" + "\n".join(sorted(set(cycles)))
