@@ -86,6 +86,7 @@ from minimax_h3.dit.sampling import SamplerConfig, sample  # noqa: E402
 from minimax_h3.dit.step_cache import FAST_THRESHOLD, FirstBlockCache  # noqa: E402
 from minimax_h3.dit.model import FP32_PARAM_PREFIXES, H3DiT  # noqa: E402
 from minimax_h3.dit.tiny_checkpoint import convrot_groupsize, diffusers_config, iter_random_int8_convrot_weights  # noqa: E402
+from minimax_h3.kernels.fp8 import quantize_fp8_rowwise  # noqa: E402
 from minimax_h3.kernels.fp8_attention import DEFAULT_OPTIONS, OPTIONS, Fp8Attention, Fp8AttentionOptions  # noqa: E402
 from minimax_h3.kernels.int8 import QuantizedWeight, parse_comfy_quant  # noqa: E402
 from minimax_h3.kernels.registry import (  # noqa: E402
@@ -98,7 +99,6 @@ from minimax_h3.kernels.registry import (  # noqa: E402
                                          default_attention_candidates,
                                          default_linear_candidates,
                                          fp8_builder,
-                                         quantize_fp8_rowwise,
                                          rel_err,
                                          select_kernels,
                                          time_ms,

@@ -36,13 +36,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from client.embedded import EmbeddedStack, StackConfig  # noqa: E402
-from client.pipeline import sample  # noqa: E402
-from client.stubs import Endpoints, StageClients  # noqa: E402
 from dit_svc.engine import DiTEngine, DiTEngineConfig  # noqa: E402
 from minimax_h3.contract import RenderSpec  # noqa: E402
 from minimax_h3.dit.config import DiTConfig  # noqa: E402
 from minimax_h3.dit.layout import build_layout  # noqa: E402
 from minimax_h3.kernels.registry import AUTO, default_attention_candidates, default_linear_candidates  # noqa: E402
+from minimax_h3.services import Endpoints, StageClients  # noqa: E402
+from render_svc.stage_calls import sample  # noqa: E402
 from stagekit.dist import RankGroup, RankInfo  # noqa: E402
 
 TEXT_LEN = 38  # t2va prompt length of the reference shapes (S = 14,882 at 832x480x124)

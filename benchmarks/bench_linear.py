@@ -36,7 +36,8 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from minimax_h3.dit.config import DiTConfig  # noqa: E402
-from minimax_h3.kernels.registry import Fp8RowwiseLinear, quantize_fp8_rowwise, rel_err, time_ms  # noqa: E402
+from minimax_h3.kernels.fp8 import quantize_fp8_rowwise  # noqa: E402
+from minimax_h3.kernels.registry import Fp8RowwiseLinear, rel_err, time_ms  # noqa: E402
 from stagekit.config import comma_choices  # noqa: E402
 
 S_BY_SHAPE = {"832x480x124": 14882, "1344x768x124": 37748}

@@ -51,9 +51,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from client.embedded import EmbeddedStack, StackConfig  # noqa: E402
 from client.render_client import render_request  # noqa: E402
-from client.stubs import STAGES, open_channel  # noqa: E402
 from h3.v1 import render_pb2, render_pb2_grpc  # noqa: E402
 from minimax_h3.contract import RenderSpec  # noqa: E402
+from minimax_h3.services import STAGES  # noqa: E402
+from stagekit.channels import open_channel  # noqa: E402
 
 TERMINAL = (render_pb2.JOB_SUCCEEDED, render_pb2.JOB_FAILED, render_pb2.JOB_CANCELLED)
 FILLER = ("rain on a tin roof, a bell far off, footsteps on wet gravel, a door creaks, wind in the pines, a dog barks "

@@ -21,8 +21,8 @@ from pathlib import Path
 
 from client.embedded import EmbeddedStack, StackConfig
 from client.render_client import render_request
-from client.stubs import StageClients
 from minimax_h3.contract import RenderSpec
+from minimax_h3.services import StageClients
 from render_svc.engine import render
 
 

@@ -63,8 +63,8 @@ def fl2va_bytes(target: str, decoder: str, lease_dir: Path, spec: RenderSpec, ou
     import numpy as np
     from PIL import Image
 
-    from client.stubs import open_channel
     from h3.v1 import common_pb2, decoder_pb2_grpc
+    from stagekit.channels import open_channel
 
     decoder_pb2_grpc.DecoderStub(open_channel(decoder)).Unload(common_pb2.UnloadRequest(), timeout=120)
     buf = io.BytesIO()

@@ -28,8 +28,8 @@ from minimax_h3.contract import TEXT_STATES, RenderSpec
 
 
 def swap_cost(clients, repeats: int) -> dict[str, dict[str, float]]:
-    from client.stubs import STAGES
     from h3.v1 import common_pb2
+    from minimax_h3.services import STAGES
 
     out = {}
     for stage in STAGES:
@@ -121,7 +121,7 @@ def main() -> None:
     # Imported here so --calibrate needs only torch (+ safetensors) on a bare GPU machine.
     from client.embedded import EmbeddedStack, StackConfig
     from client.render_client import render_request
-    from client.stubs import STAGES, StageClients
+    from minimax_h3.services import STAGES, StageClients
     from render_svc.engine import Outcome, render, render_jobs
     from stagekit.lease import events_per_stage, read_events
 

@@ -639,7 +639,8 @@ class Bench:
         return proc
 
     def _wait_serving(self, proc: Proc, timeout_s: float) -> None:
-        from client.stubs import SERVICE_NAMES, health_of, open_channel
+        from minimax_h3.services import SERVICE_NAMES
+        from stagekit.channels import health_of, open_channel
 
         stage = memtrace.stage_of(proc.name)
         deadline = time.monotonic() + timeout_s

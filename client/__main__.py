@@ -37,14 +37,15 @@ from client.embedded import CtrlC, StackStartError
 from client.endpoints import (DEFAULT_ENDPOINTS_FILE, EndpointError, add_endpoint_args, check_render_reachable,
                               configured_endpoints, configured_render, connect_render)
 from client.render_client import state_name
-from client.stubs import (SERVICE_NAMES, STAGES, Endpoints, Security, StageClients, health_of, job_error_words,
-                          replicas_of, rpc_words)
+from client.words import job_error_words, rpc_words
 from h3.v1 import render_pb2
 from minimax_h3.contract import (DEFAULT_CRF, DEFAULT_FRAMES, DEFAULT_SIZE, DEFAULT_STEPS, MAX_AREA, MAX_ASPECT,
                                  MAX_ASPECT_CHANGE, MAX_CRF, MAX_FRAMES, MAX_OUTPUT_SIDE, MAX_SIDE, MAX_STEPS,
                                  MIN_FRAMES, MIN_SIDE, MIN_STEPS, QUALITIES, SAMPLERS, SCHEDULERS, SIZE_MULTIPLE,
                                  RenderSpec, check_output, spec_from_proto, validate)
 from minimax_h3.files import EMBEDDED_NOTE
+from minimax_h3.services import SERVICE_NAMES, STAGES, Endpoints, StageClients
+from stagekit.channels import Security, health_of, replicas_of
 from stagekit.errors import FailedPrecondition, InvalidArgument
 from stagekit.transport import MAX_MESSAGE_BYTES
 
@@ -153,9 +154,10 @@ def render_inputs(args):
 def workflow_inputs(args):
     """([the request], [its output path], what the graph became) of a --workflow graph: the graph's values, the
     flags over them, the files its loader nodes read from --input-dir (default: the graph's folder), everything
-    checked as the render service will (client/workflow.py); CheckError naming each node the product does not run."""
+    checked as the render service will (minimax_h3/comfy/workflow.py); CheckError naming each node the product does
+    not run."""
     from client.checks import check_request_files
-    from client.workflow import PNG, apply_workflow, folder_reader
+    from minimax_h3.comfy.workflow import PNG, apply_workflow, folder_reader
     from minimax_h3.labels import EXTENSIONS, kind_of
 
     if args.prompts_file:
@@ -238,7 +240,7 @@ def _deliver(out: Path) -> None:
     """A .png output: the first frame of the MP4 received beside it, written in its place (the MP4 removed)."""
     if out.suffix.lower() != ".png":
         return
-    from client.workflow import first_frame_png
+    from minimax_h3.comfy.workflow import first_frame_png
 
     mp4 = _received(out)
     tmp = out.with_name(f".{out.name}.tmp")

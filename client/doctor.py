@@ -48,10 +48,10 @@ def torch_info() -> tuple[str, str]:
 
 
 def cmd_doctor(args) -> int:
-    from client.endpoints import configured_endpoints, configured_render, render_reachable, unreachable_stages
-    from client.stubs import Security
     from client.checks import find_for_client
+    from client.endpoints import configured_endpoints, configured_render, render_reachable, unreachable_stages
     from minimax_h3.files import CHECKPOINT_PARTS
+    from stagekit.channels import Security
     from stagekit.errors import FailedPrecondition
 
     fixes: list[str] = []

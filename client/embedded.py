@@ -18,7 +18,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from client.stubs import SERVICE_NAMES, STAGES, Endpoints, Security, health_of, open_channel
+from minimax_h3.services import SERVICE_NAMES, STAGES, Endpoints
+from stagekit.channels import Security, health_of, open_channel
 from stagekit.errors import FailedPrecondition
 from stagekit.procs import stop_group
 

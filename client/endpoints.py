@@ -19,8 +19,9 @@ from typing import TYPE_CHECKING
 
 import grpc
 
-from client.stubs import (SERVICE_NAMES, STAGES, Endpoints, Security, StageClients, health_of, open_channel,
-                          replicas_of, rpc_words)
+from client.words import rpc_words
+from minimax_h3.services import SERVICE_NAMES, STAGES, Endpoints, StageClients
+from stagekit.channels import Security, health_of, open_channel, replicas_of
 from stagekit.errors import FailedPrecondition
 
 if TYPE_CHECKING:

@@ -5,8 +5,8 @@
     python -m client loadtest --stage pipeline --concurrency 2 --requests 6 --report out.html
 
 1. **One stage** (`encoder`, `dit`, `decoder`): each request is one call of the stage-level library
-   (`client.pipeline`: `encode`, `sample`, `decode` / `decode_raw`), so it is sent, streamed, counted (`on_bytes`)
-   and checked against the contract's results exactly as the render service's own stage calls are.
+   (`render_svc.stage_calls`: `encode`, `sample`, `decode` / `decode_raw`), so it is sent, streamed, counted
+   (`on_bytes`) and checked against the contract's results exactly as the render service's own stage calls are.
    A stage listed with several replicas (`scripts/up.sh --dit-replicas ...` writes them into the endpoints file)
    is one channel with gRPC's round_robin: the requests spread over every replica.
 2. **Whole renders** (`pipeline`): each request is one `Render` call of a render service (`--render`, `H3_RENDER`
@@ -46,15 +46,15 @@ from typing import TYPE_CHECKING
 import grpc
 
 from client.render_client import RenderClient, render_request
-from client.stubs import SERVICE_NAMES, STAGES, StageClients
 from h3.v1 import common_pb2, decoder_pb2, encoder_pb2, render_pb2
 from minimax_h3.contract import SAMPLE_OUTPUTS, RenderSpec, tensor_shapes
+from minimax_h3.services import SERVICE_NAMES, STAGES, StageClients
 from stagekit.errors import StageError
 
 if TYPE_CHECKING:  # torch is imported where tensors are made: the CLI that registers this command stays torch-free
     import torch
 
-    from client.pipeline import StageResult
+    from render_svc.stage_calls import StageResult
 
 METHODS = {"encoder": ["/h3.v1.TextEncoder/Encode"], "dit": ["/h3.v1.DiTSampler/Sample"],
            "decoder": ["/h3.v1.Decoder/Decode"]}
@@ -216,7 +216,7 @@ class _Inputs:
 
 def _encode(clients: StageClients, prompt: str, job_id: str, rec: RequestRecord, timeout_s: float,
             t_req: float) -> torch.Tensor:
-    from client.pipeline import encode
+    from render_svc.stage_calls import encode
 
     t0 = time.monotonic()
     states, r = encode(clients, prompt, job_id, timeout_s=timeout_s, on_bytes=rec.count)
@@ -227,7 +227,7 @@ def _encode(clients: StageClients, prompt: str, job_id: str, rec: RequestRecord,
 
 def _sample(clients: StageClients, spec: RenderSpec, text: torch.Tensor, job_id: str, rec: RequestRecord,
             timeout_s: float, t_req: float) -> None:
-    from client.pipeline import sample
+    from render_svc.stage_calls import sample
 
     def progress(p: common_pb2.Progress) -> None:
         if p.step and p.step_ms:
@@ -241,7 +241,7 @@ def _sample(clients: StageClients, spec: RenderSpec, text: torch.Tensor, job_id:
 def _decode(clients: StageClients, spec: RenderSpec, video: torch.Tensor, audio: torch.Tensor, job_id: str,
             rec: RequestRecord, fmt: str, timeout_s: float, t_req: float, out: Path) -> None:
     """MP4 into `out` (removed once counted) or RAW frames and audio, each checked as the stage-level calls do."""
-    from client.pipeline import decode, decode_raw
+    from render_svc.stage_calls import decode, decode_raw
 
     t0 = time.monotonic()
     if fmt == "raw":
@@ -722,7 +722,7 @@ def request_messages(cfg: LoadConfig, index: int = 0, text_shape: tuple[int, int
     import torch
     from google.protobuf.json_format import MessageToDict
 
-    from client.pipeline import decode_inputs, sample_inputs
+    from render_svc.stage_calls import decode_inputs, sample_inputs
 
     inp = _Inputs(cfg, "grpcurl", text_shape, torch.float32)
     if cfg.stage == "encoder":
@@ -747,7 +747,8 @@ def request_messages(cfg: LoadConfig, index: int = 0, text_shape: tuple[int, int
 def cmd_loadtest(args) -> int:
     from client.embedded import StackStartError
     from client.endpoints import EndpointError, connect_or_start, connect_render
-    from client.stubs import Security, rpc_words
+    from client.words import rpc_words
+    from stagekit.channels import Security
 
     cfg = LoadConfig(stage=args.stage, concurrency=args.concurrency, requests=args.requests or 0,
                      duration_s=args.duration or 0.0, rps=args.rps, width=args.width, height=args.height,

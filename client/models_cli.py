@@ -210,7 +210,7 @@ def graph_remote_files(path: str, sets=()) -> list[RemoteFile]:
     published (minimax_h3.files.MODEL_FILES), into the folder ComfyUI keeps it in; the text encoder's tokenizer
     beside it. Each file this product does not load is named on stderr with why (it is fetched all the same: the
     graph names it). FetchError for a graph that cannot be read or a file of unknown origin."""
-    from client.workflow import edited_graph, graph_problems
+    from minimax_h3.comfy.workflow import edited_graph, graph_problems
     from minimax_h3.files import MODEL_FILES
     from stagekit.errors import InvalidArgument
 
@@ -402,7 +402,7 @@ def graph_paths(paths: list[str]) -> list[Path]:
 def check_graph(path: Path, root: Path, reports: list[PartReport]) -> list[str]:
     """Why the graph at `path` cannot run over the models folder `root` (empty: it runs): its refused nodes, and
     each file it loads that is missing, wrong, or not the one its stage would serve from the folder."""
-    from client.workflow import edited_graph, graph_problems
+    from minimax_h3.comfy.workflow import edited_graph, graph_problems
     from minimax_h3.files import MODEL_FILES
     from stagekit.errors import InvalidArgument
 

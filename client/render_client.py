@@ -15,9 +15,9 @@ from pathlib import Path
 
 import grpc
 
-from client.stubs import Security, open_channel
 from h3.v1 import common_pb2, render_pb2, render_pb2_grpc
 from minimax_h3.contract import RenderSpec, spec_to_proto
+from stagekit.channels import Security, open_channel
 from stagekit.transport import FileReceiver
 from stagekit.uploads import uploaded
 

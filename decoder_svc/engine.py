@@ -31,6 +31,7 @@ from minimax_h3.vae.tiling import StreamingAssembler, plan_decode
 from minimax_h3.vae.video import VideoVAEConfig, decode_unit, inspect_video_vae, load_video_vae, write_tiny_video_vae
 from stagekit.checkpoints import CheckpointError
 from stagekit.dist import RankGroup
+from stagekit.engine import StageEngine
 from stagekit.errors import FailedPrecondition, InvalidArgument
 from stagekit.runtime import release_device_memory
 from stagekit.wire import check_finite, check_result
@@ -95,7 +96,7 @@ def check_latents(spec: RenderSpec, inputs: dict, geometry: LatentGeometry = H3_
         check_finite(name, t)
 
 
-class DecoderEngine:
+class DecoderEngine(StageEngine):
     name = "decoder"
 
     def __init__(self, cfg: DecoderEngineConfig, group: RankGroup):

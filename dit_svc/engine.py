@@ -41,9 +41,10 @@ from minimax_h3.kernels.int8 import Int8ConvRotLinear, QuantizedWeight
 from minimax_h3.kernels.registry import AUTO, KernelConfig, KernelSelection, select_kernels_remembered
 from minimax_h3.kernels.tuning import chunk_rows as tuned_chunk_rows
 from stagekit.checkpoints import derived_key, derived_tensors, fill_derived
+from stagekit.child import run_in_child
 from stagekit.compile_cache import enable_compile_cache
-from stagekit.device_worker import run_in_child
 from stagekit.dist import RankGroup
+from stagekit.engine import StageEngine
 from stagekit.errors import FailedPrecondition, InvalidArgument
 from stagekit.host_copy import to_device
 from stagekit.runtime import release_device_memory
@@ -199,7 +200,7 @@ def check_partitions(cfg: DiTEngineConfig, paths: dict[Path, str | None]) -> dic
     return {p: infos[p] for p in PARTITIONS if p in infos}
 
 
-class DiTEngine:
+class DiTEngine(StageEngine):
     name = "dit"
 
     def __init__(self, cfg: DiTEngineConfig, group: RankGroup):
@@ -274,6 +275,10 @@ class DiTEngine:
         """The files the next load reads (the served partition's): what the stage keeps in host memory between
         turns when the host has room (stagekit/host_copy.py)."""
         return self.partitions[self.partition].files
+
+    def load_report(self) -> dict:
+        """The last load's steps in seconds, for the `loaded` event."""
+        return {"load_phases": dict(self.load_phases)} if self.load_phases else {}
 
     def _select_kernels(self) -> KernelSelection | None:
         """GPU: probe and pick the block-linear and attention kernels (or check the forced ones). CPU has only the
@@ -482,7 +487,7 @@ class DiTEngine:
         return self.plan(spec, text_len, self.cfg.memory_limit_bytes or None).need_bytes
 
     def estimate_peak_bytes(self, spec: RenderSpec | None, inputs: dict) -> int:
-        """The runtime's hook (stagekit.runtime.Engine)."""
+        """The runtime's hook (stagekit.engine.StageEngine)."""
         text = inputs.get(TEXT_STATES)
         rows = int(text.shape[0]) if text is not None else DEFAULT_TEXT_LEN
         if spec is not None:  # keyframe, reference and guide rows cost like text rows; count them with the text

@@ -24,6 +24,7 @@ from minimax_h3.text.tokenizer import MAX_PROMPT_TOKENS, validate_prompt
 from minimax_h3.text.vision import keyframe_items, reference_parts
 from stagekit.checkpoints import CheckpointError
 from stagekit.dist import RankGroup
+from stagekit.engine import StageEngine
 from stagekit.errors import FailedPrecondition
 from stagekit.runtime import release_device_memory
 from stagekit.wire import check_result
@@ -53,7 +54,7 @@ def resolve_weights(cfg: EncoderEngineConfig) -> tuple[Path, bool]:
                                                        variant="bf16"))
 
 
-class EncoderEngine:
+class EncoderEngine(StageEngine):
     name = "encoder"
 
     def __init__(self, cfg: EncoderEngineConfig, group: RankGroup):
@@ -131,7 +132,7 @@ class EncoderEngine:
         return {TEXT_STATES: states, TEXT_TAGS: tags, "tokens": int(states.shape[0]), "prompt_only": prompt_only}
 
     def on_result(self, spec: dict, result: dict) -> None:
-        """In the stage process (stagekit.runtime.Engine): a plain prompt's states (no keyframes) join the prompt
+        """In the stage process (stagekit.engine.StageEngine): a plain prompt's states (no keyframes) join the prompt
         cache, which outlives the device worker."""
         if result["prompt_only"]:
             self.cache.put(self.cache_key(spec["text"]), result[TEXT_STATES])

@@ -11,8 +11,8 @@ graphs here unchanged (docs/workflows.md, "ComfyUI's routes").
     GET  /ws              progress as ComfyUI's websocket sends it (render_svc/comfy_ws.py)
 
 A prompt is a render job (`prompt_id` is the job id, gRPC's and `/v1/videos`'): `POST /prompt` submits the graph
-through the same `RenderService.submit` (client/workflow.py reads it), so the same checks, owners, tokens and limits
-hold; a graph this product does not run is answered 400 with ComfyUI's `node_errors`, one entry per node. The
+through the same `RenderService.submit` (minimax_h3/comfy/workflow.py reads it), so the same checks, owners, tokens and
+limits hold; a graph this product does not run is answered 400 with ComfyUI's `node_errors`, one entry per node. The
 output's file name is `<filename_prefix>_<prompt id>.mp4` (`.png` for an image graph) in the prefix's subfolder.
 """
 
@@ -25,8 +25,8 @@ from collections import OrderedDict
 from pathlib import Path, PurePosixPath
 
 from h3.v1 import render_pb2
-from client.workflow import PNG, first_frame_png, input_name
 from minimax_h3.comfy import MediaRef, WorkflowRefused, interpret, read_workflow
+from minimax_h3.comfy.workflow import PNG, first_frame_png, input_name
 from render_svc.http_api import MAX_BODY_BYTES, HttpError, Route, VideoAPI, _owner, form_parts
 from render_svc.store import CANCELLED, FAILED, QUEUED, RUNNING, SUCCEEDED, JobRecord
 from stagekit.errors import InvalidArgument, NotFound

@@ -4,7 +4,7 @@ A *stage batch* is up to `--max-batch` render jobs sent to one stage at once, so
 residency; the scheduler (render_svc/service.py) runs one batch at a time per resource group, each in its own thread,
 and hears of each job's outcome the moment its stage call ends (so the job moves on to its next stage while the rest
 of the batch still runs). The stage calls are
-the stage-level library (`client.pipeline`) and its one wire codec; tensors move render service <-> stage over
+the stage-level library (`render_svc/stage_calls.py`) and its one wire codec; tensors move render service <-> stage over
 loopback and stay in this process between stages (`Work.tensors`), never in the user's client.
 """
 
@@ -21,16 +21,17 @@ from pathlib import Path
 import grpc
 import torch
 
-from client.pipeline import (StageResult, decode, encode, encode_image, encode_reference, reference_tensors,
-                             sample)
-from client.stubs import STAGES as SERVICES
-from client.stubs import Endpoints, StageClients, replicas_of
 from h3.v1 import common_pb2, render_pb2
 from minimax_h3.contract import (AUDIO_LATENTS, ENCODED_REFERENCE_AUDIO, GUIDE_FRAMES, RENDER_PLANS, SAMPLE_INPUTS,
                                  TEXT_STATES, TEXT_TAGS, VIDEO_LATENTS, RenderSpec, guide_tensor, keyframe_tensor,
                                  needed_partition, render_mode, spec_from_proto)
+from minimax_h3.services import STAGES as SERVICES
+from minimax_h3.services import Endpoints, StageClients
 from render_svc.planner import SERVICE_OF, STAGES
+from render_svc.stage_calls import (StageResult, decode, encode, encode_image, encode_reference, reference_tensors,
+                                    sample)
 from render_svc.stalls import StallWatch
+from stagekit.channels import replicas_of
 from stagekit.errors import Cancelled, StageError, error_for, status_for
 
 log = logging.getLogger("render_svc")
@@ -275,7 +276,7 @@ class Replica:
 
 
 def make_replicas(endpoints: Endpoints, security=None) -> dict[str, Replica]:
-    """One Replica per address each stage endpoint lists (`client.stubs.replicas_of`), in stage order."""
+    """One Replica per address each stage endpoint lists (`stagekit.channels.replicas_of`), in stage order."""
     out = {}
     for service in SERVICES:
         for name, addr in replicas_of(endpoints.of(service)):

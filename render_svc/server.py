@@ -16,14 +16,15 @@ from pathlib import Path
 
 import grpc
 
-from client.stubs import SERVICE_NAMES, STAGES, Endpoints, Security, StageClients, health_of
 from h3.v1 import common_pb2, render_pb2, render_pb2_grpc
+from minimax_h3.services import SERVICE_NAMES, STAGES, Endpoints, StageClients
 from render_svc.engine import RenderEngine, make_replicas
 from render_svc.service import RenderService, SchedulerConfig
 from render_svc.stalls import STALL_TIMEOUT_S
 from render_svc.store import CANCELLED, FAILED, QUEUED, RUNNING, SUCCEEDED
 from render_svc.webhooks import WebhookConfig, Webhooks, check_url, read_secret
 from stagekit.bootstrap import LOG_LEVELS, ProcessTempDir, exit_cleanly, listen, setup_logging
+from stagekit.channels import Security, health_of
 from stagekit.config import parse_config
 from stagekit.errors import FailedPrecondition, NotFound
 from stagekit.server import Principal, ServeConfig, abort_on_error, principal_of, startup_errors

@@ -35,7 +35,7 @@ from pathlib import Path
 import grpc
 
 from h3.v1 import common_pb2, encoder_pb2, render_pb2
-from client.workflow import ReadInput, apply_workflow
+from minimax_h3.comfy.workflow import ReadInput, apply_workflow
 from minimax_h3.contract import (MAX_GUIDES, MAX_PROMPT_BYTES, check_loras, check_output, check_partition,
                                  check_reference_kinds, needed_partition, resolve_guide_frame, spec_from_proto,
                                  validate)
@@ -296,7 +296,7 @@ class RenderService:
     def submit(self, req: render_pb2.RenderRequest, owner: str = "", seconds: str = "", remixed_from: str = "",
                read_input: ReadInput | None = None) -> render_pb2.JobInfo:
         """Admit and queue a request. A ComfyUI graph (`workflow_json`) is read first and fills the request
-        (client/workflow.py; `read_input` gives the files its loader nodes name, for ComfyUI's own routes);
+        (minimax_h3/comfy/workflow.py; `read_input` gives the files its loader nodes name, for ComfyUI's own routes);
         `seconds`, `remixed_from`: what the HTTP API records beside the job (JobStore.submit)."""
         # An uploaded file (Upload) is admitted like an inline one.
         for ref in [*req.references, *(getattr(g, p) for g in req.guides for p in ("image", "audio") if g.HasField(p))]:

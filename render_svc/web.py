@@ -47,8 +47,8 @@ from urllib.parse import parse_qs, urlsplit
 import grpc
 from google.protobuf.json_format import MessageToDict
 
-from client.stubs import STAGES, StageClients
 from h3.v1 import common_pb2
+from minimax_h3.services import STAGES, StageClients
 from render_svc import comfy_api
 from render_svc.http_api import PREFIX as API_PREFIX
 from render_svc.http_api import VideoAPI

@@ -26,11 +26,12 @@ import grpc  # noqa: E402
 import torch  # noqa: E402
 
 from client.embedded import EmbeddedStack, StackConfig  # noqa: E402
-from client.pipeline import decode, sample  # noqa: E402
-from client.stubs import SERVICE_NAMES, Endpoints, StageClients, health_of, open_channel  # noqa: E402
 from h3.v1 import common_pb2, decoder_pb2, decoder_pb2_grpc, dit_pb2, dit_pb2_grpc  # noqa: E402
 from minimax_h3.contract import (AUDIO_LATENTS, SAMPLE_OUTPUTS, TEXT_STATES, VIDEO_LATENTS,  # noqa: E402
                                  RenderSpec, spec_to_proto, tensor_shapes)
+from minimax_h3.services import SERVICE_NAMES, Endpoints, StageClients  # noqa: E402
+from render_svc.stage_calls import decode, sample  # noqa: E402
+from stagekit.channels import health_of, open_channel  # noqa: E402
 from stagekit.wire import tensor_chunks  # noqa: E402
 
 SPEC = RenderSpec(prompt="x", width=256, height=256, frames=22, steps=1, seed=1)

@@ -187,7 +187,8 @@ done
 "$PY" - "$run_dir" "${names[@]}" <<'PYEOF' &
 import os, sys, time
 from pathlib import Path
-from client.stubs import SERVICE_NAMES, health_of, open_channel
+from minimax_h3.services import SERVICE_NAMES
+from stagekit.channels import health_of, open_channel
 run = Path(sys.argv[1]); deadline = time.time() + 600; addrs = {}
 def failed(name, what):  # the log's last lines say why; the whole log stays there
     log = run / f"{name}.log"
@@ -238,7 +239,8 @@ fi
 "$PY" - "$run_dir" <<'PYEOF' &
 import os, sys, time
 from pathlib import Path
-from client.stubs import SERVICE_NAMES, health_of, open_channel
+from minimax_h3.services import SERVICE_NAMES
+from stagekit.channels import health_of, open_channel
 run = Path(sys.argv[1]); deadline = time.time() + 300
 pf, pid = run / "render.port", run / "render.pid"
 def failed(what):  # the log's last lines say why; the whole log stays there

@@ -27,6 +27,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from stagekit.cuda import cuda_index, cuda_properties
 from stagekit.errors import ResourceExhausted
 from stagekit.lease import EventLog, safe_name
 from stagekit.procs import pid_alive
@@ -55,8 +56,6 @@ def resolve_budget_bytes(devices: list[str], memory_budget_gb: float, reserve_gb
     cuda = [d for d in devices if d.startswith("cuda")]
     if not cuda:
         return 0
-    from stagekit.device_worker import cuda_index, cuda_properties
-
     total = min(total for _, total in cuda_properties([cuda_index(d) for d in cuda]).values())
     if cap_gb > 0:
         total = min(total, int(cap_gb * GIB))

@@ -14,19 +14,19 @@ engine's `prepare_process()` included) and waits, touching no device, until `loa
     load()   -> ("start", rendezvous)  ------>  device, engine = type(engine)(engine.cfg, worker group)
              -> ("load", spec, copies, ------>  use_host_copies(copies), use_derived_copies(to_fill);
                  to_fill)                       engine.load() / load_for(spec)
-                                                                 -> ("ok", (bytes, load phases, derived filled))
+                                                                 -> ("ok", (bytes, load report, derived filled))
     run()    -> ("run", spec, inputs)  ------>  engine.run(spec, inputs, ctx)
                 answers ctx calls      <------  ("progress"| "should_stop" | "check_cancel"...)
                                        <------  ("done", outputs, bytes) | ("error", exc)
     unload() -> ("exit"), join (kill after `join_timeout_s`), prepare() the next turn's worker
 
-- After each job the worker hands what Status shows of it (the engine's optional `worker_state()`) to the stage
+- After each job the worker hands what Status shows of it (the engine's `worker_state()` hook) to the stage
   process's engine (`set_worker_state(state)`): the DiT's block placement.
 - Messages cross the pipe by value (`Channel`: plain pickle, tensors copied), so a killed process leaves nothing
   shared behind. A job's inputs and outputs are latents, states and the MP4: tens to hundreds of MB, copied at
   pipe speed. The weights are the exception: a one-rank stage keeps its checkpoint files in memfds it owns, which
   its worker maps read-only (stagekit/host_copy.py); the kernel frees them with the stage process. What a load
-  derives from the files (the engine's optional `derived_copies()`: {key: bytes}) is kept the same way once a
+  derives from the files (the engine's `derived_copies()` hook: {key: bytes}) is kept the same way once a
   load has filled it.
 - Cancellation stays agreed across ranks: a worker's `ctx.should_stop()` is answered by its stage process, which
   runs the rank group's agreement as before (every rank's worker asks at the same step boundaries).
@@ -42,19 +42,15 @@ from __future__ import annotations
 import atexit
 import gc
 import logging
-import multiprocessing as mp
 import os
-import pickle
-import signal
 import socket
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-import grpc
-
-from stagekit import errors
+from stagekit.child import Channel, exit_text, portable, spawn_context
+from stagekit.engine import StageEngine
 from stagekit.errors import StageError, Unavailable
 from stagekit.host_copy import HostCopies
 from stagekit.procs import die_with_parent
@@ -68,123 +64,6 @@ WORKER_ENV = "H3_DEVICE_WORKER"
 def wanted(device: str) -> bool:
     """Whether a stage computing on `device` runs its device work in a worker."""
     return device.startswith("cuda") or os.environ.get(WORKER_ENV) == "1"
-
-
-def _context():
-    return mp.get_context("spawn")
-
-
-class Channel:
-    """One end of a stage process <-> child pipe carrying messages by value (plain pickle): tensors are copied
-    through the pipe, never shared by file descriptor, so nothing but the pipe ties the two processes together (no
-    descriptor-passing helper, no shared segment to leak)."""
-
-    def __init__(self, conn):
-        self.conn = conn
-
-    def send(self, msg) -> None:
-        self.conn.send_bytes(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
-
-    def recv(self):
-        return pickle.loads(self.conn.recv_bytes())
-
-    def poll(self, timeout: float = 0.0) -> bool:
-        return self.conn.poll(timeout)
-
-    def close(self) -> None:
-        self.conn.close()
-
-
-def _call_in_child(conn, fn: Callable, args: tuple, log_level: str) -> None:
-    conn = Channel(conn)
-    die_with_parent("a start-up probe")
-    logging.basicConfig(level=log_level, format="%(asctime)s %(name)s[%(process)d] %(levelname)s %(message)s")
-    try:
-        conn.send(("ok", fn(*args)))
-    except BaseException as e:  # noqa: BLE001 - handed to the parent
-        conn.send(("error", _portable(e)))
-    conn.close()
-
-
-def run_in_child(fn: Callable, *args: Any, timeout_s: float = 600.0) -> Any:
-    """`fn(*args)` in a short-lived spawned child; returns its result or raises its exception. For device work done
-    once at start-up (the DiT's kernel probe, the GPUs' ids), so the stage process itself never holds a context.
-    `fn` and its arguments and result must pickle."""
-    pipe, theirs = _context().Pipe()
-    ours = Channel(pipe)
-    proc = _context().Process(target=_call_in_child, args=(theirs, fn, args, logging.getLogger().getEffectiveLevel()),
-                              name=f"probe-{fn.__name__}")
-    proc.start()
-    theirs.close()
-    try:
-        if not ours.poll(timeout_s):
-            raise Unavailable(f"{fn.__name__} in a child process gave no answer within {timeout_s:.0f} s")
-        kind, value = ours.recv()
-    except EOFError:
-        proc.join()
-        raise Unavailable(f"{fn.__name__} in a child process died ({_exit_text(proc.exitcode)}) before answering") from None
-    finally:
-        ours.close()
-        proc.join(timeout=30)
-        if proc.is_alive():
-            proc.kill()
-            proc.join()
-    if kind == "error":
-        raise value
-    return value
-
-
-def _cuda_properties() -> dict[int, tuple[str, int]]:
-    import torch
-
-    props = [torch.cuda.get_device_properties(i) for i in range(torch.cuda.device_count())]
-    return {i: ("GPU-" + str(p.uuid), p.total_memory) for i, p in enumerate(props)}
-
-
-_CUDA_PROPS: dict[int, tuple[str, int]] = {}
-
-
-def cuda_index(device: str) -> int:
-    """"cuda:1" -> 1; "cuda" -> 0."""
-    return int(device.split(":")[1]) if ":" in device else 0
-
-
-def cuda_properties(indices: list[int]) -> dict[int, tuple[str, int]]:
-    """{index: (GPU UUID as "GPU-...", total bytes)} of this process's CUDA devices, read in a child (once per
-    process, all visible devices), so the stage process never initialises CUDA."""
-    if indices and not _CUDA_PROPS:
-        _CUDA_PROPS.update(run_in_child(_cuda_properties))
-    missing = sorted(set(indices) - set(_CUDA_PROPS))
-    if missing:
-        raise Unavailable(f"CUDA devices {missing} are not visible to this process ({len(_CUDA_PROPS)} are: "
-                          "check --devices and CUDA_VISIBLE_DEVICES)")
-    return {i: _CUDA_PROPS[i] for i in indices}
-
-
-def _exit_text(code: int | None) -> str:
-    if code is None:
-        return "still running"
-    if code < 0:
-        try:
-            return f"killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"killed by signal {-code}"
-    return f"exit code {code}"
-
-
-def _portable(e: BaseException) -> BaseException:
-    """`e`, or the nearest exception that survives pickling with the same gRPC status and message."""
-    try:
-        pickle.loads(pickle.dumps(e))
-        return e
-    except Exception:  # noqa: BLE001 - e.g. an exception whose __init__ takes other arguments than its args
-        pass
-    if isinstance(e, StageError):
-        base = next(c for c in type(e).__mro__ if c.__module__ == errors.__name__)
-        return base(e.message)
-    code, msg = errors.status_for(e)
-    # A foreign error of known meaning keeps it; a fault stays one (not raised on purpose: the group restarts).
-    return RuntimeError(msg) if code == grpc.StatusCode.INTERNAL else errors.error_for(code, msg)
 
 
 @dataclass(frozen=True)
@@ -250,12 +129,10 @@ def _worker_main(conn, engine_cls: type, engine_cfg: Any, wcfg: WorkerConfig,
 
     # The engine's own heavy imports (e.g. GPU kernel libraries it would import at its first load), still on
     # standby: they touch no device.
-    prepare = getattr(engine_cls, "prepare_process", None)
-    if prepare is not None:
-        try:
-            prepare()
-        except Exception as e:  # noqa: BLE001 - the load imports it again and reports a real failure
-            log.warning("%s device worker: preparing the process failed (%r); the load does it", wcfg.stage, e)
+    try:
+        engine_cls.prepare_process()
+    except Exception as e:  # noqa: BLE001 - the load imports it again and reports a real failure
+        log.warning("%s device worker: preparing the process failed (%r); the load does it", wcfg.stage, e)
     # Everything imported so far lives as long as the process: out of the collector's sight, a collection during
     # the turn (the engine's release after a load, allocation-triggered ones) walks only the turn's own objects
     # (measured on a DiT worker: ~300k objects, 0.15 s a full collection on a 2-core CPU, ~0 s after this).
@@ -293,7 +170,7 @@ def _worker_main(conn, engine_cls: type, engine_cfg: Any, wcfg: WorkerConfig,
             ready["prefault_s"] = prefault.seconds if prefault.seconds is not None else -1.0
         conn.send(("ready", ready))
     except BaseException as e:  # noqa: BLE001 - handed to the stage process
-        conn.send(("error", _portable(e)))
+        conn.send(("error", portable(e)))
         os._exit(1)
     ctx = _WorkerContext(conn, wcfg.stage)
     while True:
@@ -308,14 +185,12 @@ def _worker_main(conn, engine_cls: type, engine_cfg: Any, wcfg: WorkerConfig,
                 use_host_copies(msg[2])
                 use_derived_copies(msg[3])
                 load_engine(engine, msg[1])
-                conn.send(("ok", (engine.resident_bytes(), dict(getattr(engine, "load_phases", None) or {}),
-                                  filled_derived())))
+                conn.send(("ok", (engine.resident_bytes(), engine.load_report(), filled_derived())))
             elif msg[0] == "run":
                 out = engine.run(msg[1], msg[2], ctx)
-                state = getattr(engine, "worker_state", None)
-                conn.send(("done", out, engine.resident_bytes(), state() if state is not None else None))
+                conn.send(("done", out, engine.resident_bytes(), engine.worker_state()))
         except BaseException as e:  # noqa: BLE001 - the job's failure, reported by the stage process
-            conn.send(("error", _portable(e)))
+            conn.send(("error", portable(e)))
     conn.close()
     os._exit(0)  # the context, the process group and every device byte go with the process
 
@@ -332,14 +207,14 @@ class WorkerLost(Unavailable):
     restarts_group = True
 
 
-class DeviceWorkerEngine:
-    """An `Engine` (stagekit.runtime) whose device work runs in a worker; everything else is `engine`'s.
+class DeviceWorkerEngine(StageEngine):
+    """A `StageEngine` whose device work runs in a worker; everything else is `engine`'s.
 
     `engine` is the stage's engine built in the stage process (header checks, estimates, Status, request
     validation: CPU only); the worker builds `type(engine)(engine.cfg, <its own rank group>)` at each load.
     `group` is the stage process's rank group (gloo): it carries the rendezvous and the agreed cancellation."""
 
-    def __init__(self, engine: Any, group: Any, cfg: WorkerConfig):
+    def __init__(self, engine: StageEngine, group: Any, cfg: WorkerConfig):
         self.engine = engine
         self.group = group
         self.wcfg = cfg
@@ -351,16 +226,16 @@ class DeviceWorkerEngine:
         self._standby = None      # (process, channel, ready?): the next turn's worker, imports done, no device
         self._closed = False
         self._bytes = 0
-        self.load_phases: dict[str, float] = {}  # the last load's steps in the worker (the engine's, when it has them)
+        self._report: dict = {}   # what the worker's engine said of the last load (its `load_report`)
         self._lost = False
         self._loads = 0
         # Checkpoint files kept in host memory between turns, when the host has room (stagekit/host_copy.py). One
         # rank: each rank of a group would hold a whole copy of its files.
-        self.host_copies = (HostCopies(self.name) if getattr(engine, "weight_files", None) is not None
-                            and group.world_size == 1 else None)
+        self.host_copies = (HostCopies(self.name) if engine.weight_files() is not None and group.world_size == 1
+                            else None)
         atexit.register(self.close)
 
-    def __getattr__(self, item: str) -> Any:  # checks, estimates and Status are the stage engine's own
+    def __getattr__(self, item: str) -> Any:  # request checks and Status are the stage engine's own
         return getattr(self.__dict__["engine"], item)
 
     @property
@@ -377,6 +252,29 @@ class DeviceWorkerEngine:
 
     def resident_bytes(self) -> int:
         return self._bytes if self._proc is not None else 0
+
+    # The stage engine's own answers (it is built in the stage process, from the headers: CPU only).
+    def estimate_peak_bytes(self, spec: Any, inputs: dict) -> int | None:
+        return self.engine.estimate_peak_bytes(spec, inputs)
+
+    def weight_bytes(self) -> int | None:
+        return self.engine.weight_bytes()
+
+    def weight_files(self) -> list[Path] | None:
+        return self.engine.weight_files()
+
+    def derived_copies(self) -> dict[str, int]:
+        return self.engine.derived_copies()
+
+    def on_result(self, spec: Any, result: dict) -> None:
+        self.engine.on_result(spec, result)
+
+    def load_report(self) -> dict:
+        """The worker's start (part of the load), the host copies' bytes, then the worker's engine's own report."""
+        report = {"worker_start_s": self.spawn_s, "worker_start": self.start_parts}
+        if self.host_copies is not None:
+            report["host_copy_bytes"] = self.host_copies.nbytes
+        return {**report, **self._report}
 
     def describe(self) -> dict:
         """The stage engine's Status fields, with the host-copy choice added to its kernel rows."""
@@ -428,7 +326,7 @@ class DeviceWorkerEngine:
         self._bytes = 0
         self._lost = False
         log.info("%s device worker (pid %d) exited in %.2f s (%s)", self.name, proc.pid, time.monotonic() - t0,
-                 _exit_text(proc.exitcode))
+                 exit_text(proc.exitcode))
         self.prepare()
 
     def run(self, spec: Any, inputs: dict, ctx: Any) -> dict:
@@ -467,7 +365,7 @@ class DeviceWorkerEngine:
                     self._send(e)
             elif kind == "done":
                 self._bytes = msg[2]
-                if msg[3] is not None:  # what Status shows of the last job (optional hooks worker_state / set_worker_state)
+                if msg[3] is not None:  # what Status shows of the last job (worker_state / set_worker_state)
                     self.engine.set_worker_state(msg[3])
                 return "done", msg[1]
             else:
@@ -486,23 +384,23 @@ class DeviceWorkerEngine:
             self._spawn(rendezvous)
         copies, to_fill = {}, {}
         if self.host_copies is not None:
-            derived = self.engine.derived_copies() if hasattr(self.engine, "derived_copies") else {}
+            derived = self.engine.derived_copies()
             copies = self.host_copies.ensure(self.engine.weight_files(), derived)
             to_fill = self.host_copies.to_fill(list(derived)) if copies else {}
         self._send(("load", spec, copies, to_fill))
         kind, value = self._recv()
         if kind == "error":
             raise value
-        self._bytes, self.load_phases, filled = value
+        self._bytes, self._report, filled = value
         if filled:
             self.host_copies.filled(filled)
 
     def _start_process(self):
-        ours, theirs = _context().Pipe()
+        ours, theirs = spawn_context().Pipe()
         # The copies the next load will read, when the stage holds them already (from its second turn on): the
         # worker maps them and faults their pages in while on standby.
         copies = self.host_copies.held(self.engine.weight_files()) if self.host_copies is not None else {}
-        proc = _context().Process(target=_worker_main, name=f"{self.name}-worker",
+        proc = spawn_context().Process(target=_worker_main, name=f"{self.name}-worker",
                                   args=(theirs, type(self.engine), self.engine.cfg, self.wcfg, copies))
         proc.start()
         theirs.close()
@@ -557,7 +455,7 @@ class DeviceWorkerEngine:
         proc.join(timeout=5)
         self._lost = True
         what = (f"{self.name}: its device worker (pid {proc.pid}, rank {self.wcfg.rank}) died "
-                f"({_exit_text(proc.exitcode)})")
+                f"({exit_text(proc.exitcode)})")
         log.error("%s", what)
         if self.group.world_size > 1:
             if not self.group.info.is_leader:  # a dead worker is a dead rank: the group restarts (torchrun)

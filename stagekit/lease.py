@@ -36,6 +36,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from stagekit.cuda import cuda_index, cuda_properties
 from stagekit.procs import pid_alive
 
 _SAFE = re.compile(r"[^A-Za-z0-9._-]")
@@ -51,8 +52,6 @@ def safe_name(s: str) -> str:
 def device_ids(devices: list[str]) -> list[str]:
     """Stable host-wide ids for the given device names ("cuda:0", "virt0", ...): GPU UUIDs, read in a short-lived
     child so that the stage process holds no CUDA context."""
-    from stagekit.device_worker import cuda_index, cuda_properties
-
     cuda = cuda_properties([cuda_index(d) for d in devices if d.startswith("cuda")])
     return [cuda[cuda_index(d)][0] if d.startswith("cuda") else d for d in devices]
 

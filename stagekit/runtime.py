@@ -1,6 +1,6 @@
 """The job runtime every stage shares: queue, residency, lease, rank fan-out, progress.
 
-A stage supplies an `Engine` (load / unload / run on every rank). The leader's
+A stage supplies a `StageEngine` (stagekit/engine.py: load / unload / run on every rank, and its hooks). The leader's
 `StageRuntime` owns one worker thread that takes jobs FIFO from a bounded queue,
 makes the engine resident (taking the device lease first in exclusive mode, or
 reserving room in the per-device memory budget in shared mode), broadcasts the
@@ -24,9 +24,10 @@ import traceback
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from stagekit.dist import RankGroup
+from stagekit.engine import StageEngine
 from stagekit.errors import (Cancelled, DeadlineExceeded, ResourceExhausted, StageError, Unavailable, restarts_group,
                              status_for)
 from stagekit.file_identity import FileIdentity, identify
@@ -38,50 +39,6 @@ if TYPE_CHECKING:
     from stagekit.hosts import HostResources
 
 log = logging.getLogger("stagekit.runtime")
-
-
-class Engine(Protocol):
-    """What a stage implements; every method runs on every rank with the same arguments."""
-
-    name: str
-
-    def load(self) -> None: ...
-
-    def unload(self) -> None: ...
-
-    def run(self, spec: Any, inputs: dict, ctx: "JobContext") -> dict: ...
-
-    def resident_bytes(self) -> int: ...
-
-    # Optional hook: load only what one job needs (exclusive residency loads for the job at hand; operators' Load and
-    # shared residency load everything). The decoder's keyframe encode loads the VAE encoder alone.
-    # def load_for(self, spec: Any) -> None: ...
-
-    # Optional hook: per-device peak bytes (weights + activations) of a job; spec=None means weights alone.
-    # The runtime uses it for admission (RESOURCE_EXHAUSTED at submit) and shared-mode budget reservations.
-    # def estimate_peak_bytes(self, spec: Any, inputs: dict) -> int: ...
-
-    # Optional hook, for engines without `estimate_peak_bytes`: per-device weight bytes from the checkpoint headers,
-    # what a shared-residency stage reserves for its first load (without it, the first load reserves the whole
-    # budget, so every idle stage on its devices steps aside once).
-    # def weight_bytes(self) -> int: ...
-
-    # Optional hook: the files a load reads the weights from. The runtime notes which files they were at each load
-    # (stagekit/file_identity.py), so Status says when one is deleted or replaced under the stage; a one-rank device
-    # worker stage keeps them in host memory between turns (stagekit/host_copy.py).
-    # def weight_files(self) -> list[Path]: ...
-
-    # Optional hook: runs in the stage process with a finished job's outputs (rank 0), for state that must outlive
-    # a device worker (stagekit/device_worker.py): the encoder's prompt cache.
-    # def on_result(self, spec: Any, result: dict) -> None: ...
-
-    # Optional flag: False for an engine with no device work (the render service's): it is never moved into a
-    # device worker and takes no memory budget (no budget ledger written per job).
-    # device_work: bool = True
-
-    # Optional hook: True when the engine lost its device state (its device worker died): the runtime unloads it
-    # after the job, so the next job loads afresh.
-    # def lost(self) -> bool: ...
 
 
 def release_device_memory(device: str) -> None:
@@ -206,7 +163,7 @@ class Job:
 
 
 class JobContext:
-    """Handed to `Engine.run` on every rank: agreed cancellation and progress reporting."""
+    """Handed to `StageEngine.run` on every rank: agreed cancellation and progress reporting."""
 
     def __init__(self, group: RankGroup, job: Job | None, stage: str):
         self.group = group
@@ -278,7 +235,7 @@ class StageRuntime:
     without waiting out its 30 s stop grace on a hung (or SIGTERM-ignoring) rank.
     """
 
-    def __init__(self, engine: Engine, group: RankGroup, lease: DeviceLease | None, cfg: RuntimeConfig,
+    def __init__(self, engine: StageEngine, group: RankGroup, lease: DeviceLease | None, cfg: RuntimeConfig,
                  on_health: Callable[[bool], None] = lambda serving: None, metrics: Any = None,
                  budget: "MemoryBudget | None" = None, hold: RankHold | None = None,
                  follower_pids: tuple[int, ...] = ()):
@@ -334,8 +291,8 @@ class StageRuntime:
         """Per-device peak bytes of a job (weights + activations) from the engine's hook; 0 if it has none.
 
         `spec=None` asks for the weights alone (an operator's Load before any job)."""
-        fn = getattr(self.engine, "estimate_peak_bytes", None)
-        return int(fn(spec, inputs or {})) if fn is not None else 0
+        est = self.engine.estimate_peak_bytes(spec, inputs or {})
+        return int(est) if est is not None else 0
 
     def _refuse_if_closed(self) -> None:
         if self._stop.is_set():
@@ -432,8 +389,8 @@ class StageRuntime:
                 self.hold.take()
             self.group.broadcast_command((_LOAD, spec))
             # Before the load reads them: a file replaced while it loads shows as replaced, never as the one loaded.
-            files = getattr(self.engine, "weight_files", None)
-            read = identify(files()) if files is not None else {}
+            files = self.engine.weight_files()
+            read = identify(files) if files is not None else {}
             try:
                 load_engine(self.engine, spec)
             except BaseException:
@@ -449,18 +406,8 @@ class StageRuntime:
             self.loads += 1
             self._served = 0
             load_s = time.monotonic() - t1
-            worker = getattr(self.engine, "spawn_s", None)  # a device worker's start, part of load_s
-            extra = {}
-            if worker is not None:
-                extra = {"worker_start_s": worker, "worker_start": getattr(self.engine, "start_parts", {})}
-            copies = getattr(self.engine, "host_copies", None)  # files kept in host memory (stagekit/host_copy.py)
-            if copies is not None:
-                extra["host_copy_bytes"] = copies.nbytes
-            phases = getattr(self.engine, "load_phases", None)  # where the load went, when the engine says
-            if phases:
-                extra["load_phases"] = dict(phases)
             self._log("loaded", load_s=load_s, bytes=self.engine.resident_bytes(),
-                      reserved=self.budget.reserved if self.budget is not None else 0, **extra)
+                      reserved=self.budget.reserved if self.budget is not None else 0, **self.engine.load_report())
             if self.metrics is not None:
                 self.metrics.observe_load(load_s, waited)
             log.info("%s loaded in %.2f s (waited %.2f s for the devices)", self.engine.name, load_s, waited)
@@ -476,7 +423,7 @@ class StageRuntime:
 
     @property
     def _has_estimate(self) -> bool:
-        return getattr(self.engine, "estimate_peak_bytes", None) is not None
+        return self.engine.estimate_peak_bytes(None, {}) is not None
 
     def _reservation(self, need_bytes: int) -> int:
         """Bytes to reserve before loading in shared mode.
@@ -489,8 +436,8 @@ class StageRuntime:
             return max(need_bytes, self.estimate_bytes(None))
         if self._measured:
             return self._measured
-        hint = getattr(self.engine, "weight_bytes", None)
-        return int(hint()) if hint is not None else self.budget.cfg.budget_bytes
+        hint = self.engine.weight_bytes()
+        return int(hint) if hint is not None else self.budget.cfg.budget_bytes
 
     def _give_back(self) -> None:
         with self._lock:  # one change for `snapshot`, together with `resident` turning false (_unload_locked)
@@ -576,7 +523,7 @@ class StageRuntime:
             self._idle_since = time.monotonic()
             # Stage-batched with FIFO fairness: keep serving our queue in this residency, but when another
             # stage waits, give the devices back once we run dry or have served max_batch_before_yield jobs.
-            if self.resident and getattr(self.engine, "lost", lambda: False)():
+            if self.resident and self.engine.lost():
                 self._unload("worker_lost")
             elif self.resident and self._others_waiting():
                 if self._pending == 0:
@@ -647,9 +594,7 @@ class StageRuntime:
                 result = self.engine.run(job.spec, job.inputs, JobContext(self.group, job, self.engine.name))
             finally:
                 self._served += 1
-            on_result = getattr(self.engine, "on_result", None)
-            if on_result is not None:
-                on_result(job.spec, result)
+            self.engine.on_result(job.spec, result)
             job.timing["compute_s"] = time.monotonic() - t1
             self._log("job_done", job=job.job_id)
             outcome = JobEvent("done", result)
@@ -692,11 +637,10 @@ class StageRuntime:
             log.error("killed follower ranks %s so the group restarts now", list(self.follower_pids))
 
 
-def load_engine(engine: Engine, spec: Any = None) -> None:
-    """Everything, or only what the job `spec` needs when the engine has the `load_for` hook."""
-    load_for = getattr(engine, "load_for", None)
-    if spec is not None and load_for is not None:
-        load_for(spec)
+def load_engine(engine: StageEngine, spec: Any = None) -> None:
+    """Everything, or only what the job `spec` needs (the engine's `load_for`)."""
+    if spec is not None:
+        engine.load_for(spec)
     else:
         engine.load()
 
@@ -705,7 +649,7 @@ def _hard_exit() -> None:
     os._exit(70)
 
 
-def follower_loop(engine: Engine, group: RankGroup, hold: RankHold | None = None,
+def follower_loop(engine: StageEngine, group: RankGroup, hold: RankHold | None = None,
                   host: "HostResources | None" = None) -> None:
     """Ranks > 0: execute whatever rank 0 broadcasts until told to exit. `hold` (exclusive mode) is this rank's
     claim on its own device, taken before its weights load and given back after they are gone. `host` (the first

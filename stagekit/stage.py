@@ -20,11 +20,12 @@ import grpc
 from stagekit.budget import BudgetConfig, MemoryBudget, resolve_budget_bytes
 from stagekit.device_worker import DeviceWorkerEngine, WorkerConfig, wanted
 from stagekit.dist import RankGroup, RankInfo, rank_info_from_env
+from stagekit.engine import StageEngine
 from stagekit.hosts import GroupBudget, GroupLease, HostResources, NodeInfo, RemoteHosts, host_key, plan_hosts
 from stagekit.bootstrap import LOG_LEVELS, Listeners, ProcessTempDir, exit_cleanly, listen, setup_logging
 from stagekit.lease import DeviceLease, LeaseConfig, RankHold
 from stagekit.procs import die_with_parent
-from stagekit.runtime import RESIDENCIES, Engine, RuntimeConfig, StageRuntime, follower_loop
+from stagekit.runtime import RESIDENCIES, RuntimeConfig, StageRuntime, follower_loop
 from stagekit.server import ServeConfig, startup_errors
 
 log = logging.getLogger("stagekit.stage")
@@ -160,7 +161,7 @@ def followers_ignore_term(is_leader: bool) -> None:
             signal.signal(sig, signal.SIG_IGN)
 
 
-def run_stage(cfg: CommonConfig, stage: str, make_engine: Callable[[CommonConfig, RankInfo, RankGroup], Engine],
+def run_stage(cfg: CommonConfig, stage: str, make_engine: Callable[[CommonConfig, RankInfo, RankGroup], StageEngine],
               service_name: str, add_servicer: Callable[[grpc.Server, StageRuntime, CommonConfig], None]) -> None:
     setup_logging(cfg.log_level, stage)
     if cores := pin_cpu_cores(cfg.cpu_cores):
@@ -194,7 +195,7 @@ def run_stage(cfg: CommonConfig, stage: str, make_engine: Callable[[CommonConfig
 @dataclass
 class _Started:
     group: RankGroup
-    engine: Engine
+    engine: StageEngine
     runtime: StageRuntime | None = None  # leader only
     listeners: Listeners | None = None
     hold: RankHold | None = None         # followers: their claim on their own device (exclusive mode)
@@ -226,7 +227,7 @@ def _start(cfg: CommonConfig, stage: str, info: RankInfo, make_engine, service_n
     if cfg.residency == "exclusive":
         hold = RankHold(cfg.lease_device_for_rank(info), Path(cfg.lease_dir), f"{stage} rank {info.rank}")
     engine = make_engine(cfg, info, group)
-    device_work = getattr(engine, "device_work", True)
+    device_work = engine.device_work
     if wanted(device) and device_work:  # an engine with no device work stays in-process
         engine = DeviceWorkerEngine(engine, group, WorkerConfig(
             stage, device, info.rank, info.world_size, cfg.collective_timeout_s, cfg.gpu_memory_cap_gb, cfg.log_level))

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from client.embedded import EmbeddedStack, StackConfig
-from client.stubs import StageClients
+from minimax_h3.services import StageClients
 
 # Keep each server process from grabbing every core: tests run three of them at once on 2 cores. MKL_DYNAMIC off:
 # MKL may otherwise pick fewer threads than asked for a GEMM on its own, which changes float summation order, and the

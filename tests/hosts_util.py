@@ -11,7 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from client.stubs import SERVICE_NAMES, Endpoints, Security, health_of, open_channel
+from minimax_h3.services import SERVICE_NAMES, Endpoints
+from stagekit.channels import Security, health_of, open_channel
 from stagekit.procs import stop_group
 from tests.render_svc_util import SERVER_ENV, self_signed_cert, token_file, wait_for
 

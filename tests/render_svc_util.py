@@ -15,9 +15,10 @@ import av
 
 from client.embedded import EmbeddedStack, StackConfig
 from client.render_client import render_request
-from client.stubs import Endpoints, open_channel
 from h3.v1 import render_pb2, render_pb2_grpc
 from minimax_h3.contract import RenderSpec
+from minimax_h3.services import Endpoints
+from stagekit.channels import open_channel
 from stagekit.lease import DeviceLease, LeaseConfig, events_per_stage, read_events
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -19,10 +19,11 @@ import pytest
 import torch
 
 from client.embedded import EmbeddedStack, StackConfig
-from client.pipeline import decode, sample
-from client.stubs import SERVICE_NAMES, StageClients, health_of, open_channel
 from h3.v1 import common_pb2, decoder_pb2, dit_pb2, encoder_pb2, tensor_pb2
 from minimax_h3.contract import RenderSpec, spec_to_proto
+from minimax_h3.services import SERVICE_NAMES, StageClients
+from render_svc.stage_calls import decode, sample
+from stagekit.channels import health_of, open_channel
 from stagekit.wire import MAX_CHUNK_BYTES, tensor_chunks
 from tests.conftest import SERVER_ENV
 from tests.procs import big_mappings, mem_kib

@@ -310,10 +310,10 @@ def test_decoder_process_refuses_an_int_tensor_in_the_audio_vae(tmp_path):
 
 
 def test_dit_file_that_goes_bad_while_serving_fails_the_job_with_failed_precondition(tmp_path):
-    from client.pipeline import sample
-    from client.stubs import Security, health_of, open_channel
     from h3.v1 import dit_pb2_grpc
     from minimax_h3.contract import RenderSpec
+    from render_svc.stage_calls import sample
+    from stagekit.channels import Security, health_of, open_channel
 
     small = DiTConfig.tiny(num_layers=1, num_heads=2)
     path = save_state_dict(tiny_state_dict(small, "bf16", seed=1), tmp_path / "dit.safetensors", file_metadata(small))
@@ -360,8 +360,8 @@ def test_decoder_engine_serves_the_geometry_of_vae_folders(tmp_path):
     from decoder_svc.engine import DecoderEngine, DecoderEngineConfig
     from minimax_h3.contract import LatentGeometry
     from minimax_h3.vae.audio import AudioVAE, AudioVAEConfig, random_init_, unfold_weight_norm_state_dict
-    from minimax_h3.vae.video import VideoVAEConfig, comfy_to_diffusers_state_dict
     from minimax_h3.vae.video import tiny_state_dict as video_state_dict
+    from minimax_h3.vae.video import VideoVAEConfig, comfy_to_diffusers_state_dict
     from stagekit.dist import RankGroup, RankInfo
 
     v, a = VideoVAEConfig.tiny(), AudioVAEConfig.tiny()

@@ -225,10 +225,11 @@ def _validate_calls(package: str) -> list[str]:
 
 
 @pytest.mark.parametrize("package,calls", [("render_svc", 1), ("dit_svc", 1), ("decoder_svc", 1), ("encoder_svc", 0),
-                                           ("minimax_h3", 0)])
+                                           ("minimax_h3/comfy", 2), ("minimax_h3", 2)])
 def test_spec_validated_once_per_process(package, calls):
     """A render spec is validated where it enters a process (the render service's Submit, the DiT's Sample, the
-    decoder's Decode) and taken as valid from there; the model code never validates it again."""
+    decoder's Decode; a ComfyUI graph's where the graph is read, minimax_h3/comfy/workflow.py, for the CLI and Submit
+    alike) and taken as valid from there; the model code never validates it again."""
     assert len(_validate_calls(package)) == calls, _validate_calls(package)
 
 

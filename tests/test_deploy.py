@@ -37,8 +37,8 @@ import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from h3.v1 import render_pb2, render_pb2_grpc
+from stagekit.channels import Security, open_channel
 from stagekit.config import parse_config
-from client.stubs import Security, open_channel
 from tests.render_svc_util import ROOT, SERVER_ENV, wait_for
 
 K8S = ROOT / "deploy" / "k8s"

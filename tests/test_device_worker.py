@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from client.embedded import EmbeddedStack, StackConfig
-from client.pipeline import decode_raw, sample
-from client.stubs import Endpoints, StageClients
 from h3.v1 import common_pb2
 from minimax_h3.contract import RenderSpec
+from minimax_h3.services import Endpoints, StageClients
+from render_svc.stage_calls import decode_raw, sample
 from stagekit.device_worker import WORKER_ENV
 from tests.conftest import SERVER_ENV
 from tests.procs import alive, descendants
@@ -173,7 +173,7 @@ def test_run_in_child_returns_results_and_keeps_the_status_of_errors():
     """Start-up device work (GPU ids, the DiT's kernel probe) runs in a short-lived child: its result comes back, and
     its exception keeps its gRPC status and message even when the exception itself cannot be pickled."""
     from minimax_h3.kernels.registry import KernelConfig, select_kernels
-    from stagekit.device_worker import run_in_child
+    from stagekit.child import run_in_child
     from stagekit.errors import FailedPrecondition
 
     # Forced choices (still checked): a measured pick between near-equal CPU kernels could differ between two probes.

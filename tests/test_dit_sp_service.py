@@ -4,10 +4,10 @@ the same job run by a one-rank engine in this process."""
 import torch
 
 from client.embedded import EmbeddedStack, StackConfig
-from client.pipeline import sample
-from client.stubs import Endpoints, StageClients
 from dit_svc.engine import DiTEngine, DiTEngineConfig
 from minimax_h3.contract import RenderSpec
+from minimax_h3.services import Endpoints, StageClients
+from render_svc.stage_calls import sample
 from stagekit.dist import RankGroup, RankInfo
 from tests.conftest import SERVER_ENV
 

@@ -48,7 +48,7 @@ def test_render_mp4(clients, tmp_path, w, h, f):
 
 
 def test_same_seed_same_latents_and_cache_hit(clients):
-    from client.pipeline import encode, sample
+    from render_svc.stage_calls import encode, sample
 
     spec = RenderSpec(prompt="rain on a tin roof", width=256, height=256, frames=22, steps=2, seed=3)
     s1, r1 = encode(clients, spec.prompt)
@@ -96,7 +96,7 @@ def test_cli_rejects_bad_frames_with_nearest_counts(tmp_path):
 def test_dit_rejects_bad_params(clients, field, value, needle):
     import torch
 
-    from client.pipeline import sample
+    from render_svc.stage_calls import sample
 
     base = dict(prompt="x", width=256, height=256, frames=22, steps=1)
     base[field] = value
@@ -108,7 +108,7 @@ def test_dit_rejects_bad_params(clients, field, value, needle):
 def test_dit_rejects_wrong_text_width(clients):
     import torch
 
-    from client.pipeline import sample
+    from render_svc.stage_calls import sample
 
     with pytest.raises(grpc.RpcError) as e:
         sample(clients, RenderSpec(prompt="x", width=256, height=256, frames=22, steps=1), torch.zeros(4, 65))
@@ -117,7 +117,7 @@ def test_dit_rejects_wrong_text_width(clients):
 
 @pytest.mark.parametrize("prompt,needle", [("", "empty"), ("word " * 3000, "limit")])
 def test_encoder_rejects_bad_prompts(clients, prompt, needle):
-    from client.pipeline import encode
+    from render_svc.stage_calls import encode
 
     with pytest.raises(grpc.RpcError) as e:
         encode(clients, prompt)
@@ -135,7 +135,7 @@ def test_encoder_rejects_non_utf8(clients):
 def test_decoder_rejects_mismatched_and_nan_latents(clients, tmp_path):
     import torch
 
-    from client.pipeline import decode
+    from render_svc.stage_calls import decode
 
     spec = RenderSpec(prompt="x", width=256, height=256, frames=22)
     good_a = torch.zeros(2, 32, spec.audio_latents)
@@ -153,7 +153,7 @@ def test_decoder_rejects_mismatched_and_nan_latents(clients, tmp_path):
 def test_decode_raw_frames_and_audio(clients):
     import torch
 
-    from client.pipeline import decode_raw
+    from render_svc.stage_calls import decode_raw
 
     spec = RenderSpec(prompt="x", width=256, height=256, frames=22)
     frames, audio, r = decode_raw(clients, spec, torch.randn(24, spec.latent_frames, 16, 16),

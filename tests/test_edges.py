@@ -20,10 +20,10 @@ import pytest
 import torch
 
 from client.embedded import EmbeddedStack, StackConfig
-from client.pipeline import decode, decode_inputs
-from client.stubs import Endpoints, StageClients
 from h3.v1 import common_pb2, decoder_pb2
 from minimax_h3.contract import RenderSpec
+from minimax_h3.services import Endpoints, StageClients
+from render_svc.stage_calls import decode, decode_inputs
 from stagekit.lease import read_events
 from tests.conftest import SERVER_ENV
 from tests.procs import alive, open_paths, rank_pids
@@ -197,9 +197,9 @@ def _quiet_decode(s: EmbeddedStack, v, a, out) -> None:
 CLIENT = textwrap.dedent("""
     import sys, torch
     from pathlib import Path
-    from client.pipeline import decode
-    from client.stubs import Endpoints, StageClients
     from minimax_h3.contract import RenderSpec
+    from minimax_h3.services import Endpoints, StageClients
+    from render_svc.stage_calls import decode
     spec = RenderSpec(prompt="x", width=256, height=256, frames=22)
     ep = f"127.0.0.1:{sys.argv[1]}"
     with StageClients(Endpoints(ep, ep, ep)) as c:

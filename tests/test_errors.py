@@ -14,6 +14,7 @@ import torch
 
 from stagekit.checkpoints import CheckpointError
 from stagekit.dist import RankInfo
+from stagekit.engine import StageEngine
 from stagekit.errors import (AlreadyExists, Cancelled, DeadlineExceeded, FailedPrecondition, Internal, InvalidArgument,
                              NotFound, ResourceExhausted, Unavailable, restarts_group, status_for)
 from stagekit.lease import DeviceLease, LeaseConfig
@@ -112,7 +113,7 @@ class _LeaderOfTwo:
         return local
 
 
-class _Raises:
+class _Raises(StageEngine):
     name = "faulty"
 
     def __init__(self, exc: BaseException):

@@ -10,8 +10,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from minimax_h3.kernels.fa3_attention import PINNED, Fa3Attention, fa3_fp8, fa3_fp8_emulated, unavailable
-from minimax_h3.kernels.fp8_attention import (DEFAULT_OPTIONS, E4M3, E4M3_MAX, Fp8Attention, Fp8AttentionOptions,
-                                              Fp8QKInput, quantize_qkv, static_qk_mult)
+from minimax_h3.kernels.fp8 import E4M3
+from minimax_h3.kernels.fp8_attention import (DEFAULT_OPTIONS, E4M3_MAX, Fp8Attention, Fp8AttentionOptions, Fp8QKInput,
+                                              quantize_qkv, static_qk_mult)
 from minimax_h3.kernels.layers import AttentionOutput, Fp8AttentionInput, Fp8AttentionOutput, fp8_rows_method
 from minimax_h3.kernels.registry import (REL_ERR_BOUND, AttentionCandidate, KernelConfig, KernelError,
                                          default_attention_candidates, rel_err, select_kernels)

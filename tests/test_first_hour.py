@@ -357,9 +357,10 @@ def test_the_stack_serving_a_folder_takes_it_by_any_path(tmp_path, model_cache):
     from client.checks import CheckError, check_running_stack
     from client.embedded import EmbeddedStack, StackConfig
     from client.endpoints import served_by
-    from client.stubs import Endpoints, Security
     from dit_svc.engine import embedded_config
     from minimax_h3.dit.tiny_checkpoint import write_tiny_checkpoint
+    from minimax_h3.services import Endpoints
+    from stagekit.channels import Security
     from tests.render_svc_util import SERVER_ENV
 
     folder = tmp_path / "models"

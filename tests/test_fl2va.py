@@ -194,7 +194,7 @@ def test_fl2va_sampling_loop_matches_diffusers(tiny_dit, keyframes):
 # Services (real processes)
 # ---------------------------------------------------------------------------------------------------------------
 def test_decoder_encode_image(clients):
-    from client.pipeline import encode_image
+    from render_svc.stage_calls import encode_image
 
     lat, res = encode_image(clients, _png(300, 200, 1), W, H)
     assert lat.shape == (24, 1, H // 16, W // 16) and lat.dtype == torch.float32 and torch.isfinite(lat).all()
@@ -229,7 +229,7 @@ def test_decoder_encode_image_rejects_bad_input(clients, req, needle):
 
 
 def test_encoder_keyframe_presentation_and_tags(clients):
-    from client.pipeline import encode
+    from render_svc.stage_calls import encode
 
     s0, t0, _ = encode(clients, "a fox", with_tags=True)
     assert (t0 == 1).all() and t0.shape == (s0.shape[0],)
@@ -253,8 +253,8 @@ def test_encoder_rejects_bad_keyframes(clients, req, needle):
 
 
 def test_dit_rejects_bad_keyframe_tensors(clients):
-    from client.pipeline import encode, sample
     from minimax_h3.contract import RenderSpec
+    from render_svc.stage_calls import encode, sample
 
     spec = RenderSpec(prompt="x", width=W, height=H, frames=F, steps=1, seed=1)
     s, _ = encode(clients, "x")

@@ -17,11 +17,12 @@ import torch.nn.functional as F
 
 from minimax_h3.dit.model import RMSNorm
 from minimax_h3.dit.ops import modulate
+from minimax_h3.kernels.fp8 import FP8_SCALE_FLOOR, Fp8Rows, quantize_fp8_rowwise
 from minimax_h3.kernels.fp8_attention import Fp8Attention, Fp8AttentionOptions, Fp8O, dequantize_o, e4m3_steps
 from minimax_h3.kernels.fp8_rows import (modulate_fp8, modulate_fp8_reference, o_rows_fp8, o_rows_fp8_reference,
                                          swiglu_fp8, swiglu_fp8_reference)
 from minimax_h3.kernels.layers import PLAIN, Fp8AttentionOutput, fp8_rows_method, linear_method
-from minimax_h3.kernels.registry import FP8_SCALE_FLOOR, Fp8RowwiseLinear, Fp8Rows, quantize_fp8_rowwise
+from minimax_h3.kernels.registry import Fp8RowwiseLinear
 
 from tests.triton_interp import REPO, needs_triton, run_bench_tiny, run_in_interpreter
 

@@ -219,7 +219,7 @@ def test_guide_render_mp4(clients, tmp_path):
 
 
 def test_dit_refuses_bad_guide_tensors(clients):
-    from client.pipeline import encode, sample
+    from render_svc.stage_calls import encode, sample
     from minimax_h3.contract import RenderSpec
 
     spec = RenderSpec(prompt="x", width=SW, height=SH, frames=SF, steps=1, seed=1)

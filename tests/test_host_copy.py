@@ -11,7 +11,6 @@ import grpc
 import pytest
 import torch
 
-from client.pipeline import sample
 from client.progress import print_status
 from dit_svc.engine import embedded_config
 from h3.v1 import common_pb2
@@ -20,6 +19,7 @@ from minimax_h3.dit.config import DiTConfig
 from minimax_h3.dit.tiny_checkpoint import write_tiny_checkpoint
 from minimax_h3.kernels.int8 import QuantizedWeight
 from minimax_h3.vae.video import load_video_vae, write_tiny_video_vae
+from render_svc.stage_calls import sample
 from stagekit import host_copy
 from stagekit import checkpoints
 from stagekit.checkpoints import TensorReader, open_checkpoint, prefault_host_copies, use_host_copies
@@ -27,8 +27,8 @@ from stagekit.device_worker import WORKER_ENV
 from stagekit.host_copy import GIB, HOST_RESERVE_BYTES, MEM_AVAILABLE_ENV, HostCopies, decide, to_device
 from tests.conftest import SERVER_ENV
 from tests.procs import alive, descendants, open_paths
-from tests.test_dit_checkpoint import assert_same_weights
 from tests.test_device_worker import SPEC, TEXT, clients, start, workers
+from tests.test_dit_checkpoint import assert_same_weights
 from tests.waits import wait_until
 
 ROOMY = str(64 * GIB)   # MemAvailable as the stages see it (injected): a 64 GB desktop at rest

@@ -30,11 +30,11 @@ import pytest
 import torch
 
 from client.embedded import EmbeddedStack, StackConfig
-from client.pipeline import sample
 from client.render_client import RenderClient
-from client.stubs import Endpoints, StageClients
 from h3.v1 import render_pb2
 from minimax_h3.contract import RenderSpec
+from minimax_h3.services import Endpoints, StageClients
+from render_svc.stage_calls import sample
 from stagekit.dist import RankInfo, multi_node_store_error
 from stagekit.hosts import NodeInfo, plan_hosts
 from stagekit.lease import DeviceLease, LeaseConfig, read_events

@@ -18,10 +18,11 @@ import threading
 import pytest
 import torch
 
-from client.pipeline import sample
-from client.stubs import SERVICE_NAMES, Endpoints, StageClients, health_of, open_channel
 from minimax_h3.contract import RenderSpec
+from minimax_h3.services import SERVICE_NAMES, Endpoints, StageClients
+from render_svc.stage_calls import sample
 from stagekit.budget import GIB, BudgetConfig, MemoryBudget
+from stagekit.channels import health_of, open_channel
 from stagekit.lease import read_events
 from tests.hosts_util import make_hosts
 from tests.procs import rank_pids

@@ -9,21 +9,10 @@ from minimax_h3.dit.config import DiTConfig
 from minimax_h3.dit.layout import build_layout
 from minimax_h3.dit.model import H3DiT
 from minimax_h3.kernels.int8 import QuantizedWeight, quantize_convrot
-from minimax_h3.kernels.registry import (
-                                         FP8_E4M3_MAX,
-                                         Fp8RowwiseLinear,
-                                         Fp8Unavailable,
-                                         KernelConfig,
-                                         KernelError,
-                                         LinearCandidate,
-                                         arch_key,
-                                         default_attention_candidates,
-                                         default_linear_candidates,
-                                         fp8_rowwise_reference,
-                                         quantize_fp8_rowwise,
-                                         rel_err,
-                                         select_kernels,
-                                         )
+from minimax_h3.kernels.fp8 import FP8_E4M3_MAX, quantize_fp8_rowwise
+from minimax_h3.kernels.registry import (Fp8RowwiseLinear, Fp8Unavailable, KernelConfig, KernelError, LinearCandidate,
+                                         arch_key, default_attention_candidates, default_linear_candidates,
+                                         fp8_rowwise_reference, rel_err, select_kernels)
 from tests.dit_ranks import random_inputs
 
 # Tiny probe so the whole file runs in a few seconds on 2 cores.

@@ -1,39 +1,120 @@
 """The package layout is the architecture: `stagekit` (model-agnostic serving) never imports the model package
-`minimax_h3`, the model package never imports a stage, no stage imports another, and `client` imports no stage
-(docs/design.md). The render service may import `client` (`client.pipeline`, `client.stubs`): the client package is
-the stage-call library the render service is built on, so the arrow points one way only. What the client cannot
+`minimax_h3`, the model package never imports a stage, no stage imports another, no stage imports `client`, and
+`client` imports no stage (docs/design.md). The render service owns its stage calls (`render_svc.stage_calls`); the
+one arrow from `client` into a stage is the load tester's to those calls (`ALLOWED`). What the thin client cannot
 check itself it asks of the render service over gRPC (its Submit), never by importing stage code."""
 
 from __future__ import annotations
 
 import ast
+import importlib
 from pathlib import Path
 
 import pytest
+
+from stagekit.engine import StageEngine
 
 ROOT = Path(__file__).resolve().parents[1]
 STAGES = ("encoder_svc", "dit_svc", "decoder_svc", "render_svc")
 FORBIDDEN = {
     "stagekit": ("minimax_h3", *STAGES, "client"),
     "minimax_h3": (*STAGES, "client"),
-    **{s: tuple(o for o in STAGES if o != s) for s in STAGES},
+    **{s: (*(o for o in STAGES if o != s), "client") for s in STAGES},
     "client": STAGES,
 }
+# (file, module) arrows the table above would forbid, each on purpose: the load tester sends the render service's own
+# stage calls, so one stage call is measured exactly as the render service makes it.
+ALLOWED = {("client/loadtest.py", "render_svc.stage_calls")}
 
 
-def imported_packages(path: Path) -> set[str]:
-    """Top-level names of every absolute import in a file, inside functions too."""
+def imported_modules(path: Path) -> set[str]:
+    """Every module a file imports absolutely, inside functions too."""
     out = set()
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
-            out |= {a.name.split(".")[0] for a in node.names}
+            out |= {a.name for a in node.names}
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            out.add(node.module.split(".")[0])
+            out.add(node.module)
     return out
+
+
+def forbidden_imports(path: Path, package: str) -> list[str]:
+    rel = str(path.relative_to(ROOT))
+    return sorted({m for m in imported_modules(path)
+                   if m.split(".")[0] in FORBIDDEN[package] and (rel, m) not in ALLOWED})
 
 
 @pytest.mark.parametrize("package", sorted(FORBIDDEN))
 def test_package_imports_only_downward(package):
-    bad = {str(p.relative_to(ROOT)): sorted(imported_packages(p) & set(FORBIDDEN[package]))
-           for p in sorted((ROOT / package).rglob("*.py"))}
+    bad = {str(p.relative_to(ROOT)): forbidden_imports(p, package) for p in sorted((ROOT / package).rglob("*.py"))}
     assert not {k: v for k, v in bad.items() if v}, f"{package} must not import {FORBIDDEN[package]}"
+
+
+def engine_probes(path: Path) -> list[str]:
+    """`getattr` / `hasattr` calls asking whether an engine has a hook: the hook named by a string, or any
+    attribute named by a string of an object whose expression mentions an engine."""
+    hooks = {n for n in vars(StageEngine) if not n.startswith("_")}
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                and node.func.id in ("getattr", "hasattr") and len(node.args) >= 2):
+            continue
+        obj, attr = node.args[0], node.args[1]
+        named = isinstance(attr, ast.Constant) and isinstance(attr.value, str)
+        if named and (attr.value in hooks or "engine" in ast.unparse(obj).lower()):
+            out.append(f"{path.relative_to(ROOT)}:{node.lineno}: {ast.unparse(node)}")
+    return out
+
+
+def test_engine_hooks_are_called_not_probed():
+    """The engine contract is `stagekit.engine.StageEngine`: every hook has a default, so stagekit calls hooks
+    plainly and never asks whether an engine has one."""
+    bad = [p for f in sorted((ROOT / "stagekit").rglob("*.py")) for p in engine_probes(f)]
+    assert not bad, "call the StageEngine hook (stagekit/engine.py gives it a default):\n" + "\n".join(bad)
+
+
+@pytest.mark.parametrize("package", ["encoder_svc", "dit_svc", "decoder_svc"])
+def test_every_stage_engine_is_a_stage_engine(package):
+    module = importlib.import_module(f"{package}.engine")
+    engines = [c for c in vars(module).values() if isinstance(c, type) and c.__module__ == module.__name__
+               and c.__name__.endswith("Engine")]
+    assert engines and all(issubclass(c, StageEngine) for c in engines), engines
+
+
+def module_graph(packages: tuple[str, ...]) -> dict[str, set[str]]:
+    """module -> the modules of `packages` it imports (absolute or relative, inside functions too)."""
+    files = {".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__"): p
+             for pkg in packages for p in (ROOT / pkg).rglob("*.py")}
+    graph = {}
+    for mod, path in files.items():
+        here = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
+        out = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                out |= {a.name for a in node.names if a.name in files}
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    up = here.split(".")[: len(here.split(".")) - node.level + 1]
+                    base = ".".join(up + ([node.module] if node.module else []))
+                out |= {f"{base}.{a.name}" if f"{base}.{a.name}" in files else base for a in node.names} & set(files)
+        graph[mod] = out - {mod}
+    return graph
+
+
+def test_no_import_cycles():
+    """No module imports (at its top or lazily, inside a function) one that imports it back: shared facts live in a
+    module below both (e.g. `stagekit/cuda.py`, `minimax_h3/kernels/fp8.py`)."""
+    graph = module_graph(("stagekit", "minimax_h3", "render_svc", "client", "encoder_svc", "dit_svc", "decoder_svc"))
+    cycles = []
+    for start in sorted(graph):  # a path from a module back to itself
+        seen, todo = set(), [(start, (start,))]
+        while todo:
+            mod, path = todo.pop()
+            for nxt in sorted(graph[mod]):
+                if nxt == start:
+                    cycles.append(" -> ".join((*path, start)))
+                elif nxt not in seen:
+                    seen.add(nxt)
+                    todo.append((nxt, (*path, nxt)))
+    assert not cycles, "import cycles:\n" + "\n".join(sorted(set(cycles)))

@@ -12,14 +12,15 @@ import pytest
 import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from client import pipeline
-from client.pipeline import decode, encode, sample
-from client.stubs import Security, StageClients
 from minimax_h3.contract import RenderSpec
+from minimax_h3.services import StageClients
+from render_svc import stage_calls
+from render_svc.stage_calls import decode, encode, sample
+from stagekit.channels import Security
 from stagekit.lease import read_events
 from stagekit.server import GRPC_OPTIONS
-from tests.waits import wait_until
 from tests.test_reliability import SLOW, TEXT, clients_for, start, start_sample_stream, status
+from tests.waits import wait_until
 
 N_CLIENTS = 8
 SPEC = RenderSpec(prompt="x", width=256, height=256, frames=22, steps=1, seed=9)
@@ -101,7 +102,7 @@ class _Recorder:
         return call
 
 
-def test_pipeline_passes_a_deadline_on_every_rpc(tmp_path):
+def test_stage_calls_pass_a_deadline_on_every_rpc(tmp_path):
     log = []
     fake = type("C", (), {})()
     fake.encoder = fake.dit = fake.decoder = _Recorder(log)
@@ -109,26 +110,28 @@ def test_pipeline_passes_a_deadline_on_every_rpc(tmp_path):
     for fn in (lambda: encode(fake, "x"), lambda: sample(fake, SPEC, TEXT),
                lambda: decode(fake, SPEC, torch.zeros(24, 7, 16, 16), torch.zeros(2, 32, SPEC.audio_latents),
                               tmp_path / "o.mp4")):
-        with pytest.raises(Exception):  # empty streams: the pipeline says the stage ended early
+        with pytest.raises(Exception):  # empty streams: the stage call says the stage ended early
             fn()
     assert [n for n, _ in log] == ["Encode", "Sample", "Decode"]
     for name, kw in log:
-        assert kw.get("timeout") and 0 < kw["timeout"] <= max(pipeline.DEADLINES.values()), (name, kw)
+        assert kw.get("timeout") and 0 < kw["timeout"] <= max(stage_calls.DEADLINES.values()), (name, kw)
     assert not list(tmp_path.iterdir()), "a failed decode leaves no partial file"
 
 
 def test_every_client_rpc_call_site_has_a_timeout():
-    """Static check over client/*.py: each stub RPC call passes timeout= (a hung stage never hangs the client)."""
+    """Static check over client/*.py and render_svc/*.py: each stub RPC call passes timeout= (a hung stage never
+    hangs the client or the render service)."""
     import ast
     from pathlib import Path
 
     rpcs = {"Encode", "Sample", "Decode", "Status", "Load", "Unload", "Warmup", "Check"}
     missing = []
-    for path in sorted(Path(pipeline.__file__).parent.glob("*.py")):
+    root = Path(stage_calls.__file__).parents[1]
+    for path in sorted([*(root / "client").glob("*.py"), *(root / "render_svc").glob("*.py")]):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in rpcs:
                 if not any(k.arg == "timeout" for k in node.keywords):
-                    missing.append(f"{path.name}:{node.lineno} {node.func.attr}")
+                    missing.append(f"{path.parent.name}/{path.name}:{node.lineno} {node.func.attr}")
     assert not missing, missing
 
 

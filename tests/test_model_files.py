@@ -23,8 +23,6 @@ import torch
 from safetensors.torch import save_file
 
 from client.embedded import EmbeddedStack, StackConfig
-from client.pipeline import decode_raw, sample
-from client.stubs import Endpoints, StageClients
 from decoder_svc.engine import AUDIO_EXCLUDE, AUDIO_PATTERNS, VIDEO_EXCLUDE, VIDEO_PATTERNS
 from dit_svc.engine import CHECKPOINT_EXCLUDE, CHECKPOINT_PATTERNS, embedded_config
 from encoder_svc.engine import CHECKPOINT_PATTERNS as TE_PATTERNS
@@ -35,12 +33,14 @@ from minimax_h3.dit.lora import LoRAFileError, check_lora_file, config_targets
 from minimax_h3.dit.sampling import SamplerConfig, sample as run_sampler
 from minimax_h3.dit.tiny_checkpoint import write_tiny_checkpoint
 from minimax_h3.files import EMBEDDED_VERSION, find_checkpoint
+from minimax_h3.services import Endpoints, StageClients
 from minimax_h3.text.checkpoint import TextEncoderCheckpoint
 from minimax_h3.text.conditioner import ConditionerConfig
 from minimax_h3.text.tiny import write_tiny_model
 from minimax_h3.vae.audio import AudioVAEConfig, inspect_audio_vae, load_audio_vae, write_tiny_audio_vae
 from minimax_h3.vae.video import (LATENTS_STD, VideoVAEConfig, inspect_video_vae, load_video_vae,
                                   write_tiny_video_vae)
+from render_svc.stage_calls import decode_raw, sample
 from stagekit.checkpoints import (CheckpointError, FiniteCheck, TensorReader, nonfinite_flag, open_checkpoint)
 from stagekit.errors import FailedPrecondition, Internal
 from stagekit.wire import check_result

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from client.embedded import EmbeddedStack, StackConfig
-from client.pipeline import decode, decode_raw, sample
-from client.stubs import Endpoints, StageClients
 from minimax_h3.contract import RenderSpec
+from minimax_h3.services import Endpoints, StageClients
+from render_svc.stage_calls import decode, decode_raw, sample
 from tests.conftest import SERVER_ENV
 
 SPEC = RenderSpec(prompt="x", width=256, height=256, frames=22, steps=3, seed=11)

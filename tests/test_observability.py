@@ -16,7 +16,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from client.__main__ import main as client_main
 from client.loadtest import LoadConfig, run_loadtest, scrape_request_counts
-from client.stubs import SERVICE_NAMES, STAGES, open_channel
+from minimax_h3.services import SERVICE_NAMES, STAGES
+from stagekit.channels import open_channel
 from stagekit.metrics import StageMetrics
 from tests.waits import wait_until
 
@@ -134,7 +135,7 @@ def test_loadtest_pipeline_renders_through_the_render_service(stack, tmp_path, c
 
 def test_loadtest_refuses_the_wrong_connection():
     from client.render_client import RenderClient
-    from client.stubs import Endpoints, StageClients
+    from minimax_h3.services import Endpoints, StageClients
 
     with StageClients(Endpoints()) as stages, pytest.raises(ValueError, match="render service"):
         run_loadtest(stages, LoadConfig(stage="pipeline", requests=1))

@@ -12,12 +12,12 @@ import sys
 import grpc
 import pytest
 
-from client.pipeline import encode, sample
 from client.render_client import render_request
 from h3.v1 import render_pb2
 from minimax_h3.contract import QUALITIES, RenderSpec
 from render_svc.engine import RenderResult, render_jobs
 from render_svc.http_api import render_request as http_render_request
+from render_svc.stage_calls import encode, sample
 from stagekit.errors import InvalidArgument
 from tests.render_svc_util import ROOT, RenderService
 

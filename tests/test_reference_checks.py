@@ -168,7 +168,7 @@ def test_submit_refuses_them_before_a_job_is_stored(svc, case):
 def test_nan_audio_is_the_callers_invalid_argument_at_the_decoder(clients):
     """The decoder stage's EncodeReference, called directly: a WAV holding NaN is INVALID_ARGUMENT naming the file,
     not an INTERNAL fault of the stage; the same stage then encodes a clean voice."""
-    from client.pipeline import encode_reference
+    from render_svc.stage_calls import encode_reference
 
     with pytest.raises(grpc.RpcError) as e:
         encode_reference(clients, common_pb2.Reference(kind="audio", data=float_wav(nan=True), name="nan.wav"), FRAMES)

@@ -172,11 +172,11 @@ def test_ref2va_render_through_the_stages(clients, tmp_path):
     embedded DiT's ref2va file, to a valid MP4; the DiT reports both partitions."""
     import av
 
-    from client.pipeline import encode
     from client.render_client import render_request
     from h3.v1 import common_pb2
     from minimax_h3.contract import RenderSpec
     from render_svc.engine import render
+    from render_svc.stage_calls import encode
 
     st = clients.dit.Status(common_pb2.StatusRequest(), timeout=30)
     assert set(st.partitions) == {"fl2va", "ref2va"}
@@ -201,8 +201,8 @@ def test_video_reference_presented_by_the_encoder(clients):
     """A clip with its soundtrack, through the encoder stage: "<Audio 1>: <Video 1>: <0.2 seconds>" + one block of
     video pads (22 frames at 24 fps: 2 frames read at 2 fps, one temporal patch) on its canvas (the embedded family's
     256 px short edge: 256 x 448; 768 x 1344 for H3)."""
-    from client.pipeline import encode
     from h3.v1 import common_pb2
+    from render_svc.stage_calls import encode
 
     ref = common_pb2.Reference(kind="video", data=media_mp4(n=40, fps=30), name="walk.mp4")
     states, tags, _ = encode(clients, "<Video 1> in the rain", with_tags=True, references=[ref], frames=FRAMES)

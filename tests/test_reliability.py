@@ -25,10 +25,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from client.embedded import EmbeddedStack, StackConfig
-from client.pipeline import decode, sample, sample_inputs
-from client.stubs import Endpoints, StageClients, health_of
 from h3.v1 import common_pb2, dit_pb2, tensor_pb2
 from minimax_h3.contract import RenderSpec, spec_from_proto, spec_to_proto, validate
+from minimax_h3.services import Endpoints, StageClients
+from render_svc.stage_calls import decode, sample, sample_inputs
+from stagekit.channels import health_of
 from stagekit.errors import InvalidArgument
 from stagekit.lease import read_events
 from stagekit.wire import MAX_CHUNK_BYTES, tensor_chunks

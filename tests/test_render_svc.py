@@ -26,8 +26,8 @@ import pytest
 import torch
 from PIL import Image
 
-from client.stubs import StageClients
 from h3.v1 import common_pb2, render_pb2
+from minimax_h3.services import StageClients
 from stagekit.lease import read_events
 from stagekit.transport import FileReceiver
 from tests.render_svc_util import ROOT, TERMINAL, RenderService, probe, tiny_request

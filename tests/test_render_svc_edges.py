@@ -42,9 +42,10 @@ from PIL import Image
 
 from client.embedded import EmbeddedStack, StackConfig
 from client.render_client import RenderClient
-from client.stubs import Endpoints, Security, StageClients
 from h3.v1 import common_pb2, render_pb2, render_pb2_grpc
 from minimax_h3.contract import MAX_PROMPT_BYTES
+from minimax_h3.services import Endpoints, StageClients
+from stagekit.channels import Security
 from tests.render_svc_util import (ROOT, SERVER_ENV, TERMINAL, RenderService, holding_the_device, probe,
                                    self_signed_cert, serving, tiny_request, token_file, wait_for)
 
@@ -276,7 +277,7 @@ def test_ten_thousand_jobs_leave_the_database_bounded(tmp_path):
     """Stages unreachable (each job fails at once): 10,000 jobs through --keep-jobs 100. The run dir is on tmpfs
     where there is one: the test is about what the database holds, not about the disk's fsync (8 ms here)."""
     dead = f"127.0.0.1:{_free_port()}"
-    from client.stubs import Endpoints
+    from minimax_h3.services import Endpoints
 
     shm = Path("/dev/shm")
     run = Path(tempfile.mkdtemp(dir=shm)) if shm.is_dir() and os.access(shm, os.W_OK) else tmp_path / "run"
@@ -324,7 +325,7 @@ def test_jobs_belong_to_their_principal(stack, tmp_path):
     page = f"http://127.0.0.1:{int((tmp_path / 'run' / 'render.port.http').read_text())}"
     chans = {}
     try:
-        from client.stubs import open_channel
+        from stagekit.channels import open_channel
 
         def stub(who):
             chans[who] = chans.get(who) or open_channel(svc.target)

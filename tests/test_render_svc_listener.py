@@ -25,7 +25,7 @@ import threading
 
 import pytest
 
-from client.stubs import Endpoints
+from minimax_h3.services import Endpoints
 from render_svc.http_api import MAX_FORM_PARTS
 from render_svc.server import RenderConfig
 from render_svc.store import SUCCEEDED, JobStore

@@ -20,8 +20,9 @@ import time
 import pytest
 
 from client.embedded import EmbeddedStack, StackConfig
-from client.stubs import Endpoints, grpc_target, open_channel, replicas_of
 from h3.v1 import common_pb2, dit_pb2_grpc, render_pb2
+from minimax_h3.services import Endpoints
+from stagekit.channels import grpc_target, open_channel, replicas_of
 from stagekit.device_worker import WORKER_ENV
 from stagekit.errors import FailedPrecondition
 from tests.render_svc_util import SERVER_ENV, holding_the_device, serving, tiny_request, wait_for

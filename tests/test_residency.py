@@ -31,12 +31,14 @@ import pytest
 import torch
 
 from client.embedded import EmbeddedStack, StackConfig
-from client.pipeline import decode, encode, sample
-from client.stubs import Security, StageClients, health_of, open_channel
 from h3.v1 import common_pb2, dit_pb2_grpc
 from minimax_h3.contract import RenderSpec
+from minimax_h3.services import StageClients
+from render_svc.stage_calls import decode, encode, sample
 from stagekit.budget import BudgetConfig, MemoryBudget
+from stagekit.channels import Security, health_of, open_channel
 from stagekit.dist import RankGroup, RankInfo
+from stagekit.engine import StageEngine
 from stagekit.errors import ResourceExhausted
 from stagekit.lease import DeviceLease, LeaseConfig, read_events
 from stagekit.runtime import Job, RuntimeConfig, StageRuntime
@@ -192,7 +194,7 @@ def test_budget_waits_in_line_and_admission_names_numbers(tmp_path):
     assert replay_budget(read_events(tmp_path)) <= 100
 
 
-class FakeEngine:
+class FakeEngine(StageEngine):
     """Load waits for `load_gate` (when given); each job waits for `run_gate` (when given) and records what ran.
     Gates, not durations: a test decides when a load or a job may finish, so a busy machine changes nothing."""
 
@@ -305,14 +307,17 @@ def test_idle_unload_and_step_aside_when_other_waits(tmp_path):
 
 
 class UnsizedEngine(FakeEngine):
-    """No `estimate_peak_bytes` (like the encoder), with or without a header-based `weight_bytes` (the decoder)."""
-
-    estimate_peak_bytes = None
+    """No estimate (like the encoder), with or without a header-based `weight_bytes` (the decoder)."""
 
     def __init__(self, weight_bytes: int | None = None):
         super().__init__()
-        if weight_bytes is not None:
-            self.weight_bytes = lambda: weight_bytes
+        self.hint = weight_bytes
+
+    def estimate_peak_bytes(self, spec, inputs):
+        return None
+
+    def weight_bytes(self):
+        return self.hint
 
 
 def _shared(tmp_path, holder, engine, budget_bytes=100):
@@ -413,7 +418,7 @@ class Stage:
 
     @property
     def clients(self):
-        class _C:  # what client.pipeline.sample needs
+        class _C:  # what render_svc.stage_calls.sample needs
             pass
 
         c = _C()

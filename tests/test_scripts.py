@@ -10,7 +10,8 @@ import sys
 import time
 from pathlib import Path
 
-from client.stubs import SERVICE_NAMES, health_of, open_channel
+from minimax_h3.services import SERVICE_NAMES
+from stagekit.channels import health_of, open_channel
 from tests.procs import alive, rank_pids
 from tests.waits import wait_until
 

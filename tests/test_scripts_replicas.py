@@ -12,8 +12,8 @@ import av
 import pytest
 
 from client.render_client import RenderClient
-from client.stubs import Endpoints, StageClients
 from h3.v1 import common_pb2
+from minimax_h3.services import Endpoints, StageClients
 from tests.test_scripts import run, started_by
 
 SMALL = ["--width", "256", "--height", "256", "--frames", "22", "--steps", "1"]

@@ -12,10 +12,11 @@ import pytest
 import torch
 
 from client.embedded import EmbeddedStack, StackConfig
-from client.pipeline import encode, sample
-from client.stubs import Endpoints, Security, StageClients, health_of, open_channel
 from h3.v1 import common_pb2, decoder_pb2, dit_pb2, encoder_pb2
 from minimax_h3.contract import RenderSpec, spec_to_proto
+from minimax_h3.services import Endpoints, StageClients
+from render_svc.stage_calls import encode, sample
+from stagekit.channels import Security, health_of, open_channel
 from stagekit.server import MAX_MESSAGE_BYTES, ServeConfig, check_exposure
 from stagekit.wire import tensor_chunks
 from tests.conftest import SERVER_ENV

@@ -18,14 +18,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from client.pipeline import sample as sample_rpc
-from client.stubs import Security, health_of, open_channel
 from h3.v1 import dit_pb2_grpc
 from minimax_h3.contract import RenderSpec
 from minimax_h3.dit.config import DiTConfig
 from minimax_h3.dit.layout import latent_shape, patchify_audio, patchify_video
 from minimax_h3.dit.sampling import SamplerConfig, sample
 from minimax_h3.dit.tiny_checkpoint import file_metadata, save_state_dict, tiny_state_dict
+from render_svc.stage_calls import sample as sample_rpc
+from stagekit.channels import Security, health_of, open_channel
 
 ROOT = Path(__file__).resolve().parents[1]
 SERVER_ENV = {"OMP_NUM_THREADS": "2", "MKL_NUM_THREADS": "2"}

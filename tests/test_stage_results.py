@@ -1,4 +1,4 @@
-"""What a stage sends back is checked against the contract's `RESULTS` by its caller (client/pipeline.py), and a
+"""What a stage sends back is checked against the contract's `RESULTS` by its caller (render_svc/stage_calls.py), and a
 result that breaks it is the stage's fault: INTERNAL naming the stage, never the caller's INVALID_ARGUMENT.
 
 A stand-in DiT servicer (the generated base class, on loopback) answers `Sample` with chosen tensors; the real
@@ -12,10 +12,10 @@ import grpc
 import pytest
 import torch
 
-from client.pipeline import sample
-from client.stubs import Endpoints, StageClients
 from h3.v1 import dit_pb2, dit_pb2_grpc
 from minimax_h3.contract import AUDIO_LATENTS, VIDEO_LATENTS, RenderSpec, result_rules, tensor_shapes
+from minimax_h3.services import Endpoints, StageClients
+from render_svc.stage_calls import sample
 from stagekit.errors import Internal, status_for
 from stagekit.wire import tensor_chunks
 

@@ -7,7 +7,6 @@ import grpc
 import pytest
 import torch
 
-from client.pipeline import sample
 from dit_svc.engine import DiTEngine, DiTEngineConfig, activation_bytes, target_rows
 from h3.v1 import common_pb2
 from minimax_h3.contract import RenderSpec
@@ -17,6 +16,7 @@ from minimax_h3.dit.model import H3DiT
 from minimax_h3.dit.streaming import GIB, SLOTS, BlockStream, Placement, plan_placement
 from minimax_h3.dit.tiny_checkpoint import write_tiny_checkpoint
 from minimax_h3.kernels.tuning import chunk_rows
+from render_svc.stage_calls import sample
 from stagekit.dist import RankGroup, RankInfo
 from stagekit.errors import ResourceExhausted
 from tests.test_residency import start_stages

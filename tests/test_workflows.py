@@ -38,10 +38,10 @@ from PIL import Image
 comfy_templates = pytest.importorskip("comfyui_workflow_templates_json")
 
 from client.__main__ import main as cli  # noqa: E402
-from client.workflow import apply_workflow, edited_graph, graph_problems  # noqa: E402
 from h3.v1 import render_pb2  # noqa: E402
 from minimax_h3.comfy import NODES, REFUSED, GraphError, interpret, read_workflow  # noqa: E402
 from minimax_h3.comfy.expr import ExpressionError, evaluate  # noqa: E402
+from minimax_h3.comfy.workflow import apply_workflow, edited_graph, graph_problems  # noqa: E402
 from minimax_h3.files import MODEL_FILES  # noqa: E402
 from tests.hub_server import FakeHub, HubFile  # noqa: E402
 from tests.render_svc_util import RenderService, probe, wait_for  # noqa: E402

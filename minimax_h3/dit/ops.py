@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from minimax_h3.kernels.registry import FP8_E4M3_MAX
+from minimax_h3.kernels.fp8 import FP8_E4M3_MAX
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

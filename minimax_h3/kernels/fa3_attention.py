@@ -22,6 +22,8 @@ import math
 
 import torch
 
+from .fp8 import E4M3, SOFTMAX_SCALE
+
 PACKAGE = "fa3-fwd"
 PINNED = "fa3-fwd==0.0.3"
 CAPABILITY = (9, 0)  # the wheel's kernels are built for Hopper
@@ -89,8 +91,6 @@ def fa3_fp8_emulated(q8: torch.Tensor, k8: torch.Tensor, v8: torch.Tensor, desca
     """fp32 emulation of `fa3_fp8` (any device; tests and small shapes: it holds the [H, S, S] scores): the softmax
     numerator exp(s - rowmax) rounded to e4m3 after scaling by 256 (FA3's fp8 max offset of 8 in log2), normalised
     by its fp32 row sum, O rounded to bf16."""
-    from .fp8_attention import E4M3, SOFTMAX_SCALE
-
     h, _, d = q8.shape
 
     def per_head(x: torch.Tensor) -> torch.Tensor:

@@ -48,16 +48,14 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from .fp8 import E4M3, SOFTMAX_SCALE
 from .triton_ops import tl, triton  # None without Triton: the torch quantiser serves
 from .tuning import launch_params
 
 log = logging.getLogger(__name__)
 
-E4M3 = torch.float8_e4m3fn
 E4M3_MAX = 448.0  # largest finite float8_e4m3fn value
 AMAX_FLOOR = 1e-12  # an all-zero tensor would otherwise divide by zero
-# Scale of the softmax numerator P~ in (0, 1] before its e4m3 cast: a power of two (exact in fp32), below 448.
-SOFTMAX_SCALE = 256.0
 # Scale of O before its e4m3 cast. O is a convex combination of V rows, so |O| <= max|V| = 448 in quantised
 # units; 0.5 keeps rounding of the softmax weights' sum away from e4m3's top (a NaN in e4m3fn), and costs no
 # precision (e4m3's relative step is the same across its normal range).

@@ -55,8 +55,8 @@ import torch
 
 from minimax_h3.dit.ops import modulate, swiglu
 
+from .fp8 import FP8_E4M3_MAX, FP8_SCALE_FLOOR, Fp8Rows, quantize_fp8_rowwise
 from .fp8_attention import dequantize_o
-from .registry import FP8_E4M3_MAX, FP8_SCALE_FLOOR, Fp8Rows, quantize_fp8_rowwise
 from .triton_ops import KernelFallback, interpreting, libdevice, log_once, tl, triton
 from .tuning import launch_params
 

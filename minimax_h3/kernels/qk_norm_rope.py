@@ -28,7 +28,7 @@ import torch
 
 from minimax_h3.dit.ops import qk_norm_rope_reference
 
-from .registry import FP8_E4M3_MAX
+from .fp8 import FP8_E4M3_MAX
 from .triton_ops import KernelFallback, interpreting, log_once, tl, triton
 from .tuning import launch_params
 

@@ -51,14 +51,16 @@ import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, NamedTuple, Sequence
+from typing import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from stagekit.errors import FailedPrecondition
+from .fp8 import Fp8Rows, quantize_fp8_rowwise
 from .int8 import DEFAULT_CONVROT_GROUPSIZE, Int8ConvRotLinear, QuantizedWeight, is_power_of_4, quantize_convrot
+from .layers import fp8_rows_method
 from .tuning import GPU_ARCHS, arch_key, fp8_fast_accum
 
 log = logging.getLogger(__name__)
@@ -67,8 +69,6 @@ AUTO = "auto"
 LINEAR_OP = "linear"
 ATTENTION_OP = "attention"
 
-FP8_E4M3_MAX = 448.0  # largest finite float8_e4m3fn value
-FP8_SCALE_FLOOR = 1e-12  # an all-zero row would otherwise divide by zero
 FP8_MIN_CAPABILITY = (8, 9)  # Ada / Hopper / Blackwell have fp8 tensor cores
 FP8_ALIGN = 16  # torch._scaled_mm needs K and N multiples of 16
 PROBE_ERROR_CHARS = 500  # of a rejected candidate's error kept for Status (cuDNN's reasons come at the end)
@@ -108,31 +108,6 @@ class Fp8Unavailable(KernelError):
 # =====================================================================================================================
 # fp8 row-wise linear
 # =====================================================================================================================
-
-
-class Fp8Rows(NamedTuple):
-    """Activation rows already quantised for an fp8 linear (as `quantize_fp8_rowwise` returns them): q [rows, K]
-    float8 e4m3, scale [rows, 1] fp32, row i = q[i] * scale[i]. Made by minimax_h3/kernels/fp8_rows.py's fused kernels
-    (modulation, SwiGLU, attention output); Fp8RowwiseLinear takes it in place of a tensor."""
-    q: torch.Tensor
-    scale: torch.Tensor
-
-
-def quantize_fp8_rowwise(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[R, C] -> (float8_e4m3fn [R, C], fp32 scale [R, 1]) with scale = absmax(row) / 448 (round to nearest).
-
-    This runs on every activation of every fp8 linear, so it is written for memory traffic: one reduction pass
-    (vector_norm(inf) reads the row once, no |t| temporary) and the multiply stays in a 16-bit input's own dtype
-    (bf16 x bf16 rounding before the 3-bit-mantissa fp8 rounding is negligible). The clamp matters: e4m3fn has no
-    inf, an out-of-range value would become NaN.
-    """
-    if t.ndim != 2:
-        raise ValueError(f"expected a 2-D tensor, got shape {tuple(t.shape)}")
-    work = t if t.dtype in (torch.bfloat16, torch.float16) else t.float()
-    amax = torch.linalg.vector_norm(work, ord=math.inf, dim=1, keepdim=True).float()
-    scale = (amax / FP8_E4M3_MAX).clamp(min=FP8_SCALE_FLOOR)
-    q = (work * (1.0 / scale).to(work.dtype)).clamp_(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
-    return q, scale
 
 
 def fp8_rowwise_reference(x: torch.Tensor | Fp8Rows, weight_fp8: torch.Tensor,
@@ -178,7 +153,6 @@ class Fp8RowwiseLinear(nn.Module):
                              f"got {in_features}/{out_features}; use a dense kernel for this layer")
         if out_dtype not in (torch.bfloat16, torch.float16, torch.float32):
             raise ValueError(f"out_dtype must be bf16, fp16 or fp32, got {out_dtype}")
-        from .layers import fp8_rows_method  # (layers imports the fused kernels, which import this module)
 
         arch = arch_key(device or "cpu") if arch is None else arch
         self.linear_method = fp8_rows_method(arch)

@@ -1,4 +1,4 @@
-"""Channels and stubs for the three stages and the render service (torch-free: the thin client imports this).
+"""gRPC channels to a service's replicas (torch-free: the thin client and the render service import this).
 
 An endpoint is a gRPC target: "127.0.0.1:50051", or several replicas "10.0.0.1:50051,10.0.0.2:50051" (also written
 "ipv4:10.0.0.1:50051,10.0.0.2:50051"), each optionally named ("a=10.0.0.1:50051,b=10.0.0.2:50051"), or
@@ -14,33 +14,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from h3.v1 import decoder_pb2_grpc, dit_pb2_grpc, encoder_pb2_grpc
 from stagekit.errors import FailedPrecondition
 from stagekit.transport import GRPC_OPTIONS
-
-STAGES = ("encoder", "dit", "decoder")
-SERVICE_NAMES = {"encoder": "h3.v1.TextEncoder", "dit": "h3.v1.DiTSampler", "decoder": "h3.v1.Decoder",
-                 "render": "h3.v1.Renderer"}
-_STUBS = {"encoder": encoder_pb2_grpc.TextEncoderStub, "dit": dit_pb2_grpc.DiTSamplerStub,
-          "decoder": decoder_pb2_grpc.DecoderStub}
-
-
-@dataclass
-class Endpoints:
-    encoder: str = ""
-    dit: str = ""
-    decoder: str = ""
-    render: str = ""  # the render service beside them, when one runs
-
-    def of(self, stage: str) -> str:
-        return getattr(self, stage)
-
-    @property
-    def stages(self) -> tuple[str, ...]:
-        """The stages with an address (a tool may look at any subset, e.g. a DiT started alone)."""
-        return tuple(s for s in STAGES if self.of(s))
-
 
 _NAME = re.compile(r"^[A-Za-z0-9_.-]{1,40}$")
 
@@ -114,63 +91,10 @@ def open_channel(target: str, security: Security | None = None) -> grpc.Channel:
     return grpc.insecure_channel(target, options=options)
 
 
-class StageClients:
-    """One channel + stub per stage with an address (`None` for the others); use as a context manager to close
-    them."""
-
-    def __init__(self, endpoints: Endpoints, security: Security | None = None):
-        self.endpoints = endpoints
-        self.security = security or Security()
-        self.channels = {s: open_channel(endpoints.of(s), self.security) for s in endpoints.stages}
-        for s in STAGES:
-            setattr(self, s, _STUBS[s](self.channels[s]) if s in self.channels else None)
-
-    def stub(self, stage: str):
-        return getattr(self, stage)
-
-    def close(self) -> None:
-        for ch in self.channels.values():
-            ch.close()
-
-    def __enter__(self) -> "StageClients":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-
 def health_of(channel: grpc.Channel, service: str = "", timeout_s: float = 2.0) -> str:
     """'SERVING' | 'NOT_SERVING' | 'UNREACHABLE'."""
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
     try:
         resp = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout_s)
         return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
     except grpc.RpcError:
         return "UNREACHABLE"
-
-
-# A status code in the words a user reads (the code names stay in logs and metrics).
-STATUS_WORDS = {
-    "INVALID_ARGUMENT": "refused", "FAILED_PRECONDITION": "the service cannot run this",
-    "RESOURCE_EXHAUSTED": "the service is busy or out of memory", "UNAVAILABLE": "the service does not answer",
-    "DEADLINE_EXCEEDED": "timed out", "CANCELLED": "cancelled", "NOT_FOUND": "not found",
-    "ALREADY_EXISTS": "already exists", "UNAUTHENTICATED": "not signed in (give --token or H3_TOKEN)",
-    "PERMISSION_DENIED": "not allowed", "INTERNAL": "the service failed", "UNKNOWN": "the service failed",
-    "UNIMPLEMENTED": "the service does not offer this (another version?)", "ABORTED": "aborted",
-    "OUT_OF_RANGE": "out of range", "DATA_LOSS": "data lost",
-}
-
-
-def status_words(code_name: str) -> str:
-    return STATUS_WORDS.get(code_name, code_name.lower().replace("_", " "))
-
-
-def rpc_words(e: grpc.RpcError) -> str:
-    """'refused: frames=100 is not valid ...' for a failed call."""
-    return f"{status_words(e.code().name)}: {e.details()}"
-
-
-def job_error_words(info) -> str:
-    """A failed job's error (JobInfo.error_code is a status code name) in words."""
-    return f"{status_words(info.error_code)}: {info.error}"

@@ -18,11 +18,11 @@ from pathlib import Path
 
 import torch
 
-from client.stubs import StageClients
 from h3.v1 import common_pb2, decoder_pb2, dit_pb2, encoder_pb2
 from minimax_h3.contract import (AUDIO_LATENTS, ENCODED_KEYFRAME, ENCODED_REFERENCE_AUDIO, ENCODED_REFERENCE_VIDEO,
                                  RAW_AUDIO, RAW_FRAMES, SAMPLE_OUTPUTS, TEXT_STATES, TEXT_TAGS, VIDEO_LATENTS,
                                  RenderSpec, ref_tensor, result_rules, spec_to_proto)
+from minimax_h3.services import StageClients
 from stagekit.errors import Internal
 from stagekit.transport import FileReceiver
 from stagekit.uploads import uploaded

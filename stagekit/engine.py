@@ -1,0 +1,97 @@
+"""The engine contract: what a stage implements for the job runtime (stagekit/runtime.py) and the device worker
+(stagekit/device_worker.py).
+
+A stage's engine subclasses `StageEngine`. It implements the four methods the runtime cannot do without (`load`,
+`unload`, `run`, `resident_bytes`); every other hook has a default that means "this engine has nothing to say",
+so the runtime and the worker call each hook plainly and an engine overrides only what it knows. Every method runs
+on every rank with the same arguments, except where a hook says otherwise.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, ClassVar
+
+
+class StageEngine:
+    """A stage's engine: load / unload / run on every rank, and the hooks the runtime asks."""
+
+    name: str = ""
+    # False for an engine with no device work: it is never moved into a device worker and takes no memory budget
+    # (no budget ledger written per job).
+    device_work: ClassVar[bool] = True
+
+    # ---- what every engine implements ---------------------------------------------------------------------------
+    def load(self) -> None:
+        """Make everything resident (an operator's Load; shared residency)."""
+        raise NotImplementedError
+
+    def unload(self) -> None:
+        """Drop every resident byte."""
+        raise NotImplementedError
+
+    def run(self, spec: Any, inputs: dict, ctx: Any) -> dict:
+        """One job: `spec` and its input tensors -> its outputs; `ctx` is the job's `stagekit.runtime.JobContext`
+        (progress, cancellation, the rank group)."""
+        raise NotImplementedError
+
+    def resident_bytes(self) -> int:
+        """Per-device bytes held now."""
+        raise NotImplementedError
+
+    # ---- hooks with defaults --------------------------------------------------------------------------------------
+    def load_for(self, spec: Any) -> None:
+        """Load only what the job `spec` needs (exclusive residency loads for the job at hand; an operator's Load
+        and shared residency load everything). Default: everything. The decoder's keyframe encode loads the VAE
+        encoder alone."""
+        self.load()
+
+    def estimate_peak_bytes(self, spec: Any, inputs: dict) -> int | None:
+        """Per-device peak bytes (weights + activations) of a job; `spec=None` means the weights alone. The runtime
+        uses it for admission (RESOURCE_EXHAUSTED at submit) and shared-residency reservations. None: the engine
+        cannot tell (the runtime then measures what a load holds)."""
+        return None
+
+    def weight_bytes(self) -> int | None:
+        """For an engine without an estimate: per-device weight bytes from the checkpoint headers, what a
+        shared-residency stage reserves for its first load. None: unknown (the first load reserves the whole budget,
+        so every idle stage on its devices steps aside once)."""
+        return None
+
+    def weight_files(self) -> list[Path] | None:
+        """The files the next load reads the weights from. The runtime notes which files they were at each load
+        (stagekit/file_identity.py), so Status says when one is deleted or replaced under the stage; a one-rank
+        device-worker stage keeps them in host memory between turns (stagekit/host_copy.py). None: the engine names
+        no files."""
+        return None
+
+    def derived_copies(self) -> dict[str, int]:
+        """What a load derives from the files that the stage may keep in host memory between turns beside them
+        ({key: bytes}; `stagekit.checkpoints.derived_key`). Default: nothing."""
+        return {}
+
+    def load_report(self) -> dict:
+        """Fields the last load adds to the `loaded` event (e.g. where its time went: `load_phases`)."""
+        return {}
+
+    def on_result(self, spec: Any, result: dict) -> None:
+        """Runs in the stage process with a finished job's outputs (rank 0), for state that must outlive a device
+        worker: the encoder's prompt cache."""
+
+    def worker_state(self) -> Any:
+        """What Status shows of the last job, handed by a device worker to its stage process's engine after each job
+        (`set_worker_state`); None: nothing."""
+        return None
+
+    def set_worker_state(self, state: Any) -> None:
+        """Take what a device worker's engine reported of its last job (`worker_state`)."""
+
+    def lost(self) -> bool:
+        """True when the engine lost its device state (its device worker died): the runtime unloads it after the
+        job, so the next job loads afresh."""
+        return False
+
+    @staticmethod
+    def prepare_process() -> None:
+        """Run by a device worker on standby, before its turn: heavy imports the first load would pay otherwise.
+        It must touch no device."""
