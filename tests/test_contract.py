@@ -250,7 +250,8 @@ def test_tensor_table():
     assert shapes[c.keyframe_tensor("last")] == (8, 1, 32, 16)
     assert shapes[c.ref_tensor(11, "image")] == (8, 1, None, None) and shapes[c.ref_tensor(0, "audio")] == (2, 4, None)
     assert {r.dtype for r in c.TENSORS.values()} == {"float", "int"} and c.TENSORS[c.TEXT_TAGS].dtype == "int"
-    assert len(c.TENSORS) == 4 + 2 + 3 * c.MAX_REFERENCES
+    assert len(c.TENSORS) == 4 + 2 + 3 * c.MAX_REFERENCES + (c.MAX_PROMPTS - 1) + 2  # + later prompts, guide
+    assert shapes[c.prompt_tensor(3)] == (None, 64) and c.prompt_tensor(0) == c.TEXT_STATES
     names = [c.keyframe_tensor("last"), c.TEXT_STATES, c.keyframe_tensor("first")]
     assert c.keyframe_anchors(names) == ("first", "last")
     assert c.has_references([c.ref_tensor(2, "video")]) and not c.has_references([c.TEXT_TAGS])
