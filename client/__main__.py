@@ -2,6 +2,8 @@
 
     python -m client render --prompt "..." -o out.mp4 [--width 832 --height 480 --frames 124 --steps 8 ...]
     python -m client render --prompts-file prompts.txt -o outdir/      (stage-batched by the render service)
+    python -m client render --prompt "..." --prompt "..." --seconds 60 -o long.mp4   (sampled in windows)
+    python -m client extend JOB_ID --seconds 10 --prompt "..." -o longer.mp4
     python -m client jobs list | get ID | watch ID | fetch ID [--wait] -o out.mp4 | cancel ID
     python -m client status
     python -m client loadtest --stage dit --concurrency 4 --requests 20
@@ -18,6 +20,7 @@ answer is an error (exit 1), never a silent fall-back to the tiny model.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import shlex
 import sys
@@ -28,7 +31,7 @@ from pathlib import Path
 import grpc
 
 from client.checks import (CheckError, check_for_local_stack, output_paths, read_keyframe, read_prompts,
-                           read_references, refuse_existing)
+                           read_references, refuse_existing, window_prompts)
 from client.command import self_command
 from client.embedded import StackStartError
 from client.endpoints import (DEFAULT_ENDPOINTS_FILE, EndpointError, add_endpoint_args, check_render_reachable,
@@ -37,10 +40,11 @@ from client.render_client import state_name
 from client.stubs import (SERVICE_NAMES, STAGES, Endpoints, Security, StageClients, health_of, job_error_words,
                           replicas_of, rpc_words)
 from h3.v1 import render_pb2
-from minimax_h3.contract import (DEFAULT_CRF, DEFAULT_FRAMES, DEFAULT_SIZE, DEFAULT_STEPS, MAX_AREA, MAX_ASPECT,
-                                 MAX_ASPECT_CHANGE, MAX_CRF, MAX_FRAMES, MAX_OUTPUT_SIDE, MAX_SIDE, MAX_STEPS,
-                                 MIN_FRAMES, MIN_SIDE, MIN_STEPS, SAMPLERS, SCHEDULERS, SIZE_MULTIPLE, RenderSpec,
-                                 check_output, validate)
+from minimax_h3.contract import (DEFAULT_CRF, DEFAULT_FRAMES, DEFAULT_SIZE, DEFAULT_STEPS, FPS, MAX_AREA,
+                                 MAX_ASPECT, MAX_ASPECT_CHANGE, MAX_CRF, MAX_FRAMES, MAX_OUTPUT_SIDE, MAX_SIDE,
+                                 MAX_STEPS, MAX_WINDOW_FRAMES, MIN_FRAMES, MIN_SIDE, MIN_STEPS, SAMPLERS, SCHEDULERS,
+                                 SIZE_MULTIPLE, WINDOW_FUSES, WINDOW_MODES, RenderSpec, check_output, snap_frames,
+                                 validate)
 from minimax_h3.files import EMBEDDED_NOTE
 from stagekit.errors import FailedPrecondition, InvalidArgument
 from stagekit.transport import MAX_MESSAGE_BYTES
@@ -49,10 +53,23 @@ from stagekit.transport import MAX_MESSAGE_BYTES
 MAX_REQUEST_BYTES = MAX_MESSAGE_BYTES - (64 << 10)
 
 
-def _spec(args, prompt: str) -> RenderSpec:
-    return RenderSpec(prompt=prompt, width=args.width, height=args.height, frames=args.frames, steps=args.steps,
+def _frames(args) -> int:
+    """--frames, or --seconds as the smallest valid frame count lasting at least that long."""
+    if args.seconds is None:
+        return args.frames if args.frames is not None else DEFAULT_FRAMES
+    if args.frames is not None:
+        raise CheckError("give --frames or --seconds, not both")
+    if not 0 < args.seconds <= MAX_FRAMES / FPS:
+        raise CheckError(f"--seconds {args.seconds:g}: give a length from 0 to {MAX_FRAMES / FPS:.1f} s")
+    return snap_frames(math.ceil(args.seconds * FPS - 1e-9))
+
+
+def _spec(args, prompt: str, more: tuple[tuple[str, ...], tuple[float, ...]] = ((), ())) -> RenderSpec:
+    return RenderSpec(prompt=prompt, width=args.width, height=args.height, frames=_frames(args), steps=args.steps,
                       seed=args.seed, sampler=args.sampler, scheduler=args.scheduler,
-                      video_shift=args.video_shift, audio_shift=args.audio_shift)
+                      video_shift=args.video_shift, audio_shift=args.audio_shift, window_frames=args.window_frames,
+                      window_overlap=args.window_overlap, window_mode=args.window_mode, window_fuse=args.window_fuse,
+                      more_prompts=more[0], prompt_starts=more[1])
 
 
 def parse_lora_arg(text: str) -> tuple[str, float]:
@@ -78,14 +95,14 @@ def parse_size(text: str) -> tuple[int, int]:
     return int(w), int(h)
 
 
-def _render_requests(args, prompts: list[str], keyframes: dict[str, bytes]):
+def _render_requests(args, prompts: list[str], keyframes: dict[str, bytes], more):
     from client.render_client import render_request
 
     loras = [parse_lora_arg(x) for x in args.lora or ()]
     upscale = parse_size(args.upscale) if args.upscale is not None else (0, 0)
     reqs = []
     for i, p in enumerate(prompts):
-        spec = _spec(args, p)  # valid: render_inputs validated it
+        spec = _spec(args, p, more)  # valid: render_inputs validated it
         check_output(spec, args.crf, *upscale)  # the render service's and the decoder's own rule
         key = f"{args.idempotency_key}-{i}" if args.idempotency_key and len(prompts) > 1 else args.idempotency_key
         reqs.append(render_request(spec, crf=args.crf, loras=loras, upscale=upscale, idempotency_key=key or "",
@@ -100,10 +117,17 @@ def _render_requests(args, prompts: list[str], keyframes: dict[str, bytes]):
 def render_inputs(args):
     """(requests, output paths) from the render flags, or CheckError: everything that can be refused
     without a stage (client/checks.py)."""
-    prompts = read_prompts(args.prompt, args.prompts_file)
+    given = args.prompt or []
+    if len(given) > 1 and args.prompts_file:
+        raise CheckError("--prompt given more than once makes one long render (a prompt per part); --prompts-file "
+                         "makes one render per line: use one or the other")
+    more = window_prompts(given, args.timed_prompt or [])
+    prompts = read_prompts(given[0] if given else None, args.prompts_file)
+    if any(more) and len(prompts) != 1:
+        raise CheckError("--timed-prompt adds to a single --prompt (not --prompts-file)")
     try:
         for p in prompts:
-            validate(_spec(args, p), need_prompt=True)
+            validate(_spec(args, p, more), need_prompt=True)
     except InvalidArgument as e:
         raise CheckError(e.message) from None
     keyframes = {f"{a}_frame": read_keyframe(getattr(args, f"{a}_frame"), f"--{a}-frame", args.width, args.height)
@@ -115,9 +139,9 @@ def render_inputs(args):
             raise CheckError("--ref does not combine with --first-frame/--last-frame: the model's reference "
                              "partition (ref2va) takes references only; give the frame as --ref image.png and say "
                              "in the prompt how the video uses <Picture 1>")
-        keyframes = {"references": read_references(args.ref, prompts, args.frames)}
+        keyframes = {"references": read_references(args.ref, prompts, _frames(args))}
     try:
-        reqs = _render_requests(args, prompts, keyframes)
+        reqs = _render_requests(args, prompts, keyframes, more)
     except ValueError as e:  # InvalidArgument included
         raise CheckError(getattr(e, "message", None) or str(e)) from None
     if args.detach:  # the MP4 stays with the render service until `jobs fetch`: no file here to name or check
@@ -238,6 +262,80 @@ def cmd_render(args) -> int:
             stack.stop()
 
 
+def cmd_extend(args) -> int:
+    """A new job continuing a finished one by --seconds, rendered to one MP4 of the stitched whole."""
+    from client.progress import RenderProgress, print_summary
+    from client.render_client import RenderClient
+
+    target = configured_render(args)
+    if not target:
+        print("error: no render service configured: start one with scripts/up.sh, or pass --render HOST:PORT",
+              file=sys.stderr)
+        return 1
+    security = Security(args.token, args.tls_ca)
+    try:
+        more = window_prompts(args.prompt, args.timed_prompt or [])
+        if args.seconds <= 0:
+            raise CheckError(f"--seconds {args.seconds:g}: give the seconds to add (above 0)")
+        out = Path(args.output or f"{args.job_id}-extended.mp4")
+        if not args.detach:
+            refuse_existing([out], args.overwrite)
+        ext = render_pb2.ExtendRequest(job_id=args.job_id, seconds=args.seconds, label=args.label,
+                                       idempotency_key=args.idempotency_key)
+        ext.params.prompt = args.prompt[0]
+        ext.params.more_prompts.extend(more[0])
+        ext.params.prompt_starts.extend(more[1])
+        ext.params.seed = args.seed
+        if args.steps is not None:
+            ext.params.steps = args.steps
+        check_render_reachable(args, target, security)
+        with RenderClient(target, security) as rc:
+            info = rc.extend(ext)
+            print(f"job {info.job_id} {state_name(info.state)}: extends {args.job_id} to {info.params.frames} frames "
+                  f"({info.windows})")
+            if args.detach:
+                return 0
+            with RenderProgress() as progress:
+                info = rc.follow(info.job_id, out, lambda ev: progress.update(ev.progress)
+                                 if ev.WhichOneof("event") == "progress" else None)
+            if info.state != render_pb2.JOB_SUCCEEDED:
+                print(f"error: job {info.job_id} {state_name(info.state)}: {job_error_words(info)}", file=sys.stderr)
+                return 1
+            print_summary(out, info.stages)
+            return 0
+    except CheckError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except EndpointError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except grpc.RpcError as e:
+        print(f"error: {rpc_words(e)}", file=sys.stderr)
+        return 2 if _refused(e) else 1
+
+
+def _add_extend_parser(sub) -> None:
+    x = sub.add_parser("extend", help="continue a finished job: one MP4 of the stitched whole",
+                       description="A new job that continues a finished one by --seconds, conditioned on its last "
+                                   "frames, at its size and settings, and writes the stitched whole as one MP4 "
+                                   "(docs/long_video.md).")
+    x.add_argument("job_id", help="the finished job to continue")
+    x.add_argument("--seconds", type=float, required=True, help="seconds to add")
+    x.add_argument("--prompt", action="append", required=True,
+                   help="what happens next (picture and sound); given again, the prompts take turns over the added part")
+    x.add_argument("--timed-prompt", action="append", metavar="SECONDS:TEXT",
+                   help="a later prompt, from that second of the stitched clip on (repeatable; after one --prompt)")
+    x.add_argument("--steps", type=int, help="sampling steps (default: the source job's)")
+    x.add_argument("--seed", type=int, default=0, help="0..2^63-1 (default: 0)")
+    x.add_argument("-o", "--output", help="the MP4 (default: JOB_ID-extended.mp4)")
+    x.add_argument("--overwrite", action="store_true", help="replace the -o file if it exists (default: refuse)")
+    x.add_argument("--detach", action="store_true", help="submit the extension, print its id and return")
+    x.add_argument("--label", default="", help="free text shown by `jobs list` and the web page")
+    x.add_argument("--idempotency-key", default="", help="a retried extend with the same key returns the same job")
+    add_endpoint_args(x.add_argument_group("where the service is"), render=True, stages=False)
+    x.set_defaults(fn=cmd_extend)
+
+
 def _print_job(info) -> None:
     p = info.progress
     where = f"{info.stage}" + (f" {p.phase} {p.step}/{p.total}" if p.total else f" {p.phase}" if p.phase else "")
@@ -250,6 +348,8 @@ def _print_job(info) -> None:
           f"{info.params.frames}  {size:>9}  {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(info.created_unix))}"
           f"  {info.label or info.params.prompt[:40]!r}" + ("  (output expired)" if info.output_expired else "")
           + (f"  {job_error_words(info)}" if info.error_code else ""))
+    if info.windows and not info.windows.startswith("one window"):
+        print(f"  windows: {info.windows}" + (f"; extends {info.extend_job_id}" if info.extend_job_id else ""))
 
 
 def cmd_jobs(args) -> int:
@@ -374,7 +474,11 @@ def _add_render_parser(sub) -> None:
                                    "service. Everything below is checked here first, by the service's own rules: a "
                                    "refusal exits 2 before anything starts.")
     what = r.add_argument_group("what to render")
-    what.add_argument("--prompt", help="what to generate (describe picture and sound)")
+    what.add_argument("--prompt", action="append",
+                      help="what to generate (describe picture and sound); given again, the prompts take turns over "
+                           "a long render, spread evenly (each window takes the one in effect: docs/long_video.md)")
+    what.add_argument("--timed-prompt", action="append", metavar="SECONDS:TEXT",
+                      help="a later prompt of a long render, from that second on (repeatable; after one --prompt)")
     what.add_argument("--prompts-file", help="one prompt per line; renders all, stage-batched, into the -o folder")
     what.add_argument("--first-frame", help="fl2va: PNG/JPEG the video starts from (fitted to --width x --height)")
     what.add_argument("--last-frame", help="fl2va: PNG/JPEG the video ends on (fitted to --width x --height)")
@@ -390,8 +494,11 @@ def _add_render_parser(sub) -> None:
     shape = r.add_argument_group("size, length and sampling")
     shape.add_argument("--width", type=int, default=DEFAULT_SIZE[0], help=f"{size_rule} (default: {DEFAULT_SIZE[0]})")
     shape.add_argument("--height", type=int, default=DEFAULT_SIZE[1], help=f"{size_rule} (default: {DEFAULT_SIZE[1]})")
-    shape.add_argument("--frames", type=int, default=DEFAULT_FRAMES,
-                       help=f"17n+5, {MIN_FRAMES}..{MAX_FRAMES}, at 24 fps (default: {DEFAULT_FRAMES} = 5.2 s)")
+    shape.add_argument("--frames", type=int,
+                       help=f"17n+5, {MIN_FRAMES}..{MAX_FRAMES}, at 24 fps (default: {DEFAULT_FRAMES} = 5.2 s); past "
+                            f"{MAX_WINDOW_FRAMES} the render is sampled in windows")
+    shape.add_argument("--seconds", type=float,
+                       help="instead of --frames: the length in seconds (the smallest valid frame count that long)")
     shape.add_argument("--steps", type=int, default=DEFAULT_STEPS,
                        help=f"sampling steps, {MIN_STEPS}..{MAX_STEPS} (default: {DEFAULT_STEPS})")
     shape.add_argument("--seed", type=int, default=0,
@@ -402,6 +509,17 @@ def _add_render_parser(sub) -> None:
                        help="0 or 0.1..100; 0 = the model's default, 12 (default: 0)")
     shape.add_argument("--audio-shift", type=float, default=0.0,
                        help="0 or 0.1..100; 0 = the model's default, 3 (default: 0)")
+    long = r.add_argument_group("long video (default: the product's pick, docs/long_video.md)")
+    long.add_argument("--window-frames", type=int, default=0,
+                      help=f"frames per window, 17n+5 up to {MAX_WINDOW_FRAMES} (default: one window up to "
+                           f"{MAX_WINDOW_FRAMES} frames, else 175)")
+    long.add_argument("--window-overlap", type=int, default=0,
+                      help="frames two windows share, 17m+5 (default: 22 continuation, 39 fused)")
+    long.add_argument("--window-mode", default="", choices=("", *WINDOW_MODES),
+                      help="continuation: each window on the previous one's tail (default); fused: overlapping windows "
+                           "averaged at every step")
+    long.add_argument("--window-fuse", default="", choices=("", *WINDOW_FUSES),
+                      help="fused windows' weights (default: pyramid)")
     out = r.add_argument_group("output")
     out.add_argument("-o", "--output",
                      help="output MP4 (default: out.mp4; none with --detach); a folder (a trailing / or an existing directory) gets "
@@ -430,6 +548,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog=self_command(), description="h3-stages client")
     sub = ap.add_subparsers(dest="cmd", required=True)
     _add_render_parser(sub)
+    _add_extend_parser(sub)
     j = sub.add_parser("jobs", help="the render service's jobs: list | get | watch | fetch | cancel")
     j.add_argument("action", choices=("list", "get", "watch", "fetch", "cancel"))
     j.add_argument("job_id", nargs="?", help="job id (all actions but list)")

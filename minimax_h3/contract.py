@@ -459,18 +459,23 @@ PARTITIONS = (FL2VA, REF2VA)
 
 
 T2VA = "t2va"      # text alone (sampled by the fl2va file)
-# The render stages each mode walks, in order (`keyframes`: the decoder's VAE encoders, for keyframes or references).
+EXTEND = "extend"  # an extension whose source kept its latents (its guide is cut from them)
+EXTEND_REENCODE = "extend_reencode"  # an extension whose guide is re-encoded from the source's MP4 (EncodeTail)
+# The render stages each mode walks, in order (`keyframes`: the decoder's VAE encoders, for keyframes, references or
+# an extension's guide).
 RENDER_PLANS: dict[str, tuple[str, ...]] = {
     T2VA: ("encoder", "dit", "decoder"),
     FL2VA: ("keyframes", "encoder", "dit", "decoder"),
     REF2VA: ("keyframes", "encoder", "dit", "decoder"),
+    EXTEND: ("encoder", "dit", "decoder"),
+    EXTEND_REENCODE: ("keyframes", "encoder", "dit", "decoder"),
 }
 
 
-def render_mode(keyframes: bool, references: bool) -> str:
-    """The mode (key of RENDER_PLANS) of a request: ref2va with references, fl2va with first/last keyframes, else
-    t2va."""
-    return REF2VA if references else FL2VA if keyframes else T2VA
+def render_mode(keyframes: bool, references: bool, extension: str = "") -> str:
+    """The mode (key of RENDER_PLANS) of a request: an extension's (`extension`: EXTEND or EXTEND_REENCODE), ref2va
+    with references, fl2va with first/last keyframes, else t2va."""
+    return extension or (REF2VA if references else FL2VA if keyframes else T2VA)
 
 
 def needed_partition(wants_references: bool) -> str:

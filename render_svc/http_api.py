@@ -5,6 +5,8 @@ jobs, owners, idempotency keys and limits as the gRPC `Renderer` (render_svc/ser
     GET  /v1/videos                       list, newest first (`limit`, `after`, `order`)
     GET  /v1/videos/{video_id}            the video object: status, progress, error
     POST /v1/videos/{video_id}/cancel     cancel a queued or running job -> the video object
+    POST /v1/videos/extensions            extend a finished video (`video` id, `prompt`, `seconds` to add) -> a new
+                                          video object whose `seconds` is the stitched total (docs/long_video.md)
     GET  /v1/videos/{video_id}/content    the finished MP4 (HTTP Range requests)
     GET  /v1/openapi.json                 this API's OpenAPI 3.1 description (render_svc/openapi.json)
 
@@ -34,7 +36,7 @@ from urllib.parse import parse_qs
 import grpc
 
 from h3.v1 import render_pb2
-from minimax_h3.contract import FPS, snap_frames, spec_from_proto
+from minimax_h3.contract import FPS, plan_windows, snap_frames, spec_from_proto
 from render_svc.planner import STAGES
 from render_svc.store import CANCELLED, FAILED, QUEUED, RUNNING, SUCCEEDED, JobRecord
 from stagekit.errors import FailedPrecondition, InvalidArgument, NotFound, StageError, status_for
@@ -118,6 +120,7 @@ def video_object(rec: JobRecord, queue_position: int = 0) -> dict:
         "steps": spec.steps, "seed": spec.seed, "prompt": spec.prompt, "label": req.label,
         "stage": rec.stage, "queue_position": queue_position, "attempts": rec.attempts, "error": error,
         "output_bytes": rec.output_bytes, "content_expired": rec.expired,
+        "windows": plan_windows(spec).describe(), "extended_from_video_id": req.extend_job_id or None,
     }
 
 
@@ -238,6 +241,43 @@ def render_request(body, idempotency_key: str) -> render_pb2.RenderRequest:
     return req
 
 
+EXTEND_FIELDS = ("prompt", "seconds", "video", "model", "steps", "seed", "label")
+
+
+def extend_request(body, idempotency_key: str) -> render_pb2.ExtendRequest:
+    """An extension request's JSON (or form: `video[id]`, as OpenAI's SDK sends a video reference) -> the
+    ExtendRequest gRPC's Extend takes. `video` names a finished video of this service: {"id": ID} or the id itself;
+    `seconds` is the length to add (the new video's `seconds` is the stitched total)."""
+    if not isinstance(body, dict):
+        raise InvalidArgument("the request body must be a JSON object")
+    if "video[id]" in body:
+        body = {**{k: v for k, v in body.items() if k != "video[id]"}, "video": {"id": body["video[id]"]}}
+    unknown = sorted(set(body) - set(EXTEND_FIELDS))
+    if unknown:
+        raise InvalidArgument(f"unknown field(s) {', '.join(unknown)[:200]}; the fields are {', '.join(EXTEND_FIELDS)}")
+    video = body.get("video")
+    video_id = video.get("id") if isinstance(video, dict) else video
+    if not isinstance(video_id, str) or not video_id:
+        raise InvalidArgument("video must name a finished video of this service: {\"id\": VIDEO_ID} (a file upload "
+                              "is not taken: extend a video this service rendered)")
+    if body.get("model") not in (None, MODEL):
+        raise InvalidArgument(f"model {str(body['model'])[:40]!r} is not served here; this service serves {MODEL!r}")
+    try:
+        seconds = float(body.get("seconds", "nan"))
+    except (TypeError, ValueError):
+        seconds = math.nan
+    if not math.isfinite(seconds) or not 0 < seconds <= 3600:
+        raise InvalidArgument(f"seconds must be the positive number of seconds to add, got "
+                              f"{json.dumps(body.get('seconds'))[:40]}")
+    ext = render_pb2.ExtendRequest(job_id=video_id, seconds=seconds, label=_str(body, "label"),
+                                   idempotency_key=idempotency_key)
+    ext.params.prompt = _str(body, "prompt")
+    if (steps := _int(body, "steps")) is not None:
+        ext.params.steps = steps
+    ext.params.seed = _int(body, "seed", 0, MAX_SEED) or 0
+    return ext
+
+
 FORM_INTS = ("frames", "steps", "seed", "crf")  # form fields are text: these are read as integers
 FORM_FILES = {"input_reference": "first_frame", "first_frame": "first_frame", "last_frame": "last_frame"}
 
@@ -294,6 +334,7 @@ class Route:
 
 ROUTES = (
     Route("POST", "/v1/videos", "create"),
+    Route("POST", "/v1/videos/extensions", "extend"),
     Route("GET", "/v1/videos", "list"),
     Route("GET", "/v1/videos/{video_id}", "get"),
     Route("POST", "/v1/videos/{video_id}/cancel", "cancel"),
@@ -396,7 +437,8 @@ class VideoAPI:
         return b"".join(parts)
 
     # ---- the actions ------------------------------------------------------------------------------------------------
-    def create(self, h, who: Principal, query: dict) -> None:
+    def _request_body(self, h) -> dict:
+        """A JSON or multipart/form-data body (415 for another type)."""
         full_type = h.headers.get("Content-Type", "")
         ctype = full_type.split(";")[0].strip().lower()
         if ctype not in ("application/json", "multipart/form-data"):
@@ -404,15 +446,20 @@ class VideoAPI:
                             f"a form (multipart/form-data), got {ctype[:60] or 'none'!r}")
         raw = self._body(h, MAX_BODY_BYTES)
         if ctype == "multipart/form-data":
-            body = form_fields(full_type, raw)
-        else:
-            try:
-                body = json.loads(raw)
-            except (ValueError, RecursionError) as e:
-                raise InvalidArgument(f"the body is not valid JSON ({str(e)[:120]})") from None
-        key = h.headers.get("Idempotency-Key", "")
-        req = render_request(body, key)
-        info = self.svc.submit(req, who.name)
+            return form_fields(full_type, raw)
+        try:
+            return json.loads(raw)
+        except (ValueError, RecursionError) as e:
+            raise InvalidArgument(f"the body is not valid JSON ({str(e)[:120]})") from None
+
+    def create(self, h, who: Principal, query: dict) -> None:
+        req = render_request(self._request_body(h), h.headers.get("Idempotency-Key", ""))
+        info = self.svc.submit(req, who.name, who.admin)
+        self._json(h, 200, video_object(self.svc.store.get(info.job_id), info.queue_position))
+
+    def extend(self, h, who: Principal, query: dict) -> None:
+        ext = extend_request(self._request_body(h), h.headers.get("Idempotency-Key", ""))
+        info = self.svc.extend(ext, who.name, who.admin)
         self._json(h, 200, video_object(self.svc.store.get(info.job_id), info.queue_position))
 
     def get(self, h, who: Principal, query: dict, video_id: str) -> None:

@@ -24,6 +24,7 @@ import fcntl
 import hashlib
 import json
 import os
+import shutil
 import sqlite3
 import threading
 import time
@@ -32,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from h3.v1 import common_pb2, render_pb2
+from minimax_h3.contract import plan_windows, spec_from_proto
 from stagekit.errors import AlreadyExists, FailedPrecondition, NotFound, ResourceExhausted
 
 QUEUED, RUNNING = render_pb2.JOB_QUEUED, render_pb2.JOB_RUNNING
@@ -113,7 +115,8 @@ class JobRecord:
             finished_unix=self.finished, error_code=self.error_code, error=self.error,
             output_bytes=self.output_bytes, output_expired=self.expired, events=self.n_events, stages=self.runs,
             label=req.label, width=width, height=height, queue_position=queue_position,
-            references=[_without_data(r) for r in req.references])
+            references=[_without_data(r) for r in req.references],
+            windows=plan_windows(spec_from_proto(req.params)).describe(), extend_job_id=req.extend_job_id)
         if not with_prompt:
             info.params.ClearField("prompt")
         return info
@@ -141,6 +144,13 @@ def _idem(owner: str, key: str) -> str | None:
 
 
 KEYFRAME_FIELDS = (("first", "first_frame"), ("last", "last_frame"))
+SOURCE, GUIDE = "source", "guide"  # an extension's stored files: its source's MP4, the guide cut from its latents
+LATENTS_SUFFIX = ".latents.safetensors"
+
+
+def latents_path(output: Path) -> Path:
+    """Where a job with MP4 `output` keeps its final latents (docs/long_video.md, "Extend")."""
+    return Path(output).with_suffix(LATENTS_SUFFIX)
 
 
 def _without_data(ref: common_pb2.Reference) -> common_pb2.Reference:
@@ -388,9 +398,10 @@ class JobStore:
         row = self.db.execute("SELECT * FROM jobs WHERE id = ?", (job_id,)).fetchone()
         self._append(job_id, job=_record(row).info(with_prompt=False))
 
-    def _store_keyframes(self, req: render_pb2.RenderRequest) -> dict[str, str]:
+    def _store_keyframes(self, req: render_pb2.RenderRequest, files: dict[str, Path] | None = None) -> dict[str, str]:
         """Write the request's keyframe images and reference files (once per content) under keyframes/, the upload
-        store's folder (uploaded files are there already); anchor or `ref{i}` -> digest."""
+        store's folder (uploaded files are there already), and `files` from disk (an extension's source MP4 and
+        guide: hard-linked when they share the file system); anchor, `ref{i}` or the `files` key -> digest."""
         digests = _digests(req)
         for what, data in _files(req).items():
             if not (self.keyframe_dir / digests[what]).exists():
@@ -400,6 +411,17 @@ class JobStore:
                     f.flush()
                     os.fsync(f.fileno())
                 tmp.replace(self.keyframe_dir / digests[what])
+        for what, path in (files or {}).items():
+            digests[what] = digest = _file_digest(path)
+            target = self.keyframe_dir / digest
+            if not target.exists():
+                tmp = self.keyframe_dir / f".{digest}.{os.getpid()}"
+                tmp.unlink(missing_ok=True)
+                try:
+                    os.link(path, tmp)
+                except OSError:
+                    shutil.copyfile(path, tmp)
+                tmp.replace(target)
         return digests
 
     def files_in_use(self) -> set[str]:
@@ -416,17 +438,19 @@ class JobStore:
                                (QUEUED, RUNNING, f"%{d}%")).fetchone() is None:
                 (self.keyframe_dir / d).unlink(missing_ok=True)
 
-    def submit(self, req: render_pb2.RenderRequest, owner: str = "", max_queued: int = 0) -> tuple[JobRecord, bool]:
+    def submit(self, req: render_pb2.RenderRequest, owner: str = "", max_queued: int = 0,
+               files: dict[str, Path] | None = None) -> tuple[JobRecord, bool]:
         """(record, created). A known idempotency key of the same owner returns its job (created=False); the same
         key with a different request is ALREADY_EXISTS. With `max_queued`, a new job beyond that many queued ones
-        is RESOURCE_EXHAUSTED (checked in the same transaction as the insert: the bound holds exactly)."""
+        is RESOURCE_EXHAUSTED (checked in the same transaction as the insert: the bound holds exactly). `files`:
+        files the job needs beside its request (an extension's), stored like its keyframes."""
         key = _idem(owner, req.idempotency_key)
         with self.changed:
             if key is not None:
                 row = self.db.execute("SELECT * FROM jobs WHERE idem_key = ?", (key,)).fetchone()
                 if row is not None:
                     rec = _record(row)
-                    if _request_matches(rec, req):
+                    if _request_matches(rec, req, {k: _file_digest(p) for k, p in (files or {}).items()}):
                         return rec, False
                     raise AlreadyExists(f"idempotency key {req.idempotency_key!r} already names your job {rec.id} "
                                         "with a different request; use a new key for a new render")
@@ -434,7 +458,7 @@ class JobStore:
                 queued = self.db.execute("SELECT COUNT(*) FROM jobs WHERE state = ?", (QUEUED,)).fetchone()[0]
                 if queued >= max_queued:
                     raise ResourceExhausted(f"{queued} jobs are queued (--max-jobs-queued {max_queued}); retry later")
-            digests = self._store_keyframes(req)
+            digests = self._store_keyframes(req, files)
             job_id = uuid.uuid4().hex[:16]
             with self.db:
                 self.db.execute("INSERT INTO jobs (id, idem_key, request, state, created, owner, keyframes) "
@@ -553,7 +577,8 @@ class JobStore:
     def expire(self, keep_jobs: int, keep_bytes: int, keep_age_s: float) -> list[str]:
         """Retention (0 = no limit on that axis): finished jobs beyond the newest `keep_jobs`, or finished more than
         `keep_age_s` ago, are deleted (row and events); the MP4s of the kept ones beyond `keep_bytes` (oldest first,
-        never the newest) are marked expired. Returns the output paths to delete (after the commit)."""
+        never the newest; a job's kept latents count with its MP4) are marked expired. Returns the paths to delete
+        (after the commit): each MP4 and its latents."""
         now = time.time()
         with self.changed:
             rows = self.db.execute("SELECT id, output, output_bytes, finished, expired, state FROM jobs "
@@ -564,7 +589,7 @@ class JobStore:
                     delete.append(r)
                     continue
                 if r["state"] == SUCCEEDED and not r["expired"] and r["output"]:
-                    total += r["output_bytes"]
+                    total += r["output_bytes"] + _size(latents_path(Path(r["output"])))
                     if keep_bytes and total > keep_bytes and k > 0:
                         expire.append(r)
             if delete or expire:
@@ -575,9 +600,27 @@ class JobStore:
                         self.db.executemany("DELETE FROM jobs WHERE id = ?", ids)
                     self.db.executemany("UPDATE jobs SET expired = 1 WHERE id = ?", [(r["id"],) for r in expire])
                 self.changed.notify_all()
-            return [r["output"] for r in delete + expire if r["output"]]
+            return [p for r in delete + expire if r["output"]
+                    for p in (r["output"], str(latents_path(Path(r["output"]))))]
 
 
-def _request_matches(rec: JobRecord, req: render_pb2.RenderRequest) -> bool:
-    """Same render? The stored request holds no keyframe images: compare it without them, and their digests."""
-    return rec.request.SerializeToString(deterministic=True) == _without_images(req) and rec.keyframes == _digests(req)
+def _request_matches(rec: JobRecord, req: render_pb2.RenderRequest, files: dict[str, str]) -> bool:
+    """Same render? The stored request holds no keyframe images: compare it without them, and their digests (and
+    those of the files beside it)."""
+    return (rec.request.SerializeToString(deterministic=True) == _without_images(req)
+            and rec.keyframes == {**_digests(req), **files})
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except FileNotFoundError:
+        return 0
+
+
+def _file_digest(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()

@@ -52,16 +52,18 @@ class RenderRequest(_message.Message):
     def __init__(self, params: _Optional[_Union[_common_pb2.RenderParams, _Mapping]] = ..., loras: _Optional[_Iterable[_Union[_dit_pb2.LoraSpec, _Mapping]]] = ..., crf: _Optional[int] = ..., first_frame: _Optional[bytes] = ..., last_frame: _Optional[bytes] = ..., upscale_width: _Optional[int] = ..., upscale_height: _Optional[int] = ..., idempotency_key: _Optional[str] = ..., label: _Optional[str] = ..., references: _Optional[_Iterable[_Union[_common_pb2.Reference, _Mapping]]] = ..., extend_job_id: _Optional[str] = ...) -> None: ...
 
 class ExtendRequest(_message.Message):
-    __slots__ = ("job_id", "params", "idempotency_key", "label")
+    __slots__ = ("job_id", "params", "idempotency_key", "label", "seconds")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
     IDEMPOTENCY_KEY_FIELD_NUMBER: _ClassVar[int]
     LABEL_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     params: _common_pb2.RenderParams
     idempotency_key: str
     label: str
-    def __init__(self, job_id: _Optional[str] = ..., params: _Optional[_Union[_common_pb2.RenderParams, _Mapping]] = ..., idempotency_key: _Optional[str] = ..., label: _Optional[str] = ...) -> None: ...
+    seconds: float
+    def __init__(self, job_id: _Optional[str] = ..., params: _Optional[_Union[_common_pb2.RenderParams, _Mapping]] = ..., idempotency_key: _Optional[str] = ..., label: _Optional[str] = ..., seconds: _Optional[float] = ...) -> None: ...
 
 class StageRun(_message.Message):
     __slots__ = ("stage", "wall_s", "timing", "batch", "batch_size", "waited_batches", "replica")

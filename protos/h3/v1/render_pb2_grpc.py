@@ -167,7 +167,8 @@ class RendererServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Extend(self, request, context):
-        """A new job that continues a finished one to `params.frames` frames in all (the stitched whole, as one MP4): its
+        """A new job that continues a finished one to `params.frames` frames in all, or by `seconds` (the stitched whole,
+        as one MP4): its
         sampling is conditioned on the source's last frames (latents kept with the source job, or re-encoded from its
         MP4 when they are gone). Unset params take the source's; the canvas, MP4 size and LoRAs are the source's.
         """
