@@ -88,7 +88,7 @@ def test_extend_through_the_cli_continues_the_kept_latents(svc, long_job, tmp_pa
     assert r.returncode == 0, r.stderr[-3000:]
     assert f"extends {job} to 90 frames" in r.stdout  # 56 frames + 1 s: the smallest 17n+5 past 80
     m = assert_one_mp4(out, 90)
-    assert _psnr(m["first"], media(src)["first"]) > 30  # the stitched whole opens with the source clip
+    assert _psnr(m["first"], media(src)["first"]) > 25  # the stitched whole opens with the source clip
     ext = svc.stub.List(render_pb2.ListRequest(limit=1), timeout=10).jobs[0]
     assert ext.extend_job_id == job and ext.params.prefix_frames == 56 and ext.params.frames == 90
     assert ext.windows == "continuation: 1 window of 175 frames, overlap 22 (picked)"
