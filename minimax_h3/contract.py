@@ -538,9 +538,9 @@ SINGLE, FUSED, CONTINUATION = "single", "fused", "continuation"
 WINDOW_MODES = (FUSED, CONTINUATION)
 WINDOW_FUSES = ("pyramid", "flat", "overlap-linear")
 MIN_WINDOW_FRAMES = 2 * FRAME_CLIP + FRAME_OFFSET  # 39: a window adds at least one clip beside its overlap
-# The product's pick, for renders past one window: 175-frame (7.3 s) windows. A window of 960x544 is about 27k packed
-# rows, whose activations stay near 4 GiB beside the streamed DiT on a 22 GB card, and whose attention costs less
-# per generated second than one 15 s window (docs/long_video.md, "The pick").
+# The product's pick, for renders past one window: 175-frame (7.3 s) windows. A window of 960x544 with its guide is
+# 31k packed rows (~4 GiB of activations beside the streamed DiT on a 22 GB card) and costs less per generated second
+# than one 15 s window of 56k rows (docs/long_video.md, "Windows").
 DEFAULT_WINDOW_FRAMES = 175
 DEFAULT_OVERLAP = MappingProxyType({CONTINUATION: 22, FUSED: 39})  # vLLM-Omni's guide; ComfyUI's context_overlap
 DEFAULT_MODE = CONTINUATION
