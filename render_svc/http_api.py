@@ -37,7 +37,6 @@ import grpc
 
 from h3.v1 import render_pb2
 from minimax_h3.contract import FPS, plan_windows, snap_frames, spec_from_proto
-from render_svc.planner import STAGES
 from render_svc.store import CANCELLED, FAILED, QUEUED, RUNNING, SUCCEEDED, JobRecord
 from stagekit.errors import FailedPrecondition, InvalidArgument, NotFound, StageError, status_for
 from stagekit.server import ANYONE, Principal
@@ -95,7 +94,7 @@ def progress_percent(rec: JobRecord) -> int:
     A job retried from its first stage (a restart) goes back accordingly."""
     if rec.state == SUCCEEDED:
         return 100
-    route = STAGES if (rec.keyframes or rec.request.references) else STAGES[1:]
+    route = rec.plan
     if rec.stage not in route:
         return 0
     p = rec.progress

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from h3.v1 import common_pb2, render_pb2
-from minimax_h3.contract import plan_windows, spec_from_proto
+from minimax_h3.contract import EXTEND, EXTEND_REENCODE, RENDER_PLANS, plan_windows, render_mode, spec_from_proto
 from stagekit.errors import AlreadyExists, FailedPrecondition, NotFound, ResourceExhausted
 
 QUEUED, RUNNING = render_pb2.JOB_QUEUED, render_pb2.JOB_RUNNING
@@ -102,6 +102,14 @@ class JobRecord:
     @property
     def terminal(self) -> bool:
         return self.state in TERMINAL
+
+    @property
+    def plan(self) -> tuple[str, ...]:
+        """The render stages the job walks (minimax_h3.contract.RENDER_PLANS), as the scheduler's `Work.plan`."""
+        extension = "" if not self.request.extend_job_id else EXTEND if GUIDE in self.keyframes else EXTEND_REENCODE
+        mode = render_mode(any(a in self.keyframes for a, _ in KEYFRAME_FIELDS), bool(self.request.references),
+                           extension)
+        return RENDER_PLANS[mode]
 
     def info(self, queue_position: int = 0, with_prompt: bool = True) -> render_pb2.JobInfo:
         """The job as a client sees it; `with_prompt=False` (its event log) leaves the prompt out: it is in the

@@ -126,22 +126,23 @@ class FusedWindows:
             raise ValueError("FusedWindows samples a fused plan of several windows")
         self.model, self.device = model, device
         origin = max(int(t.shape[0]) for t in texts)
-        total_audio = plan.windows[-1].audio_start + plan.windows[-1].audio_latents
+        last = plan.windows[-1]
+        total_audio = last.audio_start + last.audio_latents
         windows = []
         vden = aden = None
         for k, w in enumerate(plan.windows):
             text = texts[w.prompt]
             lay = window_layout(cfg, int(text.shape[0]), origin, w, height, width)
             rpf = lay.rows_per_frame
+            if vden is None:  # every row's weight sum, over the clip's rows
+                vden = torch.zeros((last.latent_start + last.latent_frames) * rpf)
+                aden = torch.zeros(AUDIO_CHANNELS * total_audio)
             first, last = k == 0, k == len(plan.windows) - 1
             vw = fuse_weights(plan.fuse, w.latent_frames, video_latent_frames(plan.overlap), first, last)
             vw = vw.repeat_interleave(rpf)
             aw = fuse_weights(plan.fuse, w.audio_latents, audio_latent_count(plan.overlap), first, last)
             left = torch.arange(w.audio_start, w.audio_start + w.audio_latents)
             arows = torch.cat([left, left + total_audio])
-            if vden is None:
-                vden = torch.zeros(plan.windows[-1].latent_start * rpf + w.latent_frames * rpf)
-                aden = torch.zeros(AUDIO_CHANNELS * total_audio)
             vrows = slice(w.latent_start * rpf, (w.latent_start + w.latent_frames) * rpf)
             vden[vrows] += vw
             aden[arows] += aw.repeat(AUDIO_CHANNELS)
