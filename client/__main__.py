@@ -43,8 +43,8 @@ from h3.v1 import render_pb2
 from minimax_h3.contract import (DEFAULT_CRF, DEFAULT_FRAMES, DEFAULT_SIZE, DEFAULT_STEPS, FPS, MAX_AREA,
                                  MAX_ASPECT, MAX_ASPECT_CHANGE, MAX_CRF, MAX_FRAMES, MAX_OUTPUT_SIDE, MAX_SIDE,
                                  MAX_STEPS, MAX_WINDOW_FRAMES, MIN_FRAMES, MIN_SIDE, MIN_STEPS, SAMPLERS, SCHEDULERS,
-                                 SIZE_MULTIPLE, WINDOW_FUSES, WINDOW_MODES, RenderSpec, check_output, snap_frames,
-                                 validate)
+                                 SINGLE, SIZE_MULTIPLE, WINDOW_FUSES, WINDOW_MODES, RenderSpec, check_output,
+                                 plan_windows, snap_frames, validate)
 from minimax_h3.files import EMBEDDED_NOTE
 from stagekit.errors import FailedPrecondition, InvalidArgument
 from stagekit.transport import MAX_MESSAGE_BYTES
@@ -140,6 +140,10 @@ def render_inputs(args):
                              "partition (ref2va) takes references only; give the frame as --ref image.png and say "
                              "in the prompt how the video uses <Picture 1>")
         keyframes = {"references": read_references(args.ref, prompts, _frames(args))}
+    windows = plan_windows(_spec(args, prompts[0], more))
+    if keyframes and windows.mode != SINGLE:
+        raise CheckError(f"--first-frame/--last-frame/--ref condition one window, and this render is sampled in "
+                         f"windows ({windows.describe()}): render at most {MAX_WINDOW_FRAMES} frames with them")
     try:
         reqs = _render_requests(args, prompts, keyframes, more)
     except ValueError as e:  # InvalidArgument included
@@ -512,7 +516,7 @@ def _add_render_parser(sub) -> None:
     long = r.add_argument_group("long video (default: the product's pick, docs/long_video.md)")
     long.add_argument("--window-frames", type=int, default=0,
                       help=f"frames per window, 17n+5 up to {MAX_WINDOW_FRAMES} (default: one window up to "
-                           f"{MAX_WINDOW_FRAMES} frames, else 175)")
+                           f"{MAX_WINDOW_FRAMES} frames with one prompt, else 175)")
     long.add_argument("--window-overlap", type=int, default=0,
                       help="frames two windows share, 17m+5 (default: 22 continuation, 39 fused)")
     long.add_argument("--window-mode", default="", choices=("", *WINDOW_MODES),

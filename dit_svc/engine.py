@@ -299,8 +299,8 @@ class DiTEngine:
 
     def _windows_row(self) -> tuple[str, str, str]:
         if not self.windows:
-            return ("windows", "one window up to 515 frames", "decided per job: longer renders and extensions are "
-                    "sampled in windows, one on the device at a time (docs/long_video.md)")
+            return ("windows", "one window up to 515 frames", "decided per job: longer renders, renders with several "
+                    "prompts and extensions are sampled in windows, one on the device at a time (docs/long_video.md)")
         return ("windows", self.windows, "last job")
 
     def _placement_row(self) -> tuple[str, str, str]:

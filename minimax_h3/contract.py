@@ -648,8 +648,9 @@ def plan_windows(spec: RenderSpec) -> WindowPlan:
     """The windows a render is sampled in (docs/long_video.md); InvalidArgument naming the field for a window
     setting, prompt list or extension that cannot be planned.
 
-    Unset fields are the product's pick: a clip up to MAX_WINDOW_FRAMES (and no window field set) is one window, the
-    render of today; a longer one (or an extension) takes DEFAULT_MODE windows of DEFAULT_WINDOW_FRAMES. Windows
+    Unset fields are the product's pick: a clip up to MAX_WINDOW_FRAMES with one prompt (and no window field set) is
+    one window, the render of today; a longer one, one with several prompts, or an extension takes DEFAULT_MODE
+    windows of DEFAULT_WINDOW_FRAMES. Windows
     start on 17-frame clip boundaries, so their video latents (5 per clip) and audio latents (round(frame / 24 * 40))
     are the clip's own and sound and picture stay in step.
 
@@ -684,7 +685,7 @@ def plan_windows(spec: RenderSpec) -> WindowPlan:
         if not overlap <= prefix <= f - FRAME_CLIP:
             raise InvalidArgument(f"an extension of a {prefix}-frame clip to {f} frames needs a source of at least "
                                   f"{overlap} frames (its guide) and at least {FRAME_CLIP} new frames")
-    if not prefix and (f <= window if not picked else f <= MAX_WINDOW_FRAMES):
+    if not prefix and f <= (MAX_WINDOW_FRAMES if picked and not spec.more_prompts else window):
         windows = (Window(0, f, 0, 0),)
         plan = WindowPlan(SINGLE, f, 0, "", picked, windows, 0)
     elif mode == CONTINUATION:

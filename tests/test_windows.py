@@ -55,6 +55,9 @@ def test_one_window_until_the_single_window_limit():
     assert plan_windows(RenderSpec(frames=362, window_frames=362)).mode == "single"
     assert plan_windows(RenderSpec(frames=362, window_frames=175)).mode == "continuation"
     assert plan_windows(RenderSpec(frames=124, window_mode="fused")).mode == "single"  # 124 < 175: one window
+    # Several prompts take turns: windows, no knob needed.
+    assert plan_windows(RenderSpec(prompt="a", more_prompts=("b",), frames=362)).describe() == \
+        "continuation: 3 windows of 175 frames, overlap 22 (picked)"
 
 
 def test_prompts_take_the_windows_they_fall_in():
