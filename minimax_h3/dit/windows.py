@@ -42,8 +42,8 @@ Model = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 
 # ---- layout -------------------------------------------------------------------------------------------------------
-def window_layout(cfg: DiTConfig, text_len: int, media_origin: int, window: Window, height: int, width: int,
-                  text_tags: torch.Tensor | None = None) -> PackedLayout:
+def window_layout(cfg: DiTConfig, text_len: int, media_origin: int, window: Window, height: int,
+                  width: int) -> PackedLayout:
     """The packed sequence of one window: `[text | guide video | guide audio | target audio | target video]`, its
     media on the clip's clock from `media_origin` (docs/model.md §2.7-2.8). A window at frame 0 without a guide and
     `media_origin == text_len` is `layout.build_layout`'s t2va layout, bit for bit."""
@@ -71,7 +71,7 @@ def window_layout(cfg: DiTConfig, text_len: int, media_origin: int, window: Wind
     _place_video(pos, v0, shp.latent_frames, video_origin, frame_hw)
 
     tag = torch.full((seq,), TAG_VIDEO, dtype=torch.long)
-    tag[:text_len] = TAG_TEXT if text_tags is None else text_tags.to(torch.long)
+    tag[:text_len] = TAG_TEXT  # a long render's prompts are text alone
     tag[g_audio:a0] = TAG_AUDIO
     tag[a0:v0] = TAG_AUDIO
     kind = torch.full((seq,), KIND_VIDEO, dtype=torch.long)
@@ -137,10 +137,10 @@ class FusedWindows:
             if vden is None:  # every row's weight sum, over the clip's rows
                 vden = torch.zeros((last.latent_start + last.latent_frames) * rpf)
                 aden = torch.zeros(AUDIO_CHANNELS * total_audio)
-            first, last = k == 0, k == len(plan.windows) - 1
-            vw = fuse_weights(plan.fuse, w.latent_frames, video_latent_frames(plan.overlap), first, last)
+            edges = (k == 0, k == len(plan.windows) - 1)  # the clip's first and last window
+            vw = fuse_weights(plan.fuse, w.latent_frames, video_latent_frames(plan.overlap), *edges)
             vw = vw.repeat_interleave(rpf)
-            aw = fuse_weights(plan.fuse, w.audio_latents, audio_latent_count(plan.overlap), first, last)
+            aw = fuse_weights(plan.fuse, w.audio_latents, audio_latent_count(plan.overlap), *edges)
             left = torch.arange(w.audio_start, w.audio_start + w.audio_latents)
             arows = torch.cat([left, left + total_audio])
             vrows = slice(w.latent_start * rpf, (w.latent_start + w.latent_frames) * rpf)
@@ -167,13 +167,10 @@ class FusedWindows:
 
 
 # ---- noise --------------------------------------------------------------------------------------------------------
-def window_noise(video: torch.Tensor, audio_rows: torch.Tensor, window: Window, latent_offset: int = 0,
-                 audio_offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+def window_noise(video: torch.Tensor, audio_rows: torch.Tensor, window: Window) -> tuple[torch.Tensor, torch.Tensor]:
     """(video latents [C, T, h, w], audio rows [2 * Ta, C]) of `window` cut from the clip's noise (`video`
-    [C, T_all, h, w], channel-major `audio_rows` [2 * Ta_all, C]) that starts at latent `latent_offset` / audio
-    latent `audio_offset` of the clip."""
-    ls, ta_all = window.latent_start - latent_offset, audio_rows.shape[0] // AUDIO_CHANNELS
-    a0 = window.audio_start - audio_offset
+    [C, T_all, h, w], channel-major `audio_rows` [2 * Ta_all, C])."""
+    ls, a0, ta_all = window.latent_start, window.audio_start, audio_rows.shape[0] // AUDIO_CHANNELS
     rows = [audio_rows[c * ta_all + a0: c * ta_all + a0 + window.audio_latents] for c in range(AUDIO_CHANNELS)]
     return video[:, ls: ls + window.latent_frames], torch.cat(rows)
 
