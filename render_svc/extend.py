@@ -15,7 +15,7 @@ import tempfile
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, safe_open, save_file
+from safetensors.torch import load_file, safe_open, save, save_file
 
 from h3.v1 import render_pb2
 from minimax_h3.contract import (FPS, FRAME_CLIP, LATENTS_PER_CLIP, GUIDE_AUDIO, GUIDE_VIDEO, RenderSpec,
@@ -41,26 +41,26 @@ def save_latents(output: Path, video: torch.Tensor, audio: torch.Tensor, spec: R
     return dest
 
 
-def cut_guide(kept: Path, spec: RenderSpec, out: Path) -> bool:
-    """Write the guide of extension `spec` (its source's latents of frames [span_start, prefix_frames)) cut from the
-    source's kept latents `kept` into `out`; False when the file does not cover those frames (or is gone)."""
+def cut_guide(kept: Path, spec: RenderSpec) -> bytes | None:
+    """The guide of extension `spec` (its source's latents of frames [span_start, prefix_frames)) cut from the
+    source's kept latents `kept`, as a safetensors file's bytes; None when the file does not cover those frames (or is
+    gone)."""
     try:
         with safe_open(str(kept), "pt") as f:
             meta = f.metadata() or {}
         start, frames = int(meta.get("start_frame", -1)), int(meta.get("frames", -1))
     except (OSError, ValueError):  # gone (retention) or unreadable: the MP4 is re-encoded instead
-        return False
+        return None
     if frames != spec.prefix_frames or not 0 <= start <= spec.span_start:
-        return False
+        return None
     t = load_file(str(kept))
     v0 = (spec.span_start - start) // FRAME_CLIP * LATENTS_PER_CLIP
     a0 = audio_latent_count(spec.span_start) - audio_latent_count(start)
     video = t[VIDEO][:, v0:v0 + spec.guide_latents]
     audio = t[AUDIO][..., a0:a0 + spec.guide_audio_latents]
     if video.shape[1] != spec.guide_latents or audio.shape[-1] != spec.guide_audio_latents:
-        return False
-    save_file({GUIDE_VIDEO: video.contiguous(), GUIDE_AUDIO: audio.contiguous()}, str(out))
-    return True
+        return None
+    return save({GUIDE_VIDEO: video.contiguous(), GUIDE_AUDIO: audio.contiguous()})
 
 
 def load_guide(path: Path) -> dict[str, torch.Tensor]:

@@ -22,7 +22,6 @@ from __future__ import annotations
 import logging
 import math
 import sqlite3
-import tempfile
 import threading
 import time
 from collections import deque
@@ -231,17 +230,15 @@ class RenderService:
         self._check_with_stages(req)
         if self._stop.is_set():
             raise Unavailable("the render service is shutting down; retry on another replica or after its restart")
-        with tempfile.TemporaryDirectory(dir=self.outputs) as tmp:
-            files = self._extension_files(req, None if admin else owner or None, Path(tmp)) if req.extend_job_id \
-                else None
-            try:
-                with self._lock:
-                    rec, created = self.store.submit(req, owner or "", self.cfg.max_jobs_queued, files)
-                    if created:
-                        self._enqueue(rec)
-                        self._lock.notify_all()
-            except sqlite3.Error as e:
-                raise self._storage_failed(e) from None
+        files = self._extension_files(req, None if admin else owner or None) if req.extend_job_id else None
+        try:
+            with self._lock:
+                rec, created = self.store.submit(req, owner or "", self.cfg.max_jobs_queued, files)
+                if created:
+                    self._enqueue(rec)
+                    self._lock.notify_all()
+        except sqlite3.Error as e:
+            raise self._storage_failed(e) from None
         return self.info(rec.id)
 
     def extend(self, ext: render_pb2.ExtendRequest, owner: str = "", admin: bool = False) -> render_pb2.JobInfo:
@@ -251,7 +248,7 @@ class RenderService:
         src = self.store.get(ext.job_id, None if admin else owner or None)
         return self.submit(extension_request(src.request, ext, src.id), owner, admin)
 
-    def _extension_files(self, req: render_pb2.RenderRequest, access: str | None, tmp: Path) -> dict[str, Path]:
+    def _extension_files(self, req: render_pb2.RenderRequest, access: str | None) -> dict[str, Path | bytes]:
         """What an extension needs of its source job, stored with it (the source may be removed before it runs): the
         source's MP4, and the guide cut from the source's kept latents when they cover it (else the decoder
         re-encodes the guide from the MP4). NotFound / FailedPrecondition naming the source job's problem."""
@@ -263,9 +260,10 @@ class RenderService:
                                   f"{src_spec.frames} clip: prefix_frames={src_spec.frames} on its canvas")
         if (req.upscale_width, req.upscale_height) != (src.request.upscale_width, src.request.upscale_height):
             raise InvalidArgument(f"an extension keeps its source's MP4 size ({src.info().width}x{src.info().height})")
-        files = {SOURCE: mp4}
-        if cut_guide(latents_path(mp4), spec, tmp / GUIDE):
-            files[GUIDE] = tmp / GUIDE
+        files: dict[str, Path | bytes] = {SOURCE: mp4}
+        guide = cut_guide(latents_path(mp4), spec)
+        if guide is not None:
+            files[GUIDE] = guide
         return files
 
     def _check_with_stages(self, req: render_pb2.RenderRequest) -> None:

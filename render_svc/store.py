@@ -406,20 +406,25 @@ class JobStore:
         row = self.db.execute("SELECT * FROM jobs WHERE id = ?", (job_id,)).fetchone()
         self._append(job_id, job=_record(row).info(with_prompt=False))
 
-    def _store_keyframes(self, req: render_pb2.RenderRequest, files: dict[str, Path] | None = None) -> dict[str, str]:
+    def _store_keyframes(self, req: render_pb2.RenderRequest,
+                         files: dict[str, Path | bytes] | None = None) -> dict[str, str]:
         """Write the request's keyframe images and reference files (once per content) under keyframes/, the upload
-        store's folder (uploaded files are there already), and `files` from disk (an extension's source MP4 and
-        guide: hard-linked when they share the file system); anchor, `ref{i}` or the `files` key -> digest."""
+        store's folder (uploaded files are there already), and `files` (an extension's: the source's MP4, hard-linked
+        when it shares the file system, and its guide's bytes); anchor, `ref{i}` or the `files` key -> digest."""
         digests = _digests(req)
-        for what, data in _files(req).items():
-            if not (self.keyframe_dir / digests[what]).exists():
-                tmp = self.keyframe_dir / f".{digests[what]}.{os.getpid()}"
+        stored = {**_files(req), **{k: v for k, v in (files or {}).items() if isinstance(v, bytes)}}
+        for what, data in stored.items():
+            digests[what] = digest = digests.get(what) or hashlib.sha256(data).hexdigest()
+            if not (self.keyframe_dir / digest).exists():
+                tmp = self.keyframe_dir / f".{digest}.{os.getpid()}"
                 with open(tmp, "wb") as f:
                     f.write(data)
                     f.flush()
                     os.fsync(f.fileno())
-                tmp.replace(self.keyframe_dir / digests[what])
+                tmp.replace(self.keyframe_dir / digest)
         for what, path in (files or {}).items():
+            if isinstance(path, bytes):
+                continue
             digests[what] = digest = _file_digest(path)
             target = self.keyframe_dir / digest
             if not target.exists():
@@ -447,7 +452,7 @@ class JobStore:
                 (self.keyframe_dir / d).unlink(missing_ok=True)
 
     def submit(self, req: render_pb2.RenderRequest, owner: str = "", max_queued: int = 0,
-               files: dict[str, Path] | None = None) -> tuple[JobRecord, bool]:
+               files: dict[str, Path | bytes] | None = None) -> tuple[JobRecord, bool]:
         """(record, created). A known idempotency key of the same owner returns its job (created=False); the same
         key with a different request is ALREADY_EXISTS. With `max_queued`, a new job beyond that many queued ones
         is RESOURCE_EXHAUSTED (checked in the same transaction as the insert: the bound holds exactly). `files`:
@@ -626,7 +631,9 @@ def _size(path: Path) -> int:
         return 0
 
 
-def _file_digest(path: Path) -> str:
+def _file_digest(path: Path | bytes) -> str:
+    if isinstance(path, bytes):
+        return hashlib.sha256(path).hexdigest()
     h = hashlib.sha256()
     with open(path, "rb") as f:
         while chunk := f.read(1 << 20):
