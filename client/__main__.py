@@ -3,6 +3,8 @@
     python -m client render --prompt "..." -o out.mp4 [--width 832 --height 480 --frames 124 --steps 8 ...]
     python -m client render --prompts-file prompts.txt -o outdir/      (stage-batched by the render service)
     python -m client render --workflow graph.json [--set NODE.WIDGET=VALUE ...] -o out.mp4   (a ComfyUI graph)
+    python -m client render --prompt "..." --prompt "..." --seconds 60 -o long.mp4   (sampled in windows)
+    python -m client extend JOB_ID --seconds 10 --prompt "..." -o longer.mp4
     python -m client jobs list | get ID | watch ID | fetch ID [--wait] -o out.mp4 | cancel ID
     python -m client status
     python -m client loadtest --stage dit --concurrency 4 --requests 20
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shlex
 import sys
@@ -31,7 +34,7 @@ from pathlib import Path
 import grpc
 
 from client.checks import (CheckError, check_for_local_stack, check_running_stack, output_paths, read_guides,
-                           read_keyframe, read_prompts, read_references, refuse_existing)
+                           read_keyframe, read_prompts, read_references, refuse_existing, window_prompts)
 from client.command import self_command
 from client.embedded import CtrlC, StackStartError
 from client.endpoints import (DEFAULT_ENDPOINTS_FILE, EndpointError, add_endpoint_args, check_render_reachable,
@@ -39,10 +42,11 @@ from client.endpoints import (DEFAULT_ENDPOINTS_FILE, EndpointError, add_endpoin
 from client.render_client import state_name
 from client.words import job_error_words, rpc_words
 from h3.v1 import render_pb2
-from minimax_h3.contract import (DEFAULT_CRF, DEFAULT_FRAMES, DEFAULT_SIZE, DEFAULT_STEPS, MAX_AREA, MAX_ASPECT,
-                                 MAX_ASPECT_CHANGE, MAX_CRF, MAX_FRAMES, MAX_OUTPUT_SIDE, MAX_SIDE, MAX_STEPS,
-                                 MIN_FRAMES, MIN_SIDE, MIN_STEPS, QUALITIES, SAMPLERS, SCHEDULERS, SIZE_MULTIPLE,
-                                 RenderSpec, check_output, spec_from_proto, validate)
+from minimax_h3.contract import (DEFAULT_CRF, DEFAULT_FRAMES, DEFAULT_SIZE, DEFAULT_STEPS, FPS, MAX_AREA,
+                                 MAX_ASPECT, MAX_ASPECT_CHANGE, MAX_CRF, MAX_FRAMES, MAX_OUTPUT_SIDE, MAX_SIDE,
+                                 MAX_STEPS, MAX_WINDOW_FRAMES, MIN_FRAMES, MIN_SIDE, MIN_STEPS, QUALITIES, SAMPLERS,
+                                 SCHEDULERS, SINGLE, SIZE_MULTIPLE, WINDOW_FUSES, WINDOW_MODES, RenderSpec,
+                                 check_output, plan_windows, snap_frames, spec_from_proto, validate)
 from minimax_h3.files import EMBEDDED_NOTE
 from minimax_h3.services import SERVICE_NAMES, STAGES, Endpoints, StageClients
 from stagekit.channels import Security, health_of, replicas_of
@@ -53,10 +57,24 @@ from stagekit.transport import MAX_MESSAGE_BYTES
 MAX_REQUEST_BYTES = MAX_MESSAGE_BYTES - (64 << 10)
 
 
-def _spec(args, prompt: str) -> RenderSpec:
-    return RenderSpec(prompt=prompt, width=args.width, height=args.height, frames=args.frames, steps=args.steps,
+def _frames(args) -> int:
+    """--frames, or --seconds as the smallest valid frame count lasting at least that long."""
+    if args.seconds is None:
+        return args.frames if args.frames is not None else DEFAULT_FRAMES
+    if args.frames is not None:
+        raise CheckError("give --frames or --seconds, not both")
+    if not 0 < args.seconds <= MAX_FRAMES / FPS:
+        raise CheckError(f"--seconds {args.seconds:g}: give a length from 0 to {MAX_FRAMES / FPS:.1f} s")
+    return snap_frames(math.ceil(args.seconds * FPS - 1e-9))
+
+
+def _spec(args, prompt: str, more: tuple[tuple[str, ...], tuple[float, ...]] = ((), ())) -> RenderSpec:
+    return RenderSpec(prompt=prompt, width=args.width, height=args.height, frames=_frames(args), steps=args.steps,
                       seed=args.seed, sampler=args.sampler, scheduler=args.scheduler,
-                      video_shift=args.video_shift, audio_shift=args.audio_shift, quality=args.quality)
+                      video_shift=args.video_shift, audio_shift=args.audio_shift, quality=args.quality,
+                      window_frames=args.window_frames, window_overlap=args.window_overlap,
+                      window_mode=args.window_mode, window_fuse=args.window_fuse, more_prompts=more[0],
+                      prompt_starts=more[1])
 
 
 def parse_lora_arg(text: str) -> tuple[str, float]:
@@ -82,14 +100,14 @@ def parse_size(text: str) -> tuple[int, int]:
     return int(w), int(h)
 
 
-def _render_requests(args, prompts: list[str], keyframes: dict[str, bytes]):
+def _render_requests(args, prompts: list[str], keyframes: dict[str, bytes], more):
     from client.render_client import render_request
 
     loras = [parse_lora_arg(x) for x in args.lora or ()]
     upscale = parse_size(args.upscale) if args.upscale is not None else (0, 0)
     reqs = []
     for i, p in enumerate(prompts):
-        spec = _spec(args, p)  # valid: render_inputs validated it
+        spec = _spec(args, p, more)  # valid: render_inputs validated it
         check_output(spec, args.crf, *upscale)  # the render service's and the decoder's own rule
         key = f"{args.idempotency_key}-{i}" if args.idempotency_key and len(prompts) > 1 else args.idempotency_key
         reqs.append(render_request(spec, crf=args.crf, loras=loras, upscale=upscale, idempotency_key=key or "",
@@ -103,9 +121,9 @@ def _render_requests(args, prompts: list[str], keyframes: dict[str, bytes]):
     return reqs
 
 
-RENDER_DEFAULTS = {"width": DEFAULT_SIZE[0], "height": DEFAULT_SIZE[1], "frames": DEFAULT_FRAMES,
-                   "steps": DEFAULT_STEPS, "seed": 0, "sampler": SAMPLERS[0], "scheduler": SCHEDULERS[0],
+RENDER_DEFAULTS = {"width": DEFAULT_SIZE[0], "height": DEFAULT_SIZE[1], "steps": DEFAULT_STEPS, "seed": 0, "sampler": SAMPLERS[0], "scheduler": SCHEDULERS[0],
                    "video_shift": 0.0, "audio_shift": 0.0, "quality": QUALITIES[0], "crf": DEFAULT_CRF}
+# --frames is not among them: _frames() reads --frames or --seconds, and a graph keeps its own unless one is given.
 
 
 def render_inputs(args):
@@ -118,10 +136,17 @@ def render_inputs(args):
     for name, default in RENDER_DEFAULTS.items():
         if getattr(args, name) is None:
             setattr(args, name, default)
-    prompts = read_prompts(args.prompt, args.prompts_file)
+    given = args.prompt or []
+    if len(given) > 1 and args.prompts_file:
+        raise CheckError("--prompt given more than once makes one long render (a prompt per part); --prompts-file "
+                         "makes one render per line: use one or the other")
+    more = window_prompts(given, args.timed_prompt or [])
+    prompts = read_prompts(given[0] if given else None, args.prompts_file)
+    if any(more) and len(prompts) != 1:
+        raise CheckError("--timed-prompt adds to a single --prompt (not --prompts-file)")
     try:
         for p in prompts:
-            validate(_spec(args, p), need_prompt=True)
+            validate(_spec(args, p, more), need_prompt=True)
     except InvalidArgument as e:
         raise CheckError(e.message) from None
     keyframes = {f"{a}_frame": read_keyframe(getattr(args, f"{a}_frame"), f"--{a}-frame", args.width, args.height)
@@ -133,11 +158,15 @@ def render_inputs(args):
             raise CheckError("--ref does not combine with --first-frame/--last-frame: the model's reference "
                              "partition (ref2va) takes references only; give the frame as --ref image.png and say "
                              "in the prompt how the video uses <Picture 1>")
-        keyframes = {"references": read_references(args.ref, prompts, args.frames)}
+        keyframes = {"references": read_references(args.ref, prompts, _frames(args))}
     if args.guide:
-        keyframes["guides"] = read_guides(args.guide, args.frames, args.width, args.height)
+        keyframes["guides"] = read_guides(args.guide, _frames(args), args.width, args.height)
+    windows = plan_windows(_spec(args, prompts[0], more))
+    if keyframes and windows.mode != SINGLE:
+        raise CheckError(f"--first-frame/--last-frame/--ref/--guide condition one window, and this render is sampled "
+                         f"in windows ({windows.describe()}): render at most {MAX_WINDOW_FRAMES} frames with them")
     try:
-        reqs = _render_requests(args, prompts, keyframes)
+        reqs = _render_requests(args, prompts, keyframes, more)
     except ValueError as e:  # InvalidArgument included
         raise CheckError(getattr(e, "message", None) or str(e)) from None
     if args.detach:  # the MP4 stays with the render service until `jobs fetch`: no file here to name or check
@@ -171,12 +200,17 @@ def workflow_inputs(args):
     req = render_pb2.RenderRequest(workflow_json=text, workflow_set=args.set or [], crf=args.crf or 0,
                                    label=args.label, idempotency_key=args.idempotency_key)
     p = req.params
-    if args.prompt is not None:
-        p.prompt = args.prompt
+    if args.timed_prompt or len(args.prompt or ()) > 1:
+        raise CheckError("--workflow renders the graph's one prompt: give at most one --prompt (and no "
+                         "--timed-prompt) to replace it")
+    if args.prompt:
+        p.prompt = args.prompt[0]
     for name in RENDER_DEFAULTS:
         value = getattr(args, name)
         if name != "crf" and value is not None:
             setattr(p, name, value)
+    if args.frames is not None or args.seconds is not None:
+        p.frames = _frames(args)
     for text_ in args.lora or ():
         name, strength = parse_lora_arg(text_)
         req.loras.add(name=name, strength=strength)
@@ -378,6 +412,80 @@ def _render(args, ctrl_c: CtrlC) -> int:
             ctrl_c.stop_stack()
 
 
+def cmd_extend(args) -> int:
+    """A new job continuing a finished one by --seconds, rendered to one MP4 of the stitched whole."""
+    from client.progress import RenderProgress, print_summary
+    from client.render_client import RenderClient
+
+    target = configured_render(args)
+    if not target:
+        print("error: no render service configured: start one with scripts/up.sh, or pass --render HOST:PORT",
+              file=sys.stderr)
+        return 1
+    security = Security(args.token, args.tls_ca)
+    try:
+        more = window_prompts(args.prompt, args.timed_prompt or [])
+        if args.seconds <= 0:
+            raise CheckError(f"--seconds {args.seconds:g}: give the seconds to add (above 0)")
+        out = Path(args.output or f"{args.job_id}-extended.mp4")
+        if not args.detach:
+            refuse_existing([out], args.overwrite)
+        ext = render_pb2.ExtendRequest(job_id=args.job_id, seconds=args.seconds, label=args.label,
+                                       idempotency_key=args.idempotency_key)
+        ext.params.prompt = args.prompt[0]
+        ext.params.more_prompts.extend(more[0])
+        ext.params.prompt_starts.extend(more[1])
+        ext.params.seed = args.seed
+        if args.steps is not None:
+            ext.params.steps = args.steps
+        check_render_reachable(args, target, security)
+        with RenderClient(target, security) as rc:
+            info = rc.extend(ext)
+            print(f"job {info.job_id} {state_name(info.state)}: extends {args.job_id} to {info.params.frames} frames "
+                  f"({info.windows})")
+            if args.detach:
+                return 0
+            with RenderProgress() as progress:
+                info = rc.follow(info.job_id, out, lambda ev: progress.update(ev.progress)
+                                 if ev.WhichOneof("event") == "progress" else None)
+            if info.state != render_pb2.JOB_SUCCEEDED:
+                print(f"error: job {info.job_id} {state_name(info.state)}: {job_error_words(info)}", file=sys.stderr)
+                return 1
+            print_summary(out, info.stages)
+            return 0
+    except CheckError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except EndpointError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except grpc.RpcError as e:
+        print(f"error: {rpc_words(e)}", file=sys.stderr)
+        return 2 if _refused(e) else 1
+
+
+def _add_extend_parser(sub) -> None:
+    x = sub.add_parser("extend", help="continue a finished job: one MP4 of the stitched whole",
+                       description="A new job that continues a finished one by --seconds, conditioned on its last "
+                                   "frames, at its size and settings, and writes the stitched whole as one MP4 "
+                                   "(docs/long_video.md).")
+    x.add_argument("job_id", help="the finished job to continue")
+    x.add_argument("--seconds", type=float, required=True, help="seconds to add")
+    x.add_argument("--prompt", action="append", required=True,
+                   help="what happens next (picture and sound); given again, the prompts take turns over the added part")
+    x.add_argument("--timed-prompt", action="append", metavar="SECONDS:TEXT",
+                   help="a later prompt, from that second of the stitched clip on (repeatable; after one --prompt)")
+    x.add_argument("--steps", type=int, help="sampling steps (default: the source job's)")
+    x.add_argument("--seed", type=int, default=0, help="0..2^63-1 (default: 0)")
+    x.add_argument("-o", "--output", help="the MP4 (default: JOB_ID-extended.mp4)")
+    x.add_argument("--overwrite", action="store_true", help="replace the -o file if it exists (default: refuse)")
+    x.add_argument("--detach", action="store_true", help="submit the extension, print its id and return")
+    x.add_argument("--label", default="", help="free text shown by `jobs list` and the web page")
+    x.add_argument("--idempotency-key", default="", help="a retried extend with the same key returns the same job")
+    add_endpoint_args(x.add_argument_group("where the service is"), render=True, stages=False)
+    x.set_defaults(fn=cmd_extend)
+
+
 def _print_job(info) -> None:
     p = info.progress
     where = f"{info.stage}" + (f" {p.phase} {p.step}/{p.total}" if p.total else f" {p.phase}" if p.phase else "")
@@ -390,6 +498,8 @@ def _print_job(info) -> None:
           f"{info.params.frames}  {size:>9}  {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(info.created_unix))}"
           f"  {info.label or info.params.prompt[:40]!r}" + ("  (output expired)" if info.output_expired else "")
           + (f"  {job_error_words(info)}" if info.error_code else ""))
+    if info.windows and not info.windows.startswith("one window"):
+        print(f"  windows: {info.windows}" + (f"; extends {info.extend_job_id}" if info.extend_job_id else ""))
 
 
 def cmd_jobs(args) -> int:
@@ -516,8 +626,12 @@ def _add_render_parser(sub) -> None:
                                    "service. Everything below is checked here first, by the service's own rules: a "
                                    "refusal exits 2 before anything starts.")
     what = r.add_argument_group("what to render")
-    what.add_argument("--prompt", help="what to generate (describe picture and sound); with --workflow, replaces the "
-                                       "graph's prompt")
+    what.add_argument("--prompt", action="append",
+                      help="what to generate (describe picture and sound); given again, the prompts take turns over "
+                           "a long render, spread evenly (each window takes the one in effect: docs/long_video.md); "
+                           "with --workflow, replaces the graph's prompt")
+    what.add_argument("--timed-prompt", action="append", metavar="SECONDS:TEXT",
+                      help="a later prompt of a long render, from that second on (repeatable; after one --prompt)")
     what.add_argument("--workflow", metavar="FILE.json",
                       help="a ComfyUI graph (the editor's saved workflow, subgraphs included, or the API format): the "
                            "render is what it says; the flags given override its values (docs/workflows.md)")
@@ -554,7 +668,10 @@ def _add_render_parser(sub) -> None:
     shape.add_argument("--width", type=int, help=f"{size_rule} (default: {DEFAULT_SIZE[0]})")
     shape.add_argument("--height", type=int, help=f"{size_rule} (default: {DEFAULT_SIZE[1]})")
     shape.add_argument("--frames", type=int,
-                       help=f"17n+5, {MIN_FRAMES}..{MAX_FRAMES}, at 24 fps (default: {DEFAULT_FRAMES} = 5.2 s)")
+                       help=f"17n+5, {MIN_FRAMES}..{MAX_FRAMES}, at 24 fps (default: {DEFAULT_FRAMES} = 5.2 s); past "
+                            f"{MAX_WINDOW_FRAMES} the render is sampled in windows")
+    shape.add_argument("--seconds", type=float,
+                       help="instead of --frames: the length in seconds (the smallest valid frame count that long)")
     shape.add_argument("--steps", type=int, help=f"sampling steps, {MIN_STEPS}..{MAX_STEPS} (default: {DEFAULT_STEPS})")
     shape.add_argument("--seed", type=int, help="0..2^63-1; the same seed renders the same video (default: 0)")
     shape.add_argument("--sampler", choices=SAMPLERS, help="(default: res_multistep)")
@@ -565,6 +682,17 @@ def _add_render_parser(sub) -> None:
                             "(default: exact)")
     shape.add_argument("--video-shift", type=float, help="0 or 0.1..100; 0 = the model's default, 12 (default: 0)")
     shape.add_argument("--audio-shift", type=float, help="0 or 0.1..100; 0 = the model's default, 3 (default: 0)")
+    long = r.add_argument_group("long video (default: the product's pick, docs/long_video.md)")
+    long.add_argument("--window-frames", type=int, default=0,
+                      help=f"frames per window, 17n+5 up to {MAX_WINDOW_FRAMES} (default: one window up to "
+                           f"{MAX_WINDOW_FRAMES} frames with one prompt, else 175)")
+    long.add_argument("--window-overlap", type=int, default=0,
+                      help="frames two windows share, 17m+5 (default: 22 continuation, 39 fused)")
+    long.add_argument("--window-mode", default="", choices=("", *WINDOW_MODES),
+                      help="continuation: each window on the previous one's tail (default); fused: overlapping windows "
+                           "averaged at every step")
+    long.add_argument("--window-fuse", default="", choices=("", *WINDOW_FUSES),
+                      help="fused windows' weights (default: pyramid)")
     out = r.add_argument_group("output")
     out.add_argument("-o", "--output",
                      help="output MP4 (default: out.mp4; none with --detach); a folder (a trailing / or an existing directory) gets "
@@ -595,6 +723,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog=self_command(), description="h3-stages client")
     sub = ap.add_subparsers(dest="cmd", required=True)
     _add_render_parser(sub)
+    _add_extend_parser(sub)
     j = sub.add_parser("jobs", help="the render service's jobs: list | get | watch | fetch | cancel")
     j.add_argument("action", choices=("list", "get", "watch", "fetch", "cancel"))
     j.add_argument("job_id", nargs="?", help="job id (all actions but list)")

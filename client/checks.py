@@ -23,7 +23,8 @@ class CheckError(InvalidArgument):
 
 
 def read_prompts(prompt: str | None, prompts_file: str | None) -> list[str]:
-    """`--prompt` (as given, even empty: `validate` names the problem) then the non-blank lines of the file."""
+    """`--prompt` (as given, even empty: `validate` names the problem) then the non-blank lines of the file: one
+    render each."""
     if prompt is None and not prompts_file:
         raise CheckError("give --prompt TEXT or --prompts-file FILE")
     prompts = [] if prompt is None else [prompt]
@@ -281,3 +282,24 @@ def check_request_files(req) -> None:
             check_labels(spec.prompt, kinds, sound, [r.name for r in req.references])
     except InvalidArgument as e:
         raise CheckError(e.message) from None
+
+
+def window_prompts(prompts: list[str], timed: list[str]) -> tuple[tuple[str, ...], tuple[float, ...]]:
+    """A long render's later prompts and their start seconds: `--prompt` given again (spread evenly: no times) or
+    `--timed-prompt SECONDS:TEXT` (each from its second)."""
+    if timed and len(prompts) > 1:
+        raise CheckError("give the later prompts with --prompt (spread evenly) or --timed-prompt SECONDS:TEXT, not both")
+    if not timed:
+        return tuple(prompts[1:]), ()
+    texts, starts = [], []
+    for t in timed:
+        head, sep, text = t.partition(":")
+        try:
+            start = float(head)
+        except ValueError:
+            start = None
+        if not sep or start is None:
+            raise CheckError(f"--timed-prompt {t[:40]!r}: give SECONDS:TEXT, e.g. 20:the storm breaks")
+        texts.append(text)
+        starts.append(start)
+    return tuple(texts), tuple(starts)

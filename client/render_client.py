@@ -93,6 +93,10 @@ class RenderClient:
     def submit(self, req: render_pb2.RenderRequest) -> render_pb2.JobInfo:
         return self.stub.Submit(req, timeout=60, metadata=self._md())
 
+    def extend(self, req: render_pb2.ExtendRequest) -> render_pb2.JobInfo:
+        """A new job continuing a finished one (docs/long_video.md, "Extend")."""
+        return self.stub.Extend(req, timeout=120, metadata=self._md())
+
     def get(self, job_id: str) -> render_pb2.JobInfo:
         return self.stub.Get(render_pb2.JobRef(job_id=job_id), timeout=30, metadata=self._md())
 

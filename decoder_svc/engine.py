@@ -15,14 +15,18 @@ import math
 import os
 import tempfile
 import time
+from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from minimax_h3.contract import (AUDIO_HOP, AUDIO_LATENTS, AUDIO_SAMPLE_RATE, DEFAULT_CRF, ENCODED_KEYFRAME,
                                  ENCODED_REFERENCE_AUDIO, ENCODED_REFERENCE_VIDEO, H3_GEOMETRY, RAW_AUDIO, RAW_FRAMES,
-                                 SAMPLE_OUTPUTS, VIDEO_LATENTS, LatentGeometry, RenderSpec, tensor_shapes)
+                                 SAMPLE_OUTPUTS, VIDEO_LATENTS, LatentGeometry, RenderSpec, audio_latent_count,
+                                 tensor_shapes)
 from minimax_h3.files import CHECKPOINT_PARTS, ensure_embedded, resolve_checkpoint, shown_models_dir
 from minimax_h3.media import EMBEDDED_REFERENCE_SIZES, ReferenceSizes
 from minimax_h3.mux import DEFAULT_PRESET
@@ -65,7 +69,10 @@ class DecoderEngineConfig:
     out_dir: Path = Path(tempfile.gettempdir())
 
 
-ENCODE_OPS = ("encode_image", "encode_reference")  # jobs that need the encoder halves only
+ENCODE_OPS = ("encode_image", "encode_reference", "encode_tail")  # jobs that need the encoder halves only
+# An extension's guide audio is encoded from this many of the source's last audio latents (30 s): the audio VAE
+# encoder's causal attention sees that much of the track before the guide.
+EXTEND_AUDIO_LATENTS = 1200
 
 
 def resolve_weights(cfg: DecoderEngineConfig) -> tuple[Path, Path, bool]:
@@ -257,23 +264,92 @@ class DecoderEngine(StageEngine):
         return out
 
     @torch.inference_mode()
+    def encode_tail(self, path: Path, spec: RenderSpec, ctx) -> dict:
+        """An extension's guide from its source MP4 (docs/long_video.md, "Extend"): the last `guide_frames` frames
+        (from a 17-frame clip boundary, so their latents are those a whole-clip encode gives) fitted to the canvas and
+        encoded by the video VAE; the soundtrack's last EXTEND_AUDIO_LATENTS latents before `prefix_frames` encoded by
+        the audio VAE, of which the guide's frames' are kept (the encoder's causal attention sees those seconds of the
+        track, not all of it). Rank 0 alone."""
+        if not self.group.info.is_leader:
+            return {}
+        if self.video_encoder is None:
+            ctx.progress(0, 2, phase="loading", message="video VAE encoder")
+            self._load_encoder()
+        if self.audio_encoder is None:
+            ctx.progress(0, 2, phase="loading", message="audio VAE encoder")
+            self._load_audio_encoder()
+        from minimax_h3.media import clip_audio, clip_frames
+
+        ctx.progress(0, 2, message=f"the source's last {spec.guide_frames} frames: video VAE")
+        pixels = np.stack(list(clip_frames(path, spec.span_start, spec.guide_frames, (spec.width, spec.height))))
+        autocast = None if self.cfg.weight_dtype == torch.float32 else self.cfg.weight_dtype
+        video = self.video_encoder.encode(torch.from_numpy(pixels).permute(3, 0, 1, 2).contiguous().to(
+            self.cfg.device), autocast_dtype=autocast).float().cpu()
+        ctx.progress(1, 2, message="its soundtrack: audio VAE")
+        end = audio_latent_count(spec.prefix_frames)
+        first = max(0, end - EXTEND_AUDIO_LATENTS)
+        wave = torch.from_numpy(clip_audio(path, first * AUDIO_HOP, (end - first) * AUDIO_HOP))
+        z = self.audio_encoder.normalize(self.audio_encoder.encode(wave.to(self.cfg.device).unsqueeze(1))).float()
+        audio = z[..., z.shape[-1] - spec.guide_audio_latents:].cpu()
+        check_result("decoder", "guide latents (video VAE encode)", video, "channel")
+        check_result("decoder", "guide latents (audio VAE encode)", audio, "channel")
+        ctx.progress(2, 2)
+        return {ENCODED_REFERENCE_VIDEO: video, ENCODED_REFERENCE_AUDIO: audio}
+
+    @torch.inference_mode()
     def run(self, job, inputs: dict, ctx) -> dict:
         if job.get("op") == "encode_image":
             return self.encode_image(inputs["image"], ctx)
         if job.get("op") == "encode_reference":
             return self.encode_reference(inputs["media"], ctx)
+        if job.get("op") == "encode_tail":
+            return self.encode_tail(job["path"], job["spec"], ctx)
         if self.video is None:  # resident for keyframe encodes only: add the decode path
             ctx.progress(0, 1, phase="loading", message="video + audio VAE decoders")
             self.load()
         video_lat = inputs[VIDEO_LATENTS].float()
         plan = plan_decode(self.video.cfg, *video_lat.shape[1:])
+        leader = self.group.info.is_leader
+        # The audio first, on the rank with the fewest video units: the mux interleaves it with the frames as they
+        # are decoded. The audio is small ([2, samples]): it travels as a pickled object over the control group.
+        audio = None
+        if self.group.info.rank == self._audio_rank(len(plan)):
+            audio = self.audio.decode_rows(self.audio.batch_to_rows(inputs[AUDIO_LATENTS].float())).cpu()
+        gathered = self.group.gather_objects(audio)
+        rounds_done = [self.group.world_size == 1]
+        chunks = self._frame_chunks(plan, video_lat, ctx, rounds_done)
+        if not leader:
+            for _ in chunks:  # every rank passes the same rounds; only rank 0 assembles
+                pass
+            return {}
+        audio = next(a for a in gathered if a is not None)
+        # Latents were checked finite on arrival: a NaN now is this server's fault (INTERNAL), never muxed.
+        check_result("decoder", "audio (audio VAE decode)", audio, "sample", axis=1)
+
+        def check_cancel() -> None:  # the mux's check before each frame: rank 0 alone, once no collective is left
+            if rounds_done[0]:
+                ctx.check_cancel_local()
+
+        return self._output(job, plan[0].geom, chunks, audio, check_cancel)
+
+    def _frame_chunks(self, plan, video_lat: torch.Tensor, ctx, rounds_done: list[bool]) -> Iterator[torch.Tensor]:
+        """Decode the video units round by round (rank r decodes units r, r + N, ...; rank 0 gathers and blends them
+        on its device) and yield, on rank 0, each stretch of finished frames [3, n, H, W] in [0, 1] on the host the
+        moment its temporal chunk is complete: a clip's frames are never held whole. Sets `rounds_done[0]` once
+        the last collective has passed."""
         n, rank = self.group.world_size, self.group.info.rank
-        audio_rank = self._audio_rank(len(plan))
         rounds = -(-len(plan) // n)
         leader = self.group.info.is_leader
         dev = self.cfg.device
-        # Rank 0 blends on its device: only the finished frames cross to the host (for the mux).
-        asm = StreamingAssembler(plan, device=dev) if leader else None
+        ready: deque[torch.Tensor] = deque()
+        asm = StreamingAssembler(plan, device=dev, sink=ready.append) if leader else None
+
+        def finished():
+            while ready:
+                part = ready.popleft().cpu()
+                check_result("decoder", "video frames (video VAE decode)", part, "frame", axis=1)
+                yield part
+
         for k in range(rounds):  # every rank passes the same number of step boundaries
             ctx.check_cancel()
             units = [j for j in range(k * n, (k + 1) * n) if j < len(plan)]  # this round's unit of each rank
@@ -298,43 +374,62 @@ class DecoderEngine(StageEngine):
             del out
             ranks = f"{n} rank{'s' if n > 1 else ''}"
             ctx.progress(k + 1, rounds, message=f"video tiles x chunks ({len(plan)} units on {ranks})")
-        audio = None
-        if self.group.info.rank == audio_rank:
-            audio = self.audio.decode_rows(self.audio.batch_to_rows(inputs[AUDIO_LATENTS].float())).cpu()
-        # The audio is small ([2, samples]): it travels as a pickled object over the control group.
-        gathered = self.group.gather_objects(audio)
-        if not leader:
-            return {}
-        audio = next(a for a in gathered if a is not None)
-        frames = asm.finish().cpu()  # [3, F, H, W] RGB in [0, 1]
-        # Latents were checked finite on arrival: a NaN now is this server's fault (INTERNAL), never muxed.
-        check_result("decoder", "video frames (video VAE decode)", frames, "frame", axis=1)
-        check_result("decoder", "audio (audio VAE decode)", audio, "sample", axis=1)
-        return self._output(job, frames, audio, ctx.check_cancel_local)
+            yield from finished()
+        rounds_done[0] = True
+        if leader:
+            asm.finish()
+            yield from finished()
 
-    def _output(self, job, frames: torch.Tensor, audio: torch.Tensor, check_cancel=None) -> dict:
+    def _output(self, job, geom, chunks: Iterator[torch.Tensor], audio: torch.Tensor, check_cancel) -> dict:
         # Imported here: PyAV/soundfile are needed only to mux, not to decode (RAW output runs without them).
-        from minimax_h3.mux import frames_to_uint8, write_mp4, write_wav
+        from minimax_h3.mux import FrameStream, frames_to_uint8, write_mp4, write_wav
 
-        fmt, name = job["format"], job["output_name"]
+        fmt, name, spec = job["format"], job["output_name"], job["spec"]
         if fmt == "raw":
+            frames = torch.cat(list(chunks), dim=1)
             return {RAW_FRAMES: torch.from_numpy(frames_to_uint8(frames)), RAW_AUDIO: audio.float()}
         suffix = ".wav" if fmt == "wav" else ".mp4"
         fd, tmp = tempfile.mkstemp(prefix="h3dec-", suffix=suffix, dir=self.cfg.out_dir)
         os.close(fd)
         t0 = time.monotonic()
+        frames = geom.num_frames
         try:
             if fmt == "wav":
+                for _ in chunks:  # the rounds end on every rank alike
+                    pass
                 write_wav(tmp, audio)
-            else:  # cancellable frame by frame: a client that left stops the mux (docs/reliability.md)
-                write_mp4(tmp, frames, audio, crf=job["crf"] or DEFAULT_CRF, preset=self.preset,
-                          size=job.get("size"), check_cancel=check_cancel)
+            else:  # streamed chunk by chunk; cancellable frame by frame: a client that left stops the mux
+                prefix = None
+                if spec.prefix_frames:  # an extension: its source clip, then the span past the guide
+                    prefix, audio = self._prefix(job, spec, audio)
+                    chunks = _skip_frames(chunks, spec.guide_frames)
+                    frames = spec.frames - spec.prefix_frames
+                write_mp4(tmp, FrameStream(frames, geom.height, geom.width, chunks), audio,
+                          crf=job["crf"] or DEFAULT_CRF, preset=self.preset, size=job.get("size"),
+                          check_cancel=check_cancel, prefix=prefix)
+                frames += spec.prefix_frames
         except BaseException as e:
             Path(tmp).unlink(missing_ok=True)  # a failed or cancelled mux leaves nothing behind
             log.info("mux of %s abandoned after %.2f s (%s)", name, time.monotonic() - t0, type(e).__name__)
             raise
         log.info("muxed %s in %.2f s", name, time.monotonic() - t0)
-        return {"file": Path(tmp), "name": name, "frames": frames.shape[1], "audio_samples": audio.shape[-1]}
+        return {"file": Path(tmp), "name": name, "frames": frames, "audio_samples": audio.shape[-1]}
+
+    @staticmethod
+    def _prefix(job, spec: RenderSpec, audio: torch.Tensor) -> tuple[tuple[int, Iterator], torch.Tensor]:
+        """An extension's MP4 opens with its source clip: its first `prefix_frames` frames as they are (the MP4's own
+        size) and its sound up to the first audio latent the span adds; the span's sound follows from there."""
+        from minimax_h3.media import clip_audio, clip_frames, clip_size
+
+        path = job["prefix"]
+        width, height = job.get("size") or (spec.width, spec.height)
+        if clip_size(path) != (width, height):
+            raise InvalidArgument(f"the source clip is {'x'.join(map(str, clip_size(path)))}, this extension's MP4 "
+                                  f"{width}x{height}: an extension keeps its source's size")
+        cut = audio_latent_count(spec.prefix_frames) * AUDIO_HOP
+        head = torch.from_numpy(clip_audio(path, 0, cut))
+        tail = audio[:, spec.guide_audio_latents * AUDIO_HOP:]
+        return (spec.prefix_frames, clip_frames(path, 0, spec.prefix_frames)), torch.cat([head, tail], dim=1)
 
     def describe(self) -> dict:
         v, a = self.video_info, self.audio_info
@@ -345,3 +440,13 @@ class DecoderEngine(StageEngine):
         return {"weights": f"{self.video_path} + {self.audio_path}", "variant": variant,
                 "embedded_model": self.embedded, "devices": [self.cfg.device],
                 "models_dir": shown_models_dir(self.cfg.models_dir)}
+
+
+def _skip_frames(chunks: Iterator[torch.Tensor], n: int) -> Iterator[torch.Tensor]:
+    """The frames of `chunks` ([3, k, H, W] each) past the first `n`."""
+    for part in chunks:
+        if n >= part.shape[1]:
+            n -= part.shape[1]
+            continue
+        yield part[:, n:]
+        n = 0

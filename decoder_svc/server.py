@@ -12,14 +12,15 @@ import torch
 
 from decoder_svc.engine import DecoderEngine, DecoderEngineConfig, check_latents
 from h3.v1 import common_pb2, decoder_pb2, decoder_pb2_grpc
-from minimax_h3.contract import (ENCODED_KEYFRAME, ENCODED_REFERENCE_AUDIO, ENCODED_REFERENCE_VIDEO, RAW_AUDIO, RAW_FRAMES,
-                                 SAMPLE_OUTPUTS, check_output, spec_from_proto, tensor_shapes, validate)
+from minimax_h3.contract import (ENCODED_KEYFRAME, ENCODED_REFERENCE_AUDIO, ENCODED_REFERENCE_VIDEO, FPS, RAW_AUDIO,
+                                 RAW_FRAMES, SAMPLE_OUTPUTS, RenderSpec, check_output, spec_from_proto, tensor_shapes,
+                                 validate)
 from minimax_h3.files import safe_name
 from minimax_h3.images import Keyframe, admit_keyframe, check_canvas
 from minimax_h3.media import admit_reference, load_reference, reference_decode_bytes
 from minimax_h3.mux import X264_PRESETS
 from stagekit.config import parse_config
-from stagekit.errors import InvalidArgument
+from stagekit.errors import FailedPrecondition, InvalidArgument
 from stagekit.metrics import observed
 from stagekit.runtime import Job
 from stagekit.server import abort_on_error
@@ -31,6 +32,9 @@ from stagekit.wire import FLOAT_DTYPES, TensorAssembler, tensor_chunks
 
 SERVICE = "h3.v1.Decoder"
 FORMATS = {decoder_pb2.MP4: "mp4", decoder_pb2.RAW: "raw", decoder_pb2.WAV: "wav"}
+# One uploaded file: an extension's source MP4 (a long upscaled clip runs to hundreds of MB); reference files keep
+# their own 64 MiB limit (minimax_h3.reference_files.admit_reference).
+UPLOAD_FILE_BYTES = 2 << 30
 
 
 @dataclass(frozen=True)
@@ -52,6 +56,17 @@ class DecoderServicer(LifecycleMixin, UploadMixin, decoder_pb2_grpc.DecoderServi
     def describe(self) -> dict:
         return self.engine.describe()
 
+    @staticmethod
+    def _spec(params) -> RenderSpec:
+        """The one validation of a render spec in this process (Decode, EncodeTail): the job takes it as valid."""
+        return validate(spec_from_proto(params))
+
+    def _source(self, digest: str) -> Path:
+        """An extension's source MP4, uploaded to this server (Upload) and named by digest."""
+        if self.uploads is None:
+            raise FailedPrecondition("this decoder keeps no uploads: an extension's source MP4 is uploaded first")
+        return self.uploads.path(digest)
+
     def _read_request(self, request_iterator):
         first = next(request_iterator, None)
         if first is None or first.WhichOneof("input") != "request":
@@ -59,7 +74,7 @@ class DecoderServicer(LifecycleMixin, UploadMixin, decoder_pb2_grpc.DecoderServi
         req = first.request
         # Admission from the first message, before any tensor data is accepted (docs/reliability.md, "Uploads"):
         # the render params, then exactly the shapes they imply, in a float dtype (at most 4 bytes an element).
-        spec = validate(spec_from_proto(req.params))
+        spec = self._spec(req.params)
         if req.format not in FORMATS:
             raise InvalidArgument(f"unknown output format {req.format}; use MP4, RAW or WAV")
         check_output(spec, req.crf, req.upscale_width, req.upscale_height)
@@ -69,6 +84,12 @@ class DecoderServicer(LifecycleMixin, UploadMixin, decoder_pb2_grpc.DecoderServi
             if fmt != "mp4":
                 raise InvalidArgument("upscale_width/upscale_height apply to MP4 output only")
             size = (req.upscale_width, req.upscale_height)
+        prefix = None
+        if spec.prefix_frames or req.prefix_digest:
+            if not (spec.prefix_frames and req.prefix_digest and fmt == "mp4"):
+                raise InvalidArgument("an extension's decode (params.prefix_frames > 0) names its source MP4 "
+                                      "(prefix_digest, uploaded first) and writes an MP4; neither goes without the other")
+            prefix = self._source(req.prefix_digest)
         default_name = f"{req.job_id or 'render'}.{'wav' if fmt == 'wav' else 'mp4'}"
         name = safe_name(req.output_name, safe_name(default_name, "render.mp4"))
         # The shapes of a validated spec: a failure here is a server fault, not the caller's.
@@ -86,7 +107,8 @@ class DecoderServicer(LifecycleMixin, UploadMixin, decoder_pb2_grpc.DecoderServi
         except BaseException:
             asm.discard()  # an abandoned or rejected upload frees its buffers now
             raise
-        return req, {"spec": spec, "format": fmt, "crf": req.crf, "output_name": name, "size": size}, inputs
+        return req, {"spec": spec, "format": fmt, "crf": req.crf, "output_name": name, "size": size,
+                     "prefix": prefix}, inputs
 
     def Decode(self, request_iterator, context):
         t_recv = time.monotonic()
@@ -176,6 +198,24 @@ class DecoderServicer(LifecycleMixin, UploadMixin, decoder_pb2_grpc.DecoderServi
                                     lambda timing, out: decoder_pb2.EncodeReferenceDone(timing=timing, **out["info"]))
 
 
+    def EncodeTail(self, request, context):
+        def admit():
+            spec = self._spec(request.params)
+            if not spec.prefix_frames:
+                raise InvalidArgument("EncodeTail encodes an extension's guide: params.prefix_frames names the source "
+                                      "clip's length")
+            return spec, self._source(request.digest)
+
+        spec, path = abort_on_error(context, admit)
+        job = Job(spec={"op": "encode_tail", "path": path, "spec": spec}, inputs={})
+        job.job_id = request.job_id or job.job_id
+        yield from self._encode_job(job, context, decoder_pb2.EncodeReferenceEvent,
+                                    (ENCODED_REFERENCE_VIDEO, ENCODED_REFERENCE_AUDIO),
+                                    lambda timing, _: decoder_pb2.EncodeReferenceDone(
+                                        timing=timing, width=spec.width, height=spec.height, frames=spec.guide_frames,
+                                        seconds=spec.guide_frames / FPS))
+
+
 def _remove_file(result: dict) -> None:
     """A finished MP4/WAV that no client will read (it left before the result was streamed)."""
     if "file" in result:
@@ -197,7 +237,8 @@ def main(argv: list[str] | None = None) -> None:
     cfg = parse_config(DecoderConfigArgs, argv, env_prefix="H3_DECODER_", description="MiniMax-H3 VAE decoder stage")
     run_stage(cfg, "decoder", make_engine, SERVICE,
               lambda server, runtime, started: decoder_pb2_grpc.add_DecoderServicer_to_server(
-                  DecoderServicer(runtime, UploadStore(Path(started.run_temp_dir) / "uploads")), server))
+                  DecoderServicer(runtime, UploadStore(Path(started.run_temp_dir) / "uploads",
+                                                       max_file_bytes=UPLOAD_FILE_BYTES)), server))
 
 
 if __name__ == "__main__":

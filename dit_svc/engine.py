@@ -16,9 +16,10 @@ from pathlib import Path
 
 import torch
 
-from minimax_h3.contract import (AUDIO_CHANNELS, AUDIO_LATENTS, KEYFRAME_TENSORS, PARTITIONS, TEXT_STATES, TEXT_TAGS,
-                                 VAE_SPATIAL, VIDEO_LATENTS, LatentGeometry, RenderSpec, check_partition,
-                                 has_references, keyframe_anchors, needed_partition)
+from minimax_h3.contract import (AUDIO_CHANNELS, AUDIO_LATENTS, CONTINUATION, GUIDE_AUDIO, GUIDE_VIDEO,
+                                 KEYFRAME_TENSORS, PARTITIONS, SINGLE, TEXT_STATES, TEXT_TAGS, VAE_SPATIAL,
+                                 VIDEO_LATENTS, LatentGeometry, RenderSpec, WindowPlan, check_partition, has_references,
+                                 keyframe_anchors, needed_partition, plan_windows, prompt_tensor)
 from minimax_h3.dit.assembly import assemble_dit, block_linears, kernel_linears
 from minimax_h3.dit.checkpoint import (CheckpointInfo, check_checkpoint, load_dit_weights,
                                        partition_undecided)
@@ -34,6 +35,7 @@ from minimax_h3.dit.sampling import SamplerConfig, draw_noise, sample
 from minimax_h3.dit.sp import ParallelGroups, make_groups, validate_parallel
 from minimax_h3.dit.step_cache import FAST_THRESHOLD, FirstBlockCache
 from minimax_h3.dit.streaming import BlockStream, Placement, plan_placement
+from minimax_h3.dit.windows import sample_continuation, sample_fused, window_rows
 from minimax_h3.dit.tiny_checkpoint import write_tiny_checkpoint
 from minimax_h3.dit.tp import param_style
 from minimax_h3.files import CHECKPOINT_PARTS, ensure_embedded, find_part, shown_models_dir
@@ -48,6 +50,7 @@ from stagekit.engine import StageEngine
 from stagekit.errors import FailedPrecondition, InvalidArgument
 from stagekit.host_copy import to_device
 from stagekit.runtime import release_device_memory
+from stagekit.wire import check_finite
 
 log = logging.getLogger("dit_svc")
 
@@ -68,6 +71,8 @@ def embedded_config() -> DiTConfig:
 CACHED_STEPS = "cached_steps"
 # Text length assumed by estimates made before the text states are known (the encoder's usual prompt budget).
 DEFAULT_TEXT_LEN = 512
+# The job inputs holding a long render's later prompts' states (in order) and an extension's guide (video, audio).
+PROMPTS_INPUT, GUIDE_INPUT = "prompts", "guide"
 # Threads that read this rank's tensors and copy them to the GPU concurrently (docs/memory.md: swap-in speed).
 LOAD_WORKERS = 8
 # cuBLAS / cuDNN workspaces live in PyTorch's caching allocator (measured ~20-30 MiB on an H200 at tiny sizes).
@@ -116,10 +121,16 @@ class DiTEngineConfig:
 
 
 def target_rows(m: DiTConfig, spec: RenderSpec) -> int:
-    """Packed rows of the sampled latents: video patches and audio frames (text and keyframe rows aside)."""
-    shp = latent_shape(m, spec.frames, spec.height, spec.width)
-    _, ph, pw = m.patch
-    return shp.latent_frames * (shp.latent_height // ph) * (shp.latent_width // pw) + AUDIO_CHANNELS * shp.audio_latents
+    """Packed rows of one model call besides text and keyframe rows: the sampled latents' video patches and audio
+    frames, or for a render in windows the largest window's (its guide's rows included): a windowed render holds
+    one window on the device at a time (docs/long_video.md)."""
+    plan = plan_windows(spec)
+    if plan.mode == SINGLE:
+        shp = latent_shape(m, spec.frames, spec.height, spec.width)
+        _, ph, pw = m.patch
+        return (shp.latent_frames * (shp.latent_height // ph) * (shp.latent_width // pw)
+                + AUDIO_CHANNELS * shp.audio_latents)
+    return max(window_rows(m, w, spec.height, spec.width) for w in plan.windows)
 
 
 def activation_bytes(m: DiTConfig, rows: int, compute_dtype: torch.dtype, chunk_rows: int, tp: int = 1, sp: int = 1,
@@ -235,6 +246,7 @@ class DiTEngine(StageEngine):
         self.model: H3DiT | None = None
         self.stream: BlockStream | None = None  # where the loaded blocks live, job by job (minimax_h3/dit/streaming.py)
         self.placement: Placement | None = None  # the last job's
+        self.windows: str = ""  # the last job's window plan (WindowPlan.describe)
         self.loras: LoRAManager | None = None  # per-rank LoRA cache; lives as long as the loaded model
         self._lora_targets = None  # full-size linear shapes for header-only LoRA validation (rank 0)
         self.load_phases: dict[str, float] = {}  # the last load's steps in seconds (the `loaded` event carries them)
@@ -297,7 +309,13 @@ class DiTEngine(StageEngine):
             self._compile_cache_on = True
 
     def kernel_rows(self) -> list[tuple[str, str, str]]:
-        return self._kernel_rows() + [self._placement_row()]
+        return self._kernel_rows() + [self._placement_row(), self._windows_row()]
+
+    def _windows_row(self) -> tuple[str, str, str]:
+        if not self.windows:
+            return ("windows", "one window up to 515 frames", "decided per job: longer renders, renders with several "
+                    "prompts and extensions are sampled in windows, one on the device at a time (docs/long_video.md)")
+        return ("windows", self.windows, "last job")
 
     def _placement_row(self) -> tuple[str, str, str]:
         p = self.placement
@@ -488,8 +506,8 @@ class DiTEngine(StageEngine):
 
     def estimate_peak_bytes(self, spec: RenderSpec | None, inputs: dict) -> int:
         """The runtime's hook (stagekit.engine.StageEngine)."""
-        text = inputs.get(TEXT_STATES)
-        rows = int(text.shape[0]) if text is not None else DEFAULT_TEXT_LEN
+        texts = [t for t in (inputs.get(TEXT_STATES), *inputs.get(PROMPTS_INPUT, ())) if t is not None]
+        rows = max((int(t.shape[0]) for t in texts), default=DEFAULT_TEXT_LEN)
         if spec is not None:  # keyframe, reference and guide rows cost like text rows; count them with the text
             _, ph, pw = self.model_cfg.patch
             lh, lw = spec.latent_size
@@ -503,16 +521,17 @@ class DiTEngine(StageEngine):
         return self.estimate_bytes(spec, rows)
 
     # ---- validation (rank 0, before any rank starts work) ---------------------------------------------------------
-    def check_request(self, text_states: torch.Tensor) -> None:
-        """A request's text states against this DiT (its render spec is valid: the server validated it on entry, by
-        minimax_h3.contract's rules, which hold the sampler's)."""
+    def check_request(self, text_states: torch.Tensor, name: str = TEXT_STATES) -> None:
+        """A request's text states (`name`: the first prompt's, or a later one's) against this DiT (its render spec
+        is valid: the server validated it on entry, by minimax_h3.contract's rules, which hold the sampler's)."""
         want = self.model_cfg.text_dim
         if text_states.ndim != 2 or text_states.shape[1] != want or text_states.shape[0] == 0:
             raise InvalidArgument(
-                f"{TEXT_STATES} must be [L, {want}] for this DiT (L >= 1), got {list(text_states.shape)}; "
+                f"{name} must be [L, {want}] for this DiT (L >= 1), got {list(text_states.shape)}; "
                 f"was it produced by a matching text encoder?")
         if text_states.dtype not in (torch.bfloat16, torch.float16, torch.float32):
-            raise InvalidArgument(f"{TEXT_STATES} must be float32, bfloat16 or float16, got {text_states.dtype}")
+            raise InvalidArgument(f"{name} must be float32, bfloat16 or float16, got {text_states.dtype}")
+        check_finite(name, text_states)
 
     def check_partition(self, wants_references: bool) -> None:
         """A request must reach the partition trained for it: references need the ref2va file, text / keyframe
@@ -522,7 +541,8 @@ class DiTEngine(StageEngine):
     def check_conditioning(self, spec: RenderSpec, text_states: torch.Tensor, inputs: dict) -> dict:
         """fl2va extras: optional keyframe latents [24,1,H/16,W/16] and text tags [L]; ref2va: the reference latents
         (minimax_h3/dit/references.py), returned as one References entry; in either, guides
-        (minimax_h3/dit/guides.py) as one Guides entry (names: minimax_h3.contract).
+        (minimax_h3/dit/guides.py) as one Guides entry (names: minimax_h3.contract); a long render: the later prompts'
+        states (PROMPTS_INPUT); an extension: the source's guide latents (GUIDE_INPUT).
         Returns the validated extras (tags as int64); raises InvalidArgument / FailedPrecondition (partition)."""
         out = {}
         shp = latent_shape(self.model_cfg, spec.frames, spec.height, spec.width)
@@ -531,6 +551,11 @@ class DiTEngine(StageEngine):
         if refs and keyframe_anchors(inputs):
             raise InvalidArgument("references and first/last keyframes do not combine: the ref2va partition takes "
                                   "references only (put the image in as a reference instead)")
+        windowed = plan_windows(spec).mode != SINGLE
+        if windowed and (refs or keyframe_anchors(inputs) or TEXT_TAGS in inputs):
+            raise InvalidArgument(f"a render sampled in windows ({plan_windows(spec).describe()}) takes text prompts "
+                                  "only: keyframes and references condition one window, so render at most 515 frames "
+                                  "(window_frames >= frames) with them")
         if refs:
             m = self.model_cfg
             out[REFERENCES_INPUT] = parse_references(inputs, m.in_channels, m.audio_in_channels, m.patch)
@@ -542,6 +567,32 @@ class DiTEngine(StageEngine):
             out[GUIDES_INPUT] = parse_guides(inputs, shp, self.model_cfg.in_channels, self.model_cfg.audio_in_channels)
         if TEXT_TAGS in inputs:
             out[TEXT_TAGS] = check_text_tags(inputs[TEXT_TAGS], text_states.shape[0], TAG_TEXT, TAG_VIDEO)
+        prompts = []
+        for i in range(1, len(spec.prompts)):
+            t = inputs.get(prompt_tensor(i))
+            if t is None:
+                raise InvalidArgument(f"the render has {len(spec.prompts)} prompts but no {prompt_tensor(i)} (the "
+                                      f"states of prompt {i + 1}; encode each prompt with the text encoder)")
+            self.check_request(t, prompt_tensor(i))
+            prompts.append(t)
+        extra = sorted(n for n in inputs if n.startswith(TEXT_STATES) and n != TEXT_STATES
+                       and n not in {prompt_tensor(i) for i in range(1, len(spec.prompts))})
+        if extra:
+            raise InvalidArgument(f"{extra[0]} names a prompt the render does not have ({len(spec.prompts)} prompts)")
+        if prompts:
+            out[PROMPTS_INPUT] = prompts
+        guide = (inputs.get(GUIDE_VIDEO), inputs.get(GUIDE_AUDIO))
+        if spec.prefix_frames:
+            if guide[0] is None or guide[1] is None:
+                raise InvalidArgument(f"an extension needs {GUIDE_VIDEO} and {GUIDE_AUDIO}: the source clip's latents "
+                                      f"of its last {spec.guide_frames} frames")
+            for name, t in zip((GUIDE_VIDEO, GUIDE_AUDIO), guide):
+                if not t.is_floating_point():
+                    raise InvalidArgument(f"{name} must be a float tensor, got {t.dtype}")
+                check_finite(name, t)
+            out[GUIDE_INPUT] = (guide[0].float(), guide[1].float())
+        elif guide != (None, None):
+            raise InvalidArgument(f"{GUIDE_VIDEO} / {GUIDE_AUDIO} belong to an extension (prefix_frames > 0)")
         return out
 
     def check_loras(self, loras: list[tuple[str, float]]) -> list[tuple[str, float]]:
@@ -565,10 +616,45 @@ class DiTEngine(StageEngine):
     def run(self, spec: RenderSpec, inputs: dict, ctx) -> dict:
         if self.model is None:
             raise FailedPrecondition("DiT not loaded")
-        mcfg, dev = self.model_cfg, self.cfg.device
         refs: References | None = inputs.get(REFERENCES_INPUT)  # ref2va: references (validated on rank 0)
         self.use_partition(needed_partition(refs is not None))
         self.loras.activate(inputs.get("loras", ()))  # unmerged, cached per rank; [] restores the base model
+        plan = plan_windows(spec)
+        self.windows = plan.describe()
+        if plan.mode == SINGLE:
+            video, audio, cached = self._run_one(spec, inputs, ctx)
+        else:  # step caching is for one window (the contract refuses quality "fast" in windows)
+            (video, audio), cached = self._run_windows(spec, plan, inputs, ctx), 0
+        # Seed parity (docs/two_cards.md): each rank logs a hash of its final latents; tensor-parallel ranks must
+        # agree bit for bit, and a render repeated with the same seed must log the same hashes.
+        log.info("final latents rank=%d %dx%dx%d seed=%d video_sha256=%s audio_sha256=%s", self.group.info.rank,
+                 spec.width, spec.height, spec.frames, spec.seed, _sha256(video), _sha256(audio))
+        return {VIDEO_LATENTS: video, AUDIO_LATENTS: audio, CACHED_STEPS: cached}
+
+    def _place(self, spec: RenderSpec, text_len: int) -> None:
+        """Which blocks stream from host memory for this job: from its activations (one window's, for a render in
+        windows) and the room the device has now."""
+        self.placement = self.plan(spec, text_len, self.device_room())
+        self.stream.apply(self.placement)
+        log.info("rank %d %dx%dx%d: %s (room %.2f GiB, planned peak %.2f GiB)", self.group.info.rank, spec.width,
+                 spec.height, spec.frames, self.placement.describe(), self.placement.room_bytes / 2**30,
+                 self.placement.need_bytes / 2**30)
+
+    def _stepper(self, ctx):
+        step_t = [time.monotonic()]
+
+        def on_step(i, n):
+            now = time.monotonic()
+            ctx.progress(i, n, step_ms=(now - step_t[0]) * 1000)
+            step_t[0] = now
+
+        return on_step
+
+    def _run_one(self, spec: RenderSpec, inputs: dict, ctx) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """The render in one window: its whole packed sequence in every model call. Returns the video and audio
+        latents and how many steps the step cache skipped (quality "fast")."""
+        mcfg, dev = self.model_cfg, self.cfg.device
+        refs: References | None = inputs.get(REFERENCES_INPUT)
         text = inputs[TEXT_STATES].to(dev)
         shape = latent_shape(mcfg, spec.frames, spec.height, spec.width)
         anchors = keyframe_anchors(inputs)  # fl2va: keyframe latents (validated on rank 0 before the job ran)
@@ -587,12 +673,7 @@ class DiTEngine(StageEngine):
         sounds += [r for r in (guides.audio_rows(),) if r is not None]
         ref_audio = torch.cat(sounds) if sounds else None
         sampler_cfg = SamplerConfig.from_params(spec)
-        # Which blocks stream from host memory for this job: from its activations and the room the device has now.
-        self.placement = self.plan(spec, layout.seq_len - self.target_rows(spec), self.device_room())
-        self.stream.apply(self.placement)
-        log.info("rank %d %dx%dx%d: %s (room %.2f GiB, planned peak %.2f GiB)", self.group.info.rank, spec.width,
-                 spec.height, spec.frames, self.placement.describe(), self.placement.room_bytes / 2**30,
-                 self.placement.need_bytes / 2**30)
+        self._place(spec, layout.seq_len - self.target_rows(spec))
         # Noise is drawn on the CPU from the seed, exactly as diffusers draws it (docs/checkpoints.md "Seeds"):
         # identical bits on every rank and every device, and the same starting latents as diffusers for a seed.
         video_shape = (mcfg.in_channels, shape.latent_frames, shape.latent_height, shape.latent_width)
@@ -601,31 +682,39 @@ class DiTEngine(StageEngine):
         v_rows = patchify_video(v_noise, mcfg.patch).to(dev)
         a_rows = a_rows.to(dev)  # drawn in row layout, as diffusers draws it
         cond = condition_rows(conditions, c_noise, mcfg.patch)  # fixed for the whole run; never sampled
-        step_t = [time.monotonic()]
         par = self.parallel
         cache = (FirstBlockCache(self.cfg.fast_threshold, par.tp_group, par.sp_group) if spec.quality == "fast"
                  else None)  # one per job: nothing a job caches reaches another
         denoise = conditioned_denoise(self.model, text, layout, None if cond is None else cond.to(dev),
                                       None if ref_audio is None else ref_audio.to(dev), cache)
-
-        def on_step(i, n):
-            now = time.monotonic()
-            ctx.progress(i, n, step_ms=(now - step_t[0]) * 1000)
-            step_t[0] = now
-
         ctx.progress(0, sampler_cfg.steps, message=self.placement.describe())
-        v0, a0 = sample(denoise, v_rows, a_rows, sampler_cfg, on_step=on_step, should_stop=ctx.should_stop)
-        video = unpatchify_video(v0, mcfg.patch, *video_shape).cpu()
-        audio = unpatchify_audio(a0).cpu()
-        # Seed parity (docs/two_cards.md): each rank logs a hash of its final latents; tensor-parallel ranks must
-        # agree bit for bit, and a render repeated with the same seed must log the same hashes.
-        log.info("final latents rank=%d %dx%dx%d seed=%d video_sha256=%s audio_sha256=%s", self.group.info.rank,
-                 spec.width, spec.height, spec.frames, spec.seed, _sha256(video), _sha256(audio))
+        v0, a0 = sample(denoise, v_rows, a_rows, sampler_cfg, on_step=self._stepper(ctx), should_stop=ctx.should_stop)
         cached = 0 if cache is None else cache.cached_steps
         if cache is not None:
             log.info("rank %d quality fast: %d of %d steps cached (threshold %g; distances %s)", self.group.info.rank,
                      cached, sampler_cfg.steps, cache.threshold, ", ".join(f"{d:.3g}" for d in cache.distances))
-        return {VIDEO_LATENTS: video, AUDIO_LATENTS: audio, CACHED_STEPS: cached}
+        return unpatchify_video(v0, mcfg.patch, *video_shape).cpu(), unpatchify_audio(a0).cpu(), cached
+
+    def _run_windows(self, spec: RenderSpec, plan: WindowPlan, inputs: dict, ctx
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A render in windows (minimax_h3/dit/windows.py): the device holds one window's rows at a time; the noise
+        is the whole clip's, drawn as a one-window render draws it."""
+        mcfg, dev = self.model_cfg, self.cfg.device
+        texts = [inputs[TEXT_STATES], *inputs.get(PROMPTS_INPUT, ())]
+        sampler_cfg = SamplerConfig.from_params(spec)
+        self._place(spec, max(int(t.shape[0]) for t in texts))
+        shape = latent_shape(mcfg, spec.frames, spec.height, spec.width)
+        video_shape = (mcfg.in_channels, shape.latent_frames, shape.latent_height, shape.latent_width)
+        _, v_noise, a_rows = draw_noise(spec.seed, (), video_shape,
+                                        (AUDIO_CHANNELS * shape.audio_latents, mcfg.audio_in_channels))
+        total = sampler_cfg.steps * (len(plan.windows) if plan.mode == CONTINUATION else 1)
+        ctx.progress(0, total, message=f"{plan.describe()}; {self.placement.describe()}")
+        common = dict(on_step=self._stepper(ctx), should_stop=ctx.should_stop)
+        if plan.mode == CONTINUATION:
+            return sample_continuation(self.model, mcfg, plan, texts, spec.height, spec.width, (v_noise, a_rows),
+                                       sampler_cfg, dev, guide=inputs.get(GUIDE_INPUT), **common)
+        return sample_fused(self.model, mcfg, plan, texts, spec.height, spec.width, (v_noise, a_rows), sampler_cfg,
+                            dev, **common)
 
     def device_room(self) -> int | None:
         """Bytes this rank may hold on its device now (None = no limit): on a GPU, the card (or the cap it is held
@@ -640,13 +729,13 @@ class DiTEngine(StageEngine):
         room = min(total, self.cfg.memory_cap_bytes or total) - outside - CUDA_ROOM_MARGIN
         return room if limit is None else min(room, limit)
 
-    def worker_state(self) -> Placement | None:
-        """What Status shows of the last job (its block placement), handed by a device worker to its stage process
-        after each job (stagekit/device_worker.py)."""
-        return self.placement
+    def worker_state(self) -> tuple[Placement | None, str]:
+        """What Status shows of the last job (its block placement and window plan), handed by a device worker to its
+        stage process after each job (stagekit/device_worker.py)."""
+        return self.placement, self.windows
 
-    def set_worker_state(self, placement: Placement | None) -> None:
-        self.placement = placement
+    def set_worker_state(self, state: tuple[Placement | None, str]) -> None:
+        self.placement, self.windows = state
 
     def describe(self) -> dict:
         return {"weights": str(self.path), "variant": self.variant,

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from dit_svc.engine import CACHED_STEPS, DiTEngine, DiTEngineConfig
 from h3.v1 import dit_pb2, dit_pb2_grpc, common_pb2
 from minimax_h3.contract import (KEYFRAME_TENSORS, MAX_GUIDES, PARTITIONS, SAMPLE_INPUTS, SAMPLE_OUTPUTS, TENSORS,
-                                 TEXT_STATES, guide_tensor, spec_from_proto, tensor_shapes, validate)
+                                 TEXT_STATES, guide_tensor, plan_windows, spec_from_proto, tensor_shapes, validate)
 from minimax_h3.dit.checkpoint import QKVLayout
 from minimax_h3.dit.step_cache import FAST_THRESHOLD
 from minimax_h3.kernels.int8 import Int8Mode
@@ -130,7 +130,8 @@ class DiTServicer(LifecycleMixin, dit_pb2_grpc.DiTSamplerServicer):
                 job.timing["transfer_s"] = recv_s + time.monotonic() - t0
                 yield dit_pb2.SampleEvent(done=dit_pb2.SampleDone(
                     timing=timing_pb(job.timing), ms_per_step=steps["ms"] / max(1, steps["n"]),
-                    world_size=self.runtime.group.world_size, cached_steps=ev.payload.get(CACHED_STEPS, 0)))
+                    world_size=self.runtime.group.world_size, cached_steps=ev.payload.get(CACHED_STEPS, 0),
+                    windows=plan_windows(spec).describe()))
 
         yield from stream_job(self.runtime, job, context, observed(self.runtime, job, on_event))
 

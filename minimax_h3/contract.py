@@ -15,10 +15,14 @@ import it. docs/model.md §3 has the model facts behind the numbers.
 4. **Partitions.** Which of the two DiT files (fl2va, ref2va) a request needs, and the refusal naming it.
 5. **LoRAs.** Which file a request's LoRA name means, and the refusal of a name a DiT would not take, from what its
    Status reports (`StageStatus.loras`).
+6. **Long video.** How a render longer than one window is cut into windows aligned to the VAE's 17-frame clips
+   (`plan_windows`), which prompt each window takes, and which frames an extension samples (docs/long_video.md).
+   The plan is a function of the spec alone, so the client, the render service and the DiT agree on it.
 """
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from pathlib import PurePath
@@ -43,7 +47,8 @@ AUDIO_LATENTS_PER_SECOND = AUDIO_SAMPLE_RATE // AUDIO_HOP  # 40
 
 # ---- render-spec bounds ------------------------------------------------------------------------------------------
 MIN_FRAMES = 22           # n = 1: the reference VAE decode rejects fewer than 3 latent frames
-MAX_FRAMES = 515          # n = 30 (trained range is ~124-362; longer is allowed, not promised)
+MAX_WINDOW_FRAMES = 515   # one window, sampled in one pass: n = 30 (trained range is ~124-362; longer is not promised)
+MAX_FRAMES = 7196         # n = 423, 299.8 s: beyond one window the render is sampled in windows (section 6)
 SIZE_MULTIPLE = 32        # one DiT row covers 32x32 pixels
 MIN_SIDE, MAX_SIDE = 256, 2048
 MAX_AREA = 1920 * 1088    # largest canvas the seeds target
@@ -133,11 +138,31 @@ class RenderSpec:
     video_shift: float = 0.0  # 0 = the model's default
     audio_shift: float = 0.0
     quality: str = "exact"  # QUALITIES
+    # Long video (section 6); 0 / "" / () = the product's pick.
+    window_frames: int = 0         # frames per window (17n + 5)
+    window_overlap: int = 0        # frames two neighbouring windows share (17m + 5)
+    window_mode: str = ""          # "fused" | "continuation"
+    window_fuse: str = ""          # fused windows' weights: "pyramid" | "flat" | "overlap-linear"
+    more_prompts: tuple[str, ...] = ()     # the prompts after `prompt`, in time order
+    prompt_starts: tuple[float, ...] = ()  # each more prompt's start second on the clip's clock; () = spread evenly
+    prefix_frames: int = 0         # an extension: frames [0, prefix_frames) are a finished clip it continues
+
+    @property
+    def span_start(self) -> int:
+        """The first frame whose latents the DiT returns: 0, or for an extension the first frame of the source's
+        tail it continues from (the guide, `prefix_frames - overlap`)."""
+        return self.prefix_frames - self.guide_frames
+
+    @property
+    def guide_frames(self) -> int:
+        """Frames of the source's tail an extension is conditioned on (0 for other renders)."""
+        return (self.window_overlap or DEFAULT_OVERLAP[CONTINUATION]) if self.prefix_frames else 0
 
     @property
     def latent_frames(self) -> int:
-        """T = 5n + 2 video latent frames (the spec must hold 17n + 5 frames)."""
-        return video_latent_frames(self.frames)
+        """T = 5n + 2 video latent frames the DiT returns: the whole clip's (17n + 5 frames), or an extension's span
+        from `span_start`."""
+        return video_latent_frames(self.frames - self.span_start)
 
     @property
     def latent_size(self) -> tuple[int, int]:
@@ -146,8 +171,24 @@ class RenderSpec:
 
     @property
     def audio_latents(self) -> int:
-        """Ta = round(F / 24 * 40) audio latents per channel."""
-        return audio_latent_count(self.frames)
+        """Ta audio latents per channel the DiT returns: round(F / 24 * 40) for a whole clip, the span's for an
+        extension (counted on the clip's clock, so the parts add up to the whole)."""
+        return audio_latent_count(self.frames) - audio_latent_count(self.span_start)
+
+    @property
+    def guide_latents(self) -> int:
+        """Video latent frames of an extension's guide (0 for other renders)."""
+        return video_latent_frames(self.guide_frames) if self.prefix_frames else 0
+
+    @property
+    def guide_audio_latents(self) -> int:
+        """Audio latents per channel of an extension's guide (0 for other renders)."""
+        return audio_latent_count(self.prefix_frames) - audio_latent_count(self.span_start)
+
+    @property
+    def prompts(self) -> tuple[str, ...]:
+        """Every prompt in time order (the first is `prompt`)."""
+        return (self.prompt, *self.more_prompts)
 
 
 def nearest_valid_frames(frames: int) -> tuple[int, int]:
@@ -181,7 +222,8 @@ def validate(spec: RenderSpec, need_prompt: bool = False) -> RenderSpec:
         near = f"{lo} or {hi}" if lo != hi and hi <= MAX_FRAMES else str(lo)
         raise InvalidArgument(
             f"frames={f} is not valid: frame counts must be 17n+5 between {MIN_FRAMES} and {MAX_FRAMES} "
-            f"(nearest valid: {near}; 124 = 5.2 s at 24 fps)")
+            f"(nearest valid: {near}; 124 = 5.2 s at 24 fps; beyond {MAX_WINDOW_FRAMES} the render is sampled in "
+            "windows)")
     check_canvas(spec.width, spec.height)
     if not MIN_STEPS <= spec.steps <= MAX_STEPS:
         raise InvalidArgument(f"steps={spec.steps} is not valid: use {MIN_STEPS}..{MAX_STEPS} (default {DEFAULT_STEPS})")
@@ -197,6 +239,7 @@ def validate(spec: RenderSpec, need_prompt: bool = False) -> RenderSpec:
     for name, v in (("video_shift", spec.video_shift), ("audio_shift", spec.audio_shift)):
         if not (v == 0 or 0.1 <= v <= 100):
             raise InvalidArgument(f"{name}={v} is not valid: use 0 (model default) or 0.1..100")
+    plan_windows(spec)  # the window fields, the prompts and an extension's frames (section 6)
     return spec
 
 
@@ -243,6 +286,13 @@ def spec_from_proto(p) -> RenderSpec:
         video_shift=p.video_shift,
         audio_shift=p.audio_shift,
         quality=p.quality or "exact",
+        window_frames=p.window_frames,
+        window_overlap=p.window_overlap,
+        window_mode=p.window_mode,
+        window_fuse=p.window_fuse,
+        more_prompts=tuple(p.more_prompts),
+        prompt_starts=tuple(p.prompt_starts),
+        prefix_frames=p.prefix_frames,
     )
 
 
@@ -253,11 +303,17 @@ def spec_to_proto(spec: RenderSpec, msg) -> None:
     msg.sampler, msg.scheduler = spec.sampler, spec.scheduler
     msg.video_shift, msg.audio_shift = spec.video_shift, spec.audio_shift
     msg.quality = spec.quality
+    msg.window_frames, msg.window_overlap = spec.window_frames, spec.window_overlap
+    msg.window_mode, msg.window_fuse, msg.prefix_frames = spec.window_mode, spec.window_fuse, spec.prefix_frames
+    msg.more_prompts[:] = spec.more_prompts
+    msg.prompt_starts[:] = spec.prompt_starts
 
 
 # ---- 3. inter-stage tensors ----------------------------------------------------------------------------------------
 TEXT_STATES = "text_states"      # encoder -> DiT
 TEXT_TAGS = "text_tags"          # encoder -> DiT (prompts with vision blocks)
+GUIDE_VIDEO = "guide_video"      # render service -> DiT: an extension's source tail (latents kept, or EncodeTail)
+GUIDE_AUDIO = "guide_audio"
 VIDEO_LATENTS = "video_latents"  # DiT -> decoder
 AUDIO_LATENTS = "audio_latents"  # DiT -> decoder
 KEYFRAME_ANCHORS = ("first", "last")
@@ -309,6 +365,9 @@ def resolve_guide_frame(frame: int, frames: int) -> int:
 def seconds_to_frame(seconds: float) -> int:
     """The frame shown at `seconds` into the video: round(seconds * 24), as ComfyUI's templates compute `frame_idx`."""
     return round(seconds * FPS)
+def prompt_tensor(index: int) -> str:
+    """Wire name of the text states of the render's prompt `index` (0 = `prompt`, then each of `more_prompts`)."""
+    return TEXT_STATES if index == 0 else f"{TEXT_STATES}_{index}"
 
 
 def keyframe_tensor(anchor: str) -> str:
@@ -322,6 +381,8 @@ def ref_tensor(index: int, part: str) -> str:
 
 
 KEYFRAME_TENSORS = MappingProxyType({a: keyframe_tensor(a) for a in KEYFRAME_ANCHORS})
+MAX_PROMPTS = 32                 # prompts of one render (a long one takes one per window)
+PROMPT_TENSORS = tuple(prompt_tensor(i) for i in range(1, MAX_PROMPTS))  # the prompts after the first
 REF_TENSOR_NAMES = tuple(ref_tensor(i, p) for i in range(MAX_REFERENCES) for p in REFERENCE_KINDS)
 GUIDE_TENSOR_NAMES = tuple(guide_tensor(i, p) for i in range(MAX_GUIDES) for p in GUIDE_PARTS)
 
@@ -358,6 +419,13 @@ _RULES = [
                                 s.width // g.spatial_ratio), "[24, T, H/16, W/16] sampled video latents"),
     TensorRule(AUDIO_LATENTS, "float", lambda s, g, d: (AUDIO_CHANNELS, g.audio_channels, s.audio_latents),
                "[2, 32, Ta] sampled audio latents, one item per stereo channel"),
+    *(TensorRule(n, "float", lambda s, g, d: (None, d), "[L, text_dim] states of a later prompt (long video)")
+      for n in PROMPT_TENSORS),
+    TensorRule(GUIDE_VIDEO, "float", lambda s, g, d: (g.video_channels, s.guide_latents, s.height // g.spatial_ratio,
+                                                      s.width // g.spatial_ratio),
+               "[24, Tg, H/16, W/16] an extension's source latents of its last `guide_frames` frames"),
+    TensorRule(GUIDE_AUDIO, "float", lambda s, g, d: (AUDIO_CHANNELS, g.audio_channels, s.guide_audio_latents),
+               "[2, 32, Tga] the source's audio latents of the same frames"),
     *(TensorRule(keyframe_tensor(a), "float", _keyframe_shape,
                  f"[24, 1, H/16, W/16] normalised VAE latent of the {a} frame (fl2va)") for a in KEYFRAME_ANCHORS),
     *(r for i in range(MAX_REFERENCES) for r in (
@@ -376,7 +444,7 @@ _RULES = [
 ]
 TENSORS: Mapping[str, TensorRule] = MappingProxyType({r.name: r for r in _RULES})
 SAMPLE_INPUTS = (TEXT_STATES, TEXT_TAGS, *KEYFRAME_TENSORS.values(), *REF_TENSOR_NAMES,  # what the DiT takes
-                 GUIDE_FRAMES, *GUIDE_TENSOR_NAMES)
+                 GUIDE_FRAMES, *GUIDE_TENSOR_NAMES, *PROMPT_TENSORS, GUIDE_VIDEO, GUIDE_AUDIO)
 SAMPLE_OUTPUTS = (VIDEO_LATENTS, AUDIO_LATENTS)  # what the DiT returns and the decoder takes
 
 # What each stage call sends back to its caller, by RPC name; the caller checks the stream against it as it arrives
@@ -392,6 +460,11 @@ RESULTS: Mapping[str, tuple[TensorRule, ...]] = MappingProxyType({
                    "[24, T, h, w] latents of an image (T = 1) or video reference on its own canvas"),
         TensorRule(ENCODED_REFERENCE_AUDIO, "float", lambda s, g, d: (AUDIO_CHANNELS, g.audio_channels, None),
                    "[2, 32, Ta] audio latents of a reference's sound")),
+    "EncodeTail": (
+        TensorRule(ENCODED_REFERENCE_VIDEO, "float", TENSORS[GUIDE_VIDEO].shape,
+                   "[24, Tg, H/16, W/16] latents of a finished MP4's last frames, on the render's canvas"),
+        TensorRule(ENCODED_REFERENCE_AUDIO, "float", TENSORS[GUIDE_AUDIO].shape,
+                   "[2, 32, Tga] audio latents of the same frames")),
     "Decode": (
         TensorRule(RAW_FRAMES, "uint8", lambda s, g, d: (s.frames, s.height, s.width, 3),
                    "[F, H, W, 3] RGB frames of a RAW decode"),
@@ -429,18 +502,23 @@ PARTITIONS = (FL2VA, REF2VA)
 
 
 T2VA = "t2va"      # text alone (sampled by the fl2va file)
-# The render stages each mode walks, in order (`keyframes`: the decoder's VAE encoders, for keyframes or references).
+EXTEND = "extend"  # an extension whose source kept its latents (its guide is cut from them)
+EXTEND_REENCODE = "extend_reencode"  # an extension whose guide is re-encoded from the source's MP4 (EncodeTail)
+# The render stages each mode walks, in order (`keyframes`: the decoder's VAE encoders, for keyframes, references or
+# an extension's guide).
 RENDER_PLANS: dict[str, tuple[str, ...]] = {
     T2VA: ("encoder", "dit", "decoder"),
     FL2VA: ("keyframes", "encoder", "dit", "decoder"),
     REF2VA: ("keyframes", "encoder", "dit", "decoder"),
+    EXTEND: ("encoder", "dit", "decoder"),
+    EXTEND_REENCODE: ("keyframes", "encoder", "dit", "decoder"),
 }
 
 
-def render_mode(keyframes: bool, references: bool) -> str:
-    """The mode (key of RENDER_PLANS) of a request: ref2va with references, fl2va with first/last keyframes or
-    guides (anything the VAE encoders encode first), else t2va."""
-    return REF2VA if references else FL2VA if keyframes else T2VA
+def render_mode(keyframes: bool, references: bool, extension: str = "") -> str:
+    """The mode (key of RENDER_PLANS) of a request: an extension's (`extension`: EXTEND or EXTEND_REENCODE), ref2va
+    with references, fl2va with first/last keyframes or guides (anything the VAE encoders encode first), else t2va."""
+    return extension or (REF2VA if references else FL2VA if keyframes else T2VA)
 
 
 def needed_partition(wants_references: bool) -> str:
@@ -496,3 +574,189 @@ def check_loras(names: Sequence[str], directory: str, served: Sequence[str], pat
         raise NotFound(f"LoRA {name!r} not found in the DiT's loras directory {directory}: "
                        + (f"it has {listed}; name one of those, or copy the file there" if served else
                           "it holds no files; copy the LoRA file there"))
+
+
+# ---- 6. long video: windows (docs/long_video.md) ----------------------------------------------------------------
+SINGLE, FUSED, CONTINUATION = "single", "fused", "continuation"
+WINDOW_MODES = (FUSED, CONTINUATION)
+WINDOW_FUSES = ("pyramid", "flat", "overlap-linear")
+MIN_WINDOW_FRAMES = 2 * FRAME_CLIP + FRAME_OFFSET  # 39: a window adds at least one clip beside its overlap
+# The product's pick, for renders past one window: 175-frame (7.3 s) windows. A window of 960x544 with its guide is
+# 31k packed rows (~4 GiB of activations beside the streamed DiT on a 22 GB card) and costs less per generated second
+# than one 15 s window of 56k rows (docs/long_video.md, "Windows").
+DEFAULT_WINDOW_FRAMES = 175
+DEFAULT_OVERLAP = MappingProxyType({CONTINUATION: 22, FUSED: 39})  # vLLM-Omni's guide; ComfyUI's context_overlap
+DEFAULT_MODE = CONTINUATION
+DEFAULT_FUSE = "pyramid"
+
+
+@dataclass(frozen=True)
+class Window:
+    """One window of a plan, on the clip's clock: pixel frames [start, start + frames), `start` a multiple of 17 so
+    its latents are the clip's own (5 per 17 frames) and its audio the clip's own latents from round(start / 24 * 40)."""
+
+    start: int
+    frames: int     # 17n + 5
+    guide: int      # continuation: leading frames given clean (the previous window's or the source's tail), else 0
+    prompt: int     # index into RenderSpec.prompts
+
+    @property
+    def end(self) -> int:
+        return self.start + self.frames
+
+    @property
+    def latent_start(self) -> int:
+        return self.start // FRAME_CLIP * LATENTS_PER_CLIP
+
+    @property
+    def latent_frames(self) -> int:
+        return video_latent_frames(self.frames)
+
+    @property
+    def audio_start(self) -> int:
+        return audio_latent_count(self.start)
+
+    @property
+    def audio_latents(self) -> int:
+        return audio_latent_count(self.end) - self.audio_start
+
+    @property
+    def guide_latents(self) -> int:
+        return video_latent_frames(self.guide) if self.guide else 0
+
+    @property
+    def guide_audio(self) -> int:
+        return audio_latent_count(self.start + self.guide) - self.audio_start if self.guide else 0
+
+
+@dataclass(frozen=True)
+class WindowPlan:
+    """How a render is sampled: one window (today's render), continuation windows (each conditioned on the
+    previous one's clean tail) or fused windows (overlapping windows averaged at every step)."""
+
+    mode: str                      # SINGLE | FUSED | CONTINUATION
+    window_frames: int
+    overlap: int
+    fuse: str                      # fused windows' weights ("" otherwise)
+    picked: bool                   # chosen by the product (no window field was set)
+    windows: tuple[Window, ...]
+    span_start: int                # the first frame the DiT returns latents for (RenderSpec.span_start)
+
+    def describe(self) -> str:
+        """One line for progress messages, Status and the job's record."""
+        how = " (picked)" if self.picked else ""
+        if self.mode == SINGLE:
+            return f"one window of {self.window_frames} frames{how}"
+        w = self.windows
+        fuse = f", {self.fuse} weights" if self.mode == FUSED else ""
+        return (f"{self.mode}: {len(w)} window{'s' if len(w) > 1 else ''} of {self.window_frames} frames, overlap "
+                f"{self.overlap}{fuse}{how}")
+
+
+def _check_frames_of(name: str, v: int, lo: int, hi: int) -> None:
+    if v and (v < lo or v > hi or (v - FRAME_OFFSET) % FRAME_CLIP):
+        raise InvalidArgument(f"{name}={v} is not valid: use 17n+5 frames from {lo} to {hi} (0 = the product's pick)")
+
+
+def _prompt_starts(spec: RenderSpec) -> list[float]:
+    """Each prompt's start second on the clip's clock (the first at the start of what is sampled)."""
+    first = spec.prefix_frames / FPS
+    if spec.prompt_starts:
+        return [first, *spec.prompt_starts]
+    n = len(spec.prompts)
+    return [first + i * (spec.frames - spec.prefix_frames) / FPS / n for i in range(n)]
+
+
+def _check_prompts(spec: RenderSpec) -> None:
+    if len(spec.prompts) > MAX_PROMPTS:
+        raise InvalidArgument(f"{len(spec.prompts)} prompts; a render takes at most {MAX_PROMPTS}")
+    for i, p in enumerate(spec.more_prompts):
+        if not p.strip():
+            raise InvalidArgument(f"prompt {i + 2} is empty; every prompt describes its part of the video")
+        if len(p.encode()) > MAX_PROMPT_BYTES:
+            raise InvalidArgument(f"prompt {i + 2} is {len(p.encode())} bytes; at most {MAX_PROMPT_BYTES}")
+    if spec.prompt_starts:
+        if len(spec.prompt_starts) != len(spec.more_prompts):
+            raise InvalidArgument(f"{len(spec.prompt_starts)} prompt start times for {len(spec.more_prompts)} later "
+                                  "prompts: give one start second per prompt after the first, or none (spread evenly)")
+        starts = _prompt_starts(spec)
+        end = spec.frames / FPS
+        if any(not math.isfinite(t) for t in starts) or any(b <= a for a, b in zip(starts, starts[1:])) \
+                or starts[-1] >= end:
+            raise InvalidArgument(f"prompt start times {list(spec.prompt_starts)} must rise strictly after "
+                                  f"{starts[0]:g} s and stay below the clip's end ({end:.2f} s)")
+
+
+def plan_windows(spec: RenderSpec) -> WindowPlan:
+    """The windows a render is sampled in (docs/long_video.md); InvalidArgument naming the field for a window
+    setting, prompt list or extension that cannot be planned.
+
+    Unset fields are the product's pick: a clip up to MAX_WINDOW_FRAMES with one prompt (and no window field set) is
+    one window, the render of today; a longer one, one with several prompts, or an extension takes DEFAULT_MODE
+    windows of DEFAULT_WINDOW_FRAMES. Windows
+    start on 17-frame clip boundaries, so their video latents (5 per clip) and audio latents (round(frame / 24 * 40))
+    are the clip's own and sound and picture stay in step.
+
+    Continuation: window k + 1 starts `overlap` frames before window k ends and is conditioned on window k's clean
+    latents of those frames (its `guide`); an extension's first window on the source's last `overlap` frames.
+    Fused: windows `window - overlap` frames apart (the last one ending at the clip's end) sample the same latents,
+    their velocities averaged at every step. A window takes the prompt in effect at the middle of the frames it adds
+    (its frames past its guide)."""
+    _check_prompts(spec)
+    f, prefix = spec.frames, spec.prefix_frames
+    if spec.window_mode and spec.window_mode not in WINDOW_MODES:
+        raise InvalidArgument(f"window_mode {spec.window_mode!r} is not valid: use {' or '.join(WINDOW_MODES)} "
+                              "('' = the product's pick)")
+    if spec.window_fuse and spec.window_fuse not in WINDOW_FUSES:
+        raise InvalidArgument(f"window_fuse {spec.window_fuse!r} is not valid: use one of {', '.join(WINDOW_FUSES)}")
+    _check_frames_of("window_frames", spec.window_frames, MIN_WINDOW_FRAMES, MAX_WINDOW_FRAMES)
+    mode = spec.window_mode or DEFAULT_MODE
+    if spec.window_fuse and mode != FUSED:
+        raise InvalidArgument("window_fuse applies to fused windows: set window_mode='fused' too, or leave it out")
+    picked = not (spec.window_frames or spec.window_overlap or spec.window_mode)
+    window = spec.window_frames or DEFAULT_WINDOW_FRAMES
+    overlap = spec.window_overlap or DEFAULT_OVERLAP[mode]
+    _check_frames_of("window_overlap", spec.window_overlap, FRAME_OFFSET, window - FRAME_CLIP)
+    if overlap > window - FRAME_CLIP:
+        raise InvalidArgument(f"a window of {window} frames leaves no new frames beside an overlap of {overlap}: "
+                              f"use a window of at least {overlap + FRAME_CLIP} frames")
+    if prefix:
+        if mode != CONTINUATION:
+            raise InvalidArgument("an extension continues its source: it takes continuation windows, not "
+                                  f"window_mode={spec.window_mode!r}")
+        _check_frames_of("prefix_frames", prefix, max(MIN_FRAMES, overlap), f - FRAME_CLIP)
+        if not overlap <= prefix <= f - FRAME_CLIP:
+            raise InvalidArgument(f"an extension of a {prefix}-frame clip to {f} frames needs a source of at least "
+                                  f"{overlap} frames (its guide) and at least {FRAME_CLIP} new frames")
+    if not prefix and f <= (MAX_WINDOW_FRAMES if picked and not spec.more_prompts else window):
+        windows = (Window(0, f, 0, 0),)
+        plan = WindowPlan(SINGLE, f, 0, "", picked, windows, 0)
+    elif mode == CONTINUATION:
+        out, start, guide = [], prefix - overlap if prefix else 0, overlap if prefix else 0
+        while True:
+            end = min(f, start + window)
+            out.append((start, end - start, guide))
+            if end == f:
+                break
+            start, guide = end - overlap, overlap
+        plan = WindowPlan(CONTINUATION, window, overlap, "", picked, _with_prompts(spec, out), spec.span_start)
+    else:
+        starts = list(range(0, f - window, window - overlap))
+        out = [(s, window, 0) for s in starts] + [(f - window, window, 0)]
+        plan = WindowPlan(FUSED, window, overlap, spec.window_fuse or DEFAULT_FUSE, picked, _with_prompts(spec, out), 0)
+    used = {w.prompt for w in plan.windows}
+    if len(used) < len(spec.prompts):
+        unused = min(set(range(len(spec.prompts))) - used)
+        raise InvalidArgument(f"prompt {unused + 1} of {len(spec.prompts)} is used by no window: {plan.describe()}; "
+                              "a window takes the prompt in effect at the middle of the frames it adds: give fewer "
+                              "prompts, other start times or smaller windows")
+    return plan
+
+
+def _with_prompts(spec: RenderSpec, windows: list[tuple[int, int, int]]) -> tuple[Window, ...]:
+    starts = _prompt_starts(spec)
+    out = []
+    for start, frames, guide in windows:
+        middle = (start + guide + start + frames) / 2 / FPS
+        out.append(Window(start, frames, guide, max(i for i, t in enumerate(starts) if t <= middle or i == 0)))
+    return tuple(out)

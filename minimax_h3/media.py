@@ -9,8 +9,11 @@ by PyAV.
 from __future__ import annotations
 
 import io
+import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from fractions import Fraction
+from pathlib import Path
 from typing import Callable
 
 import numpy as np
@@ -278,5 +281,65 @@ def load_reference(data: bytes, kind: str, frames: int, sizes: ReferenceSizes = 
                 sound = normalize_audio(wave, rate, seconds)
             return ReferenceMedia("video", frames=normalize_video(video, fps, frames, sizes), audio=sound,
                                   source_fps=fps, source_rate=rate)
+    except decoder_errors() as e:
+        raise refused(decoder_words(e)) from None
+
+
+# ---- an extension's source clip: a finished MP4 of this product ------------------------------------------------
+def clip_frames(path: str | os.PathLike, start: int, count: int, size: tuple[int, int] | None = None
+                ) -> Iterator[np.ndarray]:
+    """Frames [start, start + count) of a finished MP4 (24 fps, as the decoder muxed it), one uint8 [H, W, 3] at a
+    time (the clip is never held whole); `size` (width, height): fitted to it (cover-resize and centre crop, as a
+    keyframe), else as they are. InvalidArgument when the file holds fewer frames."""
+    import av
+    import torch
+
+    from minimax_h3.images import fit_to_canvas
+
+    refused = refusal("video", Path(path).name)
+    n = 0
+    try:
+        with av.open(str(path)) as container:
+            stream = decodable_stream(container, "video", refused)
+            for frame in container.decode(stream):
+                if n >= start + count:
+                    break
+                if n >= start:
+                    rgb = frame.to_ndarray(format="rgb24")
+                    if size is not None:
+                        rgb = fit_to_canvas(torch.from_numpy(rgb), *size).numpy()
+                    yield rgb
+                n += 1
+    except decoder_errors() as e:
+        raise refused(decoder_words(e)) from None
+    if n < start + count:
+        raise refused(f"it holds {n} frames; the extension continues frame {start + count - 1}")
+
+
+def clip_audio(path: str | os.PathLike, start: int, samples: int) -> np.ndarray:
+    """Samples [start, start + samples) of a finished MP4's soundtrack, float32 stereo [2, samples] at the audio VAE's
+    rate (zeros past its end)."""
+    import av
+
+    refused = refusal("video", Path(path).name)
+    try:
+        with av.open(str(path)) as container:
+            stream = decodable_stream(container, "audio", refused)
+            wave, rate = _decode_audio_stream(av, container, stream, (start + samples) / AUDIO_SAMPLE_RATE, refused)
+    except decoder_errors() as e:
+        raise refused(decoder_words(e)) from None
+    wave = normalize_audio(wave, rate, (start + samples) / AUDIO_SAMPLE_RATE + 1.0)[:, start:start + samples]
+    return np.pad(wave, ((0, 0), (0, samples - wave.shape[1])))
+
+
+def clip_size(path: str | os.PathLike) -> tuple[int, int]:
+    """(width, height) of a finished MP4's video stream."""
+    import av
+
+    refused = refusal("video", Path(path).name)
+    try:
+        with av.open(str(path)) as container:
+            stream = decodable_stream(container, "video", refused)
+            return int(stream.codec_context.width), int(stream.codec_context.height)
     except decoder_errors() as e:
         raise refused(decoder_words(e)) from None

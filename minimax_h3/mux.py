@@ -7,6 +7,10 @@ Contract (tested in tests/test_mux.py):
 * outputs are never half-written: we encode into a temp file next to the target and `os.replace` it; the
   temp file is removed on every failure, cancellation included (`check_cancel`, called once per frame).
 
+Long clips stream: `frames` may be a `FrameStream`, chunks of frames that arrive while the mux runs (the decoder's
+temporal chunks, as each finishes), so neither the frames nor their uint8 copy of the whole clip are ever held. An
+extension opens with its source clip (`prefix`: frames already at the output size, muxed as they are).
+
 Upscaled output (`size=(W, H)` differing from the frames'): every frame is scaled in the mux by a *resizer* from
 `RESIZERS` — by default libswscale's Lanczos through PyAV (`VideoFrame.reformat(..., interpolation="LANCZOS")`),
 which converts to yuv420p in the same pass. A resizer takes the clip's frames in order and yields one frame of the
@@ -25,7 +29,7 @@ import time
 from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import IO, Union
 
 import numpy as np
@@ -131,6 +135,38 @@ class _FrameSource:
         np.clip(f, 0.0, 255.0, out=f)
         return np.ascontiguousarray(f.astype(np.uint8).transpose(1, 2, 0))
 
+    def __iter__(self) -> Iterator[np.ndarray]:
+        return (self[i] for i in range(self.num_frames))
+
+
+@dataclass
+class FrameStream:
+    """A clip's frames arriving in chunks while the mux runs: `num_frames` frames of `height` x `width` in `chunks`,
+    each uint8 [n, H, W, 3] or float [3, n, H, W] in [0, 1] (a torch tensor or a numpy array). One chunk is
+    converted at a time; the chunks must add up to `num_frames`."""
+
+    num_frames: int
+    height: int
+    width: int
+    chunks: Iterable
+
+    def __len__(self) -> int:
+        return self.num_frames
+
+    def __iter__(self) -> Iterator[np.ndarray]:
+        n = 0
+        for chunk in self.chunks:
+            src = _FrameSource(chunk)
+            if (src.height, src.width) != (self.height, self.width):
+                raise ValueError(f"a chunk of {src.width}x{src.height} frames in a {self.width}x{self.height} stream")
+            for frame in src:
+                n += 1
+                if n > self.num_frames:
+                    raise ValueError(f"the stream holds more than its {self.num_frames} frames")
+                yield frame
+        if n != self.num_frames:
+            raise ValueError(f"the stream ended after {n} of its {self.num_frames} frames")
+
 
 def frames_to_uint8(frames, value_range: tuple[float, float] = (0.0, 1.0)) -> np.ndarray:
     """Video -> contiguous uint8 `[F, H, W, 3]`.
@@ -166,7 +202,7 @@ def _prepare_audio(audio, num_samples: int | None) -> np.ndarray:
 
 def _encode(
     target,
-    video: _FrameSource,
+    video: _FrameSource | FrameStream,
     audio: np.ndarray | None,
     fps: int,
     crf: int,
@@ -177,10 +213,12 @@ def _encode(
     size: tuple[int, int],
     resizer: str,
     check_cancel: Callable[[], None] | None = None,
+    prefix: tuple[int, Iterable[np.ndarray]] | None = None,
 ) -> None:
     import av
 
-    f = video.num_frames
+    n_prefix, prefix_frames = prefix or (0, ())
+    f = n_prefix + video.num_frames
     w, h = size
     options = {"movflags": "+faststart"} if faststart else {}
     with av.open(target, mode="w", format="mp4", options=options) as container:
@@ -195,15 +233,17 @@ def _encode(
             astream = container.add_stream("aac", rate=AUDIO_SAMPLE_RATE, layout="stereo")
             astream.bit_rate = audio_bitrate
 
-        def source():
-            for i in range(f):
+        def source(pixels: Iterable[np.ndarray]):
+            for rgb in pixels:
                 if check_cancel is not None:
                     check_cancel()  # e.g. the client left: stop encoding now (the caller removes the temp file)
-                yield av.VideoFrame.from_ndarray(video[i], format="rgb24")
+                yield av.VideoFrame.from_ndarray(rgb, format="rgb24")
 
-        frames = source()
+        frames = source(video)
         if (w, h) != (video.width, video.height):
             frames = RESIZERS[resizer](frames, w, h)
+        if n_prefix:  # the source clip an extension continues, at the output size already
+            frames = _chain(_counted(source(prefix_frames), n_prefix, "the prefix"), frames)
         # Interleave: after each video frame, feed the audio up to that frame's end time, so the
         # muxer never has to buffer a whole stream. PyAV re-chunks to AAC's 1024-sample frames.
         sent, n = 0, 0
@@ -232,6 +272,23 @@ def _encode(
             container.mux(astream.encode(None))
 
 
+def _chain(*parts: Iterable) -> Iterator:
+    for part in parts:
+        yield from part
+
+
+def _counted(frames: Iterable, n: int, what: str) -> Iterator:
+    """Exactly `n` of `frames`; fewer is an error naming `what`."""
+    k = 0
+    for frame in frames:
+        if k == n:
+            return
+        k += 1
+        yield frame
+    if k < n:
+        raise ValueError(f"{what} holds {k} frames, {n} are needed")
+
+
 def _check_args(fps: int, crf: int, preset: str) -> None:
     if not isinstance(fps, int) or fps < 1:
         raise InvalidArgument(f"fps must be a positive integer, got {fps!r}")
@@ -243,10 +300,10 @@ def _check_args(fps: int, crf: int, preset: str) -> None:
 
 def _encode_to_temp(
     frames, audio, fps, crf, preset, audio_bitrate, threads, faststart, tmp_dir, match_audio, value_range, size,
-    resizer, check_cancel=None,
+    resizer, check_cancel=None, prefix=None,
 ):
-    video = _FrameSource(frames, value_range)
-    f = video.num_frames
+    video = frames if isinstance(frames, FrameStream) else _FrameSource(frames, value_range)
+    f = video.num_frames + (prefix[0] if prefix else 0)
     w, h = size or (video.width, video.height)
     if h % 2 or w % 2:
         raise ValueError(f"yuv420p needs even width and height, got {w}x{h}")
@@ -258,7 +315,8 @@ def _encode_to_temp(
     os.close(fd)
     t0 = time.perf_counter()
     try:
-        _encode(tmp, video, pcm, fps, crf, preset, audio_bitrate, threads, faststart, (w, h), resizer, check_cancel)
+        _encode(tmp, video, pcm, fps, crf, preset, audio_bitrate, threads, faststart, (w, h), resizer, check_cancel,
+                prefix)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
@@ -291,10 +349,13 @@ def write_mp4(
     size: tuple[int, int] | None = None,
     resizer: str = "lanczos",
     check_cancel: Callable[[], None] | None = None,
+    prefix: tuple[int, Iterable[np.ndarray]] | None = None,
 ) -> MuxInfo:
     """Encode frames (+ optional stereo 32 kHz audio) as H.264 yuv420p / AAC in MP4.
 
-    `frames`: uint8 `[F, H, W, 3]` or float `[3, F, H, W]` in [0, 1]; `audio`: float `[2, N]` at 32000 Hz.
+    `frames`: uint8 `[F, H, W, 3]` or float `[3, F, H, W]` in [0, 1], or a `FrameStream` of such chunks; `audio`:
+    float `[2, N]` at 32000 Hz, for the whole MP4 (prefix included). `prefix` (n, frames): an extension's source
+    clip, n uint8 `[H, W, 3]` frames already at the output size, muxed before `frames`.
     `path_or_file`: a path (temp file in the same directory + atomic rename) or a writable binary
     file object (receives the finished bytes only after encoding succeeded). `threads=0` lets x264
     pick (all cores). `match_audio_to_video` trims / zero-pads the audio to round(F * 32000 / fps)
@@ -314,7 +375,7 @@ def write_mp4(
         tmp_dir = None
     tmp, info = _encode_to_temp(
         frames, audio, fps, crf, preset, audio_bitrate, threads, faststart, tmp_dir, match_audio_to_video, value_range,
-        size, resizer, check_cancel,
+        size, resizer, check_cancel, prefix,
     )
     try:
         if is_path:
@@ -355,6 +416,7 @@ def write_wav(
 __all__ = [
     "DEFAULT_CRF",
     "DEFAULT_PRESET",
+    "FrameStream",
     "MuxInfo",
     "RESIZERS",
     "frames_to_uint8",

@@ -22,14 +22,16 @@ import grpc
 import torch
 
 from h3.v1 import common_pb2, render_pb2
-from minimax_h3.contract import (AUDIO_LATENTS, ENCODED_REFERENCE_AUDIO, GUIDE_FRAMES, RENDER_PLANS, SAMPLE_INPUTS,
-                                 TEXT_STATES, TEXT_TAGS, VIDEO_LATENTS, RenderSpec, guide_tensor, keyframe_tensor,
-                                 needed_partition, render_mode, spec_from_proto)
+from minimax_h3.contract import (AUDIO_LATENTS, ENCODED_REFERENCE_AUDIO, EXTEND, EXTEND_REENCODE, GUIDE_AUDIO,
+                                 GUIDE_FRAMES, GUIDE_VIDEO, RENDER_PLANS, SAMPLE_INPUTS, TEXT_STATES, TEXT_TAGS,
+                                 VIDEO_LATENTS, RenderSpec, guide_tensor, keyframe_tensor, needed_partition,
+                                 prompt_tensor, render_mode, spec_from_proto)
 from minimax_h3.services import STAGES as SERVICES
 from minimax_h3.services import Endpoints, StageClients
+from render_svc.extend import load_guide, save_latents
 from render_svc.planner import SERVICE_OF, STAGES
-from render_svc.stage_calls import (StageResult, decode, encode, encode_image, encode_reference, reference_tensors,
-                                    sample)
+from render_svc.stage_calls import (StageResult, decode, encode, encode_image, encode_reference, encode_tail,
+                                    reference_tensors, sample)
 from render_svc.stalls import StallWatch
 from stagekit.channels import replicas_of
 from stagekit.errors import Cancelled, StageError, error_for, status_for
@@ -48,6 +50,9 @@ class Work:
     keyframe_files: list[tuple[str, Path | bytes]] = field(default_factory=list)  # fl2va: (anchor, image), in order
     reference_files: list[Path | None] = field(default_factory=list)  # ref2va: each reference's stored file
     guide_files: list[dict[str, Path]] = field(default_factory=list)  # each guide's stored "image" / "audio" files
+    source: Path | None = None        # an extension: its source job's MP4 (stored copy), which opens its MP4
+    guide_file: Path | None = None    # ... and its guide cut from the source's kept latents (None: EncodeTail)
+    keep_latents: bool = False        # keep the final latents beside the MP4 (the render service: for extensions)
     deadline: float = float("inf")    # unix time until which a busy stage is waited out (--job-deadline-s)
     tensors: dict = field(default_factory=dict)
     unavailable: int = 0              # stage calls refused with UNAVAILABLE so far (retried up to --stage-retries)
@@ -66,8 +71,10 @@ class Work:
 
     @property
     def mode(self) -> str:
-        """t2va, fl2va (keyframes or guides) or ref2va (references): which plan of `RENDER_PLANS` the job walks."""
-        return render_mode(bool(self.keyframe_files or self.request.guides), bool(self.request.references))
+        """t2va, fl2va (keyframes or guides), ref2va (references) or an extension's: which plan of `RENDER_PLANS` the
+        job walks."""
+        extension = "" if self.source is None else EXTEND if self.guide_file is not None else EXTEND_REENCODE
+        return render_mode(bool(self.keyframe_files or self.request.guides), bool(self.request.references), extension)
 
     @property
     def plan(self) -> tuple[str, ...]:
@@ -183,7 +190,12 @@ def _merge(results: list[StageResult]) -> StageResult:
 
 def run_keyframes(c: StageClients, w: Work, progress, on_call, on_bytes) -> StageResult:
     """Each keyframe -> its VAE latent (the decoder's VAE encoder, at the render size); each reference -> its
-    latents (the decoder's video / audio VAE encoders, on the model's rates)."""
+    latents (the decoder's video / audio VAE encoders, on the model's rates); an extension whose source's latents are
+    gone -> its guide, re-encoded from the source's MP4 (EncodeTail)."""
+    if w.source is not None:
+        w.tensors[GUIDE_VIDEO], w.tensors[GUIDE_AUDIO], r = encode_tail(c, w.spec, w.source, w.job_id, progress,
+                                                                         on_call=on_call)
+        return r
     results = []
     for anchor, img in w.keyframes():
         lat, r = encode_image(c, img, w.spec.width, w.spec.height, w.job_id, progress, on_call=on_call,
@@ -201,11 +213,11 @@ def run_keyframes(c: StageClients, w: Work, progress, on_call, on_bytes) -> Stag
         if guide.HasField("image"):
             img = guide.image.data or files["image"].read_bytes()
             w.tensors[guide_tensor(g, "image")], r = encode_image(c, img, w.spec.width, w.spec.height, w.job_id,
-                                                                   progress, on_call=on_call)
+                                                                   progress, on_call=on_call, on_bytes=on_bytes)
             results.append(r)
         if guide.HasField("audio"):
             lat, r = encode_reference(c, guide.audio, w.spec.frames, w.job_id, progress, on_call=on_call,
-                                      source=files.get("audio"))
+                                      source=files.get("audio"), on_bytes=on_bytes)
             w.tensors[guide_tensor(g, "audio")] = lat[ENCODED_REFERENCE_AUDIO]
             results.append(r)
     if w.request.guides:
@@ -228,22 +240,31 @@ def run_encoder(c: StageClients, w: Work, progress, on_call, on_bytes) -> StageR
     else:
         states, r = encode(c, w.spec.prompt, w.job_id, progress, on_call=on_call, on_bytes=on_bytes)
     w.tensors[TEXT_STATES] = states
-    return r
+    results = [r]
+    for i, prompt in enumerate(w.spec.more_prompts, 1):  # a long render's later prompts, one call each
+        w.tensors[prompt_tensor(i)], r = encode(c, prompt, w.job_id, progress, on_call=on_call, on_bytes=on_bytes)
+        results.append(r)
+    return _merge(results)
 
 
 def run_dit(c: StageClients, w: Work, progress, on_call, on_bytes) -> StageResult:
+    if w.guide_file is not None:  # an extension's guide, cut from its source's kept latents at Submit
+        w.tensors.update(load_guide(w.guide_file))
     extra = {k: t for k, t in w.tensors.items() if k in SAMPLE_INPUTS and k != TEXT_STATES}
     loras = [(lo.name, lo.strength if lo.HasField("strength") else 1.0) for lo in w.request.loras]
     video, audio, r = sample(c, w.spec, w.tensors[TEXT_STATES], w.job_id, progress, extra=extra or None,
                              loras=loras, on_call=on_call, on_bytes=on_bytes)
     w.tensors = {VIDEO_LATENTS: video, AUDIO_LATENTS: audio}  # the conditioning is spent
+    if w.keep_latents:  # kept with the job: what an extension of it continues from
+        save_latents(w.output, video, audio, w.spec)
     return r
 
 
 def run_decoder(c: StageClients, w: Work, progress, on_call, on_bytes) -> StageResult:
     r = w.request
     res = decode(c, w.spec, w.tensors[VIDEO_LATENTS], w.tensors[AUDIO_LATENTS], w.output, w.job_id, progress,
-                 crf=r.crf, upscale=(r.upscale_width, r.upscale_height), on_call=on_call, on_bytes=on_bytes)
+                 crf=r.crf, upscale=(r.upscale_width, r.upscale_height), on_call=on_call, on_bytes=on_bytes,
+                 prefix=w.source)
     w.tensors = {}
     return res
 

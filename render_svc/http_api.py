@@ -7,6 +7,8 @@ jobs, owners, idempotency keys and limits as the gRPC `Renderer` (render_svc/ser
     DELETE /v1/videos/{video_id}          delete the job (cancelled first if it has not ended), its record and MP4
     POST   /v1/videos/{video_id}/cancel   cancel a queued or running job -> the video object
     POST   /v1/videos/{video_id}/remix    the job's request again with a new prompt -> the new video object
+    POST   /v1/videos/extensions          extend a finished video (`video` id, `prompt`, `seconds` to add) -> a new
+                                          video object whose `seconds` is the stitched total (docs/long_video.md)
     GET    /v1/videos/{video_id}/content  the finished MP4 (HTTP Range requests), or `?variant=thumbnail` (its first
                                           frame, WebP) / `?variant=spritesheet` (frames in a grid, JPEG)
     GET    /v1/openapi.json               this API's OpenAPI 3.1 description (render_svc/openapi.json)
@@ -42,7 +44,8 @@ import numpy as np
 from PIL import Image
 
 from h3.v1 import common_pb2, render_pb2
-from minimax_h3.contract import FPS, MAX_PROMPT_BYTES, MAX_REFERENCES, seconds_to_frame, snap_frames, spec_from_proto
+from minimax_h3.contract import (FPS, MAX_PROMPT_BYTES, MAX_REFERENCES, plan_windows, seconds_to_frame, snap_frames,
+                                 spec_from_proto)
 from render_svc.planner import STAGES
 from render_svc.store import CANCELLED, FAILED, QUEUED, RUNNING, SUCCEEDED, JobRecord
 from stagekit.errors import FailedPrecondition, InvalidArgument, NotFound, StageError, status_for
@@ -105,7 +108,7 @@ def progress_percent(rec: JobRecord) -> int:
     A job retried from its first stage (a restart) goes back accordingly."""
     if rec.state == SUCCEEDED:
         return 100
-    route = STAGES if (rec.keyframes or rec.request.references) else STAGES[1:]
+    route = rec.plan
     if rec.stage not in route:
         return 0
     p = rec.progress
@@ -137,6 +140,7 @@ def video_object(rec: JobRecord, queue_position: int = 0, keep_age_s: float = 0.
         "label": req.label, "remixed_from_video_id": rec.remixed_from or None,
         "stage": rec.stage, "queue_position": queue_position, "attempts": rec.attempts, "error": error,
         "output_bytes": rec.output_bytes, "content_expired": rec.expired,
+        "windows": plan_windows(spec).describe(), "extended_from_video_id": req.extend_job_id or None,
     }
 
 
@@ -332,6 +336,43 @@ GUIDE_FORM = ("guides must be a list of {\"frame\": N or \"seconds\": S, \"image
 MAX_GUIDE_SECONDS = 3600.0
 
 
+EXTEND_FIELDS = ("prompt", "seconds", "video", "model", "steps", "seed", "label")
+
+
+def extend_request(body, idempotency_key: str) -> render_pb2.ExtendRequest:
+    """An extension request's JSON (or form: `video[id]`, as OpenAI's SDK sends a video reference) -> the
+    ExtendRequest gRPC's Extend takes. `video` names a finished video of this service: {"id": ID} or the id itself;
+    `seconds` is the length to add (the new video's `seconds` is the stitched total)."""
+    if not isinstance(body, dict):
+        raise InvalidArgument("the request body must be a JSON object")
+    if "video[id]" in body:
+        body = {**{k: v for k, v in body.items() if k != "video[id]"}, "video": {"id": body["video[id]"]}}
+    unknown = sorted(set(body) - set(EXTEND_FIELDS))
+    if unknown:
+        raise InvalidArgument(f"unknown field(s) {', '.join(unknown)[:200]}; the fields are {', '.join(EXTEND_FIELDS)}")
+    video = body.get("video")
+    video_id = video.get("id") if isinstance(video, dict) else video
+    if not isinstance(video_id, str) or not video_id:
+        raise InvalidArgument("video must name a finished video of this service: {\"id\": VIDEO_ID} (a file upload "
+                              "is not taken: extend a video this service rendered)")
+    if body.get("model") not in (None, MODEL):
+        raise InvalidArgument(f"model {str(body['model'])[:40]!r} is not served here; this service serves {MODEL!r}")
+    try:
+        seconds = float(body.get("seconds", "nan"))
+    except (TypeError, ValueError):
+        seconds = math.nan
+    if not math.isfinite(seconds) or not 0 < seconds <= 3600:
+        raise InvalidArgument(f"seconds must be the positive number of seconds to add, got "
+                              f"{json.dumps(body.get('seconds'))[:40]}")
+    ext = render_pb2.ExtendRequest(job_id=video_id, seconds=seconds, label=_str(body, "label"),
+                                   idempotency_key=idempotency_key)
+    ext.params.prompt = _str(body, "prompt")
+    if (steps := _int(body, "steps")) is not None:
+        ext.params.steps = steps
+    ext.params.seed = _int(body, "seed", 0, MAX_SEED) or 0
+    return ext
+
+
 FORM_INTS = ("frames", "steps", "seed", "crf")  # form fields are text: these are read as integers
 FORM_FLOATS = ("video_shift", "audio_shift")  # ... and these as numbers
 FORM_FILES = {"input_reference": "first_frame", "first_frame": "first_frame", "last_frame": "last_frame"}
@@ -436,6 +477,7 @@ class Route:
 
 ROUTES = (
     Route("POST", "/v1/videos", "create"),
+    Route("POST", "/v1/videos/extensions", "extend"),
     Route("GET", "/v1/videos", "list"),
     Route("GET", "/v1/videos/{video_id}", "get"),
     Route("DELETE", "/v1/videos/{video_id}", "delete"),
@@ -579,6 +621,11 @@ class VideoAPI:
         req = self.svc.store.request_with_files(rec)
         req.params.prompt, req.idempotency_key = body["prompt"], h.headers.get("Idempotency-Key", "")
         info = self.svc.submit(req, who.name, seconds=rec.seconds, remixed_from=rec.id)
+        self._video(h, self.svc.store.get(info.job_id), info.queue_position)
+
+    def extend(self, h, who: Principal, query: dict) -> None:
+        ext = extend_request(self._json_body(h, MAX_BODY_BYTES, forms=True), h.headers.get("Idempotency-Key", ""))
+        info = self.svc.extend(ext, who.name, who.admin)
         self._video(h, self.svc.store.get(info.job_id), info.queue_position)
 
     def get(self, h, who: Principal, query: dict, video_id: str) -> None:

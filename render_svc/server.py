@@ -179,8 +179,13 @@ class RenderServicer(UploadMixin, render_pb2_grpc.RendererServicer):
             if not evs and abort_on_error(context, self.svc.store.get, job_id).terminal:
                 return
 
+    def _submitter(self, context) -> tuple[str, bool]:
+        """(principal name, admin) of the caller: its new jobs are its own; an admin may extend anyone's."""
+        who: Principal = principal_of(self.tokens, context)
+        return who.name, who.admin
+
     def Render(self, request, context):
-        info = abort_on_error(context, self.svc.submit, request, principal_of(self.tokens, context).name)
+        info = abort_on_error(context, self.svc.submit, request, *self._submitter(context))
         yield from self._follow(info.job_id, 0, context)
         if not context.is_active():
             return  # the caller left; the job goes on (Watch / Fetch it by id)
@@ -196,7 +201,10 @@ class RenderServicer(UploadMixin, render_pb2_grpc.RendererServicer):
                           f"job {rec.id}: {rec.error}")
 
     def Submit(self, request, context):
-        return abort_on_error(context, self.svc.submit, request, principal_of(self.tokens, context).name)
+        return abort_on_error(context, self.svc.submit, request, *self._submitter(context))
+
+    def Extend(self, request, context):
+        return abort_on_error(context, self.svc.extend, request, *self._submitter(context))
 
     def Get(self, request, context):
         return abort_on_error(context, self.svc.info, request.job_id, None, self._owner(context))

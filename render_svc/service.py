@@ -36,14 +36,16 @@ import grpc
 
 from h3.v1 import common_pb2, encoder_pb2, render_pb2
 from minimax_h3.comfy.workflow import ReadInput, apply_workflow
-from minimax_h3.contract import (MAX_GUIDES, MAX_PROMPT_BYTES, check_loras, check_output, check_partition,
-                                 check_reference_kinds, needed_partition, resolve_guide_frame, spec_from_proto,
-                                 validate)
+from minimax_h3.contract import (MAX_GUIDES, MAX_PROMPT_BYTES, SINGLE, check_loras, check_output, check_partition,
+                                 check_reference_kinds, needed_partition, plan_windows, resolve_guide_frame,
+                                 spec_from_proto, validate)
 from render_svc.engine import Outcome, RenderEngine, Work, lora_key
+from render_svc.extend import check_source, cut_guide, extension_request
 from render_svc.planner import (SERVICE_OF, STAGES, Batch, BatchPlanner, Resources, next_stage,
                                 resource_groups)
 from render_svc.stalls import STALL_TIMEOUT_S, Suspects, stall_verdict
-from render_svc.store import CANCELLED, FAILED, QUEUED, RUNNING, SUCCEEDED, JobRecord, JobStore
+from render_svc.store import (CANCELLED, FAILED, GUIDE, QUEUED, RUNNING, SOURCE, SUCCEEDED, JobRecord, JobStore,
+                              latents_path)
 from stagekit.errors import Cancelled, FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from stagekit.uploads import UploadStore, reference_bytes
 
@@ -130,6 +132,13 @@ def check_request(req: render_pb2.RenderRequest) -> None:
     if req.output_format not in ("", "mp4", "png"):
         raise InvalidArgument(f"output_format {req.output_format[:20]!r}: the outputs are 'mp4' and 'png' (an image "
                               "graph's picture)")
+    if bool(spec.prefix_frames) != bool(req.extend_job_id):
+        raise InvalidArgument("prefix_frames and extend_job_id make an extension together: extend a finished job "
+                              "with Extend (python -m client extend, POST /v1/videos/extensions)")
+    windows = plan_windows(spec)
+    if windows.mode != SINGLE and (req.first_frame or req.last_frame or req.references or req.guides):
+        raise InvalidArgument(f"a render sampled in windows ({windows.describe()}) takes text prompts only: keyframes, "
+                              "references and guides condition one window, so render at most 515 frames with them")
     if len(req.label) > MAX_LABEL_CHARS or len(req.idempotency_key) > MAX_LABEL_CHARS:
         raise InvalidArgument(f"label and idempotency_key are limited to {MAX_LABEL_CHARS} characters")
     for anchor, img in (("first_frame", req.first_frame), ("last_frame", req.last_frame)):
@@ -293,11 +302,12 @@ class RenderService:
                 "h3_jobs_done": sum(counts.get(s, 0) for s in (SUCCEEDED, FAILED, CANCELLED))}
 
     # ---- API ----------------------------------------------------------------------------------------------------
-    def submit(self, req: render_pb2.RenderRequest, owner: str = "", seconds: str = "", remixed_from: str = "",
-               read_input: ReadInput | None = None) -> render_pb2.JobInfo:
-        """Admit and queue a request. A ComfyUI graph (`workflow_json`) is read first and fills the request
-        (minimax_h3/comfy/workflow.py; `read_input` gives the files its loader nodes name, for ComfyUI's own routes);
-        `seconds`, `remixed_from`: what the HTTP API records beside the job (JobStore.submit)."""
+    def submit(self, req: render_pb2.RenderRequest, owner: str = "", admin: bool = False, *, seconds: str = "",
+               remixed_from: str = "", read_input: ReadInput | None = None) -> render_pb2.JobInfo:
+        """Admit and queue a request of principal `owner` (an `admin` may extend anyone's job). A ComfyUI graph
+        (`workflow_json`) is read first and fills the request (minimax_h3/comfy/workflow.py; `read_input` gives the
+        files its loader nodes name, for ComfyUI's own routes); `seconds`, `remixed_from`: what the HTTP API records
+        beside the job (JobStore.submit)."""
         # An uploaded file (Upload) is admitted like an inline one.
         for ref in [*req.references, *(getattr(g, p) for g in req.guides for p in ("image", "audio") if g.HasField(p))]:
             ref.data = reference_bytes(ref, self.uploads)
@@ -306,15 +316,42 @@ class RenderService:
         self._check_with_stages(req, graph_files)
         if self._stop.is_set():
             raise Unavailable("the render service is shutting down; retry on another replica or after its restart")
+        files = self._extension_files(req, None if admin else owner or None) if req.extend_job_id else None
         try:
             with self._lock:
-                rec, created = self.store.submit(req, owner or "", self.cfg.max_jobs_queued, seconds, remixed_from)
+                rec, created = self.store.submit(req, owner or "", self.cfg.max_jobs_queued, seconds, remixed_from,
+                                                 files)
                 if created:
                     self._enqueue(rec)
                     self._lock.notify_all()
         except sqlite3.Error as e:
             raise self._storage_failed(e) from None
         return self.info(rec.id)
+
+    def extend(self, ext: render_pb2.ExtendRequest, owner: str = "", admin: bool = False) -> render_pb2.JobInfo:
+        """A new job continuing the finished job `ext.job_id` (docs/long_video.md, "Extend"): its render request is
+        the source's with the extension's prompt(s) and stitched total (`render_svc.extend.extension_request`), then
+        submitted as any other."""
+        src = self.store.get(ext.job_id, None if admin else owner or None)
+        return self.submit(extension_request(src.request, ext, src.id), owner, admin=admin)
+
+    def _extension_files(self, req: render_pb2.RenderRequest, access: str | None) -> dict[str, Path | bytes]:
+        """What an extension needs of its source job, stored with it (the source may be removed before it runs): the
+        source's MP4, and the guide cut from the source's kept latents when they cover it (else the decoder
+        re-encodes the guide from the MP4). NotFound / FailedPrecondition naming the source job's problem."""
+        src = self.store.get(req.extend_job_id, access)
+        mp4 = check_source(src.state, src.id, src.expired, src.output)
+        spec, src_spec = spec_from_proto(req.params), spec_from_proto(src.request.params)
+        if (spec.width, spec.height, spec.prefix_frames) != (src_spec.width, src_spec.height, src_spec.frames):
+            raise InvalidArgument(f"an extension of job {src.id} continues its {src_spec.width}x{src_spec.height}x"
+                                  f"{src_spec.frames} clip: prefix_frames={src_spec.frames} on its canvas")
+        if (req.upscale_width, req.upscale_height) != (src.request.upscale_width, src.request.upscale_height):
+            raise InvalidArgument(f"an extension keeps its source's MP4 size ({src.info().width}x{src.info().height})")
+        files: dict[str, Path | bytes] = {SOURCE: mp4}
+        guide = cut_guide(latents_path(mp4), spec)
+        if guide is not None:
+            files[GUIDE] = guide
+        return files
 
     def _check_with_stages(self, req: render_pb2.RenderRequest, graph_files=()) -> None:
         """What only the stages can tell, asked of them before the job is stored (InvalidArgument,
@@ -332,7 +369,8 @@ class RenderService:
             self._check_dit(req, DIT_STATUS_TTL_S)
         except NotFound:
             self._check_dit(req, DIT_STATUS_RECHECK_S)
-        self._check_prompt(req.params.prompt)
+        for prompt in (req.params.prompt, *req.params.more_prompts):
+            self._check_prompt(prompt)
         self._check_files(graph_files, needed_partition(bool(req.references)))
 
     def _check_files(self, graph_files, partition: str) -> None:
@@ -475,8 +513,10 @@ class RenderService:
         refs = [self.store.keyframe_dir / r.digest if r.digest and not r.data else None for r in rec.request.references]
         guides = [{p: self.store.keyframe_dir / getattr(g, p).digest for p in ("image", "audio")
                    if g.HasField(p) and getattr(g, p).digest and not getattr(g, p).data} for g in rec.request.guides]
+        stored = {k: self.store.keyframe_dir / d for k, d in rec.keyframes.items()}
         w = Work(rec.id, rec.request, spec, self.outputs / f"{rec.id}.mp4", keyframe_files=frames,
-                 reference_files=refs, guide_files=guides, deadline=rec.created + self.cfg.job_deadline_s)
+                 reference_files=refs, guide_files=guides, deadline=rec.created + self.cfg.job_deadline_s,
+                 source=stored.get(SOURCE), guide_file=stored.get(GUIDE), keep_latents=True)
         self.works[rec.id] = w
         self.planner.add(rec.id, w.first_stage)
 
@@ -806,6 +846,7 @@ class RenderService:
                     self._expire()
                 if state != SUCCEEDED and self.store.get(w.job_id).state != SUCCEEDED:
                     w.output.unlink(missing_ok=True)
+                    latents_path(w.output).unlink(missing_ok=True)
                 return done
 
         finished = self._durable(end)

@@ -25,7 +25,7 @@ from minimax_h3.contract import (AUDIO_LATENTS, ENCODED_KEYFRAME, ENCODED_REFERE
 from minimax_h3.services import StageClients
 from stagekit.errors import Internal
 from stagekit.transport import FileReceiver
-from stagekit.uploads import uploaded
+from stagekit.uploads import upload, uploaded
 from stagekit.wire import DTYPE_CLASSES, TensorAssembler, WireError, tensor_chunks
 
 ProgressFn = Callable[[common_pb2.Progress], None]
@@ -168,6 +168,24 @@ def encode_reference(clients: StageClients, reference: common_pb2.Reference, fra
     return out, StageResult("decoder", time.monotonic() - t0, done.timing, info)
 
 
+def encode_tail(clients: StageClients, spec: RenderSpec, source: Path, job_id: str = "",
+                on_progress: ProgressFn = _noop, timeout_s: float | None = None, on_call: CallFn = _noop
+                ) -> tuple[torch.Tensor, torch.Tensor, StageResult]:
+    """An extension's guide from its source MP4 when the source's latents are gone (the decoder's EncodeTail): the
+    clip's latents of its last `spec.guide_frames` frames, (video [24, Tg, H/16, W/16], audio [2, 32, Tga])."""
+    t0 = time.monotonic()
+    timeout, metadata = timeout_s or DEADLINES["decoder"], clients.security.metadata()
+    req = decoder_pb2.EncodeTailRequest(digest=upload(clients.decoder.Upload, source, source.name, timeout=timeout,
+                                                      metadata=metadata), job_id=job_id)
+    spec_to_proto(spec, req.params)
+    stream = clients.decoder.EncodeTail(req, timeout=timeout, metadata=metadata)
+    on_call(stream)
+    out, done = _drain(stream, on_progress, [ENCODED_REFERENCE_VIDEO, ENCODED_REFERENCE_AUDIO], "decoder EncodeTail",
+                       lambda: result_rules("EncodeTail", spec))
+    return out[ENCODED_REFERENCE_VIDEO], out[ENCODED_REFERENCE_AUDIO], StageResult(
+        "decoder", time.monotonic() - t0, done.timing, {"op": "encode_tail", "frames": done.frames})
+
+
 def reference_tensors(index: int, latents: dict[str, torch.Tensor], kind: str) -> dict[str, torch.Tensor]:
     """The DiT's wire names of reference `index`'s latents (minimax_h3.contract.ref_tensor)."""
     out = {}
@@ -206,14 +224,16 @@ def sample(clients: StageClients, spec: RenderSpec, text_states: torch.Tensor, j
                        on_bytes)
     return out[VIDEO_LATENTS], out[AUDIO_LATENTS], StageResult(
         "dit", time.monotonic() - t0, done.timing,
-        {"ms_per_step": done.ms_per_step, "ranks": done.world_size, "cached_steps": done.cached_steps})
+        {"ms_per_step": done.ms_per_step, "ranks": done.world_size, "cached_steps": done.cached_steps,
+         "windows": done.windows})
 
 
 def decode_inputs(spec: RenderSpec, job_id: str, video: torch.Tensor, audio: torch.Tensor, fmt: int, crf: int,
-                  upscale: tuple[int, int] = (0, 0), on_bytes: BytesFn = _noop) -> Iterator[decoder_pb2.DecodeInput]:
+                  upscale: tuple[int, int] = (0, 0), on_bytes: BytesFn = _noop,
+                  prefix_digest: str = "") -> Iterator[decoder_pb2.DecodeInput]:
     """The messages a Decode call sends: the request, then the latents in chunks (also what grpcurl / ghz send)."""
     req = decoder_pb2.DecodeRequest(job_id=job_id, format=fmt, crf=crf, upscale_width=upscale[0],
-                                    upscale_height=upscale[1])
+                                    upscale_height=upscale[1], prefix_digest=prefix_digest)
     spec_to_proto(spec, req.params)
     yield decoder_pb2.DecodeInput(request=req)
     for name, t in ((VIDEO_LATENTS, video), (AUDIO_LATENTS, audio)):
@@ -225,13 +245,16 @@ def decode_inputs(spec: RenderSpec, job_id: str, video: torch.Tensor, audio: tor
 def decode(clients: StageClients, spec: RenderSpec, video: torch.Tensor, audio: torch.Tensor, out_path: Path,
            job_id: str = "", on_progress: ProgressFn = _noop, crf: int = 0, fmt: int = decoder_pb2.MP4,
            timeout_s: float | None = None, upscale: tuple[int, int] = (0, 0), on_call: CallFn = _noop,
-           on_bytes: BytesFn = _noop) -> StageResult:
+           on_bytes: BytesFn = _noop, prefix: Path | None = None) -> StageResult:
     """Stream the decoded file into `out_path` (written beside it, renamed only once complete and verified).
-    `upscale` (width, height): the MP4's size when it differs from the render's (scaled in the decoder's mux)."""
+    `upscale` (width, height): the MP4's size when it differs from the render's (scaled in the decoder's mux).
+    `prefix`: an extension's source MP4 (uploaded to the decoder first), which opens the MP4."""
     t0 = time.monotonic()
+    timeout, metadata = timeout_s or DEADLINES["decoder"], clients.security.metadata()
+    digest = upload(clients.decoder.Upload, prefix, prefix.name, timeout=timeout, metadata=metadata) if prefix else ""
     with FileReceiver(Path(out_path)) as recv:
-        stream = clients.decoder.Decode(decode_inputs(spec, job_id, video, audio, fmt, crf, upscale, on_bytes),
-                                        timeout=timeout_s or DEADLINES["decoder"], metadata=clients.security.metadata())
+        stream = clients.decoder.Decode(decode_inputs(spec, job_id, video, audio, fmt, crf, upscale, on_bytes, digest),
+                                        timeout=timeout, metadata=metadata)
         on_call(stream)
         done = stage_events(stream, "decoder", on_progress, on_bytes, file=recv.feed)
         recv.finish()

@@ -24,6 +24,7 @@ import fcntl
 import hashlib
 import json
 import os
+import shutil
 import sqlite3
 import threading
 import time
@@ -32,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from h3.v1 import common_pb2, render_pb2
+from minimax_h3.contract import EXTEND, EXTEND_REENCODE, RENDER_PLANS, plan_windows, render_mode, spec_from_proto
 from stagekit.errors import AlreadyExists, FailedPrecondition, NotFound, ResourceExhausted
 
 QUEUED, RUNNING = render_pb2.JOB_QUEUED, render_pb2.JOB_RUNNING
@@ -105,6 +107,14 @@ class JobRecord:
     def terminal(self) -> bool:
         return self.state in TERMINAL
 
+    @property
+    def plan(self) -> tuple[str, ...]:
+        """The render stages the job walks (minimax_h3.contract.RENDER_PLANS), as the scheduler's `Work.plan`."""
+        extension = "" if not self.request.extend_job_id else EXTEND if GUIDE in self.keyframes else EXTEND_REENCODE
+        mode = render_mode(any(a in self.keyframes for a, _ in KEYFRAME_FIELDS), bool(self.request.references),
+                           extension)
+        return RENDER_PLANS[mode]
+
     def info(self, queue_position: int = 0, with_prompt: bool = True) -> render_pb2.JobInfo:
         """The job as a client sees it; `with_prompt=False` (its event log) leaves the prompt out: it is in the
         request the client sent, and copying it into every event would multiply its size by the events."""
@@ -117,7 +127,8 @@ class JobRecord:
             finished_unix=self.finished, error_code=self.error_code, error=self.error,
             output_bytes=self.output_bytes, output_expired=self.expired, events=self.n_events, stages=self.runs,
             label=req.label, width=width, height=height, queue_position=queue_position,
-            references=[_without_data(r) for r in req.references])
+            references=[_without_data(r) for r in req.references],
+            windows=plan_windows(spec_from_proto(req.params)).describe(), extend_job_id=req.extend_job_id)
         if not with_prompt:
             info.params.ClearField("prompt")
         return info
@@ -146,6 +157,13 @@ def _idem(owner: str, key: str) -> str | None:
 
 
 KEYFRAME_FIELDS = (("first", "first_frame"), ("last", "last_frame"))
+SOURCE, GUIDE = "source", "guide"  # an extension's stored files: its source's MP4, the guide cut from its latents
+LATENTS_SUFFIX = ".latents.safetensors"
+
+
+def latents_path(output: Path) -> Path:
+    """Where a job with MP4 `output` keeps its final latents (docs/long_video.md, "Extend")."""
+    return Path(output).with_suffix(LATENTS_SUFFIX)
 
 
 def _without_data(ref: common_pb2.Reference) -> common_pb2.Reference:
@@ -412,40 +430,61 @@ class JobStore:
         row = self.db.execute("SELECT * FROM jobs WHERE id = ?", (job_id,)).fetchone()
         self._append(job_id, job=_record(row).info(with_prompt=False))
 
-    def _store_keyframes(self, req: render_pb2.RenderRequest) -> dict[str, str]:
+    def _store_keyframes(self, req: render_pb2.RenderRequest,
+                         files: dict[str, Path | bytes] | None = None) -> dict[str, str]:
         """Write the request's keyframe images, reference and guide files (once per content) under keyframes/, the
-        upload store's folder (uploaded files are there already); anchor, `ref{i}` or `guide{g}_*` -> digest."""
+        upload store's folder (uploaded files are there already), and `files` (an extension's: the source's MP4,
+        hard-linked when it shares the file system, and its guide's bytes); anchor, `ref{i}`, `guide{g}_*` or the
+        `files` key -> digest."""
         digests = _digests(req)
-        for what, data in _files(req).items():
-            if not (self.keyframe_dir / digests[what]).exists():
-                tmp = self.keyframe_dir / f".{digests[what]}.{os.getpid()}"
+        stored = {**_files(req), **{k: v for k, v in (files or {}).items() if isinstance(v, bytes)}}
+        for what, data in stored.items():
+            digests[what] = digest = digests.get(what) or hashlib.sha256(data).hexdigest()
+            if not (self.keyframe_dir / digest).exists():
+                tmp = self.keyframe_dir / f".{digest}.{os.getpid()}"
                 with open(tmp, "wb") as f:
                     f.write(data)
                     f.flush()
                     os.fsync(f.fileno())
-                tmp.replace(self.keyframe_dir / digests[what])
+                tmp.replace(self.keyframe_dir / digest)
+        for what, path in (files or {}).items():
+            if isinstance(path, bytes):
+                continue
+            digests[what] = digest = _file_digest(path)
+            target = self.keyframe_dir / digest
+            if not target.exists():
+                tmp = self.keyframe_dir / f".{digest}.{os.getpid()}"
+                tmp.unlink(missing_ok=True)
+                try:
+                    os.link(path, tmp)
+                except OSError:
+                    shutil.copyfile(path, tmp)
+                tmp.replace(target)
         return digests
 
     def request_with_files(self, rec: JobRecord) -> render_pb2.RenderRequest:
-        """A copy of the job's request with its keyframe images and reference files read back from keyframes/ (kept
-        until the job ends, or while another unfinished job names them); one no longer kept is FAILED_PRECONDITION
-        naming it."""
+        """A copy of the job's request with its keyframe images, reference and guide files read back from keyframes/
+        (kept until the job ends, or while another unfinished job names them); one no longer kept is
+        FAILED_PRECONDITION naming it, and so is an extension (its source clip is another job's: extend that again)."""
+        if rec.request.extend_job_id:
+            raise FailedPrecondition(f"job {rec.id} extends job {rec.request.extend_job_id}: its request is that "
+                                     "job's clip continued; extend that job again with the new prompt instead")
         req = render_pb2.RenderRequest()
         req.CopyFrom(rec.request)
-        anchors = dict(KEYFRAME_FIELDS)
-        for what, digest in rec.keyframes.items():  # an anchor ("first", "last") or "ref{i}" (`_files`)
-            i = None if what in anchors else int(what.removeprefix("ref"))
-            ref = None if i is None else req.references[i]
+        anchors, media = dict(KEYFRAME_FIELDS), _media(req)
+        for what, digest in rec.keyframes.items():  # an anchor ("first", "last"), "ref{i}" or "guide{g}_*" (`_files`)
             try:
                 data = self.keyframe(digest)
             except FileNotFoundError:
-                name = anchors[what].replace("_", " ") if ref is None else f"reference {i + 1} ({ref.kind})"
+                name = (anchors[what].replace("_", " ") if what in anchors else
+                        f"reference {int(what[3:]) + 1} ({media[what].kind})" if what.startswith("ref") else
+                        f"guide {int(what[5:].split('_')[0]) + 1}'s {what.rsplit('_', 1)[1]}")
                 raise FailedPrecondition(f"job {rec.id}'s {name} is no longer kept (a job's keyframes and reference "
                                          "files are kept until it ends); submit a new job with it instead") from None
-            if ref is None:
+            if what in anchors:
                 setattr(req, anchors[what], data)
             else:
-                ref.data = data
+                media[what].data = data
         return req
 
     def files_in_use(self) -> set[str]:
@@ -463,18 +502,19 @@ class JobStore:
                 (self.keyframe_dir / d).unlink(missing_ok=True)
 
     def submit(self, req: render_pb2.RenderRequest, owner: str = "", max_queued: int = 0, seconds: str = "",
-               remixed_from: str = "") -> tuple[JobRecord, bool]:
+               remixed_from: str = "", files: dict[str, Path | bytes] | None = None) -> tuple[JobRecord, bool]:
         """(record, created). A known idempotency key of the same owner returns its job (created=False); the same
         key with a different request is ALREADY_EXISTS. With `max_queued`, a new job beyond that many queued ones
         is RESOURCE_EXHAUSTED (checked in the same transaction as the insert: the bound holds exactly). `seconds`
-        and `remixed_from` are recorded as the HTTP API's caller gave them (JobRecord)."""
+        and `remixed_from` are recorded as the HTTP API's caller gave them (JobRecord); `files`: files the job needs
+        beside its request (an extension's), stored like its keyframes."""
         key = _idem(owner, req.idempotency_key)
         with self.changed:
             if key is not None:
                 row = self.db.execute("SELECT * FROM jobs WHERE idem_key = ?", (key,)).fetchone()
                 if row is not None:
                     rec = _record(row)
-                    if _request_matches(rec, req):
+                    if _request_matches(rec, req, {k: _file_digest(p) for k, p in (files or {}).items()}):
                         return rec, False
                     raise AlreadyExists(f"idempotency key {req.idempotency_key!r} already names your job {rec.id} "
                                         "with a different request; use a new key for a new render")
@@ -482,7 +522,7 @@ class JobStore:
                 queued = self.db.execute("SELECT COUNT(*) FROM jobs WHERE state = ?", (QUEUED,)).fetchone()[0]
                 if queued >= max_queued:
                     raise ResourceExhausted(f"{queued} jobs are queued (--max-jobs-queued {max_queued}); retry later")
-            digests = self._store_keyframes(req)
+            digests = self._store_keyframes(req, files)
             job_id = uuid.uuid4().hex[:16]
             with self.db:
                 self.db.execute("INSERT INTO jobs (id, idem_key, request, state, created, owner, keyframes, seconds, "
@@ -619,7 +659,8 @@ class JobStore:
     def expire(self, keep_jobs: int, keep_bytes: int, keep_age_s: float) -> list[str]:
         """Retention (0 = no limit on that axis): finished jobs beyond the newest `keep_jobs`, or finished more than
         `keep_age_s` ago, are deleted (row and events); the MP4s of the kept ones beyond `keep_bytes` (oldest first,
-        never the newest) are marked expired. Returns the output paths to delete (after the commit)."""
+        never the newest; a job's kept latents count with its MP4) are marked expired. Returns the paths to delete
+        (after the commit): each MP4 and its latents."""
         now = time.time()
         with self.changed:
             rows = self.db.execute("SELECT id, output, output_bytes, finished, expired, state FROM jobs "
@@ -630,7 +671,7 @@ class JobStore:
                     delete.append(r)
                     continue
                 if r["state"] == SUCCEEDED and not r["expired"] and r["output"]:
-                    total += r["output_bytes"]
+                    total += r["output_bytes"] + _size(latents_path(Path(r["output"])))
                     if keep_bytes and total > keep_bytes and k > 0:
                         expire.append(r)
             if delete or expire:
@@ -641,9 +682,29 @@ class JobStore:
                         self.db.executemany("DELETE FROM jobs WHERE id = ?", ids)
                     self.db.executemany("UPDATE jobs SET expired = 1 WHERE id = ?", [(r["id"],) for r in expire])
                 self.changed.notify_all()
-            return [r["output"] for r in delete + expire if r["output"]]
+            return [p for r in delete + expire if r["output"]
+                    for p in (r["output"], str(latents_path(Path(r["output"]))))]
 
 
-def _request_matches(rec: JobRecord, req: render_pb2.RenderRequest) -> bool:
-    """Same render? The stored request holds no keyframe images: compare it without them, and their digests."""
-    return rec.request.SerializeToString(deterministic=True) == _without_images(req) and rec.keyframes == _digests(req)
+def _request_matches(rec: JobRecord, req: render_pb2.RenderRequest, files: dict[str, str]) -> bool:
+    """Same render? The stored request holds no keyframe images: compare it without them, and their digests (and
+    those of the files beside it)."""
+    return (rec.request.SerializeToString(deterministic=True) == _without_images(req)
+            and rec.keyframes == {**_digests(req), **files})
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except FileNotFoundError:
+        return 0
+
+
+def _file_digest(path: Path | bytes) -> str:
+    if isinstance(path, bytes):
+        return hashlib.sha256(path).hexdigest()
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()

@@ -21,7 +21,7 @@ engine's `prepare_process()` included) and waits, touching no device, until `loa
     unload() -> ("exit"), join (kill after `join_timeout_s`), prepare() the next turn's worker
 
 - After each job the worker hands what Status shows of it (the engine's `worker_state()` hook) to the stage
-  process's engine (`set_worker_state(state)`): the DiT's block placement.
+  process's engine (`set_worker_state(state)`): the DiT's block placement and window plan.
 - Messages cross the pipe by value (`Channel`: plain pickle, tensors copied), so a killed process leaves nothing
   shared behind. A job's inputs and outputs are latents, states and the MP4: tens to hundreds of MB, copied at
   pipe speed. The weights are the exception: a one-rank stage keeps its checkpoint files in memfds it owns, which

@@ -419,3 +419,14 @@ def test_stats_from_file_and_config_must_agree(comfy_file, stats):
     other = AudioVAEConfig.tiny(latents_mean=(0.0,) * 32, latents_std=(1.0,) * 32)
     with pytest.raises(CheckpointError, match="latents_mean"):
         load_audio_vae(comfy_file, other)
+
+
+def test_a_long_soundtrack_decodes_in_chunks_like_whole(comfy_file):
+    """Past DECODE_CHUNK_LATENTS the decoder works a chunk at a time (bounded memory), each with context beyond its
+    receptive field: the waveform is the whole decode's, up to float rounding; a shorter one is decoded whole."""
+    ours = load_audio_vae(comfy_file)
+    rows = torch.randn(2 * 150, 32, generator=torch.Generator().manual_seed(4))
+    whole = ours.decode_rows(rows)
+    assert torch.equal(ours.decode_rows(rows, chunk_latents=150), whole)
+    chunked = ours.decode_rows(rows, chunk_latents=40)
+    assert chunked.shape == whole.shape and _rel(chunked, whole) < 1e-5

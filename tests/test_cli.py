@@ -76,7 +76,7 @@ def test_render_help_shows_defaults_and_ranges(capsys):
     with pytest.raises(SystemExit):
         client_main(["render", "--help"])
     out = " ".join(capsys.readouterr().out.split())
-    for needle in ("256..2048", "(default: 832)", "(default: 480)", "22..515", "(default: 124 = 5.2 s)", "1..200",
+    for needle in ("256..2048", "(default: 832)", "(default: 480)", "22..7196", "(default: 124 = 5.2 s)", "1..200",
                    "(default: 8)", "0..2^63-1", "(default: 0)", "(default: out.mp4; none with --detach)"):
         assert needle in out, needle
 

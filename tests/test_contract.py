@@ -253,7 +253,8 @@ def test_tensor_table():
     assert {r.dtype for r in c.TENSORS.values()} == {"float", "int"} and c.TENSORS[c.TEXT_TAGS].dtype == "int"
     assert shapes[c.guide_tensor(15, "image")] == (8, 1, 32, 16) and shapes[c.guide_tensor(0, "audio")] == (2, 4, None)
     assert shapes[c.GUIDE_FRAMES] == (None,) and c.TENSORS[c.GUIDE_FRAMES].dtype == "int"
-    assert len(c.TENSORS) == 4 + 2 + 3 * c.MAX_REFERENCES + 1 + 2 * c.MAX_GUIDES
+    assert len(c.TENSORS) == 4 + 2 + 3 * c.MAX_REFERENCES + 1 + 2 * c.MAX_GUIDES + (c.MAX_PROMPTS - 1) + 2
+    assert shapes[c.prompt_tensor(3)] == (None, 64) and c.prompt_tensor(0) == c.TEXT_STATES
     names = [c.keyframe_tensor("last"), c.TEXT_STATES, c.keyframe_tensor("first")]
     assert c.keyframe_anchors(names) == ("first", "last")
     assert c.has_references([c.ref_tensor(2, "video")]) and not c.has_references([c.TEXT_TAGS])

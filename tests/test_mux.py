@@ -240,3 +240,38 @@ def test_default_render_size_832x480x124(tmp_path):
     _assert_contract(_probe(str(tmp_path / "big.mp4")), f=f, h=h, w=w)
     print(f"\nmux 832x480x124 preset={mux.DEFAULT_PRESET}: {info.encode_seconds:.2f} s, {info.num_bytes / 1e6:.2f} MB")
     assert info.encode_seconds > 0  # its speed is for a benchmark, not a test
+
+
+def test_a_frame_stream_is_muxed_chunk_by_chunk(tmp_path):
+    """Long clips stream: chunks are pulled while the mux runs (never held whole) and give the clip's frames as one
+    array does; an extension's prefix frames open the MP4; a stream short of its frames fails, leaving nothing."""
+    frames = _frames_uint8()
+    audio = _audio(audio_samples(F))
+    pulled = []
+
+    def chunks():
+        for i in range(0, F, 7):
+            pulled.append(i)
+            yield torch.from_numpy(frames[i:i + 7].astype(np.float32) / 255).permute(3, 0, 1, 2)
+
+    muxed = []
+
+    def check():  # the mux calls it before each frame: the chunks arrive as it goes, never all before it starts
+        muxed.append(len(pulled))
+
+    write_mp4(tmp_path / "stream.mp4", mux.FrameStream(F, H, W, chunks()), audio, check_cancel=check)
+    _assert_contract(_probe(str(tmp_path / "stream.mp4")))
+    with av.open(str(tmp_path / "stream.mp4")) as c:
+        got = np.stack([f.to_ndarray(format="rgb24") for f in c.decode(video=0)])
+    mse = np.mean((got.astype(np.float64) - frames) ** 2)
+    assert 10 * np.log10(255 ** 2 / mse) > 25  # the clip's frames in order, through H.264 (noise aside)
+    assert muxed[0] == 1 and muxed[-1] == len(pulled) == 5
+    # An extension: its source frames first, as they are, then the stream.
+    prefix = _frames_uint8(f=10, seed=3)
+    info = write_mp4(tmp_path / "ext.mp4", mux.FrameStream(F, H, W, iter([frames])), _audio(audio_samples(F + 10)),
+                     prefix=(10, iter(prefix)))
+    _assert_contract(_probe(str(tmp_path / "ext.mp4")), f=F + 10)
+    assert info.num_frames == F + 10
+    with pytest.raises(ValueError, match="ended after 28 of its 29 frames"):
+        write_mp4(tmp_path / "short.mp4", mux.FrameStream(F, H, W, iter([frames[:28]])), audio)
+    assert not (tmp_path / "short.mp4").exists() and not list(tmp_path.glob(".mux-*"))

@@ -111,7 +111,8 @@ def test_restart_with_jobs_queued_all_finish_exactly_once(stack, tmp_path):
             else:
                 assert infos[i].attempts == 1 and not requeued
         outputs = sorted(p.name for p in (run_dir / "render" / "outputs").iterdir())
-        assert outputs == sorted(f"{i}.mp4" for i in ids), "one MP4 per job, no leftovers"
+        want = sorted(f"{i}{suffix}" for i in ids for suffix in (".mp4", ".latents.safetensors"))
+        assert outputs == want, "one MP4 per job and its kept latents (docs/long_video.md), no leftovers"
     finally:
         svc.stop()
 
@@ -131,7 +132,9 @@ def test_retention_removes_old_outputs(stack, tmp_path):
                 call()
             assert e.value.code() == grpc.StatusCode.NOT_FOUND and "--keep-jobs" in e.value.details()
         assert sum(1 for c in svc.stub.Fetch(render_pb2.FetchRequest(job_id=b), timeout=30) if c.last) == 1
-        assert not (tmp_path / "run" / "render" / "outputs" / f"{a}.mp4").exists()
+        outputs = tmp_path / "run" / "render" / "outputs"
+        assert not (outputs / f"{a}.mp4").exists() and not (outputs / f"{a}.latents.safetensors").exists()
+        assert (outputs / f"{b}.latents.safetensors").exists()  # kept with its MP4, removed with it
     finally:
         svc.stop()
 

@@ -311,3 +311,25 @@ def test_h3_geometry_without_config(tmp_path):
     assert info.cfg == VideoVAEConfig.full() and info.config_source == "H3 release geometry"
     assert json.loads(VideoVAEConfig.full().to_json())["tile_px"] == 256
     assert VideoVAEConfig.from_json(TINY.to_json()) == TINY
+
+
+def test_units_stream_to_a_sink_chunk_by_chunk(vae):
+    """With a sink, each temporal chunk's frames leave the assembler as soon as they are finished (a long clip's
+    decode never holds its frames whole), in order, adding up to the whole decode bit for bit."""
+    from minimax_h3.vae.tiling import StreamingAssembler
+
+    cfg = SMALL_TILES
+    vae_c = VideoVAE(cfg).eval()
+    vae_c.load_state_dict(vae.state_dict())
+    z = torch.randn(24, 12, 6, 5, generator=torch.Generator().manual_seed(2))
+    plan = plan_decode(cfg, 12, 6, 5)
+    parts = []
+    asm = StreamingAssembler(plan, sink=parts.append)
+    sizes = []
+    for u in plan:
+        asm.add(u, decode_unit(vae_c, z, u))
+        sizes.append(sum(p.shape[1] for p in parts))
+    assert asm.finish() is None and asm.out is None
+    assert len(parts) == plan[0].geom.num_chunks + 1 and max(p.shape[1] for p in parts) <= 17
+    assert sizes[0] == 0 and sizes[-1] < plan[0].geom.num_frames  # frames left as each chunk finished, the tail last
+    assert torch.equal(torch.cat(parts, dim=1), vae_c.decode(z))

@@ -434,6 +434,10 @@ class BigVGAN(nn.Module):
 
 # --------------------------------------------------------------------------------------------
 # Top-level model
+
+# Latents decoded at once (30 s); a longer soundtrack is decoded in chunks with this many latents of context a side.
+DECODE_CHUNK_LATENTS = 1200
+DECODE_CONTEXT_LATENTS = 48
 # --------------------------------------------------------------------------------------------
 
 
@@ -517,8 +521,13 @@ class AudioVAE(nn.Module):
         return z.permute(0, 2, 1).reshape(-1, z.shape[1]).contiguous()
 
     @torch.no_grad()
-    def decode_rows(self, rows: torch.Tensor, num_channels: int = AUDIO_CHANNELS) -> torch.Tensor:
-        """Normalised DiT audio rows `[2*Ta, 32]` -> stereo waveform `[2, 800*Ta]` at 32 kHz in [-1, 1]."""
+    def decode_rows(self, rows: torch.Tensor, num_channels: int = AUDIO_CHANNELS,
+                    chunk_latents: int = DECODE_CHUNK_LATENTS) -> torch.Tensor:
+        """Normalised DiT audio rows `[2*Ta, 32]` -> stereo waveform `[2, 800*Ta]` at 32 kHz in [-1, 1].
+
+        A soundtrack longer than `chunk_latents` is decoded a chunk at a time, each with DECODE_CONTEXT_LATENTS of
+        its neighbours' latents on either side (beyond the decoder's receptive field, ~20 latents) and cut back to
+        its own samples, so memory is bounded by the chunk however long the clip; a shorter one is decoded whole."""
         if rows.ndim != 2 or rows.shape[1] != self.cfg.latent_channels:
             raise ValueError(
                 f"audio rows must have shape [{num_channels}*Ta, {self.cfg.latent_channels}], got {tuple(rows.shape)}"
@@ -526,7 +535,15 @@ class AudioVAE(nn.Module):
         z = self.rows_to_batch(rows.float(), num_channels)
         self._check_latents(z)
         z = self.denormalize(z.to(self.dec_in_proj.weight.device))
-        return self.decode(z)[:, 0, :]
+        ta = z.shape[-1]
+        if ta <= chunk_latents:
+            return self.decode(z)[:, 0, :]
+        hop, ctx, parts = self.hop_length, DECODE_CONTEXT_LATENTS, []
+        for s in range(0, ta, chunk_latents):
+            e = min(ta, s + chunk_latents)
+            a, b = max(0, s - ctx), min(ta, e + ctx)
+            parts.append(self.decode(z[..., a:b])[:, 0, (s - a) * hop:(e - a) * hop])
+        return torch.cat(parts, dim=1)
 
     # ---- encode -----------------------------------------------------------------------------
 

@@ -296,10 +296,13 @@ def finalize_pixels(x: torch.Tensor) -> torch.Tensor:
 class StreamingAssembler:
     """Accepts unit results in any order and writes each temporal chunk into the output as soon as all its tiles
     (and every earlier chunk) are in, then frees them — so at most the out-of-order chunks are held, not the whole
-    plan's fp32 outputs. The result is bitwise independent of arrival order."""
+    plan's fp32 outputs. The result is bitwise independent of arrival order.
+
+    With a `sink`, finished frames are not kept: each stretch of them ([C, n, H, W], in order) goes to `sink` as it
+    is finished (a long clip's mux takes them chunk by chunk), and `finish` returns None."""
 
     def __init__(self, plan: Sequence[DecodeUnit], *, finalize: bool = True,
-                 device: torch.device | str | None = None):
+                 device: torch.device | str | None = None, sink=None):
         if not plan:
             raise ValueError("empty decode plan")
         self.geom = plan[0].geom
@@ -311,6 +314,7 @@ class StreamingAssembler:
         self._next_chunk = 0
         self._tail: torch.Tensor | None = None
         self._write = 0
+        self._sink = sink
         self.out: torch.Tensor | None = None
 
     def add(self, unit: DecodeUnit, result: torch.Tensor) -> None:
@@ -328,14 +332,17 @@ class StreamingAssembler:
 
     def _emit(self, part: torch.Tensor) -> None:
         g = self.geom
-        if self.out is None:
+        if self.out is None and self._sink is None:
             dev = part.device if self._device is None else self._device
             self.out = torch.empty(g.out_channels, g.num_frames, g.height, g.width, dtype=torch.float32, device=dev)
         n = min(part.shape[1], g.num_frames - self._write)  # frames of repeated pad latents are cut here
         if n > 0:
             part = part[:, :n]
             part = finalize_pixels(part) if self.finalize else part.float()
-            self.out[:, self._write:self._write + n].copy_(part)
+            if self._sink is not None:
+                self._sink(part)
+            else:
+                self.out[:, self._write:self._write + n].copy_(part)
             self._write += n
 
     def _flush(self, tiles: dict[tuple[int, int], torch.Tensor]) -> None:
@@ -351,7 +358,7 @@ class StreamingAssembler:
         self._emit(body)
         self._tail = tail if tail.shape[1] > 0 else None
 
-    def finish(self) -> torch.Tensor:
+    def finish(self) -> torch.Tensor | None:
         missing = [u.index for u in self.plan if u.index not in self._seen]
         if missing:
             raise ValueError(f"cannot assemble: results missing for units {missing[:16]}"
@@ -359,7 +366,7 @@ class StreamingAssembler:
         if self._tail is not None:
             self._emit(self._tail)
             self._tail = None
-        assert self.out is not None and self._write == self.geom.num_frames, "internal frame accounting error"
+        assert self._write == self.geom.num_frames, "internal frame accounting error"
         return self.out
 
 

@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class RenderParams(_message.Message):
-    __slots__ = ("prompt", "width", "height", "frames", "steps", "seed", "sampler", "scheduler", "video_shift", "audio_shift", "quality")
+    __slots__ = ("prompt", "width", "height", "frames", "steps", "seed", "sampler", "scheduler", "video_shift", "audio_shift", "quality", "window_frames", "window_overlap", "window_mode", "window_fuse", "more_prompts", "prompt_starts", "prefix_frames")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     WIDTH_FIELD_NUMBER: _ClassVar[int]
     HEIGHT_FIELD_NUMBER: _ClassVar[int]
@@ -19,6 +19,13 @@ class RenderParams(_message.Message):
     VIDEO_SHIFT_FIELD_NUMBER: _ClassVar[int]
     AUDIO_SHIFT_FIELD_NUMBER: _ClassVar[int]
     QUALITY_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_FRAMES_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_OVERLAP_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_MODE_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_FUSE_FIELD_NUMBER: _ClassVar[int]
+    MORE_PROMPTS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_STARTS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_FRAMES_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     width: int
     height: int
@@ -30,7 +37,14 @@ class RenderParams(_message.Message):
     video_shift: float
     audio_shift: float
     quality: str
-    def __init__(self, prompt: _Optional[str] = ..., width: _Optional[int] = ..., height: _Optional[int] = ..., frames: _Optional[int] = ..., steps: _Optional[int] = ..., seed: _Optional[int] = ..., sampler: _Optional[str] = ..., scheduler: _Optional[str] = ..., video_shift: _Optional[float] = ..., audio_shift: _Optional[float] = ..., quality: _Optional[str] = ...) -> None: ...
+    window_frames: int
+    window_overlap: int
+    window_mode: str
+    window_fuse: str
+    more_prompts: _containers.RepeatedScalarFieldContainer[str]
+    prompt_starts: _containers.RepeatedScalarFieldContainer[float]
+    prefix_frames: int
+    def __init__(self, prompt: _Optional[str] = ..., width: _Optional[int] = ..., height: _Optional[int] = ..., frames: _Optional[int] = ..., steps: _Optional[int] = ..., seed: _Optional[int] = ..., sampler: _Optional[str] = ..., scheduler: _Optional[str] = ..., video_shift: _Optional[float] = ..., audio_shift: _Optional[float] = ..., quality: _Optional[str] = ..., window_frames: _Optional[int] = ..., window_overlap: _Optional[int] = ..., window_mode: _Optional[str] = ..., window_fuse: _Optional[str] = ..., more_prompts: _Optional[_Iterable[str]] = ..., prompt_starts: _Optional[_Iterable[float]] = ..., prefix_frames: _Optional[int] = ...) -> None: ...
 
 class Progress(_message.Message):
     __slots__ = ("stage", "phase", "step", "total", "elapsed_s", "eta_s", "step_ms", "message")

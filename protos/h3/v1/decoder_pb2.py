@@ -26,37 +26,39 @@ from h3.v1 import common_pb2 as h3_dot_v1_dot_common__pb2
 from h3.v1 import tensor_pb2 as h3_dot_v1_dot_tensor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13h3/v1/decoder.proto\x12\x05h3.v1\x1a\x12h3/v1/common.proto\x1a\x12h3/v1/tensor.proto\"\xba\x01\n\rDecodeRequest\x12#\n\x06params\x18\x01 \x01(\x0b\x32\x13.h3.v1.RenderParams\x12\x0e\n\x06job_id\x18\x02 \x01(\t\x12#\n\x06\x66ormat\x18\x03 \x01(\x0e\x32\x13.h3.v1.OutputFormat\x12\x0b\n\x03\x63rf\x18\x04 \x01(\r\x12\x13\n\x0boutput_name\x18\x05 \x01(\t\x12\x15\n\rupscale_width\x18\x06 \x01(\x05\x12\x16\n\x0eupscale_height\x18\x07 \x01(\x05\"e\n\x0b\x44\x65\x63odeInput\x12\'\n\x07request\x18\x01 \x01(\x0b\x32\x14.h3.v1.DecodeRequestH\x00\x12$\n\x06tensor\x18\x02 \x01(\x0b\x32\x12.h3.v1.TensorChunkH\x00\x42\x07\n\x05input\"f\n\nDecodeDone\x12\x1d\n\x06timing\x18\x01 \x01(\x0b\x32\r.h3.v1.Timing\x12\x0e\n\x06\x66rames\x18\x02 \x01(\r\x12\x15\n\raudio_samples\x18\x03 \x01(\x04\x12\x12\n\nworld_size\x18\x04 \x01(\r\"\xa6\x01\n\x0b\x44\x65\x63odeEvent\x12#\n\x08progress\x18\x01 \x01(\x0b\x32\x0f.h3.v1.ProgressH\x00\x12 \n\x04\x66ile\x18\x02 \x01(\x0b\x32\x10.h3.v1.FileChunkH\x00\x12$\n\x06tensor\x18\x03 \x01(\x0b\x32\x12.h3.v1.TensorChunkH\x00\x12!\n\x04\x64one\x18\x04 \x01(\x0b\x32\x11.h3.v1.DecodeDoneH\x00\x42\x07\n\x05\x65vent\"6\n\x08RawImage\x12\r\n\x05width\x18\x01 \x01(\x05\x12\x0e\n\x06height\x18\x02 \x01(\x05\x12\x0b\n\x03rgb\x18\x03 \x01(\x0c\"\x81\x01\n\x12\x45ncodeImageRequest\x12\x0f\n\x05image\x18\x01 \x01(\x0cH\x00\x12!\n\x06pixels\x18\x02 \x01(\x0b\x32\x0f.h3.v1.RawImageH\x00\x12\r\n\x05width\x18\x03 \x01(\x05\x12\x0e\n\x06height\x18\x04 \x01(\x05\x12\x0e\n\x06job_id\x18\x05 \x01(\tB\x08\n\x06source\"O\n\x0f\x45ncodeImageDone\x12\x1d\n\x06timing\x18\x01 \x01(\x0b\x32\r.h3.v1.Timing\x12\r\n\x05width\x18\x02 \x01(\r\x12\x0e\n\x06height\x18\x03 \x01(\r\"\x8e\x01\n\x10\x45ncodeImageEvent\x12#\n\x08progress\x18\x01 \x01(\x0b\x32\x0f.h3.v1.ProgressH\x00\x12$\n\x06tensor\x18\x02 \x01(\x0b\x32\x12.h3.v1.TensorChunkH\x00\x12&\n\x04\x64one\x18\x03 \x01(\x0b\x32\x16.h3.v1.EncodeImageDoneH\x00\x42\x07\n\x05\x65vent\"]\n\x16\x45ncodeReferenceRequest\x12#\n\treference\x18\x01 \x01(\x0b\x32\x10.h3.v1.Reference\x12\x0e\n\x06\x66rames\x18\x02 \x01(\x05\x12\x0e\n\x06job_id\x18\x03 \x01(\t\"\x9d\x01\n\x13\x45ncodeReferenceDone\x12\x1d\n\x06timing\x18\x01 \x01(\x0b\x32\r.h3.v1.Timing\x12\r\n\x05width\x18\x02 \x01(\r\x12\x0e\n\x06height\x18\x03 \x01(\r\x12\x0e\n\x06\x66rames\x18\x04 \x01(\r\x12\x0f\n\x07seconds\x18\x05 \x01(\x01\x12\x12\n\nsource_fps\x18\x06 \x01(\x01\x12\x13\n\x0bsource_rate\x18\x07 \x01(\r\"\x96\x01\n\x14\x45ncodeReferenceEvent\x12#\n\x08progress\x18\x01 \x01(\x0b\x32\x0f.h3.v1.ProgressH\x00\x12$\n\x06tensor\x18\x02 \x01(\x0b\x32\x12.h3.v1.TensorChunkH\x00\x12*\n\x04\x64one\x18\x03 \x01(\x0b\x32\x1a.h3.v1.EncodeReferenceDoneH\x00\x42\x07\n\x05\x65vent*)\n\x0cOutputFormat\x12\x07\n\x03MP4\x10\x00\x12\x07\n\x03RAW\x10\x01\x12\x07\n\x03WAV\x10\x02\x32\xdc\x03\n\x07\x44\x65\x63oder\x12\x34\n\x06\x44\x65\x63ode\x12\x12.h3.v1.DecodeInput\x1a\x12.h3.v1.DecodeEvent(\x01\x30\x01\x12\x43\n\x0b\x45ncodeImage\x12\x19.h3.v1.EncodeImageRequest\x1a\x17.h3.v1.EncodeImageEvent0\x01\x12O\n\x0f\x45ncodeReference\x12\x1d.h3.v1.EncodeReferenceRequest\x1a\x1b.h3.v1.EncodeReferenceEvent0\x01\x12\x30\n\x06Upload\x12\x10.h3.v1.FileChunk\x1a\x12.h3.v1.UploadReply(\x01\x12\x31\n\x04Load\x12\x12.h3.v1.LoadRequest\x1a\x15.h3.v1.LifecycleReply\x12\x35\n\x06Unload\x12\x14.h3.v1.UnloadRequest\x1a\x15.h3.v1.LifecycleReply\x12\x35\n\x06Warmup\x12\x14.h3.v1.WarmupRequest\x1a\x15.h3.v1.LifecycleReply\x12\x32\n\x06Status\x12\x14.h3.v1.StatusRequest\x1a\x12.h3.v1.StageStatusb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13h3/v1/decoder.proto\x12\x05h3.v1\x1a\x12h3/v1/common.proto\x1a\x12h3/v1/tensor.proto\"\xd1\x01\n\rDecodeRequest\x12#\n\x06params\x18\x01 \x01(\x0b\x32\x13.h3.v1.RenderParams\x12\x0e\n\x06job_id\x18\x02 \x01(\t\x12#\n\x06\x66ormat\x18\x03 \x01(\x0e\x32\x13.h3.v1.OutputFormat\x12\x0b\n\x03\x63rf\x18\x04 \x01(\r\x12\x13\n\x0boutput_name\x18\x05 \x01(\t\x12\x15\n\rupscale_width\x18\x06 \x01(\x05\x12\x16\n\x0eupscale_height\x18\x07 \x01(\x05\x12\x15\n\rprefix_digest\x18( \x01(\t\"e\n\x0b\x44\x65\x63odeInput\x12\'\n\x07request\x18\x01 \x01(\x0b\x32\x14.h3.v1.DecodeRequestH\x00\x12$\n\x06tensor\x18\x02 \x01(\x0b\x32\x12.h3.v1.TensorChunkH\x00\x42\x07\n\x05input\"f\n\nDecodeDone\x12\x1d\n\x06timing\x18\x01 \x01(\x0b\x32\r.h3.v1.Timing\x12\x0e\n\x06\x66rames\x18\x02 \x01(\r\x12\x15\n\raudio_samples\x18\x03 \x01(\x04\x12\x12\n\nworld_size\x18\x04 \x01(\r\"\xa6\x01\n\x0b\x44\x65\x63odeEvent\x12#\n\x08progress\x18\x01 \x01(\x0b\x32\x0f.h3.v1.ProgressH\x00\x12 \n\x04\x66ile\x18\x02 \x01(\x0b\x32\x10.h3.v1.FileChunkH\x00\x12$\n\x06tensor\x18\x03 \x01(\x0b\x32\x12.h3.v1.TensorChunkH\x00\x12!\n\x04\x64one\x18\x04 \x01(\x0b\x32\x11.h3.v1.DecodeDoneH\x00\x42\x07\n\x05\x65vent\"6\n\x08RawImage\x12\r\n\x05width\x18\x01 \x01(\x05\x12\x0e\n\x06height\x18\x02 \x01(\x05\x12\x0b\n\x03rgb\x18\x03 \x01(\x0c\"\x81\x01\n\x12\x45ncodeImageRequest\x12\x0f\n\x05image\x18\x01 \x01(\x0cH\x00\x12!\n\x06pixels\x18\x02 \x01(\x0b\x32\x0f.h3.v1.RawImageH\x00\x12\r\n\x05width\x18\x03 \x01(\x05\x12\x0e\n\x06height\x18\x04 \x01(\x05\x12\x0e\n\x06job_id\x18\x05 \x01(\tB\x08\n\x06source\"O\n\x0f\x45ncodeImageDone\x12\x1d\n\x06timing\x18\x01 \x01(\x0b\x32\r.h3.v1.Timing\x12\r\n\x05width\x18\x02 \x01(\r\x12\x0e\n\x06height\x18\x03 \x01(\r\"\x8e\x01\n\x10\x45ncodeImageEvent\x12#\n\x08progress\x18\x01 \x01(\x0b\x32\x0f.h3.v1.ProgressH\x00\x12$\n\x06tensor\x18\x02 \x01(\x0b\x32\x12.h3.v1.TensorChunkH\x00\x12&\n\x04\x64one\x18\x03 \x01(\x0b\x32\x16.h3.v1.EncodeImageDoneH\x00\x42\x07\n\x05\x65vent\"]\n\x16\x45ncodeReferenceRequest\x12#\n\treference\x18\x01 \x01(\x0b\x32\x10.h3.v1.Reference\x12\x0e\n\x06\x66rames\x18\x02 \x01(\x05\x12\x0e\n\x06job_id\x18\x03 \x01(\t\"\x9d\x01\n\x13\x45ncodeReferenceDone\x12\x1d\n\x06timing\x18\x01 \x01(\x0b\x32\r.h3.v1.Timing\x12\r\n\x05width\x18\x02 \x01(\r\x12\x0e\n\x06height\x18\x03 \x01(\r\x12\x0e\n\x06\x66rames\x18\x04 \x01(\r\x12\x0f\n\x07seconds\x18\x05 \x01(\x01\x12\x12\n\nsource_fps\x18\x06 \x01(\x01\x12\x13\n\x0bsource_rate\x18\x07 \x01(\r\"\x96\x01\n\x14\x45ncodeReferenceEvent\x12#\n\x08progress\x18\x01 \x01(\x0b\x32\x0f.h3.v1.ProgressH\x00\x12$\n\x06tensor\x18\x02 \x01(\x0b\x32\x12.h3.v1.TensorChunkH\x00\x12*\n\x04\x64one\x18\x03 \x01(\x0b\x32\x1a.h3.v1.EncodeReferenceDoneH\x00\x42\x07\n\x05\x65vent\"X\n\x11\x45ncodeTailRequest\x12\x0e\n\x06\x64igest\x18\x01 \x01(\t\x12#\n\x06params\x18\x02 \x01(\x0b\x32\x13.h3.v1.RenderParams\x12\x0e\n\x06job_id\x18\x03 \x01(\t*)\n\x0cOutputFormat\x12\x07\n\x03MP4\x10\x00\x12\x07\n\x03RAW\x10\x01\x12\x07\n\x03WAV\x10\x02\x32\xa3\x04\n\x07\x44\x65\x63oder\x12\x34\n\x06\x44\x65\x63ode\x12\x12.h3.v1.DecodeInput\x1a\x12.h3.v1.DecodeEvent(\x01\x30\x01\x12\x43\n\x0b\x45ncodeImage\x12\x19.h3.v1.EncodeImageRequest\x1a\x17.h3.v1.EncodeImageEvent0\x01\x12O\n\x0f\x45ncodeReference\x12\x1d.h3.v1.EncodeReferenceRequest\x1a\x1b.h3.v1.EncodeReferenceEvent0\x01\x12\x30\n\x06Upload\x12\x10.h3.v1.FileChunk\x1a\x12.h3.v1.UploadReply(\x01\x12\x45\n\nEncodeTail\x12\x18.h3.v1.EncodeTailRequest\x1a\x1b.h3.v1.EncodeReferenceEvent0\x01\x12\x31\n\x04Load\x12\x12.h3.v1.LoadRequest\x1a\x15.h3.v1.LifecycleReply\x12\x35\n\x06Unload\x12\x14.h3.v1.UnloadRequest\x1a\x15.h3.v1.LifecycleReply\x12\x35\n\x06Warmup\x12\x14.h3.v1.WarmupRequest\x1a\x15.h3.v1.LifecycleReply\x12\x32\n\x06Status\x12\x14.h3.v1.StatusRequest\x1a\x12.h3.v1.StageStatusb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'h3.v1.decoder_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_OUTPUTFORMAT']._serialized_start=1457
-  _globals['_OUTPUTFORMAT']._serialized_end=1498
+  _globals['_OUTPUTFORMAT']._serialized_start=1570
+  _globals['_OUTPUTFORMAT']._serialized_end=1611
   _globals['_DECODEREQUEST']._serialized_start=71
-  _globals['_DECODEREQUEST']._serialized_end=257
-  _globals['_DECODEINPUT']._serialized_start=259
-  _globals['_DECODEINPUT']._serialized_end=360
-  _globals['_DECODEDONE']._serialized_start=362
-  _globals['_DECODEDONE']._serialized_end=464
-  _globals['_DECODEEVENT']._serialized_start=467
-  _globals['_DECODEEVENT']._serialized_end=633
-  _globals['_RAWIMAGE']._serialized_start=635
-  _globals['_RAWIMAGE']._serialized_end=689
-  _globals['_ENCODEIMAGEREQUEST']._serialized_start=692
-  _globals['_ENCODEIMAGEREQUEST']._serialized_end=821
-  _globals['_ENCODEIMAGEDONE']._serialized_start=823
-  _globals['_ENCODEIMAGEDONE']._serialized_end=902
-  _globals['_ENCODEIMAGEEVENT']._serialized_start=905
-  _globals['_ENCODEIMAGEEVENT']._serialized_end=1047
-  _globals['_ENCODEREFERENCEREQUEST']._serialized_start=1049
-  _globals['_ENCODEREFERENCEREQUEST']._serialized_end=1142
-  _globals['_ENCODEREFERENCEDONE']._serialized_start=1145
-  _globals['_ENCODEREFERENCEDONE']._serialized_end=1302
-  _globals['_ENCODEREFERENCEEVENT']._serialized_start=1305
-  _globals['_ENCODEREFERENCEEVENT']._serialized_end=1455
-  _globals['_DECODER']._serialized_start=1501
-  _globals['_DECODER']._serialized_end=1977
+  _globals['_DECODEREQUEST']._serialized_end=280
+  _globals['_DECODEINPUT']._serialized_start=282
+  _globals['_DECODEINPUT']._serialized_end=383
+  _globals['_DECODEDONE']._serialized_start=385
+  _globals['_DECODEDONE']._serialized_end=487
+  _globals['_DECODEEVENT']._serialized_start=490
+  _globals['_DECODEEVENT']._serialized_end=656
+  _globals['_RAWIMAGE']._serialized_start=658
+  _globals['_RAWIMAGE']._serialized_end=712
+  _globals['_ENCODEIMAGEREQUEST']._serialized_start=715
+  _globals['_ENCODEIMAGEREQUEST']._serialized_end=844
+  _globals['_ENCODEIMAGEDONE']._serialized_start=846
+  _globals['_ENCODEIMAGEDONE']._serialized_end=925
+  _globals['_ENCODEIMAGEEVENT']._serialized_start=928
+  _globals['_ENCODEIMAGEEVENT']._serialized_end=1070
+  _globals['_ENCODEREFERENCEREQUEST']._serialized_start=1072
+  _globals['_ENCODEREFERENCEREQUEST']._serialized_end=1165
+  _globals['_ENCODEREFERENCEDONE']._serialized_start=1168
+  _globals['_ENCODEREFERENCEDONE']._serialized_end=1325
+  _globals['_ENCODEREFERENCEEVENT']._serialized_start=1328
+  _globals['_ENCODEREFERENCEEVENT']._serialized_end=1478
+  _globals['_ENCODETAILREQUEST']._serialized_start=1480
+  _globals['_ENCODETAILREQUEST']._serialized_end=1568
+  _globals['_DECODER']._serialized_start=1614
+  _globals['_DECODER']._serialized_end=2161
 # @@protoc_insertion_point(module_scope)

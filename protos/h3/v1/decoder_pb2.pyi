@@ -18,7 +18,7 @@ RAW: OutputFormat
 WAV: OutputFormat
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("params", "job_id", "format", "crf", "output_name", "upscale_width", "upscale_height")
+    __slots__ = ("params", "job_id", "format", "crf", "output_name", "upscale_width", "upscale_height", "prefix_digest")
     PARAMS_FIELD_NUMBER: _ClassVar[int]
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     FORMAT_FIELD_NUMBER: _ClassVar[int]
@@ -26,6 +26,7 @@ class DecodeRequest(_message.Message):
     OUTPUT_NAME_FIELD_NUMBER: _ClassVar[int]
     UPSCALE_WIDTH_FIELD_NUMBER: _ClassVar[int]
     UPSCALE_HEIGHT_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_DIGEST_FIELD_NUMBER: _ClassVar[int]
     params: _common_pb2.RenderParams
     job_id: str
     format: OutputFormat
@@ -33,7 +34,8 @@ class DecodeRequest(_message.Message):
     output_name: str
     upscale_width: int
     upscale_height: int
-    def __init__(self, params: _Optional[_Union[_common_pb2.RenderParams, _Mapping]] = ..., job_id: _Optional[str] = ..., format: _Optional[_Union[OutputFormat, str]] = ..., crf: _Optional[int] = ..., output_name: _Optional[str] = ..., upscale_width: _Optional[int] = ..., upscale_height: _Optional[int] = ...) -> None: ...
+    prefix_digest: str
+    def __init__(self, params: _Optional[_Union[_common_pb2.RenderParams, _Mapping]] = ..., job_id: _Optional[str] = ..., format: _Optional[_Union[OutputFormat, str]] = ..., crf: _Optional[int] = ..., output_name: _Optional[str] = ..., upscale_width: _Optional[int] = ..., upscale_height: _Optional[int] = ..., prefix_digest: _Optional[str] = ...) -> None: ...
 
 class DecodeInput(_message.Message):
     __slots__ = ("request", "tensor")
@@ -148,3 +150,13 @@ class EncodeReferenceEvent(_message.Message):
     tensor: _tensor_pb2.TensorChunk
     done: EncodeReferenceDone
     def __init__(self, progress: _Optional[_Union[_common_pb2.Progress, _Mapping]] = ..., tensor: _Optional[_Union[_tensor_pb2.TensorChunk, _Mapping]] = ..., done: _Optional[_Union[EncodeReferenceDone, _Mapping]] = ...) -> None: ...
+
+class EncodeTailRequest(_message.Message):
+    __slots__ = ("digest", "params", "job_id")
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    PARAMS_FIELD_NUMBER: _ClassVar[int]
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    digest: str
+    params: _common_pb2.RenderParams
+    job_id: str
+    def __init__(self, digest: _Optional[str] = ..., params: _Optional[_Union[_common_pb2.RenderParams, _Mapping]] = ..., job_id: _Optional[str] = ...) -> None: ...

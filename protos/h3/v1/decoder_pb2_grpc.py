@@ -57,6 +57,11 @@ class DecoderStub:
                 request_serializer=h3_dot_v1_dot_tensor__pb2.FileChunk.SerializeToString,
                 response_deserializer=h3_dot_v1_dot_tensor__pb2.UploadReply.FromString,
                 _registered_method=True)
+        self.EncodeTail = channel.unary_stream(
+                '/h3.v1.Decoder/EncodeTail',
+                request_serializer=h3_dot_v1_dot_decoder__pb2.EncodeTailRequest.SerializeToString,
+                response_deserializer=h3_dot_v1_dot_decoder__pb2.EncodeReferenceEvent.FromString,
+                _registered_method=True)
         self.Load = channel.unary_unary(
                 '/h3.v1.Decoder/Load',
                 request_serializer=h3_dot_v1_dot_common__pb2.LoadRequest.SerializeToString,
@@ -118,6 +123,16 @@ class DecoderServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def EncodeTail(self, request, context):
+        """An extension's guide when the source's latents are gone: the source MP4 (uploaded, named by digest) read from
+        its last `guide_frames` frames (a clip boundary), fitted to the canvas and encoded like the clip's own latents
+        ("video" [24, 5m+2, H/16, W/16]); its soundtrack up to `prefix_frames` encoded by the audio VAE and the same
+        frames' latents kept ("audio" [2, 32, Tga]).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Load(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -164,6 +179,11 @@ def add_DecoderServicer_to_server(servicer, server):
                     servicer.Upload,
                     request_deserializer=h3_dot_v1_dot_tensor__pb2.FileChunk.FromString,
                     response_serializer=h3_dot_v1_dot_tensor__pb2.UploadReply.SerializeToString,
+            ),
+            'EncodeTail': grpc.unary_stream_rpc_method_handler(
+                    servicer.EncodeTail,
+                    request_deserializer=h3_dot_v1_dot_decoder__pb2.EncodeTailRequest.FromString,
+                    response_serializer=h3_dot_v1_dot_decoder__pb2.EncodeReferenceEvent.SerializeToString,
             ),
             'Load': grpc.unary_unary_rpc_method_handler(
                     servicer.Load,
@@ -295,6 +315,33 @@ class Decoder:
             '/h3.v1.Decoder/Upload',
             h3_dot_v1_dot_tensor__pb2.FileChunk.SerializeToString,
             h3_dot_v1_dot_tensor__pb2.UploadReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def EncodeTail(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/h3.v1.Decoder/EncodeTail',
+            h3_dot_v1_dot_decoder__pb2.EncodeTailRequest.SerializeToString,
+            h3_dot_v1_dot_decoder__pb2.EncodeReferenceEvent.FromString,
             options,
             channel_credentials,
             insecure,

@@ -26,7 +26,7 @@ JOB_FAILED: JobState
 JOB_CANCELLED: JobState
 
 class RenderRequest(_message.Message):
-    __slots__ = ("params", "loras", "crf", "first_frame", "last_frame", "upscale_width", "upscale_height", "idempotency_key", "label", "references", "workflow_json", "workflow_set", "output_format", "guides")
+    __slots__ = ("params", "loras", "crf", "first_frame", "last_frame", "upscale_width", "upscale_height", "idempotency_key", "label", "references", "workflow_json", "workflow_set", "output_format", "guides", "extend_job_id")
     PARAMS_FIELD_NUMBER: _ClassVar[int]
     LORAS_FIELD_NUMBER: _ClassVar[int]
     CRF_FIELD_NUMBER: _ClassVar[int]
@@ -41,6 +41,7 @@ class RenderRequest(_message.Message):
     WORKFLOW_SET_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_FORMAT_FIELD_NUMBER: _ClassVar[int]
     GUIDES_FIELD_NUMBER: _ClassVar[int]
+    EXTEND_JOB_ID_FIELD_NUMBER: _ClassVar[int]
     params: _common_pb2.RenderParams
     loras: _containers.RepeatedCompositeFieldContainer[_dit_pb2.LoraSpec]
     crf: int
@@ -55,7 +56,22 @@ class RenderRequest(_message.Message):
     workflow_set: _containers.RepeatedScalarFieldContainer[str]
     output_format: str
     guides: _containers.RepeatedCompositeFieldContainer[_common_pb2.Guide]
-    def __init__(self, params: _Optional[_Union[_common_pb2.RenderParams, _Mapping]] = ..., loras: _Optional[_Iterable[_Union[_dit_pb2.LoraSpec, _Mapping]]] = ..., crf: _Optional[int] = ..., first_frame: _Optional[bytes] = ..., last_frame: _Optional[bytes] = ..., upscale_width: _Optional[int] = ..., upscale_height: _Optional[int] = ..., idempotency_key: _Optional[str] = ..., label: _Optional[str] = ..., references: _Optional[_Iterable[_Union[_common_pb2.Reference, _Mapping]]] = ..., workflow_json: _Optional[str] = ..., workflow_set: _Optional[_Iterable[str]] = ..., output_format: _Optional[str] = ..., guides: _Optional[_Iterable[_Union[_common_pb2.Guide, _Mapping]]] = ...) -> None: ...
+    extend_job_id: str
+    def __init__(self, params: _Optional[_Union[_common_pb2.RenderParams, _Mapping]] = ..., loras: _Optional[_Iterable[_Union[_dit_pb2.LoraSpec, _Mapping]]] = ..., crf: _Optional[int] = ..., first_frame: _Optional[bytes] = ..., last_frame: _Optional[bytes] = ..., upscale_width: _Optional[int] = ..., upscale_height: _Optional[int] = ..., idempotency_key: _Optional[str] = ..., label: _Optional[str] = ..., references: _Optional[_Iterable[_Union[_common_pb2.Reference, _Mapping]]] = ..., workflow_json: _Optional[str] = ..., workflow_set: _Optional[_Iterable[str]] = ..., output_format: _Optional[str] = ..., guides: _Optional[_Iterable[_Union[_common_pb2.Guide, _Mapping]]] = ..., extend_job_id: _Optional[str] = ...) -> None: ...
+
+class ExtendRequest(_message.Message):
+    __slots__ = ("job_id", "params", "idempotency_key", "label", "seconds")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    PARAMS_FIELD_NUMBER: _ClassVar[int]
+    IDEMPOTENCY_KEY_FIELD_NUMBER: _ClassVar[int]
+    LABEL_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    params: _common_pb2.RenderParams
+    idempotency_key: str
+    label: str
+    seconds: float
+    def __init__(self, job_id: _Optional[str] = ..., params: _Optional[_Union[_common_pb2.RenderParams, _Mapping]] = ..., idempotency_key: _Optional[str] = ..., label: _Optional[str] = ..., seconds: _Optional[float] = ...) -> None: ...
 
 class StageRun(_message.Message):
     __slots__ = ("stage", "wall_s", "timing", "batch", "batch_size", "waited_batches", "replica", "cached_steps")
@@ -78,7 +94,7 @@ class StageRun(_message.Message):
     def __init__(self, stage: _Optional[str] = ..., wall_s: _Optional[float] = ..., timing: _Optional[_Union[_common_pb2.Timing, _Mapping]] = ..., batch: _Optional[int] = ..., batch_size: _Optional[int] = ..., waited_batches: _Optional[int] = ..., replica: _Optional[str] = ..., cached_steps: _Optional[int] = ...) -> None: ...
 
 class JobInfo(_message.Message):
-    __slots__ = ("job_id", "state", "params", "stage", "progress", "attempts", "created_unix", "started_unix", "finished_unix", "error_code", "error", "output_bytes", "output_expired", "events", "stages", "label", "width", "height", "queue_position", "references")
+    __slots__ = ("job_id", "state", "params", "stage", "progress", "attempts", "created_unix", "started_unix", "finished_unix", "error_code", "error", "output_bytes", "output_expired", "events", "stages", "label", "width", "height", "queue_position", "references", "windows", "extend_job_id")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
@@ -99,6 +115,8 @@ class JobInfo(_message.Message):
     HEIGHT_FIELD_NUMBER: _ClassVar[int]
     QUEUE_POSITION_FIELD_NUMBER: _ClassVar[int]
     REFERENCES_FIELD_NUMBER: _ClassVar[int]
+    WINDOWS_FIELD_NUMBER: _ClassVar[int]
+    EXTEND_JOB_ID_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     state: JobState
     params: _common_pb2.RenderParams
@@ -119,7 +137,9 @@ class JobInfo(_message.Message):
     height: int
     queue_position: int
     references: _containers.RepeatedCompositeFieldContainer[_common_pb2.Reference]
-    def __init__(self, job_id: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., params: _Optional[_Union[_common_pb2.RenderParams, _Mapping]] = ..., stage: _Optional[str] = ..., progress: _Optional[_Union[_common_pb2.Progress, _Mapping]] = ..., attempts: _Optional[int] = ..., created_unix: _Optional[float] = ..., started_unix: _Optional[float] = ..., finished_unix: _Optional[float] = ..., error_code: _Optional[str] = ..., error: _Optional[str] = ..., output_bytes: _Optional[int] = ..., output_expired: _Optional[bool] = ..., events: _Optional[int] = ..., stages: _Optional[_Iterable[_Union[StageRun, _Mapping]]] = ..., label: _Optional[str] = ..., width: _Optional[int] = ..., height: _Optional[int] = ..., queue_position: _Optional[int] = ..., references: _Optional[_Iterable[_Union[_common_pb2.Reference, _Mapping]]] = ...) -> None: ...
+    windows: str
+    extend_job_id: str
+    def __init__(self, job_id: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., params: _Optional[_Union[_common_pb2.RenderParams, _Mapping]] = ..., stage: _Optional[str] = ..., progress: _Optional[_Union[_common_pb2.Progress, _Mapping]] = ..., attempts: _Optional[int] = ..., created_unix: _Optional[float] = ..., started_unix: _Optional[float] = ..., finished_unix: _Optional[float] = ..., error_code: _Optional[str] = ..., error: _Optional[str] = ..., output_bytes: _Optional[int] = ..., output_expired: _Optional[bool] = ..., events: _Optional[int] = ..., stages: _Optional[_Iterable[_Union[StageRun, _Mapping]]] = ..., label: _Optional[str] = ..., width: _Optional[int] = ..., height: _Optional[int] = ..., queue_position: _Optional[int] = ..., references: _Optional[_Iterable[_Union[_common_pb2.Reference, _Mapping]]] = ..., windows: _Optional[str] = ..., extend_job_id: _Optional[str] = ...) -> None: ...
 
 class RenderEvent(_message.Message):
     __slots__ = ("job_id", "index", "time_unix", "job", "progress", "file")

@@ -85,6 +85,11 @@ class RendererStub:
                 request_serializer=h3_dot_v1_dot_tensor__pb2.FileChunk.SerializeToString,
                 response_deserializer=h3_dot_v1_dot_tensor__pb2.UploadReply.FromString,
                 _registered_method=True)
+        self.Extend = channel.unary_unary(
+                '/h3.v1.Renderer/Extend',
+                request_serializer=h3_dot_v1_dot_render__pb2.ExtendRequest.SerializeToString,
+                response_deserializer=h3_dot_v1_dot_render__pb2.JobInfo.FromString,
+                _registered_method=True)
 
 
 class RendererServicer:
@@ -161,6 +166,16 @@ class RendererServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Extend(self, request, context):
+        """A new job that continues a finished one to `params.frames` frames in all, or by `seconds` (the stitched whole,
+        as one MP4): its
+        sampling is conditioned on the source's last frames (latents kept with the source job, or re-encoded from its
+        MP4 when they are gone). Unset params take the source's; the canvas, MP4 size and LoRAs are the source's.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RendererServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -208,6 +223,11 @@ def add_RendererServicer_to_server(servicer, server):
                     servicer.Upload,
                     request_deserializer=h3_dot_v1_dot_tensor__pb2.FileChunk.FromString,
                     response_serializer=h3_dot_v1_dot_tensor__pb2.UploadReply.SerializeToString,
+            ),
+            'Extend': grpc.unary_unary_rpc_method_handler(
+                    servicer.Extend,
+                    request_deserializer=h3_dot_v1_dot_render__pb2.ExtendRequest.FromString,
+                    response_serializer=h3_dot_v1_dot_render__pb2.JobInfo.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -457,6 +477,33 @@ class Renderer:
             '/h3.v1.Renderer/Upload',
             h3_dot_v1_dot_tensor__pb2.FileChunk.SerializeToString,
             h3_dot_v1_dot_tensor__pb2.UploadReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Extend(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/h3.v1.Renderer/Extend',
+            h3_dot_v1_dot_render__pb2.ExtendRequest.SerializeToString,
+            h3_dot_v1_dot_render__pb2.JobInfo.FromString,
             options,
             channel_credentials,
             insecure,
