@@ -239,7 +239,11 @@ def validate(spec: RenderSpec, need_prompt: bool = False) -> RenderSpec:
     for name, v in (("video_shift", spec.video_shift), ("audio_shift", spec.audio_shift)):
         if not (v == 0 or 0.1 <= v <= 100):
             raise InvalidArgument(f"{name}={v} is not valid: use 0 (model default) or 0.1..100")
-    plan_windows(spec)  # the window fields, the prompts and an extension's frames (section 6)
+    windows = plan_windows(spec)  # the window fields, the prompts and an extension's frames (section 6)
+    if spec.quality == "fast" and windows.mode != SINGLE:
+        raise InvalidArgument(f"quality fast caches the steps of one window, and this render is sampled in windows "
+                              f"({windows.describe()}): use quality exact, or at most {MAX_WINDOW_FRAMES} frames with "
+                              "one prompt")
     return spec
 
 

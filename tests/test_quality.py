@@ -88,3 +88,15 @@ def test_quality_in_the_video_api_and_the_cli():
     out = subprocess.run([sys.executable, "-m", "client", "render", "--prompt", "x", "--quality", "slow"], cwd=ROOT,
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "--quality" in out.stderr and "fast" in out.stderr
+
+
+def test_fast_is_for_one_window():
+    """Step caching caches the steps of one window: a render sampled in windows with quality fast is refused,
+    naming the plan, never run exactly or cached in part in silence."""
+    from minimax_h3.contract import MAX_WINDOW_FRAMES, RenderSpec, validate
+    from stagekit.errors import InvalidArgument
+
+    validate(RenderSpec(prompt="x", width=256, height=256, frames=MAX_WINDOW_FRAMES, steps=2, quality="fast"))
+    with pytest.raises(InvalidArgument, match="quality fast caches the steps of one window.*continuation"):
+        validate(RenderSpec(prompt="x", width=256, height=256, frames=MAX_WINDOW_FRAMES + 17, steps=2,
+                            quality="fast"))
