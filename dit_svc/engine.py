@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from minimax_h3.contract import (AUDIO_CHANNELS, AUDIO_LATENTS, CONTINUATION, GUIDE_AUDIO, GUIDE_VIDEO,
+from minimax_h3.contract import (AUDIO_CHANNELS, AUDIO_LATENTS, CONTINUATION, TAIL_AUDIO, TAIL_VIDEO,
                                  KEYFRAME_TENSORS, PARTITIONS, SINGLE, TEXT_STATES, TEXT_TAGS, VAE_SPATIAL,
                                  VIDEO_LATENTS, LatentGeometry, RenderSpec, WindowPlan, check_partition, has_references,
                                  keyframe_anchors, needed_partition, plan_windows, prompt_tensor)
@@ -581,18 +581,18 @@ class DiTEngine(StageEngine):
             raise InvalidArgument(f"{extra[0]} names a prompt the render does not have ({len(spec.prompts)} prompts)")
         if prompts:
             out[PROMPTS_INPUT] = prompts
-        guide = (inputs.get(GUIDE_VIDEO), inputs.get(GUIDE_AUDIO))
+        guide = (inputs.get(TAIL_VIDEO), inputs.get(TAIL_AUDIO))
         if spec.prefix_frames:
             if guide[0] is None or guide[1] is None:
-                raise InvalidArgument(f"an extension needs {GUIDE_VIDEO} and {GUIDE_AUDIO}: the source clip's latents "
+                raise InvalidArgument(f"an extension needs {TAIL_VIDEO} and {TAIL_AUDIO}: the source clip's latents "
                                       f"of its last {spec.guide_frames} frames")
-            for name, t in zip((GUIDE_VIDEO, GUIDE_AUDIO), guide):
+            for name, t in zip((TAIL_VIDEO, TAIL_AUDIO), guide):
                 if not t.is_floating_point():
                     raise InvalidArgument(f"{name} must be a float tensor, got {t.dtype}")
                 check_finite(name, t)
             out[GUIDE_INPUT] = (guide[0].float(), guide[1].float())
         elif guide != (None, None):
-            raise InvalidArgument(f"{GUIDE_VIDEO} / {GUIDE_AUDIO} belong to an extension (prefix_frames > 0)")
+            raise InvalidArgument(f"{TAIL_VIDEO} / {TAIL_AUDIO} belong to an extension (prefix_frames > 0)")
         return out
 
     def check_loras(self, loras: list[tuple[str, float]]) -> list[tuple[str, float]]:

@@ -316,8 +316,8 @@ def spec_to_proto(spec: RenderSpec, msg) -> None:
 # ---- 3. inter-stage tensors ----------------------------------------------------------------------------------------
 TEXT_STATES = "text_states"      # encoder -> DiT
 TEXT_TAGS = "text_tags"          # encoder -> DiT (prompts with vision blocks)
-GUIDE_VIDEO = "guide_video"      # render service -> DiT: an extension's source tail (latents kept, or EncodeTail)
-GUIDE_AUDIO = "guide_audio"
+TAIL_VIDEO = "tail_video"      # render service -> DiT: an extension's source tail (latents kept, or EncodeTail)
+TAIL_AUDIO = "tail_audio"
 VIDEO_LATENTS = "video_latents"  # DiT -> decoder
 AUDIO_LATENTS = "audio_latents"  # DiT -> decoder
 KEYFRAME_ANCHORS = ("first", "last")
@@ -425,10 +425,10 @@ _RULES = [
                "[2, 32, Ta] sampled audio latents, one item per stereo channel"),
     *(TensorRule(n, "float", lambda s, g, d: (None, d), "[L, text_dim] states of a later prompt (long video)")
       for n in PROMPT_TENSORS),
-    TensorRule(GUIDE_VIDEO, "float", lambda s, g, d: (g.video_channels, s.guide_latents, s.height // g.spatial_ratio,
+    TensorRule(TAIL_VIDEO, "float", lambda s, g, d: (g.video_channels, s.guide_latents, s.height // g.spatial_ratio,
                                                       s.width // g.spatial_ratio),
                "[24, Tg, H/16, W/16] an extension's source latents of its last `guide_frames` frames"),
-    TensorRule(GUIDE_AUDIO, "float", lambda s, g, d: (AUDIO_CHANNELS, g.audio_channels, s.guide_audio_latents),
+    TensorRule(TAIL_AUDIO, "float", lambda s, g, d: (AUDIO_CHANNELS, g.audio_channels, s.guide_audio_latents),
                "[2, 32, Tga] the source's audio latents of the same frames"),
     *(TensorRule(keyframe_tensor(a), "float", _keyframe_shape,
                  f"[24, 1, H/16, W/16] normalised VAE latent of the {a} frame (fl2va)") for a in KEYFRAME_ANCHORS),
@@ -448,7 +448,7 @@ _RULES = [
 ]
 TENSORS: Mapping[str, TensorRule] = MappingProxyType({r.name: r for r in _RULES})
 SAMPLE_INPUTS = (TEXT_STATES, TEXT_TAGS, *KEYFRAME_TENSORS.values(), *REF_TENSOR_NAMES,  # what the DiT takes
-                 GUIDE_FRAMES, *GUIDE_TENSOR_NAMES, *PROMPT_TENSORS, GUIDE_VIDEO, GUIDE_AUDIO)
+                 GUIDE_FRAMES, *GUIDE_TENSOR_NAMES, *PROMPT_TENSORS, TAIL_VIDEO, TAIL_AUDIO)
 SAMPLE_OUTPUTS = (VIDEO_LATENTS, AUDIO_LATENTS)  # what the DiT returns and the decoder takes
 
 # What each stage call sends back to its caller, by RPC name; the caller checks the stream against it as it arrives
@@ -465,9 +465,9 @@ RESULTS: Mapping[str, tuple[TensorRule, ...]] = MappingProxyType({
         TensorRule(ENCODED_REFERENCE_AUDIO, "float", lambda s, g, d: (AUDIO_CHANNELS, g.audio_channels, None),
                    "[2, 32, Ta] audio latents of a reference's sound")),
     "EncodeTail": (
-        TensorRule(ENCODED_REFERENCE_VIDEO, "float", TENSORS[GUIDE_VIDEO].shape,
+        TensorRule(ENCODED_REFERENCE_VIDEO, "float", TENSORS[TAIL_VIDEO].shape,
                    "[24, Tg, H/16, W/16] latents of a finished MP4's last frames, on the render's canvas"),
-        TensorRule(ENCODED_REFERENCE_AUDIO, "float", TENSORS[GUIDE_AUDIO].shape,
+        TensorRule(ENCODED_REFERENCE_AUDIO, "float", TENSORS[TAIL_AUDIO].shape,
                    "[2, 32, Tga] audio latents of the same frames")),
     "Decode": (
         TensorRule(RAW_FRAMES, "uint8", lambda s, g, d: (s.frames, s.height, s.width, 3),

@@ -22,8 +22,8 @@ import grpc
 import torch
 
 from h3.v1 import common_pb2, render_pb2
-from minimax_h3.contract import (AUDIO_LATENTS, ENCODED_REFERENCE_AUDIO, EXTEND, EXTEND_REENCODE, GUIDE_AUDIO,
-                                 GUIDE_FRAMES, GUIDE_VIDEO, RENDER_PLANS, SAMPLE_INPUTS, TEXT_STATES, TEXT_TAGS,
+from minimax_h3.contract import (AUDIO_LATENTS, ENCODED_REFERENCE_AUDIO, EXTEND, EXTEND_REENCODE, TAIL_AUDIO,
+                                 GUIDE_FRAMES, TAIL_VIDEO, RENDER_PLANS, SAMPLE_INPUTS, TEXT_STATES, TEXT_TAGS,
                                  VIDEO_LATENTS, RenderSpec, guide_tensor, keyframe_tensor, needed_partition,
                                  prompt_tensor, render_mode, spec_from_proto)
 from minimax_h3.services import STAGES as SERVICES
@@ -193,7 +193,7 @@ def run_keyframes(c: StageClients, w: Work, progress, on_call, on_bytes) -> Stag
     latents (the decoder's video / audio VAE encoders, on the model's rates); an extension whose source's latents are
     gone -> its guide, re-encoded from the source's MP4 (EncodeTail)."""
     if w.source is not None:
-        w.tensors[GUIDE_VIDEO], w.tensors[GUIDE_AUDIO], r = encode_tail(c, w.spec, w.source, w.job_id, progress,
+        w.tensors[TAIL_VIDEO], w.tensors[TAIL_AUDIO], r = encode_tail(c, w.spec, w.source, w.job_id, progress,
                                                                          on_call=on_call)
         return r
     results = []

@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import load_file, safe_open, save, save_file
 
 from h3.v1 import render_pb2
-from minimax_h3.contract import (FPS, FRAME_CLIP, LATENTS_PER_CLIP, GUIDE_AUDIO, GUIDE_VIDEO, RenderSpec,
+from minimax_h3.contract import (FPS, FRAME_CLIP, LATENTS_PER_CLIP, TAIL_AUDIO, TAIL_VIDEO, RenderSpec,
                                  audio_latent_count, snap_frames, spec_from_proto)
 from render_svc.store import latents_path
 from stagekit.errors import FailedPrecondition, InvalidArgument
@@ -60,11 +60,11 @@ def cut_guide(kept: Path, spec: RenderSpec) -> bytes | None:
     audio = t[AUDIO][..., a0:a0 + spec.guide_audio_latents]
     if video.shape[1] != spec.guide_latents or audio.shape[-1] != spec.guide_audio_latents:
         return None
-    return save({GUIDE_VIDEO: video.contiguous(), GUIDE_AUDIO: audio.contiguous()})
+    return save({TAIL_VIDEO: video.contiguous(), TAIL_AUDIO: audio.contiguous()})
 
 
 def load_guide(path: Path) -> dict[str, torch.Tensor]:
-    """The guide tensors (minimax_h3.contract's GUIDE_VIDEO, GUIDE_AUDIO) of a stored guide file."""
+    """The guide tensors (minimax_h3.contract's TAIL_VIDEO, TAIL_AUDIO) of a stored guide file."""
     return load_file(str(path))
 
 

@@ -82,9 +82,9 @@ def test_extension_span_and_guide():
     assert spec.latent_frames == c.video_latent_frames(362 - 102) and spec.guide_latents == 7
     assert spec.audio_latents == c.audio_latent_count(362) - c.audio_latent_count(102)
     assert spec.guide_audio_latents == c.audio_latent_count(124) - c.audio_latent_count(102)
-    assert c.tensor_shapes([c.GUIDE_VIDEO, c.GUIDE_AUDIO], RenderSpec(width=256, height=256, frames=362,
+    assert c.tensor_shapes([c.TAIL_VIDEO, c.TAIL_AUDIO], RenderSpec(width=256, height=256, frames=362,
                                                                     prefix_frames=124)) == {
-        c.GUIDE_VIDEO: (24, 7, 16, 16), c.GUIDE_AUDIO: (2, 32, 37)}
+        c.TAIL_VIDEO: (24, 7, 16, 16), c.TAIL_AUDIO: (2, 32, 37)}
 
 
 @pytest.mark.parametrize("fields,match", [
@@ -377,7 +377,7 @@ def test_engine_refuses_what_windows_cannot_take(engine):
     with pytest.raises(InvalidArgument, match="no text_states_1"):
         engine.check_conditioning(RenderSpec(prompt="x", more_prompts=("y",), width=256, height=256, frames=124,
                                              window_frames=39), text, {c.TEXT_STATES: text})
-    with pytest.raises(InvalidArgument, match="needs guide_video and guide_audio"):
+    with pytest.raises(InvalidArgument, match="needs tail_video and tail_audio"):
         engine.check_conditioning(RenderSpec(prompt="x", width=256, height=256, frames=124, prefix_frames=73), text,
                                   {c.TEXT_STATES: text})
     # The placement plans one window's rows, not the clip's.

@@ -70,8 +70,8 @@ class DiTSamplerServicer:
     def Sample(self, request_iterator, context):
         """Client stream: first a SampleInput{request}, then the tensors
         ("text_states" required; fl2va adds "keyframe_first" / "keyframe_last" latents [24,1,H/16,W/16] and
-        "text_tags" [L] int64; a long render "text_states_<i>" per later prompt; an extension "guide_video" /
-        "guide_audio") as chunks. Server stream: progress, then the
+        "text_tags" [L] int64; a long render "text_states_<i>" per later prompt; an extension "tail_video" /
+        "tail_audio") as chunks. Server stream: progress, then the
         "video_latents" [24,T,H/16,W/16] and "audio_latents" [2,32,Ta] tensors, then done.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
