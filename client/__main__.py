@@ -121,9 +121,11 @@ def _render_requests(args, prompts: list[str], keyframes: dict[str, bytes], more
     return reqs
 
 
-RENDER_DEFAULTS = {"width": DEFAULT_SIZE[0], "height": DEFAULT_SIZE[1], "steps": DEFAULT_STEPS, "seed": 0, "sampler": SAMPLERS[0], "scheduler": SCHEDULERS[0],
-                   "video_shift": 0.0, "audio_shift": 0.0, "quality": QUALITIES[0], "crf": DEFAULT_CRF}
-# --frames is not among them: _frames() reads --frames or --seconds, and a graph keeps its own unless one is given.
+# The flags' defaults, applied where no flag is given (a --workflow graph keeps its own values there). --frames is not
+# among them: _frames() reads --frames or --seconds.
+RENDER_DEFAULTS = {"width": DEFAULT_SIZE[0], "height": DEFAULT_SIZE[1], "steps": DEFAULT_STEPS, "seed": 0,
+                   "sampler": SAMPLERS[0], "scheduler": SCHEDULERS[0], "video_shift": 0.0, "audio_shift": 0.0,
+                   "quality": QUALITIES[0], "crf": DEFAULT_CRF}
 
 
 def render_inputs(args):
