@@ -414,17 +414,20 @@ def _render(args, ctrl_c: CtrlC) -> int:
             ctrl_c.stop_stack()
 
 
+def _no_render_service() -> int:
+    print("error: no render service configured: start one with scripts/up.sh, or pass --render HOST:PORT",
+          file=sys.stderr)
+    return 1
+
+
 def cmd_extend(args) -> int:
     """A new job continuing a finished one by --seconds, rendered to one MP4 of the stitched whole."""
     from client.progress import RenderProgress, print_summary
     from client.render_client import RenderClient
 
-    target = configured_render(args)
+    target, security = configured_render(args), Security(args.token, args.tls_ca)
     if not target:
-        print("error: no render service configured: start one with scripts/up.sh, or pass --render HOST:PORT",
-              file=sys.stderr)
-        return 1
-    security = Security(args.token, args.tls_ca)
+        return _no_render_service()
     try:
         more = window_prompts(args.prompt, args.timed_prompt or [])
         if args.seconds <= 0:
@@ -507,12 +510,9 @@ def _print_job(info) -> None:
 def cmd_jobs(args) -> int:
     from client.render_client import TERMINAL, RenderClient
 
-    target = configured_render(args)
+    target, security = configured_render(args), Security(args.token, args.tls_ca)
     if not target:
-        print("error: no render service configured: start one with scripts/up.sh, or pass --render HOST:PORT",
-              file=sys.stderr)
-        return 1
-    security = Security(args.token, args.tls_ca)
+        return _no_render_service()
     try:
         check_render_reachable(args, target, security)
         if args.action == "fetch":
