@@ -56,7 +56,7 @@ class RenderRequest(_message.Message):
     def __init__(self, params: _Optional[_Union[_common_pb2.RenderParams, _Mapping]] = ..., loras: _Optional[_Iterable[_Union[_dit_pb2.LoraSpec, _Mapping]]] = ..., crf: _Optional[int] = ..., first_frame: _Optional[bytes] = ..., last_frame: _Optional[bytes] = ..., upscale_width: _Optional[int] = ..., upscale_height: _Optional[int] = ..., idempotency_key: _Optional[str] = ..., label: _Optional[str] = ..., references: _Optional[_Iterable[_Union[_common_pb2.Reference, _Mapping]]] = ..., workflow_json: _Optional[str] = ..., workflow_set: _Optional[_Iterable[str]] = ..., output_format: _Optional[str] = ...) -> None: ...
 
 class StageRun(_message.Message):
-    __slots__ = ("stage", "wall_s", "timing", "batch", "batch_size", "waited_batches", "replica", "cached_steps")
+    __slots__ = ("stage", "wall_s", "timing", "batch", "batch_size", "waited_batches", "replica", "cached_steps", "sparse_steps")
     STAGE_FIELD_NUMBER: _ClassVar[int]
     WALL_S_FIELD_NUMBER: _ClassVar[int]
     TIMING_FIELD_NUMBER: _ClassVar[int]
@@ -65,6 +65,7 @@ class StageRun(_message.Message):
     WAITED_BATCHES_FIELD_NUMBER: _ClassVar[int]
     REPLICA_FIELD_NUMBER: _ClassVar[int]
     CACHED_STEPS_FIELD_NUMBER: _ClassVar[int]
+    SPARSE_STEPS_FIELD_NUMBER: _ClassVar[int]
     stage: str
     wall_s: float
     timing: _common_pb2.Timing
@@ -73,7 +74,8 @@ class StageRun(_message.Message):
     waited_batches: int
     replica: str
     cached_steps: int
-    def __init__(self, stage: _Optional[str] = ..., wall_s: _Optional[float] = ..., timing: _Optional[_Union[_common_pb2.Timing, _Mapping]] = ..., batch: _Optional[int] = ..., batch_size: _Optional[int] = ..., waited_batches: _Optional[int] = ..., replica: _Optional[str] = ..., cached_steps: _Optional[int] = ...) -> None: ...
+    sparse_steps: int
+    def __init__(self, stage: _Optional[str] = ..., wall_s: _Optional[float] = ..., timing: _Optional[_Union[_common_pb2.Timing, _Mapping]] = ..., batch: _Optional[int] = ..., batch_size: _Optional[int] = ..., waited_batches: _Optional[int] = ..., replica: _Optional[str] = ..., cached_steps: _Optional[int] = ..., sparse_steps: _Optional[int] = ...) -> None: ...
 
 class JobInfo(_message.Message):
     __slots__ = ("job_id", "state", "params", "stage", "progress", "attempts", "created_unix", "started_unix", "finished_unix", "error_code", "error", "output_bytes", "output_expired", "events", "stages", "label", "width", "height", "queue_position", "references")
