@@ -299,13 +299,16 @@ def spec_to_proto(spec: RenderSpec, msg) -> None:
     msg.quality = spec.quality
     msg.ClearField("sparse_attention")
     if spec.sparse is not None:
-        sp = spec.sparse
-        msg.sparse_attention.SetInParent()
-        m = msg.sparse_attention
-        m.method, m.keep_percent, m.start_percent, m.end_percent = (sp.method, sp.keep_percent, sp.start_percent,
-                                                                    sp.end_percent)
-        m.dense_blocks[:] = sp.dense_blocks
-        m.min_tokens = sp.min_tokens
+        sparse_to_proto(spec.sparse, msg.sparse_attention)
+
+
+def sparse_to_proto(sp: SparseAttention, m) -> None:
+    """Fill a SparseAttention message (setting it, in its RenderParams) from `sp`."""
+    m.SetInParent()
+    m.method, m.keep_percent, m.start_percent, m.end_percent = sp.method, sp.keep_percent, sp.start_percent, \
+        sp.end_percent
+    m.dense_blocks[:] = sp.dense_blocks
+    m.min_tokens = sp.min_tokens
 
 
 # ---- 3. inter-stage tensors ----------------------------------------------------------------------------------------

@@ -159,8 +159,6 @@ COMFY_FOLDERS = {"dit": "diffusion_models", "text_encoder": "text_encoders", "vi
                  "lora": "loras"}
 TURBO_LORA = ("a Turbo (step-distilled) LoRA: this product does not run Turbo LoRAs; turn the graph's Turbo switch "
               "off for the base model's steps")
-FASTH3 = ("a FastH3 distilled checkpoint (sparse attention, its own sigma schedule): this product's DiT runs the "
-          "MiniMax-H3 fl2va and ref2va files only")
 POSE = "a pose ControlNet file: this product does not run ControlNets"
 
 
@@ -202,12 +200,12 @@ MODEL_FILES: dict[str, ModelFile] = {f.name: f for f in (
               "minimax_h3_fl2v_turbo_8step_v1.0_comfyui_bf16.safetensors", "loras", refusal=TURBO_LORA),
     _comfy("minimax_h3_fl2v_turbo_4step_v1.0_768p_comfyui_bf16.safetensors", "lora", refusal=TURBO_LORA),
     _comfy("minimax_h3_ref2v_turbo_4step_v0.1_comfyui_bf16.safetensors", "lora", refusal=TURBO_LORA),
+    # FastVideo's FastH3 students (VSA-distilled; their graphs set BlockSparseAttention "vsa", docs/workflows.md)
     ModelFile("fastvideo_fasth3_8step_v2_pruned_int8_convrot.safetensors", "dit", "FastVideo/FastVideo-FastH3-Comfy",
               "diffusion_models/fastvideo_fasth3_8step_v2_pruned_int8_convrot.safetensors", "diffusion_models",
-              "fl2va", FASTH3),
+              "fl2va"),
     ModelFile("fasth3_omniref_8step_pruned_int8_convrot.safetensors", "dit", "FastVideo/FastH3-OmniRef-Comfy",
-              "diffusion_models/fasth3_omniref_8step_pruned_int8_convrot.safetensors", "diffusion_models", "ref2va",
-              FASTH3),
+              "diffusion_models/fasth3_omniref_8step_pruned_int8_convrot.safetensors", "diffusion_models", "ref2va"),
     _comfy("minimax_h3_fun_controlnet_union_pruned_int8_convrot.safetensors", "other", refusal=POSE,
            folder="model_patches"),
     ModelFile("rt_detr_v4-x-hgnet_fp16.safetensors", "other", "Comfy-Org/SDPose",
