@@ -133,7 +133,7 @@ class SparseAttention:
     start_percent: float = 0.2       # dense at the schedule's sigmas above shift(1 - start) ...
     end_percent: float = 1.0         # ... and below shift(1 - end)
     dense_blocks: tuple[int, ...] = ()  # DiT blocks that always run dense
-    min_tokens: int = 12288          # packed sequences shorter than this run dense
+    min_tokens: int = 12288          # packed sequences of fewer rows run dense
 
 
 @dataclass(frozen=True)
