@@ -63,8 +63,9 @@ def test_status_reports_each_stage(clients):
     for stage in ("encoder", "dit", "decoder"):
         st = clients.stub(stage).Status(common_pb2.StatusRequest(), timeout=10)
         assert st.stage == stage and st.embedded_model and st.health == "SERVING"
-        if stage == "dit":  # the kernel choice and the weights' placement are always visible, with their reasons
-            assert {k.op for k in st.kernels} == {"linear", "attention", "weights"} and all(k.reason for k in st.kernels)
+        if stage == "dit":  # the kernel choices and the weights' placement are always visible, with their reasons
+            assert {k.op for k in st.kernels} == {"linear", "attention", "vsa", "weights"}
+            assert all(k.reason for k in st.kernels)
 
 
 def test_cli_render_and_status(stack, tmp_path):
