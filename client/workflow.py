@@ -181,7 +181,7 @@ def _fill(req: render_pb2.RenderRequest, render: WorkflowRender, files: dict[str
     for name, _ in _OVERRIDES:
         if name not in overridden:
             setattr(p, name, getattr(spec, name))
-    if spec.sparse is not None and not p.HasField("sparse_attention"):  # BlockSparseAttention, unless the request sets it
+    if spec.sparse is not None and not p.HasField("sparse_attention"):  # the graph's, unless the request sets its own
         sparse_to_proto(spec.sparse, p.sparse_attention)
     if not req.loras:
         for name, strength in render.loras:

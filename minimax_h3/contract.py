@@ -227,8 +227,8 @@ def check_sparse(sp: SparseAttention) -> None:
         raise InvalidArgument(f"sparse attention method {sp.method!r}: this product runs {', '.join(SPARSE_METHODS)} "
                               "(the FastH3 checkpoints' video sparse attention)")
     if not MIN_KEEP_PERCENT <= sp.keep_percent <= MAX_KEEP_PERCENT:
-        raise InvalidArgument(f"keep_percent={sp.keep_percent} is not valid: use {MIN_KEEP_PERCENT}..{MAX_KEEP_PERCENT} "
-                              "(FastH3 is trained at 10)")
+        raise InvalidArgument(f"keep_percent={sp.keep_percent} is not valid: use "
+                              f"{MIN_KEEP_PERCENT}..{MAX_KEEP_PERCENT} (FastH3 is trained at 10)")
     for name, v in (("start_percent", sp.start_percent), ("end_percent", sp.end_percent)):
         if not 0 <= v <= 1:
             raise InvalidArgument(f"{name}={v} is not valid: a point of the schedule, 0..1")

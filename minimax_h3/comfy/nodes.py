@@ -679,8 +679,9 @@ def _lora(ev, n):
 def _sigma_shift(ev, n):
     model = ev.get(n, "model", Model)
     if model.sparse is not None:
-        ev.refuse(n, "it comes after BlockSparseAttention, whose window ComfyUI computes from the shift in effect where "
-                     "it runs: connect MiniMaxH3SigmaShift before BlockSparseAttention, as the FastH3 templates do")
+        ev.refuse(n, "it comes after BlockSparseAttention, whose window ComfyUI computes from the shift in effect "
+                     "where it runs: connect MiniMaxH3SigmaShift before BlockSparseAttention, as the FastH3 templates "
+                     "do")
     return (replace(model, shift=(ev.get(n, "shift_video", float), ev.get(n, "shift_audio", float))),)
 
 

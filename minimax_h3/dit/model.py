@@ -283,7 +283,7 @@ class Block(nn.Module):
         mod = self.adaln_proj(ada_in).view(m * NUM_MODALITIES, -1)
         shift1, scale1, gate1, shift2, scale2, gate2 = mod.chunk(6, dim=-1)
         # 2. q, k, v of every row (norm1, modulation, qkv projection, q/k norm, RoPE), a row chunk at a time.
-        #    VSA takes compute-dtype q, k, v (as sequence parallelism does), and the rows' gate where the blocks have one.
+        #    VSA takes compute-dtype q, k, v (as sequence parallelism does), and the rows' gate where blocks have one.
         qkv = self.attn.empty_qkv(s_all, x.device, sequence_parallel=shards is not None or sparse is not None,
                                   whole=len(chunks) == 1)
         gate = (x.new_empty(s_all, self.attn.local_heads * self.attn.head_dim, dtype=self.compute_dtype)
@@ -572,6 +572,7 @@ class H3DiT(nn.Module):
             part = shards.rows()
             x, rows, rope = x[part].clone(), rows[part], (rope[0][part], rope[1][part])
         blocks = self.blocks if self.block_stream is None else self.block_stream.iterate(self.blocks)
+
         def run(blk, x):
             return blk(x, ada_in, rows, rope, shards, None if sparse is None else sparse.for_block(blk.index))
 
