@@ -142,17 +142,18 @@ def fine_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torc
                    chunk_bytes: int = REFERENCE_CHUNK_BYTES) -> torch.Tensor:
     """Step 3 in PyTorch: q, k, v [H, N * TILE, D] tiled, mask [H, N, N] -> o [H, N * TILE, D] (pad rows zero).
 
-    A prefix query tile attends every live row: its rows go to SDPA with the live keys themselves. A video query
-    tile's kept key tiles are gathered (each tile's ids first, the query tile's count of them valid) and attended by
-    SDPA with the pad and unused slots masked, `chunk_bytes` of gathered keys and values at a time."""
-    h, s_pad, d = q.shape
+    A prefix query tile attends every live row: its rows go to SDPA with the live keys themselves, `chunk_bytes` of
+    scores at a time. A video query tile's kept key tiles are gathered (each tile's ids first, the query tile's count
+    of them valid) and attended by SDPA with the pad and unused slots masked, `chunk_bytes` of gathered keys and
+    values at a time."""
+    h, _, d = q.shape
     live = _live(tiles.sizes)
     out = torch.zeros_like(q)
     elt = q.element_size()
     p_rows = tiles.prefix * TILE
     if p_rows:
         k_live, v_live = k[:, live], v[:, live]
-        step = max(TILE, chunk_bytes // max(1, 2 * h * k_live.shape[1] * d * elt) // TILE * TILE)
+        step = max(TILE, chunk_bytes // max(1, 4 * h * k_live.shape[1]) // TILE * TILE)  # fp32 scores of a chunk
         for a in range(0, p_rows, step):
             out[:, a:a + step] = F.scaled_dot_product_attention(q[:, a:a + step], k_live, v_live)
     n = tiles.count
