@@ -531,7 +531,11 @@ def cmd_jobs(args) -> int:
                 info = rc.get(args.job_id)
                 _print_job(info)
                 for s in info.stages:
-                    cached = f", {s.cached_steps} of {info.params.steps} steps cached" if s.stage == "dit" else ""
+                    cached = ""
+                    if s.stage == "dit":
+                        cached = f", {s.cached_steps} of {info.params.steps} steps cached"
+                        if info.params.HasField("sparse_attention"):
+                            cached += f", {s.sparse_steps} sparse (VSA)"
                     print(f"  {s.stage:<9} {s.wall_s:8.2f} s  batch {s.batch} ({s.batch_size} jobs, waited "
                           f"{s.waited_batches}){cached}")
                 return 0

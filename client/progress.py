@@ -76,6 +76,7 @@ def _extra(s) -> dict:
     notes = {"batch": s.batch, "batch_size": s.batch_size, "waited_batches": s.waited_batches}
     if s.stage == "dit":
         notes["cached_steps"] = s.cached_steps
+        notes["sparse_steps"] = s.sparse_steps
     return notes
 
 

@@ -31,8 +31,9 @@ from minimax_h3.dit.layout import (build_layout, build_ref2va_layout, latent_sha
 from minimax_h3.dit.lora import LoRAManager, check_lora_file, config_targets, lora_names, resolve_lora_path
 from minimax_h3.dit.model import H3DiT
 from minimax_h3.dit.references import REFERENCES_INPUT, References, parse_references
-from minimax_h3.dit.sampling import SamplerConfig, draw_noise, sample
+from minimax_h3.dit.sampling import SamplerConfig, draw_noise, sample, schedule
 from minimax_h3.dit.sp import ParallelGroups, make_groups, validate_parallel
+from minimax_h3.dit.sparse import plan_vsa
 from minimax_h3.dit.step_cache import FAST_THRESHOLD, FirstBlockCache
 from minimax_h3.dit.streaming import BlockStream, Placement, plan_placement
 from minimax_h3.dit.windows import sample_continuation, sample_fused, window_rows
@@ -40,7 +41,9 @@ from minimax_h3.dit.tiny_checkpoint import write_tiny_checkpoint
 from minimax_h3.dit.tp import param_style
 from minimax_h3.files import CHECKPOINT_PARTS, ensure_embedded, find_part, shown_models_dir
 from minimax_h3.kernels.int8 import Int8ConvRotLinear, QuantizedWeight
-from minimax_h3.kernels.registry import AUTO, KernelConfig, KernelSelection, select_kernels_remembered
+from minimax_h3.kernels.registry import (AUTO, VSA_OP, KernelConfig, KernelSelection, select_kernels_remembered,
+                                        select_vsa_kernel)
+from minimax_h3.kernels.vsa import REFERENCE_CHUNK_BYTES
 from minimax_h3.kernels.tuning import chunk_rows as tuned_chunk_rows
 from stagekit.checkpoints import derived_key, derived_tensors, fill_derived
 from stagekit.child import run_in_child
@@ -67,8 +70,10 @@ def embedded_config() -> DiTConfig:
     """The embedded default: tiny dims, one block and two heads so an 832x480x124 render stays quick on a
     2-core CPU (attention over ~15k rows dominates). Tests use DiTConfig.tiny() for the multi-block paths."""
     return DiTConfig.tiny(num_layers=1, num_heads=2)
-# The DiT result's count of steps whose blocks after the first were skipped (SampleDone.cached_steps).
+# The DiT result's count of steps whose blocks after the first were skipped (SampleDone.cached_steps), and of steps
+# whose blocks ran VSA (SampleDone.sparse_steps).
 CACHED_STEPS = "cached_steps"
+SPARSE_STEPS = "sparse_steps"
 # Text length assumed by estimates made before the text states are known (the encoder's usual prompt budget).
 DEFAULT_TEXT_LEN = 512
 # The job inputs holding a long render's later prompts' states (in order) and an extension's guide (video, audio).
@@ -134,7 +139,7 @@ def target_rows(m: DiTConfig, spec: RenderSpec) -> int:
 
 
 def activation_bytes(m: DiTConfig, rows: int, compute_dtype: torch.dtype, chunk_rows: int, tp: int = 1, sp: int = 1,
-                     cuda: bool = True, step_cache: bool = False) -> int:
+                     cuda: bool = True, step_cache: bool = False, vsa: bool = False) -> int:
     """Peak activation bytes of a job of `rows` packed rows on one rank of `tp` x `sp` (docs/memory.md).
 
     Whole-sequence tensors, per packed row: the fp32 residual stream (hidden x 4 B); q, k, v and the attention
@@ -146,18 +151,24 @@ def activation_bytes(m: DiTConfig, rows: int, compute_dtype: torch.dtype, chunk_
     docs/memory.md), not a promise. Sequence parallel (minimax_h3/dit/sp.py): the whole-sequence tensors shrink to this
     rank's rows, plus the all-to-all buffers held while attention runs (~5 x local inner per row); the sampler
     state stays whole. `step_cache` (quality "fast", minimax_h3/dit/step_cache.py): three more fp32 copies of the
-    residual stream (the cached block-0 and tail residuals, and the current step's block-0 residual).
+    residual stream (the cached block-0 and tail residuals, and the current step's block-0 residual). `vsa` (a job
+    with sparse attention, minimax_h3/kernels/vsa.py): the gate rows, q, k, v and the output in tile order (the
+    padding of the tiles is a few %, not counted), the output back in row order and the fp32 gated coarse branch
+    (6 x local inner in the compute dtype and 4 x in fp32 per row), plus one chunk of the reference's gathered keys
+    and values.
     """
     e = torch.empty((), dtype=compute_dtype).element_size()
     inner = m.num_heads * m.head_dim // tp
     local = -(-rows // sp)
     residual = m.hidden * 4 * (4 if step_cache else 1)
     per_local_row = residual + (4 + (5 if sp > 1 else 0)) * inner * e + 2 * m.rope_dim * 4
+    if vsa:
+        per_local_row += (6 * e + 4) * inner
     per_row = 8 * max(m.video_patch_dim, m.audio_in_channels) * 4
     qkv_step = 3 * inner * e + 6 * inner * 4 + 2 * m.hidden * 4 + m.hidden * e
     mlp_step = 3 * (m.ffn // tp) * e + 3 * m.hidden * 4 + m.hidden * e
     chunk = min(local, chunk_rows) * max(qkv_step, mlp_step)
-    fixed = CUDA_WORKSPACE_BYTES if cuda else 0
+    fixed = (CUDA_WORKSPACE_BYTES if cuda else 0) + (REFERENCE_CHUNK_BYTES if vsa else 0)
     return int((local * per_local_row + rows * per_row + chunk) * 1.15) + fixed
 
 
@@ -204,7 +215,7 @@ def check_partitions(cfg: DiTEngineConfig, paths: dict[Path, str | None]) -> dic
             continue
         log.info("%s: partition %s (%s)", path, part, info.partition.evidence)
         infos[part] = info
-    configs = {p: i.config for p, i in infos.items()}
+    configs = {p: i.config.replace(vsa_gates=False) for p, i in infos.items()}  # a FastH3 file serves beside a base one
     if len(set(configs.values())) > 1:
         seen = ", ".join(f"{infos[p].path.name}: {c.num_layers} blocks, hidden {c.hidden}" for p, c in configs.items())
         raise FailedPrecondition(f"the DiT files do not share one configuration ({seen}); use files of one model")
@@ -223,7 +234,6 @@ class DiTEngine(StageEngine):
         # partition is served; the one a job needs is loaded for it (`use_partition`).
         self.partitions: dict[str, CheckpointInfo] = check_partitions(cfg, paths)
         self._select(next(iter(self.partitions)))
-        self.model_cfg: DiTConfig = self.partitions[self.partition].config
         m = self.model_cfg  # the latents this DiT takes and makes (minimax_h3.contract's tensor table)
         self.geometry = LatentGeometry(m.in_channels, VAE_SPATIAL, m.audio_in_channels)
         if not cfg.fast_threshold >= 0:
@@ -255,6 +265,7 @@ class DiTEngine(StageEngine):
     def _select(self, partition: str) -> None:
         info = self.partitions[partition]
         self.partition = partition
+        self.model_cfg: DiTConfig = info.config  # the partitions' configs differ at most in their VSA gates
         self.path = info.path
         self.variant = info.variant.name
         self._header_shapes = info.shapes  # for weight-size estimates before loading
@@ -309,13 +320,23 @@ class DiTEngine(StageEngine):
             self._compile_cache_on = True
 
     def kernel_rows(self) -> list[tuple[str, str, str]]:
-        return self._kernel_rows() + [self._placement_row(), self._windows_row()]
+        return self._kernel_rows() + [self._vsa_row(), self._placement_row(), self._windows_row()]
 
     def _windows_row(self) -> tuple[str, str, str]:
         if not self.windows:
             return ("windows", "one window up to 515 frames", "decided per job: longer renders, renders with several "
                     "prompts and extensions are sampled in windows, one on the device at a time (docs/long_video.md)")
         return ("windows", self.windows, "last job")
+
+    def _vsa_row(self) -> tuple[str, str, str]:
+        """Which VSA kernel a job with sparse attention gets (minimax_h3/kernels/vsa.py), or why this DiT takes
+        none ("unavailable": the render service refuses such a job at Submit with the reason)."""
+        if self.cfg.sp_degree > 1:
+            return (VSA_OP, "unavailable", f"VSA attends all rows of a rank at once: this DiT runs --sp-degree "
+                    f"{self.cfg.sp_degree}; start it with --sp-degree 1 to take sparse-attention jobs")
+        if self.kernels is not None and self.kernels.vsa is not None:
+            return self.kernels.vsa.as_tuple()
+        return select_vsa_kernel(self.cfg.device, self.cfg.compute_dtype).as_tuple()
 
     def _placement_row(self) -> tuple[str, str, str]:
         p = self.placement
@@ -327,7 +348,7 @@ class DiTEngine(StageEngine):
 
     def _kernel_rows(self) -> list[tuple[str, str, str]]:
         if self.kernels is not None:
-            return self.kernels.status_rows()
+            return [r for r in self.kernels.status_rows() if r[0] != VSA_OP]
         dtype = str(self.cfg.compute_dtype).replace("torch.", "")
         lin = f"int8 convrot eager ({self.cfg.int8_mode})" if "int8" in self.variant else f"dense {dtype}"
         return [("linear", lin, "cpu: only the fallback kernels exist"),
@@ -473,7 +494,7 @@ class DiTEngine(StageEngine):
         """Peak activation bytes of one job on one rank: `activation_bytes` of its packed rows."""
         return activation_bytes(self.model_cfg, text_len + self.target_rows(spec), self.cfg.compute_dtype,
                                 self.chunk_rows, self.parallel.tp_size, self.parallel.sp_size,
-                                self.cfg.device.startswith("cuda"), spec.quality == "fast")
+                                self.cfg.device.startswith("cuda"), spec.quality == "fast", spec.sparse is not None)
 
     def block_bytes(self) -> int:
         """One transformer block's weight bytes on this rank (the largest), from the checkpoint header."""
@@ -532,6 +553,12 @@ class DiTEngine(StageEngine):
         if text_states.dtype not in (torch.bfloat16, torch.float16, torch.float32):
             raise InvalidArgument(f"{name} must be float32, bfloat16 or float16, got {text_states.dtype}")
         check_finite(name, text_states)
+
+    def check_sparse(self, spec: RenderSpec) -> None:
+        """A job asking for VSA needs a DiT that runs it (`_vsa_row`). Raises FailedPrecondition with the reason."""
+        op, kernel, reason = self._vsa_row()
+        if spec.sparse is not None and kernel == "unavailable":
+            raise FailedPrecondition(f"this DiT does not run VSA sparse attention: {reason}")
 
     def check_partition(self, wants_references: bool) -> None:
         """A request must reach the partition trained for it: references need the ref2va file, text / keyframe
@@ -622,14 +649,14 @@ class DiTEngine(StageEngine):
         plan = plan_windows(spec)
         self.windows = plan.describe()
         if plan.mode == SINGLE:
-            video, audio, cached = self._run_one(spec, inputs, ctx)
-        else:  # step caching is for one window (the contract refuses quality "fast" in windows)
-            (video, audio), cached = self._run_windows(spec, plan, inputs, ctx), 0
+            video, audio, cached, sparse = self._run_one(spec, inputs, ctx)
+        else:  # step caching and VSA are for one window (the contract refuses them in windows)
+            (video, audio), cached, sparse = self._run_windows(spec, plan, inputs, ctx), 0, 0
         # Seed parity (docs/two_cards.md): each rank logs a hash of its final latents; tensor-parallel ranks must
         # agree bit for bit, and a render repeated with the same seed must log the same hashes.
         log.info("final latents rank=%d %dx%dx%d seed=%d video_sha256=%s audio_sha256=%s", self.group.info.rank,
                  spec.width, spec.height, spec.frames, spec.seed, _sha256(video), _sha256(audio))
-        return {VIDEO_LATENTS: video, AUDIO_LATENTS: audio, CACHED_STEPS: cached}
+        return {VIDEO_LATENTS: video, AUDIO_LATENTS: audio, CACHED_STEPS: cached, SPARSE_STEPS: sparse}
 
     def _place(self, spec: RenderSpec, text_len: int) -> None:
         """Which blocks stream from host memory for this job: from its activations (one window's, for a render in
@@ -650,9 +677,9 @@ class DiTEngine(StageEngine):
 
         return on_step
 
-    def _run_one(self, spec: RenderSpec, inputs: dict, ctx) -> tuple[torch.Tensor, torch.Tensor, int]:
+    def _run_one(self, spec: RenderSpec, inputs: dict, ctx) -> tuple[torch.Tensor, torch.Tensor, int, int]:
         """The render in one window: its whole packed sequence in every model call. Returns the video and audio
-        latents and how many steps the step cache skipped (quality "fast")."""
+        latents, how many steps the step cache skipped (quality "fast") and how many ran VSA (sparse attention)."""
         mcfg, dev = self.model_cfg, self.cfg.device
         refs: References | None = inputs.get(REFERENCES_INPUT)
         text = inputs[TEXT_STATES].to(dev)
@@ -685,15 +712,22 @@ class DiTEngine(StageEngine):
         par = self.parallel
         cache = (FirstBlockCache(self.cfg.fast_threshold, par.tp_group, par.sp_group) if spec.quality == "fast"
                  else None)  # one per job: nothing a job caches reaches another
+        sigmas = schedule(sampler_cfg)[0][:-1].tolist()  # the video sigma of each model evaluation
+        vsa = plan_vsa(spec.sparse, layout, mcfg.patch, sigmas, sampler_cfg.video_shift, self._vsa_row()[1], dev)
         denoise = conditioned_denoise(self.model, text, layout, None if cond is None else cond.to(dev),
-                                      None if ref_audio is None else ref_audio.to(dev), cache)
+                                      None if ref_audio is None else ref_audio.to(dev), cache, vsa)
         ctx.progress(0, sampler_cfg.steps, message=self.placement.describe())
         v0, a0 = sample(denoise, v_rows, a_rows, sampler_cfg, on_step=self._stepper(ctx), should_stop=ctx.should_stop)
         cached = 0 if cache is None else cache.cached_steps
         if cache is not None:
             log.info("rank %d quality fast: %d of %d steps cached (threshold %g; distances %s)", self.group.info.rank,
                      cached, sampler_cfg.steps, cache.threshold, ", ".join(f"{d:.3g}" for d in cache.distances))
-        return unpatchify_video(v0, mcfg.patch, *video_shape).cpu(), unpatchify_audio(a0).cpu(), cached
+        sparse = 0 if vsa is None else vsa.sparse_steps
+        if spec.sparse is not None:
+            log.info("rank %d VSA (%s kernel, keep %g %%): %d of %d steps sparse%s", self.group.info.rank,
+                     self._vsa_row()[1], spec.sparse.keep_percent, sparse, sampler_cfg.steps,
+                     "" if vsa is not None else f" ({layout.seq_len} rows < min_tokens {spec.sparse.min_tokens})")
+        return unpatchify_video(v0, mcfg.patch, *video_shape).cpu(), unpatchify_audio(a0).cpu(), cached, sparse
 
     def _run_windows(self, spec: RenderSpec, plan: WindowPlan, inputs: dict, ctx
                      ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -754,7 +788,9 @@ def _probe_kernels(cfg: DiTEngineConfig) -> KernelSelection:
     config = KernelConfig(linear_kernel=cfg.linear_kernel, attention_kernel=cfg.attention_kernel,
                           compute_dtype=cfg.compute_dtype)
     records = cfg.compile_cache_dir.parent / "kernel_probes" if cfg.compile_cache_dir is not None else None
-    return select_kernels_remembered(cfg.device, config, records)
+    sel = select_kernels_remembered(cfg.device, config, records)
+    sel.vsa = select_vsa_kernel(cfg.device, cfg.compute_dtype)
+    return sel
 
 
 def _sha256(t: torch.Tensor) -> str:

@@ -8,7 +8,7 @@ import time
 import typing
 from dataclasses import dataclass, field
 
-from dit_svc.engine import CACHED_STEPS, DiTEngine, DiTEngineConfig
+from dit_svc.engine import CACHED_STEPS, SPARSE_STEPS, DiTEngine, DiTEngineConfig
 from h3.v1 import dit_pb2, dit_pb2_grpc, common_pb2
 from minimax_h3.contract import (KEYFRAME_TENSORS, MAX_GUIDES, PARTITIONS, SAMPLE_INPUTS, SAMPLE_OUTPUTS, TENSORS,
                                  TEXT_STATES, guide_tensor, plan_windows, spec_from_proto, tensor_shapes, validate)
@@ -81,6 +81,7 @@ class DiTServicer(LifecycleMixin, dit_pb2_grpc.DiTSamplerServicer):
         # the render params, the LoRAs, and the dtype/shape of every tensor they imply.
         # The one validation of the spec in this process: the engine's checks and the job take it as valid.
         spec = validate(spec_from_proto(req.params))
+        self.engine.check_sparse(spec)
         loras = self.engine.check_loras([(x.name, x.strength if x.HasField("strength") else 1.0) for x in req.loras])
         # The text states, and the fl2va (keyframes, text tags) or ref2va (references) extras: minimax_h3.contract.
         shapes = tensor_shapes(SAMPLE_INPUTS, spec, self.engine.geometry, self.engine.model_cfg.text_dim)
@@ -131,7 +132,7 @@ class DiTServicer(LifecycleMixin, dit_pb2_grpc.DiTSamplerServicer):
                 yield dit_pb2.SampleEvent(done=dit_pb2.SampleDone(
                     timing=timing_pb(job.timing), ms_per_step=steps["ms"] / max(1, steps["n"]),
                     world_size=self.runtime.group.world_size, cached_steps=ev.payload.get(CACHED_STEPS, 0),
-                    windows=plan_windows(spec).describe()))
+                    windows=plan_windows(spec).describe(), sparse_steps=ev.payload.get(SPARSE_STEPS, 0)))
 
         yield from stream_job(self.runtime, job, context, observed(self.runtime, job, on_event))
 

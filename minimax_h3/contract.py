@@ -8,7 +8,8 @@ import it. docs/model.md §3 has the model facts behind the numbers.
    frames); a latent covers 16x16 pixels (sizes are whole 32-px DiT rows: VAE /16 then patch 2); video latents have
    24 channels; audio is 32 kHz stereo, one 32-channel latent per 800 samples (40 latents/s, Ta = round(F/24*40)).
 2. **Render spec.** `RenderSpec` and `validate`: the canvas bounds are those the model was trained on (the seeds
-   render up to 1920x1088; 4:1 aspect either way). Each process validates a spec once, where it enters.
+   render up to 1920x1088; 4:1 aspect either way). Each process validates a spec once, where it enters. A spec may
+   ask for VSA block-sparse attention (`SparseAttention`: ComfyUI's BlockSparseAttention values).
 3. **Tensors.** `TENSORS` names every tensor one stage hands another, with its dtype class and its shape as a
    function of the render spec (and of the serving model's `LatentGeometry`; None = any size); `RESULTS` says,
    call by call, which tensors a stage sends back to its caller.
@@ -61,6 +62,10 @@ SCHEDULERS = ("simple", "diffusers")
 # "exact": every DiT block at every step (the same bits as ever); "fast": step caching (First Block Cache,
 # minimax_h3/dit/step_cache.py) skips most blocks on steps whose first block changed little since the last full one.
 QUALITIES = ("exact", "fast")
+# ComfyUI's BlockSparseAttention node (docs/workflows.md): the methods this product runs, and its widgets' bounds.
+SPARSE_METHODS = ("vsa",)
+MIN_KEEP_PERCENT, MAX_KEEP_PERCENT = 0.5, 95.0
+MAX_MIN_TOKENS = 1 << 20
 DEFAULT_STEPS = 8          # model calls in the stock ComfyUI template (res_multistep + simple)
 DEFAULT_SIZE = (832, 480)
 DEFAULT_FRAMES = 124
@@ -124,6 +129,19 @@ H3_GEOMETRY = LatentGeometry()
 
 # ---- 2. the render spec --------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
+class SparseAttention:
+    """VSA block-sparse attention in the DiT's blocks, as ComfyUI's BlockSparseAttention node (method "vsa") sets it
+    (docs/kernels.md, "Block-sparse attention (VSA)"); the defaults are the FastH3 templates' values."""
+
+    method: str = "vsa"              # SPARSE_METHODS
+    keep_percent: float = 10.0       # video tiles a video query tile keeps by score (FastH3 is trained at 10)
+    start_percent: float = 0.2       # dense at the schedule's sigmas above shift(1 - start) ...
+    end_percent: float = 1.0         # ... and below shift(1 - end)
+    dense_blocks: tuple[int, ...] = ()  # DiT blocks that always run dense
+    min_tokens: int = 12288          # packed sequences of fewer rows run dense
+
+
+@dataclass(frozen=True)
 class RenderSpec:
     """One render's parameters (common.proto's RenderParams, unset fields filled in); valid once `validate` passed."""
 
@@ -157,6 +175,7 @@ class RenderSpec:
     def guide_frames(self) -> int:
         """Frames of the source's tail an extension is conditioned on (0 for other renders)."""
         return (self.window_overlap or DEFAULT_OVERLAP[CONTINUATION]) if self.prefix_frames else 0
+    sparse: SparseAttention | None = None  # None: dense attention
 
     @property
     def latent_frames(self) -> int:
@@ -240,11 +259,30 @@ def validate(spec: RenderSpec, need_prompt: bool = False) -> RenderSpec:
         if not (v == 0 or 0.1 <= v <= 100):
             raise InvalidArgument(f"{name}={v} is not valid: use 0 (model default) or 0.1..100")
     windows = plan_windows(spec)  # the window fields, the prompts and an extension's frames (section 6)
-    if spec.quality == "fast" and windows.mode != SINGLE:
-        raise InvalidArgument(f"quality fast caches the steps of one window, and this render is sampled in windows "
-                              f"({windows.describe()}): use quality exact, or at most {MAX_WINDOW_FRAMES} frames with "
-                              "one prompt")
+    if windows.mode != SINGLE and (spec.quality == "fast" or spec.sparse is not None):
+        what = "quality fast caches the steps" if spec.quality == "fast" else "sparse attention (VSA) tiles the rows"
+        raise InvalidArgument(f"{what} of one window, and this render is sampled in windows ({windows.describe()}): "
+                              f"render at most {MAX_WINDOW_FRAMES} frames with one prompt, or without it")
+    if spec.sparse is not None:
+        check_sparse(spec.sparse)
     return spec
+
+
+def check_sparse(sp: SparseAttention) -> None:
+    """A sparse-attention setting within the node's widget bounds. Raises InvalidArgument."""
+    if sp.method not in SPARSE_METHODS:
+        raise InvalidArgument(f"sparse attention method {sp.method!r}: this product runs {', '.join(SPARSE_METHODS)} "
+                              "(the FastH3 checkpoints' video sparse attention)")
+    if not MIN_KEEP_PERCENT <= sp.keep_percent <= MAX_KEEP_PERCENT:
+        raise InvalidArgument(f"keep_percent={sp.keep_percent} is not valid: use "
+                              f"{MIN_KEEP_PERCENT}..{MAX_KEEP_PERCENT} (FastH3 is trained at 10)")
+    for name, v in (("start_percent", sp.start_percent), ("end_percent", sp.end_percent)):
+        if not 0 <= v <= 1:
+            raise InvalidArgument(f"{name}={v} is not valid: a point of the schedule, 0..1")
+    if not 0 <= sp.min_tokens <= MAX_MIN_TOKENS:
+        raise InvalidArgument(f"min_tokens={sp.min_tokens} is not valid: use 0..{MAX_MIN_TOKENS}")
+    if any(b < 0 for b in sp.dense_blocks):
+        raise InvalidArgument(f"dense_blocks {list(sp.dense_blocks)}: block numbers are >= 0")
 
 
 def check_upscale(width: int, height: int, out_width: int, out_height: int) -> None:
@@ -297,7 +335,13 @@ def spec_from_proto(p) -> RenderSpec:
         more_prompts=tuple(p.more_prompts),
         prompt_starts=tuple(p.prompt_starts),
         prefix_frames=p.prefix_frames,
+        sparse=_sparse_from_proto(p.sparse_attention) if p.HasField("sparse_attention") else None,
     )
+
+
+def _sparse_from_proto(m) -> SparseAttention:
+    return SparseAttention(method=m.method, keep_percent=m.keep_percent, start_percent=m.start_percent,
+                           end_percent=m.end_percent, dense_blocks=tuple(m.dense_blocks), min_tokens=m.min_tokens)
 
 
 def spec_to_proto(spec: RenderSpec, msg) -> None:
@@ -311,6 +355,18 @@ def spec_to_proto(spec: RenderSpec, msg) -> None:
     msg.window_mode, msg.window_fuse, msg.prefix_frames = spec.window_mode, spec.window_fuse, spec.prefix_frames
     msg.more_prompts[:] = spec.more_prompts
     msg.prompt_starts[:] = spec.prompt_starts
+    msg.ClearField("sparse_attention")
+    if spec.sparse is not None:
+        sparse_to_proto(spec.sparse, msg.sparse_attention)
+
+
+def sparse_to_proto(sp: SparseAttention, m) -> None:
+    """Fill a SparseAttention message (setting it, in its RenderParams) from `sp`."""
+    m.SetInParent()
+    m.method, m.keep_percent, m.start_percent, m.end_percent = sp.method, sp.keep_percent, sp.start_percent, \
+        sp.end_percent
+    m.dense_blocks[:] = sp.dense_blocks
+    m.min_tokens = sp.min_tokens
 
 
 # ---- 3. inter-stage tensors ----------------------------------------------------------------------------------------

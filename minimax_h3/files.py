@@ -39,11 +39,12 @@ CHECKPOINT_PARTS: dict[str, CheckpointPart] = {
     "encoder": CheckpointPart("Qwen3-VL text encoder for MiniMax-H3",
                               ("*qwen3vl*minimax_h3*.safetensors", "*qwen3*vl*32b*.safetensors", "text_encoder")),
     "dit": CheckpointPart("MiniMax-H3 DiT checkpoint",
-                          ("*minimax_h3*int8_convrot*.safetensors", "*minimax_h3*.safetensors", "transformer"),
+                          ("*minimax_h3*int8_convrot*.safetensors", "*minimax_h3*.safetensors",
+                           "*fastvideo_fasth3*.safetensors", "transformer"),
                           ("*qwen3*", "*vae*", "*lora*", "*ref2va*")),
     "dit_ref2va": CheckpointPart("MiniMax-H3 ref2va DiT checkpoint",
-                                 ("*minimax_h3*ref2va*.safetensors", "transformer_ref"), ("*qwen3*", "*vae*", "*lora*"),
-                                 optional=True),
+                                 ("*minimax_h3*ref2va*.safetensors", "*fasth3_omniref*.safetensors", "transformer_ref"),
+                                 ("*qwen3*", "*vae*", "*lora*"), optional=True),
     "video_vae": CheckpointPart("MiniMax-H3 video VAE",
                                 ("*minimax_h3*video*vae*.safetensors", "*minimax*h3*vae*.safetensors", "video_vae"),
                                 ("*audio*",), "--video-weights"),
@@ -172,8 +173,6 @@ COMFY_REPO = "Comfy-Org/MiniMax-H3"
 # The folder of a ComfyUI install's `models/` each kind of file goes in (what its loader node lists).
 COMFY_FOLDERS = {"dit": "diffusion_models", "text_encoder": "text_encoders", "video_vae": "vae", "audio_vae": "vae",
                  "lora": "loras"}
-FASTH3 = ("a FastH3 distilled checkpoint (sparse attention, its own sigma schedule): this product's DiT runs the "
-          "MiniMax-H3 fl2va and ref2va files only")
 POSE = "a pose ControlNet file: this product does not run ControlNets"
 
 
@@ -213,12 +212,12 @@ MODEL_FILES: dict[str, ModelFile] = {f.name: f for f in (
               "minimax_h3_fl2v_turbo_8step_v1.0_comfyui_bf16.safetensors", "loras"),
     _comfy("minimax_h3_fl2v_turbo_4step_v1.0_768p_comfyui_bf16.safetensors", "lora"),
     _comfy("minimax_h3_ref2v_turbo_4step_v0.1_comfyui_bf16.safetensors", "lora"),
+    # FastVideo's FastH3 students (VSA-distilled; their graphs set BlockSparseAttention "vsa", docs/workflows.md)
     ModelFile("fastvideo_fasth3_8step_v2_pruned_int8_convrot.safetensors", "dit", "FastVideo/FastVideo-FastH3-Comfy",
               "diffusion_models/fastvideo_fasth3_8step_v2_pruned_int8_convrot.safetensors", "diffusion_models",
-              "fl2va", FASTH3),
+              "fl2va"),
     ModelFile("fasth3_omniref_8step_pruned_int8_convrot.safetensors", "dit", "FastVideo/FastH3-OmniRef-Comfy",
-              "diffusion_models/fasth3_omniref_8step_pruned_int8_convrot.safetensors", "diffusion_models", "ref2va",
-              FASTH3),
+              "diffusion_models/fasth3_omniref_8step_pruned_int8_convrot.safetensors", "diffusion_models", "ref2va"),
     _comfy("minimax_h3_fun_controlnet_union_pruned_int8_convrot.safetensors", "other", refusal=POSE,
            folder="model_patches"),
     ModelFile("rt_detr_v4-x-hgnet_fp16.safetensors", "other", "Comfy-Org/SDPose",

@@ -360,8 +360,10 @@ class RenderService:
 
         1. The DiT's partitions (its Status): one of its files serves the request's partition (`check_partition`).
         2. The DiT's LoRAs (its Status): each LoRA named is a file in its loras directory, or a path it takes
-           (`check_loras`); a name it lacked is asked once more, from a fresh Status (a file just added).
-        With several DiT replicas, one that serves both is enough (the scheduler sends the job only to such ones).
+           (`check_loras`); a name it lacked is asked once more, from a fresh Status (a file just added); and VSA
+           sparse attention, where the request asks for it: the DiT's "vsa" kernel row is not "unavailable".
+        With several DiT replicas, one that serves all of it is enough (the scheduler sends the job only to such
+        ones).
         3. The encoder's prompt rules (its CheckPrompt): its tokenizer, its --max-prompt-tokens, its markers.
         4. A graph's files (`graph_files`): each stage serves the file the graph's loader node names (`_check_files`).
         """
@@ -388,6 +390,9 @@ class RenderService:
                 if req.loras and st.HasField("loras"):
                     check_loras([lo.name for lo in req.loras], st.loras.directory, list(st.loras.names),
                                 st.loras.paths_allowed)
+                vsa = next((k for k in st.kernels if k.op == "vsa"), None)
+                if req.params.HasField("sparse_attention") and vsa is not None and vsa.kernel == "unavailable":
+                    raise FailedPrecondition(f"this DiT does not run VSA sparse attention: {vsa.reason}")
                 return
             except (FailedPrecondition, NotFound) as e:
                 refusals.append(e)
@@ -777,7 +782,7 @@ class RenderService:
             self._durable(self.store.add_run, w.job_id, render_pb2.StageRun(
                 stage=stage, wall_s=r.wall_s, timing=r.timing, batch=batch.number, batch_size=len(batch.job_ids),
                 waited_batches=batch.waited.get(w.job_id, 0), replica=node,
-                cached_steps=r.extra.get("cached_steps", 0)))
+                cached_steps=r.extra.get("cached_steps", 0), sparse_steps=r.extra.get("sparse_steps", 0)))
             nxt = next_stage(stage, w.plan)
             if nxt is None:
                 size = w.output.stat().st_size

@@ -225,7 +225,7 @@ def sample(clients: StageClients, spec: RenderSpec, text_states: torch.Tensor, j
     return out[VIDEO_LATENTS], out[AUDIO_LATENTS], StageResult(
         "dit", time.monotonic() - t0, done.timing,
         {"ms_per_step": done.ms_per_step, "ranks": done.world_size, "cached_steps": done.cached_steps,
-         "windows": done.windows})
+         "windows": done.windows, "sparse_steps": done.sparse_steps})
 
 
 def decode_inputs(spec: RenderSpec, job_id: str, video: torch.Tensor, audio: torch.Tensor, fmt: int, crf: int,

@@ -63,8 +63,8 @@ def test_status_reports_each_stage(clients):
     for stage in ("encoder", "dit", "decoder"):
         st = clients.stub(stage).Status(common_pb2.StatusRequest(), timeout=10)
         assert st.stage == stage and st.embedded_model and st.health == "SERVING"
-        if stage == "dit":  # the kernel choice, the weights' placement and the window plan, with their reasons
-            assert {k.op for k in st.kernels} == {"linear", "attention", "weights", "windows"}
+        if stage == "dit":  # the kernel choices, the weights' placement and the window plan, with their reasons
+            assert {k.op for k in st.kernels} == {"linear", "attention", "vsa", "weights", "windows"}
             assert all(k.reason for k in st.kernels)
 
 

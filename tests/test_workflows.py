@@ -70,6 +70,8 @@ def type_refusal(type_name: str) -> str | None:
 
 
 MATCH = "ref_image_size 'match'"
+# The FastH3 templates' BlockSparseAttention: VSA as FastH3 is distilled for it (the OmniRef graph starts at 0 %).
+VSA = dict(method="vsa", keep_percent=10.0, start_percent=0.2, end_percent=1.0, dense_blocks=(), min_tokens=12288)
 
 # What each local template's widgets say, and the nodes refused as written (node, type, why). The values: instance
 # widgets of the subgraph templates (e.g. 140.value_1 = 5 s), the ResolutionSelector table the templates' own notes
@@ -110,24 +112,22 @@ EXPECTED = {
         fixes={MATCH: "136.ref_image_size=max"}),
     "video_fastvideo_fasth3_t2v": dict(
         values=dict(conditioning="image_to_video", seed=631153434041465, width=640, height=640, frames=124, steps=8,
-                    sampler="res_multistep", video_shift=10, audio_shift=3),
+                    sampler="res_multistep", video_shift=10, audio_shift=3, sparse_attention=VSA),
         files=dict(dit=FASTH3, video_vae=INT8_VAE),
-        refused=[("105:127", "BlockSparseAttention", type_refusal("BlockSparseAttention")),
-                 ("105:6", "UNETLoader", file_refusal(FASTH3)), ("105:11", "VAELoader", file_refusal(INT8_VAE))]),
+        refused=[("105:6", "UNETLoader", file_refusal(FASTH3)), ("105:11", "VAELoader", file_refusal(INT8_VAE))]),
     "video_fastvideo_fasth3_i2v": dict(  # the size: GetImageSize(ImageScaleToTotalPixels(1024x768, 0.4 MP, 32))
         values=dict(conditioning="image_to_video", seed=793369680225544, width=736, height=576, frames=124, steps=8,
-                    video_shift=10, audio_shift=3, first_frame="red_line_barrier.png"),
+                    video_shift=10, audio_shift=3, first_frame="red_line_barrier.png", sparse_attention=VSA),
         files=dict(dit=FASTH3, video_vae=INT8_VAE),
-        refused=[("105:127", "BlockSparseAttention", type_refusal("BlockSparseAttention")),
-                 ("105:6", "UNETLoader", file_refusal(FASTH3)), ("105:11", "VAELoader", file_refusal(INT8_VAE))]),
+        refused=[("105:6", "UNETLoader", file_refusal(FASTH3)), ("105:11", "VAELoader", file_refusal(INT8_VAE))]),
     "video_fasth3_ominiref_r2v": dict(  # 1 MP at 16:9, multiple 32 -> 1376 x 768
         values=dict(conditioning="reference_to_video", seed=771204598, width=1376, height=768, frames=124, steps=8,
-                    sampler="euler", video_shift=12, audio_shift=3, references=[["image", "yellow_plane_ref.png"]]),
+                    sampler="euler", video_shift=12, audio_shift=3, references=[["image", "yellow_plane_ref.png"]],
+                    sparse_attention=dict(VSA, start_percent=0.0)),
         files=dict(dit=OMNIREF, video_vae=INT8_VAE),
-        refused=[("143", "BlockSparseAttention", type_refusal("BlockSparseAttention")),
-                 ("127", "UNETLoader", file_refusal(OMNIREF)), ("136", "MiniMaxH3ReferenceToVideo", MATCH),
+        refused=[("127", "UNETLoader", file_refusal(OMNIREF)), ("136", "MiniMaxH3ReferenceToVideo", MATCH),
                  ("119", "VAELoader", file_refusal(INT8_VAE))],
-        fixes={MATCH: "136.ref_image_size=max"}),
+        fixes={MATCH: "136.ref_image_size=max"}, prompt="<Picture 1> banks low over the sea, engine roar"),
     "image_minimax_h3_t2i": dict(  # 0.9 MP at 16:9 with multiple 8 -> 1296 x 728: not whole 32-px DiT rows
         values=dict(output="png", conditioning="text", seed=697447143149280, width=1296, height=728, frames=22,
                     steps=30, sampler="res_multistep", scheduler="simple", loras=[]),
@@ -139,6 +139,11 @@ CLOUD = sorted(p.stem for p in TEMPLATES.glob("api_minimax_h3_*.json"))
 CONTROLNET = "video_minimax_h3_fun_controlnet_union"
 PROMPTS = {"text": "a rooftop chase at dusk, wind and footsteps", "image_to_video": "the mouse glows, soft synth",
            "reference_to_video": "<Picture 1> meets <Picture 2> on a rooftop, thunder"}
+
+
+def prompt_of(name: str) -> str:
+    """The prompt a render of template `name` is given: its own where the kind's default would not fit it."""
+    return EXPECTED[name].get("prompt") or PROMPTS[EXPECTED[name]["values"]["conditioning"]]
 
 
 def template(name: str) -> Path:
@@ -388,16 +393,16 @@ def tiny_api_graph() -> dict:
 def test_templates_render_through_the_cli_and_comfyui_routes(svc, inputs, tmp_path, capsys):
     renderable = {name: f for name in LOCAL if (f := fixes(name)) is not None}
     assert {"video_minimax_h3_t2v", "video_minimax_h3_i2v", "video_minimax_h3_i2v_continuation",
-            "video_minimax_h3_r2v", "image_minimax_h3_t2i"} <= set(renderable)
+            "video_minimax_h3_r2v", "image_minimax_h3_t2i", "video_fastvideo_fasth3_t2v", "video_fastvideo_fasth3_i2v",
+            "video_fasth3_ominiref_r2v"} <= set(renderable)
     tiny = ["--width", "256", "--height", "256", "--frames", "22", "--steps", "1"]
     ws = ComfyWebsocket(svc.http, "tester")
     first = ws.message()
     assert first["type"] == "status" and first["data"]["sid"] == "tester", first
     jobs = {}
     for name, sets in renderable.items():  # queued together: the stages batch them
-        cond = EXPECTED[name]["values"]["conditioning"]
         args = ["render", "--workflow", str(template(name)), "--input-dir", str(inputs), "--render", svc.target,
-                "--detach", "--prompt", PROMPTS[cond], *tiny, *(x for s in sets for x in ("--set", s))]
+                "--detach", "--prompt", prompt_of(name), *tiny, *(x for s in sets for x in ("--set", s))]
         assert cli(args) == 0, capsys.readouterr().err
         out = capsys.readouterr().out
         jobs[name] = out.split()[1]
@@ -458,7 +463,13 @@ def test_templates_render_through_the_cli_and_comfyui_routes(svc, inputs, tmp_pa
         p = info.params
         assert (p.width, p.height, p.frames, p.steps) == (256, 256, 22, 1), name
         assert p.seed == values["seed"] and p.sampler == values.get("sampler", p.sampler), name
-        assert p.video_shift == (values.get("video_shift") or 0) and p.prompt == PROMPTS[values["conditioning"]]
+        assert p.video_shift == (values.get("video_shift") or 0) and p.prompt == prompt_of(name)
+        sparse = values.get("sparse_attention")
+        assert p.HasField("sparse_attention") == bool(sparse), name
+        if sparse:  # the graph's BlockSparseAttention reaches the DiT (its 12288 min_tokens: dense at this size)
+            assert (p.sparse_attention.keep_percent, p.sparse_attention.start_percent) == \
+                (sparse["keep_percent"], sparse["start_percent"])
+            assert next(s for s in info.stages if s.stage == "dit").sparse_steps == 0
         assert [r.name for r in info.references] == [r[1] for r in values.get("references", [])], name
         if out.suffix == ".png":
             with Image.open(out) as im:
@@ -621,3 +632,86 @@ def test_models_check_says_which_graphs_a_folder_runs(tmp_path, capsys):
     assert f"CLIPLoader node 140:128 loads {NVFP4}, but the encoder stage would serve" in mine_t2v
     if file_refusal(INT8_VAE):
         assert "VAELoader node 140:119" in mine_t2v
+
+
+# ---- 5. VSA: the FastH3 graphs' BlockSparseAttention ------------------------------------------------------------
+@pytest.mark.parametrize("sets,needle", [
+    (["105:127.selection=sol-attn"], "method 'sol-attn': this product runs 'vsa'"),
+    (["105:127.sink_conditioning=exact_kv"], "sink_conditioning 'exact_kv'"),
+    (["105:127.selection.keep_percent=100"], "keep_percent=100.0 is not valid"),
+])
+def test_block_sparse_attention_settings_this_product_does_not_run_are_refused(sets, needle):
+    _, problems = problems_of("video_fastvideo_fasth3_t2v", sets)
+    assert any(p.node == "105:127" and needle in p.why for p in problems), problems
+
+
+def test_block_sparse_attention_reads_dense_blocks_and_the_shift_before_it():
+    found, _ = problems_of("video_fastvideo_fasth3_t2v", ["105:127.dense_blocks=0, 2-3; 47", "105:127.min_tokens=0"])
+    assert found.render.sparse.dense_blocks == (0, 2, 3, 47) and found.render.sparse.min_tokens == 0
+    raw = json.loads(template("video_fastvideo_fasth3_t2v").read_text())
+    graph = read_workflow(raw).api()  # the shift after the sparse attention: ComfyUI's window used the one before
+    shift, sparse = (next(k for k, n in graph.items() if n["class_type"] == t)
+                     for t in ("MiniMaxH3SigmaShift", "BlockSparseAttention"))
+    backend = graph[sparse]["inputs"]["model"]
+    graph[shift]["inputs"]["model"], graph[sparse]["inputs"]["model"] = [sparse, 0], graph[shift]["inputs"]["model"]
+    for n in graph.values():
+        if n["class_type"] in ("BasicScheduler", "BasicGuider"):
+            n["inputs"]["model"] = [shift, 0]
+    assert backend  # (the attention backend node now feeds nothing the render needs)
+    found = interpret(read_workflow(graph), lambda ref: IMAGE_SIZE)
+    assert any(p.node == shift and "after BlockSparseAttention" in p.why for p in found.refusals), found.refusals
+
+
+@pytest.fixture(scope="module")
+def fasth3(stack, model_cache, tmp_path_factory):
+    """A DiT stage serving a tiny FastH3 checkpoint (a VSA gate in every block) under the FastH3 file's name, beside
+    the session's encoder and decoder, and a render service over the three."""
+    from client.embedded import EmbeddedStack, StackConfig
+    from client.stubs import Endpoints
+    from dit_svc.engine import embedded_config
+    from minimax_h3.dit.tiny_checkpoint import write_tiny_checkpoint
+    from tests.conftest import SERVER_ENV
+
+    _, endpoints = stack
+    run = tmp_path_factory.mktemp("fasth3")
+    weights = write_tiny_checkpoint(embedded_config().replace(vsa_gates=True), run / FASTH3, "bf16", seed=7)
+    dit = EmbeddedStack(StackConfig(cache_dir=str(model_cache), run_dir=str(run / "dit"), devices="virt1",
+                                    env=SERVER_ENV, extra_args={"dit": ["--weights", str(weights)]}))
+    dit.start_stage("dit")
+    try:
+        stages = Endpoints(encoder=endpoints.encoder, dit=f"127.0.0.1:{dit.wait_ready('dit')}",
+                           decoder=endpoints.decoder)
+        s = RenderService(run / "render", stages)
+        s.start()
+        yield s, stages
+        s.stop()
+    finally:
+        dit.stop()
+
+
+def test_a_fasth3_template_renders_with_vsa_on_a_fasth3_dit(fasth3, inputs, tmp_path, capsys):
+    from client.stubs import StageClients
+    from h3.v1 import common_pb2
+
+    svc, stages = fasth3
+    with StageClients(stages) as c:
+        st = c.dit.Status(common_pb2.StatusRequest(), timeout=30)
+    assert st.weights.endswith(FASTH3) and st.variant.endswith("_vsa-dense"), st
+    assert [(k.kernel, "CUDA" in k.reason) for k in st.kernels if k.op == "vsa"] == [("reference", True)]
+    # min_tokens 0: this tiny sequence runs VSA (3 steps at shift 10: the first, sigma 1, is before 20 % of the run)
+    args = ["render", "--workflow", str(template("video_fastvideo_fasth3_t2v")), "--input-dir", str(inputs),
+            "--render", svc.target, "--detach", "--prompt", prompt_of("video_fastvideo_fasth3_t2v"), "--width", "256",
+            "--height", "256", "--frames", "22", "--steps", "3", "--set", f"105.vae_name={FP16_VAE}",
+            "--set", "105:127.min_tokens=0"]
+    assert cli(args) == 0, capsys.readouterr().err
+    said = capsys.readouterr()
+    assert "BlockSparseAttention node 105:127 runs VSA from 20% to 100% of the schedule" in said.err, said.err
+    job = said.out.split()[1]
+    assert cli(["jobs", "fetch", job, "--wait", "-o", str(tmp_path / "fasth3.mp4"), "--render", svc.target]) == 0, \
+        capsys.readouterr().err
+    assert probe(tmp_path / "fasth3.mp4") == {"width": 256, "height": 256, "frames": 22, "audio": 1}
+    info = svc.stub.Get(render_pb2.JobRef(job_id=job), timeout=30)
+    assert info.params.sparse_attention.min_tokens == 0 and info.params.video_shift == 10
+    assert next(s for s in info.stages if s.stage == "dit").sparse_steps == 2
+    assert cli(["jobs", "get", job, "--render", svc.target]) == 0
+    assert "0 of 3 steps cached, 2 sparse (VSA)" in capsys.readouterr().out

@@ -15,6 +15,7 @@ graph are collected, so one answer lists everything to change.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from collections.abc import Callable
@@ -23,7 +24,7 @@ from typing import Any
 
 from minimax_h3.comfy.expr import ExpressionError, evaluate
 from minimax_h3.comfy.graph import Graph, GraphError, Link, Literal, Node
-from minimax_h3.contract import FPS, RenderSpec, needed_partition
+from minimax_h3.contract import FPS, RenderSpec, SparseAttention, check_sparse, needed_partition
 from minimax_h3.files import MODEL_FILES
 from stagekit.errors import InvalidArgument
 
@@ -61,6 +62,7 @@ class Model:
     loras: tuple[tuple[FileUse, Val], ...] = ()
     shift: tuple[Val, Val] | None = None     # (video, audio) from MiniMaxH3SigmaShift
     attention: str = ""                     # ModelAttentionBackend's choice
+    sparse: SparseAttention | None = None    # BlockSparseAttention's VSA
 
 
 @dataclass(frozen=True)
@@ -236,6 +238,7 @@ class WorkflowRender:
     scheduler: Val
     video_shift: Val | None = None
     audio_shift: Val | None = None
+    sparse: SparseAttention | None = None  # BlockSparseAttention's VSA
     loras: list[tuple[Val, Val]] = field(default_factory=list)
     first_frame: MediaRef | None = None
     last_frame: MediaRef | None = None
@@ -249,7 +252,8 @@ class WorkflowRender:
         return RenderSpec(prompt=self.prompt.value, width=self.width.value, height=self.height.value,
                           frames=self.frames.value, steps=self.steps.value, seed=self.seed.value,
                           sampler=self.sampler.value, scheduler=self.scheduler.value,
-                          video_shift=shift(self.video_shift), audio_shift=shift(self.audio_shift))
+                          video_shift=shift(self.video_shift), audio_shift=shift(self.audio_shift),
+                          sparse=self.sparse)
 
     def media(self) -> list[tuple[str, MediaRef]]:
         """(slot, file) of every file the render reads: first_frame, last_frame, reference i."""
@@ -266,6 +270,7 @@ class WorkflowRender:
             "height": self.height.value, "frames": self.frames.value, "steps": self.steps.value,
             "sampler": self.sampler.value, "scheduler": self.scheduler.value,
             "video_shift": val(self.video_shift), "audio_shift": val(self.audio_shift),
+            "sparse_attention": None if self.sparse is None else dataclasses.asdict(self.sparse),
             "loras": [[n.value, s.value] for n, s in self.loras],
             "first_frame": self.first_frame and self.first_frame.name.value,
             "last_frame": self.last_frame and self.last_frame.name.value,
@@ -493,7 +498,6 @@ REFUSED: dict[str, str] = {
     "ModelPatchLoader": "loads a model patch (a ControlNet): this product does not run them",
     "SDPose*": "pose extraction (SDPose): not part of this product",
     "RTDETR_detect": "person detection (RT-DETR): not part of this product",
-    "BlockSparseAttention": "block-sparse (VSA) attention: this product's DiT runs dense attention only",
     "MiniMaxH3AddGuide": "a guide frame at a chosen time: this product conditions on first/last keyframes "
                          "(MiniMaxH3ImageToVideo) or references (MiniMaxH3ReferenceToVideo), not on guides at "
                          "other frames",
@@ -505,7 +509,7 @@ REFUSED: dict[str, str] = {
                  "(BasicGuider)",
 }
 # Known types a refused node passes its input on through, so the rest of the graph is still checked.
-_PASS_THROUGH = {"BlockSparseAttention": "model", "MiniMaxH3AddGuide": "positive", "MiniMaxH3ContextWindows": "model"}
+_PASS_THROUGH = {"MiniMaxH3AddGuide": "positive", "MiniMaxH3ContextWindows": "model"}
 
 
 def refusal_reason(type_name: str) -> str:
@@ -678,7 +682,65 @@ def _lora(ev, n):
 @node("MiniMaxH3SigmaShift", ("shift_video", "shift_audio"))
 def _sigma_shift(ev, n):
     model = ev.get(n, "model", Model)
+    if model.sparse is not None:
+        ev.refuse(n, "it comes after BlockSparseAttention, whose window ComfyUI computes from the shift in effect "
+                     "where it runs: connect MiniMaxH3SigmaShift before BlockSparseAttention, as the FastH3 templates "
+                     "do")
     return (replace(model, shift=(ev.get(n, "shift_video", float), ev.get(n, "shift_audio", float))),)
+
+
+SPARSE_LAYOUT = ("selection", "selection.keep_percent", "start_percent", "end_percent", "dense_blocks", "min_tokens",
+                 "extra_tokens", "sink_conditioning", "verbose")
+SINK_CONDITIONING = "exact_kv_and_rows"  # the FastH3 templates' value: VSA keeps every non-video row exact anyway
+_BLOCK_RANGE = re.compile(r"\d+\s*-\s*\d+|\d+")
+
+
+def dense_block_list(text: str) -> tuple[int, ...]:
+    """BlockSparseAttention's dense_blocks as ComfyUI reads it: numbers and ranges, anything else between them
+    ignored ("0, 1, 47-49" -> 0, 1, 47, 48, 49)."""
+    blocks = set()
+    for part in _BLOCK_RANGE.findall(text):
+        a, _, b = part.partition("-")
+        lo, hi = sorted((int(a), int(b or a)))
+        blocks.update(range(lo, hi + 1))
+    return tuple(sorted(blocks))
+
+
+@node("BlockSparseAttention", SPARSE_LAYOUT)
+def _block_sparse(ev, n):
+    """VSA for the FastH3 checkpoints (docs/kernels.md, "Block-sparse attention (VSA)"): method "vsa" only;
+    extra_tokens and verbose have no effect on VSA (ComfyUI ignores extra_tokens for it too)."""
+    model = ev.get(n, "model", Model)
+    method = ev.get(n, "selection", str)
+    if method.value != "vsa":
+        ev.refuse(n, f"method {method.value!r}: this product runs 'vsa' (FastVideo's video sparse attention, what the "
+                     f"FastH3 checkpoints are distilled for), not Sol-Attn or SLA{method.hint('vsa')}")
+        return (model,)
+    if model.sparse is not None:
+        raise ev.stop(n, "the model already has BlockSparseAttention applied: keep one")
+    sink = ev.get(n, "sink_conditioning", str, default=SINK_CONDITIONING)
+    if sink.value != SINK_CONDITIONING:
+        ev.refuse(n, f"sink_conditioning {sink.value!r}: this product's VSA keeps every text, keyframe, reference and "
+                     f"audio row exact as a key and as a query, as the FastH3 templates' {SINK_CONDITIONING!r} asks "
+                     f"(what another value does to ComfyUI's VSA is not documented){sink.hint(SINK_CONDITIONING)}")
+    values = {name: ev.get(n, name, want, default=default) for name, want, default in (
+        ("selection.keep_percent", (int, float), 10.0), ("start_percent", (int, float), 0.2),
+        ("end_percent", (int, float), 1.0), ("dense_blocks", str, ""), ("min_tokens", int, 12288),
+        ("extra_tokens", int, 256), ("verbose", bool, False))}
+    sp = SparseAttention(keep_percent=float(values["selection.keep_percent"].value),
+                         start_percent=float(values["start_percent"].value),
+                         end_percent=float(values["end_percent"].value),
+                         dense_blocks=dense_block_list(values["dense_blocks"].value),
+                         min_tokens=values["min_tokens"].value)
+    try:
+        check_sparse(sp)
+    except InvalidArgument as e:
+        raise ev.stop(n, e.message) from None
+    ev.notes.append(f"{n.label()} runs VSA from {sp.start_percent:.0%} to {sp.end_percent:.0%} of the schedule, "
+                    f"keeping {sp.keep_percent:g} % of the video tiles (dense for sequences under {sp.min_tokens} rows"
+                    + (f" and in blocks {list(sp.dense_blocks)}" if sp.dense_blocks else "") + "): the DiT computes "
+                    "it with its VSA kernel (`python -m client status`); extra_tokens and verbose do nothing for VSA")
+    return (replace(model, sparse=sp),)
 
 
 ATTENTION_BACKENDS = ("comfy kitchen attention",)
@@ -937,7 +999,7 @@ def _render(ev: Interpreter, n: Node, output: str, frames: Frames, sound: Sound 
         conditioning=cond.kind, prompt=cond.prompt, seed=s.seed, width=lat.width, height=lat.height,
         frames=lat.length, steps=steps, sampler=s.sampler, scheduler=sig.scheduler,
         video_shift=g.model.shift[0] if g.model.shift else None,
-        audio_shift=g.model.shift[1] if g.model.shift else None,
+        audio_shift=g.model.shift[1] if g.model.shift else None, sparse=g.model.sparse,
         loras=[(f.name, strength) for f, strength in g.model.loras],
         first_frame=cond.first_frame, last_frame=cond.last_frame, references=list(cond.references),
         files=[g.model.unet, cond.clip.file, frames.vae.file] + ([sound.vae.file] if sound else [])

@@ -18,7 +18,7 @@ from pathlib import Path
 from h3.v1 import render_pb2
 from minimax_h3.comfy import (Graph, MediaRef, Refusal, Val, WorkflowRefused, WorkflowRender, attribute, interpret,
                               read_workflow)
-from minimax_h3.contract import spec_from_proto, validate
+from minimax_h3.contract import sparse_to_proto, spec_from_proto, validate
 from stagekit.errors import InvalidArgument
 
 # How the request's own fields override the graph: (params field, how it counts as set).
@@ -181,6 +181,8 @@ def _fill(req: render_pb2.RenderRequest, render: WorkflowRender, files: dict[str
     for name, _ in _OVERRIDES:
         if name not in overridden:
             setattr(p, name, getattr(spec, name))
+    if spec.sparse is not None and not p.HasField("sparse_attention"):  # the graph's, unless the request sets its own
+        sparse_to_proto(spec.sparse, p.sparse_attention)
     if not req.loras:
         for name, strength in render.loras:
             req.loras.add(name=name.value, strength=float(strength.value))

@@ -30,10 +30,12 @@ BLOCK_LINEARS = ("attn.qkv_proj", "attn.out_proj", "mlp.fc1", "mlp.fc2")
 
 
 def block_linears(cfg: DiTConfig) -> set[str]:
-    """The linears the kernel registry serves: attention and MLP of every block and refiner block."""
+    """The linears the kernel registry serves: attention and MLP of every block and refiner block, and the blocks'
+    VSA gates where the checkpoint has them (FastH3)."""
     prefixes = [f"blocks.{i}" for i in range(cfg.num_layers)]
+    gates = {f"{p}.attn.to_gate_compress" for p in prefixes} if cfg.vsa_gates else set()
     prefixes += [f"token_refiner.blocks.{i}" for i in range(cfg.num_refiner_layers)]
-    return {f"{p}.{n}" for p in prefixes for n in BLOCK_LINEARS}
+    return {f"{p}.{n}" for p in prefixes for n in BLOCK_LINEARS} | gates
 
 
 def kernel_linears(cfg: DiTConfig, kernels: KernelSelection | None, quant_mode: str,

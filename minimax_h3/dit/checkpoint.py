@@ -51,7 +51,7 @@ COMFY_MODEL_PREFIX = "model.diffusion_model."  # DiT tensors inside a ComfyUI al
 DIFFUSERS_SUBDIR = "transformer"  # the DiT's folder inside a diffusers / release pipeline folder
 METADATA_CONFIG = "h3_dit_config"  # safetensors metadata our writers add: the DiTConfig as JSON
 METADATA_QKV = "h3_qkv_layout"  # ... and the q/k/v row order: "stacked" | "interleaved"
-COMFY_FILE_NAME = re.compile(r"minimax_h3[^/]*\.safetensors$")  # how the ComfyUI repacks are named
+COMFY_FILE_NAME = re.compile(r"(minimax_h3|fasth3)[^/]*\.safetensors$")  # how the ComfyUI repacks are named
 # config.json fields only the release's transformer/config.json uses (diffusers renamed them).
 RELEASE_CONFIG_FIELDS = ("ffn_hidden_size", "latents_dim", "token_refiner_num_layers", "timestep_input_dim")
 
@@ -65,8 +65,11 @@ QKV_FLAG = "--qkv-layout"
 Partition = Literal["fl2va", "ref2va"]  # minimax_h3.contract.PARTITIONS
 METADATA_PARTITION = "h3_partition"  # safetensors metadata our writers add: the partition
 PARTITION_FLAG = "--partition"
-# File names that state a partition: the ComfyUI repacks (minimax_h3_ref2va_*.safetensors, minimax_h3_fl2va_*).
-_PARTITION_FILE_NAMES = ((re.compile(r"ref2va|r2va"), "ref2va"), (re.compile(r"fl2va|t2va"), "fl2va"))
+# File names that state a partition: the ComfyUI repacks (minimax_h3_ref2va_*.safetensors, minimax_h3_fl2va_*), and
+# FastVideo's FastH3 students ComfyUI's templates load as such (fastvideo_fasth3_* for text and first frame,
+# fasth3_omniref_* for references).
+_PARTITION_FILE_NAMES = ((re.compile(r"ref2va|r2va|omniref"), "ref2va"),
+                         (re.compile(r"fl2va|t2va|fastvideo_fasth3"), "fl2va"))
 # The release's two checkpoint folders, whose shards' names say nothing: the folder that is the checkpoint, by its
 # exact name (transformer_ref/ holds ref2va, transformer/ the fl2va / t2va weights). No other folder name, and no
 # folder around a checkpoint, is evidence.
@@ -86,6 +89,8 @@ class Variant:
     layout: Layout  # key naming / qkv order of the source
     linears: Literal["bf16", "fp16", "fp32", "int8"]  # block attention/MLP linears (dense: their storage dtype)
     adaln: Literal["dense", "int8", "curve"]  # block AdaLN projections
+    gates: Literal["", "int8", "dense"] = ""  # FastH3's VSA gates (attn.to_gate_compress) in every block: none, int8
+                                              # ConvRot, or dense (bf16 / fp16 / fp32)
 
     @property
     def name(self) -> str:
@@ -94,6 +99,7 @@ class Variant:
         else:
             base = {"dense": self.linears, "curve": f"{self.linears}_pruned"}.get(self.adaln,
                                                                                   f"{self.linears}_adaln-int8")
+        base += {"": "", "int8": "_vsa", "dense": "_vsa-dense"}[self.gates]
         return base if self.layout == "comfy" else f"{self.layout}_{base}"
 
 
@@ -167,6 +173,10 @@ def expected_specs(cfg: DiTConfig, variant: Variant) -> dict[str, DiTSpec]:
     for i in range(cfg.num_layers):
         p = f"blocks.{i}"
         _attn_mlp_specs(s, p, cfg, int8=variant.linears == "int8")
+        if variant.gates == "int8":
+            _int8_linear(s, f"{p}.attn.to_gate_compress", cfg.attn_inner, cfg.hidden)
+        elif variant.gates == "dense":
+            _linear(s, f"{p}.attn.to_gate_compress", cfg.attn_inner, cfg.hidden, "BF16", bias=False)
         if variant.adaln == "int8":
             _int8_linear(s, f"{p}.adaln_proj.linear", cfg.adaln_out, adaln_in)
             _dense(s, f"{p}.adaln_proj.linear.bias", (cfg.adaln_out,), "BF16")
@@ -409,7 +419,14 @@ def _detect_variant(path: Path, shapes: dict[str, HeaderEntry], layout: Layout) 
         adaln_kind = "curve"
     else:
         adaln_kind = "int8" if adaln.dtype == "I8" else "dense"
-    return Variant(layout, linears, adaln_kind)
+    # FastH3: a VSA gate in the first block means one in every block (ComfyUI's detection; `validate` names a block
+    # without it), stored as that first one is.
+    gate = shapes.get(b + "attn.to_gate_compress.weight")
+    gates = "" if gate is None else "int8" if gate.dtype == "I8" else "dense" if gate.dtype in _DENSE_NAME else None
+    if gates is None:
+        raise CheckpointError(gate.file, f"stored as {gate.dtype}; a VSA gate is int8 ConvRot (with comfy_quant) or "
+                                         "bf16 / fp16 / fp32", b + "attn.to_gate_compress.weight")
+    return Variant(layout, linears, adaln_kind, gates)
 
 
 def _dim(shapes: dict[str, HeaderEntry], key: str, axis: int, default: int) -> int:
@@ -463,6 +480,7 @@ def infer_config(path: Path, shapes: dict[str, HeaderEntry], variant: Variant, b
         rope_theta=float(g("rope_theta", fallback.rope_theta)),
         eps=float(g("norm_eps", fallback.eps)),
         adaln_form="curve" if curve else "mlp",
+        vsa_gates=bool(variant.gates),
     )
     if curve:
         dims["adaln_curve_grid"] = _dim(shapes, "adaln_t_table", 0, fallback.adaln_curve_grid)
@@ -522,6 +540,11 @@ def validate(info: CheckpointInfo, cfg: DiTConfig, reader: TensorReader | None =
         raise CheckpointError(
             info.path, f"a {info.variant.name} checkpoint (AdaLN {info.variant.adaln}) but the config has "
                        f"adaln_form={cfg.adaln_form!r}; use cfg.replace(adaln_form={file_form!r})")
+    if bool(info.variant.gates) != cfg.vsa_gates:
+        raise CheckpointError(
+            info.path, f"the blocks {'have' if info.variant.gates else 'have no'} VSA gates (attn.to_gate_compress) "
+                       f"but the config says vsa_gates={cfg.vsa_gates}; use cfg.replace(vsa_gates="
+                       f"{bool(info.variant.gates)})")
     want = expected_specs(cfg, info.variant)
     key_report(info.shapes, want, optional=OPTIONAL_KEYS).raise_if_bad(
         info.path, f"a {info.variant.name} MiniMax-H3 DiT with {cfg.num_layers} blocks, {cfg.num_refiner_layers} "

@@ -47,6 +47,9 @@ class DiTConfig:
     adaln_form: Literal["mlp", "curve"] = "mlp"
     adaln_curve_grid: int = 1025
     adaln_curve_rank: int = 8
+    # FastH3 (VSA-distilled) checkpoints: every block's attention has `to_gate_compress` [attn_inner, hidden], the
+    # gate of VSA's coarse branch (docs/model.md §2.11).
+    vsa_gates: bool = False
 
     def __post_init__(self) -> None:
         self.validate()

@@ -22,6 +22,7 @@ from stagekit.errors import InvalidArgument
 from stagekit.wire import check_finite
 
 from .layout import PackedLayout, patchify_video
+from .sparse import VsaRun
 from .step_cache import FirstBlockCache
 
 # Conditioning-noise level of keyframe latents: diffusers' `keyframe_noise_aug`, ComfyUI's 0.999 mix.
@@ -67,26 +68,32 @@ def condition_rows(latents: Sequence[torch.Tensor], noises: Sequence[torch.Tenso
 
 def conditioned_denoise(model: Callable, text: torch.Tensor, layout: PackedLayout, cond: torch.Tensor | None,
                         ref_audio: torch.Tensor | None = None,
-                        step_cache: FirstBlockCache | None = None) -> Callable:
+                        step_cache: FirstBlockCache | None = None, sparse: VsaRun | None = None) -> Callable:
     """The sampler's denoise closure: the model sees [cond rows | target rows] on the video side and [reference
     rows | target rows] on the audio side (ref2va); the sampler gets the target rows back. The conditioning rows are
     the same tensors at every step (never updated). `step_cache`: the run's First Block Cache (`quality = "fast"`,
-    minimax_h3/dit/step_cache.py), handed to every evaluation; None: every block runs at every step."""
+    minimax_h3/dit/step_cache.py), handed to every evaluation; None: every block runs at every step. `sparse`: the
+    run's VSA (minimax_h3/dit/sparse.py), evaluation i (the sampler's step i) in its window or not; None: dense."""
     n_cond, n_ref = layout.num_cond_rows, layout.num_ref_audio_rows
     for name, rows, want in (("conditioning", cond, n_cond), ("reference audio", ref_audio, n_ref)):
         if (0 if rows is None else rows.shape[0]) != want:
             raise InvalidArgument(f"layout reserves {want} {name} rows but {0 if rows is None else rows.shape[0]} "
                                   "were given")
 
+    calls = [0]  # the sampler calls denoise once per step, in order
+
     def denoise(xv, xa, tv, ta):
         if n_cond:
             xv = torch.cat([cond.to(xv.dtype), xv])
         if n_ref:
             xa = torch.cat([ref_audio.to(xa.dtype), xa])
-        if step_cache is None:
-            v, a = model(xv, xa, text, tv, ta, layout)
-        else:
-            v, a = model(xv, xa, text, tv, ta, layout, step_cache=step_cache)
+        extra = {}
+        if step_cache is not None:
+            extra["step_cache"] = step_cache
+        if sparse is not None and (step := sparse.at(calls[0])) is not None:
+            extra["sparse"] = step
+        calls[0] += 1
+        v, a = model(xv, xa, text, tv, ta, layout, **extra)
         return v[n_cond:], a[n_ref:]
 
     return denoise

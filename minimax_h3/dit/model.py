@@ -36,6 +36,7 @@ from .layout import COND_VIDEO_T, REF_AUDIO_T, PackedLayout
 from . import sp
 from .ops import rms_norm
 from .sp import SeqShards, validate_parallel
+from .sparse import VsaStep
 from .step_cache import FirstBlockCache
 from .tp import (ColumnParallel, ColumnParallelLinear, Linear, RowParallel, RowParallelLinear, TPStyle, group_rank_size,
                  tp_style)
@@ -114,6 +115,9 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(cfg.head_dim, cfg.eps)
         self.k_norm = RMSNorm(cfg.head_dim, cfg.eps)
         self.out_proj = ctx.linear(f"{name}.out_proj", cfg.attn_inner, cfg.hidden, False)
+        # FastH3 (VSA-distilled) blocks: the gate of VSA's coarse branch, one value per row and channel of each head.
+        self.to_gate_compress = (ctx.linear(f"{name}.to_gate_compress", cfg.hidden, cfg.attn_inner, False)
+                                 if cfg.vsa_gates and name.startswith("blocks.") else None)
 
     def empty_qkv(self, s: int, device: torch.device, sequence_parallel: bool = False,
                   whole: bool = False) -> AttentionInput:
@@ -123,16 +127,27 @@ class Attention(nn.Module):
                                self.q_norm, self.k_norm, sequence_parallel, whole)
 
     def project_qkv(self, qkv: AttentionInput, start: int, end: int, h: torch.Tensor,
-                    rope: tuple[torch.Tensor, torch.Tensor] | None, modulation: Modulation | None = None) -> None:
+                    rope: tuple[torch.Tensor, torch.Tensor] | None, modulation: Modulation | None = None,
+                    gate: torch.Tensor | None = None) -> None:
         """Rows [start, end) of `qkv` from h [rows, hidden] (compute dtype; with `modulation`, the fp32 residual
-        rows it modulates first); rope (cos, sin) [rows, rope_dim] fp32 or None."""
+        rows it modulates first); rope (cos, sin) [rows, rope_dim] fp32 or None. `gate` [S, local inner]: rows
+        [start, end) of the VSA gate from the same input (to_gate_compress)."""
         y = linear_method(self.qkv_proj).apply(self.qkv_proj, h, modulation, self.compute_dtype)
         y = y.reshape(end - start, 3, self.local_heads, self.head_dim)
         qkv.write(start, end, y, self.q_norm, self.k_norm, rope)
+        if gate is not None:
+            g = self.to_gate_compress
+            gate[start:end] = linear_method(g).apply(g, h, modulation, self.compute_dtype)
 
-    def attend(self, qkv: AttentionInput, shards: SeqShards | None = None) -> AttentionOutput:
+    def attend(self, qkv: AttentionInput, shards: SeqShards | None = None, sparse: Callable | None = None,
+               gate: torch.Tensor | None = None) -> AttentionOutput:
         """Attention over all rows of `qkv`. Sequence parallel (Ulysses, minimax_h3/dit/sp.py): an all-to-all trades
-        this rank's rows of every local head for every row of 1/sp of them; another brings the output rows back."""
+        this rank's rows of every local head for every row of 1/sp of them; another brings the output rows back.
+        `sparse`: VSA (minimax_h3/kernels/vsa.py VsaAttention) in place of the dense kernel, with the rows' `gate`."""
+        if sparse is not None:
+            if shards is not None:
+                raise ValueError("VSA attention runs on all rows of a rank (no sequence parallelism)")
+            return AttentionOutput(sparse(qkv.qkv[0], qkv.qkv[1], qkv.qkv[2], gate))
         if shards is None:
             return qkv.attend(self.attention_fn, self.out_proj, self.compute_dtype)
         hs, d = self.local_heads // shards.n, self.head_dim
@@ -247,6 +262,7 @@ class Block(nn.Module):
         super().__init__()
         self.compute_dtype = ctx.compute_dtype
         self.chunk_rows = ctx.chunk_rows
+        self.index = int(name.rsplit(".", 1)[1])  # blocks.{i}
         self.norm1 = RMSNorm(ctx.cfg.hidden, ctx.cfg.eps)
         self.attn = Attention(ctx, f"{name}.attn")
         self.norm2 = RMSNorm(ctx.cfg.hidden, ctx.cfg.eps)
@@ -254,10 +270,12 @@ class Block(nn.Module):
         self.adaln_proj = AdaLNProj(ctx, f"{name}.adaln_proj", ctx.cfg.adaln_out)
 
     def forward(self, x: torch.Tensor, ada_in: torch.Tensor, rows: torch.Tensor,
-                rope: tuple[torch.Tensor, torch.Tensor], shards: SeqShards | None = None) -> torch.Tensor:
+                rope: tuple[torch.Tensor, torch.Tensor], shards: SeqShards | None = None,
+                sparse: Callable | None = None) -> torch.Tensor:
         """x [S, hidden] fp32 residual (updated in place and returned); ada_in [M, adaln_in] fp32;
         rows [S] = timestep_index * 3 + tag (AdaLN table row); rope (cos, sin) [S, rope_dim] fp32.
-        Sequence parallel: S is this rank's share `shards.local` of the sequence (minimax_h3/dit/sp.py)."""
+        Sequence parallel: S is this rank's share `shards.local` of the sequence (minimax_h3/dit/sp.py).
+        `sparse`: this block's VSA attention (minimax_h3/dit/sparse.py), None for dense."""
         m, s_all = ada_in.shape[0], x.shape[0]
         chunks = [(s, min(s + self.chunk_rows, s_all)) for s in range(0, s_all, self.chunk_rows)]
         cos, sin = rope
@@ -265,13 +283,17 @@ class Block(nn.Module):
         mod = self.adaln_proj(ada_in).view(m * NUM_MODALITIES, -1)
         shift1, scale1, gate1, shift2, scale2, gate2 = mod.chunk(6, dim=-1)
         # 2. q, k, v of every row (norm1, modulation, qkv projection, q/k norm, RoPE), a row chunk at a time.
-        qkv = self.attn.empty_qkv(s_all, x.device, sequence_parallel=shards is not None, whole=len(chunks) == 1)
+        #    VSA takes compute-dtype q, k, v (as sequence parallelism does), and the rows' gate where blocks have one.
+        qkv = self.attn.empty_qkv(s_all, x.device, sequence_parallel=shards is not None or sparse is not None,
+                                  whole=len(chunks) == 1)
+        gate = (x.new_empty(s_all, self.attn.local_heads * self.attn.head_dim, dtype=self.compute_dtype)
+                if sparse is not None and self.attn.to_gate_compress is not None else None)
         for s, e in chunks:
             self.attn.project_qkv(qkv, s, e, x[s:e], (cos[s:e], sin[s:e]),
-                                  Modulation(self.norm1, shift1, scale1, rows[s:e]))
+                                  Modulation(self.norm1, shift1, scale1, rows[s:e]), gate)
         # 3. Attention over all rows.
-        o = self.attn.attend(qkv, shards)
-        del qkv
+        o = self.attn.attend(qkv, shards, sparse, gate)
+        del qkv, gate
         # 4. Output projection and gated residual add, a row chunk at a time.
         self._reduce_add(x, gate1, rows, chunks, lambda s, e: self.attn.project_out(o, s, e))
         del o
@@ -383,6 +405,7 @@ class H3DiT(nn.Module):
     _tp_plan: dict[str, TPStyle] = {
         "attn.qkv_proj": ColumnParallel(sections=3),  # rows [q; k; v], each cut by heads
         "attn.out_proj": RowParallel(),  # input columns of those heads; fp32 all-reduce after it
+        "attn.to_gate_compress": ColumnParallel(),  # FastH3's VSA gate: rows cut by heads, as q
         "mlp.fc1": ColumnParallel(sections=2),  # rows [gate; value], each cut alike
         "mlp.fc2": RowParallel(),  # fp32 all-reduce after it
         "adaln_proj.linear": ColumnParallel(),  # blocks and final layer; outputs all-gathered
@@ -508,13 +531,15 @@ class H3DiT(nn.Module):
 
     def forward(self, video_rows: torch.Tensor, audio_rows: torch.Tensor, text_states: torch.Tensor,
                 t_video: torch.Tensor | float, t_audio: torch.Tensor | float,
-                layout: PackedLayout, step_cache: FirstBlockCache | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                layout: PackedLayout, step_cache: FirstBlockCache | None = None,
+                sparse: VsaStep | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """One denoising evaluation.
 
         video_rows [Nv, 96] (conditioning rows first, then target rows), audio_rows [Na, 32] (channel-major),
         text_states [L, text_dim], t_video / t_audio scalars (t = 1 - sigma, 1 = clean). `step_cache`: the sampling
         run's First Block Cache (`quality = "fast"`, minimax_h3/dit/step_cache.py), which may skip blocks 1.. of this
-        evaluation; None runs every block.
+        evaluation; None runs every block. `sparse`: VSA block-sparse attention in the blocks of this evaluation
+        (minimax_h3/dit/sparse.py); None: dense.
         Returns data-ward velocities (x0 - noise) (video [Nv, 96], audio [Na, 32]) in fp32, conditioning rows included.
         """
         cfg = self.cfg
@@ -547,11 +572,15 @@ class H3DiT(nn.Module):
             part = shards.rows()
             x, rows, rope = x[part].clone(), rows[part], (rope[0][part], rope[1][part])
         blocks = self.blocks if self.block_stream is None else self.block_stream.iterate(self.blocks)
+
+        def run(blk, x):
+            return blk(x, ada_in, rows, rope, shards, None if sparse is None else sparse.for_block(blk.index))
+
         if step_cache is None:
             for blk in blocks:
-                x = blk(x, ada_in, rows, rope, shards)
+                x = run(blk, x)
         else:
-            x = step_cache.run(blocks, x, lambda blk, x: blk(x, ada_in, rows, rope, shards))
+            x = step_cache.run(blocks, x, run)
         if shards is not None:
             # Every rank's rows in rank (= row) order, padded to one size for the all-gather: all ranks then run
             # the output heads on the same bits.
@@ -564,7 +593,7 @@ class H3DiT(nn.Module):
 
 
 _LINEAR_LEAF_NAMES = ("qkv_proj", "out_proj", "fc1", "fc2", "linear", "video_out", "audio_out", "proj_in",
-                      "proj_out", "video_patch_proj", "audio_patch_proj", "condition_proj")
+                      "proj_out", "video_patch_proj", "audio_patch_proj", "condition_proj", "to_gate_compress")
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -1,7 +1,8 @@
 """Deterministic synthetic DiT checkpoints as real safetensors files (ComfyUI layout, our key names).
 
 * `write_tiny_checkpoint(cfg, path, variant)`: bf16 / int8_convrot / int8_convrot_pruned single files, with the
-  config and q/k/v order stated in the safetensors metadata (or without, like a ComfyUI repack).
+  config and q/k/v order stated in the safetensors metadata (or without, like a ComfyUI repack); a config with
+  `vsa_gates` adds FastH3's VSA gate to every block, stored as the block linears are.
 * `write_tiny_diffusers_dir`, `write_tiny_release_dir`: the same weights in the diffusers directory layout and in
   the raw release shard layout (per-head interleaved qkv), for loader tests.
 * `iter_random_int8_convrot_weights(cfg)`: full-size random weights in the int8-convrot layout (or its pruned
@@ -46,7 +47,7 @@ VARIANTS: dict[str, Variant] = {"bf16": BF16, "int8_convrot": INT8_CONVROT, "int
 LINEAR_GROUPSIZE_CAP = 256  # the release uses 256 for block linears ...
 ADALN_GROUPSIZE_CAP = 64  # ... and 64 for the unpruned AdaLN (2688 = 42 * 64)
 INT8_UNIFORM_STD = 73.3  # std of integers uniform on [-127, 127]
-BLOCK_LINEARS = ("attn.qkv_proj", "attn.out_proj", "mlp.fc1", "mlp.fc2")
+BLOCK_LINEARS = ("attn.qkv_proj", "attn.out_proj", "mlp.fc1", "mlp.fc2", "attn.to_gate_compress")
 _ST_DTYPE = TORCH_DTYPE  # safetensors dtype name -> torch dtype (stagekit's table)
 _ST_NAME = {v: k for k, v in _ST_DTYPE.items()}
 
@@ -99,9 +100,15 @@ def random_tensor(key: str, shape: tuple[int, ...], cfg: DiTConfig, seed: int, d
 # ================================================================================================================
 
 
+def gated(variant: Variant, cfg: DiTConfig) -> Variant:
+    """`variant` with FastH3's VSA gates stored as its block linears, when the config has them."""
+    return dataclasses.replace(variant, gates="int8" if variant.linears == "int8" else "dense") if cfg.vsa_gates \
+        else variant
+
+
 def dense_state_dict(cfg: DiTConfig, seed: int = 0) -> dict[str, torch.Tensor]:
     """The bf16-release-layout weights (fp32 islands fp32, the rest bf16)."""
-    specs = expected_specs(cfg, BF16)
+    specs = expected_specs(cfg, gated(BF16, cfg))
     return {k: random_tensor(k, s.shape, cfg, seed).to(_ST_DTYPE[s.store]) for k, s in specs.items()}
 
 
@@ -116,7 +123,7 @@ def int8_state_dict(dense: dict[str, torch.Tensor], cfg: DiTConfig) -> dict[str,
     """Unpruned Comfy int8_convrot: block linears ConvRot (linear group), block AdaLN ConvRot (AdaLN group)."""
     g_lin, g_ada = linear_groupsize(cfg), adaln_groupsize(cfg)
     out: dict[str, torch.Tensor] = {}
-    for key in expected_specs(cfg, INT8_CONVROT):  # file order of the int8 layout
+    for key in expected_specs(cfg, gated(INT8_CONVROT, cfg)):  # file order of the int8 layout
         if key.endswith((".weight_scale", ".comfy_quant")):
             continue
         prefix = key[: -len(".weight")]
@@ -157,7 +164,7 @@ def pruned_state_dict(int8_sd: dict, dense: dict[str, torch.Tensor], cfg: DiTCon
     r = cfg.adaln_curve_rank
     table, basis = (u[:, :r] * s[:r]).float(), vh[:r].T  # basis [time_embed_dim, r]
     out: dict[str, torch.Tensor] = {}
-    for key, spec in expected_specs(curve_cfg, INT8_CONVROT_PRUNED).items():
+    for key, spec in expected_specs(curve_cfg, gated(INT8_CONVROT_PRUNED, cfg)).items():
         if key == "adaln_t_table":
             out[key] = table
         elif ".adaln_proj.linear." in key:
@@ -298,7 +305,7 @@ def _int8_plan(cfg: DiTConfig, pruned: bool = False) -> list[tuple[str, tuple[in
     g_lin, g_ada = linear_groupsize(cfg), adaln_groupsize(cfg)
     layout = cfg.replace(adaln_form="curve") if pruned else cfg.replace(adaln_form="mlp")
     plan = []
-    for key, spec in expected_specs(layout, INT8_CONVROT_PRUNED if pruned else INT8_CONVROT).items():
+    for key, spec in expected_specs(layout, gated(INT8_CONVROT_PRUNED if pruned else INT8_CONVROT, cfg)).items():
         shape = spec.shape
         if key.endswith(".comfy_quant"):
             shape = (encode_comfy_quant(g_ada if ".adaln_proj." in key else g_lin).numel(),)

@@ -15,6 +15,8 @@ Candidates (name -> what runs):
              fa3                 FlashAttention-3 bf16 via fa3-fwd (optional package, Hopper)
              fa3_fp8             FlashAttention-3 fp8 via fa3-fwd, on the fp8 candidate's quantised q, k, v
                                  (minimax_h3/kernels/fa3_attention.py)
+  vsa        fastvideo           VSA block-sparse attention by fastvideo-kernel (optional package, CUDA, bf16), for
+                                 jobs that ask for VSA (minimax_h3/kernels/vsa.py); else the exact PyTorch reference
 
 Which candidates are *considered* depends on the device's architecture (ARCH table below: e.g. no fp8 before
 sm_89, no bf16 GEMMs on Turing, only the dense / math fallbacks on CPU). `select_kernels` then runs every considered
@@ -22,6 +24,9 @@ candidate once on representative shapes, rejects any whose relative error agains
 bound (or that raises / returns non-finite values), and picks the fastest survivor per op. A config override
 (`linear_kernel="fp8"`, `attention_kernel="cudnn"`, ...) skips the race but still checks availability and parity,
 so a forced kernel that is broken on this machine fails at start-up, not mid-request.
+
+The VSA kernel is not raced: `select_vsa_kernel` takes fastvideo-kernel where it is importable and matches the
+exact reference on a small problem, else the reference, with the reason (a row of its own in Status).
 
 The result (`KernelSelection`) carries (op, kernel, reason) rows for the Status RPC, a factory for linear modules
 and the attention callable to hand to the model (`H3DiT(attention_fn=...)` / `H3DiT.set_attention_fn`). How each
@@ -68,6 +73,7 @@ log = logging.getLogger(__name__)
 AUTO = "auto"
 LINEAR_OP = "linear"
 ATTENTION_OP = "attention"
+VSA_OP = "vsa"
 
 FP8_MIN_CAPABILITY = (8, 9)  # Ada / Hopper / Blackwell have fp8 tensor cores
 FP8_ALIGN = 16  # torch._scaled_mm needs K and N multiples of 16
@@ -93,6 +99,7 @@ REL_ERR_BOUND = {
     # a broken kernel lands near 1. Whether that error is acceptable for the model is the velocity error that
     # benchmarks/bench_attention.py reports, not this bound.
     "fp8_attention": 0.15,
+    "vsa": 1.5e-2,  # bf16 block-sparse attention against the reference on the same tiles and routing
 }
 
 
@@ -510,6 +517,7 @@ class KernelSelection:
     _linear_cands: dict[str, LinearCandidate] = field(default_factory=dict, repr=False)
     _attention_cands: dict[str, AttentionCandidate] = field(default_factory=dict, repr=False)
     compute_dtype: torch.dtype = torch.bfloat16
+    vsa: KernelChoice | None = None  # `select_vsa_kernel`'s choice (set after the probe, never remembered)
 
     def __getstate__(self) -> dict:
         """Pickled without the candidates (closures): a device worker gets the stage's start-up choice and rebuilds
@@ -523,7 +531,11 @@ class KernelSelection:
 
     def status_rows(self) -> list[tuple[str, str, str]]:
         """(op, kernel, reason) for the Status RPC."""
-        return [c.as_tuple() for c in self.choices]
+        return [c.as_tuple() for c in self.choices + ([self.vsa] if self.vsa else [])]
+
+    @property
+    def vsa_kernel(self) -> str:
+        return self.vsa.kernel if self.vsa else "reference"
 
     def make_linear(self, weight: WeightSource, bias: torch.Tensor | None = None) -> nn.Module:
         return self._linear_cands[self.linear].build(weight, bias, self.compute_dtype)
@@ -721,6 +733,37 @@ def select_kernels(device: torch.device | str, config: KernelConfig | None = Non
         torch.cuda.empty_cache()
     return KernelSelection(device, arch, l_name, a_name, choices, {LINEAR_OP: l_res, ATTENTION_OP: a_res},
                            lin, att, cfg.compute_dtype)
+
+
+def select_vsa_kernel(device: torch.device | str, compute_dtype: torch.dtype = torch.bfloat16,
+                      seed: int = 0) -> KernelChoice:
+    """The VSA kernel of `device` (minimax_h3/kernels/vsa.py): fastvideo-kernel's where it is importable, takes the
+    compute dtype and matches the exact reference (REL_ERR_BOUND["vsa"]) on a small problem with FastH3's routing;
+    else the reference, which runs on every device, with why fastvideo-kernel is not used."""
+    from . import vsa
+
+    device = torch.device(device)
+    why = vsa.fastvideo_unavailable(device)
+    if why is None and compute_dtype != torch.bfloat16:
+        why = f"{vsa.PACKAGE}'s kernels take bf16; the compute dtype is {str(compute_dtype).replace('torch.', '')}"
+    if why is None:
+        try:
+            gen = torch.Generator(device=device).manual_seed(seed)
+            segments, grid = (300, 384, 414), (8, 16, 16)  # text, one keyframe, audio; 2 x 4 x 4 video cubes
+            rows = sum(segments) + math.prod(grid)
+            q, k, v, gate = (torch.randn(4, rows, 128, generator=gen, device=device).to(compute_dtype)
+                             for _ in range(4))
+            tiles = vsa.vsa_tiles(segments, grid, device)
+            with torch.inference_mode():
+                ref = vsa.vsa_attention(q, k, v, tiles, 0.1, gate, "reference")
+                got = vsa.vsa_attention(q, k, v, tiles, 0.1, gate, "fastvideo")
+            err, why = _check("fastvideo", REL_ERR_BOUND["vsa"], [(got, ref)])
+        except Exception as e:
+            why = f"error: {type(e).__name__}: {str(e)[:PROBE_ERROR_CHARS]}"
+    if why:
+        return KernelChoice(VSA_OP, "reference", f"exact PyTorch block-sparse attention; {vsa.PACKAGE} not used: {why}")
+    return KernelChoice(VSA_OP, "fastvideo", f"{vsa.PACKAGE} {_package_version(vsa.PACKAGE)} block-sparse kernel "
+                                             f"(err {err:.1e} against the exact reference)")
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class RenderParams(_message.Message):
-    __slots__ = ("prompt", "width", "height", "frames", "steps", "seed", "sampler", "scheduler", "video_shift", "audio_shift", "quality", "window_frames", "window_overlap", "window_mode", "window_fuse", "more_prompts", "prompt_starts", "prefix_frames")
+    __slots__ = ("prompt", "width", "height", "frames", "steps", "seed", "sampler", "scheduler", "video_shift", "audio_shift", "quality", "window_frames", "window_overlap", "window_mode", "window_fuse", "more_prompts", "prompt_starts", "prefix_frames", "sparse_attention")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     WIDTH_FIELD_NUMBER: _ClassVar[int]
     HEIGHT_FIELD_NUMBER: _ClassVar[int]
@@ -26,6 +26,7 @@ class RenderParams(_message.Message):
     MORE_PROMPTS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_STARTS_FIELD_NUMBER: _ClassVar[int]
     PREFIX_FRAMES_FIELD_NUMBER: _ClassVar[int]
+    SPARSE_ATTENTION_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     width: int
     height: int
@@ -44,7 +45,24 @@ class RenderParams(_message.Message):
     more_prompts: _containers.RepeatedScalarFieldContainer[str]
     prompt_starts: _containers.RepeatedScalarFieldContainer[float]
     prefix_frames: int
-    def __init__(self, prompt: _Optional[str] = ..., width: _Optional[int] = ..., height: _Optional[int] = ..., frames: _Optional[int] = ..., steps: _Optional[int] = ..., seed: _Optional[int] = ..., sampler: _Optional[str] = ..., scheduler: _Optional[str] = ..., video_shift: _Optional[float] = ..., audio_shift: _Optional[float] = ..., quality: _Optional[str] = ..., window_frames: _Optional[int] = ..., window_overlap: _Optional[int] = ..., window_mode: _Optional[str] = ..., window_fuse: _Optional[str] = ..., more_prompts: _Optional[_Iterable[str]] = ..., prompt_starts: _Optional[_Iterable[float]] = ..., prefix_frames: _Optional[int] = ...) -> None: ...
+    sparse_attention: SparseAttention
+    def __init__(self, prompt: _Optional[str] = ..., width: _Optional[int] = ..., height: _Optional[int] = ..., frames: _Optional[int] = ..., steps: _Optional[int] = ..., seed: _Optional[int] = ..., sampler: _Optional[str] = ..., scheduler: _Optional[str] = ..., video_shift: _Optional[float] = ..., audio_shift: _Optional[float] = ..., quality: _Optional[str] = ..., window_frames: _Optional[int] = ..., window_overlap: _Optional[int] = ..., window_mode: _Optional[str] = ..., window_fuse: _Optional[str] = ..., more_prompts: _Optional[_Iterable[str]] = ..., prompt_starts: _Optional[_Iterable[float]] = ..., prefix_frames: _Optional[int] = ..., sparse_attention: _Optional[_Union[SparseAttention, _Mapping]] = ...) -> None: ...
+
+class SparseAttention(_message.Message):
+    __slots__ = ("method", "keep_percent", "start_percent", "end_percent", "dense_blocks", "min_tokens")
+    METHOD_FIELD_NUMBER: _ClassVar[int]
+    KEEP_PERCENT_FIELD_NUMBER: _ClassVar[int]
+    START_PERCENT_FIELD_NUMBER: _ClassVar[int]
+    END_PERCENT_FIELD_NUMBER: _ClassVar[int]
+    DENSE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    MIN_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    method: str
+    keep_percent: float
+    start_percent: float
+    end_percent: float
+    dense_blocks: _containers.RepeatedScalarFieldContainer[int]
+    min_tokens: int
+    def __init__(self, method: _Optional[str] = ..., keep_percent: _Optional[float] = ..., start_percent: _Optional[float] = ..., end_percent: _Optional[float] = ..., dense_blocks: _Optional[_Iterable[int]] = ..., min_tokens: _Optional[int] = ...) -> None: ...
 
 class Progress(_message.Message):
     __slots__ = ("stage", "phase", "step", "total", "elapsed_s", "eta_s", "step_ms", "message")

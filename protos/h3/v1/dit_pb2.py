@@ -26,7 +26,7 @@ from h3.v1 import common_pb2 as h3_dot_v1_dot_common__pb2
 from h3.v1 import tensor_pb2 as h3_dot_v1_dot_tensor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0fh3/v1/dit.proto\x12\x05h3.v1\x1a\x12h3/v1/common.proto\x1a\x12h3/v1/tensor.proto\"d\n\rSampleRequest\x12#\n\x06params\x18\x01 \x01(\x0b\x32\x13.h3.v1.RenderParams\x12\x0e\n\x06job_id\x18\x02 \x01(\t\x12\x1e\n\x05loras\x18\x03 \x03(\x0b\x32\x0f.h3.v1.LoraSpec\"<\n\x08LoraSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x15\n\x08strength\x18\x02 \x01(\x01H\x00\x88\x01\x01\x42\x0b\n\t_strength\"e\n\x0bSampleInput\x12\'\n\x07request\x18\x01 \x01(\x0b\x32\x14.h3.v1.SampleRequestH\x00\x12$\n\x06tensor\x18\x02 \x01(\x0b\x32\x12.h3.v1.TensorChunkH\x00\x42\x07\n\x05input\"{\n\nSampleDone\x12\x1d\n\x06timing\x18\x01 \x01(\x0b\x32\r.h3.v1.Timing\x12\x13\n\x0bms_per_step\x18\x02 \x01(\x01\x12\x12\n\nworld_size\x18\x03 \x01(\r\x12\x14\n\x0c\x63\x61\x63hed_steps\x18\x04 \x01(\r\x12\x0f\n\x07windows\x18( \x01(\t\"\x84\x01\n\x0bSampleEvent\x12#\n\x08progress\x18\x01 \x01(\x0b\x32\x0f.h3.v1.ProgressH\x00\x12$\n\x06tensor\x18\x02 \x01(\x0b\x32\x12.h3.v1.TensorChunkH\x00\x12!\n\x04\x64one\x18\x03 \x01(\x0b\x32\x11.h3.v1.SampleDoneH\x00\x42\x07\n\x05\x65vent2\x97\x02\n\nDiTSampler\x12\x34\n\x06Sample\x12\x12.h3.v1.SampleInput\x1a\x12.h3.v1.SampleEvent(\x01\x30\x01\x12\x31\n\x04Load\x12\x12.h3.v1.LoadRequest\x1a\x15.h3.v1.LifecycleReply\x12\x35\n\x06Unload\x12\x14.h3.v1.UnloadRequest\x1a\x15.h3.v1.LifecycleReply\x12\x35\n\x06Warmup\x12\x14.h3.v1.WarmupRequest\x1a\x15.h3.v1.LifecycleReply\x12\x32\n\x06Status\x12\x14.h3.v1.StatusRequest\x1a\x12.h3.v1.StageStatusb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0fh3/v1/dit.proto\x12\x05h3.v1\x1a\x12h3/v1/common.proto\x1a\x12h3/v1/tensor.proto\"d\n\rSampleRequest\x12#\n\x06params\x18\x01 \x01(\x0b\x32\x13.h3.v1.RenderParams\x12\x0e\n\x06job_id\x18\x02 \x01(\t\x12\x1e\n\x05loras\x18\x03 \x03(\x0b\x32\x0f.h3.v1.LoraSpec\"<\n\x08LoraSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x15\n\x08strength\x18\x02 \x01(\x01H\x00\x88\x01\x01\x42\x0b\n\t_strength\"e\n\x0bSampleInput\x12\'\n\x07request\x18\x01 \x01(\x0b\x32\x14.h3.v1.SampleRequestH\x00\x12$\n\x06tensor\x18\x02 \x01(\x0b\x32\x12.h3.v1.TensorChunkH\x00\x42\x07\n\x05input\"\x91\x01\n\nSampleDone\x12\x1d\n\x06timing\x18\x01 \x01(\x0b\x32\r.h3.v1.Timing\x12\x13\n\x0bms_per_step\x18\x02 \x01(\x01\x12\x12\n\nworld_size\x18\x03 \x01(\r\x12\x14\n\x0c\x63\x61\x63hed_steps\x18\x04 \x01(\r\x12\x0f\n\x07windows\x18( \x01(\t\x12\x14\n\x0csparse_steps\x18\x05 \x01(\r\"\x84\x01\n\x0bSampleEvent\x12#\n\x08progress\x18\x01 \x01(\x0b\x32\x0f.h3.v1.ProgressH\x00\x12$\n\x06tensor\x18\x02 \x01(\x0b\x32\x12.h3.v1.TensorChunkH\x00\x12!\n\x04\x64one\x18\x03 \x01(\x0b\x32\x11.h3.v1.SampleDoneH\x00\x42\x07\n\x05\x65vent2\x97\x02\n\nDiTSampler\x12\x34\n\x06Sample\x12\x12.h3.v1.SampleInput\x1a\x12.h3.v1.SampleEvent(\x01\x30\x01\x12\x31\n\x04Load\x12\x12.h3.v1.LoadRequest\x1a\x15.h3.v1.LifecycleReply\x12\x35\n\x06Unload\x12\x14.h3.v1.UnloadRequest\x1a\x15.h3.v1.LifecycleReply\x12\x35\n\x06Warmup\x12\x14.h3.v1.WarmupRequest\x1a\x15.h3.v1.LifecycleReply\x12\x32\n\x06Status\x12\x14.h3.v1.StatusRequest\x1a\x12.h3.v1.StageStatusb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -39,10 +39,10 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_LORASPEC']._serialized_end=228
   _globals['_SAMPLEINPUT']._serialized_start=230
   _globals['_SAMPLEINPUT']._serialized_end=331
-  _globals['_SAMPLEDONE']._serialized_start=333
-  _globals['_SAMPLEDONE']._serialized_end=456
-  _globals['_SAMPLEEVENT']._serialized_start=459
-  _globals['_SAMPLEEVENT']._serialized_end=591
-  _globals['_DITSAMPLER']._serialized_start=594
-  _globals['_DITSAMPLER']._serialized_end=873
+  _globals['_SAMPLEDONE']._serialized_start=334
+  _globals['_SAMPLEDONE']._serialized_end=479
+  _globals['_SAMPLEEVENT']._serialized_start=482
+  _globals['_SAMPLEEVENT']._serialized_end=614
+  _globals['_DITSAMPLER']._serialized_start=617
+  _globals['_DITSAMPLER']._serialized_end=896
 # @@protoc_insertion_point(module_scope)

@@ -35,18 +35,20 @@ class SampleInput(_message.Message):
     def __init__(self, request: _Optional[_Union[SampleRequest, _Mapping]] = ..., tensor: _Optional[_Union[_tensor_pb2.TensorChunk, _Mapping]] = ...) -> None: ...
 
 class SampleDone(_message.Message):
-    __slots__ = ("timing", "ms_per_step", "world_size", "cached_steps", "windows")
+    __slots__ = ("timing", "ms_per_step", "world_size", "cached_steps", "windows", "sparse_steps")
     TIMING_FIELD_NUMBER: _ClassVar[int]
     MS_PER_STEP_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     CACHED_STEPS_FIELD_NUMBER: _ClassVar[int]
     WINDOWS_FIELD_NUMBER: _ClassVar[int]
+    SPARSE_STEPS_FIELD_NUMBER: _ClassVar[int]
     timing: _common_pb2.Timing
     ms_per_step: float
     world_size: int
     cached_steps: int
     windows: str
-    def __init__(self, timing: _Optional[_Union[_common_pb2.Timing, _Mapping]] = ..., ms_per_step: _Optional[float] = ..., world_size: _Optional[int] = ..., cached_steps: _Optional[int] = ..., windows: _Optional[str] = ...) -> None: ...
+    sparse_steps: int
+    def __init__(self, timing: _Optional[_Union[_common_pb2.Timing, _Mapping]] = ..., ms_per_step: _Optional[float] = ..., world_size: _Optional[int] = ..., cached_steps: _Optional[int] = ..., windows: _Optional[str] = ..., sparse_steps: _Optional[int] = ...) -> None: ...
 
 class SampleEvent(_message.Message):
     __slots__ = ("progress", "tensor", "done")

@@ -74,7 +74,7 @@ class ExtendRequest(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., params: _Optional[_Union[_common_pb2.RenderParams, _Mapping]] = ..., idempotency_key: _Optional[str] = ..., label: _Optional[str] = ..., seconds: _Optional[float] = ...) -> None: ...
 
 class StageRun(_message.Message):
-    __slots__ = ("stage", "wall_s", "timing", "batch", "batch_size", "waited_batches", "replica", "cached_steps")
+    __slots__ = ("stage", "wall_s", "timing", "batch", "batch_size", "waited_batches", "replica", "cached_steps", "sparse_steps")
     STAGE_FIELD_NUMBER: _ClassVar[int]
     WALL_S_FIELD_NUMBER: _ClassVar[int]
     TIMING_FIELD_NUMBER: _ClassVar[int]
@@ -83,6 +83,7 @@ class StageRun(_message.Message):
     WAITED_BATCHES_FIELD_NUMBER: _ClassVar[int]
     REPLICA_FIELD_NUMBER: _ClassVar[int]
     CACHED_STEPS_FIELD_NUMBER: _ClassVar[int]
+    SPARSE_STEPS_FIELD_NUMBER: _ClassVar[int]
     stage: str
     wall_s: float
     timing: _common_pb2.Timing
@@ -91,7 +92,8 @@ class StageRun(_message.Message):
     waited_batches: int
     replica: str
     cached_steps: int
-    def __init__(self, stage: _Optional[str] = ..., wall_s: _Optional[float] = ..., timing: _Optional[_Union[_common_pb2.Timing, _Mapping]] = ..., batch: _Optional[int] = ..., batch_size: _Optional[int] = ..., waited_batches: _Optional[int] = ..., replica: _Optional[str] = ..., cached_steps: _Optional[int] = ...) -> None: ...
+    sparse_steps: int
+    def __init__(self, stage: _Optional[str] = ..., wall_s: _Optional[float] = ..., timing: _Optional[_Union[_common_pb2.Timing, _Mapping]] = ..., batch: _Optional[int] = ..., batch_size: _Optional[int] = ..., waited_batches: _Optional[int] = ..., replica: _Optional[str] = ..., cached_steps: _Optional[int] = ..., sparse_steps: _Optional[int] = ...) -> None: ...
 
 class JobInfo(_message.Message):
     __slots__ = ("job_id", "state", "params", "stage", "progress", "attempts", "created_unix", "started_unix", "finished_unix", "error_code", "error", "output_bytes", "output_expired", "events", "stages", "label", "width", "height", "queue_position", "references", "windows", "extend_job_id")
