@@ -667,7 +667,7 @@ def fasth3(stack, model_cache, tmp_path_factory):
     """A DiT stage serving a tiny FastH3 checkpoint (a VSA gate in every block) under the FastH3 file's name, beside
     the session's encoder and decoder, and a render service over the three."""
     from client.embedded import EmbeddedStack, StackConfig
-    from client.stubs import Endpoints
+    from minimax_h3.services import Endpoints
     from dit_svc.engine import embedded_config
     from minimax_h3.dit.tiny_checkpoint import write_tiny_checkpoint
     from tests.conftest import SERVER_ENV
@@ -690,7 +690,7 @@ def fasth3(stack, model_cache, tmp_path_factory):
 
 
 def test_a_fasth3_template_renders_with_vsa_on_a_fasth3_dit(fasth3, inputs, tmp_path, capsys):
-    from client.stubs import StageClients
+    from minimax_h3.services import StageClients
     from h3.v1 import common_pb2
 
     svc, stages = fasth3
