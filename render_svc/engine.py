@@ -29,7 +29,7 @@ from minimax_h3.contract import (AUDIO_LATENTS, ENCODED_REFERENCE_AUDIO, EXTEND,
 from minimax_h3.services import STAGES as SERVICES
 from minimax_h3.services import Endpoints, StageClients
 from render_svc.extend import load_guide, save_latents
-from render_svc.planner import SERVICE_OF, STAGES
+from render_svc.planner import SERVICE_OF, STAGES, QueuedJob, batch_rounds
 from render_svc.stage_calls import (StageResult, decode, encode, encode_image, encode_reference, encode_tail,
                                     reference_tensors, sample)
 from render_svc.stalls import StallWatch
@@ -90,6 +90,10 @@ class Work:
     def partition(self) -> str:
         """The DiT partition the job needs: ref2va for references, fl2va for text and keyframes."""
         return needed_partition(bool(self.request.references))
+
+    def queued(self, waited: int = 0) -> QueuedJob:
+        """The job as the scheduler sees it waiting (render_svc/planner.py): its waits, its DiT partition and LoRAs."""
+        return QueuedJob(self.job_id, waited, self.partition, lora_key(self))
 
     def set_call(self, call) -> None:
         with self._lock:
@@ -289,8 +293,6 @@ class Replica:
     service: str                       # encoder | dit | decoder
     address: str
     clients: StageClients              # a channel to this replica alone
-    partition: str = field(default_factory=lambda: needed_partition(False))  # DiT: its last batch's partition
-    loras: tuple = ()                  # DiT: the LoRAs of its last job
 
     def close(self) -> None:
         self.clients.close()
@@ -334,12 +336,13 @@ class RenderEngine:
             code, msg = status_for(e)
             return Outcome(False, code=code.name, message=f"{stage}: {msg}")
 
-    def run_batch(self, stage: str, works: list[Work], sink: ProgressSink,
+    def run_batch(self, stage: str, rounds: Sequence[Sequence[Work]], sink: ProgressSink,
                   stopped: Callable[[], bool] = lambda: False,
                   on_done: OutcomeSink | None = None, node: str = "",
                   stall_timeout_s: float = math.inf) -> dict[str, Outcome]:
-        """Every job of the batch calls the stage (on replica `node`; default: the stage's first) at once: the
-        stage queues and serves them in one residency. The outcome of each, by job id. `on_done(work, outcome)`
+        """Every job of the batch calls the stage (on replica `node`; default: the stage's first), round after round
+        (`rounds`, as the scheduler sent them: render_svc/planner.py, `batch_rounds`), the jobs of a round at once:
+        the stage queues and serves them in one residency. The outcome of each, by job id. `on_done(work, outcome)`
         hears of each job the moment its call ends (in the call's thread). Once `stopped()` (the service is
         draining) the calls are stopped and Cancelled is raised: the jobs whose call did not succeed are retried
         after the restart (`on_done` does not hear of them). Calls still open when the replica has sent nothing for
@@ -355,20 +358,21 @@ class RenderEngine:
                 on_done(w, o)
             return o
 
-        for group in self._groups(stage, works, rep):
+        for calls in rounds:
             watch = StallWatch(stall_timeout_s)
-            for w in group:
+            for w in calls:
                 w.begin_call()
-            with ThreadPoolExecutor(max_workers=len(group), thread_name_prefix=f"batch-{stage}") as pool:
-                futs = {pool.submit(call, w, watch): w for w in group}
+            with ThreadPoolExecutor(max_workers=len(calls), thread_name_prefix=f"batch-{stage}") as pool:
+                futs = {pool.submit(call, w, watch): w for w in calls}
                 stalled = False
                 while True:
                     done, pending = wait(futs, timeout=0.2)
                     if not pending:
                         break
                     if stopped():
-                        for w in works:
-                            w.abort()
+                        for r in rounds:
+                            for w in r:
+                                w.abort()
                     elif not stalled and watch.stalled():
                         stalled = True
                         log.warning("replica %s sent nothing on the %s batch's %d open call(s) for %.0f s "
@@ -381,17 +385,6 @@ class RenderEngine:
                                     "restart")
                 outcomes.update({w.job_id: f.result() for f, w in futs.items()})
         return outcomes
-
-    def _groups(self, stage: str, works: list[Work], rep: Replica) -> list[list[Work]]:
-        """The batch's calls, in groups sent one after the other. A DiT batch goes partition by partition (the one
-        the replica ran last first), so a mixed batch swaps the DiT's weights at most once (docs/references.md)."""
-        if stage != "dit":
-            return [works]
-        parts = sorted({w.partition for w in works}, key=lambda p: p != rep.partition)
-        groups = [[w for w in works if w.partition == p] for p in parts]
-        rep.partition = parts[-1]
-        rep.loras = lora_key(groups[-1][-1])
-        return groups
 
 
 @dataclass
@@ -420,7 +413,10 @@ def render_jobs(clients: StageClients, jobs: Sequence[tuple[render_pb2.RenderReq
         batch = [w for w in works if w.job_id not in failed and stage in w.plan]
         if not batch:
             continue
-        for job_id, o in engine.run_batch(stage, batch, lambda _job_id, p: on_progress(p)).items():
+        by_id = {w.job_id: w for w in batch}
+        rounds, _ = batch_rounds(stage, [w.queued() for w in batch])
+        for job_id, o in engine.run_batch(stage, [[by_id[j] for j in r] for r in rounds],
+                                          lambda _job_id, p: on_progress(p)).items():
             if o.ok:
                 done[job_id].append(o.result)
             else:

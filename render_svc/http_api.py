@@ -46,7 +46,6 @@ from PIL import Image
 from h3.v1 import common_pb2, render_pb2
 from minimax_h3.contract import (FPS, MAX_PROMPT_BYTES, MAX_REFERENCES, plan_windows, seconds_to_frame, snap_frames,
                                  spec_from_proto)
-from render_svc.planner import STAGES
 from render_svc.store import CANCELLED, FAILED, QUEUED, RUNNING, SUCCEEDED, JobRecord
 from stagekit.errors import FailedPrecondition, InvalidArgument, NotFound, StageError, status_for
 from stagekit.server import ANYONE, Principal

@@ -1,4 +1,11 @@
-"""Which stage batch runs next, per resource group: stage batching across all queued jobs, with a fairness bound.
+"""What runs where: the render service's one scheduling decision, `schedule(view, queues) -> assignments`, pure.
+
+`schedule` takes plain frozen data: a `ClusterView` (the stage replicas, their resource groups, which are down or
+suspect, which are busy, each DiT replica's resident partition and LoRAs) and the `Queues` (the jobs ready for each
+stage, their waits and their DiT needs), and returns the batches to start now (`Assignment`: stage, group, replica,
+job ids in the rounds they are sent in). The service's dispatcher (render_svc/service.py) builds the view under its
+lock, calls `schedule`, applies each assignment to the queues (`BatchPlanner.take`) and the DiT's affinity, and
+hands it to the engine (render_svc/engine.py), which runs it and decides nothing.
 
 Every job moves through the render stages of its mode's plan (`minimax_h3.contract.RENDER_PLANS`, data). A job
 *ready* for a stage waits in that stage's FIFO queue. A *resource group* is a set of stage replicas that take turns
@@ -6,7 +13,12 @@ on a device (`resource_groups`); each group runs one *batch* at a time: up to `m
 sent to the stage together so it serves them in one residency (one weight swap for the batch, docs/residency.md).
 Groups that share no device run their batches at the same time.
 
-Choosing a group's batch (docs/render_service.md, "Stage batching"), among the stages the group serves:
+Which replica serves a group's stage (`serving_replicas`): one in rotation (not down, not suspect) while its service
+has one, the shortest queue first; which jobs it may take (`may_serve`): those it serves by its Status (a DiT: the
+job's partition and LoRAs), and those no replica in rotation serves (its own refusal then ends the job). Idle groups
+take work in `preference` order: a DiT that holds the oldest DiT job's partition and LoRAs first (no swap).
+
+Choosing a group's batch (`choose_batch`; docs/render_service.md, "Stage batching"), among the stages the group serves:
 - Stay on the stage the group ran last while it has ready jobs: its weights are resident, so the batch costs no swap.
 - But a ready job never waits more than `max_wait` batches. Every batch its group starts without it counts one wait
   for it; a task's *slack* is `max_wait - waited` of the oldest job in it (a task = one batch-sized FIFO chunk of a
@@ -20,10 +32,12 @@ order can keep it; the least-slack task still goes first, so waits stay ordered 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from types import MappingProxyType
 
-from stagekit.errors import FailedPrecondition
+from minimax_h3.contract import check_loras, needed_partition
+from stagekit.errors import FailedPrecondition, InvalidArgument, NotFound
 
 STAGES = ("keyframes", "encoder", "dit", "decoder")  # every render stage, in render order (each mode's plan:
 # minimax_h3.contract.RENDER_PLANS)
@@ -78,15 +92,225 @@ def resource_groups(nodes: Iterable[str], known: Mapping[str, Resources],
     return [tuple(g) for g in groups.values()]
 
 
-Eligible = Callable[[str, str], bool]  # (job id, stage) -> whether a group may serve that job's stage
+# ---- the decision, as data ----------------------------------------------------------------------------------------
+Lora = tuple[str, float]  # a LoRA a job samples with: its name and strength
 
 
-@dataclass
-class _Ready:
+@dataclass(frozen=True)
+class Affinity:
+    """What a DiT replica holds after its last batch: the partition it ran last and the LoRAs of its last job (a job
+    that needs the same costs the replica no weight swap)."""
+
+    partition: str = needed_partition(False)
+    loras: tuple[Lora, ...] = ()
+
+
+@dataclass(frozen=True)
+class Serves:
+    """What a DiT replica's Status says it serves: the partitions of its files (empty: it did not say) and, when it
+    said, its LoRAs (`loras_dir`, the file names in it, whether it takes absolute paths)."""
+
+    partitions: frozenset[str] = frozenset()
+    loras: tuple[str, tuple[str, ...], bool] | None = None
+
+    def takes(self, job: "QueuedJob") -> bool:
+        if self.partitions and job.partition not in self.partitions:
+            return False
+        if job.loras and self.loras is not None:
+            try:
+                check_loras([name for name, _ in job.loras], *self.loras)
+            except (NotFound, InvalidArgument):
+                return False
+        return True
+
+
+@dataclass(frozen=True)
+class ReplicaState:
+    """One stage replica as the scheduler sees it."""
+
+    node: str                       # "dit", or "dit/a", "dit/b", ...
+    service: str                    # encoder | dit | decoder
+    down: bool = False              # did not answer Status, or answered a call UNAVAILABLE
+    suspect: bool = False           # stalled on a batch and has not moved since (render_svc/stalls.py)
+    busy: bool = False              # its resource group runs a batch
+    queue_depth: int = 0            # from its last Status (0 before it answered)
+    last_started: float = 0.0       # when its group last started a batch (time.monotonic())
+    serves: Serves | None = None    # a DiT that answered Status: which jobs it serves (None: every job)
+    resident: Affinity | None = None  # a DiT: what its last batch left resident
+
+    @property
+    def in_rotation(self) -> bool:
+        return not self.down and not self.suspect
+
+    def takes(self, job: "QueuedJob") -> bool:
+        return self.serves is None or self.serves.takes(job)
+
+
+@dataclass(frozen=True)
+class ClusterView:
+    """The stage replicas (in the service's order), the resource groups they form (`resource_groups`), and the stage
+    each group ran last (by group name, "encoder+dit": its weights are likely resident)."""
+
+    replicas: tuple[ReplicaState, ...]
+    groups: tuple[tuple[str, ...], ...]
+    last_stage: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
+
+    def replica(self, node: str) -> ReplicaState:
+        return next(r for r in self.replicas if r.node == node)
+
+
+@dataclass(frozen=True)
+class QueuedJob:
+    """A job ready for a stage: how many batches its group started without it (`waited`), and what its DiT stage
+    needs (its partition and LoRAs)."""
+
     job_id: str
-    waited: int = 0  # batches its group started without it since it became ready for this stage
+    waited: int = 0
+    partition: str = needed_partition(False)
+    loras: tuple[Lora, ...] = ()
 
 
+@dataclass(frozen=True)
+class Queues:
+    """Each stage's FIFO of ready jobs, and the bounds: jobs per batch, batches a ready job may wait."""
+
+    max_batch: int
+    max_wait: int
+    jobs: Mapping[str, tuple[QueuedJob, ...]]
+
+    def after(self, a: "Assignment") -> "Queues":
+        """The queues once `a` has started: its jobs out, each job it passed over waiting one batch more."""
+        taken, passed = set(a.job_ids), set(a.passed)
+        jobs = {s: tuple(replace(j, waited=j.waited + 1) if j.job_id in passed else j
+                         for j in q if j.job_id not in taken) for s, q in self.jobs.items()}
+        return replace(self, jobs=MappingProxyType(jobs))
+
+
+@dataclass(frozen=True)
+class Assignment:
+    """A batch to start: `stage` on replica `replica` of resource group `group` (its replicas, `name` "encoder+dit"),
+    its jobs sent round after round (`rounds`: a
+    DiT batch goes one partition per round, the one the replica holds first, so it swaps weights at most once).
+    `passed`: the ready jobs the group could have served and left waiting (each counts one more wait). `resident`: a
+    DiT's affinity once the batch ran."""
+
+    stage: str
+    group: tuple[str, ...]
+    replica: str
+    rounds: tuple[tuple[str, ...], ...]
+    passed: tuple[str, ...] = ()
+    resident: Affinity | None = None
+
+    @property
+    def job_ids(self) -> tuple[str, ...]:
+        return tuple(j for r in self.rounds for j in r)
+
+    @property
+    def name(self) -> str:
+        return "+".join(self.group)
+
+
+# ---- the decision --------------------------------------------------------------------------------------------------
+def schedule(view: ClusterView, queues: Queues) -> list[Assignment]:
+    """What runs where now: a batch for every idle group that may serve a waiting job, the preferred group first
+    (`preference`), each on the replica of its group that serves the batch's stage (`serving`), with the jobs that
+    replica may take (`may_serve`), the batch chosen by `choose_batch`."""
+    idle = [g for g in view.groups if not any(view.replica(n).busy for n in g)]
+    out = []
+    for group in sorted(idle, key=lambda g: preference(view, queues, g)):
+        serving = serving_replicas(view, group)
+        may = {stage: may_serve(view, node) for stage, node in serving.items()}
+        picked = choose_batch(queues, tuple(serving), view.last_stage.get("+".join(group)),
+                              lambda j, stage: may[stage](j))
+        if picked is None:
+            continue
+        stage, taken, passed = picked
+        rounds, resident = batch_rounds(stage, taken, view.replica(serving[stage]).resident)
+        a = Assignment(stage, group, serving[stage], rounds, passed, resident)
+        queues = queues.after(a)
+        out.append(a)
+    return out
+
+
+def preference(view: ClusterView, queues: Queues, group: tuple[str, ...]) -> tuple:
+    """The order idle groups take work in: a group whose DiT replica holds the partition and the LoRAs of the oldest
+    job waiting for the DiT goes first (no weight swap), then the shortest stage queues (their Status), then the one
+    idle longest (replicas of a stage share its work)."""
+    reps = [view.replica(n) for n in group]
+    first = next(iter(queues.jobs.get("dit", ())), None)
+    dits = [r.resident or Affinity() for r in reps if r.service == "dit"]
+    swap = 0
+    if first is not None and dits:
+        swap = min(int(a.partition != first.partition) + int(a.loras != first.loras) for a in dits)
+    return swap, sum(r.queue_depth for r in reps), max(r.last_started for r in reps)
+
+
+def serving_replicas(view: ClusterView, group: tuple[str, ...]) -> dict[str, str]:
+    """Render stage -> the replica of `group` that serves it now: one in rotation (while its service has any that
+    is, the others get nothing), the shortest queue first."""
+    out = {}
+    for stage in STAGES:
+        service = SERVICE_OF[stage]
+        mine = [view.replica(n) for n in group if view.replica(n).service == service]
+        if any(r.in_rotation for r in view.replicas if r.service == service):
+            mine = [r for r in mine if r.in_rotation]
+        if mine:
+            out[stage] = min(mine, key=lambda r: r.queue_depth).node
+    return out
+
+
+def may_serve(view: ClusterView, node: str) -> Callable[[QueuedJob], bool]:
+    """Which waiting jobs replica `node` may take: those it serves (`ReplicaState.takes`), and those no replica of its
+    service in rotation serves (its own refusal then ends the job, as with one replica)."""
+    rep = view.replica(node)
+    peers = [r for r in view.replicas if r.service == rep.service and r.in_rotation]
+    return lambda job: rep.takes(job) or not any(p.takes(job) for p in peers)
+
+
+def choose_batch(queues: Queues, stages: tuple[str, ...], current: str | None,
+                 may_take: Callable[[QueuedJob, str], bool] = lambda job, stage: True,
+                 ) -> tuple[str, tuple[QueuedJob, ...], tuple[str, ...]] | None:
+    """A group's next batch among its `stages` and the jobs it may take (`may_take(job, stage)`), `current` the stage
+    it ran last: (stage, the jobs taken, the ids of the others it could have served), or None when none waits."""
+    view = {s: [j for j in queues.jobs.get(s, ()) if may_take(j, s)] for s in stages}
+    stage = _choose(view, current, queues.max_batch, queues.max_wait)
+    if stage is None:
+        return None
+    taken = tuple(view[stage][: queues.max_batch])
+    ids = {j.job_id for j in taken}
+    return stage, taken, tuple(j.job_id for q in view.values() for j in q if j.job_id not in ids)
+
+
+def _choose(view: dict[str, list[QueuedJob]], current: str | None, max_batch: int, max_wait: int) -> str | None:
+    """The stage of a group's next batch (earliest-deadline-first over its tasks, above); None when `view` is empty."""
+    tasks = []  # (slack, -stage order, stage) per batch-sized chunk of each queue in `view`, chunk 0 first in a stage
+    for order, stage in enumerate(STAGES):
+        q = view.get(stage, [])
+        tasks += [(max_wait - q[start].waited, -order, stage) for start in range(0, len(q), max_batch)]
+    if not tasks:
+        return None
+    if current in view and view[current]:
+        first = next(i for i, t in enumerate(tasks) if t[2] == current)  # the current stage's oldest chunk
+        rest = sorted(t[0] for i, t in enumerate(tasks) if i != first)
+        if all(s >= k + 1 for k, s in enumerate(rest)):
+            return current
+    return min(tasks)[2]
+
+
+def batch_rounds(stage: str, jobs: Sequence[QueuedJob], resident: Affinity | None = None,
+                 ) -> tuple[tuple[tuple[str, ...], ...], Affinity | None]:
+    """A batch's job ids in the rounds they are sent in, and a DiT replica's affinity after them. A DiT batch goes
+    partition by partition, the one the replica holds (`resident`) first, so a mixed batch swaps the DiT's weights at
+    most once (docs/references.md); fl2va and ref2va jobs never share a round. Other stages: one round."""
+    if stage != "dit":
+        return (tuple(j.job_id for j in jobs),), None
+    held = (resident or Affinity()).partition
+    parts = sorted(dict.fromkeys(j.partition for j in jobs), key=lambda p: p != held)
+    rounds = [[j for j in jobs if j.partition == p] for p in parts]
+    return tuple(tuple(j.job_id for j in r) for r in rounds), Affinity(parts[-1], rounds[-1][-1].loras)
+
+
+# ---- the queues' state ---------------------------------------------------------------------------------------------
 @dataclass
 class Batch:
     stage: str
@@ -97,8 +321,9 @@ class Batch:
 
 
 class BatchPlanner:
-    """The stage queues and each group's choice of its next batch. Not thread-safe: the render service calls it under
-    its lock."""
+    """The stage queues, the batches started and each group's last stage: the state `schedule` decides from
+    (`queued`), and the assignments it made, applied (`take`). Not thread-safe: the render service calls it under its
+    lock."""
 
     def __init__(self, max_batch: int, max_wait: int):
         if max_batch < 1:
@@ -107,14 +332,14 @@ class BatchPlanner:
             raise FailedPrecondition(f"--max-wait-batches must be >= 1, got {max_wait}")
         self.max_batch = max_batch
         self.max_wait = max_wait
-        self.queues: dict[str, list[_Ready]] = {s: [] for s in STAGES}
+        self.queues: dict[str, list[QueuedJob]] = {s: [] for s in STAGES}  # job ids and waits, no DiT needs
         self.batches = 0                  # batches started so far, service-wide
         self.current: dict[str, str] = {}  # group -> the stage of its last batch (its weights are likely resident)
 
     def add(self, job_id: str, stage: str) -> None:
         if stage not in self.queues:
             raise ValueError(f"unknown render stage {stage!r}; one of {STAGES}")
-        self.queues[stage].append(_Ready(job_id))
+        self.queues[stage].append(QueuedJob(job_id))
 
     def remove(self, job_id: str) -> str | None:
         """Take a waiting job out (cancel); returns the stage it waited for, or None if it was not waiting."""
@@ -131,51 +356,15 @@ class BatchPlanner:
     def stage_of(self, job_id: str) -> str | None:
         return next((s for s, q in self.queues.items() if any(r.job_id == job_id for r in q)), None)
 
-    def _view(self, stages: tuple[str, ...], eligible: Eligible | None) -> dict[str, list[_Ready]]:
-        """The queues of `stages`, each holding only the jobs `eligible` lets this group serve."""
-        return {s: [r for r in self.queues[s] if eligible is None or eligible(r.job_id, s)] for s in stages}
+    def queued(self, describe: Callable[[QueuedJob], QueuedJob] = lambda j: j) -> Queues:
+        """The queues as `schedule` takes them; `describe` fills in a waiting job's DiT needs."""
+        return Queues(self.max_batch, self.max_wait,
+                      MappingProxyType({s: tuple(describe(j) for j in q) for s, q in self.queues.items()}))
 
-    def _tasks(self, view: dict[str, list[_Ready]]) -> list[tuple[int, int, str]]:
-        """(slack, -stage order, stage) per batch-sized chunk of each queue in `view`, chunk 0 first in a stage."""
-        out = []
-        for order, stage in enumerate(STAGES):
-            q = view.get(stage, [])
-            for start in range(0, len(q), self.max_batch):
-                out.append((self.max_wait - q[start].waited, -order, stage))
-        return out
-
-    def choose(self, stages: tuple[str, ...] = STAGES, group: str = "", eligible: Eligible | None = None) -> str | None:
-        """The stage of `group`'s next batch among its `stages` (None when none of them has a waiting job it may
-        serve: `eligible(job_id, stage)`, default all)."""
-        return self._choose(self._view(stages, eligible), group)
-
-    def _choose(self, view: dict[str, list[_Ready]], group: str) -> str | None:
-        tasks = self._tasks(view)
-        if not tasks:
-            return None
-        cur = self.current.get(group)
-        if cur in view and view[cur]:
-            first = next(i for i, t in enumerate(tasks) if t[2] == cur)  # the current stage's oldest chunk
-            rest = sorted(t[0] for i, t in enumerate(tasks) if i != first)
-            if all(s >= k + 1 for k, s in enumerate(rest)):
-                return cur
-        return min(tasks)[2]
-
-    def next_batch(self, stages: tuple[str, ...] = STAGES, group: str = "",
-                   eligible: Eligible | None = None) -> Batch | None:
-        """`group`'s next batch among its `stages` and the jobs `eligible` lets it serve (None when none waits);
-        every job it could have served and left waiting counts one more wait."""
-        view = self._view(stages, eligible)
-        stage = self._choose(view, group)
-        if stage is None:
-            return None
-        taken = view[stage][: self.max_batch]
-        ids = {r.job_id for r in taken}
-        self.queues[stage] = [r for r in self.queues[stage] if r.job_id not in ids]
-        for s, q in view.items():
-            for r in q:
-                if r.job_id not in ids:
-                    r.waited += 1
+    def take(self, a: Assignment) -> Batch:
+        """Assignment `a` starts (`Queues.after`), and its stage is its group's last: the batch, numbered."""
+        waited = {j.job_id: j.waited for j in self.queues[a.stage]}
+        self.queues = {s: list(q) for s, q in self.queued().after(a).jobs.items()}
         self.batches += 1
-        self.current[group] = stage
-        return Batch(stage, [r.job_id for r in taken], self.batches, {r.job_id: r.waited for r in taken}, group)
+        self.current[a.name] = a.stage
+        return Batch(a.stage, list(a.job_ids), self.batches, {j: waited[j] for j in a.job_ids}, a.name)

@@ -3,9 +3,9 @@
 `submit` validates a request, records the job (SQLite, `store.JobStore`) and queues it for the first stage of its
 mode's plan (`planner.RENDER_PLANS`). The stage services are split into *resource groups* (`planner.resource_groups`,
 from each stage's Status: services that share a device and take its lease take turns; the others do not); one
-dispatcher thread asks the planner (`planner.BatchPlanner`) for each idle group's next stage batch and runs it in a
-thread of its own (`engine.RenderEngine`), so groups that share no device run at the same time. Each job moves on the
-moment its stage call ends: to its next stage's queue, to SUCCEEDED with its MP4, or to FAILED / CANCELLED. With
+dispatcher thread asks the one scheduling decision (`planner.schedule`) for each idle group's next stage batch and
+runs it in a thread of its own (`engine.RenderEngine`), so groups that share no device run at the same time. Each job
+moves on the moment its stage call ends: to its next stage's queue, to SUCCEEDED with its MP4, or to FAILED / CANCELLED. With
 `pipeline=False` (--serial) all stages form one group: one batch service-wide at a time. A stage
 answering UNAVAILABLE (restarting its ranks, draining) is retried by queueing the job for the same stage again
 (--stage-retries); a stage answering RESOURCE_EXHAUSTED with "retry later" (its queue or its upload slots are full)
@@ -28,9 +28,9 @@ import sqlite3
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from types import MappingProxyType
 
 import grpc
 
@@ -39,10 +39,10 @@ from minimax_h3.comfy.workflow import ReadInput, apply_workflow
 from minimax_h3.contract import (MAX_GUIDES, MAX_PROMPT_BYTES, SINGLE, check_loras, check_output, check_partition,
                                  check_reference_kinds, needed_partition, plan_windows, resolve_guide_frame,
                                  spec_from_proto, validate)
-from render_svc.engine import Outcome, RenderEngine, Work, lora_key
+from render_svc.engine import Outcome, RenderEngine, Work
 from render_svc.extend import check_source, cut_guide, extension_request
-from render_svc.planner import (SERVICE_OF, STAGES, Batch, BatchPlanner, Resources, next_stage,
-                                resource_groups)
+from render_svc.planner import (Affinity, Batch, BatchPlanner, ClusterView, ReplicaState, Resources, Serves, next_stage,
+                                resource_groups, schedule)
 from render_svc.stalls import STALL_TIMEOUT_S, Suspects, stall_verdict
 from render_svc.store import (CANCELLED, FAILED, GUIDE, QUEUED, RUNNING, SOURCE, SUCCEEDED, JobRecord, JobStore,
                               latents_path)
@@ -245,6 +245,7 @@ class RenderService:
         self.status: dict[str, common_pb2.StageStatus] = {}  # each replica's last Status
         self.down: set[str] = set()              # replicas that did not answer (their jobs go to the others)
         self.suspects = Suspects()               # replicas that stalled on a batch (their jobs go to the others)
+        self.resident = {n: Affinity() for n in self.nodes if engine.replicas[n].service == "dit"}  # DiT affinity
         self.groups: list[tuple[str, ...]] = resource_groups(self.nodes, {}, serial=True)  # until the stages answer
         self.running: dict[str, tuple[Batch, float]] = {}  # replica -> the batch its group runs, its start
         self.last_started: dict[str, float] = {}  # replica -> when its group last started a batch (monotonic)
@@ -580,99 +581,46 @@ class RenderService:
             self._lock.notify_all()
         return len(answered) == len(self.nodes)
 
-    def _in_rotation(self, node: str) -> bool:
-        """Under the lock: whether replica `node` gets work while its service has others that do: it answers Status
-        and has not stalled (or moves again since)."""
-        return node not in self.down and node not in self.suspects
+    def _view(self) -> ClusterView:
+        """Under the lock: the replicas as the scheduler sees them (render_svc/planner.py)."""
+        def state(node: str) -> ReplicaState:
+            rep, st = self.engine.replicas[node], self.status.get(node)
+            serves = None
+            if st is not None and rep.service == "dit":
+                serves = Serves(frozenset(st.partitions), (st.loras.directory, tuple(st.loras.names),
+                                                           st.loras.paths_allowed) if st.HasField("loras") else None)
+            return ReplicaState(node, rep.service, down=node in self.down, suspect=node in self.suspects,
+                                busy=node in self.running, queue_depth=st.queue_depth if st is not None else 0,
+                                last_started=self.last_started.get(node, 0.0), serves=serves,
+                                resident=self.resident.get(node))
 
-    def _serving(self, group: tuple[str, ...]) -> dict[str, str]:
-        """Under the lock: render stage -> the replica of `group` that serves it now: one in rotation (when its
-        service has any that is), the shortest queue first."""
-        out = {}
-        for stage in STAGES:
-            service = SERVICE_OF[stage]
-            mine = [n for n in group if self.engine.replicas[n].service == service]
-            if not mine:
-                continue
-            if any(self._in_rotation(n) for n in self.nodes if self.engine.replicas[n].service == service):
-                mine = [n for n in mine if self._in_rotation(n)]  # while one is in rotation, the others get nothing
-            if mine:
-                out[stage] = min(mine, key=lambda n: self.status[n].queue_depth if n in self.status else 0)
-        return out
-
-    def _fits(self, node: str, w: Work) -> bool:
-        """Under the lock: whether replica `node` serves job `w` by its last Status: a DiT replica when one of its
-        files provides the job's partition and it has the job's LoRAs; any other replica (or one not heard from)
-        always."""
-        st = self.status.get(node)
-        if st is None or self.engine.replicas[node].service != "dit":
-            return True
-        if st.partitions and w.partition not in st.partitions:
-            return False
-        if w.request.loras and st.HasField("loras"):
-            try:
-                check_loras([lo.name for lo in w.request.loras], st.loras.directory, list(st.loras.names),
-                            st.loras.paths_allowed)
-            except NotFound:
-                return False
-        return True
-
-    def _eligible(self, node: str) -> Callable[[str, str], bool]:
-        """Under the lock: which waiting jobs replica `node` may take: those it serves (`_fits`), and those no
-        replica of its service in rotation serves (its own refusal then ends the job, as with one replica)."""
-        service = self.engine.replicas[node].service
-        peers = [n for n in self.nodes if self.engine.replicas[n].service == service and self._in_rotation(n)]
-
-        def ok(job_id: str, stage: str) -> bool:
-            w = self.works.get(job_id)
-            if w is None:
-                return False
-            return self._fits(node, w) or not any(self._fits(n, w) for n in peers)
-
-        return ok
-
-    def _preference(self, group: tuple[str, ...]) -> tuple:
-        """Under the lock: the order idle groups take work in. A group whose DiT replica holds the partition and the
-        LoRAs of the oldest job waiting for the DiT goes first (no weight swap), then the shortest stage queues,
-        then the one idle longest (replicas of a stage share its work)."""
-        swap = 0
-        first = next(iter(self.planner.queues["dit"]), None)
-        w = self.works.get(first.job_id) if first is not None else None
-        dits = [self.engine.replicas[n] for n in group if self.engine.replicas[n].service == "dit"]
-        if w is not None and dits:
-            swap = min(int(r.partition != w.partition) + int(r.loras != lora_key(w)) for r in dits)
-        depth = sum(self.status[n].queue_depth for n in group if n in self.status)
-        return swap, depth, max(self.last_started.get(n, 0.0) for n in group)
+        return ClusterView(tuple(state(n) for n in self.nodes), tuple(self.groups),
+                           MappingProxyType(dict(self.planner.current)))
 
     def _dispatch(self) -> int:
-        """Under the lock: jobs whose busy backoff is over rejoin their stage's queue; every group whose replicas
-        are all idle starts its next batch (in a thread of its own), the preferred group first. Returns how many
-        batches started."""
+        """Under the lock: jobs whose busy backoff is over rejoin their stage's queue; every batch the scheduler
+        assigns (`planner.schedule`: each idle group's next) starts in a thread of its own, the replica's affinity
+        recorded. Returns how many batches started."""
         now = time.monotonic()
         for job_id, (due, stage) in sorted(self.later.items(), key=lambda kv: kv[1][0]):
             if due <= now:
                 del self.later[job_id]
                 self.planner.add(job_id, stage)
-        started = 0
-        idle = [g for g in self.groups if not any(n in self.running for n in g)]
-        for group in sorted(idle, key=self._preference):
-            serving = self._serving(group)
-            eligible = {stage: self._eligible(node) for stage, node in serving.items()}
-            batch = self.planner.next_batch(tuple(serving), "+".join(group),
-                                            eligible=lambda job_id, stage: eligible[stage](job_id, stage))
-            if batch is None:
-                continue
-            node = serving[batch.stage]
-            works = [self.works[j] for j in batch.job_ids]
-            for n in group:
+        queues = self.planner.queued(lambda j: self.works[j.job_id].queued(j.waited))
+        assignments = schedule(self._view(), queues)
+        for a in assignments:
+            batch = self.planner.take(a)
+            if a.resident is not None:
+                self.resident[a.replica] = a.resident
+            rounds = [[self.works[j] for j in r] for r in a.rounds]
+            for n in a.group:
                 self.running[n] = (batch, time.time())
                 self.last_started[n] = time.monotonic()
-            t = threading.Thread(target=self._batch_thread, args=(batch, works, group, node),
+            t = threading.Thread(target=self._batch_thread, args=(batch, rounds, a.group, a.replica),
                                  name=f"render-batch-{batch.number}", daemon=True)
             self._batch_threads.add(t)
             t.start()
-            started += 1
-        return started
+        return len(assignments)
 
     def _drained(self) -> None:
         """The service is draining (SIGTERM): the running jobs go back to the queue, their attempt given back."""
@@ -706,11 +654,12 @@ class RenderService:
                     due = min((d for d, _ in self.later.values()), default=time.monotonic() + 0.5)
                     self._lock.wait(max(0.01, min(0.5, due - time.monotonic())))
 
-    def _batch_thread(self, batch: Batch, works: list[Work], group: tuple[str, ...], node: str) -> None:
+    def _batch_thread(self, batch: Batch, rounds: list[list[Work]], group: tuple[str, ...], node: str) -> None:
         """One group's batch on its replica `node`, start to end; the group's replicas are idle again after it."""
         advanced: set[str] = set()
+        works = [w for r in rounds for w in r]
         try:
-            self._run_batch(batch, works, advanced, node)
+            self._run_batch(batch, rounds, advanced, node)
         except Unavailable:
             log.info("shutting down: leaving batch %d (%s) to the next start", batch.number, batch.stage)
         except Exception:  # noqa: BLE001 - a scheduler bug must not strand the jobs silently
@@ -725,10 +674,11 @@ class RenderService:
                 self._batch_threads.discard(threading.current_thread())
                 self._lock.notify_all()
 
-    def _run_batch(self, batch: Batch, works: list[Work], advanced: set[str], node: str) -> None:
-        """Send the batch's jobs to the stage; each moves on (`_advance`) the moment its own call ends."""
+    def _run_batch(self, batch: Batch, rounds: list[list[Work]], advanced: set[str], node: str) -> None:
+        """Send the batch's jobs to the stage, round after round; each moves on (`_advance`) the moment its own call
+        ends."""
         live = []
-        for w in works:
+        for w in (w for r in rounds for w in r):
             if w.cancelled.is_set():
                 self._finish(w, CANCELLED, "CANCELLED", f"cancelled while waiting for the {batch.stage} stage")
                 advanced.add(w.job_id)
@@ -761,8 +711,11 @@ class RenderService:
             self._advance(w, batch, o, node)
 
         try:
-            outcomes = self.engine.run_batch(batch.stage, live, self._progress, self._abort.is_set, on_done=done,
-                                             node=node, stall_timeout_s=self.cfg.stall_timeout_s)
+            ids = {w.job_id for w in live}
+            outcomes = self.engine.run_batch(batch.stage, [c for c in ([w for w in r if w.job_id in ids]
+                                                                       for r in rounds) if c],
+                                             self._progress, self._abort.is_set, on_done=done, node=node,
+                                             stall_timeout_s=self.cfg.stall_timeout_s)
         except Cancelled:  # the drain stopped the batch
             raise Unavailable("draining") from None
         with self._lock:

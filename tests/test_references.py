@@ -275,23 +275,14 @@ def test_cli_video_reference_render_through_the_render_service(stack, tmp_path):
 
 def test_dit_batch_runs_partition_by_partition():
     """A mixed DiT batch is sent one partition after the other, the one the DiT ran last first: one swap."""
-    from types import SimpleNamespace
+    from render_svc.planner import Affinity, QueuedJob, batch_rounds
 
-    from h3.v1 import common_pb2, render_pb2
-    from render_svc.engine import RenderEngine, Replica, Work
-
-    def work(i, refs):
-        req = render_pb2.RenderRequest(references=[common_pb2.Reference(kind="image", data=b"x")] if refs else [])
-        return Work(f"j{i}", req, SimpleNamespace(), None)
-
-    dit = Replica("dit", "dit", "", clients=None)
-    eng = RenderEngine(clients=None, replicas={"dit": dit})
-    works = [work(0, False), work(1, True), work(2, False), work(3, True)]
-    groups = eng._groups("dit", works, dit)
-    assert [[w.job_id for w in g] for g in groups] == [["j0", "j2"], ["j1", "j3"]] and dit.partition == "ref2va"
-    groups = eng._groups("dit", works, dit)  # the DiT holds ref2va now: those go first
-    assert [[w.job_id for w in g] for g in groups] == [["j1", "j3"], ["j0", "j2"]] and dit.partition == "fl2va"
-    assert eng._groups("encoder", works, dit) == [works]
+    jobs = [QueuedJob("j0"), QueuedJob("j1", partition="ref2va"), QueuedJob("j2"), QueuedJob("j3", partition="ref2va")]
+    rounds, held = batch_rounds("dit", jobs, Affinity())
+    assert rounds == (("j0", "j2"), ("j1", "j3")) and held.partition == "ref2va"
+    rounds, held = batch_rounds("dit", jobs, held)  # the DiT holds ref2va now: those go first
+    assert rounds == (("j1", "j3"), ("j0", "j2")) and held.partition == "fl2va"
+    assert batch_rounds("encoder", jobs, held) == ((("j0", "j1", "j2", "j3"),), None)
 
 
 def test_render_service_keeps_reference_thumbnails_not_files(tmp_path):

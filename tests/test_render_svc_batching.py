@@ -1,8 +1,8 @@
 """Stage batching across clients.
 
-- The planner (render_svc/planner.py, pure): queued work is served stage by stage in batches; it stays on the
-  resident stage while that keeps every other waiting job within the fairness bound, and under random arrivals
-  no ready job waits more than `max_wait` batches.
+- The planner (render_svc/planner.py, `choose_batch`, pure): queued work is served stage by stage in batches; it
+  stays on the resident stage while that keeps every other waiting job within the fairness bound, and under random
+  arrivals no ready job waits more than `max_wait` batches.
 - Real processes: 8 client processes x 3 jobs each (`python -m client render --prompts-file`, thin clients)
   against one render service over the session's stage stack (exclusive residency on one virtual device). Weight
   swaps, counted as lease acquisitions in the stages' event log, are far fewer than jobs x stages; every MP4 is
@@ -19,8 +19,17 @@ import time
 import pytest
 
 from h3.v1 import render_pb2
-from render_svc.planner import STAGES, Batch, BatchPlanner, next_stage
+from render_svc.planner import STAGES, Assignment, Batch, BatchPlanner, choose_batch, next_stage
 from tests.render_svc_util import ROOT, RenderService, probe, swaps
+
+
+def next_batch(p: BatchPlanner, stages: tuple[str, ...] = STAGES, group: str = "") -> Batch | None:
+    """Group `group`'s next batch among its `stages` (`choose_batch` over the planner's queues), started (`take`)."""
+    picked = choose_batch(p.queued(), stages, p.current.get(group))
+    if picked is None:
+        return None
+    stage, taken, passed = picked
+    return p.take(Assignment(stage, (group,), group, (tuple(j.job_id for j in taken),), passed))
 
 
 def move_on(p: BatchPlanner, b: Batch) -> None:
@@ -32,7 +41,7 @@ def move_on(p: BatchPlanner, b: Batch) -> None:
 
 def _drain(p: BatchPlanner) -> list[tuple[str, int]]:
     out = []
-    while (b := p.next_batch()) is not None:
+    while (b := next_batch(p)) is not None:
         out.append((b.stage, len(b.job_ids)))
         move_on(p, b)
     return out
@@ -59,7 +68,7 @@ def test_planner_fairness_bound_under_random_arrivals(max_batch, max_wait, arriv
         for _ in range(rng.choice(arrivals)):
             p.add(f"j{n}", rng.choice(STAGES[:2]))  # fl2va jobs start with keyframes, t2va with the encoder
             n += 1
-        b = p.next_batch()
+        b = next_batch(p)
         if b is None:
             continue
         worst = max(worst, *b.waited.values())
@@ -73,7 +82,7 @@ def test_planner_stays_on_the_resident_stage_within_the_bound():
     p.add("a", "dit")
     for i in range(6):
         p.add(f"e{i}", "encoder")
-    stages = [p.next_batch().stage for _ in range(5)]
+    stages = [next_batch(p).stage for _ in range(5)]
     # encoder stays (no swap) until "a" has waited as long as the bound allows, then it runs
     assert stages[:4].count("dit") == 1 and stages.index("dit") <= 3
 

@@ -19,7 +19,7 @@ from client.embedded import EmbeddedStack, StackConfig
 from h3.v1 import common_pb2, render_pb2
 from render_svc.planner import STAGES, BatchPlanner, Resources, resource_groups
 from tests.render_svc_util import SERVER_ENV, holding_the_device, serving, tiny_request, wait_for
-from tests.test_render_svc_batching import move_on
+from tests.test_render_svc_batching import move_on, next_batch
 
 NODES = ("encoder", "dit", "decoder")
 DEVICES = {"encoder": "virt0", "dit": "virt1", "decoder": "virt2"}
@@ -48,12 +48,12 @@ def test_planner_batches_each_group_on_its_own_stages():
     for i in range(3):
         p.add(f"e{i}", "encoder")
         p.add(f"d{i}", "decoder")
-    b = p.next_batch(("keyframes", "encoder", "dit"), "A")
+    b = next_batch(p, ("keyframes", "encoder", "dit"), "A")
     assert (b.stage, b.job_ids, b.group) == ("encoder", ["e0", "e1", "e2"], "A")
     # the decoder's jobs did not wait for group A's batch: it is not their group
-    d = p.next_batch(("decoder",), "B")
+    d = next_batch(p, ("decoder",), "B")
     assert d.stage == "decoder" and set(d.waited.values()) == {0}
-    assert p.next_batch(("keyframes", "encoder", "dit"), "A") is None
+    assert next_batch(p, ("keyframes", "encoder", "dit"), "A") is None
 
 
 @pytest.mark.parametrize("max_batch,max_wait", [(8, 4), (4, 3)])
@@ -70,7 +70,7 @@ def test_planner_fairness_bound_holds_per_group(max_batch, max_wait):
             p.add(f"j{n}", rng.choice(STAGES[:2]))
             n += 1
         for name, stages in groups.items():
-            b = p.next_batch(stages, name)
+            b = next_batch(p, stages, name)
             if b is None:
                 continue
             assert b.stage in stages and b.group == name
