@@ -201,24 +201,12 @@ class LongBench(one_card.OneCard):
 def dit_engine_bench(models: Path, cap_gb: float, tiny: bool) -> dict:
     """15 s in one window vs in windows, then 60 s in windows, through the DiT engine under the cap (the one-card
     placement): DiT seconds per generated second, s/step (a window's, for windows), peak memory."""
-    import os
-
-    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     import torch
 
-    from dit_svc.engine import DiTEngine, DiTEngineConfig
     from minimax_h3.contract import FPS, TEXT_STATES, RenderSpec, plan_windows
-    from stagekit.dist import RankGroup, RankInfo
 
-    cuda = torch.cuda.is_available() and not tiny
-    dev = "cuda:0" if cuda else "cpu"
-    dtype = torch.float16 if cuda else torch.float32
-    kw = dict(linear_kernel="int8", attention_kernel="auto") if cuda else {}
-    cfg = DiTEngineConfig(str(models / two.FILES["dit"]), "", models / "cache", dev, dtype, **kw)
-    eng = DiTEngine(cfg, RankGroup(RankInfo(0, 1, 0), "gloo", 600))
-    t0 = time.monotonic()
-    eng.load()
-    out: dict = {"device": torch.cuda.get_device_name() if cuda else "cpu", "load_s": round(time.monotonic() - t0, 2),
+    eng, cuda, dev, load_s = one_card.loaded_dit_engine(models, tiny)
+    out: dict = {"device": torch.cuda.get_device_name() if cuda else "cpu", "load_s": load_s,
                  "steps": STEPS if cuda else one_card.TINY_STEPS, "shapes": {}}
     if cuda:
         cap = int(cap_gb * GIB)

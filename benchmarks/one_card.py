@@ -410,13 +410,14 @@ def _sha(t) -> str:
     return hashlib.sha256(t.contiguous().view(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
 
 
-def dit_engine_bench(models: Path, cap_gb: float, tiny: bool) -> dict:
+def loaded_dit_engine(models: Path, tiny: bool):
+    """(engine, cuda, device, load seconds): the DiT stage's engine over `models`' DiT file, loaded on one card as a
+    22 GB Turing card runs it (int8 linears, fp16), or on the CPU (tiny)."""
     # As every stage process does before its first CUDA allocation (stagekit/stage.py): reserved tracks allocated.
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     import torch
 
     from dit_svc.engine import DiTEngine, DiTEngineConfig
-    from minimax_h3.contract import AUDIO_LATENTS, TEXT_STATES, VIDEO_LATENTS, RenderSpec
     from stagekit.dist import RankGroup, RankInfo
 
     cuda = torch.cuda.is_available() and not tiny
@@ -427,7 +428,16 @@ def dit_engine_bench(models: Path, cap_gb: float, tiny: bool) -> dict:
     eng = DiTEngine(cfg, RankGroup(RankInfo(0, 1, 0), "gloo", 600))
     t0 = time.monotonic()
     eng.load()
-    out: dict = {"device": torch.cuda.get_device_name() if cuda else "cpu", "load_s": round(time.monotonic() - t0, 2),
+    return eng, cuda, dev, round(time.monotonic() - t0, 2)
+
+
+def dit_engine_bench(models: Path, cap_gb: float, tiny: bool) -> dict:
+    import torch
+
+    from minimax_h3.contract import AUDIO_LATENTS, TEXT_STATES, VIDEO_LATENTS, RenderSpec
+
+    eng, cuda, dev, load_s = loaded_dit_engine(models, tiny)
+    out: dict = {"device": torch.cuda.get_device_name() if cuda else "cpu", "load_s": load_s,
                  "kernels": eng.kernel_rows(), "weights_gib": round(eng.resident_bytes() / GIB, 3),
                  "block_gib": round(eng.stream.block_bytes / GIB, 4), "shapes": {}}
     text = torch.randn(512 if cuda else 8, eng.model_cfg.text_dim, generator=torch.Generator().manual_seed(0))
