@@ -31,7 +31,7 @@ from minimax_h3.files import CHECKPOINT_PARTS, ensure_embedded, resolve_checkpoi
 from minimax_h3.media import EMBEDDED_REFERENCE_SIZES, ReferenceSizes
 from minimax_h3.mux import DEFAULT_PRESET
 from minimax_h3.vae.audio import AudioVAEConfig, inspect_audio_vae, load_audio_vae, write_tiny_audio_vae
-from minimax_h3.vae.tiling import StreamingAssembler, plan_decode
+from minimax_h3.vae.tiling import StreamingAssembler, num_decoded_frames, plan_decode
 from minimax_h3.vae.video import VideoVAEConfig, decode_unit, inspect_video_vae, load_video_vae, write_tiny_video_vae
 from stagekit.checkpoints import CheckpointError
 from stagekit.dist import RankGroup
@@ -344,10 +344,14 @@ class DecoderEngine(StageEngine):
         ready: deque[torch.Tensor] = deque()
         asm = StreamingAssembler(plan, device=dev, sink=ready.append) if leader else None
 
+        total, done = num_decoded_frames(self.video.cfg, video_lat.shape[1]), [0]
+
         def finished():
             while ready:
                 part = ready.popleft().cpu()
-                check_result("decoder", "video frames (video VAE decode)", part, "frame", axis=1)
+                check_result("decoder", "video frames (video VAE decode)", part, "frame", axis=1, offset=done[0],
+                             total=total)
+                done[0] += part.shape[1]
                 yield part
 
         for k in range(rounds):  # every rank passes the same number of step boundaries

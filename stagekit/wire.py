@@ -260,15 +260,18 @@ def check_finite(name: str, t: torch.Tensor) -> None:
     raise WireError(f"tensor {name!r} contains {bad} NaN/Inf values")
 
 
-def check_result(stage: str, name: str, t: torch.Tensor, unit: str, axis: int = 0) -> None:
+def check_result(stage: str, name: str, t: torch.Tensor, unit: str, axis: int = 0, offset: int = 0,
+                 total: int | None = None) -> None:
     """A stage's own result must be finite before it is passed on: NaN / Inf there is the server's fault (its
     weights or kernels), raised as `Internal` naming the stage, the tensor and the first bad `unit` (the index along
-    `axis`: a token, a frame, an audio channel). One host sync when the result is finite."""
+    `axis`: a token, a frame, an audio channel; for a part of a longer result, `offset` + the index of `total`). One
+    host sync when the result is finite."""
     flag = nonfinite_flag(t)
     if flag is None or not bool(flag):
         return
     ok = torch.isfinite(t)
     bad_at = (~ok).movedim(axis, 0).reshape(t.shape[axis], -1).any(dim=1)
     first = int(bad_at.nonzero()[0])
-    raise Internal(f"{stage}: its result {name} holds {int((~ok).sum())} NaN/Inf value(s), first at {unit} {first} "
-                   f"of {t.shape[axis]}; a server fault (its weights or kernels), nothing was passed on")
+    raise Internal(f"{stage}: its result {name} holds {int((~ok).sum())} NaN/Inf value(s), first at {unit} "
+                   f"{offset + first} of {t.shape[axis] if total is None else total}; a server fault (its weights or "
+                   "kernels), nothing was passed on")
