@@ -28,6 +28,18 @@ def pytest_configure(config):
         torch.set_num_threads(1)
 
 
+# The files that take longest (each runs several real stacks or whole commands): run first, so the two workers finish
+# together instead of one running the last long file alone (docs/testing.md, "Suite time").
+LONG_FILES = ("test_readme.py", "test_render_svc_replicas.py", "test_first_hour.py", "test_workflows.py",
+              "test_scripts.py", "test_long_video.py", "test_render_svc_http.py", "test_reliability.py",
+              "test_hosts.py", "test_multirank_services.py", "test_e2e.py")
+
+
+def pytest_collection_modifyitems(session, config, items):
+    rank = {name: i for i, name in enumerate(LONG_FILES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(LONG_FILES)))  # stable: each file keeps its order
+
+
 @pytest.fixture(scope="session")
 def model_cache(tmp_path_factory) -> Path:
     """Embedded tiny models, written once per session (the servers' real first-use path)."""
