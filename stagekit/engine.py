@@ -1,19 +1,20 @@
 """The engine contract: what a stage implements for the job runtime (stagekit/runtime.py) and the device worker
 (stagekit/device_worker.py).
 
-A stage's engine subclasses `StageEngine`. It implements the four methods the runtime cannot do without (`load`,
-`unload`, `run`, `resident_bytes`); every other hook has a default that means "this engine has nothing to say",
+A stage's engine subclasses `StageEngine`. It implements the four abstract methods the runtime cannot do without
+(`load`, `unload`, `run`, `resident_bytes`: a class lacking one cannot be instantiated); every other hook has a default that means "this engine has nothing to say",
 so the runtime and the worker call each hook plainly and an engine overrides only what it knows. Every method runs
 on every rank with the same arguments, except where a hook says otherwise.
 """
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Any, ClassVar
 
 
-class StageEngine:
+class StageEngine(ABC):
     """A stage's engine: load / unload / run on every rank, and the hooks the runtime asks."""
 
     name: str = ""
@@ -22,22 +23,22 @@ class StageEngine:
     device_work: ClassVar[bool] = True
 
     # ---- what every engine implements ---------------------------------------------------------------------------
+    @abstractmethod
     def load(self) -> None:
         """Make everything resident (an operator's Load; shared residency)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def unload(self) -> None:
         """Drop every resident byte."""
-        raise NotImplementedError
 
+    @abstractmethod
     def run(self, spec: Any, inputs: dict, ctx: Any) -> dict:
         """One job: `spec` and its input tensors -> its outputs; `ctx` is the job's `stagekit.runtime.JobContext`
         (progress, cancellation, the rank group)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def resident_bytes(self) -> int:
         """Per-device bytes held now."""
-        raise NotImplementedError
 
     # ---- hooks with defaults --------------------------------------------------------------------------------------
     def load_for(self, spec: Any) -> None:
