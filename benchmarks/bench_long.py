@@ -39,7 +39,6 @@ sys.path.insert(0, str(ROOT))
 from benchmarks import bench_two_gpu as two  # noqa: E402
 from benchmarks import one_card  # noqa: E402
 from minimax_h3.contract import FPS, snap_frames  # noqa: E402  (torch-free)
-from stagekit.config import comma_choices  # noqa: E402
 
 GIB = 2**30
 STEPS = 4
@@ -254,17 +253,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--part", default="dit", choices=("dit", *PARTS))
     ap.add_argument("--models-dir", default="/tmp/h3models")
     ap.add_argument("--out", default="docs/performance_data/long")
-    ap.add_argument("--work-dir", default="", help="run dirs, MP4s, logs (default /tmp/h3bench[-tiny])")
-    ap.add_argument("--tiny", action="store_true", help="CPU dry run: tiny weights, virtual devices")
-    ap.add_argument("--budget-s", type=float, default=540.0, help="start no item that would end past this")
-    ap.add_argument("--cap-gb", type=float, default=22.0, help="the card: all our processes on the GPU together")
-    ap.add_argument("--period-s", type=float, default=0.25, help="memory sampling period")
-    ap.add_argument("--context-gib", type=float, default=0.5, help="a bare CUDA context, when none was measured")
-    ap.add_argument("--holder-margin-gib", type=float, default=1.5,
-                    help="a process holds weights when above its idle footprint by more than this")
-    ap.add_argument("--only", default="", type=comma_choices(ITEMS), help="comma-separated items to run")
-    ap.add_argument("--skip", default="", type=comma_choices(ITEMS), help="comma-separated items to skip")
-    ap.add_argument("--dit-engine", action="store_true", help=argparse.SUPPRESS)
+    one_card.add_run_args(ap, ITEMS)
     args = ap.parse_args(argv)
     if args.dit_engine:
         print(json.dumps(dit_engine_bench(Path(args.models_dir), args.cap_gb, args.tiny)), flush=True)

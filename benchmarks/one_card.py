@@ -561,11 +561,8 @@ def tp2_rank_memory(dev, room_gib: float = 19.5) -> dict:
             "forward_s": round(time.monotonic() - t0, 2)}
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--part", default="renders", choices=("renders", "long", "dit", "swaps"))
-    ap.add_argument("--models-dir", default="/tmp/h3models")
-    ap.add_argument("--out", default="out/one_card")
+def add_run_args(ap: argparse.ArgumentParser, items) -> None:
+    """The run flags this bench shares with benchmarks/bench_long.py (`items`: what --only / --skip name)."""
     ap.add_argument("--work-dir", default="", help="run dirs, MP4s, logs (default /tmp/h3bench[-tiny])")
     ap.add_argument("--tiny", action="store_true", help="CPU dry run: tiny weights, virtual devices")
     ap.add_argument("--budget-s", type=float, default=540.0, help="start no item that would end past this")
@@ -574,9 +571,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--context-gib", type=float, default=0.5, help="a bare CUDA context, when none was measured")
     ap.add_argument("--holder-margin-gib", type=float, default=1.5,
                     help="a process holds weights when above its idle footprint by more than this")
-    ap.add_argument("--only", default="", type=comma_choices(ITEMS), help="comma-separated items to run")
-    ap.add_argument("--skip", default="", type=comma_choices(ITEMS), help="comma-separated items to skip")
+    ap.add_argument("--only", default="", type=comma_choices(items), help="comma-separated items to run")
+    ap.add_argument("--skip", default="", type=comma_choices(items), help="comma-separated items to skip")
     ap.add_argument("--dit-engine", action="store_true", help=argparse.SUPPRESS)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--part", default="renders", choices=("renders", "long", "dit", "swaps"))
+    ap.add_argument("--models-dir", default="/tmp/h3models")
+    ap.add_argument("--out", default="out/one_card")
+    add_run_args(ap, ITEMS)
     ap.add_argument("--h2d", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.h2d:
