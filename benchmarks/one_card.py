@@ -15,6 +15,8 @@ first part are reused by the next while the machine stays warm:
 Parts:
   renders  960x544x73, 20 steps, res_multistep/simple, --upscale 1920x1080; 832x480x124 and 1344x768x124, 8 steps;
            the 832x480x124 render again with the same seed (same final latents, same MP4 bytes).
+  fast     832x480x124, 8 steps, `--quality exact` then `--quality fast` (step caching): wall time, the DiT's
+           compute, the steps cached (the CLI's summary line), the 22 GiB rule.
   long     960x544x362 (the 15 s clip), 20 steps, --upscale 1920x1080: 1920x1080, 24 fps, 362 frames, AAC 32 kHz
            stereo, audio and video durations equal.
   swaps    the stage swaps of a render queue, two stacks in one run: stages that read their files each turn (the
@@ -37,6 +39,7 @@ import argparse
 import hashlib
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -56,12 +59,13 @@ IDLE_NEIGHBOUR_GIB = 0.1
 RENDERS = {
     "a": ("960x544x73", (960, 544, 73), (256, 256, 22), 20, ["--upscale", "1920x1080"], (1920, 1080)),
     "c832": ("832x480x124", (832, 480, 124), (256, 256, 22), 8, [], None),
+    "c832fast": ("832x480x124 fast", (832, 480, 124), (256, 256, 22), 8, ["--quality", "fast"], None),
     "c1344": ("1344x768x124", (1344, 768, 124), (288, 256, 22), 8, [], None),
     "b": ("960x544x362", (960, 544, 362), (256, 256, 39), 20, ["--upscale", "1920x1080"], (1920, 1080)),
 }
 # Rough seconds on one H200 held to 22 GiB, Turing numerics (int8 + cuDNN fp16 attention: 1.2 s/step at 960x544x73,
 # 12 s/step at 960x544x362 resident), swaps and decode included.
-EST_RENDER = {"a": 75, "c832": 45, "c1344": 90, "b": 380, "parity": 45}
+EST_RENDER = {"a": 75, "c832": 45, "c832fast": 40, "c1344": 90, "b": 380, "parity": 45}
 EST = {"weights": 150, "stack": 45, "dit": 240, "h2d": 20}
 # The swaps part: (stack mode, renders of 832x480x124 in it). "files": MemAvailable injected below the reserve.
 SWAP_MODES = (("files", 2), ("copies", 3))
@@ -195,7 +199,7 @@ class OneCard(two.Bench):
             self.item("dit", EST["dit"], self.run_dit, needs_stack=False)
             return
         self.item("stack:int8", EST["stack"], lambda: self.do_stack("int8"), needs_stack=False)
-        keys = ["a", "c832", "c1344"] if self.part == "renders" else ["b"]
+        keys = {"renders": ["a", "c832", "c1344"], "fast": ["c832", "c832fast"]}.get(self.part, ["b"])
         for key in keys:
             self.item(f"render:{key}", EST_RENDER[key], lambda key=key: self.render(key))
         if self.part == "renders":
@@ -223,6 +227,8 @@ class OneCard(two.Bench):
             v["seed_parity"] = {"mp4_identical": p["mp4_identical"], "latents_identical": p["latents_identical"]}
         if self.part == "swaps":
             v.update(swap_verdicts(items))
+        if self.part == "fast":
+            v["fast_vs_exact"] = fast_verdict(items)
         d = items.get("dit")
         if d and "error" not in d:
             v["streaming_step_le_1.10x_resident"] = {k: r.get("streamed_over_resident") for k, r in
@@ -239,6 +245,18 @@ class OneCard(two.Bench):
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps(self.results, indent=1, default=str, ensure_ascii=False))
         tmp.replace(path)
+
+
+def fast_verdict(items: dict) -> dict:
+    """`--quality fast` against `exact` on the same render: the DiT's compute of each and the steps cached (the
+    CLI's summary line `dit: ..., cached_steps=N`)."""
+    runs = {"exact": items.get("render:c832", {}), "fast": items.get("render:c832fast", {})}
+    dit = {k: r.get("timing", {}).get("stages", {}).get("dit", {}).get("compute_s") for k, r in runs.items()}
+    cached = {k: int(m.group(1)) if (m := re.search(r"cached_steps=(\d+)", r.get("cli", ""))) else None
+              for k, r in runs.items()}
+    ratio = dit["fast"] / dit["exact"] if dit["exact"] and dit["fast"] else None
+    return {"dit_compute_s": dit, "fast_over_exact": ratio and round(ratio, 3), "cached_steps": cached,
+            "ok": all("error" not in r for r in runs.values()) and cached["exact"] == 0}
 
 
 def host_meminfo() -> dict:
@@ -578,7 +596,7 @@ def add_run_args(ap: argparse.ArgumentParser, items) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--part", default="renders", choices=("renders", "long", "dit", "swaps"))
+    ap.add_argument("--part", default="renders", choices=("renders", "long", "dit", "swaps", "fast"))
     ap.add_argument("--models-dir", default="/tmp/h3models")
     ap.add_argument("--out", default="out/one_card")
     add_run_args(ap, ITEMS)
