@@ -105,6 +105,9 @@ def _named(node: ast.AST) -> str:
     return getattr(node, "id", None) or getattr(node, "attr", None) or getattr(node, "arg", None) or ""
 
 
+GEOMETRY_OPERANDS = {c.VAE_SPATIAL, c.FPS, c.AUDIO_LATENTS_PER_SECOND}
+
+
 def contract_violations(source: str, name: str = "<src>") -> list[str]:
     """Where a source writes an inter-stage tensor name or an H3 geometry constant itself."""
     tree = ast.parse(source, name)
@@ -132,7 +135,8 @@ def contract_violations(source: str, name: str = "<src>") -> list[str]:
                     hit(node, "geometry constant")
         elif isinstance(node, ast.keyword) and node.arg and _geometry_name(node.arg, _number(node.value)):
             hit(node, "geometry constant")
-        elif isinstance(node, ast.BinOp):
+        elif isinstance(node, ast.BinOp) and GEOMETRY_OPERANDS & {_number(node.left), _number(node.right)}:
+            # (only such operations are read as text: get_source_segment splits the whole source on each call)
             left, right = (ast.get_source_segment(source, s) or "" for s in (node.left, node.right))
             n = _number(node.right)
             if isinstance(node.op, (ast.FloorDiv, ast.Mult)) and n == c.VAE_SPATIAL and SIZE_OPERAND.search(left):
