@@ -205,6 +205,9 @@ def workflow_inputs(args):
     if args.timed_prompt or len(args.prompt or ()) > 1:
         raise CheckError("--workflow renders the graph's one prompt: give at most one --prompt (and no "
                          "--timed-prompt) to replace it")
+    if args.guide:
+        raise CheckError("--guide does not combine with --workflow: the graph's MiniMaxH3AddGuide nodes place its "
+                         "guides (change one with --set NODE.frame_idx=N, or its LoadImage's file with --set)")
     if args.prompt:
         p.prompt = args.prompt[0]
     for name in RENDER_DEFAULTS:
@@ -263,7 +266,9 @@ def explain(req: render_pb2.RenderRequest, render) -> dict:
                                                    "scheduler", "video_shift", "audio_shift")},
             "loras": [[lo.name, lo.strength] for lo in req.loras],
             "first_frame": len(req.first_frame) or None, "last_frame": len(req.last_frame) or None,
-            "references": [[r.kind, r.name] for r in req.references], "crf": req.crf,
+            "references": [[r.kind, r.name] for r in req.references],
+            "guides": [[g.frame, g.image.name if g.HasField("image") else None,
+                        g.audio.name if g.HasField("audio") else None] for g in req.guides], "crf": req.crf,
             "output_format": req.output_format or "mp4", "graph": render.summary()}
 
 
