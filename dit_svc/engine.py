@@ -794,4 +794,4 @@ def _probe_kernels(cfg: DiTEngineConfig) -> KernelSelection:
 
 
 def _sha256(t: torch.Tensor) -> str:
-    return hashlib.sha256(t.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+    return hashlib.sha256(t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest()  # 0 rows too

@@ -132,7 +132,7 @@ EXPECTED = {
                  ("119", "VAELoader", file_refusal(INT8_VAE))],
         fixes={MATCH: "136.ref_image_size=max"}, prompt="<Picture 1> banks low over the sea, engine roar"),
     "image_minimax_h3_t2i": dict(  # 0.9 MP at 16:9 with multiple 8 -> 1296 x 728: not whole 32-px DiT rows
-        values=dict(output="png", conditioning="text", seed=697447143149280, width=1296, height=728, frames=22,
+        values=dict(output="png", conditioning="text", seed=697447143149280, width=1296, height=728, frames=1,
                     steps=30, sampler="res_multistep", scheduler="simple", loras=[]),
         files=dict(dit=FL2VA, text_encoder=NVFP4, video_vae=FP16_VAE),
         refused=[("", "", "width=1296 is not valid")], fixes={"width=1296": "79.multiple=32"}),
@@ -446,24 +446,28 @@ def tiny_api_graph() -> dict:
 def test_templates_render_through_the_cli_and_comfyui_routes(svc, inputs, tmp_path, capsys):
     renderable = {name: f for name in LOCAL if (f := fixes(name)) is not None}
     assert {"video_minimax_h3_t2v", "video_minimax_h3_i2v", "video_minimax_h3_i2v_continuation",
-            "video_minimax_h3_r2v", "video_minimax_h3_multiframe_reference", "image_minimax_h3_t2i", "video_fastvideo_fasth3_t2v", "video_fastvideo_fasth3_i2v",
+            "video_minimax_h3_r2v", "video_minimax_h3_multiframe_reference", "image_minimax_h3_t2i",
+            "video_fastvideo_fasth3_t2v", "video_fastvideo_fasth3_i2v",
             "video_fasth3_ominiref_r2v"} <= set(renderable)
-    tiny = ["--width", "256", "--height", "256", "--frames", "22", "--steps", "1"]
+    tiny = ["--width", "256", "--height", "256", "--steps", "1"]
     ws = ComfyWebsocket(svc.http, "tester")
     first = ws.message()
     assert first["type"] == "status" and first["data"]["sid"] == "tester", first
     jobs = {}
     for name, sets in renderable.items():  # queued together: the stages batch them
         sets = [*sets, *EXPECTED[name].get("render_sets", [])]
+        image = EXPECTED[name]["values"].get("output") == "png"  # one frame: the graph's own
         args = ["render", "--workflow", str(template(name)), "--input-dir", str(inputs), "--render", svc.target,
-                "--detach", "--prompt", prompt_of(name), *tiny, *(x for s in sets for x in ("--set", s))]
+                "--detach", "--prompt", prompt_of(name), *tiny, *([] if image else ["--frames", "22"]),
+                *(x for s in sets for x in ("--set", s))]
         assert cli(args) == 0, capsys.readouterr().err
         out = capsys.readouterr().out
         jobs[name] = out.split()[1]
         if "render_guides" in EXPECTED[name]:  # the request it became: the guides at the frames the graph computes
             assert cli(args + ["--explain"]) == 0, capsys.readouterr().err
             explained = json.loads(capsys.readouterr().out)
-            want = [[f, g[1], g[2]] for f, g in zip(EXPECTED[name]["render_guides"], EXPECTED[name]["values"]["guides"])]
+            want = [[f, g[1], g[2]]
+                    for f, g in zip(EXPECTED[name]["render_guides"], EXPECTED[name]["values"]["guides"])]
             assert explained["guides"] == want and explained["graph"]["guides"] == want, explained
 
     # README's lines, as printed (against this test's service): the templates folder, the request, the render
@@ -520,7 +524,7 @@ def test_templates_render_through_the_cli_and_comfyui_routes(svc, inputs, tmp_pa
             capsys.readouterr().err
         info = svc.stub.Get(render_pb2.JobRef(job_id=job), timeout=30)
         p = info.params
-        assert (p.width, p.height, p.frames, p.steps) == (256, 256, 22, 1), name
+        assert (p.width, p.height, p.frames, p.steps) == (256, 256, 1 if out.suffix == ".png" else 22, 1), name
         assert p.seed == values["seed"] and p.sampler == values.get("sampler", p.sampler), name
         assert p.video_shift == (values.get("video_shift") or 0) and p.prompt == prompt_of(name)
         sparse = values.get("sparse_attention")
@@ -540,6 +544,25 @@ def test_templates_render_through_the_cli_and_comfyui_routes(svc, inputs, tmp_pa
     assert readme.returncode == 0, err
     assert probe(tmp_path / "t2v.mp4") == {"width": 512, "height": 288, "frames": 22, "audio": 1}
     capsys.readouterr()
+
+
+def test_frames_1_renders_one_frame_as_a_png(svc, tmp_path, capsys):
+    """`render --frames 1` (what the image graph becomes too): one latent frame and no sound, saved as a PNG; an .mp4
+    name refused before anything starts."""
+    args = ["render", "--prompt", PROMPTS["text"], "--frames", "1", "--width", "256", "--height", "256", "--steps",
+            "2", "--render", svc.target]
+    assert cli(args + ["-o", str(tmp_path / "fox.mp4")]) == 2
+    assert "--frames 1 renders an image: name a .png" in capsys.readouterr().err
+    assert cli(args + ["-o", str(tmp_path / "fox.png")]) == 0, capsys.readouterr().err
+    said = capsys.readouterr()
+    with Image.open(tmp_path / "fox.png") as im:
+        assert im.format == "PNG" and im.size == (256, 256)
+    assert not list(tmp_path.glob(".fox.png*"))
+    job = re.search(r"job ([0-9a-f]{16})", said.out + said.err).group(1)
+    info = svc.stub.Get(render_pb2.JobRef(job_id=job), timeout=30)
+    assert info.params.frames == 1 and {s.stage for s in info.stages} >= {"encoder", "dit", "decoder"}
+    assert cli(["jobs", "fetch", job, "-o", str(tmp_path / "fox.mp4"), "--render", svc.target]) == 0
+    assert probe(tmp_path / "fox.mp4") == {"width": 256, "height": 256, "frames": 1, "audio": 0}
 
 
 def readme_workflow_lines() -> list[str]:

@@ -24,7 +24,7 @@ from typing import Any
 
 from minimax_h3.comfy.expr import ExpressionError, evaluate
 from minimax_h3.comfy.graph import Graph, GraphError, Link, Literal, Node
-from minimax_h3.contract import FPS, RenderSpec, SparseAttention, check_sparse, needed_partition
+from minimax_h3.contract import FPS, IMAGE_FRAMES, RenderSpec, SparseAttention, check_sparse, needed_partition
 from minimax_h3.files import MODEL_FILES
 from stagekit.errors import InvalidArgument
 
@@ -904,7 +904,8 @@ def _empty_latent_image(ev, n):
     batch = ev.get(n, "batch_size", int, default=1)
     if batch.value != 1:
         ev.refuse(n, f"batch_size {batch.value}: this product renders one image per graph{batch.hint()}")
-    return (Latent(n.id, ev.get(n, "width", int), ev.get(n, "height", int), Val(1, n.label()), image=True),)
+    return (Latent(n.id, ev.get(n, "width", int), ev.get(n, "height", int),
+                   Val(IMAGE_FRAMES, f"{n.label()} (one image: one latent frame, no sound)"), image=True),)
 
 
 # -- sampling
@@ -1020,8 +1021,9 @@ def _render(ev: Interpreter, n: Node, output: str, frames: Frames, sound: Sound 
                                 "nodes: the MiniMax-H3 node that encodes the prompt also makes the latent")
     for guide in cond.guides:
         if guide.latent != lat.node:
-            ev.refuse(ev.graph.node(guide.node), f"its latent (node {guide.latent}) is not the one sampled (node {lat.node}): "
-                                             "a guide anchors a frame of the video the sampler makes")
+            ev.refuse(ev.graph.node(guide.node), f"its latent (node {guide.latent}) is not the one sampled "
+                                                 f"(node {lat.node}): a guide anchors a frame of the video the "
+                                                 "sampler makes")
     if output == "png" and not lat.image:
         ev.refuse(n, "it saves the frames of a video as images: this product saves an image graph "
                      "(EmptyLatentImage) as a PNG and a video graph with SaveVideo")
@@ -1047,19 +1049,11 @@ def _render(ev: Interpreter, n: Node, output: str, frames: Frames, sound: Sound 
         audio_shift=g.model.shift[1] if g.model.shift else None, sparse=g.model.sparse,
         loras=[(f.name, strength) for f, strength in g.model.loras],
         first_frame=cond.first_frame, last_frame=cond.last_frame, references=list(cond.references),
-        guides=list(cond.guides), files=[g.model.unet, cond.clip.file, frames.vae.file] + ([sound.vae.file] if sound else [])
+        guides=list(cond.guides),
+        files=[g.model.unet, cond.clip.file, frames.vae.file] + ([sound.vae.file] if sound else [])
         + [f for f, _ in g.model.loras],
         notes=ev.notes)
-    if lat.image:
-        render.frames = Val(IMAGE_FRAMES, f"{ev.graph.node(lat.node).label()} (one image: rendered as the "
-                                          f"{IMAGE_FRAMES}-frame clip, the shortest this product renders)")
-        render.notes.append(f"an image graph (EmptyLatentImage node {lat.node}): rendered as a {IMAGE_FRAMES}-frame "
-                            "clip, the shortest this product renders, and saved as its first frame; ComfyUI samples "
-                            "one latent frame instead, so the picture is not the one ComfyUI would draw")
     return render
-
-
-IMAGE_FRAMES = 22  # contract.MIN_FRAMES: an image graph renders the shortest clip and keeps its first frame
 
 
 # -- the known types this product does not run

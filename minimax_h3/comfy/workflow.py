@@ -18,7 +18,8 @@ from pathlib import Path
 from h3.v1 import common_pb2, render_pb2
 from minimax_h3.comfy import (Graph, MediaRef, Refusal, Val, WorkflowRefused, WorkflowRender, attribute, interpret,
                               read_workflow)
-from minimax_h3.contract import resolve_guide_frame, sparse_to_proto, spec_from_proto, validate
+from minimax_h3.contract import (IMAGE_CRF, IMAGE_FRAMES, PNG, resolve_guide_frame, sparse_to_proto, spec_from_proto,
+                                 validate)
 from stagekit.errors import InvalidArgument
 
 # How the request's own fields override the graph: (params field, how it counts as set).
@@ -27,8 +28,6 @@ _OVERRIDES = (("prompt", lambda p: bool(p.prompt)), ("width", lambda p: p.HasFie
               ("steps", lambda p: p.HasField("steps")), ("seed", lambda p: p.HasField("seed")),
               ("sampler", lambda p: bool(p.sampler)), ("scheduler", lambda p: bool(p.scheduler)),
               ("video_shift", lambda p: p.video_shift != 0), ("audio_shift", lambda p: p.audio_shift != 0))
-PNG = "png"
-IMAGE_CRF = 1  # an image graph's MP4 is written at the least lossy quality unless the request names one
 PLACEHOLDER_SIZE = (1024, 1024)  # a loaded image's size before its file is bound (only which node feeds which slot
 # is read from that first pass)
 
@@ -222,6 +221,11 @@ def _fill(req: render_pb2.RenderRequest, render: WorkflowRender, files: dict[str
                 if ref is not None:
                     getattr(guide, part).CopyFrom(common_pb2.Reference(
                         kind=ref.kind, data=files[f"guide {i + 1} {part}"][1], name=os.path.basename(ref.name.value)))
+    if (render.output == PNG) != (p.frames == IMAGE_FRAMES):
+        raise InvalidArgument(f"frames={p.frames}: this graph saves an image (SaveImage), one frame; leave out "
+                              "--frames" if render.output == PNG else
+                              f"frames={p.frames} is an image, but this graph saves a video (SaveVideo): give a "
+                              "video's frames (17n+5), or render an image graph")
     if render.output == PNG:
         req.output_format = PNG
         req.crf = req.crf or IMAGE_CRF
