@@ -563,6 +563,16 @@ def test_frames_1_renders_one_frame_as_a_png(svc, tmp_path, capsys):
     assert info.params.frames == 1 and {s.stage for s in info.stages} >= {"encoder", "dit", "decoder"}
     assert cli(["jobs", "fetch", job, "-o", str(tmp_path / "fox.mp4"), "--render", svc.target]) == 0
     assert probe(tmp_path / "fox.mp4") == {"width": 256, "height": 256, "frames": 1, "audio": 0}
+    # an image conditioned on a keyframe over gRPC (the CLI refuses it before anything starts): the DiT refuses it
+    req = render_pb2.RenderRequest(first_frame=png(tmp_path / "k.png", (256, 256)).read_bytes())
+    req.params.prompt, req.params.frames, req.params.width, req.params.height = PROMPTS["text"], 1, 256, 256
+    req.params.steps = 1
+    job = svc.stub.Submit(req, timeout=60).job_id
+    info = wait_for(lambda: (i := svc.stub.Get(render_pb2.JobRef(job_id=job), timeout=30)).error_code and i, 120,
+                    "the keyframed image job to fail")
+    assert info.error_code == "INVALID_ARGUMENT" and "renders from the prompt alone" in info.error, info
+    assert cli(args + ["--first-frame", str(tmp_path / "k.png"), "-o", str(tmp_path / "k2.png")]) == 2
+    assert "--frames 1 renders an image from the prompt alone" in capsys.readouterr().err
 
 
 def readme_workflow_lines() -> list[str]:
