@@ -428,9 +428,9 @@ def _sha(t) -> str:
     return hashlib.sha256(t.contiguous().view(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
 
 
-def loaded_dit_engine(models: Path, tiny: bool):
-    """(engine, cuda, device, load seconds): the DiT stage's engine over `models`' DiT file, loaded on one card as a
-    22 GB Turing card runs it (int8 linears, fp16), or on the CPU (tiny)."""
+def loaded_dit_engine(models: Path, tiny: bool, dit_file: Path | None = None):
+    """(engine, cuda, device, load seconds): the DiT stage's engine over `models`' DiT file (or `dit_file`), loaded on
+    one card as a 22 GB Turing card runs it (int8 linears, fp16), or on the CPU (tiny)."""
     # As every stage process does before its first CUDA allocation (stagekit/stage.py): reserved tracks allocated.
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     import torch
@@ -442,7 +442,7 @@ def loaded_dit_engine(models: Path, tiny: bool):
     dev = "cuda:0" if cuda else "cpu"
     dtype = torch.float16 if cuda else torch.float32
     kw = dict(linear_kernel="int8", attention_kernel="auto") if cuda else {}
-    cfg = DiTEngineConfig(str(models / two.FILES["dit"]), "", models / "cache", dev, dtype, **kw)
+    cfg = DiTEngineConfig(str(dit_file or models / two.FILES["dit"]), "", models / "cache", dev, dtype, **kw)
     eng = DiTEngine(cfg, RankGroup(RankInfo(0, 1, 0), "gloo", 600))
     t0 = time.monotonic()
     eng.load()

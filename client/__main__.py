@@ -42,11 +42,12 @@ from client.endpoints import (DEFAULT_ENDPOINTS_FILE, EndpointError, add_endpoin
 from client.render_client import state_name
 from client.words import job_error_words, rpc_words
 from h3.v1 import render_pb2
-from minimax_h3.contract import (DEFAULT_CRF, DEFAULT_FRAMES, DEFAULT_SIZE, DEFAULT_STEPS, FPS, MAX_AREA,
-                                 MAX_ASPECT, MAX_ASPECT_CHANGE, MAX_CRF, MAX_FRAMES, MAX_OUTPUT_SIDE, MAX_SIDE,
-                                 MAX_STEPS, MAX_WINDOW_FRAMES, MIN_FRAMES, MIN_SIDE, MIN_STEPS, QUALITIES, SAMPLERS,
-                                 SCHEDULERS, SINGLE, SIZE_MULTIPLE, WINDOW_FUSES, WINDOW_MODES, RenderSpec,
-                                 check_output, plan_windows, snap_frames, spec_from_proto, validate)
+from minimax_h3.contract import (DEFAULT_CRF, DEFAULT_FRAMES, DEFAULT_SIZE, DEFAULT_STEPS, FPS, IMAGE_CRF,
+                                 IMAGE_FRAMES, MAX_AREA, MAX_ASPECT, MAX_ASPECT_CHANGE, MAX_CRF, MAX_FRAMES,
+                                 MAX_OUTPUT_SIDE, MAX_SIDE, MAX_STEPS, MAX_WINDOW_FRAMES, MIN_FRAMES, MIN_SIDE,
+                                 MIN_STEPS, PNG, QUALITIES, SAMPLERS, SCHEDULERS, SINGLE, SIZE_MULTIPLE, WINDOW_FUSES,
+                                 WINDOW_MODES, RenderSpec, check_output, plan_windows, snap_frames, spec_from_proto,
+                                 validate)
 from minimax_h3.files import EMBEDDED_NOTE
 from minimax_h3.services import SERVICE_NAMES, STAGES, Endpoints, StageClients
 from stagekit.channels import Security, health_of, replicas_of
@@ -135,6 +136,7 @@ def render_inputs(args):
              if v]
     if given:
         raise CheckError(f"{', '.join(given)} read a graph: give it with --workflow FILE.json")
+    crf_given = args.crf is not None
     for name, default in RENDER_DEFAULTS.items():
         if getattr(args, name) is None:
             setattr(args, name, default)
@@ -167,19 +169,26 @@ def render_inputs(args):
     if keyframes and windows.mode != SINGLE:
         raise CheckError(f"--first-frame/--last-frame/--ref/--guide condition one window, and this render is sampled "
                          f"in windows ({windows.describe()}): render at most {MAX_WINDOW_FRAMES} frames with them")
+    image = _frames(args) == IMAGE_FRAMES
+    if image and keyframes:
+        raise CheckError("--frames 1 renders an image from the prompt alone: --first-frame/--last-frame/--ref/--guide "
+                         "condition a video")
+    if image and not crf_given:
+        args.crf = IMAGE_CRF  # the picture is taken from an MP4 written at the least lossy quality
     try:
         reqs = _render_requests(args, prompts, keyframes, more)
     except ValueError as e:  # InvalidArgument included
         raise CheckError(getattr(e, "message", None) or str(e)) from None
-    if args.detach:  # the MP4 stays with the render service until `jobs fetch`: no file here to name or check
+    if image:
+        for req in reqs:
+            req.output_format = PNG
+    if args.detach:  # the output stays with the render service until `jobs fetch`: no file here to name or check
         if args.output is not None:
-            raise CheckError("-o: --detach writes no file here (the MP4 stays with the render service): leave out "
-                             "-o and fetch it with `jobs fetch ID -o FILE`")
+            raise CheckError("-o: --detach writes no file here (the output stays with the render service): leave "
+                             "out -o and fetch it with `jobs fetch ID -o FILE`")
         return reqs, []
-    outs = output_paths(args.output or "out.mp4", len(reqs), overwrite=args.overwrite)
-    for o in outs:
-        o.parent.mkdir(parents=True, exist_ok=True)
-    return reqs, outs
+    return reqs, _outputs(args, image, len(reqs), "--frames 1 renders an image: name a .png" if image else
+                          "this render is a video: name an .mp4 (--frames 1 renders an image)")
 
 
 def workflow_inputs(args):
@@ -188,7 +197,7 @@ def workflow_inputs(args):
     checked as the render service will (minimax_h3/comfy/workflow.py); CheckError naming each node the product does
     not run."""
     from client.checks import check_request_files
-    from minimax_h3.comfy.workflow import PNG, apply_workflow, folder_reader
+    from minimax_h3.comfy.workflow import apply_workflow, folder_reader
     from minimax_h3.labels import EXTENSIONS, kind_of
 
     if args.prompts_file:
@@ -205,6 +214,9 @@ def workflow_inputs(args):
     if args.timed_prompt or len(args.prompt or ()) > 1:
         raise CheckError("--workflow renders the graph's one prompt: give at most one --prompt (and no "
                          "--timed-prompt) to replace it")
+    if args.guide:
+        raise CheckError("--guide does not combine with --workflow: the graph's MiniMaxH3AddGuide nodes place its "
+                         "guides (change one with --set NODE.frame_idx=N, or its LoadImage's file with --set)")
     if args.prompt:
         p.prompt = args.prompt[0]
     for name in RENDER_DEFAULTS:
@@ -238,15 +250,22 @@ def workflow_inputs(args):
                              "-o and fetch it with `jobs fetch ID -o FILE`")
         return [req], [], render
     png = req.output_format == PNG
+    outs = _outputs(args, png, 1, "this graph saves an image (SaveImage): name a .png" if png else
+                    "this graph saves a video: name an .mp4")
+    return [req], outs, render
+
+
+def _outputs(args, png: bool, n: int, wrong_name: str) -> list[Path]:
+    """The output paths of `n` renders: `-o` (default out.png for an image, else out.mp4); CheckError `wrong_name`
+    when -o names the other kind of file."""
     out = args.output or ("out.png" if png else "out.mp4")
     if png != out.lower().endswith(".png") and not out.endswith(("/", os.sep)):
-        saves = "an image (SaveImage): name a .png" if png else "a video: name an .mp4"
-        raise CheckError(f"-o {out}: this graph saves {saves}")
-    outs = output_paths(out, 1, overwrite=args.overwrite)
-    if png and outs[0].suffix != ".png":
-        outs = [outs[0].with_suffix(".png")]
-    outs[0].parent.mkdir(parents=True, exist_ok=True)
-    return [req], outs, render
+        raise CheckError(f"-o {out}: {wrong_name}")
+    outs = [o.with_suffix(".png") if png and o.suffix != ".png" else o
+            for o in output_paths(out, n, overwrite=args.overwrite)]
+    for o in outs:
+        o.parent.mkdir(parents=True, exist_ok=True)
+    return outs
 
 
 def _read_flag_file(path: str, flag: str) -> bytes:
@@ -263,7 +282,9 @@ def explain(req: render_pb2.RenderRequest, render) -> dict:
                                                    "scheduler", "video_shift", "audio_shift")},
             "loras": [[lo.name, lo.strength] for lo in req.loras],
             "first_frame": len(req.first_frame) or None, "last_frame": len(req.last_frame) or None,
-            "references": [[r.kind, r.name] for r in req.references], "crf": req.crf,
+            "references": [[r.kind, r.name] for r in req.references],
+            "guides": [[g.frame, g.image.name if g.HasField("image") else None,
+                        g.audio.name if g.HasField("audio") else None] for g in req.guides], "crf": req.crf,
             "output_format": req.output_format or "mp4", "graph": render.summary()}
 
 
@@ -675,7 +696,8 @@ def _add_render_parser(sub) -> None:
     shape.add_argument("--height", type=int, help=f"{size_rule} (default: {DEFAULT_SIZE[1]})")
     shape.add_argument("--frames", type=int,
                        help=f"17n+5, {MIN_FRAMES}..{MAX_FRAMES}, at 24 fps (default: {DEFAULT_FRAMES} = 5.2 s); past "
-                            f"{MAX_WINDOW_FRAMES} the render is sampled in windows")
+                            f"{MAX_WINDOW_FRAMES} the render is sampled in windows; {IMAGE_FRAMES}: an image (a PNG, "
+                            "no sound)")
     shape.add_argument("--seconds", type=float,
                        help="instead of --frames: the length in seconds (the smallest valid frame count that long)")
     shape.add_argument("--steps", type=int, help=f"sampling steps, {MIN_STEPS}..{MAX_STEPS} (default: {DEFAULT_STEPS})")

@@ -23,10 +23,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from minimax_h3.contract import (AUDIO_HOP, AUDIO_LATENTS, AUDIO_SAMPLE_RATE, DEFAULT_CRF, ENCODED_KEYFRAME,
-                                 ENCODED_REFERENCE_AUDIO, ENCODED_REFERENCE_VIDEO, H3_GEOMETRY, RAW_AUDIO, RAW_FRAMES,
-                                 SAMPLE_OUTPUTS, VIDEO_LATENTS, LatentGeometry, RenderSpec, audio_latent_count,
-                                 tensor_shapes)
+from minimax_h3.contract import (AUDIO_CHANNELS, AUDIO_HOP, AUDIO_LATENTS, AUDIO_SAMPLE_RATE, DEFAULT_CRF,
+                                 ENCODED_KEYFRAME, ENCODED_REFERENCE_AUDIO, ENCODED_REFERENCE_VIDEO, H3_GEOMETRY,
+                                 RAW_AUDIO, RAW_FRAMES, SAMPLE_OUTPUTS, VIDEO_LATENTS, LatentGeometry, RenderSpec,
+                                 audio_latent_count, tensor_shapes)
 from minimax_h3.files import CHECKPOINT_PARTS, ensure_embedded, resolve_checkpoint, shown_models_dir
 from minimax_h3.media import EMBEDDED_REFERENCE_SIZES, ReferenceSizes
 from minimax_h3.mux import DEFAULT_PRESET
@@ -313,7 +313,10 @@ class DecoderEngine(StageEngine):
         # The audio first, on the rank with the fewest video units: the mux interleaves it with the frames as they
         # are decoded. The audio is small ([2, samples]): it travels as a pickled object over the control group.
         audio = None
-        if self.group.info.rank == self._audio_rank(len(plan)):
+        sound = inputs[AUDIO_LATENTS].shape[-1] > 0  # an image (one frame) has none
+        if not sound and job["format"] == "wav":
+            raise InvalidArgument("an image (one frame) has no sound to write as WAV: ask for mp4 or raw")
+        if sound and self.group.info.rank == self._audio_rank(len(plan)):
             audio = self.audio.decode_rows(self.audio.batch_to_rows(inputs[AUDIO_LATENTS].float())).cpu()
         gathered = self.group.gather_objects(audio)
         rounds_done = [self.group.world_size == 1]
@@ -322,9 +325,9 @@ class DecoderEngine(StageEngine):
             for _ in chunks:  # every rank passes the same rounds; only rank 0 assembles
                 pass
             return {}
-        audio = next(a for a in gathered if a is not None)
-        # Latents were checked finite on arrival: a NaN now is this server's fault (INTERNAL), never muxed.
-        check_result("decoder", "audio (audio VAE decode)", audio, "sample", axis=1)
+        audio = next((a for a in gathered if a is not None), None)
+        if audio is not None:  # Latents were checked finite on arrival: a NaN now is this server's fault (INTERNAL)
+            check_result("decoder", "audio (audio VAE decode)", audio, "sample", axis=1)
 
         def check_cancel() -> None:  # the mux's check before each frame: rank 0 alone, once no collective is left
             if rounds_done[0]:
@@ -384,14 +387,17 @@ class DecoderEngine(StageEngine):
             asm.finish()
             yield from finished()
 
-    def _output(self, job, geom, chunks: Iterator[torch.Tensor], audio: torch.Tensor, check_cancel) -> dict:
+    def _output(self, job, geom, chunks: Iterator[torch.Tensor], audio: torch.Tensor | None, check_cancel) -> dict:
+        """The decoded clip as the job asks: raw frames and audio, a WAV, or an MP4 (video only for an image,
+        `audio` None)."""
         # Imported here: PyAV/soundfile are needed only to mux, not to decode (RAW output runs without them).
         from minimax_h3.mux import FrameStream, frames_to_uint8, write_mp4, write_wav
 
         fmt, name, spec = job["format"], job["output_name"], job["spec"]
         if fmt == "raw":
             frames = torch.cat(list(chunks), dim=1)
-            return {RAW_FRAMES: torch.from_numpy(frames_to_uint8(frames)), RAW_AUDIO: audio.float()}
+            return {RAW_FRAMES: torch.from_numpy(frames_to_uint8(frames)),
+                    RAW_AUDIO: torch.zeros(AUDIO_CHANNELS, 0) if audio is None else audio.float()}
         suffix = ".wav" if fmt == "wav" else ".mp4"
         fd, tmp = tempfile.mkstemp(prefix="h3dec-", suffix=suffix, dir=self.cfg.out_dir)
         os.close(fd)
@@ -417,7 +423,8 @@ class DecoderEngine(StageEngine):
             log.info("mux of %s abandoned after %.2f s (%s)", name, time.monotonic() - t0, type(e).__name__)
             raise
         log.info("muxed %s in %.2f s", name, time.monotonic() - t0)
-        return {"file": Path(tmp), "name": name, "frames": frames, "audio_samples": audio.shape[-1]}
+        samples = 0 if audio is None else audio.shape[-1]
+        return {"file": Path(tmp), "name": name, "frames": frames, "audio_samples": samples}
 
     @staticmethod
     def _prefix(job, spec: RenderSpec, audio: torch.Tensor) -> tuple[tuple[int, Iterator], torch.Tensor]:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from minimax_h3.contract import (AUDIO_CHANNELS, AUDIO_LATENTS, CONTINUATION, TAIL_AUDIO, TAIL_VIDEO,
+from minimax_h3.contract import (AUDIO_CHANNELS, AUDIO_LATENTS, CONTINUATION, IMAGE_FRAMES, TAIL_AUDIO, TAIL_VIDEO,
                                  KEYFRAME_TENSORS, PARTITIONS, SINGLE, TEXT_STATES, TEXT_TAGS, VAE_SPATIAL,
                                  VIDEO_LATENTS, LatentGeometry, RenderSpec, WindowPlan, check_partition, has_references,
                                  keyframe_anchors, needed_partition, plan_windows, prompt_tensor)
@@ -578,6 +578,9 @@ class DiTEngine(StageEngine):
         if refs and keyframe_anchors(inputs):
             raise InvalidArgument("references and first/last keyframes do not combine: the ref2va partition takes "
                                   "references only (put the image in as a reference instead)")
+        if spec.frames == IMAGE_FRAMES and (refs or keyframe_anchors(inputs) or has_guides(inputs)):
+            raise InvalidArgument("an image (frames=1) renders from the prompt alone: keyframes, references and "
+                                  "guides condition a video")
         windowed = plan_windows(spec).mode != SINGLE
         if windowed and (refs or keyframe_anchors(inputs) or TEXT_TAGS in inputs):
             raise InvalidArgument(f"a render sampled in windows ({plan_windows(spec).describe()}) takes text prompts "
@@ -794,4 +797,4 @@ def _probe_kernels(cfg: DiTEngineConfig) -> KernelSelection:
 
 
 def _sha256(t: torch.Tensor) -> str:
-    return hashlib.sha256(t.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+    return hashlib.sha256(t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest()  # 0 rows too

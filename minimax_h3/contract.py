@@ -48,6 +48,7 @@ AUDIO_LATENTS_PER_SECOND = AUDIO_SAMPLE_RATE // AUDIO_HOP  # 40
 
 # ---- render-spec bounds ------------------------------------------------------------------------------------------
 MIN_FRAMES = 22           # n = 1: the reference VAE decode rejects fewer than 3 latent frames
+IMAGE_FRAMES = 1          # an image: one latent frame (a still, as ComfyUI samples EmptyLatentImage), no sound
 MAX_WINDOW_FRAMES = 515   # one window, sampled in one pass: n = 30 (trained range is ~124-362; longer is not promised)
 MAX_FRAMES = 7196         # n = 423, 299.8 s: beyond one window the render is sampled in windows (section 6)
 SIZE_MULTIPLE = 32        # one DiT row covers 32x32 pixels
@@ -70,6 +71,8 @@ DEFAULT_STEPS = 8          # model calls in the stock ComfyUI template (res_mult
 DEFAULT_SIZE = (832, 480)
 DEFAULT_FRAMES = 124
 DEFAULT_CRF = 18           # H.264 quality when a request says 0
+PNG = "png"                # RenderRequest.output_format of an image: its one frame, taken from an MP4 written at
+IMAGE_CRF = 1              # ... this quality unless the request names one
 MAX_CRF = 51               # x264's scale: 0 means DEFAULT_CRF here, lower is better
 MAX_OUTPUT_SIDE = 4096     # --upscale bounds: H.264 level 5.1 sizes, at most UHD
 MAX_OUTPUT_AREA = 3840 * 2160
@@ -85,7 +88,9 @@ def snap_frames(frames: int) -> int:
 
 
 def video_latent_frames(frames: int) -> int:
-    """T = 5n + 2 latent frames for F = 17n + 5 pixel frames; InvalidArgument for any other count."""
+    """T = 5n + 2 latent frames for F = 17n + 5 pixel frames, 1 for an image; InvalidArgument for any other count."""
+    if frames == IMAGE_FRAMES:
+        return 1
     if frames < FRAME_OFFSET or frames % FRAME_CLIP != FRAME_OFFSET:
         raise InvalidArgument(
             f"frames must be of the form 17*n + 5 (e.g. 124, 141, 362), got {frames}; snap_frames({frames}) = "
@@ -95,7 +100,9 @@ def video_latent_frames(frames: int) -> int:
 
 
 def audio_latent_count(frames: int) -> int:
-    """Ta = round(F / 24 * 40) audio latents per channel (never a .5 tie for F = 17n + 5)."""
+    """Ta = round(F / 24 * 40) audio latents per channel (never a .5 tie for F = 17n + 5); none for an image."""
+    if frames == IMAGE_FRAMES:
+        return 0
     return int(round(frames / FPS * AUDIO_LATENTS_PER_SECOND))
 
 
@@ -236,11 +243,12 @@ def validate(spec: RenderSpec, need_prompt: bool = False) -> RenderSpec:
     if need_prompt and not spec.prompt.strip():
         raise InvalidArgument("prompt is empty; describe the video (and its sound) to generate")
     f = spec.frames
-    if f < MIN_FRAMES or f > MAX_FRAMES or (f - FRAME_OFFSET) % FRAME_CLIP:
+    if f != IMAGE_FRAMES and (f < MIN_FRAMES or f > MAX_FRAMES or (f - FRAME_OFFSET) % FRAME_CLIP):
         lo, hi = nearest_valid_frames(min(max(f, MIN_FRAMES), MAX_FRAMES))
         near = f"{lo} or {hi}" if lo != hi and hi <= MAX_FRAMES else str(lo)
         raise InvalidArgument(
-            f"frames={f} is not valid: frame counts must be 17n+5 between {MIN_FRAMES} and {MAX_FRAMES} "
+            f"frames={f} is not valid: frame counts must be 17n+5 between {MIN_FRAMES} and {MAX_FRAMES}, or "
+            f"{IMAGE_FRAMES} for an image "
             f"(nearest valid: {near}; 124 = 5.2 s at 24 fps; beyond {MAX_WINDOW_FRAMES} the render is sampled in "
             "windows)")
     check_canvas(spec.width, spec.height)

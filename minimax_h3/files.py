@@ -98,6 +98,8 @@ def find_checkpoint(models_dir: str | Path, patterns: list[str], what: str, excl
     found: dict[Path, Path] = {}  # real path -> path as found (a link and its target are one candidate)
     for pat in patterns:
         for p in sorted(root.rglob(pat)):
+            if COMFY_FOLDERS["lora"] in p.relative_to(root).parts[:-1]:
+                continue  # ComfyUI's LoRA folder: never a checkpoint (the Turbo LoRAs' names say only minimax_h3)
             if (p.is_file() or p.is_dir()) and not any(fnmatch.fnmatch(p.name, x) for x in exclude):
                 found.setdefault(p.resolve(), p)
     hits = list(_one_per_checkpoint(found).values())

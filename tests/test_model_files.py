@@ -305,7 +305,8 @@ def test_comfyui_folder_resolves_one_file_per_stage(tmp_path):
            "diffusion_models/minimax_h3_ref2va_pruned_int8_convrot.safetensors",  # another model: told apart by name
            "text_encoders/qwen3vl_32b_minimax_h3_int8_convrot.safetensors",
            "vae/minimax_h3_video_vae_fp16.safetensors", "vae/minimax_h3_audio_vae_fp32.safetensors",
-           "loras/minimax_h3_style_lora.safetensors")
+           "loras/minimax_h3_style_lora.safetensors",
+           "loras/minimax_h3_fl2v_turbo_8step_v1.0_comfyui_bf16.safetensors")  # a LoRA's folder: not a checkpoint
     assert find_checkpoint(tmp_path, CHECKPOINT_PATTERNS, "DiT", CHECKPOINT_EXCLUDE).name == \
         "minimax_h3_fl2va_pruned_int8_convrot.safetensors"
     assert find_checkpoint(tmp_path, TE_PATTERNS, "TE").parent.name == "text_encoders"

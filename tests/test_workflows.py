@@ -41,7 +41,8 @@ from client.__main__ import main as cli  # noqa: E402
 from h3.v1 import render_pb2  # noqa: E402
 from minimax_h3.comfy import NODES, REFUSED, GraphError, interpret, read_workflow  # noqa: E402
 from minimax_h3.comfy.expr import ExpressionError, evaluate  # noqa: E402
-from minimax_h3.comfy.workflow import apply_workflow, edited_graph, graph_problems  # noqa: E402
+from minimax_h3.comfy import WorkflowRefused  # noqa: E402
+from minimax_h3.comfy.workflow import apply_workflow, edited_graph, folder_reader, graph_problems  # noqa: E402
 from minimax_h3.files import MODEL_FILES  # noqa: E402
 from tests.hub_server import FakeHub, HubFile  # noqa: E402
 from tests.render_svc_util import RenderService, probe, wait_for  # noqa: E402
@@ -101,15 +102,17 @@ EXPECTED = {
         files=dict(dit=REF2VA, text_encoder=NVFP4, video_vae=INT8_VAE, audio_vae=AUDIO_VAE),
         refused=[("136", "MiniMaxH3ReferenceToVideo", MATCH), ("119", "VAELoader", file_refusal(INT8_VAE))],
         fixes={MATCH: "136.ref_image_size=max"}),
-    "video_minimax_h3_multiframe_reference": dict(
+    "video_minimax_h3_multiframe_reference": dict(  # three MiniMaxH3AddGuide: frame_idx = round(seconds * 24)
         values=dict(conditioning="reference_to_video", seed=148096032077131, width=864, height=480, frames=124,
-                    steps=20, references=[["image", "h3_frame_ref_1.png"]]),
+                    steps=20, references=[["image", "h3_frame_ref_1.png"]],
+                    guides=[[36, "h3_frame_ref_2.png", None], [72, "h3_frame_ref_3.png", None],
+                            [120, "h3_frame_ref_4.png", None]]),
         files=dict(dit=REF2VA, video_vae=INT8_VAE),
-        refused=[("147", "MiniMaxH3AddGuide", type_refusal("MiniMaxH3AddGuide")),
-                 ("162", "MiniMaxH3AddGuide", type_refusal("MiniMaxH3AddGuide")),
-                 ("169", "MiniMaxH3AddGuide", type_refusal("MiniMaxH3AddGuide")),
-                 ("136", "MiniMaxH3ReferenceToVideo", MATCH), ("119", "VAELoader", file_refusal(INT8_VAE))],
-        fixes={MATCH: "136.ref_image_size=max"}),
+        refused=[("136", "MiniMaxH3ReferenceToVideo", MATCH), ("119", "VAELoader", file_refusal(INT8_VAE))],
+        fixes={MATCH: "136.ref_image_size=max"},
+        # the guides' seconds for a 22-frame render: frames 6, 12 and -6 (counted from the end: 16)
+        render_sets=["154.value=0.25", "160.value=0.5", "168.value=-0.25"],
+        render_guides=[6, 12, -6], prompt="<Picture 1> on a rooftop, thunder"),
     "video_fastvideo_fasth3_t2v": dict(
         values=dict(conditioning="image_to_video", seed=631153434041465, width=640, height=640, frames=124, steps=8,
                     sampler="res_multistep", video_shift=10, audio_shift=3, sparse_attention=VSA),
@@ -129,7 +132,7 @@ EXPECTED = {
                  ("119", "VAELoader", file_refusal(INT8_VAE))],
         fixes={MATCH: "136.ref_image_size=max"}, prompt="<Picture 1> banks low over the sea, engine roar"),
     "image_minimax_h3_t2i": dict(  # 0.9 MP at 16:9 with multiple 8 -> 1296 x 728: not whole 32-px DiT rows
-        values=dict(output="png", conditioning="text", seed=697447143149280, width=1296, height=728, frames=22,
+        values=dict(output="png", conditioning="text", seed=697447143149280, width=1296, height=728, frames=1,
                     steps=30, sampler="res_multistep", scheduler="simple", loras=[]),
         files=dict(dit=FL2VA, text_encoder=NVFP4, video_vae=FP16_VAE),
         refused=[("", "", "width=1296 is not valid")], fixes={"width=1296": "79.multiple=32"}),
@@ -268,6 +271,55 @@ def test_set_bypass_and_mute():
     assert any(p.node == "141" and "on_true is not connected" in p.why for p in found.refusals), found.refusals
 
 
+MULTIFRAME_FIXED = ["136.ref_image_size=max"]
+
+
+def test_add_guide_nodes_become_the_requests_guides(inputs):
+    """MiniMaxH3AddGuide (ComfyUI's node: image and / or audio at frame_idx, negative from the end, no strength):
+    each one a request guide in chain order, its frame as computed, its file from the input folder."""
+    req = render_pb2.RenderRequest(workflow_json=template("video_minimax_h3_multiframe_reference").read_text(),
+                                   workflow_set=[*MULTIFRAME_FIXED, "168.value=-0.5"])
+    req.params.prompt = "<Picture 1> on a rooftop, thunder"
+    render = apply_workflow(req, folder_reader(inputs))
+    assert [g.node for g in render.guides] == ["147", "162", "169"]
+    assert [(g.frame, g.image.name, g.HasField("audio")) for g in req.guides] == [
+        (36, "h3_frame_ref_2.png", False), (72, "h3_frame_ref_3.png", False), (-12, "h3_frame_ref_4.png", False)]
+    assert [g.image.data for g in req.guides] == [(inputs / f"h3_frame_ref_{i}.png").read_bytes() for i in (2, 3, 4)]
+    assert req.params.frames == 124 and [r.name for r in req.references] == ["h3_frame_ref_1.png"]
+    # past the video's end: refused naming the node and where its frame came from, as ComfyUI's node refuses it
+    req = render_pb2.RenderRequest(workflow_json=req.workflow_json, workflow_set=MULTIFRAME_FIXED)
+    req.params.prompt, req.params.frames = "<Picture 1> on a rooftop, thunder", 56
+    with pytest.raises(WorkflowRefused) as e:
+        apply_workflow(req, folder_reader(inputs))
+    assert [(r.node, r.type) for r in e.value.refusals] == [("162", "MiniMaxH3AddGuide"), ("169", "MiniMaxH3AddGuide")]
+    assert "frame_idx 72 (ComfyMathExpression node 161 (round (a * 24))): guide frame 72 is outside the video's 56 " \
+           "frames" in str(e.value)
+
+
+def _multiframe_api() -> dict:
+    return edited_graph(template("video_minimax_h3_multiframe_reference").read_text(), MULTIFRAME_FIXED).api()
+
+
+@pytest.mark.parametrize("edit,needle", [
+    (lambda g: g["147"]["inputs"].pop("image"), "it anchors nothing: connect an image and / or an audio"),
+    (lambda g: g["147"]["inputs"].pop("vae"), "it anchors an image without its vae input"),
+    (lambda g: g.update({"900": {"class_type": "LoadAudio", "inputs": {"audio": "voice.wav"}}})
+     or g["147"]["inputs"].update(audio=["900", 0]) or g["147"]["inputs"].pop("audio_vae"),
+     "it anchors a sound without its audio_vae input"),
+    (lambda g: g.update({"900": {"class_type": "LoadVideo", "inputs": {"file": "clip.mp4"}},
+                         "901": {"class_type": "GetVideoComponents", "inputs": {"video": ["900", 0]}}})
+     or g["147"]["inputs"].update(image=["901", 0]), "this product anchors one image per guide, not a clip"),
+    (lambda g: g["147"]["inputs"].update(latent=["999", 0]) or g.update(
+        {"999": {"class_type": "EmptyLatentImage", "inputs": {"width": 256, "height": 256, "batch_size": 1}}}),
+     "a guide anchors a frame of a video latent"),
+])
+def test_add_guide_inputs_this_product_cannot_honour_are_refused(edit, needle):
+    g = _multiframe_api()
+    edit(g)
+    found = interpret(read_workflow(g), lambda ref: IMAGE_SIZE)
+    assert any(p.node == "147" and needle in p.why for p in found.refusals), found.refusals
+
+
 @pytest.mark.parametrize("expr,values,want", [
     ("max(5, round(a * 24)) + (5 - (max(5, round(a * 24)) % 17)) % 17", {"a": 5}, 124),
     ("max(5, round(a * 24)) + (5 - (max(5, round(a * 24)) % 17)) % 17", {"a": 2}, 56),
@@ -308,8 +360,9 @@ def inputs(tmp_path_factory) -> Path:
     for name in LOCAL:
         raw = json.loads(template(name).read_text())
         for n in raw["nodes"]:
-            if n["type"] == "LoadImage":
-                png(d / n["widgets_values_named"]["image"], (128, 96))
+            if n["type"] == "LoadImage":  # each file its own colour: a file in the wrong slot shows
+                name_ = n["widgets_values_named"]["image"]
+                png(d / name_, (128, 96), tuple(hashlib.sha256(name_.encode()).digest()[:3]))
     return d
 
 
@@ -393,19 +446,29 @@ def tiny_api_graph() -> dict:
 def test_templates_render_through_the_cli_and_comfyui_routes(svc, inputs, tmp_path, capsys):
     renderable = {name: f for name in LOCAL if (f := fixes(name)) is not None}
     assert {"video_minimax_h3_t2v", "video_minimax_h3_i2v", "video_minimax_h3_i2v_continuation",
-            "video_minimax_h3_r2v", "image_minimax_h3_t2i", "video_fastvideo_fasth3_t2v", "video_fastvideo_fasth3_i2v",
+            "video_minimax_h3_r2v", "video_minimax_h3_multiframe_reference", "image_minimax_h3_t2i",
+            "video_fastvideo_fasth3_t2v", "video_fastvideo_fasth3_i2v",
             "video_fasth3_ominiref_r2v"} <= set(renderable)
-    tiny = ["--width", "256", "--height", "256", "--frames", "22", "--steps", "1"]
+    tiny = ["--width", "256", "--height", "256", "--steps", "1"]
     ws = ComfyWebsocket(svc.http, "tester")
     first = ws.message()
     assert first["type"] == "status" and first["data"]["sid"] == "tester", first
     jobs = {}
     for name, sets in renderable.items():  # queued together: the stages batch them
+        sets = [*sets, *EXPECTED[name].get("render_sets", [])]
+        image = EXPECTED[name]["values"].get("output") == "png"  # one frame: the graph's own
         args = ["render", "--workflow", str(template(name)), "--input-dir", str(inputs), "--render", svc.target,
-                "--detach", "--prompt", prompt_of(name), *tiny, *(x for s in sets for x in ("--set", s))]
+                "--detach", "--prompt", prompt_of(name), *tiny, *([] if image else ["--frames", "22"]),
+                *(x for s in sets for x in ("--set", s))]
         assert cli(args) == 0, capsys.readouterr().err
         out = capsys.readouterr().out
         jobs[name] = out.split()[1]
+        if "render_guides" in EXPECTED[name]:  # the request it became: the guides at the frames the graph computes
+            assert cli(args + ["--explain"]) == 0, capsys.readouterr().err
+            explained = json.loads(capsys.readouterr().out)
+            want = [[f, g[1], g[2]]
+                    for f, g in zip(EXPECTED[name]["render_guides"], EXPECTED[name]["values"]["guides"])]
+            assert explained["guides"] == want and explained["graph"]["guides"] == want, explained
 
     # README's lines, as printed (against this test's service): the templates folder, the request, the render
     folder, *lines = readme_workflow_lines()
@@ -461,7 +524,7 @@ def test_templates_render_through_the_cli_and_comfyui_routes(svc, inputs, tmp_pa
             capsys.readouterr().err
         info = svc.stub.Get(render_pb2.JobRef(job_id=job), timeout=30)
         p = info.params
-        assert (p.width, p.height, p.frames, p.steps) == (256, 256, 22, 1), name
+        assert (p.width, p.height, p.frames, p.steps) == (256, 256, 1 if out.suffix == ".png" else 22, 1), name
         assert p.seed == values["seed"] and p.sampler == values.get("sampler", p.sampler), name
         assert p.video_shift == (values.get("video_shift") or 0) and p.prompt == prompt_of(name)
         sparse = values.get("sparse_attention")
@@ -481,6 +544,35 @@ def test_templates_render_through_the_cli_and_comfyui_routes(svc, inputs, tmp_pa
     assert readme.returncode == 0, err
     assert probe(tmp_path / "t2v.mp4") == {"width": 512, "height": 288, "frames": 22, "audio": 1}
     capsys.readouterr()
+
+
+def test_frames_1_renders_one_frame_as_a_png(svc, tmp_path, capsys):
+    """`render --frames 1` (what the image graph becomes too): one latent frame and no sound, saved as a PNG; an .mp4
+    name refused before anything starts."""
+    args = ["render", "--prompt", PROMPTS["text"], "--frames", "1", "--width", "256", "--height", "256", "--steps",
+            "2", "--render", svc.target]
+    assert cli(args + ["-o", str(tmp_path / "fox.mp4")]) == 2
+    assert "--frames 1 renders an image: name a .png" in capsys.readouterr().err
+    assert cli(args + ["-o", str(tmp_path / "fox.png")]) == 0, capsys.readouterr().err
+    said = capsys.readouterr()
+    with Image.open(tmp_path / "fox.png") as im:
+        assert im.format == "PNG" and im.size == (256, 256)
+    assert not list(tmp_path.glob(".fox.png*"))
+    job = re.search(r"job ([0-9a-f]{16})", said.out + said.err).group(1)
+    info = svc.stub.Get(render_pb2.JobRef(job_id=job), timeout=30)
+    assert info.params.frames == 1 and {s.stage for s in info.stages} >= {"encoder", "dit", "decoder"}
+    assert cli(["jobs", "fetch", job, "-o", str(tmp_path / "fox.mp4"), "--render", svc.target]) == 0
+    assert probe(tmp_path / "fox.mp4") == {"width": 256, "height": 256, "frames": 1, "audio": 0}
+    # an image conditioned on a keyframe over gRPC (the CLI refuses it before anything starts): the DiT refuses it
+    req = render_pb2.RenderRequest(first_frame=png(tmp_path / "k.png", (256, 256)).read_bytes())
+    req.params.prompt, req.params.frames, req.params.width, req.params.height = PROMPTS["text"], 1, 256, 256
+    req.params.steps = 1
+    job = svc.stub.Submit(req, timeout=60).job_id
+    info = wait_for(lambda: (i := svc.stub.Get(render_pb2.JobRef(job_id=job), timeout=30)).error_code and i, 120,
+                    "the keyframed image job to fail")
+    assert info.error_code == "INVALID_ARGUMENT" and "renders from the prompt alone" in info.error, info
+    assert cli(args + ["--first-frame", str(tmp_path / "k.png"), "-o", str(tmp_path / "k2.png")]) == 2
+    assert "--frames 1 renders an image from the prompt alone" in capsys.readouterr().err
 
 
 def readme_workflow_lines() -> list[str]:

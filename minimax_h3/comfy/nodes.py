@@ -24,7 +24,7 @@ from typing import Any
 
 from minimax_h3.comfy.expr import ExpressionError, evaluate
 from minimax_h3.comfy.graph import Graph, GraphError, Link, Literal, Node
-from minimax_h3.contract import FPS, RenderSpec, SparseAttention, check_sparse, needed_partition
+from minimax_h3.contract import FPS, IMAGE_FRAMES, RenderSpec, SparseAttention, check_sparse, needed_partition
 from minimax_h3.files import MODEL_FILES
 from stagekit.errors import InvalidArgument
 
@@ -105,6 +105,17 @@ class VideoPart:
 
 
 @dataclass(frozen=True)
+class GuideUse:
+    """A MiniMaxH3AddGuide node's guide: an image and / or a sound anchored at `frame` (negative: from the end)."""
+
+    node: str
+    frame: Val
+    latent: str         # the node whose latent it anchors in
+    image: MediaRef | None = None
+    audio: MediaRef | None = None
+
+
+@dataclass(frozen=True)
 class Cond:
     node: str
     kind: str           # text | image_to_video | reference_to_video
@@ -115,6 +126,7 @@ class Cond:
     references: tuple[MediaRef, ...] = ()
     vae: Vae | None = None
     audio_vae: Vae | None = None
+    guides: tuple[GuideUse, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -243,6 +255,7 @@ class WorkflowRender:
     first_frame: MediaRef | None = None
     last_frame: MediaRef | None = None
     references: list[MediaRef] = field(default_factory=list)
+    guides: list[GuideUse] = field(default_factory=list)
     files: list[FileUse] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
 
@@ -256,9 +269,11 @@ class WorkflowRender:
                           sparse=self.sparse)
 
     def media(self) -> list[tuple[str, MediaRef]]:
-        """(slot, file) of every file the render reads: first_frame, last_frame, reference i."""
+        """(slot, file) of every file the render reads: first_frame, last_frame, reference i, guide i image / audio."""
         out = [(a, r) for a, r in (("first_frame", self.first_frame), ("last_frame", self.last_frame)) if r]
-        return out + [(f"reference {i + 1}", r) for i, r in enumerate(self.references)]
+        out += [(f"reference {i + 1}", r) for i, r in enumerate(self.references)]
+        return out + [(f"guide {i + 1} {part}", r) for i, g in enumerate(self.guides)
+                      for part, r in (("image", g.image), ("audio", g.audio)) if r]
 
     def summary(self) -> dict:
         """The request as plain values (what the CLI's --explain prints and the tests compare)."""
@@ -275,6 +290,8 @@ class WorkflowRender:
             "first_frame": self.first_frame and self.first_frame.name.value,
             "last_frame": self.last_frame and self.last_frame.name.value,
             "references": [[r.kind, r.name.value] for r in self.references],
+            "guides": [[g.frame.value, g.image and g.image.name.value, g.audio and g.audio.name.value]
+                       for g in self.guides],
             "files": {f.role: f.name.value for f in self.files if f.role != "lora"},
             "notes": list(self.notes),
         }
@@ -498,9 +515,6 @@ REFUSED: dict[str, str] = {
     "ModelPatchLoader": "loads a model patch (a ControlNet): this product does not run them",
     "SDPose*": "pose extraction (SDPose): not part of this product",
     "RTDETR_detect": "person detection (RT-DETR): not part of this product",
-    "MiniMaxH3AddGuide": "a guide frame at a chosen time: this product conditions on first/last keyframes "
-                         "(MiniMaxH3ImageToVideo) or references (MiniMaxH3ReferenceToVideo), not on guides at "
-                         "other frames",
     "MiniMaxH3ContextWindows": "context windows (long video in overlapping windows): this product renders one "
                                "window of up to 515 frames",
     "KSampler": "the one-node sampler (with CFG and a negative prompt): this product samples H3 as its templates "
@@ -509,7 +523,7 @@ REFUSED: dict[str, str] = {
                  "(BasicGuider)",
 }
 # Known types a refused node passes its input on through, so the rest of the graph is still checked.
-_PASS_THROUGH = {"MiniMaxH3AddGuide": "positive", "MiniMaxH3ContextWindows": "model"}
+_PASS_THROUGH = {"MiniMaxH3ContextWindows": "model"}
 
 
 def refusal_reason(type_name: str) -> str:
@@ -858,12 +872,40 @@ def _reference_to_video(ev, n):
     return cond, latent
 
 
+@node("MiniMaxH3AddGuide", ("frame_idx",))
+def _add_guide(ev, n):
+    """ComfyUI's guide (comfy_extras/nodes_minimax_h3.py): an image and / or a sound anchored at `frame_idx` of the
+    video its latent makes (negative: counted from the end), added to the conditioning it passes on; no strength.
+    A one-image guide here: a clip (an image batch of 17k + 5 frames) is refused."""
+    cond = ev.get(n, "positive", Cond)
+    latent = ev.get(n, "latent", Latent)
+    frame = ev.get(n, "frame_idx", int)
+    if latent.image:
+        raise ev.stop(n, f"its latent is an image's (EmptyLatentImage node {latent.node}): a guide anchors a frame of "
+                         "a video latent (MiniMaxH3ImageToVideo or MiniMaxH3ReferenceToVideo)")
+    if isinstance(ev.raw(n, "image"), VideoPart):
+        raise ev.stop(n, "its image is a video's frames (GetVideoComponents): this product anchors one image per "
+                         "guide, not a clip; connect a LoadImage")
+    image = _image_input(ev, n, "image")
+    audio = ev.get(n, "audio", (MediaRef, VideoPart), optional=True)
+    if isinstance(audio, VideoPart) or audio is not None and audio.kind != "audio":
+        raise ev.stop(n, "its audio input is not a LoadAudio sound: connect a LoadAudio")
+    if image is None and audio is None:
+        raise ev.stop(n, "it anchors nothing: connect an image and / or an audio")
+    for part, name, kind in ((image, "vae", "video"), (audio, "audio_vae", "audio")):
+        if part is not None and _vae_of(ev, n, name, kind, optional=True) is None:
+            raise ev.stop(n, f"it anchors {'an image' if kind == 'video' else 'a sound'} without its {name} input "
+                             f"(the {kind} VAE that encodes it): connect the VAELoader")
+    return (replace(cond, guides=cond.guides + (GuideUse(n.id, frame, latent.node, image, audio),)),)
+
+
 @node("EmptyLatentImage", ("width", "height", "batch_size"))
 def _empty_latent_image(ev, n):
     batch = ev.get(n, "batch_size", int, default=1)
     if batch.value != 1:
         ev.refuse(n, f"batch_size {batch.value}: this product renders one image per graph{batch.hint()}")
-    return (Latent(n.id, ev.get(n, "width", int), ev.get(n, "height", int), Val(1, n.label()), image=True),)
+    return (Latent(n.id, ev.get(n, "width", int), ev.get(n, "height", int),
+                   Val(IMAGE_FRAMES, f"{n.label()} (one image: one latent frame, no sound)"), image=True),)
 
 
 # -- sampling
@@ -977,6 +1019,11 @@ def _render(ev: Interpreter, n: Node, output: str, frames: Frames, sound: Sound 
     elif lat.node != cond.node:
         ev.refuse(sampler_node, f"its latent (node {lat.node}) and its conditioning (node {cond.node}) come from two "
                                 "nodes: the MiniMax-H3 node that encodes the prompt also makes the latent")
+    for guide in cond.guides:
+        if guide.latent != lat.node:
+            ev.refuse(ev.graph.node(guide.node), f"its latent (node {guide.latent}) is not the one sampled "
+                                                 f"(node {lat.node}): a guide anchors a frame of the video the "
+                                                 "sampler makes")
     if output == "png" and not lat.image:
         ev.refuse(n, "it saves the frames of a video as images: this product saves an image graph "
                      "(EmptyLatentImage) as a PNG and a video graph with SaveVideo")
@@ -1002,19 +1049,11 @@ def _render(ev: Interpreter, n: Node, output: str, frames: Frames, sound: Sound 
         audio_shift=g.model.shift[1] if g.model.shift else None, sparse=g.model.sparse,
         loras=[(f.name, strength) for f, strength in g.model.loras],
         first_frame=cond.first_frame, last_frame=cond.last_frame, references=list(cond.references),
+        guides=list(cond.guides),
         files=[g.model.unet, cond.clip.file, frames.vae.file] + ([sound.vae.file] if sound else [])
         + [f for f, _ in g.model.loras],
         notes=ev.notes)
-    if lat.image:
-        render.frames = Val(IMAGE_FRAMES, f"{ev.graph.node(lat.node).label()} (one image: rendered as the "
-                                          f"{IMAGE_FRAMES}-frame clip, the shortest this product renders)")
-        render.notes.append(f"an image graph (EmptyLatentImage node {lat.node}): rendered as a {IMAGE_FRAMES}-frame "
-                            "clip, the shortest this product renders, and saved as its first frame; ComfyUI samples "
-                            "one latent frame instead, so the picture is not the one ComfyUI would draw")
     return render
-
-
-IMAGE_FRAMES = 22  # contract.MIN_FRAMES: an image graph renders the shortest clip and keeps its first frame
 
 
 # -- the known types this product does not run

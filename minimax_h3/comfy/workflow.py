@@ -15,10 +15,11 @@ import re
 from collections.abc import Callable
 from pathlib import Path
 
-from h3.v1 import render_pb2
+from h3.v1 import common_pb2, render_pb2
 from minimax_h3.comfy import (Graph, MediaRef, Refusal, Val, WorkflowRefused, WorkflowRender, attribute, interpret,
                               read_workflow)
-from minimax_h3.contract import sparse_to_proto, spec_from_proto, validate
+from minimax_h3.contract import (IMAGE_CRF, IMAGE_FRAMES, PNG, resolve_guide_frame, sparse_to_proto, spec_from_proto,
+                                 validate)
 from stagekit.errors import InvalidArgument
 
 # How the request's own fields override the graph: (params field, how it counts as set).
@@ -27,8 +28,6 @@ _OVERRIDES = (("prompt", lambda p: bool(p.prompt)), ("width", lambda p: p.HasFie
               ("steps", lambda p: p.HasField("steps")), ("seed", lambda p: p.HasField("seed")),
               ("sampler", lambda p: bool(p.sampler)), ("scheduler", lambda p: bool(p.scheduler)),
               ("video_shift", lambda p: p.video_shift != 0), ("audio_shift", lambda p: p.audio_shift != 0))
-PNG = "png"
-IMAGE_CRF = 1  # an image graph's MP4 is written at the least lossy quality unless the request names one
 PLACEHOLDER_SIZE = (1024, 1024)  # a loaded image's size before its file is bound (only which node feeds which slot
 # is read from that first pass)
 
@@ -86,16 +85,31 @@ def graph_problems(graph: Graph) -> tuple[WorkflowRender | None, list[Refusal]]:
     problems = list(found.refusals)
     if found.render is not None:
         try:
-            validate(found.render.spec(), need_prompt=True)
+            spec = validate(found.render.spec(), need_prompt=True)
         except InvalidArgument as e:
             problems.append(Refusal("", "", attribute(e.message, found.render, set())))
+        else:
+            problems += guide_problems(found.render, spec.frames)
     return found.render, problems
+
+
+def guide_problems(render: WorkflowRender, frames: int) -> list[Refusal]:
+    """The graph's guides whose frame_idx falls outside a video of `frames` frames (ComfyUI's MiniMaxH3AddGuide
+    refuses them too), each naming where its frame came from and the `--set` that changes it."""
+    out = []
+    for g in render.guides:
+        try:
+            resolve_guide_frame(g.frame.value, frames)
+        except InvalidArgument as e:
+            out.append(Refusal(g.node, "MiniMaxH3AddGuide", f"frame_idx {g.frame.value} ({g.frame.where}): "
+                                                            f"{e.message}{g.frame.hint()}"))
+    return out
 
 
 def apply_workflow(req: render_pb2.RenderRequest, read_input: ReadInput | None = None) -> WorkflowRender:
     """Fill `req` from its `workflow_json`: its `workflow_set` edits applied, the graph read, the request's own fields
-    over the graph's values, the files the graph's loader nodes read put in first_frame / last_frame / references
-    (the request's own files first, else `read_input`'s). Returns what the graph became (its files and notes);
+    over the graph's values, the files the graph's loader nodes read put in first_frame / last_frame / references /
+    guides (the request's own files first, else `read_input`'s). Returns what the graph became (its files and notes);
     InvalidArgument (WorkflowRefused) naming every node that cannot run here, or the value that is wrong and where it
     came from."""
     graph = edited_graph(req.workflow_json, req.workflow_set)
@@ -158,6 +172,12 @@ def _slot_files(req: render_pb2.RenderRequest, render: WorkflowRender,
         for i, ref in enumerate(render.references):
             out[f"reference {i + 1}"] = (ref, _missing(ref, read_input, "send it as the request's reference "
                                                                         f"{i + 1}"))
+    if not req.guides:  # the request's guides (what the client read for the graph, or its own) replace the graph's
+        for i, g in enumerate(render.guides):
+            for part, ref in (("image", g.image), ("audio", g.audio)):
+                if ref is not None:
+                    out[f"guide {i + 1} {part}"] = (ref, _missing(ref, read_input, f"send it in the request's guide "
+                                                                                   f"{i + 1}"))
     return out
 
 
@@ -193,6 +213,19 @@ def _fill(req: render_pb2.RenderRequest, render: WorkflowRender, files: dict[str
         for i, ref in enumerate(render.references):
             req.references.add(kind=ref.kind, data=files[f"reference {i + 1}"][1],
                                name=os.path.basename(ref.name.value))
+    graph_guides = not req.guides
+    if graph_guides:
+        for i, g in enumerate(render.guides):
+            guide = req.guides.add(frame=g.frame.value)
+            for part, ref in (("image", g.image), ("audio", g.audio)):
+                if ref is not None:
+                    getattr(guide, part).CopyFrom(common_pb2.Reference(
+                        kind=ref.kind, data=files[f"guide {i + 1} {part}"][1], name=os.path.basename(ref.name.value)))
+    if (render.output == PNG) != (p.frames == IMAGE_FRAMES):
+        raise InvalidArgument(f"frames={p.frames}: this graph saves an image (SaveImage), one frame; leave out "
+                              "--frames" if render.output == PNG else
+                              f"frames={p.frames} is an image, but this graph saves a video (SaveVideo): give a "
+                              "video's frames (17n+5), or render an image graph")
     if render.output == PNG:
         req.output_format = PNG
         req.crf = req.crf or IMAGE_CRF
@@ -200,6 +233,8 @@ def _fill(req: render_pb2.RenderRequest, render: WorkflowRender, files: dict[str
         validate(spec_from_proto(p), need_prompt=True)
     except InvalidArgument as e:
         raise InvalidArgument(attribute(e.message, render, overridden)) from None
+    if graph_guides and (wrong := guide_problems(render, p.frames)):
+        raise WorkflowRefused(wrong)
 
 
 def refused_nodes(e: InvalidArgument) -> list[tuple[str, str, str]]:

@@ -227,12 +227,14 @@ def _step_table(cfg: SamplerConfig, sigma_v: torch.Tensor, sigma_a: torch.Tensor
 
 
 # ---- noise ----------------------------------------------------------------------------------------------------------
-def _check_shape(shape, name: str) -> tuple[int, ...]:
+def _check_shape(shape, name: str, rows_may_be_0: bool = False) -> tuple[int, ...]:
+    """A shape of positive ints; `rows_may_be_0`: its first dim may be 0 (an image's audio: no rows)."""
     try:
         shape = tuple(shape)
     except TypeError:
         raise InvalidArgument(f"{name} must be a sequence of positive ints, got {shape!r}") from None
-    if not shape or any(isinstance(d, bool) or not isinstance(d, int) or d <= 0 for d in shape):
+    if not shape or any(isinstance(d, bool) or not isinstance(d, int) or d <= -int(rows_may_be_0 and i == 0)
+                        for i, d in enumerate(shape)):
         raise InvalidArgument(f"{name} must be a non-empty sequence of positive ints, got {shape!r}")
     return shape
 
@@ -246,14 +248,14 @@ def draw_noise(seed: int, cond_shapes, video_shape, audio_rows_shape
       [24, 1, H/16, W/16]), then the video noise as a latent [24, T, H/16, W/16] (patchified into rows afterwards),
       then the audio noise directly in row layout `audio_rows_shape` = [2 * Ta, 32] (channel-major rows, the
       first Ta rows the left channel) -- not [2, 32, Ta]: the same random stream in another arrangement would give
-      other audio.
+      other audio. An image (Ta = 0) draws no audio noise.
 
     CPU-drawn so every device and every TP rank gets the same bits; without keyframes the video/audio bits are those
     of `initial_noise`."""
     _check_int(seed, "seed", 0, MAX_SEED)
     shapes = [_check_shape(s, f"cond_shapes[{i}]") for i, s in enumerate(cond_shapes)]
     video_shape = _check_shape(video_shape, "video_shape")
-    audio_rows_shape = _check_shape(audio_rows_shape, "audio_rows_shape")
+    audio_rows_shape = _check_shape(audio_rows_shape, "audio_rows_shape", rows_may_be_0=True)  # none: an image
     gen = torch.Generator(device="cpu").manual_seed(seed)
     conds = [torch.randn(s, generator=gen, dtype=torch.float32) for s in shapes]
     video = torch.randn(video_shape, generator=gen, dtype=torch.float32)
@@ -342,7 +344,8 @@ def sample(
             y = cx * y + cd * d_y
         if cfg.sampler == "res_multistep":
             d_x_prev, d_y_prev = d_x, d_y
-        finite[i] = ~(nonfinite_flag(x) | nonfinite_flag(y))
+        flags = [f for f in (nonfinite_flag(x), nonfinite_flag(y)) if f is not None]  # an image has no audio rows
+        finite[i] = ~torch.stack(flags).any()
         if on_step is not None:
             on_step(i + 1, n)
 

@@ -36,7 +36,8 @@ from minimax_h3.vae.tiling import (
                                    stitch_tiles,
                                    tile_splits,
                                    )
-from minimax_h3.kernels.int8 import QuantSpec, dequantize_convrot, int8_linear_specs, read_quant_spec
+from minimax_h3.kernels.int8 import (QuantSpec, dequantize_convrot, encode_comfy_quant, int8_linear_specs,
+                                     quantize_convrot, read_quant_spec)
 from stagekit.checkpoints import (FLOAT, Checkpoint, CheckpointError, HeaderEntry, NameMap, TensorReader, TensorSpec,
                                   check_latent_stats, has_host_copy, key_report, metadata_json, open_checkpoint)
 from stagekit.host_copy import to_device
@@ -970,3 +971,29 @@ def write_tiny_video_vae(path: str, cfg: VideoVAEConfig | None = None, seed: int
     # order and the file would not be byte-deterministic.
     save_file(sd, path, metadata={CONFIG_METADATA_KEY: cfg.to_json()})
     return sd
+
+
+def write_int8_convrot_video_vae(src: str, dst: str, groupsize: int | None = None) -> int:
+    """An fp16 video VAE file -> its int8 ConvRot form, as ComfyUI stores `minimax_h3_video_vae_int8_convrot`: every
+    QUANTIZABLE linear's weight ConvRot-quantised (int8 codes, fp32 `weight_scale` [out, 1] and a U8 `comfy_quant`
+    descriptor), every other tensor and the file's metadata as they are. `groupsize`: the largest power of 4 up to
+    256 that divides every quantised layer's in_features, unless given. For benchmark files (the published one is
+    ComfyUI's); returns the number of layers quantised."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from minimax_h3.dit.tiny_checkpoint import convrot_groupsize
+
+    with safe_open(src, "pt") as f:
+        metadata = dict(f.metadata() or {})
+        sd = {k: f.get_tensor(k) for k in f.keys()}
+    layers = [k[: -len(".weight")] for k in sd if k.endswith(".weight") and QUANTIZABLE.match(k[: -len(".weight")])]
+    if not layers:
+        raise CheckpointError(src, "no decoder block linears to quantise: not a MiniMax-H3 video VAE file")
+    g = groupsize or convrot_groupsize(*{sd[f"{layer}.weight"].shape[1] for layer in layers}, cap=256)
+    for layer in layers:
+        q, scale = quantize_convrot(sd[f"{layer}.weight"].float(), g)
+        sd[f"{layer}.weight"], sd[f"{layer}.weight_scale"] = q, scale.float()
+        sd[f"{layer}.comfy_quant"] = encode_comfy_quant(g)
+    save_file(sd, dst, metadata=metadata)
+    return len(layers)
