@@ -617,7 +617,7 @@ class VideoAPI:
         if not _str(body, "prompt").strip():
             raise InvalidArgument("prompt is required: the new prompt, for the video's request")
         rec = self.svc.store.get(video_id, _owner(who))
-        req = self.svc.store.request_with_files(rec)
+        req = self.svc.store.files.request_with_files(rec)
         req.params.prompt, req.idempotency_key = body["prompt"], h.headers.get("Idempotency-Key", "")
         info = self.svc.submit(req, who.name, seconds=rec.seconds, remixed_from=rec.id)
         self._video(h, self.svc.store.get(info.job_id), info.queue_position)

@@ -234,7 +234,7 @@ class RenderService:
         self.store = JobStore(cfg.run_dir)
         self.outputs = self.store.outputs
         # Uploaded reference files, kept by content with the stored keyframes (the jobs that name them keep them).
-        self.uploads = UploadStore(self.store.keyframe_dir.resolve(), in_use=self.store.files_in_use)
+        self.uploads = UploadStore(self.store.files.dir.resolve(), in_use=self.store.files_in_use)
         self.outputs.mkdir(parents=True, exist_ok=True)
         self.planner = BatchPlanner(cfg.max_batch, cfg.max_wait_batches)
         if not cfg.stall_timeout_s > 0:
@@ -515,11 +515,11 @@ class RenderService:
     def _enqueue(self, rec: JobRecord) -> None:
         """Under the lock: a queued job's in-flight state, waiting for its first stage."""
         spec = spec_from_proto(rec.request.params)
-        frames = [(a, self.store.keyframe_dir / rec.keyframes[a]) for a in ("first", "last") if a in rec.keyframes]
-        refs = [self.store.keyframe_dir / r.digest if r.digest and not r.data else None for r in rec.request.references]
-        guides = [{p: self.store.keyframe_dir / getattr(g, p).digest for p in ("image", "audio")
+        frames = [(a, self.store.files.path(rec.keyframes[a])) for a in ("first", "last") if a in rec.keyframes]
+        refs = [self.store.files.path(r.digest) if r.digest and not r.data else None for r in rec.request.references]
+        guides = [{p: self.store.files.path(getattr(g, p).digest) for p in ("image", "audio")
                    if g.HasField(p) and getattr(g, p).digest and not getattr(g, p).data} for g in rec.request.guides]
-        stored = {k: self.store.keyframe_dir / d for k, d in rec.keyframes.items()}
+        stored = {k: self.store.files.path(d) for k, d in rec.keyframes.items()}
         w = Work(rec.id, rec.request, spec, self.outputs / f"{rec.id}.mp4", keyframe_files=frames,
                  reference_files=refs, guide_files=guides, deadline=rec.created + self.cfg.job_deadline_s,
                  source=stored.get(SOURCE), guide_file=stored.get(GUIDE), keep_latents=True)

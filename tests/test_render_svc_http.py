@@ -760,16 +760,16 @@ def test_a_remix_reads_back_keyframes_and_references_while_they_are_kept(tmp_pat
         refs = [common_pb2.Reference(kind="image", data=_png(7)), common_pb2.Reference(kind="audio", data=b"RIFF-wav")]
         req = tiny_request("with references", first_frame=_png(8), references=refs)
         rec, _ = store.submit(req, "alice")
-        back = store.request_with_files(rec)
+        back = store.files.request_with_files(rec)
         assert back.first_frame == _png(8) and [r.data for r in back.references] == [_png(7), b"RIFF-wav"]
         assert back.params == req.params
         store.finish(rec.id, FAILED, "INTERNAL", "a fault")
         with pytest.raises(FailedPrecondition, match="first frame is no longer kept|reference 1 .image. is no longer"):
-            store.request_with_files(store.get(rec.id))
+            store.files.request_with_files(store.get(rec.id))
         rec2, _ = store.submit(tiny_request("references only", references=refs[1:]), "alice")
         store.finish(rec2.id, FAILED, "INTERNAL", "a fault")
         with pytest.raises(FailedPrecondition, match=r"reference 1 \(audio\) is no longer kept"):
-            store.request_with_files(store.get(rec2.id))
+            store.files.request_with_files(store.get(rec2.id))
     finally:
         store.close()
 
