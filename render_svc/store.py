@@ -33,7 +33,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from h3.v1 import common_pb2, render_pb2
-from minimax_h3.contract import EXTEND, EXTEND_REENCODE, RENDER_PLANS, plan_windows, render_mode, spec_from_proto
+from minimax_h3.contract import EXTEND, EXTEND_REENCODE, plan_windows, render_mode, spec_from_proto
+from render_svc.graph import GRAPH
 from stagekit.errors import AlreadyExists, FailedPrecondition, NotFound, ResourceExhausted
 
 QUEUED, RUNNING = render_pb2.JOB_QUEUED, render_pb2.JOB_RUNNING
@@ -109,11 +110,11 @@ class JobRecord:
 
     @property
     def plan(self) -> tuple[str, ...]:
-        """The render stages the job walks (minimax_h3.contract.RENDER_PLANS), as the scheduler's `Work.plan`."""
+        """The render stages the job walks (its route in render_svc/graph.py), as the scheduler's `Work.plan`."""
         extension = "" if not self.request.extend_job_id else EXTEND if GUIDE in self.keyframes else EXTEND_REENCODE
         mode = render_mode(any(a in self.keyframes for a, _ in KEYFRAME_FIELDS), bool(self.request.references),
                            extension)
-        return RENDER_PLANS[mode]
+        return GRAPH.route(mode)
 
     def info(self, queue_position: int = 0, with_prompt: bool = True) -> render_pb2.JobInfo:
         """The job as a client sees it; `with_prompt=False` (its event log) leaves the prompt out: it is in the

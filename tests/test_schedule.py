@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from types import MappingProxyType
 
-from render_svc.planner import (STAGES, Affinity, Assignment, ClusterView, QueuedJob, Queues, ReplicaState, Resources,
+from render_svc.graph import GRAPH
+from render_svc.planner import (Affinity, Assignment, ClusterView, QueuedJob, Queues, ReplicaState, Resources,
                                 Serves, resource_groups, schedule)
 
 GRAIN = (("grain.safetensors", 1.0),)
@@ -21,7 +22,7 @@ def view(*replicas: ReplicaState, groups=None, last_stage=None) -> ClusterView:
 
 
 def queues(max_batch: int = 8, max_wait: int = 4, **by_stage: list[QueuedJob]) -> Queues:
-    return Queues(max_batch, max_wait, MappingProxyType({s: tuple(by_stage.get(s, ())) for s in STAGES}))
+    return Queues(max_batch, max_wait, MappingProxyType({s: tuple(by_stage.get(s, ())) for s in GRAPH.stages}))
 
 
 def dit(name: str, **kw) -> ReplicaState:
