@@ -1,10 +1,10 @@
 """The render service's engine: runs one stage batch against the stage services beside it.
 
 A *stage batch* is up to `--max-batch` render jobs sent to one stage at once, so the stage serves them in one
-residency; the scheduler (render_svc/service.py) runs one batch at a time per resource group, each in its own thread,
-and hears of each job's outcome the moment its stage call ends (so the job moves on to its next stage while the rest
-of the batch still runs). The stage calls are
-the stage-level library (`render_svc/stage_calls.py`) and its one wire codec; tensors move render service <-> stage over
+residency; the dispatcher (render_svc/dispatcher.py) runs one batch at a time per resource group, each in its own
+thread, and hears of each job's outcome the moment its stage call ends (so the job moves on to its next stage while
+the rest of the batch still runs). The engine is the executor: it runs the assignment it is given on the replica it
+is given and decides nothing. The stage calls are the stage-level library (`render_svc/stage_calls.py`) and its one wire codec; tensors move render service <-> stage over
 loopback and stay in this process between stages (`Work.tensors`), never in the user's client.
 """
 

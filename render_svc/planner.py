@@ -3,9 +3,10 @@
 `schedule` takes plain frozen data: a `ClusterView` (the stage replicas, their resource groups, which are down or
 suspect, which are busy, each DiT replica's resident partition and LoRAs) and the `Queues` (the jobs ready for each
 stage, their waits and their DiT needs), and returns the batches to start now (`Assignment`: stage, group, replica,
-job ids in the rounds they are sent in). The service's dispatcher (render_svc/service.py) builds the view under its
-lock, calls `schedule`, applies each assignment to the queues (`BatchPlanner.take`) and the DiT's affinity, and
-hands it to the engine (render_svc/engine.py), which runs it and decides nothing.
+job ids in the rounds they are sent in). The dispatcher (render_svc/dispatcher.py) takes the view from the cluster
+view (render_svc/cluster.py) under the service's lock, calls `schedule`, applies each assignment to the queues
+(`BatchPlanner.take`) and the cluster view (the DiT's affinity), and hands it to the engine (render_svc/engine.py),
+which runs it and decides nothing.
 
 Every job moves through the render stages of its mode's route (render_svc/graph.py, `GRAPH`). A job
 *ready* for a stage waits in that stage's FIFO queue. A *resource group* is a set of stage replicas that take turns

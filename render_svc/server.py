@@ -3,7 +3,7 @@
 Its own process, on the bootstrap every server shares (stagekit/bootstrap.py: flags/env/config file, health,
 reflection, TLS + token and principals, admission, metrics, graceful drain on SIGTERM). It holds no weights, no
 device and no lease: its state is the job store in --run-dir, its work the stage batches its scheduler sends to the
-stages (render_svc/service.py).
+stages (render_svc/service.py and the parts it names).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Webhooks: one signed HTTP POST per finished job (`--webhook-url`), sent from an outbox by a loop of its own.
 
-1. **Seeing a job end.** The loop's thread waits on the job store's `changed` condition (or one second) and reads
-   the jobs that ended since its watermark (`JobStore.finished_since`): every way a job ends is seen (its last
+1. **Seeing a job end.** The loop's thread waits on the job book's `changed` condition (or one second) and reads
+   the jobs that ended since its watermark (`JobBook.finished_since`): every way a job ends is seen (its last
    stage, a cancel, a failure at start-up past --max-attempts) and the scheduler is never called or waited on.
 2. **The outbox.** Each ended job becomes one row of `<run-dir>/webhooks.sqlite3` (WAL, synchronous=FULL) holding
    the event's exact bytes, before any attempt; the watermark is stored with it. After a crash or a restart the
