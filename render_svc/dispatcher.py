@@ -23,6 +23,7 @@ from h3.v1 import common_pb2, render_pb2
 from minimax_h3.contract import spec_from_proto
 from render_svc.book import JobBook
 from render_svc.cluster import RESOURCES_TIMEOUT_S, Cluster
+from render_svc.config import SchedulerConfig
 from render_svc.engine import Outcome, RenderEngine, Work
 from render_svc.graph import GRAPH
 from render_svc.planner import Batch, BatchPlanner, schedule
@@ -37,10 +38,10 @@ BUSY_FIRST_S, BUSY_MAX_S = 0.5, 30.0   # backoff between tries of a busy stage: 
 
 
 class Dispatcher:
-    """The stage queues and the jobs in flight; `cfg` the service's SchedulerConfig. Its state is read and written
-    under `cluster.lock` (the service's one lock)."""
+    """The stage queues and the jobs in flight. Its state is read and written under `cluster.lock` (the service's one
+    lock)."""
 
-    def __init__(self, cfg, book: JobBook, cluster: Cluster, engine: RenderEngine, stopping: threading.Event,
+    def __init__(self, cfg: SchedulerConfig, book: JobBook, cluster: Cluster, engine: RenderEngine, stopping: threading.Event,
                  abort: threading.Event, stopped: threading.Event):
         self.cfg = cfg
         self.book = book

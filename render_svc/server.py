@@ -19,7 +19,8 @@ import grpc
 from h3.v1 import common_pb2, render_pb2, render_pb2_grpc
 from minimax_h3.services import SERVICE_NAMES, STAGES, Endpoints, StageClients
 from render_svc.engine import RenderEngine, make_replicas
-from render_svc.service import RenderService, SchedulerConfig
+from render_svc.config import SchedulerConfig
+from render_svc.service import RenderService
 from render_svc.stalls import STALL_TIMEOUT_S
 from render_svc.store import CANCELLED, FAILED, QUEUED, RUNNING, SUCCEEDED
 from render_svc.webhooks import WebhookConfig, Webhooks, check_url, read_secret
