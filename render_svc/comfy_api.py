@@ -118,7 +118,7 @@ class ComfyAPI(VideoAPI):
                 if node else {}}
 
     def _graph_jobs(self, who: Principal, states, limit: int) -> list[JobRecord]:
-        return [r for r in self.svc.store.list(states, limit, owner=_owner(who)) if r.request.workflow_json]
+        return [r for r in self.svc.book.list(states, limit, owner=_owner(who)) if r.request.workflow_json]
 
     # ---- the routes -------------------------------------------------------------------------------------------
     def prompt(self, h, who: Principal, query: dict) -> None:
@@ -140,16 +140,16 @@ class ComfyAPI(VideoAPI):
             self._client_ids[info.job_id] = client_id
             while len(self._client_ids) > CLIENT_IDS_KEPT:
                 self._client_ids.popitem(last=False)
-        rec = self.svc.store.get(info.job_id)
+        rec = self.svc.book.get(info.job_id)
         self._json(h, 200, {"prompt_id": info.job_id, "number": rec.seq, "node_errors": {}})
 
     def prompt_status(self, h, who: Principal, query: dict) -> None:
-        queued = self.svc.store.list([QUEUED, RUNNING], 10_000, owner=_owner(who))
+        queued = self.svc.book.list([QUEUED, RUNNING], 10_000, owner=_owner(who))
         self._json(h, 200, {"exec_info": {"queue_remaining": len(queued)}})
 
     def history(self, h, who: Principal, query: dict, video_id: str) -> None:
         try:
-            rec = self.svc.store.get(video_id, _owner(who))
+            rec = self.svc.book.get(video_id, _owner(who))
         except NotFound:  # ComfyUI answers an unknown (or not yet finished) prompt with an empty object
             rec = None
         self._json(h, 200, {rec.id: self.history_entry(rec)} if rec and rec.terminal and rec.request.workflow_json
@@ -181,7 +181,7 @@ class ComfyAPI(VideoAPI):
         m = _OUTPUT.match(filename)
         if m is None:
             raise NotFound(f"no output {filename[:80]!r} (outputs are named <prefix>_<prompt id>.mp4 or .png)")
-        rec = self.svc.store.get(m.group("id"), _owner(who))
+        rec = self.svc.book.get(m.group("id"), _owner(who))
         _, name, folder = self.output_of(rec)
         if name != filename or folder != subfolder or rec.state != SUCCEEDED or rec.expired:
             raise NotFound(f"no output {filename[:80]!r} in {subfolder[:80]!r} (not finished, another name, or "

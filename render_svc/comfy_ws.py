@@ -6,7 +6,7 @@ connect and whenever it changes; for each prompt queued by `POST /prompt` with t
 `executing` (the saving node), `progress` (`value` / `max`: the running stage's steps), then `executed` (the
 output, as `/history` lists it), `execution_success` and `executing` with `node: null`; or `execution_error` /
 `execution_interrupted` for a failed / cancelled prompt. Messages come from the job's durable event log
-(`JobStore.events`), read after each change of the job store; a prompt queued by another client is not sent.
+(`JobBook.events`), read after each change of the job book; a prompt queued by another client is not sent.
 """
 
 from __future__ import annotations
@@ -47,14 +47,14 @@ def serve(api, h, who, client_id: str) -> None:
 class _Session:
     def __init__(self, api, h, who, sid: str):
         self.api, self.h, self.who, self.sid = api, h, who, sid
-        self.store = api.svc.store
+        self.jobs = api.svc.book
         self.next_event: dict[str, int] = {}   # prompt id -> the next event index to read
         self.started: set[str] = set()         # prompts whose execution_start was sent
         self.ended: set[str] = set()           # prompts whose end was sent (or that had ended before the connection)
         self.remaining = -1
         for prompt_id in api.prompts_of(sid):  # what happened before the connection is not sent again
             try:
-                rec = self.store.get(prompt_id)
+                rec = self.jobs.get(prompt_id)
             except NotFound:  # removed by retention
                 self.ended.add(prompt_id)
                 continue
@@ -79,13 +79,13 @@ class _Session:
                         self.follow(prompt_id)
                 if not self.client_frames():
                     return
-                with self.store.changed:
-                    self.store.changed.wait(POLL_S)
+                with self.jobs.changed:
+                    self.jobs.changed.wait(POLL_S)
         except (ConnectionError, TimeoutError, OSError):
             return  # the client went away
 
     def status(self) -> None:
-        remaining = len(self.store.list([QUEUED, RUNNING], 10_000, owner=_owner(self.who)))
+        remaining = len(self.jobs.list([QUEUED, RUNNING], 10_000, owner=_owner(self.who)))
         if remaining != self.remaining:
             self.remaining = remaining
             self.send("status", {"status": {"exec_info": {"queue_remaining": remaining}}, "sid": self.sid})
@@ -93,11 +93,11 @@ class _Session:
     def follow(self, prompt_id: str) -> None:
         """Send what happened to a prompt since the last look; forget it once it ended."""
         start = self.next_event.get(prompt_id, 0)
-        events = self.store.events(prompt_id, start)
+        events = self.jobs.events(prompt_id, start)
         if not events:
             return
         try:
-            rec = self.store.get(prompt_id)
+            rec = self.jobs.get(prompt_id)
         except NotFound:  # removed by retention meanwhile
             self.ended.add(prompt_id)
             return

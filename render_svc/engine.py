@@ -1,10 +1,10 @@
 """The render service's engine: runs one stage batch against the stage services beside it.
 
 A *stage batch* is up to `--max-batch` render jobs sent to one stage at once, so the stage serves them in one
-residency; the scheduler (render_svc/service.py) runs one batch at a time per resource group, each in its own thread,
-and hears of each job's outcome the moment its stage call ends (so the job moves on to its next stage while the rest
-of the batch still runs). The stage calls are
-the stage-level library (`render_svc/stage_calls.py`) and its one wire codec; tensors move render service <-> stage over
+residency; the dispatcher (render_svc/dispatcher.py) runs one batch at a time per resource group, each in its own
+thread, and hears of each job's outcome the moment its stage call ends (so the job moves on to its next stage while
+the rest of the batch still runs). The engine is the executor: it runs the assignment it is given on the replica it
+is given and decides nothing. The stage calls are the stage-level library (`render_svc/stage_calls.py`) and its one wire codec; tensors move render service <-> stage over
 loopback and stay in this process between stages (`Work.tensors`), never in the user's client.
 """
 
@@ -23,13 +23,14 @@ import torch
 
 from h3.v1 import common_pb2, render_pb2
 from minimax_h3.contract import (AUDIO_LATENTS, ENCODED_REFERENCE_AUDIO, EXTEND, EXTEND_REENCODE, TAIL_AUDIO,
-                                 GUIDE_FRAMES, TAIL_VIDEO, RENDER_PLANS, SAMPLE_INPUTS, TEXT_STATES, TEXT_TAGS,
+                                 GUIDE_FRAMES, TAIL_VIDEO, SAMPLE_INPUTS, TEXT_STATES, TEXT_TAGS,
                                  VIDEO_LATENTS, RenderSpec, guide_tensor, keyframe_tensor, needed_partition,
                                  prompt_tensor, render_mode, spec_from_proto)
 from minimax_h3.services import STAGES as SERVICES
 from minimax_h3.services import Endpoints, StageClients
 from render_svc.extend import load_guide, save_latents
-from render_svc.planner import SERVICE_OF, STAGES, QueuedJob, batch_rounds
+from render_svc.graph import GRAPH
+from render_svc.planner import QueuedJob, batch_rounds
 from render_svc.stage_calls import (StageResult, decode, encode, encode_image, encode_reference, encode_tail,
                                     reference_tensors, sample)
 from render_svc.stalls import StallWatch
@@ -71,15 +72,15 @@ class Work:
 
     @property
     def mode(self) -> str:
-        """t2va, fl2va (keyframes or guides), ref2va (references) or an extension's: which plan of `RENDER_PLANS` the
-        job walks."""
+        """t2va, fl2va (keyframes or guides), ref2va (references) or an extension's: which route of the render graph
+        the job walks."""
         extension = "" if self.source is None else EXTEND if self.guide_file is not None else EXTEND_REENCODE
         return render_mode(bool(self.keyframe_files or self.request.guides), bool(self.request.references), extension)
 
     @property
     def plan(self) -> tuple[str, ...]:
         """The render stages the job goes through, in order."""
-        return RENDER_PLANS[self.mode]
+        return GRAPH.route(self.mode)
 
     @property
     def first_stage(self) -> str:
@@ -167,7 +168,7 @@ def stage_failure(stage: str, endpoint: str, e: grpc.RpcError) -> Outcome:
     the stage and what the operator fixes, logged; (2) UNKNOWN (a stage that failed outside its own error handling),
     which is INTERNAL."""
     code, details = e.code(), e.details() or e.code().name
-    service = SERVICE_OF[stage]
+    service = GRAPH.service_of(stage)
     fix = OPERATOR_FIXES.get(code)
     if fix is not None:
         what = fix.format(service=service, endpoint=endpoint)
@@ -349,7 +350,7 @@ class RenderEngine:
         `stall_timeout_s` are stopped, their outcomes `stalled` (render_svc/stalls.py)."""
         outcomes = {}
         rep = self.replicas[node] if node else next(r for r in self.replicas.values()
-                                                    if r.service == SERVICE_OF[stage])
+                                                    if r.service == GRAPH.service_of(stage))
 
         def call(w: Work, watch: StallWatch) -> Outcome:
             o = self._one(stage, w, sink, rep, watch)
@@ -409,7 +410,7 @@ def render_jobs(clients: StageClients, jobs: Sequence[tuple[render_pb2.RenderReq
              for i, (req, out) in enumerate(jobs)]
     done: dict[str, list[StageResult]] = {w.job_id: [] for w in works}
     failed: dict[str, Outcome] = {}
-    for stage in STAGES:
+    for stage in GRAPH.stages:
         batch = [w for w in works if w.job_id not in failed and stage in w.plan]
         if not batch:
             continue

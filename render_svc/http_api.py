@@ -553,7 +553,7 @@ class VideoAPI:
     def _video(self, h, rec: JobRecord, queue_position: int | None = None) -> None:
         """Answer with the job's video object (its queue position read now unless given)."""
         if queue_position is None:
-            queue_position = self.svc.store.queue_position(rec)
+            queue_position = self.svc.book.queue_position(rec)
         self._json(h, 200, video_object(rec, queue_position, self.keep_age_s))
 
     # ---- the request body --------------------------------------------------------------------------------------
@@ -606,7 +606,7 @@ class VideoAPI:
         body = self._json_body(h, MAX_BODY_BYTES, forms=True)
         req = render_request(body, h.headers.get("Idempotency-Key", ""))
         info = self.svc.submit(req, who.name, seconds=requested_seconds(body))
-        self._video(h, self.svc.store.get(info.job_id), info.queue_position)
+        self._video(h, self.svc.book.get(info.job_id), info.queue_position)
 
     def remix(self, h, who: Principal, query: dict, video_id: str) -> None:
         """A new job: the video's request (size, duration, steps, seed, LoRAs, keyframes, references, label) with
@@ -616,19 +616,19 @@ class VideoAPI:
             raise InvalidArgument('a remix takes {"prompt": "..."} (the new prompt) and nothing else')
         if not _str(body, "prompt").strip():
             raise InvalidArgument("prompt is required: the new prompt, for the video's request")
-        rec = self.svc.store.get(video_id, _owner(who))
-        req = self.svc.store.request_with_files(rec)
+        rec = self.svc.book.get(video_id, _owner(who))
+        req = self.svc.book.request_with_files(rec)
         req.params.prompt, req.idempotency_key = body["prompt"], h.headers.get("Idempotency-Key", "")
         info = self.svc.submit(req, who.name, seconds=rec.seconds, remixed_from=rec.id)
-        self._video(h, self.svc.store.get(info.job_id), info.queue_position)
+        self._video(h, self.svc.book.get(info.job_id), info.queue_position)
 
     def extend(self, h, who: Principal, query: dict) -> None:
         ext = extend_request(self._json_body(h, MAX_BODY_BYTES, forms=True), h.headers.get("Idempotency-Key", ""))
         info = self.svc.extend(ext, who.name, who.admin)
-        self._video(h, self.svc.store.get(info.job_id), info.queue_position)
+        self._video(h, self.svc.book.get(info.job_id), info.queue_position)
 
     def get(self, h, who: Principal, query: dict, video_id: str) -> None:
-        self._video(h, self.svc.store.get(video_id, _owner(who)))
+        self._video(h, self.svc.book.get(video_id, _owner(who)))
 
     def delete(self, h, who: Principal, query: dict, video_id: str) -> None:
         self._body(h, MAX_SMALL_BODY)  # a client may send `{}`; nothing in it is read
@@ -642,22 +642,22 @@ class VideoAPI:
             raise InvalidArgument(f"order must be 'asc' or 'desc', got {order[:20]!r}")
         past = None
         if after := query.get("after", [""])[0]:
-            past = self.svc.store.get(after, _owner(who)).seq
-        recs = self.svc.store.list(None, limit + 1, oldest_first=order == "asc", owner=_owner(who), past_seq=past)
-        data = [video_object(r, self.svc.store.queue_position(r), self.keep_age_s) for r in recs[:limit]]
+            past = self.svc.book.get(after, _owner(who)).seq
+        recs = self.svc.book.list(None, limit + 1, oldest_first=order == "asc", owner=_owner(who), past_seq=past)
+        data = [video_object(r, self.svc.book.queue_position(r), self.keep_age_s) for r in recs[:limit]]
         self._json(h, 200, {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
                             "last_id": data[-1]["id"] if data else None, "has_more": len(recs) > limit})
 
     def cancel(self, h, who: Principal, query: dict, video_id: str) -> None:
         self._body(h, MAX_SMALL_BODY)  # a client may send `{}`; nothing in it is read
         info = self.svc.cancel(video_id, _owner(who))
-        self._video(h, self.svc.store.get(info.job_id), info.queue_position)
+        self._video(h, self.svc.book.get(info.job_id), info.queue_position)
 
     def content(self, h, who: Principal, query: dict, video_id: str) -> None:
         variant = query.get("variant", ["video"])[0]
         if variant not in VARIANTS:
             raise InvalidArgument(f"variant {variant[:20]!r} is not served; the variants are {', '.join(VARIANTS)}")
-        rec = self.svc.store.get(video_id, _owner(who))
+        rec = self.svc.book.get(video_id, _owner(who))
         if rec.state != SUCCEEDED:
             why = "; poll GET /v1/videos/{id} until it is completed" if not rec.terminal else f" ({rec.error})"
             raise FailedPrecondition(f"video {rec.id} is {STATUS[rec.state]}, it has no content{why}")

@@ -3,11 +3,12 @@
 `schedule` takes plain frozen data: a `ClusterView` (the stage replicas, their resource groups, which are down or
 suspect, which are busy, each DiT replica's resident partition and LoRAs) and the `Queues` (the jobs ready for each
 stage, their waits and their DiT needs), and returns the batches to start now (`Assignment`: stage, group, replica,
-job ids in the rounds they are sent in). The service's dispatcher (render_svc/service.py) builds the view under its
-lock, calls `schedule`, applies each assignment to the queues (`BatchPlanner.take`) and the DiT's affinity, and
-hands it to the engine (render_svc/engine.py), which runs it and decides nothing.
+job ids in the rounds they are sent in). The dispatcher (render_svc/dispatcher.py) takes the view from the cluster
+view (render_svc/cluster.py) under the service's lock, calls `schedule`, applies each assignment to the queues
+(`BatchPlanner.take`) and the cluster view (the DiT's affinity), and hands it to the engine (render_svc/engine.py),
+which runs it and decides nothing.
 
-Every job moves through the render stages of its mode's plan (`minimax_h3.contract.RENDER_PLANS`, data). A job
+Every job moves through the render stages of its mode's route (render_svc/graph.py, `GRAPH`). A job
 *ready* for a stage waits in that stage's FIFO queue. A *resource group* is a set of stage replicas that take turns
 on a device (`resource_groups`); each group runs one *batch* at a time: up to `max_batch` jobs of one of its stages,
 sent to the stage together so it serves them in one residency (one weight swap for the batch, docs/residency.md).
@@ -37,19 +38,8 @@ from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 
 from minimax_h3.contract import check_loras, needed_partition
+from render_svc.graph import GRAPH
 from stagekit.errors import FailedPrecondition, InvalidArgument, NotFound
-
-STAGES = ("keyframes", "encoder", "dit", "decoder")  # every render stage, in render order (each mode's plan:
-# minimax_h3.contract.RENDER_PLANS)
-# The stage service each render stage calls (the decoder's VAE encoders encode keyframes and references).
-SERVICE_OF = {"keyframes": "decoder", "encoder": "encoder", "dit": "dit", "decoder": "decoder"}
-
-
-def next_stage(stage: str, plan: tuple[str, ...] = STAGES) -> str | None:
-    """The stage after `stage` in `plan` (None after the last)."""
-    i = plan.index(stage) + 1
-    return plan[i] if i < len(plan) else None
-
 
 @dataclass(frozen=True)
 class Resources:
@@ -234,14 +224,15 @@ def schedule(view: ClusterView, queues: Queues) -> list[Assignment]:
 
 def preference(view: ClusterView, queues: Queues, group: tuple[str, ...]) -> tuple:
     """The order idle groups take work in: a group whose DiT replica holds the partition and the LoRAs of the oldest
-    job waiting for the DiT goes first (no weight swap), then the shortest stage queues (their Status), then the one
-    idle longest (replicas of a stage share its work)."""
+    job waiting for the DiT (each stage with affinity in the render graph) goes first (no weight swap), then the
+    shortest stage queues (their Status), then the one idle longest (replicas of a stage share its work)."""
     reps = [view.replica(n) for n in group]
-    first = next(iter(queues.jobs.get("dit", ())), None)
-    dits = [r.resident or Affinity() for r in reps if r.service == "dit"]
     swap = 0
-    if first is not None and dits:
-        swap = min(int(a.partition != first.partition) + int(a.loras != first.loras) for a in dits)
+    for stage in (s for s in GRAPH.stages if GRAPH.affinity(s)):
+        first = next(iter(queues.jobs.get(stage, ())), None)
+        held = [r.resident or Affinity() for r in reps if r.service == GRAPH.service_of(stage)]
+        if first is not None and held:
+            swap += min(int(a.partition != first.partition) + int(a.loras != first.loras) for a in held)
     return swap, sum(r.queue_depth for r in reps), max(r.last_started for r in reps)
 
 
@@ -249,8 +240,8 @@ def serving_replicas(view: ClusterView, group: tuple[str, ...]) -> dict[str, str
     """Render stage -> the replica of `group` that serves it now: one in rotation (while its service has any that
     is, the others get nothing), the shortest queue first."""
     out = {}
-    for stage in STAGES:
-        service = SERVICE_OF[stage]
+    for stage in GRAPH.stages:
+        service = GRAPH.service_of(stage)
         mine = [view.replica(n) for n in group if view.replica(n).service == service]
         if any(r.in_rotation for r in view.replicas if r.service == service):
             mine = [r for r in mine if r.in_rotation]
@@ -284,7 +275,7 @@ def choose_batch(queues: Queues, stages: tuple[str, ...], current: str | None,
 def _choose(view: dict[str, list[QueuedJob]], current: str | None, max_batch: int, max_wait: int) -> str | None:
     """The stage of a group's next batch (earliest-deadline-first over its tasks, above); None when `view` is empty."""
     tasks = []  # (slack, -stage order, stage) per batch-sized chunk of each queue in `view`, chunk 0 first in a stage
-    for order, stage in enumerate(STAGES):
+    for order, stage in enumerate(GRAPH.stages):
         q = view.get(stage, [])
         tasks += [(max_wait - q[start].waited, -order, stage) for start in range(0, len(q), max_batch)]
     if not tasks:
@@ -301,8 +292,9 @@ def batch_rounds(stage: str, jobs: Sequence[QueuedJob], resident: Affinity | Non
                  ) -> tuple[tuple[tuple[str, ...], ...], Affinity | None]:
     """A batch's job ids in the rounds they are sent in, and a DiT replica's affinity after them. A DiT batch goes
     partition by partition, the one the replica holds (`resident`) first, so a mixed batch swaps the DiT's weights at
-    most once (docs/references.md); fl2va and ref2va jobs never share a round. Other stages: one round."""
-    if stage != "dit":
+    most once (docs/references.md); fl2va and ref2va jobs never share a round. Stages without affinity (render
+    graph): one round."""
+    if not GRAPH.affinity(stage):
         return (tuple(j.job_id for j in jobs),), None
     held = (resident or Affinity()).partition
     parts = sorted(dict.fromkeys(j.partition for j in jobs), key=lambda p: p != held)
@@ -332,13 +324,13 @@ class BatchPlanner:
             raise FailedPrecondition(f"--max-wait-batches must be >= 1, got {max_wait}")
         self.max_batch = max_batch
         self.max_wait = max_wait
-        self.queues: dict[str, list[QueuedJob]] = {s: [] for s in STAGES}  # job ids and waits, no DiT needs
+        self.queues: dict[str, list[QueuedJob]] = {s: [] for s in GRAPH.stages}  # job ids and waits, no DiT needs
         self.batches = 0                  # batches started so far, service-wide
         self.current: dict[str, str] = {}  # group -> the stage of its last batch (its weights are likely resident)
 
     def add(self, job_id: str, stage: str) -> None:
         if stage not in self.queues:
-            raise ValueError(f"unknown render stage {stage!r}; one of {STAGES}")
+            raise ValueError(f"unknown render stage {stage!r}; one of {GRAPH.stages}")
         self.queues[stage].append(QueuedJob(job_id))
 
     def remove(self, job_id: str) -> str | None:

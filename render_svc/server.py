@@ -3,7 +3,7 @@
 Its own process, on the bootstrap every server shares (stagekit/bootstrap.py: flags/env/config file, health,
 reflection, TLS + token and principals, admission, metrics, graceful drain on SIGTERM). It holds no weights, no
 device and no lease: its state is the job store in --run-dir, its work the stage batches its scheduler sends to the
-stages (render_svc/service.py).
+stages (render_svc/service.py and the parts it names).
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ import grpc
 from h3.v1 import common_pb2, render_pb2, render_pb2_grpc
 from minimax_h3.services import SERVICE_NAMES, STAGES, Endpoints, StageClients
 from render_svc.engine import RenderEngine, make_replicas
-from render_svc.service import RenderService, SchedulerConfig
+from render_svc.config import SchedulerConfig
+from render_svc.service import RenderService
 from render_svc.stalls import STALL_TIMEOUT_S
 from render_svc.store import CANCELLED, FAILED, QUEUED, RUNNING, SUCCEEDED
 from render_svc.webhooks import WebhookConfig, Webhooks, check_url, read_secret
@@ -170,13 +171,13 @@ class RenderServicer(UploadMixin, render_pb2_grpc.RendererServicer):
             if self.svc.stopping.is_set():
                 context.abort(grpc.StatusCode.UNAVAILABLE, f"the render service is restarting; the job goes on: Watch "
                                                            f"{job_id} again from index {idx} once it is back")
-            evs = self.svc.store.wait_events(job_id, idx, timeout_s=1.0)
+            evs = self.svc.book.wait_events(job_id, idx, timeout_s=1.0)
             for ev in evs:
                 yield ev
                 idx = ev.index + 1
                 if ev.WhichOneof("event") == "job" and ev.job.state in (SUCCEEDED, FAILED, CANCELLED):
                     return
-            if not evs and abort_on_error(context, self.svc.store.get, job_id).terminal:
+            if not evs and abort_on_error(context, self.svc.book.get, job_id).terminal:
                 return
 
     def _submitter(self, context) -> tuple[str, bool]:
@@ -189,7 +190,7 @@ class RenderServicer(UploadMixin, render_pb2_grpc.RendererServicer):
         yield from self._follow(info.job_id, 0, context)
         if not context.is_active():
             return  # the caller left; the job goes on (Watch / Fetch it by id)
-        rec = self.svc.store.get(info.job_id)
+        rec = self.svc.book.get(info.job_id)
         if rec.state == SUCCEEDED:
             try:
                 for chunk in file_chunks(Path(rec.output), f"{rec.id}.mp4", "video/mp4"):
@@ -207,10 +208,10 @@ class RenderServicer(UploadMixin, render_pb2_grpc.RendererServicer):
         return abort_on_error(context, self.svc.extend, request, *self._submitter(context))
 
     def Get(self, request, context):
-        return abort_on_error(context, self.svc.info, request.job_id, None, self._owner(context))
+        return abort_on_error(context, self.svc.book.info, request.job_id, None, self._owner(context))
 
     def Watch(self, request, context):
-        abort_on_error(context, self.svc.store.get, request.job_id, self._owner(context))  # NOT_FOUND first
+        abort_on_error(context, self.svc.book.get, request.job_id, self._owner(context))  # NOT_FOUND first
         yield from self._follow(request.job_id, request.from_index, context)
 
     def Cancel(self, request, context):
@@ -219,8 +220,8 @@ class RenderServicer(UploadMixin, render_pb2_grpc.RendererServicer):
     def List(self, request, context):
         """Newest first, at most `limit` (default 100) jobs and at most LIST_REPLY_BYTES of reply."""
         reply, size = render_pb2.ListReply(), 0
-        for r in self.svc.store.list(list(request.states), min(request.limit or 100, 1000), owner=self._owner(context)):
-            info = self.svc.info(r.id, r)
+        for r in self.svc.book.list(list(request.states), min(request.limit or 100, 1000), owner=self._owner(context)):
+            info = self.svc.book.info(r.id, r)
             size += info.ByteSize() + 8
             if size > LIST_REPLY_BYTES:
                 break
@@ -228,7 +229,7 @@ class RenderServicer(UploadMixin, render_pb2_grpc.RendererServicer):
         return reply
 
     def _output(self, job_id: str, owner: str | None) -> Path:
-        rec = self.svc.store.get(job_id, owner)
+        rec = self.svc.book.get(job_id, owner)
         if rec.state != SUCCEEDED:
             state = render_pb2.JobState.Name(rec.state)
             raise FailedPrecondition(f"job {job_id} is {state}, there is no MP4 to fetch"
@@ -251,7 +252,7 @@ class RenderServicer(UploadMixin, render_pb2_grpc.RendererServicer):
         """A stage (or one replica) as Status shows it: its health (SUSPECT, with why, while it is out of rotation
         after a stall) and, for one address (`one`), its own Status: what it serves (a client compares its flags with
         it: `client render --models-dir`)."""
-        why = self.svc.suspect(name)
+        why = self.svc.cluster.suspect(name)
         health = health_of(clients.channels[service], SERVICE_NAMES[service], 2.0)
         status = None
         if one and health != "UNREACHABLE":
@@ -264,18 +265,18 @@ class RenderServicer(UploadMixin, render_pb2_grpc.RendererServicer):
                                         status=status)
 
     def Status(self, request, context):
-        counts = self.svc.counts()
+        counts = self.svc.book.counts()
         replicas = self.svc.engine.replicas
         stages = [self._stage(s, self.clients.endpoints.of(s), self.clients, s, s in replicas) for s in STAGES]
         stages += [self._stage(node, r.address, r.clients, r.service, True)  # each of several replicas on its own
                    for node, r in replicas.items() if node != r.service]
         cfg = self.svc.cfg
-        health = f"DEGRADED ({self.svc.storage_error})" if self.svc.storage_error else "SERVING"
+        health = f"DEGRADED ({self.svc.book.storage_error})" if self.svc.book.storage_error else "SERVING"
         return render_pb2.RenderStatus(
             health=health, queued=counts.get(QUEUED, 0), running=counts.get(RUNNING, 0),
             succeeded=counts.get(SUCCEEDED, 0), failed=counts.get(FAILED, 0), cancelled=counts.get(CANCELLED, 0),
-            batches=self.svc.planner.batches, stages=stages, web_url=self.web_url, max_batch=cfg.max_batch,
-            max_wait_batches=cfg.max_wait_batches, stage_groups=self.svc.group_names())
+            batches=self.svc.batches, stages=stages, web_url=self.web_url, max_batch=cfg.max_batch,
+            max_wait_batches=cfg.max_wait_batches, stage_groups=self.svc.cluster.group_names())
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -296,7 +297,7 @@ def main(argv: list[str] | None = None) -> None:
             if cfg.http_port >= 0:  # bound before the job database is opened: a taken port refuses the start first
                 from render_svc.web import WebPage
 
-                web = WebPage(cfg, clients)
+                web = WebPage(cfg)
             svc = RenderService(cfg.scheduler(), RenderEngine(clients, make_replicas(cfg.endpoints(),
                                                                                      cfg.stage_security())))
             web_url = ""
@@ -306,7 +307,7 @@ def main(argv: list[str] | None = None) -> None:
             svc.start()
             hooks = None
             if hook_cfg is not None:
-                hooks = Webhooks(hook_cfg, svc.store, Path(cfg.run_dir), keep_age_s=svc.cfg.keep_age_s)
+                hooks = Webhooks(hook_cfg, svc.book, Path(cfg.run_dir), keep_age_s=svc.cfg.keep_age_s)
                 hooks.start()
             if listeners.metrics is not None:
                 listeners.metrics.report(svc.gauges)

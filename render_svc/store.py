@@ -33,7 +33,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from h3.v1 import common_pb2, render_pb2
-from minimax_h3.contract import EXTEND, EXTEND_REENCODE, RENDER_PLANS, plan_windows, render_mode, spec_from_proto
+from minimax_h3.contract import EXTEND, EXTEND_REENCODE, plan_windows, render_mode, spec_from_proto
+from render_svc.graph import GRAPH
 from stagekit.errors import AlreadyExists, FailedPrecondition, NotFound, ResourceExhausted
 
 QUEUED, RUNNING = render_pb2.JOB_QUEUED, render_pb2.JOB_RUNNING
@@ -109,11 +110,11 @@ class JobRecord:
 
     @property
     def plan(self) -> tuple[str, ...]:
-        """The render stages the job walks (minimax_h3.contract.RENDER_PLANS), as the scheduler's `Work.plan`."""
+        """The render stages the job walks (its route in render_svc/graph.py), as the scheduler's `Work.plan`."""
         extension = "" if not self.request.extend_job_id else EXTEND if GUIDE in self.keyframes else EXTEND_REENCODE
         mode = render_mode(any(a in self.keyframes for a, _ in KEYFRAME_FIELDS), bool(self.request.references),
                            extension)
-        return RENDER_PLANS[mode]
+        return GRAPH.route(mode)
 
     def info(self, queue_position: int = 0, with_prompt: bool = True) -> render_pb2.JobInfo:
         """The job as a client sees it; `with_prompt=False` (its event log) leaves the prompt out: it is in the
@@ -220,120 +221,131 @@ def _digests(req: render_pb2.RenderRequest) -> dict[str, str]:
     return {what: hashlib.sha256(data).hexdigest() for what, data in _files(req).items()}
 
 
-class JobStore:
-    """Thread-safe (one connection behind a lock). `changed` is notified after every committed change.
+def open_database(path: Path, outputs: Path) -> sqlite3.Connection:
+    """The job database at `path`, checked and brought to the current schema. FailedPrecondition (one line naming
+    the files) for a damaged database, or one without jobs beside MP4s of earlier jobs in `outputs`."""
+    db = sqlite3.connect(str(path), check_same_thread=False)
+    try:
+        db.row_factory = sqlite3.Row
+        db.execute("PRAGMA journal_mode=WAL")
+        db.execute("PRAGMA synchronous=FULL")
+        if (bad := db.execute("PRAGMA quick_check").fetchone()[0]) != "ok":
+            raise sqlite3.DatabaseError(bad)
+        db.executescript(_SCHEMA)
+        have = {r[1] for r in db.execute("PRAGMA table_info(jobs)")}
+        for col in ("owner", "keyframes", "seconds", "remixed_from"):  # written before these columns existed
+            if col not in have:
+                db.execute(f"ALTER TABLE jobs ADD COLUMN {col} TEXT NOT NULL DEFAULT ''")
+        jobs = db.execute("SELECT COUNT(*) FROM jobs").fetchone()[0]
+    except sqlite3.DatabaseError as e:
+        db.close()
+        raise FailedPrecondition(f"the job database {path} cannot be read ({e}); restore it from a backup, "
+                                 f"or move it (and {outputs}) away to start with an empty job store") from None
+    mp4s = sorted(outputs.glob("*.mp4")) if outputs.is_dir() else []
+    if jobs == 0 and mp4s:
+        db.close()
+        raise FailedPrecondition(
+            f"the job database {path} holds no jobs (deleted, emptied, or its -wal file lost) but "
+            f"{outputs} holds {len(mp4s)} MP4(s) of earlier jobs; restore the database, or move "
+            f"{outputs} away to start with an empty job store")
+    return db
 
-    Opening refuses (FailedPrecondition, one line naming the files) a damaged database, and a database without jobs
-    beside MP4s of earlier jobs: a deleted or emptied job store, or one whose WAL was lost, is not silently replaced
-    by an empty one."""
 
-    def __init__(self, run_dir: Path):
-        self.run_dir = Path(run_dir)
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.path = self.run_dir / DB_FILE
-        self.outputs = self.run_dir / "outputs"
-        self.keyframe_dir = self.run_dir / "keyframes"
-        self.keyframe_dir.mkdir(exist_ok=True)
-        self._owner = self._claim(self.run_dir / "render.lock")
-        self._unsaved = False       # finished jobs in the WAL only, not yet in the database file
-        self._checkpointed = 0.0
-        self.lock = threading.RLock()
-        self.changed = threading.Condition(self.lock)
-        try:
-            self.db = self._open()
-        except BaseException:
-            os.close(self._owner)
-            raise
-        self._move_images_out()
+def claim_run_dir(path: Path) -> int:
+    """One render service per run dir: an flock on `path` the OS drops if the holder dies."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 64, 0).decode(errors="replace").strip()
+        os.close(fd)
+        raise FailedPrecondition(f"another render service (pid {holder or '?'}) uses the run dir {path.parent}; "
+                                 "stop it or give this one another --run-dir") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, str(os.getpid()).encode(), 0)
+    return fd
 
-    def _move_images_out(self) -> None:
-        """Unfinished jobs recorded with their keyframe images (and reference files) inside the request (by an
-        earlier version): the files go to keyframes/ like a new job's."""
-        with self.lock, self.db:
-            for row in self.db.execute("SELECT id, request FROM jobs WHERE state IN (?, ?) AND keyframes = ''",
-                                       (QUEUED, RUNNING)).fetchall():
-                req = render_pb2.RenderRequest.FromString(row["request"])
-                if digests := self._store_keyframes(req):
-                    self.db.execute("UPDATE jobs SET request = ?, keyframes = ? WHERE id = ?",
-                                    (_without_images(req), json.dumps(digests), row["id"]))
 
-    def _open(self) -> sqlite3.Connection:
-        db = sqlite3.connect(str(self.path), check_same_thread=False)
-        try:
-            db.row_factory = sqlite3.Row
-            db.execute("PRAGMA journal_mode=WAL")
-            db.execute("PRAGMA synchronous=FULL")
-            if (bad := db.execute("PRAGMA quick_check").fetchone()[0]) != "ok":
-                raise sqlite3.DatabaseError(bad)
-            db.executescript(_SCHEMA)
-            have = {r[1] for r in db.execute("PRAGMA table_info(jobs)")}
-            for col in ("owner", "keyframes", "seconds", "remixed_from"):  # written before these columns existed
-                if col not in have:
-                    db.execute(f"ALTER TABLE jobs ADD COLUMN {col} TEXT NOT NULL DEFAULT ''")
-            jobs = db.execute("SELECT COUNT(*) FROM jobs").fetchone()[0]
-        except sqlite3.DatabaseError as e:
-            db.close()
-            raise FailedPrecondition(f"the job database {self.path} cannot be read ({e}); restore it from a backup, "
-                                     f"or move it (and {self.outputs}) away to start with an empty job store") from None
-        mp4s = sorted(self.outputs.glob("*.mp4")) if self.outputs.is_dir() else []
-        if jobs == 0 and mp4s:
-            db.close()
-            raise FailedPrecondition(
-                f"the job database {self.path} holds no jobs (deleted, emptied, or its -wal file lost) but "
-                f"{self.outputs} holds {len(mp4s)} MP4(s) of earlier jobs; restore the database, or move "
-                f"{self.outputs} away to start with an empty job store")
-        return db
+class KeptFiles:
+    """The files jobs need beside their requests (keyframe images, reference and guide files, an extension's source
+    MP4 and guide), stored once by content digest in one folder (the upload store's: uploaded files are there
+    already). Which digests are still needed is the job store's to say (`JobStore._drop_keyframes`)."""
 
-    @staticmethod
-    def _claim(path: Path) -> int:
-        """One render service per run dir: an flock the OS drops if the holder dies."""
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(fd, 64, 0).decode(errors="replace").strip()
-            os.close(fd)
-            raise FailedPrecondition(f"another render service (pid {holder or '?'}) uses the run dir {path.parent}; "
-                                     "stop it or give this one another --run-dir") from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, str(os.getpid()).encode(), 0)
-        return fd
+    def __init__(self, folder: Path):
+        self.dir = folder
+        self.dir.mkdir(exist_ok=True)
 
-    def close(self) -> None:
-        with self.lock:
-            self.db.close()
-        os.close(self._owner)
+    def path(self, digest: str) -> Path:
+        return self.dir / digest
 
-    def checkpoint(self, unless_within_s: float = 0.0) -> None:
-        """Copy the WAL into the database file and empty it: what is committed no longer depends on the -wal file.
-        `unless_within_s`: not if the last one is that recent (`save_finished` does it later)."""
-        with self.lock:
-            if time.monotonic() - self._checkpointed < unless_within_s:
-                return
-            self.db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
-            self._checkpointed, self._unsaved = time.monotonic(), False
+    def read(self, digest: str) -> bytes:
+        """A stored file by its digest."""
+        return self.path(digest).read_bytes()
 
-    def save_finished(self) -> None:
-        """Checkpoint if a job finished since the last one (the scheduler calls it between batches and when idle)."""
-        if self._unsaved:
-            self.checkpoint()
+    def keep(self, req: render_pb2.RenderRequest, files: dict[str, Path | bytes] | None = None) -> dict[str, str]:
+        """Write the request's keyframe images, reference and guide files (once per content), and `files` (an
+        extension's: the source's MP4, hard-linked when it shares the file system, and its guide's bytes); anchor,
+        `ref{i}`, `guide{g}_*` or the `files` key -> digest."""
+        digests = _digests(req)
+        stored = {**_files(req), **{k: v for k, v in (files or {}).items() if isinstance(v, bytes)}}
+        for what, data in stored.items():
+            digests[what] = digest = digests.get(what) or hashlib.sha256(data).hexdigest()
+            if not self.path(digest).exists():
+                tmp = self.dir / f".{digest}.{os.getpid()}"
+                with open(tmp, "wb") as f:
+                    f.write(data)
+                    f.flush()
+                    os.fsync(f.fileno())
+                tmp.replace(self.path(digest))
+        for what, path in (files or {}).items():
+            if isinstance(path, bytes):
+                continue
+            digests[what] = digest = _file_digest(path)
+            target = self.path(digest)
+            if not target.exists():
+                tmp = self.dir / f".{digest}.{os.getpid()}"
+                tmp.unlink(missing_ok=True)
+                try:
+                    os.link(path, tmp)
+                except OSError:
+                    shutil.copyfile(path, tmp)
+                tmp.replace(target)
+        return digests
 
-    def missing(self) -> bool:
-        """The database file is gone from the run dir (deleted under the running service)."""
-        return not self.path.exists()
+    def request_with_files(self, rec: "JobRecord") -> render_pb2.RenderRequest:
+        """A copy of the job's request with its keyframe images, reference and guide files read back (kept until the
+        job ends, or while another unfinished job names them); one no longer kept is FAILED_PRECONDITION naming it,
+        and so is an extension (its source clip is another job's: extend that again)."""
+        if rec.request.extend_job_id:
+            raise FailedPrecondition(f"job {rec.id} extends job {rec.request.extend_job_id}: its request is that "
+                                     "job's clip continued; extend that job again with the new prompt instead")
+        req = render_pb2.RenderRequest()
+        req.CopyFrom(rec.request)
+        anchors, media = dict(KEYFRAME_FIELDS), _media(req)
+        for what, digest in rec.keyframes.items():  # an anchor ("first", "last"), "ref{i}" or "guide{g}_*" (`_files`)
+            try:
+                data = self.read(digest)
+            except FileNotFoundError:
+                name = (anchors[what].replace("_", " ") if what in anchors else
+                        f"reference {int(what[3:]) + 1} ({media[what].kind})" if what.startswith("ref") else
+                        f"guide {int(what[5:].split('_')[0]) + 1}'s {what.rsplit('_', 1)[1]}")
+                raise FailedPrecondition(f"job {rec.id}'s {name} is no longer kept (a job's keyframes and reference "
+                                         "files are kept until it ends); submit a new job with it instead") from None
+            if what in anchors:
+                setattr(req, anchors[what], data)
+            else:
+                media[what].data = data
+        return req
 
-    def restore_file(self) -> None:
-        """Write the open database back to its path (after it was deleted under the running service) and use it."""
-        with self.lock:
-            fresh = sqlite3.connect(str(self.path), check_same_thread=False)
-            self.db.backup(fresh)
-            self.db.close()
-            fresh.row_factory = sqlite3.Row
-            fresh.execute("PRAGMA journal_mode=WAL")
-            fresh.execute("PRAGMA synchronous=FULL")
-            self.db = fresh
 
-    # ---- reads --------------------------------------------------------------------------------------------------
+class JobQueries:
+    """The job database's reads (thread-safe: one connection behind `lock`; `changed` is notified after every
+    committed change). `JobStore` opens the database and writes it."""
+
+    db: sqlite3.Connection
+    lock: threading.RLock
+    changed: threading.Condition
+
     def get(self, job_id: str, owner: str | None = None) -> JobRecord:
         """The job; `owner` given: only if it is that principal's (another's is NOT_FOUND, as an unknown id is)."""
         with self.lock:
@@ -414,9 +426,83 @@ class JobStore:
                     return evs
                 self.changed.wait(left)
 
-    def keyframe(self, digest: str) -> bytes:
-        """A stored keyframe image by its digest."""
-        return (self.keyframe_dir / digest).read_bytes()
+    def files_in_use(self) -> set[str]:
+        """Digests of the stored files unfinished jobs name (the upload store's sweep keeps them)."""
+        with self.lock:
+            rows = self.db.execute("SELECT keyframes FROM jobs WHERE state IN (?, ?) AND keyframes != ''",
+                                   (QUEUED, RUNNING)).fetchall()
+        return {d for row in rows for d in json.loads(row[0]).values()}
+
+
+class JobStore(JobQueries):
+    """The job database: opened, written (each write one transaction and its event), recovered and retained.
+
+    Opening refuses (FailedPrecondition, one line naming the files) a damaged database, and a database without jobs
+    beside MP4s of earlier jobs: a deleted or emptied job store, or one whose WAL was lost, is not silently replaced
+    by an empty one."""
+
+    def __init__(self, run_dir: Path):
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.path = self.run_dir / DB_FILE
+        self.outputs = self.run_dir / "outputs"
+        self.files = KeptFiles(self.run_dir / "keyframes")
+        self._owner = claim_run_dir(self.run_dir / "render.lock")
+        self._unsaved = False       # finished jobs in the WAL only, not yet in the database file
+        self._checkpointed = 0.0
+        self.lock = threading.RLock()
+        self.changed = threading.Condition(self.lock)
+        try:
+            self.db = open_database(self.path, self.outputs)
+        except BaseException:
+            os.close(self._owner)
+            raise
+        self._move_images_out()
+
+    def _move_images_out(self) -> None:
+        """Unfinished jobs recorded with their keyframe images (and reference files) inside the request (by an
+        earlier version): the files go to keyframes/ like a new job's."""
+        with self.lock, self.db:
+            for row in self.db.execute("SELECT id, request FROM jobs WHERE state IN (?, ?) AND keyframes = ''",
+                                       (QUEUED, RUNNING)).fetchall():
+                req = render_pb2.RenderRequest.FromString(row["request"])
+                if digests := self.files.keep(req):
+                    self.db.execute("UPDATE jobs SET request = ?, keyframes = ? WHERE id = ?",
+                                    (_without_images(req), json.dumps(digests), row["id"]))
+
+    def close(self) -> None:
+        with self.lock:
+            self.db.close()
+        os.close(self._owner)
+
+    def checkpoint(self, unless_within_s: float = 0.0) -> None:
+        """Copy the WAL into the database file and empty it: what is committed no longer depends on the -wal file.
+        `unless_within_s`: not if the last one is that recent (`save_finished` does it later)."""
+        with self.lock:
+            if time.monotonic() - self._checkpointed < unless_within_s:
+                return
+            self.db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+            self._checkpointed, self._unsaved = time.monotonic(), False
+
+    def save_finished(self) -> None:
+        """Checkpoint if a job finished since the last one (the scheduler calls it between batches and when idle)."""
+        if self._unsaved:
+            self.checkpoint()
+
+    def missing(self) -> bool:
+        """The database file is gone from the run dir (deleted under the running service)."""
+        return not self.path.exists()
+
+    def restore_file(self) -> None:
+        """Write the open database back to its path (after it was deleted under the running service) and use it."""
+        with self.lock:
+            fresh = sqlite3.connect(str(self.path), check_same_thread=False)
+            self.db.backup(fresh)
+            self.db.close()
+            fresh.row_factory = sqlite3.Row
+            fresh.execute("PRAGMA journal_mode=WAL")
+            fresh.execute("PRAGMA synchronous=FULL")
+            self.db = fresh
 
     # ---- writes (each one transaction + its event) ---------------------------------------------------------------
     def _append(self, job_id: str, **event) -> None:
@@ -430,76 +516,12 @@ class JobStore:
         row = self.db.execute("SELECT * FROM jobs WHERE id = ?", (job_id,)).fetchone()
         self._append(job_id, job=_record(row).info(with_prompt=False))
 
-    def _store_keyframes(self, req: render_pb2.RenderRequest,
-                         files: dict[str, Path | bytes] | None = None) -> dict[str, str]:
-        """Write the request's keyframe images, reference and guide files (once per content) under keyframes/, the
-        upload store's folder (uploaded files are there already), and `files` (an extension's: the source's MP4,
-        hard-linked when it shares the file system, and its guide's bytes); anchor, `ref{i}`, `guide{g}_*` or the
-        `files` key -> digest."""
-        digests = _digests(req)
-        stored = {**_files(req), **{k: v for k, v in (files or {}).items() if isinstance(v, bytes)}}
-        for what, data in stored.items():
-            digests[what] = digest = digests.get(what) or hashlib.sha256(data).hexdigest()
-            if not (self.keyframe_dir / digest).exists():
-                tmp = self.keyframe_dir / f".{digest}.{os.getpid()}"
-                with open(tmp, "wb") as f:
-                    f.write(data)
-                    f.flush()
-                    os.fsync(f.fileno())
-                tmp.replace(self.keyframe_dir / digest)
-        for what, path in (files or {}).items():
-            if isinstance(path, bytes):
-                continue
-            digests[what] = digest = _file_digest(path)
-            target = self.keyframe_dir / digest
-            if not target.exists():
-                tmp = self.keyframe_dir / f".{digest}.{os.getpid()}"
-                tmp.unlink(missing_ok=True)
-                try:
-                    os.link(path, tmp)
-                except OSError:
-                    shutil.copyfile(path, tmp)
-                tmp.replace(target)
-        return digests
-
-    def request_with_files(self, rec: JobRecord) -> render_pb2.RenderRequest:
-        """A copy of the job's request with its keyframe images, reference and guide files read back from keyframes/
-        (kept until the job ends, or while another unfinished job names them); one no longer kept is
-        FAILED_PRECONDITION naming it, and so is an extension (its source clip is another job's: extend that again)."""
-        if rec.request.extend_job_id:
-            raise FailedPrecondition(f"job {rec.id} extends job {rec.request.extend_job_id}: its request is that "
-                                     "job's clip continued; extend that job again with the new prompt instead")
-        req = render_pb2.RenderRequest()
-        req.CopyFrom(rec.request)
-        anchors, media = dict(KEYFRAME_FIELDS), _media(req)
-        for what, digest in rec.keyframes.items():  # an anchor ("first", "last"), "ref{i}" or "guide{g}_*" (`_files`)
-            try:
-                data = self.keyframe(digest)
-            except FileNotFoundError:
-                name = (anchors[what].replace("_", " ") if what in anchors else
-                        f"reference {int(what[3:]) + 1} ({media[what].kind})" if what.startswith("ref") else
-                        f"guide {int(what[5:].split('_')[0]) + 1}'s {what.rsplit('_', 1)[1]}")
-                raise FailedPrecondition(f"job {rec.id}'s {name} is no longer kept (a job's keyframes and reference "
-                                         "files are kept until it ends); submit a new job with it instead") from None
-            if what in anchors:
-                setattr(req, anchors[what], data)
-            else:
-                media[what].data = data
-        return req
-
-    def files_in_use(self) -> set[str]:
-        """Digests of the stored files unfinished jobs name (the upload store's sweep keeps them)."""
-        with self.lock:
-            rows = self.db.execute("SELECT keyframes FROM jobs WHERE state IN (?, ?) AND keyframes != ''",
-                                   (QUEUED, RUNNING)).fetchall()
-        return {d for row in rows for d in json.loads(row[0]).values()}
-
     def _drop_keyframes(self, digests) -> None:
         """Under the lock: remove stored keyframes no unfinished job needs any more."""
         for d in set(digests):
             if self.db.execute("SELECT 1 FROM jobs WHERE state IN (?, ?) AND keyframes LIKE ? LIMIT 1",
                                (QUEUED, RUNNING, f"%{d}%")).fetchone() is None:
-                (self.keyframe_dir / d).unlink(missing_ok=True)
+                self.files.path(d).unlink(missing_ok=True)
 
     def submit(self, req: render_pb2.RenderRequest, owner: str = "", max_queued: int = 0, seconds: str = "",
                remixed_from: str = "", files: dict[str, Path | bytes] | None = None) -> tuple[JobRecord, bool]:
@@ -522,7 +544,7 @@ class JobStore:
                 queued = self.db.execute("SELECT COUNT(*) FROM jobs WHERE state = ?", (QUEUED,)).fetchone()[0]
                 if queued >= max_queued:
                     raise ResourceExhausted(f"{queued} jobs are queued (--max-jobs-queued {max_queued}); retry later")
-            digests = self._store_keyframes(req, files)
+            digests = self.files.keep(req, files)
             job_id = uuid.uuid4().hex[:16]
             with self.db:
                 self.db.execute("INSERT INTO jobs (id, idem_key, request, state, created, owner, keyframes, seconds, "

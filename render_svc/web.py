@@ -44,11 +44,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import parse_qs, urlsplit
 
-import grpc
 from google.protobuf.json_format import MessageToDict
 
-from h3.v1 import common_pb2
-from minimax_h3.services import STAGES, StageClients
+from minimax_h3.services import STAGES
 from render_svc import comfy_api
 from render_svc.http_api import PREFIX as API_PREFIX
 from render_svc.http_api import VideoAPI
@@ -173,47 +171,36 @@ def _host_ok(header: str, allowed: set[str] | None) -> bool:
 
 
 class Residency:
-    """Each stage's state over time from its Status RPC: [t0, t1, state] spans per stage, state one of resident,
-    loading, unloaded, unreachable."""
+    """Each stage's state over time, from the cluster view's Status poller (`record` hears every poll):
+    [t0, t1, state] spans per stage, state one of resident, loading, unloaded, unreachable (no replica answered)."""
 
-    def __init__(self, clients: StageClients):
-        self.clients = clients
+    def __init__(self):
         self.spans: dict[str, list[list]] = {s: [] for s in STAGES}
         self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name="residency", daemon=True)
 
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-
-    def _state(self, stage: str) -> str:
-        c = self.clients
-        try:
-            st = c.stub(stage).Status(common_pb2.StatusRequest(), timeout=2, metadata=c.security.metadata())
-        except grpc.RpcError:
+    @staticmethod
+    def _state(answers: list) -> str:
+        st = next((a for a in answers if a is not None), None)
+        if st is None:
             return "unreachable"
         if st.health == "NOT_SERVING":
             return "loading"
         return "resident" if st.resident else "unloaded"
 
-    def _loop(self) -> None:
-        while not self._stop.wait(RESIDENCY_POLL_S):
-            now = time.time()
-            states = {s: self._state(s) for s in STAGES}
-            with self._lock:
-                for s, state in states.items():
-                    spans = self.spans[s]
-                    if spans and spans[-1][2] == state:
+    def record(self, by_service) -> None:
+        now = time.time()
+        states = {s: self._state(by_service.get(s, [])) for s in STAGES}
+        with self._lock:
+            for s, state in states.items():
+                spans = self.spans[s]
+                if spans and spans[-1][2] == state:
+                    spans[-1][1] = now
+                else:
+                    if spans:
                         spans[-1][1] = now
-                    else:
-                        if spans:
-                            spans[-1][1] = now
-                        spans.append([now, now, state])
-                    while spans and spans[0][1] < now - RESIDENCY_KEEP_S:
-                        spans.pop(0)
+                    spans.append([now, now, state])
+                while spans and spans[0][1] < now - RESIDENCY_KEEP_S:
+                    spans.pop(0)
 
     def snapshot(self) -> dict[str, list[list]]:
         with self._lock:
@@ -224,12 +211,12 @@ class WebPage:
     """The page's HTTP server: bound (and its port held) at construction, served from `start` once the job service
     exists, so a taken --http-port refuses the start before the job database is opened (docs/reliability.md)."""
 
-    def __init__(self, cfg, clients: StageClients):
+    def __init__(self, cfg):
         self.cfg = cfg
         self.svc = None  # the RenderService, given to `start`
         self.api: VideoAPI | None = None  # the /v1/ routes over it
         self.comfy: comfy_api.ComfyAPI | None = None  # ComfyUI's routes over it
-        self.residency = Residency(clients)
+        self.residency = Residency()
         self.page = PAGE.read_bytes()
         self.limits = Limits.of(cfg)
         self._httpd, self.url = self._bind()
@@ -247,7 +234,7 @@ class WebPage:
 
     def video(self, job_id: str, who: Principal = ANYONE) -> Path | None:
         try:
-            rec = self.svc.store.get(job_id, None if who.admin else who.name)
+            rec = self.svc.book.get(job_id, None if who.admin else who.name)
         except Exception:  # noqa: BLE001 - unknown id: 404
             return None
         path = Path(rec.output)
@@ -259,7 +246,7 @@ class WebPage:
         self.api = VideoAPI(svc, self.cfg.tokens(), self.cfg.upload_total_s)
         self.comfy = comfy_api.ComfyAPI(svc, self.cfg.tokens(), self.cfg.upload_total_s)
         threading.Thread(target=self._httpd.serve_forever, name="web", daemon=True).start()
-        self.residency.start()
+        svc.cluster.listen(self.residency.record, RESIDENCY_POLL_S)
         if self.cfg.port_file:
             tmp = Path(self.cfg.port_file + ".http.tmp")
             tmp.write_text(str(self._httpd.server_address[1]))

@@ -1,7 +1,7 @@
 """Webhooks: one signed HTTP POST per finished job (`--webhook-url`), sent from an outbox by a loop of its own.
 
-1. **Seeing a job end.** The loop's thread waits on the job store's `changed` condition (or one second) and reads
-   the jobs that ended since its watermark (`JobStore.finished_since`): every way a job ends is seen (its last
+1. **Seeing a job end.** The loop's thread waits on the job book's `changed` condition (or one second) and reads
+   the jobs that ended since its watermark (`JobBook.finished_since`): every way a job ends is seen (its last
    stage, a cancel, a failure at start-up past --max-attempts) and the scheduler is never called or waited on.
 2. **The outbox.** Each ended job becomes one row of `<run-dir>/webhooks.sqlite3` (WAL, synchronous=FULL) holding
    the event's exact bytes, before any attempt; the watermark is stored with it. After a crash or a restart the
@@ -41,7 +41,8 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from render_svc.http_api import video_object
-from render_svc.store import CANCELLED, FAILED, SUCCEEDED, JobStore
+from render_svc.book import JobBook
+from render_svc.store import CANCELLED, FAILED, SUCCEEDED
 from stagekit.errors import FailedPrecondition
 
 log = logging.getLogger("render_svc.webhooks")
@@ -148,11 +149,11 @@ class _Attempt:
 class Webhooks:
     """The outbox, its loop and the attempts' threads. `start` after the job store is open; `stop` at the drain."""
 
-    def __init__(self, cfg: WebhookConfig, store: JobStore, run_dir: Path, keep_age_s: float = 0.0):
+    def __init__(self, cfg: WebhookConfig, jobs: JobBook, run_dir: Path, keep_age_s: float = 0.0):
         """`keep_age_s`: the service's --keep-age-s (the video object's `expires_at`)."""
         check_url(cfg.url)
         self.cfg = cfg
-        self.store = store
+        self.jobs = jobs
         self.keep_age_s = keep_age_s
         self.db = sqlite3.connect(str(Path(run_dir) / DB_FILE), check_same_thread=False)
         self.db.execute("PRAGMA journal_mode=WAL")
@@ -172,8 +173,8 @@ class Webhooks:
         """Ends the loop once the attempts in flight ended or were cut at their deadline, each recorded (pending rows
         stay for the next start)."""
         self._stop.set()
-        with self.store.changed:
-            self.store.changed.notify_all()
+        with self.jobs.changed:
+            self.jobs.changed.notify_all()
         self._thread.join(timeout=self.cfg.timeout_s + 2 * POLL_S)
 
     # ---- 1. + 2. ended jobs into the outbox -----------------------------------------------------------------------
@@ -182,7 +183,7 @@ class Webhooks:
         mark = self.db.execute("SELECT t FROM watermark").fetchone()[0]
         t, added, newest = mark - WATERMARK_SLACK_S, 0, mark
         while True:
-            recs = self.store.finished_since(t, SCAN_PAGE)
+            recs = self.jobs.finished_since(t, SCAN_PAGE)
             for rec in recs:
                 newest = max(newest, rec.finished)
                 event_id = f"evt_{rec.id}"
@@ -247,8 +248,8 @@ class Webhooks:
             log.exception("webhook %s: the attempt raised", a.event_id)
             a.why = f"{type(e).__name__}: {e}"
         finally:
-            with self.store.changed:  # wakes the loop to record it
-                self.store.changed.notify_all()
+            with self.jobs.changed:  # wakes the loop to record it
+                self.jobs.changed.notify_all()
 
     def _record(self, a: _Attempt, why: str) -> None:
         attempts = a.attempts + 1
@@ -326,8 +327,8 @@ class Webhooks:
                 wait = POLL_S
             if stopping and not self._in_flight:
                 break
-            with self.store.changed:  # an attempt's end and `stop` notify under this lock: neither is missed
+            with self.jobs.changed:  # an attempt's end and `stop` notify under this lock: neither is missed
                 ended = any(a.why is not None for a in self._in_flight.values())
                 if wait > 0 and not ended and self._stop.is_set() == stopping:
-                    self.store.changed.wait(wait)
+                    self.jobs.changed.wait(wait)
         self.db.close()

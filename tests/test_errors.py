@@ -260,7 +260,7 @@ def test_a_fault_while_describing_a_reference_is_internal_not_the_files(monkeypa
     from PIL import Image
 
     from h3.v1 import common_pb2
-    from render_svc.service import describe_reference
+    from render_svc.admission import describe_reference
     from tests.test_references import media_png, media_wav
 
     with pytest.raises(InvalidArgument, match=r"reference 1 \(voice.wav\): the video reference cannot be used: it "

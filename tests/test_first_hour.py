@@ -128,7 +128,7 @@ def test_what_only_the_stages_know_is_refused_by_the_local_stacks_submit(tmp_pat
 
 def test_the_service_refuses_by_the_same_rule():
     """One copy of the rule: the render service's request check and the decoder's call `check_output`."""
-    from render_svc.service import check_request
+    from render_svc.admission import check_request
     from stagekit.errors import InvalidArgument
     from tests.render_svc_util import tiny_request
 

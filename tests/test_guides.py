@@ -271,7 +271,7 @@ def test_http_and_admission_refusals():
     import base64
 
     from render_svc.http_api import render_request
-    from render_svc.service import check_request
+    from render_svc.admission import check_request
     from tests.test_fl2va import _png
 
     png = base64.b64encode(_png(64, 64)).decode()

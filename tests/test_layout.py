@@ -2,7 +2,9 @@
 `minimax_h3`, the model package never imports a stage, no stage imports another, no stage imports `client`, and
 `client` imports no stage (docs/design.md). The render service owns its stage calls (`render_svc.stage_calls`); the
 one arrow from `client` into a stage is the load tester's to those calls (`ALLOWED`). What the thin client cannot
-check itself it asks of the render service over gRPC (its Submit), never by importing stage code."""
+check itself it asks of the render service over gRPC (its Submit), never by importing stage code. Inside the render
+service, no class grows past `MAX_CLASS_LINES`, and the adapters (gRPC, HTTP, ComfyUI, the page, webhooks) read jobs
+through the job book (`render_svc/book.py`), never the store."""
 
 from __future__ import annotations
 
@@ -118,3 +120,25 @@ def test_no_import_cycles():
                     seen.add(nxt)
                     todo.append((nxt, (*path, nxt)))
     assert not cycles, "import cycles:\n" + "\n".join(sorted(set(cycles)))
+
+
+MAX_CLASS_LINES = 300
+# The render service's adapters: they read jobs through the job book's view methods only.
+ADAPTERS = ("server.py", "http_api.py", "comfy_api.py", "comfy_ws.py", "web.py", "webhooks.py")
+
+
+def test_no_render_service_class_is_too_long():
+    """Each class of `render_svc` holds one concern: none is longer than MAX_CLASS_LINES lines."""
+    long = [f"{p.relative_to(ROOT)}:{n.lineno} {n.name}: {n.end_lineno - n.lineno + 1} lines"
+            for p in sorted((ROOT / "render_svc").rglob("*.py"))
+            for n in ast.walk(ast.parse(p.read_text(), str(p)))
+            if isinstance(n, ast.ClassDef) and n.end_lineno - n.lineno + 1 > MAX_CLASS_LINES]
+    assert not long, f"split these by concern (at most {MAX_CLASS_LINES} lines a class):\n" + "\n".join(long)
+
+
+def test_adapters_read_jobs_through_the_book():
+    """No adapter touches the job store (`.store`): it reads the job book's view (`svc.book`)."""
+    bad = [f"render_svc/{name}:{n.lineno}: {ast.unparse(n)}" for name in ADAPTERS
+           for n in ast.walk(ast.parse((ROOT / "render_svc" / name).read_text(), name))
+           if isinstance(n, ast.Attribute) and n.attr == "store"]
+    assert not bad, "read jobs through the job book (render_svc/book.py):\n" + "\n".join(bad)

@@ -291,7 +291,7 @@ def test_render_service_keeps_reference_thumbnails_not_files(tmp_path):
     frame)."""
     from h3.v1 import common_pb2, render_pb2
     from minimax_h3.contract import RenderSpec, spec_to_proto
-    from render_svc.service import check_request, describe_reference
+    from render_svc.admission import check_request, describe_reference
     from render_svc.store import SUCCEEDED, JobStore
     from stagekit.errors import InvalidArgument
 

@@ -19,11 +19,12 @@ import time
 import pytest
 
 from h3.v1 import render_pb2
-from render_svc.planner import STAGES, Assignment, Batch, BatchPlanner, choose_batch, next_stage
+from render_svc.graph import GRAPH
+from render_svc.planner import Assignment, Batch, BatchPlanner, choose_batch
 from tests.render_svc_util import ROOT, RenderService, probe, swaps
 
 
-def next_batch(p: BatchPlanner, stages: tuple[str, ...] = STAGES, group: str = "") -> Batch | None:
+def next_batch(p: BatchPlanner, stages: tuple[str, ...] = GRAPH.stages, group: str = "") -> Batch | None:
     """Group `group`'s next batch among its `stages` (`choose_batch` over the planner's queues), started (`take`)."""
     picked = choose_batch(p.queued(), stages, p.current.get(group))
     if picked is None:
@@ -35,7 +36,7 @@ def next_batch(p: BatchPlanner, stages: tuple[str, ...] = STAGES, group: str = "
 def move_on(p: BatchPlanner, b: Batch) -> None:
     """The jobs of a batch that ran, each queued for its next stage (a render's last stage ends it)."""
     for j in b.job_ids:
-        if (nxt := next_stage(b.stage)) is not None:
+        if (nxt := GRAPH.next_stage(b.stage, GRAPH.stages)) is not None:
             p.add(j, nxt)
 
 
@@ -66,7 +67,7 @@ def test_planner_fairness_bound_under_random_arrivals(max_batch, max_wait, arriv
     worst, n, served, batches = 0, 0, 0, 0
     for _ in range(3000):
         for _ in range(rng.choice(arrivals)):
-            p.add(f"j{n}", rng.choice(STAGES[:2]))  # fl2va jobs start with keyframes, t2va with the encoder
+            p.add(f"j{n}", rng.choice(GRAPH.stages[:2]))  # fl2va jobs start with keyframes, t2va with the encoder
             n += 1
         b = next_batch(p)
         if b is None:

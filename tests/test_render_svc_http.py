@@ -32,6 +32,7 @@ from PIL import Image
 from h3.v1 import common_pb2
 from render_svc.http_api import OPENAPI, ROUTES
 from render_svc.server import RenderConfig
+from render_svc.book import JobBook
 from render_svc.store import FAILED, JobStore
 from render_svc import webhooks
 from render_svc.webhooks import WebhookConfig, Webhooks
@@ -415,7 +416,7 @@ def test_webhook_attempts_are_bounded(tmp_path):
     event is kept as failed and nothing more is sent (the outbox over a real job store)."""
     store = JobStore(tmp_path)
     receiver = Receiver(fail_first=1 << 30)
-    hooks = Webhooks(WebhookConfig(receiver.url, SECRET, attempts=3, retry_s=0.1), store, tmp_path)
+    hooks = Webhooks(WebhookConfig(receiver.url, SECRET, attempts=3, retry_s=0.1), JobBook(store), tmp_path)
     hooks.start()
     try:
         rec, _ = store.submit(tiny_request("refused"))
@@ -456,7 +457,7 @@ def test_a_slow_receiver_holds_back_no_other_event(tmp_path):
     finished, delivers its own event (its deadline far off)."""
     store = JobStore(tmp_path)
     receiver = Receiver(fail_first=0)
-    hooks = Webhooks(WebhookConfig(receiver.url, SECRET, timeout_s=600), store, tmp_path)
+    hooks = Webhooks(WebhookConfig(receiver.url, SECRET, timeout_s=600), JobBook(store), tmp_path)
     hooks.start()
     try:
         slow = _end(store, "slow", receiver.trickle.add)
@@ -480,7 +481,8 @@ def test_a_trickling_answer_is_cut_at_the_deadline_and_retried(tmp_path):
     --webhook-timeout-s, the attempt counted as failed, and the event retried with the same id."""
     store = JobStore(tmp_path)
     receiver = Receiver(fail_first=0)
-    hooks = Webhooks(WebhookConfig(receiver.url, SECRET, attempts=2, retry_s=0.1, timeout_s=1.0), store, tmp_path)
+    hooks = Webhooks(WebhookConfig(receiver.url, SECRET, attempts=2, retry_s=0.1, timeout_s=1.0), JobBook(store),
+                     tmp_path)
     hooks.start()
     try:
         slow = _end(store, "trickled", receiver.trickle.add)
@@ -514,7 +516,7 @@ def test_a_fault_in_one_event_fails_its_row_and_the_loop_goes_on(tmp_path, monke
 
     monkeypatch.setattr(webhooks, "sign", sign)
     monkeypatch.setattr(webhooks, "video_object", video_object)
-    hooks = Webhooks(WebhookConfig(receiver.url, SECRET, attempts=2, retry_s=0.1), store, tmp_path)
+    hooks = Webhooks(WebhookConfig(receiver.url, SECRET, attempts=2, retry_s=0.1), JobBook(store), tmp_path)
     hooks.start()
     try:
         send_fault = _end(store, "a send fault", sends.append)
@@ -600,7 +602,7 @@ def test_webhook_flags_are_checked_at_start(tmp_path):
             parse_config(RenderConfig, ["--webhook-url", url, "--webhook-secret-file", str(key)],
                          env_prefix="T_RENDER_").webhook()
         with pytest.raises(FailedPrecondition, match=needle):
-            Webhooks(WebhookConfig(url, SECRET), store, tmp_path)
+            Webhooks(WebhookConfig(url, SECRET), JobBook(store), tmp_path)
     store.close()
     assert not (tmp_path / "webhooks.sqlite3").exists()
     cfg = parse_config(RenderConfig, ["--webhook-url", "https://h.example/x", "--webhook-secret-file", str(key)],
@@ -760,16 +762,16 @@ def test_a_remix_reads_back_keyframes_and_references_while_they_are_kept(tmp_pat
         refs = [common_pb2.Reference(kind="image", data=_png(7)), common_pb2.Reference(kind="audio", data=b"RIFF-wav")]
         req = tiny_request("with references", first_frame=_png(8), references=refs)
         rec, _ = store.submit(req, "alice")
-        back = store.request_with_files(rec)
+        back = store.files.request_with_files(rec)
         assert back.first_frame == _png(8) and [r.data for r in back.references] == [_png(7), b"RIFF-wav"]
         assert back.params == req.params
         store.finish(rec.id, FAILED, "INTERNAL", "a fault")
         with pytest.raises(FailedPrecondition, match="first frame is no longer kept|reference 1 .image. is no longer"):
-            store.request_with_files(store.get(rec.id))
+            store.files.request_with_files(store.get(rec.id))
         rec2, _ = store.submit(tiny_request("references only", references=refs[1:]), "alice")
         store.finish(rec2.id, FAILED, "INTERNAL", "a fault")
         with pytest.raises(FailedPrecondition, match=r"reference 1 \(audio\) is no longer kept"):
-            store.request_with_files(store.get(rec2.id))
+            store.files.request_with_files(store.get(rec2.id))
     finally:
         store.close()
 
@@ -807,7 +809,7 @@ def test_create_request_takes_the_sigma_shifts():
     """ComfyUI's MiniMaxH3SigmaShift (video, audio) as the create request's `video_shift` / `audio_shift`, in JSON and
     in a form; 0 or absent is the model's (12, 3); the render rules refuse what the sampler does not take."""
     from render_svc.http_api import form_fields, render_request
-    from render_svc.service import check_request
+    from render_svc.admission import check_request
     from stagekit.errors import InvalidArgument
 
     req = render_request({"prompt": "x", "video_shift": 10, "audio_shift": 3.0}, "")

@@ -17,7 +17,8 @@ import pytest
 
 from client.embedded import EmbeddedStack, StackConfig
 from h3.v1 import common_pb2, render_pb2
-from render_svc.planner import STAGES, BatchPlanner, Resources, resource_groups
+from render_svc.graph import GRAPH
+from render_svc.planner import BatchPlanner, Resources, resource_groups
 from tests.render_svc_util import SERVER_ENV, holding_the_device, serving, tiny_request, wait_for
 from tests.test_render_svc_batching import move_on, next_batch
 
@@ -67,7 +68,7 @@ def test_planner_fairness_bound_holds_per_group(max_batch, max_wait):
     worst, n, served, batches = 0, 0, 0, 0
     for _ in range(3000):
         for _ in range(rng.choice((0, 0, 1, 1, 2))):
-            p.add(f"j{n}", rng.choice(STAGES[:2]))
+            p.add(f"j{n}", rng.choice(GRAPH.stages[:2]))
             n += 1
         for name, stages in groups.items():
             b = next_batch(p, stages, name)

@@ -7,7 +7,10 @@ from __future__ import annotations
 
 from types import MappingProxyType
 
-from render_svc.planner import (STAGES, Affinity, Assignment, ClusterView, QueuedJob, Queues, ReplicaState, Resources,
+import pytest
+
+from render_svc.graph import GRAPH
+from render_svc.planner import (Affinity, Assignment, ClusterView, QueuedJob, Queues, ReplicaState, Resources,
                                 Serves, resource_groups, schedule)
 
 GRAIN = (("grain.safetensors", 1.0),)
@@ -21,7 +24,7 @@ def view(*replicas: ReplicaState, groups=None, last_stage=None) -> ClusterView:
 
 
 def queues(max_batch: int = 8, max_wait: int = 4, **by_stage: list[QueuedJob]) -> Queues:
-    return Queues(max_batch, max_wait, MappingProxyType({s: tuple(by_stage.get(s, ())) for s in STAGES}))
+    return Queues(max_batch, max_wait, MappingProxyType({s: tuple(by_stage.get(s, ())) for s in GRAPH.stages}))
 
 
 def dit(name: str, **kw) -> ReplicaState:
@@ -125,3 +128,24 @@ def test_each_group_batches_once_and_the_next_sees_the_first_taken():
     assert (first.replica, len(first.job_ids), first.passed) == ("dit/a", 8, ("j8",))
     assert (second.replica, second.job_ids) == ("dit/b", ("j8",))
     assert queues(max_batch=8, dit=jobs).after(first).jobs["dit"] == (QueuedJob("j8", waited=1),)
+
+
+def test_the_render_graph_holds_every_plan_and_data_flows_forward():
+    """The render graph (render_svc/graph.py) routes each mode as the contract's plan, in its one stage order; along
+    every route each tensor a stage consumes that another stage produces comes from a stage before it; a plan naming
+    a stage without a row, or out of order, is refused when the table is built."""
+    from minimax_h3.contract import RENDER_PLANS
+    from render_svc.graph import STEPS, RenderGraph
+
+    assert dict(GRAPH.plans) == RENDER_PLANS
+    produced_by = {name: step.stage for step in STEPS for name in step.produces}
+    for mode, route in GRAPH.plans.items():
+        for i, stage in enumerate(route):
+            for name in GRAPH.steps[stage].consumes:
+                if name in produced_by and produced_by[name] in route:
+                    assert route.index(produced_by[name]) < i, (mode, stage, name)
+    assert [s for s in GRAPH.stages if GRAPH.affinity(s)] == ["dit"]
+    with pytest.raises(ValueError, match="without a row"):
+        RenderGraph(STEPS, {"t2va": ("encoder", "upscaler")})
+    with pytest.raises(ValueError, match="out of the render graph's order"):
+        RenderGraph(STEPS, {"t2va": ("dit", "encoder")})

@@ -145,7 +145,7 @@ def test_a_failed_fetch_removes_only_the_empty_folders_it_made(tmp_path):
 def test_refused_media_files_are_said_without_pyav_errno_or_python_objects():
     from h3.v1 import common_pb2
     from minimax_h3.media import load_reference
-    from render_svc.service import describe_reference
+    from render_svc.admission import describe_reference
     from stagekit.errors import InvalidArgument
 
     for call, kind in ((lambda: load_reference(b"not a video at all" * 20, "video", 22), "video"),

@@ -24,7 +24,7 @@ from client.embedded import EmbeddedStack, StackConfig
 from h3.v1 import common_pb2, encoder_pb2, render_pb2
 from minimax_h3.contract import check_loras
 from minimax_h3.services import Endpoints, StageClients
-from render_svc.service import DIT_STATUS_RECHECK_S
+from render_svc.admission import DIT_STATUS_RECHECK_S
 from stagekit.errors import InvalidArgument, NotFound
 from tests.conftest import SERVER_ENV
 from tests.render_svc_util import TERMINAL, serving, tiny_request

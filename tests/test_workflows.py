@@ -649,10 +649,10 @@ def test_a_workflow_request_over_grpc_is_read_by_the_service(svc, inputs):
 
 
 def test_the_service_runs_a_graph_only_on_the_files_it_names():
-    """Submit's file check (render_svc.service.check_graph_files) against the stages' Status: each file the graph
+    """Submit's file check (render_svc.admission.check_graph_files) against the stages' Status: each file the graph
     loads must be the one its stage serves; the embedded tiny model stands for every file."""
     from h3.v1 import common_pb2
-    from render_svc.service import check_graph_files
+    from render_svc.admission import check_graph_files
     from stagekit.errors import FailedPrecondition
 
     render = interpret(edited_graph(template("video_minimax_h3_t2v").read_text(), [f"140.vae_name={FP16_VAE}"]),
