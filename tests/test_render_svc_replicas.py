@@ -33,7 +33,7 @@ ENV = {**SERVER_ENV, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 DIT_ENV = {**ENV, WORKER_ENV: "1"}  # the DiTs compute in device workers, as on a GPU (the hung-replica test stops one)
 # Far above any silence of a working stage on a loaded machine (a load reports once, then its first step), so only
 # a stopped worker reaches it.
-STALL_S = 30
+STALL_S = 12
 DEVICES = {"encoder/a": "virt0", "encoder/b": "virt1", "dit/a": "virt2", "dit/b": "virt3", "decoder": "virt4"}
 
 
