@@ -24,10 +24,11 @@ engine's `prepare_process()` included) and waits, touching no device, until `loa
   process's engine (`set_worker_state(state)`): the DiT's block placement and window plan.
 - Messages cross the pipe by value (`Channel`: plain pickle, tensors copied), so a killed process leaves nothing
   shared behind. A job's inputs and outputs are latents, states and the MP4: tens to hundreds of MB, copied at
-  pipe speed. The weights are the exception: a one-rank stage keeps its checkpoint files in memfds it owns, which
-  its worker maps read-only (stagekit/host_copy.py); the kernel frees them with the stage process. What a load
-  derives from the files (the engine's `derived_copies()` hook: {key: bytes}) is kept the same way once a
-  load has filled it.
+  pipe speed. The weights are the exception: a one-rank stage keeps the files each load reads (the runtime's
+  `WeightSource`, the engine's `weight_files` for the job) in memfds it owns, which its worker maps read-only into
+  the source it hands its engine's load (stagekit/host_copy.py); the kernel frees them with the stage process.
+  What a load derives from the files (the engine's `derived_copies(files)` hook: {key: bytes}) is kept the same
+  way once a load has filled it.
 - Cancellation stays agreed across ranks: a worker's `ctx.should_stop()` is answered by its stage process, which
   runs the rank group's agreement as before (every rank's worker asks at the same step boundaries).
 - Multi-rank stages: the workers form their own process group (NCCL on GPUs, gloo on CPU) at each load, on a

@@ -350,6 +350,36 @@ def test_models_folder_with_both_partitions_swaps_per_job(tmp_path):
         eng.check_partition(True)
 
 
+def test_a_ref2va_load_reads_its_file_from_a_host_copy_as_the_fl2va_load_does(tmp_path, monkeypatch):
+    """The files a job needs are known before it runs (the DiT's `weight_files`), so a stage that keeps its files in
+    host memory keeps the ref2va partition's file too, and its device worker's load reads it from there."""
+    from minimax_h3.contract import RenderSpec
+    from minimax_h3.dit.references import REFERENCES_INPUT
+    from stagekit.checkpoints import WeightSource
+    from stagekit.device_worker import DeviceWorkerEngine, WorkerConfig
+    from stagekit.dist import RankGroup, RankInfo
+    from stagekit.host_copy import GIB, MEM_AVAILABLE_ENV
+
+    monkeypatch.setenv(MEM_AVAILABLE_ENV, str(64 * GIB))
+    models = tmp_path / "models"
+    _tiny_file(models / "minimax_h3_fl2va_bf16.safetensors", seed=0)
+    _tiny_file(models / "minimax_h3_ref2va_bf16.safetensors", seed=1)
+    eng = _engine(cache_dir=tmp_path / "c", models_dir=str(models))
+    spec = RenderSpec(prompt="x", width=256, height=256, frames=22, steps=1, seed=0)
+    fl2va, ref2va = eng.weight_files(spec, {}), eng.weight_files(spec, {REFERENCES_INPUT: "references"})
+    worker = DeviceWorkerEngine(eng, RankGroup(RankInfo(0, 1, 0), "gloo", 10), WorkerConfig("dit", "cpu"))
+    try:
+        worker.load(WeightSource(ref2va))
+        assert worker.host_copies.held(list(ref2va)) and not worker.host_copies.held(list(fl2va))
+        assert worker.load_report()["host_copy_bytes"] == ref2va[0].stat().st_size
+        worker.unload()
+        worker.load(WeightSource(fl2va))
+        assert worker.host_copies.held(list(ref2va)) and worker.host_copies.held(list(fl2va))
+    finally:
+        worker.unload()
+        worker.close()
+
+
 def test_a_fault_in_the_dits_conditioning_checks_is_internal(tmp_path, monkeypatch):
     """The conditioning checks raise INVALID_ARGUMENT themselves (references, keyframes, text tags); the DiT no
     longer relabels every ValueError under them as the caller's, so a fault inside one is INTERNAL."""
