@@ -770,7 +770,8 @@ def load_dit_weights(
             # equal to the formula at that rounding, and the RoPE table is fp32 (precision contract): the formula.
             return _default_inv_freq(cfg).to(device), False
         if not hasattr(local, "rr"):
-            local.reader = TensorReader(info.entries, source=source, check_finite=False, views=staged)  # checked on `device` below
+            # NaN / Inf: checked on `device` below, not here.
+            local.reader = TensorReader(info.entries, source=source, check_finite=False, views=staged)
             local.rr = _RankReader(info, cfg, tp_rank, tp_size, local.reader)
         stored = info.shapes[key].dtype
         was_dequantized = False

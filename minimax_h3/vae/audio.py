@@ -30,8 +30,8 @@ import torch.nn.functional as F
 
 from minimax_h3.contract import AUDIO_CHANNELS, AUDIO_LATENT_CHANNELS, AUDIO_SAMPLE_RATE
 from stagekit.checkpoints import (FLOAT, IDENTITY, Checkpoint, CheckpointError, HeaderEntry, NameMap, TensorReader,
-                                  TensorSpec, WeightSource, check_finite_tensor, check_latent_stats, key_report, open_checkpoint,
-                                  tensor_entries)
+                                  TensorSpec, WeightSource, check_finite_tensor, check_latent_stats, key_report,
+                                  open_checkpoint, tensor_entries)
 
 # --------------------------------------------------------------------------------------------
 # Constants named where the model defines them
