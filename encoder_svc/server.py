@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from encoder_svc.engine import EncoderEngine, EncoderEngineConfig
+from encoder_svc.engine import EncodeJob, EncoderEngine, EncoderEngineConfig
 from h3.v1 import common_pb2, encoder_pb2, encoder_pb2_grpc
 from minimax_h3.contract import MAX_PROMPT_BYTES, TEXT_STATES, TEXT_TAGS
 from minimax_h3.images import admit_keyframe
@@ -117,7 +117,7 @@ class EncoderServicer(LifecycleMixin, UploadMixin, encoder_pb2_grpc.TextEncoderS
             if m is not None:
                 m.observe_timing(timing)
             return
-        job = Job(spec={"text": text, "ids": ids}, inputs={})
+        job = Job(spec=EncodeJob(text, tuple(ids)), inputs={})
         job.job_id = request.job_id or job.job_id
         if keyframes:  # canvas-sized uint8 [H, W, 3] each, decoded on the worker thread
             job.prepare = lambda: {"keyframes": [k.load() for k in keyframes]}

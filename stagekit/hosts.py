@@ -30,7 +30,9 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any
 
 from stagekit.budget import MemoryBudget, fmt_bytes
@@ -86,7 +88,8 @@ def plan_hosts(nodes: list[NodeInfo | None], shared: bool, device_work: bool) ->
 
 
 # ---- a node lead's side -------------------------------------------------------------------------------------------
-_ERRORS: dict[str, type[Exception]] = {"TimeoutError": TimeoutError, "ResourceExhausted": ResourceExhausted}
+_ERRORS: Mapping[str, type[Exception]] = MappingProxyType({"TimeoutError": TimeoutError,
+                                                          "ResourceExhausted": ResourceExhausted})
 
 
 @dataclass(frozen=True)

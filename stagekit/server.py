@@ -47,7 +47,7 @@ log = logging.getLogger("stagekit.server")
 
 # Servers only: one listener per port. gRPC's default SO_REUSEPORT lets a second stage bind a port another stage
 # serves, and the two then split the calls; without it the second one fails to start (docs/reliability.md).
-SERVER_OPTIONS = GRPC_OPTIONS + [("grpc.so_reuseport", 0)]
+SERVER_OPTIONS = (*GRPC_OPTIONS, ("grpc.so_reuseport", 0))
 
 # Slots (and threads) reserved for each class of call besides work; see `Admission`.
 PROBE_SLOTS = 4      # health Check
