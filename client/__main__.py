@@ -33,8 +33,8 @@ from pathlib import Path
 
 import grpc
 
-from client.checks import (CheckError, check_for_local_stack, check_running_stack, output_paths, read_guides,
-                           read_keyframe, read_prompts, read_references, refuse_existing, window_prompts)
+from client.checks import (CheckError, add_set_flag, check_for_local_stack, check_running_stack, output_paths,
+                           read_guides, read_keyframe, read_prompts, read_references, refuse_existing, window_prompts)
 from client.command import self_command
 from client.embedded import CtrlC, StackStartError
 from client.endpoints import (DEFAULT_ENDPOINTS_FILE, EndpointError, add_endpoint_args, check_render_reachable,
@@ -653,10 +653,7 @@ def _add_render_parser(sub) -> None:
     what.add_argument("--workflow", metavar="FILE.json",
                       help="a ComfyUI graph (the editor's saved workflow, subgraphs included, or the API format): the "
                            "render is what it says; the flags given override its values (docs/workflows.md)")
-    what.add_argument("--set", action="append", metavar="NODE.WIDGET=VALUE",
-                      help="--workflow: change a widget's value before the graph is read (repeatable), e.g. "
-                           "--set 115.megapixels=0.2; inside a subgraph, on the widget the instance shows "
-                           "(140.vae_name)")
+    add_set_flag(what)
     what.add_argument("--input-dir", metavar="DIR",
                       help="--workflow: the folder the graph's LoadImage / LoadAudio / LoadVideo files are read from "
                            "(ComfyUI's input folder; default: the graph file's folder)")
