@@ -54,9 +54,6 @@ class DecoderServicer(LifecycleMixin, UploadMixin, decoder_pb2_grpc.DecoderServi
         self.engine: DecoderEngine = runtime.engine
         self.uploads = uploads
 
-    def describe(self) -> dict:
-        return self.engine.describe()
-
     @staticmethod
     def _spec(params) -> RenderSpec:
         """The one validation of a render spec in this process (Decode, EncodeTail): the job takes it as valid."""

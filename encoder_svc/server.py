@@ -45,9 +45,6 @@ class EncoderServicer(LifecycleMixin, UploadMixin, encoder_pb2_grpc.TextEncoderS
         self.engine: EncoderEngine = runtime.engine
         self.uploads = uploads
 
-    def describe(self) -> dict:
-        return self.engine.describe()
-
     def _prompt(self, request):
         raw = request.prompt_bytes if request.prompt_bytes else request.prompt
         if len(raw) > MAX_PROMPT_BYTES:

@@ -24,7 +24,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from minimax_h3.contract import FRAME_CLIP, VIDEO_LATENT_CHANNELS
+from minimax_h3.contract import FRAME_CLIP, VIDEO_LATENT_CHANNELS, one_video_latent
 from minimax_h3.vae.tiling import (
                                    IMAGENET_MEAN,
                                    IMAGENET_STD,
@@ -438,12 +438,7 @@ class VideoVAE(nn.Module):
         """Validate a `[C, T, h, w]` (or `[1, C, T, h, w]`) normalised latent; returns the 4-D view."""
         if not isinstance(latents, torch.Tensor):
             raise ValueError(f"latents must be a torch.Tensor, got {type(latents).__name__}")
-        if latents.ndim == 5:
-            if latents.shape[0] != 1:
-                raise ValueError(f"decode takes one video; got batch {latents.shape[0]} (split it)")
-            latents = latents[0]
-        if latents.ndim != 4:
-            raise ValueError(f"latents must be [C, T, h, w] (or [1, C, T, h, w]); got shape {tuple(latents.shape)}")
+        latents = one_video_latent(latents, "decode")
         c = self.cfg.latent_channels
         if latents.shape[0] != c:
             raise ValueError(f"latents have {latents.shape[0]} channels, the H3 video VAE expects {c} "
