@@ -360,7 +360,7 @@ class DecoderEngine(StageEngine[DecoderJob]):
         # are decoded. The audio is small ([2, samples]): it travels as a pickled object over the control group.
         audio = None
         sound = inputs[AUDIO_LATENTS].shape[-1] > 0  # an image (one frame) has none
-        if not sound and job["format"] == "wav":
+        if not sound and job.format == "wav":
             raise InvalidArgument("an image (one frame) has no sound to write as WAV: ask for mp4 or raw")
         if sound and self.group.info.rank == self._audio_rank(len(plan)):
             audio = self.audio.decode_rows(self.audio.batch_to_rows(inputs[AUDIO_LATENTS].float())).cpu()
