@@ -43,6 +43,7 @@ from minimax_h3.dit.layout import build_layout  # noqa: E402
 from minimax_h3.kernels.registry import AUTO, default_attention_candidates, default_linear_candidates  # noqa: E402
 from minimax_h3.services import Endpoints, StageClients  # noqa: E402
 from render_svc.stage_calls import sample  # noqa: E402
+from stagekit.checkpoints import WeightSource  # noqa: E402
 from stagekit.dist import RankGroup, RankInfo  # noqa: E402
 
 TEXT_LEN = 38  # t2va prompt length of the reference shapes (S = 14,882 at 832x480x124)
@@ -80,7 +81,7 @@ def bench_engine(args, weights: str, device: str, shapes, out: Path) -> dict:
     engine = DiTEngine(cfg, RankGroup(RankInfo(0, 1, 0), "gloo", 120.0))
     res: dict = {"kernels": engine.kernel_rows()}
     t0 = time.monotonic()
-    engine.load()
+    engine.load(WeightSource(engine.weight_files()))
     res["load_s"] = time.monotonic() - t0
     mcfg = engine.model_cfg
     for w, h, f in shapes:

@@ -63,6 +63,7 @@ def calibrate(device: str, sizes: list[str], text_len: int, chunk_rows: int) -> 
     from dit_svc.engine import DiTEngine, DiTEngineConfig
     from minimax_h3.dit.config import DiTConfig
     from minimax_h3.dit.tiny_checkpoint import write_tiny_checkpoint
+    from stagekit.checkpoints import WeightSource
     from stagekit.dist import RankGroup, RankInfo
     from stagekit.runtime import JobContext
 
@@ -71,7 +72,7 @@ def calibrate(device: str, sizes: list[str], text_len: int, chunk_rows: int) -> 
     group = RankGroup(RankInfo(0, 1, 0), "gloo", 60)
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
     eng = DiTEngine(DiTEngineConfig(str(ckpt), "", tmp, device, dtype, chunk_rows=chunk_rows), group)
-    eng.load()
+    eng.load(WeightSource(eng.weight_files()))
     cuda = device.startswith("cuda")
     out = []
     for size in sizes:

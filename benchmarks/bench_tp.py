@@ -37,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from dit_svc.engine import DiTEngine, DiTEngineConfig  # noqa: E402
 from minimax_h3.dit.layout import build_layout  # noqa: E402
 from minimax_h3.kernels.registry import AUTO, default_attention_candidates, default_linear_candidates  # noqa: E402
+from stagekit.checkpoints import WeightSource  # noqa: E402
 from stagekit.dist import RankGroup, rank_info_from_env  # noqa: E402
 
 GIB = 2**30
@@ -107,7 +108,7 @@ def main() -> int:
         if group.compute is not None:
             dist.barrier(group=group.compute)
         t0 = time.monotonic()
-        engine.load()
+        engine.load(WeightSource(engine.weight_files()))
         sync(device)
         res[phase] = time.monotonic() - t0
     res["resident_gib"] = engine.resident_bytes() / GIB

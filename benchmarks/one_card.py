@@ -335,7 +335,7 @@ def h2d_rates() -> dict:
     import torch
 
     from dit_svc.engine import DiTEngine
-    from stagekit.host_copy import to_device
+    from stagekit.host_copy import Staging
 
     out: dict = {}
     # What a DiT worker on standby does (its kernel library's import) must leave it without a context on the card.
@@ -368,8 +368,9 @@ def h2d_rates() -> dict:
     view = torch.frombuffer(mm, dtype=torch.uint8)
     view.fill_(1)
     parts = view.chunk(64)
+    staging = Staging()
     with ThreadPoolExecutor(8) as pool:
-        out["memfd_staged_8_threads_gbps"] = rate(lambda: list(pool.map(lambda p: to_device(p, dev), parts)))
+        out["memfd_staged_8_threads_gbps"] = rate(lambda: list(pool.map(lambda p: staging.to_device(p, dev), parts)))
     cudart = torch.cuda.cudart()
     t0 = time.perf_counter()
     err = cudart.cudaHostRegister(view.data_ptr(), n, 0)
@@ -436,6 +437,7 @@ def loaded_dit_engine(models: Path, tiny: bool, dit_file: Path | None = None):
     import torch
 
     from dit_svc.engine import DiTEngine, DiTEngineConfig
+    from stagekit.checkpoints import WeightSource
     from stagekit.dist import RankGroup, RankInfo
 
     cuda = torch.cuda.is_available() and not tiny
@@ -445,7 +447,7 @@ def loaded_dit_engine(models: Path, tiny: bool, dit_file: Path | None = None):
     cfg = DiTEngineConfig(str(dit_file or models / two.FILES["dit"]), "", models / "cache", dev, dtype, **kw)
     eng = DiTEngine(cfg, RankGroup(RankInfo(0, 1, 0), "gloo", 600))
     t0 = time.monotonic()
-    eng.load()
+    eng.load(WeightSource(eng.weight_files()))
     return eng, cuda, dev, round(time.monotonic() - t0, 2)
 
 

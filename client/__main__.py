@@ -33,8 +33,8 @@ from pathlib import Path
 
 import grpc
 
-from client.checks import (CheckError, check_for_local_stack, check_running_stack, output_paths, read_guides,
-                           read_keyframe, read_prompts, read_references, refuse_existing, window_prompts)
+from client.checks import (CheckError, add_set_flag, check_for_local_stack, check_running_stack, output_paths,
+                           read_guides, read_keyframe, read_prompts, read_references, refuse_existing, window_prompts)
 from client.command import self_command
 from client.embedded import CtrlC, StackStartError
 from client.endpoints import (DEFAULT_ENDPOINTS_FILE, EndpointError, add_endpoint_args, check_render_reachable,
@@ -312,6 +312,16 @@ def _refused(e: grpc.RpcError) -> bool:
     return e.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND)
 
 
+def _failed(e: Exception, refusal_exits_2: bool = True) -> int:
+    """Say on stderr what stopped a command; returns its exit code: 2 for the input's fault (what this client
+    refuses, and with `refusal_exits_2` what the render service refuses), else 1."""
+    if isinstance(e, grpc.RpcError):
+        print(f"error: {rpc_words(e)}", file=sys.stderr)
+        return 2 if refusal_exits_2 and _refused(e) else 1
+    print(f"error: {e}", file=sys.stderr)
+    return 2 if isinstance(e, CheckError) else 1
+
+
 def cmd_render(args) -> int:
     """`render`; Ctrl-C exits 130: a local stack says at once that it stops, and stops (client/embedded.py CtrlC)."""
     with CtrlC() as ctrl_c:
@@ -340,12 +350,8 @@ def _render(args, ctrl_c: CtrlC) -> int:
             args, security, before_embedded=lambda: check_for_local_stack(args.models_dir), ctrl_c=ctrl_c,
             running=lambda where, source, served: check_running_stack(args.models_dir, args.devices, where, source,
                                                                       served, args.endpoints_file))
-    except CheckError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except (EndpointError, StackStartError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+    except (CheckError, EndpointError, StackStartError) as e:
+        return _failed(e)
     if not args.models_dir and stack is not None and stack.procs.keys() >= set(STAGES):
         print(EMBEDDED_NOTE, file=sys.stderr)
     job_ids: dict[int, str] = {}
@@ -422,8 +428,7 @@ def _render(args, ctrl_c: CtrlC) -> int:
                 print_summary(outs[i], r.stages)
         return rc_code
     except grpc.RpcError as e:
-        print(f"error: {rpc_words(e)}", file=sys.stderr)
-        return 2 if _refused(e) else 1
+        return _failed(e)
     except KeyboardInterrupt:
         if stack is None and job_ids:
             gets = "".join(f"\n  {fetch_command(i)}" for i in sorted(job_ids))
@@ -479,15 +484,8 @@ def cmd_extend(args) -> int:
                 return 1
             print_summary(out, info.stages)
             return 0
-    except CheckError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except EndpointError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    except grpc.RpcError as e:
-        print(f"error: {rpc_words(e)}", file=sys.stderr)
-        return 2 if _refused(e) else 1
+    except (CheckError, EndpointError, grpc.RpcError) as e:
+        return _failed(e)
 
 
 def _add_extend_parser(sub) -> None:
@@ -586,15 +584,8 @@ def cmd_jobs(args) -> int:
                     last = ev.job
                     print(f"[{ev.index}] {state_name(ev.job.state)} {ev.job.stage}".rstrip())
             return 0 if last is not None and last.state == render_pb2.JOB_SUCCEEDED else 1
-    except CheckError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except EndpointError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    except grpc.RpcError as e:
-        print(f"error: {rpc_words(e)}", file=sys.stderr)
-        return 1
+    except (CheckError, EndpointError, grpc.RpcError) as e:
+        return _failed(e, refusal_exits_2=False)
 
 
 def cmd_status(args) -> int:
@@ -662,10 +653,7 @@ def _add_render_parser(sub) -> None:
     what.add_argument("--workflow", metavar="FILE.json",
                       help="a ComfyUI graph (the editor's saved workflow, subgraphs included, or the API format): the "
                            "render is what it says; the flags given override its values (docs/workflows.md)")
-    what.add_argument("--set", action="append", metavar="NODE.WIDGET=VALUE",
-                      help="--workflow: change a widget's value before the graph is read (repeatable), e.g. "
-                           "--set 115.megapixels=0.2; inside a subgraph, on the widget the instance shows "
-                           "(140.vae_name)")
+    add_set_flag(what)
     what.add_argument("--input-dir", metavar="DIR",
                       help="--workflow: the folder the graph's LoadImage / LoadAudio / LoadVideo files are read from "
                            "(ComfyUI's input folder; default: the graph file's folder)")

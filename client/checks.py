@@ -22,6 +22,14 @@ class CheckError(InvalidArgument):
     user."""
 
 
+def add_set_flag(parser) -> None:
+    """`--set`, as the commands that read a ComfyUI graph (`render`, `models fetch`) take it."""
+    parser.add_argument("--set", action="append", metavar="NODE.WIDGET=VALUE",
+                        help="--workflow: change a widget's value before the graph is read (repeatable), e.g. "
+                             "--set 115.megapixels=0.2; inside a subgraph, on the widget the instance shows "
+                             "(140.vae_name)")
+
+
 def read_prompts(prompt: str | None, prompts_file: str | None) -> list[str]:
     """`--prompt` (as given, even empty: `validate` names the problem) then the non-blank lines of the file: one
     render each."""

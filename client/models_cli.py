@@ -32,6 +32,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from client.checks import add_set_flag
 from client.command import self_command
 from minimax_h3.files import COMFY_REPO, MODEL_FILES, TURBO_LORAS, VIDEO_VAE_FILES
 from stagekit.errors import FailedPrecondition
@@ -490,8 +491,7 @@ def add_parser(sub) -> None:
                    help="fetch exactly the files this ComfyUI graph loads, into ComfyUI's folders (diffusion_models/, "
                         "text_encoders/ + the tokenizer, vae/, loras/) instead of the variants below; a file this "
                         "product does not load is named on stderr with why (docs/workflows.md)")
-    f.add_argument("--set", action="append", metavar="NODE.WIDGET=VALUE",
-                   help="--workflow: change a widget first, as render --set does")
+    add_set_flag(f)
     v = f.add_argument_group("variants")
     v.add_argument("--dit", choices=tuple(DIT_VARIANTS), default="fl2va-pruned",
                    help="DiT: fl2va (text, first/last frame) or ref2va (references; a models folder holding both "

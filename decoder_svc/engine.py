@@ -16,9 +16,10 @@ import os
 import tempfile
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -33,7 +34,7 @@ from minimax_h3.mux import DEFAULT_PRESET
 from minimax_h3.vae.audio import AudioVAEConfig, inspect_audio_vae, load_audio_vae, write_tiny_audio_vae
 from minimax_h3.vae.tiling import StreamingAssembler, num_decoded_frames, plan_decode
 from minimax_h3.vae.video import VideoVAEConfig, decode_unit, inspect_video_vae, load_video_vae, write_tiny_video_vae
-from stagekit.checkpoints import CheckpointError
+from stagekit.checkpoints import CheckpointError, WeightSource
 from stagekit.dist import RankGroup
 from stagekit.engine import StageEngine
 from stagekit.errors import FailedPrecondition, InvalidArgument
@@ -69,7 +70,6 @@ class DecoderEngineConfig:
     out_dir: Path = Path(tempfile.gettempdir())
 
 
-ENCODE_OPS = ("encode_image", "encode_reference", "encode_tail")  # jobs that need the encoder halves only
 # An extension's guide audio is encoded from this many of the source's last audio latents (30 s): the audio VAE
 # encoder's causal attention sees that much of the track before the guide.
 EXTEND_AUDIO_LATENTS = 1200
@@ -103,7 +103,47 @@ def check_latents(spec: RenderSpec, inputs: dict, geometry: LatentGeometry = H3_
         check_finite(name, t)
 
 
-class DecoderEngine(StageEngine):
+@dataclass(frozen=True)
+class DecodeJob:
+    """A Decode: the (validated) render its latents were sampled for, and how the result is written."""
+
+    spec: RenderSpec
+    format: str                         # "mp4" | "raw" | "wav" (FORMATS' values)
+    crf: int                            # 0: DEFAULT_CRF
+    output_name: str
+    size: tuple[int, int] | None = None  # an MP4 upscaled to (width, height)
+    prefix: Path | None = None          # an extension's source MP4 (uploaded), which the MP4 opens with
+
+
+@dataclass(frozen=True)
+class EncodeImageJob:
+    """An EncodeImage: a keyframe fitted to a `width` x `height` canvas (the image itself is the job's input)."""
+
+    width: int
+    height: int
+
+
+@dataclass(frozen=True)
+class EncodeReferenceJob:
+    """An EncodeReference: a ref2va reference of `kind` for a render of `frames` frames (the media is the input)."""
+
+    kind: str  # "image" | "video" | "audio"
+    frames: int
+
+
+@dataclass(frozen=True)
+class EncodeTailJob:
+    """An EncodeTail: an extension's guide, from the last frames of its source MP4 at `path`."""
+
+    path: Path
+    spec: RenderSpec
+
+
+DecoderJob = DecodeJob | EncodeImageJob | EncodeReferenceJob | EncodeTailJob
+ENCODE_JOBS = (EncodeImageJob, EncodeReferenceJob, EncodeTailJob)  # jobs that need the encoder halves only
+
+
+class DecoderEngine(StageEngine[DecoderJob]):
     name = "decoder"
 
     def __init__(self, cfg: DecoderEngineConfig, group: RankGroup):
@@ -127,6 +167,7 @@ class DecoderEngine(StageEngine):
         self.audio = None
         self.video_encoder = None  # VAE encoder half, for EncodeImage / EncodeReference, rank 0 only
         self.audio_encoder = None  # audio VAE with its encoder, for EncodeReference (ref2va voices), rank 0 only
+        self.source: WeightSource | None = None  # where the last load read the weights; a job's later loads too
         self.preset = cfg.preset or (EMBEDDED_PRESET if self.embedded else DEFAULT_PRESET)
         # References on the model's sizes (2048 px images, 768 px clips), smaller ones for a tiny VAE (the embedded
         # family's).
@@ -152,13 +193,15 @@ class DecoderEngine(StageEngine):
                                                    "config.json")
         return LatentGeometry(v.latent_channels, v.spatial_ratio, a.latent_channels)
 
-    def weight_files(self) -> list[Path]:
-        """Both VAEs' files: what the stage keeps in host memory between turns when the host has room
+    def weight_files(self, spec: DecoderJob | None = None, inputs: Mapping[str, Any] | None = None
+                     ) -> tuple[Path, ...]:
+        """Both VAEs' files, for every job: what the stage keeps in host memory between turns when the host has room
         (stagekit/host_copy.py)."""
-        return [*self.video_info.ckpt.files, *self.audio_info.ckpt.files]
+        return (*self.video_info.ckpt.files, *self.audio_info.ckpt.files)
 
-    def load(self) -> None:
+    def load(self, source: WeightSource) -> None:
         """The decode path: the video VAE's decoder half and the audio VAE decoder (operators' Load, shared mode)."""
+        self.source = source
         if self.video is not None:
             return
         dev = self.cfg.device
@@ -166,19 +209,21 @@ class DecoderEngine(StageEngine):
         # Validated again (a file replaced since start-up fails with a CheckpointError: FAILED_PRECONDITION), against
         # the configs the stage started with.
         self.video = load_video_vae(str(self.video_path), self.video_info.cfg, self.cfg.weight_dtype, device=dev,
-                                    parts="decoder")
+                                    parts="decoder", source=source)
         t1 = time.monotonic()
-        self.audio = load_audio_vae(self.audio_path, self.audio_info.cfg, device=dev, with_encoder=False)  # fp32
+        self.audio = load_audio_vae(self.audio_path, self.audio_info.cfg, device=dev, with_encoder=False,
+                                    source=source)  # fp32
         log.info("loaded the VAE decoders in %.2f s (video %.2f s, audio %.2f s)", time.monotonic() - t0, t1 - t0,
                  time.monotonic() - t1)
 
-    def load_for(self, job: dict) -> None:
+    def load_for(self, job: DecoderJob, source: WeightSource) -> None:
         """Exclusive residency loads what the job needs: a keyframe encode only the video VAE's encoder half (rank 0),
         so fl2va keyframes never swap the whole decoder in (docs/render_service.md)."""
-        if job.get("op") in ENCODE_OPS:
+        if isinstance(job, ENCODE_JOBS):
+            self.source = source
             self._load_encoder()
         else:
-            self.load()
+            self.load(source)
 
     def _load_encoder(self) -> None:
         if not self.group.info.is_leader or self.video_encoder is not None:
@@ -187,7 +232,7 @@ class DecoderEngine(StageEngine):
             raise FailedPrecondition(f"{self.video_path} holds only the video VAE decoder; keyframe renders need "
                                      "the full video VAE (encoder included)")
         self.video_encoder = load_video_vae(str(self.video_path), self.video_info.cfg, self.cfg.weight_dtype,
-                                            device=self.cfg.device, parts="encoder")
+                                            device=self.cfg.device, parts="encoder", source=self.source)
 
     def _load_audio_encoder(self) -> None:
         if self.audio_encoder is not None:
@@ -196,10 +241,11 @@ class DecoderEngine(StageEngine):
         if not info.cfg.with_encoder:
             raise FailedPrecondition(f"{self.audio_path} holds only the audio VAE decoder; audio references need "
                                      "the full audio VAE (encoder included)")
-        self.audio_encoder = load_audio_vae(self.audio_path, info.cfg, device=self.cfg.device)  # fp32
+        self.audio_encoder = load_audio_vae(self.audio_path, info.cfg, device=self.cfg.device,
+                                            source=self.source)  # fp32
 
     def unload(self) -> None:
-        self.video = self.audio = self.video_encoder = self.audio_encoder = None
+        self.video = self.audio = self.video_encoder = self.audio_encoder = self.source = None
         release_device_memory(self.cfg.device)
 
     def resident_bytes(self) -> int:
@@ -297,16 +343,16 @@ class DecoderEngine(StageEngine):
         return {ENCODED_REFERENCE_VIDEO: video, ENCODED_REFERENCE_AUDIO: audio}
 
     @torch.inference_mode()
-    def run(self, job, inputs: dict, ctx) -> dict:
-        if job.get("op") == "encode_image":
+    def run(self, job: DecoderJob, inputs: dict, ctx) -> dict:
+        if isinstance(job, EncodeImageJob):
             return self.encode_image(inputs["image"], ctx)
-        if job.get("op") == "encode_reference":
+        if isinstance(job, EncodeReferenceJob):
             return self.encode_reference(inputs["media"], ctx)
-        if job.get("op") == "encode_tail":
-            return self.encode_tail(job["path"], job["spec"], ctx)
+        if isinstance(job, EncodeTailJob):
+            return self.encode_tail(job.path, job.spec, ctx)
         if self.video is None:  # resident for keyframe encodes only: add the decode path
             ctx.progress(0, 1, phase="loading", message="video + audio VAE decoders")
-            self.load()
+            self.load(self.source)
         video_lat = inputs[VIDEO_LATENTS].float()
         plan = plan_decode(self.video.cfg, *video_lat.shape[1:])
         leader = self.group.info.is_leader
@@ -314,7 +360,7 @@ class DecoderEngine(StageEngine):
         # are decoded. The audio is small ([2, samples]): it travels as a pickled object over the control group.
         audio = None
         sound = inputs[AUDIO_LATENTS].shape[-1] > 0  # an image (one frame) has none
-        if not sound and job["format"] == "wav":
+        if not sound and job.format == "wav":
             raise InvalidArgument("an image (one frame) has no sound to write as WAV: ask for mp4 or raw")
         if sound and self.group.info.rank == self._audio_rank(len(plan)):
             audio = self.audio.decode_rows(self.audio.batch_to_rows(inputs[AUDIO_LATENTS].float())).cpu()
@@ -387,13 +433,14 @@ class DecoderEngine(StageEngine):
             asm.finish()
             yield from finished()
 
-    def _output(self, job, geom, chunks: Iterator[torch.Tensor], audio: torch.Tensor | None, check_cancel) -> dict:
+    def _output(self, job: DecodeJob, geom, chunks: Iterator[torch.Tensor], audio: torch.Tensor | None,
+                check_cancel) -> dict:
         """The decoded clip as the job asks: raw frames and audio, a WAV, or an MP4 (video only for an image,
         `audio` None)."""
         # Imported here: PyAV/soundfile are needed only to mux, not to decode (RAW output runs without them).
         from minimax_h3.mux import FrameStream, frames_to_uint8, write_mp4, write_wav
 
-        fmt, name, spec = job["format"], job["output_name"], job["spec"]
+        fmt, name, spec = job.format, job.output_name, job.spec
         if fmt == "raw":
             frames = torch.cat(list(chunks), dim=1)
             return {RAW_FRAMES: torch.from_numpy(frames_to_uint8(frames)),
@@ -415,7 +462,7 @@ class DecoderEngine(StageEngine):
                     chunks = _skip_frames(chunks, spec.guide_frames)
                     frames = spec.frames - spec.prefix_frames
                 write_mp4(tmp, FrameStream(frames, geom.height, geom.width, chunks), audio,
-                          crf=job["crf"] or DEFAULT_CRF, preset=self.preset, size=job.get("size"),
+                          crf=job.crf or DEFAULT_CRF, preset=self.preset, size=job.size,
                           check_cancel=check_cancel, prefix=prefix)
                 frames += spec.prefix_frames
         except BaseException as e:
@@ -427,13 +474,13 @@ class DecoderEngine(StageEngine):
         return {"file": Path(tmp), "name": name, "frames": frames, "audio_samples": samples}
 
     @staticmethod
-    def _prefix(job, spec: RenderSpec, audio: torch.Tensor) -> tuple[tuple[int, Iterator], torch.Tensor]:
+    def _prefix(job: DecodeJob, spec: RenderSpec, audio: torch.Tensor) -> tuple[tuple[int, Iterator], torch.Tensor]:
         """An extension's MP4 opens with its source clip: its first `prefix_frames` frames as they are (the MP4's own
         size) and its sound up to the first audio latent the span adds; the span's sound follows from there."""
         from minimax_h3.media import clip_audio, clip_frames, clip_size
 
-        path = job["prefix"]
-        width, height = job.get("size") or (spec.width, spec.height)
+        path = job.prefix
+        width, height = job.size or (spec.width, spec.height)
         if clip_size(path) != (width, height):
             raise InvalidArgument(f"the source clip is {'x'.join(map(str, clip_size(path)))}, this extension's MP4 "
                                   f"{width}x{height}: an extension keeps its source's size")

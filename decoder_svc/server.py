@@ -10,7 +10,8 @@ from pathlib import Path
 
 import torch
 
-from decoder_svc.engine import DecoderEngine, DecoderEngineConfig, check_latents
+from decoder_svc.engine import (DecodeJob, DecoderEngine, DecoderEngineConfig, EncodeImageJob, EncodeReferenceJob,
+                               EncodeTailJob, check_latents)
 from h3.v1 import common_pb2, decoder_pb2, decoder_pb2_grpc
 from minimax_h3.contract import (ENCODED_KEYFRAME, ENCODED_REFERENCE_AUDIO, ENCODED_REFERENCE_VIDEO, FPS, RAW_AUDIO,
                                  RAW_FRAMES, SAMPLE_OUTPUTS, RenderSpec, check_output, spec_from_proto, tensor_shapes,
@@ -52,9 +53,6 @@ class DecoderServicer(LifecycleMixin, UploadMixin, decoder_pb2_grpc.DecoderServi
         self.runtime = runtime
         self.engine: DecoderEngine = runtime.engine
         self.uploads = uploads
-
-    def describe(self) -> dict:
-        return self.engine.describe()
 
     @staticmethod
     def _spec(params) -> RenderSpec:
@@ -107,8 +105,7 @@ class DecoderServicer(LifecycleMixin, UploadMixin, decoder_pb2_grpc.DecoderServi
         except BaseException:
             asm.discard()  # an abandoned or rejected upload frees its buffers now
             raise
-        return req, {"spec": spec, "format": fmt, "crf": req.crf, "output_name": name, "size": size,
-                     "prefix": prefix}, inputs
+        return req, DecodeJob(spec, fmt, req.crf, name, size, prefix), inputs
 
     def Decode(self, request_iterator, context):
         t_recv = time.monotonic()
@@ -125,7 +122,7 @@ class DecoderServicer(LifecycleMixin, UploadMixin, decoder_pb2_grpc.DecoderServi
             t0 = time.monotonic()
             if "file" in out:
                 try:
-                    mime = "audio/wav" if job_spec["format"] == "wav" else "video/mp4"
+                    mime = "audio/wav" if job_spec.format == "wav" else "video/mp4"
                     yield from (decoder_pb2.DecodeEvent(file=c) for c in file_chunks(out["file"], out["name"], mime))
                 finally:
                     out["file"].unlink(missing_ok=True)
@@ -177,7 +174,7 @@ class DecoderServicer(LifecycleMixin, UploadMixin, decoder_pb2_grpc.DecoderServi
 
     def EncodeImage(self, request, context):
         keyframe = abort_on_error(context, self._read_image, request)
-        job = Job(spec={"op": "encode_image", "width": request.width, "height": request.height}, inputs={},
+        job = Job(spec=EncodeImageJob(request.width, request.height), inputs={},
                   prepare=lambda: {"image": keyframe.load()}, input_bytes=keyframe.decode_bytes)
         job.job_id = request.job_id or job.job_id
         yield from self._encode_job(job, context, decoder_pb2.EncodeImageEvent, (ENCODED_KEYFRAME,),
@@ -188,7 +185,7 @@ class DecoderServicer(LifecycleMixin, UploadMixin, decoder_pb2_grpc.DecoderServi
         ref = request.reference
         data = abort_on_error(context, reference_bytes, ref, self.uploads)  # inline, or uploaded before
         abort_on_error(context, admit_reference, ref.kind, data, request.frames)
-        job = Job(spec={"op": "encode_reference", "kind": ref.kind, "frames": request.frames}, inputs={},
+        job = Job(spec=EncodeReferenceJob(ref.kind, request.frames), inputs={},
                   prepare=lambda: {"media": load_reference(data, ref.kind, request.frames,
                                                            self.engine.reference_sizes, ref.name)},
                   input_bytes=reference_decode_bytes(ref.kind, request.frames))
@@ -207,7 +204,7 @@ class DecoderServicer(LifecycleMixin, UploadMixin, decoder_pb2_grpc.DecoderServi
             return spec, self._source(request.digest)
 
         spec, path = abort_on_error(context, admit)
-        job = Job(spec={"op": "encode_tail", "path": path, "spec": spec}, inputs={})
+        job = Job(spec=EncodeTailJob(path, spec), inputs={})
         job.job_id = request.job_id or job.job_id
         yield from self._encode_job(job, context, decoder_pb2.EncodeReferenceEvent,
                                     (ENCODED_REFERENCE_VIDEO, ENCODED_REFERENCE_AUDIO),

@@ -11,8 +11,10 @@ import hashlib
 import logging
 import math
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -45,13 +47,12 @@ from minimax_h3.kernels.registry import (AUTO, VSA_OP, KernelConfig, KernelSelec
                                         select_vsa_kernel)
 from minimax_h3.kernels.vsa import REFERENCE_CHUNK_BYTES
 from minimax_h3.kernels.tuning import chunk_rows as tuned_chunk_rows
-from stagekit.checkpoints import derived_key, derived_tensors, fill_derived
+from stagekit.checkpoints import WeightSource, derived_key
 from stagekit.child import run_in_child
 from stagekit.compile_cache import enable_compile_cache
 from stagekit.dist import RankGroup
 from stagekit.engine import StageEngine
 from stagekit.errors import FailedPrecondition, InvalidArgument
-from stagekit.host_copy import to_device
 from stagekit.runtime import release_device_memory
 from stagekit.wire import check_finite
 
@@ -222,7 +223,7 @@ def check_partitions(cfg: DiTEngineConfig, paths: dict[Path, str | None]) -> dic
     return {p: infos[p] for p in PARTITIONS if p in infos}
 
 
-class DiTEngine(StageEngine):
+class DiTEngine(StageEngine[RenderSpec]):
     name = "dit"
 
     def __init__(self, cfg: DiTEngineConfig, group: RankGroup):
@@ -231,7 +232,7 @@ class DiTEngine(StageEngine):
         paths, self.embedded = resolve_weights(cfg)
         # Every checkpoint is validated here, from its headers, before the stage reports SERVING: a bad file fails
         # start-up naming file and key (stagekit.checkpoints.CheckpointError), never the first job. One file per
-        # partition is served; the one a job needs is loaded for it (`use_partition`).
+        # partition is served; the runtime loads the one a job needs before it runs (`weight_files`).
         self.partitions: dict[str, CheckpointInfo] = check_partitions(cfg, paths)
         self._select(next(iter(self.partitions)))
         m = self.model_cfg  # the latents this DiT takes and makes (minimax_h3.contract's tensor table)
@@ -270,19 +271,13 @@ class DiTEngine(StageEngine):
         self.variant = info.variant.name
         self._header_shapes = info.shapes  # for weight-size estimates before loading
 
-    def use_partition(self, partition: str) -> None:
-        """Make `partition`'s weights the loaded ones (every rank runs this for the same job): a swap unloads the
-        other partition first, so only one is ever resident."""
-        if partition == self.partition:
-            return
-        t0 = time.monotonic()
-        loaded = self.model is not None
-        self.unload()
-        self._select(partition)
-        if loaded:
-            self.load()
-        log.info("rank %d switched to the %s partition (%s) in %.2f s", self.group.info.rank, partition,
-                 self.path.name, time.monotonic() - t0)
+    def _partition_of(self, files: tuple[Path, ...]) -> str:
+        """The partition whose file(s) a load reads (`weight_files`)."""
+        for p, info in self.partitions.items():
+            if tuple(info.files) == tuple(files):
+                return p
+        raise ValueError(f"no served DiT partition reads {[str(f) for f in files]}; served: "
+                         f"{ {p: [str(f) for f in i.files] for p, i in self.partitions.items()} }")
 
     # ---- lifecycle ------------------------------------------------------------------------------------------------
     @staticmethod
@@ -294,10 +289,13 @@ class DiTEngine(StageEngine):
         except ImportError:  # the load then uses what the kernel registry chose without it
             pass
 
-    def weight_files(self) -> list[Path]:
-        """The files the next load reads (the served partition's): what the stage keeps in host memory between
-        turns when the host has room (stagekit/host_copy.py)."""
-        return self.partitions[self.partition].files
+    def weight_files(self, spec: RenderSpec | None = None, inputs: Mapping[str, Any] | None = None
+                     ) -> tuple[Path, ...]:
+        """The files of the partition a job needs (ref2va for references, fl2va otherwise; the selected one for an
+        operator's Load): the runtime loads them before the job runs, one partition resident at a time, and the
+        stage keeps them in host memory between turns when the host has room (stagekit/host_copy.py)."""
+        partition = self.partition if spec is None else needed_partition(REFERENCES_INPUT in (inputs or {}))
+        return tuple(self.partitions[partition].files)
 
     def load_report(self) -> dict:
         """The last load's steps in seconds, for the `loaded` event."""
@@ -354,22 +352,23 @@ class DiTEngine(StageEngine):
         return [("linear", lin, "cpu: only the fallback kernels exist"),
                 ("attention", "sdpa default", "cpu: only the fallback kernels exist")]
 
-    def load(self) -> None:
+    def load(self, source: WeightSource) -> None:
         if self.model is not None:
             return
+        self._select(self._partition_of(source.files))
         self._enable_compile_cache()
         t0 = time.monotonic()
         cfg, dev = self.cfg, self.cfg.device
         quant_mode = "kernel" if self.kernels is not None else cfg.int8_mode  # GPU: the registry decides per linear
         par = self.parallel
-        kept = self._kept_conversions()  # linears an earlier turn converted, kept by the stage in host memory
+        kept = self._kept_conversions(source)  # linears an earlier turn converted, kept by the stage in host memory
         weights = load_dit_weights(self.path, self.model_cfg, par.tp_rank, par.tp_size,
                                    quant_mode=quant_mode, dtype=cfg.compute_dtype, qkv_layout=cfg.qkv_layout or None,
                                    device=dev, workers=LOAD_WORKERS if dev.startswith("cuda") else 1,
-                                   skip=[f"{n}.weight" for n in kept])
+                                   skip=[f"{n}.weight" for n in kept], source=source)
         for name, qw in kept.items():
-            weights[f"{name}.weight"] = QuantizedWeight(to_device(qw.qdata, dev), to_device(qw.scale, dev),
-                                                        qw.groupsize)
+            weights[f"{name}.weight"] = QuantizedWeight(source.to_device(qw.qdata, dev),
+                                                        source.to_device(qw.scale, dev), qw.groupsize)
         t1 = time.monotonic()
         phases = dict(weights.timings, kept_conversions=len(kept))
         assembly: dict[str, float] = {}
@@ -379,8 +378,8 @@ class DiTEngine(StageEngine):
                              tp_group=par.tp_group, sp_group=par.sp_group,
                              attention_fn=self.kernels.attention_fn() if self.kernels is not None else None,
                              compile_blocks=cfg.compile_blocks, timings=assembly, converted=converted)
-        if converted and self._conversions():
-            self._keep_conversions(converted)
+        if converted and self._conversions(self.partitions[self.partition]):
+            self._keep_conversions(converted, source)
         self.model = model
         self.stream = BlockStream(model.blocks, dev)
         model.block_stream = self.stream
@@ -399,32 +398,33 @@ class DiTEngine(StageEngine):
                  assembly["finish"], t3 - t2)
 
     # ---- conversions kept between turns (stagekit/host_copy.py, "Derived copies") -----------------------------------
-    def _conversions(self) -> dict[str, tuple[int, ...]]:
-        """{linear name: weight shape} of the linears every load converts: those the start-up probe's int8 kernel
-        serves that the file stores in another dtype (the release's token refiner is bf16). One rank only (a
-        stage keeps host copies only then)."""
+    def _conversions(self, info: CheckpointInfo) -> dict[str, tuple[int, ...]]:
+        """{linear name: weight shape} of the linears every load of `info`'s file converts: those the start-up
+        probe's int8 kernel serves that the file stores in another dtype (the release's token refiner is bf16). One
+        rank only (a stage keeps host copies only then)."""
         if self.kernels is None or self.kernels.linear != "int8" or self.parallel.tp_size != 1:
             return {}
-        shapes = self._header_shapes
+        shapes = info.shapes
         return {n: tuple(shapes[n + ".weight"].shape) for n in sorted(block_linears(self.model_cfg))
                 if n + ".weight" in shapes and shapes[n + ".weight"].dtype != "I8"}
 
-    def _conversion_key(self) -> str:
+    def _conversion_key(self, path: Path) -> str:
         dtype = str(self.cfg.compute_dtype).replace("torch.", "")
-        return derived_key(self.path, f"{self.kernels.linear} linears from {dtype}")
+        return derived_key(path, f"{self.kernels.linear} linears from {dtype}")
 
-    def derived_copies(self) -> dict[str, int]:
-        """What a load derives from the files that the stage may keep in host memory between turns ({key: bytes}):
-        the converted linears' int8 weights and fp32 row scales."""
-        conv = self._conversions()
+    def derived_copies(self, files: tuple[Path, ...]) -> dict[str, int]:
+        """What a load of `files` (a partition's) derives from them that the stage may keep in host memory between
+        turns ({key: bytes}): the converted linears' int8 weights and fp32 row scales."""
+        info = self.partitions[self._partition_of(files)]
+        conv = self._conversions(info)
         if not conv:
             return {}
-        return {self._conversion_key(): sum(n * k + 4 * n + 8 for n, k in conv.values())}
+        return {self._conversion_key(info.path): sum(n * k + 4 * n + 8 for n, k in conv.values())}
 
-    def _kept_conversions(self) -> dict[str, QuantizedWeight]:
+    def _kept_conversions(self, source: WeightSource) -> dict[str, QuantizedWeight]:
         """The converted linears an earlier turn kept (host views), those that still fit this file's; {} when none."""
-        conv = self._conversions()
-        kept = derived_tensors(self._conversion_key()) if conv else None
+        conv = self._conversions(self.partitions[self.partition])
+        kept = source.derived(self._conversion_key(self.path)) if conv else None
         if not kept:
             return {}
         out = {}
@@ -436,7 +436,7 @@ class DiTEngine(StageEngine):
             out[name] = QuantizedWeight(q, s, int(g[0]) or None)
         return out
 
-    def _keep_conversions(self, converted: dict[str, torch.nn.Module]) -> None:
+    def _keep_conversions(self, converted: dict[str, torch.nn.Module], source: WeightSource) -> None:
         """Hand this load's converted linears to the stage's derived copy (when it offered one) for the next turns."""
         tensors = {}
         for name, layer in converted.items():
@@ -444,7 +444,7 @@ class DiTEngine(StageEngine):
                 return
             tensors.update({f"{name}.weight": layer.weight, f"{name}.weight_scale": layer.weight_scale,
                             f"{name}.groupsize": torch.tensor([layer.groupsize or 0])})
-        if fill_derived(self._conversion_key(), tensors):
+        if source.fill(self._conversion_key(self.path), tensors):
             log.info("kept %d converted linears (%.2f GiB) for the next turns", len(converted),
                      sum(t.numel() * t.element_size() for t in tensors.values()) / 2**30)
 
@@ -646,8 +646,6 @@ class DiTEngine(StageEngine):
     def run(self, spec: RenderSpec, inputs: dict, ctx) -> dict:
         if self.model is None:
             raise FailedPrecondition("DiT not loaded")
-        refs: References | None = inputs.get(REFERENCES_INPUT)  # ref2va: references (validated on rank 0)
-        self.use_partition(needed_partition(refs is not None))
         self.loras.activate(inputs.get("loras", ()))  # unmerged, cached per rank; [] restores the base model
         plan = plan_windows(spec)
         self.windows = plan.describe()

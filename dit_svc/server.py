@@ -69,9 +69,6 @@ class DiTServicer(LifecycleMixin, dit_pb2_grpc.DiTSamplerServicer):
         self.runtime = runtime
         self.engine: DiTEngine = runtime.engine
 
-    def describe(self) -> dict:
-        return self.engine.describe()
-
     def _read_request(self, request_iterator):
         first = next(request_iterator, None)
         if first is None or first.WhichOneof("input") != "request":

@@ -22,7 +22,7 @@ from minimax_h3.text.conditioner import Conditioner, ConditionerConfig, resolve_
 from minimax_h3.text.tiny import write_tiny_model
 from minimax_h3.text.tokenizer import MAX_PROMPT_TOKENS, validate_prompt
 from minimax_h3.text.vision import keyframe_items, reference_parts
-from stagekit.checkpoints import CheckpointError
+from stagekit.checkpoints import CheckpointError, WeightSource
 from stagekit.dist import RankGroup
 from stagekit.engine import StageEngine
 from stagekit.errors import FailedPrecondition
@@ -54,7 +54,15 @@ def resolve_weights(cfg: EncoderEngineConfig) -> tuple[Path, bool]:
                                                        variant="bf16"))
 
 
-class EncoderEngine(StageEngine):
+@dataclass(frozen=True)
+class EncodeJob:
+    """An Encode: the prompt and its (validated) token ids; keyframes or references, if any, are the job's inputs."""
+
+    text: str
+    ids: tuple[int, ...]
+
+
+class EncoderEngine(StageEngine[EncodeJob]):
     name = "encoder"
 
     def __init__(self, cfg: EncoderEngineConfig, group: RankGroup):
@@ -82,7 +90,9 @@ class EncoderEngine(StageEngine):
         self.cache = TextStateCache(cfg.cache_bytes)
         self.model: Conditioner | None = None
 
-    def load(self) -> None:
+    def load(self, source: WeightSource) -> None:
+        """The text encoder, read from its checkpoint on disk (it names no files for host copies: `source` is
+        empty)."""
         if self.model is None:
             self.model = Conditioner.load(self.path, self.model_cfg, tokenizer=self.tokenizer, device=self.cfg.device,
                                           dtype=self.cfg.dtype, mode=self.cfg.mode,
@@ -107,14 +117,14 @@ class EncoderEngine(StageEngine):
         return CacheKey.make(text, self.model_id, self.cfg.dtype)
 
     @torch.inference_mode()
-    def run(self, spec: dict, inputs: dict, ctx) -> dict:
+    def run(self, spec: EncodeJob, inputs: dict, ctx) -> dict:
         if self.model is None:
             raise FailedPrecondition("text encoder not loaded")
         ctx.progress(0, 1)
         images = inputs.get("keyframes") or []
         references = inputs.get("references") or []
         if images or references:  # fl2va / ref2va: labels + vision blocks, then the prompt (not cached)
-            encode, prompt = self.model.tokenizer.encode, list(spec["ids"])
+            encode, prompt = self.model.tokenizer.encode, list(spec.ids)
             if references:  # ref2va: labels per kind in request order (minimax_h3/text/vision.py)
                 items, tail = reference_parts(encode, references, self.model.temporal_patch)
                 prompt = tail + prompt
@@ -122,7 +132,7 @@ class EncoderEngine(StageEngine):
                 items = keyframe_items(encode, images)
             states, tags = self.model.encode_presentation(prompt, items)
         else:
-            states, tags = self.model.encode_ids(spec["ids"]), None
+            states, tags = self.model.encode_ids(list(spec.ids)), None
         states = states.cpu()
         check_result("encoder", TEXT_STATES, states, "token")  # never cached nor sent when not finite
         prompt_only = tags is None
@@ -131,11 +141,11 @@ class EncoderEngine(StageEngine):
         ctx.progress(1, 1)
         return {TEXT_STATES: states, TEXT_TAGS: tags, "tokens": int(states.shape[0]), "prompt_only": prompt_only}
 
-    def on_result(self, spec: dict, result: dict) -> None:
+    def on_result(self, spec: EncodeJob, result: dict) -> None:
         """In the stage process (stagekit.engine.StageEngine): a plain prompt's states (no keyframes) join the prompt
         cache, which outlives the device worker."""
         if result["prompt_only"]:
-            self.cache.put(self.cache_key(spec["text"]), result[TEXT_STATES])
+            self.cache.put(self.cache_key(spec.text), result[TEXT_STATES])
 
     def describe(self) -> dict:
         return {"weights": str(self.path), "variant": f"{self.variant} ({self.cfg.mode})",

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from encoder_svc.engine import EncoderEngine, EncoderEngineConfig
+from encoder_svc.engine import EncodeJob, EncoderEngine, EncoderEngineConfig
 from h3.v1 import common_pb2, encoder_pb2, encoder_pb2_grpc
 from minimax_h3.contract import MAX_PROMPT_BYTES, TEXT_STATES, TEXT_TAGS
 from minimax_h3.images import admit_keyframe
@@ -44,9 +44,6 @@ class EncoderServicer(LifecycleMixin, UploadMixin, encoder_pb2_grpc.TextEncoderS
         self.runtime = runtime
         self.engine: EncoderEngine = runtime.engine
         self.uploads = uploads
-
-    def describe(self) -> dict:
-        return self.engine.describe()
 
     def _prompt(self, request):
         raw = request.prompt_bytes if request.prompt_bytes else request.prompt
@@ -117,7 +114,7 @@ class EncoderServicer(LifecycleMixin, UploadMixin, encoder_pb2_grpc.TextEncoderS
             if m is not None:
                 m.observe_timing(timing)
             return
-        job = Job(spec={"text": text, "ids": ids}, inputs={})
+        job = Job(spec=EncodeJob(text, tuple(ids)), inputs={})
         job.job_id = request.job_id or job.job_id
         if keyframes:  # canvas-sized uint8 [H, W, 3] each, decoded on the worker thread
             job.prepare = lambda: {"keyframes": [k.load() for k in keyframes]}

@@ -134,6 +134,17 @@ class LatentGeometry:
 H3_GEOMETRY = LatentGeometry()
 
 
+def one_video_latent(latents, what: str):
+    """A video latent `[C, T, h, w]` (a tensor or an array), given as that or as a batch of one `[1, C, T, h, w]`;
+    InvalidArgument naming `what` for any other shape."""
+    if latents.ndim == 5 and latents.shape[0] == 1:
+        latents = latents[0]
+    if latents.ndim != 4:
+        raise InvalidArgument(f"{what} takes one video latent [C, T, h, w] (or a batch of one, [1, C, T, h, w]); "
+                              f"got shape {tuple(latents.shape)}")
+    return latents
+
+
 # ---- 2. the render spec --------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class SparseAttention:

@@ -10,12 +10,11 @@
   used in both directions;
 * `TensorReader`: reads whole tensors or row / column slices through safetensors, turning any read failure of a
   file that went bad after start-up into a `CheckpointError` (FAILED_PRECONDITION) naming file and tensor;
-* `use_host_copies(mapping)`: a device worker reads the files its stage process keeps in host memory
-  (stagekit/host_copy.py) instead of the disk; `TensorReader(views=True)` then hands out views of those copies;
-  `prefault_host_copies(mapping)` maps them ahead of the turn (a worker on standby) and faults their pages in;
-* `derived_tensors(key)` / `fill_derived(key, tensors)`: tensors a load derives from the files (weights converted to
-  their kernel's format), kept by the stage process beside its host copies: the first turn fills them, the later
-  turns copy them instead of converting again;
+* `WeightSource`: where one load reads its weights, handed to the engine's load by the runtime: the files, each from
+  disk or from the stage process's copy of it in host memory (stagekit/host_copy.py), and what the load derives from
+  them (weights converted to their kernel's format) kept beside those copies (`derived`, `fill`);
+  `TensorReader(source=..., views=True)` hands out views of the copies; `prefault_copies` maps them ahead of the
+  turn (a worker on standby) and faults their pages in;
 * `FiniteCheck` / `nonfinite_flag`: no weight holds a NaN or an Inf. `TensorReader` checks every float tensor it
   reads on the CPU; a loader that copies its tensors to a GPU checks the copies there instead, one queued flag per
   tensor and one host sync for the whole load.
@@ -39,12 +38,14 @@ import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import MappingProxyType
 from typing import Iterable, Mapping
 
 import torch
 from safetensors import safe_open
 
 from stagekit.errors import FailedPrecondition
+from stagekit.host_copy import Staging
 
 HEADER_LEN_BYTES = 8  # safetensors: little-endian u64 header length, then JSON header, then data
 MAX_HEADER_BYTES = 100 * 1024 * 1024
@@ -54,17 +55,19 @@ CONFIG_JSON = "config.json"
 SHARD_NAME = re.compile(r"-\d+-of-\d+\.safetensors$")  # `model-00001-of-00014.safetensors`
 
 # Bytes per element of every safetensors dtype.
-DTYPE_BYTES = {
+DTYPE_BYTES = MappingProxyType({
     "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
     "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8,
-}
+})
 FLOAT = frozenset({"F64", "F32", "F16", "BF16"})  # dense float storage: loaders cast it to the compute dtype
 FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 # Elements of an fp8 tensor widened to fp32 at a time by the finiteness check (bounds the temporary to 256 MiB).
 FINITE_CHUNK = 1 << 26
-TORCH_DTYPE = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-               "I8": torch.int8, "U8": torch.uint8, "I32": torch.int32, "I64": torch.int64,
-               "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}  # fp8: nvfp4_awq block scales
+TORCH_DTYPE = MappingProxyType({
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "I8": torch.int8,
+    "U8": torch.uint8, "I32": torch.int32, "I64": torch.int64,
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,  # fp8: nvfp4_awq block scales
+})
 
 
 class CheckpointError(FailedPrecondition):
@@ -393,32 +396,13 @@ IDENTITY = NameMap(())
 # =====================================================================================================================
 # Reading tensors
 # =====================================================================================================================
-# Checkpoint file -> the path of the stage process's copy of it in host memory (this process's device worker turn).
+# Where a load reads its weights: `WeightSource`, built by the runtime (stagekit/runtime.py) and handed to the
+# engine's load; in a device worker's turn it carries the stage process's host copies (stagekit/host_copy.py).
 _log = logging.getLogger("stagekit.checkpoints")
-_HOST_COPIES: dict[Path, str] = {}
-_MAPPED: dict[Path, "_MappedCopy"] = {}
-_MAPPED_LOCK = threading.Lock()
-
-
-def use_host_copies(mapping: Mapping[str, str]) -> None:
-    """Read the checkpoint files named in `mapping` ({file: path of its host copy}) from their copies from now on
-    (a device worker, before it loads; stagekit/host_copy.py). Files not named are read from disk. A copy mapped
-    before (`prefault_host_copies`) is kept only when it is still the same copy: same path and same memfd inode (a
-    copy made again after its file changed may reuse the descriptor number)."""
-    with _MAPPED_LOCK:
-        _HOST_COPIES.clear()
-        _HOST_COPIES.update({Path(k).resolve(): v for k, v in mapping.items()})
-        for f in [f for f in _MAPPED if not _MAPPED[f].same_copy(_HOST_COPIES.get(f))]:
-            del _MAPPED[f]
-
-
-# Derived copies: what a load computes from the files (e.g. weights converted to their kernel's format), kept by the
-# stage process in memfds of its own beside the host copies (stagekit/host_copy.py, "Derived copies"). A filled one
-# is in the host-copy mapping under its key (`derived_key`), so it is mapped and prefaulted like a file's copy; one
-# to fill is named here, and the worker writes it once (`fill_derived`).
-_TO_FILL: dict[str, str] = {}
-_FILLED: list[str] = []
 DERIVED_ALIGN = 64  # every tensor of a derived copy starts at a multiple of this: its views need no copy
+# Bytes a prefault pass asks the kernel for at once (one madvise call, the GIL released).
+PREFAULT_CHUNK = 256 << 20
+MADV_POPULATE_READ = 22  # Linux 5.14+
 
 
 def derived_key(file: str | Path, what: str) -> str:
@@ -427,114 +411,23 @@ def derived_key(file: str | Path, what: str) -> str:
     return f"{Path(file).resolve()}#{what}"
 
 
-def use_derived_copies(to_fill: Mapping[str, str]) -> None:
-    """The derived copies this load may fill ({key: path of the stage's empty memfd}; a device worker, before it
-    loads). The filled ones arrive with the host copies (`use_host_copies`)."""
-    _TO_FILL.clear()
-    _TO_FILL.update(to_fill)
-    _FILLED.clear()
+def _copy_name(name: str | Path) -> Path:
+    """How a host copy is looked up: a file's resolved path, or a derived copy's key (`derived_key`)."""
+    return Path(name).resolve()
 
 
-def derived_tensors(key: str) -> dict[str, torch.Tensor] | None:
-    """The tensors of a filled derived copy, as read-only views ({name: tensor}), or None when the stage holds none
-    for `key` (the load converts, and fills it when offered: `fill_derived`)."""
-    copy = _host_copy(Path(key).resolve()) if _HOST_COPIES else None
-    if copy is None:
-        return None
-    return {k: copy.tensor(k) for k in copy.spans}
+class MappedCopy:
+    """A host copy of one safetensors file (or a derived copy), mapped read-only (shared with the stage process
+    that holds it): tensors are views of the mapping, located by the copy's own header."""
 
-
-def fill_derived(key: str, tensors: Mapping[str, torch.Tensor]) -> bool:
-    """Write `tensors` (any device) into the derived copy `key` when this load was offered it; returns whether it
-    did. The stage process keeps it from then on only after the load succeeded (`filled_derived`), so a worker that
-    dies while writing leaves nothing the next turn would read."""
-    target = _TO_FILL.get(key)
-    if target is None:
-        return False
-    header, offset = {}, 0
-    for name, t in tensors.items():
-        dtype = next(k for k, v in TORCH_DTYPE.items() if v == t.dtype)
-        n = t.numel() * t.element_size()
-        header[name] = {"dtype": dtype, "shape": list(t.shape), "data_offsets": [offset, offset + n]}
-        offset += -(-n // DERIVED_ALIGN) * DERIVED_ALIGN
-    blob = json.dumps(header, separators=(",", ":")).encode()
-    blob += b" " * (-(HEADER_LEN_BYTES + len(blob)) % DERIVED_ALIGN)  # data starts aligned
-    start = HEADER_LEN_BYTES + len(blob)
-    fd = os.open(target, os.O_RDWR)
-    try:
-        os.ftruncate(fd, 0)
-        os.ftruncate(fd, start + offset)
-        with mmap.mmap(fd, start + offset, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE) as m:
-            m[:start] = struct.pack("<Q", len(blob)) + blob
-            dst = torch.frombuffer(m, dtype=torch.uint8)
-            for name, t in tensors.items():
-                lo, hi = header[name]["data_offsets"]
-                dst[start + lo: start + hi].view(t.dtype).view(t.shape).copy_(t)
-            del dst
-    finally:
-        os.close(fd)
-    _FILLED.append(key)
-    return True
-
-
-def filled_derived() -> list[str]:
-    """The derived copies this load filled (the stage process keeps them once the load has succeeded)."""
-    return list(_FILLED)
-
-
-# Bytes a prefault pass asks the kernel for at once (one madvise call, the GIL released).
-PREFAULT_CHUNK = 256 << 20
-MADV_POPULATE_READ = 22  # Linux 5.14+
-
-
-def prefault_host_copies(mapping: Mapping[str, str]) -> threading.Thread:
-    """Use the host copies in `mapping` (as `use_host_copies`), map each now and fault its pages in on a background
-    thread (madvise MADV_POPULATE_READ, a chunk at a time): a device worker on standby does it before its turn, so
-    the turn's load copies from pages already mapped instead of faulting ~5 million of them in (0.15-0.2 s of CPU
-    per GiB measured on a 2-core VM). Nothing touches a device. Returns the thread (a daemon; it stops early when
-    the copies in use change; its `seconds` says how long it ran, once it ended). A kernel without MADV_POPULATE_READ
-    leaves the faults to the load."""
-    use_host_copies(mapping)
-    copies = [c for c in (_host_copy(f) for f in list(_HOST_COPIES)) if c is not None]
-
-    def populate() -> None:
-        t0 = time.monotonic()
-        try:
-            _populate()
-        finally:
-            t.seconds = time.monotonic() - t0
-
-    def _populate() -> None:
-        madvise = ctypes.CDLL(None, use_errno=True).madvise
-        madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        for c in copies:
-            base, size = c.bytes.data_ptr(), c.bytes.numel()
-            for lo in range(0, size, PREFAULT_CHUNK):
-                if _MAPPED.get(c.file) is not c:  # another set of copies is in use now
-                    break
-                if madvise(base + lo, min(PREFAULT_CHUNK, size - lo), MADV_POPULATE_READ) != 0:
-                    _log.info("host copy %s: pages not prefaulted (errno %d); the load faults them in", c.file.name,
-                              ctypes.get_errno())
-                    return
-
-    t = threading.Thread(target=populate, name="prefault-host-copies", daemon=True)
-    t.seconds = None  # how long the prefault took, once it ended
-    t.start()
-    return t
-
-
-class _MappedCopy:
-    """A host copy of one safetensors file, mapped read-only (shared with the stage process that holds it): tensors
-    are views of the mapping, located by the copy's own header."""
-
-    def __init__(self, file: Path, source: str):
-        self.file, self.source = file, source
+    def __init__(self, source: str):
+        self.source = source
         fd = os.open(source, os.O_RDONLY)
         try:
             st = os.fstat(fd)
             size, self.ino = st.st_size, st.st_ino
             # Not populated by the map: a worker on standby faults the pages in on a thread of its own
-            # (`prefault_host_copies`); otherwise the loader's threads do as they copy, in parallel.
+            # (`prefault_copies`); otherwise the loader's threads do as they copy, in parallel.
             self.map = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
         finally:
             os.close(fd)
@@ -548,8 +441,9 @@ class _MappedCopy:
             warnings.simplefilter("ignore", UserWarning)
             self.bytes = torch.frombuffer(self.map, dtype=torch.uint8)
 
-    def same_copy(self, source: str | None) -> bool:
-        """Whether `source` (a copy's path, or None) still names the copy this maps."""
+    def same_copy(self, source: str) -> bool:
+        """Whether `source` (a copy's path) still names the copy this maps: same path and same memfd inode (a copy
+        made again after its file changed may reuse the descriptor number)."""
         if source != self.source:
             return False
         try:
@@ -568,21 +462,151 @@ class _MappedCopy:
             raw = raw.clone()
         return raw.view(dt).view(shape)
 
-
-def has_host_copy(file: str | Path) -> bool:
-    """Whether this process reads `file` from a host copy (`use_host_copies`)."""
-    return bool(_HOST_COPIES) and Path(file).resolve() in _HOST_COPIES
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {k: self.tensor(k) for k in self.spans}
 
 
-def _host_copy(file: Path) -> _MappedCopy | None:
-    source = _HOST_COPIES.get(file)
-    if source is None:
-        return None
-    with _MAPPED_LOCK:
-        m = _MAPPED.get(file)
-        if m is None:
-            m = _MAPPED[file] = _MappedCopy(file, source)
-        return m
+def map_copies(copies: Mapping[str, str], mapped: Mapping[Path, MappedCopy] = MappingProxyType({})
+               ) -> dict[Path, MappedCopy]:
+    """Map the host copies `copies` ({file or derived key: path of its copy}) read-only, reusing each of `mapped`
+    that is still the same copy (one a worker on standby mapped and prefaulted: `prefault_copies`)."""
+    out = {}
+    for name, source in copies.items():
+        key = _copy_name(name)
+        old = mapped.get(key)
+        out[key] = old if old is not None and old.same_copy(source) else MappedCopy(source)
+    return out
+
+
+@dataclass(frozen=True)
+class Prefault:
+    """Host copies mapped ahead of a load and their pages being faulted in on `thread` (`prefault_copies`)."""
+
+    mapped: Mapping[Path, MappedCopy]
+    thread: threading.Thread
+    stop: threading.Event
+    took: list[float]  # the thread's seconds, once it ended
+
+    @property
+    def seconds(self) -> float | None:
+        """How long the prefault ran, once it ended (None while it runs)."""
+        return self.took[0] if self.took else None
+
+
+def prefault_copies(copies: Mapping[str, str]) -> Prefault:
+    """Map the host copies `copies` ({file or derived key: path of its copy}) now and fault their pages in on a
+    background thread (madvise MADV_POPULATE_READ, a chunk at a time): a device worker on standby does it before its
+    turn, so the turn's load copies from pages already mapped instead of faulting ~5 million of them in (0.15-0.2 s
+    of CPU per GiB measured on a 2-core VM). Nothing touches a device. The thread (a daemon) stops early when `stop`
+    is set (the load was handed other copies). A kernel without MADV_POPULATE_READ leaves the faults to the load."""
+    mapped = map_copies(copies)
+    stop, took = threading.Event(), []
+
+    def populate() -> None:
+        t0 = time.monotonic()
+        try:
+            _populate()
+        finally:
+            took.append(time.monotonic() - t0)
+
+    def _populate() -> None:
+        madvise = ctypes.CDLL(None, use_errno=True).madvise
+        madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        for c in mapped.values():
+            base, size = c.bytes.data_ptr(), c.bytes.numel()
+            for lo in range(0, size, PREFAULT_CHUNK):
+                if stop.is_set():
+                    return
+                if madvise(base + lo, min(PREFAULT_CHUNK, size - lo), MADV_POPULATE_READ) != 0:
+                    _log.info("host copy %s: pages not prefaulted (errno %d); the load faults them in", c.source,
+                              ctypes.get_errno())
+                    return
+
+    t = threading.Thread(target=populate, name="prefault-host-copies", daemon=True)
+    t.start()
+    return Prefault(MappingProxyType(mapped), t, stop, took)
+
+
+@dataclass(frozen=True)
+class WeightSource:
+    """Where one load reads its weights: the weight files the engine named for it (`files`,
+    `StageEngine.weight_files`), each from disk, or, in a device worker's turn, from the stage process's copy of
+    it in host memory (`copies`, mapped read-only; stagekit/host_copy.py). The runtime builds it and hands it to the
+    engine's load; the loaders read through it (`TensorReader(source=...)`, `to_device`).
+
+    Derived copies (stagekit/host_copy.py, "Derived copies"): what a load computes from the files (weights converted
+    to their kernel's format), kept by the stage process beside the host copies. A filled one is in `copies` under
+    its `derived_key` (`derived`); one the load may fill is in `to_fill` ({key: path of the stage's empty memfd}),
+    written once (`fill`); `filled` lists what this load wrote, which the stage keeps once the load succeeded."""
+
+    files: tuple[Path, ...] = ()
+    copies: Mapping[Path, MappedCopy] = field(default_factory=lambda: MappingProxyType({}))
+    to_fill: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
+    staging: Staging = field(default_factory=Staging, compare=False, repr=False)
+    filled: list[str] = field(default_factory=list, compare=False, repr=False)
+
+    @classmethod
+    def host_copies(cls, files: Iterable[str | Path], copies: Mapping[str, str], to_fill: Mapping[str, str],
+                    prefault: Prefault | None = None) -> "WeightSource":
+        """`files`, read from the host copies `copies` ({file or derived key: path of its copy}) where there is one
+        (a device worker's load): each mapped now, or the one `prefault` mapped on standby when it is the same copy
+        (a prefault of other copies stops)."""
+        mapped = map_copies(copies, prefault.mapped if prefault is not None else {})
+        if prefault is not None and any(mapped.get(k) is not c for k, c in prefault.mapped.items()):
+            prefault.stop.set()
+        return cls(tuple(Path(f) for f in files), MappingProxyType(mapped), MappingProxyType(dict(to_fill)))
+
+    def copy_of(self, file: str | Path) -> MappedCopy | None:
+        """The mapped host copy of `file` (a file or a derived key), None when the load reads it from disk."""
+        return self.copies.get(_copy_name(file)) if self.copies else None
+
+    def has_copy(self, file: str | Path) -> bool:
+        """Whether this load reads `file` from a host copy."""
+        return self.copy_of(file) is not None
+
+    def to_device(self, t: torch.Tensor, device: torch.device | str, dtype: torch.dtype | None = None
+                  ) -> torch.Tensor:
+        """`t` (e.g. a view of a host copy) on `device`, cast to `dtype` there, through this load's pinned staging
+        buffers (stagekit/host_copy.py `Staging.to_device`)."""
+        return self.staging.to_device(t, device, dtype)
+
+    def derived(self, key: str) -> dict[str, torch.Tensor] | None:
+        """The tensors of a filled derived copy, as read-only views ({name: tensor}), or None when the stage holds
+        none for `key` (the load converts, and fills it when offered: `fill`)."""
+        copy = self.copy_of(key)
+        return None if copy is None else copy.tensors()
+
+    def fill(self, key: str, tensors: Mapping[str, torch.Tensor]) -> bool:
+        """Write `tensors` (any device) into the derived copy `key` when this load was offered it; returns whether
+        it did. The stage process keeps it from then on only after the load succeeded (`filled`), so a worker that
+        dies while writing leaves nothing the next turn would read."""
+        target = self.to_fill.get(key)
+        if target is None:
+            return False
+        header, offset = {}, 0
+        for name, t in tensors.items():
+            dtype = next(k for k, v in TORCH_DTYPE.items() if v == t.dtype)
+            n = t.numel() * t.element_size()
+            header[name] = {"dtype": dtype, "shape": list(t.shape), "data_offsets": [offset, offset + n]}
+            offset += -(-n // DERIVED_ALIGN) * DERIVED_ALIGN
+        blob = json.dumps(header, separators=(",", ":")).encode()
+        blob += b" " * (-(HEADER_LEN_BYTES + len(blob)) % DERIVED_ALIGN)  # data starts aligned
+        start = HEADER_LEN_BYTES + len(blob)
+        fd = os.open(target, os.O_RDWR)
+        try:
+            os.ftruncate(fd, 0)
+            os.ftruncate(fd, start + offset)
+            with mmap.mmap(fd, start + offset, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE) as m:
+                m[:start] = struct.pack("<Q", len(blob)) + blob
+                dst = torch.frombuffer(m, dtype=torch.uint8)
+                for name, t in tensors.items():
+                    lo, hi = header[name]["data_offsets"]
+                    dst[start + lo: start + hi].view(t.dtype).view(t.shape).copy_(t)
+                del dst
+        finally:
+            os.close(fd)
+        self.filled.append(key)
+        return True
 
 
 def nonfinite_flag(t: torch.Tensor) -> torch.Tensor | None:
@@ -661,12 +685,14 @@ class TensorReader:
     Every float tensor read is checked for NaN / Inf on the CPU as it is read (a CheckpointError naming file and
     key). `check_finite=False` is for a loader that checks the copies on its device instead (`FiniteCheck`).
 
-    A file this process reads from its host copy (`use_host_copies`) gives copies of the copy's bytes, or with
-    `views=True` read-only views of them, for a loader that moves every tensor to its device with
-    `stagekit.host_copy.to_device` (which never writes its source)."""
+    A file the load's `source` holds a host copy of gives copies of the copy's bytes, or with `views=True` read-only
+    views of them, for a loader that moves every tensor to its device with `source.to_device` (which never writes
+    its source). Without a `source` every file is read from disk."""
 
-    def __init__(self, entries: Mapping[str, HeaderEntry], *, check_finite: bool = True, views: bool = False) -> None:
+    def __init__(self, entries: Mapping[str, HeaderEntry], *, source: WeightSource | None = None,
+                 check_finite: bool = True, views: bool = False) -> None:
         self._entries = entries
+        self._source = source
         self._handles: dict[Path, object] = {}
         self._check_finite = check_finite
         self._views = views
@@ -680,7 +706,7 @@ class TensorReader:
                 raise CheckpointError(e.file, f"cannot open: {exc}", key) from exc
         return self._handles[e.file], e.disk_key or key
 
-    def _read_copy(self, copy: _MappedCopy, key: str, index) -> torch.Tensor:
+    def _read_copy(self, copy: MappedCopy, key: str, index) -> torch.Tensor:
         e = self._entries[key]
         t = copy.tensor(e.disk_key or key)
         t = t if index is None else t[index]
@@ -689,7 +715,7 @@ class TensorReader:
     def _read(self, key: str, index) -> torch.Tensor:
         e = self._entries[key]
         disk = e.disk_key or key
-        copy = _host_copy(Path(e.file).resolve()) if _HOST_COPIES else None
+        copy = self._source.copy_of(e.file) if self._source is not None else None
         try:
             if copy is not None:
                 t = self._read_copy(copy, key, index)

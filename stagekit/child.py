@@ -7,7 +7,6 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import pickle
-import signal
 from collections.abc import Callable
 from typing import Any
 
@@ -15,7 +14,7 @@ import grpc
 
 from stagekit import errors
 from stagekit.errors import StageError, Unavailable
-from stagekit.procs import die_with_parent
+from stagekit.procs import die_with_parent, exit_text
 
 
 def spawn_context():
@@ -80,17 +79,6 @@ def run_in_child(fn: Callable, *args: Any, timeout_s: float = 600.0) -> Any:
     if kind == "error":
         raise value
     return value
-
-
-def exit_text(code: int | None) -> str:
-    if code is None:
-        return "still running"
-    if code < 0:
-        try:
-            return f"killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"killed by signal {-code}"
-    return f"exit code {code}"
 
 
 def portable(e: BaseException) -> BaseException:

@@ -12,9 +12,9 @@ engine's `prepare_process()` included) and waits, touching no device, until `loa
     prepare() -> spawn (standby, the   ------>  imports, engine_cls.prepare_process(), gc.freeze(), the
                  host copies held)              copies mapped and prefaulted on a thread  -> ("standby",)
     load()   -> ("start", rendezvous)  ------>  device, engine = type(engine)(engine.cfg, worker group)
-             -> ("load", spec, copies, ------>  use_host_copies(copies), use_derived_copies(to_fill);
-                 to_fill)                       engine.load() / load_for(spec)
-                                                                 -> ("ok", (bytes, load report, derived filled))
+             -> ("load", spec, files,  ------>  source = WeightSource.host_copies(files, copies, to_fill);
+                 copies, to_fill)               engine.load(source) / load_for(spec, source)
+                                                          -> ("ok", (bytes, load report, source.filled))
     run()    -> ("run", spec, inputs)  ------>  engine.run(spec, inputs, ctx)
                 answers ctx calls      <------  ("progress"| "should_stop" | "check_cancel"...)
                                        <------  ("done", outputs, bytes) | ("error", exc)
@@ -24,10 +24,11 @@ engine's `prepare_process()` included) and waits, touching no device, until `loa
   process's engine (`set_worker_state(state)`): the DiT's block placement and window plan.
 - Messages cross the pipe by value (`Channel`: plain pickle, tensors copied), so a killed process leaves nothing
   shared behind. A job's inputs and outputs are latents, states and the MP4: tens to hundreds of MB, copied at
-  pipe speed. The weights are the exception: a one-rank stage keeps its checkpoint files in memfds it owns, which
-  its worker maps read-only (stagekit/host_copy.py); the kernel frees them with the stage process. What a load
-  derives from the files (the engine's `derived_copies()` hook: {key: bytes}) is kept the same way once a
-  load has filled it.
+  pipe speed. The weights are the exception: a one-rank stage keeps the files each load reads (the runtime's
+  `WeightSource`, the engine's `weight_files` for the job) in memfds it owns, which its worker maps read-only into
+  the source it hands its engine's load (stagekit/host_copy.py); the kernel frees them with the stage process.
+  What a load derives from the files (the engine's `derived_copies(files)` hook: {key: bytes}) is kept the same
+  way once a load has filled it.
 - Cancellation stays agreed across ranks: a worker's `ctx.should_stop()` is answered by its stage process, which
   runs the rank group's agreement as before (every rank's worker asks at the same step boundaries).
 - Multi-rank stages: the workers form their own process group (NCCL on GPUs, gloo on CPU) at each load, on a
@@ -45,15 +46,19 @@ import logging
 import os
 import socket
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from stagekit.child import Channel, exit_text, portable, spawn_context
-from stagekit.engine import StageEngine
+from stagekit.engine import Spec, StageEngine
 from stagekit.errors import StageError, Unavailable
 from stagekit.host_copy import HostCopies
 from stagekit.procs import die_with_parent
+
+if TYPE_CHECKING:
+    from stagekit.checkpoints import WeightSource
 
 log = logging.getLogger("stagekit.device_worker")
 
@@ -108,7 +113,7 @@ class _WorkerContext:
             raise err
 
 
-def _worker_main(conn, engine_cls: type, engine_cfg: Any, wcfg: WorkerConfig,
+def _worker_main(conn, engine_cls: type[StageEngine], engine_cfg: Any, wcfg: WorkerConfig,
                  copies: dict[str, str] | None = None) -> None:
     """The worker: import everything and wait on standby (no device touched, so it holds nothing of the card),
     mapping the stage's host copies of the files its load will read (`copies`) and faulting their pages in
@@ -123,7 +128,7 @@ def _worker_main(conn, engine_cls: type, engine_cfg: Any, wcfg: WorkerConfig,
         os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # docs/memory.md
     import torch
 
-    from stagekit.checkpoints import filled_derived, prefault_host_copies, use_derived_copies, use_host_copies
+    from stagekit.checkpoints import WeightSource, prefault_copies
     from stagekit.dist import RankGroup, RankInfo
     from stagekit.runtime import load_engine
 
@@ -140,10 +145,9 @@ def _worker_main(conn, engine_cls: type, engine_cfg: Any, wcfg: WorkerConfig,
     prefault = None
     if copies:
         try:
-            prefault = prefault_host_copies(copies)
+            prefault = prefault_copies(copies)
         except OSError as e:  # e.g. the stage dropped a copy meanwhile: the load maps what it is handed
             log.info("%s device worker: host copies not mapped on standby (%r)", wcfg.stage, e)
-            use_host_copies({})
     conn.send(("standby", None))
     try:
         msg = conn.recv()
@@ -182,10 +186,10 @@ def _worker_main(conn, engine_cls: type, engine_cfg: Any, wcfg: WorkerConfig,
             break
         try:
             if msg[0] == "load":
-                use_host_copies(msg[2])
-                use_derived_copies(msg[3])
-                load_engine(engine, msg[1])
-                conn.send(("ok", (engine.resident_bytes(), engine.load_report(), filled_derived())))
+                _, spec, files, copies, to_fill = msg
+                source = WeightSource.host_copies(files, copies, to_fill, prefault)
+                load_engine(engine, source, spec)
+                conn.send(("ok", (engine.resident_bytes(), engine.load_report(), source.filled)))
             elif msg[0] == "run":
                 out = engine.run(msg[1], msg[2], ctx)
                 conn.send(("done", out, engine.resident_bytes(), engine.worker_state()))
@@ -207,14 +211,14 @@ class WorkerLost(Unavailable):
     restarts_group = True
 
 
-class DeviceWorkerEngine(StageEngine):
+class DeviceWorkerEngine(StageEngine[Spec]):
     """A `StageEngine` whose device work runs in a worker; everything else is `engine`'s.
 
     `engine` is the stage's engine built in the stage process (header checks, estimates, Status, request
     validation: CPU only); the worker builds `type(engine)(engine.cfg, <its own rank group>)` at each load.
     `group` is the stage process's rank group (gloo): it carries the rendezvous and the agreed cancellation."""
 
-    def __init__(self, engine: StageEngine, group: Any, cfg: WorkerConfig):
+    def __init__(self, engine: StageEngine[Spec], group: Any, cfg: WorkerConfig):
         self.engine = engine
         self.group = group
         self.wcfg = cfg
@@ -231,8 +235,7 @@ class DeviceWorkerEngine(StageEngine):
         self._loads = 0
         # Checkpoint files kept in host memory between turns, when the host has room (stagekit/host_copy.py). One
         # rank: each rank of a group would hold a whole copy of its files.
-        self.host_copies = (HostCopies(self.name) if engine.weight_files() is not None and group.world_size == 1
-                            else None)
+        self.host_copies = HostCopies(self.name) if engine.weight_files() and group.world_size == 1 else None
         atexit.register(self.close)
 
     def __getattr__(self, item: str) -> Any:  # request checks and Status are the stage engine's own
@@ -244,29 +247,29 @@ class DeviceWorkerEngine(StageEngine):
         return self._proc.pid if self._proc is not None else None
 
     # ---- Engine -------------------------------------------------------------------------------------------------
-    def load(self) -> None:
-        self._load(None)
+    def load(self, source: WeightSource) -> None:
+        self._load(None, source.files)
 
-    def load_for(self, spec: Any) -> None:
-        self._load(spec)
+    def load_for(self, spec: Spec, source: WeightSource) -> None:
+        self._load(spec, source.files)
 
     def resident_bytes(self) -> int:
         return self._bytes if self._proc is not None else 0
 
     # The stage engine's own answers (it is built in the stage process, from the headers: CPU only).
-    def estimate_peak_bytes(self, spec: Any, inputs: dict) -> int | None:
+    def estimate_peak_bytes(self, spec: Spec | None, inputs: dict) -> int | None:
         return self.engine.estimate_peak_bytes(spec, inputs)
 
     def weight_bytes(self) -> int | None:
         return self.engine.weight_bytes()
 
-    def weight_files(self) -> list[Path] | None:
-        return self.engine.weight_files()
+    def weight_files(self, spec: Spec | None = None, inputs: Mapping[str, Any] | None = None) -> tuple[Path, ...]:
+        return self.engine.weight_files(spec, inputs)
 
-    def derived_copies(self) -> dict[str, int]:
-        return self.engine.derived_copies()
+    def derived_copies(self, files: tuple[Path, ...]) -> dict[str, int]:
+        return self.engine.derived_copies(files)
 
-    def on_result(self, spec: Any, result: dict) -> None:
+    def on_result(self, spec: Spec, result: dict) -> None:
         self.engine.on_result(spec, result)
 
     def load_report(self) -> dict:
@@ -329,7 +332,7 @@ class DeviceWorkerEngine(StageEngine):
                  exit_text(proc.exitcode))
         self.prepare()
 
-    def run(self, spec: Any, inputs: dict, ctx: Any) -> dict:
+    def run(self, spec: Spec, inputs: dict, ctx: Any) -> dict:
         if self._proc is None:
             raise Unavailable(f"{self.name}: no device worker runs (not loaded)")
         self._send(("run", spec, inputs))
@@ -372,7 +375,7 @@ class DeviceWorkerEngine(StageEngine):
                 return "error", msg[1]
 
     # ---- the worker -------------------------------------------------------------------------------------------------
-    def _load(self, spec: Any) -> None:
+    def _load(self, spec: Spec | None, files: tuple[Path, ...]) -> None:
         rendezvous = None
         if self.group.world_size > 1:
             # First, before anything can fail: every rank's stage process is in this broadcast.
@@ -384,10 +387,10 @@ class DeviceWorkerEngine(StageEngine):
             self._spawn(rendezvous)
         copies, to_fill = {}, {}
         if self.host_copies is not None:
-            derived = self.engine.derived_copies()
-            copies = self.host_copies.ensure(self.engine.weight_files(), derived)
+            derived = self.engine.derived_copies(files)
+            copies = self.host_copies.ensure(list(files), derived)
             to_fill = self.host_copies.to_fill(list(derived)) if copies else {}
-        self._send(("load", spec, copies, to_fill))
+        self._send(("load", spec, files, copies, to_fill))
         kind, value = self._recv()
         if kind == "error":
             raise value

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import uuid
+from types import MappingProxyType
 
 import grpc
 
@@ -91,8 +92,9 @@ class Internal(StageError):
 
 
 # The class that says what each status means (for a status another service answered with: `error_for`).
-_BY_CODE = {cls.code: cls for cls in (InvalidArgument, NotFound, AlreadyExists, FailedPrecondition, ResourceExhausted,
-                                      Unavailable, Cancelled, DeadlineExceeded, Internal)}
+_BY_CODE = MappingProxyType({cls.code: cls for cls in (InvalidArgument, NotFound, AlreadyExists, FailedPrecondition,
+                                                       ResourceExhausted, Unavailable, Cancelled, DeadlineExceeded,
+                                                       Internal)})
 
 
 def error_for(code: grpc.StatusCode, message: str) -> StageError:

@@ -5,10 +5,10 @@ without help every turn reads the checkpoint files again and copies each tensor 
 memory. Instead the stage process, which lives across turns and never holds a CUDA context, reads each file once
 into a memfd (anonymous shared memory: no name under /dev/shm, freed by the kernel when its last descriptor closes,
 so a killed stage leaves nothing behind). At each load its worker maps the copy read-only through
-`/proc/<stage pid>/fd/<n>`; `stagekit.checkpoints.TensorReader` then hands out views of the copy instead of reading
-the file, and `to_device` moves a view to the GPU through a small ring of pinned staging buffers: the loader's CPU
-threads fill one buffer while the other crosses the bus, so a turn's load is one pass over the bytes at close to the
-pinned host->device rate.
+`/proc/<stage pid>/fd/<n>` (`stagekit.checkpoints.WeightSource`, handed to its engine's load); `TensorReader` then
+hands out views of the copy instead of reading the file, and `Staging.to_device` moves a view to the GPU through a
+small ring of pinned staging buffers: the loader's CPU threads fill one buffer while the other crosses the bus, so a
+turn's load is one pass over the bytes at close to the pinned host->device rate.
 
 Whether a stage keeps its copy is decided from the host's free memory, with no knob: a copy is made when the host
 still has `HOST_RESERVE_BYTES` available after it (`/proc/meminfo` MemAvailable; shared memory is not counted
@@ -17,14 +17,14 @@ from the files each turn as before. The choice is a row of the stage's Status (`
 
     stage process (no CUDA)                        device worker (one turn)
     -----------------------                        ------------------------
-    HostCopies.ensure(files) -> {file: /proc/..}   use_host_copies(mapping)  (stagekit.checkpoints)
-      memfd per file, filled once (sendfile)       TensorReader(views=True) -> views of the mapped copy
-    status_row()                                   to_device(view, device, dtype): staged pinned copies
+    HostCopies.ensure(files) -> {file: /proc/..}   WeightSource.host_copies(files, mapping, to_fill)
+      memfd per file, filled once (sendfile)       TensorReader(source=.., views=True) -> views of the copy
+    status_row()                                   source.to_device(view, device, dtype): staged pinned copies
 
 Derived copies. Some of what a load puts on the device is not in the files as such: weights the file stores in bf16
 that the chosen kernel wants in int8 are converted on the device at every load (the DiT's token refiner: 1.5 GB of
 bf16 in, 0.77 GB of int8 out). Beside its file copies the stage keeps one memfd per such conversion (`derived`):
-the first turn's worker writes its result there (`stagekit.checkpoints.fill_derived`), the stage keeps it once
+the first turn's worker writes its result there (`stagekit.checkpoints.WeightSource.fill`), the stage keeps it once
 that load succeeded (`filled`), and every later turn copies it up like a file's tensors instead of converting
 again: the bits the conversion made, so every turn computes with the same weights. A derived copy goes with its
 file's copy (a file changed on disk, a host short of memory, the stage's end).
@@ -189,7 +189,7 @@ class HostCopies:
 
     def to_fill(self, keys: list[str]) -> dict[str, str]:
         """{key: path the worker writes} for each derived copy in `keys` not filled yet, of a file held now (after
-        `ensure`): an empty memfd the load fills (stagekit.checkpoints.fill_derived)."""
+        `ensure`): an empty memfd the load fills (stagekit.checkpoints.WeightSource.fill)."""
         with self._lock:
             out = {}
             for k in keys:
@@ -257,84 +257,86 @@ class HostCopies:
 # =====================================================================================================================
 # Worker side: host tensor -> device through pinned staging buffers
 # =====================================================================================================================
-class _Stager(threading.local):
-    """One loader thread's staging buffers (pinned), their events and its copy stream, and where its time went
-    (`staging_seconds`)."""
+class _ThreadStaging(threading.local):
+    """One loader thread's staging buffers (pinned), their events and its copy stream."""
 
     def __init__(self):
         self.device = None
         self.buffers: list[torch.Tensor] = []
         self.events: list = []
         self.stream = None
-        self.seconds = {"pin": 0.0, "fill": 0.0, "wait": 0.0}
-        with _SECONDS_LOCK:
-            _SECONDS.append(self.seconds)
 
 
-_SECONDS: list[dict[str, float]] = []  # every loader thread's `_Stager.seconds`
-_SECONDS_LOCK = threading.Lock()
-_STAGER = _Stager()
+class Staging:
+    """Moves host tensors to a device through pinned staging buffers, one set per loader thread, and counts where
+    the threads' time went (`seconds`). One per load (`stagekit.checkpoints.WeightSource.staging`)."""
 
+    def __init__(self) -> None:
+        self._threads = _ThreadStaging()
+        self._seconds = {"pin": 0.0, "fill": 0.0, "wait": 0.0}
+        self._lock = threading.Lock()
 
-def staging_seconds() -> dict[str, float]:
-    """Seconds the loader threads of this process spent so far, summed over threads: "pin" allocating their pinned
-    buffers, "fill" copying host bytes into them (the CPU side: page faults of a fresh mapping of the copy
-    included), "wait" waiting for a buffer's previous chunk and each tensor's last one to reach the device (the
-    bus side). A load's share is the difference of two readings."""
-    with _SECONDS_LOCK:
-        return {k: sum(d[k] for d in _SECONDS) for k in ("pin", "fill", "wait")}
+    def seconds(self) -> dict[str, float]:
+        """Seconds the loader threads spent so far, summed over threads: "pin" allocating their pinned buffers,
+        "fill" copying host bytes into them (the CPU side: page faults of a fresh mapping of the copy included),
+        "wait" waiting for a buffer's previous chunk and each tensor's last one to reach the device (the bus side)."""
+        with self._lock:
+            return dict(self._seconds)
 
+    def _add(self, what: str, seconds: float) -> None:
+        with self._lock:
+            self._seconds[what] += seconds
 
-def _stager(device: torch.device) -> _Stager:
-    s = _STAGER
-    if s.device != device:
-        t0 = time.perf_counter()
-        s.device = device
-        s.buffers = [torch.empty(STAGE_BYTES, dtype=torch.uint8, pin_memory=True) for _ in range(STAGE_SLOTS)]
-        s.events = [None] * STAGE_SLOTS
-        s.stream = torch.cuda.Stream(device)
-        s.seconds["pin"] += time.perf_counter() - t0
-    return s
-
-
-def to_device(t: torch.Tensor, device: torch.device | str, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """A new tensor on `device` holding `t` (a CPU tensor, e.g. a view of a host copy), cast to `dtype` there.
-
-    CUDA: the bytes go up as stored, chunk by chunk through this thread's pinned staging buffers on its own stream
-    (the CPU fills one buffer while the other is on the bus), and the cast runs on the device. Casting before or
-    after the copy gives the same bits (IEEE round-to-nearest-even either way; widening is exact). Elsewhere: a
-    copy (`t` may be a read-only view), cast the same way. Returns when the copy is done."""
-    device = torch.device(device)
-    dtype = dtype or t.dtype
-    if device.type != "cuda":
-        return t.to(dtype) if dtype != t.dtype else t.clone(memory_format=torch.contiguous_format)
-    src = t.contiguous()
-    nbytes = src.numel() * src.element_size()
-    if nbytes < SMALL_BYTES:
-        return src.to(device).to(dtype)
-    s = _stager(device)
-    out = torch.empty(src.shape, dtype=src.dtype, device=device)
-    flat_src = src.reshape(-1).view(torch.uint8)
-    flat_out = out.view(-1).view(torch.uint8)
-    s.stream.wait_stream(torch.cuda.current_stream(device))  # `out`'s memory may have been freed by queued work
-    with torch.cuda.stream(s.stream):
-        for j, lo in enumerate(range(0, nbytes, STAGE_BYTES)):
-            k = j % STAGE_SLOTS
-            n = min(STAGE_BYTES, nbytes - lo)
+    def _buffers(self, device: torch.device) -> _ThreadStaging:
+        s = self._threads
+        if s.device != device:
             t0 = time.perf_counter()
-            if s.events[k] is not None:
-                s.events[k].synchronize()  # the buffer's previous chunk has left for the device
-            t1 = time.perf_counter()
-            # A plain memcpy (ctypes drops the GIL): the loader's threads copy in parallel without each one
-            # starting a team of intra-op threads.
-            ctypes.memmove(s.buffers[k].data_ptr(), flat_src.data_ptr() + lo, n)
-            s.seconds["wait"] += t1 - t0
-            s.seconds["fill"] += time.perf_counter() - t1
-            flat_out[lo: lo + n].copy_(s.buffers[k][:n], non_blocking=True)
-            ev = torch.cuda.Event()
-            ev.record(s.stream)
-            s.events[k] = ev
-    t0 = time.perf_counter()
-    s.stream.synchronize()
-    s.seconds["wait"] += time.perf_counter() - t0
-    return out if dtype == out.dtype else out.to(dtype)
+            s.device = device
+            s.buffers = [torch.empty(STAGE_BYTES, dtype=torch.uint8, pin_memory=True) for _ in range(STAGE_SLOTS)]
+            s.events = [None] * STAGE_SLOTS
+            s.stream = torch.cuda.Stream(device)
+            self._add("pin", time.perf_counter() - t0)
+        return s
+
+    def to_device(self, t: torch.Tensor, device: torch.device | str,
+                  dtype: torch.dtype | None = None) -> torch.Tensor:
+        """A new tensor on `device` holding `t` (a CPU tensor, e.g. a view of a host copy), cast to `dtype` there.
+
+        CUDA: the bytes go up as stored, chunk by chunk through this thread's pinned staging buffers on its own
+        stream (the CPU fills one buffer while the other is on the bus), and the cast runs on the device. Casting
+        before or after the copy gives the same bits (IEEE round-to-nearest-even either way; widening is exact).
+        Elsewhere: a copy (`t` may be a read-only view), cast the same way. Returns when the copy is done."""
+        device = torch.device(device)
+        dtype = dtype or t.dtype
+        if device.type != "cuda":
+            return t.to(dtype) if dtype != t.dtype else t.clone(memory_format=torch.contiguous_format)
+        src = t.contiguous()
+        nbytes = src.numel() * src.element_size()
+        if nbytes < SMALL_BYTES:
+            return src.to(device).to(dtype)
+        s = self._buffers(device)
+        out = torch.empty(src.shape, dtype=src.dtype, device=device)
+        flat_src = src.reshape(-1).view(torch.uint8)
+        flat_out = out.view(-1).view(torch.uint8)
+        s.stream.wait_stream(torch.cuda.current_stream(device))  # `out`'s memory may have been freed by queued work
+        with torch.cuda.stream(s.stream):
+            for j, lo in enumerate(range(0, nbytes, STAGE_BYTES)):
+                k = j % STAGE_SLOTS
+                n = min(STAGE_BYTES, nbytes - lo)
+                t0 = time.perf_counter()
+                if s.events[k] is not None:
+                    s.events[k].synchronize()  # the buffer's previous chunk has left for the device
+                t1 = time.perf_counter()
+                # A plain memcpy (ctypes drops the GIL): the loader's threads copy in parallel without each one
+                # starting a team of intra-op threads.
+                ctypes.memmove(s.buffers[k].data_ptr(), flat_src.data_ptr() + lo, n)
+                self._add("wait", t1 - t0)
+                self._add("fill", time.perf_counter() - t1)
+                flat_out[lo: lo + n].copy_(s.buffers[k][:n], non_blocking=True)
+                ev = torch.cuda.Event()
+                ev.record(s.stream)
+                s.events[k] = ev
+        t0 = time.perf_counter()
+        s.stream.synchronize()
+        self._add("wait", time.perf_counter() - t0)
+        return out if dtype == out.dtype else out.to(dtype)

@@ -30,7 +30,9 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any
 
 from stagekit.budget import MemoryBudget, fmt_bytes
@@ -86,7 +88,8 @@ def plan_hosts(nodes: list[NodeInfo | None], shared: bool, device_work: bool) ->
 
 
 # ---- a node lead's side -------------------------------------------------------------------------------------------
-_ERRORS: dict[str, type[Exception]] = {"TimeoutError": TimeoutError, "ResourceExhausted": ResourceExhausted}
+_ERRORS: Mapping[str, type[Exception]] = MappingProxyType({"TimeoutError": TimeoutError,
+                                                          "ResourceExhausted": ResourceExhausted})
 
 
 @dataclass(frozen=True)
@@ -196,29 +199,33 @@ def _remaining(t0: float, timeout_s: float | None) -> float | None:
     return None if timeout_s is None else max(0.0, timeout_s - (time.monotonic() - t0))
 
 
-class GroupLease:
-    """The leader's device lease over every host of the group (the runtime's `lease`: DeviceLease's interface)."""
+class _OnEveryHost:
+    """What the leader's lease and budget share: take on every host, one host at a time in key order, and give all
+    of it back. `what` names it to the node leads' `waiting`; `release_op`, to their release."""
 
-    def __init__(self, local: DeviceLease, remote: RemoteHosts):
+    what: str
+    release_op: str
+
+    def __init__(self, local: DeviceLease | MemoryBudget, remote: RemoteHosts):
         self.local = local
         self.remote = remote
         self.ids = local.ids
         self.events = local.events
         self._remote_held = False
 
-    def acquire(self, timeout_s: float | None = None, poll_s: float = 0.05) -> float:
-        """Take every host's lease, one host at a time in key order; returns seconds waited. A host that cannot be
-        taken in time gives back what was taken and raises its TimeoutError, naming the host."""
-        if self.local.held:  # the runtime asks only when not resident; held means every host is ours
-            return 0.0
+    def _take_each(self, take_local: Callable[[float | None], Any], op: str, timeout_s: float | None,
+                   *args) -> float:
+        """`take_local(timeout)` on this host, `op` (`args`, then the time left) on the others; returns seconds
+        waited. A host that cannot be taken in time gives back what was taken and raises its TimeoutError, naming
+        the host."""
         t0 = time.monotonic()
         try:
             for key in self.remote.order:
                 if key == self.remote.own:
-                    self.local.acquire(timeout_s=_remaining(t0, timeout_s), poll_s=poll_s)
+                    take_local(_remaining(t0, timeout_s))
                 else:
                     self._remote_held = True  # a failure below may have left other hosts taken: release them all
-                    self.remote.call("acquire", key, _remaining(t0, timeout_s))
+                    self.remote.call(op, key, *args, _remaining(t0, timeout_s))
         except BaseException:
             self.release()
             raise
@@ -229,26 +236,38 @@ class GroupLease:
         if self._remote_held:
             self._remote_held = False
             self.remote.forget()
-            self.remote.call("release")
+            self.remote.call(self.release_op)
 
     def others_waiting(self) -> bool:
-        return self.local.others_waiting() or self.remote.waiting("lease")
+        return self.local.others_waiting() or self.remote.waiting(self.what)
+
+
+class GroupLease(_OnEveryHost):
+    """The leader's device lease over every host of the group (the runtime's `lease`: DeviceLease's interface)."""
+
+    what = "lease"
+    release_op = "release"
+
+    def acquire(self, timeout_s: float | None = None, poll_s: float = 0.05) -> float:
+        """Take every host's lease, one host at a time in key order; returns seconds waited."""
+        if self.local.held:  # the runtime asks only when not resident; held means every host is ours
+            return 0.0
+        return self._take_each(lambda left: self.local.acquire(timeout_s=left, poll_s=poll_s), "acquire", timeout_s)
 
     def holders(self) -> str:
         """Who holds the leases: the leader's host now, the other hosts as of their last poll (any thread)."""
         return ", ".join(h for h in (self.local.holders(), self.remote.remote_holders) if h)
 
 
-class GroupBudget:
+class GroupBudget(_OnEveryHost):
     """The leader's memory budget over every host of the group (the runtime's `budget`: MemoryBudget's interface)."""
 
+    what = "budget"
+    release_op = "release_budget"
+
     def __init__(self, local: MemoryBudget, remote: RemoteHosts):
-        self.local = local
-        self.remote = remote
-        self.ids = local.ids
+        super().__init__(local, remote)
         self.cfg = local.cfg
-        self.events = local.events
-        self._remote_held = False
 
     @property
     def reserved(self) -> int:
@@ -266,21 +285,11 @@ class GroupBudget:
                     "--reserve-gb")
 
     def reserve(self, nbytes: int, timeout_s: float | None = None, poll_s: float = 0.05) -> float:
-        """Reserve `nbytes` per device on every host, one host at a time in key order."""
+        """Reserve `nbytes` per device on every host, one host at a time in key order; returns seconds waited."""
         self.check_fits(nbytes, self.cfg.holder)
         timeout_s = self.cfg.timeout_s if timeout_s is None else timeout_s
-        t0 = time.monotonic()
-        try:
-            for key in self.remote.order:
-                if key == self.remote.own:
-                    self.local.reserve(nbytes, timeout_s=_remaining(t0, timeout_s), poll_s=poll_s)
-                else:
-                    self._remote_held = True
-                    self.remote.call("reserve", key, nbytes, _remaining(t0, timeout_s))
-        except BaseException:
-            self.release()
-            raise
-        return time.monotonic() - t0
+        return self._take_each(lambda left: self.local.reserve(nbytes, timeout_s=left, poll_s=poll_s), "reserve",
+                               timeout_s, nbytes)
 
     def try_grow(self, nbytes: int) -> bool:
         """Grow on every host without waiting; False when any host has no room now (the runtime then unloads,
@@ -292,13 +301,3 @@ class GroupBudget:
     def shrink(self, nbytes: int) -> None:
         self.local.shrink(nbytes)
         self.remote.call("shrink", None, nbytes)
-
-    def release(self) -> None:
-        self.local.release()
-        if self._remote_held:
-            self._remote_held = False
-            self.remote.forget()
-            self.remote.call("release_budget")
-
-    def others_waiting(self) -> bool:
-        return self.local.others_waiting() or self.remote.waiting("budget")

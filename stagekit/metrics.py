@@ -305,11 +305,9 @@ class MetricsInterceptor(grpc.ServerInterceptor):
                 m.bytes.labels("out", method).inc(n)
             return msg
 
-        def unary_response(behavior, streaming_in: bool):
+        def unary_response(behavior):
             def run(request, context):
                 call = _Call(context)
-                if streaming_in:
-                    request = count_in(request)
                 try:
                     resp = behavior(request, context)
                 except Exception:
@@ -319,11 +317,9 @@ class MetricsInterceptor(grpc.ServerInterceptor):
                 return count_out(resp)
             return run
 
-        def stream_response(behavior, streaming_in: bool):
+        def stream_response(behavior):
             def run(request, context):
                 call = _Call(context)
-                if streaming_in:
-                    request = count_in(request)
                 try:
                     for resp in behavior(request, context):
                         yield count_out(resp)
@@ -338,15 +334,17 @@ class MetricsInterceptor(grpc.ServerInterceptor):
 
         if handler.request_streaming and handler.response_streaming:
             fn, make = handler.stream_stream, grpc.stream_stream_rpc_method_handler
-            wrapped = stream_response(fn, True)
         elif handler.response_streaming:
             fn, make = handler.unary_stream, grpc.unary_stream_rpc_method_handler
-            wrapped = stream_response(fn, False)
         elif handler.request_streaming:
             fn, make = handler.stream_unary, grpc.stream_unary_rpc_method_handler
-            wrapped = unary_response(fn, True)
         else:
             fn, make = handler.unary_unary, grpc.unary_unary_rpc_method_handler
-            wrapped = unary_response(fn, False)
+        if handler.request_streaming:  # the request messages' bytes counted as the handler reads them
+            def behavior(request_iterator, context):
+                return fn(count_in(request_iterator), context)
+        else:
+            behavior = fn
+        wrapped = stream_response(behavior) if handler.response_streaming else unary_response(behavior)
         return make(wrapped, request_deserializer=handler.request_deserializer,
                     response_serializer=handler.response_serializer)

@@ -28,6 +28,18 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
+def exit_text(code: int | None) -> str:
+    """A process's end in words, from its exit code (`Popen.returncode`, `Process.exitcode`: negative for a signal)."""
+    if code is None:
+        return "still running"
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
 def die_with_parent(what: str = "this process", parent: int = 0) -> None:
     """The kernel SIGKILLs this process when the thread that started it exits (Linux prctl PR_SET_PDEATHSIG), so a
     `kill -9` of a torchrun agent, a stage process or a supervisor leaves no rank, worker or launcher behind

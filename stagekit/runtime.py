@@ -24,10 +24,13 @@ import traceback
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from pathlib import Path
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any, Generic
 
+from stagekit.checkpoints import WeightSource
 from stagekit.dist import RankGroup
-from stagekit.engine import StageEngine
+from stagekit.engine import Spec, StageEngine
 from stagekit.errors import (Cancelled, DeadlineExceeded, ResourceExhausted, StageError, Unavailable, restarts_group,
                              status_for)
 from stagekit.file_identity import FileIdentity, identify
@@ -95,8 +98,8 @@ class ShutdownCancel(Unavailable):
 
 
 @dataclass
-class Job:
-    spec: Any
+class Job(Generic[Spec]):
+    spec: Spec
     inputs: dict
     job_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
     deadline: float | None = None            # time.monotonic() deadline
@@ -200,7 +203,7 @@ class JobContext:
 
 
 # Why a stage unloads: the `reason` of its unload_start / unloaded events, and its log line.
-UNLOAD_REASONS = {
+UNLOAD_REASONS = MappingProxyType({
     "others_waiting": "another stage waits for these devices and this queue is empty",
     "yield": "another stage waits for these devices and this stage served its batch (--max-batch-before-yield)",
     "idle": "idle for --idle-unload-s (exclusive residency)",
@@ -208,9 +211,11 @@ UNLOAD_REASONS = {
             "nothing",
     "request": "an operator's Unload",
     "load_failed": "the load failed",
+    "files": "the next job needs other weight files than the loaded ones (another partition); loading those, the "
+             "devices kept",
     "worker_lost": "the device worker died",
     "shutdown": "the stage is shutting down",
-}
+})
 
 # Commands the leader broadcasts to followers.
 _LOAD, _UNLOAD, _RUN, _EXIT = "load", "unload", "run", "exit"
@@ -255,6 +260,7 @@ class StageRuntime:
         self.jobs_done = 0
         self.loads = 0                 # residencies so far (each one is a swap-in)
         self.loaded_files: dict[str, FileIdentity] = {}  # the engine's weight files as the last load found them
+        self._files: tuple[Path, ...] = ()  # the files the engine holds now (those of its last load)
         self.last_lease_wait = 0.0
         self.running: Job | None = None
         self._served = 0               # jobs served in the current residency
@@ -287,7 +293,7 @@ class StageRuntime:
                                    lease_holder=self.lease.holders() if self.lease is not None else "",
                                    loaded_files=self.loaded_files)
 
-    def estimate_bytes(self, spec: Any, inputs: dict | None = None) -> int:
+    def estimate_bytes(self, spec: Spec | None, inputs: dict | None = None) -> int:
         """Per-device peak bytes of a job (weights + activations) from the engine's hook; 0 if it has none.
 
         `spec=None` asks for the weights alone (an operator's Load before any job)."""
@@ -361,10 +367,11 @@ class StageRuntime:
             ids = self.lease.ids if self.lease is not None else self.budget.ids
             self.events.write(event, stage=self.engine.name, devices=ids, residency=self.cfg.residency, **extra)
 
-    def _load(self, need_bytes: int = 0, spec: Any = None, cancelled: Callable[[], bool] | None = None) -> float:
-        """Take the devices (lease, or budget room in shared mode), then load (for the job `spec` when given) unless
-        `cancelled()` says the job's client left while we waited: then the devices go back unloaded (raises
-        Cancelled). Returns seconds taken."""
+    def _load(self, need_bytes: int = 0, spec: Spec | None = None, files: tuple[Path, ...] | None = None,
+              cancelled: Callable[[], bool] | None = None) -> float:
+        """Take the devices (lease, or budget room in shared mode), then load `files` (the engine's `weight_files`
+        when None; for the job `spec` when given) unless `cancelled()` says the job's client left while we waited:
+        then the devices go back unloaded (raises Cancelled). Returns seconds taken."""
         if self.resident:
             return 0.0
         t0 = time.monotonic()
@@ -380,25 +387,35 @@ class StageRuntime:
             self.last_lease_wait = waited
             if cancelled is not None and cancelled():  # no weights (and no swap) for a client that is gone
                 raise Cancelled(f"{self.engine.name}: job cancelled while it waited for the devices")
-            # Health is NOT_SERVING only while weights are actually loading (not while waiting in line).
-            self.loading = True
-            self.on_health(False)
+            self._load_weights(waited, spec, tuple(self.engine.weight_files()) if files is None else files)
+        except BaseException:
+            if not self.resident:
+                self._give_back()
+            raise
+        return time.monotonic() - t0
+
+    def _load_weights(self, waited: float, spec: Spec | None, files: tuple[Path, ...]) -> None:
+        """Load `files` on every rank (the devices are ours), for the job `spec` when given."""
+        # Health is NOT_SERVING only while weights are actually loading (not while waiting in line).
+        self.loading = True
+        self.on_health(False)
+        try:
             self._log("load_start", waited_s=waited)
             t1 = time.monotonic()
             if self.exclusive and self.hold is not None:
                 self.hold.take()
-            self.group.broadcast_command((_LOAD, spec))
+            self.group.broadcast_command((_LOAD, (spec, files)))
             # Before the load reads them: a file replaced while it loads shows as replaced, never as the one loaded.
-            files = self.engine.weight_files()
-            read = identify(files) if files is not None else {}
+            read = identify(files)
             try:
-                load_engine(self.engine, spec)
+                load_engine(self.engine, WeightSource(files), spec)
             except BaseException:
                 self._unload_locked("load_failed")
                 raise
             with self._lock:
                 self.resident = True
                 self.loaded_files = read
+                self._files = files
             if not self.exclusive and self.budget is not None and not self._has_estimate:
                 # No estimate hook: the first load reserved the worst case; keep what was actually loaded.
                 self._measured = self.engine.resident_bytes()
@@ -411,15 +428,9 @@ class StageRuntime:
             if self.metrics is not None:
                 self.metrics.observe_load(load_s, waited)
             log.info("%s loaded in %.2f s (waited %.2f s for the devices)", self.engine.name, load_s, waited)
-        except BaseException:
-            if not self.resident:
-                self._give_back()
-            raise
         finally:
-            if self.loading:  # (never set when we gave up waiting in line: health never left SERVING)
-                self.loading = False
-                self.on_health(True)
-        return time.monotonic() - t0
+            self.loading = False
+            self.on_health(True)
 
     @property
     def _has_estimate(self) -> bool:
@@ -448,8 +459,9 @@ class StageRuntime:
             if self.budget is not None:
                 self.budget.release()
 
-    def _unload_locked(self, reason: str) -> float:
-        """Unload for `reason` (one of UNLOAD_REASONS: it goes into the event log and the stage's log)."""
+    def _unload_locked(self, reason: str, keep_devices: bool = False) -> float:
+        """Unload for `reason` (one of UNLOAD_REASONS: it goes into the event log and the stage's log); the lease or
+        budget room is given back unless `keep_devices` (the next load follows at once)."""
         t0 = time.monotonic()
         log.info("%s unloading: %s", self.engine.name, UNLOAD_REASONS[reason])
         self._log("unload_start", served=self._served, reason=reason)
@@ -464,7 +476,8 @@ class StageRuntime:
         # is false before the next holder can take the lease.
         with self._lock:
             self.resident = False
-            self._give_back()
+            if not keep_devices:
+                self._give_back()
         return unload_s
 
     def _unload(self, reason: str) -> float:
@@ -579,12 +592,21 @@ class StageRuntime:
                 job.prepare = None
             t0 = time.monotonic()
             self._ensure_room(job)
+            files = tuple(self.engine.weight_files(job.spec, job.inputs))
+            switch = self.resident and files != self._files  # another partition: loaded in place of this one
+            if switch:
+                self._unload_locked("files", keep_devices=True)
             if self.resident:
                 job.timing["load_s"] = 0.0
             else:
                 job.events.put(JobEvent("progress", dict(stage=self.engine.name, phase="loading", step=0, total=0,
                                                          elapsed_s=0.0, eta_s=0.0, step_ms=0.0, message="")))
-                self._load(job.estimate_bytes, job.spec if self.exclusive else None, job.should_cancel)
+                spec = job.spec if self.exclusive else None
+                if switch:
+                    self.last_lease_wait = 0.0
+                    self._load_weights(0.0, spec, files)
+                else:
+                    self._load(job.estimate_bytes, spec, files, job.should_cancel)
                 job.timing["lease_wait_s"] = self.last_lease_wait
                 job.timing["load_s"] = time.monotonic() - t0 - self.last_lease_wait
             t1 = time.monotonic()
@@ -637,12 +659,12 @@ class StageRuntime:
             log.error("killed follower ranks %s so the group restarts now", list(self.follower_pids))
 
 
-def load_engine(engine: StageEngine, spec: Any = None) -> None:
-    """Everything, or only what the job `spec` needs (the engine's `load_for`)."""
+def load_engine(engine: StageEngine[Spec], source: WeightSource, spec: Spec | None = None) -> None:
+    """Everything, or only what the job `spec` needs (the engine's `load_for`), from `source`."""
     if spec is not None:
-        engine.load_for(spec)
+        engine.load_for(spec, source)
     else:
-        engine.load()
+        engine.load(source)
 
 
 def _hard_exit() -> None:
@@ -672,7 +694,8 @@ def follower_loop(engine: StageEngine, group: RankGroup, hold: RankHold | None =
             if command == _LOAD:
                 if hold is not None:
                     hold.take()
-                load_engine(engine, payload)
+                spec, files = payload
+                load_engine(engine, WeightSource(files), spec)
             elif command == _UNLOAD:
                 try:
                     engine.unload()

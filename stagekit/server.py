@@ -47,7 +47,7 @@ log = logging.getLogger("stagekit.server")
 
 # Servers only: one listener per port. gRPC's default SO_REUSEPORT lets a second stage bind a port another stage
 # serves, and the two then split the calls; without it the second one fails to start (docs/reliability.md).
-SERVER_OPTIONS = GRPC_OPTIONS + [("grpc.so_reuseport", 0)]
+SERVER_OPTIONS = (*GRPC_OPTIONS, ("grpc.so_reuseport", 0))
 
 # Slots (and threads) reserved for each class of call besides work; see `Admission`.
 PROBE_SLOTS = 4      # health Check
@@ -402,12 +402,6 @@ class Admission(grpc.ServerInterceptor):
                 up_hold.release()
             hold.release()
 
-        def open_requests(request_iterator, context) -> TimedRequests:
-            if not context.add_callback(release_all):  # the call already ended
-                release_all()
-            return TimedRequests(request_iterator, cfg.upload_idle_s, cfg.upload_total_s, label,
-                                 up_hold.release if up_hold is not None else (lambda: None))
-
         def first_request(requests: TimedRequests, context):
             """The one message of a unary-request call (or a status that says why there is none)."""
             try:
@@ -424,28 +418,32 @@ class Admission(grpc.ServerInterceptor):
         else:
             inner = handler.unary_stream if handler.response_streaming else handler.unary_unary
 
+        @contextmanager
+        def handler_arg(request_iterator, context):
+            """What the handler takes: the timed request stream, or its one message; on leaving, the stream is
+            closed and the call's slots are given back."""
+            if not context.add_callback(release_all):  # the call already ended
+                release_all()
+            requests = TimedRequests(request_iterator, cfg.upload_idle_s, cfg.upload_total_s, label,
+                                     up_hold.release if up_hold is not None else (lambda: None))
+            try:
+                yield requests if handler.request_streaming else first_request(requests, context)
+            finally:
+                requests.close()
+                release_all()
+
         if handler.response_streaming:
             def behavior(request_iterator, context):
-                requests = open_requests(request_iterator, context)
-                arg = requests if handler.request_streaming else first_request(requests, context)
-                try:
+                with handler_arg(request_iterator, context) as arg:
                     yield from inner(arg, context)
-                finally:
-                    requests.close()
-                    release_all()
 
             return grpc.stream_stream_rpc_method_handler(
                 behavior, request_deserializer=handler.request_deserializer,
                 response_serializer=handler.response_serializer)
 
         def unary_behavior(request_iterator, context):
-            requests = open_requests(request_iterator, context)
-            try:
-                arg = requests if handler.request_streaming else first_request(requests, context)
+            with handler_arg(request_iterator, context) as arg:
                 return inner(arg, context)
-            finally:
-                requests.close()
-                release_all()
 
         return grpc.stream_unary_rpc_method_handler(
             unary_behavior, request_deserializer=handler.request_deserializer,

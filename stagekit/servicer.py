@@ -68,13 +68,13 @@ def job_status(runtime: StageRuntime, exc: BaseException) -> tuple[grpc.StatusCo
 
 
 class LifecycleMixin:
-    """Mixed into each generated servicer class; needs `self.runtime` and `self.describe()`."""
+    """Mixed into each generated servicer class; needs `self.runtime`, whose engine has `describe()`."""
 
     runtime: StageRuntime
 
     def describe(self) -> dict:
-        """Stage-specific Status fields (devices, weights, variant, kernels, embedded_model)."""
-        return {}
+        """Stage-specific Status fields (devices, weights, variant, kernels, embedded_model): the engine's."""
+        return self.runtime.engine.describe()
 
     # `resident` in a lifecycle reply is the state the request left (a load that returned is resident, an unload
     # that returned is not), not a second read of the runtime, which an idle unload may have changed meanwhile.

@@ -14,6 +14,7 @@ import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import MappingProxyType
 
 import grpc
 
@@ -31,8 +32,8 @@ from stagekit.server import ServeConfig, startup_errors
 log = logging.getLogger("stagekit.stage")
 
 # --dtype spellings -> the torch dtype's name ("": bf16 on a GPU, fp32 on the CPU).
-DTYPES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16", "fp16": "float16",
-          "float32": "float32", "fp32": "float32"}
+DTYPES = MappingProxyType({"bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16", "fp16": "float16",
+                           "float32": "float32", "fp32": "float32"})
 
 
 @dataclass(frozen=True)

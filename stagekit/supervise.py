@@ -26,7 +26,7 @@ import sys
 import time
 from collections.abc import Callable
 
-from stagekit.procs import die_with_parent
+from stagekit.procs import die_with_parent, exit_text
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
@@ -58,15 +58,6 @@ class RestartBudget:
         return True
 
 
-def _exit_text(code: int) -> str:
-    if code < 0:
-        try:
-            return f"was killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"was killed by signal {-code}"
-    return f"exited with status {code}"
-
-
 def _say(text: str) -> None:
     print(f"supervise: {text}", file=sys.stderr, flush=True)
 
@@ -94,11 +85,12 @@ def supervise(command: list[str], budget: RestartBudget) -> int:
         if code == 0 or stopping:
             return code if code >= 0 else 128 - code
         if not budget.take():
-            _say(f"{name} {_exit_text(code)}; it failed {budget.limit + 1} times within {budget.window_s:g} s "
-                 f"(--max-restarts {budget.limit} --restart-window-s {budget.window_s:g}): not starting it again")
+            _say(f"{name} ended ({exit_text(code)}); it failed {budget.limit + 1} times within "
+                 f"{budget.window_s:g} s (--max-restarts {budget.limit} --restart-window-s {budget.window_s:g}): "
+                 "not starting it again")
             return code if code >= 0 else 128 - code
-        _say(f"{name} {_exit_text(code)}; starting it again (restart {budget.in_window()} of at most {budget.limit} "
-             f"in {budget.window_s:g} s)")
+        _say(f"{name} ended ({exit_text(code)}); starting it again (restart {budget.in_window()} of at most "
+             f"{budget.limit} in {budget.window_s:g} s)")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -24,7 +24,7 @@ from stagekit.errors import InvalidArgument
 MAX_CHUNK_BYTES = 2 << 20
 # Chunks are <= 2 MiB; 8 MiB leaves room for framing while still refusing abuse.
 MAX_MESSAGE_BYTES = 4 * MAX_CHUNK_BYTES
-GRPC_OPTIONS = [
+GRPC_OPTIONS = (
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     # Long sampling streams: keep idle connections alive through NATs and proxies.
@@ -33,7 +33,7 @@ GRPC_OPTIONS = [
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.max_pings_without_data", 0),
     ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
-]
+)
 
 
 def file_chunks(source: Path | bytes, name: str, mime: str = "", offset: int = 0) -> Iterator[tensor_pb2.FileChunk]:

@@ -15,7 +15,8 @@ from __future__ import annotations
 import ctypes
 import math
 import mmap
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
+from types import MappingProxyType
 
 import google_crc32c
 import torch
@@ -27,7 +28,7 @@ from stagekit.transport import MAX_CHUNK_BYTES
 
 # Wire names of the dtypes a stage may exchange. Explicit, so a new dtype is a
 # deliberate decision rather than whatever str(torch.dtype) happens to print.
-DTYPES: dict[str, torch.dtype] = {
+DTYPES: Mapping[str, torch.dtype] = MappingProxyType({
     "float32": torch.float32,
     "float16": torch.float16,
     "bfloat16": torch.bfloat16,
@@ -38,13 +39,13 @@ DTYPES: dict[str, torch.dtype] = {
     "int8": torch.int8,
     "uint8": torch.uint8,
     "bool": torch.bool,
-}
-_NAMES = {v: k for k, v in DTYPES.items()}
+})
+_NAMES = MappingProxyType({v: k for k, v in DTYPES.items()})
 # The float dtypes a stage accepts for activations and latents (float64 is refused: no stage computes in it).
 FLOAT_DTYPES = ("float32", "bfloat16", "float16")
 INT_DTYPES = ("int64", "int32", "int16", "int8", "uint8")
 # A dtype class ("float" | "int" | "uint8", as a model's tensor table states it) -> the wire dtypes it admits.
-DTYPE_CLASSES = {"float": FLOAT_DTYPES, "int": INT_DTYPES, "uint8": ("uint8",)}
+DTYPE_CLASSES = MappingProxyType({"float": FLOAT_DTYPES, "int": INT_DTYPES, "uint8": ("uint8",)})
 
 # Elements of a rejected tensor counted at a time (a 256 KiB temporary: the allocator's small-block cache reuses it).
 FINITE_SLAB = 1 << 18

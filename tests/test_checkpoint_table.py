@@ -27,7 +27,7 @@ from minimax_h3.dit.config import DiTConfig
 from minimax_h3.dit.tiny_checkpoint import (file_metadata, interleave_qkv, save_state_dict, tiny_state_dict,
                                             write_tiny_release_dir)
 from minimax_h3.kernels.int8 import QuantizedWeight, encode_comfy_quant
-from stagekit.checkpoints import CheckpointError
+from stagekit.checkpoints import CheckpointError, WeightSource
 from stagekit.errors import status_for
 from tests.safetensors_files import edit_header
 
@@ -383,5 +383,5 @@ def test_decoder_engine_serves_the_geometry_of_vae_folders(tmp_path):
     assert eng.video_info.config_source == eng.audio_info.config_source == "config.json"
     assert eng.video_info.cfg.dec_heads == v.dec_heads and eng.audio_info.cfg.decoder_dim == a.decoder_dim
     assert eng.geometry == LatentGeometry(24, 16, 32)
-    eng.load()
+    eng.load(WeightSource(eng.weight_files()))
     assert eng.video.cfg.dec_heads == v.dec_heads and eng.audio.cfg.num_attention_heads == a.num_attention_heads

@@ -14,6 +14,7 @@ from h3.v1 import common_pb2
 from minimax_h3.contract import RenderSpec, SparseAttention
 from minimax_h3.services import Endpoints, StageClients
 from render_svc.stage_calls import sample
+from stagekit.checkpoints import WeightSource
 from stagekit.dist import RankGroup, RankInfo
 from tests.conftest import SERVER_ENV
 from tests.render_svc_util import serving, tiny_request
@@ -63,7 +64,7 @@ def test_dit_sp2_service_equals_one_rank(tmp_path, model_cache):
         stack.stop()
     assert r2.extra["ranks"] == 2
     eng = DiTEngine(DiTEngineConfig("", "", model_cache, "cpu", torch.float32), RankGroup(RankInfo(0, 1, 0), "gloo", 10))
-    eng.load()
+    eng.load(WeightSource(eng.weight_files()))
     out = eng.run(SPEC, {"text_states": text}, _Ctx())
     v1, a1 = out["video_latents"], out["audio_latents"]
     assert rel(v2, v1) <= 1e-5 and rel(a2, a1) <= 1e-5, (rel(v2, v1), rel(a2, a1))

@@ -11,7 +11,7 @@ from encoder_svc.engine import EncoderEngine, EncoderEngineConfig
 from minimax_h3.text.checkpoint import conditioner_config_for
 from minimax_h3.text.config import ConditionerConfig
 from minimax_h3.text.tiny import write_tiny_model
-from stagekit.checkpoints import CheckpointError, read_header
+from stagekit.checkpoints import CheckpointError, WeightSource, read_header
 
 
 def engine(path, tmp_path) -> EncoderEngine:
@@ -30,7 +30,7 @@ def test_deeper_tiny_encoder_loads_with_its_layer_count(tmp_path):
     assert conditioner_config_for(path).num_layers == 6
     eng = engine(path, tmp_path)
     assert eng.model_cfg.num_layers == 6 and eng.model_id.endswith(":L6")
-    eng.load()
+    eng.load(WeightSource(eng.weight_files()))
     states = eng.model.encode_ids(eng.check_prompt("a bell far off")[1])
     assert states.shape[-1] == 64 and torch.isfinite(states).all()
     eng.unload()

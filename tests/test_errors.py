@@ -119,7 +119,7 @@ class _Raises(StageEngine):
     def __init__(self, exc: BaseException):
         self.exc = exc
 
-    def load(self):
+    def load(self, source):
         pass
 
     def unload(self):
@@ -289,11 +289,11 @@ def test_the_encoders_reference_checks_are_the_requests_and_its_faults_internal(
     ctx = SimpleNamespace(progress=lambda *a, **k: None)
     short = ReferenceMedia("video", frames=np.zeros((10, 32, 32, 3), dtype=np.uint8))  # one frame at 2 fps
     with pytest.raises(InvalidArgument, match="needs at least 13 frames") as e:
-        engine.run({"ids": [1, 2]}, {"references": [short]}, ctx)
+        engine.run(enc.EncodeJob("", (1, 2)), {"references": [short]}, ctx)
     assert status_for(e.value)[0] == grpc.StatusCode.INVALID_ARGUMENT
     monkeypatch.setattr(enc, "reference_parts", _bug)
     with pytest.raises(ValueError, match="internal invariant") as e:
-        engine.run({"ids": [1, 2]}, {"references": [short]}, ctx)
+        engine.run(enc.EncodeJob("", (1, 2)), {"references": [short]}, ctx)
     assert status_for(e.value)[0] == grpc.StatusCode.INTERNAL
 
 

@@ -22,9 +22,9 @@ from minimax_h3.vae.video import load_video_vae, write_tiny_video_vae
 from render_svc.stage_calls import sample
 from stagekit import host_copy
 from stagekit import checkpoints
-from stagekit.checkpoints import TensorReader, open_checkpoint, prefault_host_copies, use_host_copies
+from stagekit.checkpoints import TensorReader, WeightSource, open_checkpoint, prefault_copies
 from stagekit.device_worker import WORKER_ENV
-from stagekit.host_copy import GIB, HOST_RESERVE_BYTES, MEM_AVAILABLE_ENV, HostCopies, decide, to_device
+from stagekit.host_copy import GIB, HOST_RESERVE_BYTES, MEM_AVAILABLE_ENV, HostCopies, decide
 from tests.conftest import SERVER_ENV
 from tests.procs import alive, descendants, open_paths
 from tests.test_device_worker import SPEC, TEXT, clients, start, workers
@@ -39,10 +39,9 @@ def memfds(pid: int) -> list[str]:
     return [p for p in open_paths(pid) if p.startswith("/memfd:h3-")]
 
 
-@pytest.fixture
-def no_copies():
-    yield
-    use_host_copies({})
+def from_copies(copies: HostCopies, files: list[Path | str]) -> WeightSource:
+    """What a device worker's load reads: `files`, from the copies the stage holds (made now where missing)."""
+    return WeightSource.host_copies(files, copies.ensure(files), {})
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +56,7 @@ def test_decision_keeps_the_reserve():
     assert not short.kept and "not kept" in short.describe() and "would leave" in short.reason()
 
 
-def test_reading_the_copy_gives_the_files_tensors_and_release_leaves_nothing(int8_file, monkeypatch, no_copies):
+def test_reading_the_copy_gives_the_files_tensors_and_release_leaves_nothing(int8_file, monkeypatch):
     monkeypatch.setenv(MEM_AVAILABLE_ENV, ROOMY)
     copies = HostCopies("test")
     mapping = copies.ensure([int8_file])
@@ -66,50 +65,48 @@ def test_reading_the_copy_gives_the_files_tensors_and_release_leaves_nothing(int
     entries = open_checkpoint(int8_file).tensors
     disk = TensorReader(entries)
     expect = {k: disk.whole(k) for k in entries}
-    use_host_copies(mapping)
-    copy, views = TensorReader(entries), TensorReader(entries, views=True)
+    src = WeightSource.host_copies([int8_file], mapping, {})
+    copy, views = TensorReader(entries, source=src), TensorReader(entries, source=src, views=True)
     for k, t in expect.items():
         assert torch.equal(copy.whole(k), t) and copy.whole(k).dtype == t.dtype, k
         v = views.whole(k)
-        assert torch.equal(v, t) and torch.equal(to_device(v, "cpu"), t), k
+        assert torch.equal(v, t) and torch.equal(src.to_device(v, "cpu"), t), k
         if t.ndim == 2 and t.shape[0] > 2 and t.shape[1] > 2:
             assert torch.equal(copy.rows(k, 1, 3), t[1:3]) and torch.equal(copy.cols(k, 1, 3), t[:, 1:3]), k
     assert copies.ensure([int8_file]) == mapping, "a second turn reuses the copy"
-    del v, copy, views
-    use_host_copies({})
+    del v, copy, views, src
     gc.collect()
     assert len(memfds(os.getpid())) == 1, "the reader's mapping goes with its last view"
     copies.release()
     assert memfds(os.getpid()) == []
 
 
-def test_prefaulted_copies_read_the_same_and_a_copy_made_again_is_mapped_again(int8_file, monkeypatch, no_copies):
-    """What a standby worker does (`prefault_host_copies`): map the copies and fault them in ahead of the turn. The
-    load then reads the same tensors from that mapping; a copy made again (its file changed) under a reused
-    descriptor number is a new memfd, and the stale mapping is dropped, never read."""
+def test_prefaulted_copies_read_the_same_and_a_copy_made_again_is_mapped_again(int8_file, monkeypatch):
+    """What a standby worker does (`prefault_copies`): map the copies and fault them in ahead of the turn. The load
+    then reads the same tensors from that mapping; a copy made again (its file changed) under a reused descriptor
+    number is a new memfd: it is mapped anew and the prefault stops, the stale mapping is never read."""
     monkeypatch.setenv(MEM_AVAILABLE_ENV, ROOMY)
     entries = open_checkpoint(int8_file).tensors
     expect = {k: TensorReader(entries).whole(k) for k in entries}
     copies = HostCopies("test")
     try:
         mapping = copies.ensure([int8_file])
-        prefault_host_copies(mapping).join(timeout=30)
-        (mapped,) = checkpoints._MAPPED.values()
-        use_host_copies(mapping)  # the load, handed the same copies: the prefaulted mapping is kept
-        assert list(checkpoints._MAPPED.values()) == [mapped]
-        views = TensorReader(entries, views=True)
+        pre = prefault_copies(mapping)
+        pre.thread.join(timeout=30)
+        (mapped,) = pre.mapped.values()
+        src = WeightSource.host_copies([int8_file], mapping, {}, pre)  # the same copies: the prefaulted mapping
+        assert list(src.copies.values()) == [mapped] and not pre.stop.is_set()
+        views = TensorReader(entries, source=src, views=True)
         assert all(torch.equal(views.whole(k), t) for k, t in expect.items())
-        del views
+        del views, src
         copies.release()
-        again = copies.ensure([int8_file])
-        use_host_copies(again)
-        assert not checkpoints._MAPPED or next(iter(checkpoints._MAPPED.values())) is not mapped
-        views = TensorReader(entries, views=True)
+        src = WeightSource.host_copies([int8_file], copies.ensure([int8_file]), {}, pre)
+        (remapped,) = src.copies.values()
+        assert remapped is not mapped and remapped.ino != mapped.ino and pre.stop.is_set()
+        views = TensorReader(entries, source=src, views=True)
         assert all(torch.equal(views.whole(k), t) for k, t in expect.items())
-        assert next(iter(checkpoints._MAPPED.values())).ino != mapped.ino
-        del views, mapped
+        del views, mapped, remapped, src, pre
     finally:
-        use_host_copies({})
         copies.release()
 
 
@@ -122,18 +119,16 @@ def test_a_host_short_of_memory_reads_the_files(int8_file, monkeypatch):
     assert op == "host copy" and kept.startswith("not kept") and "8.0 GiB" in why
 
 
-def test_loaded_dit_weights_from_the_copy_are_bitwise_the_files(int8_file, monkeypatch, no_copies):
+def test_loaded_dit_weights_from_the_copy_are_bitwise_the_files(int8_file, monkeypatch):
     """The loader's staged path (views of the copy, cast after the move) against today's (read, cast, move)."""
     cfg = DiTConfig.tiny(num_layers=2, adaln_form="curve")
     for dtype in (torch.float16, torch.float32):
         disk = load_dit_weights(int8_file, cfg, dtype=dtype)
         monkeypatch.setenv(MEM_AVAILABLE_ENV, ROOMY)
         copies = HostCopies("test")
-        use_host_copies(copies.ensure([int8_file]))
         try:
-            staged = load_dit_weights(int8_file, cfg, dtype=dtype, workers=2)
+            staged = load_dit_weights(int8_file, cfg, dtype=dtype, workers=2, source=from_copies(copies, [int8_file]))
         finally:
-            use_host_copies({})
             copies.release()
         assert_same_weights(disk, staged)
         for t in staged.values():  # a loaded tensor is its own memory, never the (read-only) copy
@@ -181,24 +176,23 @@ def test_stage_with_copy_gives_the_same_bits_and_nothing_outlives_it(tmp_path, m
     wait_until(lambda: not any(alive(p) for p in others), what="a stopped stage's processes (standby included) to go")
 
 
-def test_video_vae_from_the_copy_is_bitwise_the_files(tmp_path, monkeypatch, no_copies):
+def test_video_vae_from_the_copy_is_bitwise_the_files(tmp_path, monkeypatch):
     """The video VAE loader's staged path (threads, views of the copy, cast after the move) against the file's."""
     path = str(tmp_path / "vae.safetensors")
     write_tiny_video_vae(path)
     disk = load_video_vae(path, dtype=torch.float16, parts="decoder").state_dict()
     monkeypatch.setenv(MEM_AVAILABLE_ENV, ROOMY)
     copies = HostCopies("test")
-    use_host_copies(copies.ensure([path]))
     try:
-        staged = load_video_vae(path, dtype=torch.float16, parts="decoder").state_dict()
+        staged = load_video_vae(path, dtype=torch.float16, parts="decoder",
+                                source=from_copies(copies, [path])).state_dict()
     finally:
-        use_host_copies({})
         copies.release()
     assert staged.keys() == disk.keys()
     assert all(staged[k].dtype == v.dtype and torch.equal(staged[k], v) for k, v in disk.items())
 
 
-def test_a_derived_copy_is_kept_only_once_a_load_filled_it(int8_file, monkeypatch, no_copies):
+def test_a_derived_copy_is_kept_only_once_a_load_filled_it(int8_file, monkeypatch):
     """Derived copies (what a load computes from the files): offered empty until a load has filled it and the stage
     marked it; then mapped with the file copies, read back bit for bit; gone with its file's copy."""
     monkeypatch.setenv(MEM_AVAILABLE_ENV, ROOMY)
@@ -210,38 +204,32 @@ def test_a_derived_copy_is_kept_only_once_a_load_filled_it(int8_file, monkeypatc
         mapping = copies.ensure([int8_file], {key: 1000})
         to_fill = copies.to_fill([key])
         assert key not in mapping and list(to_fill) == [key] and len(memfds(os.getpid())) == 2
-        use_host_copies(mapping)
-        checkpoints.use_derived_copies(to_fill)
-        assert checkpoints.derived_tensors(key) is None
-        assert checkpoints.fill_derived(key, made) and checkpoints.filled_derived() == [key]
+        src = WeightSource.host_copies([int8_file], mapping, to_fill)
+        assert src.derived(key) is None
+        assert src.fill(key, made) and src.filled == [key]
         # A load that failed after writing (the stage never marks it): the next turn is offered it again.
         assert key not in copies.ensure([int8_file], {key: 1000}) and copies.to_fill([key]) == to_fill
         copies.filled([key])
         mapping = copies.ensure([int8_file], {key: 1000})
         assert copies.to_fill([key]) == {} and mapping[key] == to_fill[key]
         assert copies.held([int8_file]) == mapping, "the standby worker maps it too"
-        use_host_copies(mapping)
-        checkpoints.use_derived_copies({})
-        got = checkpoints.derived_tensors(key)
-        assert checkpoints.fill_derived(key, made) is False, "nothing offered: nothing written"
+        src = WeightSource.host_copies([int8_file], mapping, {})
+        got = src.derived(key)
+        assert src.fill(key, made) is False, "nothing offered: nothing written"
         assert got.keys() == made.keys()
         for k, t in made.items():
             assert got[k].dtype == t.dtype and torch.equal(got[k], t), k
-        del got
-        use_host_copies({})
+        del got, src
         os.utime(int8_file)  # the file changed on disk: its copy and what was derived from it go
         copies.ensure([int8_file], {key: 1000})
         assert list(copies.to_fill([key])) == [key]
     finally:
-        use_host_copies({})
-        checkpoints.use_derived_copies({})
         copies.release()
     gc.collect()
     assert memfds(os.getpid()) == []
 
 
-def test_a_dit_whose_kernel_converts_linears_keeps_them_and_loads_the_same_bits(int8_file, monkeypatch, tmp_path,
-                                                                                 no_copies):
+def test_a_dit_whose_kernel_converts_linears_keeps_them_and_loads_the_same_bits(int8_file, monkeypatch, tmp_path):
     """The int8 kernel serves the token refiner, which the file stores in bf16: the first turn converts it and fills
     the stage's derived copy, the next turn copies it instead of converting, and the model is bitwise the same."""
     pytest.importorskip("comfy_kitchen")
@@ -254,29 +242,27 @@ def test_a_dit_whose_kernel_converts_linears_keeps_them_and_loads_the_same_bits(
                           default_attention_candidates(), torch.float32)
     cfg = DiTEngineConfig(str(int8_file), "", tmp_path, "cpu", torch.float32, kernels=sel)
     eng = DiTEngine(cfg, RankGroup(RankInfo(0, 1, 0), "gloo", 60))
-    derived = eng.derived_copies()
+    files = eng.weight_files()
+    derived = eng.derived_copies(files)
     ((key, nbytes),) = derived.items()
-    refiner = [n for n in eng._conversions()]
+    refiner = list(eng._conversions(eng.partitions[eng.partition]))
     assert refiner and all(n.startswith("token_refiner.") for n in refiner)
     copies = HostCopies("dit")
     states = []
     try:
         for turn in range(2):
-            mapping = copies.ensure(eng.weight_files(), derived)
-            use_host_copies(mapping)
-            checkpoints.use_derived_copies(copies.to_fill(list(derived)))
-            eng.load()
+            mapping = copies.ensure(list(files), derived)
+            src = WeightSource.host_copies(files, mapping, copies.to_fill(list(derived)))
+            eng.load(src)
             phases = eng.load_phases
             assert phases["kept_conversions"] == (0 if turn == 0 else len(refiner))
             assert (phases["assembly_convert"] > 0) == (turn == 0)
-            assert checkpoints.filled_derived() == ([key] if turn == 0 else [])
-            copies.filled(checkpoints.filled_derived())
+            assert src.filled == ([key] if turn == 0 else [])
+            copies.filled(src.filled)
             states.append({k: v.clone() for k, v in eng.model.state_dict().items()})
             eng.unload()
-        assert copies.nbytes - sum(f.stat().st_size for f in map(Path, eng.weight_files())) <= nbytes + 4096
+        assert copies.nbytes - sum(f.stat().st_size for f in files) <= nbytes + 4096
     finally:
-        use_host_copies({})
-        checkpoints.use_derived_copies({})
         copies.release()
     assert states[0].keys() == states[1].keys()
     for k, t in states[0].items():
@@ -296,7 +282,7 @@ def rewrite_keeping_size_and_mtime(path: Path, new: Path) -> None:
     assert (now.st_ino, now.st_size, now.st_mtime_ns) == (old.st_ino, old.st_size, old.st_mtime_ns)
 
 
-def test_a_file_rewritten_with_its_old_size_and_mtime_is_copied_again(tmp_path, monkeypatch, no_copies):
+def test_a_file_rewritten_with_its_old_size_and_mtime_is_copied_again(tmp_path, monkeypatch):
     """`cp -p` of new DiT weights over the file a stage holds a copy of: the copy that is reused (`held`, on standby)
     and the one a load reads (`ensure`) are the new file's, and the loaded weights are bitwise the new file's."""
     monkeypatch.setenv(MEM_AVAILABLE_ENV, ROOMY)
@@ -308,21 +294,20 @@ def test_a_file_rewritten_with_its_old_size_and_mtime_is_copied_again(tmp_path, 
     want_old, want_new = (load_dit_weights(f, cfg, dtype=torch.float32) for f in (old, new))
     copies = HostCopies("test")
     try:
-        use_host_copies(copies.ensure([path]))
-        assert_same_weights(want_old, load_dit_weights(path, cfg, dtype=torch.float32, workers=2))
+        def load():
+            return load_dit_weights(path, cfg, dtype=torch.float32, workers=2, source=from_copies(copies, [path]))
+
+        assert_same_weights(want_old, load())
         rewrite_keeping_size_and_mtime(path, new)
         assert copies.held([path]) == {}, "a standby worker is not handed the old copy"
-        use_host_copies(copies.ensure([path]))
-        assert_same_weights(want_new, load_dit_weights(path, cfg, dtype=torch.float32, workers=2))
-        use_host_copies({})
+        assert_same_weights(want_new, load())
         gc.collect()
         assert len(memfds(os.getpid())) == 1, "the old copy went"
     finally:
-        use_host_copies({})
         copies.release()
 
 
-def test_a_video_vae_renamed_over_with_its_old_size_and_mtime_is_copied_again(tmp_path, monkeypatch, no_copies):
+def test_a_video_vae_renamed_over_with_its_old_size_and_mtime_is_copied_again(tmp_path, monkeypatch):
     """The decoder's video VAE replaced the way `rsync -a` / `tar x` do it (a new file renamed over the path, the old
     mtime set on it): a load from the host copy decodes with the new weights."""
     monkeypatch.setenv(MEM_AVAILABLE_ENV, ROOMY)
@@ -333,23 +318,22 @@ def test_a_video_vae_renamed_over_with_its_old_size_and_mtime_is_copied_again(tm
     want = {f: load_video_vae(str(f), dtype=torch.float16, parts="decoder").state_dict() for f in (old, new)}
     copies = HostCopies("test")
     try:
-        use_host_copies(copies.ensure([path]))
-        got = load_video_vae(str(path), dtype=torch.float16, parts="decoder").state_dict()
+        got = load_video_vae(str(path), dtype=torch.float16, parts="decoder",
+                             source=from_copies(copies, [path])).state_dict()
         assert all(torch.equal(got[k], v) for k, v in want[old].items())
         st = path.stat()
         os.utime(new, ns=(st.st_atime_ns, st.st_mtime_ns))
         os.replace(new, path)
         assert (path.stat().st_size, path.stat().st_mtime_ns) == (st.st_size, st.st_mtime_ns)
-        use_host_copies(copies.ensure([path]))
-        got = load_video_vae(str(path), dtype=torch.float16, parts="decoder").state_dict()
+        got = load_video_vae(str(path), dtype=torch.float16, parts="decoder",
+                             source=from_copies(copies, [path])).state_dict()
         assert not all(torch.equal(got[k], v) for k, v in want[old].items())
         assert all(torch.equal(got[k], v) for k, v in want[new].items())
     finally:
-        use_host_copies({})
         copies.release()
 
 
-def test_a_deleted_file_drops_its_copy_and_the_load_names_it(int8_file, tmp_path, monkeypatch, no_copies):
+def test_a_deleted_file_drops_its_copy_and_the_load_names_it(int8_file, tmp_path, monkeypatch):
     """A file deleted under a stage that holds its copy: the copy (and what was derived from it) goes, and the load
     that follows fails naming the file, as it would without a copy."""
     monkeypatch.setenv(MEM_AVAILABLE_ENV, ROOMY)
@@ -364,15 +348,14 @@ def test_a_deleted_file_drops_its_copy_and_the_load_names_it(int8_file, tmp_path
         assert copies.held([path]) == {}
         mapping = copies.ensure([path], {key: 1000})
         assert mapping == {} and copies.to_fill([key]) == {} and memfds(os.getpid()) == []
-        use_host_copies(mapping)
         with pytest.raises(checkpoints.CheckpointError, match="dit.safetensors"):
-            load_dit_weights(path, DiTConfig.tiny(num_layers=2, adaln_form="curve"), dtype=torch.float32)
+            load_dit_weights(path, DiTConfig.tiny(num_layers=2, adaln_form="curve"), dtype=torch.float32,
+                             source=WeightSource.host_copies([path], mapping, {}))
     finally:
-        use_host_copies({})
         copies.release()
 
 
-def test_a_file_changed_while_it_is_copied_is_not_kept(tmp_path, monkeypatch, no_copies):
+def test_a_file_changed_while_it_is_copied_is_not_kept(tmp_path, monkeypatch):
     """Bytes read while the file was being rewritten are never served: the copy is refused (this turn reads the file)
     and the next load copies the file as it is then."""
     monkeypatch.setenv(MEM_AVAILABLE_ENV, ROOMY)
@@ -394,11 +377,10 @@ def test_a_file_changed_while_it_is_copied_is_not_kept(tmp_path, monkeypatch, no
         monkeypatch.setattr(host_copy.os, "sendfile", rewritten_meanwhile)
         assert copies.ensure([path]) == {} and not copies.choice.kept and memfds(os.getpid()) == []
         monkeypatch.setattr(host_copy.os, "sendfile", sendfile)
-        use_host_copies(copies.ensure([path]))
         assert_same_weights(load_dit_weights(new, cfg, dtype=torch.float32),
-                            load_dit_weights(path, cfg, dtype=torch.float32, workers=2))
+                            load_dit_weights(path, cfg, dtype=torch.float32, workers=2,
+                                             source=from_copies(copies, [path])))
     finally:
-        use_host_copies({})
         copies.release()
 
 

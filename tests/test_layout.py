@@ -4,7 +4,8 @@
 one arrow from `client` into a stage is the load tester's to those calls (`ALLOWED`). What the thin client cannot
 check itself it asks of the render service over gRPC (its Submit), never by importing stage code. Inside the render
 service, no class grows past `MAX_CLASS_LINES`, and the adapters (gRPC, HTTP, ComfyUI, the page, webhooks) read jobs
-through the job book (`render_svc/book.py`), never the store."""
+through the job book (`render_svc/book.py`), never the store. No product code asks whether an engine has a hook (the
+contract gives each a default), and `stagekit` keeps no mutable state in its modules."""
 
 from __future__ import annotations
 
@@ -68,11 +69,55 @@ def engine_probes(path: Path) -> list[str]:
     return out
 
 
+PRODUCT = ("stagekit", "minimax_h3", *STAGES, "client")
+
+
 def test_engine_hooks_are_called_not_probed():
-    """The engine contract is `stagekit.engine.StageEngine`: every hook has a default, so stagekit calls hooks
-    plainly and never asks whether an engine has one."""
-    bad = [p for f in sorted((ROOT / "stagekit").rglob("*.py")) for p in engine_probes(f)]
+    """The engine contract is `stagekit.engine.StageEngine`: every hook has a default, so nothing (stagekit, a
+    stage, the client) asks whether an engine has one: it calls the hook."""
+    bad = [p for pkg in PRODUCT for f in sorted((ROOT / pkg).rglob("*.py")) for p in engine_probes(f)]
     assert not bad, "call the StageEngine hook (stagekit/engine.py gives it a default):\n" + "\n".join(bad)
+
+
+# Calls that make a mutable container; a module-level constant table is a MappingProxyType, a tuple or a frozenset.
+MUTABLE_CALLS = frozenset({"dict", "list", "set", "defaultdict", "OrderedDict", "Counter", "deque", "bytearray",
+                           "local"})
+MUTABLE_NODES = (ast.Dict, ast.List, ast.Set, ast.DictComp, ast.ListComp, ast.SetComp)
+
+
+def module_state(source: str, name: str) -> list[str]:
+    """Module-level state a process would share between its users, in the module `source` (named `name`): a name
+    bound at module level to a mutable container (a dict / list / set display or comprehension, a dict() / list() /
+    set() / defaultdict() / ... call, a threading.local()), and every `global` statement (a function rebinding module
+    state)."""
+    tree = ast.parse(source, name)
+    out = []
+    for node in tree.body:
+        value = node.value if isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)) else None
+        call = value.func if isinstance(value, ast.Call) else None
+        called = call.id if isinstance(call, ast.Name) else call.attr if isinstance(call, ast.Attribute) else None
+        if isinstance(value, MUTABLE_NODES) or called in MUTABLE_CALLS:
+            out.append(f"{name}:{node.lineno}: {ast.unparse(node)[:80]}")
+    out += [f"{name}:{n.lineno}: global {', '.join(n.names)}" for n in ast.walk(tree) if isinstance(n, ast.Global)]
+    return out
+
+
+def test_stagekit_holds_no_module_level_mutable_state():
+    """stagekit keeps no state in its modules: what a load, a stage or a worker needs is handed to it (e.g. the
+    weights as a `stagekit.checkpoints.WeightSource`), and its constant tables cannot be changed."""
+    bad = [p for f in sorted((ROOT / "stagekit").rglob("*.py"))
+           for p in module_state(f.read_text(), str(f.relative_to(ROOT)))]
+    assert not bad, ("hand the state in (an object the caller owns); make a constant table a MappingProxyType, a "
+                     "tuple or a frozenset:\n" + "\n".join(bad))
+
+
+def test_the_state_check_sees_each_form():
+    source = ("import threading\nfrom collections import defaultdict\nfrom types import MappingProxyType\n"
+              "A = {}\nB: list[int] = []\nC = set()\nD = defaultdict(list)\nE = threading.local()\n"
+              "F = {k: 1 for k in 'ab'}\nOK = MappingProxyType({'a': 1})\nT = (1, 2)\nS = frozenset({1})\n"
+              "def f():\n    global T\n    T = ()\n    local = {}\n")
+    found = module_state(source, "m.py")
+    assert [f.split(":")[1] for f in found] == ["4", "5", "6", "7", "8", "9", "14"], found
 
 
 @pytest.mark.parametrize("package", ["encoder_svc", "dit_svc", "decoder_svc"])

@@ -25,6 +25,7 @@ from minimax_h3.kernels.int8 import Int8ConvRotLinear, dequantize_convrot
 from minimax_h3.kernels.layers import PLAIN, LinearMethod, Modulation, linear_method, o_rows
 from minimax_h3.kernels.registry import Fp8RowwiseLinear
 from stagekit.errors import FailedPrecondition, InvalidArgument, NotFound
+from stagekit.checkpoints import WeightSource
 from tests.dit_ranks import assert_matches_one_rank, forward, rel, tiny_case
 from tests.ranks import run_ranks
 
@@ -493,7 +494,7 @@ def test_engine_and_servicer_apply_request_loras(tmp_path):
             servicer._read_request(request(bad))
     assert issubclass(LoRAFileError, FailedPrecondition)
 
-    eng.load()
+    eng.load(WeightSource(eng.weight_files()))
     ptrs = {k: v.data_ptr() for k, v in eng.model.state_dict().items()}
     ctx = JobContext(group, None, "dit")
     run = lambda loras: eng.run(spec, {"text_states": text, **({"loras": loras} if loras else {})}, ctx)  # noqa

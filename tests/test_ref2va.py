@@ -320,6 +320,9 @@ def test_dit_refuses_a_file_it_cannot_place_at_start_up(tmp_path):
 def test_models_folder_with_both_partitions_swaps_per_job(tmp_path):
     """Both files are served; a job loads the one it needs (one resident at a time); a partition the folder lacks
     is refused before the job starts, naming the file it needs."""
+    from minimax_h3.contract import RenderSpec
+    from minimax_h3.dit.references import REFERENCES_INPUT
+    from stagekit.checkpoints import WeightSource
     from stagekit.errors import FailedPrecondition
 
     models = tmp_path / "models"
@@ -328,9 +331,14 @@ def test_models_folder_with_both_partitions_swaps_per_job(tmp_path):
     _tiny_file(models / "text_encoders" / "qwen3vl_32b_minimax_h3_int8_convrot.safetensors", seed=2)  # not a DiT
     eng = _engine(cache_dir=tmp_path / "c", models_dir=str(models))
     assert list(eng.partitions) == ["fl2va", "ref2va"] and eng.partition == "fl2va"
-    eng.load()
+    spec = RenderSpec(prompt="x", width=256, height=256, frames=22, steps=1, seed=0)
+    assert eng.weight_files(spec, {}) == eng.weight_files() == tuple(eng.partitions["fl2va"].files)
+    eng.load(WeightSource(eng.weight_files(spec, {})))
     fl2va = eng.model.final_layer.video_out.weight.clone()
-    eng.use_partition("ref2va")
+    ref2va = eng.weight_files(spec, {REFERENCES_INPUT: "references"})  # what the runtime loads for a ref2va job
+    assert ref2va == tuple(eng.partitions["ref2va"].files)
+    eng.unload()
+    eng.load(WeightSource(ref2va))
     assert eng.model is not None and eng.path.name == "minimax_h3_ref2va_bf16.safetensors"
     assert not torch.equal(eng.model.final_layer.video_out.weight, fl2va)
     eng.check_partition(True)
@@ -340,6 +348,36 @@ def test_models_folder_with_both_partitions_swaps_per_job(tmp_path):
     eng = _engine(cache_dir=tmp_path / "c", models_dir=str(only_fl2va))
     with pytest.raises(FailedPrecondition, match="minimax_h3_ref2va_"):
         eng.check_partition(True)
+
+
+def test_a_ref2va_load_reads_its_file_from_a_host_copy_as_the_fl2va_load_does(tmp_path, monkeypatch):
+    """The files a job needs are known before it runs (the DiT's `weight_files`), so a stage that keeps its files in
+    host memory keeps the ref2va partition's file too, and its device worker's load reads it from there."""
+    from minimax_h3.contract import RenderSpec
+    from minimax_h3.dit.references import REFERENCES_INPUT
+    from stagekit.checkpoints import WeightSource
+    from stagekit.device_worker import DeviceWorkerEngine, WorkerConfig
+    from stagekit.dist import RankGroup, RankInfo
+    from stagekit.host_copy import GIB, MEM_AVAILABLE_ENV
+
+    monkeypatch.setenv(MEM_AVAILABLE_ENV, str(64 * GIB))
+    models = tmp_path / "models"
+    _tiny_file(models / "minimax_h3_fl2va_bf16.safetensors", seed=0)
+    _tiny_file(models / "minimax_h3_ref2va_bf16.safetensors", seed=1)
+    eng = _engine(cache_dir=tmp_path / "c", models_dir=str(models))
+    spec = RenderSpec(prompt="x", width=256, height=256, frames=22, steps=1, seed=0)
+    fl2va, ref2va = eng.weight_files(spec, {}), eng.weight_files(spec, {REFERENCES_INPUT: "references"})
+    worker = DeviceWorkerEngine(eng, RankGroup(RankInfo(0, 1, 0), "gloo", 10), WorkerConfig("dit", "cpu"))
+    try:
+        worker.load(WeightSource(ref2va))
+        assert worker.host_copies.held(list(ref2va)) and not worker.host_copies.held(list(fl2va))
+        assert worker.load_report()["host_copy_bytes"] == ref2va[0].stat().st_size
+        worker.unload()
+        worker.load(WeightSource(fl2va))
+        assert worker.host_copies.held(list(ref2va)) and worker.host_copies.held(list(fl2va))
+    finally:
+        worker.unload()
+        worker.close()
 
 
 def test_a_fault_in_the_dits_conditioning_checks_is_internal(tmp_path, monkeypatch):

@@ -40,6 +40,7 @@ from stagekit.channels import Security, health_of, open_channel
 from stagekit.dist import RankGroup, RankInfo
 from stagekit.engine import StageEngine
 from stagekit.errors import ResourceExhausted
+from stagekit.checkpoints import WeightSource
 from stagekit.lease import DeviceLease, LeaseConfig, read_events
 from stagekit.runtime import Job, RuntimeConfig, StageRuntime
 from tests.waits import wait_until
@@ -206,7 +207,7 @@ class FakeEngine(StageEngine):
         self.started: list[str] = []
         self.ran: list[str] = []
 
-    def load(self):
+    def load(self, source):
         if self.load_gate is not None:
             assert self.load_gate.wait(60), "load gate never opened"
         self.loaded = True
@@ -304,6 +305,47 @@ def test_idle_unload_and_step_aside_when_other_waits(tmp_path):
     finally:
         ra.shutdown(False, 2)
         rb.shutdown(False, 2)
+
+
+class PartitionedEngine(FakeEngine):
+    """Two weight files, one resident at a time (like the DiT's two partitions): a job's spec names the one it
+    needs. Records the files of each load it was handed."""
+
+    def __init__(self):
+        super().__init__()
+        self.loads: list[tuple[Path, ...]] = []
+        self.held: tuple[Path, ...] = ()
+
+    def weight_files(self, spec=None, inputs=None):
+        return (Path(f"{(spec or 'a0')[0]}.safetensors"),)
+
+    def load(self, source):
+        self.loads.append(source.files)
+        self.held = source.files
+        super().load(source)
+
+    def run(self, spec, inputs, ctx):
+        assert self.held == self.weight_files(spec), "the job runs on the weights it needs"
+        return super().run(spec, inputs, ctx)
+
+
+def test_a_job_needing_other_weight_files_is_preceded_by_their_load(tmp_path):
+    """The runtime asks the engine which files a job needs before it runs: another partition is a load (logged as
+    one, the unload before it with its reason), on devices the stage keeps; jobs on the loaded files load nothing."""
+    eng = PartitionedEngine()
+    rt, _ = _runtime(tmp_path, "p", eng, idle_unload_s=-1)
+    try:
+        for spec in ("a0", "a1", "b0", "b1", "a2"):
+            assert _wait(rt.submit(Job(spec=spec, inputs={}))).kind == "done"
+        assert eng.ran == ["a0", "a1", "b0", "b1", "a2"]
+        assert eng.loads == [(Path("a.safetensors"),), (Path("b.safetensors"),), (Path("a.safetensors"),)]
+        ev = read_events(tmp_path)
+        assert [e["reason"] for e in ev if e["event"] == "unload_start"] == ["files", "files"]
+        assert sum(e["event"] == "loaded" for e in ev) == 3
+        assert sum(e["event"] == "acquire" for e in ev) == 1, "the devices stay the stage's across the switch"
+        assert rt.resident
+    finally:
+        rt.shutdown(False, 2)
 
 
 class UnsizedEngine(FakeEngine):
@@ -532,7 +574,7 @@ def resident_bytes_of(module: str, cls: str, cache: Path) -> tuple[int, object]:
     m = importlib.import_module(f"{module}.server")
     cfg = parse_config(getattr(m, cls), ["--cache-dir", str(cache), "--devices", "virt0"])
     eng = m.make_engine(cfg, RankInfo(0, 1, 0), RankGroup(RankInfo(0, 1, 0), "gloo", 10))
-    eng.load()
+    eng.load(WeightSource(eng.weight_files()))
     n = eng.resident_bytes()
     eng.unload()
     return n, eng

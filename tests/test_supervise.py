@@ -66,9 +66,9 @@ def test_a_crash_loop_ends_once_the_window_holds_max_restarts(tmp_path):
     p = supervised(tmp_path, ["3"], "--max-restarts", "2", "--restart-window-s", "3600")
     _, err = p.communicate(timeout=60)
     assert p.returncode == 3 and runs(tmp_path) == 3, err  # the first run and two restarts
-    assert err.count("exited with status 3; starting it again (restart ") == 2, err
+    assert err.count("ended (exit code 3); starting it again (restart ") == 2, err
     assert "restart 2 of at most 2 in 3600 s" in err
-    assert err.rstrip().endswith("exited with status 3; it failed 3 times within 3600 s (--max-restarts 2 "
+    assert err.rstrip().endswith("ended (exit code 3); it failed 3 times within 3600 s (--max-restarts 2 "
                                  "--restart-window-s 3600): not starting it again"), err
 
 

@@ -18,6 +18,7 @@ from minimax_h3.dit.layout import build_layout, patchify_audio, patchify_video, 
 from minimax_h3.dit.sampling import SamplerConfig, draw_noise
 from minimax_h3.dit.windows import FusedWindows, fuse_weights, sample_continuation, sample_fused, window_layout
 from stagekit.errors import InvalidArgument
+from stagekit.checkpoints import WeightSource
 
 H, W = 64, 96          # latent 4 x 6, 6 rows a latent frame
 
@@ -333,7 +334,7 @@ def engine(tmp_path_factory):
 
     eng = DiTEngine(DiTEngineConfig("", "", tmp_path_factory.mktemp("cache"), "cpu", torch.float32),
                     RankGroup(RankInfo(0, 1, 0), "gloo", 10))
-    eng.load()
+    eng.load(WeightSource(eng.weight_files()))
     return eng
 
 

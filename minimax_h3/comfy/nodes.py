@@ -1014,7 +1014,7 @@ def _render(ev: Interpreter, n: Node, output: str, frames: Frames, sound: Sound 
                                 f"(BasicGuider node {g.node}): this product samples with one model")
     if cond.kind == "text":
         if not lat.image:
-            ev.refuse(sampler_node, f"it samples a video latent with a text-only conditioning: video graphs encode the "
+            ev.refuse(sampler_node, "it samples a video latent with a text-only conditioning: video graphs encode the "
                                     "prompt with MiniMaxH3ImageToVideo or MiniMaxH3ReferenceToVideo")
     elif lat.node != cond.node:
         ev.refuse(sampler_node, f"its latent (node {lat.node}) and its conditioning (node {cond.node}) come from two "

@@ -41,9 +41,8 @@ from minimax_h3.dit.model import H3DiT
 from minimax_h3.dit.tp import ColumnParallel, RowParallel, column_range, param_style, section_ranges, validate_tp
 from minimax_h3.kernels.int8 import QuantizedWeight, dequantize_convrot, int8_linear_specs, read_quant_spec
 from stagekit.checkpoints import (FLOAT, TORCH_DTYPE, Checkpoint, CheckpointError, FiniteCheck, HeaderEntry,
-                                  TensorReader, TensorSpec, has_host_copy, key_report, metadata_json, named,
+                                  TensorReader, TensorSpec, WeightSource, key_report, metadata_json, named,
                                   open_checkpoint)
-from stagekit.host_copy import staging_seconds, to_device
 
 log = logging.getLogger(__name__)
 
@@ -724,6 +723,7 @@ def load_dit_weights(
     qkv_layout: QKVLayout | None = None,
     device: torch.device | str = "cpu",
     workers: int = 1,
+    source: WeightSource | None = None,
 ) -> DiTWeights:
     """This rank's DiT weights, in our key names, after validating the checkpoint against `cfg` (again: a file
     replaced since start-up fails here with a CheckpointError, FAILED_PRECONDITION).
@@ -735,7 +735,8 @@ def load_dit_weights(
     cfg None: the config the checkpoint declares. quant_mode "kernel": int8 weights stay QuantizedWeight
     (except unaligned row-parallel slices); "dequant": every int8 weight is dequantised to `dtype`.
     `keys` restricts the load to a subset of our weight names (e.g. one block's AdaLN); `skip` names weights not to
-    read (the caller has them already, e.g. converted at an earlier load).
+    read (the caller has them already, e.g. converted at an earlier load). `source`: where the load reads the files
+    (stagekit.checkpoints.WeightSource: a file the stage keeps in host memory comes from its copy); None: the disk.
     """
     if quant_mode not in ("kernel", "dequant"):
         raise ValueError(f"quant_mode must be 'kernel' or 'dequant', got {quant_mode!r}")
@@ -743,7 +744,7 @@ def load_dit_weights(
     info = inspect_checkpoint(path, base=cfg, qkv_layout=qkv_layout)
     cfg = cfg or info.config
     _check_tp(cfg, tp_rank, tp_size)
-    reader = TensorReader(info.entries)
+    reader = TensorReader(info.entries, source=source)
     validate(info, cfg, reader)
     reader.close()
     t1 = time.monotonic()
@@ -752,15 +753,15 @@ def load_dit_weights(
     finite = FiniteCheck()  # every float tensor as loaded, on `device`: one host sync for the whole load
     # Files kept in host memory by the stage process: views of the copy, moved through pinned staging buffers and
     # cast on the device (stagekit/host_copy.py); the same bits as reading the file and casting first.
-    staged = all(has_host_copy(f) for f in {e.file for e in info.entries.values()})
-    staging_before = staging_seconds()
+    staged = source is not None and all(source.has_copy(f) for f in {e.file for e in info.entries.values()})
+    staging_before = source.staging.seconds() if staged else {}
 
     def move(value: torch.Tensor | QuantizedWeight, out_dtype: torch.dtype | None = None):
         if isinstance(value, QuantizedWeight):
-            return (QuantizedWeight(to_device(value.qdata, device), to_device(value.scale, device), value.groupsize)
-                    if staged else value.to(device))
+            return (QuantizedWeight(source.to_device(value.qdata, device), source.to_device(value.scale, device),
+                                    value.groupsize) if staged else value.to(device))
         if staged:
-            return to_device(value, device, out_dtype)
+            return source.to_device(value, device, out_dtype)
         return (value if out_dtype is None else value.to(out_dtype)).to(device)
 
     def read(key: str) -> tuple[torch.Tensor | QuantizedWeight, bool]:
@@ -769,7 +770,8 @@ def load_dit_weights(
             # equal to the formula at that rounding, and the RoPE table is fp32 (precision contract): the formula.
             return _default_inv_freq(cfg).to(device), False
         if not hasattr(local, "rr"):
-            local.reader = TensorReader(info.entries, check_finite=False, views=staged)  # checked on `device` below
+            # NaN / Inf: checked on `device` below, not here.
+            local.reader = TensorReader(info.entries, source=source, check_finite=False, views=staged)
             local.rr = _RankReader(info, cfg, tp_rank, tp_size, local.reader)
         stored = info.shapes[key].dtype
         was_dequantized = False
@@ -796,8 +798,8 @@ def load_dit_weights(
     t2 = time.monotonic()
     finite.raise_if_bad()
     out.timings = {"check": t1 - t0, "read": t2 - t1, "finite": time.monotonic() - t2}
-    if staged:  # the read's staged copies, summed over the loader threads (stagekit.host_copy.staging_seconds)
-        out.timings.update({f"read_threads_{k}": v - staging_before[k] for k, v in staging_seconds().items()})
+    if staged:  # the read's staged copies, summed over the loader threads (stagekit.host_copy.Staging.seconds)
+        out.timings.update({f"read_threads_{k}": v - staging_before[k] for k, v in source.staging.seconds().items()})
     log.info("%s: checked %.2f s, read%s %.2f s, finite check %.2f s", Path(path).name, t1 - t0,
              " from the host copy" if staged else "", t2 - t1, out.timings["finite"])
     return out

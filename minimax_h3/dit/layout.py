@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from minimax_h3.contract import (AUDIO_CHANNELS, AUDIO_LATENTS_PER_SECOND, FPS, KEYFRAME_ANCHORS, REFERENCE_KINDS,
-                                 VAE_SPATIAL, audio_latent_count, latent_side, video_latent_frames)
+                                 VAE_SPATIAL, audio_latent_count, latent_side, one_video_latent, video_latent_frames)
 from stagekit.errors import InvalidArgument
 
 from .config import TAG_AUDIO, TAG_TEXT, TAG_VIDEO, DiTConfig
@@ -75,12 +75,7 @@ def latent_shape(cfg: DiTConfig, frames: int, height: int, width: int) -> Latent
 def patchify_video(latents: torch.Tensor, patch: Sequence[int]) -> torch.Tensor:
     """[C, T, H, W] (or [1, C, T, H, W]) -> rows [T/pt * H/ph * W/pw, C*pt*ph*pw], frame-major then h then w;
     the row vector index is c*pt*ph*pw + it*ph*pw + ih*pw + iw."""
-    if latents.ndim == 5:
-        if latents.shape[0] != 1:
-            raise InvalidArgument(f"patchify_video takes one item, got batch {latents.shape[0]}")
-        latents = latents[0]
-    if latents.ndim != 4:
-        raise InvalidArgument(f"video latents must be [C, T, H, W], got shape {tuple(latents.shape)}")
+    latents = one_video_latent(latents, "patchify_video")
     pt, ph, pw = patch
     c, t, h, w = latents.shape
     if t % pt or h % ph or w % pw:

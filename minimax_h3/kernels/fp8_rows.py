@@ -253,6 +253,16 @@ if triton is not None:
         return q
 
     @triton.jit
+    def _row_block(rows, C, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+        """The prologue the three kernels share: this program's BLOCK_R rows (int64 indices) and the BLOCK_C
+        channels, with their bounds: row_ok [BLOCK_R], c_ok [BLOCK_C] and mask [BLOCK_R, BLOCK_C]."""
+        row = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+        ch = tl.arange(0, BLOCK_C)
+        row_ok = row < rows
+        c_ok = ch < C
+        return row.to(tl.int64), ch, row_ok, c_ok, row_ok[:, None] & c_ok[None, :]
+
+    @triton.jit
     def _store_fp8_rows(y, mask, row, row_ok, ch, C, q_ptr, qs_ptr, FP8_MAX: tl.constexpr,
                         INV_FP8_MAX: tl.constexpr, SCALE_FLOOR: tl.constexpr):
         """The epilogue the three kernels share, `quantize_fp8_rowwise` of bf16 rows op for op: y [BLOCK_R, BLOCK_C] bf16
@@ -276,12 +286,7 @@ if triton is not None:
                              BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
         """One program: BLOCK_R whole rows, each with its own AdaLN rows (gathered by r). Every step is one op of
         `modulate_fp8_reference`, in its order."""
-        row = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-        ch = tl.arange(0, BLOCK_C)
-        row_ok = row < rows
-        c_ok = ch < C
-        mask = row_ok[:, None] & c_ok[None, :]
-        row = row.to(tl.int64)
+        row, ch, row_ok, c_ok, mask = _row_block(rows, C, BLOCK_R, BLOCK_C)
         ada = tl.load(r_ptr + row * r_s, mask=row_ok, other=0).to(tl.int64)[:, None]  # AdaLN table row
         x = tl.load(x_ptr + row[:, None] * x_s_row + ch[None, :] * x_s_c, mask=mask, other=0.0)
         gain = tl.load(w_ptr + ch * w_s, mask=c_ok, other=0.0).to(tl.float32)[None, :]
@@ -300,11 +305,7 @@ if triton is not None:
                            BLOCK_C: tl.constexpr, CUDA: tl.constexpr):
         """One program: BLOCK_R whole rows of y = [gate | value] (C = F channels each), each element read once.
         Every step is one op of `swiglu_fp8_reference` as torch runs it on CUDA, in its order."""
-        row = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-        ch = tl.arange(0, BLOCK_C)
-        row_ok = row < rows
-        mask = row_ok[:, None] & (ch < C)[None, :]
-        row = row.to(tl.int64)
+        row, ch, row_ok, _, mask = _row_block(rows, C, BLOCK_R, BLOCK_C)
         at = y_ptr + row[:, None] * y_s_row + ch[None, :]
         gate = tl.load(at, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
         value = tl.load(at + C, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
@@ -419,12 +420,7 @@ if triton is not None:
         """One program: BLOCK_R whole output rows, C = H * D channels (head-major, as out_proj's input columns),
         each e4m3 element of O read once; sc_ptr: each column's head scale, [C] contiguous. Every step is one op of
         `o_rows_fp8_reference` as torch runs it on CUDA, in its order."""
-        row = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-        ch = tl.arange(0, BLOCK_C)
-        row_ok = row < rows
-        c_ok = ch < C
-        mask = row_ok[:, None] & c_ok[None, :]
-        row = row.to(tl.int64)
+        row, ch, row_ok, c_ok, mask = _row_block(rows, C, BLOCK_R, BLOCK_C)
         # Output column ch = head * D + d. The scales and the shift are loaded as [1, BLOCK_C] tiles, in the layout
         # of the rows they serve (loaded as vectors, each took a layout conversion through shared memory).
         head = (ch // D).to(tl.int64)[None, :]

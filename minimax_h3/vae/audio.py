@@ -30,8 +30,8 @@ import torch.nn.functional as F
 
 from minimax_h3.contract import AUDIO_CHANNELS, AUDIO_LATENT_CHANNELS, AUDIO_SAMPLE_RATE
 from stagekit.checkpoints import (FLOAT, IDENTITY, Checkpoint, CheckpointError, HeaderEntry, NameMap, TensorReader,
-                                  TensorSpec, check_finite_tensor, check_latent_stats, key_report, open_checkpoint,
-                                  tensor_entries)
+                                  TensorSpec, WeightSource, check_finite_tensor, check_latent_stats, key_report,
+                                  open_checkpoint, tensor_entries)
 
 # --------------------------------------------------------------------------------------------
 # Constants named where the model defines them
@@ -819,15 +819,17 @@ def load_audio_vae(
     *,
     device: str | torch.device = "cpu",
     with_encoder: bool | None = None,
+    source: WeightSource | None = None,
 ) -> AudioVAE:
     """Load a ComfyUI / release / parametrized-weight-norm file, or a diffusers folder, into an fp32 `AudioVAE`,
     after `inspect_audio_vae` validated it (again: a file changed since start-up fails here with a CheckpointError).
 
     Latent statistics: file buffers if present, else `cfg.latents_mean/std` (the release keeps them in
-    audio_vae/config.json).
+    audio_vae/config.json). `source`: where the load reads the file (stagekit.checkpoints.WeightSource: from the
+    stage's host copy when it keeps one); None: the disk.
     """
     info = inspect_audio_vae(path, cfg, with_encoder=with_encoder)
-    reader = TensorReader(info.entries)
+    reader = TensorReader(info.entries, source=source)
     sd = {}
     for ours, src in info.sources.items():
         parts = [reader.whole(k) for k in src]

@@ -24,7 +24,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from minimax_h3.contract import FRAME_CLIP, VIDEO_LATENT_CHANNELS
+from minimax_h3.contract import FRAME_CLIP, VIDEO_LATENT_CHANNELS, one_video_latent
 from minimax_h3.vae.tiling import (
                                    IMAGENET_MEAN,
                                    IMAGENET_STD,
@@ -39,8 +39,7 @@ from minimax_h3.vae.tiling import (
 from minimax_h3.kernels.int8 import (QuantSpec, dequantize_convrot, encode_comfy_quant, int8_linear_specs,
                                      quantize_convrot, read_quant_spec)
 from stagekit.checkpoints import (FLOAT, Checkpoint, CheckpointError, HeaderEntry, NameMap, TensorReader, TensorSpec,
-                                  check_latent_stats, has_host_copy, key_report, metadata_json, open_checkpoint)
-from stagekit.host_copy import to_device
+                                  WeightSource, check_latent_stats, key_report, metadata_json, open_checkpoint)
 
 __all__ = [
     "LATENTS_MEAN", "LATENTS_STD", "IMAGENET_MEAN", "IMAGENET_STD", "CheckpointError", "VideoVAEConfig", "VideoVAE",
@@ -439,12 +438,7 @@ class VideoVAE(nn.Module):
         """Validate a `[C, T, h, w]` (or `[1, C, T, h, w]`) normalised latent; returns the 4-D view."""
         if not isinstance(latents, torch.Tensor):
             raise ValueError(f"latents must be a torch.Tensor, got {type(latents).__name__}")
-        if latents.ndim == 5:
-            if latents.shape[0] != 1:
-                raise ValueError(f"decode takes one video; got batch {latents.shape[0]} (split it)")
-            latents = latents[0]
-        if latents.ndim != 4:
-            raise ValueError(f"latents must be [C, T, h, w] (or [1, C, T, h, w]); got shape {tuple(latents.shape)}")
+        latents = one_video_latent(latents, "decode")
         c = self.cfg.latent_channels
         if latents.shape[0] != c:
             raise ValueError(f"latents have {latents.shape[0]} channels, the H3 video VAE expects {c} "
@@ -873,22 +867,24 @@ def _our_entries(info: VideoVAEInfo) -> dict[str, HeaderEntry]:
 
 
 def load_video_vae(path: str, cfg: VideoVAEConfig | None = None, dtype: torch.dtype = torch.float32, *,
-                   device: torch.device | str = "cpu", parts: str = "all") -> VideoVAE:
+                   device: torch.device | str = "cpu", parts: str = "all", source: WeightSource | None = None
+                   ) -> VideoVAE:
     """Load the H3 video VAE from a ComfyUI single file (fp16, or int8 ConvRot), the release file (fp32) or a
     diffusers folder (config.json + safetensors), after `inspect_video_vae` validated it (again: a file changed since
     start-up fails here with a CheckpointError). Only the tensors of `parts` are read, one at a time.
 
     Matmul weights are cast to `dtype`; norm weights and residual scales stay fp32 (cheap, and the reference
     computes those in fp32). An int8 ConvRot linear is dequantised on `device` to `dtype` (`dequantize_convrot`:
-    exact, the same bits on the CPU and any GPU) and then computes like a float one."""
+    exact, the same bits on the CPU and any GPU) and then computes like a float one. `source`: where the load reads
+    the file (stagekit.checkpoints.WeightSource: from the stage's host copy when it keeps one); None: the disk."""
     info = inspect_video_vae(path, cfg, parts)
     cfg = info.cfg
     expected = _expected(cfg, parts)
     entries = _our_entries(info)
     # A file the stage process keeps in host memory: views of its copy, moved through pinned staging buffers and cast
     # on the device (stagekit/host_copy.py), the same bits as casting first.
-    staged = all(has_host_copy(f) for f in info.ckpt.files)
-    reader = TensorReader(info.ckpt.tensors, views=staged)
+    staged = source is not None and all(source.has_copy(f) for f in info.ckpt.files)
+    reader = TensorReader(info.ckpt.tensors, source=source, views=staged)
 
     def read(k: str) -> torch.Tensor:
         e = entries[k]
@@ -910,11 +906,11 @@ def load_video_vae(path: str, cfg: VideoVAEConfig | None = None, dtype: torch.dt
         if spec is not None:  # int8 codes and row scales go to the device as stored; dequantised there, exactly
             q, s = read(k), reader.whole(k[: -len(".weight")] + ".weight_scale")
             if staged:
-                q, s = to_device(q, device), to_device(s, device, torch.float32)
+                q, s = source.to_device(q, device), source.to_device(s, device, torch.float32)
             else:
                 q, s = q.to(device), s.to(device=device, dtype=torch.float32)
             return dequantize_convrot(q, s, spec.groupsize, dt)
-        return to_device(read(k), device, dt) if staged else read(k).to(device=device, dtype=dt)
+        return source.to_device(read(k), device, dt) if staged else read(k).to(device=device, dtype=dt)
 
     if staged:  # views of the host copy: the reads and copies of different tensors overlap on several threads
         with ThreadPoolExecutor(STAGED_WORKERS, thread_name_prefix="vae-load") as pool:
