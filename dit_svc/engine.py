@@ -18,9 +18,9 @@ from typing import Any
 
 import torch
 
-from minimax_h3.contract import (AUDIO_CHANNELS, AUDIO_LATENTS, CONTINUATION, IMAGE_FRAMES, TAIL_AUDIO, TAIL_VIDEO,
-                                 KEYFRAME_TENSORS, PARTITIONS, SINGLE, TEXT_STATES, TEXT_TAGS, VAE_SPATIAL,
-                                 VIDEO_LATENTS, LatentGeometry, RenderSpec, WindowPlan, check_partition, has_references,
+from minimax_h3.contract import (AUDIO_CHANNELS, AUDIO_LATENTS, CONTINUATION, IMAGE_FRAMES, IMAGE_PROMPT_ONLY,
+                                 KEYFRAME_TENSORS, PARTITIONS, SINGLE, TAIL_AUDIO, TAIL_VIDEO, TEXT_STATES, TEXT_TAGS,
+                                 VAE_SPATIAL, VIDEO_LATENTS, LatentGeometry, RenderSpec, WindowPlan, check_partition, has_references,
                                  keyframe_anchors, needed_partition, plan_windows, prompt_tensor)
 from minimax_h3.dit.assembly import assemble_dit, block_linears, kernel_linears
 from minimax_h3.dit.checkpoint import (CheckpointInfo, check_checkpoint, load_dit_weights,
@@ -579,8 +579,7 @@ class DiTEngine(StageEngine[RenderSpec]):
             raise InvalidArgument("references and first/last keyframes do not combine: the ref2va partition takes "
                                   "references only (put the image in as a reference instead)")
         if spec.frames == IMAGE_FRAMES and (refs or keyframe_anchors(inputs) or has_guides(inputs)):
-            raise InvalidArgument("an image (frames=1) renders from the prompt alone: keyframes, references and "
-                                  "guides condition a video")
+            raise InvalidArgument(IMAGE_PROMPT_ONLY)
         windowed = plan_windows(spec).mode != SINGLE
         if windowed and (refs or keyframe_anchors(inputs) or TEXT_TAGS in inputs):
             raise InvalidArgument(f"a render sampled in windows ({plan_windows(spec).describe()}) takes text prompts "

@@ -49,6 +49,8 @@ AUDIO_LATENTS_PER_SECOND = AUDIO_SAMPLE_RATE // AUDIO_HOP  # 40
 # ---- render-spec bounds ------------------------------------------------------------------------------------------
 MIN_FRAMES = 22           # n = 1: the reference VAE decode rejects fewer than 3 latent frames
 IMAGE_FRAMES = 1          # an image: one latent frame (a still, as ComfyUI samples EmptyLatentImage), no sound
+IMAGE_PROMPT_ONLY = ("an image (frames=1) renders from the prompt alone: keyframes, references and guides condition "
+                     "a video")
 MAX_WINDOW_FRAMES = 515   # one window, sampled in one pass: n = 30 (trained range is ~124-362; longer is not promised)
 MAX_FRAMES = 7196         # n = 423, 299.8 s: beyond one window the render is sampled in windows (section 6)
 SIZE_MULTIPLE = 32        # one DiT row covers 32x32 pixels

@@ -15,9 +15,9 @@ from pathlib import Path
 import grpc
 
 from h3.v1 import common_pb2, encoder_pb2, render_pb2
-from minimax_h3.contract import (MAX_GUIDES, MAX_PROMPT_BYTES, SINGLE, check_loras, check_output, check_partition,
-                                 check_reference_kinds, needed_partition, plan_windows, resolve_guide_frame,
-                                 spec_from_proto, validate)
+from minimax_h3.contract import (IMAGE_FRAMES, IMAGE_PROMPT_ONLY, MAX_GUIDES, MAX_PROMPT_BYTES, SINGLE, check_loras,
+                                 check_output, check_partition, check_reference_kinds, needed_partition, plan_windows,
+                                 resolve_guide_frame, spec_from_proto, validate)
 from minimax_h3.services import StageClients
 from render_svc.cluster import Cluster
 from render_svc.graph import GRAPH
@@ -88,6 +88,8 @@ def check_request(req: render_pb2.RenderRequest) -> None:
     if windows.mode != SINGLE and (req.first_frame or req.last_frame or req.references or req.guides):
         raise InvalidArgument(f"a render sampled in windows ({windows.describe()}) takes text prompts only: keyframes, "
                               "references and guides condition one window, so render at most 515 frames with them")
+    if spec.frames == IMAGE_FRAMES and (req.first_frame or req.last_frame or req.references or req.guides):
+        raise InvalidArgument(IMAGE_PROMPT_ONLY)
     if len(req.label) > MAX_LABEL_CHARS or len(req.idempotency_key) > MAX_LABEL_CHARS:
         raise InvalidArgument(f"label and idempotency_key are limited to {MAX_LABEL_CHARS} characters")
     for anchor, img in (("first_frame", req.first_frame), ("last_frame", req.last_frame)):

@@ -21,7 +21,6 @@ from __future__ import annotations
 import base64
 import hashlib
 import http.client
-import io
 import json
 import os
 import re
@@ -45,7 +44,7 @@ from minimax_h3.comfy import WorkflowRefused  # noqa: E402
 from minimax_h3.comfy.workflow import apply_workflow, edited_graph, folder_reader, graph_problems  # noqa: E402
 from minimax_h3.files import MODEL_FILES  # noqa: E402
 from tests.hub_server import FakeHub, HubFile  # noqa: E402
-from tests.render_svc_util import RenderService, probe, wait_for  # noqa: E402
+from tests.render_svc_util import RenderService, probe  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 TEMPLATES = Path(comfy_templates.__file__).parent / "templates"
@@ -563,14 +562,14 @@ def test_frames_1_renders_one_frame_as_a_png(svc, tmp_path, capsys):
     assert info.params.frames == 1 and {s.stage for s in info.stages} >= {"encoder", "dit", "decoder"}
     assert cli(["jobs", "fetch", job, "-o", str(tmp_path / "fox.mp4"), "--render", svc.target]) == 0
     assert probe(tmp_path / "fox.mp4") == {"width": 256, "height": 256, "frames": 1, "audio": 0}
-    # an image conditioned on a keyframe over gRPC (the CLI refuses it before anything starts): the DiT refuses it
+    # an image conditioned on a keyframe over gRPC (the CLI refuses it before anything starts): refused at Submit
     req = render_pb2.RenderRequest(first_frame=png(tmp_path / "k.png", (256, 256)).read_bytes())
     req.params.prompt, req.params.frames, req.params.width, req.params.height = PROMPTS["text"], 1, 256, 256
     req.params.steps = 1
-    job = svc.stub.Submit(req, timeout=60).job_id
-    info = wait_for(lambda: (i := svc.stub.Get(render_pb2.JobRef(job_id=job), timeout=30)).error_code and i, 120,
-                    "the keyframed image job to fail")
-    assert info.error_code == "INVALID_ARGUMENT" and "renders from the prompt alone" in info.error, info
+    with pytest.raises(grpc.RpcError) as refused:
+        svc.stub.Submit(req, timeout=60)
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT, refused.value
+    assert "renders from the prompt alone" in refused.value.details()
     assert cli(args + ["--first-frame", str(tmp_path / "k.png"), "-o", str(tmp_path / "k2.png")]) == 2
     assert "--frames 1 renders an image from the prompt alone" in capsys.readouterr().err
 
