@@ -78,7 +78,7 @@ def test_a_configured_service_that_does_not_answer_is_an_error(how, tmp_path):
     (["--upscale", "7680x4320"], "is beyond the largest output"),
     (["--upscale", "big"], "error: --upscale 'big': give WIDTHxHEIGHT"),
     (["--width", "100"], "error: width=100 is not valid"),
-    (["--detach"], "error: -o: --detach writes no file here (the MP4 stays with the render service)"),
+    (["--detach"], "error: -o: --detach writes no file here (the output stays with the render service)"),
     (["--models-dir", "{tmp}/missing"], "error: --models-dir {tmp}/missing: models dir {tmp}/missing does not exist"),
     (["--models-dir", "{tmp}/empty"], "no Qwen3-VL text encoder for MiniMax-H3 found under {tmp}/empty: looked "
                                       "for *qwen3vl*minimax_h3*.safetensors"),
