@@ -85,6 +85,11 @@ class StageEngine(ABC, Generic[Spec]):
         them ({key: bytes}; `stagekit.checkpoints.derived_key`). Default: nothing."""
         return {}
 
+    def describe(self) -> dict:
+        """What the stage's Status shows of this engine (its weights, kernels, placement: fields of its own).
+        Default: nothing."""
+        return {}
+
     def load_report(self) -> dict:
         """Fields the last load adds to the `loaded` event (e.g. where its time went: `load_phases`)."""
         return {}
