@@ -152,8 +152,7 @@ class LongBench(one_card.OneCard):
     def run_part(self) -> None:
         if self.part == "dit":
             self.weight_files = {"dit"}
-        need = any(not (self.models / two.FILES[n]).exists() for n in (self.weight_files or two.FILES))
-        self.item("weights", EST["weights"] if need else 5, self.do_weights, needs_stack=False)
+        self.weights_item(EST["weights"])
         if self.part == "dit":
             self.item("dit", EST["dit"], self.run_dit, needs_stack=False)
             return
@@ -219,21 +218,13 @@ def dit_engine_bench(models: Path, cap_gb: float, tiny: bool) -> dict:
                           ("60s windows", 124, {"window_frames": 39, "window_overlap": 22})])
     for name, frames, fields in runs:
         spec = RenderSpec(prompt="x", width=w, height=h, frames=frames, steps=out["steps"], seed=1, **fields)
-        if cuda:
-            torch.cuda.synchronize()
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats(dev)
-        ctx = one_card._Ctx()
-        t0 = time.monotonic()
-        eng.run(spec, {TEXT_STATES: text}, ctx)
-        wall = time.monotonic() - t0
+        run = one_card.timed_run(eng, spec, {TEXT_STATES: text}, dev, cuda)
+        ctx, wall = run.ctx, run.wall_s
         row = {"size": f"{w}x{h}x{frames}", "windows": plan_windows(spec).describe(),
                "placement": eng.placement.describe(), "sample_s": round(wall, 2),
                "dit_s_per_generated_s": round(wall / (frames / FPS), 3),
                "step_s_median": round(statistics.median(ctx.step_ms) / 1000, 3) if ctx.step_ms else None}
-        if cuda:
-            row.update(peak_alloc_gib=round(torch.cuda.max_memory_allocated(dev) / GIB, 3),
-                       peak_reserved_gib=round(torch.cuda.max_memory_reserved(dev) / GIB, 3))
+        row.update(run.peaks)
         out["shapes"][name] = row
         print(json.dumps({name: row}), file=sys.stderr, flush=True)
     s = out["shapes"]

@@ -151,18 +151,12 @@ def fasth3_engine_bench(models: Path, files: Path, cap_gb: float, tiny: bool) ->
         spec = RenderSpec(prompt="x", width=w, height=h, frames=f, steps=steps, seed=1, sampler=graph.sampler.value,
                           scheduler=graph.scheduler.value, video_shift=float(graph.video_shift.value),
                           audio_shift=float(graph.audio_shift.value), sparse=sp)
-        if cuda:
-            torch.cuda.synchronize()
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats(dev)
-        ctx = one_card._Ctx()
-        t0 = time.monotonic()
-        eng.run(spec, {TEXT_STATES: text}, ctx)
-        row = {"sample_s": round(time.monotonic() - t0, 2), "step_s": [round(ms / 1000, 3) for ms in ctx.step_ms]}
+        run = one_card.timed_run(eng, spec, {TEXT_STATES: text}, dev, cuda)
+        row = {"sample_s": round(run.wall_s, 2), "step_s": [round(ms / 1000, 3) for ms in run.ctx.step_ms]}
         timed = row["step_s"][1:] or row["step_s"]
         row["step_s_median"] = round(statistics.median(timed), 3)
         if cuda:
-            row["peak_reserved_gib"] = round(torch.cuda.max_memory_reserved(dev) / GIB, 3)
+            row["peak_reserved_gib"] = run.peaks["peak_reserved_gib"]
         out["runs"][name] = row
     out["vsa_over_dense_step"] = round(out["runs"]["vsa"]["step_s_median"] / out["runs"]["dense"]["step_s_median"], 3)
     return out

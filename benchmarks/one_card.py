@@ -44,6 +44,7 @@ import statistics
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -185,16 +186,18 @@ class OneCard(two.Bench):
             raise RuntimeError(f"host->device rates failed (rc {rc}): {err}")
         return json.loads(out.strip().splitlines()[-1])
 
+    def weights_item(self, est_s: float) -> None:
+        """The weights item: the part's files (`weight_files`, else all) written, unless --models-dir has them."""
+        need = any(not (self.models / two.FILES[n]).exists() for n in (self.weight_files or two.FILES))
+        self.item("weights", est_s if need else 5, self.do_weights, needs_stack=False)
+
     def run_part(self) -> None:
-        if self.part == "swaps":
-            need_weights = any(not (self.models / two.FILES[n]).exists() for n in two.FILES)
-            self.item("weights", EST["weights"] if need_weights else 5, self.do_weights, needs_stack=False)
-            self.run_swaps()
-            return
         if self.part == "dit":
             self.weight_files = {"dit"}
-        need_weights = any(not (self.models / two.FILES[n]).exists() for n in (self.weight_files or two.FILES))
-        self.item("weights", EST["weights"] if need_weights else 5, self.do_weights, needs_stack=False)
+        self.weights_item(EST["weights"])
+        if self.part == "swaps":
+            self.run_swaps()
+            return
         if self.part == "dit":
             self.item("dit", EST["dit"], self.run_dit, needs_stack=False)
             return
@@ -423,6 +426,34 @@ class _Ctx:
         return False
 
 
+@dataclass(frozen=True)
+class TimedRun:
+    """One engine job run outside a service (`timed_run`): its outputs, its context (step times), its wall seconds,
+    and the device's peak memory over it (`peak_alloc_gib`, `peak_reserved_gib`; empty on the CPU)."""
+
+    result: dict
+    ctx: _Ctx
+    wall_s: float
+    peaks: dict
+
+
+def timed_run(eng, spec, inputs: dict, dev, cuda: bool) -> TimedRun:
+    """`eng.run(spec, inputs)` timed, the device's peak-memory counters reset first (cached blocks freed)."""
+    import torch
+
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(dev)
+    ctx = _Ctx()
+    t0 = time.monotonic()
+    result = eng.run(spec, inputs, ctx)
+    wall = time.monotonic() - t0
+    peaks = ({"peak_alloc_gib": round(torch.cuda.max_memory_allocated(dev) / GIB, 3),
+              "peak_reserved_gib": round(torch.cuda.max_memory_reserved(dev) / GIB, 3)} if cuda else {})
+    return TimedRun(result, ctx, wall, peaks)
+
+
 def _sha(t) -> str:
     import torch
 
@@ -477,15 +508,9 @@ def dit_engine_bench(models: Path, cap_gb: float, tiny: bool) -> dict:
                 elif eng.model_cfg.num_layers > 2:  # CPU: a limit that streams all but one block
                     p = eng.plan(spec, text.shape[0], None)
                     eng.cfg.memory_limit_bytes = p.need_bytes - (eng.model_cfg.num_layers - 3) * eng.stream.block_bytes
-            if cuda:
-                torch.cuda.synchronize()
-                torch.cuda.empty_cache()
-                torch.cuda.reset_peak_memory_stats(dev)
             copied0 = eng.stream.bytes_copied
-            ctx = _Ctx()
-            t0 = time.monotonic()
-            res = eng.run(spec, {TEXT_STATES: text}, ctx)
-            wall = time.monotonic() - t0
+            run = timed_run(eng, spec, {TEXT_STATES: text}, dev, cuda)
+            res, ctx, wall = run.result, run.ctx, run.wall_s
             p = eng.placement
             per_step = sorted(ctx.step_ms[1:] or ctx.step_ms)
             row[mode] = {"placement": p.describe(), "streamed_blocks": list(p.streamed),
@@ -493,9 +518,7 @@ def dit_engine_bench(models: Path, cap_gb: float, tiny: bool) -> dict:
                          "step_s": round(statistics.median(per_step) / 1000, 4), "steps_ms": ctx.step_ms,
                          "wall_s": round(wall, 2), "streamed_gib_per_step": round(
                              (eng.stream.bytes_copied - copied0) / max(1, steps) / GIB, 3)}
-            if cuda:
-                row[mode].update(peak_alloc_gib=round(torch.cuda.max_memory_allocated(dev) / GIB, 3),
-                                 peak_reserved_gib=round(torch.cuda.max_memory_reserved(dev) / GIB, 3))
+            row[mode].update(run.peaks)
             results[mode] = (_sha(res[VIDEO_LATENTS]), _sha(res[AUDIO_LATENTS]))
             eng.cfg.memory_cap_bytes = eng.cfg.memory_limit_bytes = 0
             if cuda:
