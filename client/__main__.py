@@ -240,7 +240,7 @@ def workflow_inputs(args):
                 kind, ref_path = kind_of(spec), spec
             req.references.add(kind=kind, data=_read_flag_file(ref_path, f"--ref {spec}"), name=Path(ref_path).name)
         render = apply_workflow(req, folder_reader(Path(args.input_dir) if args.input_dir else path.parent))
-        check_request_files(req)
+        render.notes.extend(check_request_files(req))
         check_output(spec_from_proto(p), req.crf, req.upscale_width, req.upscale_height)
     except ValueError as e:  # InvalidArgument (a refused graph, a wrong value) included
         raise CheckError(getattr(e, "message", None) or str(e)) from None

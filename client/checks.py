@@ -261,13 +261,14 @@ def check_running_stack(models_dir: str, devices: str, where: str, source: str, 
                          f"or " + restart.format(flag=f"--devices {devices}"))
 
 
-def check_request_files(req) -> None:
-    """The files a filled request carries (a --workflow graph's, or its flags'), checked as the render service will:
-    keyframes against the render size, references as the stages take them, their mix, and the prompt's labels
-    naming exactly them. CheckError naming the slot and the file."""
+def check_request_files(req) -> list[str]:
+    """The files a filled --workflow request carries (the graph's, or its flags'), checked as the render service
+    will: keyframes against the render size, references as the stages take them, their mix. CheckError naming the
+    slot and the file. Returns the notes on the prompt's labels: a graph's prompt is taken as the graph gives it
+    (minimax_h3/labels.py)."""
     from minimax_h3.contract import check_reference_kinds, spec_from_proto
     from minimax_h3.images import admit_keyframe
-    from minimax_h3.labels import check_labels
+    from minimax_h3.labels import GRAPH_LABELS_NOTE, label_problems
     from minimax_h3.reference_files import check_reference_file
 
     spec = spec_from_proto(req.params)
@@ -287,9 +288,11 @@ def check_request_files(req) -> None:
                     sound.append(check_reference_file(r.kind, r.data, spec.frames).sound)
                 except InvalidArgument as e:
                     raise InvalidArgument(f"reference {i + 1} ({r.name or r.kind}): {e.message}") from None
-            check_labels(spec.prompt, kinds, sound, [r.name for r in req.references])
+            problems = label_problems(spec.prompt, kinds, sound, [r.name for r in req.references])
+            return [*problems, GRAPH_LABELS_NOTE] if problems else []
     except InvalidArgument as e:
         raise CheckError(e.message) from None
+    return []
 
 
 def window_prompts(prompts: list[str], timed: list[str]) -> tuple[tuple[str, ...], tuple[float, ...]]:

@@ -2,7 +2,10 @@
 
 Torch- and numpy-free: the thin client checks a render before anything starts, and the render service checks what
 reaches it, with the same rules (docs/references.md). Labels are numbered per kind in request order; a video with
-a soundtrack takes an audio number too (its sound is labelled `<Audio j>` right before `<Video k>`).
+a soundtrack takes an audio number too (its sound is labelled `<Audio j>` right before `<Video k>`). A ComfyUI
+graph's prompt is taken as the graph gives it (ComfyUI binds a label only to an input connected in that order and
+passes any other as text; its H3 templates name inputs they leave unconnected): its label problems are notes of the
+render, not refusals (docs/workflows.md).
 """
 
 from __future__ import annotations
@@ -50,8 +53,9 @@ def reference_labels(kinds: Sequence[str], has_sound: Sequence[bool]) -> list[st
     return out
 
 
-def check_labels(prompt: str, kinds: Sequence[str], has_sound: Sequence[bool], names: Sequence[str] = ()) -> None:
-    """InvalidArgument when the prompt names a reference the request lacks, or leaves a reference unnamed."""
+def label_problems(prompt: str, kinds: Sequence[str], has_sound: Sequence[bool],
+                   names: Sequence[str] = ()) -> list[str]:
+    """What is wrong with the prompt's labels: a label no reference has, then the references it never names."""
     labels = reference_labels(kinds, has_sound)
     soundtracks, n_audio = set(), 0
     for kind, sound in zip(kinds, has_sound):
@@ -59,13 +63,26 @@ def check_labels(prompt: str, kinds: Sequence[str], has_sound: Sequence[bool], n
         if kind == "video" and sound:
             soundtracks.add(f"<Audio {n_audio}>")
     used = {f"<{m.group(1)} {m.group(2)}>" for m in LABEL.finditer(prompt)}
+    named = [f"{lab} = {n}" if n else lab for lab, n in zip(labels, list(names) + [""] * len(labels))]
+    out = []
     unknown = sorted(used - set(labels) - soundtracks)
     if unknown:
-        have = ", ".join(f"{lab} = {n}" if n else lab for lab, n in zip(labels, list(names) + [""] * len(labels)))
-        raise InvalidArgument(f"the prompt names {', '.join(unknown)}, but the references are: {have or 'none'} "
-                              "(labels count per kind, in --ref order)")
+        out.append(f"the prompt names {', '.join(unknown)}, but the references are: {', '.join(named) or 'none'} "
+                   "(labels count per kind, in --ref order)")
     unnamed = [f"{lab} ({n})" if n else lab for lab, n in zip(labels, list(names) + [""] * len(labels))
                if lab not in used]
     if unnamed:
-        raise InvalidArgument(f"the prompt never names {', '.join(unnamed)}; say in the prompt what each reference "
-                              "is for, e.g. \"<Picture 1> walks through <Video 1>'s street\"")
+        out.append(f"the prompt never names {', '.join(unnamed)}; say in the prompt what each reference is for, e.g. "
+                   "\"<Picture 1> walks through <Video 1>'s street\"")
+    return out
+
+
+def check_labels(prompt: str, kinds: Sequence[str], has_sound: Sequence[bool], names: Sequence[str] = ()) -> None:
+    """InvalidArgument when the prompt names a reference the request lacks, or leaves a reference unnamed."""
+    problems = label_problems(prompt, kinds, has_sound, names)
+    if problems:
+        raise InvalidArgument(problems[0])
+
+
+GRAPH_LABELS_NOTE = ("the text encoder reads the prompt as the graph gives it, as ComfyUI does: a label binds only to "
+                     "an input connected in that order, any other is plain text")

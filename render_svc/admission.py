@@ -112,15 +112,20 @@ def check_request(req: render_pb2.RenderRequest) -> None:
 def check_references(req: render_pb2.RenderRequest, prompt: str, frames: int) -> None:
     """ref2va admission: no keyframes beside them, a mix of kinds the checkpoint takes (`check_reference_kinds`),
     each file one the decoder takes (`describe_reference`), and the prompt's labels naming exactly the references
-    there are (minimax_h3/labels.py). Fills in each reference's thumbnail, duration and size."""
-    from minimax_h3.labels import check_labels
+    there are (minimax_h3/labels.py; a ComfyUI graph's prompt is taken as the graph gives it, its label problems
+    logged). Fills in each reference's thumbnail, duration and size."""
+    from minimax_h3.labels import check_labels, label_problems
 
     if req.first_frame or req.last_frame:
         raise InvalidArgument("references and first/last keyframes do not combine: the ref2va partition takes "
                               "references only (send the frame as an image reference)")
     check_reference_kinds([r.kind for r in req.references])
     sound = [describe_reference(ref, i, frames) for i, ref in enumerate(req.references)]
-    check_labels(prompt, [r.kind for r in req.references], sound, [r.name for r in req.references])
+    labels = (prompt, [r.kind for r in req.references], sound, [r.name for r in req.references])
+    if not req.workflow_json:
+        check_labels(*labels)
+    for problem in label_problems(*labels):
+        log.info("Submit: a graph's prompt: %s (taken as the graph gives it)", problem)
 
 
 def check_guides(req: render_pb2.RenderRequest, spec) -> None:

@@ -687,6 +687,37 @@ def test_the_cli_stays_thin_with_a_graph(inputs):
     assert explained["graph"]["files"]["dit"] == REF2VA and explained["params"]["seed"] == 261662374822964
 
 
+def test_a_graphs_prompt_is_taken_as_written_its_label_problems_are_notes(svc, inputs, capsys):
+    """The reference template's own prompt names <Audio 1>, which it leaves unconnected: ComfyUI passes the text
+    as is, so the graph runs (its CLI notes say so) while such a prompt on a plain request is refused."""
+    from minimax_h3.labels import GRAPH_LABELS_NOTE
+
+    sets = ["136.ref_image_size=max", f"119.vae_name={FP16_VAE}"]
+    args = ["render", "--workflow", str(template("video_minimax_h3_r2v")), "--input-dir", str(inputs),
+            *(x for s in sets for x in ("--set", s))]
+    assert cli([*args, "--explain"]) == 0, capsys.readouterr().err
+    out, err = capsys.readouterr()
+    explained = json.loads(out)
+    prompt = explained["params"]["prompt"]
+    assert "<Audio 1>" in prompt and "<Picture 2>" in prompt
+    assert "note: the prompt names <Audio 1>, but the references are: <Picture 1> = red_superboy_on_city_roof.png, " \
+           "<Picture 2> = mecha_dragon_lightning.png" in err, err
+    assert f"note: {GRAPH_LABELS_NOTE}" in err and GRAPH_LABELS_NOTE in explained["graph"]["notes"]
+    req = render_pb2.RenderRequest(workflow_json=template("video_minimax_h3_r2v").read_text(), workflow_set=sets)
+    for name in ("red_superboy_on_city_roof.png", "mecha_dragon_lightning.png"):
+        req.references.add(kind="image", data=(inputs / name).read_bytes(), name=name)
+    req.params.width, req.params.height, req.params.frames, req.params.steps = 256, 256, 22, 1
+    req.params.prompt = "use <Picture 2> and <Picture 1> as reference frames and <Audio 1> exactly as it is"
+    info = svc.stub.Submit(req, timeout=60)  # (the tiny model's byte tokenizer counts the template's own as too long)
+    assert info.params.prompt == req.params.prompt
+    svc.stub.Cancel(render_pb2.JobRef(job_id=info.job_id), timeout=60)
+    plain = render_pb2.RenderRequest(references=req.references)
+    plain.params.CopyFrom(info.params)
+    with pytest.raises(grpc.RpcError) as refused:
+        svc.stub.Submit(plain, timeout=60)
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "<Audio 1>" in refused.value.details()
+
+
 # ---- 4. files ---------------------------------------------------------------------------------------------------
 def test_models_fetch_workflow_fetches_exactly_what_the_graph_loads(tmp_path):
     graph = template("video_minimax_h3_r2v")
