@@ -166,6 +166,8 @@ class LongBench(one_card.OneCard):
         v = two.Bench.verdicts(self)
         for k in ("host_memory_1920_le_64gib", "tp_ranks_bitwise_equal_all_renders", "dit_load_gbps_per_rank"):
             v.pop(k, None)
+        if self.part != "dit":
+            v.update(self.idle_neighbours())
         items = self.results["items"]
         rates = {k.split(":", 1)[-1]: r.get("dit_s_per_generated_s") for k, r in items.items()
                  if r.get("dit_s_per_generated_s") is not None}
@@ -190,6 +192,12 @@ class LongBench(one_card.OneCard):
         d = items.get("dit")
         if d and "error" not in d:
             v["dit_engine"] = d.get("verdicts")
+        trace = self.results.get("trace", {})
+        if self.part == "dit" and not trace.get("rule_samples"):  # no stack ran: the engine's process is the card
+            peak = max((trace.get("max_sum_any_phase_gib") or {}).values(), default=None)
+            v.pop("trace_ok", None)
+            v["trace_under_cap"] = {"max_gib": peak, "cap_gib": self.args.cap_gb,
+                                    "ok": peak is not None and peak <= self.args.cap_gb}
         return v
 
 

@@ -2,7 +2,7 @@
 """ComfyUI's MiniMax-H3 templates (docs/workflows.md) on one H200 held to 22 GiB, full-size random weights in the
 templates' own file names, the one-card stack and numerics of benchmarks/one_card.py (whose machinery this is):
 
-    python3 benchmarks/bench_templates.py --json docs/performance_data/templates/h200_22gib.json
+    python3 benchmarks/bench_templates.py --json docs/performance_data/templates/bench_templates.json
     .venv/bin/python benchmarks/bench_templates.py --tiny --json /tmp/templates_tiny.json   # CPU, the tiny model
 
 Items, in this order, each started only while it fits --budget-s (480 s; what did not fit is listed in the JSON):

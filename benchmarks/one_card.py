@@ -208,15 +208,20 @@ class OneCard(two.Bench):
         if self.part == "renders":
             self.item("parity", EST_RENDER["parity"], self.parity)
 
+    def idle_neighbours(self) -> dict:
+        """The verdict that stages not holding the card stayed at <= IDLE_NEIGHBOUR_GIB at every sample."""
+        samples = list(self.sampler.samples)
+        if not samples:
+            return {}
+        return {"idle_neighbours_le_0.1gib": memtrace.check_idle_neighbours(
+            samples, int(IDLE_NEIGHBOUR_GIB * GIB), rule_phase=two.held_to_cap)}
+
     def verdicts(self) -> dict:
         v = super().verdicts()
         v.pop("host_memory_1920_le_64gib", None)
         v.pop("tp_ranks_bitwise_equal_all_renders", None)  # one rank
         items = self.results["items"]
-        samples = list(self.sampler.samples)
-        if samples:
-            v["idle_neighbours_le_0.1gib"] = memtrace.check_idle_neighbours(
-                samples, int(IDLE_NEIGHBOUR_GIB * GIB), rule_phase=two.held_to_cap)
+        v.update(self.idle_neighbours())
         b = items.get("render:b")
         if b and b.get("memory", {}).get("host_rss_peak_gib") is not None:
             rss = b["memory"]["host_rss_peak_gib"]

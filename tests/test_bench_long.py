@@ -26,3 +26,5 @@ def test_dit_part_dry_run(tmp_path):
     assert all(row["dit_s_per_generated_s"] > 0 for row in shapes.values())
     assert set(res["verdicts"]["dit_engine"]) == {"windows15_over_single15",
                                                   "dit_s_per_generated_s_60s_le_1.0x_single15"}
+    # no stack runs in this part: the cap is judged on the engine's own samples (none on the CPU: no verdict passes)
+    assert "trace_ok" not in res["verdicts"] and set(res["verdicts"]["trace_under_cap"]) == {"max_gib", "cap_gib", "ok"}
