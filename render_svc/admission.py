@@ -124,6 +124,7 @@ def check_references(req: render_pb2.RenderRequest, prompt: str, frames: int) ->
     labels = (prompt, [r.kind for r in req.references], sound, [r.name for r in req.references])
     if not req.workflow_json:
         check_labels(*labels)
+        return
     for problem in label_problems(*labels):
         log.info("Submit: a graph's prompt: %s (taken as the graph gives it)", problem)
 
