@@ -45,8 +45,8 @@ from h3.v1 import render_pb2
 from minimax_h3.contract import (DEFAULT_CRF, DEFAULT_FRAMES, DEFAULT_SIZE, DEFAULT_STEPS, FPS, IMAGE_CRF,
                                  IMAGE_FRAMES, MAX_AREA, MAX_ASPECT, MAX_ASPECT_CHANGE, MAX_CRF, MAX_FRAMES,
                                  MAX_OUTPUT_SIDE, MAX_SIDE, MAX_STEPS, MAX_WINDOW_FRAMES, MIN_FRAMES, MIN_SIDE,
-                                 MIN_STEPS, PNG, QUALITIES, SAMPLERS, SCHEDULERS, SINGLE, SIZE_MULTIPLE, WINDOW_FUSES,
-                                 WINDOW_MODES, RenderSpec, check_output, plan_windows, snap_frames, spec_from_proto,
+                                 MIN_STEPS, PNG, QUALITIES, REF_IMAGE_SIZES, SAMPLERS, SCHEDULERS, SINGLE,
+                                 SIZE_MULTIPLE, WINDOW_FUSES, WINDOW_MODES, RenderSpec, check_output, plan_windows, snap_frames, spec_from_proto,
                                  validate)
 from minimax_h3.files import EMBEDDED_NOTE
 from minimax_h3.services import SERVICE_NAMES, STAGES, Endpoints, StageClients
@@ -73,6 +73,7 @@ def _spec(args, prompt: str, more: tuple[tuple[str, ...], tuple[float, ...]] = (
     return RenderSpec(prompt=prompt, width=args.width, height=args.height, frames=_frames(args), steps=args.steps,
                       seed=args.seed, sampler=args.sampler, scheduler=args.scheduler,
                       video_shift=args.video_shift, audio_shift=args.audio_shift, quality=args.quality,
+                      ref_image_size=args.ref_image_size,
                       window_frames=args.window_frames, window_overlap=args.window_overlap,
                       window_mode=args.window_mode, window_fuse=args.window_fuse, more_prompts=more[0],
                       prompt_starts=more[1])
@@ -126,7 +127,7 @@ def _render_requests(args, prompts: list[str], keyframes: dict[str, bytes], more
 # among them: _frames() reads --frames or --seconds.
 RENDER_DEFAULTS = {"width": DEFAULT_SIZE[0], "height": DEFAULT_SIZE[1], "steps": DEFAULT_STEPS, "seed": 0,
                    "sampler": SAMPLERS[0], "scheduler": SCHEDULERS[0], "video_shift": 0.0, "audio_shift": 0.0,
-                   "quality": QUALITIES[0], "crf": DEFAULT_CRF}
+                   "quality": QUALITIES[0], "ref_image_size": "", "crf": DEFAULT_CRF}
 
 
 def render_inputs(args):
@@ -696,6 +697,10 @@ def _add_render_parser(sub) -> None:
                        help="exact: every DiT step computed; fast: step caching, steps whose first block changed "
                             "little reuse the last full step's other blocks (faster, not the same video) "
                             "(default: exact)")
+    shape.add_argument("--ref-image-size", choices=[m for m in REF_IMAGE_SIZES if m],
+                       help="--ref images: max scales them down only, to a 2048 px short edge; match down only, to "
+                            "the render's pixel area (fewer vision tokens and latent rows, faster) (default: the "
+                            "model's own, a 2048 px short edge up or down; docs/references.md)")
     shape.add_argument("--video-shift", type=float, help="0 or 0.1..100; 0 = the model's default, 12 (default: 0)")
     shape.add_argument("--audio-shift", type=float, help="0 or 0.1..100; 0 = the model's default, 3 (default: 0)")
     long = r.add_argument_group("long video (default: the product's pick, docs/long_video.md)")

@@ -18,7 +18,7 @@ from minimax_h3.contract import (ENCODED_KEYFRAME, ENCODED_REFERENCE_AUDIO, ENCO
                                  validate)
 from minimax_h3.files import safe_name
 from minimax_h3.images import Keyframe, admit_keyframe, check_canvas
-from minimax_h3.media import admit_reference, load_reference, reference_decode_bytes
+from minimax_h3.media import ImageFit, admit_reference, load_reference, reference_decode_bytes
 from minimax_h3.mux import X264_PRESETS
 from stagekit.config import parse_config
 from stagekit.errors import FailedPrecondition, InvalidArgument
@@ -185,9 +185,10 @@ class DecoderServicer(LifecycleMixin, UploadMixin, decoder_pb2_grpc.DecoderServi
         ref = request.reference
         data = abort_on_error(context, reference_bytes, ref, self.uploads)  # inline, or uploaded before
         abort_on_error(context, admit_reference, ref.kind, data, request.frames)
+        fit = abort_on_error(context, ImageFit.of, request.ref_image_size, request.width, request.height)
         job = Job(spec=EncodeReferenceJob(ref.kind, request.frames), inputs={},
                   prepare=lambda: {"media": load_reference(data, ref.kind, request.frames,
-                                                           self.engine.reference_sizes, ref.name)},
+                                                           self.engine.reference_sizes, ref.name, fit)},
                   input_bytes=reference_decode_bytes(ref.kind, request.frames))
         job.job_id = request.job_id or job.job_id
         yield from self._encode_job(job, context, decoder_pb2.EncodeReferenceEvent,

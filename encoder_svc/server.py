@@ -13,7 +13,7 @@ from encoder_svc.engine import EncodeJob, EncoderEngine, EncoderEngineConfig
 from h3.v1 import common_pb2, encoder_pb2, encoder_pb2_grpc
 from minimax_h3.contract import MAX_PROMPT_BYTES, TEXT_STATES, TEXT_TAGS
 from minimax_h3.images import admit_keyframe
-from minimax_h3.media import ReferenceMedia, admit_reference, load_reference, reference_decode_bytes
+from minimax_h3.media import ImageFit, ReferenceMedia, admit_reference, load_reference, reference_decode_bytes
 from minimax_h3.text.conditioner import MODES
 from minimax_h3.text.tokenizer import MAX_PROMPT_TOKENS
 from stagekit.config import parse_config
@@ -120,9 +120,11 @@ class EncoderServicer(LifecycleMixin, UploadMixin, encoder_pb2_grpc.TextEncoderS
             job.prepare = lambda: {"keyframes": [k.load() for k in keyframes]}
             job.input_bytes = sum(k.decode_bytes for k in keyframes)
         if references:  # on the model's rates and sizes (minimax_h3/media.py), decoded on the worker thread
+            fit = abort_on_error(context, ImageFit.of, request.ref_image_size, request.width, request.height)
             job.prepare = lambda: {"references": [
                 ReferenceMedia("audio") if r.kind == "audio" else  # a label only: its sound never reaches Qwen
-                load_reference(r.data, r.kind, request.frames, self.engine.reference_sizes) for r in references]}
+                load_reference(r.data, r.kind, request.frames, self.engine.reference_sizes, fit=fit)
+                for r in references]}
             job.input_bytes = sum(reference_decode_bytes(r.kind, request.frames) for r in references
                                   if r.kind != "audio")
 

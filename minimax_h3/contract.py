@@ -65,6 +65,9 @@ SCHEDULERS = ("simple", "diffusers")
 # "exact": every DiT block at every step (the same bits as ever); "fast": step caching (First Block Cache,
 # minimax_h3/dit/step_cache.py) skips most blocks on steps whose first block changed little since the last full one.
 QUALITIES = ("exact", "fast")
+# How image references are sized (minimax_h3.media.ImageFit): the model's own 2048 px short edge (""), or ComfyUI's
+# MiniMaxH3ReferenceToVideo `ref_image_size`, scaled down only: to that short edge ("max"), to the render's area ("match").
+REF_IMAGE_SIZES = ("", "max", "match")
 # ComfyUI's BlockSparseAttention node (docs/workflows.md): the methods this product runs, and its widgets' bounds.
 SPARSE_METHODS = ("vsa",)
 MIN_KEEP_PERCENT, MAX_KEEP_PERCENT = 0.5, 95.0
@@ -184,6 +187,7 @@ class RenderSpec:
     more_prompts: tuple[str, ...] = ()     # the prompts after `prompt`, in time order
     prompt_starts: tuple[float, ...] = ()  # each more prompt's start second on the clip's clock; () = spread evenly
     prefix_frames: int = 0         # an extension: frames [0, prefix_frames) are a finished clip it continues
+    ref_image_size: str = ""       # REF_IMAGE_SIZES
 
     @property
     def span_start(self) -> int:
@@ -276,6 +280,10 @@ def validate(spec: RenderSpec, need_prompt: bool = False) -> RenderSpec:
     if spec.quality not in QUALITIES:
         raise InvalidArgument(f"unknown quality {spec.quality!r}; choose exact (every step computed, the default) or "
                               "fast (steps that change little reuse the last full step's work)")
+    if spec.ref_image_size not in REF_IMAGE_SIZES:
+        raise InvalidArgument(f"unknown ref_image_size {spec.ref_image_size!r}; choose max (image references scaled "
+                              "down only, to a 2048 px short edge) or match (down only, to the render's area), or "
+                              "leave it unset (the model's 2048 px short edge)")
     for name, v in (("video_shift", spec.video_shift), ("audio_shift", spec.audio_shift)):
         if not (v == 0 or 0.1 <= v <= 100):
             raise InvalidArgument(f"{name}={v} is not valid: use 0 (model default) or 0.1..100")
@@ -356,6 +364,7 @@ def spec_from_proto(p) -> RenderSpec:
         more_prompts=tuple(p.more_prompts),
         prompt_starts=tuple(p.prompt_starts),
         prefix_frames=p.prefix_frames,
+        ref_image_size=p.ref_image_size,
         sparse=_sparse_from_proto(p.sparse_attention) if p.HasField("sparse_attention") else None,
     )
 
@@ -374,6 +383,7 @@ def spec_to_proto(spec: RenderSpec, msg) -> None:
     msg.quality = spec.quality
     msg.window_frames, msg.window_overlap = spec.window_frames, spec.window_overlap
     msg.window_mode, msg.window_fuse, msg.prefix_frames = spec.window_mode, spec.window_fuse, spec.prefix_frames
+    msg.ref_image_size = spec.ref_image_size
     msg.more_prompts[:] = spec.more_prompts
     msg.prompt_starts[:] = spec.prompt_starts
     msg.ClearField("sparse_attention")

@@ -9,6 +9,7 @@ by PyAV.
 from __future__ import annotations
 
 import io
+import math
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -18,7 +19,8 @@ from typing import Callable
 
 import numpy as np
 
-from minimax_h3.contract import AUDIO_SAMPLE_RATE, FPS, FRAME_CLIP, FRAME_OFFSET, MIN_FRAMES, SIZE_MULTIPLE
+from minimax_h3.contract import (AUDIO_SAMPLE_RATE, FPS, FRAME_CLIP, FRAME_OFFSET, MIN_FRAMES, REF_IMAGE_SIZES,
+                                 SIZE_MULTIPLE)
 from minimax_h3.reference_files import (MAX_SOURCE_FPS, MAX_SOURCE_PIXELS, admit_reference, check_pixels,
                                         decodable_stream, decoder_errors, decoder_words, nonfinite_audio,
                                         refusal)
@@ -53,6 +55,34 @@ class ReferenceSizes:
 
 
 EMBEDDED_REFERENCE_SIZES = ReferenceSizes(image_short_edge=256, video_short_edge=256)
+
+
+@dataclass(frozen=True)
+class ImageFit:
+    """How an image reference is sized (RenderParams.ref_image_size, minimax_h3.contract.REF_IMAGE_SIZES): "" = the
+    model's own pipeline, the short edge scaled to the stage's size (2048 px) up or down; ComfyUI's
+    MiniMaxH3ReferenceToVideo `ref_image_size`: "max", scaled down only to that short edge, or "match", scaled down
+    only to `pixels` (the render's width x height), the aspect kept either way."""
+
+    mode: str = ""
+    pixels: int = 0
+
+    @classmethod
+    def of(cls, mode: str, width: int, height: int) -> "ImageFit":
+        """The fit a request asks for (`width` x `height`: the render's size). InvalidArgument for an unknown mode."""
+        if mode not in REF_IMAGE_SIZES:
+            raise InvalidArgument(f"ref_image_size {mode!r}: choose max or match (or leave it unset: the model's "
+                                  "2048 px short edge)")
+        if mode == "match" and not (width > 0 and height > 0):
+            raise InvalidArgument("ref_image_size 'match' fits images to the render's size: send its width and height")
+        return cls(mode, width * height if mode == "match" else 0)
+
+    def scale(self, width: int, height: int, short_edge: int) -> float:
+        """The factor an image of `width` x `height` is scaled by."""
+        if self.mode == "match":
+            return min(1.0, math.sqrt(self.pixels / (width * height)))
+        to_edge = short_edge / min(width, height)
+        return min(1.0, to_edge) if self.mode == "max" else to_edge
 
 
 def resample_frames(frames: np.ndarray, fps: float, target_fps: int = FPS) -> np.ndarray:
@@ -154,12 +184,13 @@ def _lanczos(frames: np.ndarray, height: int, width: int) -> np.ndarray:
     return np.stack([np.asarray(Image.fromarray(f).resize((width, height), Image.Resampling.LANCZOS)) for f in frames])
 
 
-def normalize_image(pixels: np.ndarray, short_edge: int = IMAGE_SHORT_EDGE) -> np.ndarray:
-    """uint8 [H, W, 3] -> [1, H', W', 3] at a `short_edge` px short edge (sides multiples of 32, LANCZOS)."""
+def normalize_image(pixels: np.ndarray, short_edge: int = IMAGE_SHORT_EDGE, fit: ImageFit = ImageFit()) -> np.ndarray:
+    """uint8 [H, W, 3] -> [1, H', W', 3] scaled as `fit` says (default: to a `short_edge` px short edge), each side
+    rounded to a multiple of 32 (at least 32), LANCZOS."""
     h, w = pixels.shape[:2]
     if max(w, h) > MAX_ASPECT * min(w, h):
         raise InvalidArgument(f"an image reference must be within 1:4 and 4:1, got {w}x{h}")
-    scale = short_edge / min(w, h)
+    scale = fit.scale(w, h, short_edge)
     th = max(SIZE_MULTIPLE, round(h * scale / SIZE_MULTIPLE) * SIZE_MULTIPLE)
     tw = max(SIZE_MULTIPLE, round(w * scale / SIZE_MULTIPLE) * SIZE_MULTIPLE)
     return _lanczos(pixels[None], th, tw)
@@ -227,9 +258,9 @@ def reference_decode_bytes(kind: str, frames: int) -> int:
 
 
 def load_reference(data: bytes, kind: str, frames: int, sizes: ReferenceSizes = ReferenceSizes(),
-                   name: str = "") -> ReferenceMedia:
+                   name: str = "", fit: ImageFit = ImageFit()) -> ReferenceMedia:
     """A reference file's bytes -> ReferenceMedia on the model's rates for a render of `frames` frames at 24 fps
-    (video and audio are cut to its duration). Raises InvalidArgument naming the reference (`name`, its file name)
+    (video and audio are cut to its duration; an image sized as `fit` says). Raises InvalidArgument naming the reference (`name`, its file name)
     and what is wrong with the file: each check raises it (the checks `reference_files.check_reference_file` makes
     before a job holds it, again here), and so does a file the decoders refuse (FFmpeg's and Pillow's errors);
     anything else is a fault of this code, never the caller's."""
@@ -246,7 +277,7 @@ def load_reference(data: bytes, kind: str, frames: int, sizes: ReferenceSizes = 
             with Image.open(io.BytesIO(data)) as im:
                 check_pixels(im.width, im.height, "", refused)
                 pixels = np.asarray(im.convert("RGB"))
-            return ReferenceMedia("image", frames=normalize_image(pixels, sizes.image_short_edge))
+            return ReferenceMedia("image", frames=normalize_image(pixels, sizes.image_short_edge, fit))
         with av.open(io.BytesIO(data)) as container:
             if kind == "audio":
                 wave, rate = _decode_audio_stream(av, container, decodable_stream(container, "audio", refused), seconds,

@@ -210,7 +210,8 @@ def run_keyframes(c: StageClients, w: Work, progress, on_call, on_bytes) -> Stag
     for i, ref in enumerate(w.request.references):
         lat, r = encode_reference(c, ref, w.spec.frames, w.job_id, progress, on_call=on_call,
                                   source=w.reference_files[i] if i < len(w.reference_files) else None,
-                                  on_bytes=on_bytes)
+                                  on_bytes=on_bytes, ref_image_size=w.spec.ref_image_size, width=w.spec.width,
+                                  height=w.spec.height)
         w.tensors.update(reference_tensors(i, lat, ref.kind))
         results.append(r)
     for g, guide in enumerate(w.request.guides):  # an image fitted to the canvas, a sound on the model's rates
@@ -236,7 +237,8 @@ def run_encoder(c: StageClients, w: Work, progress, on_call, on_bytes) -> StageR
     if w.request.references:
         states, tags, r = encode(c, w.spec.prompt, w.job_id, progress, with_tags=True, on_call=on_call,
                                  references=w.request.references, frames=w.spec.frames, sources=w.reference_files,
-                                 on_bytes=on_bytes)
+                                 on_bytes=on_bytes, width=w.spec.width, height=w.spec.height,
+                                 ref_image_size=w.spec.ref_image_size)
         w.tensors[TEXT_TAGS] = tags
     elif images:
         states, tags, r = encode(c, w.spec.prompt, w.job_id, progress, keyframes=images, width=w.spec.width,

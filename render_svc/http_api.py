@@ -145,8 +145,8 @@ def video_object(rec: JobRecord, queue_position: int = 0, keep_age_s: float = 0.
 
 # ---- the request ----------------------------------------------------------------------------------------------------
 CREATE_FIELDS = ("prompt", "model", "size", "seconds", "frames", "steps", "seed", "sampler", "scheduler", "quality",
-                 "video_shift", "audio_shift", "crf", "upscale", "label", "loras", "first_frame", "last_frame",
-                 "references", "guides", "workflow", "workflow_set")
+                 "ref_image_size", "video_shift", "audio_shift", "crf", "upscale", "label", "loras", "first_frame",
+                 "last_frame", "references", "guides", "workflow", "workflow_set")
 
 
 def ascii_int(text: str, max_digits: int = 19) -> int | None:
@@ -276,7 +276,7 @@ def render_request(body, idempotency_key: str) -> render_pb2.RenderRequest:
             raise InvalidArgument('workflow_set must be a list of "NODE.WIDGET=VALUE" strings')
         req.workflow_set.extend(sets)
     req.params.sampler, req.params.scheduler = _str(body, "sampler"), _str(body, "scheduler")
-    req.params.quality = _str(body, "quality")
+    req.params.quality, req.params.ref_image_size = _str(body, "quality"), _str(body, "ref_image_size")
     for name in ("video_shift", "audio_shift"):  # 0 / absent: the model's (12, 3); the render rules check the rest
         v = body.get(name)
         if v is not None:

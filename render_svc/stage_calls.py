@@ -107,16 +107,19 @@ def encode(clients: StageClients, prompt: str, job_id: str = "", on_progress: Pr
            timeout_s: float | None = None, keyframes: list[bytes] | None = None, width: int = 0, height: int = 0,
            with_tags: bool = False, on_call: CallFn = _noop,
            references: Sequence[common_pb2.Reference] = (), frames: int = 0, sources: Sequence[Path | None] = (),
-           on_bytes: BytesFn = _noop):
+           on_bytes: BytesFn = _noop, ref_image_size: str = ""):
     """Prompt (+ fl2va keyframe image bytes, in packed order, fitted to width x height; or ref2va references in
-    request order, for a render of `frames` frames, their files inline or in `sources`) -> text_states.
+    request order, for a width x height render of `frames` frames, their files inline or in `sources`, images sized
+    as `ref_image_size` says) -> text_states.
     `with_tags=True` returns (states, text_tags, result); the tags are all-text when the encoder sends none."""
     t0 = time.monotonic()
     timeout, metadata = timeout_s or DEADLINES["encoder"], clients.security.metadata()
     refs = sent_references(clients.encoder, references, sources, timeout, metadata)
+    visual = bool(keyframes or references)
     req = encoder_pb2.EncodeRequest(prompt=prompt, job_id=job_id, keyframes=list(keyframes or []),
-                                    width=width if keyframes else 0, height=height if keyframes else 0,
-                                    references=refs, frames=frames if references else 0)
+                                    width=width if visual else 0, height=height if visual else 0,
+                                    references=refs, frames=frames if references else 0,
+                                    ref_image_size=ref_image_size if references else "")
     stream = clients.encoder.Encode(req, timeout=timeout, metadata=metadata)
     on_call(stream)
     out, done = _drain(stream, on_progress, [TEXT_STATES], "encoder", lambda: result_rules("Encode"), on_bytes)
@@ -149,16 +152,17 @@ def encode_image(clients: StageClients, image: bytes, width: int, height: int, j
 def encode_reference(clients: StageClients, reference: common_pb2.Reference, frames: int, job_id: str = "",
                      on_progress: ProgressFn = _noop, timeout_s: float | None = None,
                      on_call: CallFn = _noop, source: Path | None = None,
-                     on_bytes: BytesFn = _noop) -> tuple[dict[str, torch.Tensor], StageResult]:
+                     on_bytes: BytesFn = _noop, ref_image_size: str = "", width: int = 0,
+                     height: int = 0) -> tuple[dict[str, torch.Tensor], StageResult]:
     """A ref2va reference (its file inline, or at `source`) -> its latents ({"video": [24, T, h, w]} and/or
-    {"audio": [2, 32, Ta]}, decoder stage) for a render of `frames` frames; the StageResult's extra holds what the
-    decoder made of the file."""
+    {"audio": [2, 32, Ta]}, decoder stage) for a width x height render of `frames` frames (an image sized as
+    `ref_image_size` says); the StageResult's extra holds what the decoder made of the file."""
     t0 = time.monotonic()
     timeout, metadata = timeout_s or DEADLINES["decoder"], clients.security.metadata()
     ref = sent_references(clients.decoder, [reference], [source], timeout, metadata)[0]
     stream = clients.decoder.EncodeReference(
-        decoder_pb2.EncodeReferenceRequest(reference=ref, frames=frames, job_id=job_id), timeout=timeout,
-        metadata=metadata)
+        decoder_pb2.EncodeReferenceRequest(reference=ref, frames=frames, job_id=job_id, ref_image_size=ref_image_size,
+                                           width=width, height=height), timeout=timeout, metadata=metadata)
     on_call(stream)
     out, done = _drain(stream, on_progress, [], "decoder EncodeReference", lambda: result_rules("EncodeReference"),
                        on_bytes)

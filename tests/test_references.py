@@ -4,6 +4,9 @@ service (real processes, embedded tiny stack), admission and the web page's refe
 
 from __future__ import annotations
 
+import math
+
+import grpc
 import numpy as np
 import pytest
 import torch
@@ -165,6 +168,87 @@ def test_reference_encodes_match_diffusers(tmp_path):
                    output="audio_condition_latents")
     ours_rows = patchify_audio(avae.normalize(avae.encode(torch.from_numpy(clip.audio).unsqueeze(1))))
     assert rel(ours_rows, out[0]) < 1e-4
+
+
+def comfy_ref_size(w: int, h: int, mode: str, render_w: int, render_h: int, short_edge: int = 2048) -> tuple[int, int]:
+    """ComfyUI's MiniMaxH3ReferenceToVideo sizing of an image reference, as its `ref_image_size` tooltip states it:
+    "match" scales down only (aspect kept) to the generation's pixel area, "max" down only to a 2048 px short edge;
+    each side then rounded to a multiple of 32 (at least 32). Returns (width, height)."""
+    if mode == "match":
+        scale = min(1.0, math.sqrt(render_w * render_h / (w * h)))
+    else:
+        scale = min(1.0, short_edge / min(w, h))
+    return tuple(max(32, round(x * scale / 32) * 32) for x in (w, h))
+
+
+@pytest.mark.parametrize("w,h", [(3000, 2000), (1000, 1500), (640, 360), (200, 300), (4000, 1000)])
+def test_image_references_sized_as_the_request_says(w, h):
+    """ref_image_size: unset = the model's 2048 px short edge, up or down; "max" / "match" as ComfyUI's node sizes
+    them (computed here from its rule); an unknown mode or a "match" without the render's size is refused."""
+    from minimax_h3.media import ImageFit, normalize_image
+    from stagekit.errors import InvalidArgument
+
+    pixels = np.zeros((h, w, 3), np.uint8)
+    own = normalize_image(pixels, 2048, ImageFit.of("", 864, 480))
+    assert own.shape[1:3] == tuple(max(32, round(x * 2048 / min(w, h) / 32) * 32) for x in (h, w))
+    for mode, (rw, rh) in (("max", (864, 480)), ("match", (864, 480)), ("match", (1344, 768))):
+        got = normalize_image(pixels, 2048, ImageFit.of(mode, rw, rh))
+        tw, th = comfy_ref_size(w, h, mode, rw, rh)
+        assert got.shape == (1, th, tw, 3), (mode, rw, rh)
+    with pytest.raises(InvalidArgument, match="choose max or match"):
+        ImageFit.of("min", 864, 480)
+    with pytest.raises(InvalidArgument, match="send its width and height"):
+        ImageFit.of("match", 0, 0)
+
+
+def test_ref_image_size_in_the_video_api_the_cli_and_the_contract():
+    """The field in /v1/videos (and its schema), the CLI flag, and the spec's check of it."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from minimax_h3.contract import REF_IMAGE_SIZES, RenderSpec, validate
+    from render_svc.http_api import render_request as http_render_request
+    from stagekit.errors import InvalidArgument
+
+    root = Path(__file__).resolve().parents[1]
+    assert http_render_request({"prompt": "x", "ref_image_size": "match"}, "").params.ref_image_size == "match"
+    assert http_render_request({"prompt": "x"}, "").params.ref_image_size == ""
+    schema = json.loads((root / "render_svc" / "openapi.json").read_text())["components"]["schemas"]
+    assert ("", *schema["CreateVideoRequest"]["properties"]["ref_image_size"]["enum"]) == REF_IMAGE_SIZES
+    with pytest.raises(InvalidArgument, match="unknown ref_image_size 'min'"):
+        validate(RenderSpec(prompt="x", ref_image_size="min"))
+    out = subprocess.run([sys.executable, "-m", "client", "render", "--prompt", "x", "--ref-image-size", "min"],
+                         cwd=root, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "--ref-image-size" in out.stderr and "match" in out.stderr
+
+
+def test_match_sized_references_through_the_stages(clients, tmp_path):
+    """"match" reaches both stages that see an image reference: the decoder's VAE encodes it at the render's area
+    and the encoder shows the vision tower the same picture (fewer vision tokens); the render completes."""
+    from client.render_client import render_request
+    from h3.v1 import common_pb2
+    from minimax_h3.contract import RenderSpec
+    from render_svc.engine import render
+    from render_svc.stage_calls import encode
+
+    refs = [common_pb2.Reference(kind="image", data=media_png(600, 400), name="subject.png")]
+    tw, th = comfy_ref_size(600, 400, "match", 256, 256)
+    assert (tw, th) == (320, 224)
+    spec = RenderSpec(prompt="<Picture 1> waves", width=256, height=256, frames=FRAMES, steps=1, seed=3,
+                      ref_image_size="match")
+    _, own, _ = encode(clients, spec.prompt, with_tags=True, references=refs, frames=FRAMES)
+    _, matched, _ = encode(clients, spec.prompt, with_tags=True, references=refs, frames=FRAMES, width=256,
+                           height=256, ref_image_size="match")
+    assert (own == 0).sum().item() == (384 // 32) * (256 // 32) + 2  # the embedded family's 256 px short edge
+    assert (matched == 0).sum().item() == (tw // 32) * (th // 32) + 2
+    res = render(clients, render_request(spec, references=refs), tmp_path / "match.mp4")
+    call = res.stages[0].extra  # the decoder's one EncodeReference
+    assert call["op"] == "encode_reference" and (call["width"], call["height"]) == (tw, th)
+    with pytest.raises(grpc.RpcError) as e:
+        encode(clients, spec.prompt, references=refs, frames=FRAMES, width=256, height=256, ref_image_size="big")
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "choose max or match" in e.value.details()
 
 
 def test_ref2va_render_through_the_stages(clients, tmp_path):
@@ -383,8 +467,6 @@ def test_upload_caps_refusals_and_interruptions(upsvc, clients):
     uploaded is FAILED_PRECONDITION; none of them, nor an upload cut off mid-file, leaves a file or a job behind."""
     import threading
     import time
-
-    import grpc
 
     from h3.v1 import common_pb2, decoder_pb2, render_pb2
     from minimax_h3.contract import RenderSpec, spec_to_proto

@@ -69,7 +69,6 @@ def type_refusal(type_name: str) -> str | None:
     return REFUSED.get(type_name) if NODES[type_name].handler.__name__ == "_refused_node" else None
 
 
-MATCH = "ref_image_size 'match'"
 # The FastH3 templates' BlockSparseAttention: VSA as FastH3 is distilled for it (the OmniRef graph starts at 0 %).
 VSA = dict(method="vsa", keep_percent=10.0, start_percent=0.2, end_percent=1.0, dense_blocks=(), min_tokens=12288)
 
@@ -96,19 +95,17 @@ EXPECTED = {
         fixes={"prompt is empty": ""}),  # the render's --prompt
     "video_minimax_h3_r2v": dict(
         values=dict(conditioning="reference_to_video", seed=261662374822964, width=864, height=480, frames=124,
-                    steps=20, sampler="res_multistep",
+                    steps=20, sampler="res_multistep", ref_image_size="match",
                     references=[["image", "red_superboy_on_city_roof.png"], ["image", "mecha_dragon_lightning.png"]]),
         files=dict(dit=REF2VA, text_encoder=NVFP4, video_vae=INT8_VAE, audio_vae=AUDIO_VAE),
-        refused=[("136", "MiniMaxH3ReferenceToVideo", MATCH), ("119", "VAELoader", file_refusal(INT8_VAE))],
-        fixes={MATCH: "136.ref_image_size=max"}),
+        refused=[("119", "VAELoader", file_refusal(INT8_VAE))]),
     "video_minimax_h3_multiframe_reference": dict(  # three MiniMaxH3AddGuide: frame_idx = round(seconds * 24)
         values=dict(conditioning="reference_to_video", seed=148096032077131, width=864, height=480, frames=124,
-                    steps=20, references=[["image", "h3_frame_ref_1.png"]],
+                    steps=20, references=[["image", "h3_frame_ref_1.png"]], ref_image_size="match",
                     guides=[[36, "h3_frame_ref_2.png", None], [72, "h3_frame_ref_3.png", None],
                             [120, "h3_frame_ref_4.png", None]]),
         files=dict(dit=REF2VA, video_vae=INT8_VAE),
-        refused=[("136", "MiniMaxH3ReferenceToVideo", MATCH), ("119", "VAELoader", file_refusal(INT8_VAE))],
-        fixes={MATCH: "136.ref_image_size=max"},
+        refused=[("119", "VAELoader", file_refusal(INT8_VAE))],
         # the guides' seconds for a 22-frame render: frames 6, 12 and -6 (counted from the end: 16)
         render_sets=["154.value=0.25", "160.value=0.5", "168.value=-0.25"],
         render_guides=[6, 12, -6], prompt="<Picture 1> on a rooftop, thunder"),
@@ -125,11 +122,10 @@ EXPECTED = {
     "video_fasth3_ominiref_r2v": dict(  # 1 MP at 16:9, multiple 32 -> 1376 x 768
         values=dict(conditioning="reference_to_video", seed=771204598, width=1376, height=768, frames=124, steps=8,
                     sampler="euler", video_shift=12, audio_shift=3, references=[["image", "yellow_plane_ref.png"]],
-                    sparse_attention=dict(VSA, start_percent=0.0)),
+                    sparse_attention=dict(VSA, start_percent=0.0), ref_image_size="match"),
         files=dict(dit=OMNIREF, video_vae=INT8_VAE),
-        refused=[("127", "UNETLoader", file_refusal(OMNIREF)), ("136", "MiniMaxH3ReferenceToVideo", MATCH),
-                 ("119", "VAELoader", file_refusal(INT8_VAE))],
-        fixes={MATCH: "136.ref_image_size=max"}, prompt="<Picture 1> banks low over the sea, engine roar"),
+        refused=[("127", "UNETLoader", file_refusal(OMNIREF)), ("119", "VAELoader", file_refusal(INT8_VAE))],
+        prompt="<Picture 1> banks low over the sea, engine roar"),
     "image_minimax_h3_t2i": dict(  # 0.9 MP at 16:9 with multiple 8 -> 1296 x 728: not whole 32-px DiT rows
         values=dict(output="png", conditioning="text", seed=697447143149280, width=1296, height=728, frames=1,
                     steps=30, sampler="res_multistep", scheduler="simple", loras=[]),
@@ -270,14 +266,13 @@ def test_set_bypass_and_mute():
     assert any(p.node == "141" and "on_true is not connected" in p.why for p in found.refusals), found.refusals
 
 
-MULTIFRAME_FIXED = ["136.ref_image_size=max"]
 
 
 def test_add_guide_nodes_become_the_requests_guides(inputs):
     """MiniMaxH3AddGuide (ComfyUI's node: image and / or audio at frame_idx, negative from the end, no strength):
     each one a request guide in chain order, its frame as computed, its file from the input folder."""
     req = render_pb2.RenderRequest(workflow_json=template("video_minimax_h3_multiframe_reference").read_text(),
-                                   workflow_set=[*MULTIFRAME_FIXED, "168.value=-0.5"])
+                                   workflow_set=["168.value=-0.5"])
     req.params.prompt = "<Picture 1> on a rooftop, thunder"
     render = apply_workflow(req, folder_reader(inputs))
     assert [g.node for g in render.guides] == ["147", "162", "169"]
@@ -286,7 +281,7 @@ def test_add_guide_nodes_become_the_requests_guides(inputs):
     assert [g.image.data for g in req.guides] == [(inputs / f"h3_frame_ref_{i}.png").read_bytes() for i in (2, 3, 4)]
     assert req.params.frames == 124 and [r.name for r in req.references] == ["h3_frame_ref_1.png"]
     # past the video's end: refused naming the node and where its frame came from, as ComfyUI's node refuses it
-    req = render_pb2.RenderRequest(workflow_json=req.workflow_json, workflow_set=MULTIFRAME_FIXED)
+    req = render_pb2.RenderRequest(workflow_json=req.workflow_json)
     req.params.prompt, req.params.frames = "<Picture 1> on a rooftop, thunder", 56
     with pytest.raises(WorkflowRefused) as e:
         apply_workflow(req, folder_reader(inputs))
@@ -296,7 +291,7 @@ def test_add_guide_nodes_become_the_requests_guides(inputs):
 
 
 def _multiframe_api() -> dict:
-    return edited_graph(template("video_minimax_h3_multiframe_reference").read_text(), MULTIFRAME_FIXED).api()
+    return edited_graph(template("video_minimax_h3_multiframe_reference").read_text(), []).api()
 
 
 @pytest.mark.parametrize("edit,needle", [
@@ -526,6 +521,7 @@ def test_templates_render_through_the_cli_and_comfyui_routes(svc, inputs, tmp_pa
         assert (p.width, p.height, p.frames, p.steps) == (256, 256, 1 if out.suffix == ".png" else 22, 1), name
         assert p.seed == values["seed"] and p.sampler == values.get("sampler", p.sampler), name
         assert p.video_shift == (values.get("video_shift") or 0) and p.prompt == prompt_of(name)
+        assert p.ref_image_size == values.get("ref_image_size", ""), name  # the graph's sizing reaches the stages
         sparse = values.get("sparse_attention")
         assert p.HasField("sparse_attention") == bool(sparse), name
         if sparse:  # the graph's BlockSparseAttention reaches the DiT (its 12288 min_tokens: dense at this size)
@@ -676,7 +672,7 @@ def test_the_cli_stays_thin_with_a_graph(inputs):
     """A graph read by the CLI (here --explain of the reference template) imports neither torch nor numpy."""
     code = ("import sys\nfrom client.__main__ import main\n"
             f"rc = main(['render', '--workflow', {str(template('video_minimax_h3_r2v'))!r}, '--input-dir', "
-            f"{str(inputs)!r}, '--set', '136.ref_image_size=max', '--set', '119.vae_name={FP16_VAE}', '--prompt', "
+            f"{str(inputs)!r}, '--set', '119.vae_name={FP16_VAE}', '--prompt', "
             f"{PROMPTS['reference_to_video']!r}, '--explain'])\n"
             "print('RESULT', rc, 'torch' in sys.modules, 'numpy' in sys.modules)")
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
@@ -692,7 +688,7 @@ def test_a_graphs_prompt_is_taken_as_written_its_label_problems_are_notes(svc, i
     as is, so the graph runs (its CLI notes say so) while such a prompt on a plain request is refused."""
     from minimax_h3.labels import GRAPH_LABELS_NOTE
 
-    sets = ["136.ref_image_size=max", f"119.vae_name={FP16_VAE}"]
+    sets = [f"119.vae_name={FP16_VAE}"]
     args = ["render", "--workflow", str(template("video_minimax_h3_r2v")), "--input-dir", str(inputs),
             *(x for s in sets for x in ("--set", s))]
     assert cli([*args, "--explain"]) == 0, capsys.readouterr().err

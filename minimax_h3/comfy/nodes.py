@@ -127,6 +127,7 @@ class Cond:
     vae: Vae | None = None
     audio_vae: Vae | None = None
     guides: tuple[GuideUse, ...] = ()
+    ref_image_size: Val | None = None  # MiniMaxH3ReferenceToVideo's: "match" | "max"
 
 
 @dataclass(frozen=True)
@@ -251,6 +252,7 @@ class WorkflowRender:
     video_shift: Val | None = None
     audio_shift: Val | None = None
     sparse: SparseAttention | None = None  # BlockSparseAttention's VSA
+    ref_image_size: Val | None = None      # MiniMaxH3ReferenceToVideo's image reference sizing
     loras: list[tuple[Val, Val]] = field(default_factory=list)
     first_frame: MediaRef | None = None
     last_frame: MediaRef | None = None
@@ -266,7 +268,8 @@ class WorkflowRender:
                           frames=self.frames.value, steps=self.steps.value, seed=self.seed.value,
                           sampler=self.sampler.value, scheduler=self.scheduler.value,
                           video_shift=shift(self.video_shift), audio_shift=shift(self.audio_shift),
-                          sparse=self.sparse)
+                          sparse=self.sparse,
+                          ref_image_size=self.ref_image_size.value if self.ref_image_size is not None else "")
 
     def media(self) -> list[tuple[str, MediaRef]]:
         """(slot, file) of every file the render reads: first_frame, last_frame, reference i, guide i image / audio."""
@@ -286,6 +289,7 @@ class WorkflowRender:
             "sampler": self.sampler.value, "scheduler": self.scheduler.value,
             "video_shift": val(self.video_shift), "audio_shift": val(self.audio_shift),
             "sparse_attention": None if self.sparse is None else dataclasses.asdict(self.sparse),
+            "ref_image_size": val(self.ref_image_size),
             "loras": [[n.value, s.value] for n, s in self.loras],
             "first_frame": self.first_frame and self.first_frame.name.value,
             "last_frame": self.last_frame and self.last_frame.name.value,
@@ -840,7 +844,8 @@ def _group(n: Node, group: str) -> list[str]:
 
 @node("MiniMaxH3ReferenceToVideo", ("prompt", "width", "height", "length", "ref_image_size"))
 def _reference_to_video(ev, n):
-    """References in the node's order: images, then videos (each with its sound), then sounds."""
+    """References in the node's order: images, then videos (each with its sound), then sounds; `ref_image_size` sizes
+    the images as ComfyUI does ("match" or "max": minimax_h3.media.ImageFit)."""
     refs: list[MediaRef] = []
     for k in _group(n, "ref_images"):
         refs.append(_image_input(ev, n, k))
@@ -862,12 +867,11 @@ def _reference_to_video(ev, n):
             raise ev.stop(n, f"its {k} input is not a LoadAudio sound")
         refs.append(sound)
     size = ev.get(n, "ref_image_size", str, default="match")
-    if any(r.kind == "image" for r in refs) and size.value != "max":
-        ev.refuse(n, f"ref_image_size {size.value!r}: this product encodes image references at a 2048 px short edge "
-                     f"(the model's own size, ComfyUI's 'max'), not scaled to the render's size{size.hint()}")
+    if size.value not in ("match", "max"):
+        ev.refuse(n, f"ref_image_size {size.value!r}: the node takes match or max{size.hint()}")
     cond = Cond(n.id, "reference_to_video", _prompt(ev, n, "prompt"), ev.get(n, "clip", Clip),
                 references=tuple(refs), vae=_vae_of(ev, n, "vae", "video"),
-                audio_vae=_vae_of(ev, n, "audio_vae", "audio", optional=True))
+                audio_vae=_vae_of(ev, n, "audio_vae", "audio", optional=True), ref_image_size=size)
     latent = Latent(n.id, ev.get(n, "width", int), ev.get(n, "height", int), ev.get(n, "length", int))
     return cond, latent
 
@@ -1047,7 +1051,7 @@ def _render(ev: Interpreter, n: Node, output: str, frames: Frames, sound: Sound 
         frames=lat.length, steps=steps, sampler=s.sampler, scheduler=sig.scheduler,
         video_shift=g.model.shift[0] if g.model.shift else None,
         audio_shift=g.model.shift[1] if g.model.shift else None, sparse=g.model.sparse,
-        loras=[(f.name, strength) for f, strength in g.model.loras],
+        ref_image_size=cond.ref_image_size, loras=[(f.name, strength) for f, strength in g.model.loras],
         first_frame=cond.first_frame, last_frame=cond.last_frame, references=list(cond.references),
         guides=list(cond.guides),
         files=[g.model.unet, cond.clip.file, frames.vae.file] + ([sound.vae.file] if sound else [])

@@ -27,7 +27,8 @@ _OVERRIDES = (("prompt", lambda p: bool(p.prompt)), ("width", lambda p: p.HasFie
               ("height", lambda p: p.HasField("height")), ("frames", lambda p: p.HasField("frames")),
               ("steps", lambda p: p.HasField("steps")), ("seed", lambda p: p.HasField("seed")),
               ("sampler", lambda p: bool(p.sampler)), ("scheduler", lambda p: bool(p.scheduler)),
-              ("video_shift", lambda p: p.video_shift != 0), ("audio_shift", lambda p: p.audio_shift != 0))
+              ("video_shift", lambda p: p.video_shift != 0), ("audio_shift", lambda p: p.audio_shift != 0),
+              ("ref_image_size", lambda p: bool(p.ref_image_size)))
 PLACEHOLDER_SIZE = (1024, 1024)  # a loaded image's size before its file is bound (only which node feeds which slot
 # is read from that first pass)
 

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x12h3/v1/common.proto\x12\x05h3.v1\"\xe4\x03\n\x0cRenderParams\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x12\n\x05width\x18\x02 \x01(\x05H\x00\x88\x01\x01\x12\x13\n\x06height\x18\x03 \x01(\x05H\x01\x88\x01\x01\x12\x13\n\x06\x66rames\x18\x04 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05steps\x18\x05 \x01(\x05H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x04\x88\x01\x01\x12\x0f\n\x07sampler\x18\x07 \x01(\t\x12\x11\n\tscheduler\x18\x08 \x01(\t\x12\x13\n\x0bvideo_shift\x18\t \x01(\x02\x12\x13\n\x0b\x61udio_shift\x18\n \x01(\x02\x12\x0f\n\x07quality\x18\x0b \x01(\t\x12\x15\n\rwindow_frames\x18( \x01(\x05\x12\x16\n\x0ewindow_overlap\x18) \x01(\x05\x12\x13\n\x0bwindow_mode\x18* \x01(\t\x12\x13\n\x0bwindow_fuse\x18+ \x01(\t\x12\x14\n\x0cmore_prompts\x18, \x03(\t\x12\x15\n\rprompt_starts\x18- \x03(\x01\x12\x15\n\rprefix_frames\x18. \x01(\x05\x12\x30\n\x10sparse_attention\x18\x0c \x01(\x0b\x32\x16.h3.v1.SparseAttentionB\x08\n\x06_widthB\t\n\x07_heightB\t\n\x07_framesB\x08\n\x06_stepsB\x07\n\x05_seed\"\x8d\x01\n\x0fSparseAttention\x12\x0e\n\x06method\x18\x01 \x01(\t\x12\x14\n\x0ckeep_percent\x18\x02 \x01(\x01\x12\x15\n\rstart_percent\x18\x03 \x01(\x01\x12\x13\n\x0b\x65nd_percent\x18\x04 \x01(\x01\x12\x14\n\x0c\x64\x65nse_blocks\x18\x05 \x03(\r\x12\x12\n\nmin_tokens\x18\x06 \x01(\r\"\x89\x01\n\x08Progress\x12\r\n\x05stage\x18\x01 \x01(\t\x12\r\n\x05phase\x18\x02 \x01(\t\x12\x0c\n\x04step\x18\x03 \x01(\r\x12\r\n\x05total\x18\x04 \x01(\r\x12\x11\n\telapsed_s\x18\x05 \x01(\x01\x12\r\n\x05\x65ta_s\x18\x06 \x01(\x01\x12\x0f\n\x07step_ms\x18\x07 \x01(\x01\x12\x0f\n\x07message\x18\x08 \x01(\t\"x\n\x06Timing\x12\x0f\n\x07queue_s\x18\x01 \x01(\x01\x12\x14\n\x0clease_wait_s\x18\x02 \x01(\x01\x12\x0e\n\x06load_s\x18\x03 \x01(\x01\x12\x11\n\tcompute_s\x18\x04 \x01(\x01\x12\x10\n\x08unload_s\x18\x05 \x01(\x01\x12\x12\n\ntransfer_s\x18\x06 \x01(\x01\"\r\n\x0bLoadRequest\"\x0f\n\rUnloadRequest\"\x0f\n\rWarmupRequest\"\x0f\n\rStatusRequest\":\n\x0cKernelChoice\x12\n\n\x02op\x18\x01 \x01(\t\x12\x0e\n\x06kernel\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\"D\n\x0eLifecycleReply\x12\x10\n\x08resident\x18\x01 \x01(\x08\x12\x0f\n\x07seconds\x18\x02 \x01(\x01\x12\x0f\n\x07message\x18\x03 \x01(\t\"\x84\x05\n\x0bStageStatus\x12\r\n\x05stage\x18\x01 \x01(\t\x12\x0e\n\x06health\x18\x02 \x01(\t\x12\x10\n\x08resident\x18\x03 \x01(\x08\x12\x0f\n\x07\x64\x65vices\x18\x04 \x03(\t\x12\x12\n\nworld_size\x18\x05 \x01(\r\x12\x0f\n\x07weights\x18\x06 \x01(\t\x12\x0f\n\x07variant\x18\x07 \x01(\t\x12\x14\n\x0cmemory_bytes\x18\x08 \x01(\x04\x12\x13\n\x0bqueue_depth\x18\t \x01(\r\x12\x0f\n\x07running\x18\n \x01(\r\x12\x14\n\x0clease_holder\x18\x0b \x01(\t\x12\x11\n\tresidency\x18\x0c \x01(\t\x12$\n\x07kernels\x18\r \x03(\x0b\x32\x13.h3.v1.KernelChoice\x12\x16\n\x0e\x65mbedded_model\x18\x0e \x01(\x08\x12\x11\n\tjobs_done\x18\x0f \x01(\x04\x12\x36\n\npartitions\x18\x10 \x03(\x0b\x32\".h3.v1.StageStatus.PartitionsEntry\x12!\n\x05loras\x18\x11 \x01(\x0b\x32\x12.h3.v1.LoraCatalog\x12\x12\n\ndevice_ids\x18\x12 \x03(\t\x12\x0c\n\x04host\x18\x13 \x01(\t\x12H\n\x14\x63hanged_weight_files\x18\x14 \x03(\x0b\x32*.h3.v1.StageStatus.ChangedWeightFilesEntry\x12\x12\n\nmodels_dir\x18\x15 \x01(\t\x1a\x31\n\x0fPartitionsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x1a\x39\n\x17\x43hangedWeightFilesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"F\n\x0bLoraCatalog\x12\x11\n\tdirectory\x18\x01 \x01(\t\x12\r\n\x05names\x18\x02 \x03(\t\x12\x15\n\rpaths_allowed\x18\x03 \x01(\x08\"\x88\x01\n\tReference\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x11\n\tthumbnail\x18\x04 \x01(\x0c\x12\x0f\n\x07seconds\x18\x05 \x01(\x01\x12\r\n\x05width\x18\x06 \x01(\r\x12\x0e\n\x06height\x18\x07 \x01(\r\x12\x0e\n\x06\x64igest\x18\x08 \x01(\t\"X\n\x05Guide\x12\r\n\x05\x66rame\x18\x01 \x01(\x05\x12\x1f\n\x05image\x18\x02 \x01(\x0b\x32\x10.h3.v1.Reference\x12\x1f\n\x05\x61udio\x18\x03 \x01(\x0b\x32\x10.h3.v1.Referenceb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x12h3/v1/common.proto\x12\x05h3.v1\"\xfc\x03\n\x0cRenderParams\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x12\n\x05width\x18\x02 \x01(\x05H\x00\x88\x01\x01\x12\x13\n\x06height\x18\x03 \x01(\x05H\x01\x88\x01\x01\x12\x13\n\x06\x66rames\x18\x04 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05steps\x18\x05 \x01(\x05H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x04\x88\x01\x01\x12\x0f\n\x07sampler\x18\x07 \x01(\t\x12\x11\n\tscheduler\x18\x08 \x01(\t\x12\x13\n\x0bvideo_shift\x18\t \x01(\x02\x12\x13\n\x0b\x61udio_shift\x18\n \x01(\x02\x12\x0f\n\x07quality\x18\x0b \x01(\t\x12\x15\n\rwindow_frames\x18( \x01(\x05\x12\x16\n\x0ewindow_overlap\x18) \x01(\x05\x12\x13\n\x0bwindow_mode\x18* \x01(\t\x12\x13\n\x0bwindow_fuse\x18+ \x01(\t\x12\x14\n\x0cmore_prompts\x18, \x03(\t\x12\x15\n\rprompt_starts\x18- \x03(\x01\x12\x15\n\rprefix_frames\x18. \x01(\x05\x12\x30\n\x10sparse_attention\x18\x0c \x01(\x0b\x32\x16.h3.v1.SparseAttention\x12\x16\n\x0eref_image_size\x18\r \x01(\tB\x08\n\x06_widthB\t\n\x07_heightB\t\n\x07_framesB\x08\n\x06_stepsB\x07\n\x05_seed\"\x8d\x01\n\x0fSparseAttention\x12\x0e\n\x06method\x18\x01 \x01(\t\x12\x14\n\x0ckeep_percent\x18\x02 \x01(\x01\x12\x15\n\rstart_percent\x18\x03 \x01(\x01\x12\x13\n\x0b\x65nd_percent\x18\x04 \x01(\x01\x12\x14\n\x0c\x64\x65nse_blocks\x18\x05 \x03(\r\x12\x12\n\nmin_tokens\x18\x06 \x01(\r\"\x89\x01\n\x08Progress\x12\r\n\x05stage\x18\x01 \x01(\t\x12\r\n\x05phase\x18\x02 \x01(\t\x12\x0c\n\x04step\x18\x03 \x01(\r\x12\r\n\x05total\x18\x04 \x01(\r\x12\x11\n\telapsed_s\x18\x05 \x01(\x01\x12\r\n\x05\x65ta_s\x18\x06 \x01(\x01\x12\x0f\n\x07step_ms\x18\x07 \x01(\x01\x12\x0f\n\x07message\x18\x08 \x01(\t\"x\n\x06Timing\x12\x0f\n\x07queue_s\x18\x01 \x01(\x01\x12\x14\n\x0clease_wait_s\x18\x02 \x01(\x01\x12\x0e\n\x06load_s\x18\x03 \x01(\x01\x12\x11\n\tcompute_s\x18\x04 \x01(\x01\x12\x10\n\x08unload_s\x18\x05 \x01(\x01\x12\x12\n\ntransfer_s\x18\x06 \x01(\x01\"\r\n\x0bLoadRequest\"\x0f\n\rUnloadRequest\"\x0f\n\rWarmupRequest\"\x0f\n\rStatusRequest\":\n\x0cKernelChoice\x12\n\n\x02op\x18\x01 \x01(\t\x12\x0e\n\x06kernel\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\"D\n\x0eLifecycleReply\x12\x10\n\x08resident\x18\x01 \x01(\x08\x12\x0f\n\x07seconds\x18\x02 \x01(\x01\x12\x0f\n\x07message\x18\x03 \x01(\t\"\x84\x05\n\x0bStageStatus\x12\r\n\x05stage\x18\x01 \x01(\t\x12\x0e\n\x06health\x18\x02 \x01(\t\x12\x10\n\x08resident\x18\x03 \x01(\x08\x12\x0f\n\x07\x64\x65vices\x18\x04 \x03(\t\x12\x12\n\nworld_size\x18\x05 \x01(\r\x12\x0f\n\x07weights\x18\x06 \x01(\t\x12\x0f\n\x07variant\x18\x07 \x01(\t\x12\x14\n\x0cmemory_bytes\x18\x08 \x01(\x04\x12\x13\n\x0bqueue_depth\x18\t \x01(\r\x12\x0f\n\x07running\x18\n \x01(\r\x12\x14\n\x0clease_holder\x18\x0b \x01(\t\x12\x11\n\tresidency\x18\x0c \x01(\t\x12$\n\x07kernels\x18\r \x03(\x0b\x32\x13.h3.v1.KernelChoice\x12\x16\n\x0e\x65mbedded_model\x18\x0e \x01(\x08\x12\x11\n\tjobs_done\x18\x0f \x01(\x04\x12\x36\n\npartitions\x18\x10 \x03(\x0b\x32\".h3.v1.StageStatus.PartitionsEntry\x12!\n\x05loras\x18\x11 \x01(\x0b\x32\x12.h3.v1.LoraCatalog\x12\x12\n\ndevice_ids\x18\x12 \x03(\t\x12\x0c\n\x04host\x18\x13 \x01(\t\x12H\n\x14\x63hanged_weight_files\x18\x14 \x03(\x0b\x32*.h3.v1.StageStatus.ChangedWeightFilesEntry\x12\x12\n\nmodels_dir\x18\x15 \x01(\t\x1a\x31\n\x0fPartitionsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x1a\x39\n\x17\x43hangedWeightFilesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"F\n\x0bLoraCatalog\x12\x11\n\tdirectory\x18\x01 \x01(\t\x12\r\n\x05names\x18\x02 \x03(\t\x12\x15\n\rpaths_allowed\x18\x03 \x01(\x08\"\x88\x01\n\tReference\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x11\n\tthumbnail\x18\x04 \x01(\x0c\x12\x0f\n\x07seconds\x18\x05 \x01(\x01\x12\r\n\x05width\x18\x06 \x01(\r\x12\x0e\n\x06height\x18\x07 \x01(\r\x12\x0e\n\x06\x64igest\x18\x08 \x01(\t\"X\n\x05Guide\x12\r\n\x05\x66rame\x18\x01 \x01(\x05\x12\x1f\n\x05image\x18\x02 \x01(\x0b\x32\x10.h3.v1.Reference\x12\x1f\n\x05\x61udio\x18\x03 \x01(\x0b\x32\x10.h3.v1.Referenceb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,35 +36,35 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_STAGESTATUS_CHANGEDWEIGHTFILESENTRY']._loaded_options = None
   _globals['_STAGESTATUS_CHANGEDWEIGHTFILESENTRY']._serialized_options = b'8\001'
   _globals['_RENDERPARAMS']._serialized_start=30
-  _globals['_RENDERPARAMS']._serialized_end=514
-  _globals['_SPARSEATTENTION']._serialized_start=517
-  _globals['_SPARSEATTENTION']._serialized_end=658
-  _globals['_PROGRESS']._serialized_start=661
-  _globals['_PROGRESS']._serialized_end=798
-  _globals['_TIMING']._serialized_start=800
-  _globals['_TIMING']._serialized_end=920
-  _globals['_LOADREQUEST']._serialized_start=922
-  _globals['_LOADREQUEST']._serialized_end=935
-  _globals['_UNLOADREQUEST']._serialized_start=937
-  _globals['_UNLOADREQUEST']._serialized_end=952
-  _globals['_WARMUPREQUEST']._serialized_start=954
-  _globals['_WARMUPREQUEST']._serialized_end=969
-  _globals['_STATUSREQUEST']._serialized_start=971
-  _globals['_STATUSREQUEST']._serialized_end=986
-  _globals['_KERNELCHOICE']._serialized_start=988
-  _globals['_KERNELCHOICE']._serialized_end=1046
-  _globals['_LIFECYCLEREPLY']._serialized_start=1048
-  _globals['_LIFECYCLEREPLY']._serialized_end=1116
-  _globals['_STAGESTATUS']._serialized_start=1119
-  _globals['_STAGESTATUS']._serialized_end=1763
-  _globals['_STAGESTATUS_PARTITIONSENTRY']._serialized_start=1655
-  _globals['_STAGESTATUS_PARTITIONSENTRY']._serialized_end=1704
-  _globals['_STAGESTATUS_CHANGEDWEIGHTFILESENTRY']._serialized_start=1706
-  _globals['_STAGESTATUS_CHANGEDWEIGHTFILESENTRY']._serialized_end=1763
-  _globals['_LORACATALOG']._serialized_start=1765
-  _globals['_LORACATALOG']._serialized_end=1835
-  _globals['_REFERENCE']._serialized_start=1838
-  _globals['_REFERENCE']._serialized_end=1974
-  _globals['_GUIDE']._serialized_start=1976
-  _globals['_GUIDE']._serialized_end=2064
+  _globals['_RENDERPARAMS']._serialized_end=538
+  _globals['_SPARSEATTENTION']._serialized_start=541
+  _globals['_SPARSEATTENTION']._serialized_end=682
+  _globals['_PROGRESS']._serialized_start=685
+  _globals['_PROGRESS']._serialized_end=822
+  _globals['_TIMING']._serialized_start=824
+  _globals['_TIMING']._serialized_end=944
+  _globals['_LOADREQUEST']._serialized_start=946
+  _globals['_LOADREQUEST']._serialized_end=959
+  _globals['_UNLOADREQUEST']._serialized_start=961
+  _globals['_UNLOADREQUEST']._serialized_end=976
+  _globals['_WARMUPREQUEST']._serialized_start=978
+  _globals['_WARMUPREQUEST']._serialized_end=993
+  _globals['_STATUSREQUEST']._serialized_start=995
+  _globals['_STATUSREQUEST']._serialized_end=1010
+  _globals['_KERNELCHOICE']._serialized_start=1012
+  _globals['_KERNELCHOICE']._serialized_end=1070
+  _globals['_LIFECYCLEREPLY']._serialized_start=1072
+  _globals['_LIFECYCLEREPLY']._serialized_end=1140
+  _globals['_STAGESTATUS']._serialized_start=1143
+  _globals['_STAGESTATUS']._serialized_end=1787
+  _globals['_STAGESTATUS_PARTITIONSENTRY']._serialized_start=1679
+  _globals['_STAGESTATUS_PARTITIONSENTRY']._serialized_end=1728
+  _globals['_STAGESTATUS_CHANGEDWEIGHTFILESENTRY']._serialized_start=1730
+  _globals['_STAGESTATUS_CHANGEDWEIGHTFILESENTRY']._serialized_end=1787
+  _globals['_LORACATALOG']._serialized_start=1789
+  _globals['_LORACATALOG']._serialized_end=1859
+  _globals['_REFERENCE']._serialized_start=1862
+  _globals['_REFERENCE']._serialized_end=1998
+  _globals['_GUIDE']._serialized_start=2000
+  _globals['_GUIDE']._serialized_end=2088
 # @@protoc_insertion_point(module_scope)

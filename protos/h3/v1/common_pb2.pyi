@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class RenderParams(_message.Message):
-    __slots__ = ("prompt", "width", "height", "frames", "steps", "seed", "sampler", "scheduler", "video_shift", "audio_shift", "quality", "window_frames", "window_overlap", "window_mode", "window_fuse", "more_prompts", "prompt_starts", "prefix_frames", "sparse_attention")
+    __slots__ = ("prompt", "width", "height", "frames", "steps", "seed", "sampler", "scheduler", "video_shift", "audio_shift", "quality", "window_frames", "window_overlap", "window_mode", "window_fuse", "more_prompts", "prompt_starts", "prefix_frames", "sparse_attention", "ref_image_size")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     WIDTH_FIELD_NUMBER: _ClassVar[int]
     HEIGHT_FIELD_NUMBER: _ClassVar[int]
@@ -27,6 +27,7 @@ class RenderParams(_message.Message):
     PROMPT_STARTS_FIELD_NUMBER: _ClassVar[int]
     PREFIX_FRAMES_FIELD_NUMBER: _ClassVar[int]
     SPARSE_ATTENTION_FIELD_NUMBER: _ClassVar[int]
+    REF_IMAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     width: int
     height: int
@@ -46,7 +47,8 @@ class RenderParams(_message.Message):
     prompt_starts: _containers.RepeatedScalarFieldContainer[float]
     prefix_frames: int
     sparse_attention: SparseAttention
-    def __init__(self, prompt: _Optional[str] = ..., width: _Optional[int] = ..., height: _Optional[int] = ..., frames: _Optional[int] = ..., steps: _Optional[int] = ..., seed: _Optional[int] = ..., sampler: _Optional[str] = ..., scheduler: _Optional[str] = ..., video_shift: _Optional[float] = ..., audio_shift: _Optional[float] = ..., quality: _Optional[str] = ..., window_frames: _Optional[int] = ..., window_overlap: _Optional[int] = ..., window_mode: _Optional[str] = ..., window_fuse: _Optional[str] = ..., more_prompts: _Optional[_Iterable[str]] = ..., prompt_starts: _Optional[_Iterable[float]] = ..., prefix_frames: _Optional[int] = ..., sparse_attention: _Optional[_Union[SparseAttention, _Mapping]] = ...) -> None: ...
+    ref_image_size: str
+    def __init__(self, prompt: _Optional[str] = ..., width: _Optional[int] = ..., height: _Optional[int] = ..., frames: _Optional[int] = ..., steps: _Optional[int] = ..., seed: _Optional[int] = ..., sampler: _Optional[str] = ..., scheduler: _Optional[str] = ..., video_shift: _Optional[float] = ..., audio_shift: _Optional[float] = ..., quality: _Optional[str] = ..., window_frames: _Optional[int] = ..., window_overlap: _Optional[int] = ..., window_mode: _Optional[str] = ..., window_fuse: _Optional[str] = ..., more_prompts: _Optional[_Iterable[str]] = ..., prompt_starts: _Optional[_Iterable[float]] = ..., prefix_frames: _Optional[int] = ..., sparse_attention: _Optional[_Union[SparseAttention, _Mapping]] = ..., ref_image_size: _Optional[str] = ...) -> None: ...
 
 class SparseAttention(_message.Message):
     __slots__ = ("method", "keep_percent", "start_percent", "end_percent", "dense_blocks", "min_tokens")

@@ -114,14 +114,20 @@ class EncodeImageEvent(_message.Message):
     def __init__(self, progress: _Optional[_Union[_common_pb2.Progress, _Mapping]] = ..., tensor: _Optional[_Union[_tensor_pb2.TensorChunk, _Mapping]] = ..., done: _Optional[_Union[EncodeImageDone, _Mapping]] = ...) -> None: ...
 
 class EncodeReferenceRequest(_message.Message):
-    __slots__ = ("reference", "frames", "job_id")
+    __slots__ = ("reference", "frames", "job_id", "ref_image_size", "width", "height")
     REFERENCE_FIELD_NUMBER: _ClassVar[int]
     FRAMES_FIELD_NUMBER: _ClassVar[int]
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    REF_IMAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    WIDTH_FIELD_NUMBER: _ClassVar[int]
+    HEIGHT_FIELD_NUMBER: _ClassVar[int]
     reference: _common_pb2.Reference
     frames: int
     job_id: str
-    def __init__(self, reference: _Optional[_Union[_common_pb2.Reference, _Mapping]] = ..., frames: _Optional[int] = ..., job_id: _Optional[str] = ...) -> None: ...
+    ref_image_size: str
+    width: int
+    height: int
+    def __init__(self, reference: _Optional[_Union[_common_pb2.Reference, _Mapping]] = ..., frames: _Optional[int] = ..., job_id: _Optional[str] = ..., ref_image_size: _Optional[str] = ..., width: _Optional[int] = ..., height: _Optional[int] = ...) -> None: ...
 
 class EncodeReferenceDone(_message.Message):
     __slots__ = ("timing", "width", "height", "frames", "seconds", "source_fps", "source_rate")

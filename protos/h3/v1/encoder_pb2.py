@@ -26,7 +26,7 @@ from h3.v1 import common_pb2 as h3_dot_v1_dot_common__pb2
 from h3.v1 import tensor_pb2 as h3_dot_v1_dot_tensor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13h3/v1/encoder.proto\x12\x05h3.v1\x1a\x12h3/v1/common.proto\x1a\x12h3/v1/tensor.proto\"\xad\x01\n\rEncodeRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x14\n\x0cprompt_bytes\x18\x02 \x01(\x0c\x12\x0e\n\x06job_id\x18\x03 \x01(\t\x12\x11\n\tkeyframes\x18\x04 \x03(\x0c\x12\r\n\x05width\x18\x05 \x01(\x05\x12\x0e\n\x06height\x18\x06 \x01(\x05\x12$\n\nreferences\x18\x07 \x03(\x0b\x32\x10.h3.v1.Reference\x12\x0e\n\x06\x66rames\x18\x08 \x01(\x05\":\n\x12PromptCheckRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x14\n\x0cprompt_bytes\x18\x02 \x01(\x0c\"6\n\x10PromptCheckReply\x12\x0e\n\x06tokens\x18\x01 \x01(\r\x12\x12\n\nmax_tokens\x18\x02 \x01(\r\"]\n\nEncodeDone\x12\x0e\n\x06tokens\x18\x01 \x01(\r\x12\x11\n\tcache_hit\x18\x02 \x01(\x08\x12\x1d\n\x06timing\x18\x03 \x01(\x0b\x32\r.h3.v1.Timing\x12\r\n\x05model\x18\x04 \x01(\t\"\x84\x01\n\x0b\x45ncodeEvent\x12#\n\x08progress\x18\x01 \x01(\x0b\x32\x0f.h3.v1.ProgressH\x00\x12$\n\x06tensor\x18\x02 \x01(\x0b\x32\x12.h3.v1.TensorChunkH\x00\x12!\n\x04\x64one\x18\x03 \x01(\x0b\x32\x11.h3.v1.EncodeDoneH\x00\x42\x07\n\x05\x65vent2\x8d\x03\n\x0bTextEncoder\x12\x34\n\x06\x45ncode\x12\x14.h3.v1.EncodeRequest\x1a\x12.h3.v1.EncodeEvent0\x01\x12\x30\n\x06Upload\x12\x10.h3.v1.FileChunk\x1a\x12.h3.v1.UploadReply(\x01\x12\x31\n\x04Load\x12\x12.h3.v1.LoadRequest\x1a\x15.h3.v1.LifecycleReply\x12\x35\n\x06Unload\x12\x14.h3.v1.UnloadRequest\x1a\x15.h3.v1.LifecycleReply\x12\x35\n\x06Warmup\x12\x14.h3.v1.WarmupRequest\x1a\x15.h3.v1.LifecycleReply\x12\x32\n\x06Status\x12\x14.h3.v1.StatusRequest\x1a\x12.h3.v1.StageStatus\x12\x41\n\x0b\x43heckPrompt\x12\x19.h3.v1.PromptCheckRequest\x1a\x17.h3.v1.PromptCheckReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13h3/v1/encoder.proto\x12\x05h3.v1\x1a\x12h3/v1/common.proto\x1a\x12h3/v1/tensor.proto\"\xc5\x01\n\rEncodeRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x14\n\x0cprompt_bytes\x18\x02 \x01(\x0c\x12\x0e\n\x06job_id\x18\x03 \x01(\t\x12\x11\n\tkeyframes\x18\x04 \x03(\x0c\x12\r\n\x05width\x18\x05 \x01(\x05\x12\x0e\n\x06height\x18\x06 \x01(\x05\x12$\n\nreferences\x18\x07 \x03(\x0b\x32\x10.h3.v1.Reference\x12\x0e\n\x06\x66rames\x18\x08 \x01(\x05\x12\x16\n\x0eref_image_size\x18\t \x01(\t\":\n\x12PromptCheckRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x14\n\x0cprompt_bytes\x18\x02 \x01(\x0c\"6\n\x10PromptCheckReply\x12\x0e\n\x06tokens\x18\x01 \x01(\r\x12\x12\n\nmax_tokens\x18\x02 \x01(\r\"]\n\nEncodeDone\x12\x0e\n\x06tokens\x18\x01 \x01(\r\x12\x11\n\tcache_hit\x18\x02 \x01(\x08\x12\x1d\n\x06timing\x18\x03 \x01(\x0b\x32\r.h3.v1.Timing\x12\r\n\x05model\x18\x04 \x01(\t\"\x84\x01\n\x0b\x45ncodeEvent\x12#\n\x08progress\x18\x01 \x01(\x0b\x32\x0f.h3.v1.ProgressH\x00\x12$\n\x06tensor\x18\x02 \x01(\x0b\x32\x12.h3.v1.TensorChunkH\x00\x12!\n\x04\x64one\x18\x03 \x01(\x0b\x32\x11.h3.v1.EncodeDoneH\x00\x42\x07\n\x05\x65vent2\x8d\x03\n\x0bTextEncoder\x12\x34\n\x06\x45ncode\x12\x14.h3.v1.EncodeRequest\x1a\x12.h3.v1.EncodeEvent0\x01\x12\x30\n\x06Upload\x12\x10.h3.v1.FileChunk\x1a\x12.h3.v1.UploadReply(\x01\x12\x31\n\x04Load\x12\x12.h3.v1.LoadRequest\x1a\x15.h3.v1.LifecycleReply\x12\x35\n\x06Unload\x12\x14.h3.v1.UnloadRequest\x1a\x15.h3.v1.LifecycleReply\x12\x35\n\x06Warmup\x12\x14.h3.v1.WarmupRequest\x1a\x15.h3.v1.LifecycleReply\x12\x32\n\x06Status\x12\x14.h3.v1.StatusRequest\x1a\x12.h3.v1.StageStatus\x12\x41\n\x0b\x43heckPrompt\x12\x19.h3.v1.PromptCheckRequest\x1a\x17.h3.v1.PromptCheckReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,15 +34,15 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'h3.v1.encoder_pb2', _global
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_ENCODEREQUEST']._serialized_start=71
-  _globals['_ENCODEREQUEST']._serialized_end=244
-  _globals['_PROMPTCHECKREQUEST']._serialized_start=246
-  _globals['_PROMPTCHECKREQUEST']._serialized_end=304
-  _globals['_PROMPTCHECKREPLY']._serialized_start=306
-  _globals['_PROMPTCHECKREPLY']._serialized_end=360
-  _globals['_ENCODEDONE']._serialized_start=362
-  _globals['_ENCODEDONE']._serialized_end=455
-  _globals['_ENCODEEVENT']._serialized_start=458
-  _globals['_ENCODEEVENT']._serialized_end=590
-  _globals['_TEXTENCODER']._serialized_start=593
-  _globals['_TEXTENCODER']._serialized_end=990
+  _globals['_ENCODEREQUEST']._serialized_end=268
+  _globals['_PROMPTCHECKREQUEST']._serialized_start=270
+  _globals['_PROMPTCHECKREQUEST']._serialized_end=328
+  _globals['_PROMPTCHECKREPLY']._serialized_start=330
+  _globals['_PROMPTCHECKREPLY']._serialized_end=384
+  _globals['_ENCODEDONE']._serialized_start=386
+  _globals['_ENCODEDONE']._serialized_end=479
+  _globals['_ENCODEEVENT']._serialized_start=482
+  _globals['_ENCODEEVENT']._serialized_end=614
+  _globals['_TEXTENCODER']._serialized_start=617
+  _globals['_TEXTENCODER']._serialized_end=1014
 # @@protoc_insertion_point(module_scope)

@@ -9,7 +9,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class EncodeRequest(_message.Message):
-    __slots__ = ("prompt", "prompt_bytes", "job_id", "keyframes", "width", "height", "references", "frames")
+    __slots__ = ("prompt", "prompt_bytes", "job_id", "keyframes", "width", "height", "references", "frames", "ref_image_size")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_BYTES_FIELD_NUMBER: _ClassVar[int]
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
@@ -18,6 +18,7 @@ class EncodeRequest(_message.Message):
     HEIGHT_FIELD_NUMBER: _ClassVar[int]
     REFERENCES_FIELD_NUMBER: _ClassVar[int]
     FRAMES_FIELD_NUMBER: _ClassVar[int]
+    REF_IMAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     prompt_bytes: bytes
     job_id: str
@@ -26,7 +27,8 @@ class EncodeRequest(_message.Message):
     height: int
     references: _containers.RepeatedCompositeFieldContainer[_common_pb2.Reference]
     frames: int
-    def __init__(self, prompt: _Optional[str] = ..., prompt_bytes: _Optional[bytes] = ..., job_id: _Optional[str] = ..., keyframes: _Optional[_Iterable[bytes]] = ..., width: _Optional[int] = ..., height: _Optional[int] = ..., references: _Optional[_Iterable[_Union[_common_pb2.Reference, _Mapping]]] = ..., frames: _Optional[int] = ...) -> None: ...
+    ref_image_size: str
+    def __init__(self, prompt: _Optional[str] = ..., prompt_bytes: _Optional[bytes] = ..., job_id: _Optional[str] = ..., keyframes: _Optional[_Iterable[bytes]] = ..., width: _Optional[int] = ..., height: _Optional[int] = ..., references: _Optional[_Iterable[_Union[_common_pb2.Reference, _Mapping]]] = ..., frames: _Optional[int] = ..., ref_image_size: _Optional[str] = ...) -> None: ...
 
 class PromptCheckRequest(_message.Message):
     __slots__ = ("prompt", "prompt_bytes")
