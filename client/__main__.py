@@ -280,7 +280,7 @@ def explain(req: render_pb2.RenderRequest, render) -> dict:
     """What a --workflow graph became: the request's values and files, the graph's files and notes."""
     p = req.params
     return {"params": {f: getattr(p, f) for f in ("prompt", "width", "height", "frames", "steps", "seed", "sampler",
-                                                   "scheduler", "video_shift", "audio_shift")},
+                                                   "scheduler", "video_shift", "audio_shift", "ref_image_size")},
             "loras": [[lo.name, lo.strength] for lo in req.loras],
             "first_frame": len(req.first_frame) or None, "last_frame": len(req.last_frame) or None,
             "references": [[r.kind, r.name] for r in req.references],

@@ -681,6 +681,7 @@ def test_the_cli_stays_thin_with_a_graph(inputs):
     assert explained["references"] == [["image", "red_superboy_on_city_roof.png"],
                                        ["image", "mecha_dragon_lightning.png"]]
     assert explained["graph"]["files"]["dit"] == REF2VA and explained["params"]["seed"] == 261662374822964
+    assert explained["params"]["ref_image_size"] == explained["graph"]["ref_image_size"] == "match"
 
 
 def test_a_graphs_prompt_is_taken_as_written_its_label_problems_are_notes(svc, inputs, capsys):
