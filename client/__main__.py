@@ -46,8 +46,8 @@ from minimax_h3.contract import (DEFAULT_CRF, DEFAULT_FRAMES, DEFAULT_SIZE, DEFA
                                  IMAGE_FRAMES, MAX_AREA, MAX_ASPECT, MAX_ASPECT_CHANGE, MAX_CRF, MAX_FRAMES,
                                  MAX_OUTPUT_SIDE, MAX_SIDE, MAX_STEPS, MAX_WINDOW_FRAMES, MIN_FRAMES, MIN_SIDE,
                                  MIN_STEPS, PNG, QUALITIES, REF_IMAGE_SIZES, SAMPLERS, SCHEDULERS, SINGLE,
-                                 SIZE_MULTIPLE, WINDOW_FUSES, WINDOW_MODES, RenderSpec, check_output, plan_windows, snap_frames, spec_from_proto,
-                                 validate)
+                                 SIZE_MULTIPLE, WINDOW_FUSES, WINDOW_MODES, RenderSpec, check_output, plan_windows,
+                                 snap_frames, spec_from_proto, validate)
 from minimax_h3.files import EMBEDDED_NOTE
 from minimax_h3.services import SERVICE_NAMES, STAGES, Endpoints, StageClients
 from stagekit.channels import Security, health_of, replicas_of

@@ -66,7 +66,8 @@ SCHEDULERS = ("simple", "diffusers")
 # minimax_h3/dit/step_cache.py) skips most blocks on steps whose first block changed little since the last full one.
 QUALITIES = ("exact", "fast")
 # How image references are sized (minimax_h3.media.ImageFit): the model's own 2048 px short edge (""), or ComfyUI's
-# MiniMaxH3ReferenceToVideo `ref_image_size`, scaled down only: to that short edge ("max"), to the render's area ("match").
+# MiniMaxH3ReferenceToVideo `ref_image_size`, scaled down only: to that short edge ("max"), to the render's area
+# ("match").
 REF_IMAGE_SIZES = ("", "max", "match")
 # ComfyUI's BlockSparseAttention node (docs/workflows.md): the methods this product runs, and its widgets' bounds.
 SPARSE_METHODS = ("vsa",)

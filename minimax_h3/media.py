@@ -260,10 +260,10 @@ def reference_decode_bytes(kind: str, frames: int) -> int:
 def load_reference(data: bytes, kind: str, frames: int, sizes: ReferenceSizes = ReferenceSizes(),
                    name: str = "", fit: ImageFit = ImageFit()) -> ReferenceMedia:
     """A reference file's bytes -> ReferenceMedia on the model's rates for a render of `frames` frames at 24 fps
-    (video and audio are cut to its duration; an image sized as `fit` says). Raises InvalidArgument naming the reference (`name`, its file name)
-    and what is wrong with the file: each check raises it (the checks `reference_files.check_reference_file` makes
-    before a job holds it, again here), and so does a file the decoders refuse (FFmpeg's and Pillow's errors);
-    anything else is a fault of this code, never the caller's."""
+    (video and audio are cut to its duration; an image sized as `fit` says). Raises InvalidArgument naming the
+    reference (`name`, its file name) and what is wrong with the file: each check raises it (the checks
+    `reference_files.check_reference_file` makes before a job holds it, again here), and so does a file the decoders
+    refuse (FFmpeg's and Pillow's errors); anything else is a fault of this code, never the caller's."""
     import av
     from PIL import Image
 
