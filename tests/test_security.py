@@ -196,10 +196,11 @@ def test_decoder_bare_and_hidden_names(clients):
 def test_requests_carry_no_paths_or_model_names():
     """Model files are chosen by the operator's flags only: no request field names a file, dir or model, except
     the decoder's output_name (checked above). A new path-like request field must come with its own check."""
-    # window_mode, window_fuse: names the contract checks (plan_windows); more_prompts: prompts, as `prompt`.
+    # window_mode, window_fuse, ref_image_size: names the contract checks (plan_windows, REF_IMAGE_SIZES / the stages'
+    # ImageFit.of); more_prompts: prompts, as `prompt`.
     # prefix_digest, digest: an uploaded file's SHA-256, refused unless 64 hex digits (stagekit.uploads.UploadStore.path).
     allowed = {"prompt", "sampler", "scheduler", "quality", "job_id", "output_name", "name", "dtype", "mime", "stage",
-               "prefix_digest", "digest", "window_mode", "window_fuse", "more_prompts"}
+               "prefix_digest", "digest", "window_mode", "window_fuse", "more_prompts", "ref_image_size"}
     for mod in (encoder_pb2, dit_pb2, decoder_pb2, common_pb2):
         for msg in mod.DESCRIPTOR.message_types_by_name.values():
             if not msg.name.endswith(("Request", "Input", "Params", "TensorChunk", "TensorHeader")):
