@@ -8,7 +8,7 @@ templates' own file names, the one-card stack and numerics of benchmarks/one_car
 Items, in this order, each started only while it fits --budget-s (480 s; what did not fit is listed in the JSON):
   fasth3     video_fastvideo_fasth3_t2v's DiT alone (FastH3's file, written for the item and removed after it; the
              graph's size, shifts, sampler and VSA): seconds per step with the graph's VSA on every timed step vs
-             dense, FASTH3_STEPS steps each.
+             dense, FASTH3_STEPS steps each; the card right after the load, against --cap-gb.
   weights    the t2v graph's files: the fl2va DiT, the nvfp4 text encoder, the int8 ConvRot video VAE (converted
              from a random fp16 one, kept beside the models folder), the audio VAE, the 8-step Turbo LoRA.
   vae        the int8 ConvRot video VAE vs the fp16 one: load, decode of 960x544x362 (one rank, every unit), peak.
@@ -130,7 +130,12 @@ def fasth3_engine_bench(models: Path, files: Path, cap_gb: float, tiny: bool) ->
     graph = graph_render(FASTH3_T2V)
     sparse = replace(graph.sparse, start_percent=0.0, min_tokens=0 if tiny else graph.sparse.min_tokens)
     eng, cuda, dev, load_s = one_card.loaded_dit_engine(models, tiny, files / FASTH3_FILE)
-    if cuda:
+    load_peak = None
+    if cuda:  # the engine loads every block onto the card before a job's placement streams some back
+        free, total = torch.cuda.mem_get_info(dev)
+        load_peak = {"reserved_gib": round(torch.cuda.max_memory_reserved(dev) / GIB, 3),
+                     "device_used_gib": round((total - free) / GIB, 3),
+                     "weights_gib": round(eng.weight_bytes() / GIB, 3)}
         cap = int(cap_gb * GIB)
         eng.cfg.memory_cap_bytes, eng.cfg.memory_limit_bytes = cap, cap - GIB
         _cap(cuda, dev, cap_gb)
@@ -138,6 +143,7 @@ def fasth3_engine_bench(models: Path, files: Path, cap_gb: float, tiny: bool) ->
     steps = FASTH3_STEPS[tiny]
     text = torch.randn(8 if tiny else 512, eng.model_cfg.text_dim, generator=torch.Generator().manual_seed(0))
     out: dict = {"device": torch.cuda.get_device_name() if cuda else "cpu", "weights": wrote, "load_s": load_s,
+                 "loaded": load_peak,
                  "size": f"{w}x{h}x{f}", "steps_timed": steps, "vsa_kernel": list(eng._vsa_row()),
                  "graph": {"steps": graph.steps.value, "sampler": graph.sampler.value,
                            "shifts": [graph.video_shift.value, graph.audio_shift.value],
@@ -281,6 +287,9 @@ class TemplatesBench(one_card.OneCard):
         f = items.get("fasth3", {})
         if "vsa_over_dense_step" in f:
             v["fasth3_vsa_over_dense_step"] = f["vsa_over_dense_step"]
+        if f.get("loaded"):  # the card after the FastH3 DiT's load, context included, against the cap
+            used = f["loaded"]["device_used_gib"]
+            v["fasth3_load_under_cap"] = {"device_used_gib": used, "ok": used <= self.args.cap_gb}
         vae = items.get("vae", {})
         if "int8_over_fp16" in vae:
             v["vae_int8_over_fp16"] = vae["int8_over_fp16"]
