@@ -63,14 +63,14 @@ def label_problems(prompt: str, kinds: Sequence[str], has_sound: Sequence[bool],
         if kind == "video" and sound:
             soundtracks.add(f"<Audio {n_audio}>")
     used = {f"<{m.group(1)} {m.group(2)}>" for m in LABEL.finditer(prompt)}
-    named = [f"{lab} = {n}" if n else lab for lab, n in zip(labels, list(names) + [""] * len(labels))]
+    pairs = list(zip(labels, list(names) + [""] * len(labels)))  # each label with its file name, if known
+    named = [f"{lab} = {n}" if n else lab for lab, n in pairs]
     out = []
     unknown = sorted(used - set(labels) - soundtracks)
     if unknown:
         out.append(f"the prompt names {', '.join(unknown)}, but the references are: {', '.join(named) or 'none'} "
                    "(labels count per kind, in --ref order)")
-    unnamed = [f"{lab} ({n})" if n else lab for lab, n in zip(labels, list(names) + [""] * len(labels))
-               if lab not in used]
+    unnamed = [f"{lab} ({n})" if n else lab for lab, n in pairs if lab not in used]
     if unnamed:
         out.append(f"the prompt never names {', '.join(unnamed)}; say in the prompt what each reference is for, e.g. "
                    "\"<Picture 1> walks through <Video 1>'s street\"")
