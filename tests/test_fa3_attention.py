@@ -1,6 +1,6 @@
 """FlashAttention-3 candidates (minimax_h3/kernels/fa3_attention.py): the fp8 path's descales and V's mean on CPU
-through the kernel's fp32 emulation, the registry offering FA3 only where it runs (and saying why not), fp8 O never
-asked of FA3, and (GPU with fa3-fwd only) the kernels against exact attention."""
+through the kernel's fp32 emulation, the registry offering FA3 only where it runs (and saying why not), FA3's bf16 O
+handed to an fp8 out_proj as cuDNN's e4m3 O is, and (GPU with fa3-fwd only) the kernels against exact attention."""
 
 import sys
 
@@ -12,7 +12,7 @@ from torch import nn
 from minimax_h3.kernels.fa3_attention import PINNED, Fa3Attention, fa3_fp8, fa3_fp8_emulated, unavailable
 from minimax_h3.kernels.fp8 import E4M3
 from minimax_h3.kernels.fp8_attention import (DEFAULT_OPTIONS, E4M3_MAX, Fp8Attention, Fp8AttentionOptions, Fp8QKInput,
-                                              quantize_qkv, static_qk_mult)
+                                              dequantize_o, quantize_qkv, static_qk_mult)
 from minimax_h3.kernels.layers import AttentionOutput, Fp8AttentionInput, Fp8AttentionOutput, fp8_rows_method
 from minimax_h3.kernels.registry import (REL_ERR_BOUND, AttentionCandidate, KernelConfig, KernelError,
                                          default_attention_candidates, rel_err, select_kernels)
@@ -62,23 +62,31 @@ def test_fa3_takes_the_static_qk_path():
     qk8 = (torch.stack([q, k]) * mult.view(2, 1, 1, 1, 1)).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
     o = fn.attend_fp8_qk(Fp8QKInput(qk8, v, mult))
     assert o.shape == q.shape and 1e-3 < rel_err(o, _ref(q, k, v)) < REL_ERR_BOUND["fp8_attention"]
-    with pytest.raises(ValueError, match="bf16"):
-        fn.attend_fp8_qk(Fp8QKInput(qk8, v, mult), keep_fp8_o=True)
+    kept = fn.attend_fp8_qk(Fp8QKInput(qk8, v, mult), keep_fp8_o=True)  # FA3's bf16 O, unit scales, V's mean
+    assert kept.o8.dtype == torch.bfloat16 and torch.equal(kept.o_scale, torch.ones(q.shape[1], 1, 1))
+    assert torch.equal(dequantize_o(*kept, o.dtype), o[0])
 
 
-def test_an_fp8_out_proj_gets_fp8_o_from_cudnn_only():
-    """The block asks fp8 attention for its e4m3 O when out_proj's method takes it; FA3 has none to give."""
+def test_an_fp8_out_proj_gets_o_as_each_kernel_writes_it():
+    """The block hands an fp8 out_proj's method O as the kernel wrote it: cuDNN's e4m3 O with its head scales,
+    FA3's bf16 O with unit scales; either way out_proj gets the same rows as from O put together first."""
     q, k, v, gains = _normed_qkv()
     mult = static_qk_mult(*gains)
     qk8 = (torch.stack([q, k]) * mult.view(2, 1, 1, 1, 1)).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
-    out_proj = nn.Linear(q.shape[1] * q.shape[3], 8)
-    out_proj.linear_method = fp8_rows_method("cpu")  # takes e4m3 O for bf16 compute
-    inp = Fp8AttentionInput(Fp8QKInput(qk8, v.bfloat16(), mult), v_in_projection=False)
+    out_proj = nn.Linear(q.shape[1] * q.shape[3], 8).bfloat16()
+    out_proj.linear_method = fp8_rows_method("cpu")  # takes fp8 attention's O for bf16 compute
+    plain = nn.Linear(q.shape[1] * q.shape[3], 8).bfloat16()
+    plain.load_state_dict(out_proj.state_dict())
     opts = DEFAULT_OPTIONS.__class__(**{**DEFAULT_OPTIONS.__dict__, "min_seq": 0})
-    cudnn = inp.attend(Fp8Attention(opts, emulate=True), out_proj, torch.bfloat16)
-    fa3 = inp.attend(Fp8Attention(opts, emulate=True, kernel="fa3"), out_proj, torch.bfloat16)
-    assert isinstance(cudnn, Fp8AttentionOutput)
-    assert type(fa3) is AttentionOutput and fa3.o.dtype == torch.bfloat16
+    for kernel, dtype in (("cudnn", E4M3), ("fa3", torch.bfloat16)):
+        inp = Fp8AttentionInput(Fp8QKInput(qk8, v.bfloat16(), mult), v_in_projection=False)
+        got = inp.attend(Fp8Attention(opts, emulate=True, kernel=kernel), out_proj, torch.bfloat16)
+        assert isinstance(got, Fp8AttentionOutput) and got.fp8.o8.dtype == dtype
+        inp = Fp8AttentionInput(Fp8QKInput(qk8, v.bfloat16(), mult), v_in_projection=False)
+        want = inp.attend(Fp8Attention(opts, emulate=True, kernel=kernel), plain, torch.bfloat16)
+        assert type(want) is AttentionOutput and want.o.dtype == torch.bfloat16
+        s = q.shape[2]
+        assert torch.equal(got.project(out_proj, 0, s), want.project(plain, 0, s)), kernel
 
 
 def test_registry_offers_fa3_only_on_hopper_and_says_why_not(monkeypatch):

@@ -264,28 +264,34 @@ def test_swiglu_dispatcher_under_torch_compile_matches_eager():
 
 
 def make_o_input(h: int, rows: int, d: int, device: str, layout: str = "hsd", shift: bool = True,
-                 seed: int = 0, whole: bool = False) -> Fp8O:
+                 seed: int = 0, whole: bool = False, fa3: bool = False) -> Fp8O:
     """fp8 attention's O as `Fp8O`, o8 = rows [2, 2 + rows) (what one row chunk's out_proj takes) of a bigger O
     [h, rows + 5, d] e4m3 (returned instead with `whole`), laid out [H, S, D] ("hsd", the kernel's own) or
     [S, H, D]-backed ("shd", strided heads); heads with scales 1e-4 .. 1e-2 (a row's amax comes from a few heads);
-    the shift [h, 1, d] or None. When there are 6+ rows, row 5 of o8 is all zeros (without a shift: the floor)."""
+    the shift [h, 1, d] or None. When there are 6+ rows, row 5 of o8 is all zeros (without a shift: the floor).
+    fa3: FlashAttention-3's O instead, bf16 in the layout asked for (its own is "shd"), heads 1e-4 .. 1e-2 in size,
+    unit scales."""
     g = torch.Generator().manual_seed(seed)
     full = (torch.randn(rows + 5, h, d, generator=g) * 150).clamp(-448, 448)
     full[7:8] = 0.0
-    full = full.to(torch.float8_e4m3fn)
-    o8 = full.permute(1, 0, 2) if layout == "shd" else full.permute(1, 0, 2).contiguous()
     o_scale = torch.exp(torch.rand(h, 1, 1, generator=g) * -4.6) * 1e-2
+    if fa3:
+        full, o_scale = (full * o_scale.reshape(1, h, 1)).bfloat16(), torch.ones(h, 1, 1)
+    else:
+        full = full.to(torch.float8_e4m3fn)
+    o8 = full.permute(1, 0, 2) if layout == "shd" else full.permute(1, 0, 2).contiguous()
     o_shift = torch.randn(h, 1, d, generator=g) * 0.05 if shift else None
     to = lambda t: None if t is None else t.to(device)  # noqa: E731
     o = Fp8O(to(o8), to(o_scale), to(o_shift))
     return o if whole else Fp8O(o.o8[:, 2:2 + rows], o.o_scale, o.o_shift)
 
 
-@pytest.mark.parametrize("shift", [True, False])
-def test_o_rows_reference_is_the_previous_math_bit_for_bit(shift):
+@pytest.mark.parametrize("shift,fa3", [(True, False), (False, False), (True, True)])
+def test_o_rows_reference_is_the_previous_math_bit_for_bit(shift, fa3):
     """The plain path: fp8 attention dequantises all of O ([1, H, S, D] bf16), out_proj takes a chunk's rows, heads
     side by side, and the fp8 out_proj quantises them."""
-    o, whole = (make_o_input(3, 11, 32, "cpu", shift=shift, whole=w) for w in (False, True))
+    o, whole = (make_o_input(3, 11, 32, "cpu", "shd" if fa3 else "hsd", shift=shift, whole=w, fa3=fa3)
+                for w in (False, True))
     o_all = dequantize_o(*whole, torch.bfloat16).unsqueeze(0)[:, :, 2:13]
     want_q, want_s = quantize_fp8_rowwise(o_all[0].transpose(0, 1).reshape(11, 3 * 32))
     for got in (o_rows_fp8_reference(*o), o_rows_fp8(*o)):
@@ -293,13 +299,13 @@ def test_o_rows_reference_is_the_previous_math_bit_for_bit(shift):
 
 
 def check_o_rows_kernel(h: int, rows: int, d: int, device: str, block_rows: int = 1, num_warps: int = 16,
-                        interpreted: bool = False, layout: str = "hsd", shift: bool = True) -> None:
+                        interpreted: bool = False, layout: str = "hsd", shift: bool = True, fa3: bool = False) -> None:
     """Triton (minimax_h3.kernels.fp8_rows.o_rows_launch) vs the reference, bounds as `check_kernel` (one bf16 rounding
     before the row quantisation, as there)."""
     scale_rtol, max_steps, exact_fraction = (2.0 ** -7, 8, 0.8) if interpreted else (1e-6, 1, EXACT_FRACTION)
     from minimax_h3.kernels.fp8_rows import o_rows_launch
 
-    o = make_o_input(h, rows, d, device, layout, shift)
+    o = make_o_input(h, rows, d, device, layout, shift, fa3=fa3)
     want = o_rows_fp8_reference(*o)
     q, s = o_rows_launch(*o, block_rows, num_warps)
     assert want.q.shape == (rows, h * d)
@@ -307,9 +313,10 @@ def check_o_rows_kernel(h: int, rows: int, d: int, device: str, block_rows: int 
 
 
 @needs_cuda
-@pytest.mark.parametrize("layout,shift", [("hsd", True), ("shd", True), ("hsd", False)])
-def test_o_rows_triton_matches_reference_on_gpu(layout, shift):
-    check_o_rows_kernel(56, 4099, 128, "cuda", layout=layout, shift=shift)
+@pytest.mark.parametrize("layout,shift,fa3", [("hsd", True, False), ("shd", True, False), ("hsd", False, False),
+                                              ("shd", True, True), ("shd", False, True)])
+def test_o_rows_triton_matches_reference_on_gpu(layout, shift, fa3):
+    check_o_rows_kernel(56, 4099, 128, "cuda", layout=layout, shift=shift, fa3=fa3)
 
 
 @needs_cuda
@@ -329,9 +336,10 @@ def test_o_rows_dispatcher_under_torch_compile_matches_eager():
     assert torch.equal(step(*o), torch.compile(step, fullgraph=True)(*o))
 
 
-def _tiny_fp8_out_proj_model(device: str):
+def _tiny_fp8_out_proj_model(device: str, kernel: str = "cudnn"):
     """A tiny bf16 DiT whose blocks' out_proj are fp8 linears (emulated on the CPU) and whose attention is fp8
-    (emulated: the kernel's arithmetic, any device) on every sequence, with a hook recording what out_proj gets."""
+    (emulated: cuDNN's or FA3's arithmetic, `kernel`, any device) on every sequence, with a hook recording what
+    out_proj gets."""
     from minimax_h3.dit.config import DiTConfig
     from minimax_h3.dit.layout import build_layout
     from minimax_h3.dit.model import H3DiT
@@ -343,7 +351,8 @@ def _tiny_fp8_out_proj_model(device: str):
     for name in names:
         model.swap_linear(name, Fp8RowwiseLinear.from_dense(model.get_submodule(name).weight.detach().float(),
                                                             emulate=device == "cpu"))
-    model.set_attention_fn(Fp8Attention(Fp8AttentionOptions(min_seq=0, static_qk=True), emulate=True))
+    model.set_attention_fn(Fp8Attention(Fp8AttentionOptions(min_seq=0, static_qk=True), emulate=True,
+                                        kernel=kernel))
     model.to(device)
     seen = []
     for name in names:
@@ -356,13 +365,15 @@ def _tiny_fp8_out_proj_model(device: str):
     return model, names, seen, (*inputs, 0.3, 0.5, lay)
 
 
-def test_model_hands_fp8_o_to_an_fp8_out_proj_on_the_cpu():
-    """Attention.attend keeps fp8 attention's O in e4m3 for an fp8 out_proj (Fp8AttentionOutput); on the CPU its
-    method dequantises each row chunk of it, which gives the bits the plain path (dequantise all of O, then chunk)
-    gives: with out_proj's plain method set per instance, attend dequantises O itself."""
+@pytest.mark.parametrize("kernel", ["cudnn", "fa3"])
+def test_model_hands_fp8_o_to_an_fp8_out_proj_on_the_cpu(kernel):
+    """Attention.attend hands an fp8 out_proj fp8 attention's O as the kernel wrote it (Fp8AttentionOutput: cuDNN's
+    e4m3, FA3's bf16); on the CPU its method dequantises each row chunk of it, which gives the bits the plain path
+    (dequantise all of O, then chunk) gives: with out_proj's plain method set per instance, attend dequantises O
+    itself."""
     from minimax_h3.dit.model import Attention
 
-    model, names, seen, args = _tiny_fp8_out_proj_model("cpu")
+    model, names, seen, args = _tiny_fp8_out_proj_model("cpu", kernel)
     kept = []
     for mod in model.modules():
         if isinstance(mod, Attention):  # records its outputs
@@ -381,10 +392,11 @@ def test_model_hands_fp8_o_to_an_fp8_out_proj_on_the_cpu():
 
 
 @needs_cuda
-def test_model_feeds_o_rows_to_an_fp8_out_proj_on_gpu():
+@pytest.mark.parametrize("kernel", ["cudnn", "fa3"])
+def test_model_feeds_o_rows_to_an_fp8_out_proj_on_gpu(kernel):
     """The same tiny model on the GPU: out_proj gets Fp8Rows from the O-rows kernel, and the output is the one where
     out_proj quantises the bf16 O rows itself, up to the rare e4m3 step."""
-    model, names, seen, args = _tiny_fp8_out_proj_model("cuda")
+    model, names, seen, args = _tiny_fp8_out_proj_model("cuda", kernel)
     with torch.no_grad():
         fused = model(*args)
         assert seen and all(t is Fp8Rows for t in seen)
@@ -434,6 +446,7 @@ def interpreter_main() -> None:
     for h, rows, d, block_rows, layout, shift in [(3, 13, 32, 1, "hsd", True), (5, 9, 16, 4, "shd", True),
                                                   (2, 6, 64, 2, "hsd", False), (7, 1, 16, 1, "shd", False)]:
         check_o_rows_kernel(h, rows, d, "cpu", block_rows, 4, interpreted=True, layout=layout, shift=shift)
+    check_o_rows_kernel(5, 9, 16, "cpu", 2, 4, interpreted=True, layout="shd", fa3=True)  # FA3's bf16 O
     for shift in (True, False):  # (the op's optional shift: None through the graph too)
         o = make_o_input(3, 9, 32, "cpu", shift=shift)
 

@@ -105,10 +105,12 @@ DEFAULT_OPTIONS = OPTIONS["head+kv+static-qk"]
 
 
 class Fp8O(NamedTuple):
-    """The attention output still quantised, as the kernel writes it (`Fp8Attention.attend_fp8_qk(...,
-    keep_fp8_o=True)`): o8 [H, S, D] e4m3, o_scale [H, 1, 1] fp32, o_shift [H, 1, D] fp32 or None;
-    O = `dequantize_o(o8, o_scale, o_shift, dtype)`. minimax_h3/kernels/layers.py hands its rows to an fp8 out_proj
-    in one pass (minimax_h3/kernels/fp8_rows.py `o_rows_fp8`) instead of writing O in the compute dtype first."""
+    """fp8 attention's output as its kernel writes it, before O is put together (`Fp8Attention.attend_fp8_qk(...,
+    keep_fp8_o=True)`): o8 [H, S, D], e4m3 from cuDNN's fp8 SDPA or bf16 from FlashAttention-3's fp8 kernel (any
+    head and row strides, D contiguous), o_scale [H, 1, 1] fp32 (ones for FA3, which applies V's scale itself),
+    o_shift [H, 1, D] fp32 (V's mean) or None; O = `dequantize_o(o8, o_scale, o_shift, dtype)`.
+    minimax_h3/kernels/layers.py hands its rows to an fp8 out_proj in one pass (minimax_h3/kernels/fp8_rows.py
+    `o_rows_fp8`) instead of writing O in the compute dtype first."""
 
     o8: torch.Tensor
     o_scale: torch.Tensor
@@ -723,7 +725,7 @@ class Fp8Attention:
 
     `kernel`: "cudnn" (cuDNN's fp8 SDPA, below) or "fa3" (FlashAttention-3's fp8 forward,
     minimax_h3/kernels/fa3_attention.py): the same quantised inputs; FA3 takes V's per-head scales as descales and
-    writes O in bf16 (so never `Fp8O`: `writes_fp8_o`)."""
+    writes O in bf16, which `Fp8O` carries with unit scales."""
 
     def __init__(self, options: Fp8AttentionOptions = DEFAULT_OPTIONS, emulate: bool = False,
                  compile_quant: bool = False, kernel: str = "cudnn"):
@@ -740,11 +742,6 @@ class Fp8Attention:
             self._dequantize = torch.compile(dequantize_o, dynamic=True)
         self.__name__ = (f"fp8_attention[{options.label}{', fa3' if kernel == 'fa3' else ''}"
                          f"{', emulated' if emulate else ''}]")
-
-    @property
-    def writes_fp8_o(self) -> bool:
-        """Whether the kernel writes O in e4m3, which `attend_fp8_qk(keep_fp8_o=True)` may hand on as it is."""
-        return self.kernel == "cudnn"
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         if q.shape[2] < self.options.min_seq:
@@ -763,7 +760,7 @@ class Fp8Attention:
 
     def attend_fp8_qk(self, x: Fp8QKInput, keep_fp8_o: bool = False) -> torch.Tensor | Fp8O:
         """x: q, k in e4m3 with static multipliers, v [1, H, S, D] (compute dtype) -> o [1, H, S, D] in v's dtype,
-        or (keep_fp8_o) the kernel's e4m3 O with its scales, not dequantised (`Fp8O`, o8 [H, S, D])."""
+        or (keep_fp8_o) the kernel's O with its scales and V's mean, not yet put together (`Fp8O`, o8 [H, S, D])."""
         v0 = x.v[0]
         if not self.emulate and triton_unsupported(v0, v0, v0) is None:
             v8, o_scale, o_shift = quantize_v_triton(v0, self.options)
@@ -776,24 +773,23 @@ class Fp8Attention:
 
     def _attend(self, p: Fp8QKV, dtype: torch.dtype, keep_fp8_o: bool = False) -> torch.Tensor | Fp8O:
         """The kernel (or its emulation) on quantised inputs, then O back to `dtype`, [1, H, S, D] (or, keep_fp8_o,
-        its e4m3 O and scales as they are)."""
+        the kernel's O with its scales and V's mean as they are: `Fp8O`)."""
         dequantize = dequantize_o if torch.compiler.is_compiling() else self._dequantize
         if self.kernel == "fa3":
-            if keep_fp8_o:
-                raise ValueError("FlashAttention-3 writes O in bf16: there is no e4m3 O to keep (see writes_fp8_o)")
             from .fa3_attention import fa3_fp8, fa3_fp8_emulated
 
             o = (fa3_fp8_emulated if self.emulate else fa3_fp8)(p.q8, p.k8, p.v8, p.descale_q, p.descale_k,
                                                                  p.o_scale * OUTPUT_SCALE)  # = V's descale
-            if p.o_shift is None:
+            if p.o_shift is None and not keep_fp8_o:
                 return o.to(dtype).unsqueeze(0)
-            one = torch.ones((), dtype=torch.float32, device=o.device)  # V's mean back on, in fp32 as for cuDNN's O
-            return self._run(dequantize, dequantize_o, o, one, p.o_shift, dtype).unsqueeze(0)
-        kernel = sdpa_fp8_emulated if self.emulate else sdpa_fp8
-        o8 = kernel(p.q8, p.k8, p.v8, p.descale_q, p.descale_k)
+            # V's mean back on, in fp32 as for cuDNN's O; FA3 applied V's scale already.
+            o_scale = torch.ones(o.shape[0], 1, 1, dtype=torch.float32, device=o.device)
+        else:
+            o = (sdpa_fp8_emulated if self.emulate else sdpa_fp8)(p.q8, p.k8, p.v8, p.descale_q, p.descale_k)
+            o_scale = p.o_scale
         if keep_fp8_o:
-            return Fp8O(o8, p.o_scale, p.o_shift)
-        return self._run(dequantize, dequantize_o, o8, p.o_scale, p.o_shift, dtype).unsqueeze(0)
+            return Fp8O(o, o_scale, p.o_shift)
+        return self._run(dequantize, dequantize_o, o, o_scale, p.o_shift, dtype).unsqueeze(0)
 
     def _run(self, fn, eager, *args):
         """fn(*args); if a standalone compilation fails, warn once and stay eager (same math, unfused)."""

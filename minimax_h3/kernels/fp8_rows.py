@@ -31,17 +31,18 @@ below -87.3, `_swiglu_fp8_kernel` says why not in practice); tests/test_fp8_rows
 kernel's. The fp8 fc2's method uses it in eager blocks and, as its `swiglu_in_compiled_blocks` says, in compiled
 ones (there it beats Inductor's fusion of the same ops).
 
-The O-rows kernel: fp8 attention (minimax_h3/kernels/fp8_attention.py) writes an e4m3 O [H, S, D] with a per-head scale and
-the V-smoothing shift; the model dequantised it to bf16 O = (o8 * o_scale + o_shift) in fp32, rounded to bf16, and
-the fp8 out_proj quantised its rows [rows, H * D] (heads side by side) per row: two passes over a bf16 O, one of
-them transposing. `o_rows_fp8` (custom op `h3stages::o_rows_fp8`, dispatched as `modulate_fp8`; reference
-`o_rows_fp8_reference` = `dequantize_o`, the rows, then `quantize_fp8_rowwise`) reads each e4m3 element of O once,
+The O-rows kernel: fp8 attention (minimax_h3/kernels/fp8_attention.py) writes O [H, S, D], in e4m3 with a per-head
+scale (cuDNN) or in bf16 with unit scales (FlashAttention-3), and the V-smoothing shift; the model dequantised it to
+bf16 O = (o8 * o_scale + o_shift) in fp32, rounded to bf16, and the fp8 out_proj quantised its rows [rows, H * D]
+(heads side by side) per row: two passes over a bf16 O, one of them transposing. `o_rows_fp8` (custom op
+`h3stages::o_rows_fp8`, dispatched as `modulate_fp8`; reference `o_rows_fp8_reference` = `dequantize_o`, the rows,
+then `quantize_fp8_rowwise`) reads each element of O once,
 a whole output row (all heads) per program, and writes `Fp8Rows`; O may be a row slice of the whole O (any row and
 head strides). Its arithmetic is the reference's as torch runs it on CUDA (the fp32 multiply and add, each rounded,
 the bf16 rounding, then `_store_fp8_rows`), with no reduction order or library function in it: on a GPU it is
 expected to match bit for bit, and tests/test_fp8_rows.py bounds it as the other kernels. fp8 attention hands O
-over in e4m3 to an fp8 out_proj (minimax_h3/kernels/layers.py Fp8AttentionInput / Fp8AttentionOutput) in eager
-blocks and, as the out_proj method's `o_rows_in_compiled_blocks` says, in compiled ones.
+over as its kernel wrote it to an fp8 out_proj (minimax_h3/kernels/layers.py Fp8AttentionInput /
+Fp8AttentionOutput) in eager blocks and, as the out_proj method's `o_rows_in_compiled_blocks` says, in compiled ones.
 
 Launch parameters (rows per program, warps) are per-device data: minimax_h3/kernels/tuning.json.
 """
@@ -327,7 +328,7 @@ if triton is not None:
         _store_fp8_rows(y, mask, row, row_ok, ch, C, q_ptr, qs_ptr, FP8_MAX, INV_FP8_MAX, SCALE_FLOOR)
 
 
-# --- O dequantisation + fp8 row quantisation: fp8 attention's e4m3 O, handed to an fp8 out_proj -------------------
+# --- O dequantisation + fp8 row quantisation: fp8 attention's O, handed to an fp8 out_proj ------------------------
 
 _O_ROWS_FALLBACK = KernelFallback("O dequantisation + fp8 row quantisation", log)
 
@@ -336,7 +337,8 @@ def o_rows_fp8_reference(o8: torch.Tensor, o_scale: torch.Tensor, o_shift: torch
     """The previous three steps in plain torch (any device): fp8 attention's `dequantize_o` to bf16, the rows of
     all heads side by side (minimax_h3/kernels/layers.py, the plain method's `apply_fp8_o`), then
     `quantize_fp8_rowwise`.
-    o8 [H, rows, D] e4m3, o_scale [H, 1, 1] fp32, o_shift [H, 1, D] fp32 or None -> Fp8Rows (q [rows, H * D])."""
+    o8 [H, rows, D] e4m3 or bf16, o_scale [H, 1, 1] fp32, o_shift [H, 1, D] fp32 or None -> Fp8Rows (q [rows,
+    H * D])."""
     h, rows, d = o8.shape
     o = dequantize_o(o8, o_scale, o_shift, torch.bfloat16)
     return Fp8Rows(*quantize_fp8_rowwise(o.transpose(0, 1).reshape(rows, h * d)))
@@ -347,8 +349,8 @@ def o_rows_unsupported(o8: torch.Tensor, o_scale: torch.Tensor, o_shift: torch.T
     devices)."""
     if triton is None:
         return "triton is not installed"
-    if o8.dim() != 3 or o8.dtype != torch.float8_e4m3fn:
-        return f"o8 must be e4m3 [H, rows, D], got {o8.dtype} {list(o8.shape)}"
+    if o8.dim() != 3 or o8.dtype not in (torch.float8_e4m3fn, torch.bfloat16):
+        return f"o8 must be e4m3 or bf16 [H, rows, D], got {o8.dtype} {list(o8.shape)}"
     h, _, d = o8.shape
     if not 16 <= h * d <= MAX_CHANNELS:
         return f"H * D must be in 16..{MAX_CHANNELS}, got {h} * {d}"
@@ -366,9 +368,9 @@ def o_rows_unsupported(o8: torch.Tensor, o_scale: torch.Tensor, o_shift: torch.T
 
 
 def o_rows_fp8(o8: torch.Tensor, o_scale: torch.Tensor, o_shift: torch.Tensor | None) -> Fp8Rows:
-    """o8 [H, rows, D] e4m3 (fp8 attention's O, or a row slice of it), o_scale [H, 1, 1], o_shift [H, 1, D] or None
-    -> Fp8Rows (q [rows, H * D] e4m3, scale [rows, 1] fp32) of the dequantised bf16 O's rows, heads side by side:
-    the Triton kernel on CUDA where it serves the arguments, else the reference."""
+    """o8 [H, rows, D] e4m3 or bf16 (fp8 attention's O, or a row slice of it), o_scale [H, 1, 1], o_shift
+    [H, 1, D] or None -> Fp8Rows (q [rows, H * D] e4m3, scale [rows, 1] fp32) of the dequantised bf16 O's rows,
+    heads side by side: the Triton kernel on CUDA where it serves the arguments, else the reference."""
     return _O_ROWS_FALLBACK.dispatch(
         o8.device, o_rows_unsupported(o8, o_scale, o_shift) if o8.is_cuda else "o8 is not on a CUDA device",
         lambda: Fp8Rows(*torch.ops.h3stages.o_rows_fp8(o8, o_scale, o_shift)),
@@ -392,10 +394,10 @@ def _(o8, o_scale, o_shift, block_rows=None, num_warps=None):
 def o_rows_launch(o8: torch.Tensor, o_scale: torch.Tensor, o_shift: torch.Tensor | None,
                   block_rows: int | None = None,
                   num_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Runs the kernel: o8 [H, rows, D] e4m3 (any head and row strides, e.g. a row slice of the whole O; contiguous
-    D), o_scale [H, 1, 1] / o_shift [H, 1, D] fp32 (any strides) or None -> (q [rows, H * D] e4m3, scale [rows, 1]
-    fp32), both new and contiguous. Raises ValueError for arguments it does not serve (`o_rows_unsupported`);
-    block_rows and num_warps tune the launch (`_grid`)."""
+    """Runs the kernel: o8 [H, rows, D] e4m3 or bf16 (any head and row strides, e.g. a row slice of the whole O;
+    contiguous D), o_scale [H, 1, 1] / o_shift [H, 1, D] fp32 (any strides) or None -> (q [rows, H * D] e4m3,
+    scale [rows, 1] fp32), both new and contiguous. Raises ValueError for arguments it does not serve
+    (`o_rows_unsupported`); block_rows and num_warps tune the launch (`_grid`)."""
     reason = o_rows_unsupported(o8, o_scale, o_shift)
     if reason is not None:
         raise ValueError(f"the Triton O dequantisation + fp8 quantisation kernel does not serve this call: {reason}")
@@ -418,7 +420,7 @@ if triton is not None:
                            INV_FP8_MAX: tl.constexpr, SCALE_FLOOR: tl.constexpr, BLOCK_R: tl.constexpr,
                            BLOCK_C: tl.constexpr):
         """One program: BLOCK_R whole output rows, C = H * D channels (head-major, as out_proj's input columns),
-        each e4m3 element of O read once; sc_ptr: each column's head scale, [C] contiguous. Every step is one op of
+        each element of O read once; sc_ptr: each column's head scale, [C] contiguous. Every step is one op of
         `o_rows_fp8_reference` as torch runs it on CUDA, in its order."""
         row, ch, row_ok, c_ok, mask = _row_block(rows, C, BLOCK_R, BLOCK_C)
         # Output column ch = head * D + d. The scales and the shift are loaded as [1, BLOCK_C] tiles, in the layout
@@ -426,7 +428,7 @@ if triton is not None:
         head = (ch // D).to(tl.int64)[None, :]
         d = (ch % D)[None, :]
         c_ok = c_ok[None, :]
-        # 1. `dequantize_o`: e4m3 -> fp32 (exact), times the head's scale (fp32), plus the shift (fp32), each
+        # 1. `dequantize_o`: e4m3 or bf16 -> fp32 (exact), times the head's scale (fp32), plus the shift (fp32), each
         #    rounded on its own, then rounded to bf16. The per-head scale and shift rows serve all BLOCK_R rows.
         o_scale = tl.load(sc_ptr + ch[None, :], mask=c_ok, other=0.0)
         o8 = tl.load(o8_ptr + head * o_s_h + row[:, None] * o_s_row + d, mask=mask, other=0.0,

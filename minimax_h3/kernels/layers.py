@@ -14,8 +14,8 @@ weights, its method's `apply` does the kernel work):
 - Attention: the block's q, k, v go into an `AttentionInput` made for the attention kernel the start-up probe chose
   (`attention_input`): a compute-dtype buffer for any kernel, or, for fp8 attention
   (minimax_h3/kernels/fp8_attention.py) with static q/k scales, q and k written in e4m3 straight from the q/k norm kernel. Its `attend` returns an
-  `AttentionOutput` whose rows go to out_proj (`project`); fp8 attention may keep O in e4m3 for an fp8 out_proj,
-  whose method takes its rows in one pass.
+  `AttentionOutput` whose rows go to out_proj (`project`); fp8 attention hands an fp8 out_proj O as its kernel
+  wrote it (cuDNN's e4m3, FA3's bf16) with V's mean, and that linear's method takes the rows in one pass.
 
 Which fused kernel also runs inside a torch.compile'd block is the method's choice (`Fp8RowsMethod` fields):
 where Inductor's own fusion of the same plain ops is as fast, the compiled block is left to trace them
@@ -61,8 +61,8 @@ def modulated(x: torch.Tensor, modulation: Modulation | None, dtype: torch.dtype
 
 
 def o_rows(o: Fp8O, dtype: torch.dtype) -> torch.Tensor:
-    """fp8 attention's e4m3 O (o8 [H, rows, D]) as out_proj's plain input: dequantised to `dtype`, heads side by
-    side -> [rows, H * D]."""
+    """fp8 attention's O as its kernel wrote it (`Fp8O`, o8 [H, rows, D]) as out_proj's plain input: dequantised to
+    `dtype`, heads side by side -> [rows, H * D]."""
     return _head_rows(dequantize_o(*o, dtype))
 
 
@@ -79,11 +79,11 @@ class LinearMethod:
         return layer(swiglu(y))
 
     def takes_fp8_o(self, dtype: torch.dtype) -> bool:
-        """Whether fp8 attention may hand this linear its O still in e4m3 (`apply_fp8_o`)."""
+        """Whether fp8 attention may hand this linear its O as the kernel wrote it (`Fp8O`, `apply_fp8_o`)."""
         return False
 
     def apply_fp8_o(self, layer: nn.Module, o: Fp8O, dtype: torch.dtype) -> torch.Tensor:
-        """layer(rows of O) for fp8 attention's e4m3 O (o8 [H, rows, D]): dequantised to `dtype` first, heads side
+        """layer(rows of O) for fp8 attention's `Fp8O` (o8 [H, rows, D]): dequantised to `dtype` first, heads side
         by side."""
         return layer(o_rows(o, dtype))
 
@@ -163,7 +163,7 @@ class AttentionOutput:
 
 
 class Fp8AttentionOutput(AttentionOutput):
-    """fp8 attention's O still in e4m3 (`Fp8O`, o8 [H, S, D]), for an out_proj whose method takes it."""
+    """fp8 attention's O as its kernel wrote it (`Fp8O`, o8 [H, S, D]), for an out_proj whose method takes it."""
 
     def __init__(self, o: Fp8O, dtype: torch.dtype):
         self.fp8, self.dtype = o, dtype
@@ -213,7 +213,7 @@ class Fp8AttentionInput(AttentionInput):
             self.fp8 = x._replace(v=y[:, 2].transpose(0, 1).unsqueeze(0))  # [1, H, S, D] view
 
     def attend(self, fn, out_proj, dtype):
-        if fn.writes_fp8_o and linear_method(out_proj).takes_fp8_o(dtype):
+        if linear_method(out_proj).takes_fp8_o(dtype):
             return Fp8AttentionOutput(fn.attend_fp8_qk(self.fp8, keep_fp8_o=True), dtype)
         return AttentionOutput(fn.attend_fp8_qk(self.fp8))
 

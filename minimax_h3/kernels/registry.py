@@ -473,10 +473,11 @@ class KernelConfig:
     # Representative probe shapes: (tokens, in, out) GEMMs (DiT qkv-like and fc2-like) and one attention
     # [1, heads, seq, head_dim]. The attention row count is a served one: the smallest seed shape, 832x480x124,
     # has S = 14,882, and an 8-bit kernel's per-row quantisation cost only pays off against the S^2 work at such
-    # lengths (docs/kernels.md, "8-bit attention": at S = 4,096 fp8 loses to cuDNN bf16, at 14,882 it wins).
-    # Well under a second per candidate on a datacenter GPU.
+    # lengths (docs/kernels.md, "8-bit attention": at S = 4,096 fp8 loses to cuDNN bf16, at 14,882 it wins). Served
+    # lengths are no multiple of a kernel's tile, so neither is the probe's: a kernel is timed with its ragged
+    # last tile, as a job runs it. Well under a second per candidate on a datacenter GPU.
     linear_shapes: tuple[tuple[int, int, int], ...] = ((4096, 5376, 21504), (4096, 14336, 5376))
-    attention_shape: tuple[int, int, int, int] = (1, 56, 16384, 128)
+    attention_shape: tuple[int, int, int, int] = (1, 56, 14882, 128)
     probe_iters: int = 5
     seed: int = 0
 
