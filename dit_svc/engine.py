@@ -20,8 +20,8 @@ import torch
 
 from minimax_h3.contract import (AUDIO_CHANNELS, AUDIO_LATENTS, CONTINUATION, IMAGE_FRAMES, IMAGE_PROMPT_ONLY,
                                  KEYFRAME_TENSORS, PARTITIONS, SINGLE, TAIL_AUDIO, TAIL_VIDEO, TEXT_STATES, TEXT_TAGS,
-                                 VAE_SPATIAL, VIDEO_LATENTS, LatentGeometry, RenderSpec, WindowPlan, check_partition, has_references,
-                                 keyframe_anchors, needed_partition, plan_windows, prompt_tensor)
+                                 VAE_SPATIAL, VIDEO_LATENTS, LatentGeometry, RenderSpec, WindowPlan, check_partition,
+                                 has_references, keyframe_anchors, needed_partition, plan_windows, prompt_tensor)
 from minimax_h3.dit.assembly import assemble_dit, block_linears, kernel_linears
 from minimax_h3.dit.checkpoint import (CheckpointInfo, check_checkpoint, load_dit_weights,
                                        partition_undecided)
