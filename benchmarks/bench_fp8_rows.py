@@ -11,6 +11,9 @@ against Triton, for each of --ops:
   as a t2va packed sequence has it: 38 text rows, 414 audio rows, then video rows, each block one table row).
   Bytes moved: x read (fp32), q + scales written once (the three AdaLN rows stay in cache).
   Writes <out>/fp8_rows.json.
+- `addmod`: the attention's gated residual add made in the MLP's modulation, then `modulate` (x += gate[r] * part
+  in place, part = out_proj's bf16 rows [rows, C], gate = a third column chunk of the same AdaLN output). Bytes
+  moved: x read and written (fp32), part read (bf16), q + scales written once. Writes <out>/add_modulate_fp8.json.
 - `swiglu`: the MLP's silu(gate) * value + fp8 row quantisation (y = fc1's bf16 output [rows, 2F] = [gate | value],
   F = 14336). Bytes moved: y read (bf16), q + scales written once. Writes <out>/swiglu_fp8.json.
 - `orows`: fp8 attention's O dequantisation + out_proj's fp8 row quantisation (o8 = the attention kernel's e4m3 O
@@ -65,6 +68,7 @@ class Op:
     inputs: Callable[[int, int, torch.device], tuple[tuple, int]]  # (rows, width, device) -> (args, bytes moved)
     reference: str
     kernel: str
+    mutates_first: bool = False  # the op writes its first input (timed calls keep adding to it; checks get a copy)
 
 
 def modulate_inputs(rows: int, c: int, device: torch.device) -> tuple[tuple, int]:
@@ -76,6 +80,15 @@ def modulate_inputs(rows: int, c: int, device: torch.device) -> tuple[tuple, int
     r[:TEXT_ROWS + AUDIO_ROWS] = TAG_AUDIO
     r[:TEXT_ROWS] = TAG_TEXT
     return (x, weight, EPS, shift, scale, r), x.numel() * 4 + x.numel() + rows * 4  # fp32 x in, e4m3 + scales out
+
+
+def add_modulate_inputs(rows: int, c: int, device: torch.device) -> tuple[tuple, int]:
+    (x, weight, eps, shift, scale, r), _ = modulate_inputs(rows, c, device)
+    g = torch.Generator(device=device).manual_seed(rows + 1)
+    gate = (torch.randn(M * 3, 6 * c, generator=g, device=device) * 0.5).chunk(6, dim=-1)[2]
+    part = torch.randn(rows, c, generator=g, device=device).to(torch.bfloat16)
+    # fp32 x in and out, bf16 part in, e4m3 + scales out
+    return (x, gate, part, weight, eps, shift, scale, r), x.numel() * (4 + 4 + 2 + 1) + rows * 4
 
 
 def o_rows_inputs(rows: int, c: int, device: torch.device) -> tuple[tuple, int]:
@@ -96,6 +109,8 @@ def swiglu_inputs(rows: int, f: int, device: torch.device) -> tuple[tuple, int]:
 OPS = {
     "modulate": Op("fp8_rows.json", 5376, 96, "1x8,1x4,2x8,2x16,1x16", modulate_inputs, "modulate_fp8_reference",
                    "modulate_fp8_rows_op"),
+    "addmod": Op("add_modulate_fp8.json", 5376, 96, "1x8,1x4,1x16,2x8,2x16", add_modulate_inputs,
+                 "add_modulate_fp8_reference", "add_modulate_fp8_rows_op", mutates_first=True),
     "swiglu": Op("swiglu_fp8.json", 14336, 96, "1x32,1x16,2x16,4x16,2x32", swiglu_inputs, "swiglu_fp8_reference",
                  "swiglu_fp8_rows_op"),
     "orows": Op("o_rows_fp8.json", 56 * O_HEAD_DIM, 3 * O_HEAD_DIM, "1x8,1x16,1x4,1x32,2x16,4x16,2x32,4x32",
@@ -121,7 +136,7 @@ def bench_op(fr, name: str, op: Op, device: torch.device, shapes, width: int, co
     result: dict = {"op": name, "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu (--tiny)",
                     "torch": torch.__version__, "triton": fr.triton.__version__ if run_triton else None,
                     "width": width, "iters": args.iters, "shapes": []}
-    if name == "modulate":
+    if name in ("modulate", "addmod"):
         result["timesteps"] = M
     if name == "orows":
         result["heads"], result["head_dim"] = width // O_HEAD_DIM, O_HEAD_DIM
@@ -130,17 +145,21 @@ def bench_op(fr, name: str, op: Op, device: torch.device, shapes, width: int, co
     compiled = torch.compile(reference, dynamic=False) if device.type == "cuda" else None
     for rows in shapes:
         inputs, moved = op.inputs(rows, width, device)
-        ref = reference(*inputs)
+
+        def fresh(inputs=inputs):  # the inputs as made (a copy of the first where the op writes it)
+            return (inputs[0].clone(), *inputs[1:]) if op.mutates_first else inputs
+
+        ref = reference(*fresh())
         variants = {"reference eager": lambda: reference(*inputs)}
         devs = {}
         if compiled is not None:
             variants["reference compiled"] = lambda: compiled(*inputs)
-            devs["reference compiled"] = deviation(variants["reference compiled"](), ref)
+            devs["reference compiled"] = deviation(compiled(*fresh()), ref)
         if run_triton:
             for cfg, b, nw in configs:
                 variant = f"triton {cfg}"
                 variants[variant] = lambda b=b, nw=nw: kernel(*inputs, b, nw)
-                devs[variant] = deviation(variants[variant](), ref)
+                devs[variant] = deviation(kernel(*fresh(), b, nw), ref)
                 worst_steps = max(worst_steps, devs[variant]["max_steps"])
         notes = {v: f"  scale rel {d['max_scale_rel']:.1e}, max {d['max_steps']} e4m3 steps, "
                     f"{d['exact_fraction']:.5f} bitwise equal" for v, d in devs.items()}
@@ -154,7 +173,7 @@ def bench_op(fr, name: str, op: Op, device: torch.device, shapes, width: int, co
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True, help="directory for the JSON files (one per op)")
-    ap.add_argument("--ops", default="modulate,swiglu,orows", type=comma_choices(OPS),
+    ap.add_argument("--ops", default="modulate,addmod,swiglu,orows", type=comma_choices(OPS),
                     help=f"comma-separated, of {', '.join(OPS)}")
     ap.add_argument("--iters", type=int, default=20, help="timed calls per variant (median)")
     ap.add_argument("--configs", default=None,

@@ -1,15 +1,20 @@
 """What the op-level benchmarks of the Triton kernels share (benchmarks/bench_qk_norm_rope.py, benchmarks/bench_fp8_rows.py):
 timing each variant of one op at one size, comparing e4m3 outputs, failing on an error bound, and writing the result
-file."""
+file. Importing it under `--tiny` (a CPU dry run) sets TRITON_INTERPRET=1 first: Triton reads it when the kernels
+are defined, which the imports below already do."""
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Callable
 
-import torch
+if "--tiny" in sys.argv:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 

@@ -43,11 +43,14 @@ def kernel_spec(fr, op: str, width: int, block_rows: int):
     if op == "swiglu":
         sig = {"y_ptr": "*bf16", "q_ptr": "*fp8e4nv", "qs_ptr": "*fp32", "rows": "i32", "C": "i32", "y_s_row": "i32"}
         return fr._swiglu_fp8_kernel, sig, {**common, "CUDA": True}
+    # modulate / addmod (with the residual add: part = out_proj's bf16 rows, gate = an AdaLN column chunk)
     sig = {"x_ptr": "*fp32", "w_ptr": "*bf16", "shift_ptr": "*fp32", "scale_ptr": "*fp32", "r_ptr": "*i64",
-           "q_ptr": "*fp8e4nv", "qs_ptr": "*fp32", "rows": "i32", "C": "i32", "inv_c": "fp32", "eps": "fp32",
-           "x_s_row": "i32", "sh_s_row": "i32", "sc_s_row": "i32"}
-    unit_strides = dict.fromkeys(("x_s_c", "w_s", "sh_s_c", "sc_s_c", "r_s"), 1)  # a launch specialises 1s away
-    return fr._modulate_fp8_kernel, sig, {**common, **unit_strides}
+           "gate_ptr": "*fp32", "part_ptr": "*bf16" if op == "addmod" else "*fp32", "q_ptr": "*fp8e4nv",
+           "qs_ptr": "*fp32", "rows": "i32", "C": "i32", "inv_c": "fp32", "eps": "fp32", "x_s_row": "i32",
+           "sh_s_row": "i32", "sc_s_row": "i32", "g_s_row": "i32", "p_s_row": "i32"}
+    # a launch specialises unit strides away
+    unit_strides = dict.fromkeys(("x_s_c", "w_s", "sh_s_c", "sc_s_c", "r_s", "g_s_c", "p_s_c"), 1)
+    return fr._modulate_fp8_kernel, sig, {**common, **unit_strides, "ADD": op == "addmod"}
 
 
 def compile_one(fr, kernel, sig: dict, consts: dict, num_warps: int, arch: int) -> dict:
@@ -57,7 +60,8 @@ def compile_one(fr, kernel, sig: dict, consts: dict, num_warps: int, arch: int) 
     names = list(kernel.arg_names)
     signature = {name: sig.get(name, "constexpr") for name in names}
     divisible = [n for n, t in sig.items() if t.startswith("*") or n in ("C", "y_s_row", "x_s_row", "sh_s_row",
-                                                                         "sc_s_row", "o_s_h", "o_s_row", "sh_s_h")]
+                                                                         "sc_s_row", "g_s_row", "p_s_row", "o_s_h",
+                                                                         "o_s_row", "sh_s_h")]
     src = ASTSource(fn=kernel, signature=signature, constexprs={(names.index(k),): v for k, v in consts.items()},
                     attrs={(names.index(n),): [["tt.divisibility", 16]] for n in divisible})
     compiled = fr.triton.compile(src, target=GPUTarget("cuda", arch, 32),
@@ -74,7 +78,7 @@ def compile_one(fr, kernel, sig: dict, consts: dict, num_warps: int, arch: int) 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--ops", default="modulate,swiglu,orows", type=comma_choices(OPS),
+    ap.add_argument("--ops", default="modulate,addmod,swiglu,orows", type=comma_choices(OPS),
                     help=f"comma-separated, of {', '.join(OPS)}")
     ap.add_argument("--configs", default=None, help="ROWSxWARPS,... (default: each op's benchmark sweep)")
     ap.add_argument("--arch", type=int, default=90, help="CUDA compute capability x 10 (90: H100 / H200)")

@@ -19,8 +19,9 @@ from minimax_h3.dit.model import RMSNorm
 from minimax_h3.dit.ops import modulate
 from minimax_h3.kernels.fp8 import FP8_SCALE_FLOOR, Fp8Rows, quantize_fp8_rowwise
 from minimax_h3.kernels.fp8_attention import Fp8Attention, Fp8AttentionOptions, Fp8O, dequantize_o, e4m3_steps
-from minimax_h3.kernels.fp8_rows import (modulate_fp8, modulate_fp8_reference, o_rows_fp8, o_rows_fp8_reference,
-                                         swiglu_fp8, swiglu_fp8_reference)
+from minimax_h3.kernels.fp8_rows import (add_modulate_fp8, add_modulate_fp8_reference, modulate_fp8,
+                                         modulate_fp8_reference, o_rows_fp8, o_rows_fp8_reference, swiglu_fp8,
+                                         swiglu_fp8_reference)
 from minimax_h3.kernels.layers import PLAIN, Fp8AttentionOutput, fp8_rows_method, linear_method
 from minimax_h3.kernels.registry import Fp8RowwiseLinear
 
@@ -130,10 +131,16 @@ def test_dispatcher_under_torch_compile_matches_eager():
 
 
 @needs_cuda
-def test_block_feeds_fp8_rows_to_fp8_linears():
+def test_block_feeds_fp8_rows_to_fp8_linears(monkeypatch):
     """A tiny DiT with fp8 qkv_proj / fc1 / fc2 on the GPU: their method hands qkv_proj / fc1 Fp8Rows from the
-    modulation kernel and fc2 Fp8Rows from swiglu_fp8, and the output equals the one where those linears quantise
-    the bf16 rows themselves (the plain method set per instance)."""
+    modulation kernel (fc1's with the attention's gated residual add made in it: one row chunk, one rank) and fc2
+    Fp8Rows from swiglu_fp8, and the output equals the one where those linears quantise the bf16 rows themselves
+    (the plain method set per instance)."""
+    from minimax_h3.kernels import fp8_rows
+
+    added = []
+    kernel = fp8_rows.add_modulate_fp8
+    monkeypatch.setattr(fp8_rows, "add_modulate_fp8", lambda *a: added.append(1) or kernel(*a))
     from minimax_h3.dit.config import DiTConfig
     from minimax_h3.dit.layout import build_layout
     from minimax_h3.dit.model import H3DiT
@@ -156,6 +163,7 @@ def test_block_feeds_fp8_rows_to_fp8_linears():
     with torch.no_grad():
         fused = model(video, audio, text, 0.3, 0.5, lay)
         assert len(seen) == len(fp8) and all(t is Fp8Rows for t in seen)
+        assert len(added) == cfg.num_layers
         for name in fp8:
             model.get_submodule(name).linear_method = PLAIN
         seen.clear()
@@ -163,6 +171,115 @@ def test_block_feeds_fp8_rows_to_fp8_linears():
         assert len(seen) == len(fp8) and all(t is torch.Tensor for t in seen)
     for a, b in zip(fused, plain):
         assert (a - b).norm() <= 1e-2 * b.norm()
+
+
+# --- Gated residual add + modulation + fp8 row quantisation ----------------------------------------------------
+
+
+def make_add_inputs(rows: int, c: int, m: int, device: str, seed: int = 0):
+    """`make_inputs` plus the add's gate (a third column chunk of the same AdaLN output) and part (bf16, as out_proj
+    writes it, inside a wider buffer: row stride C + 8)."""
+    x, w, shift, scale, r = make_inputs(rows, c, m, device, seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    gate = (torch.randn(m * 3, 6 * c, generator=g) * 0.5).to(device)[:, 2 * c:3 * c]
+    part = (torch.randn(rows, c + 8, generator=g) * 2).to(device=device, dtype=torch.bfloat16)[:, 4:4 + c]
+    if rows > 7:
+        part[7] = 0.0  # row 7 of x is all zeros (make_inputs) and stays so: the scale floor
+    return x, gate, part, w, shift, scale, r
+
+
+def test_add_reference_is_the_previous_math_bit_for_bit():
+    """The block's gated add of the out_proj rows (fp32 partial sums), then the modulation and fc1's quantiser: the
+    same x and the same rows as the reference (and the dispatcher on the CPU), from the bf16 out_proj rows."""
+    x, gate, part, w, shift, scale, r = make_add_inputs(37, 96, 2, "cpu")
+    want_x = x.clone()
+    want_x += gate.index_select(0, r) * part.float()
+    want = modulate_fp8_reference(want_x, w, EPS, shift, scale, r)
+    for fn in (add_modulate_fp8_reference, add_modulate_fp8):
+        got_x = x.clone()
+        got = fn(got_x, gate, part, w, EPS, shift, scale, r)
+        assert torch.equal(got_x, want_x)
+        assert torch.equal(got.q.view(torch.uint8), want.q.view(torch.uint8)) and torch.equal(got.scale, want.scale)
+
+
+def check_add_kernel(rows: int, c: int, m: int, device: str, block_rows: int = 1, num_warps: int = 8,
+                     interpreted: bool = False) -> None:
+    """Triton with the residual add (minimax_h3.kernels.fp8_rows.add_launch) vs the reference: x bitwise equal (one
+    fp32 product and one sum per element, as torch takes them), the rows within `check_kernel`'s bounds."""
+    scale_rtol, max_steps, exact_fraction = (2.0 ** -7, 8, 0.8) if interpreted else (1e-6, 1, EXACT_FRACTION)
+    from minimax_h3.kernels.fp8_rows import add_launch
+
+    x, gate, part, w, shift, scale, r = make_add_inputs(rows, c, m, device)
+    want_x = x.clone()
+    want = add_modulate_fp8_reference(want_x, gate, part, w, EPS, shift, scale, r)
+    q, s = add_launch(x, gate, part, w, EPS, shift, scale, r, block_rows, num_warps)
+    assert torch.equal(x, want_x)
+    assert_rows_match(q, s, want, scale_rtol, max_steps, exact_fraction, zero_row=False)
+
+
+@needs_cuda
+@pytest.mark.parametrize("rows,c", [(4099, 5376), (1000, 640)])
+def test_add_triton_matches_reference_on_gpu(rows, c):
+    check_add_kernel(rows, c, 2, "cuda")
+
+
+@needs_cuda
+@pytest.mark.parametrize("block_rows,num_warps", [(1, 4), (1, 16), (2, 8)])
+def test_add_triton_launch_configs_on_gpu(block_rows, num_warps):
+    check_add_kernel(1000, 5376, 1, "cuda", block_rows, num_warps)
+
+
+@needs_cuda
+def test_add_dispatcher_under_torch_compile_matches_eager():
+    """The op writes x: through torch.compile (as in a compiled block: x a row slice of the caller's residual) x and
+    the rows come out as in eager."""
+    x, gate, part, w, shift, scale, r = make_add_inputs(4099, 5376, 1, "cuda")
+    resid = torch.cat([x, x[:3]])
+
+    def step(resid, part):
+        q, s = add_modulate_fp8(resid[:4099], gate, part * 2, w, EPS, shift, scale, r)  # ops before and after
+        return q.float() * s * 0.5
+
+    eager_resid, compiled_resid = resid.clone(), resid.clone()
+    eager = step(eager_resid, part)
+    compiled = torch.compile(step, fullgraph=True)(compiled_resid, part)
+    assert torch.equal(eager, compiled) and torch.equal(eager_resid, compiled_resid)
+    assert not torch.equal(eager_resid, resid)
+
+
+def test_deferred_gated_adds_give_the_same_bits(monkeypatch):
+    """Block.defers (a GPU, one row chunk, one rank) leaves each gated residual add to the next modulation of the
+    rows: step 4's to fc1's, step 5's to the next block's qkv_proj's, the last block's made by H3DiT.forward. Forced
+    on in eager CPU blocks with fp8 (emulated) and plain linears: the output is bit for bit the one of adding in
+    place, and the linears' methods made every add but the last."""
+    from minimax_h3.dit.config import DiTConfig
+    from minimax_h3.dit.layout import build_layout
+    from minimax_h3.dit.model import Block, H3DiT
+    from minimax_h3.kernels.layers import LinearMethod
+
+    cfg = DiTConfig.tiny()
+    torch.manual_seed(0)
+    model = H3DiT(cfg, compute_dtype=torch.bfloat16).eval()
+    for name in ("blocks.0.attn.qkv_proj", "blocks.1.mlp.fc1"):  # one fp8 method, one plain, at each kind of add
+        model.swap_linear(name, Fp8RowwiseLinear.from_dense(model.get_submodule(name).weight.detach().float(),
+                                                            emulate=True))
+    lay = build_layout(cfg, 6, 22, 64, 96, ("last",))
+    g = torch.Generator().manual_seed(1)
+    args = [torch.randn(n, d, generator=g) for n, d in ((lay.num_video_rows, cfg.video_patch_dim),
+                                                        (lay.num_audio_rows, cfg.audio_in_channels),
+                                                        (lay.text_len, cfg.text_dim))]
+    made = []
+    apply_added = LinearMethod.apply_added
+    monkeypatch.setattr(LinearMethod, "apply_added",
+                        lambda self, *a, **k: made.append(1) or apply_added(self, *a, **k))
+    with torch.no_grad():
+        assert not model.blocks[0].defers(torch.zeros(3, cfg.hidden))  # the CPU adds in place
+        in_place = model(*args, 0.3, 0.5, lay)
+        assert not made
+        monkeypatch.setattr(Block, "defers", lambda self, x: True)
+        deferred = model(*args, 0.3, 0.5, lay)
+    assert len(made) == 2 * cfg.num_layers - 1
+    assert all(torch.equal(a, b) for a, b in zip(deferred, in_place))
 
 
 # --- SwiGLU + fp8 row quantisation ------------------------------------------------------------------------------
@@ -431,6 +548,20 @@ def interpreter_main() -> None:
         return q.float() * s
 
     assert torch.equal(step(x), torch.compile(step, backend="aot_eager", fullgraph=True)(x))
+    # With the residual add: x updated in place (also a row slice of a bigger residual, through graph capture).
+    for rows, c, m, block_rows in [(13, 96, 2, 1), (9, 40, 1, 4)]:
+        check_add_kernel(rows, c, m, "cpu", block_rows, 4, interpreted=True)
+    x, gate, part, w, shift, scale, r = make_add_inputs(9, 40, 1, "cpu")
+    resid = torch.cat([x, x[:2]])
+
+    def add_step(resid):
+        q, s = torch.ops.h3stages.add_modulate_fp8_rows(resid[:9], gate, part, w, EPS, shift, scale, r)
+        return q.float() * s
+
+    eager_resid, compiled_resid = resid.clone(), resid.clone()
+    out = add_step(eager_resid)
+    assert torch.equal(out, torch.compile(add_step, backend="aot_eager", fullgraph=True)(compiled_resid))
+    assert torch.equal(eager_resid, compiled_resid) and not torch.equal(eager_resid, resid)
     # SwiGLU: odd row counts, power-of-two and other F, strided views (make_swiglu_input), several rows per program.
     for rows, f, block_rows in [(13, 96, 1), (9, 40, 4), (6, 64, 2), (1, 16, 1)]:
         check_swiglu_kernel(rows, f, "cpu", block_rows, 4, interpreted=True)
@@ -466,11 +597,12 @@ def test_triton_kernel_in_the_interpreter():
 
 @needs_triton
 def test_kernel_registers_compiles_for_sm90():
-    """benchmarks/kernel_registers.py: the SwiGLU and O-rows kernels at their sm_90 launches (tuning.json) compile
-    for sm_90 on the CPU and do not spill (a per-element slow-path division, say, would show here)."""
+    """benchmarks/kernel_registers.py: the SwiGLU, O-rows and modulation-with-add kernels at their sm_90 launches
+    (tuning.json) compile for sm_90 on the CPU and do not spill (a per-element slow-path division, say, would show
+    here)."""
     from minimax_h3.kernels.tuning import arch_entry
 
-    for op, kernel in (("swiglu", "swiglu_fp8_rows"), ("orows", "o_rows_fp8")):
+    for op, kernel in (("swiglu", "swiglu_fp8_rows"), ("orows", "o_rows_fp8"), ("addmod", "add_modulate_fp8_rows")):
         config = f"{arch_entry('sm_90')[kernel]['block_rows']}x{arch_entry('sm_90')[kernel]['num_warps']}"
         run = subprocess.run([sys.executable, "benchmarks/kernel_registers.py", "--ops", op, "--configs", config],
                              cwd=REPO, capture_output=True, text=True, timeout=300)
@@ -481,7 +613,7 @@ def test_bench_tiny_runs_on_the_cpu(tmp_path):
     """benchmarks/bench_fp8_rows.py --tiny: the dry run writes one JSON per op (the kernels too where triton is
     installed)."""
     results = run_bench_tiny("bench_fp8_rows.py", tmp_path)
-    assert sorted(results) == ["fp8_rows.json", "o_rows_fp8.json", "swiglu_fp8.json"]
+    assert sorted(results) == ["add_modulate_fp8.json", "fp8_rows.json", "o_rows_fp8.json", "swiglu_fp8.json"]
     for result in results.values():
         assert [s["rows"] for s in result["shapes"]] == [37, 100]
         assert all("reference eager" in s["variants"] for s in result["shapes"])

@@ -189,7 +189,8 @@ def test_tuned_values_are_per_device_data():
         (4096, 16384, 65536)
     assert fp8_fast_accum("sm_90") is True
     assert tuned("fp8_rows_in_compiled_blocks", "sm_90") == {
-        "modulate_in_compiled_blocks": False, "swiglu_in_compiled_blocks": True, "o_rows_in_compiled_blocks": True}
+        "modulate_in_compiled_blocks": False, "add_modulate_in_compiled_blocks": True,
+        "swiglu_in_compiled_blocks": True, "o_rows_in_compiled_blocks": True}
     lin = Fp8RowwiseLinear.from_dense(torch.randn(32, 16), emulate=True)  # tuned for the weight's device
     assert lin.fast_accum is True and lin.linear_method is fp8_rows_method("cpu")
     assert fp8_rows_method("sm_90") == fp8_rows_method("cpu")

@@ -94,9 +94,11 @@ def test_a_cached_step_adds_the_last_full_steps_tail_residual():
     kept from the last full step (diffusers' FBCHeadBlockHook / FBCBlockHook arithmetic)."""
     calls = []
 
-    def call(blk, x):
-        calls.append(blk)
-        return x.add_(blk)
+    def call(blocks, x):
+        for blk in blocks:
+            calls.append(blk)
+            x.add_(blk)
+        return x
 
     cache = FirstBlockCache(0.5)
     out = cache.run([torch.ones(2, 3), torch.full((2, 3), 10.0), torch.full((2, 3), 100.0)], torch.zeros(2, 3), call)

@@ -57,7 +57,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from minimax_h3.contract import lora_file_names
-from minimax_h3.kernels.layers import LinearMethod, Modulation, linear_method, modulated, o_rows
+from minimax_h3.kernels.layers import LinearMethod, Modulation, Residual, linear_method, modulated, o_rows
 from stagekit.checkpoints import CheckpointError, HeaderEntry, TensorReader, read_header
 from stagekit.errors import FailedPrecondition, Internal, InvalidArgument, NotFound
 from stagekit.file_identity import FileIdentity
@@ -555,6 +555,11 @@ class LoRAMethod(LinearMethod):
     def apply(self, layer: "LoRALinear", x: torch.Tensor, modulation: Modulation | None = None,
               dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
         y = self.base.apply(layer.base, x, modulation, dtype)
+        return layer.add_delta(y, modulated(x, modulation, dtype)) if layer.active else y
+
+    def apply_added(self, layer: "LoRALinear", x: torch.Tensor, residual: Residual, modulation: Modulation,
+                    dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        y = self.base.apply_added(layer.base, x, residual, modulation, dtype)  # makes the add: x is updated after
         return layer.add_delta(y, modulated(x, modulation, dtype)) if layer.active else y
 
     def apply_swiglu(self, layer: "LoRALinear", y: torch.Tensor) -> torch.Tensor:

@@ -29,12 +29,13 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from minimax_h3.kernels.layers import AttentionInput, AttentionOutput, Modulation, attention_input, linear_method
+from minimax_h3.kernels.layers import (AttentionInput, AttentionOutput, Modulation, Residual, attention_input,
+                                      linear_method)
 
 from .config import NUM_MODALITIES, DiTConfig
 from .layout import COND_VIDEO_T, REF_AUDIO_T, PackedLayout
 from . import sp
-from .ops import rms_norm
+from .ops import gated_add, rms_norm
 from .sp import SeqShards, validate_parallel
 from .sparse import VsaStep
 from .step_cache import FirstBlockCache
@@ -96,7 +97,7 @@ class _Ctx:
 class Attention(nn.Module):
     """Self-attention over all S rows, in three steps that a caller may run row chunk by row chunk:
     `project_qkv` (rows -> this rank's q, k, v heads, RMS-normed and roped, into an `empty_qkv` input), `attend`
-    over all rows, `project_out` (rows of the output -> fp32 [rows, hidden], all-reduced over TP ranks). Chunking
+    over all rows, `project_out` (rows of the output -> [rows, hidden], summed over TP ranks by the caller). Chunking
     bounds the fp32 norm/RoPE temporaries and the [rows, 3 * inner] projection to `chunk_rows` (docs/memory.md).
     How each step computes is the method's of its linear and of the attention kernel
     (minimax_h3/kernels/layers.py)."""
@@ -128,11 +129,14 @@ class Attention(nn.Module):
 
     def project_qkv(self, qkv: AttentionInput, start: int, end: int, h: torch.Tensor,
                     rope: tuple[torch.Tensor, torch.Tensor] | None, modulation: Modulation | None = None,
-                    gate: torch.Tensor | None = None) -> None:
+                    gate: torch.Tensor | None = None, residual: Residual | None = None) -> None:
         """Rows [start, end) of `qkv` from h [rows, hidden] (compute dtype; with `modulation`, the fp32 residual
-        rows it modulates first); rope (cos, sin) [rows, rope_dim] fp32 or None. `gate` [S, local inner]: rows
-        [start, end) of the VSA gate from the same input (to_gate_compress)."""
-        y = linear_method(self.qkv_proj).apply(self.qkv_proj, h, modulation, self.compute_dtype)
+        rows it modulates first, after `residual`'s gated add into them, made in place); rope (cos, sin)
+        [rows, rope_dim] fp32 or None. `gate` [S, local inner]: rows [start, end) of the VSA gate from the same
+        input (to_gate_compress)."""
+        proj, dtype = self.qkv_proj, self.compute_dtype
+        y = (linear_method(proj).apply(proj, h, modulation, dtype) if residual is None
+             else linear_method(proj).apply_added(proj, h, residual, modulation, dtype))
         y = y.reshape(end - start, 3, self.local_heads, self.head_dim)
         qkv.write(start, end, y, self.q_norm, self.k_norm, rope)
         if gate is not None:
@@ -164,9 +168,9 @@ class Attention(nn.Module):
         return AttentionOutput(sp.o_received(recv, shards, hs, d))
 
     def project_out(self, o: AttentionOutput, start: int, end: int) -> torch.Tensor:
-        """Rows [start, end) of an `attend` output -> fp32 [rows, hidden]: this rank's partial sum of the
-        row-parallel out_proj (the caller all-reduces it)."""
-        return o.project(self.out_proj, start, end).float()
+        """Rows [start, end) of an `attend` output -> [rows, hidden] in the compute dtype: this rank's partial sum
+        of the row-parallel out_proj (the caller all-reduces it in fp32)."""
+        return o.project(self.out_proj, start, end)
 
     def forward(self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
         """Unchunked (the token refiner's short text): h [S, hidden] (compute dtype) -> fp32 [S, hidden], summed
@@ -174,7 +178,7 @@ class Attention(nn.Module):
         s = h.shape[0]
         qkv = self.empty_qkv(s, h.device)
         self.project_qkv(qkv, 0, s, h, rope)
-        out = self.project_out(self.attend(qkv), 0, s)
+        out = self.project_out(self.attend(qkv), 0, s).float()
         if self.group is not None:
             dist.all_reduce(out, group=self.group)  # fp32 partial sums of the row-parallel out_proj
         return out
@@ -192,15 +196,19 @@ class MLP(nn.Module):
         self.fc1 = ctx.linear(f"{name}.fc1", cfg.hidden, 2 * cfg.ffn, False)
         self.fc2 = ctx.linear(f"{name}.fc2", cfg.ffn, cfg.hidden, False)
 
-    def partial(self, h: torch.Tensor, modulation: Modulation | None = None) -> torch.Tensor:
-        """h [rows, hidden] (compute dtype; with `modulation`, the fp32 residual rows it modulates first) -> fp32
-        [rows, hidden]: this rank's partial sum of the row-parallel fc2."""
-        y = linear_method(self.fc1).apply(self.fc1, h, modulation, self.compute_dtype)  # [rows, 2 * ffn / tp]
-        return linear_method(self.fc2).apply_swiglu(self.fc2, y).float()
+    def partial(self, h: torch.Tensor, modulation: Modulation | None = None,
+                residual: Residual | None = None) -> torch.Tensor:
+        """h [rows, hidden] (compute dtype; with `modulation`, the fp32 residual rows it modulates first, after
+        `residual`'s gated add into them, made in place) -> [rows, hidden] in the compute dtype: this rank's partial
+        sum of the row-parallel fc2."""
+        fc1, dtype = self.fc1, self.compute_dtype
+        y = (linear_method(fc1).apply(fc1, h, modulation, dtype) if residual is None
+             else linear_method(fc1).apply_added(fc1, h, residual, modulation, dtype))  # [rows, 2 * ffn / tp]
+        return linear_method(self.fc2).apply_swiglu(self.fc2, y)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         """h [rows, hidden] (compute dtype) -> fp32 [rows, hidden], summed over TP ranks."""
-        out = self.partial(h)
+        out = self.partial(h).float()
         if self.group is not None:
             dist.all_reduce(out, group=self.group)  # fp32 partial sums of the row-parallel fc2
         return out
@@ -271,52 +279,81 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor, ada_in: torch.Tensor, rows: torch.Tensor,
                 rope: tuple[torch.Tensor, torch.Tensor], shards: SeqShards | None = None,
-                sparse: Callable | None = None) -> torch.Tensor:
-        """x [S, hidden] fp32 residual (updated in place and returned); ada_in [M, adaln_in] fp32;
+                sparse: Callable | None = None, added: Residual | None = None) -> Residual | None:
+        """x [S, hidden] fp32 residual (updated in place); ada_in [M, adaln_in] fp32;
         rows [S] = timestep_index * 3 + tag (AdaLN table row); rope (cos, sin) [S, rope_dim] fp32.
         Sequence parallel: S is this rank's share `shards.local` of the sequence (minimax_h3/dit/sp.py).
-        `sparse`: this block's VSA attention (minimax_h3/dit/sparse.py), None for dense."""
+        `sparse`: this block's VSA attention (minimax_h3/dit/sparse.py), None for dense.
+
+        A gated residual add is left to the next modulation of the same rows where one row chunk covers them on one
+        rank (`defers`): the linear's method then makes it in its modulation's pass over x (`apply_added`).
+        `added`: the previous block's last add, still to be made (this block makes it in its first modulation).
+        Returns this block's own last add when it is left to the next block (`H3DiT.run_blocks` makes the final
+        one), else None: x is then complete."""
         m, s_all = ada_in.shape[0], x.shape[0]
         chunks = [(s, min(s + self.chunk_rows, s_all)) for s in range(0, s_all, self.chunk_rows)]
+        defer = self.defers(x)
+        if added is not None and not defer:
+            raise RuntimeError(f"blocks.{self.index}: handed a gated residual add it cannot make in its modulation "
+                               f"({len(chunks)} row chunks, TP group {self.attn.group})")
         cos, sin = rope
         # 1. AdaLN modulation: shift / scale / gate rows [M * 3, hidden] (row m * 3 + tag) for attention and MLP.
         mod = self.adaln_proj(ada_in).view(m * NUM_MODALITIES, -1)
         shift1, scale1, gate1, shift2, scale2, gate2 = mod.chunk(6, dim=-1)
-        # 2. q, k, v of every row (norm1, modulation, qkv projection, q/k norm, RoPE), a row chunk at a time.
-        #    VSA takes compute-dtype q, k, v (as sequence parallelism does), and the rows' gate where blocks have one.
+        # 2. q, k, v of every row (the previous block's last add, norm1, modulation, qkv projection, q/k norm, RoPE),
+        #    a row chunk at a time. VSA takes compute-dtype q, k, v (as sequence parallelism does), and the rows'
+        #    gate where blocks have one.
         qkv = self.attn.empty_qkv(s_all, x.device, sequence_parallel=shards is not None or sparse is not None,
                                   whole=len(chunks) == 1)
         gate = (x.new_empty(s_all, self.attn.local_heads * self.attn.head_dim, dtype=self.compute_dtype)
                 if sparse is not None and self.attn.to_gate_compress is not None else None)
         for s, e in chunks:
             self.attn.project_qkv(qkv, s, e, x[s:e], (cos[s:e], sin[s:e]),
-                                  Modulation(self.norm1, shift1, scale1, rows[s:e]), gate)
+                                  Modulation(self.norm1, shift1, scale1, rows[s:e]), gate, added)
+        del added
         # 3. Attention over all rows.
         o = self.attn.attend(qkv, shards, sparse, gate)
         del qkv, gate
-        # 4. Output projection and gated residual add, a row chunk at a time.
-        self._reduce_add(x, gate1, rows, chunks, lambda s, e: self.attn.project_out(o, s, e))
+        # 4. Output projection and gated residual add, a row chunk at a time (deferred: left to step 5).
+        if defer:
+            added = Residual(gate1, self.attn.project_out(o, 0, s_all))
+        else:
+            self._reduce_add(x, gate1, rows, chunks, lambda s, e: self.attn.project_out(o, s, e))
         del o
         # 5. MLP (norm2, modulation, fc1, SwiGLU, fc2) and gated residual add, a row chunk at a time (chunk i's
-        #    input is untouched by chunk i-1's add).
+        #    input is untouched by chunk i-1's add; deferred: step 4's add made in fc1's modulation, this one left to
+        #    the next block).
+        if defer:
+            return Residual(gate2, self.mlp.partial(x, Modulation(self.norm2, shift2, scale2, rows), added))
         self._reduce_add(x, gate2, rows, chunks, lambda s, e: self.mlp.partial(
             x[s:e], Modulation(self.norm2, shift2, scale2, rows[s:e])))
-        return x
+        return None
+
+    def defers(self, x: torch.Tensor) -> bool:
+        """Whether this block leaves its gated residual adds on the rows x to the next modulation: on a GPU (where a
+        linear's method can make both in one kernel; on the CPU, Inductor's C++ code generation fails on compiled
+        blocks that add inside fc1's modulation), with one row chunk on one rank (several chunks: chunk i's add must
+        be made before chunk i + 1 is modulated; TP: the partial sums are all-reduced first)."""
+        return x.is_cuda and x.shape[0] <= self.chunk_rows and self.attn.group is None
 
     def _reduce_add(self, x, gate, rows, chunks, partial) -> None:
-        """x[s:e] += gate[rows[s:e]] * all_reduce(partial(s, e)) for every chunk. Each chunk's fp32 all-reduce runs
-        on NCCL's stream while the next chunk's partial sum is computed; it is waited for just before its add."""
+        """x[s:e] += gate[rows[s:e]] * all_reduce(partial(s, e)) for every chunk (`gated_add`). Each chunk's fp32
+        all-reduce runs on NCCL's stream while the next chunk's partial sum is computed; it is waited for just before
+        its add."""
         group = self.attn.group
         pending = None  # the previous chunk: (s, e, partial sum, its all-reduce)
 
         def add(s, e, part, work):
             if work is not None:
                 work.wait()
-            x[s:e] += gate.index_select(0, rows[s:e]) * part
+            gated_add(x[s:e], gate, part, rows[s:e])
 
         for s, e in chunks:
             part = partial(s, e)
-            work = dist.all_reduce(part, group=group, async_op=True) if group is not None else None
+            work = None
+            if group is not None:
+                part = part.float()  # partial sums in fp32
+                work = dist.all_reduce(part, group=group, async_op=True)
             if pending is not None:
                 add(*pending)
             pending = (s, e, part, work)
@@ -573,14 +610,18 @@ class H3DiT(nn.Module):
             x, rows, rope = x[part].clone(), rows[part], (rope[0][part], rope[1][part])
         blocks = self.blocks if self.block_stream is None else self.block_stream.iterate(self.blocks)
 
-        def run(blk, x):
-            return blk(x, ada_in, rows, rope, shards, None if sparse is None else sparse.for_block(blk.index))
-
-        if step_cache is None:
+        def run_blocks(blocks, x):
+            """The blocks in order on x (in place, returned), each block's deferred gated add made by the next one's
+            first modulation (`Block.forward`), the last one's here."""
+            added = None
             for blk in blocks:
-                x = run(blk, x)
-        else:
-            x = step_cache.run(blocks, x, run)
+                added = blk(x, ada_in, rows, rope, shards, None if sparse is None else sparse.for_block(blk.index),
+                            added)
+            if added is not None:
+                gated_add(x, added.gate, added.part, rows)
+            return x
+
+        x = run_blocks(blocks, x) if step_cache is None else step_cache.run(blocks, x, run_blocks)
         if shards is not None:
             # Every rank's rows in rank (= row) order, padded to one size for the all-gather: all ranks then run
             # the output heads on the same bits.

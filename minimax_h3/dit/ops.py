@@ -28,6 +28,13 @@ def modulate(x: torch.Tensor, weight: torch.Tensor, eps: float, shift: torch.Ten
     return (rms_norm(x, weight, eps) * (1.0 + scale.index_select(0, r)) + shift.index_select(0, r)).to(dtype)
 
 
+def gated_add(x: torch.Tensor, gate: torch.Tensor, part: torch.Tensor, r: torch.Tensor) -> None:
+    """The block's gated residual add, in place: x [rows, C] fp32 (rows of the residual stream) += gate[r] * part,
+    gate [M * 3, C] fp32 (the AdaLN gate rows), part [rows, C] (a projection's output, any float dtype: the product
+    is taken in fp32), r [rows] (int, each row's AdaLN table row)."""
+    x += gate.index_select(0, r) * part
+
+
 def swiglu(y: torch.Tensor) -> torch.Tensor:
     """The MLP's activation: y [rows, 2F] = [gate | value] (fc1's output) -> silu(gate) * value [rows, F] in y's
     dtype."""

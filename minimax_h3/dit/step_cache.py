@@ -56,13 +56,13 @@ class FirstBlockCache:
         return sum(self.skipped)
 
     def run(self, blocks: Iterable[nn.Module], x: torch.Tensor,
-            call: Callable[[nn.Module, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+            call: Callable[[Iterable[nn.Module], torch.Tensor], torch.Tensor]) -> torch.Tensor:
         """The block stack on the residual stream x (fp32 [rows, hidden]; blocks update it in place): block 0, then
-        the rest or their cached residual. `call(block, x)` runs one block. An iterator of blocks that is a
-        generator (minimax_h3/dit/streaming.py) is closed when the rest are skipped."""
+        the rest or their cached residual. `call(blocks, x)` runs some blocks in order and returns x complete. An
+        iterator of blocks that is a generator (minimax_h3/dit/streaming.py) is closed when the rest are skipped."""
         it = iter(blocks)
         x_in = x.clone()
-        x = call(next(it), x)
+        x = call((next(it),), x)
         r = x_in.neg_().add_(x)  # block 0's residual, in x_in's storage
         if self.head_residual is not None and self._similar(r):
             close = getattr(it, "close", None)
@@ -72,8 +72,7 @@ class FirstBlockCache:
             return x.add_(self.tail_residual)
         self.head_residual = r
         head_out = x.clone()
-        for blk in it:
-            x = call(blk, x)
+        x = call(it, x)
         self.tail_residual = head_out.neg_().add_(x)
         self.skipped.append(False)
         return x

@@ -54,7 +54,7 @@ import logging
 
 import torch
 
-from minimax_h3.dit.ops import modulate, swiglu
+from minimax_h3.dit.ops import gated_add, modulate, swiglu
 
 from .fp8 import FP8_E4M3_MAX, FP8_SCALE_FLOOR, Fp8Rows, quantize_fp8_rowwise
 from .fp8_attention import dequantize_o
@@ -120,6 +120,75 @@ def _(x, weight, eps, shift, scale, r, block_rows=None, num_warps=None):
     return _empty_rows(x, x.shape[0], x.shape[1])
 
 
+# --- Gated residual add + modulation + fp8 row quantisation: step 4's add made in fc1's modulation ---------------
+
+_ADD_FALLBACK = KernelFallback("gated residual add + modulation + fp8 row quantisation", log)
+
+
+def add_modulate_fp8_reference(x: torch.Tensor, gate: torch.Tensor, part: torch.Tensor, weight: torch.Tensor,
+                               eps: float, shift: torch.Tensor, scale: torch.Tensor, r: torch.Tensor) -> Fp8Rows:
+    """`gated_add` (x += gate[r] * part, in place), then `modulate_fp8_reference` of the new x: the previous two
+    steps, in plain torch (any device)."""
+    gated_add(x, gate, part, r)
+    return modulate_fp8_reference(x, weight, eps, shift, scale, r)
+
+
+def add_unsupported(x: torch.Tensor, gate: torch.Tensor, part: torch.Tensor, weight: torch.Tensor,
+                    shift: torch.Tensor, scale: torch.Tensor, r: torch.Tensor) -> str | None:
+    """Why the kernel with the residual add does not serve these arguments, or None when it does."""
+    reason = unsupported(x, weight, shift, scale, r)
+    if reason is not None:
+        return reason
+    if gate.dim() != 2 or gate.shape[1] != x.shape[1] or gate.dtype != torch.float32:
+        return f"gate must be fp32 [M * 3, {x.shape[1]}], got {gate.dtype} {list(gate.shape)}"
+    if part.shape != x.shape or part.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return f"part must be fp32/bf16/fp16 {list(x.shape)}, got {part.dtype} {list(part.shape)}"
+    if gate.device != x.device or part.device != x.device:
+        return "all tensors must be on x's device"
+    return None
+
+
+def add_modulate_fp8(x: torch.Tensor, gate: torch.Tensor, part: torch.Tensor, weight: torch.Tensor, eps: float,
+                     shift: torch.Tensor, scale: torch.Tensor, r: torch.Tensor) -> Fp8Rows:
+    """x [rows, C] fp32 += gate[r] * part in place (gate [M * 3, C] fp32, part [rows, C]), then `modulate_fp8` of
+    the new x -> Fp8Rows: the Triton kernel on CUDA where it serves the arguments (one pass over x), else the
+    reference. The kernel writes x only once it runs: a build or launch failure leaves x as it was, for the
+    reference to add to."""
+    return _ADD_FALLBACK.dispatch(
+        x.device, add_unsupported(x, gate, part, weight, shift, scale, r) if x.is_cuda else "x is not on a CUDA device",
+        lambda: Fp8Rows(*torch.ops.h3stages.add_modulate_fp8_rows(x, gate, part, weight, eps, shift, scale, r)),
+        lambda: add_modulate_fp8_reference(x, gate, part, weight, eps, shift, scale, r))
+
+
+@torch.library.custom_op("h3stages::add_modulate_fp8_rows", mutates_args=("x",))
+def add_modulate_fp8_rows_op(x: torch.Tensor, gate: torch.Tensor, part: torch.Tensor, weight: torch.Tensor,
+                             eps: float, shift: torch.Tensor, scale: torch.Tensor, r: torch.Tensor,
+                             block_rows: int | None = None,
+                             num_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel with the residual add as a torch op that writes x (opaque to torch.compile): arguments as
+    `add_launch`."""
+    return add_launch(x, gate, part, weight, eps, shift, scale, r, block_rows, num_warps)
+
+
+@add_modulate_fp8_rows_op.register_fake
+def _(x, gate, part, weight, eps, shift, scale, r, block_rows=None, num_warps=None):
+    return _empty_rows(x, x.shape[0], x.shape[1])
+
+
+def add_launch(x: torch.Tensor, gate: torch.Tensor, part: torch.Tensor, weight: torch.Tensor, eps: float,
+               shift: torch.Tensor, scale: torch.Tensor, r: torch.Tensor, block_rows: int | None = None,
+               num_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Runs the kernel with the residual add: as `launch`, with gate [M * 3, C] fp32 and part [rows, C] (any
+    strides); x (any strides) is updated in place. Raises ValueError for arguments it does not serve
+    (`add_unsupported`)."""
+    reason = add_unsupported(x, gate, part, weight, shift, scale, r)
+    if reason is not None:
+        raise ValueError("the Triton gated residual add + modulation + fp8 quantisation kernel does not serve this "
+                         f"call: {reason}")
+    return _launch_modulate(x, weight, eps, shift, scale, r, (gate, part), "add_modulate_fp8_rows",
+                            _ADD_FALLBACK.what, block_rows, num_warps)
+
+
 def launch(x: torch.Tensor, weight: torch.Tensor, eps: float, shift: torch.Tensor, scale: torch.Tensor,
            r: torch.Tensor, block_rows: int | None = None,
            num_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -130,11 +199,19 @@ def launch(x: torch.Tensor, weight: torch.Tensor, eps: float, shift: torch.Tenso
     reason = unsupported(x, weight, shift, scale, r)
     if reason is not None:
         raise ValueError(f"the Triton modulation + fp8 quantisation kernel does not serve this call: {reason}")
+    return _launch_modulate(x, weight, eps, shift, scale, r, None, "modulate_fp8_rows", _FALLBACK.what, block_rows,
+                            num_warps)
+
+
+def _launch_modulate(x, weight, eps, shift, scale, r, residual: tuple[torch.Tensor, torch.Tensor] | None, name: str,
+                     what: str, block_rows: int | None, num_warps: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The modulation kernel's launch, with the gated residual add (gate, part) first or without it (None)."""
     rows, c = x.shape
-    return _launch_rows(_modulate_fp8_kernel, "modulate_fp8_rows", _FALLBACK.what, (x, weight, shift, scale, r),
-                        rows, c,
+    gate, part = residual if residual is not None else (shift, x)  # (pointers the kernel never reads without ADD)
+    return _launch_rows(_modulate_fp8_kernel, name, what, (x, weight, shift, scale, r, gate, part), rows, c,
                         (c, 1.0 / c, eps, *x.stride(), weight.stride(0), *shift.stride(), *scale.stride(),
-                         r.stride(0)), block_rows, num_warps)
+                         r.stride(0), *gate.stride(), *part.stride()), block_rows, num_warps,
+                        ADD=residual is not None)
 
 
 def _launch_rows(kernel, name: str, what: str, inputs: tuple, rows: int, width: int, args: tuple,
@@ -281,15 +358,25 @@ if triton is not None:
         tl.store(qs_ptr + row, q_scale, mask=row_ok)
 
     @triton.jit
-    def _modulate_fp8_kernel(x_ptr, w_ptr, shift_ptr, scale_ptr, r_ptr, q_ptr, qs_ptr, rows, C, inv_c, eps,
-                             x_s_row, x_s_c, w_s, sh_s_row, sh_s_c, sc_s_row, sc_s_c, r_s,
-                             FP8_MAX: tl.constexpr, INV_FP8_MAX: tl.constexpr, SCALE_FLOOR: tl.constexpr,
-                             BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-        """One program: BLOCK_R whole rows, each with its own AdaLN rows (gathered by r). Every step is one op of
-        `modulate_fp8_reference`, in its order."""
+    def _modulate_fp8_kernel(x_ptr, w_ptr, shift_ptr, scale_ptr, r_ptr, gate_ptr, part_ptr, q_ptr, qs_ptr, rows, C,
+                             inv_c, eps, x_s_row, x_s_c, w_s, sh_s_row, sh_s_c, sc_s_row, sc_s_c, r_s, g_s_row,
+                             g_s_c, p_s_row, p_s_c, ADD: tl.constexpr, FP8_MAX: tl.constexpr,
+                             INV_FP8_MAX: tl.constexpr, SCALE_FLOOR: tl.constexpr, BLOCK_R: tl.constexpr,
+                             BLOCK_C: tl.constexpr):
+        """One program: BLOCK_R whole rows, each with its own AdaLN rows (gathered by r). ADD: the gated residual
+        add first, x += gate[r] * part, written back to x. Every step is one op of the reference
+        (`modulate_fp8_reference`, with ADD `add_modulate_fp8_reference`), in its order."""
         row, ch, row_ok, c_ok, mask = _row_block(rows, C, BLOCK_R, BLOCK_C)
         ada = tl.load(r_ptr + row * r_s, mask=row_ok, other=0).to(tl.int64)[:, None]  # AdaLN table row
-        x = tl.load(x_ptr + row[:, None] * x_s_row + ch[None, :] * x_s_c, mask=mask, other=0.0)
+        at_x = x_ptr + row[:, None] * x_s_row + ch[None, :] * x_s_c
+        x = tl.load(at_x, mask=mask, other=0.0)
+        if ADD:
+            # 0. The gated residual add (`gated_add`): the fp32 product (part is exact in fp32), then the fp32 sum.
+            part = tl.load(part_ptr + row[:, None] * p_s_row + ch[None, :] * p_s_c, mask=mask, other=0.0,
+                           eviction_policy="evict_first").to(tl.float32)
+            gate = tl.load(gate_ptr + ada * g_s_row + ch[None, :] * g_s_c, mask=mask, other=0.0)
+            x = x + gate * part
+            tl.store(at_x, x, mask=mask)
         gain = tl.load(w_ptr + ch * w_s, mask=c_ok, other=0.0).to(tl.float32)[None, :]
         shift = tl.load(shift_ptr + ada * sh_s_row + ch[None, :] * sh_s_c, mask=mask, other=0.0)
         scale = tl.load(scale_ptr + ada * sc_s_row + ch[None, :] * sc_s_c, mask=mask, other=0.0)

@@ -31,7 +31,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from minimax_h3.dit.ops import modulate, swiglu
+from minimax_h3.dit.ops import gated_add, modulate, swiglu
 
 from . import fp8_rows
 from .fp8_attention import Fp8Attention, Fp8O, Fp8QKInput, dequantize_o, static_qk_mult
@@ -49,6 +49,15 @@ class Modulation(NamedTuple):
     shift: torch.Tensor
     scale: torch.Tensor
     index: torch.Tensor
+
+
+class Residual(NamedTuple):
+    """A gated residual add still to be made to residual rows x [rows, C] fp32: x += gate[index] * part
+    (minimax_h3/dit/ops.py `gated_add`; index: the rows' AdaLN rows, as the `Modulation` of the same rows has them).
+    gate [M * 3, C] fp32 (the AdaLN gate rows); part [rows, C] (a projection's output, compute dtype or fp32)."""
+
+    gate: torch.Tensor
+    part: torch.Tensor
 
 
 def modulated(x: torch.Tensor, modulation: Modulation | None, dtype: torch.dtype) -> torch.Tensor:
@@ -74,6 +83,12 @@ class LinearMethod:
         """layer(x) [rows, out]; with `modulation`, layer(modulation of x in `dtype`) (x: fp32 residual rows)."""
         return layer(modulated(x, modulation, dtype))
 
+    def apply_added(self, layer: nn.Module, x: torch.Tensor, residual: Residual, modulation: Modulation,
+                    dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        """x += gate[index] * part in place (x: fp32 residual rows), then `apply(layer, x, modulation, dtype)`."""
+        gated_add(x, residual.gate, residual.part, modulation.index)
+        return self.apply(layer, x, modulation, dtype)
+
     def apply_swiglu(self, layer: nn.Module, y: torch.Tensor) -> torch.Tensor:
         """layer(silu(gate) * value) for y [rows, 2F] = [gate | value] (fc1's output) -> [rows, out]."""
         return layer(swiglu(y))
@@ -97,6 +112,7 @@ class Fp8RowsMethod(LinearMethod):
     (`fp8_rows_method`; minimax_h3/kernels/tuning.json "fp8_rows_in_compiled_blocks", docs/kernels.md)."""
 
     modulate_in_compiled_blocks: bool
+    add_modulate_in_compiled_blocks: bool
     swiglu_in_compiled_blocks: bool
     o_rows_in_compiled_blocks: bool
 
@@ -110,6 +126,13 @@ class Fp8RowsMethod(LinearMethod):
             m = modulation
             return layer(fp8_rows.modulate_fp8(x, m.norm.weight, m.norm.eps, m.shift, m.scale, m.index))
         return super().apply(layer, x, modulation, dtype)
+
+    def apply_added(self, layer, x, residual, modulation, dtype=torch.bfloat16):
+        if self._use(x, dtype, self.add_modulate_in_compiled_blocks):
+            m = modulation
+            return layer(fp8_rows.add_modulate_fp8(x, residual.gate, residual.part, m.norm.weight, m.norm.eps,
+                                                   m.shift, m.scale, m.index))
+        return super().apply_added(layer, x, residual, modulation, dtype)
 
     def apply_swiglu(self, layer, y):
         if self._use(y, y.dtype, self.swiglu_in_compiled_blocks):
