@@ -22,7 +22,7 @@ from minimax_h3.dit.ops import modulate, swiglu
 from minimax_h3.dit.tp import Linear, shard_state_dict
 from minimax_h3.kernels.fp8_attention import Fp8O
 from minimax_h3.kernels.int8 import Int8ConvRotLinear, dequantize_convrot
-from minimax_h3.kernels.layers import PLAIN, LinearMethod, Modulation, linear_method, o_rows
+from minimax_h3.kernels.layers import PLAIN, LinearMethod, Modulation, Residual, linear_method, o_rows
 from minimax_h3.kernels.registry import Fp8RowwiseLinear
 from stagekit.errors import FailedPrecondition, InvalidArgument, NotFound
 from stagekit.checkpoints import WeightSource
@@ -355,6 +355,10 @@ class _Spy(LinearMethod):
         self.layers.append(layer)
         return self.inner.apply(layer, x, modulation, dtype)
 
+    def apply_added(self, layer, x, residual, modulation, dtype=torch.bfloat16):
+        self.layers.append(layer)
+        return self.inner.apply_added(layer, x, residual, modulation, dtype)
+
     def apply_swiglu(self, layer, y):
         self.layers.append(layer)
         return self.inner.apply_swiglu(layer, y)
@@ -370,7 +374,8 @@ class _Spy(LinearMethod):
 def test_lora_keeps_the_base_linear_method():
     """A LoRA-wrapped fp8 linear keeps its method (the fused row quantisation of its input on a GPU): the wrapper's
     method runs the base's on the base layer, then adds the low-rank delta of the op's plain input, for each op the
-    block hands a linear (modulated rows, SwiGLU, fp8 attention's e4m3 O). A plain base keeps the plain method."""
+    block hands a linear (modulated rows, the same after a gated residual add made in place, SwiGLU, fp8 attention's
+    e4m3 O). A plain base keeps the plain method."""
     g = torch.Generator().manual_seed(3)
     rows, n_in, n_out, heads = 37, 96, 64, 3
     base = Fp8RowwiseLinear.from_dense(torch.randn(n_out, n_in, generator=g) / 10, out_dtype=torch.float32,
@@ -398,9 +403,15 @@ def test_lora_keeps_the_base_linear_method():
                                                                           mod.index, torch.float32)),
                  (method.apply_swiglu(wrapped, y), swiglu(y)),
                  (method.apply_fp8_o(wrapped, o, torch.float32), o_rows(o, torch.float32))]
+        residual = Residual(torch.randn(3, n_in, generator=g), torch.randn(rows, n_in, generator=g))
+        added = x.clone()  # the add is made once, by the base's method, before the delta's plain input is taken
+        cases.append((method.apply_added(wrapped, added, residual, mod, torch.float32),
+                      modulate(x + residual.gate[mod.index] * residual.part, norm.weight, norm.eps, shift, scale,
+                               mod.index, torch.float32)))
+        assert torch.equal(added, x + residual.gate[mod.index] * residual.part)
         for got, h in cases:
             torch.testing.assert_close(got, base(h) + delta(h), rtol=1e-5, atol=1e-5)
-        assert spy.layers == [base] * 3  # the base's method ran each time, on the base layer
+        assert spy.layers == [base] * 4  # the base's method ran each time, on the base layer
         wrapped.clear()  # no adapters: the base's method alone
         assert torch.equal(method.apply(wrapped, x, mod, torch.float32), spy.apply(base, x, mod, torch.float32))
 
