@@ -288,8 +288,8 @@ class Block(nn.Module):
         A gated residual add is left to the next modulation of the same rows where one row chunk covers them on one
         rank (`defers`): the linear's method then makes it in its modulation's pass over x (`apply_added`).
         `added`: the previous block's last add, still to be made (this block makes it in its first modulation).
-        Returns this block's own last add when it is left to the next block (`H3DiT.run_blocks` makes the final
-        one), else None: x is then complete."""
+        Returns this block's own last add when it is left to the next block (`H3DiT.forward` makes the last
+        block's), else None: x is then complete."""
         m, s_all = ada_in.shape[0], x.shape[0]
         chunks = [(s, min(s + self.chunk_rows, s_all)) for s in range(0, s_all, self.chunk_rows)]
         defer = self.defers(x)

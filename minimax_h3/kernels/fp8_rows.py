@@ -9,7 +9,11 @@ then quantises those rows per row (`quantize_fp8_rowwise`: scale = amax / 448, q
 This kernel reads x and the gathered AdaLN rows once and writes e4m3 rows plus one fp32 scale per row (`Fp8Rows`,
 which the fp8 linear takes as its input instead of a tensor). It pays in eager blocks; inside a compiled block
 Inductor's own fusion of the same math is as fast, so the fp8 linear's method (minimax_h3/kernels/layers.py
-Fp8RowsMethod) uses it only outside torch.compile (docs/kernels.md, "Fused fp8 row hand-offs").
+Fp8RowsMethod) uses it only outside torch.compile (docs/kernels.md, "Fused fp8 row hand-offs"). With its ADD
+constant it first makes a block's deferred gated residual add, x += gate[r] * part, and writes x back
+(`add_modulate_fp8`, custom op `h3stages::add_modulate_fp8_rows`; reference `add_modulate_fp8_reference` =
+`gated_add`, then `modulate_fp8_reference`): x is read once where the add and the modulation each read it. That one
+is no slower than Inductor's fusion of the two (faster on long sequences), so it also runs in compiled blocks.
 
 `modulate_fp8` dispatches: the Triton kernel (the torch custom op `h3stages::modulate_fp8_rows`, opaque to
 torch.compile) when x is on a CUDA device, triton imports and the arguments are ones it serves; otherwise
@@ -120,7 +124,7 @@ def _(x, weight, eps, shift, scale, r, block_rows=None, num_warps=None):
     return _empty_rows(x, x.shape[0], x.shape[1])
 
 
-# --- Gated residual add + modulation + fp8 row quantisation: step 4's add made in fc1's modulation ---------------
+# --- Gated residual add + modulation + fp8 row quantisation: a block's add made in the next modulation ----------
 
 _ADD_FALLBACK = KernelFallback("gated residual add + modulation + fp8 row quantisation", log)
 

@@ -7,6 +7,9 @@ weights, its method's `apply` does the kernel work):
 - `LinearMethod` (plain): the neighbouring op (AdaLN modulation, SwiGLU, the attention output's rows) runs in plain
   torch in the compute dtype, then the linear. Every linear module gets it unless it says otherwise
   (`linear_method`): any module computing y = x W^T (+ b) can be swapped in (H3DiT.swap_linear).
+- `apply_added`: a block that defers a gated residual add (`Residual`, minimax_h3/dit/model.py Block) hands it to
+  the next linear that modulates the same rows; the plain method adds, then modulates, the fp8 one does both in one
+  kernel pass.
 - `Fp8RowsMethod`: the method of an fp8 row-wise linear (minimax_h3/kernels/registry.py Fp8RowwiseLinear). Its input
   rows are quantised to e4m3 anyway, so the neighbouring op and that quantisation run as one Triton kernel
   (minimax_h3/kernels/fp8_rows.py) that hands the linear `Fp8Rows`: the same math as the plain method, one pass
