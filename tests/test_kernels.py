@@ -1,4 +1,5 @@
-"""Kernel registry (minimax_h3/kernels/registry.py) on CPU: arch table, probe picks, overrides, parity rejection, fp8 math."""
+"""Kernel registry (minimax_h3/kernels/registry.py) on CPU: arch table, probe picks, overrides, parity rejection, the
+probe's timing in turn, fp8 math."""
 
 import math
 
@@ -12,7 +13,8 @@ from minimax_h3.kernels.int8 import QuantizedWeight, quantize_convrot
 from minimax_h3.kernels.fp8 import FP8_E4M3_MAX, quantize_fp8_rowwise
 from minimax_h3.kernels.registry import (Fp8RowwiseLinear, Fp8Unavailable, KernelConfig, KernelError, LinearCandidate,
                                          arch_key, default_attention_candidates, default_linear_candidates,
-                                         fp8_rowwise_reference, rel_err, select_kernels)
+                                         TimedCallError, fp8_rowwise_reference, interleaved_ms, rel_err,
+                                         select_kernels)
 from tests.dit_ranks import random_inputs
 
 # Tiny probe so the whole file runs in a few seconds on 2 cores.
@@ -91,6 +93,82 @@ def test_raising_kernel_is_rejected_and_all_failing_is_an_error():
              "broken": LinearCandidate("broken", _broken_build, 1e-2, archs=("cpu",))}
     with pytest.raises(KernelError, match="every linear kernel failed"):
         select_kernels("cpu", SMALL, linear_candidates=cands)
+
+
+class _FallingClock:
+    """perf_counter for the registry: every call of a `_Timed` kernel advances it by the kernel's cost, stretched as
+    calls go on (a GPU whose clock falls as it heats at its power limit)."""
+
+    def __init__(self):
+        self.now, self.calls, self.order = 0.0, 0, []
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    def run(self, name: str, cost: float) -> None:
+        self.now += cost * (1.0 + 0.1 * self.calls)
+        self.calls += 1
+        self.order.append(name)
+
+
+class _Timed(torch.nn.Module):
+    """An exact linear that costs `cost` on `clock`; raises from its `fail_from`-th call on."""
+
+    def __init__(self, w, name, cost, clock, fail_from=None):
+        super().__init__()
+        self.w, self.name, self.cost = w.dequantize(torch.float32), name, cost
+        self.clock, self.fail_from = clock, fail_from
+
+    def forward(self, x):
+        if self.fail_from is not None and self.clock.order.count(self.name) >= self.fail_from:
+            raise RuntimeError("an illegal memory access was encountered")
+        self.clock.run(self.name, self.cost)
+        return torch.nn.functional.linear(x.float(), self.w).to(x.dtype)
+
+
+def _timed_candidates(clock, **fail_from):
+    def cand(name, cost):
+        build = lambda w, bias, dtype: _Timed(w, name, cost, clock, fail_from.get(name))  # noqa: E731
+        return LinearCandidate(name, build, 1e-2, archs=("cpu",))
+    return {"first": cand("first", 1.0), "faster": cand("faster", 0.9), "third": cand("third", 1.2)}
+
+
+def test_the_probe_times_candidates_in_turn_and_a_falling_clock_favours_none(monkeypatch):
+    """Timed one after another, the clock falling by 10 % of the cost per call would hand the first candidate the
+    win (its median at ~1.4, the faster one's at ~1.9); in turn, each round calls every candidate once, and the
+    one that is faster at any clock wins."""
+    from minimax_h3.kernels import registry
+
+    clock = _FallingClock()
+    monkeypatch.setattr(registry, "time", clock)
+    cfg = KernelConfig(**{**SMALL.__dict__, "probe_iters": 5})
+    sel = select_kernels("cpu", cfg, linear_candidates=_timed_candidates(clock))
+    assert sel.linear == "faster", sel.status_rows()[0]
+    # One check call each, one warm-up call each, then five rounds of all three in the same order.
+    assert clock.order == ["first", "faster", "third"] * 7
+    ms = {r.kernel: r.ms for r in sel.probes["linear"]}
+    assert ms["faster"] < ms["first"] < ms["third"]
+
+
+def test_a_candidate_that_raises_while_timed_is_rejected_and_the_others_are_timed(monkeypatch):
+    from minimax_h3.kernels import registry
+
+    clock = _FallingClock()
+    monkeypatch.setattr(registry, "time", clock)
+    sel = select_kernels("cpu", SMALL, linear_candidates=_timed_candidates(clock, faster=2))  # passes its check
+    broke = next(r for r in sel.probes["linear"] if r.kernel == "faster")
+    assert not broke.ok and broke.why == "error: RuntimeError: an illegal memory access was encountered"
+    assert sel.linear == "first" and all(r.ms for r in sel.probes["linear"] if r.ok)
+
+
+def test_interleaved_ms_names_the_call_that_raised():
+    def boom():
+        raise ValueError("bad launch")
+
+    assert len(interleaved_ms([lambda: None, lambda: None], torch.device("cpu"), 3)) == 2
+    with pytest.raises(TimedCallError, match="ValueError: bad launch") as e:
+        interleaved_ms([lambda: None, boom], torch.device("cpu"), 3)
+    assert e.value.position == 1 and isinstance(e.value.error, ValueError)
 
 
 def test_fp8_rowwise_quantisation_math():

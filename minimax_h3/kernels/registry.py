@@ -551,24 +551,48 @@ def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
 
 def time_ms(fn: Callable[[], object], device: torch.device, iters: int, warmup: int = 1) -> float:
     """Median ms per call after `warmup` calls (CUDA events on GPU, perf_counter on CPU)."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        for _ in range(iters):
+    return interleaved_ms([fn], device, iters, warmup)[0]
+
+
+def interleaved_ms(fns: Sequence[Callable[[], object]], device: torch.device, rounds: int,
+                   warmup: int = 1) -> list[float]:
+    """Each fn's median ms per call over `rounds` rounds that call every fn once in turn, after `warmup` calls of
+    each (CUDA events on GPU, perf_counter on CPU). In turn because a GPU at its power limit changes its clock as it
+    goes: timed one after another, candidates would be measured at different clocks, and the order would pick the
+    winner (docs/kernels.md, "How the probe times"). A call that raises is reported as `TimedCallError`."""
+    cuda = device.type == "cuda"
+
+    def one_call(position: int, fn: Callable[[], object]) -> float:
+        try:
+            if not cuda:
+                t0 = time.perf_counter()
+                fn()
+                return (time.perf_counter() - t0) * 1e3
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             a.record()
             fn()
             b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b))
-    else:
-        for _ in range(iters):
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+            b.synchronize()  # a kernel's asynchronous fault surfaces here, still this fn's
+            return a.elapsed_time(b)
+        except Exception as e:
+            raise TimedCallError(position, e) from e
+
+    for position, fn in enumerate(fns):
+        for _ in range(warmup):
+            one_call(position, fn)
+    times: list[list[float]] = [[] for _ in fns]
+    for _ in range(rounds):
+        for position, fn in enumerate(fns):
+            times[position].append(one_call(position, fn))
+    return [statistics.median(ms) for ms in times]
+
+
+class TimedCallError(RuntimeError):
+    """A timed call that raised (`interleaved_ms`): which of the fns (`position`) and its error (`error`)."""
+
+    def __init__(self, position: int, error: Exception):
+        super().__init__(f"{type(error).__name__}: {error}")
+        self.position, self.error = position, error
 
 
 def _check(name: str, bound: float, outs: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[float, str]:
@@ -598,24 +622,39 @@ def _probe_linear(cands: Sequence[LinearCandidate], device: torch.device, cfg: K
         x = x.to(cfg.compute_dtype)
         ref = F.linear(x.float(), w_ref)
         cases.append((qw, x, ref))
-    results = []
+    results: list[ProbeResult] = []
+    timed: list[tuple[int, Callable[[], object]]] = []  # (index in results, one call over all cases)
     for c in cands:
         try:
             mods = [c.build(qw, None, cfg.compute_dtype) for qw, _, _ in cases]
             with torch.inference_mode():
                 outs = [(mod(x), ref) for mod, (_, x, ref) in zip(mods, cases)]
-                err, why = _check(c.name, c.rel_err_bound, outs)
-                if why:
-                    results.append(ProbeResult(c.name, False, rel_err=err, bound=c.rel_err_bound, why=why))
-                    continue
-                ms = sum(time_ms(lambda m=mod, xx=x: m(xx), device, cfg.probe_iters)
-                         for mod, (_, x, _) in zip(mods, cases))
-            results.append(ProbeResult(c.name, True, ms=ms, rel_err=err, bound=c.rel_err_bound))
+            err, why = _check(c.name, c.rel_err_bound, outs)
+            outs = None
+            results.append(ProbeResult(c.name, not why, rel_err=err, bound=c.rel_err_bound, why=why))
+            if not why:
+                timed.append((len(results) - 1, lambda ms=mods: [m(x) for m, (_, x, _) in zip(ms, cases)]))
         except Exception as e:  # a kernel that raises on this machine is rejected, with the error as its reason
-            results.append(ProbeResult(c.name, False, why=f"error: {type(e).__name__}: {str(e)[:PROBE_ERROR_CHARS]}"))
-        finally:
-            mods = outs = None
+            results.append(ProbeResult(c.name, False, why=_error_why(e)))
+    _time_in_turn(results, timed, device, cfg)
     return results
+
+
+def _time_in_turn(results: list[ProbeResult], timed: list[tuple[int, Callable[[], object]]], device: torch.device,
+                  cfg: KernelConfig) -> None:
+    """Time the candidates that passed their check in turn (`interleaved_ms`) and set their ms; a candidate whose
+    call raises while timed is rejected with the error, and the others are timed again without it."""
+    while timed:
+        try:
+            with torch.inference_mode():
+                ms = interleaved_ms([fn for _, fn in timed], device, cfg.probe_iters)
+        except TimedCallError as e:
+            i, _ = timed.pop(e.position)
+            results[i] = ProbeResult(results[i].kernel, False, why=_error_why(e.error))
+            continue
+        for (i, _), t in zip(timed, ms):
+            results[i].ms = t
+        return
 
 
 def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -642,20 +681,25 @@ def _probe_attention(cands: Sequence[AttentionCandidate], device: torch.device,
     q, k, v = (torch.randn(b, h, s, d, generator=gen, device=device).to(cfg.compute_dtype) for _ in range(3))
     with torch.inference_mode():
         ref = attention_reference(q, k, v)
-    results = []
+    results: list[ProbeResult] = []
+    timed: list[tuple[int, Callable[[], object]]] = []
     for c in cands:
         try:
             fn = c.make_fn()
             with torch.inference_mode():
                 err, why = _check(c.name, c.rel_err_bound, [(fn(q, k, v), ref)])
-                if why:
-                    results.append(ProbeResult(c.name, False, rel_err=err, bound=c.rel_err_bound, why=why))
-                    continue
-                ms = time_ms(lambda: fn(q, k, v), device, cfg.probe_iters)
-            results.append(ProbeResult(c.name, True, ms=ms, rel_err=err, bound=c.rel_err_bound))
+            results.append(ProbeResult(c.name, not why, rel_err=err, bound=c.rel_err_bound, why=why))
+            if not why:
+                timed.append((len(results) - 1, lambda f=fn: f(q, k, v)))
         except Exception as e:
-            results.append(ProbeResult(c.name, False, why=f"error: {type(e).__name__}: {str(e)[:PROBE_ERROR_CHARS]}"))
+            results.append(ProbeResult(c.name, False, why=_error_why(e)))
+    _time_in_turn(results, timed, device, cfg)
     return results
+
+
+def _error_why(e: BaseException) -> str:
+    """A rejected candidate's reason from its error."""
+    return f"error: {type(e).__name__}: {str(e)[:PROBE_ERROR_CHARS]}"
 
 
 def _why_unavailable(cand, device: torch.device) -> str | None:
@@ -760,7 +804,7 @@ def select_vsa_kernel(device: torch.device | str, compute_dtype: torch.dtype = t
                 got = vsa.vsa_attention(q, k, v, tiles, 0.1, gate, "fastvideo")
             err, why = _check("fastvideo", REL_ERR_BOUND["vsa"], [(got, ref)])
         except Exception as e:
-            why = f"error: {type(e).__name__}: {str(e)[:PROBE_ERROR_CHARS]}"
+            why = _error_why(e)
     if why:
         return KernelChoice(VSA_OP, "reference", f"exact PyTorch block-sparse attention; {vsa.PACKAGE} not used: {why}")
     return KernelChoice(VSA_OP, "fastvideo", f"{vsa.PACKAGE} {_package_version(vsa.PACKAGE)} block-sparse kernel "
