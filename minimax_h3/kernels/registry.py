@@ -62,7 +62,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from stagekit.errors import FailedPrecondition
+from stagekit.errors import FailedPrecondition, Internal
 from .fp8 import Fp8Rows, quantize_fp8_rowwise
 from .int8 import DEFAULT_CONVROT_GROUPSIZE, Int8ConvRotLinear, QuantizedWeight, is_power_of_4, quantize_convrot
 from .layers import fp8_rows_method
@@ -587,8 +587,9 @@ def interleaved_ms(fns: Sequence[Callable[[], object]], device: torch.device, ro
     return [statistics.median(ms) for ms in times]
 
 
-class TimedCallError(RuntimeError):
-    """A timed call that raised (`interleaved_ms`): which of the fns (`position`) and its error (`error`)."""
+class TimedCallError(Internal):
+    """A timed call that raised (`interleaved_ms`): which of the fns (`position`) and its error (`error`). The probe
+    rejects that candidate with the error; anywhere else it is a server fault."""
 
     def __init__(self, position: int, error: Exception):
         super().__init__(f"{type(error).__name__}: {error}")
