@@ -21,7 +21,8 @@ Candidates (name -> what runs):
 Which candidates are *considered* depends on the device's architecture (ARCH table below: e.g. no fp8 before
 sm_89, no bf16 GEMMs on Turing, only the dense / math fallbacks on CPU). `select_kernels` then runs every considered
 candidate once on representative shapes, rejects any whose relative error against an fp32 reference exceeds its
-bound (or that raises / returns non-finite values), and picks the fastest survivor per op. A config override
+bound (or that raises / returns non-finite values), times the survivors in rounds that call each once
+(`interleaved_ms`: docs/kernels.md, "How the probe times") and picks the fastest per op. A config override
 (`linear_kernel="fp8"`, `attention_kernel="cudnn"`, ...) skips the race but still checks availability and parity,
 so a forced kernel that is broken on this machine fails at start-up, not mid-request.
 
