@@ -8,10 +8,11 @@ For each S (y = the qkv projection's output [S, 3 * H * D], bf16; gains [D] bf16
 [3, 1, H, S, D] bf16), CUDA events, median of --iters calls after a warm-up:
 - `reference eager`: minimax_h3.dit.ops.qk_norm_rope_reference (the model's math, op by op);
 - `reference compiled`: the same under torch.compile (what a compiled block did before the kernel, on its own);
-- `triton BxW`: the kernel (torch op h3stages::qk_norm_rope_) with B rows per program and W warps, for each of
-  --configs;
-- `triton BxW e4m3 q/k`: the kernel writing q and k in e4m3 with the static scales of fp8 attention
-  (minimax_h3/kernels/fp8_attention.py `static_qk_mult`), for each of --configs (what the DiT blocks run with fp8 attention).
+- `triton BxW[xHxP]`: the kernel (torch op h3stages::qk_norm_rope_) with B rows of H (section, head) pairs per
+  program (default 1), W warps and P loads in flight (default 1), for each of --configs;
+- `triton ... e4m3 q/k`: the kernel writing q and k in e4m3 with the static scales of fp8 attention
+  (minimax_h3/kernels/fp8_attention.py `static_qk_mult`), for each of --configs; `... e4m3 q/k, no v`: the same
+  without the v copy (what the DiT blocks run with FlashAttention-3 fp8, which reads v from the projection).
 Reported: ms, effective TB/s (bytes of y, cos and sin read once plus the outputs written once, over the time; the
 e4m3 variants write a quarter less), and the kernel's error against the eager reference (bf16 out: max abs, max in
 units of the value's ulp, fraction bitwise equal; e4m3 q/k: max e4m3 steps from the reference's e4m3, fraction
@@ -35,7 +36,7 @@ from kernel_bench import E4M3_STEP_BOUND, e4m3_deviation, over_bound, time_varia
 SHAPES = (14882, 37748)  # rows of 832x480x124 and 1344x768x124 (docs/performance.md)
 HEADS, HEAD_DIM, ROPE_DIM = 56, 128, 96
 EPS = 1e-5  # the model's (docs/model.md §2)
-CONFIGS = "16x4,32x4,8x4,16x2,8x2"  # rows per program x warps (the first is the default)
+CONFIGS = "16x4,32x4,8x4,16x2,8x2,16x4x8x2,16x4x16x2,32x4x8x2,16x4x112x2,8x2x8x3"  # rows x warps[x pairs x stages]
 TINY = dict(shapes=(37, 100), heads=3, head_dim=32, rope_dim=24)
 
 
@@ -67,7 +68,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True, help="directory for qk_norm_rope.json")
     ap.add_argument("--iters", type=int, default=20, help="timed calls per variant (median)")
-    ap.add_argument("--configs", default=CONFIGS, help="Triton launch configs: ROWSxWARPS,...")
+    ap.add_argument("--configs", default=CONFIGS, help="Triton launch configs: ROWSxWARPS[xPAIRSxSTAGES],...")
     ap.add_argument("--tiny", action="store_true", help="CPU dry run (small shapes; the kernel interpreted)")
     args = ap.parse_args()
     if args.tiny:
@@ -85,7 +86,7 @@ def main() -> int:
     from minimax_h3.kernels import qk_norm_rope as qk
     from minimax_h3.kernels.fp8_attention import static_qk_mult
 
-    configs = [tuple(int(v) for v in c.split("x")) for c in args.configs.split(",")]
+    configs = [(tuple(int(v) for v in c.split("x")) + (1, 1))[:4] for c in args.configs.split(",")]
     # --tiny without triton (CI): the reference only. Compiling on the CPU would time a C++ build, not the op.
     run_triton = qk.triton is not None
     result: dict = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu (--tiny)",
@@ -106,29 +107,39 @@ def main() -> int:
         if device.type == "cuda":
             compiled = torch.compile(qk_norm_rope_reference, dynamic=False)
             variants["reference compiled"] = lambda: compiled(y, qw, kw, EPS, rope, out[:2], out[2])
-        errs, variants8 = {}, {}
+        errs, variants8, variants8v = {}, {}, {}
         if run_triton:
-            for b, w in configs:
-                name = f"triton {b}x{w}"
-                variants[name] = lambda b=b, w=w: qk.qk_norm_rope_op(y, qw, kw, EPS, *rope, out[:2], out[2], None,
-                                                                     b, w)
+            for b, w, h, p in configs:
+                name = f"triton {b}x{w}" + (f"x{h}x{p}" if (h, p) != (1, 1) else "")
+                variants[name] = lambda b=b, w=w, h=h, p=p: qk.qk_norm_rope_op(y, qw, kw, EPS, *rope, out[:2], out[2],
+                                                                               None, b, w, h, p)
                 out.fill_(float("nan"))
                 variants[name]()
                 errs[name] = errors(out, ref)
                 worst_ulps = max(worst_ulps, errs[name]["max_ulps"])
                 name8 = f"{name} e4m3 q/k"
-                variants8[name8] = lambda b=b, w=w: qk.qk_norm_rope_op(y, qw, kw, EPS, *rope, qk8, out[2], mult,
-                                                                       b, w)
+                variants8[name8] = lambda b=b, w=w, h=h, p=p: qk.qk_norm_rope_op(y, qw, kw, EPS, *rope, qk8, out[2],
+                                                                                 mult, b, w, h, p)
                 variants8[name8]()
                 errs[name8] = e4m3_deviation(qk8, ref8)
                 worst_steps = max(worst_steps, errs[name8]["max_steps"])
+                name8v = f"{name8}, no v"
+                variants8v[name8v] = lambda b=b, w=w, h=h, p=p: qk.qk_norm_rope_op(y, qw, kw, EPS, *rope, qk8, None,
+                                                                                   mult, b, w, h, p)
+                qk8.fill_(0)
+                variants8v[name8v]()
+                errs[name8v] = e4m3_deviation(qk8, ref8)
+                worst_steps = max(worst_steps, errs[name8v]["max_steps"])
         notes = {name: (f"  max |err| {e['max_abs']:.2e} ({e['max_ulps']:.2f} ulp), {e['exact_fraction']:.5f} "
                         "bitwise equal" if "max_ulps" in e else
                         f"  max {e['max_steps']} e4m3 steps, {e['exact_fraction']:.5f} equal")
                  for name, e in errs.items()}
         timed = time_variants(variants, device, args.iters, args.tiny, moved, f"S={s:6d}", notes)
         timed.update(time_variants(variants8, device, args.iters, args.tiny, moved8, f"S={s:6d}", notes))
-        result["shapes"].append({"rows": s, "bytes": moved, "bytes_e4m3_qk": moved8, "errors": errs,
+        moved8v = moved8 - 2 * out[2].numel() * out.element_size()  # no v read or written
+        timed.update(time_variants(variants8v, device, args.iters, args.tiny, moved8v, f"S={s:6d}", notes))
+        result["shapes"].append({"rows": s, "bytes": moved, "bytes_e4m3_qk": moved8, "bytes_e4m3_qk_no_v": moved8v,
+                                 "errors": errs,
                                  "variants": timed})
         del y, out, ref, qk8, ref8
     write_result(args.out, "qk_norm_rope.json", result)

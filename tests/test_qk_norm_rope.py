@@ -71,7 +71,8 @@ def test_reference_is_the_previous_math_bit_for_bit(dtype, r):
 
 
 def check_kernel(rows: int, heads: int, d: int, r: int, dtype: torch.dtype, device: str,
-                 block_rows: int = 32, num_warps: int = 4, exact_fraction: float = EXACT_FRACTION) -> None:
+                 block_rows: int = 32, num_warps: int = 4, exact_fraction: float = EXACT_FRACTION,
+                 heads_per_program: int = 1, num_stages: int = 1) -> None:
     """Triton (minimax_h3.kernels.qk_norm_rope.launch) vs the reference: within one ulp of the value, mostly bitwise equal,
     nothing written outside out's rows."""
     from minimax_h3.kernels.qk_norm_rope import launch
@@ -80,7 +81,8 @@ def check_kernel(rows: int, heads: int, d: int, r: int, dtype: torch.dtype, devi
     ref = buf.clone()
     qk_norm_rope_reference(y, qw, kw, EPS, rope, *qk_v(ref[:, :, :, 3:3 + rows]))
     cos, sin = rope if rope else (None, None)
-    launch(y, qw, kw, EPS, cos, sin, *qk_v(buf[:, :, :, 3:3 + rows]), None, block_rows, num_warps)
+    launch(y, qw, kw, EPS, cos, sin, *qk_v(buf[:, :, :, 3:3 + rows]), None, block_rows, num_warps, heads_per_program,
+           num_stages)
     assert buf[:, :, :, :3].isnan().all() and buf[:, :, :, 3 + rows:].isnan().all(), "wrote outside out"
     got, want = buf[:, :, :, 3:3 + rows].float(), ref[:, :, :, 3:3 + rows].float()
     ulp = torch.finfo(dtype).eps
@@ -91,7 +93,7 @@ def check_kernel(rows: int, heads: int, d: int, r: int, dtype: torch.dtype, devi
 
 
 def check_kernel_fp8(rows: int, heads: int, d: int, r: int, device: str, max_steps: int, block_rows: int = 32,
-                     num_warps: int = 4, with_v: bool = True) -> None:
+                     num_warps: int = 4, with_v: bool = True, heads_per_program: int = 1) -> None:
     """The kernel writing e4m3 q/k with static multipliers (fp8 attention) vs the reference: q/k at most
     `max_steps` e4m3 steps apart, v bitwise equal (with_v=False: no v written at all), nothing written outside the
     rows."""
@@ -109,7 +111,7 @@ def check_kernel_fp8(rows: int, heads: int, d: int, r: int, device: str, max_ste
         qk_norm_rope_reference(y, qw, kw, EPS, rope, ref_qk[:, :, :, 3:3 + rows], None, mult)
     cos, sin = rope if rope else (None, None)
     launch(y, qw, kw, EPS, cos, sin, qk[:, :, :, 3:3 + rows], v[:, :, 3:3 + rows] if with_v else None, mult,
-           block_rows, num_warps)
+           block_rows, num_warps, heads_per_program, 2)
     assert torch.equal(qk.view(torch.uint8)[:, :, :, :3], ref_qk.view(torch.uint8)[:, :, :, :3])
     assert torch.equal(qk.view(torch.uint8)[:, :, :, 3 + rows:], ref_qk.view(torch.uint8)[:, :, :, 3 + rows:])
     steps = e4m3_steps(qk[:, :, :, 3:3 + rows], ref_qk[:, :, :, 3:3 + rows])
@@ -158,9 +160,11 @@ def test_triton_matches_reference_on_gpu(rows, heads, r, dtype):
 
 
 @needs_cuda
-@pytest.mark.parametrize("block_rows,num_warps", [(16, 2), (64, 8)])
-def test_triton_launch_configs_on_gpu(block_rows, num_warps):
-    check_kernel(1000, 8, 128, 96, torch.bfloat16, "cuda", block_rows, num_warps)
+@pytest.mark.parametrize("block_rows,num_warps,heads_per_program,num_stages", [(16, 2, 1, 1), (64, 8, 1, 1),
+                                                                              (16, 4, 7, 2), (32, 4, 24, 3)])
+def test_triton_launch_configs_on_gpu(block_rows, num_warps, heads_per_program, num_stages):
+    check_kernel(1000, 8, 128, 96, torch.bfloat16, "cuda", block_rows, num_warps,
+                 heads_per_program=heads_per_program, num_stages=num_stages)
 
 
 @needs_cuda
@@ -184,10 +188,14 @@ def interpreter_main() -> None:
     for rows, heads, d, r, dtype, block_rows in [(37, 3, 32, 24, torch.bfloat16, 16), (5, 2, 16, 16, torch.float16, 8),
                                                  (19, 2, 32, 0, torch.bfloat16, 32)]:
         check_kernel(rows, heads, d, r, dtype, "cpu", block_rows, exact_fraction=0.0)
+    # Several (section, head) pairs per program: a program's range crossing from k into v, and one ending early.
+    check_kernel(37, 3, 32, 24, torch.bfloat16, "cpu", 16, exact_fraction=0.0, heads_per_program=4, num_stages=2)
+    check_kernel(19, 2, 32, 0, torch.bfloat16, "cpu", 8, exact_fraction=0.0, heads_per_program=5)
     # e4m3 q/k: the interpreter can miss a carry when it rounds to e4m3 (tests/test_fp8_rows.py), hence 8 steps.
     check_kernel_fp8(37, 3, 32, 24, "cpu", max_steps=8, block_rows=16)
     check_kernel_fp8(19, 2, 32, 0, "cpu", max_steps=8)
     check_kernel_fp8(21, 3, 32, 24, "cpu", max_steps=8, block_rows=8, with_v=False)
+    check_kernel_fp8(21, 3, 32, 24, "cpu", max_steps=8, block_rows=8, with_v=False, heads_per_program=4)
     # The custom op through torch.compile's graph capture (aot_eager: no C++ compile on the CPU).
     y, qw, kw, (cos, sin), buf = make_inputs(9, 2, 16, 8, torch.bfloat16, "cpu")
 

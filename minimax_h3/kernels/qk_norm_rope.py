@@ -119,38 +119,45 @@ def _reference_op(y: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tenso
 def qk_norm_rope_op(y: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float,
                     cos: torch.Tensor | None, sin: torch.Tensor | None, qk_out: torch.Tensor,
                     v_out: torch.Tensor | None, qk_mult: torch.Tensor | None = None,
-                    block_rows: int | None = None, num_warps: int | None = None) -> None:
+                    block_rows: int | None = None, num_warps: int | None = None,
+                    heads_per_program: int | None = None, num_stages: int | None = None) -> None:
     """The Triton kernel as a torch op that writes `qk_out` and `v_out` (opaque to torch.compile); arguments as
     `launch`."""
-    launch(y, q_weight, k_weight, eps, cos, sin, qk_out, v_out, qk_mult, block_rows, num_warps)
+    launch(y, q_weight, k_weight, eps, cos, sin, qk_out, v_out, qk_mult, block_rows, num_warps, heads_per_program,
+           num_stages)
 
 
 def launch(y: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float, cos: torch.Tensor | None,
            sin: torch.Tensor | None, qk_out: torch.Tensor, v_out: torch.Tensor | None,
-           qk_mult: torch.Tensor | None = None,
-           block_rows: int | None = None, num_warps: int | None = None) -> None:
+           qk_mult: torch.Tensor | None = None, block_rows: int | None = None, num_warps: int | None = None,
+           heads_per_program: int | None = None, num_stages: int | None = None) -> None:
     """Runs the kernel: y [rows, 3, heads, D] (any strides), gains [D], cos/sin [rows, r] fp32 or both None,
     qk_out [2, 1, heads, rows, D] and v_out [1, heads, rows, D] or None (any strides, e.g. row slices of bigger
     buffers),
     qk_mult [2] fp32 with an e4m3 qk_out, or None. Raises ValueError for arguments it does not serve
-    (`unsupported`). block_rows (a power of two) and num_warps tune the launch (None: the device's,
-    minimax_h3/kernels/tuning.json)."""
+    (`unsupported`). block_rows (rows per program, a power of two), num_warps, heads_per_program (the (section,
+    head) pairs one program takes, loading its rows' RoPE table once for all) and num_stages (loads of the next
+    pair in flight) tune the launch (None: the device's, minimax_h3/kernels/tuning.json)."""
     tuned = launch_params("qk_norm_rope", y.device)
     block_rows = tuned["block_rows"] if block_rows is None else block_rows
     num_warps = tuned["num_warps"] if num_warps is None else num_warps
+    heads_per_program = tuned["heads_per_program"] if heads_per_program is None else heads_per_program
+    num_stages = tuned["num_stages"] if num_stages is None else num_stages
     rope = (cos, sin) if cos is not None else None
     if (cos is None) != (sin is None):
         raise ValueError("pass both cos and sin, or neither")
     if block_rows < 1 or block_rows & (block_rows - 1):
         raise ValueError(f"block_rows must be a power of two, got {block_rows}")
+    if heads_per_program < 1 or num_stages < 1:
+        raise ValueError(f"heads_per_program and num_stages must be >= 1, got {heads_per_program} and {num_stages}")
     reason = unsupported(y, q_weight, k_weight, rope, qk_out, v_out, qk_mult)
     if reason is not None:
         raise ValueError(f"the Triton q/k RMSNorm + RoPE kernel does not serve this call: {reason}")
     rows, _, heads, d = y.shape
     if rows == 0 or heads == 0:
         return
-    log_once(log, f"q/k RMSNorm + RoPE: Triton kernel ({block_rows} rows x {num_warps} warps per program"
-                  f"{', e4m3 q/k' if qk_mult is not None else ''})")
+    log_once(log, f"q/k RMSNorm + RoPE: Triton kernel ({block_rows} rows x {heads_per_program} heads x {num_warps} "
+                  f"warps per program{', e4m3 q/k' if qk_mult is not None else ''})")
     if cos is not None:
         r, cos_t, sin_t, rope_strides = cos.shape[-1], cos, sin, (*cos.stride(), *sin.stride())
     else:  # HAS_ROPE=False compiles the table loads out; the pointer arguments still need a tensor
@@ -158,14 +165,14 @@ def launch(y: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, eps:
     mult = qk_mult if qk_mult is not None else q_weight  # QK_FP8=False compiles its loads out
     sections = SECTIONS if v_out is not None else 2  # no v programs without v_out
     v_t, v_strides = (v_out, v_out.stride()[1:]) if v_out is not None else (qk_out, (0, 0, 0))
-    grid = (triton.cdiv(rows, block_rows) * sections * heads,)
+    grid = (triton.cdiv(rows, block_rows), triton.cdiv(sections * heads, heads_per_program))
     with torch.cuda.device(y.device) if y.is_cuda else contextlib.nullcontext():  # Triton uses the current device
         _qk_norm_rope_kernel[grid](
             y, q_weight, k_weight, cos_t, sin_t, qk_out, v_t, mult, rows, heads, eps,
             *y.stride(), qk_out.stride(0), qk_out.stride(2), qk_out.stride(3), qk_out.stride(4),
             *v_strides, *rope_strides,
             D=d, R=r, HAS_ROPE=cos is not None, QK_FP8=qk_mult is not None, FP8_MAX=FP8_E4M3_MAX, NSEC=sections,
-            BLOCK_R=block_rows, num_warps=num_warps,
+            BLOCK_R=block_rows, HEADS_PER_PROGRAM=heads_per_program, STAGES=num_stages, num_warps=num_warps,
             enable_fp_fusion=False,  # no FMA contraction: products rounded as the reference's separate ops are
         )
 
@@ -177,44 +184,51 @@ if triton is not None:
                              y_s_row, y_s_sec, y_s_head, y_s_d, o_s_sec, o_s_head, o_s_row, o_s_d,
                              v_s_head, v_s_row, v_s_d, c_s_row, c_s_d, s_s_row, s_s_d,
                              D: tl.constexpr, R: tl.constexpr, HAS_ROPE: tl.constexpr, QK_FP8: tl.constexpr,
-                             FP8_MAX: tl.constexpr, NSEC: tl.constexpr, BLOCK_R: tl.constexpr):
-        """One program: BLOCK_R rows of one head of one section (0 q, 1 k, 2 v; NSEC = 2: no v). Consecutive
-        programs take the sections and heads of the same rows in y's order, so the programs in flight read one band
-        of y."""
-        pid = tl.program_id(0)
-        band = pid // (NSEC * heads)
-        sec = (pid // heads) % NSEC
-        head = (pid % heads).to(tl.int64)
+                             FP8_MAX: tl.constexpr, NSEC: tl.constexpr, BLOCK_R: tl.constexpr,
+                             HEADS_PER_PROGRAM: tl.constexpr, STAGES: tl.constexpr):
+        """One program: BLOCK_R rows of HEADS_PER_PROGRAM consecutive (section, head) pairs, the sections in order
+        (0 q, 1 k, 2 v; NSEC = 2: no v) and the heads in order within each. The rows' RoPE table (cos / sin) is
+        loaded once for all of them; the loop over the pairs prefetches the next pair's rows (STAGES)."""
+        band = tl.program_id(0)
+        first = tl.program_id(1) * HEADS_PER_PROGRAM
         row = band * BLOCK_R + tl.arange(0, BLOCK_R)
         ch = tl.arange(0, D)
         mask = (row < rows)[:, None]
         row = row.to(tl.int64)[:, None]  # int64 offsets: out spans 3 * heads * S * D elements
-        y_row = y_ptr + sec.to(tl.int64) * y_s_sec + head * y_s_head + row * y_s_row
-        x = tl.load(y_row + ch[None, :] * y_s_d, mask=mask, other=0.0).to(tl.float32)
-        if sec == 2:  # v: layout and cast only
-            v_out = v_ptr + head * v_s_head + row * v_s_row + ch[None, :] * v_s_d
-            tl.store(v_out, x.to(v_ptr.dtype.element_ty), mask=mask)
-        else:
+        if HAS_ROPE:
+            # rotate_half on channels [0, R): out_j = n_j cos_j + n_p sin_j * (-1 if j < R/2 else 1), with the
+            # partner p = j +- R/2 normalised by the same row's rstd; channels >= R pass through.
+            half = R // 2
+            in_rope = ch < R
+            partner = tl.where(ch < half, ch + half, tl.where(in_rope, ch - half, ch))
+            cmask = mask & in_rope[None, :]
+            c = tl.load(cos_ptr + row * c_s_row + ch[None, :] * c_s_d, mask=cmask, other=0.0)
+            s = tl.load(sin_ptr + row * s_s_row + ch[None, :] * s_s_d, mask=cmask, other=0.0)
+        last = tl.minimum(first + HEADS_PER_PROGRAM, NSEC * heads)
+        for pair in tl.range(first, tl.minimum(last, 2 * heads), num_stages=STAGES):  # q and k
+            sec = pair // heads
+            head = (pair % heads).to(tl.int64)
+            y_row = y_ptr + sec.to(tl.int64) * y_s_sec + head * y_s_head + row * y_s_row
+            x = tl.load(y_row + ch[None, :] * y_s_d, mask=mask, other=0.0).to(tl.float32)
             # RMSNorm in fp32 over head_dim: x * rsqrt(mean(x^2) + eps) * gain (minimax_h3/dit/ops.py `rms_norm`).
             gain = tl.where(sec == 0, tl.load(qw_ptr + ch).to(tl.float32), tl.load(kw_ptr + ch).to(tl.float32))
             rstd = tl.math.rsqrt(tl.sum(x * x, axis=1) / D + eps)[:, None]
             res = x * rstd * gain[None, :]
             if HAS_ROPE:
-                # rotate_half on channels [0, R): out_j = n_j cos_j + n_p sin_j * (-1 if j < R/2 else 1), with the
-                # partner p = j +- R/2 normalised by the same row's rstd; channels >= R pass through.
-                half = R // 2
-                in_rope = ch < R
-                partner = tl.where(ch < half, ch + half, tl.where(in_rope, ch - half, ch))
                 xp = tl.load(y_row + partner[None, :] * y_s_d, mask=mask, other=0.0).to(tl.float32)
                 gain_p = tl.where(sec == 0, tl.load(qw_ptr + partner).to(tl.float32),
                                   tl.load(kw_ptr + partner).to(tl.float32))
                 np_ = xp * rstd * gain_p[None, :]
                 rot = tl.where((ch < half)[None, :], -np_, np_)
-                cmask = mask & in_rope[None, :]
-                c = tl.load(cos_ptr + row * c_s_row + ch[None, :] * c_s_d, mask=cmask, other=0.0)
-                s = tl.load(sin_ptr + row * s_s_row + ch[None, :] * s_s_d, mask=cmask, other=0.0)
                 res = tl.where(in_rope[None, :], res * c + rot * s, res)
             if QK_FP8:  # the static e4m3 scale of q or k (`qk_mult`), then e4m3's range
                 res = tl.minimum(tl.maximum(res * tl.load(mult_ptr + sec), -FP8_MAX), FP8_MAX)
             out = qk_ptr + sec.to(tl.int64) * o_s_sec + head * o_s_head + row * o_s_row + ch[None, :] * o_s_d
             tl.store(out, res.to(qk_ptr.dtype.element_ty), mask=mask)
+        if NSEC == 3:  # v: layout and cast only
+            for pair in tl.range(tl.maximum(first, 2 * heads), last, num_stages=STAGES):
+                head = (pair - 2 * heads).to(tl.int64)
+                x = tl.load(y_ptr + 2 * y_s_sec + head * y_s_head + row * y_s_row + ch[None, :] * y_s_d, mask=mask,
+                            other=0.0)
+                tl.store(v_ptr + head * v_s_head + row * v_s_row + ch[None, :] * v_s_d, x.to(v_ptr.dtype.element_ty),
+                         mask=mask)
