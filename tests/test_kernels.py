@@ -259,8 +259,8 @@ def test_tuned_values_are_per_device_data():
     for arch, entry in entries.items():
         assert set(entry) == set(arch_entry("cpu")), arch
         assert all("benchmark" in v for k, v in entry.items() if k != "measured_on"), arch  # each says how
-    assert launch_params("qk_norm_rope", "cpu") == {"block_rows": 16, "num_warps": 4, "heads_per_program": 1,
-                                                    "num_stages": 1}
+    assert launch_params("qk_norm_rope", "cpu") == {"block_rows": 8, "num_warps": 2, "heads_per_program": 8,
+                                                    "num_stages": 3}
     with pytest.raises(KeyError, match="no 'nope' entry"):
         launch_params("nope", "cpu")
     # The H200's values (what the DiT stage runs with there; the CPU gets the same through "default").

@@ -371,19 +371,25 @@ if triton is not None:
         add first, x += gate[r] * part, written back to x. Every step is one op of the reference
         (`modulate_fp8_reference`, with ADD `add_modulate_fp8_reference`), in its order."""
         row, ch, row_ok, c_ok, mask = _row_block(rows, C, BLOCK_R, BLOCK_C)
+        # The rows of x and part stream through once (evict_first); the gain and the few AdaLN rows every program
+        # gathers stay cached (evict_last): otherwise the streaming rows push them out of L1 and each program
+        # fetches them again from L2 (docs/kernels.md, "Fused fp8 row hand-offs").
         ada = tl.load(r_ptr + row * r_s, mask=row_ok, other=0).to(tl.int64)[:, None]  # AdaLN table row
         at_x = x_ptr + row[:, None] * x_s_row + ch[None, :] * x_s_c
-        x = tl.load(at_x, mask=mask, other=0.0)
+        x = tl.load(at_x, mask=mask, other=0.0, eviction_policy="evict_first")
         if ADD:
             # 0. The gated residual add (`gated_add`): the fp32 product (part is exact in fp32), then the fp32 sum.
             part = tl.load(part_ptr + row[:, None] * p_s_row + ch[None, :] * p_s_c, mask=mask, other=0.0,
                            eviction_policy="evict_first").to(tl.float32)
-            gate = tl.load(gate_ptr + ada * g_s_row + ch[None, :] * g_s_c, mask=mask, other=0.0)
+            gate = tl.load(gate_ptr + ada * g_s_row + ch[None, :] * g_s_c, mask=mask, other=0.0,
+                           eviction_policy="evict_last")
             x = x + gate * part
             tl.store(at_x, x, mask=mask)
-        gain = tl.load(w_ptr + ch * w_s, mask=c_ok, other=0.0).to(tl.float32)[None, :]
-        shift = tl.load(shift_ptr + ada * sh_s_row + ch[None, :] * sh_s_c, mask=mask, other=0.0)
-        scale = tl.load(scale_ptr + ada * sc_s_row + ch[None, :] * sc_s_c, mask=mask, other=0.0)
+        gain = tl.load(w_ptr + ch * w_s, mask=c_ok, other=0.0, eviction_policy="evict_last").to(tl.float32)[None, :]
+        shift = tl.load(shift_ptr + ada * sh_s_row + ch[None, :] * sh_s_c, mask=mask, other=0.0,
+                        eviction_policy="evict_last")
+        scale = tl.load(scale_ptr + ada * sc_s_row + ch[None, :] * sc_s_c, mask=mask, other=0.0,
+                        eviction_policy="evict_last")
         # 1. RMSNorm in fp32 (`rms_norm`: x * rsqrt(mean(x^2) + eps) * gain; the mean as torch's CUDA reduction
         #    takes it, sum * fp32(1 / C)), then the modulation, rounded to bf16 as the reference emits it.
         rstd = tl.math.rsqrt(tl.sum(x * x, axis=1) * inv_c + eps)[:, None]

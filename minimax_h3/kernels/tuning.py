@@ -20,7 +20,8 @@ import torch
 
 TABLE = Path(__file__).with_name("tuning.json")
 DEFAULT = "default"
-META_KEYS = ("benchmark",)  # an entry's notes, not values
+META_KEYS = ("benchmark", "measured_on")  # an entry's notes, not values (measured_on: where it differs from the
+# architecture entry's device)
 GPU_ARCHS = ("sm_75", "sm_80", "sm_86", "sm_89", "sm_90", "sm_100", "sm_120")
 
 
