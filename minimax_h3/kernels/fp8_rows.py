@@ -9,8 +9,8 @@ then quantises those rows per row (`quantize_fp8_rowwise`: scale = amax / 448, q
 This kernel reads x and the gathered AdaLN rows once and writes e4m3 rows plus one fp32 scale per row (`Fp8Rows`,
 which the fp8 linear takes as its input instead of a tensor). It pays in eager blocks; inside a compiled block
 Inductor's own fusion of the same math is as fast, so the fp8 linear's method (minimax_h3/kernels/layers.py
-Fp8RowsMethod) uses it only outside torch.compile (docs/kernels.md, "Fused fp8 row hand-offs"). With its ADD
-constant it first makes a block's deferred gated residual add, x += gate[r] * part, and writes x back
+Fp8RowsMethod) uses it only outside torch.compile (docs/kernels.md, "Fused modulation + fp8 row quantisation").
+With its ADD constant it first makes a block's deferred gated residual add, x += gate[r] * part, and writes x back
 (`add_modulate_fp8`, custom op `h3stages::add_modulate_fp8_rows`; reference `add_modulate_fp8_reference` =
 `gated_add`, then `modulate_fp8_reference`): x is read once where the add and the modulation each read it. That one
 is no slower than Inductor's fusion of the two (faster on long sequences), so it also runs in compiled blocks.
@@ -373,7 +373,7 @@ if triton is not None:
         row, ch, row_ok, c_ok, mask = _row_block(rows, C, BLOCK_R, BLOCK_C)
         # The rows of x and part stream through once (evict_first); the gain and the few AdaLN rows every program
         # gathers stay cached (evict_last): otherwise the streaming rows push them out of L1 and each program
-        # fetches them again from L2 (docs/kernels.md, "Fused fp8 row hand-offs").
+        # fetches them again from L2 (docs/kernels.md, "With the gated residual add").
         ada = tl.load(r_ptr + row * r_s, mask=row_ok, other=0).to(tl.int64)[:, None]  # AdaLN table row
         at_x = x_ptr + row[:, None] * x_s_row + ch[None, :] * x_s_c
         x = tl.load(at_x, mask=mask, other=0.0, eviction_policy="evict_first")

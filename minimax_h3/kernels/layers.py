@@ -22,7 +22,7 @@ weights, its method's `apply` does the kernel work):
 
 Which fused kernel also runs inside a torch.compile'd block is the method's choice (`Fp8RowsMethod` fields):
 where Inductor's own fusion of the same plain ops is as fast, the compiled block is left to trace them
-(docs/kernels.md, "Fused fp8 row hand-offs").
+(docs/kernels.md, "Fused modulation + fp8 row quantisation (Triton)").
 """
 
 from __future__ import annotations
