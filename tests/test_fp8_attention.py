@@ -231,6 +231,42 @@ def test_emulated_fp8_passes_the_registry_probe():
     assert res["fp8emu"].ok and 1e-3 < res["fp8emu"].rel_err < REL_ERR_BOUND["fp8_attention"]
 
 
+def test_the_probe_times_fp8_attention_as_the_blocks_call_it(monkeypatch):
+    """With static q/k scales the blocks hand q and k over in e4m3 and the attention quantises V alone: the probe
+    checks the whole call's error once and times `block_call`, which takes that path (`attend_fp8_qk`) and whose
+    O is the attention's within fp8's bound."""
+    options = Fp8AttentionOptions(**{**DEFAULT_OPTIONS.__dict__, "min_seq": 0})
+    assert options.static_qk
+    calls = {"whole": 0, "fp8_qk": 0}
+    whole, fp8_qk = Fp8Attention.__call__, Fp8Attention.attend_fp8_qk
+
+    def count(name, fn):
+        def counted(self, *args, **kwargs):
+            calls[name] += 1
+            return fn(self, *args, **kwargs)
+        return counted
+
+    monkeypatch.setattr(Fp8Attention, "__call__", count("whole", whole))
+    monkeypatch.setattr(Fp8Attention, "attend_fp8_qk", count("fp8_qk", fp8_qk))
+    cands = {"fp8emu": AttentionCandidate("fp8emu", lambda: Fp8Attention(options, emulate=True),
+                                          REL_ERR_BOUND["fp8_attention"], archs=("cpu",))}
+    small = KernelConfig(linear_shapes=((64, 256, 128),), attention_shape=(1, 4, 256, 64), probe_iters=3,
+                         compute_dtype=torch.float32)
+    sel = select_kernels("cpu", small, attention_candidates=cands)
+    assert sel.attention == "fp8emu" and sel.probes["attention"][0].ms > 0
+    assert calls == {"whole": 1, "fp8_qk": 1 + 3}  # the check; a warm-up call and one per round
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 4, 256, 64, generator=g) for _ in range(3))
+    o = Fp8Attention(options, emulate=True).block_call(q, k, v)()
+    got = dequantize_o(o.o8, o.o_scale, o.o_shift, torch.float32)
+    assert rel_err(got.unsqueeze(0), F.scaled_dot_product_attention(q, k, v)) < REL_ERR_BOUND["fp8_attention"]
+    # Where the blocks hand over q, k and v as they are (no static scales), the probe times that call.
+    plain = Fp8Attention(ALL_ROWS, emulate=True)
+    calls.update(whole=0, fp8_qk=0)
+    plain.block_call(q, k, v)()
+    assert calls == {"whole": 1, "fp8_qk": 0}
+
+
 def test_model_velocity_with_fp8_attention():
     """The blocks with fp8 attention, q/k quantised by the q/k norm kernel with static scales (the default) or by the
     attention's own pass (static_qk off): both near the exact model, and not the same (the static path was taken)."""

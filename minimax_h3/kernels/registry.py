@@ -21,8 +21,9 @@ Candidates (name -> what runs):
 Which candidates are *considered* depends on the device's architecture (ARCH table below: e.g. no fp8 before
 sm_89, no bf16 GEMMs on Turing, only the dense / math fallbacks on CPU). `select_kernels` then runs every considered
 candidate once on representative shapes, rejects any whose relative error against an fp32 reference exceeds its
-bound (or that raises / returns non-finite values), times the survivors in rounds that call each once
-(`interleaved_ms`: docs/kernels.md, "How the probe times") and picks the fastest per op. A config override
+bound (or that raises / returns non-finite values), times the survivors in rounds that call each once, each as the
+blocks call it (an attention fn's `block_call` where it has one; `interleaved_ms`: docs/kernels.md, "How the probe
+times") and picks the fastest per op. A config override
 (`linear_kernel="fp8"`, `attention_kernel="cudnn"`, ...) skips the race but still checks availability and parity,
 so a forced kernel that is broken on this machine fails at start-up, not mid-request.
 
@@ -692,7 +693,9 @@ def _probe_attention(cands: Sequence[AttentionCandidate], device: torch.device,
                 err, why = _check(c.name, c.rel_err_bound, [(fn(q, k, v), ref)])
             results.append(ProbeResult(c.name, not why, rel_err=err, bound=c.rel_err_bound, why=why))
             if not why:
-                timed.append((len(results) - 1, lambda f=fn: f(q, k, v)))
+                # Timed as the blocks call it, where that differs from (q, k, v) (fp8 attention: q and k come in e4m3).
+                call = fn.block_call(q, k, v) if hasattr(fn, "block_call") else (lambda f=fn: f(q, k, v))
+                timed.append((len(results) - 1, call))
         except Exception as e:
             results.append(ProbeResult(c.name, False, why=_error_why(e)))
     _time_in_turn(results, timed, device, cfg)
