@@ -762,9 +762,8 @@ class Fp8Attention:
         if not self.takes_fp8_qk(q.shape[2]):
             return lambda: self(q, k, v)
         ones = torch.ones(q.shape[-1], device=q.device)
-        mult = static_qk_mult(ones, ones).to(q.device)
-        qk8 = (torch.stack([q, k]).float() * mult.view(2, 1, 1, 1, 1)).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
-        x = Fp8QKInput(qk8, v, mult)
+        mult = static_qk_mult(ones, ones)
+        x = Fp8QKInput(_to_e4m3(torch.stack([q, k]).float(), None, mult.view(2, 1, 1, 1, 1)), v, mult)
         return lambda: self.attend_fp8_qk(x, keep_fp8_o=True)
 
     def takes_fp8_qk(self, rows: int) -> bool:
