@@ -26,6 +26,8 @@ from torch import nn
 from stagekit.checkpoints import FLOAT, CheckpointError, HeaderEntry, TensorReader, TensorSpec
 from stagekit.errors import FailedPrecondition
 
+from .int8_gemv import GEMV_MAX_ROWS
+
 log = logging.getLogger(__name__)
 
 INT8_QMAX = 127  # symmetric int8 grid used by comfy-kitchen: scale = absmax / 127, values clamped to [-128, 127]
@@ -235,6 +237,28 @@ def _comfy_kitchen_int8_op():
     return torch.ops.comfy_kitchen.int8_linear
 
 
+def comfy_int8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
+                      out_dtype: torch.dtype, groupsize: int | None) -> torch.Tensor:
+    """comfy-kitchen's int8 linear: x [M, K] (rotated group-wise when `groupsize`, quantised per row) times the
+    int8 weight [N, K] (scales [N, 1]), plus the bias (out_dtype) -> [M, N] out_dtype."""
+    return _comfy_kitchen_int8_op()(x, weight, weight_scale, bias, _CK_DTYPE_CODE[out_dtype],
+                                    convrot=bool(groupsize), convrot_groupsize=groupsize or DEFAULT_CONVROT_GROUPSIZE)
+
+
+def comfy_backend(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
+                  out_dtype: torch.dtype, groupsize: int | None) -> str:
+    """The comfy-kitchen backend ("cuda", "triton", "eager", ...) that `comfy_int8_linear` on these arguments
+    runs. Passing the full kwargs matters: without them the registry skips its device/dtype validation."""
+    from comfy_kitchen.registry import registry
+
+    kwargs = dict(
+        x=x, weight=weight, weight_scale=weight_scale, bias=bias, out_dtype=out_dtype, convrot=bool(groupsize),
+        convrot_groupsize=groupsize or DEFAULT_CONVROT_GROUPSIZE, input_act=None, input_act_weight=None,
+        input_act_eps=0.0, residual=None, residual_scale=None,
+    )
+    return registry.get_capable_backend("int8_linear", kwargs=kwargs)
+
+
 class Int8ConvRotLinear(nn.Module):
     """Linear layer holding a ConvRot int8 weight (`weight` int8 [N, K], `weight_scale` fp32 [N, 1]).
 
@@ -271,7 +295,7 @@ class Int8ConvRotLinear(nn.Module):
         self.bias = nn.Parameter(torch.zeros(out_features, device=device), requires_grad=False) if bias else None
         self._dense: torch.Tensor | None = None  # dequant-mode cache, not part of the state dict
         if mode == "kernel":
-            self._int8_linear = _comfy_kitchen_int8_op()
+            _comfy_kitchen_int8_op()  # fails here, at build time, without comfy-kitchen
 
     @classmethod
     def from_quantized(cls, qw: QuantizedWeight, bias: torch.Tensor | None = None, **kwargs) -> "Int8ConvRotLinear":
@@ -322,25 +346,18 @@ class Int8ConvRotLinear(nn.Module):
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)  # the CUDA backend wants >= 2-D
         bias = None if self.bias is None else self.bias.to(out_dtype)
-        y = self._int8_linear(
-            x2, self.weight, self.weight_scale, bias, _CK_DTYPE_CODE[out_dtype],
-            convrot=bool(self.groupsize), convrot_groupsize=self.groupsize or DEFAULT_CONVROT_GROUPSIZE,
-        )
+        if x2.shape[0] <= GEMV_MAX_ROWS and x2.is_cuda:  # a few rows (the AdaLN's): one op, opaque to torch.compile
+            y = torch.ops.h3stages.int8_linear_few_rows(x2, self.weight, self.weight_scale, bias, out_dtype,
+                                                        self.groupsize or 0)
+        else:
+            y = comfy_int8_linear(x2, self.weight, self.weight_scale, bias, out_dtype, self.groupsize)
         return y.reshape(*lead, self.out_features)
 
     def kernel_backend(self, x: torch.Tensor) -> str:
-        """The comfy-kitchen backend ("cuda", "triton", "eager", ...) that a kernel-mode call on `x` would use.
-        Passing the full kwargs matters: without them the registry skips its device/dtype validation."""
-        from comfy_kitchen.registry import registry
-
+        """The comfy-kitchen backend ("cuda", "triton", "eager", ...) that a kernel-mode call on `x` would use."""
         out_dtype = x.dtype if x.dtype in _CK_DTYPE_CODE else self.compute_dtype
-        kwargs = dict(
-            x=x.reshape(-1, self.in_features), weight=self.weight, weight_scale=self.weight_scale, bias=self.bias,
-            out_dtype=out_dtype, convrot=bool(self.groupsize),
-            convrot_groupsize=self.groupsize or DEFAULT_CONVROT_GROUPSIZE, input_act=None, input_act_weight=None,
-            input_act_eps=0.0, residual=None, residual_scale=None,
-        )
-        return registry.get_capable_backend("int8_linear", kwargs=kwargs)
+        return comfy_backend(x.reshape(-1, self.in_features), self.weight, self.weight_scale, self.bias, out_dtype,
+                             self.groupsize)
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, groupsize={self.groupsize}, mode={self.mode}"
