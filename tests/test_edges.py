@@ -31,13 +31,20 @@ from tests.waits import wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = RenderSpec(prompt="x", width=256, height=256, frames=22)
+# The clip of the client that leaves mid-mux. The mux checks for a cancel before it hands x264 each frame; x264 holds
+# the frames it is given in its lookahead (veryslow: 60 frames) and encodes the last of them only after the last
+# frame, past every check. SMALL is in x264's hands within a moment and nearly all of its mux is that final encode,
+# where a cancel cannot land. This clip, longer than the lookahead and with 4x the pixels, keeps x264 encoding while
+# the mux still takes frames for about 10 s on an idle machine (longer on a loaded one, which slows the mux as it
+# delays the cancel); its sound, decoded before the mux starts, stays short.
+LEAVER = RenderSpec(prompt="x", width=512, height=512, frames=107)
 
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory, model_cache):
     """A 2-rank DiT and a decoder sharing one lease dir on one virtual device; the decoder keeps its temp files in
     an explicit --temp-dir (so a restart finds what a killed one left) and muxes with x264's slowest preset, so a
-    small render's mux lasts seconds and a kill or a cancel lands inside it."""
+    small render's mux lasts seconds and a kill lands inside it (a cancel needs a longer clip: LEAVER)."""
     run_dir = tmp_path_factory.mktemp("edges")
     s = EmbeddedStack(StackConfig(
         ranks={"dit": 2, "decoder": 1}, cache_dir=str(model_cache), run_dir=str(run_dir), devices="virt0",
@@ -128,11 +135,12 @@ def test_a_failed_mux_leaves_no_temp_file(stack, tmp_path):
 
 def test_mux_is_cancelled_when_the_client_leaves(stack, tmp_path):
     """The client cancels while the decoder muxes: the mux stops at the next frame (nothing is
-    encoded for nobody), no file is kept, and the decoder is free for the next job."""
+    encoded for nobody), no file is kept, and the decoder is free for the next job. The leaving client's clip is
+    LEAVER, whose mux takes frames long enough for the cancel to land there on a loaded machine too."""
     log = stack.run_dir / "decoder.log"
     seen = len(log.read_text(errors="replace"))
     with clients_of(stack) as c:
-        call = c.decoder.Decode(decode_inputs(SMALL, "leaver", *latents(SMALL), decoder_pb2.MP4, 0), timeout=300)
+        call = c.decoder.Decode(decode_inputs(LEAVER, "leaver", *latents(LEAVER), decoder_pb2.MP4, 0), timeout=300)
         threading.Thread(target=lambda: [None for _ in _ignore_errors(call)], daemon=True).start()
         wait_for_mux(stack)
         t_cancel = time.monotonic()
