@@ -50,7 +50,9 @@ def kernel_spec(fr, op: str, width: int, block_rows: int):
            "sh_s_row": "i32", "sc_s_row": "i32", "g_s_row": "i32", "p_s_row": "i32"}
     # a launch specialises unit strides away
     unit_strides = dict.fromkeys(("x_s_c", "w_s", "sh_s_c", "sc_s_c", "r_s", "g_s_c", "p_s_c"), 1)
-    return fr._modulate_fp8_kernel, sig, {**common, **unit_strides, "ADD": op == "addmod"}
+    del common["BLOCK_C"]  # the modulation kernel holds a row as three tiles (fp8_rows.row_tiles)
+    tiles = dict(zip(("T0", "T1", "T2"), fr.row_tiles(width)))
+    return fr._modulate_fp8_kernel, sig, {**common, **unit_strides, **tiles, "ADD": op == "addmod"}
 
 
 def compile_one(fr, kernel, sig: dict, consts: dict, num_warps: int, arch: int) -> dict:

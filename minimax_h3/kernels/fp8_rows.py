@@ -29,7 +29,7 @@ when fc2 is an fp8 linear it quantises that bf16 product per row. `swiglu_fp8` (
 `quantize_fp8_rowwise`) reads each element of y once, a whole row per program in registers, and writes `Fp8Rows`.
 Its arithmetic is the reference's as torch runs it on CUDA: silu = x / (1 + exp(-x)) in fp32 (CUDA's expf, an IEEE
 division as `_div_rn` writes it out) rounded to bf16, the bf16 product rounded to bf16, then the same row
-quantisation as the modulation kernel (`_store_fp8_rows`, shared). No reduction order enters the values (a max is
+quantisation as the modulation kernel (`_row_scale` and `_store_q`, shared). No reduction order enters the values (a max is
 exact), so a difference can only come from libdevice's expf against the one torch is built with (and from gates
 below -87.3, `_swiglu_fp8_kernel` says why not in practice); tests/test_fp8_rows.py bounds it as the modulation
 kernel's. The fp8 fc2's method uses it in eager blocks and, as its `swiglu_in_compiled_blocks` says, in compiled
@@ -214,15 +214,33 @@ def _launch_modulate(x, weight, eps, shift, scale, r, residual: tuple[torch.Tens
     gate, part = residual if residual is not None else (shift, x)  # (pointers the kernel never reads without ADD)
     return _launch_rows(_modulate_fp8_kernel, name, what, (x, weight, shift, scale, r, gate, part), rows, c,
                         (c, 1.0 / c, eps, *x.stride(), weight.stride(0), *shift.stride(), *scale.stride(),
-                         r.stride(0), *gate.stride(), *part.stride()), block_rows, num_warps,
+                         r.stride(0), *gate.stride(), *part.stride()), block_rows, num_warps, tiled=True,
                         ADD=residual is not None)
 
 
+def row_tiles(width: int) -> tuple[int, int, int]:
+    """A row of `width` channels as three tiles of power-of-two widths (>= 16) that cover it with the least padding:
+    the largest power of two in the row, the largest in what is left, then what is left rounded up. The DiT's
+    widths split exactly (5376 = 4096 + 1024 + 256, 7168 = 4096 + 2048 + 1024, 14336 = 8192 + 4096 + 2048), where
+    one power-of-two tile holds 8192 or 16384 lanes: a kernel that keeps rows in registers then holds a third fewer
+    per row at 5376 and keeps more rows in flight per SM (docs/kernels.md, "Rows as three tiles")."""
+    def floor2(n: int) -> int:
+        return 1 << (n.bit_length() - 1)
+
+    t0 = floor2(max(width, 16))
+    rest = max(width - t0, 0)
+    t1 = floor2(rest) if rest >= 16 else 16
+    t2 = max(triton.next_power_of_2(max(rest - t1, 1)), 16)
+    return t0, t1, t2
+
+
 def _launch_rows(kernel, name: str, what: str, inputs: tuple, rows: int, width: int, args: tuple,
-                 block_rows: int | None, num_warps: int | None, **meta) -> tuple[torch.Tensor, torch.Tensor]:
+                 block_rows: int | None, num_warps: int | None, tiled: bool = False,
+                 **meta) -> tuple[torch.Tensor, torch.Tensor]:
     """The three row kernels' launch: allocates their outputs (`_empty_rows` [rows, width], on the first input's
     device) and runs `kernel(*inputs, q, q_scale, rows, *args)` over `_grid` with the shared constants (e4m3 range,
-    scale floor, BLOCK_R = block_rows, BLOCK_C = width padded to a power of two) and `meta`. block_rows / num_warps
+    scale floor, BLOCK_R = block_rows; `tiled`: the row's tiles T0 / T1 / T2 = `row_tiles(width)`, else BLOCK_C =
+    width padded to a power of two) and `meta`. block_rows / num_warps
     None: the device's tuned ones (tuning.json entry `name`). No FMA contraction (enable_fp_fusion=False): products
     and sums round as the references' separate ops do."""
     like = inputs[0]
@@ -234,10 +252,14 @@ def _launch_rows(kernel, name: str, what: str, inputs: tuple, rows: int, width: 
         return q, q_scale
     grid = _grid(rows, block_rows)
     log_once(log, f"{what}: Triton kernel ({block_rows} rows x {num_warps} warps per program)")
+    if tiled:
+        meta.update(zip(("T0", "T1", "T2"), row_tiles(width)))
+    else:
+        meta["BLOCK_C"] = triton.next_power_of_2(width)
     with torch.cuda.device(like.device) if like.is_cuda else contextlib.nullcontext():  # Triton: the current device
         kernel[grid](*inputs, q, q_scale, rows, *args, FP8_MAX=FP8_E4M3_MAX, INV_FP8_MAX=1.0 / FP8_E4M3_MAX,
-                     SCALE_FLOOR=FP8_SCALE_FLOOR, BLOCK_R=block_rows, BLOCK_C=triton.next_power_of_2(width),
-                     num_warps=num_warps, enable_fp_fusion=False, **meta)
+                     SCALE_FLOOR=FP8_SCALE_FLOOR, BLOCK_R=block_rows, num_warps=num_warps, enable_fp_fusion=False,
+                     **meta)
     return q, q_scale
 
 
@@ -336,7 +358,7 @@ if triton is not None:
 
     @triton.jit
     def _row_block(rows, C, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-        """The prologue the three kernels share: this program's BLOCK_R rows (int64 indices) and the BLOCK_C
+        """The prologue of the one-tile kernels: this program's BLOCK_R rows (int64 indices) and the BLOCK_C
         channels, with their bounds: row_ok [BLOCK_R], c_ok [BLOCK_C] and mask [BLOCK_R, BLOCK_C]."""
         row = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
         ch = tl.arange(0, BLOCK_C)
@@ -345,57 +367,118 @@ if triton is not None:
         return row.to(tl.int64), ch, row_ok, c_ok, row_ok[:, None] & c_ok[None, :]
 
     @triton.jit
-    def _store_fp8_rows(y, mask, row, row_ok, ch, C, q_ptr, qs_ptr, FP8_MAX: tl.constexpr,
-                        INV_FP8_MAX: tl.constexpr, SCALE_FLOOR: tl.constexpr):
-        """The epilogue the three kernels share, `quantize_fp8_rowwise` of bf16 rows op for op: y [BLOCK_R, BLOCK_C] bf16
-        (kept in bf16 until here: half the registers of fp32 across the row reduction), row / row_ok [BLOCK_R]
-        (int64 row indices), ch [BLOCK_C] -> e4m3 rows q [rows, C] (contiguous) and their fp32 scales qs [rows]."""
-        # 1. Row scale = max(amax / 448, floor) (the bf16 max is exact; torch's CUDA division by a Python number
-        #    multiplies by its fp32 reciprocal).
-        amax = tl.max(tl.where(mask, tl.abs(y), 0.0), axis=1).to(tl.float32)
+    def _row_scale(amax, INV_FP8_MAX: tl.constexpr, SCALE_FLOOR: tl.constexpr):
+        """Rows' fp8 scales from their fp32 amax [BLOCK_R], `quantize_fp8_rowwise` op for op: scale = max(amax /
+        448, floor) (torch's CUDA division by a Python number multiplies by its fp32 reciprocal) and the multiplier
+        bf16(1 / scale) (an IEEE reciprocal rounded to bf16), as fp32."""
         q_scale = tl.maximum(amax * INV_FP8_MAX, SCALE_FLOOR)
-        # 2. q = e4m3(clamp(bf16(y * bf16(1 / scale)))): an IEEE reciprocal, then the product of two bf16 values.
         inv = tl.math.div_rn(tl.full(q_scale.shape, 1.0, tl.float32), q_scale).to(tl.bfloat16).to(tl.float32)
+        return q_scale, inv
+
+    @triton.jit
+    def _store_q(y, inv, mask, row, ch, C, q_ptr, FP8_MAX: tl.constexpr):
+        """e4m3(clamp(bf16(y * inv))) of bf16 rows y [BLOCK_R, W] into q [rows, C] (contiguous) at channels ch."""
         p = (y.to(tl.float32) * inv[:, None]).to(tl.bfloat16).to(tl.float32)
         p = tl.minimum(tl.maximum(p, -FP8_MAX), FP8_MAX)
         tl.store(q_ptr + row[:, None] * C + ch[None, :], p.to(tl.float8e4nv), mask=mask)
+
+    @triton.jit
+    def _store_fp8_rows(y, mask, row, row_ok, ch, C, q_ptr, qs_ptr, FP8_MAX: tl.constexpr,
+                        INV_FP8_MAX: tl.constexpr, SCALE_FLOOR: tl.constexpr):
+        """The epilogue of the one-tile kernels (SwiGLU, O rows), `quantize_fp8_rowwise` of bf16 rows op for op: y
+        [BLOCK_R, BLOCK_C] bf16 (kept in bf16 until here: half the registers of fp32 across the row reduction), row /
+        row_ok [BLOCK_R] (int64 row indices), ch [BLOCK_C] -> e4m3 rows q [rows, C] (contiguous) and their fp32
+        scales qs [rows]."""
+        amax = tl.max(tl.where(mask, tl.abs(y), 0.0), axis=1).to(tl.float32)  # the bf16 max is exact
+        q_scale, inv = _row_scale(amax, INV_FP8_MAX, SCALE_FLOOR)
+        _store_q(y, inv, mask, row, ch, C, q_ptr, FP8_MAX)
         tl.store(qs_ptr + row, q_scale, mask=row_ok)
 
     @triton.jit
-    def _modulate_fp8_kernel(x_ptr, w_ptr, shift_ptr, scale_ptr, r_ptr, gate_ptr, part_ptr, q_ptr, qs_ptr, rows, C,
-                             inv_c, eps, x_s_row, x_s_c, w_s, sh_s_row, sh_s_c, sc_s_row, sc_s_c, r_s, g_s_row,
-                             g_s_c, p_s_row, p_s_c, ADD: tl.constexpr, FP8_MAX: tl.constexpr,
-                             INV_FP8_MAX: tl.constexpr, SCALE_FLOOR: tl.constexpr, BLOCK_R: tl.constexpr,
-                             BLOCK_C: tl.constexpr):
-        """One program: BLOCK_R whole rows, each with its own AdaLN rows (gathered by r). ADD: the gated residual
-        add first, x += gate[r] * part, written back to x. Every step is one op of the reference
-        (`modulate_fp8_reference`, with ADD `add_modulate_fp8_reference`), in its order."""
-        row, ch, row_ok, c_ok, mask = _row_block(rows, C, BLOCK_R, BLOCK_C)
-        # The rows of x and part stream through once (evict_first); the gain and the few AdaLN rows every program
-        # gathers stay cached (evict_last): otherwise the streaming rows push them out of L1 and each program
-        # fetches them again from L2 (docs/kernels.md, "With the gated residual add").
-        ada = tl.load(r_ptr + row * r_s, mask=row_ok, other=0).to(tl.int64)[:, None]  # AdaLN table row
+    def _store_fp8_tiles(y0, y1, y2, a0, a1, a2, row, row_ok, C, q_ptr, qs_ptr, FP8_MAX: tl.constexpr,
+                         INV_FP8_MAX: tl.constexpr, SCALE_FLOOR: tl.constexpr, T0: tl.constexpr, T1: tl.constexpr,
+                         T2: tl.constexpr):
+        """The modulation kernel's epilogue, `quantize_fp8_rowwise` of bf16 rows op for op: rows held as three bf16
+        tiles y0, y1, y2 (channels from 0, T0 and T0 + T1; kept in bf16 until here: half the registers of fp32
+        across the row reduction) with their absolute maxima a0, a1, a2 [BLOCK_R] (the bf16 max is exact), row /
+        row_ok [BLOCK_R] (int64 row indices) -> e4m3 rows q [rows, C] (contiguous) and their fp32 scales qs [rows]."""
+        q_scale, inv = _row_scale(tl.maximum(tl.maximum(a0, a1), a2).to(tl.float32), INV_FP8_MAX, SCALE_FLOOR)
+        for_rows = row_ok[:, None]
+        ch0, ch1, ch2 = tl.arange(0, T0), T0 + tl.arange(0, T1), T0 + T1 + tl.arange(0, T2)
+        _store_q(y0, inv, for_rows & (ch0 < C)[None, :], row, ch0, C, q_ptr, FP8_MAX)
+        _store_q(y1, inv, for_rows & (ch1 < C)[None, :], row, ch1, C, q_ptr, FP8_MAX)
+        _store_q(y2, inv, for_rows & (ch2 < C)[None, :], row, ch2, C, q_ptr, FP8_MAX)
+        tl.store(qs_ptr + row, q_scale, mask=row_ok)
+
+    @triton.jit
+    def _modulate_tile_x(x_ptr, gate_ptr, part_ptr, row, row_ok, ada, C, x_s_row, x_s_c, g_s_row, g_s_c, p_s_row,
+                         p_s_c, OFF: tl.constexpr, W: tl.constexpr, ADD: tl.constexpr):
+        """Channels [OFF, OFF + W) of the rows: x (with ADD, after the gated residual add x += gate[r] * part,
+        written back: the fp32 product, part being exact in fp32, then the fp32 sum) and its sum of squares per
+        row. x and part stream through once (evict_first); the AdaLN rows every program gathers stay cached
+        (evict_last): otherwise the streaming rows push them out of L1 and each program fetches them again from L2
+        (docs/kernels.md, "With the gated residual add")."""
+        ch = OFF + tl.arange(0, W)
+        mask = row_ok[:, None] & (ch < C)[None, :]
         at_x = x_ptr + row[:, None] * x_s_row + ch[None, :] * x_s_c
         x = tl.load(at_x, mask=mask, other=0.0, eviction_policy="evict_first")
         if ADD:
-            # 0. The gated residual add (`gated_add`): the fp32 product (part is exact in fp32), then the fp32 sum.
             part = tl.load(part_ptr + row[:, None] * p_s_row + ch[None, :] * p_s_c, mask=mask, other=0.0,
                            eviction_policy="evict_first").to(tl.float32)
             gate = tl.load(gate_ptr + ada * g_s_row + ch[None, :] * g_s_c, mask=mask, other=0.0,
                            eviction_policy="evict_last")
             x = x + gate * part
             tl.store(at_x, x, mask=mask)
+        return x, tl.sum(x * x, axis=1)
+
+    @triton.jit
+    def _modulate_tile_y(x, rstd, w_ptr, shift_ptr, scale_ptr, row_ok, ada, C, w_s, sh_s_row, sh_s_c, sc_s_row,
+                         sc_s_c, OFF: tl.constexpr, W: tl.constexpr):
+        """The same channels modulated, rms_norm(x) * (1 + scale[r]) + shift[r] rounded to bf16 as the reference
+        emits it, and their absolute maximum per row."""
+        ch = OFF + tl.arange(0, W)
+        c_ok = ch < C
+        mask = row_ok[:, None] & c_ok[None, :]
         gain = tl.load(w_ptr + ch * w_s, mask=c_ok, other=0.0, eviction_policy="evict_last").to(tl.float32)[None, :]
         shift = tl.load(shift_ptr + ada * sh_s_row + ch[None, :] * sh_s_c, mask=mask, other=0.0,
                         eviction_policy="evict_last")
         scale = tl.load(scale_ptr + ada * sc_s_row + ch[None, :] * sc_s_c, mask=mask, other=0.0,
                         eviction_policy="evict_last")
-        # 1. RMSNorm in fp32 (`rms_norm`: x * rsqrt(mean(x^2) + eps) * gain; the mean as torch's CUDA reduction
-        #    takes it, sum * fp32(1 / C)), then the modulation, rounded to bf16 as the reference emits it.
-        rstd = tl.math.rsqrt(tl.sum(x * x, axis=1) * inv_c + eps)[:, None]
         y = (x * rstd * gain * (1.0 + scale) + shift).to(tl.bfloat16)
+        return y, tl.max(tl.where(mask, tl.abs(y), 0.0), axis=1)
+
+    @triton.jit
+    def _modulate_fp8_kernel(x_ptr, w_ptr, shift_ptr, scale_ptr, r_ptr, gate_ptr, part_ptr, q_ptr, qs_ptr, rows, C,
+                             inv_c, eps, x_s_row, x_s_c, w_s, sh_s_row, sh_s_c, sc_s_row, sc_s_c, r_s, g_s_row,
+                             g_s_c, p_s_row, p_s_c, ADD: tl.constexpr, FP8_MAX: tl.constexpr,
+                             INV_FP8_MAX: tl.constexpr, SCALE_FLOOR: tl.constexpr, BLOCK_R: tl.constexpr,
+                             T0: tl.constexpr, T1: tl.constexpr, T2: tl.constexpr):
+        """One program: BLOCK_R whole rows, each with its own AdaLN rows (gathered by r), held as three tiles of
+        T0, T1 and T2 channels (`row_tiles`). ADD: the gated residual add first, written back to x. Every step is
+        one op of the reference (`modulate_fp8_reference`, with ADD `add_modulate_fp8_reference`), in its order."""
+        row = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+        row_ok = row < rows
+        row = row.to(tl.int64)
+        ada = tl.load(r_ptr + row * r_s, mask=row_ok, other=0).to(tl.int64)[:, None]  # AdaLN table row
+        # 0. The gated residual add (ADD), tile by tile, and each tile's sum of squares.
+        x0, s0 = _modulate_tile_x(x_ptr, gate_ptr, part_ptr, row, row_ok, ada, C, x_s_row, x_s_c, g_s_row, g_s_c,
+                                  p_s_row, p_s_c, 0, T0, ADD)
+        x1, s1 = _modulate_tile_x(x_ptr, gate_ptr, part_ptr, row, row_ok, ada, C, x_s_row, x_s_c, g_s_row, g_s_c,
+                                  p_s_row, p_s_c, T0, T1, ADD)
+        x2, s2 = _modulate_tile_x(x_ptr, gate_ptr, part_ptr, row, row_ok, ada, C, x_s_row, x_s_c, g_s_row, g_s_c,
+                                  p_s_row, p_s_c, T0 + T1, T2, ADD)
+        # 1. RMSNorm in fp32 (`rms_norm`: x * rsqrt(mean(x^2) + eps) * gain; the mean as torch's CUDA reduction
+        #    takes it, sum * fp32(1 / C)), then the modulation, rounded to bf16.
+        rstd = tl.math.rsqrt((s0 + s1 + s2) * inv_c + eps)[:, None]
+        y0, a0 = _modulate_tile_y(x0, rstd, w_ptr, shift_ptr, scale_ptr, row_ok, ada, C, w_s, sh_s_row, sh_s_c,
+                                  sc_s_row, sc_s_c, 0, T0)
+        y1, a1 = _modulate_tile_y(x1, rstd, w_ptr, shift_ptr, scale_ptr, row_ok, ada, C, w_s, sh_s_row, sh_s_c,
+                                  sc_s_row, sc_s_c, T0, T1)
+        y2, a2 = _modulate_tile_y(x2, rstd, w_ptr, shift_ptr, scale_ptr, row_ok, ada, C, w_s, sh_s_row, sh_s_c,
+                                  sc_s_row, sc_s_c, T0 + T1, T2)
         # 2. The row quantisation.
-        _store_fp8_rows(y, mask, row, row_ok, ch, C, q_ptr, qs_ptr, FP8_MAX, INV_FP8_MAX, SCALE_FLOOR)
+        _store_fp8_tiles(y0, y1, y2, a0, a1, a2, row, row_ok, C, q_ptr, qs_ptr, FP8_MAX, INV_FP8_MAX, SCALE_FLOOR,
+                         T0, T1, T2)
 
     @triton.jit
     def _swiglu_fp8_kernel(y_ptr, q_ptr, qs_ptr, rows, C, y_s_row, FP8_MAX: tl.constexpr,

@@ -175,7 +175,7 @@ if triton is not None:
             k_ok = (k0 + kk) < k
             a = tl.load(a_at + k0, mask=row_ok[:, None] & k_ok[None, :], other=0, eviction_policy="evict_last")
             b = tl.load(b_at + k0, mask=col_ok[:, None] & k_ok[None, :], other=0, eviction_policy="evict_first")
-            acc = tl.dot(a, tl.trans(b), acc)
+            acc = tl.dot(a, tl.trans(b), acc, out_dtype=tl.int32)
         # 2. comfy-kitchen's epilogue, op for op: fp32(acc) * (x_scale * w_scale), plus the bias, stored.
         sa = tl.load(sa_ptr + rows, mask=row_ok, other=0.0)
         sb = tl.load(sb_ptr + cols, mask=col_ok, other=0.0)
