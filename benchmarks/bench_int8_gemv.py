@@ -23,7 +23,8 @@ import torch  # noqa: E402
 
 from kernel_bench import time_variants, write_result  # noqa: E402
 from minimax_h3.kernels import int8_gemv  # noqa: E402
-from minimax_h3.kernels.int8 import Int8ConvRotLinear, comfy_backend, comfy_int8_linear  # noqa: E402
+from minimax_h3.kernels.int8 import (Int8ConvRotLinear, comfy_backend, comfy_int8_linear,  # noqa: E402
+                                     quantize_activation)
 from minimax_h3.kernels.tuning import launch_params  # noqa: E402
 
 CONFIGS = "32x256x4x4,64x256x4x4,64x128x4x4,128x128x4x3,64x512x4x3,128x256x8x3,32x512x4x4,64x256x4x6,16x512x4x4"
@@ -64,7 +65,7 @@ def main() -> int:
             x_scale = x.abs().amax(dim=1, keepdim=True) / 127
             x_int8 = (x / x_scale).round().clamp(-128, 127).to(torch.int8)
         else:
-            x_int8, x_scale = int8_gemv.quantize_activation(x, args.groupsize)
+            x_int8, x_scale = quantize_activation(x, args.groupsize)
         variants = {"comfy": comfy}
         if device.type == "cuda":
             variants["few_rows"] = lambda: layer(x)

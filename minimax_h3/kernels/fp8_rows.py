@@ -6,10 +6,11 @@ What the modulation kernel fuses: before the qkv projection and fc1, every block
 x [rows, C] into `modulate(x) = (rms_norm(x, w) * (1 + scale[r]) + shift[r]).to(compute dtype)` (shift / scale: the
 AdaLN rows [M * 3, C] fp32 gathered by each row's table index r). An fp8 linear (minimax_h3/kernels/registry.Fp8RowwiseLinear)
 then quantises those rows per row (`quantize_fp8_rowwise`: scale = amax / 448, q = e4m3(row * bf16(1 / scale))).
-This kernel reads x and the gathered AdaLN rows once and writes e4m3 rows plus one fp32 scale per row (`Fp8Rows`,
-which the fp8 linear takes as its input instead of a tensor). It pays in eager blocks; inside a compiled block
-Inductor's own fusion of the same math is as fast, so the fp8 linear's method (minimax_h3/kernels/layers.py
-Fp8RowsMethod) uses it only outside torch.compile (docs/kernels.md, "Fused modulation + fp8 row quantisation").
+This kernel reads x and the gathered AdaLN rows once (a row held as three power-of-two tiles, `row_tiles`) and
+writes e4m3 rows plus one fp32 scale per row (`Fp8Rows`, which the fp8 linear takes as its input instead of a
+tensor). It pays in eager blocks; inside a compiled block Inductor's own fusion of the same math is as fast, so the
+fp8 linear's method (minimax_h3/kernels/layers.py Fp8RowsMethod) uses it only outside torch.compile
+(docs/kernels.md, "Fused modulation + fp8 row quantisation").
 With its ADD constant it first makes a block's deferred gated residual add, x += gate[r] * part, and writes x back
 (`add_modulate_fp8`, custom op `h3stages::add_modulate_fp8_rows`; reference `add_modulate_fp8_reference` =
 `gated_add`, then `modulate_fp8_reference`): x is read once where the add and the modulation each read it. That one
@@ -29,7 +30,7 @@ when fc2 is an fp8 linear it quantises that bf16 product per row. `swiglu_fp8` (
 `quantize_fp8_rowwise`) reads each element of y once, a whole row per program in registers, and writes `Fp8Rows`.
 Its arithmetic is the reference's as torch runs it on CUDA: silu = x / (1 + exp(-x)) in fp32 (CUDA's expf, an IEEE
 division as `_div_rn` writes it out) rounded to bf16, the bf16 product rounded to bf16, then the same row
-quantisation as the modulation kernel (`_row_scale` and `_store_q`, shared). No reduction order enters the values (a max is
+quantisation as the modulation kernel (`_row_scale`, `_store_q`). No reduction order enters the values (a max is
 exact), so a difference can only come from libdevice's expf against the one torch is built with (and from gates
 below -87.3, `_swiglu_fp8_kernel` says why not in practice); tests/test_fp8_rows.py bounds it as the modulation
 kernel's. The fp8 fc2's method uses it in eager blocks and, as its `swiglu_in_compiled_blocks` says, in compiled

@@ -26,6 +26,7 @@ from torch import nn
 from stagekit.checkpoints import FLOAT, CheckpointError, HeaderEntry, TensorReader, TensorSpec
 from stagekit.errors import FailedPrecondition
 
+from . import int8_gemv
 from .int8_gemv import GEMV_MAX_ROWS
 
 log = logging.getLogger(__name__)
@@ -259,6 +260,55 @@ def comfy_backend(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Ten
     return registry.get_capable_backend("int8_linear", kwargs=kwargs)
 
 
+_BACKENDS: dict[tuple, str] = {}
+
+
+def _comfy_backend_cached(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                          bias: torch.Tensor | None, out_dtype: torch.dtype, groupsize: int | None) -> str:
+    """`comfy_backend`, asked once per device, dtypes and shapes (a registry walk per call would cost more than the
+    AdaLN's kernel)."""
+    key = (x.device, x.dtype, x.shape[1], tuple(weight.shape), bias is None, out_dtype, groupsize)
+    if key not in _BACKENDS:
+        _BACKENDS[key] = comfy_backend(x, weight, weight_scale, bias, out_dtype, groupsize)
+    return _BACKENDS[key]
+
+
+def quantize_activation(x: torch.Tensor, groupsize: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (int8 [M, K], fp32 scales [M, 1]): comfy-kitchen's Triton int8 linear's own activation step
+    (the group-wise Hadamard rotation when `groupsize`, then its per-row int8 quantiser)."""
+    from comfy_kitchen.backends.triton import quantization as ck
+
+    if groupsize:
+        return ck.triton_quantize_and_rotate_rowwise(x, hadamard(groupsize, x.dtype, x.device), groupsize)
+    return ck.triton_quantize_rowwise(x.contiguous())  # its kernel walks rows as contiguous
+
+
+@torch.library.custom_op("h3stages::int8_linear_few_rows", mutates_args=())
+def int8_linear_few_rows(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                         bias: torch.Tensor | None, out_dtype: torch.dtype, groupsize: int) -> torch.Tensor:
+    """x [M, K] (M <= GEMV_MAX_ROWS) through the int8 ConvRot linear (weight [N, K] int8, weight_scale [N, 1], bias
+    [N] in out_dtype or None, groupsize 0: no rotation) -> [M, N] out_dtype, as one op (opaque to torch.compile):
+    where comfy-kitchen runs the call on its Triton backend and minimax_h3/kernels/int8_gemv.py's kernel serves the
+    arguments, comfy-kitchen's activation step and then that kernel (the same bits); otherwise comfy-kitchen's op."""
+
+    def comfy() -> torch.Tensor:
+        return comfy_int8_linear(x, weight, weight_scale, bias, out_dtype, groupsize)
+
+    def kernel() -> torch.Tensor:
+        x_int8, x_scale = quantize_activation(x, groupsize)
+        return int8_gemv.launch(x_int8, x_scale, weight, weight_scale, bias, out_dtype)
+
+    if _comfy_backend_cached(x, weight, weight_scale, bias, out_dtype, groupsize) != "triton":
+        return comfy()
+    reason = int8_gemv.unsupported(x, weight, weight_scale, bias, out_dtype)
+    return int8_gemv.FALLBACK.dispatch(x.device, reason, kernel, comfy)
+
+
+@int8_linear_few_rows.register_fake
+def _(x, weight, weight_scale, bias, out_dtype, groupsize):
+    return x.new_empty((x.shape[0], weight.shape[0]), dtype=out_dtype)
+
+
 class Int8ConvRotLinear(nn.Module):
     """Linear layer holding a ConvRot int8 weight (`weight` int8 [N, K], `weight_scale` fp32 [N, 1]).
 
@@ -347,8 +397,7 @@ class Int8ConvRotLinear(nn.Module):
         x2 = x.reshape(-1, self.in_features)  # the CUDA backend wants >= 2-D
         bias = None if self.bias is None else self.bias.to(out_dtype)
         if x2.shape[0] <= GEMV_MAX_ROWS and x2.is_cuda:  # a few rows (the AdaLN's): one op, opaque to torch.compile
-            y = torch.ops.h3stages.int8_linear_few_rows(x2, self.weight, self.weight_scale, bias, out_dtype,
-                                                        self.groupsize or 0)
+            y = int8_linear_few_rows(x2, self.weight, self.weight_scale, bias, out_dtype, self.groupsize or 0)
         else:
             y = comfy_int8_linear(x2, self.weight, self.weight_scale, bias, out_dtype, self.groupsize)
         return y.reshape(*lead, self.out_features)

@@ -8,13 +8,13 @@ rows); at these shapes it streams the weights at about a third of the memory ban
 AdaLN for a few rows"). This kernel tiles M by one 16-row MMA block, N by BLOCK_N weight rows per program and K
 by BLOCK_K contiguous bytes of each, with `num_stages` tiles in flight, so each weight byte is read once in long runs.
 
-Same bits: the activation's rotation and per-row int8 quantisation are comfy-kitchen's own
-(`triton_quantize_and_rotate_rowwise`), the int8 products accumulate exactly in int32 (any order gives the same
-sum), and the epilogue is its kernel's op for op: fp32(acc) * (x_scale[m] * w_scale[n]), plus the bias (in the
-output dtype, widened to fp32), stored in the output dtype. It serves only calls that comfy-kitchen itself runs
-on its Triton backend (`Int8ConvRotLinear.forward` asks); elsewhere (comfy-kitchen's CUDA kernels, the CPU) the
-op runs as it did. tests/test_int8_gemv.py checks the kernel against the exact integer product (CPU interpreter)
-and against comfy-kitchen's op, bit for bit (GPU).
+Same bits: the caller (minimax_h3/kernels/int8.py `int8_linear_few_rows`) quantises the activation with
+comfy-kitchen's own rotation and per-row int8 quantiser, the int8 products accumulate exactly in int32 (any order
+gives the same sum), and the epilogue is comfy-kitchen's kernel's op for op: fp32(acc) * (x_scale[m] * w_scale[n]),
+plus the bias (in the output dtype, widened to fp32), stored in the output dtype. It serves only calls that
+comfy-kitchen itself runs on its Triton backend; elsewhere (comfy-kitchen's CUDA kernels, the CPU) its op runs.
+tests/test_int8_gemv.py checks the kernel against the exact integer product (CPU interpreter) and against
+comfy-kitchen's op, bit for bit (GPU).
 
 Launch parameters (BLOCK_N, BLOCK_K, warps, stages) are per-device data: minimax_h3/kernels/tuning.json.
 """
@@ -40,8 +40,6 @@ def unsupported(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tenso
                 out_dtype: torch.dtype) -> str | None:
     """Why the kernel does not serve these arguments, or None when it does (shapes, dtypes, strides, devices); x is
     the activation [M, K] (any float dtype) or, for `launch`, its int8 quantisation."""
-    if triton is None:
-        return "triton is not installed"
     if x.dim() != 2 or not 1 <= x.shape[0] <= GEMV_MAX_ROWS:
         return f"x must be [rows, K] with 1..{GEMV_MAX_ROWS} rows, got {list(x.shape)}"
     k = x.shape[1]
@@ -56,50 +54,11 @@ def unsupported(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tenso
         return f"bias must be [{n}] contiguous in the output dtype {out_dtype}, got {bias.dtype} {list(bias.shape)}"
     if any(t is not None and t.device != x.device for t in (weight, weight_scale, bias)):
         return "all tensors must be on x's device"
+    if triton is None:
+        return "triton is not installed"
     if x.device.type != "cuda" and not interpreting(_int8_gemv_kernel):
         return f"the kernel runs on CUDA devices (x is on {x.device})"
     return None
-
-
-@torch.library.custom_op("h3stages::int8_linear_few_rows", mutates_args=())
-def int8_linear_few_rows(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-                         bias: torch.Tensor | None, out_dtype: torch.dtype, groupsize: int) -> torch.Tensor:
-    """x [M, K] through the int8 ConvRot linear (weight [N, K] int8, weight_scale [N, 1], bias [N] in out_dtype or
-    None, groupsize 0: no rotation) -> [M, N] out_dtype, as one op (opaque to torch.compile): where comfy-kitchen
-    runs the call on its Triton backend and the kernel serves the arguments, its activation step and then the
-    kernel (the same bits); otherwise comfy-kitchen's op."""
-    from .int8 import comfy_int8_linear
-
-    def comfy() -> torch.Tensor:
-        return comfy_int8_linear(x, weight, weight_scale, bias, out_dtype, groupsize)
-
-    def kernel() -> torch.Tensor:
-        x_int8, x_scale = quantize_activation(x, groupsize)
-        return launch(x_int8, x_scale, weight, weight_scale, bias, out_dtype)
-
-    if _comfy_backend(x, weight, weight_scale, bias, out_dtype, groupsize) != "triton":
-        return comfy()
-    return FALLBACK.dispatch(x.device, unsupported(x, weight, weight_scale, bias, out_dtype), kernel, comfy)
-
-
-@int8_linear_few_rows.register_fake
-def _(x, weight, weight_scale, bias, out_dtype, groupsize):
-    return x.new_empty((x.shape[0], weight.shape[0]), dtype=out_dtype)
-
-
-_BACKENDS: dict[tuple, str] = {}
-
-
-def _comfy_backend(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
-                   out_dtype: torch.dtype, groupsize: int) -> str:
-    """minimax_h3/kernels/int8.py `comfy_backend`, asked once per device, dtypes and shapes (a registry walk per
-    call would cost more than the AdaLN's kernel)."""
-    from .int8 import comfy_backend
-
-    key = (x.device, x.dtype, x.shape[1], tuple(weight.shape), bias is None, out_dtype, groupsize)
-    if key not in _BACKENDS:
-        _BACKENDS[key] = comfy_backend(x, weight, weight_scale, bias, out_dtype, groupsize)
-    return _BACKENDS[key]
 
 
 def launch(x_int8: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
@@ -140,18 +99,6 @@ def launch(x_int8: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, we
             x_int8.stride(0), weight.stride(0), out.stride(0), HAS_BIAS=bias is not None, BLOCK_M=BLOCK_M,
             BLOCK_N=block_n, BLOCK_K=block_k, STAGES=num_stages, num_warps=num_warps)
     return out
-
-
-def quantize_activation(x: torch.Tensor, groupsize: int | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] -> (int8 [M, K], fp32 scales [M, 1]): comfy-kitchen's Triton int8 linear's own activation step
-    (the group-wise Hadamard rotation when `groupsize`, then its per-row int8 quantiser)."""
-    from comfy_kitchen.backends.triton import quantization as ck
-
-    from .int8 import hadamard
-
-    if groupsize:
-        return ck.triton_quantize_and_rotate_rowwise(x, hadamard(groupsize, x.dtype, x.device), groupsize)
-    return ck.triton_quantize_rowwise(x.contiguous())  # its kernel walks rows as contiguous
 
 
 if triton is not None:
