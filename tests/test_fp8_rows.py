@@ -47,6 +47,23 @@ def make_inputs(rows: int, c: int, m: int, device: str, seed: int = 0):
     return to(resid)[2:2 + rows], to(weight), shift, scale, to(r)
 
 
+def test_row_tiles_cover_the_row_exactly_or_pad_one_tile():
+    """The modulation kernel's tiles: powers of two of at least MIN_TILE adding up to the width, largest first
+    (zeros: no tile); a width that does not split so is one tile padded to a power of two."""
+    from minimax_h3.kernels.fp8_rows import MIN_TILE, row_tiles
+
+    assert row_tiles(5376) == (4096, 1024, 256) and row_tiles(6144) == (4096, 2048, 0)
+    assert row_tiles(4096) == (4096, 0, 0) and row_tiles(640) == (1024, 0, 0) and row_tiles(96) == (128, 0, 0)
+    for width in range(16, 20000, 16):
+        tiles = row_tiles(width)
+        used = [t for t in tiles if t]
+        assert all(t & (t - 1) == 0 for t in used) and list(tiles[:len(used)]) == used
+        if len(used) > 1:
+            assert sum(used) == width and min(used) >= MIN_TILE and used == sorted(used, reverse=True)
+        else:
+            assert width <= used[0] < 2 * max(width, 16)
+
+
 def test_reference_is_the_previous_math_bit_for_bit():
     x, w, shift, scale, r = make_inputs(37, 96, 2, "cpu")
     norm = RMSNorm(96, EPS)

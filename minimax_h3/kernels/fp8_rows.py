@@ -6,7 +6,7 @@ What the modulation kernel fuses: before the qkv projection and fc1, every block
 x [rows, C] into `modulate(x) = (rms_norm(x, w) * (1 + scale[r]) + shift[r]).to(compute dtype)` (shift / scale: the
 AdaLN rows [M * 3, C] fp32 gathered by each row's table index r). An fp8 linear (minimax_h3/kernels/registry.Fp8RowwiseLinear)
 then quantises those rows per row (`quantize_fp8_rowwise`: scale = amax / 448, q = e4m3(row * bf16(1 / scale))).
-This kernel reads x and the gathered AdaLN rows once (a row held as three power-of-two tiles, `row_tiles`) and
+This kernel reads x and the gathered AdaLN rows once (a row held as up to three power-of-two tiles, `row_tiles`) and
 writes e4m3 rows plus one fp32 scale per row (`Fp8Rows`, which the fp8 linear takes as its input instead of a
 tensor). It pays in eager blocks; inside a compiled block Inductor's own fusion of the same math is as fast, so the
 fp8 linear's method (minimax_h3/kernels/layers.py Fp8RowsMethod) uses it only outside torch.compile
@@ -219,20 +219,22 @@ def _launch_modulate(x, weight, eps, shift, scale, r, residual: tuple[torch.Tens
                         ADD=residual is not None)
 
 
-def row_tiles(width: int) -> tuple[int, int, int]:
-    """A row of `width` channels as three tiles of power-of-two widths (>= 16) that cover it with the least padding:
-    the largest power of two in the row, the largest in what is left, then what is left rounded up. The DiT's
-    widths split exactly (5376 = 4096 + 1024 + 256, 7168 = 4096 + 2048 + 1024, 14336 = 8192 + 4096 + 2048), where
-    one power-of-two tile holds 8192 or 16384 lanes: a kernel that keeps rows in registers then holds a third fewer
-    per row at 5376 and keeps more rows in flight per SM (docs/kernels.md, "Rows as three tiles")."""
-    def floor2(n: int) -> int:
-        return 1 << (n.bit_length() - 1)
+MIN_TILE = 256  # the narrowest tile a row is split into: one element per thread at 8 warps
 
-    t0 = floor2(max(width, 16))
-    rest = max(width - t0, 0)
-    t1 = floor2(rest) if rest >= 16 else 16
-    t2 = max(triton.next_power_of_2(max(rest - t1, 1)), 16)
-    return t0, t1, t2
+
+def row_tiles(width: int) -> tuple[int, int, int]:
+    """The tiles a kernel holds a row of `width` channels in: up to three power-of-two widths of at least MIN_TILE
+    that add up to the row exactly, largest first (5376 = 4096 + 1024 + 256, 6144 = 4096 + 2048 + 0), where one
+    power-of-two tile pads the row (5376 in 8192 lanes: a third of the registers a kernel keeps rows in hold
+    nothing, and fewer rows are in flight per SM; docs/kernels.md, "Rows as three tiles"). A width that does not
+    split so is one tile padded to a power of two: (1024, 0, 0) for 640."""
+    tiles, rest = [], width
+    while rest >= MIN_TILE and len(tiles) < 3:
+        tiles.append(1 << (rest.bit_length() - 1))
+        rest -= tiles[-1]
+    if rest or not tiles:
+        return 1 << (max(width, 16) - 1).bit_length(), 0, 0
+    return tuple(tiles + [0] * (3 - len(tiles)))
 
 
 def _launch_rows(kernel, name: str, what: str, inputs: tuple, rows: int, width: int, args: tuple,
@@ -396,20 +398,10 @@ if triton is not None:
         tl.store(qs_ptr + row, q_scale, mask=row_ok)
 
     @triton.jit
-    def _store_fp8_tiles(y0, y1, y2, a0, a1, a2, row, row_ok, C, q_ptr, qs_ptr, FP8_MAX: tl.constexpr,
-                         INV_FP8_MAX: tl.constexpr, SCALE_FLOOR: tl.constexpr, T0: tl.constexpr, T1: tl.constexpr,
-                         T2: tl.constexpr):
-        """The modulation kernel's epilogue, `quantize_fp8_rowwise` of bf16 rows op for op: rows held as three bf16
-        tiles y0, y1, y2 (channels from 0, T0 and T0 + T1; kept in bf16 until here: half the registers of fp32
-        across the row reduction) with their absolute maxima a0, a1, a2 [BLOCK_R] (the bf16 max is exact), row /
-        row_ok [BLOCK_R] (int64 row indices) -> e4m3 rows q [rows, C] (contiguous) and their fp32 scales qs [rows]."""
-        q_scale, inv = _row_scale(tl.maximum(tl.maximum(a0, a1), a2).to(tl.float32), INV_FP8_MAX, SCALE_FLOOR)
-        for_rows = row_ok[:, None]
-        ch0, ch1, ch2 = tl.arange(0, T0), T0 + tl.arange(0, T1), T0 + T1 + tl.arange(0, T2)
-        _store_q(y0, inv, for_rows & (ch0 < C)[None, :], row, ch0, C, q_ptr, FP8_MAX)
-        _store_q(y1, inv, for_rows & (ch1 < C)[None, :], row, ch1, C, q_ptr, FP8_MAX)
-        _store_q(y2, inv, for_rows & (ch2 < C)[None, :], row, ch2, C, q_ptr, FP8_MAX)
-        tl.store(qs_ptr + row, q_scale, mask=row_ok)
+    def _store_q_tile(y, inv, row, row_ok, C, q_ptr, OFF: tl.constexpr, W: tl.constexpr, FP8_MAX: tl.constexpr):
+        """`_store_q` of one tile: bf16 rows y [BLOCK_R, W] at channels [OFF, OFF + W)."""
+        ch = OFF + tl.arange(0, W)
+        _store_q(y, inv, row_ok[:, None] & (ch < C)[None, :], row, ch, C, q_ptr, FP8_MAX)
 
     @triton.jit
     def _modulate_tile_x(x_ptr, gate_ptr, part_ptr, row, row_ok, ada, C, x_s_row, x_s_c, g_s_row, g_s_c, p_s_row,
@@ -454,32 +446,47 @@ if triton is not None:
                              g_s_c, p_s_row, p_s_c, ADD: tl.constexpr, FP8_MAX: tl.constexpr,
                              INV_FP8_MAX: tl.constexpr, SCALE_FLOOR: tl.constexpr, BLOCK_R: tl.constexpr,
                              T0: tl.constexpr, T1: tl.constexpr, T2: tl.constexpr):
-        """One program: BLOCK_R whole rows, each with its own AdaLN rows (gathered by r), held as three tiles of
-        T0, T1 and T2 channels (`row_tiles`). ADD: the gated residual add first, written back to x. Every step is
-        one op of the reference (`modulate_fp8_reference`, with ADD `add_modulate_fp8_reference`), in its order."""
+        """One program: BLOCK_R whole rows, each with its own AdaLN rows (gathered by r), held as tiles of T0, T1 and
+        T2 channels (`row_tiles`; 0: no such tile). ADD: the gated residual add first, written back to x. Every step
+        is one op of the reference (`modulate_fp8_reference`, with ADD `add_modulate_fp8_reference`), in its
+        order."""
         row = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
         row_ok = row < rows
         row = row.to(tl.int64)
         ada = tl.load(r_ptr + row * r_s, mask=row_ok, other=0).to(tl.int64)[:, None]  # AdaLN table row
-        # 0. The gated residual add (ADD), tile by tile, and each tile's sum of squares.
-        x0, s0 = _modulate_tile_x(x_ptr, gate_ptr, part_ptr, row, row_ok, ada, C, x_s_row, x_s_c, g_s_row, g_s_c,
-                                  p_s_row, p_s_c, 0, T0, ADD)
-        x1, s1 = _modulate_tile_x(x_ptr, gate_ptr, part_ptr, row, row_ok, ada, C, x_s_row, x_s_c, g_s_row, g_s_c,
-                                  p_s_row, p_s_c, T0, T1, ADD)
-        x2, s2 = _modulate_tile_x(x_ptr, gate_ptr, part_ptr, row, row_ok, ada, C, x_s_row, x_s_c, g_s_row, g_s_c,
-                                  p_s_row, p_s_c, T0 + T1, T2, ADD)
+        # 0. The gated residual add (ADD), tile by tile, and each tile's sum of squares. A width of zero: no such
+        #    tile (compiled out).
+        x0, sumsq = _modulate_tile_x(x_ptr, gate_ptr, part_ptr, row, row_ok, ada, C, x_s_row, x_s_c, g_s_row,
+                                     g_s_c, p_s_row, p_s_c, 0, T0, ADD)
+        if T1 > 0:
+            x1, s1 = _modulate_tile_x(x_ptr, gate_ptr, part_ptr, row, row_ok, ada, C, x_s_row, x_s_c, g_s_row,
+                                      g_s_c, p_s_row, p_s_c, T0, T1, ADD)
+            sumsq = sumsq + s1
+        if T2 > 0:
+            x2, s2 = _modulate_tile_x(x_ptr, gate_ptr, part_ptr, row, row_ok, ada, C, x_s_row, x_s_c, g_s_row,
+                                      g_s_c, p_s_row, p_s_c, T0 + T1, T2, ADD)
+            sumsq = sumsq + s2
         # 1. RMSNorm in fp32 (`rms_norm`: x * rsqrt(mean(x^2) + eps) * gain; the mean as torch's CUDA reduction
-        #    takes it, sum * fp32(1 / C)), then the modulation, rounded to bf16.
-        rstd = tl.math.rsqrt((s0 + s1 + s2) * inv_c + eps)[:, None]
-        y0, a0 = _modulate_tile_y(x0, rstd, w_ptr, shift_ptr, scale_ptr, row_ok, ada, C, w_s, sh_s_row, sh_s_c,
-                                  sc_s_row, sc_s_c, 0, T0)
-        y1, a1 = _modulate_tile_y(x1, rstd, w_ptr, shift_ptr, scale_ptr, row_ok, ada, C, w_s, sh_s_row, sh_s_c,
-                                  sc_s_row, sc_s_c, T0, T1)
-        y2, a2 = _modulate_tile_y(x2, rstd, w_ptr, shift_ptr, scale_ptr, row_ok, ada, C, w_s, sh_s_row, sh_s_c,
-                                  sc_s_row, sc_s_c, T0 + T1, T2)
-        # 2. The row quantisation.
-        _store_fp8_tiles(y0, y1, y2, a0, a1, a2, row, row_ok, C, q_ptr, qs_ptr, FP8_MAX, INV_FP8_MAX, SCALE_FLOOR,
-                         T0, T1, T2)
+        #    takes it, sum * fp32(1 / C)), then the modulation, rounded to bf16, and the row's absolute maximum.
+        rstd = tl.math.rsqrt(sumsq * inv_c + eps)[:, None]
+        y0, amax = _modulate_tile_y(x0, rstd, w_ptr, shift_ptr, scale_ptr, row_ok, ada, C, w_s, sh_s_row, sh_s_c,
+                                    sc_s_row, sc_s_c, 0, T0)
+        if T1 > 0:
+            y1, a1 = _modulate_tile_y(x1, rstd, w_ptr, shift_ptr, scale_ptr, row_ok, ada, C, w_s, sh_s_row, sh_s_c,
+                                      sc_s_row, sc_s_c, T0, T1)
+            amax = tl.maximum(amax, a1)
+        if T2 > 0:
+            y2, a2 = _modulate_tile_y(x2, rstd, w_ptr, shift_ptr, scale_ptr, row_ok, ada, C, w_s, sh_s_row, sh_s_c,
+                                      sc_s_row, sc_s_c, T0 + T1, T2)
+            amax = tl.maximum(amax, a2)
+        # 2. The row quantisation (the bf16 max is exact), tile by tile.
+        q_scale, inv = _row_scale(amax.to(tl.float32), INV_FP8_MAX, SCALE_FLOOR)
+        _store_q_tile(y0, inv, row, row_ok, C, q_ptr, 0, T0, FP8_MAX)
+        if T1 > 0:
+            _store_q_tile(y1, inv, row, row_ok, C, q_ptr, T0, T1, FP8_MAX)
+        if T2 > 0:
+            _store_q_tile(y2, inv, row, row_ok, C, q_ptr, T0 + T1, T2, FP8_MAX)
+        tl.store(qs_ptr + row, q_scale, mask=row_ok)
 
     @triton.jit
     def _swiglu_fp8_kernel(y_ptr, q_ptr, qs_ptr, rows, C, y_s_row, FP8_MAX: tl.constexpr,
