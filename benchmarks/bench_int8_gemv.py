@@ -6,9 +6,9 @@ DiT's AdaLN shape (M rows x K = 2,688 -> N = 64,512, ConvRot group 64, fp32 in a
     python benchmarks/bench_int8_gemv.py --tiny --out /tmp/gemv      # CPU dry run in Triton's interpreter
 
 Per row count: ms per call (median) and the weight stream's TB/s (N * K int8 bytes) of comfy-kitchen's op
-(`comfy`), the layer's few-row path (`few_rows`: comfy-kitchen's activation step + the kernel with the device's
-tuned launch) and the kernel alone at each launch of `--configs` (BLOCK_N x BLOCK_K x warps x stages), each
-checked bitwise against comfy-kitchen's output. Writes <out>/int8_gemv.json; exits 1 when an output differs.
+(`comfy`), the layer's few-row path as tuning.json sets it (`few_rows`: with `int8_gemv.enabled`, comfy-kitchen's
+activation step + the kernel at the tuned launch; otherwise comfy-kitchen's op) and the kernel alone at each launch
+of `--configs` (BLOCK_N x BLOCK_K x warps x stages), each checked bitwise against comfy-kitchen's output. Writes <out>/int8_gemv.json; exits 1 when an output differs.
 """
 
 from __future__ import annotations

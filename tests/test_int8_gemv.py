@@ -74,6 +74,17 @@ def test_unsupported_names_what_it_needs():
     assert "bias" in unsupported(torch.zeros(2, 64), w, ws, torch.zeros(8), torch.bfloat16)
 
 
+def test_the_few_row_path_is_a_tuned_choice():
+    """Whether the layer's few-row path runs the kernel is tuning.json data per architecture (`int8_gemv.enabled`),
+    with the kernel's launch parameters beside it; the CPU gets the default entry's."""
+    from minimax_h3.kernels import int8_gemv
+    from minimax_h3.kernels.tuning import launch_params
+
+    params = launch_params("int8_gemv", "cpu")
+    assert int8_gemv.enabled(torch.device("cpu")) is bool(params["enabled"])
+    assert {"block_n", "block_k", "num_warps", "num_stages"} <= set(params)
+
+
 @pytest.mark.filterwarnings("ignore::UserWarning")
 def test_few_rows_on_the_cpu_run_comfy_kitchens_op():
     """On the CPU a few rows go through comfy-kitchen's op unchanged (the kernel is a GPU path)."""
@@ -91,9 +102,13 @@ def test_launch_cases_on_gpu():
 
 @needs_gpu
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
-def test_same_bits_as_comfy_kitchen_on_gpu(out_dtype):
-    """The AdaLN's form (fp32 rows, ConvRot group 64, a bias) through the layer: bitwise comfy-kitchen's op, in eager
-    and compiled calls, for 1..16 rows (when comfy-kitchen runs its Triton backend here, the kernel serves them)."""
+def test_same_bits_as_comfy_kitchen_on_gpu(out_dtype, monkeypatch):
+    """The AdaLN's form (fp32 rows, ConvRot group 64, a bias) through the layer with the few-row kernel enabled:
+    bitwise comfy-kitchen's op, in eager and compiled calls, for 1..16 rows (when comfy-kitchen runs its Triton
+    backend here, the kernel serves them: it must not have fallen back)."""
+    from minimax_h3.kernels import int8_gemv
+
+    monkeypatch.setattr(int8_gemv, "enabled", lambda device: True)
     torch.manual_seed(0)
     layer = Int8ConvRotLinear.from_float(torch.randn(3000, 2688, device="cuda") * 0.02,
                                          torch.randn(3000, device="cuda"), groupsize=64)
@@ -103,3 +118,4 @@ def test_same_bits_as_comfy_kitchen_on_gpu(out_dtype):
         want = comfy_int8_linear(x, layer.weight, layer.weight_scale, layer.bias.to(out_dtype), out_dtype, 64)
         assert torch.equal(layer(x), want)
         assert torch.equal(compiled(x), want)
+    assert int8_gemv.FALLBACK.reason(torch.device("cuda", torch.cuda.current_device())) is None

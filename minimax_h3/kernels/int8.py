@@ -288,8 +288,9 @@ def int8_linear_few_rows(x: torch.Tensor, weight: torch.Tensor, weight_scale: to
                          bias: torch.Tensor | None, out_dtype: torch.dtype, groupsize: int) -> torch.Tensor:
     """x [M, K] (M <= GEMV_MAX_ROWS) through the int8 ConvRot linear (weight [N, K] int8, weight_scale [N, 1], bias
     [N] in out_dtype or None, groupsize 0: no rotation) -> [M, N] out_dtype, as one op (opaque to torch.compile):
-    where comfy-kitchen runs the call on its Triton backend and minimax_h3/kernels/int8_gemv.py's kernel serves the
-    arguments, comfy-kitchen's activation step and then that kernel (the same bits); otherwise comfy-kitchen's op."""
+    where the device's tuning enables minimax_h3/kernels/int8_gemv.py's kernel, comfy-kitchen runs the call on its
+    Triton backend and the kernel serves the arguments, comfy-kitchen's activation step and then that kernel (the
+    same bits); otherwise comfy-kitchen's op."""
 
     def comfy() -> torch.Tensor:
         return comfy_int8_linear(x, weight, weight_scale, bias, out_dtype, groupsize)
@@ -298,7 +299,8 @@ def int8_linear_few_rows(x: torch.Tensor, weight: torch.Tensor, weight_scale: to
         x_int8, x_scale = quantize_activation(x, groupsize)
         return int8_gemv.launch(x_int8, x_scale, weight, weight_scale, bias, out_dtype)
 
-    if _comfy_backend_cached(x, weight, weight_scale, bias, out_dtype, groupsize) != "triton":
+    if not int8_gemv.enabled(x.device) or _comfy_backend_cached(x, weight, weight_scale, bias, out_dtype,
+                                                                 groupsize) != "triton":
         return comfy()
     reason = int8_gemv.unsupported(x, weight, weight_scale, bias, out_dtype)
     return int8_gemv.FALLBACK.dispatch(x.device, reason, kernel, comfy)

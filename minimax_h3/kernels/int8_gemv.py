@@ -16,7 +16,8 @@ comfy-kitchen itself runs on its Triton backend; elsewhere (comfy-kitchen's CUDA
 tests/test_int8_gemv.py checks the kernel against the exact integer product (CPU interpreter) and against
 comfy-kitchen's op, bit for bit (GPU).
 
-Launch parameters (BLOCK_N, BLOCK_K, warps, stages) are per-device data: minimax_h3/kernels/tuning.json.
+Launch parameters (BLOCK_N, BLOCK_K, warps, stages) and whether the few-row path uses the kernel at all
+(`enabled`) are per-device data: minimax_h3/kernels/tuning.json.
 """
 
 from __future__ import annotations
@@ -61,6 +62,12 @@ def unsupported(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tenso
     return None
 
 
+def enabled(device: torch.device) -> bool:
+    """Whether the few-row path runs the kernel on `device` (tuning.json `int8_gemv.enabled`: set where
+    benchmarks/bench_int8_gemv.py measured it faster than comfy-kitchen's op, bit for bit equal)."""
+    return bool(launch_params("int8_gemv", device)["enabled"])
+
+
 def launch(x_int8: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
            bias: torch.Tensor | None, out_dtype: torch.dtype, block_n: int | None = None, block_k: int | None = None,
            num_warps: int | None = None, num_stages: int | None = None) -> torch.Tensor:
@@ -78,7 +85,7 @@ def launch(x_int8: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, we
         reason = "all tensors must be on x's device"
     if reason is not None:
         raise ValueError(f"the Triton int8 linear for a few rows does not serve this call: {reason}")
-    tuned = launch_params("int8_gemv", x_int8.device)
+    tuned = launch_params("int8_gemv", x_int8.device)  # launch parameters (its "enabled" is the caller's)
     block_n = tuned["block_n"] if block_n is None else block_n
     block_k = tuned["block_k"] if block_k is None else block_k
     num_warps = tuned["num_warps"] if num_warps is None else num_warps
