@@ -551,6 +551,9 @@ def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
     return float((y.double() - ref.double()).norm() / ref.double().norm().clamp(min=1e-30))
 
 
+QUEUE_SPIN_CYCLES = 2_000_000  # ~1 ms at the clocks of a loaded H100 / H200: longer than a call takes to enqueue
+
+
 def time_ms(fn: Callable[[], object], device: torch.device, iters: int, warmup: int = 1) -> float:
     """Median ms per call after `warmup` calls (CUDA events on GPU, perf_counter on CPU)."""
     return interleaved_ms([fn], device, iters, warmup)[0]
@@ -561,7 +564,10 @@ def interleaved_ms(fns: Sequence[Callable[[], object]], device: torch.device, ro
     """Each fn's median ms per call over `rounds` rounds that call every fn once in turn, after `warmup` calls of
     each (CUDA events on GPU, perf_counter on CPU). In turn because a GPU at its power limit changes its clock as it
     goes: timed one after another, candidates would be measured at different clocks, and the order would pick the
-    winner (docs/kernels.md, "How the probe times"). A call that raises is reported as `TimedCallError`."""
+    winner (docs/kernels.md, "How the probe times"). On GPU each call is queued behind a spin of
+    `QUEUE_SPIN_CYCLES` (`torch.cuda._sleep`): the host enqueues the call while the stream is still busy, so the events
+    time the GPU's work and not the host's launches (in the model the host runs ahead of the GPU: its launches are
+    hidden there). A call that raises is reported as `TimedCallError`."""
     cuda = device.type == "cuda"
 
     def one_call(position: int, fn: Callable[[], object]) -> float:
@@ -571,6 +577,7 @@ def interleaved_ms(fns: Sequence[Callable[[], object]], device: torch.device, ro
                 fn()
                 return (time.perf_counter() - t0) * 1e3
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda._sleep(QUEUE_SPIN_CYCLES)
             a.record()
             fn()
             b.record()
