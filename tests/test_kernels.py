@@ -2,6 +2,7 @@
 probe's timing in turn, fp8 math."""
 
 import math
+import time
 
 import pytest
 import torch
@@ -169,6 +170,19 @@ def test_interleaved_ms_names_the_call_that_raised():
     with pytest.raises(TimedCallError, match="ValueError: bad launch") as e:
         interleaved_ms([lambda: None, boom], torch.device("cpu"), 3)
     assert e.value.position == 1 and isinstance(e.value.error, ValueError)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_interleaved_ms_times_the_gpu_not_the_host_on_gpu():
+    """A call that spends 0.3 ms on the host before a few-microsecond kernel times as the kernel: the host's part
+    runs while the stream is still busy with the spin queued ahead of the call."""
+    x = torch.ones(1024, device="cuda")
+
+    def slow_host():
+        time.sleep(3e-4)
+        x.add_(1)
+
+    assert interleaved_ms([slow_host], torch.device("cuda"), 5)[0] < 0.15
 
 
 def test_fp8_rowwise_quantisation_math():
