@@ -25,7 +25,8 @@ For each row count, CUDA events, median of --iters calls after a warm-up:
 - `reference compiled`: the same under torch.compile (Inductor's fusion: what a compiled block runs without the
   kernel, on its own; the number the kernel must beat to be used inside compiled blocks);
 - `triton BxW`: the kernel (its torch op) with B rows per program and W warps, for each of --configs (default: the
-  op's own list, its first entry the op's default launch).
+  op's own list, its first entry the op's default launch); `BxWpK` (modulate, addmod): at most K programs per SM,
+  each looping over row blocks with the next block's loads in flight (`programs_per_sm`).
 Reported: ms, effective TB/s (the bytes above over the time), and the deviation from the eager reference (max
 relative scale difference, max e4m3 steps apart, fraction of e4m3 values bitwise equal). Exit 1 if a kernel is
 more than one e4m3 step off the reference (8 in the interpreter, which can miss a carry when it rounds to e4m3).
@@ -60,7 +61,7 @@ O_HEAD_DIM = 128  # `orows`: the DiT's head_dim; width = heads x head_dim (56 he
 class Op:
     """One kernel under test: its output file, width (C, F or H x D) on the GPU and in --tiny, default launch configs
     (rows per program x warps, the first the op's default), its inputs, and its reference / kernel in
-    minimax_h3.kernels.fp8_rows (the kernel takes the inputs, then block_rows, num_warps)."""
+    minimax_h3.kernels.fp8_rows (the kernel takes the inputs, then block_rows, num_warps[, programs_per_sm])."""
     json: str
     width: int
     tiny_width: int
@@ -107,9 +108,9 @@ def swiglu_inputs(rows: int, f: int, device: torch.device) -> tuple[tuple, int]:
 
 
 OPS = {
-    "modulate": Op("fp8_rows.json", 5376, 96, "1x8,1x4,2x8,2x16,1x16", modulate_inputs, "modulate_fp8_reference",
-                   "modulate_fp8_rows_op"),
-    "addmod": Op("add_modulate_fp8.json", 5376, 96, "1x8,1x4,1x16,2x8,2x16", add_modulate_inputs,
+    "modulate": Op("fp8_rows.json", 5376, 96, "1x4,1x8,1x4p2,1x8p2,1x8p4,2x8", modulate_inputs,
+                   "modulate_fp8_reference", "modulate_fp8_rows_op"),
+    "addmod": Op("add_modulate_fp8.json", 5376, 96, "1x8,1x4,1x8p2,1x4p2,1x8p1,2x8", add_modulate_inputs,
                  "add_modulate_fp8_reference", "add_modulate_fp8_rows_op", mutates_first=True),
     "swiglu": Op("swiglu_fp8.json", 14336, 96, "1x32,1x16,2x16,4x16,2x32", swiglu_inputs, "swiglu_fp8_reference",
                  "swiglu_fp8_rows_op"),
@@ -118,10 +119,12 @@ OPS = {
 }
 
 
-def parse_config(cfg: str) -> tuple[str, int, int]:
-    """"BxW" (B rows per program, W warps, a program per block of rows) -> (name, B, W)."""
-    rows, warps = cfg.split("x")
-    return cfg, int(rows), int(warps)
+def parse_config(cfg: str) -> tuple[str, int, int, tuple[int, ...]]:
+    """"BxW" (B rows per program, W warps, a program per block of rows) or "BxWpK" (at most K programs per SM,
+    looping over the row blocks) -> (name, B, W, (K,) or ())."""
+    rows, rest = cfg.split("x")
+    warps, _, per_sm = rest.partition("p")
+    return cfg, int(rows), int(warps), (int(per_sm),) if per_sm else ()
 
 
 def deviation(got, want) -> dict:
@@ -156,10 +159,10 @@ def bench_op(fr, name: str, op: Op, device: torch.device, shapes, width: int, co
             variants["reference compiled"] = lambda: compiled(*inputs)
             devs["reference compiled"] = deviation(compiled(*fresh()), ref)
         if run_triton:
-            for cfg, b, nw in configs:
+            for cfg, b, nw, more in configs:
                 variant = f"triton {cfg}"
-                variants[variant] = lambda b=b, nw=nw: kernel(*inputs, b, nw)
-                devs[variant] = deviation(kernel(*fresh(), b, nw), ref)
+                variants[variant] = lambda b=b, nw=nw, more=more: kernel(*inputs, b, nw, *more)
+                devs[variant] = deviation(kernel(*fresh(), b, nw, *more), ref)
                 worst_steps = max(worst_steps, devs[variant]["max_steps"])
         notes = {v: f"  scale rel {d['max_scale_rel']:.1e}, max {d['max_steps']} e4m3 steps, "
                     f"{d['exact_fraction']:.5f} bitwise equal" for v, d in devs.items()}

@@ -32,7 +32,7 @@ MAX_THREADS_PER_SM = 2048
 SHARED_PER_SM = 228 * 1024  # sm_90; each CTA also reserves 1 KiB
 
 
-def kernel_spec(fr, op: str, width: int, block_rows: int):
+def kernel_spec(fr, op: str, width: int, block_rows: int, persistent: bool = False):
     """(kernel, signature, constexpr values) of one op's kernel as its launch calls it."""
     common = {"FP8_MAX": fr.FP8_E4M3_MAX, "INV_FP8_MAX": 1.0 / fr.FP8_E4M3_MAX, "SCALE_FLOOR": fr.FP8_SCALE_FLOOR,
               "BLOCK_R": block_rows, "BLOCK_C": fr.triton.next_power_of_2(width)}
@@ -52,7 +52,8 @@ def kernel_spec(fr, op: str, width: int, block_rows: int):
     unit_strides = dict.fromkeys(("x_s_c", "w_s", "sh_s_c", "sc_s_c", "r_s", "g_s_c", "p_s_c"), 1)
     del common["BLOCK_C"]  # the modulation kernel holds a row as three tiles (fp8_rows.row_tiles)
     tiles = dict(zip(("T0", "T1", "T2"), fr.row_tiles(width)))
-    return fr._modulate_fp8_kernel, sig, {**common, **unit_strides, **tiles, "ADD": op == "addmod"}
+    return fr._modulate_fp8_kernel, sig, {**common, **unit_strides, **tiles, "ADD": op == "addmod",
+                                          "PERSISTENT": persistent}
 
 
 def compile_one(fr, kernel, sig: dict, consts: dict, num_warps: int, arch: int) -> dict:
@@ -92,8 +93,8 @@ def main() -> int:
         return 2
     for op in filter(None, args.ops.split(",")):
         spec = OPS[op]
-        for cfg, block_rows, num_warps in map(parse_config, (args.configs or spec.configs).split(",")):
-            kernel, sig, consts = kernel_spec(fr, op, spec.width, block_rows)
+        for cfg, block_rows, num_warps, per_sm in map(parse_config, (args.configs or spec.configs).split(",")):
+            kernel, sig, consts = kernel_spec(fr, op, spec.width, block_rows, bool(per_sm and per_sm[0]))
             r = compile_one(fr, kernel, sig, consts, num_warps, args.arch)
             threads = 32 * num_warps
             per_warp = -(-r["registers"] * 32 // 256) * 256  # registers are allocated per warp in units of 256

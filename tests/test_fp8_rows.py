@@ -106,7 +106,7 @@ def assert_rows_match(q: torch.Tensor, s: torch.Tensor, want: Fp8Rows, scale_rto
 
 
 def check_kernel(rows: int, c: int, m: int, device: str, block_rows: int = 1, num_warps: int = 8,
-                 interpreted: bool = False) -> None:
+                 interpreted: bool = False, programs_per_sm: int | None = None) -> None:
     """Triton (minimax_h3.kernels.fp8_rows.launch) vs the reference: scales within 1e-6 relative, e4m3 values never more
     than one step apart and mostly bitwise equal. `interpreted`: triton's CPU
     interpreter casts to bf16 toward zero (a scale one bf16 ulp off) and can miss the carry into the next power of
@@ -117,7 +117,7 @@ def check_kernel(rows: int, c: int, m: int, device: str, block_rows: int = 1, nu
 
     x, w, shift, scale, r = make_inputs(rows, c, m, device)
     want = modulate_fp8_reference(x, w, EPS, shift, scale, r)
-    q, s = launch(x, w, EPS, shift, scale, r, block_rows, num_warps)
+    q, s = launch(x, w, EPS, shift, scale, r, block_rows, num_warps, programs_per_sm)
     assert_rows_match(q, s, want, scale_rtol, max_steps, exact_fraction, zero_row=True)
 
 
@@ -129,9 +129,10 @@ def test_triton_matches_reference_on_gpu(rows, c):
 
 
 @needs_cuda
-@pytest.mark.parametrize("block_rows,num_warps", [(2, 8), (1, 16), (1, 4), (2, 16)])
-def test_triton_launch_configs_on_gpu(block_rows, num_warps):
-    check_kernel(1000, 5376, 1, "cuda", block_rows, num_warps)
+@pytest.mark.parametrize("block_rows,num_warps,programs_per_sm", [(2, 8, 0), (1, 16, 0), (1, 4, 0), (2, 16, 0),
+                                                                   (1, 4, 2), (1, 8, 4), (2, 8, 1)])
+def test_triton_launch_configs_on_gpu(block_rows, num_warps, programs_per_sm):
+    check_kernel(1000, 5376, 1, "cuda", block_rows, num_warps, programs_per_sm=programs_per_sm)
 
 
 @needs_cuda
@@ -220,7 +221,7 @@ def test_add_reference_is_the_previous_math_bit_for_bit():
 
 
 def check_add_kernel(rows: int, c: int, m: int, device: str, block_rows: int = 1, num_warps: int = 8,
-                     interpreted: bool = False) -> None:
+                     interpreted: bool = False, programs_per_sm: int | None = None) -> None:
     """Triton with the residual add (minimax_h3.kernels.fp8_rows.add_launch) vs the reference: x bitwise equal (one
     fp32 product and one sum per element, as torch takes them), the rows within `check_kernel`'s bounds."""
     scale_rtol, max_steps, exact_fraction = (2.0 ** -7, 8, 0.8) if interpreted else (1e-6, 1, EXACT_FRACTION)
@@ -229,7 +230,7 @@ def check_add_kernel(rows: int, c: int, m: int, device: str, block_rows: int = 1
     x, gate, part, w, shift, scale, r = make_add_inputs(rows, c, m, device)
     want_x = x.clone()
     want = add_modulate_fp8_reference(want_x, gate, part, w, EPS, shift, scale, r)
-    q, s = add_launch(x, gate, part, w, EPS, shift, scale, r, block_rows, num_warps)
+    q, s = add_launch(x, gate, part, w, EPS, shift, scale, r, block_rows, num_warps, programs_per_sm)
     assert torch.equal(x, want_x)
     assert_rows_match(q, s, want, scale_rtol, max_steps, exact_fraction, zero_row=rows > 5)
 
@@ -241,9 +242,10 @@ def test_add_triton_matches_reference_on_gpu(rows, c):
 
 
 @needs_cuda
-@pytest.mark.parametrize("block_rows,num_warps", [(1, 4), (1, 16), (2, 8)])
-def test_add_triton_launch_configs_on_gpu(block_rows, num_warps):
-    check_add_kernel(1000, 5376, 1, "cuda", block_rows, num_warps)
+@pytest.mark.parametrize("block_rows,num_warps,programs_per_sm", [(1, 4, 0), (1, 16, 0), (2, 8, 0), (1, 8, 2),
+                                                                   (1, 4, 4), (2, 8, 1)])
+def test_add_triton_launch_configs_on_gpu(block_rows, num_warps, programs_per_sm):
+    check_add_kernel(1000, 5376, 1, "cuda", block_rows, num_warps, programs_per_sm=programs_per_sm)
 
 
 @needs_cuda
@@ -549,6 +551,9 @@ def interpreter_main() -> None:
     casts round differently (see check_kernel)."""
     for rows, c, m, block_rows in [(13, 96, 2, 1), (9, 40, 1, 4), (6, 64, 3, 2)]:
         check_kernel(rows, c, m, "cpu", block_rows, interpreted=True)
+    # Programs that loop over the row blocks (one SM on the CPU: 2 or 3 programs), the next block's loads ahead.
+    for rows, c, m, block_rows, per_sm in [(13, 96, 2, 1, 2), (9, 40, 1, 2, 3), (11, 1280, 1, 1, 2)]:
+        check_kernel(rows, c, m, "cpu", block_rows, interpreted=True, programs_per_sm=per_sm)
     from minimax_h3.kernels.fp8_rows import launch
 
     x, w, shift, scale, r = make_inputs(21, 40, 1, "cpu")
@@ -568,6 +573,8 @@ def interpreter_main() -> None:
     # With the residual add: x updated in place (also a row slice of a bigger residual, through graph capture).
     for rows, c, m, block_rows in [(13, 96, 2, 1), (9, 40, 1, 4)]:
         check_add_kernel(rows, c, m, "cpu", block_rows, 4, interpreted=True)
+    for rows, c, m, block_rows, per_sm in [(13, 96, 2, 1, 2), (9, 1280, 1, 2, 3)]:
+        check_add_kernel(rows, c, m, "cpu", block_rows, 4, interpreted=True, programs_per_sm=per_sm)
     x, gate, part, w, shift, scale, r = make_add_inputs(9, 40, 1, "cpu")
     resid = torch.cat([x, x[:2]])
 

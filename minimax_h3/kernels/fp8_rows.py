@@ -115,13 +115,14 @@ def modulate_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float, shift: torch
 @torch.library.custom_op("h3stages::modulate_fp8_rows", mutates_args=())
 def modulate_fp8_rows_op(x: torch.Tensor, weight: torch.Tensor, eps: float, shift: torch.Tensor,
                          scale: torch.Tensor, r: torch.Tensor, block_rows: int | None = None,
-                         num_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                         num_warps: int | None = None,
+                         programs_per_sm: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The Triton kernel as a torch op (opaque to torch.compile): arguments as `launch`, returns (q, scale)."""
-    return launch(x, weight, eps, shift, scale, r, block_rows, num_warps)
+    return launch(x, weight, eps, shift, scale, r, block_rows, num_warps, programs_per_sm)
 
 
 @modulate_fp8_rows_op.register_fake
-def _(x, weight, eps, shift, scale, r, block_rows=None, num_warps=None):
+def _(x, weight, eps, shift, scale, r, block_rows=None, num_warps=None, programs_per_sm=None):
     return _empty_rows(x, x.shape[0], x.shape[1])
 
 
@@ -168,21 +169,22 @@ def add_modulate_fp8(x: torch.Tensor, gate: torch.Tensor, part: torch.Tensor, we
 @torch.library.custom_op("h3stages::add_modulate_fp8_rows", mutates_args=("x",))
 def add_modulate_fp8_rows_op(x: torch.Tensor, gate: torch.Tensor, part: torch.Tensor, weight: torch.Tensor,
                              eps: float, shift: torch.Tensor, scale: torch.Tensor, r: torch.Tensor,
-                             block_rows: int | None = None,
-                             num_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                             block_rows: int | None = None, num_warps: int | None = None,
+                             programs_per_sm: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The kernel with the residual add as a torch op that writes x (opaque to torch.compile): arguments as
     `add_launch`."""
-    return add_launch(x, gate, part, weight, eps, shift, scale, r, block_rows, num_warps)
+    return add_launch(x, gate, part, weight, eps, shift, scale, r, block_rows, num_warps, programs_per_sm)
 
 
 @add_modulate_fp8_rows_op.register_fake
-def _(x, gate, part, weight, eps, shift, scale, r, block_rows=None, num_warps=None):
+def _(x, gate, part, weight, eps, shift, scale, r, block_rows=None, num_warps=None, programs_per_sm=None):
     return _empty_rows(x, x.shape[0], x.shape[1])
 
 
 def add_launch(x: torch.Tensor, gate: torch.Tensor, part: torch.Tensor, weight: torch.Tensor, eps: float,
                shift: torch.Tensor, scale: torch.Tensor, r: torch.Tensor, block_rows: int | None = None,
-               num_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+               num_warps: int | None = None,
+               programs_per_sm: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Runs the kernel with the residual add: as `launch`, with gate [M * 3, C] fp32 and part [rows, C] (any
     strides); x (any strides) is updated in place. Raises ValueError for arguments it does not serve
     (`add_unsupported`)."""
@@ -191,32 +193,45 @@ def add_launch(x: torch.Tensor, gate: torch.Tensor, part: torch.Tensor, weight: 
         raise ValueError("the Triton gated residual add + modulation + fp8 quantisation kernel does not serve this "
                          f"call: {reason}")
     return _launch_modulate(x, weight, eps, shift, scale, r, (gate, part), "add_modulate_fp8_rows",
-                            _ADD_FALLBACK.what, block_rows, num_warps)
+                            _ADD_FALLBACK.what, block_rows, num_warps, programs_per_sm)
 
 
 def launch(x: torch.Tensor, weight: torch.Tensor, eps: float, shift: torch.Tensor, scale: torch.Tensor,
-           r: torch.Tensor, block_rows: int | None = None,
-           num_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+           r: torch.Tensor, block_rows: int | None = None, num_warps: int | None = None,
+           programs_per_sm: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Runs the kernel: x [rows, C] fp32 (any strides), gain [C], shift / scale [M * 3, C] fp32 (any strides, e.g.
     column chunks of the AdaLN output), r [rows] -> (q [rows, C] e4m3, scale [rows, 1] fp32), both new and
     contiguous. Raises ValueError for arguments it does not serve (`unsupported`); block_rows (rows per program, a
-    power of two) and num_warps tune the launch (`_grid`; None: the device's, minimax_h3/kernels/tuning.json)."""
+    power of two), num_warps and programs_per_sm (0: one program per row block; k: at most k programs per SM, each
+    going through row blocks with the next block's loads in flight) tune the launch (`_grid`; None: the device's,
+    minimax_h3/kernels/tuning.json)."""
     reason = unsupported(x, weight, shift, scale, r)
     if reason is not None:
         raise ValueError(f"the Triton modulation + fp8 quantisation kernel does not serve this call: {reason}")
     return _launch_modulate(x, weight, eps, shift, scale, r, None, "modulate_fp8_rows", _FALLBACK.what, block_rows,
-                            num_warps)
+                            num_warps, programs_per_sm)
 
 
 def _launch_modulate(x, weight, eps, shift, scale, r, residual: tuple[torch.Tensor, torch.Tensor] | None, name: str,
-                     what: str, block_rows: int | None, num_warps: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+                     what: str, block_rows: int | None, num_warps: int | None,
+                     programs_per_sm: int | None) -> tuple[torch.Tensor, torch.Tensor]:
     """The modulation kernel's launch, with the gated residual add (gate, part) first or without it (None)."""
     rows, c = x.shape
     gate, part = residual if residual is not None else (shift, x)  # (pointers the kernel never reads without ADD)
+    if programs_per_sm is None:
+        programs_per_sm = launch_params(name, x.device)["programs_per_sm"]
+    if programs_per_sm < 0:
+        raise ValueError(f"programs_per_sm must be >= 0, got {programs_per_sm}")
     return _launch_rows(_modulate_fp8_kernel, name, what, (x, weight, shift, scale, r, gate, part), rows, c,
                         (c, 1.0 / c, eps, *x.stride(), weight.stride(0), *shift.stride(), *scale.stride(),
                          r.stride(0), *gate.stride(), *part.stride()), block_rows, num_warps, tiled=True,
-                        ADD=residual is not None)
+                        programs_cap=programs_per_sm * _sm_count(x.device), ADD=residual is not None,
+                        PERSISTENT=programs_per_sm > 0)
+
+
+def _sm_count(device: torch.device) -> int:
+    """The device's SMs (one on the CPU, where Triton interprets)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
 
 
 MIN_TILE = 256  # the narrowest tile a row is split into: one element per thread at 8 warps
@@ -238,13 +253,13 @@ def row_tiles(width: int) -> tuple[int, int, int]:
 
 
 def _launch_rows(kernel, name: str, what: str, inputs: tuple, rows: int, width: int, args: tuple,
-                 block_rows: int | None, num_warps: int | None, tiled: bool = False,
+                 block_rows: int | None, num_warps: int | None, tiled: bool = False, programs_cap: int = 0,
                  **meta) -> tuple[torch.Tensor, torch.Tensor]:
     """The three row kernels' launch: allocates their outputs (`_empty_rows` [rows, width], on the first input's
     device) and runs `kernel(*inputs, q, q_scale, rows, *args)` over `_grid` with the shared constants (e4m3 range,
     scale floor, BLOCK_R = block_rows; `tiled`: the row's tiles T0 / T1 / T2 = `row_tiles(width)`, else BLOCK_C =
-    width padded to a power of two) and `meta`. block_rows / num_warps
-    None: the device's tuned ones (tuning.json entry `name`). No FMA contraction (enable_fp_fusion=False): products
+    width padded to a power of two) and `meta`; programs_cap > 0: at most that many programs (a kernel that loops
+    over its row blocks). block_rows / num_warps None: the device's tuned ones (tuning.json entry `name`). No FMA contraction (enable_fp_fusion=False): products
     and sums round as the references' separate ops do."""
     like = inputs[0]
     tuned = launch_params(name, like.device)
@@ -254,7 +269,10 @@ def _launch_rows(kernel, name: str, what: str, inputs: tuple, rows: int, width: 
     if rows == 0:
         return q, q_scale
     grid = _grid(rows, block_rows)
-    log_once(log, f"{what}: Triton kernel ({block_rows} rows x {num_warps} warps per program)")
+    if programs_cap > 0:
+        grid = (min(grid[0], programs_cap),)
+    log_once(log, f"{what}: Triton kernel ({block_rows} rows x {num_warps} warps per program"
+                  f"{f', {grid[0]} programs looping over the rows' if programs_cap > 0 else ''})")
     if tiled:
         meta.update(zip(("T0", "T1", "T2"), row_tiles(width)))
     else:
@@ -404,24 +422,36 @@ if triton is not None:
         _store_q(y, inv, row_ok[:, None] & (ch < C)[None, :], row, ch, C, q_ptr, FP8_MAX)
 
     @triton.jit
-    def _modulate_tile_x(x_ptr, gate_ptr, part_ptr, row, row_ok, ada, C, x_s_row, x_s_c, g_s_row, g_s_c, p_s_row,
-                         p_s_c, OFF: tl.constexpr, W: tl.constexpr, ADD: tl.constexpr):
-        """Channels [OFF, OFF + W) of the rows: x (with ADD, after the gated residual add x += gate[r] * part,
-        written back: the fp32 product, part being exact in fp32, then the fp32 sum) and its sum of squares per
-        row. x and part stream through once (evict_first); the AdaLN rows every program gathers stay cached
-        (evict_last): otherwise the streaming rows push them out of L1 and each program fetches them again from L2
-        (docs/kernels.md, "With the gated residual add")."""
-        ch = OFF + tl.arange(0, W)
-        mask = row_ok[:, None] & (ch < C)[None, :]
-        at_x = x_ptr + row[:, None] * x_s_row + ch[None, :] * x_s_c
-        x = tl.load(at_x, mask=mask, other=0.0, eviction_policy="evict_first")
+    def _modulate_load(x_ptr, part_ptr, row, row_ok, C, x_s_row, x_s_c, p_s_row, p_s_c, BLOCK_R: tl.constexpr,
+                       OFF: tl.constexpr, W: tl.constexpr, ADD: tl.constexpr):
+        """Channels [OFF, OFF + W) of the rows: x, and with ADD part in its own dtype; W = 0 (no such tile) or no
+        ADD: an empty placeholder. Both stream through once (evict_first)."""
+        x = tl.zeros((BLOCK_R, 1), tl.float32)
+        part = tl.zeros((BLOCK_R, 1), tl.float32)
+        if W > 0:
+            ch = OFF + tl.arange(0, W)
+            mask = row_ok[:, None] & (ch < C)[None, :]
+            x = tl.load(x_ptr + row[:, None] * x_s_row + ch[None, :] * x_s_c, mask=mask, other=0.0,
+                        eviction_policy="evict_first")
+            if ADD:
+                part = tl.load(part_ptr + row[:, None] * p_s_row + ch[None, :] * p_s_c, mask=mask, other=0.0,
+                               eviction_policy="evict_first")
+        return x, part
+
+    @triton.jit
+    def _modulate_tile_x(x, part, x_ptr, gate_ptr, row, row_ok, ada, C, x_s_row, x_s_c, g_s_row, g_s_c,
+                         OFF: tl.constexpr, W: tl.constexpr, ADD: tl.constexpr):
+        """A loaded tile (`_modulate_load`; with ADD, after the gated residual add x += gate[r] * part, written
+        back: the fp32 product, part being exact in fp32, then the fp32 sum) and its sum of squares per row. The
+        AdaLN rows every program gathers stay cached (evict_last): otherwise the streaming rows push them out of L1
+        and each program fetches them again from L2 (docs/kernels.md, "With the gated residual add")."""
         if ADD:
-            part = tl.load(part_ptr + row[:, None] * p_s_row + ch[None, :] * p_s_c, mask=mask, other=0.0,
-                           eviction_policy="evict_first").to(tl.float32)
+            ch = OFF + tl.arange(0, W)
+            mask = row_ok[:, None] & (ch < C)[None, :]
             gate = tl.load(gate_ptr + ada * g_s_row + ch[None, :] * g_s_c, mask=mask, other=0.0,
                            eviction_policy="evict_last")
-            x = x + gate * part
-            tl.store(at_x, x, mask=mask)
+            x = x + gate * part.to(tl.float32)
+            tl.store(x_ptr + row[:, None] * x_s_row + ch[None, :] * x_s_c, x, mask=mask)
         return x, tl.sum(x * x, axis=1)
 
     @triton.jit
@@ -441,30 +471,38 @@ if triton is not None:
         return y, tl.max(tl.where(mask, tl.abs(y), 0.0), axis=1)
 
     @triton.jit
-    def _modulate_fp8_kernel(x_ptr, w_ptr, shift_ptr, scale_ptr, r_ptr, gate_ptr, part_ptr, q_ptr, qs_ptr, rows, C,
-                             inv_c, eps, x_s_row, x_s_c, w_s, sh_s_row, sh_s_c, sc_s_row, sc_s_c, r_s, g_s_row,
-                             g_s_c, p_s_row, p_s_c, ADD: tl.constexpr, FP8_MAX: tl.constexpr,
-                             INV_FP8_MAX: tl.constexpr, SCALE_FLOOR: tl.constexpr, BLOCK_R: tl.constexpr,
-                             T0: tl.constexpr, T1: tl.constexpr, T2: tl.constexpr):
-        """One program: BLOCK_R whole rows, each with its own AdaLN rows (gathered by r), held as tiles of T0, T1 and
-        T2 channels (`row_tiles`; 0: no such tile). ADD: the gated residual add first, written back to x. Every step
-        is one op of the reference (`modulate_fp8_reference`, with ADD `add_modulate_fp8_reference`), in its
-        order."""
-        row = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    def _modulate_rows(x0, p0, x1, p1, x2, p2, blk, x_ptr, w_ptr, shift_ptr, scale_ptr, r_ptr, gate_ptr, part_ptr,
+                       q_ptr, qs_ptr, rows, C, inv_c, eps, x_s_row, x_s_c, w_s, sh_s_row, sh_s_c, sc_s_row, sc_s_c,
+                       r_s, g_s_row, g_s_c, p_s_row, p_s_c, ADD: tl.constexpr, FP8_MAX: tl.constexpr,
+                       INV_FP8_MAX: tl.constexpr, SCALE_FLOOR: tl.constexpr, BLOCK_R: tl.constexpr,
+                       T0: tl.constexpr, T1: tl.constexpr, T2: tl.constexpr, LOADED: tl.constexpr):
+        """Row block `blk`: every step is one op of the reference (`modulate_fp8_reference`, with ADD
+        `add_modulate_fp8_reference`), in its order. LOADED: its tiles are x0 / p0 ... (`_modulate_load`); else
+        each tile is loaded as step 0 reaches it (fewer registers live at once)."""
+        row = blk * BLOCK_R + tl.arange(0, BLOCK_R)
         row_ok = row < rows
         row = row.to(tl.int64)
         ada = tl.load(r_ptr + row * r_s, mask=row_ok, other=0).to(tl.int64)[:, None]  # AdaLN table row
         # 0. The gated residual add (ADD), tile by tile, and each tile's sum of squares. A width of zero: no such
         #    tile (compiled out).
-        x0, sumsq = _modulate_tile_x(x_ptr, gate_ptr, part_ptr, row, row_ok, ada, C, x_s_row, x_s_c, g_s_row,
-                                     g_s_c, p_s_row, p_s_c, 0, T0, ADD)
+        if not LOADED:
+            x0, p0 = _modulate_load(x_ptr, part_ptr, row, row_ok, C, x_s_row, x_s_c, p_s_row, p_s_c, BLOCK_R, 0, T0,
+                                    ADD)
+        x0, sumsq = _modulate_tile_x(x0, p0, x_ptr, gate_ptr, row, row_ok, ada, C, x_s_row, x_s_c, g_s_row, g_s_c,
+                                     0, T0, ADD)
         if T1 > 0:
-            x1, s1 = _modulate_tile_x(x_ptr, gate_ptr, part_ptr, row, row_ok, ada, C, x_s_row, x_s_c, g_s_row,
-                                      g_s_c, p_s_row, p_s_c, T0, T1, ADD)
+            if not LOADED:
+                x1, p1 = _modulate_load(x_ptr, part_ptr, row, row_ok, C, x_s_row, x_s_c, p_s_row, p_s_c, BLOCK_R, T0,
+                                        T1, ADD)
+            x1, s1 = _modulate_tile_x(x1, p1, x_ptr, gate_ptr, row, row_ok, ada, C, x_s_row, x_s_c, g_s_row,
+                                      g_s_c, T0, T1, ADD)
             sumsq = sumsq + s1
         if T2 > 0:
-            x2, s2 = _modulate_tile_x(x_ptr, gate_ptr, part_ptr, row, row_ok, ada, C, x_s_row, x_s_c, g_s_row,
-                                      g_s_c, p_s_row, p_s_c, T0 + T1, T2, ADD)
+            if not LOADED:
+                x2, p2 = _modulate_load(x_ptr, part_ptr, row, row_ok, C, x_s_row, x_s_c, p_s_row, p_s_c, BLOCK_R,
+                                        T0 + T1, T2, ADD)
+            x2, s2 = _modulate_tile_x(x2, p2, x_ptr, gate_ptr, row, row_ok, ada, C, x_s_row, x_s_c, g_s_row,
+                                      g_s_c, T0 + T1, T2, ADD)
             sumsq = sumsq + s2
         # 1. RMSNorm in fp32 (`rms_norm`: x * rsqrt(mean(x^2) + eps) * gain; the mean as torch's CUDA reduction
         #    takes it, sum * fp32(1 / C)), then the modulation, rounded to bf16, and the row's absolute maximum.
@@ -487,6 +525,51 @@ if triton is not None:
         if T2 > 0:
             _store_q_tile(y2, inv, row, row_ok, C, q_ptr, T0 + T1, T2, FP8_MAX)
         tl.store(qs_ptr + row, q_scale, mask=row_ok)
+
+    @triton.jit
+    def _modulate_fp8_kernel(x_ptr, w_ptr, shift_ptr, scale_ptr, r_ptr, gate_ptr, part_ptr, q_ptr, qs_ptr, rows, C,
+                             inv_c, eps, x_s_row, x_s_c, w_s, sh_s_row, sh_s_c, sc_s_row, sc_s_c, r_s, g_s_row,
+                             g_s_c, p_s_row, p_s_c, ADD: tl.constexpr, FP8_MAX: tl.constexpr,
+                             INV_FP8_MAX: tl.constexpr, SCALE_FLOOR: tl.constexpr, BLOCK_R: tl.constexpr,
+                             T0: tl.constexpr, T1: tl.constexpr, T2: tl.constexpr, PERSISTENT: tl.constexpr):
+        """BLOCK_R whole rows at a time, each with its own AdaLN rows (gathered by r), held as tiles of T0, T1 and
+        T2 channels (`row_tiles`; 0: no such tile). ADD: the gated residual add first, written back to x.
+        PERSISTENT: a program takes row blocks pid, pid + programs, ... and loads the next block's tiles before it
+        works on the current one, so its loads are in flight while it computes and stores; else one program per
+        row block."""
+        pid = tl.program_id(0)
+        if PERSISTENT:
+            programs = tl.num_programs(0)
+            row = pid * BLOCK_R + tl.arange(0, BLOCK_R)
+            row_ok = row < rows
+            row = row.to(tl.int64)
+            x0, p0 = _modulate_load(x_ptr, part_ptr, row, row_ok, C, x_s_row, x_s_c, p_s_row, p_s_c, BLOCK_R, 0, T0,
+                                    ADD)
+            x1, p1 = _modulate_load(x_ptr, part_ptr, row, row_ok, C, x_s_row, x_s_c, p_s_row, p_s_c, BLOCK_R, T0,
+                                    T1, ADD)
+            x2, p2 = _modulate_load(x_ptr, part_ptr, row, row_ok, C, x_s_row, x_s_c, p_s_row, p_s_c, BLOCK_R,
+                                    T0 + T1, T2, ADD)
+            for blk in range(pid, tl.cdiv(rows, BLOCK_R), programs):
+                c0, d0, c1, d1, c2, d2 = x0, p0, x1, p1, x2, p2
+                row = (blk + programs) * BLOCK_R + tl.arange(0, BLOCK_R)  # the next block: loads in flight
+                row_ok = row < rows
+                row = row.to(tl.int64)
+                x0, p0 = _modulate_load(x_ptr, part_ptr, row, row_ok, C, x_s_row, x_s_c, p_s_row, p_s_c, BLOCK_R, 0,
+                                        T0, ADD)
+                x1, p1 = _modulate_load(x_ptr, part_ptr, row, row_ok, C, x_s_row, x_s_c, p_s_row, p_s_c, BLOCK_R,
+                                        T0, T1, ADD)
+                x2, p2 = _modulate_load(x_ptr, part_ptr, row, row_ok, C, x_s_row, x_s_c, p_s_row, p_s_c, BLOCK_R,
+                                        T0 + T1, T2, ADD)
+                _modulate_rows(c0, d0, c1, d1, c2, d2, blk, x_ptr, w_ptr, shift_ptr, scale_ptr, r_ptr, gate_ptr,
+                               part_ptr, q_ptr, qs_ptr, rows, C, inv_c, eps, x_s_row, x_s_c, w_s, sh_s_row, sh_s_c,
+                               sc_s_row, sc_s_c, r_s, g_s_row, g_s_c, p_s_row, p_s_c, ADD, FP8_MAX, INV_FP8_MAX,
+                               SCALE_FLOOR, BLOCK_R, T0, T1, T2, True)
+        else:
+            none = tl.zeros((BLOCK_R, 1), tl.float32)
+            _modulate_rows(none, none, none, none, none, none, pid, x_ptr, w_ptr, shift_ptr, scale_ptr, r_ptr,
+                           gate_ptr, part_ptr, q_ptr, qs_ptr, rows, C, inv_c, eps, x_s_row, x_s_c, w_s, sh_s_row,
+                           sh_s_c, sc_s_row, sc_s_c, r_s, g_s_row, g_s_c, p_s_row, p_s_c, ADD, FP8_MAX, INV_FP8_MAX,
+                           SCALE_FLOOR, BLOCK_R, T0, T1, T2, False)
 
     @triton.jit
     def _swiglu_fp8_kernel(y_ptr, q_ptr, qs_ptr, rows, C, y_s_row, FP8_MAX: tl.constexpr,
