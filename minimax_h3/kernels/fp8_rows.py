@@ -259,8 +259,8 @@ def _launch_rows(kernel, name: str, what: str, inputs: tuple, rows: int, width: 
     device) and runs `kernel(*inputs, q, q_scale, rows, *args)` over `_grid` with the shared constants (e4m3 range,
     scale floor, BLOCK_R = block_rows; `tiled`: the row's tiles T0 / T1 / T2 = `row_tiles(width)`, else BLOCK_C =
     width padded to a power of two) and `meta`; programs_cap > 0: at most that many programs (a kernel that loops
-    over its row blocks). block_rows / num_warps None: the device's tuned ones (tuning.json entry `name`). No FMA contraction (enable_fp_fusion=False): products
-    and sums round as the references' separate ops do."""
+    over its row blocks). block_rows / num_warps None: the device's tuned ones (tuning.json entry `name`). No FMA
+    contraction (enable_fp_fusion=False): products and sums round as the references' separate ops do."""
     like = inputs[0]
     tuned = launch_params(name, like.device)
     block_rows = tuned["block_rows"] if block_rows is None else block_rows
