@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 
@@ -78,10 +79,11 @@ def big_mappings(pid: int, min_kib: int) -> list[tuple[int, int]]:
     return out
 
 
-def takes_ctrl_c() -> None:
-    """`preexec_fn` for a child a test sends SIGINT: the child takes it as a user's Ctrl-C whatever this process
-    inherited (a suite started in the background by a shell without job control runs with SIGINT ignored, and a
-    child would inherit that, never seeing the Ctrl-C)."""
-    import signal
-
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
+def taking_ctrl_c(argv: list[str]) -> list[str]:
+    """argv for a child a test sends SIGINT: the child takes it as a user's Ctrl-C whatever this process inherited
+    (a suite started in the background by a shell without job control runs with SIGINT ignored, and a child would
+    inherit that, never seeing the Ctrl-C). A fresh interpreter sets SIGINT's default action and execs argv (same
+    pid). Not a `preexec_fn`: Python run between fork and exec in this process, whose gRPC threads and fork handlers
+    are live, can leave the child hung before it execs."""
+    return [sys.executable, "-c", "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
+            "os.execvp(sys.argv[1], sys.argv[1:])", *argv]

@@ -252,7 +252,7 @@ def test_ctrl_c_of_the_first_command_says_at_once_what_it_stops_and_stops_it(tmp
     import threading
     import urllib.request
 
-    from tests.procs import takes_ctrl_c
+    from tests.procs import taking_ctrl_c
     from tests.waits import wait_until
 
     tmp = tmp_path / "tmpdir"
@@ -260,9 +260,10 @@ def test_ctrl_c_of_the_first_command_says_at_once_what_it_stops_and_stops_it(tmp
     env = {**os.environ, **CLEAN_ENV, "TMPDIR": str(tmp),
            **{f"H3_{s}_CACHE_DIR": str(model_cache) for s in ("ENCODER", "DIT", "DECODER")}}
     out = tmp_path / "x.mp4"
-    p = subprocess.Popen([sys.executable, "-m", "client", "render", "--prompt", "a heron waits in the reeds at dawn",
-                          "--steps", "200", "-o", str(out), "--endpoints-file", str(tmp_path / "none.env")], cwd=ROOT,
-                         env=env, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, preexec_fn=takes_ctrl_c)
+    p = subprocess.Popen(taking_ctrl_c([sys.executable, "-m", "client", "render", "--prompt",
+                                        "a heron waits in the reeds at dawn", "--steps", "200", "-o", str(out),
+                                        "--endpoints-file", str(tmp_path / "none.env")]), cwd=ROOT,
+                         env=env, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
     lines: list[str] = []
 
     def read() -> None:

@@ -20,7 +20,7 @@ import pytest
 
 from client.models_cli import wanted_files
 from tests.hub_server import FakeHub, HubFile
-from tests.procs import takes_ctrl_c
+from tests.procs import taking_ctrl_c
 from tests.safetensors_files import write_release_video_vae
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -108,8 +108,8 @@ def test_fetch_resumes_an_interrupted_download_and_checks_every_file(tmp_path):
         # The stall lasts until the Ctrl-C: huggingface_hub's read timeout (10 s by default) would otherwise give up on
         # it and resume while this test, on a loaded machine, still waits to see the first 10 MiB.
         env = {**os.environ, "HF_ENDPOINT": hub.url, "HF_HUB_DISABLE_TELEMETRY": "1", "HF_HUB_DOWNLOAD_TIMEOUT": "600"}
-        p = subprocess.Popen([sys.executable, "-m", "client", "models", "fetch", "--to", str(to)], cwd=ROOT, env=env,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=takes_ctrl_c)
+        p = subprocess.Popen(taking_ctrl_c([sys.executable, "-m", "client", "models", "fetch", "--to", str(to)]),
+                             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         deadline = time.monotonic() + 120
         while not ((to / PART).is_file() and (to / PART).stat().st_size >= 10 << 20):
             assert p.poll() is None and time.monotonic() < deadline, p.communicate()

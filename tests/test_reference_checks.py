@@ -29,7 +29,7 @@ import pytest
 from client.render_client import render_request
 from h3.v1 import common_pb2, render_pb2
 from minimax_h3.contract import RenderSpec
-from tests.procs import takes_ctrl_c
+from tests.procs import taking_ctrl_c
 from tests.render_svc_util import RenderService, holding_the_device, probe, wait_for
 from tests.test_first_hour import CLEAN_ENV, ROOT, SMALL, client, no_stack_started
 from tests.test_references import media_mp4, media_png, media_wav
@@ -188,10 +188,10 @@ def test_ctrl_c_prints_a_fetch_that_waits_for_the_running_job(stack, svc, tmp_pa
     out = tmp_path / "later.mp4"
     env = {**os.environ, **CLEAN_ENV}
     with holding_the_device(s.lease_dir):
-        render = subprocess.Popen([sys.executable, "-m", "client", "render", "--render", svc.target, "--prompt",
-                                   "a gong, long decay", *SMALL, "-o", str(out)], cwd=ROOT,
-                                  env={**env, "PYTHONFAULTHANDLER": "1"}, text=True, preexec_fn=takes_ctrl_c,
-                                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        render = subprocess.Popen(taking_ctrl_c([sys.executable, "-m", "client", "render", "--render", svc.target,
+                                                 "--prompt", "a gong, long decay", *SMALL, "-o", str(out)]), cwd=ROOT,
+                                  env={**env, "PYTHONFAULTHANDLER": "1"}, text=True, stdout=subprocess.DEVNULL,
+                                  stderr=subprocess.PIPE)
         lines: list[str] = []
         reader = threading.Thread(target=lambda: lines.extend(render.stderr), daemon=True)
         reader.start()

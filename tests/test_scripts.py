@@ -157,15 +157,16 @@ def test_a_failed_up_stops_what_it_started_and_names_what_it_left(tmp_path, mode
 def test_ctrl_c_of_up_stops_what_it_started(tmp_path, model_cache):
     """Ctrl-C while up.sh waits for its stages (SIGINT to its process group, as a terminal sends it): it says it was
     interrupted and what it stops, and stops it."""
-    from tests.procs import takes_ctrl_c
+    from tests.procs import taking_ctrl_c
 
     env = {**os.environ, "PYTHON": sys.executable, "H3_ENCODER_CACHE_DIR": str(model_cache),
            "H3_DIT_CACHE_DIR": str(model_cache), "H3_DECODER_CACHE_DIR": str(model_cache), "OMP_NUM_THREADS": "1"}
     run_dir = tmp_path / "run"
-    up = subprocess.Popen(["bash", "scripts/up.sh", "--run-dir", str(run_dir), "--devices", "virt0", "--encoder-port",
-                           "0", "--dit-port", "0", "--decoder-port", "0", "--render-port", "0", "--web-port", "0"],
+    up = subprocess.Popen(taking_ctrl_c(["bash", "scripts/up.sh", "--run-dir", str(run_dir), "--devices", "virt0",
+                                         "--encoder-port", "0", "--dit-port", "0", "--decoder-port", "0",
+                                         "--render-port", "0", "--web-port", "0"]),
                           cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                          start_new_session=True, preexec_fn=takes_ctrl_c)
+                          start_new_session=True)
     try:
         out = ""
         for line in up.stdout:
