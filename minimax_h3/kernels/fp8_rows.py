@@ -425,7 +425,7 @@ if triton is not None:
     def _modulate_load(x_ptr, part_ptr, row, row_ok, C, x_s_row, x_s_c, p_s_row, p_s_c, BLOCK_R: tl.constexpr,
                        OFF: tl.constexpr, W: tl.constexpr, ADD: tl.constexpr):
         """Channels [OFF, OFF + W) of the rows: x, and with ADD part in its own dtype; W = 0 (no such tile) or no
-        ADD: an empty placeholder. Both stream through once (evict_first)."""
+        ADD: an unused [BLOCK_R, 1] zero. Both stream through once (evict_first)."""
         x = tl.zeros((BLOCK_R, 1), tl.float32)
         part = tl.zeros((BLOCK_R, 1), tl.float32)
         if W > 0:
