@@ -100,8 +100,9 @@ def main() -> int:
             per_warp = -(-r["registers"] * 32 // 256) * 256  # registers are allocated per warp in units of 256
             ctas = min(REGISTERS_PER_SM // (per_warp * num_warps), MAX_THREADS_PER_SM // threads,
                        SHARED_PER_SM // (r["shared"] + 1024))
+            held = ctas * block_rows * (2 if per_sm and per_sm[0] else 1)  # a persistent CTA: this block and the next
             print(f"{op:8s} {cfg:8s} {r['registers']:4d} registers/thread {r['stack']:5d} B spilled "
-                  f"{r['shared']:7d} B shared -> {ctas} CTAs ({ctas * block_rows} rows) per SM", flush=True)
+                  f"{r['shared']:7d} B shared -> {ctas} CTAs ({held} rows) per SM", flush=True)
     return 0
 
 

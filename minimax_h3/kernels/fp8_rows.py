@@ -439,6 +439,20 @@ if triton is not None:
         return x, part
 
     @triton.jit
+    def _modulate_load_block(x_ptr, part_ptr, blk, rows, C, x_s_row, x_s_c, p_s_row, p_s_c, BLOCK_R: tl.constexpr,
+                             T0: tl.constexpr, T1: tl.constexpr, T2: tl.constexpr, ADD: tl.constexpr):
+        """The three tiles of row block `blk` (`_modulate_load` each; a block past the last: masked, nothing read)."""
+        row = blk * BLOCK_R + tl.arange(0, BLOCK_R)
+        row_ok = row < rows
+        row = row.to(tl.int64)
+        x0, p0 = _modulate_load(x_ptr, part_ptr, row, row_ok, C, x_s_row, x_s_c, p_s_row, p_s_c, BLOCK_R, 0, T0, ADD)
+        x1, p1 = _modulate_load(x_ptr, part_ptr, row, row_ok, C, x_s_row, x_s_c, p_s_row, p_s_c, BLOCK_R, T0, T1,
+                                ADD)
+        x2, p2 = _modulate_load(x_ptr, part_ptr, row, row_ok, C, x_s_row, x_s_c, p_s_row, p_s_c, BLOCK_R, T0 + T1,
+                                T2, ADD)
+        return x0, p0, x1, p1, x2, p2
+
+    @triton.jit
     def _modulate_tile_x(x, part, x_ptr, gate_ptr, row, row_ok, ada, C, x_s_row, x_s_c, g_s_row, g_s_c,
                          OFF: tl.constexpr, W: tl.constexpr, ADD: tl.constexpr):
         """A loaded tile (`_modulate_load`; with ADD, after the gated residual add x += gate[r] * part, written
@@ -540,36 +554,22 @@ if triton is not None:
         pid = tl.program_id(0)
         if PERSISTENT:
             programs = tl.num_programs(0)
-            row = pid * BLOCK_R + tl.arange(0, BLOCK_R)
-            row_ok = row < rows
-            row = row.to(tl.int64)
-            x0, p0 = _modulate_load(x_ptr, part_ptr, row, row_ok, C, x_s_row, x_s_c, p_s_row, p_s_c, BLOCK_R, 0, T0,
-                                    ADD)
-            x1, p1 = _modulate_load(x_ptr, part_ptr, row, row_ok, C, x_s_row, x_s_c, p_s_row, p_s_c, BLOCK_R, T0,
-                                    T1, ADD)
-            x2, p2 = _modulate_load(x_ptr, part_ptr, row, row_ok, C, x_s_row, x_s_c, p_s_row, p_s_c, BLOCK_R,
-                                    T0 + T1, T2, ADD)
+            x0, p0, x1, p1, x2, p2 = _modulate_load_block(x_ptr, part_ptr, pid, rows, C, x_s_row, x_s_c, p_s_row,
+                                                          p_s_c, BLOCK_R, T0, T1, T2, ADD)
             for blk in range(pid, tl.cdiv(rows, BLOCK_R), programs):
                 c0, d0, c1, d1, c2, d2 = x0, p0, x1, p1, x2, p2
-                row = (blk + programs) * BLOCK_R + tl.arange(0, BLOCK_R)  # the next block: loads in flight
-                row_ok = row < rows
-                row = row.to(tl.int64)
-                x0, p0 = _modulate_load(x_ptr, part_ptr, row, row_ok, C, x_s_row, x_s_c, p_s_row, p_s_c, BLOCK_R, 0,
-                                        T0, ADD)
-                x1, p1 = _modulate_load(x_ptr, part_ptr, row, row_ok, C, x_s_row, x_s_c, p_s_row, p_s_c, BLOCK_R,
-                                        T0, T1, ADD)
-                x2, p2 = _modulate_load(x_ptr, part_ptr, row, row_ok, C, x_s_row, x_s_c, p_s_row, p_s_c, BLOCK_R,
-                                        T0 + T1, T2, ADD)
+                x0, p0, x1, p1, x2, p2 = _modulate_load_block(x_ptr, part_ptr, blk + programs, rows, C, x_s_row,
+                                                              x_s_c, p_s_row, p_s_c, BLOCK_R, T0, T1, T2, ADD)
                 _modulate_rows(c0, d0, c1, d1, c2, d2, blk, x_ptr, w_ptr, shift_ptr, scale_ptr, r_ptr, gate_ptr,
                                part_ptr, q_ptr, qs_ptr, rows, C, inv_c, eps, x_s_row, x_s_c, w_s, sh_s_row, sh_s_c,
                                sc_s_row, sc_s_c, r_s, g_s_row, g_s_c, p_s_row, p_s_c, ADD, FP8_MAX, INV_FP8_MAX,
                                SCALE_FLOOR, BLOCK_R, T0, T1, T2, True)
         else:
-            none = tl.zeros((BLOCK_R, 1), tl.float32)
-            _modulate_rows(none, none, none, none, none, none, pid, x_ptr, w_ptr, shift_ptr, scale_ptr, r_ptr,
-                           gate_ptr, part_ptr, q_ptr, qs_ptr, rows, C, inv_c, eps, x_s_row, x_s_c, w_s, sh_s_row,
-                           sh_s_c, sc_s_row, sc_s_c, r_s, g_s_row, g_s_c, p_s_row, p_s_c, ADD, FP8_MAX, INV_FP8_MAX,
-                           SCALE_FLOOR, BLOCK_R, T0, T1, T2, False)
+            unused = tl.zeros((BLOCK_R, 1), tl.float32)
+            _modulate_rows(unused, unused, unused, unused, unused, unused, pid, x_ptr, w_ptr, shift_ptr, scale_ptr,
+                           r_ptr, gate_ptr, part_ptr, q_ptr, qs_ptr, rows, C, inv_c, eps, x_s_row, x_s_c, w_s,
+                           sh_s_row, sh_s_c, sc_s_row, sc_s_c, r_s, g_s_row, g_s_c, p_s_row, p_s_c, ADD, FP8_MAX,
+                           INV_FP8_MAX, SCALE_FLOOR, BLOCK_R, T0, T1, T2, False)
 
     @triton.jit
     def _swiglu_fp8_kernel(y_ptr, q_ptr, qs_ptr, rows, C, y_s_row, FP8_MAX: tl.constexpr,
