@@ -19,13 +19,16 @@ against Triton, for each of --ops:
 - `orows`: fp8 attention's O dequantisation + out_proj's fp8 row quantisation (o8 = the attention kernel's e4m3 O
   [H, rows, D], H = 56 heads, D = 128, per-head scale [H, 1, 1] and V-smoothing shift [H, 1, D] -> rows
   [rows, H * D] e4m3 + scales). Bytes moved: o8 read, q + scales written once. Writes <out>/o_rows_fp8.json.
+- `orows-fa3`: the same kernel on FlashAttention-3's O as the model hands it over (bf16 [S, H, D] viewed as
+  [H, S, D], unit scales, the shift). Bytes moved: O read (bf16), q + scales written once. Writes
+  <out>/o_rows_fa3.json.
 
 For each row count, CUDA events, median of --iters calls after a warm-up:
 - `reference eager`: the plain-torch reference (the model's previous math, then quantize_fp8_rowwise);
 - `reference compiled`: the same under torch.compile (Inductor's fusion: what a compiled block runs without the
   kernel, on its own; the number the kernel must beat to be used inside compiled blocks);
 - `triton BxW`: the kernel (its torch op) with B rows per program and W warps, for each of --configs (default: the
-  op's own list, its first entry the op's default launch); `BxWpK` (modulate, addmod): at most K programs per SM,
+  op's own list, its first entry the op's default launch); `BxWpK` (all but swiglu): at most K programs per SM,
   each looping over row blocks with the next block's loads in flight (`programs_per_sm`).
 Reported: ms, effective TB/s (the bytes above over the time), and the deviation from the eager reference (max
 relative scale difference, max e4m3 steps apart, fraction of e4m3 values bitwise equal). Exit 1 if a kernel is
@@ -101,6 +104,16 @@ def o_rows_inputs(rows: int, c: int, device: torch.device) -> tuple[tuple, int]:
     return (o8, o_scale, o_shift), o8.numel() * 2 + rows * 4  # e4m3 O in, e4m3 q + fp32 scales out
 
 
+def o_rows_fa3_inputs(rows: int, c: int, device: torch.device) -> tuple[tuple, int]:
+    """FlashAttention-3's O as the model hands it over: bf16 [S, H, D] viewed as [H, S, D], unit scales."""
+    h, d = c // O_HEAD_DIM, O_HEAD_DIM
+    g = torch.Generator(device=device).manual_seed(rows)
+    o = (torch.randn(rows, h, d, generator=g, device=device) * 0.5).to(torch.bfloat16).permute(1, 0, 2)
+    o_shift = torch.randn(h, 1, d, generator=g, device=device) * 0.05
+    ones = torch.ones(h, 1, 1, device=device)
+    return (o, ones, o_shift), o.numel() * 3 + rows * 4  # bf16 O in, e4m3 q + fp32 scales out
+
+
 def swiglu_inputs(rows: int, f: int, device: torch.device) -> tuple[tuple, int]:
     g = torch.Generator(device=device).manual_seed(rows)
     y = (torch.randn(rows, 2 * f, generator=g, device=device) * 2).to(torch.bfloat16)
@@ -114,8 +127,10 @@ OPS = {
                  "add_modulate_fp8_reference", "add_modulate_fp8_rows_op", mutates_first=True),
     "swiglu": Op("swiglu_fp8.json", 14336, 96, "1x32,1x16,2x16,4x16,2x32", swiglu_inputs, "swiglu_fp8_reference",
                  "swiglu_fp8_rows_op"),
-    "orows": Op("o_rows_fp8.json", 56 * O_HEAD_DIM, 3 * O_HEAD_DIM, "1x8,1x16,1x4,1x32,2x16,4x16,2x32,4x32",
+    "orows": Op("o_rows_fp8.json", 56 * O_HEAD_DIM, 3 * O_HEAD_DIM, "1x4,1x8,1x16,1x32,2x16,1x4p2,1x8p2,2x8p2",
                 o_rows_inputs, "o_rows_fp8_reference", "o_rows_fp8_op"),
+    "orows-fa3": Op("o_rows_fa3.json", 56 * O_HEAD_DIM, 3 * O_HEAD_DIM, "1x4,1x8,1x16,2x16,1x4p2,1x8p2,2x8p2",
+                    o_rows_fa3_inputs, "o_rows_fp8_reference", "o_rows_fp8_op"),
 }
 
 
@@ -141,7 +156,7 @@ def bench_op(fr, name: str, op: Op, device: torch.device, shapes, width: int, co
                     "width": width, "iters": args.iters, "shapes": []}
     if name in ("modulate", "addmod"):
         result["timesteps"] = M
-    if name == "orows":
+    if name.startswith("orows"):
         result["heads"], result["head_dim"] = width // O_HEAD_DIM, O_HEAD_DIM
     worst_steps = 0
     reference, kernel = getattr(fr, op.reference), getattr(fr, op.kernel)
@@ -176,7 +191,7 @@ def bench_op(fr, name: str, op: Op, device: torch.device, shapes, width: int, co
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True, help="directory for the JSON files (one per op)")
-    ap.add_argument("--ops", default="modulate,addmod,swiglu,orows", type=comma_choices(OPS),
+    ap.add_argument("--ops", default="modulate,addmod,swiglu,orows,orows-fa3", type=comma_choices(OPS),
                     help=f"comma-separated, of {', '.join(OPS)}")
     ap.add_argument("--iters", type=int, default=20, help="timed calls per variant (median)")
     ap.add_argument("--configs", default=None,

@@ -36,10 +36,12 @@ def kernel_spec(fr, op: str, width: int, block_rows: int, persistent: bool = Fal
     """(kernel, signature, constexpr values) of one op's kernel as its launch calls it."""
     common = {"FP8_MAX": fr.FP8_E4M3_MAX, "INV_FP8_MAX": 1.0 / fr.FP8_E4M3_MAX, "SCALE_FLOOR": fr.FP8_SCALE_FLOOR,
               "BLOCK_R": block_rows, "BLOCK_C": fr.triton.next_power_of_2(width)}
-    if op == "orows":  # [H, S, D] O (row stride D, head stride S x D), scales [H, 1, 1], shift [H, 1, D]
-        sig = {"o8_ptr": "*fp8e4nv", "sc_ptr": "*fp32", "sh_ptr": "*fp32", "q_ptr": "*fp8e4nv", "qs_ptr": "*fp32",
-               "rows": "i32", "C": "i32", "o_s_h": "i32", "o_s_row": "i32", "sh_s_h": "i32"}
-        return fr._o_rows_fp8_kernel, sig, {**common, "sh_s_d": 1, "D": O_HEAD_DIM, "HAS_SHIFT": True}
+    if op.startswith("orows"):  # [H, S, D] O (e4m3; orows-fa3: FA3's bf16), scales [H, 1, 1], shift [H, 1, D]
+        sig = {"o8_ptr": "*bf16" if op == "orows-fa3" else "*fp8e4nv", "sc_ptr": "*fp32", "sh_ptr": "*fp32",
+               "q_ptr": "*fp8e4nv", "qs_ptr": "*fp32", "rows": "i32", "C": "i32", "o_s_h": "i32", "o_s_row": "i32",
+               "sh_s_h": "i32"}
+        return fr._o_rows_fp8_kernel, sig, {**common, "sh_s_d": 1, "D": O_HEAD_DIM, "HAS_SHIFT": True,
+                                            "PERSISTENT": persistent}
     if op == "swiglu":
         sig = {"y_ptr": "*bf16", "q_ptr": "*fp8e4nv", "qs_ptr": "*fp32", "rows": "i32", "C": "i32", "y_s_row": "i32"}
         return fr._swiglu_fp8_kernel, sig, {**common, "CUDA": True}

@@ -435,7 +435,8 @@ def test_o_rows_reference_is_the_previous_math_bit_for_bit(shift, fa3):
 
 
 def check_o_rows_kernel(h: int, rows: int, d: int, device: str, block_rows: int = 1, num_warps: int = 16,
-                        interpreted: bool = False, layout: str = "hsd", shift: bool = True, fa3: bool = False) -> None:
+                        interpreted: bool = False, layout: str = "hsd", shift: bool = True, fa3: bool = False,
+                        programs_per_sm: int | None = None) -> None:
     """Triton (minimax_h3.kernels.fp8_rows.o_rows_launch) vs the reference, bounds as `check_kernel` (one bf16 rounding
     before the row quantisation, as there)."""
     scale_rtol, max_steps, exact_fraction = (2.0 ** -7, 8, 0.8) if interpreted else (1e-6, 1, EXACT_FRACTION)
@@ -443,7 +444,7 @@ def check_o_rows_kernel(h: int, rows: int, d: int, device: str, block_rows: int 
 
     o = make_o_input(h, rows, d, device, layout, shift, fa3=fa3)
     want = o_rows_fp8_reference(*o)
-    q, s = o_rows_launch(*o, block_rows, num_warps)
+    q, s = o_rows_launch(*o, block_rows, num_warps, programs_per_sm)
     assert want.q.shape == (rows, h * d)
     assert_rows_match(q, s, want, scale_rtol, max_steps, exact_fraction, zero_row=rows > 5 and not shift)
 
@@ -456,9 +457,13 @@ def test_o_rows_triton_matches_reference_on_gpu(layout, shift, fa3):
 
 
 @needs_cuda
-@pytest.mark.parametrize("block_rows,num_warps", [(1, 8), (2, 16), (1, 32), (4, 16)])
-def test_o_rows_triton_launch_configs_on_gpu(block_rows, num_warps):
-    check_o_rows_kernel(56, 1001, 128, "cuda", block_rows, num_warps)
+@pytest.mark.parametrize("block_rows,num_warps,programs_per_sm", [(1, 8, 0), (2, 16, 0), (1, 32, 0), (4, 16, 0),
+                                                                   (1, 4, 2), (1, 8, 1), (2, 8, 2)])
+def test_o_rows_triton_launch_configs_on_gpu(block_rows, num_warps, programs_per_sm):
+    check_o_rows_kernel(56, 1001, 128, "cuda", block_rows, num_warps, programs_per_sm=programs_per_sm)
+    if programs_per_sm:  # FA3's bf16 O in its [S, H, D] layout, as the model hands it over
+        check_o_rows_kernel(56, 1001, 128, "cuda", block_rows, num_warps, layout="shd", fa3=True,
+                            programs_per_sm=programs_per_sm)
 
 
 @needs_cuda
@@ -602,6 +607,11 @@ def interpreter_main() -> None:
                                                   (2, 6, 64, 2, "hsd", False), (7, 1, 16, 1, "shd", False)]:
         check_o_rows_kernel(h, rows, d, "cpu", block_rows, 4, interpreted=True, layout=layout, shift=shift)
     check_o_rows_kernel(5, 9, 16, "cpu", 2, 4, interpreted=True, layout="shd", fa3=True)  # FA3's bf16 O
+    # Programs that loop over the row blocks (one SM on the CPU), the next block's O loaded ahead.
+    for h, rows, d, block_rows, layout, fa3, per_sm in [(3, 13, 32, 1, "hsd", False, 2),
+                                                         (5, 9, 16, 2, "shd", True, 3)]:
+        check_o_rows_kernel(h, rows, d, "cpu", block_rows, 4, interpreted=True, layout=layout, fa3=fa3,
+                            programs_per_sm=per_sm)
     for shift in (True, False):  # (the op's optional shift: None through the graph too)
         o = make_o_input(3, 9, 32, "cpu", shift=shift)
 
@@ -637,7 +647,8 @@ def test_bench_tiny_runs_on_the_cpu(tmp_path):
     """benchmarks/bench_fp8_rows.py --tiny: the dry run writes one JSON per op (the kernels too where triton is
     installed)."""
     results = run_bench_tiny("bench_fp8_rows.py", tmp_path)
-    assert sorted(results) == ["add_modulate_fp8.json", "fp8_rows.json", "o_rows_fp8.json", "swiglu_fp8.json"]
+    assert sorted(results) == ["add_modulate_fp8.json", "fp8_rows.json", "o_rows_fa3.json", "o_rows_fp8.json",
+                               "swiglu_fp8.json"]
     for result in results.values():
         assert [s["rows"] for s in result["shapes"]] == [37, 100]
         assert all("reference eager" in s["variants"] for s in result["shapes"])

@@ -218,15 +218,10 @@ def _launch_modulate(x, weight, eps, shift, scale, r, residual: tuple[torch.Tens
     """The modulation kernel's launch, with the gated residual add (gate, part) first or without it (None)."""
     rows, c = x.shape
     gate, part = residual if residual is not None else (shift, x)  # (pointers the kernel never reads without ADD)
-    if programs_per_sm is None:
-        programs_per_sm = launch_params(name, x.device)["programs_per_sm"]
-    if programs_per_sm < 0:
-        raise ValueError(f"programs_per_sm must be >= 0, got {programs_per_sm}")
     return _launch_rows(_modulate_fp8_kernel, name, what, (x, weight, shift, scale, r, gate, part), rows, c,
                         (c, 1.0 / c, eps, *x.stride(), weight.stride(0), *shift.stride(), *scale.stride(),
                          r.stride(0), *gate.stride(), *part.stride()), block_rows, num_warps, tiled=True,
-                        programs_cap=programs_per_sm * _sm_count(x.device), ADD=residual is not None,
-                        PERSISTENT=programs_per_sm > 0)
+                        persistent=True, programs_per_sm=programs_per_sm, ADD=residual is not None)
 
 
 def _sm_count(device: torch.device) -> int:
@@ -253,26 +248,32 @@ def row_tiles(width: int) -> tuple[int, int, int]:
 
 
 def _launch_rows(kernel, name: str, what: str, inputs: tuple, rows: int, width: int, args: tuple,
-                 block_rows: int | None, num_warps: int | None, tiled: bool = False, programs_cap: int = 0,
-                 **meta) -> tuple[torch.Tensor, torch.Tensor]:
+                 block_rows: int | None, num_warps: int | None, tiled: bool = False, persistent: bool = False,
+                 programs_per_sm: int | None = None, **meta) -> tuple[torch.Tensor, torch.Tensor]:
     """The three row kernels' launch: allocates their outputs (`_empty_rows` [rows, width], on the first input's
     device) and runs `kernel(*inputs, q, q_scale, rows, *args)` over `_grid` with the shared constants (e4m3 range,
     scale floor, BLOCK_R = block_rows; `tiled`: the row's tiles T0 / T1 / T2 = `row_tiles(width)`, else BLOCK_C =
-    width padded to a power of two) and `meta`; programs_cap > 0: at most that many programs (a kernel that loops
-    over its row blocks). block_rows / num_warps None: the device's tuned ones (tuning.json entry `name`). No FMA
-    contraction (enable_fp_fusion=False): products and sums round as the references' separate ops do."""
+    width padded to a power of two) and `meta`. `persistent`: the kernel has a PERSISTENT launch, taken where
+    programs_per_sm > 0 (at most that many programs per SM, each looping over row blocks). block_rows / num_warps /
+    programs_per_sm None: the device's tuned ones (tuning.json entry `name`). No FMA contraction
+    (enable_fp_fusion=False): products and sums round as the references' separate ops do."""
     like = inputs[0]
     tuned = launch_params(name, like.device)
     block_rows = tuned["block_rows"] if block_rows is None else block_rows
     num_warps = tuned["num_warps"] if num_warps is None else num_warps
+    if persistent:
+        programs_per_sm = tuned["programs_per_sm"] if programs_per_sm is None else programs_per_sm
+        if programs_per_sm < 0:
+            raise ValueError(f"programs_per_sm must be >= 0, got {programs_per_sm}")
+        meta["PERSISTENT"] = programs_per_sm > 0
     q, q_scale = _empty_rows(like, rows, width)
     if rows == 0:
         return q, q_scale
     grid = _grid(rows, block_rows)
-    if programs_cap > 0:
-        grid = (min(grid[0], programs_cap),)
+    if persistent and programs_per_sm > 0:
+        grid = (min(grid[0], programs_per_sm * _sm_count(like.device)),)
     log_once(log, f"{what}: Triton kernel ({block_rows} rows x {num_warps} warps per program"
-                  f"{f', {grid[0]} programs looping over the rows' if programs_cap > 0 else ''})")
+                  f"{f', {grid[0]} programs looping over the rows' if meta.get('PERSISTENT') else ''})")
     if tiled:
         meta.update(zip(("T0", "T1", "T2"), row_tiles(width)))
     else:
@@ -378,10 +379,10 @@ if triton is not None:
         return q
 
     @triton.jit
-    def _row_block(rows, C, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-        """The prologue of the one-tile kernels: this program's BLOCK_R rows (int64 indices) and the BLOCK_C
-        channels, with their bounds: row_ok [BLOCK_R], c_ok [BLOCK_C] and mask [BLOCK_R, BLOCK_C]."""
-        row = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    def _row_block(blk, rows, C, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+        """The one-tile kernels' row block `blk`: its BLOCK_R rows (int64 indices) and the BLOCK_C channels, with
+        their bounds: row_ok [BLOCK_R], c_ok [BLOCK_C] and mask [BLOCK_R, BLOCK_C]."""
+        row = blk * BLOCK_R + tl.arange(0, BLOCK_R)
         ch = tl.arange(0, BLOCK_C)
         row_ok = row < rows
         c_ok = ch < C
@@ -577,7 +578,7 @@ if triton is not None:
                            BLOCK_C: tl.constexpr, CUDA: tl.constexpr):
         """One program: BLOCK_R whole rows of y = [gate | value] (C = F channels each), each element read once.
         Every step is one op of `swiglu_fp8_reference` as torch runs it on CUDA, in its order."""
-        row, ch, row_ok, _, mask = _row_block(rows, C, BLOCK_R, BLOCK_C)
+        row, ch, row_ok, _, mask = _row_block(tl.program_id(0), rows, C, BLOCK_R, BLOCK_C)
         at = y_ptr + row[:, None] * y_s_row + ch[None, :]
         gate = tl.load(at, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
         value = tl.load(at + C, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
@@ -650,25 +651,25 @@ def o_rows_fp8(o8: torch.Tensor, o_scale: torch.Tensor, o_shift: torch.Tensor | 
 
 @torch.library.custom_op("h3stages::o_rows_fp8", mutates_args=())
 def o_rows_fp8_op(o8: torch.Tensor, o_scale: torch.Tensor, o_shift: torch.Tensor | None,
-                  block_rows: int | None = None,
-                  num_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  block_rows: int | None = None, num_warps: int | None = None,
+                  programs_per_sm: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The Triton O-rows kernel as a torch op (opaque to torch.compile): arguments as `o_rows_launch`."""
-    return o_rows_launch(o8, o_scale, o_shift, block_rows, num_warps)
+    return o_rows_launch(o8, o_scale, o_shift, block_rows, num_warps, programs_per_sm)
 
 
 @o_rows_fp8_op.register_fake
-def _(o8, o_scale, o_shift, block_rows=None, num_warps=None):
+def _(o8, o_scale, o_shift, block_rows=None, num_warps=None, programs_per_sm=None):
     h, rows, d = o8.shape
     return _empty_rows(o8, rows, h * d)
 
 
 def o_rows_launch(o8: torch.Tensor, o_scale: torch.Tensor, o_shift: torch.Tensor | None,
-                  block_rows: int | None = None,
-                  num_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  block_rows: int | None = None, num_warps: int | None = None,
+                  programs_per_sm: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Runs the kernel: o8 [H, rows, D] e4m3 or bf16 (any head and row strides, e.g. a row slice of the whole O;
     contiguous D), o_scale [H, 1, 1] / o_shift [H, 1, D] fp32 (any strides) or None -> (q [rows, H * D] e4m3,
     scale [rows, 1] fp32), both new and contiguous. Raises ValueError for arguments it does not serve
-    (`o_rows_unsupported`); block_rows and num_warps tune the launch (`_grid`)."""
+    (`o_rows_unsupported`); block_rows, num_warps and programs_per_sm tune the launch as `launch`'s do."""
     reason = o_rows_unsupported(o8, o_scale, o_shift)
     if reason is not None:
         raise ValueError(f"the Triton O dequantisation + fp8 quantisation kernel does not serve this call: {reason}")
@@ -680,20 +681,27 @@ def o_rows_launch(o8: torch.Tensor, o_scale: torch.Tensor, o_shift: torch.Tensor
     shift = col_scale[:, None] if o_shift is None else o_shift  # (a pointer the kernel never reads without a shift)
     return _launch_rows(_o_rows_fp8_kernel, "o_rows_fp8", _O_ROWS_FALLBACK.what, (o8, col_scale, shift), rows, h * d,
                         (h * d, o8.stride(0), o8.stride(1), shift.stride(0), shift.stride(2)), block_rows, num_warps,
-                        D=d, HAS_SHIFT=o_shift is not None)
+                        persistent=True, programs_per_sm=programs_per_sm, D=d, HAS_SHIFT=o_shift is not None)
 
 
 if triton is not None:
 
     @triton.jit
-    def _o_rows_fp8_kernel(o8_ptr, sc_ptr, sh_ptr, q_ptr, qs_ptr, rows, C, o_s_h, o_s_row, sh_s_h, sh_s_d,
-                           D: tl.constexpr, HAS_SHIFT: tl.constexpr, FP8_MAX: tl.constexpr,
-                           INV_FP8_MAX: tl.constexpr, SCALE_FLOOR: tl.constexpr, BLOCK_R: tl.constexpr,
-                           BLOCK_C: tl.constexpr):
-        """One program: BLOCK_R whole output rows, C = H * D channels (head-major, as out_proj's input columns),
-        each element of O read once; sc_ptr: each column's head scale, [C] contiguous. Every step is one op of
-        `o_rows_fp8_reference` as torch runs it on CUDA, in its order."""
-        row, ch, row_ok, c_ok, mask = _row_block(rows, C, BLOCK_R, BLOCK_C)
+    def _o_rows_load(o8_ptr, blk, rows, C, o_s_h, o_s_row, D: tl.constexpr, BLOCK_R: tl.constexpr,
+                     BLOCK_C: tl.constexpr):
+        """Row block `blk` of O as its kernel wrote it (e4m3 or bf16), output columns ch = head * D + d."""
+        row, ch, _, _, mask = _row_block(blk, rows, C, BLOCK_R, BLOCK_C)
+        head = (ch // D).to(tl.int64)[None, :]
+        return tl.load(o8_ptr + head * o_s_h + row[:, None] * o_s_row + (ch % D)[None, :], mask=mask, other=0.0,
+                       eviction_policy="evict_first")
+
+    @triton.jit
+    def _o_rows_block(o8, blk, sc_ptr, sh_ptr, q_ptr, qs_ptr, rows, C, sh_s_h, sh_s_d, D: tl.constexpr,
+                      HAS_SHIFT: tl.constexpr, FP8_MAX: tl.constexpr, INV_FP8_MAX: tl.constexpr,
+                      SCALE_FLOOR: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+        """Row block `blk` from its loaded O (`_o_rows_load`). Every step is one op of `o_rows_fp8_reference` as
+        torch runs it on CUDA, in its order."""
+        row, ch, row_ok, c_ok, mask = _row_block(blk, rows, C, BLOCK_R, BLOCK_C)
         # Output column ch = head * D + d. The scales and the shift are loaded as [1, BLOCK_C] tiles, in the layout
         # of the rows they serve (loaded as vectors, each took a layout conversion through shared memory).
         head = (ch // D).to(tl.int64)[None, :]
@@ -702,11 +710,32 @@ if triton is not None:
         # 1. `dequantize_o`: e4m3 or bf16 -> fp32 (exact), times the head's scale (fp32), plus the shift (fp32), each
         #    rounded on its own, then rounded to bf16. The per-head scale and shift rows serve all BLOCK_R rows.
         o_scale = tl.load(sc_ptr + ch[None, :], mask=c_ok, other=0.0)
-        o8 = tl.load(o8_ptr + head * o_s_h + row[:, None] * o_s_row + d, mask=mask, other=0.0,
-                     eviction_policy="evict_first")
         o = o8.to(tl.float32) * o_scale
         if HAS_SHIFT:
             o = o + tl.load(sh_ptr + head * sh_s_h + d * sh_s_d, mask=c_ok, other=0.0)
         # 2. The row quantisation.
         _store_fp8_rows(o.to(tl.bfloat16), mask, row, row_ok, ch, C, q_ptr, qs_ptr, FP8_MAX, INV_FP8_MAX,
                         SCALE_FLOOR)
+
+    @triton.jit
+    def _o_rows_fp8_kernel(o8_ptr, sc_ptr, sh_ptr, q_ptr, qs_ptr, rows, C, o_s_h, o_s_row, sh_s_h, sh_s_d,
+                           D: tl.constexpr, HAS_SHIFT: tl.constexpr, FP8_MAX: tl.constexpr,
+                           INV_FP8_MAX: tl.constexpr, SCALE_FLOOR: tl.constexpr, BLOCK_R: tl.constexpr,
+                           BLOCK_C: tl.constexpr, PERSISTENT: tl.constexpr):
+        """BLOCK_R whole output rows at a time, C = H * D channels (head-major, as out_proj's input columns), each
+        element of O read once; sc_ptr: each column's head scale, [C] contiguous. PERSISTENT: a program takes row
+        blocks pid, pid + programs, ... and loads the next block before it works on the current one (as the
+        modulation kernel's persistent launch); else one program per row block."""
+        pid = tl.program_id(0)
+        if PERSISTENT:
+            programs = tl.num_programs(0)
+            o8 = _o_rows_load(o8_ptr, pid, rows, C, o_s_h, o_s_row, D, BLOCK_R, BLOCK_C)
+            for blk in range(pid, tl.cdiv(rows, BLOCK_R), programs):
+                cur = o8
+                o8 = _o_rows_load(o8_ptr, blk + programs, rows, C, o_s_h, o_s_row, D, BLOCK_R, BLOCK_C)
+                _o_rows_block(cur, blk, sc_ptr, sh_ptr, q_ptr, qs_ptr, rows, C, sh_s_h, sh_s_d, D, HAS_SHIFT, FP8_MAX,
+                              INV_FP8_MAX, SCALE_FLOOR, BLOCK_R, BLOCK_C)
+        else:
+            o8 = _o_rows_load(o8_ptr, pid, rows, C, o_s_h, o_s_row, D, BLOCK_R, BLOCK_C)
+            _o_rows_block(o8, pid, sc_ptr, sh_ptr, q_ptr, qs_ptr, rows, C, sh_s_h, sh_s_d, D, HAS_SHIFT, FP8_MAX,
+                          INV_FP8_MAX, SCALE_FLOOR, BLOCK_R, BLOCK_C)
