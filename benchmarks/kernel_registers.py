@@ -96,13 +96,14 @@ def main() -> int:
     for op in filter(None, args.ops.split(",")):
         spec = OPS[op]
         for cfg, block_rows, num_warps, per_sm in map(parse_config, (args.configs or spec.configs).split(",")):
-            kernel, sig, consts = kernel_spec(fr, op, spec.width, block_rows, bool(per_sm and per_sm[0]))
+            persistent = bool(per_sm and per_sm[0])
+            kernel, sig, consts = kernel_spec(fr, op, spec.width, block_rows, persistent)
             r = compile_one(fr, kernel, sig, consts, num_warps, args.arch)
             threads = 32 * num_warps
             per_warp = -(-r["registers"] * 32 // 256) * 256  # registers are allocated per warp in units of 256
             ctas = min(REGISTERS_PER_SM // (per_warp * num_warps), MAX_THREADS_PER_SM // threads,
                        SHARED_PER_SM // (r["shared"] + 1024))
-            held = ctas * block_rows * (2 if per_sm and per_sm[0] else 1)  # a persistent CTA: this block and the next
+            held = ctas * block_rows * (2 if persistent else 1)  # a persistent CTA holds this block and the next
             print(f"{op:8s} {cfg:8s} {r['registers']:4d} registers/thread {r['stack']:5d} B spilled "
                   f"{r['shared']:7d} B shared -> {ctas} CTAs ({held} rows) per SM", flush=True)
     return 0
