@@ -27,7 +27,9 @@ block's norm gains, so that option is measured in the full forward only (step 3 
    blocks' layout; DiT-shaped synthetic data), for `naive` and `head+kv`: torch eager, torch compiled on its own,
    and the two-pass Triton op under a few launch configurations: ms and effective TB/s (the two-pass minimum
    traffic: q, k, v read twice, e4m3 written once, over the time), and how far Triton's output is from
-   `quantize_qkv` (e4m3 steps, share of differing elements, scale deviation). No cuDNN needed.
+   `quantize_qkv` (e4m3 steps, share of differing elements, scale deviation); then V alone under the default
+   option, as the blocks quantise it when q and k come in e4m3 (`quantize_v_triton` against `quantize_v`, the
+   tuned launch in minimax_h3/kernels/tuning.json first). No cuDNN needed.
 
 Writes <out>/attention.json (or check.json, quant.json) after every stage and prints tables. A step that raises is
 recorded under "failures" (with its error) and the rest still runs. Exit 1 if anything failed.
@@ -68,6 +70,8 @@ from minimax_h3.kernels.fp8_attention import (  # noqa: E402
                                               e4m3_steps,
                                               quantize_qkv,
                                               quantize_qkv_triton,
+                                              quantize_v,
+                                              quantize_v_triton,
                                               sdpa_fp8,
                                               sdpa_fp8_emulated,
                                               triton_unsupported,
@@ -369,7 +373,8 @@ def op_level(args, data_sets: dict, row: dict, failures: list[str]) -> None:
 # the device's tuned one (minimax_h3/kernels/tuning.json).
 QUANT_LAUNCHES = (TritonQuantLaunch(512, 32, 4, 64, 4), TritonQuantLaunch(1024, 64, 8, 128, 8),
                   TritonQuantLaunch(256, 16, 4, 32, 4), TritonQuantLaunch(128, 128, 8, 32, 2),
-                  TritonQuantLaunch(1024, 16, 2, 16, 2), TritonQuantLaunch(512, 16, 1, 8, 1))
+                  TritonQuantLaunch(1024, 16, 2, 16, 2), TritonQuantLaunch(512, 16, 1, 8, 1),
+                  TritonQuantLaunch(512, 16, 2, 16, 2), TritonQuantLaunch(256, 16, 2, 16, 2))
 
 
 def triton_interpreted() -> bool:
@@ -428,8 +433,34 @@ def quantizers(args, cfg: DiTConfig, shapes, result: dict, failures: list[str]) 
             for lp in (TritonQuantLaunch.tuned(q.device), *QUANT_LAUNCHES) if not why else ():
                 guarded(failures, f"{what} {quant_label(lp)}", triton_op, lp)
             log(f"{what}: {json.dumps(res, default=str)}")
+        v_alone(args, q, k, v, row.setdefault("v alone " + DEFAULT_OPTIONS.label, {}))
         del buf, q, k, v
         empty_cache()
+
+
+def v_alone(args, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, res: dict) -> None:
+    """V alone under the default options, as the blocks quantise it where q and k come in e4m3 (FA3 fp8, cuDNN fp8
+    with static q/k scales): `quantize_v_triton` per launch against `quantize_v`; bytes: V read twice, e4m3 written."""
+    ideal_bytes = v.numel() * (2 * v.element_size() + 1)
+    ref = quantize_v(v, DEFAULT_OPTIONS)
+
+    def timed(fn) -> dict:
+        ms = time_ms(fn, DEV, args.iters)
+        return {"ms": ms, "effective_tbps": ideal_bytes / ms / 1e9}
+
+    res["torch_eager"] = timed(lambda: quantize_v(v, DEFAULT_OPTIONS))
+    why = triton_unsupported(q, k, v)
+    if why and not (not on_gpu() and triton_interpreted()):
+        res["triton"] = {"skipped": why}
+        return
+    for lp in (TritonQuantLaunch.tuned(v.device), *QUANT_LAUNCHES):
+        got = quantize_v_triton(v, DEFAULT_OPTIONS, lp)
+        steps = e4m3_steps(ref[0], got[0])
+        res[quant_label(lp)] = {**timed(lambda: quantize_v_triton(v, DEFAULT_OPTIONS, lp)),
+                                "max_e4m3_steps": int(steps.max()),
+                                "share_differing": int((steps > 0).sum()) / v.numel(),
+                                "max_scale_rel_diff": ((ref[1] - got[1]).abs().max() / ref[1].abs().max()).item()}
+    log(f"V alone, {DEFAULT_OPTIONS.label}: {json.dumps(res)}")
 
 
 def print_tables(result: dict) -> None:

@@ -16,8 +16,9 @@ needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CU
 
 
 def exact_reference(x_int8, x_scale, weight, weight_scale, bias, out_dtype) -> torch.Tensor:
-    """comfy-kitchen's Triton kernel's math in plain torch: the exact integer sum, then its epilogue op for op."""
-    acc = (x_int8.long() @ weight.long().T).float()
+    """comfy-kitchen's Triton kernel's math in plain torch: the exact integer sum (on the CPU: CUDA has no int64
+    matmul), then its epilogue op for op on the inputs' device."""
+    acc = (x_int8.cpu().long() @ weight.cpu().long().T).float().to(x_int8.device)
     y = acc * (x_scale.reshape(-1, 1) * weight_scale.reshape(1, -1))
     if bias is not None:
         y = y + bias.float()
