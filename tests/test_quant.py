@@ -39,6 +39,17 @@ def test_hadamard_matches_comfy_kitchen():
         assert torch.allclose(hadamard(g), _build_hadamard(g), atol=1e-7)
 
 
+def test_the_activation_steps_hadamard_is_made_once_per_device():
+    """The per-call activation rotation reads one device copy: no host-to-device copy per call (on a GPU one from
+    pageable memory makes the host wait for the GPU, which then idles while the host launches what follows)."""
+    from minimax_h3.kernels.int8 import device_hadamard
+
+    cpu = torch.device("cpu")
+    h = device_hadamard(64, torch.bfloat16, cpu)
+    assert device_hadamard(64, torch.bfloat16, cpu) is h
+    assert torch.equal(h, hadamard(64, torch.bfloat16, cpu))
+
+
 @pytest.mark.parametrize("g", [2, 8, 32, 128, 0])
 def test_hadamard_rejects_non_power_of_4(g):
     with pytest.raises(QuantFormatError, match="power of 4"):

@@ -14,6 +14,7 @@ This module is shared by the DiT and the text encoder: it has no model knowledge
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 from collections.abc import Mapping
@@ -69,6 +70,14 @@ def hadamard(
     while h.shape[0] < groupsize:
         h = torch.kron(h, h4)
     return (h / groupsize**0.5).to(dtype=dtype, device=device)
+
+
+@functools.lru_cache(maxsize=None)
+def device_hadamard(groupsize: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """`hadamard` made once per group size, dtype and device, for the activation step that runs on every call:
+    built there, it would be copied from pageable host memory each time, a copy the host waits on until the GPU
+    has caught up, which leaves the GPU idle while the host launches what follows. Callers only read it."""
+    return hadamard(groupsize, dtype, device)
 
 
 def rotate_groups(w: torch.Tensor, groupsize: int) -> torch.Tensor:
@@ -279,7 +288,7 @@ def quantize_activation(x: torch.Tensor, groupsize: int | None) -> tuple[torch.T
     from comfy_kitchen.backends.triton import quantization as ck
 
     if groupsize:
-        return ck.triton_quantize_and_rotate_rowwise(x, hadamard(groupsize, x.dtype, x.device), groupsize)
+        return ck.triton_quantize_and_rotate_rowwise(x, device_hadamard(groupsize, x.dtype, x.device), groupsize)
     return ck.triton_quantize_rowwise(x.contiguous())  # its kernel walks rows as contiguous
 
 
