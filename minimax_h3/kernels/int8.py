@@ -59,10 +59,14 @@ def is_power_of_4(n: int) -> bool:
     return n >= 4 and (n & (n - 1)) == 0 and (n.bit_length() - 1) % 2 == 0
 
 
+@functools.lru_cache(maxsize=None)
 def hadamard(
     groupsize: int, dtype: torch.dtype = torch.float32, device: torch.device | str | None = None
 ) -> torch.Tensor:
-    """H_g = H4^{(x) log4 g} / sqrt(g): symmetric, orthonormal, hence an involution."""
+    """H_g = H4^{(x) log4 g} / sqrt(g): symmetric, orthonormal, hence an involution. Made once per group size,
+    dtype and device, and shared, so callers only read it: the activation step asks for it on every call, and
+    built there it would be copied from pageable host memory each time, a copy the host waits on until the GPU has
+    caught up, which leaves the GPU idle while the host launches what follows."""
     if not is_power_of_4(groupsize):
         raise QuantFormatError(f"ConvRot group size must be a power of 4 (4, 16, 64, 256, 1024), got {groupsize}")
     h4 = torch.tensor(_H4, dtype=torch.float64)
@@ -70,14 +74,6 @@ def hadamard(
     while h.shape[0] < groupsize:
         h = torch.kron(h, h4)
     return (h / groupsize**0.5).to(dtype=dtype, device=device)
-
-
-@functools.lru_cache(maxsize=None)
-def device_hadamard(groupsize: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """`hadamard` made once per group size, dtype and device, for the activation step that runs on every call:
-    built there, it would be copied from pageable host memory each time, a copy the host waits on until the GPU
-    has caught up, which leaves the GPU idle while the host launches what follows. Callers only read it."""
-    return hadamard(groupsize, dtype, device)
 
 
 def rotate_groups(w: torch.Tensor, groupsize: int) -> torch.Tensor:
@@ -288,7 +284,7 @@ def quantize_activation(x: torch.Tensor, groupsize: int | None) -> tuple[torch.T
     from comfy_kitchen.backends.triton import quantization as ck
 
     if groupsize:
-        return ck.triton_quantize_and_rotate_rowwise(x, device_hadamard(groupsize, x.dtype, x.device), groupsize)
+        return ck.triton_quantize_and_rotate_rowwise(x, hadamard(groupsize, x.dtype, x.device), groupsize)
     return ck.triton_quantize_rowwise(x.contiguous())  # its kernel walks rows as contiguous
 
 
