@@ -123,13 +123,13 @@ def swiglu_inputs(rows: int, f: int, device: torch.device) -> tuple[tuple, int]:
 OPS = {
     "modulate": Op("fp8_rows.json", 5376, 96, "1x4,1x8,1x4p2,1x8p2,1x8p4,2x8", modulate_inputs,
                    "modulate_fp8_reference", "modulate_fp8_rows_op"),
-    "addmod": Op("add_modulate_fp8.json", 5376, 96, "1x8,1x4,1x8p2,1x4p2,1x8p1,2x8", add_modulate_inputs,
+    "addmod": Op("add_modulate_fp8.json", 5376, 96, "1x4,1x8,1x4p2,1x8p2,1x8p1,2x8", add_modulate_inputs,
                  "add_modulate_fp8_reference", "add_modulate_fp8_rows_op", mutates_first=True),
     "swiglu": Op("swiglu_fp8.json", 14336, 96, "1x32,1x16,2x16,4x16,2x32", swiglu_inputs, "swiglu_fp8_reference",
                  "swiglu_fp8_rows_op"),
-    "orows": Op("o_rows_fp8.json", 56 * O_HEAD_DIM, 3 * O_HEAD_DIM, "1x4,1x8,1x16,1x32,2x16,1x4p2,1x8p2,2x8p2",
+    "orows": Op("o_rows_fp8.json", 56 * O_HEAD_DIM, 3 * O_HEAD_DIM, "2x8p1,1x4,1x8,1x16,1x32,2x16,1x4p2,1x8p2",
                 o_rows_inputs, "o_rows_fp8_reference", "o_rows_fp8_op"),
-    "orows-fa3": Op("o_rows_fa3.json", 56 * O_HEAD_DIM, 3 * O_HEAD_DIM, "1x4,1x8,1x16,2x16,1x4p2,1x8p2,2x8p2",
+    "orows-fa3": Op("o_rows_fa3.json", 56 * O_HEAD_DIM, 3 * O_HEAD_DIM, "2x8p1,1x4,1x8,1x16,2x16,1x4p2,1x8p2",
                     o_rows_fa3_inputs, "o_rows_fp8_reference", "o_rows_fp8_op"),
 }
 
