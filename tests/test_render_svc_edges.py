@@ -434,7 +434,7 @@ def test_https_page_handshakes_off_the_accept_loop_with_a_cap_and_a_host_check(s
     cap is closed at once while the ones in the cap wait for their hello, and the cap frees itself as their
     handshakes time out. Each step waits on what the server did to a connection (closed it, or not yet), never
     on how long something takes."""
-    cap_n, header_s = 8, 10.0
+    cap_n, header_s = 8, 5.0
     _, endpoints = stack
     cert, key = self_signed_cert(tmp_path)
     svc = RenderService(tmp_path / "run", endpoints,
