@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -28,16 +29,17 @@ def pytest_configure(config):
         torch.set_num_threads(1)
 
 
-# The files that take longest (each runs several real stacks or whole commands): run first, so the two workers finish
-# together instead of one running the last long file alone (docs/testing.md, "Suite time").
-LONG_FILES = ("test_readme.py", "test_render_svc_replicas.py", "test_first_hour.py", "test_workflows.py",
-              "test_scripts.py", "test_long_video.py", "test_render_svc_http.py", "test_reliability.py",
-              "test_hosts.py", "test_multirank_services.py", "test_e2e.py")
+# Long files of one or two tests (each runs real stacks or whole commands): handed out first. The other files follow
+# by their number of tests, most first, as xdist orders them by default: ordered that way, these few would come last,
+# one of them running alone at the end while the other worker idles (docs/testing.md, "Suite time").
+LONG_FILES = ("test_readme.py", "test_bench_templates.py", "test_hosts_shared.py")
 
 
 def pytest_collection_modifyitems(session, config, items):
     rank = {name: i for i, name in enumerate(LONG_FILES)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(LONG_FILES)))  # stable: each file keeps its order
+    tests = Counter(item.path for item in items)
+    # stable: each file keeps its tests' order
+    items.sort(key=lambda item: (rank.get(item.path.name, len(LONG_FILES)), -tests[item.path]))
 
 
 @pytest.fixture(scope="session")

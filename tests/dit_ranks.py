@@ -99,7 +99,7 @@ def _gpu_rank(rank: int, world: int, build: Callable, frames: int) -> dict:
 
 def check_two_gpus(build: Callable, frames: int, label: str) -> None:
     """Two NCCL ranks on cuda:0/1 against one GPU, in fp32 and bf16. `build(cfg, sd, compute_dtype, rank, world)`
-    returns a rank's model (module-level: spawn pickles it by name), with its weights loaded."""
+    returns a rank's model (module-level: it is pickled by name), with its weights loaded."""
     torch.backends.cuda.matmul.allow_tf32 = False
     outs = run_ranks(_gpu_rank, 2, build, frames, backend="nccl")
     cfg, sd, lay, x = gpu_case(frames)

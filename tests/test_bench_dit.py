@@ -100,10 +100,17 @@ def test_tiny_table_run(tmp_path):
         assert row["finite"] and row["rel_err_vs_diffusers"] < 0.05
 
 
-def test_unknown_variant_is_refused_at_parse():
-    run = subprocess.run([sys.executable, "benchmarks/bench_dit.py", "--tiny", "--variants", "fp8caf,fp8x"], cwd=ROOT,
-                         capture_output=True, text=True, timeout=300)
-    assert run.returncode == 2 and "unknown variants ['fp8x']; choose from diffusers, int8" in run.stderr
+def _main(bench, monkeypatch, *argv: str) -> int:
+    """The script's main() on `argv` in this process (the tiny runs above and below run it as a script)."""
+    monkeypatch.setattr(sys, "argv", ["bench_dit.py", *argv])
+    with pytest.raises(SystemExit) as e:
+        bench.main()
+    return e.value.code
+
+
+def test_unknown_variant_is_refused_at_parse(bench, monkeypatch, capsys):
+    assert _main(bench, monkeypatch, "--tiny", "--variants", "fp8caf,fp8x") == 2
+    assert "unknown variants ['fp8x']; choose from diffusers, int8" in capsys.readouterr().err
 
 
 def test_tiny_fast_quality_and_fa3_rows(tmp_path):
@@ -130,7 +137,7 @@ def test_tiny_fast_quality_and_fa3_rows(tmp_path):
     assert "| quality fast |" in run.stdout
 
 
-def test_help_names_the_quality_and_fa3_rows():
-    run = subprocess.run([sys.executable, "benchmarks/bench_dit.py", "--help"], cwd=ROOT, capture_output=True,
-                         text=True, timeout=300)
-    assert run.returncode == 0 and "--quality" in run.stdout and "fp8caf3" in run.stdout
+def test_help_names_the_quality_and_fa3_rows(bench, monkeypatch, capsys):
+    assert _main(bench, monkeypatch, "--help") == 0
+    out = capsys.readouterr().out
+    assert "--quality" in out and "fp8caf3" in out

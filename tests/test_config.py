@@ -156,11 +156,12 @@ def test_the_render_service_loads_no_stage_machinery():
     assert run.returncode == 0 and run.stdout.strip() == "[]", run.stdout + run.stderr[-2000:]
 
 
-def test_list_flags_of_the_benchmarks_are_refused_at_parse_time():
+def test_list_flags_of_the_benchmarks_are_refused_at_parse_time(monkeypatch, capsys):
     """A comma-separated flag of a fixed set (bench_dit.py --variants, bench_finite.py --dtypes, ...) exits 2 at
-    parse time naming the unknown item and the set, before any model is built."""
+    parse time naming the unknown item and the set, before any model is built. Each script's main() runs in this
+    process, as its command line would run it."""
     import argparse
-    import subprocess
+    import importlib.util
     import sys
     from pathlib import Path
 
@@ -172,8 +173,15 @@ def test_list_flags_of_the_benchmarks_are_refused_at_parse_time():
     root = Path(__file__).resolve().parents[1]
     for script, flag, bad in (("bench_dit.py", "--variants", "fp8,fp9"), ("bench_finite.py", "--dtypes", "bf16,int4"),
                               ("one_card.py", "--skip", "parity,render:z")):
-        run = subprocess.run([sys.executable, str(root / "benchmarks" / script), flag, bad],
-                             capture_output=True, text=True, timeout=180, cwd=root)
+        name = f"cli_{script[:-3]}"
+        spec = importlib.util.spec_from_file_location(name, root / "benchmarks" / script)
+        mod = importlib.util.module_from_spec(spec)
+        monkeypatch.setitem(sys.modules, name, mod)  # (its dataclasses look their module up)
+        spec.loader.exec_module(mod)
+        monkeypatch.setattr(sys, "argv", [script, flag, bad])
+        with pytest.raises(SystemExit) as e:
+            mod.main()
+        err = capsys.readouterr().err
         unknown = bad.split(",")[1]
-        assert run.returncode == 2 and f"argument {flag}: unknown" in run.stderr and repr(unknown) in run.stderr \
-            and "choose from" in run.stderr, run.stderr[-2000:]
+        assert e.value.code == 2 and f"argument {flag}: unknown" in err and repr(unknown) in err \
+            and "choose from" in err, err[-2000:]

@@ -66,7 +66,7 @@ def dit1(tmp_path_factory, model_cache):
     s.stop()
 
 
-def test_worker_serves_jobs_and_nothing_remains_after_unload(dit1, tmp_path, model_cache):
+def test_worker_serves_jobs_and_nothing_remains_after_unload(dit1, stack):
     standby = workers(dit1, "dit")
     assert len(standby) == 1, "an idle stage keeps only the next turn's worker on standby (imports done, no device)"
     with clients(dit1, "dit") as c:
@@ -88,14 +88,11 @@ def test_worker_serves_jobs_and_nothing_remains_after_unload(dit1, tmp_path, mod
     unloaded = [e for e in events(dit1) if e["event"] == "unloaded"]
     assert unloaded[-1]["reason"] == "request"
     print(f"\ndevice worker start on CPU: {loaded[-1]['worker_start_s']:.2f} s of a {loaded[-1]['load_s']:.2f} s load")
-    # The same bits as a stage computing in its own process.
-    plain = start("dit", 1, tmp_path / "plain", model_cache, SERVER_ENV)
-    try:
-        with clients(plain, "dit") as c:
-            pv, pa, _ = sample(c, SPEC, TEXT, timeout_s=120)
-        assert workers(plain, "dit") == []
-    finally:
-        plain.stop()
+    # The same bits as a stage computing in its own process (the session stack's DiT).
+    plain = stack[0]
+    with clients(plain, "dit") as c:
+        pv, pa, _ = sample(c, SPEC, TEXT, timeout_s=120)
+    assert workers(plain, "dit") == []
     assert torch.equal(v, pv) and torch.equal(a, pa)
 
 
@@ -147,19 +144,19 @@ def test_two_rank_dit_with_workers_same_bits_and_agreed_cancel(tmp_path, model_c
     assert torch.equal(wv, pv) and torch.equal(wa, pa)
 
 
-def test_two_rank_decoder_with_workers_same_bits(tmp_path, model_cache):
+def test_two_rank_decoder_with_workers_same_bits(tmp_path, model_cache, stack):
     lat_v = torch.randn(24, SPEC.latent_frames, 16, 20, generator=torch.Generator().manual_seed(1))
     lat_a = torch.randn(2, 32, SPEC.audio_latents, generator=torch.Generator().manual_seed(2))
     spec = RenderSpec(prompt="x", width=320, height=256, frames=22)
-    outs = []
-    for ranks, env in ((2, WORKER), (1, SERVER_ENV)):  # one rank decodes the same bits as two (test_multirank_services)
-        s = start("decoder", ranks, tmp_path / f"dec{ranks}", model_cache, env)
-        try:
-            with clients(s, "decoder") as c:
-                outs.append(decode_raw(c, spec, lat_v, lat_a, timeout_s=120)[:2])
-        finally:
-            s.stop()
-    (f2, a2), (f1, a1) = outs
+    s = start("decoder", 2, tmp_path / "dec2", model_cache, WORKER)
+    try:
+        with clients(s, "decoder") as c:
+            f2, a2 = decode_raw(c, spec, lat_v, lat_a, timeout_s=120)[:2]
+    finally:
+        s.stop()
+    # One rank decodes the same bits as two (test_multirank_services): the session stack's decoder, no worker.
+    with clients(stack[0], "decoder") as c:
+        f1, a1 = decode_raw(c, spec, lat_v, lat_a, timeout_s=120)[:2]
     assert torch.equal(f1, f2) and torch.equal(a1, a2)
 
 

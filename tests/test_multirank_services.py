@@ -34,12 +34,10 @@ def client_for(stack, stage):
 
 
 @pytest.fixture(scope="module")
-def dit_pair(tmp_path_factory, model_cache):
-    tmp = tmp_path_factory.mktemp("dit")
-    one = start("dit", 1, tmp, model_cache)
-    two = start("dit", 2, tmp, model_cache, ["--collective-timeout-s", "20"])
-    yield one, two
-    one.stop()
+def dit_pair(tmp_path_factory, model_cache, stack):
+    """The session stack's 1-rank DiT and a 2-rank one."""
+    two = start("dit", 2, tmp_path_factory.mktemp("dit"), model_cache, ["--collective-timeout-s", "20"])
+    yield stack[0], two
     two.stop()
 
 
@@ -70,24 +68,26 @@ def test_dit_deadline_cancels_on_all_ranks_then_next_job_runs(dit_pair):
         assert torch.isfinite(v).all() and time.monotonic() - t0 < 120
 
 
-def test_decoder_two_ranks_bitwise_equal_one(tmp_path, model_cache):
+def test_decoder_two_ranks_bitwise_equal_one(tmp_path, model_cache, stack):
     lat_v = torch.randn(24, SPEC.latent_frames, 16, 20, generator=torch.Generator().manual_seed(1))
     lat_a = torch.randn(2, 32, SPEC.audio_latents, generator=torch.Generator().manual_seed(2))
     spec = RenderSpec(prompt="x", width=320, height=256, frames=22)
     from h3.v1 import decoder_pb2
 
-    outs = []
-    for ranks in (1, 2):
-        s = start("decoder", ranks, tmp_path, model_cache)
-        try:
-            with client_for(s, "decoder") as c:
-                frames, audio, r = decode_raw(c, spec, lat_v, lat_a)  # the decode itself, before the mux
-                assert r.extra["ranks"] == ranks
-                path = tmp_path / f"out{ranks}.mp4"
-                decode(c, spec, lat_v, lat_a, path, fmt=decoder_pb2.MP4)
-                outs.append((frames, audio, path.read_bytes()))
-        finally:
-            s.stop()
+    def decoded(s: EmbeddedStack, ranks: int) -> tuple:
+        with client_for(s, "decoder") as c:
+            frames, audio, r = decode_raw(c, spec, lat_v, lat_a)  # the decode itself, before the mux
+            assert r.extra["ranks"] == ranks
+            path = tmp_path / f"out{ranks}.mp4"
+            decode(c, spec, lat_v, lat_a, path, fmt=decoder_pb2.MP4)
+            return frames, audio, path.read_bytes()
+
+    outs = [decoded(stack[0], 1)]  # the session stack's 1-rank decoder
+    s = start("decoder", 2, tmp_path, model_cache)
+    try:
+        outs.append(decoded(s, 2))
+    finally:
+        s.stop()
     (f1, a1, mp4_1), (f2, a2, mp4_2) = outs
     assert torch.equal(f1, f2), f"frames differ: {(f1.int() - f2.int()).abs().max()} max, {(f1 != f2).sum()} values"
     assert torch.equal(a1, a2), f"audio differs: {(a1 - a2).abs().max():.3g} max"

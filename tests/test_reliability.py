@@ -380,11 +380,10 @@ def test_sigterm_drains_multirank_group(tmp_path, model_cache):
         s.stop()
 
 
-# ---- 2. bad input at the RPC level (a shared 1-rank DiT) ---------------------------------------------------------
+# ---- 2. bad input at the RPC level (the session stack's 1-rank DiT) ----------------------------------------------
 @pytest.fixture(scope="module")
-def dit1(dit1_factory):
-    s = dit1_factory()
-    with clients_for(s.ports["dit"]) as c:
+def dit1(stack):
+    with clients_for(stack[0].ports["dit"]) as c:
         yield c
 
 

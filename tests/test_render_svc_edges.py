@@ -10,7 +10,7 @@
 - a finished job is in the database file itself (WAL checkpointed); a missing or damaged job store beside outputs
   refuses the start with one line naming both;
 - keyframes are stored once, by content, and removed with the last job that needs them;
-- retention deletes finished jobs (rows and events) on a timer, and 6,000 jobs under --keep-jobs 100 leave the
+- retention deletes finished jobs (rows and events) on a timer, and 1,920 jobs under --keep-jobs 100 leave the
   database bounded;
 - a tokens file names principals: each sees, watches, fetches and cancels only its own jobs (an admin all), and
   idempotency keys are per principal;
@@ -273,9 +273,10 @@ def test_keyframes_are_stored_once(stack, svc):
     assert list(kdir.iterdir()) == []
 
 
-def test_six_thousand_jobs_leave_the_database_bounded(tmp_path):
-    """Stages unreachable (each job fails at once): 6,000 jobs through --keep-jobs 100. The run dir is on tmpfs
-    where there is one: the test is about what the database holds, not about the disk's fsync (8 ms here)."""
+def test_thousands_of_jobs_leave_the_database_bounded(tmp_path):
+    """Stages unreachable (each job fails at once): 1,920 jobs in six rounds through --keep-jobs 100, each round three
+    times the jobs kept. The run dir is on tmpfs where there is one: the test is about what the database holds, not
+    about the disk's fsync (8 ms here)."""
     dead = f"127.0.0.1:{_free_port()}"
     from minimax_h3.services import Endpoints
 
@@ -290,7 +291,7 @@ def test_six_thousand_jobs_leave_the_database_bounded(tmp_path):
         sizes = []
         for rnd in range(6):
             ids = []
-            for k in range(0, 1000, 32):  # 32 at a time: the service's 64 work slots are the bound here
+            for k in range(0, 320, 32):  # 32 at a time: the service's 64 work slots are the bound here
                 calls = [svc.stub.Submit.future(tiny_request(f"job {rnd}.{i}"), timeout=120) for i in range(k, k + 32)]
                 ids += [c.result().job_id for c in calls]
             wait_for(lambda: svc.stub.Status(common_pb2.StatusRequest(), timeout=10).queued == 0 and
@@ -433,7 +434,7 @@ def test_https_page_handshakes_off_the_accept_loop_with_a_cap_and_a_host_check(s
     cap is closed at once while the ones in the cap wait for their hello, and the cap frees itself as their
     handshakes time out. Each step waits on what the server did to a connection (closed it, or not yet), never
     on how long something takes."""
-    cap_n, header_s = 8, 10.0
+    cap_n, header_s = 8, 5.0
     _, endpoints = stack
     cert, key = self_signed_cert(tmp_path)
     svc = RenderService(tmp_path / "run", endpoints,
